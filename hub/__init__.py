@@ -1,0 +1,1 @@
+"""echo2 hub package."""

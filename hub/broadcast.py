@@ -1,0 +1,224 @@
+"""The hub's broadcaster: keeps the forwarding chains, starts each snapshot down them, measures T_bcast,
+and confirms reports of bad relays before banning them (DESIGN section 5).
+
+Nodes pull from their chain predecessor (the hub for a chain head) over the snapshot
+protocol; the broadcaster only tells each node whom to pull from (in heartbeat replies) and
+nudges chain heads with a RelayOffer when a snapshot is published, so no heartbeat period
+is lost. In star mode every node pulls from the hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost, INetStream
+
+from hub.chains import join_chains, num_chains, relink_after_leave
+from hub.fleet import Fleet, NodeRecord
+from hub.snapshots import SnapshotShelf
+from shared.messages import (
+    RELAY_PROTOCOL,
+    SNAPSHOT_PROTOCOL,
+    BadChunkReport,
+    Reject,
+    RelayOffer,
+    SnapshotRequest,
+    TransferAck,
+)
+from shared.net import open_stream, remote_peer_id
+from shared.snapshot import BadChunk, ChunkAssembler
+from shared.transfer import receive_snapshot
+from shared.wire import read_message, write_message
+
+log = logging.getLogger("echo2.hub.broadcast")
+
+CONFIRM_TIMEOUT_S = 30.0
+FALSE_REPORTS_BEFORE_BAN = 3
+
+
+@dataclass(frozen=True)
+class ChainLinks:
+    """Where one node pulls snapshots from and who pulls from it."""
+
+    upstream: str | None
+    upstream_addrs: tuple[str, ...]
+    downstream: str | None
+    chain: int | None
+    chain_position: int | None
+
+
+@dataclass
+class Broadcast:
+    version: int
+    published_at: float
+    receivers: frozenset[str]
+    done_at: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.done_at is None else self.done_at - self.published_at
+
+
+def dialable(addrs: tuple[str, ...], observed_ip: str | None) -> tuple[str, ...]:
+    """A node listening on 0.0.0.0 reports that address; peers must dial the IP the hub saw instead."""
+    if observed_ip is None:
+        return addrs
+    return tuple(a.replace("/ip4/0.0.0.0/", f"/ip4/{observed_ip}/") for a in addrs)
+
+
+class Broadcaster:
+    def __init__(
+        self,
+        host: IHost,
+        fleet: Fleet,
+        shelf: SnapshotShelf,
+        mode: str,
+        hub_uplink_bps: float | None,
+        ban: Callable[[NodeRecord, str], Awaitable[None]],
+        event: Callable[[str, str | None, str], Awaitable[None]],
+        record_t_bcast: Callable[[int, float], Awaitable[None]],
+    ) -> None:
+        self.host = host
+        self.hub_peer_id = host.get_id().to_base58()
+        self.fleet = fleet
+        self.shelf = shelf
+        self.mode = mode
+        self.hub_uplink_bps = hub_uplink_bps
+        self.ban = ban
+        self.event = event
+        self.record_t_bcast = record_t_bcast
+        self.chains: list[list[str]] = []
+        self.current: Broadcast | None = None
+        self.history: list[Broadcast] = []
+        self.false_reports: dict[str, int] = {}
+        self._nursery: trio.Nursery | None = None
+
+    # -- chain membership ---------------------------------------------------------------
+
+    def receivers(self) -> list[NodeRecord]:
+        return [n for n in self.fleet.live() if n.state in ("probing", "active", "standby")]
+
+    def _max_chains(self, members: list[NodeRecord]) -> int:
+        if self.mode == "star":
+            return max(1, len(members))
+        if not members or self.hub_uplink_bps is None:
+            return 1  # B0 unknown: assume the hub uplink is no faster than a node's link
+        return num_chains(self.hub_uplink_bps, min(n.link_bps for n in members))
+
+    def replan(self) -> None:
+        """Bring the chains in line with the fleet: cut out who left, append who joined."""
+        members = {n.peer_id: n for n in self.receivers()}
+        chains = self.chains
+        for gone in [p for chain in chains for p in chain if p not in members]:
+            chains = relink_after_leave(chains, gone)
+        in_chains = {p for chain in chains for p in chain}
+        limit = self._max_chains(list(members.values()))
+        for peer in sorted(members, key=lambda p: (-members[p].link_bps, p)):
+            if peer not in in_chains:
+                chains = join_chains(chains, peer, limit)
+        if chains != self.chains:
+            self.chains = chains
+            log.info("chains: %s", [[p[-6:] for p in c] for c in chains])
+
+    def links(self, peer: str) -> ChainLinks:
+        for index, chain in enumerate(self.chains):
+            if peer in chain:
+                position = chain.index(peer)
+                upstream = chain[position - 1] if position > 0 else None
+                record = self.fleet.get(upstream) if upstream else None
+                addrs = dialable(record.listen_addrs, record.remote_ip) if record else ()
+                downstream = chain[position + 1] if position + 1 < len(chain) else None
+                return ChainLinks(upstream, addrs, downstream, index, position)
+        return ChainLinks(None, (), None, None, None)
+
+    # -- broadcasts -----------------------------------------------------------------------
+
+    async def publish(self, version: int) -> None:
+        """A snapshot is on the shelf: start the clock and nudge every chain head."""
+        self.replan()
+        receivers = frozenset(n.peer_id for n in self.receivers())
+        self.current = Broadcast(version, time.monotonic(), receivers)
+        self.history.append(self.current)
+        await self.event("snapshot", None, f"v{version} published to {len(receivers)} nodes in {len(self.chains)} chains")
+        if not receivers:
+            return
+        for chain in self.chains:
+            self._nursery.start_soon(self._nudge, chain[0], version)
+        self.check_done()
+
+    async def _nudge(self, peer: str, version: int) -> None:
+        try:
+            with trio.fail_after(5):
+                stream = await open_stream(self.host, peer, RELAY_PROTOCOL)
+                await write_message(stream, RelayOffer(version=version))
+                await stream.close()
+        except Exception as exc:  # noqa: BLE001 - the heartbeat reply tells it anyway
+            log.debug("nudge of %s failed: %r", peer[-8:], exc)
+
+    def check_done(self) -> None:
+        """Called on every heartbeat: the broadcast ends when every receiver still around holds it."""
+        b = self.current
+        if b is None or b.done_at is not None:
+            return
+        waiting = [
+            p for p in b.receivers
+            if (n := self.fleet.get(p)) is not None and n.state not in ("banned", "gone") and n.version_held < b.version
+        ]
+        if not waiting:
+            b.done_at = time.monotonic()
+            log.info("v%d reached every node in %.2fs", b.version, b.seconds)
+            self._nursery.start_soon(self.record_t_bcast, b.version, b.seconds)
+
+    def last_t_bcast_s(self) -> float | None:
+        done = [b.seconds for b in self.history if b.seconds is not None]
+        return done[-1] if done else None
+
+    # -- smart ban ------------------------------------------------------------------------
+
+    async def on_report(self, stream: INetStream) -> None:
+        """REPORT_PROTOCOL: a node says its upstream sent a bad chunk; confirm from the manifest, then ban."""
+        reporter = remote_peer_id(stream)
+        report = await read_message(stream, BadChunkReport)
+        accused = self.fleet.get(report.upstream)
+        if self.links(reporter).upstream != report.upstream or accused is None:
+            await write_message(stream, Reject(reason="that peer is not your upstream"))
+            await stream.close()
+            return
+        confirmed = await self._confirm_bad(accused, report.version, report.index)
+        if confirmed:
+            await self.ban(accused, f"relayed a corrupt chunk {report.index} of v{report.version}")
+        else:
+            self.false_reports[reporter] = self.false_reports.get(reporter, 0) + 1
+            await self.event("report_unconfirmed", reporter, f"claimed bad chunk from {report.upstream[-8:]}")
+            if self.false_reports[reporter] >= FALSE_REPORTS_BEFORE_BAN and (rec := self.fleet.get(reporter)):
+                await self.ban(rec, "repeated false bad-chunk reports")
+        await write_message(stream, TransferAck(version=report.version, chunks=0, ok=confirmed))
+        await stream.close()
+
+    async def _confirm_bad(self, accused: NodeRecord, version: int, index: int) -> bool:
+        """Fetch the chunk from the accused ourselves and check it against the manifest we signed."""
+        if self.shelf.held_manifest(version) is None:
+            return False
+        try:
+            with trio.fail_after(CONFIRM_TIMEOUT_S):
+                stream = await open_stream(self.host, accused.peer_id, SNAPSHOT_PROTOCOL)
+                await receive_snapshot(
+                    stream, SnapshotRequest(version=version, only_chunk=index), self.hub_peer_id,
+                    newer_than=None, assembler_for=lambda s, m: ChunkAssembler(m),
+                )
+        except BadChunk:
+            return True
+        except Exception as exc:  # noqa: BLE001 - unreachable accused: not proof of corruption
+            log.info("could not confirm report against %s: %r", accused.peer_id[-8:], exc)
+            return False
+        return False
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await trio.sleep_forever()
+

@@ -1,0 +1,226 @@
+"""Capacity model and cost-aware activation (DESIGN sections 3-4), as pure functions.
+
+How much rollout throughput keeps the learner busy (mu_min), the learner idle time and bubble
+a pool of given throughput leaves, which nodes to buy (cheapest throughput first), and the
+closed-loop decision the hub's scheduler takes every control period.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+SECONDS_PER_HOUR = 3600.0
+DEFAULT_RELEASE_MARGIN = 0.2
+
+
+class InfeasibleCapacity(ValueError):
+    """No fleet, however large, hides the broadcast inside one publish period."""
+
+
+def _check_period(kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float) -> None:
+    if kappa < 1:
+        raise ValueError(f"kappa must be >= 1, got {kappa}")
+    if rollouts_per_step <= 0:
+        raise ValueError(f"rollouts_per_step must be > 0, got {rollouts_per_step}")
+    if t_train_s <= 0:
+        raise ValueError(f"t_train_s must be > 0, got {t_train_s}")
+    if t_bcast_s < 0:
+        raise ValueError(f"t_bcast_s must be >= 0, got {t_bcast_s}")
+
+
+def mu_min(kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float) -> float:
+    """Pool throughput (rollouts/s) that just keeps the learner busy: kappa*R / (kappa*T_train - T_bcast)."""
+    _check_period(kappa, rollouts_per_step, t_train_s, t_bcast_s)
+    window_s = kappa * t_train_s - t_bcast_s
+    if window_s <= 0:
+        raise InfeasibleCapacity(
+            f"kappa * T_train = {kappa} * {t_train_s:g} s = {kappa * t_train_s:g} s does not exceed "
+            f"T_bcast = {t_bcast_s:g} s: no fleet can keep the learner busy; raise the staleness "
+            f"budget S and kappa (publish less often) or shrink the snapshot (faster broadcast)"
+        )
+    return kappa * rollouts_per_step / window_s
+
+
+def predicted_idle_s(
+    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float
+) -> float:
+    """Learner idle seconds per publish period: max(0, kappa*R/mu_pool + T_bcast - kappa*T_train).
+
+    An empty pool (mu_pool <= 0) never delivers, so the idle time is infinite.
+    """
+    _check_period(kappa, rollouts_per_step, t_train_s, t_bcast_s)
+    if mu_pool <= 0:
+        return math.inf
+    return max(0.0, kappa * rollouts_per_step / mu_pool + t_bcast_s - kappa * t_train_s)
+
+
+def predicted_bubble(
+    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float
+) -> float:
+    """Learner bubble ratio T_idle / (T_idle + kappa*T_train); 1.0 for an empty pool."""
+    idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool)
+    if math.isinf(idle_s):
+        return 1.0
+    return idle_s / (idle_s + kappa * t_train_s)
+
+
+def predicted_step_s(
+    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float
+) -> float:
+    """Wall seconds per learner step, idle included: (kappa*T_train + T_idle) / kappa."""
+    idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool)
+    return (kappa * t_train_s + idle_s) / kappa
+
+
+def cost_per_step(
+    kappa: int,
+    rollouts_per_step: float,
+    t_train_s: float,
+    t_bcast_s: float,
+    mu_pool: float,
+    learner_price_per_hour: float,
+    active_prices_per_hour: Iterable[float],
+) -> float:
+    """Dollars per learner step: (learner + active node prices) $/h * predicted step seconds / 3600."""
+    per_hour = learner_price_per_hour + math.fsum(active_prices_per_hour)
+    step_s = predicted_step_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool)
+    return per_hour * step_s / SECONDS_PER_HOUR
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    """A node as the scheduler sees it: declared price and measured throughput."""
+
+    name: str
+    price_per_hour: float
+    rollouts_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.price_per_hour >= 0:
+            raise ValueError(f"node {self.name!r}: price_per_hour must be >= 0, got {self.price_per_hour}")
+        if not self.rollouts_per_s >= 0:
+            raise ValueError(f"node {self.name!r}: rollouts_per_s must be >= 0, got {self.rollouts_per_s}")
+
+    @property
+    def rho(self) -> float:
+        """Dollars per hour per rollout/s; infinite for a node that delivers nothing.
+
+        A zero-throughput node (not yet measured, or measured at nothing) buys no capacity at
+        any price, free ones included, so it sorts after every node that does; it is activated
+        only when the whole fleet falls short, which is also how it gets measured at all.
+        """
+        if self.rollouts_per_s == 0:
+            return math.inf
+        return self.price_per_hour / self.rollouts_per_s
+
+
+def _cheapest_first_key(node: NodeOffer) -> tuple[float, str]:
+    return (node.rho, node.name)
+
+
+def _check_unique(nodes: Iterable[NodeOffer]) -> None:
+    seen: set[str] = set()
+    for node in nodes:
+        if node.name in seen:
+            raise ValueError(f"duplicate node name {node.name!r}")
+        seen.add(node.name)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Result of `activate`: the nodes to run (activation order), the rest, and the gap left."""
+
+    active: tuple[NodeOffer, ...]
+    standby: tuple[NodeOffer, ...]
+    mu_active: float
+    shortfall: float
+
+
+def activate(nodes: Sequence[NodeOffer], mu_target: float) -> Activation:
+    """Shortest cheapest-rho prefix (ties by name) whose throughput reaches mu_target.
+
+    If the whole fleet falls short, every node is active and shortfall = mu_target - sum.
+    """
+    _check_unique(nodes)
+    ordered = sorted(nodes, key=_cheapest_first_key)
+    total = 0.0
+    for count, node in enumerate(ordered):
+        if total >= mu_target:
+            return Activation(tuple(ordered[:count]), tuple(ordered[count:]), total, 0.0)
+        total += node.rollouts_per_s
+    return Activation(tuple(ordered), (), total, max(0.0, mu_target - total))
+
+
+def default_kappa(staleness: int) -> int:
+    """Publish period for a staleness budget S: max(1, S - 1)."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return max(1, staleness - 1)
+
+
+def validate_kappa(kappa: int, staleness: int) -> None:
+    """Raise unless 1 <= kappa <= S - 1 (S >= 2), or kappa == 1 (S in {0, 1})."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    upper = max(1, staleness - 1)
+    if not 1 <= kappa <= upper:
+        raise ValueError(f"kappa must satisfy 1 <= kappa <= {upper} for staleness S={staleness}, got {kappa}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One closed-loop control step: activate or release one node, or hold."""
+
+    action: Literal["activate", "release", "hold"]
+    node: str | None
+    reason: str
+
+
+def control_decision(
+    active: Sequence[NodeOffer],
+    standby: Sequence[NodeOffer],
+    mu_target: float,
+    release_margin: float = DEFAULT_RELEASE_MARGIN,
+) -> Decision:
+    """The scheduler's move this control period, from measured throughputs.
+
+    Below target: activate the cheapest standby node. Otherwise release the most expensive
+    active node (highest rho, ties by the last name, mirroring activation order) only if the
+    pool keeps >= mu_target * (1 + release_margin) without it. The margin is the hysteresis
+    band: measurement noise smaller than it cannot make the loop release a node and buy it
+    back the next period.
+    """
+    if release_margin < 0:
+        raise ValueError(f"release_margin must be >= 0, got {release_margin}")
+    _check_unique([*active, *standby])
+    mu_pool = math.fsum(node.rollouts_per_s for node in active)
+    if mu_pool < mu_target:
+        if standby:
+            pick = min(standby, key=_cheapest_first_key)
+            return Decision(
+                "activate", pick.name, f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s"
+            )
+        return Decision("hold", None, f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s, no standby node")
+    if active:
+        priciest = max(active, key=_cheapest_first_key)
+        without = mu_pool - priciest.rollouts_per_s
+        release_floor = mu_target * (1.0 + release_margin)
+        if without >= release_floor:
+            return Decision(
+                "release",
+                priciest.name,
+                f"pool without it {without:.4g}/s >= target with margin {release_floor:.4g}/s",
+            )
+    return Decision("hold", None, f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
+
+
+def ewma(previous: float | None, sample: float, alpha: float) -> float:
+    """Exponential moving average; alpha is the new sample's weight, previous None starts at sample."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    if previous is None:
+        return sample
+    return alpha * sample + (1.0 - alpha) * previous

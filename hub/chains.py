@@ -1,0 +1,120 @@
+"""Chain planner for the pipelined snapshot broadcast (DESIGN section 5), as pure functions.
+
+Arranges active nodes into N_ch = max(1, floor(B0 / Bw)) store-and-forward chains, re-links a
+chain when a node leaves, and gives the ideal chained and star broadcast times the
+benchmarks compare against.
+
+Order inside a chain: fastest link first, so slow nodes sit at the tails. A hop runs at the
+rate of the slowest link before it, so a slow node in the middle throttles everyone
+downstream, while at the tail it only delays itself. Nodes are dealt round-robin over the
+chains in that fastest-first order, so chain heads are the N_ch fastest nodes and lengths
+differ by at most one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def num_chains(hub_uplink_bps: float, node_link_bps: float) -> int:
+    """N_ch = max(1, floor(B0 / Bw)): how many chains the hub uplink feeds at full node rate."""
+    if hub_uplink_bps <= 0 or node_link_bps <= 0:
+        raise ValueError(f"bandwidths must be > 0, got B0={hub_uplink_bps}, Bw={node_link_bps}")
+    return max(1, math.floor(hub_uplink_bps / node_link_bps))
+
+
+def plan_chains(nodes: Sequence[tuple[str, float]], hub_uplink_bps: float) -> list[list[str]]:
+    """Chains of node names for (name, link bytes/s) pairs; Bw is the slowest link.
+
+    min(N_ch, len(nodes)) chains, fastest link first in each (ties by name), lengths differing
+    by at most one. No nodes, no chains.
+    """
+    if not nodes:
+        return []
+    names = [name for name, _ in nodes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate node names in {names}")
+    for name, link_bps in nodes:
+        if link_bps <= 0:
+            raise ValueError(f"node {name!r}: link bandwidth must be > 0, got {link_bps}")
+    slowest_bps = min(link_bps for _, link_bps in nodes)
+    count = min(num_chains(hub_uplink_bps, slowest_bps), len(nodes))
+    ordered = sorted(nodes, key=lambda node: (-node[1], node[0]))
+    chains: list[list[str]] = [[] for _ in range(count)]
+    for index, (name, _) in enumerate(ordered):
+        chains[index % count].append(name)
+    return chains
+
+
+def relink_after_leave(chains: Sequence[Sequence[str]], gone: str) -> list[list[str]]:
+    """Chains with `gone` cut out: its successor now reads from its predecessor (or the hub).
+
+    Re-linking rather than re-planning keeps every other hop as it was, so transfers in flight
+    on the rest of the fleet continue and only the successor resumes, from the first chunk it
+    lacks. A chain left empty is dropped.
+    """
+    if not any(gone in chain for chain in chains):
+        raise ValueError(f"node {gone!r} is in no chain")
+    relinked = [[name for name in chain if name != gone] for chain in chains]
+    return [chain for chain in relinked if chain]
+
+
+def chain_ideal_s(model_bytes: float, chunk_bytes: float, chain_len: int, link_bps: float) -> float:
+    """Ideal time for one chain to hold a snapshot: M / Bw + (L - 1) * c / Bw.
+
+    link_bps is the rate every hop of the chain runs at, the hub's own hop included. With
+    N_ch > 1 chains that assumes the hub uplink feeds each chain head at that rate, i.e.
+    N_ch * link_bps <= B0, which N_ch = floor(B0 / Bw) guarantees; chains then run side by side
+    and the broadcast takes as long as the longest one (see `chained_broadcast_ideal_s`).
+    """
+    if model_bytes < 0 or chunk_bytes <= 0 or chain_len < 1 or link_bps <= 0:
+        raise ValueError(
+            f"need model_bytes >= 0, chunk_bytes > 0, chain_len >= 1, link_bps > 0; got "
+            f"{model_bytes}, {chunk_bytes}, {chain_len}, {link_bps}"
+        )
+    return model_bytes / link_bps + (chain_len - 1) * chunk_bytes / link_bps
+
+
+def chained_broadcast_ideal_s(
+    model_bytes: float, chunk_bytes: float, n_nodes: int, hub_bps: float, link_bps: float
+) -> float:
+    """Ideal broadcast time to n_nodes over planned chains: the longest chain, ceil(N / N_ch) long.
+
+    Each chain runs at min(Bw, B0 / N_ch): Bw normally, B0 itself when the hub uplink is slower
+    than one node link (N_ch = 1).
+    """
+    if n_nodes < 1:
+        raise ValueError(f"n_nodes must be >= 1, got {n_nodes}")
+    count = min(num_chains(hub_bps, link_bps), n_nodes)
+    longest = math.ceil(n_nodes / count)
+    return chain_ideal_s(model_bytes, chunk_bytes, longest, min(link_bps, hub_bps / count))
+
+
+def star_ideal_s(model_bytes: float, nodes: int, hub_bps: float, link_bps: float) -> float:
+    """Ideal time for the hub to send the snapshot to every node itself: M / min(Bw, B0 / N).
+
+    That is N * M / B0 once B0 / N < Bw, and M / Bw while the hub uplink is not the bottleneck.
+    """
+    if model_bytes < 0 or nodes < 1 or hub_bps <= 0 or link_bps <= 0:
+        raise ValueError(
+            f"need model_bytes >= 0, nodes >= 1, hub_bps > 0, link_bps > 0; got "
+            f"{model_bytes}, {nodes}, {hub_bps}, {link_bps}"
+        )
+    return model_bytes / min(link_bps, hub_bps / nodes)
+
+
+def join_chains(chains: Sequence[Sequence[str]], newcomer: str, max_chains: int) -> list[list[str]]:
+    """Chains with `newcomer` appended: as a new chain while fewer than `max_chains`, else to the shortest tail.
+
+    Appending at a tail leaves every existing hop as it was, so a join never interrupts a
+    transfer in flight.
+    """
+    if any(newcomer in chain for chain in chains):
+        raise ValueError(f"node {newcomer!r} is already in a chain")
+    out = [list(chain) for chain in chains]
+    if len(out) < max(1, max_chains):
+        out.append([newcomer])
+    else:
+        min(out, key=len).append(newcomer)
+    return out

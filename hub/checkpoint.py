@@ -1,0 +1,112 @@
+"""Learner checkpoints: model (save_pretrained, with tokenizer) + optimizer state, one directory per step.
+
+A checkpoint is written into a temporary sibling directory, every file fsynced, then renamed
+into place and the parent fsynced, so a directory named `step-NNNNNNNN` is always complete.
+The newest complete directory wins; older ones beyond `keep` are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CHECKPOINT_PREFIX = "step-"
+MODEL_SUBDIR = "model"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "state.json"
+CHECKPOINTS_KEPT = 2
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    version: int
+    path: Path
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / MODEL_SUBDIR
+
+    @property
+    def optimizer_path(self) -> Path:
+        return self.path / OPTIMIZER_FILE
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: Path, step: int, version: int, model, tokenizer, optimizer, keep: int = CHECKPOINTS_KEPT) -> CheckpointInfo:
+    """Atomically write the checkpoint of `step`; returns where it lives."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{CHECKPOINT_PREFIX}{step:08d}"
+    if final.exists():
+        raise FileExistsError(f"checkpoint {final} already exists")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        model.save_pretrained(tmp / MODEL_SUBDIR)
+        tokenizer.save_pretrained(tmp / MODEL_SUBDIR)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "version": version}))
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old.path)
+    return CheckpointInfo(step=step, version=version, path=final)
+
+
+def list_checkpoints(root: Path) -> list[CheckpointInfo]:
+    """Complete checkpoints under `root`, oldest first (temporary directories are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for path in root.iterdir():
+        if path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX):
+            state = json.loads((path / STATE_FILE).read_text())
+            out.append(CheckpointInfo(step=int(state["step"]), version=int(state["version"]), path=path))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_checkpoint(root: Path) -> CheckpointInfo | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def remove_stale_temporaries(root: Path) -> int:
+    """Delete half-written checkpoint directories left by a crash; how many were removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    removed = 0
+    for path in root.iterdir():
+        if path.is_dir() and path.name.startswith(f".{CHECKPOINT_PREFIX}"):
+            shutil.rmtree(path)
+            removed += 1
+    return removed

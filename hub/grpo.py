@@ -1,0 +1,145 @@
+"""GRPO math for the learner (DESIGN section 6): group advantages and the clipped, token-level loss.
+
+Pure torch functions with no model, optimizer or I/O, so every formula is tested against
+hand-computed values.
+
+Standard deviation: the sample (unbiased, Bessel-corrected, n - 1) estimator, i.e. torch.std's
+default. It is what the reference GRPO/DAPO implementations compute (TRL's GRPOTrainer and
+verl call `torch.std` on the grouped rewards), so our advantages match theirs for the same
+rewards, and for the small groups GRPO uses (n = 4..16) it does not understate the spread.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
+    """Advantages of flat rewards [G * n], grouped consecutively (n = group_size).
+
+    A = r - mean(group), divided by (std(group) + eps) for scale="group", by
+    (std(all rewards) + eps) for "batch", and left undivided for "none". std is the sample
+    std (see the module docstring). A group whose rewards are all equal carries no signal and
+    gets exact zeros, whatever rounding the mean picks up; a group of one is such a group.
+    """
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {ADVANTAGE_SCALES}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be flat [G * n], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of {group_size} "
+            f"(remainder {rewards.numel() % group_size})"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    if rewards.numel() == 0 or group_size == 1:
+        return torch.zeros_like(rewards)
+    grouped = rewards.detach().view(-1, group_size)
+    flat_group = grouped.max(dim=1, keepdim=True).values == grouped.min(dim=1, keepdim=True).values
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centered = centered / (rewards.detach().std() + eps)
+    return torch.where(flat_group, torch.zeros_like(centered), centered).reshape(-1)
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    max_is_ratio: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO loss with a DAPO token-level mean; gradient flows to `logprobs` only.
+
+    logprobs, behaviour_logprobs, mask (and ref_logprobs): [B, T]; advantages: [B].
+    r = exp(logprobs - behaviour_logprobs); per token -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A).
+    A token takes part when mask is set and, if max_is_ratio is given, r <= max_is_ratio.
+    The loss is the sum over taking-part tokens divided by their count (0 with no such token),
+    plus beta * mean k3 KL (exp(ref - lp) - (ref - lp) - 1) over the same tokens.
+
+    stats: clip_frac (share of taking-part tokens where the clipped branch is strictly
+    smaller, so it carries no gradient), ratio_mean and ratio_max (over all mask tokens,
+    before the max_is_ratio filter, so the filter's effect stays visible), kl (k3 mean, 0.0
+    without ref_logprobs), masked_by_is (mask tokens dropped by max_is_ratio).
+    """
+    shape = logprobs.shape
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(shape)}")
+    for name, other in (("behaviour_logprobs", behaviour_logprobs), ("mask", mask)):
+        if other.shape != shape:
+            raise ValueError(f"{name} shape {tuple(other.shape)} != logprobs shape {tuple(shape)}")
+    if ref_logprobs is not None and ref_logprobs.shape != shape:
+        raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(shape)}")
+    if advantages.shape != (shape[0],):
+        raise ValueError(f"advantages must be [B] = [{shape[0]}], got shape {tuple(advantages.shape)}")
+    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if max_is_ratio is not None and max_is_ratio <= 0.0:
+        raise ValueError(f"max_is_ratio must be > 0, got {max_is_ratio}")
+    if beta < 0.0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0.0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs")
+
+    valid = mask.bool()
+    # Padding positions may hold -inf or garbage log-probs: zero their log-ratio before exp so
+    # neither the forward nor the backward pass ever sees inf * 0.
+    log_ratio = torch.where(valid, logprobs - behaviour_logprobs.detach(), torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    ratio_detached = ratio.detach()
+    keep = valid
+    if max_is_ratio is not None:
+        keep = valid & (ratio_detached <= max_is_ratio)
+    n_keep = keep.sum()
+    denom = n_keep.clamp(min=1).to(logprobs.dtype)
+
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    loss = torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / denom
+
+    kl_value = 0.0
+    if ref_logprobs is not None:
+        ref_diff = torch.where(keep, ref_logprobs.detach() - logprobs, torch.zeros_like(logprobs))
+        k3 = torch.exp(ref_diff) - ref_diff - 1.0
+        kl = k3.sum() / denom
+        kl_value = float(kl.detach())
+        if beta > 0.0:
+            loss = loss + beta * kl
+
+    n_valid = int(valid.sum())
+    clip_active = (clipped < unclipped).detach() & keep
+    stats = {
+        "clip_frac": float(clip_active.sum()) / max(1, int(n_keep)),
+        "ratio_mean": float(ratio_detached[valid].sum()) / n_valid if n_valid else 0.0,
+        "ratio_max": float(ratio_detached[valid].max()) if n_valid else 0.0,
+        "kl": kl_value,
+        "masked_by_is": float(n_valid - int(n_keep)),
+    }
+    return loss, stats
+
+
+def staleness_histogram(step: int, versions: Iterable[int]) -> dict[int, int]:
+    """Count of trajectories per age (step - version), ages ascending."""
+    ages: Counter[int] = Counter()
+    for version in versions:
+        if version > step:
+            raise ValueError(f"version {version} is newer than learner step {step}")
+        ages[step - version] += 1
+    return dict(sorted(ages.items()))

@@ -1,0 +1,386 @@
+"""The learning plane: GRPO steps on buffered groups, snapshot publishing, checkpoints and resume.
+
+`Learner` is the blocking torch object (one step = forward, backward, optimizer).
+`LearnerComponent` is the trio side: it waits for usable groups (that wait is T_idle), runs
+the step in a worker thread, commits it to the store, appends metrics, checkpoints, and
+publishes a signed snapshot every kappa steps on a memory channel.
+
+Versions and staleness: the policy after step t is version t. Step t updates the policy of
+version t-1, so a group made with version x has age (t-1) - x at step t: the number of
+updates between the policy that sampled it and the policy being updated. S = 0 is then
+fully on-policy.
+
+GIL caveat: torch releases the GIL inside its kernels, but the Python around a forward and
+backward pass (module calls, autograd bookkeeping) holds it in short bursts. The step runs
+in a worker thread, so trio keeps scheduling between those bursts; test_learner measures the
+lateness of a 10 ms trio ticker during steps. A model whose Python overhead dominates would
+need the step in a separate process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import trio
+
+from hub.buffer import BufferSignal, ReplayBuffer
+from hub.checkpoint import (
+    CheckpointInfo,
+    latest_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
+from hub.config import LearnerConfig
+from hub.grpo import group_advantages, grpo_loss
+from hub.metrics import METRICS_FILE, MetricsWriter, bubble_ratio
+from hub.store import StepRecord, Store
+from shared.crypto import Identity
+from shared.logprobs import completion_logprobs
+from shared.rollout import Group, SamplingParams
+from shared.snapshot import (
+    Snapshot,
+    build_snapshot,
+    model_config_hash,
+    read_snapshot_files,
+    write_snapshot_files,
+)
+
+SNAPSHOTS_DIR = "snapshots"
+CHECKPOINTS_DIR = "checkpoints"
+FINAL_DIR = "final"
+
+
+@dataclass(frozen=True)
+class SnapshotPublished:
+    """A snapshot whose files and store row exist; sent to the broadcaster and local rollouts."""
+
+    version: int
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    loss: float
+    reward_mean: float
+    reward_std: float
+    tokens: int
+    clip_frac: float
+    ratio_mean: float
+    ratio_max: float
+    kl: float
+    masked_by_is: float
+    grad_norm: float
+    t_forward_s: float
+    t_backward_s: float
+    t_optim_s: float
+    t_train_s: float
+
+
+def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+class Learner:
+    """The policy, its optimizer and (only when beta > 0) a frozen reference copy; blocking."""
+
+    def __init__(
+        self,
+        base_model_dir: Path,
+        cfg: LearnerConfig,
+        sampling: SamplingParams,
+        checkpoint: CheckpointInfo | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.sampling = sampling
+        self.device = torch.device(cfg.device)
+        policy_dir = checkpoint.model_dir if checkpoint is not None else Path(base_model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).to(self.device)
+        # Eval mode: no dropout, so the learner's log-probs are the ones the nodes sampled under.
+        self.model.eval()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if checkpoint is not None:
+            self.optimizer.load_state_dict(torch.load(checkpoint.optimizer_path, map_location=self.device))
+        self.reference = None
+        if cfg.beta > 0:
+            # The KL anchor is the initial policy, also after a resume.
+            reference = AutoModelForCausalLM.from_pretrained(Path(base_model_dir), dtype=torch.float32)
+            self.reference = reference.to(self.device).eval().requires_grad_(False)
+        self.config_hash = model_config_hash(self.model.config.to_dict())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the weights (for snapshots, safe to read while training continues)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def train_step(self, groups: Sequence[Group], step: int) -> StepStats:
+        """One GRPO update on `groups`; the nodes' completion token ids are used as-is."""
+        if not groups:
+            raise ValueError("train_step needs at least one group")
+        n = len(groups[0].completions)
+        if any(len(g.completions) != n or len(g.rewards) != n for g in groups):
+            raise ValueError("all groups of a step must hold the same number of completions and rewards")
+        started = time.perf_counter()
+        prompt_ids: list[list[int]] = []
+        completion_ids: list[list[int]] = []
+        behaviour_rows: list[tuple[float, ...]] = []
+        for group in groups:
+            # Exactly the node engines' prompt tokenization (node/engine.py: tokenizer(text)["input_ids"]).
+            ids = self.tokenizer(group.prompt_text)["input_ids"]
+            for completion in group.completions:
+                prompt_ids.append(ids)
+                completion_ids.append(list(completion.token_ids))
+                behaviour_rows.append(completion.logprobs)
+        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+        advantages = group_advantages(rewards, n, scale=self.cfg.advantage_scale).to(self.device)
+
+        pad_id = self.tokenizer.pad_token_id
+        logprobs, mask = completion_logprobs(
+            self.model, prompt_ids, completion_ids, pad_id,
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+        )
+        if self.cfg.use_is_ratio:
+            behaviour = _pad(behaviour_rows, logprobs.shape[1]).to(self.device)
+        else:
+            behaviour = logprobs.detach()
+        ref_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logprobs, _ = completion_logprobs(
+                    self.reference, prompt_ids, completion_ids, pad_id,
+                    temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                )
+        loss, stats = grpo_loss(
+            logprobs, behaviour, advantages, mask,
+            eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high, max_is_ratio=self.cfg.max_is_ratio,
+            ref_logprobs=ref_logprobs, beta=self.cfg.beta,
+        )
+        forward_done = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        backward_done = time.perf_counter()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        done = time.perf_counter()
+        return StepStats(
+            step=step,
+            loss=float(loss.detach()),
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std(unbiased=False)),
+            tokens=int(mask.sum()),
+            clip_frac=stats["clip_frac"],
+            ratio_mean=stats["ratio_mean"],
+            ratio_max=stats["ratio_max"],
+            kl=stats["kl"],
+            masked_by_is=stats["masked_by_is"],
+            grad_norm=float(grad_norm),
+            t_forward_s=forward_done - started,
+            t_backward_s=backward_done - forward_done,
+            t_optim_s=done - backward_done,
+            t_train_s=done - started,
+        )
+
+    def save_final(self, out_dir: Path) -> None:
+        """save_pretrained (+ tokenizer) into out_dir, replacing it atomically."""
+        out_dir = Path(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.rename(out_dir, old / out_dir.name)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out_dir)
+
+
+class LearnerComponent:
+    """Trio driver of the Learner over a data dir; resumes from the newest checkpoint there.
+
+    Construction blocks (loads the model, reads the store, refills the buffer with the store's
+    acknowledged but untrained groups): build it before trio starts or in trio.to_thread.run_sync.
+    `run` trains until the step number reaches `steps` (0: forever), then saves DATA_DIR/final.
+    Per step: wait for prompts_per_step usable groups (T_idle), train in a worker thread,
+    commit step row + consumed and stale-dropped row ids in one transaction, append
+    metrics.jsonl, checkpoint every checkpoint_every steps, publish every kappa steps.
+    """
+
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        sampling: SamplingParams,
+        base_model_dir: Path,
+        data_dir: Path,
+        store: Store,
+        buffer: ReplayBuffer,
+        signal: BufferSignal,
+        identity: Identity,
+        snapshot_send: trio.MemorySendChannel[SnapshotPublished],
+        steps: int,
+        chunk_size_bytes: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.cfg = cfg
+        self.data_dir = Path(data_dir)
+        self.store = store
+        self.buffer = buffer
+        self.signal = signal
+        self.identity = identity
+        self.snapshot_send = snapshot_send
+        self.steps = steps
+        self.chunk_size_bytes = chunk_size_bytes
+        self.kappa = cfg.effective_kappa
+        self.clock = clock
+        self.snapshots_dir = self.data_dir / SNAPSHOTS_DIR
+        self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
+        remove_stale_temporaries(self.checkpoints_dir)
+        checkpoint = latest_checkpoint(self.checkpoints_dir)
+        self.learner = Learner(base_model_dir, cfg, sampling, checkpoint)
+        self.metrics = MetricsWriter(self.data_dir / METRICS_FILE)
+        # Numbering continues after the newest committed step even when the checkpoint is older:
+        # steps after the checkpoint are lost as weights but stay in the record, so versions
+        # never repeat.
+        latest_step = store.latest_step() or 0
+        self.step = max(latest_step, checkpoint.step if checkpoint is not None else 0)
+        self.training = False
+        self.snapshot_seconds: list[float] = []
+        self._pending_stale: list[int] = []
+        if self.step > 0 or checkpoint is not None:
+            lost = self.step - (checkpoint.step if checkpoint is not None else 0)
+            store.add_event(
+                "learner_resume", None,
+                f"step {self.step}, checkpoint {checkpoint.step if checkpoint else 'none'}, steps lost as weights: {lost}",
+            )
+        self._refill_buffer()
+
+    def _refill_buffer(self) -> None:
+        """Acknowledged but untrained groups go back into the buffer; refusals are recorded."""
+        refused: dict[str, list[int]] = {}
+        for row_id, group in self.store.unconsumed_groups():
+            result = self.buffer.add(group, row_id)
+            if not result.accepted:
+                refused.setdefault(result.reason or "refused", []).append(row_id)
+        for reason, ids in refused.items():
+            self.store.discard_trajectories(ids, reason)
+
+    @property
+    def version(self) -> int:
+        """Version of the policy the learner holds now."""
+        return self.step
+
+    def min_useful_version(self) -> int:
+        """Oldest version whose fresh rollouts the next take can still use (for leases and local rollouts)."""
+        next_take_version = self.step + 1 if self.training else self.step
+        return max(0, next_take_version - self.cfg.staleness)
+
+    async def run(self) -> None:
+        await self._publish_initial()
+        k = self.cfg.prompts_per_step
+        while self.steps == 0 or self.step < self.steps:
+            current = self.step
+            t = current + 1
+            idle_started = self.clock()
+            while True:
+                dropped = self.buffer.prune(current)
+                if dropped:
+                    self._pending_stale.extend(dropped)
+                    self.signal.notify()
+                if self.buffer.ready(current, k):
+                    break
+                await self.signal.wait()
+            t_idle = self.clock() - idle_started
+            taken = self.buffer.take(current, k)
+            self._pending_stale.extend(taken.dropped_row_ids)
+            self.training = True
+            self.signal.notify()
+            try:
+                stats = await trio.to_thread.run_sync(self.learner.train_step, taken.groups, t)
+            finally:
+                self.training = False
+            staleness = taken.staleness
+            record = StepRecord(
+                step=t,
+                version=t,
+                reward_mean=stats.reward_mean,
+                reward_std=stats.reward_std,
+                staleness_mean=sum(staleness) / len(staleness),
+                staleness_max=max(staleness),
+                dropped_stale=len(self._pending_stale),
+                t_train_s=stats.t_train_s,
+                t_idle_s=t_idle,
+                bubble=bubble_ratio(t_idle, stats.t_train_s),
+                tokens=stats.tokens,
+                clip_frac=stats.clip_frac,
+                extra={
+                    "loss": stats.loss,
+                    "ratio_mean": stats.ratio_mean,
+                    "ratio_max": stats.ratio_max,
+                    "kl": stats.kl,
+                    "masked_by_is": stats.masked_by_is,
+                    "grad_norm": stats.grad_norm,
+                    "t_forward_s": stats.t_forward_s,
+                    "t_backward_s": stats.t_backward_s,
+                    "t_optim_s": stats.t_optim_s,
+                },
+            )
+            stale_ids = list(self._pending_stale)
+            await trio.to_thread.run_sync(self.store.commit_step, record, taken.row_ids, (), stale_ids)
+            self._pending_stale.clear()
+            self.step = t
+            await trio.to_thread.run_sync(self.metrics.append, record)
+            if t % self.cfg.checkpoint_every == 0:
+                await trio.to_thread.run_sync(self._checkpoint, t)
+            if t % self.kappa == 0:
+                await self._publish(t)
+            self.signal.notify()
+        await trio.to_thread.run_sync(self.learner.save_final, self.data_dir / FINAL_DIR)
+
+    def _checkpoint(self, step: int) -> None:
+        info = save_checkpoint(
+            self.checkpoints_dir, step, step, self.learner.model, self.learner.tokenizer, self.learner.optimizer
+        )
+        self.store.add_checkpoint(step, str(info.path), step)
+
+    async def _publish_initial(self) -> None:
+        """Snapshot of the policy held at start: v0 when fresh; on resume, a new version or the last one again."""
+        latest = self.store.latest_version()
+        if latest is None or latest < self.step:
+            await self._publish(self.step)
+            return
+        snapshot = await trio.to_thread.run_sync(
+            read_snapshot_files, self.snapshots_dir, latest, self.identity.peer_id
+        )
+        await self.snapshot_send.send(SnapshotPublished(version=latest, snapshot=snapshot))
+
+    def _build_and_write(self, version: int) -> Snapshot:
+        started = time.perf_counter()
+        snapshot = build_snapshot(
+            self.learner.state_dict(), version, self.identity, self.learner.config_hash, self.chunk_size_bytes
+        )
+        weights_path = write_snapshot_files(snapshot, self.snapshots_dir)
+        self.store.add_snapshot(
+            version, str(weights_path), snapshot.manifest.whole_hash, snapshot.manifest.total_bytes,
+            created_at=time.time(),
+        )
+        self.snapshot_seconds.append(time.perf_counter() - started)
+        return snapshot
+
+    async def _publish(self, version: int) -> None:
+        snapshot = await trio.to_thread.run_sync(self._build_and_write, version)
+        await self.snapshot_send.send(SnapshotPublished(version=version, snapshot=snapshot))

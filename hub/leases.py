@@ -1,0 +1,110 @@
+"""Work leases: which prompts each node owes the hub, until when, and what happens when it doesn't answer.
+
+A lease hands a node a batch of prompts; a submission must answer an open, unexpired lease
+of the node that holds it, each prompt at most once. Prompts of expired or abandoned leases
+go back to the front of the pool and are leased to someone else.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.tasks.base import Prompt, Task
+
+
+@dataclass
+class LeaseRecord:
+    """The hub's own record of a lease; nothing in it comes from the node."""
+
+    lease_id: str
+    node_id: str
+    prompts: tuple[Prompt, ...]
+    min_version: int
+    issued_at: float
+    deadline: float
+    probe: bool = False
+    answered: set[str] = field(default_factory=set)
+    closed: bool = False
+
+    @property
+    def prompt_ids(self) -> tuple[str, ...]:
+        return tuple(p.id for p in self.prompts)
+
+
+class LeaseError(Exception):
+    """A submission that does not answer an open lease of its sender."""
+
+
+class LeaseBook:
+    """Prompt pool plus open leases. Pure bookkeeping: callers pass the clock in."""
+
+    def __init__(self, task: Task, seed: int) -> None:
+        self._task = task
+        self._rng = random.Random(seed)
+        self._pool: deque[Prompt] = deque()
+        self.open: dict[str, LeaseRecord] = {}
+        self.expired_count = 0
+        self.issued_count = 0
+
+    def outstanding_prompts(self) -> int:
+        return sum(len(rec.prompts) - len(rec.answered) for rec in self.open.values())
+
+    def _next_prompts(self, k: int) -> tuple[Prompt, ...]:
+        while len(self._pool) < k:
+            self._pool.extend(self._task.sample(self._rng, max(k, 64)))
+        return tuple(self._pool.popleft() for _ in range(k))
+
+    def issue(
+        self, node_id: str, k: int, min_version: int, now: float, timeout_s: float, probe: bool = False
+    ) -> LeaseRecord:
+        record = LeaseRecord(
+            lease_id=secrets.token_hex(12),
+            node_id=node_id,
+            prompts=self._next_prompts(k),
+            min_version=min_version,
+            issued_at=now,
+            deadline=now + timeout_s,
+            probe=probe,
+        )
+        self.open[record.lease_id] = record
+        self.issued_count += 1
+        return record
+
+    def claim(self, lease_id: str, node_id: str, now: float) -> LeaseRecord:
+        """The open lease a submission answers, or LeaseError saying why it answers none."""
+        record = self.open.get(lease_id)
+        if record is None:
+            raise LeaseError(f"unknown or already answered lease {lease_id[:32]!r}")
+        if record.node_id != node_id:
+            raise LeaseError("lease belongs to another node")
+        if now > record.deadline:
+            self._expire(record)
+            raise LeaseError("lease expired")
+        return record
+
+    def close(self, record: LeaseRecord) -> None:
+        """Close an answered lease; prompts left unanswered go back to the pool."""
+        record.closed = True
+        self.open.pop(record.lease_id, None)
+        self._pool.extendleft(reversed([p for p in record.prompts if p.id not in record.answered]))
+
+    def _expire(self, record: LeaseRecord) -> None:
+        self.expired_count += 1
+        self.close(record)
+
+    def expire(self, now: float) -> list[LeaseRecord]:
+        """Expire every lease past its deadline; their prompts are re-leased to other nodes."""
+        gone = [rec for rec in self.open.values() if now > rec.deadline]
+        for record in gone:
+            self._expire(record)
+        return gone
+
+    def drop_node(self, node_id: str) -> list[LeaseRecord]:
+        """Give back the leases of a node that left or was banned."""
+        gone = [rec for rec in self.open.values() if rec.node_id == node_id]
+        for record in gone:
+            self._expire(record)
+        return gone

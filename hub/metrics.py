@@ -1,0 +1,55 @@
+"""Per-step learner metrics as JSON lines in DATA_DIR/metrics.jsonl (one object per committed step).
+
+The store is the source of truth; this file is the cheap, append-only view that plots and
+benchmarks read. A line is appended only after its step is committed, so a crash can lose
+the newest line but never invent one; a torn last line is cut off when the file is reopened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from hub.store import StepRecord
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def bubble_ratio(t_idle_s: float, t_train_s: float) -> float:
+    """T_idle / (T_idle + T_train) for one step (0 when both are 0)."""
+    total = t_idle_s + t_train_s
+    return t_idle_s / total if total > 0 else 0.0
+
+
+class MetricsWriter:
+    """Appends StepRecords to a JSON-lines file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_torn_tail()
+
+    def _drop_torn_tail(self) -> None:
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(self.path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+
+    def append(self, record: StepRecord) -> None:
+        line = json.dumps(record.as_json_dict(), sort_keys=True) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """All complete lines of a metrics file, in order."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]

@@ -1,0 +1,358 @@
+"""The hub's libp2p service: join, heartbeat, work leases, signed submissions, status, snapshot fetch.
+
+Every handler treats the peer as untrusted: input is size-capped and verified before use,
+a misbehaving peer is logged, counted against it and refused, and the host keeps serving.
+State is saved only after every check has passed; a submission is acknowledged only after
+its verdicts are committed to the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost, INetStream
+
+from hub.broadcast import ChainLinks
+from hub.buffer import BufferSignal, ReplayBuffer
+from hub.config import LeaseConfig
+from hub.fleet import Fleet, NodeRecord
+from hub.leases import LeaseBook, LeaseError, LeaseRecord
+from hub.snapshots import SnapshotShelf
+from hub.store import Store
+from hub.submissions import SubmissionRules, VersionWindow, check_submission
+from shared.messages import (
+    HEARTBEAT_PROTOCOL,
+    JOIN_PROTOCOL,
+    LEASE_PROTOCOL,
+    SNAPSHOT_PROTOCOL,
+    STATUS_PROTOCOL,
+    SUBMIT_PROTOCOL,
+    Heartbeat,
+    HeartbeatReply,
+    HubStatus,
+    JoinReply,
+    JoinRequest,
+    Lease,
+    LeasePrompt,
+    LeaseReply,
+    LeaseRequest,
+    Reject,
+    SnapshotRequest,
+    StatusRequest,
+    Submission,
+    SubmitReply,
+)
+from shared.net import RateLimiter, remote_ip, remote_peer_id, set_handler
+from shared.transfer import serve_snapshot
+from shared.wire import (
+    FrameError,
+    StreamEOF,
+    decode_signed,
+    read_frame,
+    read_message,
+    signed_caps,
+    write_message,
+)
+
+log = logging.getLogger("echo2.hub.service")
+
+READ_TIMEOUT_S = 30.0
+NO_WORK_RETRY_S = 0.25
+STANDBY_RETRY_S = 2.0
+PROBE_PROMPTS = 1
+
+
+@dataclass(frozen=True)
+class LearnerView:
+    """What the service needs to know of the learner, read through callables so it is always current."""
+
+    version: Callable[[], int]
+    staleness: int
+    prompts_per_step: int
+
+
+class HubService:
+    """Serves the hub's protocols on `host`; one component of the hub's trio nursery."""
+
+    def __init__(
+        self,
+        host: IHost,
+        *,
+        store: Store,
+        fleet: Fleet,
+        leases: LeaseBook,
+        buffer: ReplayBuffer,
+        buffer_signal: BufferSignal,
+        shelf: SnapshotShelf,
+        rules: SubmissionRules,
+        learner: LearnerView,
+        config: LeaseConfig,
+        model_config_hash: str,
+        task_name: str,
+        heartbeat_period_s: float,
+        status: Callable[[int], HubStatus],
+        chain_links: Callable[[str], ChainLinks],
+        on_fleet_change: Callable[[], None],
+        limiter: RateLimiter | None,
+        on_heartbeat: Callable[[], None],
+    ) -> None:
+        self.host = host
+        self.store = store
+        self.fleet = fleet
+        self.leases = leases
+        self.buffer = buffer
+        self.buffer_signal = buffer_signal
+        self.shelf = shelf
+        self.rules = rules
+        self.learner = learner
+        self.config = config
+        self.model_config_hash = model_config_hash
+        self.task_name = task_name
+        self.heartbeat_period_s = heartbeat_period_s
+        self.status = status
+        self.chain_links = chain_links
+        self.on_fleet_change = on_fleet_change
+        self.limiter = limiter
+        self.on_heartbeat = on_heartbeat
+        self.counters: dict[str, int] = {}
+
+    # -- bookkeeping -----------------------------------------------------------------
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counters[what] = self.counters.get(what, 0) + n
+
+    async def event(self, kind: str, node_id: str | None, detail: str) -> None:
+        log.info("%s %s %s", kind, node_id or "-", detail)
+        await trio.to_thread.run_sync(self.store.add_event, kind, node_id, detail)
+
+    async def misbehaved(self, stream: INetStream, protocol: str, exc: Exception) -> None:
+        """A peer sent something we refuse: count it against the peer, tell it why, keep serving."""
+        peer = remote_peer_id(stream)
+        self.count(f"refused:{protocol}")
+        record = self.fleet.get(peer)
+        if record is not None:
+            record.rejected += 1
+        log.warning("refused %s from %s: %s", protocol, peer, exc)
+        try:
+            with trio.move_on_after(2):
+                await write_message(stream, Reject(reason=str(exc)[:1000]))
+                await stream.close()
+        except Exception:
+            await stream.reset()
+
+    def window(self) -> VersionWindow:
+        newest = self.learner.version()
+        return VersionWindow(oldest=max(0, newest - self.learner.staleness), newest=self.shelf.newest_version())
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        handlers = {
+            JOIN_PROTOCOL: self._on_join,
+            HEARTBEAT_PROTOCOL: self._on_heartbeat,
+            LEASE_PROTOCOL: self._on_lease,
+            SUBMIT_PROTOCOL: self._on_submit,
+            STATUS_PROTOCOL: self._on_status,
+            SNAPSHOT_PROTOCOL: self._on_snapshot,
+        }
+        for protocol, handler in handlers.items():
+            set_handler(self.host, protocol, self._guarded(protocol, handler), log)
+        while True:
+            await trio.sleep(1.0)
+            for record in self.leases.expire(time.time()):
+                self.count("leases_expired")
+                await self.event("lease_expired", record.node_id, f"lease {record.lease_id[:8]} re-queued")
+
+    def _guarded(self, protocol: str, handler: Callable[[INetStream], object]):
+        async def guarded(stream: INetStream) -> None:
+            try:
+                with trio.fail_after(READ_TIMEOUT_S):
+                    await handler(stream)
+            except (FrameError, StreamEOF, trio.TooSlowError, ValueError) as exc:
+                await self.misbehaved(stream, protocol, exc)
+
+        guarded.__qualname__ = f"HubService[{protocol}]"
+        return guarded
+
+    async def _reply(self, stream: INetStream, msg) -> None:
+        await write_message(stream, msg)
+        await stream.close()
+
+    # -- protocols -------------------------------------------------------------------
+
+    async def _on_join(self, stream: INetStream) -> None:
+        peer = remote_peer_id(stream)
+        request = await read_message(stream, JoinRequest)
+        if request.model_config_hash != self.model_config_hash:
+            raise ValueError("model config differs from the hub's: start the node with the hub's model")
+        previous = self.fleet.get(peer)
+        if previous is not None and previous.state == "banned":
+            raise ValueError("banned")
+        record = self.fleet.join(peer, request, remote_ip(stream), time.time())
+        await trio.to_thread.run_sync(
+            lambda: self.store.upsert_node(
+                peer, record.price_per_hour, record.hardware, record.link_bps, record.backend, record.state
+            )
+        )
+        await self.event("join", peer, f"price ${record.price_per_hour:.2f}/h backend {record.backend}")
+        self.on_fleet_change()
+        await self._reply(
+            stream,
+            JoinReply(
+                state=record.state,
+                latest_version=self.shelf.newest_version(),
+                staleness=self.learner.staleness,
+                task=self.task_name,
+                heartbeat_period_s=self.heartbeat_period_s,
+            ),
+        )
+
+    def _known(self, peer: str) -> NodeRecord:
+        record = self.fleet.get(peer)
+        if record is None or record.state == "gone":
+            raise ValueError("unknown node: join first")
+        if record.state == "banned":
+            raise ValueError("banned")
+        return record
+
+    async def _on_heartbeat(self, stream: INetStream) -> None:
+        peer = remote_peer_id(stream)
+        beat = await read_message(stream, Heartbeat)
+        record = self._known(peer)
+        record.last_seen = time.time()
+        record.version_held = beat.version_held
+        record.receiving_version = beat.receiving_version
+        record.chunks_received = beat.chunks_received
+        self.on_heartbeat()
+        links = self.chain_links(peer)
+        await self._reply(
+            stream,
+            HeartbeatReply(
+                state=record.state,
+                latest_version=self.shelf.newest_version(),
+                upstream=links.upstream,
+                upstream_addrs=links.upstream_addrs,
+                downstream=links.downstream,
+                chain=links.chain,
+                chain_position=links.chain_position,
+            ),
+        )
+
+    def _lease_for(self, record: NodeRecord, request: LeaseRequest) -> tuple[LeaseRecord | None, str, float]:
+        window = self.window()
+        if record.state not in ("probing", "active"):
+            return None, f"{record.state}: no work for now", STANDBY_RETRY_S
+        if request.version_held < window.oldest or request.version_held < 0:
+            return None, f"fetch a snapshot >= v{window.oldest} first", NO_WORK_RETRY_S
+        probe = record.state == "probing"
+        if probe and any(r.node_id == record.peer_id for r in self.leases.open.values()):
+            return None, "probe lease outstanding", NO_WORK_RETRY_S
+        inflight = len(self.buffer) + self.leases.outstanding_prompts()
+        limit = int(self.config.max_inflight_steps * self.learner.prompts_per_step)
+        k = PROBE_PROMPTS if probe else self.config.prompts_per_lease
+        if inflight + k > limit:
+            return None, "enough work in flight", NO_WORK_RETRY_S
+        lease = self.leases.issue(
+            record.peer_id, k, min_version=window.oldest, now=time.time(),
+            timeout_s=self.config.lease_timeout_s, probe=probe,
+        )
+        return lease, "", 0.0
+
+    async def _on_lease(self, stream: INetStream) -> None:
+        peer = remote_peer_id(stream)
+        request = await read_message(stream, LeaseRequest)
+        record = self._known(peer)
+        record.last_seen = time.time()
+        record.version_held = max(record.version_held, request.version_held)
+        lease, reason, retry = self._lease_for(record, request)
+        if lease is None:
+            await self._reply(stream, LeaseReply(lease=None, retry_after_s=retry, reason=reason))
+            return
+        await trio.to_thread.run_sync(
+            self.store.add_lease, lease.lease_id, peer, list(lease.prompt_ids), lease.min_version, lease.deadline
+        )
+        message = Lease(
+            lease_id=lease.lease_id,
+            prompts=tuple(LeasePrompt(prompt_id=p.id, text=p.text) for p in lease.prompts),
+            group_size=self.rules.group_size,
+            sampling=self.rules.sampling,
+            min_version=lease.min_version,
+            deadline_s=lease.deadline - lease.issued_at,
+        )
+        await self._reply(stream, LeaseReply(lease=message))
+
+    async def _on_submit(self, stream: INetStream) -> None:
+        peer = remote_peer_id(stream)
+        tag, body = await read_frame(stream, signed_caps(Submission))
+        # The Noise handshake proved the stream's peer; the signature binds the exact bytes to it.
+        submission = decode_signed(tag, body, peer, Submission)
+        now = time.time()
+        record = self._known(peer)
+        if submission.node_id != peer:
+            raise ValueError("submission names another node")
+        try:
+            lease = self.leases.claim(submission.lease_id, peer, now)
+        except LeaseError as exc:
+            self.count("submissions_refused")
+            raise ValueError(str(exc)) from None
+        verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, self.rules, self.window())
+        accepted = [v for v in verdicts if v.accepted]
+        if accepted and len(self.buffer) + len(accepted) > self.buffer.capacity_groups:
+            raise ValueError("hub buffer full: resubmit later")
+        seconds = min(now - lease.issued_at, self.config.lease_timeout_s)
+        rollouts = sum(len(v.group.completions) for v in accepted)
+        share = len(accepted) / len(lease.prompts)
+        usd = min(record.price_per_hour * seconds / 3600.0 * share, self.config.max_cost_per_lease_usd)
+        signed_hash = hashlib.blake2b(body, digest_size=16).hexdigest()
+        row_ids = await trio.to_thread.run_sync(
+            lambda: self.store.record_submission(
+                lease.lease_id, peer, verdicts, usd=usd, seconds=seconds, signed_bytes_hash=signed_hash
+            )
+        )
+        # Committed: from here on the work is acknowledged and must not be lost.
+        for verdict in verdicts:
+            lease.answered.add(verdict.prompt_id)
+        self.leases.close(lease)
+        for verdict, row_id in zip(verdicts, row_ids):
+            if verdict.accepted:
+                result = self.buffer.add(verdict.group, row_id)
+                if not result.accepted:
+                    await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], result.reason)
+        self.buffer_signal.notify()
+        record.accepted += len(accepted)
+        record.rejected += len(verdicts) - len(accepted)
+        record.cost_usd += usd
+        self.fleet.record_work(record, rollouts, seconds)
+        if lease.probe:
+            await self.event("probed", peer, f"{record.rollouts_per_s:.2f} rollouts/s")
+            self.on_fleet_change()
+        self.count("groups_accepted", len(accepted))
+        self.count("groups_rejected", len(verdicts) - len(accepted))
+        mismatches = sum(v.claimed_reward_mismatch for v in verdicts)
+        if mismatches:
+            self.count("claimed_reward_mismatch", mismatches)
+            await self.event("reward_claim_mismatch", peer, f"{mismatches} groups claimed other rewards")
+        rejected = tuple((v.prompt_id, v.reason) for v in verdicts if not v.accepted)
+        await self._reply(stream, SubmitReply(accepted=len(accepted), rejected=rejected))
+
+    async def _on_status(self, stream: INetStream) -> None:
+        request = await read_message(stream, StatusRequest)
+        await self._reply(stream, self.status(request.events))
+
+    async def _on_snapshot(self, stream: INetStream) -> None:
+        """Serve a snapshot straight from the hub (first fetch, repair, or a chain head's pull)."""
+        request = await read_message(stream, SnapshotRequest)
+        peer = remote_peer_id(stream)
+        self._known(peer)
+        try:
+            ack = await serve_snapshot(stream, self.shelf, request, limiter=self.limiter)
+        except LookupError as exc:
+            raise ValueError(str(exc)) from None
+        if not ack.ok:
+            log.warning("snapshot v%d to %s ended badly: %s", ack.version, peer, ack.reason)
+        await stream.close()

@@ -1,0 +1,75 @@
+"""`echo-hub status`: print a hub's nodes, leases, versions, throughput and cost (live or from its data dir)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from shared.messages import HubStatus
+
+STATUS_TIMEOUT_S = 10.0
+
+
+def fetch_status(hub_addr: str) -> HubStatus:
+    """One status request to a running hub over libp2p, from a throwaway identity."""
+    import trio
+
+    from shared.crypto import Identity
+    from shared.messages import STATUS_PROTOCOL, StatusRequest
+    from shared.net import connect, request, running_host
+
+    async def fetch() -> HubStatus:
+        async with running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
+            with trio.fail_after(STATUS_TIMEOUT_S):
+                peer = await connect(host, hub_addr)
+            return await request(host, peer, STATUS_PROTOCOL, StatusRequest(events=20), HubStatus, timeout_s=STATUS_TIMEOUT_S)
+
+    return trio.run(fetch)
+
+
+def render(status: HubStatus, console: Console) -> None:
+    head = Table.grid(padding=(0, 2))
+    head.add_row("hub", status.hub_id, "running" if status.running else "finished")
+    head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
+    head.add_row("staleness S / kappa", f"{status.staleness} / {status.kappa}", f"task {status.task}")
+    head.add_row("trajectories", f"{status.accepted} accepted, {status.rejected} rejected", f"{status.dropped_stale} stale")
+    head.add_row("open leases", str(status.open_leases), f"broadcast {status.broadcast_mode}")
+    mu = f"mu_pool {status.mu_pool:.2f}/s"
+    if status.mu_min is not None:
+        mu += f", mu_min {status.mu_min:.2f}/s, target {status.mu_target:.2f}/s"
+    head.add_row("throughput", mu, f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
+    head.add_row("cost", f"${status.cost_usd:.4f}", f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else "")
+    console.print(head)
+    nodes = Table(title="nodes")
+    for col in ("peer", "state", "$/h", "rollouts/s", "version", "accepted", "rejected", "cost $", "chain"):
+        nodes.add_column(col)
+    for n in status.nodes:
+        chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
+        nodes.add_row(n.peer_id[-8:], n.state, f"{n.price_per_hour:.2f}", f"{n.rollouts_per_s:.2f}", str(n.version_held),
+                      str(n.accepted), str(n.rejected), f"{n.cost_usd:.5f}", chain)
+    console.print(nodes)
+    for i, chain in enumerate(status.chains):
+        console.print(f"chain {i}: hub -> " + " -> ".join(p[-8:] for p in chain))
+
+
+def run_status(hub: str | None, data_dir: Path | None, as_json: bool) -> int:
+    try:
+        if hub is not None:
+            status = fetch_status(hub)
+        else:
+            path = Path(data_dir or "echo2-data") / "status.json"
+            if not path.exists():
+                print(f"echo-hub status: no {path}; is a hub running with that data dir?", file=sys.stderr)
+                return 1
+            status = HubStatus.model_validate_json(path.read_text())
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the hub is reported, not raised
+        print(f"echo-hub status: cannot reach the hub: {exc!r}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(status.model_dump_json(indent=2))
+    else:
+        render(status, Console())
+    return 0

@@ -1,0 +1,581 @@
+"""The hub's durable state in one SQLite file; the only module that touches SQLite.
+
+Threading: one connection, opened with check_same_thread=False and guarded by a
+threading.Lock, so any one thread at a time may use a Store. Every method blocks;
+trio code calls them through trio.to_thread.run_sync.
+
+Transactions: the connection runs in autocommit mode and every write method wraps
+its statements in one explicit BEGIN IMMEDIATE ... COMMIT (`_write`), so a method is
+all-or-nothing. sqlite-utils builds the schema and runs the queries; its Table.insert
+is not used for writes because it commits on its own and would split a transaction.
+
+Trajectory lifecycle: a row is written with its verdict (accepted/rejected). An
+accepted row later gets exactly one of consumed_step (a committed learner step
+trained on it) or discard_reason (stale, zero reward variance, buffer full...).
+Accepted rows with neither are the replay buffer's contents after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import sqlite_utils
+
+from shared.rollout import Group
+
+BUSY_TIMEOUT_MS = 10_000
+EVENTS_DEFAULT_LIMIT = 200
+
+Verdict = Literal["accepted", "rejected"]
+LeaseState = Literal["open", "answered", "expired"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS snapshots (
+    version       INTEGER PRIMARY KEY,
+    path          TEXT    NOT NULL,
+    manifest_hash TEXT    NOT NULL,
+    total_bytes   INTEGER NOT NULL,
+    created_at    REAL    NOT NULL,
+    published_at  REAL    NOT NULL,
+    t_bcast_s     REAL
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    peer_id        TEXT PRIMARY KEY,
+    price_per_hour REAL    NOT NULL,
+    hardware       TEXT    NOT NULL,
+    link_bps       REAL,
+    backend        TEXT    NOT NULL,
+    first_seen     REAL    NOT NULL,
+    last_seen      REAL    NOT NULL,
+    state          TEXT    NOT NULL,
+    accepted       INTEGER NOT NULL DEFAULT 0,
+    rejected       INTEGER NOT NULL DEFAULT 0,
+    banned_reason  TEXT
+);
+CREATE TABLE IF NOT EXISTS leases (
+    id          TEXT PRIMARY KEY,
+    node_id     TEXT    NOT NULL REFERENCES nodes(peer_id),
+    prompt_ids  TEXT    NOT NULL,
+    min_version INTEGER NOT NULL,
+    issued_at   REAL    NOT NULL,
+    deadline    REAL    NOT NULL,
+    state       TEXT    NOT NULL CHECK (state IN ('open', 'answered', 'expired')),
+    answered_at REAL
+);
+CREATE INDEX IF NOT EXISTS leases_open ON leases(state, deadline);
+CREATE TABLE IF NOT EXISTS steps (
+    step           INTEGER PRIMARY KEY,
+    version        INTEGER NOT NULL,
+    reward_mean    REAL    NOT NULL,
+    reward_std     REAL    NOT NULL,
+    staleness_mean REAL    NOT NULL,
+    staleness_max  INTEGER NOT NULL,
+    dropped_stale  INTEGER NOT NULL,
+    t_train_s      REAL    NOT NULL,
+    t_idle_s       REAL    NOT NULL,
+    bubble         REAL    NOT NULL,
+    tokens         INTEGER NOT NULL,
+    clip_frac      REAL    NOT NULL,
+    created_at     REAL    NOT NULL,
+    metrics_json   TEXT    NOT NULL
+);
+CREATE TABLE IF NOT EXISTS trajectories (
+    id                INTEGER PRIMARY KEY AUTOINCREMENT,
+    lease_id          TEXT REFERENCES leases(id),
+    node_id           TEXT    NOT NULL,
+    prompt_id         TEXT    NOT NULL,
+    version           INTEGER NOT NULL,
+    group_json        TEXT    NOT NULL,
+    reward_mean       REAL    NOT NULL,
+    verdict           TEXT    NOT NULL CHECK (verdict IN ('accepted', 'rejected')),
+    reason            TEXT,
+    received_at       REAL    NOT NULL,
+    consumed_step     INTEGER REFERENCES steps(step),
+    discard_reason    TEXT,
+    signed_bytes_hash TEXT,
+    CHECK (consumed_step IS NULL OR discard_reason IS NULL)
+);
+CREATE INDEX IF NOT EXISTS trajectories_pending ON trajectories(verdict, consumed_step, discard_reason);
+CREATE TABLE IF NOT EXISTS ledger (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    node_id    TEXT    NOT NULL REFERENCES nodes(peer_id),
+    lease_id   TEXT REFERENCES leases(id),
+    step       INTEGER REFERENCES steps(step),
+    usd        REAL    NOT NULL,
+    seconds    REAL    NOT NULL,
+    created_at REAL    NOT NULL,
+    voided     INTEGER NOT NULL DEFAULT 0 CHECK (voided IN (0, 1))
+);
+CREATE TABLE IF NOT EXISTS events (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    at      REAL NOT NULL,
+    kind    TEXT NOT NULL,
+    node_id TEXT,
+    detail  TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    step       INTEGER PRIMARY KEY REFERENCES steps(step),
+    path       TEXT    NOT NULL,
+    version    INTEGER NOT NULL,
+    created_at REAL    NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One committed learner step; also the line written to metrics.jsonl."""
+
+    step: int
+    version: int
+    reward_mean: float
+    reward_std: float
+    staleness_mean: float
+    staleness_max: int
+    dropped_stale: int
+    t_train_s: float
+    t_idle_s: float
+    bubble: float
+    tokens: int
+    clip_frac: float
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    def as_json_dict(self) -> dict[str, float | int]:
+        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        out.update(self.extra)
+        return out
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """Money owed to a node for a lease, booked against the step that consumed the work."""
+
+    node_id: str
+    lease_id: str | None
+    usd: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    version: int
+    path: str
+    manifest_hash: str
+    total_bytes: int
+    created_at: float
+    published_at: float
+    t_bcast_s: float | None
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    step: int
+    path: str
+    version: int
+    created_at: float
+
+
+@dataclass(frozen=True)
+class EventRow:
+    id: int
+    at: float
+    kind: str
+    node_id: str | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class TrajectoryRow:
+    id: int
+    lease_id: str | None
+    node_id: str
+    prompt_id: str
+    version: int
+    reward_mean: float
+    verdict: Verdict
+    reason: str | None
+    received_at: float
+    consumed_step: int | None
+    discard_reason: str | None
+    signed_bytes_hash: str | None
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    peer_id: str
+    price_per_hour: float
+    hardware: str
+    link_bps: float | None
+    backend: str
+    first_seen: float
+    last_seen: float
+    state: str
+    accepted: int
+    rejected: int
+    banned_reason: str | None
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    id: str
+    node_id: str
+    prompt_ids: tuple[str, ...]
+    min_version: int
+    issued_at: float
+    deadline: float
+    state: LeaseState
+    answered_at: float | None
+
+
+class Store:
+    """The hub database at `path` (created if missing)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(
+            str(self.path), check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
+        )
+        self._lock = threading.Lock()
+        self.db = sqlite_utils.Database(conn)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        with self._write():
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self.db.execute(statement)
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.conn.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[None]:
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+
+    def _rows(self, sql: str, params: Sequence | Mapping = ()) -> list[dict]:
+        with self._lock:
+            return list(self.db.query(sql, params))
+
+    def pragma(self, name: str) -> str | int:
+        """The value of a read-only PRAGMA (journal_mode, synchronous, foreign_keys, ...)."""
+        with self._lock:
+            return self.db.execute(f"PRAGMA {name}").fetchone()[0]
+
+    def integrity_check(self) -> str:
+        """'ok' when SQLite finds the file consistent, otherwise its first complaints."""
+        with self._lock:
+            rows = self.db.execute("PRAGMA integrity_check").fetchall()
+        return "\n".join(str(r[0]) for r in rows)
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    def add_snapshot(self, version: int, path: str, manifest_hash: str, total_bytes: int, created_at: float) -> None:
+        """Record a published snapshot; versions must strictly increase."""
+        with self._write():
+            latest = self.db.execute("SELECT MAX(version) FROM snapshots").fetchone()[0]
+            if latest is not None and version <= latest:
+                raise ValueError(f"snapshot version {version} is not newer than the latest {latest}")
+            self.db.execute(
+                "INSERT INTO snapshots (version, path, manifest_hash, total_bytes, created_at, published_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (version, path, manifest_hash, total_bytes, created_at, time.time()),
+            )
+
+    def set_broadcast_time(self, version: int, t_bcast_s: float) -> None:
+        with self._write():
+            self.db.execute("UPDATE snapshots SET t_bcast_s = ? WHERE version = ?", (t_bcast_s, version))
+
+    def latest_version(self) -> int | None:
+        return self._rows("SELECT MAX(version) AS v FROM snapshots")[0]["v"]
+
+    def snapshots(self) -> list[SnapshotRow]:
+        return [SnapshotRow(**r) for r in self._rows("SELECT * FROM snapshots ORDER BY version")]
+
+    # -- nodes and leases --------------------------------------------------------------
+
+    def upsert_node(
+        self, peer_id: str, price_per_hour: float, hardware: str, link_bps: float | None, backend: str,
+        state: str = "connected",
+    ) -> None:
+        """Insert a node on first contact or refresh what it declares; counters and ban survive."""
+        now = time.time()
+        with self._write():
+            self.db.execute(
+                "INSERT INTO nodes (peer_id, price_per_hour, hardware, link_bps, backend, first_seen, last_seen, state)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(peer_id) DO UPDATE SET price_per_hour = excluded.price_per_hour,"
+                " hardware = excluded.hardware, link_bps = excluded.link_bps, backend = excluded.backend,"
+                " last_seen = excluded.last_seen, state = excluded.state",
+                (peer_id, price_per_hour, hardware, link_bps, backend, now, now, state),
+            )
+
+    def set_node_state(self, peer_id: str, state: str, banned_reason: str | None = None) -> None:
+        with self._write():
+            cur = self.db.execute(
+                "UPDATE nodes SET state = ?, last_seen = ?, banned_reason = COALESCE(?, banned_reason)"
+                " WHERE peer_id = ?",
+                (state, time.time(), banned_reason, peer_id),
+            )
+            if cur.rowcount != 1:
+                raise KeyError(f"unknown node {peer_id}")
+
+    def node(self, peer_id: str) -> NodeRow | None:
+        rows = self._rows("SELECT * FROM nodes WHERE peer_id = ?", (peer_id,))
+        return NodeRow(**rows[0]) if rows else None
+
+    def nodes(self) -> list[NodeRow]:
+        return [NodeRow(**r) for r in self._rows("SELECT * FROM nodes ORDER BY first_seen")]
+
+    def add_lease(self, lease_id: str, node_id: str, prompt_ids: Sequence[str], min_version: int, deadline: float) -> None:
+        with self._write():
+            self.db.execute(
+                "INSERT INTO leases (id, node_id, prompt_ids, min_version, issued_at, deadline, state)"
+                " VALUES (?, ?, ?, ?, ?, ?, 'open')",
+                (lease_id, node_id, json.dumps(list(prompt_ids)), min_version, time.time(), deadline),
+            )
+
+    def answer_lease(self, lease_id: str, node_id: str) -> bool:
+        """Close an open lease of `node_id`; False if it is not open or not that node's (replay)."""
+        with self._write():
+            cur = self.db.execute(
+                "UPDATE leases SET state = 'answered', answered_at = ?"
+                " WHERE id = ? AND node_id = ? AND state = 'open'",
+                (time.time(), lease_id, node_id),
+            )
+            return cur.rowcount == 1
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Mark open leases past their deadline expired; their ids."""
+        with self._write():
+            ids = [
+                r[0]
+                for r in self.db.execute(
+                    "SELECT id FROM leases WHERE state = 'open' AND deadline < ?", (now,)
+                ).fetchall()
+            ]
+            self.db.execute("UPDATE leases SET state = 'expired' WHERE state = 'open' AND deadline < ?", (now,))
+        return ids
+
+    def lease(self, lease_id: str) -> LeaseRow | None:
+        rows = self._rows("SELECT * FROM leases WHERE id = ?", (lease_id,))
+        if not rows:
+            return None
+        row = rows[0]
+        row["prompt_ids"] = tuple(json.loads(row["prompt_ids"]))
+        return LeaseRow(**row)
+
+    # -- trajectories ------------------------------------------------------------------
+
+    def record_trajectory(
+        self,
+        group: Group,
+        lease_id: str | None,
+        node_id: str,
+        verdict: Verdict,
+        reason: str | None = None,
+        signed_bytes_hash: str | None = None,
+    ) -> int:
+        """Durably record a received group with the hub's verdict; returns its row id.
+
+        Returning means committed: only then may the submission be acknowledged.
+        """
+        if verdict not in ("accepted", "rejected"):
+            raise ValueError(f"verdict must be accepted or rejected, got {verdict!r}")
+        reward_mean = sum(group.rewards) / len(group.rewards) if group.rewards else 0.0
+        with self._write():
+            cur = self.db.execute(
+                "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, reward_mean,"
+                " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (lease_id, node_id, group.prompt_id, group.version, group.model_dump_json(), reward_mean,
+                 verdict, reason, time.time(), signed_bytes_hash),
+            )
+            if node_id:
+                column = "accepted" if verdict == "accepted" else "rejected"
+                self.db.execute(f"UPDATE nodes SET {column} = {column} + 1 WHERE peer_id = ?", (node_id,))
+            return int(cur.lastrowid)
+
+    def record_submission(
+        self, lease_id: str, node_id: str, verdicts: Sequence, usd: float, seconds: float, signed_bytes_hash: str
+    ) -> list[int]:
+        """In one transaction: close the lease, record every group with its verdict, book the payment.
+
+        `verdicts` are hub.submissions.GroupVerdict. Returns the row ids in verdict order. A lease
+        that is not open for this node (a replay racing the first answer) raises ValueError and
+        changes nothing.
+        """
+        now = time.time()
+        ids: list[int] = []
+        with self._write():
+            cur = self.db.execute(
+                "UPDATE leases SET state = 'answered', answered_at = ? WHERE id = ? AND node_id = ? AND state = 'open'",
+                (now, lease_id, node_id),
+            )
+            if cur.rowcount != 1:
+                raise ValueError(f"lease {lease_id} is not open for {node_id}")
+            for v in verdicts:
+                if v.accepted:
+                    group_json, version = v.group.model_dump_json(), v.group.version
+                    reward_mean = sum(v.group.rewards) / len(v.group.rewards)
+                else:
+                    group_json = v.submitted.model_dump_json()
+                    version = v.submitted.completions[0].version if v.submitted.completions else -1
+                    reward_mean = 0.0
+                cur = self.db.execute(
+                    "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, reward_mean,"
+                    " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (lease_id, node_id, v.prompt_id, version, group_json, reward_mean,
+                     "accepted" if v.accepted else "rejected", v.reason or None, now, signed_bytes_hash),
+                )
+                ids.append(int(cur.lastrowid))
+            accepted = sum(1 for v in verdicts if v.accepted)
+            self.db.execute(
+                "UPDATE nodes SET accepted = accepted + ?, rejected = rejected + ? WHERE peer_id = ?",
+                (accepted, len(verdicts) - accepted, node_id),
+            )
+            if usd > 0:
+                self.db.execute(
+                    "INSERT INTO ledger (node_id, lease_id, step, usd, seconds, created_at) VALUES (?, ?, NULL, ?, ?, ?)",
+                    (node_id, lease_id, usd, seconds, now),
+                )
+        return ids
+
+    def trajectory_counts(self) -> tuple[int, int]:
+        """(accepted, rejected) groups ever received."""
+        row = self._rows(
+            "SELECT COALESCE(SUM(verdict = 'accepted'), 0) AS a, COALESCE(SUM(verdict = 'rejected'), 0) AS r FROM trajectories"
+        )[0]
+        return int(row["a"]), int(row["r"])
+
+    def recent_steps(self, limit: int) -> list[StepRecord]:
+        """The newest `limit` learner steps, oldest first."""
+        out = []
+        for r in self._rows("SELECT * FROM (SELECT * FROM steps ORDER BY step DESC LIMIT ?) ORDER BY step", (limit,)):
+            extra = json.loads(r.pop("metrics_json"))
+            r.pop("created_at")
+            out.append(StepRecord(**r, extra=extra))
+        return out
+
+    def discard_trajectories(self, ids: Sequence[int], reason: str) -> None:
+        """Mark accepted, untrained rows as never to be trained on (e.g. refused by the buffer)."""
+        with self._write():
+            self._discard(ids, reason)
+
+    def _discard(self, ids: Sequence[int], reason: str) -> None:
+        for row_id in ids:
+            cur = self.db.execute(
+                "UPDATE trajectories SET discard_reason = ? WHERE id = ? AND verdict = 'accepted'"
+                " AND consumed_step IS NULL AND discard_reason IS NULL",
+                (reason, row_id),
+            )
+            if cur.rowcount != 1:
+                raise ValueError(f"trajectory {row_id} is not an accepted, pending row")
+
+    def unconsumed_groups(self) -> list[tuple[int, Group]]:
+        """Accepted rows neither trained on nor discarded, oldest first: the buffer after a restart."""
+        rows = self._rows(
+            "SELECT id, group_json FROM trajectories WHERE verdict = 'accepted'"
+            " AND consumed_step IS NULL AND discard_reason IS NULL ORDER BY id"
+        )
+        return [(r["id"], Group.model_validate_json(r["group_json"])) for r in rows]
+
+    def trajectories(self) -> list[TrajectoryRow]:
+        cols = ", ".join(f for f in TrajectoryRow.__dataclass_fields__)
+        return [TrajectoryRow(**r) for r in self._rows(f"SELECT {cols} FROM trajectories ORDER BY id")]
+
+    # -- steps and ledger --------------------------------------------------------------
+
+    def commit_step(
+        self,
+        record: StepRecord,
+        consumed_ids: Sequence[int],
+        ledger_rows: Sequence[LedgerRow] = (),
+        dropped_stale_ids: Sequence[int] = (),
+    ) -> None:
+        """In one transaction: the step row, its consumed and stale-dropped trajectories, its ledger rows."""
+        now = time.time()
+        with self._write():
+            self.db.execute(
+                "INSERT INTO steps (step, version, reward_mean, reward_std, staleness_mean, staleness_max,"
+                " dropped_stale, t_train_s, t_idle_s, bubble, tokens, clip_frac, created_at, metrics_json)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (record.step, record.version, record.reward_mean, record.reward_std, record.staleness_mean,
+                 record.staleness_max, record.dropped_stale, record.t_train_s, record.t_idle_s, record.bubble,
+                 record.tokens, record.clip_frac, now, json.dumps(dict(record.extra))),
+            )
+            for row_id in consumed_ids:
+                cur = self.db.execute(
+                    "UPDATE trajectories SET consumed_step = ? WHERE id = ? AND verdict = 'accepted'"
+                    " AND consumed_step IS NULL AND discard_reason IS NULL",
+                    (record.step, row_id),
+                )
+                if cur.rowcount != 1:
+                    raise ValueError(f"trajectory {row_id} is not an accepted, pending row")
+            self._discard(dropped_stale_ids, "stale")
+            for row in ledger_rows:
+                self.db.execute(
+                    "INSERT INTO ledger (node_id, lease_id, step, usd, seconds, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    (row.node_id, row.lease_id, record.step, row.usd, row.seconds, now),
+                )
+
+    def steps(self) -> list[StepRecord]:
+        out = []
+        for r in self._rows("SELECT * FROM steps ORDER BY step"):
+            extra = json.loads(r.pop("metrics_json"))
+            r.pop("created_at")
+            out.append(StepRecord(**r, extra=extra))
+        return out
+
+    def latest_step(self) -> int | None:
+        return self._rows("SELECT MAX(step) AS s FROM steps")[0]["s"]
+
+    def ledger_total_usd(self, node_id: str | None = None) -> float:
+        """Money booked and not voided, for one node or all."""
+        if node_id is None:
+            rows = self._rows("SELECT COALESCE(SUM(usd), 0) AS t FROM ledger WHERE voided = 0")
+        else:
+            rows = self._rows(
+                "SELECT COALESCE(SUM(usd), 0) AS t FROM ledger WHERE voided = 0 AND node_id = ?", (node_id,)
+            )
+        return float(rows[0]["t"])
+
+    # -- events and checkpoints --------------------------------------------------------
+
+    def add_event(self, kind: str, node_id: str | None, detail: str) -> None:
+        with self._write():
+            self.db.execute(
+                "INSERT INTO events (at, kind, node_id, detail) VALUES (?, ?, ?, ?)",
+                (time.time(), kind, node_id, detail),
+            )
+
+    def events(self, limit: int = EVENTS_DEFAULT_LIMIT) -> list[EventRow]:
+        """The newest `limit` events, newest first."""
+        return [EventRow(**r) for r in self._rows("SELECT * FROM events ORDER BY id DESC LIMIT ?", (limit,))]
+
+    def add_checkpoint(self, step: int, path: str, version: int) -> None:
+        with self._write():
+            self.db.execute(
+                "INSERT OR REPLACE INTO checkpoints (step, path, version, created_at) VALUES (?, ?, ?, ?)",
+                (step, path, version, time.time()),
+            )
+
+    def latest_checkpoint(self) -> CheckpointRow | None:
+        rows = self._rows("SELECT * FROM checkpoints ORDER BY step DESC LIMIT 1")
+        return CheckpointRow(**rows[0]) if rows else None

@@ -1,0 +1,126 @@
+"""Checks of one signed submission against the lease it answers; the hub's verdict per group.
+
+Nothing a node says about its own work is believed: the completion text is re-decoded from
+the token ids with the hub's tokenizer, the reward is recomputed from the task, a claimed
+reward is only compared, and lengths, versions and log-probs are bounded by the lease.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hub.leases import LeaseRecord
+from shared.messages import Submission, SubmittedGroup
+from shared.rollout import Completion, Group, SamplingParams
+from shared.tasks.base import Task
+
+CLAIMED_REWARD_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class VersionWindow:
+    """Versions the hub accepts right now: newest published, and the oldest still within S."""
+
+    oldest: int
+    newest: int
+
+
+@dataclass(frozen=True)
+class SubmissionRules:
+    """What every submission is checked against; fixed for the hub's lifetime."""
+
+    task: Task
+    group_size: int
+    sampling: SamplingParams
+    eos_id: int
+    vocab_size: int
+    decode: Callable[[list[int]], str]
+
+
+@dataclass(frozen=True)
+class GroupVerdict:
+    prompt_id: str
+    accepted: bool
+    reason: str
+    submitted: SubmittedGroup
+    group: Group | None = None
+    claimed_reward_mismatch: bool = False
+
+
+def _check_completion(c: Completion, sampling: SamplingParams, eos_id: int) -> str | None:
+    n = len(c.token_ids)
+    if n == 0 or n > sampling.max_new_tokens:
+        return f"completion length {n} outside [1, {sampling.max_new_tokens}]"
+    if len(c.logprobs) != n:
+        return f"{len(c.logprobs)} log-probs for {n} tokens"
+    if not all(math.isfinite(lp) and lp <= 1e-6 for lp in c.logprobs):
+        return "log-probs must be finite and <= 0"
+    ends_with_eos = c.token_ids[-1] == eos_id
+    if c.finish_reason == "stop" and not ends_with_eos:
+        return "finish_reason stop without EOS"
+    if c.finish_reason == "length" and n != sampling.max_new_tokens:
+        return "finish_reason length before max_new_tokens"
+    if eos_id in c.token_ids[:-1]:
+        return "tokens after EOS"
+    return None
+
+
+def check_group(
+    submitted: SubmittedGroup,
+    record: LeaseRecord,
+    seen: set[str],
+    rules: SubmissionRules,
+    window: VersionWindow,
+    node_id: str,
+) -> GroupVerdict:
+    pid = submitted.prompt_id
+    reject = lambda reason: GroupVerdict(pid, False, reason, submitted)  # noqa: E731
+    prompts = {p.id: p for p in record.prompts}
+    if pid not in prompts:
+        return reject("prompt not in lease")
+    if pid in record.answered or pid in seen:
+        return reject("prompt already answered")
+    seen.add(pid)
+    if len(submitted.completions) != rules.group_size:
+        return reject(f"{len(submitted.completions)} completions, lease asked for {rules.group_size}")
+    versions = {c.version for c in submitted.completions}
+    if len(versions) != 1:
+        return reject("completions of one group made with different versions")
+    version = versions.pop()
+    if version > window.newest:
+        return reject(f"version {version} was never published (newest {window.newest})")
+    if version < max(record.min_version, window.oldest):
+        return reject(f"stale version {version} (oldest accepted {max(record.min_version, window.oldest)})")
+    completions = []
+    for c in submitted.completions:
+        problem = _check_completion(c, rules.sampling, rules.eos_id)
+        if problem is None and any(not 0 <= t < rules.vocab_size for t in c.token_ids):
+            problem = "token id outside the vocabulary"
+        if problem is not None:
+            return reject(problem)
+        completions.append(c.model_copy(update={"text": rules.decode(list(c.token_ids))}))
+    prompt = prompts[pid]
+    rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
+    mismatch = submitted.claimed_rewards is not None and (
+        len(submitted.claimed_rewards) != len(rewards)
+        or any(abs(a - b) > CLAIMED_REWARD_TOLERANCE for a, b in zip(submitted.claimed_rewards, rewards))
+    )
+    group = Group(
+        prompt_id=pid,
+        prompt_text=prompt.text,
+        version=version,
+        completions=tuple(completions),
+        rewards=rewards,
+        node_id=node_id,
+    )
+    return GroupVerdict(pid, True, "", submitted, group, claimed_reward_mismatch=mismatch)
+
+
+def check_submission(
+    submission: Submission, record: LeaseRecord, rules: SubmissionRules, window: VersionWindow
+) -> list[GroupVerdict]:
+    """Verdicts for every group of a submission whose lease and signer were already verified."""
+    seen: set[str] = set()
+    return [check_group(g, record, seen, rules, window, submission.node_id) for g in submission.groups]

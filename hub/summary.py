@@ -1,0 +1,51 @@
+"""The end-of-run summary printed by `echo-hub start`, from the data dir alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hub.metrics import METRICS_FILE, read_metrics
+from hub.status import STATUS_FILE
+from shared.messages import HubStatus
+
+
+def fifth_means(values: list[float]) -> tuple[float, float]:
+    """Mean of the first and of the last fifth (at least one value each)."""
+    k = max(1, len(values) // 5)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def print_summary(data_dir: Path, interrupted: bool = False) -> None:
+    console = Console()
+    rows = read_metrics(Path(data_dir) / METRICS_FILE)
+    status_path = Path(data_dir) / STATUS_FILE
+    status = HubStatus.model_validate_json(status_path.read_text()) if status_path.exists() else None
+    table = Table(title="echo2 run summary" + (" (interrupted)" if interrupted else ""), show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    if rows:
+        first, last = fifth_means([r["reward_mean"] for r in rows])
+        table.add_row("learner steps", str(rows[-1]["step"]))
+        table.add_row("reward (first fifth -> last fifth)", f"{first:.3f} -> {last:.3f}")
+        table.add_row("staleness mean / max", f"{sum(r['staleness_mean'] for r in rows) / len(rows):.2f} / {max(r['staleness_max'] for r in rows)}")
+        table.add_row("bubble ratio (mean)", f"{sum(r['bubble'] for r in rows) / len(rows):.3f}")
+        table.add_row("T_train mean", f"{sum(r['t_train_s'] for r in rows) / len(rows):.3f} s")
+    else:
+        table.add_row("learner steps", "0")
+    if status is not None:
+        table.add_row("trajectories accepted / rejected", f"{status.accepted} / {status.rejected}")
+        table.add_row("dropped as stale", str(status.dropped_stale))
+        table.add_row("T_bcast (last)", f"{status.t_bcast_s:.2f} s" if status.t_bcast_s is not None else "-")
+        table.add_row("cost (learner + nodes)", f"${status.cost_usd:.4f}")
+        if status.cost_per_step_usd is not None:
+            table.add_row("cost per step", f"${status.cost_per_step_usd:.5f}")
+        table.add_row("nodes", ", ".join(f"{n.peer_id[-6:]}:{n.state}:{n.accepted}" for n in status.nodes) or "-")
+    console.print(table)
+    final = Path(data_dir) / "final"
+    if final.exists():
+        console.print(f"final policy: {final.resolve()}  (load with from_pretrained)")
+    console.print(f"reward curve: echo-hub report --data-dir {data_dir}")
+

@@ -1,0 +1,34 @@
+"""The volunteer node's configuration: one strict model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from shared.config import Section
+
+
+class NodeConfig(Section):
+    """Everything `echo-node join` needs."""
+
+    hub: str = Field(description="hub multiaddr including /p2p/<hub peer id>, as the hub printed it")
+    price: float = Field(0.35, ge=0.0, le=1000.0, description="declared price in $/h")
+    backend: Literal["auto", "hf", "vllm"] = Field("auto", description="rollout engine")
+    device: Literal["cpu", "cuda"] | None = Field(None, description="torch device (None: cuda if present)")
+    data_dir: Path = Field(Path("echo2-node"), description="identity, snapshots, logs, node_status.json")
+    key: Path | None = Field(None, description="identity key file (default DATA_DIR/node.key)")
+    model: Path | None = Field(None, description="local HF model dir matching the hub's (None: embedded default)")
+    listen: str = Field("/ip4/0.0.0.0/tcp/0", description="libp2p listen multiaddr (for chain relays)")
+    max_rollouts_per_s: float | None = Field(None, gt=0.0, description="throttle generation (tests, benchmarks)")
+    link_mbps: float | None = Field(None, gt=0.0, description="emulated outbound link rate in Mbit/s")
+    declared_link_mbps: float = Field(1000.0, gt=0.0, le=1e6, description="link bandwidth declared on join")
+    heartbeat_period_s: float = Field(2.0, gt=0.0, le=600.0, description="seconds between heartbeats")
+    reconnect_max_s: float = Field(10.0, gt=0.0, le=3600.0, description="cap of the reconnect backoff")
+    threads: int = Field(1, ge=1, le=256, description="torch threads for generation")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @property
+    def key_path(self) -> Path:
+        return self.key if self.key is not None else self.data_dir / "node.key"

@@ -1,0 +1,219 @@
+"""`run_node`: a volunteer node's process — libp2p host, hub link, snapshot keeper, worker, status file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import trio
+
+from node.config import NodeConfig
+from shared.crypto import Identity, peer_id_from_multiaddr
+from shared.files import atomic_write_text
+from shared.messages import (
+    RELAY_PROTOCOL,
+    SNAPSHOT_PROTOCOL,
+    Heartbeat,
+    HeartbeatReply,
+    JoinRequest,
+    NodeView,
+)
+from shared.net import RateLimiter, running_host, set_handler
+from shared.signals import Stopper
+
+log = logging.getLogger("echo2.node")
+
+STATUS_PERIOD_S = 1.0
+MBIT = 1e6 / 8
+
+
+def _hardware(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)} ({os.cpu_count()} CPUs)"
+    return f"{platform.processor() or platform.machine()} CPU x{os.cpu_count()}"
+
+
+def _setup_logging(config: NodeConfig) -> None:
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(config.data_dir / "node.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(config.log_level.upper())
+    stderr = logging.StreamHandler()
+    stderr.setLevel(logging.WARNING)
+    root.addHandler(stderr)
+    # py-libp2p logs expected peer churn at ERROR; keep it in the file only.
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+
+
+class NodeRuntime:
+    """Wires the node's components together in one trio nursery."""
+
+    def __init__(self, config: NodeConfig, identity: Identity, engine, model_config_hash: str, device: str) -> None:
+        self.config = config
+        self.identity = identity
+        self.engine = engine
+        self.model_config_hash = model_config_hash
+        self.device = device
+        self.hub_peer_id = peer_id_from_multiaddr(config.hub)
+        self.engine_lock = trio.Lock()
+        self.listen_addrs: tuple[str, ...] = ()
+        self.stopper = Stopper()
+
+    async def _install(self, data: bytes, version: int) -> None:
+        async with self.engine_lock:
+            await trio.to_thread.run_sync(self.engine.install, data, version)
+
+    def _join_request(self) -> JoinRequest:
+        return JoinRequest(
+            price_per_hour=self.config.price,
+            hardware=_hardware(self.device),
+            link_bps=self.config.declared_link_mbps * MBIT,
+            backend=self.engine.backend,
+            model_config_hash=self.model_config_hash,
+            version_held=self.keeper.version_held,
+            listen_addrs=self.listen_addrs,
+        )
+
+    def _heartbeat(self) -> Heartbeat:
+        transfer = self.keeper.transfer
+        return Heartbeat(
+            version_held=self.keeper.version_held,
+            tokens_per_s=self.worker.stats.tokens_per_s,
+            queue_depth=0,
+            receiving_version=transfer.manifest.version if transfer else None,
+            chunks_received=(len(transfer.manifest.chunk_hashes) - transfer.assembler.missing_count) if transfer else 0,
+        )
+
+    def _on_reply(self, reply: HeartbeatReply) -> None:
+        from node.keeper import Upstream
+
+        self.keeper.update(reply.latest_version, Upstream(reply.upstream, reply.upstream_addrs), reply.downstream)
+        if reply.state in ("active", "probing"):
+            self.worker.wake.set()
+            self.worker.wake = trio.Event()
+
+    def _on_installed(self, version: int) -> None:
+        self.link.state.note("installed", f"v{version}")
+        self.link.beat_now.set()  # tell the hub at once: it measures T_bcast from these
+
+    def view(self) -> NodeView:
+        link, keeper, stats = self.link.state, self.keeper, self.worker.stats
+        reply = link.last_reply
+        transfer = keeper.transfer
+        return NodeView(
+            peer_id=self.identity.peer_id,
+            hub_addr=self.config.hub,
+            connected=link.connected,
+            state=link.state if link.state in ("connecting", "probing", "active", "standby", "banned", "gone") else "connecting",
+            updated_at=time.time(),
+            price_per_hour=self.config.price,
+            backend=self.engine.backend,
+            version_held=keeper.version_held,
+            receiving_version=transfer.manifest.version if transfer else None,
+            chunks_received=(len(transfer.manifest.chunk_hashes) - transfer.assembler.missing_count) if transfer else 0,
+            chunks_total=len(transfer.manifest.chunk_hashes) if transfer else 0,
+            chain=reply.chain if reply else None,
+            chain_position=reply.chain_position if reply else None,
+            upstream=reply.upstream if reply else None,
+            downstream=reply.downstream if reply else None,
+            tokens_per_s=stats.tokens_per_s,
+            rollouts_per_s=stats.rollouts_per_s,
+            leases_done=stats.leases_done,
+            accepted=stats.accepted,
+            rejected=stats.rejected,
+            earnings_usd=self.config.price * stats.busy_s / 3600.0,
+            busy_s=stats.busy_s,
+            events=tuple(link.events[-20:]),
+        )
+
+    async def _write_status(self) -> None:
+        path = self.config.data_dir / "node_status.json"
+        while True:
+            await trio.to_thread.run_sync(atomic_write_text, path, self.view().model_dump_json())
+            await trio.sleep(STATUS_PERIOD_S)
+
+    async def run(self) -> None:
+        from node.hub_link import HubLink
+        from node.keeper import SnapshotKeeper
+        from node.worker import Worker
+
+        limiter = RateLimiter(self.config.link_mbps * MBIT) if self.config.link_mbps else None
+        async with running_host(self.identity, [self.config.listen]) as (host, addrs):
+            self.listen_addrs = tuple(addrs)
+            self.keeper = SnapshotKeeper(host, self.hub_peer_id, self._install, limiter, self._on_installed)
+            self.worker = Worker(
+                host, self.identity, self.hub_peer_id, self.engine, self.engine_lock,
+                can_work=lambda: self.link.state.connected and self.link.state.state in ("active", "probing"),
+                version_held=lambda: self.keeper.version_held,
+                max_rollouts_per_s=self.config.max_rollouts_per_s,
+            )
+            self.link = HubLink(
+                host, self.config.hub, self.hub_peer_id, self._join_request, self._heartbeat, self._on_reply,
+                self.config.heartbeat_period_s, self.config.reconnect_max_s,
+            )
+            set_handler(host, SNAPSHOT_PROTOCOL, self.keeper.serve, log)
+            set_handler(host, RELAY_PROTOCOL, self.keeper.on_relay_offer, log)
+            log.info("node %s listening on %s", self.identity.peer_id, ", ".join(addrs))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.stopper.run, nursery.cancel_scope)
+                await self.keeper.start(nursery)
+                nursery.start_soon(self.link.run)
+                nursery.start_soon(self.worker.run)
+                nursery.start_soon(self._write_status)
+
+
+def run_node(config: NodeConfig, dashboard: bool = False) -> int:
+    if dashboard:
+        return _run_with_dashboard(config)
+    _setup_logging(config)
+    import torch
+
+    from node.engine import make_engine
+    from shared.default_model import ensure_default_model
+    from shared.snapshot import model_dir_config_hash
+
+    torch.set_num_threads(config.threads)
+    identity = Identity.load_or_create(config.key_path)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model_dir = config.model or ensure_default_model(progress=sys.stderr.isatty())
+    engine = make_engine(config.backend, model_dir, device=device, version=-1)
+    config_hash = model_dir_config_hash(model_dir)
+    print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
+    runtime = NodeRuntime(config, identity, engine, config_hash, device)
+    try:
+        trio.run(runtime.run)
+    except SystemExit as exc:
+        print(f"echo-node: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.close()
+    print(f"echo-node: stopped ({runtime.stopper.signal_name})", file=sys.stderr)
+    return 0
+
+
+def _run_with_dashboard(config: NodeConfig) -> int:
+    """The dashboard is its own process (Textual runs on asyncio, libp2p on trio): run the node as a child."""
+    from node.cli import config_to_args
+    from tui.cli import run_node_dashboard
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "node.cli", "join", *config_to_args(config)]
+    with open(config.data_dir / "node.err", "ab") as err:
+        child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        run_node_dashboard(config.data_dir).run()
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return 0

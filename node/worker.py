@@ -1,0 +1,142 @@
+"""The node's worker: takes leases from the hub, generates the groups, signs and submits them.
+
+Generation runs in a worker thread (the libp2p host must never be starved: py-libp2p
+resets a stream whose reader stalls ~5 s). The engine is shared with the snapshot keeper,
+so generation and weight swaps take turns under one lock, and every completion records
+the version that actually produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import IHost
+
+from shared.crypto import Identity
+from shared.messages import LEASE_PROTOCOL, SUBMIT_PROTOCOL, Lease, LeaseReply, LeaseRequest, Reject, Submission, SubmitReply, SubmittedGroup
+from shared.net import open_stream, request
+from shared.wire import read_message, write_signed
+
+log = logging.getLogger("echo2.node.worker")
+
+REQUEST_TIMEOUT_S = 30.0
+IDLE_RETRY_S = 0.5
+
+
+@dataclass
+class WorkStats:
+    leases_done: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    rollouts: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0
+    tokens_per_s: float = 0.0
+    rollouts_per_s: float = 0.0
+    last_rejections: list[str] = field(default_factory=list)
+
+
+class Worker:
+    """Lease -> generate -> sign -> submit, for as long as the hub has work for this node."""
+
+    def __init__(
+        self,
+        host: IHost,
+        identity: Identity,
+        hub_peer_id: str,
+        engine,
+        engine_lock: trio.Lock,
+        can_work: Callable[[], bool],
+        version_held: Callable[[], int],
+        max_rollouts_per_s: float | None,
+    ) -> None:
+        self.host = host
+        self.identity = identity
+        self.hub_peer_id = hub_peer_id
+        self.engine = engine
+        self.engine_lock = engine_lock
+        self.can_work = can_work
+        self.version_held = version_held
+        self.max_rollouts_per_s = max_rollouts_per_s
+        self.stats = WorkStats()
+        self.wake = trio.Event()
+
+    async def run(self) -> None:
+        while True:
+            if not self.can_work() or self.version_held() < 0:
+                with trio.move_on_after(IDLE_RETRY_S):
+                    await self.wake.wait()
+                continue
+            try:
+                reply = await request(
+                    self.host, self.hub_peer_id, LEASE_PROTOCOL, LeaseRequest(version_held=self.version_held()),
+                    LeaseReply, Reject, timeout_s=REQUEST_TIMEOUT_S,
+                )
+            except Exception as exc:  # noqa: BLE001 - hub unreachable: the hub link reconnects
+                log.debug("lease request failed: %r", exc)
+                await trio.sleep(IDLE_RETRY_S)
+                continue
+            if isinstance(reply, Reject):
+                log.info("lease refused: %s", reply.reason)
+                await trio.sleep(IDLE_RETRY_S)
+                continue
+            if reply.lease is None:
+                await trio.sleep(max(reply.retry_after_s, 0.05))
+                continue
+            await self.work(reply.lease)
+
+    def _generate(self, lease: Lease):
+        texts = [p.text for p in lease.prompts]
+        return self.engine.generate(texts, lease.group_size, lease.sampling)
+
+    async def work(self, lease: Lease) -> SubmitReply | Reject:
+        started = time.monotonic()
+        async with self.engine_lock:
+            groups = await trio.to_thread.run_sync(self._generate, lease)
+        rollouts = sum(len(g) for g in groups)
+        if self.max_rollouts_per_s is not None:
+            # Emulated slow hardware: the work takes as long as it would at the throttled rate.
+            await trio.sleep(max(0.0, rollouts / self.max_rollouts_per_s - (time.monotonic() - started)))
+        elapsed = time.monotonic() - started
+        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        submission = Submission(
+            lease_id=lease.lease_id,
+            node_id=self.identity.peer_id,
+            groups=tuple(
+                SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(g)) for p, g in zip(lease.prompts, groups)
+            ),
+        )
+        reply = await self.submit(submission)
+        self.stats.leases_done += 1
+        self.stats.rollouts += rollouts
+        self.stats.tokens += tokens
+        self.stats.busy_s += elapsed
+        self.stats.tokens_per_s = tokens / elapsed if elapsed > 0 else 0.0
+        self.stats.rollouts_per_s = rollouts / elapsed if elapsed > 0 else 0.0
+        if isinstance(reply, SubmitReply):
+            self.stats.accepted += reply.accepted
+            self.stats.rejected += len(reply.rejected)
+            self.stats.last_rejections = [f"{pid}: {why}" for pid, why in reply.rejected][-5:]
+        else:
+            self.stats.rejected += len(lease.prompts)
+            self.stats.last_rejections = [reply.reason]
+            log.warning("submission refused: %s", reply.reason)
+        return reply
+
+    async def submit(self, submission: Submission) -> SubmitReply | Reject:
+        with trio.fail_after(REQUEST_TIMEOUT_S):
+            stream = await open_stream(self.host, self.hub_peer_id, SUBMIT_PROTOCOL)
+            try:
+                await write_signed(stream, submission, self.identity)
+                await stream.close_write()
+                reply = await read_message(stream, SubmitReply, Reject)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await stream.reset()
+                raise
+            await stream.close()
+            return reply

@@ -1,0 +1,1 @@
+"""echo2 shared package."""

@@ -1,0 +1,33 @@
+"""Durable file writes: temp file, fsync, rename, fsync of the directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Replace `path` with `data` so that readers see the old or the new file, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str, durable: bool = False) -> None:
+    """Atomic replace of a small text file (status files: atomic, not necessarily durable)."""
+    atomic_write_bytes(path, text.encode(), durable=durable)

@@ -1,0 +1,82 @@
+"""Per-token log-probs of given completions under a model's sampling distribution (temperature, top-p).
+
+The hub learner backprops through these and the hub's audits compare them with what nodes
+report, so the filtering here is the one the engines sample with (node/hf_engine.py imports it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def nucleus_removed(scaled_logits: Tensor, top_p: float) -> Tensor:
+    """Bool mask of tokens outside the top-p nucleus, with transformers' and vLLM's tie rules.
+
+    Tokens sorted by ascending probability are dropped while their cumulative mass is <= 1 - top_p;
+    the most likely token is always kept.
+    """
+    sorted_logits, sorted_index = torch.sort(scaled_logits, dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    removed_sorted = cumulative <= (1.0 - top_p)
+    removed_sorted[..., -1] = False
+    return removed_sorted.scatter(-1, sorted_index, removed_sorted)
+
+
+def sampling_logprobs(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
+    """Log-softmax of logits / temperature restricted to the top-p nucleus (-inf outside it), in fp32."""
+    scaled = logits.float() / temperature
+    if top_p < 1.0:
+        # The nucleus membership is a discrete choice: no gradient flows through it.
+        scaled = scaled.masked_fill(nucleus_removed(scaled.detach(), top_p), float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs [B, T] of each completion token given its prompt, and a float mask [B, T] of real tokens.
+
+    One forward pass over [left-padded prompt | right-padded completion]; position ids count real
+    tokens only, so each row sees the positions it would see alone (as during generation).
+    Differentiable with respect to the model's parameters.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("empty prompt")
+    device = next(model.parameters()).device
+    batch = len(prompt_ids)
+    prompt_width = max(len(p) for p in prompt_ids)
+    completion_width = max((len(c) for c in completion_ids), default=0)
+    ids = torch.full((batch, prompt_width + completion_width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+        start = prompt_width - len(prompt)
+        ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
+        attention[row, start:prompt_width] = 1
+        if completion:
+            ids[row, prompt_width : prompt_width + len(completion)] = torch.tensor(completion, dtype=torch.long)
+            attention[row, prompt_width : prompt_width + len(completion)] = 1
+    ids, attention = ids.to(device), attention.to(device)
+    positions = (attention.cumsum(dim=-1) - 1).clamp(min=0)
+    # Logits at positions prompt_width-1 .. end-1 predict the completion tokens.
+    logits = model(
+        input_ids=ids,
+        attention_mask=attention,
+        position_ids=positions,
+        use_cache=False,
+        logits_to_keep=completion_width + 1,
+    ).logits[:, :-1, :]
+    logprobs = sampling_logprobs(logits, temperature, top_p)
+    targets = ids[:, prompt_width:]
+    mask = attention[:, prompt_width:].float()
+    token_logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # Padding slots may sit outside the nucleus (-inf); zero them so sums and grads stay finite.
+    token_logprobs = token_logprobs.masked_fill(mask == 0, 0.0)
+    return token_logprobs, mask

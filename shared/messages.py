@@ -1,0 +1,301 @@
+"""Every message that crosses the wire between hub, nodes and dashboards, with its protocol id.
+
+Each protocol is request/response on its own stream: the dialer writes one message and
+half-closes, the listener answers with one message (snapshot transfers stream frames and
+end with an application ack). Type tags are unique across all messages; binary frames
+(snapshot chunks) use tags 200-255 (see shared/wire.py). Size caps are per message type
+and checked before the body is read.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from shared.rollout import Completion, SamplingParams
+from shared.wire import Message, protocol_id
+
+JOIN_PROTOCOL = protocol_id("join")
+HEARTBEAT_PROTOCOL = protocol_id("heartbeat")
+LEASE_PROTOCOL = protocol_id("lease")
+SUBMIT_PROTOCOL = protocol_id("submit")
+STATUS_PROTOCOL = protocol_id("status")
+SNAPSHOT_PROTOCOL = protocol_id("snapshot")
+RELAY_PROTOCOL = protocol_id("relay")
+REPORT_PROTOCOL = protocol_id("report")
+
+KIB = 1024
+MIB = 1024 * KIB
+
+# Binary frame tags (bodies are not JSON).
+MANIFEST_FRAME = 200
+CHUNK_FRAME = 201
+
+NodeState = Literal["probing", "active", "standby", "banned", "gone"]
+
+
+class Reject(Message):
+    """A refusal with its reason, sent instead of the expected reply."""
+
+    TYPE: ClassVar[int] = 1
+    MAX_BYTES: ClassVar[int] = 4 * KIB
+    reason: str = Field(max_length=1000)
+
+
+class JoinRequest(Message):
+    TYPE: ClassVar[int] = 2
+    MAX_BYTES: ClassVar[int] = 16 * KIB
+    price_per_hour: float = Field(ge=0.0, le=1000.0, description="declared price, $/h")
+    hardware: str = Field(max_length=500, description="free-form hardware summary")
+    link_bps: float = Field(gt=0.0, le=1e12, description="declared link bandwidth, bytes/s")
+    backend: Literal["hf", "vllm"]
+    model_config_hash: str = Field(max_length=128)
+    version_held: int = Field(-1, ge=-1, description="newest verified snapshot held (-1: none)")
+    listen_addrs: tuple[str, ...] = Field((), max_length=16, description="where peers can dial this node")
+
+
+class JoinReply(Message):
+    TYPE: ClassVar[int] = 3
+    MAX_BYTES: ClassVar[int] = 16 * KIB
+    state: NodeState
+    latest_version: int = Field(ge=-1)
+    staleness: int = Field(ge=0)
+    task: str
+    heartbeat_period_s: float = Field(gt=0.0)
+
+
+class Heartbeat(Message):
+    TYPE: ClassVar[int] = 4
+    MAX_BYTES: ClassVar[int] = 4 * KIB
+    version_held: int = Field(ge=-1)
+    tokens_per_s: float = Field(ge=0.0, le=1e9, description="node's own generation throughput (informational)")
+    queue_depth: int = Field(ge=0, le=1_000_000)
+    receiving_version: int | None = Field(None, ge=0, description="snapshot in flight, if any")
+    chunks_received: int = Field(0, ge=0)
+
+
+class HeartbeatReply(Message):
+    TYPE: ClassVar[int] = 5
+    MAX_BYTES: ClassVar[int] = 16 * KIB
+    state: NodeState
+    latest_version: int = Field(ge=-1)
+    upstream: str | None = Field(None, description="peer id this node pulls snapshots from (None: the hub)")
+    upstream_addrs: tuple[str, ...] = Field((), max_length=16)
+    downstream: str | None = Field(None, description="peer id that pulls snapshots from this node")
+    chain: int | None = None
+    chain_position: int | None = None
+
+
+class LeaseRequest(Message):
+    TYPE: ClassVar[int] = 6
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    version_held: int = Field(ge=-1)
+
+
+class LeasePrompt(Message):
+    TYPE: ClassVar[int] = 7
+    MAX_BYTES: ClassVar[int] = 64 * KIB
+    prompt_id: str = Field(max_length=200)
+    text: str = Field(max_length=60_000)
+
+
+class Lease(Message):
+    """Work for one node: answer every prompt with group_size completions, once, before the deadline."""
+
+    TYPE: ClassVar[int] = 8
+    MAX_BYTES: ClassVar[int] = 4 * MIB
+    lease_id: str = Field(max_length=64)
+    prompts: tuple[LeasePrompt, ...] = Field(max_length=4096)
+    group_size: int = Field(ge=1, le=256)
+    sampling: SamplingParams
+    min_version: int = Field(ge=0, description="oldest policy version the hub will still accept")
+    deadline_s: float = Field(gt=0.0, description="seconds from issue until the lease expires")
+
+
+class LeaseReply(Message):
+    TYPE: ClassVar[int] = 9
+    MAX_BYTES: ClassVar[int] = 4 * MIB + 1 * KIB
+    lease: Lease | None = None
+    retry_after_s: float = Field(0.0, ge=0.0, le=3600.0)
+    reason: str = Field("", max_length=500)
+
+
+class SubmittedGroup(Message):
+    TYPE: ClassVar[int] = 10
+    MAX_BYTES: ClassVar[int] = 8 * MIB
+    prompt_id: str = Field(max_length=200)
+    completions: tuple[Completion, ...] = Field(max_length=256)
+    claimed_rewards: tuple[float, ...] | None = Field(None, description="node's own scores: compared, never used")
+
+
+class Submission(Message):
+    """Signed by the node: the answer to one lease."""
+
+    TYPE: ClassVar[int] = 11
+    MAX_BYTES: ClassVar[int] = 32 * MIB
+    lease_id: str = Field(max_length=64)
+    node_id: str = Field(max_length=128)
+    groups: tuple[SubmittedGroup, ...] = Field(max_length=4096)
+
+
+class SubmitReply(Message):
+    TYPE: ClassVar[int] = 12
+    MAX_BYTES: ClassVar[int] = 256 * KIB
+    accepted: int = Field(ge=0)
+    rejected: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of rejected groups")
+    reason: str = Field("", max_length=1000, description="why the whole submission was refused, if it was")
+
+
+class StatusRequest(Message):
+    TYPE: ClassVar[int] = 13
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    events: int = Field(50, ge=0, le=1000, description="recent events wanted")
+
+
+class NodeStatus(Message):
+    TYPE: ClassVar[int] = 14
+    MAX_BYTES: ClassVar[int] = 16 * KIB
+    peer_id: str
+    state: NodeState
+    price_per_hour: float
+    rollouts_per_s: float
+    version_held: int
+    receiving_version: int | None = None
+    chunks_received: int = 0
+    accepted: int
+    rejected: int
+    cost_usd: float
+    backend: str = ""
+    hardware: str = ""
+    chain: int | None = Field(None, description="index of the forwarding chain it sits in")
+    chain_position: int | None = None
+
+
+class StepPoint(Message):
+    TYPE: ClassVar[int] = 15
+    MAX_BYTES: ClassVar[int] = 4 * KIB
+    step: int
+    version: int
+    reward_mean: float
+    staleness_mean: float
+    bubble: float
+    t_train_s: float
+    t_idle_s: float
+
+
+class EventRecord(Message):
+    TYPE: ClassVar[int] = 16
+    MAX_BYTES: ClassVar[int] = 8 * KIB
+    at: float
+    kind: str
+    node_id: str | None = None
+    detail: str = ""
+
+
+class HubStatus(Message):
+    """What `echo-hub status` and the dashboard show; also written to DATA_DIR/status.json."""
+
+    TYPE: ClassVar[int] = 17
+    MAX_BYTES: ClassVar[int] = 8 * MIB
+    hub_id: str
+    addrs: tuple[str, ...]
+    running: bool
+    updated_at: float
+    step: int
+    steps_target: int
+    version: int
+    staleness: int
+    kappa: int
+    task: str
+    nodes: tuple[NodeStatus, ...]
+    chains: tuple[tuple[str, ...], ...] = ()
+    broadcast_mode: str = "chain"
+    open_leases: int
+    accepted: int
+    rejected: int
+    dropped_stale: int
+    reward_mean: float | None = None
+    t_train_s: float | None = None
+    t_bcast_s: float | None = None
+    bubble: float | None = None
+    predicted_bubble: float | None = None
+    mu_pool: float = 0.0
+    mu_min: float | None = None
+    mu_target: float | None = None
+    cost_usd: float = 0.0
+    cost_per_step_usd: float | None = None
+    all_on_cost_usd: float = 0.0
+    history: tuple[StepPoint, ...] = ()
+    events: tuple[EventRecord, ...] = ()
+
+
+class SnapshotRequest(Message):
+    """Ask the hub (or a holder) for a snapshot, starting at the first chunk the asker lacks."""
+
+    TYPE: ClassVar[int] = 18
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    version: int | None = Field(None, ge=0, description="None: the newest")
+    from_chunk: int = Field(0, ge=0)
+    only_chunk: int | None = Field(None, ge=0, description="fetch this one chunk only (repair)")
+
+
+class TransferAck(Message):
+    """Sent by a receiver after the last frame, so the sender knows everything arrived."""
+
+    TYPE: ClassVar[int] = 19
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    version: int
+    chunks: int = Field(ge=0)
+    ok: bool
+    reason: str = Field("", max_length=500)
+
+
+class BadChunkReport(Message):
+    """A node reports that its upstream sent a chunk that failed verification."""
+
+    TYPE: ClassVar[int] = 20
+    MAX_BYTES: ClassVar[int] = 4 * KIB
+    version: int
+    index: int = Field(ge=0)
+    upstream: str = Field(max_length=128)
+    chunk_hex_blake3: str = Field(max_length=128)
+
+
+class RelayOffer(Message):
+    """First message of a relay stream: which version and from which chunk the sender will stream."""
+
+    TYPE: ClassVar[int] = 21
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    version: int = Field(ge=0)
+    from_chunk: int = Field(0, ge=0)
+
+
+class NodeView(Message):
+    """A volunteer's own view of its work; the node writes it to DATA_DIR/node_status.json."""
+
+    TYPE: ClassVar[int] = 22
+    MAX_BYTES: ClassVar[int] = 256 * KIB
+    peer_id: str
+    hub_addr: str
+    connected: bool
+    state: NodeState | Literal["connecting"]
+    updated_at: float
+    price_per_hour: float
+    backend: str
+    version_held: int
+    receiving_version: int | None = None
+    chunks_received: int = 0
+    chunks_total: int = 0
+    chain: int | None = None
+    chain_position: int | None = None
+    upstream: str | None = None
+    downstream: str | None = None
+    tokens_per_s: float = 0.0
+    rollouts_per_s: float = 0.0
+    leases_done: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    earnings_usd: float = 0.0
+    busy_s: float = 0.0
+    events: tuple[EventRecord, ...] = ()

@@ -1,0 +1,215 @@
+"""py-libp2p host plumbing for echo2 (trio): host construction, handlers, connect, request/reply, link emulation.
+
+Security and transports are explicit: Noise is the only security protocol (py-libp2p's
+defaults would also accept /plaintext/2.0.0, TLS and SECIO), Yamux the only muxer (the
+defaults fall back to Mplex), TCP the only transport, one connection per peer, no mDNS,
+no bootstrap. The host key is the process Identity, so host peer id == Identity.peer_id,
+and Noise checks a dialled peer's key against the /p2p/<id> we dialled.
+
+Stream semantics in py-libp2p 0.8.1 (checked in its source):
+- `read(n)` returns at most n bytes, whatever Yamux has buffered (often one frame of
+  <= 64 KiB), so exact reads loop (`shared.wire.read_exact`). At the end it raises
+  libp2p StreamEOF (peer half-closed), StreamReset (peer reset) or StreamError;
+  `shared.wire` maps all of them to its own StreamEOF.
+- `close()` sends a Yamux FIN: a half-close. The peer still reads what we sent and can
+  still reply, and we can still read the reply (NetStream.read refuses only RESET/ERROR).
+  But NetStream.close() also marks the stream CLOSE_BOTH and releases its swarm
+  bookkeeping at once, so `request` half-closes with `close_write()` (the same FIN) and
+  calls `close()` once the reply is in.
+- `reset()` sends RST. The receiver then raises StreamReset on its next read even if
+  data is still buffered there: a reset discards undelivered data. So a transfer ends
+  with close() plus an application-level ack, never with reset().
+- Yamux `write` waits at most 5 s for the receiver to open its window (256 KiB at first,
+  auto-tuned up to 16 MiB, buffered in the receiver's memory); a receiver that stops
+  reading with the window full makes the writer fail after 5 s with StreamReset
+  ("Timed out waiting for window update"; measured with a 40 MiB write to a reader that
+  sleeps 7 s). Readers must keep draining while they do slow work.
+- An exception escaping a stream handler propagates into the connection's nursery and
+  from there can cancel the whole host; `safe_handler` contains it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.transport.tcp.tcp import TCP
+from multiaddr import Multiaddr
+
+from shared.crypto import Identity
+from shared.wire import Message, WritableStream, read_message, write_message
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+# More than one connection per peer makes py-libp2p dial several in parallel and wait
+# for them (measured: ~250 ms per connect instead of a few ms on loopback).
+MAX_CONNECTIONS_PER_PEER = 1
+
+StreamHandler = Callable[[INetStream], Awaitable[None]]
+
+
+def build_host(identity: Identity) -> IHost:
+    key_pair = identity.libp2p_keypair()
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={
+            TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(
+                key_pair, noise_privkey=create_new_x25519_key_pair().private_key
+            )
+        },
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        transports=[TCP()],
+        connection_config=ConnectionConfig(max_connections_per_peer=MAX_CONNECTIONS_PER_PEER),
+        enable_mDNS=False,
+        bootstrap=None,
+    )
+    if host.get_id().to_base58() != identity.peer_id:
+        raise RuntimeError(f"libp2p host id {host.get_id()} differs from identity {identity.peer_id}")
+    return host
+
+
+@asynccontextmanager
+async def running_host(identity: Identity, listen: list[str]) -> AsyncIterator[tuple[IHost, list[str]]]:
+    """Run a host listening on `listen`; yield it with its bound addresses, each ending in /p2p/<peer id>."""
+    host = build_host(identity)
+    async with host.run(listen_addrs=[Multiaddr(a) for a in listen]):
+        # Transport addrs carry the real bound port (tcp/0 resolved); get_addrs() would also
+        # mix in addresses peers claim to observe.
+        addrs = [f"{a}/p2p/{identity.peer_id}" for a in host.get_transport_addrs()]
+        yield host, addrs
+
+
+def remote_peer_id(stream: INetStream) -> str:
+    return stream.muxed_conn.peer_id.to_base58()
+
+
+def remote_ip(stream: INetStream) -> str | None:
+    address = stream.get_remote_address()
+    return None if address is None else address[0]
+
+
+async def _reset_after_failure(stream: INetStream, log: logging.Logger, peer: str) -> None:
+    try:
+        await stream.reset()
+    except Exception:
+        log.warning("could not reset stream from %s after handler failure", peer, exc_info=True)
+
+
+def safe_handler(handler: StreamHandler, log: logging.Logger) -> StreamHandler:
+    """Wrap a stream handler so that its errors are logged and reset the stream instead of killing the host.
+
+    Cancellation passes through untouched; from an exception group only the Exception
+    leaves are contained and any Cancelled is re-raised for trio to handle.
+    """
+    name = getattr(handler, "__qualname__", repr(handler))
+
+    async def wrapped(stream: INetStream) -> None:
+        try:
+            await handler(stream)
+        except Exception as exc:
+            peer = remote_peer_id(stream)
+            log.warning("stream handler %s failed for peer %s: %r", name, peer, exc, exc_info=exc)
+            await _reset_after_failure(stream, log, peer)
+        except BaseExceptionGroup as group:
+            errors, rest = group.split(Exception)
+            if errors is not None:
+                peer = remote_peer_id(stream)
+                log.warning("stream handler %s failed for peer %s: %r", name, peer, errors, exc_info=errors)
+                with trio.CancelScope(shield=True):
+                    await _reset_after_failure(stream, log, peer)
+            if rest is not None:
+                raise rest
+
+    return wrapped
+
+
+def set_handler(host: IHost, protocol: str, handler: StreamHandler, log: logging.Logger) -> None:
+    host.set_stream_handler(TProtocol(protocol), safe_handler(handler, log))
+
+
+async def connect(host: IHost, addr: str) -> str:
+    """Dial `addr` (which must end in /p2p/<peer id>) and return that peer id."""
+    info = info_from_p2p_addr(Multiaddr(addr))
+    await host.connect(info)
+    return info.peer_id.to_base58()
+
+
+async def open_stream(host: IHost, peer_id: str, protocol: str) -> INetStream:
+    return await host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+
+
+async def request(
+    host: IHost,
+    peer_id: str,
+    protocol: str,
+    msg: Message,
+    *reply_types: type[Message],
+    timeout_s: float,
+) -> Message:
+    """Send `msg` on a new stream, half-close, and return the one reply (one of `reply_types`)."""
+    with trio.fail_after(timeout_s):
+        stream = await open_stream(host, peer_id, protocol)
+        try:
+            await write_message(stream, msg)
+            await stream.close_write()
+            reply = await read_message(stream, *reply_types)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.reset()
+            raise
+        await stream.close()
+        return reply
+
+
+class RateLimiter:
+    """Token bucket emulating a link of `bytes_per_s` (None: unlimited), shared by every stream written through it.
+
+    Data goes out in slices of `slice_bytes`, so a 1 MiB chunk is metered smoothly rather
+    than as one burst; the bucket holds at most one slice of credit.
+    """
+
+    def __init__(self, bytes_per_s: float | None, slice_bytes: int = 16384) -> None:
+        if bytes_per_s is not None and bytes_per_s <= 0:
+            raise ValueError(f"bytes_per_s must be positive or None, got {bytes_per_s}")
+        if slice_bytes <= 0:
+            raise ValueError(f"slice_bytes must be positive, got {slice_bytes}")
+        self.bytes_per_s = bytes_per_s
+        self.slice_bytes = slice_bytes
+        self._tokens = float(slice_bytes)
+        self._last_s: float | None = None
+
+    async def _take(self, n: int, rate: float) -> None:
+        now = trio.current_time()
+        if self._last_s is not None:
+            self._tokens = min(float(self.slice_bytes), self._tokens + (now - self._last_s) * rate)
+        self._last_s = now
+        # Debit before sleeping: concurrent writers queue up behind the accumulated debt.
+        self._tokens -= n
+        if self._tokens < 0:
+            await trio.sleep(-self._tokens / rate)
+
+    async def write(self, stream: WritableStream, data: bytes) -> None:
+        rate = self.bytes_per_s
+        if rate is None:
+            await stream.write(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(view), self.slice_bytes):
+            piece = view[start : start + self.slice_bytes]
+            await self._take(len(piece), rate)
+            await stream.write(bytes(piece))

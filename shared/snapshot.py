@@ -1,0 +1,476 @@
+"""Policy snapshot format: one safetensors blob, fixed-size chunks, a hub-signed manifest.
+
+A snapshot is serialized once, cut into chunks and described by a manifest carrying the
+blake3 hash of every chunk and of the whole. The hub signs the manifest's exact JSON bytes;
+every hop checks the signature before parsing the JSON and checks each chunk against the
+manifest before storing, forwarding or loading it (DESIGN.md sections 5 and 7). Nothing here
+hands out a partial snapshot: `ChunkAssembler.data()` exists only once every chunk and the
+whole hash verified.
+
+Sizes: a manifest costs about 67 bytes per chunk (64 hex digits, quotes, comma), so
+MAX_MANIFEST_BYTES = 8 MiB admits about 125,000 chunks: about 122 GiB of weights at the
+default 1 MiB chunk and about 1.9 TiB at MAX_CHUNK_BYTES. A Qwen3-8B bf16 snapshot (16.4 GB)
+needs about 15,600 chunks, a 1 MiB manifest.
+
+Tied weights: safetensors refuses tensors that share storage. `serialize_state_dict` keeps
+the first name of each group of exact aliases (state-dict order, so `model.embed_tokens.weight`
+survives and the tied `lm_head.weight` is dropped, as Hugging Face checkpoints and vLLM's
+loaders expect) and clones tensors that merely overlap another's storage. `load_into` accepts
+a missing key only when the model ties it to a key the snapshot does carry.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from safetensors.torch import load as _safetensors_load
+from safetensors.torch import save as _safetensors_save
+
+from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
+
+SNAPSHOT_FORMAT_VERSION = 1
+CHUNK_SIZE_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 16 << 20
+MAX_MANIFEST_BYTES = 8 << 20
+_HASH_HEX_CHARS = 64
+_MANIFEST_BYTES_PER_CHUNK = _HASH_HEX_CHARS + 3
+MAX_CHUNKS = MAX_MANIFEST_BYTES // _MANIFEST_BYTES_PER_CHUNK
+MAX_PEER_ID_CHARS = 128
+CHUNK_HEADER = struct.Struct(">QI")  # snapshot version u64, chunk index u32
+_HEX_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class SnapshotError(ValueError):
+    """A snapshot, manifest or chunk that must not be used."""
+
+
+class BadSignature(SnapshotError):
+    """The manifest is not signed by the expected hub."""
+
+
+class StaleSnapshot(SnapshotError):
+    """The manifest's version is not newer than the one already held."""
+
+
+class MalformedManifest(SnapshotError):
+    """The manifest bytes are oversized, not valid JSON or violate the schema."""
+
+
+class BadChunk(SnapshotError):
+    """A chunk (or the assembled whole) does not match the manifest."""
+
+
+def _hex_hash(value: str) -> str:
+    if not _HEX_RE.fullmatch(value):
+        raise ValueError(f"expected {_HASH_HEX_CHARS} lowercase hex digits, got {value[:80]!r}")
+    return value
+
+
+class Manifest(BaseModel):
+    """What a snapshot is: its version, its size, and the blake3 hash of each chunk and of the whole."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    format_version: int = Field(description="snapshot format; only SNAPSHOT_FORMAT_VERSION is accepted")
+    version: int = Field(ge=0, description="policy version (learner step) of the weights")
+    total_bytes: int = Field(ge=1, description="length of the serialized safetensors blob")
+    chunk_size: int = Field(ge=1, le=MAX_CHUNK_BYTES, description="bytes per chunk; the last one may be shorter")
+    chunk_hashes: tuple[str, ...] = Field(max_length=MAX_CHUNKS, description="blake3 hex of each chunk")
+    whole_hash: str = Field(description="blake3 hex of all bytes")
+    config_hash: str = Field(description="model_config_hash of the model the weights belong to")
+    created_at: float = Field(ge=0.0, allow_inf_nan=False, description="unix seconds")
+    signer: str = Field(min_length=1, max_length=MAX_PEER_ID_CHARS, description="peer id of the signing hub")
+
+    @field_validator("format_version")
+    @classmethod
+    def _known_format(cls, value: int) -> int:
+        if value != SNAPSHOT_FORMAT_VERSION:
+            raise ValueError(f"unsupported snapshot format {value}; this build reads {SNAPSHOT_FORMAT_VERSION}")
+        return value
+
+    @field_validator("chunk_hashes")
+    @classmethod
+    def _chunk_hashes_hex(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for h in value:
+            _hex_hash(h)
+        return value
+
+    @field_validator("whole_hash", "config_hash")
+    @classmethod
+    def _hash_hex(cls, value: str) -> str:
+        return _hex_hash(value)
+
+    @model_validator(mode="after")
+    def _chunk_count(self) -> Manifest:
+        expected = math.ceil(self.total_bytes / self.chunk_size)
+        if len(self.chunk_hashes) != expected:
+            raise ValueError(
+                f"{len(self.chunk_hashes)} chunk hashes for {self.total_bytes} bytes "
+                f"in chunks of {self.chunk_size}: expected {expected}"
+            )
+        return self
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self.chunk_hashes)
+
+    def chunk_length(self, index: int) -> int:
+        """Bytes in chunk `index` (IndexError outside 0..chunk_count-1)."""
+        if not 0 <= index < self.chunk_count:
+            raise IndexError(f"chunk index {index} outside 0..{self.chunk_count - 1}")
+        return min(self.chunk_size, self.total_bytes - index * self.chunk_size)
+
+
+@dataclass(frozen=True)
+class SignedManifest:
+    """The exact manifest JSON bytes the hub signed, with its 64-byte Ed25519 signature."""
+
+    body: bytes
+    signature: bytes
+
+    def to_bytes(self) -> bytes:
+        """Wire and file form: signature, then body."""
+        return self.signature + self.body
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> SignedManifest:
+        """Split the wire form; size-capped, nothing is parsed or trusted yet."""
+        if len(raw) > SIGNATURE_BYTES + MAX_MANIFEST_BYTES:
+            raise MalformedManifest(f"signed manifest of {len(raw)} bytes exceeds the cap")
+        if len(raw) <= SIGNATURE_BYTES:
+            raise MalformedManifest(f"signed manifest of {len(raw)} bytes has no body")
+        return cls(body=bytes(raw[SIGNATURE_BYTES:]), signature=bytes(raw[:SIGNATURE_BYTES]))
+
+
+def sign_manifest(manifest: Manifest, identity: Identity) -> SignedManifest:
+    if manifest.signer != identity.peer_id:
+        raise ValueError(f"manifest names signer {manifest.signer}, signing key is {identity.peer_id}")
+    body = manifest.model_dump_json().encode()
+    if len(body) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"manifest of {len(body)} bytes exceeds MAX_MANIFEST_BYTES; use larger chunks")
+    return SignedManifest(body=body, signature=identity.sign(body))
+
+
+def verify_manifest(signed: SignedManifest, hub_peer_id: str, newer_than: int | None = None) -> Manifest:
+    """The manifest, if `hub_peer_id` signed these exact bytes and (when given) it is newer than `newer_than`.
+
+    Order matters: size cap, then signature, and only then is any JSON parsed.
+    """
+    if len(signed.body) > MAX_MANIFEST_BYTES:
+        raise MalformedManifest(f"manifest body of {len(signed.body)} bytes exceeds {MAX_MANIFEST_BYTES}")
+    if not verify_from_peer(hub_peer_id, signed.body, signed.signature):
+        raise BadSignature(f"manifest is not signed by hub {hub_peer_id}")
+    try:
+        manifest = Manifest.model_validate_json(signed.body)
+    except ValidationError as exc:
+        raise MalformedManifest(f"signed manifest fails the schema: {exc}") from exc
+    if manifest.signer != hub_peer_id:
+        raise BadSignature(f"manifest names signer {manifest.signer}, expected hub {hub_peer_id}")
+    if newer_than is not None and manifest.version <= newer_than:
+        raise StaleSnapshot(f"snapshot version {manifest.version} is not newer than held version {newer_than}")
+    return manifest
+
+
+def blake3_hex(data: bytes | memoryview) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+# Config keys that say where, with which library version or in which precision a model was
+# loaded, not what it is: the hub and a node load the same model from different paths, often in
+# different dtypes, and must still agree on its hash.
+_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "dtype", "torch_dtype"})
+
+
+def _architecture_only(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {
+            k: _architecture_only(v)
+            for k, v in value.items()
+            if not (isinstance(k, str) and (k.startswith("_") or k in _VOLATILE_CONFIG_KEYS))
+        }
+    if isinstance(value, (list, tuple)):
+        return [_architecture_only(v) for v in value]
+    return value
+
+
+def model_config_hash(config_dict: Mapping[str, object]) -> str:
+    """blake3 hex of a model config (e.g. `PretrainedConfig.to_dict()`) as sorted, compact JSON.
+
+    Private keys (`_name_or_path`, ...), `transformers_version` and the dtype are left out, at
+    every nesting level. TypeError for values JSON cannot hold.
+    """
+    text = json.dumps(
+        _architecture_only(config_dict), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+    return blake3_hex(text.encode())
+
+
+def model_dir_config_hash(model_dir: str | Path) -> str:
+    """model_config_hash of the config in a Hugging Face model directory (what a node compares to the hub's)."""
+    from transformers import AutoConfig
+
+    return model_config_hash(AutoConfig.from_pretrained(str(model_dir)).to_dict())
+
+
+def _untied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with no shared storage: exact aliases dropped (first name kept), overlaps cloned."""
+    kept: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    storages: set[int] = set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        alias_key = (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if storage is not None and alias_key in seen:
+            continue
+        if storage is not None:
+            seen[alias_key] = name
+        if storage is not None and storage in storages:
+            tensor = tensor.clone()
+        elif storage is not None:
+            storages.add(storage)
+        kept[name] = tensor.contiguous()
+    return kept
+
+
+def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes:
+    """safetensors bytes of `state_dict`, tied duplicates dropped (see the module docstring)."""
+    return _safetensors_save(_untied(state_dict))
+
+
+def load_state_dict_bytes(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Tensors bit-identical to those serialized. safetensors wants `bytes`, so other buffers are copied once."""
+    if not isinstance(data, bytes):
+        data = bytes(data)
+    return _safetensors_load(data)
+
+
+def load_into(model: torch.nn.Module, data: bytes | bytearray | memoryview) -> None:
+    """Copy the snapshot's weights into `model` in place (no re-instantiation).
+
+    Strict except for tied weights: a key may be absent only if the model ties it to a key
+    the snapshot carries. Shapes and dtypes must match exactly, so loaded values are bit-identical.
+    """
+    tensors = load_state_dict_bytes(data)
+    current = model.state_dict()
+    unexpected = sorted(set(tensors) - set(current))
+    if unexpected:
+        raise SnapshotError(f"snapshot has keys the model lacks: {unexpected[:10]}")
+    loaded_storages = {current[name].untyped_storage().data_ptr() for name in tensors}
+    untied_missing = sorted(
+        name
+        for name in set(current) - set(tensors)
+        if current[name].numel() == 0 or current[name].untyped_storage().data_ptr() not in loaded_storages
+    )
+    if untied_missing:
+        raise SnapshotError(f"snapshot lacks keys the model needs: {untied_missing[:10]}")
+    for name, tensor in tensors.items():
+        target = current[name]
+        if target.shape != tensor.shape or target.dtype != tensor.dtype:
+            raise SnapshotError(
+                f"{name}: snapshot has {tuple(tensor.shape)} {tensor.dtype}, model has {tuple(target.shape)} {target.dtype}"
+            )
+    with torch.no_grad():
+        model.load_state_dict(tensors, strict=False)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A verified (or self-built) snapshot: the signed manifest, its parsed form and the bytes."""
+
+    signed: SignedManifest
+    manifest: Manifest
+    data: bytes
+
+
+def build_snapshot(
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    identity: Identity,
+    config_hash: str,
+    chunk_size: int = CHUNK_SIZE_BYTES,
+    created_at: float | None = None,
+) -> Snapshot:
+    """Serialize once, hash every chunk and the whole, and sign the manifest with the hub's key."""
+    data = serialize_state_dict(state_dict)
+    view = memoryview(data)
+    manifest = Manifest(
+        format_version=SNAPSHOT_FORMAT_VERSION,
+        version=version,
+        total_bytes=len(data),
+        chunk_size=chunk_size,
+        chunk_hashes=tuple(blake3_hex(view[i : i + chunk_size]) for i in range(0, len(data), chunk_size)),
+        whole_hash=blake3_hex(data),
+        config_hash=config_hash,
+        created_at=time.time() if created_at is None else created_at,
+        signer=identity.peer_id,
+    )
+    return Snapshot(signed=sign_manifest(manifest, identity), manifest=manifest, data=data)
+
+
+def chunk_of(data: bytes | bytearray | memoryview, manifest: Manifest, index: int) -> memoryview:
+    """Chunk `index` of `data` as a zero-copy view (BadChunk for an index the manifest does not have)."""
+    if not 0 <= index < manifest.chunk_count:
+        raise BadChunk(f"chunk index {index} outside 0..{manifest.chunk_count - 1}")
+    start = index * manifest.chunk_size
+    return memoryview(data)[start : start + manifest.chunk_length(index)]
+
+
+def verify_chunk(manifest: Manifest, index: int, data: bytes | bytearray | memoryview) -> bool:
+    """True iff `data` is exactly chunk `index` of the snapshot `manifest` describes."""
+    if not 0 <= index < manifest.chunk_count:
+        return False
+    if len(data) != manifest.chunk_length(index):
+        return False
+    return blake3_hex(data) == manifest.chunk_hashes[index]
+
+
+class ChunkAssembler:
+    """Collects verified chunks in any order into a preallocated buffer; yields data only when all verify."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._buffer = bytearray(manifest.total_bytes)
+        self._have = bytearray(manifest.chunk_count)
+        self._missing = manifest.chunk_count
+        self._whole_verified = False
+
+    def add(self, index: int, data: bytes | bytearray | memoryview) -> bool:
+        """Store a chunk; False for a duplicate (ignored unhashed), BadChunk for a wrong index or content."""
+        if not 0 <= index < self.manifest.chunk_count:
+            raise BadChunk(f"chunk index {index} outside 0..{self.manifest.chunk_count - 1}")
+        if self._have[index]:
+            return False
+        if not verify_chunk(self.manifest, index, data):
+            raise BadChunk(f"chunk {index} of version {self.manifest.version} fails its hash or length")
+        start = index * self.manifest.chunk_size
+        self._buffer[start : start + len(data)] = data
+        self._have[index] = 1
+        self._missing -= 1
+        return True
+
+    def has(self, index: int) -> bool:
+        return 0 <= index < self.manifest.chunk_count and bool(self._have[index])
+
+    def first_missing(self) -> int | None:
+        index = self._have.find(0)
+        return None if index < 0 else index
+
+    @property
+    def missing_count(self) -> int:
+        return self._missing
+
+    @property
+    def complete(self) -> bool:
+        return self._missing == 0
+
+    def chunk(self, index: int) -> memoryview:
+        """A stored chunk, for forwarding (BadChunk if not held)."""
+        if not self.has(index):
+            raise BadChunk(f"chunk {index} is not held")
+        return chunk_of(self._buffer, self.manifest, index).toreadonly()
+
+    def data(self) -> memoryview:
+        """The whole snapshot, read-only, once complete and the whole hash matches (else BadChunk)."""
+        if not self.complete:
+            raise BadChunk(f"snapshot version {self.manifest.version} still lacks {self._missing} chunks")
+        if not self._whole_verified:
+            if blake3_hex(self._buffer) != self.manifest.whole_hash:
+                raise BadChunk(f"snapshot version {self.manifest.version} fails its whole hash")
+            self._whole_verified = True
+        return memoryview(self._buffer).toreadonly()
+
+
+def encode_chunk(version: int, index: int, data: bytes | bytearray | memoryview) -> bytes:
+    """Relay frame body: header (version u64, index u32, big-endian) then the chunk bytes."""
+    if len(data) > MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk of {len(data)} bytes exceeds MAX_CHUNK_BYTES")
+    return CHUNK_HEADER.pack(version, index) + bytes(data)
+
+
+def decode_chunk(body: bytes | bytearray | memoryview) -> tuple[int, int, memoryview]:
+    """(version, index, chunk bytes) of a relay frame body; BadChunk when short, empty or oversized."""
+    if len(body) <= CHUNK_HEADER.size:
+        raise BadChunk(f"chunk frame of {len(body)} bytes has no payload after its {CHUNK_HEADER.size}-byte header")
+    if len(body) - CHUNK_HEADER.size > MAX_CHUNK_BYTES:
+        raise BadChunk(f"chunk frame of {len(body)} bytes exceeds MAX_CHUNK_BYTES")
+    view = memoryview(body)
+    version, index = CHUNK_HEADER.unpack(view[: CHUNK_HEADER.size])
+    return version, index, view[CHUNK_HEADER.size :]
+
+
+def snapshot_paths(directory: Path, version: int) -> tuple[Path, Path]:
+    """(weights file, signed manifest file) of `version` in `directory`."""
+    stem = f"v{version:08d}"
+    return directory / f"{stem}.safetensors", directory / f"{stem}.manifest"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, payload: bytes | memoryview) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_snapshot_files(snapshot: Snapshot, directory: Path) -> Path:
+    """Write weights then signed manifest (each temp + fsync + rename + dir fsync); returns the weights path.
+
+    The manifest is written last, so its presence means the weights file is complete.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights_path, manifest_path = snapshot_paths(directory, snapshot.manifest.version)
+    _write_durably(weights_path, snapshot.data)
+    _write_durably(manifest_path, snapshot.signed.to_bytes())
+    return weights_path
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    size = path.stat().st_size
+    if size > limit:
+        raise MalformedManifest(f"{path} holds {size} bytes, more than the {limit}-byte cap")
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+def read_snapshot_files(directory: Path, version: int, hub_peer_id: str) -> Snapshot:
+    """Load `version` from `directory`, re-verifying the signature, every chunk and the whole hash."""
+    weights_path, manifest_path = snapshot_paths(Path(directory), version)
+    signed = SignedManifest.from_bytes(_read_capped(manifest_path, SIGNATURE_BYTES + MAX_MANIFEST_BYTES))
+    manifest = verify_manifest(signed, hub_peer_id)
+    if manifest.version != version:
+        raise MalformedManifest(f"{manifest_path} describes version {manifest.version}, not {version}")
+    size = weights_path.stat().st_size
+    if size != manifest.total_bytes:
+        raise BadChunk(f"{weights_path} holds {size} bytes, manifest says {manifest.total_bytes}")
+    data = weights_path.read_bytes()
+    for index in range(manifest.chunk_count):
+        if not verify_chunk(manifest, index, chunk_of(data, manifest, index)):
+            raise BadChunk(f"{weights_path}: chunk {index} fails its hash")
+    if blake3_hex(data) != manifest.whole_hash:
+        raise BadChunk(f"{weights_path} fails its whole hash")
+    return Snapshot(signed=signed, manifest=manifest, data=data)

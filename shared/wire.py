@@ -1,0 +1,220 @@
+"""Framing of echo2 messages on a byte stream: size-capped frames, typed JSON messages, signed messages.
+
+A frame is a 5-byte header, struct ">BI" (u8 type tag, u32 body length), then the body.
+The reader knows, per type tag, the largest body it accepts; it rejects an unknown tag or
+an oversized length from the header alone, before reading or allocating the body.
+
+Type tags:
+- 0-199: typed JSON messages (`Message` subclasses); each class owns one tag, unique
+  process-wide (enforced when the class is defined).
+- 200-255: reserved for binary payload frames (snapshot chunks and the like), written and
+  read with `write_frame` / `read_frame` directly and their own caps.
+
+Signed messages put a 64-byte Ed25519 signature in front of the JSON body. The signature
+covers the type tag byte followed by the JSON body (so a signed body cannot be replayed
+under another message type), and the reader verifies it against the sender's peer id
+before it parses a single byte of JSON.
+
+Streams are duck-typed: anything with `async read(n) -> bytes` (returning at most n bytes,
+b"" or a py-libp2p EOF/reset error at the end) and `async write(data)`.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
+
+import pydantic
+from libp2p.network.stream.exceptions import StreamError as _P2PStreamError
+from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
+
+from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
+
+HEADER = struct.Struct(">BI")
+HEADER_BYTES = HEADER.size
+MAX_BODY_BYTES = 2**32 - 1
+MAX_MESSAGE_TYPE = 199
+BINARY_TYPE_MIN = 200
+BINARY_TYPE_MAX = 255
+
+# py-libp2p's ways of saying "this stream ends here": NetStream raises StreamEOF, StreamReset,
+# StreamClosed or a generic StreamError (all StreamError); a raw muxed stream raises these two.
+_P2P_END_OF_STREAM = (_P2PStreamError, MuxedStreamEOF, MuxedStreamReset)
+
+
+class StreamEOF(Exception):
+    """The stream ended (peer closed or reset it) before the bytes we needed arrived."""
+
+
+class FrameError(ValueError):
+    """A frame we refuse: unexpected type, oversized, or a malformed body."""
+
+
+class BadSignature(FrameError):
+    """A signed frame whose signature does not verify against the expected signer."""
+
+
+class ReadableStream(Protocol):
+    async def read(self, n: int) -> bytes: ...
+
+
+class WritableStream(Protocol):
+    async def write(self, data: bytes) -> None: ...
+
+
+def protocol_id(name: str) -> str:
+    return f"/echo2/{name}/1.0.0"
+
+
+async def read_exact(stream: ReadableStream, n: int) -> bytes:
+    """Read exactly `n` bytes (the caller has already capped `n`); StreamEOF if the stream ends first.
+
+    py-libp2p reads return at most what is buffered (often one ~64 KiB Yamux frame), so this loops.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            piece = await stream.read(n - got)
+        except _P2P_END_OF_STREAM as exc:
+            raise StreamEOF(f"stream ended after {got} of {n} bytes ({type(exc).__name__})") from exc
+        if not piece:
+            raise StreamEOF(f"stream ended after {got} of {n} bytes")
+        if len(piece) > n - got:
+            raise RuntimeError(f"stream returned {len(piece)} bytes for a read of at most {n - got}")
+        view[got : got + len(piece)] = piece
+        got += len(piece)
+    return bytes(buf)
+
+
+def encode_frame(type_tag: int, body: bytes) -> bytes:
+    if not 0 <= type_tag <= 255:
+        raise ValueError(f"type tag {type_tag} is not a u8")
+    if len(body) > MAX_BODY_BYTES:
+        raise ValueError(f"frame body of {len(body)} bytes exceeds the u32 length field")
+    return HEADER.pack(type_tag, len(body)) + bytes(body)
+
+
+async def write_frame(stream: WritableStream, type_tag: int, body: bytes) -> None:
+    # One write: header and body in a single muxer frame sequence, no separate tiny frame.
+    await stream.write(encode_frame(type_tag, body))
+
+
+async def read_frame(stream: ReadableStream, caps: Mapping[int, int]) -> tuple[int, bytes]:
+    """Read one frame whose type is a key of `caps` and whose body is at most caps[type] bytes."""
+    type_tag, length = HEADER.unpack(await read_exact(stream, HEADER_BYTES))
+    if type_tag not in caps:
+        raise FrameError(f"unexpected frame type {type_tag} (expected one of {sorted(caps)}), body {length} bytes")
+    if length > caps[type_tag]:
+        raise FrameError(f"frame type {type_tag} claims {length} bytes, cap is {caps[type_tag]}")
+    return type_tag, await read_exact(stream, length)
+
+
+_MESSAGE_TYPES: dict[int, type[Message]] = {}
+
+
+class Message(pydantic.BaseModel):
+    """A typed wire message. Subclasses set TYPE (unique tag 0-199) and MAX_BYTES (JSON body cap)."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    TYPE: ClassVar[int]
+    MAX_BYTES: ClassVar[int]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "TYPE" not in cls.__dict__ or "MAX_BYTES" not in cls.__dict__:
+            raise TypeError(f"{cls.__qualname__} must define both TYPE and MAX_BYTES")
+        tag, cap = cls.__dict__["TYPE"], cls.__dict__["MAX_BYTES"]
+        if not isinstance(tag, int) or not 0 <= tag <= MAX_MESSAGE_TYPE:
+            raise TypeError(
+                f"{cls.__qualname__}.TYPE = {tag!r}: message tags are ints 0-{MAX_MESSAGE_TYPE} "
+                f"({BINARY_TYPE_MIN}-{BINARY_TYPE_MAX} are reserved for binary frames)"
+            )
+        if not isinstance(cap, int) or not 0 < cap <= MAX_BODY_BYTES - SIGNATURE_BYTES:
+            raise TypeError(f"{cls.__qualname__}.MAX_BYTES = {cap!r} is not a positive u32 leaving room for a signature")
+        owner = _MESSAGE_TYPES.get(tag)
+        if owner is not None:
+            raise TypeError(
+                f"message type tag {tag} of {cls.__module__}.{cls.__qualname__} is already used by "
+                f"{owner.__module__}.{owner.__qualname__}"
+            )
+        _MESSAGE_TYPES[tag] = cls
+
+
+def _json_body(msg: Message) -> bytes:
+    body = msg.model_dump_json().encode()
+    if len(body) > msg.MAX_BYTES:
+        raise ValueError(f"{type(msg).__name__} body is {len(body)} bytes, cap MAX_BYTES is {msg.MAX_BYTES}")
+    return body
+
+
+def _by_type(expected: tuple[type[Message], ...]) -> dict[int, type[Message]]:
+    if not expected:
+        raise TypeError("name at least one expected message class")
+    return {cls.TYPE: cls for cls in expected}
+
+
+def message_caps(*expected: type[Message]) -> dict[int, int]:
+    return {cls.TYPE: cls.MAX_BYTES for cls in expected}
+
+
+def signed_caps(*expected: type[Message]) -> dict[int, int]:
+    return {cls.TYPE: cls.MAX_BYTES + SIGNATURE_BYTES for cls in expected}
+
+
+def _decode(cls: type[Message], body: bytes) -> Message:
+    try:
+        return cls.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        raise FrameError(f"malformed {cls.__name__} (type {cls.TYPE}, {len(body)} bytes): {exc}") from exc
+
+
+def encode_message(msg: Message) -> bytes:
+    return encode_frame(msg.TYPE, _json_body(msg))
+
+
+async def write_message(stream: WritableStream, msg: Message) -> None:
+    await stream.write(encode_message(msg))
+
+
+async def read_message(stream: ReadableStream, *expected: type[Message]) -> Message:
+    by_type = _by_type(expected)
+    type_tag, body = await read_frame(stream, message_caps(*expected))
+    return _decode(by_type[type_tag], body)
+
+
+def _signed_data(type_tag: int, json_body: bytes) -> bytes:
+    return bytes((type_tag,)) + json_body
+
+
+def encode_signed(msg: Message, identity: Identity) -> bytes:
+    body = _json_body(msg)
+    return encode_frame(msg.TYPE, identity.sign(_signed_data(msg.TYPE, body)) + body)
+
+
+async def write_signed(stream: WritableStream, msg: Message, identity: Identity) -> None:
+    await stream.write(encode_signed(msg, identity))
+
+
+def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, *expected: type[Message]) -> Message:
+    """Verify `body` (signature + JSON) as `signer_peer_id`'s, then parse it as the class owning `type_tag`."""
+    by_type = _by_type(expected)
+    cls = by_type.get(type_tag)
+    if cls is None:
+        raise FrameError(f"unexpected signed frame type {type_tag} (expected one of {sorted(by_type)})")
+    if len(body) < SIGNATURE_BYTES:
+        raise FrameError(f"signed frame type {type_tag} has {len(body)} bytes, less than a signature")
+    if len(body) > cls.MAX_BYTES + SIGNATURE_BYTES:
+        raise FrameError(f"signed frame type {type_tag} has {len(body)} bytes, cap is {cls.MAX_BYTES + SIGNATURE_BYTES}")
+    signature, json_body = body[:SIGNATURE_BYTES], body[SIGNATURE_BYTES:]
+    if not verify_from_peer(signer_peer_id, _signed_data(type_tag, json_body), signature):
+        raise BadSignature(f"signed {cls.__name__} (type {type_tag}, {len(body)} bytes) is not signed by {signer_peer_id}")
+    return _decode(cls, json_body)
+
+
+async def read_signed(stream: ReadableStream, signer_peer_id: str, *expected: type[Message]) -> Message:
+    type_tag, body = await read_frame(stream, signed_caps(*expected))
+    return decode_signed(type_tag, body, signer_peer_id, *expected)

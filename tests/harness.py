@@ -1,0 +1,105 @@
+"""Real processes on loopback for integration tests: a hub (`echo-hub start`) and nodes (`echo-node join`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.messages import HubStatus
+
+ADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)\s*$", re.M)
+START_TIMEOUT_S = 120.0
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Proc:
+    process: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class HubProc(Proc):
+    addr: str
+    data_dir: Path
+
+    def status(self) -> HubStatus | None:
+        path = self.data_dir / "status.json"
+        try:
+            return HubStatus.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True) -> HubProc:
+    """`echo-hub start` on 127.0.0.1 with `args` (e.g. --local-nodes 0 --steps 5); returns once it printed its address."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir / f"hub-{time.time_ns()}.out"
+    cmd = [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data_dir),
+           "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--no-progress", *args]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
+    hub = HubProc(process, log, "", data_dir)
+    if wait:
+        def printed() -> str | None:
+            if process.poll() is not None:
+                raise RuntimeError(f"hub exited with {process.returncode}:\n{hub.output()[-3000:]}")
+            match = ADDR_RE.search(hub.output())
+            return match.group(1) if match else None
+
+        hub.addr = wait_until(printed, START_TIMEOUT_S, "the hub to print its address")
+    return hub
+
+
+def start_node(hub_addr: str, data_dir: Path, *args: str, price: float = 0.35) -> Proc:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir / f"node-{time.time_ns()}.out"
+    cmd = [sys.executable, "-m", "node.cli", "join", "--hub", hub_addr, "--price", str(price), "--backend", "hf",
+           "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
+    return Proc(process, log)
+
+
+def node_peer_id(node: Proc, timeout_s: float = 60.0) -> str:
+    """The node's peer id, from the line it prints on start."""
+    pattern = re.compile(r"echo-node (\w+) joining")
+    return wait_until(lambda: (m := pattern.search(node.output())) and m.group(1), timeout_s, "the node to start")

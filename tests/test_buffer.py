@@ -1,0 +1,88 @@
+"""Replay buffer: staleness rule, oldest-first order, counted refusals."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from hub.buffer import BufferSignal, ReplayBuffer
+from shared.rollout import Completion, Group
+
+
+def group(version: int, rewards: tuple[float, ...] = (0.0, 1.0), pid: str = "p") -> Group:
+    completions = tuple(
+        Completion(token_ids=(1,), logprobs=(-0.5,), finish_reason="stop", version=version, text="x") for _ in rewards
+    )
+    return Group(prompt_id=pid, prompt_text="x>", version=version, completions=completions, rewards=rewards)
+
+
+def test_oldest_usable_first_and_stale_dropped():
+    buf = ReplayBuffer(capacity_groups=10, staleness=2, skip_zero_variance=True)
+    for row_id, version in [(1, 3), (2, 1), (3, 4), (4, 2), (5, 0)]:
+        assert buf.add(group(version), row_id).accepted
+    # Step 4, S=2: versions 0 and 1 are stale (4-1=3>2); usable 2,3,4 oldest first.
+    assert buf.ready(4, 3) and not buf.ready(4, 4)
+    out = buf.take(4, 2)
+    assert out.row_ids == (4, 1)
+    assert out.staleness == (2, 1)
+    assert out.dropped_stale == 2 and set(out.dropped_row_ids) == {2, 5}
+    assert buf.row_ids() == [3]
+    c = buf.counters()
+    assert (c.added, c.dropped_stale, c.taken, c.size) == (5, 2, 2, 1)
+
+
+def test_prune_counts_and_keeps_order():
+    buf = ReplayBuffer(capacity_groups=10, staleness=1, skip_zero_variance=False)
+    for row_id, version in [(1, 0), (2, 2), (3, 1)]:
+        buf.add(group(version), row_id)
+    assert buf.prune(2) == (1,)
+    assert buf.row_ids() == [3, 2] and buf.counters().dropped_stale == 1
+    assert buf.prune(2) == ()
+
+
+def test_staleness_zero_is_on_policy_only():
+    buf = ReplayBuffer(capacity_groups=10, staleness=0, skip_zero_variance=False)
+    buf.add(group(4), 1)
+    buf.add(group(5), 2)
+    out = buf.take(5, 5)
+    assert out.row_ids == (2,) and out.dropped_row_ids == (1,)
+
+
+def test_zero_variance_counted_and_refused():
+    buf = ReplayBuffer(capacity_groups=10, staleness=4, skip_zero_variance=True)
+    res = buf.add(group(0, (1.0, 1.0)), 1)
+    assert not res.accepted and res.reason == "zero reward variance"
+    assert buf.counters().zero_variance == 1 and len(buf) == 0
+    keep = ReplayBuffer(capacity_groups=10, staleness=4, skip_zero_variance=False)
+    assert keep.add(group(0, (1.0, 1.0)), 1).accepted
+
+
+def test_capacity_refusal_with_reason():
+    buf = ReplayBuffer(capacity_groups=2, staleness=4, skip_zero_variance=True)
+    assert buf.add(group(0), 1).accepted and buf.add(group(0), 2).accepted
+    res = buf.add(group(0), 3)
+    assert res == type(res)(False, "buffer full: 2 groups")
+    assert buf.counters().refused_full == 1
+
+
+@pytest.mark.trio
+async def test_signal_wakes_waiter():
+    buf = ReplayBuffer(capacity_groups=10, staleness=1, skip_zero_variance=True)
+    signal = BufferSignal()
+    woke = []
+
+    async def waiter():
+        while not buf.ready(0, 2):
+            await signal.wait()
+        woke.append(len(buf))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.sleep(0.01)
+        buf.add(group(0), 1)
+        signal.notify()
+        await trio.sleep(0.01)
+        assert woke == []
+        buf.add(group(0), 2)
+        signal.notify()
+    assert woke == [2]

@@ -1,0 +1,170 @@
+"""Capacity model, activation and the control loop against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from hub.capacity import (
+    InfeasibleCapacity,
+    NodeOffer,
+    activate,
+    control_decision,
+    cost_per_step,
+    default_kappa,
+    ewma,
+    mu_min,
+    predicted_bubble,
+    predicted_idle_s,
+    predicted_step_s,
+    validate_kappa,
+)
+
+
+def test_mu_min():
+    # 3 * 100 / (3 * 10 - 5) = 300 / 25
+    assert mu_min(3, 100, 10.0, 5.0) == pytest.approx(12.0)
+    # DESIGN defaults R = 128 * 16 with kappa = 1: 2048 / (20 - 5)
+    assert mu_min(1, 2048, 20.0, 5.0) == pytest.approx(2048 / 15)
+
+
+@pytest.mark.parametrize("t_bcast_s", [20.0, 25.0])
+def test_mu_min_infeasible(t_bcast_s):
+    with pytest.raises(InfeasibleCapacity, match="raise the staleness budget S and kappa .* shrink the snapshot"):
+        mu_min(2, 100, 10.0, t_bcast_s)
+    assert issubclass(InfeasibleCapacity, ValueError)
+
+
+def test_idle_and_bubble():
+    # 300 / 10 + 5 - 30 = 5 s idle; bubble 5 / (5 + 30)
+    assert predicted_idle_s(3, 100, 10.0, 5.0, 10.0) == pytest.approx(5.0)
+    assert predicted_bubble(3, 100, 10.0, 5.0, 10.0) == pytest.approx(1 / 7)
+    # exactly mu_min: no idle
+    assert predicted_idle_s(3, 100, 10.0, 5.0, 12.0) == 0.0
+    assert predicted_bubble(3, 100, 10.0, 5.0, 50.0) == 0.0
+    assert predicted_idle_s(3, 100, 10.0, 5.0, 0.0) == math.inf
+    assert predicted_bubble(3, 100, 10.0, 5.0, 0.0) == 1.0
+    assert predicted_bubble(3, 100, 10.0, 5.0, -1.0) == 1.0
+
+
+def test_step_time_and_cost_per_step():
+    # (30 + 5) / 3 s per step; (3 + 0.5 + 0.5) $/h * 35/3 s / 3600
+    assert predicted_step_s(3, 100, 10.0, 5.0, 10.0) == pytest.approx(35 / 3)
+    assert cost_per_step(3, 100, 10.0, 5.0, 10.0, 3.0, [0.5, 0.5]) == pytest.approx(4.0 * 35 / 3 / 3600)
+    # no idle: step time is T_train
+    assert cost_per_step(3, 100, 10.0, 5.0, 100.0, 3.6, []) == pytest.approx(0.01)
+
+
+def test_node_offer_rho():
+    assert NodeOffer("a", 0.35, 7.0).rho == pytest.approx(0.05)
+    assert NodeOffer("z", 0.0, 0.0).rho == math.inf
+    with pytest.raises(ValueError, match="price_per_hour"):
+        NodeOffer("n", -1.0, 1.0)
+    with pytest.raises(ValueError, match="rollouts_per_s"):
+        NodeOffer("n", 1.0, -1.0)
+
+
+FLEET = [
+    NodeOffer("c", 0.3, 1.0),  # rho 0.3
+    NodeOffer("z", 0.0, 0.0),  # free but delivers nothing: rho inf, last
+    NodeOffer("b", 0.5, 5.0),  # rho 0.1, ties with a: after a by name
+    NodeOffer("a", 1.0, 10.0),  # rho 0.1
+]
+
+
+def names(nodes):
+    return [node.name for node in nodes]
+
+
+def test_activate_shortest_cheapest_prefix_ties_by_name():
+    for _ in range(3):
+        fleet = random.Random(_).sample(FLEET, len(FLEET))
+        result = activate(fleet, 12.0)
+        assert names(result.active) == ["a", "b"]
+        assert names(result.standby) == ["c", "z"]
+        assert result.mu_active == 15.0 and result.shortfall == 0.0
+
+
+def test_activate_exact_target_and_zero_target():
+    assert names(activate(FLEET, 15.0).active) == ["a", "b"]
+    assert names(activate(FLEET, 15.5).active) == ["a", "b", "c"]
+    empty = activate(FLEET, 0.0)
+    assert empty.active == () and len(empty.standby) == 4 and empty.mu_active == 0.0
+
+
+def test_activate_fleet_falls_short():
+    result = activate(FLEET, 16.5)
+    assert names(result.active) == ["a", "b", "c", "z"]
+    assert result.standby == ()
+    assert result.mu_active == 16.0
+    assert result.shortfall == pytest.approx(0.5)
+
+
+def test_activate_rejects_duplicate_names():
+    with pytest.raises(ValueError, match="duplicate node name 'a'"):
+        activate([NodeOffer("a", 1, 1), NodeOffer("a", 2, 2)], 1.0)
+
+
+def test_kappa_defaults_and_validation():
+    assert [default_kappa(s) for s in (0, 1, 2, 4, 11)] == [1, 1, 1, 3, 10]
+    for kappa, staleness in ((3, 4), (1, 4), (1, 2), (1, 1), (1, 0)):
+        validate_kappa(kappa, staleness)
+    for kappa, staleness in ((4, 4), (0, 4), (2, 2), (2, 1), (2, 0), (0, 0)):
+        with pytest.raises(ValueError, match="kappa must satisfy"):
+            validate_kappa(kappa, staleness)
+
+
+def test_control_activates_cheapest_standby_below_target():
+    active = [NodeOffer("a", 1.0, 5.0)]
+    standby = [NodeOffer("y", 2.0, 10.0), NodeOffer("x", 1.0, 5.0), NodeOffer("w", 3.0, 1.0)]
+    # x and y tie at rho 0.2: x by name
+    decision = control_decision(active, standby, 10.0)
+    assert (decision.action, decision.node) == ("activate", "x")
+    assert control_decision(active, [], 10.0).action == "hold"
+
+
+def test_control_release_needs_margin_inclusive_boundary():
+    priciest = NodeOffer("b", 2.0, 5.0)  # rho 0.4
+    # without b: 12 = 10 * (1 + 0.2): released
+    decision = control_decision([NodeOffer("a", 1.0, 12.0), priciest], [], 10.0, release_margin=0.2)
+    assert (decision.action, decision.node) == ("release", "b")
+    # without b: 11.99 < 12: held, although the pool would still meet the bare target
+    decision = control_decision([NodeOffer("a", 1.0, 11.99), priciest], [], 10.0, release_margin=0.2)
+    assert (decision.action, decision.node) == ("hold", None)
+
+
+def test_control_holds_exactly_at_target():
+    assert control_decision([NodeOffer("a", 1.0, 10.0)], [NodeOffer("s", 0.1, 9.0)], 10.0).action == "hold"
+
+
+def run_loop(release_margin: float, periods: int = 8) -> list[str]:
+    """a's measured throughput wobbles +-5% around the target; b is the pricier helper."""
+    a_mu = [10.5, 9.5] * (periods // 2)
+    b = NodeOffer("b", 2.0, 3.0)
+    active_b = True
+    actions = []
+    for mu in a_mu:
+        a = NodeOffer("a", 1.0, mu)
+        active, standby = ([a, b], []) if active_b else ([a], [b])
+        decision = control_decision(active, standby, 10.0, release_margin=release_margin)
+        actions.append(decision.action)
+        if decision.action == "release":
+            active_b = False
+        elif decision.action == "activate":
+            active_b = True
+    return actions
+
+
+def test_control_margin_prevents_flapping():
+    assert run_loop(release_margin=0.0) == ["release", "activate"] * 4
+    assert run_loop(release_margin=0.2) == ["hold"] * 8
+
+
+def test_ewma():
+    assert ewma(None, 5.0, 0.3) == 5.0
+    assert ewma(10.0, 20.0, 0.25) == pytest.approx(12.5)
+    assert ewma(10.0, 20.0, 1.0) == 20.0
+    with pytest.raises(ValueError, match="alpha"):
+        ewma(1.0, 2.0, 0.0)

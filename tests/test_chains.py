@@ -1,0 +1,94 @@
+"""Chain planning and ideal broadcast times against hand-computed values."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hub.chains import (
+    chain_ideal_s,
+    chained_broadcast_ideal_s,
+    num_chains,
+    plan_chains,
+    relink_after_leave,
+    star_ideal_s,
+)
+
+
+def test_num_chains():
+    assert num_chains(100.0, 30.0) == 3
+    assert num_chains(250.0, 100.0) == 2
+    assert num_chains(100.0, 100.0) == 1
+    assert num_chains(50.0, 100.0) == 1
+    with pytest.raises(ValueError, match="bandwidths"):
+        num_chains(0.0, 1.0)
+
+
+def test_plan_chains_fastest_first_slow_at_tails():
+    nodes = [("d", 30.0), ("b", 50.0), ("c", 100.0), ("a", 100.0), ("e", 80.0)]
+    # Bw = 30, N_ch = floor(100 / 30) = 3; fastest-first order a, c (tie by name), e, b, d dealt round-robin
+    assert plan_chains(nodes, 100.0) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_plan_chains_never_more_chains_than_nodes():
+    assert plan_chains([("b", 100.0), ("a", 100.0)], 1000.0) == [["a"], ["b"]]
+
+
+def test_plan_chains_single_chain_when_hub_is_slow():
+    assert plan_chains([("a", 10.0), ("b", 20.0), ("c", 15.0)], 5.0) == [["b", "c", "a"]]
+
+
+def test_plan_chains_empty():
+    assert plan_chains([], 100.0) == []
+
+
+def test_plan_chains_lengths_balanced_and_complete():
+    rng = random.Random(7)
+    for n in range(1, 25):
+        nodes = [(f"n{i}", rng.uniform(10.0, 100.0)) for i in range(n)]
+        hub = rng.uniform(5.0, 600.0)
+        chains = plan_chains(nodes, hub)
+        expected = min(n, max(1, int(hub // min(link for _, link in nodes))))
+        assert len(chains) == expected
+        lengths = [len(chain) for chain in chains]
+        assert max(lengths) - min(lengths) <= 1
+        assert sorted(name for chain in chains for name in chain) == sorted(name for name, _ in nodes)
+        assert plan_chains(list(reversed(nodes)), hub) == chains
+
+
+def test_plan_chains_errors():
+    with pytest.raises(ValueError, match="duplicate"):
+        plan_chains([("a", 1.0), ("a", 2.0)], 10.0)
+    with pytest.raises(ValueError, match="link bandwidth"):
+        plan_chains([("a", 0.0)], 10.0)
+
+
+def test_relink_after_leave():
+    chains = [["a", "b", "d"], ["c"]]
+    assert relink_after_leave(chains, "b") == [["a", "d"], ["c"]]
+    assert relink_after_leave(chains, "a") == [["b", "d"], ["c"]]
+    assert relink_after_leave(chains, "c") == [["a", "b", "d"]]
+    assert chains == [["a", "b", "d"], ["c"]]
+    with pytest.raises(ValueError, match="in no chain"):
+        relink_after_leave(chains, "x")
+
+
+def test_chain_ideal():
+    # 1000 / 100 + 4 * 10 / 100
+    assert chain_ideal_s(1000.0, 10.0, 5, 100.0) == pytest.approx(10.4)
+    assert chain_ideal_s(1000.0, 10.0, 1, 100.0) == pytest.approx(10.0)
+
+
+def test_chained_broadcast_ideal():
+    # N_ch = floor(250 / 100) = 2, longest chain ceil(9 / 2) = 5 at Bw = 100
+    assert chained_broadcast_ideal_s(1000.0, 10.0, 9, 250.0, 100.0) == pytest.approx(10.4)
+    # hub slower than a node link: one chain of 3 at B0 = 50: 1000 / 50 + 2 * 10 / 50
+    assert chained_broadcast_ideal_s(1000.0, 10.0, 3, 50.0, 100.0) == pytest.approx(20.4)
+
+
+def test_star_ideal():
+    # B0 / N = 800 / 9 < 100: hub-bound, 9 * 1000 / 800
+    assert star_ideal_s(1000.0, 9, 800.0, 100.0) == pytest.approx(11.25)
+    # B0 / N = 200 > 100: node-link bound
+    assert star_ideal_s(1000.0, 4, 800.0, 100.0) == pytest.approx(10.0)

@@ -1,0 +1,93 @@
+"""SIGKILL the learner mid-run, restart it, and check that no acknowledged trajectory is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hub.metrics import METRICS_FILE, read_metrics
+from hub.store import Store
+
+HELPER = Path(__file__).with_name("crash_hub.py")
+REPO_ROOT = HELPER.parent.parent
+FIRST_RUN_MIN_STEPS = 3
+TOTAL_STEPS = 9
+STARTUP_TIMEOUT_S = 120.0
+
+
+def start(data_dir: Path, steps: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, str(HELPER), str(data_dir), str(steps)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_loses_no_acknowledged_trajectory(tmp_path):
+    rng = random.Random()
+    proc = start(tmp_path, TOTAL_STEPS + 100)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    output = []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("STEP ") and int(line.split()[1]) >= FIRST_RUN_MIN_STEPS:
+                break
+            assert time.monotonic() < deadline, "".join(output[-20:])
+        else:
+            pytest.fail("helper exited early:\n" + "".join(output[-30:]))
+        time.sleep(rng.uniform(0.0, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    # What was committed at the moment of the kill (opening the store replays the WAL).
+    store = Store(tmp_path / "hub.db")
+    assert store.integrity_check() == "ok"
+    rows = store.trajectories()
+    pending = {r.id for r in rows if r.verdict == "accepted" and r.consumed_step is None and r.discard_reason is None}
+    killed_at_step = store.latest_step()
+    versions_before = [s.version for s in store.snapshots()]
+    store.close()
+    assert killed_at_step >= FIRST_RUN_MIN_STEPS
+
+    second = start(tmp_path, TOTAL_STEPS + killed_at_step)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-3000:]
+    refill = json.loads((tmp_path / f"refill-{second.pid}.json").read_text())
+
+    store = Store(tmp_path / "hub.db")
+    assert store.integrity_check() == "ok"
+    after = {r.id: r for r in store.trajectories()}
+    # Every accepted, untrained row was put back into the buffer, or refused by it with a
+    # recorded reason (a crash between the row's commit and its buffer admission).
+    back = set(refill)
+    refused = {i for i in pending - back if after[i].discard_reason is not None}
+    assert pending == back | refused, (sorted(pending), sorted(back))
+    assert all(after[i].discard_reason == "zero reward variance" for i in refused)
+    # Rows pending at the kill can only be trained on by steps after it.
+    assert all(after[i].consumed_step is None or after[i].consumed_step > killed_at_step for i in pending)
+    steps = [s.step for s in store.steps()]
+    assert steps == list(range(1, TOTAL_STEPS + killed_at_step + 1))
+    versions = [s.version for s in store.snapshots()]
+    assert versions[: len(versions_before)] == versions_before
+    assert versions == sorted(set(versions)) and versions[-1] > versions_before[-1]
+    published = sorted(store.snapshots(), key=lambda s: s.published_at)
+    assert [s.version for s in published] == versions
+    metrics = read_metrics(tmp_path / METRICS_FILE)
+    assert [m["step"] for m in metrics] == sorted({m["step"] for m in metrics})
+    assert (tmp_path / "final" / "config.json").exists()
+    print(f"\nkilled after step {killed_at_step}; {len(pending)} pending rows, {len(back)} back in the buffer, "
+          f"{len(refused)} refused on refill; snapshot versions {versions}")

@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from node.engine import EngineUnavailable, make_engine, vllm_unavailable_reason
+from node.hf_engine import HFEngine
+from shared.logprobs import completion_logprobs, nucleus_removed, sampling_logprobs
+from shared.rollout import SamplingParams
+from shared.tasks.reverse import ReverseTask
+
+PROMPTS = [p.text for p in ReverseTask().prompts()[:16]]
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    torch.set_num_threads(1)
+    return HFEngine(default_model_dir)
+
+
+def snapshot_bytes(model, noise: float = 0.0, seed: int = 0) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    # clone: tied tensors share storage, which safetensors refuses to serialize.
+    state = {k: (v + noise * torch.randn(v.shape, generator=gen)).clone() for k, v in model.state_dict().items()}
+    return save(state)
+
+
+def test_nucleus_keeps_smallest_prefix_with_mass_at_least_top_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    assert nucleus_removed(logits, 0.8).tolist() == [[False, False, True, True]]
+    assert nucleus_removed(logits, 0.79).tolist() == [[False, False, True, True]]
+    assert nucleus_removed(logits, 0.81).tolist() == [[False, False, False, True]]
+    assert nucleus_removed(logits, 0.01).tolist() == [[False, True, True, True]]
+    lp = sampling_logprobs(logits, temperature=1.0, top_p=0.8)
+    assert torch.allclose(lp[0, :2].exp(), torch.tensor([0.625, 0.375]))
+    assert torch.isinf(lp[0, 2:]).all()
+    scaled = sampling_logprobs(logits, temperature=0.5).exp()
+    assert torch.allclose(scaled, probs**2 / (probs**2).sum())
+
+
+def test_generate_shapes_finish_reasons_and_versions(engine):
+    sampling = SamplingParams(max_new_tokens=4, seed=0)
+    out = engine.generate(PROMPTS, 3, sampling)
+    assert len(out) == len(PROMPTS) and all(len(g) == 3 for g in out)
+    eos = engine.tokenizer.eos_token_id
+    reasons = set()
+    for group in out:
+        for c in group:
+            reasons.add(c.finish_reason)
+            assert len(c.token_ids) == len(c.logprobs) <= 4
+            assert all(lp <= 0.0 for lp in c.logprobs)
+            assert c.version == 0
+            assert c.text == engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+            else:
+                assert len(c.token_ids) == 4 and eos not in c.token_ids
+    assert reasons == {"stop", "length"}
+
+
+def test_same_seed_same_outputs(engine):
+    sampling = SamplingParams(max_new_tokens=8, seed=7)
+    first = engine.generate(PROMPTS[:4], 4, sampling)
+    assert engine.generate(PROMPTS[:4], 4, sampling) == first
+    assert engine.generate(PROMPTS[:4], 4, sampling.model_copy(update={"seed": 8})) != first
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.7, 0.9)])
+def test_engine_logprobs_match_completion_logprobs(engine, temperature, top_p):
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=8, seed=1)
+    n = 4
+    out = engine.generate(PROMPTS, n, sampling)
+    flat = [c for group in out for c in group]
+    prompt_ids = [ids for ids in engine.tokenizer(PROMPTS)["input_ids"] for _ in range(n)]
+    with torch.no_grad():
+        ref, mask = completion_logprobs(
+            engine.model, prompt_ids, [list(c.token_ids) for c in flat], engine.pad_id, temperature, top_p
+        )
+    reported = torch.zeros_like(ref)
+    for row, c in enumerate(flat):
+        reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
+    assert mask.sum().item() == sum(len(c.token_ids) for c in flat)
+    gap = ((ref - reported).abs() * mask).sum() / mask.sum()
+    assert gap.item() < 1e-4, f"mean |engine - completion_logprobs| = {gap.item():.3g}"
+
+
+def test_completion_logprobs_is_differentiable_and_padding_invariant(engine):
+    prompt_ids = engine.tokenizer(["abc>", "qwerty>"])["input_ids"]
+    completions = [[6, 5, 4, 1], [28]]
+    batched, mask = completion_logprobs(engine.model, prompt_ids, completions, engine.pad_id, 0.7, 0.9)
+    assert mask.tolist() == [[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
+    assert torch.isfinite(batched).all()
+    alone, _ = completion_logprobs(engine.model, prompt_ids[1:], completions[1:], engine.pad_id, 0.7, 0.9)
+    assert torch.allclose(batched[1, :1], alone[0], atol=1e-5)
+    engine.model.zero_grad(set_to_none=True)
+    (batched * mask).sum().backward()
+    grad = engine.model.model.embed_tokens.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+    engine.model.zero_grad(set_to_none=True)
+
+
+def test_install_swaps_weights_and_version(engine):
+    sampling = SamplingParams(max_new_tokens=8, seed=3)
+    original = snapshot_bytes(engine.model)
+    before = engine.generate(PROMPTS[:8], 2, sampling)
+    engine.install(memoryview(snapshot_bytes(engine.model, noise=0.05)), version=1)
+    after = engine.generate(PROMPTS[:8], 2, sampling)
+    assert engine.version == 1 and all(c.version == 1 for g in after for c in g)
+    assert [c.token_ids for g in after for c in g] != [c.token_ids for g in before for c in g]
+    engine.install(original, version=2)
+    restored = engine.generate(PROMPTS[:8], 2, sampling)
+    assert [c.token_ids for g in restored for c in g] == [c.token_ids for g in before for c in g]
+
+
+def test_install_accepts_tied_snapshot_and_rejects_bad_ones(engine):
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    del state["lm_head.weight"]  # tied to the embedding, as save_pretrained writes it
+    engine.install(save(state), version=3)
+    assert engine.version == 3
+    del state["model.embed_tokens.weight"]
+    with pytest.raises(ValueError, match="lacks"):
+        engine.install(save(state), version=4)
+    with pytest.raises(ValueError, match="lacks"):
+        engine.install(save({"model.norm.weight": torch.ones(128)}), version=4)
+    full = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(ValueError, match="keys the model lacks"):
+        engine.install(save({**full, "extra.weight": torch.ones(1)}), version=4)
+    poisoned = {**full, "model.embed_tokens.weight": full["model.embed_tokens.weight"] + 1.0}
+    poisoned["model.norm.weight"] = torch.ones(3)
+    del poisoned["lm_head.weight"]
+    with pytest.raises(ValueError, match="shape"):
+        engine.install(save(poisoned), version=4)
+    assert engine.version == 3
+    assert torch.equal(engine.model.model.embed_tokens.weight, full["model.embed_tokens.weight"])  # untouched
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_fifty_swaps_do_not_grow_memory(engine):
+    snapshots = [snapshot_bytes(engine.model, noise=0.01, seed=s) for s in range(2)]
+    for i in range(5):
+        engine.install(snapshots[i % 2], version=10 + i)
+    rss_before = _rss_bytes()
+    tracemalloc.start()
+    python_before = tracemalloc.get_traced_memory()[0]
+    for i in range(50):
+        engine.install(snapshots[i % 2], version=20 + i)
+    python_growth = tracemalloc.get_traced_memory()[0] - python_before
+    tracemalloc.stop()
+    rss_growth = _rss_bytes() - rss_before
+    assert engine.version == 69
+    assert python_growth < 256 * 1024
+    assert rss_growth < 2 * len(snapshots[0]), f"RSS grew {rss_growth} bytes over 50 swaps"
+
+
+def test_make_engine_backends(default_model_dir):
+    assert isinstance(make_engine("hf", default_model_dir, device="cpu"), HFEngine)
+    with pytest.raises(ValueError, match="unknown engine backend"):
+        make_engine("tpu", default_model_dir)
+    assert isinstance(make_engine("auto", default_model_dir, device="cpu"), HFEngine)
+    reason = vllm_unavailable_reason()
+    if reason is None:
+        pytest.skip("vLLM can run here; its backend is covered by tests/test_vllm.py")
+    assert isinstance(make_engine("auto", default_model_dir), HFEngine)
+    with pytest.raises(EngineUnavailable, match="vllm backend unavailable"):
+        make_engine("vllm", default_model_dir)

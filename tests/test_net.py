@@ -1,0 +1,268 @@
+"""Real py-libp2p hosts on 127.0.0.1: Noise+Yamux requests, refusal of plaintext, handler containment, big frames, rate limiting."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.custom_types import TProtocol
+from libp2p.network.exceptions import SwarmException
+from libp2p.peer.id import ID
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.transport.tcp.tcp import TCP
+from multiaddr import Multiaddr
+
+from shared.crypto import Identity, peer_id_from_multiaddr
+from shared.net import (
+    RateLimiter,
+    connect,
+    open_stream,
+    remote_ip,
+    remote_peer_id,
+    request,
+    running_host,
+    safe_handler,
+    set_handler,
+)
+from shared.wire import (
+    Message,
+    StreamEOF,
+    protocol_id,
+    read_frame,
+    read_message,
+    write_frame,
+    write_message,
+)
+
+# Tags 190-199 belong to this test module (real messages use lower tags).
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+ECHO = protocol_id("test-echo")
+BOOM = protocol_id("test-boom")
+BULK = protocol_id("test-bulk")
+CHUNK_TAG = 250
+BIG_BYTES = 4 * 1024 * 1024
+log = logging.getLogger("test_net")
+
+
+class Ask(Message):
+    TYPE = 190
+    MAX_BYTES = 1024
+    text: str
+
+
+class Answer(Message):
+    TYPE = 191
+    MAX_BYTES = 1024
+    text: str
+    asker: str
+    ip: str | None
+
+
+class Digest(Message):
+    TYPE = 192
+    MAX_BYTES = 256
+    sha256: str
+    size: int
+
+
+async def echo_handler(stream) -> None:
+    ask = await read_message(stream, Ask)
+    await write_message(stream, Answer(text=ask.text.upper(), asker=remote_peer_id(stream), ip=remote_ip(stream)))
+    await stream.close()
+
+
+async def boom_handler(stream) -> None:
+    await read_message(stream, Ask)
+    raise RuntimeError("handler bug")
+
+
+async def bulk_handler(stream) -> None:
+    _, body = await read_frame(stream, {CHUNK_TAG: BIG_BYTES})
+    await write_message(stream, Digest(sha256=hashlib.sha256(body).hexdigest(), size=len(body)))
+    await stream.close()
+
+
+@asynccontextmanager
+async def two_hosts() -> AsyncIterator[tuple]:
+    server_id, client_id = Identity.generate(), Identity.generate()
+    async with running_host(server_id, [LOOPBACK]) as (server, server_addrs):
+        async with running_host(client_id, [LOOPBACK]) as (client, _):
+            set_handler(server, ECHO, echo_handler, log)
+            set_handler(server, BOOM, boom_handler, log)
+            set_handler(server, BULK, bulk_handler, log)
+            yield server_id, server, server_addrs, client_id, client
+
+
+@pytest.mark.trio
+async def test_request_over_noise_yamux():
+    with trio.fail_after(20):
+        async with two_hosts() as (server_id, server, server_addrs, client_id, client):
+            assert server.get_id().to_base58() == server_id.peer_id
+            assert client.get_id().to_base58() == client_id.peer_id
+            (addr,) = server_addrs
+            assert addr.startswith("/ip4/127.0.0.1/tcp/") and "/tcp/0/" not in addr
+            assert peer_id_from_multiaddr(addr) == server_id.peer_id
+
+            assert await connect(client, addr) == server_id.peer_id
+            reply = await request(client, server_id.peer_id, ECHO, Ask(text="hi"), Answer, timeout_s=10)
+            assert reply == Answer(text="HI", asker=client_id.peer_id, ip="127.0.0.1")
+            # The peer stays connected and serves a second stream on the same connection.
+            reply = await request(client, server_id.peer_id, ECHO, Ask(text="again"), Answer, timeout_s=10)
+            assert reply.text == "AGAIN"
+            assert len(client.get_network().connections[server.get_id()]) == 1
+
+
+@pytest.mark.trio
+async def test_peer_can_reply_after_close():
+    """close() on a py-libp2p stream half-closes: the peer still reads our message and replies."""
+    with trio.fail_after(20):
+        async with two_hosts() as (server_id, _, server_addrs, _, client):
+            await connect(client, server_addrs[0])
+            stream = await open_stream(client, server_id.peer_id, ECHO)
+            await write_message(stream, Ask(text="half"))
+            await stream.close()
+            assert (await read_message(stream, Answer)).text == "HALF"
+
+
+@pytest.mark.trio
+async def test_plaintext_dialer_refused():
+    with trio.fail_after(20):
+        server_id = Identity.generate()
+        async with running_host(server_id, [LOOPBACK]) as (_, server_addrs):
+            key_pair = Identity.generate().libp2p_keypair()
+            plaintext = new_host(
+                key_pair=key_pair,
+                sec_opt={TProtocol(PLAINTEXT_PROTOCOL_ID): InsecureTransport(key_pair)},
+                muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+                transports=[TCP()],
+            )
+            async with plaintext.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+                with pytest.raises(SwarmException):
+                    await connect(plaintext, server_addrs[0])
+                assert not plaintext.get_network().connections.get(ID.from_base58(server_id.peer_id))
+
+
+@pytest.mark.trio
+async def test_failing_handler_does_not_kill_host(caplog):
+    with trio.fail_after(20):
+        async with two_hosts() as (server_id, _, server_addrs, client_id, client):
+            await connect(client, server_addrs[0])
+            with caplog.at_level(logging.WARNING, logger="test_net"):
+                with pytest.raises(StreamEOF):
+                    await request(client, server_id.peer_id, BOOM, Ask(text="x"), Answer, timeout_s=10)
+            assert any(client_id.peer_id in r.getMessage() and "handler bug" in r.getMessage() for r in caplog.records)
+            reply = await request(client, server_id.peer_id, ECHO, Ask(text="still up"), Answer, timeout_s=10)
+            assert reply.text == "STILL UP"
+
+
+@pytest.mark.trio
+async def test_large_frame_crosses_intact():
+    payload = hashlib.sha256(b"seed").digest() * (BIG_BYTES // 32)
+    with trio.fail_after(30):
+        async with two_hosts() as (server_id, _, server_addrs, _, client):
+            await connect(client, server_addrs[0])
+            stream = await open_stream(client, server_id.peer_id, BULK)
+            await write_frame(stream, CHUNK_TAG, payload)
+            await stream.close_write()
+            digest = await read_message(stream, Digest)
+            await stream.close()
+            assert digest == Digest(sha256=hashlib.sha256(payload).hexdigest(), size=BIG_BYTES)
+
+
+@pytest.mark.trio
+async def test_rate_limiter_holds_rate_over_libp2p():
+    rate_bytes_per_s = 2 * 1024 * 1024
+    payload = b"\x5a" * (1024 * 1024)
+    limiter = RateLimiter(rate_bytes_per_s)
+    with trio.fail_after(30):
+        async with two_hosts() as (server_id, _, server_addrs, _, client):
+            await connect(client, server_addrs[0])
+            stream = await open_stream(client, server_id.peer_id, BULK)
+            start = trio.current_time()
+            await limiter.write(stream, CHUNK_TAG.to_bytes(1, "big") + len(payload).to_bytes(4, "big") + payload)
+            await stream.close_write()
+            digest = await read_message(stream, Digest)
+            elapsed = trio.current_time() - start
+            await stream.close()
+    assert digest.size == len(payload)
+    expected_s = len(payload) / rate_bytes_per_s
+    # Sleeping cannot make it faster than the rate (minus one slice of initial credit);
+    # the upper bound is loose so a busy machine does not flake it.
+    assert 0.9 * expected_s <= elapsed <= 6 * expected_s
+
+
+class RecordingStream:
+    def __init__(self) -> None:
+        self.writes: list[tuple[float, int]] = []
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append((trio.current_time(), len(data)))
+
+
+@pytest.mark.trio
+async def test_rate_limiter_slices_and_meters(autojump_clock):
+    limiter = RateLimiter(100_000, slice_bytes=1000)
+    stream = RecordingStream()
+    start = trio.current_time()
+    await limiter.write(stream, b"x" * 50_500)
+    elapsed = trio.current_time() - start
+    assert [n for _, n in stream.writes] == [1000] * 50 + [500]
+    # The first slice rides on the initial one-slice credit; the rest are paid at 100 kB/s.
+    assert elapsed == pytest.approx(49_500 / 100_000, rel=1e-6)
+
+
+@pytest.mark.trio
+async def test_rate_limiter_is_shared_between_writers(autojump_clock):
+    limiter = RateLimiter(100_000, slice_bytes=1000)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for _ in range(2):
+            nursery.start_soon(limiter.write, RecordingStream(), b"x" * 20_000)
+    assert trio.current_time() - start == pytest.approx(39_000 / 100_000, rel=1e-6)
+
+
+@pytest.mark.trio
+async def test_unlimited_rate_limiter_writes_once(autojump_clock):
+    stream = RecordingStream()
+    await RateLimiter(None).write(stream, b"x" * 100_000)
+    assert [n for _, n in stream.writes] == [100_000]
+
+
+class FakeHandlerStream:
+    def __init__(self, peer_id: str) -> None:
+        self.muxed_conn = type("Conn", (), {"peer_id": ID.from_base58(peer_id)})()
+        self.resets = 0
+
+    async def reset(self) -> None:
+        self.resets += 1
+
+
+@pytest.mark.trio
+async def test_safe_handler_contains_errors_but_not_base_exceptions(caplog):
+    peer = Identity.generate().peer_id
+
+    async def mixed(stream) -> None:
+        raise BaseExceptionGroup("handler", [RuntimeError("bug"), KeyboardInterrupt()])
+
+    stream = FakeHandlerStream(peer)
+    with caplog.at_level(logging.WARNING, logger="test_net"):
+        with pytest.raises(BaseExceptionGroup) as escaped:
+            await safe_handler(mixed, log)(stream)
+    assert [type(e) for e in escaped.value.exceptions] == [KeyboardInterrupt]
+    assert stream.resets == 1
+    assert any(peer in r.getMessage() and "bug" in r.getMessage() for r in caplog.records)
+
+    async def grouped_errors(stream) -> None:
+        raise ExceptionGroup("handler", [ValueError("bad frame")])
+
+    stream = FakeHandlerStream(peer)
+    await safe_handler(grouped_errors, log)(stream)
+    assert stream.resets == 1

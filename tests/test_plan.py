@@ -1,0 +1,157 @@
+"""`echo-hub plan` on real FLEET.toml files: hand-computed plans and every bad-fleet error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hub.capacity import NodeOffer
+from hub.plan import PlanError, add_plan_arguments, compute_plan, load_fleet, run_plan
+
+FLEET_ACE = """
+[[node]]
+name = "a"
+price_per_hour = 0.5
+rollouts_per_s = 5
+
+[[node]]
+name = "b"
+price_per_hour = 0.4
+rollouts_per_s = 2
+
+[[node]]
+name = "c"
+price_per_hour = 1.0
+rollouts_per_s = 10.0
+"""
+
+# R = 100, T_train = 10 s, T_bcast = 5 s, S = 4 -> kappa = 3:
+# mu_min = 300 / (30 - 5) = 12, mu_target = 1.1 * 12 = 13.2
+PERIOD = ["--rollouts-per-step", "100", "--t-train", "10", "--t-bcast", "5"]
+
+
+def run(tmp_path, capsys, fleet_text: str, *extra: str):
+    fleet = tmp_path / "FLEET.toml"
+    fleet.write_text(fleet_text)
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    code = run_plan(parser.parse_args(["--fleet", str(fleet), *extra]))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_met_by_cheapest_prefix(tmp_path, capsys):
+    code, out, err = run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--json")
+    assert code == 0 and err == ""
+    plan = json.loads(out)
+    assert set(plan) == {"mu_min", "mu_target", "active", "mu_active", "shortfall",
+                         "predicted_bubble", "cost_per_hour", "cost_per_step"}
+    # rho: a 0.1, c 0.1 (after a by name), b 0.2; a + c = 15 >= 13.2
+    assert plan["active"] == ["a", "c"]
+    assert plan["mu_min"] == pytest.approx(12.0)
+    assert plan["mu_target"] == pytest.approx(13.2)
+    assert plan["mu_active"] == pytest.approx(15.0)
+    assert plan["shortfall"] == 0.0
+    # idle = max(0, 300 / 15 + 5 - 30) = 0
+    assert plan["predicted_bubble"] == 0.0
+    # 3.06 + 0.5 + 1.0 $/h over a 10 s step
+    assert plan["cost_per_hour"] == pytest.approx(4.56)
+    assert plan["cost_per_step"] == pytest.approx(4.56 * 10 / 3600)
+
+
+def test_plan_fleet_falls_short(tmp_path, capsys):
+    fleet = FLEET_ACE[: FLEET_ACE.index('[[node]]\nname = "c"')]
+    code, out, _ = run(tmp_path, capsys, fleet, *PERIOD, "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["active"] == ["a", "b"]
+    assert plan["mu_active"] == pytest.approx(7.0)
+    assert plan["shortfall"] == pytest.approx(6.2)
+    # idle = 300 / 7 + 5 - 30 = 125 / 7; bubble = (125/7) / (125/7 + 30) = 125 / 335
+    assert plan["predicted_bubble"] == pytest.approx(125 / 335)
+    # step = (30 + 125/7) / 3 = 335 / 21 s at 3.06 + 0.9 $/h
+    assert plan["cost_per_hour"] == pytest.approx(3.96)
+    assert plan["cost_per_step"] == pytest.approx(3.96 * 335 / 21 / 3600)
+
+
+def test_plan_kappa_override_and_learner_price(tmp_path, capsys):
+    code, out, _ = run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--kappa", "1", "--gamma", "1.0",
+                       "--learner-price", "0", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    # mu_min = 100 / (10 - 5) = 20; the whole fleet (17) falls 3 short
+    assert plan["mu_min"] == pytest.approx(20.0)
+    assert plan["active"] == ["a", "c", "b"]
+    assert plan["shortfall"] == pytest.approx(3.0)
+    assert plan["cost_per_hour"] == pytest.approx(1.9)
+
+
+def test_plan_table_output(tmp_path, capsys):
+    code, out, _ = run(tmp_path, capsys, FLEET_ACE, *PERIOD)
+    assert code == 0
+    assert "mu_min" in out and "cost per learner step" in out
+    assert out.index(" a ") < out.index(" c ")
+    assert " b " not in out
+
+
+def test_plan_infeasible_capacity(tmp_path, capsys):
+    code, out, err = run(tmp_path, capsys, FLEET_ACE, "--t-train", "10", "--t-bcast", "30", "--json")
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and "shrink the snapshot" in err
+
+
+def test_plan_bad_kappa(tmp_path, capsys):
+    code, _, err = run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--kappa", "4")
+    assert code == 2 and "kappa must satisfy 1 <= kappa <= 3" in err
+
+
+def node(name="n", price="1.0", throughput="2.0", extra=""):
+    return f'[[node]]\nname = "{name}"\nprice_per_hour = {price}\nrollouts_per_s = {throughput}\n{extra}\n'
+
+
+@pytest.mark.parametrize(
+    ("fleet", "message"),
+    [
+        (node(price="-0.1"), "node 'n': price_per_hour must be >= 0"),
+        (node(throughput="0"), "node 'n': rollouts_per_s must be > 0"),
+        (node(throughput="-3"), "node 'n': rollouts_per_s must be > 0"),
+        (node() + node(), "node 'n': duplicate name"),
+        ('[[node]]\nname = "n"\nprice_per_hour = 1.0\n', "node #1: missing keys ['rollouts_per_s']"),
+        (node(extra="gpu = \"5090\""), "node #1: unknown keys ['gpu']"),
+        ("", "declares no nodes"),
+        ('title = "x"\n' + node(), "unknown top-level keys ['title']"),
+        (node(price='"cheap"'), "price_per_hour must be a number"),
+        (node(throughput="true"), "rollouts_per_s must be a number"),
+        (node(price="inf"), "price_per_hour must be finite"),
+        ('[[node]\nname = "n"', "is not valid TOML"),
+        ('node = 3\n', "'node' must be an array of tables"),
+    ],
+)
+def test_bad_fleets(tmp_path, capsys, fleet, message):
+    code, out, err = run(tmp_path, capsys, fleet, *PERIOD)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and message in err
+    with pytest.raises(PlanError):
+        load_fleet(tmp_path / "FLEET.toml")
+
+
+def test_missing_fleet_file(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    code = run_plan(parser.parse_args(["--fleet", str(tmp_path / "nope.toml"), *PERIOD]))
+    assert code == 2 and "cannot read fleet file" in capsys.readouterr().err
+
+
+def test_compute_plan_directly():
+    fleet = [NodeOffer("x", 0.35, 4.0), NodeOffer("y", 0.35, 2.0)]
+    # kappa 2: mu_min = 2 * 8 / (2 * 4 - 4) = 4, target 4.4: x (rho 0.0875) then y
+    result = compute_plan(fleet, 8, 4.0, 4.0, kappa=2, gamma=1.1, learner_price=3.06)
+    assert [n.name for n in result.active] == ["x", "y"]
+    assert result.mu_min == pytest.approx(4.0)
+    # idle = max(0, 16 / 6 + 4 - 8) = 0: step time is T_train
+    assert result.predicted_step_s == pytest.approx(4.0)
+    assert result.cost_per_step == pytest.approx((3.06 + 0.7) * 4.0 / 3600)
+    with pytest.raises(PlanError, match="--gamma"):
+        compute_plan(fleet, 8, 4.0, 4.0, kappa=2, gamma=0.9, learner_price=3.06)

@@ -1,0 +1,116 @@
+"""The hub store against a real SQLite file: schema, durability pragmas, atomic steps, restart."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import pytest
+
+from hub.store import LedgerRow, StepRecord, Store
+from shared.rollout import Completion, Group
+
+
+def make_group(prompt_id: str, version: int, rewards: tuple[float, ...] = (0.0, 1.0)) -> Group:
+    completions = tuple(
+        Completion(token_ids=(5, 6, 2), logprobs=(-0.1, -0.2, -0.3), finish_reason="stop", version=version, text="ab")
+        for _ in rewards
+    )
+    return Group(prompt_id=prompt_id, prompt_text="ba>", version=version, completions=completions, rewards=rewards)
+
+
+def make_record(step: int) -> StepRecord:
+    return StepRecord(
+        step=step, version=step, reward_mean=0.5, reward_std=0.5, staleness_mean=1.0, staleness_max=2,
+        dropped_stale=0, t_train_s=0.1, t_idle_s=0.05, bubble=1 / 3, tokens=42, clip_frac=0.0, extra={"kl": 0.01},
+    )
+
+
+def test_schema_and_pragmas(tmp_path):
+    store = Store(tmp_path / "hub.db")
+    tables = set(store.db.table_names())
+    assert {"snapshots", "nodes", "leases", "trajectories", "steps", "ledger", "events", "checkpoints"} <= tables
+    assert store.pragma("journal_mode") == "wal"
+    assert store.pragma("synchronous") == 2  # FULL
+    assert store.pragma("foreign_keys") == 1
+    assert store.pragma("busy_timeout") > 0
+    assert store.integrity_check() == "ok"
+
+
+def test_commit_step_is_atomic(tmp_path):
+    store = Store(tmp_path / "hub.db")
+    store.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")
+    store.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time() + 60)
+    ids = [store.record_trajectory(make_group(f"p{i}", 0), "L1", "peerA", "accepted") for i in range(3)]
+    store.commit_step(make_record(1), ids[:2], [LedgerRow("peerA", "L1", 0.01, 2.0)], dropped_stale_ids=[ids[2]])
+    rows = {r.id: r for r in store.trajectories()}
+    assert rows[ids[0]].consumed_step == 1 and rows[ids[1]].consumed_step == 1
+    assert rows[ids[2]].discard_reason == "stale"
+    assert store.ledger_total_usd("peerA") == pytest.approx(0.01)
+    assert store.node("peerA").accepted == 3
+
+    # A second step that names an already-consumed id must leave nothing behind.
+    fresh = store.record_trajectory(make_group("p9", 1), None, "", "accepted")
+    with pytest.raises(ValueError, match="not an accepted, pending row"):
+        store.commit_step(make_record(2), [fresh, ids[0]], [LedgerRow("peerA", "L1", 5.0, 1.0)])
+    assert [s.step for s in store.steps()] == [1]
+    assert store.ledger_total_usd() == pytest.approx(0.01)
+    assert [gid for gid, _ in store.unconsumed_groups()] == [fresh]
+    # Duplicate step numbers are refused by the primary key, also atomically.
+    with pytest.raises(sqlite3.IntegrityError):
+        store.commit_step(make_record(1), [fresh])
+    assert [gid for gid, _ in store.unconsumed_groups()] == [fresh]
+
+
+def test_unconsumed_groups_survive_reopen(tmp_path):
+    path = tmp_path / "hub.db"
+    store = Store(path)
+    a = store.record_trajectory(make_group("a", 0), None, "", "accepted")
+    store.record_trajectory(make_group("r", 0), None, "", "rejected", reason="bad reward claim")
+    b = store.record_trajectory(make_group("b", 1, (1.0, 0.0)), None, "", "accepted")
+    c = store.record_trajectory(make_group("c", 1), None, "", "accepted")
+    store.commit_step(make_record(1), [a])
+    store.discard_trajectories([c], "zero reward variance")
+    store.close()
+
+    again = Store(path)
+    pending = again.unconsumed_groups()
+    assert [gid for gid, _ in pending] == [b]
+    assert pending[0][1] == make_group("b", 1, (1.0, 0.0))
+    assert again.integrity_check() == "ok"
+
+
+def test_snapshots_checkpoints_events_leases(tmp_path):
+    store = Store(tmp_path / "hub.db")
+    assert store.latest_version() is None
+    store.add_snapshot(0, "snapshots/v0", "h0", 100, time.time())
+    store.add_snapshot(3, "snapshots/v3", "h3", 100, time.time())
+    with pytest.raises(ValueError, match="not newer"):
+        store.add_snapshot(3, "snapshots/v3b", "h3b", 100, time.time())
+    store.set_broadcast_time(3, 1.5)
+    assert store.latest_version() == 3
+    assert store.snapshots()[-1].t_bcast_s == 1.5
+
+    assert store.latest_checkpoint() is None
+    store.commit_step(make_record(1), [])
+    store.commit_step(make_record(2), [])
+    store.add_checkpoint(1, "ckpt/1", 1)
+    store.add_checkpoint(2, "ckpt/2", 2)
+    assert store.latest_checkpoint().step == 2
+    with pytest.raises(sqlite3.IntegrityError):  # a checkpoint must name a committed step
+        store.add_checkpoint(7, "ckpt/7", 7)
+
+    store.add_event("join", "peerA", "hello")
+    store.add_event("ban", "peerA", "bad chunk")
+    assert [e.kind for e in store.events(limit=1)] == ["ban"]
+
+    store.upsert_node("peerA", 0.35, "cpu", None, "hf")
+    store.add_lease("L1", "peerA", ["p1"], 0, time.time() - 1)
+    store.add_lease("L2", "peerA", ["p2"], 0, time.time() + 60)
+    assert store.answer_lease("L2", "peerA") is True
+    assert store.answer_lease("L2", "peerA") is False  # replay
+    assert store.expire_leases(time.time()) == ["L1"]
+    assert store.lease("L1").state == "expired" and store.lease("L2").prompt_ids == ("p2",)
+    with pytest.raises(sqlite3.IntegrityError):  # leases only for known nodes
+        store.add_lease("L3", "stranger", ["p"], 0, time.time())
+    assert store.steps()[0].extra == {"kl": 0.01}

@@ -1,0 +1,229 @@
+"""Task loading by spec and the math task: JSONL validation, answer extraction and math-verify scoring."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from shared.tasks import BUILTIN_TASKS, load_task
+from shared.tasks.base import Task
+from shared.tasks.math import MathTask, extract_final_answer, is_cheap_to_verify
+
+DATA = Path(__file__).parent / "data"
+MATH_FILE = DATA / "math_small.jsonl"
+
+
+@pytest.fixture(scope="module")
+def math_task() -> MathTask:
+    return MathTask(MATH_FILE)
+
+
+# --- MathTask: file -----------------------------------------------------------------------
+
+
+def test_math_task_reads_prompts_with_line_number_ids(math_task):
+    prompts = math_task.prompts()
+    assert [p.id for p in prompts] == ["math-1", "math-2", "math-4", "math-5"]
+    assert [p.answer for p in prompts] == ["\\frac{1}{2}", "2", "1000", "x^2+2x+1"]
+    assert prompts[1].text == "What is 1 + 1?"
+    assert "frac" not in repr(prompts[0])  # the gold answer stays out of logs
+    assert [p.id for p in MathTask(MATH_FILE).prompts()] == [p.id for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "empty file"),
+        ("\n  \n", "empty file"),
+        ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"\n', ":2: not valid JSON"),
+        ('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n', ":3: missing key 'answer'"),
+        ('{"answer": "1"}\n', ":1: missing key 'prompt'"),
+        ('{"prompt": "a", "answer": 1}\n', ":1: 'answer' must be a non-empty string"),
+        ('{"prompt": "", "answer": "1"}\n', ":1: 'prompt' must be a non-empty string"),
+        ('["a", "1"]\n', ":1: expected a JSON object, got list"),
+    ],
+)
+def test_malformed_jsonl_names_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError) as info:
+        MathTask(path)
+    assert str(path) in str(info.value)
+    assert message in str(info.value)
+
+
+def test_unparseable_gold_answer_is_reported(tmp_path):
+    path = tmp_path / "gold.jsonl"
+    path.write_text('{"prompt": "a", "answer": "\\\\"}\n')
+    task = MathTask(path)
+    with pytest.raises(ValueError, match="math-1"):
+        task.reward(task.get("math-1"), "\\boxed{1}")
+
+
+# --- MathTask: answers and rewards --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer"),
+    [
+        ("so \\boxed{2}.", "2"),
+        ("first \\boxed{1} then \\boxed{\\frac{1}{2}} done 7", "\\frac{1}{2}"),
+        ("\\boxed{4} and finally \\boxed{3", "4"),
+        ("We get 3 apples, then 12.5 more", "12.5"),
+        ("total: 1,234,567 coins", "1234567"),
+        ("ratio 3 / 4", "3/4"),
+        ("minus -7", "-7"),
+        ("no answer at all", None),
+        ("\\boxed{   }", None),
+    ],
+)
+def test_extract_final_answer(completion, answer):
+    assert extract_final_answer(completion) == answer
+
+
+@pytest.mark.parametrize(
+    ("prompt_id", "completion", "reward"),
+    [
+        ("math-1", "The answer is \\boxed{0.5}.", 1.0),
+        ("math-1", "Half of one is 1/2", 1.0),
+        ("math-1", "\\boxed{\\frac{2}{4}}", 1.0),
+        ("math-1", "\\boxed{\\dfrac{1}{2}}", 1.0),
+        ("math-1", "\\boxed{0.6}", 0.0),
+        ("math-1", "0.5, no wait: \\boxed{3} (not 0.5)", 0.0),
+        ("math-2", "\\boxed{2}", 1.0),
+        ("math-2", "1 + 1 = 2", 1.0),
+        ("math-2", "\\boxed{3}", 0.0),
+        ("math-2", "2 apples, or rather 3", 0.0),
+        ("math-4", "It is 1,000.", 1.0),
+        ("math-4", "\\boxed{1000}", 1.0),
+        ("math-4", "\\boxed{100}", 0.0),
+        ("math-5", "\\boxed{(x+1)^2}", 1.0),
+        ("math-5", "\\boxed{x^{2} + 2x + 1}", 1.0),
+        ("math-5", "\\boxed{x^2+1}", 0.0),
+    ],
+)
+def test_math_reward(math_task, prompt_id, completion, reward):
+    assert math_task.reward(math_task.get(prompt_id), completion) == reward
+
+
+JUNK = [
+    "",
+    "no numbers here",
+    "\\boxed{}",
+    "\\boxed{",
+    "}}}{{{\\boxed{\\boxed{",
+    "\\boxed{\\frac{1}{}}",
+    "\x00\xff\ufffd",
+    "x" * 100_000,
+    "\\boxed{" + "(" * 5000 + "}",
+    "\\boxed{" + "1" * 5000 + "}",
+    "\\boxed{2**99999999}",
+    "\\boxed{99999999!}",
+    "\\boxed{9^{9^{9^{9}}}}",
+    "\\boxed{10^{10^{10}}}",
+    "\\boxed{(x+y+z)^{99}}",
+    "\\boxed{\\cos^{999}(x)+\\sin^{999}(x)}",
+    "\\boxed{\\prod_{k=1}^{99999999} k}",
+    "\\boxed{\\binom{100000000}{50000000}}",
+    "\\boxed{\\Gamma(99999999)}",
+    "\\boxed{3^{99999999}}",
+    "\\boxed{(\\sqrt{2}+\\sqrt{3}+\\sqrt{5})^{1000}}",
+    "\\boxed{\\sin(1)^{1000}+\\cos(1)^{1000}}",
+    # at the guard's limits: accepted, compared, wrong
+    "\\boxed{(x+y+z)^{16}}",
+    "\\boxed{(\\sqrt{2}+\\sqrt{3}+\\sqrt{5})^{16}}",
+    "\\boxed{\\sin(1)^{16}+\\cos(1)^{16}}",
+    "\\boxed{((x+y)^{4})^{4}}",
+    "\\boxed{(3^{100})^{100}}",
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("completion", JUNK, ids=range(len(JUNK)))
+def test_junk_completions_score_zero_without_raising(math_task, completion):
+    for prompt in math_task.prompts():
+        assert math_task.reward(prompt, completion) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("answer", "cheap"),
+    [
+        ("\\frac{1}{2}", True),
+        ("2^{10}", True),
+        ("(2^{99})^{99}", True),
+        ("\\frac{7}{3}^{999}", True),
+        ("(x+1)^{16}", True),
+        ("(x+1)^{17}", False),
+        ("\\sqrt{2}^{17}", False),
+        ("x^2+y^2+z^2", True),
+        ("\\text{east}", True),
+        ("3\\!", True),
+        ("2^{100000}", False),
+        ("(x+1)^{999}", False),
+        ("a+b+c+d", False),
+        ("5!", False),
+        ("2^{2^{2}}", False),
+        ("2^", False),
+        ("\\int_0^1 x", False),
+        ("1" * 101, False),
+    ],
+)
+def test_is_cheap_to_verify(answer, cheap):
+    assert is_cheap_to_verify(answer) is cheap
+
+
+def test_reward_works_in_worker_thread(math_task):
+    """math-verify's default signal-based timeout raises outside the main thread; ours must not."""
+    results: list[float] = []
+    prompt = math_task.get("math-1")
+    thread = threading.Thread(target=lambda: results.append(math_task.reward(prompt, "\\boxed{0.5}")))
+    thread.start()
+    thread.join(timeout=60)
+    assert results == [1.0]
+
+
+# --- load_task ----------------------------------------------------------------------------
+
+
+def test_load_builtin_reverse():
+    pytest.importorskip("shared.tasks.reverse")
+    task = load_task("reverse")
+    assert type(task).__name__ == "ReverseTask" and isinstance(task, Task)
+    assert "reverse" in BUILTIN_TASKS
+
+
+def test_load_math_spec():
+    task = load_task(f"math:{MATH_FILE}")
+    assert isinstance(task, MathTask) and len(task.prompts()) == 4
+
+
+def test_load_module_class(monkeypatch):
+    monkeypatch.syspath_prepend(str(DATA))
+    task = load_task("tiny_tasks:EchoTask")
+    assert task.reward(task.get("echo-0"), "hello") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nosuch", "builtin tasks are reverse"),
+        ("math:", "expected 'math:PATH.jsonl'"),
+        ("math:/nonexistent/problems.jsonl", "no such file"),
+        (":EchoTask", "expected 'module.path:ClassName'"),
+        ("tiny_tasks:", "expected 'module.path:ClassName'"),
+        ("no_such_module_xyz:Foo", "cannot import module 'no_such_module_xyz'"),
+        ("tiny_tasks:Missing", "has no attribute 'Missing'"),
+        ("tiny_tasks:NotATask", "not a subclass"),
+        ("tiny_tasks:NOT_A_CLASS", "not a subclass"),
+        ("tiny_tasks:AbstractTask", "abstract (does not implement reward)"),
+        ("tiny_tasks:NeedsArgsTask", "requires arguments ['size']"),
+    ],
+)
+def test_bad_specs_give_clear_errors(monkeypatch, spec, message):
+    monkeypatch.syspath_prepend(str(DATA))
+    with pytest.raises(ValueError) as info:
+        load_task(spec)
+    assert message in str(info.value)
+    assert spec.strip() in str(info.value)

@@ -1,0 +1,75 @@
+"""Command-line entry points of the dashboards, for hub/cli.py (`echo-hub dashboard`) and node/cli.py (`--dashboard`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Literal
+
+from textual.app import App
+
+from tui.hub_app import HubDashboard
+from tui.node_app import NodeDashboard
+from tui.sources import DataDirSource, HubSource
+from tui.widgets import DEFAULT_REFRESH_S, DashboardApp
+
+SCREENSHOT_SIZE = (120, 40)
+
+
+def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hub", metavar="ADDR", help="multiaddr of a running hub, ending in /p2p/<hub peer id>")
+    source.add_argument("--data-dir", metavar="DIR", type=Path, help="read DIR/status.json (hub) or DIR/node_status.json (node)")
+    parser.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S, help="seconds between refreshes (default 1)")
+    parser.add_argument(
+        "--screenshot",
+        metavar="FILE.svg",
+        type=Path,
+        help=f"load once, render at {SCREENSHOT_SIZE[0]}x{SCREENSHOT_SIZE[1]}, save an SVG screenshot and exit",
+    )
+
+
+def build_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hub") -> DashboardApp:
+    if args.refresh_s <= 0:
+        raise SystemExit(f"--refresh-s must be positive, got {args.refresh_s}")
+    if kind == "node":
+        if args.data_dir is None:
+            raise SystemExit("the node dashboard reads the node's --data-dir; --hub is for the hub dashboard")
+        return NodeDashboard(DataDirSource(args.data_dir, kind="node"), args.refresh_s)
+    source = HubSource(args.hub) if args.hub is not None else DataDirSource(args.data_dir, kind="hub")
+    return HubDashboard(source, args.refresh_s)
+
+
+def run_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hub") -> int:
+    """Run the dashboard in this terminal until `q`; with --screenshot, write the SVG and return at once."""
+    # py-libp2p logs every failed dial at ERROR to stderr, which would scribble over the
+    # screen; the dashboard's banner already shows why the hub is unreachable.
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    app = build_dashboard(args, kind)
+    if args.screenshot is not None:
+        return save_screenshot(app, args.screenshot)
+    app.run()
+    return 0 if app.return_code is None else app.return_code
+
+
+def save_screenshot(app: DashboardApp, path: Path) -> int:
+    """Render `app` headless at SCREENSHOT_SIZE after its first load and write the SVG to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    async def shoot(pilot) -> None:
+        await app.loaded.wait()
+        await pilot.pause()
+        app.save_screenshot(filename=path.name, path=str(path.parent))
+        app.exit(0)
+
+    app.run(headless=True, size=SCREENSHOT_SIZE, auto_pilot=shoot)
+    if not path.exists():
+        raise RuntimeError(f"the dashboard exited without writing {path}")
+    return 0 if app.return_code is None else app.return_code
+
+
+def run_node_dashboard(data_dir: Path | str, refresh_s: float = DEFAULT_REFRESH_S) -> App:
+    """The node's dashboard over DATA_DIR/node_status.json, not yet running: call `.run()` (main thread) or `await .run_async()`."""
+    return NodeDashboard(DataDirSource(data_dir, kind="node"), refresh_s)

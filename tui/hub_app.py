@@ -1,0 +1,288 @@
+"""`echo-hub dashboard`: the hub's learner, fleet, chains, cost and events, refreshed live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
+
+from shared.messages import HubStatus, NodeStatus
+from tui.sources import NoStatus, Unreachable
+from tui.widgets import (
+    DEFAULT_REFRESH_S,
+    Banner,
+    DashboardApp,
+    event_lines,
+    money,
+    number,
+    short_id,
+    styled_state,
+)
+
+
+def display_state(node: NodeStatus) -> str:
+    """The NodeState, except that a live node with a snapshot in flight shows as receiving."""
+    if node.receiving_version is not None and node.state not in ("banned", "gone"):
+        return "receiving"
+    return node.state
+
+
+def rho(node: NodeStatus) -> float | None:
+    """Declared price per unit of measured throughput ($/h per rollout/s); None before any throughput."""
+    return node.price_per_hour / node.rollouts_per_s if node.rollouts_per_s > 0 else None
+
+
+def cost_per_rollout(status: HubStatus) -> float | None:
+    return status.cost_usd / status.accepted if status.accepted > 0 else None
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    label: str
+    sort_key: Callable[[NodeStatus], object]
+
+
+def _none_last(value: float | None) -> tuple[bool, float]:
+    return (value is None, 0.0 if value is None else value)
+
+
+NODE_COLUMNS: tuple[Column, ...] = (
+    Column("peer", "peer", lambda n: short_id(n.peer_id)),
+    Column("state", "state", display_state),
+    Column("price", "$/h", lambda n: n.price_per_hour),
+    Column("mu", "roll/s", lambda n: n.rollouts_per_s),
+    Column("rho", "rho", lambda n: _none_last(rho(n))),
+    Column("version", "ver", lambda n: n.version_held),
+    Column("accepted", "acc", lambda n: n.accepted),
+    Column("rejected", "rej", lambda n: n.rejected),
+    Column("cost", "cost", lambda n: n.cost_usd),
+)
+
+
+def node_row(node: NodeStatus) -> tuple[object, ...]:
+    version = str(node.version_held)
+    if node.receiving_version is not None:
+        version += f"←{node.receiving_version}:{node.chunks_received}"
+    return (
+        Text(short_id(node.peer_id), style="bold"),
+        styled_state(display_state(node)),
+        Text(money(node.price_per_hour), justify="right"),
+        Text(number(node.rollouts_per_s), justify="right"),
+        Text(number(rho(node)), justify="right"),
+        Text(version, justify="right"),
+        Text(str(node.accepted), justify="right"),
+        Text(str(node.rejected), justify="right", style="red" if node.rejected else ""),
+        Text(money(node.cost_usd, 3), justify="right"),
+    )
+
+
+def chains_text(status: HubStatus) -> Text:
+    """One line per forwarding chain: hub ▶ node vX ▶ node vY, with the snapshot in flight."""
+    if not status.chains:
+        return Text(f"no forwarding chains (broadcast mode: {status.broadcast_mode})", style="dim italic")
+    by_id = {n.peer_id: n for n in status.nodes}
+    out = Text()
+    for index, chain in enumerate(status.chains):
+        if index:
+            out.append("\n")
+        out.append(f"chain {index} ", style="bold")
+        out.append("hub", style="bold blue")
+        for peer in chain:
+            out.append(" ▶ ", style="dim")
+            node = by_id.get(peer)
+            out.append(short_id(peer), style="bold")
+            if node is None:
+                out.append(" ?", style="red")
+                continue
+            held_style = "green" if node.version_held >= status.version else "yellow"
+            out.append(f" v{node.version_held}", style=held_style)
+            if node.receiving_version is not None:
+                out.append(f" ↓v{node.receiving_version} {node.chunks_received}ch", style="cyan")
+    return out
+
+
+def learner_text(status: HubStatus) -> Text:
+    out = Text()
+    out.append(f"step {status.step}/{status.steps_target}", style="bold")
+    out.append(f"  v{status.version}  S={status.staleness}  κ={status.kappa}  leases {status.open_leases}\n")
+    out.append(f"T_train {number(status.t_train_s, '.1f', ' s')}  T_bcast {number(status.t_bcast_s, '.1f', ' s')}\n")
+    over = status.bubble is not None and status.predicted_bubble is not None and status.bubble > status.predicted_bubble
+    out.append(f"bubble {number(status.bubble, '.3f')}", style="yellow" if over else "green")
+    out.append(f"  predicted {number(status.predicted_bubble, '.3f')}\n")
+    below = status.mu_min is not None and status.mu_pool < status.mu_min
+    out.append(f"mu_pool {number(status.mu_pool)}/s", style="red" if below else "green")
+    out.append(f"  min {number(status.mu_min)}  target {number(status.mu_target)}")
+    return out
+
+
+def cost_text(status: HubStatus) -> Text:
+    out = Text()
+    out.append("total       ")
+    out.append(money(status.cost_usd, 3) + "\n", style="bold")
+    out.append(f"per step    {money(status.cost_per_step_usd, 4)}\n")
+    out.append(f"per rollout {money(cost_per_rollout(status), 5)}\n")
+    out.append(f"all nodes   {money(status.all_on_cost_usd, 3)}\n")
+    if status.all_on_cost_usd > 0:
+        out.append(f"saved       {1 - status.cost_usd / status.all_on_cost_usd:.0%}\n", style="green")
+    else:
+        out.append("saved       —\n")
+    out.append(f"acc {status.accepted} rej {status.rejected} stale {status.dropped_stale}", style="dim")
+    return out
+
+
+class HubDashboard(DashboardApp):
+    """Live view of one hub, from its STATUS_PROTOCOL (HubSource) or its DATA_DIR/status.json (DataDirSource)."""
+
+    TITLE = "echo2 hub"
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    BINDINGS = [
+        *DashboardApp.BINDINGS,
+        Binding("s", "cycle_sort", "Sort"),
+        Binding("S", "reverse_sort", "Reverse", show=False),
+    ]
+    CSS = """
+    .panel { border: round $primary; border-title-color: $accent; padding: 0 1; }
+    #top { height: 8; }
+    #learner { width: 2fr; }
+    #cost { width: 1fr; min-width: 26; }
+    .spark-row { height: 1; }
+    .spark-row Label { width: 16; }
+    .spark-row Sparkline { width: 1fr; }
+    #chains { height: auto; max-height: 8; border: none; border-top: solid $primary; }
+    #nodes-table { height: 1fr; min-height: 5; border: round $primary; border-title-color: $accent; }
+    #nodes-table:focus { border: round $accent; }
+    #bottom { height: 10; }
+    #node-events-box, #events-box { width: 1fr; }
+    .-short Header { display: none; }
+    .-short #bottom { height: 5; }
+    """
+
+    def __init__(self, source, refresh_s: float = DEFAULT_REFRESH_S) -> None:
+        super().__init__(source, refresh_s)
+        self.status: HubStatus | None = None
+        self.sort_column = 0
+        self.sort_reverse = False
+        self.selected_peer: str | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Banner(id="banner")
+        with Horizontal(id="top"):
+            with Vertical(id="learner", classes="panel"):
+                yield Static(id="learner-text")
+                with Horizontal(classes="spark-row"):
+                    yield Label("reward —", id="reward-label")
+                    yield Sparkline([], id="reward-spark")
+                with Horizontal(classes="spark-row"):
+                    yield Label("staleness —", id="staleness-label")
+                    yield Sparkline([], id="staleness-spark")
+            yield Static(id="cost", classes="panel")
+        yield Static(id="chains")
+        yield DataTable(id="nodes-table", cursor_type="row", zebra_stripes=True)
+        with Horizontal(id="bottom"):
+            with VerticalScroll(id="node-events-box", classes="panel"):
+                yield Static(id="node-events")
+            with VerticalScroll(id="events-box", classes="panel"):
+                yield Static(id="events")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#nodes-table", DataTable)
+        for column in NODE_COLUMNS:
+            table.add_column(column.label, key=column.key)
+        self.query_one("#learner").border_title = "learner"
+        self.query_one("#cost").border_title = "cost"
+        self.query_one("#chains").border_title = "chains"
+        self.query_one("#node-events-box").border_title = "node events (select a node)"
+        self.query_one("#events-box").border_title = "events"
+        self._title_nodes()
+        table.focus()
+        super().on_mount()
+
+    def apply(self, result: HubStatus | NoStatus | Unreachable) -> None:
+        if isinstance(result, (NoStatus, Unreachable)):
+            self.show_problem(result)
+            return
+        self.status = result
+        self.show_freshness(result.running, result.updated_at, "hub")
+        self.sub_title = f"hub {short_id(result.hub_id)} · task {result.task}"
+        self._show_learner(result)
+        self.query_one("#cost", Static).update(cost_text(result))
+        self.query_one("#chains", Static).update(chains_text(result))
+        self._fill_nodes()
+        self.query_one("#events", Static).update(event_lines(result.events))
+        self._show_node_events()
+
+    def _show_learner(self, status: HubStatus) -> None:
+        self.query_one("#learner", Vertical).border_title = (
+            f"learner · {status.task} · hub {short_id(status.hub_id)}"
+        )
+        self.query_one("#learner-text", Static).update(learner_text(status))
+        rewards = [p.reward_mean for p in status.history]
+        staleness = [p.staleness_mean for p in status.history]
+        self.query_one("#reward-spark", Sparkline).data = rewards
+        self.query_one("#staleness-spark", Sparkline).data = staleness
+        self.query_one("#reward-label", Label).update(f"reward {number(status.reward_mean, '.3f')}")
+        last_staleness = staleness[-1] if staleness else None
+        self.query_one("#staleness-label", Label).update(f"staleness {number(last_staleness, '.2f')}")
+
+    def sorted_nodes(self) -> list[NodeStatus]:
+        if self.status is None:
+            return []
+        column = NODE_COLUMNS[self.sort_column]
+        return sorted(self.status.nodes, key=column.sort_key, reverse=self.sort_reverse)
+
+    def _fill_nodes(self) -> None:
+        table = self.query_one("#nodes-table", DataTable)
+        keep = self.selected_peer
+        table.clear()
+        for node in self.sorted_nodes():
+            table.add_row(*node_row(node), key=node.peer_id)
+        if keep is not None and keep in table.rows:
+            table.move_cursor(row=table.get_row_index(keep), animate=False)
+        self._title_nodes()
+
+    def _title_nodes(self) -> None:
+        column = NODE_COLUMNS[self.sort_column]
+        count = 0 if self.status is None else len(self.status.nodes)
+        arrow = "▼" if self.sort_reverse else "▲"
+        self.query_one("#nodes-table").border_title = f"nodes ({count}) · sort: {column.label} {arrow}  [s]"
+
+    def _show_node_events(self) -> None:
+        box = self.query_one("#node-events-box")
+        text = self.query_one("#node-events", Static)
+        if self.status is None or self.selected_peer is None:
+            box.border_title = "node events (select a node)"
+            text.update(event_lines((), empty="no node selected"))
+            return
+        box.border_title = f"events of {short_id(self.selected_peer)}"
+        mine = [e for e in self.status.events if e.node_id == self.selected_peer]
+        text.update(event_lines(mine, with_node=False, empty="no recent events for this node"))
+
+    def on_data_table_row_highlighted(self, message: DataTable.RowHighlighted) -> None:
+        if message.row_key.value is None:
+            return
+        self.selected_peer = message.row_key.value
+        self._show_node_events()
+
+    def on_data_table_header_selected(self, message: DataTable.HeaderSelected) -> None:
+        if message.column_index == self.sort_column:
+            self.sort_reverse = not self.sort_reverse
+        else:
+            self.sort_column, self.sort_reverse = message.column_index, False
+        self._fill_nodes()
+
+    def action_cycle_sort(self) -> None:
+        self.sort_column = (self.sort_column + 1) % len(NODE_COLUMNS)
+        self.sort_reverse = False
+        self._fill_nodes()
+
+    def action_reverse_sort(self) -> None:
+        self.sort_reverse = not self.sort_reverse
+        self._fill_nodes()
