@@ -64,6 +64,9 @@ class ReplayBuffer:
         self.zero_variance = 0
         self.dropped_stale = 0
         self.taken = 0
+        # Every group offered, useful for training or not: what the policy's rollouts score.
+        self.offered = 0
+        self.offered_reward_sum = 0.0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -72,6 +75,8 @@ class ReplayBuffer:
         return [row_id for _, row_id in self._items]
 
     def add(self, group: Group, row_id: int) -> AddResult:
+        self.offered += 1
+        self.offered_reward_sum += sum(group.rewards) / len(group.rewards)
         if self.skip_zero_variance and not has_reward_variance(group):
             self.zero_variance += 1
             return AddResult(False, REASON_ZERO_VARIANCE)

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,6 +235,7 @@ class LearnerComponent:
         steps: int,
         chunk_size_bytes: int,
         clock: Callable[[], float] = time.perf_counter,
+        extra_metrics: Callable[[], Mapping[str, float]] = lambda: {},
     ) -> None:
         self.cfg = cfg
         self.data_dir = Path(data_dir)
@@ -247,6 +248,8 @@ class LearnerComponent:
         self.chunk_size_bytes = chunk_size_bytes
         self.kappa = cfg.effective_kappa
         self.clock = clock
+        self.extra_metrics = extra_metrics
+        self._offered_seen = (0, 0.0)
         self.snapshots_dir = self.data_dir / SNAPSHOTS_DIR
         self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
         remove_stale_temporaries(self.checkpoints_dir)
@@ -337,6 +340,8 @@ class LearnerComponent:
                     "t_forward_s": stats.t_forward_s,
                     "t_backward_s": stats.t_backward_s,
                     "t_optim_s": stats.t_optim_s,
+                    **self._rollout_reward_since_last_step(),
+                    **self.extra_metrics(),
                 },
             )
             stale_ids = list(self._pending_stale)
@@ -350,6 +355,25 @@ class LearnerComponent:
                 await self._publish(t)
             self.signal.notify()
         await trio.to_thread.run_sync(self.learner.save_final, self.data_dir / FINAL_DIR)
+
+    def _rollout_reward_since_last_step(self) -> dict[str, float]:
+        """Mean reward of every group offered since the previous step, zero-variance ones included.
+
+        The step's own reward_mean covers only the groups it trained on, which skipping
+        zero-variance groups biases towards 0.5; this one tracks what the policy scores.
+        """
+        count, total = self.buffer.offered, self.buffer.offered_reward_sum
+        seen_count, seen_total = self._offered_seen
+        self._offered_seen = (count, total)
+        if count == seen_count:
+            return {}
+        return {"rollout_reward_mean": (total - seen_total) / (count - seen_count)}
+
+    def save_state(self) -> None:
+        """Checkpoint and save the final policy now (on Ctrl-C): blocking, call outside trio."""
+        if self.step > 0:
+            self._checkpoint(self.step)
+        self.learner.save_final(self.data_dir / FINAL_DIR)
 
     def _checkpoint(self, step: int) -> None:
         info = save_checkpoint(

@@ -3,6 +3,10 @@
 A lease hands a node a batch of prompts; a submission must answer an open, unexpired lease
 of the node that holds it, each prompt at most once. Prompts of expired or abandoned leases
 go back to the front of the pool and are leased to someone else.
+
+A claimed lease is being checked against one submission (the checks and the store commit
+await worker threads): a second submission for it is refused and the expiry sweep leaves it
+alone until the first is committed (`close`) or refused (`release`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class LeaseRecord:
     probe: bool = False
     answered: set[str] = field(default_factory=set)
     closed: bool = False
+    checking: bool = False
 
     @property
     def prompt_ids(self) -> tuple[str, ...]:
@@ -80,14 +85,24 @@ class LeaseBook:
             raise LeaseError(f"unknown or already answered lease {lease_id[:32]!r}")
         if record.node_id != node_id:
             raise LeaseError("lease belongs to another node")
+        if record.checking:
+            raise LeaseError("a submission for this lease is already being checked")
         if now > record.deadline:
             self._expire(record)
             raise LeaseError("lease expired")
+        record.checking = True
         return record
 
+    def release(self, record: LeaseRecord) -> None:
+        """A claimed lease whose submission was refused stays open (until its deadline) for a valid answer."""
+        record.checking = False
+
     def close(self, record: LeaseRecord) -> None:
-        """Close an answered lease; prompts left unanswered go back to the pool."""
+        """Close an answered lease; prompts left unanswered go back to the pool. Closing twice is a no-op."""
+        if record.closed:
+            return
         record.closed = True
+        record.checking = False
         self.open.pop(record.lease_id, None)
         self._pool.extendleft(reversed([p for p in record.prompts if p.id not in record.answered]))
 
@@ -96,8 +111,8 @@ class LeaseBook:
         self.close(record)
 
     def expire(self, now: float) -> list[LeaseRecord]:
-        """Expire every lease past its deadline; their prompts are re-leased to other nodes."""
-        gone = [rec for rec in self.open.values() if now > rec.deadline]
+        """Expire every lease past its deadline (except one being checked); their prompts are re-leased."""
+        gone = [rec for rec in self.open.values() if now > rec.deadline and not rec.checking]
         for record in gone:
             self._expire(record)
         return gone

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from hub.store import StepRecord
@@ -53,3 +54,9 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
         return []
     lines = path.read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def policy_reward(row: Mapping[str, float]) -> float:
+    """What the policy scores at a step: the mean over every rollout offered since the previous step
+    (zero-variance groups included), falling back to the mean over the groups trained on."""
+    return row.get("rollout_reward_mean", row["reward_mean"])

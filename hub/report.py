@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hub.metrics import METRICS_FILE, read_metrics
+from hub.metrics import METRICS_FILE, policy_reward, read_metrics
 
 
 def write_report(data_dir: Path, out: Path | None = None) -> Path:
@@ -19,9 +19,11 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
     out = Path(out) if out is not None else Path(data_dir) / "report.png"
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    axes[0].plot(steps, [r["reward_mean"] for r in rows], label="reward (mean of step)")
+    rewards = [policy_reward(r) for r in rows]
+    axes[0].plot(steps, rewards, label="rollout reward", alpha=0.6)
+    axes[0].plot(steps, [r["reward_mean"] for r in rows], label="reward of trained groups", alpha=0.4)
     window = max(1, len(rows) // 10)
-    smooth = [sum(r["reward_mean"] for r in rows[max(0, i - window + 1): i + 1]) / min(window, i + 1) for i in range(len(rows))]
+    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / min(window, i + 1) for i in range(len(rows))]
     axes[0].plot(steps, smooth, label=f"moving mean ({window} steps)", linewidth=2)
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")

@@ -205,11 +205,13 @@ class Hub:
 def run_hub(config: HubConfig, progress: bool = True) -> int:
     _setup_logging(config)
     import torch
+    import transformers
 
     from hub.summary import print_summary
     from shared.default_model import ensure_default_model
 
     torch.set_num_threads(config.learner.threads)
+    transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
     identity = Identity.load_or_create(config.key_path)
     model_dir = config.model or ensure_default_model(progress=progress and sys.stderr.isatty())
     hub = Hub(config, identity, Path(model_dir), progress)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from hub.fleet import Fleet, NodeRecord
 from hub.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
-from hub.submissions import SubmissionRules, VersionWindow, check_submission
+from hub.submissions import GroupVerdict, SubmissionRules, VersionWindow, check_submission
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
@@ -62,6 +63,7 @@ from shared.wire import (
 log = logging.getLogger("echo2.hub.service")
 
 READ_TIMEOUT_S = 30.0
+LEASE_SWEEP_PERIOD_S = 1.0
 NO_WORK_RETRY_S = 0.25
 STANDBY_RETRY_S = 2.0
 PROBE_PROMPTS = 1
@@ -160,13 +162,19 @@ class HubService:
             STATUS_PROTOCOL: self._on_status,
             SNAPSHOT_PROTOCOL: self._on_snapshot,
         }
+        # Leases of an earlier run of this hub died with its lease book: none can be answered now.
+        await trio.to_thread.run_sync(self.store.expire_leases, math.inf)
         for protocol, handler in handlers.items():
             set_handler(self.host, protocol, self._guarded(protocol, handler), log)
         while True:
-            await trio.sleep(1.0)
-            for record in self.leases.expire(time.time()):
+            await trio.sleep(LEASE_SWEEP_PERIOD_S)
+            now = time.time()
+            for record in self.leases.expire(now):
                 self.count("leases_expired")
                 await self.event("lease_expired", record.node_id, f"lease {record.lease_id[:8]} re-queued")
+            # The store follows the book one handler deadline late, so a submission being
+            # checked when its lease's deadline passed can still commit against an open row.
+            await trio.to_thread.run_sync(self.store.expire_leases, now - READ_TIMEOUT_S)
 
     def _guarded(self, protocol: str, handler: Callable[[INetStream], object]):
         async def guarded(stream: INetStream) -> None:
@@ -300,21 +308,41 @@ class HubService:
         except LeaseError as exc:
             self.count("submissions_refused")
             raise ValueError(str(exc)) from None
-        verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, self.rules, self.window())
+        committed = False
+        try:
+            verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, self.rules, self.window())
+            if lease.closed:
+                raise ValueError("lease withdrawn while the submission was checked (node dropped or released)")
+            accepted = [v for v in verdicts if v.accepted]
+            if accepted and len(self.buffer) + len(accepted) > self.buffer.capacity_groups:
+                raise ValueError("hub buffer full: resubmit later")
+            seconds = min(now - lease.issued_at, self.config.lease_timeout_s)
+            share = len(accepted) / len(lease.prompts)
+            usd = min(record.price_per_hour * seconds / 3600.0 * share, self.config.max_cost_per_lease_usd)
+            signed_hash = hashlib.blake2b(body, digest_size=16).hexdigest()
+            # Shielded: once the commit starts, the in-memory state must follow it even if the
+            # stream's deadline fires meanwhile (a commit without its buffer entries is a lost ack).
+            with trio.CancelScope(shield=True):
+                row_ids = await trio.to_thread.run_sync(
+                    lambda: self.store.record_submission(
+                        lease.lease_id, peer, verdicts, usd=usd, seconds=seconds, signed_bytes_hash=signed_hash
+                    )
+                )
+                committed = True
+                await self._accept(record, lease, verdicts, row_ids, usd, seconds)
+        finally:
+            if not committed:
+                self.leases.release(lease)
+        rejected = tuple((v.prompt_id, v.reason) for v in verdicts if not v.accepted)
+        await self._reply(stream, SubmitReply(accepted=len(accepted), rejected=rejected))
+
+    async def _accept(
+        self, record: NodeRecord, lease: LeaseRecord, verdicts: list[GroupVerdict], row_ids: list[int],
+        usd: float, seconds: float,
+    ) -> None:
+        """Fold a committed submission into the lease book, the buffer, the node's record and the counters."""
+        peer = record.peer_id
         accepted = [v for v in verdicts if v.accepted]
-        if accepted and len(self.buffer) + len(accepted) > self.buffer.capacity_groups:
-            raise ValueError("hub buffer full: resubmit later")
-        seconds = min(now - lease.issued_at, self.config.lease_timeout_s)
-        rollouts = sum(len(v.group.completions) for v in accepted)
-        share = len(accepted) / len(lease.prompts)
-        usd = min(record.price_per_hour * seconds / 3600.0 * share, self.config.max_cost_per_lease_usd)
-        signed_hash = hashlib.blake2b(body, digest_size=16).hexdigest()
-        row_ids = await trio.to_thread.run_sync(
-            lambda: self.store.record_submission(
-                lease.lease_id, peer, verdicts, usd=usd, seconds=seconds, signed_bytes_hash=signed_hash
-            )
-        )
-        # Committed: from here on the work is acknowledged and must not be lost.
         for verdict in verdicts:
             lease.answered.add(verdict.prompt_id)
         self.leases.close(lease)
@@ -327,7 +355,7 @@ class HubService:
         record.accepted += len(accepted)
         record.rejected += len(verdicts) - len(accepted)
         record.cost_usd += usd
-        self.fleet.record_work(record, rollouts, seconds)
+        self.fleet.record_work(record, sum(len(v.group.completions) for v in accepted), seconds)
         if lease.probe:
             await self.event("probed", peer, f"{record.rollouts_per_s:.2f} rollouts/s")
             self.on_fleet_change()
@@ -337,8 +365,6 @@ class HubService:
         if mismatches:
             self.count("claimed_reward_mismatch", mismatches)
             await self.event("reward_claim_mismatch", peer, f"{mismatches} groups claimed other rewards")
-        rejected = tuple((v.prompt_id, v.reason) for v in verdicts if not v.accepted)
-        await self._reply(stream, SubmitReply(accepted=len(accepted), rejected=rejected))
 
     async def _on_status(self, stream: INetStream) -> None:
         request = await read_message(stream, StatusRequest)

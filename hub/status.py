@@ -14,6 +14,7 @@ import trio
 from hub.broadcast import Broadcaster
 from hub.fleet import Fleet
 from hub.leases import LeaseBook
+from hub.metrics import policy_reward
 from hub.scheduler import Scheduler
 from hub.store import Store
 from shared.files import atomic_write_text
@@ -70,7 +71,7 @@ class StatusBoard:
     def _read_store(self) -> None:
         steps = self.store.recent_steps(HISTORY_POINTS)
         self.history = tuple(
-            StepPoint(step=s.step, version=s.version, reward_mean=s.reward_mean, staleness_mean=s.staleness_mean,
+            StepPoint(step=s.step, version=s.version, reward_mean=policy_reward(s.as_json_dict()), staleness_mean=s.staleness_mean,
                       bubble=s.bubble, t_train_s=s.t_train_s, t_idle_s=s.t_idle_s)
             for s in steps
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hub.metrics import METRICS_FILE, read_metrics
+from hub.metrics import METRICS_FILE, policy_reward, read_metrics
 from hub.status import STATUS_FILE
 from shared.messages import HubStatus
 
@@ -27,7 +27,7 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
     table.add_column("what")
     table.add_column("value", justify="right")
     if rows:
-        first, last = fifth_means([r["reward_mean"] for r in rows])
+        first, last = fifth_means([policy_reward(r) for r in rows])
         table.add_row("learner steps", str(rows[-1]["step"]))
         table.add_row("reward (first fifth -> last fifth)", f"{first:.3f} -> {last:.3f}")
         table.add_row("staleness mean / max", f"{sum(r['staleness_mean'] for r in rows) / len(rows):.2f} / {max(r['staleness_max'] for r in rows)}")

@@ -4,9 +4,14 @@ A node pulls from its chain predecessor (or the hub, at a chain head or when it 
 predecessor), verifies every chunk against the hub-signed manifest before keeping it, serves
 the chunks it already holds to its successor while the rest is still arriving, and installs
 the snapshot in the rollout engine only once every chunk and the whole hash verify: no
-partial snapshot is ever installed. When the upstream leaves mid-transfer the keeper
-resumes from the first chunk it lacks, from whatever upstream the hub names next. A chunk
-that fails verification is reported with its upstream, and fetched again from the hub.
+partial snapshot is ever installed.
+
+When the upstream leaves mid-transfer the keeper keeps what it has and resumes from the
+first chunk it lacks, from whatever upstream the hub names next; a re-link from the hub
+also abandons a pull in progress (an upstream that stalls rather than leaves would
+otherwise hold it). A sender that sends a chunk failing verification is reported to the hub
+and never pulled from again by this keeper: until the hub names another upstream, the
+missing chunks come from the hub itself.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 
 from shared.messages import (
+    RELAY_PROTOCOL,
     REPORT_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     BadChunkReport,
@@ -28,9 +34,9 @@ from shared.messages import (
     SnapshotRequest,
     TransferAck,
 )
-from shared.net import connect, open_stream, request
-from shared.snapshot import BadChunk, ChunkAssembler, Manifest, SignedManifest
-from shared.transfer import receive_snapshot, serve_snapshot
+from shared.net import connect, open_stream, remote_peer_id, request
+from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, chunk_of
+from shared.transfer import ChunkRejected, Writer, receive_snapshot, serve_snapshot
 from shared.wire import FrameError, StreamEOF, read_message, write_message
 
 log = logging.getLogger("echo2.node.keeper")
@@ -39,6 +45,12 @@ FETCH_TIMEOUT_S = 600.0
 RETRY_S = 0.5
 MANIFEST_WAIT_S = 20.0
 CONNECT_TIMEOUT_S = 10.0
+REPORT_TIMEOUT_S = 40.0  # the hub fetches the chunk from the accused before it answers
+ANNOUNCE_TIMEOUT_S = 5.0
+
+# A pull that ends in one of these lost its upstream (left, refused, too slow, sent a manifest
+# we must not use): keep what we have and resume when the hub names an upstream again.
+_INTERRUPTED = (StreamEOF, FrameError, OSError, trio.TooSlowError, LookupError, SnapshotError)
 
 
 @dataclass
@@ -58,6 +70,9 @@ class Upstream:
     addrs: tuple[str, ...]
 
 
+HUB = Upstream(None, ())
+
+
 class SnapshotKeeper:
     """Holds the newest verified snapshot (and the one in flight) for the engine and for downstream peers."""
 
@@ -66,7 +81,7 @@ class SnapshotKeeper:
         host: IHost,
         hub_peer_id: str,
         install: Callable[[bytes, int], Awaitable[None]],
-        limiter,
+        limiter: Writer | None,
         on_installed: Callable[[int], None],
     ) -> None:
         self.host = host
@@ -77,11 +92,15 @@ class SnapshotKeeper:
         self.held: tuple[SignedManifest, Manifest, bytes] | None = None
         self.transfer: Transfer | None = None
         self.target_version = -1
-        self.upstream = Upstream(None, ())
+        self.upstream = HUB
         self.downstream: str | None = None
+        self.distrusted: set[str] = set()
         self._changed = trio.Event()
+        self._pull_scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
         self.bad_chunks_seen = 0
         self.resumes = 0
+        self.relinks = 0
 
     # -- state -----------------------------------------------------------------------
 
@@ -95,10 +114,17 @@ class SnapshotKeeper:
 
     def update(self, latest_version: int, upstream: Upstream, downstream: str | None) -> None:
         """New orders from the hub (heartbeat reply): the version to get and where to get it."""
-        changed = latest_version > self.target_version or upstream != self.upstream
+        relinked = upstream != self.upstream
+        changed = latest_version > self.target_version or relinked
         self.target_version = max(self.target_version, latest_version)
         self.upstream = upstream
-        self.downstream = downstream
+        if relinked and self._pull_scope is not None:
+            self.relinks += 1
+            self._pull_scope.cancel()
+        if downstream != self.downstream:
+            self.downstream = downstream
+            if downstream is not None and self.transfer is not None:
+                self._announce_downstream(self.transfer.manifest.version)
         if changed:
             self._notify()
 
@@ -120,93 +146,116 @@ class SnapshotKeeper:
     async def chunk(self, version: int, index: int) -> bytes:
         while True:
             if self.held is not None and self.held[1].version == version:
-                from shared.snapshot import chunk_of
-
                 return bytes(chunk_of(self.held[2], self.held[1], index))
             transfer = self.transfer
             if transfer is None or transfer.manifest.version != version:
                 raise LookupError(f"snapshot v{version} abandoned")
             if transfer.assembler.has(index):
-                return transfer.assembler.chunk(index)
+                return bytes(transfer.assembler.chunk(index))
             await self._changed.wait()
 
     async def serve(self, stream: INetStream) -> None:
-        """SNAPSHOT_PROTOCOL handler: a downstream peer pulls what we hold or are receiving."""
+        """SNAPSHOT_PROTOCOL handler: a peer pulls what we hold or are still receiving."""
         req = await read_message(stream, SnapshotRequest)
+        # A successor may ask before our own pull of that version has begun: give it a moment.
         with trio.move_on_after(MANIFEST_WAIT_S):
-            while req.version is not None and self.held_manifest(req.version) is None and req.version > self.version_held:
+            while req.version is not None and req.version > self.version_held and self.held_manifest(req.version) is None:
                 await self._changed.wait()
         try:
-            await serve_snapshot(stream, self, req, self.limiter)
+            ack = await serve_snapshot(stream, self, req, self.limiter)
         except LookupError as exc:
-            await write_message(stream, Reject(reason=str(exc)))
+            await write_message(stream, Reject(reason=str(exc)[:1000]))
+            await stream.close()
+            return
+        if not ack.ok:
+            log.warning("v%d to %s ended badly: %s", ack.version, remote_peer_id(stream)[-8:], ack.reason)
         await stream.close()
 
     async def on_relay_offer(self, stream: INetStream) -> None:
+        """RELAY_PROTOCOL handler: the hub or our upstream has a newer version for us.
+
+        Offers from anyone else are ignored: a stranger could otherwise point us at a version
+        that never comes.
+        """
         offer = await read_message(stream, RelayOffer)
         await stream.close()
-        self.announce(offer.version)
+        sender = remote_peer_id(stream)
+        if sender in (self.hub_peer_id, self.upstream.peer_id):
+            self.announce(offer.version)
+        else:
+            log.info("ignored relay offer of v%d from %s (not our upstream)", offer.version, sender[-8:])
 
     # -- receiving -------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
-            if self.target_version <= self.version_held:
+            version = self.target_version
+            if version <= self.version_held:
                 await self._changed.wait()
                 continue
+            if await self._pull_once(version):
+                await self._complete(version)
+
+    def _source(self) -> Upstream:
+        """Where to pull from now: the hub's choice, unless that peer already sent us a bad chunk."""
+        return HUB if self.upstream.peer_id in self.distrusted else self.upstream
+
+    @staticmethod
+    def _name(upstream: Upstream) -> str:
+        return upstream.peer_id[-8:] if upstream.peer_id else "hub"
+
+    async def _pull_once(self, version: int) -> bool:
+        """One pull of `version` from the current source; True when the transfer is complete.
+
+        Any failure leaves the verified chunks in place for the next attempt.
+        """
+        source = self._source()
+        rejected: ChunkRejected | None = None
+        with trio.CancelScope() as scope:
+            self._pull_scope = scope
             try:
-                await self._fetch(self.target_version)
-            except (StreamEOF, FrameError, OSError, trio.TooSlowError, LookupError, ValueError) as exc:
-                # Upstream gone or refusing: the hub re-links us at the next heartbeat; resume then.
-                log.info("snapshot v%d from %s interrupted: %s", self.target_version, self._source_name(), exc)
-                self.resumes += 1
-                with trio.move_on_after(RETRY_S * 4):
-                    await self._changed.wait()
-                await trio.sleep(RETRY_S)
-            except Exception as exc:  # noqa: BLE001 - libp2p dial errors have no common base
-                log.info("snapshot v%d: cannot reach %s: %r", self.target_version, self._source_name(), exc)
-                await trio.sleep(RETRY_S)
+                await self._pull(version, source)
+            except ChunkRejected as exc:
+                rejected = exc
+            except _INTERRUPTED as exc:
+                log.info("snapshot v%d from %s interrupted: %r", version, self._name(source), exc)
+            except Exception as exc:  # noqa: BLE001 - libp2p dial errors share no base class
+                log.info("snapshot v%d: cannot reach %s: %r", version, self._name(source), exc)
+            finally:
+                self._pull_scope = None
+        transfer = self.transfer
+        if transfer is not None and transfer.manifest.version == version and transfer.assembler.complete:
+            return True
+        if rejected is not None:
+            await self._reject_source(source, rejected)
+        elif scope.cancelled_caught:
+            log.info("re-linked during v%d: pulling from %s next", version, self._name(self._source()))
+        else:
+            # Upstream gone or refusing: wait for new orders (a re-link) or retry shortly.
+            with trio.move_on_after(RETRY_S * 4):
+                await self._changed.wait()
+            await trio.sleep(RETRY_S)
+        return False
 
-    def _source_name(self) -> str:
-        return self.upstream.peer_id[-8:] if self.upstream.peer_id else "hub"
-
-    async def _open_source(self, upstream: Upstream) -> INetStream:
-        peer = upstream.peer_id or self.hub_peer_id
-        if upstream.peer_id is not None and upstream.addrs:
+    async def _open(self, source: Upstream) -> INetStream:
+        if source.peer_id is None:
+            return await open_stream(self.host, self.hub_peer_id, SNAPSHOT_PROTOCOL)
+        if source.addrs:
             with trio.fail_after(CONNECT_TIMEOUT_S):
-                await connect(self.host, upstream.addrs[0])
-        return await open_stream(self.host, peer, SNAPSHOT_PROTOCOL)
+                await connect(self.host, source.addrs[0])
+        return await open_stream(self.host, source.peer_id, SNAPSHOT_PROTOCOL)
 
-    def _assembler_for(self, signed: SignedManifest, manifest: Manifest) -> ChunkAssembler:
-        if self.transfer is None or self.transfer.manifest.version != manifest.version:
-            self.transfer = Transfer(signed, manifest, ChunkAssembler(manifest), time.monotonic(), self._source_name())
-            self._notify()
-            if self.downstream is not None:
-                self._announce_downstream(manifest.version)
-        return self.transfer.assembler
-
-    def _announce_downstream(self, version: int) -> None:
-        downstream = self.downstream
-        nursery = self._nursery
-
-        async def announce() -> None:
-            try:
-                await request_no_reply(self.host, downstream, version)
-            except Exception as exc:  # noqa: BLE001 - best effort; the heartbeat covers a lost announce
-                log.debug("announce v%d to %s failed: %r", version, downstream, exc)
-
-        nursery.start_soon(announce)
-
-    async def _on_chunk(self, index: int) -> None:
-        self._notify()
-
-    async def _fetch(self, version: int) -> None:
-        upstream = self.upstream
+    async def _pull(self, version: int, source: Upstream) -> None:
         from_chunk = 0
-        if self.transfer is not None and self.transfer.manifest.version == version:
-            missing = self.transfer.assembler.first_missing()
-            from_chunk = 0 if missing is None else missing
-        stream = await self._open_source(upstream)
+        transfer = self.transfer
+        if transfer is not None and transfer.manifest.version == version:
+            from_chunk = transfer.assembler.first_missing() or 0
+            transfer.source = self._name(source)
+            if from_chunk > 0:
+                self.resumes += 1
+                log.info("resuming v%d from chunk %d via %s", version, from_chunk, self._name(source))
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            stream = await self._open(source)
         try:
             with trio.fail_after(FETCH_TIMEOUT_S):
                 await receive_snapshot(
@@ -214,59 +263,74 @@ class SnapshotKeeper:
                     SnapshotRequest(version=version, from_chunk=from_chunk),
                     self.hub_peer_id,
                     newer_than=self.version_held,
-                    assembler_for=self._assembler_for,
+                    assembler_for=lambda signed, manifest: self._assembler_for(signed, manifest, source),
                     on_chunk=self._on_chunk,
                 )
-        except BadChunk as exc:
-            await stream.reset()
-            await self._repair(version, upstream, exc)
-            return
-        await self._complete(version)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await stream.reset()
+                except Exception:  # noqa: BLE001 - the stream may already be gone; nothing left to free
+                    pass
+            raise
 
-    async def _repair(self, version: int, upstream: Upstream, exc: BadChunk) -> None:
-        """A chunk failed verification: report the upstream, then take the missing chunks from the hub."""
+    def _assembler_for(self, signed: SignedManifest, manifest: Manifest, source: Upstream) -> ChunkAssembler:
+        if self.transfer is None or self.transfer.manifest.version != manifest.version:
+            self.transfer = Transfer(signed, manifest, ChunkAssembler(manifest), time.monotonic(), self._name(source))
+            self._notify()
+            if self.downstream is not None:
+                self._announce_downstream(manifest.version)
+        return self.transfer.assembler
+
+    async def _on_chunk(self, index: int) -> None:
+        self._notify()
+
+    async def _reject_source(self, source: Upstream, exc: ChunkRejected) -> None:
+        """`source` sent a bad chunk: never pull from it again, and tell the hub (which checks, then bans)."""
         self.bad_chunks_seen += 1
-        transfer = self.transfer
-        index = transfer.assembler.first_missing() if transfer else 0
-        log.warning("bad chunk %s of v%d from %s: %s", index, version, self._source_name(), exc)
-        if upstream.peer_id is not None:
-            report = BadChunkReport(version=version, index=index or 0, upstream=upstream.peer_id, chunk_hex_blake3="")
-            try:
-                await request(self.host, self.hub_peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=30)
-            except Exception as report_exc:  # noqa: BLE001 - the hub may be down; the repair goes on
-                log.warning("could not report %s: %r", upstream.peer_id, report_exc)
-        stream = await open_stream(self.host, self.hub_peer_id, SNAPSHOT_PROTOCOL)
-        with trio.fail_after(FETCH_TIMEOUT_S):
-            await receive_snapshot(
-                stream,
-                SnapshotRequest(version=version, from_chunk=index or 0),
-                self.hub_peer_id,
-                newer_than=self.version_held,
-                assembler_for=self._assembler_for,
-                on_chunk=self._on_chunk,
+        log.warning("bad chunk from %s: %s", self._name(source), exc)
+        if source.peer_id is None:
+            # The hub's own signature holds but its chunk does not: nothing to report, retry.
+            await trio.sleep(RETRY_S)
+            return
+        self.distrusted.add(source.peer_id)
+        report = BadChunkReport(
+            version=exc.version, index=exc.index, upstream=source.peer_id, chunk_hex_blake3=exc.received_blake3
+        )
+        try:
+            reply = await request(
+                self.host, self.hub_peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=REPORT_TIMEOUT_S
             )
-        await self._complete(version)
+        except Exception as report_exc:  # noqa: BLE001 - the hub may be away; the repair goes on without it
+            log.warning("could not report %s: %r", source.peer_id[-8:], report_exc)
+            return
+        log.info("reported %s for chunk %d of v%d: %s", source.peer_id[-8:], exc.index, exc.version, reply)
 
     async def _complete(self, version: int) -> None:
         transfer = self.transfer
-        if transfer is None or not transfer.assembler.complete:
-            raise LookupError(f"snapshot v{version} incomplete after transfer")
-        data = bytes(transfer.assembler.data())  # verifies the whole hash; never a partial snapshot
+        data = bytes(transfer.assembler.data())  # checks the whole hash; never a partial snapshot
         await self._install(data, version)
         self.held = (transfer.signed, transfer.manifest, data)
         self.transfer = None
         self._notify()
-        log.info("installed v%d (%.2fs from %s)", version, time.monotonic() - transfer.started_at, transfer.source)
+        log.info("installed v%d (%.2fs, last from %s)", version, time.monotonic() - transfer.started_at, transfer.source)
         self.on_installed(version)
+
+    # -- announcing downstream ----------------------------------------------------------
+
+    def _announce_downstream(self, version: int) -> None:
+        if self._nursery is not None and self.downstream is not None:
+            self._nursery.start_soon(self._announce, self.downstream, version)
+
+    async def _announce(self, peer_id: str, version: int) -> None:
+        try:
+            with trio.fail_after(ANNOUNCE_TIMEOUT_S):
+                stream = await open_stream(self.host, peer_id, RELAY_PROTOCOL)
+                await write_message(stream, RelayOffer(version=version))
+                await stream.close()
+        except Exception as exc:  # noqa: BLE001 - best effort; the successor's heartbeat covers a lost announce
+            log.debug("announce v%d to %s failed: %r", version, peer_id[-8:], exc)
 
     async def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
         nursery.start_soon(self.run)
-
-
-async def request_no_reply(host: IHost, peer_id: str, version: int) -> None:
-    from shared.messages import RELAY_PROTOCOL
-
-    stream = await open_stream(host, peer_id, RELAY_PROTOCOL)
-    await write_message(stream, RelayOffer(version=version))
-    await stream.close()

@@ -175,12 +175,14 @@ def run_node(config: NodeConfig, dashboard: bool = False) -> int:
         return _run_with_dashboard(config)
     _setup_logging(config)
     import torch
+    import transformers
 
     from node.engine import make_engine
     from shared.default_model import ensure_default_model
     from shared.snapshot import model_dir_config_hash
 
     torch.set_num_threads(config.threads)
+    transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
     identity = Identity.load_or_create(config.key_path)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = config.model or ensure_default_model(progress=sys.stderr.isatty())

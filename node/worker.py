@@ -110,7 +110,11 @@ class Worker:
                 SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(g)) for p, g in zip(lease.prompts, groups)
             ),
         )
-        reply = await self.submit(submission)
+        try:
+            reply = await self.submit(submission)
+        except Exception as exc:  # noqa: BLE001 - hub gone or restarting mid-answer: the hub re-leases the prompts
+            log.warning("submission for lease %s failed: %r", lease.lease_id[:8], exc)
+            reply = Reject(reason=f"submission not delivered: {type(exc).__name__}")
         self.stats.leases_done += 1
         self.stats.rollouts += rollouts
         self.stats.tokens += tokens

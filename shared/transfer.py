@@ -7,12 +7,19 @@ receiving, so a relay forwards each verified chunk as soon as it has it. The rec
 verifies the manifest against the hub's key and every chunk against the manifest before it
 keeps it, then answers with a TransferAck; the sender closes only after reading that ack
 (closing without an ack, or resetting, could discard data still in flight).
+
+Chunks arrive strictly in the order asked for (from_chunk, from_chunk + 1, ..., or the one
+only_chunk): a sender that sends any other index is treated like one that sends a bad chunk,
+so a relay cannot pass off a valid chunk of another index, or repeat one, in place of the one
+it was asked for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Protocol
+
+import blake3
 
 from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SnapshotRequest, TransferAck
 from shared.snapshot import (
@@ -31,6 +38,27 @@ from shared.wire import encode_frame, read_frame, read_message, write_frame, wri
 
 CHUNK_FRAME_OVERHEAD_BYTES = 12
 TRANSFER_CAPS = {MANIFEST_FRAME: MAX_MANIFEST_BYTES + SIGNATURE_BYTES, CHUNK_FRAME: MAX_CHUNK_BYTES + CHUNK_FRAME_OVERHEAD_BYTES}
+
+
+class ChunkRejected(BadChunk):
+    """The sender sent something other than the verified chunk `index` of `version` it was asked for."""
+
+    def __init__(self, version: int, index: int, received_blake3: str, reason: str) -> None:
+        super().__init__(f"chunk {index} of v{version}: {reason}")
+        self.version = version
+        self.index = index
+        self.received_blake3 = received_blake3
+
+
+def wanted_chunks(request: SnapshotRequest, total: int) -> range:
+    """The chunk indices a request asks for, in the order they must be sent (LookupError if out of range)."""
+    if request.only_chunk is not None:
+        if not 0 <= request.only_chunk < total:
+            raise LookupError(f"chunk {request.only_chunk} out of range 0..{total - 1}")
+        return range(request.only_chunk, request.only_chunk + 1)
+    if request.from_chunk >= total:
+        raise LookupError(f"from_chunk {request.from_chunk} out of range 0..{total - 1}")
+    return range(request.from_chunk, total)
 
 
 class ChunkSource(Protocol):
@@ -55,12 +83,10 @@ async def serve_snapshot(stream, source: ChunkSource, request: SnapshotRequest, 
     if held is None:
         raise LookupError(f"snapshot {request.version if request.version is not None else 'newest'} not held")
     signed, manifest = held
+    indices = wanted_chunks(request, manifest.chunk_count)
     await write_frame(stream, MANIFEST_FRAME, signed.to_bytes())
-    version, total = manifest.version, len(manifest.chunk_hashes)
-    indices = [request.only_chunk] if request.only_chunk is not None else range(request.from_chunk, total)
+    version = manifest.version
     for index in indices:
-        if not 0 <= index < total:
-            raise LookupError(f"chunk {index} out of range 0..{total - 1}")
         frame = encode_frame(CHUNK_FRAME, encode_chunk(version, index, await source.chunk(version, index)))
         if limiter is None:
             await stream.write(frame)
@@ -79,9 +105,10 @@ async def receive_snapshot(
 ) -> ChunkAssembler:
     """Send `request`, verify the manifest and every chunk, ack, and return the assembler holding them.
 
-    `assembler_for` returns the assembler to fill (a fresh one, or a partial one to resume).
-    A chunk failing verification raises BadChunk (after telling the sender); nothing
-    unverified is ever kept.
+    `assembler_for` returns the assembler to fill (a fresh one, or a partial one to resume);
+    a chunk it already holds is skipped unhashed. A chunk failing verification, or arriving
+    out of the asked order, raises ChunkRejected (after telling the sender); nothing
+    unverified is ever kept. `on_chunk` runs after each chunk is stored.
     """
     await write_message(stream, request)
     _, body = await read_frame(stream, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]})
@@ -89,21 +116,32 @@ async def receive_snapshot(
     manifest = verify_manifest(signed, hub_peer_id, newer_than)
     if request.version is not None and manifest.version != request.version:
         raise BadChunk(f"asked for v{request.version}, got a manifest for v{manifest.version}")
+    try:
+        wanted = wanted_chunks(request, manifest.chunk_count)
+    except LookupError as exc:
+        raise BadChunk(f"request outside the manifest: {exc}") from None
     assembler = assembler_for(signed, manifest)
-    total = len(manifest.chunk_hashes)
-    expected = 1 if request.only_chunk is not None else total - request.from_chunk
     received = 0
     try:
-        while received < expected:
+        for expected in wanted:
             _, frame = await read_frame(stream, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]})
-            version, index, data = decode_chunk(frame)
-            if version != manifest.version:
-                raise BadChunk(f"chunk of v{version} inside a transfer of v{manifest.version}")
-            assembler.add(index, data)
+            try:
+                version, index, data = decode_chunk(frame)
+            except BadChunk as exc:
+                raise ChunkRejected(manifest.version, expected, blake3.blake3(frame).hexdigest(), str(exc)) from None
+            if (version, index) != (manifest.version, expected):
+                raise ChunkRejected(
+                    manifest.version, expected, blake3.blake3(data).hexdigest(),
+                    f"sender sent chunk {index} of v{version} instead",
+                )
+            try:
+                assembler.add(index, data)
+            except BadChunk as exc:
+                raise ChunkRejected(manifest.version, expected, blake3.blake3(data).hexdigest(), str(exc)) from None
             received += 1
             if on_chunk is not None:
                 await on_chunk(index)
-    except BadChunk as exc:
+    except ChunkRejected as exc:
         await write_message(stream, TransferAck(version=manifest.version, chunks=received, ok=False, reason=str(exc)[:500]))
         raise
     await write_message(stream, TransferAck(version=manifest.version, chunks=received, ok=True))

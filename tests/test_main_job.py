@@ -1,0 +1,99 @@
+"""The main job end to end: `echo-hub start --local-nodes 2 --steps N` as a user runs it, with the
+dashboard attached to the live hub over libp2p and, afterwards, to the finished data dir."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import start_hub, wait_until
+from tui.hub_app import HubDashboard
+from tui.sources import DataDirSource, HubSource
+
+STEPS = 8
+STALENESS = 3
+
+
+def table_peers(app) -> list[str]:
+    from textual.widgets import DataTable
+
+    table = app.query_one(DataTable)
+    return [str(key.value) for key in table.rows]
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_echo_hub_start_trains_with_local_nodes_and_the_dashboard_follows(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    hub = start_hub(
+        data, "--local-nodes", "2", "--steps", str(STEPS), "--staleness", str(STALENESS),
+        "--prompts-per-step", "8", "--group-size", "4",
+    )
+    try:
+        # The dashboard against the running hub's status protocol: the real nodes show up.
+        app = HubDashboard(HubSource(hub.addr, timeout_s=5.0), refresh_s=0.5)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await app.loaded.wait()
+            for _ in range(240):
+                await pilot.pause(0.25)
+                if len(table_peers(app)) == 2:
+                    break
+            assert len(table_peers(app)) == 2, "the two local nodes never appeared on the dashboard"
+        assert hub.process.wait(timeout=300) == 0, hub.output()[-3000:]
+    finally:
+        hub.kill()
+
+    rows = [json.loads(line) for line in (data / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["version"] for r in rows] == sorted(r["version"] for r in rows)
+    assert max(r["staleness_max"] for r in rows) <= STALENESS
+    status = hub.status()
+    assert status is not None and not status.running and status.step == STEPS
+    assert len(status.nodes) == 2 and all(n.accepted > 0 for n in status.nodes)
+    assert "learner steps" in hub.output() and "final policy" in hub.output()
+
+    # The final policy loads like any Hugging Face model.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys; from transformers import AutoModelForCausalLM as M; "
+         "m = M.from_pretrained(sys.argv[1]); print(sum(p.numel() for p in m.parameters()))", str(data / "final")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert probe.returncode == 0 and int(probe.stdout.strip().splitlines()[-1]) > 0, probe.stderr[-2000:]
+
+    # And the dashboard on the finished data dir.
+    app = HubDashboard(DataDirSource(data), refresh_s=3600)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.loaded.wait()
+        await pilot.pause()
+        assert sorted(table_peers(app)) == sorted(n.peer_id for n in status.nodes)
+
+    report = subprocess.run(
+        [sys.executable, "-m", "hub.cli", "report", "--data-dir", str(data)], capture_output=True, text=True, timeout=120
+    )
+    assert report.returncode == 0 and (data / "report.png").stat().st_size > 10_000, report.stderr
+
+
+@pytest.mark.slow
+def test_invalid_combinations_are_refused_with_the_reason(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hub.cli", "start", "--staleness", "2", "--kappa", "3", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "kappa" in result.stderr and "S-1" in result.stderr or "kappa must satisfy" in result.stderr
+
+
+def test_help_is_fast_and_imports_no_torch() -> None:
+    for module in ("hub.cli", "node.cli"):
+        code = (
+            f"import sys, {module} as m\n"
+            "try:\n    m.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported before --help'\n"
+        )
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "usage" in result.stdout

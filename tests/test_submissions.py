@@ -1,0 +1,176 @@
+"""hub/submissions.py against hand-built Completions: every rejection reason, and rewards recomputed from token ids."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from transformers import AutoTokenizer
+
+from hub.leases import LeaseRecord
+from hub.submissions import SubmissionRules, VersionWindow, check_group, check_submission
+from shared.messages import Submission, SubmittedGroup
+from shared.rollout import Completion, SamplingParams
+from shared.tasks.base import Prompt
+from shared.tasks.reverse import ReverseTask
+
+MAX_NEW_TOKENS = 6
+GROUP_SIZE = 2
+NODE = "12D3KooWnode"
+WINDOW = VersionWindow(oldest=3, newest=5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def rules(tokenizer) -> SubmissionRules:
+    return SubmissionRules(
+        task=ReverseTask(), group_size=GROUP_SIZE, sampling=SamplingParams(max_new_tokens=MAX_NEW_TOKENS),
+        eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+
+
+PROMPTS = (Prompt("p-abc", "abc>", "cba"), Prompt("p-xyz", "xyz>", "zyx"))
+
+
+def lease(min_version: int = 0, answered: tuple[str, ...] = ()) -> LeaseRecord:
+    return LeaseRecord(
+        lease_id="l" * 24, node_id=NODE, prompts=PROMPTS, min_version=min_version, issued_at=0.0, deadline=60.0,
+        answered=set(answered),
+    )
+
+
+def completion(tokenizer, text: str, version: int = 4, claimed_text: str | None = None, **overrides) -> Completion:
+    ids = tuple(tokenizer.encode(text)) + (tokenizer.eos_token_id,)
+    fields = dict(
+        token_ids=ids, logprobs=tuple(-0.5 for _ in ids), finish_reason="stop", version=version,
+        text=text if claimed_text is None else claimed_text,
+    )
+    fields.update(overrides)
+    return Completion(**fields)
+
+
+def group(tokenizer, prompt_id: str = "p-abc", texts: tuple[str, ...] = ("cba", "abc"), **kw) -> SubmittedGroup:
+    return SubmittedGroup(prompt_id=prompt_id, completions=tuple(completion(tokenizer, t, **kw) for t in texts))
+
+
+def verdict(rules, submitted: SubmittedGroup, record: LeaseRecord | None = None, window: VersionWindow = WINDOW):
+    return check_group(submitted, record or lease(), set(), rules, window, NODE)
+
+
+def test_valid_group_is_accepted_and_scored_by_the_hub(rules, tokenizer):
+    v = verdict(rules, group(tokenizer))
+    assert v.accepted and v.reason == "" and not v.claimed_reward_mismatch
+    assert v.group.rewards == (1.0, 0.0)
+    assert v.group.version == 4 and v.group.node_id == NODE and v.group.prompt_text == "abc>"
+    assert [c.text for c in v.group.completions] == ["cba", "abc"]
+
+
+def test_reward_comes_from_token_ids_not_from_the_nodes_text(rules, tokenizer):
+    # Wrong tokens dressed up with the right text: the hub decodes the tokens and pays nothing.
+    liar = SubmittedGroup(
+        prompt_id="p-abc",
+        completions=(completion(tokenizer, "xxx", claimed_text="cba"), completion(tokenizer, "cba", claimed_text="no")),
+        claimed_rewards=(1.0, 1.0),
+    )
+    v = verdict(rules, liar)
+    assert v.accepted and v.group.rewards == (0.0, 1.0)
+    assert [c.text for c in v.group.completions] == ["xxx", "cba"]
+    assert v.claimed_reward_mismatch
+
+
+def test_claimed_rewards_are_only_compared(rules, tokenizer):
+    honest = group(tokenizer).model_copy(update={"claimed_rewards": (1.0, 0.0)})
+    assert not verdict(rules, honest).claimed_reward_mismatch
+    wrong_length = group(tokenizer).model_copy(update={"claimed_rewards": (1.0,)})
+    v = verdict(rules, wrong_length)
+    assert v.accepted and v.claimed_reward_mismatch and v.group.rewards == (1.0, 0.0)
+
+
+def test_finish_reason_length_at_the_cap_is_accepted(rules, tokenizer):
+    ids = tuple(tokenizer.encode("abcabc"))
+    assert len(ids) == MAX_NEW_TOKENS
+    c = Completion(token_ids=ids, logprobs=(-0.1,) * len(ids), finish_reason="length", version=3, text="")
+    v = verdict(rules, SubmittedGroup(prompt_id="p-xyz", completions=(c, c)))
+    assert v.accepted and v.group.rewards == (0.0, 0.0)
+
+
+def reasons(rules, tokenizer) -> dict[str, tuple[SubmittedGroup, LeaseRecord, str]]:
+    eos = tokenizer.eos_token_id
+    a = tokenizer.encode("a")[0]
+    good = completion(tokenizer, "cba")
+
+    def with_completion(c: Completion) -> SubmittedGroup:
+        return SubmittedGroup(prompt_id="p-abc", completions=(good, c))
+
+    return {
+        "not in lease": (group(tokenizer, prompt_id="p-other"), lease(), "prompt not in lease"),
+        "answered before": (group(tokenizer), lease(answered=("p-abc",)), "prompt already answered"),
+        "too few": (group(tokenizer, texts=("cba",)), lease(), "1 completions, lease asked for 2"),
+        "too many": (group(tokenizer, texts=("cba",) * 3), lease(), "3 completions, lease asked for 2"),
+        "mixed versions": (
+            SubmittedGroup(prompt_id="p-abc", completions=(good, completion(tokenizer, "abc", version=5))),
+            lease(), "different versions",
+        ),
+        "unpublished": (group(tokenizer, version=6), lease(), "version 6 was never published"),
+        "stale for window": (group(tokenizer, version=2), lease(), "stale version 2 (oldest accepted 3)"),
+        "stale for lease": (group(tokenizer, version=4), lease(min_version=5), "stale version 4 (oldest accepted 5)"),
+        "empty": (with_completion(good.model_copy(update={"token_ids": (), "logprobs": ()})), lease(), "length 0"),
+        "too long": (
+            with_completion(good.model_copy(update={"token_ids": (a,) * 7 + (eos,), "logprobs": (-0.1,) * 8})),
+            lease(), "length 8 outside [1, 6]",
+        ),
+        "logprob count": (with_completion(good.model_copy(update={"logprobs": (-0.1,)})), lease(), "1 log-probs for 4"),
+        "positive logprob": (
+            with_completion(good.model_copy(update={"logprobs": (-0.1, 0.5, -0.1, -0.1)})), lease(), "<= 0",
+        ),
+        "nan logprob": (
+            with_completion(good.model_copy(update={"logprobs": (-0.1, math.nan, -0.1, -0.1)})), lease(), "finite",
+        ),
+        "stop without eos": (
+            with_completion(good.model_copy(update={"token_ids": (a, a, a, a)})), lease(), "stop without EOS",
+        ),
+        "length too early": (
+            with_completion(good.model_copy(update={"token_ids": (a, a, a, a), "finish_reason": "length"})),
+            lease(), "length before max_new_tokens",
+        ),
+        "tokens after eos": (
+            with_completion(good.model_copy(update={"token_ids": (a, eos, a, eos)})), lease(), "tokens after EOS",
+        ),
+        "token outside vocab": (
+            with_completion(good.model_copy(update={"token_ids": (a, len(tokenizer) + 7, a, eos)})),
+            lease(), "outside the vocabulary",
+        ),
+        "negative token": (
+            with_completion(good.model_copy(update={"token_ids": (a, -1, a, eos)})), lease(), "outside the vocabulary",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", [
+    "not in lease", "answered before", "too few", "too many", "mixed versions", "unpublished", "stale for window",
+    "stale for lease", "empty", "too long", "logprob count", "positive logprob", "nan logprob", "stop without eos",
+    "length too early", "tokens after eos", "token outside vocab", "negative token",
+])
+def test_every_rejection_reason(rules, tokenizer, case):
+    submitted, record, expected = reasons(rules, tokenizer)[case]
+    v = verdict(rules, submitted, record)
+    assert not v.accepted and v.group is None
+    assert expected in v.reason, v.reason
+    assert v.prompt_id == submitted.prompt_id and v.submitted is submitted
+
+
+def test_duplicate_prompt_in_one_submission_is_answered_once(rules, tokenizer):
+    submission = Submission(
+        lease_id="l" * 24, node_id=NODE,
+        groups=(group(tokenizer), group(tokenizer, texts=("abc", "cba")), group(tokenizer, prompt_id="p-xyz",
+                                                                                texts=("zyx", "zzz"))),
+    )
+    verdicts = check_submission(submission, lease(), rules, WINDOW)
+    assert [(v.prompt_id, v.accepted) for v in verdicts] == [("p-abc", True), ("p-abc", False), ("p-xyz", True)]
+    assert verdicts[1].reason == "prompt already answered"
+    assert verdicts[2].group.rewards == (1.0, 0.0)
