@@ -30,8 +30,8 @@ from shared.messages import (
     TransferAck,
 )
 from shared.net import open_stream, remote_peer_id
-from shared.snapshot import BadChunk, ChunkAssembler
-from shared.transfer import receive_snapshot
+from shared.snapshot import ChunkAssembler
+from shared.transfer import ChunkRejected, receive_snapshot
 from shared.wire import read_message, write_message
 
 log = logging.getLogger("echo2.hub.broadcast")
@@ -68,6 +68,16 @@ def dialable(addrs: tuple[str, ...], observed_ip: str | None) -> tuple[str, ...]
     if observed_ip is None:
         return addrs
     return tuple(a.replace("/ip4/0.0.0.0/", f"/ip4/{observed_ip}/") for a in addrs)
+
+
+async def _reset(stream: INetStream | None) -> None:
+    if stream is None:
+        return
+    with trio.CancelScope(shield=True):
+        try:
+            await stream.reset()
+        except Exception:  # noqa: BLE001 - already gone; nothing left to free
+            pass
 
 
 class Broadcaster:
@@ -141,11 +151,13 @@ class Broadcaster:
         """A snapshot is on the shelf: start the clock and nudge every chain head."""
         self.replan()
         receivers = frozenset(n.peer_id for n in self.receivers())
-        self.current = Broadcast(version, time.monotonic(), receivers)
-        self.history.append(self.current)
         await self.event("snapshot", None, f"v{version} published to {len(receivers)} nodes in {len(self.chains)} chains")
         if not receivers:
+            # Nobody to time: a T_bcast here would measure how long the first node took to join.
+            self.current = None
             return
+        self.current = Broadcast(version, time.monotonic(), receivers)
+        self.history.append(self.current)
         for chain in self.chains:
             self._nursery.start_soon(self._nudge, chain[0], version)
         self.check_done()
@@ -180,7 +192,13 @@ class Broadcaster:
     # -- smart ban ------------------------------------------------------------------------
 
     async def on_report(self, stream: INetStream) -> None:
-        """REPORT_PROTOCOL: a node says its upstream sent a bad chunk; confirm from the manifest, then ban."""
+        """REPORT_PROTOCOL: a node says its upstream sent a bad chunk; confirm from the manifest, then ban.
+
+        Only a chunk the hub itself fetches from the accused and finds failing the manifest it
+        signed bans the accused. A report the accused disproves (it serves the chunk intact)
+        counts against the reporter; one the hub cannot check (accused unreachable, version
+        no longer held) counts against nobody.
+        """
         reporter = remote_peer_id(stream)
         report = await read_message(stream, BadChunkReport)
         accused = self.fleet.get(report.upstream)
@@ -188,21 +206,29 @@ class Broadcaster:
             await write_message(stream, Reject(reason="that peer is not your upstream"))
             await stream.close()
             return
-        confirmed = await self._confirm_bad(accused, report.version, report.index)
-        if confirmed:
+        verdict = await self._confirm_bad(accused, report.version, report.index)
+        if verdict == "bad":
+            accused.bad_chunks += 1
             await self.ban(accused, f"relayed a corrupt chunk {report.index} of v{report.version}")
-        else:
+        elif verdict == "intact":
             self.false_reports[reporter] = self.false_reports.get(reporter, 0) + 1
             await self.event("report_unconfirmed", reporter, f"claimed bad chunk from {report.upstream[-8:]}")
             if self.false_reports[reporter] >= FALSE_REPORTS_BEFORE_BAN and (rec := self.fleet.get(reporter)):
                 await self.ban(rec, "repeated false bad-chunk reports")
-        await write_message(stream, TransferAck(version=report.version, chunks=0, ok=confirmed))
+        else:
+            await self.event("report_unchecked", reporter, f"could not check chunk from {report.upstream[-8:]}")
+        await write_message(stream, TransferAck(version=report.version, chunks=0, ok=verdict == "bad"))
         await stream.close()
 
-    async def _confirm_bad(self, accused: NodeRecord, version: int, index: int) -> bool:
-        """Fetch the chunk from the accused ourselves and check it against the manifest we signed."""
-        if self.shelf.held_manifest(version) is None:
-            return False
+    async def _confirm_bad(self, accused: NodeRecord, version: int, index: int) -> str:
+        """Fetch the chunk from the accused ourselves and check it against the manifest we signed.
+
+        "bad": it sent something else; "intact": it sent the right chunk; "unknown": no answer.
+        """
+        held = self.shelf.held_manifest(version)
+        if held is None or not 0 <= index < held[1].chunk_count:
+            return "unknown"
+        stream = None
         try:
             with trio.fail_after(CONFIRM_TIMEOUT_S):
                 stream = await open_stream(self.host, accused.peer_id, SNAPSHOT_PROTOCOL)
@@ -210,12 +236,14 @@ class Broadcaster:
                     stream, SnapshotRequest(version=version, only_chunk=index), self.hub_peer_id,
                     newer_than=None, assembler_for=lambda s, m: ChunkAssembler(m),
                 )
-        except BadChunk:
-            return True
-        except Exception as exc:  # noqa: BLE001 - unreachable accused: not proof of corruption
+        except ChunkRejected:
+            await _reset(stream)
+            return "bad"
+        except Exception as exc:  # noqa: BLE001 - unreachable or refusing accused: no proof either way
             log.info("could not confirm report against %s: %r", accused.peer_id[-8:], exc)
-            return False
-        return False
+            await _reset(stream)
+            return "unknown"
+        return "intact"
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:

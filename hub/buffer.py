@@ -131,6 +131,15 @@ class ReplayBuffer:
             staleness=tuple(step - g.version for g in groups),
         )
 
+    def drop_node(self, node_id: str) -> list[int]:
+        """Remove every group made by `node_id` (a banned node); their row ids, for the store to discard."""
+        if not node_id:
+            raise ValueError("node_id must name a node ('' marks the hub's own rollouts)")
+        dropped = [row_id for g, row_id in self._items if g.node_id == node_id]
+        if dropped:
+            self._items = deque((g, r) for g, r in self._items if g.node_id != node_id)
+        return dropped
+
     def counters(self) -> BufferCounters:
         return BufferCounters(
             added=self.added,

@@ -579,3 +579,25 @@ class Store:
     def latest_checkpoint(self) -> CheckpointRow | None:
         rows = self._rows("SELECT * FROM checkpoints ORDER BY step DESC LIMIT 1")
         return CheckpointRow(**rows[0]) if rows else None
+
+    # -- trust: penalties for a node caught cheating -----------------------------------
+
+    def void_ledger_after(self, node_id: str, since_ts: float) -> int:
+        """Void `node_id`'s ledger rows booked after `since_ts` (epoch seconds); how many were voided."""
+        with self._write():
+            return self._void_ledger_after(node_id, since_ts)
+
+    def _void_ledger_after(self, node_id: str, since_ts: float) -> int:
+        cur = self.db.execute(
+            "UPDATE ledger SET voided = 1 WHERE node_id = ? AND created_at > ? AND voided = 0", (node_id, since_ts)
+        )
+        return cur.rowcount
+
+    def penalize_node(self, node_id: str, discard_ids: Sequence[int], since_ts: float, reason: str) -> int:
+        """In one transaction: discard the node's dropped pending rows and void its pay after `since_ts`.
+
+        Returns the number of ledger rows voided; ValueError (and no change) if a row is not pending.
+        """
+        with self._write():
+            self._discard(discard_ids, reason)
+            return self._void_ledger_after(node_id, since_ts)

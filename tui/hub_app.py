@@ -74,7 +74,7 @@ def node_row(node: NodeStatus) -> tuple[object, ...]:
         styled_state(display_state(node)),
         Text(money(node.price_per_hour), justify="right"),
         Text(number(node.rollouts_per_s), justify="right"),
-        Text(number(rho(node)), justify="right"),
+        Text(number(rho(node), '.3g'), justify="right"),
         Text(version, justify="right"),
         Text(str(node.accepted), justify="right"),
         Text(str(node.rejected), justify="right", style="red" if node.rejected else ""),

@@ -1,0 +1,294 @@
+"""Log-prob audits: re-score a random sample of accepted groups with the policy version they claim.
+
+Nodes report the sampling log-prob of every token they generated, and the learner uses those
+numbers as pi_behaviour. The hub recomputes them for a random sample of submissions with its
+own copy of the model holding the claimed version's weights (shared.logprobs.completion_logprobs,
+the learner's own function) and compares. Which submissions are audited is decided after they
+arrived, with the hub's own RNG, so a node cannot know which of its answers will be checked:
+every submission of a new node until it passed `audit_first_n` audits, `audit_rate` of them after.
+
+What an audit proves: the reported log-probs are, within tolerance, those of the claimed
+version on these tokens. It catches invented log-probs and generation with another model (the
+untrained base, an old or foreign checkpoint) as soon as that model's log-probs differ from the
+claimed version's by more than the tolerance. It cannot tell apart two versions closer than the
+tolerance: such a lie is no worse than the staleness the learner already tolerates. Tolerance
+figures and their reasons are in hub/trust_config.py.
+
+Tokens the hub's recomputation puts outside the top-p nucleus (log-prob -inf) happen to honest
+low-precision engines at nucleus boundaries (~1 in 900 tokens for bf16, top_p 0.9): they are
+left out of the mean and limited by `audit_max_outside_frac` instead.
+
+Consequences of a failed audit (the hub calls them from its `on_fail`): the node is banned, its
+groups still in the replay buffer are dropped and discarded in the store, and its ledger rows
+booked after the submission of its last passing audit are voided (`penalize`). Groups the
+learner already trained on stay trained on: audits are spot checks, not a gate.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import trio
+
+from hub.buffer import ReplayBuffer
+from hub.fleet import NodeRecord
+from hub.snapshots import SnapshotShelf
+from hub.store import Store
+from hub.trust_config import TrustConfig
+from shared.logprobs import completion_logprobs
+from shared.rollout import Group, SamplingParams
+from shared.snapshot import load_into
+
+log = logging.getLogger("echo2.hub.audit")
+
+
+class VersionUnavailable(LookupError):
+    """The claimed version is no longer (or was never) on the hub's shelf: the group cannot be audited."""
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    passed: bool
+    mean_abs_gap: float
+    max_abs_gap: float
+    tokens: int
+    outside_nucleus: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class GapStats:
+    """|reported - recomputed| over the real tokens of a group; tokens the hub puts at -inf counted apart."""
+
+    mean_abs_gap: float
+    max_abs_gap: float
+    tokens: int
+    outside_nucleus: int
+
+
+def audit_due(audits_passed: int, rng: random.Random, rate: float, first_n: int) -> bool:
+    """Audit every submission of a node until it passed `first_n` audits, then a `rate` fraction."""
+    return audits_passed < first_n or rng.random() < rate
+
+
+def gap_stats(reported: torch.Tensor, recomputed: torch.Tensor, mask: torch.Tensor) -> GapStats:
+    """Gaps of [B, T] reported vs recomputed log-probs over the tokens where mask is 1."""
+    real = mask > 0
+    outside = real & ~torch.isfinite(recomputed)
+    scored = real & ~outside
+    gaps = (reported - recomputed).abs().masked_fill(~scored, 0.0)
+    n = int(scored.sum())
+    return GapStats(
+        mean_abs_gap=float(gaps.sum()) / n if n else 0.0,
+        max_abs_gap=float(gaps.max()) if n else 0.0,
+        tokens=int(real.sum()),
+        outside_nucleus=int(outside.sum()),
+    )
+
+
+def judge(stats: GapStats, mean_abs_gap_tolerance: float, max_outside_frac: float) -> AuditResult:
+    """Pass or fail one group's gap statistics against the tolerances."""
+    reason = ""
+    if stats.tokens == 0:
+        reason = "no tokens to audit"
+    elif stats.outside_nucleus > max_outside_frac * stats.tokens:
+        reason = f"{stats.outside_nucleus}/{stats.tokens} tokens outside the top-p nucleus of the claimed version"
+    elif not stats.mean_abs_gap <= mean_abs_gap_tolerance:
+        reason = f"mean |log-prob gap| {stats.mean_abs_gap:.4g} > {mean_abs_gap_tolerance:g}"
+    return AuditResult(
+        passed=not reason,
+        mean_abs_gap=stats.mean_abs_gap,
+        max_abs_gap=stats.max_abs_gap,
+        tokens=stats.tokens,
+        outside_nucleus=stats.outside_nucleus,
+        reason=reason,
+    )
+
+
+class Auditor:
+    """The hub's audit model: its own fp32 CPU copy of the policy, loaded with whichever shelf version an audit needs.
+
+    Blocking and used by one thread at a time (the AuditQueue runs audits one after another).
+    """
+
+    def __init__(self, model_dir: Path, shelf: SnapshotShelf, sampling: SamplingParams, config: TrustConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.shelf = shelf
+        self.sampling = sampling
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        # The whole hash of the snapshot the model holds; None: the weights are the model dir's, no snapshot's.
+        self.loaded_hash: str | None = None
+        self._lock = threading.Lock()
+
+    def should_audit(self, record: NodeRecord, rng: random.Random) -> bool:
+        return audit_due(record.audits_passed, rng, self.config.audit_rate, self.config.audit_first_n)
+
+    def _load(self, version: int) -> None:
+        snapshot = self.shelf.get(version)
+        if snapshot is None:
+            raise VersionUnavailable(f"snapshot v{version} is not on the shelf")
+        if snapshot.manifest.whole_hash != self.loaded_hash:
+            load_into(self.model, snapshot.data)
+            self.loaded_hash = snapshot.manifest.whole_hash
+
+    def audit(self, group: Group, version: int) -> AuditResult:
+        """Re-score `group`'s completions with `version`'s weights; VersionUnavailable if it left the shelf."""
+        if any(c.version != version for c in group.completions):
+            raise ValueError(f"group {group.prompt_id} holds completions of versions other than v{version}")
+        prompt = self.tokenizer(group.prompt_text)["input_ids"]
+        completions = [list(c.token_ids) for c in group.completions]
+        with self._lock, torch.inference_mode():
+            self._load(version)
+            recomputed, mask = completion_logprobs(
+                self.model, [prompt] * len(completions), completions, self.pad_id,
+                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+            )
+        reported = torch.zeros_like(recomputed)
+        for row, c in enumerate(group.completions):
+            reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        stats = gap_stats(reported, recomputed, mask)
+        return judge(stats, self.config.audit_mean_abs_gap, self.config.audit_max_outside_frac)
+
+
+@dataclass(frozen=True)
+class AuditJob:
+    """One accepted group picked for audit, with where it came from."""
+
+    node_id: str
+    lease_id: str
+    row_id: int
+    group: Group
+
+
+@dataclass(frozen=True)
+class AuditCounters:
+    offered: int
+    skipped_full: int
+    audited: int
+    passed: int
+    failed: int
+    unavailable: int
+    pending: int
+
+
+class AuditQueue:
+    """Audits sampled groups off the trio thread, one at a time, and reports each verdict.
+
+    `sample` is called by the submission handler once a submission is committed; `run` is a
+    component of the hub's nursery. A full queue skips (and counts) new jobs rather than
+    holding up submissions. Jobs of a node already failed are dropped: it is banned once.
+    """
+
+    def __init__(
+        self,
+        auditor: Auditor,
+        on_pass: Callable[[str], Awaitable[None]],
+        on_fail: Callable[[str, str], Awaitable[None]],
+        capacity: int,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.auditor = auditor
+        self.on_pass = on_pass
+        self.on_fail = on_fail
+        self.capacity = capacity
+        self._jobs: deque[AuditJob] = deque()
+        self._wake = trio.Event()
+        self._failed: set[str] = set()
+        # node id -> lease id of its newest submission that passed an audit: what `penalize` keeps paid.
+        self.vouched_lease: dict[str, str] = {}
+        self.results: deque[tuple[AuditJob, AuditResult]] = deque(maxlen=1000)
+        self.offered = 0
+        self.skipped_full = 0
+        self.audited = 0
+        self.passed = 0
+        self.failed = 0
+        self.unavailable = 0
+
+    def offer(self, job: AuditJob) -> bool:
+        """Queue a job (never blocks); False when the queue is full (counted)."""
+        self.offered += 1
+        if len(self._jobs) >= self.capacity:
+            self.skipped_full += 1
+            log.warning("audit queue full (%d): skipped a group of %s", self.capacity, job.node_id)
+            return False
+        self._jobs.append(job)
+        self._wake.set()
+        return True
+
+    def sample(self, record: NodeRecord, lease_id: str, accepted: Sequence[tuple[Group, int]], rng: random.Random) -> bool:
+        """Decide, now that a submission is in, whether to audit it; if so queue one of its groups picked by `rng`."""
+        if not accepted or not self.auditor.should_audit(record, rng):
+            return False
+        group, row_id = accepted[rng.randrange(len(accepted))]
+        return self.offer(AuditJob(record.peer_id, lease_id, row_id, group))
+
+    def counters(self) -> AuditCounters:
+        return AuditCounters(
+            offered=self.offered, skipped_full=self.skipped_full, audited=self.audited, passed=self.passed,
+            failed=self.failed, unavailable=self.unavailable, pending=len(self._jobs),
+        )
+
+    async def run(self) -> None:
+        while True:
+            while not self._jobs:
+                self._wake = trio.Event()
+                await self._wake.wait()
+            job = self._jobs.popleft()
+            if job.node_id in self._failed:
+                continue
+            try:
+                result = await trio.to_thread.run_sync(self.auditor.audit, job.group, job.group.version)
+            except VersionUnavailable as exc:
+                self.unavailable += 1
+                log.warning("audit of %s's group %s skipped: %s", job.node_id, job.group.prompt_id, exc)
+                continue
+            self.audited += 1
+            self.results.append((job, result))
+            if result.passed:
+                self.passed += 1
+                self.vouched_lease[job.node_id] = job.lease_id
+                await self.on_pass(job.node_id)
+            else:
+                self.failed += 1
+                self._failed.add(job.node_id)
+                await self.on_fail(job.node_id, f"v{job.group.version} group {job.group.prompt_id}: {result.reason}")
+
+
+@dataclass(frozen=True)
+class Penalty:
+    node_id: str
+    dropped_row_ids: tuple[int, ...]
+    voided_ledger_rows: int
+
+
+async def penalize(store: Store, buffer: ReplayBuffer, node_id: str, vouched_lease_id: str | None, reason: str) -> Penalty:
+    """Drop a caught node's unconsumed groups and void its pay since its last passing audit.
+
+    Runs in the trio thread (the buffer is the trio thread's); the store write is one transaction.
+    Pay is kept up to and including the lease whose audit passed, voided after it (all of it when
+    no audit of the node ever passed).
+    """
+    dropped = tuple(buffer.drop_node(node_id))
+
+    def commit() -> int:
+        since = 0.0
+        if vouched_lease_id is not None:
+            lease = store.lease(vouched_lease_id)
+            if lease is not None and lease.answered_at is not None:
+                since = lease.answered_at
+        return store.penalize_node(node_id, dropped, since, reason)
+
+    voided = await trio.to_thread.run_sync(commit)
+    return Penalty(node_id, dropped, voided)

@@ -1,0 +1,144 @@
+"""In-process snapshot peers for tests: a hub-like source (SnapshotShelf served over the real pull protocol)
+and relays/sinks running the real SnapshotKeeper, each on its own real libp2p host on loopback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import IHost, INetStream
+
+from hub.snapshots import SnapshotShelf
+from node.keeper import SnapshotKeeper, Upstream
+from shared.crypto import Identity
+from shared.messages import (
+    RELAY_PROTOCOL,
+    REPORT_PROTOCOL,
+    SNAPSHOT_PROTOCOL,
+    BadChunkReport,
+    SnapshotRequest,
+    TransferAck,
+)
+from shared.net import RateLimiter, connect, remote_peer_id, running_host, set_handler
+from shared.snapshot import Snapshot, build_snapshot
+from shared.transfer import ChunkSource, serve_snapshot
+from shared.wire import read_message, write_message
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+CONFIG_HASH = "0" * 64
+log = logging.getLogger("tests.peers")
+
+
+def random_snapshot(identity: Identity, version: int, size_bytes: int, chunk_bytes: int) -> Snapshot:
+    """Random bytes as the one tensor of a real, signed snapshot (about size_bytes of safetensors)."""
+    import torch
+
+    tensor = torch.frombuffer(bytearray(os.urandom(size_bytes)), dtype=torch.uint8)
+    return build_snapshot({"w": tensor}, version, identity, CONFIG_HASH, chunk_size=chunk_bytes)
+
+
+@dataclass
+class HubPeer:
+    """A hub-like source: serves its shelf like hub/service.py does and records what it was asked and told."""
+
+    identity: Identity
+    host: IHost
+    addr: str
+    shelf: SnapshotShelf
+    source: ChunkSource
+    limiter: RateLimiter | None
+    requests: list[tuple[str, SnapshotRequest]] = field(default_factory=list)
+    reports: list[tuple[str, BadChunkReport]] = field(default_factory=list)
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    async def serve(self, stream: INetStream) -> None:
+        request = await read_message(stream, SnapshotRequest)
+        self.requests.append((remote_peer_id(stream), request))
+        await serve_snapshot(stream, self.source, request, self.limiter)
+        await stream.close()
+
+    async def on_report(self, stream: INetStream) -> None:
+        report = await read_message(stream, BadChunkReport)
+        self.reports.append((remote_peer_id(stream), report))
+        await write_message(stream, TransferAck(version=report.version, chunks=0, ok=True))
+        await stream.close()
+
+
+@asynccontextmanager
+async def hub_peer(
+    identity: Identity, limiter: RateLimiter | None = None, source: ChunkSource | None = None
+) -> AsyncIterator[HubPeer]:
+    shelf = SnapshotShelf(keep=4)
+    async with running_host(identity, [LOOPBACK]) as (host, addrs):
+        peer = HubPeer(identity, host, addrs[0], shelf, source or shelf, limiter)
+        set_handler(host, SNAPSHOT_PROTOCOL, peer.serve, log)
+        set_handler(host, REPORT_PROTOCOL, peer.on_report, log)
+        yield peer
+
+
+@dataclass
+class NodePeer:
+    """A relay or sink: a real SnapshotKeeper on its own host, recording what it installed and when."""
+
+    identity: Identity
+    host: IHost
+    addr: str
+    keeper: SnapshotKeeper
+    installed: dict[int, bytes] = field(default_factory=dict)
+    installed_at: dict[int, float] = field(default_factory=dict)
+    first_chunk_at: float | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def upstream(self) -> Upstream:
+        """How a successor names this node as its upstream."""
+        return Upstream(self.peer_id, (self.addr,))
+
+
+@asynccontextmanager
+async def node_peer(
+    hub: HubPeer, limiter: RateLimiter | None = None, keeper_class: type[SnapshotKeeper] = SnapshotKeeper
+) -> AsyncIterator[NodePeer]:
+    """A node connected to `hub` (as its hub link would be), keeper running; leaving the block kills it."""
+    identity = Identity.generate()
+    async with running_host(identity, [LOOPBACK]) as (host, addrs):
+        node: NodePeer
+
+        async def install(data: bytes, version: int) -> None:
+            node.installed[version] = data
+            node.installed_at[version] = time.monotonic()
+
+        keeper = keeper_class(host, hub.peer_id, install, limiter, on_installed=lambda version: None)
+        node = NodePeer(identity, host, addrs[0], keeper)
+        on_chunk = keeper._on_chunk
+
+        async def first_chunk_timed(index: int) -> None:
+            if node.first_chunk_at is None:
+                node.first_chunk_at = time.monotonic()
+            await on_chunk(index)
+
+        keeper._on_chunk = first_chunk_timed
+        set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)
+        set_handler(host, RELAY_PROTOCOL, keeper.on_relay_offer, log)
+        await connect(host, hub.addr)
+        async with trio.open_nursery() as nursery:
+            await keeper.start(nursery)
+            yield node
+            nursery.cancel_scope.cancel()
+
+
+async def wait_installed(nodes: list[NodePeer], version: int, timeout_s: float) -> None:
+    with trio.fail_after(timeout_s):
+        while not all(version in n.installed for n in nodes):
+            await trio.sleep(0.02)
