@@ -2,7 +2,8 @@
 
 Both start from the default model (ensure_default_model) and train on one fixed batch of
 `--prompts` reverse prompts x `--n` completions, generated once with HFEngine and reused by
-both. Loss settings match: token-level (TRL loss_type "dapo") clipped ratio to the sampling
+both (only groups with reward variance, as the hub's buffer passes them to the learner).
+Loss settings match: token-level (TRL loss_type "dapo") clipped ratio to the sampling
 log-probs, eps_low 0.2, eps_high 0.28, beta 0, group-normalised advantages, AdamW with the
 same lr and no weight decay, global grad clip 1.0. TRL's time is its training step on the
 prepared inputs only: compute_loss + backward + grad clip + optimizer step (its generation
@@ -10,8 +11,8 @@ never runs). Ours is all of Learner.train_step (tokenising, padding, forward, ba
 step). The two alternate which goes first every repeat; the result is each side's median.
 
 The first (warm-up) step of each side starts from identical weights on the same batch, so
-their losses and gradient norms are reported too: equal values show the two compute the
-same objective.
+their losses, gradient norms and the largest weight difference after that step are reported
+too: equal values show the two compute the same objective and take the same update.
 
     python bench/learner.py [--json] [--prompts 16] [--n 8] [--max-new-tokens 10] [--repeats 7]
 """
@@ -24,7 +25,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +34,8 @@ SAMPLING_SEED = 0
 EPS_LOW = 0.2
 EPS_HIGH = 0.28
 GRAD_CLIP = 1.0
+# Generation rounds allowed to find enough groups with reward variance (most groups have it).
+MAX_BATCH_ROUNDS = 20
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -42,29 +45,41 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per side (after one warm-up step)")
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=None, help="default: LearnerConfig's")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return parser.parse_args(argv)
 
 
 def make_batch(model_dir: Path, prompts: int, n: int, sampling):
-    """`prompts` groups of n completions from the default model, with hub-side rewards."""
+    """`prompts` groups of n completions from the default model, with hub-side rewards.
+
+    Only groups whose rewards differ are kept, as the hub's buffer does (skip_zero_variance):
+    a learner step never sees the others, and a batch of them would have a zero loss.
+    """
     import random
 
+    from hub.buffer import has_reward_variance
     from node.hf_engine import HFEngine
     from shared.rollout import Group
     from shared.tasks.reverse import ReverseTask
 
     task = ReverseTask()
-    chosen = task.sample(random.Random(SAMPLING_SEED), prompts)
-    outputs = HFEngine(model_dir).generate([p.text for p in chosen], n, sampling)
-    return [
-        Group(
-            prompt_id=p.id, prompt_text=p.text, version=0, completions=tuple(cs),
-            rewards=tuple(task.reward(p, c.text) for c in cs),
-        )
-        for p, cs in zip(chosen, outputs, strict=True)
-    ]
+    engine = HFEngine(model_dir)
+    rng = random.Random(SAMPLING_SEED)
+    groups: list[Group] = []
+    for _ in range(MAX_BATCH_ROUNDS):
+        chosen = task.sample(rng, prompts)
+        outputs = engine.generate([p.text for p in chosen], n, sampling)
+        for prompt, completions in zip(chosen, outputs, strict=True):
+            group = Group(
+                prompt_id=prompt.id, prompt_text=prompt.text, version=0, completions=tuple(completions),
+                rewards=tuple(task.reward(prompt, c.text) for c in completions),
+            )
+            if has_reward_variance(group):
+                groups.append(group)
+        if len(groups) >= prompts:
+            return groups[:prompts]
+    raise RuntimeError(f"only {len(groups)} of {prompts} groups with reward variance after {MAX_BATCH_ROUNDS} rounds")
 
 
 def trl_inputs(groups, tokenizer, n: int) -> dict[str, torch.Tensor]:
@@ -167,10 +182,11 @@ def trl_step(trainer, inputs: dict[str, torch.Tensor]) -> tuple[float, float]:
     return float(loss.detach()), float(grad_norm)
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    started = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - started, value
+def max_weight_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """Largest elementwise difference of two same-architecture models' parameters."""
+    b_params = dict(b.named_parameters())
+    with torch.no_grad():
+        return max(float((p - b_params[name]).abs().max()) for name, p in a.named_parameters())
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -187,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # transformers' weight-loading bars would garble ours and the JSON line.
     hf_logging.disable_progress_bar()
     model_dir = ensure_default_model(progress=not args.json)
+    if args.lr is None:
+        args.lr = LearnerConfig().lr
     sampling = HubConfig().sampling.model_copy(
         update={"max_new_tokens": args.max_new_tokens, "seed": SAMPLING_SEED}
     )
@@ -203,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
         ours_first = learner.train_step(groups, 1)
         trl_loss, trl_grad_norm = trl_step(trainer, inputs)
+        weight_diff = max_weight_diff(learner.model, trainer.model)
         times: dict[str, list[float]] = {"echo2": [], "trl": []}
         sides = [
             ("echo2", lambda step: learner.train_step(groups, step)),
@@ -213,8 +232,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for repeat in range(args.repeats):
                 # Alternate which side runs first so drift on a shared machine hits both equally.
                 for name, fn in sides if repeat % 2 == 0 else sides[::-1]:
-                    seconds, _ = timed(lambda: fn(repeat + 2))
-                    times[name].append(seconds)
+                    started = time.perf_counter()
+                    fn(repeat + 2)
+                    times[name].append(time.perf_counter() - started)
                     progress.advance(bar)
     echo2_s = statistics.median(times["echo2"])
     trl_s = statistics.median(times["trl"])
@@ -222,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "echo2_step_s": round(echo2_s, 4),
         "trl_step_s": round(trl_s, 4),
         "ratio": round(echo2_s / trl_s, 3),
+        # Each repeat's two steps run back to back, so their ratio shares the machine's load at that moment.
+        "ratio_paired_median": round(statistics.median(e / t for e, t in zip(times["echo2"], times["trl"])), 3),
+        "echo2_step_s_min": round(min(times["echo2"]), 4),
+        "trl_step_s_min": round(min(times["trl"]), 4),
         "echo2_step_s_all": [round(t, 4) for t in times["echo2"]],
         "trl_step_s_all": [round(t, 4) for t in times["trl"]],
         "first_step": {
@@ -229,11 +253,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "trl_loss": trl_loss,
             "echo2_grad_norm": ours_first.grad_norm,
             "trl_grad_norm": trl_grad_norm,
+            "weights_max_abs_diff": weight_diff,
         },
         "prompts": args.prompts,
         "n": args.n,
         "completion_tokens": int(inputs["completion_mask"].sum()),
         "repeats": args.repeats,
+        "lr": args.lr,
         "threads": args.threads,
         "trl_version": _trl_version(),
     }

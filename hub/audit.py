@@ -12,7 +12,7 @@ version on these tokens. It catches invented log-probs and generation with anoth
 untrained base, an old or foreign checkpoint) as soon as that model's log-probs differ from the
 claimed version's by more than the tolerance. It cannot tell apart two versions closer than the
 tolerance: such a lie is no worse than the staleness the learner already tolerates. Tolerance
-figures and their reasons are in hub/trust_config.py.
+figures and their reasons are next to TrustConfig in hub/config.py.
 
 Tokens the hub's recomputation puts outside the top-p nucleus (log-prob -inf) happen to honest
 low-precision engines at nucleus boundaries (~1 in 900 tokens for bf16, top_p 0.9): they are
@@ -41,7 +41,7 @@ from hub.buffer import ReplayBuffer
 from hub.fleet import NodeRecord
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
-from hub.trust_config import TrustConfig
+from hub.config import TrustConfig
 from shared.logprobs import completion_logprobs
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import load_into

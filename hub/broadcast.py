@@ -29,10 +29,10 @@ from shared.messages import (
     SnapshotRequest,
     TransferAck,
 )
-from shared.net import open_stream, remote_peer_id
+from shared.net import RateLimiter, open_stream, remote_peer_id
 from shared.snapshot import ChunkAssembler
-from shared.transfer import ChunkRejected, receive_snapshot
-from shared.wire import read_message, write_message
+from shared.transfer import ChunkRejected, Writer, receive_snapshot
+from shared.wire import WritableStream, read_message, write_message
 
 log = logging.getLogger("echo2.hub.broadcast")
 
@@ -63,6 +63,49 @@ class Broadcast:
         return None if self.done_at is None else self.done_at - self.published_at
 
 
+class _Through:
+    """A stream whose writes go through a shared limiter."""
+
+    def __init__(self, limiter: RateLimiter, stream: WritableStream) -> None:
+        self.limiter = limiter
+        self.stream = stream
+
+    async def write(self, data: bytes) -> None:
+        await self.limiter.write(self.stream, data)
+
+
+class _LinkThenUplink:
+    """One stream: at most Bw on its own connection, and a share of the hub's uplink B0."""
+
+    def __init__(self, link: RateLimiter, uplink: RateLimiter) -> None:
+        self.link = link
+        self.uplink = uplink
+
+    async def write(self, stream: WritableStream, data: bytes) -> None:
+        await self.link.write(_Through(self.uplink, stream), data)
+
+
+class HubUplink:
+    """Link emulation for what the hub serves: B0 shared by all its streams, each stream at most Bw.
+
+    B0 alone models a hub whose uplink is the bottleneck (star mode's N * M / B0); Bw alone,
+    a hub no faster than one node link. With B0 > Bw both apply, so that N_ch = B0 / Bw chain
+    heads each get Bw, as DESIGN.md section 5 assumes. Both None: no emulation.
+    """
+
+    def __init__(self, hub_bps: float | None, link_bps: float | None) -> None:
+        self.link_bps = link_bps
+        total = hub_bps if hub_bps is not None else link_bps
+        self.uplink = RateLimiter(total) if total is not None else None
+        self.per_stream = link_bps is not None and total is not None and link_bps < total
+
+    def for_stream(self) -> Writer | None:
+        """The writer one served stream goes through (None: unlimited)."""
+        if self.per_stream:
+            return _LinkThenUplink(RateLimiter(self.link_bps), self.uplink)
+        return self.uplink
+
+
 def dialable(addrs: tuple[str, ...], observed_ip: str | None) -> tuple[str, ...]:
     """A node listening on 0.0.0.0 reports that address; peers must dial the IP the hub saw instead."""
     if observed_ip is None:
@@ -74,10 +117,7 @@ async def _reset(stream: INetStream | None) -> None:
     if stream is None:
         return
     with trio.CancelScope(shield=True):
-        try:
-            await stream.reset()
-        except Exception:  # noqa: BLE001 - already gone; nothing left to free
-            pass
+        await stream.reset()  # py-libp2p's reset swallows errors of an already broken stream
 
 
 class Broadcaster:

@@ -191,7 +191,10 @@ def control_decision(
     active node (highest rho, ties by the last name, mirroring activation order) only if the
     pool keeps >= mu_target * (1 + release_margin) without it. The margin is the hysteresis
     band: measurement noise smaller than it cannot make the loop release a node and buy it
-    back the next period.
+    back the next period. If it cannot be released yet but standby nodes cheaper per unit of
+    throughput could take its place (the pool without it plus those nodes clears the same
+    band), activate the cheapest of them: a later period then releases it. Without that step a
+    cheap node that joins after the target is met would wait on standby forever.
     """
     if release_margin < 0:
         raise ValueError(f"release_margin must be >= 0, got {release_margin}")
@@ -213,6 +216,14 @@ def control_decision(
                 "release",
                 priciest.name,
                 f"pool without it {without:.4g}/s >= target with margin {release_floor:.4g}/s",
+            )
+        cheaper = sorted((n for n in standby if n.rho < priciest.rho), key=_cheapest_first_key)
+        if cheaper and without + math.fsum(n.rollouts_per_s for n in cheaper) >= release_floor:
+            return Decision(
+                "activate",
+                cheaper[0].name,
+                f"rho {cheaper[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
+                f"replace it (target with margin {release_floor:.4g}/s)",
             )
     return Decision("hold", None, f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hub.trust_config import TrustConfig
+from hub.config import TrustConfig
 
 IPV6_PREFIX_BITS = 64
 STREAM_RETRY_S = 0.5

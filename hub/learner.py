@@ -235,7 +235,7 @@ class LearnerComponent:
         steps: int,
         chunk_size_bytes: int,
         clock: Callable[[], float] = time.perf_counter,
-        extra_metrics: Callable[[], Mapping[str, float]] = lambda: {},
+        extra_metrics: Callable[[int], Mapping[str, float | None]] = lambda step: {},
     ) -> None:
         self.cfg = cfg
         self.data_dir = Path(data_dir)
@@ -341,7 +341,7 @@ class LearnerComponent:
                     "t_backward_s": stats.t_backward_s,
                     "t_optim_s": stats.t_optim_s,
                     **self._rollout_reward_since_last_step(),
-                    **self.extra_metrics(),
+                    **self.extra_metrics(t),
                 },
             )
             stale_ids = list(self._pending_stale)
@@ -371,7 +371,8 @@ class LearnerComponent:
 
     def save_state(self) -> None:
         """Checkpoint and save the final policy now (on Ctrl-C): blocking, call outside trio."""
-        if self.step > 0:
+        latest = self.store.latest_checkpoint()
+        if self.step > 0 and (latest is None or latest.step < self.step):  # a periodic one may have just been taken
             self._checkpoint(self.step)
         self.learner.save_final(self.data_dir / FINAL_DIR)
 

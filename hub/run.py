@@ -79,6 +79,7 @@ class Hub:
         self.learner = LearnerComponent(
             lc, config.sampling, model_dir, config.data_dir, self.store, self.buffer, self.signal, identity,
             self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024,
+            extra_metrics=lambda step: self.scheduler.step_metrics(step, self.status.cost_usd(time.time())),
         )
         # The service decodes in worker threads while the learner tokenizes in its own: separate instances.
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -105,7 +106,8 @@ class Hub:
         if record.state == state:
             return
         previous, record.state = record.state, state
-        if state in ("gone", "banned", "standby"):
+        if state in ("gone", "banned"):
+            # A released (standby) node may still finish the lease it holds: it did what it was told.
             for lease in self.leases.drop_node(record.peer_id):
                 log.info("lease %s of %s back to the pool", lease.lease_id[:8], record.peer_id[-8:])
         await trio.to_thread.run_sync(

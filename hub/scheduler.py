@@ -4,23 +4,35 @@ from the nodes that are cheapest per unit of throughput, and keep buying it as n
 Every control period: nodes silent past the heartbeat timeout are dropped (their leases go
 back to the pool); newly probed nodes join the standby pool; mu_min is recomputed from the
 measured T_train and T_bcast, mu_target = gamma * mu_min, and one node is activated or
-released (with hysteresis). Every decision is an event with its reason.
+released. Activation is immediate (a starving learner costs the most); a release waits until
+its condition has held for RELEASE_HOLD_PERIODS control periods on top of the release margin,
+so neither a noisy throughput nor a noisy T_train can make the loop release a node and buy it
+back. Every state change is an event with its reason (through `set_state`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
 
-from hub.capacity import InfeasibleCapacity, NodeOffer, control_decision, mu_min, predicted_bubble
+from hub.capacity import (
+    InfeasibleCapacity,
+    NodeOffer,
+    control_decision,
+    mu_min,
+    predicted_bubble,
+)
 from hub.config import SchedulerConfig
 from hub.fleet import Fleet, NodeRecord
 
 log = logging.getLogger("echo2.hub.scheduler")
+
+RELEASE_HOLD_PERIODS = 3
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,8 @@ class CapacityView:
 
 @dataclass(frozen=True)
 class LearnerTiming:
+    """What the capacity model needs from the learner and the broadcaster, read when needed."""
+
     kappa: int
     rollouts_per_step: int
     t_train_s: Callable[[], float | None]
@@ -47,6 +61,8 @@ def offer(record: NodeRecord) -> NodeOffer:
 
 
 class Scheduler:
+    """Runs `control_once` every control period (or sooner when poked) on the hub's fleet."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -60,10 +76,16 @@ class Scheduler:
         self.set_state = set_state
         self.view = CapacityView(0.0, None, None, None, "no measurements yet")
         self.wake = trio.Event()
+        # (node, since): the release the loop has wanted continuously since `since`.
+        self._release_pending: tuple[str, float] | None = None
+
+    @property
+    def release_hold_s(self) -> float:
+        return RELEASE_HOLD_PERIODS * self.config.control_period_s
 
     def capacity(self) -> CapacityView:
         active = self.fleet.in_state("active")
-        mu_pool = sum(n.rollouts_per_s for n in active)
+        mu_pool = math.fsum(n.rollouts_per_s for n in active)
         t_train, t_bcast = self.timing.t_train_s(), self.timing.t_bcast_s() or 0.0
         if t_train is None:
             return CapacityView(mu_pool, None, None, None, "learner has not stepped yet")
@@ -71,24 +93,29 @@ class Scheduler:
         try:
             needed = mu_min(k, r, t_train, t_bcast)
         except InfeasibleCapacity as exc:
-            return CapacityView(mu_pool, None, None, None, str(exc))
+            # No target, but the bubble of the pool we have is still predicted (never 0 here).
+            return CapacityView(mu_pool, None, None, predicted_bubble(k, r, t_train, t_bcast, mu_pool), str(exc))
         return CapacityView(
-            mu_pool, needed, self.config.gamma * needed, predicted_bubble(k, r, t_train, t_bcast, mu_pool), "measured"
+            mu_pool, needed, self.config.gamma * needed, predicted_bubble(k, r, t_train, t_bcast, mu_pool),
+            f"T_train {t_train:.3g}s T_bcast {t_bcast:.3g}s",
         )
 
     async def control_once(self, now: float) -> None:
         for record in self.fleet.silent_since(now - self.config.heartbeat_timeout_s):
-            await self.set_state(record, "gone", f"no heartbeat for {self.config.heartbeat_timeout_s:.0f}s")
+            await self.set_state(record, "gone", f"no heartbeat for {self.config.heartbeat_timeout_s:g}s")
         for record in self.fleet.in_state("probing"):
             if record.measured:
-                await self.set_state(record, "standby", f"probe measured {record.rollouts_per_s:.2f} rollouts/s")
+                await self.set_state(record, "standby", f"probe measured {record.rollouts_per_s:.4g} rollouts/s")
         self.view = self.capacity()
         standby = self.fleet.in_state("standby")
         if not self.config.enabled or self.view.mu_target is None:
             # No target to aim at (scheduler off, nothing measured yet, or no fleet can keep
             # up): everything measured works, so the learner waits as little as possible.
+            self._release_pending = None
+            why = "scheduler disabled" if not self.config.enabled else self.view.reason
             for record in standby:
-                await self.set_state(record, "active", f"activate all ({self.view.reason})")
+                await self.set_state(record, "active", f"activate all ({why})")
+            self.view = self.capacity()
             return
         decision = control_decision(
             [offer(n) for n in self.fleet.in_state("active")],
@@ -96,11 +123,42 @@ class Scheduler:
             self.view.mu_target,
             self.config.release_margin,
         )
-        if decision.action == "hold":
+        if decision.action == "release":
+            pending = self._release_pending
+            if pending is None or pending[0] != decision.node:
+                self._release_pending = (decision.node, now)
+                return
+            if now - pending[1] < self.release_hold_s:
+                return
+            reason = f"{decision.reason} for {now - pending[1]:.3g}s"
+            state = "standby"
+        elif decision.action == "activate":
+            reason, state = decision.reason, "active"
+        else:
+            self._release_pending = None
             return
-        record = self.fleet.get(decision.node)
-        await self.set_state(record, "active" if decision.action == "activate" else "standby", decision.reason)
+        self._release_pending = None
+        await self.set_state(self.fleet.get(decision.node), state, reason)
         self.view = self.capacity()
+
+    def step_metrics(self, step: int, cost_usd: float) -> dict[str, float | None]:
+        """Per-step ledger fields for metrics.jsonl: the capacity model now and the money spent so far.
+
+        `cost_usd` is the run's cost up to this step (learner time plus node ledger);
+        cost_per_step_usd is that cost over `step` steps. Fields the model cannot give yet
+        (no T_train, infeasible capacity) are None.
+        """
+        view = self.capacity()
+        return {
+            "mu_pool": view.mu_pool,
+            "mu_min": view.mu_min,
+            "mu_target": view.mu_target,
+            "predicted_bubble": view.predicted_bubble,
+            "active_nodes": float(len(self.fleet.in_state("active"))),
+            "standby_nodes": float(len(self.fleet.in_state("standby"))),
+            "cost_usd": cost_usd,
+            "cost_per_step_usd": cost_usd / step if step > 0 else None,
+        }
 
     async def run(self) -> None:
         while True:

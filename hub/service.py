@@ -263,7 +263,7 @@ class HubService:
         inflight = len(self.buffer) + self.leases.outstanding_prompts()
         limit = int(self.config.max_inflight_steps * self.learner.prompts_per_step)
         k = PROBE_PROMPTS if probe else self.config.prompts_per_lease
-        if inflight + k > limit:
+        if not probe and inflight + k > limit:  # a probe (one prompt, one per node) must not starve
             return None, "enough work in flight", NO_WORK_RETRY_S
         lease = self.leases.issue(
             record.peer_id, k, min_version=window.oldest, now=time.time(),

@@ -84,6 +84,10 @@ class StatusBoard:
         self.counts = self.store.trajectory_counts()
         self.node_cost_usd = self.store.ledger_total_usd()
 
+    def cost_usd(self, now: float) -> float:
+        """What the run has cost so far: learner time at its price plus every node payment booked."""
+        return self.node_cost_usd + self.info.learner_price_per_hour * (now - self.info.started_at) / 3600.0
+
     def snapshot(self, events: int = 50) -> HubStatus:
         now = time.time()
         chain_of = {p: (i, j) for i, chain in enumerate(self.broadcaster.chains) for j, p in enumerate(chain)}
@@ -99,7 +103,7 @@ class StatusBoard:
         )
         last = self.history[-1] if self.history else None
         hours = (now - self.info.started_at) / 3600.0
-        cost = self.node_cost_usd + self.info.learner_price_per_hour * hours
+        cost = self.cost_usd(now)
         all_on = self.info.learner_price_per_hour * hours + sum(
             n.price_per_hour * max(0.0, n.last_seen - n.joined_at) / 3600.0 for n in self.fleet.nodes.values()
         )

@@ -146,7 +146,7 @@ class StepRecord:
     bubble: float
     tokens: int
     clip_frac: float
-    extra: Mapping[str, float] = field(default_factory=dict)
+    extra: Mapping[str, float | None] = field(default_factory=dict)
 
     def as_json_dict(self) -> dict[str, float | int]:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}

@@ -10,8 +10,9 @@ When the upstream leaves mid-transfer the keeper keeps what it has and resumes f
 first chunk it lacks, from whatever upstream the hub names next; a re-link from the hub
 also abandons a pull in progress (an upstream that stalls rather than leaves would
 otherwise hold it). A sender that sends a chunk failing verification is reported to the hub
-and never pulled from again by this keeper: until the hub names another upstream, the
-missing chunks come from the hub itself.
+(which checks and bans it) and, like one that sends a manifest the hub did not sign, never
+pulled from again by this keeper: until the hub names another upstream, the missing chunks
+come from the hub itself.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.network.stream.exceptions import StreamError
+from libp2p.peer.id import ID
 
 from shared.messages import (
     RELAY_PROTOCOL,
@@ -48,9 +51,9 @@ CONNECT_TIMEOUT_S = 10.0
 REPORT_TIMEOUT_S = 40.0  # the hub fetches the chunk from the accused before it answers
 ANNOUNCE_TIMEOUT_S = 5.0
 
-# A pull that ends in one of these lost its upstream (left, refused, too slow, sent a manifest
-# we must not use): keep what we have and resume when the hub names an upstream again.
-_INTERRUPTED = (StreamEOF, FrameError, OSError, trio.TooSlowError, LookupError, SnapshotError)
+# A pull that ends in one of these lost its upstream (left, refused, too slow): keep what we
+# have and resume when the hub names an upstream again.
+_INTERRUPTED = (StreamEOF, FrameError, OSError, trio.TooSlowError, LookupError)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class SnapshotKeeper:
         self.distrusted: set[str] = set()
         self._changed = trio.Event()
         self._pull_scope: trio.CancelScope | None = None
+        self._pulling_from: Upstream | None = None
         self._nursery: trio.Nursery | None = None
         self.bad_chunks_seen = 0
         self.resumes = 0
@@ -118,9 +122,13 @@ class SnapshotKeeper:
         changed = latest_version > self.target_version or relinked
         self.target_version = max(self.target_version, latest_version)
         self.upstream = upstream
-        if relinked and self._pull_scope is not None:
-            self.relinks += 1
-            self._pull_scope.cancel()
+        if relinked:
+            if self._pull_scope is not None and self._pulling_from != self._source():
+                self.relinks += 1
+                self._pull_scope.cancel()
+            if upstream.peer_id is not None and upstream.addrs and self._nursery is not None:
+                # Dial now: our upstream's announce of its next version can then reach us at once.
+                self._nursery.start_soon(self._dial, upstream)
         if downstream != self.downstream:
             self.downstream = downstream
             if downstream is not None and self.transfer is not None:
@@ -167,6 +175,11 @@ class SnapshotKeeper:
             await write_message(stream, Reject(reason=str(exc)[:1000]))
             await stream.close()
             return
+        except (StreamEOF, StreamError) as exc:
+            # The puller left or re-linked elsewhere mid-transfer: ordinary churn, not a failure here.
+            log.info("v%s to %s ended early: %r", req.version, remote_peer_id(stream)[-8:], exc)
+            await stream.reset()
+            return
         if not ack.ok:
             log.warning("v%d to %s ended badly: %s", ack.version, remote_peer_id(stream)[-8:], ack.reason)
         await stream.close()
@@ -212,17 +225,24 @@ class SnapshotKeeper:
         source = self._source()
         rejected: ChunkRejected | None = None
         with trio.CancelScope() as scope:
-            self._pull_scope = scope
+            self._pull_scope, self._pulling_from = scope, source
             try:
                 await self._pull(version, source)
             except ChunkRejected as exc:
                 rejected = exc
+            except SnapshotError as exc:
+                # A manifest that is not the hub's, or not the one asked for: an honest relay
+                # forwards the hub's signed bytes unchanged, so this sender is lying. The hub can
+                # only check chunks, so there is nothing to report; just never ask it again.
+                log.warning("snapshot v%d from %s refused: %r", version, self._name(source), exc)
+                if source.peer_id is not None:
+                    self.distrusted.add(source.peer_id)
             except _INTERRUPTED as exc:
                 log.info("snapshot v%d from %s interrupted: %r", version, self._name(source), exc)
             except Exception as exc:  # noqa: BLE001 - libp2p dial errors share no base class
                 log.info("snapshot v%d: cannot reach %s: %r", version, self._name(source), exc)
             finally:
-                self._pull_scope = None
+                self._pull_scope = self._pulling_from = None
         transfer = self.transfer
         if transfer is not None and transfer.manifest.version == version and transfer.assembler.complete:
             return True
@@ -237,13 +257,25 @@ class SnapshotKeeper:
             await trio.sleep(RETRY_S)
         return False
 
+    async def _connect(self, upstream: Upstream) -> None:
+        # py-libp2p refuses to redial a peer for 60 s after a failed dial; an upstream that was
+        # not up yet (or restarted) is worth dialling again at our own retry pace.
+        self.host.get_network().unblock_peer(ID.from_base58(upstream.peer_id))
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            await connect(self.host, upstream.addrs[0])
+
     async def _open(self, source: Upstream) -> INetStream:
         if source.peer_id is None:
             return await open_stream(self.host, self.hub_peer_id, SNAPSHOT_PROTOCOL)
         if source.addrs:
-            with trio.fail_after(CONNECT_TIMEOUT_S):
-                await connect(self.host, source.addrs[0])
+            await self._connect(source)
         return await open_stream(self.host, source.peer_id, SNAPSHOT_PROTOCOL)
+
+    async def _dial(self, upstream: Upstream) -> None:
+        try:
+            await self._connect(upstream)
+        except Exception as exc:  # noqa: BLE001 - the pull dials again and reports what fails
+            log.debug("dial of upstream %s failed: %r", self._name(upstream), exc)
 
     async def _pull(self, version: int, source: Upstream) -> None:
         from_chunk = 0
@@ -268,10 +300,7 @@ class SnapshotKeeper:
                 )
         except BaseException:
             with trio.CancelScope(shield=True):
-                try:
-                    await stream.reset()
-                except Exception:  # noqa: BLE001 - the stream may already be gone; nothing left to free
-                    pass
+                await stream.reset()  # py-libp2p's reset swallows errors of an already broken stream
             raise
 
     def _assembler_for(self, signed: SignedManifest, manifest: Manifest, source: Upstream) -> ChunkAssembler:

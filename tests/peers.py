@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.abc import IHost, INetStream
 
+from hub.broadcast import HubUplink
 from hub.snapshots import SnapshotShelf
 from node.keeper import SnapshotKeeper, Upstream
 from shared.crypto import Identity
@@ -51,7 +52,7 @@ class HubPeer:
     addr: str
     shelf: SnapshotShelf
     source: ChunkSource
-    limiter: RateLimiter | None
+    uplink: HubUplink
     requests: list[tuple[str, SnapshotRequest]] = field(default_factory=list)
     reports: list[tuple[str, BadChunkReport]] = field(default_factory=list)
 
@@ -62,7 +63,7 @@ class HubPeer:
     async def serve(self, stream: INetStream) -> None:
         request = await read_message(stream, SnapshotRequest)
         self.requests.append((remote_peer_id(stream), request))
-        await serve_snapshot(stream, self.source, request, self.limiter)
+        await serve_snapshot(stream, self.source, request, self.uplink.for_stream())
         await stream.close()
 
     async def on_report(self, stream: INetStream) -> None:
@@ -74,11 +75,11 @@ class HubPeer:
 
 @asynccontextmanager
 async def hub_peer(
-    identity: Identity, limiter: RateLimiter | None = None, source: ChunkSource | None = None
+    identity: Identity, uplink: HubUplink | None = None, source: ChunkSource | None = None
 ) -> AsyncIterator[HubPeer]:
     shelf = SnapshotShelf(keep=4)
     async with running_host(identity, [LOOPBACK]) as (host, addrs):
-        peer = HubPeer(identity, host, addrs[0], shelf, source or shelf, limiter)
+        peer = HubPeer(identity, host, addrs[0], shelf, source or shelf, uplink or HubUplink(None, None))
         set_handler(host, SNAPSHOT_PROTOCOL, peer.serve, log)
         set_handler(host, REPORT_PROTOCOL, peer.on_report, log)
         yield peer
@@ -136,6 +137,16 @@ async def node_peer(
             await keeper.start(nursery)
             yield node
             nursery.cancel_scope.cancel()
+
+
+class FlippingKeeper(SnapshotKeeper):
+    """A relay that flips a byte of chunk BAD_INDEX of whatever it serves (it receives honestly)."""
+
+    BAD_INDEX = 5
+
+    async def chunk(self, version: int, index: int) -> bytes:
+        data = await super().chunk(version, index)
+        return bytes([data[0] ^ 0x01]) + data[1:] if index == self.BAD_INDEX else data
 
 
 async def wait_installed(nodes: list[NodePeer], version: int, timeout_s: float) -> None:

@@ -89,11 +89,11 @@ class HubUnderTest:
         self.version[0] = version
 
     def trusted(self) -> tuple:
-        """Everything a misbehaving node must not be able to move: accepted work, money, buffer, measured speed."""
+        """What a misbehaving node must not be able to move: accepted work, money, what the learner will train on."""
         accepted = sum(1 for r in self.store.trajectories() if r.verdict == "accepted")
         return (
             accepted, self.store.ledger_total_usd(), len(self.buffer),
-            tuple(sorted((n.peer_id, n.accepted, n.cost_usd, n.rollouts_per_s) for n in self.fleet.nodes.values())),
+            tuple(sorted((n.peer_id, n.accepted, n.cost_usd) for n in self.fleet.nodes.values())),
         )
 
 
@@ -350,11 +350,12 @@ async def test_stale_and_unpublished_versions_are_rejected_and_not_paid(hub_args
             lease = await node.lease()
             for v in range(1, 6):
                 hub.publish(v)  # the learner moved on: oldest accepted is now 5 - S = 3
-            before = hub.trusted()
+            before, speed = hub.trusted(), hub.fleet.get(node.peer_id).rollouts_per_s
             reply = await node.submit(node.answer(lease, version=0))
             assert isinstance(reply, SubmitReply) and reply.accepted == 0
             assert [why for _, why in reply.rejected] == ["stale version 0 (oldest accepted 3)"] * PROMPTS_PER_LEASE
             assert hub.trusted() == before  # rejected rows are recorded, nothing accepted or paid
+            assert hub.fleet.get(node.peer_id).rollouts_per_s < speed  # measured on accepted work only
             # A version the hub never published is no better.
             lease = await node.lease()
             reply = await node.submit(node.answer(lease, version=9))

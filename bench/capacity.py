@@ -1,0 +1,277 @@
+"""Capacity model against a real run: measured learner bubble vs predicted_bubble over a sweep of
+pool throughputs, and cost per step with cost-aware activation vs every node active.
+
+Usage: python bench/capacity.py [--json] [--out bench/out/capacity.png] [--steps-per-point 6]
+
+Sweep: one hub (`echo-hub start`, [scheduler] enabled = false, so every node works) and real
+`echo-node join` processes on loopback throttled with --max-rollouts-per-s. The first node
+(--first-rollouts-per-s) gets the learner stepping; from the measured T_train and T_bcast the
+bench computes mu_min and adds one node per point so that the pool reaches the --fractions of
+mu_min. Each point waits until the new node is measured and active, then averages over the
+next --steps-per-point learner steps: measured bubble = sum(T_idle) / sum(T_idle + T_train)
+(metrics.jsonl), predicted = hub.capacity.predicted_bubble(kappa, R, mean T_train, mean
+T_bcast, mu_pool) with mu_pool the hub's measured pool throughput (status.json) over the same
+steps.
+
+Cost: two hubs with the same fleet (one unthrottled node at $0.35/h, three throttled ones at
+$0.30-0.80/h), one with the scheduler on and one with [scheduler] enabled = false; cost per
+step = (learner $/h * wall time + node ledger) over the steps --cost-steps after --cost-warmup
+steps (differences of status.json's cost_usd, so start-up time is not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from hub.capacity import mu_min, predicted_bubble
+from hub.metrics import read_metrics
+from shared.messages import HubStatus
+from tests.harness import HubProc, Proc, node_peer_id, start_hub, start_node
+
+STALENESS = 4
+KAPPA = 3
+PROMPTS_PER_STEP = 2
+GROUP_SIZE = 64
+ROLLOUTS_PER_STEP = PROMPTS_PER_STEP * GROUP_SIZE
+LEARNER_PRICE_PER_HOUR = 3.06
+NODE_START_S = 240.0
+POINT_TIMEOUT_S = 240.0
+POLL_S = 0.5
+# name -> (price $/h, --max-rollouts-per-s or None: unthrottled)
+COST_FLEET = {"fast": (0.35, None), "slow-a": (0.30, 20.0), "slow-b": (0.50, 30.0), "slow-c": (0.80, 50.0)}
+
+
+def hub_toml(scheduler_enabled: bool) -> str:
+    return f"""
+steps = 0
+local_nodes = 0
+[learner]
+staleness = {STALENESS}
+kappa = {KAPPA}
+prompts_per_step = {PROMPTS_PER_STEP}
+group_size = {GROUP_SIZE}
+checkpoint_every = 100000
+learner_price_per_hour = {LEARNER_PRICE_PER_HOUR}
+[lease]
+prompts_per_lease = 1
+lease_timeout_s = 60
+max_inflight_steps = 4
+[scheduler]
+enabled = {"true" if scheduler_enabled else "false"}
+control_period_s = 0.5
+heartbeat_timeout_s = 10
+"""
+
+
+@dataclass(frozen=True)
+class Point:
+    mu_pool: float
+    measured_bubble: float
+    predicted_bubble: float
+    t_train_s: float
+    t_bcast_s: float
+    mu_min: float
+    steps: int
+
+
+class Run:
+    """One hub and its nodes; everything is stopped on exit."""
+
+    def __init__(self, root: Path, scheduler_enabled: bool) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        config = root / "hub.toml"
+        config.write_text(hub_toml(scheduler_enabled))
+        self.root = root
+        self.hub: HubProc = start_hub(root / "hub", "--config", str(config))
+        self.nodes: dict[str, Proc] = {}
+        self.ids: dict[str, str] = {}
+
+    def add_node(self, name: str, price: float, rollouts_per_s: float | None) -> None:
+        args = ("--max-rollouts-per-s", f"{rollouts_per_s:.2f}") if rollouts_per_s else ()
+        self.nodes[name] = start_node(self.hub.addr, self.root / name, *args, price=price)
+
+    def wait_ids(self) -> None:
+        for name, proc in self.nodes.items():
+            if name not in self.ids:
+                self.ids[name] = node_peer_id(proc, timeout_s=NODE_START_S)
+
+    def wait(self, predicate, what: str, timeout_s: float = POINT_TIMEOUT_S) -> HubStatus:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.hub.process.poll() is not None:
+                raise RuntimeError(f"hub exited: {self.hub.output()[-2000:]}")
+            status = self.hub.status()
+            if status is not None and predicate(status):
+                return status
+            time.sleep(POLL_S)
+        raise TimeoutError(f"timed out waiting for {what}")
+
+    def state(self, status: HubStatus, name: str) -> str | None:
+        return next((n.state for n in status.nodes if n.peer_id == self.ids.get(name)), None)
+
+    def close(self) -> None:
+        for proc in self.nodes.values():
+            proc.kill()
+        self.hub.stop()
+
+
+def collect(run: Run, steps: int) -> tuple[list[HubStatus], int, int]:
+    """Status samples over the next `steps` learner steps; returns them and the step range (first, last]."""
+    first = run.hub.status().step
+    samples: list[HubStatus] = []
+    while True:
+        status = run.wait(lambda s: True, "status")
+        samples.append(status)
+        if status.step >= first + steps:
+            return samples, first, status.step
+        time.sleep(POLL_S)
+
+
+def measure_point(run: Run, steps: int) -> Point:
+    samples, first, last = collect(run, steps)
+    rows = [m for m in read_metrics(run.hub.data_dir / "metrics.jsonl") if first < m["step"] <= last]
+    idle = sum(m["t_idle_s"] for m in rows)
+    train = sum(m["t_train_s"] for m in rows)
+    t_train = train / len(rows)
+    mu_pool = sum(s.mu_pool for s in samples) / len(samples)
+    bcasts = [s.t_bcast_s for s in samples if s.t_bcast_s is not None]
+    t_bcast = sum(bcasts) / len(bcasts)
+    return Point(
+        mu_pool=mu_pool,
+        measured_bubble=idle / (idle + train),
+        predicted_bubble=predicted_bubble(KAPPA, ROLLOUTS_PER_STEP, t_train, t_bcast, mu_pool),
+        t_train_s=t_train,
+        t_bcast_s=t_bcast,
+        mu_min=mu_min(KAPPA, ROLLOUTS_PER_STEP, t_train, t_bcast),
+        steps=len(rows),
+    )
+
+
+def measured_broadcast(status: HubStatus) -> bool:
+    # v0 goes out before any node is there; the first real T_bcast is that of v_kappa.
+    return status.step > KAPPA + 1 and status.t_bcast_s is not None
+
+
+def sweep(root: Path, first_mu: float, fractions: list[float], steps: int, say) -> list[Point]:
+    run = Run(root / "sweep", scheduler_enabled=False)
+    points: list[Point] = []
+    try:
+        run.add_node("n0", 0.35, first_mu)
+        run.wait_ids()
+        run.wait(lambda s: measured_broadcast(s) and run.state(s, "n0") == "active", "the first node and T_bcast")
+        points.append(measure_point(run, steps))
+        say(f"mu_pool {points[-1].mu_pool:.1f}/s (mu_min {points[-1].mu_min:.1f}/s): "
+            f"bubble {points[-1].measured_bubble:.3f} measured, {points[-1].predicted_bubble:.3f} predicted")
+        estimate = points[0].mu_min
+        pool = first_mu
+        for index, fraction in enumerate(fractions, start=1):
+            extra = fraction * estimate - pool
+            if extra <= 1.0:
+                continue
+            name = f"n{index}"
+            run.add_node(name, 0.35, extra)
+            run.wait_ids()
+            run.wait(lambda s, name=name: run.state(s, name) == "active", f"{name} to be measured and active")
+            pool += extra
+            points.append(measure_point(run, steps))
+            say(f"mu_pool {points[-1].mu_pool:.1f}/s (mu_min {points[-1].mu_min:.1f}/s): "
+                f"bubble {points[-1].measured_bubble:.3f} measured, {points[-1].predicted_bubble:.3f} predicted")
+    finally:
+        run.close()
+    return points
+
+
+def cost_per_step(root: Path, scheduler_enabled: bool, warmup: int, steps: int) -> float:
+    run = Run(root / ("cost-aware" if scheduler_enabled else "all-on"), scheduler_enabled)
+    try:
+        for name, (price, throttle) in COST_FLEET.items():
+            run.add_node(name, price, throttle)
+        run.wait_ids()
+        start = run.wait(lambda s: s.step >= warmup and all(run.state(s, n) is not None for n in COST_FLEET),
+                         "warm-up steps", timeout_s=POINT_TIMEOUT_S * 2)
+        end = run.wait(lambda s: s.step >= start.step + steps, "measured steps", timeout_s=POINT_TIMEOUT_S * 2)
+        return (end.cost_usd - start.cost_usd) / (end.step - start.step)
+    finally:
+        run.close()
+
+
+def plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(points, key=lambda p: p.mu_pool)
+    x = [p.mu_pool / p.mu_min for p in ordered]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (capacity model)")
+    ax.plot(x, [p.measured_bubble for p in ordered], "s-", label="measured (learner T_idle)")
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("mu_pool / mu_min (measured)")
+    ax.set_ylabel("bubble ratio")
+    ax.set_ylim(-0.02, 1.0)
+    ax.set_title(f"learner bubble vs pool throughput (kappa={KAPPA}, R={ROLLOUTS_PER_STEP})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "out" / "capacity.png")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep data dirs here (default: a temp dir)")
+    parser.add_argument("--first-rollouts-per-s", type=float, default=40.0)
+    parser.add_argument("--fractions", default="0.5,0.8,1.3", help="pool throughputs to reach, as fractions of mu_min")
+    parser.add_argument("--steps-per-point", type=int, default=6)
+    parser.add_argument("--cost-warmup", type=int, default=10)
+    parser.add_argument("--cost-steps", type=int, default=15)
+    parser.add_argument("--skip-cost", action="store_true", help="only the bubble sweep")
+    args = parser.parse_args()
+
+    import tempfile
+
+    from rich.console import Console
+
+    console = Console(stderr=True, quiet=args.json)
+
+    def say(line: str) -> None:
+        console.log(line)
+
+    root = args.work_dir or Path(tempfile.mkdtemp(prefix="echo2-capacity-"))
+    fractions = [float(f) for f in args.fractions.split(",")]
+    with console.status("bubble sweep"):
+        points = sweep(root, args.first_rollouts_per_s, fractions, args.steps_per_point, say)
+    plot(points, args.out)
+    result: dict[str, object] = {
+        "sweep": [{"mu_pool": p.mu_pool, "measured_bubble": p.measured_bubble,
+                   "predicted_bubble": p.predicted_bubble} for p in points],
+        "points": [asdict(p) for p in points],
+        "plot": str(args.out),
+    }
+    if not args.skip_cost:
+        with console.status("cost: cost-aware activation"):
+            result["cost_aware_cost_per_step"] = cost_per_step(root, True, args.cost_warmup, args.cost_steps)
+        say(f"cost-aware: ${result['cost_aware_cost_per_step']:.6f}/step")
+        with console.status("cost: every node active"):
+            result["all_on_cost_per_step"] = cost_per_step(root, False, args.cost_warmup, args.cost_steps)
+        say(f"all on: ${result['all_on_cost_per_step']:.6f}/step")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        console.print_json(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,758 @@
+"""Fault injection against the real system: misbehaving nodes, hub crashes, node churn.
+
+Every scenario runs a real hub process (`echo-hub start`, loopback) and real libp2p peers:
+in-process clients that speak the node protocol (honest or cheating, with the real tiny model)
+and, for churn, real `echo-node join` processes.
+
+- scenarios: bad signature, replay, fake reward, oversized and garbage frames, stream flood,
+  fake log-probs, wrong model, copied completions. Each counts attempts, how many the hub
+  detected (refused, or caught later: banned/flagged), accepted groups still standing, money
+  paid and not voided, and rejections of an honest control node running alongside.
+- crash: SIGKILL of the hub at random moments (mid learner step, mid submission), restart,
+  and check that no acknowledged group is lost, none counted or paid twice, snapshot versions
+  and steps stay monotone, and SQLite's integrity check passes.
+- churn: a share of real nodes SIGKILLed right after a snapshot is published (mid broadcast)
+  and while they hold leases; the run must still complete and the survivors hold a snapshot.
+
+Scenarios that need the audit / copy / guard components wired into the hub are listed under
+"needs_wiring" in the JSON; they report detected = 0 until then.
+
+Usage: python bench/faults.py [--json] [--quick] [--only bad_signature,replay,...,crash,churn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import trio
+
+from tests.harness import HubProc, node_peer_id, start_hub, start_node, wait_until
+
+log = logging.getLogger("echo2.bench.faults")
+
+STORE_FILE = "hub.sqlite"
+REQUEST_TIMEOUT_S = 20.0
+LEASE_WAIT_S = 60.0
+HEARTBEAT_PERIOD_S = 2.0
+FLOOD_STREAMS = 300
+NEEDS_WIRING = ("fake_logprobs", "wrong_model", "copied_completions", "stream_flood")
+HUB_ARGS = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "64", "--group-size", "4",
+            "--max-new-tokens", "8", "--log-level", "info")
+
+
+class Refused(Exception):
+    """The hub answered with a Reject."""
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    attempts: int = 0
+    detected: int = 0
+    accepted: int = 0
+    paid: float = 0.0
+    false_rejections: int = 0
+
+
+# -- reading the hub's store (read-only, while the hub runs) -------------------------------
+
+
+class HubDB:
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / STORE_FILE
+
+    def query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=10)
+        try:
+            return conn.execute(sql, params).fetchall()
+        finally:
+            conn.close()
+
+    def paid(self, node_id: str) -> float:
+        return float(self.query("SELECT COALESCE(SUM(usd), 0) FROM ledger WHERE node_id = ? AND voided = 0", (node_id,))[0][0])
+
+    def events(self, kind: str, node_id: str | None = None) -> int:
+        if node_id is None:
+            return self.query("SELECT COUNT(*) FROM events WHERE kind = ?", (kind,))[0][0]
+        return self.query("SELECT COUNT(*) FROM events WHERE kind = ? AND node_id = ?", (kind, node_id))[0][0]
+
+    def banned(self, node_id: str) -> bool:
+        rows = self.query("SELECT state FROM nodes WHERE peer_id = ?", (node_id,))
+        return bool(rows) and rows[0][0] == "banned"
+
+    def standing_groups(self, node_id: str) -> int:
+        """Accepted groups of the node the hub has not taken back (discarded after a ban)."""
+        return self.query(
+            "SELECT COUNT(*) FROM trajectories WHERE node_id = ? AND verdict = 'accepted'"
+            " AND (discard_reason IS NULL OR discard_reason NOT LIKE 'banned%')",
+            (node_id,),
+        )[0][0]
+
+
+
+# -- an in-process peer speaking the node protocol ------------------------------------------
+
+
+class Client:
+    """A libp2p peer that joins the hub, heartbeats, takes leases and submits what the scenario makes it submit."""
+
+    def __init__(
+        self, host, identity, hub_addr: str, engine, config_hash: str, version: int = 0, snapshots_dir: Path | None = None
+    ) -> None:
+        self.snapshots_dir = snapshots_dir
+        self.host = host
+        self.identity = identity
+        self.hub_addr = hub_addr
+        self.hub_id = hub_addr.rsplit("/p2p/", 1)[1]
+        self.engine = engine
+        self.config_hash = config_hash
+        self.version = version
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    async def join(self) -> None:
+        from shared.messages import JOIN_PROTOCOL, JoinReply, JoinRequest, Reject
+        from shared.net import connect, request
+
+        await connect(self.host, self.hub_addr)
+        reply = await request(
+            self.host, self.hub_id, JOIN_PROTOCOL,
+            JoinRequest(price_per_hour=0.35, hardware="bench", link_bps=1e8, backend="hf",
+                        model_config_hash=self.config_hash, version_held=self.version),
+            JoinReply, Reject, timeout_s=REQUEST_TIMEOUT_S,
+        )
+        if isinstance(reply, Reject):
+            raise Refused(f"join refused: {reply.reason}")
+
+    async def heartbeats(self) -> None:
+        from shared.messages import (
+            HEARTBEAT_PROTOCOL,
+            Heartbeat,
+            HeartbeatReply,
+            Reject,
+        )
+        from shared.net import request
+
+        while True:
+            try:
+                await request(self.host, self.hub_id, HEARTBEAT_PROTOCOL,
+                              Heartbeat(version_held=self.version, tokens_per_s=0.0, queue_depth=0),
+                              HeartbeatReply, Reject, timeout_s=REQUEST_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the hub may be down (crash scenario) or refusing us
+                log.debug("heartbeat failed: %r", exc)
+            await trio.sleep(HEARTBEAT_PERIOD_S)
+
+    async def lease(self, wait_s: float = LEASE_WAIT_S):
+        from shared.messages import LEASE_PROTOCOL, LeaseReply, LeaseRequest, Reject
+        from shared.net import request
+
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.snapshots_dir is not None:
+                await trio.to_thread.run_sync(self.install_newest)
+            reply = await request(self.host, self.hub_id, LEASE_PROTOCOL, LeaseRequest(version_held=self.version),
+                                  LeaseReply, Reject, timeout_s=REQUEST_TIMEOUT_S)
+            if isinstance(reply, Reject):
+                raise Refused(f"lease refused: {reply.reason}")
+            if reply.lease is not None:
+                return reply.lease
+            await trio.sleep(max(0.1, reply.retry_after_s))
+        raise TimeoutError("no lease")
+
+    def install_newest(self) -> None:
+        """Install the newest snapshot in the hub's data dir (the crash scenario tests the books, not the transfer)."""
+        from shared.snapshot import SnapshotError, read_snapshot_files
+
+        versions = [int(p.stem[1:]) for p in self.snapshots_dir.glob("v*.manifest")]
+        newest = max(versions, default=self.version)
+        if newest <= self.version:
+            return
+        try:
+            snapshot = read_snapshot_files(self.snapshots_dir, newest, self.hub_id)
+        except (OSError, SnapshotError):
+            return  # still being written: next time
+        self.engine.install(snapshot.data, newest)
+        self.version = newest
+
+    async def groups(self, lease, engine=None, claim_version: int | None = None):
+        from shared.messages import SubmittedGroup
+
+        engine = engine or self.engine
+        made = await trio.to_thread.run_sync(
+            engine.generate, [p.text for p in lease.prompts], lease.group_size, lease.sampling
+        )
+        out = []
+        for prompt, completions in zip(lease.prompts, made):
+            if claim_version is not None:
+                completions = [c.model_copy(update={"version": claim_version}) for c in completions]
+            out.append(SubmittedGroup(prompt_id=prompt.prompt_id, completions=tuple(completions)))
+        return tuple(out)
+
+    def signed(self, lease_id: str, groups) -> bytes:
+        from shared.messages import Submission
+        from shared.wire import encode_signed
+
+        return encode_signed(Submission(lease_id=lease_id, node_id=self.peer_id, groups=groups), self.identity)
+
+    async def send(self, protocol: str, frame: bytes, reply_types: tuple, close_write: bool = True):
+        """Write raw bytes on a new stream; the hub's reply, or the name of how the stream ended."""
+        from shared.net import open_stream
+        from shared.wire import StreamEOF, read_message
+
+        try:
+            with trio.fail_after(REQUEST_TIMEOUT_S + 15):
+                stream = await open_stream(self.host, self.hub_id, protocol)
+                try:
+                    await stream.write(frame)
+                    if close_write:
+                        await stream.close_write()
+                    return await read_message(stream, *reply_types)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await stream.reset()
+        except StreamEOF:
+            return "reset"
+        except trio.TooSlowError:
+            return "timeout"
+        except Exception as exc:  # noqa: BLE001 - any way the hub refuses us counts as refused
+            return f"error:{type(exc).__name__}"
+
+    async def submit(self, frame: bytes):
+        from shared.messages import SUBMIT_PROTOCOL, Reject, SubmitReply
+
+        return await self.send(SUBMIT_PROTOCOL, frame, (SubmitReply, Reject))
+
+    async def honest_round(self) -> int:
+        """One honest lease answered; how many of its groups the hub rejected (a control measurement)."""
+        from shared.messages import SubmitReply
+
+        lease = await self.lease()
+        reply = await self.submit(self.signed(lease.lease_id, await self.groups(lease)))
+        return len(reply.rejected) if isinstance(reply, SubmitReply) else len(lease.prompts)
+
+
+def accepted_of(reply) -> int:
+    from shared.messages import SubmitReply
+
+    return reply.accepted if isinstance(reply, SubmitReply) else 0
+
+
+def refused(reply) -> bool:
+    from shared.messages import Reject
+
+    return isinstance(reply, (Reject, str))
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+async def scenario_bad_signature(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
+    r = ScenarioResult("bad_signature")
+    paid_before = db.paid(x.peer_id)
+    for _ in range(attempts):
+        lease = await x.lease()
+        frame = bytearray(x.signed(lease.lease_id, await x.groups(lease)))
+        frame[5 + 7] ^= 0x40  # a bit of the signature, just after the 5-byte frame header
+        reply = await x.submit(bytes(frame))
+        r.attempts += 1
+        r.detected += refused(reply)
+        r.accepted += accepted_of(reply)
+        r.false_rejections += await control.honest_round()
+    r.paid = db.paid(x.peer_id) - paid_before
+    return r
+
+
+async def scenario_replay(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
+    r = ScenarioResult("replay")
+    for _ in range(attempts):
+        lease = await x.lease()
+        frame = x.signed(lease.lease_id, await x.groups(lease))
+        first = await x.submit(frame)
+        if accepted_of(first) == 0:
+            raise RuntimeError(f"honest first answer refused: {first!r}")
+        paid_once = db.paid(x.peer_id)
+        reply = await x.submit(frame)
+        r.attempts += 1
+        r.detected += refused(reply)
+        r.accepted += accepted_of(reply)
+        r.paid += db.paid(x.peer_id) - paid_once
+        r.false_rejections += await control.honest_round()
+    return r
+
+
+async def scenario_fake_reward(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
+    """Claim reward 1.0 for every completion; the hub must store its own recomputed reward."""
+    from shared.tasks.reverse import ReverseTask
+
+    task = ReverseTask()
+    r = ScenarioResult("fake_reward")
+    paid_before = db.paid(x.peer_id)
+    mismatches_before = db.events("reward_claim_mismatch", x.peer_id)
+    for _ in range(attempts):
+        lease = await x.lease()
+        groups = tuple(g.model_copy(update={"claimed_rewards": (1.0,) * len(g.completions)})
+                       for g in await x.groups(lease))
+        await x.submit(x.signed(lease.lease_id, groups))
+        rows = db.query("SELECT prompt_id, group_json FROM trajectories WHERE lease_id = ? AND verdict = 'accepted'",
+                        (lease.lease_id,))
+        lied = False
+        for prompt_id, group_json in rows:
+            group = json.loads(group_json)
+            truth = [task.reward(task.get(prompt_id), c["text"]) for c in group["completions"]]
+            if any(t != 1.0 for t in truth):
+                lied = True
+                # Believed: stored with the claimed reward rather than the true one.
+                r.accepted += group["rewards"] != truth
+        r.attempts += lied
+        r.false_rejections += await control.honest_round()
+    # One reward_claim_mismatch event per submission whose claims differ from the hub's scores.
+    r.detected = db.events("reward_claim_mismatch", x.peer_id) - mismatches_before
+    # Paid for real sampling at the declared price; the lie earned nothing extra.
+    r.paid = db.paid(x.peer_id) - paid_before
+    return r
+
+
+async def scenario_frames(x: Client, control: Client, db: HubDB) -> tuple[ScenarioResult, ScenarioResult]:
+    from shared.messages import (
+        HEARTBEAT_PROTOCOL,
+        JOIN_PROTOCOL,
+        LEASE_PROTOCOL,
+        STATUS_PROTOCOL,
+        SUBMIT_PROTOCOL,
+        Heartbeat,
+        HeartbeatReply,
+        HubStatus,
+        JoinReply,
+        JoinRequest,
+        LeaseReply,
+        LeaseRequest,
+        Reject,
+        StatusRequest,
+        Submission,
+        SubmitReply,
+    )
+    from shared.wire import HEADER
+
+    # protocol -> (the request type the hub reads there, the replies it may send)
+    protocols = {JOIN_PROTOCOL: (JoinRequest, (JoinReply, Reject)), HEARTBEAT_PROTOCOL: (Heartbeat, (HeartbeatReply, Reject)),
+                 LEASE_PROTOCOL: (LeaseRequest, (LeaseReply, Reject)), SUBMIT_PROTOCOL: (Submission, (SubmitReply, Reject)),
+                 STATUS_PROTOCOL: (StatusRequest, (HubStatus, Reject))}
+    oversized = ScenarioResult("oversized_frame")
+    for protocol, (request_type, types) in protocols.items():
+        # Header claims 2 GiB; the hub must refuse from the header alone, not wait for or allocate the body.
+        tag = request_type.TYPE
+        reply = await x.send(protocol, HEADER.pack(tag, 2**31) + b"x" * 1024, types, close_write=False)
+        oversized.attempts += 1
+        oversized.detected += refused(reply)
+        oversized.accepted += not refused(reply)
+    oversized.false_rejections += await control.honest_round()
+    garbage = ScenarioResult("garbage_frame")
+    rng = random.Random(7)
+    for protocol, (request_type, types) in protocols.items():
+        for frame in (
+            bytes(rng.randrange(256) for _ in range(64)),                    # noise
+            HEADER.pack(250, 16) + b"\0" * 16,                               # unknown type tag
+            HEADER.pack(request_type.TYPE, 20) + b"{not json at all!!!}",    # malformed body (unsigned, for submit)
+            b"\x02\x00",                                                     # truncated header
+        ):
+            reply = await x.send(protocol, frame, types)
+            garbage.attempts += 1
+            garbage.detected += refused(reply)
+            garbage.accepted += not refused(reply)
+    garbage.false_rejections += await control.honest_round()
+    oversized.paid = garbage.paid = 0.0
+    return oversized, garbage
+
+
+async def scenario_stream_flood(x: Client, control: Client, db: HubDB, streams: int) -> ScenarioResult:
+    from shared.messages import HEARTBEAT_PROTOCOL, Heartbeat, HeartbeatReply, Reject
+    from shared.wire import encode_message
+
+    r = ScenarioResult("stream_flood")
+    frame = encode_message(Heartbeat(version_held=0, tokens_per_s=0.0, queue_depth=0))
+    outcomes: list[object] = []
+
+    async def one() -> None:
+        outcomes.append(await x.send(HEARTBEAT_PROTOCOL, frame, (HeartbeatReply, Reject)))
+
+    control_rejections = 0
+
+    async def control_during() -> None:
+        nonlocal control_rejections
+        await trio.sleep(0.2)
+        control_rejections += await control.honest_round()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(control_during)
+        for _ in range(streams):
+            nursery.start_soon(one)
+    r.attempts = streams
+    r.detected = sum(refused(o) for o in outcomes)
+    r.accepted = streams - r.detected
+    r.false_rejections = control_rejections
+    return r
+
+
+async def scenario_caught_later(
+    name: str, db: HubDB, cheat: Client, control: Client, make: Callable, attempts: int, settle_s: float = 5.0
+) -> ScenarioResult:
+    """A cheat the submission checks cannot see (audits or the copy detector must catch it after the fact)."""
+    r = ScenarioResult(name)
+    standing_before, paid_before = db.standing_groups(cheat.peer_id), db.paid(cheat.peer_id)
+    for _ in range(attempts):
+        try:
+            lease = await cheat.lease(wait_s=15.0)
+        except (Refused, TimeoutError):
+            break  # banned, or no more work for it: refused from now on
+        reply = await cheat.submit(cheat.signed(lease.lease_id, await make(lease)))
+        r.attempts += 1
+        r.detected += refused(reply)
+        r.false_rejections += await control.honest_round()
+    await trio.sleep(settle_s)
+    standing = db.standing_groups(cheat.peer_id)
+    caught = db.banned(cheat.peer_id) or db.events("copy_detected", cheat.peer_id) > 0
+    r.detected = r.attempts if caught else r.detected
+    # Counted from before the cheat: what its honest probe earned is not at stake (a ban keeps it only
+    # when that probe's audit passed; then the whole penalty shows here as negative pay).
+    r.accepted = standing - standing_before
+    r.paid = db.paid(cheat.peer_id) - paid_before
+    r.false_rejections += db.banned(control.peer_id)
+    return r
+
+
+# -- running the scenarios against real hubs --------------------------------------------------
+
+
+def trained_model_dir(base: Path, out: Path) -> Path:
+    """The default model after three AdamW steps at lr 3e-4: the hub's policy in the wrong-model scenario."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.tasks.reverse import ReverseTask
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    rng = random.Random(5)
+    for _ in range(3):
+        texts = [p.text + p.text[::-1] for p in ReverseTask().sample(rng, 16)]
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        loss = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+async def with_clients(hub: HubProc, engines: list, body: Callable) -> object:
+    """Join one client per (engine, model dir) to `hub`, heartbeat them, and run `body(clients)`."""
+    from contextlib import AsyncExitStack
+
+    from shared.crypto import Identity
+    from shared.net import running_host
+    from shared.snapshot import model_dir_config_hash
+
+    config_hash = model_dir_config_hash(engines[0][1])
+    async with AsyncExitStack() as stack:
+        clients = []
+        for engine, _ in engines:
+            identity = Identity.generate()
+            host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
+            client = Client(host, identity, hub.addr, engine, config_hash)
+            await client.join()
+            clients.append(client)
+        async with trio.open_nursery() as nursery:
+            for client in clients:
+                nursery.start_soon(client.heartbeats)
+                # Answer the probe lease honestly first: a node is measured, then activated.
+                if await client.honest_round():
+                    raise RuntimeError("the hub rejected an honest probe answer")
+            try:
+                return await body(clients)
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+def run_protocol_scenarios(work: Path, quick: bool, only: set[str], say: Callable[[str], None]) -> list[ScenarioResult]:
+    from node.hf_engine import HFEngine
+    from shared.default_model import ensure_default_model
+
+    base_dir = ensure_default_model(progress=False)
+    results: list[ScenarioResult] = []
+    attempts = 2 if quick else 5
+    wanted = lambda name: not only or name in only
+
+    if any(wanted(n) for n in ("bad_signature", "replay", "fake_reward", "oversized_frame", "garbage_frame", "stream_flood")):
+        hub = start_hub(work / "hub-protocol", *HUB_ARGS)
+        db = HubDB(hub.data_dir)
+        engine = HFEngine(base_dir)
+
+        async def body(clients):
+            x, control = clients
+            if wanted("bad_signature"):
+                say("bad_signature")
+                results.append(await scenario_bad_signature(x, control, db, attempts))
+            if wanted("replay"):
+                say("replay")
+                results.append(await scenario_replay(x, control, db, attempts))
+            if wanted("fake_reward"):
+                say("fake_reward")
+                results.append(await scenario_fake_reward(x, control, db, attempts))
+            if wanted("oversized_frame") or wanted("garbage_frame"):
+                say("oversized and garbage frames")
+                results.extend(await scenario_frames(x, control, db))
+            if wanted("stream_flood"):
+                say("stream_flood")
+                results.append(await scenario_stream_flood(x, control, db, FLOOD_STREAMS // (3 if quick else 1)))
+
+        try:
+            trio.run(with_clients, hub, [(engine, base_dir), (engine, base_dir)], body)
+            if hub.process.poll() is not None:
+                raise RuntimeError(f"hub died during the protocol scenarios:\n{hub.output()[-2000:]}")
+        finally:
+            hub.stop()
+
+    if any(wanted(n) for n in ("fake_logprobs", "wrong_model", "copied_completions")):
+        trained_dir = trained_model_dir(base_dir, work / "trained-model")
+        hub = start_hub(work / "hub-audit", *HUB_ARGS, "--model", str(trained_dir))
+        db = HubDB(hub.data_dir)
+        right, wrong = HFEngine(trained_dir), HFEngine(base_dir)
+
+        async def body(clients):
+            control, liar, base_user, original, copier = clients
+            if wanted("fake_logprobs"):
+                say("fake_logprobs")
+                rng = random.Random(3)
+
+                async def fake(lease):
+                    groups = await liar.groups(lease)
+                    return tuple(g.model_copy(update={"completions": tuple(
+                        c.model_copy(update={"logprobs": tuple(min(0.0, lp + rng.uniform(-0.5, 0.5)) for lp in c.logprobs)})
+                        for c in g.completions)}) for g in groups)
+
+                results.append(await scenario_caught_later("fake_logprobs", db, liar, control, fake, attempts * 2))
+            if wanted("wrong_model"):
+                say("wrong_model")
+
+                async def base_model(lease):
+                    return await base_user.groups(lease, engine=wrong, claim_version=0)
+
+                results.append(await scenario_caught_later("wrong_model", db, base_user, control, base_model, attempts * 2))
+            if wanted("copied_completions"):
+                say("copied_completions")
+
+                async def copied(lease):
+                    first = await original.lease()
+                    groups = await original.groups(first)
+                    await original.submit(original.signed(first.lease_id, groups))
+                    # The copier answers its own lease with the original's groups, prompt ids swapped in.
+                    return tuple(g.model_copy(update={"prompt_id": p.prompt_id}) for g, p in zip(groups, lease.prompts))
+
+                results.append(await scenario_caught_later("copied_completions", db, copier, control, copied, attempts))
+
+        try:
+            trio.run(with_clients, hub, [(right, trained_dir)] * 5, body)
+        finally:
+            hub.stop()
+    return results
+
+
+# -- crash: SIGKILL of the hub, restart, check the books ---------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
+    from node.hf_engine import HFEngine
+    from shared.default_model import ensure_default_model
+    
+    base_dir = ensure_default_model(progress=False)
+    data_dir = work / "hub-crash"
+    port = free_port()
+    args = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--staleness", "2",
+            "--max-new-tokens", "8", "--lr", "1e-3")
+    engine = HFEngine(base_dir)
+    acked: set[tuple[str, str]] = set()
+    kill_log: list[str] = []
+    rng = random.Random()
+
+    async def session(hub: HubProc, mid_submission: bool) -> None:
+        """Work honestly against `hub` until it is killed (by us, at a random moment)."""
+        from shared.crypto import Identity
+        from shared.messages import SubmitReply
+        from shared.net import running_host
+
+        identity = Identity.load_or_create(work / "crash-client.key")
+        async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
+            from shared.snapshot import model_dir_config_hash
+
+            client = Client(host, identity, hub.addr, engine, model_dir_config_hash(base_dir),
+                            version=engine.version, snapshots_dir=data_dir / "snapshots")
+            await client.join()
+            kill_at = time.monotonic() + rng.uniform(1.0, 6.0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.heartbeats)
+                while True:
+                    lease = await client.lease()
+                    frame = client.signed(lease.lease_id, await client.groups(lease))
+                    if mid_submission and time.monotonic() >= kill_at:
+                        # Kill while the hub holds this submission: it may or may not commit; we never see an ack.
+                        async with trio.open_nursery() as inner:
+                            inner.start_soon(client.submit, frame)
+                            await trio.sleep(rng.uniform(0.0, 0.05))
+                            hub.process.send_signal(signal.SIGKILL)
+                            kill_log.append("mid-submission")
+                            inner.cancel_scope.cancel()
+                        break
+                    reply = await client.submit(frame)
+                    if isinstance(reply, SubmitReply):
+                        rejected = {pid for pid, _ in reply.rejected}
+                        acked.update((lease.lease_id, p.prompt_id) for p in lease.prompts if p.prompt_id not in rejected)
+                    if not mid_submission and time.monotonic() >= kill_at:
+                        await trio.sleep(rng.uniform(0.0, 0.3))
+                        hub.process.send_signal(signal.SIGKILL)  # mostly mid learner step: it steps every 4 groups
+                        kill_log.append("random")
+                        break
+                nursery.cancel_scope.cancel()
+
+    for k in range(kills):
+        say(f"crash {k + 1}/{kills}")
+        hub = start_hub(data_dir, *args, port=port)
+        try:
+            trio.run(session, hub, k % 2 == 1)
+            hub.process.wait(timeout=30)
+        finally:
+            hub.kill()
+    say("crash: final restart")
+    hub = start_hub(data_dir, *args, port=port)
+    try:
+        wait_until(lambda: hub.status() is not None, 60, "the restarted hub's status")
+    finally:
+        hub.stop()
+    db = HubDB(data_dir)
+    accepted = db.query("SELECT lease_id, prompt_id, COUNT(*) FROM trajectories WHERE verdict = 'accepted' GROUP BY lease_id, prompt_id")
+    stored = {(lease, prompt) for lease, prompt, _ in accepted}
+    double = sum(n - 1 for _, _, n in accepted if n > 1)
+    paid_twice = db.query("SELECT COUNT(*) FROM (SELECT lease_id FROM ledger WHERE voided = 0 GROUP BY lease_id HAVING COUNT(*) > 1)")[0][0]
+    versions = [v for (v,) in db.query("SELECT version FROM snapshots ORDER BY published_at")]
+    steps = [s for (s,) in db.query("SELECT step FROM steps ORDER BY step")]
+    conn = sqlite3.connect(db.path)
+    try:
+        integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        conn.close()
+    return {
+        "kills": len(kill_log),
+        "kill_points": kill_log,
+        "acknowledged": len(acked),
+        "lost": len(acked - stored),
+        "double_counted": double,
+        "paid_twice": paid_twice,
+        "versions_monotone": versions == sorted(set(versions)) and steps == list(range(1, len(steps) + 1)),
+        "steps": len(steps),
+        "integrity_ok": integrity == "ok",
+    }
+
+
+# -- churn: nodes killed mid broadcast and mid lease ------------------------------------------
+
+
+def run_churn(work: Path, nodes: int, say: Callable[[str], None]) -> dict:
+    steps, staleness = 10, 2
+    hub = start_hub(work / "hub-churn", "--local-nodes", "0", "--steps", str(steps), "--prompts-per-step", "4",
+                    "--group-size", "4", "--staleness", str(staleness), "--max-new-tokens", "8")
+    procs = [start_node(hub.addr, work / f"churn-node-{i}") for i in range(nodes)]
+    kills = max(2, round(0.3 * nodes))
+    killed: list[str] = []
+    try:
+        ids = [node_peer_id(p, timeout_s=120) for p in procs]
+        alive = dict(zip(ids, procs))
+        rng = random.Random()
+        # Half the kills right after a snapshot is published (its broadcast is in flight) ...
+        seen = hub.status().version if hub.status() else 0
+        while len(killed) < kills // 2:
+            status = wait_until(lambda seen=seen: (s := hub.status()) and s.version > seen and s, 300, "a new snapshot")
+            seen = status.version
+            victim = rng.choice(sorted(alive))
+            alive.pop(victim).kill()
+            killed.append(victim)
+            say(f"churn: killed {victim[-6:]} during the broadcast of v{seen}")
+        # ... the rest while they hold open leases.
+        while len(killed) < kills:
+            status = wait_until(lambda: (s := hub.status()) and s.open_leases > 0 and s, 300, "open leases")
+            holders = [n.peer_id for n in status.nodes if n.peer_id in alive and n.state == "active"]
+            victim = rng.choice(holders or sorted(alive))
+            alive.pop(victim).kill()
+            killed.append(victim)
+            say(f"churn: killed {victim[-6:]} during leases")
+        code = hub.process.wait(timeout=900)
+        final = hub.status()
+        survivors = [n for n in (final.nodes if final else ()) if n.peer_id in alive]
+        with_snapshot = sum(n.version_held >= final.version - staleness for n in survivors)
+        return {"killed": len(killed), "survivors_with_snapshot": with_snapshot, "survivors": len(alive),
+                "run_completed": code == 0 and final is not None and final.step >= steps}
+    finally:
+        for p in procs:
+            p.kill()
+        hub.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of progress lines")
+    parser.add_argument("--quick", action="store_true", help="fewer attempts, kills and nodes")
+    parser.add_argument("--only", default="", help="comma-separated scenario names (plus crash, churn)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep hub data dirs here (default: a temp dir)")
+    args = parser.parse_args()
+    only = {s for s in args.only.split(",") if s}
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    say = (lambda _: None) if args.json else (lambda msg: console.log(msg))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="echo2-faults-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict = {"scenarios": [], "needs_wiring": list(NEEDS_WIRING)}
+    scenario_names = only - {"crash", "churn"}
+    if scenario_names or not only:
+        out["scenarios"] = [asdict(r) for r in run_protocol_scenarios(work, args.quick, scenario_names, say)]
+    if not only or "crash" in only:
+        out["crash"] = run_crash(work, 2 if args.quick else 6, say)
+    if not only or "churn" in only:
+        out["churn"] = run_churn(work, 4 if args.quick else 7, say)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        console.print_json(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""What the hub's P2P plane sustains on this machine: joins/s, submissions/s, and `echo-node join` -> first accepted work.
+
+How it is measured:
+- joins/s and submissions/s: the real HubService (real libp2p host, Noise + Yamux, real SQLite
+  store with synchronous=FULL, real lease book, submission checks and replay buffer) runs in a
+  child process of its own, so it has one core to itself while the light clients run in this
+  process. `--clients` clients, each with its own libp2p host and fresh identity, are created
+  first; joins/s is clients / wall time of all of them dialling (Noise handshake) and joining
+  concurrently. Then every client loops lease -> submit of minimal valid work (1 prompt per
+  lease, 2 completions of a few tokens, correctly signed) for `--seconds`; submissions/s counts
+  submissions the hub accepted (verified, re-scored, committed, acknowledged) per wall second.
+- join -> first accepted: a real `echo-hub start --local-nodes 0 --steps 0` on loopback and one
+  real `echo-node join` process (CPU, tiny default model); the time from spawning the node to
+  the hub's commit of its first accepted group (the hub's store timestamps), split at the join.
+
+    python bench/p2p.py [--json] [--clients 16] [--seconds 10] [--no-node]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack, closing
+from pathlib import Path
+
+import trio
+
+from shared.crypto import Identity
+from shared.messages import (
+    JOIN_PROTOCOL,
+    LEASE_PROTOCOL,
+    SUBMIT_PROTOCOL,
+    HubStatus,
+    JoinReply,
+    JoinRequest,
+    Lease,
+    LeaseReply,
+    LeaseRequest,
+    Reject,
+    Submission,
+    SubmittedGroup,
+    SubmitReply,
+)
+from shared.net import connect, open_stream, request, running_host
+from shared.rollout import Completion, SamplingParams
+from shared.wire import read_message, write_signed
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+GROUP_SIZE = 2
+STALENESS = 4
+REQUEST_TIMEOUT_S = 30.0
+SERVE_READY = "SERVING "
+ADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)\s*$", re.M)
+NODE_TIMEOUT_S = 180.0
+
+
+# -- the hub side (child process) -------------------------------------------------------------
+
+
+def serve(data_dir: Path) -> None:
+    """Run the real HubService on loopback with an in-memory stand-in for the learner; print the address."""
+    from transformers import AutoTokenizer
+
+    from hub.broadcast import ChainLinks
+    from hub.buffer import BufferSignal, ReplayBuffer
+    from hub.config import LeaseConfig
+    from hub.fleet import Fleet
+    from hub.leases import LeaseBook
+    from hub.service import HubService, LearnerView
+    from hub.snapshots import SnapshotShelf
+    from hub.store import Store
+    from hub.submissions import SubmissionRules
+    from shared.default_model import ensure_default_model
+    from shared.snapshot import build_snapshot, model_dir_config_hash
+    from shared.tasks.reverse import ReverseTask
+
+    import torch
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    model_dir = ensure_default_model(progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    identity = Identity.generate()
+    config_hash = model_dir_config_hash(model_dir)
+    task = ReverseTask()
+    rules = SubmissionRules(
+        task=task, group_size=GROUP_SIZE, sampling=SamplingParams(max_new_tokens=8), eos_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer), decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    store = Store(data_dir / "hub.sqlite")
+    fleet = Fleet()
+    leases = LeaseBook(task, seed=0)
+    buffer = ReplayBuffer(1_000_000, STALENESS, skip_zero_variance=True)
+    shelf = SnapshotShelf(keep=1)
+    shelf.add(build_snapshot({"w": torch.zeros(4)}, 0, identity, config_hash))
+
+    def activate_measured() -> None:
+        for record in fleet.in_state("probing"):
+            if record.measured:
+                record.state = "active"
+
+    def status(events: int) -> HubStatus:
+        return HubStatus(hub_id=identity.peer_id, addrs=(), running=True, updated_at=time.time(), step=0,
+                         steps_target=0, version=0, staleness=STALENESS, kappa=1, task="reverse", nodes=(),
+                         open_leases=len(leases.open), accepted=0, rejected=0, dropped_stale=0)
+
+    async def main() -> None:
+        async with running_host(identity, [LOOPBACK]) as (host, addrs):
+            service = HubService(
+                host, store=store, fleet=fleet, leases=leases, buffer=buffer, buffer_signal=BufferSignal(),
+                shelf=shelf, rules=rules, learner=LearnerView(lambda: 0, STALENESS, prompts_per_step=4096),
+                config=LeaseConfig(prompts_per_lease=1, lease_timeout_s=60.0, max_inflight_steps=100.0),
+                model_config_hash=config_hash, task_name="reverse", heartbeat_period_s=2.0, status=status,
+                chain_links=lambda peer: ChainLinks(None, (), None, None, None),
+                on_fleet_change=activate_measured, limiter=None, on_heartbeat=lambda: None,
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                while SUBMIT_PROTOCOL not in host.get_mux().handlers:
+                    await trio.sleep(0.01)
+                with trio.open_signal_receiver(signal.SIGINT) as signals:
+                    print(SERVE_READY + addrs[0] + " " + config_hash, flush=True)
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        break
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
+
+
+# -- the client side ---------------------------------------------------------------------------
+
+
+class LightClient:
+    def __init__(self, host, identity: Identity, hub_peer: str, tokenizer) -> None:
+        self.host, self.identity, self.hub_peer, self.tokenizer = host, identity, hub_peer, tokenizer
+        self.submit_latencies: list[float] = []
+        self.accepted_submissions = 0
+        self.accepted_groups = 0
+        self.refused = 0
+
+    def answer(self, lease: Lease) -> Submission:
+        groups = []
+        for p in lease.prompts:
+            word = p.text[:-1]
+            completions = []
+            for text in (word[::-1], word):
+                ids = (*self.tokenizer.encode(text), self.tokenizer.eos_token_id)
+                completions.append(Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop",
+                                              version=0, text=text))
+            groups.append(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(completions)))
+        return Submission(lease_id=lease.lease_id, node_id=self.identity.peer_id, groups=tuple(groups))
+
+    async def submit(self, submission: Submission) -> SubmitReply | Reject:
+        with trio.fail_after(REQUEST_TIMEOUT_S):
+            stream = await open_stream(self.host, self.hub_peer, SUBMIT_PROTOCOL)
+            await write_signed(stream, submission, self.identity)
+            await stream.close_write()
+            reply = await read_message(stream, SubmitReply, Reject)
+            await stream.close()
+            return reply
+
+    async def work_until(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            reply = await request(self.host, self.hub_peer, LEASE_PROTOCOL, LeaseRequest(version_held=0),
+                                  LeaseReply, Reject, timeout_s=REQUEST_TIMEOUT_S)
+            if not isinstance(reply, LeaseReply) or reply.lease is None:
+                self.refused += 1
+                await trio.sleep(0.05)
+                continue
+            started = time.monotonic()
+            result = await self.submit(self.answer(reply.lease))
+            if isinstance(result, SubmitReply) and result.accepted:
+                self.submit_latencies.append(time.monotonic() - started)
+                self.accepted_submissions += 1
+                self.accepted_groups += result.accepted
+            else:
+                self.refused += 1
+
+
+async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float, tokenizer, progress) -> dict:
+    hub_peer = hub_addr.rsplit("/p2p/", 1)[1]
+    async with AsyncExitStack() as stack:
+        hosts = []
+        for _ in range(n_clients):
+            identity = Identity.generate()
+            host, _ = await stack.enter_async_context(running_host(identity, [LOOPBACK]))
+            hosts.append((host, identity))
+        join_latencies: list[float] = []
+        clients: list[LightClient] = []
+
+        async def join(host, identity) -> None:
+            started = time.monotonic()
+            await connect(host, hub_addr)
+            reply = await request(host, hub_peer, JOIN_PROTOCOL, JoinRequest(
+                price_per_hour=0.1, hardware="bench", link_bps=1e8, backend="hf", model_config_hash=config_hash,
+                version_held=0), JoinReply, Reject, timeout_s=REQUEST_TIMEOUT_S)
+            if not isinstance(reply, JoinReply):
+                raise RuntimeError(f"join refused: {reply}")
+            join_latencies.append(time.monotonic() - started)
+            clients.append(LightClient(host, identity, hub_peer, tokenizer))
+            progress("join", len(clients))
+
+        started = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for host, identity in hosts:
+                nursery.start_soon(join, host, identity)
+        join_wall = time.monotonic() - started
+
+        started = time.monotonic()
+        deadline = started + seconds
+        async with trio.open_nursery() as nursery:
+            for client in clients:
+                nursery.start_soon(client.work_until, deadline)
+
+            async def tick() -> None:
+                while time.monotonic() < deadline:
+                    progress("submit", sum(c.accepted_submissions for c in clients))
+                    await trio.sleep(0.5)
+
+            nursery.start_soon(tick)
+        work_wall = time.monotonic() - started
+        latencies = [t for c in clients for t in c.submit_latencies]
+        submissions = sum(c.accepted_submissions for c in clients)
+        return {
+            "clients": n_clients,
+            "joins_per_s": round(n_clients / join_wall, 1),
+            "join_latency_median_s": round(statistics.median(join_latencies), 4),
+            "submissions_per_s": round(submissions / work_wall, 1),
+            "groups_per_s": round(sum(c.accepted_groups for c in clients) / work_wall, 1),
+            "submit_latency_median_s": round(statistics.median(latencies), 4) if latencies else None,
+            "submit_latency_p95_s": round(sorted(latencies)[int(0.95 * (len(latencies) - 1))], 4) if latencies else None,
+            "accepted_submissions": submissions,
+            "refused_or_no_work": sum(c.refused for c in clients),
+            "seconds": round(work_wall, 2),
+        }
+
+
+def service_bench(n_clients: int, seconds: float, progress) -> dict:
+    from transformers import AutoTokenizer
+
+    from shared.default_model import ensure_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(progress=False))
+    with tempfile.TemporaryDirectory(prefix="echo2-bench-p2p-") as tmp:
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--serve", tmp], stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            line = child.stdout.readline()
+            if not line.startswith(SERVE_READY):
+                raise RuntimeError(f"hub service did not start: {line!r}")
+            hub_addr, config_hash = line[len(SERVE_READY):].split()
+            return trio.run(drive, hub_addr, config_hash, n_clients, seconds, tokenizer, progress)
+        finally:
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def first_work_bench(progress) -> dict:
+    """Spawn a real hub and one real node; time node spawn -> join -> first accepted group."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryDirectory(prefix="echo2-bench-join-") as tmp:
+        data = Path(tmp) / "hub"
+        data.mkdir()
+        hub_out = open(data / "hub.out", "wb")
+        hub = subprocess.Popen(
+            [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--listen", LOOPBACK,
+             "--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--no-progress"],
+            stdout=hub_out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        )
+        node = None
+        try:
+            deadline = time.monotonic() + NODE_TIMEOUT_S
+            while not (match := ADDR_RE.search((data / "hub.out").read_text(errors="replace"))):
+                if hub.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("hub did not start: " + (data / "hub.out").read_text(errors="replace")[-2000:])
+                time.sleep(0.1)
+            progress("node", 0)
+            spawned = time.time()
+            node = subprocess.Popen(
+                [sys.executable, "-m", "node.cli", "join", "--hub", match.group(1), "--backend", "hf",
+                 "--device", "cpu", "--data-dir", str(Path(tmp) / "node"), "--listen", LOOPBACK],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env,
+            )
+            while True:
+                with closing(sqlite3.connect(data / "hub.sqlite", timeout=10)) as db:
+                    joined = db.execute("SELECT MIN(at) FROM events WHERE kind = 'join'").fetchone()[0]
+                    first = db.execute(
+                        "SELECT MIN(received_at) FROM trajectories WHERE verdict = 'accepted'").fetchone()[0]
+                if first is not None:
+                    break
+                if node.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the node delivered no accepted work")
+                time.sleep(0.1)
+            return {
+                "join_to_first_accepted_s": round(first - spawned, 2),
+                "node_spawn_to_joined_s": round(joined - spawned, 2),
+                "joined_to_first_accepted_s": round(first - joined, 2),
+            }
+        finally:
+            for proc in (node, hub):
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+                    try:
+                        proc.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+            hub_out.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a progress display")
+    parser.add_argument("--clients", type=int, default=16, help="light clients joining and submitting concurrently")
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long the clients submit")
+    parser.add_argument("--no-node", action="store_true", help="skip the real `echo-node join` measurement")
+    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve is not None:
+        serve(args.serve)
+        return
+
+    from rich.progress import Progress
+
+    with Progress(disable=args.json, transient=True) as bar:
+        task = bar.add_task("p2p bench", total=None)
+
+        def progress(phase: str, n: int) -> None:
+            bar.update(task, description=f"{phase}: {n}")
+
+        result = service_bench(args.clients, args.seconds, progress)
+        if not args.no_node:
+            result.update(first_work_bench(progress))
+    result["cpus"] = os.cpu_count()
+    result["method"] = (
+        "HubService in its own process; light libp2p clients in another; joins/s = clients / wall time of "
+        "concurrent dial+join; submissions/s = accepted lease answers (1 prompt x 2 completions, signed, "
+        "re-scored, committed with synchronous=FULL) per wall second, each client looping lease->submit; "
+        "join->first accepted = real echo-node process spawn to the hub's commit of its first accepted group"
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="P2P plane")
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        for key, value in result.items():
+            if key != "method":
+                table.add_row(key, str(value))
+        Console().print(table)
+        print(result["method"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Reward vs learner step under bounded staleness S, with and without the clipped importance ratio.
+
+The paper's staleness question at small scale: the default recipe (LearnerConfig and
+sampling defaults, default model, ReverseTask) trained by the real LearnerComponent on
+groups from in-process LocalRollouts, for S in --staleness (kappa = max(1, S - 1) as by
+default) with the ratio to the sampling log-probs, plus the runs in --no-is-ratio with
+use_is_ratio=False (stale rollouts treated as on-policy). Each run gets a snapshot install
+delay of --delay-steps x S learner steps (step time measured once before the sweep), so the
+rollouts really sample with old policies and the learner's staleness reaches S; every run
+reports the staleness it actually trained at.
+
+Reward at a step is the mean reward of every group sampled by policy versions in that
+window (zero-variance and stale-dropped groups included: they measure the policy too),
+averaged over windows of --window steps. reward_eval_final is the exact-match rate of the
+final policy on a fixed 512-prompt sample (one completion each, the same sampling).
+
+    python bench/staleness.py [--json] [--steps 200] [--out bench/out/staleness.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import trio
+
+CHUNK_SIZE_BYTES = 1 << 20
+EVAL_PROMPTS = 512
+EVAL_SEED = 1
+# A step count no run reaches: checkpoints cost disk time and do not change learning.
+NO_CHECKPOINTS = 100_000
+PROGRESS_POLL_S = 0.2
+CALIBRATION_STEPS = 2
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    staleness: int
+    is_ratio: bool
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a progress display")
+    parser.add_argument("--steps", type=int, default=200, help="learner steps per run")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 3, 6, 11], help="S values run with the ratio")
+    parser.add_argument("--no-is-ratio", type=int, nargs="*", default=[6], help="S values also run without the ratio")
+    parser.add_argument("--delay-steps", type=float, default=0.5,
+                        help="snapshot install delay per unit of S, in measured learner steps")
+    parser.add_argument("--window", type=int, default=None, help="reward window in steps (default steps // 10)")
+    parser.add_argument("--prompts-per-step", type=int, default=None, help="override LearnerConfig's default")
+    parser.add_argument("--group-size", type=int, default=None, help="override LearnerConfig's default")
+    parser.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/staleness.png"), help="reward vs step plot")
+    return parser.parse_args(argv)
+
+
+def learner_config(spec: RunSpec, args: argparse.Namespace):
+    from hub.config import LearnerConfig
+
+    overrides = {"staleness": spec.staleness, "use_is_ratio": spec.is_ratio, "checkpoint_every": NO_CHECKPOINTS}
+    if args.prompts_per_step is not None:
+        overrides["prompts_per_step"] = args.prompts_per_step
+    if args.group_size is not None:
+        overrides["group_size"] = args.group_size
+    return LearnerConfig(**overrides)
+
+
+def measure_step_s(model_dir: Path, cfg, sampling) -> float:
+    """Seconds of one learner step plus the generation of its groups, at this run's sizes."""
+    import random
+
+    from hub.learner import Learner
+    from node.hf_engine import HFEngine
+    from shared.rollout import Group
+    from shared.tasks.reverse import ReverseTask
+
+    task = ReverseTask()
+    engine = HFEngine(model_dir)
+    learner = Learner(model_dir, cfg, sampling)
+    rng = random.Random(cfg.seed)
+    seconds = []
+    for step in range(CALIBRATION_STEPS):
+        started = time.perf_counter()
+        prompts = task.sample(rng, cfg.prompts_per_step)
+        outputs = engine.generate([p.text for p in prompts], cfg.group_size, sampling)
+        groups = [
+            Group(prompt_id=p.id, prompt_text=p.text, version=0, completions=tuple(cs),
+                  rewards=tuple(task.reward(p, c.text) for c in cs))
+            for p, cs in zip(prompts, outputs, strict=True)
+        ]
+        learner.train_step(groups, step + 1)
+        seconds.append(time.perf_counter() - started)
+    return min(seconds)
+
+
+def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, delay_s: float, data_dir: Path,
+            on_step) -> dict:
+    from hub.buffer import BufferSignal, ReplayBuffer
+    from hub.learner import LearnerComponent
+    from hub.local_rollouts import LocalRollouts
+    from hub.metrics import METRICS_FILE, read_metrics
+    from hub.store import Store
+    from node.hf_engine import HFEngine
+    from shared.crypto import Identity
+    from shared.default_model import sample_accuracy
+    from shared.tasks.reverse import ReverseTask
+
+    cfg = learner_config(spec, args)
+    store = Store(data_dir / "hub.db")
+    buffer = ReplayBuffer(cfg.buffer_max_groups, cfg.staleness, cfg.skip_zero_variance)
+    signal = BufferSignal()
+    send, receive = trio.open_memory_channel(64)
+    learner = LearnerComponent(
+        cfg, sampling, model_dir, data_dir, store, buffer, signal, Identity.generate(), send, args.steps,
+        CHUNK_SIZE_BYTES,
+    )
+    rollouts = LocalRollouts(
+        HFEngine(model_dir), ReverseTask(), sampling, cfg.group_size, store, buffer, signal, receive,
+        learner.min_useful_version, max_pending_groups=2 * cfg.prompts_per_step, install_delay_s=delay_s,
+        seed=cfg.seed,
+    )
+
+    async def drive() -> None:
+        async def report() -> None:
+            while True:
+                on_step(learner.step)
+                await trio.sleep(PROGRESS_POLL_S)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rollouts.run)
+            nursery.start_soon(report)
+            await learner.run()
+            nursery.cancel_scope.cancel()
+        on_step(learner.step)
+
+    started = time.perf_counter()
+    trio.run(drive)
+    wall_s = time.perf_counter() - started
+
+    metrics = read_metrics(data_dir / METRICS_FILE)
+    rows = [r for r in store.trajectories() if r.verdict == "accepted"]
+    store.close()
+    curve = reward_curve([(r.version, r.reward_mean) for r in rows], args.steps, args.window or max(1, args.steps // 10))
+    final = learner.learner
+    return {
+        "staleness": spec.staleness,
+        "is_ratio": spec.is_ratio,
+        "kappa": cfg.effective_kappa,
+        "install_delay_s": round(delay_s, 3),
+        "reward_first": curve[min(curve)],
+        "reward_last": curve[max(curve)],
+        "reward_at_step": curve,
+        "reward_eval_final": sample_accuracy(
+            final.model, final.tokenizer, ReverseTask(), args.eval_prompts, EVAL_SEED, sampling.max_new_tokens
+        ),
+        "staleness_mean": round(statistics.fmean(m["staleness_mean"] for m in metrics), 3),
+        "staleness_max": max(m["staleness_max"] for m in metrics),
+        "dropped_stale_groups": sum(m["dropped_stale"] for m in metrics),
+        "bubble_mean": round(statistics.fmean(m["bubble"] for m in metrics), 3),
+        "t_train_s_mean": round(statistics.fmean(m["t_train_s"] for m in metrics), 4),
+        "steps": len(metrics),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def reward_curve(samples: Sequence[tuple[int, float]], steps: int, window: int) -> dict[int, float]:
+    """Mean group reward by sampling version, per window [lo, lo + window), keyed by the window's end step.
+
+    Windows without a sampled version (possible when kappa > window) are left out.
+    """
+    sums: dict[int, list[float]] = {}
+    for version, reward in samples:
+        lo = min(version, steps - 1) // window * window
+        sums.setdefault(lo, []).append(reward)
+    return {min(lo + window, steps): round(statistics.fmean(xs), 4) for lo, xs in sorted(sums.items())}
+
+
+def plot(runs: list[dict], out: Path, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        xs = list(run["reward_at_step"])
+        ys = list(run["reward_at_step"].values())
+        label = f"S={run['staleness']} {'with' if run['is_ratio'] else 'without'} IS ratio " \
+                f"(mean staleness {run['staleness_mean']:.1f})"
+        ax.plot(xs, ys, marker="o", markersize=3, linestyle="-" if run["is_ratio"] else "--", label=label)
+    ax.set_xlabel("learner step (end of window)")
+    ax.set_ylabel("reward of sampled groups")
+    ax.set_xlim(0, steps)
+    ax.set_title("GRPO on ReverseTask under bounded staleness")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from transformers.utils import logging as hf_logging
+
+    from hub.config import HubConfig
+    from shared.default_model import ensure_default_model, sample_accuracy
+
+    hf_logging.disable_progress_bar()
+    model_dir = ensure_default_model(progress=not args.json)
+    sampling = HubConfig().sampling
+    specs = [RunSpec(s, True) for s in args.staleness] + [RunSpec(s, False) for s in args.no_is_ratio]
+    step_s = measure_step_s(model_dir, learner_config(specs[0], args), sampling)
+    runs = []
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        disable=args.json, transient=True,
+    ) as progress:
+        for spec in specs:
+            label = f"S={spec.staleness} {'ratio' if spec.is_ratio else 'no ratio'}"
+            bar = progress.add_task(label, total=args.steps)
+            with tempfile.TemporaryDirectory(prefix="echo2-bench-staleness-") as tmp:
+                run = run_one(
+                    spec, args, model_dir, sampling, args.delay_steps * spec.staleness * step_s, Path(tmp),
+                    lambda step, bar=bar: progress.update(bar, completed=step),
+                )
+            runs.append(run)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.tasks.reverse import ReverseTask
+
+    initial = sample_accuracy(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir),
+        ReverseTask(), args.eval_prompts, EVAL_SEED, sampling.max_new_tokens,
+    )
+    plot(runs, args.out, args.steps)
+    result = {
+        "steps": args.steps,
+        "calibrated_step_s": round(step_s, 4),
+        "delay_steps": args.delay_steps,
+        "reward_eval_initial": initial,
+        "plot": str(args.out),
+        "runs": runs,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        from rich import print as rprint
+
+        rprint(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

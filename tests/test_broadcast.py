@@ -1,0 +1,364 @@
+"""The hub's broadcaster: chains and star in process with real keepers (T_bcast, smart ban), then real
+`echo-hub` / `echo-node` processes: a chain of four bit-exact, losing its second node mid-transfer,
+a corrupt relay banned while its successors still install a verified snapshot, and star mode."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from hub.broadcast import Broadcaster, HubUplink
+from hub.fleet import Fleet, NodeRecord
+from node.keeper import HUB, Upstream
+from shared.crypto import Identity
+from shared.messages import REPORT_PROTOCOL, BadChunkReport, JoinRequest, Reject, TransferAck
+from shared.net import request, set_handler
+from shared.snapshot import SIGNATURE_BYTES, Manifest, blake3_hex, load_state_dict_bytes, snapshot_paths
+from tests.harness import Proc, _env, node_peer_id, start_hub, wait_until
+from tests.peers import FlippingKeeper, HubPeer, NodePeer, hub_peer, node_peer, random_snapshot
+from tests.recording_node import weights_digest
+
+KIB = 1024
+TESTS_DIR = Path(__file__).parent
+
+
+# -- in process: the real Broadcaster with real keepers ---------------------------------------
+
+
+def join(fleet: Fleet, node: NodePeer) -> NodeRecord:
+    request = JoinRequest(
+        price_per_hour=0.5, hardware="test", link_bps=1e9, backend="hf", model_config_hash="0" * 64,
+        listen_addrs=(node.addr,),
+    )
+    return fleet.join(node.peer_id, request, "127.0.0.1", time.time())
+
+
+class Hub:
+    """The parts of hub/run.py around a Broadcaster: bans, events, T_bcast records, heartbeats."""
+
+    def __init__(self, peer: HubPeer, mode: str) -> None:
+        self.peer = peer
+        self.fleet = Fleet()
+        self.banned: list[tuple[str, str]] = []
+        self.t_bcast: list[tuple[int, float]] = []
+        self.broadcaster = Broadcaster(
+            peer.host, self.fleet, peer.shelf, mode, None, ban=self.ban, event=self.event, record_t_bcast=self.record,
+        )
+        set_handler(peer.host, REPORT_PROTOCOL, self.broadcaster.on_report, logging.getLogger("tests.hub"))
+
+    async def ban(self, record: NodeRecord, reason: str) -> None:
+        record.state = "banned"
+        self.banned.append((record.peer_id, reason))
+        self.broadcaster.replan()
+
+    async def event(self, kind: str, node: str | None, detail: str) -> None:
+        pass
+
+    async def record(self, version: int, seconds: float) -> None:
+        self.t_bcast.append((version, seconds))
+
+    def heartbeat(self, node: NodePeer) -> None:
+        """What hub/service.py does on a heartbeat, and what the node does with the reply."""
+        record = self.fleet.get(node.peer_id)
+        record.version_held = node.keeper.version_held
+        self.broadcaster.check_done()
+        links = self.broadcaster.links(node.peer_id)
+        node.keeper.update(self.peer.shelf.newest_version(), Upstream(links.upstream, links.upstream_addrs), links.downstream)
+
+    async def heartbeats(self, nodes: list[NodePeer], period_s: float = 0.1) -> None:
+        while True:
+            for node in nodes:
+                if self.fleet.get(node.peer_id).state != "banned":
+                    self.heartbeat(node)
+            await trio.sleep(period_s)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("mode", ["chain", "star"])
+async def test_broadcast_times_every_receiver_and_plans_chain_or_star(mode):
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b, node_peer(peer) as c:
+        hub = Hub(peer, mode)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.broadcaster.run)
+            await trio.lowlevel.checkpoint()  # let the broadcaster open its nursery
+            # v0 published before anyone joined: nobody to time, so no T_bcast for it
+            peer.shelf.add(random_snapshot(hub_id, 0, 256 * KIB, 64 * KIB))
+            await hub.broadcaster.publish(0)
+            for node in (a, b, c):
+                join(hub.fleet, node)
+            hub.broadcaster.replan()
+            chains = hub.broadcaster.chains
+            if mode == "chain":
+                assert len(chains) == 1 and sorted(chains[0]) == sorted(n.peer_id for n in (a, b, c))
+            else:
+                assert sorted(chains) == sorted([n.peer_id] for n in (a, b, c))
+            nursery.start_soon(hub.heartbeats, [a, b, c])
+            with trio.fail_after(10):
+                while not all(0 in n.installed for n in (a, b, c)):
+                    await trio.sleep(0.05)
+            assert hub.t_bcast == []
+
+            snapshot = random_snapshot(hub_id, 1, 512 * KIB, 64 * KIB)
+            peer.shelf.add(snapshot)
+            await hub.broadcaster.publish(1)
+            with trio.fail_after(10):
+                while not hub.t_bcast:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert [v for v, _ in hub.t_bcast] == [1] and 0 < hub.t_bcast[0][1] < 10
+    assert hub.broadcaster.last_t_bcast_s() == hub.t_bcast[0][1]
+    assert all(n.installed[1] == snapshot.data for n in (a, b, c))
+    pulled_from_hub = {p for p, r in peer.requests if r.version == 1}
+    if mode == "chain":
+        assert pulled_from_hub == {chains[0][0]}  # only the head
+    else:
+        assert pulled_from_hub == {a.peer_id, b.peer_id, c.peer_id}
+    assert hub.banned == []
+
+
+@pytest.mark.trio
+async def test_corrupt_relay_is_banned_and_its_successors_get_a_verified_snapshot():
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as peer, node_peer(peer, keeper_class=FlippingKeeper) as evil, \
+            node_peer(peer) as b, node_peer(peer) as c:
+        hub = Hub(peer, "chain")
+        snapshot = random_snapshot(hub_id, 0, 1024 * KIB, 64 * KIB)
+        peer.shelf.add(snapshot)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.broadcaster.run)
+            for node in (evil, b, c):
+                join(hub.fleet, node)
+            hub.broadcaster.chains = [[evil.peer_id, b.peer_id, c.peer_id]]
+            nursery.start_soon(hub.heartbeats, [evil, b, c])
+            with trio.fail_after(15):
+                while not all(0 in n.installed for n in (b, c)):
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert [(p, reason) for p, reason in hub.banned] == [(evil.peer_id, "relayed a corrupt chunk 5 of v0")]
+    assert b.installed[0] == snapshot.data and c.installed[0] == snapshot.data
+    assert hub.broadcaster.chains == [[b.peer_id, c.peer_id]]
+    assert hub.fleet.get(b.peer_id).state != "banned" and hub.fleet.get(c.peer_id).state != "banned"
+
+
+@pytest.mark.trio
+async def test_false_reports_never_ban_an_honest_relay_but_do_ban_the_accuser():
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as peer, node_peer(peer) as honest, node_peer(peer) as liar:
+        hub = Hub(peer, "chain")
+        peer.shelf.add(random_snapshot(hub_id, 0, 256 * KIB, 64 * KIB))
+        honest.keeper.update(0, HUB, None)
+        with trio.fail_after(5):
+            while 0 not in honest.installed:
+                await trio.sleep(0.02)
+        for node in (honest, liar):
+            join(hub.fleet, node)
+        hub.broadcaster.chains = [[honest.peer_id, liar.peer_id]]
+        replies = []
+        for index in range(3):
+            report = BadChunkReport(version=0, index=index, upstream=honest.peer_id, chunk_hex_blake3="")
+            replies.append(await request(liar.host, peer.peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=10))
+        # naming a peer that is not your upstream is refused outright
+        stranger = BadChunkReport(version=0, index=0, upstream=liar.peer_id, chunk_hex_blake3="")
+        refused = await request(honest.host, peer.peer_id, REPORT_PROTOCOL, stranger, TransferAck, Reject, timeout_s=10)
+    assert [r.ok for r in replies] == [False, False, False]
+    assert isinstance(refused, Reject)
+    assert hub.banned == [(liar.peer_id, "repeated false bad-chunk reports")]
+    assert hub.fleet.get(honest.peer_id).state != "banned"
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(("hub_bps", "expected_s"), [(1e6, 1.05), (4e6, 0.52), (None, 1.05)])
+async def test_hub_uplink_shares_b0_and_caps_each_stream_at_bw(hub_bps, expected_s):
+    """Two nodes pull 512 KiB each from the hub at once, Bw = 1 MB/s: B0 = Bw (or unknown) halves each
+    one's rate, and B0 = 4 Bw still leaves each at Bw."""
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 0, 512 * KIB, 64 * KIB)
+    async with hub_peer(hub_id, HubUplink(hub_bps, 1e6)) as peer, node_peer(peer) as a, node_peer(peer) as b:
+        peer.shelf.add(snapshot)
+        started = trio.current_time()
+        a.keeper.update(0, HUB, None)
+        b.keeper.update(0, HUB, None)
+        with trio.fail_after(10):
+            while not (0 in a.installed and 0 in b.installed):
+                await trio.sleep(0.01)
+        elapsed = trio.current_time() - started
+    assert expected_s * 0.9 < elapsed < expected_s * 1.4, elapsed
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+LINK_MBPS = 2.0  # 250 kB/s per link: the ~3.5 MB default-model snapshot takes ~14 s per hop
+HUB_TOML = """
+[scheduler]
+heartbeat_timeout_s = 3.0
+control_period_s = 1.0
+[broadcast]
+chunk_kib = 128
+"""
+NODE_TOML = "heartbeat_period_s = 0.5\n"
+# Nodes barely generate (a lease's rollouts take 1 / 0.05 s each): the CPU goes to the transfers.
+QUIET_NODE = ("--max-rollouts-per-s", "0.05")
+
+
+def start_test_node(hub_addr: str, data_dir: Path, *args: str, script: str = "recording_node.py") -> Proc:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "node.toml").write_text(NODE_TOML)
+    log = data_dir / "node.out"
+    cmd = [sys.executable, str(TESTS_DIR / script), "join", "--hub", hub_addr, "--price", "0.35", "--backend", "hf",
+           "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
+           "--config", str(data_dir / "node.toml"), *args]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
+    return Proc(process, log)
+
+
+def start_test_hub(data_dir: Path, *args: str):
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "hub.toml").write_text(HUB_TOML)
+    return start_hub(data_dir, "--local-nodes", "0", "--steps", "0", "--config", str(data_dir / "hub.toml"), *args)
+
+
+def hub_manifest(hub_dir: Path, version: int) -> Manifest:
+    raw = snapshot_paths(hub_dir / "snapshots", version)[1].read_bytes()
+    return Manifest.model_validate_json(raw[SIGNATURE_BYTES:])
+
+
+def assert_installed_bit_exact(node_dir: Path, hub_dir: Path, version: int) -> None:
+    """What the node put into its engine, and the engine's weights read back, are the hub's file byte for byte."""
+    hub_file = snapshot_paths(hub_dir / "snapshots", version)[0].read_bytes()
+    tensors = load_state_dict_bytes(hub_file)
+    record = json.loads((node_dir / "installed" / f"v{version}.json").read_text())
+    assert record == {
+        "version": version, "bytes_blake3": blake3_hex(hub_file), "model_digest": weights_digest(tensors, tensors)
+    }
+
+
+def node_states(hub) -> dict[str, object]:
+    status = hub.status()
+    return {} if status is None else {n.peer_id: n for n in status.nodes}
+
+
+def stop_all(procs: list[Proc]) -> None:
+    for proc in procs:
+        if proc.process.poll() is None:
+            proc.process.send_signal(signal.SIGINT)
+    for proc in procs:
+        proc.stop(timeout_s=15)
+
+
+@pytest.mark.slow
+def test_chain_of_four_bit_exact_and_survives_losing_its_second_node(tmp_path):
+    hub_dir = tmp_path / "hub"
+    hub = start_test_hub(hub_dir, "--prompts-per-step", "4096", "--link-mbps", str(LINK_MBPS))
+    nodes: list[Proc] = []
+    try:
+        dirs = [tmp_path / f"node-{i}" for i in range(4)]
+        nodes = [start_test_node(hub.addr, d, "--link-mbps", str(LINK_MBPS), *QUIET_NODE) for d in dirs]
+        dir_of = {node_peer_id(n): d for n, d in zip(nodes, dirs)}
+        proc_of = {node_peer_id(n): n for n in nodes}
+        total = hub_manifest(hub_dir, 0).chunk_count
+        chain = wait_until(
+            lambda: (s := hub.status()) and len(s.chains) == 1 and len(s.chains[0]) == 4 and s.chains[0],
+            120, "all four nodes in one chain",
+        )
+        first, second, third, fourth = chain
+
+        def second_and_third_partway() -> bool:
+            by = node_states(hub)
+            return (by[second].version_held < 0 and by[second].chunks_received < total * 3 // 4
+                    and by[third].chunks_received > 0)
+
+        wait_until(second_and_third_partway, 60, "the second and third node partway through v0", poll_s=0.1)
+        proc_of[second].kill()
+        wait_until(lambda: all(node_states(hub)[p].version_held == 0 for p in (first, third, fourth)), 90,
+                   "v0 on the surviving nodes")
+        status = hub.status()
+        assert status.chains == ((first, third, fourth),)
+        assert node_states(hub)[second].state == "gone"
+        assert all(n.state != "banned" for n in status.nodes)
+        for peer in (first, third, fourth):
+            assert_installed_bit_exact(dir_of[peer], hub_dir, 0)
+        # The third node picked up where it was, from the first node, not from chunk 0.
+        log = (dir_of[third] / "node.log").read_text()
+        resumed = [line for line in log.splitlines() if "resuming v0 from chunk" in line]
+        assert resumed and all(int(line.split("from chunk ")[1].split()[0]) > 0 for line in resumed), log[-3000:]
+        assert f"via {first[-8:]}" in resumed[-1]
+    finally:
+        stop_all([*nodes, hub])
+
+
+@pytest.mark.slow
+def test_corrupt_relay_is_banned_and_no_node_installs_corrupt_data(tmp_path):
+    hub_dir = tmp_path / "hub"
+    hub = start_test_hub(hub_dir, "--prompts-per-step", "4096")
+    nodes: list[Proc] = []
+    try:
+        evil = start_test_node(hub.addr, tmp_path / "evil", *QUIET_NODE, script="evil_node.py")
+        nodes.append(evil)
+        evil_id = node_peer_id(evil)
+        wait_until(lambda: (n := node_states(hub).get(evil_id)) and n.version_held == 0, 120, "the evil node to hold v0")
+        dirs = [tmp_path / "honest-0", tmp_path / "honest-1"]
+        honest = [start_test_node(hub.addr, d, *QUIET_NODE) for d in dirs]
+        nodes += honest
+        honest_ids = [node_peer_id(n) for n in honest]
+        wait_until(lambda: all((n := node_states(hub).get(p)) and n.version_held == 0 for p in honest_ids), 120,
+                   "v0 on both honest nodes")
+        states = node_states(hub)
+        assert states[evil_id].state == "banned"
+        assert all(states[p].state != "banned" for p in honest_ids)
+        assert evil.process.wait(timeout=30) != 0  # told it is banned, it stops
+        for d in dirs:
+            assert_installed_bit_exact(d, hub_dir, 0)
+        con = sqlite3.connect(hub_dir / "hub.sqlite")
+        reason = con.execute("SELECT banned_reason FROM nodes WHERE peer_id = ?", (evil_id,)).fetchone()[0]
+        assert reason == "relayed a corrupt chunk 1 of v0"
+        logs = "".join((d / "node.log").read_text() for d in dirs)
+        assert "bad chunk from" in logs
+    finally:
+        stop_all([*nodes, hub])
+
+
+@pytest.mark.slow
+def test_star_mode_every_node_pulls_from_the_hub_and_t_bcast_is_recorded(tmp_path):
+    hub_dir = tmp_path / "hub"
+    hub = start_test_hub(
+        hub_dir, "--broadcast", "star", "--prompts-per-step", "2", "--group-size", "4", "--staleness", "2",
+        "--kappa", "1", "--max-new-tokens", "4",
+    )
+    nodes: list[Proc] = []
+    try:
+        dirs = [tmp_path / "node-0", tmp_path / "node-1"]
+        nodes = [start_test_node(hub.addr, d, "--max-rollouts-per-s", "20") for d in dirs]
+        ids = [node_peer_id(n) for n in nodes]
+
+        def timed_broadcasts() -> list[tuple[int, float]]:
+            con = sqlite3.connect(hub_dir / "hub.sqlite")
+            rows = con.execute("SELECT version, t_bcast_s FROM snapshots WHERE t_bcast_s IS NOT NULL").fetchall()
+            con.close()
+            return rows
+
+        # A version superseded before every node held it has no T_bcast; the next one to finish does.
+        timed = wait_until(timed_broadcasts, 180, "a snapshot broadcast to both nodes")
+        status = wait_until(lambda: (s := hub.status()) and s.t_bcast_s is not None and s, 10, "t_bcast_s in status.json")
+        stop_all(nodes)
+        assert all(v >= 1 and 0 < t < 60 for v, t in timed)
+        assert status.broadcast_mode == "star" and sorted(status.chains) == sorted((p,) for p in ids)
+        for d in dirs:
+            installed = sorted(int(f.stem[1:]) for f in (d / "installed").glob("v*.json"))
+            assert installed and installed[-1] >= timed[0][0]
+            for version in installed:
+                assert_installed_bit_exact(d, hub_dir, version)
+            installs = [line for line in (d / "node.log").read_text().splitlines() if "installed v" in line]
+            assert installs and all(line.endswith("last from hub)") for line in installs)
+    finally:
+        stop_all([*nodes, hub])

@@ -1,0 +1,93 @@
+"""Copy detection: repeated high-entropy groups are flagged, honest low-entropy repeats are not."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from hub.copies import CopyDetector, coincidence_log_prob, group_fingerprint
+from shared.rollout import Completion, Group, SamplingParams
+from shared.tasks.reverse import ReverseTask
+
+
+def completion(tokens: tuple[int, ...], logprobs: tuple[float, ...]) -> Completion:
+    return Completion(token_ids=tokens, logprobs=logprobs, finish_reason="stop", version=1, text="x")
+
+
+def group(completions, pid: str = "p1") -> Group:
+    return Group(prompt_id=pid, prompt_text="ab>", version=1, completions=tuple(completions),
+                 rewards=(0.0,) * len(completions), node_id="n")
+
+
+def test_coincidence_log_prob_by_hand():
+    a = completion((5, 2), (-1.0, -0.5))
+    b = completion((6, 2), (-2.0, -0.5))
+    # Multiset {a, a, b}: 3!/(2!1!) = 3 orderings, each of probability e^-1.5 * e^-1.5 * e^-2.5.
+    assert coincidence_log_prob(group([a, a, b])) == pytest.approx(math.log(3) - 5.5)
+    # Eight copies of a near-certain completion: an honest repeat is almost sure.
+    certain = completion((5, 2), (-1e-3, -1e-4))
+    assert coincidence_log_prob(group([certain] * 8)) == pytest.approx(-8 * 1.1e-3)
+
+
+def test_fingerprint_ignores_order_prompt_and_version_but_not_logprobs():
+    a = completion((5, 7, 2), (-1.0, -2.0, -0.5))
+    b = completion((6, 2), (-3.0, -0.5))
+    base = group([a, b, b])
+    assert group_fingerprint(base) == group_fingerprint(group([b, a, b], pid="other"))
+    assert group_fingerprint(base) == group_fingerprint(base.model_copy(update={"version": 7}))
+    nudged = completion((6, 2), (-3.0, -0.5000001))
+    assert group_fingerprint(base) != group_fingerprint(group([a, b, nudged]))
+
+
+def test_copy_flagged_across_nodes_and_leases_not_on_first_sight():
+    detector = CopyDetector(capacity=100, min_surprise_nats=20.0)
+    rng = random.Random(0)
+    diverse = group([completion((rng.randrange(4, 40), 2), (-rng.uniform(4, 6), -0.1)) for _ in range(8)])
+    assert detector.check(diverse, "nodeA", "L1") is None
+    flag = detector.check(diverse.model_copy(update={"prompt_id": "p9"}), "nodeB", "L2")
+    assert flag is not None and not flag.same_node
+    assert (flag.first.node_id, flag.again.node_id) == ("nodeA", "nodeB") and flag.surprise_nats > 20
+    assert "nodeA's group" in flag.describe()
+    # The same node answering another lease with work it already sold is a copy too.
+    again = detector.check(diverse, "nodeA", "L3")
+    assert again is not None and again.same_node
+    assert (detector.checked, detector.flagged, detector.probable) == (3, 2, 0)
+
+
+def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
+    """A peaked policy answers a repeated prompt identically: such repeats happen honestly and are not copies."""
+    from node.hf_engine import HFEngine
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    engine = HFEngine(default_model_dir)
+    # Low temperature makes the tiny model near-deterministic, as a well-trained policy is on easy prompts.
+    sampling = SamplingParams(temperature=0.1, top_p=1.0, max_new_tokens=10)
+    prompts = ReverseTask().sample(random.Random(4), 6)
+    detector = CopyDetector(capacity=1000, min_surprise_nats=20.0)
+    # Two honest nodes get the same prompts (prompts are drawn with replacement) in separate leases.
+    batches = [engine.generate([p.text for p in prompts], 8, sampling) for _ in range(2)]
+    fingerprints: list[set[bytes]] = []
+    for lease, batch in zip(("LA", "LB"), batches):
+        fingerprints.append(set())
+        for prompt, completions in zip(prompts, batch):
+            g = Group(prompt_id=prompt.id, prompt_text=prompt.text, version=0, completions=tuple(completions),
+                      rewards=(0.0,) * 8, node_id=lease)
+            fingerprints[-1].add(group_fingerprint(g))
+            assert detector.check(g, lease, lease) is None
+    assert len(fingerprints[0] & fingerprints[1]) >= 3, "expected identical honest groups on a peaked model"
+    assert detector.flagged == 0 and detector.probable >= 3
+
+
+def test_lru_is_bounded():
+    detector = CopyDetector(capacity=3, min_surprise_nats=1.0)
+    groups = [group([completion((10 + i, 2), (-5.0, -1.0))] * 2, pid=f"p{i}") for i in range(5)]
+    for i, g in enumerate(groups):
+        assert detector.check(g, "n", f"L{i}") is None
+    assert len(detector) == 3
+    # The oldest were evicted: repeating them is not detected any more, the newest are.
+    assert detector.check(groups[0], "m", "L9") is None
+    assert detector.check(groups[4], "m", "L9") is not None

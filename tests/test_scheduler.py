@@ -1,0 +1,304 @@
+"""The closed-loop Scheduler on a real Fleet with fake timing: drops, probes, activation order,
+hysteresis, infeasible capacity and the per-step ledger fields, against hand-computed values.
+
+Capacity used throughout: kappa = 2, R = 10, T_train = 1.5 s, T_bcast = 1 s gives
+mu_min = 2*10 / (2*1.5 - 1) = 10 rollouts/s and, with gamma = 1.1, mu_target = 11.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hub.config import SchedulerConfig
+from hub.fleet import Fleet, NodeRecord
+from hub.scheduler import RELEASE_HOLD_PERIODS, LearnerTiming, Scheduler
+from shared.messages import JoinRequest
+
+T0 = 1000.0
+
+
+class FakeTiming:
+    def __init__(self, t_train_s: float | None = 1.5, t_bcast_s: float | None = 1.0) -> None:
+        self.t_train_s = t_train_s
+        self.t_bcast_s = t_bcast_s
+
+    def timing(self) -> LearnerTiming:
+        return LearnerTiming(2, 10, t_train_s=lambda: self.t_train_s, t_bcast_s=lambda: self.t_bcast_s)
+
+
+class Transitions:
+    """Stands in for Hub.set_state: applies the state and keeps (node, state, reason)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, str]] = []
+
+    async def __call__(self, record: NodeRecord, state: str, reason: str) -> None:
+        if record.state == state:
+            return
+        record.state = state
+        self.log.append((record.peer_id, state, reason))
+
+    def take(self) -> list[tuple[str, str]]:
+        out = [(node, state) for node, state, _ in self.log]
+        self.log.clear()
+        return out
+
+
+def join(fleet: Fleet, name: str, price: float, now: float = T0) -> NodeRecord:
+    request = JoinRequest(price_per_hour=price, hardware="test", link_bps=1e6, backend="hf", model_config_hash="h")
+    return fleet.join(name, request, "127.0.0.1", now)
+
+
+def measured(fleet: Fleet, name: str, price: float, mu: float) -> NodeRecord:
+    """A node that joined and answered its probe lease at `mu` rollouts/s."""
+    record = join(fleet, name, price)
+    fleet.record_work(record, int(mu * 10), 10.0)
+    return record
+
+
+def beat(fleet: Fleet, now: float) -> None:
+    for record in fleet.live():
+        record.last_seen = now
+
+
+def make(fleet: Fleet, timing: FakeTiming, **config) -> tuple[Scheduler, Transitions]:
+    transitions = Transitions()
+    cfg = SchedulerConfig(gamma=1.1, control_period_s=1.0, release_margin=0.2, heartbeat_timeout_s=15.0, **config)
+    return Scheduler(cfg, fleet, timing.timing(), transitions), transitions
+
+
+async def settle(scheduler: Scheduler, fleet: Fleet, start: float, periods: int) -> float:
+    now = start
+    for _ in range(periods):
+        beat(fleet, now)
+        await scheduler.control_once(now)
+        now += scheduler.config.control_period_s
+    return now
+
+
+def states(fleet: Fleet) -> dict[str, str]:
+    return {n.peer_id: n.state for n in fleet.nodes.values()}
+
+
+@pytest.mark.trio
+async def test_probe_then_standby_then_active():
+    fleet = Fleet()
+    scheduler, transitions = make(fleet, FakeTiming())
+    record = join(fleet, "a", 0.1)
+    await scheduler.control_once(T0)
+    assert transitions.take() == []  # probe not answered yet: no measurement, no decision
+    assert record.state == "probing"
+    fleet.record_work(record, 40, 4.0)  # probe lease: 40 accepted rollouts in 4 s of lease time
+    assert record.rollouts_per_s == pytest.approx(10.0)
+    await scheduler.control_once(T0 + 1)
+    assert transitions.log == [
+        ("a", "standby", "probe measured 10 rollouts/s"),
+        ("a", "active", "pool 0/s below target 11/s"),
+    ]
+    assert scheduler.view.mu_pool == pytest.approx(10.0)
+    assert scheduler.view.mu_target == pytest.approx(11.0)
+
+
+@pytest.mark.trio
+async def test_throughput_is_an_ewma_of_accepted_rollouts_per_lease_second():
+    fleet = Fleet()
+    record = join(fleet, "a", 0.1)
+    fleet.record_work(record, 40, 4.0)  # probe: 10/s
+    fleet.record_work(record, 40, 2.0)  # 20/s: 0.3 * 20 + 0.7 * 10
+    assert record.rollouts_per_s == pytest.approx(13.0)
+    fleet.record_work(record, 0, 2.0)  # everything rejected: 0.7 * 13
+    assert record.rollouts_per_s == pytest.approx(9.1)
+
+
+@pytest.mark.trio
+async def test_activation_order_by_rho_then_the_rest_stay_on_standby():
+    fleet = Fleet()
+    measured(fleet, "b", 0.4, 8.0)  # rho 0.05
+    measured(fleet, "c", 0.3, 4.0)  # rho 0.075
+    measured(fleet, "a", 0.1, 5.0)  # rho 0.02
+    scheduler, transitions = make(fleet, FakeTiming())
+    await settle(scheduler, fleet, T0, 6)
+    # probed nodes join the standby pool (join order); then one node per period, cheapest
+    # first, until 5 + 8 >= 11; c is not needed
+    assert transitions.take() == [
+        ("b", "standby"), ("c", "standby"), ("a", "standby"), ("a", "active"), ("b", "active"),
+    ]
+    assert states(fleet) == {"a": "active", "b": "active", "c": "standby"}
+    assert scheduler.view.mu_pool == pytest.approx(13.0)
+
+
+@pytest.mark.trio
+async def test_silent_node_dropped_and_replaced_by_next_cheapest():
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    measured(fleet, "c", 0.3, 4.0)
+    measured(fleet, "d", 0.9, 10.0)  # rho 0.09: last
+    scheduler, transitions = make(fleet, FakeTiming())
+    now = await settle(scheduler, fleet, T0, 6)
+    assert states(fleet) == {"a": "active", "b": "active", "c": "standby", "d": "standby"}
+    transitions.take()
+    beat(fleet, now)
+    fleet.get("b").last_seen = now - 16.0  # b stopped heartbeating 16 s ago (timeout 15 s)
+    await scheduler.control_once(now)
+    # dropped, and in the same period the next cheapest standby node (c) takes its place
+    assert transitions.log[0] == ("b", "gone", "no heartbeat for 15s")
+    assert transitions.log[1][:2] == ("c", "active")
+    assert "pool 5/s below target 11/s" in transitions.log[1][2]
+    transitions.take()
+    await settle(scheduler, fleet, now + 1, 3)
+    # 5 + 4 = 9 < 11: d too
+    assert transitions.take() == [("d", "active")]
+    assert states(fleet) == {"a": "active", "b": "gone", "c": "active", "d": "active"}
+
+
+@pytest.mark.trio
+async def test_release_needs_the_margin_and_the_hold_time():
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    timing = FakeTiming()
+    scheduler, transitions = make(fleet, timing)
+    now = await settle(scheduler, fleet, T0, 4)
+    assert states(fleet) == {"a": "active", "b": "active"}
+    transitions.take()
+
+    # Target drops to 20/(5.6-1) * 1.1 = 4.78: a alone (5) meets it, but not target*(1+0.2) = 5.74.
+    timing.t_train_s = 2.8
+    now = await settle(scheduler, fleet, now, 10)
+    assert transitions.take() == []
+
+    # Target drops to 20/(8-1) * 1.1 = 3.14 (with margin 3.77 <= 5): b is released, but only
+    # after the condition held for RELEASE_HOLD_PERIODS control periods.
+    timing.t_train_s = 4.0
+    start = now
+    for _ in range(RELEASE_HOLD_PERIODS):
+        beat(fleet, now)
+        await scheduler.control_once(now)
+        assert transitions.log == [], f"released after {now - start:g}s"
+        now += 1.0
+    beat(fleet, now)
+    await scheduler.control_once(now)
+    assert len(transitions.log) == 1
+    node, state, reason = transitions.log[0]
+    assert (node, state) == ("b", "standby")
+    assert reason == f"pool without it 5/s >= target with margin 3.771/s for {RELEASE_HOLD_PERIODS:g}s"
+    assert states(fleet) == {"a": "active", "b": "standby"}
+
+
+@pytest.mark.trio
+async def test_release_timer_restarts_when_the_condition_lapses():
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    timing = FakeTiming()
+    scheduler, transitions = make(fleet, timing)
+    now = await settle(scheduler, fleet, T0, 4)
+    transitions.take()
+    for t_train in (4.0, 4.0, 1.5, 4.0, 4.0, 4.0):  # the release wish lapses in the third period
+        beat(fleet, now)
+        timing.t_train_s = t_train
+        await scheduler.control_once(now)
+        now += 1.0
+    assert transitions.take() == []
+    beat(fleet, now)
+    await scheduler.control_once(now)  # 3 periods since the wish came back
+    assert transitions.take() == [("b", "standby")]
+
+
+@pytest.mark.trio
+async def test_cheaper_late_joiner_replaces_the_priciest_active_node():
+    fleet = Fleet()
+    measured(fleet, "x", 2.0, 12.0)  # rho 0.167
+    scheduler, transitions = make(fleet, FakeTiming())
+    now = await settle(scheduler, fleet, T0, 2)
+    assert states(fleet) == {"x": "active"}
+    measured(fleet, "y", 0.5, 14.0)  # rho 0.036: joins after the target (11) is met
+    transitions.take()
+    now = await settle(scheduler, fleet, now, 2 + RELEASE_HOLD_PERIODS + 1)
+    log = list(transitions.log)
+    assert [(n, s) for n, s, _ in log] == [("y", "standby"), ("y", "active"), ("x", "standby")]
+    assert "cheaper nodes can replace it" in log[1][2]
+    assert states(fleet) == {"x": "standby", "y": "active"}
+    transitions.take()
+    await settle(scheduler, fleet, now, 10)
+    assert transitions.take() == []  # settled: no flapping
+
+
+@pytest.mark.trio
+async def test_slow_cheap_node_does_not_displace_a_needed_one():
+    fleet = Fleet()
+    measured(fleet, "x", 2.0, 12.0)
+    scheduler, transitions = make(fleet, FakeTiming())
+    now = await settle(scheduler, fleet, T0, 2)
+    measured(fleet, "tiny", 0.01, 1.0)  # cheapest per unit, but 1/s cannot replace x
+    transitions.take()
+    await settle(scheduler, fleet, now, 8)
+    assert transitions.take() == [("tiny", "standby")]
+    assert states(fleet) == {"x": "active", "tiny": "standby"}
+
+
+@pytest.mark.trio
+async def test_infeasible_capacity_activates_everything_with_the_reason():
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    measured(fleet, "c", 0.3, 4.0)
+    timing = FakeTiming(t_train_s=1.5, t_bcast_s=3.5)  # 2 * 1.5 = 3 s <= T_bcast 3.5 s
+    scheduler, transitions = make(fleet, timing)
+    await settle(scheduler, fleet, T0, 1)
+    active = [(n, r) for n, s, r in transitions.log if s == "active"]
+    assert sorted(n for n, _ in active) == ["a", "b", "c"]
+    for _, reason in active:
+        assert reason.startswith("activate all (kappa * T_train = 2 * 1.5 s = 3 s does not exceed T_bcast = 3.5 s")
+        assert "no fleet can keep the learner busy" in reason
+    assert scheduler.view.mu_target is None
+    # the model still predicts the bubble of the pool it has: idle 20/17 + 3.5 - 3 s per period
+    idle = 20 / 17 + 0.5
+    assert scheduler.view.predicted_bubble == pytest.approx(idle / (idle + 3.0))
+    # the broadcast speeds up: a target exists again, 20 / (3 - 0.5) * 1.1 = 8.8/s, and the
+    # surplus is released, priciest first, while the rest keeps 8.8 * 1.2 = 10.56/s
+    timing.t_bcast_s = 0.5
+    transitions.take()
+    await settle(scheduler, fleet, T0 + 10, 2 * (RELEASE_HOLD_PERIODS + 1))
+    assert transitions.take() == [("c", "standby")]  # 17 - 4 = 13 >= 10.56; 13 - 8 = 5 < 10.56: b stays
+    assert states(fleet) == {"a": "active", "b": "active", "c": "standby"}
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(
+    ("enabled", "t_train_s", "why"),
+    [(False, 1.5, "scheduler disabled"), (True, None, "learner has not stepped yet")],
+)
+async def test_without_a_target_every_measured_node_works(enabled, t_train_s, why):
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 50.0)
+    measured(fleet, "b", 0.4, 8.0)
+    join(fleet, "p", 0.2)  # still probing: it works on its probe lease, not in the pool
+    scheduler, transitions = make(fleet, FakeTiming(t_train_s=t_train_s), enabled=enabled)
+    await settle(scheduler, fleet, T0, 5)
+    assert states(fleet) == {"a": "active", "b": "active", "p": "probing"}
+    assert [r for _, s, r in transitions.log if s == "active"] == [f"activate all ({why})"] * 2
+
+
+@pytest.mark.trio
+async def test_step_metrics():
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    measured(fleet, "c", 0.3, 4.0)
+    scheduler, _ = make(fleet, FakeTiming())
+    await settle(scheduler, fleet, T0, 6)
+    metrics = scheduler.step_metrics(4, cost_usd=0.02)
+    # pool 13/s: idle max(0, 20/13 + 1 - 3) = 0
+    assert metrics == pytest.approx({
+        "mu_pool": 13.0, "mu_min": 10.0, "mu_target": 11.0, "predicted_bubble": 0.0,
+        "active_nodes": 2.0, "standby_nodes": 1.0, "cost_usd": 0.02, "cost_per_step_usd": 0.005,
+    })
+    fleet.get("b").state = "gone"
+    # pool 5/s: idle 20/5 + 1 - 3 = 2 s per period, bubble 2 / (2 + 3)
+    assert scheduler.step_metrics(4, 0.02)["predicted_bubble"] == pytest.approx(0.4)
+    scheduler.timing = FakeTiming(t_train_s=None).timing()
+    metrics = scheduler.step_metrics(0, 0.0)
+    assert (metrics["mu_min"], metrics["mu_target"], metrics["predicted_bubble"]) == (None, None, None)
+    assert metrics["cost_per_step_usd"] is None

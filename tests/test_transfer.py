@@ -1,0 +1,254 @@
+"""The snapshot pull protocol and the node's keeper over real libp2p hosts on loopback, in one process:
+chains of relays, resume after an upstream dies, re-link away from a stalled upstream, tampered chunks,
+foreign and stale manifests, and the emulated link rate of a served stream."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import trio
+
+from hub.broadcast import HubUplink
+from node.keeper import HUB, Upstream
+from shared.crypto import Identity
+from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SNAPSHOT_PROTOCOL, SnapshotRequest, TransferAck
+from shared.net import RateLimiter, connect, open_stream, set_handler
+from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, chunk_of, encode_chunk
+from shared.transfer import ChunkRejected, receive_snapshot
+from shared.wire import encode_frame, read_message, write_frame, write_message
+from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, wait_installed
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+class FlippingSource:
+    """Serves a held snapshot but flips one byte of chunk `bad_index` (a lying hub or relay)."""
+
+    def __init__(self, inner, bad_index: int) -> None:
+        self.inner = inner
+        self.bad_index = bad_index
+
+    def held_manifest(self, version):
+        return self.inner.held_manifest(version)
+
+    async def chunk(self, version: int, index: int) -> bytes:
+        data = await self.inner.chunk(version, index)
+        if index == self.bad_index:
+            data = bytes([data[0] ^ 0x01]) + data[1:]
+        return data
+
+
+async def pull(node, sender, version, newer_than=None, signer=None, **request):
+    """receive_snapshot from `sender` on a fresh stream; returns (assembler, error or None)."""
+    await connect(node.host, sender.addr)
+    stream = await open_stream(node.host, sender.peer_id, SNAPSHOT_PROTOCOL)
+    box: list[ChunkAssembler] = []
+
+    def assembler_for(signed, manifest):
+        box.append(ChunkAssembler(manifest))
+        return box[0]
+
+    try:
+        await receive_snapshot(
+            stream, SnapshotRequest(version=version, **request), signer or sender.peer_id, newer_than, assembler_for
+        )
+    except Exception as exc:  # noqa: BLE001 - the tests assert on it
+        await stream.reset()
+        return (box[0] if box else None), exc
+    return box[0], None
+
+
+@pytest.mark.trio
+async def test_chain_of_relays_delivers_bit_exact_and_relays_while_receiving():
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 3, 2 * MIB, 64 * KIB)
+    rate = 4e6  # bytes/s on every link: a hop of 2 MiB takes about 0.5 s
+    async with hub_peer(hub_id, HubUplink(None, rate)) as hub:
+        hub.shelf.add(snapshot)
+        async with node_peer(hub, RateLimiter(rate)) as a, node_peer(hub, RateLimiter(rate)) as b, \
+                node_peer(hub, RateLimiter(rate)) as sink:
+            a.keeper.update(-1, HUB, b.peer_id)
+            b.keeper.update(-1, a.upstream, sink.peer_id)
+            sink.keeper.update(-1, b.upstream, None)
+            await trio.sleep(0.3)  # each node dials its upstream on being linked; let that finish
+            started = time.monotonic()
+            a.keeper.announce(3)  # the hub's nudge to the chain head; the rest learn from their upstream
+            await wait_installed([a, b, sink], 3, timeout_s=20)
+            elapsed = time.monotonic() - started
+    for node in (a, b, sink):
+        assert node.installed[3] == snapshot.data
+        assert node.keeper.version_held == 3 and node.keeper.transfer is None
+    # Pipelined: the sink had its first chunk long before the head had its last, and the whole chain
+    # took far less than three store-and-forward hops would (3 * 0.52 s).
+    assert sink.first_chunk_at < a.installed_at[3] - 0.2
+    assert elapsed < 2 * len(snapshot.data) / rate
+    assert [peer for peer, _ in hub.requests] == [a.peer_id]
+
+
+@pytest.mark.trio
+async def test_resume_from_first_missing_chunk_after_upstream_dies():
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 1, 2 * MIB, 64 * KIB)
+    total = snapshot.manifest.chunk_count
+    async with hub_peer(hub_id, HubUplink(None, 4e6)) as hub:
+        hub.shelf.add(snapshot)
+        async with node_peer(hub) as sink:
+            with trio.CancelScope() as relay_scope:
+                async with node_peer(hub, RateLimiter(2e6)) as relay:
+                    relay.keeper.update(1, HUB, sink.peer_id)
+                    sink.keeper.update(1, relay.upstream, None)
+                    with trio.fail_after(10):
+                        while sink.keeper.transfer is None or sink.keeper.transfer.assembler.missing_count > total * 2 // 3:
+                            await trio.sleep(0.01)
+                    relay_scope.cancel()  # the relay's host goes away mid-transfer
+            held = total - sink.keeper.transfer.assembler.missing_count
+            assert 0 < held < total
+            sink.keeper.update(1, HUB, None)  # the hub re-links the sink to the relay's predecessor
+            await wait_installed([sink], 1, timeout_s=10)
+    assert sink.installed[1] == snapshot.data
+    resumed = [req for peer, req in hub.requests if peer == sink.peer_id]
+    assert len(resumed) == 1 and resumed[0].from_chunk == held
+    assert sink.keeper.resumes == 1
+
+
+@pytest.mark.trio
+async def test_relink_abandons_a_stalled_upstream():
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 2, 256 * KIB, 64 * KIB)
+    async with hub_peer(hub_id) as hub:
+        hub.shelf.add(snapshot)
+        async with node_peer(hub) as stalled, node_peer(hub) as sink:
+            # `stalled` never gets v2 (nobody told it), so it holds its successor's request open.
+            sink.keeper.update(2, stalled.upstream, None)
+            await trio.sleep(0.5)
+            assert 2 not in sink.installed
+            sink.keeper.update(2, HUB, None)
+            await wait_installed([sink], 2, timeout_s=5)  # well inside the relay's 20 s manifest wait
+    assert sink.installed[2] == snapshot.data
+    assert sink.keeper.relinks == 1
+
+
+@pytest.mark.trio
+async def test_tampered_chunk_raises_and_nothing_unverified_is_kept():
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 4, 512 * KIB, 64 * KIB)
+    async with hub_peer(hub_id) as honest:
+        honest.shelf.add(snapshot)
+        async with hub_peer(Identity.generate(), source=FlippingSource(honest.shelf, 3)) as liar, \
+                node_peer(honest) as node:
+            assembler, error = await pull(node, liar, 4, signer=hub_id.peer_id)
+    assert isinstance(error, ChunkRejected) and (error.version, error.index) == (4, 3)
+    assert [assembler.has(i) for i in range(5)] == [True, True, True, False, False]
+    assert assembler.missing_count == snapshot.manifest.chunk_count - 3
+
+
+@pytest.mark.trio
+async def test_chunk_out_of_order_is_rejected():
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 4, 256 * KIB, 64 * KIB)
+    manifest = snapshot.manifest
+
+    async def skip_chunk_one(stream) -> None:
+        """Sends intact, correctly labelled chunks 0 and 2: only the order is wrong."""
+        await read_message(stream, SnapshotRequest)
+        await write_frame(stream, MANIFEST_FRAME, snapshot.signed.to_bytes())
+        for index in (0, 2):
+            await write_frame(stream, CHUNK_FRAME, encode_chunk(4, index, chunk_of(snapshot.data, manifest, index)))
+        await trio.sleep(5)
+
+    async with hub_peer(hub_id) as hub, node_peer(hub) as node:
+        set_handler(hub.host, SNAPSHOT_PROTOCOL, skip_chunk_one, logging.getLogger("test"))
+        assembler, error = await pull(node, hub, 4)
+    assert isinstance(error, ChunkRejected) and error.index == 1
+    assert assembler.has(0) and not assembler.has(1) and not assembler.has(2)
+
+
+@pytest.mark.trio
+async def test_relay_sending_a_bad_chunk_is_reported_and_repaired_from_the_hub():
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 7, 1 * MIB, 64 * KIB)
+    async with hub_peer(hub_id) as hub:
+        hub.shelf.add(snapshot)
+        async with node_peer(hub, keeper_class=FlippingKeeper) as evil, node_peer(hub) as sink:
+            evil.keeper.update(7, HUB, sink.peer_id)
+            sink.keeper.update(7, evil.upstream, None)
+            await wait_installed([evil, sink], 7, timeout_s=10)
+    assert evil.installed[7] == snapshot.data  # it received honestly; it only lies when serving
+    assert sink.installed[7] == snapshot.data
+    assert [(peer, r.upstream, r.version, r.index) for peer, r in hub.reports] == [
+        (sink.peer_id, evil.peer_id, 7, FlippingKeeper.BAD_INDEX)
+    ]
+    assert sink.keeper.distrusted == {evil.peer_id} and sink.keeper.bad_chunks_seen == 1
+    # The repair pulled only what the sink lacked, from the hub.
+    assert [(r.from_chunk, r.only_chunk) for peer, r in hub.requests if peer == sink.peer_id] == [(FlippingKeeper.BAD_INDEX, None)]
+
+
+@pytest.mark.trio
+async def test_manifest_signed_by_another_key_is_refused():
+    hub_id, impostor = Identity.generate(), Identity.generate()
+    forged = random_snapshot(impostor, 9, 128 * KIB, 64 * KIB)
+    async with hub_peer(hub_id) as hub, hub_peer(impostor) as fake:
+        fake.shelf.add(forged)
+        async with node_peer(hub) as node:
+            await connect(node.host, fake.addr)
+            # receive_snapshot checks against the hub id the node was given, not the sender's
+            stream = await open_stream(node.host, fake.peer_id, SNAPSHOT_PROTOCOL)
+            with pytest.raises(BadSignature):
+                await receive_snapshot(
+                    stream, SnapshotRequest(version=9), hub.peer_id, None, lambda s, m: ChunkAssembler(m)
+                )
+            await stream.reset()
+            # and the keeper, told to pull v9 from the impostor, never installs it
+            node.keeper.update(9, Upstream(fake.peer_id, (fake.addr,)), None)
+            await trio.sleep(0.5)
+            assert node.installed == {} and node.keeper.transfer is None
+            assert node.keeper.distrusted == {fake.peer_id}
+
+
+@pytest.mark.trio
+async def test_stale_version_is_refused():
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as hub:
+        hub.shelf.add(random_snapshot(hub_id, 5, 128 * KIB, 64 * KIB))
+        async with node_peer(hub) as node:
+            _, error = await pull(node, hub, None, newer_than=5)
+            assert isinstance(error, StaleSnapshot)
+            _, error = await pull(node, hub, None, newer_than=4)
+            assert error is None
+
+
+@pytest.mark.trio
+async def test_served_stream_respects_the_link_limit_in_sub_chunk_slices():
+    hub_id = Identity.generate()
+    chunk = 1 * MIB
+    snapshot = random_snapshot(hub_id, 1, 2 * MIB, chunk)
+    rate = 2e6
+    async with hub_peer(hub_id) as hub:
+        hub.shelf.add(snapshot)
+        limiter = RateLimiter(rate)
+        assert limiter.slice_bytes <= chunk // 16
+        async with node_peer(hub, limiter) as relay, node_peer(hub) as reader:
+            relay.keeper.update(1, HUB, None)
+            await wait_installed([relay], 1, timeout_s=5)
+            await connect(reader.host, relay.addr)
+            stream = await open_stream(reader.host, relay.peer_id, SNAPSHOT_PROTOCOL)
+            expected = len(encode_frame(MANIFEST_FRAME, snapshot.signed.to_bytes())) + sum(
+                len(encode_frame(CHUNK_FRAME, encode_chunk(1, i, b"x" * snapshot.manifest.chunk_length(i))))
+                for i in range(snapshot.manifest.chunk_count)
+            )
+            await write_message(stream, SnapshotRequest(version=1))
+            started = time.monotonic()
+            got, samples = 0, []
+            while got < expected:
+                got += len(await stream.read(expected - got))
+                samples.append((time.monotonic() - started, got))
+            await write_message(stream, TransferAck(version=1, chunks=snapshot.manifest.chunk_count, ok=True))
+            await stream.close()
+    elapsed = samples[-1][0]
+    assert expected / rate * 0.9 < elapsed < expected / rate * 1.5
+    # Never ahead of the link by more than a few slices: a 1 MiB chunk is not sent as one burst.
+    burst = max(n - rate * t for t, n in samples)
+    assert burst < 8 * limiter.slice_bytes, burst
