@@ -35,6 +35,9 @@ from pathlib import Path
 
 import trio
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as a script: the tests' in-process helpers live beside it
+
 from shared.crypto import Identity
 from shared.messages import (
     JOIN_PROTOCOL,
@@ -71,12 +74,13 @@ def serve(data_dir: Path) -> None:
     """Run the real HubService on loopback with an in-memory stand-in for the learner; print the address."""
     from transformers import AutoTokenizer
 
-    from hub.broadcast import ChainLinks
+    from hub.broadcast import ChainLinks, HubUplink
     from hub.buffer import BufferSignal, ReplayBuffer
     from hub.config import LeaseConfig
     from hub.fleet import Fleet
     from hub.leases import LeaseBook
     from hub.service import HubService, LearnerView
+    from tests.inproc import permissive_defences, refuse_reports
     from hub.snapshots import SnapshotShelf
     from hub.store import Store
     from hub.submissions import SubmissionRules
@@ -121,7 +125,8 @@ def serve(data_dir: Path) -> None:
                 config=LeaseConfig(prompts_per_lease=1, lease_timeout_s=60.0, max_inflight_steps=100.0),
                 model_config_hash=config_hash, task_name="reverse", heartbeat_period_s=2.0, status=status,
                 chain_links=lambda peer: ChainLinks(None, (), None, None, None),
-                on_fleet_change=activate_measured, limiter=None, on_heartbeat=lambda: None,
+                on_fleet_change=activate_measured, uplink=HubUplink(None, None), on_heartbeat=lambda: None,
+                defences=permissive_defences(model_dir, shelf, rules.sampling, 1), on_report=refuse_reports,
             )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(service.run)

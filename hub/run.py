@@ -11,16 +11,17 @@ from pathlib import Path
 
 import trio
 
+from hub.audit import penalize
 from hub.buffer import BufferSignal, ReplayBuffer
 from hub.config import HubConfig
 from hub.fleet import Fleet, NodeRecord
 from hub.leases import LeaseBook
+from hub.service import Defences
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
 from shared.crypto import Identity
-from shared.messages import REPORT_PROTOCOL
-from shared.net import RateLimiter, running_host, set_handler
+from shared.net import running_host
 from shared.signals import Stopper
 from shared.tasks import load_task
 
@@ -91,6 +92,11 @@ class Hub:
         self.fleet = Fleet()
         self.leases = LeaseBook(self.task, seed=lc.seed)
         self.shelf = SnapshotShelf(keep=lc.staleness + 1)
+        self.defences = Defences.build(
+            config.trust, model_dir, self.shelf, config.sampling, config.lease.prompts_per_lease, lc.seed,
+            on_pass=self._audit_pass, on_fail=self._audit_fail,
+        )
+        self.audits = self.defences.audits
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
         self.finished = False
@@ -122,6 +128,23 @@ class Hub:
     async def ban(self, record: NodeRecord, reason: str) -> None:
         await self.set_state(record, "banned", reason)
 
+    async def _audit_pass(self, node_id: str) -> None:
+        if (record := self.fleet.get(node_id)) is not None:
+            record.audits_passed += 1
+
+    async def _audit_fail(self, node_id: str, reason: str) -> None:
+        """Ban the node, drop its untrained work from the buffer, void what it was paid since its last passed audit."""
+        record = self.fleet.get(node_id)
+        if record is not None:
+            await self.ban(record, f"audit failed: {reason}")
+        penalty = await penalize(
+            self.store, self.buffer, node_id, self.audits.vouched_lease.get(node_id), "banned: audit failed"
+        )
+        await self.event(
+            "audit_fail", node_id,
+            f"{reason}; dropped {len(penalty.dropped_row_ids)} groups, voided {penalty.voided_ledger_rows} payments",
+        )
+
     async def record_t_bcast(self, version: int, seconds: float) -> None:
         await trio.to_thread.run_sync(self.store.set_broadcast_time, version, seconds)
         await self.event("broadcast_done", None, f"v{version} on every node in {seconds:.2f}s")
@@ -138,7 +161,7 @@ class Hub:
     # -- run ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        from hub.broadcast import Broadcaster
+        from hub.broadcast import Broadcaster, HubUplink
         from hub.scheduler import LearnerTiming, Scheduler
         from hub.service import HubService, LearnerView
         from hub.status import RunInfo, StatusBoard
@@ -146,7 +169,11 @@ class Hub:
         config, lc = self.config, self.config.learner
         async with running_host(self.identity, [config.listen]) as (host, addrs):
             self.addrs = dialable_addrs(addrs)
-            limiter = RateLimiter(config.broadcast.link_mbps * MBIT_BYTES) if config.broadcast.link_mbps else None
+            bc = config.broadcast
+            uplink = HubUplink(
+                bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None,
+                bc.link_mbps * MBIT_BYTES if bc.link_mbps else None,
+            )
             self.broadcaster = Broadcaster(
                 host, self.fleet, self.shelf, config.broadcast.mode,
                 config.broadcast.hub_uplink_mbps * MBIT_BYTES if config.broadcast.hub_uplink_mbps else None,
@@ -171,14 +198,14 @@ class Hub:
                 learner=LearnerView(self.learner.min_useful_version, lc.staleness, lc.prompts_per_step),
                 config=config.lease, model_config_hash=self.learner.learner.config_hash, task_name=config.task,
                 heartbeat_period_s=2.0, status=self.status.snapshot, chain_links=self.broadcaster.links,
-                on_fleet_change=self.on_fleet_change, limiter=limiter,
-                on_heartbeat=self.broadcaster.check_done,
+                on_fleet_change=self.on_fleet_change, uplink=uplink,
+                on_heartbeat=self.broadcaster.check_done, defences=self.defences,
+                on_report=self.broadcaster.on_report,
             )
-            set_handler(host, REPORT_PROTOCOL, self.broadcaster.on_report, log)
             self._announce()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
-                for component in (service, self.broadcaster, self.scheduler, self.status):
+                for component in (service, self.broadcaster, self.scheduler, self.status, self.audits):
                     nursery.start_soon(component.run)
                 nursery.start_soon(self._publisher)
                 if config.local_nodes:

@@ -8,19 +8,26 @@ its verdicts are committed to the store.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
+import random
 import time
-from collections.abc import Callable
+from pathlib import Path
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
 
-from hub.broadcast import ChainLinks
+from hub.audit import AuditQueue, Auditor
+from hub.broadcast import ChainLinks, HubUplink
+from hub.copies import CopyDetector, CopyFlag
+from hub.guard import LeaseQuota, PeerGuard
 from hub.buffer import BufferSignal, ReplayBuffer
-from hub.config import LeaseConfig
+from hub.config import LeaseConfig, TrustConfig
 from hub.fleet import Fleet, NodeRecord
 from hub.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.snapshots import SnapshotShelf
@@ -30,9 +37,11 @@ from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
+    REPORT_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
     SUBMIT_PROTOCOL,
+    BadChunkReport,
     Heartbeat,
     HeartbeatReply,
     HubStatus,
@@ -48,7 +57,8 @@ from shared.messages import (
     Submission,
     SubmitReply,
 )
-from shared.net import RateLimiter, remote_ip, remote_peer_id, set_handler
+from shared.rollout import SamplingParams
+from shared.net import remote_ip, remote_peer_id, set_handler
 from shared.transfer import serve_snapshot
 from shared.wire import (
     FrameError,
@@ -63,19 +73,64 @@ from shared.wire import (
 log = logging.getLogger("echo2.hub.service")
 
 READ_TIMEOUT_S = 30.0
+TRANSFER_TIMEOUT_S = 3600.0
 LEASE_SWEEP_PERIOD_S = 1.0
 NO_WORK_RETRY_S = 0.25
 STANDBY_RETRY_S = 2.0
 PROBE_PROMPTS = 1
+GUARD_IDLE_S = 300.0
 
 
 @dataclass(frozen=True)
 class LearnerView:
     """What the service needs to know of the learner, read through callables so it is always current."""
 
-    version: Callable[[], int]
+    oldest_useful_version: Callable[[], int]
     staleness: int
     prompts_per_step: int
+
+
+@dataclass(frozen=True)
+class Defences:
+    """The trust defences the service applies to every peer (DESIGN section 7)."""
+
+    audits: AuditQueue
+    copies: CopyDetector
+    guard: PeerGuard
+    quota: LeaseQuota
+    rng: random.Random
+
+    @classmethod
+    def build(
+        cls,
+        trust: TrustConfig,
+        model_dir: Path,
+        shelf: SnapshotShelf,
+        sampling: SamplingParams,
+        prompts_per_lease: int,
+        seed: int,
+        on_pass: Callable[[str], Awaitable[None]],
+        on_fail: Callable[[str, str], Awaitable[None]],
+    ) -> Defences:
+        return cls(
+            audits=AuditQueue(Auditor(model_dir, shelf, sampling, trust), on_pass, on_fail, trust.audit_queue_groups),
+            copies=CopyDetector(trust.copy_cache_groups, trust.copy_min_surprise_nats),
+            guard=PeerGuard(trust, time.monotonic),
+            quota=LeaseQuota(trust, prompts_per_lease),
+            rng=random.Random(seed),
+        )
+
+
+# Largest frame a handler of each protocol may read: what the guard reserves against a peer's memory budget.
+PROTOCOL_FRAME_CAPS = {
+    JOIN_PROTOCOL: JoinRequest.MAX_BYTES,
+    HEARTBEAT_PROTOCOL: Heartbeat.MAX_BYTES,
+    LEASE_PROTOCOL: LeaseRequest.MAX_BYTES,
+    SUBMIT_PROTOCOL: signed_caps(Submission)[Submission.TYPE],
+    STATUS_PROTOCOL: StatusRequest.MAX_BYTES,
+    SNAPSHOT_PROTOCOL: SnapshotRequest.MAX_BYTES,
+    REPORT_PROTOCOL: BadChunkReport.MAX_BYTES,
+}
 
 
 class HubService:
@@ -100,8 +155,10 @@ class HubService:
         status: Callable[[int], HubStatus],
         chain_links: Callable[[str], ChainLinks],
         on_fleet_change: Callable[[], None],
-        limiter: RateLimiter | None,
+        uplink: HubUplink,
         on_heartbeat: Callable[[], None],
+        defences: Defences,
+        on_report: Callable[[INetStream], Awaitable[None]],
     ) -> None:
         self.host = host
         self.store = store
@@ -119,8 +176,10 @@ class HubService:
         self.status = status
         self.chain_links = chain_links
         self.on_fleet_change = on_fleet_change
-        self.limiter = limiter
+        self.uplink = uplink
         self.on_heartbeat = on_heartbeat
+        self.defences = defences
+        self.on_report = on_report
         self.counters: dict[str, int] = {}
 
     # -- bookkeeping -----------------------------------------------------------------
@@ -148,8 +207,7 @@ class HubService:
             await stream.reset()
 
     def window(self) -> VersionWindow:
-        newest = self.learner.version()
-        return VersionWindow(oldest=max(0, newest - self.learner.staleness), newest=self.shelf.newest_version())
+        return VersionWindow(oldest=self.learner.oldest_useful_version(), newest=self.shelf.newest_version())
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -161,6 +219,7 @@ class HubService:
             SUBMIT_PROTOCOL: self._on_submit,
             STATUS_PROTOCOL: self._on_status,
             SNAPSHOT_PROTOCOL: self._on_snapshot,
+            REPORT_PROTOCOL: self.on_report,
         }
         # Leases of an earlier run of this hub died with its lease book: none can be answered now.
         await trio.to_thread.run_sync(self.store.expire_leases, math.inf)
@@ -175,17 +234,43 @@ class HubService:
             # The store follows the book one handler deadline late, so a submission being
             # checked when its lease's deadline passed can still commit against an open row.
             await trio.to_thread.run_sync(self.store.expire_leases, now - READ_TIMEOUT_S)
+            self.defences.guard.prune(idle_s=GUARD_IDLE_S)
 
     def _guarded(self, protocol: str, handler: Callable[[INetStream], object]):
+        cap = PROTOCOL_FRAME_CAPS[protocol]
+        guard = self.defences.guard
+        # A snapshot transfer lasts as long as the model takes to cross the link; everything else is one exchange.
+        timeout_s = TRANSFER_TIMEOUT_S if protocol == SNAPSHOT_PROTOCOL else READ_TIMEOUT_S
+
         async def guarded(stream: INetStream) -> None:
+            peer = remote_peer_id(stream)
+            admission = guard.admit(peer, cap)
+            if not admission.admitted:
+                await self._turn_away(stream, peer, admission)
+                return
             try:
-                with trio.fail_after(READ_TIMEOUT_S):
+                with trio.fail_after(timeout_s):
                     await handler(stream)
             except (FrameError, StreamEOF, trio.TooSlowError, ValueError) as exc:
                 await self.misbehaved(stream, protocol, exc)
+            finally:
+                guard.release(peer, admission)
 
         guarded.__qualname__ = f"HubService[{protocol}]"
         return guarded
+
+    async def _turn_away(self, stream: INetStream, peer: str, admission) -> None:
+        """A peer over its stream, rate or memory caps: told to retry later, disconnected if it keeps on."""
+        self.count(f"guard_{admission.verdict}")
+        try:
+            with trio.move_on_after(2):
+                await write_message(stream, Reject(reason=f"busy: retry in {admission.retry_after_s:.2f}s: {admission.reason}"[:1000]))
+                await stream.close()
+        except Exception:  # noqa: BLE001 - a flooding peer may already be gone
+            await stream.reset()
+        if admission.verdict == "disconnect":
+            await self.event("disconnect", peer, admission.reason)
+            await self.host.disconnect(ID.from_base58(peer))
 
     async def _reply(self, stream: INetStream, msg) -> None:
         await write_message(stream, msg)
@@ -260,11 +345,19 @@ class HubService:
         probe = record.state == "probing"
         if probe and any(r.node_id == record.peer_id for r in self.leases.open.values()):
             return None, "probe lease outstanding", NO_WORK_RETRY_S
-        inflight = len(self.buffer) + self.leases.outstanding_prompts()
-        limit = int(self.config.max_inflight_steps * self.learner.prompts_per_step)
-        k = PROBE_PROMPTS if probe else self.config.prompts_per_lease
-        if not probe and inflight + k > limit:  # a probe (one prompt, one per node) must not starve
-            return None, "enough work in flight", NO_WORK_RETRY_S
+        holders = [(r.node_id, (self.fleet.get(r.node_id) or record).remote_ip) for r in self.leases.open.values()]
+        quota = self.defences.quota.decide(record.peer_id, record.remote_ip, record.audits_passed, holders)
+        if not quota.allowed:
+            return None, quota.reason, NO_WORK_RETRY_S
+        k = PROBE_PROMPTS if probe else quota.prompts
+        if not probe:  # a probe (one prompt, one per node) must not starve behind the cap
+            room = int(self.config.max_inflight_steps * self.learner.prompts_per_step) - (
+                len(self.buffer) + self.leases.outstanding_prompts()
+            )
+            # A lease shrinks to the room left rather than waiting for room it may never get.
+            k = min(k, room)
+            if k < 1:
+                return None, "enough work in flight", NO_WORK_RETRY_S
         lease = self.leases.issue(
             record.peer_id, k, min_version=window.oldest, now=time.time(),
             timeout_s=self.config.lease_timeout_s, probe=probe,
@@ -313,6 +406,7 @@ class HubService:
             verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, self.rules, self.window())
             if lease.closed:
                 raise ValueError("lease withdrawn while the submission was checked (node dropped or released)")
+            verdicts, copies = self._reject_copies(verdicts, peer, lease.lease_id)
             accepted = [v for v in verdicts if v.accepted]
             if accepted and len(self.buffer) + len(accepted) > self.buffer.capacity_groups:
                 raise ValueError("hub buffer full: resubmit later")
@@ -330,11 +424,27 @@ class HubService:
                 )
                 committed = True
                 await self._accept(record, lease, verdicts, row_ids, usd, seconds)
+            for flag in copies:
+                self.count("copies_flagged")
+                await self.event("copy_detected", peer, flag.describe())
         finally:
             if not committed:
                 self.leases.release(lease)
         rejected = tuple((v.prompt_id, v.reason) for v in verdicts if not v.accepted)
         await self._reply(stream, SubmitReply(accepted=len(accepted), rejected=rejected))
+
+    def _reject_copies(
+        self, verdicts: list[GroupVerdict], peer: str, lease_id: str
+    ) -> tuple[list[GroupVerdict], list[CopyFlag]]:
+        """Groups that repeat earlier work too exactly to be honest are refused: neither trained on nor paid."""
+        flags, out = [], []
+        for verdict in verdicts:
+            flag = self.defences.copies.check(verdict.group, peer, lease_id) if verdict.accepted else None
+            if flag is not None:
+                flags.append(flag)
+                verdict = dataclasses.replace(verdict, accepted=False, reason="copy of an earlier group", group=None)
+            out.append(verdict)
+        return out, flags
 
     async def _accept(
         self, record: NodeRecord, lease: LeaseRecord, verdicts: list[GroupVerdict], row_ids: list[int],
@@ -346,11 +456,20 @@ class HubService:
         for verdict in verdicts:
             lease.answered.add(verdict.prompt_id)
         self.leases.close(lease)
+        kept = []
         for verdict, row_id in zip(verdicts, row_ids):
-            if verdict.accepted:
-                result = self.buffer.add(verdict.group, row_id)
-                if not result.accepted:
-                    await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], result.reason)
+            if not verdict.accepted:
+                continue
+            if record.state == "banned":  # an audit failed while this submission was in flight
+                await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], "banned: audit failed")
+                continue
+            result = self.buffer.add(verdict.group, row_id)
+            if not result.accepted:
+                await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], result.reason)
+            kept.append((verdict.group, row_id))
+        if kept:
+            # Which group is audited is decided only now, after the submission arrived.
+            self.defences.audits.sample(record, lease.lease_id, kept, self.defences.rng)
         self.buffer_signal.notify()
         record.accepted += len(accepted)
         record.rejected += len(verdicts) - len(accepted)
@@ -376,9 +495,14 @@ class HubService:
         peer = remote_peer_id(stream)
         self._known(peer)
         try:
-            ack = await serve_snapshot(stream, self.shelf, request, limiter=self.limiter)
+            ack = await serve_snapshot(stream, self.shelf, request, limiter=self.uplink.for_stream())
         except LookupError as exc:
             raise ValueError(str(exc)) from None
+        except StreamEOF as exc:
+            # The receiver left mid-transfer (node stopped, or re-linked): ordinary churn, not misbehaviour.
+            log.info("snapshot transfer to %s ended early: %s", peer[-8:], exc)
+            await stream.reset()
+            return
         if not ack.ok:
             log.warning("snapshot v%d to %s ended badly: %s", ack.version, peer, ack.reason)
         await stream.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import start_hub, wait_until
+from tests.harness import start_hub
 from tui.hub_app import HubDashboard
 from tui.sources import DataDirSource, HubSource
 

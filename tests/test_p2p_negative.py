@@ -20,11 +20,12 @@ import torch
 import trio
 from transformers import AutoTokenizer
 
-from hub.broadcast import ChainLinks
+from hub.broadcast import ChainLinks, HubUplink
 from hub.buffer import BufferSignal, ReplayBuffer
 from hub.config import LeaseConfig
 from hub.fleet import Fleet
 from hub.leases import LeaseBook
+from tests.inproc import permissive_defences, refuse_reports
 from hub.service import HubService, LearnerView
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
@@ -136,12 +137,13 @@ async def running_hub(tmp_path, model_dir, tokenizer) -> AsyncIterator[HubUnderT
         hub.service = HubService(
             host, store=hub.store, fleet=fleet, leases=hub.leases, buffer=hub.buffer, buffer_signal=BufferSignal(),
             shelf=hub.shelf, rules=rules,
-            learner=LearnerView(lambda: hub.version[0], STALENESS, prompts_per_step=8),
+            learner=LearnerView(lambda: max(0, hub.version[0] - STALENESS), STALENESS, prompts_per_step=8),
             config=LeaseConfig(prompts_per_lease=PROMPTS_PER_LEASE, lease_timeout_s=60.0),
             model_config_hash=hub.config_hash, task_name="reverse", heartbeat_period_s=2.0,
             status=_status(hub, tuple(addrs)),
             chain_links=lambda peer: ChainLinks(None, (), None, None, None),
-            on_fleet_change=activate_measured, limiter=None, on_heartbeat=lambda: None,
+            on_fleet_change=activate_measured, uplink=HubUplink(None, None), on_heartbeat=lambda: None,
+            defences=permissive_defences(model_dir, hub.shelf, sampling, PROMPTS_PER_LEASE), on_report=refuse_reports,
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hub.service.run)
