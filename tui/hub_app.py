@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
 from shared.messages import HubStatus, NodeStatus
@@ -255,8 +256,11 @@ class HubDashboard(DashboardApp):
         self.query_one("#nodes-table").border_title = f"nodes ({count}) · sort: {column.label} {arrow}  [s]"
 
     def _show_node_events(self) -> None:
-        box = self.query_one("#node-events-box")
-        text = self.query_one("#node-events", Static)
+        try:
+            box = self.query_one("#node-events-box")
+            text = self.query_one("#node-events", Static)
+        except NoMatches:  # a highlight message that arrives while the app is closing its screen
+            return
         if self.status is None or self.selected_peer is None:
             box.border_title = "node events (select a node)"
             text.update(event_lines((), empty="no node selected"))
