@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from shared.files import fsync_dir
+
 CHECKPOINT_PREFIX = "step-"
 MODEL_SUBDIR = "model"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -46,15 +48,7 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(Path(dirpath))
 
 
 def save_checkpoint(root: Path, step: int, version: int, model, tokenizer, optimizer, keep: int = CHECKPOINTS_KEPT) -> CheckpointInfo:
@@ -72,7 +66,7 @@ def save_checkpoint(root: Path, step: int, version: int, model, tokenizer, optim
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "version": version}))
         _fsync_tree(tmp)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

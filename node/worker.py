@@ -18,8 +18,7 @@ from libp2p.abc import IHost
 
 from shared.crypto import Identity
 from shared.messages import LEASE_PROTOCOL, SUBMIT_PROTOCOL, Lease, LeaseReply, LeaseRequest, Reject, Submission, SubmitReply, SubmittedGroup
-from shared.net import open_stream, request
-from shared.wire import read_message, write_signed
+from shared.net import request
 
 log = logging.getLogger("echo2.node.worker")
 
@@ -132,15 +131,7 @@ class Worker:
         return reply
 
     async def submit(self, submission: Submission) -> SubmitReply | Reject:
-        with trio.fail_after(REQUEST_TIMEOUT_S):
-            stream = await open_stream(self.host, self.hub_peer_id, SUBMIT_PROTOCOL)
-            try:
-                await write_signed(stream, submission, self.identity)
-                await stream.close_write()
-                reply = await read_message(stream, SubmitReply, Reject)
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await stream.reset()
-                raise
-            await stream.close()
-            return reply
+        return await request(
+            self.host, self.hub_peer_id, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
+            timeout_s=REQUEST_TIMEOUT_S, sign_with=self.identity,
+        )

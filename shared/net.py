@@ -51,7 +51,7 @@ from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
 from shared.crypto import Identity
-from shared.wire import Message, WritableStream, read_message, write_message
+from shared.wire import Message, WritableStream, read_message, write_message, write_signed
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -160,12 +160,16 @@ async def request(
     msg: Message,
     *reply_types: type[Message],
     timeout_s: float,
+    sign_with: Identity | None = None,
 ) -> Message:
-    """Send `msg` on a new stream, half-close, and return the one reply (one of `reply_types`)."""
+    """Send `msg` (signed by `sign_with` when given) on a new stream, half-close, and return the one reply."""
     with trio.fail_after(timeout_s):
         stream = await open_stream(host, peer_id, protocol)
         try:
-            await write_message(stream, msg)
+            if sign_with is None:
+                await write_message(stream, msg)
+            else:
+                await write_signed(stream, msg, sign_with)
             await stream.close_write()
             reply = await read_message(stream, *reply_types)
         except BaseException:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 import time
@@ -33,11 +32,19 @@ from pathlib import Path
 
 import blake3
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from safetensors.torch import load as _safetensors_load
 from safetensors.torch import save as _safetensors_save
 
 from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
+from shared.files import atomic_write_bytes
 
 SNAPSHOT_FORMAT_VERSION = 1
 CHUNK_SIZE_BYTES = 1 << 20
@@ -418,24 +425,6 @@ def snapshot_paths(directory: Path, version: int) -> tuple[Path, Path]:
     return directory / f"{stem}.safetensors", directory / f"{stem}.manifest"
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, payload: bytes | memoryview) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def write_snapshot_files(snapshot: Snapshot, directory: Path) -> Path:
     """Write weights then signed manifest (each temp + fsync + rename + dir fsync); returns the weights path.
 
@@ -444,8 +433,8 @@ def write_snapshot_files(snapshot: Snapshot, directory: Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     weights_path, manifest_path = snapshot_paths(directory, snapshot.manifest.version)
-    _write_durably(weights_path, snapshot.data)
-    _write_durably(manifest_path, snapshot.signed.to_bytes())
+    atomic_write_bytes(weights_path, snapshot.data)
+    atomic_write_bytes(manifest_path, snapshot.signed.to_bytes())
     return weights_path
 
 
