@@ -284,7 +284,9 @@ class HubService:
         if request.model_config_hash != self.model_config_hash:
             raise ValueError("model config differs from the hub's: start the node with the hub's model")
         previous = self.fleet.get(peer)
-        if previous is not None and previous.state == "banned":
+        stored = await trio.to_thread.run_sync(self.store.node, peer)
+        # A ban outlives the hub process: the store remembers it when the fleet (in memory) does not.
+        if (previous is not None and previous.state == "banned") or (stored is not None and stored.state == "banned"):
             raise ValueError("banned")
         record = self.fleet.join(peer, request, remote_ip(stream), time.time())
         await trio.to_thread.run_sync(

@@ -337,7 +337,8 @@ class SnapshotKeeper:
 
     async def _complete(self, version: int) -> None:
         transfer = self.transfer
-        data = bytes(transfer.assembler.data())  # checks the whole hash; never a partial snapshot
+        # Hashing and copying a whole model is seconds of CPU for a large one: off the event loop.
+        data = await trio.to_thread.run_sync(lambda: bytes(transfer.assembler.data()))  # whole hash checked
         await self._install(data, version)
         self.held = (transfer.signed, transfer.manifest, data)
         self.transfer = None
