@@ -265,17 +265,21 @@ def refused(reply) -> bool:
 
 async def scenario_bad_signature(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
     r = ScenarioResult("bad_signature")
-    paid_before = db.paid(x.peer_id)
     for _ in range(attempts):
         lease = await x.lease()
-        frame = bytearray(x.signed(lease.lease_id, await x.groups(lease)))
+        groups = await x.groups(lease)
+        frame = bytearray(x.signed(lease.lease_id, groups))
         frame[5 + 7] ^= 0x40  # a bit of the signature, just after the 5-byte frame header
+        paid_before = db.paid(x.peer_id)
         reply = await x.submit(bytes(frame))
         r.attempts += 1
         r.detected += refused(reply)
         r.accepted += accepted_of(reply)
+        r.paid += db.paid(x.peer_id) - paid_before
+        # Then the genuine answer, as a real node would send: the lease must not stay open
+        # (open leases count against the node's quota).
+        await x.submit(x.signed(lease.lease_id, groups))
         r.false_rejections += await control.honest_round()
-    r.paid = db.paid(x.peer_id) - paid_before
     return r
 
 
