@@ -169,6 +169,9 @@ class Client:
                 await trio.to_thread.run_sync(self.install_newest)
             reply = await request(self.host, self.hub_id, LEASE_PROTOCOL, LeaseRequest(version_held=self.version),
                                   LeaseReply, Reject, timeout_s=REQUEST_TIMEOUT_S)
+            if isinstance(reply, Reject) and reply.reason.startswith("busy:"):
+                await trio.sleep(0.5)  # throttled by the hub's per-peer rate limit: an honest node backs off
+                continue
             if isinstance(reply, Reject):
                 raise Refused(f"lease refused: {reply.reason}")
             if reply.lease is not None:

@@ -46,6 +46,7 @@ log = logging.getLogger("echo2.node.keeper")
 
 FETCH_TIMEOUT_S = 600.0
 RETRY_S = 0.5
+UPSTREAM_FAILURES_BEFORE_HUB = 2
 MANIFEST_WAIT_S = 20.0
 CONNECT_TIMEOUT_S = 10.0
 REPORT_TIMEOUT_S = 40.0  # the hub fetches the chunk from the accused before it answers
@@ -98,6 +99,9 @@ class SnapshotKeeper:
         self.upstream = HUB
         self.downstream: str | None = None
         self.distrusted: set[str] = set()
+        # Consecutive failed pulls from the current upstream; past a couple, the hub is asked instead
+        # until the hub names a new upstream (it re-links only after a heartbeat timeout).
+        self.upstream_failures = 0
         self._changed = trio.Event()
         self._pull_scope: trio.CancelScope | None = None
         self._pulling_from: Upstream | None = None
@@ -123,6 +127,7 @@ class SnapshotKeeper:
         self.target_version = max(self.target_version, latest_version)
         self.upstream = upstream
         if relinked:
+            self.upstream_failures = 0
             if self._pull_scope is not None and self._pulling_from != self._source():
                 self.relinks += 1
                 self._pull_scope.cancel()
@@ -210,8 +215,10 @@ class SnapshotKeeper:
                 await self._complete(version)
 
     def _source(self) -> Upstream:
-        """Where to pull from now: the hub's choice, unless that peer already sent us a bad chunk."""
-        return HUB if self.upstream.peer_id in self.distrusted else self.upstream
+        """Where to pull from now: the hub's choice, unless that peer sent us a bad chunk or keeps failing."""
+        if self.upstream.peer_id in self.distrusted or self.upstream_failures >= UPSTREAM_FAILURES_BEFORE_HUB:
+            return HUB
+        return self.upstream
 
     @staticmethod
     def _name(upstream: Upstream) -> str:
@@ -252,6 +259,8 @@ class SnapshotKeeper:
             log.info("re-linked during v%d: pulling from %s next", version, self._name(self._source()))
         else:
             # Upstream gone or refusing: wait for new orders (a re-link) or retry shortly.
+            if source.peer_id is not None:
+                self.upstream_failures += 1
             with trio.move_on_after(RETRY_S * 4):
                 await self._changed.wait()
             await trio.sleep(RETRY_S)
@@ -340,6 +349,7 @@ class SnapshotKeeper:
         # Hashing and copying a whole model is seconds of CPU for a large one: off the event loop.
         data = await trio.to_thread.run_sync(lambda: bytes(transfer.assembler.data()))  # whole hash checked
         await self._install(data, version)
+        self.upstream_failures = 0  # the next version is tried from the hub's choice of upstream again
         self.held = (transfer.signed, transfer.manifest, data)
         self.transfer = None
         self._notify()
