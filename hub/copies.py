@@ -9,9 +9,12 @@ reaches several nodes, and on a small, peaked policy identical completions are c
 confident model answers "olleh<eos>" eight times out of eight, with log-probs near 0). Two
 honest groups coincide with probability P = multinomial(n; counts) * prod_j p(c_j), where
 p(c_j) = exp(sum of c_j's sampling log-probs): the chance that an independent sampler redraws
-this multiset of completions. The rule: a repeat is flagged only when P < exp(-copy_min_surprise_nats)
-(default e^-20 ~ 2e-9 per pair). Whole low-entropy groups (all completions identical, near-certain
-tokens) are therefore never flagged; a group with real sampling randomness in it is.
+this multiset of completions. The rule: a repeat of the same prompt text is flagged only when
+P < exp(-copy_min_surprise_nats) (default e^-20 ~ 2e-9 per pair), so whole low-entropy groups
+(all completions identical, near-certain tokens) are not flagged while a group with real
+sampling randomness in it is. A repeat under another prompt text is always flagged: the
+log-probs are conditioned on the prompt, so the same exact floats cannot come from sampling
+another prompt.
 
 The fingerprint is blake3 over the sorted per-completion digests of (token ids, exact float64
 log-probs): independent of completion order (a copier gains nothing by shuffling), of the
@@ -58,6 +61,7 @@ class Origin:
     node_id: str
     lease_id: str
     prompt_id: str
+    prompt_text: str
 
 
 @dataclass(frozen=True)
@@ -99,17 +103,18 @@ class CopyDetector:
         """A CopyFlag if this group repeats one seen under another (lease, prompt); remembers it otherwise."""
         self.checked += 1
         surprise = -coincidence_log_prob(group)
-        if surprise < self.min_surprise_nats:
-            # Likely enough to recur honestly: neither flagged nor remembered.
-            self.probable += 1
-            return None
         key = group_fingerprint(group)
-        here = Origin(node_id, lease_id, group.prompt_id)
+        here = Origin(node_id, lease_id, group.prompt_id, group.prompt_text)
         first = self._seen.get(key)
         if first is not None and (first.lease_id, first.prompt_id) != (here.lease_id, here.prompt_id):
             self._seen.move_to_end(key)
-            self.flagged += 1
-            return CopyFlag(key.hex(), first, here, surprise)
+            # Log-probs are conditioned on the prompt: the same exact floats under another prompt
+            # text were not sampled there, however likely the tokens themselves were.
+            if first.prompt_text != here.prompt_text or surprise >= self.min_surprise_nats:
+                self.flagged += 1
+                return CopyFlag(key.hex(), first, here, surprise)
+            self.probable += 1
+            return None
         self._seen[key] = here
         self._seen.move_to_end(key)
         while len(self._seen) > self.capacity:

@@ -91,3 +91,16 @@ def test_lru_is_bounded():
     # The oldest were evicted: repeating them is not detected any more, the newest are.
     assert detector.check(groups[0], "m", "L9") is None
     assert detector.check(groups[4], "m", "L9") is not None
+
+
+def test_a_likely_group_copied_onto_another_prompt_is_flagged():
+    detector = CopyDetector(capacity=100, min_surprise_nats=20.0)
+    certain = group([completion((5, 2), (-1e-3, -1e-4))] * 8)
+    assert detector.check(certain, "nodeA", "L1") is None
+    # The same prompt again: a peaked policy honestly repeats itself.
+    assert detector.check(certain.model_copy(update={"prompt_id": "p2"}), "nodeB", "L2") is None
+    # The same exact log-probs under another prompt text were not sampled there.
+    moved = certain.model_copy(update={"prompt_id": "p3", "prompt_text": "xyz>"})
+    flag = detector.check(moved, "nodeB", "L3")
+    assert flag is not None and flag.surprise_nats < 20.0
+    assert (detector.checked, detector.flagged, detector.probable) == (3, 1, 1)
