@@ -240,30 +240,42 @@ class AuditQueue:
             failed=self.failed, unavailable=self.unavailable, pending=len(self._jobs),
         )
 
+    def on_probation(self, record: NodeRecord) -> bool:
+        """A node whose every submission is still audited: its work waits for the verdict (see `audit_now`)."""
+        return record.audits_passed < self.auditor.config.audit_first_n
+
+    async def audit_now(self, job: AuditJob) -> bool | None:
+        """Audit one job before its group may be trained on: True passed, False failed (node banned), None unknown."""
+        self.offered += 1
+        return await self._judge(job)
+
+    async def _judge(self, job: AuditJob) -> bool | None:
+        if job.node_id in self._failed:
+            return False
+        try:
+            result = await trio.to_thread.run_sync(self.auditor.audit, job.group, job.group.version)
+        except VersionUnavailable as exc:
+            self.unavailable += 1
+            log.warning("audit of %s's group %s skipped: %s", job.node_id, job.group.prompt_id, exc)
+            return None
+        self.audited += 1
+        self.results.append((job, result))
+        if result.passed:
+            self.passed += 1
+            self.vouched_lease[job.node_id] = job.lease_id
+            await self.on_pass(job.node_id)
+            return True
+        self.failed += 1
+        self._failed.add(job.node_id)
+        await self.on_fail(job.node_id, f"v{job.group.version} group {job.group.prompt_id}: {result.reason}")
+        return False
+
     async def run(self) -> None:
         while True:
             while not self._jobs:
                 self._wake = trio.Event()
                 await self._wake.wait()
-            job = self._jobs.popleft()
-            if job.node_id in self._failed:
-                continue
-            try:
-                result = await trio.to_thread.run_sync(self.auditor.audit, job.group, job.group.version)
-            except VersionUnavailable as exc:
-                self.unavailable += 1
-                log.warning("audit of %s's group %s skipped: %s", job.node_id, job.group.prompt_id, exc)
-                continue
-            self.audited += 1
-            self.results.append((job, result))
-            if result.passed:
-                self.passed += 1
-                self.vouched_lease[job.node_id] = job.lease_id
-                await self.on_pass(job.node_id)
-            else:
-                self.failed += 1
-                self._failed.add(job.node_id)
-                await self.on_fail(job.node_id, f"v{job.group.version} group {job.group.prompt_id}: {result.reason}")
+            await self._judge(self._jobs.popleft())
 
 
 @dataclass(frozen=True)

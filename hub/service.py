@@ -22,7 +22,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
-from hub.audit import AuditQueue, Auditor
+from hub.audit import AuditJob, AuditQueue, Auditor
 from hub.broadcast import ChainLinks, HubUplink
 from hub.copies import CopyDetector, CopyFlag
 from hub.guard import LeaseQuota, PeerGuard
@@ -458,21 +458,7 @@ class HubService:
         for verdict in verdicts:
             lease.answered.add(verdict.prompt_id)
         self.leases.close(lease)
-        kept = []
-        for verdict, row_id in zip(verdicts, row_ids):
-            if not verdict.accepted:
-                continue
-            if record.state == "banned":  # an audit failed while this submission was in flight
-                await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], "banned: audit failed")
-                continue
-            result = self.buffer.add(verdict.group, row_id)
-            if not result.accepted:
-                await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], result.reason)
-            kept.append((verdict.group, row_id))
-        if kept:
-            # Which group is audited is decided only now, after the submission arrived.
-            self.defences.audits.sample(record, lease.lease_id, kept, self.defences.rng)
-        self.buffer_signal.notify()
+        await self._buffer_accepted(record, lease, verdicts, row_ids)
         record.accepted += len(accepted)
         record.rejected += len(verdicts) - len(accepted)
         record.cost_usd += usd
@@ -486,6 +472,35 @@ class HubService:
         if mismatches:
             self.count("claimed_reward_mismatch", mismatches)
             await self.event("reward_claim_mismatch", peer, f"{mismatches} groups claimed other rewards")
+
+    async def _buffer_accepted(
+        self, record: NodeRecord, lease: LeaseRecord, verdicts: list[GroupVerdict], row_ids: list[int]
+    ) -> None:
+        """Hand committed groups to the buffer, behind the audit when the node is still on probation."""
+        audits, rng = self.defences.audits, self.defences.rng
+        if record.state == "banned":  # an audit failed while this submission was in flight
+            doomed = [row_id for v, row_id in zip(verdicts, row_ids) if v.accepted]
+            if doomed:
+                await trio.to_thread.run_sync(self.store.discard_trajectories, doomed, "banned: audit failed")
+            return
+        kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.accepted]
+        if not kept:
+            return
+        # Which group is audited is decided only now, after the submission arrived.
+        if audits.on_probation(record):
+            group, row_id = kept[rng.randrange(len(kept))]
+            if await audits.audit_now(AuditJob(record.peer_id, lease.lease_id, row_id, group)) is False:
+                # Banned (its buffered work dropped, its pay voided); these never reached the buffer.
+                ids = [row_id for _, row_id in kept]
+                await trio.to_thread.run_sync(self.store.discard_trajectories, ids, "banned: audit failed")
+                return
+        else:
+            audits.sample(record, lease.lease_id, kept, rng)
+        for group, row_id in kept:
+            result = self.buffer.add(group, row_id)
+            if not result.accepted:
+                await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], result.reason)
+        self.buffer_signal.notify()
 
     async def _on_status(self, stream: INetStream) -> None:
         request = await read_message(stream, StatusRequest)

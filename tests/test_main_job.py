@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import start_hub
+from shared.messages import NodeView
 from tui.hub_app import HubDashboard
 from tui.sources import DataDirSource, HubSource
 
@@ -55,6 +56,10 @@ async def test_echo_hub_start_trains_with_local_nodes_and_the_dashboard_follows(
     assert status is not None and not status.running and status.step == STEPS
     assert len(status.nodes) == 2 and all(n.accepted > 0 for n in status.nodes)
     assert "learner steps" in hub.output() and "final policy" in hub.output()
+
+    # Each volunteer kept its own view (what `echo-node join --dashboard` shows).
+    views = [NodeView.model_validate_json(p.read_text()) for p in sorted(data.glob("nodes/node-*/node_status.json"))]
+    assert len(views) == 2 and all(v.accepted > 0 and v.earnings_usd > 0 and v.version_held >= 0 for v in views)
 
     # The final policy loads like any Hugging Face model.
     probe = subprocess.run(
