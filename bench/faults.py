@@ -449,22 +449,9 @@ async def scenario_caught_later(
 
 def trained_model_dir(base: Path, out: Path) -> Path:
     """The default model after three AdamW steps at lr 3e-4: the hub's policy in the wrong-model scenario."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tests.models import nudged_model
 
-    from shared.tasks.reverse import ReverseTask
-
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    rng = random.Random(5)
-    for _ in range(3):
-        texts = [p.text + p.text[::-1] for p in ReverseTask().sample(rng, 16)]
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
-        loss = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    model, tokenizer = nudged_model(base)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -384,7 +384,7 @@ class LearnerComponent:
 
     async def _publish_initial(self) -> None:
         """Snapshot of the policy held at start: v0 when fresh; on resume, a new version or the last one again."""
-        latest = self.store.latest_version()
+        latest = await trio.to_thread.run_sync(self.store.latest_version)
         if latest is None or latest < self.step:
             await self._publish(self.step)
             return

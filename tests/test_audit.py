@@ -20,16 +20,17 @@ from hub.audit import (
     penalize,
 )
 from hub.buffer import ReplayBuffer
+from hub.config import TrustConfig
 from hub.fleet import NodeRecord
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
 from hub.submissions import GroupVerdict
-from hub.config import TrustConfig
 from shared.crypto import Identity
 from shared.messages import SubmittedGroup
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import build_snapshot, model_config_hash
 from shared.tasks.reverse import ReverseTask
+from tests.models import nudged_model
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10)
 GROUPS = 20
@@ -39,20 +40,7 @@ BASE_VERSION, TRAINED_VERSION = 0, 2
 
 def trained_state_dict(model_dir):
     """The default model after three AdamW steps (lr 3e-4) on reversal examples: a later policy version."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    rng = random.Random(5)
-    for _ in range(3):
-        texts = [p.text + p.text[::-1] for p in ReverseTask().sample(rng, 16)]
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = model(**batch, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    model, _ = nudged_model(model_dir)
     return model.state_dict(), model_config_hash(model.config.to_dict())
 
 
