@@ -466,12 +466,9 @@ class Store:
 
     def recent_steps(self, limit: int) -> list[StepRecord]:
         """The newest `limit` learner steps, oldest first."""
-        out = []
-        for r in self._rows("SELECT * FROM (SELECT * FROM steps ORDER BY step DESC LIMIT ?) ORDER BY step", (limit,)):
-            extra = json.loads(r.pop("metrics_json"))
-            r.pop("created_at")
-            out.append(StepRecord(**r, extra=extra))
-        return out
+        return self._step_records(
+            "SELECT * FROM (SELECT * FROM steps ORDER BY step DESC LIMIT ?) ORDER BY step", (limit,)
+        )
 
     def discard_trajectories(self, ids: Sequence[int], reason: str) -> None:
         """Mark accepted, untrained rows as never to be trained on (e.g. refused by the buffer)."""
@@ -536,8 +533,11 @@ class Store:
                 )
 
     def steps(self) -> list[StepRecord]:
+        return self._step_records("SELECT * FROM steps ORDER BY step")
+
+    def _step_records(self, sql: str, params: Sequence = ()) -> list[StepRecord]:
         out = []
-        for r in self._rows("SELECT * FROM steps ORDER BY step"):
+        for r in self._rows(sql, params):
             extra = json.loads(r.pop("metrics_json"))
             r.pop("created_at")
             out.append(StepRecord(**r, extra=extra))
