@@ -1,6 +1,6 @@
 """The main job end to end, timed: `echo-hub start` with 3 local nodes, default recipe, against the same run with S = 0.
 
-    python bench/e2e.py [--json] [--steps 150] [--nodes 3]
+    python bench/e2e.py [--json] [--steps 300] [--nodes 3]
 
 Prints {"default": {...}, "s0": {...}} with reward of the first and last fifth of steps (the
 rollout reward: every group the policy produced, zero-variance ones included), wall time,
@@ -53,7 +53,7 @@ def run(data_dir: Path, steps: int, nodes: int, extra: list[str], quiet: bool) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--nodes", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="echo2-bench-e2e-") as tmp:

@@ -13,7 +13,7 @@ START_FLAGS: dict[str, tuple[str, type, str]] = {
     "task": ("task", str, "builtin task name, math:FILE.jsonl, or module:Class (default reverse)"),
     "listen": ("listen", str, "libp2p listen multiaddr (default /ip4/0.0.0.0/tcp/4077)"),
     "key": ("key", Path, "hub identity key file (default DATA_DIR/hub.key)"),
-    "steps": ("steps", int, "learner steps to run; 0 runs until interrupted (default 150)"),
+    "steps": ("steps", int, "learner steps to run; 0 runs until interrupted (default 300)"),
     "local_nodes": ("local_nodes", int, "volunteer nodes to spawn on loopback (default 3; 0: wait for remote nodes)"),
     "staleness": ("learner.staleness", int, "S: max versions a rollout may lag the learner (default 4)"),
     "kappa": ("learner.kappa", int, "publish a snapshot every kappa steps (default max(1, S-1))"),

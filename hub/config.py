@@ -120,7 +120,7 @@ class HubConfig(Section):
     task: str = Field("reverse", description="builtin name, math:FILE.jsonl, or module:Class")
     listen: str = Field(f"/ip4/0.0.0.0/tcp/{DEFAULT_HUB_PORT}", description="libp2p listen multiaddr")
     key: Path | None = Field(None, description="hub identity key file (default DATA_DIR/hub.key)")
-    steps: int = Field(150, ge=0, le=10_000_000, description="learner steps to run (0: until interrupted)")
+    steps: int = Field(300, ge=0, le=10_000_000, description="learner steps to run (0: until interrupted)")
     local_nodes: int = Field(3, ge=0, le=64, description="volunteer nodes to spawn on loopback")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of the data-dir log")
     learner: LearnerConfig = LearnerConfig()
