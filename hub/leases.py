@@ -50,6 +50,7 @@ class LeaseBook:
         self._task = task
         self._rng = random.Random(seed)
         self._pool: deque[Prompt] = deque()
+        self._distinct_prompts = len({p.id for p in task.prompts()})
         self.open: dict[str, LeaseRecord] = {}
         self.expired_count = 0
         self.issued_count = 0
@@ -58,9 +59,21 @@ class LeaseBook:
         return sum(len(rec.prompts) - len(rec.answered) for rec in self.open.values())
 
     def _next_prompts(self, k: int) -> tuple[Prompt, ...]:
-        while len(self._pool) < k:
-            self._pool.extend(self._task.sample(self._rng, max(k, 64)))
-        return tuple(self._pool.popleft() for _ in range(k))
+        """Up to k distinct prompts from the front of the pool: a lease answers each prompt once, so a
+        prompt drawn twice waits, at the front, for a later lease."""
+        k = min(k, self._distinct_prompts)
+        chosen: dict[str, Prompt] = {}
+        skipped: list[Prompt] = []
+        while len(chosen) < k:
+            if not self._pool:
+                self._pool.extend(self._task.sample(self._rng, max(k, 64)))
+            prompt = self._pool.popleft()
+            if prompt.id in chosen:
+                skipped.append(prompt)
+            else:
+                chosen[prompt.id] = prompt
+        self._pool.extendleft(reversed(skipped))
+        return tuple(chosen.values())
 
     def issue(
         self, node_id: str, k: int, min_version: int, now: float, timeout_s: float, probe: bool = False

@@ -102,3 +102,15 @@ def test_drop_node_gives_back_only_that_nodes_leases(book):
     assert set(nxt.prompt_ids) == set(a1.prompt_ids + a2.prompt_ids)
     with pytest.raises(LeaseError):
         book.claim(a1.lease_id, "node-a", 1.0)
+
+
+def test_a_lease_never_holds_the_same_prompt_twice():
+    class TwoPrompts(ReverseTask):
+        def prompts(self):
+            return super().prompts()[:2]
+
+    book = LeaseBook(TwoPrompts(), seed=0)
+    for _ in range(20):
+        lease = book.issue("n", 3, min_version=0, now=0.0, timeout_s=10.0)
+        assert len(set(lease.prompt_ids)) == len(lease.prompt_ids) == 2
+        book.close(lease)
