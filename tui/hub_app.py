@@ -13,7 +13,6 @@ from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
 from shared.messages import HubStatus, NodeStatus
-from tui.sources import NoStatus, Unreachable
 from tui.widgets import (
     DEFAULT_REFRESH_S,
     Banner,
@@ -206,10 +205,7 @@ class HubDashboard(DashboardApp):
         table.focus()
         super().on_mount()
 
-    def apply(self, result: HubStatus | NoStatus | Unreachable) -> None:
-        if isinstance(result, (NoStatus, Unreachable)):
-            self.show_problem(result)
-            return
+    def show_data(self, result: HubStatus) -> None:
         self.status = result
         self.show_freshness(result.running, result.updated_at, "hub")
         self.sub_title = f"hub {short_id(result.hub_id)} · task {result.task}"

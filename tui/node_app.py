@@ -8,7 +8,6 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
 from shared.messages import NodeView
-from tui.sources import NoStatus
 from tui.widgets import DEFAULT_REFRESH_S, Banner, DashboardApp, event_lines, money, number, short_id, styled_state
 
 
@@ -102,10 +101,7 @@ class NodeDashboard(DashboardApp):
         self.query_one("#events-box").border_title = "recent events"
         super().on_mount()
 
-    def apply(self, result: NodeView | NoStatus) -> None:
-        if isinstance(result, NoStatus):
-            self.show_problem(result)
-            return
+    def show_data(self, result: NodeView) -> None:
         self.view = result
         self.show_freshness(True, result.updated_at, "node")
         self.sub_title = f"node {short_id(result.peer_id)} · {result.state}"

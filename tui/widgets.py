@@ -162,11 +162,15 @@ class DashboardApp(App):
         self.last_result = result
         if not isinstance(result, (NoStatus, Unreachable)):
             self.last_good_at = time.time()
-        self.apply(result)
+        if isinstance(result, (NoStatus, Unreachable)):
+            self.show_problem(result)
+        else:
+            self.show_data(result)
         self.loaded.set()
 
-    def apply(self, result) -> None:
-        raise NotImplementedError
+    def show_data(self, result) -> None:
+        """Put a fresh status on screen; each dashboard defines what it shows."""
+        raise TypeError(f"{type(self).__name__} must define show_data")
 
     def show_problem(self, result: NoStatus | Unreachable) -> None:
         banner = self.query_one(Banner)
