@@ -34,6 +34,7 @@ from hub.snapshots import SnapshotShelf
 from hub.store import Store
 from hub.submissions import GroupVerdict, SubmissionRules, VersionWindow, check_submission
 from shared.messages import (
+    BUSY_PREFIX,
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
@@ -264,7 +265,7 @@ class HubService:
         self.count(f"guard_{admission.verdict}")
         try:
             with trio.move_on_after(2):
-                await write_message(stream, Reject(reason=f"busy: retry in {admission.retry_after_s:.2f}s: {admission.reason}"[:1000]))
+                await write_message(stream, Reject(reason=f"{BUSY_PREFIX} retry in {admission.retry_after_s:.2f}s: {admission.reason}"[:1000]))
                 await stream.close()
         except Exception:  # noqa: BLE001 - a flooding peer may already be gone
             await stream.reset()

@@ -24,6 +24,7 @@ log = logging.getLogger("echo2.node.worker")
 
 REQUEST_TIMEOUT_S = 30.0
 IDLE_RETRY_S = 0.5
+BUSY_RETRY_S = 0.25
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Worker:
             ),
         )
         try:
-            reply = await self.submit(submission)
+            reply = await self.submit(submission, deadline=started + lease.deadline_s)
         except Exception as exc:  # noqa: BLE001 - hub gone or restarting mid-answer: the hub re-leases the prompts
             log.warning("submission for lease %s failed: %r", lease.lease_id[:8], exc)
             reply = Reject(reason=f"submission not delivered: {type(exc).__name__}")
@@ -130,8 +131,13 @@ class Worker:
             log.warning("submission refused: %s", reply.reason)
         return reply
 
-    async def submit(self, submission: Submission) -> SubmitReply | Reject:
-        return await request(
-            self.host, self.hub_peer_id, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
-            timeout_s=REQUEST_TIMEOUT_S, sign_with=self.identity,
-        )
+    async def submit(self, submission: Submission, deadline: float) -> SubmitReply | Reject:
+        """Submit, sending again while the hub says it is busy and the lease has not expired."""
+        while True:
+            reply = await request(
+                self.host, self.hub_peer_id, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
+                timeout_s=REQUEST_TIMEOUT_S, sign_with=self.identity,
+            )
+            if not (isinstance(reply, Reject) and reply.busy and time.monotonic() + BUSY_RETRY_S < deadline):
+                return reply
+            await trio.sleep(BUSY_RETRY_S)

@@ -35,12 +35,20 @@ CHUNK_FRAME = 201
 NodeState = Literal["probing", "active", "standby", "banned", "gone"]
 
 
+BUSY_PREFIX = "busy:"
+
+
 class Reject(Message):
     """A refusal with its reason, sent instead of the expected reply."""
 
     TYPE: ClassVar[int] = 1
     MAX_BYTES: ClassVar[int] = 4 * KIB
     reason: str = Field(max_length=1000)
+
+    @property
+    def busy(self) -> bool:
+        """The hub throttled the request (per-peer limits): the same request may be sent again later."""
+        return self.reason.startswith(BUSY_PREFIX)
 
 
 class JoinRequest(Message):
