@@ -99,7 +99,6 @@ class Hub:
         self.audits = self.defences.audits
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
-        self.finished = False
         self.stopper = Stopper()
 
     # -- glue --------------------------------------------------------------------------
@@ -217,7 +216,6 @@ class Hub:
 
                     nursery.start_soon(live_progress, self)
                 await self.learner.run()
-                self.finished = True
                 self.status.running = False
                 await self.status.refresh()
                 nursery.cancel_scope.cancel()
