@@ -443,7 +443,9 @@ async def scenario_caught_later(
     r.detected = r.attempts if caught else r.detected
     # Counted from before the cheat: what its honest probe earned is not at stake (a ban keeps it only
     # when that probe's audit passed; then the whole penalty shows here as negative pay).
-    r.accepted = standing - standing_before
+    # The ban also drops the node's earlier honest work still untrained, which can take the
+    # difference below zero: no cheating group stands then.
+    r.accepted = max(0, standing - standing_before)
     r.paid = db.paid(cheat.peer_id) - paid_before
     r.false_rejections += db.banned(control.peer_id)
     return r
