@@ -48,6 +48,7 @@ REQUEST_TIMEOUT_S = 20.0
 LEASE_WAIT_S = 60.0
 BUSY_RETRIES = 40
 BROADCAST_FINISH_S = 60.0
+STEPS_AFTER_CHURN = 5
 HEARTBEAT_PERIOD_S = 2.0
 FLOOD_STREAMS = 300
 HUB_ARGS = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "64", "--group-size", "4",
@@ -684,8 +685,10 @@ def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
 
 
 def run_churn(work: Path, nodes: int, say: Callable[[str], None]) -> dict:
-    steps, staleness = 10, 2
-    hub = start_hub(work / "hub-churn", "--local-nodes", "0", "--steps", str(steps), "--prompts-per-step", "4",
+    # The hub trains until stopped, so the kills cannot outlast a short run; it must keep
+    # stepping after the last kill and then stop cleanly.
+    staleness = 2
+    hub = start_hub(work / "hub-churn", "--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4",
                     "--group-size", "4", "--staleness", str(staleness), "--max-new-tokens", "8")
     procs = [start_node(hub.addr, work / f"churn-node-{i}") for i in range(nodes)]
     kills = max(2, round(0.3 * nodes))
@@ -723,13 +726,20 @@ def run_churn(work: Path, nodes: int, say: Callable[[str], None]) -> dict:
             alive.pop(victim).kill()
             killed.append(victim)
             say(f"churn: killed {victim[-6:]} during leases")
-        code = hub.process.wait(timeout=900)
+        at_last_kill = hub.status().step
+        try:
+            wait_until(lambda: (s := hub.status()) and s.step >= at_last_kill + STEPS_AFTER_CHURN, 300,
+                       "the run to keep stepping after the kills")
+            continued = True
+        except TimeoutError:
+            continued = False
+        code = hub.stop()
         final = hub.status()
         # Survivors that finished the snapshot whose broadcast lost a node (the ones killed later,
         # during leases, are not survivors).
         with_snapshot = len(finished & alive.keys())
         return {"killed": len(killed), "survivors_with_snapshot": with_snapshot, "survivors": len(alive),
-                "run_completed": code == 0 and final is not None and final.step >= steps}
+                "run_completed": continued and code in (0, 130) and final is not None and not final.running}
     finally:
         for p in procs:
             p.kill()
