@@ -61,7 +61,8 @@ class NodeRuntime:
         self.identity = identity
         self.engine = engine
         self.model_config_hash = model_config_hash
-        self.device = device
+        # Once: platform.processor() may run `uname -p`, which must not happen on the event loop at every join.
+        self.hardware = _hardware(device)
         self.hub_peer_id = peer_id_from_multiaddr(config.hub)
         self.engine_lock = trio.Lock()
         self.listen_addrs: tuple[str, ...] = ()
@@ -74,7 +75,7 @@ class NodeRuntime:
     def _join_request(self) -> JoinRequest:
         return JoinRequest(
             price_per_hour=self.config.price,
-            hardware=_hardware(self.device),
+            hardware=self.hardware,
             link_bps=self.config.declared_link_mbps * MBIT,
             backend=self.engine.backend,
             model_config_hash=self.model_config_hash,
@@ -112,7 +113,7 @@ class NodeRuntime:
             peer_id=self.identity.peer_id,
             hub_addr=self.config.hub,
             connected=link.connected,
-            state=link.state if link.state in ("connecting", "probing", "active", "standby", "banned", "gone") else "connecting",
+            state=link.state,
             updated_at=time.time(),
             price_per_hour=self.config.price,
             backend=self.engine.backend,
