@@ -51,8 +51,8 @@ from shared.messages import (
     LeaseRequest,
     Reject,
     Submission,
-    SubmittedGroup,
     SubmitReply,
+    SubmittedGroup,
 )
 from shared.net import connect, open_stream, request, running_host
 from shared.rollout import Completion, SamplingParams
@@ -72,6 +72,7 @@ NODE_TIMEOUT_S = 180.0
 
 def serve(data_dir: Path) -> None:
     """Run the real HubService on loopback with an in-memory stand-in for the learner; print the address."""
+    import torch
     from transformers import AutoTokenizer
 
     from hub.broadcast import ChainLinks, HubUplink
@@ -80,15 +81,13 @@ def serve(data_dir: Path) -> None:
     from hub.fleet import Fleet
     from hub.leases import LeaseBook
     from hub.service import HubService, LearnerView
-    from tests.inproc import permissive_defences, refuse_reports
     from hub.snapshots import SnapshotShelf
     from hub.store import Store
     from hub.submissions import SubmissionRules
     from shared.default_model import ensure_default_model
     from shared.snapshot import build_snapshot, model_dir_config_hash
     from shared.tasks.reverse import ReverseTask
-
-    import torch
+    from tests.inproc import permissive_defences, refuse_reports
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model_dir = ensure_default_model(progress=False)

@@ -38,10 +38,10 @@ import torch
 import trio
 
 from hub.buffer import ReplayBuffer
+from hub.config import TrustConfig
 from hub.fleet import NodeRecord
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
-from hub.config import TrustConfig
 from shared.logprobs import completion_logprobs
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import load_into

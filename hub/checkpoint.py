@@ -2,7 +2,9 @@
 
 A checkpoint is written into a temporary sibling directory, every file fsynced, then renamed
 into place and the parent fsynced, so a directory named `step-NNNNNNNN` is always complete.
-The newest complete directory wins; older ones beyond `keep` are removed.
+The newest complete directory wins; older ones beyond `keep` are removed by first renaming
+them back to a temporary name, so a kill in the middle of the removal leaves a temporary (cleared
+at the next start), never a `step-NNNNNNNN` directory with files missing.
 """
 
 from __future__ import annotations
@@ -71,8 +73,15 @@ def save_checkpoint(root: Path, step: int, version: int, model, tokenizer, optim
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old.path)
+        _remove_checkpoint(old.path)
     return CheckpointInfo(step=step, version=version, path=final)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    doomed = path.with_name(f".{path.name}.removing")
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed)
 
 
 def list_checkpoints(root: Path) -> list[CheckpointInfo]:

@@ -16,8 +16,8 @@ from hub.buffer import BufferSignal, ReplayBuffer
 from hub.config import HubConfig
 from hub.fleet import Fleet, NodeRecord
 from hub.leases import LeaseBook
-from hub.service import Defences
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
+from hub.service import Defences
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
 from shared.crypto import Identity

@@ -14,21 +14,21 @@ import logging
 import math
 import random
 import time
-from pathlib import Path
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
-from hub.audit import AuditJob, AuditQueue, Auditor
+from hub.audit import AuditJob, Auditor, AuditQueue
 from hub.broadcast import ChainLinks, HubUplink
-from hub.copies import CopyDetector, CopyFlag
-from hub.guard import LeaseQuota, PeerGuard
 from hub.buffer import BufferSignal, ReplayBuffer
 from hub.config import LeaseConfig, TrustConfig
+from hub.copies import CopyDetector, CopyFlag
 from hub.fleet import Fleet, NodeRecord
+from hub.guard import LeaseQuota, PeerGuard
 from hub.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
@@ -58,8 +58,8 @@ from shared.messages import (
     Submission,
     SubmitReply,
 )
-from shared.rollout import SamplingParams
 from shared.net import remote_ip, remote_peer_id, set_handler
+from shared.rollout import SamplingParams
 from shared.transfer import serve_snapshot
 from shared.wire import (
     FrameError,

@@ -17,7 +17,17 @@ import trio
 from libp2p.abc import IHost
 
 from shared.crypto import Identity
-from shared.messages import LEASE_PROTOCOL, SUBMIT_PROTOCOL, Lease, LeaseReply, LeaseRequest, Reject, Submission, SubmitReply, SubmittedGroup
+from shared.messages import (
+    LEASE_PROTOCOL,
+    SUBMIT_PROTOCOL,
+    Lease,
+    LeaseReply,
+    LeaseRequest,
+    Reject,
+    Submission,
+    SubmitReply,
+    SubmittedGroup,
+)
 from shared.net import request
 
 log = logging.getLogger("echo2.node.worker")

@@ -154,10 +154,10 @@ def _warmup_batch(tokenizer, task: ReverseTask, prompts, rng: random.Random, bat
     ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((batch_size, width), dtype=torch.long)
     lab = torch.full((batch_size, width), -100, dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
+    for i, (r, row_labels) in enumerate(zip(rows, labels)):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
-        lab[i, : len(l)] = torch.tensor(l)
+        lab[i, : len(row_labels)] = torch.tensor(row_labels)
     return ids, mask, lab
 
 

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import blake3
 
+from shared.crypto import SIGNATURE_BYTES
 from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SnapshotRequest, TransferAck
 from shared.snapshot import (
     MAX_CHUNK_BYTES,
@@ -33,7 +34,6 @@ from shared.snapshot import (
     encode_chunk,
     verify_manifest,
 )
-from shared.crypto import SIGNATURE_BYTES
 from shared.wire import encode_frame, read_frame, read_message, write_frame, write_message
 
 CHUNK_FRAME_OVERHEAD_BYTES = 12

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from node.keeper import SnapshotKeeper
 from recording_node import record_installs
+
+from node.keeper import SnapshotKeeper
 
 CORRUPT_INDEX = 1
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hub.guard import LeaseQuota, PeerGuard, address_key, is_loopback
 from hub.config import TrustConfig
+from hub.guard import LeaseQuota, PeerGuard, address_key, is_loopback
 
 MIB = 1 << 20
 

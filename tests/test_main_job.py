@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import start_hub
 from shared.messages import NodeView
+from tests.harness import start_hub
 from tui.hub_app import HubDashboard
 from tui.sources import DataDirSource, HubSource
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import trio
-
 from harness import Proc, node_peer_id, start_hub, start_node, wait_until
+
 from hub.cli import main as hub_cli
 from shared.crypto import Identity
 from shared.messages import (

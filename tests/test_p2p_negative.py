@@ -25,7 +25,6 @@ from hub.buffer import BufferSignal, ReplayBuffer
 from hub.config import LeaseConfig
 from hub.fleet import Fleet
 from hub.leases import LeaseBook
-from tests.inproc import permissive_defences, refuse_reports
 from hub.service import HubService, LearnerView
 from hub.snapshots import SnapshotShelf
 from hub.store import Store
@@ -49,14 +48,15 @@ from shared.messages import (
     Reject,
     StatusRequest,
     Submission,
-    SubmittedGroup,
     SubmitReply,
+    SubmittedGroup,
 )
 from shared.net import connect, open_stream, request, running_host
 from shared.rollout import Completion, Group, SamplingParams
 from shared.snapshot import build_snapshot, model_dir_config_hash
 from shared.tasks.reverse import ReverseTask
 from shared.wire import HEADER, StreamEOF, encode_frame, encode_signed, read_message
+from tests.inproc import permissive_defences, refuse_reports
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 STALENESS = 2

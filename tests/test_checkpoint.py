@@ -1,0 +1,55 @@
+"""Checkpoint files: written whole or not at all, pruned without ever exposing a partial directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hub.checkpoint as checkpoint
+from hub.checkpoint import latest_checkpoint, list_checkpoints, remove_stale_temporaries, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def policy(default_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    return model, tokenizer, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def test_keeps_newest_and_restores_weights(tmp_path, policy):
+    model, tokenizer, optimizer = policy
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step, step + 100, model, tokenizer, optimizer, keep=2)
+    assert [(c.step, c.version) for c in list_checkpoints(tmp_path)] == [(4, 104), (6, 106)]
+    latest = latest_checkpoint(tmp_path)
+    restored = AutoModelForCausalLM.from_pretrained(latest.model_dir, dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000006"]
+
+
+def test_kill_while_pruning_leaves_only_complete_checkpoints(tmp_path, policy, monkeypatch):
+    model, tokenizer, optimizer = policy
+    save_checkpoint(tmp_path, 2, 2, model, tokenizer, optimizer, keep=1)
+
+    def killed_halfway(path, *args, **kwargs):
+        # A SIGKILL inside rmtree: some files are gone, the directory is not.
+        (path / checkpoint.STATE_FILE).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 4, 4, model, tokenizer, optimizer, keep=1)
+    monkeypatch.undo()
+
+    assert [c.step for c in list_checkpoints(tmp_path)] == [4]
+    assert remove_stale_temporaries(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+
+
+def test_refuses_to_overwrite_a_step(tmp_path, policy):
+    model, tokenizer, optimizer = policy
+    save_checkpoint(tmp_path, 2, 2, model, tokenizer, optimizer)
+    with pytest.raises(FileExistsError):
+        save_checkpoint(tmp_path, 2, 2, model, tokenizer, optimizer)
