@@ -39,6 +39,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import trio
 
+from hub.status import STATUS_FILE, STATUS_PERIOD_S
+from shared.messages import HubStatus
 from tests.harness import HubProc, node_peer_id, start_hub, start_node, wait_until
 
 log = logging.getLogger("echo2.bench.faults")
@@ -67,6 +69,8 @@ class ScenarioResult:
     accepted: int = 0
     paid: float = 0.0
     false_rejections: int = 0
+    # The node's cost on the hub's status (what the dashboard shows) agrees with its ledger.
+    shown_cost_matches_ledger: bool = True
 
 
 # -- reading the hub's store (read-only, while the hub runs) -------------------------------
@@ -85,6 +89,14 @@ class HubDB:
 
     def paid(self, node_id: str) -> float:
         return float(self.query("SELECT COALESCE(SUM(usd), 0) FROM ledger WHERE node_id = ? AND voided = 0", (node_id,))[0][0])
+
+    def shown_cost(self, node_id: str) -> float | None:
+        """The node's cost in the hub's status.json, or None before the node appears there."""
+        path = self.path.with_name(STATUS_FILE)
+        if not path.exists():
+            return None
+        status = HubStatus.model_validate_json(path.read_text())
+        return next((n.cost_usd for n in status.nodes if n.peer_id == node_id), None)
 
     def events(self, kind: str, node_id: str | None = None) -> int:
         if node_id is None:
@@ -449,6 +461,12 @@ async def scenario_caught_later(
     r.accepted = max(0, standing - standing_before)
     r.paid = db.paid(cheat.peer_id) - paid_before
     r.false_rejections += db.banned(control.peer_id)
+    deadline = time.monotonic() + 3 * STATUS_PERIOD_S
+    while (shown := db.shown_cost(cheat.peer_id)) is None or abs(shown - db.paid(cheat.peer_id)) > 1e-12:
+        if time.monotonic() > deadline:
+            r.shown_cost_matches_ledger = False
+            break
+        await trio.sleep(0.2)
     return r
 
 

@@ -426,7 +426,7 @@ class HubService:
                     )
                 )
                 committed = True
-                await self._accept(record, lease, verdicts, row_ids, usd, seconds)
+                await self._accept(record, lease, verdicts, row_ids, seconds)
             for flag in copies:
                 self.count("copies_flagged")
                 await self.event("copy_detected", peer, flag.describe())
@@ -450,8 +450,7 @@ class HubService:
         return out, flags
 
     async def _accept(
-        self, record: NodeRecord, lease: LeaseRecord, verdicts: list[GroupVerdict], row_ids: list[int],
-        usd: float, seconds: float,
+        self, record: NodeRecord, lease: LeaseRecord, verdicts: list[GroupVerdict], row_ids: list[int], seconds: float
     ) -> None:
         """Fold a committed submission into the lease book, the buffer, the node's record and the counters."""
         peer = record.peer_id
@@ -462,7 +461,6 @@ class HubService:
         await self._buffer_accepted(record, lease, verdicts, row_ids)
         record.accepted += len(accepted)
         record.rejected += len(verdicts) - len(accepted)
-        record.cost_usd += usd
         self.fleet.record_work(record, sum(len(v.group.completions) for v in accepted), seconds)
         if lease.probe:
             await self.event("probed", peer, f"{record.rollouts_per_s:.2f} rollouts/s")

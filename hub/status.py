@@ -64,7 +64,7 @@ class StatusBoard:
         self.history: tuple[StepPoint, ...] = ()
         self.events: tuple[EventRecord, ...] = ()
         self.counts = (0, 0)
-        self.node_cost_usd = 0.0
+        self.paid_usd: dict[str, float] = {}
         self.t_train_recent_s: float | None = None
         self.running = True
 
@@ -82,11 +82,12 @@ class StatusBoard:
             for e in self.store.events(EVENTS_KEPT)
         )
         self.counts = self.store.trajectory_counts()
-        self.node_cost_usd = self.store.ledger_total_usd()
+        # From the ledger, not the fleet's memory: a ban voids pay there, and a restart keeps it.
+        self.paid_usd = self.store.ledger_by_node_usd()
 
     def cost_usd(self, now: float) -> float:
         """What the run has cost so far: learner time at its price plus every node payment booked."""
-        return self.node_cost_usd + self.info.learner_price_per_hour * (now - self.info.started_at) / 3600.0
+        return sum(self.paid_usd.values()) + self.info.learner_price_per_hour * (now - self.info.started_at) / 3600.0
 
     def snapshot(self, events: int = 50) -> HubStatus:
         now = time.time()
@@ -95,7 +96,7 @@ class StatusBoard:
             NodeStatus(
                 peer_id=n.peer_id, state=n.state, price_per_hour=n.price_per_hour, rollouts_per_s=n.rollouts_per_s,
                 version_held=n.version_held, receiving_version=n.receiving_version,
-                chunks_received=n.chunks_received, accepted=n.accepted, rejected=n.rejected, cost_usd=n.cost_usd,
+                chunks_received=n.chunks_received, accepted=n.accepted, rejected=n.rejected, cost_usd=self.paid_usd.get(n.peer_id, 0.0),
                 backend=n.backend, hardware=n.hardware,
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
             )

@@ -556,6 +556,11 @@ class Store:
             )
         return float(rows[0]["t"])
 
+    def ledger_by_node_usd(self) -> dict[str, float]:
+        """Money booked and not voided, per node."""
+        rows = self._rows("SELECT node_id, SUM(usd) AS t FROM ledger WHERE voided = 0 GROUP BY node_id")
+        return {r["node_id"]: float(r["t"]) for r in rows}
+
     # -- events and checkpoints --------------------------------------------------------
 
     def add_event(self, kind: str, node_id: str | None, detail: str) -> None:

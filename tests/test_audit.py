@@ -219,6 +219,7 @@ async def test_penalize_drops_unconsumed_work_and_voids_pay_after_last_pass(tmp_
     assert penalty.voided_ledger_rows == 2
     assert store.ledger_total_usd("cheat") == pytest.approx(0.02)
     assert store.ledger_total_usd("honest") == pytest.approx(0.02)
+    assert store.ledger_by_node_usd() == pytest.approx({"cheat": 0.02, "honest": 0.02})
     # Never vouched: everything it was paid is voided.
     assert store.void_ledger_after("cheat", 0.0) == 2 and store.ledger_total_usd("cheat") == 0.0
     assert store.integrity_check() == "ok"

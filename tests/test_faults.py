@@ -28,6 +28,7 @@ def test_fault_scenarios_quick(tmp_path: Path) -> None:
         assert s["detected"] == s["attempts"], s
         assert s["accepted"] == 0, s
         assert s["false_rejections"] == 0, s
+        assert s["shown_cost_matches_ledger"], s
         if s["name"] != "fake_reward":  # the lie earns nothing, the genuine sampling under it is paid
             assert s["paid"] <= 0.0, s
     crash = report["crash"]

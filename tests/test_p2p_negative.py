@@ -93,8 +93,8 @@ class HubUnderTest:
         """What a misbehaving node must not be able to move: accepted work, money, what the learner will train on."""
         accepted = sum(1 for r in self.store.trajectories() if r.verdict == "accepted")
         return (
-            accepted, self.store.ledger_total_usd(), len(self.buffer),
-            tuple(sorted((n.peer_id, n.accepted, n.cost_usd) for n in self.fleet.nodes.values())),
+            accepted, self.store.ledger_by_node_usd(), len(self.buffer),
+            tuple(sorted((n.peer_id, n.accepted) for n in self.fleet.nodes.values())),
         )
 
 
@@ -472,4 +472,4 @@ async def test_strangers_and_wrong_models_get_nothing(hub_args):
             fake = Submission(lease_id="0" * 24, node_id=stranger.peer_id, groups=())
             reply = await stranger.submit(fake)
             assert isinstance(reply, Reject) and "join first" in reply.reason
-            assert hub.trusted() == (0, 0.0, 0, ())
+            assert hub.trusted() == (0, {}, 0, ())
