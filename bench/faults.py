@@ -266,7 +266,8 @@ class Client:
 
         lease = await self.lease()
         reply = await self.submit(self.signed(lease.lease_id, await self.groups(lease)))
-        return len(reply.rejected) if isinstance(reply, SubmitReply) else len(lease.prompts)
+        # Strict: the control answers at the newest version, so even a late group counts here.
+        return len(reply.rejected) + len(reply.late) if isinstance(reply, SubmitReply) else len(lease.prompts)
 
 
 def accepted_of(reply) -> int:
@@ -651,7 +652,7 @@ def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
                         break
                     reply = await client.submit(frame)
                     if isinstance(reply, SubmitReply):
-                        rejected = {pid for pid, _ in reply.rejected}
+                        rejected = {pid for pid, _ in reply.rejected + reply.late}
                         acked.update((lease.lease_id, p.prompt_id) for p in lease.prompts if p.prompt_id not in rejected)
                     if not mid_submission and time.monotonic() >= kill_at:
                         await trio.sleep(rng.uniform(0.0, 0.3))

@@ -33,6 +33,7 @@ class NodeRecord:
     measured: bool = False
     accepted: int = 0
     rejected: int = 0
+    late: int = 0
     audits_passed: int = 0
     bad_chunks: int = 0
     recent_events: list[str] = field(default_factory=list)
@@ -68,7 +69,7 @@ class Fleet:
         if previous is not None:
             # A rejoin (node or hub restarted) keeps what the hub measured and paid so far.
             record.rollouts_per_s, record.measured = previous.rollouts_per_s, previous.measured
-            record.accepted, record.rejected = previous.accepted, previous.rejected
+            record.accepted, record.rejected, record.late = previous.accepted, previous.rejected, previous.late
             record.audits_passed = previous.audits_passed
             record.state = "standby" if previous.measured else "probing"
         self.nodes[peer_id] = record

@@ -290,6 +290,8 @@ class HubService:
         if (previous is not None and previous.state == "banned") or (stored is not None and stored.state == "banned"):
             raise ValueError("banned")
         record = self.fleet.join(peer, request, remote_ip(stream), time.time())
+        if previous is None and stored is not None:  # known from before a hub restart: keep its tallies
+            record.accepted, record.rejected, record.late = stored.accepted, stored.rejected, stored.late
         await trio.to_thread.run_sync(
             lambda: self.store.upsert_node(
                 peer, record.price_per_hour, record.hardware, record.link_bps, record.backend, record.state
@@ -433,8 +435,12 @@ class HubService:
         finally:
             if not committed:
                 self.leases.release(lease)
-        rejected = tuple((v.prompt_id, v.reason) for v in verdicts if not v.accepted)
-        await self._reply(stream, SubmitReply(accepted=len(accepted), rejected=rejected))
+        refused = [v for v in verdicts if not v.accepted]
+        await self._reply(stream, SubmitReply(
+            accepted=len(accepted),
+            rejected=tuple((v.prompt_id, v.reason) for v in refused if not v.late),
+            late=tuple((v.prompt_id, v.reason) for v in refused if v.late),
+        ))
 
     def _reject_copies(
         self, verdicts: list[GroupVerdict], peer: str, lease_id: str
@@ -460,13 +466,16 @@ class HubService:
         self.leases.close(lease)
         await self._buffer_accepted(record, lease, verdicts, row_ids)
         record.accepted += len(accepted)
-        record.rejected += len(verdicts) - len(accepted)
+        late = sum(v.late for v in verdicts)
+        record.late += late
+        record.rejected += len(verdicts) - len(accepted) - late
         self.fleet.record_work(record, sum(len(v.group.completions) for v in accepted), seconds)
         if lease.probe:
             await self.event("probed", peer, f"{record.rollouts_per_s:.2f} rollouts/s")
             self.on_fleet_change()
         self.count("groups_accepted", len(accepted))
-        self.count("groups_rejected", len(verdicts) - len(accepted))
+        self.count("groups_rejected", len(verdicts) - len(accepted) - late)
+        self.count("groups_late", late)
         mismatches = sum(v.claimed_reward_mismatch for v in verdicts)
         if mismatches:
             self.count("claimed_reward_mismatch", mismatches)

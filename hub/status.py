@@ -63,7 +63,7 @@ class StatusBoard:
         self.dropped_stale = dropped_stale
         self.history: tuple[StepPoint, ...] = ()
         self.events: tuple[EventRecord, ...] = ()
-        self.counts = (0, 0)
+        self.counts: dict[str, int] = {}
         self.paid_usd: dict[str, float] = {}
         self.t_train_recent_s: float | None = None
         self.running = True
@@ -96,7 +96,8 @@ class StatusBoard:
             NodeStatus(
                 peer_id=n.peer_id, state=n.state, price_per_hour=n.price_per_hour, rollouts_per_s=n.rollouts_per_s,
                 version_held=n.version_held, receiving_version=n.receiving_version,
-                chunks_received=n.chunks_received, accepted=n.accepted, rejected=n.rejected, cost_usd=self.paid_usd.get(n.peer_id, 0.0),
+                chunks_received=n.chunks_received, accepted=n.accepted, rejected=n.rejected, late=n.late,
+                cost_usd=self.paid_usd.get(n.peer_id, 0.0),
                 backend=n.backend, hardware=n.hardware,
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
             )
@@ -115,7 +116,8 @@ class StatusBoard:
             steps_target=self.info.steps_target, version=step, staleness=self.info.staleness, kappa=self.info.kappa,
             task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in self.broadcaster.chains),
             broadcast_mode=self.info.broadcast_mode, open_leases=len(self.leases.open),
-            accepted=self.counts[0], rejected=self.counts[1], dropped_stale=self.dropped_stale(),
+            accepted=self.counts.get("accepted", 0), rejected=self.counts.get("rejected", 0),
+            late=self.counts.get("late", 0), dropped_stale=self.dropped_stale(),
             reward_mean=last.reward_mean if last else None,
             t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s(),
             bubble=last.bubble if last else None, predicted_bubble=capacity.predicted_bubble,

@@ -35,7 +35,8 @@ def render(status: HubStatus, console: Console) -> None:
     head.add_row("hub", status.hub_id, "running" if status.running else "finished")
     head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
     head.add_row("staleness S / kappa", f"{status.staleness} / {status.kappa}", f"task {status.task}")
-    head.add_row("trajectories", f"{status.accepted} accepted, {status.rejected} rejected", f"{status.dropped_stale} stale")
+    head.add_row("trajectories", f"{status.accepted} accepted, {status.rejected} rejected, {status.late} late",
+                 f"{status.dropped_stale} stale")
     head.add_row("open leases", str(status.open_leases), f"broadcast {status.broadcast_mode}")
     mu = f"mu_pool {status.mu_pool:.2f}/s"
     if status.mu_min is not None:
@@ -44,12 +45,12 @@ def render(status: HubStatus, console: Console) -> None:
     head.add_row("cost", f"${status.cost_usd:.4f}", f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else "")
     console.print(head)
     nodes = Table(title="nodes")
-    for col in ("peer", "state", "$/h", "rollouts/s", "version", "accepted", "rejected", "cost $", "chain"):
+    for col in ("peer", "state", "$/h", "rollouts/s", "version", "accepted", "rejected", "late", "cost $", "chain"):
         nodes.add_column(col)
     for n in status.nodes:
         chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
         nodes.add_row(n.peer_id[-8:], n.state, f"{n.price_per_hour:.2f}", f"{n.rollouts_per_s:.2f}", str(n.version_held),
-                      str(n.accepted), str(n.rejected), f"{n.cost_usd:.5f}", chain)
+                      str(n.accepted), str(n.rejected), str(n.late), f"{n.cost_usd:.5f}", chain)
     console.print(nodes)
     for i, chain in enumerate(status.chains):
         console.print(f"chain {i}: hub -> " + " -> ".join(p[-8:] for p in chain))

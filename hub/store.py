@@ -9,7 +9,8 @@ its statements in one explicit BEGIN IMMEDIATE ... COMMIT (`_write`), so a metho
 all-or-nothing. sqlite-utils builds the schema and runs the queries; its Table.insert
 is not used for writes because it commits on its own and would split a transaction.
 
-Trajectory lifecycle: a row is written with its verdict (accepted/rejected). An
+Trajectory lifecycle: a row is written with its verdict (accepted, rejected, or late: refused
+only because its version fell out of the staleness window). An
 accepted row later gets exactly one of consumed_step (a committed learner step
 trained on it) or discard_reason (stale, zero reward variance, buffer full...).
 Accepted rows with neither are the replay buffer's contents after a restart.
@@ -34,7 +35,8 @@ from shared.rollout import Group
 BUSY_TIMEOUT_MS = 10_000
 EVENTS_DEFAULT_LIMIT = 200
 
-Verdict = Literal["accepted", "rejected"]
+Verdict = Literal["accepted", "rejected", "late"]
+VERDICTS: tuple[Verdict, ...] = ("accepted", "rejected", "late")
 LeaseState = Literal["open", "answered", "expired"]
 
 _SCHEMA = """
@@ -58,6 +60,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     state          TEXT    NOT NULL,
     accepted       INTEGER NOT NULL DEFAULT 0,
     rejected       INTEGER NOT NULL DEFAULT 0,
+    late           INTEGER NOT NULL DEFAULT 0,
     banned_reason  TEXT
 );
 CREATE TABLE IF NOT EXISTS leases (
@@ -95,7 +98,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     version           INTEGER NOT NULL,
     group_json        TEXT    NOT NULL,
     reward_mean       REAL    NOT NULL,
-    verdict           TEXT    NOT NULL CHECK (verdict IN ('accepted', 'rejected')),
+    verdict           TEXT    NOT NULL CHECK (verdict IN ('accepted', 'rejected', 'late')),
     reason            TEXT,
     received_at       REAL    NOT NULL,
     consumed_step     INTEGER REFERENCES steps(step),
@@ -220,6 +223,7 @@ class NodeRow:
     state: str
     accepted: int
     rejected: int
+    late: int
     banned_reason: str | None
 
 
@@ -397,8 +401,8 @@ class Store:
 
         Returning means committed: only then may the submission be acknowledged.
         """
-        if verdict not in ("accepted", "rejected"):
-            raise ValueError(f"verdict must be accepted or rejected, got {verdict!r}")
+        if verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
         reward_mean = sum(group.rewards) / len(group.rewards) if group.rewards else 0.0
         with self._write():
             cur = self.db.execute(
@@ -408,8 +412,8 @@ class Store:
                  verdict, reason, time.time(), signed_bytes_hash),
             )
             if node_id:
-                column = "accepted" if verdict == "accepted" else "rejected"
-                self.db.execute(f"UPDATE nodes SET {column} = {column} + 1 WHERE peer_id = ?", (node_id,))
+                # `verdict` was checked against VERDICTS above: it names a column.
+                self.db.execute(f"UPDATE nodes SET {verdict} = {verdict} + 1 WHERE peer_id = ?", (node_id,))
             return int(cur.lastrowid)
 
     def record_submission(
@@ -442,13 +446,13 @@ class Store:
                     "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, reward_mean,"
                     " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (lease_id, node_id, v.prompt_id, version, group_json, reward_mean,
-                     "accepted" if v.accepted else "rejected", v.reason or None, now, signed_bytes_hash),
+                     v.verdict, v.reason or None, now, signed_bytes_hash),
                 )
                 ids.append(int(cur.lastrowid))
-            accepted = sum(1 for v in verdicts if v.accepted)
+            counts = [sum(v.verdict == name for v in verdicts) for name in VERDICTS]
             self.db.execute(
-                "UPDATE nodes SET accepted = accepted + ?, rejected = rejected + ? WHERE peer_id = ?",
-                (accepted, len(verdicts) - accepted, node_id),
+                "UPDATE nodes SET accepted = accepted + ?, rejected = rejected + ?, late = late + ? WHERE peer_id = ?",
+                (*counts, node_id),
             )
             if usd > 0:
                 self.db.execute(
@@ -457,12 +461,10 @@ class Store:
                 )
         return ids
 
-    def trajectory_counts(self) -> tuple[int, int]:
-        """(accepted, rejected) groups ever received."""
-        row = self._rows(
-            "SELECT COALESCE(SUM(verdict = 'accepted'), 0) AS a, COALESCE(SUM(verdict = 'rejected'), 0) AS r FROM trajectories"
-        )[0]
-        return int(row["a"]), int(row["r"])
+    def trajectory_counts(self) -> dict[Verdict, int]:
+        """Groups ever received, by verdict (every verdict present, zero if none)."""
+        rows = self._rows("SELECT verdict, COUNT(*) AS n FROM trajectories GROUP BY verdict")
+        return {name: 0 for name in VERDICTS} | {r["verdict"]: int(r["n"]) for r in rows}
 
     def recent_steps(self, limit: int) -> list[StepRecord]:
         """The newest `limit` learner steps, oldest first."""

@@ -47,6 +47,14 @@ class GroupVerdict:
     submitted: SubmittedGroup
     group: Group | None = None
     claimed_reward_mismatch: bool = False
+    # Refused only because its version fell out of the staleness window while it was generated:
+    # the normal cost of asynchrony for an honest node, kept apart from refusals for bad work.
+    late: bool = False
+
+    @property
+    def verdict(self) -> str:
+        """How the store records it: accepted, late or rejected."""
+        return "accepted" if self.accepted else "late" if self.late else "rejected"
 
 
 def _check_completion(c: Completion, sampling: SamplingParams, eos_id: int) -> str | None:
@@ -92,7 +100,8 @@ def check_group(
     if version > window.newest:
         return reject(f"version {version} was never published (newest {window.newest})")
     if version < max(record.min_version, window.oldest):
-        return reject(f"stale version {version} (oldest accepted {max(record.min_version, window.oldest)})")
+        oldest = max(record.min_version, window.oldest)
+        return GroupVerdict(pid, False, f"stale version {version} (oldest accepted {oldest})", submitted, late=True)
     completions = []
     for c in submitted.completions:
         problem = _check_completion(c, rules.sampling, rules.eos_id)

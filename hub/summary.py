@@ -36,7 +36,7 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
     else:
         table.add_row("learner steps", "0")
     if status is not None:
-        table.add_row("trajectories accepted / rejected", f"{status.accepted} / {status.rejected}")
+        table.add_row("groups accepted / rejected / late", f"{status.accepted} / {status.rejected} / {status.late}")
         table.add_row("dropped as stale", str(status.dropped_stale))
         table.add_row("T_bcast (last)", f"{status.t_bcast_s:.2f} s" if status.t_bcast_s is not None else "-")
         table.add_row("cost (learner + nodes)", f"${status.cost_usd:.4f}")

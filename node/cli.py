@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (_, kind, help_text) in JOIN_FLAGS.items():
         join.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=help_text)
     join.add_argument("--dashboard", action="store_true", help="show the volunteer's live dashboard")
+    view = sub.add_parser("dashboard", help="watch a node started elsewhere (reads its data dir)")
+    view.add_argument("--data-dir", type=Path, default=Path("echo2-node"), help="the node's --data-dir (default ./echo2-node)")
+    from tui.cli import add_view_arguments
+
+    add_view_arguments(view)
     return parser
 
 
@@ -46,6 +51,10 @@ def config_to_args(config) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "dashboard":
+        from tui.cli import run_dashboard
+
+        return run_dashboard(args, kind="node")
     from node.config import NodeConfig
     from shared.config import ConfigError, load_config
 

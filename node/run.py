@@ -130,6 +130,7 @@ class NodeRuntime:
             leases_done=stats.leases_done,
             accepted=stats.accepted,
             rejected=stats.rejected,
+            late=stats.late,
             earnings_usd=self.config.price * stats.busy_s / 3600.0,
             busy_s=stats.busy_s,
             events=tuple(link.events[-20:]),

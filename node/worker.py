@@ -42,6 +42,7 @@ class WorkStats:
     leases_done: int = 0
     accepted: int = 0
     rejected: int = 0
+    late: int = 0
     rollouts: int = 0
     tokens: int = 0
     busy_s: float = 0.0
@@ -134,7 +135,8 @@ class Worker:
         if isinstance(reply, SubmitReply):
             self.stats.accepted += reply.accepted
             self.stats.rejected += len(reply.rejected)
-            self.stats.last_rejections = [f"{pid}: {why}" for pid, why in reply.rejected][-5:]
+            self.stats.late += len(reply.late)
+            self.stats.last_rejections = [f"{pid}: {why}" for pid, why in reply.rejected + reply.late][-5:]
         else:
             self.stats.rejected += len(lease.prompts)
             self.stats.last_rejections = [reply.reason]

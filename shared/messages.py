@@ -151,7 +151,8 @@ class SubmitReply(Message):
     TYPE: ClassVar[int] = 12
     MAX_BYTES: ClassVar[int] = 256 * KIB
     accepted: int = Field(ge=0)
-    rejected: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of rejected groups")
+    rejected: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of groups refused as bad work")
+    late: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of groups whose version fell out of the window")
     reason: str = Field("", max_length=1000, description="why the whole submission was refused, if it was")
 
 
@@ -173,6 +174,7 @@ class NodeStatus(Message):
     chunks_received: int = 0
     accepted: int
     rejected: int
+    late: int = Field(0, description="groups refused only for a version that fell out of the staleness window")
     cost_usd: float
     backend: str = ""
     hardware: str = ""
@@ -222,6 +224,7 @@ class HubStatus(Message):
     open_leases: int
     accepted: int
     rejected: int
+    late: int = Field(0, description="groups refused on arrival for a version out of the staleness window")
     dropped_stale: int
     reward_mean: float | None = None
     t_train_s: float | None = None
@@ -304,6 +307,7 @@ class NodeView(Message):
     leases_done: int = 0
     accepted: int = 0
     rejected: int = 0
+    late: int = 0
     earnings_usd: float = 0.0
     busy_s: float = 0.0
     events: tuple[EventRecord, ...] = ()

@@ -100,11 +100,12 @@ class HubUnderTest:
 
 def _status(hub: HubUnderTest, addrs: tuple[str, ...]):
     def status(events: int) -> HubStatus:
-        accepted, rejected = hub.store.trajectory_counts()
+        counts = hub.store.trajectory_counts()
         return HubStatus(
             hub_id=hub.identity.peer_id, addrs=addrs, running=True, updated_at=time.time(), step=hub.version[0],
             steps_target=0, version=hub.version[0], staleness=STALENESS, kappa=1, task="reverse", nodes=(),
-            open_leases=len(hub.leases.open), accepted=accepted, rejected=rejected, dropped_stale=0,
+            open_leases=len(hub.leases.open), accepted=counts["accepted"], rejected=counts["rejected"], late=counts["late"],
+            dropped_stale=0,
         )
 
     return status
@@ -355,7 +356,8 @@ async def test_stale_and_unpublished_versions_are_rejected_and_not_paid(hub_args
             before, speed = hub.trusted(), hub.fleet.get(node.peer_id).rollouts_per_s
             reply = await node.submit(node.answer(lease, version=0))
             assert isinstance(reply, SubmitReply) and reply.accepted == 0
-            assert [why for _, why in reply.rejected] == ["stale version 0 (oldest accepted 3)"] * PROMPTS_PER_LEASE
+            assert reply.rejected == ()
+            assert [why for _, why in reply.late] == ["stale version 0 (oldest accepted 3)"] * PROMPTS_PER_LEASE
             assert hub.trusted() == before  # rejected rows are recorded, nothing accepted or paid
             assert hub.fleet.get(node.peer_id).rollouts_per_s < speed  # measured on accepted work only
             # A version the hub never published is no better.

@@ -8,6 +8,8 @@ import time
 import pytest
 
 from hub.store import LedgerRow, StepRecord, Store
+from hub.submissions import GroupVerdict
+from shared.messages import SubmittedGroup
 from shared.rollout import Completion, Group
 
 
@@ -114,3 +116,26 @@ def test_snapshots_checkpoints_events_leases(tmp_path):
     with pytest.raises(sqlite3.IntegrityError):  # leases only for known nodes
         store.add_lease("L3", "stranger", ["p"], 0, time.time())
     assert store.steps()[0].extra == {"kl": 0.01}
+
+
+def test_submission_verdicts_are_tallied_per_node_and_overall(tmp_path):
+    store = Store(tmp_path / "hub.db")
+    store.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")
+    store.add_lease("L1", "peerA", ["p1", "p2", "p3"], 0, time.time() + 60)
+    good = make_group("p1", 3)
+    submitted = SubmittedGroup(prompt_id="p1", completions=good.completions)
+    verdicts = [
+        GroupVerdict("p1", True, "", submitted, group=good),
+        GroupVerdict("p2", False, "stale version 1 (oldest accepted 2)", submitted, late=True),
+        GroupVerdict("p3", False, "tokens after EOS", submitted),
+    ]
+    ids = store.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h")
+    assert [store.trajectories()[i].verdict for i in range(3)] == ["accepted", "late", "rejected"]
+    assert len(ids) == 3
+    node = store.node("peerA")
+    assert (node.accepted, node.rejected, node.late) == (1, 1, 1)
+    store.record_trajectory(make_group("p4", 1), None, "peerA", "late", reason="stale version 1")
+    assert store.trajectory_counts() == {"accepted": 1, "rejected": 1, "late": 2}
+    assert store.node("peerA").late == 2
+    with pytest.raises(ValueError, match="verdict must be one of"):
+        store.record_trajectory(make_group("p5", 1), None, "peerA", "maybe")

@@ -162,6 +162,9 @@ def test_every_rejection_reason(rules, tokenizer, case):
     assert not v.accepted and v.group is None
     assert expected in v.reason, v.reason
     assert v.prompt_id == submitted.prompt_id and v.submitted is submitted
+    # Only a version that fell out of the window is lateness; everything else is bad work.
+    assert v.late == case.startswith("stale")
+    assert v.verdict == ("late" if v.late else "rejected")
 
 
 def test_duplicate_prompt_in_one_submission_is_answered_once(rules, tokenizer):

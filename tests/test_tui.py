@@ -14,6 +14,7 @@ import pytest
 import trio
 from textual.widgets import DataTable, HelpPanel, ProgressBar, Static
 
+from node.cli import main as node_cli
 from shared.crypto import Identity
 from shared.messages import (
     STATUS_PROTOCOL,
@@ -44,12 +45,12 @@ def hub_status(step: int = 10, now: float | None = None, running: bool = True) -
     a, b, c = NODE_IDS
     nodes = (
         NodeStatus(peer_id=a, state="active", price_per_hour=0.35, rollouts_per_s=2.0, version_held=step,
-                   accepted=640, rejected=3, cost_usd=0.41, backend="hf", hardware="RTX 5090", chain=0, chain_position=0),
+                   accepted=640, rejected=3, late=9, cost_usd=0.41, backend="hf", hardware="RTX 5090", chain=0, chain_position=0),
         NodeStatus(peer_id=b, state="active", price_per_hour=0.50, rollouts_per_s=1.6, version_held=step - 1,
-                   receiving_version=step, chunks_received=7, accepted=512, rejected=0, cost_usd=0.55, backend="hf",
+                   receiving_version=step, chunks_received=7, accepted=512, rejected=0, late=0, cost_usd=0.55, backend="hf",
                    chain=0, chain_position=1),
         NodeStatus(peer_id=c, state="standby", price_per_hour=3.06, rollouts_per_s=4.0, version_held=step,
-                   accepted=128, rejected=12, cost_usd=0.12, backend="vllm", chain=1, chain_position=0),
+                   accepted=128, rejected=12, late=2, cost_usd=0.12, backend="vllm", chain=1, chain_position=0),
     )
     history = tuple(
         StepPoint(step=i, version=i, reward_mean=0.1 + 0.05 * i, staleness_mean=1.0 + (i % 3) * 0.5, bubble=0.02,
@@ -66,7 +67,7 @@ def hub_status(step: int = 10, now: float | None = None, running: bool = True) -
     return HubStatus(
         hub_id=HUB_IDENTITY.peer_id, addrs=(f"/ip4/127.0.0.1/tcp/4001/p2p/{HUB_IDENTITY.peer_id}",), running=running,
         updated_at=now, step=step, steps_target=100, version=step, staleness=4, kappa=3, task="arith", nodes=nodes,
-        chains=((a, b), (c,)), open_leases=2, accepted=1280, rejected=15, dropped_stale=4, reward_mean=0.6,
+        chains=((a, b), (c,)), open_leases=2, accepted=1280, rejected=15, late=11, dropped_stale=4, reward_mean=0.6,
         t_train_s=12.1, t_bcast_s=4.2, bubble=0.03, predicted_bubble=0.02, mu_pool=3.6, mu_min=3.0, mu_target=3.3,
         cost_usd=1.08, cost_per_step_usd=0.108, all_on_cost_usd=2.5, history=history, events=events,
     )
@@ -78,7 +79,7 @@ def node_view(now: float | None = None) -> NodeView:
         peer_id=NODE_IDS[1], hub_addr=f"/ip4/127.0.0.1/tcp/4001/p2p/{HUB_IDENTITY.peer_id}", connected=True,
         state="active", updated_at=now, price_per_hour=0.5, backend="hf", version_held=9, receiving_version=10,
         chunks_received=7, chunks_total=20, chain=0, chain_position=1, upstream=NODE_IDS[0], downstream=None,
-        tokens_per_s=850.0, rollouts_per_s=1.6, leases_done=12, accepted=512, rejected=4, earnings_usd=0.55,
+        tokens_per_s=850.0, rollouts_per_s=1.6, leases_done=12, accepted=512, rejected=4, late=3, earnings_usd=0.55,
         busy_s=3960.0, events=(EventRecord(at=now - 10, kind="activate", detail="node-activated-event"),),
     )
 
@@ -174,6 +175,7 @@ async def test_hub_dashboard_shows_learner_cost_chains_nodes_and_events(hub_dir:
         assert len(app.query_one("#reward-spark").data) == 10
         cost = static_text(app, "#cost")
         assert "$1.080" in cost and "$0.00084" in cost and "$2.500" in cost and "57%" in cost
+        assert "rej 15 late 11 stale 4" in cost
         assert "banned-c" in static_text(app, "#events") and "v10 published" in static_text(app, "#events")
 
 
@@ -192,8 +194,13 @@ async def test_hub_dashboard_sort_key_header_click_and_node_events(hub_dir: Path
         await pilot.press("S")
         assert table_peers(app) == by_price[::-1]
         assert "$/h ▼" in str(app.query_one("#nodes-table").border_title)
-        # Clicking the "acc" header sorts by accepted work, ascending.
         table = app.query_one("#nodes-table", DataTable)
+        # "late" (groups refused only for falling out of the window) sorts on its own.
+        assert table.ordered_columns[8].label.plain == "late"
+        table.post_message(DataTable.HeaderSelected(table, table.ordered_columns[8].key, 8, table.ordered_columns[8].label))
+        await pilot.pause()
+        assert table_peers(app) == [NODE_IDS[1], NODE_IDS[2], NODE_IDS[0]]
+        # Clicking the "acc" header sorts by accepted work, ascending.
         table.post_message(DataTable.HeaderSelected(table, table.ordered_columns[6].key, 6, table.ordered_columns[6].label))
         await pilot.pause()
         assert table_peers(app) == [NODE_IDS[2], NODE_IDS[1], NODE_IDS[0]]
@@ -398,6 +405,21 @@ def test_screenshot_writes_svg_with_short_ids(hub_dir: Path, tmp_path: Path) -> 
     assert "7/20" in node_shot.read_text()
 
 
+def test_volunteer_data_dir_opens_the_node_view(tmp_path: Path) -> None:
+    """`echo-node dashboard` watches a node started elsewhere; `echo-hub dashboard` on a node's dir shows the same."""
+    node_dir = tmp_path / "node"
+    node_dir.mkdir()
+    write_status(node_dir, node_view(), "node_status.json")
+    shot = tmp_path / "node.svg"
+    assert node_cli(["dashboard", "--data-dir", str(node_dir), "--screenshot", str(shot)]) == 0
+    assert "7/20" in shot.read_text() and "late" in shot.read_text()
+    parser = argparse.ArgumentParser()
+    add_dashboard_arguments(parser)
+    via_hub = tmp_path / "via-hub.svg"
+    assert run_dashboard(parser.parse_args(["--data-dir", str(node_dir), "--screenshot", str(via_hub)])) == 0
+    assert "7/20" in via_hub.read_text()
+
+
 def test_dashboard_arguments_need_exactly_one_source() -> None:
     parser = argparse.ArgumentParser()
     add_dashboard_arguments(parser)
@@ -427,7 +449,7 @@ async def test_node_dashboard_renders_node_view(tmp_path: Path) -> None:
         chain = static_text(app, "#chain")
         assert "position 1" in chain and short_id(NODE_IDS[0]) in chain and f"me {short_id(NODE_IDS[1])}" in chain
         work = static_text(app, "#work")
-        assert "accepted 512" in work and "rejected 4" in work and "$0.5500" in work and "$0.50/h" in work
+        assert "accepted 512" in work and "rejected 4" in work and "late 3" in work and "$0.5500" in work and "$0.50/h" in work
         assert "850 tok/s" in work
         assert "node-activated-event" in static_text(app, "#events")
         assert f"{short_id(HUB_IDENTITY.peer_id)} at /ip4/127.0.0.1/tcp/4001" in static_text(app, "#identity")

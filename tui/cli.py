@@ -1,18 +1,18 @@
-"""Command-line entry points of the dashboards, for hub/cli.py (`echo-hub dashboard`) and node/cli.py (`--dashboard`)."""
+"""Command-line entry points of the dashboards, for hub/cli.py (`echo-hub dashboard`) and node/cli.py
+(`echo-node join --dashboard`, `echo-node dashboard`). Textual and the sources load only when a
+dashboard is built, so `--help` stays fast."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from textual.app import App
+from tui import DEFAULT_REFRESH_S
 
-from tui.hub_app import HubDashboard
-from tui.node_app import NodeDashboard
-from tui.sources import DataDirSource, HubSource
-from tui.widgets import DEFAULT_REFRESH_S, DashboardApp
+if TYPE_CHECKING:
+    from tui.widgets import DashboardApp
 
 SCREENSHOT_SIZE = (120, 40)
 
@@ -21,6 +21,10 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hub", metavar="ADDR", help="multiaddr of a running hub, ending in /p2p/<hub peer id>")
     source.add_argument("--data-dir", metavar="DIR", type=Path, help="read DIR/status.json (hub) or DIR/node_status.json (node)")
+    add_view_arguments(parser)
+
+
+def add_view_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S, help="seconds between refreshes (default 1)")
     parser.add_argument(
         "--screenshot",
@@ -31,14 +35,26 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hub") -> DashboardApp:
+    from tui.hub_app import HubDashboard
+    from tui.node_app import NodeDashboard
+    from tui.sources import DataDirSource, HubSource
+
     if args.refresh_s <= 0:
         raise SystemExit(f"--refresh-s must be positive, got {args.refresh_s}")
+    if kind == "hub" and args.data_dir is not None and _holds_only_node_status(args.data_dir):
+        kind = "node"  # a volunteer's data dir: show the volunteer's view, as --help says
     if kind == "node":
         if args.data_dir is None:
             raise SystemExit("the node dashboard reads the node's --data-dir; --hub is for the hub dashboard")
         return NodeDashboard(DataDirSource(args.data_dir, kind="node"), args.refresh_s)
     source = HubSource(args.hub) if args.hub is not None else DataDirSource(args.data_dir, kind="hub")
     return HubDashboard(source, args.refresh_s)
+
+
+def _holds_only_node_status(data_dir: Path) -> bool:
+    from tui.sources import HUB_STATUS_FILE, NODE_STATUS_FILE
+
+    return (data_dir / NODE_STATUS_FILE).exists() and not (data_dir / HUB_STATUS_FILE).exists()
 
 
 def run_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hub") -> int:
@@ -70,6 +86,9 @@ def save_screenshot(app: DashboardApp, path: Path) -> int:
     return 0 if app.return_code is None else app.return_code
 
 
-def run_node_dashboard(data_dir: Path | str, refresh_s: float = DEFAULT_REFRESH_S) -> App:
+def run_node_dashboard(data_dir: Path | str, refresh_s: float = DEFAULT_REFRESH_S) -> DashboardApp:
     """The node's dashboard over DATA_DIR/node_status.json, not yet running: call `.run()` (main thread) or `await .run_async()`."""
+    from tui.node_app import NodeDashboard
+    from tui.sources import DataDirSource
+
     return NodeDashboard(DataDirSource(data_dir, kind="node"), refresh_s)

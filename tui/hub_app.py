@@ -13,8 +13,8 @@ from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
 from shared.messages import HubStatus, NodeStatus
+from tui import DEFAULT_REFRESH_S
 from tui.widgets import (
-    DEFAULT_REFRESH_S,
     Banner,
     DashboardApp,
     event_lines,
@@ -61,6 +61,7 @@ NODE_COLUMNS: tuple[Column, ...] = (
     Column("version", "ver", lambda n: n.version_held),
     Column("accepted", "acc", lambda n: n.accepted),
     Column("rejected", "rej", lambda n: n.rejected),
+    Column("late", "late", lambda n: n.late),
     Column("cost", "cost", lambda n: n.cost_usd),
 )
 
@@ -78,6 +79,7 @@ def node_row(node: NodeStatus) -> tuple[object, ...]:
         Text(version, justify="right"),
         Text(str(node.accepted), justify="right"),
         Text(str(node.rejected), justify="right", style="red" if node.rejected else ""),
+        Text(str(node.late), justify="right", style="yellow" if node.late else ""),
         Text(money(node.cost_usd, 3), justify="right"),
     )
 
@@ -132,7 +134,7 @@ def cost_text(status: HubStatus) -> Text:
         out.append(f"saved       {1 - status.cost_usd / status.all_on_cost_usd:.0%}\n", style="green")
     else:
         out.append("saved       —\n")
-    out.append(f"acc {status.accepted} rej {status.rejected} stale {status.dropped_stale}", style="dim")
+    out.append(f"acc {status.accepted} rej {status.rejected} late {status.late} stale {status.dropped_stale}", style="dim")
     return out
 
 

@@ -8,7 +8,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
 from shared.messages import NodeView
-from tui.widgets import DEFAULT_REFRESH_S, Banner, DashboardApp, event_lines, money, number, short_id, styled_state
+from tui import DEFAULT_REFRESH_S
+from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state
 
 
 def identity_text(view: NodeView) -> Text:
@@ -39,13 +40,15 @@ def chain_text(view: NodeView) -> Text:
 
 
 def work_text(view: NodeView) -> Text:
-    decided = view.accepted + view.rejected
+    decided = view.accepted + view.rejected + view.late
     out = Text()
     out.append(f"throughput {number(view.tokens_per_s, '.0f')} tok/s  {number(view.rollouts_per_s)} rollouts/s\n")
     out.append(f"leases {view.leases_done}   accepted ")
     out.append(str(view.accepted), style="green")
     out.append("  rejected ")
     out.append(str(view.rejected), style="red" if view.rejected else "")
+    out.append("  late ")
+    out.append(str(view.late), style="yellow" if view.late else "")
     if decided:
         out.append(f"  ({view.accepted / decided:.0%} accepted)")
     out.append("\nearnings ")

@@ -13,10 +13,10 @@ from textual.binding import Binding
 from textual.widgets import HelpPanel, Static
 
 from shared.messages import EventRecord
+from tui import DEFAULT_REFRESH_S
 from tui.sources import NoStatus, Unreachable
 
 SHORT_ID_CHARS = 6
-DEFAULT_REFRESH_S = 1.0
 # A status file whose writer claims to be running but has not rewritten it for this long
 # (it is rewritten about once a second) most likely belongs to a process that died.
 STALE_FILE_S = 10.0
