@@ -39,7 +39,6 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import trio
 
-from hub.status import STATUS_FILE, STATUS_PERIOD_S
 from shared.messages import HubStatus
 from tests.harness import HubProc, node_peer_id, start_hub, start_node, wait_until
 
@@ -92,6 +91,8 @@ class HubDB:
 
     def shown_cost(self, node_id: str) -> float | None:
         """The node's cost in the hub's status.json, or None before the node appears there."""
+        from hub.status import STATUS_FILE
+
         path = self.path.with_name(STATUS_FILE)
         if not path.exists():
             return None
@@ -462,6 +463,8 @@ async def scenario_caught_later(
     r.accepted = max(0, standing - standing_before)
     r.paid = db.paid(cheat.peer_id) - paid_before
     r.false_rejections += db.banned(control.peer_id)
+    from hub.status import STATUS_PERIOD_S
+
     deadline = time.monotonic() + 3 * STATUS_PERIOD_S
     while (shown := db.shown_cost(cheat.peer_id)) is None or abs(shown - db.paid(cheat.peer_id)) > 1e-12:
         if time.monotonic() > deadline:

@@ -10,6 +10,7 @@ at the next start), never a `step-NNNNNNNN` directory with files missing.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 
 from shared.files import fsync_dir
+
+log = logging.getLogger("echo2.hub.checkpoint")
 
 CHECKPOINT_PREFIX = "step-"
 MODEL_SUBDIR = "model"
@@ -73,12 +76,16 @@ def save_checkpoint(root: Path, step: int, version: int, model, tokenizer, optim
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in list_checkpoints(root)[:-keep]:
-        _remove_checkpoint(old.path)
+        try:
+            _remove_checkpoint(old.path)
+        except OSError as exc:  # the new checkpoint is committed; an old one left behind is retried next save
+            log.warning("could not remove old checkpoint %s: %s", old.path, exc)
     return CheckpointInfo(step=step, version=version, path=final)
 
 
 def _remove_checkpoint(path: Path) -> None:
-    doomed = path.with_name(f".{path.name}.removing")
+    # A fresh empty directory as the target: rename replaces it atomically, and the name is unique.
+    doomed = Path(tempfile.mkdtemp(prefix=f".{path.name}.removing.", dir=path.parent))
     os.rename(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed)
@@ -92,6 +99,10 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
     out = []
     for path in root.iterdir():
         if path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX):
+            if not (path / STATE_FILE).exists():
+                # Not written by save_checkpoint (which renames whole directories): never resume from it.
+                log.warning("ignoring %s: no %s, not a complete checkpoint", path, STATE_FILE)
+                continue
             state = json.loads((path / STATE_FILE).read_text())
             out.append(CheckpointInfo(step=int(state["step"]), version=int(state["version"]), path=path))
     return sorted(out, key=lambda c: c.step)

@@ -34,6 +34,7 @@ class NodeRecord:
     accepted: int = 0
     rejected: int = 0
     late: int = 0
+    refused: int = 0  # requests refused at the protocol level, not groups
     audits_passed: int = 0
     bad_chunks: int = 0
     recent_events: list[str] = field(default_factory=list)
@@ -70,6 +71,7 @@ class Fleet:
             # A rejoin (node or hub restarted) keeps what the hub measured and paid so far.
             record.rollouts_per_s, record.measured = previous.rollouts_per_s, previous.measured
             record.accepted, record.rejected, record.late = previous.accepted, previous.rejected, previous.late
+            record.refused = previous.refused
             record.audits_passed = previous.audits_passed
             record.state = "standby" if previous.measured else "probing"
         self.nodes[peer_id] = record

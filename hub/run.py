@@ -19,7 +19,7 @@ from hub.leases import LeaseBook
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
 from hub.service import Defences
 from hub.snapshots import SnapshotShelf
-from hub.store import Store
+from hub.store import SchemaMismatch, Store
 from shared.crypto import Identity
 from shared.net import running_host
 from shared.signals import Stopper
@@ -241,7 +241,11 @@ def run_hub(config: HubConfig, progress: bool = True) -> int:
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
     identity = Identity.load_or_create(config.key_path)
     model_dir = config.model or ensure_default_model(progress=progress and sys.stderr.isatty())
-    hub = Hub(config, identity, Path(model_dir), progress)
+    try:
+        hub = Hub(config, identity, Path(model_dir), progress)
+    except SchemaMismatch as exc:
+        print(f"echo-hub: {exc}", file=sys.stderr)
+        return 2
     try:
         trio.run(hub.run)
     finally:

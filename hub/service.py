@@ -73,6 +73,11 @@ from shared.wire import (
 
 log = logging.getLogger("echo2.hub.service")
 
+
+class HubBusy(Exception):
+    """The hub cannot take this request now; the peer did nothing wrong and may send it again."""
+
+
 READ_TIMEOUT_S = 30.0
 TRANSFER_TIMEOUT_S = 3600.0
 LEASE_SWEEP_PERIOD_S = 1.0
@@ -198,13 +203,17 @@ class HubService:
         self.count(f"refused:{protocol}")
         record = self.fleet.get(peer)
         if record is not None:
-            record.rejected += 1
+            record.refused += 1
+            await trio.to_thread.run_sync(self.store.count_refusal, peer)
         log.warning("refused %s from %s: %s", protocol, peer, exc)
+        await self._refuse(stream, str(exc))
+
+    async def _refuse(self, stream: INetStream, reason: str) -> None:
         try:
             with trio.move_on_after(2):
-                await write_message(stream, Reject(reason=str(exc)[:1000]))
+                await write_message(stream, Reject(reason=reason[:1000]))
                 await stream.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the peer may already be gone
             await stream.reset()
 
     def window(self) -> VersionWindow:
@@ -252,6 +261,9 @@ class HubService:
             try:
                 with trio.fail_after(timeout_s):
                     await handler(stream)
+            except HubBusy as exc:
+                self.count(f"busy:{protocol}")
+                await self._refuse(stream, f"{BUSY_PREFIX} {exc}")
             except (FrameError, StreamEOF, trio.TooSlowError, ValueError) as exc:
                 await self.misbehaved(stream, protocol, exc)
             finally:
@@ -263,12 +275,7 @@ class HubService:
     async def _turn_away(self, stream: INetStream, peer: str, admission) -> None:
         """A peer over its stream, rate or memory caps: told to retry later, disconnected if it keeps on."""
         self.count(f"guard_{admission.verdict}")
-        try:
-            with trio.move_on_after(2):
-                await write_message(stream, Reject(reason=f"{BUSY_PREFIX} retry in {admission.retry_after_s:.2f}s: {admission.reason}"[:1000]))
-                await stream.close()
-        except Exception:  # noqa: BLE001 - a flooding peer may already be gone
-            await stream.reset()
+        await self._refuse(stream, f"{BUSY_PREFIX} retry in {admission.retry_after_s:.2f}s: {admission.reason}")
         if admission.verdict == "disconnect":
             await self.event("disconnect", peer, admission.reason)
             await self.host.disconnect(ID.from_base58(peer))
@@ -292,6 +299,7 @@ class HubService:
         record = self.fleet.join(peer, request, remote_ip(stream), time.time())
         if previous is None and stored is not None:  # known from before a hub restart: keep its tallies
             record.accepted, record.rejected, record.late = stored.accepted, stored.rejected, stored.late
+            record.refused = stored.refused
         await trio.to_thread.run_sync(
             lambda: self.store.upsert_node(
                 peer, record.price_per_hour, record.hardware, record.link_bps, record.backend, record.state
@@ -414,7 +422,7 @@ class HubService:
             verdicts, copies = self._reject_copies(verdicts, peer, lease.lease_id)
             accepted = [v for v in verdicts if v.accepted]
             if accepted and len(self.buffer) + len(accepted) > self.buffer.capacity_groups:
-                raise ValueError("hub buffer full: resubmit later")
+                raise HubBusy("hub buffer full: resubmit later")
             seconds = min(now - lease.issued_at, self.config.lease_timeout_s)
             share = len(accepted) / len(lease.prompts)
             usd = min(record.price_per_hour * seconds / 3600.0 * share, self.config.max_cost_per_lease_usd)
@@ -466,7 +474,7 @@ class HubService:
         self.leases.close(lease)
         await self._buffer_accepted(record, lease, verdicts, row_ids)
         record.accepted += len(accepted)
-        late = sum(v.late for v in verdicts)
+        late = sum(v.verdict == "late" for v in verdicts)
         record.late += late
         record.rejected += len(verdicts) - len(accepted) - late
         self.fleet.record_work(record, sum(len(v.group.completions) for v in accepted), seconds)

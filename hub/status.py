@@ -96,7 +96,7 @@ class StatusBoard:
             NodeStatus(
                 peer_id=n.peer_id, state=n.state, price_per_hour=n.price_per_hour, rollouts_per_s=n.rollouts_per_s,
                 version_held=n.version_held, receiving_version=n.receiving_version,
-                chunks_received=n.chunks_received, accepted=n.accepted, rejected=n.rejected, late=n.late,
+                chunks_received=n.chunks_received, accepted=n.accepted, rejected=n.rejected, late=n.late, refused=n.refused,
                 cost_usd=self.paid_usd.get(n.peer_id, 0.0),
                 backend=n.backend, hardware=n.hardware,
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],

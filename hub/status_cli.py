@@ -45,12 +45,13 @@ def render(status: HubStatus, console: Console) -> None:
     head.add_row("cost", f"${status.cost_usd:.4f}", f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else "")
     console.print(head)
     nodes = Table(title="nodes")
-    for col in ("peer", "state", "$/h", "rollouts/s", "version", "accepted", "rejected", "late", "cost $", "chain"):
+    for col in ("peer", "state", "$/h", "rollouts/s", "version", "accepted", "rejected", "late", "refused", "cost $", "chain"):
         nodes.add_column(col)
     for n in status.nodes:
         chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
         nodes.add_row(n.peer_id[-8:], n.state, f"{n.price_per_hour:.2f}", f"{n.rollouts_per_s:.2f}", str(n.version_held),
-                      str(n.accepted), str(n.rejected), str(n.late), f"{n.cost_usd:.5f}", chain)
+                      str(n.accepted), str(n.rejected), str(n.late), str(n.refused),
+                      f"{n.cost_usd:.5f}", chain)
     console.print(nodes)
     for i, chain in enumerate(status.chains):
         console.print(f"chain {i}: hub -> " + " -> ".join(p[-8:] for p in chain))

@@ -39,6 +39,14 @@ Verdict = Literal["accepted", "rejected", "late"]
 VERDICTS: tuple[Verdict, ...] = ("accepted", "rejected", "late")
 LeaseState = Literal["open", "answered", "expired"]
 
+# Bumped whenever _SCHEMA changes; a database of another version is refused, never half-used.
+SCHEMA_VERSION = 1
+
+
+class SchemaMismatch(RuntimeError):
+    """The database was written by an echo2 with another schema."""
+
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
     version       INTEGER PRIMARY KEY,
@@ -61,6 +69,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     accepted       INTEGER NOT NULL DEFAULT 0,
     rejected       INTEGER NOT NULL DEFAULT 0,
     late           INTEGER NOT NULL DEFAULT 0,
+    refused        INTEGER NOT NULL DEFAULT 0,
     banned_reason  TEXT
 );
 CREATE TABLE IF NOT EXISTS leases (
@@ -224,6 +233,7 @@ class NodeRow:
     accepted: int
     rejected: int
     late: int
+    refused: int
     banned_reason: str | None
 
 
@@ -255,9 +265,17 @@ class Store:
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         with self._write():
+            found = self.db.execute("PRAGMA user_version").fetchone()[0]
+            fresh = not self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' LIMIT 1").fetchone()
+            if not fresh and found != SCHEMA_VERSION:
+                raise SchemaMismatch(
+                    f"{self.path} holds echo2 schema {found}, this echo2 uses {SCHEMA_VERSION}: "
+                    "finish that run with the echo2 that started it, or start this one in a new --data-dir"
+                )
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     self.db.execute(statement)
+            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         with self._lock:
@@ -330,6 +348,11 @@ class Store:
                 " last_seen = excluded.last_seen, state = excluded.state",
                 (peer_id, price_per_hour, hardware, link_bps, backend, now, now, state),
             )
+
+    def count_refusal(self, peer_id: str) -> None:
+        """One more request of this node refused at the protocol level (bad frame, expired lease...)."""
+        with self._write():
+            self.db.execute("UPDATE nodes SET refused = refused + 1 WHERE peer_id = ?", (peer_id,))
 
     def set_node_state(self, peer_id: str, state: str, banned_reason: str | None = None) -> None:
         with self._write():

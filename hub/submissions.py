@@ -51,6 +51,10 @@ class GroupVerdict:
     # the normal cost of asynchrony for an honest node, kept apart from refusals for bad work.
     late: bool = False
 
+    def __post_init__(self) -> None:
+        if self.accepted and self.late:
+            raise ValueError("a group is either accepted or late, not both")
+
     @property
     def verdict(self) -> str:
         """How the store records it: accepted, late or rejected."""
@@ -99,17 +103,20 @@ def check_group(
     version = versions.pop()
     if version > window.newest:
         return reject(f"version {version} was never published (newest {window.newest})")
-    if version < max(record.min_version, window.oldest):
-        oldest = max(record.min_version, window.oldest)
-        return GroupVerdict(pid, False, f"stale version {version} (oldest accepted {oldest})", submitted, late=True)
-    completions = []
+    if version < record.min_version:
+        # The lease was only issued to a node holding at least min_version: not lateness.
+        return reject(f"version {version} below the lease's minimum {record.min_version}")
     for c in submitted.completions:
         problem = _check_completion(c, rules.sampling, rules.eos_id)
         if problem is None and any(not 0 <= t < rules.vocab_size for t in c.token_ids):
             problem = "token id outside the vocabulary"
         if problem is not None:
             return reject(problem)
-        completions.append(c.model_copy(update={"text": rules.decode(list(c.token_ids))}))
+    # Checked last: only a group that is otherwise valid work is late rather than rejected.
+    if version < window.oldest:
+        reason = f"stale version {version} (oldest accepted {window.oldest})"
+        return GroupVerdict(pid, False, reason, submitted, late=True)
+    completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
     prompt = prompts[pid]
     rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
     mismatch = submitted.claimed_rewards is not None and (

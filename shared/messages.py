@@ -175,6 +175,7 @@ class NodeStatus(Message):
     accepted: int
     rejected: int
     late: int = Field(0, description="groups refused only for a version that fell out of the staleness window")
+    refused: int = Field(0, description="requests refused at the protocol level (bad frames, expired leases...)")
     cost_usd: float
     backend: str = ""
     hardware: str = ""

@@ -48,6 +48,14 @@ def test_kill_while_pruning_leaves_only_complete_checkpoints(tmp_path, policy, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
 
 
+def test_a_step_directory_without_state_is_never_resumed_from(tmp_path, policy, caplog):
+    model, tokenizer, optimizer = policy
+    save_checkpoint(tmp_path, 2, 2, model, tokenizer, optimizer)
+    (tmp_path / "step-00000004" / "model").mkdir(parents=True)  # damaged by hand, or by an older echo2
+    assert [c.step for c in list_checkpoints(tmp_path)] == [2]
+    assert "step-00000004" in caplog.text and "not a complete checkpoint" in caplog.text
+
+
 def test_refuses_to_overwrite_a_step(tmp_path, policy):
     model, tokenizer, optimizer = policy
     save_checkpoint(tmp_path, 2, 2, model, tokenizer, optimizer)

@@ -4,12 +4,14 @@ dashboard attached to the live hub over libp2p and, afterwards, to the finished 
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from hub.run import STORE_FILE
 from shared.messages import NodeView
 from tests.harness import start_hub
 from tui.hub_app import HubDashboard
@@ -90,6 +92,21 @@ def test_invalid_combinations_are_refused_with_the_reason(tmp_path: Path) -> Non
     )
     assert result.returncode == 2
     assert "kappa" in result.stderr and "S-1" in result.stderr or "kappa must satisfy" in result.stderr
+
+
+@pytest.mark.slow
+def test_data_dir_of_another_schema_is_refused_with_the_reason(tmp_path: Path) -> None:
+    old = sqlite3.connect(tmp_path / STORE_FILE)
+    old.execute("CREATE TABLE nodes (peer_id TEXT PRIMARY KEY, accepted INTEGER)")
+    old.commit()
+    old.close()
+    result = subprocess.run(
+        [sys.executable, "-m", "hub.cli", "start", "--local-nodes", "0", "--no-progress", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "schema 0" in result.stderr and "new --data-dir" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_help_is_fast_and_imports_no_torch() -> None:

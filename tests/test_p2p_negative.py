@@ -279,6 +279,37 @@ async def test_honest_flow_is_accepted_and_paid(hub_args):
 
 
 @pytest.mark.trio
+async def test_full_buffer_says_busy_and_the_node_resubmits(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            await joined_and_active(node)
+            lease = await node.lease()
+            hub.buffer.capacity_groups = len(hub.buffer)
+            before = hub.trusted()
+            reply = await node.submit(node.answer(lease))
+            assert isinstance(reply, Reject) and reply.busy and "buffer full" in reply.reason
+            assert hub.trusted() == before and lease.lease_id in hub.leases.open
+            assert hub.fleet.get(node.peer_id).refused == 0  # the hub's own limit, not the node's fault
+            hub.buffer.capacity_groups = 1000
+            assert (await node.submit(node.answer(lease))).accepted == PROMPTS_PER_LEASE
+
+
+@pytest.mark.trio
+async def test_a_node_rejoining_a_restarted_hub_keeps_its_tallies(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            await joined_and_active(node)
+            lease = await node.lease()
+            reply = await node.submit(node.answer(lease, version=hub.version[0] + 5))  # never published
+            assert isinstance(reply, SubmitReply) and len(reply.rejected) == PROMPTS_PER_LEASE
+            await node.submit(node.answer(lease), signer=Identity.generate())  # refused outright
+            hub.fleet.nodes.clear()  # what a hub restart leaves: the store, and no fleet in memory
+            assert isinstance(await node.join(), JoinReply)
+            record = hub.fleet.get(node.peer_id)
+            assert (record.accepted, record.rejected, record.late, record.refused) == (1, PROMPTS_PER_LEASE, 0, 1)
+
+
+@pytest.mark.trio
 async def test_bad_signature_is_refused_and_the_lease_stays_answerable(hub_args):
     with trio.fail_after(TEST_TIMEOUT_S):
         async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
@@ -295,6 +326,10 @@ async def test_bad_signature_is_refused_and_the_lease_stays_answerable(hub_args)
             assert hub.trusted() == before
             assert hub.store.lease(lease.lease_id).state == "open" and lease.lease_id in hub.leases.open
             assert hub.service.counters["refused:" + SUBMIT_PROTOCOL] == 2
+            # Counted against the node as refused requests, in memory and in the store; not as rejected groups.
+            record = hub.fleet.get(node.peer_id)
+            assert (record.refused, record.rejected) == (2, 0)
+            assert (hub.store.node(node.peer_id).refused, hub.store.node(node.peer_id).rejected) == (2, 0)
             # The genuine answer still goes through.
             assert (await node.submit(node.answer(lease))).accepted == PROMPTS_PER_LEASE
             await assert_still_serving(hub, hub_args[2])

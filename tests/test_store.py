@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hub.store import LedgerRow, StepRecord, Store
+from hub.store import SCHEMA_VERSION, LedgerRow, SchemaMismatch, StepRecord, Store
 from hub.submissions import GroupVerdict
 from shared.messages import SubmittedGroup
 from shared.rollout import Completion, Group
@@ -37,6 +37,21 @@ def test_schema_and_pragmas(tmp_path):
     assert store.pragma("foreign_keys") == 1
     assert store.pragma("busy_timeout") > 0
     assert store.integrity_check() == "ok"
+    assert store.pragma("user_version") == SCHEMA_VERSION
+
+
+def test_database_of_another_schema_is_refused_untouched(tmp_path):
+    Store(tmp_path / "hub.db").close()
+    Store(tmp_path / "hub.db").close()  # same schema: reopens
+    old = sqlite3.connect(tmp_path / "old.db")
+    old.execute("CREATE TABLE nodes (peer_id TEXT PRIMARY KEY, accepted INTEGER)")  # an earlier layout, no version
+    old.commit()
+    old.close()
+    with pytest.raises(SchemaMismatch, match="schema 0, this echo2 uses"):
+        Store(tmp_path / "old.db")
+    check = sqlite3.connect(tmp_path / "old.db")
+    assert [r[0] for r in check.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["nodes"]
+    assert check.execute("PRAGMA user_version").fetchone()[0] == 0
 
 
 def test_commit_step_is_atomic(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from hub.leases import LeaseRecord
-from hub.submissions import SubmissionRules, VersionWindow, check_group, check_submission
+from hub.submissions import GroupVerdict, SubmissionRules, VersionWindow, check_group, check_submission
 from shared.messages import Submission, SubmittedGroup
 from shared.rollout import Completion, SamplingParams
 from shared.tasks.base import Prompt
@@ -118,7 +118,7 @@ def reasons(rules, tokenizer) -> dict[str, tuple[SubmittedGroup, LeaseRecord, st
         ),
         "unpublished": (group(tokenizer, version=6), lease(), "version 6 was never published"),
         "stale for window": (group(tokenizer, version=2), lease(), "stale version 2 (oldest accepted 3)"),
-        "stale for lease": (group(tokenizer, version=4), lease(min_version=5), "stale version 4 (oldest accepted 5)"),
+        "below lease minimum": (group(tokenizer, version=4), lease(min_version=5), "version 4 below the lease's minimum 5"),
         "empty": (with_completion(good.model_copy(update={"token_ids": (), "logprobs": ()})), lease(), "length 0"),
         "too long": (
             with_completion(good.model_copy(update={"token_ids": (a,) * 7 + (eos,), "logprobs": (-0.1,) * 8})),
@@ -153,7 +153,7 @@ def reasons(rules, tokenizer) -> dict[str, tuple[SubmittedGroup, LeaseRecord, st
 
 @pytest.mark.parametrize("case", [
     "not in lease", "answered before", "too few", "too many", "mixed versions", "unpublished", "stale for window",
-    "stale for lease", "empty", "too long", "logprob count", "positive logprob", "nan logprob", "stop without eos",
+    "below lease minimum", "empty", "too long", "logprob count", "positive logprob", "nan logprob", "stop without eos",
     "length too early", "tokens after eos", "token outside vocab", "negative token",
 ])
 def test_every_rejection_reason(rules, tokenizer, case):
@@ -165,6 +165,18 @@ def test_every_rejection_reason(rules, tokenizer, case):
     # Only a version that fell out of the window is lateness; everything else is bad work.
     assert v.late == case.startswith("stale")
     assert v.verdict == ("late" if v.late else "rejected")
+
+
+def test_bad_work_is_rejected_even_when_it_is_also_stale(rules, tokenizer):
+    a, eos = tokenizer.encode("a")[0], tokenizer.eos_token_id
+    stale = completion(tokenizer, "cba", version=2)
+    broken = stale.model_copy(update={"token_ids": (eos, a, eos), "logprobs": (-0.1,) * 3})
+    v = verdict(rules, SubmittedGroup(prompt_id="p-abc", completions=(stale, broken)))
+    assert (v.accepted, v.late, v.verdict) == (False, False, "rejected") and v.reason == "tokens after EOS"
+    honest_but_late = verdict(rules, SubmittedGroup(prompt_id="p-abc", completions=(stale, stale)))
+    assert honest_but_late.verdict == "late" and honest_but_late.reason == "stale version 2 (oldest accepted 3)"
+    with pytest.raises(ValueError, match="accepted or late"):
+        GroupVerdict("p", True, "", honest_but_late.submitted, late=True)
 
 
 def test_duplicate_prompt_in_one_submission_is_answered_once(rules, tokenizer):

@@ -264,6 +264,9 @@ class HubDashboard(DashboardApp):
             text.update(event_lines((), empty="no node selected"))
             return
         box.border_title = f"events of {short_id(self.selected_peer)}"
+        node = next((n for n in self.status.nodes if n.peer_id == self.selected_peer), None)
+        if node is not None and node.refused:
+            box.border_title += f" · {node.refused} requests refused"
         mine = [e for e in self.status.events if e.node_id == self.selected_peer]
         text.update(event_lines(mine, with_node=False, empty="no recent events for this node"))
 
