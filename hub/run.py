@@ -130,6 +130,7 @@ class Hub:
     async def _audit_pass(self, node_id: str) -> None:
         if (record := self.fleet.get(node_id)) is not None:
             record.audits_passed += 1
+        await trio.to_thread.run_sync(self.store.count_audit_pass, node_id)
 
     async def _audit_fail(self, node_id: str, reason: str) -> None:
         """Ban the node, drop its untrained work from the buffer, void what it was paid since its last passed audit."""

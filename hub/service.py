@@ -299,7 +299,7 @@ class HubService:
         record = self.fleet.join(peer, request, remote_ip(stream), time.time())
         if previous is None and stored is not None:  # known from before a hub restart: keep its tallies
             record.accepted, record.rejected, record.late = stored.accepted, stored.rejected, stored.late
-            record.refused = stored.refused
+            record.refused, record.audits_passed = stored.refused, stored.audits_passed
         await trio.to_thread.run_sync(
             lambda: self.store.upsert_node(
                 peer, record.price_per_hour, record.hardware, record.link_bps, record.backend, record.state

@@ -70,6 +70,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     rejected       INTEGER NOT NULL DEFAULT 0,
     late           INTEGER NOT NULL DEFAULT 0,
     refused        INTEGER NOT NULL DEFAULT 0,
+    audits_passed  INTEGER NOT NULL DEFAULT 0,
     banned_reason  TEXT
 );
 CREATE TABLE IF NOT EXISTS leases (
@@ -234,6 +235,7 @@ class NodeRow:
     rejected: int
     late: int
     refused: int
+    audits_passed: int
     banned_reason: str | None
 
 
@@ -353,6 +355,11 @@ class Store:
         """One more request of this node refused at the protocol level (bad frame, expired lease...)."""
         with self._write():
             self.db.execute("UPDATE nodes SET refused = refused + 1 WHERE peer_id = ?", (peer_id,))
+
+    def count_audit_pass(self, peer_id: str) -> None:
+        """One more audit of this node's work passed: its probation and lease quota survive a hub restart."""
+        with self._write():
+            self.db.execute("UPDATE nodes SET audits_passed = audits_passed + 1 WHERE peer_id = ?", (peer_id,))
 
     def set_node_state(self, peer_id: str, state: str, banned_reason: str | None = None) -> None:
         with self._write():

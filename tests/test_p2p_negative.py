@@ -303,10 +303,13 @@ async def test_a_node_rejoining_a_restarted_hub_keeps_its_tallies(hub_args):
             reply = await node.submit(node.answer(lease, version=hub.version[0] + 5))  # never published
             assert isinstance(reply, SubmitReply) and len(reply.rejected) == PROMPTS_PER_LEASE
             await node.submit(node.answer(lease), signer=Identity.generate())  # refused outright
+            for _ in range(3):
+                hub.store.count_audit_pass(node.peer_id)
             hub.fleet.nodes.clear()  # what a hub restart leaves: the store, and no fleet in memory
             assert isinstance(await node.join(), JoinReply)
             record = hub.fleet.get(node.peer_id)
             assert (record.accepted, record.rejected, record.late, record.refused) == (1, PROMPTS_PER_LEASE, 0, 1)
+            assert record.audits_passed == 3  # its probation and lease quota carry over the restart
 
 
 @pytest.mark.trio
