@@ -9,9 +9,9 @@ Sweep: one hub (`echo-hub start`, [scheduler] enabled = false, so every node wor
 bench computes mu_min and adds one node per point so that the pool reaches the --fractions of
 mu_min. Each point waits until the new node is measured and active, then averages over the
 next --steps-per-point learner steps: measured bubble = sum(T_idle) / sum(T_idle + T_train)
-(metrics.jsonl), predicted = hub.capacity.predicted_bubble(kappa, R, mean T_train, mean
-T_bcast, mu_pool) with mu_pool the hub's measured pool throughput (status.json) over the same
-steps.
+(metrics.jsonl), predicted = hub.capacity.predicted_bubble(kappa, R / usable, mean T_train, mean
+T_bcast, mu_pool) with mu_pool the hub's measured pool throughput and usable the share of accepted
+groups it trained on (status.json), over the same steps.
 
 Cost: two hubs with the same fleet (one unthrottled node at $0.35/h, three throttled ones at
 $0.30-0.80/h), one with the scheduler on and one with [scheduler] enabled = false; cost per
@@ -79,6 +79,7 @@ class Point:
     t_train_s: float
     t_bcast_s: float
     mu_min: float
+    usable_fraction: float  # share of accepted groups trained on; the model plans for R / this
     steps: int
 
 
@@ -142,15 +143,18 @@ def measure_point(run: Run, steps: int) -> Point:
     train = sum(m["t_train_s"] for m in rows)
     t_train = train / len(rows)
     mu_pool = sum(s.mu_pool for s in samples) / len(samples)
+    usable = sum(s.usable_fraction for s in samples) / len(samples)
+    rollouts_per_step = ROLLOUTS_PER_STEP / usable  # as the hub's scheduler plans: skipped groups count
     bcasts = [s.t_bcast_s for s in samples if s.t_bcast_s is not None]
     t_bcast = sum(bcasts) / len(bcasts)
     return Point(
         mu_pool=mu_pool,
         measured_bubble=idle / (idle + train),
-        predicted_bubble=predicted_bubble(KAPPA, ROLLOUTS_PER_STEP, t_train, t_bcast, mu_pool),
+        predicted_bubble=predicted_bubble(KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool),
         t_train_s=t_train,
         t_bcast_s=t_bcast,
-        mu_min=mu_min(KAPPA, ROLLOUTS_PER_STEP, t_train, t_bcast),
+        mu_min=mu_min(KAPPA, rollouts_per_step, t_train, t_bcast),
+        usable_fraction=usable,
         steps=len(rows),
     )
 

@@ -14,6 +14,8 @@ from typing import Literal
 
 SECONDS_PER_HOUR = 3600.0
 DEFAULT_RELEASE_MARGIN = 0.2
+# Below this the measurement is more likely broken than the run: never plan for more than 20x R.
+MIN_USABLE_FRACTION = 0.05
 
 
 class InfeasibleCapacity(ValueError):
@@ -29,6 +31,20 @@ def _check_period(kappa: int, rollouts_per_step: float, t_train_s: float, t_bcas
         raise ValueError(f"t_train_s must be > 0, got {t_train_s}")
     if t_bcast_s < 0:
         raise ValueError(f"t_bcast_s must be >= 0, got {t_bcast_s}")
+
+
+def usable_fraction(trained_groups: int, settled_groups: int) -> float:
+    """Share of accepted groups the learner trains on (the rest it skips: zero reward variance,
+    stale, dropped); 1.0 before any group settled.
+
+    The learner consumes R rollouts per step of *trained* groups, so the fleet must produce
+    R / usable_fraction accepted rollouts per step: that is the R the capacity model plans with.
+    """
+    if not 0 <= trained_groups <= settled_groups:
+        raise ValueError(f"need 0 <= trained <= settled, got {trained_groups}, {settled_groups}")
+    if settled_groups == 0:
+        return 1.0
+    return max(MIN_USABLE_FRACTION, trained_groups / settled_groups)
 
 
 def mu_min(kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float) -> float:

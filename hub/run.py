@@ -183,7 +183,8 @@ class Hub:
                 config.scheduler, self.fleet,
                 LearnerTiming(lc.effective_kappa, lc.prompts_per_step * lc.group_size,
                               t_train_s=lambda: self.status.t_train_recent_s,
-                              t_bcast_s=self.broadcaster.last_t_bcast_s),
+                              t_bcast_s=self.broadcaster.last_t_bcast_s,
+                              usable_fraction=lambda: self.status.usable_fraction),
                 set_state=self.set_state,
             )
             self.status = StatusBoard(

@@ -44,6 +44,7 @@ class CapacityView:
     mu_target: float | None
     predicted_bubble: float | None
     reason: str
+    usable_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class LearnerTiming:
     rollouts_per_step: int
     t_train_s: Callable[[], float | None]
     t_bcast_s: Callable[[], float | None]
+    # Share of accepted groups that end up trained on (hub.capacity.usable_fraction).
+    usable_fraction: Callable[[], float] = lambda: 1.0
 
 
 def offer(record: NodeRecord) -> NodeOffer:
@@ -89,15 +92,19 @@ class Scheduler:
         t_train, t_bcast = self.timing.t_train_s(), self.timing.t_bcast_s() or 0.0
         if t_train is None:
             return CapacityView(mu_pool, None, None, None, "learner has not stepped yet")
-        k, r = self.timing.kappa, self.timing.rollouts_per_step
+        usable = self.timing.usable_fraction()
+        # Accepted rollouts the fleet must produce per step, counting the groups the learner skips.
+        k, r = self.timing.kappa, self.timing.rollouts_per_step / usable
         try:
             needed = mu_min(k, r, t_train, t_bcast)
         except InfeasibleCapacity as exc:
             # No target, but the bubble of the pool we have is still predicted (never 0 here).
-            return CapacityView(mu_pool, None, None, predicted_bubble(k, r, t_train, t_bcast, mu_pool), str(exc))
+            return CapacityView(
+                mu_pool, None, None, predicted_bubble(k, r, t_train, t_bcast, mu_pool), str(exc), usable
+            )
         return CapacityView(
             mu_pool, needed, self.config.gamma * needed, predicted_bubble(k, r, t_train, t_bcast, mu_pool),
-            f"T_train {t_train:.3g}s T_bcast {t_bcast:.3g}s",
+            f"T_train {t_train:.3g}s T_bcast {t_bcast:.3g}s usable {usable:.0%}", usable,
         )
 
     async def control_once(self, now: float) -> None:
@@ -154,6 +161,7 @@ class Scheduler:
             "mu_min": view.mu_min,
             "mu_target": view.mu_target,
             "predicted_bubble": view.predicted_bubble,
+            "usable_fraction": view.usable_fraction,
             "active_nodes": float(len(self.fleet.in_state("active"))),
             "standby_nodes": float(len(self.fleet.in_state("standby"))),
             "cost_usd": cost_usd,

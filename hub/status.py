@@ -12,6 +12,7 @@ from pathlib import Path
 import trio
 
 from hub.broadcast import Broadcaster
+from hub.capacity import usable_fraction
 from hub.fleet import Fleet
 from hub.leases import LeaseBook
 from hub.metrics import policy_reward
@@ -24,6 +25,8 @@ STATUS_FILE = "status.json"
 STATUS_PERIOD_S = 1.0
 HISTORY_POINTS = 300
 EVENTS_KEPT = 200
+# Settled accepted groups the usable fraction is measured over: recent enough to follow the reward.
+USABLE_WINDOW_GROUPS = 512
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class StatusBoard:
         self.counts: dict[str, int] = {}
         self.paid_usd: dict[str, float] = {}
         self.t_train_recent_s: float | None = None
+        self.usable_fraction = 1.0
         self.running = True
 
     def _read_store(self) -> None:
@@ -77,6 +81,7 @@ class StatusBoard:
         )
         recent = [s.t_train_s for s in steps[-10:]]
         self.t_train_recent_s = sum(recent) / len(recent) if recent else None
+        self.usable_fraction = usable_fraction(*self.store.recent_usable_groups(USABLE_WINDOW_GROUPS))
         self.events = tuple(
             EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)
             for e in self.store.events(EVENTS_KEPT)
@@ -122,6 +127,7 @@ class StatusBoard:
             t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s(),
             bubble=last.bubble if last else None, predicted_bubble=capacity.predicted_bubble,
             mu_pool=capacity.mu_pool, mu_min=capacity.mu_min, mu_target=capacity.mu_target,
+            usable_fraction=capacity.usable_fraction,
             cost_usd=cost, cost_per_step_usd=cost / step if step else None, all_on_cost_usd=all_on,
             history=self.history, events=self.events[:events],
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -41,11 +42,13 @@ def render(status: HubStatus, console: Console) -> None:
     mu = f"mu_pool {status.mu_pool:.2f}/s"
     if status.mu_min is not None:
         mu += f", mu_min {status.mu_min:.2f}/s, target {status.mu_target:.2f}/s"
+    mu += f", {status.usable_fraction:.0%} of accepted groups trained on"
     head.add_row("throughput", mu, f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
     head.add_row("cost", f"${status.cost_usd:.4f}", f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else "")
     console.print(head)
-    nodes = Table(title="nodes")
-    for col in ("peer", "state", "$/h", "rollouts/s", "version", "accepted", "rejected", "late", "refused", "cost $", "chain"):
+    nodes = Table(title="nodes", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    # Short headers, as on the dashboard, so the table fits 80 columns.
+    for col in ("peer", "state", "$/h", "roll/s", "ver", "acc", "rej", "late", "ref", "cost $", "chain"):
         nodes.add_column(col)
     for n in status.nodes:
         chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"

@@ -491,6 +491,16 @@ class Store:
                 )
         return ids
 
+    def recent_usable_groups(self, limit: int) -> tuple[int, int]:
+        """(trained, settled) among the newest `limit` accepted groups that were trained on or discarded."""
+        row = self._rows(
+            "SELECT COALESCE(SUM(consumed_step IS NOT NULL), 0) AS trained, COUNT(*) AS settled FROM ("
+            " SELECT consumed_step FROM trajectories WHERE verdict = 'accepted'"
+            " AND (consumed_step IS NOT NULL OR discard_reason IS NOT NULL) ORDER BY id DESC LIMIT ?)",
+            (limit,),
+        )[0]
+        return int(row["trained"]), int(row["settled"])
+
     def trajectory_counts(self) -> dict[Verdict, int]:
         """Groups ever received, by verdict (every verdict present, zero if none)."""
         rows = self._rows("SELECT verdict, COUNT(*) AS n FROM trajectories GROUP BY verdict")

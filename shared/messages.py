@@ -235,6 +235,7 @@ class HubStatus(Message):
     mu_pool: float = 0.0
     mu_min: float | None = None
     mu_target: float | None = None
+    usable_fraction: float = Field(1.0, description="share of accepted groups the learner trains on (recent window)")
     cost_usd: float = 0.0
     cost_per_step_usd: float | None = None
     all_on_cost_usd: float = 0.0

@@ -19,6 +19,7 @@ from hub.capacity import (
     predicted_bubble,
     predicted_idle_s,
     predicted_step_s,
+    usable_fraction,
     validate_kappa,
 )
 
@@ -28,6 +29,14 @@ def test_mu_min():
     assert mu_min(3, 100, 10.0, 5.0) == pytest.approx(12.0)
     # DESIGN defaults R = 128 * 16 with kappa = 1: 2048 / (20 - 5)
     assert mu_min(1, 2048, 20.0, 5.0) == pytest.approx(2048 / 15)
+
+
+def test_usable_fraction():
+    assert usable_fraction(60, 100) == pytest.approx(0.6)  # 40 of 100 settled groups skipped
+    assert usable_fraction(0, 0) == 1.0  # nothing settled yet: plan with R as is
+    assert usable_fraction(0, 100) == 0.05  # floored: at most 20 x R
+    with pytest.raises(ValueError):
+        usable_fraction(5, 4)
 
 
 @pytest.mark.parametrize("t_bcast_s", [20.0, 25.0])

@@ -18,12 +18,14 @@ T0 = 1000.0
 
 
 class FakeTiming:
-    def __init__(self, t_train_s: float | None = 1.5, t_bcast_s: float | None = 1.0) -> None:
+    def __init__(self, t_train_s: float | None = 1.5, t_bcast_s: float | None = 1.0, usable: float = 1.0) -> None:
         self.t_train_s = t_train_s
         self.t_bcast_s = t_bcast_s
+        self.usable = usable
 
     def timing(self) -> LearnerTiming:
-        return LearnerTiming(2, 10, t_train_s=lambda: self.t_train_s, t_bcast_s=lambda: self.t_bcast_s)
+        return LearnerTiming(2, 10, t_train_s=lambda: self.t_train_s, t_bcast_s=lambda: self.t_bcast_s,
+                             usable_fraction=lambda: self.usable)
 
 
 class Transitions:
@@ -292,7 +294,7 @@ async def test_step_metrics():
     metrics = scheduler.step_metrics(4, cost_usd=0.02)
     # pool 13/s: idle max(0, 20/13 + 1 - 3) = 0
     assert metrics == pytest.approx({
-        "mu_pool": 13.0, "mu_min": 10.0, "mu_target": 11.0, "predicted_bubble": 0.0,
+        "mu_pool": 13.0, "mu_min": 10.0, "mu_target": 11.0, "predicted_bubble": 0.0, "usable_fraction": 1.0,
         "active_nodes": 2.0, "standby_nodes": 1.0, "cost_usd": 0.02, "cost_per_step_usd": 0.005,
     })
     fleet.get("b").state = "gone"
@@ -302,3 +304,20 @@ async def test_step_metrics():
     metrics = scheduler.step_metrics(0, 0.0)
     assert (metrics["mu_min"], metrics["mu_target"], metrics["predicted_bubble"]) == (None, None, None)
     assert metrics["cost_per_step_usd"] is None
+
+
+@pytest.mark.trio
+async def test_skipped_groups_raise_the_throughput_the_learner_needs():
+    """Half the accepted groups trained on: the fleet must produce 2R per step, so mu_min doubles."""
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    measured(fleet, "c", 0.3, 4.0)
+    scheduler, _ = make(fleet, FakeTiming(usable=0.5))
+    await settle(scheduler, fleet, T0, 10)
+    metrics = scheduler.step_metrics(4, cost_usd=0.0)
+    # R_eff = 10 / 0.5 = 20: mu_min = 2*20 / (2*1.5 - 1) = 20, target 22 > 17 available: all active.
+    assert (metrics["mu_min"], metrics["mu_target"], metrics["usable_fraction"]) == pytest.approx((20.0, 22.0, 0.5))
+    assert states(fleet) == {"a": "active", "b": "active", "c": "active"}
+    # pool 17/s: idle 2*20/17 + 1 - 3 = 6/17 s per period, bubble (6/17) / (6/17 + 3)
+    assert metrics["predicted_bubble"] == pytest.approx((6 / 17) / (6 / 17 + 3))

@@ -154,3 +154,14 @@ def test_submission_verdicts_are_tallied_per_node_and_overall(tmp_path):
     assert store.node("peerA").late == 2
     with pytest.raises(ValueError, match="verdict must be one of"):
         store.record_trajectory(make_group("p5", 1), None, "peerA", "maybe")
+
+
+def test_recent_usable_groups_counts_settled_accepted_rows(tmp_path):
+    store = Store(tmp_path / "hub.db")
+    ids = [store.record_trajectory(make_group(f"p{i}", 0), None, "", "accepted") for i in range(6)]
+    store.record_trajectory(make_group("late", 0), None, "", "late")  # never accepted: not counted
+    assert store.recent_usable_groups(100) == (0, 0)  # all pending: nothing settled
+    store.commit_step(make_record(1), ids[:2], [], dropped_stale_ids=[ids[2]])
+    store.discard_trajectories([ids[3]], "zero reward variance")
+    assert store.recent_usable_groups(100) == (2, 4)  # ids[4:] still pending
+    assert store.recent_usable_groups(2) == (0, 2)  # the newest two settled were both skipped

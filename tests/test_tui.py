@@ -69,6 +69,7 @@ def hub_status(step: int = 10, now: float | None = None, running: bool = True) -
         updated_at=now, step=step, steps_target=100, version=step, staleness=4, kappa=3, task="arith", nodes=nodes,
         chains=((a, b), (c,)), open_leases=2, accepted=1280, rejected=15, late=11, dropped_stale=4, reward_mean=0.6,
         t_train_s=12.1, t_bcast_s=4.2, bubble=0.03, predicted_bubble=0.02, mu_pool=3.6, mu_min=3.0, mu_target=3.3,
+        usable_fraction=0.57,
         cost_usd=1.08, cost_per_step_usd=0.108, all_on_cost_usd=2.5, history=history, events=events,
     )
 
@@ -171,7 +172,7 @@ async def test_hub_dashboard_shows_learner_cost_chains_nodes_and_events(hub_dir:
         assert c in chains[1] and a not in chains[1]
         learner = static_text(app, "#learner-text")
         assert "step 10/100" in learner and "T_bcast 4.2 s" in learner and "predicted 0.020" in learner
-        assert "min 3.00" in learner and "target 3.30" in learner
+        assert "min 3.00" in learner and "target 3.30" in learner and "usable 57%" in learner
         assert len(app.query_one("#reward-spark").data) == 10
         cost = static_text(app, "#cost")
         assert "$1.080" in cost and "$0.00084" in cost and "$2.500" in cost and "57%" in cost

@@ -119,7 +119,7 @@ def learner_text(status: HubStatus) -> Text:
     out.append(f"  predicted {number(status.predicted_bubble, '.3f')}\n")
     below = status.mu_min is not None and status.mu_pool < status.mu_min
     out.append(f"mu_pool {number(status.mu_pool)}/s", style="red" if below else "green")
-    out.append(f"  min {number(status.mu_min)}  target {number(status.mu_target)}")
+    out.append(f"  min {number(status.mu_min)}  target {number(status.mu_target)}  usable {status.usable_fraction:.0%}")
     return out
 
 
