@@ -31,7 +31,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from hub.capacity import mu_min, predicted_bubble
+from hub.capacity import InfeasibleCapacity, mu_min, predicted_bubble
 from hub.metrics import read_metrics
 from shared.messages import HubStatus
 from tests.harness import HubProc, Proc, node_peer_id, start_hub, start_node
@@ -78,7 +78,7 @@ class Point:
     predicted_bubble: float
     t_train_s: float
     t_bcast_s: float
-    mu_min: float
+    mu_min: float | None  # None: kappa*T_train <= T_bcast at this point, no pool keeps the learner busy
     usable_fraction: float  # share of accepted groups trained on; the model plans for R / this
     steps: int
 
@@ -153,10 +153,23 @@ def measure_point(run: Run, steps: int) -> Point:
         predicted_bubble=predicted_bubble(KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool),
         t_train_s=t_train,
         t_bcast_s=t_bcast,
-        mu_min=mu_min(KAPPA, rollouts_per_step, t_train, t_bcast),
+        mu_min=feasible_mu_min(rollouts_per_step, t_train, t_bcast),
         usable_fraction=usable,
         steps=len(rows),
     )
+
+
+def feasible_mu_min(rollouts_per_step: float, t_train: float, t_bcast: float) -> float | None:
+    try:
+        return mu_min(KAPPA, rollouts_per_step, t_train, t_bcast)
+    except InfeasibleCapacity:
+        return None
+
+
+def describe(point: Point) -> str:
+    needed = "infeasible" if point.mu_min is None else f"{point.mu_min:.1f}/s"
+    return (f"mu_pool {point.mu_pool:.1f}/s (mu_min {needed}): "
+            f"bubble {point.measured_bubble:.3f} measured, {point.predicted_bubble:.3f} predicted")
 
 
 def measured_broadcast(status: HubStatus) -> bool:
@@ -172,9 +185,10 @@ def sweep(root: Path, first_mu: float, fractions: list[float], steps: int, say) 
         run.wait_ids()
         run.wait(lambda s: measured_broadcast(s) and run.state(s, "n0") == "active", "the first node and T_bcast")
         points.append(measure_point(run, steps))
-        say(f"mu_pool {points[-1].mu_pool:.1f}/s (mu_min {points[-1].mu_min:.1f}/s): "
-            f"bubble {points[-1].measured_bubble:.3f} measured, {points[-1].predicted_bubble:.3f} predicted")
+        say(describe(points[-1]))
         estimate = points[0].mu_min
+        if estimate is None:
+            raise RuntimeError(f"cannot size the sweep: {describe(points[0])}; T_bcast too close to kappa*T_train")
         pool = first_mu
         for index, fraction in enumerate(fractions, start=1):
             extra = fraction * estimate - pool
@@ -186,8 +200,7 @@ def sweep(root: Path, first_mu: float, fractions: list[float], steps: int, say) 
             run.wait(lambda s, name=name: run.state(s, name) == "active", f"{name} to be measured and active")
             pool += extra
             points.append(measure_point(run, steps))
-            say(f"mu_pool {points[-1].mu_pool:.1f}/s (mu_min {points[-1].mu_min:.1f}/s): "
-                f"bubble {points[-1].measured_bubble:.3f} measured, {points[-1].predicted_bubble:.3f} predicted")
+            say(describe(points[-1]))
     finally:
         run.close()
     return points
@@ -215,15 +228,17 @@ def plot(points: list[Point], path: Path) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     ordered = sorted(points, key=lambda p: p.mu_pool)
-    x = [p.mu_pool / p.mu_min for p in ordered]
+    # Absolute throughput: mu_min moves with the measured T_bcast and can be undefined at a point.
+    x = [p.mu_pool for p in ordered]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (capacity model)")
     ax.plot(x, [p.measured_bubble for p in ordered], "s-", label="measured (learner T_idle)")
-    ax.axvline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("mu_pool / mu_min (measured)")
+    ax.set_xlabel("mu_pool, accepted rollouts/s (measured)")
     ax.set_ylabel("bubble ratio")
     ax.set_ylim(-0.02, 1.0)
-    ax.set_title(f"learner bubble vs pool throughput (kappa={KAPPA}, R={ROLLOUTS_PER_STEP})")
+    usable = sum(p.usable_fraction for p in ordered) / len(ordered)
+    ax.set_title(f"learner bubble vs pool throughput\nkappa={KAPPA}, R={ROLLOUTS_PER_STEP}, {usable:.0%} of accepted groups trained on",
+                 fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
