@@ -169,7 +169,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", type=Path, required=True, metavar="FLEET.toml",
                         help="candidate nodes: [[node]] tables with name, price_per_hour, rollouts_per_s")
     parser.add_argument("--rollouts-per-step", type=float, default=DEFAULT_ROLLOUTS_PER_STEP, metavar="R",
-                        help=f"rollouts the learner consumes per step (default {DEFAULT_ROLLOUTS_PER_STEP})")
+                        help=f"accepted rollouts needed per step (default {DEFAULT_ROLLOUTS_PER_STEP}); to count the "
+                             "groups the learner skips, divide by the share it trains on (`echo-hub status`)")
     parser.add_argument("--t-train", type=float, required=True, metavar="T",
                         help="seconds per learner step")
     parser.add_argument("--t-bcast", type=float, required=True, metavar="B",
