@@ -99,12 +99,15 @@ class LocalRollouts:
             prompts = self.task.sample(self.rng, self.prompts_per_batch)
             groups = await trio.to_thread.run_sync(self._generate_and_score, prompts, message.version)
             for group in groups:
-                row_id = await trio.to_thread.run_sync(self.store.record_trajectory, group, None, "", "accepted")
-                result = self.buffer.add(group, row_id)
-                if not result.accepted:
-                    reason = result.reason or "refused"
-                    self.refused[reason] = self.refused.get(reason, 0) + 1
-                    await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], reason)
+                # Shielded: a recorded row always gets its buffer outcome, even when the run is
+                # stopped meanwhile (else a refused row would wait in the store for the next start).
+                with trio.CancelScope(shield=True):
+                    row_id = await trio.to_thread.run_sync(self.store.record_trajectory, group, None, "", "accepted")
+                    result = self.buffer.add(group, row_id)
+                    if not result.accepted:
+                        reason = result.reason or "refused"
+                        self.refused[reason] = self.refused.get(reason, 0) + 1
+                        await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], reason)
                 self.generated_groups += 1
             self.signal.notify()
 
