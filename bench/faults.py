@@ -26,7 +26,6 @@ import logging
 import os
 import random
 import signal
-import sqlite3
 import sys
 import tempfile
 import time
@@ -40,11 +39,10 @@ sys.path.insert(0, str(REPO_ROOT))
 import trio
 
 from shared.messages import HubStatus
-from tests.harness import HubProc, node_peer_id, start_hub, start_node, wait_until
+from tests.harness import HubProc, free_port, node_peer_id, query, start_hub, start_node, wait_until
 
 log = logging.getLogger("echo2.bench.faults")
 
-STORE_FILE = "hub.sqlite"
 REQUEST_TIMEOUT_S = 20.0
 LEASE_WAIT_S = 60.0
 BUSY_RETRIES = 40
@@ -77,14 +75,10 @@ class ScenarioResult:
 
 class HubDB:
     def __init__(self, data_dir: Path) -> None:
-        self.path = data_dir / STORE_FILE
+        self.data_dir = data_dir
 
     def query(self, sql: str, params: tuple = ()) -> list[tuple]:
-        conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=10)
-        try:
-            return conn.execute(sql, params).fetchall()
-        finally:
-            conn.close()
+        return query(self.data_dir, sql, params)
 
     def paid(self, node_id: str) -> float:
         return float(self.query("SELECT COALESCE(SUM(usd), 0) FROM ledger WHERE node_id = ? AND voided = 0", (node_id,))[0][0])
@@ -93,7 +87,7 @@ class HubDB:
         """The node's cost in the hub's status.json, or None before the node appears there."""
         from hub.status import STATUS_FILE
 
-        path = self.path.with_name(STATUS_FILE)
+        path = self.data_dir / STATUS_FILE
         if not path.exists():
             return None
         status = HubStatus.model_validate_json(path.read_text())
@@ -603,14 +597,6 @@ def run_protocol_scenarios(work: Path, quick: bool, only: set[str], say: Callabl
 # -- crash: SIGKILL of the hub, restart, check the books ---------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
     from node.hf_engine import HFEngine
     from shared.default_model import ensure_default_model
@@ -685,11 +671,7 @@ def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
     paid_twice = db.query("SELECT COUNT(*) FROM (SELECT lease_id FROM ledger WHERE voided = 0 GROUP BY lease_id HAVING COUNT(*) > 1)")[0][0]
     versions = [v for (v,) in db.query("SELECT version FROM snapshots ORDER BY published_at")]
     steps = [s for (s,) in db.query("SELECT step FROM steps ORDER BY step")]
-    conn = sqlite3.connect(db.path)
-    try:
-        integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
-    finally:
-        conn.close()
+    integrity = db.query("PRAGMA integrity_check")[0][0]
     return {
         "kills": len(kill_log),
         "kill_points": kill_log,

@@ -24,13 +24,12 @@ import logging
 import os
 import re
 import signal
-import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import AsyncExitStack, closing
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import trio
@@ -54,9 +53,9 @@ from shared.messages import (
     SubmitReply,
     SubmittedGroup,
 )
-from shared.net import connect, open_stream, request, running_host
+from shared.net import connect, request, running_host
 from shared.rollout import Completion, SamplingParams
-from shared.wire import read_message, write_signed
+from tests.harness import query
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 GROUP_SIZE = 2
@@ -167,13 +166,8 @@ class LightClient:
         return Submission(lease_id=lease.lease_id, node_id=self.identity.peer_id, groups=tuple(groups))
 
     async def submit(self, submission: Submission) -> SubmitReply | Reject:
-        with trio.fail_after(REQUEST_TIMEOUT_S):
-            stream = await open_stream(self.host, self.hub_peer, SUBMIT_PROTOCOL)
-            await write_signed(stream, submission, self.identity)
-            await stream.close_write()
-            reply = await read_message(stream, SubmitReply, Reject)
-            await stream.close()
-            return reply
+        return await request(self.host, self.hub_peer, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
+                             timeout_s=REQUEST_TIMEOUT_S, sign_with=self.identity)
 
     async def work_until(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -304,10 +298,8 @@ def first_work_bench(progress) -> dict:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env,
             )
             while True:
-                with closing(sqlite3.connect(data / "hub.sqlite", timeout=10)) as db:
-                    joined = db.execute("SELECT MIN(at) FROM events WHERE kind = 'join'").fetchone()[0]
-                    first = db.execute(
-                        "SELECT MIN(received_at) FROM trajectories WHERE verdict = 'accepted'").fetchone()[0]
+                joined = query(data, "SELECT MIN(at) FROM events WHERE kind = 'join'")[0][0]
+                first = query(data, "SELECT MIN(received_at) FROM trajectories WHERE verdict = 'accepted'")[0][0]
                 if first is not None:
                     break
                 if node.poll() is not None or time.monotonic() > deadline:

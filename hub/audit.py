@@ -208,7 +208,6 @@ class AuditQueue:
         self._failed: set[str] = set()
         # node id -> lease id of its newest submission that passed an audit: what `penalize` keeps paid.
         self.vouched_lease: dict[str, str] = {}
-        self.results: deque[tuple[AuditJob, AuditResult]] = deque(maxlen=1000)
         self.offered = 0
         self.skipped_full = 0
         self.audited = 0
@@ -259,7 +258,6 @@ class AuditQueue:
             log.warning("audit of %s's group %s skipped: %s", job.node_id, job.group.prompt_id, exc)
             return None
         self.audited += 1
-        self.results.append((job, result))
         if result.passed:
             self.passed += 1
             self.vouched_lease[job.node_id] = job.lease_id

@@ -68,11 +68,8 @@ class Fleet:
             version_held=request.version_held,
         )
         if previous is not None:
-            # A rejoin (node or hub restarted) keeps what the hub measured and paid so far.
+            # A rejoin keeps what the hub measured (its tallies are the store's: see HubService._on_join).
             record.rollouts_per_s, record.measured = previous.rollouts_per_s, previous.measured
-            record.accepted, record.rejected, record.late = previous.accepted, previous.rejected, previous.late
-            record.refused = previous.refused
-            record.audits_passed = previous.audits_passed
             record.state = "standby" if previous.measured else "probing"
         self.nodes[peer_id] = record
         return record

@@ -19,7 +19,7 @@ from hub.leases import LeaseBook
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
 from hub.service import Defences
 from hub.snapshots import SnapshotShelf
-from hub.store import SchemaMismatch, Store
+from hub.store import STORE_FILE, SchemaMismatch, Store
 from shared.crypto import Identity
 from shared.net import running_host
 from shared.signals import Stopper
@@ -28,7 +28,6 @@ from shared.tasks import load_task
 log = logging.getLogger("echo2.hub")
 
 MBIT_BYTES = 1e6 / 8
-STORE_FILE = "hub.sqlite"
 LOG_FILE = "hub.log"
 
 
@@ -170,13 +169,10 @@ class Hub:
         async with running_host(self.identity, [config.listen]) as (host, addrs):
             self.addrs = dialable_addrs(addrs)
             bc = config.broadcast
-            uplink = HubUplink(
-                bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None,
-                bc.link_mbps * MBIT_BYTES if bc.link_mbps else None,
-            )
+            hub_bps = bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None
+            uplink = HubUplink(hub_bps, bc.link_mbps * MBIT_BYTES if bc.link_mbps else None)
             self.broadcaster = Broadcaster(
-                host, self.fleet, self.shelf, config.broadcast.mode,
-                config.broadcast.hub_uplink_mbps * MBIT_BYTES if config.broadcast.hub_uplink_mbps else None,
+                host, self.fleet, self.shelf, bc.mode, hub_bps,
                 ban=self.ban, event=self.event, record_t_bcast=self.record_t_bcast,
             )
             self.scheduler = Scheduler(

@@ -23,7 +23,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from hub.audit import AuditJob, Auditor, AuditQueue
-from hub.broadcast import ChainLinks, HubUplink
+from hub.broadcast import CONFIRM_TIMEOUT_S, ChainLinks, HubUplink
 from hub.buffer import BufferSignal, ReplayBuffer
 from hub.config import LeaseConfig, TrustConfig
 from hub.copies import CopyDetector, CopyFlag
@@ -60,7 +60,7 @@ from shared.messages import (
 )
 from shared.net import remote_ip, remote_peer_id, set_handler
 from shared.rollout import SamplingParams
-from shared.transfer import serve_snapshot
+from shared.transfer import RECEIVER_GONE, serve_snapshot
 from shared.wire import (
     FrameError,
     StreamEOF,
@@ -137,6 +137,9 @@ PROTOCOL_FRAME_CAPS = {
     SNAPSHOT_PROTOCOL: SnapshotRequest.MAX_BYTES,
     REPORT_PROTOCOL: BadChunkReport.MAX_BYTES,
 }
+# How long a handler may take. A snapshot transfer lasts as long as the model takes to cross the
+# link; a bad-chunk report waits for the hub to check the accused chunk itself; the rest is one exchange.
+PROTOCOL_TIMEOUTS_S = {SNAPSHOT_PROTOCOL: TRANSFER_TIMEOUT_S, REPORT_PROTOCOL: READ_TIMEOUT_S + CONFIRM_TIMEOUT_S}
 
 
 class HubService:
@@ -249,8 +252,7 @@ class HubService:
     def _guarded(self, protocol: str, handler: Callable[[INetStream], object]):
         cap = PROTOCOL_FRAME_CAPS[protocol]
         guard = self.defences.guard
-        # A snapshot transfer lasts as long as the model takes to cross the link; everything else is one exchange.
-        timeout_s = TRANSFER_TIMEOUT_S if protocol == SNAPSHOT_PROTOCOL else READ_TIMEOUT_S
+        timeout_s = PROTOCOL_TIMEOUTS_S.get(protocol, READ_TIMEOUT_S)
 
         async def guarded(stream: INetStream) -> None:
             peer = remote_peer_id(stream)
@@ -297,7 +299,7 @@ class HubService:
         if (previous is not None and previous.state == "banned") or (stored is not None and stored.state == "banned"):
             raise ValueError("banned")
         record = self.fleet.join(peer, request, remote_ip(stream), time.time())
-        if previous is None and stored is not None:  # known from before a hub restart: keep its tallies
+        if stored is not None:  # the store's tallies, kept in step with the fleet's, outlive a hub restart
             record.accepted, record.rejected, record.late = stored.accepted, stored.rejected, stored.late
             record.refused, record.audits_passed = stored.refused, stored.audits_passed
         await trio.to_thread.run_sync(
@@ -494,24 +496,22 @@ class HubService:
     ) -> None:
         """Hand committed groups to the buffer, behind the audit when the node is still on probation."""
         audits, rng = self.defences.audits, self.defences.rng
-        if record.state == "banned":  # an audit failed while this submission was in flight
-            doomed = [row_id for v, row_id in zip(verdicts, row_ids) if v.accepted]
-            if doomed:
-                await trio.to_thread.run_sync(self.store.discard_trajectories, doomed, "banned: audit failed")
-            return
         kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.accepted]
         if not kept:
             return
-        # Which group is audited is decided only now, after the submission arrived.
-        if audits.on_probation(record):
+        # Banned by an audit that failed while this submission was in flight, or by this one's own
+        # audit (its buffered work dropped, its pay voided): these groups never reach the buffer.
+        banned = record.state == "banned"
+        if not banned and audits.on_probation(record):
+            # Which group is audited is decided only now, after the submission arrived.
             group, row_id = kept[rng.randrange(len(kept))]
-            if await audits.audit_now(AuditJob(record.peer_id, lease.lease_id, row_id, group)) is False:
-                # Banned (its buffered work dropped, its pay voided); these never reached the buffer.
-                ids = [row_id for _, row_id in kept]
-                await trio.to_thread.run_sync(self.store.discard_trajectories, ids, "banned: audit failed")
-                return
-        else:
+            banned = await audits.audit_now(AuditJob(record.peer_id, lease.lease_id, row_id, group)) is False
+        elif not banned:  # trusted: audited later, by sample
             audits.sample(record, lease.lease_id, kept, rng)
+        if banned:
+            ids = [row_id for _, row_id in kept]
+            await trio.to_thread.run_sync(self.store.discard_trajectories, ids, "banned: audit failed")
+            return
         for group, row_id in kept:
             result = self.buffer.add(group, row_id)
             if not result.accepted:
@@ -531,7 +531,7 @@ class HubService:
             ack = await serve_snapshot(stream, self.shelf, request, limiter=self.uplink.for_stream())
         except LookupError as exc:
             raise ValueError(str(exc)) from None
-        except StreamEOF as exc:
+        except RECEIVER_GONE as exc:
             # The receiver left mid-transfer (node stopped, or re-linked): ordinary churn, not misbehaviour.
             log.info("snapshot transfer to %s ended early: %s", peer[-8:], exc)
             await stream.reset()

@@ -39,6 +39,8 @@ Verdict = Literal["accepted", "rejected", "late"]
 VERDICTS: tuple[Verdict, ...] = ("accepted", "rejected", "late")
 LeaseState = Literal["open", "answered", "expired"]
 
+STORE_FILE = "hub.sqlite"  # the store's file name inside a hub's data dir
+
 # Bumped whenever _SCHEMA changes; a database of another version is refused, never half-used.
 SCHEMA_VERSION = 1
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import IHost
-from libp2p.peer.id import ID
 
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
@@ -73,14 +72,10 @@ class HubLink:
         self.backoff_max_s = backoff_max_s
         self.state = LinkState()
         self.beat_now = trio.Event()
-        self._hub_id = ID.from_base58(hub_peer_id)
 
     async def _join(self) -> JoinReply:
         backoff = BACKOFF_START_S
         while True:
-            # py-libp2p refuses to redial a peer for 60 s after a failed dial (its negative
-            # cache); a restarted hub is back in seconds, and our own backoff paces the dials.
-            self.host.get_network().unblock_peer(self._hub_id)
             try:
                 with trio.fail_after(REQUEST_TIMEOUT_S):
                     await connect(self.host, self.hub_addr)

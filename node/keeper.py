@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.network.stream.exceptions import StreamError
-from libp2p.peer.id import ID
 
 from shared.messages import (
     RELAY_PROTOCOL,
@@ -39,7 +37,7 @@ from shared.messages import (
 )
 from shared.net import connect, open_stream, remote_peer_id, request
 from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, chunk_of
-from shared.transfer import ChunkRejected, Writer, receive_snapshot, serve_snapshot
+from shared.transfer import RECEIVER_GONE, ChunkRejected, Writer, receive_snapshot, serve_snapshot
 from shared.wire import FrameError, StreamEOF, read_message, write_message
 
 log = logging.getLogger("echo2.node.keeper")
@@ -180,7 +178,7 @@ class SnapshotKeeper:
             await write_message(stream, Reject(reason=str(exc)[:1000]))
             await stream.close()
             return
-        except (StreamEOF, StreamError) as exc:
+        except RECEIVER_GONE as exc:
             # The puller left or re-linked elsewhere mid-transfer: ordinary churn, not a failure here.
             log.info("v%s to %s ended early: %r", req.version, remote_peer_id(stream)[-8:], exc)
             await stream.reset()
@@ -267,9 +265,6 @@ class SnapshotKeeper:
         return False
 
     async def _connect(self, upstream: Upstream) -> None:
-        # py-libp2p refuses to redial a peer for 60 s after a failed dial; an upstream that was
-        # not up yet (or restarted) is worth dialling again at our own retry pace.
-        self.host.get_network().unblock_peer(ID.from_base58(upstream.peer_id))
         with trio.fail_after(CONNECT_TIMEOUT_S):
             await connect(self.host, upstream.addrs[0])
 

@@ -143,8 +143,14 @@ def set_handler(host: IHost, protocol: str, handler: StreamHandler, log: logging
 
 
 async def connect(host: IHost, addr: str) -> str:
-    """Dial `addr` (which must end in /p2p/<peer id>) and return that peer id."""
+    """Dial `addr` (which must end in /p2p/<peer id>) and return that peer id.
+
+    py-libp2p refuses to redial a peer for 60 s after a failed dial (its negative cache); a
+    restarted hub or an upstream that was not up yet is back in seconds, and every caller paces
+    its own retries, so the block is lifted first. A live connection is reused, not redialled.
+    """
     info = info_from_p2p_addr(Multiaddr(addr))
+    host.get_network().unblock_peer(info.peer_id)
     await host.connect(info)
     return info.peer_id.to_base58()
 

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import blake3
+from libp2p.network.stream.exceptions import StreamError
 
 from shared.crypto import SIGNATURE_BYTES
 from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SnapshotRequest, TransferAck
@@ -34,7 +35,11 @@ from shared.snapshot import (
     encode_chunk,
     verify_manifest,
 )
-from shared.wire import encode_frame, read_frame, read_message, write_frame, write_message
+from shared.wire import StreamEOF, encode_frame, read_frame, read_message, write_frame, write_message
+
+# What serving a snapshot raises when the receiver stops or re-links mid-transfer: a read that finds
+# the stream ended (StreamEOF), or a write into a stream it reset (py-libp2p's StreamError).
+RECEIVER_GONE = (StreamEOF, StreamError)
 
 CHUNK_FRAME_OVERHEAD_BYTES = 12
 TRANSFER_CAPS = {MANIFEST_FRAME: MAX_MANIFEST_BYTES + SIGNATURE_BYTES, CHUNK_FRAME: MAX_CHUNK_BYTES + CHUNK_FRAME_OVERHEAD_BYTES}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hub.store import STORE_FILE
 from shared.messages import HubStatus
 
 ADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)\s*$", re.M)
@@ -57,6 +60,22 @@ class HubProc(Proc):
             return HubStatus.model_validate_json(path.read_text())
         except (OSError, ValueError):
             return None
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (for a hub that must keep its address across a restart)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def query(data_dir: Path, sql: str, params: tuple = ()) -> list[tuple]:
+    """Read a hub's store, read-only (WAL: a running hub's writer is never blocked)."""
+    db = sqlite3.connect(f"file:{data_dir / STORE_FILE}?mode=ro", uri=True, timeout=10)
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.close()
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.2):

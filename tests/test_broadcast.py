@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from shared.crypto import Identity
 from shared.messages import REPORT_PROTOCOL, BadChunkReport, JoinRequest, Reject, TransferAck
 from shared.net import request, set_handler
 from shared.snapshot import SIGNATURE_BYTES, Manifest, blake3_hex, load_state_dict_bytes, snapshot_paths
-from tests.harness import Proc, _env, node_peer_id, start_hub, wait_until
+from tests.harness import Proc, _env, node_peer_id, query, start_hub, wait_until
 from tests.peers import FlippingKeeper, HubPeer, NodePeer, hub_peer, node_peer, random_snapshot
 from tests.recording_node import weights_digest
 
@@ -319,8 +318,7 @@ def test_corrupt_relay_is_banned_and_no_node_installs_corrupt_data(tmp_path):
         assert evil.process.wait(timeout=30) != 0  # told it is banned, it stops
         for d in dirs:
             assert_installed_bit_exact(d, hub_dir, 0)
-        con = sqlite3.connect(hub_dir / "hub.sqlite")
-        reason = con.execute("SELECT banned_reason FROM nodes WHERE peer_id = ?", (evil_id,)).fetchone()[0]
+        reason = query(hub_dir, "SELECT banned_reason FROM nodes WHERE peer_id = ?", (evil_id,))[0][0]
         assert reason == "relayed a corrupt chunk 1 of v0"
         logs = "".join((d / "node.log").read_text() for d in dirs)
         assert "bad chunk from" in logs
@@ -342,10 +340,7 @@ def test_star_mode_every_node_pulls_from_the_hub_and_t_bcast_is_recorded(tmp_pat
         ids = [node_peer_id(n) for n in nodes]
 
         def timed_broadcasts() -> list[tuple[int, float]]:
-            con = sqlite3.connect(hub_dir / "hub.sqlite")
-            rows = con.execute("SELECT version, t_bcast_s FROM snapshots WHERE t_bcast_s IS NOT NULL").fetchall()
-            con.close()
-            return rows
+            return query(hub_dir, "SELECT version, t_bcast_s FROM snapshots WHERE t_bcast_s IS NOT NULL")
 
         # A version superseded before every node held it has no T_bcast; the next one to finish does.
         timed = wait_until(timed_broadcasts, 180, "a snapshot broadcast to both nodes")

@@ -23,6 +23,7 @@ def test_fault_scenarios_quick(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
+    assert report["scenarios"], report
     for s in report["scenarios"]:
         assert s["attempts"] > 0, s
         assert s["detected"] == s["attempts"], s

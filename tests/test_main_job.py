@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hub.run import STORE_FILE
+from hub.store import STORE_FILE
 from shared.messages import NodeView
 from tests.harness import start_hub
 from tui.hub_app import HubDashboard

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import socket
 import threading
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from shared.messages import (
 )
 from shared.net import running_host, set_handler
 from shared.wire import read_message, write_message
+from tests.harness import free_port
 from tui.cli import add_dashboard_arguments, run_dashboard, run_node_dashboard
 from tui.hub_app import HubDashboard, cost_per_rollout, display_state, rho
 from tui.node_app import NodeDashboard
@@ -311,12 +311,6 @@ class TinyHub:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.asyncio

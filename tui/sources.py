@@ -228,10 +228,6 @@ class HubSource:
         return reply
 
     async def _connect_and_request(self, host: IHost) -> HubStatus | Reject:
-        # py-libp2p refuses to redial a peer for 60 s after a failed dial (its negative cache);
-        # the dashboard's own refresh interval is the retry policy, so lift the block.
-        host.get_network().unblock_peer(ID.from_base58(self.hub_peer_id))
-        # host.connect reuses a live connection, so this dials only when there is none.
         await connect(host, self.addr)
         return await request(
             host,
