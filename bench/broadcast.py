@@ -34,6 +34,7 @@ import trio
 from hub.broadcast import HubUplink
 from hub.chains import chained_broadcast_ideal_s, plan_chains, star_ideal_s
 from hub.snapshots import SnapshotShelf
+from node.client import HubClient
 from node.keeper import HUB, SnapshotKeeper, Upstream
 from shared.crypto import Identity
 from shared.messages import RELAY_PROTOCOL, SNAPSHOT_PROTOCOL, RelayOffer, SnapshotRequest
@@ -100,7 +101,9 @@ async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, nursery: 
             node.installed_at = trio.current_time()
             node.done.set()
 
-        keeper = SnapshotKeeper(host, hub_peer_id, install, RateLimiter(link_bps), on_installed=lambda v: None)
+        client = HubClient(host, identity, hub_addr)
+        keeper = SnapshotKeeper(host, hub_peer_id, install, RateLimiter(link_bps), on_installed=lambda v: None,
+                                report=client.report)
         node = BenchNode(identity.peer_id, addrs[0], host, keeper, trio.Event())
         set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)
         set_handler(host, RELAY_PROTOCOL, keeper.on_relay_offer, log)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from hub.capacity import InfeasibleCapacity, mu_min, predicted_bubble
 from hub.metrics import read_metrics
+from shared.layout import METRICS_FILE
 from shared.messages import HubStatus
 from tests.harness import HubProc, Proc, node_peer_id, start_hub, start_node
 
@@ -138,7 +139,7 @@ def collect(run: Run, steps: int) -> tuple[list[HubStatus], int, int]:
 
 def measure_point(run: Run, steps: int) -> Point:
     samples, first, last = collect(run, steps)
-    rows = [m for m in read_metrics(run.hub.data_dir / "metrics.jsonl") if first < m["step"] <= last]
+    rows = [m for m in read_metrics(run.hub.data_dir / METRICS_FILE) if first < m["step"] <= last]
     idle = sum(m["t_idle_s"] for m in rows)
     train = sum(m["t_train_s"] for m in rows)
     t_train = train / len(rows)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from hub.metrics import policy_reward, read_metrics  # noqa: E402
 from hub.summary import fifth_means  # noqa: E402
+from shared.layout import HUB_STATUS_FILE, METRICS_FILE  # noqa: E402
 from shared.messages import HubStatus  # noqa: E402
 
 
@@ -36,15 +37,15 @@ def run(data_dir: Path, steps: int, nodes: int, extra: list[str], quiet: bool) -
     wall = time.monotonic() - started
     if result.returncode != 0:
         raise SystemExit(f"echo-hub start failed with {result.returncode} (data dir {data_dir})")
-    rows = read_metrics(data_dir / "metrics.jsonl")
+    rows = read_metrics(data_dir / METRICS_FILE)
     first, last = fifth_means([policy_reward(r) for r in rows])
-    status = HubStatus.model_validate_json((data_dir / "status.json").read_text())
+    status = HubStatus.model_validate_json((data_dir / HUB_STATUS_FILE).read_text())
     return {
         "reward_first": round(first, 4),
         "reward_last": round(last, 4),
         "wall_s": round(wall, 1),
         "bubble": round(sum(r["bubble"] for r in rows) / len(rows), 4),
-        "accepted": status.accepted,
+        "accepted": status.totals.accepted,
         "steps": len(rows),
         "staleness_mean": round(sum(r["staleness_mean"] for r in rows) / len(rows), 3),
     }

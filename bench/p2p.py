@@ -37,23 +37,18 @@ import trio
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a script: the tests' in-process helpers live beside it
 
+from node.client import HubClient
 from shared.crypto import Identity
 from shared.messages import (
-    JOIN_PROTOCOL,
-    LEASE_PROTOCOL,
-    SUBMIT_PROTOCOL,
-    HubStatus,
     JoinReply,
     JoinRequest,
     Lease,
     LeaseReply,
-    LeaseRequest,
-    Reject,
     Submission,
     SubmitReply,
     SubmittedGroup,
 )
-from shared.net import connect, request, running_host
+from shared.net import running_host
 from shared.rollout import Completion, SamplingParams
 from tests.harness import query
 
@@ -70,84 +65,39 @@ NODE_TIMEOUT_S = 180.0
 
 
 def serve(data_dir: Path) -> None:
-    """Run the real HubService on loopback with an in-memory stand-in for the learner; print the address."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from hub.broadcast import ChainLinks, HubUplink
-    from hub.buffer import BufferSignal, ReplayBuffer
-    from hub.config import LeaseConfig
-    from hub.fleet import Fleet
-    from hub.leases import LeaseBook
-    from hub.service import HubService, LearnerView
-    from hub.snapshots import SnapshotShelf
-    from hub.store import Store
-    from hub.submissions import SubmissionRules
+    """Run the real HubService and HubState on loopback (tests/inproc.py: the factory `echo-hub start` uses,
+    with a version counter for the learner); print the address."""
+    from hub.config import HubConfig, LearnerConfig, LeaseConfig
     from shared.default_model import ensure_default_model
-    from shared.snapshot import build_snapshot, model_dir_config_hash
-    from shared.tasks.reverse import ReverseTask
-    from tests.inproc import permissive_defences, refuse_reports
+    from tests.inproc import PERMISSIVE_TRUST, inproc_hub
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model_dir = ensure_default_model(progress=False)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    identity = Identity.generate()
-    config_hash = model_dir_config_hash(model_dir)
-    task = ReverseTask()
-    rules = SubmissionRules(
-        task=task, group_size=GROUP_SIZE, sampling=SamplingParams(max_new_tokens=8), eos_id=tokenizer.eos_token_id,
-        vocab_size=len(tokenizer), decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    config = HubConfig(
+        learner=LearnerConfig(staleness=STALENESS, prompts_per_step=4096, group_size=GROUP_SIZE,
+                              buffer_max_groups=1_000_000),
+        sampling=SamplingParams(max_new_tokens=8),
+        lease=LeaseConfig(prompts_per_lease=1, lease_timeout_s=60.0, max_inflight_steps=100.0),
+        trust=PERMISSIVE_TRUST,
     )
-    store = Store(data_dir / "hub.sqlite")
-    fleet = Fleet()
-    leases = LeaseBook(task, seed=0)
-    buffer = ReplayBuffer(1_000_000, STALENESS, skip_zero_variance=True)
-    shelf = SnapshotShelf(keep=1)
-    shelf.add(build_snapshot({"w": torch.zeros(4)}, 0, identity, config_hash))
-
-    def activate_measured() -> None:
-        for record in fleet.in_state("probing"):
-            if record.measured:
-                record.state = "active"
-
-    def status(events: int) -> HubStatus:
-        return HubStatus(hub_id=identity.peer_id, addrs=(), running=True, updated_at=time.time(), step=0,
-                         steps_target=0, version=0, staleness=STALENESS, kappa=1, task="reverse", nodes=(),
-                         open_leases=len(leases.open), accepted=0, rejected=0, dropped_stale=0)
 
     async def main() -> None:
-        async with running_host(identity, [LOOPBACK]) as (host, addrs):
-            service = HubService(
-                host, store=store, fleet=fleet, leases=leases, buffer=buffer, buffer_signal=BufferSignal(),
-                shelf=shelf, rules=rules, learner=LearnerView(lambda: 0, STALENESS, prompts_per_step=4096),
-                config=LeaseConfig(prompts_per_lease=1, lease_timeout_s=60.0, max_inflight_steps=100.0),
-                model_config_hash=config_hash, task_name="reverse", heartbeat_period_s=2.0, status=status,
-                chain_links=lambda peer: ChainLinks(None, (), None, None, None),
-                on_fleet_change=activate_measured, uplink=HubUplink(None, None), on_heartbeat=lambda: None,
-                defences=permissive_defences(model_dir, shelf, rules.sampling, 1), on_report=refuse_reports,
-            )
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(service.run)
-                while SUBMIT_PROTOCOL not in host.get_mux().handlers:
-                    await trio.sleep(0.01)
-                with trio.open_signal_receiver(signal.SIGINT) as signals:
-                    print(SERVE_READY + addrs[0] + " " + config_hash, flush=True)
-                    async for _ in signals:
-                        nursery.cancel_scope.cancel()
-                        break
+        async with inproc_hub(data_dir, model_dir, config) as hub:
+            with trio.open_signal_receiver(signal.SIGINT) as signals:
+                print(SERVE_READY + hub.addr + " " + hub.config_hash, flush=True)
+                async for _ in signals:
+                    break
 
-    try:
-        trio.run(main)
-    finally:
-        store.close()
+    trio.run(main)
 
 
 # -- the client side ---------------------------------------------------------------------------
 
 
-class LightClient:
-    def __init__(self, host, identity: Identity, hub_peer: str, tokenizer) -> None:
-        self.host, self.identity, self.hub_peer, self.tokenizer = host, identity, hub_peer, tokenizer
+class LightClient(HubClient):
+    def __init__(self, host, identity: Identity, hub_addr: str, tokenizer) -> None:
+        super().__init__(host, identity, hub_addr, timeout_s=REQUEST_TIMEOUT_S)
+        self.tokenizer = tokenizer
         self.submit_latencies: list[float] = []
         self.accepted_submissions = 0
         self.accepted_groups = 0
@@ -163,16 +113,11 @@ class LightClient:
                 completions.append(Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop",
                                               version=0, text=text))
             groups.append(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(completions)))
-        return Submission(lease_id=lease.lease_id, node_id=self.identity.peer_id, groups=tuple(groups))
-
-    async def submit(self, submission: Submission) -> SubmitReply | Reject:
-        return await request(self.host, self.hub_peer, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
-                             timeout_s=REQUEST_TIMEOUT_S, sign_with=self.identity)
+        return Submission(lease_id=lease.lease_id, node_id=self.peer_id, groups=tuple(groups))
 
     async def work_until(self, deadline: float) -> None:
         while time.monotonic() < deadline:
-            reply = await request(self.host, self.hub_peer, LEASE_PROTOCOL, LeaseRequest(version_held=0),
-                                  LeaseReply, Reject, timeout_s=REQUEST_TIMEOUT_S)
+            reply = await self.lease(0)
             if not isinstance(reply, LeaseReply) or reply.lease is None:
                 self.refused += 1
                 await trio.sleep(0.05)
@@ -188,7 +133,6 @@ class LightClient:
 
 
 async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float, tokenizer, progress) -> dict:
-    hub_peer = hub_addr.rsplit("/p2p/", 1)[1]
     async with AsyncExitStack() as stack:
         hosts = []
         for _ in range(n_clients):
@@ -200,14 +144,15 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
 
         async def join(host, identity) -> None:
             started = time.monotonic()
-            await connect(host, hub_addr)
-            reply = await request(host, hub_peer, JOIN_PROTOCOL, JoinRequest(
+            client = LightClient(host, identity, hub_addr, tokenizer)
+            await client.connect()
+            reply = await client.join(JoinRequest(
                 price_per_hour=0.1, hardware="bench", link_bps=1e8, backend="hf", model_config_hash=config_hash,
-                version_held=0), JoinReply, Reject, timeout_s=REQUEST_TIMEOUT_S)
+                version_held=0))
             if not isinstance(reply, JoinReply):
                 raise RuntimeError(f"join refused: {reply}")
             join_latencies.append(time.monotonic() - started)
-            clients.append(LightClient(host, identity, hub_peer, tokenizer))
+            clients.append(client)
             progress("join", len(clients))
 
         started = time.monotonic()

@@ -103,27 +103,27 @@ def measure_step_s(model_dir: Path, cfg, sampling) -> float:
 
 def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, delay_s: float, data_dir: Path,
             on_step) -> dict:
-    from hub.buffer import BufferSignal, ReplayBuffer
+    from hub.config import HubConfig
     from hub.learner import LearnerComponent
     from hub.local_rollouts import LocalRollouts
-    from hub.metrics import METRICS_FILE, read_metrics
+    from hub.metrics import read_metrics
+    from hub.state import HubState
     from hub.store import Store
     from node.hf_engine import HFEngine
     from shared.crypto import Identity
     from shared.default_model import sample_accuracy
+    from shared.layout import HUB_STORE_FILE, METRICS_FILE
     from shared.tasks.reverse import ReverseTask
 
     cfg = learner_config(spec, args)
-    store = Store(data_dir / "hub.db")
-    buffer = ReplayBuffer(cfg.buffer_max_groups, cfg.staleness, cfg.skip_zero_variance)
-    signal = BufferSignal()
+    state = HubState(Store(data_dir / HUB_STORE_FILE), HubConfig(learner=cfg, sampling=sampling), ReverseTask())
+    store = state.store
     send, receive = trio.open_memory_channel(64)
     learner = LearnerComponent(
-        cfg, sampling, model_dir, data_dir, store, buffer, signal, Identity.generate(), send, args.steps,
-        CHUNK_SIZE_BYTES,
+        cfg, sampling, model_dir, data_dir, state, Identity.generate(), send, args.steps, CHUNK_SIZE_BYTES,
     )
     rollouts = LocalRollouts(
-        HFEngine(model_dir), ReverseTask(), sampling, cfg.group_size, store, buffer, signal, receive,
+        HFEngine(model_dir), ReverseTask(), sampling, cfg.group_size, state, receive,
         learner.min_useful_version, max_pending_groups=2 * cfg.prompts_per_step, install_delay_s=delay_s,
         seed=cfg.seed,
     )

@@ -18,30 +18,25 @@ Tokens the hub's recomputation puts outside the top-p nucleus (log-prob -inf) ha
 low-precision engines at nucleus boundaries (~1 in 900 tokens for bf16, top_p 0.9): they are
 left out of the mean and limited by `audit_max_outside_frac` instead.
 
-Consequences of a failed audit (the hub calls them from its `on_fail`): the node is banned, its
-groups still in the replay buffer are dropped and discarded in the store, and its ledger rows
-booked after the submission of its last passing audit are voided (`penalize`). Groups the
-learner already trained on stay trained on: audits are spot checks, not a gate.
+What follows a verdict is HubState's (hub/state.py): a pass vouches for the node's pay up to the
+audited submission; a failure bans the node, drops its groups still in the replay buffer and
+voids its pay booked after its last passed audit. Groups the learner already trained on stay
+trained on: audits are spot checks, not a gate.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import trio
 
-from hub.buffer import ReplayBuffer
 from hub.config import TrustConfig
-from hub.fleet import NodeRecord
 from hub.snapshots import SnapshotShelf
-from hub.store import Store
 from shared.logprobs import completion_logprobs
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import load_into
@@ -71,11 +66,6 @@ class GapStats:
     max_abs_gap: float
     tokens: int
     outside_nucleus: int
-
-
-def audit_due(audits_passed: int, rng: random.Random, rate: float, first_n: int) -> bool:
-    """Audit every submission of a node until it passed `first_n` audits, then a `rate` fraction."""
-    return audits_passed < first_n or rng.random() < rate
 
 
 def gap_stats(reported: torch.Tensor, recomputed: torch.Tensor, mask: torch.Tensor) -> GapStats:
@@ -131,9 +121,6 @@ class Auditor:
         self.loaded_hash: str | None = None
         self._lock = threading.Lock()
 
-    def should_audit(self, record: NodeRecord, rng: random.Random) -> bool:
-        return audit_due(record.audits_passed, rng, self.config.audit_rate, self.config.audit_first_n)
-
     def _load(self, version: int) -> None:
         snapshot = self.shelf.get(version)
         if snapshot is None:
@@ -169,136 +156,47 @@ class AuditJob:
     lease_id: str
     row_id: int
     group: Group
-
-
-@dataclass(frozen=True)
-class AuditCounters:
-    offered: int
-    skipped_full: int
-    audited: int
-    passed: int
-    failed: int
-    unavailable: int
-    pending: int
+    answered_at: float  # when the hub committed the submission: what a pass vouches for
 
 
 class AuditQueue:
-    """Audits sampled groups off the trio thread, one at a time, and reports each verdict.
+    """Audits groups off the trio thread, one at a time.
 
-    `sample` is called by the submission handler once a submission is committed; `run` is a
-    component of the hub's nursery. A full queue skips (and counts) new jobs rather than
-    holding up submissions. Jobs of a node already failed are dropped: it is banned once.
+    HubState `offer`s sampled groups of trusted nodes (a full queue skips new jobs rather than
+    hold up submissions; logged), takes them back with `next_job` in its audit loop, and calls
+    `judge` for those and, right away, for the groups of nodes on probation.
     """
 
-    def __init__(
-        self,
-        auditor: Auditor,
-        on_pass: Callable[[str], Awaitable[None]],
-        on_fail: Callable[[str, str], Awaitable[None]],
-        capacity: int,
-    ) -> None:
+    def __init__(self, auditor: Auditor, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.auditor = auditor
-        self.on_pass = on_pass
-        self.on_fail = on_fail
         self.capacity = capacity
         self._jobs: deque[AuditJob] = deque()
         self._wake = trio.Event()
-        self._failed: set[str] = set()
-        # node id -> lease id of its newest submission that passed an audit: what `penalize` keeps paid.
-        self.vouched_lease: dict[str, str] = {}
-        self.offered = 0
-        self.skipped_full = 0
-        self.audited = 0
-        self.passed = 0
-        self.failed = 0
-        self.unavailable = 0
+
+    def __len__(self) -> int:
+        return len(self._jobs)
 
     def offer(self, job: AuditJob) -> bool:
-        """Queue a job (never blocks); False when the queue is full (counted)."""
-        self.offered += 1
+        """Queue a job (never blocks); False when the queue is full."""
         if len(self._jobs) >= self.capacity:
-            self.skipped_full += 1
             log.warning("audit queue full (%d): skipped a group of %s", self.capacity, job.node_id)
             return False
         self._jobs.append(job)
         self._wake.set()
         return True
 
-    def sample(self, record: NodeRecord, lease_id: str, accepted: Sequence[tuple[Group, int]], rng: random.Random) -> bool:
-        """Decide, now that a submission is in, whether to audit it; if so queue one of its groups picked by `rng`."""
-        if not accepted or not self.auditor.should_audit(record, rng):
-            return False
-        group, row_id = accepted[rng.randrange(len(accepted))]
-        return self.offer(AuditJob(record.peer_id, lease_id, row_id, group))
+    async def next_job(self) -> AuditJob:
+        while not self._jobs:
+            self._wake = trio.Event()
+            await self._wake.wait()
+        return self._jobs.popleft()
 
-    def counters(self) -> AuditCounters:
-        return AuditCounters(
-            offered=self.offered, skipped_full=self.skipped_full, audited=self.audited, passed=self.passed,
-            failed=self.failed, unavailable=self.unavailable, pending=len(self._jobs),
-        )
-
-    def on_probation(self, record: NodeRecord) -> bool:
-        """A node whose every submission is still audited: its work waits for the verdict (see `audit_now`)."""
-        return record.audits_passed < self.auditor.config.audit_first_n
-
-    async def audit_now(self, job: AuditJob) -> bool | None:
-        """Audit one job before its group may be trained on: True passed, False failed (node banned), None unknown."""
-        self.offered += 1
-        return await self._judge(job)
-
-    async def _judge(self, job: AuditJob) -> bool | None:
-        if job.node_id in self._failed:
-            return False
+    async def judge(self, job: AuditJob) -> AuditResult | None:
+        """Re-score the job's group in a worker thread; None when its version left the shelf (logged)."""
         try:
-            result = await trio.to_thread.run_sync(self.auditor.audit, job.group, job.group.version)
+            return await trio.to_thread.run_sync(self.auditor.audit, job.group, job.group.version)
         except VersionUnavailable as exc:
-            self.unavailable += 1
             log.warning("audit of %s's group %s skipped: %s", job.node_id, job.group.prompt_id, exc)
             return None
-        self.audited += 1
-        if result.passed:
-            self.passed += 1
-            self.vouched_lease[job.node_id] = job.lease_id
-            await self.on_pass(job.node_id)
-            return True
-        self.failed += 1
-        self._failed.add(job.node_id)
-        await self.on_fail(job.node_id, f"v{job.group.version} group {job.group.prompt_id}: {result.reason}")
-        return False
-
-    async def run(self) -> None:
-        while True:
-            while not self._jobs:
-                self._wake = trio.Event()
-                await self._wake.wait()
-            await self._judge(self._jobs.popleft())
-
-
-@dataclass(frozen=True)
-class Penalty:
-    node_id: str
-    dropped_row_ids: tuple[int, ...]
-    voided_ledger_rows: int
-
-
-async def penalize(store: Store, buffer: ReplayBuffer, node_id: str, vouched_lease_id: str | None, reason: str) -> Penalty:
-    """Drop a caught node's unconsumed groups and void its pay since its last passing audit.
-
-    Runs in the trio thread (the buffer is the trio thread's); the store write is one transaction.
-    Pay is kept up to and including the lease whose audit passed, voided after it (all of it when
-    no audit of the node ever passed).
-    """
-    dropped = tuple(buffer.drop_node(node_id))
-
-    def commit() -> int:
-        since = 0.0
-        if vouched_lease_id is not None:
-            lease = store.lease(vouched_lease_id)
-            if lease is not None and lease.answered_at is not None:
-                since = lease.answered_at
-        return store.penalize_node(node_id, dropped, since, reason)
-
-    voided = await trio.to_thread.run_sync(commit)
-    return Penalty(node_id, dropped, voided)

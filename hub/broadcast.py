@@ -25,6 +25,7 @@ from shared.messages import (
     SNAPSHOT_PROTOCOL,
     BadChunkReport,
     Reject,
+    RejectCode,
     RelayOffer,
     SnapshotRequest,
     TransferAck,
@@ -243,12 +244,11 @@ class Broadcaster:
         report = await read_message(stream, BadChunkReport)
         accused = self.fleet.get(report.upstream)
         if self.links(reporter).upstream != report.upstream or accused is None:
-            await write_message(stream, Reject(reason="that peer is not your upstream"))
+            await write_message(stream, Reject(code=RejectCode.NOT_UPSTREAM, reason="that peer is not your upstream"))
             await stream.close()
             return
         verdict = await self._confirm_bad(accused, report.version, report.index)
         if verdict == "bad":
-            accused.bad_chunks += 1
             await self.ban(accused, f"relayed a corrupt chunk {report.index} of v{report.version}")
         elif verdict == "intact":
             self.false_reports[reporter] = self.false_reports.get(reporter, 0) + 1

@@ -33,16 +33,6 @@ class TakeResult:
     staleness: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class BufferCounters:
-    added: int
-    refused_full: int
-    zero_variance: int
-    dropped_stale: int
-    taken: int
-    size: int
-
-
 def has_reward_variance(group: Group) -> bool:
     return len(set(group.rewards)) > 1
 
@@ -59,11 +49,6 @@ class ReplayBuffer:
         self.staleness = staleness
         self.skip_zero_variance = skip_zero_variance
         self._items: deque[tuple[Group, int]] = deque()
-        self.added = 0
-        self.refused_full = 0
-        self.zero_variance = 0
-        self.dropped_stale = 0
-        self.taken = 0
         # Every group offered, useful for training or not: what the policy's rollouts score.
         self.offered = 0
         self.offered_reward_sum = 0.0
@@ -78,10 +63,8 @@ class ReplayBuffer:
         self.offered += 1
         self.offered_reward_sum += sum(group.rewards) / len(group.rewards)
         if self.skip_zero_variance and not has_reward_variance(group):
-            self.zero_variance += 1
             return AddResult(False, REASON_ZERO_VARIANCE)
         if len(self._items) >= self.capacity_groups:
-            self.refused_full += 1
             return AddResult(False, f"buffer full: {self.capacity_groups} groups")
         # Keep version order so "oldest usable first" is a scan from the left; groups
         # mostly arrive in version order, so the insertion point is almost always the end.
@@ -89,7 +72,6 @@ class ReplayBuffer:
         while index > 0 and self._items[index - 1][0].version > group.version:
             index -= 1
         self._items.insert(index, (group, row_id))
-        self.added += 1
         return AddResult(True)
 
     def _usable(self, version: int, group: Group) -> bool:
@@ -100,14 +82,13 @@ class ReplayBuffer:
         return sum(1 for g, _ in self._items if self._usable(step, g)) >= k
 
     def prune(self, step: int) -> tuple[int, ...]:
-        """Drop (and count) groups too stale for `step`; their row ids.
+        """Drop groups too stale for `step`; their row ids (the store records them as dropped).
 
         Stale groups only get staler, so dropping them loses nothing a later step could use.
         """
         dropped = tuple(row_id for g, row_id in self._items if not self._usable(step, g))
         if dropped:
             self._items = deque((g, r) for g, r in self._items if self._usable(step, g))
-            self.dropped_stale += len(dropped)
         return dropped
 
     def take(self, step: int, k: int) -> TakeResult:
@@ -122,7 +103,6 @@ class ReplayBuffer:
             group, row_id = self._items.popleft()
             groups.append(group)
             ids.append(row_id)
-        self.taken += len(groups)
         return TakeResult(
             groups=tuple(groups),
             row_ids=tuple(ids),
@@ -139,16 +119,6 @@ class ReplayBuffer:
         if dropped:
             self._items = deque((g, r) for g, r in self._items if g.node_id != node_id)
         return dropped
-
-    def counters(self) -> BufferCounters:
-        return BufferCounters(
-            added=self.added,
-            refused_full=self.refused_full,
-            zero_variance=self.zero_variance,
-            dropped_stale=self.dropped_stale,
-            taken=self.taken,
-            size=len(self._items),
-        )
 
 
 class BufferSignal:

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from hub.capacity import default_kappa, validate_kappa
 from shared.config import Section
+from shared.layout import HUB_KEY_FILE
 from shared.rollout import SamplingParams
 
 DEFAULT_HUB_PORT = 4077
@@ -72,8 +73,18 @@ class SchedulerConfig(Section):
     gamma: float = Field(1.1, ge=1.0, le=10.0, description="provisioning headroom over mu_min")
     control_period_s: float = Field(5.0, gt=0.0, le=3600.0, description="seconds between fleet decisions")
     release_margin: float = Field(0.2, ge=0.0, le=10.0, description="hysteresis before releasing a node")
+    heartbeat_period_s: float = Field(2.0, gt=0.0, le=600.0, description="how often nodes heartbeat (told on join)")
     heartbeat_timeout_s: float = Field(15.0, gt=0.0, le=3600.0, description="a node silent this long is dropped")
     enabled: bool = Field(True, description="off: every node is active")
+
+    @model_validator(mode="after")
+    def _timeout_covers_beats(self) -> SchedulerConfig:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_period_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice heartbeat_period_s "
+                f"({self.heartbeat_period_s:g}): one late beat must not drop a node"
+            )
+        return self
 
 
 # Config of the hub's trust defences (DESIGN section 7): log-prob audits, copy detection, Sybil and peer limits.
@@ -132,4 +143,4 @@ class HubConfig(Section):
 
     @property
     def key_path(self) -> Path:
-        return self.key if self.key is not None else self.data_dir / "hub.key"
+        return self.key if self.key is not None else self.data_dir / HUB_KEY_FILE

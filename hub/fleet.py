@@ -1,7 +1,9 @@
-"""The hub's registry of volunteer nodes: who joined, what they declared, what the hub measured.
+"""The hub's in-memory registry of volunteer nodes: who joined, what they declared, what the hub measured.
 
 Declared values (price, link, hardware) come from the node; everything used for money or
-scheduling decisions (throughput, cost, counts) is measured by the hub itself.
+scheduling decisions (throughput, cost, counts) is measured by the hub itself. Plain data and
+pure helpers: HubState (hub/state.py) is the only writer, after its store commits; the
+scheduler, the broadcaster and the status board read it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hub.capacity import ewma
-from shared.messages import JoinRequest, NodeState
+from hub.store import NodeRow
+from shared.messages import JoinRequest, NodeState, Tallies
 
 THROUGHPUT_EWMA_ALPHA = 0.3
 
@@ -23,7 +26,6 @@ class NodeRecord:
     hardware: str
     listen_addrs: tuple[str, ...]
     remote_ip: str | None
-    joined_at: float
     last_seen: float
     state: NodeState = "probing"
     version_held: int = -1
@@ -31,30 +33,41 @@ class NodeRecord:
     chunks_received: int = 0
     rollouts_per_s: float = 0.0
     measured: bool = False
-    accepted: int = 0
-    rejected: int = 0
-    late: int = 0
-    refused: int = 0  # requests refused at the protocol level, not groups
+    tallies: Tallies = field(default_factory=Tallies)
     audits_passed: int = 0
-    bad_chunks: int = 0
-    recent_events: list[str] = field(default_factory=list)
+    # Time of the newest submission whose audit passed: a later ban voids only pay booked after it.
+    vouched_at: float | None = None
+    online_s: float = 0.0  # heartbeating time over all sessions (what an always-on fleet would pay for)
+    banned_reason: str | None = None
 
     @property
     def rho(self) -> float:
         """Cost per unit throughput, $/h per (rollout/s); unmeasured nodes sort last."""
         return self.price_per_hour / self.rollouts_per_s if self.rollouts_per_s > 0 else float("inf")
 
+    @classmethod
+    def from_row(cls, row: NodeRow) -> NodeRecord:
+        """A node the store remembers, as a restarted hub sees it: gone until it joins again (or banned)."""
+        return cls(
+            peer_id=row.peer_id, price_per_hour=row.price_per_hour, link_bps=row.link_bps or 0.0, backend=row.backend,
+            hardware=row.hardware, listen_addrs=(), remote_ip=None, last_seen=row.last_seen,
+            state="banned" if row.state == "banned" else "gone", rollouts_per_s=row.rollouts_per_s,
+            measured=row.measured, tallies=row.tallies, audits_passed=row.audits_passed, vouched_at=row.vouched_at,
+            online_s=row.online_s, banned_reason=row.banned_reason,
+        )
+
 
 class Fleet:
-    """In-memory node registry; the hub mirrors changes into the store."""
+    """Every node the hub knows, by peer id."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, NodeRecord] = {}
 
-    def join(self, peer_id: str, request: JoinRequest, remote_ip: str | None, now: float) -> NodeRecord:
-        previous = self.nodes.get(peer_id)
-        if previous is not None and previous.state == "banned":
-            return previous
+    @staticmethod
+    def joined(
+        peer_id: str, request: JoinRequest, remote_ip: str | None, now: float, previous: NodeRecord | None
+    ) -> NodeRecord:
+        """The record of a node (re)joining: what it declares now, and what the hub measured of it before."""
         record = NodeRecord(
             peer_id=peer_id,
             price_per_hour=request.price_per_hour,
@@ -63,16 +76,18 @@ class Fleet:
             hardware=request.hardware,
             listen_addrs=request.listen_addrs,
             remote_ip=remote_ip,
-            joined_at=now,
             last_seen=now,
             version_held=request.version_held,
         )
         if previous is not None:
-            # A rejoin keeps what the hub measured (its tallies are the store's: see HubService._on_join).
             record.rollouts_per_s, record.measured = previous.rollouts_per_s, previous.measured
+            record.tallies, record.audits_passed = previous.tallies, previous.audits_passed
+            record.vouched_at, record.online_s = previous.vouched_at, previous.online_s
             record.state = "standby" if previous.measured else "probing"
-        self.nodes[peer_id] = record
         return record
+
+    def put(self, record: NodeRecord) -> None:
+        self.nodes[record.peer_id] = record
 
     def get(self, peer_id: str) -> NodeRecord | None:
         return self.nodes.get(peer_id)
@@ -83,11 +98,12 @@ class Fleet:
     def in_state(self, *states: NodeState) -> list[NodeRecord]:
         return [n for n in self.nodes.values() if n.state in states]
 
-    def record_work(self, record: NodeRecord, accepted_rollouts: int, seconds: float) -> None:
-        """Fold one answered lease into the node's measured throughput (accepted rollouts per lease second)."""
+    @staticmethod
+    def throughput_after(record: NodeRecord, accepted_rollouts: int, seconds: float) -> tuple[float, bool]:
+        """(rollouts/s, measured) once one answered lease is folded into the node's measured throughput."""
         sample = accepted_rollouts / seconds if seconds > 0 else 0.0
-        record.rollouts_per_s = sample if not record.measured else ewma(record.rollouts_per_s, sample, THROUGHPUT_EWMA_ALPHA)
-        record.measured = True
+        rate = sample if not record.measured else ewma(record.rollouts_per_s, sample, THROUGHPUT_EWMA_ALPHA)
+        return rate, True
 
     def silent_since(self, deadline: float) -> list[NodeRecord]:
         """Live nodes whose last heartbeat is older than `deadline`."""

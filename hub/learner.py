@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import trio
 
-from hub.buffer import BufferSignal, ReplayBuffer
 from hub.checkpoint import (
     CheckpointInfo,
     latest_checkpoint,
@@ -39,9 +38,11 @@ from hub.checkpoint import (
 )
 from hub.config import LearnerConfig
 from hub.grpo import group_advantages, grpo_loss
-from hub.metrics import METRICS_FILE, MetricsWriter, bubble_ratio
-from hub.store import StepRecord, Store
+from hub.metrics import MetricsWriter, bubble_ratio
+from hub.state import HubState
+from hub.store import StepRecord
 from shared.crypto import Identity
+from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logprobs import completion_logprobs
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import (
@@ -51,10 +52,6 @@ from shared.snapshot import (
     read_snapshot_files,
     write_snapshot_files,
 )
-
-SNAPSHOTS_DIR = "snapshots"
-CHECKPOINTS_DIR = "checkpoints"
-FINAL_DIR = "final"
 
 
 @dataclass(frozen=True)
@@ -213,8 +210,9 @@ class Learner:
 class LearnerComponent:
     """Trio driver of the Learner over a data dir; resumes from the newest checkpoint there.
 
-    Construction blocks (loads the model, reads the store, refills the buffer with the store's
-    acknowledged but untrained groups): build it before trio starts or in trio.to_thread.run_sync.
+    Construction blocks (loads the model, reads the store): build it before trio starts or in
+    trio.to_thread.run_sync. It takes groups from the hub state's buffer (refilled from the store
+    when the state opened) and commits its steps through the state.
     `run` trains until the step number reaches `steps` (0: forever), then saves DATA_DIR/final.
     Per step: wait for prompts_per_step usable groups (T_idle), train in a worker thread,
     commit step row + consumed and stale-dropped row ids in one transaction, append
@@ -227,9 +225,7 @@ class LearnerComponent:
         sampling: SamplingParams,
         base_model_dir: Path,
         data_dir: Path,
-        store: Store,
-        buffer: ReplayBuffer,
-        signal: BufferSignal,
+        state: HubState,
         identity: Identity,
         snapshot_send: trio.MemorySendChannel[SnapshotPublished],
         steps: int,
@@ -239,9 +235,10 @@ class LearnerComponent:
     ) -> None:
         self.cfg = cfg
         self.data_dir = Path(data_dir)
-        self.store = store
-        self.buffer = buffer
-        self.signal = signal
+        self.state = state
+        self.store = state.store
+        self.buffer = state.buffer
+        self.signal = state.signal
         self.identity = identity
         self.snapshot_send = snapshot_send
         self.steps = steps
@@ -259,28 +256,17 @@ class LearnerComponent:
         # Numbering continues after the newest committed step even when the checkpoint is older:
         # steps after the checkpoint are lost as weights but stay in the record, so versions
         # never repeat.
-        latest_step = store.latest_step() or 0
+        latest_step = self.store.latest_step() or 0
         self.step = max(latest_step, checkpoint.step if checkpoint is not None else 0)
         self.training = False
         self.snapshot_seconds: list[float] = []
         self._pending_stale: list[int] = []
         if self.step > 0 or checkpoint is not None:
             lost = self.step - (checkpoint.step if checkpoint is not None else 0)
-            store.add_event(
+            state.record_event(
                 "learner_resume", None,
                 f"step {self.step}, checkpoint {checkpoint.step if checkpoint else 'none'}, steps lost as weights: {lost}",
             )
-        self._refill_buffer()
-
-    def _refill_buffer(self) -> None:
-        """Acknowledged but untrained groups go back into the buffer; refusals are recorded."""
-        refused: dict[str, list[int]] = {}
-        for row_id, group in self.store.unconsumed_groups():
-            result = self.buffer.add(group, row_id)
-            if not result.accepted:
-                refused.setdefault(result.reason or "refused", []).append(row_id)
-        for reason, ids in refused.items():
-            self.store.discard_trajectories(ids, reason)
 
     @property
     def version(self) -> int:
@@ -345,7 +331,7 @@ class LearnerComponent:
                 },
             )
             stale_ids = list(self._pending_stale)
-            await trio.to_thread.run_sync(self.store.commit_step, record, taken.row_ids, (), stale_ids)
+            await self.state.commit_step(record, taken.row_ids, stale_ids)
             self._pending_stale.clear()
             self.step = t
             await trio.to_thread.run_sync(self.metrics.append, record)
@@ -380,7 +366,7 @@ class LearnerComponent:
         info = save_checkpoint(
             self.checkpoints_dir, step, step, self.learner.model, self.learner.tokenizer, self.learner.optimizer
         )
-        self.store.add_checkpoint(step, str(info.path), step)
+        self.state.record_checkpoint(step, info.path, step)
 
     async def _publish_initial(self) -> None:
         """Snapshot of the policy held at start: v0 when fresh; on resume, a new version or the last one again."""
@@ -399,10 +385,7 @@ class LearnerComponent:
             self.learner.state_dict(), version, self.identity, self.learner.config_hash, self.chunk_size_bytes
         )
         weights_path = write_snapshot_files(snapshot, self.snapshots_dir)
-        self.store.add_snapshot(
-            version, str(weights_path), snapshot.manifest.whole_hash, snapshot.manifest.total_bytes,
-            created_at=time.time(),
-        )
+        self.state.record_snapshot(version, str(weights_path), snapshot.manifest.whole_hash, snapshot.manifest.total_bytes)
         self.snapshot_seconds.append(time.perf_counter() - started)
         return snapshot
 

@@ -52,8 +52,6 @@ class LeaseBook:
         self._pool: deque[Prompt] = deque()
         self._distinct_prompts = len({p.id for p in task.prompts()})
         self.open: dict[str, LeaseRecord] = {}
-        self.expired_count = 0
-        self.issued_count = 0
 
     def outstanding_prompts(self) -> int:
         return sum(len(rec.prompts) - len(rec.answered) for rec in self.open.values())
@@ -75,10 +73,12 @@ class LeaseBook:
         self._pool.extendleft(reversed(skipped))
         return tuple(chosen.values())
 
-    def issue(
+    def draft(
         self, node_id: str, k: int, min_version: int, now: float, timeout_s: float, probe: bool = False
     ) -> LeaseRecord:
-        record = LeaseRecord(
+        """A lease of up to k prompts taken from the pool, not open yet: `open_lease` it once it is stored,
+        or `abandon` it to give its prompts back."""
+        return LeaseRecord(
             lease_id=secrets.token_hex(12),
             node_id=node_id,
             prompts=self._next_prompts(k),
@@ -87,9 +87,13 @@ class LeaseBook:
             deadline=now + timeout_s,
             probe=probe,
         )
+
+    def open_lease(self, record: LeaseRecord) -> None:
         self.open[record.lease_id] = record
-        self.issued_count += 1
-        return record
+
+    def abandon(self, record: LeaseRecord) -> None:
+        """A drafted lease that was never opened: its prompts go back to the front of the pool."""
+        self._pool.extendleft(reversed(record.prompts))
 
     def claim(self, lease_id: str, node_id: str, now: float) -> LeaseRecord:
         """The open lease a submission answers, or LeaseError saying why it answers none."""
@@ -101,7 +105,7 @@ class LeaseBook:
         if record.checking:
             raise LeaseError("a submission for this lease is already being checked")
         if now > record.deadline:
-            self._expire(record)
+            self.close(record)
             raise LeaseError("lease expired")
         record.checking = True
         return record
@@ -119,20 +123,16 @@ class LeaseBook:
         self.open.pop(record.lease_id, None)
         self._pool.extendleft(reversed([p for p in record.prompts if p.id not in record.answered]))
 
-    def _expire(self, record: LeaseRecord) -> None:
-        self.expired_count += 1
-        self.close(record)
-
     def expire(self, now: float) -> list[LeaseRecord]:
         """Expire every lease past its deadline (except one being checked); their prompts are re-leased."""
         gone = [rec for rec in self.open.values() if now > rec.deadline and not rec.checking]
         for record in gone:
-            self._expire(record)
+            self.close(record)
         return gone
 
     def drop_node(self, node_id: str) -> list[LeaseRecord]:
         """Give back the leases of a node that left or was banned."""
         gone = [rec for rec in self.open.values() if rec.node_id == node_id]
         for record in gone:
-            self._expire(record)
+            self.close(record)
         return gone

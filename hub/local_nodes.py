@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.layout import LOCAL_NODES_DIR
+
 # Differing declared prices ($/h), so cost-aware activation has something to choose between.
 LOCAL_NODE_PRICES = (0.35, 0.50, 0.80, 0.30, 0.65, 1.00, 0.45, 0.90)
 STOP_TIMEOUT_S = 10.0
@@ -23,17 +25,20 @@ class LocalNode:
 
 
 def spawn_local_nodes(
-    count: int, hub_addr: str, data_dir: Path, link_mbps: float | None = None, extra_args: tuple[str, ...] = ()
+    count: int, hub_addr: str, data_dir: Path, link_mbps: float | None = None, model: Path | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> list[LocalNode]:
+    """`count` nodes joining `hub_addr`, each with the hub's model (`model`; None: the embedded default)."""
     nodes = []
     for i in range(count):
-        node_dir = Path(data_dir) / "nodes" / f"node-{i}"
+        node_dir = Path(data_dir) / LOCAL_NODES_DIR / f"node-{i}"
         node_dir.mkdir(parents=True, exist_ok=True)
         price = LOCAL_NODE_PRICES[i % len(LOCAL_NODE_PRICES)]
         args = [
             sys.executable, "-m", "node.cli", "join", "--hub", hub_addr, "--price", str(price),
             "--backend", "hf", "--device", "cpu", "--data-dir", str(node_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
-            *(["--link-mbps", str(link_mbps)] if link_mbps else []), *extra_args,
+            *(["--link-mbps", str(link_mbps)] if link_mbps else []),
+            *(["--model", str(Path(model).resolve())] if model else []), *extra_args,
         ]
         with open(node_dir / "node.out", "ab") as out:
             # Own process group: a Ctrl-C in the terminal reaches the hub, which then stops the nodes itself.

@@ -4,7 +4,7 @@ It behaves like a node seen from the hub: it only ever holds a published snapsho
 delivered `install_delay_s` late, to emulate broadcast time T_bcast and so staleness), it
 makes no group older than the learner can use (like a lease's min_version), and its groups
 go through the same path as submissions: hub-side reward, a committed accepted store row,
-then the buffer (a buffer refusal is recorded on the row, never silent).
+then the buffer (a buffer refusal is recorded on the row, never silent), all by HubState.
 
 The engine is passed in (hub/ does not import node/): anything with
 install(weights: bytes, version: int) and generate(prompts, n, sampling) -> list[list[Completion]].
@@ -18,9 +18,8 @@ from typing import Protocol
 
 import trio
 
-from hub.buffer import BufferSignal, ReplayBuffer
 from hub.learner import SnapshotPublished
-from hub.store import Store
+from hub.state import HubState
 from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.base import Prompt, Task
 
@@ -40,9 +39,7 @@ class LocalRollouts:
         task: Task,
         sampling: SamplingParams,
         group_size: int,
-        store: Store,
-        buffer: ReplayBuffer,
-        signal: BufferSignal,
+        state: HubState,
         snapshots: trio.MemoryReceiveChannel[SnapshotPublished],
         min_version: Callable[[], int],
         prompts_per_batch: int = 8,
@@ -54,9 +51,9 @@ class LocalRollouts:
         self.task = task
         self.sampling = sampling
         self.group_size = group_size
-        self.store = store
-        self.buffer = buffer
-        self.signal = signal
+        self.state = state
+        self.buffer = state.buffer
+        self.signal = state.signal
         self.snapshots = snapshots
         self.min_version = min_version
         self.prompts_per_batch = prompts_per_batch
@@ -66,7 +63,6 @@ class LocalRollouts:
         self._delivered: SnapshotPublished | None = None
         self.installed_version: int | None = None
         self.generated_groups = 0
-        self.refused: dict[str, int] = {}
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -99,17 +95,8 @@ class LocalRollouts:
             prompts = self.task.sample(self.rng, self.prompts_per_batch)
             groups = await trio.to_thread.run_sync(self._generate_and_score, prompts, message.version)
             for group in groups:
-                # Shielded: a recorded row always gets its buffer outcome, even when the run is
-                # stopped meanwhile (else a refused row would wait in the store for the next start).
-                with trio.CancelScope(shield=True):
-                    row_id = await trio.to_thread.run_sync(self.store.record_trajectory, group, None, "", "accepted")
-                    result = self.buffer.add(group, row_id)
-                    if not result.accepted:
-                        reason = result.reason or "refused"
-                        self.refused[reason] = self.refused.get(reason, 0) + 1
-                        await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id], reason)
+                await self.state.record_local_group(group)
                 self.generated_groups += 1
-            self.signal.notify()
 
     def _generate_and_score(self, prompts: list[Prompt], version: int) -> list[Group]:
         outputs = self.engine.generate([p.text for p in prompts], self.group_size, self.sampling)

@@ -14,8 +14,6 @@ from pathlib import Path
 
 from hub.store import StepRecord
 
-METRICS_FILE = "metrics.jsonl"
-
 
 def bubble_ratio(t_idle_s: float, t_train_s: float) -> float:
     """T_idle / (T_idle + T_train) for one step (0 when both are 0)."""

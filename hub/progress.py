@@ -14,7 +14,7 @@ def _line(status) -> str:
     bubble = f"{status.bubble:.2f}" if status.bubble is not None else "-"
     return (
         f"v{status.version} reward {reward} | nodes {states.count('active')} active "
-        f"{states.count('standby')} standby | accepted {status.accepted} | bubble {bubble} | ${status.cost_usd:.4f}"
+        f"{states.count('standby')} standby | accepted {status.totals.accepted} | bubble {bubble} | ${status.cost_usd:.4f}"
     )
 
 

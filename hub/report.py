@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hub.metrics import METRICS_FILE, policy_reward, read_metrics
+from hub.metrics import policy_reward, read_metrics
+from shared.layout import METRICS_FILE, REPORT_FILE
 
 
 def write_report(data_dir: Path, out: Path | None = None) -> Path:
@@ -16,7 +17,7 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
     rows = read_metrics(Path(data_dir) / METRICS_FILE)
     if not rows:
         raise SystemExit(f"echo-hub report: no learner steps in {Path(data_dir) / METRICS_FILE}")
-    out = Path(out) if out is not None else Path(data_dir) / "report.png"
+    out = Path(out) if out is not None else Path(data_dir) / REPORT_FILE
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     rewards = [policy_reward(r) for r in rows]

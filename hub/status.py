@@ -1,6 +1,9 @@
 """The hub's status board: one HubStatus snapshot of the whole system, refreshed every second,
 served on the status protocol and written atomically to DATA_DIR/status.json (the dashboard
-reads either, also after the run has ended)."""
+reads either, also after the run has ended).
+
+Nodes, tallies, costs and run totals are HubState's view (all-time, restored on restart); the
+step history, events and the usable fraction are read from the store."""
 
 from __future__ import annotations
 
@@ -13,15 +16,13 @@ import trio
 
 from hub.broadcast import Broadcaster
 from hub.capacity import usable_fraction
-from hub.fleet import Fleet
-from hub.leases import LeaseBook
 from hub.metrics import policy_reward
-from hub.scheduler import Scheduler
-from hub.store import Store
+from hub.scheduler import CapacityView, Scheduler
+from hub.state import HubState
 from shared.files import atomic_write_text
+from shared.layout import HUB_STATUS_FILE
 from shared.messages import EventRecord, HubStatus, NodeStatus, StepPoint
 
-STATUS_FILE = "status.json"
 STATUS_PERIOD_S = 1.0
 HISTORY_POINTS = 300
 EVENTS_KEPT = 200
@@ -38,36 +39,33 @@ class RunInfo:
     kappa: int
     task: str
     broadcast_mode: str
-    learner_price_per_hour: float
-    started_at: float
+
+
+NO_CAPACITY = CapacityView(0.0, None, None, None, "no scheduler")
 
 
 class StatusBoard:
+    """Without a broadcaster or a scheduler (in-process hubs of tests and benchmarks) it shows no chains
+    and no capacity model."""
+
     def __init__(
         self,
         info: RunInfo,
         data_dir: Path,
-        store: Store,
-        fleet: Fleet,
-        leases: LeaseBook,
-        broadcaster: Broadcaster,
-        scheduler: Scheduler,
+        state: HubState,
         learner_step: Callable[[], int],
-        dropped_stale: Callable[[], int],
+        broadcaster: Broadcaster | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self.info = info
-        self.path = Path(data_dir) / STATUS_FILE
-        self.store = store
-        self.fleet = fleet
-        self.leases = leases
+        self.path = Path(data_dir) / HUB_STATUS_FILE
+        self.state = state
+        self.store = state.store
         self.broadcaster = broadcaster
         self.scheduler = scheduler
         self.learner_step = learner_step
-        self.dropped_stale = dropped_stale
         self.history: tuple[StepPoint, ...] = ()
         self.events: tuple[EventRecord, ...] = ()
-        self.counts: dict[str, int] = {}
-        self.paid_usd: dict[str, float] = {}
         self.t_train_recent_s: float | None = None
         self.usable_fraction = 1.0
         self.running = True
@@ -86,49 +84,39 @@ class StatusBoard:
             EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)
             for e in self.store.events(EVENTS_KEPT)
         )
-        self.counts = self.store.trajectory_counts()
-        # From the ledger, not the fleet's memory: a ban voids pay there, and a restart keeps it.
-        self.paid_usd = self.store.ledger_by_node_usd()
-
-    def cost_usd(self, now: float) -> float:
-        """What the run has cost so far: learner time at its price plus every node payment booked."""
-        return sum(self.paid_usd.values()) + self.info.learner_price_per_hour * (now - self.info.started_at) / 3600.0
 
     def snapshot(self, events: int = 50) -> HubStatus:
+        """The status now (on the trio thread: the state's view is only ever touched there)."""
         now = time.time()
-        chain_of = {p: (i, j) for i, chain in enumerate(self.broadcaster.chains) for j, p in enumerate(chain)}
+        state = self.state
+        chains = self.broadcaster.chains if self.broadcaster else []
+        chain_of = {p: (i, j) for i, chain in enumerate(chains) for j, p in enumerate(chain)}
         nodes = tuple(
             NodeStatus(
                 peer_id=n.peer_id, state=n.state, price_per_hour=n.price_per_hour, rollouts_per_s=n.rollouts_per_s,
                 version_held=n.version_held, receiving_version=n.receiving_version,
-                chunks_received=n.chunks_received, accepted=n.accepted, rejected=n.rejected, late=n.late, refused=n.refused,
-                cost_usd=self.paid_usd.get(n.peer_id, 0.0),
+                chunks_received=n.chunks_received, tallies=n.tallies, cost_usd=state.totals.paid_usd.get(n.peer_id, 0.0),
                 backend=n.backend, hardware=n.hardware,
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
             )
-            for n in self.fleet.nodes.values()
+            for n in state.fleet.nodes.values()
         )
         last = self.history[-1] if self.history else None
-        hours = (now - self.info.started_at) / 3600.0
-        cost = self.cost_usd(now)
-        all_on = self.info.learner_price_per_hour * hours + sum(
-            n.price_per_hour * max(0.0, n.last_seen - n.joined_at) / 3600.0 for n in self.fleet.nodes.values()
-        )
+        cost = state.cost_usd(now)
         step = self.learner_step()
-        capacity = self.scheduler.view
+        capacity = self.scheduler.view if self.scheduler else NO_CAPACITY
         return HubStatus(
             hub_id=self.info.hub_id, addrs=self.info.addrs, running=self.running, updated_at=now, step=step,
             steps_target=self.info.steps_target, version=step, staleness=self.info.staleness, kappa=self.info.kappa,
-            task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in self.broadcaster.chains),
-            broadcast_mode=self.info.broadcast_mode, open_leases=len(self.leases.open),
-            accepted=self.counts.get("accepted", 0), rejected=self.counts.get("rejected", 0),
-            late=self.counts.get("late", 0), dropped_stale=self.dropped_stale(),
+            task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in chains),
+            broadcast_mode=self.info.broadcast_mode, open_leases=len(state.leases.open),
+            totals=state.totals.groups, dropped_stale=state.totals.dropped_stale,
             reward_mean=last.reward_mean if last else None,
-            t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s(),
+            t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s() if self.broadcaster else None,
             bubble=last.bubble if last else None, predicted_bubble=capacity.predicted_bubble,
             mu_pool=capacity.mu_pool, mu_min=capacity.mu_min, mu_target=capacity.mu_target,
             usable_fraction=capacity.usable_fraction,
-            cost_usd=cost, cost_per_step_usd=cost / step if step else None, all_on_cost_usd=all_on,
+            cost_usd=cost, cost_per_step_usd=cost / step if step else None, all_on_cost_usd=state.all_on_cost_usd(now),
             history=self.history, events=self.events[:events],
         )
 

@@ -9,7 +9,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from shared.messages import HubStatus
+from shared.layout import HUB_STATUS_FILE
+from shared.messages import TALLY_FIELDS, TALLY_SHORT, HubStatus
 
 STATUS_TIMEOUT_S = 10.0
 
@@ -36,7 +37,8 @@ def render(status: HubStatus, console: Console) -> None:
     head.add_row("hub", status.hub_id, "running" if status.running else "finished")
     head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
     head.add_row("staleness S / kappa", f"{status.staleness} / {status.kappa}", f"task {status.task}")
-    head.add_row("trajectories", f"{status.accepted} accepted, {status.rejected} rejected, {status.late} late",
+    t = status.totals
+    head.add_row("trajectories", f"{t.accepted} accepted, {t.rejected} rejected, {t.late} late",
                  f"{status.dropped_stale} stale")
     head.add_row("open leases", str(status.open_leases), f"broadcast {status.broadcast_mode}")
     mu = f"mu_pool {status.mu_pool:.2f}/s"
@@ -48,13 +50,12 @@ def render(status: HubStatus, console: Console) -> None:
     console.print(head)
     nodes = Table(title="nodes", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     # Short headers, as on the dashboard, so the table fits 80 columns.
-    for col in ("peer", "state", "$/h", "roll/s", "ver", "acc", "rej", "late", "ref", "cost $", "chain"):
+    for col in ("peer", "state", "$/h", "roll/s", "ver", *TALLY_SHORT.values(), "cost $", "chain"):
         nodes.add_column(col)
     for n in status.nodes:
         chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
         nodes.add_row(n.peer_id[-8:], n.state, f"{n.price_per_hour:.2f}", f"{n.rollouts_per_s:.2f}", str(n.version_held),
-                      str(n.accepted), str(n.rejected), str(n.late), str(n.refused),
-                      f"{n.cost_usd:.5f}", chain)
+                      *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS), f"{n.cost_usd:.5f}", chain)
     console.print(nodes)
     for i, chain in enumerate(status.chains):
         console.print(f"chain {i}: hub -> " + " -> ".join(p[-8:] for p in chain))
@@ -65,7 +66,7 @@ def run_status(hub: str | None, data_dir: Path | None, as_json: bool) -> int:
         if hub is not None:
             status = fetch_status(hub)
         else:
-            path = Path(data_dir or "echo2-data") / "status.json"
+            path = Path(data_dir or "echo2-data") / HUB_STATUS_FILE
             if not path.exists():
                 print(f"echo-hub status: no {path}; is a hub running with that data dir?", file=sys.stderr)
                 return 1

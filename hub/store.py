@@ -14,6 +14,10 @@ only because its version fell out of the staleness window). An
 accepted row later gets exactly one of consumed_step (a committed learner step
 trained on it) or discard_reason (stale, zero reward variance, buffer full...).
 Accepted rows with neither are the replay buffer's contents after a restart.
+
+Events: a write method that changes what the hub shows takes the event(s) describing it and
+inserts them in its own transaction, so the log never disagrees with the state. Only
+hub/state.py (HubState) writes; dashboards and tests read.
 """
 
 from __future__ import annotations
@@ -30,19 +34,20 @@ from typing import Literal
 
 import sqlite_utils
 
+from shared.messages import GROUP_VERDICTS, TALLY_FIELDS, Tallies
 from shared.rollout import Group
 
 BUSY_TIMEOUT_MS = 10_000
 EVENTS_DEFAULT_LIMIT = 200
 
 Verdict = Literal["accepted", "rejected", "late"]
-VERDICTS: tuple[Verdict, ...] = ("accepted", "rejected", "late")
+VERDICTS: tuple[Verdict, ...] = GROUP_VERDICTS  # type: ignore[assignment]
 LeaseState = Literal["open", "answered", "expired"]
-
-STORE_FILE = "hub.sqlite"  # the store's file name inside a hub's data dir
+# (kind, node id or None, detail): an event row written inside the transaction of the change it describes.
+NewEvent = tuple[str, str | None, str]
 
 # Bumped whenever _SCHEMA changes; a database of another version is refused, never half-used.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class SchemaMismatch(RuntimeError):
@@ -68,12 +73,18 @@ CREATE TABLE IF NOT EXISTS nodes (
     first_seen     REAL    NOT NULL,
     last_seen      REAL    NOT NULL,
     state          TEXT    NOT NULL,
-    accepted       INTEGER NOT NULL DEFAULT 0,
-    rejected       INTEGER NOT NULL DEFAULT 0,
-    late           INTEGER NOT NULL DEFAULT 0,
-    refused        INTEGER NOT NULL DEFAULT 0,
+    {tally_columns},
     audits_passed  INTEGER NOT NULL DEFAULT 0,
+    vouched_at     REAL,
+    rollouts_per_s REAL    NOT NULL DEFAULT 0,
+    measured       INTEGER NOT NULL DEFAULT 0 CHECK (measured IN (0, 1)),
+    online_s       REAL    NOT NULL DEFAULT 0,
     banned_reason  TEXT
+);
+CREATE TABLE IF NOT EXISTS sessions (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    started_at REAL NOT NULL,
+    alive_at   REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS leases (
     id          TEXT PRIMARY KEY,
@@ -142,7 +153,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     version    INTEGER NOT NULL,
     created_at REAL    NOT NULL
 );
-"""
+""".replace("{tally_columns}", ",\n    ".join(f"{name:<14} INTEGER NOT NULL DEFAULT 0" for name in TALLY_FIELDS))
 
 
 @dataclass(frozen=True)
@@ -167,16 +178,6 @@ class StepRecord:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}
         out.update(self.extra)
         return out
-
-
-@dataclass(frozen=True)
-class LedgerRow:
-    """Money owed to a node for a lease, booked against the step that consumed the work."""
-
-    node_id: str
-    lease_id: str | None
-    usd: float
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -233,12 +234,18 @@ class NodeRow:
     first_seen: float
     last_seen: float
     state: str
-    accepted: int
-    rejected: int
-    late: int
-    refused: int
+    tallies: Tallies
     audits_passed: int
+    vouched_at: float | None
+    rollouts_per_s: float
+    measured: bool
+    online_s: float
     banned_reason: str | None
+
+    @classmethod
+    def from_sql(cls, row: dict) -> NodeRow:
+        tallies = Tallies(**{name: row.pop(name) for name in TALLY_FIELDS})
+        return cls(**{**row, "measured": bool(row["measured"])}, tallies=tallies)
 
 
 @dataclass(frozen=True)
@@ -311,6 +318,14 @@ class Store:
             rows = self.db.execute("PRAGMA integrity_check").fetchall()
         return "\n".join(str(r[0]) for r in rows)
 
+    def _events(self, events: Sequence[NewEvent]) -> None:
+        """Insert events inside the caller's transaction."""
+        now = time.time()
+        for kind, node_id, detail in events:
+            self.db.execute(
+                "INSERT INTO events (at, kind, node_id, detail) VALUES (?, ?, ?, ?)", (now, kind, node_id, detail)
+            )
+
     # -- snapshots ---------------------------------------------------------------------
 
     def add_snapshot(self, version: int, path: str, manifest_hash: str, total_bytes: int, created_at: float) -> None:
@@ -325,9 +340,10 @@ class Store:
                 (version, path, manifest_hash, total_bytes, created_at, time.time()),
             )
 
-    def set_broadcast_time(self, version: int, t_bcast_s: float) -> None:
+    def set_broadcast_time(self, version: int, t_bcast_s: float, event: NewEvent | None = None) -> None:
         with self._write():
             self.db.execute("UPDATE snapshots SET t_bcast_s = ? WHERE version = ?", (t_bcast_s, version))
+            self._events([event] if event else [])
 
     def latest_version(self) -> int | None:
         return self._rows("SELECT MAX(version) AS v FROM snapshots")[0]["v"]
@@ -339,9 +355,9 @@ class Store:
 
     def upsert_node(
         self, peer_id: str, price_per_hour: float, hardware: str, link_bps: float | None, backend: str,
-        state: str = "connected",
+        state: str = "connected", event: NewEvent | None = None,
     ) -> None:
-        """Insert a node on first contact or refresh what it declares; counters and ban survive."""
+        """Insert a node on first contact or refresh what it declares; tallies, audits and ban survive."""
         now = time.time()
         with self._write():
             self.db.execute(
@@ -352,53 +368,74 @@ class Store:
                 " last_seen = excluded.last_seen, state = excluded.state",
                 (peer_id, price_per_hour, hardware, link_bps, backend, now, now, state),
             )
+            self._events([event] if event else [])
 
     def count_refusal(self, peer_id: str) -> None:
         """One more request of this node refused at the protocol level (bad frame, expired lease...)."""
         with self._write():
             self.db.execute("UPDATE nodes SET refused = refused + 1 WHERE peer_id = ?", (peer_id,))
 
-    def count_audit_pass(self, peer_id: str) -> None:
-        """One more audit of this node's work passed: its probation and lease quota survive a hub restart."""
+    def record_audit_pass(self, peer_id: str, vouched_at: float) -> None:
+        """One more audit of this node's work passed; its pay up to `vouched_at` (the audited submission's
+        time) is vouched for. Both survive a hub restart: probation, quota and what a later ban voids."""
         with self._write():
-            self.db.execute("UPDATE nodes SET audits_passed = audits_passed + 1 WHERE peer_id = ?", (peer_id,))
+            self.db.execute(
+                "UPDATE nodes SET audits_passed = audits_passed + 1, vouched_at = MAX(COALESCE(vouched_at, 0), ?)"
+                " WHERE peer_id = ?",
+                (vouched_at, peer_id),
+            )
 
-    def set_node_state(self, peer_id: str, state: str, banned_reason: str | None = None) -> None:
+    def set_node_state(
+        self, peer_id: str, state: str, banned_reason: str | None = None, event: NewEvent | None = None
+    ) -> None:
         with self._write():
             cur = self.db.execute(
-                "UPDATE nodes SET state = ?, last_seen = ?, banned_reason = COALESCE(?, banned_reason)"
-                " WHERE peer_id = ?",
-                (state, time.time(), banned_reason, peer_id),
+                "UPDATE nodes SET state = ?, banned_reason = COALESCE(?, banned_reason) WHERE peer_id = ?",
+                (state, banned_reason, peer_id),
             )
             if cur.rowcount != 1:
                 raise KeyError(f"unknown node {peer_id}")
+            self._events([event] if event else [])
 
     def node(self, peer_id: str) -> NodeRow | None:
         rows = self._rows("SELECT * FROM nodes WHERE peer_id = ?", (peer_id,))
-        return NodeRow(**rows[0]) if rows else None
+        return NodeRow.from_sql(rows[0]) if rows else None
 
     def nodes(self) -> list[NodeRow]:
-        return [NodeRow(**r) for r in self._rows("SELECT * FROM nodes ORDER BY first_seen")]
+        return [NodeRow.from_sql(r) for r in self._rows("SELECT * FROM nodes ORDER BY first_seen")]
 
-    def add_lease(self, lease_id: str, node_id: str, prompt_ids: Sequence[str], min_version: int, deadline: float) -> None:
+    def flush_liveness(
+        self, rows: Sequence[tuple[str, float, float, float, bool]], session_id: int, alive_at: float
+    ) -> None:
+        """(peer, last_seen, online_s, rollouts_per_s, measured) per node that changed, and this session's clock."""
+        with self._write():
+            self.db.conn.executemany(
+                "UPDATE nodes SET last_seen = ?, online_s = ?, rollouts_per_s = ?, measured = ? WHERE peer_id = ?",
+                [(last_seen, online_s, rate, int(measured), peer) for peer, last_seen, online_s, rate, measured in rows],
+            )
+            self.db.execute("UPDATE sessions SET alive_at = ? WHERE id = ?", (alive_at, session_id))
+
+    def start_session(self, now: float) -> int:
+        """A hub process starts on this store; its learner time counts from `now`."""
+        with self._write():
+            cur = self.db.execute("INSERT INTO sessions (started_at, alive_at) VALUES (?, ?)", (now, now))
+            return int(cur.lastrowid)
+
+    def learner_seconds(self) -> float:
+        """Learner time of every session so far (each up to its last flush)."""
+        return float(self._rows("SELECT COALESCE(SUM(alive_at - started_at), 0) AS s FROM sessions")[0]["s"])
+
+    def add_lease(
+        self, lease_id: str, node_id: str, prompt_ids: Sequence[str], min_version: int, issued_at: float, deadline: float
+    ) -> None:
         with self._write():
             self.db.execute(
                 "INSERT INTO leases (id, node_id, prompt_ids, min_version, issued_at, deadline, state)"
                 " VALUES (?, ?, ?, ?, ?, ?, 'open')",
-                (lease_id, node_id, json.dumps(list(prompt_ids)), min_version, time.time(), deadline),
+                (lease_id, node_id, json.dumps(list(prompt_ids)), min_version, issued_at, deadline),
             )
 
-    def answer_lease(self, lease_id: str, node_id: str) -> bool:
-        """Close an open lease of `node_id`; False if it is not open or not that node's (replay)."""
-        with self._write():
-            cur = self.db.execute(
-                "UPDATE leases SET state = 'answered', answered_at = ?"
-                " WHERE id = ? AND node_id = ? AND state = 'open'",
-                (time.time(), lease_id, node_id),
-            )
-            return cur.rowcount == 1
-
-    def expire_leases(self, now: float) -> list[str]:
+    def expire_leases(self, now: float, events: Sequence[NewEvent] = ()) -> list[str]:
         """Mark open leases past their deadline expired; their ids."""
         with self._write():
             ids = [
@@ -408,6 +445,7 @@ class Store:
                 ).fetchall()
             ]
             self.db.execute("UPDATE leases SET state = 'expired' WHERE state = 'open' AND deadline < ?", (now,))
+            self._events(events)
         return ids
 
     def lease(self, lease_id: str) -> LeaseRow | None:
@@ -449,15 +487,25 @@ class Store:
             return int(cur.lastrowid)
 
     def record_submission(
-        self, lease_id: str, node_id: str, verdicts: Sequence, usd: float, seconds: float, signed_bytes_hash: str
+        self,
+        lease_id: str,
+        node_id: str,
+        verdicts: Sequence,
+        usd: float,
+        seconds: float,
+        signed_bytes_hash: str,
+        now: float | None = None,
+        rollouts_per_s: float | None = None,
+        events: Sequence[NewEvent] = (),
     ) -> list[int]:
-        """In one transaction: close the lease, record every group with its verdict, book the payment.
+        """In one transaction: close the lease, record every group with its verdict, count them against
+        the node, book the payment, store the node's new measured throughput, and the events.
 
         `verdicts` are hub.submissions.GroupVerdict. Returns the row ids in verdict order. A lease
         that is not open for this node (a replay racing the first answer) raises ValueError and
         changes nothing.
         """
-        now = time.time()
+        now = time.time() if now is None else now
         ids: list[int] = []
         with self._write():
             cur = self.db.execute(
@@ -482,15 +530,18 @@ class Store:
                 )
                 ids.append(int(cur.lastrowid))
             counts = [sum(v.verdict == name for v in verdicts) for name in VERDICTS]
-            self.db.execute(
-                "UPDATE nodes SET accepted = accepted + ?, rejected = rejected + ?, late = late + ? WHERE peer_id = ?",
-                (*counts, node_id),
-            )
+            sets = ", ".join(f"{name} = {name} + ?" for name in VERDICTS)
+            self.db.execute(f"UPDATE nodes SET {sets} WHERE peer_id = ?", (*counts, node_id))
+            if rollouts_per_s is not None:
+                self.db.execute(
+                    "UPDATE nodes SET rollouts_per_s = ?, measured = 1 WHERE peer_id = ?", (rollouts_per_s, node_id)
+                )
             if usd > 0:
                 self.db.execute(
                     "INSERT INTO ledger (node_id, lease_id, step, usd, seconds, created_at) VALUES (?, ?, NULL, ?, ?, ?)",
                     (node_id, lease_id, usd, seconds, now),
                 )
+            self._events(events)
         return ids
 
     def recent_usable_groups(self, limit: int) -> tuple[int, int]:
@@ -507,6 +558,10 @@ class Store:
         """Groups ever received, by verdict (every verdict present, zero if none)."""
         rows = self._rows("SELECT verdict, COUNT(*) AS n FROM trajectories GROUP BY verdict")
         return {name: 0 for name in VERDICTS} | {r["verdict"]: int(r["n"]) for r in rows}
+
+    def dropped_stale_count(self) -> int:
+        """Accepted groups ever dropped as too stale to train on."""
+        return int(self._rows("SELECT COUNT(*) AS n FROM trajectories WHERE discard_reason = 'stale'")[0]["n"])
 
     def recent_steps(self, limit: int) -> list[StepRecord]:
         """The newest `limit` learner steps, oldest first."""
@@ -543,14 +598,8 @@ class Store:
 
     # -- steps and ledger --------------------------------------------------------------
 
-    def commit_step(
-        self,
-        record: StepRecord,
-        consumed_ids: Sequence[int],
-        ledger_rows: Sequence[LedgerRow] = (),
-        dropped_stale_ids: Sequence[int] = (),
-    ) -> None:
-        """In one transaction: the step row, its consumed and stale-dropped trajectories, its ledger rows."""
+    def commit_step(self, record: StepRecord, consumed_ids: Sequence[int], dropped_stale_ids: Sequence[int] = ()) -> None:
+        """In one transaction: the step row, its consumed and its stale-dropped trajectories."""
         now = time.time()
         with self._write():
             self.db.execute(
@@ -570,11 +619,6 @@ class Store:
                 if cur.rowcount != 1:
                     raise ValueError(f"trajectory {row_id} is not an accepted, pending row")
             self._discard(dropped_stale_ids, "stale")
-            for row in ledger_rows:
-                self.db.execute(
-                    "INSERT INTO ledger (node_id, lease_id, step, usd, seconds, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                    (row.node_id, row.lease_id, record.step, row.usd, row.seconds, now),
-                )
 
     def steps(self) -> list[StepRecord]:
         return self._step_records("SELECT * FROM steps ORDER BY step")
@@ -609,10 +653,7 @@ class Store:
 
     def add_event(self, kind: str, node_id: str | None, detail: str) -> None:
         with self._write():
-            self.db.execute(
-                "INSERT INTO events (at, kind, node_id, detail) VALUES (?, ?, ?, ?)",
-                (time.time(), kind, node_id, detail),
-            )
+            self._events([(kind, node_id, detail)])
 
     def events(self, limit: int = EVENTS_DEFAULT_LIMIT) -> list[EventRow]:
         """The newest `limit` events, newest first."""
@@ -631,22 +672,27 @@ class Store:
 
     # -- trust: penalties for a node caught cheating -----------------------------------
 
-    def void_ledger_after(self, node_id: str, since_ts: float) -> int:
-        """Void `node_id`'s ledger rows booked after `since_ts` (epoch seconds); how many were voided."""
-        with self._write():
-            return self._void_ledger_after(node_id, since_ts)
+    def penalize_node(
+        self, node_id: str, discard_ids: Sequence[int], since_ts: float, reason: str, event: NewEvent | None = None
+    ) -> tuple[int, float]:
+        """In one transaction: ban the node, discard its dropped pending rows, void its pay booked after
+        `since_ts` (epoch seconds), and log the event.
 
-    def _void_ledger_after(self, node_id: str, since_ts: float) -> int:
-        cur = self.db.execute(
-            "UPDATE ledger SET voided = 1 WHERE node_id = ? AND created_at > ? AND voided = 0", (node_id, since_ts)
-        )
-        return cur.rowcount
-
-    def penalize_node(self, node_id: str, discard_ids: Sequence[int], since_ts: float, reason: str) -> int:
-        """In one transaction: discard the node's dropped pending rows and void its pay after `since_ts`.
-
-        Returns the number of ledger rows voided; ValueError (and no change) if a row is not pending.
+        Returns (ledger rows voided, what the node is still paid); ValueError (and no change) if a row
+        is not pending.
         """
         with self._write():
+            cur = self.db.execute(
+                "UPDATE nodes SET state = 'banned', banned_reason = ? WHERE peer_id = ?", (reason, node_id)
+            )
+            if cur.rowcount != 1:
+                raise KeyError(f"unknown node {node_id}")
             self._discard(discard_ids, reason)
-            return self._void_ledger_after(node_id, since_ts)
+            voided = self.db.execute(
+                "UPDATE ledger SET voided = 1 WHERE node_id = ? AND created_at > ? AND voided = 0", (node_id, since_ts)
+            ).rowcount
+            paid = self.db.execute(
+                "SELECT COALESCE(SUM(usd), 0) FROM ledger WHERE node_id = ? AND voided = 0", (node_id,)
+            ).fetchone()[0]
+            self._events([event] if event else [])
+        return voided, float(paid)

@@ -7,8 +7,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hub.metrics import METRICS_FILE, policy_reward, read_metrics
-from hub.status import STATUS_FILE
+from hub.metrics import policy_reward, read_metrics
+from shared.layout import FINAL_DIR, HUB_STATUS_FILE, METRICS_FILE
 from shared.messages import HubStatus
 
 
@@ -21,7 +21,7 @@ def fifth_means(values: list[float]) -> tuple[float, float]:
 def print_summary(data_dir: Path, interrupted: bool = False) -> None:
     console = Console()
     rows = read_metrics(Path(data_dir) / METRICS_FILE)
-    status_path = Path(data_dir) / STATUS_FILE
+    status_path = Path(data_dir) / HUB_STATUS_FILE
     status = HubStatus.model_validate_json(status_path.read_text()) if status_path.exists() else None
     table = Table(title="echo2 run summary" + (" (interrupted)" if interrupted else ""), show_header=False)
     table.add_column("what")
@@ -36,15 +36,16 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
     else:
         table.add_row("learner steps", "0")
     if status is not None:
-        table.add_row("groups accepted / rejected / late", f"{status.accepted} / {status.rejected} / {status.late}")
+        t = status.totals
+        table.add_row("groups accepted / rejected / late", f"{t.accepted} / {t.rejected} / {t.late}")
         table.add_row("dropped as stale", str(status.dropped_stale))
         table.add_row("T_bcast (last)", f"{status.t_bcast_s:.2f} s" if status.t_bcast_s is not None else "-")
         table.add_row("cost (learner + nodes)", f"${status.cost_usd:.4f}")
         if status.cost_per_step_usd is not None:
             table.add_row("cost per step", f"${status.cost_per_step_usd:.5f}")
-        table.add_row("nodes", ", ".join(f"{n.peer_id[-6:]}:{n.state}:{n.accepted}" for n in status.nodes) or "-")
+        table.add_row("nodes", ", ".join(f"{n.peer_id[-6:]}:{n.state}:{n.tallies.accepted}" for n in status.nodes) or "-")
     console.print(table)
-    final = Path(data_dir) / "final"
+    final = Path(data_dir) / FINAL_DIR
     if final.exists():
         console.print(f"final policy: {final.resolve()}  (load with from_pretrained)")
     console.print(f"reward curve: echo-hub report --data-dir {data_dir}")

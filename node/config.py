@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from shared.config import Section
+from shared.layout import NODE_KEY_FILE
 
 
 class NodeConfig(Section):
@@ -24,11 +25,10 @@ class NodeConfig(Section):
     max_rollouts_per_s: float | None = Field(None, gt=0.0, description="throttle generation (tests, benchmarks)")
     link_mbps: float | None = Field(None, gt=0.0, description="emulated outbound link rate in Mbit/s")
     declared_link_mbps: float = Field(1000.0, gt=0.0, le=1e6, description="link bandwidth declared on join")
-    heartbeat_period_s: float = Field(2.0, gt=0.0, le=600.0, description="seconds between heartbeats")
     reconnect_max_s: float = Field(10.0, gt=0.0, le=3600.0, description="cap of the reconnect backoff")
     threads: int = Field(1, ge=1, le=256, description="torch threads for generation")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @property
     def key_path(self) -> Path:
-        return self.key if self.key is not None else self.data_dir / "node.key"
+        return self.key if self.key is not None else self.data_dir / NODE_KEY_FILE

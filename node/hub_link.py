@@ -3,6 +3,8 @@
 The hub's identity is the /p2p/ part of the address the volunteer was given; the Noise
 handshake proves we reached that key, so a hub restart at the same address needs no
 action from the volunteer: heartbeats fail, the link rejoins with exponential backoff.
+The hub sets the heartbeat period (in its join reply). A refusal that cannot fix itself
+(banned, another model than the hub's) ends the node with the hub's reason.
 """
 
 from __future__ import annotations
@@ -13,25 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
-from libp2p.abc import IHost
 
-from shared.messages import (
-    HEARTBEAT_PROTOCOL,
-    JOIN_PROTOCOL,
-    EventRecord,
-    Heartbeat,
-    HeartbeatReply,
-    JoinReply,
-    JoinRequest,
-    Reject,
-)
-from shared.net import connect, request
+from node.client import HubClient
+from shared.messages import EventRecord, Heartbeat, HeartbeatReply, JoinReply, JoinRequest, Reject, RejectCode
 
 log = logging.getLogger("echo2.node.hub_link")
 
-REQUEST_TIMEOUT_S = 15.0
 BACKOFF_START_S = 0.5
 EVENTS_KEPT = 50
+# Refusals no retry can cure: the node stops and says why.
+FINAL_REFUSALS = (RejectCode.BANNED, RejectCode.MODEL_MISMATCH)
 
 
 @dataclass
@@ -53,22 +46,17 @@ class HubLink:
 
     def __init__(
         self,
-        host: IHost,
-        hub_addr: str,
-        hub_peer_id: str,
+        client: HubClient,
         join_request: Callable[[], JoinRequest],
         heartbeat: Callable[[], Heartbeat],
         on_reply: Callable[[HeartbeatReply], None],
-        period_s: float,
         backoff_max_s: float,
     ) -> None:
-        self.host = host
-        self.hub_addr = hub_addr
-        self.hub_peer_id = hub_peer_id
+        self.client = client
         self.join_request = join_request
         self.heartbeat = heartbeat
         self.on_reply = on_reply
-        self.period_s = period_s
+        self.period_s = BACKOFF_START_S  # until the hub's join reply sets it
         self.backoff_max_s = backoff_max_s
         self.state = LinkState()
         self.beat_now = trio.Event()
@@ -77,12 +65,8 @@ class HubLink:
         backoff = BACKOFF_START_S
         while True:
             try:
-                with trio.fail_after(REQUEST_TIMEOUT_S):
-                    await connect(self.host, self.hub_addr)
-                reply = await request(
-                    self.host, self.hub_peer_id, JOIN_PROTOCOL, self.join_request(), JoinReply, Reject,
-                    timeout_s=REQUEST_TIMEOUT_S,
-                )
+                await self.client.connect()
+                reply = await self.client.join(self.join_request())
             except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
                 log.info("hub not reachable (%s); retrying in %.1fs", type(exc).__name__, backoff)
                 self.state.connected = False
@@ -91,8 +75,8 @@ class HubLink:
                 backoff = min(backoff * 2, self.backoff_max_s)
                 continue
             if isinstance(reply, Reject):
-                if reply.reason == "banned":
-                    raise SystemExit(f"the hub banned this node: {reply.reason}")
+                if reply.code in FINAL_REFUSALS:
+                    raise SystemExit(f"the hub refused this node: {reply.reason}")
                 log.warning("hub refused join: %s; retrying in %.1fs", reply.reason, backoff)
                 self.state.note("join_refused", reply.reason)
                 await trio.sleep(backoff)
@@ -104,11 +88,12 @@ class HubLink:
         while True:
             reply = await self._join()
             self.state.connected = True
+            self.period_s = reply.heartbeat_period_s
             self.state.state = reply.state
             self.state.latest_version = reply.latest_version
             self.state.joins += 1
             self.state.note("joined", f"state {reply.state}, hub at v{reply.latest_version}")
-            log.info("joined hub %s as %s (hub at v%d)", self.hub_peer_id[-8:], reply.state, reply.latest_version)
+            log.info("joined hub %s as %s (hub at v%d)", self.client.hub_peer_id[-8:], reply.state, reply.latest_version)
             await self._heartbeats()
 
     async def _heartbeats(self) -> None:
@@ -116,10 +101,7 @@ class HubLink:
         failures = 0
         while True:
             try:
-                reply = await request(
-                    self.host, self.hub_peer_id, HEARTBEAT_PROTOCOL, self.heartbeat(), HeartbeatReply, Reject,
-                    timeout_s=REQUEST_TIMEOUT_S,
-                )
+                reply = await self.client.heartbeat(self.heartbeat())
             except Exception as exc:  # noqa: BLE001 - hub gone or restarting
                 failures += 1
                 log.info("heartbeat failed (%s)", type(exc).__name__)
@@ -132,8 +114,8 @@ class HubLink:
             if isinstance(reply, Reject):
                 # A restarted hub no longer knows us: join again.
                 self.state.note("heartbeat_refused", reply.reason)
-                if reply.reason == "banned":
-                    raise SystemExit("the hub banned this node")
+                if reply.code in FINAL_REFUSALS:
+                    raise SystemExit(f"the hub refused this node: {reply.reason}")
                 return
             failures = 0
             if reply.state != self.state.state:

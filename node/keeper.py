@@ -27,15 +27,15 @@ from libp2p.abc import IHost, INetStream
 
 from shared.messages import (
     RELAY_PROTOCOL,
-    REPORT_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     BadChunkReport,
     Reject,
+    RejectCode,
     RelayOffer,
     SnapshotRequest,
     TransferAck,
 )
-from shared.net import connect, open_stream, remote_peer_id, request
+from shared.net import connect, open_stream, remote_peer_id
 from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, chunk_of
 from shared.transfer import RECEIVER_GONE, ChunkRejected, Writer, receive_snapshot, serve_snapshot
 from shared.wire import FrameError, StreamEOF, read_message, write_message
@@ -47,7 +47,6 @@ RETRY_S = 0.5
 UPSTREAM_FAILURES_BEFORE_HUB = 2
 MANIFEST_WAIT_S = 20.0
 CONNECT_TIMEOUT_S = 10.0
-REPORT_TIMEOUT_S = 40.0  # the hub fetches the chunk from the accused before it answers
 ANNOUNCE_TIMEOUT_S = 5.0
 
 # A pull that ends in one of these lost its upstream (left, refused, too slow): keep what we
@@ -85,10 +84,12 @@ class SnapshotKeeper:
         install: Callable[[bytes, int], Awaitable[None]],
         limiter: Writer | None,
         on_installed: Callable[[int], None],
+        report: Callable[[BadChunkReport], Awaitable[TransferAck | Reject]],
     ) -> None:
         self.host = host
         self.hub_peer_id = hub_peer_id
         self._install = install
+        self._report = report
         self.limiter = limiter
         self.on_installed = on_installed
         self.held: tuple[SignedManifest, Manifest, bytes] | None = None
@@ -175,7 +176,7 @@ class SnapshotKeeper:
         try:
             ack = await serve_snapshot(stream, self, req, self.limiter)
         except LookupError as exc:
-            await write_message(stream, Reject(reason=str(exc)[:1000]))
+            await write_message(stream, Reject(code=RejectCode.NOT_HELD, reason=str(exc)[:1000]))
             await stream.close()
             return
         except RECEIVER_GONE as exc:
@@ -331,9 +332,7 @@ class SnapshotKeeper:
             version=exc.version, index=exc.index, upstream=source.peer_id, chunk_hex_blake3=exc.received_blake3
         )
         try:
-            reply = await request(
-                self.host, self.hub_peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=REPORT_TIMEOUT_S
-            )
+            reply = await self._report(report)
         except Exception as report_exc:  # noqa: BLE001 - the hub may be away; the repair goes on without it
             log.warning("could not report %s: %r", source.peer_id[-8:], report_exc)
             return

@@ -14,6 +14,7 @@ import trio
 from node.config import NodeConfig
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.files import atomic_write_text
+from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE
 from shared.messages import (
     RELAY_PROTOCOL,
     SNAPSHOT_PROTOCOL,
@@ -41,7 +42,7 @@ def _hardware(device: str) -> str:
 
 def _setup_logging(config: NodeConfig) -> None:
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(config.data_dir / "node.log")
+    handler = logging.FileHandler(config.data_dir / NODE_LOG_FILE)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -87,8 +88,6 @@ class NodeRuntime:
         transfer = self.keeper.transfer
         return Heartbeat(
             version_held=self.keeper.version_held,
-            tokens_per_s=self.worker.stats.tokens_per_s,
-            queue_depth=0,
             receiving_version=transfer.manifest.version if transfer else None,
             chunks_received=(len(transfer.manifest.chunk_hashes) - transfer.assembler.missing_count) if transfer else 0,
         )
@@ -128,21 +127,20 @@ class NodeRuntime:
             tokens_per_s=stats.tokens_per_s,
             rollouts_per_s=stats.rollouts_per_s,
             leases_done=stats.leases_done,
-            accepted=stats.accepted,
-            rejected=stats.rejected,
-            late=stats.late,
-            earnings_usd=self.config.price * stats.busy_s / 3600.0,
+            tallies=stats.tallies,
+            earnings_usd=stats.earned_usd,
             busy_s=stats.busy_s,
             events=tuple(link.events[-20:]),
         )
 
     async def _write_status(self) -> None:
-        path = self.config.data_dir / "node_status.json"
+        path = self.config.data_dir / NODE_STATUS_FILE
         while True:
             await trio.to_thread.run_sync(atomic_write_text, path, self.view().model_dump_json())
             await trio.sleep(STATUS_PERIOD_S)
 
     async def run(self) -> None:
+        from node.client import HubClient
         from node.hub_link import HubLink
         from node.keeper import SnapshotKeeper
         from node.worker import Worker
@@ -150,17 +148,15 @@ class NodeRuntime:
         limiter = RateLimiter(self.config.link_mbps * MBIT) if self.config.link_mbps else None
         async with running_host(self.identity, [self.config.listen]) as (host, addrs):
             self.listen_addrs = tuple(addrs)
-            self.keeper = SnapshotKeeper(host, self.hub_peer_id, self._install, limiter, self._on_installed)
+            client = HubClient(host, self.identity, self.config.hub)
+            self.keeper = SnapshotKeeper(host, self.hub_peer_id, self._install, limiter, self._on_installed, client.report)
             self.worker = Worker(
-                host, self.identity, self.hub_peer_id, self.engine, self.engine_lock,
+                client, self.engine, self.engine_lock,
                 can_work=lambda: self.link.state.connected and self.link.state.state in ("active", "probing"),
                 version_held=lambda: self.keeper.version_held,
                 max_rollouts_per_s=self.config.max_rollouts_per_s,
             )
-            self.link = HubLink(
-                host, self.config.hub, self.hub_peer_id, self._join_request, self._heartbeat, self._on_reply,
-                self.config.heartbeat_period_s, self.config.reconnect_max_s,
-            )
+            self.link = HubLink(client, self._join_request, self._heartbeat, self._on_reply, self.config.reconnect_max_s)
             set_handler(host, SNAPSHOT_PROTOCOL, self.keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, self.keeper.on_relay_offer, log)
             log.info("node %s listening on %s", self.identity.peer_id, ", ".join(addrs))

@@ -14,35 +14,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
-from libp2p.abc import IHost
 
-from shared.crypto import Identity
-from shared.messages import (
-    LEASE_PROTOCOL,
-    SUBMIT_PROTOCOL,
-    Lease,
-    LeaseReply,
-    LeaseRequest,
-    Reject,
-    Submission,
-    SubmitReply,
-    SubmittedGroup,
-)
-from shared.net import request
+from node.client import HubClient
+from shared.messages import Lease, Reject, Submission, SubmitReply, SubmittedGroup, Tallies
 
 log = logging.getLogger("echo2.node.worker")
 
-REQUEST_TIMEOUT_S = 30.0
 IDLE_RETRY_S = 0.5
-BUSY_RETRY_S = 0.25
 
 
 @dataclass
 class WorkStats:
     leases_done: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    late: int = 0
+    # The hub's verdicts on this node's work as it replied (refused: whole submissions refused).
+    tallies: Tallies = field(default_factory=Tallies)
+    earned_usd: float = 0.0  # what the hub booked, as it replied
     rollouts: int = 0
     tokens: int = 0
     busy_s: float = 0.0
@@ -56,18 +42,14 @@ class Worker:
 
     def __init__(
         self,
-        host: IHost,
-        identity: Identity,
-        hub_peer_id: str,
+        client: HubClient,
         engine,
         engine_lock: trio.Lock,
         can_work: Callable[[], bool],
         version_held: Callable[[], int],
         max_rollouts_per_s: float | None,
     ) -> None:
-        self.host = host
-        self.identity = identity
-        self.hub_peer_id = hub_peer_id
+        self.client = client
         self.engine = engine
         self.engine_lock = engine_lock
         self.can_work = can_work
@@ -83,10 +65,7 @@ class Worker:
                     await self.wake.wait()
                 continue
             try:
-                reply = await request(
-                    self.host, self.hub_peer_id, LEASE_PROTOCOL, LeaseRequest(version_held=self.version_held()),
-                    LeaseReply, Reject, timeout_s=REQUEST_TIMEOUT_S,
-                )
+                reply = await self.client.lease(self.version_held())
             except Exception as exc:  # noqa: BLE001 - hub unreachable: the hub link reconnects
                 log.debug("lease request failed: %r", exc)
                 await trio.sleep(IDLE_RETRY_S)
@@ -104,7 +83,8 @@ class Worker:
         texts = [p.text for p in lease.prompts]
         return self.engine.generate(texts, lease.group_size, lease.sampling)
 
-    async def work(self, lease: Lease) -> SubmitReply | Reject:
+    async def work(self, lease: Lease) -> SubmitReply | Reject | None:
+        """Answer one lease; the hub's reply, or None when the submission could not be delivered."""
         started = time.monotonic()
         async with self.engine_lock:
             groups = await trio.to_thread.run_sync(self._generate, lease)
@@ -116,16 +96,16 @@ class Worker:
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         submission = Submission(
             lease_id=lease.lease_id,
-            node_id=self.identity.peer_id,
+            node_id=self.client.peer_id,
             groups=tuple(
                 SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(g)) for p, g in zip(lease.prompts, groups)
             ),
         )
         try:
-            reply = await self.submit(submission, deadline=started + lease.deadline_s)
+            reply = await self.client.submit(submission, deadline=started + lease.deadline_s)
         except Exception as exc:  # noqa: BLE001 - hub gone or restarting mid-answer: the hub re-leases the prompts
-            log.warning("submission for lease %s failed: %r", lease.lease_id[:8], exc)
-            reply = Reject(reason=f"submission not delivered: {type(exc).__name__}")
+            log.warning("submission for lease %s not delivered: %r", lease.lease_id[:8], exc)
+            reply = None
         self.stats.leases_done += 1
         self.stats.rollouts += rollouts
         self.stats.tokens += tokens
@@ -133,23 +113,12 @@ class Worker:
         self.stats.tokens_per_s = tokens / elapsed if elapsed > 0 else 0.0
         self.stats.rollouts_per_s = rollouts / elapsed if elapsed > 0 else 0.0
         if isinstance(reply, SubmitReply):
-            self.stats.accepted += reply.accepted
-            self.stats.rejected += len(reply.rejected)
-            self.stats.late += len(reply.late)
+            self.stats.tallies = self.stats.tallies + Tallies(
+                accepted=reply.accepted, rejected=len(reply.rejected), late=len(reply.late))
+            self.stats.earned_usd += reply.paid_usd
             self.stats.last_rejections = [f"{pid}: {why}" for pid, why in reply.rejected + reply.late][-5:]
-        else:
-            self.stats.rejected += len(lease.prompts)
+        elif isinstance(reply, Reject):
+            self.stats.tallies = self.stats.tallies + Tallies(refused=1)
             self.stats.last_rejections = [reply.reason]
             log.warning("submission refused: %s", reply.reason)
         return reply
-
-    async def submit(self, submission: Submission, deadline: float) -> SubmitReply | Reject:
-        """Submit, sending again while the hub says it is busy and the lease has not expired."""
-        while True:
-            reply = await request(
-                self.host, self.hub_peer_id, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
-                timeout_s=REQUEST_TIMEOUT_S, sign_with=self.identity,
-            )
-            if not (isinstance(reply, Reject) and reply.busy and time.monotonic() + BUSY_RETRY_S < deadline):
-                return reply
-            await trio.sleep(BUSY_RETRY_S)

@@ -9,9 +9,10 @@ and checked before the body is read.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from shared.rollout import Completion, SamplingParams
 from shared.wire import Message, protocol_id
@@ -35,20 +36,59 @@ CHUNK_FRAME = 201
 NodeState = Literal["probing", "active", "standby", "banned", "gone"]
 
 
-BUSY_PREFIX = "busy:"
+class RejectCode(StrEnum):
+    """Why a request was refused, for the program that sent it (the reason text is for people)."""
+
+    BUSY = "busy"  # throttled, or the hub is full: send the same request again later
+    BANNED = "banned"  # this identity is banned for good: stop
+    MODEL_MISMATCH = "model_mismatch"  # the node runs another model than the hub: restart it with the hub's
+    UNKNOWN_NODE = "unknown_node"  # not joined (or dropped as silent): join again
+    BAD_LEASE = "bad_lease"  # the lease is unknown, expired, answered, or another node's
+    NOT_HELD = "not_held"  # the snapshot version asked for is not held here
+    NOT_UPSTREAM = "not_upstream"  # a report about a peer that is not the reporter's upstream
+    BAD_REQUEST = "bad_request"  # malformed, unsigned, out of bounds: the sender's fault
 
 
 class Reject(Message):
-    """A refusal with its reason, sent instead of the expected reply."""
+    """A refusal with its code and reason, sent instead of the expected reply."""
 
     TYPE: ClassVar[int] = 1
     MAX_BYTES: ClassVar[int] = 4 * KIB
+    code: RejectCode
     reason: str = Field(max_length=1000)
 
     @property
     def busy(self) -> bool:
         """The hub throttled the request (per-peer limits): the same request may be sent again later."""
-        return self.reason.startswith(BUSY_PREFIX)
+        return self.code == RejectCode.BUSY
+
+
+class Tallies(BaseModel):
+    """A node's counts of what the hub decided about its work: the one definition behind the store's
+    columns, the status messages, `echo-hub status` and both dashboards. `short` is the column header."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    accepted: int = Field(0, ge=0, description="groups accepted", json_schema_extra={"short": "acc"})
+    rejected: int = Field(0, ge=0, description="groups refused as bad work", json_schema_extra={"short": "rej"})
+    late: int = Field(0, ge=0, description="groups refused only because their version fell out of the staleness window",
+                      json_schema_extra={"short": "late"})
+    refused: int = Field(0, ge=0, description="requests refused at the protocol level (bad frames, expired leases...)",
+                         json_schema_extra={"short": "ref"})
+
+    def __add__(self, other: Tallies) -> Tallies:
+        return Tallies(**{name: getattr(self, name) + getattr(other, name) for name in TALLY_FIELDS})
+
+    @property
+    def decided(self) -> int:
+        """Groups the hub decided about (every verdict)."""
+        return sum(getattr(self, name) for name in GROUP_VERDICTS)
+
+
+TALLY_FIELDS: tuple[str, ...] = tuple(Tallies.model_fields)
+# The tallies that are verdicts on one group each: a group is exactly one of these.
+GROUP_VERDICTS: tuple[str, ...] = ("accepted", "rejected", "late")
+TALLY_SHORT: dict[str, str] = {name: f.json_schema_extra["short"] for name, f in Tallies.model_fields.items()}
 
 
 class JoinRequest(Message):
@@ -70,15 +110,13 @@ class JoinReply(Message):
     latest_version: int = Field(ge=-1)
     staleness: int = Field(ge=0)
     task: str
-    heartbeat_period_s: float = Field(gt=0.0)
+    heartbeat_period_s: float = Field(gt=0.0, le=600.0, description="how often the node must heartbeat")
 
 
 class Heartbeat(Message):
     TYPE: ClassVar[int] = 4
     MAX_BYTES: ClassVar[int] = 4 * KIB
     version_held: int = Field(ge=-1)
-    tokens_per_s: float = Field(ge=0.0, le=1e9, description="node's own generation throughput (informational)")
-    queue_depth: int = Field(ge=0, le=1_000_000)
     receiving_version: int | None = Field(None, ge=0, description="snapshot in flight, if any")
     chunks_received: int = Field(0, ge=0)
 
@@ -153,7 +191,7 @@ class SubmitReply(Message):
     accepted: int = Field(ge=0)
     rejected: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of groups refused as bad work")
     late: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of groups whose version fell out of the window")
-    reason: str = Field("", max_length=1000, description="why the whole submission was refused, if it was")
+    paid_usd: float = Field(0.0, ge=0.0, description="what the hub booked for this lease")
 
 
 class StatusRequest(Message):
@@ -172,11 +210,8 @@ class NodeStatus(Message):
     version_held: int
     receiving_version: int | None = None
     chunks_received: int = 0
-    accepted: int
-    rejected: int
-    late: int = Field(0, description="groups refused only for a version that fell out of the staleness window")
-    refused: int = Field(0, description="requests refused at the protocol level (bad frames, expired leases...)")
-    cost_usd: float
+    tallies: Tallies
+    cost_usd: float = Field(description="paid to the node, not voided (from the ledger)")
     backend: str = ""
     hardware: str = ""
     chain: int | None = Field(None, description="index of the forwarding chain it sits in")
@@ -223,10 +258,8 @@ class HubStatus(Message):
     chains: tuple[tuple[str, ...], ...] = ()
     broadcast_mode: str = "chain"
     open_leases: int
-    accepted: int
-    rejected: int
-    late: int = Field(0, description="groups refused on arrival for a version out of the staleness window")
-    dropped_stale: int
+    totals: Tallies = Field(description="every group received by verdict (local rollouts included), refusals of all nodes")
+    dropped_stale: int = Field(description="accepted groups dropped from the buffer as too stale, all-time")
     reward_mean: float | None = None
     t_train_s: float | None = None
     t_bcast_s: float | None = None
@@ -307,9 +340,7 @@ class NodeView(Message):
     tokens_per_s: float = 0.0
     rollouts_per_s: float = 0.0
     leases_done: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    late: int = 0
-    earnings_usd: float = 0.0
+    tallies: Tallies = Tallies()
+    earnings_usd: float = Field(0.0, description="what the hub booked for this node's leases (as it replied)")
     busy_s: float = 0.0
     events: tuple[EventRecord, ...] = ()

@@ -43,11 +43,28 @@ BINARY_TYPE_MAX = 255
 _P2P_END_OF_STREAM = (_P2PStreamError, MuxedStreamEOF, MuxedStreamReset)
 
 
+# Every protocol id carries it; bumped on any change of a message's fields (messages are extra="forbid").
+PROTOCOL_VERSION = "2.0.0"
+
+
 class StreamEOF(Exception):
     """The stream ended (peer closed or reset it) before the bytes we needed arrived."""
 
 
-class FrameError(ValueError):
+class PeerFault(Exception):
+    """A peer sent something we refuse: malformed, unsigned, out of bounds, or not allowed now.
+
+    Handlers raise it for the peer's faults only (the hub counts each against the peer);
+    `code` is one of `shared.messages.RejectCode`'s values, sent back in the Reject.
+    """
+
+    def __init__(self, reason: str, code: str = "bad_request") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code
+
+
+class FrameError(PeerFault):
     """A frame we refuse: unexpected type, oversized, or a malformed body."""
 
 
@@ -64,7 +81,7 @@ class WritableStream(Protocol):
 
 
 def protocol_id(name: str) -> str:
-    return f"/echo2/{name}/1.0.0"
+    return f"/echo2/{name}/{PROTOCOL_VERSION}"
 
 
 async def read_exact(stream: ReadableStream, n: int) -> bytes:

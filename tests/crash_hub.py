@@ -16,14 +16,15 @@ from pathlib import Path
 import torch
 import trio
 
-from hub.buffer import BufferSignal, ReplayBuffer
-from hub.config import LearnerConfig
+from hub.config import HubConfig, LearnerConfig
 from hub.learner import LearnerComponent
 from hub.local_rollouts import LocalRollouts
+from hub.state import HubState
 from hub.store import Store
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
+from shared.layout import HUB_KEY_FILE, HUB_STORE_FILE
 from shared.rollout import SamplingParams
 from shared.tasks.reverse import ReverseTask
 
@@ -35,17 +36,14 @@ def main() -> None:
     data_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
     model_dir = ensure_default_model(progress=False)
-    store = Store(data_dir / "hub.db")
-    buffer = ReplayBuffer(CONFIG.buffer_max_groups, CONFIG.staleness, CONFIG.skip_zero_variance)
-    signal = BufferSignal()
+    state = HubState(Store(data_dir / HUB_STORE_FILE), HubConfig(learner=CONFIG, sampling=SAMPLING), ReverseTask())
     send, receive = trio.open_memory_channel(64)
     learner = LearnerComponent(
-        CONFIG, SAMPLING, model_dir, data_dir, store, buffer, signal,
-        Identity.load_or_create(data_dir / "hub.key"), send, steps, 1 << 20,
+        CONFIG, SAMPLING, model_dir, data_dir, state, Identity.load_or_create(data_dir / HUB_KEY_FILE), send, steps, 1 << 20,
     )
-    (data_dir / f"refill-{os.getpid()}.json").write_text(json.dumps(buffer.row_ids()))
+    (data_dir / f"refill-{os.getpid()}.json").write_text(json.dumps(state.buffer.row_ids()))
     rollouts = LocalRollouts(
-        HFEngine(model_dir), ReverseTask(), SAMPLING, CONFIG.group_size, store, buffer, signal, receive,
+        HFEngine(model_dir), ReverseTask(), SAMPLING, CONFIG.group_size, state, receive,
         learner.min_useful_version, prompts_per_batch=4, max_pending_groups=12,
     )
 

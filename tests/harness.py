@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hub.store import STORE_FILE
+from shared.layout import HUB_STATUS_FILE, HUB_STORE_FILE
 from shared.messages import HubStatus
 
 ADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)\s*$", re.M)
@@ -55,7 +55,7 @@ class HubProc(Proc):
     data_dir: Path
 
     def status(self) -> HubStatus | None:
-        path = self.data_dir / "status.json"
+        path = self.data_dir / HUB_STATUS_FILE
         try:
             return HubStatus.model_validate_json(path.read_text())
         except (OSError, ValueError):
@@ -71,7 +71,7 @@ def free_port() -> int:
 
 def query(data_dir: Path, sql: str, params: tuple = ()) -> list[tuple]:
     """Read a hub's store, read-only (WAL: a running hub's writer is never blocked)."""
-    db = sqlite3.connect(f"file:{data_dir / STORE_FILE}?mode=ro", uri=True, timeout=10)
+    db = sqlite3.connect(f"file:{data_dir / HUB_STORE_FILE}?mode=ro", uri=True, timeout=10)
     try:
         return db.execute(sql, params).fetchall()
     finally:

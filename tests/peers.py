@@ -15,6 +15,7 @@ from libp2p.abc import IHost, INetStream
 
 from hub.broadcast import HubUplink
 from hub.snapshots import SnapshotShelf
+from node.client import HubClient
 from node.keeper import SnapshotKeeper, Upstream
 from shared.crypto import Identity
 from shared.messages import (
@@ -120,7 +121,8 @@ async def node_peer(
             node.installed[version] = data
             node.installed_at[version] = time.monotonic()
 
-        keeper = keeper_class(host, hub.peer_id, install, limiter, on_installed=lambda version: None)
+        client = HubClient(host, identity, hub.addr)
+        keeper = keeper_class(host, hub.peer_id, install, limiter, on_installed=lambda version: None, report=client.report)
         node = NodePeer(identity, host, addrs[0], keeper)
         on_chunk = keeper._on_chunk
 

@@ -3,30 +3,15 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
 import trio
 
-from hub.audit import (
-    AuditJob,
-    Auditor,
-    AuditQueue,
-    GapStats,
-    audit_due,
-    gap_stats,
-    judge,
-    penalize,
-)
-from hub.buffer import ReplayBuffer
+from hub.audit import AuditJob, Auditor, AuditQueue, GapStats, gap_stats, judge
 from hub.config import TrustConfig
-from hub.fleet import NodeRecord
 from hub.snapshots import SnapshotShelf
-from hub.store import Store
-from hub.submissions import GroupVerdict
 from shared.crypto import Identity
-from shared.messages import SubmittedGroup
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import build_snapshot, model_config_hash
 from shared.tasks.reverse import ReverseTask
@@ -95,14 +80,6 @@ def test_gap_stats_and_judge_by_hand():
     assert not judge(GapStats(float("nan"), 0.0, 3, 0), 0.05, 0.05).passed
 
 
-def test_audit_due_first_n_then_rate():
-    rng = random.Random(0)
-    assert all(audit_due(k, rng, 0.05, 10) for k in range(10) for _ in range(50))
-    draws = sum(audit_due(10, rng, 0.05, 10) for _ in range(20_000))
-    assert 0.04 < draws / 20_000 < 0.06
-    assert not any(audit_due(99, rng, 0.0, 10) for _ in range(1000))
-
-
 def test_honest_groups_pass_with_no_false_rejections(world):
     auditor = world["auditor"]
     for engine, version in ((world["trained"], TRAINED_VERSION), (world["base"], BASE_VERSION)):
@@ -138,91 +115,18 @@ def test_invented_logprobs_fail(world):
         assert not auditor.audit(group.model_copy(update={"completions": certain}), TRAINED_VERSION).passed
 
 
-def record(peer_id: str, audits_passed: int = 0) -> NodeRecord:
-    return NodeRecord(peer_id=peer_id, price_per_hour=0.35, link_bps=1e8, backend="hf", hardware="cpu",
-                      listen_addrs=(), remote_ip="10.0.0.1", joined_at=0.0, last_seen=0.0, audits_passed=audits_passed)
-
-
 @pytest.mark.trio
-async def test_audit_queue_reports_pass_and_fail(world):
-    honest = generate(world["trained"], world["prompts"][:3], node_id="honest")
-    cheat = generate(world["base"], world["prompts"][3:6], node_id="cheat", claim_version=TRAINED_VERSION)
-    passed: list[str] = []
-    failed: list[tuple[str, str]] = []
-
-    async def on_pass(node_id: str) -> None:
-        passed.append(node_id)
-
-    async def on_fail(node_id: str, reason: str) -> None:
-        failed.append((node_id, reason))
-
-    queue = AuditQueue(world["auditor"], on_pass, on_fail, capacity=5)
-    rng = random.Random(0)
-    # A new node is audited on every submission; the group is picked after the submission is in.
-    assert queue.sample(record("honest"), "L-h1", [(honest[0], 1), (honest[1], 2)], rng)
-    assert queue.offer(AuditJob("cheat", "L-c1", 3, cheat[0]))
-    assert queue.offer(AuditJob("cheat", "L-c2", 4, cheat[1]))  # dropped: cheat is already failed by then
-    assert queue.offer(AuditJob("honest", "L-h2", 5, honest[2]))
-    gone = honest[2].model_copy(update={"version": 1, "completions": tuple(
-        c.model_copy(update={"version": 1}) for c in honest[2].completions)})
-    assert queue.offer(AuditJob("honest", "L-h3", 6, gone))  # v1 was never on the shelf
-    assert not queue.offer(AuditJob("honest", "L-h4", 7, honest[0]))  # full
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(queue.run)
-        with trio.fail_after(30):
-            while queue.counters().pending or queue.audited + queue.unavailable < 3:
-                await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
-    assert passed == ["honest", "honest"]
-    assert [n for n, _ in failed] == ["cheat"] and failed[0][1].startswith(f"v{TRAINED_VERSION} group")
-    assert queue.vouched_lease == {"honest": "L-h2"}
-    c = queue.counters()
-    assert (c.offered, c.skipped_full, c.audited, c.passed, c.failed, c.unavailable) == (6, 1, 3, 2, 1, 1)
-    # A trusted node is audited at the configured rate only.
-    trusted = record("t", audits_passed=10)
-    picks = sum(queue.auditor.should_audit(trusted, rng) for _ in range(4000))
-    assert 0.03 < picks / 4000 < 0.07
-
-
-def verdict(group: Group) -> GroupVerdict:
-    submitted = SubmittedGroup(prompt_id=group.prompt_id, completions=group.completions)
-    return GroupVerdict(group.prompt_id, True, "", submitted, group)
-
-
-@pytest.mark.trio
-async def test_penalize_drops_unconsumed_work_and_voids_pay_after_last_pass(tmp_path, world):
-    store = Store(tmp_path / "hub.db")
-    buffer = ReplayBuffer(capacity_groups=100, staleness=4, skip_zero_variance=False)
-    groups = generate(world["trained"], world["prompts"][:4], node_id="cheat")
-    other = generate(world["trained"], world["prompts"][4:5], node_id="honest")[0]
-    store.upsert_node("cheat", 0.35, "cpu", 1e8, "hf")
-    store.upsert_node("honest", 0.35, "cpu", 1e8, "hf")
-    row_ids = []
-    for i, group in enumerate(groups):
-        lease = f"L{i}"
-        store.add_lease(lease, "cheat", [group.prompt_id], 0, time.time() + 60)
-        row_ids += store.record_submission(lease, "cheat", [verdict(group)], usd=0.01, seconds=1.0, signed_bytes_hash="h")
-        await trio.sleep(0.01)
-    store.add_lease("LH", "honest", [other.prompt_id], 0, time.time() + 60)
-    honest_row = store.record_submission("LH", "honest", [verdict(other)], usd=0.02, seconds=1.0, signed_bytes_hash="h")[0]
-    for group, row_id in zip(groups[1:], row_ids[1:]):  # rows[0] was trained on already
-        assert buffer.add(group, row_id).accepted
-    assert buffer.add(other, honest_row).accepted
-
-    penalty = await penalize(store, buffer, "cheat", vouched_lease_id="L1", reason="banned: audit failed")
-    assert set(penalty.dropped_row_ids) == set(row_ids[1:])
-    assert buffer.row_ids() == [honest_row]
-    rows = {r.id: r for r in store.trajectories()}
-    assert all(rows[i].discard_reason == "banned: audit failed" for i in row_ids[1:])
-    assert rows[row_ids[0]].discard_reason is None and rows[honest_row].discard_reason is None
-    # Pay for leases L0 and L1 (up to the audited one) stays; L2 and L3 are voided; others untouched.
-    assert penalty.voided_ledger_rows == 2
-    assert store.ledger_total_usd("cheat") == pytest.approx(0.02)
-    assert store.ledger_total_usd("honest") == pytest.approx(0.02)
-    assert store.ledger_by_node_usd() == pytest.approx({"cheat": 0.02, "honest": 0.02})
-    # Never vouched: everything it was paid is voided.
-    assert store.void_ledger_after("cheat", 0.0) == 2 and store.ledger_total_usd("cheat") == 0.0
-    assert store.integrity_check() == "ok"
-    with pytest.raises(ValueError, match="node_id"):
-        buffer.drop_node("")
-    store.close()
+async def test_audit_queue_judges_in_order_and_skips_when_full(world):
+    honest = generate(world["trained"], world["prompts"][:2], node_id="honest")
+    cheat = generate(world["base"], world["prompts"][2:3], node_id="cheat", claim_version=TRAINED_VERSION)[0]
+    gone = honest[1].model_copy(update={"version": 1, "completions": tuple(
+        c.model_copy(update={"version": 1}) for c in honest[1].completions)})  # v1 was never on the shelf
+    queue = AuditQueue(world["auditor"], capacity=3)
+    jobs = [AuditJob("honest", "L-h", 1, honest[0], 1.0), AuditJob("cheat", "L-c", 2, cheat, 2.0),
+            AuditJob("honest", "L-g", 3, gone, 3.0)]
+    assert all(queue.offer(job) for job in jobs)
+    assert not queue.offer(AuditJob("honest", "L-x", 4, honest[0], 4.0)) and len(queue) == 3  # full: skipped
+    with trio.fail_after(30):
+        results = [await queue.judge(await queue.next_job()) for _ in jobs]
+    assert results[0].passed and not results[1].passed and results[2] is None
+    assert results[1].mean_abs_gap > TrustConfig().audit_mean_abs_gap and len(queue) == 0

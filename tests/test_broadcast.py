@@ -38,7 +38,9 @@ def join(fleet: Fleet, node: NodePeer) -> NodeRecord:
         price_per_hour=0.5, hardware="test", link_bps=1e9, backend="hf", model_config_hash="0" * 64,
         listen_addrs=(node.addr,),
     )
-    return fleet.join(node.peer_id, request, "127.0.0.1", time.time())
+    record = Fleet.joined(node.peer_id, request, "127.0.0.1", time.time(), None)
+    fleet.put(record)
+    return record
 
 
 class Hub:
@@ -199,23 +201,21 @@ async def test_hub_uplink_shares_b0_and_caps_each_stream_at_bw(hub_bps, expected
 LINK_MBPS = 2.0  # 250 kB/s per link: the ~3.5 MB default-model snapshot takes ~14 s per hop
 HUB_TOML = """
 [scheduler]
+heartbeat_period_s = 0.5
 heartbeat_timeout_s = 3.0
 control_period_s = 1.0
 [broadcast]
 chunk_kib = 128
 """
-NODE_TOML = "heartbeat_period_s = 0.5\n"
 # Nodes barely generate (a lease's rollouts take 1 / 0.05 s each): the CPU goes to the transfers.
 QUIET_NODE = ("--max-rollouts-per-s", "0.05")
 
 
 def start_test_node(hub_addr: str, data_dir: Path, *args: str, script: str = "recording_node.py") -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "node.toml").write_text(NODE_TOML)
     log = data_dir / "node.out"
     cmd = [sys.executable, str(TESTS_DIR / script), "join", "--hub", hub_addr, "--price", "0.35", "--backend", "hf",
-           "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
-           "--config", str(data_dir / "node.toml"), *args]
+           "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
     with open(log, "wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
     return Proc(process, log)

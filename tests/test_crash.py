@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hub.metrics import METRICS_FILE, read_metrics
+from hub.metrics import read_metrics
 from hub.store import Store
+from shared.layout import HUB_STORE_FILE, METRICS_FILE
 
 HELPER = Path(__file__).with_name("crash_hub.py")
 REPO_ROOT = HELPER.parent.parent
@@ -54,7 +55,7 @@ def test_sigkill_mid_run_loses_no_acknowledged_trajectory(tmp_path):
             proc.wait()
 
     # What was committed at the moment of the kill (opening the store replays the WAL).
-    store = Store(tmp_path / "hub.db")
+    store = Store(tmp_path / HUB_STORE_FILE)
     assert store.integrity_check() == "ok"
     rows = store.trajectories()
     pending = {r.id for r in rows if r.verdict == "accepted" and r.consumed_step is None and r.discard_reason is None}
@@ -68,7 +69,7 @@ def test_sigkill_mid_run_loses_no_acknowledged_trajectory(tmp_path):
     assert second.returncode == 0, out[-3000:]
     refill = json.loads((tmp_path / f"refill-{second.pid}.json").read_text())
 
-    store = Store(tmp_path / "hub.db")
+    store = Store(tmp_path / HUB_STORE_FILE)
     assert store.integrity_check() == "ok"
     after = {r.id: r for r in store.trajectories()}
     # Every accepted, untrained row was put back into the buffer, or refused by it with a

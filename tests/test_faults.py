@@ -1,39 +1,89 @@
-"""Every fault scenario of bench/faults.py, in its quick size, against real processes on loopback:
-cheats are detected and neither trained on nor paid, honest work is never refused, a SIGKILLed
-hub loses and double-counts nothing, and the run survives losing 30% of its nodes."""
+"""Every fault scenario of tests/fault_scenarios.py (also measured by bench/faults.py), one test per class,
+in its quick size against real processes on loopback: each cheat is detected and neither trained on
+nor paid, honest work alongside is never refused, a SIGKILLed hub loses and double-counts nothing,
+and the run survives losing 30% of its nodes.
+
+The protocol cheats share one hub and the caught-later cheats another (module fixtures); every
+test brings its own fresh identities."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fault_scenarios import (
+    AUDIT_CHEATS,
+    PROTOCOL_CHEATS,
+    HubProc,
+    ScenarioResult,
+    run_cheat,
+    run_churn,
+    run_crash,
+    start_audit_hub,
+    start_protocol_hub,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_fault_scenarios_quick(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "faults.py"), "--json", "--quick", "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=880, cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout)
-    assert report["scenarios"], report
-    for s in report["scenarios"]:
-        assert s["attempts"] > 0, s
-        assert s["detected"] == s["attempts"], s
-        assert s["accepted"] == 0, s
-        assert s["false_rejections"] == 0, s
-        assert s["shown_cost_matches_ledger"], s
-        if s["name"] != "fake_reward":  # the lie earns nothing, the genuine sampling under it is paid
-            assert s["paid"] <= 0.0, s
-    crash = report["crash"]
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def protocol_hub(tmp_path_factory) -> HubProc:
+    hub = start_protocol_hub(tmp_path_factory.mktemp("faults-protocol"))
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture(scope="module")
+def audit_hub(tmp_path_factory) -> HubProc:
+    hub = start_audit_hub(tmp_path_factory.mktemp("faults-audit"))
+    yield hub
+    hub.stop()
+
+
+def assert_cheat_failed(r: ScenarioResult, paid_allowed: bool = False) -> None:
+    assert r.attempts > 0, r
+    assert r.detected == r.attempts, r
+    assert r.accepted == 0, r
+    assert r.false_rejections == 0, r
+    assert r.shown_cost_matches_ledger, r
+    if not paid_allowed:
+        assert r.paid <= 0.0, r
+
+
+@pytest.mark.parametrize("name", [n for n in PROTOCOL_CHEATS if n != "fake_reward"])
+def test_protocol_cheat_is_refused_and_unpaid(name: str, protocol_hub: HubProc) -> None:
+    assert_cheat_failed(run_cheat(name, protocol_hub, quick=True))
+
+
+def test_fake_reward_is_rescored_and_earns_nothing_extra(protocol_hub: HubProc) -> None:
+    # The lie earns nothing; the genuine sampling under it is paid at the declared price.
+    assert_cheat_failed(run_cheat("fake_reward", protocol_hub, quick=True), paid_allowed=True)
+
+
+@pytest.mark.parametrize("name", AUDIT_CHEATS)
+def test_caught_later_cheat_is_banned_and_its_pay_voided(name: str, audit_hub: HubProc) -> None:
+    assert_cheat_failed(run_cheat(name, audit_hub, quick=True))
+
+
+def test_sigkilled_hub_loses_and_pays_nothing_twice(tmp_path: Path) -> None:
+    crash = run_crash(tmp_path, kills=2, say=lambda _: None)
     assert crash["kills"] >= 2 and crash["integrity_ok"] and crash["versions_monotone"], crash
     assert (crash["lost"], crash["double_counted"], crash["paid_twice"]) == (0, 0, 0), crash
-    churn = report["churn"]
+
+
+def test_run_survives_losing_30_percent_of_its_nodes(tmp_path: Path) -> None:
+    churn = run_churn(tmp_path, nodes=4, say=lambda _: None)
     assert churn["run_completed"] and churn["survivors_with_snapshot"] == churn["survivors"], churn

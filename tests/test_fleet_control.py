@@ -68,7 +68,7 @@ def describe(status: HubStatus | None, names: dict[str, str]) -> str:
     lines = [head]
     for n in status.nodes:
         lines.append(f"  {names.get(n.peer_id, n.peer_id[-6:])}: {n.state} {n.rollouts_per_s:.1f}/s "
-                     f"${n.price_per_hour}/h v{n.version_held} accepted {n.accepted} cost {n.cost_usd:.6f}")
+                     f"${n.price_per_hour}/h v{n.version_held} accepted {n.tallies.accepted} cost {n.cost_usd:.6f}")
     for e in reversed(status.events[:40]):
         lines.append(f"  event {e.kind} {names.get(e.node_id or '', '-')}: {e.detail}")
     return "\n".join(lines)
@@ -143,7 +143,7 @@ def test_cost_aware_activation_standby_and_replacement(tmp_path: Path):
                           "the standby node to hold a newer snapshot")
         after = node(status, s2)
         assert after.state == "standby", describe(status, names)
-        assert (after.accepted, after.cost_usd) == (before.accepted, before.cost_usd), describe(status, names)
+        assert (after.tallies, after.cost_usd) == (before.tallies, before.cost_usd), describe(status, names)
 
         procs["F"].kill()
         status = wait_for(hub, names, lambda s: states(s).get(f) == "gone" and states(s).get(s1) == "active",

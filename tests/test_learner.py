@@ -10,16 +10,18 @@ import pytest
 import torch
 import trio
 
-from hub.buffer import BufferSignal, ReplayBuffer
+from hub.buffer import ReplayBuffer
 from hub.checkpoint import latest_checkpoint
-from hub.config import LearnerConfig
-from hub.learner import FINAL_DIR, LearnerComponent
+from hub.config import HubConfig, LearnerConfig
+from hub.learner import LearnerComponent
 from hub.local_rollouts import LocalRollouts
-from hub.metrics import METRICS_FILE, read_metrics
+from hub.metrics import read_metrics
+from hub.state import HubState
 from hub.store import Store
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
+from shared.layout import FINAL_DIR, METRICS_FILE
 from shared.rollout import Completion, Group, SamplingParams
 from shared.snapshot import read_snapshot_files
 from shared.tasks.reverse import ReverseTask
@@ -34,29 +36,31 @@ TICK_S = 0.01
 
 @dataclass
 class Rig:
-    store: Store
-    buffer: ReplayBuffer
-    signal: BufferSignal
+    state: HubState
     learner: LearnerComponent
     rollouts: LocalRollouts
+
+    @property
+    def store(self) -> Store:
+        return self.state.store
+
+    @property
+    def buffer(self) -> ReplayBuffer:
+        return self.state.buffer
 
 
 def make_rig(data_dir: Path, cfg: LearnerConfig, steps: int, identity: Identity, install_delay_s: float = 0.0) -> Rig:
     torch.set_num_threads(1)
     model_dir = ensure_default_model(progress=False)
-    store = Store(data_dir / "hub.db")
-    buffer = ReplayBuffer(cfg.buffer_max_groups, cfg.staleness, cfg.skip_zero_variance)
-    signal = BufferSignal()
+    state = HubState(Store(data_dir / "hub.db"), HubConfig(learner=cfg, sampling=SAMPLING), ReverseTask())
     send, receive = trio.open_memory_channel(64)
-    learner = LearnerComponent(
-        cfg, SAMPLING, model_dir, data_dir, store, buffer, signal, identity, send, steps, CHUNK_SIZE_BYTES
-    )
+    learner = LearnerComponent(cfg, SAMPLING, model_dir, data_dir, state, identity, send, steps, CHUNK_SIZE_BYTES)
     rollouts = LocalRollouts(
-        HFEngine(model_dir), ReverseTask(), SAMPLING, cfg.group_size, store, buffer, signal, receive,
+        HFEngine(model_dir), ReverseTask(), SAMPLING, cfg.group_size, state, receive,
         learner.min_useful_version, prompts_per_batch=8, max_pending_groups=2 * cfg.prompts_per_step,
         install_delay_s=install_delay_s, seed=cfg.seed,
     )
-    return Rig(store, buffer, signal, learner, rollouts)
+    return Rig(state, learner, rollouts)
 
 
 async def run_rig(rig: Rig) -> list[float]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hub.store import STORE_FILE
+from shared.layout import HUB_STORE_FILE
 from shared.messages import NodeView
 from tests.harness import start_hub
 from tui.hub_app import HubDashboard
@@ -56,12 +56,12 @@ async def test_echo_hub_start_trains_with_local_nodes_and_the_dashboard_follows(
     assert max(r["staleness_max"] for r in rows) <= STALENESS
     status = hub.status()
     assert status is not None and not status.running and status.step == STEPS
-    assert len(status.nodes) == 2 and all(n.accepted > 0 for n in status.nodes)
+    assert len(status.nodes) == 2 and all(n.tallies.accepted > 0 for n in status.nodes)
     assert "learner steps" in hub.output() and "final policy" in hub.output()
 
     # Each volunteer kept its own view (what `echo-node join --dashboard` shows).
     views = [NodeView.model_validate_json(p.read_text()) for p in sorted(data.glob("nodes/node-*/node_status.json"))]
-    assert len(views) == 2 and all(v.accepted > 0 and v.earnings_usd > 0 and v.version_held >= 0 for v in views)
+    assert len(views) == 2 and all(v.tallies.accepted > 0 and v.earnings_usd > 0 and v.version_held >= 0 for v in views)
 
     # The final policy loads like any Hugging Face model.
     probe = subprocess.run(
@@ -96,7 +96,7 @@ def test_invalid_combinations_are_refused_with_the_reason(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_data_dir_of_another_schema_is_refused_with_the_reason(tmp_path: Path) -> None:
-    old = sqlite3.connect(tmp_path / STORE_FILE)
+    old = sqlite3.connect(tmp_path / HUB_STORE_FILE)
     old.execute("CREATE TABLE nodes (peer_id TEXT PRIMARY KEY, accepted INTEGER)")
     old.commit()
     old.close()

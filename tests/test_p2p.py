@@ -184,9 +184,9 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
         code, out, err = status_cli(capsys, "--hub", hub.addr, "--json")
         assert code == 0, err
         live = HubStatus.model_validate_json(out)
-        assert live.running and live.version >= killed_at_step and live.accepted > 0
+        assert live.running and live.version >= killed_at_step and live.totals.accepted > 0
         assert {n.peer_id for n in live.nodes} == {*peers, victim_peer}
-        assert all(n.accepted > 0 for n in live.nodes)
+        assert all(n.tallies.accepted > 0 for n in live.nodes)
         assert live.cost_usd > 0 and live.mu_pool >= 0 and 0 < live.usable_fraction <= 1
         code, table, _ = status_cli(capsys, "--hub", hub.addr)
         assert code == 0 and peers[0][-8:] in table and "open leases" in table and "cost" in table
@@ -268,8 +268,7 @@ async def _probe_hub(hub_addr: str, config_hash: str, seconds: float) -> tuple[l
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             started = time.monotonic()
-            reply = await request(host, hub, HEARTBEAT_PROTOCOL, Heartbeat(version_held=-1, tokens_per_s=0,
-                                                                           queue_depth=0), HeartbeatReply, timeout_s=20)
+            reply = await request(host, hub, HEARTBEAT_PROTOCOL, Heartbeat(version_held=-1), HeartbeatReply, timeout_s=20)
             assert isinstance(reply, HeartbeatReply)
             beats.append(time.monotonic() - started)
             started = time.monotonic()
@@ -313,7 +312,7 @@ def test_hub_and_nodes_stay_responsive_under_full_cpu_load(tmp_path, default_mod
         for i, node in enumerate(nodes):
             assert node.process.poll() is None
             view = NodeView.model_validate_json((tmp_path / f"node-{i}" / "node_status.json").read_text())
-            assert view.connected and view.accepted > 0
+            assert view.connected and view.tallies.accepted > 0
             assert not [e for e in view.events if e.kind in ("hub_lost", "heartbeat_refused")], view.events
     finally:
         for burner in burners:

@@ -48,13 +48,20 @@ class Transitions:
 
 def join(fleet: Fleet, name: str, price: float, now: float = T0) -> NodeRecord:
     request = JoinRequest(price_per_hour=price, hardware="test", link_bps=1e6, backend="hf", model_config_hash="h")
-    return fleet.join(name, request, "127.0.0.1", now)
+    record = Fleet.joined(name, request, "127.0.0.1", now, fleet.get(name))
+    fleet.put(record)
+    return record
+
+
+def record_work(record: NodeRecord, accepted_rollouts: int, seconds: float) -> None:
+    """What HubState does with an answered lease: fold it into the node's measured throughput."""
+    record.rollouts_per_s, record.measured = Fleet.throughput_after(record, accepted_rollouts, seconds)
 
 
 def measured(fleet: Fleet, name: str, price: float, mu: float) -> NodeRecord:
     """A node that joined and answered its probe lease at `mu` rollouts/s."""
     record = join(fleet, name, price)
-    fleet.record_work(record, int(mu * 10), 10.0)
+    record_work(record, int(mu * 10), 10.0)
     return record
 
 
@@ -90,7 +97,7 @@ async def test_probe_then_standby_then_active():
     await scheduler.control_once(T0)
     assert transitions.take() == []  # probe not answered yet: no measurement, no decision
     assert record.state == "probing"
-    fleet.record_work(record, 40, 4.0)  # probe lease: 40 accepted rollouts in 4 s of lease time
+    record_work(record, 40, 4.0)  # probe lease: 40 accepted rollouts in 4 s of lease time
     assert record.rollouts_per_s == pytest.approx(10.0)
     await scheduler.control_once(T0 + 1)
     assert transitions.log == [
@@ -105,10 +112,10 @@ async def test_probe_then_standby_then_active():
 async def test_throughput_is_an_ewma_of_accepted_rollouts_per_lease_second():
     fleet = Fleet()
     record = join(fleet, "a", 0.1)
-    fleet.record_work(record, 40, 4.0)  # probe: 10/s
-    fleet.record_work(record, 40, 2.0)  # 20/s: 0.3 * 20 + 0.7 * 10
+    record_work(record, 40, 4.0)  # probe: 10/s
+    record_work(record, 40, 2.0)  # 20/s: 0.3 * 20 + 0.7 * 10
     assert record.rollouts_per_s == pytest.approx(13.0)
-    fleet.record_work(record, 0, 2.0)  # everything rejected: 0.7 * 13
+    record_work(record, 0, 2.0)  # everything rejected: 0.7 * 13
     assert record.rollouts_per_s == pytest.approx(9.1)
 
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from hub.store import SCHEMA_VERSION, LedgerRow, SchemaMismatch, StepRecord, Store
+from hub.store import SCHEMA_VERSION, SchemaMismatch, StepRecord, Store
 from hub.submissions import GroupVerdict
-from shared.messages import SubmittedGroup
+from shared.messages import SubmittedGroup, Tallies
 from shared.rollout import Completion, Group
 
 
@@ -31,7 +31,7 @@ def make_record(step: int) -> StepRecord:
 def test_schema_and_pragmas(tmp_path):
     store = Store(tmp_path / "hub.db")
     tables = set(store.db.table_names())
-    assert {"snapshots", "nodes", "leases", "trajectories", "steps", "ledger", "events", "checkpoints"} <= tables
+    assert {"snapshots", "nodes", "leases", "trajectories", "steps", "ledger", "events", "checkpoints", "sessions"} <= tables
     assert store.pragma("journal_mode") == "wal"
     assert store.pragma("synchronous") == 2  # FULL
     assert store.pragma("foreign_keys") == 1
@@ -57,21 +57,19 @@ def test_database_of_another_schema_is_refused_untouched(tmp_path):
 def test_commit_step_is_atomic(tmp_path):
     store = Store(tmp_path / "hub.db")
     store.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")
-    store.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time() + 60)
+    store.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time(), time.time() + 60)
     ids = [store.record_trajectory(make_group(f"p{i}", 0), "L1", "peerA", "accepted") for i in range(3)]
-    store.commit_step(make_record(1), ids[:2], [LedgerRow("peerA", "L1", 0.01, 2.0)], dropped_stale_ids=[ids[2]])
+    store.commit_step(make_record(1), ids[:2], dropped_stale_ids=[ids[2]])
     rows = {r.id: r for r in store.trajectories()}
     assert rows[ids[0]].consumed_step == 1 and rows[ids[1]].consumed_step == 1
-    assert rows[ids[2]].discard_reason == "stale"
-    assert store.ledger_total_usd("peerA") == pytest.approx(0.01)
-    assert store.node("peerA").accepted == 3
+    assert rows[ids[2]].discard_reason == "stale" and store.dropped_stale_count() == 1
+    assert store.node("peerA").tallies.accepted == 3
 
     # A second step that names an already-consumed id must leave nothing behind.
     fresh = store.record_trajectory(make_group("p9", 1), None, "", "accepted")
     with pytest.raises(ValueError, match="not an accepted, pending row"):
-        store.commit_step(make_record(2), [fresh, ids[0]], [LedgerRow("peerA", "L1", 5.0, 1.0)])
+        store.commit_step(make_record(2), [fresh, ids[0]])
     assert [s.step for s in store.steps()] == [1]
-    assert store.ledger_total_usd() == pytest.approx(0.01)
     assert [gid for gid, _ in store.unconsumed_groups()] == [fresh]
     # Duplicate step numbers are refused by the primary key, also atomically.
     with pytest.raises(sqlite3.IntegrityError):
@@ -122,21 +120,20 @@ def test_snapshots_checkpoints_events_leases(tmp_path):
     assert [e.kind for e in store.events(limit=1)] == ["ban"]
 
     store.upsert_node("peerA", 0.35, "cpu", None, "hf")
-    store.add_lease("L1", "peerA", ["p1"], 0, time.time() - 1)
-    store.add_lease("L2", "peerA", ["p2"], 0, time.time() + 60)
-    assert store.answer_lease("L2", "peerA") is True
-    assert store.answer_lease("L2", "peerA") is False  # replay
-    assert store.expire_leases(time.time()) == ["L1"]
+    store.add_lease("L1", "peerA", ["p1"], 0, time.time(), time.time() - 1)
+    store.add_lease("L2", "peerA", ["p2"], 0, time.time(), time.time() + 60)
+    assert store.expire_leases(time.time(), events=[("lease_expired", "peerA", "L1")]) == ["L1"]
     assert store.lease("L1").state == "expired" and store.lease("L2").prompt_ids == ("p2",)
+    assert store.events(limit=1)[0].kind == "lease_expired"
     with pytest.raises(sqlite3.IntegrityError):  # leases only for known nodes
-        store.add_lease("L3", "stranger", ["p"], 0, time.time())
+        store.add_lease("L3", "stranger", ["p"], 0, time.time(), time.time())
     assert store.steps()[0].extra == {"kl": 0.01}
 
 
 def test_submission_verdicts_are_tallied_per_node_and_overall(tmp_path):
     store = Store(tmp_path / "hub.db")
     store.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")
-    store.add_lease("L1", "peerA", ["p1", "p2", "p3"], 0, time.time() + 60)
+    store.add_lease("L1", "peerA", ["p1", "p2", "p3"], 0, time.time(), time.time() + 60)
     good = make_group("p1", 3)
     submitted = SubmittedGroup(prompt_id="p1", completions=good.completions)
     verdicts = [
@@ -144,14 +141,22 @@ def test_submission_verdicts_are_tallied_per_node_and_overall(tmp_path):
         GroupVerdict("p2", False, "stale version 1 (oldest accepted 2)", submitted, late=True),
         GroupVerdict("p3", False, "tokens after EOS", submitted),
     ]
-    ids = store.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h")
+    ids = store.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h",
+                                  rollouts_per_s=3.5, events=[("probed", "peerA", "3.5 rollouts/s")])
     assert [store.trajectories()[i].verdict for i in range(3)] == ["accepted", "late", "rejected"]
     assert len(ids) == 3
     node = store.node("peerA")
-    assert (node.accepted, node.rejected, node.late) == (1, 1, 1)
+    assert node.tallies == Tallies(accepted=1, rejected=1, late=1)
+    assert (node.rollouts_per_s, node.measured) == (3.5, True)
+    assert store.events(limit=1)[0].detail == "3.5 rollouts/s"  # in the same transaction
+    assert store.ledger_total_usd("peerA") == pytest.approx(0.01)
+    # A replay racing the first answer finds the lease answered: nothing changes.
+    with pytest.raises(ValueError, match="not open"):
+        store.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h")
+    assert store.node("peerA").tallies == Tallies(accepted=1, rejected=1, late=1)
     store.record_trajectory(make_group("p4", 1), None, "peerA", "late", reason="stale version 1")
     assert store.trajectory_counts() == {"accepted": 1, "rejected": 1, "late": 2}
-    assert store.node("peerA").late == 2
+    assert store.node("peerA").tallies.late == 2
     with pytest.raises(ValueError, match="verdict must be one of"):
         store.record_trajectory(make_group("p5", 1), None, "peerA", "maybe")
 
@@ -161,7 +166,43 @@ def test_recent_usable_groups_counts_settled_accepted_rows(tmp_path):
     ids = [store.record_trajectory(make_group(f"p{i}", 0), None, "", "accepted") for i in range(6)]
     store.record_trajectory(make_group("late", 0), None, "", "late")  # never accepted: not counted
     assert store.recent_usable_groups(100) == (0, 0)  # all pending: nothing settled
-    store.commit_step(make_record(1), ids[:2], [], dropped_stale_ids=[ids[2]])
+    store.commit_step(make_record(1), ids[:2], dropped_stale_ids=[ids[2]])
     store.discard_trajectories([ids[3]], "zero reward variance")
     assert store.recent_usable_groups(100) == (2, 4)  # ids[4:] still pending
     assert store.recent_usable_groups(2) == (0, 2)  # the newest two settled were both skipped
+
+
+def test_liveness_sessions_audits_and_penalties_survive_reopen(tmp_path):
+    path = tmp_path / "hub.db"
+    store = Store(path)
+    first = store.start_session(1000.0)
+    store.upsert_node("peerA", 0.35, "cpu", 1e8, "hf", "active", event=("join", "peerA", "price $0.35/h"))
+    store.flush_liveness([("peerA", 1010.0, 9.5, 2.25, True)], first, 1030.0)
+    store.record_audit_pass("peerA", 1005.0)
+    store.record_audit_pass("peerA", 1003.0)  # an older submission's audit passing later vouches for no less
+    store.add_lease("L1", "peerA", ["p1"], 0, 1000.0, 2000.0)
+    store.add_lease("L2", "peerA", ["p2"], 0, 1000.0, 2000.0)
+    g1, g2 = make_group("p1", 0), make_group("p2", 0)
+    v = lambda g: GroupVerdict(g.prompt_id, True, "", SubmittedGroup(prompt_id=g.prompt_id, completions=g.completions), g)
+    (row1,) = store.record_submission("L1", "peerA", [v(g1)], usd=0.01, seconds=1.0, signed_bytes_hash="h", now=1004.0)
+    (row2,) = store.record_submission("L2", "peerA", [v(g2)], usd=0.02, seconds=1.0, signed_bytes_hash="h", now=1006.0)
+    store.close()
+
+    store = Store(path)
+    assert store.learner_seconds() == pytest.approx(30.0)
+    second = store.start_session(5000.0)
+    store.flush_liveness([], second, 5004.0)
+    assert store.learner_seconds() == pytest.approx(34.0)
+    node = store.node("peerA")
+    assert (node.last_seen, node.online_s, node.rollouts_per_s, node.measured) == (1010.0, 9.5, 2.25, True)
+    assert (node.audits_passed, node.vouched_at) == (2, 1005.0)
+    # Caught later: banned, its pending row discarded, pay after its last vouched-for submission voided.
+    voided, paid = store.penalize_node("peerA", [row2], node.vouched_at, "audit failed", event=("audit_fail", "peerA", "x"))
+    assert (voided, paid) == (1, pytest.approx(0.01))
+    node = store.node("peerA")
+    assert (node.state, node.banned_reason) == ("banned", "audit failed")
+    assert {r.id: r.discard_reason for r in store.trajectories()} == {row1: None, row2: "audit failed"}
+    with pytest.raises(ValueError, match="not an accepted, pending row"):  # all or nothing
+        store.penalize_node("peerA", [row2], 0.0, "again")
+    assert store.ledger_total_usd("peerA") == pytest.approx(0.01)
+    assert [e.kind for e in store.events()] == ["audit_fail", "join"]

@@ -22,8 +22,10 @@ from shared.messages import (
     NodeStatus,
     NodeView,
     Reject,
+    RejectCode,
     StatusRequest,
     StepPoint,
+    Tallies,
 )
 from shared.net import running_host, set_handler
 from shared.wire import read_message, write_message
@@ -45,12 +47,12 @@ def hub_status(step: int = 10, now: float | None = None, running: bool = True) -
     a, b, c = NODE_IDS
     nodes = (
         NodeStatus(peer_id=a, state="active", price_per_hour=0.35, rollouts_per_s=2.0, version_held=step,
-                   accepted=640, rejected=3, late=9, cost_usd=0.41, backend="hf", hardware="RTX 5090", chain=0, chain_position=0),
+                   tallies=Tallies(accepted=640, rejected=3, late=9), cost_usd=0.41, backend="hf", hardware="RTX 5090", chain=0, chain_position=0),
         NodeStatus(peer_id=b, state="active", price_per_hour=0.50, rollouts_per_s=1.6, version_held=step - 1,
-                   receiving_version=step, chunks_received=7, accepted=512, rejected=0, late=0, cost_usd=0.55, backend="hf",
+                   receiving_version=step, chunks_received=7, tallies=Tallies(accepted=512), cost_usd=0.55, backend="hf",
                    chain=0, chain_position=1),
         NodeStatus(peer_id=c, state="standby", price_per_hour=3.06, rollouts_per_s=4.0, version_held=step,
-                   accepted=128, rejected=12, late=2, cost_usd=0.12, backend="vllm", chain=1, chain_position=0),
+                   tallies=Tallies(accepted=128, rejected=12, late=2, refused=5), cost_usd=0.12, backend="vllm", chain=1, chain_position=0),
     )
     history = tuple(
         StepPoint(step=i, version=i, reward_mean=0.1 + 0.05 * i, staleness_mean=1.0 + (i % 3) * 0.5, bubble=0.02,
@@ -67,7 +69,7 @@ def hub_status(step: int = 10, now: float | None = None, running: bool = True) -
     return HubStatus(
         hub_id=HUB_IDENTITY.peer_id, addrs=(f"/ip4/127.0.0.1/tcp/4001/p2p/{HUB_IDENTITY.peer_id}",), running=running,
         updated_at=now, step=step, steps_target=100, version=step, staleness=4, kappa=3, task="arith", nodes=nodes,
-        chains=((a, b), (c,)), open_leases=2, accepted=1280, rejected=15, late=11, dropped_stale=4, reward_mean=0.6,
+        chains=((a, b), (c,)), open_leases=2, totals=Tallies(accepted=1280, rejected=15, late=11, refused=5), dropped_stale=4, reward_mean=0.6,
         t_train_s=12.1, t_bcast_s=4.2, bubble=0.03, predicted_bubble=0.02, mu_pool=3.6, mu_min=3.0, mu_target=3.3,
         usable_fraction=0.57,
         cost_usd=1.08, cost_per_step_usd=0.108, all_on_cost_usd=2.5, history=history, events=events,
@@ -80,7 +82,7 @@ def node_view(now: float | None = None) -> NodeView:
         peer_id=NODE_IDS[1], hub_addr=f"/ip4/127.0.0.1/tcp/4001/p2p/{HUB_IDENTITY.peer_id}", connected=True,
         state="active", updated_at=now, price_per_hour=0.5, backend="hf", version_held=9, receiving_version=10,
         chunks_received=7, chunks_total=20, chain=0, chain_position=1, upstream=NODE_IDS[0], downstream=None,
-        tokens_per_s=850.0, rollouts_per_s=1.6, leases_done=12, accepted=512, rejected=4, late=3, earnings_usd=0.55,
+        tokens_per_s=850.0, rollouts_per_s=1.6, leases_done=12, tallies=Tallies(accepted=512, rejected=4, late=3), earnings_usd=0.55,
         busy_s=3960.0, events=(EventRecord(at=now - 10, kind="activate", detail="node-activated-event"),),
     )
 
@@ -123,7 +125,7 @@ def test_rho_cost_and_state_helpers() -> None:
     assert rho(a) == pytest.approx(0.35 / 2.0)
     assert rho(a.model_copy(update={"rollouts_per_s": 0.0})) is None
     assert cost_per_rollout(status) == pytest.approx(1.08 / 1280)
-    assert cost_per_rollout(status.model_copy(update={"accepted": 0})) is None
+    assert cost_per_rollout(status.model_copy(update={"totals": Tallies()})) is None
     assert [display_state(n) for n in status.nodes] == ["active", "receiving", "standby"]
     assert display_state(b.model_copy(update={"state": "banned"})) == "banned"
     assert short_id(a.peer_id) == a.peer_id[-6:]
@@ -346,7 +348,7 @@ async def test_hub_source_reports_a_refusal() -> None:
     port = free_port()
     source = HubSource(f"/ip4/127.0.0.1/tcp/{port}/p2p/{identity.peer_id}", timeout_s=5.0)
     try:
-        with TinyHub(identity, port, Reject(reason="dashboards not welcome")):
+        with TinyHub(identity, port, Reject(code=RejectCode.BAD_REQUEST, reason="dashboards not welcome")):
             refused = await source.fetch()
         assert isinstance(refused, Unreachable) and "dashboards not welcome" in refused.reason
     finally:

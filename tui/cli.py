@@ -52,7 +52,7 @@ def build_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hu
 
 
 def _holds_only_node_status(data_dir: Path) -> bool:
-    from tui.sources import HUB_STATUS_FILE, NODE_STATUS_FILE
+    from shared.layout import HUB_STATUS_FILE, NODE_STATUS_FILE
 
     return (data_dir / NODE_STATUS_FILE).exists() and not (data_dir / HUB_STATUS_FILE).exists()
 

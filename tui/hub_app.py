@@ -12,7 +12,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
-from shared.messages import HubStatus, NodeStatus
+from shared.messages import TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus
 from tui import DEFAULT_REFRESH_S
 from tui.widgets import (
     Banner,
@@ -22,6 +22,7 @@ from tui.widgets import (
     number,
     short_id,
     styled_state,
+    tally_cells,
 )
 
 
@@ -38,7 +39,7 @@ def rho(node: NodeStatus) -> float | None:
 
 
 def cost_per_rollout(status: HubStatus) -> float | None:
-    return status.cost_usd / status.accepted if status.accepted > 0 else None
+    return status.cost_usd / status.totals.accepted if status.totals.accepted > 0 else None
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,7 @@ NODE_COLUMNS: tuple[Column, ...] = (
     Column("mu", "roll/s", lambda n: n.rollouts_per_s),
     Column("rho", "rho", lambda n: _none_last(rho(n))),
     Column("version", "ver", lambda n: n.version_held),
-    Column("accepted", "acc", lambda n: n.accepted),
-    Column("rejected", "rej", lambda n: n.rejected),
-    Column("late", "late", lambda n: n.late),
+    *(Column(name, TALLY_SHORT[name], lambda n, name=name: getattr(n.tallies, name)) for name in TALLY_FIELDS),
     Column("cost", "cost", lambda n: n.cost_usd),
 )
 
@@ -77,9 +76,7 @@ def node_row(node: NodeStatus) -> tuple[object, ...]:
         Text(number(node.rollouts_per_s), justify="right"),
         Text(number(rho(node), '.3g'), justify="right"),
         Text(version, justify="right"),
-        Text(str(node.accepted), justify="right"),
-        Text(str(node.rejected), justify="right", style="red" if node.rejected else ""),
-        Text(str(node.late), justify="right", style="yellow" if node.late else ""),
+        *tally_cells(node.tallies),
         Text(money(node.cost_usd, 3), justify="right"),
     )
 
@@ -134,7 +131,8 @@ def cost_text(status: HubStatus) -> Text:
         out.append(f"saved       {1 - status.cost_usd / status.all_on_cost_usd:.0%}\n", style="green")
     else:
         out.append("saved       —\n")
-    out.append(f"acc {status.accepted} rej {status.rejected} late {status.late} stale {status.dropped_stale}", style="dim")
+    t = status.totals
+    out.append(f"acc {t.accepted} rej {t.rejected} late {t.late} stale {status.dropped_stale}", style="dim")
     return out
 
 
@@ -264,9 +262,6 @@ class HubDashboard(DashboardApp):
             text.update(event_lines((), empty="no node selected"))
             return
         box.border_title = f"events of {short_id(self.selected_peer)}"
-        node = next((n for n in self.status.nodes if n.peer_id == self.selected_peer), None)
-        if node is not None and node.refused:
-            box.border_title += f" · {node.refused} requests refused"
         mine = [e for e in self.status.events if e.node_id == self.selected_peer]
         text.update(event_lines(mine, with_node=False, empty="no recent events for this node"))
 

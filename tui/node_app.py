@@ -7,9 +7,9 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
-from shared.messages import NodeView
+from shared.messages import TALLY_FIELDS, NodeView
 from tui import DEFAULT_REFRESH_S
-from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state
+from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state, tally_cells
 
 
 def identity_text(view: NodeView) -> Text:
@@ -40,17 +40,15 @@ def chain_text(view: NodeView) -> Text:
 
 
 def work_text(view: NodeView) -> Text:
-    decided = view.accepted + view.rejected + view.late
+    t = view.tallies
     out = Text()
     out.append(f"throughput {number(view.tokens_per_s, '.0f')} tok/s  {number(view.rollouts_per_s)} rollouts/s\n")
-    out.append(f"leases {view.leases_done}   accepted ")
-    out.append(str(view.accepted), style="green")
-    out.append("  rejected ")
-    out.append(str(view.rejected), style="red" if view.rejected else "")
-    out.append("  late ")
-    out.append(str(view.late), style="yellow" if view.late else "")
-    if decided:
-        out.append(f"  ({view.accepted / decided:.0%} accepted)")
+    out.append(f"leases {view.leases_done}")
+    for name, cell in zip(TALLY_FIELDS, tally_cells(t)):
+        out.append(f"  {name} ")
+        out.append(cell.plain, style=cell.style or ("green" if name == "accepted" else ""))
+    if t.decided:
+        out.append(f"  ({t.accepted / t.decided:.0%} accepted)")
     out.append("\nearnings ")
     out.append(money(view.earnings_usd, 4), style="bold green")
     out.append(f" at {money(view.price_per_hour)}/h over {view.busy_s / 3600:.2f} h busy")

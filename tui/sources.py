@@ -31,13 +31,12 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from shared.crypto import Identity, peer_id_from_multiaddr
+from shared.layout import HUB_STATUS_FILE, NODE_STATUS_FILE
 from shared.messages import STATUS_PROTOCOL, HubStatus, NodeView, Reject, StatusRequest
 from shared.net import connect, request, running_host
 
 log = logging.getLogger(__name__)
 
-HUB_STATUS_FILE = "status.json"
-NODE_STATUS_FILE = "node_status.json"
 DEFAULT_FETCH_TIMEOUT_S = 3.0
 DEFAULT_EVENTS = 200
 # The dashboard only dials out; it still listens on loopback because py-libp2p hosts expect

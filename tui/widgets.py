@@ -12,7 +12,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.widgets import HelpPanel, Static
 
-from shared.messages import EventRecord
+from shared.messages import TALLY_FIELDS, EventRecord, Tallies
 from tui import DEFAULT_REFRESH_S
 from tui.sources import NoStatus, Unreachable
 
@@ -82,6 +82,18 @@ def event_lines(events: tuple[EventRecord, ...] | list[EventRecord], with_node: 
     if not events:
         return Text(empty, style="dim italic")
     return Text("\n").join(event_line(e, with_node) for e in sorted(events, key=lambda e: e.at, reverse=True))
+
+
+# Tallies that are bad news when non-zero; any other tally is shown plain.
+TALLY_STYLES = {"rejected": "red", "late": "yellow", "refused": "red"}
+
+
+def tally_cells(tallies: Tallies) -> tuple[Text, ...]:
+    """One right-aligned cell per tally, in TALLY_FIELDS order (a table's columns follow the same order)."""
+    return tuple(
+        Text(str(value := getattr(tallies, name)), justify="right", style=TALLY_STYLES.get(name, "") if value else "")
+        for name in TALLY_FIELDS
+    )
 
 
 def styled_state(state: str) -> Text:

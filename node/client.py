@@ -1,0 +1,112 @@
+"""The one client of the hub's node protocols: join, heartbeat, lease, submit, bad-chunk report, status.
+
+Every call opens one stream to the hub, writes one request (a submission signed with the node's
+identity), and returns the hub's typed reply or its `Reject`; a transport failure (hub away,
+timeout) raises. The node's hub link, worker and keeper use it, and so do the tests and
+benchmarks, whose misbehaving peers subclass it or send raw frames through `send_frame`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+from libp2p.abc import IHost
+
+from shared.crypto import Identity, peer_id_from_multiaddr
+from shared.messages import (
+    HEARTBEAT_PROTOCOL,
+    JOIN_PROTOCOL,
+    LEASE_PROTOCOL,
+    REPORT_PROTOCOL,
+    STATUS_PROTOCOL,
+    SUBMIT_PROTOCOL,
+    BadChunkReport,
+    Heartbeat,
+    HeartbeatReply,
+    HubStatus,
+    JoinReply,
+    JoinRequest,
+    LeaseReply,
+    LeaseRequest,
+    Reject,
+    StatusRequest,
+    Submission,
+    SubmitReply,
+    TransferAck,
+)
+from shared.net import connect, open_stream, request
+from shared.wire import Message, encode_signed, read_message
+
+REQUEST_TIMEOUT_S = 30.0
+# A bad-chunk report is answered only after the hub fetched the chunk from the accused itself.
+REPORT_TIMEOUT_S = 40.0
+BUSY_RETRY_S = 0.25
+
+
+class HubClient:
+    """Speaks the node protocols to the hub at `hub_addr` (a multiaddr ending in /p2p/<hub id>) from `host`."""
+
+    def __init__(self, host: IHost, identity: Identity, hub_addr: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.host = host
+        self.identity = identity
+        self.hub_addr = hub_addr
+        self.hub_peer_id = peer_id_from_multiaddr(hub_addr)
+        self.timeout_s = timeout_s
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    async def connect(self) -> None:
+        """Dial the hub (a live connection is reused)."""
+        with trio.fail_after(self.timeout_s):
+            await connect(self.host, self.hub_addr)
+
+    async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None):
+        return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject,
+                             timeout_s=timeout_s or self.timeout_s)
+
+    async def join(self, join: JoinRequest) -> JoinReply | Reject:
+        return await self.ask(JOIN_PROTOCOL, join, JoinReply)
+
+    async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply | Reject:
+        return await self.ask(HEARTBEAT_PROTOCOL, beat, HeartbeatReply)
+
+    async def lease(self, version_held: int) -> LeaseReply | Reject:
+        return await self.ask(LEASE_PROTOCOL, LeaseRequest(version_held=version_held), LeaseReply)
+
+    async def submit(self, submission: Submission, deadline: float | None = None) -> SubmitReply | Reject:
+        """Submit (signed by this node), sending again while the hub says it is busy and `deadline`
+        (time.monotonic) leaves room; without a deadline, once."""
+        while True:
+            reply = await request(self.host, self.hub_peer_id, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
+                                  timeout_s=self.timeout_s, sign_with=self.identity)
+            if not (isinstance(reply, Reject) and reply.busy and deadline is not None
+                    and time.monotonic() + BUSY_RETRY_S < deadline):
+                return reply
+            await trio.sleep(BUSY_RETRY_S)
+
+    def signed(self, submission: Submission) -> bytes:
+        """The exact frame `submit` sends, for a caller that wants to send (or tamper with) the bytes itself."""
+        return encode_signed(submission, self.identity)
+
+    async def report(self, report: BadChunkReport) -> TransferAck | Reject:
+        return await self.ask(REPORT_PROTOCOL, report, TransferAck, timeout_s=REPORT_TIMEOUT_S)
+
+    async def status(self, events: int = 0) -> HubStatus | Reject:
+        return await self.ask(STATUS_PROTOCOL, StatusRequest(events=events), HubStatus)
+
+    async def send_frame(self, protocol: str, frame: bytes, *reply_types: type[Message], close_write: bool = True):
+        """Write raw bytes on a new stream, then read one reply of `reply_types` or Reject (raises if the
+        stream ends first). For tests and benchmarks that send what an honest node never would."""
+        with trio.fail_after(self.timeout_s):
+            stream = await open_stream(self.host, self.hub_peer_id, protocol)
+            try:
+                await stream.write(frame)
+                if close_write:
+                    await stream.close_write()
+                return await read_message(stream, *reply_types, Reject)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await stream.reset()

@@ -1,0 +1,190 @@
+"""HubState against a real SQLite file and the real tokenizer, in process: every command commits before the
+view moves, a reopened state shows exactly what the old one showed, audit verdicts vouch for and void
+pay across a restart, and our own failures are never counted against a peer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hub.audit import AuditJob, AuditResult
+from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
+from hub.snapshots import SnapshotShelf
+from hub.state import HubState
+from hub.store import StepRecord
+from shared.crypto import Identity
+from shared.messages import Heartbeat, JoinRequest, RejectCode, Submission, SubmittedGroup, Tallies
+from shared.rollout import Completion, SamplingParams
+from shared.snapshot import build_snapshot
+from shared.wire import PeerFault
+from tests.inproc import PERMISSIVE_TRUST, open_state
+
+CONFIG = HubConfig(
+    learner=LearnerConfig(staleness=2, prompts_per_step=2, group_size=2),
+    sampling=SamplingParams(max_new_tokens=16),  # longer than any prompt word + one letter + EOS
+    lease=LeaseConfig(prompts_per_lease=2),
+    trust=PERMISSIVE_TRUST,
+)
+
+
+class ScriptedAudits:
+    """Stands in for AuditQueue: judges each job by a script (the real auditor is tested in test_audit.py)."""
+
+    def __init__(self) -> None:
+        self.passes = True
+        self.judged: list[AuditJob] = []
+
+    def offer(self, job: AuditJob) -> bool:
+        raise AssertionError("nodes on probation are audited at once, never queued")
+
+    async def judge(self, job: AuditJob) -> AuditResult:
+        self.judged.append(job)
+        return AuditResult(self.passes, 0.0 if self.passes else 0.5, 0.0, 4, reason="" if self.passes else "gap 0.5")
+
+
+def join_request(state: HubState, price: float = 0.5) -> JoinRequest:
+    return JoinRequest(price_per_hour=price, hardware="t", link_bps=1e8, backend="hf",
+                       model_config_hash=state.model_config_hash, version_held=0)
+
+
+def answer(tokenizer, lease, node_id: str, right: bool = True) -> Submission:
+    groups = []
+    for p in lease.prompts:
+        word = p.text[:-1]
+        texts = (word[::-1], word) if right else (word + "q", word + "z")
+        completions = []
+        for text in texts:
+            ids = (*tokenizer.encode(text), tokenizer.eos_token_id)
+            completions.append(Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop", version=0,
+                                          text=text))
+        groups.append(SubmittedGroup(prompt_id=p.id, completions=tuple(completions)))
+    return Submission(lease_id=lease.lease_id, node_id=node_id, groups=tuple(groups))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def reopen(data_dir: Path, model_dir: Path, config: HubConfig = CONFIG) -> HubState:
+    """A state over DATA_DIR's store whose hub published v0 (so work at v0 is in the window)."""
+    shelf = SnapshotShelf(keep=3)
+    shelf.add(build_snapshot({"w": torch.zeros(4)}, 0, Identity.generate(), "0" * 64))
+    return open_state(data_dir, model_dir, config, shelf, [0])
+
+
+def view(state: HubState) -> dict:
+    return {
+        "nodes": {p: (n.state if n.state == "banned" else "gone", n.tallies, n.audits_passed, n.vouched_at,
+                      round(n.rollouts_per_s, 9), n.measured, round(n.online_s, 6))
+                  for p, n in state.fleet.nodes.items()},
+        "totals": (state.totals.groups, state.totals.dropped_stale, state.totals.paid_usd),
+    }
+
+
+@pytest.mark.trio
+async def test_a_reopened_state_shows_what_the_old_one_showed(tmp_path, default_model_dir, tokenizer):
+    state = reopen(tmp_path, default_model_dir)
+    a, b = Identity.generate().peer_id, Identity.generate().peer_id
+    for peer in (a, b):
+        await state.join(peer, join_request(state), "10.0.0.1")
+    # a: a probe, then full leases; b: one wrong answer and a refused request, then it leaves.
+    grant = await state.grant_lease(a, 0)
+    await state.accept_submission(a, answer(tokenizer, grant.lease, a), "h1")
+    await state.set_state(state.fleet.get(a), "active", "test")
+    grant = await state.grant_lease(a, 0)
+    outcome = await state.accept_submission(a, answer(tokenizer, grant.lease, a), "h2")
+    assert outcome.accepted == 2 and outcome.paid_usd > 0
+    grant = await state.grant_lease(b, 0)
+    await state.accept_submission(b, answer(tokenizer, grant.lease, b, right=False), "h3")  # zero variance: accepted
+    await state.record_refusal(b)
+    state.heartbeat(b, Heartbeat(version_held=0))
+    await state.set_state(state.fleet.get(b), "gone", "no heartbeat")
+    # The learner trains on two groups and drops one as stale.
+    ids = state.buffer.row_ids()
+    await state.commit_step(StepRecord(1, 1, 0.5, 0.5, 0.0, 0, 1, 0.1, 0.0, 0.0, 10, 0.0), ids[:2], ids[2:3])
+    await state.flush()
+    assert state.totals.groups == Tallies(accepted=4, refused=1) and state.totals.dropped_stale == 1
+    assert state.fleet.get(b).tallies == Tallies(accepted=1, refused=1)
+    before, cost = view(state), state.cost_usd(state.clock())
+    state.store.close()
+
+    again = reopen(tmp_path, default_model_dir)
+    assert view(again) == before
+    assert again.cost_usd(again.clock()) >= cost  # learner time keeps counting from where it was
+    # The nodes rejoin with what the hub measured: no second probe.
+    record = await again.join(a, join_request(again, price=0.7), "10.0.0.1")
+    assert record.state == "standby" and record.tallies == Tallies(accepted=3) and record.price_per_hour == 0.7
+    again.store.close()
+
+
+@pytest.mark.trio
+async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_path, default_model_dir, tokenizer):
+    config = CONFIG.model_copy(update={"trust": TrustConfig(audit_first_n=10, audit_rate=0.0)})
+    clock = [1000.0]
+    audits = ScriptedAudits()
+
+    def state_at() -> HubState:
+        state = reopen(tmp_path, default_model_dir, config)
+        state.audits, state.clock = audits, lambda: clock[0]
+        return state
+
+    state = state_at()
+    peer = Identity.generate().peer_id
+    await state.join(peer, join_request(state), "10.0.0.1")
+    for _ in range(3):  # on probation: each submission is audited before its groups are buffered
+        grant = await state.grant_lease(peer, 0)
+        clock[0] += 10.0
+        await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+        await state.set_state(state.fleet.get(peer), "active", "test")
+    assert len(audits.judged) == 3 and state.fleet.get(peer).vouched_at == clock[0]
+    paid = state.totals.paid_usd[peer]
+    state.store.close()
+
+    state = state_at()
+    assert state.fleet.get(peer).vouched_at == clock[0]
+    await state.join(peer, join_request(state), "10.0.0.1")
+    await state.set_state(state.fleet.get(peer), "active", "test")
+    audits.passes = False
+    grant = await state.grant_lease(peer, 0)
+    clock[0] += 10.0
+    outcome = await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+    assert outcome.paid_usd > 0  # booked with the answer, voided by the audit that follows
+    record = state.fleet.get(peer)
+    assert record.state == "banned" and "gap 0.5" in record.banned_reason
+    assert state.totals.paid_usd[peer] == pytest.approx(paid) == state.store.ledger_total_usd(peer)
+    assert len(state.buffer) == 0  # the cheat's groups never reached the buffer
+    with pytest.raises(PeerFault) as refused:
+        await state.join(peer, join_request(state), "10.0.0.1")
+    assert refused.value.code == RejectCode.BANNED
+    state.store.close()
+
+
+@pytest.mark.trio
+async def test_peer_faults_carry_codes_and_our_own_errors_propagate(tmp_path, default_model_dir, tokenizer):
+    state = reopen(tmp_path, default_model_dir)
+    stranger = Identity.generate().peer_id
+    with pytest.raises(PeerFault) as fault:
+        await state.grant_lease(stranger, 0)
+    assert fault.value.code == RejectCode.UNKNOWN_NODE
+    bad = join_request(state).model_copy(update={"model_config_hash": "0" * 64})
+    with pytest.raises(PeerFault) as fault:
+        await state.join(stranger, bad, None)
+    assert fault.value.code == RejectCode.MODEL_MISMATCH
+    peer = Identity.generate().peer_id
+    await state.join(peer, join_request(state), None)
+    grant = await state.grant_lease(peer, 0)
+    with pytest.raises(PeerFault) as fault:
+        await state.accept_submission(peer, answer(tokenizer, grant.lease, peer).model_copy(update={"lease_id": "x" * 24}), "h")
+    assert fault.value.code == RejectCode.BAD_LEASE
+    # A store that fails under us is our bug: it raises as itself, and the lease stays answerable.
+    state.store.close()
+    with pytest.raises(Exception) as ours:
+        await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+    assert not isinstance(ours.value, PeerFault)
+    assert grant.lease.lease_id in state.leases.open and not grant.lease.checking
+    assert state.fleet.get(peer).tallies == Tallies()
