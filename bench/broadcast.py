@@ -83,7 +83,7 @@ async def bench_hub(identity: Identity, shelf: SnapshotShelf, link_bps: float, h
 
     async def serve(stream) -> None:
         request = await read_message(stream, SnapshotRequest)
-        await serve_snapshot(stream, shelf, request, uplink.for_stream())
+        await serve_snapshot(stream, shelf, request, uplink.for_stream(), identity)
         await stream.close()
 
     async with running_host(identity, [LOOPBACK]) as (host, addrs):
@@ -102,7 +102,7 @@ async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, nursery: 
             node.done.set()
 
         client = HubClient(host, identity, hub_addr)
-        keeper = SnapshotKeeper(host, hub_peer_id, install, RateLimiter(link_bps), on_installed=lambda v: None,
+        keeper = SnapshotKeeper(host, identity, hub_peer_id, install, RateLimiter(link_bps), on_installed=lambda v: None,
                                 report=client.report)
         node = BenchNode(identity.peer_id, addrs[0], host, keeper, trio.Event())
         set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)

@@ -4,7 +4,10 @@ The scenarios live in tests/fault_scenarios.py, shared with tests/test_faults.py
 class); see that module for what each does and counts. This script runs the ones asked for against
 real hub processes and prints the figures.
 
-Usage: python bench/faults.py [--json] [--quick] [--only bad_signature,replay,...,crash,churn]
+Usage: python bench/faults.py [--json] [--quick] [--only bad_signature,replay,...,crash,churn] [--kills N]
+
+`--only crash --kills 200` is the crash mode: 200 SIGKILLs of the hub at random moments (mid learner
+step, mid submission), each followed by a restart, then the books are checked (JSON adds wall_s).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -53,12 +57,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer attempts, kills and nodes")
     parser.add_argument("--only", default="", help="comma-separated scenario names (plus crash, churn)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep hub data dirs here (default: a temp dir)")
+    parser.add_argument("--kills", type=int, default=None, help="hub SIGKILLs in the crash scenario (default 6; 2 with --quick)")
     args = parser.parse_args()
     only = {s for s in args.only.split(",") if s}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # the scenarios load engines; keep stderr for progress
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -70,8 +78,12 @@ def main() -> None:
         parser.error(f"unknown scenario(s) {sorted(unknown)}: choose from {', '.join(PROTOCOL_CHEATS + AUDIT_CHEATS)}, crash, churn")
     names = [n for n in PROTOCOL_CHEATS + AUDIT_CHEATS if not only or n in only]
     out: dict = {"scenarios": run_cheats(work, names, args.quick, say)}
+    if args.kills is not None and args.kills < 1:
+        parser.error(f"--kills must be >= 1, got {args.kills}")
     if not only or "crash" in only:
-        out["crash"] = run_crash(work, 2 if args.quick else 6, say)
+        started = time.monotonic()
+        out["crash"] = run_crash(work, args.kills or (2 if args.quick else 6), say)
+        out["crash"]["wall_s"] = round(time.monotonic() - started, 1)
     if not only or "churn" in only:
         out["churn"] = run_churn(work, 4 if args.quick else 7, say)
     if args.json:

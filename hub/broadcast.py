@@ -1,5 +1,5 @@
 """The hub's broadcaster: keeps the forwarding chains, starts each snapshot down them, measures T_bcast,
-and confirms reports of bad relays before banning them (DESIGN section 5).
+and judges reports of bad relays by the relays' own signed commitments (DESIGN section 5).
 
 Nodes pull from their chain predecessor (the hub for a chain head) over the snapshot
 protocol; the broadcaster only tells each node whom to pull from (in heartbeat replies) and
@@ -20,25 +20,20 @@ from libp2p.abc import IHost, INetStream
 from hub.chains import join_chains, num_chains, relink_after_leave
 from hub.fleet import Fleet, NodeRecord
 from hub.snapshots import SnapshotShelf
+from shared.crypto import public_key_from_peer_id
 from shared.messages import (
     RELAY_PROTOCOL,
-    SNAPSHOT_PROTOCOL,
     BadChunkReport,
-    Reject,
     RejectCode,
     RelayOffer,
-    SnapshotRequest,
     TransferAck,
 )
 from shared.net import RateLimiter, open_stream, remote_peer_id
-from shared.snapshot import ChunkAssembler
-from shared.transfer import ChunkRejected, Writer, receive_snapshot
-from shared.wire import WritableStream, read_message, write_message
+from shared.transfer import Writer, commitment_holds
+from shared.wire import PeerFault, WritableStream, read_message, write_message
 
 log = logging.getLogger("echo2.hub.broadcast")
 
-CONFIRM_TIMEOUT_S = 30.0
-FALSE_REPORTS_BEFORE_BAN = 3
 
 
 @dataclass(frozen=True)
@@ -114,13 +109,6 @@ def dialable(addrs: tuple[str, ...], observed_ip: str | None) -> tuple[str, ...]
     return tuple(a.replace("/ip4/0.0.0.0/", f"/ip4/{observed_ip}/") for a in addrs)
 
 
-async def _reset(stream: INetStream | None) -> None:
-    if stream is None:
-        return
-    with trio.CancelScope(shield=True):
-        await stream.reset()  # py-libp2p's reset swallows errors of an already broken stream
-
-
 class Broadcaster:
     def __init__(
         self,
@@ -145,7 +133,6 @@ class Broadcaster:
         self.chains: list[list[str]] = []
         self.current: Broadcast | None = None
         self.history: list[Broadcast] = []
-        self.false_reports: dict[str, int] = {}
         self._nursery: trio.Nursery | None = None
 
     # -- chain membership ---------------------------------------------------------------
@@ -158,7 +145,7 @@ class Broadcaster:
             return max(1, len(members))
         if not members or self.hub_uplink_bps is None:
             return 1  # B0 unknown: assume the hub uplink is no faster than a node's link
-        return num_chains(self.hub_uplink_bps, min(n.link_bps for n in members))
+        return num_chains(self.hub_uplink_bps, min(n.link_bps for n in members), len(members))
 
     def replan(self) -> None:
         """Bring the chains in line with the fleet: cut out who left, append who joined."""
@@ -230,60 +217,62 @@ class Broadcaster:
         done = [b.seconds for b in self.history if b.seconds is not None]
         return done[-1] if done else None
 
-    # -- smart ban ------------------------------------------------------------------------
+    # -- judging reports of bad relays --------------------------------------------------------
 
     async def on_report(self, stream: INetStream) -> None:
-        """REPORT_PROTOCOL: a node says its upstream sent a bad chunk; confirm from the manifest, then ban.
-
-        Only a chunk the hub itself fetches from the accused and finds failing the manifest it
-        signed bans the accused. A report the accused disproves (it serves the chunk intact)
-        counts against the reporter; one the hub cannot check (accused unreachable, version
-        no longer held) counts against nobody.
+        """REPORT_PROTOCOL: a node reports its upstream. With the upstream's signed commitment, the report
+        is proof either way: the upstream committed to bytes that fail the manifest the hub signed (it is
+        banned), or to the right bytes (the reporter lied, and is banned). Without one, nothing can be
+        checked: the upstream is only moved to the end of its chain, where it feeds nobody.
         """
         reporter = remote_peer_id(stream)
         report = await read_message(stream, BadChunkReport)
         accused = self.fleet.get(report.upstream)
         if self.links(reporter).upstream != report.upstream or accused is None:
-            await write_message(stream, Reject(code=RejectCode.NOT_UPSTREAM, reason="that peer is not your upstream"))
-            await stream.close()
-            return
-        verdict = await self._confirm_bad(accused, report.version, report.index)
-        if verdict == "bad":
-            await self.ban(accused, f"relayed a corrupt chunk {report.index} of v{report.version}")
-        elif verdict == "intact":
-            self.false_reports[reporter] = self.false_reports.get(reporter, 0) + 1
-            await self.event("report_unconfirmed", reporter, f"claimed bad chunk from {report.upstream[-8:]}")
-            if self.false_reports[reporter] >= FALSE_REPORTS_BEFORE_BAN and (rec := self.fleet.get(reporter)):
-                await self.ban(rec, "repeated false bad-chunk reports")
+            raise PeerFault("that peer is not your upstream", RejectCode.NOT_UPSTREAM)
+        verdict = self.judge(report)
+        if verdict == "accused":
+            await self.ban(accused, f"committed to a corrupt {report.kind} {report.index} of v{report.version}")
+        elif verdict == "reporter" and (rec := self.fleet.get(reporter)) is not None:
+            await self.ban(rec, f"false report against {report.upstream[-8:]}: its commitment is to the right bytes")
+        elif verdict == "unproven":
+            self.demote(report.upstream)
+            await self.event("report_unproven", reporter, f"{report.upstream[-8:]}: {report.reason}")
         else:
-            await self.event("report_unchecked", reporter, f"could not check chunk from {report.upstream[-8:]}")
-        await write_message(stream, TransferAck(version=report.version, chunks=0, ok=verdict == "bad"))
+            await self.event("report_unchecked", reporter, f"v{report.version} is no longer held: cannot check")
+        await write_message(stream, TransferAck(version=report.version, chunks=0, ok=verdict == "accused"))
         await stream.close()
 
-    async def _confirm_bad(self, accused: NodeRecord, version: int, index: int) -> str:
-        """Fetch the chunk from the accused ourselves and check it against the manifest we signed.
-
-        "bad": it sent something else; "intact": it sent the right chunk; "unknown": no answer.
-        """
-        held = self.shelf.held_manifest(version)
-        if held is None or not 0 <= index < held[1].chunk_count:
-            return "unknown"
-        stream = None
+    def judge(self, report: BadChunkReport) -> str:
+        """Whom a report proves a liar: "accused", "reporter", "unproven" (no commitment), or "unknown"."""
+        if report.kind == "unproven" or report.commitment_hex is None or report.digest_hex is None:
+            return "unproven"
+        signature = bytes.fromhex(report.commitment_hex)
         try:
-            with trio.fail_after(CONFIRM_TIMEOUT_S):
-                stream = await open_stream(self.host, accused.peer_id, SNAPSHOT_PROTOCOL)
-                await receive_snapshot(
-                    stream, SnapshotRequest(version=version, only_chunk=index), self.hub_peer_id,
-                    newer_than=None, assembler_for=lambda s, m: ChunkAssembler(m),
-                )
-        except ChunkRejected:
-            await _reset(stream)
-            return "bad"
-        except Exception as exc:  # noqa: BLE001 - unreachable or refusing accused: no proof either way
-            log.info("could not confirm report against %s: %r", accused.peer_id[-8:], exc)
-            await _reset(stream)
+            key = public_key_from_peer_id(report.upstream)
+        except ValueError:
+            return "reporter"  # the reporter named a peer id no commitment can be checked against
+        if not commitment_holds(key, report.kind, report.version, report.index, report.digest_hex, signature):
+            return "reporter"  # evidence the accused never signed: fabricated
+        held = self.shelf.held_manifest(report.version)
+        if held is None:
             return "unknown"
-        return "intact"
+        signed, manifest = held
+        if report.kind == "manifest":
+            truth = self.shelf.manifest_digest(report.version)
+        elif report.index < manifest.chunk_count:
+            truth = manifest.chunk_hashes[report.index]
+        else:
+            truth = None  # a chunk index the snapshot does not have: whatever was committed to is wrong
+        return "reporter" if report.digest_hex == truth else "accused"
+
+    def demote(self, peer: str) -> None:
+        """Move `peer` to the end of its chain: an unreliable relay then feeds nobody."""
+        for chain in self.chains:
+            if peer in chain and chain[-1] != peer:
+                chain.remove(peer)
+                chain.append(peer)
+                log.info("moved %s to the end of its chain", peer[-8:])
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:

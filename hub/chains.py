@@ -17,11 +17,17 @@ import math
 from collections.abc import Sequence
 
 
-def num_chains(hub_uplink_bps: float, node_link_bps: float) -> int:
-    """N_ch = max(1, floor(B0 / Bw)): how many chains the hub uplink feeds at full node rate."""
-    if hub_uplink_bps <= 0 or node_link_bps <= 0:
-        raise ValueError(f"bandwidths must be > 0, got B0={hub_uplink_bps}, Bw={node_link_bps}")
-    return max(1, math.floor(hub_uplink_bps / node_link_bps))
+def num_chains(hub_uplink_bps: float, node_link_bps: float, max_chains: int = 1 << 20) -> int:
+    """N_ch = max(1, floor(B0 / Bw)) capped at `max_chains`: how many chains the hub uplink feeds at full node rate.
+
+    The cap is applied before the floor, so no ratio (a tiny declared Bw makes it huge) reaches an
+    int conversion that could overflow.
+    """
+    if not (hub_uplink_bps > 0 and node_link_bps > 0 and math.isfinite(hub_uplink_bps) and math.isfinite(node_link_bps)):
+        raise ValueError(f"bandwidths must be finite and > 0, got B0={hub_uplink_bps}, Bw={node_link_bps}")
+    if max_chains < 1:
+        raise ValueError(f"max_chains must be >= 1, got {max_chains}")
+    return max(1, math.floor(min(hub_uplink_bps / node_link_bps, float(max_chains))))
 
 
 def plan_chains(nodes: Sequence[tuple[str, float]], hub_uplink_bps: float) -> list[list[str]]:
@@ -39,7 +45,7 @@ def plan_chains(nodes: Sequence[tuple[str, float]], hub_uplink_bps: float) -> li
         if link_bps <= 0:
             raise ValueError(f"node {name!r}: link bandwidth must be > 0, got {link_bps}")
     slowest_bps = min(link_bps for _, link_bps in nodes)
-    count = min(num_chains(hub_uplink_bps, slowest_bps), len(nodes))
+    count = num_chains(hub_uplink_bps, slowest_bps, len(nodes))
     ordered = sorted(nodes, key=lambda node: (-node[1], node[0]))
     chains: list[list[str]] = [[] for _ in range(count)]
     for index, (name, _) in enumerate(ordered):
@@ -86,7 +92,7 @@ def chained_broadcast_ideal_s(
     """
     if n_nodes < 1:
         raise ValueError(f"n_nodes must be >= 1, got {n_nodes}")
-    count = min(num_chains(hub_bps, link_bps), n_nodes)
+    count = num_chains(hub_bps, link_bps, max(1, n_nodes))
     longest = math.ceil(n_nodes / count)
     return chain_ideal_s(model_bytes, chunk_bytes, longest, min(link_bps, hub_bps / count))
 

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--hub", help="multiaddr of a running hub (with /p2p/<id>)")
     where.add_argument("--data-dir", type=Path, default=None, help="read DATA_DIR/status.json (default ./echo2-data)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument("--key", type=Path, default=None,
+                        help="with --hub: ask as this identity (the hub's DATA_DIR/hub.key, or a key listed in "
+                             "trust.status_operators, sees nodes' prices and costs; others see them hidden)")
 
     from hub.plan import add_plan_arguments
 
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         from hub.status_cli import run_status
 
-        return run_status(hub=args.hub, data_dir=args.data_dir, as_json=args.json)
+        return run_status(hub=args.hub, data_dir=args.data_dir, as_json=args.json, key=args.key)
     if args.command == "plan":
         from hub.plan import run_plan
 

@@ -54,7 +54,10 @@ class LeaseConfig(Section):
 
     prompts_per_lease: int = Field(4, ge=1, le=1024, description="prompts in one lease")
     lease_timeout_s: float = Field(60.0, gt=0.0, le=86400.0, description="a lease not answered by then is re-leased")
-    max_cost_per_lease_usd: float = Field(1.0, gt=0.0, description="cap on what one lease can be paid")
+    max_cost_per_lease_usd: float = Field(1.0, gt=0.0, le=1e6, description="cap on what one lease can be paid")
+    paid_tokens_per_s_floor: float = Field(
+        100.0, gt=0.0, le=1e9,
+        description="slowest generation paid in full: a lease is paid for at most (accepted tokens / this) seconds")
     max_inflight_steps: float = Field(2.0, gt=0.0, le=100.0, description="leased + buffered work cap, in learner steps")
 
 
@@ -63,8 +66,8 @@ class BroadcastConfig(Section):
 
     mode: Literal["chain", "star"] = Field("chain", description="forwarding chains or hub-to-every-node")
     chunk_kib: int = Field(1024, ge=4, le=16384, description="snapshot chunk size in KiB")
-    hub_uplink_mbps: float | None = Field(None, gt=0.0, description="B0 in Mbit/s (None: unlimited/unknown)")
-    link_mbps: float | None = Field(None, gt=0.0, description="emulated per-connection rate limit in Mbit/s")
+    hub_uplink_mbps: float | None = Field(None, gt=0.0, le=1e6, description="B0 in Mbit/s (None: unlimited/unknown)")
+    link_mbps: float | None = Field(None, gt=0.0, le=1e6, description="emulated per-connection rate limit in Mbit/s")
 
 
 class SchedulerConfig(Section):
@@ -73,6 +76,7 @@ class SchedulerConfig(Section):
     gamma: float = Field(1.1, ge=1.0, le=10.0, description="provisioning headroom over mu_min")
     control_period_s: float = Field(5.0, gt=0.0, le=3600.0, description="seconds between fleet decisions")
     release_margin: float = Field(0.2, ge=0.0, le=10.0, description="hysteresis before releasing a node")
+    max_price_per_hour: float = Field(10.0, ge=0.0, le=1000.0, description="nodes declaring a higher $/h are refused at join")
     heartbeat_period_s: float = Field(2.0, gt=0.0, le=600.0, description="how often nodes heartbeat (told on join)")
     heartbeat_timeout_s: float = Field(15.0, gt=0.0, le=3600.0, description="a node silent this long is dropped")
     enabled: bool = Field(True, description="off: every node is active")
@@ -112,7 +116,6 @@ class TrustConfig(Section):
     trusted_after_audits: int = Field(3, ge=0, le=10_000, description="audits a node must pass before full-size leases")
     max_open_leases_per_peer: int = Field(2, ge=1, le=1024, description="open leases one identity may hold")
     max_open_leases_per_ip: int = Field(8, ge=1, le=100_000, description="open leases all identities behind one address (IPv6: /64) may hold")
-    quota_exempt_loopback: bool = Field(True, description="loopback peers (the hub's own local nodes) skip the per-address quota")
     max_streams_per_peer: int = Field(16, ge=1, le=4096, description="concurrent inbound streams one peer may hold")
     requests_per_s: float = Field(50.0, gt=0.0, le=1e6, description="sustained inbound streams per second per peer (token bucket rate)")
     request_burst: int = Field(100, ge=1, le=1_000_000, description="token bucket depth: streams a peer may open at once after a quiet spell")
@@ -121,6 +124,10 @@ class TrustConfig(Section):
     violations_to_disconnect: int = Field(20, ge=1, le=1_000_000, description="refusals within violation_window_s that get a peer disconnected")
     violation_window_s: float = Field(10.0, gt=0.0, le=86400.0, description="sliding window over which refusals are counted")
     disconnect_cooldown_s: float = Field(60.0, ge=0.0, le=86400.0, description="a disconnected peer is refused outright this long")
+    max_connections_per_ip: int = Field(32, ge=1, le=100_000, description="live inbound connections one address may hold (loopback too)")
+    idle_connection_s: float = Field(15.0, gt=0.0, le=86400.0, description="a connection of a peer that is not a joined node is closed after this long idle")
+    status_operators: tuple[str, ...] = Field(
+        (), max_length=64, description="peer ids that see nodes' prices and costs in the status protocol (the hub's own key always does)")
 
 
 class HubConfig(Section):

@@ -4,23 +4,25 @@ A node that replays work it (or another identity) already submitted is paid for 
 never did. The detector keeps a bounded LRU of fingerprints of recent accepted groups and flags
 a group whose fingerprint it has already seen under another (lease, prompt).
 
+The fingerprint is blake3 over the sorted per-completion digests of the token ids alone:
+independent of completion order (a copier gains nothing by shuffling), of the prompt (a group
+copied onto another prompt is still a copy), of the claimed version, and of the log-probs, so
+nudging a log-prob (which audits cannot tell from bf16 noise) changes nothing.
+
 What is legitimately identical: prompts are drawn with replacement, so the same prompt text
 reaches several nodes, and on a small, peaked policy identical completions are common (a
 confident model answers "olleh<eos>" eight times out of eight, with log-probs near 0). Two
 honest groups coincide with probability P = multinomial(n; counts) * prod_j p(c_j), where
 p(c_j) = exp(sum of c_j's sampling log-probs): the chance that an independent sampler redraws
-this multiset of completions. The rule: a repeat of the same prompt text is flagged only when
-P < exp(-copy_min_surprise_nats) (default e^-20 ~ 2e-9 per pair), so whole low-entropy groups
-(all completions identical, near-certain tokens) are not flagged while a group with real
-sampling randomness in it is. A repeat under another prompt text is always flagged: the
-log-probs are conditioned on the prompt, so the same exact floats cannot come from sampling
-another prompt.
-
-The fingerprint is blake3 over the sorted per-completion digests of (token ids, exact float64
-log-probs): independent of completion order (a copier gains nothing by shuffling), of the
-prompt (a group copied onto another prompt is still a copy) and of the claimed version.
-A copier that also rewrites the log-probs changes the fingerprint but then lies about
-log-probs, which the audits catch.
+this multiset of completions. The rules:
+- same prompt text: flagged when P < exp(-copy_min_surprise_nats) (default e^-20 ~ 2e-9 per pair),
+  so whole low-entropy groups are not flagged while a group with real sampling randomness is;
+- another prompt text: log-probs are conditioned on the prompt, so an honest sampler of the other
+  prompt reports other log-probs for the same tokens. Flagged when every completion's log-prob sum
+  is within `logprob_tolerance_nats` per token of the first sighting's and P < exp(-CROSS_PROMPT_MIN_SURPRISE_NATS).
+  A copier that shifts its log-probs by more than the tolerance (set to the audit tolerance)
+  lies by more than audits let pass; one that copies near-certain groups gains little (an honest
+  node would have produced them), and the audit of their log-probs under the new prompt still applies.
 """
 
 from __future__ import annotations
@@ -32,26 +34,30 @@ from dataclasses import dataclass
 
 import blake3
 
-from shared.rollout import Group
+from shared.rollout import Completion, Group
 
 DIGEST_BYTES = 16
+# A cross-prompt repeat with matching log-probs is flagged only if an honest redraw had odds below e^-this.
+CROSS_PROMPT_MIN_SURPRISE_NATS = 3.0
 
 
-def completion_digest(token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> bytes:
-    n = len(token_ids)
-    packed = struct.pack(f"<I{n}q{len(logprobs)}d", n, *token_ids, *logprobs)
+def completion_digest(token_ids: tuple[int, ...]) -> bytes:
+    packed = struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids)
     return blake3.blake3(packed).digest(length=DIGEST_BYTES)
 
 
+def _in_digest_order(group: Group) -> list[Completion]:
+    return sorted(group.completions, key=lambda c: completion_digest(c.token_ids))
+
+
 def group_fingerprint(group: Group) -> bytes:
-    """Order-independent digest of a group's completions (tokens and exact log-probs)."""
-    digests = sorted(completion_digest(c.token_ids, c.logprobs) for c in group.completions)
-    return blake3.blake3(b"".join(digests)).digest(length=DIGEST_BYTES)
+    """Order-independent digest of a group's completions' token ids."""
+    return blake3.blake3(b"".join(completion_digest(c.token_ids) for c in _in_digest_order(group))).digest(length=DIGEST_BYTES)
 
 
 def coincidence_log_prob(group: Group) -> float:
     """log P that an independent honest sampler draws this same multiset of completions (see module doc)."""
-    counts = Counter((c.token_ids, c.logprobs) for c in group.completions)
+    counts = Counter(c.token_ids for c in group.completions)
     log_multinomial = math.lgamma(len(group.completions) + 1) - sum(math.lgamma(m + 1) for m in counts.values())
     return log_multinomial + sum(sum(c.logprobs) for c in group.completions)
 
@@ -62,6 +68,8 @@ class Origin:
     lease_id: str
     prompt_id: str
     prompt_text: str
+    # Per completion, in digest order: (tokens, sum of reported log-probs).
+    logprob_sums: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,37 +91,45 @@ class CopyFlag:
                 f"{self.first.prompt_id} (lease {self.first.lease_id[:8]}); honest odds e^-{self.surprise_nats:.0f}")
 
 
+def same_logprobs(a: Origin, b: Origin, tolerance_nats: float) -> bool:
+    """Every completion's log-prob sum within `tolerance_nats` per token of the other's."""
+    return len(a.logprob_sums) == len(b.logprob_sums) and all(
+        abs(sa - sb) <= tolerance_nats * max(1, n) for (n, sa), (_, sb) in zip(a.logprob_sums, b.logprob_sums)
+    )
+
+
 class CopyDetector:
     """Bounded LRU of recent group fingerprints; `check` every accepted group once."""
 
-    def __init__(self, capacity: int, min_surprise_nats: float) -> None:
+    def __init__(self, capacity: int, min_surprise_nats: float, logprob_tolerance_nats: float) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.min_surprise_nats = min_surprise_nats
+        self.logprob_tolerance_nats = logprob_tolerance_nats
         self._seen: OrderedDict[bytes, Origin] = OrderedDict()
-        self.checked = 0
-        self.probable = 0
-        self.flagged = 0
 
     def __len__(self) -> int:
         return len(self._seen)
 
     def check(self, group: Group, node_id: str, lease_id: str) -> CopyFlag | None:
         """A CopyFlag if this group repeats one seen under another (lease, prompt); remembers it otherwise."""
-        self.checked += 1
         surprise = -coincidence_log_prob(group)
         key = group_fingerprint(group)
-        here = Origin(node_id, lease_id, group.prompt_id, group.prompt_text)
+        sums = tuple((len(c.token_ids), math.fsum(c.logprobs)) for c in _in_digest_order(group))
+        here = Origin(node_id, lease_id, group.prompt_id, group.prompt_text, sums)
         first = self._seen.get(key)
         if first is not None and (first.lease_id, first.prompt_id) != (here.lease_id, here.prompt_id):
             self._seen.move_to_end(key)
-            # Log-probs are conditioned on the prompt: the same exact floats under another prompt
-            # text were not sampled there, however likely the tokens themselves were.
-            if first.prompt_text != here.prompt_text or surprise >= self.min_surprise_nats:
-                self.flagged += 1
+            if first.prompt_text == here.prompt_text:
+                copied = surprise >= self.min_surprise_nats
+            else:
+                # Log-probs are conditioned on the prompt: the same ones under another prompt text were
+                # not sampled there (unless the tokens were near-certain anyway).
+                copied = surprise >= CROSS_PROMPT_MIN_SURPRISE_NATS and same_logprobs(
+                    first, here, self.logprob_tolerance_nats)
+            if copied:
                 return CopyFlag(key.hex(), first, here, surprise)
-            self.probable += 1
             return None
         self._seen[key] = here
         self._seen.move_to_end(key)

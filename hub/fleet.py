@@ -63,27 +63,21 @@ class Fleet:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeRecord] = {}
 
-    @staticmethod
-    def joined(
-        peer_id: str, request: JoinRequest, remote_ip: str | None, now: float, previous: NodeRecord | None
-    ) -> NodeRecord:
-        """The record of a node (re)joining: what it declares now, and what the hub measured of it before."""
-        record = NodeRecord(
-            peer_id=peer_id,
-            price_per_hour=request.price_per_hour,
-            link_bps=request.link_bps,
-            backend=request.backend,
-            hardware=request.hardware,
-            listen_addrs=request.listen_addrs,
-            remote_ip=remote_ip,
-            last_seen=now,
-            version_held=request.version_held,
-        )
-        if previous is not None:
-            record.rollouts_per_s, record.measured = previous.rollouts_per_s, previous.measured
-            record.tallies, record.audits_passed = previous.tallies, previous.audits_passed
-            record.vouched_at, record.online_s = previous.vouched_at, previous.online_s
-            record.state = "standby" if previous.measured else "probing"
+    def join(self, peer_id: str, request: JoinRequest, remote_ip: str | None, now: float) -> NodeRecord:
+        """A node (re)joining: what it declares now replaces what it declared before, in place, so a command
+        still holding its record keeps writing to the one the fleet shows; what the hub measured stays."""
+        record = self.nodes.get(peer_id)
+        if record is None:
+            record = self.nodes[peer_id] = NodeRecord(
+                peer_id=peer_id, price_per_hour=0.0, link_bps=0.0, backend="", hardware="", listen_addrs=(),
+                remote_ip=None, last_seen=now,
+            )
+        record.price_per_hour, record.link_bps = request.price_per_hour, request.link_bps
+        record.backend, record.hardware = request.backend, request.hardware
+        record.listen_addrs, record.remote_ip = request.listen_addrs, remote_ip
+        record.last_seen, record.version_held = now, request.version_held
+        record.receiving_version, record.chunks_received = None, 0
+        record.state = "standby" if record.measured else "probing"
         return record
 
     def put(self, record: NodeRecord) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,18 +43,6 @@ def address_key(ip: str | None) -> str | None:
     return str(address)
 
 
-def is_loopback(ip: str | None) -> bool:
-    if ip is None:
-        return False
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
-
-
 @dataclass(frozen=True)
 class QuotaDecision:
     allowed: bool
@@ -77,15 +65,17 @@ class LeaseQuota:
         return self.prompts_per_lease
 
     def decide(
-        self, peer_id: str, ip: str | None, audits_passed: int, open_leases: Iterable[tuple[str, str | None]]
+        self, peer_id: str, ip: str | None, audits_passed: int, open_leases: Iterable[tuple[str, str | None]],
+        exempt: Collection[str] = frozenset(),
     ) -> QuotaDecision:
-        """`open_leases`: (holder peer id, holder ip) of every open lease."""
+        """`open_leases`: (holder peer id, holder ip) of every open lease. `exempt`: the hub operator's own
+        nodes (those `echo-hub start` spawned), which share its address without sharing a Sybil's quota."""
         key = address_key(ip)
-        check_address = key is not None and not (self.config.quota_exempt_loopback and is_loopback(ip))
+        check_address = key is not None and peer_id not in exempt
         by_peer = by_address = 0
         for holder, holder_ip in open_leases:
             by_peer += holder == peer_id
-            by_address += check_address and address_key(holder_ip) == key
+            by_address += check_address and holder not in exempt and address_key(holder_ip) == key
         prompts = self.prompts_for(audits_passed)
         if by_peer >= self.config.max_open_leases_per_peer:
             return QuotaDecision(False, 0, f"{by_peer} leases open for this node (max {self.config.max_open_leases_per_peer})")
@@ -122,15 +112,6 @@ class _Peer:
     disconnected_until: float = 0.0
 
 
-@dataclass(frozen=True)
-class GuardCounters:
-    admitted: int
-    throttled: int
-    disconnected: int
-    peers: int
-    buffered_bytes: int
-
-
 class PeerGuard:
     """Per-peer caps on concurrent streams, stream rate and buffered frame bytes, plus a global byte cap."""
 
@@ -139,9 +120,6 @@ class PeerGuard:
         self.clock = clock
         self._peers: dict[str, _Peer] = {}
         self.buffered_bytes = 0
-        self.admitted = 0
-        self.throttled = 0
-        self.disconnected = 0
 
     def _peer(self, peer_id: str, now: float) -> _Peer:
         state = self._peers.get(peer_id)
@@ -160,9 +138,7 @@ class PeerGuard:
         if len(state.violations) >= self.config.violations_to_disconnect:
             state.violations.clear()
             state.disconnected_until = now + self.config.disconnect_cooldown_s
-            self.disconnected += 1
             return Admission("disconnect", self.config.disconnect_cooldown_s, f"{reason}; repeated violations: disconnected")
-        self.throttled += 1
         return Admission("throttle", retry_after_s, reason)
 
     def admit(self, peer_id: str, reserve_bytes: int) -> Admission:
@@ -182,13 +158,11 @@ class PeerGuard:
             return self._refuse(state, now, MEMORY_RETRY_S, f"{state.buffered_bytes} bytes buffered for this peer")
         if self.buffered_bytes + reserve_bytes > self.config.max_buffered_bytes_total:
             # The hub as a whole is full: not this peer's fault, so no violation is counted.
-            self.throttled += 1
             return Admission("throttle", MEMORY_RETRY_S, "hub busy")
         state.tokens -= 1.0
         state.streams += 1
         state.buffered_bytes += reserve_bytes
         self.buffered_bytes += reserve_bytes
-        self.admitted += 1
         return Admission("admit", reserved_bytes=reserve_bytes)
 
     def release(self, peer_id: str, admission: Admission) -> None:
@@ -201,6 +175,11 @@ class PeerGuard:
         self.buffered_bytes -= admission.reserved_bytes
         state.last_active = self.clock()
 
+    def last_active(self, peer_id: str) -> float | None:
+        """When the peer last opened or closed a stream (None: not seen, or forgotten by `prune`)."""
+        state = self._peers.get(peer_id)
+        return None if state is None else state.last_active
+
     def prune(self, idle_s: float) -> int:
         """Forget peers idle for `idle_s` with nothing open and no cooldown running; how many."""
         now = self.clock()
@@ -211,6 +190,3 @@ class PeerGuard:
         for peer in gone:
             del self._peers[peer]
         return len(gone)
-
-    def counters(self) -> GuardCounters:
-        return GuardCounters(self.admitted, self.throttled, self.disconnected, len(self._peers), self.buffered_bytes)

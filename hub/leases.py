@@ -29,6 +29,7 @@ class LeaseRecord:
     min_version: int
     issued_at: float
     deadline: float
+    price_per_hour: float  # the node's price when the lease was issued: what the lease is paid at
     probe: bool = False
     answered: set[str] = field(default_factory=set)
     closed: bool = False
@@ -74,7 +75,8 @@ class LeaseBook:
         return tuple(chosen.values())
 
     def draft(
-        self, node_id: str, k: int, min_version: int, now: float, timeout_s: float, probe: bool = False
+        self, node_id: str, k: int, min_version: int, now: float, timeout_s: float, price_per_hour: float = 0.0,
+        probe: bool = False,
     ) -> LeaseRecord:
         """A lease of up to k prompts taken from the pool, not open yet: `open_lease` it once it is stored,
         or `abandon` it to give its prompts back."""
@@ -85,6 +87,7 @@ class LeaseBook:
             min_version=min_version,
             issued_at=now,
             deadline=now + timeout_s,
+            price_per_hour=price_per_hour,
             probe=probe,
         )
 
@@ -92,7 +95,9 @@ class LeaseBook:
         self.open[record.lease_id] = record
 
     def abandon(self, record: LeaseRecord) -> None:
-        """A drafted lease that was never opened: its prompts go back to the front of the pool."""
+        """A lease whose store write failed: withdrawn, its prompts back at the front of the pool."""
+        self.open.pop(record.lease_id, None)
+        record.closed = True
         self._pool.extendleft(reversed(record.prompts))
 
     def claim(self, lease_id: str, node_id: str, now: float) -> LeaseRecord:
@@ -131,8 +136,9 @@ class LeaseBook:
         return gone
 
     def drop_node(self, node_id: str) -> list[LeaseRecord]:
-        """Give back the leases of a node that left or was banned."""
-        gone = [rec for rec in self.open.values() if rec.node_id == node_id]
+        """Give back the leases of a node that left or was banned; one whose submission is being checked
+        is left to that submission (answered, its prompts stay answered; refused, it expires)."""
+        gone = [rec for rec in self.open.values() if rec.node_id == node_id and not rec.checking]
         for record in gone:
             self.close(record)
         return gone

@@ -9,7 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.layout import LOCAL_NODES_DIR
+from shared.crypto import Identity
+from shared.layout import LOCAL_NODES_DIR, NODE_KEY_FILE
 
 # Differing declared prices ($/h), so cost-aware activation has something to choose between.
 LOCAL_NODE_PRICES = (0.35, 0.50, 0.80, 0.30, 0.65, 1.00, 0.45, 0.90)
@@ -19,6 +20,7 @@ STOP_TIMEOUT_S = 10.0
 @dataclass
 class LocalNode:
     index: int
+    peer_id: str
     price: float
     data_dir: Path
     process: subprocess.Popen
@@ -34,6 +36,8 @@ def spawn_local_nodes(
         node_dir = Path(data_dir) / LOCAL_NODES_DIR / f"node-{i}"
         node_dir.mkdir(parents=True, exist_ok=True)
         price = LOCAL_NODE_PRICES[i % len(LOCAL_NODE_PRICES)]
+        # The hub makes the node's key, so it knows its own nodes apart from strangers on its address.
+        peer_id = Identity.load_or_create(node_dir / NODE_KEY_FILE).peer_id
         args = [
             sys.executable, "-m", "node.cli", "join", "--hub", hub_addr, "--price", str(price),
             "--backend", "hf", "--device", "cpu", "--data-dir", str(node_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
@@ -46,7 +50,7 @@ def spawn_local_nodes(
                 args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        nodes.append(LocalNode(i, price, node_dir, process))
+        nodes.append(LocalNode(i, peer_id, price, node_dir, process))
     return nodes
 
 

@@ -112,7 +112,9 @@ class Hub:
         from hub.status import RunInfo, StatusBoard
 
         config, lc, state = self.config, self.config.learner, self.state
-        async with running_host(self.identity, [config.listen]) as (host, addrs):
+        # The nodes this hub spawns all dial from loopback: room for them on top of the per-address cap.
+        per_ip = config.trust.max_connections_per_ip + config.local_nodes
+        async with running_host(self.identity, [config.listen], per_ip) as (host, addrs):
             self.addrs = dialable_addrs(addrs)
             bc = config.broadcast
             self.broadcaster = Broadcaster(
@@ -134,7 +136,7 @@ class Hub:
                 broadcaster=self.broadcaster, scheduler=self.scheduler,
             )
             state.on_membership.append(self.on_membership)
-            service = build_hub_service(host, config, state, self.shelf, self.status.snapshot, self.broadcaster)
+            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.snapshot, self.broadcaster)
             self._announce()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
@@ -146,6 +148,7 @@ class Hub:
                         config.local_nodes, self.addrs[0], config.data_dir, link_mbps=config.broadcast.link_mbps,
                         model=config.model,
                     )
+                    state.own_nodes = frozenset(n.peer_id for n in self.local_nodes)
                 if self.progress:
                     from hub.progress import live_progress
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,11 +21,12 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
-from hub.broadcast import CONFIRM_TIMEOUT_S, Broadcaster, ChainLinks, HubUplink
+from hub.broadcast import Broadcaster, ChainLinks, HubUplink
 from hub.config import HubConfig
 from hub.guard import Admission, PeerGuard
 from hub.snapshots import SnapshotShelf
 from hub.state import HANDLER_TIMEOUT_S, HubBusy, HubState
+from shared.crypto import Identity
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
@@ -51,15 +53,16 @@ from shared.messages import (
     SubmitReply,
 )
 from shared.net import remote_ip, remote_peer_id, set_handler
-from shared.transfer import RECEIVER_GONE, serve_snapshot
+from shared.transfer import RECEIVER_GONE, NotServable, serve_snapshot
 from shared.wire import PeerFault, StreamEOF, decode_signed, read_frame, read_message, signed_caps, write_message
 
 log = logging.getLogger("echo2.hub.service")
 
-TRANSFER_TIMEOUT_S = 3600.0
 GUARD_PRUNE_PERIOD_S = 1.0
 GUARD_IDLE_S = 300.0
+
 REFUSE_WRITE_TIMEOUT_S = 2.0
+REPLY_WRITE_TIMEOUT_S = 30.0
 MBIT_BYTES = 1e6 / 8
 
 # Largest frame a handler of each protocol may read: what the guard reserves against a peer's memory budget.
@@ -72,9 +75,13 @@ PROTOCOL_FRAME_CAPS = {
     SNAPSHOT_PROTOCOL: SnapshotRequest.MAX_BYTES,
     REPORT_PROTOCOL: BadChunkReport.MAX_BYTES,
 }
-# How long a handler may take. A snapshot transfer lasts as long as the model takes to cross the
-# link; a bad-chunk report waits for the hub to check the accused chunk itself; the rest is one exchange.
-PROTOCOL_TIMEOUTS_S = {SNAPSHOT_PROTOCOL: TRANSFER_TIMEOUT_S, REPORT_PROTOCOL: HANDLER_TIMEOUT_S + CONFIRM_TIMEOUT_S}
+# Protocols only joined nodes may use: a stranger is refused before one byte of its request is read.
+MEMBERS_ONLY = frozenset({HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL})
+# What a stream from a peer that has not joined may pin in hub memory (a join or status request fits).
+STRANGER_FRAME_CAP_BYTES = JoinRequest.MAX_BYTES
+# How long a handler may take: one exchange, except a snapshot transfer, which lasts as long as the model
+# takes to cross the link and is bounded by progress instead (shared.transfer.STALL_S, Yamux's window timeout).
+PROTOCOL_TIMEOUTS_S = {SNAPSHOT_PROTOCOL: math.inf}
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,7 @@ class HubService:
     def __init__(
         self,
         host: IHost,
+        identity: Identity,
         state: HubState,
         shelf: SnapshotShelf,
         guard: PeerGuard,
@@ -114,6 +122,7 @@ class HubService:
         on_report: Callable[[INetStream], Awaitable[None]],
     ) -> None:
         self.host = host
+        self.identity = identity  # signs the commitments of the snapshot frames it serves
         self.state = state
         self.shelf = shelf
         self.guard = guard
@@ -123,6 +132,7 @@ class HubService:
         self.chain_links = chain_links
         self.on_heartbeat = on_heartbeat
         self.on_report = on_report
+        self.operators = frozenset({host.get_id().to_base58(), *guard.config.status_operators})
 
     async def run(self) -> None:
         handlers = {
@@ -136,9 +146,30 @@ class HubService:
         }
         for protocol, handler in handlers.items():
             set_handler(self.host, protocol, self._guarded(protocol, handler), log)
+        connected_at: dict[str, float] = {}
         while True:
             await trio.sleep(GUARD_PRUNE_PERIOD_S)
             self.guard.prune(idle_s=GUARD_IDLE_S)
+            await self._close_idle_connections(connected_at)
+
+    async def _close_idle_connections(self, connected_at: dict[str, float]) -> None:
+        """Disconnect peers that are not joined nodes (strangers, nodes that left or were banned, dashboards)
+        once idle for trust.idle_connection_s: py-libp2p never closes an idle connection, and every one held
+        is a slot an honest node may need."""
+        now = time.monotonic()
+        peers = {p.to_base58(): p for p in self.host.get_network().get_connections_map()}
+        for gone in set(connected_at) - set(peers):
+            del connected_at[gone]
+        for name, peer in peers.items():
+            since = connected_at.setdefault(name, now)
+            if self.state.is_member(name):
+                continue
+            active = self.guard.last_active(name)
+            if now - max(since, active if active is not None else since) > self.guard.config.idle_connection_s:
+                log.info("closing the idle connection of %s (not a joined node)", name)
+                await self.host.disconnect(peer)
+                self.host.get_peerstore().clear_peerdata(peer)
+                connected_at.pop(name, None)
 
     # -- the guard around every handler ---------------------------------------------------
 
@@ -148,13 +179,17 @@ class HubService:
 
         async def guarded(stream: INetStream) -> None:
             peer = remote_peer_id(stream)
-            admission = self.guard.admit(peer, cap)
+            member = self.state.is_member(peer)
+            admission = self.guard.admit(peer, cap if member else min(cap, STRANGER_FRAME_CAP_BYTES))
             if not admission.admitted:
                 await self._turn_away(stream, peer, admission)
                 return
             try:
-                with trio.fail_after(timeout_s):
-                    await handler(stream)
+                if protocol in MEMBERS_ONLY and not member:
+                    self.state.known(peer)  # raises the PeerFault that says why: nothing is read or parsed
+                # The peer's reads and writes have a deadline; our own processing between them does not:
+                # a slow audit or commit on our side is never counted against the peer.
+                await handler(_PeerDeadline(stream, trio.current_time() + timeout_s))
             except HubBusy as exc:
                 await _refuse(stream, RejectCode.BUSY, str(exc))
             except PeerFault as exc:
@@ -170,7 +205,7 @@ class HubService:
     async def _misbehaved(self, stream: INetStream, peer: str, protocol: str, code: RejectCode, reason: str) -> None:
         """A peer sent something we refuse: count it against the peer, tell it why, keep serving."""
         log.warning("refused %s from %s: %s", protocol, peer, reason)
-        await self.state.record_refusal(peer)
+        await self.state.record_refusal(peer, code)
         await _refuse(stream, code, reason)
 
     async def _turn_away(self, stream: INetStream, peer: str, admission: Admission) -> None:
@@ -232,25 +267,53 @@ class HubService:
 
     async def _on_status(self, stream: INetStream) -> None:
         request = await read_message(stream, StatusRequest)
-        await _reply(stream, self.status(request.events))
+        status = self.status(request.events)
+        # What other volunteers are paid is the operator's business: strangers and nodes see it redacted.
+        await _reply(stream, status if remote_peer_id(stream) in self.operators else status.redact())
 
     async def _on_snapshot(self, stream: INetStream) -> None:
         """Serve a snapshot straight from the hub (first fetch, repair, or a chain head's pull)."""
-        request = await read_message(stream, SnapshotRequest)
+        with trio.fail_after(HANDLER_TIMEOUT_S):
+            request = await read_message(stream, SnapshotRequest)
         peer = remote_peer_id(stream)
         self.state.known(peer)
         try:
-            ack = await serve_snapshot(stream, self.shelf, request, limiter=self.uplink.for_stream())
-        except LookupError as exc:
+            ack = await serve_snapshot(stream, self.shelf, request, self.uplink.for_stream(), self.identity)
+        except NotServable as exc:
             raise PeerFault(str(exc), RejectCode.NOT_HELD) from None
-        except RECEIVER_GONE as exc:
-            # The receiver left mid-transfer (node stopped, or re-linked): ordinary churn, not misbehaviour.
+        except LookupError as exc:
+            # The learner moved on and the shelf let this version go mid-transfer: ours, not the peer's.
+            log.info("snapshot transfer to %s ended: %s", peer[-8:], exc)
+            await stream.reset()
+            return
+        except (*RECEIVER_GONE, trio.TooSlowError) as exc:
+            # The receiver left, re-linked or stopped reading mid-transfer: ordinary churn, not misbehaviour.
             log.info("snapshot transfer to %s ended early: %s", peer[-8:], exc)
             await stream.reset()
             return
         if not ack.ok:
             log.warning("snapshot v%d to %s ended badly: %s", ack.version, peer, ack.reason)
         await stream.close()
+
+
+class _PeerDeadline:
+    """A stream whose reads must all be done by `deadline` (the peer's request), and whose each write must
+    finish within REPLY_WRITE_TIMEOUT_S (the peer reading our reply); everything else passes through."""
+
+    def __init__(self, stream: INetStream, deadline: float) -> None:
+        self._stream = stream
+        self._deadline = deadline
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    async def read(self, n: int = -1) -> bytes:
+        with trio.fail_at(self._deadline):
+            return await self._stream.read(n)
+
+    async def write(self, data: bytes) -> None:
+        with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
+            await self._stream.write(data)
 
 
 async def _reply(stream: INetStream, msg) -> None:
@@ -269,6 +332,7 @@ async def _refuse(stream: INetStream, code: RejectCode, reason: str) -> None:
 
 def build_hub_service(
     host: IHost,
+    identity: Identity,
     config: HubConfig,
     state: HubState,
     shelf: SnapshotShelf,
@@ -281,7 +345,7 @@ def build_hub_service(
                        bc.link_mbps * MBIT_BYTES if bc.link_mbps else None)
     terms = JoinTerms(config.learner.staleness, config.task, config.scheduler.heartbeat_period_s)
     return HubService(
-        host, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
+        host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
         chain_links=broadcaster.links if broadcaster else no_chains,
         on_heartbeat=broadcaster.check_done if broadcaster else lambda: None,
         on_report=broadcaster.on_report if broadcaster else refuse_reports,

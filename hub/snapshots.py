@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from shared.snapshot import Manifest, SignedManifest, Snapshot, chunk_of
+from shared.snapshot import Manifest, SignedManifest, Snapshot, blake3_hex, chunk_of
 
 
 class SnapshotShelf:
@@ -15,14 +15,18 @@ class SnapshotShelf:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
         self._by_version: OrderedDict[int, Snapshot] = OrderedDict()
+        self._manifest_digests: dict[int, str] = {}
 
     def add(self, snapshot: Snapshot) -> None:
         version = snapshot.manifest.version
         if self._by_version and version <= self.newest_version():
             raise ValueError(f"snapshot v{version} is not newer than v{self.newest_version()}")
         self._by_version[version] = snapshot
+        # What a relay serving this version must commit to for its manifest frame (shared/transfer.py).
+        self._manifest_digests[version] = blake3_hex(snapshot.signed.to_bytes())
         while len(self._by_version) > self.keep:
-            self._by_version.popitem(last=False)
+            old, _ = self._by_version.popitem(last=False)
+            del self._manifest_digests[old]
 
     def newest_version(self) -> int:
         return next(reversed(self._by_version)) if self._by_version else -1
@@ -31,6 +35,10 @@ class SnapshotShelf:
         if version is None:
             version = self.newest_version()
         return self._by_version.get(version)
+
+    def manifest_digest(self, version: int) -> str | None:
+        """blake3 of the signed manifest bytes of `version`, if held."""
+        return self._manifest_digests.get(version)
 
     def held_manifest(self, version: int | None) -> tuple[SignedManifest, Manifest] | None:
         snapshot = self.get(version)

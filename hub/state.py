@@ -5,10 +5,15 @@ Its methods are the hub's commands (`join`, `grant_lease`, `accept_submission`, 
 `ban`, `commit_step`, ...). Each writes one SQLite transaction in a worker thread (events
 included) and changes the in-memory view (fleet, lease book, replay buffer, totals) only after
 the commit returns, on the trio thread with no checkpoint in between, so no other task sees one
-without the other; a commit and its view update are shielded from cancellation together. Two
-things leave the view before their commit, and the module says where: prompts taken from the
-pool for a lease being written, and groups taken out of the buffer for a ban, so the learner can
-never train on a group whose discard is being committed.
+without the other; a commit and its view update are shielded from cancellation together. A few
+changes come before their commit, always in the safe direction, and the code says where: a
+lease being written is already open (concurrent requests count it against quotas), buffer room
+is reserved for accepted groups being committed, and a ban marks the node banned and takes its
+groups out of the buffer first (no submission slips in; the learner never trains on a group
+whose discard is being committed). A ban is also checked inside every write of a node's work.
+
+Groups of a node on probation are committed `held`, audited after the reply (off the handler's
+clock), and released to the buffer by the transaction that records the passed audit.
 
 Lease rows in the store follow the lease book one handler deadline late (`sweep`): a submission
 still being checked when its lease's deadline passed can commit against an open row.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,8 +47,8 @@ from hub.copies import CopyDetector, CopyFlag
 from hub.fleet import Fleet, NodeRecord
 from hub.guard import LeaseQuota
 from hub.leases import LeaseBook, LeaseError, LeaseRecord
-from hub.store import NewEvent, StepRecord, Store
-from hub.submissions import GroupVerdict, SubmissionRules, VersionWindow, check_submission
+from hub.store import NewEvent, NodeBanned, StepRecord, Store
+from hub.submissions import REASON_CLAIMED_REWARD, GroupVerdict, SubmissionRules, VersionWindow, check_submission
 from shared.messages import GROUP_VERDICTS, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
 from shared.rollout import Group
 from shared.tasks.base import Task
@@ -59,6 +64,16 @@ PROBE_PROMPTS = 1
 # Liveness (last seen, time online, measured throughput) and the learner's time reach the store
 # this often: a crash loses at most this much of them, never anything acknowledged or paid.
 FLUSH_PERIOD_S = 5.0
+
+
+def billable_seconds(hold_s: float, accepted: int, leased: int, accepted_tokens: int, tokens_per_s_floor: float) -> float:
+    """Seconds of a lease the node is paid for: the time it held the lease, in the share of its prompts it
+    answered acceptably, and never more than its accepted tokens take at the slowest rate paid in full.
+
+    Holding a lease longer, or answering with a few tokens, earns nothing more than doing the work."""
+    if leased < 1 or not 0 <= accepted <= leased:
+        raise ValueError(f"accepted {accepted} of {leased} leased prompts")
+    return min(max(0.0, hold_s) * accepted / leased, accepted_tokens / tokens_per_s_floor)
 
 
 class HubBusy(Exception):
@@ -124,6 +139,9 @@ class HubState:
         self.lease_config = config.lease
         self.trust = trust
         self.heartbeat_timeout_s = config.scheduler.heartbeat_timeout_s
+        self.max_price_per_hour = config.scheduler.max_price_per_hour
+        # Nodes `echo-hub start` spawned itself (their keys made by the hub): exempt from the per-address quota.
+        self.own_nodes: frozenset[str] = frozenset()
         self.prompts_per_step = lc.prompts_per_step
         self.staleness = lc.staleness
         self.learner_price_per_hour = lc.learner_price_per_hour
@@ -134,13 +152,16 @@ class HubState:
         self.leases = LeaseBook(task, seed=lc.seed)
         self.buffer = ReplayBuffer(lc.buffer_max_groups, lc.staleness, lc.skip_zero_variance)
         self.signal = BufferSignal()
-        self.copies = CopyDetector(trust.copy_cache_groups, trust.copy_min_surprise_nats)
+        self.copies = CopyDetector(trust.copy_cache_groups, trust.copy_min_surprise_nats, trust.audit_mean_abs_gap)
         self.quota = LeaseQuota(trust, config.lease.prompts_per_lease)
         self.audits = audits
-        self.rng = random.Random(lc.seed)
+        self.audit_rng = secrets.SystemRandom()
         # Called after a node joins, leaves, is banned or gets measured: chains and activation follow.
         self.on_membership: list[Callable[[], None]] = []
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
+        # Accepted groups committed (or being committed) but not yet in the buffer or discarded.
+        self._reserved = 0
+        self._nursery: trio.Nursery | None = None
         self.totals = self._load()
 
     # -- start: the view from the store ---------------------------------------------------
@@ -157,6 +178,9 @@ class HubState:
                 refill_refused.setdefault(result.reason or "refused", []).append(row_id)
         for reason, ids in refill_refused.items():
             self.store.discard_trajectories(ids, reason)
+        unaudited = self.store.discard_held("not audited before the hub stopped")
+        if unaudited:
+            log.warning("discarded %d groups of nodes on probation: their audits died with the last hub", unaudited)
         counts = self.store.trajectory_counts()
         now = self.clock()
         learner_s_before = self.store.learner_seconds()
@@ -176,6 +200,11 @@ class HubState:
 
     def window(self) -> VersionWindow:
         return VersionWindow(oldest=self.oldest_useful_version(), newest=self.newest_version())
+
+    def is_member(self, peer: str) -> bool:
+        """A joined node in good standing (not gone, not banned)."""
+        record = self.fleet.get(peer)
+        return record is not None and record.state not in ("gone", "banned")
 
     def known(self, peer: str) -> NodeRecord:
         """The record of a joined node, or PeerFault saying why the peer may not do this."""
@@ -205,16 +234,23 @@ class HubState:
         if request.model_config_hash != self.model_config_hash:
             raise PeerFault("model config differs from the hub's: start the node with the hub's model",
                             RejectCode.MODEL_MISMATCH)
+        if request.price_per_hour > self.max_price_per_hour:
+            # Before any probe: a price above the ceiling is never worth measuring, let alone paying for.
+            raise PeerFault(f"price ${request.price_per_hour:g}/h is above this hub's ceiling "
+                            f"${self.max_price_per_hour:g}/h: join with a lower --price", RejectCode.PRICE_TOO_HIGH)
         previous = self.fleet.get(peer)
         if previous is not None and previous.state == "banned":
             raise PeerFault(f"banned: {previous.banned_reason}", RejectCode.BANNED)
-        record = self.fleet.joined(peer, request, remote_ip, self.clock(), previous)
-        event = ("join", peer, f"price ${record.price_per_hour:.2f}/h backend {record.backend}")
+        state = "standby" if previous is not None and previous.measured else "probing"
+        event = ("join", peer, f"price ${request.price_per_hour:.2f}/h backend {request.backend}")
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(lambda: self.store.upsert_node(
-                peer, record.price_per_hour, record.hardware, record.link_bps, record.backend, record.state, event=event,
+            joined = await trio.to_thread.run_sync(lambda: self.store.upsert_node(
+                peer, request.price_per_hour, request.hardware, request.link_bps, request.backend, state, event=event,
             ))
-            self.fleet.put(record)
+            banned = self.fleet.get(peer)
+            if not joined or (banned is not None and banned.state == "banned"):  # banned while this join was written
+                raise PeerFault("banned", RejectCode.BANNED)
+            record = self.fleet.join(peer, request, remote_ip, self.clock())
         log.info("join %s state %s", peer, record.state)
         self._membership_changed()
         return record
@@ -237,17 +273,20 @@ class HubState:
         self._dirty.add(record.peer_id)
 
     async def set_state(self, record: NodeRecord, state: NodeState, reason: str) -> None:
-        """Move a node to `state` (activate, release, drop, ...); a no-op when it is there already."""
-        if record.state == state:
+        """Move a node to `state` (activate, release, drop, ...); a no-op when it is there already, and for a
+        banned node (a ban is for good, whatever a caller decided before it awaited)."""
+        if record.state in (state, "banned"):
             return
         previous = record.state
         kind = {"active": "activate", "standby": "release" if previous == "active" else "standby",
                 "gone": "leave", "banned": "ban"}.get(state, state)
         banned_reason = reason if state == "banned" else None
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(lambda: self.store.set_node_state(
+            moved = await trio.to_thread.run_sync(lambda: self.store.set_node_state(
                 record.peer_id, state, banned_reason, event=(kind, record.peer_id, reason),
             ))
+            if not moved or record.state == "banned":  # banned meanwhile
+                return
             record.state = state
             if banned_reason is not None:
                 record.banned_reason = banned_reason
@@ -263,11 +302,12 @@ class HubState:
         """Ban a node for good (a relay caught corrupting chunks); its pay and accepted work stand."""
         await self.set_state(record, "banned", reason)
 
-    async def record_refusal(self, peer: str) -> None:
-        """A joined node's request was refused at the protocol level: counted against it, durably."""
+    async def record_refusal(self, peer: str, code: RejectCode) -> None:
+        """A known node's request was refused at the protocol level: counted against it, durably. Not counted:
+        "join first" (a node the hub dropped, or a hub restarted under it) and "busy" (the hub's own limits)."""
         record = self.fleet.get(peer)
-        if record is None:
-            return  # a stranger: nothing of it is kept
+        if record is None or code in (RejectCode.UNKNOWN_NODE, RejectCode.BUSY):
+            return
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self.store.count_refusal, peer)
             record.tallies = record.tallies + Tallies(refused=1)
@@ -288,7 +328,7 @@ class HubState:
         if probe and any(r.node_id == peer for r in self.leases.open.values()):
             return LeaseGrant(None, "probe lease outstanding", NO_WORK_RETRY_S)
         holders = [(r.node_id, (self.fleet.get(r.node_id) or record).remote_ip) for r in self.leases.open.values()]
-        quota = self.quota.decide(peer, record.remote_ip, record.audits_passed, holders)
+        quota = self.quota.decide(peer, record.remote_ip, record.audits_passed, holders, self.own_nodes)
         if not quota.allowed:
             return LeaseGrant(None, quota.reason, NO_WORK_RETRY_S)
         k = PROBE_PROMPTS if probe else quota.prompts
@@ -300,23 +340,25 @@ class HubState:
             k = min(k, room)
             if k < 1:
                 return LeaseGrant(None, "enough work in flight", NO_WORK_RETRY_S)
-        # The prompts leave the pool before the commit; they go back if it fails.
+        # Open in the book before the commit, so concurrent requests see it against their quota and the
+        # in-flight cap; withdrawn if the commit fails. Its id reaches the node only after the commit.
         lease = self.leases.draft(peer, k, min_version=window.oldest, now=self.clock(),
-                                  timeout_s=self.lease_config.lease_timeout_s, probe=probe)
+                                  timeout_s=self.lease_config.lease_timeout_s, price_per_hour=record.price_per_hour,
+                                  probe=probe)
+        self.leases.open_lease(lease)
         try:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(
                     self.store.add_lease, lease.lease_id, peer, list(lease.prompt_ids), lease.min_version,
                     lease.issued_at, lease.deadline,
                 )
-                self.leases.open_lease(lease)
         except BaseException:
             self.leases.abandon(lease)
             raise
         return LeaseGrant(lease)
 
     async def sweep(self) -> None:
-        """Expire leases past their deadline (their prompts are leased again) and flush liveness when due."""
+        """Expire leases past their deadline: their prompts are leased again."""
         now = self.clock()
         expired = self.leases.expire(now)
         for record in expired:
@@ -328,9 +370,10 @@ class HubState:
     # -- submissions -------------------------------------------------------------------------
 
     async def accept_submission(self, peer: str, submission: Submission, signed_hash: str) -> SubmissionOutcome:
-        """Check a signed submission against its lease, commit its verdicts and pay, buffer what passes.
+        """Check a signed submission against its lease, commit its verdicts and pay, settle what passes.
 
-        Returns only after the commit: the reply built from it is an acknowledgement.
+        Returns only after the commit: the reply built from it is an acknowledgement. Groups of a node on
+        probation are held (durably) until their audit, which runs after the reply, off the handler.
         """
         if self.rules is None:
             raise RuntimeError("this HubState was built without submission rules")
@@ -346,35 +389,48 @@ class HubState:
         try:
             verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, self.rules, self.window())
             if lease.closed:
-                raise PeerFault("lease withdrawn while the submission was checked (node dropped or released)",
-                                RejectCode.BAD_LEASE)
+                raise PeerFault("lease withdrawn while the submission was checked", RejectCode.BAD_LEASE)
             verdicts, copies = self._reject_copies(verdicts, peer, lease.lease_id)
             accepted = [v for v in verdicts if v.accepted]
-            if accepted and len(self.buffer) + len(accepted) > self.buffer.capacity_groups:
+            # Room is reserved before the commit: concurrent submissions must not overfill the buffer
+            # with groups their nodes were told were accepted.
+            if accepted and len(self.buffer) + self._reserved + len(accepted) > self.buffer.capacity_groups:
                 raise HubBusy("hub buffer full: resubmit later")
             seconds = min(now - lease.issued_at, self.lease_config.lease_timeout_s)
-            share = len(accepted) / len(lease.prompts)
-            usd = min(record.price_per_hour * seconds / 3600.0 * share, self.lease_config.max_cost_per_lease_usd)
+            billed_s = billable_seconds(seconds, len(accepted), len(lease.prompts),
+                                        sum(len(c.token_ids) for v in accepted for c in v.group.completions),
+                                        self.lease_config.paid_tokens_per_s_floor)
+            usd = min(lease.price_per_hour * billed_s / 3600.0, self.lease_config.max_cost_per_lease_usd)
             rollouts = sum(len(v.group.completions) for v in accepted)
             rate, measured = self.fleet.throughput_after(record, rollouts, seconds)
             counts = Tallies(**{name: sum(v.verdict == name for v in verdicts) for name in GROUP_VERDICTS})
             events = self._submission_events(peer, lease, verdicts, copies, rate)
+            hold = bool(accepted) and self._on_probation(record)
+            self._reserved += len(accepted)
             with trio.CancelScope(shield=True):
-                row_ids = await trio.to_thread.run_sync(lambda: self.store.record_submission(
-                    lease.lease_id, peer, verdicts, usd=usd, seconds=seconds, signed_bytes_hash=signed_hash,
-                    now=now, rollouts_per_s=rate, events=events,
-                ))
+                try:
+                    row_ids = await trio.to_thread.run_sync(lambda: self.store.record_submission(
+                        lease.lease_id, peer, verdicts, usd=usd, seconds=billed_s, signed_bytes_hash=signed_hash,
+                        now=now, rollouts_per_s=rate, events=events, hold=hold,
+                    ))
+                except NodeBanned:
+                    self._reserved -= len(accepted)
+                    raise PeerFault("banned", RejectCode.BANNED) from None
                 committed = True
                 for verdict in verdicts:
                     lease.answered.add(verdict.prompt_id)
                 self.leases.close(lease)
                 record.tallies = record.tallies + counts
                 self.totals.groups = self.totals.groups + counts
-                if usd > 0:
+                if usd > 0 and record.state != "banned":  # a ban under way sets the node's pay itself
                     self.totals.paid_usd[peer] = self.totals.paid_usd.get(peer, 0.0) + usd
                 record.rollouts_per_s, record.measured = rate, measured
                 self._dirty.add(peer)
-                await self._admit(record, lease, verdicts, row_ids, now)
+                kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.accepted]
+                if hold:
+                    self._nursery.start_soon(self._audit_held, record, lease.lease_id, kept, now)
+                else:
+                    await self._settle(record, lease.lease_id, kept, now)
         finally:
             if not committed:
                 self.leases.release(lease)
@@ -392,7 +448,7 @@ class HubState:
         self, peer: str, lease: LeaseRecord, verdicts: Sequence[GroupVerdict], copies: Sequence[CopyFlag], rate: float
     ) -> list[NewEvent]:
         events: list[NewEvent] = [("copy_detected", peer, flag.describe()) for flag in copies]
-        mismatches = sum(v.claimed_reward_mismatch for v in verdicts)
+        mismatches = sum(v.reason == REASON_CLAIMED_REWARD for v in verdicts)
         if mismatches:
             events.append(("reward_claim_mismatch", peer, f"{mismatches} groups claimed other rewards"))
         if lease.probe:
@@ -412,30 +468,41 @@ class HubState:
             out.append(verdict)
         return out, flags
 
-    async def _admit(
-        self, record: NodeRecord, lease: LeaseRecord, verdicts: list[GroupVerdict], row_ids: list[int], answered_at: float
-    ) -> None:
-        """Hand committed groups to the buffer, behind the audit while the node is still on probation."""
-        kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.accepted]
-        if not kept:
+    async def _settle(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
+        """Groups of a trusted node: into the buffer (an audit may be sampled for later)."""
+        if record.state == "banned":
+            # Banned by an audit that failed while this submission was in flight: never trained on.
+            await self._discard(kept, "banned: audit failed")
             return
-        # Banned by an audit that failed while this submission was in flight, or by this one's own
-        # audit (its buffered work dropped, its pay voided): these groups never reach the buffer.
-        banned = record.state == "banned"
-        if not banned and self._on_probation(record):
-            # Which group is audited is decided only now, after the submission arrived.
-            group, row_id = kept[self.rng.randrange(len(kept))]
-            banned = await self._audit(AuditJob(record.peer_id, lease.lease_id, row_id, group, answered_at)) is False
-        elif not banned:  # trusted: audited later, by sample
-            self._sample_audit(record, lease.lease_id, kept, answered_at)
-        if banned:
-            ids = [row_id for _, row_id in kept]
-            await trio.to_thread.run_sync(self.store.discard_trajectories, ids, "banned: audit failed")
-            return
+        if kept:
+            self._sample_audit(record, lease_id, kept, answered_at)
         await self._buffer(kept)
+
+    async def _audit_held(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
+        """Groups of a node on probation: every one audited, and only then released to the buffer."""
+        with trio.CancelScope(shield=True):
+            passed = await self._audit([AuditJob(record.peer_id, lease_id, row_id, group, answered_at)
+                                        for group, row_id in kept], release=[row_id for _, row_id in kept])
+            if passed:
+                await self._buffer(kept)
+            elif record.state == "banned":
+                self._reserved -= len(kept)  # discarded with the ban (or already gone with an earlier one)
+                await self._discard_pending(kept, "banned: audit failed")
+            else:
+                await self._discard(kept, "not audited while on probation")
+
+    async def _discard(self, kept: Sequence[tuple[Group, int]], reason: str) -> None:
+        self._reserved -= len(kept)
+        if kept:
+            await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id for _, row_id in kept], reason)
+
+    async def _discard_pending(self, kept: Sequence[tuple[Group, int]], reason: str) -> None:
+        """Discard whichever of these rows a ban has not discarded already."""
+        await trio.to_thread.run_sync(self.store.discard_if_pending, [row_id for _, row_id in kept], reason)
 
     async def _buffer(self, kept: Sequence[tuple[Group, int]]) -> None:
         """Groups committed as accepted go into the buffer; a refusal is recorded on the row, never silent."""
+        self._reserved -= len(kept)
         refused: dict[str, list[int]] = {}
         for group, row_id in kept:
             result = self.buffer.add(group, row_id)
@@ -450,6 +517,7 @@ class HubState:
         with trio.CancelScope(shield=True):
             row_id = await trio.to_thread.run_sync(self.store.record_trajectory, group, None, "", "accepted")
             self.totals.groups = self.totals.groups + Tallies(accepted=1)
+            self._reserved += 1
             await self._buffer([(group, row_id)])
 
     # -- audits ------------------------------------------------------------------------------
@@ -459,10 +527,13 @@ class HubState:
         return record.audits_passed < self.trust.audit_first_n
 
     def _sample_audit(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
-        """Decide, now that a submission is in, whether to audit it later; if so queue one of its groups."""
-        if self.rng.random() >= self.trust.audit_rate:
+        """Decide, now that a submission is in, whether to audit it later; if so queue one of its groups.
+
+        Drawn from the OS's CSPRNG: no node can replay the draws to cheat only when it will not be checked.
+        """
+        if self.audit_rng.random() >= self.trust.audit_rate:
             return
-        group, row_id = kept[self.rng.randrange(len(kept))]
+        group, row_id = kept[self.audit_rng.randrange(len(kept))]
         self.audits.offer(AuditJob(record.peer_id, lease_id, row_id, group, answered_at))
 
     async def run_audits(self) -> None:
@@ -470,24 +541,30 @@ class HubState:
         if self.audits is None:
             await trio.sleep_forever()
         while True:
-            await self._audit(await self.audits.next_job())
+            await self._audit([await self.audits.next_job()])
 
-    async def _audit(self, job: AuditJob) -> bool | None:
-        """True passed, False failed (the node is banned), None: could not be audited."""
-        record = self.fleet.get(job.node_id)
+    async def _audit(self, jobs: Sequence[AuditJob], release: Sequence[int] = ()) -> bool:
+        """Audit groups of one submission. True: all passed (one passed audit for the node, its pay up to this
+        submission vouched for, the `release`d rows free to be trained on); False: one failed (the node is
+        banned) or could not be audited."""
+        record = self.fleet.get(jobs[0].node_id)
         if record is None or record.state == "banned":
             return False
-        result = await self.audits.judge(job)
-        if result is None:
-            return None
-        if result.passed:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self.store.record_audit_pass, job.node_id, job.answered_at)
-                record.audits_passed += 1
-                record.vouched_at = max(record.vouched_at or 0.0, job.answered_at)
-            return True
-        await self._penalize(record, f"audit failed: v{job.group.version} group {job.group.prompt_id}: {result.reason}")
-        return False
+        for job in jobs:
+            result = await self.audits.judge(job)
+            if result is None:
+                return False
+            if not result.passed:
+                await self._penalize(record, f"audit failed: v{job.group.version} group {job.group.prompt_id}: {result.reason}")
+                return False
+        answered_at = jobs[0].answered_at
+        with trio.CancelScope(shield=True):
+            released = await trio.to_thread.run_sync(self.store.record_audit_pass, record.peer_id, answered_at, list(release))
+            if not released:  # banned while it was audited: the ban discarded the rows
+                return False
+            record.audits_passed += 1
+            record.vouched_at = max(record.vouched_at or 0.0, answered_at)
+        return True
 
     async def _penalize(self, record: NodeRecord, reason: str) -> None:
         """Ban a node caught cheating, drop its untrained groups, void its pay since its last passed audit.
@@ -496,6 +573,10 @@ class HubState:
         """
         if record.state == "banned":
             return
+        # Banned in the view at once, before the commit (the one other exception to "view after commit"):
+        # no submission, join or state change of this node may slip in while the ban is being written.
+        record.state = "banned"
+        record.banned_reason = reason
         # Out of the buffer before the commit: the learner must not take a group being discarded.
         dropped = self.buffer.drop_node(record.peer_id)
         since = record.vouched_at or 0.0
@@ -504,8 +585,6 @@ class HubState:
                 record.peer_id, dropped, since, reason,
                 event=("audit_fail", record.peer_id, f"{reason}; dropped {len(dropped)} groups"),
             ))
-            record.state = "banned"
-            record.banned_reason = reason
             self.totals.paid_usd[record.peer_id] = paid
             for lease in self.leases.drop_node(record.peer_id):
                 log.info("lease %s of %s back to the pool", lease.lease_id[:8], record.peer_id[-8:])
@@ -564,6 +643,7 @@ class HubState:
         of the hub's nursery)."""
         flushed = self.clock()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self.run_audits)
             while True:
                 await trio.sleep(1.0)

@@ -15,8 +15,9 @@ from shared.messages import TALLY_FIELDS, TALLY_SHORT, HubStatus
 STATUS_TIMEOUT_S = 10.0
 
 
-def fetch_status(hub_addr: str) -> HubStatus:
-    """One status request to a running hub over libp2p, from a throwaway identity."""
+def fetch_status(hub_addr: str, key: Path | None = None) -> HubStatus:
+    """One status request to a running hub over libp2p, as `key`'s identity (None: a throwaway one, which
+    sees nodes' prices and costs redacted)."""
     import trio
 
     from shared.crypto import Identity
@@ -24,7 +25,8 @@ def fetch_status(hub_addr: str) -> HubStatus:
     from shared.net import connect, request, running_host
 
     async def fetch() -> HubStatus:
-        async with running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
+        identity = Identity.load(key) if key is not None else Identity.generate()
+        async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
             with trio.fail_after(STATUS_TIMEOUT_S):
                 peer = await connect(host, hub_addr)
             return await request(host, peer, STATUS_PROTOCOL, StatusRequest(events=20), HubStatus, timeout_s=STATUS_TIMEOUT_S)
@@ -47,6 +49,8 @@ def render(status: HubStatus, console: Console) -> None:
     mu += f", {status.usable_fraction:.0%} of accepted groups trained on"
     head.add_row("throughput", mu, f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
     head.add_row("cost", f"${status.cost_usd:.4f}", f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else "")
+    if status.redacted:
+        head.add_row("", "nodes' prices and costs hidden: ask with --key DATA_DIR/hub.key", "")
     console.print(head)
     nodes = Table(title="nodes", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     # Short headers, as on the dashboard, so the table fits 80 columns.
@@ -61,10 +65,10 @@ def render(status: HubStatus, console: Console) -> None:
         console.print(f"chain {i}: hub -> " + " -> ".join(p[-8:] for p in chain))
 
 
-def run_status(hub: str | None, data_dir: Path | None, as_json: bool) -> int:
+def run_status(hub: str | None, data_dir: Path | None, as_json: bool, key: Path | None = None) -> int:
     try:
         if hub is not None:
-            status = fetch_status(hub)
+            status = fetch_status(hub, key)
         else:
             path = Path(data_dir or "echo2-data") / HUB_STATUS_FILE
             if not path.exists():

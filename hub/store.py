@@ -10,10 +10,14 @@ all-or-nothing. sqlite-utils builds the schema and runs the queries; its Table.i
 is not used for writes because it commits on its own and would split a transaction.
 
 Trajectory lifecycle: a row is written with its verdict (accepted, rejected, or late: refused
-only because its version fell out of the staleness window). An
+only because its version fell out of the staleness window). Only accepted rows keep the group
+itself; a refused one keeps its blake3 hash, so refused work costs the disk a row, not its
+payload. An
 accepted row later gets exactly one of consumed_step (a committed learner step
 trained on it) or discard_reason (stale, zero reward variance, buffer full...).
-Accepted rows with neither are the replay buffer's contents after a restart.
+Accepted rows with neither are the replay buffer's contents after a restart, except those
+`held` for the audit of a node on probation, which are released by a passed audit and are
+discarded if the hub stops before their audit.
 
 Events: a write method that changes what the hub shows takes the event(s) describing it and
 inserts them in its own transaction, so the log never disagrees with the state. Only
@@ -32,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import blake3
 import sqlite_utils
 
 from shared.messages import GROUP_VERDICTS, TALLY_FIELDS, Tallies
@@ -52,6 +57,10 @@ SCHEMA_VERSION = 2
 
 class SchemaMismatch(RuntimeError):
     """The database was written by an echo2 with another schema."""
+
+
+class NodeBanned(Exception):
+    """The node was banned before this write of its work could commit: nothing was written."""
 
 
 _SCHEMA = """
@@ -119,7 +128,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     node_id           TEXT    NOT NULL,
     prompt_id         TEXT    NOT NULL,
     version           INTEGER NOT NULL,
-    group_json        TEXT    NOT NULL,
+    group_json        TEXT,
+    group_hash        TEXT    NOT NULL,
     reward_mean       REAL    NOT NULL,
     verdict           TEXT    NOT NULL CHECK (verdict IN ('accepted', 'rejected', 'late')),
     reason            TEXT,
@@ -127,7 +137,9 @@ CREATE TABLE IF NOT EXISTS trajectories (
     consumed_step     INTEGER REFERENCES steps(step),
     discard_reason    TEXT,
     signed_bytes_hash TEXT,
-    CHECK (consumed_step IS NULL OR discard_reason IS NULL)
+    held              INTEGER NOT NULL DEFAULT 0 CHECK (held IN (0, 1)),
+    CHECK (consumed_step IS NULL OR discard_reason IS NULL),
+    CHECK ((verdict = 'accepted') = (group_json IS NOT NULL))
 );
 CREATE INDEX IF NOT EXISTS trajectories_pending ON trajectories(verdict, consumed_step, discard_reason);
 CREATE TABLE IF NOT EXISTS ledger (
@@ -355,47 +367,63 @@ class Store:
 
     def upsert_node(
         self, peer_id: str, price_per_hour: float, hardware: str, link_bps: float | None, backend: str,
-        state: str = "connected", event: NewEvent | None = None,
-    ) -> None:
-        """Insert a node on first contact or refresh what it declares; tallies, audits and ban survive."""
+        state: str = "probing", event: NewEvent | None = None,
+    ) -> bool:
+        """Insert a node on first contact or refresh what it declares; tallies, audits and ban survive.
+
+        False (and nothing written) for a banned node: a ban is checked in the same transaction, so a
+        join racing a ban can never undo it."""
         now = time.time()
         with self._write():
-            self.db.execute(
+            cur = self.db.execute(
                 "INSERT INTO nodes (peer_id, price_per_hour, hardware, link_bps, backend, first_seen, last_seen, state)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(peer_id) DO UPDATE SET price_per_hour = excluded.price_per_hour,"
                 " hardware = excluded.hardware, link_bps = excluded.link_bps, backend = excluded.backend,"
-                " last_seen = excluded.last_seen, state = excluded.state",
+                " last_seen = excluded.last_seen, state = excluded.state WHERE nodes.state != 'banned'",
                 (peer_id, price_per_hour, hardware, link_bps, backend, now, now, state),
             )
+            if cur.rowcount != 1:
+                return False
             self._events([event] if event else [])
+            return True
 
     def count_refusal(self, peer_id: str) -> None:
         """One more request of this node refused at the protocol level (bad frame, expired lease...)."""
         with self._write():
             self.db.execute("UPDATE nodes SET refused = refused + 1 WHERE peer_id = ?", (peer_id,))
 
-    def record_audit_pass(self, peer_id: str, vouched_at: float) -> None:
+    def record_audit_pass(self, peer_id: str, vouched_at: float, release_ids: Sequence[int] = ()) -> bool:
         """One more audit of this node's work passed; its pay up to `vouched_at` (the audited submission's
-        time) is vouched for. Both survive a hub restart: probation, quota and what a later ban voids."""
+        time) is vouched for, and its held rows `release_ids` may be trained on. Both survive a hub restart:
+        probation, quota and what a later ban voids. False (nothing written) if the node is banned."""
         with self._write():
-            self.db.execute(
+            cur = self.db.execute(
                 "UPDATE nodes SET audits_passed = audits_passed + 1, vouched_at = MAX(COALESCE(vouched_at, 0), ?)"
-                " WHERE peer_id = ?",
+                " WHERE peer_id = ? AND state != 'banned'",
                 (vouched_at, peer_id),
             )
+            if cur.rowcount != 1:
+                return False
+            self.db.conn.executemany("UPDATE trajectories SET held = 0 WHERE id = ?", [(i,) for i in release_ids])
+            return True
 
     def set_node_state(
         self, peer_id: str, state: str, banned_reason: str | None = None, event: NewEvent | None = None
-    ) -> None:
+    ) -> bool:
+        """Move a node to `state`; False (and nothing written) when it is banned: a ban is for good."""
         with self._write():
             cur = self.db.execute(
-                "UPDATE nodes SET state = ?, banned_reason = COALESCE(?, banned_reason) WHERE peer_id = ?",
+                "UPDATE nodes SET state = ?, banned_reason = COALESCE(?, banned_reason)"
+                " WHERE peer_id = ? AND state != 'banned'",
                 (state, banned_reason, peer_id),
             )
             if cur.rowcount != 1:
-                raise KeyError(f"unknown node {peer_id}")
+                if self.db.execute("SELECT 1 FROM nodes WHERE peer_id = ?", (peer_id,)).fetchone() is None:
+                    raise KeyError(f"unknown node {peer_id}")
+                return False
             self._events([event] if event else [])
+            return True
 
     def node(self, peer_id: str) -> NodeRow | None:
         rows = self._rows("SELECT * FROM nodes WHERE peer_id = ?", (peer_id,))
@@ -474,12 +502,13 @@ class Store:
         if verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
         reward_mean = sum(group.rewards) / len(group.rewards) if group.rewards else 0.0
+        group_json = group.model_dump_json()
         with self._write():
             cur = self.db.execute(
-                "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, reward_mean,"
-                " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (lease_id, node_id, group.prompt_id, group.version, group.model_dump_json(), reward_mean,
-                 verdict, reason, time.time(), signed_bytes_hash),
+                "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, group_hash, reward_mean,"
+                " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (lease_id, node_id, group.prompt_id, group.version, group_json if verdict == "accepted" else None,
+                 blake3.blake3(group_json.encode()).hexdigest(), reward_mean, verdict, reason, time.time(), signed_bytes_hash),
             )
             if node_id:
                 # `verdict` was checked against VERDICTS above: it names a column.
@@ -497,17 +526,22 @@ class Store:
         now: float | None = None,
         rollouts_per_s: float | None = None,
         events: Sequence[NewEvent] = (),
+        hold: bool = False,
     ) -> list[int]:
         """In one transaction: close the lease, record every group with its verdict, count them against
         the node, book the payment, store the node's new measured throughput, and the events.
 
-        `verdicts` are hub.submissions.GroupVerdict. Returns the row ids in verdict order. A lease
-        that is not open for this node (a replay racing the first answer) raises ValueError and
-        changes nothing.
+        `verdicts` are hub.submissions.GroupVerdict. Returns the row ids in verdict order. `hold`: the
+        accepted rows wait for an audit (`record_audit_pass` releases them). A banned node raises
+        NodeBanned, and a lease that is not open for this node (a replay racing the first answer)
+        ValueError; either changes nothing.
         """
         now = time.time() if now is None else now
         ids: list[int] = []
         with self._write():
+            banned = self.db.execute("SELECT 1 FROM nodes WHERE peer_id = ? AND state = 'banned'", (node_id,)).fetchone()
+            if banned is not None:
+                raise NodeBanned(node_id)
             cur = self.db.execute(
                 "UPDATE leases SET state = 'answered', answered_at = ? WHERE id = ? AND node_id = ? AND state = 'open'",
                 (now, lease_id, node_id),
@@ -517,16 +551,18 @@ class Store:
             for v in verdicts:
                 if v.accepted:
                     group_json, version = v.group.model_dump_json(), v.group.version
+                    group_hash = blake3.blake3(group_json.encode()).hexdigest()
                     reward_mean = sum(v.group.rewards) / len(v.group.rewards)
                 else:
-                    group_json = v.submitted.model_dump_json()
+                    # Refused work: its hash, not its payload (a peer must not fill our disk with it).
+                    group_json, group_hash = None, blake3.blake3(v.submitted.model_dump_json().encode()).hexdigest()
                     version = v.submitted.completions[0].version if v.submitted.completions else -1
                     reward_mean = 0.0
                 cur = self.db.execute(
-                    "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, reward_mean,"
-                    " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (lease_id, node_id, v.prompt_id, version, group_json, reward_mean,
-                     v.verdict, v.reason or None, now, signed_bytes_hash),
+                    "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, group_hash, reward_mean,"
+                    " verdict, reason, received_at, signed_bytes_hash, held) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (lease_id, node_id, v.prompt_id[:200], version, group_json, group_hash, reward_mean,
+                     v.verdict, (v.reason or None) and v.reason[:500], now, signed_bytes_hash, int(hold and v.accepted)),
                 )
                 ids.append(int(cur.lastrowid))
             counts = [sum(v.verdict == name for v in verdicts) for name in VERDICTS]
@@ -574,6 +610,24 @@ class Store:
         with self._write():
             self._discard(ids, reason)
 
+    def discard_if_pending(self, ids: Sequence[int], reason: str) -> None:
+        """Discard those of `ids` still pending (a ban may have discarded some already)."""
+        with self._write():
+            self.db.conn.executemany(
+                "UPDATE trajectories SET discard_reason = ? WHERE id = ? AND verdict = 'accepted'"
+                " AND consumed_step IS NULL AND discard_reason IS NULL",
+                [(reason, i) for i in ids],
+            )
+
+    def discard_held(self, reason: str) -> int:
+        """Discard every row still held for an audit (at start: their audits died with the last hub)."""
+        with self._write():
+            return self.db.execute(
+                "UPDATE trajectories SET discard_reason = ? WHERE held = 1 AND consumed_step IS NULL"
+                " AND discard_reason IS NULL",
+                (reason,),
+            ).rowcount
+
     def _discard(self, ids: Sequence[int], reason: str) -> None:
         for row_id in ids:
             cur = self.db.execute(
@@ -588,7 +642,7 @@ class Store:
         """Accepted rows neither trained on nor discarded, oldest first: the buffer after a restart."""
         rows = self._rows(
             "SELECT id, group_json FROM trajectories WHERE verdict = 'accepted'"
-            " AND consumed_step IS NULL AND discard_reason IS NULL ORDER BY id"
+            " AND consumed_step IS NULL AND discard_reason IS NULL AND held = 0 ORDER BY id"
         )
         return [(r["id"], Group.model_validate_json(r["group_json"])) for r in rows]
 
@@ -673,7 +727,8 @@ class Store:
     # -- trust: penalties for a node caught cheating -----------------------------------
 
     def penalize_node(
-        self, node_id: str, discard_ids: Sequence[int], since_ts: float, reason: str, event: NewEvent | None = None
+        self, node_id: str, discard_ids: Sequence[int], since_ts: float, reason: str, event: NewEvent | None = None,
+        discard_reason: str = "banned: audit failed",
     ) -> tuple[int, float]:
         """In one transaction: ban the node, discard its dropped pending rows, void its pay booked after
         `since_ts` (epoch seconds), and log the event.
@@ -687,7 +742,13 @@ class Store:
             )
             if cur.rowcount != 1:
                 raise KeyError(f"unknown node {node_id}")
-            self._discard(discard_ids, reason)
+            self._discard(discard_ids, discard_reason)
+            # Its work still held for audit is discarded with it.
+            self.db.execute(
+                "UPDATE trajectories SET discard_reason = ? WHERE node_id = ? AND held = 1 AND consumed_step IS NULL"
+                " AND discard_reason IS NULL",
+                (discard_reason, node_id),
+            )
             voided = self.db.execute(
                 "UPDATE ledger SET voided = 1 WHERE node_id = ? AND created_at > ? AND voided = 0", (node_id, since_ts)
             ).rowcount

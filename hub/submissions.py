@@ -1,8 +1,9 @@
 """Checks of one signed submission against the lease it answers; the hub's verdict per group.
 
 Nothing a node says about its own work is believed: the completion text is re-decoded from
-the token ids with the hub's tokenizer, the reward is recomputed from the task, a claimed
-reward is only compared, and lengths, versions and log-probs are bounded by the lease.
+the token ids with the hub's tokenizer, the reward is recomputed from the task, and lengths,
+versions and log-probs are bounded by the lease. A node may claim rewards; a claim that differs
+from the hub's score is a lie, and that group is rejected (neither trained on nor paid).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.base import Task
 
 CLAIMED_REWARD_TOLERANCE = 1e-6
+REASON_CLAIMED_REWARD = "claimed rewards differ from the hub's scores"
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,6 @@ class GroupVerdict:
     reason: str
     submitted: SubmittedGroup
     group: Group | None = None
-    claimed_reward_mismatch: bool = False
     # Refused only because its version fell out of the staleness window while it was generated:
     # the normal cost of asynchrony for an honest node, kept apart from refusals for bad work.
     late: bool = False
@@ -119,10 +120,11 @@ def check_group(
     completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
     prompt = prompts[pid]
     rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
-    mismatch = submitted.claimed_rewards is not None and (
+    if submitted.claimed_rewards is not None and (
         len(submitted.claimed_rewards) != len(rewards)
-        or any(abs(a - b) > CLAIMED_REWARD_TOLERANCE for a, b in zip(submitted.claimed_rewards, rewards))
-    )
+        or any(not abs(a - b) <= CLAIMED_REWARD_TOLERANCE for a, b in zip(submitted.claimed_rewards, rewards))
+    ):
+        return reject(REASON_CLAIMED_REWARD)
     group = Group(
         prompt_id=pid,
         prompt_text=prompt.text,
@@ -131,7 +133,7 @@ def check_group(
         rewards=rewards,
         node_id=node_id,
     )
-    return GroupVerdict(pid, True, "", submitted, group, claimed_reward_mismatch=mismatch)
+    return GroupVerdict(pid, True, "", submitted, group)
 
 
 def check_submission(

@@ -23,8 +23,8 @@ log = logging.getLogger("echo2.node.hub_link")
 
 BACKOFF_START_S = 0.5
 EVENTS_KEPT = 50
-# Refusals no retry can cure: the node stops and says why.
-FINAL_REFUSALS = (RejectCode.BANNED, RejectCode.MODEL_MISMATCH)
+# Refusals no retry can cure (the volunteer must change something): the node stops and says why.
+FINAL_REFUSALS = (RejectCode.BANNED, RejectCode.MODEL_MISMATCH, RejectCode.PRICE_TOO_HIGH)
 
 
 @dataclass
@@ -92,7 +92,8 @@ class HubLink:
             self.state.state = reply.state
             self.state.latest_version = reply.latest_version
             self.state.joins += 1
-            self.state.note("joined", f"state {reply.state}, hub at v{reply.latest_version}")
+            self.state.note("joined", f"state {reply.state}, hub at v{reply.latest_version}, task {reply.task}, "
+                                      f"S={reply.staleness}, heartbeat every {reply.heartbeat_period_s:g}s")
             log.info("joined hub %s as %s (hub at v%d)", self.client.hub_peer_id[-8:], reply.state, reply.latest_version)
             await self._heartbeats()
 
@@ -112,11 +113,16 @@ class HubLink:
                 await trio.sleep(BACKOFF_START_S)
                 continue
             if isinstance(reply, Reject):
-                # A restarted hub no longer knows us: join again.
-                self.state.note("heartbeat_refused", reply.reason)
                 if reply.code in FINAL_REFUSALS:
                     raise SystemExit(f"the hub refused this node: {reply.reason}")
-                return
+                if reply.code == RejectCode.UNKNOWN_NODE:
+                    # A restarted hub, or one that dropped us as silent, no longer knows us: join again.
+                    self.state.note("heartbeat_refused", reply.reason)
+                    return
+                # Busy (the hub's own limits) or a one-off refusal: beat again a little later, still joined.
+                log.info("heartbeat refused: %s", reply.reason)
+                await trio.sleep(BACKOFF_START_S)
+                continue
             failures = 0
             if reply.state != self.state.state:
                 self.state.note("state", f"{self.state.state} -> {reply.state}")

@@ -8,11 +8,14 @@ partial snapshot is ever installed.
 
 When the upstream leaves mid-transfer the keeper keeps what it has and resumes from the
 first chunk it lacks, from whatever upstream the hub names next; a re-link from the hub
-also abandons a pull in progress (an upstream that stalls rather than leaves would
-otherwise hold it). A sender that sends a chunk failing verification is reported to the hub
-(which checks and bans it) and, like one that sends a manifest the hub did not sign, never
-pulled from again by this keeper: until the hub names another upstream, the missing chunks
-come from the hub itself.
+also abandons a pull in progress, and an upstream silent for shared.transfer.STALL_S is given
+up on. A sender whose frame fails its commitment or verification is reported to the hub (with
+the sender's own signed commitment as proof, when it gave one) and never pulled from again by
+this keeper; one that keeps failing or stalling is avoided until the hub names another
+upstream. Meanwhile the missing chunks come from the hub itself.
+
+It serves only the successor the hub named (and the hub): a stranger cannot make a volunteer
+upload its snapshots, or hold its streams open.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import trio
 from libp2p.abc import IHost, INetStream
 
+from shared.crypto import Identity
 from shared.messages import (
     RELAY_PROTOCOL,
     SNAPSHOT_PROTOCOL,
@@ -37,19 +41,29 @@ from shared.messages import (
 )
 from shared.net import connect, open_stream, remote_peer_id
 from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, chunk_of
-from shared.transfer import RECEIVER_GONE, ChunkRejected, Writer, receive_snapshot, serve_snapshot
+from shared.transfer import (
+    RECEIVER_GONE,
+    STALL_S,
+    ChunkRejected,
+    NotServable,
+    Writer,
+    receive_snapshot,
+    serve_snapshot,
+)
 from shared.wire import FrameError, StreamEOF, read_message, write_message
 
 log = logging.getLogger("echo2.node.keeper")
 
-FETCH_TIMEOUT_S = 600.0
 RETRY_S = 0.5
 UPSTREAM_FAILURES_BEFORE_HUB = 2
 MANIFEST_WAIT_S = 20.0
+# The hub tells a successor about us a heartbeat before it tells us: how long a pull from a peer we
+# do not know as our successor waits for that news before it is refused.
+DOWNSTREAM_WAIT_S = 5.0
 CONNECT_TIMEOUT_S = 10.0
 ANNOUNCE_TIMEOUT_S = 5.0
 
-# A pull that ends in one of these lost its upstream (left, refused, too slow): keep what we
+# A pull that ends in one of these lost its upstream (left, refused, stalled): keep what we
 # have and resume when the hub names an upstream again.
 _INTERRUPTED = (StreamEOF, FrameError, OSError, trio.TooSlowError, LookupError)
 
@@ -80,16 +94,20 @@ class SnapshotKeeper:
     def __init__(
         self,
         host: IHost,
+        identity: Identity,
         hub_peer_id: str,
         install: Callable[[bytes, int], Awaitable[None]],
         limiter: Writer | None,
         on_installed: Callable[[int], None],
         report: Callable[[BadChunkReport], Awaitable[TransferAck | Reject]],
+        stall_s: float = STALL_S,
     ) -> None:
         self.host = host
+        self.identity = identity
         self.hub_peer_id = hub_peer_id
         self._install = install
-        self._report = report
+        self._send_report = report
+        self.stall_s = stall_s
         self.limiter = limiter
         self.on_installed = on_installed
         self.held: tuple[SignedManifest, Manifest, bytes] | None = None
@@ -98,8 +116,9 @@ class SnapshotKeeper:
         self.upstream = HUB
         self.downstream: str | None = None
         self.distrusted: set[str] = set()
-        # Consecutive failed pulls from the current upstream; past a couple, the hub is asked instead
-        # until the hub names a new upstream (it re-links only after a heartbeat timeout).
+        # Failed or stalled pulls from the current upstream; past a couple, the hub is asked instead
+        # until the hub names a new upstream (an install does not forgive them: a stalling relay
+        # would otherwise freeze every next version too).
         self.upstream_failures = 0
         self._changed = trio.Event()
         self._pull_scope: trio.CancelScope | None = None
@@ -135,6 +154,7 @@ class SnapshotKeeper:
                 self._nursery.start_soon(self._dial, upstream)
         if downstream != self.downstream:
             self.downstream = downstream
+            changed = True  # a successor waiting to be served may be this one
             if downstream is not None and self.transfer is not None:
                 self._announce_downstream(self.transfer.manifest.version)
         if changed:
@@ -166,22 +186,41 @@ class SnapshotKeeper:
                 return bytes(transfer.assembler.chunk(index))
             await self._changed.wait()
 
+    def _may_pull_from_us(self, peer: str) -> bool:
+        return peer in (self.downstream, self.hub_peer_id)
+
     async def serve(self, stream: INetStream) -> None:
-        """SNAPSHOT_PROTOCOL handler: a peer pulls what we hold or are still receiving."""
-        req = await read_message(stream, SnapshotRequest)
+        """SNAPSHOT_PROTOCOL handler: our successor (or the hub) pulls what we hold or are still receiving."""
+        peer = remote_peer_id(stream)
+        with trio.fail_after(self.stall_s):
+            req = await read_message(stream, SnapshotRequest)
+        with trio.move_on_after(DOWNSTREAM_WAIT_S):
+            while not self._may_pull_from_us(peer):
+                await self._changed.wait()
         # A successor may ask before our own pull of that version has begun: give it a moment.
         with trio.move_on_after(MANIFEST_WAIT_S):
-            while req.version is not None and req.version > self.version_held and self.held_manifest(req.version) is None:
+            while self._may_pull_from_us(peer) and (
+                req.version is not None and req.version > self.version_held and self.held_manifest(req.version) is None
+            ):
                 await self._changed.wait()
+        if not self._may_pull_from_us(peer):
+            log.info("refused a snapshot pull from %s: not the successor the hub named", peer[-8:])
+            await write_message(stream, Reject(code=RejectCode.NOT_UPSTREAM, reason="not the successor the hub named"))
+            await stream.close()
+            return
         try:
-            ack = await serve_snapshot(stream, self, req, self.limiter)
-        except LookupError as exc:
+            ack = await serve_snapshot(stream, self, req, self.limiter, self.identity, self.stall_s)
+        except NotServable as exc:
             await write_message(stream, Reject(code=RejectCode.NOT_HELD, reason=str(exc)[:1000]))
             await stream.close()
             return
-        except RECEIVER_GONE as exc:
-            # The puller left or re-linked elsewhere mid-transfer: ordinary churn, not a failure here.
-            log.info("v%s to %s ended early: %r", req.version, remote_peer_id(stream)[-8:], exc)
+        except LookupError as exc:  # the version was abandoned mid-transfer (a newer one arrived)
+            log.info("v%s to %s ended: %s", req.version, peer[-8:], exc)
+            await stream.reset()
+            return
+        except (*RECEIVER_GONE, trio.TooSlowError) as exc:
+            # The puller left, re-linked elsewhere or stopped reading mid-transfer: churn, not a failure here.
+            log.info("v%s to %s ended early: %r", req.version, peer[-8:], exc)
             await stream.reset()
             return
         if not ack.ok:
@@ -230,6 +269,7 @@ class SnapshotKeeper:
         """
         source = self._source()
         rejected: ChunkRejected | None = None
+        stalled = False
         with trio.CancelScope() as scope:
             self._pull_scope, self._pulling_from = scope, source
             try:
@@ -237,12 +277,11 @@ class SnapshotKeeper:
             except ChunkRejected as exc:
                 rejected = exc
             except SnapshotError as exc:
-                # A manifest that is not the hub's, or not the one asked for: an honest relay
-                # forwards the hub's signed bytes unchanged, so this sender is lying. The hub can
-                # only check chunks, so there is nothing to report; just never ask it again.
+                # The hub's own signature holds but the snapshot does not (or not the newest): retry.
                 log.warning("snapshot v%d from %s refused: %r", version, self._name(source), exc)
-                if source.peer_id is not None:
-                    self.distrusted.add(source.peer_id)
+            except trio.TooSlowError:
+                log.info("snapshot v%d from %s: unreachable or silent for %.0fs", version, self._name(source), self.stall_s)
+                stalled = True
             except _INTERRUPTED as exc:
                 log.info("snapshot v%d from %s interrupted: %r", version, self._name(source), exc)
             except Exception as exc:  # noqa: BLE001 - libp2p dial errors share no base class
@@ -257,9 +296,12 @@ class SnapshotKeeper:
         elif scope.cancelled_caught:
             log.info("re-linked during v%d: pulling from %s next", version, self._name(self._source()))
         else:
-            # Upstream gone or refusing: wait for new orders (a re-link) or retry shortly.
+            # Upstream gone, refusing or stalled: wait for new orders (a re-link) or retry shortly.
             if source.peer_id is not None:
                 self.upstream_failures += 1
+                if stalled:
+                    await self._report(BadChunkReport(upstream=source.peer_id, kind="unproven", version=version,
+                                                      reason=f"unreachable or silent for {self.stall_s:.0f}s"))
             with trio.move_on_after(RETRY_S * 4):
                 await self._changed.wait()
             await trio.sleep(RETRY_S)
@@ -294,15 +336,18 @@ class SnapshotKeeper:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             stream = await self._open(source)
         try:
-            with trio.fail_after(FETCH_TIMEOUT_S):
-                await receive_snapshot(
-                    stream,
-                    SnapshotRequest(version=version, from_chunk=from_chunk),
-                    self.hub_peer_id,
-                    newer_than=self.version_held,
-                    assembler_for=lambda signed, manifest: self._assembler_for(signed, manifest, source),
-                    on_chunk=self._on_chunk,
-                )
+            # No deadline on the whole transfer (a large model on a slow link takes long); a silent
+            # sender is given up on after STALL_S.
+            await receive_snapshot(
+                stream,
+                SnapshotRequest(version=version, from_chunk=from_chunk),
+                self.hub_peer_id,
+                source.peer_id or self.hub_peer_id,
+                newer_than=self.version_held,
+                assembler_for=lambda signed, manifest: self._assembler_for(signed, manifest, source),
+                on_chunk=self._on_chunk,
+                stall_s=self.stall_s,
+            )
         except BaseException:
             with trio.CancelScope(shield=True):
                 await stream.reset()  # py-libp2p's reset swallows errors of an already broken stream
@@ -320,30 +365,38 @@ class SnapshotKeeper:
         self._notify()
 
     async def _reject_source(self, source: Upstream, exc: ChunkRejected) -> None:
-        """`source` sent a bad chunk: never pull from it again, and tell the hub (which checks, then bans)."""
+        """`source` sent a bad frame: never pull from it again, and tell the hub, with the sender's own
+        commitment as proof when it gave one (the hub checks it, then bans)."""
         self.bad_chunks_seen += 1
-        log.warning("bad chunk from %s: %s", self._name(source), exc)
+        log.warning("bad frame from %s: %s", self._name(source), exc)
         if source.peer_id is None:
-            # The hub's own signature holds but its chunk does not: nothing to report, retry.
+            # The hub's own frame fails: nothing to report to it, retry.
             await trio.sleep(RETRY_S)
             return
         self.distrusted.add(source.peer_id)
-        report = BadChunkReport(
-            version=exc.version, index=exc.index, upstream=source.peer_id, chunk_hex_blake3=exc.received_blake3
-        )
+        proof = exc.proof
+        if proof is None:
+            report = BadChunkReport(upstream=source.peer_id, kind="unproven", version=exc.version, index=exc.index,
+                                    reason=str(exc)[:300])
+        else:
+            report = BadChunkReport(upstream=source.peer_id, kind=proof.kind, version=proof.version, index=proof.index,
+                                    digest_hex=proof.digest_hex, commitment_hex=proof.signature.hex())
+        await self._report(report)
+
+    async def _report(self, report: BadChunkReport) -> None:
         try:
-            reply = await self._report(report)
-        except Exception as report_exc:  # noqa: BLE001 - the hub may be away; the repair goes on without it
-            log.warning("could not report %s: %r", source.peer_id[-8:], report_exc)
+            reply = await self._send_report(report)
+        except Exception as exc:  # noqa: BLE001 - the hub may be away; the repair goes on without it
+            log.warning("could not report %s: %r", report.upstream[-8:], exc)
             return
-        log.info("reported %s for chunk %d of v%d: %s", source.peer_id[-8:], exc.index, exc.version, reply)
+        log.info("reported %s (%s, v%d chunk %d): %s", report.upstream[-8:], report.kind, report.version, report.index,
+                 reply)
 
     async def _complete(self, version: int) -> None:
         transfer = self.transfer
         # Hashing and copying a whole model is seconds of CPU for a large one: off the event loop.
         data = await trio.to_thread.run_sync(lambda: bytes(transfer.assembler.data()))  # whole hash checked
         await self._install(data, version)
-        self.upstream_failures = 0  # the next version is tried from the hub's choice of upstream again
         self.held = (transfer.signed, transfer.manifest, data)
         self.transfer = None
         self._notify()

@@ -149,7 +149,8 @@ class NodeRuntime:
         async with running_host(self.identity, [self.config.listen]) as (host, addrs):
             self.listen_addrs = tuple(addrs)
             client = HubClient(host, self.identity, self.config.hub)
-            self.keeper = SnapshotKeeper(host, self.hub_peer_id, self._install, limiter, self._on_installed, client.report)
+            self.keeper = SnapshotKeeper(host, self.identity, self.hub_peer_id, self._install, limiter, self._on_installed,
+                                         client.report)
             self.worker = Worker(
                 client, self.engine, self.engine_lock,
                 can_work=lambda: self.link.state.connected and self.link.state.state in ("active", "probing"),

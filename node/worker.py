@@ -84,7 +84,12 @@ class Worker:
         return self.engine.generate(texts, lease.group_size, lease.sampling)
 
     async def work(self, lease: Lease) -> SubmitReply | Reject | None:
-        """Answer one lease; the hub's reply, or None when the submission could not be delivered."""
+        """Answer one lease; the hub's reply, or None when it was not answered (the hub re-leases its prompts)."""
+        if self.version_held() < lease.min_version:
+            # Work made with an older policy than the lease allows would be refused: let the lease lapse.
+            log.warning("lease %s needs v%d, this node holds v%d: not answered", lease.lease_id[:8], lease.min_version,
+                        self.version_held())
+            return None
         started = time.monotonic()
         async with self.engine_lock:
             groups = await trio.to_thread.run_sync(self._generate, lease)

@@ -38,17 +38,23 @@ class Identity:
         return cls(Ed25519PrivateKey.from_private_bytes(seed))
 
     @classmethod
+    def load(cls, path: Path) -> Identity:
+        """The key at `path` (mode 0600, a 32-byte Ed25519 seed)."""
+        path = Path(path)
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            raise PermissionError(f"key file {path} has mode {oct(mode)}; run: chmod 600 {path}")
+        seed = path.read_bytes()
+        if len(seed) != 32:
+            raise ValueError(f"key file {path} holds {len(seed)} bytes, expected a 32-byte Ed25519 seed")
+        return cls.from_seed(seed)
+
+    @classmethod
     def load_or_create(cls, path: Path) -> Identity:
         """Load the key at `path`, or create it there with mode 0600 (never readable by others)."""
         path = Path(path)
         if path.exists():
-            mode = path.stat().st_mode & 0o777
-            if mode & 0o077:
-                raise PermissionError(f"key file {path} has mode {oct(mode)}; run: chmod 600 {path}")
-            seed = path.read_bytes()
-            if len(seed) != 32:
-                raise ValueError(f"key file {path} holds {len(seed)} bytes, expected a 32-byte Ed25519 seed")
-            return cls.from_seed(seed)
+            return cls.load(path)
         identity = cls.generate()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

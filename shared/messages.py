@@ -9,12 +9,13 @@ and checked before the body is read.
 
 from __future__ import annotations
 
+import unicodedata
 from enum import StrEnum
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from shared.rollout import Completion, SamplingParams
+from shared.rollout import MAX_VERSION, Completion, SamplingParams
 from shared.wire import Message, protocol_id
 
 JOIN_PROTOCOL = protocol_id("join")
@@ -35,6 +36,34 @@ CHUNK_FRAME = 201
 
 NodeState = Literal["probing", "active", "standby", "banned", "gone"]
 
+# Bounds on what a peer may declare. Every number a peer sends is bounded here, before any of our
+# code sees it: a version is a learner step (far below SQLite's 64-bit INTEGER), a link between a
+# modem and a data-centre NIC, a price below any GPU rental (the hub's own ceiling is lower).
+MAX_CHUNKS = 1 << 24
+MIN_LINK_BPS = 1e4
+MAX_LINK_BPS = 1e12
+MAX_PRICE_PER_HOUR = 1000.0
+MAX_LISTEN_ADDRS = 8
+MAX_ADDR_CHARS = 256
+_BASE58 = "1-9A-HJ-NP-Za-km-z"
+ADDR_PATTERN = rf"^/(ip4|ip6|dns|dns4|dns6)/[A-Za-z0-9.:\-]{{1,200}}/tcp/[0-9]{{1,5}}(/p2p/[{_BASE58}]{{1,128}})?$"
+PEER_ID_PATTERN = rf"^[{_BASE58}]{{1,128}}$"
+
+
+def _printable(text: str) -> str:
+    """Free text a peer sends ends up on operators' terminals: no control or formatting characters."""
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text):
+        raise ValueError("control or formatting characters are not allowed")
+    return text
+
+
+Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
+HeldVersion = Annotated[int, Field(ge=-1, le=MAX_VERSION, description="newest verified snapshot held (-1: none)")]
+ChunkIndex = Annotated[int, Field(ge=0, le=MAX_CHUNKS)]
+PrintableText = Annotated[str, AfterValidator(_printable)]
+ListenAddr = Annotated[str, Field(max_length=MAX_ADDR_CHARS, pattern=ADDR_PATTERN)]
+PeerIdText = Annotated[str, Field(max_length=128, pattern=PEER_ID_PATTERN)]
+
 
 class RejectCode(StrEnum):
     """Why a request was refused, for the program that sent it (the reason text is for people)."""
@@ -42,6 +71,7 @@ class RejectCode(StrEnum):
     BUSY = "busy"  # throttled, or the hub is full: send the same request again later
     BANNED = "banned"  # this identity is banned for good: stop
     MODEL_MISMATCH = "model_mismatch"  # the node runs another model than the hub: restart it with the hub's
+    PRICE_TOO_HIGH = "price_too_high"  # the declared price is above the hub's ceiling: join again with a lower one
     UNKNOWN_NODE = "unknown_node"  # not joined (or dropped as silent): join again
     BAD_LEASE = "bad_lease"  # the lease is unknown, expired, answered, or another node's
     NOT_HELD = "not_held"  # the snapshot version asked for is not held here
@@ -94,20 +124,20 @@ TALLY_SHORT: dict[str, str] = {name: f.json_schema_extra["short"] for name, f in
 class JoinRequest(Message):
     TYPE: ClassVar[int] = 2
     MAX_BYTES: ClassVar[int] = 16 * KIB
-    price_per_hour: float = Field(ge=0.0, le=1000.0, description="declared price, $/h")
-    hardware: str = Field(max_length=500, description="free-form hardware summary")
-    link_bps: float = Field(gt=0.0, le=1e12, description="declared link bandwidth, bytes/s")
+    price_per_hour: float = Field(ge=0.0, le=MAX_PRICE_PER_HOUR, description="declared price, $/h")
+    hardware: PrintableText = Field(max_length=200, description="free-form hardware summary")
+    link_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="declared link bandwidth, bytes/s")
     backend: Literal["hf", "vllm"]
-    model_config_hash: str = Field(max_length=128)
-    version_held: int = Field(-1, ge=-1, description="newest verified snapshot held (-1: none)")
-    listen_addrs: tuple[str, ...] = Field((), max_length=16, description="where peers can dial this node")
+    model_config_hash: str = Field(max_length=128, pattern=r"^[0-9a-f]{1,128}$")
+    version_held: HeldVersion = -1
+    listen_addrs: tuple[ListenAddr, ...] = Field((), max_length=MAX_LISTEN_ADDRS, description="where peers can dial this node")
 
 
 class JoinReply(Message):
     TYPE: ClassVar[int] = 3
     MAX_BYTES: ClassVar[int] = 16 * KIB
     state: NodeState
-    latest_version: int = Field(ge=-1)
+    latest_version: HeldVersion
     staleness: int = Field(ge=0)
     task: str
     heartbeat_period_s: float = Field(gt=0.0, le=600.0, description="how often the node must heartbeat")
@@ -116,18 +146,18 @@ class JoinReply(Message):
 class Heartbeat(Message):
     TYPE: ClassVar[int] = 4
     MAX_BYTES: ClassVar[int] = 4 * KIB
-    version_held: int = Field(ge=-1)
-    receiving_version: int | None = Field(None, ge=0, description="snapshot in flight, if any")
-    chunks_received: int = Field(0, ge=0)
+    version_held: HeldVersion
+    receiving_version: Version | None = Field(None, description="snapshot in flight, if any")
+    chunks_received: ChunkIndex = 0
 
 
 class HeartbeatReply(Message):
     TYPE: ClassVar[int] = 5
     MAX_BYTES: ClassVar[int] = 16 * KIB
     state: NodeState
-    latest_version: int = Field(ge=-1)
+    latest_version: HeldVersion
     upstream: str | None = Field(None, description="peer id this node pulls snapshots from (None: the hub)")
-    upstream_addrs: tuple[str, ...] = Field((), max_length=16)
+    upstream_addrs: tuple[ListenAddr, ...] = Field((), max_length=MAX_LISTEN_ADDRS)
     downstream: str | None = Field(None, description="peer id that pulls snapshots from this node")
     chain: int | None = None
     chain_position: int | None = None
@@ -136,7 +166,7 @@ class HeartbeatReply(Message):
 class LeaseRequest(Message):
     TYPE: ClassVar[int] = 6
     MAX_BYTES: ClassVar[int] = 1 * KIB
-    version_held: int = Field(ge=-1)
+    version_held: HeldVersion
 
 
 class LeasePrompt(Message):
@@ -172,7 +202,7 @@ class SubmittedGroup(Message):
     MAX_BYTES: ClassVar[int] = 8 * MIB
     prompt_id: str = Field(max_length=200)
     completions: tuple[Completion, ...] = Field(max_length=256)
-    claimed_rewards: tuple[float, ...] | None = Field(None, description="node's own scores: compared, never used")
+    claimed_rewards: tuple[float, ...] | None = Field(None, max_length=256, description="node's own scores: compared, never used")
 
 
 class Submission(Message):
@@ -274,6 +304,12 @@ class HubStatus(Message):
     all_on_cost_usd: float = 0.0
     history: tuple[StepPoint, ...] = ()
     events: tuple[EventRecord, ...] = ()
+    redacted: bool = Field(False, description="nodes' prices, costs and hardware hidden: asked without an operator key")
+
+    def redact(self) -> HubStatus:
+        """The status a peer without an operator key sees: no node's price, cost or hardware."""
+        nodes = tuple(n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": ""}) for n in self.nodes)
+        return self.model_copy(update={"nodes": nodes, "redacted": True})
 
 
 class SnapshotRequest(Message):
@@ -281,9 +317,9 @@ class SnapshotRequest(Message):
 
     TYPE: ClassVar[int] = 18
     MAX_BYTES: ClassVar[int] = 1 * KIB
-    version: int | None = Field(None, ge=0, description="None: the newest")
-    from_chunk: int = Field(0, ge=0)
-    only_chunk: int | None = Field(None, ge=0, description="fetch this one chunk only (repair)")
+    version: Version | None = Field(None, description="None: the newest")
+    from_chunk: ChunkIndex = 0
+    only_chunk: ChunkIndex | None = Field(None, description="fetch this one chunk only (repair)")
 
 
 class TransferAck(Message):
@@ -291,21 +327,31 @@ class TransferAck(Message):
 
     TYPE: ClassVar[int] = 19
     MAX_BYTES: ClassVar[int] = 1 * KIB
-    version: int
-    chunks: int = Field(ge=0)
+    version: Version
+    chunks: ChunkIndex
     ok: bool
     reason: str = Field("", max_length=500)
 
 
 class BadChunkReport(Message):
-    """A node reports that its upstream sent a chunk that failed verification."""
+    """A node reports its upstream.
+
+    kind "manifest" or "chunk": `commitment_hex` is the upstream's signature over what it sent for
+    (version, index) with blake3 `digest_hex` (shared/transfer.py), which the hub checks with the
+    upstream's key against its own manifest: proof that bans the upstream, or the reporter if the
+    upstream sent the right bytes. kind "unproven": a frame with no valid commitment, or a stall;
+    the hub can check nothing, and only moves the upstream to the end of its chain.
+    """
 
     TYPE: ClassVar[int] = 20
     MAX_BYTES: ClassVar[int] = 4 * KIB
-    version: int
-    index: int = Field(ge=0)
-    upstream: str = Field(max_length=128)
-    chunk_hex_blake3: str = Field(max_length=128)
+    upstream: PeerIdText
+    kind: Literal["manifest", "chunk", "unproven"]
+    version: Version
+    index: ChunkIndex = 0
+    digest_hex: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    commitment_hex: str | None = Field(None, pattern=r"^[0-9a-f]{128}$")
+    reason: PrintableText = Field("", max_length=300)
 
 
 class RelayOffer(Message):
@@ -313,8 +359,8 @@ class RelayOffer(Message):
 
     TYPE: ClassVar[int] = 21
     MAX_BYTES: ClassVar[int] = 1 * KIB
-    version: int = Field(ge=0)
-    from_chunk: int = Field(0, ge=0)
+    version: Version
+    from_chunk: ChunkIndex = 0
 
 
 class NodeView(Message):

@@ -26,14 +26,25 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
   sleeps 7 s). Readers must keep draining while they do slow work.
 - An exception escaping a stream handler propagates into the connection's nursery and
   from there can cancel the whole host; `safe_handler` contains it.
+- Inbound connections (swarm.py, `_handle_inbound_connection`): each holds a slot of a
+  250-token limiter, and the upstream handler keeps it until the whole swarm stops, so ~250
+  peers that came and went lock every later one out. `_inbound_handler` replaces that
+  handler: it holds the slot only while the connection lives, and refuses an address that
+  already holds MAX_INBOUND_PER_IP live connections before any handshake. There is no idle
+  timeout in py-libp2p; the hub disconnects idle strangers itself (hub/service.py).
+- The swarm's auto-connector dials peers it learned of (targeting 200 connections), which
+  would make our hosts dial whatever addresses peers advertise: it is stopped.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from importlib.metadata import version as package_version
 
 import trio
 from libp2p import new_host
@@ -41,6 +52,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -59,11 +71,19 @@ if sys.version_info < (3, 11):
 # More than one connection per peer makes py-libp2p dial several in parallel and wait
 # for them (measured: ~250 ms per connect instead of a few ms on loopback).
 MAX_CONNECTIONS_PER_PEER = 1
+# Live connections a host keeps: room for a large fleet (py-libp2p's default is 300, and its
+# pruner starts at the high watermark, so both are raised together).
+MAX_CONNECTIONS = 8192
+# Live inbound connections one remote address may hold (an honest operator runs a few nodes).
+MAX_INBOUND_PER_IP = 32
+# `_inbound_handler` replaces a private method of this release only.
+LIBP2P_PATCHED_VERSION = "0.8.1"
+log = logging.getLogger("echo2.net")
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 
 
-def build_host(identity: Identity) -> IHost:
+def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> IHost:
     key_pair = identity.libp2p_keypair()
     host = new_host(
         key_pair=key_pair,
@@ -74,24 +94,96 @@ def build_host(identity: Identity) -> IHost:
         },
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         transports=[TCP()],
-        connection_config=ConnectionConfig(max_connections_per_peer=MAX_CONNECTIONS_PER_PEER),
+        connection_config=ConnectionConfig(
+            max_connections_per_peer=MAX_CONNECTIONS_PER_PEER, max_connections=MAX_CONNECTIONS,
+            high_watermark=MAX_CONNECTIONS, low_watermark=MAX_CONNECTIONS // 2,
+        ),
         enable_mDNS=False,
         bootstrap=None,
     )
     if host.get_id().to_base58() != identity.peer_id:
         raise RuntimeError(f"libp2p host id {host.get_id()} differs from identity {identity.peer_id}")
+    _hold_inbound_slots_while_alive(host, inbound_per_ip)
     return host
 
 
+def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
+    """Replace the swarm's inbound handler (see the module docstring): slots freed when a connection ends,
+    and at most `inbound_per_ip` live inbound connections per remote address (loopback included)."""
+    if inbound_per_ip < 1:
+        raise ValueError(f"inbound_per_ip must be >= 1, got {inbound_per_ip}")
+    found = package_version("libp2p")
+    if found != LIBP2P_PATCHED_VERSION:
+        raise RuntimeError(f"shared/net.py patches py-libp2p {LIBP2P_PATCHED_VERSION}'s inbound handler; found {found}")
+    swarm = host.get_network()
+    swarm._inbound_limiter.total_tokens = MAX_CONNECTIONS
+    per_ip: collections.Counter[str] = collections.Counter()
+
+    async def inbound(self, read_write_closer, maddr, failure_event) -> None:
+        remote = self._build_remote_multiaddr(read_write_closer)
+        ip = _multiaddr_ip(remote)
+        if remote is not None and not await self.connection_gate.is_allowed(remote):
+            await _close_quietly(read_write_closer)
+            return
+        if ip is not None and per_ip[ip] >= inbound_per_ip:
+            log.info("refused an inbound connection from %s: %d already live", ip, per_ip[ip])
+            await _close_quietly(read_write_closer)
+            return
+        if ip is not None:
+            per_ip[ip] += 1
+        raw = RawConnection(read_write_closer, False)
+        try:
+            muxed = await self.upgrade_inbound_raw_conn(raw, maddr)
+            conn = next((c for c in self.get_connections(muxed.peer_id) if c.muxed_conn is muxed), None)
+            if conn is not None:  # else trimmed or closed already: the slot goes back at once
+                await conn.event_closed.wait()
+        except Exception as exc:  # noqa: BLE001 - a failed handshake is the remote's problem, not ours
+            log.debug("inbound connection from %s failed: %r", remote, exc)
+            await _close_quietly(raw)
+        finally:
+            if ip is not None:
+                per_ip[ip] -= 1
+                if per_ip[ip] <= 0:
+                    del per_ip[ip]
+
+    swarm._do_handle_inbound_connection = types.MethodType(inbound, swarm)
+
+
+def _multiaddr_ip(addr: Multiaddr | None) -> str | None:
+    if addr is None:
+        return None
+    for protocol in ("ip4", "ip6"):
+        try:
+            return addr.value_for_protocol(protocol)
+        except Exception:  # noqa: BLE001 - multiaddr raises its own errors for an absent protocol
+            continue
+    return None
+
+
+async def _close_quietly(closer) -> None:
+    try:
+        await closer.close()
+    except Exception:  # noqa: BLE001 - the remote may be gone already
+        pass
+
+
 @asynccontextmanager
-async def running_host(identity: Identity, listen: list[str]) -> AsyncIterator[tuple[IHost, list[str]]]:
+async def running_host(
+    identity: Identity, listen: list[str], inbound_per_ip: int = MAX_INBOUND_PER_IP
+) -> AsyncIterator[tuple[IHost, list[str]]]:
     """Run a host listening on `listen`; yield it with its bound addresses, each ending in /p2p/<peer id>."""
-    host = build_host(identity)
+    host = build_host(identity, inbound_per_ip)
     async with host.run(listen_addrs=[Multiaddr(a) for a in listen]):
+        await host.get_network().auto_connector.stop()
         # Transport addrs carry the real bound port (tcp/0 resolved); get_addrs() would also
         # mix in addresses peers claim to observe.
         addrs = [f"{a}/p2p/{identity.peer_id}" for a in host.get_transport_addrs()]
-        yield host, addrs
+        try:
+            yield host, addrs
+        finally:
+            # Leaving without closing would leave our connections open on the peers' side.
+            with trio.CancelScope(shield=True):
+                await host.close()
 
 
 def remote_peer_id(stream: INetStream) -> str:

@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length"]
+# Versions are learner steps: far below SQLite's 64-bit INTEGER, which a hostile number must never reach.
+MAX_VERSION = 2**53
 
 
 class SamplingParams(BaseModel):
@@ -28,7 +30,7 @@ class Completion(BaseModel):
     token_ids: tuple[int, ...] = Field(description="completion tokens, EOS included when finish_reason is stop")
     logprobs: tuple[float, ...] = Field(description="log-prob of each sampled token under the sampling distribution")
     finish_reason: FinishReason
-    version: int = Field(ge=0, description="policy version that produced it")
+    version: int = Field(ge=0, le=MAX_VERSION, description="policy version that produced it")
     text: str = Field(description="decoded completion without special tokens")
 
 
@@ -39,7 +41,7 @@ class Group(BaseModel):
 
     prompt_id: str
     prompt_text: str
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_VERSION)
     completions: tuple[Completion, ...]
     rewards: tuple[float, ...]
     node_id: str = Field("", description="peer id of the node that made it ('' for in-process)")

@@ -336,13 +336,13 @@ def chunk_of(data: bytes | bytearray | memoryview, manifest: Manifest, index: in
     return memoryview(data)[start : start + manifest.chunk_length(index)]
 
 
-def verify_chunk(manifest: Manifest, index: int, data: bytes | bytearray | memoryview) -> bool:
+def verify_chunk(manifest: Manifest, index: int, data: bytes | bytearray | memoryview, digest_hex: str | None = None) -> bool:
     """True iff `data` is exactly chunk `index` of the snapshot `manifest` describes."""
     if not 0 <= index < manifest.chunk_count:
         return False
     if len(data) != manifest.chunk_length(index):
         return False
-    return blake3_hex(data) == manifest.chunk_hashes[index]
+    return (digest_hex or blake3_hex(data)) == manifest.chunk_hashes[index]
 
 
 class ChunkAssembler:
@@ -355,13 +355,15 @@ class ChunkAssembler:
         self._missing = manifest.chunk_count
         self._whole_verified = False
 
-    def add(self, index: int, data: bytes | bytearray | memoryview) -> bool:
-        """Store a chunk; False for a duplicate (ignored unhashed), BadChunk for a wrong index or content."""
+    def add(self, index: int, data: bytes | bytearray | memoryview, digest_hex: str | None = None) -> bool:
+        """Store a chunk; False for a duplicate (ignored unhashed), BadChunk for a wrong index or content.
+
+        `digest_hex`: blake3 of `data` when the caller has just computed it (so it is not hashed twice)."""
         if not 0 <= index < self.manifest.chunk_count:
             raise BadChunk(f"chunk index {index} outside 0..{self.manifest.chunk_count - 1}")
         if self._have[index]:
             return False
-        if not verify_chunk(self.manifest, index, data):
+        if not verify_chunk(self.manifest, index, data, digest_hex):
             raise BadChunk(f"chunk {index} of version {self.manifest.version} fails its hash or length")
         start = index * self.manifest.chunk_size
         self._buffer[start : start + len(data)] = data

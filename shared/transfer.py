@@ -8,21 +8,32 @@ verifies the manifest against the hub's key and every chunk against the manifest
 keeps it, then answers with a TransferAck; the sender closes only after reading that ack
 (closing without an ack, or resetting, could discard data still in flight).
 
+Commitments: every frame a sender writes carries its own Ed25519 signature over what it sends
+(`commitment`: the kind, the requested version, the chunk index and the blake3 of the bytes). A
+receiver checks the commitment before anything else. A frame whose commitment does not verify
+proves nothing to anyone (`proof` None): the receiver drops that sender. A frame whose commitment
+verifies but whose bytes fail the hub's manifest is proof the sender lied, which the hub can
+check with the sender's public key alone; and a report quoting a commitment to the right bytes
+proves the reporter lied. Honest relays therefore cannot be framed, and lying ones are banned.
+
 Chunks arrive strictly in the order asked for (from_chunk, from_chunk + 1, ..., or the one
-only_chunk): a sender that sends any other index is treated like one that sends a bad chunk,
-so a relay cannot pass off a valid chunk of another index, or repeat one, in place of the one
-it was asked for.
+only_chunk): a sender that sends any other index is treated like one that sends a bad chunk.
+A sender that stops sending is dropped after STALL_S without a byte (there is no deadline on a
+whole transfer: a large model on a slow link takes as long as it takes).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import blake3
+import trio
 from libp2p.network.stream.exceptions import StreamError
 
-from shared.crypto import SIGNATURE_BYTES
+from shared.crypto import SIGNATURE_BYTES, Identity, public_key_from_peer_id, verify
 from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SnapshotRequest, TransferAck
 from shared.snapshot import (
     MAX_CHUNK_BYTES,
@@ -31,6 +42,7 @@ from shared.snapshot import (
     ChunkAssembler,
     Manifest,
     SignedManifest,
+    SnapshotError,
     decode_chunk,
     encode_chunk,
     verify_manifest,
@@ -41,28 +53,66 @@ from shared.wire import StreamEOF, encode_frame, read_frame, read_message, write
 # the stream ended (StreamEOF), or a write into a stream it reset (py-libp2p's StreamError).
 RECEIVER_GONE = (StreamEOF, StreamError)
 
-CHUNK_FRAME_OVERHEAD_BYTES = 12
-TRANSFER_CAPS = {MANIFEST_FRAME: MAX_MANIFEST_BYTES + SIGNATURE_BYTES, CHUNK_FRAME: MAX_CHUNK_BYTES + CHUNK_FRAME_OVERHEAD_BYTES}
+# A sender (or a receiver owing its ack) silent this long is given up on.
+STALL_S = 20.0
+CHUNK_FRAME_OVERHEAD_BYTES = 12 + SIGNATURE_BYTES
+TRANSFER_CAPS = {
+    MANIFEST_FRAME: MAX_MANIFEST_BYTES + 2 * SIGNATURE_BYTES,
+    CHUNK_FRAME: MAX_CHUNK_BYTES + CHUNK_FRAME_OVERHEAD_BYTES,
+}
+CommitKind = Literal["manifest", "chunk"]
+_COMMIT_DOMAIN = b"echo2/transfer-commitment/1|"
+_COMMIT_FIELDS = struct.Struct(">QI")
+
+
+def commitment_payload(kind: CommitKind, version: int, index: int, digest_hex: str) -> bytes:
+    """What a sender signs for one frame: the kind, the requested version, the chunk index, the bytes' blake3."""
+    return _COMMIT_DOMAIN + kind.encode() + b"|" + _COMMIT_FIELDS.pack(version, index) + bytes.fromhex(digest_hex)
+
+
+def commitment_holds(public_key: bytes, kind: CommitKind, version: int, index: int, digest_hex: str, sig: bytes) -> bool:
+    return len(sig) == SIGNATURE_BYTES and verify(public_key, commitment_payload(kind, version, index, digest_hex), sig)
+
+
+@dataclass(frozen=True)
+class Proof:
+    """A sender's valid signature over the blake3 of what it sent: enough for the hub to judge the sender."""
+
+    kind: CommitKind
+    version: int
+    index: int
+    digest_hex: str
+    signature: bytes
 
 
 class ChunkRejected(BadChunk):
-    """The sender sent something other than the verified chunk `index` of `version` it was asked for."""
+    """The sender sent something other than the verified manifest or chunk it was asked for.
 
-    def __init__(self, version: int, index: int, received_blake3: str, reason: str) -> None:
+    `proof` is the sender's commitment to the bytes it sent, or None when its frame carried no
+    valid commitment (then nothing can be proven to a third party).
+    """
+
+    def __init__(self, version: int, index: int, reason: str, proof: Proof | None) -> None:
         super().__init__(f"chunk {index} of v{version}: {reason}")
         self.version = version
         self.index = index
-        self.received_blake3 = received_blake3
+        self.proof = proof
+
+
+class NotServable(LookupError):
+    """The request asks for a version or chunks the sender does not hold: refused before anything is sent.
+
+    (A LookupError from the source later, mid-transfer, means the sender dropped the version meanwhile.)"""
 
 
 def wanted_chunks(request: SnapshotRequest, total: int) -> range:
-    """The chunk indices a request asks for, in the order they must be sent (LookupError if out of range)."""
+    """The chunk indices a request asks for, in the order they must be sent (NotServable if out of range)."""
     if request.only_chunk is not None:
         if not 0 <= request.only_chunk < total:
-            raise LookupError(f"chunk {request.only_chunk} out of range 0..{total - 1}")
+            raise NotServable(f"chunk {request.only_chunk} out of range 0..{total - 1}")
         return range(request.only_chunk, request.only_chunk + 1)
     if request.from_chunk >= total:
-        raise LookupError(f"from_chunk {request.from_chunk} out of range 0..{total - 1}")
+        raise NotServable(f"from_chunk {request.from_chunk} out of range 0..{total - 1}")
     return range(request.from_chunk, total)
 
 
@@ -82,67 +132,110 @@ class Writer(Protocol):
     async def write(self, stream, data: bytes) -> None: ...
 
 
-async def serve_snapshot(stream, source: ChunkSource, request: SnapshotRequest, limiter: Writer | None) -> TransferAck:
-    """Answer one SnapshotRequest on `stream` and return the receiver's ack (LookupError if nothing to serve)."""
+class _Watchdog:
+    """A stream whose every read must return within STALL_S: a peer that goes quiet is a stall, not a wait."""
+
+    def __init__(self, stream, stall_s: float) -> None:
+        self.stream = stream
+        self.stall_s = stall_s
+
+    async def read(self, n: int) -> bytes:
+        with trio.fail_after(self.stall_s):
+            return await self.stream.read(n)
+
+
+async def serve_snapshot(
+    stream, source: ChunkSource, request: SnapshotRequest, limiter: Writer | None, identity: Identity,
+    stall_s: float = STALL_S,
+) -> TransferAck:
+    """Answer one SnapshotRequest on `stream`, committing to every frame as `identity`, and return the
+    receiver's ack (NotServable if there is nothing to serve)."""
     held = source.held_manifest(request.version)
     if held is None:
-        raise LookupError(f"snapshot {request.version if request.version is not None else 'newest'} not held")
+        raise NotServable(f"snapshot {request.version if request.version is not None else 'newest'} not held")
     signed, manifest = held
     indices = wanted_chunks(request, manifest.chunk_count)
-    await write_frame(stream, MANIFEST_FRAME, signed.to_bytes())
+    manifest_bytes = signed.to_bytes()
+    digest = blake3.blake3(manifest_bytes).hexdigest()
+    # Committed to the version asked for: sending another one's manifest in its place is then provable.
+    asked = request.version if request.version is not None else manifest.version
+    await write_frame(stream, MANIFEST_FRAME,
+                      manifest_bytes + identity.sign(commitment_payload("manifest", asked, 0, digest)))
     version = manifest.version
     for index in indices:
-        frame = encode_frame(CHUNK_FRAME, encode_chunk(version, index, await source.chunk(version, index)))
+        data = await source.chunk(version, index)
+        # The commitment is to the bytes actually sent (hashed again here, ~0.3 CPU-s per GB): a sender
+        # cannot commit to one thing and send another without its receiver noticing at once.
+        sig = identity.sign(commitment_payload("chunk", version, index, blake3.blake3(data).hexdigest()))
+        frame = encode_frame(CHUNK_FRAME, encode_chunk(version, index, data) + sig)
         if limiter is None:
             await stream.write(frame)
         else:
             await limiter.write(stream, frame)
-    return await read_message(stream, TransferAck)
+    return await read_message(_Watchdog(stream, stall_s), TransferAck)
 
 
 async def receive_snapshot(
     stream,
     request: SnapshotRequest,
     hub_peer_id: str,
+    sender_peer_id: str,
     newer_than: int | None,
     assembler_for: Callable[[SignedManifest, Manifest], ChunkAssembler],
     on_chunk: Callable[[int], Awaitable[None]] | None = None,
+    stall_s: float = STALL_S,
 ) -> ChunkAssembler:
-    """Send `request`, verify the manifest and every chunk, ack, and return the assembler holding them.
+    """Send `request`, check the sender's commitments, verify the manifest and every chunk, ack, and return
+    the assembler holding them.
 
     `assembler_for` returns the assembler to fill (a fresh one, or a partial one to resume);
-    a chunk it already holds is skipped unhashed. A chunk failing verification, or arriving
-    out of the asked order, raises ChunkRejected (after telling the sender); nothing
-    unverified is ever kept. `on_chunk` runs after each chunk is stored.
+    a chunk it already holds is skipped unhashed. A frame failing its commitment or verification,
+    or arriving out of the asked order, raises ChunkRejected (after telling the sender); nothing
+    unverified is ever kept. `on_chunk` runs after each chunk is stored; a sender silent for
+    `stall_s` raises trio.TooSlowError.
     """
+    sender_key = public_key_from_peer_id(sender_peer_id)
+    reader = _Watchdog(stream, stall_s)
     await write_message(stream, request)
-    _, body = await read_frame(stream, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]})
-    signed = SignedManifest.from_bytes(body)
-    manifest = verify_manifest(signed, hub_peer_id, newer_than)
-    if request.version is not None and manifest.version != request.version:
-        raise BadChunk(f"asked for v{request.version}, got a manifest for v{manifest.version}")
+    _, body = await read_frame(reader, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]})
+    manifest_bytes, sig = body[:-SIGNATURE_BYTES], body[-SIGNATURE_BYTES:]
+    digest = blake3.blake3(manifest_bytes).hexdigest()
+    proof = None  # a request without a version binds the sender to nothing in particular
+    if request.version is not None:
+        if not commitment_holds(sender_key, "manifest", request.version, 0, digest, sig):
+            raise ChunkRejected(request.version, 0, "manifest frame without a valid commitment", None)
+        proof = Proof("manifest", request.version, 0, digest, sig)
     try:
+        signed = SignedManifest.from_bytes(manifest_bytes)
+        manifest = verify_manifest(signed, hub_peer_id, newer_than)
+        if request.version is not None and manifest.version != request.version:
+            raise BadChunk(f"asked for v{request.version}, got a manifest for v{manifest.version}")
         wanted = wanted_chunks(request, manifest.chunk_count)
-    except LookupError as exc:
-        raise BadChunk(f"request outside the manifest: {exc}") from None
+    except (SnapshotError, LookupError) as exc:
+        raise ChunkRejected(request.version or 0, 0, f"manifest refused: {exc}", proof) from None
+    if request.version is None and not commitment_holds(sender_key, "manifest", manifest.version, 0, digest, sig):
+        raise ChunkRejected(manifest.version, 0, "manifest frame without a valid commitment", None)
     assembler = assembler_for(signed, manifest)
     received = 0
     try:
         for expected in wanted:
-            _, frame = await read_frame(stream, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]})
+            _, frame = await read_frame(reader, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]})
+            body, sig = frame[:-SIGNATURE_BYTES], frame[-SIGNATURE_BYTES:]
             try:
-                version, index, data = decode_chunk(frame)
+                version, index, data = decode_chunk(body)
             except BadChunk as exc:
-                raise ChunkRejected(manifest.version, expected, blake3.blake3(frame).hexdigest(), str(exc)) from None
+                raise ChunkRejected(manifest.version, expected, str(exc), None) from None
             if (version, index) != (manifest.version, expected):
-                raise ChunkRejected(
-                    manifest.version, expected, blake3.blake3(data).hexdigest(),
-                    f"sender sent chunk {index} of v{version} instead",
-                )
+                # Committed or not, a frame for another slot proves nothing about the one asked for.
+                raise ChunkRejected(manifest.version, expected, f"sender sent chunk {index} of v{version} instead", None)
+            digest = blake3.blake3(data).hexdigest()
+            if not commitment_holds(sender_key, "chunk", version, index, digest, sig):
+                raise ChunkRejected(manifest.version, expected, "chunk frame without a valid commitment", None)
+            proof = Proof("chunk", version, index, digest, sig)
             try:
-                assembler.add(index, data)
+                assembler.add(index, data, digest)
             except BadChunk as exc:
-                raise ChunkRejected(manifest.version, expected, blake3.blake3(data).hexdigest(), str(exc)) from None
+                raise ChunkRejected(manifest.version, expected, str(exc), proof) from None
             received += 1
             if on_chunk is not None:
                 await on_chunk(index)

@@ -135,7 +135,8 @@ _MESSAGE_TYPES: dict[int, type[Message]] = {}
 class Message(pydantic.BaseModel):
     """A typed wire message. Subclasses set TYPE (unique tag 0-199) and MAX_BYTES (JSON body cap)."""
 
-    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+    # No NaN or infinity anywhere on the wire: a bound compared against NaN is no bound.
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     TYPE: ClassVar[int]
     MAX_BYTES: ClassVar[int]

@@ -96,14 +96,16 @@ class HubDB:
         rows = self.query("SELECT state FROM nodes WHERE peer_id = ?", (node_id,))
         return bool(rows) and rows[0][0] == "banned"
 
-    def standing_groups(self, node_id: str) -> int:
-        """Accepted groups of the node the hub has not taken back (discarded after a ban)."""
+    def standing_in(self, lease_ids: list[str]) -> int:
+        """Accepted groups of these leases the hub did not take back: trained on, or waiting to be."""
+        if not lease_ids:
+            return 0
+        marks = ",".join("?" * len(lease_ids))
         return self.query(
-            "SELECT COUNT(*) FROM trajectories WHERE node_id = ? AND verdict = 'accepted'"
-            " AND (discard_reason IS NULL OR discard_reason NOT LIKE 'banned%')",
-            (node_id,),
+            f"SELECT COUNT(*) FROM trajectories WHERE lease_id IN ({marks}) AND verdict = 'accepted'"
+            " AND discard_reason IS NULL",
+            tuple(lease_ids),
         )[0][0]
-
 
 
 # -- an in-process peer speaking the node protocol ------------------------------------------
@@ -116,6 +118,7 @@ class Client(HubClient):
                  snapshots_dir: Path | None = None) -> None:
         super().__init__(host, identity, hub_addr, timeout_s=REQUEST_TIMEOUT_S)
         self.engine = engine
+        self.tokenizer = engine.tokenizer
         self.config_hash = config_hash
         self.version = version
         self.snapshots_dir = snapshots_dir
@@ -184,6 +187,10 @@ class Client(HubClient):
             out.append(SubmittedGroup(prompt_id=prompt.prompt_id, completions=tuple(completions)))
         return tuple(out)
 
+    def decode(self, completion) -> str:
+        """The completion's text as the hub decodes it (the hub never believes the node's own text)."""
+        return self.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+
     def frame(self, lease_id: str, groups) -> bytes:
         from shared.messages import Submission
 
@@ -224,7 +231,8 @@ def accepted_of(reply) -> int:
 
 
 def refused(reply) -> bool:
-    return isinstance(reply, (Reject, str))
+    """The hub answered with a Reject: a stream it reset or left hanging is not a refusal it explained."""
+    return isinstance(reply, Reject)
 
 
 # -- scenarios -------------------------------------------------------------------------------
@@ -269,7 +277,8 @@ async def scenario_replay(x: Client, control: Client, db: HubDB, attempts: int) 
 
 
 async def scenario_fake_reward(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
-    """Claim reward 1.0 for every completion; the hub must store its own recomputed reward."""
+    """Claim the opposite of the true reward for every completion: each group is a lie the hub must refuse
+    unpaid (it scores the completions itself)."""
     from shared.tasks.reverse import ReverseTask
 
     task = ReverseTask()
@@ -278,24 +287,17 @@ async def scenario_fake_reward(x: Client, control: Client, db: HubDB, attempts: 
     mismatches_before = db.events("reward_claim_mismatch", x.peer_id)
     for _ in range(attempts):
         lease = await x.lease()
-        groups = tuple(g.model_copy(update={"claimed_rewards": (1.0,) * len(g.completions)})
-                       for g in await x.groups(lease))
-        await x.submit_frame(x.frame(lease.lease_id, groups))
-        rows = db.query("SELECT prompt_id, group_json FROM trajectories WHERE lease_id = ? AND verdict = 'accepted'",
-                        (lease.lease_id,))
-        lied = False
-        for prompt_id, group_json in rows:
-            group = json.loads(group_json)
-            truth = [task.reward(task.get(prompt_id), c["text"]) for c in group["completions"]]
-            if any(t != 1.0 for t in truth):
-                lied = True
-                # Believed: stored with the claimed reward rather than the true one.
-                r.accepted += group["rewards"] != truth
-        r.attempts += lied
+        groups = []
+        for g in await x.groups(lease):
+            prompt = task.get(g.prompt_id)
+            truth = [task.reward(prompt, x.decode(c)) for c in g.completions]
+            groups.append(g.model_copy(update={"claimed_rewards": tuple(1.0 - t for t in truth)}))
+        reply = await x.submit_frame(x.frame(lease.lease_id, tuple(groups)))
+        r.attempts += 1
+        r.accepted += accepted_of(reply)
         r.false_rejections += await control.honest_round()
     # One reward_claim_mismatch event per submission whose claims differ from the hub's scores.
     r.detected = db.events("reward_claim_mismatch", x.peer_id) - mismatches_before
-    # Paid for real sampling at the declared price; the lie earned nothing extra.
     r.paid = db.paid(x.peer_id) - paid_before
     return r
 
@@ -380,7 +382,8 @@ async def scenario_stream_flood(x: Client, control: Client, db: HubDB, streams: 
         for _ in range(streams):
             nursery.start_soon(one)
     r.attempts = streams
-    r.detected = sum(refused(o) for o in outcomes)
+    # Under a flood the guard may also disconnect the peer: a cut stream is turned away too.
+    r.detected = sum(refused(o) or o in ("reset", "timeout") or isinstance(o, str) for o in outcomes)
     r.accepted = streams - r.detected
     r.false_rejections = control_rejections
     return r
@@ -391,25 +394,24 @@ async def scenario_caught_later(
 ) -> ScenarioResult:
     """A cheat the submission checks cannot see (audits or the copy detector must catch it after the fact)."""
     r = ScenarioResult(name)
-    standing_before, paid_before = db.standing_groups(cheat.peer_id), db.paid(cheat.peer_id)
+    paid_before = db.paid(cheat.peer_id)
+    leases: list[str] = []
     for _ in range(attempts):
         try:
             lease = await cheat.lease(wait_s=15.0)
         except (Refused, TimeoutError):
             break  # banned, or no more work for it: refused from now on
+        leases.append(lease.lease_id)
         reply = await cheat.submit_frame(cheat.frame(lease.lease_id, await make(lease)))
         r.attempts += 1
         r.detected += refused(reply)
         r.false_rejections += await control.honest_round()
     await trio.sleep(settle_s)
-    standing = db.standing_groups(cheat.peer_id)
     caught = db.banned(cheat.peer_id) or db.events("copy_detected", cheat.peer_id) > 0
     r.detected = r.attempts if caught else r.detected
-    # Counted from before the cheat: what its honest probe earned is not at stake (a ban keeps it only
-    # when that probe's audit passed; then the whole penalty shows here as negative pay).
-    # The ban also drops the node's earlier honest work still untrained, which can take the
-    # difference below zero: no cheating group stands then.
-    r.accepted = max(0, standing - standing_before)
+    # Only the cheat's own leases count: its honest work before the cheat is not at stake (a ban keeps
+    # its pay only up to the last passed audit; the rest of the penalty shows here as negative pay).
+    r.accepted = db.standing_in(leases)
     r.paid = db.paid(cheat.peer_id) - paid_before
     r.false_rejections += db.banned(control.peer_id)
     deadline = time.monotonic() + 3 * STATUS_PERIOD_S
@@ -418,6 +420,173 @@ async def scenario_caught_later(
             r.shown_cost_matches_ledger = False
             break
         await trio.sleep(0.2)
+    return r
+
+
+async def scenario_hostile_join(x: Client, control: Client, db: HubDB) -> ScenarioResult:
+    """Numbers and strings no honest node sends (a 5e-324 B/s link, NaN, a version past SQLite's INTEGER,
+    kilobytes of listen addresses, terminal escapes): each must be refused, and nothing stored."""
+    from shared.messages import JOIN_PROTOCOL, JoinReply, JoinRequest
+    from shared.wire import encode_frame
+
+    r = ScenarioResult("hostile_join")
+    base = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf",
+            "model_config_hash": x.config_hash, "version_held": 0, "listen_addrs": []}
+    for override in ({"link_bps": 5e-324}, {"price_per_hour": float("nan")}, {"version_held": 2**70},
+                     {"listen_addrs": ["/ip4/1.2.3.4/tcp/1/" + "x" * 2000] * 16}, {"hardware": "\x1b[2J"}):
+        frame = encode_frame(JoinRequest.TYPE, json.dumps({**base, **override}).encode())
+        reply = await x.send(JOIN_PROTOCOL, frame, (JoinReply,))
+        r.attempts += 1
+        r.detected += refused(reply)
+        r.accepted += not refused(reply)
+    await x.join()  # back in good standing for whatever comes next
+    r.false_rejections += await control.honest_round()
+    return r
+
+
+async def scenario_throwaway_identities(x: Client, control: Client, db: HubDB, count: int) -> ScenarioResult:
+    """`count` fresh identities connect, join and leave (they used to fill py-libp2p's inbound slots for good,
+    locking every later node out); then a fresh honest node must still get in."""
+    from contextlib import AsyncExitStack
+
+    from shared.crypto import Identity
+    from shared.net import running_host
+
+    r = ScenarioResult("throwaway_identities")
+    limiter = trio.CapacityLimiter(8)
+
+    async def come_and_go() -> None:
+        async with limiter, AsyncExitStack() as stack:
+            identity = Identity.generate()
+            host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
+            sybil = Client(host, identity, x.hub_addr, x.engine, x.config_hash)
+            try:
+                await sybil.join()
+            except Exception:  # noqa: BLE001 - refused or throttled: not the lockout this measures
+                pass
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(count):
+            nursery.start_soon(come_and_go)
+    r.attempts = 1
+    async with AsyncExitStack() as stack:
+        identity = Identity.generate()
+        host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
+        fresh = Client(host, identity, x.hub_addr, x.engine, x.config_hash)
+        try:
+            await fresh.join()
+            r.detected = 1  # the flood changed nothing for the next node
+        except Exception as exc:  # noqa: BLE001 - locked out: the failure this scenario looks for
+            log.warning("fresh node locked out after %d throwaway identities: %r", count, exc)
+            r.accepted = 1
+    r.false_rejections += await control.honest_round()
+    return r
+
+
+async def scenario_stranger_big_frames(x: Client, control: Client, db: HubDB, streams: int) -> ScenarioResult:
+    """Strangers (never joined) open submissions claiming 30 MiB: refused from the header, before anything is
+    read, so an honest node's work goes on unhindered."""
+    from contextlib import AsyncExitStack
+
+    from shared.crypto import Identity
+    from shared.messages import SUBMIT_PROTOCOL, Submission
+    from shared.net import running_host
+    from shared.wire import HEADER
+
+    r = ScenarioResult("stranger_big_frames")
+    outcomes: list[object] = []
+    async with AsyncExitStack() as stack:
+        identity = Identity.generate()
+        host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
+        stranger = Client(host, identity, x.hub_addr, x.engine, x.config_hash)
+        await stranger.connect()
+
+        async def one() -> None:
+            started = time.monotonic()
+            reply = await stranger.send(SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, 30 << 20), (SubmitReply,),
+                                        close_write=False)
+            outcomes.append((reply, time.monotonic() - started))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one)
+            r.false_rejections += await control.honest_round()
+    r.attempts = streams
+    # Detected: refused as a stranger at once (a Reject), not read for the stream's whole deadline.
+    r.detected = sum(isinstance(reply, Reject) and seconds < 5.0 for reply, seconds in outcomes)
+    r.accepted = streams - r.detected
+    return r
+
+
+async def scenario_pay_inflation(x: Client, control: Client, db: HubDB) -> ScenarioResult:
+    """A node declares $1000/h (refused: above the hub's ceiling), then holds a lease for 5 s at the ceiling
+    and answers with a few tokens: paid for the tokens, not for the hold."""
+    from shared.messages import JoinRequest
+
+    r = ScenarioResult("pay_inflation")
+    reply = await HubClient.join(x, JoinRequest(price_per_hour=1000.0, hardware="x", link_bps=1e8, backend="hf",
+                                                model_config_hash=x.config_hash, version_held=x.version))
+    r.attempts += 1
+    r.detected += isinstance(reply, Reject)
+    paid_before = db.paid(x.peer_id)
+    lease = await x.lease()
+    groups = await x.groups(lease)
+    tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+    await trio.sleep(5.0)
+    answer = await x.submit_frame(x.frame(lease.lease_id, groups))
+    paid = db.paid(x.peer_id) - paid_before
+    r.attempts += 1
+    # Paid at most for the tokens at the slowest rate the hub pays in full, at the price it joined at.
+    from hub.config import LeaseConfig
+
+    fair = 0.35 * tokens / LeaseConfig().paid_tokens_per_s_floor / 3600.0
+    r.detected += isinstance(answer, SubmitReply) and paid <= fair * (1 + 1e-9)
+    r.paid = max(0.0, paid - fair)  # what the hold earned on top of the work
+    r.false_rejections += await control.honest_round()
+    return r
+
+
+async def scenario_rejected_disk(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
+    """Submissions of large groups the hub refuses: kept as hashes, so the store grows by rows, not payloads."""
+    r = ScenarioResult("rejected_disk")
+    store = db.data_dir / "hub.sqlite"
+    for _ in range(attempts):
+        lease = await x.lease()
+        groups = await x.groups(lease)
+        # Completions far past the lease's length cap are refused; tens of kB each is what a filler sends.
+        bloated = tuple(g.model_copy(update={"completions": tuple(
+            c.model_copy(update={"token_ids": c.token_ids * 500, "logprobs": c.logprobs * 500}) for c in g.completions),
+        }) for g in groups)
+        before = sum(p.stat().st_size for p in store.parent.glob("hub.sqlite*"))
+        reply = await x.submit_frame(x.frame(lease.lease_id, bloated))
+        grown = sum(p.stat().st_size for p in store.parent.glob("hub.sqlite*")) - before
+        payload = sum(len(g.model_dump_json()) for g in bloated)
+        r.attempts += 1
+        r.detected += isinstance(reply, SubmitReply) and reply.accepted == 0 and grown < payload
+        r.accepted += accepted_of(reply)
+        r.false_rejections += await control.honest_round()
+    return r
+
+
+async def scenario_status_snooping(x: Client, control: Client, db: HubDB) -> ScenarioResult:
+    """A stranger asks the hub's status: it sees the run, not what any node is paid or runs on."""
+    from contextlib import AsyncExitStack
+
+    from shared.crypto import Identity
+    from shared.net import running_host
+
+    r = ScenarioResult("status_snooping")
+    async with AsyncExitStack() as stack:
+        identity = Identity.generate()
+        host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
+        stranger = Client(host, identity, x.hub_addr, x.engine, x.config_hash)
+        await stranger.connect()
+        status = await stranger.status()
+    r.attempts = 1
+    leaked = [n for n in status.nodes if n.price_per_hour or n.cost_usd or n.hardware]
+    r.detected = int(status.redacted and not leaked)
+    r.accepted = len(leaked)
+    r.false_rejections += await control.honest_round()
     return r
 
 
@@ -463,8 +632,14 @@ async def with_clients(hub: HubProc, engines: list, body: Callable) -> object:
                 nursery.cancel_scope.cancel()
 
 
-PROTOCOL_CHEATS = ("bad_signature", "replay", "fake_reward", "oversized_frame", "garbage_frame", "stream_flood")
-AUDIT_CHEATS = ("fake_logprobs", "wrong_model", "copied_completions")
+PROTOCOL_CHEATS = ("bad_signature", "replay", "fake_reward", "oversized_frame", "garbage_frame", "stream_flood",
+                   "hostile_join", "throwaway_identities", "stranger_big_frames", "pay_inflation", "rejected_disk",
+                   "status_snooping")
+AUDIT_CHEATS = ("fake_logprobs", "wrong_model", "copied_completions", "nudged_copies", "partial_fabrication")
+# Measured by bench/faults.py only: each is tested in process, faster, where the defence lives
+# (tests/test_attacks.py, test_state.py, test_store.py).
+BENCH_ONLY = frozenset({"hostile_join", "throwaway_identities", "stranger_big_frames", "pay_inflation", "rejected_disk",
+                        "status_snooping"})
 
 
 def start_protocol_hub(work: Path) -> HubProc:
@@ -504,6 +679,18 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
                 return await scenario_oversized_frame(x, control, db)
             if name == "garbage_frame":
                 return await scenario_garbage_frame(x, control, db)
+            if name == "hostile_join":
+                return await scenario_hostile_join(x, control, db)
+            if name == "throwaway_identities":
+                return await scenario_throwaway_identities(x, control, db, 300)
+            if name == "stranger_big_frames":
+                return await scenario_stranger_big_frames(x, control, db, 20)
+            if name == "pay_inflation":
+                return await scenario_pay_inflation(x, control, db)
+            if name == "rejected_disk":
+                return await scenario_rejected_disk(x, control, db, attempts)
+            if name == "status_snooping":
+                return await scenario_status_snooping(x, control, db)
             return await scenario_stream_flood(x, control, db, FLOOD_STREAMS // (3 if quick else 1))
 
         result = trio.run(with_clients, hub, [(engine, base_dir)] * 2, protocol)
@@ -533,12 +720,28 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
 
             return await scenario_caught_later(name, db, cheat, control, base_model, attempts * 2)
 
+        if name == "partial_fabrication":
+            for _ in range(3):  # passed audits buy full-size leases while the node is still on probation
+                await cheat.honest_round()
+
+            async def one_fake_group(lease):
+                groups = await cheat.groups(lease)
+                fake = groups[-1].model_copy(update={"completions": tuple(
+                    c.model_copy(update={"logprobs": (0.0,) * len(c.logprobs)}) for c in groups[-1].completions)})
+                return (*groups[:-1], fake)
+
+            return await scenario_caught_later(name, db, cheat, control, one_fake_group, attempts)
+        nudge = 1e-7 if name == "nudged_copies" else 0.0
+
         async def copied(lease):
             first = await original.lease()
             groups = await original.groups(first)
             await original.submit_frame(original.frame(first.lease_id, groups))
-            # The copier answers its own lease with the original's groups, prompt ids swapped in.
-            return tuple(g.model_copy(update={"prompt_id": p.prompt_id}) for g, p in zip(groups, lease.prompts))
+            # The copier answers its own lease with the original's groups, prompt ids swapped in (and, for
+            # nudged_copies, every log-prob moved by 1e-7: the fingerprint over exact floats missed those).
+            return tuple(g.model_copy(update={"prompt_id": p.prompt_id, "completions": tuple(
+                c.model_copy(update={"logprobs": tuple(min(0.0, lp + nudge) for lp in c.logprobs)})
+                for c in g.completions)}) for g, p in zip(groups, lease.prompts))
 
         return await scenario_caught_later(name, db, cheat, control, copied, attempts)
 

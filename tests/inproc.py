@@ -32,8 +32,8 @@ ACTIVATE_PERIOD_S = 0.02
 
 # No audits, full-size leases from the first one, limits far above what a test drives.
 PERMISSIVE_TRUST = TrustConfig(
-    audit_rate=0.0, audit_first_n=0, trusted_after_audits=0, max_open_leases_per_peer=64,
-    requests_per_s=1e5, request_burst=100_000, max_streams_per_peer=1024,
+    audit_rate=0.0, audit_first_n=0, trusted_after_audits=0, max_open_leases_per_peer=64, max_open_leases_per_ip=100_000,
+    requests_per_s=1e5, request_burst=100_000, max_streams_per_peer=1024, max_connections_per_ip=100_000,
 )
 
 
@@ -112,13 +112,13 @@ async def inproc_hub(
         from transformers import AutoModelForCausalLM
 
         weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    async with running_host(identity, [LOOPBACK]) as (host, addrs):
+    async with running_host(identity, [LOOPBACK], config.trust.max_connections_per_ip) as (host, addrs):
         status = StatusBoard(
             RunInfo(identity.peer_id, tuple(addrs), 0, config.learner.staleness, config.learner.effective_kappa,
                     config.task, config.broadcast.mode),
             data_dir, state, learner_step=lambda: version[0],
         )
-        service = build_hub_service(host, config, state, shelf, status.snapshot)
+        service = build_hub_service(host, identity, config, state, shelf, status.snapshot)
         hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, version)
         hub.publish(0)
         try:

@@ -28,7 +28,7 @@ from shared.messages import (
 )
 from shared.net import RateLimiter, connect, remote_peer_id, running_host, set_handler
 from shared.snapshot import Snapshot, build_snapshot
-from shared.transfer import ChunkSource, serve_snapshot
+from shared.transfer import STALL_S, ChunkSource, serve_snapshot
 from shared.wire import read_message, write_message
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -64,7 +64,7 @@ class HubPeer:
     async def serve(self, stream: INetStream) -> None:
         request = await read_message(stream, SnapshotRequest)
         self.requests.append((remote_peer_id(stream), request))
-        await serve_snapshot(stream, self.source, request, self.uplink.for_stream())
+        await serve_snapshot(stream, self.source, request, self.uplink.for_stream(), self.identity)
         await stream.close()
 
     async def on_report(self, stream: INetStream) -> None:
@@ -110,7 +110,8 @@ class NodePeer:
 
 @asynccontextmanager
 async def node_peer(
-    hub: HubPeer, limiter: RateLimiter | None = None, keeper_class: type[SnapshotKeeper] = SnapshotKeeper
+    hub: HubPeer, limiter: RateLimiter | None = None, keeper_class: type[SnapshotKeeper] = SnapshotKeeper,
+    stall_s: float = STALL_S,
 ) -> AsyncIterator[NodePeer]:
     """A node connected to `hub` (as its hub link would be), keeper running; leaving the block kills it."""
     identity = Identity.generate()
@@ -122,7 +123,8 @@ async def node_peer(
             node.installed_at[version] = time.monotonic()
 
         client = HubClient(host, identity, hub.addr)
-        keeper = keeper_class(host, hub.peer_id, install, limiter, on_installed=lambda version: None, report=client.report)
+        keeper = keeper_class(host, identity, hub.peer_id, install, limiter, on_installed=lambda version: None,
+                              report=client.report, stall_s=stall_s)
         node = NodePeer(identity, host, addrs[0], keeper)
         on_chunk = keeper._on_chunk
 

@@ -21,6 +21,9 @@ def test_num_chains():
     assert num_chains(250.0, 100.0) == 2
     assert num_chains(100.0, 100.0) == 1
     assert num_chains(50.0, 100.0) == 1
+    assert num_chains(100.0, 30.0, max_chains=2) == 2
+    # A declared Bw as small as a float gets (the attack of one hostile join): capped, not an overflow.
+    assert num_chains(1e12, 5e-324, max_chains=3) == 3
     with pytest.raises(ValueError, match="bandwidths"):
         num_chains(0.0, 1.0)
 

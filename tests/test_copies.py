@@ -32,18 +32,36 @@ def test_coincidence_log_prob_by_hand():
     assert coincidence_log_prob(group([certain] * 8)) == pytest.approx(-8 * 1.1e-3)
 
 
-def test_fingerprint_ignores_order_prompt_and_version_but_not_logprobs():
+def test_fingerprint_is_the_tokens_alone():
     a = completion((5, 7, 2), (-1.0, -2.0, -0.5))
     b = completion((6, 2), (-3.0, -0.5))
     base = group([a, b, b])
     assert group_fingerprint(base) == group_fingerprint(group([b, a, b], pid="other"))
     assert group_fingerprint(base) == group_fingerprint(base.model_copy(update={"version": 7}))
+    # Nudged log-probs (the bypass of a fingerprint over exact floats) leave it unchanged...
     nudged = completion((6, 2), (-3.0, -0.5000001))
-    assert group_fingerprint(base) != group_fingerprint(group([a, b, nudged]))
+    assert group_fingerprint(base) == group_fingerprint(group([a, b, nudged]))
+    # ...other tokens do not.
+    assert group_fingerprint(base) != group_fingerprint(group([a, b, completion((6, 3), (-3.0, -0.5))]))
+
+
+def test_a_copy_with_nudged_logprobs_is_still_flagged():
+    detector = CopyDetector(capacity=100, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    rng = random.Random(1)
+    original = group([completion((rng.randrange(4, 40), 2), (-rng.uniform(4, 6), -0.1)) for _ in range(8)])
+    assert detector.check(original, "nodeA", "L1") is None
+    nudged = original.model_copy(update={"completions": tuple(
+        c.model_copy(update={"logprobs": (c.logprobs[0] + 1e-7, c.logprobs[1])}) for c in original.completions)})
+    # The same prompt from another lease...
+    assert detector.check(nudged, "nodeB", "L2") is not None
+    # ...and another prompt, log-probs moved by less than an audit lets pass.
+    moved = nudged.model_copy(update={"prompt_id": "p7", "prompt_text": "zz>", "completions": tuple(
+        c.model_copy(update={"logprobs": (c.logprobs[0] - 0.04, c.logprobs[1])}) for c in original.completions)})
+    assert detector.check(moved, "nodeC", "L3") is not None
 
 
 def test_copy_flagged_across_nodes_and_leases_not_on_first_sight():
-    detector = CopyDetector(capacity=100, min_surprise_nats=20.0)
+    detector = CopyDetector(capacity=100, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
     rng = random.Random(0)
     diverse = group([completion((rng.randrange(4, 40), 2), (-rng.uniform(4, 6), -0.1)) for _ in range(8)])
     assert detector.check(diverse, "nodeA", "L1") is None
@@ -54,7 +72,6 @@ def test_copy_flagged_across_nodes_and_leases_not_on_first_sight():
     # The same node answering another lease with work it already sold is a copy too.
     again = detector.check(diverse, "nodeA", "L3")
     assert again is not None and again.same_node
-    assert (detector.checked, detector.flagged, detector.probable) == (3, 2, 0)
 
 
 def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
@@ -67,7 +84,7 @@ def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
     # Low temperature makes the tiny model near-deterministic, as a well-trained policy is on easy prompts.
     sampling = SamplingParams(temperature=0.1, top_p=1.0, max_new_tokens=10)
     prompts = ReverseTask().sample(random.Random(4), 6)
-    detector = CopyDetector(capacity=1000, min_surprise_nats=20.0)
+    detector = CopyDetector(capacity=1000, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
     # Two honest nodes get the same prompts (prompts are drawn with replacement) in separate leases.
     batches = [engine.generate([p.text for p in prompts], 8, sampling) for _ in range(2)]
     fingerprints: list[set[bytes]] = []
@@ -79,11 +96,11 @@ def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
             fingerprints[-1].add(group_fingerprint(g))
             assert detector.check(g, lease, lease) is None
     assert len(fingerprints[0] & fingerprints[1]) >= 3, "expected identical honest groups on a peaked model"
-    assert detector.flagged == 0 and detector.probable >= 3
+    # Every check above returned None: the repeats were seen (the fingerprints match) and judged honest.
 
 
 def test_lru_is_bounded():
-    detector = CopyDetector(capacity=3, min_surprise_nats=1.0)
+    detector = CopyDetector(capacity=3, min_surprise_nats=1.0, logprob_tolerance_nats=0.05)
     groups = [group([completion((10 + i, 2), (-5.0, -1.0))] * 2, pid=f"p{i}") for i in range(5)]
     for i, g in enumerate(groups):
         assert detector.check(g, "n", f"L{i}") is None
@@ -93,14 +110,21 @@ def test_lru_is_bounded():
     assert detector.check(groups[4], "m", "L9") is not None
 
 
-def test_a_likely_group_copied_onto_another_prompt_is_flagged():
-    detector = CopyDetector(capacity=100, min_surprise_nats=20.0)
-    certain = group([completion((5, 2), (-1e-3, -1e-4))] * 8)
-    assert detector.check(certain, "nodeA", "L1") is None
-    # The same prompt again: a peaked policy honestly repeats itself.
-    assert detector.check(certain.model_copy(update={"prompt_id": "p2"}), "nodeB", "L2") is None
-    # The same exact log-probs under another prompt text were not sampled there.
-    moved = certain.model_copy(update={"prompt_id": "p3", "prompt_text": "xyz>"})
+def test_cross_prompt_repeats_need_matching_logprobs_and_real_randomness():
+    detector = CopyDetector(capacity=100, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    likely = group([completion((5, 2), (-1.6, -0.1)), completion((6, 2), (-1.7, -0.1))] * 4)  # odds ~e^-10
+    assert detector.check(likely, "nodeA", "L1") is None
+    # The same prompt again: an honest redraw at e^-10 is below the e^-20 bar.
+    assert detector.check(likely.model_copy(update={"prompt_id": "p2"}), "nodeB", "L2") is None
+    # The same log-probs under another prompt text were not sampled there.
+    moved = likely.model_copy(update={"prompt_id": "p3", "prompt_text": "xyz>"})
     flag = detector.check(moved, "nodeB", "L3")
-    assert flag is not None and flag.surprise_nats < 20.0
-    assert (detector.checked, detector.flagged, detector.probable) == (3, 1, 1)
+    assert flag is not None and 3.0 < flag.surprise_nats < 20.0
+    # Another prompt with its own log-probs for the same tokens (a model that ignores the prompt) is honest.
+    own = moved.model_copy(update={"prompt_id": "p4", "prompt_text": "qrs>", "completions": tuple(
+        c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, c.logprobs[1])}) for c in likely.completions)})
+    assert detector.check(own, "nodeC", "L4") is None
+    # Near-certain groups repeat anywhere honestly: never flagged across prompts.
+    certain = group([completion((5, 2), (-1e-3, -1e-4))] * 8)
+    assert detector.check(certain, "nodeA", "L5") is None
+    assert detector.check(certain.model_copy(update={"prompt_id": "p9", "prompt_text": "xyz>"}), "nodeB", "L6") is None

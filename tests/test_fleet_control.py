@@ -50,6 +50,7 @@ beta = 0.05
 prompts_per_lease = 1
 lease_timeout_s = 30
 [scheduler]
+max_price_per_hour = 100.0
 gamma = 1.0
 control_period_s = 0.5
 release_margin = 0.1

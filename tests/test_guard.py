@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hub.config import TrustConfig
-from hub.guard import LeaseQuota, PeerGuard, address_key, is_loopback
+from hub.guard import LeaseQuota, PeerGuard, address_key
 
 MIB = 1 << 20
 
@@ -24,7 +24,6 @@ def test_address_key_groups_ipv6_by_64():
     assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
     assert address_key("::ffff:198.51.100.4") == "198.51.100.4"
     assert address_key(None) is None
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("10.0.0.1") and not is_loopback(None)
 
 
 def test_new_identity_gets_small_leases_until_trusted():
@@ -45,11 +44,13 @@ def test_quota_per_peer_and_per_address():
     # Same for identities spread over one IPv6 /64.
     v6 = [("E", "2001:db8::1"), ("F", "2001:db8::2"), ("G", "2001:db8::3")]
     assert not quota.decide("H", "2001:db8::4", 5, v6).allowed
-    # Local nodes on loopback are the hub operator's own: exempt by default, counted when asked.
+    # Loopback is an address like any other: Sybils on the hub's machine share its quota...
     local = [("L1", "127.0.0.1"), ("L2", "127.0.0.1"), ("L3", "127.0.0.1")]
-    assert quota.decide("L4", "127.0.0.1", 5, local).allowed
-    strict = LeaseQuota(TrustConfig(max_open_leases_per_ip=3, quota_exempt_loopback=False), prompts_per_lease=4)
-    assert not strict.decide("L4", "127.0.0.1", 5, local).allowed
+    assert not quota.decide("X", "127.0.0.1", 5, local).allowed
+    # ...but the nodes the hub spawned itself are named exempt: they neither use nor count against it.
+    mine = {"L1", "L2", "L3", "L4"}
+    assert quota.decide("L4", "127.0.0.1", 5, local, exempt=mine).allowed
+    assert quota.decide("X", "127.0.0.1", 5, local, exempt=mine).allowed
 
 
 def test_honest_peer_pattern_is_never_refused():
@@ -64,8 +65,7 @@ def test_honest_peer_pattern_is_never_refused():
         for a in admissions:
             guard.release("honest", a)
         clock.now += 1.0
-    c = guard.counters()
-    assert (c.throttled, c.disconnected, c.buffered_bytes) == (0, 0, 0)
+    assert guard.buffered_bytes == 0
 
 
 def test_rate_limit_throttles_then_disconnects_then_recovers():
@@ -83,7 +83,6 @@ def test_rate_limit_throttles_then_disconnects_then_recovers():
     assert guard.admit("flood", 0).verdict == "disconnect"
     clock.now += 31.0
     assert guard.admit("flood", 0).admitted
-    assert guard.counters().disconnected == 1
 
 
 def test_violations_outside_the_window_are_forgotten():
@@ -93,7 +92,6 @@ def test_violations_outside_the_window_are_forgotten():
         guard.release("p", guard.admit("p", 0))
         assert guard.admit("p", 0).verdict == "throttle"  # one violation every 6 s never reaches 3 in 5 s
         clock.now += 6.0
-    assert guard.counters().disconnected == 0
 
 
 def test_concurrent_stream_cap():
@@ -120,7 +118,7 @@ def test_buffered_bytes_caps_per_peer_and_total():
     assert busy.verdict == "throttle" and busy.reason == "hub busy"
     guard.release("a", a1)
     assert guard.admit("b", 40 * MIB).admitted
-    assert guard.counters().buffered_bytes == 70 * MIB
+    assert guard.buffered_bytes == 70 * MIB
     with pytest.raises(ValueError):
         guard.release("b", busy)
 
@@ -132,5 +130,5 @@ def test_prune_forgets_idle_peers_only():
     held = guard.admit("busy", 0)
     clock.now += 120.0
     assert guard.prune(idle_s=60.0) == 1
-    assert guard.counters().peers == 1
+    assert guard.last_active("idle") is None and guard.last_active("busy") is not None
     guard.release("busy", held)

@@ -19,6 +19,8 @@ import trio
 from transformers import AutoTokenizer
 
 from hub.config import HubConfig, LearnerConfig, LeaseConfig
+from hub.service import MEMBERS_ONLY
+from hub.submissions import REASON_CLAIMED_REWARD
 from node.client import HubClient
 from shared.crypto import Identity
 from shared.messages import (
@@ -36,13 +38,14 @@ from shared.messages import (
     LeaseReply,
     LeaseRequest,
     Reject,
+    RejectCode,
     Submission,
     SubmitReply,
     SubmittedGroup,
     Tallies,
 )
 from shared.net import running_host
-from shared.rollout import Completion, Group, SamplingParams
+from shared.rollout import Completion, SamplingParams
 from shared.wire import HEADER, StreamEOF, encode_frame, encode_signed
 from tests.inproc import PERMISSIVE_TRUST, InprocHub, inproc_hub, wait_state
 
@@ -367,16 +370,22 @@ async def test_garbage_on_every_protocol_changes_nothing(hub_args):
             lease = await node.lease()
             before = hub.trusted()
             nodes_before = [(n.peer_id, n.state) for n in hub.state.store.nodes()]
+            refused_before = hub.state.fleet.get(node.peer_id).tallies.refused
+            sent = 0
             for client in (node, stranger):  # a joined node and one the hub has never heard of
                 for protocol in GARBAGE_PROTOCOLS:
                     for payload in garbage_payloads():
                         reply = await client.send_raw(protocol, payload, SubmitReply)
-                        assert reply is None or isinstance(reply, Reject), (protocol, payload[:20], reply)
+                        # Every one is answered with a Reject that says why, never a silent reset.
+                        expected = (RejectCode.UNKNOWN_NODE if client is stranger and protocol in MEMBERS_ONLY
+                                    else RejectCode.BAD_REQUEST)
+                        assert isinstance(reply, Reject) and reply.code == expected, (protocol, payload[:20], reply)
+                        sent += client is node
             assert hub.trusted() == before
             assert [(n.peer_id, n.state) for n in hub.state.store.nodes()] == nodes_before
             assert hub.state.store.lease(lease.lease_id).state == "open"
-            # Counted against the joined node; the stranger has nothing to count against.
-            assert hub.state.fleet.get(node.peer_id).tallies.refused >= len(GARBAGE_PROTOCOLS)
+            # Counted against the joined node, once per refused request; the stranger has nothing to count against.
+            assert hub.state.fleet.get(node.peer_id).tallies.refused == refused_before + sent
             assert hub.state.fleet.get(stranger.peer_id) is None
             # The joined node's lease is still good, and heartbeats still answer.
             assert (await node.submit(node.answer(lease))).accepted == PROMPTS_PER_LEASE
@@ -387,27 +396,24 @@ async def test_garbage_on_every_protocol_changes_nothing(hub_args):
 
 
 @pytest.mark.trio
-async def test_claimed_reward_is_ignored_the_hub_scores(hub_args):
+async def test_a_claimed_reward_the_hub_does_not_score_is_refused_unpaid_and_counted(hub_args):
     with trio.fail_after(TEST_TIMEOUT_S):
         async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
             await joined_and_active(node)
             lease = await node.lease()
-            # Wrong answers, each claimed to be worth 1.0.
+            before = hub.trusted()
+            # Wrong answers, each claimed to be worth 1.0: a lie about the reward.
             reply = await node.submit(node.answer(lease, wrong_only=True, claimed=(1.0, 1.0)))
-            assert reply.accepted == PROMPTS_PER_LEASE
-            rows = [r for r in hub.state.store.trajectories() if r.lease_id == lease.lease_id]
-            assert len(rows) == PROMPTS_PER_LEASE and all(r.reward_mean == 0.0 for r in rows)
-            stored = [
-                Group.model_validate_json(hub.state.store.db.execute(
-                    "SELECT group_json FROM trajectories WHERE id = ?", (r.id,)).fetchone()[0])
-                for r in rows
-            ]
-            assert all(g.rewards == (0.0, 0.0) for g in stored)
-            # All-zero groups teach nothing: the buffer refuses them, so they are never trained on.
-            assert all(r.discard_reason == "zero reward variance" for r in hub.state.store.trajectories()
-                       if r.lease_id == lease.lease_id)
+            assert reply.accepted == 0 and reply.paid_usd == 0.0
+            assert [why for _, why in reply.rejected] == [REASON_CLAIMED_REWARD] * PROMPTS_PER_LEASE
+            assert hub.trusted()[:3] == before[:3]  # nothing accepted, paid or buffered
+            assert hub.state.fleet.get(node.peer_id).tallies.rejected == PROMPTS_PER_LEASE
             assert [e.detail for e in hub.state.store.events() if e.kind == "reward_claim_mismatch"] == [
                 f"{PROMPTS_PER_LEASE} groups claimed other rewards"]
+            # Claims that match the hub's scores are fine.
+            lease = await node.lease()
+            reply = await node.submit(node.answer(lease, claimed=(1.0, 0.0)))
+            assert reply.accepted == PROMPTS_PER_LEASE and reply.paid_usd > 0
 
 
 @pytest.mark.trio

@@ -120,7 +120,8 @@ def test_restarted_hub_shows_the_same_books_and_voids_only_pay_since_the_last_pa
     restarted_at = time.time()
     hub = start_hub(data, *args, port=port)
     try:
-        after = echo_hub_status("--hub", hub.addr)
+        # Live over the status protocol, asked with the hub's own key (anyone else sees prices and costs hidden).
+        after = echo_hub_status("--hub", hub.addr, "--key", str(data / "hub.key"))
         assert comparable(after) == comparable(before)
         learner_s = (time.time() - restarted_at) * 3.06 / 3600 + 1e-9
         assert before.cost_usd <= after.cost_usd <= before.cost_usd + learner_s

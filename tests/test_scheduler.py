@@ -47,10 +47,8 @@ class Transitions:
 
 
 def join(fleet: Fleet, name: str, price: float, now: float = T0) -> NodeRecord:
-    request = JoinRequest(price_per_hour=price, hardware="test", link_bps=1e6, backend="hf", model_config_hash="h")
-    record = Fleet.joined(name, request, "127.0.0.1", now, fleet.get(name))
-    fleet.put(record)
-    return record
+    request = JoinRequest(price_per_hour=price, hardware="test", link_bps=1e6, backend="hf", model_config_hash="ab")
+    return fleet.join(name, request, "127.0.0.1", now)
 
 
 def record_work(record: NodeRecord, accepted_rollouts: int, seconds: float) -> None:

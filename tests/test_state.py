@@ -4,15 +4,18 @@ pay across a restart, and our own failures are never counted against a peer."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 from hub.audit import AuditJob, AuditResult
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
 from hub.snapshots import SnapshotShelf
-from hub.state import HubState
+from hub.state import HubState, billable_seconds
 from hub.store import StepRecord
 from shared.crypto import Identity
 from shared.messages import Heartbeat, JoinRequest, RejectCode, Submission, SubmittedGroup, Tallies
@@ -37,7 +40,10 @@ class ScriptedAudits:
         self.judged: list[AuditJob] = []
 
     def offer(self, job: AuditJob) -> bool:
-        raise AssertionError("nodes on probation are audited at once, never queued")
+        raise AssertionError("these tests sample no audits: audit_rate is 0")
+
+    async def next_job(self) -> AuditJob:
+        await trio.sleep_forever()
 
     async def judge(self, job: AuditJob) -> AuditResult:
         self.judged.append(job)
@@ -68,6 +74,24 @@ def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@asynccontextmanager
+async def running(state: HubState) -> AsyncIterator[None]:
+    """The state's own tasks (lease sweeps, audits of held groups) running around the block."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(state.run)
+        while state._nursery is None:
+            await trio.sleep(0)
+        yield
+        nursery.cancel_scope.cancel()
+
+
+async def settled(state: HubState) -> None:
+    """Every committed group is in the buffer or discarded (audits of held groups included)."""
+    with trio.fail_after(10):
+        while state._reserved:
+            await trio.sleep(0.01)
 
 
 def reopen(data_dir: Path, model_dir: Path, config: HubConfig = CONFIG) -> HubState:
@@ -101,7 +125,8 @@ async def test_a_reopened_state_shows_what_the_old_one_showed(tmp_path, default_
     assert outcome.accepted == 2 and outcome.paid_usd > 0
     grant = await state.grant_lease(b, 0)
     await state.accept_submission(b, answer(tokenizer, grant.lease, b, right=False), "h3")  # zero variance: accepted
-    await state.record_refusal(b)
+    await state.record_refusal(b, RejectCode.BAD_REQUEST)
+    await state.record_refusal(b, RejectCode.UNKNOWN_NODE)  # not its fault: not counted
     state.heartbeat(b, Heartbeat(version_held=0))
     await state.set_state(state.fleet.get(b), "gone", "no heartbeat")
     # The learner trains on two groups and drops one as stale.
@@ -135,25 +160,29 @@ async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_
 
     state = state_at()
     peer = Identity.generate().peer_id
-    await state.join(peer, join_request(state), "10.0.0.1")
-    for _ in range(3):  # on probation: each submission is audited before its groups are buffered
-        grant = await state.grant_lease(peer, 0)
-        clock[0] += 10.0
-        await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
-        await state.set_state(state.fleet.get(peer), "active", "test")
+    async with running(state):
+        await state.join(peer, join_request(state), "10.0.0.1")
+        for _ in range(3):  # on probation: each submission is audited before its groups are buffered
+            grant = await state.grant_lease(peer, 0)
+            clock[0] += 10.0
+            await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+            await settled(state)
+            await state.set_state(state.fleet.get(peer), "active", "test")
     assert len(audits.judged) == 3 and state.fleet.get(peer).vouched_at == clock[0]
     paid = state.totals.paid_usd[peer]
     state.store.close()
 
     state = state_at()
     assert state.fleet.get(peer).vouched_at == clock[0]
-    await state.join(peer, join_request(state), "10.0.0.1")
-    await state.set_state(state.fleet.get(peer), "active", "test")
-    audits.passes = False
-    grant = await state.grant_lease(peer, 0)
-    clock[0] += 10.0
-    outcome = await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
-    assert outcome.paid_usd > 0  # booked with the answer, voided by the audit that follows
+    async with running(state):
+        await state.join(peer, join_request(state), "10.0.0.1")
+        await state.set_state(state.fleet.get(peer), "active", "test")
+        audits.passes = False
+        grant = await state.grant_lease(peer, 0)
+        clock[0] += 10.0
+        outcome = await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+        assert outcome.paid_usd > 0  # booked with the answer, voided by the audit that follows
+        await settled(state)
     record = state.fleet.get(peer)
     assert record.state == "banned" and "gap 0.5" in record.banned_reason
     assert state.totals.paid_usd[peer] == pytest.approx(paid) == state.store.ledger_total_usd(peer)
@@ -188,3 +217,83 @@ async def test_peer_faults_carry_codes_and_our_own_errors_propagate(tmp_path, de
     assert not isinstance(ours.value, PeerFault)
     assert grant.lease.lease_id in state.leases.open and not grant.lease.checking
     assert state.fleet.get(peer).tallies == Tallies()
+
+
+def test_audit_draws_come_from_the_os_csprng(tmp_path, default_model_dir):
+    """Two hubs started with the same seed must not draw the same audits: a node could replay them."""
+    draws = []
+    for i in range(2):
+        state = reopen(tmp_path / str(i), default_model_dir)
+        draws.append([state.audit_rng.random() for _ in range(8)])
+        state.store.close()
+    assert draws[0] != draws[1]
+
+
+@pytest.mark.trio
+async def test_on_probation_every_group_is_audited_before_any_reaches_the_buffer(tmp_path, default_model_dir, tokenizer):
+    config = CONFIG.model_copy(update={"trust": TrustConfig(audit_first_n=10, audit_rate=0.0, trusted_after_audits=0,
+                                                            lease_new_node_prompts=2)})
+    state = reopen(tmp_path, default_model_dir, config)
+    audits = ScriptedAudits()
+    state.audits = audits
+    peer = Identity.generate().peer_id
+    async with running(state):
+        await state.join(peer, join_request(state), "10.0.0.1")
+        grant = await state.grant_lease(peer, 0)  # the probe
+        await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+        await settled(state)
+        await state.set_state(state.fleet.get(peer), "active", "test")
+        grant = await state.grant_lease(peer, 0)
+        assert len(grant.lease.prompts) == 2
+        # One honest group and one fabricated one: the fabricated one is not the first audited.
+        fabricated = grant.lease.prompts[1].id
+        audits.judge = lambda job: _scripted(job, fabricated)  # type: ignore[method-assign]
+        outcome = await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+        assert len(state.buffer) == 1  # held for its audit: only the probe's group is in the buffer
+        await settled(state)
+    assert outcome.accepted == 2  # acknowledged and booked before the audit's verdict...
+    assert state.fleet.get(peer).state == "banned"  # ...which then bans the node
+    assert len(state.buffer) == 0  # neither group of the lie, and the probe's group dropped with the ban
+    rows = {r.prompt_id: r.discard_reason for r in state.store.trajectories() if r.lease_id == grant.lease.lease_id}
+    assert set(rows.values()) == {"banned: audit failed"}
+    state.store.close()
+
+
+async def _scripted(job: AuditJob, fabricated: str) -> AuditResult:
+    bad = job.group.prompt_id == fabricated
+    return AuditResult(not bad, 0.5 if bad else 0.0, 0.0, 4, reason="gap 0.5" if bad else "")
+
+
+@pytest.mark.trio
+async def test_pay_follows_the_price_at_lease_time_and_the_work_done(tmp_path, default_model_dir, tokenizer):
+    clock = [1000.0]
+    state = reopen(tmp_path, default_model_dir)
+    state.clock = lambda: clock[0]
+    peer = Identity.generate().peer_id
+    await state.join(peer, join_request(state, price=1.0), "10.0.0.1")
+    grant = await state.grant_lease(peer, 0)
+    # Holding the lease for 50 s and answering with a handful of tokens is paid for the tokens, not the hold.
+    clock[0] += 50.0
+    submission = answer(tokenizer, grant.lease, peer)
+    tokens = sum(len(c.token_ids) for g in submission.groups for c in g.completions)
+    # Rejoining at a higher price does not reprice the lease already issued.
+    await state.join(peer, join_request(state, price=9.0), "10.0.0.1")
+    outcome = await state.accept_submission(peer, submission, "h")
+    floor = CONFIG.lease.paid_tokens_per_s_floor
+    assert outcome.paid_usd == pytest.approx(1.0 * tokens / floor / 3600.0)
+    assert outcome.paid_usd < 1.0 * 50.0 / 3600.0 / 100
+    # Above the hub's ceiling, a node is refused before it is probed (or paid for a probe).
+    too_dear = join_request(state, price=CONFIG.scheduler.max_price_per_hour + 1)
+    with pytest.raises(PeerFault) as refused:
+        await state.join(Identity.generate().peer_id, too_dear, "10.0.0.2")
+    assert refused.value.code == RejectCode.PRICE_TOO_HIGH
+    state.store.close()
+
+
+def test_billable_seconds_by_hand():
+    # 10 s held, 3 of 4 prompts accepted, 600 tokens at a 100 tokens/s floor: min(7.5, 6.0).
+    assert billable_seconds(10.0, 3, 4, 600, 100.0) == 6.0
+    assert billable_seconds(10.0, 3, 4, 6000, 100.0) == 7.5
+    assert billable_seconds(10.0, 0, 4, 0, 100.0) == 0.0
+    with pytest.raises(ValueError):
+        billable_seconds(10.0, 5, 4, 10, 100.0)

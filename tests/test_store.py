@@ -201,8 +201,32 @@ def test_liveness_sessions_audits_and_penalties_survive_reopen(tmp_path):
     assert (voided, paid) == (1, pytest.approx(0.01))
     node = store.node("peerA")
     assert (node.state, node.banned_reason) == ("banned", "audit failed")
-    assert {r.id: r.discard_reason for r in store.trajectories()} == {row1: None, row2: "audit failed"}
+    assert {r.id: r.discard_reason for r in store.trajectories()} == {row1: None, row2: "banned: audit failed"}
     with pytest.raises(ValueError, match="not an accepted, pending row"):  # all or nothing
         store.penalize_node("peerA", [row2], 0.0, "again")
     assert store.ledger_total_usd("peerA") == pytest.approx(0.01)
     assert [e.kind for e in store.events()] == ["audit_fail", "join"]
+
+
+def test_refused_work_is_kept_as_a_hash_not_a_payload(tmp_path):
+    def grown_by(refused_tokens: int) -> int:
+        """Bytes the store's files (WAL included) grow by for one submission: one accepted group, one refused."""
+        directory = tmp_path / str(refused_tokens)
+        store = Store(directory / "hub.db")
+        store.upsert_node("peerA", 0.35, "cpu", 1e8, "hf")
+        store.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time(), time.time() + 60)
+        good = make_group("p1", 3)
+        refused = SubmittedGroup(prompt_id="p2", completions=tuple(
+            Completion(token_ids=(5,) * refused_tokens, logprobs=(-0.1,) * refused_tokens, finish_reason="length",
+                       version=3, text="") for _ in range(8)))
+        verdicts = [GroupVerdict("p1", True, "", SubmittedGroup(prompt_id="p1", completions=good.completions), group=good),
+                    GroupVerdict("p2", False, "completion too long", refused)]
+        before = sum(p.stat().st_size for p in directory.iterdir())
+        store.record_submission("L1", "peerA", verdicts, usd=0.0, seconds=1.0, signed_bytes_hash="h")
+        rows = store.db.execute("SELECT verdict, group_json IS NULL, length(group_hash) FROM trajectories ORDER BY id").fetchall()
+        assert rows == [("accepted", 0, 64), ("rejected", 1, 64)]
+        store.close()
+        return sum(p.stat().st_size for p in directory.iterdir()) - before
+
+    # 8 x 4000 refused tokens (about 220 kB of JSON) cost the disk what 8 x 1 tokens do.
+    assert abs(grown_by(4000) - grown_by(1)) < 8 * 1024

@@ -8,7 +8,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from hub.leases import LeaseRecord
-from hub.submissions import GroupVerdict, SubmissionRules, VersionWindow, check_group, check_submission
+from hub.submissions import (
+    REASON_CLAIMED_REWARD,
+    GroupVerdict,
+    SubmissionRules,
+    VersionWindow,
+    check_group,
+    check_submission,
+)
 from shared.messages import Submission, SubmittedGroup
 from shared.rollout import Completion, SamplingParams
 from shared.tasks.base import Prompt
@@ -40,7 +47,7 @@ PROMPTS = (Prompt("p-abc", "abc>", "cba"), Prompt("p-xyz", "xyz>", "zyx"))
 def lease(min_version: int = 0, answered: tuple[str, ...] = ()) -> LeaseRecord:
     return LeaseRecord(
         lease_id="l" * 24, node_id=NODE, prompts=PROMPTS, min_version=min_version, issued_at=0.0, deadline=60.0,
-        answered=set(answered),
+        price_per_hour=0.5, answered=set(answered),
     )
 
 
@@ -64,31 +71,30 @@ def verdict(rules, submitted: SubmittedGroup, record: LeaseRecord | None = None,
 
 def test_valid_group_is_accepted_and_scored_by_the_hub(rules, tokenizer):
     v = verdict(rules, group(tokenizer))
-    assert v.accepted and v.reason == "" and not v.claimed_reward_mismatch
+    assert v.accepted and v.reason == ""
     assert v.group.rewards == (1.0, 0.0)
     assert v.group.version == 4 and v.group.node_id == NODE and v.group.prompt_text == "abc>"
     assert [c.text for c in v.group.completions] == ["cba", "abc"]
 
 
 def test_reward_comes_from_token_ids_not_from_the_nodes_text(rules, tokenizer):
-    # Wrong tokens dressed up with the right text: the hub decodes the tokens and pays nothing.
+    # Wrong tokens dressed up with the right text: the hub decodes the tokens and scores them.
     liar = SubmittedGroup(
         prompt_id="p-abc",
         completions=(completion(tokenizer, "xxx", claimed_text="cba"), completion(tokenizer, "cba", claimed_text="no")),
-        claimed_rewards=(1.0, 1.0),
     )
     v = verdict(rules, liar)
     assert v.accepted and v.group.rewards == (0.0, 1.0)
     assert [c.text for c in v.group.completions] == ["xxx", "cba"]
-    assert v.claimed_reward_mismatch
 
 
-def test_claimed_rewards_are_only_compared(rules, tokenizer):
+@pytest.mark.parametrize("claimed", [(1.0, 1.0), (1.0,), (1.0, float("nan")), (1.0, 1e-5)])
+def test_a_claimed_reward_the_hub_does_not_score_is_a_lie(rules, tokenizer, claimed):
     honest = group(tokenizer).model_copy(update={"claimed_rewards": (1.0, 0.0)})
-    assert not verdict(rules, honest).claimed_reward_mismatch
-    wrong_length = group(tokenizer).model_copy(update={"claimed_rewards": (1.0,)})
-    v = verdict(rules, wrong_length)
-    assert v.accepted and v.claimed_reward_mismatch and v.group.rewards == (1.0, 0.0)
+    v = verdict(rules, honest)
+    assert v.accepted and v.group.rewards == (1.0, 0.0)
+    v = verdict(rules, group(tokenizer).model_copy(update={"claimed_rewards": claimed}))
+    assert not v.accepted and not v.late and v.reason == REASON_CLAIMED_REWARD and v.group is None
 
 
 def test_finish_reason_length_at_the_cap_is_accepted(rules, tokenizer):

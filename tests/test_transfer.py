@@ -9,19 +9,26 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from hub.broadcast import HubUplink
+from hub.snapshots import SnapshotShelf
 from node.keeper import HUB, Upstream
 from shared.crypto import Identity
 from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SNAPSHOT_PROTOCOL, SnapshotRequest, TransferAck
 from shared.net import RateLimiter, connect, open_stream, set_handler
-from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, chunk_of, encode_chunk
-from shared.transfer import ChunkRejected, receive_snapshot
+from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, blake3_hex, chunk_of, encode_chunk
+from shared.transfer import ChunkRejected, commitment_payload, receive_snapshot
 from shared.wire import encode_frame, read_message, write_frame, write_message
 from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, wait_installed
 
 KIB = 1024
 MIB = 1024 * KIB
+
+
+def commit(identity: Identity, kind: str, version: int, index: int, data: bytes) -> bytes:
+    """The commitment an honest sender appends to a frame (shared/transfer.py)."""
+    return identity.sign(commitment_payload(kind, version, index, blake3_hex(data)))
 
 
 class FlippingSource:
@@ -53,7 +60,8 @@ async def pull(node, sender, version, newer_than=None, signer=None, **request):
 
     try:
         await receive_snapshot(
-            stream, SnapshotRequest(version=version, **request), signer or sender.peer_id, newer_than, assembler_for
+            stream, SnapshotRequest(version=version, **request), signer or sender.peer_id, sender.peer_id, newer_than,
+            assembler_for,
         )
     except Exception as exc:  # noqa: BLE001 - the tests assert on it
         await stream.reset()
@@ -141,6 +149,9 @@ async def test_tampered_chunk_raises_and_nothing_unverified_is_kept():
                 node_peer(honest) as node:
             assembler, error = await pull(node, liar, 4, signer=hub_id.peer_id)
     assert isinstance(error, ChunkRejected) and (error.version, error.index) == (4, 3)
+    # The liar committed to the bytes it sent: proof the hub can check with the liar's key alone.
+    assert error.proof is not None and error.proof.kind == "chunk" and error.proof.index == 3
+    assert error.proof.digest_hex != snapshot.manifest.chunk_hashes[3]
     assert [assembler.has(i) for i in range(5)] == [True, True, True, False, False]
     assert assembler.missing_count == snapshot.manifest.chunk_count - 3
 
@@ -152,17 +163,19 @@ async def test_chunk_out_of_order_is_rejected():
     manifest = snapshot.manifest
 
     async def skip_chunk_one(stream) -> None:
-        """Sends intact, correctly labelled chunks 0 and 2: only the order is wrong."""
+        """Sends intact, correctly labelled and committed chunks 0 and 2: only the order is wrong."""
         await read_message(stream, SnapshotRequest)
-        await write_frame(stream, MANIFEST_FRAME, snapshot.signed.to_bytes())
+        body = snapshot.signed.to_bytes()
+        await write_frame(stream, MANIFEST_FRAME, body + commit(hub_id, "manifest", 4, 0, body))
         for index in (0, 2):
-            await write_frame(stream, CHUNK_FRAME, encode_chunk(4, index, chunk_of(snapshot.data, manifest, index)))
+            data = chunk_of(snapshot.data, manifest, index)
+            await write_frame(stream, CHUNK_FRAME, encode_chunk(4, index, data) + commit(hub_id, "chunk", 4, index, data))
         await trio.sleep(5)
 
     async with hub_peer(hub_id) as hub, node_peer(hub) as node:
         set_handler(hub.host, SNAPSHOT_PROTOCOL, skip_chunk_one, logging.getLogger("test"))
         assembler, error = await pull(node, hub, 4)
-    assert isinstance(error, ChunkRejected) and error.index == 1
+    assert isinstance(error, ChunkRejected) and error.index == 1 and error.proof is None
     assert assembler.has(0) and not assembler.has(1) and not assembler.has(2)
 
 
@@ -196,10 +209,12 @@ async def test_manifest_signed_by_another_key_is_refused():
             await connect(node.host, fake.addr)
             # receive_snapshot checks against the hub id the node was given, not the sender's
             stream = await open_stream(node.host, fake.peer_id, SNAPSHOT_PROTOCOL)
-            with pytest.raises(BadSignature):
+            with pytest.raises(ChunkRejected, match="manifest refused") as refused:
                 await receive_snapshot(
-                    stream, SnapshotRequest(version=9), hub.peer_id, None, lambda s, m: ChunkAssembler(m)
+                    stream, SnapshotRequest(version=9), hub.peer_id, fake.peer_id, None, lambda s, m: ChunkAssembler(m)
                 )
+            assert isinstance(refused.value.__context__, BadSignature)
+            assert refused.value.proof is not None and refused.value.proof.kind == "manifest"  # provable forgery
             await stream.reset()
             # and the keeper, told to pull v9 from the impostor, never installs it
             node.keeper.update(9, Upstream(fake.peer_id, (fake.addr,)), None)
@@ -215,7 +230,7 @@ async def test_stale_version_is_refused():
         hub.shelf.add(random_snapshot(hub_id, 5, 128 * KIB, 64 * KIB))
         async with node_peer(hub) as node:
             _, error = await pull(node, hub, None, newer_than=5)
-            assert isinstance(error, StaleSnapshot)
+            assert isinstance(error, ChunkRejected) and isinstance(error.__context__, StaleSnapshot), error
             _, error = await pull(node, hub, None, newer_than=4)
             assert error is None
 
@@ -231,12 +246,13 @@ async def test_served_stream_respects_the_link_limit_in_sub_chunk_slices():
         limiter = RateLimiter(rate)
         assert limiter.slice_bytes <= chunk // 16
         async with node_peer(hub, limiter) as relay, node_peer(hub) as reader:
-            relay.keeper.update(1, HUB, None)
+            relay.keeper.update(1, HUB, reader.peer_id)
             await wait_installed([relay], 1, timeout_s=5)
             await connect(reader.host, relay.addr)
             stream = await open_stream(reader.host, relay.peer_id, SNAPSHOT_PROTOCOL)
-            expected = len(encode_frame(MANIFEST_FRAME, snapshot.signed.to_bytes())) + sum(
-                len(encode_frame(CHUNK_FRAME, encode_chunk(1, i, b"x" * snapshot.manifest.chunk_length(i))))
+            signature = b"s" * 64  # every frame carries the sender's commitment
+            expected = len(encode_frame(MANIFEST_FRAME, snapshot.signed.to_bytes() + signature)) + sum(
+                len(encode_frame(CHUNK_FRAME, encode_chunk(1, i, b"x" * snapshot.manifest.chunk_length(i)) + signature))
                 for i in range(snapshot.manifest.chunk_count)
             )
             await write_message(stream, SnapshotRequest(version=1))
@@ -252,3 +268,86 @@ async def test_served_stream_respects_the_link_limit_in_sub_chunk_slices():
     # Never ahead of the link by more than a few slices: a 1 MiB chunk is not sent as one burst.
     burst = max(n - rate * t for t, n in samples)
     assert burst < 8 * limiter.slice_bytes, burst
+
+
+@pytest.mark.trio
+async def test_a_node_serves_only_the_successor_the_hub_named():
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 1, 256 * KIB, 64 * KIB)
+    async with hub_peer(hub_id) as hub:
+        hub.shelf.add(snapshot)
+        async with node_peer(hub) as relay, node_peer(hub) as stranger, node_peer(hub) as successor:
+            relay.keeper.update(1, HUB, successor.peer_id)
+            await wait_installed([relay], 1, timeout_s=5)
+            started = time.monotonic()
+            _, error = await pull(stranger, relay, 1)
+            assert error is not None and time.monotonic() - started < 10  # refused, after a short wait
+            assert 1 not in stranger.installed
+            assembler, error = await pull(successor, relay, 1, signer=hub_id.peer_id)
+            assert error is None and assembler.complete
+
+
+class StallingSource:
+    """Sends the manifest, then nothing: a relay that freezes its chain."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def held_manifest(self, version):
+        return self.inner.held_manifest(version)
+
+    async def chunk(self, version: int, index: int) -> bytes:
+        await trio.sleep_forever()
+
+
+@pytest.mark.trio
+async def test_a_relay_that_stalls_after_its_manifest_is_left_and_reported():
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 3, 256 * KIB, 64 * KIB)
+    async with hub_peer(hub_id) as hub:
+        hub.shelf.add(snapshot)
+        async with hub_peer(Identity.generate(), source=StallingSource(hub.shelf)) as staller, \
+                node_peer(hub, stall_s=1.0) as sink:
+            # The stalling relay is the sink's upstream; the sink must give up on it and finish from the hub.
+            sink.keeper.update(3, Upstream(staller.peer_id, (staller.addr,)), None)
+            await wait_installed([sink], 3, timeout_s=15)
+    assert sink.installed[3] == snapshot.data
+    assert [(r.upstream, r.kind) for _, r in hub.reports] == [(staller.peer_id, "unproven")] * len(hub.reports)
+    assert hub.reports and sink.keeper.upstream_failures >= 1
+
+
+@pytest.mark.trio
+async def test_a_receiver_that_never_acks_does_not_hold_the_sender():
+    """A receiver takes every frame and never acks: the sender gives up after stall_s, not after an hour."""
+    from shared.transfer import serve_snapshot
+
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 2, 128 * KIB, 64 * KIB)
+    shelf = SnapshotShelf(keep=1)
+    shelf.add(snapshot)
+    ours, theirs = trio.testing.memory_stream_pair()
+
+    async def drain() -> None:
+        while await theirs.receive_some(65536):
+            pass
+
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain)
+        with pytest.raises(trio.TooSlowError):
+            await serve_snapshot(_Adapter(ours), shelf, SnapshotRequest(version=2), None, hub_id, stall_s=0.5)
+        nursery.cancel_scope.cancel()
+    assert trio.current_time() - started < 5
+
+
+class _Adapter:
+    """A trio memory stream speaking the read/write duck type of shared/wire.py."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    async def read(self, n: int) -> bytes:
+        return await self.stream.receive_some(n)
+
+    async def write(self, data: bytes) -> None:
+        await self.stream.send_all(data)

@@ -21,6 +21,8 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hub", metavar="ADDR", help="multiaddr of a running hub, ending in /p2p/<hub peer id>")
     source.add_argument("--data-dir", metavar="DIR", type=Path, help="read DIR/status.json (hub) or DIR/node_status.json (node)")
+    parser.add_argument("--key", metavar="FILE", type=Path, default=None,
+                        help="with --hub: ask as this identity (the hub's DATA_DIR/hub.key sees nodes' prices and costs)")
     add_view_arguments(parser)
 
 
@@ -47,7 +49,12 @@ def build_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hu
         if args.data_dir is None:
             raise SystemExit("the node dashboard reads the node's --data-dir; --hub is for the hub dashboard")
         return NodeDashboard(DataDirSource(args.data_dir, kind="node"), args.refresh_s)
-    source = HubSource(args.hub) if args.hub is not None else DataDirSource(args.data_dir, kind="hub")
+    if args.hub is not None:
+        from shared.crypto import Identity
+
+        source = HubSource(args.hub, identity=Identity.load(args.key) if args.key else None)
+    else:
+        source = DataDirSource(args.data_dir, kind="hub")
     return HubDashboard(source, args.refresh_s)
 
 

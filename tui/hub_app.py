@@ -133,6 +133,8 @@ def cost_text(status: HubStatus) -> Text:
         out.append("saved       —\n")
     t = status.totals
     out.append(f"acc {t.accepted} rej {t.rejected} late {t.late} stale {status.dropped_stale}", style="dim")
+    if status.redacted:
+        out.append("\nnodes' prices and costs hidden: --key DATA_DIR/hub.key", style="yellow")
     return out
 
 

@@ -1,0 +1,202 @@
+"""Attacks of an outside review on the landed protocol, each replayed by hand-built peers with fresh
+identities against the real hub service and state in-process (tests/inproc.py) or a real `echo-hub`
+process: hostile numbers and strings, throwaway identities that filled py-libp2p's connection slots,
+big frames from strangers, status snooping. The attacks on audits, pay, relays, copies and disk use
+live beside the code they hit (test_state, test_broadcast, test_transfer, test_copies, test_store)."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+
+from hub.chains import num_chains
+from hub.config import HubConfig, LearnerConfig, LeaseConfig
+from node.client import HubClient
+from shared.crypto import Identity
+from shared.messages import (
+    JOIN_PROTOCOL,
+    LEASE_PROTOCOL,
+    MAX_ADDR_CHARS,
+    MAX_LISTEN_ADDRS,
+    SUBMIT_PROTOCOL,
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    LeaseReply,
+    LeaseRequest,
+    Reject,
+    RejectCode,
+    Submission,
+    SubmitReply,
+)
+from shared.net import running_host
+from shared.wire import HEADER, encode_frame
+from tests.harness import start_hub
+from tests.inproc import PERMISSIVE_TRUST, InprocHub, inproc_hub
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+CONFIG = HubConfig(
+    learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=2),
+    lease=LeaseConfig(prompts_per_lease=2),
+    trust=PERMISSIVE_TRUST,
+)
+
+
+def join_json(hub: InprocHub, **fields) -> bytes:
+    """A JoinRequest frame built by hand, so it can say what our own models refuse to build."""
+    body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf",
+            "model_config_hash": hub.config_hash, "version_held": 0, "listen_addrs": [], **fields}
+    return encode_frame(JoinRequest.TYPE, json.dumps(body).encode())
+
+
+async def client(stack: AsyncExitStack, hub: InprocHub, identity: Identity | None = None) -> HubClient:
+    identity = identity or Identity.generate()
+    host, _ = await stack.enter_async_context(running_host(identity, [LOOPBACK]))
+    peer = HubClient(host, identity, hub.addr, timeout_s=10)
+    await peer.connect()
+    return peer
+
+
+HOSTILE_JOINS = {
+    "a 5e-324 B/s link (made B0/Bw overflow the chain planner)": {"link_bps": 5e-324},
+    "a NaN price": {"price_per_hour": float("nan")},
+    "an infinite link": {"link_bps": float("inf")},
+    "a version past SQLite's INTEGER": {"version_held": 2**70},
+    "16 listen addresses of 2 kB": {"listen_addrs": ["/ip4/1.2.3.4/tcp/1/" + "x" * 2000] * 16},
+    "a listen address with a terminal escape": {"listen_addrs": ["/ip4/1.2.3.4/tcp/1\x1b[2J"]},
+    "hardware with control characters": {"hardware": "GPU\x1b]0;owned\x07"},
+}
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("what", HOSTILE_JOINS)
+async def test_hostile_numbers_and_strings_are_refused_at_the_frame(tmp_path, default_model_dir, what):
+    async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:
+        peer = await client(stack, hub)
+        # json.dumps writes NaN and Infinity as the bare words a hostile peer would send.
+        reply = await peer.send_frame(JOIN_PROTOCOL, join_json(hub, **HOSTILE_JOINS[what]), JoinReply)
+        assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_REQUEST, reply
+        assert hub.state.fleet.get(peer.peer_id) is None
+        # And the hub serves the next honest node as if nothing happened.
+        honest = await client(stack, hub)
+        assert isinstance(await honest.send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply), JoinReply)
+
+
+def test_what_the_bounds_admit_stays_inside_every_reply_and_every_planner():
+    # The longest upstream address list a heartbeat reply can carry fits its frame cap.
+    tail = "/tcp/65535/p2p/" + "1" * 128
+    addr = "/dns4/" + "a" * (MAX_ADDR_CHARS - len("/dns4/") - len(tail)) + tail
+    reply = HeartbeatReply(state="active", latest_version=2**53, upstream="1" * 128, upstream_addrs=(addr,) * MAX_LISTEN_ADDRS,
+                           downstream="1" * 128, chain=10**6, chain_position=10**6)
+    assert len(reply.model_dump_json()) < HeartbeatReply.MAX_BYTES
+    # The smallest link a node may declare against the fastest hub uplink: a number, not an overflow.
+    assert num_chains(1e6 * 1e6 / 8, 1e4, max_chains=5000) == 5000
+
+
+@pytest.mark.trio
+async def test_strangers_are_refused_before_a_byte_of_their_frames_is_read(tmp_path, default_model_dir):
+    async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:
+        stranger = await client(stack, hub)
+        for protocol, tag in ((SUBMIT_PROTOCOL, Submission.TYPE), (LEASE_PROTOCOL, LeaseRequest.TYPE)):
+            started = time.monotonic()
+            # The header claims 30 MiB; the body never comes. Read first, the hub would wait for it.
+            reply = await stranger.send_frame(protocol, HEADER.pack(tag, 30 << 20), SubmitReply, LeaseReply,
+                                              close_write=False)
+            assert isinstance(reply, Reject) and reply.code == RejectCode.UNKNOWN_NODE
+            assert time.monotonic() - started < 2.0
+        assert hub.service.guard.buffered_bytes == 0
+
+
+@pytest.mark.trio
+async def test_strangers_and_nodes_see_no_one_elses_prices_or_costs(tmp_path, default_model_dir):
+    operator = Identity.generate()
+    config = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(update={"status_operators": (operator.peer_id,)})})
+    async with inproc_hub(tmp_path, default_model_dir, config) as hub, AsyncExitStack() as stack:
+        node = await client(stack, hub)
+        assert isinstance(await node.send_frame(JOIN_PROTOCOL, join_json(hub, price_per_hour=0.77), JoinReply), JoinReply)
+        seen = {}
+        for name, who in (("stranger", Identity.generate()), ("node", node.identity), ("operator", operator)):
+            peer = node if name == "node" else await client(stack, hub, who)
+            status = await peer.status()
+            seen[name] = (status.redacted, [(n.price_per_hour, n.hardware) for n in status.nodes])
+    assert seen["stranger"] == seen["node"] == (True, [(0.0, "")])
+    assert seen["operator"] == (False, [(0.77, "x")])
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+@pytest.mark.timeout(240)
+async def test_throwaway_identities_do_not_lock_out_honest_nodes(tmp_path, default_model_dir):
+    """300 identities connect, join and leave (py-libp2p kept each one's inbound slot: the 251st was locked
+    out); then an honest node still joins. Strangers that linger are disconnected, and one address
+    holds at most max_connections_per_ip connections."""
+    async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub:
+        async def come_and_go(_: int) -> None:
+            async with AsyncExitStack() as stack:
+                peer = await client(stack, hub)
+                assert isinstance(await peer.send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply), JoinReply)
+
+        limiter = trio.CapacityLimiter(8)
+
+        async def one(i: int) -> None:
+            async with limiter:
+                await come_and_go(i)
+
+        with trio.fail_after(180):
+            async with trio.open_nursery() as nursery:
+                for i in range(300):
+                    nursery.start_soon(one, i)
+            await come_and_go(300)  # the 301st, honest
+    config = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(
+        update={"max_connections_per_ip": 3, "idle_connection_s": 1.0})})
+    async with inproc_hub(tmp_path / "capped", default_model_dir, config) as hub, AsyncExitStack() as stack:
+        for _ in range(3):
+            await client(stack, hub)
+        with pytest.raises(Exception):  # noqa: B017 - refused before the handshake: any dial error
+            await client(stack, hub)
+        # Idle strangers are let go, and their slots with them.
+        with trio.fail_after(10):
+            while hub.service.host.get_network().get_connections_map():
+                await trio.sleep(0.2)
+        assert isinstance(await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply),
+                          JoinReply)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_real_hub_with_a_planned_uplink_survives_a_hostile_join(tmp_path):
+    """With --hub-mbps the chain planner divides by the declared link: one hostile join took the hub down."""
+    hub = start_hub(tmp_path / "hub", "--local-nodes", "0", "--steps", "0", "--hub-mbps", "100")
+    try:
+        async def attack() -> None:
+            async with AsyncExitStack() as stack:
+                identity = Identity.generate()
+                host, _ = await stack.enter_async_context(running_host(identity, [LOOPBACK]))
+                peer = HubClient(host, identity, hub.addr, timeout_s=20)
+                await peer.connect()
+                from shared.default_model import ensure_default_model
+                from shared.snapshot import model_dir_config_hash
+
+                config_hash = model_dir_config_hash(ensure_default_model(progress=False))
+                body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 5e-324, "backend": "hf",
+                        "model_config_hash": config_hash, "version_held": 0, "listen_addrs": []}
+                reply = await peer.send_frame(JOIN_PROTOCOL, encode_frame(JoinRequest.TYPE, json.dumps(body).encode()),
+                                              JoinReply)
+                assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_REQUEST
+                body["link_bps"] = 1e4  # the slowest link a node may declare: planned for, not a crash
+                reply = await peer.send_frame(JOIN_PROTOCOL, encode_frame(JoinRequest.TYPE, json.dumps(body).encode()),
+                                              JoinReply)
+                assert isinstance(reply, JoinReply)
+                await trio.sleep(2.0)
+                beat = await peer.heartbeat(Heartbeat(version_held=0))
+                assert isinstance(beat, HeartbeatReply)
+
+        trio.run(attack)
+        assert hub.process.poll() is None, hub.output()[-2000:]
+    finally:
+        hub.stop()
