@@ -174,6 +174,9 @@ class AuditQueue:
         self.capacity = capacity
         self._jobs: deque[AuditJob] = deque()
         self._wake = trio.Event()
+        # One audit at a time, on a thread of its own: waiting audits queue here, never on trio's shared
+        # worker threads (which every store write needs).
+        self._limiter = trio.CapacityLimiter(1)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -196,7 +199,7 @@ class AuditQueue:
     async def judge(self, job: AuditJob) -> AuditResult | None:
         """Re-score the job's group in a worker thread; None when its version left the shelf (logged)."""
         try:
-            return await trio.to_thread.run_sync(self.auditor.audit, job.group, job.group.version)
+            return await trio.to_thread.run_sync(self.auditor.audit, job.group, job.group.version, limiter=self._limiter)
         except VersionUnavailable as exc:
             log.warning("audit of %s's group %s skipped: %s", job.node_id, job.group.prompt_id, exc)
             return None

@@ -27,9 +27,10 @@ from shared.messages import (
     RejectCode,
     RelayOffer,
     TransferAck,
+    short_id,
 )
 from shared.net import RateLimiter, open_stream, remote_peer_id
-from shared.transfer import Writer, commitment_holds
+from shared.transfer import STALL_S, Writer, commitment_holds
 from shared.wire import PeerFault, WritableStream, read_message, write_message
 
 log = logging.getLogger("echo2.hub.broadcast")
@@ -131,6 +132,10 @@ class Broadcaster:
         self.event = event
         self.record_t_bcast = record_t_bcast
         self.chains: list[list[str]] = []
+        # node -> ((receiving version, chunks received), since when): progress of each node, from heartbeats.
+        self._progress: dict[str, tuple[tuple[int | None, int], float]] = {}
+        # node -> the version for which it last got its upstream moved.
+        self._demoted_for: dict[str, int] = {}
         self.current: Broadcast | None = None
         self.history: list[Broadcast] = []
         self._nursery: trio.Nursery | None = None
@@ -158,6 +163,9 @@ class Broadcaster:
         for peer in sorted(members, key=lambda p: (-members[p].link_bps, p)):
             if peer not in in_chains:
                 chains = join_chains(chains, peer, limit)
+        for peer in set(self._progress) - set(members):
+            self._progress.pop(peer, None)
+            self._demoted_for.pop(peer, None)
         if chains != self.chains:
             self.chains = chains
             log.info("chains: %s", [[p[-6:] for p in c] for c in chains])
@@ -212,6 +220,38 @@ class Broadcaster:
             b.done_at = time.monotonic()
             log.info("v%d reached every node in %.2fs", b.version, b.seconds)
             self._nursery.start_soon(self.record_t_bcast, b.version, b.seconds)
+            return
+        self._check_progress(b, time.monotonic())
+
+    def _check_progress(self, b: Broadcast, now: float) -> None:
+        """Re-link around a relay whose successor makes no progress while the relay says it is ahead.
+
+        Judged from heartbeats, by what each node says of itself: a relay that claims chunks it does not
+        serve is moved to the end of its chain. A successor can get its own upstream moved at most once
+        per version, so no node climbs a chain faster than one place per published version."""
+        held = self.shelf.held_manifest(b.version)
+        if held is None:
+            return
+        chunk_bytes = held[1].chunk_size
+        for chain in self.chains:
+            for up, down in zip(chain, chain[1:]):
+                u, d = self.fleet.get(up), self.fleet.get(down)
+                if u is None or d is None or d.version_held >= b.version:
+                    continue
+                mark = (d.receiving_version, d.chunks_received)
+                seen = self._progress.get(down)
+                if seen is None or seen[0] != mark:
+                    self._progress[down] = (mark, now)
+                    continue
+                ahead = u.version_held >= b.version or (
+                    u.receiving_version == b.version and u.chunks_received > d.chunks_received)
+                window = STALL_S + 2 * chunk_bytes / max(1.0, min(u.link_bps, d.link_bps))
+                if ahead and now - seen[1] > window and self._demoted_for.get(down) != b.version:
+                    self._demoted_for[down] = b.version
+                    self._progress[down] = (mark, now)
+                    self.demote(up)
+                    self._nursery.start_soon(self.event, "relay_stalled", up,
+                                             f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
 
     def last_t_bcast_s(self) -> float | None:
         done = [b.seconds for b in self.history if b.seconds is not None]
@@ -236,8 +276,9 @@ class Broadcaster:
         elif verdict == "reporter" and (rec := self.fleet.get(reporter)) is not None:
             await self.ban(rec, f"false report against {report.upstream[-8:]}: its commitment is to the right bytes")
         elif verdict == "unproven":
-            self.demote(report.upstream)
-            await self.event("report_unproven", reporter, f"{report.upstream[-8:]}: {report.reason}")
+            # Nothing to check, so nothing is done on the reporter's word alone (it could be used to move
+            # honest relays around); a relay that really stalls is seen in heartbeats (_check_progress).
+            await self.event("report_unproven", reporter, f"{short_id(report.upstream)}: {report.reason}")
         else:
             await self.event("report_unchecked", reporter, f"v{report.version} is no longer held: cannot check")
         await write_message(stream, TransferAck(version=report.version, chunks=0, ok=verdict == "accused"))

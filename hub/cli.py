@@ -4,39 +4,52 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import version as package_version
 from pathlib import Path
 
-# flag name -> dotted HubConfig field; flags override the TOML file, which overrides defaults.
-START_FLAGS: dict[str, tuple[str, type, str]] = {
-    "data_dir": ("data_dir", Path, "store, snapshots, checkpoints, metrics and logs (default ./echo2-data)"),
-    "model": ("model", Path, "local Hugging Face causal LM directory (default: the embedded default model)"),
-    "task": ("task", str, "builtin task name, math:FILE.jsonl, or module:Class (default reverse)"),
-    "listen": ("listen", str, "libp2p listen multiaddr (default /ip4/0.0.0.0/tcp/4077)"),
-    "key": ("key", Path, "hub identity key file (default DATA_DIR/hub.key)"),
-    "steps": ("steps", int, "learner steps to run; 0 runs until interrupted (default 300)"),
-    "local_nodes": ("local_nodes", int, "volunteer nodes to spawn on loopback (default 3; 0: wait for remote nodes)"),
-    "staleness": ("learner.staleness", int, "S: max versions a rollout may lag the learner (default 4)"),
-    "kappa": ("learner.kappa", int, "publish a snapshot every kappa steps (default max(1, S-1))"),
-    "prompts_per_step": ("learner.prompts_per_step", int, "prompt groups per learner step (default 16)"),
-    "group_size": ("learner.group_size", int, "n: completions per prompt (default 8)"),
-    "lr": ("learner.lr", float, "learning rate (default 3e-4)"),
-    "seed": ("learner.seed", int, "seed (default 0)"),
-    "max_new_tokens": ("sampling.max_new_tokens", int, "completion length cap in tokens"),
-    "temperature": ("sampling.temperature", float, "sampling temperature (default 1.0)"),
-    "top_p": ("sampling.top_p", float, "nucleus sampling mass (default 1.0)"),
-    "broadcast": ("broadcast.mode", str, "snapshot broadcast: chain or star (default chain)"),
-    "link_mbps": ("broadcast.link_mbps", float, "emulated per-connection link rate, Mbit/s (tests, benchmarks)"),
-    "hub_mbps": ("broadcast.hub_uplink_mbps", float, "hub uplink B0 in Mbit/s, for chain planning"),
-    "log_level": ("log_level", str, "log level of DATA_DIR/hub.log (default info)"),
+from shared.checks import UserError
+
+# flag name -> (dotted HubConfig field, type); flags override the TOML file, which overrides defaults.
+# Each flag's help is its field's description, choices and default (hub/config.py).
+START_FLAGS: dict[str, tuple[str, type]] = {
+    "data_dir": ("data_dir", Path),
+    "model": ("model", Path),
+    "task": ("task", str),
+    "listen": ("listen", str),
+    "key": ("key", Path),
+    "steps": ("steps", int),
+    "local_nodes": ("local_nodes", int),
+    "staleness": ("learner.staleness", int),
+    "kappa": ("learner.kappa", int),
+    "prompts_per_step": ("learner.prompts_per_step", int),
+    "group_size": ("learner.group_size", int),
+    "lr": ("learner.lr", float),
+    "seed": ("learner.seed", int),
+    "max_new_tokens": ("sampling.max_new_tokens", int),
+    "temperature": ("sampling.temperature", float),
+    "top_p": ("sampling.top_p", float),
+    "broadcast": ("broadcast.mode", str),
+    "link_mbps": ("broadcast.link_mbps", float),
+    "hub_mbps": ("broadcast.hub_uplink_mbps", float),
+    "log_level": ("log_level", str),
 }
 
 
 def _start_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("start", help="run the hub (and, by default, local volunteer nodes)")
-    p.add_argument("--config", type=Path, help="hub.toml with the same fields; flags override it")
-    for flag, (_, kind, help_text) in START_FLAGS.items():
-        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=help_text)
+    from hub.config import HubConfig
+    from shared.config import flag_help
+
+    p.add_argument("--config", type=Path,
+                   help="hub.toml: any field of `echo-hub config` (flat keys like staleness = 4 work too); flags override it")
+    for flag, (dotted, kind) in START_FLAGS.items():
+        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted))
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live progress display")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--fresh", action="store_true",
+                        help="start a new run even if DATA_DIR holds one (the old run is renamed DATA_DIR.old-<time>)")
+    resume.add_argument("--resume-anyway", action="store_true",
+                        help="resume DATA_DIR's run even though its model or task differs from this start's")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="echo-hub",
         description="echo2 hub: central GRPO learner that signs policy snapshots and buys rollouts from volunteer nodes.",
     )
+    parser.add_argument("--version", action="version", version=f"echo-hub {package_version('echo2')}")
     sub = parser.add_subparsers(dest="command", required=True)
     _start_parser(sub)
+    sub.add_parser("config", help="print an example hub.toml: every field, its default and what it does")
 
     status = sub.add_parser("status", help="print nodes, leases, versions, throughput and cost of a hub")
     where = status.add_mutually_exclusive_group()
@@ -70,25 +85,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def prepare_start(config, fresh: bool, anyway: bool):
+    """Every check of `echo-hub start` (UserError on a mistake, nothing written), then the data dir lock."""
+    from hub.preflight import Started, check_resume, check_start, lock_data_dir, move_aside
+    from shared.default_model import default_model_dir
+
+    check_start(config)
+    model_dir = config.model or default_model_dir()
+    resume = None if fresh else check_resume(config, model_dir, anyway)
+    if fresh and config.data_dir.exists() and any(config.data_dir.iterdir()):
+        lock_data_dir(config.data_dir).close()  # refused while another hub runs on it
+        aside = move_aside(config.data_dir, keep_key=config.key is None)
+        print(f"echo-hub: --fresh: the old run is now in {aside} (the hub key stays: same address)", file=sys.stderr)
+    return Started(lock=lock_data_dir(config.data_dir), resume=resume)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
         from hub.config import HubConfig
         from shared.config import ConfigError, load_config
 
-        overrides = {dotted: getattr(args, flag) for flag, (dotted, _, _) in START_FLAGS.items()}
+        overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
         try:
-            config = load_config(HubConfig, args.config, overrides)
-        except ConfigError as exc:
+            config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+            started = prepare_start(config, fresh=args.fresh, anyway=args.resume_anyway)
+        except (ConfigError, UserError) as exc:
             print(f"echo-hub: {exc}", file=sys.stderr)
             return 2
         from hub.run import run_hub
 
-        return run_hub(config, progress=not args.no_progress)
+        return run_hub(config, progress=not args.no_progress, resume=started.resume, lock=started.lock)
+    if args.command == "config":
+        from hub.config import HubConfig
+        from shared.config import example_toml
+
+        print(example_toml(HubConfig, "hub.toml for `echo-hub start --config hub.toml`"), end="")
+        return 0
     if args.command == "status":
         from hub.status_cli import run_status
 
-        return run_status(hub=args.hub, data_dir=args.data_dir, as_json=args.json, key=args.key)
+        try:
+            return run_status(hub=args.hub, data_dir=args.data_dir, as_json=args.json, key=args.key)
+        except UserError as exc:
+            print(f"echo-hub status: {exc}", file=sys.stderr)
+            return 2
     if args.command == "plan":
         from hub.plan import run_plan
 
@@ -96,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "dashboard":
         from tui.cli import run_dashboard
 
-        return run_dashboard(args)
+        try:
+            return run_dashboard(args)
+        except UserError as exc:
+            print(f"echo-hub dashboard: {exc}", file=sys.stderr)
+            return 2
     if args.command == "report":
         from hub.report import write_report
 

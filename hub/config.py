@@ -38,6 +38,7 @@ class LearnerConfig(Section):
     seed: int = Field(0, ge=0, description="seed for the learner and prompt sampling")
     device: str = Field("cpu", description="torch device for the learner")
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads for the learner")
+    stall_warning_s: float = Field(120.0, gt=0.0, le=86400.0, description="warn when no step for this long while groups arrive")
 
     @property
     def effective_kappa(self) -> int:
@@ -109,7 +110,7 @@ class TrustConfig(Section):
     audit_first_n: int = Field(10, ge=0, le=10_000, description="a node is audited on every submission until it passed this many")
     audit_mean_abs_gap: float = Field(0.05, gt=0.0, le=10.0, description="max mean |reported - recomputed| log-prob per group, nats")
     audit_max_outside_frac: float = Field(0.05, ge=0.0, le=1.0, description="max fraction of tokens outside the hub's top-p nucleus")
-    audit_queue_groups: int = Field(256, ge=1, le=100_000, description="sampled groups waiting for an audit before new ones are skipped (counted)")
+    audit_queue_groups: int = Field(256, ge=1, le=100_000, description="groups waiting for an audit: sampled ones beyond it are skipped, probation ones told to retry")
     copy_cache_groups: int = Field(100_000, ge=1, le=10_000_000, description="recent group fingerprints kept for copy detection (LRU)")
     copy_min_surprise_nats: float = Field(20.0, ge=0.0, le=1e6, description="a repeat is a copy only if an honest repeat had probability < exp(-this)")
     lease_new_node_prompts: int = Field(1, ge=1, le=1024, description="prompts per lease until a node passed trusted_after_audits audits")

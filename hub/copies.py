@@ -121,6 +121,10 @@ class CopyDetector:
         first = self._seen.get(key)
         if first is not None and (first.lease_id, first.prompt_id) != (here.lease_id, here.prompt_id):
             self._seen.move_to_end(key)
+            # The odds of an honest repeat, by the log-probs of whichever sighting makes it less likely: a
+            # copier cannot make its copy look likely by reporting log-probs near 0 for it.
+            log_multinomial = -surprise - math.fsum(s for _, s in sums)
+            surprise = max(surprise, -(log_multinomial + math.fsum(s for _, s in first.logprob_sums)))
             if first.prompt_text == here.prompt_text:
                 copied = surprise >= self.min_surprise_nats
             else:

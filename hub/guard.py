@@ -15,32 +15,16 @@ Both classes are plain bookkeeping with the clock passed in; the hub calls them 
 
 from __future__ import annotations
 
-import ipaddress
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from hub.config import TrustConfig
+from shared.net import address_key
 
-IPV6_PREFIX_BITS = 64
 STREAM_RETRY_S = 0.5
 MEMORY_RETRY_S = 1.0
-
-
-def address_key(ip: str | None) -> str | None:
-    """What one operator is assumed to control: an IPv4 address, or an IPv6 /64 (None: unknown address)."""
-    if ip is None:
-        return None
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    if isinstance(address, ipaddress.IPv6Address):
-        return str(ipaddress.ip_network(f"{address}/{IPV6_PREFIX_BITS}", strict=False))
-    return str(address)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,10 @@ class LeaseBook:
     def open_lease(self, record: LeaseRecord) -> None:
         self.open[record.lease_id] = record
 
+    def holds(self, node_id: str) -> bool:
+        """Whether the node holds an open lease (only then may it send a submission's worth of bytes)."""
+        return any(rec.node_id == node_id for rec in self.open.values())
+
     def abandon(self, record: LeaseRecord) -> None:
         """A lease whose store write failed: withdrawn, its prompts back at the front of the pool."""
         self.open.pop(record.lease_id, None)

@@ -8,14 +8,16 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import trio
 
 from hub.config import HubConfig
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
+from hub.preflight import Resume, run_identity
 from hub.snapshots import SnapshotShelf
 from hub.state import HubState
-from hub.store import SchemaMismatch, Store
+from hub.store import Store
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE
 from shared.net import running_host
@@ -83,6 +85,7 @@ class Hub:
             Store(config.data_dir / HUB_STORE_FILE), config, self.task, rules=rules,
             model_config_hash=model_config_hash(model_config.to_dict()), audits=audits,
             oldest_useful_version=lambda: self.learner.min_useful_version(), newest_version=self.shelf.newest_version,
+            run=dict(zip(("model_fingerprint", "task"), run_identity(config, model_dir)), model=str(model_dir)),
         )
         self.snapshot_send, self.snapshot_recv = trio.open_memory_channel(4)
         self.learner = LearnerComponent(
@@ -149,10 +152,11 @@ class Hub:
                         model=config.model,
                     )
                     state.own_nodes = frozenset(n.peer_id for n in self.local_nodes)
-                if self.progress:
-                    from hub.progress import live_progress
+                from hub.progress import live_progress, plain_progress, watch_for_stalls
 
-                    nursery.start_soon(live_progress, self)
+                # A live bar on a terminal; plain lines in a log file or a pipe (a bar there is one truncated line).
+                nursery.start_soon(live_progress if self.progress and sys.stdout.isatty() else plain_progress, self)
+                nursery.start_soon(watch_for_stalls, self, lc.stall_warning_s)
                 await self.learner.run()
                 self.status.running = False
                 await self.status.refresh()
@@ -167,7 +171,11 @@ class Hub:
         print(f"data dir: {self.config.data_dir.resolve()}  (logs: {HUB_LOG_FILE}, metrics: {METRICS_FILE})", flush=True)
 
 
-def run_hub(config: HubConfig, progress: bool = True) -> int:
+def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = None, lock: IO[str] | None = None) -> int:
+    """Run the hub until its steps are done or it is interrupted. `lock`: the data dir lock, held until we return."""
+    if resume is not None:
+        print(f"echo-hub: resuming the run in {config.data_dir} at step {resume.step} "
+              f"({resume.groups_waiting} groups waiting; task {resume.task})", flush=True)
     _setup_logging(config)
     import torch
     import transformers
@@ -178,19 +186,16 @@ def run_hub(config: HubConfig, progress: bool = True) -> int:
     torch.set_num_threads(config.learner.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
     identity = Identity.load_or_create(config.key_path)
-    model_dir = config.model or ensure_default_model(progress=progress and sys.stderr.isatty())
-    try:
-        hub = Hub(config, identity, Path(model_dir), progress)
-    except SchemaMismatch as exc:
-        print(f"echo-hub: {exc}", file=sys.stderr)
-        return 2
+    model_dir = Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty()))
+    hub = Hub(config, identity, model_dir, progress)
     try:
         trio.run(hub.run)
     finally:
         stop_local_nodes(hub.local_nodes)
     interrupted = hub.stopper.signal_name is not None
     if interrupted:
-        print(f"\necho-hub: {hub.stopper.signal_name}: nodes stopped; saving state", file=sys.stderr, flush=True)
+        stopped = f"{len(hub.local_nodes)} local nodes stopped; " if hub.local_nodes else ""
+        print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
         hub.learner.save_state()
         hub.status.running = False
     hub.state.flush_sync()

@@ -31,6 +31,7 @@ from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
+    MIN_LINK_BPS,
     REPORT_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
@@ -60,6 +61,8 @@ log = logging.getLogger("echo2.hub.service")
 
 GUARD_PRUNE_PERIOD_S = 1.0
 GUARD_IDLE_S = 300.0
+# The longest a peer that has not joined keeps a connection, busy or not (a dashboard simply redials).
+NON_MEMBER_LIFETIME_S = 120.0
 
 REFUSE_WRITE_TIMEOUT_S = 2.0
 REPLY_WRITE_TIMEOUT_S = 30.0
@@ -165,7 +168,9 @@ class HubService:
             if self.state.is_member(name):
                 continue
             active = self.guard.last_active(name)
-            if now - max(since, active if active is not None else since) > self.guard.config.idle_connection_s:
+            idle = now - max(since, active if active is not None else since) > self.guard.config.idle_connection_s
+            # Not idle but never joining (a stranger polling the status to keep its slot) goes too, later.
+            if idle or now - since > NON_MEMBER_LIFETIME_S:
                 log.info("closing the idle connection of %s (not a joined node)", name)
                 await self.host.disconnect(peer)
                 self.host.get_peerstore().clear_peerdata(peer)
@@ -180,13 +185,19 @@ class HubService:
         async def guarded(stream: INetStream) -> None:
             peer = remote_peer_id(stream)
             member = self.state.is_member(peer)
-            admission = self.guard.admit(peer, cap if member else min(cap, STRANGER_FRAME_CAP_BYTES))
+            # A submission's memory is reserved only for a node with a lease to answer: a member cannot
+            # pin the hub's frame budget with submissions that could only be refused.
+            leaseless = member and protocol == SUBMIT_PROTOCOL and not self.state.leases.holds(peer)
+            full = member and not leaseless
+            admission = self.guard.admit(peer, cap if full else min(cap, STRANGER_FRAME_CAP_BYTES))
             if not admission.admitted:
                 await self._turn_away(stream, peer, admission)
                 return
             try:
                 if protocol in MEMBERS_ONLY and not member:
                     self.state.known(peer)  # raises the PeerFault that says why: nothing is read or parsed
+                if leaseless:
+                    raise PeerFault("no open lease: ask for one before submitting", RejectCode.BAD_LEASE)
                 # The peer's reads and writes have a deadline; our own processing between them does not:
                 # a slow audit or commit on our side is never counted against the peer.
                 await handler(_PeerDeadline(stream, trio.current_time() + timeout_s))
@@ -312,7 +323,8 @@ class _PeerDeadline:
             return await self._stream.read(n)
 
     async def write(self, data: bytes) -> None:
-        with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
+        # A big write (a snapshot chunk) may take as long as its bytes take at the slowest link allowed.
+        with trio.fail_after(REPLY_WRITE_TIMEOUT_S + len(data) / MIN_LINK_BPS):
             await self._stream.write(data)
 
 

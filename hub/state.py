@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from hub.guard import LeaseQuota
 from hub.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.store import NewEvent, NodeBanned, StepRecord, Store
 from hub.submissions import REASON_CLAIMED_REWARD, GroupVerdict, SubmissionRules, VersionWindow, check_submission
+from shared.crypto import public_key_from_peer_id
 from shared.messages import GROUP_VERDICTS, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
 from shared.rollout import Group
 from shared.tasks.base import Task
@@ -129,6 +130,7 @@ class HubState:
         oldest_useful_version: Callable[[], int] = lambda: 0,
         newest_version: Callable[[], int] = lambda: -1,
         clock: Callable[[], float] = time.time,
+        run: Mapping[str, str] | None = None,
     ) -> None:
         trust, lc = config.trust, config.learner
         if rules is not None and audits is None and (trust.audit_rate > 0 or trust.audit_first_n > 0):
@@ -158,9 +160,13 @@ class HubState:
         self.audit_rng = secrets.SystemRandom()
         # Called after a node joins, leaves, is banned or gets measured: chains and activation follow.
         self.on_membership: list[Callable[[], None]] = []
+        if run is not None:
+            store.set_run(run)  # what this run trains: a later start that asks for another is refused
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
         # Accepted groups committed (or being committed) but not yet in the buffer or discarded.
         self._reserved = 0
+        # Of those, the groups of nodes on probation waiting for their audit (bounded: trust.audit_queue_groups).
+        self._held = 0
         self._nursery: trio.Nursery | None = None
         self.totals = self._load()
 
@@ -234,6 +240,11 @@ class HubState:
         if request.model_config_hash != self.model_config_hash:
             raise PeerFault("model config differs from the hub's: start the node with the hub's model",
                             RejectCode.MODEL_MISMATCH)
+        try:
+            public_key_from_peer_id(peer)
+        except ValueError:
+            # Every commitment and signature is checked against the key inlined in the peer id.
+            raise PeerFault("this peer id inlines no Ed25519 key: use an echo2 identity", RejectCode.BAD_REQUEST) from None
         if request.price_per_hour > self.max_price_per_hour:
             # Before any probe: a price above the ceiling is never worth measuring, let alone paying for.
             raise PeerFault(f"price ${request.price_per_hour:g}/h is above this hub's ceiling "
@@ -334,7 +345,7 @@ class HubState:
         k = PROBE_PROMPTS if probe else quota.prompts
         if not probe:  # a probe (one prompt, one per node) must not starve behind the cap
             room = int(self.lease_config.max_inflight_steps * self.prompts_per_step) - (
-                len(self.buffer) + self.leases.outstanding_prompts()
+                len(self.buffer) + self._reserved + self.leases.outstanding_prompts()
             )
             # A lease shrinks to the room left rather than waiting for room it may never get.
             k = min(k, room)
@@ -365,7 +376,8 @@ class HubState:
             log.info("lease %s of %s expired: re-queued", record.lease_id[:8], record.node_id[-8:])
         # The store follows the book one handler deadline late: see the module docstring.
         events: list[NewEvent] = [("lease_expired", r.node_id, f"lease {r.lease_id[:8]} re-queued") for r in expired]
-        await trio.to_thread.run_sync(lambda: self.store.expire_leases(now - HANDLER_TIMEOUT_S, events=events))
+        checking = [r.lease_id for r in self.leases.open.values() if r.checking]
+        await trio.to_thread.run_sync(lambda: self.store.expire_leases(now - HANDLER_TIMEOUT_S, events, checking))
 
     # -- submissions -------------------------------------------------------------------------
 
@@ -406,16 +418,23 @@ class HubState:
             counts = Tallies(**{name: sum(v.verdict == name for v in verdicts) for name in GROUP_VERDICTS})
             events = self._submission_events(peer, lease, verdicts, copies, rate)
             hold = bool(accepted) and self._on_probation(record)
+            if hold and self._held + len(accepted) > self.trust.audit_queue_groups:
+                # Audits of new nodes are backed up: whoever sends more new work must wait (bounded, not piled up).
+                raise HubBusy("audits of new nodes backed up: resubmit later")
             self._reserved += len(accepted)
+            self._held += len(accepted) if hold else 0
             with trio.CancelScope(shield=True):
                 try:
                     row_ids = await trio.to_thread.run_sync(lambda: self.store.record_submission(
                         lease.lease_id, peer, verdicts, usd=usd, seconds=billed_s, signed_bytes_hash=signed_hash,
                         now=now, rollouts_per_s=rate, events=events, hold=hold,
                     ))
-                except NodeBanned:
+                except BaseException as exc:
                     self._reserved -= len(accepted)
-                    raise PeerFault("banned", RejectCode.BANNED) from None
+                    self._held -= len(accepted) if hold else 0
+                    if isinstance(exc, NodeBanned):
+                        raise PeerFault("banned", RejectCode.BANNED) from None
+                    raise
                 committed = True
                 for verdict in verdicts:
                     lease.answered.add(verdict.prompt_id)
@@ -479,17 +498,27 @@ class HubState:
         await self._buffer(kept)
 
     async def _audit_held(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
-        """Groups of a node on probation: every one audited, and only then released to the buffer."""
-        with trio.CancelScope(shield=True):
-            passed = await self._audit([AuditJob(record.peer_id, lease_id, row_id, group, answered_at)
-                                        for group, row_id in kept], release=[row_id for _, row_id in kept])
-            if passed:
-                await self._buffer(kept)
-            elif record.state == "banned":
-                self._reserved -= len(kept)  # discarded with the ban (or already gone with an earlier one)
-                await self._discard_pending(kept, "banned: audit failed")
-            else:
-                await self._discard(kept, "not audited while on probation")
+        """Groups of a node on probation: every one audited, and only then released to the buffer. Work whose
+        audit cannot run (its version left the shelf) is discarded and not paid: unverified is unpaid."""
+        try:
+            with trio.CancelScope(shield=True):
+                passed = await self._audit([AuditJob(record.peer_id, lease_id, row_id, group, answered_at)
+                                            for group, row_id in kept], release=[row_id for _, row_id in kept])
+                if record.state == "banned":
+                    # Failed, or banned meanwhile (a released row must not slip past the ban either).
+                    self._reserved -= len(kept)
+                    await self._discard_pending(kept, "banned: audit failed")
+                elif passed:
+                    await self._buffer(kept)
+                else:
+                    self._reserved -= len(kept)
+                    paid = await trio.to_thread.run_sync(
+                        self.store.discard_and_void, [row_id for _, row_id in kept], "not audited while on probation",
+                        record.peer_id, lease_id,
+                    )
+                    self.totals.paid_usd[record.peer_id] = paid
+        finally:
+            self._held -= len(kept)
 
     async def _discard(self, kept: Sequence[tuple[Group, int]], reason: str) -> None:
         self._reserved -= len(kept)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,8 +10,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from shared.checks import UserError, check_key_file, check_peer_addr
 from shared.layout import HUB_STATUS_FILE
-from shared.messages import TALLY_FIELDS, TALLY_SHORT, HubStatus
+from shared.messages import TALLY_FIELDS, TALLY_SHORT, HubStatus, short_id
 
 STATUS_TIMEOUT_S = 10.0
 
@@ -38,6 +40,8 @@ def render(status: HubStatus, console: Console) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_row("hub", status.hub_id, "running" if status.running else "finished")
     head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
+    reward = f"{status.reward_mean:.3f}" if status.reward_mean is not None else "-"
+    head.add_row("reward", f"{reward} (last step)", f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
     head.add_row("staleness S / kappa", f"{status.staleness} / {status.kappa}", f"task {status.task}")
     t = status.totals
     head.add_row("trajectories", f"{t.accepted} accepted, {t.rejected} rejected, {t.late} late",
@@ -58,28 +62,48 @@ def render(status: HubStatus, console: Console) -> None:
         nodes.add_column(col)
     for n in status.nodes:
         chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
-        nodes.add_row(n.peer_id[-8:], n.state, f"{n.price_per_hour:.2f}", f"{n.rollouts_per_s:.2f}", str(n.version_held),
+        nodes.add_row(short_id(n.peer_id), n.state, f"{n.price_per_hour:.2f}", f"{n.rollouts_per_s:.2f}", str(n.version_held),
                       *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS), f"{n.cost_usd:.5f}", chain)
     console.print(nodes)
     for i, chain in enumerate(status.chains):
-        console.print(f"chain {i}: hub -> " + " -> ".join(p[-8:] for p in chain))
+        console.print(f"chain {i}: hub -> " + " -> ".join(short_id(p) for p in chain))
 
 
 def run_status(hub: str | None, data_dir: Path | None, as_json: bool, key: Path | None = None) -> int:
-    try:
-        if hub is not None:
+    """Print the status; exit 2 for a mistake (a mistyped address, a data dir with no hub), 1 for a hub that
+    does not answer."""
+    if hub is not None:
+        check_peer_addr(hub)
+        if key is not None:
+            check_key_file(key)
+        try:
             status = fetch_status(hub, key)
-        else:
-            path = Path(data_dir or "echo2-data") / HUB_STATUS_FILE
-            if not path.exists():
-                print(f"echo-hub status: no {path}; is a hub running with that data dir?", file=sys.stderr)
-                return 1
-            status = HubStatus.model_validate_json(path.read_text())
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the hub is reported, not raised
-        print(f"echo-hub status: cannot reach the hub: {exc!r}", file=sys.stderr)
-        return 1
-    if as_json:
-        print(status.model_dump_json(indent=2))
+        except Exception as exc:  # noqa: BLE001 - dial and protocol errors share no base class
+            print(f"echo-hub status: no answer from {hub}: {_reason(exc)}", file=sys.stderr)
+            return 1
     else:
-        render(status, Console())
+        path = Path(data_dir or "echo2-data") / HUB_STATUS_FILE
+        if not path.exists():
+            raise UserError(f"no {path}: give the --data-dir of a hub, or --hub ADDR")
+        try:
+            status = HubStatus.model_validate_json(path.read_text())
+        except ValueError:
+            print(f"echo-hub status: {path} is not a hub status (written by another echo2?)", file=sys.stderr)
+            return 1
+    try:
+        if as_json:
+            print(status.model_dump_json(indent=2))
+        else:
+            render(status, Console())
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `echo-hub status --json | head`: the reader has what it wanted.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause of a failure, in a few words (trio wraps them in exception groups)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -39,6 +39,7 @@ from typing import Literal
 import blake3
 import sqlite_utils
 
+from hub.buffer import REASON_STALE
 from shared.messages import GROUP_VERDICTS, TALLY_FIELDS, Tallies
 from shared.rollout import Group
 
@@ -89,6 +90,10 @@ CREATE TABLE IF NOT EXISTS nodes (
     measured       INTEGER NOT NULL DEFAULT 0 CHECK (measured IN (0, 1)),
     online_s       REAL    NOT NULL DEFAULT 0,
     banned_reason  TEXT
+);
+CREATE TABLE IF NOT EXISTS run (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS sessions (
     id         INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -443,6 +448,14 @@ class Store:
             )
             self.db.execute("UPDATE sessions SET alive_at = ? WHERE id = ?", (alive_at, session_id))
 
+    def set_run(self, values: Mapping[str, str]) -> None:
+        """What this data dir's run trains (model fingerprint, task...): what a resume is checked against."""
+        with self._write():
+            self.db.conn.executemany("INSERT OR REPLACE INTO run (key, value) VALUES (?, ?)", list(values.items()))
+
+    def run_info(self) -> dict[str, str]:
+        return {r["key"]: r["value"] for r in self._rows("SELECT key, value FROM run")}
+
     def start_session(self, now: float) -> int:
         """A hub process starts on this store; its learner time counts from `now`."""
         with self._write():
@@ -463,16 +476,19 @@ class Store:
                 (lease_id, node_id, json.dumps(list(prompt_ids)), min_version, issued_at, deadline),
             )
 
-    def expire_leases(self, now: float, events: Sequence[NewEvent] = ()) -> list[str]:
-        """Mark open leases past their deadline expired; their ids."""
+    def expire_leases(self, now: float, events: Sequence[NewEvent] = (), keep: Sequence[str] = ()) -> list[str]:
+        """Mark open leases past their deadline expired, except those in `keep` (a submission for them is
+        being checked); their ids."""
+        kept = set(keep)
         with self._write():
             ids = [
                 r[0]
                 for r in self.db.execute(
                     "SELECT id FROM leases WHERE state = 'open' AND deadline < ?", (now,)
                 ).fetchall()
+                if r[0] not in kept
             ]
-            self.db.execute("UPDATE leases SET state = 'expired' WHERE state = 'open' AND deadline < ?", (now,))
+            self.db.conn.executemany("UPDATE leases SET state = 'expired' WHERE id = ?", [(i,) for i in ids])
             self._events(events)
         return ids
 
@@ -595,9 +611,19 @@ class Store:
         rows = self._rows("SELECT verdict, COUNT(*) AS n FROM trajectories GROUP BY verdict")
         return {name: 0 for name in VERDICTS} | {r["verdict"]: int(r["n"]) for r in rows}
 
+    def recent_discards(self, limit: int) -> dict[str, int]:
+        """How the newest `limit` settled accepted groups were settled: reason -> count ("trained" for trained on)."""
+        rows = self._rows(
+            "SELECT COALESCE(discard_reason, 'trained') AS how, COUNT(*) AS n FROM ("
+            " SELECT discard_reason FROM trajectories WHERE verdict = 'accepted'"
+            " AND (consumed_step IS NOT NULL OR discard_reason IS NOT NULL) ORDER BY id DESC LIMIT ?) GROUP BY how",
+            (limit,),
+        )
+        return {r["how"]: int(r["n"]) for r in rows}
+
     def dropped_stale_count(self) -> int:
         """Accepted groups ever dropped as too stale to train on."""
-        return int(self._rows("SELECT COUNT(*) AS n FROM trajectories WHERE discard_reason = 'stale'")[0]["n"])
+        return int(self._rows("SELECT COUNT(*) AS n FROM trajectories WHERE discard_reason = ?", (REASON_STALE,))[0]["n"])
 
     def recent_steps(self, limit: int) -> list[StepRecord]:
         """The newest `limit` learner steps, oldest first."""
@@ -618,6 +644,20 @@ class Store:
                 " AND consumed_step IS NULL AND discard_reason IS NULL",
                 [(reason, i) for i in ids],
             )
+
+    def discard_and_void(self, ids: Sequence[int], reason: str, node_id: str, lease_id: str) -> float:
+        """Work that could not be audited: its pending rows discarded and its lease's pay voided, in one
+        transaction. What the node is still paid."""
+        with self._write():
+            self.db.conn.executemany(
+                "UPDATE trajectories SET discard_reason = ? WHERE id = ? AND verdict = 'accepted'"
+                " AND consumed_step IS NULL AND discard_reason IS NULL",
+                [(reason, i) for i in ids],
+            )
+            self.db.execute("UPDATE ledger SET voided = 1 WHERE node_id = ? AND lease_id = ?", (node_id, lease_id))
+            return float(self.db.execute(
+                "SELECT COALESCE(SUM(usd), 0) FROM ledger WHERE node_id = ? AND voided = 0", (node_id,)
+            ).fetchone()[0])
 
     def discard_held(self, reason: str) -> int:
         """Discard every row still held for an audit (at start: their audits died with the last hub)."""
@@ -672,7 +712,7 @@ class Store:
                 )
                 if cur.rowcount != 1:
                     raise ValueError(f"trajectory {row_id} is not an accepted, pending row")
-            self._discard(dropped_stale_ids, "stale")
+            self._discard(dropped_stale_ids, REASON_STALE)
 
     def steps(self) -> list[StepRecord]:
         return self._step_records("SELECT * FROM steps ORDER BY step")

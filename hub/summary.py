@@ -9,7 +9,7 @@ from rich.table import Table
 
 from hub.metrics import policy_reward, read_metrics
 from shared.layout import FINAL_DIR, HUB_STATUS_FILE, METRICS_FILE
-from shared.messages import HubStatus
+from shared.messages import HubStatus, short_id
 
 
 def fifth_means(values: list[float]) -> tuple[float, float]:
@@ -43,7 +43,7 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
         table.add_row("cost (learner + nodes)", f"${status.cost_usd:.4f}")
         if status.cost_per_step_usd is not None:
             table.add_row("cost per step", f"${status.cost_per_step_usd:.5f}")
-        table.add_row("nodes", ", ".join(f"{n.peer_id[-6:]}:{n.state}:{n.tallies.accepted}" for n in status.nodes) or "-")
+        table.add_row("nodes", ", ".join(f"{short_id(n.peer_id)}:{n.state}:{n.tallies.accepted}" for n in status.nodes) or "-")
     console.print(table)
     final = Path(data_dir) / FINAL_DIR
     if final.exists():

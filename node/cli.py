@@ -4,32 +4,33 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import version as package_version
 from pathlib import Path
 
-JOIN_FLAGS: dict[str, tuple[str, type, str]] = {
-    "hub": ("hub", str, "hub multiaddr with /p2p/<id>, as printed by `echo-hub start`"),
-    "price": ("price", float, "declared price in $/h (default 0.35)"),
-    "backend": ("backend", str, "rollout engine: auto, hf or vllm (default auto)"),
-    "device": ("device", str, "cpu or cuda (default: cuda when present)"),
-    "data_dir": ("data_dir", Path, "identity, logs and node_status.json (default ./echo2-node)"),
-    "key": ("key", Path, "identity key file (default DATA_DIR/node.key)"),
-    "model": ("model", Path, "local HF model dir matching the hub's (default: the embedded default model)"),
-    "listen": ("listen", str, "libp2p listen multiaddr for chain relays (default /ip4/0.0.0.0/tcp/0)"),
-    "max_rollouts_per_s": ("max_rollouts_per_s", float, "throttle generation to this many rollouts/s"),
-    "link_mbps": ("link_mbps", float, "emulate an outbound link of this many Mbit/s"),
-    "declared_link_mbps": ("declared_link_mbps", float, "link bandwidth to declare on join, Mbit/s"),
-    "threads": ("threads", int, "torch threads for generation (default 1)"),
-    "log_level": ("log_level", str, "log level (default info)"),
+from shared.checks import UserError
+
+# flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
+JOIN_FLAGS: dict[str, tuple[str, type]] = {
+    name: (name, kind) for name, kind in (
+        ("hub", str), ("price", float), ("backend", str), ("device", str), ("data_dir", Path), ("key", Path),
+        ("model", Path), ("listen", str), ("max_rollouts_per_s", float), ("link_mbps", float),
+        ("declared_link_mbps", float), ("threads", int), ("log_level", str),
+    )
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from node.config import NodeConfig
+    from shared.config import flag_help
+
     parser = argparse.ArgumentParser(prog="echo-node", description="echo2 volunteer node: generate rollouts for a hub.")
+    parser.add_argument("--version", action="version", version=f"echo-node {package_version('echo2')}")
     sub = parser.add_subparsers(dest="command", required=True)
     join = sub.add_parser("join", help="join a hub and do rollout work for it")
     join.add_argument("--config", type=Path, help="node.toml with the same fields; flags override it")
-    for flag, (_, kind, help_text) in JOIN_FLAGS.items():
-        join.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=help_text)
+    for flag, (field, kind) in JOIN_FLAGS.items():
+        join.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None,
+                          help=flag_help(NodeConfig, field))
     join.add_argument("--dashboard", action="store_true", help="show the volunteer's live dashboard")
     view = sub.add_parser("dashboard", help="watch a node started elsewhere (reads its data dir)")
     view.add_argument("--data-dir", type=Path, default=Path("echo2-node"), help="the node's --data-dir (default ./echo2-node)")
@@ -42,11 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
 def config_to_args(config) -> list[str]:
     """Flags that reproduce `config` (used to start the node as a child of its dashboard)."""
     args: list[str] = []
-    for flag, (field, _, _) in JOIN_FLAGS.items():
+    for flag, (field, _) in JOIN_FLAGS.items():
         value = getattr(config, field)
         if value is not None:
             args += ["--" + flag.replace("_", "-"), str(value)]
     return args
+
+
+def check_join(config) -> None:
+    """Every mistake `echo-node join` can see before it starts: one line each (UserError), nothing written."""
+    from shared.checks import check_data_dir, check_key_file, check_listen, check_model_dir, check_peer_addr
+
+    check_peer_addr(config.hub)
+    check_data_dir(config.data_dir)
+    if config.model is not None:
+        check_model_dir(config.model)
+    check_listen(config.listen)
+    check_key_file(config.key_path, "--key" if config.key is not None else "the node key")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     from node.config import NodeConfig
     from shared.config import ConfigError, load_config
 
-    overrides = {dotted: getattr(args, flag) for flag, (dotted, _, _) in JOIN_FLAGS.items()}
+    overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in JOIN_FLAGS.items()}
     try:
         config = load_config(NodeConfig, args.config, overrides)
-    except ConfigError as exc:
+        check_join(config)
+    except (ConfigError, UserError) as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 2
     from node.run import run_node

@@ -35,10 +35,31 @@ class LinkState:
     last_reply: HeartbeatReply | None = None
     joins: int = 0
     events: list[EventRecord] = field(default_factory=list)
+    # Told every event as it happens: `echo-node join` prints them, so the volunteer sees what it waits for.
+    on_note: Callable[[EventRecord], None] = lambda event: None
 
     def note(self, kind: str, detail: str) -> None:
-        self.events.append(EventRecord(at=time.time(), kind=kind, detail=detail))
+        event = EventRecord(at=time.time(), kind=kind, detail=detail)
+        self.events.append(event)
         del self.events[:-EVENTS_KEPT]
+        self.on_note(event)
+
+
+class NodeRefused(Exception):
+    """The hub refused this node for a reason no retry cures (banned, another model, too high a price)."""
+
+    def __str__(self) -> str:
+        return f"the hub refused this node: {self.args[0]}"
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause of a failed dial or request (trio and libp2p nest them), in a few words."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    while exc.__cause__ is not None and not str(exc):
+        exc = exc.__cause__
+    text = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class HubLink:
@@ -69,6 +90,7 @@ class HubLink:
                 reply = await self.client.join(self.join_request())
             except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
                 log.info("hub not reachable (%s); retrying in %.1fs", type(exc).__name__, backoff)
+                self.state.note("unreachable", f"hub not reachable ({_reason(exc)}); next try in {backoff:.0f}s")
                 self.state.connected = False
                 self.state.state = "connecting"
                 await trio.sleep(backoff)
@@ -76,9 +98,9 @@ class HubLink:
                 continue
             if isinstance(reply, Reject):
                 if reply.code in FINAL_REFUSALS:
-                    raise SystemExit(f"the hub refused this node: {reply.reason}")
+                    raise NodeRefused(reply.reason)
                 log.warning("hub refused join: %s; retrying in %.1fs", reply.reason, backoff)
-                self.state.note("join_refused", reply.reason)
+                self.state.note("join_refused", f"{reply.reason}; next try in {backoff:.0f}s")
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
                 continue
@@ -114,7 +136,7 @@ class HubLink:
                 continue
             if isinstance(reply, Reject):
                 if reply.code in FINAL_REFUSALS:
-                    raise SystemExit(f"the hub refused this node: {reply.reason}")
+                    raise NodeRefused(reply.reason)
                 if reply.code == RejectCode.UNKNOWN_NODE:
                     # A restarted hub, or one that dropped us as silent, no longer knows us: join again.
                     self.state.note("heartbeat_refused", reply.reason)

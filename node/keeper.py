@@ -233,7 +233,8 @@ class SnapshotKeeper:
         Offers from anyone else are ignored: a stranger could otherwise point us at a version
         that never comes.
         """
-        offer = await read_message(stream, RelayOffer)
+        with trio.fail_after(ANNOUNCE_TIMEOUT_S):
+            offer = await read_message(stream, RelayOffer)
         await stream.close()
         sender = remote_peer_id(stream)
         if sender in (self.hub_peer_id, self.upstream.peer_id):

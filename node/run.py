@@ -12,12 +12,14 @@ import time
 import trio
 
 from node.config import NodeConfig
+from node.hub_link import NodeRefused
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.files import atomic_write_text
 from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE
 from shared.messages import (
     RELAY_PROTOCOL,
     SNAPSHOT_PROTOCOL,
+    EventRecord,
     Heartbeat,
     HeartbeatReply,
     JoinRequest,
@@ -135,9 +137,14 @@ class NodeRuntime:
 
     async def _write_status(self) -> None:
         path = self.config.data_dir / NODE_STATUS_FILE
-        while True:
-            await trio.to_thread.run_sync(atomic_write_text, path, self.view().model_dump_json())
-            await trio.sleep(STATUS_PERIOD_S)
+        try:
+            while True:
+                await trio.to_thread.run_sync(atomic_write_text, path, self.view().model_dump_json())
+                await trio.sleep(STATUS_PERIOD_S)
+        finally:
+            # Once more on the way out: work accepted since the last write must not vanish from the view.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(atomic_write_text, path, self.view().model_dump_json())
 
     async def run(self) -> None:
         from node.client import HubClient
@@ -158,6 +165,7 @@ class NodeRuntime:
                 max_rollouts_per_s=self.config.max_rollouts_per_s,
             )
             self.link = HubLink(client, self._join_request, self._heartbeat, self._on_reply, self.config.reconnect_max_s)
+            self.link.state.on_note = _print_event
             set_handler(host, SNAPSHOT_PROTOCOL, self.keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, self.keeper.on_relay_offer, log)
             log.info("node %s listening on %s", self.identity.peer_id, ", ".join(addrs))
@@ -167,6 +175,11 @@ class NodeRuntime:
                 nursery.start_soon(self.link.run)
                 nursery.start_soon(self.worker.run)
                 nursery.start_soon(self._write_status)
+
+
+def _print_event(event: EventRecord) -> None:
+    """One line per change of the node's state (joined, installed, active, reconnecting...)."""
+    print(f"{time.strftime('%H:%M:%S', time.localtime(event.at))} {event.kind:<12} {event.detail}", flush=True)
 
 
 def run_node(config: NodeConfig, dashboard: bool = False) -> int:
@@ -191,7 +204,15 @@ def run_node(config: NodeConfig, dashboard: bool = False) -> int:
     runtime = NodeRuntime(config, identity, engine, config_hash, device)
     try:
         trio.run(runtime.run)
-    except SystemExit as exc:
+    except BaseExceptionGroup as group:
+        refused, rest = group.split(NodeRefused)
+        if refused is None or rest is not None:
+            raise
+        while isinstance(refused, BaseExceptionGroup):
+            refused = refused.exceptions[0]
+        print(f"echo-node: {refused}", file=sys.stderr)
+        return 1
+    except NodeRefused as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticUndefined
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -44,16 +45,27 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def load_config(model: type[T], toml_path: Path | None, overrides: dict[str, Any]) -> T:
-    """Build `model` from defaults, then the TOML file, then `overrides` (dotted keys -> values)."""
+def load_config(
+    model: type[T], toml_path: Path | None, overrides: dict[str, Any], aliases: dict[str, str] | None = None
+) -> T:
+    """Build `model` from defaults, then the TOML file, then `overrides` (dotted keys -> values).
+
+    `aliases` maps flat TOML keys (a flag's name, like `staleness`) to their dotted place (`learner.staleness`),
+    so a file may say either. ConfigError (one line) names every bad value and what is expected.
+    """
     tree: dict[str, Any] = {}
     if toml_path is not None:
         try:
             tree = tomllib.loads(Path(toml_path).read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {toml_path} does not exist") from exc
+        except FileNotFoundError:
+            raise ConfigError(f"config file {toml_path} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {toml_path} is a directory") from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {toml_path} is not valid TOML: {exc}") from exc
+            raise ConfigError(f"config file {toml_path} is not valid TOML: {exc}") from None
+        for flat, dotted in (aliases or {}).items():
+            if flat in tree and flat not in model.model_fields and "." in dotted:
+                set_dotted(tree, dotted, tree.pop(flat))
     flags: dict[str, Any] = {}
     for dotted, value in overrides.items():
         if value is not None:
@@ -61,8 +73,107 @@ def load_config(model: type[T], toml_path: Path | None, overrides: dict[str, Any
     try:
         return model.model_validate(_merge(tree, flags))
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(config)"
-            lines.append(f"  {where}: {err['msg']}")
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+        raise ConfigError("invalid configuration: " + "; ".join(_describe(model, err) for err in exc.errors())) from None
+
+
+def _describe(model: type[BaseModel], err: dict) -> str:
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        *section, key = err["loc"]
+        fields = _section_model(model, section).model_fields
+        place = f"[{'.'.join(map(str, section))}]" if section else "the top level"
+        return f"unknown key {key!r} in {place} (known there: {', '.join(fields)})"
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{where or '(config)'}: {message} (got {err['input']!r})" if "input" in err and not isinstance(
+        err["input"], dict) else f"{where or '(config)'}: {message}"
+
+
+def _section_model(model: type[BaseModel], path: list) -> type[BaseModel]:
+    for part in path:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        model = annotation
+    return model
+
+
+def _default(model: type[BaseModel], dotted: str) -> Any:
+    """The default of a dotted field, as the root model's defaults set it (a section's default instance wins)."""
+    *sections, leaf = dotted.split(".")
+    owner: Any = model
+    value: Any = None
+    for part in sections:
+        field = owner.model_fields[part]
+        value = field.get_default(call_default_factory=True)
+        owner = type(value)
+    field = owner.model_fields[leaf]
+    if sections:
+        return getattr(value, leaf)
+    return field.get_default(call_default_factory=True)
+
+
+def _leaf_field(model: type[BaseModel], dotted: str):
+    *sections, leaf = dotted.split(".")
+    owner: Any = model
+    for part in sections:
+        owner = type(owner.model_fields[part].get_default(call_default_factory=True))
+    return owner.model_fields[leaf]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Path):
+        return str(value)
+    if value is PydanticUndefined:
+        return "required"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def flag_help(model: type[BaseModel], dotted: str) -> str:
+    """A flag's help from the config field it sets: its description, its choices, its default."""
+    field = _leaf_field(model, dotted)
+    text = field.description or ""
+    choices = [a for a in get_args(field.annotation) if get_origin(field.annotation) is Literal]
+    if choices:
+        text += f" (one of {', '.join(map(str, choices))})"
+    default = _default(model, dotted)
+    if default is not None and default is not PydanticUndefined:
+        text += f" (default {_show(default)})"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def example_toml(model: type[BaseModel], title: str) -> str:
+    """Every field of `model`, section by section, with its help line and default: a config file to start from.
+
+    Fields whose default is unset (None) are shown commented out."""
+    lines = [f"# {title}", "# Every field with its default; flags given on the command line override this file.", ""]
+    sections = []
+    for name, field in model.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            sections.append((name, default))
+            continue
+        lines += _toml_field(name, field, default)
+    for name, section in sections:
+        lines += ["", f"[{name}]", f"# {(type(section).__doc__ or '').strip().splitlines()[0]}"]
+        for key, field in type(section).model_fields.items():
+            lines += _toml_field(key, field, getattr(section, key))
+    return "\n".join(lines) + "\n"
+
+
+def _toml_field(name: str, field, default: Any) -> list[str]:
+    out = [f"# {field.description}"] if field.description else []
+    if default is None or default is PydanticUndefined:
+        out.append(f"# {name} = ")
+    else:
+        out.append(f"{name} = {_toml_value(default)}")
+    return out

@@ -50,6 +50,14 @@ ADDR_PATTERN = rf"^/(ip4|ip6|dns|dns4|dns6)/[A-Za-z0-9.:\-]{{1,200}}/tcp/[0-9]{{
 PEER_ID_PATTERN = rf"^[{_BASE58}]{{1,128}}$"
 
 
+SHORT_ID_CHARS = 8
+
+
+def short_id(peer_id: str | None) -> str:
+    """How every echo2 screen names a peer: the last 8 characters of its id (None: the hub)."""
+    return "hub" if peer_id is None else peer_id[-SHORT_ID_CHARS:]
+
+
 def _printable(text: str) -> str:
     """Free text a peer sends ends up on operators' terminals: no control or formatting characters."""
     if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text):

@@ -39,6 +39,7 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
 from __future__ import annotations
 
 import collections
+import ipaddress
 import logging
 import sys
 import types
@@ -76,6 +77,8 @@ MAX_CONNECTIONS_PER_PEER = 1
 MAX_CONNECTIONS = 8192
 # Live inbound connections one remote address may hold (an honest operator runs a few nodes).
 MAX_INBOUND_PER_IP = 32
+# What one operator is assumed to control: an IPv4 address, or an IPv6 /64.
+IPV6_PREFIX_BITS = 64
 # `_inbound_handler` replaces a private method of this release only.
 LIBP2P_PATCHED_VERSION = "0.8.1"
 log = logging.getLogger("echo2.net")
@@ -121,7 +124,7 @@ def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
 
     async def inbound(self, read_write_closer, maddr, failure_event) -> None:
         remote = self._build_remote_multiaddr(read_write_closer)
-        ip = _multiaddr_ip(remote)
+        ip = address_key(_multiaddr_ip(remote))  # an IPv6 /64 counts as one address, as for lease quotas
         if remote is not None and not await self.connection_gate.is_allowed(remote):
             await _close_quietly(read_write_closer)
             return
@@ -147,6 +150,22 @@ def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
                     del per_ip[ip]
 
     swarm._do_handle_inbound_connection = types.MethodType(inbound, swarm)
+
+
+def address_key(ip: str | None) -> str | None:
+    """What one operator is assumed to control: an IPv4 address, or an IPv6 /64 (None: unknown address)."""
+    if ip is None:
+        return None
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.ip_network(f"{address}/{IPV6_PREFIX_BITS}", strict=False))
+    return str(address)
+
 
 
 def _multiaddr_ip(addr: Multiaddr | None) -> str | None:

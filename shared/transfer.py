@@ -30,11 +30,10 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import blake3
-import trio
 from libp2p.network.stream.exceptions import StreamError
 
 from shared.crypto import SIGNATURE_BYTES, Identity, public_key_from_peer_id, verify
-from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SnapshotRequest, TransferAck
+from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, MIN_LINK_BPS, SnapshotRequest, TransferAck
 from shared.snapshot import (
     MAX_CHUNK_BYTES,
     MAX_MANIFEST_BYTES,
@@ -47,14 +46,16 @@ from shared.snapshot import (
     encode_chunk,
     verify_manifest,
 )
-from shared.wire import StreamEOF, encode_frame, read_frame, read_message, write_frame, write_message
+from shared.wire import StreamEOF, decode_message, encode_frame, message_caps, read_frame, write_frame, write_message
 
 # What serving a snapshot raises when the receiver stops or re-links mid-transfer: a read that finds
 # the stream ended (StreamEOF), or a write into a stream it reset (py-libp2p's StreamError).
 RECEIVER_GONE = (StreamEOF, StreamError)
 
-# A sender (or a receiver owing its ack) silent this long is given up on.
+# A sender (or a receiver owing its ack) silent this long is given up on; a frame must also keep coming at
+# MIN_TRANSFER_BPS at least (the slowest link a node may declare), so a trickle is a stall too.
 STALL_S = 20.0
+MIN_TRANSFER_BPS = MIN_LINK_BPS
 CHUNK_FRAME_OVERHEAD_BYTES = 12 + SIGNATURE_BYTES
 TRANSFER_CAPS = {
     MANIFEST_FRAME: MAX_MANIFEST_BYTES + 2 * SIGNATURE_BYTES,
@@ -132,18 +133,6 @@ class Writer(Protocol):
     async def write(self, stream, data: bytes) -> None: ...
 
 
-class _Watchdog:
-    """A stream whose every read must return within STALL_S: a peer that goes quiet is a stall, not a wait."""
-
-    def __init__(self, stream, stall_s: float) -> None:
-        self.stream = stream
-        self.stall_s = stall_s
-
-    async def read(self, n: int) -> bytes:
-        with trio.fail_after(self.stall_s):
-            return await self.stream.read(n)
-
-
 async def serve_snapshot(
     stream, source: ChunkSource, request: SnapshotRequest, limiter: Writer | None, identity: Identity,
     stall_s: float = STALL_S,
@@ -172,7 +161,8 @@ async def serve_snapshot(
             await stream.write(frame)
         else:
             await limiter.write(stream, frame)
-    return await read_message(_Watchdog(stream, stall_s), TransferAck)
+    _, ack = await read_frame(stream, message_caps(TransferAck), stall_s, MIN_TRANSFER_BPS)
+    return decode_message(TransferAck, ack)
 
 
 async def receive_snapshot(
@@ -195,9 +185,8 @@ async def receive_snapshot(
     `stall_s` raises trio.TooSlowError.
     """
     sender_key = public_key_from_peer_id(sender_peer_id)
-    reader = _Watchdog(stream, stall_s)
     await write_message(stream, request)
-    _, body = await read_frame(reader, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]})
+    _, body = await read_frame(stream, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]}, stall_s, MIN_TRANSFER_BPS)
     manifest_bytes, sig = body[:-SIGNATURE_BYTES], body[-SIGNATURE_BYTES:]
     digest = blake3.blake3(manifest_bytes).hexdigest()
     proof = None  # a request without a version binds the sender to nothing in particular
@@ -219,7 +208,7 @@ async def receive_snapshot(
     received = 0
     try:
         for expected in wanted:
-            _, frame = await read_frame(reader, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]})
+            _, frame = await read_frame(stream, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]}, stall_s, MIN_TRANSFER_BPS)
             body, sig = frame[:-SIGNATURE_BYTES], frame[-SIGNATURE_BYTES:]
             try:
                 version, index, data = decode_chunk(body)

@@ -21,11 +21,13 @@ b"" or a py-libp2p EOF/reset error at the end) and `async write(data)`.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
 import pydantic
+import trio
 from libp2p.network.stream.exceptions import StreamError as _P2PStreamError
 from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
 
@@ -119,14 +121,23 @@ async def write_frame(stream: WritableStream, type_tag: int, body: bytes) -> Non
     await stream.write(encode_frame(type_tag, body))
 
 
-async def read_frame(stream: ReadableStream, caps: Mapping[int, int]) -> tuple[int, bytes]:
-    """Read one frame whose type is a key of `caps` and whose body is at most caps[type] bytes."""
-    type_tag, length = HEADER.unpack(await read_exact(stream, HEADER_BYTES))
+async def read_frame(
+    stream: ReadableStream, caps: Mapping[int, int], stall_s: float | None = None, min_bps: float | None = None
+) -> tuple[int, bytes]:
+    """Read one frame whose type is a key of `caps` and whose body is at most caps[type] bytes.
+
+    With `stall_s` (and `min_bps`): the header must arrive within stall_s, the body within stall_s plus
+    its length at min_bps (trio.TooSlowError otherwise): a sender trickling one byte now and then is as
+    stalled as a silent one."""
+    with trio.fail_after(math.inf if stall_s is None else stall_s):
+        type_tag, length = HEADER.unpack(await read_exact(stream, HEADER_BYTES))
     if type_tag not in caps:
         raise FrameError(f"unexpected frame type {type_tag} (expected one of {sorted(caps)}), body {length} bytes")
     if length > caps[type_tag]:
         raise FrameError(f"frame type {type_tag} claims {length} bytes, cap is {caps[type_tag]}")
-    return type_tag, await read_exact(stream, length)
+    budget = math.inf if stall_s is None else stall_s + (length / min_bps if min_bps else 0.0)
+    with trio.fail_after(budget):
+        return type_tag, await read_exact(stream, length)
 
 
 _MESSAGE_TYPES: dict[int, type[Message]] = {}
@@ -183,7 +194,8 @@ def signed_caps(*expected: type[Message]) -> dict[int, int]:
     return {cls.TYPE: cls.MAX_BYTES + SIGNATURE_BYTES for cls in expected}
 
 
-def _decode(cls: type[Message], body: bytes) -> Message:
+def decode_message(cls: type[Message], body: bytes) -> Message:
+    """Parse a frame body read for `cls` (FrameError when malformed)."""
     try:
         return cls.model_validate_json(body)
     except pydantic.ValidationError as exc:
@@ -201,7 +213,7 @@ async def write_message(stream: WritableStream, msg: Message) -> None:
 async def read_message(stream: ReadableStream, *expected: type[Message]) -> Message:
     by_type = _by_type(expected)
     type_tag, body = await read_frame(stream, message_caps(*expected))
-    return _decode(by_type[type_tag], body)
+    return decode_message(by_type[type_tag], body)
 
 
 def _signed_data(type_tag: int, json_body: bytes) -> bytes:
@@ -230,7 +242,7 @@ def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, *expected: ty
     signature, json_body = body[:SIGNATURE_BYTES], body[SIGNATURE_BYTES:]
     if not verify_from_peer(signer_peer_id, _signed_data(type_tag, json_body), signature):
         raise BadSignature(f"signed {cls.__name__} (type {type_tag}, {len(body)} bytes) is not signed by {signer_peer_id}")
-    return _decode(cls, json_body)
+    return decode_message(cls, json_body)
 
 
 async def read_signed(stream: ReadableStream, signer_peer_id: str, *expected: type[Message]) -> Message:

@@ -91,7 +91,8 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, pol
 def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True) -> HubProc:
     """`echo-hub start` on 127.0.0.1 with `args` (e.g. --local-nodes 0 --steps 5); returns once it printed its address."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    log = data_dir / f"hub-{time.time_ns()}.out"
+    # Beside the data dir, not in it: `--fresh` moves the data dir away while the hub writes its output.
+    log = data_dir.parent / f"{data_dir.name}-hub-{time.time_ns()}.out"
     cmd = [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data_dir),
            "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--no-progress", *args]
     with open(log, "wb") as out:

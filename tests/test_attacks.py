@@ -67,7 +67,9 @@ HOSTILE_JOINS = {
     "a NaN price": {"price_per_hour": float("nan")},
     "an infinite link": {"link_bps": float("inf")},
     "a version past SQLite's INTEGER": {"version_held": 2**70},
-    "16 listen addresses of 2 kB": {"listen_addrs": ["/ip4/1.2.3.4/tcp/1/" + "x" * 2000] * 16},
+    f"{MAX_LISTEN_ADDRS + 1} listen addresses": {"listen_addrs": ["/ip4/1.2.3.4/tcp/1"] * (MAX_LISTEN_ADDRS + 1)},
+    f"a listen address of {MAX_ADDR_CHARS + 1} characters": {
+        "listen_addrs": ["/dns4/" + "a" * (MAX_ADDR_CHARS + 1 - len("/dns4//tcp/1")) + "/tcp/1"]},
     "a listen address with a terminal escape": {"listen_addrs": ["/ip4/1.2.3.4/tcp/1\x1b[2J"]},
     "hardware with control characters": {"hardware": "GPU\x1b]0;owned\x07"},
 }
@@ -109,6 +111,14 @@ async def test_strangers_are_refused_before_a_byte_of_their_frames_is_read(tmp_p
                                               close_write=False)
             assert isinstance(reply, Reject) and reply.code == RejectCode.UNKNOWN_NODE
             assert time.monotonic() - started < 2.0
+        # A joined node without a lease to answer may not pin a submission's worth of memory either.
+        member = await client(stack, hub)
+        assert isinstance(await member.send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply), JoinReply)
+        started = time.monotonic()
+        reply = await member.send_frame(SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, 30 << 20), SubmitReply,
+                                        close_write=False)
+        assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_LEASE, reply
+        assert time.monotonic() - started < 2.0
         assert hub.service.guard.buffered_bytes == 0
 
 
@@ -136,6 +146,9 @@ async def test_throwaway_identities_do_not_lock_out_honest_nodes(tmp_path, defau
     out); then an honest node still joins. Strangers that linger are disconnected, and one address
     holds at most max_connections_per_ip connections."""
     async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub:
+        slots = hub.service.host.get_network()._inbound_limiter
+        baseline = slots.borrowed_tokens
+
         async def come_and_go(_: int) -> None:
             async with AsyncExitStack() as stack:
                 peer = await client(stack, hub)
@@ -152,6 +165,10 @@ async def test_throwaway_identities_do_not_lock_out_honest_nodes(tmp_path, defau
                 for i in range(300):
                     nursery.start_soon(one, i)
             await come_and_go(300)  # the 301st, honest
+        # Every slot comes back once its connection is gone (py-libp2p held each until the swarm stopped).
+        with trio.fail_after(20):
+            while slots.borrowed_tokens > baseline:
+                await trio.sleep(0.2)
     config = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(
         update={"max_connections_per_ip": 3, "idle_connection_s": 1.0})})
     async with inproc_hub(tmp_path / "capped", default_model_dir, config) as hub, AsyncExitStack() as stack:
@@ -159,6 +176,7 @@ async def test_throwaway_identities_do_not_lock_out_honest_nodes(tmp_path, defau
             await client(stack, hub)
         with pytest.raises(Exception):  # noqa: B017 - refused before the handshake: any dial error
             await client(stack, hub)
+        assert len(hub.service.host.get_network().get_connections_map()) == 3
         # Idle strangers are let go, and their slots with them.
         with trio.fail_after(10):
             while hub.service.host.get_network().get_connections_map():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from hub.broadcast import Broadcaster, HubUplink
+from hub.broadcast import Broadcast, Broadcaster, HubUplink
 from hub.fleet import Fleet, NodeRecord
 from node.keeper import HUB, Upstream
 from shared.crypto import Identity
@@ -31,7 +31,7 @@ from shared.messages import (
 )
 from shared.net import connect, open_stream, request, set_handler
 from shared.snapshot import CHUNK_HEADER, SIGNATURE_BYTES, Manifest, blake3_hex, load_state_dict_bytes, snapshot_paths
-from shared.transfer import TRANSFER_CAPS, commitment_payload
+from shared.transfer import STALL_S, TRANSFER_CAPS, commitment_payload
 from shared.wire import PeerFault, read_frame, write_message
 from tests.harness import Proc, _env, node_peer_id, query, start_hub, wait_until
 from tests.peers import FlippingKeeper, HubPeer, NodePeer, hub_peer, node_peer, random_snapshot
@@ -203,7 +203,7 @@ async def test_false_reports_never_ban_an_honest_relay_but_do_ban_the_accuser():
         # The accused's real commitment, to the right bytes: proof that it told the truth.
         digest, commitment = await genuine_commitment(replayer, honest, 0, 2)
         replayed = await report(replayer, kind="chunk", index=2, digest_hex=digest, commitment_hex=commitment)
-        # No evidence at all: nothing to ban anyone for; the accused only moves to the end of its chain.
+        # No evidence at all: nothing to ban anyone for, nor to move anyone on the reporter's word.
         hub.broadcaster.chains = [[honest.peer_id, grumbler.peer_id]]
         unproven = await report(grumbler, kind="unproven", index=0, reason="it was slow")
         order = list(hub.broadcaster.chains[0])
@@ -214,7 +214,7 @@ async def test_false_reports_never_ban_an_honest_relay_but_do_ban_the_accuser():
     assert [r.ok for r in (forged, replayed, unproven)] == [False, False, False]
     assert [p for p, _ in hub.banned] == [forger.peer_id, replayer.peer_id]
     assert all("false report" in reason for _, reason in hub.banned)
-    assert order == [grumbler.peer_id, honest.peer_id]
+    assert order == [honest.peer_id, grumbler.peer_id]
     assert isinstance(refused, Reject) and refused.code == RejectCode.NOT_UPSTREAM
     assert hub.fleet.get(honest.peer_id).state != "banned"
 
@@ -421,3 +421,42 @@ async def test_a_forged_or_rolled_back_manifest_is_proven_by_the_relays_own_comm
         assert hub.broadcaster.judge(report(old)) == "accused"  # asked for v2, committed to v1's manifest
         assert hub.broadcaster.judge(report(new)) == "reporter"  # the right manifest: the report is the lie
         assert hub.broadcaster.judge(report(new, asked=9)) == "unknown"  # a version the hub no longer holds
+
+
+@pytest.mark.trio
+async def test_a_relay_whose_successor_gets_nothing_moves_to_the_end_of_its_chain_once_per_version():
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b, node_peer(peer) as c:
+        hub = Hub(peer, "chain")
+        snapshot = random_snapshot(hub_id, 3, 256 * KIB, 64 * KIB)
+        peer.shelf.add(snapshot)
+        records = {n.peer_id: join(hub.fleet, n) for n in (a, b, c)}
+        hub.broadcaster.chains = [[a.peer_id, b.peer_id, c.peer_id]]
+        broadcast = Broadcast(3, 0.0, frozenset(records))
+        # a claims all of v3; b, its successor, is stuck at 2 chunks; c waits behind b.
+        records[a.peer_id].version_held = 3
+        for n in (b, c):
+            records[n.peer_id].receiving_version, records[n.peer_id].chunks_received = 3, 2
+        async with trio.open_nursery() as nursery:
+            hub.broadcaster._nursery = nursery
+            hub.broadcaster._check_progress(broadcast, 100.0)
+            hub.broadcaster._check_progress(broadcast, 105.0)  # within the window: a slow link, not a stall
+            assert hub.broadcaster.chains == [[a.peer_id, b.peer_id, c.peer_id]]
+            hub.broadcaster._check_progress(broadcast, 100.0 + STALL_S + 1.0)
+            assert hub.broadcaster.chains == [[b.peer_id, c.peer_id, a.peer_id]]
+            # b, stuck again behind a new upstream that claims v3, cannot get a second node moved for this
+            # version on its say-so: one place per version is as fast as anyone climbs a chain.
+            records[c.peer_id].version_held = 3
+            hub.broadcaster.chains = [[c.peer_id, b.peer_id, a.peer_id]]
+            hub.broadcaster._check_progress(broadcast, 200.0)
+            hub.broadcaster._check_progress(broadcast, 300.0)
+            assert hub.broadcaster.chains == [[c.peer_id, b.peer_id, a.peer_id]]
+            # For the next version it may.
+            hub.broadcaster._check_progress(Broadcast(4, 0.0, frozenset(records)), 400.0)
+            peer.shelf.add(random_snapshot(hub_id, 4, 256 * KIB, 64 * KIB))
+            records[c.peer_id].version_held = 4
+            records[b.peer_id].receiving_version = 4
+            hub.broadcaster._check_progress(Broadcast(4, 0.0, frozenset(records)), 401.0)
+            hub.broadcaster._check_progress(Broadcast(4, 0.0, frozenset(records)), 402.0 + STALL_S + 1.0)
+            assert hub.broadcaster.chains == [[b.peer_id, a.peer_id, c.peer_id]]
+            nursery.cancel_scope.cancel()

@@ -45,32 +45,52 @@ def test_fingerprint_is_the_tokens_alone():
     assert group_fingerprint(base) != group_fingerprint(group([a, b, completion((6, 3), (-3.0, -0.5))]))
 
 
+def diverse(seed: int) -> Group:
+    """Eight distinct completions of unlikely tokens: a repeat of them is no coincidence."""
+    rng = random.Random(seed)
+    return group([completion((rng.randrange(4, 40), 2), (-rng.uniform(4, 6), -0.1)) for _ in range(8)])
+
+
+def detector() -> CopyDetector:
+    return CopyDetector(capacity=100, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+
+
 def test_a_copy_with_nudged_logprobs_is_still_flagged():
-    detector = CopyDetector(capacity=100, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
-    rng = random.Random(1)
-    original = group([completion((rng.randrange(4, 40), 2), (-rng.uniform(4, 6), -0.1)) for _ in range(8)])
-    assert detector.check(original, "nodeA", "L1") is None
+    seen = detector()
+    original = diverse(1)
+    assert seen.check(original, "nodeA", "L1") is None
     nudged = original.model_copy(update={"completions": tuple(
         c.model_copy(update={"logprobs": (c.logprobs[0] + 1e-7, c.logprobs[1])}) for c in original.completions)})
     # The same prompt from another lease...
-    assert detector.check(nudged, "nodeB", "L2") is not None
+    assert seen.check(nudged, "nodeB", "L2") is not None
     # ...and another prompt, log-probs moved by less than an audit lets pass.
     moved = nudged.model_copy(update={"prompt_id": "p7", "prompt_text": "zz>", "completions": tuple(
         c.model_copy(update={"logprobs": (c.logprobs[0] - 0.04, c.logprobs[1])}) for c in original.completions)})
-    assert detector.check(moved, "nodeC", "L3") is not None
+    assert seen.check(moved, "nodeC", "L3") is not None
+
+
+def test_a_copy_that_claims_near_certain_tokens_is_judged_by_the_first_sightings_odds():
+    seen = detector()
+    original = diverse(2)
+    assert seen.check(original, "nodeA", "L1") is None
+    # The copier reports its copy as near certain: on its own log-probs the repeat would look honest.
+    certain = original.model_copy(update={"completions": tuple(
+        c.model_copy(update={"logprobs": (-1e-9, -1e-9)}) for c in original.completions)})
+    assert -coincidence_log_prob(certain) < 20.0
+    flag = seen.check(certain, "nodeB", "L2")
+    assert flag is not None and flag.surprise_nats > 20.0
 
 
 def test_copy_flagged_across_nodes_and_leases_not_on_first_sight():
-    detector = CopyDetector(capacity=100, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
-    rng = random.Random(0)
-    diverse = group([completion((rng.randrange(4, 40), 2), (-rng.uniform(4, 6), -0.1)) for _ in range(8)])
-    assert detector.check(diverse, "nodeA", "L1") is None
-    flag = detector.check(diverse.model_copy(update={"prompt_id": "p9"}), "nodeB", "L2")
+    seen = detector()
+    original = diverse(0)
+    assert seen.check(original, "nodeA", "L1") is None
+    flag = seen.check(original.model_copy(update={"prompt_id": "p9"}), "nodeB", "L2")
     assert flag is not None and not flag.same_node
     assert (flag.first.node_id, flag.again.node_id) == ("nodeA", "nodeB") and flag.surprise_nats > 20
     assert "nodeA's group" in flag.describe()
     # The same node answering another lease with work it already sold is a copy too.
-    again = detector.check(diverse, "nodeA", "L3")
+    again = seen.check(original, "nodeA", "L3")
     assert again is not None and again.same_node
 
 
@@ -111,20 +131,20 @@ def test_lru_is_bounded():
 
 
 def test_cross_prompt_repeats_need_matching_logprobs_and_real_randomness():
-    detector = CopyDetector(capacity=100, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    seen = detector()
     likely = group([completion((5, 2), (-1.6, -0.1)), completion((6, 2), (-1.7, -0.1))] * 4)  # odds ~e^-10
-    assert detector.check(likely, "nodeA", "L1") is None
+    assert seen.check(likely, "nodeA", "L1") is None
     # The same prompt again: an honest redraw at e^-10 is below the e^-20 bar.
-    assert detector.check(likely.model_copy(update={"prompt_id": "p2"}), "nodeB", "L2") is None
+    assert seen.check(likely.model_copy(update={"prompt_id": "p2"}), "nodeB", "L2") is None
     # The same log-probs under another prompt text were not sampled there.
     moved = likely.model_copy(update={"prompt_id": "p3", "prompt_text": "xyz>"})
-    flag = detector.check(moved, "nodeB", "L3")
+    flag = seen.check(moved, "nodeB", "L3")
     assert flag is not None and 3.0 < flag.surprise_nats < 20.0
     # Another prompt with its own log-probs for the same tokens (a model that ignores the prompt) is honest.
     own = moved.model_copy(update={"prompt_id": "p4", "prompt_text": "qrs>", "completions": tuple(
         c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, c.logprobs[1])}) for c in likely.completions)})
-    assert detector.check(own, "nodeC", "L4") is None
+    assert seen.check(own, "nodeC", "L4") is None
     # Near-certain groups repeat anywhere honestly: never flagged across prompts.
     certain = group([completion((5, 2), (-1e-3, -1e-4))] * 8)
-    assert detector.check(certain, "nodeA", "L5") is None
-    assert detector.check(certain.model_copy(update={"prompt_id": "p9", "prompt_text": "xyz>"}), "nodeB", "L6") is None
+    assert seen.check(certain, "nodeA", "L5") is None
+    assert seen.check(certain.model_copy(update={"prompt_id": "p9", "prompt_text": "xyz>"}), "nodeB", "L6") is None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hub.config import TrustConfig
-from hub.guard import LeaseQuota, PeerGuard, address_key
+from hub.guard import LeaseQuota, PeerGuard
+from shared.net import address_key
 
 MIB = 1 << 20
 

@@ -105,7 +105,7 @@ def test_data_dir_of_another_schema_is_refused_with_the_reason(tmp_path: Path) -
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "schema 0" in result.stderr and "new --data-dir" in result.stderr
+    assert "schema 0" in result.stderr and "another --data-dir" in result.stderr and "--fresh" in result.stderr
     assert "Traceback" not in result.stderr
 
 

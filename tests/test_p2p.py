@@ -243,7 +243,7 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
         assert not final.running and final.step >= step_before + KAPPA and final.version > versions_before[-1]
         code, table, _ = status_cli(capsys, "--data-dir", str(data))
         assert code == 0 and "finished" in table and peers[1][-8:] in table
-        assert status_cli(capsys, "--data-dir", str(tmp_path / "nowhere"))[0] == 1
+        assert status_cli(capsys, "--data-dir", str(tmp_path / "nowhere"))[0] == 2  # a mistake: exit 2
         mark("status checked")
     finally:
         print("\n".join(timeline))  # shown with the failure, or with -s

@@ -261,6 +261,7 @@ async def test_another_nodes_lease_is_refused(hub_args):
             await joined_and_active(owner)
             await joined_and_active(thief)
             lease = await owner.lease()
+            await thief.lease()  # a lease holder, so its submission is read and judged
             before = hub.trusted()
             # The thief answers the owner's lease under its own name...
             reply = await thief.submit(thief.answer(lease))
@@ -284,11 +285,14 @@ async def test_replayed_submission_is_refused_and_not_paid_twice(hub_args):
             frame = encode_signed(node.answer(lease), node.identity)
             assert (await node.send_raw(SUBMIT_PROTOCOL, frame, SubmitReply)).accepted == PROMPTS_PER_LEASE
             before = hub.trusted()
-            for _ in range(2):
+            # Holding no lease now, the replay is refused before its bytes are read.
+            reply = await node.send_raw(SUBMIT_PROTOCOL, frame, SubmitReply)
+            assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_LEASE
+            lease2 = await node.lease()
+            for _ in range(2):  # holding another lease, it is read and refused as answered
                 reply = await node.send_raw(SUBMIT_PROTOCOL, frame, SubmitReply)
                 assert isinstance(reply, Reject) and "already answered" in reply.reason
             # Two copies of the same group inside one submission are answered once.
-            lease2 = await node.lease()
             doubled = node.answer(lease2)
             doubled = doubled.model_copy(update={"groups": doubled.groups + doubled.groups[:1]})
             reply = await node.submit(doubled)
@@ -329,6 +333,7 @@ async def test_oversized_frames_are_refused_from_the_header(hub_args):
     with trio.fail_after(TEST_TIMEOUT_S):
         async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
             await joined_and_active(node)
+            await node.lease()  # a lease holder's submission header is read against the full cap
             before = hub.trusted()
             caps = {SUBMIT_PROTOCOL: Submission, JOIN_PROTOCOL: JoinRequest, HEARTBEAT_PROTOCOL: Heartbeat,
                     LEASE_PROTOCOL: LeaseRequest}

@@ -4,6 +4,7 @@ pay across a restart, and our own failures are never counted against a peer."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -224,6 +225,8 @@ def test_audit_draws_come_from_the_os_csprng(tmp_path, default_model_dir):
     draws = []
     for i in range(2):
         state = reopen(tmp_path / str(i), default_model_dir)
+        # The OS's generator: not seedable, so nothing a node learns of the run's seed predicts an audit.
+        assert isinstance(state.audit_rng, secrets.SystemRandom)
         draws.append([state.audit_rng.random() for _ in range(8)])
         state.store.close()
     assert draws[0] != draws[1]

@@ -15,7 +15,15 @@ from hub.broadcast import HubUplink
 from hub.snapshots import SnapshotShelf
 from node.keeper import HUB, Upstream
 from shared.crypto import Identity
-from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SNAPSHOT_PROTOCOL, SnapshotRequest, TransferAck
+from shared.messages import (
+    CHUNK_FRAME,
+    MANIFEST_FRAME,
+    SNAPSHOT_PROTOCOL,
+    Reject,
+    RejectCode,
+    SnapshotRequest,
+    TransferAck,
+)
 from shared.net import RateLimiter, connect, open_stream, set_handler
 from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, blake3_hex, chunk_of, encode_chunk
 from shared.transfer import ChunkRejected, commitment_payload, receive_snapshot
@@ -280,9 +288,11 @@ async def test_a_node_serves_only_the_successor_the_hub_named():
             relay.keeper.update(1, HUB, successor.peer_id)
             await wait_installed([relay], 1, timeout_s=5)
             started = time.monotonic()
-            _, error = await pull(stranger, relay, 1)
-            assert error is not None and time.monotonic() - started < 10  # refused, after a short wait
-            assert 1 not in stranger.installed
+            await connect(stranger.host, relay.addr)
+            stream = await open_stream(stranger.host, relay.peer_id, SNAPSHOT_PROTOCOL)
+            await write_message(stream, SnapshotRequest(version=1))
+            reply = await read_message(stream, Reject)  # not one manifest byte: the refusal, after a short wait
+            assert reply.code == RejectCode.NOT_UPSTREAM and time.monotonic() - started < 10
             assembler, error = await pull(successor, relay, 1, signer=hub_id.peer_id)
             assert error is None and assembler.complete
 

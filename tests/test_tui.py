@@ -128,7 +128,7 @@ def test_rho_cost_and_state_helpers() -> None:
     assert cost_per_rollout(status.model_copy(update={"totals": Tallies()})) is None
     assert [display_state(n) for n in status.nodes] == ["active", "receiving", "standby"]
     assert display_state(b.model_copy(update={"state": "banned"})) == "banned"
-    assert short_id(a.peer_id) == a.peer_id[-6:]
+    assert short_id(a.peer_id) == a.peer_id[-8:] and short_id(None) == "hub"
 
 
 # --- DataDirSource --------------------------------------------------------------------------
@@ -189,7 +189,7 @@ async def test_hub_dashboard_sort_key_header_click_and_node_events(hub_dir: Path
     async with app.run_test(size=(120, 40)) as pilot:
         await app.loaded.wait()
         await pilot.pause()
-        assert table_peers(app) == sorted(NODE_IDS, key=lambda p: p[-6:])
+        assert table_peers(app) == sorted(NODE_IDS, key=short_id)
         await pilot.press("s")  # state
         assert table_peers(app) == [NODE_IDS[0], NODE_IDS[1], NODE_IDS[2]]  # active, receiving, standby
         await pilot.press("s")  # $/h

@@ -37,21 +37,26 @@ def add_view_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hub") -> DashboardApp:
+    from shared.checks import UserError
     from tui.hub_app import HubDashboard
     from tui.node_app import NodeDashboard
     from tui.sources import DataDirSource, HubSource
 
     if args.refresh_s <= 0:
-        raise SystemExit(f"--refresh-s must be positive, got {args.refresh_s}")
+        raise UserError(f"--refresh-s must be positive, got {args.refresh_s}")
     if kind == "hub" and args.data_dir is not None and _holds_only_node_status(args.data_dir):
         kind = "node"  # a volunteer's data dir: show the volunteer's view, as --help says
     if kind == "node":
         if args.data_dir is None:
-            raise SystemExit("the node dashboard reads the node's --data-dir; --hub is for the hub dashboard")
+            raise UserError("the node dashboard reads the node's --data-dir; --hub is for the hub dashboard")
         return NodeDashboard(DataDirSource(args.data_dir, kind="node"), args.refresh_s)
     if args.hub is not None:
+        from shared.checks import check_key_file, check_peer_addr
         from shared.crypto import Identity
 
+        check_peer_addr(args.hub)
+        if args.key is not None:
+            check_key_file(args.key)
         source = HubSource(args.hub, identity=Identity.load(args.key) if args.key else None)
     else:
         source = DataDirSource(args.data_dir, kind="hub")

@@ -108,7 +108,7 @@ def chains_text(status: HubStatus) -> Text:
 
 def learner_text(status: HubStatus) -> Text:
     out = Text()
-    out.append(f"step {status.step}/{status.steps_target}", style="bold")
+    out.append(f"step {status.step}/{status.steps_target or '∞'}", style="bold")
     out.append(f"  v{status.version}  S={status.staleness}  κ={status.kappa}  leases {status.open_leases}\n")
     out.append(f"T_train {number(status.t_train_s, '.1f', ' s')}  T_bcast {number(status.t_bcast_s, '.1f', ' s')}\n")
     over = status.bubble is not None and status.predicted_bubble is not None and status.bubble > status.predicted_bubble

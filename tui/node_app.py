@@ -9,7 +9,7 @@ from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
 from shared.messages import TALLY_FIELDS, NodeView
 from tui import DEFAULT_REFRESH_S
-from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state, tally_cells
+from tui.widgets import Banner, DashboardApp, duration, event_lines, money, number, short_id, styled_state, tally_cells
 
 
 def identity_text(view: NodeView) -> Text:
@@ -51,7 +51,7 @@ def work_text(view: NodeView) -> Text:
         out.append(f"  ({t.accepted / t.decided:.0%} accepted)")
     out.append("\nearnings ")
     out.append(money(view.earnings_usd, 4), style="bold green")
-    out.append(f" at {money(view.price_per_hour)}/h over {view.busy_s / 3600:.2f} h busy")
+    out.append(f" at {money(view.price_per_hour)}/h over {duration(view.busy_s)} busy")
     return out
 
 

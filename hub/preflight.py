@@ -1,0 +1,136 @@
+"""What `echo-hub start` checks before it runs: every user mistake found here is one line and exit 2, before
+anything is written to the data dir. Then it locks the data dir (one hub per data dir) and says what
+it resumes, refusing a resume whose model or task changed.
+
+Everything here is quick (files, sockets, one read-only SQLite query, importing the task): no torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from hub.config import HubConfig
+from hub.store import SCHEMA_VERSION
+from shared.checks import UserError, check_data_dir, check_key_file, check_listen, check_model_dir, model_fingerprint
+from shared.layout import HUB_KEY_FILE, HUB_STORE_FILE
+
+LOCK_FILE = "hub.lock"
+
+
+@dataclass(frozen=True)
+class Started:
+    """A start that passed every check: the data dir lock (held while the hub runs) and what it resumes."""
+
+    lock: IO[str]
+    resume: Resume | None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What an existing data dir holds, as the start line reports it."""
+
+    step: int
+    groups_waiting: int
+    model: str
+    task: str
+
+
+def check_start(config: HubConfig) -> None:
+    """Every check of `echo-hub start` that needs no lock: UserError on the first mistake."""
+    check_data_dir(config.data_dir)
+    if config.model is not None:
+        check_model_dir(config.model)
+    check_task(config.task)
+    check_listen(config.listen)
+    check_key_file(config.key_path, "--key" if config.key is not None else "the hub key")
+
+
+def check_task(spec: str) -> None:
+    from shared.tasks import load_task
+
+    try:
+        task = load_task(spec)
+        if not task.prompts():
+            raise ValueError("it has no prompts")
+    except (ValueError, ImportError, AttributeError, TypeError, OSError) as exc:
+        raise UserError(f"--task {spec}: {str(exc).removeprefix(f'task spec {spec!r}: ')}") from None
+
+
+def lock_data_dir(data_dir: Path) -> IO[str]:
+    """Hold DATA_DIR/hub.lock for as long as the returned file stays open: a second hub is refused."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the life of the hub
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise UserError(f"--data-dir {data_dir}: another hub (pid {holder}) is running on it; stop it, or pass "
+                        "another --data-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def run_identity(config: HubConfig, model_dir: Path) -> tuple[str, str]:
+    """(model fingerprint, task) of the run this start asks for."""
+    return model_fingerprint(model_dir), config.task.strip()
+
+
+def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | None:
+    """What the data dir's existing run is (None: a fresh one). UserError when it trains another model or
+    task than this start asks for, unless `anyway`."""
+    store = config.data_dir / HUB_STORE_FILE
+    if not store.exists():
+        return None
+    # A store closed cleanly has no -wal file: read it `immutable`, or SQLite would create -wal/-shm files.
+    # After a crash they exist already and hold committed pages: read through them.
+    wal = store.with_name(store.name + "-wal").exists()
+    db = sqlite3.connect(f"file:{store}?mode=ro{'' if wal else '&immutable=1'}", uri=True, timeout=10)
+    try:
+        found = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if tables and found != SCHEMA_VERSION:
+            raise UserError(f"--data-dir {config.data_dir}: its store holds echo2 schema {found}, this echo2 uses "
+                            f"{SCHEMA_VERSION}; finish that run with the echo2 that started it, or pass --fresh "
+                            "(the old run is moved aside) or another --data-dir")
+        if "run" not in tables:
+            return None
+        meta = dict(db.execute("SELECT key, value FROM run").fetchall())
+        step = db.execute("SELECT COALESCE(MAX(step), 0) FROM steps").fetchone()[0]
+        waiting = db.execute(
+            "SELECT COUNT(*) FROM trajectories WHERE verdict = 'accepted' AND consumed_step IS NULL"
+            " AND discard_reason IS NULL"
+        ).fetchone()[0]
+    finally:
+        db.close()
+    fingerprint, task = run_identity(config, model_dir) if model_dir.exists() else (None, config.task.strip())
+    changed = [what for what, key, now in (("model", "model_fingerprint", fingerprint), ("task", "task", task))
+               if now is not None and key in meta and meta[key] != now]
+    if changed and not anyway:
+        was = ", ".join(f"{what} {meta['model' if what == 'model' else 'task']!r}" for what in changed)
+        raise UserError(f"--data-dir {config.data_dir} holds a run of another {' and '.join(changed)} ({was}); pass "
+                        "--fresh to start over (the old run is moved aside), --resume-anyway to go on with the "
+                        "new one, or another --data-dir")
+    return Resume(step=step, groups_waiting=waiting, model=meta.get("model", "?"), task=meta.get("task", "?"))
+
+
+def move_aside(data_dir: Path, keep_key: bool) -> Path:
+    """--fresh: the old run is renamed, never deleted; the new run starts in an empty data dir, with the hub's
+    key copied back when it lived there (`keep_key`), so the hub keeps its address."""
+    aside = data_dir.with_name(f"{data_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(data_dir, aside)
+    if keep_key and (aside / HUB_KEY_FILE).exists():
+        data_dir.mkdir()
+        shutil.copy2(aside / HUB_KEY_FILE, data_dir / HUB_KEY_FILE)
+    return aside

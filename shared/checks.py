@@ -1,0 +1,138 @@
+"""Checks of what a person typed, run before anything starts or is written: each failure is a `UserError`
+whose message is the one line that names the value and says what to do (the CLIs print it and exit 2).
+
+Only cheap checks live here (files, addresses, ports): no torch, no transformers, so a mistake is
+reported within a second.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+from pathlib import Path
+
+import blake3
+
+ADDR_EXAMPLE = "/ip4/203.0.113.7/tcp/4077/p2p/12D3KooW..."
+# config.json keys that differ between copies of one model without changing it.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype")
+
+
+class UserError(Exception):
+    """A mistake of the person running the command; str() is the whole message."""
+
+
+def check_model_dir(path: Path, flag: str = "--model") -> None:
+    """A local Hugging Face model directory: config, tokenizer and weights."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{flag} {path}: no such directory; give a local Hugging Face model directory "
+                        "(nothing is downloaded)")
+    if not path.is_dir():
+        raise UserError(f"{flag} {path}: not a directory; give the directory that holds config.json")
+    if not (path / "config.json").is_file():
+        raise UserError(f"{flag} {path}: no config.json, so not a Hugging Face model directory "
+                        "(save one with model.save_pretrained(DIR))")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise UserError(f"{flag} {path}: no tokenizer files (tokenizer.json); save the tokenizer beside the model "
+                        "with tokenizer.save_pretrained(DIR)")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise UserError(f"{flag} {path}: no weights (*.safetensors); save them with model.save_pretrained(DIR)")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{flag} {path}: config.json is not readable JSON ({exc})") from None
+
+
+def model_fingerprint(path: Path) -> str:
+    """blake3 of a model directory's config.json as sorted JSON, minus keys that vary between copies."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    return blake3.blake3(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_data_dir(path: Path, flag: str = "--data-dir") -> None:
+    """A directory we may create or write in (it need not exist yet)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path}: is a file, not a directory; pass another {flag}")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: {existing} is a file, so {path} cannot be created; pass another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {existing} is not writable by this user; pass a {flag} you can write to")
+
+
+def check_peer_addr(addr: str, flag: str = "--hub") -> str:
+    """A multiaddr ending in /p2p/<peer id>; its peer id."""
+    from multiaddr import Multiaddr
+
+    from shared.crypto import peer_id_from_multiaddr, public_key_from_peer_id
+
+    if "/p2p/" not in addr and addr.startswith(("/ip4/", "/ip6/", "/dns")):
+        raise UserError(f"{flag} {addr!r} lacks the hub's peer id: add the /p2p/12D3KooW... part "
+                        "`echo-hub start` prints after the port")
+    try:
+        Multiaddr(addr)
+        peer_id = peer_id_from_multiaddr(addr)
+        public_key_from_peer_id(peer_id)
+    except Exception:  # noqa: BLE001 - multiaddr and base58 raise many types; all mean a mistyped address
+        raise UserError(f"{flag} {addr!r} is not a hub address: copy the one `echo-hub start` prints, "
+                        f"like {ADDR_EXAMPLE}") from None
+    return peer_id
+
+
+def check_listen(addr: str, flag: str = "--listen") -> None:
+    """A TCP multiaddr we can bind now (port 0 always can)."""
+    from multiaddr import Multiaddr
+
+    example = "/ip4/0.0.0.0/tcp/4077"
+    try:
+        ma = Multiaddr(addr)
+        port = int(ma.value_for_protocol("tcp"))
+    except Exception:  # noqa: BLE001 - any parse failure is a mistyped address
+        raise UserError(f"{flag} {addr!r} is not a TCP listen address like {example}") from None
+    host, family = _host(ma)
+    if host is None:
+        raise UserError(f"{flag} {addr!r}: give an /ip4/ or /ip6/ address to listen on, like {example}")
+    if port == 0:
+        return
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UserError(f"{flag} {addr}: port {port} is already in use (another hub?); stop it or "
+                                f"listen on another port, e.g. {addr.rsplit('/', 1)[0]}/{port + 1}") from None
+            raise UserError(f"{flag} {addr}: cannot listen there ({exc.strerror})") from None
+
+
+def _host(ma) -> tuple[str | None, int]:
+    for protocol, family in (("ip4", socket.AF_INET), ("ip6", socket.AF_INET6)):
+        try:
+            return ma.value_for_protocol(protocol), family
+        except Exception:  # noqa: BLE001 - absent protocol
+            continue
+    return None, socket.AF_INET
+
+
+def check_key_file(path: Path, flag: str = "--key") -> None:
+    """An existing identity key must be private to its owner (a missing one is created)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise UserError(f"{flag} {path}: not a file")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise UserError(f"{flag} {path}: mode {oct(mode)} lets others read the key; run: chmod 600 {path}")
+    if path.stat().st_size != 32:
+        raise UserError(f"{flag} {path}: holds {path.stat().st_size} bytes, not a 32-byte Ed25519 key; "
+                        "point --key at the right file, or move this one away to make a new identity")

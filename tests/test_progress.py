@@ -1,0 +1,76 @@
+"""What a hub tells its terminal when the learner stalls: the cause named from how recent groups were
+settled (hand-computed cases), and the warning given once per stall, only while groups keep arriving."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from hub.buffer import REASON_STALE, REASON_ZERO_VARIANCE
+from hub.progress import STALL_CHECK_S, stall_cause, watch_for_stalls
+
+
+def test_stall_cause_names_the_dominant_reason():
+    # 80 of 100 with equal rewards: the task, not the fleet.
+    cause = stall_cause({REASON_ZERO_VARIANCE: 80, "trained": 20}, waiting=3, needed=8)
+    assert cause.startswith("80 of the last 100 groups had equal rewards") and "--group-size" in cause
+    # 79 of 100 is under the 80 % share; half stale is the broadcast or S.
+    cause = stall_cause({REASON_ZERO_VARIANCE: 29, REASON_STALE: 50, "trained": 21}, waiting=3, needed=8)
+    assert cause.startswith("50 of the last 100 groups arrived too stale") and "--staleness" in cause
+    # Neither: too little work.
+    assert stall_cause({}, waiting=3, needed=8) == (
+        "only 3 usable groups waiting, 8 needed per step: the fleet is too slow or too small")
+    assert stall_cause({REASON_STALE: 1, "trained": 2}, waiting=0, needed=8).startswith("only 0 usable")
+
+
+class FakeHub:
+    """The few attributes watch_for_stalls reads, moved by the test."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.learner = SimpleNamespace(step=0)
+        totals = SimpleNamespace(groups=SimpleNamespace(accepted=0))
+
+        async def event(kind, peer, detail):
+            self.events.append((kind, detail))
+
+        self.state = SimpleNamespace(totals=totals, buffer=[], event=event,
+                                     store=SimpleNamespace(recent_discards=lambda limit: {REASON_ZERO_VARIANCE: 9, "trained": 1}))
+        self.config = SimpleNamespace(learner=SimpleNamespace(prompts_per_step=8))
+
+
+@pytest.mark.trio
+async def test_a_stall_is_warned_once_and_only_while_groups_arrive(capsys, autojump_clock):
+    hub = FakeHub()
+
+    async def events(n: int) -> None:
+        # The watcher reads the store in a thread, which the autojump clock does not wait for.
+        with trio.fail_after(STALL_CHECK_S):
+            while len(hub.events) < n:
+                await trio.sleep(0.01)
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_for_stalls, hub, 60.0)
+            await trio.sleep(300)  # nothing arrives: waiting for work is not a stall
+            assert hub.events == []
+            hub.state.totals.groups.accepted += 5
+            await trio.sleep(60 - 2 * STALL_CHECK_S)  # work arrives, but not for long enough yet
+            assert hub.events == []
+            await trio.sleep(3 * STALL_CHECK_S)
+            await events(1)
+            assert [kind for kind, _ in hub.events] == ["learner_stalled"]
+            assert "while 5 groups arrived: 9 of the last 10 groups had equal rewards" in hub.events[0][1]
+            await trio.sleep(600)  # the same stall is not repeated
+            assert len(hub.events) == 1
+            hub.learner.step = 1  # a step ends it; a new stall warns again
+            await trio.sleep(STALL_CHECK_S)
+            hub.state.totals.groups.accepted += 5
+            await trio.sleep(60 + 2 * STALL_CHECK_S)
+            await events(2)
+            nursery.cancel_scope.cancel()
+
+    await scenario()
+    assert capsys.readouterr().out.count("echo-hub: warning: no learner step") == 2
