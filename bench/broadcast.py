@@ -21,9 +21,12 @@ or the run measures the CPU rather than the links; cpu_s per run shows how close
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -49,6 +52,10 @@ RUN_TIMEOUT_S = 1800.0
 log = logging.getLogger("bench.broadcast")
 
 
+# Snapshot files of the hub and of every node; removed when the bench ends.
+SCRATCH = Path(tempfile.mkdtemp(prefix="echo2-bench-broadcast-"))
+atexit.register(shutil.rmtree, SCRATCH, True)
+
 @dataclass(frozen=True)
 class Result:
     mode: str
@@ -58,13 +65,13 @@ class Result:
     cpu_s: float
 
 
-def random_snapshot(identity: Identity, size_bytes: int, chunk_bytes: int) -> Snapshot:
+def random_snapshot(identity: Identity, size_bytes: int, chunk_bytes: int, directory: Path) -> Snapshot:
     import torch
 
     from shared.snapshot import build_snapshot
 
     tensor = torch.frombuffer(bytearray(os.urandom(size_bytes)), dtype=torch.uint8)
-    return build_snapshot({"w": tensor}, 1, identity, "0" * 64, chunk_size=chunk_bytes)
+    return build_snapshot({"w": tensor}, 1, identity, "0" * 64, directory, chunk_size=chunk_bytes)
 
 
 @dataclass
@@ -97,12 +104,12 @@ async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, nursery: 
     async with running_host(identity, [LOOPBACK]) as (host, addrs):
         node: BenchNode
 
-        async def install(data: bytes, version: int) -> None:
+        async def install(path: Path, version: int) -> None:
             node.installed_at = trio.current_time()
             node.done.set()
 
         client = HubClient(host, identity, hub_addr)
-        keeper = SnapshotKeeper(host, identity, hub_peer_id, install, RateLimiter(link_bps), on_installed=lambda v: None,
+        keeper = SnapshotKeeper(host, identity, hub_peer_id, Path(tempfile.mkdtemp(dir=SCRATCH)), install, RateLimiter(link_bps), on_installed=lambda v: None,
                                 report=client.report)
         node = BenchNode(identity.peer_id, addrs[0], host, keeper, trio.Event())
         set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)
@@ -222,7 +229,7 @@ def main() -> None:
     hub_bps = (args.hub_mbps or args.link_mbps) * MBIT_BYTES
     chunk_bytes = args.chunk_kib * 1024
     hub_id = Identity.generate()
-    snapshot = random_snapshot(hub_id, int(args.size_mb * 1e6), chunk_bytes)
+    snapshot = random_snapshot(hub_id, int(args.size_mb * 1e6), chunk_bytes, SCRATCH)
     total = snapshot.manifest.total_bytes
 
     results: list[Result] = []

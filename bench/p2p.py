@@ -147,7 +147,7 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
             client = LightClient(host, identity, hub_addr, tokenizer)
             await client.connect()
             reply = await client.join(JoinRequest(
-                price_per_hour=0.1, hardware="bench", link_bps=1e8, backend="hf", model_config_hash=config_hash,
+                price_per_hour=0.1, hardware="bench", link_bps=1e8, backend="hf", dtype="float32", model_config_hash=config_hash,
                 version_held=0))
             if not isinstance(reply, JoinReply):
                 raise RuntimeError(f"join refused: {reply}")

@@ -102,20 +102,45 @@ def judge(stats: GapStats, mean_abs_gap_tolerance: float, max_outside_frac: floa
     )
 
 
-class Auditor:
-    """The hub's audit model: its own fp32 CPU copy of the policy, loaded with whichever shelf version an audit needs.
+def bare_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The architecture of `model_dir` in `dtype` with uninitialised weights, for a snapshot to fill:
+    the model dir's own weights are never read (from_pretrained would map the whole fp32 file)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers before 5.2x (vLLM's pin): initialising is only slower, not different
+        from contextlib import nullcontext as no_init_weights
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    model.tie_weights()  # skipped under no_init_weights; the snapshot carries only the first of tied names
+    return model.eval().requires_grad_(False)
+
+
+class Auditor:
+    """The hub's audit model: a CPU copy of the policy in the snapshot dtype, loaded with whichever shelf
+    version an audit needs.
+
+    Built at the first audit (a hub nobody joins holds no second model) and filled from the snapshot
+    file on the shelf, one tensor at a time: one snapshot's worth of RAM at most. In the snapshot
+    dtype rather than upcast, so that a bf16 run holds half, not all, of an fp32 copy; the bf16
+    tolerance (hub/config.py AUDIT_GAP_BY_DTYPE) covers two bf16 computations.
     Blocking and used by one thread at a time (the AuditQueue runs audits one after another).
     """
 
-    def __init__(self, model_dir: Path, shelf: SnapshotShelf, sampling: SamplingParams, config: TrustConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(
+        self, model_dir: Path, shelf: SnapshotShelf, sampling: SamplingParams, config: TrustConfig, snapshot_dtype: str,
+    ) -> None:
+        from transformers import AutoTokenizer
 
+        self.model_dir = model_dir
         self.shelf = shelf
         self.sampling = sampling
         self.config = config
+        self.mean_abs_gap = config.mean_abs_gap(snapshot_dtype)
+        self.dtype = getattr(torch, snapshot_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+        self.model = None
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         # The whole hash of the snapshot the model holds; None: the weights are the model dir's, no snapshot's.
         self.loaded_hash: str | None = None
@@ -125,8 +150,14 @@ class Auditor:
         snapshot = self.shelf.get(version)
         if snapshot is None:
             raise VersionUnavailable(f"snapshot v{version} is not on the shelf")
+        if self.model is None:
+            self.model = bare_model(self.model_dir, self.dtype)
         if snapshot.manifest.whole_hash != self.loaded_hash:
-            load_into(self.model, snapshot.data)
+            self.loaded_hash = None  # a load that fails half way leaves no known weights
+            try:
+                load_into(self.model, snapshot.path)
+            except FileNotFoundError as exc:  # it left the shelf (and the disk) between get and load
+                raise VersionUnavailable(f"snapshot v{version} was deleted") from exc
             self.loaded_hash = snapshot.manifest.whole_hash
 
     def audit(self, group: Group, version: int) -> AuditResult:
@@ -145,7 +176,7 @@ class Auditor:
         for row, c in enumerate(group.completions):
             reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
         stats = gap_stats(reported, recomputed, mask)
-        return judge(stats, self.config.audit_mean_abs_gap, self.config.audit_max_outside_frac)
+        return judge(stats, self.mean_abs_gap, self.config.audit_max_outside_frac)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,15 @@ from pathlib import Path
 
 from shared.checks import UserError
 
+
+def _bool(text: str) -> bool:
+    """A flag's on/off value: on/off, true/false, yes/no or 1/0."""
+    value = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+    if text.lower() not in value:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value[text.lower()]
+
+
 # flag name -> (dotted HubConfig field, type); flags override the TOML file, which overrides defaults.
 # Each flag's help is its field's description, choices and default (hub/config.py).
 START_FLAGS: dict[str, tuple[str, type]] = {
@@ -28,6 +37,10 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "max_new_tokens": ("sampling.max_new_tokens", int),
     "temperature": ("sampling.temperature", float),
     "top_p": ("sampling.top_p", float),
+    "dtype": ("learner.dtype", str),
+    "micro_batch_tokens": ("learner.micro_batch_tokens", int),
+    "gradient_checkpointing": ("learner.gradient_checkpointing", _bool),
+    "checkpoints_kept": ("learner.checkpoints_kept", int),
     "broadcast": ("broadcast.mode", str),
     "link_mbps": ("broadcast.link_mbps", float),
     "hub_mbps": ("broadcast.hub_uplink_mbps", float),

@@ -34,6 +34,10 @@ class LearnerConfig(Section):
     skip_zero_variance: bool = Field(True, description="skip groups whose rewards are all equal")
     buffer_max_groups: int = Field(4096, ge=1, le=1_000_000, description="replay buffer capacity in groups")
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="checkpoint model+optimizer every K steps")
+    checkpoints_kept: int = Field(2, ge=1, le=1000, description="newest checkpoints kept on disk; older ones are deleted")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="snapshot and engine precision (auto: bfloat16 on a CUDA GPU that has it, else float32); master weights stay fp32")
+    micro_batch_tokens: int = Field(16384, ge=64, le=10_000_000, description="padded tokens per forward/backward micro-batch (gradients accumulate over a step's micro-batches)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory for long completions, ~30% slower")
     learner_price_per_hour: float = Field(3.06, ge=0.0, le=1000.0, description="learner GPU price, $/h")
     seed: int = Field(0, ge=0, description="seed for the learner and prompt sampling")
     device: str = Field("cpu", description="torch device for the learner")
@@ -100,15 +104,19 @@ class SchedulerConfig(Section):
 #   ~0.16, and ~1 token in 900 outside the hub's top-p nucleus (top_p 0.9);
 # - a node generating with another model (the base model while claiming a snapshot three Adam steps
 #   at lr 1e-4 away): mean ~0.3, every group above 0.05.
-# The hub cannot trust the backend or dtype a node declares, so the tolerance must admit the least
-# exact engine any honest node may run (bf16/vLLM): 0.05 nats is three times the worst honest bf16
-# group seen. An operator whose fleet is known to run fp32 can lower it to ~1e-3.
+# Engines load snapshots in the hub's dtype exactly (a node of another dtype is refused at join),
+# and the hub recomputes in fp32 from those weights, so the tolerance follows the snapshot dtype:
+# fp32 snapshots admit 0.01 nats (GPU kernels differ from the hub's CPU ones by far less than
+# that), bf16 ones 0.05 nats, three times the worst honest bf16 group seen.
+AUDIT_GAP_BY_DTYPE = {"float32": 0.01, "bfloat16": 0.05}
+
+
 class TrustConfig(Section):
     """Audits, copy detection and per-peer limits of the hub (DESIGN section 7)."""
 
     audit_rate: float = Field(0.05, ge=0.0, le=1.0, description="fraction of a trusted node's submissions re-scored")
     audit_first_n: int = Field(10, ge=0, le=10_000, description="a node is audited on every submission until it passed this many")
-    audit_mean_abs_gap: float = Field(0.05, gt=0.0, le=10.0, description="max mean |reported - recomputed| log-prob per group, nats")
+    audit_mean_abs_gap: float | None = Field(None, gt=0.0, le=10.0, description="max mean |reported - recomputed| log-prob per group, nats (None: 0.01 for float32 snapshots, 0.05 for bfloat16)")
     audit_max_outside_frac: float = Field(0.05, ge=0.0, le=1.0, description="max fraction of tokens outside the hub's top-p nucleus")
     audit_queue_groups: int = Field(256, ge=1, le=100_000, description="groups waiting for an audit: sampled ones beyond it are skipped, probation ones told to retry")
     copy_cache_groups: int = Field(100_000, ge=1, le=10_000_000, description="recent group fingerprints kept for copy detection (LRU)")
@@ -129,6 +137,10 @@ class TrustConfig(Section):
     idle_connection_s: float = Field(15.0, gt=0.0, le=86400.0, description="a connection of a peer that is not a joined node is closed after this long idle")
     status_operators: tuple[str, ...] = Field(
         (), max_length=64, description="peer ids that see nodes' prices and costs in the status protocol (the hub's own key always does)")
+
+    def mean_abs_gap(self, snapshot_dtype: str) -> float:
+        """The audit tolerance in nats: the configured one, else the snapshot dtype's."""
+        return self.audit_mean_abs_gap if self.audit_mean_abs_gap is not None else AUDIT_GAP_BY_DTYPE[snapshot_dtype]
 
 
 class HubConfig(Section):

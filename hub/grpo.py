@@ -12,7 +12,7 @@ rewards, and for the small groups GRPO uses (n = 4..16) it does not understate t
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -133,6 +133,28 @@ def grpo_loss(
         "masked_by_is": float(n_valid - int(n_keep)),
     }
     return loss, stats
+
+
+def micro_batches(rows: Sequence[tuple[int, int]], budget_tokens: int) -> list[range]:
+    """Consecutive ranges of (prompt tokens, completion tokens) rows whose padded forward, rows x
+    (longest prompt + longest completion), fits `budget_tokens`.
+
+    A row over the budget alone gets a micro-batch of its own (a row cannot be split). Order is
+    kept, so per-row tensors (advantages, behaviour log-probs) slice the same way.
+    """
+    if budget_tokens < 1:
+        raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
+    out: list[range] = []
+    start, prompt_width, completion_width = 0, 0, 0
+    for i, (prompt, completion) in enumerate(rows):
+        wider_prompt, wider_completion = max(prompt_width, prompt), max(completion_width, completion)
+        if i > start and (i - start + 1) * (wider_prompt + wider_completion) > budget_tokens:
+            out.append(range(start, i))
+            start, wider_prompt, wider_completion = i, prompt, completion
+        prompt_width, completion_width = wider_prompt, wider_completion
+    if start < len(rows):
+        out.append(range(start, len(rows)))
+    return out
 
 
 def staleness_histogram(step: int, versions: Iterable[int]) -> dict[int, int]:

@@ -37,21 +37,16 @@ from hub.checkpoint import (
     save_checkpoint,
 )
 from hub.config import LearnerConfig
-from hub.grpo import group_advantages, grpo_loss
+from hub.grpo import group_advantages, grpo_loss, micro_batches
 from hub.metrics import MetricsWriter, bubble_ratio
 from hub.state import HubState
 from hub.store import StepRecord
 from shared.crypto import Identity
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logprobs import completion_logprobs
+from shared.precision import engine_dtype
 from shared.rollout import Group, SamplingParams
-from shared.snapshot import (
-    Snapshot,
-    build_snapshot,
-    model_config_hash,
-    read_snapshot_files,
-    write_snapshot_files,
-)
+from shared.snapshot import Snapshot, build_snapshot, model_config_hash, read_snapshot_files
 
 
 @dataclass(frozen=True)
@@ -88,6 +83,14 @@ def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     return out
 
 
+def _zero_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 class Learner:
     """The policy, its optimizer and (only when beta > 0) a frozen reference copy; blocking."""
 
@@ -107,9 +110,21 @@ class Learner:
         self.device = torch.device(cfg.device)
         policy_dir = checkpoint.model_dir if checkpoint is not None else Path(base_model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+        # fp32 master weights whatever the snapshot dtype; bf16 runs forward and backward under autocast.
         self.model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).to(self.device)
+        self.snapshot_dtype = engine_dtype(cfg.dtype, cfg.device)
         # Eval mode: no dropout, so the learner's log-probs are the ones the nodes sampled under.
         self.model.eval()
+        if cfg.gradient_checkpointing:
+            # transformers >= 5.2x renamed it (vLLM's pin keeps older versions in use too).
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers recomputes activations only in train mode: with every dropout at 0 train
+            # mode computes exactly what eval mode does.
+            _zero_dropout(self.model)
+            self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         if checkpoint is not None:
             self.optimizer.load_state_dict(torch.load(checkpoint.optimizer_path, map_location=self.device))
@@ -121,8 +136,11 @@ class Learner:
         self.config_hash = model_config_hash(self.model.config.to_dict())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Detached CPU copies of the weights (for snapshots, safe to read while training continues)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """The live weights, not a copy (a snapshot streams them to disk): read them only between steps."""
+        return self.model.state_dict()
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.snapshot_dtype == torch.bfloat16)
 
     def train_step(self, groups: Sequence[Group], step: int) -> StepStats:
         """One GRPO update on `groups`; the nodes' completion token ids are used as-is."""
@@ -145,49 +163,77 @@ class Learner:
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
         advantages = group_advantages(rewards, n, scale=self.cfg.advantage_scale).to(self.device)
 
+        # Micro-batches by token budget, gradients summed over them: the loss is a token mean over
+        # the whole step (grpo_loss), so each micro-batch's mean is weighted by its token count and
+        # the summed gradient divided by the step's count before clipping: exact, not an approximation.
         pad_id = self.tokenizer.pad_token_id
-        logprobs, mask = completion_logprobs(
-            self.model, prompt_ids, completion_ids, pad_id,
-            temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-        )
-        if self.cfg.use_is_ratio:
-            behaviour = _pad(behaviour_rows, logprobs.shape[1]).to(self.device)
-        else:
-            behaviour = logprobs.detach()
-        ref_logprobs = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logprobs, _ = completion_logprobs(
-                    self.reference, prompt_ids, completion_ids, pad_id,
+        rows = [(len(p), len(c)) for p, c in zip(prompt_ids, completion_ids)]
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = {"loss": 0.0, "clip": 0.0, "ratio_sum": 0.0, "kl": 0.0, "masked": 0.0}
+        n_keep_total, n_valid_total, ratio_max, tokens = 0, 0, 0.0, 0
+        t_forward = t_backward = 0.0
+        for part in micro_batches(rows, self.cfg.micro_batch_tokens):
+            part_started = time.perf_counter()
+            sl = slice(part.start, part.stop)
+            with self._autocast():
+                logprobs, mask = completion_logprobs(
+                    self.model, prompt_ids[sl], completion_ids[sl], pad_id,
                     temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                 )
-        loss, stats = grpo_loss(
-            logprobs, behaviour, advantages, mask,
-            eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high, max_is_ratio=self.cfg.max_is_ratio,
-            ref_logprobs=ref_logprobs, beta=self.cfg.beta,
-        )
-        forward_done = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        backward_done = time.perf_counter()
+                ref_logprobs = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref_logprobs, _ = completion_logprobs(
+                            self.reference, prompt_ids[sl], completion_ids[sl], pad_id,
+                            temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                        )
+            if self.cfg.use_is_ratio:
+                behaviour = _pad(behaviour_rows[sl], logprobs.shape[1]).to(self.device)
+            else:
+                behaviour = logprobs.detach()
+            loss, stats = grpo_loss(
+                logprobs, behaviour, advantages[sl], mask,
+                eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high, max_is_ratio=self.cfg.max_is_ratio,
+                ref_logprobs=ref_logprobs, beta=self.cfg.beta,
+            )
+            n_valid = int(mask.sum())
+            n_keep = n_valid - int(stats["masked_by_is"])
+            backward_started = time.perf_counter()
+            (loss * n_keep).backward()
+            t_forward += backward_started - part_started
+            t_backward += time.perf_counter() - backward_started
+            n_keep_total += n_keep
+            n_valid_total += n_valid
+            tokens += n_valid
+            totals["loss"] += float(loss.detach()) * n_keep
+            totals["clip"] += stats["clip_frac"] * n_keep
+            totals["kl"] += stats["kl"] * n_keep
+            totals["ratio_sum"] += stats["ratio_mean"] * n_valid
+            totals["masked"] += stats["masked_by_is"]
+            ratio_max = max(ratio_max, stats["ratio_max"])
+        optim_started = time.perf_counter()
+        if n_keep_total > 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(n_keep_total)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         done = time.perf_counter()
         return StepStats(
             step=step,
-            loss=float(loss.detach()),
+            loss=totals["loss"] / max(1, n_keep_total),
             reward_mean=float(rewards.mean()),
             reward_std=float(rewards.std(unbiased=False)),
-            tokens=int(mask.sum()),
-            clip_frac=stats["clip_frac"],
-            ratio_mean=stats["ratio_mean"],
-            ratio_max=stats["ratio_max"],
-            kl=stats["kl"],
-            masked_by_is=stats["masked_by_is"],
+            tokens=tokens,
+            clip_frac=totals["clip"] / max(1, n_keep_total),
+            ratio_mean=totals["ratio_sum"] / max(1, n_valid_total),
+            ratio_max=ratio_max,
+            kl=totals["kl"] / max(1, n_keep_total),
+            masked_by_is=totals["masked"],
             grad_norm=float(grad_norm),
-            t_forward_s=forward_done - started,
-            t_backward_s=backward_done - forward_done,
-            t_optim_s=done - backward_done,
+            t_forward_s=t_forward,
+            t_backward_s=t_backward,
+            t_optim_s=done - optim_started,
             t_train_s=done - started,
         )
 
@@ -364,7 +410,8 @@ class LearnerComponent:
 
     def _checkpoint(self, step: int) -> None:
         info = save_checkpoint(
-            self.checkpoints_dir, step, step, self.learner.model, self.learner.tokenizer, self.learner.optimizer
+            self.checkpoints_dir, step, step, self.learner.model, self.learner.tokenizer, self.learner.optimizer,
+            keep=self.cfg.checkpoints_kept,
         )
         self.state.record_checkpoint(step, info.path, step)
 
@@ -380,12 +427,13 @@ class LearnerComponent:
         await self.snapshot_send.send(SnapshotPublished(version=latest, snapshot=snapshot))
 
     def _build_and_write(self, version: int) -> Snapshot:
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         snapshot = build_snapshot(
-            self.learner.state_dict(), version, self.identity, self.learner.config_hash, self.chunk_size_bytes
+            self.learner.state_dict(), version, self.identity, self.learner.config_hash, self.snapshots_dir,
+            dtype=self.learner.snapshot_dtype, chunk_size=self.chunk_size_bytes,
         )
-        weights_path = write_snapshot_files(snapshot, self.snapshots_dir)
-        self.state.record_snapshot(version, str(weights_path), snapshot.manifest.whole_hash, snapshot.manifest.total_bytes)
+        manifest = snapshot.manifest
+        self.state.record_snapshot(version, str(snapshot.path), manifest.whole_hash, manifest.total_bytes, started_at)
         self.snapshot_seconds.append(time.perf_counter() - started)
         return snapshot
 

@@ -7,13 +7,14 @@ go through the same path as submissions: hub-side reward, a committed accepted s
 then the buffer (a buffer refusal is recorded on the row, never silent), all by HubState.
 
 The engine is passed in (hub/ does not import node/): anything with
-install(weights: bytes, version: int) and generate(prompts, n, sampling) -> list[list[Completion]].
+install(path: Path, version: int) and generate(prompts, n, sampling) -> list[list[Completion]].
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import trio
@@ -25,7 +26,7 @@ from shared.tasks.base import Prompt, Task
 
 
 class RolloutEngine(Protocol):
-    def install(self, weights: bytes, version: int) -> None: ...
+    def install(self, path: Path, version: int) -> None: ...
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]: ...
 
@@ -90,7 +91,7 @@ class LocalRollouts:
                 await self.signal.wait()
             message = self._delivered
             if message.version != self.installed_version:
-                await trio.to_thread.run_sync(self.engine.install, message.snapshot.data, message.version)
+                await trio.to_thread.run_sync(self.engine.install, message.snapshot.path, message.version)
                 self.installed_version = message.version
             prompts = self.task.sample(self.rng, self.prompts_per_batch)
             groups = await trio.to_thread.run_sync(self._generate_and_score, prompts, message.version)

@@ -19,7 +19,7 @@ from hub.snapshots import SnapshotShelf
 from hub.state import HubState
 from hub.store import Store
 from shared.crypto import Identity
-from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE
+from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE, SNAPSHOTS_DIR
 from shared.net import running_host
 from shared.signals import Stopper
 from shared.tasks import load_task
@@ -65,14 +65,17 @@ class Hub:
         from hub.audit import Auditor, AuditQueue
         from hub.learner import LearnerComponent
         from hub.submissions import SubmissionRules
+        from shared.precision import resolve_dtype
         from shared.snapshot import model_config_hash
 
+        lc = config.learner
+        self.dtype = resolve_dtype(lc.dtype, lc.device)
         self.config = config
         self.identity = identity
         self.progress = progress
-        lc = config.learner
         self.task = load_task(config.task)
-        self.shelf = SnapshotShelf(keep=lc.staleness + 1)
+        # S + 1 versions on the shelf (a rollout may be that stale), files of older ones deleted.
+        self.shelf = SnapshotShelf(keep=lc.staleness + 1, directory=config.data_dir / SNAPSHOTS_DIR)
         # The service decodes in worker threads while the learner tokenizes in its own: separate instances.
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model_config = AutoConfig.from_pretrained(model_dir)
@@ -80,14 +83,20 @@ class Hub:
             task=self.task, group_size=lc.group_size, sampling=config.sampling, eos_id=tokenizer.eos_token_id,
             vocab_size=model_config.vocab_size, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
-        audits = AuditQueue(Auditor(model_dir, self.shelf, config.sampling, config.trust), config.trust.audit_queue_groups)
+        audits = AuditQueue(Auditor(model_dir, self.shelf, config.sampling, config.trust, self.dtype), config.trust.audit_queue_groups)
         self.state = HubState(
             Store(config.data_dir / HUB_STORE_FILE), config, self.task, rules=rules,
             model_config_hash=model_config_hash(model_config.to_dict()), audits=audits,
             oldest_useful_version=lambda: self.learner.min_useful_version(), newest_version=self.shelf.newest_version,
             run=dict(zip(("model_fingerprint", "task"), run_identity(config, model_dir)), model=str(model_dir)),
         )
-        self.snapshot_send, self.snapshot_recv = trio.open_memory_channel(4)
+        # Files the shelf no longer serves (a crash's orphans, versions from before a restart) go now; the
+        # newest stays for the learner to serve again on resume.
+        latest = self.state.store.latest_version()
+        self.shelf.prune(set() if latest is None else {latest})
+        # Unbuffered: the learner writes its next snapshot only once the shelf took (and pruned for) the last,
+        # so the snapshot dir never holds more than S + 2 of them.
+        self.snapshot_send, self.snapshot_recv = trio.open_memory_channel(0)
         self.learner = LearnerComponent(
             lc, config.sampling, model_dir, config.data_dir, self.state, identity,
             self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024,
@@ -149,7 +158,7 @@ class Hub:
                 if config.local_nodes:
                     self.local_nodes = spawn_local_nodes(
                         config.local_nodes, self.addrs[0], config.data_dir, link_mbps=config.broadcast.link_mbps,
-                        model=config.model,
+                        model=config.model, extra_args=("--dtype", self.dtype),
                     )
                     state.own_nodes = frozenset(n.peer_id for n in self.local_nodes)
                 from hub.progress import live_progress, plain_progress, watch_for_stalls

@@ -1,51 +1,105 @@
-"""The hub's shelf of published snapshots: the newest S+1 kept in memory to serve and to audit against."""
+"""The hub's shelf of published snapshots: manifests and open files of the newest ones, and their retention.
+
+The shelf holds no weights in RAM: it serves chunks by pread from each snapshot's file. It keeps
+the versions a rollout may still be generated from (the newest `keep` = S + 1) and deletes the
+files of older ones as a new version arrives (manifest first; shared.snapshot.remove_snapshot_files),
+so the snapshot directory holds at most S + 2 snapshots: the kept ones and the one being written.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
 
-from shared.snapshot import Manifest, SignedManifest, Snapshot, blake3_hex, chunk_of
+from shared.snapshot import Manifest, SignedManifest, Snapshot, blake3_hex, read_chunk, remove_snapshot_files
+
+log = logging.getLogger("echo2.hub.snapshots")
+
+_SNAPSHOT_FILE_RE = re.compile(r"v(\d{8})\.(safetensors|manifest)")
+
+
+@dataclass(frozen=True)
+class _Held:
+    snapshot: Snapshot
+    fd: int
+    manifest_digest: str  # what a relay serving this version must commit to for its manifest frame (shared/transfer.py)
 
 
 class SnapshotShelf:
-    """Published snapshots by version; serves chunks (a `shared.transfer.ChunkSource`)."""
+    """Published snapshots by version; serves chunks from their files (a `shared.transfer.ChunkSource`)."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, directory: Path | None = None) -> None:
+        """`directory`: where the learner writes snapshots; files of versions that leave the shelf are
+        deleted there (None: nothing is deleted, for shelves over files someone else owns)."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
-        self._by_version: OrderedDict[int, Snapshot] = OrderedDict()
-        self._manifest_digests: dict[int, str] = {}
+        self.directory = directory
+        self._by_version: OrderedDict[int, _Held] = OrderedDict()
+
+    def prune(self, keep_versions: set[int]) -> int:
+        """Delete every snapshot file in the directory but those of `keep_versions` (orphans of a crash,
+        versions from before a restart that left the window); returns how many files went."""
+        if self.directory is None or not self.directory.is_dir():
+            return 0
+        removed = 0
+        for path in self.directory.iterdir():
+            match = _SNAPSHOT_FILE_RE.fullmatch(path.name)
+            if match is None and path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)  # a write the crash interrupted
+                removed += 1
+            elif match is not None and int(match.group(1)) not in keep_versions:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def add(self, snapshot: Snapshot) -> None:
         version = snapshot.manifest.version
         if self._by_version and version <= self.newest_version():
             raise ValueError(f"snapshot v{version} is not newer than v{self.newest_version()}")
-        self._by_version[version] = snapshot
-        # What a relay serving this version must commit to for its manifest frame (shared/transfer.py).
-        self._manifest_digests[version] = blake3_hex(snapshot.signed.to_bytes())
+        fd = os.open(snapshot.path, os.O_RDONLY)
+        self._by_version[version] = _Held(snapshot, fd, blake3_hex(snapshot.signed.to_bytes()))
         while len(self._by_version) > self.keep:
-            old, _ = self._by_version.popitem(last=False)
-            del self._manifest_digests[old]
+            old, held = self._by_version.popitem(last=False)
+            # A serve in progress holds its own reads to this fd: closing makes them fail as "no
+            # longer held", which the transfer code treats like any abandoned version.
+            os.close(held.fd)
+            if self.directory is not None:
+                remove_snapshot_files(self.directory, old)
+                log.debug("deleted snapshot v%d (out of the staleness window)", old)
+
+    def close(self) -> None:
+        for held in self._by_version.values():
+            os.close(held.fd)
+        self._by_version.clear()
 
     def newest_version(self) -> int:
         return next(reversed(self._by_version)) if self._by_version else -1
 
+    def versions(self) -> list[int]:
+        return list(self._by_version)
+
     def get(self, version: int | None) -> Snapshot | None:
         if version is None:
             version = self.newest_version()
-        return self._by_version.get(version)
+        held = self._by_version.get(version)
+        return None if held is None else held.snapshot
 
     def manifest_digest(self, version: int) -> str | None:
         """blake3 of the signed manifest bytes of `version`, if held."""
-        return self._manifest_digests.get(version)
+        held = self._by_version.get(version)
+        return None if held is None else held.manifest_digest
 
     def held_manifest(self, version: int | None) -> tuple[SignedManifest, Manifest] | None:
         snapshot = self.get(version)
         return None if snapshot is None else (snapshot.signed, snapshot.manifest)
 
     async def chunk(self, version: int, index: int) -> bytes:
-        snapshot = self.get(version)
-        if snapshot is None:
+        held = self._by_version.get(version)
+        if held is None:
             raise LookupError(f"snapshot v{version} no longer held")
-        return bytes(chunk_of(snapshot.data, snapshot.manifest, index))
+        return read_chunk(held.fd, held.snapshot.manifest, index)

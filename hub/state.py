@@ -51,6 +51,7 @@ from hub.store import NewEvent, NodeBanned, StepRecord, Store
 from hub.submissions import REASON_CLAIMED_REWARD, GroupVerdict, SubmissionRules, VersionWindow, check_submission
 from shared.crypto import public_key_from_peer_id
 from shared.messages import GROUP_VERDICTS, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
+from shared.precision import resolve_dtype
 from shared.rollout import Group
 from shared.tasks.base import Task
 from shared.wire import PeerFault
@@ -138,6 +139,7 @@ class HubState:
         self.store = store
         self.rules = rules
         self.model_config_hash = model_config_hash
+        self.snapshot_dtype = resolve_dtype(config.learner.dtype, config.learner.device)
         self.lease_config = config.lease
         self.trust = trust
         self.heartbeat_timeout_s = config.scheduler.heartbeat_timeout_s
@@ -154,7 +156,7 @@ class HubState:
         self.leases = LeaseBook(task, seed=lc.seed)
         self.buffer = ReplayBuffer(lc.buffer_max_groups, lc.staleness, lc.skip_zero_variance)
         self.signal = BufferSignal()
-        self.copies = CopyDetector(trust.copy_cache_groups, trust.copy_min_surprise_nats, trust.audit_mean_abs_gap)
+        self.copies = CopyDetector(trust.copy_cache_groups, trust.copy_min_surprise_nats, trust.mean_abs_gap(self.snapshot_dtype))
         self.quota = LeaseQuota(trust, config.lease.prompts_per_lease)
         self.audits = audits
         self.audit_rng = secrets.SystemRandom()
@@ -240,6 +242,9 @@ class HubState:
         if request.model_config_hash != self.model_config_hash:
             raise PeerFault("model config differs from the hub's: start the node with the hub's model",
                             RejectCode.MODEL_MISMATCH)
+        if request.dtype != self.snapshot_dtype:
+            raise PeerFault(f"this hub publishes {self.snapshot_dtype} snapshots and the node's engine runs "
+                            f"{request.dtype}: restart the node with --dtype {self.snapshot_dtype}", RejectCode.MODEL_MISMATCH)
         try:
             public_key_from_peer_id(peer)
         except ValueError:
@@ -628,9 +633,10 @@ class HubState:
             await trio.to_thread.run_sync(self.store.commit_step, record, consumed_ids, dropped_stale_ids)
             self.totals.dropped_stale += len(dropped_stale_ids)
 
-    def record_snapshot(self, version: int, path: str, manifest_hash: str, total_bytes: int) -> None:
-        """Learner record (store only, any thread): a snapshot was published."""
-        self.store.add_snapshot(version, path, manifest_hash, total_bytes, created_at=self.clock())
+    def record_snapshot(self, version: int, path: str, manifest_hash: str, total_bytes: int, started_at: float) -> None:
+        """Learner record (store only, any thread): a snapshot is on disk; its build began at `started_at`
+        (so published_at - created_at is the time to write it)."""
+        self.store.add_snapshot(version, path, manifest_hash, total_bytes, created_at=started_at)
 
     def record_checkpoint(self, step: int, path: Path, version: int) -> None:
         """Learner record (store only, any thread): a checkpoint was written."""

@@ -12,7 +12,7 @@ from shared.checks import UserError
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
 JOIN_FLAGS: dict[str, tuple[str, type]] = {
     name: (name, kind) for name, kind in (
-        ("hub", str), ("price", float), ("backend", str), ("device", str), ("data_dir", Path), ("key", Path),
+        ("hub", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
         ("model", Path), ("listen", str), ("max_rollouts_per_s", float), ("link_mbps", float),
         ("declared_link_mbps", float), ("threads", int), ("log_level", str),
     )

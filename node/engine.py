@@ -27,10 +27,11 @@ class Engine(ABC):
     backend: ClassVar[str]
     version: int
     tokenizer: object
+    dtype: str  # "float32" or "bfloat16": the weights' dtype, which snapshots must carry
 
     @abstractmethod
-    def install(self, weights: bytes | memoryview, version: int) -> None:
-        """Load verified snapshot bytes (safetensors of a state dict) into the running model."""
+    def install(self, path: Path, version: int) -> None:
+        """Load a verified snapshot file (safetensors of a state dict) into the running model, in place."""
 
     @abstractmethod
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
@@ -51,11 +52,13 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
-def make_engine(backend: str, model_dir: Path, device: str | None = None, version: int = 0) -> Engine:
+def make_engine(backend: str, model_dir: Path, device: str | None = None, version: int = 0, dtype: str = "auto") -> Engine:
     """An engine for model_dir. backend "auto" picks vLLM when it can run (and device is not "cpu"), else "hf".
 
-    device None means "cuda" when CUDA is available, else "cpu".
+    device None means "cuda" when CUDA is available, else "cpu"; dtype as shared.precision resolves it there.
     """
+    from shared.precision import resolve_dtype
+
     if backend not in BACKENDS:
         raise ValueError(f"unknown engine backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
@@ -68,11 +71,11 @@ def make_engine(backend: str, model_dir: Path, device: str | None = None, versio
             raise EngineUnavailable(f"vllm backend runs on CUDA only, got device {device!r}")
         from node.vllm_engine import VLLMEngine
 
-        return VLLMEngine(Path(model_dir), version=version)
+        return VLLMEngine(Path(model_dir), version=version, dtype=resolve_dtype(dtype, "cuda"))
     import torch
 
     from node.hf_engine import HFEngine
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFEngine(Path(model_dir), device=device, version=version)
+    return HFEngine(Path(model_dir), device=device, version=version, dtype=resolve_dtype(dtype, device))

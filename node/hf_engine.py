@@ -12,31 +12,7 @@ import torch
 from node.engine import Engine
 from shared.logprobs import sampling_logprobs
 from shared.rollout import Completion, SamplingParams
-
-
-def load_snapshot_into(model: torch.nn.Module, weights: bytes | memoryview) -> None:
-    """Copy a safetensors state dict into model's existing tensors (no re-instantiation).
-
-    A key may be absent only when a tensor it shares storage with (a tied weight) is present.
-    """
-    from safetensors.torch import load
-
-    state = load(bytes(weights))
-    own = model.state_dict()
-    unexpected = sorted(set(state) - set(own))
-    if unexpected:
-        raise ValueError(f"snapshot has keys the model lacks: {unexpected[:5]}")
-    present_storage = {own[k].data_ptr() for k in state}
-    missing = sorted(k for k in own if k not in state and own[k].data_ptr() not in present_storage)
-    if missing:
-        raise ValueError(f"snapshot lacks keys: {missing[:5]}")
-    # Check everything before copying anything, so a bad snapshot leaves the model untouched.
-    for key, tensor in state.items():
-        if own[key].shape != tensor.shape:
-            raise ValueError(f"snapshot tensor {key} has shape {tuple(tensor.shape)}, model {tuple(own[key].shape)}")
-    with torch.no_grad():
-        for key, tensor in state.items():
-            own[key].copy_(tensor)
+from shared.snapshot import load_into
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -55,12 +31,13 @@ class HFEngine(Engine):
 
     backend = "hf"
 
-    def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device)
+        self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.version = version
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         eos = self.model.generation_config.eos_token_id
@@ -70,9 +47,9 @@ class HFEngine(Engine):
         # install and generate must not interleave (a node may call them from different threads).
         self._lock = threading.Lock()
 
-    def install(self, weights: bytes | memoryview, version: int) -> None:
+    def install(self, path: Path, version: int) -> None:
         with self._lock:
-            load_snapshot_into(self.model, weights)
+            load_into(self.model, path)  # checks every key, shape and dtype before copying anything
             self.version = version
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:

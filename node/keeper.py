@@ -16,14 +16,21 @@ upstream. Meanwhile the missing chunks come from the hub itself.
 
 It serves only the successor the hub named (and the hub): a stranger cannot make a volunteer
 upload its snapshots, or hold its streams open.
+
+Snapshots live in files under `directory` (verified chunks written into a preallocated file,
+relayed and installed from it): RAM holds the engine's model and a chunk window, not a
+snapshot. Retention: the installed version and the one in flight; older files are deleted
+as soon as a newer version is installed or a transfer is superseded.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -40,7 +47,7 @@ from shared.messages import (
     TransferAck,
 )
 from shared.net import connect, open_stream, remote_peer_id
-from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, chunk_of
+from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, read_chunk, snapshot_paths
 from shared.transfer import (
     RECEIVER_GONE,
     STALL_S,
@@ -80,6 +87,16 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Held:
+    """The installed snapshot: its manifest and its file, open for serving our successor."""
+
+    signed: SignedManifest
+    manifest: Manifest
+    path: Path
+    fd: int
+
+
+@dataclass(frozen=True)
 class Upstream:
     peer_id: str | None  # None: the hub
     addrs: tuple[str, ...]
@@ -96,7 +113,8 @@ class SnapshotKeeper:
         host: IHost,
         identity: Identity,
         hub_peer_id: str,
-        install: Callable[[bytes, int], Awaitable[None]],
+        directory: Path,
+        install: Callable[[Path, int], Awaitable[None]],
         limiter: Writer | None,
         on_installed: Callable[[int], None],
         report: Callable[[BadChunkReport], Awaitable[TransferAck | Reject]],
@@ -105,12 +123,13 @@ class SnapshotKeeper:
         self.host = host
         self.identity = identity
         self.hub_peer_id = hub_peer_id
+        self.directory = Path(directory)
         self._install = install
         self._send_report = report
         self.stall_s = stall_s
         self.limiter = limiter
         self.on_installed = on_installed
-        self.held: tuple[SignedManifest, Manifest, bytes] | None = None
+        self.held: Held | None = None
         self.transfer: Transfer | None = None
         self.target_version = -1
         self.upstream = HUB
@@ -132,7 +151,7 @@ class SnapshotKeeper:
 
     @property
     def version_held(self) -> int:
-        return self.held[1].version if self.held else -1
+        return self.held.manifest.version if self.held else -1
 
     def _notify(self) -> None:
         self._changed.set()
@@ -171,19 +190,19 @@ class SnapshotKeeper:
     def held_manifest(self, version: int | None) -> tuple[SignedManifest, Manifest] | None:
         if self.transfer is not None and version in (None, self.transfer.manifest.version):
             return self.transfer.signed, self.transfer.manifest
-        if self.held is not None and version in (None, self.held[1].version):
-            return self.held[0], self.held[1]
+        if self.held is not None and version in (None, self.held.manifest.version):
+            return self.held.signed, self.held.manifest
         return None
 
     async def chunk(self, version: int, index: int) -> bytes:
         while True:
-            if self.held is not None and self.held[1].version == version:
-                return bytes(chunk_of(self.held[2], self.held[1], index))
+            if self.held is not None and self.held.manifest.version == version:
+                return read_chunk(self.held.fd, self.held.manifest, index)
             transfer = self.transfer
             if transfer is None or transfer.manifest.version != version:
                 raise LookupError(f"snapshot v{version} abandoned")
             if transfer.assembler.has(index):
-                return bytes(transfer.assembler.chunk(index))
+                return transfer.assembler.chunk(index)
             await self._changed.wait()
 
     def _may_pull_from_us(self, peer: str) -> bool:
@@ -356,7 +375,10 @@ class SnapshotKeeper:
 
     def _assembler_for(self, signed: SignedManifest, manifest: Manifest, source: Upstream) -> ChunkAssembler:
         if self.transfer is None or self.transfer.manifest.version != manifest.version:
-            self.transfer = Transfer(signed, manifest, ChunkAssembler(manifest), time.monotonic(), self._name(source))
+            if self.transfer is not None:  # superseded by a newer version: its file goes
+                self.transfer.assembler.discard()
+            path, _ = snapshot_paths(self.directory, manifest.version)
+            self.transfer = Transfer(signed, manifest, ChunkAssembler(manifest, path), time.monotonic(), self._name(source))
             self._notify()
             if self.downstream is not None:
                 self._announce_downstream(manifest.version)
@@ -395,12 +417,17 @@ class SnapshotKeeper:
 
     async def _complete(self, version: int) -> None:
         transfer = self.transfer
-        # Hashing and copying a whole model is seconds of CPU for a large one: off the event loop.
-        data = await trio.to_thread.run_sync(lambda: bytes(transfer.assembler.data()))  # whole hash checked
-        await self._install(data, version)
-        self.held = (transfer.signed, transfer.manifest, data)
+        # Hashing a whole model is seconds of CPU for a large one: off the event loop.
+        path = await trio.to_thread.run_sync(transfer.assembler.finish)  # whole hash checked
+        await self._install(path, version)
+        transfer.assembler.close()
+        previous = self.held
+        self.held = Held(transfer.signed, transfer.manifest, path, os.open(path, os.O_RDONLY))
         self.transfer = None
         self._notify()
+        if previous is not None:  # retention: the installed version and the one in flight, nothing older
+            os.close(previous.fd)
+            previous.path.unlink(missing_ok=True)
         log.info("installed v%d (%.2fs, last from %s)", version, time.monotonic() - transfer.started_at, transfer.source)
         self.on_installed(version)
 
@@ -420,5 +447,9 @@ class SnapshotKeeper:
             log.debug("announce v%d to %s failed: %r", version, peer_id[-8:], exc)
 
     async def start(self, nursery: trio.Nursery) -> None:
+        # Nothing carries over a restart (the hub names the newest version again): old files go.
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for path in self.directory.glob("v*.safetensors"):
+            path.unlink()
         self._nursery = nursery
         nursery.start_soon(self.run)

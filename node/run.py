@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import trio
 
@@ -15,7 +16,7 @@ from node.config import NodeConfig
 from node.hub_link import NodeRefused
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.files import atomic_write_text
-from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE
+from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE, SNAPSHOTS_DIR
 from shared.messages import (
     RELAY_PROTOCOL,
     SNAPSHOT_PROTOCOL,
@@ -71,9 +72,9 @@ class NodeRuntime:
         self.listen_addrs: tuple[str, ...] = ()
         self.stopper = Stopper()
 
-    async def _install(self, data: bytes, version: int) -> None:
+    async def _install(self, path: Path, version: int) -> None:
         async with self.engine_lock:
-            await trio.to_thread.run_sync(self.engine.install, data, version)
+            await trio.to_thread.run_sync(self.engine.install, path, version)
 
     def _join_request(self) -> JoinRequest:
         return JoinRequest(
@@ -82,6 +83,7 @@ class NodeRuntime:
             link_bps=self.config.declared_link_mbps * MBIT,
             backend=self.engine.backend,
             model_config_hash=self.model_config_hash,
+            dtype=self.engine.dtype,
             version_held=self.keeper.version_held,
             listen_addrs=self.listen_addrs,
         )
@@ -156,8 +158,8 @@ class NodeRuntime:
         async with running_host(self.identity, [self.config.listen]) as (host, addrs):
             self.listen_addrs = tuple(addrs)
             client = HubClient(host, self.identity, self.config.hub)
-            self.keeper = SnapshotKeeper(host, self.identity, self.hub_peer_id, self._install, limiter, self._on_installed,
-                                         client.report)
+            self.keeper = SnapshotKeeper(host, self.identity, self.hub_peer_id, self.config.data_dir / SNAPSHOTS_DIR,
+                                         self._install, limiter, self._on_installed, client.report)
             self.worker = Worker(
                 client, self.engine, self.engine_lock,
                 can_work=lambda: self.link.state.connected and self.link.state.state in ("active", "probing"),
@@ -198,7 +200,7 @@ def run_node(config: NodeConfig, dashboard: bool = False) -> int:
     identity = Identity.load_or_create(config.key_path)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = config.model or ensure_default_model(progress=sys.stderr.isatty())
-    engine = make_engine(config.backend, model_dir, device=device, version=-1)
+    engine = make_engine(config.backend, model_dir, device=device, version=-1, dtype=config.dtype)
     config_hash = model_dir_config_hash(model_dir)
     print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
     runtime = NodeRuntime(config, identity, engine, config_hash, device)

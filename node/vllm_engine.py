@@ -2,16 +2,15 @@
 
 Written against vLLM 0.33 (the `gpu` extra): LLM(worker_extension_cls=..., logprobs_mode=
 "processed_logprobs") so reported log-probs are those of the temperature/top-p distribution
-actually sampled from; a snapshot is handed to the worker process as a safetensors file in
-/dev/shm and loaded with the model's own load_weights; the prefix cache is reset after every
-swap because cached KV blocks were computed with the old weights.
+actually sampled from; the worker process reads the verified snapshot file itself, one tensor
+at a time (shared/weights_file.py), into the model's own load_weights; the prefix cache is reset
+after every swap because cached KV blocks were computed with the old weights. The engine dtype is
+explicit (never "auto") and checked against what vLLM built, so no snapshot is cast on install.
 """
 
 from __future__ import annotations
 
 import gc
-import os
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +18,6 @@ from pathlib import Path
 from node.engine import Engine
 from shared.rollout import Completion, SamplingParams
 
-SHM_DIR = Path("/dev/shm")
 WORKER_EXTENSION = "node.vllm_engine.SnapshotWorkerExtension"
 
 
@@ -27,15 +25,23 @@ class SnapshotWorkerExtension:
     """Mixed into vLLM's GPU worker (runs inside the worker process, where self.model_runner exists)."""
 
     def echo2_load_snapshot(self, path: str) -> int:
-        """Load a safetensors state dict from path into the running model; returns the tensor count."""
+        """Stream a safetensors file's tensors into the running model; returns the tensor count."""
         import torch
-        from safetensors.torch import load_file
 
-        state = load_file(path, device="cpu")
+        from shared.weights_file import iter_tensors
+
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in iter_tensors(Path(path)):
+                count += 1
+                yield item
+
         # load_weights maps HF names onto vLLM's fused layers (qkv, gate_up) and skips tied lm_head.
-        self.model_runner.model.load_weights(weights=state.items())
+        self.model_runner.model.load_weights(weights=counted())
         torch.cuda.synchronize()
-        return len(state)
+        return count
 
 
 class VLLMEngine(Engine):
@@ -47,6 +53,7 @@ class VLLMEngine(Engine):
         self,
         model_dir: Path,
         version: int = 0,
+        dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.85,
         enforce_eager: bool = False,
         seed: int = 0,
@@ -54,14 +61,13 @@ class VLLMEngine(Engine):
         from transformers import AutoTokenizer
         from vllm import LLM
 
-        if not SHM_DIR.is_dir():
-            raise RuntimeError(f"{SHM_DIR} is missing: the vllm engine hands snapshots to its worker through it")
+        self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = version
         self._llm = LLM(
             model=str(model_dir),
             tokenizer=str(model_dir),
-            dtype="auto",
+            dtype=dtype,
             seed=seed,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
@@ -69,20 +75,17 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
         )
+        built = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        if built != dtype:
+            raise RuntimeError(f"vLLM built the model in {built}, asked for {dtype}")
         eos = self._llm.llm_engine.model_config.hf_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self._stop_ids = set(eos if isinstance(eos, list) else [eos])
         self._lock = threading.Lock()
 
-    def install(self, weights: bytes | memoryview, version: int) -> None:
+    def install(self, path: Path, version: int) -> None:
         with self._lock:
-            fd, path = tempfile.mkstemp(prefix="echo2-snapshot-", suffix=".safetensors", dir=SHM_DIR)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(weights)
-                self._llm.collective_rpc("echo2_load_snapshot", args=(path,))
-            finally:
-                os.unlink(path)
+            self._llm.collective_rpc("echo2_load_snapshot", args=(str(path),))
             if self._llm.reset_prefix_cache() is False:
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight swap")
             self.version = version

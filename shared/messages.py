@@ -137,6 +137,7 @@ class JoinRequest(Message):
     link_bps: float = Field(ge=MIN_LINK_BPS, le=MAX_LINK_BPS, description="declared link bandwidth, bytes/s")
     backend: Literal["hf", "vllm"]
     model_config_hash: str = Field(max_length=128, pattern=r"^[0-9a-f]{1,128}$")
+    dtype: Literal["float32", "bfloat16"] = Field(description="the engine's weight dtype; must be the hub's snapshot dtype")
     version_held: HeldVersion = -1
     listen_addrs: tuple[ListenAddr, ...] = Field((), max_length=MAX_LISTEN_ADDRS, description="where peers can dial this node")
 

@@ -1,18 +1,20 @@
-"""Policy snapshot format: one safetensors blob, fixed-size chunks, a hub-signed manifest.
+"""Policy snapshot format: one safetensors file, fixed-size chunks, a hub-signed manifest.
 
-A snapshot is serialized once, cut into chunks and described by a manifest carrying the
-blake3 hash of every chunk and of the whole. The hub signs the manifest's exact JSON bytes;
-every hop checks the signature before parsing the JSON and checks each chunk against the
-manifest before storing, forwarding or loading it (DESIGN.md sections 5 and 7). Nothing here
-hands out a partial snapshot: `ChunkAssembler.data()` exists only once every chunk and the
-whole hash verified.
+A snapshot is written once (streamed, shared/weights_file.py), cut into chunks and described
+by a manifest carrying the blake3 hash of every chunk and of the whole. The hub signs the
+manifest's exact JSON bytes; every hop checks the signature before parsing the JSON and checks
+each chunk against the manifest before storing, forwarding or loading it (DESIGN.md sections 5
+and 7). Snapshots live on disk at every hop: the hub serves chunks from its file, a node writes
+verified chunks into a preallocated file, relays from it and installs from it, so no process
+holds a whole snapshot in RAM. Nothing here hands out a partial snapshot:
+`ChunkAssembler.finish()` returns the file only once every chunk and the whole hash verified.
 
 Sizes: a manifest costs about 67 bytes per chunk (64 hex digits, quotes, comma), so
 MAX_MANIFEST_BYTES = 8 MiB admits about 125,000 chunks: about 122 GiB of weights at the
 default 1 MiB chunk and about 1.9 TiB at MAX_CHUNK_BYTES. A Qwen3-8B bf16 snapshot (16.4 GB)
 needs about 15,600 chunks, a 1 MiB manifest.
 
-Tied weights: safetensors refuses tensors that share storage. `serialize_state_dict` keeps
+Tied weights: safetensors refuses tensors that share storage. `build_snapshot` keeps
 the first name of each group of exact aliases (state-dict order, so `model.embed_tokens.weight`
 survives and the tied `lm_head.weight` is dropped, as Hugging Face checkpoints and vLLM's
 loaders expect) and clones tensors that merely overlap another's storage. `load_into` accepts
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 import time
@@ -40,11 +43,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from safetensors.torch import load as _safetensors_load
-from safetensors.torch import save as _safetensors_save
 
 from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
 from shared.files import atomic_write_bytes
+from shared.weights_file import WeightsFileError, copy_into, read_entries, write_weights
 
 SNAPSHOT_FORMAT_VERSION = 1
 CHUNK_SIZE_BYTES = 1 << 20
@@ -231,76 +233,102 @@ def model_dir_config_hash(model_dir: str | Path) -> str:
 
 
 def _untied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous tensors with no shared storage: exact aliases dropped (first name kept), overlaps cloned."""
+    """Tensors with no shared storage: exact aliases dropped (first name kept), overlaps cloned.
+
+    No copy otherwise: the writer reads each tensor as it writes it."""
     kept: dict[str, torch.Tensor] = {}
-    seen: dict[tuple, str] = {}
+    seen: set[tuple] = set()
     storages: set[int] = set()
     for name, tensor in state_dict.items():
         tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
         storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
-        alias_key = (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-        if storage is not None and alias_key in seen:
-            continue
         if storage is not None:
-            seen[alias_key] = name
-        if storage is not None and storage in storages:
-            tensor = tensor.clone()
-        elif storage is not None:
-            storages.add(storage)
-        kept[name] = tensor.contiguous()
+            alias_key = (tensor.device, storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            if alias_key in seen:
+                continue
+            seen.add(alias_key)
+            if (tensor.device, storage) in storages:
+                tensor = tensor.clone()
+            else:
+                storages.add((tensor.device, storage))
+        kept[name] = tensor
     return kept
 
 
-def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of `state_dict`, tied duplicates dropped (see the module docstring)."""
-    return _safetensors_save(_untied(state_dict))
-
-
-def load_state_dict_bytes(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Tensors bit-identical to those serialized. safetensors wants `bytes`, so other buffers are copied once."""
-    if not isinstance(data, bytes):
-        data = bytes(data)
-    return _safetensors_load(data)
-
-
-def load_into(model: torch.nn.Module, data: bytes | bytearray | memoryview) -> None:
-    """Copy the snapshot's weights into `model` in place (no re-instantiation).
+def load_into(model: torch.nn.Module, path: Path) -> None:
+    """Copy the snapshot file's weights into `model` in place (no re-instantiation), one tensor at a time.
 
     Strict except for tied weights: a key may be absent only if the model ties it to a key
-    the snapshot carries. Shapes and dtypes must match exactly, so loaded values are bit-identical.
+    the snapshot carries. Shapes and dtypes must match exactly, so loaded values are bit-identical;
+    everything is checked before the first byte is copied.
     """
-    tensors = load_state_dict_bytes(data)
+    try:
+        entries = read_entries(path)
+    except WeightsFileError as exc:
+        raise SnapshotError(str(exc)) from exc
     current = model.state_dict()
-    unexpected = sorted(set(tensors) - set(current))
+    names = {e.name for e in entries}
+    unexpected = sorted(names - set(current))
     if unexpected:
         raise SnapshotError(f"snapshot has keys the model lacks: {unexpected[:10]}")
-    loaded_storages = {current[name].untyped_storage().data_ptr() for name in tensors}
+    loaded_storages = {current[name].untyped_storage().data_ptr() for name in names}
     untied_missing = sorted(
         name
-        for name in set(current) - set(tensors)
+        for name in set(current) - names
         if current[name].numel() == 0 or current[name].untyped_storage().data_ptr() not in loaded_storages
     )
     if untied_missing:
         raise SnapshotError(f"snapshot lacks keys the model needs: {untied_missing[:10]}")
-    for name, tensor in tensors.items():
-        target = current[name]
-        if target.shape != tensor.shape or target.dtype != tensor.dtype:
+    for entry in entries:
+        target = current[entry.name]
+        if tuple(target.shape) != entry.shape or target.dtype != entry.dtype:
             raise SnapshotError(
-                f"{name}: snapshot has {tuple(tensor.shape)} {tensor.dtype}, model has {tuple(target.shape)} {target.dtype}"
+                f"{entry.name}: snapshot has {entry.shape} {entry.dtype}, model has {tuple(target.shape)} {target.dtype}"
             )
-    with torch.no_grad():
-        model.load_state_dict(tensors, strict=False)
+    staging: dict[torch.dtype, torch.Tensor] = {}
+    with torch.no_grad(), open(path, "rb") as f:
+        for entry in entries:
+            copy_into(f, entry, current[entry.name], staging)
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A verified (or self-built) snapshot: the signed manifest, its parsed form and the bytes."""
+    """A verified (or self-built) snapshot: the signed manifest, its parsed form and the weights file."""
 
     signed: SignedManifest
     manifest: Manifest
-    data: bytes
+    path: Path
+
+
+class _ChunkHasher:
+    """blake3 of every chunk_size piece and of the whole, fed bytes in order in pieces of any size."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.whole = blake3.blake3()
+        self._current = blake3.blake3()
+        self._filled = 0
+        self.chunk_hashes: list[str] = []
+
+    def update(self, data: memoryview) -> None:
+        self.whole.update(data)
+        while len(data):
+            take = min(len(data), self.chunk_size - self._filled)
+            self._current.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == self.chunk_size:
+                self._close_chunk()
+
+    def _close_chunk(self) -> None:
+        self.chunk_hashes.append(self._current.hexdigest())
+        self._current = blake3.blake3()
+        self._filled = 0
+
+    def finish(self) -> tuple[tuple[str, ...], str]:
+        if self._filled:
+            self._close_chunk()
+        return tuple(self.chunk_hashes), self.whole.hexdigest()
 
 
 def build_snapshot(
@@ -308,32 +336,44 @@ def build_snapshot(
     version: int,
     identity: Identity,
     config_hash: str,
+    directory: Path,
+    dtype: torch.dtype | None = None,
     chunk_size: int = CHUNK_SIZE_BYTES,
     created_at: float | None = None,
 ) -> Snapshot:
-    """Serialize once, hash every chunk and the whole, and sign the manifest with the hub's key."""
-    data = serialize_state_dict(state_dict)
-    view = memoryview(data)
+    """Stream the weights (floating ones in `dtype`, when given) into `directory`, hashing every chunk
+    and the whole on the way, then sign the manifest with the hub's key and write it.
+
+    Crash-safe: the weights go to a temp file renamed into place, and the manifest is written
+    last, so a manifest on disk means its weights file is complete.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights_path, manifest_path = snapshot_paths(directory, version)
+    hasher = _ChunkHasher(chunk_size)
+    tmp = weights_path.with_name(f".{weights_path.name}.tmp")
+    try:
+        total = write_weights(tmp, _untied(state_dict), dtype, hasher.update)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, weights_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    chunk_hashes, whole_hash = hasher.finish()
     manifest = Manifest(
         format_version=SNAPSHOT_FORMAT_VERSION,
         version=version,
-        total_bytes=len(data),
+        total_bytes=total,
         chunk_size=chunk_size,
-        chunk_hashes=tuple(blake3_hex(view[i : i + chunk_size]) for i in range(0, len(data), chunk_size)),
-        whole_hash=blake3_hex(data),
+        chunk_hashes=chunk_hashes,
+        whole_hash=whole_hash,
         config_hash=config_hash,
         created_at=time.time() if created_at is None else created_at,
         signer=identity.peer_id,
     )
-    return Snapshot(signed=sign_manifest(manifest, identity), manifest=manifest, data=data)
-
-
-def chunk_of(data: bytes | bytearray | memoryview, manifest: Manifest, index: int) -> memoryview:
-    """Chunk `index` of `data` as a zero-copy view (BadChunk for an index the manifest does not have)."""
-    if not 0 <= index < manifest.chunk_count:
-        raise BadChunk(f"chunk index {index} outside 0..{manifest.chunk_count - 1}")
-    start = index * manifest.chunk_size
-    return memoryview(data)[start : start + manifest.chunk_length(index)]
+    signed = sign_manifest(manifest, identity)
+    atomic_write_bytes(manifest_path, signed.to_bytes())
+    return Snapshot(signed=signed, manifest=manifest, path=weights_path)
 
 
 def verify_chunk(manifest: Manifest, index: int, data: bytes | bytearray | memoryview, digest_hex: str | None = None) -> bool:
@@ -345,12 +385,38 @@ def verify_chunk(manifest: Manifest, index: int, data: bytes | bytearray | memor
     return (digest_hex or blake3_hex(data)) == manifest.chunk_hashes[index]
 
 
-class ChunkAssembler:
-    """Collects verified chunks in any order into a preallocated buffer; yields data only when all verify."""
+def read_chunk(fd: int, manifest: Manifest, index: int) -> bytes:
+    """Chunk `index` of the weights file open as `fd` (BadChunk for an index the manifest lacks or a short file)."""
+    if not 0 <= index < manifest.chunk_count:
+        raise BadChunk(f"chunk index {index} outside 0..{manifest.chunk_count - 1}")
+    length = manifest.chunk_length(index)
+    data = os.pread(fd, length, index * manifest.chunk_size)
+    if len(data) != length:
+        raise BadChunk(f"chunk {index}: the file holds {len(data)} of its {length} bytes")
+    return data
 
-    def __init__(self, manifest: Manifest) -> None:
+
+def file_hash(path: Path, piece_bytes: int = 4 << 20) -> str:
+    """blake3 hex of a file read in pieces (page cache, not a memory map: RSS stays flat)."""
+    hasher = blake3.blake3()
+    buffer = bytearray(piece_bytes)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            hasher.update(view[:n])
+    return hasher.hexdigest()
+
+
+class ChunkAssembler:
+    """Collects verified chunks in any order into a preallocated file; the file is handed out only when
+    every chunk and the whole hash verify. Holds no chunk in RAM: serving reads back from the file."""
+
+    def __init__(self, manifest: Manifest, path: Path) -> None:
         self.manifest = manifest
-        self._buffer = bytearray(manifest.total_bytes)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self._fd, manifest.total_bytes)
         self._have = bytearray(manifest.chunk_count)
         self._missing = manifest.chunk_count
         self._whole_verified = False
@@ -365,8 +431,11 @@ class ChunkAssembler:
             return False
         if not verify_chunk(self.manifest, index, data, digest_hex):
             raise BadChunk(f"chunk {index} of version {self.manifest.version} fails its hash or length")
-        start = index * self.manifest.chunk_size
-        self._buffer[start : start + len(data)] = data
+        view = memoryview(data)
+        offset = index * self.manifest.chunk_size
+        while len(view):
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
         self._have[index] = 1
         self._missing -= 1
         return True
@@ -386,21 +455,32 @@ class ChunkAssembler:
     def complete(self) -> bool:
         return self._missing == 0
 
-    def chunk(self, index: int) -> memoryview:
-        """A stored chunk, for forwarding (BadChunk if not held)."""
+    def chunk(self, index: int) -> bytes:
+        """A stored chunk, read back from the file for forwarding (BadChunk if not held)."""
         if not self.has(index):
             raise BadChunk(f"chunk {index} is not held")
-        return chunk_of(self._buffer, self.manifest, index).toreadonly()
+        return read_chunk(self._fd, self.manifest, index)
 
-    def data(self) -> memoryview:
-        """The whole snapshot, read-only, once complete and the whole hash matches (else BadChunk)."""
+    def finish(self) -> Path:
+        """The weights file, once complete and the whole hash matches (else BadChunk). Blocking: hashes the file."""
         if not self.complete:
             raise BadChunk(f"snapshot version {self.manifest.version} still lacks {self._missing} chunks")
         if not self._whole_verified:
-            if blake3_hex(self._buffer) != self.manifest.whole_hash:
+            if file_hash(self.path) != self.manifest.whole_hash:
                 raise BadChunk(f"snapshot version {self.manifest.version} fails its whole hash")
             self._whole_verified = True
-        return memoryview(self._buffer).toreadonly()
+        return self.path
+
+    def close(self) -> None:
+        """Stop writing; the file stays (the caller owns it once finished)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def discard(self) -> None:
+        """Close and delete the file (an abandoned or superseded transfer)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
 
 
 def encode_chunk(version: int, index: int, data: bytes | bytearray | memoryview) -> bytes:
@@ -427,17 +507,12 @@ def snapshot_paths(directory: Path, version: int) -> tuple[Path, Path]:
     return directory / f"{stem}.safetensors", directory / f"{stem}.manifest"
 
 
-def write_snapshot_files(snapshot: Snapshot, directory: Path) -> Path:
-    """Write weights then signed manifest (each temp + fsync + rename + dir fsync); returns the weights path.
-
-    The manifest is written last, so its presence means the weights file is complete.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    weights_path, manifest_path = snapshot_paths(directory, snapshot.manifest.version)
-    atomic_write_bytes(weights_path, snapshot.data)
-    atomic_write_bytes(manifest_path, snapshot.signed.to_bytes())
-    return weights_path
+def remove_snapshot_files(directory: Path, version: int) -> None:
+    """Delete `version`'s files, manifest first: a crash in between leaves an orphan weights file
+    (pruned at the next start), never a manifest promising weights that are gone."""
+    weights_path, manifest_path = snapshot_paths(Path(directory), version)
+    manifest_path.unlink(missing_ok=True)
+    weights_path.unlink(missing_ok=True)
 
 
 def _read_capped(path: Path, limit: int) -> bytes:
@@ -449,7 +524,7 @@ def _read_capped(path: Path, limit: int) -> bytes:
 
 
 def read_snapshot_files(directory: Path, version: int, hub_peer_id: str) -> Snapshot:
-    """Load `version` from `directory`, re-verifying the signature, every chunk and the whole hash."""
+    """`version` from `directory`, re-verifying the signature, every chunk and the whole hash (streamed)."""
     weights_path, manifest_path = snapshot_paths(Path(directory), version)
     signed = SignedManifest.from_bytes(_read_capped(manifest_path, SIGNATURE_BYTES + MAX_MANIFEST_BYTES))
     manifest = verify_manifest(signed, hub_peer_id)
@@ -458,10 +533,17 @@ def read_snapshot_files(directory: Path, version: int, hub_peer_id: str) -> Snap
     size = weights_path.stat().st_size
     if size != manifest.total_bytes:
         raise BadChunk(f"{weights_path} holds {size} bytes, manifest says {manifest.total_bytes}")
-    data = weights_path.read_bytes()
-    for index in range(manifest.chunk_count):
-        if not verify_chunk(manifest, index, chunk_of(data, manifest, index)):
-            raise BadChunk(f"{weights_path}: chunk {index} fails its hash")
-    if blake3_hex(data) != manifest.whole_hash:
+    hasher = _ChunkHasher(manifest.chunk_size)
+    fd = os.open(weights_path, os.O_RDONLY)
+    try:
+        for index in range(manifest.chunk_count):
+            hasher.update(memoryview(read_chunk(fd, manifest, index)))
+    finally:
+        os.close(fd)
+    chunk_hashes, whole_hash = hasher.finish()
+    bad = next((i for i, (a, b) in enumerate(zip(chunk_hashes, manifest.chunk_hashes, strict=True)) if a != b), None)
+    if bad is not None:
+        raise BadChunk(f"{weights_path}: chunk {bad} fails its hash")
+    if whole_hash != manifest.whole_hash:
         raise BadChunk(f"{weights_path} fails its whole hash")
-    return Snapshot(signed=signed, manifest=manifest, data=data)
+    return Snapshot(signed=signed, manifest=manifest, path=weights_path)

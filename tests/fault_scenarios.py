@@ -127,7 +127,7 @@ class Client(HubClient):
         from shared.messages import JoinRequest
 
         await self.connect()
-        reply = await super().join(JoinRequest(price_per_hour=0.35, hardware="bench", link_bps=1e8, backend="hf",
+        reply = await super().join(JoinRequest(price_per_hour=0.35, hardware="bench", link_bps=1e8, backend="hf", dtype="float32",
                                                model_config_hash=self.config_hash, version_held=self.version))
         if isinstance(reply, Reject):
             raise Refused(f"join refused: {reply.reason}")
@@ -168,9 +168,9 @@ class Client(HubClient):
             return
         try:
             snapshot = read_snapshot_files(self.snapshots_dir, newest, self.hub_peer_id)
+            self.engine.install(snapshot.path, newest)
         except (OSError, SnapshotError):
-            return  # still being written: next time
-        self.engine.install(snapshot.data, newest)
+            return  # still being written, or already deleted for a newer one: next time
         self.version = newest
 
     async def groups(self, lease, engine=None, claim_version: int | None = None):
@@ -430,7 +430,7 @@ async def scenario_hostile_join(x: Client, control: Client, db: HubDB) -> Scenar
     from shared.wire import encode_frame
 
     r = ScenarioResult("hostile_join")
-    base = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf",
+    base = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf", "dtype": "float32",
             "model_config_hash": x.config_hash, "version_held": 0, "listen_addrs": []}
     for override in ({"link_bps": 5e-324}, {"price_per_hour": float("nan")}, {"version_held": 2**70},
                      {"listen_addrs": ["/ip4/1.2.3.4/tcp/1/" + "x" * 2000] * 16}, {"hardware": "\x1b[2J"}):
@@ -524,7 +524,7 @@ async def scenario_pay_inflation(x: Client, control: Client, db: HubDB) -> Scena
     from shared.messages import JoinRequest
 
     r = ScenarioResult("pay_inflation")
-    reply = await HubClient.join(x, JoinRequest(price_per_hour=1000.0, hardware="x", link_bps=1e8, backend="hf",
+    reply = await HubClient.join(x, JoinRequest(price_per_hour=1000.0, hardware="x", link_bps=1e8, backend="hf", dtype="float32",
                                                 model_config_hash=x.config_hash, version_held=x.version))
     r.attempts += 1
     r.detected += isinstance(reply, Reject)

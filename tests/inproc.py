@@ -21,9 +21,10 @@ from hub.status import RunInfo, StatusBoard
 from hub.store import Store
 from hub.submissions import SubmissionRules
 from shared.crypto import Identity
-from shared.layout import HUB_STORE_FILE
+from shared.layout import HUB_STORE_FILE, SNAPSHOTS_DIR
 from shared.messages import SUBMIT_PROTOCOL
 from shared.net import running_host
+from shared.precision import resolve_dtype
 from shared.snapshot import build_snapshot, model_dir_config_hash
 from shared.tasks import load_task
 
@@ -52,7 +53,7 @@ def open_state(data_dir: Path, model_dir: Path, config: HubConfig, shelf: Snapsh
     """A HubState over DATA_DIR's store whose learner is at `version[0]`; audits as the config says."""
     audits = None
     if config.trust.audit_rate > 0 or config.trust.audit_first_n > 0:
-        audits = AuditQueue(Auditor(model_dir, shelf, config.sampling, config.trust), config.trust.audit_queue_groups)
+        audits = AuditQueue(Auditor(model_dir, shelf, config.sampling, config.trust, resolve_dtype(config.learner.dtype, config.learner.device)), config.trust.audit_queue_groups)
     staleness = config.learner.staleness
     return HubState(
         Store(Path(data_dir) / HUB_STORE_FILE), config, load_task(config.task), rules=submission_rules(model_dir, config),
@@ -76,7 +77,7 @@ class InprocHub:
     def publish(self, version: int) -> None:
         """What the learner does every kappa steps: a new signed snapshot, and the learner is at that version."""
         weights = self.weights if self.weights is not None else {"w": torch.full((4,), float(version))}
-        self.shelf.add(build_snapshot(weights, version, self.identity, self.config_hash))
+        self.shelf.add(build_snapshot(weights, version, self.identity, self.config_hash, self.shelf.directory))
         self.version[0] = version
 
     def trusted(self) -> tuple:
@@ -105,7 +106,7 @@ async def inproc_hub(
     model's own weights (audits need them), else a small dummy tensor."""
     identity = identity or Identity.generate()
     version = [0]
-    shelf = SnapshotShelf(keep=config.learner.staleness + 1)
+    shelf = SnapshotShelf(keep=config.learner.staleness + 1, directory=Path(data_dir) / SNAPSHOTS_DIR)
     state = open_state(data_dir, model_dir, config, shelf, version)
     weights = None
     if real_weights:

@@ -3,12 +3,16 @@ and relays/sinks running the real SnapshotKeeper, each on its own real libp2p ho
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -36,12 +40,21 @@ CONFIG_HASH = "0" * 64
 log = logging.getLogger("tests.peers")
 
 
+# Snapshot files and keeper directories of this test process; each in its own folder (versions repeat).
+_SCRATCH = Path(tempfile.mkdtemp(prefix="echo2-peers-"))
+atexit.register(shutil.rmtree, _SCRATCH, True)
+
+
+def scratch_dir() -> Path:
+    return Path(tempfile.mkdtemp(dir=_SCRATCH))
+
+
 def random_snapshot(identity: Identity, version: int, size_bytes: int, chunk_bytes: int) -> Snapshot:
-    """Random bytes as the one tensor of a real, signed snapshot (about size_bytes of safetensors)."""
+    """Random bytes as the one tensor of a real, signed snapshot file (about size_bytes of safetensors)."""
     import torch
 
     tensor = torch.frombuffer(bytearray(os.urandom(size_bytes)), dtype=torch.uint8)
-    return build_snapshot({"w": tensor}, version, identity, CONFIG_HASH, chunk_size=chunk_bytes)
+    return build_snapshot({"w": tensor}, version, identity, CONFIG_HASH, scratch_dir(), chunk_size=chunk_bytes)
 
 
 @dataclass
@@ -118,12 +131,12 @@ async def node_peer(
     async with running_host(identity, [LOOPBACK]) as (host, addrs):
         node: NodePeer
 
-        async def install(data: bytes, version: int) -> None:
-            node.installed[version] = data
+        async def install(path: Path, version: int) -> None:
+            node.installed[version] = path.read_bytes()
             node.installed_at[version] = time.monotonic()
 
         client = HubClient(host, identity, hub.addr)
-        keeper = keeper_class(host, identity, hub.peer_id, install, limiter, on_installed=lambda version: None,
+        keeper = keeper_class(host, identity, hub.peer_id, scratch_dir(), install, limiter, on_installed=lambda version: None,
                               report=client.report, stall_s=stall_s)
         node = NodePeer(identity, host, addrs[0], keeper)
         on_chunk = keeper._on_chunk

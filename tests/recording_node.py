@@ -2,7 +2,7 @@
 
 Usage: python tests/recording_node.py join --hub ... (the `echo-node join` flags)
 After every install it writes DATA_DIR/installed/v<version>.json with the blake3 of the
-bytes handed to the engine and a digest of the engine model's weights as they now are, so a
+file handed to the engine and a digest of the engine model's weights as they now are, so a
 test can compare both, bit for bit, with the hub's snapshot file.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import blake3
 import torch
@@ -18,7 +19,8 @@ import trio
 
 from node.run import NodeRuntime
 from shared.files import atomic_write_text
-from shared.snapshot import blake3_hex, load_state_dict_bytes
+from shared.snapshot import file_hash
+from shared.weights_file import read_entries
 
 
 def weights_digest(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:
@@ -31,19 +33,19 @@ def weights_digest(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) ->
     return digest.hexdigest()
 
 
-def _describe(engine, data: bytes, version: int) -> str:
-    names = load_state_dict_bytes(data).keys()
+def _describe(engine, path: Path, version: int) -> str:
+    names = [e.name for e in read_entries(path)]
     with engine._lock:  # no generation may interleave with reading the weights back
         model = weights_digest(engine.model.state_dict(), names)
-    return json.dumps({"version": version, "bytes_blake3": blake3_hex(data), "model_digest": model})
+    return json.dumps({"version": version, "bytes_blake3": file_hash(path), "model_digest": model})
 
 
 def record_installs() -> None:
     install = NodeRuntime._install
 
-    async def recording_install(self: NodeRuntime, data: bytes, version: int) -> None:
-        await install(self, data, version)
-        text = await trio.to_thread.run_sync(_describe, self.engine, data, version)
+    async def recording_install(self: NodeRuntime, path: Path, version: int) -> None:
+        await install(self, path, version)
+        text = await trio.to_thread.run_sync(_describe, self.engine, path, version)
         directory = self.config.data_dir / "installed"
         directory.mkdir(exist_ok=True)
         await trio.to_thread.run_sync(atomic_write_text, directory / f"v{version}.json", text)

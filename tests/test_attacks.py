@@ -49,7 +49,7 @@ CONFIG = HubConfig(
 
 def join_json(hub: InprocHub, **fields) -> bytes:
     """A JoinRequest frame built by hand, so it can say what our own models refuse to build."""
-    body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf",
+    body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf", "dtype": "float32",
             "model_config_hash": hub.config_hash, "version_held": 0, "listen_addrs": [], **fields}
     return encode_frame(JoinRequest.TYPE, json.dumps(body).encode())
 
@@ -201,7 +201,7 @@ def test_a_real_hub_with_a_planned_uplink_survives_a_hostile_join(tmp_path):
                 from shared.snapshot import model_dir_config_hash
 
                 config_hash = model_dir_config_hash(ensure_default_model(progress=False))
-                body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 5e-324, "backend": "hf",
+                body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 5e-324, "backend": "hf", "dtype": "float32",
                         "model_config_hash": config_hash, "version_held": 0, "listen_addrs": []}
                 reply = await peer.send_frame(JOIN_PROTOCOL, encode_frame(JoinRequest.TYPE, json.dumps(body).encode()),
                                               JoinReply)

@@ -9,7 +9,7 @@ import torch
 import trio
 
 from hub.audit import AuditJob, Auditor, AuditQueue, GapStats, gap_stats, judge
-from hub.config import TrustConfig
+from hub.config import AUDIT_GAP_BY_DTYPE, TrustConfig
 from hub.snapshots import SnapshotShelf
 from shared.crypto import Identity
 from shared.rollout import Group, SamplingParams
@@ -30,7 +30,7 @@ def trained_state_dict(model_dir):
 
 
 @pytest.fixture(scope="module")
-def world(default_model_dir):
+def world(default_model_dir, tmp_path_factory):
     """A shelf holding the base model as v0 and a trained policy as v2, engines for both, an Auditor."""
     from transformers import AutoModelForCausalLM
 
@@ -41,12 +41,13 @@ def world(default_model_dir):
     base = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     trained, config_hash = trained_state_dict(default_model_dir)
     shelf = SnapshotShelf(keep=3)
-    shelf.add(build_snapshot(base.state_dict(), BASE_VERSION, identity, config_hash))
-    shelf.add(build_snapshot(trained, TRAINED_VERSION, identity, config_hash))
+    where = tmp_path_factory.mktemp("snapshots")
+    shelf.add(build_snapshot(base.state_dict(), BASE_VERSION, identity, config_hash, where))
+    shelf.add(build_snapshot(trained, TRAINED_VERSION, identity, config_hash, where))
     base_engine = HFEngine(default_model_dir, version=BASE_VERSION)
     trained_engine = HFEngine(default_model_dir)
-    trained_engine.install(shelf.get(TRAINED_VERSION).data, TRAINED_VERSION)
-    auditor = Auditor(default_model_dir, shelf, SAMPLING, TrustConfig())
+    trained_engine.install(shelf.get(TRAINED_VERSION).path, TRAINED_VERSION)
+    auditor = Auditor(default_model_dir, shelf, SAMPLING, TrustConfig(), "float32")
     prompts = ReverseTask().sample(random.Random(3), GROUPS)
     return {"auditor": auditor, "base": base_engine, "trained": trained_engine, "prompts": prompts, "shelf": shelf}
 
@@ -96,7 +97,7 @@ def test_wrong_model_fails(world):
     groups = generate(world["base"], world["prompts"], claim_version=TRAINED_VERSION)
     results = [auditor.audit(g, TRAINED_VERSION) for g in groups]
     assert all(not r.passed for r in results), [r.mean_abs_gap for r in results]
-    assert min(r.mean_abs_gap for r in results) > TrustConfig().audit_mean_abs_gap
+    assert min(r.mean_abs_gap for r in results) > AUDIT_GAP_BY_DTYPE["bfloat16"]
 
 
 def test_invented_logprobs_fail(world):
@@ -129,4 +130,4 @@ async def test_audit_queue_judges_in_order_and_skips_when_full(world):
     with trio.fail_after(30):
         results = [await queue.judge(await queue.next_job()) for _ in jobs]
     assert results[0].passed and not results[1].passed and results[2] is None
-    assert results[1].mean_abs_gap > TrustConfig().audit_mean_abs_gap and len(queue) == 0
+    assert results[1].mean_abs_gap > AUDIT_GAP_BY_DTYPE["bfloat16"] and len(queue) == 0

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from safetensors.torch import load as safetensors_load
 
 from hub.broadcast import Broadcast, Broadcaster, HubUplink
 from hub.fleet import Fleet, NodeRecord
@@ -30,7 +31,7 @@ from shared.messages import (
     TransferAck,
 )
 from shared.net import connect, open_stream, request, set_handler
-from shared.snapshot import CHUNK_HEADER, SIGNATURE_BYTES, Manifest, blake3_hex, load_state_dict_bytes, snapshot_paths
+from shared.snapshot import CHUNK_HEADER, SIGNATURE_BYTES, Manifest, blake3_hex, snapshot_paths
 from shared.transfer import STALL_S, TRANSFER_CAPS, commitment_payload
 from shared.wire import PeerFault, read_frame, write_message
 from tests.harness import Proc, _env, node_peer_id, query, start_hub, wait_until
@@ -46,7 +47,7 @@ TESTS_DIR = Path(__file__).parent
 
 def join(fleet: Fleet, node: NodePeer) -> NodeRecord:
     request = JoinRequest(
-        price_per_hour=0.5, hardware="test", link_bps=1e9, backend="hf", model_config_hash="0" * 64,
+        price_per_hour=0.5, hardware="test", link_bps=1e9, backend="hf", dtype="float32", model_config_hash="0" * 64,
         listen_addrs=(node.addr,),
     )
     return fleet.join(node.peer_id, request, "127.0.0.1", time.time())
@@ -135,7 +136,7 @@ async def test_broadcast_times_every_receiver_and_plans_chain_or_star(mode):
             nursery.cancel_scope.cancel()
     assert [v for v, _ in hub.t_bcast] == [1] and 0 < hub.t_bcast[0][1] < 10
     assert hub.broadcaster.last_t_bcast_s() == hub.t_bcast[0][1]
-    assert all(n.installed[1] == snapshot.data for n in (a, b, c))
+    assert all(n.installed[1] == snapshot.path.read_bytes() for n in (a, b, c))
     pulled_from_hub = {p for p, r in peer.requests if r.version == 1}
     if mode == "chain":
         assert pulled_from_hub == {chains[0][0]}  # only the head
@@ -163,7 +164,7 @@ async def test_corrupt_relay_is_banned_and_its_successors_get_a_verified_snapsho
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     assert [(p, reason) for p, reason in hub.banned] == [(evil.peer_id, "committed to a corrupt chunk 5 of v0")]
-    assert b.installed[0] == snapshot.data and c.installed[0] == snapshot.data
+    assert b.installed[0] == snapshot.path.read_bytes() and c.installed[0] == snapshot.path.read_bytes()
     assert hub.broadcaster.chains == [[b.peer_id, c.peer_id]]
     assert hub.fleet.get(b.peer_id).state != "banned" and hub.fleet.get(c.peer_id).state != "banned"
 
@@ -277,7 +278,7 @@ def hub_manifest(hub_dir: Path, version: int) -> Manifest:
 def assert_installed_bit_exact(node_dir: Path, hub_dir: Path, version: int) -> None:
     """What the node put into its engine, and the engine's weights read back, are the hub's file byte for byte."""
     hub_file = snapshot_paths(hub_dir / "snapshots", version)[0].read_bytes()
-    tensors = load_state_dict_bytes(hub_file)
+    tensors = safetensors_load(hub_file)  # the safetensors library reads our streamed files
     record = json.loads((node_dir / "installed" / f"v{version}.json").read_text())
     assert record == {
         "version": version, "bytes_blake3": blake3_hex(hub_file), "model_digest": weights_digest(tensors, tensors)

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import itertools
 import os
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import save_file
 
 from node.engine import EngineUnavailable, make_engine, vllm_unavailable_reason
 from node.hf_engine import HFEngine
@@ -22,11 +24,21 @@ def engine(default_model_dir):
     return HFEngine(default_model_dir)
 
 
-def snapshot_bytes(model, noise: float = 0.0, seed: int = 0) -> bytes:
+_names = itertools.count()
+
+
+def save(directory: Path, state: dict[str, torch.Tensor]) -> Path:
+    """A weights file written by the safetensors library itself (the engine must read what others write)."""
+    path = directory / f"w{next(_names)}.safetensors"
+    save_file(state, path)
+    return path
+
+
+def snapshot_file(directory: Path, model, noise: float = 0.0, seed: int = 0) -> Path:
     gen = torch.Generator().manual_seed(seed)
     # clone: tied tensors share storage, which safetensors refuses to serialize.
     state = {k: (v + noise * torch.randn(v.shape, generator=gen)).clone() for k, v in model.state_dict().items()}
-    return save(state)
+    return save(directory, state)
 
 
 def test_nucleus_keeps_smallest_prefix_with_mass_at_least_top_p():
@@ -104,11 +116,11 @@ def test_completion_logprobs_is_differentiable_and_padding_invariant(engine):
     engine.model.zero_grad(set_to_none=True)
 
 
-def test_install_swaps_weights_and_version(engine):
+def test_install_swaps_weights_and_version(engine, tmp_path):
     sampling = SamplingParams(max_new_tokens=8, seed=3)
-    original = snapshot_bytes(engine.model)
+    original = snapshot_file(tmp_path, engine.model)
     before = engine.generate(PROMPTS[:8], 2, sampling)
-    engine.install(memoryview(snapshot_bytes(engine.model, noise=0.05)), version=1)
+    engine.install(snapshot_file(tmp_path, engine.model, noise=0.05), version=1)
     after = engine.generate(PROMPTS[:8], 2, sampling)
     assert engine.version == 1 and all(c.version == 1 for g in after for c in g)
     assert [c.token_ids for g in after for c in g] != [c.token_ids for g in before for c in g]
@@ -117,24 +129,24 @@ def test_install_swaps_weights_and_version(engine):
     assert [c.token_ids for g in restored for c in g] == [c.token_ids for g in before for c in g]
 
 
-def test_install_accepts_tied_snapshot_and_rejects_bad_ones(engine):
+def test_install_accepts_tied_snapshot_and_rejects_bad_ones(engine, tmp_path):
     state = {k: v.clone() for k, v in engine.model.state_dict().items()}
     del state["lm_head.weight"]  # tied to the embedding, as save_pretrained writes it
-    engine.install(save(state), version=3)
+    engine.install(save(tmp_path, state), version=3)
     assert engine.version == 3
     del state["model.embed_tokens.weight"]
     with pytest.raises(ValueError, match="lacks"):
-        engine.install(save(state), version=4)
+        engine.install(save(tmp_path, state), version=4)
     with pytest.raises(ValueError, match="lacks"):
-        engine.install(save({"model.norm.weight": torch.ones(128)}), version=4)
+        engine.install(save(tmp_path, {"model.norm.weight": torch.ones(128)}), version=4)
     full = {k: v.clone() for k, v in engine.model.state_dict().items()}
     with pytest.raises(ValueError, match="keys the model lacks"):
-        engine.install(save({**full, "extra.weight": torch.ones(1)}), version=4)
+        engine.install(save(tmp_path, {**full, "extra.weight": torch.ones(1)}), version=4)
     poisoned = {**full, "model.embed_tokens.weight": full["model.embed_tokens.weight"] + 1.0}
     poisoned["model.norm.weight"] = torch.ones(3)
     del poisoned["lm_head.weight"]
-    with pytest.raises(ValueError, match="shape"):
-        engine.install(save(poisoned), version=4)
+    with pytest.raises(ValueError, match=r"snapshot has \(3,\)"):
+        engine.install(save(tmp_path, poisoned), version=4)
     assert engine.version == 3
     assert torch.equal(engine.model.model.embed_tokens.weight, full["model.embed_tokens.weight"])  # untouched
 
@@ -144,8 +156,8 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_fifty_swaps_do_not_grow_memory(engine):
-    snapshots = [snapshot_bytes(engine.model, noise=0.01, seed=s) for s in range(2)]
+def test_fifty_swaps_do_not_grow_memory(engine, tmp_path):
+    snapshots = [snapshot_file(tmp_path, engine.model, noise=0.01, seed=s) for s in range(2)]
     for i in range(5):
         engine.install(snapshots[i % 2], version=10 + i)
     rss_before = _rss_bytes()
@@ -158,7 +170,7 @@ def test_fifty_swaps_do_not_grow_memory(engine):
     rss_growth = _rss_bytes() - rss_before
     assert engine.version == 69
     assert python_growth < 256 * 1024
-    assert rss_growth < 2 * len(snapshots[0]), f"RSS grew {rss_growth} bytes over 50 swaps"
+    assert rss_growth < 2 * snapshots[0].stat().st_size, f"RSS grew {rss_growth} bytes over 50 swaps"
 
 
 def test_make_engine_backends(default_model_dir):

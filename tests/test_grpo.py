@@ -211,3 +211,17 @@ def test_staleness_histogram():
     assert list(staleness_histogram(5, [2, 5, 4])) == [0, 1, 3]
     with pytest.raises(ValueError, match="newer"):
         staleness_histogram(3, [4])
+
+
+def test_micro_batches_pack_rows_by_padded_tokens():
+    from hub.grpo import micro_batches
+
+    # 5 rows of 3 + 2 tokens, budget 10: two rows (2 x 5 = 10) fit, three (15) do not.
+    assert micro_batches([(3, 2)] * 5, 10) == [range(0, 2), range(2, 4), range(4, 5)]
+    # Padding counts: (3, 2) then (1, 20) pads both to 3 + 20 = 23 per row; a lone row over budget goes alone.
+    assert micro_batches([(3, 2), (1, 20), (2, 2)], 10) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert micro_batches([(4, 4), (4, 4)], 16) == [range(0, 2)]
+    assert micro_batches([(4, 4), (4, 4)], 15) == [range(0, 1), range(1, 2)]
+    assert micro_batches([], 5) == []
+    with pytest.raises(ValueError):
+        micro_batches([(1, 1)], 0)

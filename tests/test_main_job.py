@@ -119,3 +119,29 @@ def test_help_is_fast_and_imports_no_torch() -> None:
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert "usage" in result.stdout
+
+
+@pytest.mark.slow
+def test_echo_hub_start_with_a_model_dir_gives_its_local_nodes_that_model(tmp_path: Path) -> None:
+    """`--model DIR` with local nodes: each spawned node loads DIR too (a Qwen3 here, another config hash
+    than the embedded default's), so every join is accepted and the run finishes its steps."""
+    from tests.models import random_model_dir
+
+    model = random_model_dir(tmp_path / "my-model", "qwen3", hidden=64, layers=2)
+    # A random model scores 0 on every prompt: train on zero-variance groups too, or no step would ever come.
+    (tmp_path / "hub.toml").write_text("[learner]\nskip_zero_variance = false\n")
+    data = tmp_path / "data"
+    hub = start_hub(data, "--model", str(model), "--local-nodes", "2", "--steps", "3", "--config",
+                    str(tmp_path / "hub.toml"), "--prompts-per-step", "4", "--group-size", "2")
+    try:
+        assert hub.process.wait(timeout=300) == 0, hub.output()[-3000:]
+    finally:
+        hub.kill()
+    status = hub.status()
+    assert status is not None and status.step == 3
+    # Both joined (a refused node never shows in the status) and their work trained the model.
+    assert len(status.nodes) == 2 and sum(n.tallies.accepted for n in status.nodes) >= 3 * 4
+    assert "model config differs" not in hub.output()
+    # Retention: the snapshots of the last S + 1 versions at most, each written once.
+    snapshot_files = sorted(p.name for p in (data / "snapshots").iterdir())
+    assert all(name.startswith("v") for name in snapshot_files) and len(snapshot_files) <= 2 * (4 + 1)

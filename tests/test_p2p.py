@@ -262,7 +262,7 @@ async def _probe_hub(hub_addr: str, config_hash: str, seconds: float) -> tuple[l
         with trio.fail_after(30):
             hub = await connect(host, hub_addr)
             joined = await request(host, hub, JOIN_PROTOCOL, JoinRequest(
-                price_per_hour=9.0, hardware="probe", link_bps=1e6, backend="hf", model_config_hash=config_hash,
+                price_per_hour=9.0, hardware="probe", link_bps=1e6, backend="hf", dtype="float32", model_config_hash=config_hash,
             ), JoinReply, timeout_s=20)
         assert isinstance(joined, JoinReply)
         deadline = time.monotonic() + seconds

@@ -84,7 +84,7 @@ class Client(HubClient):
 
     async def join(self, config_hash: str | None = None) -> JoinReply | Reject:
         return await super().join(JoinRequest(
-            price_per_hour=0.5, hardware="test", link_bps=1e8, backend="hf",
+            price_per_hour=0.5, hardware="test", link_bps=1e8, backend="hf", dtype="float32",
             model_config_hash=config_hash or self.hub.config_hash, version_held=self.hub.version[0],
         ))
 

@@ -47,7 +47,7 @@ class Transitions:
 
 
 def join(fleet: Fleet, name: str, price: float, now: float = T0) -> NodeRecord:
-    request = JoinRequest(price_per_hour=price, hardware="test", link_bps=1e6, backend="hf", model_config_hash="ab")
+    request = JoinRequest(price_per_hour=price, hardware="test", link_bps=1e6, backend="hf", dtype="float32", model_config_hash="ab")
     return fleet.join(name, request, "127.0.0.1", now)
 
 

@@ -52,7 +52,7 @@ class ScriptedAudits:
 
 
 def join_request(state: HubState, price: float = 0.5) -> JoinRequest:
-    return JoinRequest(price_per_hour=price, hardware="t", link_bps=1e8, backend="hf",
+    return JoinRequest(price_per_hour=price, hardware="t", link_bps=1e8, backend="hf", dtype="float32",
                        model_config_hash=state.model_config_hash, version_held=0)
 
 
@@ -98,7 +98,7 @@ async def settled(state: HubState) -> None:
 def reopen(data_dir: Path, model_dir: Path, config: HubConfig = CONFIG) -> HubState:
     """A state over DATA_DIR's store whose hub published v0 (so work at v0 is in the window)."""
     shelf = SnapshotShelf(keep=3)
-    shelf.add(build_snapshot({"w": torch.zeros(4)}, 0, Identity.generate(), "0" * 64))
+    shelf.add(build_snapshot({"w": torch.zeros(4)}, 0, Identity.generate(), "0" * 64, data_dir / "snapshots"))
     return open_state(data_dir, model_dir, config, shelf, [0])
 
 
@@ -205,6 +205,11 @@ async def test_peer_faults_carry_codes_and_our_own_errors_propagate(tmp_path, de
     with pytest.raises(PeerFault) as fault:
         await state.join(stranger, bad, None)
     assert fault.value.code == RejectCode.MODEL_MISMATCH
+    # An engine in another dtype than the snapshots (a CPU hub publishes float32): refused with the flag to pass.
+    other_dtype = join_request(state).model_copy(update={"dtype": "bfloat16"})
+    with pytest.raises(PeerFault, match="restart the node with --dtype float32") as fault:
+        await state.join(stranger, other_dtype, None)
+    assert fault.value.code == RejectCode.MODEL_MISMATCH and state.fleet.get(stranger) is None
     peer = Identity.generate().peer_id
     await state.join(peer, join_request(state), None)
     grant = await state.grant_lease(peer, 0)

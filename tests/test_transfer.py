@@ -25,10 +25,10 @@ from shared.messages import (
     TransferAck,
 )
 from shared.net import RateLimiter, connect, open_stream, set_handler
-from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, blake3_hex, chunk_of, encode_chunk
+from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, blake3_hex, encode_chunk
 from shared.transfer import ChunkRejected, commitment_payload, receive_snapshot
 from shared.wire import encode_frame, read_message, write_frame, write_message
-from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, wait_installed
+from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, scratch_dir, wait_installed
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -63,7 +63,7 @@ async def pull(node, sender, version, newer_than=None, signer=None, **request):
     box: list[ChunkAssembler] = []
 
     def assembler_for(signed, manifest):
-        box.append(ChunkAssembler(manifest))
+        box.append(ChunkAssembler(manifest, scratch_dir() / "pulled.safetensors"))
         return box[0]
 
     try:
@@ -95,12 +95,12 @@ async def test_chain_of_relays_delivers_bit_exact_and_relays_while_receiving():
             await wait_installed([a, b, sink], 3, timeout_s=20)
             elapsed = time.monotonic() - started
     for node in (a, b, sink):
-        assert node.installed[3] == snapshot.data
+        assert node.installed[3] == snapshot.path.read_bytes()
         assert node.keeper.version_held == 3 and node.keeper.transfer is None
     # Pipelined: the sink had its first chunk long before the head had its last, and the whole chain
     # took far less than three store-and-forward hops would (3 * 0.52 s).
     assert sink.first_chunk_at < a.installed_at[3] - 0.2
-    assert elapsed < 2 * len(snapshot.data) / rate
+    assert elapsed < 2 * snapshot.manifest.total_bytes / rate
     assert [peer for peer, _ in hub.requests] == [a.peer_id]
 
 
@@ -124,7 +124,7 @@ async def test_resume_from_first_missing_chunk_after_upstream_dies():
             assert 0 < held < total
             sink.keeper.update(1, HUB, None)  # the hub re-links the sink to the relay's predecessor
             await wait_installed([sink], 1, timeout_s=10)
-    assert sink.installed[1] == snapshot.data
+    assert sink.installed[1] == snapshot.path.read_bytes()
     resumed = [req for peer, req in hub.requests if peer == sink.peer_id]
     assert len(resumed) == 1 and resumed[0].from_chunk == held
     assert sink.keeper.resumes == 1
@@ -143,7 +143,7 @@ async def test_relink_abandons_a_stalled_upstream():
             assert 2 not in sink.installed
             sink.keeper.update(2, HUB, None)
             await wait_installed([sink], 2, timeout_s=5)  # well inside the relay's 20 s manifest wait
-    assert sink.installed[2] == snapshot.data
+    assert sink.installed[2] == snapshot.path.read_bytes()
     assert sink.keeper.relinks == 1
 
 
@@ -176,7 +176,7 @@ async def test_chunk_out_of_order_is_rejected():
         body = snapshot.signed.to_bytes()
         await write_frame(stream, MANIFEST_FRAME, body + commit(hub_id, "manifest", 4, 0, body))
         for index in (0, 2):
-            data = chunk_of(snapshot.data, manifest, index)
+            data = snapshot.path.read_bytes()[index * manifest.chunk_size : (index + 1) * manifest.chunk_size]
             await write_frame(stream, CHUNK_FRAME, encode_chunk(4, index, data) + commit(hub_id, "chunk", 4, index, data))
         await trio.sleep(5)
 
@@ -197,8 +197,8 @@ async def test_relay_sending_a_bad_chunk_is_reported_and_repaired_from_the_hub()
             evil.keeper.update(7, HUB, sink.peer_id)
             sink.keeper.update(7, evil.upstream, None)
             await wait_installed([evil, sink], 7, timeout_s=10)
-    assert evil.installed[7] == snapshot.data  # it received honestly; it only lies when serving
-    assert sink.installed[7] == snapshot.data
+    assert evil.installed[7] == snapshot.path.read_bytes()  # it received honestly; it only lies when serving
+    assert sink.installed[7] == snapshot.path.read_bytes()
     assert [(peer, r.upstream, r.version, r.index) for peer, r in hub.reports] == [
         (sink.peer_id, evil.peer_id, 7, FlippingKeeper.BAD_INDEX)
     ]
@@ -219,7 +219,7 @@ async def test_manifest_signed_by_another_key_is_refused():
             stream = await open_stream(node.host, fake.peer_id, SNAPSHOT_PROTOCOL)
             with pytest.raises(ChunkRejected, match="manifest refused") as refused:
                 await receive_snapshot(
-                    stream, SnapshotRequest(version=9), hub.peer_id, fake.peer_id, None, lambda s, m: ChunkAssembler(m)
+                    stream, SnapshotRequest(version=9), hub.peer_id, fake.peer_id, None, lambda s, m: ChunkAssembler(m, scratch_dir() / "forged.safetensors")
                 )
             assert isinstance(refused.value.__context__, BadSignature)
             assert refused.value.proof is not None and refused.value.proof.kind == "manifest"  # provable forgery
@@ -321,7 +321,7 @@ async def test_a_relay_that_stalls_after_its_manifest_is_left_and_reported():
             # The stalling relay is the sink's upstream; the sink must give up on it and finish from the hub.
             sink.keeper.update(3, Upstream(staller.peer_id, (staller.addr,)), None)
             await wait_installed([sink], 3, timeout_s=15)
-    assert sink.installed[3] == snapshot.data
+    assert sink.installed[3] == snapshot.path.read_bytes()
     assert [(r.upstream, r.kind) for _, r in hub.reports] == [(staller.peer_id, "unproven")] * len(hub.reports)
     assert hub.reports and sink.keeper.upstream_failures >= 1
 
@@ -361,3 +361,41 @@ class _Adapter:
 
     async def write(self, data: bytes) -> None:
         await self.stream.send_all(data)
+
+
+@pytest.mark.trio
+async def test_a_node_keeps_its_installed_version_and_the_one_in_flight_on_disk():
+    """Files, not RAM: each pull lands in the keeper's directory; an install deletes the version before it,
+    a newer version arriving mid-pull deletes the abandoned partial file."""
+    hub_id = Identity.generate()
+    snapshots = {v: random_snapshot(hub_id, v, 256 * KIB, 64 * KIB) for v in (1, 2, 3, 4)}
+    async with hub_peer(hub_id, HubUplink(None, 0.5e6)) as hub:
+        async with node_peer(hub) as node:
+            directory = node.keeper.directory
+
+            def on_disk() -> list[str]:
+                return sorted(p.name for p in directory.iterdir())
+
+            hub.shelf.add(snapshots[1])
+            node.keeper.update(1, HUB, None)
+            await wait_installed([node], 1, timeout_s=10)
+            assert on_disk() == ["v00000001.safetensors"]
+            hub.shelf.add(snapshots[2])
+            node.keeper.update(2, HUB, None)
+            await wait_installed([node], 2, timeout_s=10)
+            assert on_disk() == ["v00000002.safetensors"]
+            # v3 is abandoned half way (a slow hub uplink) when the hub re-links the node to a relay that has v4:
+            # the partial v3 file goes with it.
+            hub.shelf.add(snapshots[3])
+            node.keeper.update(3, HUB, None)
+            with trio.fail_after(10):
+                while node.keeper.transfer is None or node.keeper.transfer.assembler.missing_count == 4:
+                    await trio.sleep(0.01)
+            assert on_disk() == ["v00000002.safetensors", "v00000003.safetensors"]
+            hub.shelf.add(snapshots[4])
+            async with node_peer(hub) as relay:
+                relay.keeper.update(4, HUB, node.peer_id)
+                node.keeper.update(4, relay.upstream, None)
+                await wait_installed([node], 4, timeout_s=10)
+            assert on_disk() == ["v00000004.safetensors"]
+            assert node.installed[4] == snapshots[4].path.read_bytes() and 3 not in node.installed
