@@ -10,14 +10,18 @@ uplink), [scheduler] enabled = false so all three work, and a learner that publi
 (S = 0, kappa = 1: every version reaches every node before the next step, so every broadcast
 is timed alone) until --snapshots broadcasts after v0 were timed. Measured:
 - snapshot_bytes, publish_s (build + write of a snapshot: the store's published_at - created_at),
-  t_bcast_s (the hub's own measurement: publish until every node installed it) against ideal_s
-  (hub.chains.chained_broadcast_ideal_s for 3 nodes in one chain);
+  t_bcast_s (from the hub recording a version to the last node's "installed vN" log line, the
+  mean over versions every node installed) against ideal_s (hub.chains.chained_broadcast_ideal_s
+  for 3 nodes in one chain). The hub's own T_bcast is not used: it records a version only if no
+  newer one was published before the last node had it, and at S = 0 the chain's head already
+  sends the learner the rollouts of the next step while the tail is still receiving;
 - hub_peak_rss_bytes, node_peak_rss_bytes: each process's VmHWM, reset (/proc/PID/clear_refs 5)
   once it has loaded its model, joined and installed v0, so they cover steady state: training,
   audits, snapshot writes, transfers and installs. The start-up peaks (from_pretrained maps the
   model dir's fp32 file) are reported apart as *_startup_peak_rss_bytes;
 - snapshot_dir_bytes: the largest the hub's snapshots/ got, sampled every 0.1 s
-  (node_snapshot_dir_bytes: the same for the nodes').
+  (node_snapshot_dir_bytes: the same for the nodes'); a snapshot there is its weights and its
+  signed manifest (and, while it is written, the manifest's temp file).
 Targets (checked into "targets_met"): node peak <= 1.3 x the engine model's bytes + 700 MB; hub peak
 <= learner state (16 bytes/parameter: fp32 weights, grads, two Adam moments) + 1 snapshot + 700 MB;
 snapshot dir <= (S + 2) x snapshot bytes; t_bcast <= 1.25 x ideal; bf16 bytes = fp32 bytes / 2.
@@ -33,12 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +96,24 @@ def vm_kib(pid: int, field: str) -> int:
 def reset_peak(pid: int) -> None:
     """Reset the process's VmHWM to its current RSS (Linux >= 4.0)."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+_INSTALLED_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO echo2\.node\.keeper: installed v(\d+) ", re.M)
+
+
+def install_times(node_dir: Path) -> dict[int, float]:
+    """version -> unix time the node logged installing it (node.log, local time to the millisecond)."""
+    log = node_dir / "node.log"
+    text = log.read_text() if log.exists() else ""
+    return {int(v): datetime.strptime(at, "%Y-%m-%d %H:%M:%S,%f").timestamp() for at, v in _INSTALLED_RE.findall(text)}
+
+
+def broadcast_times(data: Path, node_dirs: list[Path]) -> dict[int, float]:
+    """version (> 0) -> seconds from the hub recording it to the last node installing it, for versions
+    every node installed."""
+    published = dict(query(data, "SELECT version, published_at FROM snapshots WHERE version > 0"))
+    installs = [install_times(d) for d in node_dirs]
+    return {v: max(i[v] for i in installs) - at for v, at in published.items() if all(v in i for i in installs)}
 
 
 def dir_bytes(path: Path) -> int:
@@ -169,13 +193,12 @@ def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: flo
         while True:
             dir_peak = max(dir_peak, dir_bytes(hub_dir))
             node_dir_peak = max(node_dir_peak, *(dir_bytes(d / SNAPSHOTS_DIR) for d in node_dirs))
-            timed = query(data, "SELECT COUNT(*) FROM snapshots WHERE version > 0 AND t_bcast_s IS NOT NULL")[0][0]
-            if timed >= snapshots:
+            if len(broadcast_times(data, node_dirs)) >= snapshots:
                 break
             if hub.process.poll() is not None or any(n.process.poll() is not None for n in nodes):
                 raise RuntimeError(f"a process died:\n{hub.output()[-2000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{timed} of {snapshots} broadcasts timed in {RUN_TIMEOUT_S:.0f}s")
+                raise TimeoutError(f"fewer than {snapshots} broadcasts timed in {RUN_TIMEOUT_S:.0f}s")
             time.sleep(POLL_S)
         hub_peak = vm_kib(hub.process.pid, "VmHWM") * 1024
         node_peak = max(vm_kib(n.process.pid, "VmHWM") * 1024 for n in nodes)
@@ -184,11 +207,12 @@ def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: flo
             if proc.process.poll() is None:
                 proc.process.send_signal(signal.SIGKILL)
                 proc.process.wait()
-    rows = query(data, "SELECT total_bytes, published_at - created_at, t_bcast_s FROM snapshots"
-                       " WHERE version > 0 AND t_bcast_s IS NOT NULL ORDER BY version")
+    manifest_bytes = max((p.stat().st_size for p in hub_dir.glob("*.manifest")), default=0)
+    times = broadcast_times(data, node_dirs)
+    rows = query(data, "SELECT total_bytes, published_at - created_at FROM snapshots WHERE version > 0")
     snapshot_bytes = rows[0][0]
     publish_s = sum(r[1] for r in rows) / len(rows)
-    t_bcast = sum(r[2] for r in rows) / len(rows)
+    t_bcast = sum(times.values()) / len(times)
     link_bps = link_mbps * MB / 8
     ideal = chained_broadcast_ideal_s(snapshot_bytes, 1 << 20, NODES, link_bps, link_bps)
     engine_bytes = params * (2 if dtype == "bfloat16" else 4)
@@ -199,11 +223,12 @@ def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: flo
         t_bcast_s=round(t_bcast, 3), ideal_s=round(ideal, 3), hub_peak_rss_bytes=hub_peak,
         node_peak_rss_bytes=node_peak, snapshot_dir_bytes=dir_peak, node_snapshot_dir_bytes=node_dir_peak,
         hub_startup_peak_rss_bytes=startup[0], node_startup_peak_rss_bytes=startup[1],
-        engine_model_bytes=engine_bytes, learner_state_bytes=learner_state, broadcasts=len(rows),
+        engine_model_bytes=engine_bytes, learner_state_bytes=learner_state, broadcasts=len(times),
         targets_met={
             "node_rss": node_peak <= 1.3 * engine_bytes + ALLOWANCE_BYTES,
             "hub_rss": hub_peak <= learner_state + snapshot_bytes + ALLOWANCE_BYTES,
-            "snapshot_dir": dir_peak <= (STALENESS + 2) * snapshot_bytes,
+            # The one being written has, for a moment, its manifest's temp file beside its manifest.
+            "snapshot_dir": dir_peak <= (STALENESS + 2) * (snapshot_bytes + manifest_bytes) + manifest_bytes,
             "t_bcast": t_bcast <= 1.25 * ideal,
         },
     )
@@ -308,7 +333,7 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
         trio.run(main)
         profiler.disable()
         with open(profile, "w") as out:
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(40)
     else:
         trio.run(main)
 
@@ -370,6 +395,8 @@ def plot(results: list[Result], out: Path) -> None:
         rss.plot(x, [r.node_peak_rss_bytes / 1e9 for r in rows], marker=marker, linestyle="--", label=f"node {dtype}")
         rss.plot(x, [(1.3 * r.engine_model_bytes + ALLOWANCE_BYTES) / 1e9 for r in rows], color="grey",
                  linestyle=":", linewidth=1, label=f"node target {dtype}")
+        rss.plot(x, [(r.learner_state_bytes + r.snapshot_bytes + ALLOWANCE_BYTES) / 1e9 for r in rows], color="black",
+                 linestyle=":", linewidth=1, label=f"hub target {dtype}")
         bcast.plot(x, [r.t_bcast_s for r in rows], marker=marker, label=f"T_bcast {dtype}")
         bcast.plot(x, [r.ideal_s for r in rows], color="grey", linestyle=":", marker=marker, label=f"ideal {dtype}")
     rss.set(xlabel="parameters (M)", ylabel="peak RSS in steady state (GB)", title="Memory vs model size")

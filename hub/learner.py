@@ -125,7 +125,9 @@ class Learner:
             # mode computes exactly what eval mode does.
             _zero_dropout(self.model)
             self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # fused: one kernel per tensor, no model-sized temporaries (the default foreach path allocates
+        # some: +0.4 x the weights at the first step, measured on CPU).
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
         if checkpoint is not None:
             self.optimizer.load_state_dict(torch.load(checkpoint.optimizer_path, map_location=self.device))
         self.reference = None
@@ -168,7 +170,8 @@ class Learner:
         # the summed gradient divided by the step's count before clipping: exact, not an approximation.
         pad_id = self.tokenizer.pad_token_id
         rows = [(len(p), len(c)) for p, c in zip(prompt_ids, completion_ids)]
-        self.optimizer.zero_grad(set_to_none=True)
+        # Zeroed in place, not freed: re-allocating model-sized gradients every step fragments the heap.
+        self.optimizer.zero_grad(set_to_none=False)
         totals = {"loss": 0.0, "clip": 0.0, "ratio_sum": 0.0, "kl": 0.0, "masked": 0.0}
         n_keep_total, n_valid_total, ratio_max, tokens = 0, 0, 0.0, 0
         t_forward = t_backward = 0.0
