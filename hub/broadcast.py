@@ -37,6 +37,10 @@ log = logging.getLogger("echo2.hub.broadcast")
 
 
 
+# Broadcasts timed at once; an older one still unfinished when a newer one would exceed this is dropped
+# untimed (its receivers are far behind; the newer ones will be timed).
+PENDING_BROADCASTS = 8
+
 @dataclass(frozen=True)
 class ChainLinks:
     """Where one node pulls snapshots from and who pulls from it."""
@@ -136,8 +140,10 @@ class Broadcaster:
         self._progress: dict[str, tuple[tuple[int | None, int], float]] = {}
         # node -> the version for which it last got its upstream moved.
         self._demoted_for: dict[str, int] = {}
-        self.current: Broadcast | None = None
-        self.history: list[Broadcast] = []
+        # Broadcasts not yet on every receiver, oldest first. Several at once: a learner that publishes
+        # faster than the chain's tail installs must still get each version timed.
+        self.pending: list[Broadcast] = []
+        self.last_done: Broadcast | None = None
         self._nursery: trio.Nursery | None = None
 
     # -- chain membership ---------------------------------------------------------------
@@ -190,10 +196,8 @@ class Broadcaster:
         await self.event("snapshot", None, f"v{version} published to {len(receivers)} nodes in {len(self.chains)} chains")
         if not receivers:
             # Nobody to time: a T_bcast here would measure how long the first node took to join.
-            self.current = None
             return
-        self.current = Broadcast(version, time.monotonic(), receivers)
-        self.history.append(self.current)
+        self.pending = [*self.pending, Broadcast(version, time.monotonic(), receivers)][-PENDING_BROADCASTS:]
         for chain in self.chains:
             self._nursery.start_soon(self._nudge, chain[0], version)
         self.check_done()
@@ -208,20 +212,23 @@ class Broadcaster:
             log.debug("nudge of %s failed: %r", peer[-8:], exc)
 
     def check_done(self) -> None:
-        """Called on every heartbeat: the broadcast ends when every receiver still around holds it."""
-        b = self.current
-        if b is None or b.done_at is not None:
-            return
-        waiting = [
-            p for p in b.receivers
-            if (n := self.fleet.get(p)) is not None and n.state not in ("banned", "gone") and n.version_held < b.version
-        ]
-        if not waiting:
-            b.done_at = time.monotonic()
-            log.info("v%d reached every node in %.2fs", b.version, b.seconds)
-            self._nursery.start_soon(self.record_t_bcast, b.version, b.seconds)
-            return
-        self._check_progress(b, time.monotonic())
+        """Called on every heartbeat: a broadcast ends when every receiver still around holds its version
+        (or a newer one: a node that skipped to the next version had this one's bytes on the way)."""
+        now = time.monotonic()
+        for b in list(self.pending):
+            waiting = [
+                p for p in b.receivers
+                if (n := self.fleet.get(p)) is not None and n.state not in ("banned", "gone") and n.version_held < b.version
+            ]
+            if not waiting:
+                b.done_at = now
+                self.pending.remove(b)
+                if self.last_done is None or b.version > self.last_done.version:
+                    self.last_done = b
+                log.info("v%d reached every node in %.2fs", b.version, b.seconds)
+                self._nursery.start_soon(self.record_t_bcast, b.version, b.seconds)
+        if self.pending:
+            self._check_progress(self.pending[-1], now)
 
     def _check_progress(self, b: Broadcast, now: float) -> None:
         """Re-link around a relay whose successor makes no progress while the relay says it is ahead.
@@ -254,8 +261,7 @@ class Broadcaster:
                                              f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
 
     def last_t_bcast_s(self) -> float | None:
-        done = [b.seconds for b in self.history if b.seconds is not None]
-        return done[-1] if done else None
+        return None if self.last_done is None else self.last_done.seconds
 
     # -- judging reports of bad relays --------------------------------------------------------
 

@@ -146,6 +146,32 @@ async def test_broadcast_times_every_receiver_and_plans_chain_or_star(mode):
 
 
 @pytest.mark.trio
+async def test_versions_published_faster_than_the_chain_installs_them_are_each_timed():
+    """v1 and v2 published back to back (a fast learner): both get a T_bcast (v1's ends when every node
+    holds v1 or newer), where only v2 was timed before."""
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id, HubUplink(None, 4e6)) as peer, node_peer(peer) as a, node_peer(peer) as b:
+        hub = Hub(peer, "chain")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.broadcaster.run)
+            await trio.lowlevel.checkpoint()
+            for node in (a, b):
+                join(hub.fleet, node)
+            hub.broadcaster.replan()
+            nursery.start_soon(hub.heartbeats, [a, b])
+            for version in (1, 2):
+                peer.shelf.add(random_snapshot(hub_id, version, 512 * KIB, 64 * KIB))
+                await hub.broadcaster.publish(version)
+            with trio.fail_after(15):
+                while len(hub.t_bcast) < 2:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    timed = dict(hub.t_bcast)
+    assert sorted(timed) == [1, 2] and 0 < timed[1] < 15 and 0 < timed[2] < 15
+    assert hub.broadcaster.last_t_bcast_s() == timed[2] and hub.broadcaster.pending == []
+
+
+@pytest.mark.trio
 async def test_corrupt_relay_is_banned_and_its_successors_get_a_verified_snapshot():
     hub_id = Identity.generate()
     async with hub_peer(hub_id) as peer, node_peer(peer, keeper_class=FlippingKeeper) as evil, \
