@@ -18,6 +18,11 @@ def _bool(text: str) -> bool:
     return value[text.lower()]
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list (`--report-to tensorboard,wandb`)."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 # flag name -> (dotted HubConfig field, type); flags override the TOML file, which overrides defaults.
 # Each flag's help is its field's description, choices and default (hub/config.py).
 START_FLAGS: dict[str, tuple[str, type]] = {
@@ -45,7 +50,23 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "link_mbps": ("broadcast.link_mbps", float),
     "hub_mbps": ("broadcast.hub_uplink_mbps", float),
     "log_level": ("log_level", str),
+    "prompt_column": ("dataset.prompt_column", str),
+    "answer_column": ("dataset.answer_column", str),
+    "reward": ("dataset.reward", str),
+    "dataset_split": ("dataset.split", str),
+    "chat": ("dataset.chat", _bool),
+    "eval_every": ("eval.every", int),
+    "eval_task": ("eval.task", str),
+    "eval_split": ("eval.split", float),
+    "eval_prompts": ("eval.prompts", int),
+    "eval_samples": ("eval.samples", int),
+    "eval_temperature": ("eval.temperature", float),
+    "report_to": ("tracking.report_to", _names),
+    "run_name": ("tracking.run_name", str),
 }
+# The flags of `echo-hub eval`: what picks the policy's prompts and how they are sampled.
+EVAL_FLAGS = ("task", "seed", "max_new_tokens", "temperature", "top_p", "dtype", "prompt_column", "answer_column",
+              "reward", "dataset_split", "chat", "eval_task", "eval_split", "eval_prompts", "eval_samples", "eval_temperature")
 
 
 def _start_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     from tui.cli import add_dashboard_arguments
 
     add_dashboard_arguments(sub.add_parser("dashboard", help="live terminal dashboard of a hub"))
+
+    ev = sub.add_parser("eval", help="evaluate a saved policy (DATA_DIR/final, a checkpoint) on held-out prompts")
+    from hub.config import HubConfig
+    from shared.config import flag_help
+
+    ev.add_argument("--model", type=Path, required=True, help="policy directory (save_pretrained layout)")
+    ev.add_argument("--config", type=Path, help="hub.toml of the run: its task, sampling and eval settings")
+    for flag in EVAL_FLAGS:
+        dotted, kind = START_FLAGS[flag]
+        ev.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted))
+    ev.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    ev.add_argument("--json", action="store_true", help="print the result as one JSON line")
 
     report = sub.add_parser("report", help="plot reward, staleness and bubble ratio from metrics.jsonl")
     report.add_argument("--data-dir", type=Path, default=Path("echo2-data"), help="the hub's data dir")
@@ -155,6 +188,22 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as exc:
             print(f"echo-hub dashboard: {exc}", file=sys.stderr)
             return 2
+    if args.command == "eval":
+        from hub.config import HubConfig
+        from shared.config import ConfigError, load_config
+
+        overrides = {START_FLAGS[flag][0]: getattr(args, flag) for flag in EVAL_FLAGS}
+        try:
+            config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+            from hub.eval_cli import check_eval
+
+            task = check_eval(config, args.model)
+        except (ConfigError, UserError) as exc:
+            print(f"echo-hub eval: {exc}", file=sys.stderr)
+            return 2
+        from hub.eval_cli import run_eval
+
+        return run_eval(config, args.model, task, args.device, args.json)
     if args.command == "report":
         from hub.report import write_report
 

@@ -11,6 +11,7 @@ from hub.capacity import default_kappa, validate_kappa
 from shared.config import Section
 from shared.layout import HUB_KEY_FILE
 from shared.rollout import SamplingParams
+from shared.tasks.dataset import DatasetOptions
 
 DEFAULT_HUB_PORT = 4077
 
@@ -143,12 +144,55 @@ class TrustConfig(Section):
         return self.audit_mean_abs_gap if self.audit_mean_abs_gap is not None else AUDIT_GAP_BY_DTYPE[snapshot_dtype]
 
 
+class DatasetConfig(Section):
+    """How a dataset task (--task FILE.jsonl, FILE.parquet or a save_to_disk DIR) is read and scored."""
+
+    prompt_column: str = Field("prompt", min_length=1, max_length=256, description="column holding the prompt (a string or chat messages)")
+    answer_column: str = Field("answer", min_length=1, max_length=256, description="column holding the gold answer")
+    reward: str = Field("math", min_length=1, max_length=512, description="math (math-verify on the answer), exact (exact match) or module:function (TRL reward-function signature)")
+    split: str = Field("train", min_length=1, max_length=256, description="split of a save_to_disk DatasetDict to read")
+    chat: bool = Field(False, description="render string prompts as one user message with the tokenizer's chat template (message lists always are)")
+
+    def options(self, id_prefix: str = "row") -> DatasetOptions:
+        return DatasetOptions(self.prompt_column, self.answer_column, self.reward, self.split, self.chat, id_prefix)
+
+
+class EvalConfig(Section):
+    """Held-out evaluation of the policy while it trains."""
+
+    every: int = Field(0, ge=0, le=10_000_000, description="evaluate every N learner steps (0: never)")
+    task: str | None = Field(None, max_length=4096, description="task to evaluate on, as --task takes it (None: the held-out split of the training task)")
+    split: float = Field(0.05, gt=0.0, lt=1.0, description="fraction of the training task held out for evaluation, by a hash of each prompt's text (when no eval task is given)")
+    prompts: int = Field(64, ge=1, le=100_000, description="held-out prompts per evaluation, the same ones every time")
+    samples: int = Field(1, ge=1, le=256, description="k: completions per prompt, for pass@1 and pass@k")
+    temperature: float | None = Field(None, ge=0.0, le=10.0, description="sampling temperature of evaluation (0: greedy; None: the training temperature)")
+    success_reward: float = Field(1.0, description="a completion with at least this reward counts as solved for pass@k")
+
+    @model_validator(mode="after")
+    def _greedy_needs_one_sample(self) -> EvalConfig:
+        if self.temperature == 0.0 and self.samples > 1:
+            raise ValueError(f"greedy evaluation (temperature 0) gives one completion per prompt; samples {self.samples} "
+                             "needs a temperature above 0")
+        return self
+
+
+
+class TrackingConfig(Section):
+    """Experiment trackers that receive the run config, every metrics row and every evaluation."""
+
+    report_to: tuple[Literal["none", "tensorboard", "wandb", "trackio"], ...] = Field(
+        ("none",), max_length=4, description="trackers to log to (TRL's convention; several allowed; each runs offline)")
+    project: str = Field("echo2", min_length=1, max_length=128, description="project name in wandb and trackio")
+    run_name: str | None = Field(None, max_length=128, description="run name in the trackers (None: the data dir's name)")
+    dir: Path | None = Field(None, description="where local trackers write (None: DATA_DIR/<tracker>)")
+
+
 class HubConfig(Section):
     """Everything `echo-hub start` needs."""
 
     data_dir: Path = Field(Path("echo2-data"), description="store, snapshots, checkpoints, metrics, logs")
     model: Path | None = Field(None, description="local HF causal LM directory (None: the embedded default)")
-    task: str = Field("reverse", description="builtin name, math:FILE.jsonl, or module:Class")
+    task: str = Field("reverse", max_length=4096, description="builtin name, a dataset (FILE.jsonl, FILE.parquet, save_to_disk DIR), math:FILE.jsonl, or module:Class")
     listen: str = Field(f"/ip4/0.0.0.0/tcp/{DEFAULT_HUB_PORT}", description="libp2p listen multiaddr")
     key: Path | None = Field(None, description="hub identity key file (default DATA_DIR/hub.key)")
     steps: int = Field(300, ge=0, le=10_000_000, description="learner steps to run (0: until interrupted)")
@@ -160,6 +204,9 @@ class HubConfig(Section):
     broadcast: BroadcastConfig = BroadcastConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     trust: TrustConfig = TrustConfig()
+    dataset: DatasetConfig = DatasetConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @property
     def key_path(self) -> Path:

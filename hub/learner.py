@@ -37,10 +37,12 @@ from hub.checkpoint import (
     save_checkpoint,
 )
 from hub.config import LearnerConfig
+from hub.evaluation import EvalRunner
 from hub.grpo import group_advantages, grpo_loss, micro_batches
 from hub.metrics import MetricsWriter, bubble_ratio
 from hub.state import HubState
 from hub.store import StepRecord
+from hub.trackers import Trackers
 from shared.crypto import Identity
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logprobs import completion_logprobs
@@ -265,7 +267,8 @@ class LearnerComponent:
     `run` trains until the step number reaches `steps` (0: forever), then saves DATA_DIR/final.
     Per step: wait for prompts_per_step usable groups (T_idle), train in a worker thread,
     commit step row + consumed and stale-dropped row ids in one transaction, append
-    metrics.jsonl, checkpoint every checkpoint_every steps, publish every kappa steps.
+    metrics.jsonl (and the trackers), hand the weights to a due evaluation, checkpoint every
+    checkpoint_every steps, publish every kappa steps.
     """
 
     def __init__(
@@ -281,6 +284,8 @@ class LearnerComponent:
         chunk_size_bytes: int,
         clock: Callable[[], float] = time.perf_counter,
         extra_metrics: Callable[[int], Mapping[str, float | None]] = lambda step: {},
+        trackers: Trackers | None = None,
+        evaluation: EvalRunner | None = None,
     ) -> None:
         self.cfg = cfg
         self.data_dir = Path(data_dir)
@@ -301,7 +306,8 @@ class LearnerComponent:
         remove_stale_temporaries(self.checkpoints_dir)
         checkpoint = latest_checkpoint(self.checkpoints_dir)
         self.learner = Learner(base_model_dir, cfg, sampling, checkpoint)
-        self.metrics = MetricsWriter(self.data_dir / METRICS_FILE)
+        self.metrics = MetricsWriter(self.data_dir / METRICS_FILE, trackers)
+        self.evaluation = evaluation
         # Numbering continues after the newest committed step even when the checkpoint is older:
         # steps after the checkpoint are lost as weights but stay in the record, so versions
         # never repeat.
@@ -384,6 +390,8 @@ class LearnerComponent:
             self._pending_stale.clear()
             self.step = t
             await trio.to_thread.run_sync(self.metrics.append, record)
+            if self.evaluation is not None and self.evaluation.due(t):
+                await self.evaluation.start(t, self.learner.state_dict)
             if t % self.cfg.checkpoint_every == 0:
                 await trio.to_thread.run_sync(self._checkpoint, t)
             if t % self.kappa == 0:

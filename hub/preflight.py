@@ -20,6 +20,7 @@ from hub.config import HubConfig
 from hub.store import SCHEMA_VERSION
 from shared.checks import UserError, check_data_dir, check_key_file, check_listen, check_model_dir, model_fingerprint
 from shared.layout import HUB_KEY_FILE, HUB_STORE_FILE
+from shared.tasks.base import Task
 
 LOCK_FILE = "hub.lock"
 
@@ -47,20 +48,40 @@ def check_start(config: HubConfig) -> None:
     check_data_dir(config.data_dir)
     if config.model is not None:
         check_model_dir(config.model)
-    check_task(config.task)
+    checked_tasks(config, config.model, evaluate=config.eval.every > 0)
+    check_trackers(config)
     check_listen(config.listen)
     check_key_file(config.key_path, "--key" if config.key is not None else "the hub key")
 
 
-def check_task(spec: str) -> None:
-    from shared.tasks import load_task
+def checked_tasks(config: HubConfig, model_dir: Path | None, evaluate: bool) -> tuple[Task, Task | None]:
+    """(training task, held-out task when `evaluate`): UserError naming the flag when one cannot load or is empty."""
+    from hub.tasks import held_out, load_hub_task
 
+    errors = (ValueError, ImportError, AttributeError, TypeError, OSError)
     try:
-        task = load_task(spec)
+        task = load_hub_task(config.task, config, model_dir)
         if not task.prompts():
             raise ValueError("it has no prompts")
-    except (ValueError, ImportError, AttributeError, TypeError, OSError) as exc:
-        raise UserError(f"--task {spec}: {str(exc).removeprefix(f'task spec {spec!r}: ')}") from None
+    except errors as exc:
+        raise UserError(f"--task {config.task}: {str(exc).removeprefix(f'task spec {config.task!r}: ')}") from None
+    if not evaluate:
+        return task, None
+    ev = config.eval
+    try:
+        return task, held_out(config, task, model_dir)[1]
+    except errors as exc:
+        flag = f"--eval-task {ev.task}" if ev.task is not None else f"--eval-split {ev.split:g}"
+        raise UserError(f"{flag}: {str(exc).removeprefix(f'task spec {ev.task!r}: ')}") from None
+
+
+def check_trackers(config: HubConfig) -> None:
+    from hub.trackers import TRACK_EXTRA, missing_tracker_packages
+
+    missing = missing_tracker_packages(config.tracking)
+    if missing:
+        raise UserError(f"--report-to {','.join(config.tracking.report_to)}: {', '.join(missing)} not installed; "
+                        f"{TRACK_EXTRA}")
 
 
 def lock_data_dir(data_dir: Path) -> IO[str]:

@@ -1,10 +1,11 @@
-"""`echo-hub report`: reward, staleness and bubble ratio over learner steps, plotted to a PNG from metrics.jsonl."""
+"""`echo-hub report`: reward (training and held-out), staleness and bubble ratio over learner steps, plotted to a PNG
+from metrics.jsonl."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hub.metrics import policy_reward, read_metrics
+from hub.metrics import policy_reward, read_evals, read_metrics
 from shared.layout import METRICS_FILE, REPORT_FILE
 
 
@@ -26,6 +27,10 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
     window = max(1, len(rows) // 10)
     smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / min(window, i + 1) for i in range(len(rows))]
     axes[0].plot(steps, smooth, label=f"moving mean ({window} steps)", linewidth=2)
+    evals = read_evals(Path(data_dir) / METRICS_FILE)
+    if evals:
+        axes[0].plot([e["eval_step"] for e in evals], [e["eval_reward"] for e in evals], "o-", color="black",
+                     label=f"held-out reward ({int(evals[-1]['eval_prompts'])} prompts)", linewidth=2)
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")
     axes[1].plot(steps, [r["staleness_mean"] for r in rows], label="mean")

@@ -18,11 +18,13 @@ from hub.preflight import Resume, run_identity
 from hub.snapshots import SnapshotShelf
 from hub.state import HubState
 from hub.store import Store
+from hub.tasks import hub_tasks
+from hub.trackers import open_trackers
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE, SNAPSHOTS_DIR
+from shared.messages import EvalPoint
 from shared.net import running_host
 from shared.signals import Stopper
-from shared.tasks import load_task
 
 log = logging.getLogger("echo2.hub")
 
@@ -63,6 +65,7 @@ class Hub:
         from transformers import AutoConfig, AutoTokenizer
 
         from hub.audit import Auditor, AuditQueue
+        from hub.evaluation import EvalRunner, Evaluator
         from hub.learner import LearnerComponent
         from hub.submissions import SubmissionRules
         from shared.precision import resolve_dtype
@@ -73,7 +76,7 @@ class Hub:
         self.config = config
         self.identity = identity
         self.progress = progress
-        self.task = load_task(config.task)
+        self.task, eval_task = hub_tasks(config, model_dir)
         # S + 1 versions on the shelf (a rollout may be that stale), files of older ones deleted.
         self.shelf = SnapshotShelf(keep=lc.staleness + 1, directory=config.data_dir / SNAPSHOTS_DIR)
         # The service decodes in worker threads while the learner tokenizes in its own: separate instances.
@@ -97,14 +100,24 @@ class Hub:
         # Unbuffered: the learner writes its next snapshot only once the shelf took (and pruned for) the last,
         # so the snapshot dir never holds more than S + 2 of them.
         self.snapshot_send, self.snapshot_recv = trio.open_memory_channel(0)
+        self.trackers = open_trackers(config.tracking, config.data_dir, config.model_dump(mode="json"))
+        self.evaluation = None
+        if eval_task is not None:
+            evaluator = Evaluator(model_dir, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed)
+            self.evaluation = EvalRunner(evaluator, config.eval.every, self._record_eval, self.state.event)
         self.learner = LearnerComponent(
             lc, config.sampling, model_dir, config.data_dir, self.state, identity,
             self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024,
             extra_metrics=lambda step: self.scheduler.step_metrics(step, self.state.cost_usd(time.time())),
+            trackers=self.trackers, evaluation=self.evaluation,
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
         self.stopper = Stopper()
+
+    async def _record_eval(self, row: EvalPoint) -> None:
+        await self.state.record_eval(row)
+        await trio.to_thread.run_sync(self.learner.metrics.append_row, row.as_metrics_row())
 
     def on_membership(self) -> None:
         self.broadcaster.replan()
@@ -155,6 +168,8 @@ class Hub:
                 for component in (state, service, self.broadcaster, self.scheduler, self.status):
                     nursery.start_soon(component.run)
                 nursery.start_soon(self._publisher)
+                if self.evaluation is not None:
+                    nursery.start_soon(self.evaluation.run)
                 if config.local_nodes:
                     self.local_nodes = spawn_local_nodes(
                         config.local_nodes, self.addrs[0], config.data_dir, link_mbps=config.broadcast.link_mbps,
@@ -167,6 +182,8 @@ class Hub:
                 nursery.start_soon(live_progress if self.progress and sys.stdout.isatty() else plain_progress, self)
                 nursery.start_soon(watch_for_stalls, self, lc.stall_warning_s)
                 await self.learner.run()
+                if self.evaluation is not None:
+                    await self.evaluation.drain()  # the last step's evaluation belongs to the run
                 self.status.running = False
                 await self.status.refresh()
                 nursery.cancel_scope.cancel()
@@ -207,6 +224,7 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
         print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
         hub.learner.save_state()
         hub.status.running = False
+    hub.trackers.close()
     hub.state.flush_sync()
     hub.status.refresh_sync()
     hub.state.store.close()

@@ -50,7 +50,7 @@ from hub.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.store import NewEvent, NodeBanned, StepRecord, Store
 from hub.submissions import REASON_CLAIMED_REWARD, GroupVerdict, SubmissionRules, VersionWindow, check_submission
 from shared.crypto import public_key_from_peer_id
-from shared.messages import GROUP_VERDICTS, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
+from shared.messages import GROUP_VERDICTS, EvalPoint, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
 from shared.precision import resolve_dtype
 from shared.rollout import Group
 from shared.tasks.base import Task
@@ -637,6 +637,17 @@ class HubState:
         """Learner record (store only, any thread): a snapshot is on disk; its build began at `started_at`
         (so published_at - created_at is the time to write it)."""
         self.store.add_snapshot(version, path, manifest_hash, total_bytes, created_at=started_at)
+
+    async def record_eval(self, row: EvalPoint) -> None:
+        """A held-out evaluation finished: its row and an event."""
+        detail = f"step {row.step}: reward {row.reward:.3f}, pass@1 {row.pass_at_1:.3f}, pass@{row.k} {row.pass_at_k:.3f}"
+
+        def write() -> None:
+            self.store.add_eval(row)
+            self.record_event("eval", None, detail)
+
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(write)
 
     def record_checkpoint(self, step: int, path: Path, version: int) -> None:
         """Learner record (store only, any thread): a checkpoint was written."""

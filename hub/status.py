@@ -21,7 +21,7 @@ from hub.scheduler import CapacityView, Scheduler
 from hub.state import HubState
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
-from shared.messages import EventRecord, HubStatus, NodeStatus, StepPoint
+from shared.messages import EvalPoint, EventRecord, HubStatus, NodeStatus, StepPoint
 
 STATUS_PERIOD_S = 1.0
 HISTORY_POINTS = 300
@@ -66,6 +66,7 @@ class StatusBoard:
         self.learner_step = learner_step
         self.history: tuple[StepPoint, ...] = ()
         self.events: tuple[EventRecord, ...] = ()
+        self.evals: tuple[EvalPoint, ...] = ()
         self.t_train_recent_s: float | None = None
         self.usable_fraction = 1.0
         self.running = True
@@ -80,6 +81,7 @@ class StatusBoard:
         recent = [s.t_train_s for s in steps[-10:]]
         self.t_train_recent_s = sum(recent) / len(recent) if recent else None
         self.usable_fraction = usable_fraction(*self.store.recent_usable_groups(USABLE_WINDOW_GROUPS))
+        self.evals = tuple(self.store.evals(HISTORY_POINTS))
         self.events = tuple(
             EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)
             for e in self.store.events(EVENTS_KEPT)
@@ -117,7 +119,7 @@ class StatusBoard:
             mu_pool=capacity.mu_pool, mu_min=capacity.mu_min, mu_target=capacity.mu_target,
             usable_fraction=capacity.usable_fraction,
             cost_usd=cost, cost_per_step_usd=cost / step if step else None, all_on_cost_usd=state.all_on_cost_usd(now),
-            history=self.history, events=self.events[:events],
+            history=self.history, evals=self.evals, events=self.events[:events],
         )
 
     def refresh_sync(self) -> HubStatus:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,10 @@ def render(status: HubStatus, console: Console) -> None:
     head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
     reward = f"{status.reward_mean:.3f}" if status.reward_mean is not None else "-"
     head.add_row("reward", f"{reward} (last step)", f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
+    if status.evals:
+        e = status.evals[-1]
+        passes = f"pass@1 {e.pass_at_1:.3f}, pass@{e.k} {e.pass_at_k:.3f}" if e.k > 1 else f"pass@1 {e.pass_at_1:.3f}"
+        head.add_row("held-out", f"{e.reward:.3f} at step {e.step} ({e.prompts} prompts)", passes)
     head.add_row("staleness S / kappa", f"{status.staleness} / {status.kappa}", f"task {status.task}")
     t = status.totals
     head.add_row("trajectories", f"{t.accepted} accepted, {t.rejected} rejected, {t.late} late",
@@ -76,6 +81,8 @@ def run_status(hub: str | None, data_dir: Path | None, as_json: bool, key: Path 
         check_peer_addr(hub)
         if key is not None:
             check_key_file(key)
+        # py-libp2p logs each failed dial attempt at ERROR; the one line below says what happened.
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
         try:
             status = fetch_status(hub, key)
         except Exception as exc:  # noqa: BLE001 - dial and protocol errors share no base class

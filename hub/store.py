@@ -40,7 +40,7 @@ import blake3
 import sqlite_utils
 
 from hub.buffer import REASON_STALE
-from shared.messages import GROUP_VERDICTS, TALLY_FIELDS, Tallies
+from shared.messages import GROUP_VERDICTS, TALLY_FIELDS, EvalPoint, Tallies
 from shared.rollout import Group
 
 BUSY_TIMEOUT_MS = 10_000
@@ -168,6 +168,16 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     step       INTEGER PRIMARY KEY REFERENCES steps(step),
     path       TEXT    NOT NULL,
     version    INTEGER NOT NULL,
+    created_at REAL    NOT NULL
+);
+CREATE TABLE IF NOT EXISTS evals (
+    step       INTEGER PRIMARY KEY,
+    reward     REAL    NOT NULL,
+    pass_at_1  REAL    NOT NULL,
+    pass_at_k  REAL    NOT NULL,
+    k          INTEGER NOT NULL,
+    prompts    INTEGER NOT NULL,
+    seconds    REAL    NOT NULL,
     created_at REAL    NOT NULL
 );
 """.replace("{tally_columns}", ",\n    ".join(f"{name:<14} INTEGER NOT NULL DEFAULT 0" for name in TALLY_FIELDS))
@@ -759,6 +769,19 @@ class Store:
                 "INSERT OR REPLACE INTO checkpoints (step, path, version, created_at) VALUES (?, ?, ?, ?)",
                 (step, path, version, time.time()),
             )
+
+    def add_eval(self, row: EvalPoint) -> None:
+        with self._write():
+            self.db.execute(
+                "INSERT OR REPLACE INTO evals (step, reward, pass_at_1, pass_at_k, k, prompts, seconds, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (row.step, row.reward, row.pass_at_1, row.pass_at_k, row.k, row.prompts, row.seconds, time.time()),
+            )
+
+    def evals(self, limit: int) -> list[EvalPoint]:
+        """The newest `limit` evaluations, oldest first."""
+        rows = self._rows("SELECT * FROM (SELECT * FROM evals ORDER BY step DESC LIMIT ?) ORDER BY step", (limit,))
+        return [EvalPoint(**{k: v for k, v in r.items() if k != "created_at"}) for r in rows]
 
     def latest_checkpoint(self) -> CheckpointRow | None:
         rows = self._rows("SELECT * FROM checkpoints ORDER BY step DESC LIMIT 1")

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hub.metrics import policy_reward, read_metrics
+from hub.metrics import policy_reward, read_evals, read_metrics
 from shared.layout import FINAL_DIR, HUB_STATUS_FILE, METRICS_FILE
 from shared.messages import HubStatus, short_id
 
@@ -35,6 +35,14 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
         table.add_row("T_train mean", f"{sum(r['t_train_s'] for r in rows) / len(rows):.3f} s")
     else:
         table.add_row("learner steps", "0")
+    evals = read_evals(Path(data_dir) / METRICS_FILE)
+    if evals:
+        first_eval, last_eval = evals[0], evals[-1]
+        k = int(last_eval["eval_k"])
+        table.add_row(f"held-out reward (step {first_eval['eval_step']} -> {last_eval['eval_step']})",
+                      f"{first_eval['eval_reward']:.3f} -> {last_eval['eval_reward']:.3f}")
+        if k > 1:
+            table.add_row(f"held-out pass@1 / pass@{k} (last)", f"{last_eval['eval_pass_at_1']:.3f} / {last_eval['eval_pass_at_k']:.3f}")
     if status is not None:
         t = status.totals
         table.add_row("groups accepted / rejected / late", f"{t.accepted} / {t.rejected} / {t.late}")

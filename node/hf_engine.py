@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,24 +9,13 @@ from pathlib import Path
 import torch
 
 from node.engine import Engine
-from shared.logprobs import sampling_logprobs
+from shared.generation import Sampler
 from shared.rollout import Completion, SamplingParams
 from shared.snapshot import load_into
 
 
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The forward() keyword for the KV cache: `cache` from transformers 5.2x on, `past_key_values` before
-    (vLLM 0.33 pins transformers < 5.21, so both worlds must work)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class HFEngine(Engine):
-    """Samples all n * len(prompts) sequences in one left-padded batch with its own decode loop.
-
-    Its own loop (not model.generate) so that the recorded log-probs come from exactly the
-    distribution sampled from (shared.logprobs.sampling_logprobs) and positions match
-    completion_logprobs: position ids count real tokens only.
-    """
+    """A transformers model behind shared.generation.Sampler; snapshots are copied into it in place."""
 
     backend = "hf"
 
@@ -39,13 +27,13 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.version = version
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        eos = self.model.generation_config.eos_token_id
-        eos = self.tokenizer.eos_token_id if eos is None else eos
-        self.stop_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=self.device)
-        self._cache_kwarg = cache_kwarg(self.model)
+        self.sampler = Sampler(self.model, self.tokenizer, self.device)
         # install and generate must not interleave (a node may call them from different threads).
         self._lock = threading.Lock()
+
+    @property
+    def pad_id(self) -> int:
+        return self.sampler.pad_id
 
     def install(self, path: Path, version: int) -> None:
         with self._lock:
@@ -53,69 +41,5 @@ class HFEngine(Engine):
             self.version = version
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not prompts:
-            return []
-        prompt_ids = self.tokenizer(list(prompts))["input_ids"]
-        with self._lock, torch.inference_mode():
-            tokens, logprobs = self._sample([ids for ids in prompt_ids for _ in range(n)], sampling)
-            version = self.version
-        rows = []
-        stop = set(self.stop_ids.tolist())
-        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
-            end = next((i + 1 for i, t in enumerate(row_tokens) if t in stop), None)
-            reason = "length" if end is None else "stop"
-            end = len(row_tokens) if end is None else end
-            kept = row_tokens[:end]
-            rows.append(
-                Completion(
-                    token_ids=tuple(kept),
-                    logprobs=tuple(row_logprobs[:end]),
-                    finish_reason=reason,
-                    version=version,
-                    text=self.tokenizer.decode(kept, skip_special_tokens=True),
-                )
-            )
-        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-    def _sample(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled tokens [B, L] and their log-probs [B, L]; rows continue (ignored) after their stop token."""
-        from transformers import DynamicCache
-
-        batch = len(prompt_ids)
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompt_ids):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention[row, width - len(prompt) :] = 1
-        ids, attention = ids.to(self.device), attention.to(self.device)
-        positions = (attention.cumsum(dim=-1) - 1).clamp(min=0)
-        generator = None
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
-        next_position = positions[:, -1:] + 1
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        ones = torch.ones((batch, 1), dtype=attention.dtype, device=self.device)
-        sampled, sampled_logprobs = [], []
-        for step in range(sampling.max_new_tokens):
-            logprobs = sampling_logprobs(out.logits[:, -1, :], sampling.temperature, sampling.top_p)
-            token = torch.multinomial(logprobs.exp(), 1, generator=generator)
-            sampled.append(token)
-            sampled_logprobs.append(logprobs.gather(-1, token))
-            done |= torch.isin(token.squeeze(-1), self.stop_ids)
-            if step + 1 == sampling.max_new_tokens or bool(done.all()):
-                break
-            attention = torch.cat([attention, ones], dim=-1)
-            out = self.model(
-                input_ids=token, attention_mask=attention, position_ids=next_position, use_cache=True,
-                **{self._cache_kwarg: cache},
-            )
-            next_position = next_position + 1
-        return torch.cat(sampled, dim=-1), torch.cat(sampled_logprobs, dim=-1)
+        with self._lock:
+            return self.sampler.generate(prompts, n, sampling, self.version)

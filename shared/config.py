@@ -80,9 +80,17 @@ def _describe(model: type[BaseModel], err: dict) -> str:
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         *section, key = err["loc"]
+        if not section:
+            owners = [name for name, f in model.model_fields.items() if isinstance(f.annotation, type)
+                      and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields]
+            if owners:
+                return f"key {key!r} belongs in section [{owners[0]}] ({owners[0]}.{key}), not at the top level"
         fields = _section_model(model, section).model_fields
         place = f"[{'.'.join(map(str, section))}]" if section else "the top level"
         return f"unknown key {key!r} in {place} (known there: {', '.join(fields)})"
+    if err["type"] == "missing":
+        field = _leaf_field(model, where)
+        return f"{where} is required: {field.description}" if field.description else f"{where} is required"
     message = err["msg"].removeprefix("Value error, ")
     return f"{where or '(config)'}: {message} (got {err['input']!r})" if "input" in err and not isinstance(
         err["input"], dict) else f"{where or '(config)'}: {message}"

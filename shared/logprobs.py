@@ -1,7 +1,7 @@
 """Per-token log-probs of given completions under a model's sampling distribution (temperature, top-p).
 
 The hub learner backprops through these and the hub's audits compare them with what nodes
-report, so the filtering here is the one the engines sample with (node/hf_engine.py imports it).
+report, so the filtering here is the one the engines sample with (shared/generation.py imports it).
 """
 
 from __future__ import annotations

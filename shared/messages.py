@@ -269,6 +269,25 @@ class StepPoint(Message):
     t_idle_s: float
 
 
+class EvalPoint(Message):
+    """One held-out evaluation of the policy after `step` (hub/evaluation.py)."""
+
+    TYPE: ClassVar[int] = 23
+    MAX_BYTES: ClassVar[int] = 4 * KIB
+    step: int
+    reward: float
+    pass_at_1: float
+    pass_at_k: float
+    k: int
+    prompts: int
+    seconds: float = Field(description="how long the evaluation took")
+
+    def as_metrics_row(self) -> dict[str, float | int]:
+        """The metrics.jsonl line of this evaluation."""
+        return {"eval_step": self.step, "eval_reward": self.reward, "eval_pass_at_1": self.pass_at_1,
+                "eval_pass_at_k": self.pass_at_k, "eval_k": self.k, "eval_prompts": self.prompts, "eval_s": self.seconds}
+
+
 class EventRecord(Message):
     TYPE: ClassVar[int] = 16
     MAX_BYTES: ClassVar[int] = 8 * KIB
@@ -312,6 +331,7 @@ class HubStatus(Message):
     cost_per_step_usd: float | None = None
     all_on_cost_usd: float = 0.0
     history: tuple[StepPoint, ...] = ()
+    evals: tuple[EvalPoint, ...] = Field((), description="held-out evaluations, oldest first (recent ones)")
     events: tuple[EventRecord, ...] = ()
     redacted: bool = Field(False, description="nodes' prices, costs and hardware hidden: asked without an operator key")
 

@@ -48,8 +48,9 @@ def files(tmp_path: Path) -> dict[str, Path]:
     (tmp_path / "a-file").write_text("not a directory")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n{not json\n')
     (tmp_path / "unknown-key.toml").write_text("staleness = 6\n[learner]\nfoo = 1\n")
+    (tmp_path / "flat-key.toml").write_text("audit_rate = 0.1\n")
     return {name.replace("-", "_").replace(".", "_"): tmp_path / name
-            for name in ("empty-model", "a-file", "bad.jsonl", "unknown-key.toml")}
+            for name in ("empty-model", "a-file", "bad.jsonl", "unknown-key.toml", "flat-key.toml")}
 
 
 HUB_MISTAKES = {
@@ -63,6 +64,7 @@ HUB_MISTAKES = {
     "garbage listen address": (["--listen", "garbage"], ["--listen", "'garbage'"]),
     "kappa out of range": (["--staleness", "1", "--kappa", "3"], ["kappa"]),
     "unknown key in hub.toml": (["--config", "{unknown_key_toml}"], ["unknown key 'foo' in [learner]"]),
+    "flat key of a section with no flag": (["--config", "{flat_key_toml}"], ["'audit_rate' belongs in section [trust]"]),
     "negative learning rate": (["--lr", "-1"], ["learner.lr", "greater than 0"]),
 }
 
@@ -109,6 +111,12 @@ def test_echo_node_join_mistakes_are_one_line_and_touch_nothing(mistake: str, fi
     before = snapshot_of(tmp_path)
     assert_one_line_mistake(run("node.cli", "join", *args), *words)
     assert snapshot_of(tmp_path) == before
+
+
+def test_a_hub_that_does_not_answer_is_one_line_without_libp2p_noise() -> None:
+    result = run("hub.cli", "status", "--hub", f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{HUB_ID}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "no answer from" in result.stderr
 
 
 def test_status_and_dashboard_mistakes_are_one_line(tmp_path: Path) -> None:

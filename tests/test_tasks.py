@@ -35,13 +35,13 @@ def test_math_task_reads_prompts_with_line_number_ids(math_task):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("", "empty file"),
-        ("\n  \n", "empty file"),
+        ("", "no prompts (empty dataset)"),
+        ("\n  \n", "no prompts (empty dataset)"),
         ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"\n', ":2: not valid JSON"),
-        ('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n', ":3: missing key 'answer'"),
-        ('{"answer": "1"}\n', ":1: missing key 'prompt'"),
-        ('{"prompt": "a", "answer": 1}\n', ":1: 'answer' must be a non-empty string"),
-        ('{"prompt": "", "answer": "1"}\n', ":1: 'prompt' must be a non-empty string"),
+        ('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n', ":3: no column 'answer'"),
+        ('{"answer": "1"}\n', ":1: no column 'prompt'"),
+        ('{"prompt": "a", "answer": ""}\n', ":1: 'answer' must be a non-empty string or a number"),
+        ('{"prompt": "", "answer": "1"}\n', ":1: 'prompt' is empty"),
         ('["a", "1"]\n', ":1: expected a JSON object, got list"),
     ],
 )

@@ -17,6 +17,7 @@ from node.cli import main as node_cli
 from shared.crypto import Identity
 from shared.messages import (
     STATUS_PROTOCOL,
+    EvalPoint,
     EventRecord,
     HubStatus,
     NodeStatus,
@@ -73,6 +74,8 @@ def hub_status(step: int = 10, now: float | None = None, running: bool = True) -
         t_train_s=12.1, t_bcast_s=4.2, bubble=0.03, predicted_bubble=0.02, mu_pool=3.6, mu_min=3.0, mu_target=3.3,
         usable_fraction=0.57,
         cost_usd=1.08, cost_per_step_usd=0.108, all_on_cost_usd=2.5, history=history, events=events,
+        evals=(EvalPoint(step=5, reward=0.25, pass_at_1=0.25, pass_at_k=0.5, k=4, prompts=64, seconds=1.0),
+               EvalPoint(step=10, reward=0.375, pass_at_1=0.375, pass_at_k=0.625, k=4, prompts=64, seconds=1.0)),
     )
 
 
@@ -176,6 +179,8 @@ async def test_hub_dashboard_shows_learner_cost_chains_nodes_and_events(hub_dir:
         assert "step 10/100" in learner and "T_bcast 4.2 s" in learner and "predicted 0.020" in learner
         assert "min 3.00" in learner and "target 3.30" in learner and "usable 57%" in learner
         assert len(app.query_one("#reward-spark").data) == 10
+        assert app.query_one("#eval-spark").data == [0.25, 0.375]
+        assert str(app.query_one("#eval-label").render()) == "eval 0.375 @10"
         cost = static_text(app, "#cost")
         assert "$1.080" in cost and "$0.00084" in cost and "$2.500" in cost and "57%" in cost
         assert "rej 15 late 11 stale 4" in cost

@@ -184,6 +184,9 @@ class HubDashboard(DashboardApp):
                 with Horizontal(classes="spark-row"):
                     yield Label("staleness —", id="staleness-label")
                     yield Sparkline([], id="staleness-spark")
+                with Horizontal(classes="spark-row"):
+                    yield Label("eval —", id="eval-label")
+                    yield Sparkline([], id="eval-spark")
             yield Static(id="cost", classes="panel")
         yield Static(id="chains")
         yield DataTable(id="nodes-table", cursor_type="row", zebra_stripes=True)
@@ -230,6 +233,10 @@ class HubDashboard(DashboardApp):
         self.query_one("#reward-label", Label).update(f"reward {number(status.reward_mean, '.3f')}")
         last_staleness = staleness[-1] if staleness else None
         self.query_one("#staleness-label", Label).update(f"staleness {number(last_staleness, '.2f')}")
+        self.query_one("#eval-spark", Sparkline).data = [e.reward for e in status.evals]
+        last_eval = status.evals[-1] if status.evals else None
+        self.query_one("#eval-label", Label).update(
+            f"eval {last_eval.reward:.3f} @{last_eval.step}" if last_eval else "eval —")
 
     def sorted_nodes(self) -> list[NodeStatus]:
         if self.status is None:

@@ -1,7 +1,9 @@
 """Task lookup: turns a task spec string (CLI/config) into a Task instance.
 
-Specs: a builtin name ("reverse"), "math:PATH.jsonl" for MathTask, or "module.path:ClassName"
-for a user task (a Task subclass constructible with no arguments). Builtins are imported
+Specs: a builtin name ("reverse"); "math:PATH.jsonl" for MathTask; a dataset on disk (a .jsonl or
+.parquet file, or a `datasets` save_to_disk directory) read and scored as DatasetOptions say; or
+"module.path:ClassName" for a user task (a Task subclass constructible with no arguments). User
+modules are imported from the current directory or installed packages. Builtins are imported
 lazily, so loading one task never imports another's dependencies.
 """
 
@@ -9,30 +11,43 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from shared.tasks.base import Prompt, Task
+from shared.tasks.dataset import DatasetOptions, DatasetTask, chat_renderer, is_dataset_path
 
 BUILTIN_TASKS: Mapping[str, str] = {
     "reverse": "shared.tasks.reverse:ReverseTask",
 }
 MATH_PREFIX = "math:"
 
-__all__ = ["BUILTIN_TASKS", "MATH_PREFIX", "Prompt", "Task", "load_task"]
+__all__ = ["BUILTIN_TASKS", "MATH_PREFIX", "DatasetOptions", "Prompt", "Task", "import_object", "load_task"]
 
 
-def _load_class(spec: str, import_path: str) -> type[Task]:
-    module_name, _, class_name = import_path.partition(":")
-    if not module_name or not class_name:
-        raise ValueError(f"task spec {spec!r}: expected 'module.path:ClassName'")
+def import_object(spec: str, what: str) -> Any:
+    """The object a 'module.path:name' spec names; ValueError saying what is wrong. The current directory
+    is importable, as it is for `python -m` (console scripts do not put it on sys.path)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{what} spec {spec!r}: expected 'module.path:{'ClassName' if what == 'task' else 'function'}'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"task spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ValueError(f"task spec {spec!r}: module {module_name!r} has no attribute {class_name!r}")
+        raise ValueError(f"{what} spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ValueError(f"{what} spec {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    return obj
+
+
+def _load_class(spec: str, import_path: str) -> type[Task]:
+    cls = import_object(import_path, "task")
     if not (inspect.isclass(cls) and issubclass(cls, Task)):
         raise ValueError(f"task spec {spec!r}: {import_path} is not a subclass of shared.tasks.base.Task")
     if inspect.isabstract(cls):
@@ -50,8 +65,9 @@ def _load_class(spec: str, import_path: str) -> type[Task]:
     return cls
 
 
-def load_task(spec: str) -> Task:
-    """The task named by `spec`; ValueError saying what is wrong with a bad spec."""
+def load_task(spec: str, dataset: DatasetOptions = DatasetOptions(), model_dir: Path | None = None) -> Task:
+    """The task named by `spec`; ValueError saying what is wrong with a bad spec. `dataset` applies to a
+    dataset on disk; `model_dir` holds the tokenizer whose chat template renders chat prompts."""
     spec = spec.strip()
     if spec.startswith(MATH_PREFIX):
         from shared.tasks.math import MathTask
@@ -62,11 +78,16 @@ def load_task(spec: str) -> Task:
         if not Path(path).is_file():
             raise ValueError(f"task spec {spec!r}: no such file {path}")
         return MathTask(path)
+    if is_dataset_path(spec):
+        return DatasetTask(spec, dataset, render_chat=None if model_dir is None else lambda: chat_renderer(model_dir))
+    if spec.endswith((".jsonl", ".json", ".parquet")):
+        raise ValueError(f"task spec {spec!r}: no such file {spec}")
     if ":" in spec:
         return _load_class(spec, spec)()
     if spec in BUILTIN_TASKS:
         return _load_class(spec, BUILTIN_TASKS[spec])()
     known = ", ".join(sorted(BUILTIN_TASKS))
     raise ValueError(
-        f"unknown task {spec!r}: builtin tasks are {known}; or use 'math:PATH.jsonl' or 'module.path:ClassName'"
+        f"unknown task {spec!r}: builtin tasks are {known}; or use a dataset (FILE.jsonl, FILE.parquet, a "
+        "save_to_disk DIR), 'math:PATH.jsonl' or 'module.path:ClassName'"
     )

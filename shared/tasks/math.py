@@ -1,8 +1,9 @@
 """Math word problems from a local JSONL file, scored by answer equivalence with math-verify.
 
-File format: one {"prompt": str, "answer": str} object per line; blank lines are skipped,
-other keys are ignored, and anything else is a ValueError naming the file and line. A prompt's
-id is "math-<line number>" (1-based, blank lines counted), stable across runs of the same file.
+File format (`math:FILE.jsonl`): one {"prompt": str, "answer": str} object per line, read by
+shared.tasks.dataset (blank lines skipped, other keys ignored, anything else a ValueError naming
+the file and line). A prompt's id is "math-<line number>", stable across runs of the same file.
+MathReward is also the "math" reward of any dataset.
 
 Scoring extracts the completion's final answer ourselves (the content of the last complete
 \\boxed{...}, else the last number such as -3, 1,000, 2.5 or 3/4) and compares it with the gold
@@ -19,12 +20,12 @@ heuristic, not a proof: running math-verify in a killable worker process would b
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from pathlib import Path
 
-from shared.tasks.base import Prompt, Task
+from shared.tasks.base import Prompt
+from shared.tasks.dataset import DatasetOptions, DatasetTask
 
 MAX_ANSWER_CHARS = 100
 MAX_VARIABLES = 3
@@ -208,43 +209,14 @@ def answers_match(gold: list, candidate: str) -> bool:
         return False
 
 
-class MathTask(Task):
-    """Prompts and gold answers from a JSONL file; reward 1.0 iff the final answer is equivalent."""
+class MathReward:
+    """1.0 iff a completion's final answer is equivalent to the prompt's gold answer; gold answers are
+    parsed once and cached (scoring runs in several worker threads)."""
 
-    name = "math"
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._prompts = self._read(self.path)
+    def __init__(self, source: str) -> None:
+        self.source = source
         self._gold: dict[str, list] = {}
         self._gold_lock = threading.Lock()
-
-    @staticmethod
-    def _read(path: Path) -> list[Prompt]:
-        prompts = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{where}: not valid JSON ({exc.msg})") from exc
-                if not isinstance(record, dict):
-                    raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")  # noqa: TRY004
-                for key in ("prompt", "answer"):
-                    if key not in record:
-                        raise ValueError(f"{where}: missing key {key!r}")
-                    if not isinstance(record[key], str) or not record[key].strip():
-                        raise ValueError(f"{where}: {key!r} must be a non-empty string, got {record[key]!r}")
-                prompts.append(Prompt(id=f"math-{line_no}", text=record["prompt"], answer=record["answer"]))
-        if not prompts:
-            raise ValueError(f"{path}: no prompts (empty file)")
-        return prompts
-
-    def prompts(self) -> list[Prompt]:
-        return list(self._prompts)
 
     def _parsed_gold(self, prompt: Prompt) -> list:
         with self._gold_lock:
@@ -252,14 +224,23 @@ class MathTask(Task):
         if gold is None:
             gold = _parse_latex(prompt.answer or "")
             if not gold:
-                raise ValueError(f"{self.path}: gold answer {prompt.answer!r} of {prompt.id} does not parse")
+                raise ValueError(f"{self.source}: gold answer {prompt.answer!r} of {prompt.id} does not parse")
             with self._gold_lock:
                 self._gold[prompt.id] = gold
         return gold
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
+    def score(self, prompt: Prompt, completion: str) -> float:
         gold = self._parsed_gold(prompt)
         candidate = extract_final_answer(completion)
         if candidate is None:
             return 0.0
         return 1.0 if answers_match(gold, candidate) else 0.0
+
+
+class MathTask(DatasetTask):
+    """`math:FILE.jsonl`: {"prompt", "answer"} lines scored by MathReward; ids "math-<line number>"."""
+
+    name = "math"
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path, DatasetOptions(reward="math", id_prefix="math"))

@@ -1,0 +1,143 @@
+"""Held-out evaluation: the policy of a learner step scored on prompts it never trained on.
+
+`Evaluator` (blocking) holds its own copy of the model in the snapshot dtype (what the nodes
+run), generates k completions per held-out prompt with the shared sampler and scores them with
+the task's reward. `EvalRunner` (trio) copies the learner's weights between two steps, then
+evaluates in a worker thread while the learner goes on: evaluation costs the learner one
+weight copy per evaluation, not the generation. At most one evaluation runs at a time; one
+that falls due while another runs is skipped and said so in the events.
+
+The hub evaluates itself rather than leasing the work to a volunteer: results must be
+trustworthy without audits, and the held-out prompts never leave the hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import torch
+import trio
+
+from hub.config import EvalConfig
+from shared.generation import Sampler
+from shared.messages import EvalPoint
+from shared.rollout import SamplingParams
+from shared.tasks.base import Task
+
+log = logging.getLogger("echo2.hub.eval")
+
+EVAL_BATCH_PROMPTS = 16  # prompts generated per batch (times k completions each)
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which `correct` solve the prompt: 1 - C(n-c, k) / C(n, k)
+    (Chen et al. 2021, "Evaluating Large Language Models Trained on Code")."""
+    if not 0 <= correct <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= correct <= n and 1 <= k <= n, got n={n} correct={correct} k={k}")
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def summarize(step: int, rewards: Sequence[Sequence[float]], success_reward: float, seconds: float) -> EvalPoint:
+    """Mean reward, pass@1 and pass@k (k = completions per prompt) over per-prompt reward lists."""
+    if not rewards or any(len(r) != len(rewards[0]) or not r for r in rewards):
+        raise ValueError("every prompt needs the same, non-zero number of rewards")
+    k = len(rewards[0])
+    solved = [sum(1 for r in row if r >= success_reward) for row in rewards]
+    return EvalPoint(
+        step=step,
+        reward=sum(sum(row) for row in rewards) / (len(rewards) * k),
+        pass_at_1=sum(pass_at_k(k, c, 1) for c in solved) / len(rewards),
+        pass_at_k=sum(pass_at_k(k, c, k) for c in solved) / len(rewards),
+        k=k, prompts=len(rewards), seconds=seconds,
+    )
+
+
+class Evaluator:
+    """A model of its own, the held-out prompts and how to sample them; blocking."""
+
+    def __init__(
+        self, model_dir: Path, task: Task, cfg: EvalConfig, sampling: SamplingParams, dtype: str, device: str, seed: int,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.task = task
+        self.cfg = cfg
+        self.prompts = task.prompts()[: cfg.prompts]
+        self.greedy = cfg.temperature == 0.0
+        update: dict[str, float | int] = {"seed": seed}
+        if cfg.temperature:
+            update["temperature"] = cfg.temperature
+        self.sampling = sampling.model_copy(update=update)
+        self.device = torch.device(device)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.sampler = Sampler(self.model, tokenizer, self.device)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy the learner's weights in (cast to this model's dtype); call between learner steps."""
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=True)
+
+    def evaluate(self, step: int) -> EvalPoint:
+        started = time.perf_counter()
+        rewards: list[list[float]] = []
+        for i in range(0, len(self.prompts), EVAL_BATCH_PROMPTS):
+            batch = self.prompts[i : i + EVAL_BATCH_PROMPTS]
+            groups = self.sampler.generate([p.text for p in batch], self.cfg.samples, self.sampling, step, self.greedy)
+            rewards += [[float(self.task.reward(p, c.text)) for c in group] for p, group in zip(batch, groups)]
+        return summarize(step, rewards, self.cfg.success_reward, time.perf_counter() - started)
+
+
+class EvalRunner:
+    """Evaluates every `every` steps without stalling the learner; `record` keeps each result."""
+
+    def __init__(
+        self, evaluator: Evaluator, every: int, record: Callable[[EvalPoint], Awaitable[None]],
+        event: Callable[[str, str | None, str], Awaitable[None]],
+    ) -> None:
+        self.evaluator = evaluator
+        self.every = every
+        self.record = record
+        self.event = event
+        self.running: int | None = None  # the step being evaluated
+        self._idle = trio.Event()
+        self._idle.set()
+        self._nursery: trio.Nursery | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await trio.sleep_forever()
+
+    async def start(self, step: int, weights: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Evaluate the policy of `step`: `weights` is read now, in a worker thread, before the next step."""
+        if self.running is not None:
+            await self.event("eval_skipped", None, f"eval of step {step} skipped: the one of step {self.running} still runs")
+            return
+        await trio.to_thread.run_sync(lambda: self.evaluator.load_weights(weights()))
+        self.running = step
+        self._idle = trio.Event()
+        self._nursery.start_soon(self._evaluate, step)
+
+    async def _evaluate(self, step: int) -> None:
+        try:
+            result = await trio.to_thread.run_sync(self.evaluator.evaluate, step)
+            log.info("eval step %d: reward %.3f pass@1 %.3f pass@%d %.3f over %d prompts in %.1fs", step, result.reward,
+                     result.pass_at_1, result.k, result.pass_at_k, result.prompts, result.seconds)
+            await self.record(result)
+        finally:
+            self.running = None
+            self._idle.set()
+
+    async def drain(self) -> None:
+        """Wait for the evaluation in progress (the last step's, at the end of a run)."""
+        await self._idle.wait()

@@ -1,0 +1,32 @@
+"""The hub's tasks from its config: the one it trains on and the held-out one it evaluates on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hub.config import HubConfig
+from shared.tasks import Task, load_task
+from shared.tasks.split import excluding, split_task
+
+
+def load_hub_task(spec: str, config: HubConfig, model_dir: Path | None) -> Task:
+    """A task spec read with the config's dataset options (columns, reward, chat)."""
+    return load_task(spec, config.dataset.options(), model_dir)
+
+
+def held_out(config: HubConfig, task: Task, model_dir: Path | None) -> tuple[Task, Task]:
+    """(training task, evaluation task): the eval task minus every training prompt text when one is given,
+    else the two sides of a split of `task` by prompt-text hash. ValueError when a side would be empty."""
+    if config.eval.task is None:
+        return split_task(task, config.eval.split)
+    return task, excluding(load_hub_task(config.eval.task, config, model_dir), task)
+
+
+def hub_tasks(config: HubConfig, model_dir: Path | None) -> tuple[Task, Task | None]:
+    """(training task, evaluation task or None when evaluation is off)."""
+    task = load_hub_task(config.task, config, model_dir)
+    if config.eval.every == 0:
+        return task, None
+    return held_out(config, task, model_dir)
+
+

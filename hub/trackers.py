@@ -1,0 +1,154 @@
+"""Experiment trackers (`--report-to`): TensorBoard, Weights & Biases and trackio, each optional.
+
+Each is imported only when chosen; a missing package is a user mistake caught before the run
+starts (`check_trackers`). All three run offline: TensorBoard and trackio write local files,
+W&B runs in offline mode unless WANDB_MODE says otherwise (sync later with `wandb sync`). Local
+files go under DATA_DIR/<tracker>/ unless tracking.dir is set. Every tracker gets the run
+config once and every metrics.jsonl row: learner steps by `step`, evaluations by `eval_step`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from hub.config import TrackingConfig
+
+log = logging.getLogger("echo2.hub.trackers")
+
+TRACK_EXTRA = "pip install 'echo2[track]'"
+# tracker -> the module it needs
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+
+
+class Tracker(Protocol):
+    def log(self, row: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def chosen(cfg: TrackingConfig) -> list[str]:
+    return [name for name in dict.fromkeys(cfg.report_to) if name != "none"]
+
+
+def missing_tracker_packages(cfg: TrackingConfig) -> list[str]:
+    """Trackers asked for whose package is not installed."""
+    return [name for name in chosen(cfg) if importlib.util.find_spec(TRACKER_MODULES[name]) is None]
+
+
+def _numbers(row: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _row_step(row: Mapping[str, Any]) -> tuple[str, int]:
+    """('train', step) for a learner step's row, ('eval', step) for an evaluation's."""
+    return ("eval", int(row["eval_step"])) if "eval_step" in row else ("train", int(row["step"]))
+
+
+class TensorBoardTracker:
+    def __init__(self, directory: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory / run_name))
+        self.writer.add_text("config", "```\n" + _pretty(config) + "\n```", 0)
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        kind, step = _row_step(row)
+        for key, value in _numbers(row).items():
+            if key not in ("step", "eval_step"):
+                self.writer.add_scalar(f"{kind}/{key}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, directory: Path, project: str, run_name: str, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        self.wandb = wandb
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, name=run_name, dir=str(directory), config=dict(config),
+                              mode=os.environ.get("WANDB_MODE", "offline"))
+        # Evaluations finish after later steps were logged: they get their own x axis.
+        self.run.define_metric("step")
+        self.run.define_metric("train/*", step_metric="step")
+        self.run.define_metric("eval_step")
+        self.run.define_metric("eval/*", step_metric="eval_step")
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        kind, step = _row_step(row)
+        axis = "eval_step" if kind == "eval" else "step"
+        self.run.log({axis: step, **{f"{kind}/{k}": v for k, v in _numbers(row).items() if k != axis}})
+
+    def close(self) -> None:
+        self.run.finish()
+        # finish() can return before wandb's service has written the run file out; teardown waits for it.
+        self.wandb.teardown()
+
+
+class TrackioTracker:
+    def __init__(self, directory: Path, project: str, run_name: str, config: Mapping[str, Any]) -> None:
+        # trackio reads its directory once, at import.
+        os.environ["TRACKIO_DIR"] = str(directory)
+        import trackio
+
+        self.trackio = trackio
+        self.run = trackio.init(project=project, name=run_name, config=dict(config), embed=False)
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        kind, step = _row_step(row)
+        self.run.log({f"{kind}/{k}": v for k, v in _numbers(row).items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _pretty(config: Mapping[str, Any]) -> str:
+    import json
+
+    return json.dumps(config, indent=2, sort_keys=True, default=str)
+
+
+class Trackers:
+    """The chosen trackers, fed together; a tracker that fails to log is reported, then dropped."""
+
+    def __init__(self, trackers: Sequence[tuple[str, Tracker]]) -> None:
+        self.trackers = list(trackers)
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        for name, tracker in list(self.trackers):
+            try:
+                tracker.log(row)
+            except Exception as exc:  # noqa: BLE001 -- a tracker's own failure must not stop training
+                log.error("tracker %s failed and is dropped for the rest of the run: %r", name, exc)
+                print(f"echo-hub: --report-to {name} failed ({exc}); training goes on without it", flush=True)
+                self.trackers.remove((name, tracker))
+
+    def close(self) -> None:
+        for _, tracker in self.trackers:
+            tracker.close()
+        self.trackers.clear()
+
+
+def open_trackers(cfg: TrackingConfig, data_dir: Path, config: Mapping[str, Any]) -> Trackers:
+    """Start every chosen tracker (their packages were checked before the run started)."""
+    run_name = cfg.run_name or Path(data_dir).resolve().name
+    opened: list[tuple[str, Tracker]] = []
+    for name in chosen(cfg):
+        directory = Path(cfg.dir or data_dir) / name
+        if name == "tensorboard":
+            opened.append((name, TensorBoardTracker(directory, run_name, config)))
+        elif name == "wandb":
+            opened.append((name, WandbTracker(directory.parent, cfg.project, run_name, config)))  # it adds wandb/
+        else:
+            opened.append((name, TrackioTracker(directory, cfg.project, run_name, config)))
+        log.info("tracker %s writes to %s", name, directory)
+    return Trackers(opened)

@@ -1,0 +1,136 @@
+"""Datasets as RL users bring them: JSONL, Parquet and save_to_disk directories, chosen columns, chat prompts
+rendered with the tokenizer's chat template, and rewards as builtins or TRL-style `module:function`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shared.tasks import DatasetOptions, load_task
+from shared.tasks.dataset import DatasetTask
+from tests.test_first_contact import assert_one_line_mistake, run, snapshot_of
+
+DATA = Path(__file__).parent / "data"
+ROWS = [
+    {"question": "What is 2+2?", "solution": "4", "target_len": 3},
+    {"question": "What is 3*3?", "solution": "9", "target_len": 5},
+    {"question": "Half of 1?", "solution": "\\frac{1}{2}", "target_len": 2},
+]
+COLUMNS = DatasetOptions(prompt_column="question", answer_column="solution")
+
+
+@pytest.fixture(autouse=True)
+def reward_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(DATA))
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pa = pytest.importorskip("pyarrow", reason="pyarrow comes with the data extra (pip install 'echo2[data]')")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_parquet_file_with_chosen_columns_and_math_reward(tmp_path: Path) -> None:
+    task = load_task(str(write_parquet(tmp_path / "train.parquet", ROWS)), COLUMNS)
+    prompts = task.prompts()
+    assert [p.id for p in prompts] == ["row-0", "row-1", "row-2"]
+    assert [p.text for p in prompts] == [r["question"] for r in ROWS]
+    assert task.reward(prompts[0], "so it is \\boxed{4}") == 1.0
+    assert task.reward(prompts[2], "the answer is 0.5") == 1.0
+    assert task.reward(prompts[1], "\\boxed{8}") == 0.0
+
+
+def test_save_to_disk_directory_and_its_split(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets", reason="the datasets package comes with the data extra")
+    ds = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    task = load_task(str(tmp_path / "ds"), DatasetOptions(prompt_column="question", answer_column="solution",
+                                                          reward="exact"))
+    assert len(task.prompts()) == 3 and task.reward(task.prompts()[1], " 9 ") == 1.0
+    test = load_task(str(tmp_path / "ds"), DatasetOptions("question", "solution", "exact", split="test"))
+    assert [p.text for p in test.prompts()] == ["What is 2+2?"]
+    with pytest.raises(ValueError, match="no split 'validation' .*train, test"):
+        load_task(str(tmp_path / "ds"), DatasetOptions("question", "solution", "exact", split="validation"))
+    # A single Dataset (no splits) works too.
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
+    assert len(load_task(str(tmp_path / "single"), COLUMNS).prompts()) == 3
+
+
+def test_trl_reward_function_gets_the_other_columns(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    task = load_task(str(path), DatasetOptions(prompt_column="question", reward="reward_funcs:length_match"))
+    first, second = task.prompts()[:2]
+    assert task.reward(first, "abc") == 1.0 and task.reward(first, "abcd") == 0.0
+    assert task.reward(second, "abcde") == 1.0
+    assert first.id == "row-1"  # JSONL ids are line numbers
+
+
+def test_chat_prompts_are_rendered_with_the_chat_template(tmp_path: Path, default_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}[assistant]{% endif %}")
+    tokenizer.save_pretrained(model)
+    path = tmp_path / "chat.jsonl"
+    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abc"}]},
+            {"prompt": "plain"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = load_task(str(path), DatasetOptions(reward="reward_funcs:chat_echo", chat=True), model_dir=model)
+    chat, plain = task.prompts()
+    assert chat.text == "[system]be brief[user]abc[assistant]"
+    assert plain.text == "[user]plain[assistant]"  # chat=True renders a string prompt as one user message
+    assert task.reward(chat, "abc") == 1.0 and task.reward(chat, "abd") == 0.0
+    with pytest.raises(ValueError, match="has no chat template"):
+        load_task(str(path), DatasetOptions(reward="reward_funcs:chat_echo"), model_dir=default_model_dir)
+
+
+@pytest.mark.parametrize(
+    ("rows", "options", "message"),
+    [
+        ([{"q": "a"}], DatasetOptions(), "no column 'prompt' (columns: q); choose one with --prompt-column"),
+        ([{"prompt": "a"}], DatasetOptions(), "no column 'answer' (the math reward needs it)"),
+        ([{"prompt": "a", "answer": True}], DatasetOptions(), "'answer' must be a non-empty string or a number"),
+        ([{"prompt": ["not", "messages"], "answer": "1"}], DatasetOptions(), "list of {'role', 'content'} messages"),
+        ([{"prompt": "a", "answer": "1"}], DatasetOptions(reward="reward_funcs:no_kwargs"), "cannot be called as TRL calls"),
+        ([{"prompt": "a"}], DatasetOptions(reward="reward_funcs:missing"), "has no attribute 'missing'"),
+        ([{"prompt": "a"}], DatasetOptions(reward="reward_funcs"), "expected 'module.path:function'"),
+    ],
+)
+def test_dataset_mistakes_name_the_row_and_the_fix(tmp_path: Path, rows, options, message) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError) as info:
+        DatasetTask(path, options)
+    assert message in str(info.value)
+
+
+def test_a_reward_that_is_not_a_finite_number_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a"}\n')
+    task = DatasetTask(path, DatasetOptions(reward="reward_funcs:not_finite"))
+    with pytest.raises(ValueError, match="rewards must be finite numbers"):
+        task.reward(task.prompts()[0], "x")
+
+
+def test_dataset_mistakes_through_the_cli_are_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"question": "a", "solution": "1"}\n')
+    before = snapshot_of(tmp_path)
+    data = str(tmp_path / "data")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--task", str(path)),
+                            "--task", "no column 'prompt'", "--prompt-column")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--task", str(path), "--prompt-column",
+                                "question", "--answer-column", "solution", "--reward", "nosuchmod:f"),
+                            "--task", "cannot import module 'nosuchmod'")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--task", str(tmp_path / "missing.parquet")),
+                            "--task", "no such file")
+    assert snapshot_of(tmp_path) == before

@@ -1,0 +1,163 @@
+"""Held-out evaluation: pass@k by hand, a split that never trains on an eval prompt, the evaluator on the real
+model, and a default run that evaluates every 20 steps while it trains (`echo-hub start`, `echo-hub eval`)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from hub.config import EvalConfig
+from hub.evaluation import Evaluator, pass_at_k, summarize
+from hub.metrics import read_evals, read_metrics
+from shared.layout import HUB_STORE_FILE, METRICS_FILE
+from shared.messages import HubStatus
+from shared.rollout import SamplingParams
+from shared.tasks.base import Prompt, Task
+from shared.tasks.reverse import ReverseTask
+from shared.tasks.split import excluding, is_held_out, split_task
+from tests.harness import start_hub
+from tests.test_first_contact import assert_one_line_mistake, run, snapshot_of
+
+
+def test_pass_at_k_by_hand() -> None:
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0 and pass_at_k(4, 1, 4) == 1.0
+    for n, c, k in ((4, 5, 1), (4, 1, 0), (4, 1, 5), (4, -1, 1)):
+        with pytest.raises(ValueError):
+            pass_at_k(n, c, k)
+
+
+def test_summary_of_rewards_by_hand() -> None:
+    row = summarize(7, [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.5, 0.0]], success_reward=1.0, seconds=2.0)
+    assert row.step == 7 and row.k == 2 and row.prompts == 4 and row.seconds == 2.0
+    assert row.reward == pytest.approx(3.5 / 8)
+    assert row.pass_at_1 == pytest.approx((0.5 + 0 + 1 + 0) / 4)
+    assert row.pass_at_k == pytest.approx((1 + 0 + 1 + 0) / 4)
+    assert summarize(1, [[0.5]], success_reward=0.5, seconds=0).pass_at_1 == 1.0
+    with pytest.raises(ValueError):
+        summarize(1, [[1.0], [1.0, 0.0]], 1.0, 0)
+
+
+class Repeated(Task):
+    """Prompt texts repeated under different ids: a split must keep each text on one side."""
+
+    def prompts(self) -> list[Prompt]:
+        return [Prompt(id=f"p{i}", text=f"text {i % 50}") for i in range(400)]
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return 0.0
+
+
+def test_split_is_by_text_deterministic_and_disjoint() -> None:
+    train, held = split_task(ReverseTask(), 0.1)
+    train_texts, held_texts = {p.text for p in train.prompts()}, {p.text for p in held.prompts()}
+    assert not train_texts & held_texts and len(train_texts) + len(held_texts) == len(ReverseTask().prompts())
+    assert 0.07 < len(held_texts) / (len(train_texts) + len(held_texts)) < 0.13
+    assert [p.id for p in split_task(ReverseTask(), 0.1)[1].prompts()] == [p.id for p in held.prompts()]
+    assert all(is_held_out(t, 0.1) for t in held_texts) and not any(is_held_out(t, 0.1) for t in train_texts)
+    train, held = split_task(Repeated(), 0.2)
+    assert not {p.text for p in train.prompts()} & {p.text for p in held.prompts()}
+    assert len(held.prompts()) % 8 == 0  # each held-out text brings all 8 of its copies
+    with pytest.raises(KeyError):
+        train.get(held.prompts()[0].id)  # a held-out prompt can never be leased for training
+    with pytest.raises(ValueError, match="leaves none to evaluate on"):
+        split_task(ReverseTask(size=3), 1e-6)
+    eval_only = excluding(Repeated(), split_task(Repeated(), 0.5)[0])
+    assert {p.text for p in eval_only.prompts()} == {p.text for p in split_task(Repeated(), 0.5)[1].prompts()}
+
+
+def test_evaluator_on_the_real_model_greedy_and_sampled(default_model_dir: Path) -> None:
+    import torch
+
+    _, held = split_task(ReverseTask(), 0.05)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
+    greedy = Evaluator(default_model_dir, held, EvalConfig(every=1, prompts=32, temperature=0.0), sampling,
+                       "float32", "cpu", seed=0)
+    first, again = greedy.evaluate(1), greedy.evaluate(2)
+    assert first.prompts == 32 and first.k == 1 and first.reward == again.reward  # greedy: deterministic
+    assert 0.0 < first.reward <= 1.0  # the warmed-up default model solves some held-out words
+    sampled = Evaluator(default_model_dir, held, EvalConfig(every=1, prompts=32, samples=4), sampling,
+                        "float32", "cpu", seed=0)
+    row = sampled.evaluate(3)
+    assert row.k == 4 and row.pass_at_1 <= row.pass_at_k and row.pass_at_1 == pytest.approx(row.reward)
+    # Weights copied in from a (here: zeroed) learner state are what it evaluates.
+    state = {k: torch.zeros_like(v) for k, v in greedy.model.state_dict().items()}
+    greedy.load_weights(state)
+    assert greedy.evaluate(4).reward == 0.0
+
+
+def test_eval_mistakes_are_one_line(tmp_path: Path) -> None:
+    before = snapshot_of(tmp_path)
+    data = str(tmp_path / "data")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-split", "1e-9"),
+                            "--eval-split", "leaves none to evaluate on")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-samples", "4",
+                                "--eval-temperature", "0"), "eval", "greedy")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-task",
+                                "nosuch.jsonl"), "--eval-task", "no such file")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--report-to", "tensorbored"),
+                            "tracking.report_to", "tensorboard")
+    assert_one_line_mistake(run("hub.cli", "eval", "--model", str(tmp_path / "none")), "--model", "no such directory")
+    assert snapshot_of(tmp_path) == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_default_run_evaluates_held_out_prompts_every_20_steps(tmp_path: Path) -> None:
+    """60 steps with --eval-every 20: three eval rows, none of their prompts ever trained on, the last beating
+    the first; the status, summary, report and trackers all carry them; `echo-hub eval` scores the final policy."""
+    data = tmp_path / "data"
+    trackers = [t for t in ("tensorboard", "wandb", "trackio") if _installed(t)]
+    hub = start_hub(data, "--steps", "60", "--eval-every", "20", "--eval-prompts", "200",
+                    *(["--report-to", ",".join(trackers)] if trackers else []))
+    try:
+        assert hub.process.wait(timeout=500) == 0, hub.output()[-3000:]
+    finally:
+        hub.kill()
+    evals = read_evals(data / METRICS_FILE)
+    assert [e["eval_step"] for e in evals] == [20, 40, 60], evals
+    assert all(e["eval_prompts"] == 200 for e in evals)
+    assert evals[-1]["eval_reward"] > evals[0]["eval_reward"], evals
+    assert [r["step"] for r in read_metrics(data / METRICS_FILE)] == list(range(1, 61))
+    # Every prompt trained on is from the training side of the split; the eval prompts are all held out.
+    db = sqlite3.connect(data / HUB_STORE_FILE)
+    leased = {pid for (pid,) in db.execute("SELECT DISTINCT prompt_id FROM trajectories WHERE verdict = 'accepted'")}
+    db.close()
+    task = ReverseTask()
+    assert len(leased) > 100 and not any(is_held_out(task.get(pid).text, 0.05) for pid in leased)
+    status = HubStatus.model_validate_json((data / "status.json").read_text())
+    assert [e.step for e in status.evals] == [20, 40, 60]
+    assert "held-out reward (step 20 -> 60)" in hub.output()
+    shown = run("hub.cli", "status", "--data-dir", str(data))
+    assert shown.returncode == 0 and "held-out" in shown.stdout and "at step 60 (200 prompts)" in shown.stdout
+    assert run("hub.cli", "report", "--data-dir", str(data)).returncode == 0
+    _check_trackers(data, trackers)
+    result = run("hub.cli", "eval", "--model", str(data / "final"), "--eval-prompts", "200", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    alone = json.loads(result.stdout.strip().splitlines()[-1])
+    assert alone["eval_prompts"] == 200 and abs(alone["eval_reward"] - evals[-1]["eval_reward"]) < 0.15
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _check_trackers(data: Path, trackers: list[str]) -> None:
+    from tests.test_trackers import tensorboard_scalars, trackio_metrics, wandb_run_files
+
+    if "tensorboard" in trackers:
+        scalars = tensorboard_scalars(data / "tensorboard")
+        assert [step for step, _ in scalars["eval/eval_reward"]] == [20, 40, 60]
+        assert len(scalars["train/reward_mean"]) == 60
+    if "wandb" in trackers:
+        assert wandb_run_files(data / "wandb")
+    if "trackio" in trackers:
+        metrics = trackio_metrics(data / "trackio", "echo2")
+        assert "eval/eval_reward" in metrics and "train/reward_mean" in metrics
