@@ -321,8 +321,10 @@ class Broadcaster:
                 chain.append(peer)
                 log.info("moved %s to the end of its chain", peer[-8:])
 
-    async def run(self) -> None:
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start with `await nursery.start(broadcaster.run)`: publish() needs the nursery this opens."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            task_status.started()
             await trio.sleep_forever()
 

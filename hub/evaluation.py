@@ -113,9 +113,11 @@ class EvalRunner:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    async def run(self) -> None:
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start with `await nursery.start(runner.run)`: start() needs the nursery this opens."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            task_status.started()
             await trio.sleep_forever()
 
     async def start(self, step: int, weights: Callable[[], dict[str, torch.Tensor]]) -> None:

@@ -68,6 +68,7 @@ class Hub:
         from hub.evaluation import EvalRunner, Evaluator
         from hub.learner import LearnerComponent
         from hub.submissions import SubmissionRules
+        from shared.generation import model_stop_ids
         from shared.precision import resolve_dtype
         from shared.snapshot import model_config_hash
 
@@ -83,7 +84,7 @@ class Hub:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model_config = AutoConfig.from_pretrained(model_dir)
         rules = SubmissionRules(
-            task=self.task, group_size=lc.group_size, sampling=config.sampling, eos_id=tokenizer.eos_token_id,
+            task=self.task, group_size=lc.group_size, sampling=config.sampling, stop_ids=frozenset(model_stop_ids(model_dir)),
             vocab_size=model_config.vocab_size, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
         audits = AuditQueue(Auditor(model_dir, self.shelf, config.sampling, config.trust, self.dtype), config.trust.audit_queue_groups)
@@ -165,11 +166,12 @@ class Hub:
             self._announce()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
-                for component in (state, service, self.broadcaster, self.scheduler, self.status):
+                await nursery.start(self.broadcaster.run)  # before anything can publish
+                for component in (state, service, self.scheduler, self.status):
                     nursery.start_soon(component.run)
                 nursery.start_soon(self._publisher)
                 if self.evaluation is not None:
-                    nursery.start_soon(self.evaluation.run)
+                    await nursery.start(self.evaluation.run)
                 if config.local_nodes:
                     self.local_nodes = spawn_local_nodes(
                         config.local_nodes, self.addrs[0], config.data_dir, link_mbps=config.broadcast.link_mbps,

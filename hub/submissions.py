@@ -36,7 +36,7 @@ class SubmissionRules:
     task: Task
     group_size: int
     sampling: SamplingParams
-    eos_id: int
+    stop_ids: frozenset[int]  # every EOS the model declares (shared.generation.model_stop_ids)
     vocab_size: int
     decode: Callable[[list[int]], str]
 
@@ -62,7 +62,7 @@ class GroupVerdict:
         return "accepted" if self.accepted else "late" if self.late else "rejected"
 
 
-def _check_completion(c: Completion, sampling: SamplingParams, eos_id: int) -> str | None:
+def _check_completion(c: Completion, sampling: SamplingParams, stop_ids: frozenset[int]) -> str | None:
     n = len(c.token_ids)
     if n == 0 or n > sampling.max_new_tokens:
         return f"completion length {n} outside [1, {sampling.max_new_tokens}]"
@@ -70,12 +70,11 @@ def _check_completion(c: Completion, sampling: SamplingParams, eos_id: int) -> s
         return f"{len(c.logprobs)} log-probs for {n} tokens"
     if not all(math.isfinite(lp) and lp <= 1e-6 for lp in c.logprobs):
         return "log-probs must be finite and <= 0"
-    ends_with_eos = c.token_ids[-1] == eos_id
-    if c.finish_reason == "stop" and not ends_with_eos:
+    if c.finish_reason == "stop" and c.token_ids[-1] not in stop_ids:
         return "finish_reason stop without EOS"
     if c.finish_reason == "length" and n != sampling.max_new_tokens:
         return "finish_reason length before max_new_tokens"
-    if eos_id in c.token_ids[:-1]:
+    if not stop_ids.isdisjoint(c.token_ids[:-1]):
         return "tokens after EOS"
     return None
 
@@ -108,7 +107,7 @@ def check_group(
         # The lease was only issued to a node holding at least min_version: not lateness.
         return reject(f"version {version} below the lease's minimum {record.min_version}")
     for c in submitted.completions:
-        problem = _check_completion(c, rules.sampling, rules.eos_id)
+        problem = _check_completion(c, rules.sampling, rules.stop_ids)
         if problem is None and any(not 0 <= t < rules.vocab_size for t in c.token_ids):
             problem = "token id outside the vocabulary"
         if problem is not None:

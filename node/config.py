@@ -28,6 +28,8 @@ class NodeConfig(Section):
     declared_link_mbps: float = Field(1000.0, gt=0.0, le=1e6, description="link bandwidth declared on join")
     reconnect_max_s: float = Field(10.0, gt=0.0, le=3600.0, description="cap of the reconnect backoff")
     threads: int = Field(1, ge=1, le=256, description="torch threads for generation")
+    seed: int | None = Field(None, ge=0, lt=2**31, description="sampling seed of this process (None: a fresh random one at every start, so nodes never sample alike)")
+    gpu_memory_fraction: float = Field(0.85, gt=0.0, le=0.98, description="share of the GPU's memory the vLLM engine may take (several nodes on one GPU: split it)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @property

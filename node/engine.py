@@ -17,6 +17,14 @@ class EngineUnavailable(RuntimeError):
     """The requested backend cannot run on this machine; the message says why."""
 
 
+class InstallFailed(RuntimeError):
+    """A verified snapshot that this engine cannot take: the node cannot go on (the message says why)."""
+
+
+class EngineBroken(InstallFailed):
+    """A weight swap failed after it began: the model holds a mix of versions and must not generate."""
+
+
 class Engine(ABC):
     """Samples completions from the current policy; `install` swaps the policy in place.
 
@@ -28,6 +36,15 @@ class Engine(ABC):
     version: int
     tokenizer: object
     dtype: str  # "float32" or "bfloat16": the weights' dtype, which snapshots must carry
+    broken: str | None = None  # why the engine must not generate, once a swap failed half way
+
+    def _usable(self) -> None:
+        if self.broken is not None:
+            raise EngineBroken(self.broken)
+
+    def _swap_failed(self, version: int, exc: BaseException) -> EngineBroken:
+        self.broken = f"the swap to v{version} failed part way ({exc}): the weights are a mix of versions; restart the node"
+        return EngineBroken(self.broken)
 
     @abstractmethod
     def install(self, path: Path, version: int) -> None:
@@ -52,7 +69,10 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
-def make_engine(backend: str, model_dir: Path, device: str | None = None, version: int = 0, dtype: str = "auto") -> Engine:
+def make_engine(
+    backend: str, model_dir: Path, device: str | None = None, version: int = 0, dtype: str = "auto",
+    seed: int | None = None, gpu_memory_fraction: float = 0.85,
+) -> Engine:
     """An engine for model_dir. backend "auto" picks vLLM when it can run (and device is not "cpu"), else "hf".
 
     device None means "cuda" when CUDA is available, else "cpu"; dtype as shared.precision resolves it there.
@@ -71,7 +91,8 @@ def make_engine(backend: str, model_dir: Path, device: str | None = None, versio
             raise EngineUnavailable(f"vllm backend runs on CUDA only, got device {device!r}")
         from node.vllm_engine import VLLMEngine
 
-        return VLLMEngine(Path(model_dir), version=version, dtype=resolve_dtype(dtype, "cuda"))
+        return VLLMEngine(Path(model_dir), version=version, dtype=resolve_dtype(dtype, "cuda"), seed=seed,
+                          gpu_memory_utilization=gpu_memory_fraction)
     import torch
 
     from node.hf_engine import HFEngine

@@ -11,7 +11,7 @@ import torch
 from node.engine import Engine
 from shared.generation import Sampler
 from shared.rollout import Completion, SamplingParams
-from shared.snapshot import load_into
+from shared.snapshot import PartialCopy, load_into
 
 
 class HFEngine(Engine):
@@ -37,9 +37,14 @@ class HFEngine(Engine):
 
     def install(self, path: Path, version: int) -> None:
         with self._lock:
-            load_into(self.model, path)  # checks every key, shape and dtype before copying anything
+            self._usable()
+            try:
+                load_into(self.model, path)  # checks every key, shape, dtype and tie before copying anything
+            except PartialCopy as exc:
+                raise self._swap_failed(version, exc) from exc
             self.version = version
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         with self._lock:
+            self._usable()
             return self.sampler.generate(prompts, n, sampling, self.version)

@@ -13,6 +13,7 @@ from pathlib import Path
 import trio
 
 from node.config import NodeConfig
+from node.engine import InstallFailed
 from node.hub_link import NodeRefused
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.files import atomic_write_text
@@ -73,8 +74,13 @@ class NodeRuntime:
         self.stopper = Stopper()
 
     async def _install(self, path: Path, version: int) -> None:
+        from shared.snapshot import SnapshotError
+
         async with self.engine_lock:
-            await trio.to_thread.run_sync(self.engine.install, path, version)
+            try:
+                await trio.to_thread.run_sync(self.engine.install, path, version)
+            except SnapshotError as exc:  # signed by the hub, yet not for this engine: no later version will be
+                raise InstallFailed(f"cannot install v{version}: {exc}") from exc
 
     def _join_request(self) -> JoinRequest:
         return JoinRequest(
@@ -193,6 +199,7 @@ def run_node(config: NodeConfig, dashboard: bool = False) -> int:
 
     from node.engine import make_engine
     from shared.default_model import ensure_default_model
+    from shared.rollout import engine_seed
     from shared.snapshot import model_dir_config_hash
 
     torch.set_num_threads(config.threads)
@@ -200,21 +207,26 @@ def run_node(config: NodeConfig, dashboard: bool = False) -> int:
     identity = Identity.load_or_create(config.key_path)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = config.model or ensure_default_model(progress=sys.stderr.isatty())
-    engine = make_engine(config.backend, model_dir, device=device, version=-1, dtype=config.dtype)
+    # Each process its own sampling seed unless one is configured: two nodes leased the same prompts in the
+    # same order must not sample the same completions (copy detection would flag them).
+    seed = engine_seed(config.seed)
+    torch.manual_seed(seed)
+    engine = make_engine(config.backend, model_dir, device=device, version=-1, dtype=config.dtype, seed=seed,
+                         gpu_memory_fraction=config.gpu_memory_fraction)
     config_hash = model_dir_config_hash(model_dir)
     print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
     runtime = NodeRuntime(config, identity, engine, config_hash, device)
     try:
         trio.run(runtime.run)
     except BaseExceptionGroup as group:
-        refused, rest = group.split(NodeRefused)
+        refused, rest = group.split((NodeRefused, InstallFailed))
         if refused is None or rest is not None:
             raise
         while isinstance(refused, BaseExceptionGroup):
             refused = refused.exceptions[0]
         print(f"echo-node: {refused}", file=sys.stderr)
         return 1
-    except NodeRefused as exc:
+    except (NodeRefused, InstallFailed) as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 1
     finally:

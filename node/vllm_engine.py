@@ -16,7 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from node.engine import Engine
-from shared.rollout import Completion, SamplingParams
+from shared.generation import model_stop_ids
+from shared.rollout import Completion, SamplingParams, engine_seed, prompt_seeds
+from shared.snapshot import check_tied_copies, tied_groups
+from shared.weights_file import read_entries
 
 WORKER_EXTENSION = "node.vllm_engine.SnapshotWorkerExtension"
 
@@ -56,19 +59,28 @@ class VLLMEngine(Engine):
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.85,
         enforce_eager: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
+        max_model_len: int | None = None,
     ):
-        from transformers import AutoTokenizer
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from vllm import LLM
 
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = version
+        # Tied names from the module tree of a weightless copy: vLLM keeps the embedding of a tied pair and
+        # ignores lm_head, so a snapshot carrying both would run differently here and on the hub.
+        with torch.device("meta"):
+            self._tied = tied_groups(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
         self._llm = LLM(
             model=str(model_dir),
             tokenizer=str(model_dir),
             dtype=dtype,
-            seed=seed,
+            # Each process its own seed unless one is configured: nodes sampling the same prompts in the same
+            # order must not produce the same completions.
+            seed=engine_seed(seed),
+            max_model_len=max_model_len,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
@@ -78,16 +90,21 @@ class VLLMEngine(Engine):
         built = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
         if built != dtype:
             raise RuntimeError(f"vLLM built the model in {built}, asked for {dtype}")
-        eos = self._llm.llm_engine.model_config.hf_config.eos_token_id
-        eos = self.tokenizer.eos_token_id if eos is None else eos
-        self._stop_ids = set(eos if isinstance(eos, list) else [eos])
+        # What vLLM stops on (tokenizer EOS, generation_config EOS ids, config EOS): the hub accepts the same set.
+        self._stop_ids = set(model_stop_ids(model_dir))
         self._lock = threading.Lock()
 
     def install(self, path: Path, version: int) -> None:
         with self._lock:
-            self._llm.collective_rpc("echo2_load_snapshot", args=(str(path),))
-            if self._llm.reset_prefix_cache() is False:
-                raise RuntimeError("vLLM refused to reset its prefix cache after a weight swap")
+            self._usable()
+            # Refusals that need no copy come first, with the engine untouched.
+            check_tied_copies((e.name for e in read_entries(path)), self._tied)
+            try:
+                self._llm.collective_rpc("echo2_load_snapshot", args=(str(path),))
+                if self._llm.reset_prefix_cache() is False:
+                    raise RuntimeError("vLLM refused to reset its prefix cache after a weight swap")
+            except Exception as exc:
+                raise self._swap_failed(version, exc) from exc
             self.version = version
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
@@ -97,17 +114,22 @@ class VLLMEngine(Engine):
             raise ValueError(f"n must be >= 1, got {n}")
         if not prompts:
             return []
-        params = VLLMSamplingParams(
-            n=n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=0,  # disabled: the recorded distribution is temperature + top-p only
-            max_tokens=sampling.max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            seed=sampling.seed,
-        )
+        # A configured seed becomes one seed per prompt: one seed for all would sample equal prompts alike.
+        params = [
+            VLLMSamplingParams(
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=0,  # disabled: the recorded distribution is temperature + top-p only
+                max_tokens=sampling.max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob only
+                seed=seed,
+            )
+            for seed in prompt_seeds(sampling.seed, prompts)
+        ]
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
         with self._lock:
+            self._usable()
             outputs = self._llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
             version = self.version
         return [[self._completion(o, version) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
@@ -134,6 +156,10 @@ class VLLMEngine(Engine):
         import torch
 
         with self._lock:
+            if self._llm is None:
+                return
+            # The engine core is a subprocess: stop it now rather than whenever garbage collection gets to it.
+            self._llm.llm_engine.engine_core.shutdown()
             self._llm = None
             gc.collect()
             torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -23,11 +24,29 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
-    """The ids that end a completion: the generation config's EOS ids, else the tokenizer's EOS."""
-    eos = model.generation_config.eos_token_id
-    eos = tokenizer.eos_token_id if eos is None else eos
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+def stop_token_ids(*declared: int | Sequence[int] | None) -> tuple[int, ...]:
+    """Every id that ends a completion: the union of the EOS declarations given (the tokenizer's, the
+    generation config's, the model config's), as vLLM stops on all of them. Qwen3 and Llama 3 declare several."""
+    ids: set[int] = set()
+    for value in declared:
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+    if not ids:
+        raise ValueError("the model declares no EOS token (tokenizer, generation_config.json and config.json)")
+    return tuple(sorted(ids))
+
+
+def model_stop_ids(model_dir: Path) -> tuple[int, ...]:
+    """stop_token_ids of a model directory, read without loading weights (the hub and the vLLM engine)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        generation_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        generation_eos = None
+    return stop_token_ids(AutoTokenizer.from_pretrained(model_dir).eos_token_id, generation_eos,
+                          AutoConfig.from_pretrained(model_dir).eos_token_id)
 
 
 class Sampler:
@@ -39,7 +58,10 @@ class Sampler:
         self.tokenizer = tokenizer
         self.device = device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
+        self.stop_ids = torch.tensor(
+            stop_token_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id, model.config.eos_token_id),
+            device=device,
+        )
         self._cache_kwarg = cache_kwarg(model)
 
     def generate(

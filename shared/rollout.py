@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length"]
+# vLLM clamps lower temperatures to this (greedy-like), so the log-probs it reports would not be those of
+# the distribution asked for: sampling below it is refused everywhere.
+MIN_TEMPERATURE = 0.01
+SEED_LIMIT = 2**31  # seeds every engine accepts
 # Versions are learner steps: far below SQLite's 64-bit INTEGER, which a hostile number must never reach.
 MAX_VERSION = 2**53
 
@@ -16,10 +23,10 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description="softmax temperature")
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10.0, description="softmax temperature")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept before sampling")
     max_new_tokens: int = Field(16, ge=1, le=65536, description="completion length cap in tokens")
-    seed: int | None = Field(None, ge=0, description="RNG seed for reproducible sampling")
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="RNG seed for reproducible sampling")
 
 
 class Completion(BaseModel):
@@ -45,3 +52,20 @@ class Group(BaseModel):
     completions: tuple[Completion, ...]
     rewards: tuple[float, ...]
     node_id: str = Field("", description="peer id of the node that made it ('' for in-process)")
+
+
+def engine_seed(configured: int | None) -> int:
+    """The seed an engine process starts with: the configured one, else a fresh random one, so that two
+    nodes given the same prompts never sample the same completions (which copy detection would flag)."""
+    return configured if configured is not None else secrets.randbelow(SEED_LIMIT)
+
+
+def prompt_seeds(seed: int | None, prompts: Sequence[str]) -> list[int | None]:
+    """Per-prompt seeds derived from a configured seed (None: unseeded): reproducible across runs, different
+    for every prompt of a batch, equal texts included (the position is part of the derivation)."""
+    if seed is None:
+        return [None] * len(prompts)
+    return [
+        int.from_bytes(hashlib.blake2b(f"{seed}:{i}:{text}".encode(), digest_size=8).digest(), "big") % SEED_LIMIT
+        for i, text in enumerate(prompts)
+    ]

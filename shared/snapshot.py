@@ -29,7 +29,7 @@ import os
 import re
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -255,12 +255,44 @@ def _untied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return kept
 
 
+class PartialCopy(SnapshotError):
+    """A copy that stopped after it began: the model now holds a mix of two versions."""
+
+
+def tied_groups(model: torch.nn.Module) -> list[set[str]]:
+    """Sets of state-dict names that are one parameter (tied embeddings), from the module tree alone
+    (works on a meta-device model)."""
+    names: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), set()).add(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def tied_duplicates(model: torch.nn.Module) -> set[str]:
+    """The names a snapshot of `model` leaves out: all but the first of each tied group, in state-dict order
+    (what build_snapshot keeps: the embedding, which vLLM's loaders expect)."""
+    order = {name: i for i, name in enumerate(model.state_dict())}
+    return {name for group in tied_groups(model) for name in sorted(group, key=order.__getitem__)[1:]}
+
+
+def check_tied_copies(names: Iterable[str], groups: Iterable[set[str]]) -> None:
+    """A snapshot carries one name per tied group: engines disagree on which copy wins (vLLM keeps the
+    embedding, transformers whichever loads last), so two copies are refused, equal or not."""
+    present = set(names)
+    for group in groups:
+        both = sorted(group & present)
+        if len(both) > 1:
+            raise SnapshotError(f"snapshot carries {' and '.join(both)}, which this model ties: a snapshot "
+                                "must carry one of them")
+
+
 def load_into(model: torch.nn.Module, path: Path) -> None:
     """Copy the snapshot file's weights into `model` in place (no re-instantiation), one tensor at a time.
 
     Strict except for tied weights: a key may be absent only if the model ties it to a key
-    the snapshot carries. Shapes and dtypes must match exactly, so loaded values are bit-identical;
-    everything is checked before the first byte is copied.
+    the snapshot carries, and at most one key of a tied group may be present. Shapes and dtypes
+    must match exactly, so loaded values are bit-identical; everything is checked before the
+    first byte is copied (SnapshotError, model untouched); a failure after that is PartialCopy.
     """
     try:
         entries = read_entries(path)
@@ -271,6 +303,7 @@ def load_into(model: torch.nn.Module, path: Path) -> None:
     unexpected = sorted(names - set(current))
     if unexpected:
         raise SnapshotError(f"snapshot has keys the model lacks: {unexpected[:10]}")
+    check_tied_copies(names, tied_groups(model))
     loaded_storages = {current[name].untyped_storage().data_ptr() for name in names}
     untied_missing = sorted(
         name
@@ -286,9 +319,14 @@ def load_into(model: torch.nn.Module, path: Path) -> None:
                 f"{entry.name}: snapshot has {entry.shape} {entry.dtype}, model has {tuple(target.shape)} {target.dtype}"
             )
     staging: dict[torch.dtype, torch.Tensor] = {}
-    with torch.no_grad(), open(path, "rb") as f:
-        for entry in entries:
-            copy_into(f, entry, current[entry.name], staging)
+    done = 0
+    try:
+        with torch.no_grad(), open(path, "rb") as f:
+            for entry in entries:
+                copy_into(f, entry, current[entry.name], staging)
+                done += 1
+    except Exception as exc:
+        raise PartialCopy(f"{path}: copy stopped at tensor {done + 1} of {len(entries)} ({exc!r})") from exc
 
 
 @dataclass(frozen=True)

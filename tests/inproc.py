@@ -44,7 +44,7 @@ def submission_rules(model_dir: Path, config: HubConfig) -> SubmissionRules:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return SubmissionRules(
         task=load_task(config.task), group_size=config.learner.group_size, sampling=config.sampling,
-        eos_id=tokenizer.eos_token_id, vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size,
+        stop_ids=frozenset({tokenizer.eos_token_id}), vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
 

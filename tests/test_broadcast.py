@@ -108,8 +108,7 @@ async def test_broadcast_times_every_receiver_and_plans_chain_or_star(mode):
     async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b, node_peer(peer) as c:
         hub = Hub(peer, mode)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(hub.broadcaster.run)
-            await trio.lowlevel.checkpoint()  # let the broadcaster open its nursery
+            await nursery.start(hub.broadcaster.run)
             # v0 published before anyone joined: nobody to time, so no T_bcast for it
             peer.shelf.add(random_snapshot(hub_id, 0, 256 * KIB, 64 * KIB))
             await hub.broadcaster.publish(0)
@@ -153,8 +152,7 @@ async def test_versions_published_faster_than_the_chain_installs_them_are_each_t
     async with hub_peer(hub_id, HubUplink(None, 4e6)) as peer, node_peer(peer) as a, node_peer(peer) as b:
         hub = Hub(peer, "chain")
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(hub.broadcaster.run)
-            await trio.lowlevel.checkpoint()
+            await nursery.start(hub.broadcaster.run)
             for node in (a, b):
                 join(hub.fleet, node)
             hub.broadcaster.replan()
@@ -180,7 +178,7 @@ async def test_corrupt_relay_is_banned_and_its_successors_get_a_verified_snapsho
         snapshot = random_snapshot(hub_id, 0, 1024 * KIB, 64 * KIB)
         peer.shelf.add(snapshot)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(hub.broadcaster.run)
+            await nursery.start(hub.broadcaster.run)
             for node in (evil, b, c):
                 join(hub.fleet, node)
             hub.broadcaster.chains = [[evil.peer_id, b.peer_id, c.peer_id]]

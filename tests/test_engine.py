@@ -13,6 +13,7 @@ from node.engine import EngineUnavailable, make_engine, vllm_unavailable_reason
 from node.hf_engine import HFEngine
 from shared.logprobs import completion_logprobs, nucleus_removed, sampling_logprobs
 from shared.rollout import SamplingParams
+from shared.snapshot import tied_duplicates
 from shared.tasks.reverse import ReverseTask
 
 PROMPTS = [p.text for p in ReverseTask().prompts()[:16]]
@@ -35,9 +36,12 @@ def save(directory: Path, state: dict[str, torch.Tensor]) -> Path:
 
 
 def snapshot_file(directory: Path, model, noise: float = 0.0, seed: int = 0) -> Path:
+    """The model's weights plus noise, one name per tied group as the hub writes them (two copies of a tied
+    weight with different noise would be refused)."""
     gen = torch.Generator().manual_seed(seed)
-    # clone: tied tensors share storage, which safetensors refuses to serialize.
-    state = {k: (v + noise * torch.randn(v.shape, generator=gen)).clone() for k, v in model.state_dict().items()}
+    dropped = tied_duplicates(model)
+    state = {k: (v + noise * torch.randn(v.shape, generator=gen)).clone() for k, v in model.state_dict().items()
+             if k not in dropped}
     return save(directory, state)
 
 

@@ -36,7 +36,7 @@ def tokenizer(default_model_dir):
 def rules(tokenizer) -> SubmissionRules:
     return SubmissionRules(
         task=ReverseTask(), group_size=GROUP_SIZE, sampling=SamplingParams(max_new_tokens=MAX_NEW_TOKENS),
-        eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
+        stop_ids=frozenset({tokenizer.eos_token_id}), vocab_size=len(tokenizer),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
 

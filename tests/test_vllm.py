@@ -4,9 +4,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hub.config import TrustConfig
 from node.engine import vllm_unavailable_reason
 from shared.logprobs import completion_logprobs
 from shared.rollout import SamplingParams
+from shared.snapshot import SnapshotError, tied_duplicates
 from shared.tasks.reverse import ReverseTask
 
 pytestmark = [
@@ -31,15 +33,20 @@ def engines(default_model_dir):
 
 
 def perturbed_snapshot(model, noise: float, seed: int, path):
-    """A snapshot file of `model`'s weights plus noise (tied names dropped, as the hub writes them)."""
+    """A snapshot file of `model`'s weights plus noise, one name per tied group (as the hub writes them): the
+    noise goes on the deduplicated parameters, so the tied copies cannot differ."""
     gen = torch.Generator().manual_seed(seed)
-    state = {k: (v.cpu() + noise * torch.randn(v.shape, generator=gen)).clone() for k, v in model.state_dict().items()}
-    state.pop("lm_head.weight", None)
+    dropped = tied_duplicates(model)
+    state = {k: (v.cpu() + noise * torch.randn(v.shape, generator=gen)).clone()
+             for k, v in model.state_dict().items() if k not in dropped}
     save_file(state, path)
     return path
 
 
 def mean_gap(vllm_engine, hf_engine, sampling: SamplingParams, n: int = 4) -> float:
+    """Mean |vLLM - HF| log-prob over tokens inside HF's nucleus. Triton's top-p may keep a token at the
+    nucleus boundary that shared.logprobs drops (-inf): those are counted and bounded as the hub's audit
+    bounds them (trust.audit_max_outside_frac), not averaged in."""
     out = vllm_engine.generate(PROMPTS, n, sampling)
     flat = [c for group in out for c in group]
     prompt_ids = [ids for ids in hf_engine.tokenizer(PROMPTS)["input_ids"] for _ in range(n)]
@@ -51,7 +58,10 @@ def mean_gap(vllm_engine, hf_engine, sampling: SamplingParams, n: int = 4) -> fl
     reported = torch.zeros_like(ref)
     for row, c in enumerate(flat):
         reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
-    return (((ref - reported).abs() * mask).sum() / mask.sum()).item()
+    inside = mask.bool() & torch.isfinite(ref)
+    outside = int(mask.sum()) - int(inside.sum())
+    assert outside <= TrustConfig().audit_max_outside_frac * int(mask.sum()), f"{outside} tokens outside the nucleus"
+    return ((ref - reported).abs()[inside].sum() / inside.sum()).item()
 
 
 def test_vllm_generates_completions(engines):
@@ -85,3 +95,41 @@ def test_vllm_swap_changes_policy_and_matches_hf(engines, tmp_path):
     assert vllm_engine.version == 7 and all(c.version == 7 for g in after for c in g)
     assert [c.token_ids for g in after for c in g] != [c.token_ids for g in before for c in g]
     assert mean_gap(vllm_engine, hf_engine, sampling) < MAX_MEAN_LOGPROB_GAP
+
+
+def test_vllm_refuses_differing_tied_copies_and_stays_usable(engines, tmp_path):
+    vllm_engine, hf_engine = engines
+    state = {k: v.cpu().clone() for k, v in hf_engine.model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 0.1
+    save_file(state, tmp_path / "tied.safetensors")
+    version = vllm_engine.version
+    with pytest.raises(SnapshotError, match="ties"):
+        vllm_engine.install(tmp_path / "tied.safetensors", version=version + 1)
+    assert vllm_engine.version == version
+    assert vllm_engine.generate(PROMPTS[:2], 1, SamplingParams(max_new_tokens=2))
+
+
+def test_a_configured_seed_still_samples_equal_prompts_differently(engines):
+    vllm_engine, _ = engines
+    out = vllm_engine.generate(["abcdefg>"] * 8, 1, SamplingParams(max_new_tokens=8, seed=11))
+    again = vllm_engine.generate(["abcdefg>"] * 8, 1, SamplingParams(max_new_tokens=8, seed=11))
+    tokens = [g[0].token_ids for g in out]
+    assert len(set(tokens)) > 1  # one seed for all would give 8 equal completions
+    assert tokens == [g[0].token_ids for g in again]  # and the same seed gives the same completions
+
+
+def test_hot_swap_under_cuda_graphs(default_model_dir, tmp_path):
+    """The swap tests above run eager; nodes run with CUDA graphs, which capture weight pointers."""
+    from node.hf_engine import HFEngine
+    from node.vllm_engine import VLLMEngine
+
+    graphed = VLLMEngine(default_model_dir, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=False)
+    try:
+        hf_engine = HFEngine(default_model_dir, device="cuda", dtype="float32")
+        snapshot = perturbed_snapshot(hf_engine.model, noise=0.05, seed=3, path=tmp_path / "v3.safetensors")
+        graphed.install(snapshot, version=3)
+        hf_engine.install(snapshot, version=3)
+        sampling = SamplingParams(max_new_tokens=8, seed=2)
+        assert mean_gap(graphed, hf_engine, sampling) < MAX_MEAN_LOGPROB_GAP
+    finally:
+        graphed.close()
