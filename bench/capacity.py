@@ -151,7 +151,7 @@ def measure_point(run: Run, steps: int) -> Point:
     return Point(
         mu_pool=mu_pool,
         measured_bubble=idle / (idle + train),
-        predicted_bubble=predicted_bubble(KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool),
+        predicted_bubble=predicted_bubble(KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool, STALENESS),
         t_train_s=t_train,
         t_bcast_s=t_bcast,
         mu_min=feasible_mu_min(rollouts_per_step, t_train, t_bcast),
@@ -162,7 +162,7 @@ def measure_point(run: Run, steps: int) -> Point:
 
 def feasible_mu_min(rollouts_per_step: float, t_train: float, t_bcast: float) -> float | None:
     try:
-        return mu_min(KAPPA, rollouts_per_step, t_train, t_bcast)
+        return mu_min(KAPPA, rollouts_per_step, t_train, t_bcast, STALENESS)
     except InfeasibleCapacity:
         return None
 

@@ -47,47 +47,78 @@ def usable_fraction(trained_groups: int, settled_groups: int) -> float:
     return max(MIN_USABLE_FRACTION, trained_groups / settled_groups)
 
 
-def mu_min(kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float) -> float:
-    """Pool throughput (rollouts/s) that just keeps the learner busy: kappa*R / (kappa*T_train - T_bcast)."""
+def broadcast_stall_s(kappa: int, t_train_s: float, t_bcast_s: float, staleness: int | None = None) -> float:
+    """Seconds per publish period in which the fleet holds no version it may still generate with.
+
+    DESIGN's formula (staleness None) counts the whole T_bcast. Under the hub's lease rule a node
+    keeps generating with version x through the learner's step x + S, which ends S - kappa steps
+    after version x + kappa is published; only a broadcast slower than that stalls it:
+    max(0, T_bcast - (S - kappa) * T_train). At S = 0 (kappa = 1) that is T_bcast + T_train: a
+    node generates only while the learner waits.
+    """
+    if staleness is None:
+        return t_bcast_s
+    return max(0.0, t_bcast_s - (staleness - kappa) * t_train_s)
+
+
+def mu_min(
+    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, staleness: int | None = None,
+) -> float:
+    """Pool throughput (rollouts/s) that just keeps the learner busy: kappa*R / (kappa*T_train - stall), the
+    stall as broadcast_stall_s gives it (DESIGN's formula, stall = T_bcast, when staleness is None). At S = 0
+    no pool does: the learner waits for every broadcast and every rollout."""
     _check_period(kappa, rollouts_per_step, t_train_s, t_bcast_s)
-    window_s = kappa * t_train_s - t_bcast_s
-    if window_s <= 0:
+    if staleness == 0:
         raise InfeasibleCapacity(
-            f"kappa * T_train = {kappa} * {t_train_s:g} s = {kappa * t_train_s:g} s does not exceed "
-            f"T_bcast = {t_bcast_s:g} s: no fleet can keep the learner busy; raise the staleness "
-            f"budget S and kappa (publish less often) or shrink the snapshot (faster broadcast)"
+            "with S = 0 the learner waits for each snapshot to arrive and each step's rollouts to be made: "
+            "no fleet keeps it busy; allow staleness (S >= 1) to overlap generation with training"
+        )
+    stall_s = broadcast_stall_s(kappa, t_train_s, t_bcast_s, staleness)
+    window_s = kappa * t_train_s - stall_s
+    if window_s <= 0:
+        stall = f"T_bcast = {t_bcast_s:g} s" if staleness is None else (
+            f"the broadcast's stall T_bcast - (S - kappa) * T_train = {stall_s:g} s")
+        raise InfeasibleCapacity(
+            f"kappa * T_train = {kappa} * {t_train_s:g} s = {kappa * t_train_s:g} s does not exceed {stall}: "
+            f"no fleet can keep the learner busy; raise the staleness budget S and kappa (publish less often) or "
+            f"shrink the snapshot (faster broadcast)"
         )
     return kappa * rollouts_per_step / window_s
 
 
 def predicted_idle_s(
-    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float
+    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float,
+    staleness: int | None = None,
 ) -> float:
-    """Learner idle seconds per publish period: max(0, kappa*R/mu_pool + T_bcast - kappa*T_train).
+    """Learner idle seconds per publish period: max(0, kappa*R/mu_pool + stall - kappa*T_train), the stall
+    as broadcast_stall_s gives it (at S = 0: R/mu_pool + T_bcast, as nothing is made while it trains).
 
     An empty pool (mu_pool <= 0) never delivers, so the idle time is infinite.
     """
     _check_period(kappa, rollouts_per_step, t_train_s, t_bcast_s)
     if mu_pool <= 0:
         return math.inf
-    return max(0.0, kappa * rollouts_per_step / mu_pool + t_bcast_s - kappa * t_train_s)
+    stall_s = broadcast_stall_s(kappa, t_train_s, t_bcast_s, staleness)
+    return max(0.0, kappa * rollouts_per_step / mu_pool + stall_s - kappa * t_train_s)
 
 
 def predicted_bubble(
-    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float
+    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float,
+    staleness: int | None = None,
 ) -> float:
     """Learner bubble ratio T_idle / (T_idle + kappa*T_train); 1.0 for an empty pool."""
-    idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool)
+    idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, staleness)
     if math.isinf(idle_s):
         return 1.0
     return idle_s / (idle_s + kappa * t_train_s)
 
 
 def predicted_step_s(
-    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float
+    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float,
+    staleness: int | None = None,
 ) -> float:
     """Wall seconds per learner step, idle included: (kappa*T_train + T_idle) / kappa."""
-    idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool)
+    idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, staleness)
     return (kappa * t_train_s + idle_s) / kappa
 
 
@@ -99,10 +130,11 @@ def cost_per_step(
     mu_pool: float,
     learner_price_per_hour: float,
     active_prices_per_hour: Iterable[float],
+    staleness: int | None = None,
 ) -> float:
     """Dollars per learner step: (learner + active node prices) $/h * predicted step seconds / 3600."""
     per_hour = learner_price_per_hour + math.fsum(active_prices_per_hour)
-    step_s = predicted_step_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool)
+    step_s = predicted_step_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, staleness)
     return per_hour * step_s / SECONDS_PER_HOUR
 
 

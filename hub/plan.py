@@ -131,6 +131,7 @@ def compute_plan(
     kappa: int,
     gamma: float,
     learner_price: float,
+    staleness: int | None = None,
 ) -> PlanResult:
     """The plan for a validated fleet; raises InfeasibleCapacity or PlanError."""
     if rollouts_per_step <= 0:
@@ -145,7 +146,7 @@ def compute_plan(
         raise PlanError(f"--gamma is headroom over mu_min and must be >= 1, got {gamma:g}")
     if learner_price < 0:
         raise PlanError(f"--learner-price must be >= 0, got {learner_price:g}")
-    minimum = mu_min(kappa, rollouts_per_step, t_train_s, t_bcast_s)
+    minimum = mu_min(kappa, rollouts_per_step, t_train_s, t_bcast_s, staleness)
     target = gamma * minimum
     chosen = activate(fleet, target)
     active_prices = [node.price_per_hour for node in chosen.active]
@@ -157,10 +158,10 @@ def compute_plan(
         active=chosen.active,
         mu_active=chosen.mu_active,
         shortfall=chosen.shortfall,
-        predicted_bubble=predicted_bubble(*period),
-        predicted_step_s=predicted_step_s(*period),
+        predicted_bubble=predicted_bubble(*period, staleness),
+        predicted_step_s=predicted_step_s(*period, staleness),
         cost_per_hour=learner_price + math.fsum(active_prices),
-        cost_per_step=cost_per_step(*period, learner_price, active_prices),
+        cost_per_step=cost_per_step(*period, learner_price, active_prices, staleness),
     )
 
 
@@ -223,7 +224,7 @@ def run_plan(args: argparse.Namespace) -> int:
             raise PlanError(str(exc)) from exc
         fleet = load_fleet(args.fleet)
         result = compute_plan(fleet, args.rollouts_per_step, args.t_train, args.t_bcast,
-                              kappa, args.gamma, args.learner_price)
+                              kappa, args.gamma, args.learner_price, args.staleness)
     except (PlanError, InfeasibleCapacity) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE_ERROR

@@ -152,7 +152,8 @@ class Hub:
                 LearnerTiming(lc.effective_kappa, lc.prompts_per_step * lc.group_size,
                               t_train_s=lambda: self.status.t_train_recent_s,
                               t_bcast_s=self.broadcaster.last_t_bcast_s,
-                              usable_fraction=lambda: self.status.usable_fraction),
+                              usable_fraction=lambda: self.status.usable_fraction,
+                              staleness=lc.staleness),
                 set_state=state.set_state,
             )
             self.status = StatusBoard(

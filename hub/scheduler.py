@@ -57,6 +57,9 @@ class LearnerTiming:
     t_bcast_s: Callable[[], float | None]
     # Share of accepted groups that end up trained on (hub.capacity.usable_fraction).
     usable_fraction: Callable[[], float] = lambda: 1.0
+    # S: how long nodes may go on with the version they hold (hub.capacity.broadcast_stall_s); None: DESIGN's
+    # formula, where the broadcast stops the fleet for all of T_bcast.
+    staleness: int | None = None
 
 
 def offer(record: NodeRecord) -> NodeOffer:
@@ -96,14 +99,16 @@ class Scheduler:
         # Accepted rollouts the fleet must produce per step, counting the groups the learner skips.
         k, r = self.timing.kappa, self.timing.rollouts_per_step / usable
         try:
-            needed = mu_min(k, r, t_train, t_bcast)
+            needed = mu_min(k, r, t_train, t_bcast, self.timing.staleness)
         except InfeasibleCapacity as exc:
             # No target, but the bubble of the pool we have is still predicted (never 0 here).
             return CapacityView(
-                mu_pool, None, None, predicted_bubble(k, r, t_train, t_bcast, mu_pool), str(exc), usable
+                mu_pool, None, None, predicted_bubble(k, r, t_train, t_bcast, mu_pool, self.timing.staleness), str(exc),
+                usable,
             )
         return CapacityView(
-            mu_pool, needed, self.config.gamma * needed, predicted_bubble(k, r, t_train, t_bcast, mu_pool),
+            mu_pool, needed, self.config.gamma * needed,
+            predicted_bubble(k, r, t_train, t_bcast, mu_pool, self.timing.staleness),
             f"T_train {t_train:.3g}s T_bcast {t_bcast:.3g}s usable {usable:.0%}", usable,
         )
 

@@ -11,6 +11,7 @@ from hub.capacity import (
     InfeasibleCapacity,
     NodeOffer,
     activate,
+    broadcast_stall_s,
     control_decision,
     cost_per_step,
     default_kappa,
@@ -56,6 +57,35 @@ def test_idle_and_bubble():
     assert predicted_idle_s(3, 100, 10.0, 5.0, 0.0) == math.inf
     assert predicted_bubble(3, 100, 10.0, 5.0, 0.0) == 1.0
     assert predicted_bubble(3, 100, 10.0, 5.0, -1.0) == 1.0
+
+
+def test_s0_waits_for_the_broadcast_and_every_rollout():
+    """S = 0: R = 100 rollouts at 10/s after a 5 s broadcast idle the learner 15 s per 20 s step, whatever the
+    fleet (DESIGN's overlapped formula would say 0 s); no mu_min exists."""
+    assert predicted_idle_s(1, 100, 20.0, 5.0, 10.0) == 0.0
+    assert predicted_idle_s(1, 100, 20.0, 5.0, 10.0, staleness=0) == pytest.approx(15.0)
+    assert predicted_bubble(1, 100, 20.0, 5.0, 10.0, staleness=0) == pytest.approx(15.0 / 35.0)
+    assert predicted_idle_s(1, 100, 20.0, 5.0, 0.0, staleness=0) == math.inf
+    with pytest.raises(InfeasibleCapacity, match="S = 0"):
+        mu_min(1, 100, 20.0, 5.0, staleness=0)
+
+
+def test_nodes_keep_generating_with_a_version_still_inside_the_window():
+    """S = 5, kappa = 3, T_train = 10 s: version x serves through step x + 5, which ends S - kappa = 2 steps
+    (20 s) after x + 3 is published, so a 15 s broadcast stalls nobody and a 35 s one stalls the fleet 15 s."""
+    assert broadcast_stall_s(3, 10.0, 15.0) == 15.0  # DESIGN's formula: all of T_bcast
+    assert broadcast_stall_s(3, 10.0, 15.0, staleness=5) == 0.0
+    assert broadcast_stall_s(3, 10.0, 35.0, staleness=5) == pytest.approx(15.0)
+    assert broadcast_stall_s(3, 10.0, 15.0, staleness=4) == pytest.approx(5.0)  # one step of slack
+    assert broadcast_stall_s(1, 10.0, 35.0, staleness=0) == 45.0  # T_bcast + T_train
+    # R = 90 per step at 10/s: 27 s of generation per 30 s period; a 15 s broadcast costs nothing with S = 5.
+    assert predicted_idle_s(3, 90, 10.0, 15.0, 10.0, staleness=5) == 0.0
+    assert predicted_idle_s(3, 90, 10.0, 15.0, 10.0) == pytest.approx(12.0)  # 27 + 15 - 30
+    assert predicted_idle_s(3, 90, 10.0, 35.0, 10.0, staleness=5) == pytest.approx(12.0)  # 27 + 15 - 30
+    assert mu_min(3, 90, 10.0, 15.0, staleness=5) == pytest.approx(9.0)  # 270 / 30
+    assert mu_min(3, 90, 10.0, 15.0) == pytest.approx(18.0)  # 270 / (30 - 15)
+    with pytest.raises(InfeasibleCapacity):
+        mu_min(3, 90, 10.0, 50.0, staleness=5)  # stall 30 s: the version arrives already too old
 
 
 def test_step_time_and_cost_per_step():

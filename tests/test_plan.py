@@ -27,8 +27,9 @@ price_per_hour = 1.0
 rollouts_per_s = 10.0
 """
 
-# R = 100, T_train = 10 s, T_bcast = 5 s, S = 4 -> kappa = 3:
-# mu_min = 300 / (30 - 5) = 12, mu_target = 1.1 * 12 = 13.2
+# R = 100, T_train = 10 s, T_bcast = 5 s, S = 4 -> kappa = 3: nodes keep generating with their version for
+# S - kappa = 1 step (10 s) past the next publish, so the 5 s broadcast stalls nothing:
+# mu_min = 300 / 30 = 10, mu_target = 1.1 * 10 = 11
 PERIOD = ["--rollouts-per-step", "100", "--t-train", "10", "--t-bcast", "5"]
 
 
@@ -48,13 +49,13 @@ def test_plan_met_by_cheapest_prefix(tmp_path, capsys):
     plan = json.loads(out)
     assert set(plan) == {"mu_min", "mu_target", "active", "mu_active", "shortfall",
                          "predicted_bubble", "cost_per_hour", "cost_per_step"}
-    # rho: a 0.1, c 0.1 (after a by name), b 0.2; a + c = 15 >= 13.2
+    # rho: a 0.1, c 0.1 (after a by name), b 0.2; a + c = 15 >= 11
     assert plan["active"] == ["a", "c"]
-    assert plan["mu_min"] == pytest.approx(12.0)
-    assert plan["mu_target"] == pytest.approx(13.2)
+    assert plan["mu_min"] == pytest.approx(10.0)
+    assert plan["mu_target"] == pytest.approx(11.0)
     assert plan["mu_active"] == pytest.approx(15.0)
     assert plan["shortfall"] == 0.0
-    # idle = max(0, 300 / 15 + 5 - 30) = 0
+    # idle = max(0, 300 / 15 + 0 - 30) = 0
     assert plan["predicted_bubble"] == 0.0
     # 3.06 + 0.5 + 1.0 $/h over a 10 s step
     assert plan["cost_per_hour"] == pytest.approx(4.56)
@@ -68,12 +69,12 @@ def test_plan_fleet_falls_short(tmp_path, capsys):
     plan = json.loads(out)
     assert plan["active"] == ["a", "b"]
     assert plan["mu_active"] == pytest.approx(7.0)
-    assert plan["shortfall"] == pytest.approx(6.2)
-    # idle = 300 / 7 + 5 - 30 = 125 / 7; bubble = (125/7) / (125/7 + 30) = 125 / 335
-    assert plan["predicted_bubble"] == pytest.approx(125 / 335)
-    # step = (30 + 125/7) / 3 = 335 / 21 s at 3.06 + 0.9 $/h
+    assert plan["shortfall"] == pytest.approx(4.0)
+    # idle = 300 / 7 + 0 - 30 = 90 / 7; bubble = (90/7) / (90/7 + 30) = 90 / 300
+    assert plan["predicted_bubble"] == pytest.approx(0.3)
+    # step = (30 + 90/7) / 3 = 300 / 21 s at 3.06 + 0.9 $/h
     assert plan["cost_per_hour"] == pytest.approx(3.96)
-    assert plan["cost_per_step"] == pytest.approx(3.96 * 335 / 21 / 3600)
+    assert plan["cost_per_step"] == pytest.approx(3.96 * 300 / 21 / 3600)
 
 
 def test_plan_kappa_override_and_learner_price(tmp_path, capsys):
@@ -81,11 +82,14 @@ def test_plan_kappa_override_and_learner_price(tmp_path, capsys):
                        "--learner-price", "0", "--json")
     assert code == 0
     plan = json.loads(out)
-    # mu_min = 100 / (10 - 5) = 20; the whole fleet (17) falls 3 short
-    assert plan["mu_min"] == pytest.approx(20.0)
-    assert plan["active"] == ["a", "c", "b"]
-    assert plan["shortfall"] == pytest.approx(3.0)
-    assert plan["cost_per_hour"] == pytest.approx(1.9)
+    # stall = max(0, 5 - (4 - 1) * 10) = 0, mu_min = 100 / 10 = 10: a + c = 15 covers it
+    assert plan["mu_min"] == pytest.approx(10.0)
+    assert plan["active"] == ["a", "c"]
+    assert plan["shortfall"] == 0.0
+    assert plan["cost_per_hour"] == pytest.approx(1.5)
+    # S = 0: the learner waits for every broadcast and every rollout, so no mu_min exists
+    code, out, err = run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--staleness", "0", "--json")
+    assert code == 2 and out == "" and "S = 0" in err
 
 
 def test_plan_table_output(tmp_path, capsys):
@@ -97,7 +101,8 @@ def test_plan_table_output(tmp_path, capsys):
 
 
 def test_plan_infeasible_capacity(tmp_path, capsys):
-    code, out, err = run(tmp_path, capsys, FLEET_ACE, "--t-train", "10", "--t-bcast", "30", "--json")
+    # stall = 45 - (4 - 3) * 10 = 35 s >= kappa * T_train = 30 s: the snapshot arrives too old to use
+    code, out, err = run(tmp_path, capsys, FLEET_ACE, "--t-train", "10", "--t-bcast", "45", "--json")
     assert code == 2 and out == ""
     assert err.startswith("error: ") and "shrink the snapshot" in err
 
