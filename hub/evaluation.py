@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -84,10 +85,13 @@ class Evaluator:
         with torch.no_grad():
             self.model.load_state_dict(state, strict=True)
 
-    def evaluate(self, step: int) -> EvalPoint:
+    def evaluate(self, step: int, stop: threading.Event | None = None) -> EvalPoint | None:
+        """The evaluation of the weights loaded last; None when `stop` was set (checked between batches)."""
         started = time.perf_counter()
         rewards: list[list[float]] = []
         for i in range(0, len(self.prompts), EVAL_BATCH_PROMPTS):
+            if stop is not None and stop.is_set():
+                return None
             batch = self.prompts[i : i + EVAL_BATCH_PROMPTS]
             groups = self.sampler.generate([p.text for p in batch], self.cfg.samples, self.sampling, step, self.greedy)
             rewards += [[float(self.task.reward(p, c.text)) for c in group] for p, group in zip(batch, groups)]
@@ -95,7 +99,11 @@ class Evaluator:
 
 
 class EvalRunner:
-    """Evaluates every `every` steps without stalling the learner; `record` keeps each result."""
+    """Evaluates every `every` steps without stalling the learner; `record` keeps each result.
+
+    Evaluation is optional: one that fails (a reward function raising, memory running out) is logged
+    and recorded as an `eval_failed` event, and training goes on. On cancellation (Ctrl-C) the
+    evaluation in progress stops at its next batch instead of holding the hub's exit."""
 
     def __init__(
         self, evaluator: Evaluator, every: int, record: Callable[[EvalPoint], Awaitable[None]],
@@ -106,6 +114,7 @@ class EvalRunner:
         self.record = record
         self.event = event
         self.running: int | None = None  # the step being evaluated
+        self.done: set[int] = set()  # steps evaluated (or failed): the final one is not repeated
         self._idle = trio.Event()
         self._idle.set()
         self._nursery: trio.Nursery | None = None
@@ -125,21 +134,52 @@ class EvalRunner:
         if self.running is not None:
             await self.event("eval_skipped", None, f"eval of step {step} skipped: the one of step {self.running} still runs")
             return
-        await trio.to_thread.run_sync(lambda: self.evaluator.load_weights(weights()))
+        try:
+            await trio.to_thread.run_sync(lambda: self.evaluator.load_weights(weights()))
+        except Exception as exc:  # noqa: BLE001 -- an optional evaluation must not end the run
+            await self._failed(step, exc)
+            return
         self.running = step
         self._idle = trio.Event()
         self._nursery.start_soon(self._evaluate, step)
 
+    async def _failed(self, step: int, exc: Exception) -> None:
+        self.done.add(step)
+        log.error("eval of step %d failed", step, exc_info=exc)
+        print(f"echo-hub: warning: the evaluation of step {step} failed ({exc!r}); training goes on", flush=True)
+        await self.event("eval_failed", None, f"step {step}: {exc!r}"[:500])
+
     async def _evaluate(self, step: int) -> None:
+        stop = threading.Event()
         try:
-            result = await trio.to_thread.run_sync(self.evaluator.evaluate, step)
+            try:
+                # Abandoned on cancel: the thread sees `stop` at its next batch and ends on its own.
+                result = await trio.to_thread.run_sync(self.evaluator.evaluate, step, stop, abandon_on_cancel=True)
+            except trio.Cancelled:
+                stop.set()
+                raise
+            except Exception as exc:  # noqa: BLE001 -- an optional evaluation must not end the run
+                await self._failed(step, exc)
+                return
+            if result is None:
+                return
             log.info("eval step %d: reward %.3f pass@1 %.3f pass@%d %.3f over %d prompts in %.1fs", step, result.reward,
                      result.pass_at_1, result.k, result.pass_at_k, result.prompts, result.seconds)
-            await self.record(result)
+            self.done.add(step)
+            with trio.CancelScope(shield=True):  # the store row and the metrics line go together
+                await self.record(result)
         finally:
             self.running = None
             self._idle.set()
 
     async def drain(self) -> None:
-        """Wait for the evaluation in progress (the last step's, at the end of a run)."""
+        """Wait for the evaluation in progress."""
         await self._idle.wait()
+
+    async def finish(self, step: int, weights: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """At the end of a run: the final policy is evaluated too (when its step was not due, or its
+        evaluation was skipped because an earlier one still ran), and the run waits for it."""
+        await self.drain()
+        if step > 0 and step not in self.done:
+            await self.start(step, weights)
+            await self.drain()

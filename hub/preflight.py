@@ -103,9 +103,19 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     return handle
 
 
-def run_identity(config: HubConfig, model_dir: Path) -> tuple[str, str]:
-    """(model fingerprint, task) of the run this start asks for."""
-    return model_fingerprint(model_dir), config.task.strip()
+RUN_IDENTITY_KEYS = ("model_fingerprint", "task", "held_out")
+
+
+def held_out_spec(config: HubConfig) -> str:
+    """Which prompts the run keeps out of training: changing it on resume would evaluate on trained prompts."""
+    if config.eval.every == 0:
+        return "none"
+    return f"task {config.eval.task.strip()}" if config.eval.task is not None else f"split {config.eval.split:g}"
+
+
+def run_identity(config: HubConfig, model_dir: Path) -> tuple[str, str, str]:
+    """(model fingerprint, task, held-out prompts) of the run this start asks for."""
+    return model_fingerprint(model_dir), config.task.strip(), held_out_spec(config)
 
 
 def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | None:
@@ -135,11 +145,13 @@ def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | N
         ).fetchone()[0]
     finally:
         db.close()
-    fingerprint, task = run_identity(config, model_dir) if model_dir.exists() else (None, config.task.strip())
-    changed = [what for what, key, now in (("model", "model_fingerprint", fingerprint), ("task", "task", task))
-               if now is not None and key in meta and meta[key] != now]
+    fingerprint = model_fingerprint(model_dir) if model_dir.exists() else None
+    asked = (("model", "model_fingerprint", fingerprint), ("task", "task", config.task.strip()),
+             ("held-out prompts", "held_out", held_out_spec(config)))
+    changed = [what for what, key, now in asked if now is not None and key in meta and meta[key] != now]
     if changed and not anyway:
-        was = ", ".join(f"{what} {meta['model' if what == 'model' else 'task']!r}" for what in changed)
+        shown = {"model": "model", "task": "task", "held-out prompts": "held_out"}
+        was = ", ".join(f"{what} {meta[shown[what]]!r}" for what in changed)
         raise UserError(f"--data-dir {config.data_dir} holds a run of another {' and '.join(changed)} ({was}); pass "
                         "--fresh to start over (the old run is moved aside), --resume-anyway to go on with the "
                         "new one, or another --data-dir")

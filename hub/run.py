@@ -14,7 +14,7 @@ import trio
 
 from hub.config import HubConfig
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
-from hub.preflight import Resume, run_identity
+from hub.preflight import RUN_IDENTITY_KEYS, Resume, run_identity
 from hub.snapshots import SnapshotShelf
 from hub.state import HubState
 from hub.store import Store
@@ -92,7 +92,7 @@ class Hub:
             Store(config.data_dir / HUB_STORE_FILE), config, self.task, rules=rules,
             model_config_hash=model_config_hash(model_config.to_dict()), audits=audits,
             oldest_useful_version=lambda: self.learner.min_useful_version(), newest_version=self.shelf.newest_version,
-            run=dict(zip(("model_fingerprint", "task"), run_identity(config, model_dir)), model=str(model_dir)),
+            run=dict(zip(RUN_IDENTITY_KEYS, run_identity(config, model_dir)), model=str(model_dir)),
         )
         # Files the shelf no longer serves (a crash's orphans, versions from before a restart) go now; the
         # newest stays for the learner to serve again on resume.
@@ -185,8 +185,8 @@ class Hub:
                 nursery.start_soon(live_progress if self.progress and sys.stdout.isatty() else plain_progress, self)
                 nursery.start_soon(watch_for_stalls, self, lc.stall_warning_s)
                 await self.learner.run()
-                if self.evaluation is not None:
-                    await self.evaluation.drain()  # the last step's evaluation belongs to the run
+                if self.evaluation is not None:  # the final policy's evaluation belongs to the run
+                    await self.evaluation.finish(self.learner.step, self.learner.learner.state_dict)
                 self.status.running = False
                 await self.status.refresh()
                 nursery.cancel_scope.cancel()
@@ -227,9 +227,9 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
         print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
         hub.learner.save_state()
         hub.status.running = False
-    hub.trackers.close()
     hub.state.flush_sync()
     hub.status.refresh_sync()
+    hub.trackers.close()
     hub.state.store.close()
     print_summary(config.data_dir, interrupted=interrupted)
     return 130 if interrupted else 0

@@ -8,6 +8,7 @@ from the hub's score is a lie, and that group is rejected (neither trained on no
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from shared.tasks.base import Task
 
 CLAIMED_REWARD_TOLERANCE = 1e-6
 REASON_CLAIMED_REWARD = "claimed rewards differ from the hub's scores"
+
+log = logging.getLogger("echo2.hub.submissions")
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,14 @@ def check_group(
         return GroupVerdict(pid, False, reason, submitted, late=True)
     completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
     prompt = prompts[pid]
-    rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
+    try:
+        rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
+    except Exception as exc:  # noqa: BLE001 -- the operator's reward code on a peer's text: this group only
+        log.error("the task's reward failed on a completion of %s", pid, exc_info=exc)
+        return reject(f"the task's reward failed on this group ({type(exc).__name__})")
+    if not all(math.isfinite(r) for r in rewards):
+        log.error("the task's reward gave %r for %s", rewards, pid)
+        return reject("the task's reward is not a finite number for this group")
     if submitted.claimed_rewards is not None and (
         len(submitted.claimed_rewards) != len(rewards)
         or any(not abs(a - b) <= CLAIMED_REWARD_TOLERANCE for a, b in zip(submitted.claimed_rewards, rewards))

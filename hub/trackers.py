@@ -133,8 +133,13 @@ class Trackers:
                 self.trackers.remove((name, tracker))
 
     def close(self) -> None:
-        for _, tracker in self.trackers:
-            tracker.close()
+        """Finish every tracker; one that fails to is reported and the others still finish."""
+        for name, tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as exc:  # noqa: BLE001 -- the run's own state is saved whatever a tracker does
+                log.error("tracker %s failed to close: %r", name, exc)
+                print(f"echo-hub: --report-to {name} failed to finish ({exc})", flush=True)
         self.trackers.clear()
 
 

@@ -99,4 +99,4 @@ def make_engine(
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFEngine(Path(model_dir), device=device, version=version, dtype=resolve_dtype(dtype, device))
+    return HFEngine(Path(model_dir), device=device, version=version, dtype=resolve_dtype(dtype, device), seed=seed)

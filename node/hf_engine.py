@@ -19,7 +19,8 @@ class HFEngine(Engine):
 
     backend = "hf"
 
-    def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32"):
+    def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32",
+                 seed: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device)
@@ -27,7 +28,7 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.version = version
-        self.sampler = Sampler(self.model, self.tokenizer, self.device)
+        self.sampler = Sampler(self.model, self.tokenizer, self.device, process_seed=seed)
         # install and generate must not interleave (a node may call them from different threads).
         self._lock = threading.Lock()
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from node.engine import Engine
 from shared.generation import model_stop_ids
-from shared.rollout import Completion, SamplingParams, engine_seed, prompt_seeds
-from shared.snapshot import check_tied_copies, tied_groups
-from shared.weights_file import read_entries
+from shared.rollout import Completion, SamplingParams, engine_seed, lease_seed, prompt_seeds
+from shared.snapshot import SnapshotError, check_tied_copies, tied_groups
+from shared.weights_file import WeightsFileError, read_entries
 
 WORKER_EXTENSION = "node.vllm_engine.SnapshotWorkerExtension"
 
@@ -67,6 +67,7 @@ class VLLMEngine(Engine):
         from vllm import LLM
 
         self.dtype = dtype
+        self.seed = engine_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = version
         # Tied names from the module tree of a weightless copy: vLLM keeps the embedding of a tied pair and
@@ -79,7 +80,7 @@ class VLLMEngine(Engine):
             dtype=dtype,
             # Each process its own seed unless one is configured: nodes sampling the same prompts in the same
             # order must not produce the same completions.
-            seed=engine_seed(seed),
+            seed=self.seed,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
@@ -98,7 +99,11 @@ class VLLMEngine(Engine):
         with self._lock:
             self._usable()
             # Refusals that need no copy come first, with the engine untouched.
-            check_tied_copies((e.name for e in read_entries(path)), self._tied)
+            try:
+                names = [e.name for e in read_entries(path)]
+            except WeightsFileError as exc:
+                raise SnapshotError(str(exc)) from exc
+            check_tied_copies(names, self._tied)
             try:
                 self._llm.collective_rpc("echo2_load_snapshot", args=(str(path),))
                 if self._llm.reset_prefix_cache() is False:
@@ -125,7 +130,7 @@ class VLLMEngine(Engine):
                 logprobs=0,  # the sampled token's log-prob only
                 seed=seed,
             )
-            for seed in prompt_seeds(sampling.seed, prompts)
+            for seed in prompt_seeds(lease_seed(sampling.seed, self.seed), prompts)
         ]
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
         with self._lock:

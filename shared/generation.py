@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from shared.logprobs import sampling_logprobs
-from shared.rollout import Completion, SamplingParams
+from shared.rollout import Completion, SamplingParams, lease_seed
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -53,8 +53,10 @@ class Sampler:
     """Samples n completions per prompt in one left-padded batch with a KV cache. Not thread-safe: callers
     serialise generate() against weight changes."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device, process_seed: int | None = None) -> None:
         self.model = model
+        # Mixed into a seeded request's seed (shared.rollout.lease_seed): None keeps the request's seed as is.
+        self.process_seed = process_seed
         self.tokenizer = tokenizer
         self.device = device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -110,8 +112,9 @@ class Sampler:
         ids, attention = ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(dim=-1) - 1).clamp(min=0)
         generator = None
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        seed = lease_seed(sampling.seed, self.process_seed)
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
         temperature, top_p = (1.0, 1.0) if greedy else (sampling.temperature, sampling.top_p)
         cache = DynamicCache(config=self.model.config)
         out = self.model(

@@ -69,3 +69,12 @@ def prompt_seeds(seed: int | None, prompts: Sequence[str]) -> list[int | None]:
         int.from_bytes(hashlib.blake2b(f"{seed}:{i}:{text}".encode(), digest_size=8).digest(), "big") % SEED_LIMIT
         for i, text in enumerate(prompts)
     ]
+
+
+def lease_seed(seed: int | None, process_seed: int | None) -> int | None:
+    """The seed a node samples a lease with: the lease's own (the hub's [sampling] seed) mixed with the
+    node process's, so nodes given the same seeded lease still sample differently; None when the lease
+    has no seed (the process's random state is used), the lease's seed alone when there is no process seed."""
+    if seed is None or process_seed is None:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{process_seed}".encode(), digest_size=8).digest(), "big") % SEED_LIMIT

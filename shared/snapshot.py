@@ -319,9 +319,13 @@ def load_into(model: torch.nn.Module, path: Path) -> None:
                 f"{entry.name}: snapshot has {entry.shape} {entry.dtype}, model has {tuple(target.shape)} {target.dtype}"
             )
     staging: dict[torch.dtype, torch.Tensor] = {}
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; a failure here has copied nothing
+    except OSError as exc:
+        raise SnapshotError(f"{path}: {exc}") from exc
     done = 0
     try:
-        with torch.no_grad(), open(path, "rb") as f:
+        with torch.no_grad(), f:
             for entry in entries:
                 copy_into(f, entry, current[entry.name], staging)
                 done += 1

@@ -45,6 +45,15 @@ def test_parquet_file_with_chosen_columns_and_math_reward(tmp_path: Path) -> Non
     assert task.reward(prompts[1], "\\boxed{8}") == 0.0
 
 
+def test_numeric_answers_from_parquet(tmp_path: Path) -> None:
+    rows = [{"prompt": "2+1?", "answer": 3.0}, {"prompt": "half?", "answer": 0.5}]
+    task = load_task(str(write_parquet(tmp_path / "n.parquet", rows)), DatasetOptions(reward="exact"))
+    assert [p.answer for p in task.prompts()] == ["3", "0.5"]  # a whole float is its integer
+    assert task.reward(task.prompts()[0], "3") == 1.0
+    with pytest.raises(ValueError, match="is nan, not an answer"):
+        load_task(str(write_parquet(tmp_path / "nan.parquet", [{"prompt": "?", "answer": float("nan")}])))
+
+
 def test_save_to_disk_directory_and_its_split(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets", reason="the datasets package comes with the data extra")
     ds = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])})
@@ -89,6 +98,8 @@ def test_chat_prompts_are_rendered_with_the_chat_template(tmp_path: Path, defaul
     assert chat.text == "[system]be brief[user]abc[assistant]"
     assert plain.text == "[user]plain[assistant]"  # chat=True renders a string prompt as one user message
     assert task.reward(chat, "abc") == 1.0 and task.reward(chat, "abd") == 0.0
+    # A held-out split goes by the messages, not the rendered text (a template may print today's date).
+    assert chat.identity != chat.text and json.loads(chat.identity)[1] == {"role": "user", "content": "abc"}
     with pytest.raises(ValueError, match="has no chat template"):
         load_task(str(path), DatasetOptions(reward="reward_funcs:chat_echo"), model_dir=default_model_dir)
 

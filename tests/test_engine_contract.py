@@ -131,3 +131,18 @@ def test_the_gpu_check_says_in_one_line_why_it_cannot_run_here() -> None:
     result = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [f"gpu_check: cannot run here: {vllm_unavailable_reason()}"]
+
+
+def test_a_seeded_lease_samples_differently_on_each_node(default_model_dir: Path) -> None:
+    """The hub's [sampling] seed reaches every node in its leases: mixed with each process's own seed, two
+    nodes answer the same seeded lease differently, and one node answers it the same way twice."""
+    from shared.rollout import lease_seed
+
+    assert lease_seed(None, 5) is None and lease_seed(3, None) == 3
+    assert lease_seed(3, 5) != lease_seed(3, 6) and lease_seed(3, 5) == lease_seed(3, 5)
+    sampling = SamplingParams(max_new_tokens=8, seed=3)
+    prompts = ["abcdefg>"] * 4
+    node_a, node_b = HFEngine(default_model_dir, seed=1), HFEngine(default_model_dir, seed=2)
+    first = [c.token_ids for g in node_a.generate(prompts, 4, sampling) for c in g]
+    assert first == [c.token_ids for g in node_a.generate(prompts, 4, sampling) for c in g]
+    assert first != [c.token_ids for g in node_b.generate(prompts, 4, sampling) for c in g]

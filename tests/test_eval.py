@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
+import trio
 
 from hub.config import EvalConfig
 from hub.evaluation import Evaluator, pass_at_k, summarize
@@ -161,3 +163,70 @@ def _check_trackers(data: Path, trackers: list[str]) -> None:
     if "trackio" in trackers:
         metrics = trackio_metrics(data / "trackio", "echo2")
         assert "eval/eval_reward" in metrics and "train/reward_mean" in metrics
+
+
+class ScriptedEvaluator:
+    """Stands in for Evaluator in the runner's unit tests: each evaluate() does what the script says."""
+
+    def __init__(self, *script: str) -> None:
+        self.script = list(script)
+        self.loaded = 0
+
+    def load_weights(self, state) -> None:
+        self.loaded += 1
+
+    def evaluate(self, step: int, stop=None):
+        what = self.script.pop(0)
+        if what == "raise":
+            raise ValueError("the reward function broke")
+        if what == "slow":
+            while not stop.is_set():
+                time.sleep(0.01)
+            return None
+        return summarize(step, [[1.0], [0.0]], 1.0, 0.01)
+
+
+async def run_runner(evaluator, body):
+    from hub.evaluation import EvalRunner
+
+    recorded, events = [], []
+
+    async def record(row):
+        recorded.append(row.step)
+
+    async def event(kind, node, detail):
+        events.append(kind)
+
+    runner = EvalRunner(evaluator, 10, record, event)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        await body(runner, nursery)
+        nursery.cancel_scope.cancel()
+    return runner, recorded, events
+
+
+@pytest.mark.trio
+async def test_a_failed_evaluation_is_an_event_and_the_final_step_is_evaluated_once() -> None:
+    async def body(runner, nursery):
+        await runner.start(10, dict)  # raises inside: an event, not a crash
+        await runner.drain()
+        await runner.start(20, dict)
+        await runner.drain()
+        await runner.finish(20, dict)  # already evaluated: not again
+        await runner.finish(25, dict)  # a final step that was not due: evaluated
+
+    runner, recorded, events = await run_runner(ScriptedEvaluator("raise", "ok", "ok"), body)
+    assert events == ["eval_failed"] and recorded == [20, 25] and runner.running is None
+
+
+@pytest.mark.trio
+async def test_cancelling_the_hub_stops_an_evaluation_at_its_next_batch() -> None:
+    evaluator = ScriptedEvaluator("slow")
+
+    async def body(runner, nursery):
+        await runner.start(10, dict)
+        await trio.sleep(0.05)
+
+    with trio.fail_after(5):  # without the stop flag the thread would run forever
+        runner, recorded, events = await run_runner(evaluator, body)
+    assert recorded == [] and events == []

@@ -146,6 +146,10 @@ def test_one_hub_per_data_dir_and_a_resume_that_says_what_it_resumes(tmp_path: P
     changed = run("hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0", "--task", "tests.tasks:EchoTask")
     assert_one_line_mistake(changed, "another task", "--fresh", "--resume-anyway")
     assert snapshot_of(data) == before
+    # Evaluation newly on: a held-out split would take prompts the run may have trained on.
+    held = run("hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0", "--eval-every", "5")
+    assert_one_line_mistake(held, "another held-out prompts", "'none'", "--fresh")
+    assert snapshot_of(data) == before
     # The same run again: it says what it resumes.
     hub = start_hub(data, "--local-nodes", "0", "--steps", "0", port=port)
     try:

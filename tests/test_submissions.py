@@ -195,3 +195,22 @@ def test_duplicate_prompt_in_one_submission_is_answered_once(rules, tokenizer):
     assert [(v.prompt_id, v.accepted) for v in verdicts] == [("p-abc", True), ("p-abc", False), ("p-xyz", True)]
     assert verdicts[1].reason == "prompt already answered"
     assert verdicts[2].group.rewards == (1.0, 0.0)
+
+
+class BrokenReward(ReverseTask):
+    """An operator's reward that raises on some text, or returns NaN: a peer's completion must not crash the hub."""
+
+    def reward(self, prompt, completion):
+        if completion.startswith("c"):
+            raise RuntimeError("regex blew up")
+        return float("nan")
+
+
+def test_a_reward_that_raises_or_is_not_finite_rejects_only_that_group(rules, tokenizer):
+    from dataclasses import replace
+
+    broken = replace(rules, task=BrokenReward())
+    raised = verdict(broken, group(tokenizer, texts=("cba", "abc")))
+    assert not raised.accepted and raised.reason == "the task's reward failed on this group (RuntimeError)"
+    nan = verdict(broken, group(tokenizer, texts=("xba", "abc")))
+    assert not nan.accepted and "not a finite number" in nan.reason

@@ -14,6 +14,14 @@ class Prompt:
     id: str
     text: str
     answer: str | None = field(default=None, repr=False)
+    # What places it on one side of a held-out split (None: its text). A chat prompt's is its messages:
+    # the rendered text may carry the day's date (templates calling strftime_now).
+    split_key: str | None = field(default=None, repr=False)
+
+    @property
+    def identity(self) -> str:
+        """The text a held-out split and an eval task's overlap check go by."""
+        return self.text if self.split_key is None else self.split_key
 
 
 class Task(ABC):

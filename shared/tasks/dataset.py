@@ -139,6 +139,12 @@ def chat_renderer(model_dir: Path) -> Callable[[Messages], str]:
 
 
 def _answer_text(value: Any, where: str, column: str) -> str:
+    """A gold answer as text: a whole float as an integer (Parquet stores 3 as 3.0); NaN refused."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {column!r} is {value!r}, not an answer")
+        if value.is_integer():
+            value = int(value)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)) or not str(value).strip():
         raise ValueError(f"{where}: {column!r} must be a non-empty string or a number, got {value!r}")
     return str(value)
@@ -192,7 +198,7 @@ class DatasetTask(Task):
             if messages is None and opts.chat:
                 messages = ({"role": "user", "content": value},)
             answer = None
-            if self._function is None or opts.answer_column in row.record:
+            if self._function is None:  # a reward function gets the raw column instead, whatever it holds
                 if opts.answer_column not in row.record:
                     raise ValueError(f"{row.where}: no column {opts.answer_column!r} (the {opts.reward} reward needs "
                                      "it); choose one with --answer-column")
@@ -205,7 +211,8 @@ class DatasetTask(Task):
                 text = renderer(messages)
             else:
                 text = value
-            prompt = Prompt(id=f"{opts.id_prefix}-{row.index}", text=text, answer=answer)
+            key = None if messages is None else json.dumps([dict(m) for m in messages], sort_keys=True)
+            prompt = Prompt(id=f"{opts.id_prefix}-{row.index}", text=text, answer=answer, split_key=key)
             self._prompts.append(prompt)
             if messages is not None:
                 self._messages[prompt.id] = messages

@@ -16,7 +16,8 @@ _BUCKETS = 1 << 64
 
 
 def is_held_out(text: str, fraction: float) -> bool:
-    """Whether a prompt with this text belongs to the held-out part of a split keeping `fraction` aside."""
+    """Whether a prompt with this text (Prompt.identity) belongs to the held-out part of a split keeping
+    `fraction` aside."""
     return int.from_bytes(blake3(text.encode("utf-8")).digest(8), "big") < fraction * _BUCKETS
 
 
@@ -38,8 +39,8 @@ class TaskPart(Task):
 
 def split_task(task: Task, fraction: float) -> tuple[TaskPart, TaskPart]:
     """(training part, held-out part) of `task`; ValueError when either would be empty."""
-    train = TaskPart(task, lambda p: not is_held_out(p.text, fraction), "train")
-    held = TaskPart(task, lambda p: is_held_out(p.text, fraction), "held-out")
+    train = TaskPart(task, lambda p: not is_held_out(p.identity, fraction), "train")
+    held = TaskPart(task, lambda p: is_held_out(p.identity, fraction), "held-out")
     total = len(train.prompts()) + len(held.prompts())
     if not held.prompts():
         raise ValueError(f"holding out {fraction:g} of the task's {total} prompts leaves none to evaluate on; "
@@ -52,8 +53,8 @@ def split_task(task: Task, fraction: float) -> tuple[TaskPart, TaskPart]:
 
 def excluding(task: Task, training: Task) -> TaskPart:
     """`task` without any prompt whose text the training task also has; ValueError when nothing is left."""
-    seen = {p.text for p in training.prompts()}
-    part = TaskPart(task, lambda p: p.text not in seen, "held-out")
+    seen = {p.identity for p in training.prompts()}
+    part = TaskPart(task, lambda p: p.identity not in seen, "held-out")
     if not part.prompts():
         raise ValueError("every prompt of the eval task is also a training prompt")
     return part
