@@ -4,7 +4,10 @@ The scenarios live in tests/fault_scenarios.py, shared with tests/test_faults.py
 class); see that module for what each does and counts. This script runs the ones asked for against
 real hub processes and prints the figures.
 
-Usage: python bench/faults.py [--json] [--quick] [--only bad_signature,replay,...,crash,churn] [--kills N]
+Usage: python bench/faults.py [--json] [--quick] [--only bad_signature,replay,...,framed_relay,crash,churn] [--kills N]
+
+Relay scenarios (framed_relay, forged_manifest, stalling_relay, serving_strangers) run in process
+against the real Broadcaster and keepers (tests/relay_scenarios.py).
 
 `--only crash --kills 200` is the crash mode: 200 SIGKILLs of the hub at random moments (mid learner
 step, mid submission), each followed by a restart, then the books are checked (JSON adds wall_s).
@@ -24,6 +27,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+import trio
+
 from tests.fault_scenarios import (
     AUDIT_CHEATS,
     PROTOCOL_CHEATS,
@@ -33,6 +38,7 @@ from tests.fault_scenarios import (
     start_audit_hub,
     start_protocol_hub,
 )
+from tests.relay_scenarios import RELAY_SCENARIOS
 
 
 def run_cheats(work: Path, names: list[str], quick: bool, say) -> list[dict]:
@@ -73,11 +79,16 @@ def main() -> None:
     say = (lambda _: None) if args.json else (lambda msg: console.log(msg))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="echo2-faults-"))
     work.mkdir(parents=True, exist_ok=True)
-    unknown = only - set(PROTOCOL_CHEATS + AUDIT_CHEATS) - {"crash", "churn"}
+    unknown = only - set(PROTOCOL_CHEATS + AUDIT_CHEATS) - set(RELAY_SCENARIOS) - {"crash", "churn"}
     if unknown:
-        parser.error(f"unknown scenario(s) {sorted(unknown)}: choose from {', '.join(PROTOCOL_CHEATS + AUDIT_CHEATS)}, crash, churn")
+        parser.error(f"unknown scenario(s) {sorted(unknown)}: choose from "
+                     f"{', '.join([*PROTOCOL_CHEATS, *AUDIT_CHEATS, *RELAY_SCENARIOS])}, crash, churn")
     names = [n for n in PROTOCOL_CHEATS + AUDIT_CHEATS if not only or n in only]
     out: dict = {"scenarios": run_cheats(work, names, args.quick, say)}
+    for name, scenario in RELAY_SCENARIOS.items():  # in process: real Broadcaster, real keepers
+        if not only or name in only:
+            say(name)
+            out["scenarios"].append(asdict(trio.run(scenario)))
     if args.kills is not None and args.kills < 1:
         parser.error(f"--kills must be >= 1, got {args.kills}")
     if not only or "crash" in only:

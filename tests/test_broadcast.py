@@ -5,100 +5,30 @@ a corrupt relay banned while its successors still install a verified snapshot, a
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import trio
 from safetensors.torch import load as safetensors_load
 
-from hub.broadcast import Broadcast, Broadcaster, HubUplink
-from hub.fleet import Fleet, NodeRecord
-from node.keeper import HUB, Upstream
+from hub.broadcast import Broadcast, HubUplink
+from node.keeper import HUB
 from shared.crypto import Identity
-from shared.messages import (
-    REPORT_PROTOCOL,
-    SNAPSHOT_PROTOCOL,
-    BadChunkReport,
-    JoinRequest,
-    Reject,
-    RejectCode,
-    SnapshotRequest,
-    TransferAck,
-)
-from shared.net import connect, open_stream, request, set_handler
-from shared.snapshot import CHUNK_HEADER, SIGNATURE_BYTES, Manifest, blake3_hex, snapshot_paths
-from shared.transfer import STALL_S, TRANSFER_CAPS, commitment_payload
-from shared.wire import PeerFault, read_frame, write_message
+from shared.snapshot import SIGNATURE_BYTES, Manifest, blake3_hex, snapshot_paths
+from shared.transfer import STALL_S
 from tests.harness import Proc, _env, node_peer_id, query, start_hub, wait_until
-from tests.peers import FlippingKeeper, HubPeer, NodePeer, hub_peer, node_peer, random_snapshot
+from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot
 from tests.recording_node import weights_digest
+from tests.relay_scenarios import Hub, join, scenario_forged_manifest, scenario_framed_relay
 
 KIB = 1024
 TESTS_DIR = Path(__file__).parent
 
 
 # -- in process: the real Broadcaster with real keepers ---------------------------------------
-
-
-def join(fleet: Fleet, node: NodePeer) -> NodeRecord:
-    request = JoinRequest(
-        price_per_hour=0.5, hardware="test", link_bps=1e9, backend="hf", dtype="float32", model_config_hash="0" * 64,
-        listen_addrs=(node.addr,),
-    )
-    return fleet.join(node.peer_id, request, "127.0.0.1", time.time())
-
-
-class Hub:
-    """The parts of hub/run.py around a Broadcaster: bans, events, T_bcast records, heartbeats."""
-
-    def __init__(self, peer: HubPeer, mode: str) -> None:
-        self.peer = peer
-        self.fleet = Fleet()
-        self.banned: list[tuple[str, str]] = []
-        self.t_bcast: list[tuple[int, float]] = []
-        self.broadcaster = Broadcaster(
-            peer.host, self.fleet, peer.shelf, mode, None, ban=self.ban, event=self.event, record_t_bcast=self.record,
-        )
-        set_handler(peer.host, REPORT_PROTOCOL, self.on_report, logging.getLogger("tests.hub"))
-
-    async def on_report(self, stream) -> None:
-        """What hub/service.py's guard does around the broadcaster's handler: a PeerFault becomes a Reject."""
-        try:
-            await self.broadcaster.on_report(stream)
-        except PeerFault as exc:
-            await write_message(stream, Reject(code=RejectCode(exc.code), reason=exc.reason))
-            await stream.close()
-
-    async def ban(self, record: NodeRecord, reason: str) -> None:
-        record.state = "banned"
-        self.banned.append((record.peer_id, reason))
-        self.broadcaster.replan()
-
-    async def event(self, kind: str, node: str | None, detail: str) -> None:
-        pass
-
-    async def record(self, version: int, seconds: float) -> None:
-        self.t_bcast.append((version, seconds))
-
-    def heartbeat(self, node: NodePeer) -> None:
-        """What hub/service.py does on a heartbeat, and what the node does with the reply."""
-        record = self.fleet.get(node.peer_id)
-        record.version_held = node.keeper.version_held
-        self.broadcaster.check_done()
-        links = self.broadcaster.links(node.peer_id)
-        node.keeper.update(self.peer.shelf.newest_version(), Upstream(links.upstream, links.upstream_addrs), links.downstream)
-
-    async def heartbeats(self, nodes: list[NodePeer], period_s: float = 0.1) -> None:
-        while True:
-            for node in nodes:
-                if self.fleet.get(node.peer_id).state != "banned":
-                    self.heartbeat(node)
-            await trio.sleep(period_s)
 
 
 @pytest.mark.trio
@@ -193,55 +123,10 @@ async def test_corrupt_relay_is_banned_and_its_successors_get_a_verified_snapsho
     assert hub.fleet.get(b.peer_id).state != "banned" and hub.fleet.get(c.peer_id).state != "banned"
 
 
-async def genuine_commitment(puller: NodePeer, relay: NodePeer, version: int, index: int) -> tuple[str, str]:
-    """(blake3, commitment) the relay really sends for one chunk: what a framer could replay to the hub."""
-    await connect(puller.host, relay.addr)
-    stream = await open_stream(puller.host, relay.peer_id, SNAPSHOT_PROTOCOL)
-    await write_message(stream, SnapshotRequest(version=version, only_chunk=index))
-    await read_frame(stream, TRANSFER_CAPS)
-    _, frame = await read_frame(stream, TRANSFER_CAPS)
-    await stream.reset()
-    return blake3_hex(frame[CHUNK_HEADER.size:-SIGNATURE_BYTES]), frame[-SIGNATURE_BYTES:].hex()
-
-
 @pytest.mark.trio
 async def test_false_reports_never_ban_an_honest_relay_but_do_ban_the_accuser():
-    hub_id = Identity.generate()
-    async with hub_peer(hub_id) as peer, node_peer(peer) as honest, node_peer(peer) as forger, \
-            node_peer(peer) as replayer, node_peer(peer) as grumbler:
-        hub = Hub(peer, "chain")
-        peer.shelf.add(random_snapshot(hub_id, 0, 256 * KIB, 64 * KIB))
-        honest.keeper.update(0, HUB, replayer.peer_id)
-        with trio.fail_after(5):
-            while 0 not in honest.installed:
-                await trio.sleep(0.02)
-        for node in (honest, forger, replayer, grumbler):
-            join(hub.fleet, node)
-
-        async def report(reporter: NodePeer, **fields):
-            hub.broadcaster.chains = [[honest.peer_id, reporter.peer_id]]
-            msg = BadChunkReport(upstream=honest.peer_id, version=0, **fields)
-            return await request(reporter.host, peer.peer_id, REPORT_PROTOCOL, msg, TransferAck, Reject, timeout_s=10)
-
-        # Evidence the accused never signed.
-        forged = await report(forger, kind="chunk", index=1, digest_hex="0" * 64, commitment_hex="ab" * 64)
-        # The accused's real commitment, to the right bytes: proof that it told the truth.
-        digest, commitment = await genuine_commitment(replayer, honest, 0, 2)
-        replayed = await report(replayer, kind="chunk", index=2, digest_hex=digest, commitment_hex=commitment)
-        # No evidence at all: nothing to ban anyone for, nor to move anyone on the reporter's word.
-        hub.broadcaster.chains = [[honest.peer_id, grumbler.peer_id]]
-        unproven = await report(grumbler, kind="unproven", index=0, reason="it was slow")
-        order = list(hub.broadcaster.chains[0])
-        # Naming a peer that is not your upstream is refused outright.
-        hub.broadcaster.chains = [[honest.peer_id, grumbler.peer_id]]
-        stranger = BadChunkReport(upstream=grumbler.peer_id, kind="unproven", version=0)
-        refused = await request(honest.host, peer.peer_id, REPORT_PROTOCOL, stranger, TransferAck, Reject, timeout_s=10)
-    assert [r.ok for r in (forged, replayed, unproven)] == [False, False, False]
-    assert [p for p, _ in hub.banned] == [forger.peer_id, replayer.peer_id]
-    assert all("false report" in reason for _, reason in hub.banned)
-    assert order == [honest.peer_id, grumbler.peer_id]
-    assert isinstance(refused, Reject) and refused.code == RejectCode.NOT_UPSTREAM
-    assert hub.fleet.get(honest.peer_id).state != "banned"
+    result = await scenario_framed_relay()
+    assert (result.detected, result.accepted, result.false_rejections) == (result.attempts, 0, 0)
 
 
 @pytest.mark.trio
@@ -428,24 +313,8 @@ def test_star_mode_every_node_pulls_from_the_hub_and_t_bcast_is_recorded(tmp_pat
 
 @pytest.mark.trio
 async def test_a_forged_or_rolled_back_manifest_is_proven_by_the_relays_own_commitment():
-    hub_id, relay = Identity.generate(), Identity.generate()
-    async with hub_peer(hub_id) as peer:
-        hub = Hub(peer, "chain")
-        old, new = random_snapshot(hub_id, 1, 64 * KIB, 64 * KIB), random_snapshot(hub_id, 2, 64 * KIB, 64 * KIB)
-        forged = random_snapshot(Identity.generate(), 2, 64 * KIB, 64 * KIB)
-        peer.shelf.add(old)
-        peer.shelf.add(new)
-
-        def report(sent, asked: int = 2) -> BadChunkReport:
-            digest = blake3_hex(sent.signed.to_bytes())
-            sig = relay.sign(commitment_payload("manifest", asked, 0, digest))
-            return BadChunkReport(upstream=relay.peer_id, kind="manifest", version=asked, digest_hex=digest,
-                                  commitment_hex=sig.hex())
-
-        assert hub.broadcaster.judge(report(forged)) == "accused"  # signed by another key
-        assert hub.broadcaster.judge(report(old)) == "accused"  # asked for v2, committed to v1's manifest
-        assert hub.broadcaster.judge(report(new)) == "reporter"  # the right manifest: the report is the lie
-        assert hub.broadcaster.judge(report(new, asked=9)) == "unknown"  # a version the hub no longer holds
+    result = await scenario_forged_manifest()
+    assert (result.detected, result.false_rejections) == (result.attempts, 0)
 
 
 @pytest.mark.trio

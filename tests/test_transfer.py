@@ -19,8 +19,6 @@ from shared.messages import (
     CHUNK_FRAME,
     MANIFEST_FRAME,
     SNAPSHOT_PROTOCOL,
-    Reject,
-    RejectCode,
     SnapshotRequest,
     TransferAck,
 )
@@ -29,6 +27,7 @@ from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, blake3_
 from shared.transfer import ChunkRejected, commitment_payload, receive_snapshot
 from shared.wire import encode_frame, read_message, write_frame, write_message
 from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, scratch_dir, wait_installed
+from tests.relay_scenarios import pull, scenario_serving_strangers, scenario_stalling_relay
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -54,27 +53,6 @@ class FlippingSource:
         if index == self.bad_index:
             data = bytes([data[0] ^ 0x01]) + data[1:]
         return data
-
-
-async def pull(node, sender, version, newer_than=None, signer=None, **request):
-    """receive_snapshot from `sender` on a fresh stream; returns (assembler, error or None)."""
-    await connect(node.host, sender.addr)
-    stream = await open_stream(node.host, sender.peer_id, SNAPSHOT_PROTOCOL)
-    box: list[ChunkAssembler] = []
-
-    def assembler_for(signed, manifest):
-        box.append(ChunkAssembler(manifest, scratch_dir() / "pulled.safetensors"))
-        return box[0]
-
-    try:
-        await receive_snapshot(
-            stream, SnapshotRequest(version=version, **request), signer or sender.peer_id, sender.peer_id, newer_than,
-            assembler_for,
-        )
-    except Exception as exc:  # noqa: BLE001 - the tests assert on it
-        await stream.reset()
-        return (box[0] if box else None), exc
-    return box[0], None
 
 
 @pytest.mark.trio
@@ -280,50 +258,14 @@ async def test_served_stream_respects_the_link_limit_in_sub_chunk_slices():
 
 @pytest.mark.trio
 async def test_a_node_serves_only_the_successor_the_hub_named():
-    hub_id = Identity.generate()
-    snapshot = random_snapshot(hub_id, 1, 256 * KIB, 64 * KIB)
-    async with hub_peer(hub_id) as hub:
-        hub.shelf.add(snapshot)
-        async with node_peer(hub) as relay, node_peer(hub) as stranger, node_peer(hub) as successor:
-            relay.keeper.update(1, HUB, successor.peer_id)
-            await wait_installed([relay], 1, timeout_s=5)
-            started = time.monotonic()
-            await connect(stranger.host, relay.addr)
-            stream = await open_stream(stranger.host, relay.peer_id, SNAPSHOT_PROTOCOL)
-            await write_message(stream, SnapshotRequest(version=1))
-            reply = await read_message(stream, Reject)  # not one manifest byte: the refusal, after a short wait
-            assert reply.code == RejectCode.NOT_UPSTREAM and time.monotonic() - started < 10
-            assembler, error = await pull(successor, relay, 1, signer=hub_id.peer_id)
-            assert error is None and assembler.complete
-
-
-class StallingSource:
-    """Sends the manifest, then nothing: a relay that freezes its chain."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def held_manifest(self, version):
-        return self.inner.held_manifest(version)
-
-    async def chunk(self, version: int, index: int) -> bytes:
-        await trio.sleep_forever()
+    result = await scenario_serving_strangers()
+    assert (result.detected, result.accepted, result.false_rejections) == (1, 0, 0)
 
 
 @pytest.mark.trio
 async def test_a_relay_that_stalls_after_its_manifest_is_left_and_reported():
-    hub_id = Identity.generate()
-    snapshot = random_snapshot(hub_id, 3, 256 * KIB, 64 * KIB)
-    async with hub_peer(hub_id) as hub:
-        hub.shelf.add(snapshot)
-        async with hub_peer(Identity.generate(), source=StallingSource(hub.shelf)) as staller, \
-                node_peer(hub, stall_s=1.0) as sink:
-            # The stalling relay is the sink's upstream; the sink must give up on it and finish from the hub.
-            sink.keeper.update(3, Upstream(staller.peer_id, (staller.addr,)), None)
-            await wait_installed([sink], 3, timeout_s=15)
-    assert sink.installed[3] == snapshot.path.read_bytes()
-    assert [(r.upstream, r.kind) for _, r in hub.reports] == [(staller.peer_id, "unproven")] * len(hub.reports)
-    assert hub.reports and sink.keeper.upstream_failures >= 1
+    result = await scenario_stalling_relay()
+    assert result.detected == result.attempts == 1
 
 
 @pytest.mark.trio
