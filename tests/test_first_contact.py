@@ -227,3 +227,11 @@ def test_a_learner_that_stalls_while_work_arrives_says_why(tmp_path: Path) -> No
         assert "had equal rewards" in line and "--group-size" in line
     finally:
         hub.stop()
+
+
+def test_version_flags_print_the_installed_version() -> None:
+    from importlib.metadata import version
+
+    for module, name in (("hub.cli", "echo-hub"), ("node.cli", "echo-node")):
+        result = run(module, "--version")
+        assert result.returncode == 0 and result.stdout.strip() == f"{name} {version('echo2')}", result
