@@ -1,6 +1,6 @@
 """Fleet simulator: the method at 10 to 10,000 volunteers in simulated time, driven by the project's own code.
 
-    python bench/simulate.py [--nodes 10,100,1000,10000] [--seeds 1] [--steps 90] [--json] [--plot PNG]
+    python bench/simulate.py [--nodes 10,100,1000,10000] [--seeds 1] [--fleet-seed K] [--steps 90] [--json] [--plot PNG]
 
 Unchanged project code decides: `hub.capacity` (mu_min, predicted_bubble, control_decision, the
 closed loop's one move per control period), `hub.chains.plan_chains` (who relays to whom),
@@ -491,8 +491,11 @@ def demand(fleet: list[Node], staleness: int, share: float) -> float:
     return share * online_rate * window / kappa * USABLE
 
 
-def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEMAND_SHARE) -> Result:
-    fleet = draw_fleet(n, random.Random(seed * 1_000_003 + n))
+def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEMAND_SHARE,
+             fleet_seed: int | None = None) -> Result:
+    """One run. `seed` drives churn and T_train; the fleet is drawn from `fleet_seed` (None: from `seed` too,
+    so seeds then differ in their fleets as well)."""
+    fleet = draw_fleet(n, random.Random((seed if fleet_seed is None else fleet_seed) * 1_000_003 + n))
     # The same demand for every scenario of one fleet: the method's R, whatever S the scenario runs at.
     sim = Simulation(fleet, SCENARIOS[scenario], steps, seed, demand(fleet, STALENESS, share))
     sim.run()
@@ -504,6 +507,8 @@ def main() -> int:
     parser.add_argument("--nodes", default="10,100,1000,10000", help="fleet sizes, comma-separated")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="scenarios, comma-separated")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per fleet size and scenario")
+    parser.add_argument("--fleet-seed", type=int, default=None,
+                        help="draw one fleet per size from this seed, so seeds differ only in churn and T_train")
     parser.add_argument("--steps", type=int, default=90, help="learner steps per run (figures from the second half)")
     parser.add_argument("--demand", type=float, default=DEMAND_SHARE,
                         help="mu_min as a share of the throughput online at start (above 1: no fleet is enough)")
@@ -517,7 +522,7 @@ def main() -> int:
         for scenario in scenarios:
             for seed in range(args.seeds):
                 started = time.perf_counter()
-                r = simulate(n, scenario, seed, args.steps, args.demand)
+                r = simulate(n, scenario, seed, args.steps, args.demand, args.fleet_seed)
                 if not args.json:
                     print(f"N={n:<6} {scenario:<10} seed {seed}: bubble {r.bubble_simulated:.3f} (predicted "
                           f"{r.bubble_predicted}) cost/step ${r.cost_per_step:.3f} T_bcast {r.t_bcast_s:.1f}s "
