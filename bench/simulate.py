@@ -95,10 +95,8 @@ class Node:
     price: float
     link_bps: float
     online: bool = False
-    measured_at: float | None = None  # when its probe finished (None: not measured this session)
     state: str = "offline"  # offline | probing | standby | active
     held: int = -1  # version installed
-    chain_pos: tuple[int, int] | None = None
 
 
 @dataclass
@@ -169,6 +167,7 @@ class Simulation:
         self.step = 0
         self.training = False
         self.idle_since: float | None = 0.0
+        self.pending_idle = 0.0  # the idle time before the step in training
         self.t_train_recent: list[float] = []
         self.t_bcast_last: float | None = None
         self.publish_at: dict[int, float] = {}

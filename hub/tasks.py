@@ -28,5 +28,3 @@ def hub_tasks(config: HubConfig, model_dir: Path | None) -> tuple[Task, Task | N
     if config.eval.every == 0:
         return task, None
     return held_out(config, task, model_dir)
-
-
