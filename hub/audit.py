@@ -37,9 +37,9 @@ import trio
 
 from hub.config import TrustConfig
 from hub.snapshots import SnapshotShelf
+from shared.adapters import install_snapshot, prepare_for, snapshot_spec
 from shared.logprobs import completion_logprobs
 from shared.rollout import Group, SamplingParams
-from shared.snapshot import load_into
 
 log = logging.getLogger("echo2.hub.audit")
 
@@ -146,16 +146,28 @@ class Auditor:
         self.loaded_hash: str | None = None
         self._lock = threading.Lock()
 
+    def _base(self, snapshot_path: Path) -> torch.nn.Module:
+        """The model a snapshot goes into: uninitialised for a full snapshot, the base weights for adapters."""
+        spec = snapshot_spec(snapshot_path)
+        if spec is None:
+            return bare_model(self.model_dir, self.dtype)
+        from transformers import AutoModelForCausalLM
+
+        with torch.inference_mode(False):  # the adapters are parameters, made outside the audit's inference mode
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).eval()
+            prepare_for(model, spec)
+        return model.requires_grad_(False)
+
     def _load(self, version: int) -> None:
         snapshot = self.shelf.get(version)
         if snapshot is None:
             raise VersionUnavailable(f"snapshot v{version} is not on the shelf")
-        if self.model is None:
-            self.model = bare_model(self.model_dir, self.dtype)
         if snapshot.manifest.whole_hash != self.loaded_hash:
             self.loaded_hash = None  # a load that fails half way leaves no known weights
             try:
-                load_into(self.model, snapshot.path)
+                if self.model is None:
+                    self.model = self._base(snapshot.path)
+                install_snapshot(self.model, snapshot.path)
             except FileNotFoundError as exc:  # it left the shelf (and the disk) between get and load
                 raise VersionUnavailable(f"snapshot v{version} was deleted") from exc
             self.loaded_hash = snapshot.manifest.whole_hash

@@ -193,13 +193,18 @@ class Broadcaster:
         """A snapshot is on the shelf: start the clock and nudge every chain head."""
         self.replan()
         receivers = frozenset(n.peer_id for n in self.receivers())
-        await self.event("snapshot", None, f"v{version} published to {len(receivers)} nodes in {len(self.chains)} chains")
+        full, delta = self.shelf.get(version), self.shelf.delta(version)
+        size = f"{full.manifest.total_bytes / 1e6:.3g} MB" if full else "?"
+        if full and delta:
+            size += f", delta {delta.manifest.total_bytes / 1e6:.3g} MB ({delta.manifest.total_bytes / full.manifest.total_bytes:.1%})"
+        await self.event("snapshot", None, f"v{version} ({size}) published to {len(receivers)} nodes in "
+                                           f"{len(self.chains)} chains")
         if not receivers:
             # Nobody to time: a T_bcast here would measure how long the first node took to join.
             return
         self.pending = [*self.pending, Broadcast(version, time.monotonic(), receivers)][-PENDING_BROADCASTS:]
         for chain in self.chains:
-            self._nursery.start_soon(self._nudge, chain[0], version)
+            self._spawn(self._nudge, chain[0], version)
         self.check_done()
 
     async def _nudge(self, peer: str, version: int) -> None:
@@ -226,7 +231,7 @@ class Broadcaster:
                 if self.last_done is None or b.version > self.last_done.version:
                     self.last_done = b
                 log.info("v%d reached every node in %.2fs", b.version, b.seconds)
-                self._nursery.start_soon(self.record_t_bcast, b.version, b.seconds)
+                self._spawn(self.record_t_bcast, b.version, b.seconds)
         if self.pending:
             self._check_progress(self.pending[-1], now)
 
@@ -257,8 +262,8 @@ class Broadcaster:
                     self._demoted_for[down] = b.version
                     self._progress[down] = (mark, now)
                     self.demote(up)
-                    self._nursery.start_soon(self.event, "relay_stalled", up,
-                                             f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
+                    self._spawn(self.event, "relay_stalled", up,
+                                f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
 
     def last_t_bcast_s(self) -> float | None:
         return None if self.last_done is None else self.last_done.seconds
@@ -301,12 +306,15 @@ class Broadcaster:
             return "reporter"  # the reporter named a peer id no commitment can be checked against
         if not commitment_holds(key, report.kind, report.version, report.index, report.digest_hex, signature):
             return "reporter"  # evidence the accused never signed: fabricated
-        held = self.shelf.held_manifest(report.version)
-        if held is None:
+        if self.shelf.get(report.version) is None:
             return "unknown"
-        signed, manifest = held
-        if report.kind == "manifest":
-            truth = self.shelf.manifest_digest(report.version)
+        delta = report.kind.startswith("delta-")
+        snapshot = self.shelf.delta(report.version) if delta else self.shelf.get(report.version)
+        if snapshot is None:
+            return "accused"  # committed to a delta of a version the hub published without one
+        manifest = snapshot.manifest
+        if report.kind in ("manifest", "delta-manifest"):
+            truth = self.shelf.manifest_digest(report.version, delta)
         elif report.index < manifest.chunk_count:
             truth = manifest.chunk_hashes[report.index]
         else:
@@ -326,5 +334,14 @@ class Broadcaster:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            await trio.sleep_forever()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Background work in the broadcaster's nursery; none once it stopped (heartbeats handled while the
+        hub shuts down still call check_done)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
 

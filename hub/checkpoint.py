@@ -1,5 +1,9 @@
 """Learner checkpoints: model (save_pretrained, with tokenizer) + optimizer state, one directory per step.
 
+A LoRA run's checkpoint holds its adapters (ADAPTER_FILE) instead of the model: the base never changes.
+A learner sharded over several ranks writes a torch.distributed.checkpoint directory (SHARDED_SUBDIR:
+every rank its shard of the weights and optimizer state), which any number of ranks can resume.
+
 A checkpoint is written into a temporary sibling directory, every file fsynced, then renamed
 into place and the parent fsynced, so a directory named `step-NNNNNNNN` is always complete.
 The newest complete directory wins; older ones beyond `keep` are removed by first renaming
@@ -14,18 +18,22 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shared.files import fsync_dir
+from shared.weights_file import write_weights
 
 log = logging.getLogger("echo2.hub.checkpoint")
 
 CHECKPOINT_PREFIX = "step-"
 MODEL_SUBDIR = "model"
 OPTIMIZER_FILE = "optimizer.pt"
+ADAPTER_FILE = "adapter.safetensors"
+SHARDED_SUBDIR = "dcp"
 STATE_FILE = "state.json"
 CHECKPOINTS_KEPT = 2
 
@@ -44,6 +52,18 @@ class CheckpointInfo:
     def optimizer_path(self) -> Path:
         return self.path / OPTIMIZER_FILE
 
+    @property
+    def adapter_path(self) -> Path:
+        return self.path / ADAPTER_FILE
+
+    @property
+    def sharded_dir(self) -> Path:
+        return self.path / SHARDED_SUBDIR
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharded_dir.is_dir()
+
 
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
@@ -56,8 +76,13 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def save_checkpoint(root: Path, step: int, version: int, model, tokenizer, optimizer, keep: int = CHECKPOINTS_KEPT) -> CheckpointInfo:
-    """Atomically write the checkpoint of `step`; returns where it lives."""
+def save_checkpoint(
+    root: Path, step: int, version: int, model, tokenizer, optimizer, keep: int = CHECKPOINTS_KEPT,
+    adapter: Mapping[str, torch.Tensor] | None = None, sharded: Callable[[Path], None] | None = None,
+) -> CheckpointInfo:
+    """Atomically write the checkpoint of `step` (`adapter`: a LoRA run's adapters, saved instead of the
+    model; `sharded`: writes every rank's shard into the directory it is given, instead of the model and
+    optimizer); returns where it lives."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CHECKPOINT_PREFIX}{step:08d}"
@@ -65,9 +90,15 @@ def save_checkpoint(root: Path, step: int, version: int, model, tokenizer, optim
         raise FileExistsError(f"checkpoint {final} already exists")
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        model.save_pretrained(tmp / MODEL_SUBDIR)
+        if sharded is not None:
+            sharded(tmp / SHARDED_SUBDIR)
+        elif adapter is None:
+            model.save_pretrained(tmp / MODEL_SUBDIR)
+        else:
+            write_weights(tmp / ADAPTER_FILE, adapter, None)
         tokenizer.save_pretrained(tmp / MODEL_SUBDIR)
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if sharded is None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "version": version}))
         _fsync_tree(tmp)
         os.rename(tmp, final)

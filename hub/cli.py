@@ -45,10 +45,15 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "dtype": ("learner.dtype", str),
     "micro_batch_tokens": ("learner.micro_batch_tokens", int),
     "gradient_checkpointing": ("learner.gradient_checkpointing", _bool),
+    "learner_procs": ("learner.procs", int),
+    "lora_rank": ("learner.lora_rank", int),
+    "lora_alpha": ("learner.lora_alpha", float),
+    "lora_targets": ("learner.lora_targets", _names),
     "checkpoints_kept": ("learner.checkpoints_kept", int),
     "broadcast": ("broadcast.mode", str),
     "link_mbps": ("broadcast.link_mbps", float),
     "hub_mbps": ("broadcast.hub_uplink_mbps", float),
+    "delta_max_ratio": ("broadcast.delta_max_ratio", float),
     "log_level": ("log_level", str),
     "prompt_column": ("dataset.prompt_column", str),
     "answer_column": ("dataset.answer_column", str),
@@ -150,11 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
         from hub.config import HubConfig
+        from hub.distributed import rank_env
         from shared.config import ConfigError, load_config
 
         overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
+        env = rank_env()
         try:
             config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+            if env is not None and env.rank > 0:  # a learner rank of a sharded learner: rank 0 runs the hub
+                from hub.run import run_learner_rank
+
+                return run_learner_rank(config, env)
             started = prepare_start(config, fresh=args.fresh, anyway=args.resume_anyway)
         except (ConfigError, UserError) as exc:
             print(f"echo-hub: {exc}", file=sys.stderr)

@@ -39,10 +39,14 @@ class LearnerConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="snapshot and engine precision (auto: bfloat16 on a CUDA GPU that has it, else float32); master weights stay fp32")
     micro_batch_tokens: int = Field(16384, ge=64, le=10_000_000, description="padded tokens per forward/backward micro-batch (gradients accumulate over a step's micro-batches)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory for long completions, ~30% slower")
+    lora_rank: int = Field(0, ge=0, le=1024, description="train LoRA adapters of this rank only, and ship only them in snapshots (0: full fine-tuning)")
+    lora_alpha: float = Field(16.0, gt=0.0, le=1e4, description="LoRA scale numerator: the update is lora_alpha / lora_rank x B A")
+    lora_targets: tuple[str, ...] = Field((), max_length=64, description="Linear modules to adapt, e.g. q_proj,v_proj (empty: peft's default for the architecture)")
     learner_price_per_hour: float = Field(3.06, ge=0.0, le=1000.0, description="learner GPU price, $/h")
     seed: int = Field(0, ge=0, description="seed for the learner and prompt sampling")
     device: str = Field("cpu", description="torch device for the learner")
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads for the learner")
+    procs: int = Field(1, ge=1, le=64, description="learner processes on this machine, sharded with FSDP2 (gloo on CPU, NCCL on GPUs: one GPU each); under torchrun WORLD_SIZE decides")
     stall_warning_s: float = Field(120.0, gt=0.0, le=86400.0, description="warn when no step for this long while groups arrive")
 
     @property
@@ -74,6 +78,9 @@ class BroadcastConfig(Section):
     chunk_kib: int = Field(1024, ge=4, le=16384, description="snapshot chunk size in KiB")
     hub_uplink_mbps: float | None = Field(None, gt=0.0, le=1e6, description="B0 in Mbit/s (None: unlimited/unknown)")
     link_mbps: float | None = Field(None, gt=0.0, le=1e6, description="emulated per-connection rate limit in Mbit/s")
+    delta_max_ratio: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="also publish each version as a delta against the previous one if at most this share of its bytes (0: never)")
 
 
 class SchedulerConfig(Section):

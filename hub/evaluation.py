@@ -24,9 +24,11 @@ import torch
 import trio
 
 from hub.config import EvalConfig
+from shared.adapters import LoraSpec, add_adapters, load_adapter_state, model_spec
 from shared.generation import Sampler
 from shared.messages import EvalPoint
 from shared.rollout import SamplingParams
+from shared.snapshot import tied_duplicates
 from shared.tasks.base import Task
 
 log = logging.getLogger("echo2.hub.eval")
@@ -64,6 +66,7 @@ class Evaluator:
 
     def __init__(
         self, model_dir: Path, task: Task, cfg: EvalConfig, sampling: SamplingParams, dtype: str, device: str, seed: int,
+        lora: LoraSpec | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,12 +81,23 @@ class Evaluator:
         self.device = torch.device(device)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        if lora is not None:  # the learner's adapters, the same ones (shared/adapters.py resolves the same targets)
+            add_adapters(self.model, lora.rank, lora.alpha, lora.targets)
         self.sampler = Sampler(self.model, tokenizer, self.device)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy the learner's weights in (cast to this model's dtype); call between learner steps."""
+        """Copy the learner's weights in (a LoRA run's: its adapters; cast to this model's dtype); call between
+        learner steps."""
         with torch.no_grad():
-            self.model.load_state_dict(state, strict=True)
+            if model_spec(self.model) is not None:
+                load_adapter_state(self.model, state)
+                return
+            # A sharded learner's gathered weights name one of each tied pair, as snapshots do.
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            untied = set(missing) - tied_duplicates(self.model)
+            if unexpected or untied:
+                raise ValueError(f"learner weights do not fit the evaluation model: missing {sorted(untied)[:5]}, "
+                                 f"unexpected {sorted(unexpected)[:5]}")
 
     def evaluate(self, step: int, stop: threading.Event | None = None) -> EvalPoint | None:
         """The evaluation of the weights loaded last; None when `stop` was set (checked between batches)."""

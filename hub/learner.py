@@ -37,18 +37,28 @@ from hub.checkpoint import (
     save_checkpoint,
 )
 from hub.config import LearnerConfig
+from hub.distributed import SOLO, Collective, RankGroup, RankWatch, full_state_dict, partition_rows, shard
 from hub.evaluation import EvalRunner
 from hub.grpo import group_advantages, grpo_loss, micro_batches
 from hub.metrics import MetricsWriter, bubble_ratio
 from hub.state import HubState
 from hub.store import StepRecord
 from hub.trackers import Trackers
+from shared.adapters import LoraSpec, adapter_state, add_adapters, is_adapter_key, merged_state_dict, snapshot_metadata
 from shared.crypto import Identity
+from shared.delta import DeltaStats, build_delta_snapshot
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logprobs import completion_logprobs
 from shared.precision import engine_dtype
 from shared.rollout import Group, SamplingParams
-from shared.snapshot import Snapshot, build_snapshot, model_config_hash, read_snapshot_files
+from shared.snapshot import (
+    Snapshot,
+    build_snapshot,
+    load_into,
+    model_config_hash,
+    read_snapshot_files,
+    tied_duplicates,
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class SnapshotPublished:
 
     version: int
     snapshot: Snapshot
+    delta: Snapshot | None = None  # the version as a delta against the one published before it
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,16 @@ def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     return out
 
 
+def _fqn_optimizer_state(model: torch.nn.Module, state: dict) -> dict:
+    """A one-process optimizer state dict (parameters by position) keyed by parameter name instead, as
+    torch.distributed.checkpoint's full-state API takes it."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
+
+
 def _zero_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -102,18 +123,33 @@ class Learner:
         cfg: LearnerConfig,
         sampling: SamplingParams,
         checkpoint: CheckpointInfo | None = None,
+        collective: Collective = SOLO,
+        device: str | None = None,
     ) -> None:
+        """`collective`: this process's learner rank (hub/distributed.py); with more than one, the model is
+        sharded with FSDP2 and each step's rows are split across the ranks. `device`: this rank's own
+        device (default cfg.device)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.sampling = sampling
-        self.device = torch.device(cfg.device)
-        policy_dir = checkpoint.model_dir if checkpoint is not None else Path(base_model_dir)
+        self.collective = collective
+        self.device = torch.device(device or cfg.device)
+        # A LoRA run's base never changes: its checkpoints hold the adapters only; a sharded checkpoint's
+        # weights are loaded into the sharded model below.
+        policy_dir = (checkpoint.model_dir if checkpoint is not None and not cfg.lora_rank and not checkpoint.sharded
+                      else Path(base_model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
         # fp32 master weights whatever the snapshot dtype; bf16 runs forward and backward under autocast.
         self.model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).to(self.device)
+        self.lora: LoraSpec | None = None
+        if cfg.lora_rank:
+            self.lora = add_adapters(self.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            if checkpoint is not None:
+                load_into(self.model, checkpoint.adapter_path, keys=is_adapter_key)
+        self.snapshot_metadata = snapshot_metadata(self.lora)
         self.snapshot_dtype = engine_dtype(cfg.dtype, cfg.device)
         # Eval mode: no dropout, so the learner's log-probs are the ones the nodes sampled under.
         self.model.eval()
@@ -127,11 +163,25 @@ class Learner:
             # mode computes exactly what eval mode does.
             _zero_dropout(self.model)
             self.model.train()
+        self._tied_duplicates = tied_duplicates(self.model)
+        if collective.world > 1:
+            shard(self.model, bf16=self.snapshot_dtype == torch.bfloat16)
         # fused: one kernel per tensor, no model-sized temporaries (the default foreach path allocates
-        # some: +0.4 x the weights at the first step, measured on CPU).
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-        if checkpoint is not None:
-            self.optimizer.load_state_dict(torch.load(checkpoint.optimizer_path, map_location=self.device))
+        # some: +0.4 x the weights at the first step, measured on CPU). Not for sharded (DTensor) parameters.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           fused=collective.world == 1)
+        if checkpoint is not None and checkpoint.sharded:
+            self.load_sharded(checkpoint.sharded_dir)
+        elif checkpoint is not None:
+            optimizer_state = torch.load(checkpoint.optimizer_path, map_location=self.device)
+            if collective.world == 1:
+                self.optimizer.load_state_dict(optimizer_state)
+            else:  # a one-process checkpoint resumed across ranks: each takes its shard of the full state
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                full = _fqn_optimizer_state(self.model, optimizer_state)
+                set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
         self.reference = None
         if cfg.beta > 0:
             # The KL anchor is the initial policy, also after a resume.
@@ -140,11 +190,36 @@ class Learner:
         self.config_hash = model_config_hash(self.model.config.to_dict())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The live weights, not a copy (a snapshot streams them to disk): read them only between steps."""
-        return self.model.state_dict()
+        """What a snapshot carries: the live weights (a LoRA run's adapters only), not a copy (a snapshot
+        streams them to disk): read them only between steps. Sharded: every rank calls it, and rank 0 gets
+        the full weights gathered a tensor at a time onto its CPU (one copy; tied duplicates left out)."""
+        if self.collective.world > 1:
+            names = [n for n in self.model.state_dict() if n not in self._tied_duplicates]
+            return full_state_dict(self.model, keep=names)
+        return adapter_state(self.model) if self.lora is not None else self.model.state_dict()
+
+    def save_sharded(self, path: Path) -> None:
+        """Every rank writes its shard of the weights and optimizer state (torch.distributed.checkpoint)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+
+    def load_sharded(self, path: Path) -> None:
+        """Load a sharded checkpoint written by any number of ranks (DCP reshards it to this group)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.snapshot_dtype == torch.bfloat16)
+        # Sharded, FSDP2's mixed-precision policy casts instead.
+        enabled = self.snapshot_dtype == torch.bfloat16 and self.collective.world == 1
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def train_step(self, groups: Sequence[Group], step: int) -> StepStats:
         """One GRPO update on `groups`; the nodes' completion token ids are used as-is."""
@@ -166,6 +241,13 @@ class Learner:
                 behaviour_rows.append(completion.logprobs)
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
         advantages = group_advantages(rewards, n, scale=self.cfg.advantage_scale).to(self.device)
+        # This rank's rows (all of them, in order, when alone): the step's rows balanced by token count.
+        c = self.collective
+        mine = partition_rows([len(p) + len(q) for p, q in zip(prompt_ids, completion_ids)], c.world)[c.rank]
+        prompt_ids = [prompt_ids[i] for i in mine]
+        completion_ids = [completion_ids[i] for i in mine]
+        behaviour_rows = [behaviour_rows[i] for i in mine]
+        advantages = advantages[torch.tensor(mine, dtype=torch.long, device=self.device)]
 
         # Micro-batches by token budget, gradients summed over them: the loss is a token mean over
         # the whole step (grpo_loss), so each micro-batch's mean is weighted by its token count and
@@ -177,7 +259,17 @@ class Learner:
         totals = {"loss": 0.0, "clip": 0.0, "ratio_sum": 0.0, "kl": 0.0, "masked": 0.0}
         n_keep_total, n_valid_total, ratio_max, tokens = 0, 0, 0.0, 0
         t_forward = t_backward = 0.0
-        for part in micro_batches(rows, self.cfg.micro_batch_tokens):
+        parts = micro_batches(rows, self.cfg.micro_batch_tokens) if rows else []
+        # Sharded, every rank runs as many forward and backward passes as the busiest (FSDP gathers weights in
+        # each), and gradients are reduced across ranks in the last one only.
+        count = int(c.max(len(parts)))
+        for index in range(count):
+            if c.world > 1:
+                self.model.set_requires_gradient_sync(index == count - 1)
+            if index >= len(parts):
+                self._idle_pass(pad_id)
+                continue
+            part = parts[index]
             part_started = time.perf_counter()
             sl = slice(part.start, part.stop)
             with self._autocast():
@@ -217,11 +309,21 @@ class Learner:
             totals["masked"] += stats["masked_by_is"]
             ratio_max = max(ratio_max, stats["ratio_max"])
         optim_started = time.perf_counter()
-        if n_keep_total > 1:
+        (totals["loss"], totals["clip"], totals["ratio_sum"], totals["kl"], totals["masked"], n_keep_total,
+         n_valid_total, tokens) = c.sum([totals["loss"], totals["clip"], totals["ratio_sum"], totals["kl"],
+                                         totals["masked"], n_keep_total, n_valid_total, tokens])
+        n_keep_total, n_valid_total, tokens = int(n_keep_total), int(n_valid_total), int(tokens)
+        ratio_max = c.max(ratio_max)
+        # Each rank's gradient is its rows' token-weighted sum; FSDP averaged them over the ranks, so the
+        # step's token mean is that times world / tokens kept.
+        if c.world > 1 or n_keep_total > 1:
+            divisor = n_keep_total / c.world if n_keep_total else 1.0 / c.world
             for p in self.model.parameters():
                 if p.grad is not None:
-                    p.grad.div_(n_keep_total)
+                    p.grad.div_(divisor)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor when the gradients are sharded
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         done = time.perf_counter()
         return StepStats(
@@ -242,12 +344,28 @@ class Learner:
             t_train_s=done - started,
         )
 
+    def _idle_pass(self, pad_id: int) -> None:
+        """A forward and backward that adds nothing to any gradient: a rank with fewer micro-batches than
+        another still takes part in every collective FSDP runs in them."""
+        with self._autocast():
+            logits = self.model(torch.tensor([[pad_id]], device=self.device)).logits
+        (logits.float().sum() * 0.0).backward()
+
     def save_final(self, out_dir: Path) -> None:
-        """save_pretrained (+ tokenizer) into out_dir, replacing it atomically."""
-        out_dir = Path(out_dir)
+        """save_pretrained (+ tokenizer) into out_dir, replacing it atomically (sharded: every rank calls it,
+        rank 0 writes the gathered weights)."""
+        if self.collective.world > 1:
+            full = self.state_dict()
+            if self.collective.rank == 0:
+                self._save_pretrained(Path(out_dir), full)
+            return
+        self._save_pretrained(Path(out_dir), merged_state_dict(self.model) if self.lora is not None else None)
+
+    def _save_pretrained(self, out_dir: Path, state_dict: dict[str, torch.Tensor] | None) -> None:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-        self.model.save_pretrained(tmp)
+        # A LoRA run's final policy has its adapters merged in: a plain model from_pretrained loads.
+        self.model.save_pretrained(tmp, state_dict=state_dict)
         self.tokenizer.save_pretrained(tmp)
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
@@ -282,11 +400,15 @@ class LearnerComponent:
         snapshot_send: trio.MemorySendChannel[SnapshotPublished],
         steps: int,
         chunk_size_bytes: int,
+        delta_max_ratio: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
         extra_metrics: Callable[[int], Mapping[str, float | None]] = lambda step: {},
         trackers: Trackers | None = None,
         evaluation: EvalRunner | None = None,
+        ranks: tuple[Collective, str, RankWatch | None] | None = None,
     ) -> None:
+        """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
+        (hub/distributed.py); the learner is then driven through a RankGroup."""
         self.cfg = cfg
         self.data_dir = Path(data_dir)
         self.state = state
@@ -297,6 +419,9 @@ class LearnerComponent:
         self.snapshot_send = snapshot_send
         self.steps = steps
         self.chunk_size_bytes = chunk_size_bytes
+        self.delta_max_ratio = delta_max_ratio
+        self._last_published: Snapshot | None = None  # the base of the next delta
+        self.delta_stats: DeltaStats | None = None  # of the newest published version's delta
         self.kappa = cfg.effective_kappa
         self.clock = clock
         self.extra_metrics = extra_metrics
@@ -305,7 +430,11 @@ class LearnerComponent:
         self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
         remove_stale_temporaries(self.checkpoints_dir)
         checkpoint = latest_checkpoint(self.checkpoints_dir)
-        self.learner = Learner(base_model_dir, cfg, sampling, checkpoint)
+        if ranks is None:
+            self.learner = Learner(base_model_dir, cfg, sampling, checkpoint)
+        else:
+            collective, device, watch = ranks
+            self.learner = RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch)
         self.metrics = MetricsWriter(self.data_dir / METRICS_FILE, trackers)
         self.evaluation = evaluation
         # Numbering continues after the newest committed step even when the checkpoint is older:
@@ -420,9 +549,11 @@ class LearnerComponent:
         self.learner.save_final(self.data_dir / FINAL_DIR)
 
     def _checkpoint(self, step: int) -> None:
+        learner = self.learner
         info = save_checkpoint(
-            self.checkpoints_dir, step, step, self.learner.model, self.learner.tokenizer, self.learner.optimizer,
-            keep=self.cfg.checkpoints_kept,
+            self.checkpoints_dir, step, step, learner.model, learner.tokenizer, learner.optimizer,
+            keep=self.cfg.checkpoints_kept, adapter=learner.state_dict() if learner.lora is not None else None,
+            sharded=learner.save_sharded if learner.collective.world > 1 else None,
         )
         self.state.record_checkpoint(step, info.path, step)
 
@@ -435,19 +566,27 @@ class LearnerComponent:
         snapshot = await trio.to_thread.run_sync(
             read_snapshot_files, self.snapshots_dir, latest, self.identity.peer_id
         )
+        self._last_published = snapshot
         await self.snapshot_send.send(SnapshotPublished(version=latest, snapshot=snapshot))
 
-    def _build_and_write(self, version: int) -> Snapshot:
+    def _build_and_write(self, version: int) -> tuple[Snapshot, Snapshot | None]:
         started, started_at = time.perf_counter(), time.time()
         snapshot = build_snapshot(
             self.learner.state_dict(), version, self.identity, self.learner.config_hash, self.snapshots_dir,
-            dtype=self.learner.snapshot_dtype, chunk_size=self.chunk_size_bytes,
+            dtype=self.learner.snapshot_dtype, chunk_size=self.chunk_size_bytes, metadata=self.learner.snapshot_metadata,
         )
         manifest = snapshot.manifest
+        delta, self.delta_stats = None, None
+        base = self._last_published
+        if self.delta_max_ratio > 0 and base is not None and base.manifest.config_hash == manifest.config_hash:
+            built = build_delta_snapshot(base, snapshot, self.identity, self.snapshots_dir, self.delta_max_ratio)
+            if built is not None:
+                delta, self.delta_stats = built
         self.state.record_snapshot(version, str(snapshot.path), manifest.whole_hash, manifest.total_bytes, started_at)
         self.snapshot_seconds.append(time.perf_counter() - started)
-        return snapshot
+        self._last_published = snapshot
+        return snapshot, delta
 
     async def _publish(self, version: int) -> None:
-        snapshot = await trio.to_thread.run_sync(self._build_and_write, version)
-        await self.snapshot_send.send(SnapshotPublished(version=version, snapshot=snapshot))
+        snapshot, delta = await trio.to_thread.run_sync(self._build_and_write, version)
+        await self.snapshot_send.send(SnapshotPublished(version=version, snapshot=snapshot, delta=delta))

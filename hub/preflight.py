@@ -49,6 +49,8 @@ def check_start(config: HubConfig) -> None:
     if config.model is not None:
         check_model_dir(config.model)
     checked_tasks(config, config.model, evaluate=config.eval.every > 0)
+    check_lora(config)
+    check_learner_procs(config)
     check_trackers(config)
     check_listen(config.listen)
     check_key_file(config.key_path, "--key" if config.key is not None else "the hub key")
@@ -73,6 +75,46 @@ def checked_tasks(config: HubConfig, model_dir: Path | None, evaluate: bool) -> 
     except errors as exc:
         flag = f"--eval-task {ev.task}" if ev.task is not None else f"--eval-split {ev.split:g}"
         raise UserError(f"{flag}: {str(exc).removeprefix(f'task spec {ev.task!r}: ')}") from None
+
+
+def check_learner_procs(config: HubConfig) -> None:
+    """A learner sharded over several processes trains full weights without a KL reference."""
+    lc = config.learner
+    world = int(os.environ.get("WORLD_SIZE", lc.procs))
+    if world == 1:
+        return
+    if lc.lora_rank:
+        raise UserError(f"--lora-rank {lc.lora_rank} with {world} learner processes: LoRA adapters train on one "
+                        "learner process; drop --learner-procs (or --lora-rank)")
+    if lc.beta > 0:
+        raise UserError(f"learner.beta = {lc.beta:g} with {world} learner processes: the KL reference model is not "
+                        "sharded; set beta = 0 or run one learner process")
+    if lc.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < lc.procs:
+            raise UserError(f"--learner-procs {lc.procs}: this machine has {torch.cuda.device_count()} CUDA devices, one "
+                            "per learner process is needed")
+
+
+def check_lora(config: HubConfig) -> None:
+    """--lora-targets must name Linear modules of the model (checked on a weightless copy of it)."""
+    lc = config.learner
+    if not lc.lora_rank or config.model is None:
+        return  # the embedded default has peft's default targets (q_proj, v_proj)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shared.adapters import add_adapters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model))
+    try:
+        add_adapters(model, lc.lora_rank, lc.lora_alpha, lc.lora_targets)
+    except ValueError as exc:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        what = f"--lora-targets {','.join(lc.lora_targets)}" if lc.lora_targets else "--lora-rank (peft's default targets)"
+        raise UserError(f"{what}: {str(exc).splitlines()[0]}; this model's Linear modules are {','.join(linear)}") from None
 
 
 def check_trackers(config: HubConfig) -> None:

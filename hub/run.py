@@ -13,6 +13,19 @@ from typing import IO
 import trio
 
 from hub.config import HubConfig
+from hub.distributed import (
+    RANK_POLL_S,
+    Collective,
+    LearnerRankLost,
+    RankEnv,
+    RankWatch,
+    device_for,
+    follow,
+    free_port,
+    init_ranks,
+    join_ranks,
+    rank_env,
+)
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
 from hub.preflight import RUN_IDENTITY_KEYS, Resume, run_identity
 from hub.snapshots import SnapshotShelf
@@ -68,6 +81,7 @@ class Hub:
         from hub.evaluation import EvalRunner, Evaluator
         from hub.learner import LearnerComponent
         from hub.submissions import SubmissionRules
+        from shared.adapters import LoraSpec
         from shared.generation import model_stop_ids
         from shared.precision import resolve_dtype
         from shared.snapshot import model_config_hash
@@ -104,17 +118,45 @@ class Hub:
         self.trackers = open_trackers(config.tracking, config.data_dir, config.model_dump(mode="json"))
         self.evaluation = None
         if eval_task is not None:
-            evaluator = Evaluator(model_dir, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed)
+            lora = LoraSpec(rank=lc.lora_rank, alpha=lc.lora_alpha, targets=lc.lora_targets) if lc.lora_rank else None
+            evaluator = Evaluator(model_dir, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed, lora)
             self.evaluation = EvalRunner(evaluator, config.eval.every, self._record_eval, self.state.event)
+        self.watch: RankWatch | None = None
         self.learner = LearnerComponent(
             lc, config.sampling, model_dir, config.data_dir, self.state, identity,
-            self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024,
+            self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024, config.broadcast.delta_max_ratio,
             extra_metrics=lambda step: self.scheduler.step_metrics(step, self.state.cost_usd(time.time())),
-            trackers=self.trackers, evaluation=self.evaluation,
+            trackers=self.trackers, evaluation=self.evaluation, ranks=self._join_ranks(),
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
         self.stopper = Stopper()
+
+    def _join_ranks(self) -> tuple[Collective, str, RankWatch | None] | None:
+        """A learner sharded over several processes: spawn the other ranks (--learner-procs) unless torchrun
+        launched them, and join their process group as rank 0. None: one learner process."""
+        lc = self.config.learner
+        env = rank_env()
+        world = env.world if env is not None else lc.procs
+        if world == 1:
+            return None
+        if env is None:
+            env = RankEnv(rank=0, world=world, local_rank=0, master_addr="127.0.0.1", master_port=free_port())
+            self.watch = RankWatch()
+            self.watch.spawn(world, env.master_port, self.config.data_dir, sys.argv[1:])
+        device = device_for(lc.device, env)
+        print(f"echo-hub: waiting for {world - 1} learner ranks to join at {env.master_addr}:{env.master_port} "
+              f"(torch.distributed, {'nccl' if device.startswith('cuda') else 'gloo'})", flush=True)
+        collective = join_ranks(env, device, self.watch)
+        print(f"echo-hub: learner sharded over {world} processes (FSDP2)", flush=True)
+        return collective, device, self.watch
+
+    async def _watch_ranks(self) -> None:
+        """A spawned learner rank that exits ends the run (one line naming it), even while the learner waits."""
+        while True:
+            await trio.sleep(RANK_POLL_S)
+            if (gone := self.watch.dead()) is not None:
+                raise LearnerRankLost(gone)
 
     async def _record_eval(self, row: EvalPoint) -> None:
         await self.state.record_eval(row)
@@ -126,7 +168,7 @@ class Hub:
 
     async def _publisher(self) -> None:
         async for published in self.snapshot_recv:
-            self.shelf.add(published.snapshot)
+            self.shelf.add(published.snapshot, published.delta)
             await self.broadcaster.publish(published.version)
 
     # -- run ---------------------------------------------------------------------------
@@ -184,6 +226,8 @@ class Hub:
                 # A live bar on a terminal; plain lines in a log file or a pipe (a bar there is one truncated line).
                 nursery.start_soon(live_progress if self.progress and sys.stdout.isatty() else plain_progress, self)
                 nursery.start_soon(watch_for_stalls, self, lc.stall_warning_s)
+                if self.watch is not None:
+                    nursery.start_soon(self._watch_ranks)
                 await self.learner.run()
                 if self.evaluation is not None:  # the final policy's evaluation belongs to the run
                     await self.evaluation.finish(self.learner.step, self.learner.learner.state_dict)
@@ -216,9 +260,18 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
     identity = Identity.load_or_create(config.key_path)
     model_dir = Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty()))
-    hub = Hub(config, identity, model_dir, progress)
+    try:
+        hub = Hub(config, identity, model_dir, progress)
+    except LearnerRankLost as exc:
+        print(f"echo-hub: {exc}", file=sys.stderr, flush=True)
+        return 1
     try:
         trio.run(hub.run)
+    except BaseException as exc:  # noqa: BLE001 - a lost learner rank is handled, anything else re-raised
+        lost = _lost_rank(exc)
+        if lost is None:
+            raise
+        return _stop_after_lost_rank(hub, lost)
     finally:
         stop_local_nodes(hub.local_nodes)
     interrupted = hub.stopper.signal_name is not None
@@ -227,9 +280,72 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
         print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
         hub.learner.save_state()
         hub.status.running = False
+    if hub.watch is not None or rank_env() is not None:
+        hub.learner.learner.stop()  # the other ranks leave their command loop
+        if hub.watch is not None:
+            hub.watch.stop()
     hub.state.flush_sync()
     hub.status.refresh_sync()
     hub.trackers.close()
     hub.state.store.close()
     print_summary(config.data_dir, interrupted=interrupted)
     return 130 if interrupted else 0
+
+
+def _lost_rank(exc: BaseException) -> LearnerRankLost | None:
+    """The LearnerRankLost in `exc` (trio nurseries wrap what their tasks raise in exception groups)."""
+    if isinstance(exc, LearnerRankLost):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        return next((found for inner in exc.exceptions if (found := _lost_rank(inner)) is not None), None)
+    return None
+
+
+def _stop_after_lost_rank(hub: Hub, exc: LearnerRankLost) -> int:
+    """A learner rank died: no collective can run any more (no checkpoint, no final policy); keep what the
+    store holds and say how to go on."""
+    from hub.checkpoint import latest_checkpoint
+    from shared.layout import CHECKPOINTS_DIR
+
+    if hub.watch is not None:
+        hub.watch.kill()
+    hub.state.flush_sync()
+    hub.status.running = False
+    hub.status.refresh_sync()
+    hub.trackers.close()
+    hub.state.store.close()
+    checkpoint = latest_checkpoint(hub.config.data_dir / CHECKPOINTS_DIR)
+    resume = f"checkpoint step {checkpoint.step}" if checkpoint else "the start (no checkpoint yet)"
+    print(f"echo-hub: {exc}: the run stopped at step {hub.learner.step}. Start it again to resume from {resume}; "
+          "acknowledged groups are kept.", file=sys.stderr, flush=True)
+    return 1
+
+
+def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
+    """Ranks 1..N-1 of a sharded learner: the learner alone, running what rank 0 (the hub) broadcasts."""
+    import torch
+    import transformers
+
+    from hub.checkpoint import latest_checkpoint
+    from hub.learner import Learner
+    from shared.default_model import ensure_default_model
+    from shared.layout import CHECKPOINTS_DIR
+
+    logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s rank {env.rank} %(levelname)s %(name)s: %(message)s")
+    lc = config.learner
+    torch.set_num_threads(lc.threads)
+    transformers.utils.logging.disable_progress_bar()
+    model_dir = Path(config.model or ensure_default_model(progress=False))
+    device = device_for(lc.device, env)
+    collective = init_ranks(env, device)
+    checkpoint = latest_checkpoint(config.data_dir / CHECKPOINTS_DIR)
+    learner = Learner(model_dir, lc, config.sampling, checkpoint, collective, device)
+    try:
+        follow(learner)
+    except RuntimeError as exc:  # rank 0 (the hub) or another rank went away: nothing to do but leave
+        print(f"echo-hub learner rank {env.rank}: the learner group broke ({exc}); leaving", file=sys.stderr, flush=True)
+        return 1
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0

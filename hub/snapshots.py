@@ -1,9 +1,11 @@
 """The hub's shelf of published snapshots: manifests and open files of the newest ones, and their retention.
 
-The shelf holds no weights in RAM: it serves chunks by pread from each snapshot's file. It keeps
+The shelf holds no weights in RAM: it serves chunks by pread from each snapshot's file (and from its
+delta against the version before, shared/delta.py, when the learner made one). It keeps
 the versions a rollout may still be generated from (the newest `keep` = S + 1) and deletes the
 files of older ones as a new version arrives (manifest first; shared.snapshot.remove_snapshot_files),
-so the snapshot directory holds at most S + 2 snapshots: the kept ones and the one being written.
+so the snapshot directory holds at most S + 2 snapshots (each with its delta): the kept ones and the
+one being written.
 """
 
 from __future__ import annotations
@@ -19,14 +21,29 @@ from shared.snapshot import Manifest, SignedManifest, Snapshot, blake3_hex, read
 
 log = logging.getLogger("echo2.hub.snapshots")
 
-_SNAPSHOT_FILE_RE = re.compile(r"v(\d{8})\.(safetensors|manifest)")
+_SNAPSHOT_FILE_RE = re.compile(r"v(\d{8})\.(safetensors|manifest|delta|delta-manifest)")
+
+
+@dataclass(frozen=True)
+class _File:
+    snapshot: Snapshot
+    fd: int
+    manifest_digest: str  # what a relay serving it must commit to for its manifest frame (shared/transfer.py)
+
+    @classmethod
+    def open(cls, snapshot: Snapshot) -> _File:
+        return cls(snapshot, os.open(snapshot.path, os.O_RDONLY), blake3_hex(snapshot.signed.to_bytes()))
 
 
 @dataclass(frozen=True)
 class _Held:
-    snapshot: Snapshot
-    fd: int
-    manifest_digest: str  # what a relay serving this version must commit to for its manifest frame (shared/transfer.py)
+    full: _File
+    delta: _File | None  # the version as a delta against the one before
+
+    def close(self) -> None:
+        for held in (self.full, self.delta):
+            if held is not None:
+                os.close(held.fd)
 
 
 class SnapshotShelf:
@@ -57,24 +74,25 @@ class SnapshotShelf:
                 removed += 1
         return removed
 
-    def add(self, snapshot: Snapshot) -> None:
+    def add(self, snapshot: Snapshot, delta: Snapshot | None = None) -> None:
         version = snapshot.manifest.version
         if self._by_version and version <= self.newest_version():
             raise ValueError(f"snapshot v{version} is not newer than v{self.newest_version()}")
-        fd = os.open(snapshot.path, os.O_RDONLY)
-        self._by_version[version] = _Held(snapshot, fd, blake3_hex(snapshot.signed.to_bytes()))
+        if delta is not None and (delta.manifest.version, delta.manifest.result_hash) != (version, snapshot.manifest.whole_hash):
+            raise ValueError(f"the delta given with v{version} does not produce it")
+        self._by_version[version] = _Held(_File.open(snapshot), None if delta is None else _File.open(delta))
         while len(self._by_version) > self.keep:
             old, held = self._by_version.popitem(last=False)
-            # A serve in progress holds its own reads to this fd: closing makes them fail as "no
+            # A serve in progress holds its own reads to these fds: closing makes them fail as "no
             # longer held", which the transfer code treats like any abandoned version.
-            os.close(held.fd)
+            held.close()
             if self.directory is not None:
                 remove_snapshot_files(self.directory, old)
                 log.debug("deleted snapshot v%d (out of the staleness window)", old)
 
     def close(self) -> None:
         for held in self._by_version.values():
-            os.close(held.fd)
+            held.close()
         self._by_version.clear()
 
     def newest_version(self) -> int:
@@ -87,19 +105,35 @@ class SnapshotShelf:
         if version is None:
             version = self.newest_version()
         held = self._by_version.get(version)
-        return None if held is None else held.snapshot
+        return None if held is None else held.full.snapshot
 
-    def manifest_digest(self, version: int) -> str | None:
-        """blake3 of the signed manifest bytes of `version`, if held."""
+    def delta(self, version: int) -> Snapshot | None:
+        """`version`'s delta against the version published before it, if the learner made one."""
         held = self._by_version.get(version)
+        return None if held is None or held.delta is None else held.delta.snapshot
+
+    def manifest_digest(self, version: int, delta: bool = False) -> str | None:
+        """blake3 of the signed manifest bytes of `version` (or of its delta), if held."""
+        held = self._file(version, delta)
         return None if held is None else held.manifest_digest
 
-    def held_manifest(self, version: int | None) -> tuple[SignedManifest, Manifest] | None:
-        snapshot = self.get(version)
-        return None if snapshot is None else (snapshot.signed, snapshot.manifest)
-
-    async def chunk(self, version: int, index: int) -> bytes:
+    def _file(self, version: int, delta: bool) -> _File | None:
         held = self._by_version.get(version)
         if held is None:
-            raise LookupError(f"snapshot v{version} no longer held")
+            return None
+        return held.delta if delta else held.full
+
+    def held_manifest(self, version: int | None, base_version: int | None = None) -> tuple[SignedManifest, Manifest] | None:
+        if version is None:
+            version = self.newest_version()
+        delta = self._file(version, True)
+        if delta is not None and base_version is not None and delta.snapshot.manifest.base_version == base_version:
+            return delta.snapshot.signed, delta.snapshot.manifest
+        full = self._file(version, False)
+        return None if full is None else (full.snapshot.signed, full.snapshot.manifest)
+
+    async def chunk(self, version: int, index: int, delta: bool = False) -> bytes:
+        held = self._file(version, delta)
+        if held is None:
+            raise LookupError(f"snapshot v{version}{' delta' if delta else ''} no longer held")
         return read_chunk(held.fd, held.snapshot.manifest, index)

@@ -107,6 +107,9 @@ class StatusBoard:
         cost = state.cost_usd(now)
         step = self.learner_step()
         capacity = self.scheduler.view if self.scheduler else NO_CAPACITY
+        shelf = self.broadcaster.shelf if self.broadcaster else None
+        newest = shelf.get(None) if shelf else None
+        delta = shelf.delta(newest.manifest.version) if newest else None
         return HubStatus(
             hub_id=self.info.hub_id, addrs=self.info.addrs, running=self.running, updated_at=now, step=step,
             steps_target=self.info.steps_target, version=step, staleness=self.info.staleness, kappa=self.info.kappa,
@@ -115,6 +118,8 @@ class StatusBoard:
             totals=state.totals.groups, dropped_stale=state.totals.dropped_stale,
             reward_mean=last.reward_mean if last else None,
             t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s() if self.broadcaster else None,
+            snapshot_bytes=newest.manifest.total_bytes if newest else None,
+            delta_bytes=delta.manifest.total_bytes if delta else None,
             bubble=last.bubble if last else None, predicted_bubble=capacity.predicted_bubble,
             mu_pool=capacity.mu_pool, mu_min=capacity.mu_min, mu_target=capacity.mu_target,
             usable_fraction=capacity.usable_fraction,

@@ -52,6 +52,8 @@ def render(status: HubStatus, console: Console) -> None:
     head.add_row("trajectories", f"{t.accepted} accepted, {t.rejected} rejected, {t.late} late",
                  f"{status.dropped_stale} stale")
     head.add_row("open leases", str(status.open_leases), f"broadcast {status.broadcast_mode}")
+    t_bcast = f"T_bcast {status.t_bcast_s:.1f} s" if status.t_bcast_s is not None else ""
+    head.add_row("broadcast", status.broadcast_bytes_text(), t_bcast)
     mu = f"mu_pool {status.mu_pool:.2f}/s"
     if status.mu_min is not None:
         mu += f", mu_min {status.mu_min:.2f}/s, target {status.mu_target:.2f}/s"

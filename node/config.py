@@ -30,6 +30,7 @@ class NodeConfig(Section):
     threads: int = Field(1, ge=1, le=256, description="torch threads for generation")
     seed: int | None = Field(None, ge=0, lt=2**31, description="sampling seed of this process (None: a fresh random one at every start, so nodes never sample alike)")
     gpu_memory_fraction: float = Field(0.85, gt=0.0, le=0.98, description="share of the GPU's memory the vLLM engine may take (several nodes on one GPU: split it)")
+    max_lora_rank: int = Field(0, ge=0, le=512, description="vLLM: serve LoRA runs' adapters up to this rank (0: full-weight runs only; vLLM reserves memory for LoRA)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @property

@@ -71,7 +71,7 @@ def vllm_unavailable_reason() -> str | None:
 
 def make_engine(
     backend: str, model_dir: Path, device: str | None = None, version: int = 0, dtype: str = "auto",
-    seed: int | None = None, gpu_memory_fraction: float = 0.85,
+    seed: int | None = None, gpu_memory_fraction: float = 0.85, max_lora_rank: int = 0,
 ) -> Engine:
     """An engine for model_dir. backend "auto" picks vLLM when it can run (and device is not "cpu"), else "hf".
 
@@ -92,7 +92,7 @@ def make_engine(
         from node.vllm_engine import VLLMEngine
 
         return VLLMEngine(Path(model_dir), version=version, dtype=resolve_dtype(dtype, "cuda"), seed=seed,
-                          gpu_memory_utilization=gpu_memory_fraction)
+                          gpu_memory_utilization=gpu_memory_fraction, max_lora_rank=max_lora_rank)
     import torch
 
     from node.hf_engine import HFEngine

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from node.engine import Engine
+from shared.adapters import install_snapshot
 from shared.generation import Sampler
 from shared.rollout import Completion, SamplingParams
-from shared.snapshot import PartialCopy, load_into
+from shared.snapshot import PartialCopy
 
 
 class HFEngine(Engine):
@@ -40,7 +41,9 @@ class HFEngine(Engine):
         with self._lock:
             self._usable()
             try:
-                load_into(self.model, path)  # checks every key, shape, dtype and tie before copying anything
+                # Checks every key, shape, dtype and tie before copying anything; an adapter snapshot (a LoRA
+                # run) injects the adapters once and copies only them.
+                install_snapshot(self.model, path)
             except PartialCopy as exc:
                 raise self._swap_failed(version, exc) from exc
             self.version = version

@@ -17,10 +17,16 @@ upstream. Meanwhile the missing chunks come from the hub itself.
 It serves only the successor the hub named (and the hub): a stranger cannot make a volunteer
 upload its snapshots, or hold its streams open.
 
+Deltas (shared/delta.py): each pull names the installed version as its base, so an upstream holding
+the next version as a delta against it sends the delta. The keeper relays the delta chunks as they
+arrive, applies the delta to its installed file once every chunk verified, and installs (and relays
+in full) the result only if it matches the full manifest the hub signed, which the delta carries. A
+delta that does not apply makes the next pull of that version ask for the full snapshot.
+
 Snapshots live in files under `directory` (verified chunks written into a preallocated file,
 relayed and installed from it): RAM holds the engine's model and a chunk window, not a
-snapshot. Retention: the installed version and the one in flight; older files are deleted
-as soon as a newer version is installed or a transfer is superseded.
+snapshot. Retention: the installed version (and the delta it came as) and the one in flight;
+older files are deleted as soon as a newer version is installed or a transfer is superseded.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 
 from shared.crypto import Identity
+from shared.delta import DeltaError, apply_delta, delta_full_manifest
 from shared.messages import (
     RELAY_PROTOCOL,
     SNAPSHOT_PROTOCOL,
@@ -47,12 +54,21 @@ from shared.messages import (
     TransferAck,
 )
 from shared.net import connect, open_stream, remote_peer_id
-from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, read_chunk, snapshot_paths
+from shared.snapshot import (
+    ChunkAssembler,
+    Manifest,
+    SignedManifest,
+    SnapshotError,
+    delta_paths,
+    read_chunk,
+    snapshot_paths,
+)
 from shared.transfer import (
     RECEIVER_GONE,
     STALL_S,
     ChunkRejected,
     NotServable,
+    UnusableDelta,
     Writer,
     receive_snapshot,
     serve_snapshot,
@@ -88,12 +104,20 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Held:
-    """The installed snapshot: its manifest and its file, open for serving our successor."""
+    """The installed snapshot: its manifest and its file, open for serving our successor; with the delta
+    it arrived as, when it did (served to a successor holding the same base)."""
 
     signed: SignedManifest
     manifest: Manifest
     path: Path
     fd: int
+    delta: Held | None = None
+
+    def remove(self) -> None:
+        for held in (self, self.delta):
+            if held is not None:
+                os.close(held.fd)
+                held.path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -146,6 +170,9 @@ class SnapshotKeeper:
         self.bad_chunks_seen = 0
         self.resumes = 0
         self.relinks = 0
+        # A version whose delta did not apply (or came against another base): pulled in full.
+        self._full_for: int | None = None
+        self.deltas_applied = 0
 
     # -- state -----------------------------------------------------------------------
 
@@ -187,20 +214,29 @@ class SnapshotKeeper:
 
     # -- serving downstream (a shared.transfer.ChunkSource) ------------------------------
 
-    def held_manifest(self, version: int | None) -> tuple[SignedManifest, Manifest] | None:
-        if self.transfer is not None and version in (None, self.transfer.manifest.version):
-            return self.transfer.signed, self.transfer.manifest
-        if self.held is not None and version in (None, self.held.manifest.version):
-            return self.held.signed, self.held.manifest
+    def held_manifest(self, version: int | None, base_version: int | None = None) -> tuple[SignedManifest, Manifest] | None:
+        transfer, held = self.transfer, self.held
+        if transfer is not None and version in (None, transfer.manifest.version):
+            if transfer.manifest.kind == "full" or transfer.manifest.base_version == base_version:
+                return transfer.signed, transfer.manifest
+            return None  # a delta in flight is no use to a successor on another base: it waits for our result
+        if held is not None and version in (None, held.manifest.version):
+            if held.delta is not None and held.delta.manifest.base_version == base_version:
+                return held.delta.signed, held.delta.manifest
+            return held.signed, held.manifest
         return None
 
-    async def chunk(self, version: int, index: int) -> bytes:
+    async def chunk(self, version: int, index: int, delta: bool = False) -> bytes:
         while True:
-            if self.held is not None and self.held.manifest.version == version:
-                return read_chunk(self.held.fd, self.held.manifest, index)
+            held = self.held
+            if held is not None and held.manifest.version == version:
+                source = held.delta if delta else held
+                if source is None:
+                    raise LookupError(f"snapshot v{version} came in full: no delta to serve")
+                return read_chunk(source.fd, source.manifest, index)
             transfer = self.transfer
-            if transfer is None or transfer.manifest.version != version:
-                raise LookupError(f"snapshot v{version} abandoned")
+            if transfer is None or transfer.manifest.version != version or (transfer.manifest.kind == "delta") != delta:
+                raise LookupError(f"snapshot v{version}{' delta' if delta else ''} abandoned")
             if transfer.assembler.has(index):
                 return transfer.assembler.chunk(index)
             await self._changed.wait()
@@ -296,6 +332,9 @@ class SnapshotKeeper:
                 await self._pull(version, source)
             except ChunkRejected as exc:
                 rejected = exc
+            except UnusableDelta as exc:
+                log.info("v%d from %s: %s; asking for the full snapshot", version, self._name(source), exc)
+                self._full_for = version
             except SnapshotError as exc:
                 # The hub's own signature holds but the snapshot does not (or not the newest): retry.
                 log.warning("snapshot v%d from %s refused: %r", version, self._name(source), exc)
@@ -347,7 +386,12 @@ class SnapshotKeeper:
     async def _pull(self, version: int, source: Upstream) -> None:
         from_chunk = 0
         transfer = self.transfer
+        # The base we can apply a delta to: the installed version (None: send the full snapshot).
+        base = None if self.held is None or self._full_for == version else self.held.manifest.version
         if transfer is not None and transfer.manifest.version == version:
+            if transfer.manifest.kind == "full":
+                base = None  # resume what we have
+
             from_chunk = transfer.assembler.first_missing() or 0
             transfer.source = self._name(source)
             if from_chunk > 0:
@@ -360,7 +404,7 @@ class SnapshotKeeper:
             # sender is given up on after STALL_S.
             await receive_snapshot(
                 stream,
-                SnapshotRequest(version=version, from_chunk=from_chunk),
+                SnapshotRequest(version=version, from_chunk=from_chunk, base_version=base),
                 self.hub_peer_id,
                 source.peer_id or self.hub_peer_id,
                 newer_than=self.version_held,
@@ -374,10 +418,12 @@ class SnapshotKeeper:
             raise
 
     def _assembler_for(self, signed: SignedManifest, manifest: Manifest, source: Upstream) -> ChunkAssembler:
-        if self.transfer is None or self.transfer.manifest.version != manifest.version:
-            if self.transfer is not None:  # superseded by a newer version: its file goes
-                self.transfer.assembler.discard()
-            path, _ = snapshot_paths(self.directory, manifest.version)
+        transfer = self.transfer
+        if transfer is None or transfer.manifest.version != manifest.version or transfer.manifest.kind != manifest.kind:
+            if transfer is not None:  # superseded by a newer version (or the other kind of it): its file goes
+                transfer.assembler.discard()
+            paths = delta_paths if manifest.kind == "delta" else snapshot_paths
+            path, _ = paths(self.directory, manifest.version)
             self.transfer = Transfer(signed, manifest, ChunkAssembler(manifest, path), time.monotonic(), self._name(source))
             self._notify()
             if self.downstream is not None:
@@ -419,17 +465,49 @@ class SnapshotKeeper:
         transfer = self.transfer
         # Hashing a whole model is seconds of CPU for a large one: off the event loop.
         path = await trio.to_thread.run_sync(transfer.assembler.finish)  # whole hash checked
-        await self._install(path, version)
-        transfer.assembler.close()
+        if transfer.manifest.kind == "delta":
+            try:
+                held = await trio.to_thread.run_sync(self._apply, transfer, path)
+            except SnapshotError as exc:
+                log.warning("v%d: the delta does not apply (%s); asking for the full snapshot", version, exc)
+                transfer.assembler.discard()
+                self.transfer, self._full_for = None, version
+                self._notify()
+                return
+            self.deltas_applied += 1
+        else:
+            held = Held(transfer.signed, transfer.manifest, path, os.open(path, os.O_RDONLY))
+        try:
+            await self._install(held.path, version)
+        except BaseException:
+            held.remove()
+            raise
         previous = self.held
-        self.held = Held(transfer.signed, transfer.manifest, path, os.open(path, os.O_RDONLY))
+        self.held = held
         self.transfer = None
+        # Closed only now: a successor was served from it until `held` took over.
+        transfer.assembler.close()
         self._notify()
         if previous is not None:  # retention: the installed version and the one in flight, nothing older
-            os.close(previous.fd)
-            previous.path.unlink(missing_ok=True)
-        log.info("installed v%d (%.2fs, last from %s)", version, time.monotonic() - transfer.started_at, transfer.source)
+            previous.remove()
+        came_as = f"a delta of {held.delta.manifest.total_bytes} bytes" if held.delta else f"{held.manifest.total_bytes} bytes"
+        log.info("installed v%d (%.2fs, %s, last from %s)", version, time.monotonic() - transfer.started_at, came_as,
+                 transfer.source)
         self.on_installed(version)
+
+    def _apply(self, transfer: Transfer, delta_path: Path) -> Held:
+        """The full snapshot a verified delta makes of the installed one (blocking: reads and hashes the model)."""
+        base = self.held
+        if base is None or base.manifest.version != transfer.manifest.base_version:
+            raise DeltaError(f"the delta's base v{transfer.manifest.base_version} is not installed here")
+        signed, full, base_hash = delta_full_manifest(delta_path, self.hub_peer_id)
+        if full.version != transfer.manifest.version or full.whole_hash != transfer.manifest.result_hash \
+                or base_hash != base.manifest.whole_hash:
+            raise DeltaError("the full manifest inside the delta does not match the delta's own manifest")
+        path, _ = snapshot_paths(self.directory, full.version)
+        apply_delta(base.path, base.manifest.whole_hash, delta_path, full, path)
+        delta = Held(transfer.signed, transfer.manifest, delta_path, os.open(delta_path, os.O_RDONLY))
+        return Held(signed, full, path, os.open(path, os.O_RDONLY), delta)
 
     # -- announcing downstream ----------------------------------------------------------
 
@@ -449,7 +527,7 @@ class SnapshotKeeper:
     async def start(self, nursery: trio.Nursery) -> None:
         # Nothing carries over a restart (the hub names the newest version again): old files go.
         self.directory.mkdir(parents=True, exist_ok=True)
-        for path in self.directory.glob("v*.safetensors"):
+        for path in self.directory.glob("v*"):
             path.unlink()
         self._nursery = nursery
         nursery.start_soon(self.run)

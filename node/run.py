@@ -212,7 +212,7 @@ def run_node(config: NodeConfig, dashboard: bool = False) -> int:
     seed = engine_seed(config.seed)
     torch.manual_seed(seed)
     engine = make_engine(config.backend, model_dir, device=device, version=-1, dtype=config.dtype, seed=seed,
-                         gpu_memory_fraction=config.gpu_memory_fraction)
+                         gpu_memory_fraction=config.gpu_memory_fraction, max_lora_rank=config.max_lora_rank)
     config_hash = model_dir_config_hash(model_dir)
     print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
     runtime = NodeRuntime(config, identity, engine, config_hash, device)

@@ -11,11 +11,13 @@ explicit (never "auto") and checked against what vLLM built, so no snapshot is c
 from __future__ import annotations
 
 import gc
+import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 from node.engine import Engine
+from shared.adapters import LoraSpec, snapshot_spec, write_peft_dir
 from shared.generation import model_stop_ids
 from shared.rollout import Completion, SamplingParams, engine_seed, lease_seed, prompt_seeds
 from shared.snapshot import SnapshotError, check_tied_copies, tied_groups
@@ -61,6 +63,7 @@ class VLLMEngine(Engine):
         enforce_eager: bool = False,
         seed: int | None = None,
         max_model_len: int | None = None,
+        max_lora_rank: int = 0,
     ):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -87,7 +90,11 @@ class VLLMEngine(Engine):
             worker_extension_cls=WORKER_EXTENSION,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            **({"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1} if max_lora_rank else {}),
         )
+        self.max_lora_rank = max_lora_rank
+        # A LoRA run's policy: the newest snapshot's adapters, as the LoRARequest every generate names.
+        self._lora_request = None
         built = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
         if built != dtype:
             raise RuntimeError(f"vLLM built the model in {built}, asked for {dtype}")
@@ -96,6 +103,10 @@ class VLLMEngine(Engine):
         self._lock = threading.Lock()
 
     def install(self, path: Path, version: int) -> None:
+        spec = snapshot_spec(path)
+        if spec is not None:
+            self._install_adapters(path, version, spec)
+            return
         with self._lock:
             self._usable()
             # Refusals that need no copy come first, with the engine untouched.
@@ -111,6 +122,24 @@ class VLLMEngine(Engine):
             except Exception as exc:
                 raise self._swap_failed(version, exc) from exc
             self.version = version
+
+    def _install_adapters(self, path: Path, version: int, spec: LoraSpec) -> None:
+        """A LoRA run's snapshot: its adapters become the LoRARequest of every later generate (vLLM loads them
+        from a peft-format directory beside the snapshot; the previous one is deleted)."""
+        from vllm.lora.request import LoRARequest
+
+        if spec.rank > self.max_lora_rank:
+            raise SnapshotError(f"this hub trains LoRA adapters of rank {spec.rank}: restart the node with "
+                                f"--max-lora-rank {spec.rank}")
+        adapter_dir = write_peft_dir(path, spec, path.parent / f"lora-v{version}")
+        with self._lock:
+            self._usable()
+            previous = self._lora_request
+            # A new int id per version: vLLM caches adapters by id, a reused id would serve the old weights.
+            self._lora_request = LoRARequest(f"v{version}", version + 1, str(adapter_dir))
+            self.version = version
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -135,7 +164,8 @@ class VLLMEngine(Engine):
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
         with self._lock:
             self._usable()
-            outputs = self._llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+            outputs = self._llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False,
+                                         lora_request=self._lora_request)
             version = self.version
         return [[self._completion(o, version) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
 

@@ -321,6 +321,8 @@ class HubStatus(Message):
     reward_mean: float | None = None
     t_train_s: float | None = None
     t_bcast_s: float | None = None
+    snapshot_bytes: int | None = Field(None, description="bytes of the newest full snapshot")
+    delta_bytes: int | None = Field(None, description="bytes of the newest version's delta (None: it went full only)")
     bubble: float | None = None
     predicted_bubble: float | None = None
     mu_pool: float = 0.0
@@ -334,6 +336,15 @@ class HubStatus(Message):
     evals: tuple[EvalPoint, ...] = Field((), description="held-out evaluations, oldest first (recent ones)")
     events: tuple[EventRecord, ...] = ()
     redacted: bool = Field(False, description="nodes' prices, costs and hardware hidden: asked without an operator key")
+
+    def broadcast_bytes_text(self) -> str:
+        """What one broadcast ships: "snapshot 4.2 MB, delta 0.31 MB (7.4%)"."""
+        if self.snapshot_bytes is None:
+            return "no snapshot yet"
+        text = f"snapshot {self.snapshot_bytes / 1e6:.3g} MB"
+        if self.delta_bytes is None:
+            return text + ", no delta"
+        return text + f", delta {self.delta_bytes / 1e6:.3g} MB ({self.delta_bytes / self.snapshot_bytes:.1%})"
 
     def redact(self) -> HubStatus:
         """The status a peer without an operator key sees: no node's price, cost or hardware."""
@@ -349,6 +360,7 @@ class SnapshotRequest(Message):
     version: Version | None = Field(None, description="None: the newest")
     from_chunk: ChunkIndex = 0
     only_chunk: ChunkIndex | None = Field(None, description="fetch this one chunk only (repair)")
+    base_version: Version | None = Field(None, description="the version the asker holds: a delta against it will do")
 
 
 class TransferAck(Message):
@@ -365,7 +377,8 @@ class TransferAck(Message):
 class BadChunkReport(Message):
     """A node reports its upstream.
 
-    kind "manifest" or "chunk": `commitment_hex` is the upstream's signature over what it sent for
+    kind "manifest" or "chunk" (or "delta-manifest", "delta-chunk" of a delta snapshot): `commitment_hex`
+    is the upstream's signature over what it sent for
     (version, index) with blake3 `digest_hex` (shared/transfer.py), which the hub checks with the
     upstream's key against its own manifest: proof that bans the upstream, or the reporter if the
     upstream sent the right bytes. kind "unproven": a frame with no valid commitment, or a stall;
@@ -375,7 +388,7 @@ class BadChunkReport(Message):
     TYPE: ClassVar[int] = 20
     MAX_BYTES: ClassVar[int] = 4 * KIB
     upstream: PeerIdText
-    kind: Literal["manifest", "chunk", "unproven"]
+    kind: Literal["manifest", "chunk", "delta-manifest", "delta-chunk", "unproven"]
     version: Version
     index: ChunkIndex = 0
     digest_hex: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")

@@ -29,9 +29,10 @@ import os
 import re
 import struct
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import blake3
 import torch
@@ -48,7 +49,7 @@ from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
 from shared.files import atomic_write_bytes
 from shared.weights_file import WeightsFileError, copy_into, read_entries, write_weights
 
-SNAPSHOT_FORMAT_VERSION = 1
+SNAPSHOT_FORMAT_VERSION = 2  # 2: manifests of delta snapshots (shared/delta.py)
 CHUNK_SIZE_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
 MAX_MANIFEST_BYTES = 8 << 20
@@ -100,6 +101,10 @@ class Manifest(BaseModel):
     config_hash: str = Field(description="model_config_hash of the model the weights belong to")
     created_at: float = Field(ge=0.0, allow_inf_nan=False, description="unix seconds")
     signer: str = Field(min_length=1, max_length=MAX_PEER_ID_CHARS, description="peer id of the signing hub")
+    kind: Literal["full", "delta"] = Field("full", description="full: safetensors weights; delta: shared/delta.py")
+    base_version: int | None = Field(None, ge=0, description="delta: the version it applies to")
+    base_hash: str | None = Field(None, description="delta: whole hash of the base version's weights file")
+    result_hash: str | None = Field(None, description="delta: whole hash of the weights file it produces")
 
     @field_validator("format_version")
     @classmethod
@@ -115,10 +120,19 @@ class Manifest(BaseModel):
             _hex_hash(h)
         return value
 
-    @field_validator("whole_hash", "config_hash")
+    @field_validator("whole_hash", "config_hash", "base_hash", "result_hash")
     @classmethod
-    def _hash_hex(cls, value: str) -> str:
-        return _hex_hash(value)
+    def _hash_hex(cls, value: str | None) -> str | None:
+        return None if value is None else _hex_hash(value)
+
+    @model_validator(mode="after")
+    def _delta_fields(self) -> Manifest:
+        fields = (self.base_version, self.base_hash, self.result_hash)
+        if self.kind == "full" and fields != (None, None, None):
+            raise ValueError("a full snapshot's manifest names no base or result")
+        if self.kind == "delta" and (None in fields or self.base_version >= self.version):
+            raise ValueError("a delta's manifest names an older base version, the base's hash and the result's hash")
+        return self
 
     @model_validator(mode="after")
     def _chunk_count(self) -> Manifest:
@@ -286,19 +300,23 @@ def check_tied_copies(names: Iterable[str], groups: Iterable[set[str]]) -> None:
                                 "must carry one of them")
 
 
-def load_into(model: torch.nn.Module, path: Path) -> None:
+def load_into(model: torch.nn.Module, path: Path, keys: Callable[[str], bool] | None = None) -> None:
     """Copy the snapshot file's weights into `model` in place (no re-instantiation), one tensor at a time.
 
     Strict except for tied weights: a key may be absent only if the model ties it to a key
     the snapshot carries, and at most one key of a tied group may be present. Shapes and dtypes
     must match exactly, so loaded values are bit-identical; everything is checked before the
     first byte is copied (SnapshotError, model untouched); a failure after that is PartialCopy.
+    `keys`: the part of the model's state dict the snapshot holds, all of it (the adapters of a LoRA
+    run, shared/adapters.py); None: the whole state dict.
     """
     try:
         entries = read_entries(path)
     except WeightsFileError as exc:
         raise SnapshotError(str(exc)) from exc
     current = model.state_dict()
+    if keys is not None:
+        current = {name: tensor for name, tensor in current.items() if keys(name)}
     names = {e.name for e in entries}
     unexpected = sorted(names - set(current))
     if unexpected:
@@ -342,7 +360,7 @@ class Snapshot:
     path: Path
 
 
-class _ChunkHasher:
+class ChunkHasher:
     """blake3 of every chunk_size piece and of the whole, fed bytes in order in pieces of any size."""
 
     def __init__(self, chunk_size: int) -> None:
@@ -382,6 +400,7 @@ def build_snapshot(
     dtype: torch.dtype | None = None,
     chunk_size: int = CHUNK_SIZE_BYTES,
     created_at: float | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> Snapshot:
     """Stream the weights (floating ones in `dtype`, when given) into `directory`, hashing every chunk
     and the whole on the way, then sign the manifest with the hub's key and write it.
@@ -392,10 +411,10 @@ def build_snapshot(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     weights_path, manifest_path = snapshot_paths(directory, version)
-    hasher = _ChunkHasher(chunk_size)
+    hasher = ChunkHasher(chunk_size)
     tmp = weights_path.with_name(f".{weights_path.name}.tmp")
     try:
-        total = write_weights(tmp, _untied(state_dict), dtype, hasher.update)
+        total = write_weights(tmp, _untied(state_dict), dtype, hasher.update, metadata)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, weights_path)
@@ -436,6 +455,15 @@ def read_chunk(fd: int, manifest: Manifest, index: int) -> bytes:
     if len(data) != length:
         raise BadChunk(f"chunk {index}: the file holds {len(data)} of its {length} bytes")
     return data
+
+
+def hash_chunks(path: Path, chunk_size: int) -> tuple[tuple[str, ...], str]:
+    """(blake3 of each chunk_size piece, blake3 of the whole) of a file, read a chunk at a time."""
+    hasher = ChunkHasher(chunk_size)
+    with open(path, "rb", buffering=0) as f:
+        while data := f.read(chunk_size):
+            hasher.update(memoryview(data))
+    return hasher.finish()
 
 
 def file_hash(path: Path, piece_bytes: int = 4 << 20) -> str:
@@ -549,12 +577,18 @@ def snapshot_paths(directory: Path, version: int) -> tuple[Path, Path]:
     return directory / f"{stem}.safetensors", directory / f"{stem}.manifest"
 
 
+def delta_paths(directory: Path, version: int) -> tuple[Path, Path]:
+    """(delta file, signed manifest file) of `version`'s delta against the version before it."""
+    stem = f"v{version:08d}"
+    return directory / f"{stem}.delta", directory / f"{stem}.delta-manifest"
+
+
 def remove_snapshot_files(directory: Path, version: int) -> None:
-    """Delete `version`'s files, manifest first: a crash in between leaves an orphan weights file
-    (pruned at the next start), never a manifest promising weights that are gone."""
-    weights_path, manifest_path = snapshot_paths(Path(directory), version)
-    manifest_path.unlink(missing_ok=True)
-    weights_path.unlink(missing_ok=True)
+    """Delete `version`'s files (full and delta), manifests first: a crash in between leaves an orphan
+    data file (pruned at the next start), never a manifest promising bytes that are gone."""
+    for data_path, manifest_path in (snapshot_paths(Path(directory), version), delta_paths(Path(directory), version)):
+        manifest_path.unlink(missing_ok=True)
+        data_path.unlink(missing_ok=True)
 
 
 def _read_capped(path: Path, limit: int) -> bytes:
@@ -575,14 +609,7 @@ def read_snapshot_files(directory: Path, version: int, hub_peer_id: str) -> Snap
     size = weights_path.stat().st_size
     if size != manifest.total_bytes:
         raise BadChunk(f"{weights_path} holds {size} bytes, manifest says {manifest.total_bytes}")
-    hasher = _ChunkHasher(manifest.chunk_size)
-    fd = os.open(weights_path, os.O_RDONLY)
-    try:
-        for index in range(manifest.chunk_count):
-            hasher.update(memoryview(read_chunk(fd, manifest, index)))
-    finally:
-        os.close(fd)
-    chunk_hashes, whole_hash = hasher.finish()
+    chunk_hashes, whole_hash = hash_chunks(weights_path, manifest.chunk_size)
     bad = next((i for i, (a, b) in enumerate(zip(chunk_hashes, manifest.chunk_hashes, strict=True)) if a != b), None)
     if bad is not None:
         raise BadChunk(f"{weights_path}: chunk {bad} fails its hash")

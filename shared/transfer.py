@@ -16,6 +16,11 @@ verifies but whose bytes fail the hub's manifest is proof the sender lied, which
 check with the sender's public key alone; and a report quoting a commitment to the right bytes
 proves the reporter lied. Honest relays therefore cannot be framed, and lying ones are banned.
 
+Deltas: a receiver names the version it holds (`base_version`); a sender holding a delta of the
+asked version against exactly that base serves the delta (shared/delta.py), else the full snapshot.
+Delta frames are committed to under their own kinds, so a delta chunk can never be judged against
+the full snapshot's manifest. A delta against another base is refused (UnusableDelta) unkept.
+
 Chunks arrive strictly in the order asked for (from_chunk, from_chunk + 1, ..., or the one
 only_chunk): a sender that sends any other index is treated like one that sends a bad chunk.
 A sender that stops sending is dropped after STALL_S without a byte (there is no deadline on a
@@ -61,7 +66,7 @@ TRANSFER_CAPS = {
     MANIFEST_FRAME: MAX_MANIFEST_BYTES + 2 * SIGNATURE_BYTES,
     CHUNK_FRAME: MAX_CHUNK_BYTES + CHUNK_FRAME_OVERHEAD_BYTES,
 }
-CommitKind = Literal["manifest", "chunk"]
+CommitKind = Literal["manifest", "chunk", "delta-manifest", "delta-chunk"]
 _COMMIT_DOMAIN = b"echo2/transfer-commitment/1|"
 _COMMIT_FIELDS = struct.Struct(">QI")
 
@@ -69,6 +74,11 @@ _COMMIT_FIELDS = struct.Struct(">QI")
 def commitment_payload(kind: CommitKind, version: int, index: int, digest_hex: str) -> bytes:
     """What a sender signs for one frame: the kind, the requested version, the chunk index, the bytes' blake3."""
     return _COMMIT_DOMAIN + kind.encode() + b"|" + _COMMIT_FIELDS.pack(version, index) + bytes.fromhex(digest_hex)
+
+
+def frame_kinds(manifest: Manifest) -> tuple[CommitKind, CommitKind]:
+    """(manifest kind, chunk kind) a sender commits to for the frames of this snapshot."""
+    return ("delta-manifest", "delta-chunk") if manifest.kind == "delta" else ("manifest", "chunk")
 
 
 def commitment_holds(public_key: bytes, kind: CommitKind, version: int, index: int, digest_hex: str, sig: bytes) -> bool:
@@ -100,10 +110,23 @@ class ChunkRejected(BadChunk):
         self.proof = proof
 
 
+class UnusableDelta(SnapshotError):
+    """The sender offered a delta against a base the receiver did not name: nothing kept, nobody to blame
+    (the manifest is the hub's own); the receiver asks for the full snapshot next."""
+
+
 class NotServable(LookupError):
     """The request asks for a version or chunks the sender does not hold: refused before anything is sent.
 
     (A LookupError from the source later, mid-transfer, means the sender dropped the version meanwhile.)"""
+
+
+def _committed_kind(sender_key: bytes, version: int, digest_hex: str, sig: bytes) -> CommitKind | None:
+    """Which manifest kind the sender's commitment is to, if it holds for either."""
+    for kind in ("manifest", "delta-manifest"):
+        if commitment_holds(sender_key, kind, version, 0, digest_hex, sig):
+            return kind
+    return None
 
 
 def wanted_chunks(request: SnapshotRequest, total: int) -> range:
@@ -120,12 +143,14 @@ def wanted_chunks(request: SnapshotRequest, total: int) -> range:
 class ChunkSource(Protocol):
     """Something that can serve a snapshot: the hub (everything at hand) or a relay (chunks still arriving)."""
 
-    def held_manifest(self, version: int | None) -> tuple[SignedManifest, Manifest] | None:
-        """The signed manifest of `version` (None: the newest) and its parsed form, if held."""
+    def held_manifest(self, version: int | None, base_version: int | None = None) -> tuple[SignedManifest, Manifest] | None:
+        """The signed manifest of `version` (None: the newest) and its parsed form, if held: its delta
+        against `base_version` when one is held, else the full snapshot's."""
         ...
 
-    async def chunk(self, version: int, index: int) -> bytes:
-        """The verified chunk, waiting for it if it is still on its way; raises LookupError if it never will be."""
+    async def chunk(self, version: int, index: int, delta: bool = False) -> bytes:
+        """The verified chunk (of `version`'s delta when `delta`), waiting for it if it is still on its way;
+        raises LookupError if it never will be."""
         ...
 
 
@@ -139,7 +164,7 @@ async def serve_snapshot(
 ) -> TransferAck:
     """Answer one SnapshotRequest on `stream`, committing to every frame as `identity`, and return the
     receiver's ack (NotServable if there is nothing to serve)."""
-    held = source.held_manifest(request.version)
+    held = source.held_manifest(request.version, request.base_version)
     if held is None:
         raise NotServable(f"snapshot {request.version if request.version is not None else 'newest'} not held")
     signed, manifest = held
@@ -148,14 +173,15 @@ async def serve_snapshot(
     digest = blake3.blake3(manifest_bytes).hexdigest()
     # Committed to the version asked for: sending another one's manifest in its place is then provable.
     asked = request.version if request.version is not None else manifest.version
+    manifest_kind, chunk_kind = frame_kinds(manifest)
     await write_frame(stream, MANIFEST_FRAME,
-                      manifest_bytes + identity.sign(commitment_payload("manifest", asked, 0, digest)))
-    version = manifest.version
+                      manifest_bytes + identity.sign(commitment_payload(manifest_kind, asked, 0, digest)))
+    version, delta = manifest.version, manifest.kind == "delta"
     for index in indices:
-        data = await source.chunk(version, index)
+        data = await source.chunk(version, index, delta)
         # The commitment is to the bytes actually sent (hashed again here, ~0.3 CPU-s per GB): a sender
         # cannot commit to one thing and send another without its receiver noticing at once.
-        sig = identity.sign(commitment_payload("chunk", version, index, blake3.blake3(data).hexdigest()))
+        sig = identity.sign(commitment_payload(chunk_kind, version, index, blake3.blake3(data).hexdigest()))
         frame = encode_frame(CHUNK_FRAME, encode_chunk(version, index, data) + sig)
         if limiter is None:
             await stream.write(frame)
@@ -190,20 +216,27 @@ async def receive_snapshot(
     manifest_bytes, sig = body[:-SIGNATURE_BYTES], body[-SIGNATURE_BYTES:]
     digest = blake3.blake3(manifest_bytes).hexdigest()
     proof = None  # a request without a version binds the sender to nothing in particular
+    committed: CommitKind | None = None
     if request.version is not None:
-        if not commitment_holds(sender_key, "manifest", request.version, 0, digest, sig):
+        committed = _committed_kind(sender_key, request.version, digest, sig)
+        if committed is None:
             raise ChunkRejected(request.version, 0, "manifest frame without a valid commitment", None)
-        proof = Proof("manifest", request.version, 0, digest, sig)
+        proof = Proof(committed, request.version, 0, digest, sig)
     try:
         signed = SignedManifest.from_bytes(manifest_bytes)
         manifest = verify_manifest(signed, hub_peer_id, newer_than)
         if request.version is not None and manifest.version != request.version:
             raise BadChunk(f"asked for v{request.version}, got a manifest for v{manifest.version}")
+        if committed is not None and committed != frame_kinds(manifest)[0]:
+            raise BadChunk(f"committed to a {committed} frame, sent a {manifest.kind} snapshot's manifest")
         wanted = wanted_chunks(request, manifest.chunk_count)
     except (SnapshotError, LookupError) as exc:
         raise ChunkRejected(request.version or 0, 0, f"manifest refused: {exc}", proof) from None
-    if request.version is None and not commitment_holds(sender_key, "manifest", manifest.version, 0, digest, sig):
+    manifest_kind, chunk_kind = frame_kinds(manifest)
+    if request.version is None and not commitment_holds(sender_key, manifest_kind, manifest.version, 0, digest, sig):
         raise ChunkRejected(manifest.version, 0, "manifest frame without a valid commitment", None)
+    if manifest.kind == "delta" and manifest.base_version != request.base_version:
+        raise UnusableDelta(f"offered a delta against v{manifest.base_version}; this node holds {request.base_version}")
     assembler = assembler_for(signed, manifest)
     received = 0
     try:
@@ -218,9 +251,9 @@ async def receive_snapshot(
                 # Committed or not, a frame for another slot proves nothing about the one asked for.
                 raise ChunkRejected(manifest.version, expected, f"sender sent chunk {index} of v{version} instead", None)
             digest = blake3.blake3(data).hexdigest()
-            if not commitment_holds(sender_key, "chunk", version, index, digest, sig):
+            if not commitment_holds(sender_key, chunk_kind, version, index, digest, sig):
                 raise ChunkRejected(manifest.version, expected, "chunk frame without a valid commitment", None)
-            proof = Proof("chunk", version, index, digest, sig)
+            proof = Proof(chunk_kind, version, index, digest, sig)
             try:
                 assembler.add(index, data, digest)
             except BadChunk as exc:

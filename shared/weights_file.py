@@ -72,13 +72,15 @@ def write_weights(
     tensors: Mapping[str, torch.Tensor],
     dtype: torch.dtype | None,
     on_bytes: Callable[[memoryview], None] = lambda _b: None,
+    metadata: Mapping[str, str] | None = None,
 ) -> int:
     """Write `tensors` (floating ones cast to `dtype` when given) to `path`; returns the file's length.
 
     `tensors` must hold no two names sharing storage (shared.snapshot drops tied aliases first).
     Every byte written also goes to `on_bytes`, in file order. The caller makes the write atomic.
+    `metadata`: extra string pairs for the header's __metadata__ (safetensors allows only strings).
     """
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     plan: list[tuple[torch.Tensor, torch.dtype]] = []
     for name, tensor in tensors.items():
@@ -113,8 +115,8 @@ def write_weights(
     return len(prefix) + offset
 
 
-def read_entries(path: Path) -> list[Entry]:
-    """The tensors a safetensors file holds, in file order; WeightsFileError for a malformed header."""
+def _read_header(path: Path) -> tuple[dict, int, int]:
+    """(header JSON, header length, file size) of a safetensors file; WeightsFileError if malformed."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -129,6 +131,20 @@ def read_entries(path: Path) -> list[Entry]:
             raise WeightsFileError(f"{path}: header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise WeightsFileError(f"{path}: header is not a JSON object")
+    return header, n, size
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The header's __metadata__ string pairs (empty when there is none); WeightsFileError if malformed."""
+    metadata = _read_header(path)[0].get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise WeightsFileError(f"{path}: __metadata__ is not a map of strings")
+    return metadata
+
+
+def read_entries(path: Path) -> list[Entry]:
+    """The tensors a safetensors file holds, in file order; WeightsFileError for a malformed header."""
+    header, n, size = _read_header(path)
     base = 8 + n
     entries = []
     for name, info in header.items():
@@ -154,7 +170,8 @@ def read_entries(path: Path) -> list[Entry]:
     return entries
 
 
-def _read_exact(f, into: memoryview, where: str) -> None:
+def read_exact_into(f, into: memoryview, where: str) -> None:
+    """Fill `into` from the open file `f` (WeightsFileError naming `where` if the file ends first)."""
     got = 0
     while got < len(into):
         n = f.readinto(into[got:])
@@ -167,7 +184,7 @@ def read_tensor(f, entry: Entry) -> torch.Tensor:
     """A fresh CPU tensor holding `entry`'s bytes read from the open file `f`."""
     out = torch.empty(entry.shape, dtype=entry.dtype)
     f.seek(entry.start)
-    _read_exact(f, _raw_bytes(out), entry.name)
+    read_exact_into(f, _raw_bytes(out), entry.name)
     return out
 
 
@@ -178,7 +195,7 @@ def copy_into(f, entry: Entry, target: torch.Tensor, staging: dict[torch.dtype, 
         raise WeightsFileError(f"{entry.name}: file holds {entry.dtype}, target is {target.dtype}")
     f.seek(entry.start)
     if target.device.type == "cpu" and target.is_contiguous():
-        _read_exact(f, _raw_bytes(target), entry.name)
+        read_exact_into(f, _raw_bytes(target), entry.name)
         return
     if not target.is_contiguous():  # rare: one staging copy of the whole tensor
         target.copy_(read_tensor(f, entry))
@@ -189,7 +206,7 @@ def copy_into(f, entry: Entry, target: torch.Tensor, staging: dict[torch.dtype, 
         staging[entry.dtype] = torch.empty(step, dtype=entry.dtype)
     for begin in range(0, flat.numel(), step):
         piece = staging[entry.dtype][: min(step, flat.numel() - begin)]
-        _read_exact(f, _raw_bytes(piece), entry.name)
+        read_exact_into(f, _raw_bytes(piece), entry.name)
         flat[begin : begin + piece.numel()].copy_(piece)
 
 

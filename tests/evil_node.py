@@ -19,8 +19,8 @@ CORRUPT_INDEX = 1
 def corrupt_relaying() -> None:
     chunk = SnapshotKeeper.chunk
 
-    async def corrupt_chunk(self: SnapshotKeeper, version: int, index: int) -> bytes:
-        data = await chunk(self, version, index)
+    async def corrupt_chunk(self: SnapshotKeeper, version: int, index: int, delta: bool = False) -> bytes:
+        data = await chunk(self, version, index, delta)
         return bytes([data[0] ^ 0xFF]) + data[1:] if index == CORRUPT_INDEX else data
 
     SnapshotKeeper.chunk = corrupt_chunk

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +55,30 @@ def random_snapshot(identity: Identity, version: int, size_bytes: int, chunk_byt
 
     tensor = torch.frombuffer(bytearray(os.urandom(size_bytes)), dtype=torch.uint8)
     return build_snapshot({"w": tensor}, version, identity, CONFIG_HASH, scratch_dir(), chunk_size=chunk_bytes)
+
+
+def evolving_snapshots(
+    identity: Identity, versions: int, elements: int, changed: int, chunk_bytes: int, seed: int = 0,
+) -> list[tuple[Snapshot, Snapshot | None]]:
+    """`versions` bf16 snapshots of one random tensor, `changed` elements moved between consecutive ones,
+    each after the first with its signed delta against the one before (what the hub's learner publishes)."""
+    import torch
+
+    from shared.delta import build_delta_snapshot
+
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(elements, generator=generator)
+    directory = scratch_dir()
+    out: list[tuple[Snapshot, Snapshot | None]] = []
+    for version in range(versions):
+        if version:
+            where = torch.randperm(elements, generator=generator)[:changed]
+            weights[where] += 0.5 + torch.rand(changed, generator=generator)  # far above bf16's resolution
+        snapshot = build_snapshot({"w": weights}, version, identity, CONFIG_HASH, directory, dtype=torch.bfloat16,
+                                  chunk_size=chunk_bytes)
+        built = build_delta_snapshot(out[-1][0], snapshot, identity, directory, 1.0) if out else None
+        out.append((snapshot, None if built is None else built[0]))
+    return out
 
 
 @dataclass
@@ -107,7 +131,7 @@ class NodePeer:
     host: IHost
     addr: str
     keeper: SnapshotKeeper
-    installed: dict[int, bytes] = field(default_factory=dict)
+    installed: dict[int, object] = field(default_factory=dict)
     installed_at: dict[int, float] = field(default_factory=dict)
     first_chunk_at: float | None = None
 
@@ -124,15 +148,17 @@ class NodePeer:
 @asynccontextmanager
 async def node_peer(
     hub: HubPeer, limiter: RateLimiter | None = None, keeper_class: type[SnapshotKeeper] = SnapshotKeeper,
-    stall_s: float = STALL_S,
+    stall_s: float = STALL_S, read: Callable[[Path], object] = Path.read_bytes,
 ) -> AsyncIterator[NodePeer]:
-    """A node connected to `hub` (as its hub link would be), keeper running; leaving the block kills it."""
+    """A node connected to `hub` (as its hub link would be), keeper running; leaving the block kills it.
+
+    `read`: what `installed` keeps of each installed file (its bytes; a hash for large snapshots)."""
     identity = Identity.generate()
     async with running_host(identity, [LOOPBACK]) as (host, addrs):
         node: NodePeer
 
         async def install(path: Path, version: int) -> None:
-            node.installed[version] = path.read_bytes()
+            node.installed[version] = await trio.to_thread.run_sync(read, path)
             node.installed_at[version] = time.monotonic()
 
         client = HubClient(host, identity, hub.addr)
@@ -161,8 +187,8 @@ class FlippingKeeper(SnapshotKeeper):
 
     BAD_INDEX = 5
 
-    async def chunk(self, version: int, index: int) -> bytes:
-        data = await super().chunk(version, index)
+    async def chunk(self, version: int, index: int, delta: bool = False) -> bytes:
+        data = await super().chunk(version, index, delta)
         return bytes([data[0] ^ 0x01]) + data[1:] if index == self.BAD_INDEX else data
 
 

@@ -131,10 +131,10 @@ class StallingSource:
     def __init__(self, inner) -> None:
         self.inner = inner
 
-    def held_manifest(self, version):
-        return self.inner.held_manifest(version)
+    def held_manifest(self, version, base_version=None):
+        return self.inner.held_manifest(version, base_version)
 
-    async def chunk(self, version: int, index: int) -> bytes:
+    async def chunk(self, version: int, index: int, delta: bool = False) -> bytes:
         await trio.sleep_forever()
 
 

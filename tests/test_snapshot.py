@@ -422,7 +422,7 @@ def test_signed_but_malformed_manifest_rejected(hub, snaps):
 
 def test_manifest_bounds(hub):
     base = {
-        "format_version": 1,
+        "format_version": SNAPSHOT_FORMAT_VERSION,
         "version": 0,
         "total_bytes": 10,
         "chunk_size": 4,
@@ -440,6 +440,11 @@ def test_manifest_bounds(hub):
         {"chunk_hashes": (blake3_hex(b"a"),) * 2},
         {"created_at": float("nan")},
         {"signer": ""},
+        {"base_version": 0},  # a full snapshot names no base
+        {"kind": "delta"},  # a delta names its base and result
+        {"kind": "delta", "base_version": 0, "base_hash": blake3_hex(b"b"), "result_hash": blake3_hex(b"c")},  # base not older
+        {"kind": "delta", "version": 1, "base_version": 0, "base_hash": "x", "result_hash": blake3_hex(b"c")},
+        {"kind": "patch"},
     ):
         with pytest.raises(ValidationError):
             Manifest(**{**base, **bad})

@@ -45,11 +45,11 @@ class FlippingSource:
         self.inner = inner
         self.bad_index = bad_index
 
-    def held_manifest(self, version):
-        return self.inner.held_manifest(version)
+    def held_manifest(self, version, base_version=None):
+        return self.inner.held_manifest(version, base_version)
 
-    async def chunk(self, version: int, index: int) -> bytes:
-        data = await self.inner.chunk(version, index)
+    async def chunk(self, version: int, index: int, delta: bool = False) -> bytes:
+        data = await self.inner.chunk(version, index, delta)
         if index == self.bad_index:
             data = bytes([data[0] ^ 0x01]) + data[1:]
         return data

@@ -133,3 +133,35 @@ def test_hot_swap_under_cuda_graphs(default_model_dir, tmp_path):
         assert mean_gap(graphed, hf_engine, sampling) < MAX_MEAN_LOGPROB_GAP
     finally:
         graphed.close()
+
+
+def test_vllm_serves_lora_adapters_as_the_hf_engine_computes_them(default_model_dir, tmp_path):
+    """A LoRA run's snapshot: vLLM loads the adapters as a LoRARequest; its log-probs match the HF engine with
+    the same adapters injected, and a node without --max-lora-rank refuses with the flag to pass."""
+    from node.hf_engine import HFEngine
+    from node.vllm_engine import VLLMEngine
+    from shared.adapters import adapter_state, add_adapters, snapshot_metadata
+    from shared.crypto import Identity
+    from shared.snapshot import SnapshotError, build_snapshot
+
+    hf_engine = HFEngine(default_model_dir, device="cuda", dtype="float32")
+    spec = add_adapters(hf_engine.model, 8, 16.0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for tensor in adapter_state(hf_engine.model).values():
+            tensor.copy_(0.05 * torch.randn(tensor.shape, generator=gen))
+    snapshot = build_snapshot(adapter_state(hf_engine.model), 4, Identity.generate(), "0" * 64, tmp_path,
+                              metadata=snapshot_metadata(spec))
+    refusing = VLLMEngine(default_model_dir, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
+    with pytest.raises(SnapshotError, match="--max-lora-rank 8"):
+        refusing.install(snapshot.path, 4)
+    refusing.close()
+    engine = VLLMEngine(default_model_dir, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True,
+                        max_lora_rank=8)
+    try:
+        engine.install(snapshot.path, 4)
+        sampling = SamplingParams(max_new_tokens=8, seed=5)
+        assert all(c.version == 4 for g in engine.generate(PROMPTS, 2, sampling) for c in g)
+        assert mean_gap(engine, hf_engine, sampling) < MAX_MEAN_LOGPROB_GAP
+    finally:
+        engine.close()

@@ -111,6 +111,7 @@ def learner_text(status: HubStatus) -> Text:
     out.append(f"step {status.step}/{status.steps_target or '∞'}", style="bold")
     out.append(f"  v{status.version}  S={status.staleness}  κ={status.kappa}  leases {status.open_leases}\n")
     out.append(f"T_train {number(status.t_train_s, '.1f', ' s')}  T_bcast {number(status.t_bcast_s, '.1f', ' s')}\n")
+    out.append(status.broadcast_bytes_text() + "\n")
     over = status.bubble is not None and status.predicted_bubble is not None and status.bubble > status.predicted_bubble
     out.append(f"bubble {number(status.bubble, '.3f')}", style="yellow" if over else "green")
     out.append(f"  predicted {number(status.predicted_bubble, '.3f')}\n")
