@@ -311,7 +311,9 @@ class Broadcaster:
         delta = report.kind.startswith("delta-")
         snapshot = self.shelf.delta(report.version) if delta else self.shelf.get(report.version)
         if snapshot is None:
-            return "accused"  # committed to a delta of a version the hub published without one
+            # No delta of it held: a hub that restarted republishes its newest version without the delta its
+            # relays may still serve. Nothing to check the commitment against.
+            return "unknown"
         manifest = snapshot.manifest
         if report.kind in ("manifest", "delta-manifest"):
             truth = self.shelf.manifest_digest(report.version, delta)

@@ -79,9 +79,10 @@ def _fsync_tree(root: Path) -> None:
 def save_checkpoint(
     root: Path, step: int, version: int, model, tokenizer, optimizer, keep: int = CHECKPOINTS_KEPT,
     adapter: Mapping[str, torch.Tensor] | None = None, sharded: Callable[[Path], None] | None = None,
+    adapter_metadata: Mapping[str, str] | None = None,
 ) -> CheckpointInfo:
     """Atomically write the checkpoint of `step` (`adapter`: a LoRA run's adapters, saved instead of the
-    model; `sharded`: writes every rank's shard into the directory it is given, instead of the model and
+    model, with `adapter_metadata`, their spec; `sharded`: writes every rank's shard into the directory it is given, instead of the model and
     optimizer); returns where it lives."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,7 @@ def save_checkpoint(
         elif adapter is None:
             model.save_pretrained(tmp / MODEL_SUBDIR)
         else:
-            write_weights(tmp / ADAPTER_FILE, adapter, None)
+            write_weights(tmp / ADAPTER_FILE, adapter, None, metadata=adapter_metadata)
         tokenizer.save_pretrained(tmp / MODEL_SUBDIR)
         if sharded is None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)

@@ -197,6 +197,7 @@ def full_state_dict(model: torch.nn.Module, keep: Sequence[str] | None = None) -
 
     rank = dist.get_rank()
     out: dict[str, torch.Tensor] = {}
+    keep = None if keep is None else set(keep)
     for name, tensor in model.state_dict().items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if rank == 0 and (keep is None or name in keep):
@@ -212,10 +213,11 @@ def full_state_dict(model: torch.nn.Module, keep: Sequence[str] | None = None) -
 class Command:
     """One operation every rank runs together."""
 
-    kind: str  # "step", "state", "checkpoint", "final", "stop"
+    kind: str  # "init", "step", "state", "checkpoint", "final", "stop"
     step: int = 0
     groups: tuple[Any, ...] = ()
     path: str = ""
+    checkpoint: Any = None  # "init": the CheckpointInfo every rank resumes from (rank 0 chose it)
 
 
 def broadcast(command: Command | None) -> Command:
@@ -225,6 +227,14 @@ def broadcast(command: Command | None) -> Command:
     box = [command]
     dist.broadcast_object_list(box, src=0, device=_device() if dist.get_backend() == "nccl" else None)
     return box[0]
+
+
+def _die_with_parent() -> None:
+    """In a spawned rank, before exec: SIGKILL when the hub process exits (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
 @dataclass
@@ -242,10 +252,11 @@ class RankWatch:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             path = data_dir / f"learner-rank-{rank}.log"
             with open(path, "ab") as out:
-                # Their own session: a Ctrl-C reaches the hub alone, which then stops them in order.
+                # Their own session: a Ctrl-C reaches the hub alone, which then stops them in order. Killed
+                # with the hub if it dies, so no rank outlives it waiting in a collective.
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "hub.cli", *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
+                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
                 ))
             self.logs.append(path)
 
@@ -293,10 +304,10 @@ class RankGroup:
             try:
                 broadcast(command)
                 return run_command(self.learner, command)
-            except (RuntimeError, OSError, ValueError) as exc:
-                if isinstance(exc, LearnerRankLost):
-                    raise
+            except RuntimeError as exc:
                 gone = self.watch.dead() if self.watch is not None else None
+                if gone is None and not _broken_group(exc):
+                    raise  # ours (out of memory, a bug): not a lost rank
                 raise LearnerRankLost(gone or f"a learner rank stopped answering ({exc})") from exc
 
     def train_step(self, groups, step: int):
@@ -312,8 +323,22 @@ class RankGroup:
         self._run(Command("final", path=str(out_dir)))
 
     def stop(self) -> None:
+        """The other ranks leave their loop; a rank already gone (after the last step) is only logged."""
         with self._lock:
-            broadcast(Command("stop"))
+            try:
+                broadcast(Command("stop"))
+            except RuntimeError as exc:
+                log.warning("could not tell every learner rank to stop: %s", exc)
+
+
+def _broken_group(exc: BaseException) -> bool:
+    """Whether a failed collective means the process group broke (a peer died or hung up)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in ("connection", "gloo", "nccl", "timed out", "socket"))
 
 
 def run_command(learner, command: Command):

@@ -19,6 +19,7 @@ need the step in a separate process.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -37,7 +38,17 @@ from hub.checkpoint import (
     save_checkpoint,
 )
 from hub.config import LearnerConfig
-from hub.distributed import SOLO, Collective, RankGroup, RankWatch, full_state_dict, partition_rows, shard
+from hub.distributed import (
+    SOLO,
+    Collective,
+    Command,
+    RankGroup,
+    RankWatch,
+    broadcast,
+    full_state_dict,
+    partition_rows,
+    shard,
+)
 from hub.evaluation import EvalRunner
 from hub.grpo import group_advantages, grpo_loss, micro_batches
 from hub.metrics import MetricsWriter, bubble_ratio
@@ -46,7 +57,7 @@ from hub.store import StepRecord
 from hub.trackers import Trackers
 from shared.adapters import LoraSpec, adapter_state, add_adapters, is_adapter_key, merged_state_dict, snapshot_metadata
 from shared.crypto import Identity
-from shared.delta import DeltaStats, build_delta_snapshot
+from shared.delta import build_delta_snapshot
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logprobs import completion_logprobs
 from shared.precision import engine_dtype
@@ -59,6 +70,8 @@ from shared.snapshot import (
     read_snapshot_files,
     tied_duplicates,
 )
+
+log = logging.getLogger("echo2.hub.learner")
 
 
 @dataclass(frozen=True)
@@ -421,7 +434,6 @@ class LearnerComponent:
         self.chunk_size_bytes = chunk_size_bytes
         self.delta_max_ratio = delta_max_ratio
         self._last_published: Snapshot | None = None  # the base of the next delta
-        self.delta_stats: DeltaStats | None = None  # of the newest published version's delta
         self.kappa = cfg.effective_kappa
         self.clock = clock
         self.extra_metrics = extra_metrics
@@ -430,10 +442,12 @@ class LearnerComponent:
         self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
         remove_stale_temporaries(self.checkpoints_dir)
         checkpoint = latest_checkpoint(self.checkpoints_dir)
+        self.sharded = ranks is not None
         if ranks is None:
             self.learner = Learner(base_model_dir, cfg, sampling, checkpoint)
         else:
             collective, device, watch = ranks
+            broadcast(Command("init", checkpoint=checkpoint))  # every rank resumes what rank 0 resumes
             self.learner = RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch)
         self.metrics = MetricsWriter(self.data_dir / METRICS_FILE, trackers)
         self.evaluation = evaluation
@@ -483,7 +497,9 @@ class LearnerComponent:
             self.training = True
             self.signal.notify()
             try:
-                stats = await trio.to_thread.run_sync(self.learner.train_step, taken.groups, t)
+                # Sharded, a step waits on other processes: when one dies the hub stops without waiting for it.
+                stats = await trio.to_thread.run_sync(self.learner.train_step, taken.groups, t,
+                                                      abandon_on_cancel=self.sharded)
             finally:
                 self.training = False
             staleness = taken.staleness
@@ -553,6 +569,7 @@ class LearnerComponent:
         info = save_checkpoint(
             self.checkpoints_dir, step, step, learner.model, learner.tokenizer, learner.optimizer,
             keep=self.cfg.checkpoints_kept, adapter=learner.state_dict() if learner.lora is not None else None,
+            adapter_metadata=learner.snapshot_metadata,
             sharded=learner.save_sharded if learner.collective.world > 1 else None,
         )
         self.state.record_checkpoint(step, info.path, step)
@@ -576,12 +593,16 @@ class LearnerComponent:
             dtype=self.learner.snapshot_dtype, chunk_size=self.chunk_size_bytes, metadata=self.learner.snapshot_metadata,
         )
         manifest = snapshot.manifest
-        delta, self.delta_stats = None, None
+        delta = None
         base = self._last_published
         if self.delta_max_ratio > 0 and base is not None and base.manifest.config_hash == manifest.config_hash:
-            built = build_delta_snapshot(base, snapshot, self.identity, self.snapshots_dir, self.delta_max_ratio)
+            try:
+                built = build_delta_snapshot(base, snapshot, self.identity, self.snapshots_dir, self.delta_max_ratio)
+            except OSError as exc:  # a full disk, say: the full snapshot is written, receivers pull that
+                log.warning("v%d goes without a delta: %s", version, exc)
+                built = None
             if built is not None:
-                delta, self.delta_stats = built
+                delta = built[0]
         self.state.record_snapshot(version, str(snapshot.path), manifest.whole_hash, manifest.total_bytes, started_at)
         self.snapshot_seconds.append(time.perf_counter() - started)
         self._last_published = snapshot

@@ -19,7 +19,7 @@ from typing import IO
 from hub.config import HubConfig
 from hub.store import SCHEMA_VERSION
 from shared.checks import UserError, check_data_dir, check_key_file, check_listen, check_model_dir, model_fingerprint
-from shared.layout import HUB_KEY_FILE, HUB_STORE_FILE
+from shared.layout import CHECKPOINTS_DIR, HUB_KEY_FILE, HUB_STORE_FILE
 from shared.tasks.base import Task
 
 LOCK_FILE = "hub.lock"
@@ -197,7 +197,34 @@ def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | N
         raise UserError(f"--data-dir {config.data_dir} holds a run of another {' and '.join(changed)} ({was}); pass "
                         "--fresh to start over (the old run is moved aside), --resume-anyway to go on with the "
                         "new one, or another --data-dir")
+    check_checkpoint_fits(config)
     return Resume(step=step, groups_waiting=waiting, model=meta.get("model", "?"), task=meta.get("task", "?"))
+
+
+def check_checkpoint_fits(config: HubConfig) -> None:
+    """The checkpoint a resume loads must be of this start's kind: LoRA adapters of the same rank and alpha,
+    or full weights."""
+    from hub.checkpoint import latest_checkpoint
+    from shared.adapters import snapshot_spec
+    from shared.snapshot import SnapshotError
+
+    checkpoint = latest_checkpoint(config.data_dir / CHECKPOINTS_DIR)
+    if checkpoint is None:
+        return
+    lc = config.learner
+    fix = "start it so, or pass --fresh (the old run is moved aside) or another --data-dir"
+    if not checkpoint.adapter_path.exists():
+        if lc.lora_rank:
+            raise UserError(f"--lora-rank {lc.lora_rank}: the run in {config.data_dir} trains full weights "
+                            f"(checkpoint step {checkpoint.step}); drop --lora-rank, or pass --fresh or another --data-dir")
+        return
+    try:
+        spec = snapshot_spec(checkpoint.adapter_path)
+    except SnapshotError as exc:
+        raise UserError(f"{checkpoint.adapter_path}: {exc}") from None
+    if spec is not None and (spec.rank, spec.alpha) != (lc.lora_rank, lc.lora_alpha):
+        raise UserError(f"the run in {config.data_dir} trains LoRA adapters of rank {spec.rank}, alpha {spec.alpha:g} "
+                        f"(checkpoint step {checkpoint.step}): {fix} (--lora-rank {spec.rank} --lora-alpha {spec.alpha:g})")
 
 
 def move_aside(data_dir: Path, keep_key: bool) -> Path:

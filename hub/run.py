@@ -19,6 +19,7 @@ from hub.distributed import (
     LearnerRankLost,
     RankEnv,
     RankWatch,
+    broadcast,
     device_for,
     follow,
     free_port,
@@ -326,10 +327,8 @@ def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
     import torch
     import transformers
 
-    from hub.checkpoint import latest_checkpoint
     from hub.learner import Learner
     from shared.default_model import ensure_default_model
-    from shared.layout import CHECKPOINTS_DIR
 
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s rank {env.rank} %(levelname)s %(name)s: %(message)s")
     lc = config.learner
@@ -338,7 +337,11 @@ def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
     model_dir = Path(config.model or ensure_default_model(progress=False))
     device = device_for(lc.device, env)
     collective = init_ranks(env, device)
-    checkpoint = latest_checkpoint(config.data_dir / CHECKPOINTS_DIR)
+    checkpoint = broadcast(None).checkpoint  # rank 0's choice: every rank must resume the same one
+    if checkpoint is not None and not checkpoint.path.is_dir():
+        print(f"echo-hub learner rank {env.rank}: rank 0 resumes from {checkpoint.path}, which this machine does not "
+              "see: the data dir must be on a filesystem every machine mounts", file=sys.stderr, flush=True)
+        return 1
     learner = Learner(model_dir, lc, config.sampling, checkpoint, collective, device)
     try:
         follow(learner)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -255,7 +256,7 @@ class SnapshotKeeper:
         # A successor may ask before our own pull of that version has begun: give it a moment.
         with trio.move_on_after(MANIFEST_WAIT_S):
             while self._may_pull_from_us(peer) and (
-                req.version is not None and req.version > self.version_held and self.held_manifest(req.version) is None
+                req.version is not None and req.version > self.version_held and self.held_manifest(req.version, req.base_version) is None
             ):
                 await self._changed.wait()
         if not self._may_pull_from_us(peer):
@@ -480,6 +481,7 @@ class SnapshotKeeper:
         try:
             await self._install(held.path, version)
         except BaseException:
+            transfer.assembler.close()
             held.remove()
             raise
         previous = self.held
@@ -525,9 +527,13 @@ class SnapshotKeeper:
             log.debug("announce v%d to %s failed: %r", version, peer_id[-8:], exc)
 
     async def start(self, nursery: trio.Nursery) -> None:
-        # Nothing carries over a restart (the hub names the newest version again): old files go.
+        # Nothing carries over a restart (the hub names the newest version again): old files go, with the
+        # temp files of an interrupted delta and the adapter folders a vLLM engine made.
         self.directory.mkdir(parents=True, exist_ok=True)
-        for path in self.directory.glob("v*"):
-            path.unlink()
+        for path in self.directory.iterdir():
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         self._nursery = nursery
         nursery.start_soon(self.run)

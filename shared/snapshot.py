@@ -109,7 +109,9 @@ class Manifest(BaseModel):
     @field_validator("format_version")
     @classmethod
     def _known_format(cls, value: int) -> int:
-        if value != SNAPSHOT_FORMAT_VERSION:
+        # Format 1 (full snapshots only) is format 2 without its delta fields: snapshots of a run started
+        # before deltas still resume.
+        if value not in (1, SNAPSHOT_FORMAT_VERSION):
             raise ValueError(f"unsupported snapshot format {value}; this build reads {SNAPSHOT_FORMAT_VERSION}")
         return value
 

@@ -16,6 +16,7 @@ import trio
 import zstandard
 
 from hub.broadcast import HubUplink
+from hub.snapshots import SnapshotShelf
 from node.keeper import HUB
 from shared import delta as delta_mod
 from shared.crypto import Identity
@@ -28,9 +29,10 @@ from shared.delta import (
     build_delta_snapshot,
     delta_full_manifest,
 )
-from shared.snapshot import build_snapshot, delta_paths, remove_snapshot_files
+from shared.messages import BadChunkReport
+from shared.snapshot import blake3_hex, build_snapshot, delta_paths, remove_snapshot_files
 from tests.harness import Proc, node_peer_id, query, wait_until
-from tests.peers import CONFIG_HASH, FlippingKeeper, evolving_snapshots, hub_peer, node_peer
+from tests.peers import CONFIG_HASH, FlippingKeeper, evolving_snapshots, hub_peer, node_peer, wait_installed
 from tests.relay_scenarios import Hub, join
 from tests.test_broadcast import node_states, start_test_hub, start_test_node, stop_all
 
@@ -289,3 +291,51 @@ def test_a_real_hub_publishes_deltas_that_real_nodes_install_bit_exact(tmp_path)
         assert len(records) >= 4 and all(r["bytes_blake3"] == hashes[r["version"]] for r in records)
         log = (node_dir / "node.log").read_text()
         assert len(re.findall(r"installed v\d+ \([\d.]+s, a delta of \d+ bytes", log)) >= 3, log[-3000:]
+
+
+@pytest.mark.trio
+async def test_a_relay_forwards_delta_chunks_while_they_arrive_and_a_restarted_hub_judges_no_delta():
+    """On a slow hub link the successor's first delta chunk arrives before its upstream has the whole delta.
+    A report about a delta the hub no longer holds (it restarted and republished the version in full) is
+    unknown, not proof against the relay."""
+    hub_id = Identity.generate()
+    versions = evolving_snapshots(hub_id, 2, 256 * KIB, 20_000, 4 * KIB)
+    delta = versions[1][1]
+    async with hub_peer(hub_id, HubUplink(None, delta.manifest.total_bytes / 1.0)) as peer, node_peer(peer) as a, \
+            node_peer(peer) as b:
+        hub = Hub(peer, "chain")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hub.broadcaster.run)
+            for node in (a, b):
+                join(hub.fleet, node)
+            hub.broadcaster.chains = [[a.peer_id, b.peer_id]]
+            nursery.start_soon(hub.heartbeats, [a, b])
+            await publish(hub, *versions[0])
+            await wait_installed([a, b], 0, 15)
+            b.first_chunk_at = None
+            await publish(hub, *versions[1])
+            await wait_installed([a, b], 1, 15)
+            nursery.cancel_scope.cancel()
+        assert a.keeper.deltas_applied == b.keeper.deltas_applied == 1
+        assert b.first_chunk_at < a.installed_at[1]
+        relay_commitment = commit_payload(a.identity, delta)
+        restarted = SnapshotShelf(keep=2)
+        restarted.add(versions[1][0])  # the version again, its delta not
+        hub.broadcaster.shelf = restarted
+        report = BadChunkReport(upstream=a.peer_id, kind="delta-chunk", version=1, index=0,
+                                digest_hex=relay_commitment[0], commitment_hex=relay_commitment[1])
+        assert hub.broadcaster.judge(report) == "unknown"
+
+
+def commit_payload(identity: Identity, delta) -> tuple[str, str]:
+    """(digest, commitment) a relay sends with chunk 0 of a delta."""
+    from shared.snapshot import read_chunk
+    from shared.transfer import commitment_payload
+
+    fd = os.open(delta.path, os.O_RDONLY)
+    try:
+        data = read_chunk(fd, delta.manifest, 0)
+    finally:
+        os.close(fd)
+    digest = blake3_hex(data)
+    return digest, identity.sign(commitment_payload("delta-chunk", 1, 0, digest)).hex()

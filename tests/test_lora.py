@@ -190,3 +190,27 @@ def test_a_real_lora_run_ships_adapters_that_a_real_node_installs_bit_exact(tmp_
     assert snapshot_spec(newest) == LoraSpec(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
     accepted, rejected = query(hub_dir, "SELECT SUM(verdict = 'accepted'), SUM(verdict = 'rejected') FROM trajectories")[0]
     assert accepted > 0 and rejected == 0
+
+
+def test_a_resume_must_match_the_checkpoints_kind_rank_and_alpha(trained, tmp_path):
+    from hub.config import HubConfig
+    from hub.preflight import check_checkpoint_fits
+    from shared.checks import UserError
+    from shared.layout import CHECKPOINTS_DIR
+
+    learner, _ = trained
+    save_checkpoint(tmp_path / CHECKPOINTS_DIR, 2, 2, learner.model, learner.tokenizer, learner.optimizer,
+                    adapter=learner.state_dict(), adapter_metadata=learner.snapshot_metadata)
+
+    def config(**learner_fields) -> HubConfig:
+        return HubConfig(data_dir=tmp_path, learner=LearnerConfig(**learner_fields))
+
+    check_checkpoint_fits(config(lora_rank=8, lora_alpha=16.0))  # as it was started
+    with pytest.raises(UserError, match="trains LoRA adapters of rank 8, alpha 16.*--lora-rank 8 --lora-alpha 16"):
+        check_checkpoint_fits(config())
+    with pytest.raises(UserError, match="rank 8"):
+        check_checkpoint_fits(config(lora_rank=4))
+    full = tmp_path / "full"
+    save_checkpoint(full / CHECKPOINTS_DIR, 2, 2, learner.model, learner.tokenizer, learner.optimizer)
+    with pytest.raises(UserError, match="--lora-rank 8: the run in .* trains full weights"):
+        check_checkpoint_fits(HubConfig(data_dir=full, learner=LearnerConfig(lora_rank=8)))
