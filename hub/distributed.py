@@ -39,6 +39,7 @@ log = logging.getLogger("echo2.hub.distributed")
 COLLECTIVE_TIMEOUT_S = 86400.0
 JOIN_TIMEOUT_S = 300.0
 RANK_POLL_S = 0.5
+BROKEN_GROUP_WAIT_S = 3.0
 
 
 class LearnerRankLost(RuntimeError):
@@ -260,14 +261,19 @@ class RankWatch:
                 ))
             self.logs.append(path)
 
-    def dead(self) -> str | None:
-        """A line naming the first spawned rank that has exited, if any."""
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.poll()
-            if code is not None:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                return f"learner rank {rank} {how} (its log: {self.logs[rank - 1]})"
-        return None
+    def dead(self, wait_s: float = 0.0) -> str | None:
+        """A line naming the first spawned rank that has exited, if any; `wait_s`: how long to give one to be
+        seen gone (a collective fails on its closed sockets a moment before its exit can be reaped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None:
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                    return f"learner rank {rank} {how} (its log: {self.logs[rank - 1]})"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -305,7 +311,7 @@ class RankGroup:
                 broadcast(command)
                 return run_command(self.learner, command)
             except RuntimeError as exc:
-                gone = self.watch.dead() if self.watch is not None else None
+                gone = self.watch.dead(wait_s=BROKEN_GROUP_WAIT_S) if self.watch is not None else None
                 if gone is None and not _broken_group(exc):
                     raise  # ours (out of memory, a bug): not a lost rank
                 raise LearnerRankLost(gone or f"a learner rank stopped answering ({exc})") from exc
