@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import trio
 from libp2p.abc import IHost, INetStream
 
-from hub.chains import join_chains, num_chains, relink_after_leave
+from hub.chains import join_chains, link_kind, num_chains, relink_after_leave, separate_nated
 from hub.fleet import Fleet, NodeRecord
+from hub.reachability import PROBES_AT_ONCE, dial_back
 from hub.snapshots import SnapshotShelf
 from shared.crypto import public_key_from_peer_id
 from shared.messages import (
@@ -43,13 +44,15 @@ PENDING_BROADCASTS = 8
 
 @dataclass(frozen=True)
 class ChainLinks:
-    """Where one node pulls snapshots from and who pulls from it."""
+    """Where one node pulls snapshots from and who pulls from it (hub.chains.link_kind: how)."""
 
     upstream: str | None
     upstream_addrs: tuple[str, ...]
     downstream: str | None
     chain: int | None
     chain_position: int | None
+    kind: str = "hub"
+    downstream_addrs: tuple[str, ...] = ()  # dial these first: the downstream cannot dial this node
 
 
 @dataclass
@@ -145,6 +148,8 @@ class Broadcaster:
         self.pending: list[Broadcast] = []
         self.last_done: Broadcast | None = None
         self._nursery: trio.Nursery | None = None
+        self._probing: set[str] = set()
+        self._probe_slots = trio.CapacityLimiter(PROBES_AT_ONCE)
 
     # -- chain membership ---------------------------------------------------------------
 
@@ -172,19 +177,37 @@ class Broadcaster:
         for peer in set(self._progress) - set(members):
             self._progress.pop(peer, None)
             self._demoted_for.pop(peer, None)
+        reach = {p: n.reachability for p, n in members.items()}
+        chains = [separate_nated(chain, reach) for chain in chains]
+        for peer, record in members.items():
+            if record.reachability == "unknown" and peer not in self._probing and self._nursery is not None:
+                self._probing.add(peer)
+                self._spawn(self._probe, record)
         if chains != self.chains:
             self.chains = chains
             log.info("chains: %s", [[p[-6:] for p in c] for c in chains])
+
+    def _reach(self, peer: str | None) -> str | None:
+        record = self.fleet.get(peer) if peer else None
+        return None if peer is None else (record.reachability if record else "unknown")
 
     def links(self, peer: str) -> ChainLinks:
         for index, chain in enumerate(self.chains):
             if peer in chain:
                 position = chain.index(peer)
                 upstream = chain[position - 1] if position > 0 else None
+                kind = link_kind(self._reach(upstream), self._reach(peer))
+                if kind == "hub":
+                    upstream = None  # heads its chain, or sits behind a NATed node it cannot reach
                 record = self.fleet.get(upstream) if upstream else None
-                addrs = dialable(record.listen_addrs, record.remote_ip) if record else ()
+                addrs = dialable(record.listen_addrs, record.remote_ip) if record and kind == "direct" else ()
                 downstream = chain[position + 1] if position + 1 < len(chain) else None
-                return ChainLinks(upstream, addrs, downstream, index, position)
+                down = self.fleet.get(downstream) if downstream else None
+                pushed = down is not None and link_kind(self._reach(peer), self._reach(downstream)) == "pushed"
+                if down is not None and link_kind(self._reach(peer), self._reach(downstream)) == "hub":
+                    downstream = None  # it pulls from the hub, not from us
+                push_to = dialable(down.listen_addrs, down.remote_ip) if pushed else ()
+                return ChainLinks(upstream, addrs, downstream, index, position, kind, push_to)
         return ChainLinks(None, (), None, None, None)
 
     # -- broadcasts -----------------------------------------------------------------------
@@ -264,6 +287,21 @@ class Broadcaster:
                     self.demote(up)
                     self._spawn(self.event, "relay_stalled", up,
                                 f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
+
+    async def _probe(self, record: NodeRecord) -> None:
+        """Dial the node back (hub/reachability.py), then plan its links by the answer."""
+        probed = (record.listen_addrs, record.remote_ip)
+        addrs = dialable(*probed)
+        try:
+            async with self._probe_slots:
+                public = await dial_back(record.peer_id, addrs)
+        finally:
+            self._probing.discard(record.peer_id)
+        if (record.listen_addrs, record.remote_ip) != probed:
+            return  # it rejoined from elsewhere meanwhile: that address gets its own probe
+        record.reachability = "public" if public else "nated"
+        await self.event("reachability", record.peer_id, f"{record.reachability} ({', '.join(addrs) or 'no address'})")
+        self.replan()
 
     def last_t_bcast_s(self) -> float | None:
         return None if self.last_done is None else self.last_done.seconds

@@ -124,3 +124,45 @@ def join_chains(chains: Sequence[Sequence[str]], newcomer: str, max_chains: int)
     else:
         min(out, key=len).append(newcomer)
     return out
+
+
+# -- reachability: who can dial whom -----------------------------------------------------------------
+
+Reachability = str  # "public" (dialable), "nated" (dials out only), "unknown" (not probed yet: assumed public)
+LinkKind = str  # "hub": pulls from the hub; "direct": dials its upstream; "pushed": its upstream dials it first
+
+
+def link_kind(upstream: Reachability | None, downstream: Reachability) -> LinkKind:
+    """How a node gets its upstream's chunks: it dials a dialable upstream; a NATed upstream dials it when it
+    is dialable itself; between two NATed nodes neither can dial, so the node pulls from the hub instead.
+    `upstream` None: the node heads its chain."""
+    if upstream is None:
+        return "hub"
+    if upstream != "nated":
+        return "direct"
+    return "pushed" if downstream != "nated" else "hub"
+
+
+def separate_nated(chain: Sequence[str], reach: dict[str, Reachability]) -> list[str]:
+    """The chain with a dialable node moved between each NATed node and a NATed successor (which could
+    otherwise only pull from the hub), as far as dialable nodes allow: one is taken only from where its
+    leaving makes no new NATed pair. Otherwise order is kept (a re-plan must not reshuffle transfers in
+    flight)."""
+    out = list(chain)
+
+    def nated(i: int) -> bool:
+        return 0 <= i < len(out) and reach.get(out[i]) == "nated"
+
+    i = 1
+    while i < len(out):
+        if nated(i - 1) and nated(i):
+            spare = next((j for j in range(len(out)) if j not in (i - 1, i) and not nated(j)
+                          and not (nated(j - 1) and nated(j + 1))), None)
+            if spare is None:
+                break
+            node = out.pop(spare)
+            out.insert(i if spare > i else i - 1, node)
+            i = 1  # positions moved: look again from the start
+            continue
+        i += 1
+    return out

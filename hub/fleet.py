@@ -39,6 +39,8 @@ class NodeRecord:
     vouched_at: float | None = None
     online_s: float = 0.0  # heartbeating time over all sessions (what an always-on fleet would pay for)
     banned_reason: str | None = None
+    # Whether peers can dial it (hub/reachability.py): "unknown" until the hub's dial-back answers.
+    reachability: str = "unknown"
 
     @property
     def rho(self) -> float:
@@ -74,6 +76,8 @@ class Fleet:
             )
         record.price_per_hour, record.link_bps = request.price_per_hour, request.link_bps
         record.backend, record.hardware = request.backend, request.hardware
+        if (record.listen_addrs, record.remote_ip) != (request.listen_addrs, remote_ip):
+            record.reachability = "unknown"  # another address: dialed back again
         record.listen_addrs, record.remote_ip = request.listen_addrs, remote_ip
         record.last_seen, record.version_held = now, request.version_held
         record.receiving_version, record.chunks_received = None, 0

@@ -245,7 +245,8 @@ class HubService:
         await _reply(stream, HeartbeatReply(
             state=record.state, latest_version=self.shelf.newest_version(), upstream=links.upstream,
             upstream_addrs=links.upstream_addrs, downstream=links.downstream, chain=links.chain,
-            chain_position=links.chain_position,
+            chain_position=links.chain_position, downstream_addrs=links.downstream_addrs,
+            reachability=record.reachability,
         ))
 
     async def _on_lease(self, stream: INetStream) -> None:

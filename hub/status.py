@@ -100,6 +100,8 @@ class StatusBoard:
                 chunks_received=n.chunks_received, tallies=n.tallies, cost_usd=state.totals.paid_usd.get(n.peer_id, 0.0),
                 backend=n.backend, hardware=n.hardware,
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
+                reachability=n.reachability,
+                link=self.broadcaster.links(n.peer_id).kind if self.broadcaster and n.peer_id in chain_of else "",
             )
             for n in state.fleet.nodes.values()
         )

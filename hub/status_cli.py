@@ -65,12 +65,13 @@ def render(status: HubStatus, console: Console) -> None:
     console.print(head)
     nodes = Table(title="nodes", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     # Short headers, as on the dashboard, so the table fits 80 columns.
-    for col in ("peer", "state", "$/h", "roll/s", "ver", *TALLY_SHORT.values(), "cost $", "chain"):
+    for col in ("peer", "state", "$/h", "roll/s", "ver", *TALLY_SHORT.values(), "cost $", "chain", "net"):
         nodes.add_column(col)
     for n in status.nodes:
         chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
         nodes.add_row(short_id(n.peer_id), n.state, f"{n.price_per_hour:.2f}", f"{n.rollouts_per_s:.2f}", str(n.version_held),
-                      *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS), f"{n.cost_usd:.5f}", chain)
+                      *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS), f"{n.cost_usd:.5f}", chain,
+                      n.net_text())
     console.print(nodes)
     for i, chain in enumerate(status.chains):
         console.print(f"chain {i}: hub -> " + " -> ".join(short_id(p) for p in chain))

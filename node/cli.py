@@ -13,7 +13,7 @@ from shared.checks import UserError
 JOIN_FLAGS: dict[str, tuple[str, type]] = {
     name: (name, kind) for name, kind in (
         ("hub", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
-        ("model", Path), ("listen", str), ("max_rollouts_per_s", float), ("link_mbps", float),
+        ("model", Path), ("listen", str), ("public_addr", str), ("max_rollouts_per_s", float), ("link_mbps", float),
         ("declared_link_mbps", float), ("threads", int), ("seed", int), ("gpu_memory_fraction", float),
         ("max_lora_rank", int), ("log_level", str),
     )

@@ -23,6 +23,9 @@ class NodeConfig(Section):
     key: Path | None = Field(None, description="identity key file (default DATA_DIR/node.key)")
     model: Path | None = Field(None, description="local HF model dir matching the hub's (None: embedded default)")
     listen: str = Field("/ip4/0.0.0.0/tcp/0", description="libp2p listen multiaddr (for chain relays)")
+    public_addr: str | None = Field(
+        None, pattern=r"^/(ip4|ip6|dns4|dns6)/[^/]+/tcp/[0-9]{1,5}$",
+        description="where peers dial this node when its router forwards a port to it, e.g. /ip4/203.0.113.5/tcp/4001 (behind a NAT: leave unset)")
     max_rollouts_per_s: float | None = Field(None, gt=0.0, description="throttle generation (tests, benchmarks)")
     link_mbps: float | None = Field(None, gt=0.0, description="emulated outbound link rate in Mbit/s")
     declared_link_mbps: float = Field(1000.0, gt=0.0, le=1e6, description="link bandwidth declared on join")

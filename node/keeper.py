@@ -185,8 +185,10 @@ class SnapshotKeeper:
         self._changed.set()
         self._changed = trio.Event()
 
-    def update(self, latest_version: int, upstream: Upstream, downstream: str | None) -> None:
-        """New orders from the hub (heartbeat reply): the version to get and where to get it."""
+    def update(self, latest_version: int, upstream: Upstream, downstream: str | None,
+               downstream_addrs: tuple[str, ...] = ()) -> None:
+        """New orders from the hub (heartbeat reply): the version to get and where to get it; `downstream_addrs`:
+        our successor cannot dial us (we are behind a NAT), so we dial it and it pulls over that connection."""
         relinked = upstream != self.upstream
         changed = latest_version > self.target_version or relinked
         self.target_version = max(self.target_version, latest_version)
@@ -199,6 +201,8 @@ class SnapshotKeeper:
             if upstream.peer_id is not None and upstream.addrs and self._nursery is not None:
                 # Dial now: our upstream's announce of its next version can then reach us at once.
                 self._nursery.start_soon(self._dial, upstream)
+        if downstream_addrs and self._nursery is not None:  # a live connection is kept, not redialled
+            self._nursery.start_soon(self._dial, Upstream(downstream, downstream_addrs))
         if downstream != self.downstream:
             self.downstream = downstream
             changed = True  # a successor waiting to be served may be this one

@@ -105,7 +105,8 @@ class NodeRuntime:
     def _on_reply(self, reply: HeartbeatReply) -> None:
         from node.keeper import Upstream
 
-        self.keeper.update(reply.latest_version, Upstream(reply.upstream, reply.upstream_addrs), reply.downstream)
+        self.keeper.update(reply.latest_version, Upstream(reply.upstream, reply.upstream_addrs), reply.downstream,
+                           reply.downstream_addrs)
         if reply.state in ("active", "probing"):
             self.worker.wake.set()
             self.worker.wake = trio.Event()
@@ -162,7 +163,10 @@ class NodeRuntime:
 
         limiter = RateLimiter(self.config.link_mbps * MBIT) if self.config.link_mbps else None
         async with running_host(self.identity, [self.config.listen]) as (host, addrs):
-            self.listen_addrs = tuple(addrs)
+            # A port-forwarded host says where peers reach it; behind a NAT nothing is needed (the hub
+            # finds out, hub/reachability.py, and plans links the node dials itself).
+            public = self.config.public_addr
+            self.listen_addrs = (f"{public}/p2p/{self.identity.peer_id}",) if public else tuple(addrs)
             client = HubClient(host, self.identity, self.config.hub)
             self.keeper = SnapshotKeeper(host, self.identity, self.hub_peer_id, self.config.data_dir / SNAPSHOTS_DIR,
                                          self._install, limiter, self._on_installed, client.report)

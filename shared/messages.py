@@ -168,8 +168,11 @@ class HeartbeatReply(Message):
     upstream: str | None = Field(None, description="peer id this node pulls snapshots from (None: the hub)")
     upstream_addrs: tuple[ListenAddr, ...] = Field((), max_length=MAX_LISTEN_ADDRS)
     downstream: str | None = Field(None, description="peer id that pulls snapshots from this node")
+    downstream_addrs: tuple[ListenAddr, ...] = Field(
+        (), max_length=MAX_LISTEN_ADDRS, description="dial the downstream at these first: it cannot dial this node")
     chain: int | None = None
     chain_position: int | None = None
+    reachability: Literal["unknown", "public", "nated"] = Field("unknown", description="whether peers can dial this node")
 
 
 class LeaseRequest(Message):
@@ -255,6 +258,13 @@ class NodeStatus(Message):
     hardware: str = ""
     chain: int | None = Field(None, description="index of the forwarding chain it sits in")
     chain_position: int | None = None
+    reachability: str = Field("unknown", description="public, nated (dials out only) or unknown (not probed yet)")
+    link: str = Field("", description="how it gets snapshots: hub, direct (dials its upstream), pushed (dialed by it)")
+
+    def net_text(self) -> str:
+        """Reachability and link in a few characters: "nat/push", "pub/direct", "?/hub"."""
+        reach = {"public": "pub", "nated": "nat"}.get(self.reachability, "?")
+        return f"{reach}/{ {'pushed': 'push'}.get(self.link, self.link) or '-'}"
 
 
 class StepPoint(Message):

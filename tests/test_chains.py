@@ -95,3 +95,27 @@ def test_star_ideal():
     assert star_ideal_s(1000.0, 9, 800.0, 100.0) == pytest.approx(11.25)
     # B0 / N = 200 > 100: node-link bound
     assert star_ideal_s(1000.0, 4, 800.0, 100.0) == pytest.approx(10.0)
+
+
+def test_link_kind_says_who_dials_whom():
+    from hub.chains import link_kind
+
+    assert link_kind(None, "nated") == "hub"  # a chain head pulls from the hub
+    assert link_kind("public", "nated") == "direct" and link_kind("unknown", "public") == "direct"
+    assert link_kind("nated", "public") == "pushed"  # the NATed upstream dials its dialable successor
+    assert link_kind("nated", "unknown") == "pushed"
+    assert link_kind("nated", "nated") == "hub"  # neither can dial: the successor pulls from the hub
+
+
+def test_a_dialable_node_goes_between_two_nated_ones():
+    from hub.chains import separate_nated
+
+    reach = {"a": "nated", "b": "nated", "c": "nated", "p": "public", "q": "public"}
+    assert separate_nated(["a", "b", "p"], reach) == ["a", "p", "b"]
+    assert separate_nated(["p", "a", "b"], reach) == ["a", "p", "b"]
+    assert separate_nated(["a", "b", "c", "p", "q"], reach) == ["a", "p", "b", "q", "c"]
+    # Not enough dialable nodes: as many pairs split as they allow, the rest left in order.
+    assert separate_nated(["a", "b", "c", "p"], reach) == ["a", "p", "b", "c"]
+    # A dialable node between two NATed ones stays there; nothing to do without NATed pairs.
+    assert separate_nated(["a", "p", "b"], reach) == ["a", "p", "b"]
+    assert separate_nated(["p", "q"], reach) == ["p", "q"]

@@ -62,6 +62,7 @@ NODE_COLUMNS: tuple[Column, ...] = (
     Column("version", "ver", lambda n: n.version_held),
     *(Column(name, TALLY_SHORT[name], lambda n, name=name: getattr(n.tallies, name)) for name in TALLY_FIELDS),
     Column("cost", "cost", lambda n: n.cost_usd),
+    Column("net", "net", lambda n: n.net_text()),
 )
 
 
@@ -78,6 +79,7 @@ def node_row(node: NodeStatus) -> tuple[object, ...]:
         Text(version, justify="right"),
         *tally_cells(node.tallies),
         Text(money(node.cost_usd, 3), justify="right"),
+        Text(node.net_text(), style="yellow" if node.reachability == "nated" else ""),
     )
 
 
