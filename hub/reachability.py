@@ -27,6 +27,8 @@ PROBES_AT_ONCE = 8
 
 async def dial_back(peer_id: str, addrs: tuple[str, ...]) -> bool:
     """Whether `peer_id` answers a fresh dial at one of `addrs` (each ending in /p2p/<peer_id> or not)."""
+    if not addrs:
+        return False  # it listens nowhere: nothing to dial
     host = build_host(Identity.generate())
     async with host.run(listen_addrs=[]):
         await host.get_network().auto_connector.stop()

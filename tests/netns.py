@@ -16,11 +16,19 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from tests.harness import HubProc, Proc, wait_until
 
 HUB_IP = "10.77.0.1"
 PUBLIC_NODE_IP = "10.77.0.2"
+# More public addresses, for a fleet with no NAT to compare with (bench/nat.py).
+SPARE_PUBLIC_IPS = ("10.77.0.3", "10.77.0.4")
+HUB_PORT = 4077
 HOMES = 2
+TESTS_DIR = Path(__file__).parent
 
 
 def unavailable() -> str | None:
@@ -84,7 +92,7 @@ class Topology:
         pub = self.public
         _run("ip", "-n", pub, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", pub, "link", "set", "br0", "up")
-        for ip in (HUB_IP, PUBLIC_NODE_IP):
+        for ip in (HUB_IP, PUBLIC_NODE_IP, *SPARE_PUBLIC_IPS):
             _run("ip", "-n", pub, "addr", "add", f"{ip}/24", "dev", "br0")
         for i, (router, home) in enumerate(zip(self.routers, self.homes), start=1):
             _run("ip", "link", "add", "wan", "netns", router, "type", "veth", "peer", "name", f"port{i}", "netns", pub)
@@ -112,3 +120,29 @@ class Topology:
     @staticmethod
     def exec_args(ns: str, command: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *command]
+
+    def start(self, ns: str, data_dir: Path, command: Sequence[str]) -> Proc:
+        """`command` inside namespace `ns`, its output in DATA_DIR/process.out."""
+        data_dir.mkdir(parents=True, exist_ok=True)
+        log = data_dir / "process.out"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(self.exec_args(ns, command), stdout=out, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL)
+        return Proc(process, log)
+
+    def start_hub(self, hub_dir: Path, *args: str) -> HubProc:
+        """`echo-hub start` on the public segment at HUB_IP (no local nodes); returns once it printed its id."""
+        hub = self.start(self.public, hub_dir, [
+            sys.executable, "-m", "hub.cli", "start", "--data-dir", str(hub_dir), "--listen",
+            f"/ip4/{HUB_IP}/tcp/{HUB_PORT}", "--no-progress", "--local-nodes", "0", "--steps", "0", *args,
+        ])
+        peer = wait_until(lambda: next((line.split()[1] for line in hub.output().splitlines()
+                                        if line.startswith("echo-hub 12D3")), None), 60, "the hub to start")
+        return HubProc(hub.process, hub.log, f"/ip4/{HUB_IP}/tcp/{HUB_PORT}/p2p/{peer}", hub_dir)
+
+    def start_node(self, ns: str, data_dir: Path, listen: str, hub_addr: str, *args: str) -> Proc:
+        """A recording `echo-node join` (tests/recording_node.py) inside `ns`."""
+        return self.start(ns, data_dir, [
+            sys.executable, str(TESTS_DIR / "recording_node.py"), "join", "--hub", hub_addr, "--price", "0.35",
+            "--backend", "hf", "--device", "cpu", "--data-dir", str(data_dir), "--listen", listen, *args,
+        ])

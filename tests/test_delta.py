@@ -301,8 +301,7 @@ async def test_a_relay_forwards_delta_chunks_while_they_arrive_and_a_restarted_h
     hub_id = Identity.generate()
     versions = evolving_snapshots(hub_id, 2, 256 * KIB, 20_000, 4 * KIB)
     delta = versions[1][1]
-    async with hub_peer(hub_id, HubUplink(None, delta.manifest.total_bytes / 1.0)) as peer, node_peer(peer) as a, \
-            node_peer(peer) as b:
+    async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b:
         hub = Hub(peer, "chain")
         async with trio.open_nursery() as nursery:
             await nursery.start(hub.broadcaster.run)
@@ -313,6 +312,7 @@ async def test_a_relay_forwards_delta_chunks_while_they_arrive_and_a_restarted_h
             await publish(hub, *versions[0])
             await wait_installed([a, b], 0, 15)
             b.first_chunk_at = None
+            peer.uplink = HubUplink(None, delta.manifest.total_bytes / 1.0)  # the delta takes the hub a second
             await publish(hub, *versions[1])
             await wait_installed([a, b], 1, 15)
             nursery.cancel_scope.cancel()

@@ -6,29 +6,16 @@ a NATed upstream dial its public successor; every node installs every snapshot b
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.harness import HubProc, Proc, query, wait_until
-from tests.netns import HUB_IP, PUBLIC_NODE_IP, Topology, unavailable
+from tests.harness import Proc, query, wait_until
+from tests.netns import PUBLIC_NODE_IP, Topology, unavailable
 from tests.test_broadcast import HUB_TOML, node_states, stop_all
 
-TESTS_DIR = Path(__file__).parent
 REASON = unavailable()
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"NAT test: {REASON}")]
-
-
-def start_in(topology: Topology, ns: str, data_dir: Path, command: list[str]) -> Proc:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    log = data_dir / "process.out"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(topology.exec_args(ns, command), stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)
-    return Proc(process, log)
 
 
 def test_nated_nodes_get_links_they_can_make_and_install_every_snapshot_bit_exact(tmp_path):
@@ -36,34 +23,23 @@ def test_nated_nodes_get_links_they_can_make_and_install_every_snapshot_bit_exac
     hub_dir.mkdir()
     (hub_dir / "hub.toml").write_text(HUB_TOML)
     with Topology() as net:
-        hub = start_in(net, net.public, hub_dir, [
-            sys.executable, "-m", "hub.cli", "start", "--data-dir", str(hub_dir), "--listen", f"/ip4/{HUB_IP}/tcp/4077",
-            "--no-progress", "--local-nodes", "0", "--steps", "0", "--config", str(hub_dir / "hub.toml"),
-            "--prompts-per-step", "2", "--group-size", "4", "--kappa", "1", "--staleness", "1", "--max-new-tokens", "4",
-        ])
+        hub = net.start_hub(hub_dir, "--config", str(hub_dir / "hub.toml"), "--prompts-per-step", "2",
+                            "--group-size", "4", "--kappa", "1", "--staleness", "1", "--max-new-tokens", "4")
         nodes: list[Proc] = []
         try:
-            printed = wait_until(lambda: next((line.split()[1] for line in hub.output().splitlines()
-                                               if line.startswith("echo-hub 12D3")), None), 60, "the hub to start")
-            hub_addr = f"/ip4/{HUB_IP}/tcp/4077/p2p/{printed}"
-            view = HubProc(hub.process, hub.log, hub_addr, hub_dir)
             places = {"public": (net.public, f"/ip4/{PUBLIC_NODE_IP}/tcp/0"),
                       "home-1": (net.homes[0], "/ip4/0.0.0.0/tcp/0"), "home-2": (net.homes[1], "/ip4/0.0.0.0/tcp/0")}
-            for name, (ns, listen) in places.items():
-                nodes.append(start_in(net, ns, tmp_path / name, [
-                    sys.executable, str(TESTS_DIR / "recording_node.py"), "join", "--hub", hub_addr, "--price", "0.35",
-                    "--backend", "hf", "--device", "cpu", "--data-dir", str(tmp_path / name), "--listen", listen,
-                    "--max-rollouts-per-s", "20",
-                ]))
+            nodes = [net.start_node(ns, tmp_path / name, listen, hub.addr, "--max-rollouts-per-s", "20")
+                     for name, (ns, listen) in places.items()]
 
             def planned() -> dict | None:
-                by = node_states(view)
+                by = node_states(hub)
                 if len(by) < 3 or any(n.reachability == "unknown" for n in by.values()):
                     return None
                 return by if all(n.version_held >= 3 for n in by.values()) else None
 
             states = wait_until(planned, 240, "three probed nodes holding v3")
-            status = view.status()
+            status = hub.status()
         finally:
             stop_all([*nodes, hub])
     ids = {name: json.loads((tmp_path / name / "node_status.json").read_text())["peer_id"] for name in places}
