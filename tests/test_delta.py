@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
@@ -182,6 +183,20 @@ def test_a_delta_that_does_not_fit_or_fails_the_hashes_writes_nothing(tmp_path, 
 # -- between real keepers -------------------------------------------------------------------------
 
 
+@asynccontextmanager
+async def chain_of(peer, nodes):
+    """The broadcaster over `peer`, `nodes` joined in one chain and heartbeating; yields (hub, nursery)."""
+    hub = Hub(peer, "chain")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hub.broadcaster.run)
+        for node in nodes:
+            join(hub.fleet, node)
+        hub.broadcaster.chains = [[n.peer_id for n in nodes]]
+        nursery.start_soon(hub.heartbeats, nodes)
+        yield hub, nursery
+        nursery.cancel_scope.cancel()
+
+
 async def publish(hub: Hub, full, delta) -> None:
     hub.peer.shelf.add(full, delta)
     await hub.broadcaster.publish(full.manifest.version)
@@ -193,32 +208,19 @@ async def test_deltas_go_down_a_chain_and_a_node_that_missed_a_version_gets_it_i
     versions = evolving_snapshots(hub_id, 4, 64 * KIB, 300, 8 * KIB)
     async with hub_peer(hub_id, HubUplink(None, None)) as peer, node_peer(peer) as a, node_peer(peer) as b, \
             node_peer(peer) as late:
-        hub = Hub(peer, "chain")
-        async with trio.open_nursery() as nursery:
-            await nursery.start(hub.broadcaster.run)
-            for node in (a, b):
-                join(hub.fleet, node)
-            hub.broadcaster.chains = [[a.peer_id, b.peer_id]]
-            nursery.start_soon(hub.heartbeats, [a, b])
+        async with chain_of(peer, [a, b]) as (hub, nursery):
             for full, delta in versions[:3]:
                 await publish(hub, full, delta)
-                with trio.fail_after(15):
-                    while not all(full.manifest.version in n.installed for n in (a, b)):
-                        await trio.sleep(0.02)
+                await wait_installed([a, b], full.manifest.version, 15)
             # `late` held only v0 when v1 and v2 went out; v3's delta is against v2, so it gets v3 in full
             # (from b, once b has made its own full v3 out of the delta).
             late.keeper.update(0, HUB, None)
-            with trio.fail_after(15):
-                while 0 not in late.installed:
-                    await trio.sleep(0.02)
+            await wait_installed([late], 0, 15)
             await publish(hub, *versions[3])
             join(hub.fleet, late)
             hub.broadcaster.chains = [[a.peer_id, b.peer_id, late.peer_id]]
             nursery.start_soon(hub.heartbeats, [late])
-            with trio.fail_after(15):
-                while not all(3 in n.installed for n in (a, b, late)):
-                    await trio.sleep(0.02)
-            nursery.cancel_scope.cancel()
+            await wait_installed([a, b, late], 3, 15)
     for version, (full, _) in enumerate(versions):
         for node in (a, b) if version < 3 else (a, b, late):
             assert node.installed[version] == full.path.read_bytes(), (version, node.peer_id)
@@ -240,24 +242,14 @@ async def test_a_relay_that_corrupts_a_delta_chunk_is_banned_and_its_successor_i
     assert versions[1][1].manifest.chunk_count > FlippingKeeper.BAD_INDEX
     async with hub_peer(hub_id) as peer, node_peer(peer, keeper_class=FlippingKeeper) as evil, \
             node_peer(peer) as b:
-        hub = Hub(peer, "chain")
-        async with trio.open_nursery() as nursery:
-            await nursery.start(hub.broadcaster.run)
-            for node in (evil, b):
-                join(hub.fleet, node)
+        async with chain_of(peer, [evil, b]) as (hub, _):
             # v0 straight from the hub to both, then the liar relays v1's delta.
             hub.broadcaster.chains = [[evil.peer_id], [b.peer_id]]
-            nursery.start_soon(hub.heartbeats, [evil, b])
             await publish(hub, *versions[0])
-            with trio.fail_after(15):
-                while not all(0 in n.installed for n in (evil, b)):
-                    await trio.sleep(0.02)
+            await wait_installed([evil, b], 0, 15)
             hub.broadcaster.chains = [[evil.peer_id, b.peer_id]]
             await publish(hub, *versions[1])
-            with trio.fail_after(20):
-                while 1 not in b.installed:
-                    await trio.sleep(0.02)
-            nursery.cancel_scope.cancel()
+            await wait_installed([b], 1, 20)
     assert hub.banned == [(evil.peer_id, f"committed to a corrupt delta-chunk {FlippingKeeper.BAD_INDEX} of v1")]
     assert b.installed[1] == versions[1][0].path.read_bytes()
     assert b.keeper.bad_chunks_seen == 1 and b.keeper.deltas_applied == 1
@@ -302,20 +294,13 @@ async def test_a_relay_forwards_delta_chunks_while_they_arrive_and_a_restarted_h
     versions = evolving_snapshots(hub_id, 2, 256 * KIB, 20_000, 4 * KIB)
     delta = versions[1][1]
     async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b:
-        hub = Hub(peer, "chain")
-        async with trio.open_nursery() as nursery:
-            await nursery.start(hub.broadcaster.run)
-            for node in (a, b):
-                join(hub.fleet, node)
-            hub.broadcaster.chains = [[a.peer_id, b.peer_id]]
-            nursery.start_soon(hub.heartbeats, [a, b])
+        async with chain_of(peer, [a, b]) as (hub, _):
             await publish(hub, *versions[0])
             await wait_installed([a, b], 0, 15)
             b.first_chunk_at = None
             peer.uplink = HubUplink(None, delta.manifest.total_bytes / 1.0)  # the delta takes the hub a second
             await publish(hub, *versions[1])
             await wait_installed([a, b], 1, 15)
-            nursery.cancel_scope.cancel()
         assert a.keeper.deltas_applied == b.keeper.deltas_applied == 1
         assert b.first_chunk_at < a.installed_at[1]
         relay_commitment = commit_payload(a.identity, delta)
