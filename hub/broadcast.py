@@ -178,7 +178,9 @@ class Broadcaster:
             self._progress.pop(peer, None)
             self._demoted_for.pop(peer, None)
         reach = {p: n.reachability for p, n in members.items()}
-        chains = [separate_nated(chain, reach) for chain in chains]
+        # Hole punches are tried first; a chain where one failed gets dialable nodes between its NATed ones.
+        chains = [separate_nated(chain, reach) if any(members[p].punch_failed_with for p in chain if p in members)
+                  else chain for chain in chains]
         for peer, record in members.items():
             if record.reachability == "unknown" and peer not in self._probing and self._nursery is not None:
                 self._probing.add(peer)
@@ -191,20 +193,29 @@ class Broadcaster:
         record = self.fleet.get(peer) if peer else None
         return None if peer is None else (record.reachability if record else "unknown")
 
+    def _kind(self, upstream: str | None, peer: str) -> str:
+        """hub.chains.link_kind, and a pull from the hub after a hole punch between the two failed."""
+        kind = link_kind(self._reach(upstream), self._reach(peer))
+        record = self.fleet.get(peer)
+        if kind == "holepunch" and record is not None and record.punch_failed_with == upstream:
+            return "hub"
+        return kind
+
     def links(self, peer: str) -> ChainLinks:
         for index, chain in enumerate(self.chains):
             if peer in chain:
                 position = chain.index(peer)
                 upstream = chain[position - 1] if position > 0 else None
-                kind = link_kind(self._reach(upstream), self._reach(peer))
+                kind = self._kind(upstream, peer)
                 if kind == "hub":
                     upstream = None  # heads its chain, or sits behind a NATed node it cannot reach
                 record = self.fleet.get(upstream) if upstream else None
                 addrs = dialable(record.listen_addrs, record.remote_ip) if record and kind == "direct" else ()
                 downstream = chain[position + 1] if position + 1 < len(chain) else None
                 down = self.fleet.get(downstream) if downstream else None
-                pushed = down is not None and link_kind(self._reach(peer), self._reach(downstream)) == "pushed"
-                if down is not None and link_kind(self._reach(peer), self._reach(downstream)) == "hub":
+                down_kind = self._kind(peer, downstream) if downstream else None
+                pushed = down is not None and down_kind == "pushed"
+                if down is not None and down_kind == "hub":
                     downstream = None  # it pulls from the hub, not from us
                 push_to = dialable(down.listen_addrs, down.remote_ip) if pushed else ()
                 return ChainLinks(upstream, addrs, downstream, index, position, kind, push_to)

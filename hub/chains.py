@@ -129,23 +129,23 @@ def join_chains(chains: Sequence[Sequence[str]], newcomer: str, max_chains: int)
 # -- reachability: who can dial whom -----------------------------------------------------------------
 
 Reachability = str  # "public" (dialable), "nated" (dials out only), "unknown" (not probed yet: assumed public)
-LinkKind = str  # "hub": pulls from the hub; "direct": dials its upstream; "pushed": its upstream dials it first
+LinkKind = str  # "hub": from the hub; "direct": dials its upstream; "pushed": its upstream dials it; "holepunch": both dial
 
 
 def link_kind(upstream: Reachability | None, downstream: Reachability) -> LinkKind:
     """How a node gets its upstream's chunks: it dials a dialable upstream; a NATed upstream dials it when it
-    is dialable itself; between two NATed nodes neither can dial, so the node pulls from the hub instead.
-    `upstream` None: the node heads its chain."""
+    is dialable itself; between two NATed nodes both dial at once, coordinated over the hub's relay (a hole
+    punch, node/nat.py). `upstream` None: the node heads its chain."""
     if upstream is None:
         return "hub"
     if upstream != "nated":
         return "direct"
-    return "pushed" if downstream != "nated" else "hub"
+    return "pushed" if downstream != "nated" else "holepunch"
 
 
 def separate_nated(chain: Sequence[str], reach: dict[str, Reachability]) -> list[str]:
-    """The chain with a dialable node moved between each NATed node and a NATed successor (which could
-    otherwise only pull from the hub), as far as dialable nodes allow: one is taken only from where its
+    """The chain with a dialable node moved between each NATed node and a NATed successor (after a hole
+    punch between two of them failed), as far as dialable nodes allow: one is taken only from where its
     leaving makes no new NATed pair. Otherwise order is kept (a re-plan must not reshuffle transfers in
     flight)."""
     out = list(chain)

@@ -41,6 +41,8 @@ class NodeRecord:
     banned_reason: str | None = None
     # Whether peers can dial it (hub/reachability.py): "unknown" until the hub's dial-back answers.
     reachability: str = "unknown"
+    # The NATed upstream a hole punch with failed (it then pulls from the hub; the planner separates them).
+    punch_failed_with: str | None = None
 
     @property
     def rho(self) -> float:
@@ -78,6 +80,7 @@ class Fleet:
         record.backend, record.hardware = request.backend, request.hardware
         if (record.listen_addrs, record.remote_ip) != (request.listen_addrs, remote_ip):
             record.reachability = "unknown"  # another address: dialed back again
+            record.punch_failed_with = None
         record.listen_addrs, record.remote_ip = request.listen_addrs, remote_ip
         record.last_seen, record.version_held = now, request.version_held
         record.receiving_version, record.chunks_received = None, 0

@@ -8,6 +8,10 @@ NAT or a firewall: it dials out, nobody dials in). Not yet probed: "unknown".
 
 py-libp2p's AutoNAT is not used: its server answers through any existing connection to the asker,
 so it reports every node dialable.
+
+The hub also runs a circuit relay v2 service (`relay_service`): NATed nodes reserve on it so that a
+NATed successor can reach them to coordinate a hole punch (node/nat.py). Its limits let signalling
+through, never a snapshot.
 """
 
 from __future__ import annotations
@@ -23,6 +27,23 @@ log = logging.getLogger("echo2.hub.reachability")
 
 PROBE_TIMEOUT_S = 5.0
 PROBES_AT_ONCE = 8
+# The hub's circuit relay v2 carries hole-punch signalling (DCUtR) between NATed nodes, never snapshot
+# bytes: a circuit ends after this much data or time.
+RELAY_DATA_BYTES = 256 * 1024
+RELAY_DURATION_S = 120
+RELAY_RESERVATIONS = 4096
+RELAY_CIRCUITS_PER_PEER = 4
+RELAY_RESERVATION_TTL_S = 3600
+
+
+def relay_service(host):
+    """The hub's circuit relay v2 service (run it with libp2p's background_trio_service)."""
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+    from libp2p.relay.circuit_v2.resources import RelayLimits
+
+    limits = RelayLimits(duration=RELAY_DURATION_S, data=RELAY_DATA_BYTES, max_circuit_conns=RELAY_CIRCUITS_PER_PEER,
+                         max_reservations=RELAY_RESERVATIONS, reservation_ttl=RELAY_RESERVATION_TTL_S)
+    return CircuitV2Protocol(host, limits=limits, allow_hop=True)
 
 
 async def dial_back(peer_id: str, addrs: tuple[str, ...]) -> bool:

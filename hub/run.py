@@ -208,7 +208,12 @@ class Hub:
             state.on_membership.append(self.on_membership)
             service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.snapshot, self.broadcaster)
             self._announce()
-            async with trio.open_nursery() as nursery:
+            from libp2p.tools.anyio_service import background_trio_service
+
+            from hub.reachability import relay_service
+
+            # The relay NATed nodes reserve on, for hole-punch signalling between them (node/nat.py).
+            async with background_trio_service(relay_service(host)), trio.open_nursery() as nursery:
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
                 await nursery.start(self.broadcaster.run)  # before anything can publish
                 for component in (state, service, self.scheduler, self.status):

@@ -240,13 +240,15 @@ class HubService:
         beat = await read_message(stream, Heartbeat)
         peer = remote_peer_id(stream)
         record = self.state.heartbeat(peer, beat)
+        if beat.punch_failed:
+            record.punch_failed_with = self.chain_links(peer).upstream
         self.on_heartbeat()
         links = self.chain_links(peer)
         await _reply(stream, HeartbeatReply(
             state=record.state, latest_version=self.shelf.newest_version(), upstream=links.upstream,
             upstream_addrs=links.upstream_addrs, downstream=links.downstream, chain=links.chain,
             chain_position=links.chain_position, downstream_addrs=links.downstream_addrs,
-            reachability=record.reachability,
+            reachability=record.reachability, upstream_link=links.kind,
         ))
 
     async def _on_lease(self, stream: INetStream) -> None:

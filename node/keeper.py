@@ -125,6 +125,7 @@ class Held:
 class Upstream:
     peer_id: str | None  # None: the hub
     addrs: tuple[str, ...]
+    kind: str = "direct"  # hub.chains.link_kind: "holepunch" is reached through node/nat.py
 
 
 HUB = Upstream(None, ())
@@ -144,6 +145,7 @@ class SnapshotKeeper:
         on_installed: Callable[[int], None],
         report: Callable[[BadChunkReport], Awaitable[TransferAck | Reject]],
         stall_s: float = STALL_S,
+        punch: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.host = host
         self.identity = identity
@@ -174,6 +176,9 @@ class SnapshotKeeper:
         # A version whose delta did not apply (or came against another base): pulled in full.
         self._full_for: int | None = None
         self.deltas_applied = 0
+        self._punch = punch
+        # The NATed upstream our last hole punch with failed (the heartbeat tells the hub).
+        self.punch_failed: str | None = None
 
     # -- state -----------------------------------------------------------------------
 
@@ -402,6 +407,11 @@ class SnapshotKeeper:
             if from_chunk > 0:
                 self.resumes += 1
                 log.info("resuming v%d from chunk %d via %s", version, from_chunk, self._name(source))
+        if source.kind == "holepunch" and source.peer_id is not None:
+            # Before the connect deadline: a punch waits for the relay and for both NATs (node/nat.py has its own).
+            if self._punch is None or not await self._punch(source.peer_id):
+                self.punch_failed = source.peer_id
+                raise OSError(f"no direct connection to {source.peer_id[-8:]}: the hole punch failed")
         with trio.fail_after(CONNECT_TIMEOUT_S):
             stream = await self._open(source)
         try:

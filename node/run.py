@@ -71,6 +71,8 @@ class NodeRuntime:
         self.hub_peer_id = peer_id_from_multiaddr(config.hub)
         self.engine_lock = trio.Lock()
         self.listen_addrs: tuple[str, ...] = ()
+        self._nursery: trio.Nursery | None = None
+        self.nat = None  # NatTraversal, once the host runs
         self.stopper = Stopper()
 
     async def _install(self, path: Path, version: int) -> None:
@@ -98,6 +100,7 @@ class NodeRuntime:
         transfer = self.keeper.transfer
         return Heartbeat(
             version_held=self.keeper.version_held,
+            punch_failed=self.keeper.punch_failed is not None and self.keeper.punch_failed == self.keeper.upstream.peer_id,
             receiving_version=transfer.manifest.version if transfer else None,
             chunks_received=(len(transfer.manifest.chunk_hashes) - transfer.assembler.missing_count) if transfer else 0,
         )
@@ -105,11 +108,20 @@ class NodeRuntime:
     def _on_reply(self, reply: HeartbeatReply) -> None:
         from node.keeper import Upstream
 
-        self.keeper.update(reply.latest_version, Upstream(reply.upstream, reply.upstream_addrs), reply.downstream,
-                           reply.downstream_addrs)
+        self.keeper.update(reply.latest_version, Upstream(reply.upstream, reply.upstream_addrs, reply.upstream_link),
+                           reply.downstream, reply.downstream_addrs)
+        if reply.reachability == "nated" and not self.nat.reserved and self._nursery is not None:
+            # NATed successors reach us through the hub's relay to hole-punch: hold a slot there.
+            self._nursery.start_soon(self._reserve)
         if reply.state in ("active", "probing"):
             self.worker.wake.set()
             self.worker.wake = trio.Event()
+
+    async def _reserve(self) -> None:
+        try:
+            await self.nat.reserve(self._nursery)
+        except Exception as exc:  # noqa: BLE001 - the hub may be away; the next heartbeat reply retries
+            log.info("relay reservation on the hub failed: %r", exc)
 
     def _on_installed(self, version: int) -> None:
         self.link.state.note("installed", f"v{version}")
@@ -159,6 +171,7 @@ class NodeRuntime:
         from node.client import HubClient
         from node.hub_link import HubLink
         from node.keeper import SnapshotKeeper
+        from node.nat import NatTraversal
         from node.worker import Worker
 
         limiter = RateLimiter(self.config.link_mbps * MBIT) if self.config.link_mbps else None
@@ -168,8 +181,9 @@ class NodeRuntime:
             public = self.config.public_addr
             self.listen_addrs = (f"{public}/p2p/{self.identity.peer_id}",) if public else tuple(addrs)
             client = HubClient(host, self.identity, self.config.hub)
+            self.nat = NatTraversal(host, self.config.hub)
             self.keeper = SnapshotKeeper(host, self.identity, self.hub_peer_id, self.config.data_dir / SNAPSHOTS_DIR,
-                                         self._install, limiter, self._on_installed, client.report)
+                                         self._install, limiter, self._on_installed, client.report, punch=self.nat.punch)
             self.worker = Worker(
                 client, self.engine, self.engine_lock,
                 can_work=lambda: self.link.state.connected and self.link.state.state in ("active", "probing"),
@@ -181,7 +195,8 @@ class NodeRuntime:
             set_handler(host, SNAPSHOT_PROTOCOL, self.keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, self.keeper.on_relay_offer, log)
             log.info("node %s listening on %s", self.identity.peer_id, ", ".join(addrs))
-            async with trio.open_nursery() as nursery:
+            async with self.nat.running(), trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
                 await self.keeper.start(nursery)
                 nursery.start_soon(self.link.run)

@@ -158,6 +158,7 @@ class Heartbeat(Message):
     version_held: HeldVersion
     receiving_version: Version | None = Field(None, description="snapshot in flight, if any")
     chunks_received: ChunkIndex = 0
+    punch_failed: bool = Field(False, description="a hole punch with the upstream the hub named failed")
 
 
 class HeartbeatReply(Message):
@@ -173,6 +174,8 @@ class HeartbeatReply(Message):
     chain: int | None = None
     chain_position: int | None = None
     reachability: Literal["unknown", "public", "nated"] = Field("unknown", description="whether peers can dial this node")
+    upstream_link: Literal["hub", "direct", "pushed", "holepunch"] = Field(
+        "hub", description="how to reach the upstream: dial it, be dialed by it, or hole-punch through the hub's relay")
 
 
 class LeaseRequest(Message):
@@ -264,7 +267,7 @@ class NodeStatus(Message):
     def net_text(self) -> str:
         """Reachability and link in a few characters: "nat/push", "pub/direct", "?/hub"."""
         reach = {"public": "pub", "nated": "nat"}.get(self.reachability, "?")
-        return f"{reach}/{ {'pushed': 'push'}.get(self.link, self.link) or '-'}"
+        return f"{reach}/{ {'pushed': 'push', 'holepunch': 'punch'}.get(self.link, self.link) or '-'}"
 
 
 class StepPoint(Message):

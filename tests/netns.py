@@ -4,8 +4,8 @@
       |-- router r1 (wan 10.77.0.11, lan 192.168.1.1, MASQUERADE) -- home h1 (192.168.1.2)
       |-- router r2 (wan 10.77.0.12, lan 192.168.2.1, MASQUERADE) -- home h2 (192.168.2.2)
 
-Each router forwards what its home starts and drops what the public side starts, as a home router
-does; only the addresses above exist. The namespaces are created by `Topology()` and deleted on
+Each router forwards what its home starts and silently drops what the public side starts (to the
+home or to itself), as a home router does; only the addresses above exist. The namespaces are created by `Topology()` and deleted on
 exit, names prefixed per process so concurrent runs do not collide. Needs root, `ip` and `iptables`
 (`unavailable()` says which is missing).
 """
@@ -112,6 +112,10 @@ class Topology:
             _run(*inside, "iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate",
                  "ESTABLISHED,RELATED", "-j", "ACCEPT")
             _run(*inside, "iptables", "-A", "FORWARD", "-i", "wan", "-j", "DROP")
+            # Nor does it answer what it did not ask for itself: silence, not a reset, as home routers do.
+            _run(*inside, "iptables", "-A", "INPUT", "-i", "wan", "-m", "conntrack", "--ctstate",
+                 "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            _run(*inside, "iptables", "-A", "INPUT", "-i", "wan", "-j", "DROP")
 
     def close(self) -> None:
         for ns in self.namespaces:

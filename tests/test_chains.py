@@ -104,7 +104,7 @@ def test_link_kind_says_who_dials_whom():
     assert link_kind("public", "nated") == "direct" and link_kind("unknown", "public") == "direct"
     assert link_kind("nated", "public") == "pushed"  # the NATed upstream dials its dialable successor
     assert link_kind("nated", "unknown") == "pushed"
-    assert link_kind("nated", "nated") == "hub"  # neither can dial: the successor pulls from the hub
+    assert link_kind("nated", "nated") == "holepunch"  # neither can dial alone: both dial at once (node/nat.py)
 
 
 def test_a_dialable_node_goes_between_two_nated_ones():

@@ -40,3 +40,29 @@ def test_a_malformed_public_addr_is_one_line_naming_it():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1 and "public_addr" in line.replace("-", "_"), line
+
+
+@pytest.mark.trio
+async def test_two_nated_nodes_hole_punch_and_after_a_failed_punch_a_dialable_node_goes_between():
+    from types import SimpleNamespace
+
+    from tests.peers import hub_peer
+    from tests.relay_scenarios import Hub, join
+
+    async with hub_peer(Identity.generate()) as peer:
+        hub = Hub(peer, "chain")
+        a, b, c = (SimpleNamespace(peer_id=Identity.generate().peer_id, addr=f"/ip4/127.0.0.1/tcp/{port}")
+                   for port in (4101, 4102, 4103))
+        records = {n.peer_id: join(hub.fleet, n) for n in (a, b, c)}
+        records[a.peer_id].reachability = records[b.peer_id].reachability = "nated"
+        records[c.peer_id].reachability = "public"
+        hub.broadcaster.chains = [[a.peer_id, b.peer_id, c.peer_id]]
+        links = hub.broadcaster.links
+        assert [links(n.peer_id).kind for n in (a, b, c)] == ["hub", "holepunch", "pushed"]
+        assert links(a.peer_id).downstream == b.peer_id
+        records[b.peer_id].punch_failed_with = a.peer_id  # b's heartbeat said its punch with a failed
+        assert links(b.peer_id).kind == "hub" and links(b.peer_id).upstream is None
+        assert links(a.peer_id).downstream is None  # a no longer waits to serve b
+        hub.broadcaster.replan()
+        assert hub.broadcaster.chains == [[a.peer_id, c.peer_id, b.peer_id]]
+        assert [links(n.peer_id).kind for n in (a, c, b)] == ["hub", "pushed", "direct"]
