@@ -6,14 +6,14 @@ Topology (tests/netns.py): the hub on a public segment; in the "nat" run one nod
 nodes each behind its own MASQUERADE router, in the "no_nat" run the same three nodes all on the
 public segment. Each run is a real hub and three real recording nodes, every link emulated at
 --link-mbps (the hub's uplink too, so one chain), the learner publishing every step (kappa 1,
-S 1) until --versions versions after v0 have a T_bcast recorded by the hub.
+S 1) until --versions versions published after the hub probed every node have a T_bcast recorded.
 
 Printed: links (each chain link as the hub planned it: kind "hub" for a pull from the hub,
 "direct" for a node dialing its upstream, "pushed" for a NATed upstream dialing its successor;
 mbps is the rate the receiving node got its newest snapshot at, from its log: bytes over the time
-from its first chunk to its install), t_bcast_s and t_bcast_no_nat_s (mean T_bcast over the
-versions after v0), hub_relay_bytes (bytes the hub relayed between peers: this build has no relay,
-so 0), all_bit_exact (every file every node installed hashes as the hub's). Targets (issue 18):
+from its first chunk to its install), t_bcast_s and t_bcast_no_nat_s (mean T_bcast over
+those versions), hub_relay_bytes (snapshot bytes through the hub's relay: it carries hole-punch signalling only and
+cuts a circuit after 256 KiB, so 0), all_bit_exact (every file every node installed hashes as the hub's). Targets (issue 18):
 hub_relay_bytes = 0 when no link is relayed, t_bcast_s <= 1.3 x t_bcast_no_nat_s, bit-exact.
 """
 
@@ -72,8 +72,19 @@ def run(net: Topology, work: Path, nat: bool, args: argparse.Namespace, log) -> 
                             "--max-rollouts-per-s", "20") for name, (ns, listen) in places.items()]
     log(f"{'nat' if nat else 'no_nat'}: hub and {len(nodes)} nodes started")
     try:
+        # Timed from the first version published once the hub has probed every node (a NATed one answers a
+        # dial-back by silence: PROBE_TIMEOUT_S), so the links measured are the ones planned for them.
+        def probed() -> int | None:
+            by = node_states(hub)
+            if len(by) < len(places) or any(n.reachability == "unknown" for n in by.values()):
+                return None
+            return query(hub_dir, "SELECT COALESCE(MAX(version), 0) FROM snapshots")[0][0]
+
+        first = wait_until(probed, RUN_TIMEOUT_S, "every node probed") + 1
+
         def timed() -> list[float] | None:
-            rows = query(hub_dir, "SELECT t_bcast_s FROM snapshots WHERE version > 0 AND t_bcast_s IS NOT NULL")
+            rows = query(hub_dir, "SELECT t_bcast_s FROM snapshots WHERE version >= ? AND t_bcast_s IS NOT NULL",
+                         (first,))
             return [r[0] for r in rows] if len(rows) >= args.versions else None
 
         times = wait_until(timed, RUN_TIMEOUT_S, f"{args.versions} timed broadcasts", poll_s=0.5)
