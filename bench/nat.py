@@ -8,12 +8,13 @@ public segment. Each run is a real hub and three real recording nodes, every lin
 --link-mbps (the hub's uplink too, so one chain), the learner publishing every step (kappa 1,
 S 1) until --versions versions published after the hub probed every node have a T_bcast recorded.
 
-Printed: links (each chain link as the hub planned it: kind "hub" for a pull from the hub,
-"direct" for a node dialing its upstream, "pushed" for a NATed upstream dialing its successor;
-mbps is the rate the receiving node got its newest snapshot at, from its log: bytes over the time
-from its first chunk to its install), t_bcast_s and t_bcast_no_nat_s (mean T_bcast over
-those versions), hub_relay_bytes (snapshot bytes through the hub's relay: it carries hole-punch signalling only and
-cuts a circuit after 256 KiB, so 0), all_bit_exact (every file every node installed hashes as the hub's). Targets (issue 18):
+Printed: links (each chain link as the hub planned it: "hub" for a pull from the hub, "direct" for
+a node dialing its upstream, "pushed" for a NATed upstream dialing its successor, "holepunch" for
+two NATed nodes punching through; mbps is the rate the receiving node got its newest snapshot at,
+from its log: bytes over the time from its first chunk to its install), t_bcast_s and
+t_bcast_no_nat_s (mean T_bcast over those versions), hub_relay_bytes (snapshot bytes through the
+hub's relay: it carries hole-punch signalling only and cuts a circuit after 256 KiB, so 0),
+all_bit_exact (every file every node installed hashes as the hub's). Targets (issue 18):
 hub_relay_bytes = 0 when no link is relayed, t_bcast_s <= 1.3 x t_bcast_no_nat_s, bit-exact.
 """
 

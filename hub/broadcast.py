@@ -201,6 +201,26 @@ class Broadcaster:
             return "hub"
         return kind
 
+    @staticmethod
+    def _dial_addrs(record: NodeRecord) -> tuple[str, ...]:
+        """Where peers dial a node: the address its dial-back answered at, once it did."""
+        return (record.answered_addr,) if record.answered_addr else dialable(record.listen_addrs, record.remote_ip)
+
+    def link_kinds(self) -> dict[str, str]:
+        """How every chain member gets its snapshots, in one pass over the chains (for the status board)."""
+        return {peer: self._kind(chain[i - 1] if i else None, peer)
+                for chain in self.chains for i, peer in enumerate(chain)}
+
+    def punch_failed(self, peer: str, upstream: str) -> None:
+        """`peer` says its hole punch with `upstream` failed: believed only of the link planned as a punch;
+        the pair is separated at once."""
+        record = self.fleet.get(peer)
+        links = self.links(peer)
+        if record is None or links.kind != "holepunch" or links.upstream != upstream:
+            return
+        record.punch_failed_with = upstream
+        self.replan()
+
     def links(self, peer: str) -> ChainLinks:
         for index, chain in enumerate(self.chains):
             if peer in chain:
@@ -210,14 +230,14 @@ class Broadcaster:
                 if kind == "hub":
                     upstream = None  # heads its chain, or sits behind a NATed node it cannot reach
                 record = self.fleet.get(upstream) if upstream else None
-                addrs = dialable(record.listen_addrs, record.remote_ip) if record and kind == "direct" else ()
+                addrs = self._dial_addrs(record) if record and kind == "direct" else ()
                 downstream = chain[position + 1] if position + 1 < len(chain) else None
                 down = self.fleet.get(downstream) if downstream else None
                 down_kind = self._kind(peer, downstream) if downstream else None
                 pushed = down is not None and down_kind == "pushed"
                 if down is not None and down_kind == "hub":
                     downstream = None  # it pulls from the hub, not from us
-                push_to = dialable(down.listen_addrs, down.remote_ip) if pushed else ()
+                push_to = self._dial_addrs(down) if pushed else ()
                 return ChainLinks(upstream, addrs, downstream, index, position, kind, push_to)
         return ChainLinks(None, (), None, None, None)
 
@@ -305,12 +325,17 @@ class Broadcaster:
         addrs = dialable(*probed)
         try:
             async with self._probe_slots:
-                public = await dial_back(record.peer_id, addrs)
+                answered = await dial_back(record.peer_id, addrs)
+        except Exception as exc:  # noqa: BLE001 - our throwaway host failing is no reason to stop the hub
+            log.warning("dial-back of %s failed: %r", record.peer_id[-8:], exc)
+            answered = None
         finally:
             self._probing.discard(record.peer_id)
         if (record.listen_addrs, record.remote_ip) != probed:
-            return  # it rejoined from elsewhere meanwhile: that address gets its own probe
-        record.reachability = "public" if public else "nated"
+            self.replan()  # it rejoined from elsewhere meanwhile: that address gets its own probe
+            return
+        record.reachability = "public" if answered else "nated"
+        record.answered_addr = answered
         await self.event("reachability", record.peer_id, f"{record.reachability} ({', '.join(addrs) or 'no address'})")
         self.replan()
 

@@ -43,6 +43,8 @@ class NodeRecord:
     reachability: str = "unknown"
     # The NATed upstream a hole punch with failed (it then pulls from the hub; the planner separates them).
     punch_failed_with: str | None = None
+    # The address the hub's dial-back was answered at: the only one peers are told to dial.
+    answered_addr: str | None = None
 
     @property
     def rho(self) -> float:
@@ -80,7 +82,7 @@ class Fleet:
         record.backend, record.hardware = request.backend, request.hardware
         if (record.listen_addrs, record.remote_ip) != (request.listen_addrs, remote_ip):
             record.reachability = "unknown"  # another address: dialed back again
-            record.punch_failed_with = None
+            record.punch_failed_with = record.answered_addr = None
         record.listen_addrs, record.remote_ip = request.listen_addrs, remote_ip
         record.last_seen, record.version_held = now, request.version_held
         record.receiving_version, record.chunks_received = None, 0
@@ -92,6 +94,11 @@ class Fleet:
 
     def get(self, peer_id: str) -> NodeRecord | None:
         return self.nodes.get(peer_id)
+
+    def is_member(self, peer_id: str) -> bool:
+        """A node that joined and is neither banned nor gone."""
+        record = self.nodes.get(peer_id)
+        return record is not None and record.state not in ("banned", "gone")
 
     def live(self) -> list[NodeRecord]:
         return [n for n in self.nodes.values() if n.state not in ("banned", "gone")]

@@ -17,16 +17,19 @@ through, never a snapshot.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 
 from shared.crypto import Identity
-from shared.net import build_host, connect
+from shared.net import admit_only, build_host, connect
 
 log = logging.getLogger("echo2.hub.reachability")
 
 PROBE_TIMEOUT_S = 5.0
 PROBES_AT_ONCE = 8
+# A node's listen addresses tried, at most: each unanswered one holds a probe slot PROBE_TIMEOUT_S.
+PROBED_ADDRS = 2
 # The hub's circuit relay v2 carries hole-punch signalling (DCUtR) between NATed nodes, never snapshot
 # bytes: a circuit ends after this much data or time.
 RELAY_DATA_BYTES = 256 * 1024
@@ -37,7 +40,7 @@ RELAY_RESERVATION_TTL_S = 3600
 
 
 def relay_service(host):
-    """The hub's circuit relay v2 service (run it with libp2p's background_trio_service)."""
+    """The hub's circuit relay v2 service (run it with libp2p's background_trio_service, then guard_relay)."""
     from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
     from libp2p.relay.circuit_v2.resources import RelayLimits
 
@@ -46,21 +49,30 @@ def relay_service(host):
     return CircuitV2Protocol(host, limits=limits, allow_hop=True)
 
 
-async def dial_back(peer_id: str, addrs: tuple[str, ...]) -> bool:
-    """Whether `peer_id` answers a fresh dial at one of `addrs` (each ending in /p2p/<peer_id> or not)."""
-    if not addrs:
-        return False  # it listens nowhere: nothing to dial
-    host = build_host(Identity.generate())
-    async with host.run(listen_addrs=[]):
-        await host.get_network().auto_connector.stop()
-        for addr in addrs:
-            target = addr if "/p2p/" in addr else f"{addr}/p2p/{peer_id}"
-            if not target.endswith(f"/p2p/{peer_id}"):
-                continue  # an address naming another peer proves nothing about this one
+async def guard_relay(host, relay, member: Callable[[str], bool]) -> None:
+    """Only fleet members may reserve on or relay through the hub: strangers and banned peers are reset."""
+    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+
+    await relay.event_started.wait()
+    admit_only(host, PROTOCOL_ID, relay._handle_hop_stream, member, log)
+
+
+async def dial_back(peer_id: str, addrs: tuple[str, ...]) -> str | None:
+    """The first of `addrs` (each ending in /p2p/<peer_id> or not; at most PROBED_ADDRS tried) at which
+    `peer_id` answers a fresh dial, or None. Peers are then told that address only: a node cannot pass the
+    probe at one address and send its peers to another."""
+    for addr in addrs[:PROBED_ADDRS]:
+        target = addr if "/p2p/" in addr else f"{addr}/p2p/{peer_id}"
+        if not target.endswith(f"/p2p/{peer_id}"):
+            continue  # an address naming another peer proves nothing about this one
+        # A host of its own per address: a failed dial leaves py-libp2p's peerstore and backoff behind.
+        host = build_host(Identity.generate())
+        async with host.run(listen_addrs=[]):
+            await host.get_network().auto_connector.stop()
             try:
                 with trio.fail_after(PROBE_TIMEOUT_S):
                     await connect(host, target)
-                return True
+                return target
             except Exception as exc:  # noqa: BLE001 - refused, dropped, timed out, wrong key: all "not dialable"
                 log.debug("dial-back of %s at %s failed: %r", peer_id[-8:], target, exc)
-    return False
+    return None

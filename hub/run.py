@@ -210,10 +210,12 @@ class Hub:
             self._announce()
             from libp2p.tools.anyio_service import background_trio_service
 
-            from hub.reachability import relay_service
+            from hub.reachability import guard_relay, relay_service
 
             # The relay NATed nodes reserve on, for hole-punch signalling between them (node/nat.py).
-            async with background_trio_service(relay_service(host)), trio.open_nursery() as nursery:
+            relay = relay_service(host)
+            async with background_trio_service(relay), trio.open_nursery() as nursery:
+                nursery.start_soon(guard_relay, host, relay, state.fleet.is_member)
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
                 await nursery.start(self.broadcaster.run)  # before anything can publish
                 for component in (state, service, self.scheduler, self.status):

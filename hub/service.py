@@ -123,6 +123,7 @@ class HubService:
         chain_links: Callable[[str], ChainLinks],
         on_heartbeat: Callable[[], None],
         on_report: Callable[[INetStream], Awaitable[None]],
+        punch_failed: Callable[[str, str], None] = lambda peer, upstream: None,
     ) -> None:
         self.host = host
         self.identity = identity  # signs the commitments of the snapshot frames it serves
@@ -135,6 +136,7 @@ class HubService:
         self.chain_links = chain_links
         self.on_heartbeat = on_heartbeat
         self.on_report = on_report
+        self.punch_failed = punch_failed
         self.operators = frozenset({host.get_id().to_base58(), *guard.config.status_operators})
 
     async def run(self) -> None:
@@ -240,8 +242,8 @@ class HubService:
         beat = await read_message(stream, Heartbeat)
         peer = remote_peer_id(stream)
         record = self.state.heartbeat(peer, beat)
-        if beat.punch_failed:
-            record.punch_failed_with = self.chain_links(peer).upstream
+        if beat.punch_failed_with is not None:
+            self.punch_failed(peer, beat.punch_failed_with)
         self.on_heartbeat()
         links = self.chain_links(peer)
         await _reply(stream, HeartbeatReply(
@@ -364,4 +366,5 @@ def build_hub_service(
         chain_links=broadcaster.links if broadcaster else no_chains,
         on_heartbeat=broadcaster.check_done if broadcaster else lambda: None,
         on_report=broadcaster.on_report if broadcaster else refuse_reports,
+        punch_failed=broadcaster.punch_failed if broadcaster else lambda peer, upstream: None,
     )

@@ -93,6 +93,7 @@ class StatusBoard:
         state = self.state
         chains = self.broadcaster.chains if self.broadcaster else []
         chain_of = {p: (i, j) for i, chain in enumerate(chains) for j, p in enumerate(chain)}
+        kinds = self.broadcaster.link_kinds() if self.broadcaster else {}
         nodes = tuple(
             NodeStatus(
                 peer_id=n.peer_id, state=n.state, price_per_hour=n.price_per_hour, rollouts_per_s=n.rollouts_per_s,
@@ -101,7 +102,7 @@ class StatusBoard:
                 backend=n.backend, hardware=n.hardware,
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
                 reachability=n.reachability,
-                link=self.broadcaster.links(n.peer_id).kind if self.broadcaster and n.peer_id in chain_of else "",
+                link=kinds.get(n.peer_id, ""),
             )
             for n in state.fleet.nodes.values()
         )

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
 
 from shared.crypto import Identity
 from shared.delta import DeltaError, apply_delta, delta_full_manifest
@@ -206,7 +207,7 @@ class SnapshotKeeper:
             if upstream.peer_id is not None and upstream.addrs and self._nursery is not None:
                 # Dial now: our upstream's announce of its next version can then reach us at once.
                 self._nursery.start_soon(self._dial, upstream)
-        if downstream_addrs and self._nursery is not None:  # a live connection is kept, not redialled
+        if downstream_addrs and self._nursery is not None and not self._connected(downstream):
             self._nursery.start_soon(self._dial, Upstream(downstream, downstream_addrs))
         if downstream != self.downstream:
             self.downstream = downstream
@@ -215,6 +216,9 @@ class SnapshotKeeper:
                 self._announce_downstream(self.transfer.manifest.version)
         if changed:
             self._notify()
+
+    def _connected(self, peer: str | None) -> bool:
+        return peer is not None and bool(self.host.get_network().connections.get(ID.from_base58(peer)))
 
     def announce(self, version: int) -> None:
         """Our upstream says it has started on `version`: pull now rather than at the next heartbeat."""
@@ -412,6 +416,7 @@ class SnapshotKeeper:
             if self._punch is None or not await self._punch(source.peer_id):
                 self.punch_failed = source.peer_id
                 raise OSError(f"no direct connection to {source.peer_id[-8:]}: the hole punch failed")
+            self.punch_failed = None
         with trio.fail_after(CONNECT_TIMEOUT_S):
             stream = await self._open(source)
         try:

@@ -12,25 +12,29 @@ and the heartbeat says so, so the hub stops planning that pair.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
-from shared.net import open_stream
+from shared.net import admit_only, open_stream
 
 log = logging.getLogger("echo2.node.nat")
 
 PUNCH_TIMEOUT_S = 20.0
+RESERVE_EVERY_S = 120.0
 RELAY_RETRY_S = 0.5
 DIAL_TIMEOUT_S = 5  # each simultaneous-open dial of a punch
 
@@ -42,27 +46,46 @@ def _relayed(conn) -> bool:
 class NatTraversal:
     """Relay reservation and hole punching for one node's host."""
 
-    def __init__(self, host: IHost, hub_addr: str) -> None:
+    def __init__(self, host: IHost, hub_addr: str, neighbour: Callable[[str], bool]) -> None:
+        """`neighbour(peer id)`: whether that peer is our chain neighbour, the only one we take relayed
+        connections and hole punches from."""
         self.host = host
+        self.neighbour = neighbour
         self.hub_addr = hub_addr
         self.hub_id = ID.from_base58(hub_addr.rsplit("/p2p/", 1)[1])
         self.stop = CircuitV2Protocol(host, allow_hop=False)  # accepts connections relayed to us
         self.dcutr = DCUtRProtocol(host, dial_timeout=DIAL_TIMEOUT_S)
         self.transport = CircuitV2Transport(host, self.stop, RelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT))
-        self.reserved = False
+        self.reserved_at: float | None = None  # monotonic time of our last reservation on the hub
+        self.reserving = False
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[NatTraversal]:
         async with background_trio_service(self.stop), background_trio_service(self.dcutr):
+            await self.stop.event_started.wait()
+            await self.dcutr.event_started.wait()
+            admit_only(self.host, STOP_PROTOCOL, self.stop._handle_stop_stream, self.neighbour, log)
+            admit_only(self.host, DCUTR_PROTOCOL, self.dcutr._handle_dcutr_stream, self.neighbour, log)
             yield self
 
+    def needs_reservation(self) -> bool:
+        """No reservation yet, none in flight, or one old enough to renew (a hub that restarted forgot it)."""
+        return not self.reserving and (self.reserved_at is None or time.monotonic() - self.reserved_at > RESERVE_EVERY_S)
+
     async def reserve(self, nursery: trio.Nursery) -> None:
-        """A slot on the hub's relay (renewed before it expires), so NATed successors can reach us."""
-        if self.reserved:
-            return
-        stream = await open_stream(self.host, self.hub_id.to_base58(), HOP_PROTOCOL)
-        self.reserved = bool(await self.transport.reserve(stream, self.hub_id, nursery))
-        log.info("relay reservation on the hub: %s", "held" if self.reserved else "refused")
+        """A slot on the hub's relay, so NATed successors can reach us; one attempt at a time."""
+        self.reserving = True
+        try:
+            stream = await open_stream(self.host, self.hub_id.to_base58(), HOP_PROTOCOL)
+            try:
+                held = await self.transport.reserve(stream, self.hub_id, nursery)
+            finally:
+                await stream.close()
+        finally:
+            self.reserving = False
+        if held:
+            self.reserved_at = time.monotonic()
+        log.info("relay reservation on the hub: %s", "held" if held else "refused")
 
     def direct(self, peer_id: str) -> bool:
         conns = self.host.get_network().connections.get(ID.from_base58(peer_id), [])

@@ -100,17 +100,18 @@ class NodeRuntime:
         transfer = self.keeper.transfer
         return Heartbeat(
             version_held=self.keeper.version_held,
-            punch_failed=self.keeper.punch_failed is not None and self.keeper.punch_failed == self.keeper.upstream.peer_id,
+            punch_failed_with=self.keeper.punch_failed if self.keeper.punch_failed == self.keeper.upstream.peer_id else None,
             receiving_version=transfer.manifest.version if transfer else None,
             chunks_received=(len(transfer.manifest.chunk_hashes) - transfer.assembler.missing_count) if transfer else 0,
         )
 
     def _on_reply(self, reply: HeartbeatReply) -> None:
-        from node.keeper import Upstream
+        from node.keeper import HUB, Upstream
 
-        self.keeper.update(reply.latest_version, Upstream(reply.upstream, reply.upstream_addrs, reply.upstream_link),
-                           reply.downstream, reply.downstream_addrs)
-        if reply.reachability == "nated" and not self.nat.reserved and self._nursery is not None:
+        upstream = HUB if reply.upstream is None else Upstream(reply.upstream, reply.upstream_addrs, reply.upstream_link)
+        self.keeper.update(reply.latest_version, upstream, reply.downstream, reply.downstream_addrs)
+        if reply.reachability == "nated" and self.nat.needs_reservation() and self._nursery is not None:
+            self.nat.reserving = True  # one attempt at a time, from the next heartbeat on too
             # NATed successors reach us through the hub's relay to hole-punch: hold a slot there.
             self._nursery.start_soon(self._reserve)
         if reply.state in ("active", "probing"):
@@ -181,7 +182,9 @@ class NodeRuntime:
             public = self.config.public_addr
             self.listen_addrs = (f"{public}/p2p/{self.identity.peer_id}",) if public else tuple(addrs)
             client = HubClient(host, self.identity, self.config.hub)
-            self.nat = NatTraversal(host, self.config.hub)
+            # Relayed connections and hole punches only with the peers the hub put next to us in a chain.
+            self.nat = NatTraversal(host, self.config.hub, lambda peer: peer in (self.keeper.downstream,
+                                                                                 self.keeper.upstream.peer_id))
             self.keeper = SnapshotKeeper(host, self.identity, self.hub_peer_id, self.config.data_dir / SNAPSHOTS_DIR,
                                          self._install, limiter, self._on_installed, client.report, punch=self.nat.punch)
             self.worker = Worker(

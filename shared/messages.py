@@ -158,7 +158,7 @@ class Heartbeat(Message):
     version_held: HeldVersion
     receiving_version: Version | None = Field(None, description="snapshot in flight, if any")
     chunks_received: ChunkIndex = 0
-    punch_failed: bool = Field(False, description="a hole punch with the upstream the hub named failed")
+    punch_failed_with: PeerIdText | None = Field(None, description="the upstream a hole punch with failed")
 
 
 class HeartbeatReply(Message):

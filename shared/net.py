@@ -266,6 +266,21 @@ async def connect(host: IHost, addr: str) -> str:
     return info.peer_id.to_base58()
 
 
+def admit_only(host: IHost, protocol: str, handler: StreamHandler, allowed: Callable[[str], bool], log: logging.Logger) -> None:
+    """Put `handler` (a py-libp2p service's own, registered by it already) behind `allowed(peer id)`: a stream
+    from anyone else is reset unread. Call once the service has started (its event_started)."""
+
+    async def guarded(stream: INetStream) -> None:
+        peer = remote_peer_id(stream)
+        if not allowed(peer):
+            log.info("refused %s from %s", protocol, peer[-8:])
+            await stream.reset()
+            return
+        await handler(stream)
+
+    host.set_stream_handler(TProtocol(protocol), guarded)
+
+
 async def open_stream(host: IHost, peer_id: str, protocol: str) -> INetStream:
     return await host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
 
