@@ -47,8 +47,8 @@ class NatTraversal:
     """Relay reservation and hole punching for one node's host."""
 
     def __init__(self, host: IHost, hub_addr: str, neighbour: Callable[[str], bool]) -> None:
-        """`neighbour(peer id)`: whether that peer is our chain neighbour, the only one we take relayed
-        connections and hole punches from."""
+        """`neighbour(peer id)`: whether that peer is our chain neighbour, the only one we hole-punch with
+        (relayed connections come through our hub's relay only)."""
         self.host = host
         self.neighbour = neighbour
         self.hub_addr = hub_addr
@@ -64,7 +64,9 @@ class NatTraversal:
         async with background_trio_service(self.stop), background_trio_service(self.dcutr):
             await self.stop.event_started.wait()
             await self.dcutr.event_started.wait()
-            admit_only(self.host, STOP_PROTOCOL, self.stop._handle_stop_stream, self.neighbour, log)
+            # A relayed connection is handed to us by the relay itself: only our hub's may.
+            admit_only(self.host, STOP_PROTOCOL, self.stop._handle_stop_stream,
+                       lambda peer: peer == self.hub_id.to_base58(), log)
             admit_only(self.host, DCUTR_PROTOCOL, self.dcutr._handle_dcutr_stream, self.neighbour, log)
             yield self
 
