@@ -252,7 +252,7 @@ class RankWatch:
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             path = data_dir / f"learner-rank-{rank}.log"
-            with open(path, "ab") as out:
+            with open(path, "wb") as out:  # retention: each start's log replaces the last one's
                 # Their own session: a Ctrl-C reaches the hub alone, which then stops them in order. Killed
                 # with the hub if it dies, so no rank outlives it waiting in a collective.
                 self.procs.append(subprocess.Popen(

@@ -179,7 +179,7 @@ def _read_footer(f, size: int) -> _Footer:
             raise DeltaError(f"delta format {raw['format']!r}; this build reads {DELTA_FORMAT_VERSION}")
         pieces = [(str(k), int(n), int(c)) for k, n, c in raw["pieces"]]
         footer = _Footer(str(raw["base_hash"]), int(raw["manifest_bytes"]), pieces)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: a length of Infinity
         raise DeltaError(f"delta footer is malformed: {exc!r}") from exc
     payload = sum(n for _, n, _ in footer.pieces)
     if not 0 < footer.manifest_bytes <= SIGNATURE_BYTES + MAX_MANIFEST_BYTES or any(n < 0 for _, n, _ in footer.pieces) \

@@ -165,6 +165,7 @@ def test_a_delta_that_does_not_fit_or_fails_the_hashes_writes_nothing(tmp_path, 
         "a flipped payload byte": (bytes(flipped), None, None),
         "another format": (with_footer(format=99), None, "format 99"),
         "truncated": (raw[:5], None, "no footer"),
+        "an infinite length": (with_footer(manifest_bytes=float("inf")), None, "malformed"),
     }
     for name, (data, base_hash, message) in cases.items():
         path = tmp_path / "bad.delta"
