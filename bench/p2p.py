@@ -6,9 +6,11 @@ How it is measured:
   child process of its own, so it has one core to itself while the light clients run in this
   process. `--clients` clients, each with its own libp2p host and fresh identity, are created
   first; joins/s is clients / wall time of all of them dialling (Noise handshake) and joining
-  concurrently. Then every client loops lease -> submit of minimal valid work (1 prompt per
-  lease, 2 completions of a few tokens, correctly signed) for `--seconds`; submissions/s counts
-  submissions the hub accepted (verified, re-scored, committed, acknowledged) per wall second.
+  concurrently. Then every client answers leases with minimal valid work (1 prompt per lease, 2
+  completions of a few tokens, correctly signed) for `--seconds`, each submission asking for the
+  next lease as a node does; submissions/s counts submissions the hub accepted (verified,
+  re-scored, committed, acknowledged) per wall second. Then the same again with a lease request
+  before every submission (`two_round_trips`, the protocol before 2.1.0), side by side.
 - join -> first accepted: a real `echo-hub start --local-nodes 0 --steps 0` on loopback and one
   real `echo-node join` process (CPU, tiny default model); the time from spawning the node to
   the hub's commit of its first accepted group (the hub's store timestamps), split at the join.
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -44,6 +47,7 @@ from shared.messages import (
     JoinRequest,
     Lease,
     LeaseReply,
+    Reject,
     Submission,
     SubmitReply,
     SubmittedGroup,
@@ -101,7 +105,7 @@ class LightClient(HubClient):
         self.submit_latencies: list[float] = []
         self.accepted_submissions = 0
         self.accepted_groups = 0
-        self.refused = 0
+        self.refused: Counter[str] = Counter()
 
     def answer(self, lease: Lease) -> Submission:
         groups = []
@@ -115,24 +119,33 @@ class LightClient(HubClient):
             groups.append(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(completions)))
         return Submission(lease_id=lease.lease_id, node_id=self.peer_id, groups=tuple(groups))
 
-    async def work_until(self, deadline: float) -> None:
+    async def work_until(self, deadline: float, one_round_trip: bool) -> None:
+        """Lease -> submit until `deadline`; with `one_round_trip` each submission asks for the next lease
+        (the node's own way), otherwise every lease is a request of its own."""
+        pending: LeaseReply | None = None
         while time.monotonic() < deadline:
-            reply = await self.lease(0)
+            reply, pending = pending or await self.lease(0), None
             if not isinstance(reply, LeaseReply) or reply.lease is None:
-                self.refused += 1
+                self.refused["lease: " + reply.reason[:60]] += 1
                 await trio.sleep(0.05)
                 continue
             started = time.monotonic()
-            result = await self.submit(self.answer(reply.lease))
+            submission = self.answer(reply.lease)
+            if one_round_trip:
+                submission = submission.model_copy(update={"next_lease_for": 0})
+            result = await self.submit(submission)
+            if isinstance(result, SubmitReply):
+                pending = result.next_lease
             if isinstance(result, SubmitReply) and result.accepted:
                 self.submit_latencies.append(time.monotonic() - started)
                 self.accepted_submissions += 1
                 self.accepted_groups += result.accepted
             else:
-                self.refused += 1
+                self.refused["submit: " + (result.reason[:60] if isinstance(result, Reject) else "nothing accepted")] += 1
 
 
-async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float, tokenizer, progress) -> dict:
+async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float, tokenizer, progress,
+                one_round_trip: bool) -> dict:
     async with AsyncExitStack() as stack:
         hosts = []
         for _ in range(n_clients):
@@ -165,7 +178,7 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
         deadline = started + seconds
         async with trio.open_nursery() as nursery:
             for client in clients:
-                nursery.start_soon(client.work_until, deadline)
+                nursery.start_soon(client.work_until, deadline, one_round_trip)
 
             async def tick() -> None:
                 while time.monotonic() < deadline:
@@ -185,12 +198,12 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
             "submit_latency_median_s": round(statistics.median(latencies), 4) if latencies else None,
             "submit_latency_p95_s": round(sorted(latencies)[int(0.95 * (len(latencies) - 1))], 4) if latencies else None,
             "accepted_submissions": submissions,
-            "refused_or_no_work": sum(c.refused for c in clients),
+            "refused_or_no_work": dict(sum((c.refused for c in clients), Counter()).most_common()),
             "seconds": round(work_wall, 2),
         }
 
 
-def service_bench(n_clients: int, seconds: float, progress) -> dict:
+def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool) -> dict:
     from transformers import AutoTokenizer
 
     from shared.default_model import ensure_default_model
@@ -206,7 +219,7 @@ def service_bench(n_clients: int, seconds: float, progress) -> dict:
             if not line.startswith(SERVE_READY):
                 raise RuntimeError(f"hub service did not start: {line!r}")
             hub_addr, config_hash = line[len(SERVE_READY):].split()
-            return trio.run(drive, hub_addr, config_hash, n_clients, seconds, tokenizer, progress)
+            return trio.run(drive, hub_addr, config_hash, n_clients, seconds, tokenizer, progress, one_round_trip)
         finally:
             child.send_signal(signal.SIGINT)
             try:
@@ -287,14 +300,18 @@ def main() -> None:
         def progress(phase: str, n: int) -> None:
             bar.update(task, description=f"{phase}: {n}")
 
-        result = service_bench(args.clients, args.seconds, progress)
+        result = service_bench(args.clients, args.seconds, progress, one_round_trip=True)
+        # Side by side, the same hub with every lease asked for on its own (how nodes did it before 2.1.0).
+        two = service_bench(args.clients, args.seconds, progress, one_round_trip=False)
+        result["two_round_trips"] = {k: two[k] for k in ("submissions_per_s", "submit_latency_median_s", "refused_or_no_work")}
         if not args.no_node:
             result.update(first_work_bench(progress))
     result["cpus"] = os.cpu_count()
     result["method"] = (
         "HubService in its own process; light libp2p clients in another; joins/s = clients / wall time of "
         "concurrent dial+join; submissions/s = accepted lease answers (1 prompt x 2 completions, signed, "
-        "re-scored, committed with synchronous=FULL) per wall second, each client looping lease->submit; "
+        "re-scored, committed with synchronous=FULL) per wall second, each client looping submit (asking for "
+        "the next lease in it); two_round_trips: the same with a lease request before every submission; "
         "join->first accepted = real echo-node process spawn to the hub's commit of its first accepted group"
     )
     if args.json:

@@ -16,7 +16,7 @@ Both classes are plain bookkeeping with the clock passed in; the hub calls them 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,21 +49,18 @@ class LeaseQuota:
         return self.prompts_per_lease
 
     def decide(
-        self, peer_id: str, ip: str | None, audits_passed: int, open_leases: Iterable[tuple[str, str | None]],
+        self, peer_id: str, ip: str | None, audits_passed: int, open_by_peer: int, open_by_address: Mapping[str, int],
         exempt: Collection[str] = frozenset(),
     ) -> QuotaDecision:
-        """`open_leases`: (holder peer id, holder ip) of every open lease. `exempt`: the hub operator's own
-        nodes (those `echo-hub start` spawned), which share its address without sharing a Sybil's quota."""
+        """`open_by_peer`: leases this peer holds open; `open_by_address`: open leases per address key, the
+        operator's own nodes left out. `exempt`: those own nodes (the ones `echo-hub start` spawned), which
+        share its address without sharing a Sybil's quota."""
         key = address_key(ip)
-        check_address = key is not None and peer_id not in exempt
-        by_peer = by_address = 0
-        for holder, holder_ip in open_leases:
-            by_peer += holder == peer_id
-            by_address += check_address and holder not in exempt and address_key(holder_ip) == key
+        by_address = open_by_address.get(key, 0) if key is not None and peer_id not in exempt else 0
         prompts = self.prompts_for(audits_passed)
-        if by_peer >= self.config.max_open_leases_per_peer:
-            return QuotaDecision(False, 0, f"{by_peer} leases open for this node (max {self.config.max_open_leases_per_peer})")
-        if check_address and by_address >= self.config.max_open_leases_per_ip:
+        if open_by_peer >= self.config.max_open_leases_per_peer:
+            return QuotaDecision(False, 0, f"{open_by_peer} leases open for this node (max {self.config.max_open_leases_per_peer})")
+        if by_address >= self.config.max_open_leases_per_ip:
             return QuotaDecision(False, 0, f"{by_address} leases open for address {key} (max {self.config.max_open_leases_per_ip})")
         return QuotaDecision(True, prompts)
 

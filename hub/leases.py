@@ -7,13 +7,17 @@ go back to the front of the pool and are leased to someone else.
 A claimed lease is being checked against one submission (the checks and the store commit
 await worker threads): a second submission for it is refused and the expiry sweep leaves it
 alone until the first is committed (`close`) or refused (`release`).
+
+The book indexes open leases by node and by address, so every question a request asks of it (does
+this node hold a lease, how many are open at its address, how big may its submission be) costs the
+same with ten open leases as with ten thousand.
 """
 
 from __future__ import annotations
 
 import random
 import secrets
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from shared.tasks.base import Prompt, Task
@@ -31,6 +35,9 @@ class LeaseRecord:
     deadline: float
     price_per_hour: float  # the node's price when the lease was issued: what the lease is paid at
     probe: bool = False
+    # The holder's address key (hub.guard.address_key) when the lease counts against its address's quota;
+    # None for the operator's own nodes and holders of no known address.
+    address: str | None = None
     answered: set[str] = field(default_factory=set)
     closed: bool = False
     checking: bool = False
@@ -53,9 +60,13 @@ class LeaseBook:
         self._pool: deque[Prompt] = deque()
         self._distinct_prompts = len({p.id for p in task.prompts()})
         self.open: dict[str, LeaseRecord] = {}
+        self._of_node: dict[str, dict[str, LeaseRecord]] = {}
+        self.open_by_address: Counter[str] = Counter()
+        self._open_prompts = 0
 
     def outstanding_prompts(self) -> int:
-        return sum(len(rec.prompts) - len(rec.answered) for rec in self.open.values())
+        """Prompts of open leases (a lease's answered prompts leave with it: it closes as they are recorded)."""
+        return self._open_prompts
 
     def _next_prompts(self, k: int) -> tuple[Prompt, ...]:
         """Up to k distinct prompts from the front of the pool: a lease answers each prompt once, so a
@@ -76,7 +87,7 @@ class LeaseBook:
 
     def draft(
         self, node_id: str, k: int, min_version: int, now: float, timeout_s: float, price_per_hour: float = 0.0,
-        probe: bool = False,
+        probe: bool = False, address: str | None = None,
     ) -> LeaseRecord:
         """A lease of up to k prompts taken from the pool, not open yet: `open_lease` it once it is stored,
         or `abandon` it to give its prompts back."""
@@ -89,18 +100,46 @@ class LeaseBook:
             deadline=now + timeout_s,
             price_per_hour=price_per_hour,
             probe=probe,
+            address=address,
         )
 
     def open_lease(self, record: LeaseRecord) -> None:
+        if record.lease_id in self.open or record.closed:
+            raise ValueError(f"lease {record.lease_id} was opened before")
         self.open[record.lease_id] = record
+        self._of_node.setdefault(record.node_id, {})[record.lease_id] = record
+        if record.address is not None:
+            self.open_by_address[record.address] += 1
+        self._open_prompts += len(record.prompts)
+
+    def _withdraw(self, record: LeaseRecord) -> None:
+        """Take an open lease out of the book and its indexes."""
+        if self.open.pop(record.lease_id, None) is None:
+            return
+        mine = self._of_node[record.node_id]
+        del mine[record.lease_id]
+        if not mine:
+            del self._of_node[record.node_id]
+        if record.address is not None:
+            self.open_by_address[record.address] -= 1
+            if not self.open_by_address[record.address]:
+                del self.open_by_address[record.address]
+        self._open_prompts -= len(record.prompts)
+
+    def leases_of(self, node_id: str) -> list[LeaseRecord]:
+        """The node's open leases."""
+        return list(self._of_node.get(node_id, {}).values())
+
+    def open_count(self, node_id: str) -> int:
+        return len(self._of_node.get(node_id, ()))
 
     def holds(self, node_id: str) -> bool:
         """Whether the node holds an open lease (only then may it send a submission's worth of bytes)."""
-        return any(rec.node_id == node_id for rec in self.open.values())
+        return node_id in self._of_node
 
     def abandon(self, record: LeaseRecord) -> None:
         """A lease whose store write failed: withdrawn, its prompts back at the front of the pool."""
-        self.open.pop(record.lease_id, None)
+        self._withdraw(record)
         record.closed = True
         self._pool.extendleft(reversed(record.prompts))
 
@@ -129,7 +168,7 @@ class LeaseBook:
             return
         record.closed = True
         record.checking = False
-        self.open.pop(record.lease_id, None)
+        self._withdraw(record)
         self._pool.extendleft(reversed([p for p in record.prompts if p.id not in record.answered]))
 
     def expire(self, now: float) -> list[LeaseRecord]:
@@ -142,7 +181,7 @@ class LeaseBook:
     def drop_node(self, node_id: str) -> list[LeaseRecord]:
         """Give back the leases of a node that left or was banned; one whose submission is being checked
         is left to that submission (answered, its prompts stay answered; refused, it expires)."""
-        gone = [rec for rec in self.open.values() if rec.node_id == node_id and not rec.checking]
+        gone = [rec for rec in self.leases_of(node_id) if not rec.checking]
         for record in gone:
             self.close(record)
         return gone

@@ -81,7 +81,7 @@ class Hub:
         from hub.audit import Auditor, AuditQueue
         from hub.evaluation import EvalRunner, Evaluator
         from hub.learner import LearnerComponent
-        from hub.submissions import SubmissionRules
+        from hub.submissions import SubmissionRules, token_text_bytes
         from shared.adapters import LoraSpec
         from shared.generation import model_stop_ids
         from shared.precision import resolve_dtype
@@ -101,6 +101,7 @@ class Hub:
         rules = SubmissionRules(
             task=self.task, group_size=lc.group_size, sampling=config.sampling, stop_ids=frozenset(model_stop_ids(model_dir)),
             vocab_size=model_config.vocab_size, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
         )
         audits = AuditQueue(Auditor(model_dir, self.shelf, config.sampling, config.trust, self.dtype), config.trust.audit_queue_groups)
         self.state = HubState(

@@ -65,6 +65,8 @@ GUARD_IDLE_S = 300.0
 NON_MEMBER_LIFETIME_S = 120.0
 
 REFUSE_WRITE_TIMEOUT_S = 2.0
+# A submission answered, its next lease not granted for a reason of the peer's (a ban under way): ask again then.
+NO_LEASE_RETRY_S = 5.0
 REPLY_WRITE_TIMEOUT_S = 30.0
 MBIT_BYTES = 1e6 / 8
 
@@ -181,17 +183,20 @@ class HubService:
     # -- the guard around every handler ---------------------------------------------------
 
     def _guarded(self, protocol: str, handler: Callable[[INetStream], Awaitable[None]]):
-        cap = PROTOCOL_FRAME_CAPS[protocol]
         timeout_s = PROTOCOL_TIMEOUTS_S.get(protocol, HANDLER_TIMEOUT_S)
 
         async def guarded(stream: INetStream) -> None:
             peer = remote_peer_id(stream)
             member = self.state.is_member(peer)
-            # A submission's memory is reserved only for a node with a lease to answer: a member cannot
-            # pin the hub's frame budget with submissions that could only be refused.
+            # A submission's memory is reserved only for a node with a lease to answer, and only as much as
+            # an honest answer to it takes: a member cannot pin the hub's frame budget with submissions
+            # that could only be refused.
             leaseless = member and protocol == SUBMIT_PROTOCOL and not self.state.leases.holds(peer)
-            full = member and not leaseless
-            admission = self.guard.admit(peer, cap if full else min(cap, STRANGER_FRAME_CAP_BYTES))
+            if protocol == SUBMIT_PROTOCOL and member and not leaseless:
+                cap = self.state.submission_cap(peer)
+            else:
+                cap = PROTOCOL_FRAME_CAPS[protocol] if member else min(PROTOCOL_FRAME_CAPS[protocol], STRANGER_FRAME_CAP_BYTES)
+            admission = self.guard.admit(peer, cap)
             if not admission.admitted:
                 await self._turn_away(stream, peer, admission)
                 return
@@ -253,32 +258,42 @@ class HubService:
             reachability=record.reachability, upstream_link=links.kind,
         ))
 
-    async def _on_lease(self, stream: INetStream) -> None:
-        request = await read_message(stream, LeaseRequest)
-        grant = await self.state.grant_lease(remote_peer_id(stream), request.version_held)
+    async def _lease_reply(self, peer: str, version_held: int) -> LeaseReply:
+        grant = await self.state.grant_lease(peer, version_held)
         lease = grant.lease
         if lease is None:
-            await _reply(stream, LeaseReply(lease=None, retry_after_s=grant.retry_after_s, reason=grant.reason))
-            return
+            return LeaseReply(lease=None, retry_after_s=grant.retry_after_s, reason=grant.reason)
         rules = self.state.rules
-        await _reply(stream, LeaseReply(lease=Lease(
+        return LeaseReply(lease=Lease(
             lease_id=lease.lease_id,
             prompts=tuple(LeasePrompt(prompt_id=p.id, text=p.text) for p in lease.prompts),
             group_size=rules.group_size,
             sampling=rules.sampling,
             min_version=lease.min_version,
             deadline_s=lease.deadline - lease.issued_at,
-        )))
+        ))
+
+    async def _on_lease(self, stream: INetStream) -> None:
+        request = await read_message(stream, LeaseRequest)
+        await _reply(stream, await self._lease_reply(remote_peer_id(stream), request.version_held))
 
     async def _on_submit(self, stream: INetStream) -> None:
         peer = remote_peer_id(stream)
-        tag, body = await read_frame(stream, signed_caps(Submission))
+        # The cap the guard reserved: nothing awaited since, so the peer's open leases are the same.
+        tag, body = await read_frame(stream, {Submission.TYPE: self.state.submission_cap(peer)})
         # The Noise handshake proved the stream's peer; the signature binds the exact bytes to it.
         submission = decode_signed(tag, body, peer, Submission)
         signed_hash = hashlib.blake2b(body, digest_size=16).hexdigest()
         outcome = await self.state.accept_submission(peer, submission, signed_hash)
+        next_lease = None
+        if submission.next_lease_for is not None:
+            try:
+                next_lease = await self._lease_reply(peer, submission.next_lease_for)
+            except PeerFault as exc:  # banned meanwhile, say: the submission is committed, so it is still answered
+                next_lease = LeaseReply(lease=None, retry_after_s=NO_LEASE_RETRY_S, reason=exc.reason[:500])
         await _reply(stream, SubmitReply(
             accepted=outcome.accepted, rejected=outcome.rejected, late=outcome.late, paid_usd=outcome.paid_usd,
+            next_lease=next_lease,
         ))
 
     async def _on_status(self, stream: INetStream) -> None:

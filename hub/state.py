@@ -48,13 +48,22 @@ from hub.fleet import Fleet, NodeRecord
 from hub.guard import LeaseQuota
 from hub.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.store import NewEvent, NodeBanned, StepRecord, Store
-from hub.submissions import REASON_CLAIMED_REWARD, GroupVerdict, SubmissionRules, VersionWindow, check_submission
-from shared.crypto import public_key_from_peer_id
+from hub.submissions import (
+    REASON_CLAIMED_REWARD,
+    GroupVerdict,
+    SubmissionRules,
+    VersionWindow,
+    check_submission,
+    submission_frame_cap,
+)
+from hub.writer import StoreWriter
+from shared.crypto import SIGNATURE_BYTES, public_key_from_peer_id
 from shared.messages import GROUP_VERDICTS, EvalPoint, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
+from shared.net import address_key
 from shared.precision import resolve_dtype
 from shared.rollout import Group
 from shared.tasks.base import Task
-from shared.wire import PeerFault
+from shared.wire import PeerFault, signed_caps
 
 log = logging.getLogger("echo2.hub.state")
 
@@ -137,6 +146,7 @@ class HubState:
         if rules is not None and audits is None and (trust.audit_rate > 0 or trust.audit_first_n > 0):
             raise ValueError("audits are configured (audit_rate or audit_first_n > 0) but no AuditQueue was given")
         self.store = store
+        self.writer = StoreWriter(store)
         self.rules = rules
         self.model_config_hash = model_config_hash
         self.snapshot_dtype = resolve_dtype(config.learner.dtype, config.learner.device)
@@ -260,7 +270,7 @@ class HubState:
         state = "standby" if previous is not None and previous.measured else "probing"
         event = ("join", peer, f"price ${request.price_per_hour:.2f}/h backend {request.backend}")
         with trio.CancelScope(shield=True):
-            joined = await trio.to_thread.run_sync(lambda: self.store.upsert_node(
+            joined = await self.writer.write(lambda: self.store.upsert_node(
                 peer, request.price_per_hour, request.hardware, request.link_bps, request.backend, state, event=event,
             ))
             banned = self.fleet.get(peer)
@@ -298,7 +308,7 @@ class HubState:
                 "gone": "leave", "banned": "ban"}.get(state, state)
         banned_reason = reason if state == "banned" else None
         with trio.CancelScope(shield=True):
-            moved = await trio.to_thread.run_sync(lambda: self.store.set_node_state(
+            moved = await self.writer.write(lambda: self.store.set_node_state(
                 record.peer_id, state, banned_reason, event=(kind, record.peer_id, reason),
             ))
             if not moved or record.state == "banned":  # banned meanwhile
@@ -325,7 +335,7 @@ class HubState:
         if record is None or code in (RejectCode.UNKNOWN_NODE, RejectCode.BUSY):
             return
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self.store.count_refusal, peer)
+            await self.writer.write(self.store.count_refusal, peer)
             record.tallies = record.tallies + Tallies(refused=1)
             self.totals.groups = self.totals.groups + Tallies(refused=1)
 
@@ -341,10 +351,10 @@ class HubState:
         if version_held < window.oldest or version_held < 0:
             return LeaseGrant(None, f"fetch a snapshot >= v{window.oldest} first", NO_WORK_RETRY_S)
         probe = record.state == "probing"
-        if probe and any(r.node_id == peer for r in self.leases.open.values()):
+        if probe and self.leases.holds(peer):
             return LeaseGrant(None, "probe lease outstanding", NO_WORK_RETRY_S)
-        holders = [(r.node_id, (self.fleet.get(r.node_id) or record).remote_ip) for r in self.leases.open.values()]
-        quota = self.quota.decide(peer, record.remote_ip, record.audits_passed, holders, self.own_nodes)
+        quota = self.quota.decide(peer, record.remote_ip, record.audits_passed, self.leases.open_count(peer),
+                                  self.leases.open_by_address, self.own_nodes)
         if not quota.allowed:
             return LeaseGrant(None, quota.reason, NO_WORK_RETRY_S)
         k = PROBE_PROMPTS if probe else quota.prompts
@@ -360,11 +370,11 @@ class HubState:
         # in-flight cap; withdrawn if the commit fails. Its id reaches the node only after the commit.
         lease = self.leases.draft(peer, k, min_version=window.oldest, now=self.clock(),
                                   timeout_s=self.lease_config.lease_timeout_s, price_per_hour=record.price_per_hour,
-                                  probe=probe)
+                                  probe=probe, address=None if peer in self.own_nodes else address_key(record.remote_ip))
         self.leases.open_lease(lease)
         try:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(
+                await self.writer.write(
                     self.store.add_lease, lease.lease_id, peer, list(lease.prompt_ids), lease.min_version,
                     lease.issued_at, lease.deadline,
                 )
@@ -382,9 +392,21 @@ class HubState:
         # The store follows the book one handler deadline late: see the module docstring.
         events: list[NewEvent] = [("lease_expired", r.node_id, f"lease {r.lease_id[:8]} re-queued") for r in expired]
         checking = [r.lease_id for r in self.leases.open.values() if r.checking]
-        await trio.to_thread.run_sync(lambda: self.store.expire_leases(now - HANDLER_TIMEOUT_S, events, checking))
+        await self.writer.write(lambda: self.store.expire_leases(now - HANDLER_TIMEOUT_S, events, checking))
 
     # -- submissions -------------------------------------------------------------------------
+
+    def submission_cap(self, peer: str) -> int:
+        """The largest signed submission frame `peer` may send now: an honest answer to its biggest open
+        lease (0 without one). What the guard reserves for the stream and the handler reads, at most."""
+        if self.rules is None:
+            raise RuntimeError("this HubState was built without submission rules")
+        prompts = max((len(lease.prompts) for lease in self.leases.leases_of(peer)), default=0)
+        if not prompts:
+            return 0
+        rules = self.rules
+        cap = submission_frame_cap(prompts, rules.group_size, rules.sampling.max_new_tokens, rules.token_text_bytes)
+        return min(cap + SIGNATURE_BYTES, signed_caps(Submission)[Submission.TYPE])
 
     async def accept_submission(self, peer: str, submission: Submission, signed_hash: str) -> SubmissionOutcome:
         """Check a signed submission against its lease, commit its verdicts and pay, settle what passes.
@@ -430,7 +452,7 @@ class HubState:
             self._held += len(accepted) if hold else 0
             with trio.CancelScope(shield=True):
                 try:
-                    row_ids = await trio.to_thread.run_sync(lambda: self.store.record_submission(
+                    row_ids = await self.writer.write(lambda: self.store.record_submission(
                         lease.lease_id, peer, verdicts, usd=usd, seconds=billed_s, signed_bytes_hash=signed_hash,
                         now=now, rollouts_per_s=rate, events=events, hold=hold,
                     ))
@@ -517,7 +539,7 @@ class HubState:
                     await self._buffer(kept)
                 else:
                     self._reserved -= len(kept)
-                    paid = await trio.to_thread.run_sync(
+                    paid = await self.writer.write(
                         self.store.discard_and_void, [row_id for _, row_id in kept], "not audited while on probation",
                         record.peer_id, lease_id,
                     )
@@ -528,11 +550,11 @@ class HubState:
     async def _discard(self, kept: Sequence[tuple[Group, int]], reason: str) -> None:
         self._reserved -= len(kept)
         if kept:
-            await trio.to_thread.run_sync(self.store.discard_trajectories, [row_id for _, row_id in kept], reason)
+            await self.writer.write(self.store.discard_trajectories, [row_id for _, row_id in kept], reason)
 
     async def _discard_pending(self, kept: Sequence[tuple[Group, int]], reason: str) -> None:
         """Discard whichever of these rows a ban has not discarded already."""
-        await trio.to_thread.run_sync(self.store.discard_if_pending, [row_id for _, row_id in kept], reason)
+        await self.writer.write(self.store.discard_if_pending, [row_id for _, row_id in kept], reason)
 
     async def _buffer(self, kept: Sequence[tuple[Group, int]]) -> None:
         """Groups committed as accepted go into the buffer; a refusal is recorded on the row, never silent."""
@@ -543,13 +565,13 @@ class HubState:
             if not result.accepted:
                 refused.setdefault(result.reason or "refused", []).append(row_id)
         for reason, ids in refused.items():
-            await trio.to_thread.run_sync(self.store.discard_trajectories, ids, reason)
+            await self.writer.write(self.store.discard_trajectories, ids, reason)
         self.signal.notify()
 
     async def record_local_group(self, group: Group) -> None:
         """A group from the hub's own in-process rollouts: committed as accepted, then offered to the buffer."""
         with trio.CancelScope(shield=True):
-            row_id = await trio.to_thread.run_sync(self.store.record_trajectory, group, None, "", "accepted")
+            row_id = await self.writer.write(self.store.record_trajectory, group, None, "", "accepted")
             self.totals.groups = self.totals.groups + Tallies(accepted=1)
             self._reserved += 1
             await self._buffer([(group, row_id)])
@@ -593,7 +615,7 @@ class HubState:
                 return False
         answered_at = jobs[0].answered_at
         with trio.CancelScope(shield=True):
-            released = await trio.to_thread.run_sync(self.store.record_audit_pass, record.peer_id, answered_at, list(release))
+            released = await self.writer.write(self.store.record_audit_pass, record.peer_id, answered_at, list(release))
             if not released:  # banned while it was audited: the ban discarded the rows
                 return False
             record.audits_passed += 1
@@ -615,7 +637,7 @@ class HubState:
         dropped = self.buffer.drop_node(record.peer_id)
         since = record.vouched_at or 0.0
         with trio.CancelScope(shield=True):
-            voided, paid = await trio.to_thread.run_sync(lambda: self.store.penalize_node(
+            voided, paid = await self.writer.write(lambda: self.store.penalize_node(
                 record.peer_id, dropped, since, reason,
                 event=("audit_fail", record.peer_id, f"{reason}; dropped {len(dropped)} groups"),
             ))
@@ -630,7 +652,7 @@ class HubState:
     async def commit_step(self, record: StepRecord, consumed_ids: Sequence[int], dropped_stale_ids: Sequence[int]) -> None:
         """A learner step: its row, the groups it trained on and the ones dropped as stale, in one transaction."""
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self.store.commit_step, record, consumed_ids, dropped_stale_ids)
+            await self.writer.write(self.store.commit_step, record, consumed_ids, dropped_stale_ids)
             self.totals.dropped_stale += len(dropped_stale_ids)
 
     def record_snapshot(self, version: int, path: str, manifest_hash: str, total_bytes: int, started_at: float) -> None:
@@ -647,14 +669,14 @@ class HubState:
             self.record_event("eval", None, detail)
 
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(write)
+            await self.writer.write(write)
 
     def record_checkpoint(self, step: int, path: Path, version: int) -> None:
         """Learner record (store only, any thread): a checkpoint was written."""
         self.store.add_checkpoint(step, str(path), version)
 
     async def record_broadcast_time(self, version: int, seconds: float) -> None:
-        await trio.to_thread.run_sync(lambda: self.store.set_broadcast_time(
+        await self.writer.write(lambda: self.store.set_broadcast_time(
             version, seconds, event=("broadcast_done", None, f"v{version} on every node in {seconds:.2f}s"),
         ))
 
@@ -665,7 +687,7 @@ class HubState:
 
     async def event(self, kind: str, node_id: str | None, detail: str) -> None:
         """`record_event` from the trio thread (a snapshot published, a report that could not be checked...)."""
-        await trio.to_thread.run_sync(self.record_event, kind, node_id, detail)
+        await self.writer.write(self.record_event, kind, node_id, detail)
 
     # -- liveness ------------------------------------------------------------------------------
 
@@ -678,7 +700,7 @@ class HubState:
     async def flush(self) -> None:
         """Write liveness and the learner's time to the store."""
         rows, now = self._liveness(), self.clock()
-        await trio.to_thread.run_sync(self.store.flush_liveness, rows, self.totals.session_id, now)
+        await self.writer.write(self.store.flush_liveness, rows, self.totals.session_id, now)
 
     def flush_sync(self) -> None:
         """The last flush, after trio ended (blocking)."""

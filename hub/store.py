@@ -1,13 +1,15 @@
 """The hub's durable state in one SQLite file; the only module that touches SQLite.
 
 Threading: one connection, opened with check_same_thread=False and guarded by a
-threading.Lock, so any one thread at a time may use a Store. Every method blocks;
+re-entrant lock, so any one thread at a time may use a Store. Every method blocks;
 trio code calls them through trio.to_thread.run_sync.
 
 Transactions: the connection runs in autocommit mode and every write method wraps
 its statements in one explicit BEGIN IMMEDIATE ... COMMIT (`_write`), so a method is
-all-or-nothing. sqlite-utils builds the schema and runs the queries; its Table.insert
-is not used for writes because it commits on its own and would split a transaction.
+all-or-nothing. `write_batch` runs many write methods in one transaction, each in a
+savepoint of its own (still all-or-nothing on its own), with one COMMIT and one fsync for all:
+the hub's group commit (hub/writer.py). sqlite-utils builds the schema and runs the queries;
+its Table.insert is not used for writes because it commits on its own and would split a transaction.
 
 Trajectory lifecycle: a row is written with its verdict (accepted, rejected, or late: refused
 only because its version fell out of the staleness window). Only accepted rows keep the group
@@ -30,7 +32,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -296,7 +298,8 @@ class Store:
         conn = sqlite3.connect(
             str(self.path), check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
         )
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._in_batch = False
         self.db = sqlite_utils.Database(conn)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
@@ -322,13 +325,45 @@ class Store:
     @contextmanager
     def _write(self) -> Iterator[None]:
         with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
+            begin, undo, end = (
+                ("SAVEPOINT w", ("ROLLBACK TO w", "RELEASE w"), "RELEASE w") if self._in_batch
+                else ("BEGIN IMMEDIATE", ("ROLLBACK",), "COMMIT")
+            )
+            self.db.execute(begin)
             try:
                 yield
             except BaseException:
-                self.db.execute("ROLLBACK")
+                for statement in undo:
+                    self.db.execute(statement)
                 raise
-            self.db.execute("COMMIT")
+            self.db.execute(end)
+
+    def write_batch(self, jobs: Sequence[Callable[[], object]]) -> list[tuple[bool, object]]:
+        """Run write methods (`jobs`, each a call of one) in one transaction with one commit.
+
+        Each job is all-or-nothing on its own: one that raises leaves nothing behind and the others go on.
+        Returns (True, result) or (False, exception) per job, in order, once everything is committed; if
+        the commit itself fails it raises, and none of the jobs happened."""
+        with self._lock:
+            if self._in_batch:
+                raise RuntimeError("write_batch is not re-entrant")
+            self.db.execute("BEGIN IMMEDIATE")
+            self._in_batch = True
+            outcomes: list[tuple[bool, object]] = []
+            try:
+                for job in jobs:
+                    try:
+                        outcomes.append((True, job()))
+                    except Exception as exc:  # noqa: BLE001 -- handed to that job's caller
+                        outcomes.append((False, exc))
+                self._in_batch = False
+                self.db.execute("COMMIT")
+            except BaseException:
+                self._in_batch = False
+                if self.db.conn.in_transaction:
+                    self.db.execute("ROLLBACK")
+                raise
+        return outcomes
 
     def _rows(self, sql: str, params: Sequence | Mapping = ()) -> list[dict]:
         with self._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hub.leases import LeaseRecord
@@ -19,6 +19,12 @@ from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.base import Task
 
 CLAIMED_REWARD_TOLERANCE = 1e-6
+# The most bytes a submission's JSON spends on each of its parts, for the frame cap of one lease's answer.
+JSON_BYTES_PER_CHAR = 6  # a control character escaped ("\u001f"); others take at most 4 (raw UTF-8)
+NUMBER_JSON_BYTES = 26  # a token id (<= 10 digits) or a float's shortest repr (<= 24 chars), with its comma
+COMPLETION_JSON_BYTES = 256  # a completion's keys, brackets, finish_reason and version
+GROUP_JSON_BYTES = JSON_BYTES_PER_CHAR * 200 + 256  # a group's keys and its prompt id at its longest, escaped
+SUBMISSION_JSON_BYTES = JSON_BYTES_PER_CHAR * (64 + 128) + 256  # keys, lease id and node id at their longest
 REASON_CLAIMED_REWARD = "claimed rewards differ from the hub's scores"
 
 log = logging.getLogger("echo2.hub.submissions")
@@ -42,6 +48,23 @@ class SubmissionRules:
     stop_ids: frozenset[int]  # every EOS the model declares (shared.generation.model_stop_ids)
     vocab_size: int
     decode: Callable[[list[int]], str]
+    token_text_bytes: int  # the most JSON bytes one token's decoded text takes (`token_text_bytes`)
+
+
+def token_text_bytes(vocab: Iterable[str]) -> int:
+    """The most JSON bytes one token's decoded text can take. A vocabulary entry (a byte-level BPE or
+    SentencePiece piece) decodes to at most as many characters as it has, each at most
+    JSON_BYTES_PER_CHAR bytes once escaped."""
+    return JSON_BYTES_PER_CHAR * max(map(len, vocab))
+
+
+def submission_frame_cap(prompts: int, group_size: int, max_new_tokens: int, text_bytes_per_token: int) -> int:
+    """The most bytes an honest answer to a lease of `prompts` prompts takes (signature excluded): every
+    completion at max_new_tokens tokens of the longest text, with a claimed reward each. The hub reads
+    and reserves no more than this for a submission, however large the protocol's own cap."""
+    token = 2 * NUMBER_JSON_BYTES + text_bytes_per_token
+    completion = COMPLETION_JSON_BYTES + max_new_tokens * token + NUMBER_JSON_BYTES
+    return SUBMISSION_JSON_BYTES + prompts * (GROUP_JSON_BYTES + group_size * completion)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import trio
 
 from node.client import HubClient
-from shared.messages import Lease, Reject, Submission, SubmitReply, SubmittedGroup, Tallies
+from shared.messages import Lease, LeaseReply, Reject, Submission, SubmitReply, SubmittedGroup, Tallies
 
 log = logging.getLogger("echo2.node.worker")
 
@@ -59,17 +59,22 @@ class Worker:
         self.wake = trio.Event()
 
     async def run(self) -> None:
+        # The hub's answer to the lease request the last submission carried: one round trip per lease.
+        next_lease: LeaseReply | None = None
         while True:
             if not self.can_work() or self.version_held() < 0:
+                next_lease = None  # a lease this node cannot work on now lapses; the hub re-leases it
                 with trio.move_on_after(IDLE_RETRY_S):
                     await self.wake.wait()
                 continue
-            try:
-                reply = await self.client.lease(self.version_held())
-            except Exception as exc:  # noqa: BLE001 - hub unreachable: the hub link reconnects
-                log.debug("lease request failed: %r", exc)
-                await trio.sleep(IDLE_RETRY_S)
-                continue
+            reply, next_lease = next_lease, None
+            if reply is None:
+                try:
+                    reply = await self.client.lease(self.version_held())
+                except Exception as exc:  # noqa: BLE001 - hub unreachable: the hub link reconnects
+                    log.debug("lease request failed: %r", exc)
+                    await trio.sleep(IDLE_RETRY_S)
+                    continue
             if isinstance(reply, Reject):
                 log.info("lease refused: %s", reply.reason)
                 await trio.sleep(IDLE_RETRY_S)
@@ -77,7 +82,9 @@ class Worker:
             if reply.lease is None:
                 await trio.sleep(max(reply.retry_after_s, 0.05))
                 continue
-            await self.work(reply.lease)
+            answered = await self.work(reply.lease)
+            if isinstance(answered, SubmitReply):
+                next_lease = answered.next_lease
 
     def _generate(self, lease: Lease):
         texts = [p.text for p in lease.prompts]
@@ -105,6 +112,7 @@ class Worker:
             groups=tuple(
                 SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(g)) for p, g in zip(lease.prompts, groups)
             ),
+            next_lease_for=self.version_held() if self.can_work() else None,
         )
         try:
             reply = await self.client.submit(submission, deadline=started + lease.deadline_s)

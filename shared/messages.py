@@ -228,15 +228,18 @@ class Submission(Message):
     lease_id: str = Field(max_length=64)
     node_id: str = Field(max_length=128)
     groups: tuple[SubmittedGroup, ...] = Field(max_length=4096)
+    # One round trip per lease instead of two: the reply carries the answer to this lease request.
+    next_lease_for: HeldVersion | None = Field(None, description="ask for the next lease in the reply, holding this version")
 
 
 class SubmitReply(Message):
     TYPE: ClassVar[int] = 12
-    MAX_BYTES: ClassVar[int] = 256 * KIB
+    MAX_BYTES: ClassVar[int] = 256 * KIB + LeaseReply.MAX_BYTES
     accepted: int = Field(ge=0)
     rejected: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of groups refused as bad work")
     late: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of groups whose version fell out of the window")
     paid_usd: float = Field(0.0, ge=0.0, description="what the hub booked for this lease")
+    next_lease: LeaseReply | None = Field(None, description="the answer to the submission's next_lease_for, if it asked")
 
 
 class StatusRequest(Message):

@@ -19,7 +19,7 @@ from hub.snapshots import SnapshotShelf
 from hub.state import HubState
 from hub.status import RunInfo, StatusBoard
 from hub.store import Store
-from hub.submissions import SubmissionRules
+from hub.submissions import SubmissionRules, token_text_bytes
 from shared.crypto import Identity
 from shared.layout import HUB_STORE_FILE, SNAPSHOTS_DIR
 from shared.messages import SUBMIT_PROTOCOL
@@ -46,6 +46,7 @@ def submission_rules(model_dir: Path, config: HubConfig) -> SubmissionRules:
         task=load_task(config.task), group_size=config.learner.group_size, sampling=config.sampling,
         stop_ids=frozenset({tokenizer.eos_token_id}), vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
     )
 
 

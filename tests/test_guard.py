@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from hub.config import TrustConfig
@@ -27,31 +29,37 @@ def test_address_key_groups_ipv6_by_64():
     assert address_key(None) is None
 
 
+def decide(quota: LeaseQuota, peer: str, ip: str, open_leases: list[tuple[str, str]], exempt=frozenset()):
+    """The quota's answer with `open_leases` (holder, holder ip) open, counted as the lease book counts them."""
+    by_address = Counter(address_key(ip_) for holder, ip_ in open_leases if holder not in exempt)
+    return quota.decide(peer, ip, 5, sum(holder == peer for holder, _ in open_leases), by_address, exempt)
+
+
 def test_new_identity_gets_small_leases_until_trusted():
     quota = LeaseQuota(TrustConfig(lease_new_node_prompts=1, trusted_after_audits=3), prompts_per_lease=4)
-    assert [quota.decide("A", "10.0.0.1", k, []).prompts for k in range(5)] == [1, 1, 1, 4, 4]
+    assert [quota.decide("A", "10.0.0.1", k, 0, {}).prompts for k in range(5)] == [1, 1, 1, 4, 4]
 
 
 def test_quota_per_peer_and_per_address():
     quota = LeaseQuota(TrustConfig(max_open_leases_per_peer=2, max_open_leases_per_ip=3), prompts_per_lease=4)
     open_leases = [("A", "10.0.0.1"), ("A", "10.0.0.1")]
-    assert not quota.decide("A", "10.0.0.1", 5, open_leases).allowed
-    assert quota.decide("B", "10.0.0.1", 5, open_leases).allowed
+    assert not decide(quota, "A", "10.0.0.1", open_leases).allowed
+    assert decide(quota, "B", "10.0.0.1", open_leases).allowed
     # Sybils behind one address share its quota: a third identity there is refused.
     open_leases.append(("B", "10.0.0.1"))
-    refused = quota.decide("C", "10.0.0.1", 5, open_leases)
+    refused = decide(quota, "C", "10.0.0.1", open_leases)
     assert not refused.allowed and "10.0.0.1" in refused.reason
-    assert quota.decide("D", "10.0.0.2", 5, open_leases).allowed
+    assert decide(quota, "D", "10.0.0.2", open_leases).allowed
     # Same for identities spread over one IPv6 /64.
     v6 = [("E", "2001:db8::1"), ("F", "2001:db8::2"), ("G", "2001:db8::3")]
-    assert not quota.decide("H", "2001:db8::4", 5, v6).allowed
+    assert not decide(quota, "H", "2001:db8::4", v6).allowed
     # Loopback is an address like any other: Sybils on the hub's machine share its quota...
     local = [("L1", "127.0.0.1"), ("L2", "127.0.0.1"), ("L3", "127.0.0.1")]
-    assert not quota.decide("X", "127.0.0.1", 5, local).allowed
+    assert not decide(quota, "X", "127.0.0.1", local).allowed
     # ...but the nodes the hub spawned itself are named exempt: they neither use nor count against it.
     mine = {"L1", "L2", "L3", "L4"}
-    assert quota.decide("L4", "127.0.0.1", 5, local, exempt=mine).allowed
-    assert quota.decide("X", "127.0.0.1", 5, local, exempt=mine).allowed
+    assert decide(quota, "L4", "127.0.0.1", local, exempt=mine).allowed
+    assert decide(quota, "X", "127.0.0.1", local, exempt=mine).allowed
 
 
 def test_honest_peer_pattern_is_never_refused():

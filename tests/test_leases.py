@@ -129,3 +129,23 @@ def test_an_abandoned_draft_gives_its_prompts_back_first(book):
     book.abandon(draft)
     again = issue(book, "node-b", 3, min_version=0, now=1.0, timeout_s=TIMEOUT_S)
     assert again.prompt_ids == draft.prompt_ids
+
+
+def test_the_indexes_follow_every_way_a_lease_leaves_the_book(book):
+    """Counts by node, by address and of prompts are kept as leases open and close, never recounted."""
+    a = issue(book, "node-a", 2, min_version=0, now=0.0, timeout_s=TIMEOUT_S, address="10.0.0.1")
+    b = issue(book, "node-b", 1, min_version=0, now=5.0, timeout_s=TIMEOUT_S, address="10.0.0.1")
+    c = issue(book, "node-a", 3, min_version=0, now=5.0, timeout_s=TIMEOUT_S)
+    d = issue(book, "node-c", 1, min_version=0, now=5.0, timeout_s=TIMEOUT_S, address="10.0.0.2")
+    assert book.open_by_address == {"10.0.0.1": 2, "10.0.0.2": 1}
+    assert (book.open_count("node-a"), book.holds("node-b"), book.holds("node-z")) == (2, True, False)
+    assert book.outstanding_prompts() == 7
+    assert book.expire(TIMEOUT_S + 1) == [a]
+    book.close(b)
+    book.abandon(d)
+    assert book.open_by_address == {} and book.open_count("node-a") == 1 and not book.holds("node-b")
+    assert book.outstanding_prompts() == 3
+    assert book.drop_node("node-a") == [c]
+    assert book.open == {} and book.outstanding_prompts() == 0 and not book.holds("node-a")
+    with pytest.raises(ValueError):
+        book.open_lease(c)  # a closed lease never comes back

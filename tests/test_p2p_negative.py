@@ -182,6 +182,19 @@ async def test_honest_flow_is_accepted_and_paid(hub_args):
             assert hub.trusted()[0] == 1 + PROMPTS_PER_LEASE
             assert hub.state.store.ledger_total_usd(node.peer_id) > 0
             assert len(hub.state.buffer) == 1 + PROMPTS_PER_LEASE
+            assert reply.next_lease is None  # not asked for
+            # One round trip per lease: a submission may ask for the next lease, which its reply carries.
+            lease = await node.lease()
+            reply = await node.submit(node.answer(lease).model_copy(update={"next_lease_for": hub.version[0]}))
+            assert reply.accepted == PROMPTS_PER_LEASE and reply.next_lease.lease is not None
+            following = reply.next_lease.lease
+            assert following.lease_id in hub.state.leases.open and hub.state.store.lease(following.lease_id).state == "open"
+            assert (await node.submit(node.answer(following))).accepted == PROMPTS_PER_LEASE
+            # The piggybacked request obeys the same rules as a lease request: no snapshot held, no lease.
+            lease = await node.lease()
+            reply = await node.submit(node.answer(lease).model_copy(update={"next_lease_for": -1}))
+            assert reply.accepted == PROMPTS_PER_LEASE
+            assert reply.next_lease.lease is None and "fetch a snapshot" in reply.next_lease.reason
 
 
 @pytest.mark.trio
@@ -346,6 +359,12 @@ async def test_oversized_frames_are_refused_from_the_header(hub_args):
             # A 4 GiB claim is refused just the same, without allocating it.
             reply = await node.send_raw(SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, 2**32 - 1), SubmitReply)
             assert isinstance(reply, Reject) and "cap is" in reply.reason
+            # Far below the protocol's cap, a submission is still capped at what an honest answer to the
+            # node's lease takes (2 prompts x 2 completions x 8 tokens here): one byte more is refused.
+            cap = hub.state.submission_cap(node.peer_id)
+            assert 0 < cap < 64 * 1024
+            reply = await node.send_raw(SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, cap + 1), SubmitReply)
+            assert isinstance(reply, Reject) and f"cap is {cap}" in reply.reason
             assert hub.trusted() == before
             await assert_still_serving(hub, hub_args[2])
 

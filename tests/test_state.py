@@ -305,3 +305,26 @@ def test_billable_seconds_by_hand():
     assert billable_seconds(10.0, 0, 4, 0, 100.0) == 0.0
     with pytest.raises(ValueError):
         billable_seconds(10.0, 5, 4, 10, 100.0)
+
+
+@pytest.mark.trio
+async def test_the_address_quota_counts_the_leases_open_at_an_address_and_frees_them_as_they_close(
+        tmp_path, default_model_dir, tokenizer):
+    trust = PERMISSIVE_TRUST.model_copy(update={"max_open_leases_per_ip": 2})
+    state = reopen(tmp_path, default_model_dir, CONFIG.model_copy(update={"trust": trust}))
+    peers = [Identity.generate().peer_id for _ in range(4)]
+    for peer in peers[:3]:
+        await state.join(peer, join_request(state), "198.51.100.7")
+    await state.join(peers[3], join_request(state), "203.0.113.9")
+    async with running(state):
+        first, second = [(await state.grant_lease(p, 0)).lease for p in peers[:2]]
+        refused = await state.grant_lease(peers[2], 0)
+        assert refused.lease is None and refused.reason == "2 leases open for address 198.51.100.7 (max 2)"
+        assert (await state.grant_lease(peers[3], 0)).lease is not None  # another address has its own quota
+        await state.accept_submission(peers[0], answer(tokenizer, first, peers[0]), "h")
+        assert (await state.grant_lease(peers[2], 0)).lease is not None  # the answered lease freed its slot
+        state.own_nodes = frozenset(peers[:3])  # the operator's own nodes neither use nor count against it
+        assert state.leases.open_by_address["198.51.100.7"] == 2
+        assert (await state.grant_lease(peers[0], 0)).lease is not None
+        assert state.leases.open_by_address["198.51.100.7"] == 2 and state.leases.open_count(peers[0]) == 1
+        assert second.lease_id in state.leases.open

@@ -15,6 +15,8 @@ from hub.submissions import (
     VersionWindow,
     check_group,
     check_submission,
+    submission_frame_cap,
+    token_text_bytes,
 )
 from shared.messages import Submission, SubmittedGroup
 from shared.rollout import Completion, SamplingParams
@@ -38,6 +40,7 @@ def rules(tokenizer) -> SubmissionRules:
         task=ReverseTask(), group_size=GROUP_SIZE, sampling=SamplingParams(max_new_tokens=MAX_NEW_TOKENS),
         stop_ids=frozenset({tokenizer.eos_token_id}), vocab_size=len(tokenizer),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
     )
 
 
@@ -214,3 +217,33 @@ def test_a_reward_that_raises_or_is_not_finite_rejects_only_that_group(rules, to
     assert not raised.accepted and raised.reason == "the task's reward failed on this group (RuntimeError)"
     nan = verdict(broken, group(tokenizer, texts=("xba", "abc")))
     assert not nan.accepted and "not a finite number" in nan.reason
+
+
+def test_submission_frame_cap_by_hand():
+    # 6*(64+128)+256 for the submission, 6*200+256 per group, 256 + 1 token of 2*26+6 + 26 per completion.
+    assert submission_frame_cap(1, 1, 1, 6) == 1408 + 1456 + (256 + 58 + 26)
+    assert submission_frame_cap(2, 3, 4, 12) == 1408 + 2 * (1456 + 3 * (256 + 4 * 64 + 26))
+    assert token_text_bytes(["a", "abcd", "ab"]) == 24
+
+
+def test_the_largest_honest_answer_fits_the_lease_cap(tokenizer):
+    """Every completion at max_new_tokens of the longest token, the longest floats, the longest ids: it
+    fits the cap the hub reads a lease's answer with, so no honest node is ever refused by it."""
+    from shared.crypto import SIGNATURE_BYTES, Identity
+    from shared.rollout import MAX_VERSION
+    from shared.wire import HEADER_BYTES, encode_signed
+
+    vocab = tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    ids = (vocab[longest],) * MAX_NEW_TOKENS
+    text = tokenizer.decode(list(ids), skip_special_tokens=True)
+    worst_float = -2.2250738585072014e-308
+    identity = Identity.generate()
+    for text in (text, "\x1f" * len(longest) * MAX_NEW_TOKENS):  # as decoded, and every char escaped
+        completion = Completion(token_ids=ids, logprobs=(worst_float,) * MAX_NEW_TOKENS, finish_reason="length",
+                                version=MAX_VERSION, text=text)
+        groups = tuple(SubmittedGroup(prompt_id="\x1f" * 200, completions=(completion,) * GROUP_SIZE,
+                                      claimed_rewards=(worst_float,) * GROUP_SIZE) for _ in range(3))
+        frame = encode_signed(Submission(lease_id="\x1f" * 64, node_id="\x1f" * 128, groups=groups), identity)
+        cap = submission_frame_cap(3, GROUP_SIZE, MAX_NEW_TOKENS, token_text_bytes(vocab))
+        assert len(frame) - HEADER_BYTES <= cap + SIGNATURE_BYTES
