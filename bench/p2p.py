@@ -43,6 +43,8 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a script: the tests' in-process hel
 from node.client import HubClient
 from shared.crypto import Identity
 from shared.messages import (
+    Heartbeat,
+    HeartbeatReply,
     JoinReply,
     JoinRequest,
     Lease,
@@ -63,6 +65,9 @@ REQUEST_TIMEOUT_S = 30.0
 SERVE_READY = "SERVING "
 ADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)\s*$", re.M)
 NODE_TIMEOUT_S = 180.0
+HEARTBEAT_SECONDS = 5.0
+# The fleet one hub process serves: each node submits every SUBMIT_INTERVAL_S and heartbeats at the default period.
+SUBMIT_INTERVAL_S = 20.0
 
 
 # -- the hub side (child process) -------------------------------------------------------------
@@ -106,6 +111,7 @@ class LightClient(HubClient):
         self.accepted_submissions = 0
         self.accepted_groups = 0
         self.refused: Counter[str] = Counter()
+        self.heartbeats = 0
 
     def answer(self, lease: Lease) -> Submission:
         groups = []
@@ -142,6 +148,15 @@ class LightClient(HubClient):
                 self.accepted_groups += result.accepted
             else:
                 self.refused["submit: " + (result.reason[:60] if isinstance(result, Reject) else "nothing accepted")] += 1
+
+
+    async def beat_until(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            reply = await self.heartbeat(Heartbeat(version_held=0))
+            if isinstance(reply, HeartbeatReply):
+                self.heartbeats += 1
+            else:
+                self.refused["heartbeat: " + reply.reason[:60]] += 1
 
 
 async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float, tokenizer, progress,
@@ -187,6 +202,12 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
 
             nursery.start_soon(tick)
         work_wall = time.monotonic() - started
+        # Then heartbeats alone, as fast as the hub answers them: what liveness costs the hub per node.
+        started = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for client in clients:
+                nursery.start_soon(client.beat_until, started + min(seconds, HEARTBEAT_SECONDS))
+        beat_wall = time.monotonic() - started
         latencies = [t for c in clients for t in c.submit_latencies]
         submissions = sum(c.accepted_submissions for c in clients)
         return {
@@ -200,7 +221,19 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
             "accepted_submissions": submissions,
             "refused_or_no_work": dict(sum((c.refused for c in clients), Counter()).most_common()),
             "seconds": round(work_wall, 2),
+            "heartbeats_per_s": round(sum(c.heartbeats for c in clients) / beat_wall, 1),
         }
+
+
+def fleet_supported(submissions_per_s: float, heartbeats_per_s: float) -> dict:
+    """How many nodes keep this hub process busy when each submits every SUBMIT_INTERVAL_S and heartbeats at
+    the default period: each request costs the hub 1/rate of its time, measured with no other load."""
+    from hub.config import SchedulerConfig
+
+    period_s = SchedulerConfig().heartbeat_period_s
+    load_per_node = 1 / (SUBMIT_INTERVAL_S * submissions_per_s) + 1 / (period_s * heartbeats_per_s)
+    return {"submit_interval_s": SUBMIT_INTERVAL_S, "heartbeat_period_s": period_s,
+            "nodes": int(1 / load_per_node), "nodes_without_heartbeats": int(SUBMIT_INTERVAL_S * submissions_per_s)}
 
 
 def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool) -> dict:
@@ -304,6 +337,7 @@ def main() -> None:
         # Side by side, the same hub with every lease asked for on its own (how nodes did it before 2.1.0).
         two = service_bench(args.clients, args.seconds, progress, one_round_trip=False)
         result["two_round_trips"] = {k: two[k] for k in ("submissions_per_s", "submit_latency_median_s", "refused_or_no_work")}
+        result["fleet_supported"] = fleet_supported(result["submissions_per_s"], result["heartbeats_per_s"])
         if not args.no_node:
             result.update(first_work_bench(progress))
     result["cpus"] = os.cpu_count()

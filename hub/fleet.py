@@ -12,9 +12,22 @@ from dataclasses import dataclass, field
 
 from hub.capacity import ewma
 from hub.store import NodeRow
-from shared.messages import JoinRequest, NodeState, Tallies
+from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest, NodeState, Tallies
 
 THROUGHPUT_EWMA_ALPHA = 0.3
+
+
+def heartbeat_period(live_nodes: int, min_period_s: float, heartbeats_per_s: float) -> float:
+    """How often each node should heartbeat so the fleet sends at most `heartbeats_per_s` in all, never more
+    often than every `min_period_s` (nor less than every HEARTBEAT_PERIOD_MAX_S): liveness must not cost
+    the hub more as the fleet grows."""
+    return min(max(min_period_s, live_nodes / heartbeats_per_s), HEARTBEAT_PERIOD_MAX_S)
+
+
+def heartbeat_timeout(period_told_s: float, min_period_s: float, min_timeout_s: float) -> float:
+    """How long a node told to beat every `period_told_s` may be silent before it is dropped: the configured
+    timeout, stretched by as much as its period was (the same number of missed beats)."""
+    return min_timeout_s * max(1.0, period_told_s / min_period_s)
 
 
 @dataclass
@@ -45,6 +58,8 @@ class NodeRecord:
     punch_failed_with: str | None = None
     # The address the hub's dial-back was answered at: the only one peers are told to dial.
     answered_addr: str | None = None
+    # The heartbeat period the hub last told it (0: not told yet); its silence timeout follows it.
+    heartbeat_period_s: float = 0.0
 
     @property
     def rho(self) -> float:
@@ -113,6 +128,7 @@ class Fleet:
         rate = sample if not record.measured else ewma(record.rollouts_per_s, sample, THROUGHPUT_EWMA_ALPHA)
         return rate, True
 
-    def silent_since(self, deadline: float) -> list[NodeRecord]:
-        """Live nodes whose last heartbeat is older than `deadline`."""
-        return [n for n in self.live() if n.last_seen < deadline]
+    def silent(self, now: float, min_period_s: float, min_timeout_s: float) -> list[NodeRecord]:
+        """Live nodes silent for longer than their heartbeat timeout (`heartbeat_timeout`)."""
+        return [n for n in self.live()
+                if now - n.last_seen > heartbeat_timeout(n.heartbeat_period_s, min_period_s, min_timeout_s)]

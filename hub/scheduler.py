@@ -28,7 +28,7 @@ from hub.capacity import (
     predicted_bubble,
 )
 from hub.config import SchedulerConfig
-from hub.fleet import Fleet, NodeRecord
+from hub.fleet import Fleet, NodeRecord, heartbeat_timeout
 
 log = logging.getLogger("echo2.hub.scheduler")
 
@@ -113,8 +113,10 @@ class Scheduler:
         )
 
     async def control_once(self, now: float) -> None:
-        for record in self.fleet.silent_since(now - self.config.heartbeat_timeout_s):
-            await self.set_state(record, "gone", f"no heartbeat for {self.config.heartbeat_timeout_s:g}s")
+        config = self.config
+        for record in self.fleet.silent(now, config.heartbeat_period_s, config.heartbeat_timeout_s):
+            timeout_s = heartbeat_timeout(record.heartbeat_period_s, config.heartbeat_period_s, config.heartbeat_timeout_s)
+            await self.set_state(record, "gone", f"no heartbeat for {timeout_s:g}s")
         for record in self.fleet.in_state("probing"):
             if record.measured:
                 await self.set_state(record, "standby", f"probe measured {record.rollouts_per_s:.4g} rollouts/s")

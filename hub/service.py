@@ -95,7 +95,6 @@ class JoinTerms:
 
     staleness: int
     task: str
-    heartbeat_period_s: float
 
 
 def no_chains(peer: str) -> ChainLinks:
@@ -240,7 +239,7 @@ class HubService:
         record = await self.state.join(remote_peer_id(stream), request, remote_ip(stream))
         await _reply(stream, JoinReply(
             state=record.state, latest_version=self.shelf.newest_version(), staleness=self.terms.staleness,
-            task=self.terms.task, heartbeat_period_s=self.terms.heartbeat_period_s,
+            task=self.terms.task, heartbeat_period_s=record.heartbeat_period_s,
         ))
 
     async def _on_heartbeat(self, stream: INetStream) -> None:
@@ -255,7 +254,7 @@ class HubService:
             state=record.state, latest_version=self.shelf.newest_version(), upstream=links.upstream,
             upstream_addrs=links.upstream_addrs, downstream=links.downstream, chain=links.chain,
             chain_position=links.chain_position, downstream_addrs=links.downstream_addrs,
-            reachability=record.reachability, upstream_link=links.kind,
+            reachability=record.reachability, upstream_link=links.kind, heartbeat_period_s=record.heartbeat_period_s,
         ))
 
     async def _lease_reply(self, peer: str, version_held: int) -> LeaseReply:
@@ -375,7 +374,7 @@ def build_hub_service(
     bc = config.broadcast
     uplink = HubUplink(bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None,
                        bc.link_mbps * MBIT_BYTES if bc.link_mbps else None)
-    terms = JoinTerms(config.learner.staleness, config.task, config.scheduler.heartbeat_period_s)
+    terms = JoinTerms(config.learner.staleness, config.task)
     return HubService(
         host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
         chain_links=broadcaster.links if broadcaster else no_chains,

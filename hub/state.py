@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +45,7 @@ from hub.audit import AuditJob, AuditQueue
 from hub.buffer import BufferSignal, ReplayBuffer
 from hub.config import HubConfig
 from hub.copies import CopyDetector, CopyFlag
-from hub.fleet import Fleet, NodeRecord
+from hub.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
 from hub.guard import LeaseQuota
 from hub.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.store import NewEvent, NodeBanned, StepRecord, Store
@@ -75,6 +76,8 @@ PROBE_PROMPTS = 1
 # Liveness (last seen, time online, measured throughput) and the learner's time reach the store
 # this often: a crash loses at most this much of them, never anything acknowledged or paid.
 FLUSH_PERIOD_S = 5.0
+# How stale the live-node count behind the heartbeat period may be.
+HEARTBEAT_RECOUNT_S = 1.0
 
 
 def billable_seconds(hold_s: float, accepted: int, leased: int, accepted_tokens: int, tokens_per_s_floor: float) -> float:
@@ -153,6 +156,10 @@ class HubState:
         self.lease_config = config.lease
         self.trust = trust
         self.heartbeat_timeout_s = config.scheduler.heartbeat_timeout_s
+        self.min_heartbeat_period_s = config.scheduler.heartbeat_period_s
+        self.heartbeats_per_s = config.scheduler.heartbeats_per_s
+        self._heartbeat_period_s = self.min_heartbeat_period_s
+        self._period_counted_at = -math.inf
         self.max_price_per_hour = config.scheduler.max_price_per_hour
         # Nodes `echo-hub start` spawned itself (their keys made by the hub): exempt from the per-address quota.
         self.own_nodes: frozenset[str] = frozenset()
@@ -277,6 +284,7 @@ class HubState:
             if not joined or (banned is not None and banned.state == "banned"):  # banned while this join was written
                 raise PeerFault("banned", RejectCode.BANNED)
             record = self.fleet.join(peer, request, remote_ip, self.clock())
+            record.heartbeat_period_s = self.heartbeat_period()
         log.info("join %s state %s", peer, record.state)
         self._membership_changed()
         return record
@@ -288,12 +296,24 @@ class HubState:
         record.version_held = beat.version_held
         record.receiving_version = beat.receiving_version
         record.chunks_received = beat.chunks_received
+        record.heartbeat_period_s = self.heartbeat_period()
         return record
+
+    def heartbeat_period(self) -> float:
+        """The period nodes are told to heartbeat at now (`hub.fleet.heartbeat_period`); the live nodes are
+        counted at most once per HEARTBEAT_RECOUNT_S, so a beat costs the same in any fleet."""
+        now = self.clock()
+        if now - self._period_counted_at >= HEARTBEAT_RECOUNT_S:
+            self._period_counted_at = now
+            self._heartbeat_period_s = heartbeat_period(len(self.fleet.live()), self.min_heartbeat_period_s,
+                                                        self.heartbeats_per_s)
+        return self._heartbeat_period_s
 
     def _seen(self, record: NodeRecord) -> None:
         now = self.clock()
         gap = now - record.last_seen
-        if 0 < gap <= self.heartbeat_timeout_s:  # a longer silence was time offline
+        timeout_s = heartbeat_timeout(record.heartbeat_period_s, self.min_heartbeat_period_s, self.heartbeat_timeout_s)
+        if 0 < gap <= timeout_s:  # a longer silence was time offline
             record.online_s += gap
         record.last_seen = max(record.last_seen, now)
         self._dirty.add(record.peer_id)

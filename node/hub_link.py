@@ -151,6 +151,7 @@ class HubLink:
             self.state.state = reply.state
             self.state.latest_version = reply.latest_version
             self.state.last_reply = reply
+            self.period_s = reply.heartbeat_period_s  # the hub stretches it as its fleet grows
             self.on_reply(reply)
             with trio.move_on_after(self.period_s):
                 await self.beat_now.wait()

@@ -66,6 +66,8 @@ def _printable(text: str) -> str:
 
 
 Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
+# The longest a hub may tell a node to wait between heartbeats, however large its fleet.
+HEARTBEAT_PERIOD_MAX_S = 600.0
 HeldVersion = Annotated[int, Field(ge=-1, le=MAX_VERSION, description="newest verified snapshot held (-1: none)")]
 ChunkIndex = Annotated[int, Field(ge=0, le=MAX_CHUNKS)]
 PrintableText = Annotated[str, AfterValidator(_printable)]
@@ -149,7 +151,7 @@ class JoinReply(Message):
     latest_version: HeldVersion
     staleness: int = Field(ge=0)
     task: str
-    heartbeat_period_s: float = Field(gt=0.0, le=600.0, description="how often the node must heartbeat")
+    heartbeat_period_s: float = Field(gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="how often the node must heartbeat")
 
 
 class Heartbeat(Message):
@@ -166,6 +168,7 @@ class HeartbeatReply(Message):
     MAX_BYTES: ClassVar[int] = 16 * KIB
     state: NodeState
     latest_version: HeldVersion
+    heartbeat_period_s: float = Field(gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="when to beat next: longer as the fleet grows")
     upstream: str | None = Field(None, description="peer id this node pulls snapshots from (None: the hub)")
     upstream_addrs: tuple[ListenAddr, ...] = Field((), max_length=MAX_LISTEN_ADDRS)
     downstream: str | None = Field(None, description="peer id that pulls snapshots from this node")

@@ -94,7 +94,8 @@ def test_what_the_bounds_admit_stays_inside_every_reply_and_every_planner():
     tail = "/tcp/65535/p2p/" + "1" * 128
     addr = "/dns4/" + "a" * (MAX_ADDR_CHARS - len("/dns4/") - len(tail)) + tail
     reply = HeartbeatReply(state="active", latest_version=2**53, upstream="1" * 128, upstream_addrs=(addr,) * MAX_LISTEN_ADDRS,
-                           downstream="1" * 128, chain=10**6, chain_position=10**6)
+                           downstream="1" * 128, chain=10**6, chain_position=10**6,
+                           downstream_addrs=(addr,) * MAX_LISTEN_ADDRS, heartbeat_period_s=599.9999999999999)
     assert len(reply.model_dump_json()) < HeartbeatReply.MAX_BYTES
     # The smallest link a node may declare against the fastest hub uplink: a number, not an overflow.
     assert num_chains(1e6 * 1e6 / 8, 1e4, max_chains=5000) == 5000

@@ -457,3 +457,19 @@ async def test_strangers_and_wrong_models_get_nothing(hub_args):
             reply = await stranger.submit(fake)
             assert isinstance(reply, Reject) and "join first" in reply.reason
             assert hub.trusted() == (0, {}, 0, ())
+
+
+@pytest.mark.trio
+async def test_a_growing_fleet_is_told_to_heartbeat_less_often(hub_args):
+    """At most scheduler.heartbeats_per_s in all: the join and heartbeat replies stretch the period."""
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 3) as nodes:
+            state = hub.state
+            state.heartbeats_per_s = 1.0  # three nodes at one beat/s in all: every 3 s each (configured: 2 s)
+            first = await nodes[0].join()
+            assert first.heartbeat_period_s == 2.0
+            for node in nodes[1:]:
+                assert isinstance(await node.join(), JoinReply)
+            state._period_counted_at -= 60  # the count is refreshed once a second: let this beat recount
+            reply = await nodes[0].heartbeat(Heartbeat(version_held=0))
+            assert reply.heartbeat_period_s == 3.0 and state.fleet.get(nodes[0].peer_id).heartbeat_period_s == 3.0

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from hub.config import SchedulerConfig
-from hub.fleet import Fleet, NodeRecord
+from hub.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
 from hub.scheduler import RELEASE_HOLD_PERIODS, LearnerTiming, Scheduler
-from shared.messages import JoinRequest
+from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest
 
 T0 = 1000.0
 
@@ -326,3 +326,29 @@ async def test_skipped_groups_raise_the_throughput_the_learner_needs():
     assert states(fleet) == {"a": "active", "b": "active", "c": "active"}
     # pool 17/s: idle 2*20/17 + 1 - 3 = 6/17 s per period, bubble (6/17) / (6/17 + 3)
     assert metrics["predicted_bubble"] == pytest.approx((6 / 17) / (6 / 17 + 3))
+
+
+def test_heartbeat_period_grows_with_the_fleet_and_timeouts_with_the_period():
+    assert heartbeat_period(10, 2.0, 100.0) == 2.0  # a small fleet beats at the configured period
+    assert heartbeat_period(1000, 2.0, 100.0) == 10.0  # 1000 nodes at 100 beats/s in all
+    assert heartbeat_period(10**9, 2.0, 100.0) == HEARTBEAT_PERIOD_MAX_S
+    assert heartbeat_timeout(0.0, 2.0, 15.0) == 15.0  # not told yet: the configured timeout
+    assert heartbeat_timeout(2.0, 2.0, 15.0) == 15.0
+    assert heartbeat_timeout(10.0, 2.0, 15.0) == 75.0  # the same 7.5 missed beats
+
+
+@pytest.mark.trio
+async def test_a_node_told_a_longer_period_is_dropped_only_after_its_stretched_timeout():
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    scheduler, transitions = make(fleet, FakeTiming())
+    now = await settle(scheduler, fleet, T0, 4)
+    transitions.take()
+    fleet.get("b").heartbeat_period_s = 4.0  # told every 4 s (the configured 2 s, stretched by a large fleet)
+    fleet.get("b").last_seen = now - 29.0
+    await scheduler.control_once(now)
+    assert transitions.take() == []  # 29 s < 15 s x 4 / 2
+    fleet.get("b").last_seen = now - 31.0
+    await scheduler.control_once(now)
+    assert transitions.log[0] == ("b", "gone", "no heartbeat for 30s")
