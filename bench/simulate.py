@@ -29,8 +29,9 @@ pulls the newest snapshot at its own link rate; chains are re-planned at each pu
 
 Production is fluid: between events each producing node adds rate * dt rollouts of the version it
 holds (times the usable fraction). Request rates at the hub: joins and leaves as drawn, heartbeats
-every 2 s per online node, one lease and one submission per prompts_per_lease * group_size
-rollouts (4 x 16).
+at the period the hub tells its online nodes (`hub.fleet.heartbeat_period`: every 2 s up to
+scheduler.heartbeats_per_s in all), one lease-carrying submission per prompts_per_lease *
+group_size rollouts (4 x 16).
 
 Scenarios: cost-aware (the scheduler as above), all-on (every measured node active), star
 (cost-aware with a star broadcast) and sync (S = 0, kappa = 1: every step waits for the broadcast
@@ -63,6 +64,7 @@ from hub.capacity import (  # noqa: E402
 )
 from hub.chains import plan_chains  # noqa: E402
 from hub.config import LeaseConfig, SchedulerConfig  # noqa: E402
+from hub.fleet import heartbeat_period  # noqa: E402
 from hub.scheduler import RELEASE_HOLD_PERIODS  # noqa: E402
 
 GPU_MIX = (  # (share, rollouts/s, $/h)
@@ -84,7 +86,6 @@ CHUNK_BYTES = 1 << 20
 HUB_UPLINK_BPS = 10e9 / 8
 HOP_LATENCY_S = 0.05
 DEMAND_SHARE = 0.5
-HEARTBEAT_S = 2.0
 ROLLOUTS_PER_LEASE = 4 * 16
 
 
@@ -245,7 +246,8 @@ class Simulation:
         for version, amount in made.items():
             self.buffer[version] = self.buffer.get(version, 0.0) + amount * scale
         self.spent += (self.active_price + LEARNER_PRICE) * dt / 3600.0
-        self.integrated_heartbeats += self.online_count * dt / HEARTBEAT_S
+        period_s = heartbeat_period(self.online_count, self.cfg.heartbeat_period_s, self.cfg.heartbeats_per_s)
+        self.integrated_heartbeats += self.online_count * dt / period_s
         self.integrated_leases += self.active_rate * dt / ROLLOUTS_PER_LEASE
         self.now = to
 

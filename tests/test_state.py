@@ -133,10 +133,11 @@ async def test_a_reopened_state_shows_what_the_old_one_showed(tmp_path, default_
     # The learner trains on two groups and drops one as stale.
     ids = state.buffer.row_ids()
     await state.commit_step(StepRecord(1, 1, 0.5, 0.5, 0.0, 0, 1, 0.1, 0.0, 0.0, 10, 0.0), ids[:2], ids[2:3])
+    flushed_at = state.clock()  # the flush records the learner's time up to a moment after this one
     await state.flush()
     assert state.totals.groups == Tallies(accepted=4, refused=1) and state.totals.dropped_stale == 1
     assert state.fleet.get(b).tallies == Tallies(accepted=1, refused=1)
-    before, cost = view(state), state.cost_usd(state.clock())
+    before, cost = view(state), state.cost_usd(flushed_at)
     state.store.close()
 
     again = reopen(tmp_path, default_model_dir)

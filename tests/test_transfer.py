@@ -76,9 +76,9 @@ async def test_chain_of_relays_delivers_bit_exact_and_relays_while_receiving():
         assert node.installed[3] == snapshot.path.read_bytes()
         assert node.keeper.version_held == 3 and node.keeper.transfer is None
     # Pipelined: the sink had its first chunk long before the head had its last, and the whole chain
-    # took far less than three store-and-forward hops would (3 * 0.52 s).
+    # took less than three store-and-forward hops would (3 * 0.52 s), even on a busy machine.
     assert sink.first_chunk_at < a.installed_at[3] - 0.2
-    assert elapsed < 2 * snapshot.manifest.total_bytes / rate
+    assert elapsed < 2.5 * snapshot.manifest.total_bytes / rate
     assert [peer for peer, _ in hub.requests] == [a.peer_id]
 
 
