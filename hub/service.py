@@ -191,10 +191,10 @@ class HubService:
             # an honest answer to it takes: a member cannot pin the hub's frame budget with submissions
             # that could only be refused.
             leaseless = member and protocol == SUBMIT_PROTOCOL and not self.state.leases.holds(peer)
-            if protocol == SUBMIT_PROTOCOL and member and not leaseless:
-                cap = self.state.submission_cap(peer)
+            if not member or leaseless:
+                cap = min(PROTOCOL_FRAME_CAPS[protocol], STRANGER_FRAME_CAP_BYTES)
             else:
-                cap = PROTOCOL_FRAME_CAPS[protocol] if member else min(PROTOCOL_FRAME_CAPS[protocol], STRANGER_FRAME_CAP_BYTES)
+                cap = self.state.submission_cap(peer) if protocol == SUBMIT_PROTOCOL else PROTOCOL_FRAME_CAPS[protocol]
             admission = self.guard.admit(peer, cap)
             if not admission.admitted:
                 await self._turn_away(stream, peer, admission)

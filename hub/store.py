@@ -333,8 +333,11 @@ class Store:
             try:
                 yield
             except BaseException:
-                for statement in undo:
-                    self.db.execute(statement)
+                # SQLite itself may have rolled the whole transaction back (disk full, I/O error): then
+                # there is nothing to undo, and the caller must hear the error that did it.
+                if self.db.conn.in_transaction:
+                    for statement in undo:
+                        self.db.execute(statement)
                 raise
             self.db.execute(end)
 
@@ -342,8 +345,9 @@ class Store:
         """Run write methods (`jobs`, each a call of one) in one transaction with one commit.
 
         Each job is all-or-nothing on its own: one that raises leaves nothing behind and the others go on.
-        Returns (True, result) or (False, exception) per job, in order, once everything is committed; if
-        the commit itself fails it raises, and none of the jobs happened."""
+        Returns (True, result) or (False, exception) per job, in order, once everything is committed. If
+        the commit fails, or SQLite rolls the whole transaction back under a job (disk full, I/O error),
+        it raises, and none of the jobs happened."""
         with self._lock:
             if self._in_batch:
                 raise RuntimeError("write_batch is not re-entrant")
@@ -352,10 +356,16 @@ class Store:
             outcomes: list[tuple[bool, object]] = []
             try:
                 for job in jobs:
+                    # A job may call several write methods: its own savepoint makes it all-or-nothing.
+                    self.db.execute("SAVEPOINT job")
                     try:
                         outcomes.append((True, job()))
-                    except Exception as exc:  # noqa: BLE001 -- handed to that job's caller
-                        outcomes.append((False, exc))
+                    except Exception as exc:
+                        if not self.db.conn.in_transaction:
+                            raise  # SQLite rolled the whole batch back: none of its jobs happened
+                        self.db.execute("ROLLBACK TO job")
+                        outcomes.append((False, exc))  # handed to that job's caller
+                    self.db.execute("RELEASE job")
                 self._in_batch = False
                 self.db.execute("COMMIT")
             except BaseException:

@@ -191,7 +191,7 @@ class NodeRuntime:
                 client, self.engine, self.engine_lock,
                 can_work=lambda: self.link.state.connected and self.link.state.state in ("active", "probing"),
                 version_held=lambda: self.keeper.version_held,
-                max_rollouts_per_s=self.config.max_rollouts_per_s,
+                max_rollouts_per_s=self.config.max_rollouts_per_s, on_unknown=lambda: self.link.beat_now.set(),
             )
             self.link = HubLink(client, self._join_request, self._heartbeat, self._on_reply, self.config.reconnect_max_s)
             self.link.state.on_note = _print_event

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import trio
 
 from node.client import HubClient
-from shared.messages import Lease, LeaseReply, Reject, Submission, SubmitReply, SubmittedGroup, Tallies
+from shared.messages import Lease, LeaseReply, Reject, RejectCode, Submission, SubmitReply, SubmittedGroup, Tallies
 
 log = logging.getLogger("echo2.node.worker")
 
@@ -48,8 +48,13 @@ class Worker:
         can_work: Callable[[], bool],
         version_held: Callable[[], int],
         max_rollouts_per_s: float | None,
+        on_unknown: Callable[[], None] = lambda: None,
     ) -> None:
         self.client = client
+        # Called when the hub says it does not know this node (restarted, or dropped it as silent): the hub
+        # link beats at once to find out and rejoin, rather than at its next beat, which a large fleet's
+        # hub may have set minutes away.
+        self.on_unknown = on_unknown
         self.engine = engine
         self.engine_lock = engine_lock
         self.can_work = can_work
@@ -77,6 +82,8 @@ class Worker:
                     continue
             if isinstance(reply, Reject):
                 log.info("lease refused: %s", reply.reason)
+                if reply.code == RejectCode.UNKNOWN_NODE:
+                    self.on_unknown()
                 await trio.sleep(IDLE_RETRY_S)
                 continue
             if reply.lease is None:
@@ -131,6 +138,8 @@ class Worker:
             self.stats.earned_usd += reply.paid_usd
             self.stats.last_rejections = [f"{pid}: {why}" for pid, why in reply.rejected + reply.late][-5:]
         elif isinstance(reply, Reject):
+            if reply.code == RejectCode.UNKNOWN_NODE:
+                self.on_unknown()
             self.stats.tallies = self.stats.tallies + Tallies(refused=1)
             self.stats.last_rejections = [reply.reason]
             log.warning("submission refused: %s", reply.reason)

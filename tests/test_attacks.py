@@ -15,6 +15,7 @@ import trio
 
 from hub.chains import num_chains
 from hub.config import HubConfig, LearnerConfig, LeaseConfig
+from hub.service import STRANGER_FRAME_CAP_BYTES
 from node.client import HubClient
 from shared.crypto import Identity
 from shared.messages import (
@@ -115,11 +116,15 @@ async def test_strangers_are_refused_before_a_byte_of_their_frames_is_read(tmp_p
         # A joined node without a lease to answer may not pin a submission's worth of memory either.
         member = await client(stack, hub)
         assert isinstance(await member.send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply), JoinReply)
+        reserved: list[int] = []
+        admit = hub.service.guard.admit
+        hub.service.guard.admit = lambda peer, reserve_bytes: reserved.append(reserve_bytes) or admit(peer, reserve_bytes)
         started = time.monotonic()
         reply = await member.send_frame(SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, 30 << 20), SubmitReply,
                                         close_write=False)
         assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_LEASE, reply
         assert time.monotonic() - started < 2.0
+        assert reserved == [STRANGER_FRAME_CAP_BYTES]  # what a join takes, not a submission's 32 MiB
         assert hub.service.guard.buffered_bytes == 0
 
 

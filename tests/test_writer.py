@@ -87,3 +87,48 @@ async def test_a_store_failure_reaches_the_caller_as_itself(store):
     store.close()
     with pytest.raises(sqlite3.ProgrammingError):
         await writer.write(store.add_event, "x", None, "")
+
+
+@pytest.mark.trio
+async def test_when_sqlite_rolls_the_whole_batch_back_no_write_of_it_is_reported_done(store):
+    """Disk full or an I/O error makes SQLite roll back the whole transaction: every write of that batch
+    fails (none happened), not only the one that hit it, and the writer goes on with the next batch."""
+    writer = StoreWriter(store)
+
+    def disk_full() -> None:
+        with store._write():
+            store.db.execute("ROLLBACK")  # what SQLite does on SQLITE_FULL / SQLITE_IOERR
+            raise sqlite3.OperationalError("database or disk is full")
+
+    outcomes: dict[str, object] = {}
+
+    async def write(name: str, fn, *args) -> None:
+        try:
+            outcomes[name] = await writer.write(fn, *args)
+        except sqlite3.OperationalError as exc:
+            outcomes[name] = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write, "first", store.add_event, "first", None, "")  # leads a batch of its own
+        await trio.sleep(0)
+        nursery.start_soon(write, "full", disk_full)  # these two queue into the next batch
+        nursery.start_soon(write, "after", store.add_event, "after", None, "")
+    assert outcomes["first"] is None
+    assert isinstance(outcomes["full"], sqlite3.OperationalError) and outcomes["after"] is outcomes["full"]
+    assert [e.kind for e in store.events(10)] == ["first"]
+    await writer.write(store.add_event, "later", None, "")
+    assert {e.kind for e in store.events(10)} == {"first", "later"}
+
+
+@pytest.mark.trio
+async def test_a_job_of_several_writes_is_all_or_nothing_in_a_batch(store):
+    writer = StoreWriter(store)
+
+    def two_then_fail() -> None:
+        store.add_event("one", None, "")
+        store.add_event("two", None, "")
+        raise RuntimeError("the third part failed")
+
+    with pytest.raises(RuntimeError):
+        await writer.write(two_then_fail)
+    assert store.events(10) == []
