@@ -92,7 +92,7 @@ class SchedulerConfig(Section):
     max_price_per_hour: float = Field(10.0, ge=0.0, le=1000.0, description="nodes declaring a higher $/h are refused at join")
     heartbeat_period_s: float = Field(2.0, gt=0.0, le=600.0, description="how often nodes heartbeat while the fleet is small (told on join and each beat)")
     heartbeat_timeout_s: float = Field(15.0, gt=0.0, le=3600.0, description="a node silent this long is dropped (stretched as its period is)")
-    heartbeats_per_s: float = Field(100.0, gt=0.0, le=1e6, description="most heartbeats/s asked of the whole fleet: past that, every node beats less often")
+    heartbeats_per_s: float = Field(25.0, gt=0.0, le=1e6, description="most heartbeats/s asked of the whole fleet: past that, every node beats less often")
     enabled: bool = Field(True, description="off: every node is active")
 
     @model_validator(mode="after")
