@@ -2,8 +2,8 @@
 ledger and the run totals — over the store.
 
 Its methods are the hub's commands (`join`, `grant_lease`, `accept_submission`, `set_state`,
-`ban`, `commit_step`, ...). Each writes one SQLite transaction in a worker thread (events
-included) and changes the in-memory view (fleet, lease book, replay buffer, totals) only after
+`ban`, `commit_step`, ...). Each writes all-or-nothing (events included) through the group commit
+of hub/writer.py, one savepoint in a batch committed in a worker thread, and changes the in-memory view (fleet, lease book, replay buffer, totals) only after
 the commit returns, on the trio thread with no checkpoint in between, so no other task sees one
 without the other; a commit and its view update are shielded from cancellation together. A few
 changes come before their commit, always in the safe direction, and the code says where: a
