@@ -1,13 +1,19 @@
-"""The node's worker against hub replies it must act on (the protocol itself is tested against a real hub in
-test_p2p_negative.py and end to end in test_p2p.py)."""
+"""The node's worker against hub replies it must act on: scripted, and from a real hub service over libp2p."""
 
 from __future__ import annotations
+
+from contextlib import AsyncExitStack
 
 import pytest
 import trio
 
+from hub.config import HubConfig
+from node.client import HubClient
 from node.worker import Worker
+from shared.crypto import Identity
 from shared.messages import Reject, RejectCode
+from shared.net import running_host
+from tests.inproc import PERMISSIVE_TRUST, inproc_hub
 
 
 class ForgottenBy:
@@ -35,3 +41,22 @@ async def test_a_hub_that_forgot_the_node_makes_the_link_beat_at_once():
             await nudged.wait()
             nursery.cancel_scope.cancel()
     assert client.asked == 1
+
+
+@pytest.mark.trio
+async def test_a_real_hub_that_never_met_the_node_makes_the_link_beat_at_once(tmp_path, default_model_dir):
+    nudged = trio.Event()
+    async with inproc_hub(tmp_path, default_model_dir, HubConfig(trust=PERMISSIVE_TRUST)) as hub, \
+            AsyncExitStack() as stack:
+        identity = Identity.generate()
+        host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
+        client = HubClient(host, identity, hub.addr, timeout_s=10)
+        await client.connect()  # connected, never joined: the hub answers its lease request UNKNOWN_NODE
+        worker = Worker(client, engine=None, engine_lock=trio.Lock(), can_work=lambda: True, version_held=lambda: 0,
+                        max_rollouts_per_s=None, on_unknown=nudged.set)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.run)
+                await nudged.wait()
+                nursery.cancel_scope.cancel()
+    assert worker.stats.leases_done == 0
