@@ -61,8 +61,9 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, groups, steps: i
     from transformers.utils import logging as hf_logging
 
     from hub.config import HubConfig
-    from hub.distributed import RankEnv, init_ranks
+    from hub.distributed import init_ranks
     from hub.learner import Learner
+    from hub.ranks import RankEnv
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
         from hub.config import HubConfig
-        from hub.distributed import rank_env
+        from hub.ranks import rank_env
         from shared.config import ConfigError, load_config
 
         overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, UserError) as exc:
             print(f"echo-hub: {exc}", file=sys.stderr)
             return 2
+        if config.local_nodes:
+            from hub.local_nodes import start_node_server
+
+            start_node_server()  # it imports the nodes' modules while this process imports the learner's
         from hub.run import run_hub
 
         return run_hub(config, progress=not args.no_progress, resume=started.resume, lock=started.lock)

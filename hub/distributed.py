@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from hub.ranks import RankEnv
+
 log = logging.getLogger("echo2.hub.distributed")
 
 # A collective waits this long for the other ranks. The followers wait in one for rank 0's next command
@@ -93,28 +95,6 @@ def _device() -> torch.device:
     import torch.distributed as dist
 
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """What torchrun (or --learner-procs) put in the environment of one learner rank."""
-
-    rank: int
-    world: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-
-def rank_env() -> RankEnv | None:
-    """This process's rank, if it was launched as one (RANK and WORLD_SIZE set), else None."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    return RankEnv(
-        rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(os.environ.get("MASTER_PORT", "29500")),
-    )
 
 
 def device_for(configured: str, env: RankEnv) -> str:

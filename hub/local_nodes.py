@@ -1,12 +1,20 @@
-"""Local volunteer nodes for the embedded default: real `echo-node join` processes on loopback."""
+"""Local volunteer nodes for the embedded default: real `echo-node join` processes on loopback.
+
+They are forked from one server process (multiprocessing's forkserver) that imports the node's modules
+once, started when the hub starts so that it imports while the hub builds its learner. Each node then
+runs `echo-node join` exactly as the command line does, in its own session with its own output file.
+Started as separate interpreters, each node spent ~12 CPU-seconds importing torch, transformers and
+libp2p before it could join: on a 2-core laptop, three of them delayed the first step by ~15 s.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from pathlib import Path
 
 from shared.crypto import Identity
@@ -15,6 +23,9 @@ from shared.layout import LOCAL_NODES_DIR, NODE_KEY_FILE
 # Differing declared prices ($/h), so cost-aware activation has something to choose between.
 LOCAL_NODE_PRICES = (0.35, 0.50, 0.80, 0.30, 0.65, 1.00, 0.45, 0.90)
 STOP_TIMEOUT_S = 10.0
+# What a node imports before it can join (a module that fails to import is left to the node itself).
+NODE_MODULES = ("node.cli", "node.run", "node.hf_engine", "libp2p", "transformers.models.qwen2.modeling_qwen2")
+_FORKSERVER = multiprocessing.get_context("forkserver")
 
 
 @dataclass
@@ -23,7 +34,28 @@ class LocalNode:
     peer_id: str
     price: float
     data_dir: Path
-    process: subprocess.Popen
+    process: multiprocessing.process.BaseProcess
+
+
+def start_node_server() -> None:
+    """Start the process local nodes are forked from; it imports NODE_MODULES in the background."""
+    _FORKSERVER.set_forkserver_preload(list(NODE_MODULES))
+    forkserver.ensure_running()
+
+
+def _node_main(argv: list[str], out_path: str) -> None:
+    """One forked local node: its own session (a Ctrl-C in the terminal reaches the hub, which then stops
+    the nodes itself) and output file, then `echo-node` with `argv`."""
+    os.setsid()
+    out = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    sys.stdout.reconfigure(line_buffering=True, write_through=True)
+    sys.stderr.reconfigure(line_buffering=True, write_through=True)
+    from node.cli import main
+
+    sys.exit(main(argv))
 
 
 def spawn_local_nodes(
@@ -38,29 +70,26 @@ def spawn_local_nodes(
         price = LOCAL_NODE_PRICES[i % len(LOCAL_NODE_PRICES)]
         # The hub makes the node's key, so it knows its own nodes apart from strangers on its address.
         peer_id = Identity.load_or_create(node_dir / NODE_KEY_FILE).peer_id
-        args = [
-            sys.executable, "-m", "node.cli", "join", "--hub", hub_addr, "--price", str(price),
+        argv = [
+            "join", "--hub", hub_addr, "--price", str(price),
             "--backend", "hf", "--device", "cpu", "--data-dir", str(node_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
             *(["--link-mbps", str(link_mbps)] if link_mbps else []),
             *(["--model", str(Path(model).resolve())] if model else []), *extra_args,
         ]
-        with open(node_dir / "node.out", "ab") as out:
-            # Own process group: a Ctrl-C in the terminal reaches the hub, which then stops the nodes itself.
-            process = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+        # daemon: a hub that exits without stopping its nodes (an error) takes them with it.
+        process = _FORKSERVER.Process(target=_node_main, args=(argv, str(node_dir / "node.out")),
+                                      name=f"echo-node-{i}", daemon=True)
+        process.start()
         nodes.append(LocalNode(i, peer_id, price, node_dir, process))
     return nodes
 
 
 def stop_local_nodes(nodes: list[LocalNode]) -> None:
     for node in nodes:
-        if node.process.poll() is None:
-            node.process.send_signal(signal.SIGINT)
+        if node.process.is_alive():
+            os.kill(node.process.pid, signal.SIGINT)
     for node in nodes:
-        try:
-            node.process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        node.process.join(STOP_TIMEOUT_S)
+        if node.process.exitcode is None:
             node.process.kill()
-            node.process.wait()
+            node.process.join()

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import IO
 
 from hub.config import HubConfig
-from hub.store import SCHEMA_VERSION
 from shared.checks import UserError, check_data_dir, check_key_file, check_listen, check_model_dir, model_fingerprint
 from shared.layout import CHECKPOINTS_DIR, HUB_KEY_FILE, HUB_STORE_FILE
 from shared.tasks.base import Task
@@ -166,6 +165,8 @@ def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | N
     store = config.data_dir / HUB_STORE_FILE
     if not store.exists():
         return None
+    from hub.store import SCHEMA_VERSION  # here, not at the top: a mistake on a fresh start is refused without it
+
     # A store closed cleanly has no -wal file: read it `immutable`, or SQLite would create -wal/-shm files.
     # After a crash they exist already and hold committed pages: read through them.
     wal = store.with_name(store.name + "-wal").exists()

@@ -3,6 +3,7 @@ for the embedded default, local volunteer nodes — wired together in one trio n
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import sys
@@ -17,7 +18,6 @@ from hub.distributed import (
     RANK_POLL_S,
     Collective,
     LearnerRankLost,
-    RankEnv,
     RankWatch,
     broadcast,
     device_for,
@@ -25,10 +25,10 @@ from hub.distributed import (
     free_port,
     init_ranks,
     join_ranks,
-    rank_env,
 )
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
 from hub.preflight import RUN_IDENTITY_KEYS, Resume, run_identity
+from hub.ranks import RankEnv, rank_env
 from hub.snapshots import SnapshotShelf
 from hub.state import HubState
 from hub.store import Store
@@ -225,10 +225,11 @@ class Hub:
                 if self.evaluation is not None:
                     await nursery.start(self.evaluation.run)
                 if config.local_nodes:
-                    self.local_nodes = spawn_local_nodes(
-                        config.local_nodes, self.addrs[0], config.data_dir, link_mbps=config.broadcast.link_mbps,
-                        model=config.model, extra_args=("--dtype", self.dtype),
-                    )
+                    # In a thread: the first fork waits for the node server to finish its imports.
+                    self.local_nodes = await trio.to_thread.run_sync(functools.partial(
+                        spawn_local_nodes, config.local_nodes, self.addrs[0], config.data_dir,
+                        link_mbps=config.broadcast.link_mbps, model=config.model, extra_args=("--dtype", self.dtype),
+                    ))
                     state.own_nodes = frozenset(n.peer_id for n in self.local_nodes)
                 from hub.progress import live_progress, plain_progress, watch_for_stalls
 

@@ -4,6 +4,7 @@ dashboard attached to the live hub over libp2p and, afterwards, to the finished 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -119,6 +120,42 @@ def test_help_is_fast_and_imports_no_torch() -> None:
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert "usage" in result.stdout
+
+
+def test_a_start_mistake_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    code = (
+        "import sys, hub.cli as m\n"
+        f"code = m.main(['start', '--kappa', '0', '--data-dir', {str(tmp_path / 'data')!r}])\n"
+        "assert 'torch' not in sys.modules, 'torch imported before the mistake was refused'\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "kappa" in result.stderr and not (tmp_path / "data").exists()
+
+
+def test_local_nodes_are_forked_from_one_node_server_and_stop_on_sigint(tmp_path: Path) -> None:
+    """Local nodes run `echo-node join` in processes forked from the node server (not from this process),
+    each in its own session writing its own node.out, and exit 0 when the hub stops them."""
+    from hub.local_nodes import spawn_local_nodes, start_node_server, stop_local_nodes
+    from shared.crypto import Identity
+    from tests.harness import free_port, wait_until
+
+    start_node_server()
+    nobody = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{Identity.generate().peer_id}"  # the nodes keep retrying
+    nodes = spawn_local_nodes(2, nobody, tmp_path)
+    try:
+        for node in nodes:
+            out = node.data_dir / "node.out"
+            wait_until(lambda out=out: "unreachable" in (out.read_text() if out.exists() else ""), 120,
+                       f"{out} to say the hub is unreachable")
+            assert f"echo-node {node.peer_id} joining {nobody}" in out.read_text()
+            assert os.getsid(node.process.pid) == node.process.pid
+        parents = {int(Path(f"/proc/{n.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for n in nodes}
+        assert len(parents) == 1 and os.getpid() not in parents, parents
+    finally:
+        stop_local_nodes(nodes)
+    assert [n.process.exitcode for n in nodes] == [0, 0], [n.data_dir.joinpath("node.out").read_text() for n in nodes]
 
 
 @pytest.mark.slow
