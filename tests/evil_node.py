@@ -2,16 +2,15 @@
 of every snapshot it serves to a peer. It receives, verifies and installs honestly; it only lies
 when relaying. No switch for this exists in the production code.
 
-Usage: python tests/evil_node.py join --hub ... (the `echo-node join` flags)
+Usage: python -m tests.evil_node join --hub ... (the `echo-node join` flags), or `main(argv)`
 """
 
 from __future__ import annotations
 
 import sys
 
-from recording_node import record_installs
-
 from node.keeper import SnapshotKeeper
+from tests.recording_node import record_installs
 
 CORRUPT_INDEX = 1
 
@@ -26,9 +25,14 @@ def corrupt_relaying() -> None:
     SnapshotKeeper.chunk = corrupt_chunk
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """`echo-node` with its installs recorded, relaying corrupt chunks."""
     record_installs()
     corrupt_relaying()
-    from node.cli import main
+    from node.cli import main as node_main
 
+    return node_main(argv)
+
+
+if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,5 @@
-"""Real processes on loopback for integration tests: a hub (`echo-hub start`) and nodes (`echo-node join`)."""
+"""Real processes on loopback for integration tests: a hub (`echo-hub start`) and nodes (`echo-node join`),
+forked from a server that imported them once (tests/forked.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import signal
 import socket
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from shared.layout import HUB_STATUS_FILE, HUB_STORE_FILE
 from shared.messages import HubStatus
+from tests import forked
 
 ADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)\s*$", re.M)
 START_TIMEOUT_S = 120.0
@@ -27,7 +28,7 @@ def _env() -> dict[str, str]:
 
 @dataclass
 class Proc:
-    process: subprocess.Popen
+    process: subprocess.Popen | forked.Forked
     log: Path
 
     def output(self) -> str:
@@ -93,10 +94,8 @@ def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True) -> H
     data_dir.mkdir(parents=True, exist_ok=True)
     # Beside the data dir, not in it: `--fresh` moves the data dir away while the hub writes its output.
     log = data_dir.parent / f"{data_dir.name}-hub-{time.time_ns()}.out"
-    cmd = [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data_dir),
-           "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--no-progress", *args]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
+    argv = ["start", "--data-dir", str(data_dir), "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--no-progress", *args]
+    process = forked.spawn("hub.cli", argv, str(log), _env())
     hub = HubProc(process, log, "", data_dir)
     if wait:
         def printed() -> str | None:
@@ -112,10 +111,9 @@ def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True) -> H
 def start_node(hub_addr: str, data_dir: Path, *args: str, price: float = 0.35) -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / f"node-{time.time_ns()}.out"
-    cmd = [sys.executable, "-m", "node.cli", "join", "--hub", hub_addr, "--price", str(price), "--backend", "hf",
-           "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
+    argv = ["join", "--hub", hub_addr, "--price", str(price), "--backend", "hf",
+            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
+    process = forked.spawn("node.cli", argv, str(log), _env())
     return Proc(process, log)
 
 

@@ -1,6 +1,6 @@
 """Test-only `echo-node`: the real node runtime, recording what each install put into the engine.
 
-Usage: python tests/recording_node.py join --hub ... (the `echo-node join` flags)
+Usage: python tests/recording_node.py join --hub ... (the `echo-node join` flags), or `main(argv)`
 After every install it writes DATA_DIR/installed/v<version>.json with the blake3 of the
 file handed to the engine and a digest of the engine model's weights as they now are, so a
 test can compare both, bit for bit, with the hub's snapshot file.
@@ -53,8 +53,13 @@ def record_installs() -> None:
     NodeRuntime._install = recording_install
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """`echo-node` with its installs recorded."""
     record_installs()
-    from node.cli import main
+    from node.cli import main as node_main
 
+    return node_main(argv)
+
+
+if __name__ == "__main__":
     sys.exit(main())

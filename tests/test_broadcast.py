@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +17,13 @@ from node.keeper import HUB
 from shared.crypto import Identity
 from shared.snapshot import SIGNATURE_BYTES, Manifest, blake3_hex, snapshot_paths
 from shared.transfer import STALL_S
+from tests import forked
 from tests.harness import Proc, _env, node_peer_id, query, start_hub, wait_until
 from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot
 from tests.recording_node import weights_digest
 from tests.relay_scenarios import Hub, join, scenario_forged_manifest, scenario_framed_relay
 
 KIB = 1024
-TESTS_DIR = Path(__file__).parent
 
 
 # -- in process: the real Broadcaster with real keepers ---------------------------------------
@@ -163,14 +161,12 @@ chunk_kib = 128
 QUIET_NODE = ("--max-rollouts-per-s", "0.05")
 
 
-def start_test_node(hub_addr: str, data_dir: Path, *args: str, script: str = "recording_node.py") -> Proc:
+def start_test_node(hub_addr: str, data_dir: Path, *args: str, module: str = "tests.recording_node") -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "node.out"
-    cmd = [sys.executable, str(TESTS_DIR / script), "join", "--hub", hub_addr, "--price", "0.35", "--backend", "hf",
-           "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
-    return Proc(process, log)
+    argv = ["join", "--hub", hub_addr, "--price", "0.35", "--backend", "hf",
+            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
+    return Proc(forked.spawn(module, argv, str(log), _env()), log)
 
 
 def start_test_hub(data_dir: Path, *args: str):
@@ -254,7 +250,7 @@ def test_corrupt_relay_is_banned_and_no_node_installs_corrupt_data(tmp_path):
     hub = start_test_hub(hub_dir, "--prompts-per-step", "4096")
     nodes: list[Proc] = []
     try:
-        evil = start_test_node(hub.addr, tmp_path / "evil", *QUIET_NODE, script="evil_node.py")
+        evil = start_test_node(hub.addr, tmp_path / "evil", *QUIET_NODE, module="tests.evil_node")
         nodes.append(evil)
         evil_id = node_peer_id(evil)
         wait_until(lambda: (n := node_states(hub).get(evil_id)) and n.version_held == 0, 120, "the evil node to hold v0")

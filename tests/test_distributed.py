@@ -20,6 +20,7 @@ from hub.config import HubConfig, LearnerConfig
 from hub.distributed import Collective, free_port, init_ranks, partition_rows
 from hub.learner import Learner
 from hub.ranks import RankEnv
+from tests import forked
 from tests.harness import query, wait_until
 from tests.test_learner import synthetic_groups
 
@@ -124,13 +125,11 @@ def test_nccl_ranks_train_in_bf16_with_fp32_masters(default_model_dir, tmp_path)
 # -- a real hub with two learner processes ------------------------------------------------------------
 
 
-def start_hub(data_dir: Path, *args: str) -> subprocess.Popen:
-    out = open(data_dir.parent / f"{data_dir.name}-{time.time_ns()}.out", "wb")  # noqa: SIM115 - the process owns it
-    return subprocess.Popen(
-        [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
-         "--no-progress", "--learner-procs", "2", *args],
-        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def start_hub(data_dir: Path, *args: str) -> forked.Forked:
+    out = data_dir.parent / f"{data_dir.name}-{time.time_ns()}.out"
+    argv = ["start", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress",
+            "--learner-procs", "2", *args]
+    return forked.spawn("hub.cli", argv, str(out), {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def steps_done(data_dir: Path) -> int:
