@@ -154,7 +154,10 @@ class Simulation:
         self.nodes = {n.name: n for n in fleet}
         self.sc = scenario
         self.steps = steps
-        self.rng = random.Random(seed * 7919 + len(fleet))
+        # Common random numbers: every scenario of one seed sees the same T_train of step k and the same
+        # online and offline spells of each node, so scenarios differ only in what the method decides.
+        self.train_rng = random.Random(seed * 7919 + len(fleet))
+        self.churn_rng = {n.name: random.Random(f"{seed}:{n.name}") for n in fleet}
         self.kappa = default_kappa(scenario.staleness)
         self.R = rollouts_per_step
         self.inflight_cap = LeaseConfig().max_inflight_steps * rollouts_per_step
@@ -279,7 +282,7 @@ class Simulation:
         idle = self.now - (self.idle_since or self.now)
         self.idle_since = None
         self.training = True
-        t_train = max(1.0, self.rng.gauss(T_TRAIN_S, T_TRAIN_S * T_TRAIN_CV))
+        t_train = max(1.0, self.train_rng.gauss(T_TRAIN_S, T_TRAIN_S * T_TRAIN_CV))
         self.pending_idle = idle
         self.push(self.now + t_train, "step_done", t_train)
 
@@ -346,7 +349,7 @@ class Simulation:
         self.requests["join"] += 1
         node.state = "probing"
         self.push(self.now + PROBE_S, "probed", node.name)
-        self.push(self.now + self.rng.expovariate(1 / SESSION_MEAN_S), "leave", node.name)
+        self.push(self.now + self.churn_rng[node.name].expovariate(1 / SESSION_MEAN_S), "leave", node.name)
         newest = max(self.publish_at, default=None)
         if newest is not None:
             self.push(self.now + SNAPSHOT_BYTES / node.link_bps, "catch_up", (node.name, newest))
@@ -357,7 +360,7 @@ class Simulation:
         node.held = -1
         self.online_count -= 1
         self.requests["leave"] += 1
-        self.push(self.now + self.rng.expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
+        self.push(self.now + self.churn_rng[node.name].expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
 
     def control(self) -> None:
         if self.t_train_recent:
@@ -398,10 +401,10 @@ class Simulation:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> None:
         for node in self.nodes.values():
-            if self.rng.random() < ONLINE_AT_START:
+            if self.churn_rng[node.name].random() < ONLINE_AT_START:
                 self.come_online(node)
             else:
-                self.push(self.rng.expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
+                self.push(self.churn_rng[node.name].expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
         self.push(self.cfg.control_period_s, "control")
         self.publish(0)
         handlers = {

@@ -97,6 +97,34 @@ def test_fleet_simulator_runs_the_projects_own_scheduler(monkeypatch, capsys):
     assert out["savings"][0]["saving_vs_all-on"] > 0
 
 
+def test_fleet_simulator_scenarios_of_one_seed_face_the_same_churn_and_learner():
+    """Common random numbers: cost-aware and all-on of one seed see each node come and go at the same times
+    and the same T_train per step, so their difference in cost is the method's, not the dice's."""
+    simulate = load_bench("simulate")
+    fleet = simulate.draw_fleet(30, simulate.random.Random(7))
+    schedules, ends = [], []
+    for scenario in ("cost-aware", "all-on"):
+        sim = simulate.Simulation(fleet, simulate.SCENARIOS[scenario], 60, 3, simulate.demand(fleet, simulate.STALENESS, 0.5))
+        pushed: list[tuple[str, str, float]] = []
+        push = sim.push
+
+        def recording(at, kind, payload=None, push=push, pushed=pushed):
+            if kind in ("join", "leave"):
+                pushed.append((kind, payload, round(at, 6)))
+            elif kind == "step_done":
+                pushed.append((kind, "", round(payload, 6)))
+            return push(at, kind, payload)
+
+        sim.push = recording
+        sim.run()
+        schedules.append(pushed)
+        ends.append(sim.now)
+    churn = [sorted(e for e in s if e[0] != "step_done" and e[2] < min(ends)) for s in schedules]
+    steps = [[e[2] for e in s if e[0] == "step_done"] for s in schedules]
+    assert churn[0] == churn[1] and len(churn[0]) > 10
+    assert steps[0] == steps[1] and len(steps[0]) == 60
+
+
 def test_delta_bench_smoke(capsys):
     """Two publishes of the default model at lr 1e-6 through three real keepers: bit-exact, deltas small."""
     out = load_bench("delta").main(["--json", "--models", "default", "--lrs", "1e-6", "--publishes", "2"])
