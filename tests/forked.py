@@ -12,6 +12,7 @@ Tests of the command line itself (--help, mistakes, first contact) still start r
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib
 import multiprocessing
 import multiprocessing.util  # registers its exit function before ours below, so ours runs first
@@ -27,6 +28,7 @@ PRELOAD = (
     "node.cli", "node.run", "node.hf_engine", "libp2p", "transformers.models.qwen2.modeling_qwen2",
 )
 _CONTEXT = multiprocessing.get_context("forkserver")
+CLONE_NEWNET = 0x40000000
 _started: list[Forked] = []
 
 
@@ -66,7 +68,20 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _main(module: str, argv: list[str], out_path: str, env: dict[str, str]) -> None:
+def _enter_netns(name: str) -> None:
+    """Join network namespace `name` (as `ip netns exec` does; Python 3.11 has no os.setns)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
+
+
+def _main(module: str, argv: list[str], out_path: str, env: dict[str, str], netns: str | None) -> None:
+    if netns is not None:
+        _enter_netns(netns)
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -83,11 +98,13 @@ def _main(module: str, argv: list[str], out_path: str, env: dict[str, str]) -> N
     sys.exit(code)
 
 
-def spawn(module: str, argv: Sequence[str], out_path: str, env: Mapping[str, str] | None = None) -> Forked:
-    """`python -m module *argv` with stdout and stderr appended to `out_path`, forked from the server."""
+def spawn(module: str, argv: Sequence[str], out_path: str, env: Mapping[str, str] | None = None,
+          netns: str | None = None) -> Forked:
+    """`python -m module *argv` with stdout and stderr appended to `out_path`, forked from the server; inside
+    network namespace `netns` when given."""
     _CONTEXT.set_forkserver_preload(list(PRELOAD))
     # Not daemonic: a hub forks its local nodes, and multiprocessing refuses children to a daemon.
-    process = _CONTEXT.Process(target=_main, args=(module, list(argv), out_path, dict(env or os.environ)))
+    process = _CONTEXT.Process(target=_main, args=(module, list(argv), out_path, dict(env or os.environ), netns))
     process.start()
     forked = Forked(process, [sys.executable, "-m", module, *argv])
     _started.append(forked)

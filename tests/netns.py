@@ -16,10 +16,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests import forked
 from tests.harness import HubProc, Proc, wait_until
 
 HUB_IP = "10.77.0.1"
@@ -28,7 +28,6 @@ PUBLIC_NODE_IP = "10.77.0.2"
 SPARE_PUBLIC_IPS = ("10.77.0.3", "10.77.0.4")
 HUB_PORT = 4077
 HOMES = 2
-TESTS_DIR = Path(__file__).parent
 
 
 def unavailable() -> str | None:
@@ -61,7 +60,7 @@ def _run(*args: str) -> None:
 
 
 class Topology:
-    """The namespaces above; `exec_args(ns)` prefixes a command to run inside one."""
+    """The namespaces above; `start(ns, ...)` runs a hub or a node inside one."""
 
     def __init__(self) -> None:
         _reap_stale()
@@ -121,23 +120,17 @@ class Topology:
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
-    @staticmethod
-    def exec_args(ns: str, command: Sequence[str]) -> list[str]:
-        return ["ip", "netns", "exec", ns, *command]
-
-    def start(self, ns: str, data_dir: Path, command: Sequence[str]) -> Proc:
-        """`command` inside namespace `ns`, its output in DATA_DIR/process.out."""
+    def start(self, ns: str, data_dir: Path, module: str, argv: Sequence[str]) -> Proc:
+        """`python -m module *argv` inside namespace `ns` (forked: tests/forked.py), its output in
+        DATA_DIR/process.out."""
         data_dir.mkdir(parents=True, exist_ok=True)
         log = data_dir / "process.out"
-        with open(log, "wb") as out:
-            process = subprocess.Popen(self.exec_args(ns, command), stdout=out, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
-        return Proc(process, log)
+        return Proc(forked.spawn(module, argv, str(log), netns=ns), log)
 
     def start_hub(self, hub_dir: Path, *args: str) -> HubProc:
         """`echo-hub start` on the public segment at HUB_IP (no local nodes); returns once it printed its id."""
-        hub = self.start(self.public, hub_dir, [
-            sys.executable, "-m", "hub.cli", "start", "--data-dir", str(hub_dir), "--listen",
+        hub = self.start(self.public, hub_dir, "hub.cli", [
+            "start", "--data-dir", str(hub_dir), "--listen",
             f"/ip4/{HUB_IP}/tcp/{HUB_PORT}", "--no-progress", "--local-nodes", "0", "--steps", "0", *args,
         ])
         peer = wait_until(lambda: next((line.split()[1] for line in hub.output().splitlines()
@@ -146,7 +139,7 @@ class Topology:
 
     def start_node(self, ns: str, data_dir: Path, listen: str, hub_addr: str, *args: str) -> Proc:
         """A recording `echo-node join` (tests/recording_node.py) inside `ns`."""
-        return self.start(ns, data_dir, [
-            sys.executable, str(TESTS_DIR / "recording_node.py"), "join", "--hub", hub_addr, "--price", "0.35",
+        return self.start(ns, data_dir, "tests.recording_node", [
+            "join", "--hub", hub_addr, "--price", "0.35",
             "--backend", "hf", "--device", "cpu", "--data-dir", str(data_dir), "--listen", listen, *args,
         ])
