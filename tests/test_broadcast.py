@@ -127,6 +127,7 @@ async def test_false_reports_never_ban_an_honest_relay_but_do_ban_the_accuser():
     assert (result.detected, result.accepted, result.false_rejections) == (result.attempts, 0, 0)
 
 
+@pytest.mark.timing
 @pytest.mark.trio
 @pytest.mark.parametrize(("hub_bps", "expected_s"), [(1e6, 1.05), (4e6, 0.52), (None, 1.05)])
 async def test_hub_uplink_shares_b0_and_caps_each_stream_at_bw(hub_bps, expected_s):

@@ -177,6 +177,7 @@ async def test_large_frame_crosses_intact():
             assert digest == Digest(sha256=hashlib.sha256(payload).hexdigest(), size=BIG_BYTES)
 
 
+@pytest.mark.timing
 @pytest.mark.trio
 async def test_rate_limiter_holds_rate_over_libp2p():
     rate_bytes_per_s = 2 * 1024 * 1024

@@ -278,6 +278,7 @@ async def _probe_hub(hub_addr: str, config_hash: str, seconds: float) -> tuple[l
     return beats, statuses
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_hub_and_nodes_stay_responsive_under_full_cpu_load(tmp_path, default_model_dir):
     data = tmp_path / "hub"

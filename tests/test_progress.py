@@ -42,6 +42,7 @@ class FakeHub:
         self.config = SimpleNamespace(learner=SimpleNamespace(prompts_per_step=8))
 
 
+@pytest.mark.timing
 @pytest.mark.trio
 async def test_a_stall_is_warned_once_and_only_while_groups_arrive(capsys, autojump_clock):
     hub = FakeHub()

@@ -55,6 +55,7 @@ class FlippingSource:
         return data
 
 
+@pytest.mark.timing
 @pytest.mark.trio
 async def test_chain_of_relays_delivers_bit_exact_and_relays_while_receiving():
     hub_id = Identity.generate()
@@ -221,6 +222,7 @@ async def test_stale_version_is_refused():
             assert error is None
 
 
+@pytest.mark.timing
 @pytest.mark.trio
 async def test_served_stream_respects_the_link_limit_in_sub_chunk_slices():
     hub_id = Identity.generate()

@@ -360,6 +360,7 @@ async def test_hub_source_reports_a_refusal() -> None:
         source.close()
 
 
+@pytest.mark.timing
 @pytest.mark.asyncio
 async def test_a_slow_hub_times_out_without_blocking_the_event_loop() -> None:
     identity = Identity.generate()
@@ -433,6 +434,7 @@ def test_dashboard_arguments_need_exactly_one_source() -> None:
     assert args.hub.endswith("/p2p/x") and args.refresh_s == 0.5 and args.screenshot is None
 
 
+@pytest.mark.timing
 @pytest.mark.asyncio
 async def test_node_dashboard_renders_node_view(tmp_path: Path) -> None:
     app = run_node_dashboard(tmp_path, refresh_s=0.1)
