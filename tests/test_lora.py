@@ -168,7 +168,9 @@ def test_final_policy_is_the_merged_model_and_peft_dir_loads_the_same_adapters(t
 @pytest.mark.slow
 def test_a_real_lora_run_ships_adapters_that_a_real_node_installs_bit_exact(tmp_path):
     hub_dir = tmp_path / "hub"
-    hub = start_test_hub(hub_dir, "--lora-rank", "8", "--lr", "3e-3", "--kappa", "1", "--staleness", "1",
+    # S = 3: the hub keeps its newest 4 snapshot files, so the newest one the node installed is still there
+    # when the hub is stopped (first: it publishes no more while the node's installs are compared).
+    hub = start_test_hub(hub_dir, "--lora-rank", "8", "--lr", "3e-3", "--kappa", "1", "--staleness", "3",
                          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4")
     nodes: list[Proc] = []
     try:
@@ -176,9 +178,9 @@ def test_a_real_lora_run_ships_adapters_that_a_real_node_installs_bit_exact(tmp_
         nodes = [start_test_node(hub.addr, node_dir)]
         peer = node_peer_id(nodes[0])
         wait_until(lambda: (n := node_states(hub).get(peer)) and n.version_held >= 3, 180, "the node to hold v3")
-        stop_all(nodes)
+        stop_all([hub])
     finally:
-        stop_all([*nodes, hub])
+        stop_all([hub, *nodes])
     hashes = dict(query(hub_dir, "SELECT version, manifest_hash FROM snapshots"))
     records = {r["version"]: r for r in (json.loads(p.read_text()) for p in (node_dir / "installed").glob("v*.json"))}
     assert len(records) >= 3 and all(r["bytes_blake3"] == hashes[v] for v, r in records.items())
