@@ -9,6 +9,7 @@ libp2p before it could join: on a 2-core laptop, three of them delayed the first
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import signal
@@ -43,19 +44,28 @@ def start_node_server() -> None:
     forkserver.ensure_running()
 
 
-def _node_main(argv: list[str], out_path: str) -> None:
-    """One forked local node: its own session (a Ctrl-C in the terminal reaches the hub, which then stops
-    the nodes itself) and output file, then `echo-node` with `argv`."""
-    os.setsid()
+def redirect_output(out_path: str) -> None:
+    """Send this (forked) process's stdout and stderr to `out_path`, appended, a line at a time."""
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
     sys.stdout.reconfigure(line_buffering=True, write_through=True)
     sys.stderr.reconfigure(line_buffering=True, write_through=True)
+
+
+def _node_main(argv: list[str], out_path: str) -> None:
+    """One forked local node: its own session (a Ctrl-C in the terminal reaches the hub, which then stops
+    the nodes itself) and output file, then `echo-node` with `argv`."""
+    os.setsid()
+    redirect_output(out_path)
     from node.cli import main
 
-    sys.exit(main(argv))
+    try:
+        code = main(argv)
+    finally:
+        atexit._run_exitfuncs()  # a forked multiprocessing child leaves with os._exit, which skips them
+    sys.exit(code)
 
 
 def spawn_local_nodes(

@@ -23,6 +23,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from multiprocessing.process import BaseProcess
 
+from hub.local_nodes import redirect_output
+
 PRELOAD = (
     "hub.cli", "hub.run", "hub.learner", "hub.service", "hub.local_nodes",
     "node.cli", "node.run", "node.hf_engine", "libp2p", "transformers.models.qwen2.modeling_qwen2",
@@ -82,12 +84,7 @@ def _enter_netns(name: str) -> None:
 def _main(module: str, argv: list[str], out_path: str, env: dict[str, str], netns: str | None) -> None:
     if netns is not None:
         _enter_netns(netns)
-    out = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    sys.stdout.reconfigure(line_buffering=True, write_through=True)
-    sys.stderr.reconfigure(line_buffering=True, write_through=True)
+    redirect_output(out_path)
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module, *argv]
