@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from multiprocessing import forkserver
 from pathlib import Path
@@ -54,11 +55,21 @@ def redirect_output(out_path: str) -> None:
     sys.stderr.reconfigure(line_buffering=True, write_through=True)
 
 
+def _stop_with_the_hub() -> None:
+    """SIGINT this node once the hub that started it is gone, however it ended (the pipe it holds for the
+    node closes): a local node never outlives its hub, even when the node server died before it."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None
+    parent.join()
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def _node_main(argv: list[str], out_path: str) -> None:
     """One forked local node: its own session (a Ctrl-C in the terminal reaches the hub, which then stops
     the nodes itself) and output file, then `echo-node` with `argv`."""
     os.setsid()
     redirect_output(out_path)
+    threading.Thread(target=_stop_with_the_hub, name="hub-watch", daemon=True).start()
     from node.cli import main
 
     try:

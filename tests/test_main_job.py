@@ -158,6 +158,39 @@ def test_local_nodes_are_forked_from_one_node_server_and_stop_on_sigint(tmp_path
     assert [n.process.exitcode for n in nodes] == [0, 0], [n.data_dir.joinpath("node.out").read_text() for n in nodes]
 
 
+def test_a_local_node_stops_when_its_hub_is_killed(tmp_path: Path) -> None:
+    """SIGKILL the process that spawned a local node (a stand-in for the hub): the node stops on its own."""
+    from tests.harness import wait_until
+
+    code = (
+        "import sys, time\n"
+        "from hub.local_nodes import spawn_local_nodes, start_node_server\n"
+        "from shared.crypto import Identity\n"
+        "start_node_server()\n"
+        f"(node,) = spawn_local_nodes(1, '/ip4/127.0.0.1/tcp/9/p2p/' + Identity.generate().peer_id, {str(tmp_path)!r})\n"
+        "print(node.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    hub = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(hub.stdout.readline())
+        out = tmp_path / "nodes" / "node-0" / "node.out"
+        wait_until(lambda: "unreachable" in (out.read_text() if out.exists() else ""), 120, "the node to run")
+        hub.kill()
+        hub.wait()
+
+        def gone() -> bool:
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            except FileNotFoundError:
+                return True
+
+        wait_until(gone, 30, f"node {pid} to stop after its hub was killed")
+        assert "stopped (SIGINT)" in out.read_text()
+    finally:
+        hub.kill()
+
+
 @pytest.mark.slow
 def test_echo_hub_start_with_a_model_dir_gives_its_local_nodes_that_model(tmp_path: Path) -> None:
     """`--model DIR` with local nodes: each spawned node loads DIR too (a Qwen3 here, another config hash
