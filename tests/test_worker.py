@@ -29,34 +29,33 @@ class ForgottenBy:
         return Reject(code=RejectCode.UNKNOWN_NODE, reason="unknown node: join first")
 
 
-@pytest.mark.trio
-async def test_a_hub_that_forgot_the_node_makes_the_link_beat_at_once():
+async def run_until_nudged(client, timeout_s: float) -> Worker:
+    """Run a worker on `client` until it nudges its hub link (fails after `timeout_s`)."""
     nudged = trio.Event()
-    client = ForgottenBy()
     worker = Worker(client, engine=None, engine_lock=trio.Lock(), can_work=lambda: True, version_held=lambda: 0,
                     max_rollouts_per_s=None, on_unknown=nudged.set)
-    with trio.fail_after(5):
+    with trio.fail_after(timeout_s):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(worker.run)
             await nudged.wait()
             nursery.cancel_scope.cancel()
+    return worker
+
+
+@pytest.mark.trio
+async def test_a_hub_that_forgot_the_node_makes_the_link_beat_at_once():
+    client = ForgottenBy()
+    await run_until_nudged(client, timeout_s=5)
     assert client.asked == 1
 
 
 @pytest.mark.trio
 async def test_a_real_hub_that_never_met_the_node_makes_the_link_beat_at_once(tmp_path, default_model_dir):
-    nudged = trio.Event()
     async with inproc_hub(tmp_path, default_model_dir, HubConfig(trust=PERMISSIVE_TRUST)) as hub, \
             AsyncExitStack() as stack:
         identity = Identity.generate()
         host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
         client = HubClient(host, identity, hub.addr, timeout_s=10)
         await client.connect()  # connected, never joined: the hub answers its lease request UNKNOWN_NODE
-        worker = Worker(client, engine=None, engine_lock=trio.Lock(), can_work=lambda: True, version_held=lambda: 0,
-                        max_rollouts_per_s=None, on_unknown=nudged.set)
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(worker.run)
-                await nudged.wait()
-                nursery.cancel_scope.cancel()
+        worker = await run_until_nudged(client, timeout_s=20)
     assert worker.stats.leases_done == 0
