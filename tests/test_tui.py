@@ -270,6 +270,38 @@ async def test_values_update_between_refreshes_and_final_status_banner(tmp_path:
         await until(lambda: "may have stopped" in str(banner.render()))
 
 
+class ShutdownRacingSource(DataDirSource):
+    """Answers its first fetch at once; later ones only once the app's banner has been removed in shutdown."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.banner: Banner | None = None
+        self.fetches = 0
+        self.late_answers = 0
+
+    async def fetch(self):
+        self.fetches += 1
+        if self.fetches > 1:
+            while self.banner is None or self.banner.is_attached:
+                await asyncio.sleep(0.001)
+            self.late_answers += 1
+            return NoStatus("answered while the dashboard shuts down")
+        return await super().fetch()
+
+
+@pytest.mark.asyncio
+async def test_a_fetch_that_ends_during_shutdown_leaves_the_closing_screen_alone(hub_dir: Path) -> None:
+    # A slow machine can finish a fetch while Textual removes the widgets; showing it then raised
+    # NoMatches from the worker and failed the app.
+    source = ShutdownRacingSource(hub_dir)
+    app = HubDashboard(source, refresh_s=0.05)
+    async with app.run_test(size=(120, 40)):
+        await app.loaded.wait()
+        source.banner = app.query_one(Banner)
+        await until(lambda: source.fetches > 1)
+    assert source.late_answers >= 1  # the race was run, and the app ended without an error
+
+
 # --- hub dashboard over libp2p --------------------------------------------------------------
 
 

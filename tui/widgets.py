@@ -174,6 +174,8 @@ class DashboardApp(App):
             result = await self.source.fetch()
         finally:
             self._fetching = False
+        if not self.is_running:
+            return  # the app began shutting down during the fetch: its widgets are being removed
         self.last_result = result
         if not isinstance(result, (NoStatus, Unreachable)):
             self.last_good_at = time.time()
