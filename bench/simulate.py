@@ -33,6 +33,11 @@ at the period the hub tells its online nodes (`hub.fleet.heartbeat_period`: ever
 scheduler.heartbeats_per_s in all), one lease-carrying submission per prompts_per_lease *
 group_size rollouts (4 x 16).
 
+The predicted bubble is hub.capacity.predicted_bubble with the pool's throughput-weighted mean
+arrival of the newest version (hub.capacity.first_step_idle_s: the first step that can use nothing
+older waits for that version's rollouts; at 1,000+ nodes that step, not the per-period balance,
+is where the learner idles).
+
 Scenarios: cost-aware (the scheduler as above), all-on (every measured node active), star
 (cost-aware with a star broadcast) and sync (S = 0, kappa = 1: every step waits for the broadcast
 of the previous one). Figures are taken over the second half of the steps (the first half is the
@@ -55,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hub.capacity import (  # noqa: E402
+    Arrival,
     InfeasibleCapacity,
     NodeOffer,
     control_decision,
@@ -174,6 +180,7 @@ class Simulation:
         self.pending_idle = 0.0  # the idle time before the step in training
         self.t_train_recent: list[float] = []
         self.t_bcast_last: float | None = None
+        self.t_arrive_last: float | None = None  # the active pool's throughput-weighted mean arrival
         self.publish_at: dict[int, float] = {}
         self.arrivals_left: dict[int, int] = {}
         self.release_pending: tuple[str, float] | None = None
@@ -308,8 +315,11 @@ class Simulation:
 
     def predicted(self) -> float | None:
         t_train = sum(self.t_train_recent) / len(self.t_train_recent)
+        # The first step that needs the newest version needs R / USABLE of it: stale drops come from the
+        # old version's overproduction, not from that step.
+        arrival = None if self.t_arrive_last is None else Arrival(self.t_arrive_last, self.R / USABLE)
         return predicted_bubble(self.kappa, self.R / self.usable(), t_train, self.t_bcast_last or 0.0, self.active_rate,
-                                self.sc.staleness)
+                                self.sc.staleness, arrival)
 
     # -- broadcast ------------------------------------------------------------------------
     def publish(self, version: int) -> None:
@@ -331,6 +341,9 @@ class Simulation:
                     slowest = min(slowest, node.link_bps)
                     arrivals.append((node, SNAPSHOT_BYTES / slowest + pos * (CHUNK_BYTES / slowest + HOP_LATENCY_S)))
         self.arrivals_left[version] = len(arrivals)
+        weight = sum(node.rate for node, _ in arrivals if node.state == "active")
+        if weight > 0:
+            self.t_arrive_last = sum(node.rate * seconds for node, seconds in arrivals if node.state == "active") / weight
         for node, seconds in arrivals:
             self.push(self.now + seconds, "arrive", (node.name, version))
 

@@ -10,9 +10,10 @@ is lost. In star mode every node pulls from the hub.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -61,6 +62,10 @@ class Broadcast:
     published_at: float
     receivers: frozenset[str]
     done_at: float | None = None
+    # receiver -> when a heartbeat first showed it holding this version (or a newer one)
+    installed_at: dict[str, float] = field(default_factory=dict)
+    # The active pool's throughput-weighted mean of those times, from the publish (hub.capacity.Arrival).
+    arrive_s: float | None = None
 
     @property
     def seconds(self) -> float | None:
@@ -275,12 +280,18 @@ class Broadcaster:
         (or a newer one: a node that skipped to the next version had this one's bytes on the way)."""
         now = time.monotonic()
         for b in list(self.pending):
-            waiting = [
-                p for p in b.receivers
-                if (n := self.fleet.get(p)) is not None and n.state not in ("banned", "gone") and n.version_held < b.version
-            ]
+            waiting = []
+            for p in b.receivers:
+                n = self.fleet.get(p)
+                if n is None or n.state in ("banned", "gone"):
+                    continue
+                if n.version_held < b.version:
+                    waiting.append(p)
+                else:
+                    b.installed_at.setdefault(p, now)
             if not waiting:
                 b.done_at = now
+                b.arrive_s = self._mean_arrival_s(b)
                 self.pending.remove(b)
                 if self.last_done is None or b.version > self.last_done.version:
                     self.last_done = b
@@ -339,8 +350,20 @@ class Broadcaster:
         await self.event("reachability", record.peer_id, f"{record.reachability} ({', '.join(addrs) or 'no address'})")
         self.replan()
 
+    def _mean_arrival_s(self, b: Broadcast) -> float | None:
+        """When the active pool's throughput got `b`, on average; None if no active node received it."""
+        weighted = [
+            (n.rollouts_per_s, at - b.published_at) for p, at in b.installed_at.items()
+            if (n := self.fleet.get(p)) is not None and n.state == "active" and n.rollouts_per_s > 0
+        ]
+        total = math.fsum(w for w, _ in weighted)
+        return math.fsum(w * s for w, s in weighted) / total if total > 0 else None
+
     def last_t_bcast_s(self) -> float | None:
         return None if self.last_done is None else self.last_done.seconds
+
+    def last_arrival_s(self) -> float | None:
+        return None if self.last_done is None else self.last_done.arrive_s
 
     # -- judging reports of bad relays --------------------------------------------------------
 

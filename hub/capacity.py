@@ -86,12 +86,42 @@ def mu_min(
     return kappa * rollouts_per_step / window_s
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """How a version reaches the pool, for the first step that needs it (see first_step_idle_s).
+
+    t_arrive_s: the pool's throughput-weighted mean time from publish to install (<= T_bcast, which is
+    the last node's); fresh_rollouts_per_step: the accepted rollouts one step needs, R over the usable
+    fraction *without* stale drops (those come from the old version's overproduction, not from this step).
+    """
+
+    t_arrive_s: float
+    fresh_rollouts_per_step: float
+
+
+def first_step_idle_s(kappa: int, t_train_s: float, mu_pool: float, staleness: int, arrival: Arrival) -> float:
+    """Idle before the first step that can use nothing older than the newest version.
+
+    Version V is published at the end of step V; step V - kappa + S + 2 is the first to find V - kappa
+    too stale, and it starts (S - kappa + 1) * T_train after the publish. All it trains on is made with
+    V, which the pool holds on average t_arrive_s after the publish, so it waits
+    max(0, R_fresh / mu_pool - ((S - kappa + 1) * T_train - t_arrive)). Whenever the broadcast stalls
+    the fleet (T_bcast > (S - kappa) * T_train) this is tighter than the per-period balance, since
+    nothing made before V arrived can be banked for that step.
+    """
+    if mu_pool <= 0:
+        return math.inf
+    window_s = (staleness - kappa + 1) * t_train_s - arrival.t_arrive_s
+    return max(0.0, arrival.fresh_rollouts_per_step / mu_pool - window_s)
+
+
 def predicted_idle_s(
     kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float,
-    staleness: int | None = None,
+    staleness: int | None = None, arrival: Arrival | None = None,
 ) -> float:
     """Learner idle seconds per publish period: max(0, kappa*R/mu_pool + stall - kappa*T_train), the stall
-    as broadcast_stall_s gives it (at S = 0: R/mu_pool + T_bcast, as nothing is made while it trains).
+    as broadcast_stall_s gives it (at S = 0: R/mu_pool + T_bcast, as nothing is made while it trains);
+    with `arrival` known (and S given), at least first_step_idle_s.
 
     An empty pool (mu_pool <= 0) never delivers, so the idle time is infinite.
     """
@@ -99,15 +129,18 @@ def predicted_idle_s(
     if mu_pool <= 0:
         return math.inf
     stall_s = broadcast_stall_s(kappa, t_train_s, t_bcast_s, staleness)
-    return max(0.0, kappa * rollouts_per_step / mu_pool + stall_s - kappa * t_train_s)
+    idle_s = max(0.0, kappa * rollouts_per_step / mu_pool + stall_s - kappa * t_train_s)
+    if arrival is not None and staleness is not None:
+        idle_s = max(idle_s, first_step_idle_s(kappa, t_train_s, mu_pool, staleness, arrival))
+    return idle_s
 
 
 def predicted_bubble(
     kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float,
-    staleness: int | None = None,
+    staleness: int | None = None, arrival: Arrival | None = None,
 ) -> float:
     """Learner bubble ratio T_idle / (T_idle + kappa*T_train); 1.0 for an empty pool."""
-    idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, staleness)
+    idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, staleness, arrival)
     if math.isinf(idle_s):
         return 1.0
     return idle_s / (idle_s + kappa * t_train_s)

@@ -197,7 +197,9 @@ class Hub:
                               t_train_s=lambda: self.status.t_train_recent_s,
                               t_bcast_s=self.broadcaster.last_t_bcast_s,
                               usable_fraction=lambda: self.status.usable_fraction,
-                              staleness=lc.staleness),
+                              staleness=lc.staleness,
+                              t_arrive_s=self.broadcaster.last_arrival_s,
+                              fresh_usable_fraction=lambda: self.status.fresh_usable_fraction),
                 set_state=state.set_state,
             )
             self.status = StatusBoard(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import trio
 
 from hub.capacity import (
+    Arrival,
     InfeasibleCapacity,
     NodeOffer,
     control_decision,
@@ -60,6 +61,11 @@ class LearnerTiming:
     # S: how long nodes may go on with the version they hold (hub.capacity.broadcast_stall_s); None: DESIGN's
     # formula, where the broadcast stops the fleet for all of T_bcast.
     staleness: int | None = None
+    # The active pool's throughput-weighted mean time to install the newest version, and the usable
+    # fraction without stale drops: the bubble of the first step that needs that version
+    # (hub.capacity.first_step_idle_s). None: not measured, and that step is not modelled.
+    t_arrive_s: Callable[[], float | None] = lambda: None
+    fresh_usable_fraction: Callable[[], float] = lambda: 1.0
 
 
 def offer(record: NodeRecord) -> NodeOffer:
@@ -98,17 +104,21 @@ class Scheduler:
         usable = self.timing.usable_fraction()
         # Accepted rollouts the fleet must produce per step, counting the groups the learner skips.
         k, r = self.timing.kappa, self.timing.rollouts_per_step / usable
+        t_arrive = self.timing.t_arrive_s()
+        arrival = None if t_arrive is None else Arrival(
+            t_arrive, self.timing.rollouts_per_step / self.timing.fresh_usable_fraction())
         try:
             needed = mu_min(k, r, t_train, t_bcast, self.timing.staleness)
         except InfeasibleCapacity as exc:
             # No target, but the bubble of the pool we have is still predicted (never 0 here).
             return CapacityView(
-                mu_pool, None, None, predicted_bubble(k, r, t_train, t_bcast, mu_pool, self.timing.staleness), str(exc),
+                mu_pool, None, None, predicted_bubble(k, r, t_train, t_bcast, mu_pool, self.timing.staleness, arrival),
+                str(exc),
                 usable,
             )
         return CapacityView(
             mu_pool, needed, self.config.gamma * needed,
-            predicted_bubble(k, r, t_train, t_bcast, mu_pool, self.timing.staleness),
+            predicted_bubble(k, r, t_train, t_bcast, mu_pool, self.timing.staleness, arrival),
             f"T_train {t_train:.3g}s T_bcast {t_bcast:.3g}s usable {usable:.0%}", usable,
         )
 

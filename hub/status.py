@@ -69,6 +69,8 @@ class StatusBoard:
         self.evals: tuple[EvalPoint, ...] = ()
         self.t_train_recent_s: float | None = None
         self.usable_fraction = 1.0
+        # The same without stale drops: what one step's rollouts shrink by (hub.capacity.Arrival).
+        self.fresh_usable_fraction = 1.0
         self.running = True
 
     def _read_store(self) -> None:
@@ -80,7 +82,9 @@ class StatusBoard:
         )
         recent = [s.t_train_s for s in steps[-10:]]
         self.t_train_recent_s = sum(recent) / len(recent) if recent else None
-        self.usable_fraction = usable_fraction(*self.store.recent_usable_groups(USABLE_WINDOW_GROUPS))
+        trained, settled, stale = self.store.recent_usable_groups(USABLE_WINDOW_GROUPS)
+        self.usable_fraction = usable_fraction(trained, settled)
+        self.fresh_usable_fraction = usable_fraction(trained, settled - stale)
         self.evals = tuple(self.store.evals(HISTORY_POINTS))
         self.events = tuple(
             EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)

@@ -651,15 +651,17 @@ class Store:
             self._events(events)
         return ids
 
-    def recent_usable_groups(self, limit: int) -> tuple[int, int]:
-        """(trained, settled) among the newest `limit` accepted groups that were trained on or discarded."""
+    def recent_usable_groups(self, limit: int) -> tuple[int, int, int]:
+        """(trained, settled, dropped as stale) among the newest `limit` accepted groups that were trained on
+        or discarded."""
         row = self._rows(
-            "SELECT COALESCE(SUM(consumed_step IS NOT NULL), 0) AS trained, COUNT(*) AS settled FROM ("
-            " SELECT consumed_step FROM trajectories WHERE verdict = 'accepted'"
+            "SELECT COALESCE(SUM(consumed_step IS NOT NULL), 0) AS trained, COUNT(*) AS settled,"
+            " COALESCE(SUM(discard_reason = ?), 0) AS stale FROM ("
+            " SELECT consumed_step, discard_reason FROM trajectories WHERE verdict = 'accepted'"
             " AND (consumed_step IS NOT NULL OR discard_reason IS NOT NULL) ORDER BY id DESC LIMIT ?)",
-            (limit,),
+            (REASON_STALE, limit),
         )[0]
-        return int(row["trained"]), int(row["settled"])
+        return int(row["trained"]), int(row["settled"]), int(row["stale"])
 
     def trajectory_counts(self) -> dict[Verdict, int]:
         """Groups ever received, by verdict (every verdict present, zero if none)."""

@@ -97,6 +97,16 @@ def test_fleet_simulator_runs_the_projects_own_scheduler(monkeypatch, capsys):
     assert out["savings"][0]["saving_vs_all-on"] > 0
 
 
+def test_fleet_simulator_predicts_the_idle_of_the_first_step_after_a_slow_broadcast():
+    """1,000 nodes: the broadcast (~97 s) leaves the step that needs the newest version short of rollouts.
+    The per-period balance alone predicted no bubble there; with that step modelled the prediction
+    follows the simulated idle."""
+    simulate = load_bench("simulate")
+    result = simulate.simulate(1000, "cost-aware", 0, 60)
+    assert result.bubble_simulated > 0.01
+    assert abs(result.bubble_simulated - result.bubble_predicted) <= 0.01
+
+
 def test_fleet_simulator_scenarios_of_one_seed_face_the_same_churn_and_learner():
     """Common random numbers: cost-aware and all-on of one seed see each node come and go at the same times
     and the same T_train per step, so their difference in cost is the method's, not the dice's."""

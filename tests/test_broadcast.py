@@ -40,8 +40,9 @@ async def test_broadcast_times_every_receiver_and_plans_chain_or_star(mode):
             # v0 published before anyone joined: nobody to time, so no T_bcast for it
             peer.shelf.add(random_snapshot(hub_id, 0, 256 * KIB, 64 * KIB))
             await hub.broadcaster.publish(0)
-            for node in (a, b, c):
-                join(hub.fleet, node)
+            for rate, node in enumerate((a, b, c), start=1):
+                record = join(hub.fleet, node)
+                record.state, record.rollouts_per_s = "active", float(rate)
             hub.broadcaster.replan()
             chains = hub.broadcaster.chains
             if mode == "chain":
@@ -63,6 +64,7 @@ async def test_broadcast_times_every_receiver_and_plans_chain_or_star(mode):
             nursery.cancel_scope.cancel()
     assert [v for v, _ in hub.t_bcast] == [1] and 0 < hub.t_bcast[0][1] < 10
     assert hub.broadcaster.last_t_bcast_s() == hub.t_bcast[0][1]
+    assert 0 < hub.broadcaster.last_arrival_s() <= hub.t_bcast[0][1]
     assert all(n.installed[1] == snapshot.path.read_bytes() for n in (a, b, c))
     pulled_from_hub = {p for p, r in peer.requests if r.version == 1}
     if mode == "chain":
@@ -354,3 +356,23 @@ async def test_a_relay_whose_successor_gets_nothing_moves_to_the_end_of_its_chai
             hub.broadcaster._check_progress(Broadcast(4, 0.0, frozenset(records)), 402.0 + STALL_S + 1.0)
             assert hub.broadcaster.chains == [[b.peer_id, a.peer_id, c.peer_id]]
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_broadcast_knows_when_the_active_pools_throughput_got_it(monkeypatch):
+    """Heartbeats show a (active, 6/s) holding v1 1 s after its publish, b (active, 2/s) 3 s after and
+    c (standby) 10 s after: T_bcast is 10 s, the pool's throughput had it (6 * 1 + 2 * 3) / 8 = 1.5 s."""
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b, node_peer(peer) as c:
+        hub = Hub(peer, "chain")
+        records = {n.peer_id: join(hub.fleet, n) for n in (a, b, c)}
+        for node, state, rate in ((a, "active", 6.0), (b, "active", 2.0), (c, "standby", 10.0)):
+            records[node.peer_id].state, records[node.peer_id].rollouts_per_s = state, rate
+        hub.broadcaster.pending = [Broadcast(1, 100.0, frozenset(records))]
+        for at, node in ((101.0, a), (103.0, b), (110.0, c)):
+            monkeypatch.setattr("hub.broadcast.time.monotonic", lambda at=at: at)
+            records[node.peer_id].version_held = 1
+            hub.broadcaster.check_done()
+            hub.broadcaster.check_done()  # a later heartbeat does not move the time it was first seen
+    assert hub.broadcaster.last_t_bcast_s() == 10.0
+    assert hub.broadcaster.last_arrival_s() == pytest.approx(1.5)

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from hub.capacity import (
+    Arrival,
     InfeasibleCapacity,
     NodeOffer,
     activate,
@@ -16,6 +17,7 @@ from hub.capacity import (
     cost_per_step,
     default_kappa,
     ewma,
+    first_step_idle_s,
     mu_min,
     predicted_bubble,
     predicted_idle_s,
@@ -86,6 +88,25 @@ def test_nodes_keep_generating_with_a_version_still_inside_the_window():
     assert mu_min(3, 90, 10.0, 15.0) == pytest.approx(18.0)  # 270 / (30 - 15)
     with pytest.raises(InfeasibleCapacity):
         mu_min(3, 90, 10.0, 50.0, staleness=5)  # stall 30 s: the version arrives already too old
+
+
+def test_the_first_step_that_needs_the_newest_version_waits_for_its_rollouts():
+    """S = 4, kappa = 3, T_train = 60 s: step V + 3 is the first to find V - 3 too stale; it starts 120 s
+    after V is published. The pool (4 rollouts/s) holds V 100 s after the publish on average, so it has made
+    80 of the 100 rollouts that step needs: 5 s idle, though the per-period balance says none."""
+    arrival = Arrival(t_arrive_s=100.0, fresh_rollouts_per_step=100.0)
+    assert first_step_idle_s(3, 60.0, 4.0, 4, arrival) == pytest.approx(5.0)  # 100/4 - (2 * 60 - 100)
+    # Balance: 3 * 100 / 4 = 75 s of generation + a 46 s stall (106 - 60) < 180 s per period.
+    assert predicted_idle_s(3, 100, 60.0, 106.0, 4.0, staleness=4) == 0.0
+    assert predicted_idle_s(3, 100, 60.0, 106.0, 4.0, staleness=4, arrival=arrival) == pytest.approx(5.0)
+    assert predicted_bubble(3, 100, 60.0, 106.0, 4.0, staleness=4, arrival=arrival) == pytest.approx(5.0 / 185.0)
+    # Only R over the usable fraction *without* stale drops counts for that step: 60 rollouts take 15 s < 20 s.
+    assert first_step_idle_s(3, 60.0, 4.0, 4, Arrival(100.0, 60.0)) == 0.0
+    # Where the balance is the tighter bound, it stays the prediction (27 + 15 - 30 = 12 > 9 - (30 - 30)).
+    assert predicted_idle_s(3, 90, 10.0, 35.0, 10.0, staleness=5, arrival=Arrival(30.0, 90.0)) == pytest.approx(12.0)
+    # DESIGN's formula (no S) has no first step to model; an empty pool never delivers.
+    assert predicted_idle_s(3, 100, 60.0, 106.0, 4.0, arrival=arrival) == pytest.approx(75 + 106 - 180)
+    assert first_step_idle_s(3, 60.0, 0.0, 4, arrival) == math.inf
 
 
 def test_step_time_and_cost_per_step():

@@ -18,14 +18,19 @@ T0 = 1000.0
 
 
 class FakeTiming:
-    def __init__(self, t_train_s: float | None = 1.5, t_bcast_s: float | None = 1.0, usable: float = 1.0) -> None:
+    def __init__(self, t_train_s: float | None = 1.5, t_bcast_s: float | None = 1.0, usable: float = 1.0,
+                 staleness: int | None = None, t_arrive_s: float | None = None, fresh_usable: float = 1.0) -> None:
         self.t_train_s = t_train_s
         self.t_bcast_s = t_bcast_s
         self.usable = usable
+        self.staleness = staleness
+        self.t_arrive_s = t_arrive_s
+        self.fresh_usable = fresh_usable
 
     def timing(self) -> LearnerTiming:
         return LearnerTiming(2, 10, t_train_s=lambda: self.t_train_s, t_bcast_s=lambda: self.t_bcast_s,
-                             usable_fraction=lambda: self.usable)
+                             usable_fraction=lambda: self.usable, staleness=self.staleness,
+                             t_arrive_s=lambda: self.t_arrive_s, fresh_usable_fraction=lambda: self.fresh_usable)
 
 
 class Transitions:
@@ -326,6 +331,32 @@ async def test_skipped_groups_raise_the_throughput_the_learner_needs():
     assert states(fleet) == {"a": "active", "b": "active", "c": "active"}
     # pool 17/s: idle 2*20/17 + 1 - 3 = 6/17 s per period, bubble (6/17) / (6/17 + 3)
     assert metrics["predicted_bubble"] == pytest.approx((6 / 17) / (6 / 17 + 3))
+
+
+@pytest.mark.trio
+async def test_the_first_step_after_a_broadcast_is_predicted_from_when_the_pool_got_it():
+    """S = 2, kappa = 2: step V + 1 is the first that needs version V; it starts T_train = 1.5 s after the
+    publish. The pool (a and b, 13/s) got V 0.9 s after it on average, so that step waits 10/13 - 0.6 s."""
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    measured(fleet, "c", 0.3, 4.0)
+    timing = FakeTiming(staleness=2)
+    scheduler, _ = make(fleet, timing)
+    await settle(scheduler, fleet, T0, 6)
+    # per period: 20/13 s of generation + a 1 s stall (T_bcast - (S - kappa) * T_train) < 3 s: no idle
+    assert states(fleet) == {"a": "active", "b": "active", "c": "standby"}
+    assert scheduler.step_metrics(4, 0.0)["predicted_bubble"] == 0.0
+    timing.t_arrive_s = 0.9
+    idle = 10 / 13 - (1.5 - 0.9)
+    assert scheduler.step_metrics(4, 0.0)["predicted_bubble"] == pytest.approx(idle / (idle + 3.0))
+    # A fifth of the groups dropped as stale: the period needs R / 0.8, but that step's need is unchanged
+    # (the drops are the old version's overproduction). Skipped for other reasons, they raise it too.
+    timing.usable = 0.8
+    assert scheduler.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
+    timing.fresh_usable = 0.8
+    idle = 12.5 / 13 - (1.5 - 0.9)
+    assert scheduler.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
 
 
 def test_heartbeat_period_grows_with_the_fleet_and_timeouts_with_the_period():
