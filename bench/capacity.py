@@ -11,7 +11,9 @@ mu_min. Each point waits until the new node is measured and active, then average
 next --steps-per-point learner steps: measured bubble = sum(T_idle) / sum(T_idle + T_train)
 (metrics.jsonl), predicted = hub.capacity.predicted_bubble(kappa, R / usable, mean T_train, mean
 T_bcast, mu_pool) with mu_pool the hub's measured pool throughput and usable the share of accepted
-groups it trained on (status.json), over the same steps.
+groups it trained on (status.json), over the same steps; hub_predicted_bubble is the mean of the
+hub's own per-step predictions (metrics.jsonl), which also count the first step that needs the
+newest version (hub.capacity.first_step_idle_s, from when heartbeats showed the pool holding it).
 
 Cost: two hubs with the same fleet (one unthrottled node at $0.35/h, three throttled ones at
 $0.30-0.80/h), one with the scheduler on and one with [scheduler] enabled = false; cost per
@@ -77,6 +79,9 @@ class Point:
     mu_pool: float
     measured_bubble: float
     predicted_bubble: float
+    # The hub's own per-step prediction (metrics.jsonl), which also models the first step that needs the
+    # newest version from when the pool got it (hub.capacity.first_step_idle_s); None if it made none.
+    hub_predicted_bubble: float | None
     t_train_s: float
     t_bcast_s: float
     mu_min: float | None  # None: kappa*T_train <= T_bcast at this point, no pool keeps the learner busy
@@ -148,10 +153,12 @@ def measure_point(run: Run, steps: int) -> Point:
     rollouts_per_step = ROLLOUTS_PER_STEP / usable  # as the hub's scheduler plans: skipped groups count
     bcasts = [s.t_bcast_s for s in samples if s.t_bcast_s is not None]
     t_bcast = sum(bcasts) / len(bcasts)
+    hub_predicted = [m["predicted_bubble"] for m in rows if m.get("predicted_bubble") is not None]
     return Point(
         mu_pool=mu_pool,
         measured_bubble=idle / (idle + train),
         predicted_bubble=predicted_bubble(KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool, STALENESS),
+        hub_predicted_bubble=sum(hub_predicted) / len(hub_predicted) if hub_predicted else None,
         t_train_s=t_train,
         t_bcast_s=t_bcast,
         mu_min=feasible_mu_min(rollouts_per_step, t_train, t_bcast),
@@ -170,7 +177,8 @@ def feasible_mu_min(rollouts_per_step: float, t_train: float, t_bcast: float) ->
 def describe(point: Point) -> str:
     needed = "infeasible" if point.mu_min is None else f"{point.mu_min:.1f}/s"
     return (f"mu_pool {point.mu_pool:.1f}/s (mu_min {needed}): "
-            f"bubble {point.measured_bubble:.3f} measured, {point.predicted_bubble:.3f} predicted")
+            f"bubble {point.measured_bubble:.3f} measured, {point.predicted_bubble:.3f} predicted"
+            + ("" if point.hub_predicted_bubble is None else f" ({point.hub_predicted_bubble:.3f} by the hub)"))
 
 
 def measured_broadcast(status: HubStatus) -> bool:
@@ -232,7 +240,9 @@ def plot(points: list[Point], path: Path) -> None:
     # Absolute throughput: mu_min moves with the measured T_bcast and can be undefined at a point.
     x = [p.mu_pool for p in ordered]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (capacity model)")
+    ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (per-period balance)")
+    if all(p.hub_predicted_bubble is not None for p in ordered):
+        ax.plot(x, [p.hub_predicted_bubble for p in ordered], "^:", label="predicted by the hub (first step too)")
     ax.plot(x, [p.measured_bubble for p in ordered], "s-", label="measured (learner T_idle)")
     ax.set_xlabel("mu_pool, accepted rollouts/s (measured)")
     ax.set_ylabel("bubble ratio")
@@ -275,7 +285,8 @@ def main() -> int:
     plot(points, args.out)
     result: dict[str, object] = {
         "sweep": [{"mu_pool": p.mu_pool, "measured_bubble": p.measured_bubble,
-                   "predicted_bubble": p.predicted_bubble} for p in points],
+                   "predicted_bubble": p.predicted_bubble, "hub_predicted_bubble": p.hub_predicted_bubble}
+                  for p in points],
         "points": [asdict(p) for p in points],
         "plot": str(args.out),
     }

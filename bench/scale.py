@@ -29,7 +29,10 @@ snapshot dir <= (S + 2) x snapshot bytes; t_bcast <= 1.25 x ideal; bf16 bytes = 
 Relay: the largest snapshot through three processes (source -> relay -> sink) over unlimited
 loopback links, each a real SnapshotKeeper; relay_cpu_s_per_gb is the relay process's own CPU
 seconds (getrusage) per GB it received, verified, wrote and forwarded. --profile writes the relay's
-cProfile (top functions by own time) beside the JSON.
+cProfile (top functions by own time) beside the JSON. transport_floor_cpu_s_per_gb: the same bytes
+over one bare stream of our host setup (Noise + Yamux over TCP, no echo2 protocol), sender's and
+receiver's CPU seconds together: what a relay, which receives and sends every byte, pays in
+py-libp2p before any of our code runs.
 """
 
 from __future__ import annotations
@@ -379,6 +382,97 @@ def measure_relay(work: Path, model_dir: Path, dtype: str, profile: Path | None,
             "relay_mb_per_s": round(result["bytes"] / MB / result["wall_s"], 1)}
 
 
+# -- transport floor: the same bytes through py-libp2p alone, sender -> receiver ------------------------
+
+FLOOR_WRITE_BYTES = 1 << 20
+FLOOR_PROTOCOL = "/echo2-bench/floor/1"
+
+
+def floor_role(role: str, work: Path, total_bytes: int) -> None:
+    """One end of a bare stream (Noise + Yamux over TCP, our host setup, no echo2 protocol): the receiver reads
+    `total_bytes` in 1 MiB reads, the sender writes them in 1 MiB writes; each records its own CPU seconds."""
+    import resource
+
+    import trio
+
+    from shared.crypto import Identity
+    from shared.net import connect, open_stream, running_host
+    from shared.wire import read_exact
+
+    def cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    def publish(name: str, value: dict) -> None:
+        (work / f".{name}.json").write_text(json.dumps(value))
+        (work / f".{name}.json").replace(work / f"{name}.json")
+
+    async def receiver() -> None:
+        done = trio.Event()
+
+        async def handle(stream) -> None:
+            started, wall = cpu_s(), time.perf_counter()
+            left = total_bytes
+            while left:
+                left -= len(await read_exact(stream, min(left, FLOOR_WRITE_BYTES)))
+            publish("floor-recv", {"cpu_s": cpu_s() - started, "wall_s": time.perf_counter() - wall})
+            await stream.write(b"ok")
+            await stream.close()
+            done.set()
+
+        async with running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as (host, addrs):
+            host.set_stream_handler(FLOOR_PROTOCOL, handle)
+            publish("floor-addr", {"addr": addrs[0]})
+            await done.wait()
+
+    async def sender() -> None:
+        while not (work / "floor-addr.json").exists():
+            await trio.sleep(0.05)
+        addr = json.loads((work / "floor-addr.json").read_text())["addr"]
+        async with running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
+            stream = await open_stream(host, await connect(host, addr), FLOOR_PROTOCOL)
+            block = os.urandom(FLOOR_WRITE_BYTES)
+            started = cpu_s()
+            left = total_bytes
+            while left:
+                await stream.write(block[:min(left, FLOOR_WRITE_BYTES)])
+                left -= min(left, FLOOR_WRITE_BYTES)
+            await read_exact(stream, 2)
+            publish("floor-send", {"cpu_s": cpu_s() - started})
+
+    trio.run(receiver if role == "floor-recv" else sender)
+
+
+def measure_transport_floor(work: Path, total_bytes: int, log) -> dict:
+    """CPU seconds per GB that py-libp2p itself spends to move bytes one hop (sender + receiver): what a relay,
+    which receives and forwards every byte, pays before any of our code runs."""
+    import subprocess
+
+    floor_dir = work / "floor"
+    shutil.rmtree(floor_dir, ignore_errors=True)
+    floor_dir.mkdir(parents=True)
+    procs = [subprocess.Popen([sys.executable, __file__, "--role", role, "--work-dir", str(floor_dir),
+                               "--floor-bytes", str(total_bytes)],
+                              stdout=subprocess.DEVNULL, stderr=open(floor_dir / f"{role}.err", "wb"))
+             for role in ("floor-recv", "floor-send")]
+    try:
+        for proc in procs:
+            if proc.wait(timeout=RUN_TIMEOUT_S) != 0:
+                raise RuntimeError(f"transport floor failed: {(floor_dir / 'floor-recv.err').read_text()[-2000:]}"
+                                   f"{(floor_dir / 'floor-send.err').read_text()[-2000:]}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    recv = json.loads((floor_dir / "floor-recv.json").read_text())
+    send = json.loads((floor_dir / "floor-send.json").read_text())
+    shutil.rmtree(floor_dir, ignore_errors=True)
+    gb = total_bytes / 1e9
+    log(f"  transport floor: {recv['cpu_s'] + send['cpu_s']:.1f} CPU-s for {total_bytes / MB:.0f} MB one hop")
+    return {"transport_floor_cpu_s_per_gb": round((recv["cpu_s"] + send["cpu_s"]) / gb, 2),
+            "transport_floor_mb_per_s": round(total_bytes / MB / recv["wall_s"], 1)}
+
+
 def plot(results: list[Result], out: Path) -> None:
     import matplotlib
 
@@ -420,9 +514,13 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="write the relay's cProfile here")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of RSS and T_bcast against size")
     parser.add_argument("--work-dir", type=Path, default=None, help="models and runs (default: a temp dir, removed)")
-    parser.add_argument("--role", choices=("source", "relay", "sink"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("source", "relay", "sink", "floor-recv", "floor-send"), help=argparse.SUPPRESS)
     parser.add_argument("--snapshot-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--floor-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.role in ("floor-recv", "floor-send"):
+        floor_role(args.role, args.work_dir, args.floor_bytes)
+        return
     if args.role:
         relay_role(args.role, args.work_dir, args.snapshot_dir, args.profile)
         return
@@ -457,6 +555,7 @@ def main() -> None:
         if not args.no_relay:
             largest = build_model(work, max(sizes, key=lambda s: SIZES[s][0] ** 2 * SIZES[s][1]))[0]
             out.update(measure_relay(work, largest, dtypes[0], args.profile, log))
+            out.update(measure_transport_floor(work, out["relay_bytes"], log))
         out["link_mbps"] = args.link_mbps
         out["cpus"] = os.cpu_count()
         if args.plot is not None:

@@ -97,6 +97,14 @@ def test_fleet_simulator_runs_the_projects_own_scheduler(monkeypatch, capsys):
     assert out["savings"][0]["saving_vs_all-on"] > 0
 
 
+def test_scale_bench_measures_the_transport_floor_with_two_real_processes(tmp_path):
+    """16 MiB over one bare stream between two processes: both ends' CPU is counted and the bytes arrive."""
+    scale = load_bench("scale")
+    floor = scale.measure_transport_floor(tmp_path, 16 << 20, lambda _: None)
+    assert floor["transport_floor_cpu_s_per_gb"] > 0 and floor["transport_floor_mb_per_s"] > 0
+    assert not (tmp_path / "floor").exists()
+
+
 def test_fleet_simulator_predicts_the_idle_of_the_first_step_after_a_slow_broadcast():
     """1,000 nodes: the broadcast (~97 s) leaves the step that needs the newest version short of rollouts.
     The per-period balance alone predicted no bubble there; with that step modelled the prediction
