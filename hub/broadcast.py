@@ -62,7 +62,9 @@ class Broadcast:
     published_at: float
     receivers: frozenset[str]
     done_at: float | None = None
-    # receiver -> when a heartbeat first showed it holding this version (or a newer one)
+    # receiver -> when the hub first saw it holding this version (or a newer one): its heartbeat or a lease
+    # request told the fleet record, and the next heartbeat of any node checks. A lease request is when the
+    # node starts to work with the version, which is what the capacity model needs.
     installed_at: dict[str, float] = field(default_factory=dict)
     # The active pool's throughput-weighted mean of those times, from the publish (hub.capacity.Arrival).
     arrive_s: float | None = None

@@ -105,10 +105,13 @@ def first_step_idle_s(kappa: int, t_train_s: float, mu_pool: float, staleness: i
     Version V is published at the end of step V; step V - kappa + S + 2 is the first to find V - kappa
     too stale, and it starts (S - kappa + 1) * T_train after the publish. All it trains on is made with
     V, which the pool holds on average t_arrive_s after the publish, so it waits
-    max(0, R_fresh / mu_pool - ((S - kappa + 1) * T_train - t_arrive)). Whenever the broadcast stalls
-    the fleet (T_bcast > (S - kappa) * T_train) this is tighter than the per-period balance, since
-    nothing made before V arrived can be banked for that step.
+    max(0, R_fresh / mu_pool - ((S - kappa + 1) * T_train - t_arrive)). Against the per-period balance
+    (with a stall) this is larger by (kappa - 1) * (T_train - R / mu_pool) - (T_bcast - t_arrive) +
+    (R_fresh - R) / mu_pool: it binds when the pool makes a step's rollouts well within a step, slack
+    the balance counts but that step cannot use, as nothing made before V arrived serves it. Never at
+    kappa = 1. Optimistic where earlier steps also eat V's rollouts or nodes finish an old lease first.
     """
+    validate_kappa(kappa, staleness)
     if mu_pool <= 0:
         return math.inf
     window_s = (staleness - kappa + 1) * t_train_s - arrival.t_arrive_s

@@ -84,7 +84,8 @@ class StatusBoard:
         self.t_train_recent_s = sum(recent) / len(recent) if recent else None
         trained, settled, stale = self.store.recent_usable_groups(USABLE_WINDOW_GROUPS)
         self.usable_fraction = usable_fraction(trained, settled)
-        self.fresh_usable_fraction = usable_fraction(trained, settled - stale)
+        # Everything settled went stale: no step of ours to learn the other skips from.
+        self.fresh_usable_fraction = usable_fraction(trained, settled - stale) if settled > stale else self.usable_fraction
         self.evals = tuple(self.store.evals(HISTORY_POINTS))
         self.events = tuple(
             EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)

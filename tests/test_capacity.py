@@ -107,6 +107,8 @@ def test_the_first_step_that_needs_the_newest_version_waits_for_its_rollouts():
     # DESIGN's formula (no S) has no first step to model; an empty pool never delivers.
     assert predicted_idle_s(3, 100, 60.0, 106.0, 4.0, arrival=arrival) == pytest.approx(75 + 106 - 180)
     assert first_step_idle_s(3, 60.0, 0.0, 4, arrival) == math.inf
+    with pytest.raises(ValueError, match="kappa"):
+        first_step_idle_s(3, 60.0, 4.0, 3, arrival)  # kappa > S - 1: the hub refuses such a run
 
 
 def test_step_time_and_cost_per_step():

@@ -335,27 +335,28 @@ async def test_skipped_groups_raise_the_throughput_the_learner_needs():
 
 @pytest.mark.trio
 async def test_the_first_step_after_a_broadcast_is_predicted_from_when_the_pool_got_it():
-    """S = 2, kappa = 2: step V + 1 is the first that needs version V; it starts T_train = 1.5 s after the
-    publish. The pool (a and b, 13/s) got V 0.9 s after it on average, so that step waits 10/13 - 0.6 s."""
+    """S = 3, kappa = 2: step V + 3 is the first that can use nothing older than version V; it starts
+    2 * T_train = 3 s after the publish. T_bcast 2.9 s: mu_min = 20 / (3 - 1.4) = 12.5, so all three
+    nodes work (17/s). They got V 2.7 s after it on average, so that step waits 10/17 - 0.3 s."""
     fleet = Fleet()
     measured(fleet, "a", 0.1, 5.0)
     measured(fleet, "b", 0.4, 8.0)
     measured(fleet, "c", 0.3, 4.0)
-    timing = FakeTiming(staleness=2)
+    timing = FakeTiming(t_bcast_s=2.9, staleness=3)
     scheduler, _ = make(fleet, timing)
     await settle(scheduler, fleet, T0, 6)
-    # per period: 20/13 s of generation + a 1 s stall (T_bcast - (S - kappa) * T_train) < 3 s: no idle
-    assert states(fleet) == {"a": "active", "b": "active", "c": "standby"}
+    # per period: 20/17 s of generation + a 1.4 s stall (T_bcast - (S - kappa) * T_train) < 3 s: no idle
+    assert states(fleet) == {"a": "active", "b": "active", "c": "active"}
     assert scheduler.step_metrics(4, 0.0)["predicted_bubble"] == 0.0
-    timing.t_arrive_s = 0.9
-    idle = 10 / 13 - (1.5 - 0.9)
+    timing.t_arrive_s = 2.7
+    idle = 10 / 17 - (3.0 - 2.7)
     assert scheduler.step_metrics(4, 0.0)["predicted_bubble"] == pytest.approx(idle / (idle + 3.0))
     # A fifth of the groups dropped as stale: the period needs R / 0.8, but that step's need is unchanged
     # (the drops are the old version's overproduction). Skipped for other reasons, they raise it too.
     timing.usable = 0.8
     assert scheduler.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
     timing.fresh_usable = 0.8
-    idle = 12.5 / 13 - (1.5 - 0.9)
+    idle = 12.5 / 17 - (3.0 - 2.7)
     assert scheduler.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
 
 
