@@ -24,6 +24,10 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
   reading with the window full makes the writer fail after 5 s with StreamReset
   ("Timed out waiting for window update"; measured with a 40 MiB write to a reader that
   sleeps 7 s). Readers must keep draining while they do slow work.
+- Yamux credit: py-libp2p sends a window update after every read, even of a few bytes, so a
+  request and its reply cost 22 frames (each a Noise message and a send), 12 of them window
+  updates. `_credit_like_go_yamux` replaces that rule with go-yamux's (credit once half the
+  window is used, auto-tuning kept): 10 frames.
 - An exception escaping a stream handler propagates into the connection's nursery and
   from there can cancel the whole host; `safe_handler` contains it.
 - Inbound connections (swarm.py, `_handle_inbound_connection`): each holds a slot of a
@@ -41,7 +45,6 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
-import os
 import sys
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -60,7 +63,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
@@ -80,22 +83,16 @@ MAX_CONNECTIONS = 8192
 MAX_INBOUND_PER_IP = 32
 # What one operator is assumed to control: an IPv4 address, or an IPv6 /64.
 IPV6_PREFIX_BITS = 64
-# `_inbound_handler` replaces a private method of this release only.
+# `_inbound_handler` and `_credit_like_go_yamux` replace private methods of this release only.
 LIBP2P_PATCHED_VERSION = "0.8.1"
-# Yamux credit (py-libp2p reads PY_YAMUX_* at call time): by default a receiver also credits every read
-# while its window is already at its target, an update the sender does not need and one more Noise
-# message and send each time (98 updates for a 4 MiB frame, 67 without). "0" keeps go-yamux's rule.
-# Measured between two processes, 200 MiB over one stream, three runs each: 32 instead of 42 CPU-s
-# per GB (sender and receiver together), 34 instead of 26 MB/s.
-YAMUX_TUNING = {"PY_YAMUX_RELEASE_ON_READ": "0"}
 log = logging.getLogger("echo2.net")
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 
 
 def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> IHost:
-    for name, value in YAMUX_TUNING.items():
-        os.environ.setdefault(name, value)  # an operator's own setting wins
+    _check_patched_version()
+    YamuxStream._auto_tune_and_send_window_update = _credit_like_go_yamux
     key_pair = identity.libp2p_keypair()
     host = new_host(
         key_pair=key_pair,
@@ -119,14 +116,39 @@ def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> 
     return host
 
 
+def _check_patched_version() -> None:
+    found = package_version("libp2p")
+    if found != LIBP2P_PATCHED_VERSION:
+        raise RuntimeError(f"shared/net.py patches private methods of py-libp2p {LIBP2P_PATCHED_VERSION}; found {found}")
+
+
+# py-libp2p's own rule, kept for comparison (tests/test_net.py).
+PY_LIBP2P_CREDIT = YamuxStream._auto_tune_and_send_window_update
+
+
+async def _credit_like_go_yamux(self: YamuxStream, *, bytes_read: int = 0) -> None:
+    """Replaces YamuxStream._auto_tune_and_send_window_update: grant credit as go-yamux does, only once the
+    slack (target window minus what the sender may still send and what is buffered unread) reaches half
+    the target, growing the target as py-libp2p's auto-tuning does.
+
+    py-libp2p also credits the bytes of every read while the slack is under half a window: one more
+    Yamux frame, Noise message and send per read. A request and its reply took 22 frames, 12 of them
+    such window updates; 10 with this rule. The sender never waits for long: a reader that drained its
+    buffer has slack of at least half the window once the sender has used it, and credits it then."""
+    async with self.window_lock:
+        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+        slack = self.target_recv_window - (self.recv_window + buffered)
+        if slack <= 0 or slack < self._grow_threshold():
+            return
+        increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+    await self.send_window_update(increment, skip_lock=True)
+
+
 def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
     """Replace the swarm's inbound handler (see the module docstring): slots freed when a connection ends,
     and at most `inbound_per_ip` live inbound connections per remote address (loopback included)."""
     if inbound_per_ip < 1:
         raise ValueError(f"inbound_per_ip must be >= 1, got {inbound_per_ip}")
-    found = package_version("libp2p")
-    if found != LIBP2P_PATCHED_VERSION:
-        raise RuntimeError(f"shared/net.py patches py-libp2p {LIBP2P_PATCHED_VERSION}'s inbound handler; found {found}")
     swarm = host.get_network()
     swarm._inbound_limiter.total_tokens = MAX_CONNECTIONS
     per_ip: collections.Counter[str] = collections.Counter()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
-import os
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -16,13 +17,13 @@ from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+from libp2p.stream_muxer.yamux.yamux import YAMUX_HEADER_FORMAT, Yamux, YamuxStream
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.net import (
-    YAMUX_TUNING,
+    PY_LIBP2P_CREDIT,
     RateLimiter,
     connect,
     open_stream,
@@ -179,39 +180,54 @@ async def test_large_frame_crosses_intact():
             assert digest == Digest(sha256=hashlib.sha256(payload).hexdigest(), size=BIG_BYTES)
 
 
+class FrameCounter:
+    """Counts the Yamux frames hosts write, by kind: "data", "window" (a pure window update) and "other"."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        write_frame = Yamux._write_frame
+
+        async def counted(muxer, data: bytes) -> None:
+            _, kind, flags, _, _ = struct.unpack(YAMUX_HEADER_FORMAT, data[:12])
+            self.counts["data" if kind == 0 else "window" if (kind, flags) == (1, 0) else "other"] += 1
+            await write_frame(muxer, data)
+
+        monkeypatch.setattr(Yamux, "_write_frame", counted)
+
+
 @pytest.mark.trio
-async def test_a_receiver_sends_fewer_window_updates_than_py_libp2p_by_default(monkeypatch):
-    """shared.net.YAMUX_TUNING: a 4 MiB frame arrives as 64+ Yamux frames. With credit released on every
-    read (py-libp2p's default, set explicitly here) the receiver sent 98 window updates for them; with
-    the hosts' own setting, go-yamux's rule, 67. Both runs move every byte."""
-    updates: list[int] = []
-    send_window_update = YamuxStream.send_window_update
-
-    async def counted(self, increment: int, skip_lock: bool = False) -> None:
-        updates.append(increment)
-        await send_window_update(self, increment, skip_lock)
-
-    async def updates_for_one_frame() -> list[int]:
-        updates.clear()
-        with trio.fail_after(30):
-            async with two_hosts() as (server_id, _, server_addrs, _, client):
-                await connect(client, server_addrs[0])
-                stream = await open_stream(client, server_id.peer_id, BULK)
-                await write_frame(stream, CHUNK_TAG, payload)
-                await stream.close_write()
-                assert (await read_message(stream, Digest)).size == BIG_BYTES
-                await stream.close()
-        return list(updates)
-
-    monkeypatch.setattr(YamuxStream, "send_window_update", counted)
+@pytest.mark.parametrize("credit", ["py-libp2p", "go-yamux"])
+async def test_window_credit_follows_go_yamux(monkeypatch, credit):
+    """shared.net._credit_like_go_yamux: window updates only once half the window is used. py-libp2p's own
+    rule (PY_LIBP2P_CREDIT, patched back in for comparison) adds one per read: a request and its reply
+    took 22 frames, 12 of them window updates, and a 4 MiB frame 98 updates; with go-yamux's rule the
+    request takes 10 frames and the 4 MiB frame arrives whole, the sender never left waiting."""
+    frames = FrameCounter(monkeypatch)
     payload = hashlib.sha256(b"credit").digest() * (BIG_BYTES // 32)
-    monkeypatch.setenv("PY_YAMUX_RELEASE_ON_READ", "1")
-    default = await updates_for_one_frame()
-    monkeypatch.delenv("PY_YAMUX_RELEASE_ON_READ")  # restored (unset) after the test: build_host sets it
-    ours = await updates_for_one_frame()
-    assert os.environ["PY_YAMUX_RELEASE_ON_READ"] == YAMUX_TUNING["PY_YAMUX_RELEASE_ON_READ"]
-    assert sum(ours) >= BIG_BYTES - 256 * 1024  # the sender never waited on a window it could not get
-    assert len(ours) < 0.85 * len(default)
+    with trio.fail_after(30):
+        async with two_hosts() as (server_id, _, server_addrs, _, client):
+            if credit == "py-libp2p":
+                monkeypatch.setattr(YamuxStream, "_auto_tune_and_send_window_update", PY_LIBP2P_CREDIT)
+            await connect(client, server_addrs[0])
+            await request(client, server_id.peer_id, ECHO, Ask(text="warm"), Answer, timeout_s=10)
+            frames.counts.clear()
+            for _ in range(10):
+                await request(client, server_id.peer_id, ECHO, Ask(text="hi"), Answer, timeout_s=10)
+            per_request = frames.counts.copy()
+            frames.counts.clear()
+            stream = await open_stream(client, server_id.peer_id, BULK)
+            with trio.fail_after(10):
+                await write_frame(stream, CHUNK_TAG, payload)
+            await stream.close_write()
+            assert await read_message(stream, Digest) == Digest(sha256=hashlib.sha256(payload).hexdigest(), size=BIG_BYTES)
+            await stream.close()
+    if credit == "py-libp2p":
+        assert per_request["window"] >= 10 * 10 and frames.counts["window"] >= BIG_BYTES // (64 * 1024)
+    else:
+        assert per_request["window"] == 0  # a few hundred bytes never use half a 256 KiB window
+        assert sum(per_request.values()) <= 10 * 10
+        # One update per half window at most (the window grows, so fewer): 32 for 4 MiB at 256 KiB.
+        assert 1 <= frames.counts["window"] <= BIG_BYTES // (128 * 1024)
 
 
 @pytest.mark.timing
