@@ -222,10 +222,10 @@ async def test_window_credit_follows_go_yamux(monkeypatch, credit):
             assert await read_message(stream, Digest) == Digest(sha256=hashlib.sha256(payload).hexdigest(), size=BIG_BYTES)
             await stream.close()
     if credit == "py-libp2p":
-        assert per_request["window"] >= 10 * 10 and frames.counts["window"] >= BIG_BYTES // (64 * 1024)
+        assert per_request["window"] >= 10 * 5 and frames.counts["window"] >= BIG_BYTES // (64 * 1024)
     else:
         assert per_request["window"] == 0  # a few hundred bytes never use half a 256 KiB window
-        assert sum(per_request.values()) <= 10 * 10
+        assert sum(per_request.values()) <= 10 * 10 + 2  # + a Yamux keep-alive ping and its answer
         # One update per half window at most (the window grows, so fewer): 32 for 4 MiB at 256 KiB.
         assert 1 <= frames.counts["window"] <= BIG_BYTES // (128 * 1024)
 
