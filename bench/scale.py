@@ -237,6 +237,42 @@ def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: flo
     )
 
 
+# -- role processes: each its own interpreter, finding the others through JSON files in a work dir ---
+
+
+def publish(work: Path, name: str, value: dict) -> None:
+    tmp = work / f".{name}.json"
+    tmp.write_text(json.dumps(value))
+    tmp.replace(work / f"{name}.json")
+
+
+async def wait_for(work: Path, name: str) -> dict:
+    import trio
+
+    while not (work / f"{name}.json").exists():
+        await trio.sleep(0.05)
+    return json.loads((work / f"{name}.json").read_text())
+
+
+def run_roles(work: Path, roles: dict[str, list[str]]) -> None:
+    """Run `python scale.py --role R --work-dir work *extra` for each role at once and wait for all of them;
+    raise with every role's stderr tail if one fails."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, __file__, "--role", role, "--work-dir", str(work), *extra],
+                              stdout=subprocess.DEVNULL, stderr=open(work / f"{role}.err", "wb"))
+             for role, extra in roles.items()]
+    try:
+        for proc in procs:
+            if proc.wait(timeout=RUN_TIMEOUT_S) != 0:
+                tails = "".join(f"\n{role}: {(work / f'{role}.err').read_text()[-2000:]}" for role in roles)
+                raise RuntimeError(f"a role failed:{tails}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
 # -- relay: source -> relay -> sink, each its own process ------------------------------------------
 
 
@@ -259,16 +295,6 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
 
     log = logging.getLogger("bench.scale")
 
-    def publish(name: str, value: dict) -> None:
-        tmp = work / f".{name}.json"
-        tmp.write_text(json.dumps(value))
-        tmp.replace(work / f"{name}.json")
-
-    async def wait_for(name: str) -> dict:
-        while not (work / f"{name}.json").exists():
-            await trio.sleep(0.05)
-        return json.loads((work / f"{name}.json").read_text())
-
     async def source() -> None:
         identity = Identity.from_seed(bytes(32))
         version = max(int(p.stem[1:]) for p in snapshot_dir.glob("v*.manifest"))
@@ -284,12 +310,12 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
 
         async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, addrs):
             set_handler(host, SNAPSHOT_PROTOCOL, serve, log)
-            publish("source", {"peer_id": identity.peer_id, "addr": addrs[0], "version": version,
+            publish(work, "source", {"peer_id": identity.peer_id, "addr": addrs[0], "version": version,
                                "bytes": snapshot.manifest.total_bytes})
-            await wait_for("sink-done")
+            await wait_for(work, "sink-done")
 
     async def keeper_node(name: str) -> None:
-        info = await wait_for("source")
+        info = await wait_for(work, "source")
         identity = Identity.generate()
         done = trio.Event()
 
@@ -308,22 +334,22 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
             async with trio.open_nursery() as nursery:
                 await keeper.start(nursery)
                 if name == "relay":
-                    publish("relay", {"peer_id": identity.peer_id, "addr": addrs[0]})
-                    sink = await wait_for("sink")
+                    publish(work, "relay", {"peer_id": identity.peer_id, "addr": addrs[0]})
+                    sink = await wait_for(work, "sink")
                     started = resource.getrusage(resource.RUSAGE_SELF)
                     wall = time.perf_counter()
                     keeper.update(info["version"], HUB, sink["peer_id"])
                     await done.wait()
-                    await wait_for("sink-done")  # forwarding lasts until the sink has the last chunk
+                    await wait_for(work, "sink-done")  # forwarding lasts until the sink has the last chunk
                     ended = resource.getrusage(resource.RUSAGE_SELF)
                     cpu = (ended.ru_utime - started.ru_utime) + (ended.ru_stime - started.ru_stime)
-                    publish("relay-result", {"cpu_s": cpu, "wall_s": time.perf_counter() - wall, "bytes": info["bytes"]})
+                    publish(work, "relay-result", {"cpu_s": cpu, "wall_s": time.perf_counter() - wall, "bytes": info["bytes"]})
                 else:
-                    relay = await wait_for("relay")
-                    publish("sink", {"peer_id": identity.peer_id})
+                    relay = await wait_for(work, "relay")
+                    publish(work, "sink", {"peer_id": identity.peer_id})
                     keeper.update(info["version"], Upstream(relay["peer_id"], (relay["addr"],)), None)
                     await done.wait()
-                    publish("sink-done", {})
+                    publish(work, "sink-done", {})
                 nursery.cancel_scope.cancel()
 
     main = source if role == "source" else (lambda: keeper_node(role))
@@ -343,8 +369,6 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
 
 def measure_relay(work: Path, model_dir: Path, dtype: str, profile: Path | None, log) -> dict:
     """Write one snapshot of `model_dir` in `dtype`, then time it through source -> relay -> sink."""
-    import subprocess
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -358,21 +382,9 @@ def measure_relay(work: Path, model_dir: Path, dtype: str, profile: Path | None,
     build_snapshot(model.state_dict(), 1, Identity.from_seed(bytes(32)), model_dir_config_hash(model_dir),
                    relay_dir / "source-snapshots", dtype=getattr(torch, dtype))
     del model
-    procs = []
-    for role in ("source", "relay", "sink"):
-        cmd = [sys.executable, __file__, "--role", role, "--work-dir", str(relay_dir),
-               "--snapshot-dir", str(relay_dir / "source-snapshots")]
-        if profile is not None and role == "relay":
-            cmd += ["--profile", str(profile)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(relay_dir / f"{role}.err", "wb")))
-    try:
-        for proc in procs:
-            if proc.wait(timeout=RUN_TIMEOUT_S) != 0:
-                raise RuntimeError(f"relay role failed: {(relay_dir / 'relay.err').read_text()[-2000:]}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    snapshots = ["--snapshot-dir", str(relay_dir / "source-snapshots")]
+    profiled = [] if profile is None else ["--profile", str(profile)]
+    run_roles(relay_dir, {"source": snapshots, "relay": snapshots + profiled, "sink": snapshots})
     result = json.loads((relay_dir / "relay-result.json").read_text())
     shutil.rmtree(relay_dir, ignore_errors=True)
     gb = result["bytes"] / 1e9
@@ -403,10 +415,6 @@ def floor_role(role: str, work: Path, total_bytes: int) -> None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
 
-    def publish(name: str, value: dict) -> None:
-        (work / f".{name}.json").write_text(json.dumps(value))
-        (work / f".{name}.json").replace(work / f"{name}.json")
-
     async def receiver() -> None:
         done = trio.Event()
 
@@ -415,20 +423,18 @@ def floor_role(role: str, work: Path, total_bytes: int) -> None:
             left = total_bytes
             while left:
                 left -= len(await read_exact(stream, min(left, FLOOR_WRITE_BYTES)))
-            publish("floor-recv", {"cpu_s": cpu_s() - started, "wall_s": time.perf_counter() - wall})
+            publish(work, "floor-recv", {"cpu_s": cpu_s() - started, "wall_s": time.perf_counter() - wall})
             await stream.write(b"ok")
             await stream.close()
             done.set()
 
         async with running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as (host, addrs):
             host.set_stream_handler(FLOOR_PROTOCOL, handle)
-            publish("floor-addr", {"addr": addrs[0]})
+            publish(work, "floor-addr", {"addr": addrs[0]})
             await done.wait()
 
     async def sender() -> None:
-        while not (work / "floor-addr.json").exists():
-            await trio.sleep(0.05)
-        addr = json.loads((work / "floor-addr.json").read_text())["addr"]
+        addr = (await wait_for(work, "floor-addr"))["addr"]
         async with running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
             stream = await open_stream(host, await connect(host, addr), FLOOR_PROTOCOL)
             block = os.urandom(FLOOR_WRITE_BYTES)
@@ -438,7 +444,7 @@ def floor_role(role: str, work: Path, total_bytes: int) -> None:
                 await stream.write(block[:min(left, FLOOR_WRITE_BYTES)])
                 left -= min(left, FLOOR_WRITE_BYTES)
             await read_exact(stream, 2)
-            publish("floor-send", {"cpu_s": cpu_s() - started})
+            publish(work, "floor-send", {"cpu_s": cpu_s() - started})
 
     trio.run(receiver if role == "floor-recv" else sender)
 
@@ -446,24 +452,11 @@ def floor_role(role: str, work: Path, total_bytes: int) -> None:
 def measure_transport_floor(work: Path, total_bytes: int, log) -> dict:
     """CPU seconds per GB that py-libp2p itself spends to move bytes one hop (sender + receiver): what a relay,
     which receives and forwards every byte, pays before any of our code runs."""
-    import subprocess
-
     floor_dir = work / "floor"
     shutil.rmtree(floor_dir, ignore_errors=True)
     floor_dir.mkdir(parents=True)
-    procs = [subprocess.Popen([sys.executable, __file__, "--role", role, "--work-dir", str(floor_dir),
-                               "--floor-bytes", str(total_bytes)],
-                              stdout=subprocess.DEVNULL, stderr=open(floor_dir / f"{role}.err", "wb"))
-             for role in ("floor-recv", "floor-send")]
-    try:
-        for proc in procs:
-            if proc.wait(timeout=RUN_TIMEOUT_S) != 0:
-                raise RuntimeError(f"transport floor failed: {(floor_dir / 'floor-recv.err').read_text()[-2000:]}"
-                                   f"{(floor_dir / 'floor-send.err').read_text()[-2000:]}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    size = ["--floor-bytes", str(total_bytes)]
+    run_roles(floor_dir, {"floor-recv": size, "floor-send": size})
     recv = json.loads((floor_dir / "floor-recv.json").read_text())
     send = json.loads((floor_dir / "floor-send.json").read_text())
     shutil.rmtree(floor_dir, ignore_errors=True)
