@@ -92,11 +92,17 @@ class Arrival:
 
     t_arrive_s: the pool's throughput-weighted mean time from publish to install (<= T_bcast, which is
     the last node's); fresh_rollouts_per_step: the accepted rollouts one step needs, R over the usable
-    fraction *without* stale drops (those come from the old version's overproduction, not from this step).
+    fraction *without* stale drops (those come from the old version's overproduction, not from this step);
+    lease_rollouts: one lease's rollouts for every active node. A node that installs V first finishes the
+    lease it holds with the version it had (half a lease on average), then hands V's rollouts in a lease at
+    a time (half a lease later than a steady flow, on average): each node's V output lags by about one
+    lease, so the pool makes R_fresh + lease_rollouts before the step has R_fresh of V. When a lease takes
+    as long as a learner step (the tiny default), that lag is most of the first step's idle.
     """
 
     t_arrive_s: float
     fresh_rollouts_per_step: float
+    lease_rollouts: float = 0.0
 
 
 def first_step_idle_s(kappa: int, t_train_s: float, mu_pool: float, staleness: int, arrival: Arrival) -> float:
@@ -104,18 +110,18 @@ def first_step_idle_s(kappa: int, t_train_s: float, mu_pool: float, staleness: i
 
     Version V is published at the end of step V; step V - kappa + S + 2 is the first to find V - kappa
     too stale, and it starts (S - kappa + 1) * T_train after the publish. All it trains on is made with
-    V, which the pool holds on average t_arrive_s after the publish, so it waits
-    max(0, R_fresh / mu_pool - ((S - kappa + 1) * T_train - t_arrive)). Against the per-period balance
-    (with a stall) this is larger by (kappa - 1) * (T_train - R / mu_pool) - (T_bcast - t_arrive) +
-    (R_fresh - R) / mu_pool: it binds when the pool makes a step's rollouts well within a step, slack
-    the balance counts but that step cannot use, as nothing made before V arrived serves it. Never at
-    kappa = 1. Optimistic where earlier steps also eat V's rollouts or nodes finish an old lease first.
+    V, which the pool holds on average t_arrive_s after the publish, and whose output of V lags by one
+    lease per node (Arrival.lease_rollouts), so it waits
+    max(0, (R_fresh + lease_rollouts) / mu_pool - ((S - kappa + 1) * T_train - t_arrive)). Against the
+    per-period balance (with a stall) this binds when the pool makes a step's rollouts well within a step,
+    slack the balance counts but that step cannot use, as nothing made before V arrived serves it. Never
+    at kappa = 1. Optimistic where earlier steps also eat V's rollouts.
     """
     validate_kappa(kappa, staleness)
     if mu_pool <= 0:
         return math.inf
     window_s = (staleness - kappa + 1) * t_train_s - arrival.t_arrive_s
-    return max(0.0, arrival.fresh_rollouts_per_step / mu_pool - window_s)
+    return max(0.0, (arrival.fresh_rollouts_per_step + arrival.lease_rollouts) / mu_pool - window_s)
 
 
 def predicted_idle_s(
@@ -256,10 +262,10 @@ def validate_kappa(kappa: int, staleness: int) -> None:
 
 @dataclass(frozen=True)
 class Decision:
-    """One closed-loop control step: activate or release one node, or hold."""
+    """One closed-loop control step: activate or release a set of nodes, or hold (no nodes)."""
 
     action: Literal["activate", "release", "hold"]
-    node: str | None
+    nodes: tuple[str, ...]
     reason: str
 
 
@@ -271,14 +277,18 @@ def control_decision(
 ) -> Decision:
     """The scheduler's move this control period, from measured throughputs.
 
-    Below target: activate the cheapest standby node. Otherwise release the most expensive
-    active node (highest rho, ties by the last name, mirroring activation order) only if the
-    pool keeps >= mu_target * (1 + release_margin) without it. The margin is the hysteresis
-    band: measurement noise smaller than it cannot make the loop release a node and buy it
-    back the next period. If it cannot be released yet but standby nodes cheaper per unit of
-    throughput could take its place (the pool without it plus those nodes clears the same
-    band), activate the cheapest of them: a later period then releases it. Without that step a
-    cheap node that joins after the target is met would wait on standby forever.
+    Below target: activate the cheapest standby nodes whose throughput covers the shortfall.
+    Otherwise release the most expensive active nodes (highest rho first, ties by the last name,
+    mirroring activation order) as long as the pool keeps >= mu_target * (1 + release_margin)
+    without them. The margin is the hysteresis band: measurement noise smaller than it cannot
+    make the loop release a node and buy it back the next period. If the priciest node cannot be
+    released yet but standby nodes cheaper per unit of throughput could take its place (the pool
+    without it plus those nodes clears the same band), activate the cheapest of them that do: a
+    later period then releases it. Without that step a cheap node that joins after the target is
+    met would wait on standby forever.
+
+    A move is a set, not one node, so a fleet of thousands reaches its target in a few control
+    periods rather than one period per node.
     """
     if release_margin < 0:
         raise ValueError(f"release_margin must be >= 0, got {release_margin}")
@@ -286,30 +296,47 @@ def control_decision(
     mu_pool = math.fsum(node.rollouts_per_s for node in active)
     if mu_pool < mu_target:
         if standby:
-            pick = min(standby, key=_cheapest_first_key)
+            picks = activate(standby, mu_target - mu_pool).active
             return Decision(
-                "activate", pick.name, f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s"
+                "activate", _names(picks), f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s"
             )
-        return Decision("hold", None, f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s, no standby node")
-    if active:
-        priciest = max(active, key=_cheapest_first_key)
-        without = mu_pool - priciest.rollouts_per_s
-        release_floor = mu_target * (1.0 + release_margin)
-        if without >= release_floor:
-            return Decision(
-                "release",
-                priciest.name,
-                f"pool without it {without:.4g}/s >= target with margin {release_floor:.4g}/s",
-            )
-        cheaper = sorted((n for n in standby if n.rho < priciest.rho), key=_cheapest_first_key)
+        return Decision("hold", (), f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s, no standby node")
+    if not active:
+        return Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
+    release_floor = mu_target * (1.0 + release_margin)
+    priciest = max(active, key=_cheapest_first_key)
+    without = mu_pool - priciest.rollouts_per_s
+    if without >= release_floor:  # checked before sorting: most periods hold, and fleets run to thousands
+        released = [priciest]
+        for node in sorted(active, key=_cheapest_first_key, reverse=True)[1:]:
+            if without - node.rollouts_per_s < release_floor:
+                break
+            without -= node.rollouts_per_s
+            released.append(node)
+        return Decision(
+            "release",
+            _names(released),
+            f"pool without {_count(released)} {without:.4g}/s >= target with margin {release_floor:.4g}/s",
+        )
+    if standby:
+        cheaper = [n for n in standby if n.rho < priciest.rho]
         if cheaper and without + math.fsum(n.rollouts_per_s for n in cheaper) >= release_floor:
+            picks = activate(cheaper, release_floor - without).active
             return Decision(
                 "activate",
-                cheaper[0].name,
-                f"rho {cheaper[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
+                _names(picks),
+                f"rho {picks[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
                 f"replace it (target with margin {release_floor:.4g}/s)",
             )
-    return Decision("hold", None, f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
+    return Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
+
+
+def _names(nodes: Iterable[NodeOffer]) -> tuple[str, ...]:
+    return tuple(node.name for node in nodes)
+
+
+def _count(nodes: Sequence[NodeOffer]) -> str:
+    return "it" if len(nodes) == 1 else f"these {len(nodes)}"
 
 
 def ewma(previous: float | None, sample: float, alpha: float) -> float:

@@ -3,9 +3,10 @@ from the nodes that are cheapest per unit of throughput, and keep buying it as n
 
 Every control period: nodes silent past the heartbeat timeout are dropped (their leases go
 back to the pool); newly probed nodes join the standby pool; mu_min is recomputed from the
-measured T_train and T_bcast, mu_target = gamma * mu_min, and one node is activated or
-released. Activation is immediate (a starving learner costs the most); a release waits until
-its condition has held for RELEASE_HOLD_PERIODS control periods on top of the release margin,
+measured T_train and T_bcast, mu_target = gamma * mu_min, and one set of nodes is activated or
+released (hub.capacity.control_decision: a fleet of thousands settles in a few periods, not one
+period per node). Activation is immediate (a starving learner costs the most); a release waits
+until a release has been wanted for RELEASE_HOLD_PERIODS control periods on top of the release margin,
 so neither a noisy throughput nor a noisy T_train can make the loop release a node and buy it
 back. Every state change is an event with its reason (through `set_state`).
 """
@@ -66,6 +67,9 @@ class LearnerTiming:
     # (hub.capacity.first_step_idle_s). None: not measured, and that step is not modelled.
     t_arrive_s: Callable[[], float | None] = lambda: None
     fresh_usable_fraction: Callable[[], float] = lambda: 1.0
+    # Rollouts in one lease (prompts_per_lease * group_size): each active node's output of a new version
+    # lags by about one lease (hub.capacity.Arrival.lease_rollouts).
+    rollouts_per_lease: int = 0
 
 
 def offer(record: NodeRecord) -> NodeOffer:
@@ -88,8 +92,8 @@ class Scheduler:
         self.set_state = set_state
         self.view = CapacityView(0.0, None, None, None, "no measurements yet")
         self.wake = trio.Event()
-        # (node, since): the release the loop has wanted continuously since `since`.
-        self._release_pending: tuple[str, float] | None = None
+        # Since when the loop has wanted some release without a break (None: it does not want one now).
+        self._release_wanted_since: float | None = None
 
     @property
     def release_hold_s(self) -> float:
@@ -106,7 +110,8 @@ class Scheduler:
         k, r = self.timing.kappa, self.timing.rollouts_per_step / usable
         t_arrive = self.timing.t_arrive_s()
         arrival = None if t_arrive is None else Arrival(
-            t_arrive, self.timing.rollouts_per_step / self.timing.fresh_usable_fraction())
+            t_arrive, self.timing.rollouts_per_step / self.timing.fresh_usable_fraction(),
+            len(active) * self.timing.rollouts_per_lease)
         try:
             needed = mu_min(k, r, t_train, t_bcast, self.timing.staleness)
         except InfeasibleCapacity as exc:
@@ -135,7 +140,7 @@ class Scheduler:
         if not self.config.enabled or self.view.mu_target is None:
             # No target to aim at (scheduler off, nothing measured yet, or no fleet can keep
             # up): everything measured works, so the learner waits as little as possible.
-            self._release_pending = None
+            self._release_wanted_since = None
             why = "scheduler disabled" if not self.config.enabled else self.view.reason
             for record in standby:
                 await self.set_state(record, "active", f"activate all ({why})")
@@ -148,21 +153,23 @@ class Scheduler:
             self.config.release_margin,
         )
         if decision.action == "release":
-            pending = self._release_pending
-            if pending is None or pending[0] != decision.node:
-                self._release_pending = (decision.node, now)
+            # The hold is on the wish, not on one batch: each period's batch already leaves the pool
+            # above the margin, so whichever batch is released once the wish has held is safe.
+            if self._release_wanted_since is None:
+                self._release_wanted_since = now
                 return
-            if now - pending[1] < self.release_hold_s:
+            if now - self._release_wanted_since < self.release_hold_s:
                 return
-            reason = f"{decision.reason} for {now - pending[1]:.3g}s"
+            reason = f"{decision.reason} for {now - self._release_wanted_since:.3g}s"
             state = "standby"
         elif decision.action == "activate":
             reason, state = decision.reason, "active"
         else:
-            self._release_pending = None
+            self._release_wanted_since = None
             return
-        self._release_pending = None
-        await self.set_state(self.fleet.get(decision.node), state, reason)
+        self._release_wanted_since = None
+        for name in decision.nodes:
+            await self.set_state(self.fleet.get(name), state, reason)
         self.view = self.capacity()
 
     def step_metrics(self, step: int, cost_usd: float) -> dict[str, float | None]:

@@ -102,6 +102,9 @@ def test_the_first_step_that_needs_the_newest_version_waits_for_its_rollouts():
     assert predicted_bubble(3, 100, 60.0, 106.0, 4.0, staleness=4, arrival=arrival) == pytest.approx(5.0 / 185.0)
     # Only R over the usable fraction *without* stale drops counts for that step: 60 rollouts take 15 s < 20 s.
     assert first_step_idle_s(3, 60.0, 4.0, 4, Arrival(100.0, 60.0)) == 0.0
+    # Two active nodes with 16-rollout leases: each makes its first rollouts of V a lease late, so the pool
+    # makes 60 + 32 before the step has 60 of V: 92 / 4 - 20 = 3 s.
+    assert first_step_idle_s(3, 60.0, 4.0, 4, Arrival(100.0, 60.0, lease_rollouts=32.0)) == pytest.approx(3.0)
     # Where the balance is the tighter bound, it stays the prediction (27 + 15 - 30 = 12 > 9 - (30 - 30)).
     assert predicted_idle_s(3, 90, 10.0, 35.0, 10.0, staleness=5, arrival=Arrival(30.0, 90.0)) == pytest.approx(12.0)
     # DESIGN's formula (no S) has no first step to model; an empty pool never delivers.
@@ -183,7 +186,7 @@ def test_control_activates_cheapest_standby_below_target():
     standby = [NodeOffer("y", 2.0, 10.0), NodeOffer("x", 1.0, 5.0), NodeOffer("w", 3.0, 1.0)]
     # x and y tie at rho 0.2: x by name
     decision = control_decision(active, standby, 10.0)
-    assert (decision.action, decision.node) == ("activate", "x")
+    assert (decision.action, decision.nodes) == ("activate", ("x",))
     assert control_decision(active, [], 10.0).action == "hold"
 
 
@@ -191,10 +194,39 @@ def test_control_release_needs_margin_inclusive_boundary():
     priciest = NodeOffer("b", 2.0, 5.0)  # rho 0.4
     # without b: 12 = 10 * (1 + 0.2): released
     decision = control_decision([NodeOffer("a", 1.0, 12.0), priciest], [], 10.0, release_margin=0.2)
-    assert (decision.action, decision.node) == ("release", "b")
+    assert (decision.action, decision.nodes) == ("release", ("b",))
     # without b: 11.99 < 12: held, although the pool would still meet the bare target
     decision = control_decision([NodeOffer("a", 1.0, 11.99), priciest], [], 10.0, release_margin=0.2)
-    assert (decision.action, decision.node) == ("hold", None)
+    assert (decision.action, decision.nodes) == ("hold", ())
+
+
+def test_control_activates_as_many_cheapest_nodes_as_the_shortfall_needs():
+    active = [NodeOffer("a", 1.0, 5.0)]
+    # rho: x 0.1, y 0.2, z 0.2 (name after y), w 0.5; shortfall 20 - 5 = 15 needs x (8) and y (4) and z (4)
+    standby = [NodeOffer("w", 5.0, 10.0), NodeOffer("z", 0.8, 4.0), NodeOffer("y", 0.8, 4.0), NodeOffer("x", 0.8, 8.0)]
+    decision = control_decision(active, standby, 20.0)
+    assert (decision.action, decision.nodes) == ("activate", ("x", "y", "z"))
+    assert decision.reason == "pool 5/s below target 20/s"
+    # the whole standby pool when even that falls short
+    assert control_decision(active, standby, 100.0).nodes == ("x", "y", "z", "w")
+
+
+def test_control_releases_the_priciest_nodes_the_margin_allows_in_one_move():
+    # rho: a 0.1, b 0.2, c 0.3, d 0.4; target 10 with margin 12
+    active = [NodeOffer("a", 1.0, 10.0), NodeOffer("b", 1.0, 5.0), NodeOffer("c", 1.5, 5.0), NodeOffer("d", 2.0, 5.0)]
+    decision = control_decision(active, [], 10.0, release_margin=0.2)
+    # without d: 20, without c too: 15 >= 12, without b too: 10 < 12: b stays
+    assert (decision.action, decision.nodes) == ("release", ("d", "c"))
+    assert decision.reason == "pool without these 2 15/s >= target with margin 12/s"
+
+
+def test_control_replaces_the_priciest_node_with_as_many_cheaper_ones_as_it_takes():
+    active = [NodeOffer("a", 1.0, 10.0), NodeOffer("p", 10.0, 10.0)]  # p: rho 1.0, needed (10 < 12 without it)
+    standby = [NodeOffer("s1", 0.1, 1.0), NodeOffer("s2", 0.2, 1.5), NodeOffer("s3", 0.3, 2.0), NodeOffer("dear", 20.0, 9.0)]
+    decision = control_decision(active, standby, 10.0, release_margin=0.2)
+    # without p 10, and 12 - 10 = 2 more from the cheapest that beat p's rho: s1 (1) and s2 (1.5)
+    assert (decision.action, decision.nodes) == ("activate", ("s1", "s2"))
+    assert "cheaper nodes can replace it" in decision.reason
 
 
 def test_control_holds_exactly_at_target():

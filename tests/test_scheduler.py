@@ -27,10 +27,11 @@ class FakeTiming:
         self.t_arrive_s = t_arrive_s
         self.fresh_usable = fresh_usable
 
-    def timing(self) -> LearnerTiming:
+    def timing(self, rollouts_per_lease: int = 0) -> LearnerTiming:
         return LearnerTiming(2, 10, t_train_s=lambda: self.t_train_s, t_bcast_s=lambda: self.t_bcast_s,
                              usable_fraction=lambda: self.usable, staleness=self.staleness,
-                             t_arrive_s=lambda: self.t_arrive_s, fresh_usable_fraction=lambda: self.fresh_usable)
+                             t_arrive_s=lambda: self.t_arrive_s, fresh_usable_fraction=lambda: self.fresh_usable,
+                             rollouts_per_lease=rollouts_per_lease)
 
 
 class Transitions:
@@ -130,8 +131,8 @@ async def test_activation_order_by_rho_then_the_rest_stay_on_standby():
     measured(fleet, "a", 0.1, 5.0)  # rho 0.02
     scheduler, transitions = make(fleet, FakeTiming())
     await settle(scheduler, fleet, T0, 6)
-    # probed nodes join the standby pool (join order); then one node per period, cheapest
-    # first, until 5 + 8 >= 11; c is not needed
+    # probed nodes join the standby pool (join order); then, in one move, the cheapest first
+    # until 5 + 8 >= 11; c is not needed
     assert transitions.take() == [
         ("b", "standby"), ("c", "standby"), ("a", "standby"), ("a", "active"), ("b", "active"),
     ]
@@ -153,14 +154,14 @@ async def test_silent_node_dropped_and_replaced_by_next_cheapest():
     beat(fleet, now)
     fleet.get("b").last_seen = now - 16.0  # b stopped heartbeating 16 s ago (timeout 15 s)
     await scheduler.control_once(now)
-    # dropped, and in the same period the next cheapest standby node (c) takes its place
+    # dropped, and in the same period the cheapest standby nodes that cover the shortfall take its
+    # place: c (rho 0.075), and since 5 + 4 = 9 < 11, d too
     assert transitions.log[0] == ("b", "gone", "no heartbeat for 15s")
-    assert transitions.log[1][:2] == ("c", "active")
-    assert "pool 5/s below target 11/s" in transitions.log[1][2]
+    assert [entry[:2] for entry in transitions.log[1:]] == [("c", "active"), ("d", "active")]
+    assert all(entry[2] == "pool 5/s below target 11/s" for entry in transitions.log[1:])
     transitions.take()
     await settle(scheduler, fleet, now + 1, 3)
-    # 5 + 4 = 9 < 11: d too
-    assert transitions.take() == [("d", "active")]
+    assert transitions.take() == []
     assert states(fleet) == {"a": "active", "b": "gone", "c": "active", "d": "active"}
 
 
@@ -196,6 +197,31 @@ async def test_release_needs_the_margin_and_the_hold_time():
     assert (node, state) == ("b", "standby")
     assert reason == f"pool without it 5/s >= target with margin 3.771/s for {RELEASE_HOLD_PERIODS:g}s"
     assert states(fleet) == {"a": "active", "b": "standby"}
+
+
+@pytest.mark.trio
+async def test_a_thousand_node_fleet_settles_in_a_few_control_periods():
+    """All 1,000 work until T_train is known; then one release moves the whole surplus. Moving one node
+    per period, the fleet took ~(RELEASE_HOLD_PERIODS + 1) periods per released node: ~4,000 here."""
+    fleet = Fleet()
+    for i in range(1000):
+        measured(fleet, f"n{i:04d}", 0.01 * (1 + i % 7), 0.1)  # 100/s in all
+    timing = FakeTiming(t_train_s=None)
+    scheduler, transitions = make(fleet, timing)
+    now = await settle(scheduler, fleet, T0, 2)
+    assert sum(state == "active" for state in states(fleet).values()) == 1000
+    timing.t_train_s = 1.5  # target 11/s: 132 nodes keep 11 * 1.2 = 13.2/s
+    transitions.take()
+    now = await settle(scheduler, fleet, now, RELEASE_HOLD_PERIODS + 1)
+    assert sum(state == "active" for state in states(fleet).values()) == 132
+    assert scheduler.view.mu_pool == pytest.approx(13.2)
+    # the cheapest kept: every released node costs at least as much per unit as every kept one
+    kept = [r.price_per_hour for r in fleet.nodes.values() if r.state == "active"]
+    released = [r.price_per_hour for r in fleet.nodes.values() if r.state == "standby"]
+    assert max(kept) <= min(released)
+    transitions.take()
+    await settle(scheduler, fleet, now, 10)
+    assert transitions.take() == []
 
 
 @pytest.mark.trio
@@ -358,6 +384,10 @@ async def test_the_first_step_after_a_broadcast_is_predicted_from_when_the_pool_
     timing.fresh_usable = 0.8
     idle = 12.5 / 17 - (3.0 - 2.7)
     assert scheduler.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
+    # Leases of 2 rollouts: each of the three active nodes makes V's rollouts a lease late, 6 more to wait for.
+    with_leases = Scheduler(scheduler.config, fleet, timing.timing(rollouts_per_lease=2), scheduler.set_state)
+    idle = (12.5 + 3 * 2) / 17 - (3.0 - 2.7)
+    assert with_leases.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
 
 
 def test_heartbeat_period_grows_with_the_fleet_and_timeouts_with_the_period():
