@@ -1,6 +1,6 @@
 """Fleet simulator: the method at 10 to 10,000 volunteers in simulated time, driven by the project's own code.
 
-    python bench/simulate.py [--nodes 10,100,1000,10000] [--seeds 1] [--fleet-seed K] [--steps 90] [--json] [--plot PNG]
+    python bench/simulate.py [--nodes 10,100,1000,10000] [--seeds 1] [--fleet-seed K] [--steps K] [--json] [--plot PNG]
 
 Unchanged project code decides: `hub.capacity` (mu_min, predicted_bubble, control_decision, the
 closed loop's one move per control period), `hub.chains.plan_chains` (who relays to whom),
@@ -8,7 +8,7 @@ closed loop's one move per control period), `hub.chains.plan_chains` (who relays
 holding a version older than the learner can use gets no lease; a group of version x is used at
 step t only if (t - 1) - x <= S; the buffer is consumed oldest first). The scheduler's wrapper
 (hub/scheduler.py: activate everything until T_train is known, activate at once, release only
-after the same release has been wanted for RELEASE_HOLD_PERIODS periods) is mirrored here.
+after a release has been wanted for RELEASE_HOLD_PERIODS periods) is mirrored here.
 
 What is drawn (per seed; documented so the figures can be argued with):
 - Volunteers: a GPU mix of 35% RTX 3060-class (6 rollouts/s at $0.10/h), 35% RTX 4090-class
@@ -18,9 +18,11 @@ What is drawn (per seed; documented so the figures can be argued with):
   at start. A joining node is measured by a probe lease (30 s) before the scheduler may use it.
 - Learner: T_train ~ Normal(60 s, 10%), S = 4, kappa = default_kappa(S) = 3, usable fraction 0.7,
   $3.06/h. Snapshot 1.2 GB (a 0.6B model in bf16), 1 MiB chunks, hub uplink 10 Gbit/s, 50 ms per hop.
-- Demand scales with the fleet: R is set so that mu_min is --demand (0.5) of the throughput of the
-  nodes online at start, so cost-aware activation has a choice to make at every N; above 1 the
-  whole fleet falls short and the learner idles, which is where the bubble model is tested hardest.
+- Demand scales with the fleet: R is set so that mu_min (the hub's, at the chain broadcast time of
+  the nodes online at start) is --demand (0.3) of those nodes' throughput, so cost-aware activation
+  has the same choice to make at every N; the scheduler asks for gamma = 1.1 times that over the
+  usable fraction it measures. Above about 0.6 the fleet falls short and the learner idles, which
+  is where the bubble model is tested hardest.
 
 Broadcast: a node at position j of its chain holds version v at publish + M / b + j * (c / b + hop
 latency), b the slowest rate on its path (its own link, every link before it, the hub's share
@@ -28,15 +30,17 @@ B0 / N_ch); in the star scenario each node gets M / min(Bw, B0 / N). A node that
 pulls the newest snapshot at its own link rate; chains are re-planned at each publish.
 
 Production is fluid: between events each producing node adds rate * dt rollouts of the version it
-holds (times the usable fraction). Request rates at the hub: joins and leaves as drawn, heartbeats
+holds (times the usable fraction). A node switches to a new version one lease (prompts_per_lease *
+group_size rollouts at its rate) after the snapshot arrives: it finishes its lease with the version it
+had, and hands the new one's rollouts in a lease at a time. Request rates at the hub: joins and leaves as drawn, heartbeats
 at the period the hub tells its online nodes (`hub.fleet.heartbeat_period`: every 2 s up to
 scheduler.heartbeats_per_s in all), one lease-carrying submission per prompts_per_lease *
 group_size rollouts (4 x 16).
 
 The predicted bubble is hub.capacity.predicted_bubble with the pool's throughput-weighted mean
-arrival of the newest version (hub.capacity.first_step_idle_s: the first step that can use nothing
-older waits for that version's rollouts; at 1,000+ nodes that step, not the per-period balance,
-is where the learner idles).
+arrival of the newest version and one lease of lag per active node (hub.capacity.first_step_idle_s:
+the first step that can use nothing older waits for that version's rollouts; at 1,000+ nodes that
+step, not the per-period balance, is where the learner idles).
 
 Scenarios: cost-aware (the scheduler as above), all-on (every measured node active), star
 (cost-aware with a star broadcast) and sync (S = 0, kappa = 1: every step waits for the broadcast
@@ -91,8 +95,9 @@ SNAPSHOT_BYTES = 1.2e9
 CHUNK_BYTES = 1 << 20
 HUB_UPLINK_BPS = 10e9 / 8
 HOP_LATENCY_S = 0.05
-DEMAND_SHARE = 0.5
+DEMAND_SHARE = 0.3
 ROLLOUTS_PER_LEASE = 4 * 16
+NODE_STEPS_MEASURED = 100_000
 
 
 @dataclass
@@ -104,6 +109,10 @@ class Node:
     online: bool = False
     state: str = "offline"  # offline | probing | standby | active
     held: int = -1  # version installed
+    offer: NodeOffer = field(init=False)  # what the scheduler sees: rate and price are fixed per node here
+
+    def __post_init__(self) -> None:
+        self.offer = NodeOffer(self.name, self.price, self.rate)
 
 
 @dataclass
@@ -122,11 +131,23 @@ SCENARIOS = {
 }
 
 
+def class_counts(n: int) -> list[int]:
+    """How many volunteers of each GPU_MIX class a fleet of n has: the shares, rounded by largest remainder
+    (ties to the earlier class), so every fleet of one size has the same mix."""
+    exact = [share * n for share, _, _ in GPU_MIX]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
 def draw_fleet(n: int, rng: random.Random) -> list[Node]:
+    classes = [i for i, count in enumerate(class_counts(n)) for _ in range(count)]
+    rng.shuffle(classes)
     nodes = []
-    shares = [g[0] for g in GPU_MIX]
-    for i in range(n):
-        _, rate, price = rng.choices(GPU_MIX, weights=shares)[0]
+    for i, c in enumerate(classes):
+        _, rate, price = GPU_MIX[c]
         link_mbps = min(LINK_MAX_MBPS, max(LINK_MIN_MBPS, LINK_MEDIAN_MBPS * math.exp(rng.gauss(0, LINK_SIGMA))))
         nodes.append(Node(f"n{i:05d}", rate * math.exp(rng.gauss(0, JITTER_SIGMA)),
                           price * math.exp(rng.gauss(0, JITTER_SIGMA)), link_mbps * 1e6 / 8))
@@ -163,7 +184,7 @@ class Simulation:
         # Common random numbers: every scenario of one seed sees the same T_train of step k and the same
         # online and offline spells of each node, so scenarios differ only in what the method decides.
         self.train_rng = random.Random(seed * 7919 + len(fleet))
-        self.churn_rng = {n.name: random.Random(f"{seed}:{n.name}") for n in fleet}
+        self.churn_rng = {n.name: churn_stream(seed, n.name) for n in fleet}
         self.kappa = default_kappa(scenario.staleness)
         self.R = rollouts_per_step
         self.inflight_cap = LeaseConfig().max_inflight_steps * rollouts_per_step
@@ -173,6 +194,7 @@ class Simulation:
         self._seq = 0
         # Production: version -> summed rate of producing nodes holding it.
         self.rate_by_version: dict[int, float] = {}
+        self.producers: dict[int, int] = {}  # version -> producing nodes holding it
         self.buffer: dict[int, float] = {}
         self.step = 0
         self.training = False
@@ -182,8 +204,7 @@ class Simulation:
         self.t_bcast_last: float | None = None
         self.t_arrive_last: float | None = None  # the active pool's throughput-weighted mean arrival
         self.publish_at: dict[int, float] = {}
-        self.arrivals_left: dict[int, int] = {}
-        self.release_pending: tuple[str, float] | None = None
+        self.release_wanted_since: float | None = None
         self.ramp_s: float | None = None
         # Per step, from the second half on: (idle, train, predicted bubble or None, active count, cost $)
         self.records: list[tuple[float, float, float | None, int, float]] = []
@@ -216,11 +237,17 @@ class Simulation:
         return node.state == "active" and node.held >= 0
 
     def _set_production(self, node: Node, on: bool) -> None:
+        version = node.held
         if on:
-            self.rate_by_version[node.held] = self.rate_by_version.get(node.held, 0.0) + node.rate
+            self.rate_by_version[version] = self.rate_by_version.get(version, 0.0) + node.rate
+            self.producers[version] = self.producers.get(version, 0) + 1
             self.active_rate += node.rate
         else:
-            self.rate_by_version[node.held] -= node.rate
+            self.producers[version] -= 1
+            if self.producers[version] == 0:  # gone, not a float residue that every later event iterates over
+                del self.producers[version], self.rate_by_version[version]
+            else:
+                self.rate_by_version[version] -= node.rate
             self.active_rate -= node.rate
 
     def set_state(self, node: Node, state: str) -> None:
@@ -317,7 +344,8 @@ class Simulation:
         t_train = sum(self.t_train_recent) / len(self.t_train_recent)
         # The first step that needs the newest version needs R / USABLE of it: stale drops come from the
         # old version's overproduction, not from that step.
-        arrival = None if self.t_arrive_last is None else Arrival(self.t_arrive_last, self.R / USABLE)
+        arrival = None if self.t_arrive_last is None else Arrival(
+            self.t_arrive_last, self.R / USABLE, self.active_count() * ROLLOUTS_PER_LEASE)
         return predicted_bubble(self.kappa, self.R / self.usable(), t_train, self.t_bcast_last or 0.0, self.active_rate,
                                 self.sc.staleness, arrival)
 
@@ -327,33 +355,19 @@ class Simulation:
         self.publish_at[version] = self.now
         if not online:
             return
-        if self.sc.broadcast == "star":
-            share = HUB_UPLINK_BPS / len(online)
-            arrivals = [(n, SNAPSHOT_BYTES / min(n.link_bps, share)) for n in online]
-        else:
-            chains = plan_chains([(n.name, n.link_bps) for n in online], HUB_UPLINK_BPS)
-            arrivals = []
-            hub_share = HUB_UPLINK_BPS / len(chains)
-            for chain in chains:
-                slowest = hub_share
-                for pos, name in enumerate(chain):
-                    node = self.nodes[name]
-                    slowest = min(slowest, node.link_bps)
-                    arrivals.append((node, SNAPSHOT_BYTES / slowest + pos * (CHUNK_BYTES / slowest + HOP_LATENCY_S)))
-        self.arrivals_left[version] = len(arrivals)
+        arrivals = broadcast_arrivals(online, self.sc.broadcast)
         weight = sum(node.rate for node, _ in arrivals if node.state == "active")
         if weight > 0:
             self.t_arrive_last = sum(node.rate * seconds for node, seconds in arrivals if node.state == "active") / weight
+        # A node finishes the lease it holds with the version it had, and hands the new version's rollouts in
+        # a lease at a time: in this fluid model, it switches one lease after the snapshot arrived.
         for node, seconds in arrivals:
-            self.push(self.now + seconds, "arrive", (node.name, version))
+            self.push(self.now + seconds + ROLLOUTS_PER_LEASE / node.rate, "switch", (node.name, version))
+        self.push(self.now + max(seconds for _, seconds in arrivals), "broadcast_done", version)
 
-    def arrive(self, name: str, version: int) -> None:
-        node = self.nodes[name]
-        self.install(node, version)
-        self.arrivals_left[version] -= 1
-        if self.arrivals_left[version] == 0:
-            self.t_bcast_last = self.now - self.publish_at[version]
-            self.t_bcasts.append(self.t_bcast_last)
+    def broadcast_done(self, version: int) -> None:
+        self.t_bcast_last = self.now - self.publish_at[version]
+        self.t_bcasts.append(self.t_bcast_last)
 
     # -- fleet ----------------------------------------------------------------------------
     def come_online(self, node: Node) -> None:
@@ -393,28 +407,29 @@ class Simulation:
             return
         if self.ramp_s is None and self.active_rate >= target:
             self.ramp_s = self.now
-        active = [NodeOffer(n.name, n.price, n.rate) for n in measured if n.state == "active"]
-        standby = [NodeOffer(n.name, n.price, n.rate) for n in measured if n.state == "standby"]
+        active = [n.offer for n in measured if n.state == "active"]
+        standby = [n.offer for n in measured if n.state == "standby"]
         decision = control_decision(active, standby, target, self.cfg.release_margin)
         if decision.action == "release":
-            pending = self.release_pending
-            if pending is None or pending[0] != decision.node:
-                self.release_pending = (decision.node, self.now)
+            if self.release_wanted_since is None:
+                self.release_wanted_since = self.now
                 return
-            if self.now - pending[1] < RELEASE_HOLD_PERIODS * self.cfg.control_period_s:
+            if self.now - self.release_wanted_since < RELEASE_HOLD_PERIODS * self.cfg.control_period_s:
                 return
-            self.release_pending = None
-            self.set_state(self.nodes[decision.node], "standby")
+            self.release_wanted_since = None
+            for name in decision.nodes:
+                self.set_state(self.nodes[name], "standby")
         elif decision.action == "activate":
-            self.release_pending = None
-            self.set_state(self.nodes[decision.node], "active")
+            self.release_wanted_since = None
+            for name in decision.nodes:
+                self.set_state(self.nodes[name], "active")
         else:
-            self.release_pending = None
+            self.release_wanted_since = None
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> None:
         for node in self.nodes.values():
-            if self.churn_rng[node.name].random() < ONLINE_AT_START:
+            if starts_online(self.churn_rng[node.name]):
                 self.come_online(node)
             else:
                 self.push(self.churn_rng[node.name].expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
@@ -422,7 +437,8 @@ class Simulation:
         self.publish(0)
         handlers = {
             "step_done": lambda p: self.step_done(p),
-            "arrive": lambda p: self.arrive(*p),
+            "broadcast_done": self.broadcast_done,
+            "switch": lambda p: self.install(self.nodes[p[0]], p[1]),
             "catch_up": lambda p: self.install(self.nodes[p[0]], p[1]) if self.nodes[p[0]].online else None,
             "probed": self._probed,
             "leave": lambda p: self.go_offline(self.nodes[p]) if self.nodes[p].online else None,
@@ -498,14 +514,53 @@ class Simulation:
         )
 
 
-def demand(fleet: list[Node], staleness: int, share: float) -> float:
-    """R (rollouts the learner trains on per step) that makes mu_min `share` of the throughput online at start."""
-    online_rate = ONLINE_AT_START * sum(n.rate for n in fleet)
-    kappa = default_kappa(staleness)
-    chains = plan_chains([(n.name, n.link_bps) for n in fleet], HUB_UPLINK_BPS)
-    t_bcast = SNAPSHOT_BYTES / min(n.link_bps for n in fleet) + max(len(c) for c in chains) * HOP_LATENCY_S
-    window = max(1.0, kappa * T_TRAIN_S - t_bcast)
-    return share * online_rate * window / kappa * USABLE
+def broadcast_arrivals(nodes: list[Node], broadcast: str) -> list[tuple[Node, float]]:
+    """Seconds from publish until each node holds the snapshot (the broadcast model in the docstring)."""
+    if broadcast == "star":
+        share = HUB_UPLINK_BPS / len(nodes)
+        return [(n, SNAPSHOT_BYTES / min(n.link_bps, share)) for n in nodes]
+    by_name = {n.name: n for n in nodes}
+    chains = plan_chains([(n.name, n.link_bps) for n in nodes], HUB_UPLINK_BPS)
+    arrivals = []
+    for chain in chains:
+        slowest = HUB_UPLINK_BPS / len(chains)
+        for pos, name in enumerate(chain):
+            node = by_name[name]
+            slowest = min(slowest, node.link_bps)
+            arrivals.append((node, SNAPSHOT_BYTES / slowest + pos * (CHUNK_BYTES / slowest + HOP_LATENCY_S)))
+    return arrivals
+
+
+def default_steps(n: int) -> int:
+    """Steps per run: at least 90, and at least NODE_STEPS_MEASURED / n, so that the measured half of every run
+    spans about as many node sessions at every N. In a small fleet one node coming or going moves the cost
+    of all-on by a tenth: its saving needs days of simulated time to settle (at N = 10, 5 seeds of one
+    fleet spread 10 points over 3,000 steps and 3 over 10,000)."""
+    return max(90, math.ceil(NODE_STEPS_MEASURED / n))
+
+
+def churn_stream(seed: int, name: str) -> random.Random:
+    """A node's own online and offline spells: its first draw says whether it is online at the start."""
+    return random.Random(f"{seed}:{name}")
+
+
+def starts_online(stream: random.Random) -> bool:
+    return stream.random() < ONLINE_AT_START
+
+
+def online_at_start(fleet: list[Node], seed: int) -> list[Node]:
+    return [n for n in fleet if starts_online(churn_stream(seed, n.name))]
+
+
+def demand(online: list[Node], staleness: int, share: float) -> float:
+    """R (rollouts the learner trains on per step) that makes mu_min `share` of the throughput of `online`.
+
+    mu_min is the hub's own (hub.capacity.mu_min, linear in R) at these nodes' chain broadcast time, so
+    every fleet asks for the same share of its throughput, whatever its slowest link.
+    """
+    t_bcast = max(seconds for _, seconds in broadcast_arrivals(online, "chain"))
+    per_rollout = mu_min(default_kappa(staleness), 1.0 / USABLE, T_TRAIN_S, t_bcast, staleness)
+    return share * sum(n.rate for n in online) / per_rollout
 
 
 def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEMAND_SHARE,
@@ -514,7 +569,7 @@ def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEMAND
     so seeds then differ in their fleets as well)."""
     fleet = draw_fleet(n, random.Random((seed if fleet_seed is None else fleet_seed) * 1_000_003 + n))
     # The same demand for every scenario of one fleet: the method's R, whatever S the scenario runs at.
-    sim = Simulation(fleet, SCENARIOS[scenario], steps, seed, demand(fleet, STALENESS, share))
+    sim = Simulation(fleet, SCENARIOS[scenario], steps, seed, demand(online_at_start(fleet, seed), STALENESS, share))
     sim.run()
     return sim.result(n, seed)
 
@@ -526,7 +581,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=1, help="seeds per fleet size and scenario")
     parser.add_argument("--fleet-seed", type=int, default=None,
                         help="draw one fleet per size from this seed, so seeds differ only in churn and T_train")
-    parser.add_argument("--steps", type=int, default=90, help="learner steps per run (figures from the second half)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="learner steps per run, figures from the second half (default: default_steps(N))")
     parser.add_argument("--demand", type=float, default=DEMAND_SHARE,
                         help="mu_min as a share of the throughput online at start (above 1: no fleet is enough)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -539,7 +595,7 @@ def main() -> int:
         for scenario in scenarios:
             for seed in range(args.seeds):
                 started = time.perf_counter()
-                r = simulate(n, scenario, seed, args.steps, args.demand, args.fleet_seed)
+                r = simulate(n, scenario, seed, args.steps or default_steps(n), args.demand, args.fleet_seed)
                 if not args.json:
                     print(f"N={n:<6} {scenario:<10} seed {seed}: bubble {r.bubble_simulated:.3f} (predicted "
                           f"{r.bubble_predicted}) cost/step ${r.cost_per_step:.3f} T_bcast {r.t_bcast_s:.1f}s "
@@ -547,9 +603,10 @@ def main() -> int:
                           file=sys.stderr, flush=True)
                 results.append(r.__dict__)
     out = {"results": results, "savings": savings(results)}
+    out["saving_spread"] = saving_spread(out["savings"])
     if args.plot:
         plot(results, args.plot)
-    print(json.dumps(out, sort_keys=True, default=str) if args.json else json.dumps(out["savings"], indent=1))
+    print(json.dumps(out, sort_keys=True, default=str) if args.json else json.dumps(out["saving_spread"], indent=1))
     return 0
 
 
@@ -565,6 +622,19 @@ def savings(results: list[dict]) -> list[dict]:
             if (n, other, seed) in by:
                 row[f"saving_vs_{other}"] = round(1 - r["cost_per_step"] / by[(n, other, seed)]["cost_per_step"], 4)
         out.append(row)
+    return out
+
+
+def saving_spread(rows: list[dict]) -> list[dict]:
+    """Per N and baseline: the saving's lowest, highest and mean over seeds, and the spread in points."""
+    out = []
+    for n in sorted({r["nodes"] for r in rows}):
+        for key in sorted({k for r in rows for k in r if k.startswith("saving_vs_")}):
+            values = [r[key] for r in rows if r["nodes"] == n and key in r]
+            if values:
+                out.append({"nodes": n, "vs": key.removeprefix("saving_vs_"), "seeds": len(values),
+                            "min": min(values), "max": max(values), "mean": round(sum(values) / len(values), 4),
+                            "spread_points": round(100 * (max(values) - min(values)), 1)})
     return out
 
 
