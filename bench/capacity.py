@@ -1,14 +1,15 @@
 """Capacity model against a real run: measured learner bubble vs predicted_bubble over a sweep of
 pool throughputs, and cost per step with cost-aware activation vs every node active.
 
-Usage: python bench/capacity.py [--json] [--out bench/out/capacity.png] [--steps-per-point 6]
+Usage: python bench/capacity.py [--json] [--out bench/out/capacity.png] [--steps-per-point 10] [--settle-steps 3]
 
 Sweep: one hub (`echo-hub start`, [scheduler] enabled = false, so every node works) and real
 `echo-node join` processes on loopback throttled with --max-rollouts-per-s. The first node
 (--first-rollouts-per-s) gets the learner stepping; from the measured T_train and T_bcast the
 bench computes mu_min and adds one node per point so that the pool reaches the --fractions of
-mu_min. Each point waits until the new node is measured and active, then averages over the
-next --steps-per-point learner steps: measured bubble = sum(T_idle) / sum(T_idle + T_train)
+mu_min. Each point waits until the new node is measured and active, lets --settle-steps learner
+steps pass (the new node slows the learner on a small machine, and T_train is a recent mean), then
+averages over the next --steps-per-point learner steps: measured bubble = sum(T_idle) / sum(T_idle + T_train)
 (metrics.jsonl), predicted = hub.capacity.predicted_bubble(kappa, R / usable, mean T_train, mean
 T_bcast, mu_pool) with mu_pool the hub's measured pool throughput and usable the share of accepted
 groups it trained on (status.json), over the same steps; hub_predicted_bubble is the mean of the
@@ -142,7 +143,11 @@ def collect(run: Run, steps: int) -> tuple[list[HubStatus], int, int]:
         time.sleep(POLL_S)
 
 
-def measure_point(run: Run, steps: int) -> Point:
+def measure_point(run: Run, steps: int, settle_steps: int) -> Point:
+    # A new node slows the learner too (this machine's cores run both), and the hub's T_train is a recent
+    # mean: measure once that has caught up, not the transient.
+    start = run.hub.status().step
+    run.wait(lambda s: s.step >= start + settle_steps, f"{settle_steps} steps to settle")
     samples, first, last = collect(run, steps)
     rows = [m for m in read_metrics(run.hub.data_dir / METRICS_FILE) if first < m["step"] <= last]
     idle = sum(m["t_idle_s"] for m in rows)
@@ -186,14 +191,14 @@ def measured_broadcast(status: HubStatus) -> bool:
     return status.step > KAPPA + 1 and status.t_bcast_s is not None
 
 
-def sweep(root: Path, first_mu: float, fractions: list[float], steps: int, say) -> list[Point]:
+def sweep(root: Path, first_mu: float, fractions: list[float], steps: int, settle_steps: int, say) -> list[Point]:
     run = Run(root / "sweep", scheduler_enabled=False)
     points: list[Point] = []
     try:
         run.add_node("n0", 0.35, first_mu)
         run.wait_ids()
         run.wait(lambda s: measured_broadcast(s) and run.state(s, "n0") == "active", "the first node and T_bcast")
-        points.append(measure_point(run, steps))
+        points.append(measure_point(run, steps, settle_steps))
         say(describe(points[-1]))
         estimate = points[0].mu_min
         if estimate is None:
@@ -208,7 +213,7 @@ def sweep(root: Path, first_mu: float, fractions: list[float], steps: int, say) 
             run.wait_ids()
             run.wait(lambda s, name=name: run.state(s, name) == "active", f"{name} to be measured and active")
             pool += extra
-            points.append(measure_point(run, steps))
+            points.append(measure_point(run, steps, settle_steps))
             say(describe(points[-1]))
     finally:
         run.close()
@@ -263,7 +268,8 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="keep data dirs here (default: a temp dir)")
     parser.add_argument("--first-rollouts-per-s", type=float, default=40.0)
     parser.add_argument("--fractions", default="0.5,0.8,1.3", help="pool throughputs to reach, as fractions of mu_min")
-    parser.add_argument("--steps-per-point", type=int, default=6)
+    parser.add_argument("--steps-per-point", type=int, default=10)
+    parser.add_argument("--settle-steps", type=int, default=3, help="steps skipped after each new node, before measuring")
     parser.add_argument("--cost-warmup", type=int, default=10)
     parser.add_argument("--cost-steps", type=int, default=15)
     parser.add_argument("--skip-cost", action="store_true", help="only the bubble sweep")
@@ -281,7 +287,7 @@ def main() -> int:
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="echo2-capacity-"))
     fractions = [float(f) for f in args.fractions.split(",")]
     with console.status("bubble sweep"):
-        points = sweep(root, args.first_rollouts_per_s, fractions, args.steps_per_point, say)
+        points = sweep(root, args.first_rollouts_per_s, fractions, args.steps_per_point, args.settle_steps, say)
     plot(points, args.out)
     result: dict[str, object] = {
         "sweep": [{"mu_pool": p.mu_pool, "measured_bubble": p.measured_bubble,

@@ -18,8 +18,8 @@ What is drawn (per seed; documented so the figures can be argued with):
   at start. A joining node is measured by a probe lease (30 s) before the scheduler may use it.
 - Learner: T_train ~ Normal(60 s, 10%), S = 4, kappa = default_kappa(S) = 3, usable fraction 0.7,
   $3.06/h. Snapshot 1.2 GB (a 0.6B model in bf16), 1 MiB chunks, hub uplink 10 Gbit/s, 50 ms per hop.
-- Demand scales with the fleet: R is set so that mu_min (the hub's, at the chain broadcast time of
-  the nodes online at start) is --demand (0.3) of those nodes' throughput, so cost-aware activation
+- Demand scales with the fleet: R is set so that mu_min (the hub's, at the whole fleet's chain
+  broadcast time) is --demand (0.3) of its expected online throughput, so cost-aware activation
   has the same choice to make at every N; the scheduler asks for gamma = 1.1 times that over the
   usable fraction it measures. Above about 0.6 the fleet falls short and the learner idles, which
   is where the bubble model is tested hardest.
@@ -38,7 +38,7 @@ scheduler.heartbeats_per_s in all), one lease-carrying submission per prompts_pe
 group_size rollouts (4 x 16).
 
 The predicted bubble is hub.capacity.predicted_bubble with the pool's throughput-weighted mean
-arrival of the newest version and one lease of lag per active node (hub.capacity.first_step_idle_s:
+start on the newest version and half a lease of lag per active node (hub.capacity.first_step_idle_s:
 the first step that can use nothing older waits for that version's rollouts; at 1,000+ nodes that
 step, not the per-period balance, is where the learner idles).
 
@@ -97,7 +97,7 @@ HUB_UPLINK_BPS = 10e9 / 8
 HOP_LATENCY_S = 0.05
 DEMAND_SHARE = 0.3
 ROLLOUTS_PER_LEASE = 4 * 16
-NODE_STEPS_MEASURED = 100_000
+NODE_STEPS_MEASURED = 200_000
 
 
 @dataclass
@@ -345,7 +345,7 @@ class Simulation:
         # The first step that needs the newest version needs R / USABLE of it: stale drops come from the
         # old version's overproduction, not from that step.
         arrival = None if self.t_arrive_last is None else Arrival(
-            self.t_arrive_last, self.R / USABLE, self.active_count() * ROLLOUTS_PER_LEASE)
+            self.t_arrive_last, self.R / USABLE, self.active_count() * ROLLOUTS_PER_LEASE / 2)
         return predicted_bubble(self.kappa, self.R / self.usable(), t_train, self.t_bcast_last or 0.0, self.active_rate,
                                 self.sc.staleness, arrival)
 
@@ -356,13 +356,16 @@ class Simulation:
         if not online:
             return
         arrivals = broadcast_arrivals(online, self.sc.broadcast)
+        # A node finishes the lease it holds with the version it had (half a lease on average), asks for work
+        # on the new one (when the hub times its arrival), and hands that work in a lease at a time (half a
+        # lease behind a steady flow): in this fluid model, it switches one lease after the snapshot arrived.
+        lease_s = {node.name: ROLLOUTS_PER_LEASE / node.rate for node, _ in arrivals}
         weight = sum(node.rate for node, _ in arrivals if node.state == "active")
         if weight > 0:
-            self.t_arrive_last = sum(node.rate * seconds for node, seconds in arrivals if node.state == "active") / weight
-        # A node finishes the lease it holds with the version it had, and hands the new version's rollouts in
-        # a lease at a time: in this fluid model, it switches one lease after the snapshot arrived.
+            self.t_arrive_last = sum(node.rate * (seconds + lease_s[node.name] / 2)
+                                     for node, seconds in arrivals if node.state == "active") / weight
         for node, seconds in arrivals:
-            self.push(self.now + seconds + ROLLOUTS_PER_LEASE / node.rate, "switch", (node.name, version))
+            self.push(self.now + seconds + lease_s[node.name], "switch", (node.name, version))
         self.push(self.now + max(seconds for _, seconds in arrivals), "broadcast_done", version)
 
     def broadcast_done(self, version: int) -> None:
@@ -429,7 +432,7 @@ class Simulation:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> None:
         for node in self.nodes.values():
-            if starts_online(self.churn_rng[node.name]):
+            if self.churn_rng[node.name].random() < ONLINE_AT_START:
                 self.come_online(node)
             else:
                 self.push(self.churn_rng[node.name].expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
@@ -534,8 +537,8 @@ def broadcast_arrivals(nodes: list[Node], broadcast: str) -> list[tuple[Node, fl
 def default_steps(n: int) -> int:
     """Steps per run: at least 90, and at least NODE_STEPS_MEASURED / n, so that the measured half of every run
     spans about as many node sessions at every N. In a small fleet one node coming or going moves the cost
-    of all-on by a tenth: its saving needs days of simulated time to settle (at N = 10, 5 seeds of one
-    fleet spread 10 points over 3,000 steps and 3 over 10,000)."""
+    of all-on by a tenth, so its saving needs weeks of simulated time to settle: at N = 10, 5 seeds of one
+    fleet spread 5.3 points over 10,000 steps and 2.3 over 20,000."""
     return max(90, math.ceil(NODE_STEPS_MEASURED / n))
 
 
@@ -544,23 +547,17 @@ def churn_stream(seed: int, name: str) -> random.Random:
     return random.Random(f"{seed}:{name}")
 
 
-def starts_online(stream: random.Random) -> bool:
-    return stream.random() < ONLINE_AT_START
+def demand(fleet: list[Node], staleness: int, share: float) -> float:
+    """R (rollouts the learner trains on per step) that makes mu_min `share` of the fleet's expected online
+    throughput (ONLINE_AT_START of it).
 
-
-def online_at_start(fleet: list[Node], seed: int) -> list[Node]:
-    return [n for n in fleet if starts_online(churn_stream(seed, n.name))]
-
-
-def demand(online: list[Node], staleness: int, share: float) -> float:
-    """R (rollouts the learner trains on per step) that makes mu_min `share` of the throughput of `online`.
-
-    mu_min is the hub's own (hub.capacity.mu_min, linear in R) at these nodes' chain broadcast time, so
-    every fleet asks for the same share of its throughput, whatever its slowest link.
+    mu_min is the hub's own (hub.capacity.mu_min, linear in R) at the whole fleet's chain broadcast time, so
+    every fleet asks for the same share of its throughput, whatever its slowest link; and R depends on the
+    fleet only, not on a seed's dice, so the seeds of one fleet differ in churn and T_train alone.
     """
-    t_bcast = max(seconds for _, seconds in broadcast_arrivals(online, "chain"))
+    t_bcast = max(seconds for _, seconds in broadcast_arrivals(fleet, "chain"))
     per_rollout = mu_min(default_kappa(staleness), 1.0 / USABLE, T_TRAIN_S, t_bcast, staleness)
-    return share * sum(n.rate for n in online) / per_rollout
+    return share * ONLINE_AT_START * sum(n.rate for n in fleet) / per_rollout
 
 
 def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEMAND_SHARE,
@@ -569,7 +566,7 @@ def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEMAND
     so seeds then differ in their fleets as well)."""
     fleet = draw_fleet(n, random.Random((seed if fleet_seed is None else fleet_seed) * 1_000_003 + n))
     # The same demand for every scenario of one fleet: the method's R, whatever S the scenario runs at.
-    sim = Simulation(fleet, SCENARIOS[scenario], steps, seed, demand(online_at_start(fleet, seed), STALENESS, share))
+    sim = Simulation(fleet, SCENARIOS[scenario], steps, seed, demand(fleet, STALENESS, share))
     sim.run()
     return sim.result(n, seed)
 

@@ -93,11 +93,12 @@ class Arrival:
     t_arrive_s: the pool's throughput-weighted mean time from publish to install (<= T_bcast, which is
     the last node's); fresh_rollouts_per_step: the accepted rollouts one step needs, R over the usable
     fraction *without* stale drops (those come from the old version's overproduction, not from this step);
-    lease_rollouts: one lease's rollouts for every active node. A node that installs V first finishes the
-    lease it holds with the version it had (half a lease on average), then hands V's rollouts in a lease at
-    a time (half a lease later than a steady flow, on average): each node's V output lags by about one
-    lease, so the pool makes R_fresh + lease_rollouts before the step has R_fresh of V. When a lease takes
-    as long as a learner step (the tiny default), that lag is most of the first step's idle.
+    lease_rollouts: half a lease's rollouts for every active node. A node that installs V first finishes
+    the lease it holds with the version it had, and only then asks for work on V, which is when the hub
+    times its arrival (hub.broadcast, heartbeats aside); from then on it hands V's rollouts in a lease at a
+    time, on average half a lease later than a steady flow would: the pool makes R_fresh + lease_rollouts
+    before the step has R_fresh of V. When a lease takes as long as a learner step (the tiny default),
+    that lag is a large part of the first step's idle.
     """
 
     t_arrive_s: float
@@ -110,8 +111,8 @@ def first_step_idle_s(kappa: int, t_train_s: float, mu_pool: float, staleness: i
 
     Version V is published at the end of step V; step V - kappa + S + 2 is the first to find V - kappa
     too stale, and it starts (S - kappa + 1) * T_train after the publish. All it trains on is made with
-    V, which the pool holds on average t_arrive_s after the publish, and whose output of V lags by one
-    lease per node (Arrival.lease_rollouts), so it waits
+    V, which the pool starts on on average t_arrive_s after the publish, and whose output of V lags by half
+    a lease per node (Arrival.lease_rollouts), so it waits
     max(0, (R_fresh + lease_rollouts) / mu_pool - ((S - kappa + 1) * T_train - t_arrive)). Against the
     per-period balance (with a stall) this binds when the pool makes a step's rollouts well within a step,
     slack the balance counts but that step cannot use, as nothing made before V arrived serves it. Never

@@ -67,8 +67,8 @@ class LearnerTiming:
     # (hub.capacity.first_step_idle_s). None: not measured, and that step is not modelled.
     t_arrive_s: Callable[[], float | None] = lambda: None
     fresh_usable_fraction: Callable[[], float] = lambda: 1.0
-    # Rollouts in one lease (prompts_per_lease * group_size): each active node's output of a new version
-    # lags by about one lease (hub.capacity.Arrival.lease_rollouts).
+    # Rollouts in one lease (prompts_per_lease * group_size): each active node hands in a new version's
+    # rollouts a lease at a time, half a lease behind a steady flow (hub.capacity.Arrival.lease_rollouts).
     rollouts_per_lease: int = 0
 
 
@@ -111,7 +111,7 @@ class Scheduler:
         t_arrive = self.timing.t_arrive_s()
         arrival = None if t_arrive is None else Arrival(
             t_arrive, self.timing.rollouts_per_step / self.timing.fresh_usable_fraction(),
-            len(active) * self.timing.rollouts_per_lease)
+            len(active) * self.timing.rollouts_per_lease / 2)
         try:
             needed = mu_min(k, r, t_train, t_bcast, self.timing.staleness)
         except InfeasibleCapacity as exc:

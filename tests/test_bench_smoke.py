@@ -117,8 +117,8 @@ def test_fleet_simulator_predicts_the_idle_of_the_first_step_after_a_slow_broadc
 
 def test_fleet_simulator_draws_the_documented_mix_and_sizes_demand_on_the_hubs_own_model():
     """Every fleet of one size has the GPU mix's shares (largest remainder, ties to the earlier class), and its
-    demand R makes the hub's mu_min the asked share of the throughput online at start, at those nodes' chain
-    broadcast time: every fleet faces the same choice, whatever its slowest link."""
+    demand R makes the hub's mu_min the asked share of its expected online throughput, at its chain broadcast
+    time: every fleet faces the same choice, whatever its slowest link."""
     simulate = load_bench("simulate")
     assert simulate.class_counts(10) == [4, 3, 2, 1]  # 3.5 and 3.5: the tie goes to the 3060 class
     assert simulate.class_counts(1000) == [350, 350, 200, 100]
@@ -126,15 +126,13 @@ def test_fleet_simulator_draws_the_documented_mix_and_sizes_demand_on_the_hubs_o
     fleet = simulate.draw_fleet(40, simulate.random.Random(3))
     rates = sorted(round(n.rate) for n in fleet)
     assert len(fleet) == 40 and rates[0] < 10 and rates[-1] > 40
-    for seed in range(3):
-        online = simulate.online_at_start(fleet, seed)
-        assert 0 < len(online) < 40
-        t_bcast = max(seconds for _, seconds in simulate.broadcast_arrivals(online, "chain"))
-        r = simulate.demand(online, simulate.STALENESS, 0.3)
+    for fleet in (fleet, fleet[:20], fleet[20:]):
+        t_bcast = max(seconds for _, seconds in simulate.broadcast_arrivals(fleet, "chain"))
+        r = simulate.demand(fleet, simulate.STALENESS, 0.3)
         kappa = simulate.default_kappa(simulate.STALENESS)
         needed = simulate.mu_min(kappa, r / simulate.USABLE, simulate.T_TRAIN_S, t_bcast, simulate.STALENESS)
-        assert needed == pytest.approx(0.3 * sum(n.rate for n in online))
-    assert [simulate.default_steps(n) for n in (10, 1000, 10000)] == [10000, 100, 90]
+        assert needed == pytest.approx(0.3 * simulate.ONLINE_AT_START * sum(n.rate for n in fleet))
+    assert [simulate.default_steps(n) for n in (10, 1000, 10000)] == [20000, 200, 90]
 
 
 def test_fleet_simulator_scenarios_of_one_seed_face_the_same_churn_and_learner():
@@ -144,7 +142,7 @@ def test_fleet_simulator_scenarios_of_one_seed_face_the_same_churn_and_learner()
     fleet = simulate.draw_fleet(30, simulate.random.Random(7))
     schedules, ends = [], []
     for scenario in ("cost-aware", "all-on"):
-        rollouts_per_step = simulate.demand(simulate.online_at_start(fleet, 3), simulate.STALENESS, 0.3)
+        rollouts_per_step = simulate.demand(fleet, simulate.STALENESS, 0.3)
         sim = simulate.Simulation(fleet, simulate.SCENARIOS[scenario], 60, 3, rollouts_per_step)
         pushed: list[tuple[str, str, float]] = []
         push = sim.push

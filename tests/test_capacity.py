@@ -102,8 +102,8 @@ def test_the_first_step_that_needs_the_newest_version_waits_for_its_rollouts():
     assert predicted_bubble(3, 100, 60.0, 106.0, 4.0, staleness=4, arrival=arrival) == pytest.approx(5.0 / 185.0)
     # Only R over the usable fraction *without* stale drops counts for that step: 60 rollouts take 15 s < 20 s.
     assert first_step_idle_s(3, 60.0, 4.0, 4, Arrival(100.0, 60.0)) == 0.0
-    # Two active nodes with 16-rollout leases: each makes its first rollouts of V a lease late, so the pool
-    # makes 60 + 32 before the step has 60 of V: 92 / 4 - 20 = 3 s.
+    # Two active nodes with 32-rollout leases hand V's rollouts in half a lease behind a steady flow, so the
+    # pool makes 60 + 32 before the step has 60 of V: 92 / 4 - 20 = 3 s.
     assert first_step_idle_s(3, 60.0, 4.0, 4, Arrival(100.0, 60.0, lease_rollouts=32.0)) == pytest.approx(3.0)
     # Where the balance is the tighter bound, it stays the prediction (27 + 15 - 30 = 12 > 9 - (30 - 30)).
     assert predicted_idle_s(3, 90, 10.0, 35.0, 10.0, staleness=5, arrival=Arrival(30.0, 90.0)) == pytest.approx(12.0)

@@ -384,8 +384,9 @@ async def test_the_first_step_after_a_broadcast_is_predicted_from_when_the_pool_
     timing.fresh_usable = 0.8
     idle = 12.5 / 17 - (3.0 - 2.7)
     assert scheduler.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
-    # Leases of 2 rollouts: each of the three active nodes makes V's rollouts a lease late, 6 more to wait for.
-    with_leases = Scheduler(scheduler.config, fleet, timing.timing(rollouts_per_lease=2), scheduler.set_state)
+    # Leases of 4 rollouts: each of the three active nodes hands V's rollouts in half a lease behind a steady
+    # flow, 3 * 2 more to wait for.
+    with_leases = Scheduler(scheduler.config, fleet, timing.timing(rollouts_per_lease=4), scheduler.set_state)
     idle = (12.5 + 3 * 2) / 17 - (3.0 - 2.7)
     assert with_leases.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
 
