@@ -1,7 +1,7 @@
 """Capacity model against a real run: measured learner bubble vs predicted_bubble over a sweep of
 pool throughputs, and cost per step with cost-aware activation vs every node active.
 
-Usage: python bench/capacity.py [--json] [--out bench/out/capacity.png] [--steps-per-point 10] [--settle-steps 3]
+Usage: python bench/capacity.py [--json] [--out bench/out/capacity.png] [--steps-per-point 30] [--settle-steps 3]
 
 Sweep: one hub (`echo-hub start`, [scheduler] enabled = false, so every node works) and real
 `echo-node join` processes on loopback throttled with --max-rollouts-per-s. The first node
@@ -268,7 +268,7 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="keep data dirs here (default: a temp dir)")
     parser.add_argument("--first-rollouts-per-s", type=float, default=40.0)
     parser.add_argument("--fractions", default="0.5,0.8,1.3", help="pool throughputs to reach, as fractions of mu_min")
-    parser.add_argument("--steps-per-point", type=int, default=10)
+    parser.add_argument("--steps-per-point", type=int, default=30)
     parser.add_argument("--settle-steps", type=int, default=3, help="steps skipped after each new node, before measuring")
     parser.add_argument("--cost-warmup", type=int, default=10)
     parser.add_argument("--cost-steps", type=int, default=15)
