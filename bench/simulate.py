@@ -2,13 +2,14 @@
 
     python bench/simulate.py [--nodes 10,100,1000,10000] [--seeds 1] [--fleet-seed K] [--steps K] [--json] [--plot PNG]
 
-Unchanged project code decides: `hub.capacity` (mu_min, predicted_bubble, control_decision, the
-closed loop's one move per control period), `hub.chains.plan_chains` (who relays to whom),
-`hub.capacity.default_kappa` and the lease and staleness rules as the hub applies them (a node
-holding a version older than the learner can use gets no lease; a group of version x is used at
-step t only if (t - 1) - x <= S; the buffer is consumed oldest first). The scheduler's wrapper
-(hub/scheduler.py: activate everything until T_train is known, activate at once, release only
-after a release has been wanted for RELEASE_HOLD_PERIODS periods) is mirrored here.
+Unchanged project code decides: `hub.capacity` (mu_min, predicted_bubble, control_decision and
+held_release: the closed loop's one move, a set of nodes, per control period),
+`hub.chains.plan_chains` (who relays to whom), `hub.capacity.default_kappa` and the lease and
+staleness rules as the hub applies them (a node holding a version older than the learner can use
+gets no lease; a group of version x is used at step t only if (t - 1) - x <= S; the buffer is
+consumed oldest first). The scheduler's wrapper (hub/scheduler.py: activate everything until
+T_train is known, activate at once, release a node only after it has been wanted for release
+RELEASE_HOLD_PERIODS periods on end) is mirrored here.
 
 What is drawn (per seed; documented so the figures can be argued with):
 - Volunteers: a GPU mix of 35% RTX 3060-class (6 rollouts/s at $0.10/h), 35% RTX 4090-class
@@ -69,6 +70,7 @@ from hub.capacity import (  # noqa: E402
     NodeOffer,
     control_decision,
     default_kappa,
+    held_release,
     mu_min,
     predicted_bubble,
 )
@@ -204,7 +206,7 @@ class Simulation:
         self.t_bcast_last: float | None = None
         self.t_arrive_last: float | None = None  # the active pool's throughput-weighted mean arrival
         self.publish_at: dict[int, float] = {}
-        self.release_wanted_since: float | None = None
+        self.release_wanted: dict[str, float] = {}  # as hub.scheduler keeps it
         self.ramp_s: float | None = None
         # Per step, from the second half on: (idle, train, predicted bubble or None, active count, cost $)
         self.records: list[tuple[float, float, float | None, int, float]] = []
@@ -404,6 +406,7 @@ class Simulation:
             target = None
         measured = [n for n in self.nodes.values() if n.online and n.state in ("standby", "active")]
         if not self.sc.scheduler or target is None:
+            self.release_wanted.clear()
             for n in measured:
                 if n.state == "standby":
                     self.set_state(n, "active")
@@ -414,20 +417,15 @@ class Simulation:
         standby = [n.offer for n in measured if n.state == "standby"]
         decision = control_decision(active, standby, target, self.cfg.release_margin)
         if decision.action == "release":
-            if self.release_wanted_since is None:
-                self.release_wanted_since = self.now
-                return
-            if self.now - self.release_wanted_since < RELEASE_HOLD_PERIODS * self.cfg.control_period_s:
-                return
-            self.release_wanted_since = None
-            for name in decision.nodes:
+            ready = held_release(self.release_wanted, decision.nodes, self.now,
+                                 RELEASE_HOLD_PERIODS * self.cfg.control_period_s)
+            for name in ready:
+                del self.release_wanted[name]
                 self.set_state(self.nodes[name], "standby")
-        elif decision.action == "activate":
-            self.release_wanted_since = None
+        else:
+            self.release_wanted.clear()
             for name in decision.nodes:
                 self.set_state(self.nodes[name], "active")
-        else:
-            self.release_wanted_since = None
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -581,7 +579,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None,
                         help="learner steps per run, figures from the second half (default: default_steps(N))")
     parser.add_argument("--demand", type=float, default=DEMAND_SHARE,
-                        help="mu_min as a share of the throughput online at start (above 1: no fleet is enough)")
+                        help="mu_min as a share of the fleet's expected online throughput (above ~0.6 the fleet falls short)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--plot", type=Path, default=None, help="write bubble and cost per step vs N to this PNG")
     args = parser.parse_args()

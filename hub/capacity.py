@@ -308,28 +308,50 @@ def control_decision(
     priciest = max(active, key=_cheapest_first_key)
     without = mu_pool - priciest.rollouts_per_s
     if without >= release_floor:  # checked before sorting: most periods hold, and fleets run to thousands
-        released = [priciest]
-        for node in sorted(active, key=_cheapest_first_key, reverse=True)[1:]:
-            if without - node.rollouts_per_s < release_floor:
-                break
-            without -= node.rollouts_per_s
-            released.append(node)
+        ordered = sorted(active, key=_cheapest_first_key, reverse=True)
+        count = 1
+        while count < len(ordered) and without - ordered[count].rollouts_per_s >= release_floor:
+            without -= ordered[count].rollouts_per_s
+            count += 1
+        # The running difference drifts by ulps over a long batch: what stays must clear the band exactly,
+        # or with no margin the pool would sit a hair under target and buy a node back next period.
+        while math.fsum(n.rollouts_per_s for n in ordered[count:]) < release_floor:
+            count -= 1
+        released = ordered[:count]
         return Decision(
             "release",
             _names(released),
             f"pool without {_count(released)} {without:.4g}/s >= target with margin {release_floor:.4g}/s",
         )
     if standby:
-        cheaper = [n for n in standby if n.rho < priciest.rho]
-        if cheaper and without + math.fsum(n.rollouts_per_s for n in cheaper) >= release_floor:
-            picks = activate(cheaper, release_floor - without).active
-            return Decision(
-                "activate",
-                _names(picks),
-                f"rho {picks[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
-                f"replace it (target with margin {release_floor:.4g}/s)",
-            )
+        # The cheapest pool that clears the band, from everything measured: if the priciest active node is
+        # not in it, activate all of that pool's standby nodes at once; later periods release what it leaves.
+        best = activate([*active, *standby], release_floor).active
+        if priciest not in best:
+            standby_names = {n.name for n in standby}
+            picks = [n for n in best if n.name in standby_names]
+            if picks:
+                return Decision(
+                    "activate",
+                    _names(picks),
+                    f"rho {picks[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
+                    f"replace it (target with margin {release_floor:.4g}/s)",
+                )
     return Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
+
+
+def held_release(wanted_since: dict[str, float], batch: Sequence[str], now: float, hold_s: float) -> list[str]:
+    """The nodes of a release batch that the loop has wanted to release for at least hold_s, in batch order.
+
+    `wanted_since` (node -> since when it was wanted without a break) is updated in place: nodes not in this
+    period's batch drop out, new ones start now. One noisy period can thus release only what every period of
+    the hold agreed on (batches are priciest-first prefixes: the smallest of them), not its own whole batch.
+    """
+    for name in [n for n in wanted_since if n not in set(batch)]:
+        del wanted_since[name]
+    for name in batch:
+        wanted_since.setdefault(name, now)
+    return [name for name in batch if now - wanted_since[name] >= hold_s]
 
 
 def _names(nodes: Iterable[NodeOffer]) -> tuple[str, ...]:

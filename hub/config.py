@@ -88,7 +88,7 @@ class SchedulerConfig(Section):
 
     gamma: float = Field(1.1, ge=1.0, le=10.0, description="provisioning headroom over mu_min")
     control_period_s: float = Field(5.0, gt=0.0, le=3600.0, description="seconds between fleet decisions")
-    release_margin: float = Field(0.2, ge=0.0, le=10.0, description="hysteresis before releasing a node")
+    release_margin: float = Field(0.2, ge=0.0, le=10.0, description="hysteresis: nodes are released only while the pool keeps target * (1 + this)")
     max_price_per_hour: float = Field(10.0, ge=0.0, le=1000.0, description="nodes declaring a higher $/h are refused at join")
     heartbeat_period_s: float = Field(2.0, gt=0.0, le=600.0, description="how often nodes heartbeat while the fleet is small (told on join and each beat)")
     heartbeat_timeout_s: float = Field(15.0, gt=0.0, le=3600.0, description="a node silent this long is dropped (stretched as its period is)")

@@ -5,10 +5,10 @@ Every control period: nodes silent past the heartbeat timeout are dropped (their
 back to the pool); newly probed nodes join the standby pool; mu_min is recomputed from the
 measured T_train and T_bcast, mu_target = gamma * mu_min, and one set of nodes is activated or
 released (hub.capacity.control_decision: a fleet of thousands settles in a few periods, not one
-period per node). Activation is immediate (a starving learner costs the most); a release waits
-until a release has been wanted for RELEASE_HOLD_PERIODS control periods on top of the release margin,
-so neither a noisy throughput nor a noisy T_train can make the loop release a node and buy it
-back. Every state change is an event with its reason (through `set_state`).
+period per node). Activation is immediate (a starving learner costs the most); a node is released
+only once it has been wanted for release RELEASE_HOLD_PERIODS control periods on end, on top of the
+release margin, so neither a noisy throughput nor a noisy T_train can make the loop release nodes
+and buy them back. Every state change is an event with its reason (through `set_state`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hub.capacity import (
     InfeasibleCapacity,
     NodeOffer,
     control_decision,
+    held_release,
     mu_min,
     predicted_bubble,
 )
@@ -92,8 +93,8 @@ class Scheduler:
         self.set_state = set_state
         self.view = CapacityView(0.0, None, None, None, "no measurements yet")
         self.wake = trio.Event()
-        # Since when the loop has wanted some release without a break (None: it does not want one now).
-        self._release_wanted_since: float | None = None
+        # Node -> since when the loop has wanted to release it without a break (hub.capacity.held_release).
+        self._release_wanted: dict[str, float] = {}
 
     @property
     def release_hold_s(self) -> float:
@@ -140,7 +141,7 @@ class Scheduler:
         if not self.config.enabled or self.view.mu_target is None:
             # No target to aim at (scheduler off, nothing measured yet, or no fleet can keep
             # up): everything measured works, so the learner waits as little as possible.
-            self._release_wanted_since = None
+            self._release_wanted.clear()
             why = "scheduler disabled" if not self.config.enabled else self.view.reason
             for record in standby:
                 await self.set_state(record, "active", f"activate all ({why})")
@@ -153,22 +154,21 @@ class Scheduler:
             self.config.release_margin,
         )
         if decision.action == "release":
-            # The hold is on the wish, not on one batch: each period's batch already leaves the pool
-            # above the margin, so whichever batch is released once the wish has held is safe.
-            if self._release_wanted_since is None:
-                self._release_wanted_since = now
+            ready = held_release(self._release_wanted, decision.nodes, now, self.release_hold_s)
+            if not ready:
                 return
-            if now - self._release_wanted_since < self.release_hold_s:
-                return
-            reason = f"{decision.reason} for {now - self._release_wanted_since:.3g}s"
-            state = "standby"
+            held_s = now - max(self._release_wanted[name] for name in ready)
+            subset = "" if len(ready) == len(decision.nodes) else f" ({len(ready)} of them wanted that long)"
+            reason, state, nodes = f"{decision.reason} for {held_s:.3g}s{subset}", "standby", ready
+            for name in ready:
+                del self._release_wanted[name]
         elif decision.action == "activate":
-            reason, state = decision.reason, "active"
+            self._release_wanted.clear()
+            reason, state, nodes = decision.reason, "active", list(decision.nodes)
         else:
-            self._release_wanted_since = None
+            self._release_wanted.clear()
             return
-        self._release_wanted_since = None
-        for name in decision.nodes:
+        for name in nodes:
             await self.set_state(self.fleet.get(name), state, reason)
         self.view = self.capacity()
 

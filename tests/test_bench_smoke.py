@@ -126,12 +126,13 @@ def test_fleet_simulator_draws_the_documented_mix_and_sizes_demand_on_the_hubs_o
     fleet = simulate.draw_fleet(40, simulate.random.Random(3))
     rates = sorted(round(n.rate) for n in fleet)
     assert len(fleet) == 40 and rates[0] < 10 and rates[-1] > 40
-    for fleet in (fleet, fleet[:20], fleet[20:]):
-        t_bcast = max(seconds for _, seconds in simulate.broadcast_arrivals(fleet, "chain"))
-        r = simulate.demand(fleet, simulate.STALENESS, 0.3)
-        kappa = simulate.default_kappa(simulate.STALENESS)
-        needed = simulate.mu_min(kappa, r / simulate.USABLE, simulate.T_TRAIN_S, t_bcast, simulate.STALENESS)
-        assert needed == pytest.approx(0.3 * simulate.ONLINE_AT_START * sum(n.rate for n in fleet))
+    # One node at 10 rollouts/s: 0.3 * 0.8 * 10 = 2.4/s is mu_min = 3 * (R / 0.7) / (3 * 60 s - stall).
+    # A 1.2 GB snapshot at 24 MB/s takes 50 s: no stall (S - kappa = 1 step of 60 s covers it), R = 2.4 * 0.7 * 60.
+    fast = simulate.Node("fast", 10.0, 1.0, 24e6)
+    assert simulate.demand([fast], simulate.STALENESS, 0.3) == pytest.approx(100.8)
+    # At 10 MB/s it takes 120 s: a 60 s stall, a 120 s window, R = 2.4 * 0.7 * 40.
+    slow = simulate.Node("slow", 10.0, 1.0, 10e6)
+    assert simulate.demand([slow], simulate.STALENESS, 0.3) == pytest.approx(67.2)
     assert [simulate.default_steps(n) for n in (10, 1000, 10000)] == [20000, 200, 90]
 
 

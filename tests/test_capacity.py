@@ -18,6 +18,7 @@ from hub.capacity import (
     default_kappa,
     ewma,
     first_step_idle_s,
+    held_release,
     mu_min,
     predicted_bubble,
     predicted_idle_s,
@@ -227,6 +228,37 @@ def test_control_replaces_the_priciest_node_with_as_many_cheaper_ones_as_it_take
     # without p 10, and 12 - 10 = 2 more from the cheapest that beat p's rho: s1 (1) and s2 (1.5)
     assert (decision.action, decision.nodes) == ("activate", ("s1", "s2"))
     assert "cheaper nodes can replace it" in decision.reason
+
+
+def test_control_replaces_several_pricey_nodes_in_one_move():
+    # p1 and p2 (rho 1.0 and 0.9) are both needed (without p1: 10 < 12); c1 and c2 (rho 0.1) can replace both:
+    # the cheapest pool that clears 12 is c1 + c2, so both come at once and later periods release p1, p2.
+    active = [NodeOffer("p1", 10.0, 10.0), NodeOffer("p2", 9.0, 10.0)]
+    standby = [NodeOffer("c1", 1.0, 10.0), NodeOffer("c2", 1.0, 10.0), NodeOffer("c3", 1.0, 10.0)]
+    decision = control_decision(active, standby, 10.0, release_margin=0.2)
+    assert (decision.action, decision.nodes) == ("activate", ("c1", "c2"))
+    # once they work, p1 and p2 go in one release: 20 >= 12 without them
+    decision = control_decision([*active, *standby[:2]], standby[2:], 10.0, release_margin=0.2)
+    assert (decision.action, decision.nodes) == ("release", ("p1", "p2"))
+
+
+def test_a_release_batch_is_released_only_as_far_as_every_period_of_the_hold_wanted_it():
+    wanted: dict[str, float] = {}
+    assert held_release(wanted, ["c", "b", "a"], 0.0, 3.0) == []
+    assert wanted == {"c": 0.0, "b": 0.0, "a": 0.0}
+    assert held_release(wanted, ["c", "b"], 1.0, 3.0) == []  # a noisy period wanted less: a starts over
+    assert wanted == {"c": 0.0, "b": 0.0}
+    assert held_release(wanted, ["c", "b", "a"], 3.0, 3.0) == ["c", "b"]  # a wanted for 0 s of 3
+    assert wanted["a"] == 3.0
+
+
+def test_release_leaves_the_pool_at_the_band_by_exact_sum():
+    # 0.1 * 132 summed one by one drifts off 13.2; what stays must clear the band by math.fsum
+    active = [NodeOffer(f"n{i:04d}", 0.01 * (1 + i % 7), 0.1) for i in range(1000)]
+    decision = control_decision(active, [], 11.0, release_margin=0.2)
+    kept = [n for n in active if n.name not in set(decision.nodes)]
+    assert math.fsum(n.rollouts_per_s for n in kept) >= 11.0 * 1.2
+    assert len(kept) in (132, 133)
 
 
 def test_control_holds_exactly_at_target():
