@@ -347,7 +347,8 @@ def held_release(wanted_since: dict[str, float], batch: Sequence[str], now: floa
     period's batch drop out, new ones start now. One noisy period can thus release only what every period of
     the hold agreed on (batches are priciest-first prefixes: the smallest of them), not its own whole batch.
     """
-    for name in [n for n in wanted_since if n not in set(batch)]:
+    wanted_now = set(batch)
+    for name in [n for n in wanted_since if n not in wanted_now]:
         del wanted_since[name]
     for name in batch:
         wanted_since.setdefault(name, now)
