@@ -323,20 +323,19 @@ def control_decision(
             _names(released),
             f"pool without {_count(released)} {without:.4g}/s >= target with margin {release_floor:.4g}/s",
         )
-    if standby:
-        # The cheapest pool that clears the band, from everything measured: if the priciest active node is
-        # not in it, activate all of that pool's standby nodes at once; later periods release what it leaves.
-        best = activate([*active, *standby], release_floor).active
-        if priciest not in best:
-            standby_names = {n.name for n in standby}
-            picks = [n for n in best if n.name in standby_names]
-            if picks:
-                return Decision(
-                    "activate",
-                    _names(picks),
-                    f"rho {picks[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
-                    f"replace it (target with margin {release_floor:.4g}/s)",
-                )
+    cheaper = [n for n in standby if _cheapest_first_key(n) < _cheapest_first_key(priciest)]
+    if cheaper and without + math.fsum(n.rollouts_per_s for n in cheaper) >= release_floor:
+        # The cheapest pool that clears the band (it leaves the priciest node out, as the check above says):
+        # activate all of its standby nodes at once; later periods release what it leaves out.
+        best = activate([*active, *cheaper], release_floor).active
+        cheaper_names = {n.name for n in cheaper}
+        picks = [n for n in best if n.name in cheaper_names]
+        return Decision(
+            "activate",
+            _names(picks),
+            f"rho {picks[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
+            f"replace it (target with margin {release_floor:.4g}/s)",
+        )
     return Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
 
 
