@@ -28,6 +28,11 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
   request and its reply cost 22 frames (each a Noise message and a send), 12 of them window
   updates. `_credit_like_go_yamux` replaces that rule with go-yamux's (credit once half the
   window is used, auto-tuning kept): 10 frames.
+- Noise framing: py-libp2p's 64 KiB Yamux frames are 17 bytes over Noise's largest message, so each
+  data frame went out as two messages, and the receiver made two socket reads per message (its length,
+  then its body). YAMUX_FRAME_BYTES and `_read_noise_message` make that one message per frame and at
+  most one read per message: the bare transport's CPU per GB fell from 27-32 to 19-22 (bench/scale.py's
+  transport floor, 200 MB, two processes, side by side).
 - An exception escaping a stream handler propagates into the connection's nursery and
   from there can cancel the whole host; `safe_handler` contains it.
 - Inbound connections (swarm.py, `_handle_inbound_connection`): each holds a slot of a
@@ -56,12 +61,15 @@ from libp2p import new_host
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.io.exceptions import IncompleteReadError
 from libp2p.network.config import ConnectionConfig
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, SIZE_NOISE_MESSAGE_LEN, NoiseTransportReadWriter
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux import yamux as yamux_module
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.transport.tcp.tcp import TCP
@@ -83,8 +91,17 @@ MAX_CONNECTIONS = 8192
 MAX_INBOUND_PER_IP = 32
 # What one operator is assumed to control: an IPv4 address, or an IPv6 /64.
 IPV6_PREFIX_BITS = 64
-# `_inbound_handler` and `_credit_like_go_yamux` replace private methods of this release only.
+# `_inbound_handler`, `_credit_like_go_yamux`, `_read_noise_message` and YAMUX_FRAME_BYTES replace private
+# methods and constants of this release only.
 LIBP2P_PATCHED_VERSION = "0.8.1"
+# Noise carries at most 65,535 bytes a message, 16 of them its tag. py-libp2p's Yamux data frames are
+# 64 KiB with their 12-byte header, one message too many: each went out as two (65,519 bytes and 17),
+# two encryptions, two sends, and four socket reads at the other end.
+YAMUX_FRAME_BYTES = MAX_PLAINTEXT_LENGTH
+# Bytes one socket read may take for a Noise session: a bulk transfer then reads several messages at a
+# time, where py-libp2p reads each one's 2-byte length and its body separately.
+NOISE_RECEIVE_BYTES = 256 * 1024
+NOISE_LENGTH_BYTES = SIZE_NOISE_MESSAGE_LEN
 log = logging.getLogger("echo2.net")
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
@@ -93,6 +110,8 @@ StreamHandler = Callable[[INetStream], Awaitable[None]]
 def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> IHost:
     _check_patched_version()
     YamuxStream._auto_tune_and_send_window_update = _credit_like_go_yamux
+    yamux_module.MAX_MESSAGE_SIZE = YAMUX_FRAME_BYTES
+    NoiseTransportReadWriter.read_msg = _read_noise_message
     key_pair = identity.libp2p_keypair()
     host = new_host(
         key_pair=key_pair,
@@ -142,6 +161,28 @@ async def _credit_like_go_yamux(self: YamuxStream, *, bytes_read: int = 0) -> No
             return
         increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
     await self.send_window_update(increment, skip_lock=True)
+
+
+async def _read_noise_message(self: NoiseTransportReadWriter, prefix_encoded: bool = False) -> bytes:
+    """Replaces NoiseTransportReadWriter.read_msg: the same messages, read from a receive buffer of up to
+    NOISE_RECEIVE_BYTES instead of two exact reads each. Only the transport phase buffers: the handshake's
+    reader stops exactly at its last message, so no bytes of the session are left behind in it."""
+    pending: bytearray = self.__dict__.setdefault("_echo2_received", bytearray())
+    while True:
+        if len(pending) >= NOISE_LENGTH_BYTES:
+            size = int.from_bytes(pending[:NOISE_LENGTH_BYTES], "big")
+            end = NOISE_LENGTH_BYTES + size
+            if len(pending) >= end:
+                message = bytes(pending[NOISE_LENGTH_BYTES:end])
+                del pending[:end]
+                break
+        more = await self.read_writer.read_write_closer.read(NOISE_RECEIVE_BYTES)
+        if not more:
+            # As py-libp2p's exact reads end: Yamux treats 0 bytes received as a clean close.
+            raise IncompleteReadError(f"connection closed after {len(pending)} bytes of a Noise message",
+                                      expected_bytes=NOISE_LENGTH_BYTES + 1, received_bytes=len(pending))
+        pending += more
+    return self.decrypt(message[len(self.prefix):] if prefix_encoded else message)
 
 
 def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:

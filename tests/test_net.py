@@ -13,9 +13,13 @@ import pytest
 import trio
 from libp2p import new_host
 from libp2p.custom_types import TProtocol
+from libp2p.io.exceptions import IncompleteReadError
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+from libp2p.security.noise.io import NoiseTransportReadWriter
+from libp2p.stream_muxer.yamux import yamux as yamux_module
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import YAMUX_HEADER_FORMAT, Yamux, YamuxStream
 from libp2p.transport.tcp.tcp import TCP
@@ -24,6 +28,7 @@ from multiaddr import Multiaddr
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.net import (
     PY_LIBP2P_CREDIT,
+    YAMUX_FRAME_BYTES,
     RateLimiter,
     connect,
     open_stream,
@@ -228,6 +233,96 @@ async def test_window_credit_follows_go_yamux(monkeypatch, credit):
         assert sum(per_request.values()) <= 10 * 10 + 2  # + a Yamux keep-alive ping and its answer
         # One update per half window at most (the window grows, so fewer): 32 for 4 MiB at 256 KiB.
         assert 1 <= frames.counts["window"] <= BIG_BYTES // (128 * 1024)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("frame_bytes", [64 * 1024, YAMUX_FRAME_BYTES])
+async def test_bulk_yamux_frames_fit_one_noise_message(monkeypatch, frame_bytes):
+    """shared.net.YAMUX_FRAME_BYTES: with py-libp2p's own 64 KiB frames (patched back in for comparison) each
+    data frame of a 4 MiB transfer takes two Noise messages, the second of 17 bytes; with frames of Noise's
+    largest plaintext, one message per frame, and at most one socket read per message (or fewer: a read takes
+what has arrived, up to NOISE_RECEIVE_BYTES)."""
+    monkeypatch.setattr(yamux_module, "MAX_MESSAGE_SIZE", frame_bytes)
+    frames = FrameCounter(monkeypatch)
+    sent: list[int] = []
+    reads: list[int] = []
+    encrypt, read_raw = NoiseTransportReadWriter.encrypt, RawConnection.read
+
+    def counted_encrypt(self, data: bytes) -> bytes:
+        sent.append(len(data))
+        return encrypt(self, data)
+
+    async def counted_read(self, n=None) -> bytes:
+        data = await read_raw(self, n)
+        reads.append(len(data))
+        return data
+
+    payload = hashlib.sha256(b"frames").digest() * (BIG_BYTES // 32)
+    with trio.fail_after(30):
+        async with two_hosts() as (server_id, _, server_addrs, _, client):
+            monkeypatch.setattr(yamux_module, "MAX_MESSAGE_SIZE", frame_bytes)  # build_host sets ours
+            await connect(client, server_addrs[0])
+            stream = await open_stream(client, server_id.peer_id, BULK)
+            frames.counts.clear()
+            monkeypatch.setattr(NoiseTransportReadWriter, "encrypt", counted_encrypt)
+            monkeypatch.setattr(RawConnection, "read", counted_read)
+            await write_frame(stream, CHUNK_TAG, payload)
+            await stream.close_write()
+            assert await read_message(stream, Digest) == Digest(sha256=hashlib.sha256(payload).hexdigest(), size=BIG_BYTES)
+            await stream.close()
+    data_frames = frames.counts["data"]
+    assert data_frames >= BIG_BYTES // (frame_bytes - 12)
+    if frame_bytes == YAMUX_FRAME_BYTES:
+        # One Noise message per Yamux frame (a write outside _write_frame, such as a stream's SYN, is not counted
+        # there); py-libp2p's frames took one more message for each data frame.
+        assert len(sent) <= sum(frames.counts.values()) + 2
+        assert len(reads) <= len(sent) + 2  # both hosts: py-libp2p read each message's length, then its body
+    else:
+        assert sent.count(frame_bytes - YAMUX_FRAME_BYTES) >= BIG_BYTES // (frame_bytes - 12)  # the 17-byte tails
+
+
+class PieceReader:
+    """A raw connection that hands out `data` in the given piece sizes, then EOF (b"")."""
+
+    def __init__(self, data: bytes, pieces: list[int]) -> None:
+        self.data, self.pieces = data, pieces
+
+    async def read(self, n: int | None = None) -> bytes:
+        size = min(self.pieces.pop(0) if self.pieces else len(self.data), n or len(self.data))
+        piece, self.data = self.data[:size], self.data[size:]
+        return piece
+
+
+class ClearNoise:
+    """A Noise state whose ciphertext is the plaintext, to test message framing alone."""
+
+    def decrypt(self, data: bytes) -> bytes:
+        return data
+
+
+def noise_reader(data: bytes, pieces: list[int]) -> NoiseTransportReadWriter:
+    return NoiseTransportReadWriter(PieceReader(data, pieces), ClearNoise())
+
+
+@pytest.mark.trio
+async def test_buffered_noise_reader_splits_and_joins_socket_reads():
+    """shared.net._read_noise_message: messages split across reads, several in one read, and a length prefix
+    cut in two all come out whole and in order; the connection ending between messages is a clean close
+    (what Yamux expects), ending inside one is not."""
+    messages = [b"a" * 5, b"", b"b" * 40_000, b"d" * 3, b"e" * 65_519]
+    wire = b"".join(len(m).to_bytes(2, "big") + m for m in messages)
+    for pieces in ([1] * 9 + [len(wire)], [len(wire)], [3, 6, 40_000, 1, 1, 30_000, 5]):
+        reader = noise_reader(wire, list(pieces))
+        assert [await reader.read_msg() for _ in messages] == messages
+        with pytest.raises(IncompleteReadError) as ended:
+            await reader.read_msg()
+        assert ended.value.is_clean_close
+    cut = noise_reader(wire[:-10], [])
+    for _ in messages[:-1]:
+        await cut.read_msg()
+    with pytest.raises(IncompleteReadError) as cut_short:
+        await cut.read_msg()
+    assert not cut_short.value.is_clean_close
 
 
 @pytest.mark.timing
