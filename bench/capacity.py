@@ -1,15 +1,17 @@
 """Capacity model against a real run: measured learner bubble vs predicted_bubble over a sweep of
 pool throughputs, and cost per step with cost-aware activation vs every node active.
 
-Usage: python bench/capacity.py [--json] [--out bench/out/capacity.png] [--steps-per-point 30] [--settle-steps 3]
+Usage: python bench/capacity.py [--json] [--out bench/out/capacity.png] [--target-se 0.02] [--settle-steps 3]
 
 Sweep: one hub (`echo-hub start`, [scheduler] enabled = false, so every node works) and real
-`echo-node join` processes on loopback throttled with --max-rollouts-per-s. The first node
-(--first-rollouts-per-s) gets the learner stepping; from the measured T_train and T_bcast the
+`echo-node join` processes on loopback throttled with --max-rollouts-per-s, at a lower CPU priority than
+the hub (NODE_NICE). The first node (--first-rollouts-per-s) gets the learner stepping; from the measured T_train and T_bcast the
 bench computes mu_min and adds one node per point so that the pool reaches the --fractions of
 mu_min. Each point waits until the new node is measured and active, lets --settle-steps learner
 steps pass (the new node slows the learner on a small machine, and T_train is a recent mean), then
-averages over the next --steps-per-point learner steps: measured bubble = sum(T_idle) / sum(T_idle + T_train)
+averages over the next learner steps, at least --steps-per-point and until the measured bubble's
+standard error is at most --target-se (per-step bubbles range from 0 to 0.7 near mu_min, so 30 steps
+leave an error of about 0.05): measured bubble = sum(T_idle) / sum(T_idle + T_train)
 (metrics.jsonl), predicted = hub.capacity.predicted_bubble(kappa, R / usable, mean T_train, mean
 T_bcast, mu_pool) with mu_pool the hub's measured pool throughput and usable the share of accepted
 groups it trained on (status.json), over the same steps; hub_predicted_bubble is the mean of the
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -49,6 +53,12 @@ LEARNER_PRICE_PER_HOUR = 3.06
 NODE_START_S = 240.0
 POINT_TIMEOUT_S = 240.0
 POLL_S = 0.5
+# Nodes run at a lower CPU priority than the hub: deployed, the learner has its own GPU, while here four
+# node processes share two cores with it and would otherwise slow the learner and the hub's event loop
+# in a way the capacity model (which takes T_train and each node's throughput as given) does not describe.
+NODE_NICE = 5
+# Batches for the measured bubble's standard error: two broadcast periods of kappa steps each.
+SE_BATCH_STEPS = 2 * KAPPA
 # name -> (price $/h, --max-rollouts-per-s or None: unthrottled)
 COST_FLEET = {"fast": (0.35, None), "slow-a": (0.30, 20.0), "slow-b": (0.50, 30.0), "slow-c": (0.80, 50.0)}
 
@@ -79,6 +89,7 @@ heartbeat_timeout_s = 10
 class Point:
     mu_pool: float
     measured_bubble: float
+    measured_se: float  # standard error of measured_bubble (batch means of SE_BATCH_STEPS steps)
     predicted_bubble: float
     # The hub's own per-step prediction (metrics.jsonl), which also models the first step that needs the
     # newest version from when the pool got it (hub.capacity.first_step_idle_s); None if it made none.
@@ -104,7 +115,7 @@ class Run:
 
     def add_node(self, name: str, price: float, rollouts_per_s: float | None) -> None:
         args = ("--max-rollouts-per-s", f"{rollouts_per_s:.2f}") if rollouts_per_s else ()
-        self.nodes[name] = start_node(self.hub.addr, self.root / name, *args, price=price)
+        self.nodes[name] = start_node(self.hub.addr, self.root / name, *args, price=price, nice=NODE_NICE)
 
     def wait_ids(self) -> None:
         for name, proc in self.nodes.items():
@@ -131,28 +142,42 @@ class Run:
         self.hub.stop()
 
 
-def collect(run: Run, steps: int) -> tuple[list[HubStatus], int, int]:
-    """Status samples over the next `steps` learner steps; returns them and the step range (first, last]."""
+def bubble_and_se(rows: list[dict], batch: int) -> tuple[float, float]:
+    """Measured bubble sum(T_idle) / sum(T_idle + T_train) over metrics rows, and its standard error from the
+    means of consecutive batches of `batch` steps (per-step bubbles are far from independent: with kappa
+    steps per broadcast they repeat in a pattern, so a batch spans whole patterns); inf with < 2 batches."""
+    idle = sum(m["t_idle_s"] for m in rows)
+    bubble = idle / (idle + sum(m["t_train_s"] for m in rows))
+    batches = [rows[i:i + batch] for i in range(0, len(rows) - batch + 1, batch)]
+    if len(batches) < 2:
+        return bubble, math.inf
+    means = [sum(m["t_idle_s"] for m in b) / sum(m["t_idle_s"] + m["t_train_s"] for m in b) for b in batches]
+    return bubble, statistics.stdev(means) / math.sqrt(len(means))
+
+
+def collect(run: Run, min_steps: int, max_steps: int, target_se: float) -> tuple[list[HubStatus], list[dict]]:
+    """Status samples and metrics rows over the next learner steps: at least `min_steps`, then until the
+    measured bubble's standard error is at most `target_se` or `max_steps` have passed."""
     first = run.hub.status().step
     samples: list[HubStatus] = []
     while True:
         status = run.wait(lambda s: True, "status")
         samples.append(status)
-        if status.step >= first + steps:
-            return samples, first, status.step
+        if status.step >= first + min_steps:
+            rows = [m for m in read_metrics(run.hub.data_dir / METRICS_FILE) if first < m["step"] <= status.step]
+            if status.step >= first + max_steps or bubble_and_se(rows, SE_BATCH_STEPS)[1] <= target_se:
+                return samples, rows
         time.sleep(POLL_S)
 
 
-def measure_point(run: Run, steps: int, settle_steps: int) -> Point:
+def measure_point(run: Run, settle_steps: int, min_steps: int, max_steps: int, target_se: float) -> Point:
     # A new node slows the learner too (this machine's cores run both), and the hub's T_train is a recent
     # mean: measure once that has caught up, not the transient.
     start = run.hub.status().step
     run.wait(lambda s: s.step >= start + settle_steps, f"{settle_steps} steps to settle")
-    samples, first, last = collect(run, steps)
-    rows = [m for m in read_metrics(run.hub.data_dir / METRICS_FILE) if first < m["step"] <= last]
-    idle = sum(m["t_idle_s"] for m in rows)
-    train = sum(m["t_train_s"] for m in rows)
-    t_train = train / len(rows)
+    samples, rows = collect(run, min_steps, max_steps, target_se)
+    bubble, se = bubble_and_se(rows, SE_BATCH_STEPS)
+    t_train = sum(m["t_train_s"] for m in rows) / len(rows)
     mu_pool = sum(s.mu_pool for s in samples) / len(samples)
     usable = sum(s.usable_fraction for s in samples) / len(samples)
     rollouts_per_step = ROLLOUTS_PER_STEP / usable  # as the hub's scheduler plans: skipped groups count
@@ -161,7 +186,8 @@ def measure_point(run: Run, steps: int, settle_steps: int) -> Point:
     hub_predicted = [m["predicted_bubble"] for m in rows if m.get("predicted_bubble") is not None]
     return Point(
         mu_pool=mu_pool,
-        measured_bubble=idle / (idle + train),
+        measured_bubble=bubble,
+        measured_se=se,
         predicted_bubble=predicted_bubble(KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool, STALENESS),
         hub_predicted_bubble=sum(hub_predicted) / len(hub_predicted) if hub_predicted else None,
         t_train_s=t_train,
@@ -182,7 +208,7 @@ def feasible_mu_min(rollouts_per_step: float, t_train: float, t_bcast: float) ->
 def describe(point: Point) -> str:
     needed = "infeasible" if point.mu_min is None else f"{point.mu_min:.1f}/s"
     return (f"mu_pool {point.mu_pool:.1f}/s (mu_min {needed}): "
-            f"bubble {point.measured_bubble:.3f} measured, {point.predicted_bubble:.3f} predicted"
+            f"bubble {point.measured_bubble:.3f} ± {point.measured_se:.3f} measured over {point.steps} steps, {point.predicted_bubble:.3f} predicted"
             + ("" if point.hub_predicted_bubble is None else f" ({point.hub_predicted_bubble:.3f} by the hub)"))
 
 
@@ -191,14 +217,14 @@ def measured_broadcast(status: HubStatus) -> bool:
     return status.step > KAPPA + 1 and status.t_bcast_s is not None
 
 
-def sweep(root: Path, first_mu: float, fractions: list[float], steps: int, settle_steps: int, say) -> list[Point]:
+def sweep(root: Path, first_mu: float, fractions: list[float], measure, say) -> list[Point]:
     run = Run(root / "sweep", scheduler_enabled=False)
     points: list[Point] = []
     try:
         run.add_node("n0", 0.35, first_mu)
         run.wait_ids()
         run.wait(lambda s: measured_broadcast(s) and run.state(s, "n0") == "active", "the first node and T_bcast")
-        points.append(measure_point(run, steps, settle_steps))
+        points.append(measure(run))
         say(describe(points[-1]))
         estimate = points[0].mu_min
         if estimate is None:
@@ -213,7 +239,7 @@ def sweep(root: Path, first_mu: float, fractions: list[float], steps: int, settl
             run.wait_ids()
             run.wait(lambda s, name=name: run.state(s, name) == "active", f"{name} to be measured and active")
             pool += extra
-            points.append(measure_point(run, steps, settle_steps))
+            points.append(measure(run))
             say(describe(points[-1]))
     finally:
         run.close()
@@ -248,7 +274,8 @@ def plot(points: list[Point], path: Path) -> None:
     ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (per-period balance)")
     if all(p.hub_predicted_bubble is not None for p in ordered):
         ax.plot(x, [p.hub_predicted_bubble for p in ordered], "^:", label="predicted by the hub (first step too)")
-    ax.plot(x, [p.measured_bubble for p in ordered], "s-", label="measured (learner T_idle)")
+    ax.errorbar(x, [p.measured_bubble for p in ordered], yerr=[2 * p.measured_se for p in ordered], fmt="s-",
+                capsize=3, label="measured (learner T_idle), ± 2 standard errors")
     ax.set_xlabel("mu_pool, accepted rollouts/s (measured)")
     ax.set_ylabel("bubble ratio")
     ax.set_ylim(-0.02, 1.0)
@@ -267,8 +294,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "out" / "capacity.png")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep data dirs here (default: a temp dir)")
     parser.add_argument("--first-rollouts-per-s", type=float, default=40.0)
-    parser.add_argument("--fractions", default="0.5,0.8,1.3", help="pool throughputs to reach, as fractions of mu_min")
-    parser.add_argument("--steps-per-point", type=int, default=30)
+    parser.add_argument("--fractions", default="0.5,0.8,1.3,2.0", help="pool throughputs to reach, as fractions of mu_min")
+    parser.add_argument("--steps-per-point", type=int, default=36, help="learner steps measured per point, at least")
+    parser.add_argument("--max-steps-per-point", type=int, default=240, help="at most, if the target error is not met")
+    parser.add_argument("--target-se", type=float, default=0.02,
+                        help="measure a point until its bubble's standard error is at most this")
     parser.add_argument("--settle-steps", type=int, default=3, help="steps skipped after each new node, before measuring")
     parser.add_argument("--cost-warmup", type=int, default=10)
     parser.add_argument("--cost-steps", type=int, default=15)
@@ -287,10 +317,12 @@ def main() -> int:
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="echo2-capacity-"))
     fractions = [float(f) for f in args.fractions.split(",")]
     with console.status("bubble sweep"):
-        points = sweep(root, args.first_rollouts_per_s, fractions, args.steps_per_point, args.settle_steps, say)
+        points = sweep(root, args.first_rollouts_per_s, fractions, lambda run: measure_point(
+            run, args.settle_steps, args.steps_per_point, args.max_steps_per_point, args.target_se), say)
     plot(points, args.out)
     result: dict[str, object] = {
         "sweep": [{"mu_pool": p.mu_pool, "measured_bubble": p.measured_bubble,
+                   "measured_se": p.measured_se,
                    "predicted_bubble": p.predicted_bubble, "hub_predicted_bubble": p.hub_predicted_bubble}
                   for p in points],
         "points": [asdict(p) for p in points],

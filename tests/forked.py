@@ -81,7 +81,9 @@ def _enter_netns(name: str) -> None:
         os.close(fd)
 
 
-def _main(module: str, argv: list[str], out_path: str, env: dict[str, str], netns: str | None) -> None:
+def _main(module: str, argv: list[str], out_path: str, env: dict[str, str], netns: str | None, nice: int) -> None:
+    # Before any thread starts: Linux keeps a nice value per thread, and new threads inherit it.
+    os.nice(nice)
     if netns is not None:
         _enter_netns(netns)
     redirect_output(out_path)
@@ -96,12 +98,12 @@ def _main(module: str, argv: list[str], out_path: str, env: dict[str, str], netn
 
 
 def spawn(module: str, argv: Sequence[str], out_path: str, env: Mapping[str, str] | None = None,
-          netns: str | None = None) -> Forked:
+          netns: str | None = None, nice: int = 0) -> Forked:
     """`python -m module *argv` with stdout and stderr appended to `out_path`, forked from the server; inside
-    network namespace `netns` when given."""
+    network namespace `netns` when given, at CPU priority `nice` (added to the server's)."""
     _CONTEXT.set_forkserver_preload(list(PRELOAD))
     # Not daemonic: a hub forks its local nodes, and multiprocessing refuses children to a daemon.
-    process = _CONTEXT.Process(target=_main, args=(module, list(argv), out_path, dict(env or os.environ), netns))
+    process = _CONTEXT.Process(target=_main, args=(module, list(argv), out_path, dict(env or os.environ), netns, nice))
     process.start()
     forked = Forked(process, [sys.executable, "-m", module, *argv])
     _started.append(forked)

@@ -108,12 +108,12 @@ def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True) -> H
     return hub
 
 
-def start_node(hub_addr: str, data_dir: Path, *args: str, price: float = 0.35) -> Proc:
+def start_node(hub_addr: str, data_dir: Path, *args: str, price: float = 0.35, nice: int = 0) -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / f"node-{time.time_ns()}.out"
     argv = ["join", "--hub", hub_addr, "--price", str(price), "--backend", "hf",
             "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
-    process = forked.spawn("node.cli", argv, str(log), _env())
+    process = forked.spawn("node.cli", argv, str(log), _env(), nice=nice)
     return Proc(process, log)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -103,6 +104,19 @@ def test_scale_bench_measures_the_transport_floor_with_two_real_processes(tmp_pa
     floor = scale.measure_transport_floor(tmp_path, 16 << 20, lambda _: None)
     assert floor["transport_floor_cpu_s_per_gb"] > 0 and floor["transport_floor_mb_per_s"] > 0
     assert not (tmp_path / "floor").exists()
+
+
+def test_capacity_bench_bubble_error_comes_from_batches_of_whole_broadcast_periods():
+    capacity = load_bench("capacity")
+    # Batches of 2: bubbles 1/2 (idle 1, train 1 twice) and 0 (train only): mean bubble 2/6.
+    rows = [{"t_idle_s": 1.0, "t_train_s": 1.0}] * 2 + [{"t_idle_s": 0.0, "t_train_s": 1.0}] * 2
+    bubble, se = capacity.bubble_and_se(rows, batch=2)
+    assert bubble == pytest.approx(1 / 3)
+    # stdev of (0.5, 0) is sqrt(0.125); over sqrt(2) batches: 0.25.
+    assert se == pytest.approx(0.25)
+    # A pattern that repeats within each batch has no error; one batch has no estimate.
+    assert capacity.bubble_and_se(rows[1:3] * 3, batch=2)[1] == 0.0
+    assert capacity.bubble_and_se(rows[:3], batch=2)[1] == math.inf
 
 
 def test_fleet_simulator_predicts_the_idle_of_the_first_step_after_a_slow_broadcast():
