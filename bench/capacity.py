@@ -53,8 +53,8 @@ LEARNER_PRICE_PER_HOUR = 3.06
 NODE_START_S = 240.0
 POINT_TIMEOUT_S = 240.0
 POLL_S = 0.5
-# Nodes run at a lower CPU priority than the hub: deployed, the learner has its own GPU, while here four
-# node processes share two cores with it and would otherwise slow the learner and the hub's event loop
+# Nodes run at a lower CPU priority than the hub: deployed, the learner has its own GPU, while here up to
+# five node processes share two cores with it and would otherwise slow the learner and the hub's event loop
 # in a way the capacity model (which takes T_train and each node's throughput as given) does not describe.
 NODE_NICE = 5
 # Batches for the measured bubble's standard error: two broadcast periods of kappa steps each.
