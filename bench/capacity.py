@@ -57,8 +57,10 @@ POLL_S = 0.5
 # five node processes share two cores with it and would otherwise slow the learner and the hub's event loop
 # in a way the capacity model (which takes T_train and each node's throughput as given) does not describe.
 NODE_NICE = 5
-# Batches for the measured bubble's standard error: two broadcast periods of kappa steps each.
+# Batches for the measured bubble's standard error: two broadcast periods of kappa steps each, and at
+# least MIN_SE_BATCHES of them before the error is trusted (from 6 batches it is itself off by ~30%).
 SE_BATCH_STEPS = 2 * KAPPA
+MIN_SE_BATCHES = 10
 # name -> (price $/h, --max-rollouts-per-s or None: unthrottled)
 COST_FLEET = {"fast": (0.35, None), "slow-a": (0.30, 20.0), "slow-b": (0.50, 30.0), "slow-c": (0.80, 50.0)}
 
@@ -160,9 +162,14 @@ def collect(run: Run, min_steps: int, max_steps: int, target_se: float) -> tuple
     measured bubble's standard error is at most `target_se` or `max_steps` have passed."""
     first = run.hub.status().step
     samples: list[HubStatus] = []
+    last_step, last_change = first, time.monotonic()
     while True:
         status = run.wait(lambda s: True, "status")
         samples.append(status)
+        if status.step != last_step:
+            last_step, last_change = status.step, time.monotonic()
+        elif time.monotonic() - last_change > POINT_TIMEOUT_S:
+            raise RuntimeError(f"no learner step for {POINT_TIMEOUT_S:.0f}s after step {status.step}")
         if status.step >= first + min_steps:
             rows = [m for m in read_metrics(run.hub.data_dir / METRICS_FILE) if first < m["step"] <= status.step]
             if status.step >= first + max_steps or bubble_and_se(rows, SE_BATCH_STEPS)[1] <= target_se:
@@ -295,7 +302,8 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="keep data dirs here (default: a temp dir)")
     parser.add_argument("--first-rollouts-per-s", type=float, default=40.0)
     parser.add_argument("--fractions", default="0.5,0.8,1.3,2.0", help="pool throughputs to reach, as fractions of mu_min")
-    parser.add_argument("--steps-per-point", type=int, default=36, help="learner steps measured per point, at least")
+    parser.add_argument("--steps-per-point", type=int, default=MIN_SE_BATCHES * SE_BATCH_STEPS,
+                        help="learner steps measured per point, at least")
     parser.add_argument("--max-steps-per-point", type=int, default=240, help="at most, if the target error is not met")
     parser.add_argument("--target-se", type=float, default=0.02,
                         help="measure a point until its bubble's standard error is at most this")
@@ -304,6 +312,11 @@ def main() -> int:
     parser.add_argument("--cost-steps", type=int, default=15)
     parser.add_argument("--skip-cost", action="store_true", help="only the bubble sweep")
     args = parser.parse_args()
+    if args.steps_per_point < MIN_SE_BATCHES * SE_BATCH_STEPS:
+        parser.error(f"--steps-per-point {args.steps_per_point}: at least {MIN_SE_BATCHES * SE_BATCH_STEPS} "
+                     f"({MIN_SE_BATCHES} batches of {SE_BATCH_STEPS} steps) for a standard error to trust")
+    if args.max_steps_per_point < args.steps_per_point:
+        parser.error(f"--max-steps-per-point {args.max_steps_per_point}: at least --steps-per-point ({args.steps_per_point})")
 
     import tempfile
 

@@ -164,14 +164,16 @@ async def _credit_like_go_yamux(self: YamuxStream, *, bytes_read: int = 0) -> No
 
 
 async def _read_noise_message(self: NoiseTransportReadWriter, prefix_encoded: bool = False) -> bytes:
-    """Replaces NoiseTransportReadWriter.read_msg: the same messages, read from a receive buffer of up to
-    NOISE_RECEIVE_BYTES instead of two exact reads each. Only the transport phase buffers: the handshake's
+    """Replaces NoiseTransportReadWriter.read_msg: the same messages, cut from a receive buffer filled by
+    reads of up to NOISE_RECEIVE_BYTES, where py-libp2p made two exact reads each (one read per message
+    or fewer, unless a message arrives in pieces). Only the transport phase buffers: the handshake's
     reader stops exactly at its last message, so no bytes of the session are left behind in it."""
-    pending: bytearray = self.__dict__.setdefault("_echo2_received", bytearray())
+    pending: bytearray | None = getattr(self, "_echo2_received", None)
+    if pending is None:
+        pending = self._echo2_received = bytearray()
     while True:
         if len(pending) >= NOISE_LENGTH_BYTES:
-            size = int.from_bytes(pending[:NOISE_LENGTH_BYTES], "big")
-            end = NOISE_LENGTH_BYTES + size
+            end = NOISE_LENGTH_BYTES + int.from_bytes(pending[:NOISE_LENGTH_BYTES], "big")
             if len(pending) >= end:
                 message = bytes(pending[NOISE_LENGTH_BYTES:end])
                 del pending[:end]
@@ -179,8 +181,9 @@ async def _read_noise_message(self: NoiseTransportReadWriter, prefix_encoded: bo
         more = await self.read_writer.read_write_closer.read(NOISE_RECEIVE_BYTES)
         if not more:
             # As py-libp2p's exact reads end: Yamux treats 0 bytes received as a clean close.
-            raise IncompleteReadError(f"connection closed after {len(pending)} bytes of a Noise message",
-                                      expected_bytes=NOISE_LENGTH_BYTES + 1, received_bytes=len(pending))
+            wanted = end if len(pending) >= NOISE_LENGTH_BYTES else NOISE_LENGTH_BYTES
+            raise IncompleteReadError(f"connection closed after {len(pending)} of {wanted} bytes of a Noise message",
+                                      expected_bytes=wanted, received_bytes=len(pending))
         pending += more
     return self.decrypt(message[len(self.prefix):] if prefix_encoded else message)
 

@@ -30,6 +30,7 @@ from shared.net import (
     PY_LIBP2P_CREDIT,
     YAMUX_FRAME_BYTES,
     RateLimiter,
+    _read_noise_message,
     connect,
     open_stream,
     remote_ip,
@@ -242,7 +243,6 @@ async def test_bulk_yamux_frames_fit_one_noise_message(monkeypatch, frame_bytes)
     data frame of a 4 MiB transfer takes two Noise messages, the second of 17 bytes; with frames of Noise's
     largest plaintext, one message per frame, and at most one socket read per message (or fewer: a read takes
 what has arrived, up to NOISE_RECEIVE_BYTES)."""
-    monkeypatch.setattr(yamux_module, "MAX_MESSAGE_SIZE", frame_bytes)
     frames = FrameCounter(monkeypatch)
     sent: list[int] = []
     reads: list[int] = []
@@ -260,7 +260,10 @@ what has arrived, up to NOISE_RECEIVE_BYTES)."""
     payload = hashlib.sha256(b"frames").digest() * (BIG_BYTES // 32)
     with trio.fail_after(30):
         async with two_hosts() as (server_id, _, server_addrs, _, client):
-            monkeypatch.setattr(yamux_module, "MAX_MESSAGE_SIZE", frame_bytes)  # build_host sets ours
+            if frame_bytes == YAMUX_FRAME_BYTES:
+                assert yamux_module.MAX_MESSAGE_SIZE == YAMUX_FRAME_BYTES  # build_host's patch
+            else:
+                monkeypatch.setattr(yamux_module, "MAX_MESSAGE_SIZE", frame_bytes)
             await connect(client, server_addrs[0])
             stream = await open_stream(client, server_id.peer_id, BULK)
             frames.counts.clear()
@@ -285,10 +288,11 @@ class PieceReader:
     """A raw connection that hands out `data` in the given piece sizes, then EOF (b"")."""
 
     def __init__(self, data: bytes, pieces: list[int]) -> None:
-        self.data, self.pieces = data, pieces
+        self.data, self.pieces, self.reads = data, pieces, 0
 
     async def read(self, n: int | None = None) -> bytes:
-        size = min(self.pieces.pop(0) if self.pieces else len(self.data), n or len(self.data))
+        self.reads += 1
+        size = min(self.pieces.pop(0) if self.pieces else len(self.data), len(self.data) if n is None else n)
         piece, self.data = self.data[:size], self.data[size:]
         return piece
 
@@ -305,10 +309,11 @@ def noise_reader(data: bytes, pieces: list[int]) -> NoiseTransportReadWriter:
 
 
 @pytest.mark.trio
-async def test_buffered_noise_reader_splits_and_joins_socket_reads():
+async def test_buffered_noise_reader_splits_and_joins_socket_reads(monkeypatch):
     """shared.net._read_noise_message: messages split across reads, several in one read, and a length prefix
     cut in two all come out whole and in order; the connection ending between messages is a clean close
     (what Yamux expects), ending inside one is not."""
+    monkeypatch.setattr(NoiseTransportReadWriter, "read_msg", _read_noise_message)  # as build_host does
     messages = [b"a" * 5, b"", b"b" * 40_000, b"d" * 3, b"e" * 65_519]
     wire = b"".join(len(m).to_bytes(2, "big") + m for m in messages)
     for pieces in ([1] * 9 + [len(wire)], [len(wire)], [3, 6, 40_000, 1, 1, 30_000, 5]):
@@ -317,6 +322,9 @@ async def test_buffered_noise_reader_splits_and_joins_socket_reads():
         with pytest.raises(IncompleteReadError) as ended:
             await reader.read_msg()
         assert ended.value.is_clean_close
+        if pieces == [len(wire)]:
+            # Everything arrived at once: one read for five messages and one for the end (py-libp2p: 11).
+            assert reader.read_writer.read_write_closer.reads == 2
     cut = noise_reader(wire[:-10], [])
     for _ in messages[:-1]:
         await cut.read_msg()
