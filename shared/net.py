@@ -30,8 +30,8 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
   window is used, auto-tuning kept): 10 frames.
 - Noise framing: py-libp2p's 64 KiB Yamux frames are 17 bytes over Noise's largest message, so each
   data frame went out as two messages, and the receiver made two socket reads per message (its length,
-  then its body). YAMUX_FRAME_BYTES and `_read_noise_message` make that one message per frame and at
-  most one read per message: the bare transport's CPU per GB fell from 27-32 to 19-22 (bench/scale.py's
+  then its body). YAMUX_FRAME_BYTES and `_read_noise_message` make that one message per frame and about
+  one read per message: the bare transport's CPU per GB fell from 27-32 to 19-22 (bench/scale.py's
   transport floor, 200 MB, two processes, side by side).
 - An exception escaping a stream handler propagates into the connection's nursery and
   from there can cancel the whole host; `safe_handler` contains it.
@@ -98,8 +98,8 @@ LIBP2P_PATCHED_VERSION = "0.8.1"
 # 64 KiB with their 12-byte header, one message too many: each went out as two (65,519 bytes and 17),
 # two encryptions, two sends, and four socket reads at the other end.
 YAMUX_FRAME_BYTES = MAX_PLAINTEXT_LENGTH
-# Bytes one socket read may take for a Noise session: a bulk transfer then reads several messages at a
-# time, where py-libp2p reads each one's 2-byte length and its body separately.
+# Bytes one socket read may take for a Noise session: it takes every message that has queued, where
+# py-libp2p reads each one's 2-byte length and its body separately.
 NOISE_RECEIVE_BYTES = 256 * 1024
 NOISE_LENGTH_BYTES = SIZE_NOISE_MESSAGE_LEN
 log = logging.getLogger("echo2.net")
