@@ -166,14 +166,15 @@ def collect(run: Run, min_steps: int, max_steps: int, target_se: float) -> tuple
     while True:
         status = run.wait(lambda s: True, "status")
         samples.append(status)
-        if status.step != last_step:
-            last_step, last_change = status.step, time.monotonic()
-        elif time.monotonic() - last_change > POINT_TIMEOUT_S:
-            raise RuntimeError(f"no learner step for {POINT_TIMEOUT_S:.0f}s after step {status.step}")
-        if status.step >= first + min_steps:
+        if status.step == last_step:
+            if time.monotonic() - last_change > POINT_TIMEOUT_S:
+                raise RuntimeError(f"no learner step for {POINT_TIMEOUT_S:.0f}s after step {status.step}")
+        elif status.step >= first + min_steps:  # the error changes only with a new step: read metrics then
             rows = [m for m in read_metrics(run.hub.data_dir / METRICS_FILE) if first < m["step"] <= status.step]
             if status.step >= first + max_steps or bubble_and_se(rows, SE_BATCH_STEPS)[1] <= target_se:
                 return samples, rows
+        if status.step != last_step:
+            last_step, last_change = status.step, time.monotonic()
         time.sleep(POLL_S)
 
 

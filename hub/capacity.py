@@ -315,7 +315,7 @@ def control_decision(
             count += 1
         # The running difference drifts by ulps over a long batch: what stays must clear the band exactly,
         # or with no margin the pool would sit a hair under target and buy a node back next period.
-        while count and math.fsum(n.rollouts_per_s for n in ordered[count:]) < release_floor:
+        while count and (without := math.fsum(n.rollouts_per_s for n in ordered[count:])) < release_floor:
             count -= 1
         if not count:
             return Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
