@@ -14,9 +14,11 @@ standard error is at most --target-se (per-step bubbles range from 0 to 0.7 near
 leave an error of about 0.05): measured bubble = sum(T_idle) / sum(T_idle + T_train)
 (metrics.jsonl), predicted = hub.capacity.predicted_bubble(kappa, R / usable, mean T_train, mean
 T_bcast, mu_pool) with mu_pool the hub's measured pool throughput and usable the share of accepted
-groups it trained on (status.json), over the same steps; hub_predicted_bubble is the mean of the
-hub's own per-step predictions (metrics.jsonl), which also count the first step that needs the
-newest version (hub.capacity.first_step_idle_s, from when heartbeats showed the pool holding it).
+groups it trained on (status.json), over the same steps: the per-period balance, every node charged
+T_bcast's stall; hub_predicted_bubble is the mean of the hub's own per-step predictions
+(metrics.jsonl), which charge each node its own install's stall (hub.capacity.pool_stall_s) and also
+count the first step that needs the newest version (hub.capacity.first_step_idle_s), both from when
+heartbeats showed each node holding it.
 
 Cost: two hubs with the same fleet (one unthrottled node at $0.35/h, three throttled ones at
 $0.30-0.80/h), one with the scheduler on and one with [scheduler] enabled = false; cost per
@@ -279,9 +281,9 @@ def plot(points: list[Point], path: Path) -> None:
     # Absolute throughput: mu_min moves with the measured T_bcast and can be undefined at a point.
     x = [p.mu_pool for p in ordered]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (per-period balance)")
+    ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (per-period balance, T_bcast stall)")
     if all(p.hub_predicted_bubble is not None for p in ordered):
-        ax.plot(x, [p.hub_predicted_bubble for p in ordered], "^:", label="predicted by the hub (first step too)")
+        ax.plot(x, [p.hub_predicted_bubble for p in ordered], "^:", label="predicted by the hub (own installs, first step)")
     ax.errorbar(x, [p.measured_bubble for p in ordered], yerr=[2 * p.measured_se for p in ordered], fmt="s-",
                 capsize=3, label="measured (learner T_idle), ± 2 standard errors")
     ax.set_xlabel("mu_pool, accepted rollouts/s (measured)")

@@ -38,8 +38,9 @@ at the period the hub tells its online nodes (`hub.fleet.heartbeat_period`: ever
 scheduler.heartbeats_per_s in all), one lease-carrying submission per prompts_per_lease *
 group_size rollouts (4 x 16).
 
-The predicted bubble is hub.capacity.predicted_bubble with the pool's throughput-weighted mean
-start on the newest version and half a lease of lag per active node (hub.capacity.first_step_idle_s:
+The predicted bubble is hub.capacity.predicted_bubble with each active node's start on the newest
+version, as the hub times it (the per-period stall is their throughput-weighted mean, pool_stall_s), and
+half a lease of lag per active node (hub.capacity.first_step_idle_s:
 the first step that can use nothing older waits for that version's rollouts; at 1,000+ nodes that
 step, not the per-period balance, is where the learner idles).
 
@@ -205,6 +206,7 @@ class Simulation:
         self.t_train_recent: list[float] = []
         self.t_bcast_last: float | None = None
         self.t_arrive_last: float | None = None  # the active pool's throughput-weighted mean arrival
+        self.installs_last: tuple[tuple[float, float], ...] = ()  # (rate, seconds) per active node: pool_stall_s
         self.publish_at: dict[int, float] = {}
         self.release_wanted: dict[str, float] = {}  # as hub.scheduler keeps it
         self.ramp_s: float | None = None
@@ -347,7 +349,7 @@ class Simulation:
         # The first step that needs the newest version needs R / USABLE of it: stale drops come from the
         # old version's overproduction, not from that step.
         arrival = None if self.t_arrive_last is None else Arrival(
-            self.t_arrive_last, self.R / USABLE, self.active_count() * ROLLOUTS_PER_LEASE / 2)
+            self.t_arrive_last, self.R / USABLE, self.active_count() * ROLLOUTS_PER_LEASE / 2, self.installs_last)
         return predicted_bubble(self.kappa, self.R / self.usable(), t_train, self.t_bcast_last or 0.0, self.active_rate,
                                 self.sc.staleness, arrival)
 
@@ -362,10 +364,13 @@ class Simulation:
         # on the new one (when the hub times its arrival), and hands that work in a lease at a time (half a
         # lease behind a steady flow): in this fluid model, it switches one lease after the snapshot arrived.
         lease_s = {node.name: ROLLOUTS_PER_LEASE / node.rate for node, _ in arrivals}
-        weight = sum(node.rate for node, _ in arrivals if node.state == "active")
+        # What the hub measures: when each active node asks for work on the new version.
+        installs = tuple((node.rate, seconds + lease_s[node.name] / 2) for node, seconds in arrivals
+                         if node.state == "active")
+        weight = sum(w for w, _ in installs)
         if weight > 0:
-            self.t_arrive_last = sum(node.rate * (seconds + lease_s[node.name] / 2)
-                                     for node, seconds in arrivals if node.state == "active") / weight
+            self.installs_last = installs
+            self.t_arrive_last = sum(w * seconds for w, seconds in installs) / weight
         for node, seconds in arrivals:
             self.push(self.now + seconds + lease_s[node.name], "switch", (node.name, version))
         self.push(self.now + max(seconds for _, seconds in arrivals), "broadcast_done", version)

@@ -66,7 +66,9 @@ class Broadcast:
     # request told the fleet record, and the next heartbeat of any node checks. A lease request is when the
     # node starts to work with the version, which is what the capacity model needs.
     installed_at: dict[str, float] = field(default_factory=dict)
-    # The active pool's throughput-weighted mean of those times, from the publish (hub.capacity.Arrival).
+    # The active pool's (rollouts/s, seconds from the publish) of those times and their throughput-weighted
+    # mean (hub.capacity.Arrival).
+    installs: tuple[tuple[float, float], ...] = ()
     arrive_s: float | None = None
 
     @property
@@ -293,7 +295,9 @@ class Broadcaster:
                     b.installed_at.setdefault(p, now)
             if not waiting:
                 b.done_at = now
-                b.arrive_s = self._mean_arrival_s(b)
+                b.installs = self._active_installs(b)
+                total = math.fsum(w for w, _ in b.installs)
+                b.arrive_s = math.fsum(w * s for w, s in b.installs) / total if total > 0 else None
                 self.pending.remove(b)
                 if self.last_done is None or b.version > self.last_done.version:
                     self.last_done = b
@@ -352,20 +356,21 @@ class Broadcaster:
         await self.event("reachability", record.peer_id, f"{record.reachability} ({', '.join(addrs) or 'no address'})")
         self.replan()
 
-    def _mean_arrival_s(self, b: Broadcast) -> float | None:
-        """When the active pool's throughput got `b`, on average; None if no active node received it."""
-        weighted = [
+    def _active_installs(self, b: Broadcast) -> tuple[tuple[float, float], ...]:
+        """(rollouts/s, seconds from the publish) of each active node that installed `b`."""
+        return tuple(
             (n.rollouts_per_s, at - b.published_at) for p, at in b.installed_at.items()
             if (n := self.fleet.get(p)) is not None and n.state == "active" and n.rollouts_per_s > 0
-        ]
-        total = math.fsum(w for w, _ in weighted)
-        return math.fsum(w * s for w, s in weighted) / total if total > 0 else None
+        )
 
     def last_t_bcast_s(self) -> float | None:
         return None if self.last_done is None else self.last_done.seconds
 
     def last_arrival_s(self) -> float | None:
         return None if self.last_done is None else self.last_done.arrive_s
+
+    def last_installs(self) -> tuple[tuple[float, float], ...]:
+        return () if self.last_done is None else self.last_done.installs
 
     # -- judging reports of bad relays --------------------------------------------------------
 

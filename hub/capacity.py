@@ -99,11 +99,33 @@ class Arrival:
     time, on average half a lease later than a steady flow would: the pool makes R_fresh + lease_rollouts
     before the step has R_fresh of V. When a lease takes as long as a learner step (the tiny default),
     that lag is a large part of the first step's idle.
+
+    installs: (rollouts/s, seconds from publish to install) of each active node that installed V, for the
+    pool's stall (pool_stall_s); empty: not known, and every node is charged the last one's (T_bcast).
     """
 
     t_arrive_s: float
     fresh_rollouts_per_step: float
     lease_rollouts: float = 0.0
+    installs: tuple[tuple[float, float], ...] = ()
+
+
+def pool_stall_s(kappa: int, t_train_s: float, staleness: int, installs: Sequence[tuple[float, float]]) -> float:
+    """The pool's stall per publish period: each node's broadcast_stall_s at its own install time, weighted
+    by its throughput (`installs`: (rollouts/s, seconds from publish to install) per node).
+
+    What a period loses is each node's throughput times the time it holds no usable version; charging
+    every node the last one's T_bcast, as the fleet-wide formula does, overstates it whenever the
+    installs spread out along a chain.
+    """
+    if not installs:
+        raise ValueError("no installs to weigh")
+    if any(not (w >= 0.0 and math.isfinite(w)) or not (t >= 0.0 and math.isfinite(t)) for w, t in installs):
+        raise ValueError(f"installs need finite weights and times >= 0, got {list(installs)[:5]}")
+    total = math.fsum(w for w, _ in installs)
+    if total <= 0.0:
+        raise ValueError("installs carry no throughput")
+    return math.fsum(w * broadcast_stall_s(kappa, t_train_s, t, staleness) for w, t in installs) / total
 
 
 def first_step_idle_s(kappa: int, t_train_s: float, mu_pool: float, staleness: int, arrival: Arrival) -> float:
@@ -130,15 +152,19 @@ def predicted_idle_s(
     staleness: int | None = None, arrival: Arrival | None = None,
 ) -> float:
     """Learner idle seconds per publish period: max(0, kappa*R/mu_pool + stall - kappa*T_train), the stall
-    as broadcast_stall_s gives it (at S = 0: R/mu_pool + T_bcast, as nothing is made while it trains);
-    with `arrival` known (and S given), at least first_step_idle_s.
+    as broadcast_stall_s gives it (at S = 0: R/mu_pool + T_bcast, as nothing is made while it trains), or
+    as pool_stall_s gives it when `arrival` has the nodes' installs (and S is given); with `arrival` known
+    (and S given), at least first_step_idle_s.
 
     An empty pool (mu_pool <= 0) never delivers, so the idle time is infinite.
     """
     _check_period(kappa, rollouts_per_step, t_train_s, t_bcast_s)
     if mu_pool <= 0:
         return math.inf
-    stall_s = broadcast_stall_s(kappa, t_train_s, t_bcast_s, staleness)
+    if arrival is not None and arrival.installs and staleness is not None:
+        stall_s = pool_stall_s(kappa, t_train_s, staleness, arrival.installs)
+    else:
+        stall_s = broadcast_stall_s(kappa, t_train_s, t_bcast_s, staleness)
     idle_s = max(0.0, kappa * rollouts_per_step / mu_pool + stall_s - kappa * t_train_s)
     if arrival is not None and staleness is not None:
         idle_s = max(idle_s, first_step_idle_s(kappa, t_train_s, mu_pool, staleness, arrival))

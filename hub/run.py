@@ -199,6 +199,7 @@ class Hub:
                               usable_fraction=lambda: self.status.usable_fraction,
                               staleness=lc.staleness,
                               t_arrive_s=self.broadcaster.last_arrival_s,
+                              installs=self.broadcaster.last_installs,
                               fresh_usable_fraction=lambda: self.status.fresh_usable_fraction,
                               rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size),
                 set_state=state.set_state,

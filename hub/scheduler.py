@@ -67,6 +67,9 @@ class LearnerTiming:
     # fraction without stale drops: the bubble of the first step that needs that version
     # (hub.capacity.first_step_idle_s). None: not measured, and that step is not modelled.
     t_arrive_s: Callable[[], float | None] = lambda: None
+    # (rollouts/s, seconds from publish to install) of each active node for that version: the pool's stall
+    # (hub.capacity.pool_stall_s). Empty: every node is charged T_bcast.
+    installs: Callable[[], tuple[tuple[float, float], ...]] = lambda: ()
     fresh_usable_fraction: Callable[[], float] = lambda: 1.0
     # Rollouts in one lease (prompts_per_lease * group_size): each active node hands in a new version's
     # rollouts a lease at a time, half a lease behind a steady flow (hub.capacity.Arrival.lease_rollouts).
@@ -112,7 +115,7 @@ class Scheduler:
         t_arrive = self.timing.t_arrive_s()
         arrival = None if t_arrive is None else Arrival(
             t_arrive, self.timing.rollouts_per_step / self.timing.fresh_usable_fraction(),
-            len(active) * self.timing.rollouts_per_lease / 2)
+            len(active) * self.timing.rollouts_per_lease / 2, self.timing.installs())
         try:
             needed = mu_min(k, r, t_train, t_bcast, self.timing.staleness)
         except InfeasibleCapacity as exc:

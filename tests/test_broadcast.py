@@ -361,7 +361,8 @@ async def test_a_relay_whose_successor_gets_nothing_moves_to_the_end_of_its_chai
 @pytest.mark.trio
 async def test_a_broadcast_knows_when_the_active_pools_throughput_got_it(monkeypatch):
     """Heartbeats show a (active, 6/s) holding v1 1 s after its publish, b (active, 2/s) 3 s after and
-    c (standby) 10 s after: T_bcast is 10 s, the pool's throughput had it (6 * 1 + 2 * 3) / 8 = 1.5 s."""
+    c (standby) 10 s after: T_bcast is 10 s, the pool's throughput had it (6 * 1 + 2 * 3) / 8 = 1.5 s, and
+    each active node's install goes to the capacity model's stall (hub.capacity.pool_stall_s)."""
     hub_id = Identity.generate()
     async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b, node_peer(peer) as c:
         hub = Hub(peer, "chain")
@@ -376,3 +377,4 @@ async def test_a_broadcast_knows_when_the_active_pools_throughput_got_it(monkeyp
             hub.broadcaster.check_done()  # a later heartbeat does not move the time it was first seen
     assert hub.broadcaster.last_t_bcast_s() == 10.0
     assert hub.broadcaster.last_arrival_s() == pytest.approx(1.5)
+    assert sorted(hub.broadcaster.last_installs()) == [(2.0, 3.0), (6.0, 1.0)]

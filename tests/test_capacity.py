@@ -20,6 +20,7 @@ from hub.capacity import (
     first_step_idle_s,
     held_release,
     mu_min,
+    pool_stall_s,
     predicted_bubble,
     predicted_idle_s,
     predicted_step_s,
@@ -113,6 +114,25 @@ def test_the_first_step_that_needs_the_newest_version_waits_for_its_rollouts():
     assert first_step_idle_s(3, 60.0, 0.0, 4, arrival) == math.inf
     with pytest.raises(ValueError, match="kappa"):
         first_step_idle_s(3, 60.0, 4.0, 3, arrival)  # kappa > S - 1: the hub refuses such a run
+
+
+def test_each_node_stalls_by_its_own_install_not_the_last_ones():
+    """S = 5, kappa = 3, T_train = 10 s: a node may go on with the old version 20 s past the publish. Three
+    nodes install at 5, 25 and 35 s (T_bcast 35 s): they stall 0, 5 and 15 s, weighted by their 1, 2 and 1
+    rollouts/s: (0 + 10 + 15) / 4 = 6.25 s, where charging every node T_bcast's stall says 15 s."""
+    installs = ((1.0, 5.0), (2.0, 25.0), (1.0, 35.0))
+    assert pool_stall_s(3, 10.0, 5, installs) == pytest.approx(6.25)
+    assert broadcast_stall_s(3, 10.0, 35.0, staleness=5) == pytest.approx(15.0)
+    # The balance with it: 3 * 90 / 10 = 27 s of generation + 6.25 s - 30 s = 3.25 s idle (12 s with T_bcast's).
+    arrival = Arrival(t_arrive_s=22.5, fresh_rollouts_per_step=30.0, installs=installs)
+    assert predicted_idle_s(3, 90, 10.0, 35.0, 10.0, staleness=5, arrival=arrival) == pytest.approx(3.25)
+    assert predicted_idle_s(3, 90, 10.0, 35.0, 10.0, staleness=5, arrival=Arrival(22.5, 30.0)) == pytest.approx(12.0)
+    # One node is the fleet-wide formula; at S = 0 a node stalls through T_train as well.
+    assert pool_stall_s(3, 10.0, 5, ((4.0, 35.0),)) == broadcast_stall_s(3, 10.0, 35.0, staleness=5)
+    assert pool_stall_s(1, 10.0, 0, installs) == pytest.approx((5 + 50 + 35) / 4 + 10.0)
+    for bad in ((), ((0.0, 5.0),), ((1.0, -1.0),), ((math.nan, 5.0),), ((1.0, math.inf),)):
+        with pytest.raises(ValueError):
+            pool_stall_s(3, 10.0, 5, bad)
 
 
 def test_step_time_and_cost_per_step():

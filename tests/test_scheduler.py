@@ -26,12 +26,13 @@ class FakeTiming:
         self.staleness = staleness
         self.t_arrive_s = t_arrive_s
         self.fresh_usable = fresh_usable
+        self.installs: tuple[tuple[float, float], ...] = ()
 
     def timing(self, rollouts_per_lease: int = 0) -> LearnerTiming:
         return LearnerTiming(2, 10, t_train_s=lambda: self.t_train_s, t_bcast_s=lambda: self.t_bcast_s,
                              usable_fraction=lambda: self.usable, staleness=self.staleness,
                              t_arrive_s=lambda: self.t_arrive_s, fresh_usable_fraction=lambda: self.fresh_usable,
-                             rollouts_per_lease=rollouts_per_lease)
+                             rollouts_per_lease=rollouts_per_lease, installs=lambda: self.installs)
 
 
 class Transitions:
@@ -388,6 +389,15 @@ async def test_the_first_step_after_a_broadcast_is_predicted_from_when_the_pool_
     # flow, 3 * 2 more to wait for.
     with_leases = Scheduler(scheduler.config, fleet, timing.timing(rollouts_per_lease=4), scheduler.set_state)
     idle = (12.5 + 3 * 2) / 17 - (3.0 - 2.7)
+    assert with_leases.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
+    # Where the balance binds (usable 0.3: 20 / 0.3 / 17 s of generation per period), each node stalls by its
+    # own install (a at 1.0 s, b at 2.9 s, c at 2.0 s; 1.5 s of slack): (0 * 5 + 1.4 * 8 + 0.5 * 4) / 17 s, not
+    # T_bcast's 1.4 s.
+    timing.usable = 0.3
+    idle = 20 / 0.3 / 17 + 1.4 - 3.0
+    assert with_leases.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
+    timing.installs = ((5.0, 1.0), (8.0, 2.9), (4.0, 2.0))
+    idle = 20 / 0.3 / 17 + (1.4 * 8 + 0.5 * 4) / 17 - 3.0
     assert with_leases.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
 
 
