@@ -66,14 +66,19 @@ class Broadcast:
     # request told the fleet record, and the next heartbeat of any node checks. A lease request is when the
     # node starts to work with the version, which is what the capacity model needs.
     installed_at: dict[str, float] = field(default_factory=dict)
-    # The active pool's (rollouts/s, seconds from the publish) of those times and their throughput-weighted
-    # mean (hub.capacity.Arrival).
+    # (rollouts/s, seconds from the publish) of each node of the active pool, once the broadcast is done
+    # (hub.capacity.Arrival).
     installs: tuple[tuple[float, float], ...] = ()
-    arrive_s: float | None = None
 
     @property
     def seconds(self) -> float | None:
         return None if self.done_at is None else self.done_at - self.published_at
+
+    @property
+    def arrive_s(self) -> float | None:
+        """When the active pool's throughput got it, on average; None if no active node did."""
+        total = math.fsum(w for w, _ in self.installs)
+        return math.fsum(w * s for w, s in self.installs) / total if total > 0 else None
 
 
 class _Through:
@@ -296,8 +301,6 @@ class Broadcaster:
             if not waiting:
                 b.done_at = now
                 b.installs = self._active_installs(b)
-                total = math.fsum(w for w, _ in b.installs)
-                b.arrive_s = math.fsum(w * s for w, s in b.installs) / total if total > 0 else None
                 self.pending.remove(b)
                 if self.last_done is None or b.version > self.last_done.version:
                     self.last_done = b
