@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from shared.messages import HubStatus
-from tests.harness import HubProc, Proc, node_peer_id, start_hub, start_node
+from tests.harness import HubProc, Proc, node_peer_id, query, start_hub, start_node
 
 HEARTBEAT_TIMEOUT_S = 5.0
 NODE_START_S = 240.0
@@ -58,7 +58,7 @@ heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}
 """
 
 
-LEASE_SETTLE_S = 3.0
+LEASE_SETTLE_S = 40.0  # > lease_timeout_s: by then a lease is answered or expired
 
 
 def describe(status: HubStatus | None, names: dict[str, str]) -> str:
@@ -134,10 +134,15 @@ def test_cost_aware_activation_standby_and_replacement(tmp_path: Path):
         assert status.mu_pool >= status.mu_target * 1.1, detail
 
         # Standby: connected, keeps receiving snapshots, gets no leases, accrues no cost. A lease
-        # it held when it was released may still be answered (and paid: it did what it was told),
-        # so the count is taken once that has settled.
-        time.sleep(LEASE_SETTLE_S)
-        status = hub.status()
+        # it held when it was released may still be answered (and paid: it did what it was told; one
+        # lease is 128 rollouts, over 4 s at S2's 30/s), so the count is taken once the store shows
+        # none open for it and the status has caught up.
+        deadline = time.monotonic() + LEASE_SETTLE_S
+        while query(hub.data_dir, "SELECT COUNT(*) FROM leases WHERE node_id = ? AND state = 'open'", (s2,))[0][0]:
+            assert time.monotonic() < deadline, f"S2 still holds a lease {LEASE_SETTLE_S:g}s after its release"
+            time.sleep(0.3)
+        settled_at = time.time()
+        status = wait_for(hub, names, lambda s: s.updated_at > settled_at, "a status after S2's last lease")
         before = node(status, s2)
         newest = status.version
         status = wait_for(hub, names, lambda s: s.version > newest and node(s, s2).version_held >= s.version - 1,
