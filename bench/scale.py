@@ -276,8 +276,9 @@ def run_roles(work: Path, roles: dict[str, list[str]]) -> None:
 # -- relay: source -> relay -> sink, each its own process ------------------------------------------
 
 
-def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path | None) -> None:
-    """One process of the relay measurement; peers find each other through JSON files in `work`."""
+def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path | None, bulk: bool) -> None:
+    """One process of the relay measurement; peers find each other through JSON files in `work`.
+    `bulk`: transfers on the bulk channel (shared/bulk.py, the default path), else on libp2p streams."""
     import logging
     import resource
 
@@ -286,9 +287,10 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
     from hub.broadcast import HubUplink
     from hub.snapshots import SnapshotShelf
     from node.keeper import HUB, SnapshotKeeper, Upstream
+    from shared.bulk import BulkChannel, serving_stream
     from shared.crypto import Identity
     from shared.messages import RELAY_PROTOCOL, SNAPSHOT_PROTOCOL, SnapshotRequest
-    from shared.net import connect, running_host, set_handler
+    from shared.net import connect, remote_peer_id, running_host, set_handler
     from shared.snapshot import read_snapshot_files
     from shared.transfer import serve_snapshot
     from shared.wire import read_message
@@ -303,16 +305,22 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
         shelf.add(snapshot)
         uplink = HubUplink(None, None)
 
+        channel = BulkChannel("127.0.0.1", 0) if bulk else None
+
         async def serve(stream) -> None:
             request = await read_message(stream, SnapshotRequest)
-            await serve_snapshot(stream, shelf, request, uplink.for_stream(), identity)
+            async with serving_stream(stream, request, channel, remote_peer_id(stream)) as transfer:
+                await serve_snapshot(transfer, shelf, request, uplink.for_stream(), identity)
             await stream.close()
 
-        async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, addrs):
+        async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, addrs), trio.open_nursery() as nursery:
+            if channel is not None:
+                await channel.start(nursery)
             set_handler(host, SNAPSHOT_PROTOCOL, serve, log)
             publish(work, "source", {"peer_id": identity.peer_id, "addr": addrs[0], "version": version,
                                "bytes": snapshot.manifest.total_bytes})
             await wait_for(work, "sink-done")
+            nursery.cancel_scope.cancel()
 
     async def keeper_node(name: str) -> None:
         info = await wait_for(work, "source")
@@ -325,32 +333,36 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
         async def report(_report):
             raise RuntimeError(f"the {name} was sent a bad chunk")
 
-        async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, addrs):
+        async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, addrs), trio.open_nursery() as nursery:
+            channel = BulkChannel("127.0.0.1", 0) if bulk else None
+            if channel is not None:
+                await channel.start(nursery)
             keeper = SnapshotKeeper(host, identity, info["peer_id"], work / name, install, None,
-                                    on_installed=lambda v: None, report=report)
+                                    on_installed=lambda v: None, report=report, bulk=channel)
             set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, keeper.on_relay_offer, log)
             await connect(host, info["addr"])
-            async with trio.open_nursery() as nursery:
-                await keeper.start(nursery)
-                if name == "relay":
-                    publish(work, "relay", {"peer_id": identity.peer_id, "addr": addrs[0]})
-                    sink = await wait_for(work, "sink")
-                    started = resource.getrusage(resource.RUSAGE_SELF)
-                    wall = time.perf_counter()
-                    keeper.update(info["version"], HUB, sink["peer_id"])
-                    await done.wait()
-                    await wait_for(work, "sink-done")  # forwarding lasts until the sink has the last chunk
-                    ended = resource.getrusage(resource.RUSAGE_SELF)
-                    cpu = (ended.ru_utime - started.ru_utime) + (ended.ru_stime - started.ru_stime)
-                    publish(work, "relay-result", {"cpu_s": cpu, "wall_s": time.perf_counter() - wall, "bytes": info["bytes"]})
-                else:
-                    relay = await wait_for(work, "relay")
-                    publish(work, "sink", {"peer_id": identity.peer_id})
-                    keeper.update(info["version"], Upstream(relay["peer_id"], (relay["addr"],)), None)
-                    await done.wait()
-                    publish(work, "sink-done", {})
-                nursery.cancel_scope.cancel()
+            await keeper.start(nursery)
+            if name == "relay":
+                publish(work, "relay", {"peer_id": identity.peer_id, "addr": addrs[0]})
+                sink = await wait_for(work, "sink")
+                started = resource.getrusage(resource.RUSAGE_SELF)
+                wall = time.perf_counter()
+                keeper.update(info["version"], HUB, sink["peer_id"])
+                await done.wait()
+                await wait_for(work, "sink-done")  # forwarding lasts until the sink has the last chunk
+                ended = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = (ended.ru_utime - started.ru_utime) + (ended.ru_stime - started.ru_stime)
+                on_bulk = channel is not None and (channel.dialed, channel.served) == (1, 1)
+                publish(work, "relay-result", {"cpu_s": cpu, "wall_s": time.perf_counter() - wall, "bytes": info["bytes"],
+                                               "bulk": on_bulk})
+            else:
+                relay = await wait_for(work, "relay")
+                publish(work, "sink", {"peer_id": identity.peer_id})
+                keeper.update(info["version"], Upstream(relay["peer_id"], (relay["addr"],)), None)
+                await done.wait()
+                publish(work, "sink-done", {})
+            nursery.cancel_scope.cancel()
 
     main = source if role == "source" else (lambda: keeper_node(role))
     if profile is not None:
@@ -368,7 +380,8 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
 
 
 def measure_relay(work: Path, model_dir: Path, dtype: str, profile: Path | None, log) -> dict:
-    """Write one snapshot of `model_dir` in `dtype`, then time it through source -> relay -> sink."""
+    """Write one snapshot of `model_dir` in `dtype`, then time it through source -> relay -> sink, on the bulk
+    channel (relay_*, the path nodes take) and then on libp2p streams (relay_libp2p_*, the fall-back)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -382,16 +395,23 @@ def measure_relay(work: Path, model_dir: Path, dtype: str, profile: Path | None,
     build_snapshot(model.state_dict(), 1, Identity.from_seed(bytes(32)), model_dir_config_hash(model_dir),
                    relay_dir / "source-snapshots", dtype=getattr(torch, dtype))
     del model
-    snapshots = ["--snapshot-dir", str(relay_dir / "source-snapshots")]
-    profiled = [] if profile is None else ["--profile", str(profile)]
-    run_roles(relay_dir, {"source": snapshots, "relay": snapshots + profiled, "sink": snapshots})
-    result = json.loads((relay_dir / "relay-result.json").read_text())
+    out: dict = {}
+    for path, prefix in (("bulk", "relay"), ("libp2p", "relay_libp2p")):
+        run_dir = relay_dir / path
+        run_dir.mkdir()
+        args = ["--snapshot-dir", str(relay_dir / "source-snapshots"), "--relay-path", path]
+        profiled = [] if profile is None else ["--profile", str(profile.with_name(f"{profile.stem}-{path}{profile.suffix}"))]
+        run_roles(run_dir, {"source": args, "relay": args + profiled, "sink": args})
+        result = json.loads((run_dir / "relay-result.json").read_text())
+        if result["bulk"] != (path == "bulk"):
+            raise RuntimeError(f"the {path} relay run took the {'bulk' if result['bulk'] else 'libp2p'} path")
+        gb = result["bytes"] / 1e9
+        log(f"  relay ({path}): {result['bytes'] / MB:.0f} MB in {result['wall_s']:.1f}s, {result['cpu_s']:.1f} CPU-s")
+        out.update({"relay_bytes": result["bytes"], "relay_dtype": dtype, f"{prefix}_wall_s": round(result["wall_s"], 2),
+                    f"{prefix}_cpu_s": round(result["cpu_s"], 2), f"{prefix}_cpu_s_per_gb": round(result["cpu_s"] / gb, 2),
+                    f"{prefix}_mb_per_s": round(result["bytes"] / MB / result["wall_s"], 1)})
     shutil.rmtree(relay_dir, ignore_errors=True)
-    gb = result["bytes"] / 1e9
-    log(f"  relay: {result['bytes'] / MB:.0f} MB in {result['wall_s']:.1f}s, {result['cpu_s']:.1f} CPU-s")
-    return {"relay_bytes": result["bytes"], "relay_dtype": dtype, "relay_wall_s": round(result["wall_s"], 2),
-            "relay_cpu_s": round(result["cpu_s"], 2), "relay_cpu_s_per_gb": round(result["cpu_s"] / gb, 2),
-            "relay_mb_per_s": round(result["bytes"] / MB / result["wall_s"], 1)}
+    return out
 
 
 # -- transport floor: the same bytes through py-libp2p alone, sender -> receiver ------------------------
@@ -509,13 +529,14 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None, help="models and runs (default: a temp dir, removed)")
     parser.add_argument("--role", choices=("source", "relay", "sink", "floor-recv", "floor-send"), help=argparse.SUPPRESS)
     parser.add_argument("--snapshot-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--relay-path", choices=("bulk", "libp2p"), default="bulk", help=argparse.SUPPRESS)
     parser.add_argument("--floor-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role in ("floor-recv", "floor-send"):
         floor_role(args.role, args.work_dir, args.floor_bytes)
         return
     if args.role:
-        relay_role(args.role, args.work_dir, args.snapshot_dir, args.profile)
+        relay_role(args.role, args.work_dir, args.snapshot_dir, args.profile, args.relay_path == "bulk")
         return
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]

@@ -54,6 +54,7 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "link_mbps": ("broadcast.link_mbps", float),
     "hub_mbps": ("broadcast.hub_uplink_mbps", float),
     "delta_max_ratio": ("broadcast.delta_max_ratio", float),
+    "bulk_port": ("broadcast.bulk_port", int),
     "log_level": ("log_level", str),
     "prompt_column": ("dataset.prompt_column", str),
     "answer_column": ("dataset.answer_column", str),

@@ -78,6 +78,7 @@ class BroadcastConfig(Section):
     chunk_kib: int = Field(1024, ge=4, le=16384, description="snapshot chunk size in KiB")
     hub_uplink_mbps: float | None = Field(None, gt=0.0, le=1e6, description="B0 in Mbit/s (None: unlimited/unknown)")
     link_mbps: float | None = Field(None, gt=0.0, le=1e6, description="emulated per-connection rate limit in Mbit/s")
+    bulk_port: int = Field(0, ge=-1, le=65535, description="TCP port of the bulk channel snapshot transfers take (shared/bulk.py; 0: any free port, -1: off, transfers go over libp2p)")
     delta_max_ratio: float = Field(
         0.5, ge=0.0, le=1.0,
         description="also publish each version as a delta against the previous one if at most this share of its bytes (0: never)")

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import IO
 
 from hub.config import HubConfig
-from shared.checks import UserError, check_data_dir, check_key_file, check_listen, check_model_dir, model_fingerprint
+from shared.checks import (
+    UserError,
+    check_bulk_port,
+    check_data_dir,
+    check_key_file,
+    check_listen,
+    check_model_dir,
+    model_fingerprint,
+)
 from shared.layout import CHECKPOINTS_DIR, HUB_KEY_FILE, HUB_STORE_FILE
 from shared.tasks.base import Task
 
@@ -52,6 +60,7 @@ def check_start(config: HubConfig) -> None:
     check_learner_procs(config)
     check_trackers(config)
     check_listen(config.listen)
+    check_bulk_port(config.listen, config.broadcast.bulk_port)
     check_key_file(config.key_path, "--key" if config.key is not None else "the hub key")
 
 

@@ -180,6 +180,7 @@ class Hub:
         from hub.scheduler import LearnerTiming, Scheduler
         from hub.service import build_hub_service
         from hub.status import RunInfo, StatusBoard
+        from shared.bulk import channel_for
 
         config, lc, state = self.config, self.config.learner, self.state
         # The nodes this hub spawns all dial from loopback: room for them on top of the per-address cap.
@@ -211,7 +212,9 @@ class Hub:
                 broadcaster=self.broadcaster, scheduler=self.scheduler,
             )
             state.on_membership.append(self.on_membership)
-            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.snapshot, self.broadcaster)
+            bulk = channel_for(config.listen, config.broadcast.bulk_port)
+            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.snapshot, self.broadcaster,
+                                        bulk)
             self._announce()
             from libp2p.tools.anyio_service import background_trio_service
 
@@ -223,6 +226,8 @@ class Hub:
                 nursery.start_soon(guard_relay, host, relay, state.fleet.is_member)
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
                 await nursery.start(self.broadcaster.run)  # before anything can publish
+                if bulk is not None:
+                    await bulk.start(nursery)
                 for component in (state, service, self.scheduler, self.status):
                     nursery.start_soon(component.run)
                 nursery.start_soon(self._publisher)

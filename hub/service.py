@@ -26,6 +26,7 @@ from hub.config import HubConfig
 from hub.guard import Admission, PeerGuard
 from hub.snapshots import SnapshotShelf
 from hub.state import HANDLER_TIMEOUT_S, HubBusy, HubState
+from shared.bulk import BulkChannel, serving_stream
 from shared.crypto import Identity
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
@@ -125,8 +126,10 @@ class HubService:
         on_heartbeat: Callable[[], None],
         on_report: Callable[[INetStream], Awaitable[None]],
         punch_failed: Callable[[str, str], None] = lambda peer, upstream: None,
+        bulk: BulkChannel | None = None,
     ) -> None:
         self.host = host
+        self.bulk = bulk
         self.identity = identity  # signs the commitments of the snapshot frames it serves
         self.state = state
         self.shelf = shelf
@@ -308,7 +311,8 @@ class HubService:
         peer = remote_peer_id(stream)
         self.state.known(peer)
         try:
-            ack = await serve_snapshot(stream, self.shelf, request, self.uplink.for_stream(), self.identity)
+            async with serving_stream(stream, request, self.bulk, peer) as transfer:
+                ack = await serve_snapshot(transfer, self.shelf, request, self.uplink.for_stream(), self.identity)
         except NotServable as exc:
             raise PeerFault(str(exc), RejectCode.NOT_HELD) from None
         except LookupError as exc:
@@ -369,6 +373,7 @@ def build_hub_service(
     shelf: SnapshotShelf,
     status: Callable[[int], HubStatus],
     broadcaster: Broadcaster | None = None,
+    bulk: BulkChannel | None = None,
 ) -> HubService:
     """The hub's service as `echo-hub start` runs it; without a broadcaster, every node pulls from the hub."""
     bc = config.broadcast
@@ -381,4 +386,5 @@ def build_hub_service(
         on_heartbeat=broadcaster.check_done if broadcaster else lambda: None,
         on_report=broadcaster.on_report if broadcaster else refuse_reports,
         punch_failed=broadcaster.punch_failed if broadcaster else lambda peer, upstream: None,
+        bulk=bulk,
     )

@@ -13,7 +13,7 @@ from shared.checks import UserError
 JOIN_FLAGS: dict[str, tuple[str, type]] = {
     name: (name, kind) for name, kind in (
         ("hub", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
-        ("model", Path), ("listen", str), ("public_addr", str), ("max_rollouts_per_s", float), ("link_mbps", float),
+        ("model", Path), ("listen", str), ("public_addr", str), ("bulk_port", int), ("max_rollouts_per_s", float), ("link_mbps", float),
         ("declared_link_mbps", float), ("threads", int), ("seed", int), ("gpu_memory_fraction", float),
         ("max_lora_rank", int), ("log_level", str),
     )
@@ -53,13 +53,21 @@ def config_to_args(config) -> list[str]:
 
 def check_join(config) -> None:
     """Every mistake `echo-node join` can see before it starts: one line each (UserError), nothing written."""
-    from shared.checks import check_data_dir, check_key_file, check_listen, check_model_dir, check_peer_addr
+    from shared.checks import (
+        check_bulk_port,
+        check_data_dir,
+        check_key_file,
+        check_listen,
+        check_model_dir,
+        check_peer_addr,
+    )
 
     check_peer_addr(config.hub)
     check_data_dir(config.data_dir)
     if config.model is not None:
         check_model_dir(config.model)
     check_listen(config.listen)
+    check_bulk_port(config.listen, config.bulk_port)
     check_key_file(config.key_path, "--key" if config.key is not None else "the node key")
 
 

@@ -26,6 +26,7 @@ class NodeConfig(Section):
     public_addr: str | None = Field(
         None, pattern=r"^/(ip4|ip6|dns4|dns6)/[^/]+/tcp/[0-9]{1,5}$",
         description="where peers dial this node when its router forwards a port to it, e.g. /ip4/203.0.113.5/tcp/4001 (behind a NAT: leave unset)")
+    bulk_port: int = Field(0, ge=-1, le=65535, description="TCP port of the bulk channel snapshot transfers take (shared/bulk.py; 0: any free port, -1: off, transfers go over libp2p; behind a forwarded port, forward this one too)")
     max_rollouts_per_s: float | None = Field(None, gt=0.0, description="throttle generation (tests, benchmarks)")
     link_mbps: float | None = Field(None, gt=0.0, description="emulated outbound link rate in Mbit/s")
     declared_link_mbps: float = Field(1000.0, gt=0.0, le=1e6, description="link bandwidth declared on join")

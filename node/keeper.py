@@ -43,6 +43,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
+from shared.bulk import BulkChannel, BulkUnreachable, serving_stream
 from shared.crypto import Identity
 from shared.delta import DeltaError, apply_delta, delta_full_manifest
 from shared.messages import (
@@ -102,6 +103,7 @@ class Transfer:
     assembler: ChunkAssembler
     started_at: float
     source: str
+    via: str = "libp2p"  # how its last pull came: "the bulk channel" or "libp2p"
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,10 @@ class SnapshotKeeper:
         report: Callable[[BadChunkReport], Awaitable[TransferAck | Reject]],
         stall_s: float = STALL_S,
         punch: Callable[[str], Awaitable[bool]] | None = None,
+        bulk: BulkChannel | None = None,
     ) -> None:
         self.host = host
+        self.bulk = bulk
         self.identity = identity
         self.hub_peer_id = hub_peer_id
         self.directory = Path(directory)
@@ -278,7 +282,8 @@ class SnapshotKeeper:
             await stream.close()
             return
         try:
-            ack = await serve_snapshot(stream, self, req, self.limiter, self.identity, self.stall_s)
+            async with serving_stream(stream, req, self.bulk, peer) as transfer:
+                ack = await serve_snapshot(transfer, self, req, self.limiter, self.identity, self.stall_s)
         except NotServable as exc:
             await write_message(stream, Reject(code=RejectCode.NOT_HELD, reason=str(exc)[:1000]))
             await stream.close()
@@ -417,25 +422,40 @@ class SnapshotKeeper:
                 self.punch_failed = source.peer_id
                 raise OSError(f"no direct connection to {source.peer_id[-8:]}: the hole punch failed")
             self.punch_failed = None
+        sender = source.peer_id or self.hub_peer_id
+        # Only a sender we dial can be dialed on its channel: a NATed one (it dials us, or we punch) serves on libp2p.
+        bulk = self.bulk is not None and source.kind == "direct" and self.bulk.usable(sender)
+        request = SnapshotRequest(version=version, from_chunk=from_chunk, base_version=base, bulk=bulk)
+        try:
+            await self._receive(source, request)
+        except BulkUnreachable as exc:
+            log.info("v%d: %s; taking it over libp2p (slower, more CPU)", version, exc)
+            await self._receive(source, request.model_copy(update={"bulk": False}))
+
+    async def _receive(self, source: Upstream, request: SnapshotRequest) -> None:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             stream = await self._open(source)
+        dialed = self.bulk.dialed if self.bulk is not None else 0
         try:
             # No deadline on the whole transfer (a large model on a slow link takes long); a silent
             # sender is given up on after STALL_S.
             await receive_snapshot(
                 stream,
-                SnapshotRequest(version=version, from_chunk=from_chunk, base_version=base),
+                request,
                 self.hub_peer_id,
                 source.peer_id or self.hub_peer_id,
                 newer_than=self.version_held,
                 assembler_for=lambda signed, manifest: self._assembler_for(signed, manifest, source),
                 on_chunk=self._on_chunk,
                 stall_s=self.stall_s,
+                bulk=self.bulk,
             )
         except BaseException:
             with trio.CancelScope(shield=True):
                 await stream.reset()  # py-libp2p's reset swallows errors of an already broken stream
             raise
+        if self.transfer is not None:
+            self.transfer.via = "the bulk channel" if self.bulk is not None and self.bulk.dialed > dialed else "libp2p"
 
     def _assembler_for(self, signed: SignedManifest, manifest: Manifest, source: Upstream) -> ChunkAssembler:
         transfer = self.transfer
@@ -512,8 +532,8 @@ class SnapshotKeeper:
         if previous is not None:  # retention: the installed version and the one in flight, nothing older
             previous.remove()
         came_as = f"a delta of {held.delta.manifest.total_bytes} bytes" if held.delta else f"{held.manifest.total_bytes} bytes"
-        log.info("installed v%d (%.2fs, %s, last from %s)", version, time.monotonic() - transfer.started_at, came_as,
-                 transfer.source)
+        log.info("installed v%d (%.2fs, %s, last from %s over %s)", version, time.monotonic() - transfer.started_at,
+                 came_as, transfer.source, transfer.via)
         self.on_installed(version)
 
     def _apply(self, transfer: Transfer, delta_path: Path) -> Held:

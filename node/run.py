@@ -174,8 +174,10 @@ class NodeRuntime:
         from node.keeper import SnapshotKeeper
         from node.nat import NatTraversal
         from node.worker import Worker
+        from shared.bulk import channel_for
 
         limiter = RateLimiter(self.config.link_mbps * MBIT) if self.config.link_mbps else None
+        bulk = channel_for(self.config.listen, self.config.bulk_port)
         async with running_host(self.identity, [self.config.listen]) as (host, addrs):
             # A port-forwarded host says where peers reach it; behind a NAT nothing is needed (the hub
             # finds out, hub/reachability.py, and plans links the node dials itself).
@@ -186,7 +188,8 @@ class NodeRuntime:
             self.nat = NatTraversal(host, self.config.hub, lambda peer: peer in (self.keeper.downstream,
                                                                                  self.keeper.upstream.peer_id))
             self.keeper = SnapshotKeeper(host, self.identity, self.hub_peer_id, self.config.data_dir / SNAPSHOTS_DIR,
-                                         self._install, limiter, self._on_installed, client.report, punch=self.nat.punch)
+                                         self._install, limiter, self._on_installed, client.report, punch=self.nat.punch,
+                                         bulk=bulk)
             self.worker = Worker(
                 client, self.engine, self.engine_lock,
                 can_work=lambda: self.link.state.connected and self.link.state.state in ("active", "probing"),
@@ -201,6 +204,8 @@ class NodeRuntime:
             async with self.nat.running(), trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
+                if bulk is not None:
+                    await bulk.start(nursery)
                 await self.keeper.start(nursery)
                 nursery.start_soon(self.link.run)
                 nursery.start_soon(self.worker.run)

@@ -101,17 +101,35 @@ def check_listen(addr: str, flag: str = "--listen") -> None:
     host, family = _host(ma)
     if host is None:
         raise UserError(f"{flag} {addr!r}: give an /ip4/ or /ip6/ address to listen on, like {example}")
-    if port == 0:
+    if port != 0:
+        _check_bindable(host, family, port, f"{flag} {addr}", f"{addr.rsplit('/', 1)[0]}/{port + 1}")
+
+
+def check_bulk_port(listen: str, port: int, flag: str = "--bulk-port") -> None:
+    """The bulk channel's port (shared/bulk.py), on the libp2p listen address's interface: free now, and not the
+    libp2p port itself (0: any free port, -1: no channel; `listen` is already checked)."""
+    from multiaddr import Multiaddr
+
+    if port in (0, -1):
         return
+    ma = Multiaddr(listen)
+    if int(ma.value_for_protocol("tcp")) == port:
+        raise UserError(f"{flag} {port} is the libp2p listen port too ({listen}); give the bulk channel its own, "
+                        f"e.g. {flag} {port + 1}")
+    host, family = _host(ma)
+    _check_bindable(host, family, port, f"{flag} {port}", str(port + 1))
+
+
+def _check_bindable(host: str, family: int, port: int, what: str, suggestion: str) -> None:
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise UserError(f"{flag} {addr}: port {port} is already in use (another hub?); stop it or "
-                                f"listen on another port, e.g. {addr.rsplit('/', 1)[0]}/{port + 1}") from None
-            raise UserError(f"{flag} {addr}: cannot listen there ({exc.strerror})") from None
+                raise UserError(f"{what}: port {port} is already in use (another hub?); stop it or "
+                                f"listen on another port, e.g. {suggestion}") from None
+            raise UserError(f"{what}: cannot listen there ({exc.strerror})") from None
 
 
 def _host(ma) -> tuple[str | None, int]:

@@ -7,6 +7,7 @@ key: `public_key_from_peer_id` recovers it, so a node that knows the hub's addre
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -88,10 +89,16 @@ def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
     if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
         return False
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        _public_key(public_key).verify(signature, data)
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _public_key(public_key: bytes) -> Ed25519PublicKey:
+    # Parsed once per peer: a transfer verifies one signature per chunk from the same sender.
+    return Ed25519PublicKey.from_public_bytes(public_key)
 
 
 def peer_id_from_public_key(public_key: bytes) -> str:

@@ -13,7 +13,7 @@ import unicodedata
 from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from shared.rollout import MAX_VERSION, Completion, SamplingParams
 from shared.wire import Message, protocol_id
@@ -380,6 +380,25 @@ class SnapshotRequest(Message):
     from_chunk: ChunkIndex = 0
     only_chunk: ChunkIndex | None = Field(None, description="fetch this one chunk only (repair)")
     base_version: Version | None = Field(None, description="the version the asker holds: a delta against it will do")
+    bulk: bool = Field(False, description="the asker can take the transfer on the sender's bulk channel (shared/bulk.py)")
+
+
+class BulkOffer(Message):
+    """The answer to a SnapshotRequest with bulk=True: where and how to open the sender's bulk channel.
+
+    No port: the sender runs none, and the transfer follows on the stream that asked."""
+
+    TYPE: ClassVar[int] = 24
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    port: int | None = Field(None, ge=1, le=65535, description="TCP port of the channel, at the IP the asker reaches us at")
+    ticket: str = Field("", pattern=r"^([0-9a-f]{32})?$", description="one-time ticket the asker sends first (16 bytes, hex)")
+    key: str = Field("", pattern=r"^([0-9a-f]{64})?$", description="AES-256-GCM key of this one connection (hex)")
+
+    @model_validator(mode="after")
+    def _all_or_nothing(self) -> BulkOffer:
+        if (self.port is None) != (self.ticket == "") or (self.port is None) != (self.key == ""):
+            raise ValueError("a bulk offer carries a port, a ticket and a key, or none of them")
+        return self
 
 
 class TransferAck(Message):

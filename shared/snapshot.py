@@ -448,14 +448,26 @@ def verify_chunk(manifest: Manifest, index: int, data: bytes | bytearray | memor
     return (digest_hex or blake3_hex(data)) == manifest.chunk_hashes[index]
 
 
-def read_chunk(fd: int, manifest: Manifest, index: int) -> bytes:
-    """Chunk `index` of the weights file open as `fd` (BadChunk for an index the manifest lacks or a short file)."""
+class StoredChunk(bytes):
+    """A chunk read back from a file its manifest describes: one the hub wrote, or one a node verified as it
+    stored it. `digest_hex` is the manifest's hash of it, so a sender commits to it without hashing it again
+    (shared/transfer.py). Anything derived from it (a slice, a concatenation) is plain bytes again."""
+
+    digest_hex: str
+
+
+def read_chunk(fd: int, manifest: Manifest, index: int) -> StoredChunk:
+    """Chunk `index` of the weights file open as `fd` (BadChunk for an index the manifest lacks or a short file).
+
+    Only for files whose chunks were verified against (or written with) `manifest`: the chunk is returned as
+    holding the manifest's hash."""
     if not 0 <= index < manifest.chunk_count:
         raise BadChunk(f"chunk index {index} outside 0..{manifest.chunk_count - 1}")
     length = manifest.chunk_length(index)
-    data = os.pread(fd, length, index * manifest.chunk_size)
+    data = StoredChunk(os.pread(fd, length, index * manifest.chunk_size))
     if len(data) != length:
         raise BadChunk(f"chunk {index}: the file holds {len(data)} of its {length} bytes")
+    data.digest_hex = manifest.chunk_hashes[index]
     return data
 
 
@@ -555,11 +567,16 @@ class ChunkAssembler:
         self.path.unlink(missing_ok=True)
 
 
+def chunk_header(version: int, index: int, length: int) -> bytes:
+    """What precedes `length` chunk bytes in a relay frame body: version u64, index u32, big-endian."""
+    if length > MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk of {length} bytes exceeds MAX_CHUNK_BYTES")
+    return CHUNK_HEADER.pack(version, index)
+
+
 def encode_chunk(version: int, index: int, data: bytes | bytearray | memoryview) -> bytes:
-    """Relay frame body: header (version u64, index u32, big-endian) then the chunk bytes."""
-    if len(data) > MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk of {len(data)} bytes exceeds MAX_CHUNK_BYTES")
-    return CHUNK_HEADER.pack(version, index) + bytes(data)
+    """Relay frame body: the chunk header, then the chunk bytes."""
+    return chunk_header(version, index, len(data)) + data
 
 
 def decode_chunk(body: bytes | bytearray | memoryview) -> tuple[int, int, memoryview]:

@@ -46,7 +46,7 @@ _P2P_END_OF_STREAM = (_P2PStreamError, MuxedStreamEOF, MuxedStreamReset)
 
 
 # Every protocol id carries it; bumped on any change of a message's fields (messages are extra="forbid").
-PROTOCOL_VERSION = "2.1.0"
+PROTOCOL_VERSION = "2.2.0"
 
 
 class StreamEOF(Exception):
@@ -90,9 +90,9 @@ async def read_exact(stream: ReadableStream, n: int) -> bytes:
     """Read exactly `n` bytes (the caller has already capped `n`); StreamEOF if the stream ends first.
 
     py-libp2p reads return at most what is buffered (often one ~64 KiB Yamux frame), so this loops.
+    A first read that brings all `n` bytes (a bulk channel's record) is returned as it is, uncopied.
     """
-    buf = bytearray(n)
-    view = memoryview(buf)
+    view: memoryview | None = None
     got = 0
     while got < n:
         try:
@@ -103,17 +103,23 @@ async def read_exact(stream: ReadableStream, n: int) -> bytes:
             raise StreamEOF(f"stream ended after {got} of {n} bytes")
         if len(piece) > n - got:
             raise RuntimeError(f"stream returned {len(piece)} bytes for a read of at most {n - got}")
+        if view is None:
+            if len(piece) == n:
+                return bytes(piece)
+            view = memoryview(bytearray(n))
         view[got : got + len(piece)] = piece
         got += len(piece)
-    return bytes(buf)
+    return b"" if view is None else bytes(view)
 
 
-def encode_frame(type_tag: int, body: bytes) -> bytes:
+def encode_frame(type_tag: int, *body: bytes | bytearray | memoryview) -> bytes:
+    """A frame whose body is the concatenation of `body`'s parts (joined once, so a chunk is copied once)."""
     if not 0 <= type_tag <= 255:
         raise ValueError(f"type tag {type_tag} is not a u8")
-    if len(body) > MAX_BODY_BYTES:
-        raise ValueError(f"frame body of {len(body)} bytes exceeds the u32 length field")
-    return HEADER.pack(type_tag, len(body)) + bytes(body)
+    length = sum(len(part) for part in body)
+    if length > MAX_BODY_BYTES:
+        raise ValueError(f"frame body of {length} bytes exceeds the u32 length field")
+    return b"".join((HEADER.pack(type_tag, length), *body))
 
 
 async def write_frame(stream: WritableStream, type_tag: int, body: bytes) -> None:

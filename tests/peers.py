@@ -21,6 +21,7 @@ from hub.broadcast import HubUplink
 from hub.snapshots import SnapshotShelf
 from node.client import HubClient
 from node.keeper import SnapshotKeeper, Upstream
+from shared.bulk import BulkChannel, serving_stream
 from shared.crypto import Identity
 from shared.messages import (
     RELAY_PROTOCOL,
@@ -91,6 +92,7 @@ class HubPeer:
     shelf: SnapshotShelf
     source: ChunkSource
     uplink: HubUplink
+    bulk: BulkChannel | None = None
     requests: list[tuple[str, SnapshotRequest]] = field(default_factory=list)
     reports: list[tuple[str, BadChunkReport]] = field(default_factory=list)
 
@@ -101,7 +103,8 @@ class HubPeer:
     async def serve(self, stream: INetStream) -> None:
         request = await read_message(stream, SnapshotRequest)
         self.requests.append((remote_peer_id(stream), request))
-        await serve_snapshot(stream, self.source, request, self.uplink.for_stream(), self.identity)
+        async with serving_stream(stream, request, self.bulk, remote_peer_id(stream)) as transfer:
+            await serve_snapshot(transfer, self.source, request, self.uplink.for_stream(), self.identity)
         await stream.close()
 
     async def on_report(self, stream: INetStream) -> None:
@@ -113,14 +116,19 @@ class HubPeer:
 
 @asynccontextmanager
 async def hub_peer(
-    identity: Identity, uplink: HubUplink | None = None, source: ChunkSource | None = None
+    identity: Identity, uplink: HubUplink | None = None, source: ChunkSource | None = None, bulk: bool = False,
 ) -> AsyncIterator[HubPeer]:
+    """`bulk`: serve on a bulk channel (shared/bulk.py) to receivers that ask for it."""
     shelf = SnapshotShelf(keep=4)
-    async with running_host(identity, [LOOPBACK]) as (host, addrs):
-        peer = HubPeer(identity, host, addrs[0], shelf, source or shelf, uplink or HubUplink(None, None))
+    async with running_host(identity, [LOOPBACK]) as (host, addrs), trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0) if bulk else None
+        if channel is not None:
+            await channel.start(nursery)
+        peer = HubPeer(identity, host, addrs[0], shelf, source or shelf, uplink or HubUplink(None, None), channel)
         set_handler(host, SNAPSHOT_PROTOCOL, peer.serve, log)
         set_handler(host, REPORT_PROTOCOL, peer.on_report, log)
         yield peer
+        nursery.cancel_scope.cancel()
 
 
 @dataclass
@@ -148,13 +156,17 @@ class NodePeer:
 @asynccontextmanager
 async def node_peer(
     hub: HubPeer, limiter: RateLimiter | None = None, keeper_class: type[SnapshotKeeper] = SnapshotKeeper,
-    stall_s: float = STALL_S, read: Callable[[Path], object] = Path.read_bytes,
+    stall_s: float = STALL_S, read: Callable[[Path], object] = Path.read_bytes, bulk: bool = False,
 ) -> AsyncIterator[NodePeer]:
     """A node connected to `hub` (as its hub link would be), keeper running; leaving the block kills it.
 
-    `read`: what `installed` keeps of each installed file (its bytes; a hash for large snapshots)."""
+    `read`: what `installed` keeps of each installed file (its bytes; a hash for large snapshots).
+    `bulk`: run a bulk channel (shared/bulk.py): ask senders for theirs, and serve on it."""
     identity = Identity.generate()
-    async with running_host(identity, [LOOPBACK]) as (host, addrs):
+    async with running_host(identity, [LOOPBACK]) as (host, addrs), trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0) if bulk else None
+        if channel is not None:
+            await channel.start(nursery)
         node: NodePeer
 
         async def install(path: Path, version: int) -> None:
@@ -163,7 +175,7 @@ async def node_peer(
 
         client = HubClient(host, identity, hub.addr)
         keeper = keeper_class(host, identity, hub.peer_id, scratch_dir(), install, limiter, on_installed=lambda version: None,
-                              report=client.report, stall_s=stall_s)
+                              report=client.report, stall_s=stall_s, bulk=channel)
         node = NodePeer(identity, host, addrs[0], keeper)
         on_chunk = keeper._on_chunk
 
@@ -176,10 +188,9 @@ async def node_peer(
         set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)
         set_handler(host, RELAY_PROTOCOL, keeper.on_relay_offer, log)
         await connect(host, hub.addr)
-        async with trio.open_nursery() as nursery:
-            await keeper.start(nursery)
-            yield node
-            nursery.cancel_scope.cancel()
+        await keeper.start(nursery)
+        yield node
+        nursery.cancel_scope.cancel()
 
 
 class FlippingKeeper(SnapshotKeeper):

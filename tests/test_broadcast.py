@@ -243,6 +243,10 @@ def test_chain_of_four_bit_exact_and_survives_losing_its_second_node(tmp_path):
         resumed = [line for line in log.splitlines() if "resuming v0 from chunk" in line]
         assert resumed and all(int(line.split("from chunk ")[1].split()[0]) > 0 for line in resumed), log[-3000:]
         assert f"via {first[-8:]}" in resumed[-1]
+        # Every hop took its sender's bulk channel (shared/bulk.py): all four are dialable on loopback.
+        for peer in (first, third, fourth):
+            installs = [line for line in (dir_of[peer] / "node.log").read_text().splitlines() if "installed v0" in line]
+            assert installs and installs[-1].endswith("over the bulk channel)"), installs
     finally:
         stop_all([*nodes, hub])
 

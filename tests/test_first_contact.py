@@ -66,6 +66,9 @@ HUB_MISTAKES = {
     "unknown key in hub.toml": (["--config", "{unknown_key_toml}"], ["unknown key 'foo' in [learner]"]),
     "flat key of a section with no flag": (["--config", "{flat_key_toml}"], ["'audit_rate' belongs in section [trust]"]),
     "negative learning rate": (["--lr", "-1"], ["learner.lr", "greater than 0"]),
+    "bulk port out of range": (["--bulk-port", "70000"], ["broadcast.bulk_port", "65535"]),
+    "bulk port = libp2p port": (["--listen", "/ip4/127.0.0.1/tcp/4391", "--bulk-port", "4391"],
+                                ["--bulk-port 4391", "libp2p listen port", "--bulk-port 4392"]),
 }
 
 
@@ -92,6 +95,21 @@ def test_a_port_already_in_use_is_named_with_a_free_one_to_try(tmp_path: Path) -
     assert f"/ip4/127.0.0.1/tcp/{port + 1}" in line and not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("command", ["hub", "node"])
+def test_a_bulk_port_already_in_use_is_named(command: str, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--data-dir", str(tmp_path / "d"), "--listen", "/ip4/127.0.0.1/tcp/0", "--bulk-port", str(port)]
+        if command == "hub":
+            result = run("hub.cli", "start", "--local-nodes", "0", *args)
+        else:
+            result = run("node.cli", "join", "--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", *args)
+        line = assert_one_line_mistake(result, f"--bulk-port {port}", "already in use", str(port + 1))
+    assert line and not (tmp_path / "d").exists()
+
+
 NODE_MISTAKES = {
     "garbage hub address": (["--hub", "garbage"], ["--hub", "not a hub address"]),
     "hub address without /p2p/": (["--hub", "/ip4/127.0.0.1/tcp/4077"], ["--hub", "lacks the hub's peer id", "/p2p/"]),
@@ -99,6 +117,8 @@ NODE_MISTAKES = {
                         ["--model", "config.json"]),
     "data dir is a file": (["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--data-dir", "{a_file}"],
                            ["--data-dir", "is a file"]),
+    "bulk port below -1": (["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--bulk-port", "-2"],
+                           ["bulk_port", "-1"]),
 }
 
 

@@ -144,6 +144,25 @@ async def test_tampered_chunk_raises_and_nothing_unverified_is_kept():
 
 
 @pytest.mark.trio
+async def test_a_sender_whose_file_rotted_is_dropped_without_a_proof_against_it():
+    """A stored chunk is committed to by its manifest hash, unhashed: if the sender's copy rotted on disk the
+    commitment is false for the bytes sent, which frames nobody (a liar's own hash of its bytes is proof)."""
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 4, 512 * KIB, 64 * KIB)
+    async with hub_peer(hub_id) as hub, node_peer(hub) as node:
+        hub.shelf.add(snapshot)
+        with open(snapshot.path, "r+b") as f:
+            f.seek(3 * 64 * KIB)
+            byte = f.read(1)
+            f.seek(3 * 64 * KIB)
+            f.write(bytes([byte[0] ^ 0x01]))
+        assembler, error = await pull(node, hub, 4)
+    assert isinstance(error, ChunkRejected) and (error.version, error.index) == (4, 3)
+    assert error.proof is None and "without a valid commitment" in str(error)
+    assert [assembler.has(i) for i in range(4)] == [True, True, True, False]
+
+
+@pytest.mark.trio
 async def test_chunk_out_of_order_is_rejected():
     hub_id = Identity.generate()
     snapshot = random_snapshot(hub_id, 4, 256 * KIB, 64 * KIB)

@@ -1,0 +1,282 @@
+"""The bulk channel (shared/bulk.py): sealed records over real TCP on loopback, tickets, attacks, and a
+snapshot relayed hub -> relay -> sink on it by real keepers, with the fall-back to libp2p when it is unreachable."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+
+import pytest
+import trio
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from node.keeper import HUB
+from shared import bulk
+from shared.bulk import (
+    MAX_ANSWER_SEALED_BYTES,
+    MAX_SEALED_BYTES,
+    RECORD_BYTES,
+    BulkChannel,
+    BulkStream,
+    BulkUnreachable,
+    serving_stream,
+)
+from shared.crypto import Identity
+from shared.messages import BulkOffer, SnapshotRequest
+from shared.wire import FrameError, StreamEOF, read_exact, read_message
+from tests.peers import hub_peer, node_peer, random_snapshot, wait_installed
+
+pytestmark = pytest.mark.trio
+
+PEER = Identity.from_seed(bytes([7]) * 32).peer_id
+OTHER = Identity.from_seed(bytes([8]) * 32).peer_id
+
+
+async def _pair(channel: BulkChannel, peer: str = PEER) -> tuple[BulkStream, BulkStream]:
+    """(listener's end, dialer's end) of one channel connection on loopback."""
+    offer = channel.offer(peer)
+    async with trio.open_nursery() as nursery:
+        dialed: list[BulkStream] = []
+
+        async def dial() -> None:
+            dialed.append(await channel.dial(peer, "127.0.0.1", offer))
+
+        nursery.start_soon(dial)
+        served = await channel.accept(offer)
+    return served, dialed[0]
+
+
+async def test_records_carry_any_write_both_ways_and_end_cleanly():
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        served, dialed = await _pair(channel)
+        assert (channel.served, channel.dialed) == (1, 1)
+        payload = os.urandom(2 * RECORD_BYTES + 12345)  # three records, the last one short
+        async with trio.open_nursery() as inner:
+            inner.start_soon(served.write, payload)
+            assert await read_exact(dialed, len(payload)) == payload
+        await dialed.write(b"ack")
+        await dialed.write(b"")  # an empty write sends nothing
+        assert await read_exact(served, 3) == b"ack"
+        await dialed.close()
+        assert await served.read(10) == b""  # the dialer closed between records: a clean end
+        await served.close()
+        nursery.cancel_scope.cancel()
+
+
+async def _raw_pair(key: bytes) -> tuple[trio.SocketStream, BulkStream, trio.SocketListener]:
+    """A raw socket playing a hostile listener, and a dialer's BulkStream reading from it."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    server = await listeners[0].accept()
+    return server, BulkStream(client, key, dialer=True, peer_id=PEER), listeners[0]
+
+
+async def test_tampered_replayed_and_reflected_records_fail_their_tag():
+    key = os.urandom(32)
+    aead = AESGCM(key)
+    good = aead.encrypt(b"lstn" + (0).to_bytes(8, "big"), b"chunk bytes", None)
+    cases = {
+        "flipped": good[:3] + bytes([good[3] ^ 1]) + good[4:],
+        "wrong number": aead.encrypt(b"lstn" + (1).to_bytes(8, "big"), b"chunk bytes", None),
+        "reflected": aead.encrypt(b"dial" + (0).to_bytes(8, "big"), b"chunk bytes", None),
+        "wrong key": AESGCM(os.urandom(32)).encrypt(b"lstn" + (0).to_bytes(8, "big"), b"chunk bytes", None),
+    }
+    for name, sealed in cases.items():
+        server, stream, listener = await _raw_pair(key)
+        await server.send_all(struct.pack(">I", len(sealed)) + sealed)
+        with pytest.raises(FrameError, match="failed authentication"):
+            await stream.read(100)
+        await server.aclose(), await stream.close(), await listener.aclose()
+    # The untampered record reads; the same record again (a replay) does not.
+    server, stream, listener = await _raw_pair(key)
+    await server.send_all((struct.pack(">I", len(good)) + good) * 2)
+    assert await stream.read(100) == b"chunk bytes"
+    with pytest.raises(FrameError, match="record 1 failed authentication"):
+        await stream.read(100)
+    await server.aclose(), await stream.close(), await listener.aclose()
+
+
+@pytest.mark.parametrize("length", [0, 15, MAX_SEALED_BYTES + 1, 2**32 - 1])
+async def test_a_record_length_out_of_bounds_is_refused_from_its_header(length):
+    server, stream, listener = await _raw_pair(os.urandom(32))
+    await server.send_all(struct.pack(">I", length))  # and nothing more: nothing is waited for or allocated
+    with trio.fail_after(2):
+        with pytest.raises(FrameError, match=f"bulk record of {length} bytes"):
+            await stream.read(100)
+    await server.aclose(), await stream.close(), await listener.aclose()
+
+
+async def test_a_sender_reads_only_answer_sized_records():
+    """The listener's end (the snapshot's sender, the hub) takes only what a receiver's ack needs."""
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        served, dialed = await _pair(channel)
+        await dialed._sock.send_all(struct.pack(">I", MAX_ANSWER_SEALED_BYTES + 1))
+        with pytest.raises(FrameError, match=f"bulk record of {MAX_ANSWER_SEALED_BYTES + 1} bytes"):
+            await served.read(10)
+        await served.close(), await dialed.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_closed_inside_a_record_is_an_end_of_stream():
+    server, stream, listener = await _raw_pair(os.urandom(32))
+    await server.send_all(struct.pack(">I", 1000) + b"x" * 10)
+    await server.aclose()
+    with pytest.raises(StreamEOF, match="inside a record"):
+        await stream.read(100)
+    await stream.close(), await listener.aclose()
+
+
+async def test_tickets_are_one_time_bound_to_their_offer_and_expire(monkeypatch):
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        # A ticket nobody was offered: the connection is closed, the dialer gives up and remembers.
+        forged = BulkOffer(port=channel.port, ticket=os.urandom(16).hex(), key=os.urandom(32).hex())
+        with pytest.raises(BulkUnreachable, match="closed without accepting the ticket"):
+            await channel.dial(OTHER, "127.0.0.1", forged)
+        assert not channel.usable(OTHER) and channel.usable(PEER)
+        # The right ticket with another key: the listener's hello fails the dialer's tag.
+        offer = channel.offer(PEER)
+        wrong_key = offer.model_copy(update={"key": os.urandom(32).hex()})
+        with pytest.raises(BulkUnreachable, match="failed authentication"):
+            await channel.dial(PEER, "127.0.0.1", wrong_key)
+        # That ticket was taken by the connection above (which the dialer then closed): a second one with it
+        # is refused, and the sender is handed the first, finds it closed, and serves nothing.
+        with pytest.raises(BulkUnreachable, match="closed without accepting"):
+            await channel.dial(PEER, "127.0.0.1", offer)
+        taken = await channel.accept(offer)
+        assert await taken.read(1) == b""
+        await taken.close()
+        # An offer nobody takes in time: the sender gives up after BULK_ACCEPT_S, and the ticket dies with it.
+        monkeypatch.setattr(bulk, "BULK_ACCEPT_S", 0.2)
+        late = channel.offer(OTHER)
+        with pytest.raises(trio.TooSlowError, match="did not open the bulk channel"):
+            await channel.accept(late)
+        channel._unreachable.clear()
+        with pytest.raises(BulkUnreachable, match="closed without accepting"):
+            await channel.dial(OTHER, "127.0.0.1", late)
+        assert channel.served == 1 and channel.dialed == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_silent_and_excess_connections_are_closed(monkeypatch):
+    monkeypatch.setattr(bulk, "TICKET_READ_S", 0.3)
+    monkeypatch.setattr(bulk, "MAX_UNTICKETED", 3)
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        silent = [await trio.open_tcp_stream("127.0.0.1", channel.port) for _ in range(3)]
+        await trio.sleep(0.1)
+        excess = await trio.open_tcp_stream("127.0.0.1", channel.port)
+        with trio.fail_after(0.25):  # closed at once: three connections already wait for their tickets
+            assert await excess.receive_some(10) == b""
+        with trio.fail_after(2):  # each silent one closed after TICKET_READ_S
+            for sock in silent:
+                assert await sock.receive_some(10) == b""
+        assert channel._unticketed == 0
+        # The slots are free again: an honest dial goes through.
+        served, dialed = await _pair(channel)
+        await served.close(), await dialed.close()
+        for sock in [*silent, excess]:
+            await sock.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_offers_are_capped(monkeypatch):
+    monkeypatch.setattr(bulk, "MAX_OPEN_OFFERS", 2)
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        assert channel.offer(PEER).port == channel.port and channel.offer(PEER).port == channel.port
+        assert channel.offer(PEER) == BulkOffer()  # the third waits on libp2p instead
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dial_to_nothing_is_unreachable_and_remembered():
+    closed = trio.socket.socket()
+    await closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    channel = BulkChannel("127.0.0.1", 0)
+    offer = BulkOffer(port=port, ticket=os.urandom(16).hex(), key=os.urandom(32).hex())
+    with trio.fail_after(bulk.BULK_CONNECT_S + 1):
+        with pytest.raises(BulkUnreachable, match=f"port {port}"):
+            await channel.dial(PEER, "127.0.0.1", offer)
+    with pytest.raises(BulkUnreachable, match="no remote IP"):
+        await channel.dial(OTHER, None, offer)
+    assert not channel.usable(PEER)
+
+
+async def test_an_offer_is_all_or_nothing():
+    BulkOffer()
+    BulkOffer(port=1, ticket="0" * 32, key="0" * 64)
+    for bad in ({"port": 1}, {"ticket": "0" * 32, "key": "0" * 64}, {"port": 0, "ticket": "0" * 32, "key": "0" * 64},
+                {"port": 1, "ticket": "0" * 31, "key": "0" * 64}, {"port": 1, "ticket": "0" * 32, "key": "G" * 64}):
+        with pytest.raises(ValueError):
+            BulkOffer(**bad)
+
+
+class _Recorder:
+    """A libp2p-like stream that records what is written to it."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+
+    async def write(self, data: bytes) -> None:
+        self.written += data
+
+    async def read(self, n: int) -> bytes:
+        data, self.written[:n] = bytes(self.written[:n]), b""
+        return data
+
+
+async def test_serving_stream_offers_only_when_asked_and_able():
+    stream = _Recorder()
+    async with serving_stream(stream, SnapshotRequest(version=1), None, PEER) as transfer:
+        assert transfer is stream and not stream.written  # not asked: no offer at all
+    async with serving_stream(stream, SnapshotRequest(version=1, bulk=True), None, PEER) as transfer:
+        assert transfer is stream  # asked, no channel here: an offer without a port, then this stream
+    assert await read_message(stream, BulkOffer) == BulkOffer()
+
+
+async def test_a_chain_relays_on_bulk_channels_end_to_end():
+    """Real keepers and hosts: hub -> relay -> sink, every transfer on the bulk channel, verified bytes installed."""
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 1, 3 << 20, 256 << 10)
+    async with hub_peer(hub_id, bulk=True) as hub, node_peer(hub, bulk=True) as relay, node_peer(hub, bulk=True) as sink:
+        hub.shelf.add(snapshot)
+        sink.keeper.update(1, relay.upstream, None)
+        relay.keeper.update(1, HUB, sink.peer_id)
+        await wait_installed([relay, sink], 1, 30)
+        expected = snapshot.path.read_bytes()
+        assert relay.installed[1] == expected and sink.installed[1] == expected
+        assert hub.bulk.served == 1 and relay.keeper.bulk.dialed == 1
+        assert relay.keeper.bulk.served == 1 and sink.keeper.bulk.dialed == 1
+        assert all(request.bulk for _, request in hub.requests)
+
+
+async def test_an_unreachable_channel_falls_back_to_libp2p(monkeypatch, caplog):
+    """The relay's offers name a port nobody listens on (a firewall, a NAT): the sink says so, takes the
+    snapshot over libp2p, and asks that relay over libp2p from then on."""
+    caplog.set_level(logging.INFO)
+    hub_id = Identity.generate()
+    snapshot = random_snapshot(hub_id, 1, 1 << 20, 256 << 10)
+    async with hub_peer(hub_id, bulk=True) as hub, node_peer(hub, bulk=True) as relay, node_peer(hub, bulk=True) as sink:
+        closed = trio.socket.socket()
+        await closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+        closed.close()
+        relay.keeper.bulk.port = dead_port
+        hub.shelf.add(snapshot)
+        sink.keeper.update(1, relay.upstream, None)
+        relay.keeper.update(1, HUB, sink.peer_id)
+        await wait_installed([relay, sink], 1, 30)
+        assert sink.installed[1] == snapshot.path.read_bytes()
+        assert sink.keeper.bulk.dialed == 0 and not sink.keeper.bulk.usable(relay.peer_id)
+        assert any("taking it over libp2p" in r.getMessage() for r in caplog.records)
