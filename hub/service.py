@@ -55,7 +55,7 @@ from shared.messages import (
     SubmitReply,
 )
 from shared.net import remote_ip, remote_peer_id, set_handler
-from shared.transfer import RECEIVER_GONE, NotServable, serve_snapshot
+from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
 from shared.wire import PeerFault, StreamEOF, decode_signed, read_frame, read_message, signed_caps, write_message
 
 log = logging.getLogger("echo2.hub.service")
@@ -311,6 +311,7 @@ class HubService:
         peer = remote_peer_id(stream)
         self.state.known(peer)
         try:
+            servable(self.shelf, request)
             async with serving_stream(stream, request, self.bulk, peer) as transfer:
                 ack = await serve_snapshot(transfer, self.shelf, request, self.uplink.for_stream(), self.identity)
         except NotServable as exc:

@@ -74,6 +74,7 @@ from shared.transfer import (
     UnusableDelta,
     Writer,
     receive_snapshot,
+    servable,
     serve_snapshot,
 )
 from shared.wire import FrameError, StreamEOF, read_message, write_message
@@ -282,6 +283,7 @@ class SnapshotKeeper:
             await stream.close()
             return
         try:
+            servable(self, req)
             async with serving_stream(stream, req, self.bulk, peer) as transfer:
                 ack = await serve_snapshot(transfer, self, req, self.limiter, self.identity, self.stall_s)
         except NotServable as exc:

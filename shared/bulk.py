@@ -28,6 +28,9 @@ asks again over the libp2p stream and does not try that sender's channel again f
 
 from __future__ import annotations
 
+import collections
+import errno
+import ipaddress
 import logging
 import os
 import struct
@@ -41,7 +44,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from multiaddr import Multiaddr
 
 from shared.messages import MIN_LINK_BPS, BulkOffer, SnapshotRequest
-from shared.wire import FrameError, StreamEOF, write_message
+from shared.net import remote_ip
+from shared.wire import StreamEOF, write_message
 
 log = logging.getLogger("echo2.bulk")
 
@@ -69,10 +73,19 @@ BULK_RETRY_S = 300.0
 # Offers waiting for their connection (each at most BULK_ACCEPT_S), and connections still to present a ticket.
 MAX_OPEN_OFFERS = 256
 MAX_UNTICKETED = 64
+MAX_UNTICKETED_PER_IP = 8
+# What accept() raises when the process is out of descriptors or buffers: wait this long and accept again.
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_RETRY_S = 0.1
 
 
 class BulkUnreachable(OSError):
     """The receiver could not open the sender's bulk channel; the transfer goes over libp2p instead."""
+
+
+class BulkBroken(StreamEOF):
+    """A record failed its length bound or its tag. Tampering on the way and a broken peer look alike and
+    nothing proves which, so it counts as the stream ending, against nobody."""
 
 
 class BulkStream:
@@ -109,10 +122,7 @@ class BulkStream:
             if record is None:
                 return b""
             self._plain, self._offset = record, 0
-        if self._offset == 0 and n >= len(self._plain):
-            piece = self._plain  # a whole record (a chunk frame, usually): handed on without a copy
-        else:
-            piece = self._plain[self._offset:self._offset + n]
+        piece = self._plain[self._offset:self._offset + n]
         self._offset += len(piece)
         return piece
 
@@ -120,7 +130,10 @@ class BulkStream:
         """Fill `view` from the socket; False if the connection ended cleanly before its first byte."""
         got = 0
         while got < len(view):
-            count = await self._sock.socket.recv_into(view[got:])
+            try:
+                count = await self._sock.socket.recv_into(view[got:])
+            except OSError as exc:  # as trio's own stream methods report a broken connection
+                raise trio.BrokenResourceError(f"bulk connection broke: {exc!r}") from exc
             if not count:
                 if not got:
                     return False
@@ -134,14 +147,14 @@ class BulkStream:
             return None
         (length,) = RECORD_HEADER.unpack(header)
         if not TAG_BYTES <= length <= self._max_sealed:
-            raise FrameError(f"bulk record of {length} bytes (must be {TAG_BYTES}..{self._max_sealed})")
+            raise BulkBroken(f"bulk record of {length} bytes (must be {TAG_BYTES}..{self._max_sealed})")
         sealed = bytearray(length)
         if not await self._receive_into(memoryview(sealed)):
             raise StreamEOF(f"bulk connection closed inside a record (0 of {length} bytes)")
         try:
             plain = self._aead.decrypt(self._receive_prefix + self._received.to_bytes(8, "big"), sealed, None)
         except InvalidTag:
-            raise FrameError(f"bulk record {self._received} failed authentication") from None
+            raise BulkBroken(f"bulk record {self._received} failed authentication") from None
         self._received += 1
         return plain
 
@@ -154,9 +167,12 @@ class BulkStream:
 @dataclass
 class _Offer:
     peer_id: str
+    ip: str  # the receiver's, as the libp2p connection shows it: only that address may present the ticket
     key: bytes
     expires_at: float
     arrived: trio.Event = field(default_factory=trio.Event)
+    claimed: bool = False  # a connection presented the ticket (it is good for one)
+    abandoned: bool = False  # accept() gave up on it: a connection handed now is closed
     stream: BulkStream | None = None
 
 
@@ -172,6 +188,17 @@ def channel_for(listen: str, port: int) -> BulkChannel | None:
     raise ValueError(f"listen address {listen} names no IP to put the bulk channel on")
 
 
+def _same_ip(ip: str) -> str:
+    """One spelling per address (a dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d)."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
 class BulkChannel:
     """A process's bulk channel: the listener that serves its offers, and the dialer that takes other peers' offers."""
 
@@ -180,7 +207,7 @@ class BulkChannel:
         self.requested_port = port
         self.port: int | None = None
         self._offers: dict[bytes, _Offer] = {}
-        self._unticketed = 0
+        self._unticketed: collections.Counter[str] = collections.Counter()
         self._unreachable: dict[str, float] = {}
         self.served = 0  # transfers this process sent on the channel
         self.dialed = 0  # and received on other peers' channels
@@ -196,15 +223,16 @@ class BulkChannel:
 
     # -- sender side -------------------------------------------------------------------------------
 
-    def offer(self, peer_id: str) -> BulkOffer:
-        """A one-time ticket and key for `peer_id` (an offer without a port when too many are open)."""
+    def offer(self, peer_id: str, ip: str | None) -> BulkOffer:
+        """A one-time ticket and key for `peer_id`, to be presented from `ip` (an offer without a port when the
+        receiver's IP is unknown or too many offers are open)."""
         now = time.monotonic()
         for ticket in [t for t, o in self._offers.items() if o.expires_at < now]:
             del self._offers[ticket]
-        if self.port is None or len(self._offers) >= MAX_OPEN_OFFERS:
+        if self.port is None or ip is None or len(self._offers) >= MAX_OPEN_OFFERS:
             return BulkOffer()
         ticket, key = os.urandom(TICKET_BYTES), os.urandom(KEY_BYTES)
-        self._offers[ticket] = _Offer(peer_id, key, now + BULK_ACCEPT_S)
+        self._offers[ticket] = _Offer(peer_id, _same_ip(ip), key, now + BULK_ACCEPT_S)
         return BulkOffer(port=self.port, ticket=ticket.hex(), key=key.hex())
 
     async def accept(self, offer: BulkOffer) -> BulkStream:
@@ -213,9 +241,13 @@ class BulkChannel:
         waiting = self._offers.get(ticket)
         if waiting is None:
             raise trio.TooSlowError("the bulk offer expired before it was sent")
-        with trio.move_on_after(max(0.0, waiting.expires_at - time.monotonic())):
-            await waiting.arrived.wait()
-        self._offers.pop(ticket, None)
+        try:
+            with trio.move_on_after(max(0.0, waiting.expires_at - time.monotonic())):
+                await waiting.arrived.wait()
+        finally:
+            self._offers.pop(ticket, None)
+            if waiting.stream is None:  # timed out or cancelled: a connection still on its way is closed
+                waiting.abandoned = True
         if waiting.stream is None:
             raise trio.TooSlowError(f"{waiting.peer_id[-8:]} did not open the bulk channel in {BULK_ACCEPT_S:.0f}s")
         self.served += 1
@@ -224,65 +256,95 @@ class BulkChannel:
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         async with listener:
             while True:
-                sock = await listener.accept()
-                if self._unticketed >= MAX_UNTICKETED:
+                try:
+                    sock = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                        raise
+                    # Out of descriptors or buffers: wait for some to free rather than end the process.
+                    log.warning("bulk channel cannot accept now: %s", exc)
+                    await trio.sleep(ACCEPT_RETRY_S)
+                    continue
+                try:
+                    ip = _same_ip(sock.socket.getpeername()[0])
+                except OSError:  # gone already
                     await trio.aclose_forcefully(sock)
                     continue
-                self._unticketed += 1
-                nursery.start_soon(self._take_ticket, sock)
+                # Only an address we made an offer to gets a slot, and only a few at a time: strangers
+                # cannot crowd out the receivers who hold tickets.
+                if (self._unticketed[ip] >= MAX_UNTICKETED_PER_IP or sum(self._unticketed.values()) >= MAX_UNTICKETED
+                        or not any(o.ip == ip for o in self._offers.values())):
+                    await trio.aclose_forcefully(sock)
+                    continue
+                self._unticketed[ip] += 1
+                nursery.start_soon(self._take_ticket, sock, ip)
 
-    async def _take_ticket(self, sock: trio.SocketStream) -> None:
-        """Hand a connection to the offer whose ticket it presents; close it if it presents none in time."""
-        handed = False
+    async def _take_ticket(self, sock: trio.SocketStream, ip: str) -> None:
+        """Hand a connection to the offer whose ticket it presents from the offer's address; else close it."""
+        stream = None
         try:
             with trio.move_on_after(TICKET_READ_S):
                 ticket = await _receive_exactly(sock, TICKET_BYTES)
                 waiting = self._offers.get(ticket) if ticket is not None else None
-                if waiting is not None and waiting.stream is None and waiting.expires_at >= time.monotonic():
+                if (waiting is not None and not waiting.claimed and not waiting.abandoned and waiting.ip == ip
+                        and waiting.expires_at >= time.monotonic()):
+                    waiting.claimed = True  # before any await: one connection per ticket
                     stream = BulkStream(sock, waiting.key, dialer=False, peer_id=waiting.peer_id)
                     await stream._send_record(b"")  # proves the key: the dialer trusts nothing before it
-                    waiting.stream, handed = stream, True
-                    waiting.arrived.set()
-            if not handed:
-                log.debug("bulk connection without a valid ticket closed")
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.debug("bulk connection failed before its ticket: %r", exc)
+                    if not waiting.abandoned:
+                        waiting.stream = stream
+                        waiting.arrived.set()
+            if stream is None or waiting.stream is not stream:
+                log.debug("bulk connection from %s without a ticket in use closed", ip)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
+            log.debug("bulk connection from %s failed before its ticket: %r", ip, exc)
         finally:
-            self._unticketed -= 1
-            if not handed:
+            self._unticketed[ip] -= 1
+            if self._unticketed[ip] <= 0:
+                del self._unticketed[ip]
+            if stream is None or waiting.stream is not stream:
                 await trio.aclose_forcefully(sock)
 
     # -- receiver side -----------------------------------------------------------------------------
 
     def usable(self, peer_id: str) -> bool:
-        """Whether to ask `peer_id` for its bulk channel (not if it was unreachable lately)."""
-        until = self._unreachable.get(peer_id)
-        if until is not None and until <= time.monotonic():
-            del self._unreachable[peer_id]
-            return True
-        return until is None
+        """Whether to ask `peer_id` for its bulk channel (not if it could not be reached lately)."""
+        now = time.monotonic()
+        for peer in [p for p, until in self._unreachable.items() if until <= now]:
+            del self._unreachable[peer]
+        return peer_id not in self._unreachable
 
     async def dial(self, peer_id: str, ip: str | None, offer: BulkOffer) -> BulkStream:
-        """Open `peer_id`'s channel at `ip` as `offer` says: BulkUnreachable (remembered for BULK_RETRY_S) if
-        it cannot be reached or does not prove the key within BULK_CONNECT_S."""
+        """Open `peer_id`'s channel at `ip` as `offer` says; BulkUnreachable if it cannot be reached or does not
+        prove the key within BULK_CONNECT_S. A channel that cannot be connected to at all (refused, filtered)
+        is not asked for again for BULK_RETRY_S; one that answers but refuses the ticket (an offer that
+        expired meanwhile) is asked again next time."""
         sock = None
         try:
-            if ip is None:
-                raise OSError("the libp2p connection has no remote IP address")
             with trio.fail_after(BULK_CONNECT_S):
-                sock = await trio.open_tcp_stream(ip, offer.port)
+                try:
+                    if ip is None:
+                        raise OSError("the libp2p connection has no remote IP address")
+                    sock = await trio.open_tcp_stream(ip, offer.port)
+                except OSError:
+                    self._unreachable[peer_id] = time.monotonic() + BULK_RETRY_S
+                    raise
                 await sock.send_all(bytes.fromhex(offer.ticket))
                 stream = BulkStream(sock, bytes.fromhex(offer.key), dialer=True, peer_id=peer_id)
                 hello = await stream._receive_record()
             if hello != b"":
-                raise OSError("the channel closed without accepting the ticket" if hello is None
-                              else "the channel's first record was not the empty hello")
+                raise StreamEOF("the channel closed without accepting the ticket" if hello is None
+                                else "the channel's first record was not the empty hello")
             self.dialed += 1
             return stream
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError, FrameError, StreamEOF) as exc:
+        except trio.TooSlowError as exc:
+            self._unreachable[peer_id] = time.monotonic() + BULK_RETRY_S
             if sock is not None:
                 await trio.aclose_forcefully(sock)
-            self._unreachable[peer_id] = time.monotonic() + BULK_RETRY_S
+            raise BulkUnreachable(f"bulk channel of {peer_id[-8:]} at {ip} port {offer.port}: {exc!r}") from exc
+        except (OSError, trio.BrokenResourceError, StreamEOF) as exc:
+            if sock is not None:
+                await trio.aclose_forcefully(sock)
             raise BulkUnreachable(f"bulk channel of {peer_id[-8:]} at {ip} port {offer.port}: {exc!r}") from exc
 
 
@@ -303,7 +365,7 @@ async def serving_stream(stream, request: SnapshotRequest, channel: BulkChannel 
     if not request.bulk:
         yield stream
         return
-    offer = channel.offer(peer_id) if channel is not None else BulkOffer()
+    offer = channel.offer(peer_id, remote_ip(stream)) if channel is not None else BulkOffer()
     await write_message(stream, offer)
     if offer.port is None:
         yield stream

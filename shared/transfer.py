@@ -154,6 +154,16 @@ def wanted_chunks(request: SnapshotRequest, total: int) -> range:
     return range(request.from_chunk, total)
 
 
+def servable(source: ChunkSource, request: SnapshotRequest) -> tuple[SignedManifest, Manifest, range]:
+    """What `source` would serve for `request`: its manifest and the chunk indices (NotServable if nothing).
+    Handlers ask before they offer a bulk channel, so a refusal goes back on the stream that asked."""
+    held = source.held_manifest(request.version, request.base_version)
+    if held is None:
+        raise NotServable(f"snapshot {request.version if request.version is not None else 'newest'} not held")
+    signed, manifest = held
+    return signed, manifest, wanted_chunks(request, manifest.chunk_count)
+
+
 class ChunkSource(Protocol):
     """Something that can serve a snapshot: the hub (everything at hand) or a relay (chunks still arriving)."""
 
@@ -178,11 +188,7 @@ async def serve_snapshot(
 ) -> TransferAck:
     """Answer one SnapshotRequest on `stream`, committing to every frame as `identity`, and return the
     receiver's ack (NotServable if there is nothing to serve)."""
-    held = source.held_manifest(request.version, request.base_version)
-    if held is None:
-        raise NotServable(f"snapshot {request.version if request.version is not None else 'newest'} not held")
-    signed, manifest = held
-    indices = wanted_chunks(request, manifest.chunk_count)
+    signed, manifest, indices = servable(source, request)
     manifest_bytes = signed.to_bytes()
     digest = blake3.blake3(manifest_bytes).hexdigest()
     # Committed to the version asked for: sending another one's manifest in its place is then provable.

@@ -312,7 +312,7 @@ def test_star_mode_every_node_pulls_from_the_hub_and_t_bcast_is_recorded(tmp_pat
             for version in kept:
                 assert_installed_bit_exact(d, hub_dir, version)
             installs = [line for line in (d / "node.log").read_text().splitlines() if "installed v" in line]
-            assert installs and all(line.endswith("last from hub)") for line in installs)
+            assert installs and all(line.endswith("last from hub over the bulk channel)") for line in installs)
     finally:
         stop_all([*nodes, hub])
 

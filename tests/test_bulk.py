@@ -3,8 +3,10 @@ snapshot relayed hub -> relay -> sink on it by real keepers, with the fall-back 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import struct
 
 import pytest
@@ -17,6 +19,7 @@ from shared.bulk import (
     MAX_ANSWER_SEALED_BYTES,
     MAX_SEALED_BYTES,
     RECORD_BYTES,
+    BulkBroken,
     BulkChannel,
     BulkStream,
     BulkUnreachable,
@@ -24,7 +27,8 @@ from shared.bulk import (
 )
 from shared.crypto import Identity
 from shared.messages import BulkOffer, SnapshotRequest
-from shared.wire import FrameError, StreamEOF, read_exact, read_message
+from shared.transfer import RECEIVER_GONE
+from shared.wire import StreamEOF, read_exact, read_message
 from tests.peers import hub_peer, node_peer, random_snapshot, wait_installed
 
 pytestmark = pytest.mark.trio
@@ -35,7 +39,7 @@ OTHER = Identity.from_seed(bytes([8]) * 32).peer_id
 
 async def _pair(channel: BulkChannel, peer: str = PEER) -> tuple[BulkStream, BulkStream]:
     """(listener's end, dialer's end) of one channel connection on loopback."""
-    offer = channel.offer(peer)
+    offer = channel.offer(peer, "127.0.0.1")
     async with trio.open_nursery() as nursery:
         dialed: list[BulkStream] = []
 
@@ -88,14 +92,14 @@ async def test_tampered_replayed_and_reflected_records_fail_their_tag():
     for name, sealed in cases.items():
         server, stream, listener = await _raw_pair(key)
         await server.send_all(struct.pack(">I", len(sealed)) + sealed)
-        with pytest.raises(FrameError, match="failed authentication"):
+        with pytest.raises(BulkBroken, match="failed authentication"):
             await stream.read(100)
         await server.aclose(), await stream.close(), await listener.aclose()
     # The untampered record reads; the same record again (a replay) does not.
     server, stream, listener = await _raw_pair(key)
     await server.send_all((struct.pack(">I", len(good)) + good) * 2)
     assert await stream.read(100) == b"chunk bytes"
-    with pytest.raises(FrameError, match="record 1 failed authentication"):
+    with pytest.raises(BulkBroken, match="record 1 failed authentication"):
         await stream.read(100)
     await server.aclose(), await stream.close(), await listener.aclose()
 
@@ -105,7 +109,7 @@ async def test_a_record_length_out_of_bounds_is_refused_from_its_header(length):
     server, stream, listener = await _raw_pair(os.urandom(32))
     await server.send_all(struct.pack(">I", length))  # and nothing more: nothing is waited for or allocated
     with trio.fail_after(2):
-        with pytest.raises(FrameError, match=f"bulk record of {length} bytes"):
+        with pytest.raises(BulkBroken, match=f"bulk record of {length} bytes"):
             await stream.read(100)
     await server.aclose(), await stream.close(), await listener.aclose()
 
@@ -117,7 +121,7 @@ async def test_a_sender_reads_only_answer_sized_records():
         await channel.start(nursery)
         served, dialed = await _pair(channel)
         await dialed._sock.send_all(struct.pack(">I", MAX_ANSWER_SEALED_BYTES + 1))
-        with pytest.raises(FrameError, match=f"bulk record of {MAX_ANSWER_SEALED_BYTES + 1} bytes"):
+        with pytest.raises(BulkBroken, match=f"bulk record of {MAX_ANSWER_SEALED_BYTES + 1} bytes"):
             await served.read(10)
         await served.close(), await dialed.close()
         nursery.cancel_scope.cancel()
@@ -132,17 +136,30 @@ async def test_a_connection_closed_inside_a_record_is_an_end_of_stream():
     await stream.close(), await listener.aclose()
 
 
-async def test_tickets_are_one_time_bound_to_their_offer_and_expire(monkeypatch):
+async def test_a_reset_connection_reads_as_broken_like_trios_own_streams():
+    """What a sender's handler counts as its receiver gone (shared/transfer.py RECEIVER_GONE), not a bug of ours."""
+    server, stream, listener = await _raw_pair(os.urandom(32))
+    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await server.send_all(struct.pack(">I", 100))
+    await trio.sleep(0.05)
+    server.socket.close()  # with SO_LINGER 0: a RST, not a FIN
+    with pytest.raises(trio.BrokenResourceError, match="bulk connection broke"):
+        await stream.read(100)
+    await stream.close(), await listener.aclose()
+    assert issubclass(trio.BrokenResourceError, RECEIVER_GONE)
+
+
+async def test_tickets_are_one_time_bound_to_their_offer_and_its_address_and_expire(monkeypatch):
     async with trio.open_nursery() as nursery:
         channel = BulkChannel("127.0.0.1", 0)
         await channel.start(nursery)
-        # A ticket nobody was offered: the connection is closed, the dialer gives up and remembers.
+        # A ticket nobody was offered: the connection is closed. The channel answers, so it is tried again next time.
         forged = BulkOffer(port=channel.port, ticket=os.urandom(16).hex(), key=os.urandom(32).hex())
         with pytest.raises(BulkUnreachable, match="closed without accepting the ticket"):
             await channel.dial(OTHER, "127.0.0.1", forged)
-        assert not channel.usable(OTHER) and channel.usable(PEER)
+        assert channel.usable(OTHER)
         # The right ticket with another key: the listener's hello fails the dialer's tag.
-        offer = channel.offer(PEER)
+        offer = channel.offer(PEER, "127.0.0.1")
         wrong_key = offer.model_copy(update={"key": os.urandom(32).hex()})
         with pytest.raises(BulkUnreachable, match="failed authentication"):
             await channel.dial(PEER, "127.0.0.1", wrong_key)
@@ -153,24 +170,60 @@ async def test_tickets_are_one_time_bound_to_their_offer_and_expire(monkeypatch)
         taken = await channel.accept(offer)
         assert await taken.read(1) == b""
         await taken.close()
+        # A ticket presented from another address than the receiver's is refused (127.0.0.2 is loopback too).
+        elsewhere = channel.offer(PEER, "127.0.0.1")
+        sock = await trio.open_tcp_stream("127.0.0.1", channel.port, local_address="127.0.0.2")
+        await sock.send_all(bytes.fromhex(elsewhere.ticket))
+        with trio.fail_after(2):
+            assert await sock.receive_some(100) == b""
+        await sock.aclose()
         # An offer nobody takes in time: the sender gives up after BULK_ACCEPT_S, and the ticket dies with it.
         monkeypatch.setattr(bulk, "BULK_ACCEPT_S", 0.2)
-        late = channel.offer(OTHER)
+        late = channel.offer(OTHER, "127.0.0.1")
         with pytest.raises(trio.TooSlowError, match="did not open the bulk channel"):
             await channel.accept(late)
-        channel._unreachable.clear()
         with pytest.raises(BulkUnreachable, match="closed without accepting"):
             await channel.dial(OTHER, "127.0.0.1", late)
         assert channel.served == 1 and channel.dialed == 0
         nursery.cancel_scope.cancel()
 
 
-async def test_silent_and_excess_connections_are_closed(monkeypatch):
+async def test_two_connections_racing_with_one_ticket_get_one_hello():
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        offer = channel.offer(PEER, "127.0.0.1")
+        socks = [await trio.open_tcp_stream("127.0.0.1", channel.port) for _ in range(2)]
+        for sock in socks:
+            await sock.send_all(bytes.fromhex(offer.ticket))
+        answers: list[bytes] = []
+        with trio.fail_after(3):
+            for sock in socks:
+                got = b""
+                while more := await sock.receive_some(100):
+                    got += more
+                    if len(got) >= 4 + 16:
+                        break
+                answers.append(got)
+        assert sorted(len(a) for a in answers) == [0, 20]  # one hello (length + tag), one closed
+        served = await channel.accept(offer)
+        await served.close()
+        for sock in socks:
+            await sock.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_connections_from_strangers_silent_ones_and_excess_ones_are_closed(monkeypatch):
     monkeypatch.setattr(bulk, "TICKET_READ_S", 0.3)
     monkeypatch.setattr(bulk, "MAX_UNTICKETED", 3)
     async with trio.open_nursery() as nursery:
         channel = BulkChannel("127.0.0.1", 0)
         await channel.start(nursery)
+        # No offer open for an address: its connections get no slot at all.
+        stranger = await trio.open_tcp_stream("127.0.0.1", channel.port)
+        with trio.fail_after(0.25):
+            assert await stranger.receive_some(10) == b""
+        channel.offer(PEER, "127.0.0.1")
         silent = [await trio.open_tcp_stream("127.0.0.1", channel.port) for _ in range(3)]
         await trio.sleep(0.1)
         excess = await trio.open_tcp_stream("127.0.0.1", channel.port)
@@ -179,12 +232,31 @@ async def test_silent_and_excess_connections_are_closed(monkeypatch):
         with trio.fail_after(2):  # each silent one closed after TICKET_READ_S
             for sock in silent:
                 assert await sock.receive_some(10) == b""
-        assert channel._unticketed == 0
+        assert not channel._unticketed
         # The slots are free again: an honest dial goes through.
         served, dialed = await _pair(channel)
         await served.close(), await dialed.close()
-        for sock in [*silent, excess]:
+        for sock in [stranger, *silent, excess]:
             await sock.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_running_out_of_descriptors_does_not_end_the_channel(monkeypatch):
+    accept = trio.SocketListener.accept
+    failures = [OSError(errno.EMFILE, "Too many open files")]
+
+    async def accept_once_failing(self):
+        if failures:
+            raise failures.pop()
+        return await accept(self)
+
+    monkeypatch.setattr(trio.SocketListener, "accept", accept_once_failing)
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        served, dialed = await _pair(channel)
+        assert not failures and channel.served == 1
+        await served.close(), await dialed.close()
         nursery.cancel_scope.cancel()
 
 
@@ -193,9 +265,12 @@ async def test_offers_are_capped(monkeypatch):
     async with trio.open_nursery() as nursery:
         channel = BulkChannel("127.0.0.1", 0)
         await channel.start(nursery)
-        assert channel.offer(PEER).port == channel.port and channel.offer(PEER).port == channel.port
-        assert channel.offer(PEER) == BulkOffer()  # the third waits on libp2p instead
+        assert channel.offer(PEER, "127.0.0.1").port == channel.port
+        assert channel.offer(PEER, "127.0.0.1").port == channel.port
+        assert channel.offer(PEER, "127.0.0.1") == BulkOffer()  # the third waits on libp2p instead
         nursery.cancel_scope.cancel()
+    assert BulkChannel("127.0.0.1", 0).offer(PEER, "127.0.0.1") == BulkOffer()  # not listening
+    assert channel.offer(PEER, None) == BulkOffer()  # no address to bind the ticket to
 
 
 async def test_a_dial_to_nothing_is_unreachable_and_remembered():

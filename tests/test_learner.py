@@ -238,6 +238,31 @@ def test_bf16_learner_keeps_fp32_masters_and_trains_under_autocast():
     assert any(not torch.equal(grads[k], fp32[k]) for k in grads)
 
 
+def test_bf16_with_checkpointing_casts_per_layer_and_gives_the_cached_gradient(monkeypatch):
+    """Without autocast's cache a checkpointed bf16 step keeps no bf16 copy of the whole model, and computes
+    the same gradient as a step that keeps it."""
+    from hub import learner as learner_module
+
+    groups = synthetic_groups(seed=2)
+    cfg = LearnerConfig(dtype="bfloat16", gradient_checkpointing=True)
+    cached: list[bool] = []
+    autocast = learner_module.Learner._autocast
+
+    def recording(self):
+        context = autocast(self)
+        cached.append(context.fast_dtype == torch.bfloat16 and context._cache_enabled)
+        return context
+
+    monkeypatch.setattr(learner_module.Learner, "_autocast", recording)
+    stats, grads = step_gradients(cfg, groups)
+    monkeypatch.undo()
+    assert cached and not any(cached)
+    keeping_stats, keeping = step_gradients(LearnerConfig(dtype="bfloat16"), groups)
+    assert stats.loss == pytest.approx(keeping_stats.loss, rel=1e-3, abs=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, keeping[name], rtol=2e-2, atol=1e-4), name
+
+
 def test_auto_dtype_is_fp32_on_a_cpu_learner():
     from hub.learner import Learner
 
