@@ -2,6 +2,7 @@
 
 Usage: python bench/scale.py [--json] [--sizes 25M,100M,400M] [--dtypes float32,bfloat16]
                              [--link-mbps 800] [--snapshots 5] [--plot docs/plots/scale.png]
+                             [--gradient-checkpointing]
 
 For each size (a random-init Qwen2 built locally from its config class, no download) and dtype:
 a real hub (`echo-hub start --model DIR --dtype D`) and three real nodes (`echo-node join`) on
@@ -28,7 +29,9 @@ snapshot dir <= (S + 2) x snapshot bytes; t_bcast <= 1.25 x ideal; bf16 bytes = 
 
 Relay: the largest snapshot through three processes (source -> relay -> sink) over unlimited
 loopback links, each a real SnapshotKeeper; relay_cpu_s_per_gb is the relay process's own CPU
-seconds (getrusage) per GB it received, verified, wrote and forwarded. --profile writes the relay's
+seconds (getrusage) per GB it received, verified, wrote and forwarded on the bulk channel (shared/bulk.py,
+the path nodes take from a sender they dial), relay_libp2p_cpu_s_per_gb the same run on libp2p streams
+(the path from NATed senders), one after the other. --profile writes the relay's
 cProfile (top functions by own time) beside the JSON. transport_floor_cpu_s_per_gb: the same bytes
 over one bare stream of our host setup (Noise + Yamux over TCP, no echo2 protocol), sender's and
 receiver's CPU seconds together: what a relay, which receives and sends every byte, pays in
@@ -167,14 +170,16 @@ def build_model(work: Path, size: str) -> tuple[Path, int]:
     return out, params
 
 
-def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: float, snapshots: int, log) -> Result:
+def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: float, snapshots: int, log,
+            checkpointing: bool = False) -> Result:
     run_dir = work / f"run-{model_dir.name}-{dtype}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     (run_dir / "hub.toml").write_text(hub_toml())
     data = run_dir / "hub"
     hub = start_hub(data, "--config", str(run_dir / "hub.toml"), "--model", str(model_dir), "--dtype", dtype,
-                    "--link-mbps", str(link_mbps), "--hub-mbps", str(link_mbps))
+                    "--link-mbps", str(link_mbps), "--hub-mbps", str(link_mbps),
+                    "--gradient-checkpointing", "true" if checkpointing else "false")
     nodes: list[Proc] = []
     try:
         node_dirs = [run_dir / f"node{i}" for i in range(NODES)]
@@ -524,6 +529,8 @@ def main() -> None:
     parser.add_argument("--link-mbps", type=float, default=800.0, help="emulated hub and node links, Mbit/s")
     parser.add_argument("--snapshots", type=int, default=5, help="timed broadcasts per run (after v0)")
     parser.add_argument("--no-relay", action="store_true", help="skip the relay CPU measurement")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="run the hub's learner with --gradient-checkpointing true (less peak RSS, slower steps)")
     parser.add_argument("--profile", type=Path, default=None, help="write the relay's cProfile here")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of RSS and T_bcast against size")
     parser.add_argument("--work-dir", type=Path, default=None, help="models and runs (default: a temp dir, removed)")
@@ -555,7 +562,8 @@ def main() -> None:
             model_dir, params = build_model(work, size)
             log(f"{size}: {params / 1e6:.1f}M parameters")
             for dtype in dtypes:
-                results.append(run_one(work, model_dir, params, dtype, args.link_mbps, args.snapshots, log))
+                results.append(run_one(work, model_dir, params, dtype, args.link_mbps, args.snapshots, log,
+                                       args.gradient_checkpointing))
                 r = results[-1]
                 log(f"  {dtype}: {r.snapshot_bytes / MB:.0f} MB, publish {r.publish_s:.1f}s, T_bcast {r.t_bcast_s:.1f}s "
                     f"(ideal {r.ideal_s:.1f}s), hub {r.hub_peak_rss_bytes / MB:.0f} MB, node {r.node_peak_rss_bytes / MB:.0f} MB, "
@@ -571,6 +579,7 @@ def main() -> None:
             out.update(measure_relay(work, largest, dtypes[0], args.profile, log))
             out.update(measure_transport_floor(work, out["relay_bytes"], log))
         out["link_mbps"] = args.link_mbps
+        out["gradient_checkpointing"] = args.gradient_checkpointing
         out["cpus"] = os.cpu_count()
         if args.plot is not None:
             plot(results, args.plot)

@@ -106,6 +106,15 @@ def test_scale_bench_measures_the_transport_floor_with_two_real_processes(tmp_pa
     assert not (tmp_path / "floor").exists()
 
 
+def test_scale_bench_relays_on_the_bulk_channel_and_on_libp2p_with_real_processes(default_model_dir, tmp_path):
+    """The default model's snapshot through source -> relay -> sink twice: the bulk run took the bulk channel at
+    both hops and the libp2p run took neither (measure_relay raises otherwise)."""
+    scale = load_bench("scale")
+    relay = scale.measure_relay(tmp_path, default_model_dir, "float32", None, lambda _: None)
+    assert relay["relay_bytes"] > 0 and relay["relay_cpu_s_per_gb"] > 0 and relay["relay_libp2p_cpu_s_per_gb"] > 0
+    assert not (tmp_path / "relay").exists()
+
+
 def test_capacity_bench_bubble_error_comes_from_batches_of_whole_broadcast_periods():
     capacity = load_bench("capacity")
     # Batches of 2: bubbles 1/2 (idle 1, train 1 twice) and 0 (train only): mean bubble 2/6.
