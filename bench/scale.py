@@ -72,6 +72,8 @@ RUN_TIMEOUT_S = 1800.0
 
 def hub_toml() -> str:
     # A random model scores 0 everywhere: train on zero-variance groups so the learner steps (and publishes).
+    # Every version ships in full: at lr 1e-5 a bf16 delta is a few kB, and T_bcast would time applying it,
+    # not the snapshot's bytes its ideal is computed for (bench/delta.py measures deltas).
     return f"""
 steps = 0
 local_nodes = 0
@@ -89,6 +91,8 @@ max_new_tokens = 2
 prompts_per_lease = 1
 [scheduler]
 enabled = false
+[broadcast]
+delta_max_ratio = 0.0
 """
 
 
