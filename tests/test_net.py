@@ -388,6 +388,13 @@ async def test_rate_limiter_is_shared_between_writers(autojump_clock):
     assert trio.current_time() - start == pytest.approx(39_000 / 100_000, rel=1e-6)
 
 
+def test_rate_limiter_slices_are_two_milliseconds_of_the_link_and_at_least_16_kib():
+    assert RateLimiter(100e6).slice_bytes == 200_000  # 800 Mbit/s: 2 ms a slice
+    assert RateLimiter(250e3).slice_bytes == 16384  # 2 Mbit/s: 2 ms would be 500 bytes
+    assert RateLimiter(None).slice_bytes == 16384
+    assert RateLimiter(100e6, slice_bytes=1000).slice_bytes == 1000
+
+
 @pytest.mark.trio
 async def test_unlimited_rate_limiter_writes_once(autojump_clock):
     stream = RecordingStream()
