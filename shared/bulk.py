@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import ipaddress
 import logging
 import os
 import struct
@@ -44,7 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from multiaddr import Multiaddr
 
 from shared.messages import MIN_LINK_BPS, BulkOffer, SnapshotRequest
-from shared.net import remote_ip
+from shared.net import canonical_ip, remote_ip
 from shared.wire import StreamEOF, write_message
 
 log = logging.getLogger("echo2.bulk")
@@ -188,17 +187,6 @@ def channel_for(listen: str, port: int) -> BulkChannel | None:
     raise ValueError(f"listen address {listen} names no IP to put the bulk channel on")
 
 
-def _same_ip(ip: str) -> str:
-    """One spelling per address (a dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d)."""
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(address)
-
-
 class BulkChannel:
     """A process's bulk channel: the listener that serves its offers, and the dialer that takes other peers' offers."""
 
@@ -232,7 +220,7 @@ class BulkChannel:
         if self.port is None or ip is None or len(self._offers) >= MAX_OPEN_OFFERS:
             return BulkOffer()
         ticket, key = os.urandom(TICKET_BYTES), os.urandom(KEY_BYTES)
-        self._offers[ticket] = _Offer(peer_id, _same_ip(ip), key, now + BULK_ACCEPT_S)
+        self._offers[ticket] = _Offer(peer_id, canonical_ip(ip), key, now + BULK_ACCEPT_S)
         return BulkOffer(port=self.port, ticket=ticket.hex(), key=key.hex())
 
     async def accept(self, offer: BulkOffer) -> BulkStream:
@@ -266,7 +254,7 @@ class BulkChannel:
                     await trio.sleep(ACCEPT_RETRY_S)
                     continue
                 try:
-                    ip = _same_ip(sock.socket.getpeername()[0])
+                    ip = canonical_ip(sock.socket.getpeername()[0])
                 except OSError:  # gone already
                     await trio.aclose_forcefully(sock)
                     continue

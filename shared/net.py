@@ -231,14 +231,25 @@ def address_key(ip: str | None) -> str | None:
     """What one operator is assumed to control: an IPv4 address, or an IPv6 /64 (None: unknown address)."""
     if ip is None:
         return None
+    canonical = canonical_ip(ip)
+    try:
+        address = ipaddress.ip_address(canonical)
+    except ValueError:
+        return canonical
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.ip_network(f"{address}/{IPV6_PREFIX_BITS}", strict=False))
+    return canonical
+
+
+def canonical_ip(ip: str) -> str:
+    """One spelling per address: an IPv4-mapped IPv6 address (how a dual-stack socket shows an IPv4 peer) as its
+    IPv4; anything that is not an IP address as it is."""
     try:
         address = ipaddress.ip_address(ip)
     except ValueError:
         return ip
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
-    if isinstance(address, ipaddress.IPv6Address):
-        return str(ipaddress.ip_network(f"{address}/{IPV6_PREFIX_BITS}", strict=False))
     return str(address)
 
 

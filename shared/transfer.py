@@ -237,89 +237,74 @@ async def receive_snapshot(
     (BulkUnreachable if it cannot be opened: ask again without bulk); both streams are closed at the end.
     """
     await write_message(stream, request)
-    if not request.bulk:
-        return await _receive_on(stream, request, hub_peer_id, sender_peer_id, newer_than, assembler_for, on_chunk, stall_s)
-    if bulk is None:
-        raise ValueError("a request for the bulk channel needs a BulkChannel to dial it")
-    with trio.fail_after(stall_s):
-        offer = await read_message(stream, BulkOffer)
-    if offer.port is None:
-        return await _receive_on(stream, request, hub_peer_id, sender_peer_id, newer_than, assembler_for, on_chunk, stall_s)
-    channel = await bulk.dial(sender_peer_id, remote_ip(stream), offer)
+    transfer = stream
+    if request.bulk:
+        if bulk is None:
+            raise ValueError("a request for the bulk channel needs a BulkChannel to dial it")
+        with trio.fail_after(stall_s):
+            offer = await read_message(stream, BulkOffer)
+        if offer.port is not None:
+            transfer = await bulk.dial(sender_peer_id, remote_ip(stream), offer)
     try:
-        assembler = await _receive_on(channel, request, hub_peer_id, sender_peer_id, newer_than, assembler_for,
-                                      on_chunk, stall_s)
+        sender_key = public_key_from_peer_id(sender_peer_id)
+        _, body = await read_frame(transfer, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]}, stall_s, MIN_TRANSFER_BPS)
+        manifest_bytes, sig = body[:-SIGNATURE_BYTES], body[-SIGNATURE_BYTES:]
+        digest = blake3.blake3(manifest_bytes).hexdigest()
+        proof = None  # a request without a version binds the sender to nothing in particular
+        committed: CommitKind | None = None
+        if request.version is not None:
+            committed = _committed_kind(sender_key, request.version, digest, sig)
+            if committed is None:
+                raise ChunkRejected(request.version, 0, "manifest frame without a valid commitment", None)
+            proof = Proof(committed, request.version, 0, digest, sig)
+        try:
+            signed = SignedManifest.from_bytes(manifest_bytes)
+            manifest = verify_manifest(signed, hub_peer_id, newer_than)
+            if request.version is not None and manifest.version != request.version:
+                raise BadChunk(f"asked for v{request.version}, got a manifest for v{manifest.version}")
+            if committed is not None and committed != frame_kinds(manifest)[0]:
+                raise BadChunk(f"committed to a {committed} frame, sent a {manifest.kind} snapshot's manifest")
+            wanted = wanted_chunks(request, manifest.chunk_count)
+        except (SnapshotError, LookupError) as exc:
+            raise ChunkRejected(request.version or 0, 0, f"manifest refused: {exc}", proof) from None
+        manifest_kind, chunk_kind = frame_kinds(manifest)
+        if request.version is None and not commitment_holds(sender_key, manifest_kind, manifest.version, 0, digest, sig):
+            raise ChunkRejected(manifest.version, 0, "manifest frame without a valid commitment", None)
+        if manifest.kind == "delta" and manifest.base_version != request.base_version:
+            raise UnusableDelta(f"offered a delta against v{manifest.base_version}; this node holds {request.base_version}")
+        assembler = assembler_for(signed, manifest)
+        received = 0
+        try:
+            for expected in wanted:
+                _, frame = await read_frame(transfer, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]}, stall_s, MIN_TRANSFER_BPS)
+                body, sig = frame[:-SIGNATURE_BYTES], frame[-SIGNATURE_BYTES:]
+                try:
+                    version, index, data = decode_chunk(body)
+                except BadChunk as exc:
+                    raise ChunkRejected(manifest.version, expected, str(exc), None) from None
+                if (version, index) != (manifest.version, expected):
+                    # Committed or not, a frame for another slot proves nothing about the one asked for.
+                    raise ChunkRejected(manifest.version, expected, f"sender sent chunk {index} of v{version} instead", None)
+                digest = blake3.blake3(data).hexdigest()
+                if not commitment_holds(sender_key, chunk_kind, version, index, digest, sig):
+                    raise ChunkRejected(manifest.version, expected, "chunk frame without a valid commitment", None)
+                proof = Proof(chunk_kind, version, index, digest, sig)
+                try:
+                    assembler.add(index, data, digest)
+                except BadChunk as exc:
+                    raise ChunkRejected(manifest.version, expected, str(exc), proof) from None
+                received += 1
+                if on_chunk is not None:
+                    await on_chunk(index)
+        except ChunkRejected as exc:
+            await write_message(transfer, TransferAck(version=manifest.version, chunks=received, ok=False, reason=str(exc)[:500]))
+            raise
+        await write_message(transfer, TransferAck(version=manifest.version, chunks=received, ok=True))
+        await transfer.close()
     finally:
-        with trio.CancelScope(shield=True):
-            await channel.close()
-    await stream.close()
-    return assembler
-
-
-async def _receive_on(
-    stream,
-    request: SnapshotRequest,
-    hub_peer_id: str,
-    sender_peer_id: str,
-    newer_than: int | None,
-    assembler_for: Callable[[SignedManifest, Manifest], ChunkAssembler],
-    on_chunk: Callable[[int], Awaitable[None]] | None,
-    stall_s: float,
-) -> ChunkAssembler:
-    """receive_snapshot after the request: everything the sender sends, on whichever stream carries it."""
-    sender_key = public_key_from_peer_id(sender_peer_id)
-    _, body = await read_frame(stream, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]}, stall_s, MIN_TRANSFER_BPS)
-    manifest_bytes, sig = body[:-SIGNATURE_BYTES], body[-SIGNATURE_BYTES:]
-    digest = blake3.blake3(manifest_bytes).hexdigest()
-    proof = None  # a request without a version binds the sender to nothing in particular
-    committed: CommitKind | None = None
-    if request.version is not None:
-        committed = _committed_kind(sender_key, request.version, digest, sig)
-        if committed is None:
-            raise ChunkRejected(request.version, 0, "manifest frame without a valid commitment", None)
-        proof = Proof(committed, request.version, 0, digest, sig)
-    try:
-        signed = SignedManifest.from_bytes(manifest_bytes)
-        manifest = verify_manifest(signed, hub_peer_id, newer_than)
-        if request.version is not None and manifest.version != request.version:
-            raise BadChunk(f"asked for v{request.version}, got a manifest for v{manifest.version}")
-        if committed is not None and committed != frame_kinds(manifest)[0]:
-            raise BadChunk(f"committed to a {committed} frame, sent a {manifest.kind} snapshot's manifest")
-        wanted = wanted_chunks(request, manifest.chunk_count)
-    except (SnapshotError, LookupError) as exc:
-        raise ChunkRejected(request.version or 0, 0, f"manifest refused: {exc}", proof) from None
-    manifest_kind, chunk_kind = frame_kinds(manifest)
-    if request.version is None and not commitment_holds(sender_key, manifest_kind, manifest.version, 0, digest, sig):
-        raise ChunkRejected(manifest.version, 0, "manifest frame without a valid commitment", None)
-    if manifest.kind == "delta" and manifest.base_version != request.base_version:
-        raise UnusableDelta(f"offered a delta against v{manifest.base_version}; this node holds {request.base_version}")
-    assembler = assembler_for(signed, manifest)
-    received = 0
-    try:
-        for expected in wanted:
-            _, frame = await read_frame(stream, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]}, stall_s, MIN_TRANSFER_BPS)
-            body, sig = frame[:-SIGNATURE_BYTES], frame[-SIGNATURE_BYTES:]
-            try:
-                version, index, data = decode_chunk(body)
-            except BadChunk as exc:
-                raise ChunkRejected(manifest.version, expected, str(exc), None) from None
-            if (version, index) != (manifest.version, expected):
-                # Committed or not, a frame for another slot proves nothing about the one asked for.
-                raise ChunkRejected(manifest.version, expected, f"sender sent chunk {index} of v{version} instead", None)
-            digest = blake3.blake3(data).hexdigest()
-            if not commitment_holds(sender_key, chunk_kind, version, index, digest, sig):
-                raise ChunkRejected(manifest.version, expected, "chunk frame without a valid commitment", None)
-            proof = Proof(chunk_kind, version, index, digest, sig)
-            try:
-                assembler.add(index, data, digest)
-            except BadChunk as exc:
-                raise ChunkRejected(manifest.version, expected, str(exc), proof) from None
-            received += 1
-            if on_chunk is not None:
-                await on_chunk(index)
-    except ChunkRejected as exc:
-        await write_message(stream, TransferAck(version=manifest.version, chunks=received, ok=False, reason=str(exc)[:500]))
-        raise
-    await write_message(stream, TransferAck(version=manifest.version, chunks=received, ok=True))
-    await stream.close()
+        if transfer is not stream:
+            with trio.CancelScope(shield=True):
+                await transfer.close()
+    if transfer is not stream:
+        await stream.close()
     return assembler
