@@ -69,8 +69,10 @@ TICKET_READ_S = 2.0
 WRITE_STALL_S = 20.0
 # A sender whose channel could not be reached is asked over libp2p for this long.
 BULK_RETRY_S = 300.0
-# Offers waiting for their connection (each at most BULK_ACCEPT_S), and connections still to present a ticket.
+# Offers waiting for their connection (each at most BULK_ACCEPT_S), in all and per receiver (an honest one pulls
+# one version at a time from a sender), and connections still to present a ticket.
 MAX_OPEN_OFFERS = 256
+MAX_OPEN_OFFERS_PER_PEER = 4
 MAX_UNTICKETED = 64
 MAX_UNTICKETED_PER_IP = 8
 # What accept() raises when the process is out of descriptors or buffers: wait this long and accept again.
@@ -213,11 +215,14 @@ class BulkChannel:
 
     def offer(self, peer_id: str, ip: str | None) -> BulkOffer:
         """A one-time ticket and key for `peer_id`, to be presented from `ip` (an offer without a port when the
-        receiver's IP is unknown or too many offers are open)."""
+        receiver's IP is unknown or too many offers are open: a member asking and never dialing takes at most
+        MAX_OPEN_OFFERS_PER_PEER of them, so a few such members cannot push everyone back onto libp2p)."""
         now = time.monotonic()
         for ticket in [t for t, o in self._offers.items() if o.expires_at < now]:
             del self._offers[ticket]
         if self.port is None or ip is None or len(self._offers) >= MAX_OPEN_OFFERS:
+            return BulkOffer()
+        if sum(o.peer_id == peer_id for o in self._offers.values()) >= MAX_OPEN_OFFERS_PER_PEER:
             return BulkOffer()
         ticket, key = os.urandom(TICKET_BYTES), os.urandom(KEY_BYTES)
         self._offers[ticket] = _Offer(peer_id, canonical_ip(ip), key, now + BULK_ACCEPT_S)

@@ -273,6 +273,16 @@ async def test_offers_are_capped(monkeypatch):
     assert channel.offer(PEER, None) == BulkOffer()  # no address to bind the ticket to
 
 
+async def test_a_receiver_that_asks_and_never_dials_holds_few_offers():
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        hoarded = [channel.offer(PEER, "127.0.0.1") for _ in range(bulk.MAX_OPEN_OFFERS_PER_PEER + 3)]
+        assert sum(o.port is not None for o in hoarded) == bulk.MAX_OPEN_OFFERS_PER_PEER
+        assert channel.offer(OTHER, "127.0.0.1").port == channel.port  # everyone else is still offered one
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_dial_to_nothing_is_unreachable_and_remembered():
     closed = trio.socket.socket()
     await closed.bind(("127.0.0.1", 0))
