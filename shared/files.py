@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
@@ -17,7 +18,9 @@ def fsync_dir(directory: Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     """Replace `path` with `data` so that readers see the old or the new file, never a mix."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # One temp file per writing thread: the hub's status board and its final refresh write status.json from
+    # two worker threads, and a shared temp name let one rename the other's file away (FileNotFoundError).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         if durable:
