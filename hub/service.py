@@ -54,7 +54,7 @@ from shared.messages import (
     Submission,
     SubmitReply,
 )
-from shared.net import remote_ip, remote_peer_id, set_handler
+from shared.net import forget_peer, remote_ip, remote_peer_id, set_handler
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
 from shared.wire import PeerFault, StreamEOF, decode_signed, read_frame, read_message, signed_caps, write_message
 
@@ -178,8 +178,7 @@ class HubService:
             # Not idle but never joining (a stranger polling the status to keep its slot) goes too, later.
             if idle or now - since > NON_MEMBER_LIFETIME_S:
                 log.info("closing the idle connection of %s (not a joined node)", name)
-                await self.host.disconnect(peer)
-                self.host.get_peerstore().clear_peerdata(peer)
+                await forget_peer(self.host, peer)
                 connected_at.pop(name, None)
 
     # -- the guard around every handler ---------------------------------------------------

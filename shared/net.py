@@ -291,6 +291,16 @@ async def running_host(
                 await host.close()
 
 
+async def forget_peer(host: IHost, peer: ID) -> None:
+    """Close every connection to `peer` and drop what the peerstore holds of it. py-libp2p records a peer
+    only once it answers identify, and `clear_peerdata` raises for one it never recorded: a stranger that
+    connects and never answers identify must not be able to make that raise in our background tasks."""
+    await host.disconnect(peer)
+    peerstore = host.get_peerstore()
+    if peerstore.has_peer(peer):
+        peerstore.clear_peerdata(peer)
+
+
 def remote_peer_id(stream: INetStream) -> str:
     return stream.muxed_conn.peer_id.to_base58()
 

@@ -12,6 +12,8 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
+from libp2p.identity.identify_push.identify_push import ID_PUSH as IDENTIFY_PUSH_PROTOCOL
 
 from hub.chains import num_chains
 from hub.config import HubConfig, LearnerConfig, LeaseConfig
@@ -35,7 +37,7 @@ from shared.messages import (
     Submission,
     SubmitReply,
 )
-from shared.net import running_host
+from shared.net import connect, running_host
 from shared.wire import HEADER, encode_frame
 from tests.harness import start_hub
 from tests.inproc import PERMISSIVE_TRUST, InprocHub, inproc_hub
@@ -189,6 +191,32 @@ async def test_throwaway_identities_do_not_lock_out_honest_nodes(tmp_path, defau
                 await trio.sleep(0.2)
         assert isinstance(await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply),
                           JoinReply)
+
+
+@pytest.mark.trio
+async def test_a_stranger_that_never_answers_identify_does_not_stop_the_hub(tmp_path, default_model_dir):
+    """Untrusted peers, round three, item 0: py-libp2p records a peer only once it answers identify, and the
+    idle-connection sweeper's `clear_peerdata` raised PeerStoreError for one it never recorded. Nothing
+    caught it: the hub exited with code 1, about 16 s after one stranger connected."""
+    config = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(update={"idle_connection_s": 1.0})})
+    async with inproc_hub(tmp_path / "hub", default_model_dir, config) as hub, AsyncExitStack() as stack:
+        strangers = []
+        for _ in range(2):
+            host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
+            # A bare libp2p host: no identify, no identify-push, nothing of ours.
+            host.remove_stream_handler(IDENTIFY_PROTOCOL)
+            host.remove_stream_handler(IDENTIFY_PUSH_PROTOCOL)
+            await connect(host, hub.addr)
+            strangers.append(host.get_id())
+        hub_host = hub.service.host
+        assert not any(hub_host.get_peerstore().has_peer(p) for p in strangers), "the attack needs unrecorded peers"
+        with trio.fail_after(15):
+            while any(hub_host.get_network().get_connections(p) for p in strangers):
+                await trio.sleep(0.2)
+        # The sweeper ran past them and the hub still serves: an honest peer joins.
+        await trio.sleep(2 * 1.0)
+        reply = await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply)
+        assert isinstance(reply, JoinReply)
 
 
 @pytest.mark.slow
