@@ -104,7 +104,7 @@ async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, nursery: 
     async with running_host(identity, [LOOPBACK]) as (host, addrs):
         node: BenchNode
 
-        async def install(path: Path, version: int) -> None:
+        async def install(path: Path, version: int, probe) -> None:
             node.installed_at = trio.current_time()
             node.done.set()
 

@@ -336,7 +336,7 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
         identity = Identity.generate()
         done = trio.Event()
 
-        async def install(path: Path, version: int) -> None:
+        async def install(path: Path, version: int, probe) -> None:
             done.set()
 
         async def report(_report):

@@ -39,6 +39,7 @@ from hub.config import TrustConfig
 from hub.snapshots import SnapshotShelf
 from shared.adapters import install_snapshot, prepare_for, snapshot_spec
 from shared.logprobs import completion_logprobs
+from shared.probe import InstallProbe, TokenRow
 from shared.rollout import Group, SamplingParams
 
 log = logging.getLogger("echo2.hub.audit")
@@ -171,6 +172,22 @@ class Auditor:
             except FileNotFoundError as exc:  # it left the shelf (and the disk) between get and load
                 raise VersionUnavailable(f"snapshot v{version} was deleted") from exc
             self.loaded_hash = snapshot.manifest.whole_hash
+
+    def install_probe(self, path: Path, whole_hash: str, rows: tuple[tuple[TokenRow, ...], tuple[TokenRow, ...]]) -> InstallProbe:
+        """The install probe of the snapshot weights at `path` (not yet on the shelf): the audit's own model and
+        computation, at temperature 1 without top-p, on the snapshot's weights in the snapshot's dtype."""
+        prompts, completions = rows
+        with self._lock, torch.inference_mode():
+            self.loaded_hash = None
+            if self.model is None:
+                self.model = self._base(path)
+            install_snapshot(self.model, path)
+            self.loaded_hash = whole_hash  # an audit of this version soon after needs no second load
+            logprobs, _ = completion_logprobs(self.model, list(prompts), list(completions), self.pad_id)
+        return InstallProbe(
+            prompt_ids=prompts, completion_ids=completions, max_mean_abs_gap=self.mean_abs_gap,
+            logprobs=tuple(tuple(float(x) for x in row[: len(c)]) for row, c in zip(logprobs.tolist(), completions)),
+        )
 
     def audit(self, group: Group, version: int) -> AuditResult:
         """Re-score `group`'s completions with `version`'s weights; VersionUnavailable if it left the shelf."""

@@ -61,6 +61,7 @@ from shared.delta import build_delta_snapshot
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logprobs import completion_logprobs
 from shared.precision import engine_dtype
+from shared.probe import InstallProbe
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import (
     Snapshot,
@@ -423,9 +424,12 @@ class LearnerComponent:
         trackers: Trackers | None = None,
         evaluation: EvalRunner | None = None,
         ranks: tuple[Collective, str, RankWatch | None] | None = None,
+        probe: Callable[[Path, str], InstallProbe] | None = None,
     ) -> None:
         """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
-        (hub/distributed.py); the learner is then driven through a RankGroup."""
+        (hub/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
+        the install probe signed into each snapshot's manifest (shared/probe.py)."""
+        self.probe = probe
         self.cfg = cfg
         self.data_dir = Path(data_dir)
         self.state = state
@@ -595,6 +599,7 @@ class LearnerComponent:
         snapshot = build_snapshot(
             self.learner.state_dict(), version, self.identity, self.learner.config_hash, self.snapshots_dir,
             dtype=self.learner.snapshot_dtype, chunk_size=self.chunk_size_bytes, metadata=self.learner.snapshot_metadata,
+            probe=self.probe,
         )
         manifest = snapshot.manifest
         delta = None

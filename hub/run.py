@@ -85,6 +85,7 @@ class Hub:
         from shared.adapters import LoraSpec
         from shared.generation import model_stop_ids
         from shared.precision import resolve_dtype
+        from shared.probe import PROBE_ROWS, probe_rows
         from shared.snapshot import model_config_hash
 
         lc = config.learner
@@ -103,7 +104,9 @@ class Hub:
             vocab_size=model_config.vocab_size, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
         )
-        audits = AuditQueue(Auditor(model_dir, self.shelf, config.sampling, config.trust, self.dtype), config.trust.audit_queue_groups)
+        auditor = Auditor(model_dir, self.shelf, config.sampling, config.trust, self.dtype)
+        audits = AuditQueue(auditor, config.trust.audit_queue_groups)
+        rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], tokenizer, rules.stop_ids)
         self.state = HubState(
             Store(config.data_dir / HUB_STORE_FILE), config, self.task, rules=rules,
             model_config_hash=model_config_hash(model_config.to_dict()), audits=audits,
@@ -129,6 +132,7 @@ class Hub:
             self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024, config.broadcast.delta_max_ratio,
             extra_metrics=lambda step: self.scheduler.step_metrics(step, self.state.cost_usd(time.time())),
             trackers=self.trackers, evaluation=self.evaluation, ranks=self._join_ranks(),
+            probe=lambda path, whole_hash: auditor.install_probe(path, whole_hash, rows),
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []

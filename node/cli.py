@@ -15,6 +15,7 @@ JOIN_FLAGS: dict[str, tuple[str, type]] = {
         ("hub", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
         ("model", Path), ("listen", str), ("public_addr", str), ("bulk_port", int), ("max_rollouts_per_s", float), ("link_mbps", float),
         ("declared_link_mbps", float), ("threads", int), ("seed", int), ("gpu_memory_fraction", float),
+        ("kv_cache_gib", int), ("cpu_cores", str),
         ("max_lora_rank", int), ("log_level", str),
     )
 }

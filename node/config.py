@@ -33,7 +33,9 @@ class NodeConfig(Section):
     reconnect_max_s: float = Field(10.0, gt=0.0, le=3600.0, description="cap of the reconnect backoff")
     threads: int = Field(1, ge=1, le=256, description="torch threads for generation")
     seed: int | None = Field(None, ge=0, lt=2**31, description="sampling seed of this process (None: a fresh random one at every start, so nodes never sample alike)")
-    gpu_memory_fraction: float = Field(0.85, gt=0.0, le=0.98, description="share of the GPU's memory the vLLM engine may take (several nodes on one GPU: split it)")
+    gpu_memory_fraction: float | None = Field(None, gt=0.0, le=0.98, description="vLLM on CUDA: share of the GPU's memory the engine may take (None: 0.85; several nodes on one GPU: split it)")
+    kv_cache_gib: int | None = Field(None, ge=1, le=4096, description="vLLM on a CPU: GiB of host memory for the KV cache (None: 1)")
+    cpu_cores: str | None = Field(None, pattern=r"^[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,63}$", description="vLLM on a CPU: cores its threads are bound to, e.g. 2-3 (None: --threads threads, left to the OS; two nodes on one machine: give each its own cores)")
     max_lora_rank: int = Field(0, ge=0, le=512, description="vLLM: serve LoRA runs' adapters up to this rank (0: full-weight runs only; vLLM reserves memory for LoRA)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 

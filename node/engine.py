@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from shared.probe import InstallProbe, ProbeMismatch
 from shared.rollout import Completion, SamplingParams
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -38,6 +40,7 @@ class Engine(ABC):
     tokenizer: object
     dtype: str  # "float32" or "bfloat16": the weights' dtype, which snapshots must carry
     broken: str | None = None  # why the engine must not generate, once a swap failed half way
+    _lock: threading.Lock  # held by install, generate and scoring: none of them interleave
 
     def _usable(self) -> None:
         if self.broken is not None:
@@ -54,6 +57,33 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         """n completions per prompt, in prompt order, each with its sampled tokens' log-probs."""
+
+    @abstractmethod
+    def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Log-prob of each completion token given its prompt at temperature 1, without top-p, as this engine
+        computes it with the weights it holds now."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: token ids at or past it are not this model's."""
+
+    def check_install(self, probe: InstallProbe | None, version: int) -> float | None:
+        """After installing `version`: reproduce the hub's install probe (shared/probe.py), or mark the engine
+        broken and raise EngineBroken, before anything is generated with it. The mean |gap|, or None when the
+        snapshot carries no probe (one written before probes existed)."""
+        if probe is None:
+            return None
+        with self._lock:
+            self._usable()
+            scored = self.score(probe.prompt_ids, probe.completion_ids)
+        try:
+            return probe.check(scored, self.vocab_size)
+        except ProbeMismatch as exc:
+            self.broken = (f"v{version} installed, but this {self.backend} engine does not compute it: {exc}. The node "
+                           "stops before generating with it (nothing was submitted, so nothing counts against it); "
+                           "restart it, and report it if it happens again")
+            raise EngineBroken(self.broken) from exc
 
     def close(self) -> None:
         """Release the backend's resources (processes, GPU memory, temp files)."""

@@ -11,6 +11,7 @@ import torch
 from node.engine import Engine
 from shared.adapters import install_snapshot
 from shared.generation import Sampler
+from shared.logprobs import completion_logprobs
 from shared.rollout import Completion, SamplingParams
 from shared.snapshot import PartialCopy
 
@@ -47,6 +48,16 @@ class HFEngine(Engine):
             except PartialCopy as exc:
                 raise self._swap_failed(version, exc) from exc
             self.version = version
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
+
+    def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        with torch.inference_mode():
+            logprobs, _ = completion_logprobs(self.model, [list(p) for p in prompt_ids], [list(c) for c in completion_ids],
+                                              self.pad_id)
+        return [row[: len(c)] for row, c in zip(logprobs.float().tolist(), completion_ids)]
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         with self._lock:

@@ -57,6 +57,7 @@ from shared.messages import (
     TransferAck,
 )
 from shared.net import connect, open_stream, remote_peer_id
+from shared.probe import InstallProbe
 from shared.snapshot import (
     ChunkAssembler,
     Manifest,
@@ -144,7 +145,7 @@ class SnapshotKeeper:
         identity: Identity,
         hub_peer_id: str,
         directory: Path,
-        install: Callable[[Path, int], Awaitable[None]],
+        install: Callable[[Path, int, InstallProbe | None], Awaitable[None]],
         limiter: Writer | None,
         on_installed: Callable[[int], None],
         report: Callable[[BadChunkReport], Awaitable[TransferAck | Reject]],
@@ -520,7 +521,7 @@ class SnapshotKeeper:
         else:
             held = Held(transfer.signed, transfer.manifest, path, os.open(path, os.O_RDONLY))
         try:
-            await self._install(held.path, version)
+            await self._install(held.path, version, held.manifest.probe)
         except BaseException:
             transfer.assembler.close()
             held.remove()

@@ -28,6 +28,7 @@ from shared.messages import (
     NodeView,
 )
 from shared.net import RateLimiter, running_host, set_handler
+from shared.probe import InstallProbe
 from shared.signals import Stopper
 
 log = logging.getLogger("echo2.node")
@@ -75,7 +76,7 @@ class NodeRuntime:
         self.nat = None  # NatTraversal, once the host runs
         self.stopper = Stopper()
 
-    async def _install(self, path: Path, version: int) -> None:
+    async def _install(self, path: Path, version: int, probe: InstallProbe | None) -> None:
         from shared.snapshot import SnapshotError
 
         async with self.engine_lock:
@@ -83,6 +84,12 @@ class NodeRuntime:
                 await trio.to_thread.run_sync(self.engine.install, path, version)
             except SnapshotError as exc:  # signed by the hub, yet not for this engine: no later version will be
                 raise InstallFailed(f"cannot install v{version}: {exc}") from exc
+            # Before the worker may generate with it: EngineBroken (an InstallFailed) stops the node in one line.
+            gap = await trio.to_thread.run_sync(self.engine.check_install, probe, version)
+        if gap is None:
+            log.warning("v%d carries no install probe (written by a hub from before probes): not checked", version)
+        else:
+            log.info("v%d reproduces the hub's install probe: mean |log-prob gap| %.2g", version, gap)
 
     def _join_request(self) -> JoinRequest:
         return JoinRequest(
@@ -224,22 +231,28 @@ def run_node(config: NodeConfig, dashboard: bool = False) -> int:
     import torch
     import transformers
 
-    from node.engine import make_engine
+    from node.engine import EngineUnavailable, VLLMResources, make_engine
     from shared.default_model import ensure_default_model
     from shared.rollout import engine_seed
     from shared.snapshot import model_dir_config_hash
 
     torch.set_num_threads(config.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
-    identity = Identity.load_or_create(config.key_path)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = config.model or ensure_default_model(progress=sys.stderr.isatty())
     # Each process its own sampling seed unless one is configured: two nodes leased the same prompts in the
     # same order must not sample the same completions (copy detection would flag them).
     seed = engine_seed(config.seed)
     torch.manual_seed(seed)
-    engine = make_engine(config.backend, model_dir, device=device, version=-1, dtype=config.dtype, seed=seed,
-                         gpu_memory_fraction=config.gpu_memory_fraction, max_lora_rank=config.max_lora_rank)
+    resources = VLLMResources(gpu_memory_fraction=config.gpu_memory_fraction, kv_cache_gib=config.kv_cache_gib,
+                              cpu_cores=config.cpu_cores, threads=config.threads)
+    try:
+        engine = make_engine(config.backend, model_dir, device=config.device, version=-1, dtype=config.dtype, seed=seed,
+                             vllm=resources, max_lora_rank=config.max_lora_rank)
+    except EngineUnavailable as exc:
+        print(f"echo-node: {exc}", file=sys.stderr)
+        return 2
+    identity = Identity.load_or_create(config.key_path)  # after every refusal above: a refused start writes nothing
     config_hash = model_dir_config_hash(model_dir)
     print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
     runtime = NodeRuntime(config, identity, engine, config_hash, device)

@@ -208,6 +208,24 @@ class VLLMEngine(Engine):
             version = self.version
         return [[self._completion(o, version) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
 
+    @property
+    def vocab_size(self) -> int:
+        return self._llm.llm_engine.model_config.get_vocab_size()
+
+    def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        # vLLM scores a request's prompt tokens (prompt_logprobs) with the raw distribution whatever logprobs_mode
+        # says: at temperature 1 without top-p that is the distribution the probe asks for.
+        params = VLLMSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0)
+        requests = [{"prompt_token_ids": [*p, *c]} for p, c in zip(prompt_ids, completion_ids)]
+        outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
+        scored = []
+        for out, prompt, completion in zip(outputs, prompt_ids, completion_ids):
+            steps = out.prompt_logprobs[len(prompt):]
+            scored.append([step[token].logprob for step, token in zip(steps, completion)])
+        return scored
+
     def _completion(self, output, version: int) -> Completion:
         token_ids = tuple(output.token_ids)
         logprobs = tuple(step[token].logprob for step, token in zip(output.logprobs, token_ids))

@@ -47,6 +47,7 @@ from pydantic import (
 
 from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
 from shared.files import atomic_write_bytes
+from shared.probe import InstallProbe
 from shared.weights_file import WeightsFileError, copy_into, read_entries, write_weights
 
 SNAPSHOT_FORMAT_VERSION = 2  # 2: manifests of delta snapshots (shared/delta.py)
@@ -105,6 +106,7 @@ class Manifest(BaseModel):
     base_version: int | None = Field(None, ge=0, description="delta: the version it applies to")
     base_hash: str | None = Field(None, description="delta: whole hash of the base version's weights file")
     result_hash: str | None = Field(None, description="delta: whole hash of the weights file it produces")
+    probe: InstallProbe | None = Field(None, description="full: reference log-probs every engine reproduces after installing (shared/probe.py)")
 
     @field_validator("format_version")
     @classmethod
@@ -403,9 +405,11 @@ def build_snapshot(
     chunk_size: int = CHUNK_SIZE_BYTES,
     created_at: float | None = None,
     metadata: Mapping[str, str] | None = None,
+    probe: Callable[[Path, str], InstallProbe] | None = None,
 ) -> Snapshot:
     """Stream the weights (floating ones in `dtype`, when given) into `directory`, hashing every chunk
-    and the whole on the way, then sign the manifest with the hub's key and write it.
+    and the whole on the way, then sign the manifest with the hub's key and write it. `probe(weights
+    path, whole hash)`: the install probe of the written weights, signed in the manifest.
 
     Crash-safe: the weights go to a temp file renamed into place, and the manifest is written
     last, so a manifest on disk means its weights file is complete.
@@ -424,6 +428,7 @@ def build_snapshot(
         tmp.unlink(missing_ok=True)
     chunk_hashes, whole_hash = hasher.finish()
     manifest = Manifest(
+        probe=None if probe is None else probe(weights_path, whole_hash),
         format_version=SNAPSHOT_FORMAT_VERSION,
         version=version,
         total_bytes=total,

@@ -169,7 +169,7 @@ async def node_peer(
             await channel.start(nursery)
         node: NodePeer
 
-        async def install(path: Path, version: int) -> None:
+        async def install(path: Path, version: int, probe) -> None:
             node.installed[version] = await trio.to_thread.run_sync(read, path)
             node.installed_at[version] = time.monotonic()
 

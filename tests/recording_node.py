@@ -43,8 +43,8 @@ def _describe(engine, path: Path, version: int) -> str:
 def record_installs() -> None:
     install = NodeRuntime._install
 
-    async def recording_install(self: NodeRuntime, path: Path, version: int) -> None:
-        await install(self, path, version)
+    async def recording_install(self: NodeRuntime, path: Path, version: int, probe) -> None:
+        await install(self, path, version, probe)
         text = await trio.to_thread.run_sync(_describe, self.engine, path, version)
         directory = self.config.data_dir / "installed"
         directory.mkdir(exist_ok=True)

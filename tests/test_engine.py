@@ -186,5 +186,5 @@ def test_make_engine_backends(default_model_dir):
     if reason is None:
         pytest.skip("vLLM can run here; its backend is covered by tests/test_vllm.py")
     assert isinstance(make_engine("auto", default_model_dir), HFEngine)
-    with pytest.raises(EngineUnavailable, match="vllm backend unavailable"):
+    with pytest.raises(EngineUnavailable, match="the vllm backend is unavailable"):
         make_engine("vllm", default_model_dir)
