@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -27,6 +30,10 @@ MAX_MEAN_LOGPROB_GAP = 2e-3
 def engines(default_model_dir):
     from node.hf_engine import HFEngine
     from node.vllm_engine import VLLMEngine
+
+    # Lets a test send a function of its own to vLLM's worker (collective_rpc with a callable): the corruption
+    # the install probe must catch happens there, after the install.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     vllm_engine = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=True)
     hf_engine = HFEngine(default_model_dir, device=DEVICE, dtype="float32")
@@ -169,3 +176,46 @@ def test_vllm_serves_lora_adapters_as_the_hf_engine_computes_them(default_model_
         assert mean_gap(engine, hf_engine, sampling) < MAX_MEAN_LOGPROB_GAP
     finally:
         engine.close()
+
+
+def _scale_embedding(worker) -> None:
+    """Runs inside vLLM's worker: one tensor changed after an install, as a half-applied swap would leave it."""
+    import torch
+
+    with torch.no_grad():
+        worker.model_runner.get_model().model.embed_tokens.weight.mul_(1.5)
+
+
+def test_vllm_reproduces_the_install_probe_and_a_corrupted_tensor_is_caught(engines, tmp_path, default_model_dir):
+    """The hub's install probe (its audit model on the snapshot file, fp32) is reproduced by vLLM after the swap,
+    through prompt log-probs; one tensor scaled inside the worker afterwards stops the engine before it generates.
+    Last in this module: the shared engine stays refused."""
+    import cloudpickle
+    from transformers import AutoTokenizer
+
+    from hub.audit import Auditor
+    from hub.snapshots import SnapshotShelf
+    from node.engine import EngineBroken
+    from shared.crypto import Identity
+    from shared.generation import model_stop_ids
+    from shared.probe import probe_rows
+    from shared.snapshot import build_snapshot, model_dir_config_hash
+
+    vllm_engine, hf_engine = engines
+    rows = probe_rows(PROMPTS[:5], AutoTokenizer.from_pretrained(default_model_dir), frozenset(model_stop_ids(default_model_dir)))
+    auditor = Auditor(default_model_dir, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(), TrustConfig(),
+                      "float32")
+    gen = torch.Generator().manual_seed(21)
+    dropped = tied_duplicates(hf_engine.model)
+    state = {k: v.cpu() + 0.05 * torch.randn(v.shape, generator=gen) for k, v in hf_engine.model.state_dict().items()
+             if k not in dropped}
+    snapshot = build_snapshot(state, 21, Identity.generate(), model_dir_config_hash(default_model_dir), tmp_path / "snap",
+                              probe=lambda path, whole: auditor.install_probe(path, whole, rows))
+    vllm_engine.install(snapshot.path, 21)
+    assert vllm_engine.check_install(snapshot.manifest.probe, 21) <= 1e-4
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    vllm_engine._llm.collective_rpc(_scale_embedding)
+    with pytest.raises(EngineBroken, match="v21 installed, but this vllm engine does not compute it"):
+        vllm_engine.check_install(snapshot.manifest.probe, 21)
+    with pytest.raises(EngineBroken):
+        vllm_engine.generate(PROMPTS[:1], 1, SamplingParams(max_new_tokens=2))
