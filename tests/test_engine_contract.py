@@ -119,18 +119,21 @@ def test_the_hub_accepts_a_completion_ending_in_any_declared_eos() -> None:
     assert _check_completion(completion((9, 5, 2)), sampling, stops) == "tokens after EOS"
 
 
-def test_the_gpu_check_says_in_one_line_why_it_cannot_run_here() -> None:
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_vllm_check_says_in_one_line_why_it_cannot_run_here(device: str) -> None:
     import subprocess
     import sys
 
     from node.engine import vllm_unavailable_reason
 
-    if vllm_unavailable_reason() is None:
-        pytest.skip("vLLM can run here: bench/gpu_check.sh runs the check itself")
+    reason = vllm_unavailable_reason(device)
+    if reason is None:
+        pytest.skip(f"vLLM can run on {device} here: .ci/run runs the check itself")
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=root, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "bench/vllm_check.py", "--device", device, "--json"], cwd=root,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip().splitlines() == [f"gpu_check: cannot run here: {vllm_unavailable_reason()}"]
+    assert result.stderr.strip().splitlines() == [f"vllm_check: cannot run on {device}: {reason}"]
 
 
 def test_a_seeded_lease_samples_differently_on_each_node(default_model_dir: Path) -> None:
