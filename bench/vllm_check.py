@@ -155,7 +155,6 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
             except EngineBroken:
                 out["install_check_caught"] = True
         engine.close()
-        del hf, auditor
     return out
 
 
