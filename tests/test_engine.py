@@ -188,3 +188,54 @@ def test_make_engine_backends(default_model_dir):
     assert isinstance(make_engine("auto", default_model_dir), HFEngine)
     with pytest.raises(EngineUnavailable, match="the vllm backend is unavailable"):
         make_engine("vllm", default_model_dir)
+
+
+def test_vllm_memory_and_threads_are_set_in_the_unit_of_the_device(monkeypatch):
+    """On a CPU the KV cache is GiB of host memory and the engine's threads are left to the OS unless cores are
+    named (vLLM's own "auto" binding pins every engine on a machine to the same first core); on CUDA a share of
+    the GPU. A setting of the other device is refused in one line."""
+    from node.engine import VLLMResources, check_vllm_resources
+    from node.vllm_engine import _configure_platform
+
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert _configure_platform("cpu", VLLMResources(threads=3)) == {}
+    assert (os.environ["VLLM_CPU_KVCACHE_SPACE"], os.environ["VLLM_CPU_OMP_THREADS_BIND"], os.environ["OMP_NUM_THREADS"]) \
+        == ("1", "nobind", "3")
+    _configure_platform("cpu", VLLMResources(kv_cache_gib=4, cpu_cores="2-3"))
+    assert (os.environ["VLLM_CPU_KVCACHE_SPACE"], os.environ["VLLM_CPU_OMP_THREADS_BIND"]) == ("4", "2-3")
+    assert _configure_platform("cuda", VLLMResources()) == {"gpu_memory_utilization": 0.85}
+    assert _configure_platform("cuda", VLLMResources(gpu_memory_fraction=0.4)) == {"gpu_memory_utilization": 0.4}
+    with pytest.raises(EngineUnavailable, match="--gpu-memory-fraction sets a share of a GPU's memory.*--kv-cache-gib"):
+        check_vllm_resources("cpu", VLLMResources(gpu_memory_fraction=0.5))
+    for flag, resources in (("--kv-cache-gib", VLLMResources(kv_cache_gib=2)), ("--cpu-cores", VLLMResources(cpu_cores="0"))):
+        with pytest.raises(EngineUnavailable, match=f"{flag} is for vLLM on a CPU"):
+            check_vllm_resources("cuda", resources)
+    check_vllm_resources("cpu", VLLMResources(kv_cache_gib=2, cpu_cores="0-1"))
+    check_vllm_resources("cuda", VLLMResources(gpu_memory_fraction=0.5))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--cpu-cores", "0-1;rm"], "cpu_cores"),
+    (["--kv-cache-gib", "0"], "kv_cache_gib"),
+    (["--gpu-memory-fraction", "1.5"], "gpu_memory_fraction"),
+])
+def test_vllm_flags_out_of_bounds_are_one_line(tmp_path, capsys, flags, message):
+    from node.cli import main
+
+    hub = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWQMibLEAhHEXGXzsNXUzih2693chjq9xjpCFATrsuGtxH"
+    assert main(["join", "--hub", hub, "--data-dir", str(tmp_path / "node"), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "node").exists()
+
+
+@pytest.mark.skipif(vllm_unavailable_reason() is None, reason="vLLM can run here")
+def test_a_vllm_node_without_vllm_is_one_line_and_writes_no_key(tmp_path, capsys):
+    from node.cli import main
+
+    hub = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWQMibLEAhHEXGXzsNXUzih2693chjq9xjpCFATrsuGtxH"
+    assert main(["join", "--hub", hub, "--data-dir", str(tmp_path / "node"), "--backend", "vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"echo-node: the vllm backend is unavailable: {vllm_unavailable_reason()}"]
+    assert not (tmp_path / "node" / "node.key").exists()
