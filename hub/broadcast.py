@@ -20,7 +20,7 @@ from libp2p.abc import IHost, INetStream
 
 from hub.chains import join_chains, link_kind, num_chains, relink_after_leave, separate_nated
 from hub.fleet import Fleet, NodeRecord
-from hub.reachability import PROBES_AT_ONCE, dial_back
+from hub.reachability import PROBE_VERDICT_S, PROBES_AT_ONCE, DialBackQueue, dial_back, probe_targets
 from hub.snapshots import SnapshotShelf
 from shared.crypto import public_key_from_peer_id
 from shared.messages import (
@@ -39,6 +39,8 @@ log = logging.getLogger("echo2.hub.broadcast")
 
 
 
+# How often waiting dial-backs are looked at again when nothing woke the dispatcher.
+PROBE_DISPATCH_S = 0.5
 # Broadcasts timed at once; an older one still unfinished when a newer one would exceed this is dropped
 # untimed (its receivers are far behind; the newer ones will be timed).
 PENDING_BROADCASTS = 8
@@ -124,13 +126,6 @@ class HubUplink:
         return self.uplink
 
 
-def dialable(addrs: tuple[str, ...], observed_ip: str | None) -> tuple[str, ...]:
-    """A node listening on 0.0.0.0 reports that address; peers must dial the IP the hub saw instead."""
-    if observed_ip is None:
-        return addrs
-    return tuple(a.replace("/ip4/0.0.0.0/", f"/ip4/{observed_ip}/") for a in addrs)
-
-
 class Broadcaster:
     def __init__(
         self,
@@ -162,8 +157,9 @@ class Broadcaster:
         self.pending: list[Broadcast] = []
         self.last_done: Broadcast | None = None
         self._nursery: trio.Nursery | None = None
-        self._probing: set[str] = set()
-        self._probe_slots = trio.CapacityLimiter(PROBES_AT_ONCE)
+        self._probing: set[str] = set()  # dial-backs running now
+        self._probe_queue = DialBackQueue()
+        self._probe_wake = trio.Event()
 
     # -- chain membership ---------------------------------------------------------------
 
@@ -191,14 +187,15 @@ class Broadcaster:
         for peer in set(self._progress) - set(members):
             self._progress.pop(peer, None)
             self._demoted_for.pop(peer, None)
+        self._probe_queue.retain(members)
         reach = {p: n.reachability for p, n in members.items()}
         # Hole punches are tried first; a chain where one failed gets dialable nodes between its NATed ones.
         chains = [separate_nated(chain, reach) if any(members[p].punch_failed_with for p in chain if p in members)
                   else chain for chain in chains]
         for peer, record in members.items():
-            if record.reachability == "unknown" and peer not in self._probing and self._nursery is not None:
-                self._probing.add(peer)
-                self._spawn(self._probe, record)
+            if record.reachability == "unknown" and peer not in self._probing and peer not in self._probe_queue:
+                self._probe_queue.offer(peer, record.remote_ip, record.audits_passed)
+                self._probe_wake.set()
         if chains != self.chains:
             self.chains = chains
             log.info("chains: %s", [[p[-6:] for p in c] for c in chains])
@@ -217,8 +214,9 @@ class Broadcaster:
 
     @staticmethod
     def _dial_addrs(record: NodeRecord) -> tuple[str, ...]:
-        """Where peers dial a node: the address its dial-back answered at, once it did."""
-        return (record.answered_addr,) if record.answered_addr else dialable(record.listen_addrs, record.remote_ip)
+        """Where peers dial a node: the address its dial-back answered at, and none before one did (a listen
+        address it merely declares could be anyone's: volunteers would dial it from inside their LANs)."""
+        return (record.answered_addr,) if record.answered_addr else ()
 
     def link_kinds(self) -> dict[str, str]:
         """How every chain member gets its snapshots, in one pass over the chains (for the status board)."""
@@ -339,18 +337,42 @@ class Broadcaster:
                     self._spawn(self.event, "relay_stalled", up,
                                 f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
 
-    async def _probe(self, record: NodeRecord) -> None:
+    async def _dispatch_probes(self) -> None:
+        """Start dial-backs as DialBackQueue allows, at most PROBES_AT_ONCE at a time."""
+        while True:
+            now = trio.current_time()
+            while len(self._probing) < PROBES_AT_ONCE and (taken := self._probe_queue.take(now)) is not None:
+                peer, key = taken
+                record = self.fleet.get(peer)
+                if record is None or record.reachability != "unknown":
+                    self._probe_queue.done(key)
+                    continue
+                self._probing.add(peer)
+                self._spawn(self._probe, record, key)
+            self._probe_queue.prune(now)
+            self._probe_wake = trio.Event()
+            with trio.move_on_after(PROBE_DISPATCH_S):  # a rested address or a freed slot: look again
+                await self._probe_wake.wait()
+
+    async def _probe(self, record: NodeRecord, key: str) -> None:
         """Dial the node back (hub/reachability.py), then plan its links by the answer."""
         probed = (record.listen_addrs, record.remote_ip)
-        addrs = dialable(*probed)
+        addrs = probe_targets(record.peer_id, *probed)
+        started = trio.current_time()
         try:
-            async with self._probe_slots:
+            with trio.move_on_after(PROBE_VERDICT_S):
+                answered = None
                 answered = await dial_back(record.peer_id, addrs)
         except Exception as exc:  # noqa: BLE001 - our throwaway host failing is no reason to stop the hub
             log.warning("dial-back of %s failed: %r", record.peer_id[-8:], exc)
             answered = None
         finally:
             self._probing.discard(record.peer_id)
+            self._probe_queue.done(key)
+            self._probe_wake.set()
+        if answered is None:
+            # A refused port and a silent one get their verdict at the same moment: no port-scan oracle.
+            await trio.sleep_until(started + PROBE_VERDICT_S)
         if (record.listen_addrs, record.remote_ip) != probed:
             self.replan()  # it rejoined from elsewhere meanwhile: that address gets its own probe
             return
@@ -442,6 +464,7 @@ class Broadcaster:
         """Start with `await nursery.start(broadcaster.run)`: publish() needs the nursery this opens."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._dispatch_probes)
             task_status.started()
             try:
                 await trio.sleep_forever()

@@ -128,19 +128,20 @@ def join_chains(chains: Sequence[Sequence[str]], newcomer: str, max_chains: int)
 
 # -- reachability: who can dial whom -----------------------------------------------------------------
 
-Reachability = str  # "public" (dialable), "nated" (dials out only), "unknown" (not probed yet: assumed public)
+Reachability = str  # "public" (dialable), "nated" (dials out only), "unknown" (not probed yet: dialed by nobody)
 LinkKind = str  # "hub": from the hub; "direct": dials its upstream; "pushed": its upstream dials it; "holepunch": both dial
 
 
 def link_kind(upstream: Reachability | None, downstream: Reachability) -> LinkKind:
     """How a node gets its upstream's chunks: it dials a dialable upstream; a NATed upstream dials it when it
     is dialable itself; between two NATed nodes both dial at once, coordinated over the hub's relay (a hole
-    punch, node/nat.py). `upstream` None: the node heads its chain."""
-    if upstream is None:
+    punch, node/nat.py). `upstream` None: the node heads its chain. A node not probed yet is dialed by nobody:
+    only an address the hub's dial-back confirmed is handed to peers, so its successor pulls from the hub."""
+    if upstream is None or upstream == "unknown" or (upstream == "nated" and downstream == "unknown"):
         return "hub"
-    if upstream != "nated":
+    if upstream == "public":
         return "direct"
-    return "pushed" if downstream != "nated" else "holepunch"
+    return "pushed" if downstream == "public" else "holepunch"
 
 
 def separate_nated(chain: Sequence[str], reach: dict[str, Reachability]) -> list[str]:

@@ -1,10 +1,18 @@
 """Which nodes peers can dial: the hub dials each joining node back, on a connection of its own.
 
-A node's listen addresses (0.0.0.0 replaced by the address the hub saw it come from, or the address
-it declares with `--public-addr`) are dialed from a throwaway libp2p host with a key of its own: the
-connection the node opened to the hub cannot answer for it, and the Noise handshake proves the
-peer that answers is the node. Answered within PROBE_TIMEOUT_S: "public"; not: "nated" (behind a
-NAT or a firewall: it dials out, nobody dials in). Not yet probed: "unknown".
+The hub dials the IP it saw the node come from, on the TCP ports the node declares (its listen
+addresses, or `--public-addr`), never a host the node names: a joiner cannot make the hub, or any
+volunteer, dial a third host, and no name is resolved. The dial comes from a throwaway libp2p host
+with a key of its own: the connection the node opened to the hub cannot answer for it, and the Noise
+handshake proves the peer that answers is the node. Answered within PROBE_TIMEOUT_S: "public"; not:
+"nated" (behind a NAT or a firewall: it dials out, nobody dials in). Not yet probed: "unknown", and
+peers are told no address of it until a probe confirms one (they pull from the hub meanwhile).
+
+Probes are scheduled by `DialBackQueue`: audited identities first, one probe at a time per address
+(the peer guard's address key: an IPv4 address or an IPv6 /64) from a bucket that refills slowly,
+each identity at most once per PROBE_INTERVAL_S, so throwaway identities on a few addresses cannot
+starve honest nodes' probes. A probe that is not answered gets its verdict PROBE_VERDICT_S after it
+started, refused or silent alike, so its timing says nothing about the port.
 
 py-libp2p's AutoNAT is not used: its server answers through any existing connection to the asker,
 so it reports every node dialable.
@@ -17,19 +25,29 @@ through, never a snapshot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
 
 import trio
 
 from shared.crypto import Identity
-from shared.net import admit_only, build_host, connect
+from shared.net import address_key, admit_only, build_host, connect
 
 log = logging.getLogger("echo2.hub.reachability")
 
 PROBE_TIMEOUT_S = 5.0
 PROBES_AT_ONCE = 8
-# A node's listen addresses tried, at most: each unanswered one holds a probe slot PROBE_TIMEOUT_S.
+# A node's declared ports tried, at most: each unanswered one holds a probe slot PROBE_TIMEOUT_S.
 PROBED_ADDRS = 2
+# When a probe that was not answered gets its verdict, from its start: after the longest a probe can take.
+PROBE_VERDICT_S = PROBED_ADDRS * PROBE_TIMEOUT_S + 1.0
+# An identity is dialed back at most once in this long, whatever it rejoins with.
+PROBE_INTERVAL_S = 30.0
+# Probes per address key: a burst, then one per PROBE_REFILL_S.
+PROBE_BURST = 16
+PROBE_REFILL_S = 2.0
+_LISTEN_RE = re.compile(r"/(?:ip4|ip6|dns|dns4|dns6)/[^/]+/tcp/([0-9]{1,5})(?:/p2p/(\w+))?")
 # The hub's circuit relay v2 carries hole-punch signalling (DCUtR) between NATed nodes, never snapshot
 # bytes: a circuit ends after this much data or time.
 RELAY_DATA_BYTES = 256 * 1024
@@ -76,3 +94,80 @@ async def dial_back(peer_id: str, addrs: tuple[str, ...]) -> str | None:
             except Exception as exc:  # noqa: BLE001 - refused, dropped, timed out, wrong key: all "not dialable"
                 log.debug("dial-back of %s at %s failed: %r", peer_id[-8:], target, exc)
     return None
+
+
+def probe_targets(peer_id: str, listen_addrs: tuple[str, ...], observed_ip: str | None) -> tuple[str, ...]:
+    """Where the hub dials `peer_id` back: the IP it saw the node come from, on each TCP port the node declares
+    (at most PROBED_ADDRS), never a host or name the node gives; none without an observed IP. An address
+    naming another peer is skipped: it proves nothing about this one."""
+    if observed_ip is None:
+        return ()
+    family = "ip6" if ":" in observed_ip else "ip4"
+    ports: list[int] = []
+    for addr in listen_addrs:
+        match = _LISTEN_RE.fullmatch(addr)
+        if match is None or (match.group(2) is not None and match.group(2) != peer_id):
+            continue
+        port = int(match.group(1))
+        if 0 < port < 65536 and port not in ports:
+            ports.append(port)
+    return tuple(f"/{family}/{observed_ip}/tcp/{port}/p2p/{peer_id}" for port in ports[:PROBED_ADDRS])
+
+
+@dataclass
+class DialBackQueue:
+    """Whose dial-back starts next (see the module docstring): a pure scheduler, the caller runs the probes.
+
+    Per address key: one probe at a time, and a bucket of PROBE_BURST probes refilled at one per
+    PROBE_REFILL_S (a machine running a few honest nodes is probed at once; throwaway identities on one
+    address wait their turn). Per identity: one probe per PROBE_INTERVAL_S, whatever it rejoins with.
+    """
+
+    interval_s: float = PROBE_INTERVAL_S
+    burst: int = PROBE_BURST
+    refill_s: float = PROBE_REFILL_S
+    # peer -> (priority: higher first, order of arrival, address key)
+    _waiting: dict[str, tuple[int, int, str]] = field(default_factory=dict)
+    _busy: set[str] = field(default_factory=set)
+    _tokens: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (tokens, as of)
+    _probed: dict[str, float] = field(default_factory=dict)  # peer -> when its last probe started
+    _arrivals: int = 0
+
+    def offer(self, peer: str, ip: str | None, priority: int) -> None:
+        """Queue `peer` (seen at `ip`; priority: audits it passed). Offered again, it keeps its place."""
+        if peer not in self._waiting:
+            self._arrivals += 1
+            self._waiting[peer] = (priority, self._arrivals, address_key(ip) or f"peer:{peer}")
+
+    def retain(self, peers: Container[str]) -> None:
+        """Forget waiting probes of nodes no longer in the fleet."""
+        self._waiting = {p: v for p, v in self._waiting.items() if p in peers}
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self._waiting
+
+    def _tokens_at(self, key: str, now: float) -> float:
+        tokens, at = self._tokens.get(key, (float(self.burst), now))
+        return min(float(self.burst), tokens + (now - at) / self.refill_s)
+
+    def take(self, now: float) -> tuple[str, str] | None:
+        """The next (peer, address key) to probe, or None while no waiting one may start now."""
+        ready = [(-prio, seq, peer, key) for peer, (prio, seq, key) in self._waiting.items()
+                 if key not in self._busy and self._tokens_at(key, now) >= 1.0
+                 and now - self._probed.get(peer, -self.interval_s) >= self.interval_s]
+        if not ready:
+            return None
+        _, _, peer, key = min(ready)
+        del self._waiting[peer]
+        self._busy.add(key)
+        self._tokens[key] = (self._tokens_at(key, now) - 1.0, now)
+        self._probed[peer] = now
+        return peer, key
+
+    def done(self, key: str) -> None:
+        self._busy.discard(key)
+
+    def prune(self, now: float) -> None:
+        """Forget full buckets and identities rested past the interval: the tables stay as small as recent probes."""
+        self._tokens = {k: v for k, v in self._tokens.items() if k in self._busy or self._tokens_at(k, now) < self.burst}
+        self._probed = {p: at for p, at in self._probed.items() if now - at < self.interval_s}

@@ -35,12 +35,16 @@ from tests.peers import HubPeer, NodePeer, hub_peer, node_peer, random_snapshot,
 KIB = 1024
 
 
-def join(fleet: Fleet, node: NodePeer) -> NodeRecord:
+def join(fleet: Fleet, node: NodePeer, probed: bool = True) -> NodeRecord:
+    """`node` joined; `probed`: and the hub's dial-back answered at its address (peers are told only such a one)."""
     request = JoinRequest(
         price_per_hour=0.5, hardware="test", link_bps=1e9, backend="hf", dtype="float32", model_config_hash="0" * 64,
         listen_addrs=(node.addr,),
     )
-    return fleet.join(node.peer_id, request, "127.0.0.1", time.time())
+    record = fleet.join(node.peer_id, request, "127.0.0.1", time.time())
+    if probed:
+        record.reachability, record.answered_addr = "public", node.addr
+    return record
 
 
 class Hub:

@@ -101,9 +101,11 @@ def test_link_kind_says_who_dials_whom():
     from hub.chains import link_kind
 
     assert link_kind(None, "nated") == "hub"  # a chain head pulls from the hub
-    assert link_kind("public", "nated") == "direct" and link_kind("unknown", "public") == "direct"
+    assert link_kind("public", "nated") == "direct" and link_kind("public", "unknown") == "direct"
+    # Nobody is told an address the hub's dial-back has not confirmed: a node not probed yet is dialed by nobody.
+    assert link_kind("unknown", "public") == "hub" and link_kind("unknown", "nated") == "hub"
+    assert link_kind("nated", "unknown") == "hub"
     assert link_kind("nated", "public") == "pushed"  # the NATed upstream dials its dialable successor
-    assert link_kind("nated", "unknown") == "pushed"
     assert link_kind("nated", "nated") == "holepunch"  # neither can dial alone: both dial at once (node/nat.py)
 
 
