@@ -218,6 +218,11 @@ class Broadcaster:
         address it merely declares could be anyone's: volunteers would dial it from inside their LANs)."""
         return (record.answered_addr,) if record.answered_addr else ()
 
+    def planned_punch(self, initiator: str, target: str) -> bool:
+        """Whether `initiator` is to hole-punch to `target`, its NATed upstream (the hub's relay carries only that)."""
+        links = self.links(initiator)
+        return links.kind == "holepunch" and links.upstream == target
+
     def link_kinds(self) -> dict[str, str]:
         """How every chain member gets its snapshots, in one pass over the chains (for the status board)."""
         return {peer: self._kind(chain[i - 1] if i else None, peer)

@@ -19,20 +19,23 @@ so it reports every node dialable.
 
 The hub also runs a circuit relay v2 service (`relay_service`): NATed nodes reserve on it so that a
 NATed successor can reach them to coordinate a hole punch (node/nat.py). Its limits let signalling
-through, never a snapshot.
+through, never a snapshot. `RelayGate` stands in front of it: fleet members only, one message per
+stream; a reservation only for the stream's own peer (py-libp2p takes it from the message), at most
+RELAY_RESERVATIONS_PER_ADDRESS per address, for RELAY_RESERVATION_TTL_S, dropped when its node leaves;
+a circuit only between two nodes the broadcaster planned to hole-punch.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Container
+from collections.abc import Awaitable, Callable, Container
 from dataclasses import dataclass, field
 
 import trio
 
 from shared.crypto import Identity
-from shared.net import address_key, admit_only, build_host, connect
+from shared.net import address_key, admit_only, build_host, connect, remote_peer_id
 
 log = logging.getLogger("echo2.hub.reachability")
 
@@ -54,7 +57,10 @@ RELAY_DATA_BYTES = 256 * 1024
 RELAY_DURATION_S = 120
 RELAY_RESERVATIONS = 4096
 RELAY_CIRCUITS_PER_PEER = 4
-RELAY_RESERVATION_TTL_S = 3600
+# Nodes renew every node.nat.RESERVE_EVERY_S (120 s): a reservation lives a little longer than that.
+RELAY_RESERVATION_TTL_S = 300
+RELAY_RESERVATIONS_PER_ADDRESS = 8
+RELAY_READ_TIMEOUT_S = 10.0
 
 
 def relay_service(host):
@@ -67,12 +73,108 @@ def relay_service(host):
     return CircuitV2Protocol(host, limits=limits, allow_hop=True)
 
 
-async def guard_relay(host, relay, member: Callable[[str], bool]) -> None:
-    """Only fleet members may reserve on or relay through the hub: strangers and banned peers are reset."""
+class RelayGate:
+    """Who may use the hub's relay, for what (see the module docstring). Decisions are pure; `handle` applies
+    them to a hop stream and hands what passes to py-libp2p's own reserve and connect handlers."""
+
+    def __init__(
+        self,
+        relay,
+        member: Callable[[str], bool],
+        address_of: Callable[[str], str | None],
+        planned_punch: Callable[[str, str], bool],
+        refused: Callable[[str, str], Awaitable[None]],
+    ) -> None:
+        self.relay = relay
+        self.member = member
+        self.address_of = address_of  # a member's address key (shared.net.address_key of where it connects from)
+        self.planned_punch = planned_punch  # (initiator, target): the broadcaster planned a hole punch between them
+        self.refused = refused  # counted against the peer, with why
+
+    def reserved(self) -> dict[str, str | None]:
+        """peer -> address key of every reservation py-libp2p holds."""
+        # py-libp2p 0.8.1 (pinned, shared/net.py) keeps them in a dict keyed by ID, with no way to list or drop one.
+        return {peer.to_base58(): self.address_of(peer.to_base58()) for peer in self.relay.resource_manager._reservations}
+
+    def reserve_refusal(self, peer: str, named: str | None) -> str | None:
+        """Why `peer` may not reserve for `named` (None: itself), counted against it; None when it may."""
+        return "a relay reservation for another peer" if named is not None and named != peer else None
+
+    def address_full(self, peer: str) -> bool:
+        """Its address holds RELAY_RESERVATIONS_PER_ADDRESS others' already (a limit, not the peer's fault)."""
+        key = self.address_of(peer)
+        return key is not None and sum(k == key and p != peer for p, k in self.reserved().items()) \
+            >= RELAY_RESERVATIONS_PER_ADDRESS
+
+    def connect_refusal(self, source: str, target: str) -> str | None:
+        if self.planned_punch(source, target) or self.planned_punch(target, source):
+            return None
+        return "a relay circuit to a node it was not planned to hole-punch with"
+
+    def sweep(self) -> int:
+        """Drop the reservations of peers no longer in the fleet; how many went."""
+        from libp2p.peer.id import ID
+
+        gone = [p for p in self.reserved() if not self.member(p)]
+        for peer in gone:
+            self.relay.resource_manager._reservations.pop(ID.from_base58(peer), None)
+        return len(gone)
+
+    async def handle(self, stream) -> None:
+        from libp2p.peer.id import ID
+        from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+        from libp2p.relay.circuit_v2.protocol import StatusCode, _is_relayed_stream
+        from libp2p.relay.circuit_v2.utils import read_delimited_msg
+
+        peer = remote_peer_id(stream)
+        if _is_relayed_stream(stream):  # the spec's rule: no relaying over a relayed connection
+            await stream.reset()
+            return
+        with trio.fail_after(RELAY_READ_TIMEOUT_S):
+            msg = await read_delimited_msg(stream, HopMessage)
+        if msg.type == HopMessage.RESERVE:
+            named = ID(msg.peer.id).to_base58() if msg.HasField("peer") and msg.peer.id else None
+            reason = self.reserve_refusal(peer, named)
+            if reason is None and self.address_full(peer):
+                log.info("relay reservation of %s refused: its address holds %d already", peer[-8:],
+                         RELAY_RESERVATIONS_PER_ADDRESS)
+                await self._answer(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, "this address holds its relay reservations")
+                return
+            if reason is None:
+                msg.ClearField("peer")  # py-libp2p then reserves for the stream's own peer
+                await self.relay._handle_reserve(stream, msg)
+        elif msg.type == HopMessage.CONNECT:
+            target = ID(msg.peer.id).to_base58() if msg.HasField("peer") and msg.peer.id else None
+            reason = "a relay circuit to nobody" if target is None else self.connect_refusal(peer, target)
+            if reason is None:
+                await self.relay._handle_connect(stream, msg)
+                return
+        else:
+            reason = f"relay message type {msg.type}"
+        if reason is not None:
+            log.info("refused relay use by %s: %s", peer[-8:], reason)
+            await self._answer(stream, StatusCode.PERMISSION_DENIED, reason)
+            await self.refused(peer, reason)
+            return
+        await stream.close()
+
+    async def _answer(self, stream, status, reason: str) -> None:
+        with trio.move_on_after(RELAY_READ_TIMEOUT_S):  # a peer that does not read its answer is not waited for
+            await self.relay._send_status(stream, status, reason)
+        await stream.close()  # not a reset: that would discard the answer
+
+
+async def guard_relay(host, relay, gate: RelayGate, sweep_period_s: float = 5.0) -> None:
+    """Only fleet members may reserve on or relay through the hub, and only as RelayGate says: strangers and banned
+    peers are reset unread. Sweeps the reservations of nodes that left."""
     from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
 
     await relay.event_started.wait()
-    admit_only(host, PROTOCOL_ID, relay._handle_hop_stream, member, log)
+    admit_only(host, PROTOCOL_ID, gate.handle, gate.member, log)
+    while True:
+        await trio.sleep(sweep_period_s)
+        if dropped := gate.sweep():
+            log.info("dropped %d relay reservations of nodes that left", dropped)
 
 
 async def dial_back(peer_id: str, addrs: tuple[str, ...]) -> str | None:

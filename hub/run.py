@@ -36,8 +36,8 @@ from hub.tasks import hub_tasks
 from hub.trackers import open_trackers
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE, SNAPSHOTS_DIR
-from shared.messages import EvalPoint
-from shared.net import running_host
+from shared.messages import EvalPoint, RejectCode
+from shared.net import address_key, running_host
 from shared.signals import Stopper
 
 log = logging.getLogger("echo2.hub")
@@ -138,6 +138,10 @@ class Hub:
         self.addrs: list[str] = []
         self.stopper = Stopper()
 
+    def _address_key(self, peer: str) -> str | None:
+        record = self.state.fleet.get(peer)
+        return address_key(record.remote_ip) if record is not None else None
+
     def _join_ranks(self) -> tuple[Collective, str, RankWatch | None] | None:
         """A learner sharded over several processes: spawn the other ranks (--learner-procs) unless torchrun
         launched them, and join their process group as rank 0. None: one learner process."""
@@ -222,12 +226,14 @@ class Hub:
             self._announce()
             from libp2p.tools.anyio_service import background_trio_service
 
-            from hub.reachability import guard_relay, relay_service
+            from hub.reachability import RelayGate, guard_relay, relay_service
 
             # The relay NATed nodes reserve on, for hole-punch signalling between them (node/nat.py).
             relay = relay_service(host)
+            gate = RelayGate(relay, state.fleet.is_member, self._address_key, self.broadcaster.planned_punch,
+                             lambda peer, reason: state.record_refusal(peer, RejectCode.BAD_REQUEST))
             async with background_trio_service(relay), trio.open_nursery() as nursery:
-                nursery.start_soon(guard_relay, host, relay, state.fleet.is_member)
+                nursery.start_soon(guard_relay, host, relay, gate)
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
                 await nursery.start(self.broadcaster.run)  # before anything can publish
                 if bulk is not None:

@@ -374,7 +374,8 @@ def admit_only(host: IHost, protocol: str, handler: StreamHandler, allowed: Call
             return
         await handler(stream)
 
-    host.set_stream_handler(TProtocol(protocol), guarded)
+    # A peer's malformed message may raise anywhere in the service's handler: contained like any handler's.
+    host.set_stream_handler(TProtocol(protocol), safe_handler(guarded, log))
 
 
 async def open_stream(host: IHost, peer_id: str, protocol: str) -> INetStream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
@@ -73,35 +74,137 @@ async def test_two_nated_nodes_hole_punch_and_after_a_failed_punch_a_dialable_no
         assert [links(n.peer_id).kind for n in (a, c, b)] == ["hub", "pushed", "direct"]
 
 
-@pytest.mark.trio
-async def test_only_fleet_members_may_use_the_hubs_relay():
-    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+@asynccontextmanager
+async def gated_relay(members: dict[str, str], planned: set[tuple[str, str]]):
+    """The hub's relay behind its RelayGate on a real host: `members` peer -> address key; `planned`: the
+    (initiator, target) hole punches the broadcaster planned. Yields (hub host, its address, gate, refusals)."""
     from libp2p.tools.anyio_service import background_trio_service
 
-    from hub.reachability import guard_relay, relay_service
-    from shared.net import open_stream
+    from hub.reachability import RelayGate, guard_relay, relay_service
 
-    hub, member, stranger = Identity.generate(), Identity.generate(), Identity.generate()
-    async with running_host(hub, [LOOPBACK]) as (hub_host, hub_addrs), \
-            running_host(member, [LOOPBACK]) as (member_host, _), running_host(stranger, [LOOPBACK]) as (stranger_host, _):
-        relay = relay_service(hub_host)
+    refusals: list[tuple[str, str]] = []
+
+    async def refused(peer: str, reason: str) -> None:
+        refusals.append((peer, reason))
+
+    hub = Identity.generate()
+    async with running_host(hub, [LOOPBACK]) as (host, addrs):
+        relay = relay_service(host)
+        gate = RelayGate(relay, members.__contains__, members.get, lambda a, b: (a, b) in planned, refused)
         async with background_trio_service(relay), trio.open_nursery() as nursery:
-            nursery.start_soon(guard_relay, hub_host, relay, lambda peer: peer == member.peer_id)
+            nursery.start_soon(guard_relay, host, relay, gate, 0.2)
             await relay.event_started.wait()
             await trio.sleep(0.1)
-            for host in (member_host, stranger_host):
-                await connect(host, hub_addrs[0])
-            stream = await open_stream(stranger_host, hub.peer_id, PROTOCOL_ID)
-            with trio.fail_after(5), pytest.raises(Exception):  # reset unread: nothing ever comes back
-                await stream.write(b"\x08\x00")
-                await stream.read(1)
-            from node.nat import NatTraversal
-
-            nat = NatTraversal(member_host, hub_addrs[0], lambda peer: False)
-            async with nat.running():
-                await nat.reserve(nursery)
-                assert nat.reserved_at is not None
+            yield host, addrs[0], gate, refusals
             nursery.cancel_scope.cancel()
+
+
+async def hop(host, hub_addr: str, kind: str, peer: str | None):
+    """One HOP message on a stream of its own; the relay's answer (a HopMessage) or the exception."""
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, PeerId
+    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+    from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+    from shared.net import open_stream
+
+    message = HopMessage(type=getattr(HopMessage, kind))
+    if peer is not None:
+        message.peer.CopyFrom(PeerId(id=ID.from_base58(peer).to_bytes()))
+    stream = None
+    try:
+        stream = await open_stream(host, await connect(host, hub_addr), PROTOCOL_ID)
+        await write_delimited_msg(stream, message)
+        with trio.fail_after(5):
+            return await read_delimited_msg(stream, HopMessage)
+    except Exception as exc:  # noqa: BLE001 - a reset, even while the stream opens, is an answer too
+        return exc
+    finally:
+        if stream is not None:
+            await stream.reset()
+
+
+@pytest.mark.trio
+async def test_only_fleet_members_may_use_the_hubs_relay():
+    member, stranger = Identity.generate(), Identity.generate()
+    async with gated_relay({member.peer_id: "127.0.0.1"}, set()) as (_host, hub_addr, gate, _), \
+            running_host(member, [LOOPBACK]) as (member_host, _), running_host(stranger, [LOOPBACK]) as (stranger_host, _):
+        assert isinstance(await hop(stranger_host, hub_addr, "RESERVE", None), Exception)  # reset unread
+        from node.nat import NatTraversal
+
+        nat = NatTraversal(member_host, hub_addr, lambda peer: False)
+        await connect(member_host, hub_addr)
+        async with nat.running(), trio.open_nursery() as nursery:
+            await nat.reserve(nursery)
+            assert nat.reserved_at is not None and set(gate.reserved()) == {member.peer_id}
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_one_member_cannot_exhaust_the_relays_reservations():
+    """Item 1: one member sent 4,112 RESERVE messages in 18 s, each naming a random peer: all 4,096 slots filled
+    for an hour and an honest member's own reservation was refused. Now a reservation is only ever the stream's
+    own peer's, each refused one counts against the sender, and an address holds at most
+    RELAY_RESERVATIONS_PER_ADDRESS; reservations of nodes that left are dropped."""
+    from libp2p.relay.circuit_v2.pb.circuit_pb2 import Status
+
+    from hub.reachability import RELAY_RESERVATIONS_PER_ADDRESS
+
+    attacker, honest = Identity.generate(), Identity.generate()
+    sybils = [Identity.generate() for _ in range(RELAY_RESERVATIONS_PER_ADDRESS + 1)]
+    members = {attacker.peer_id: "10.0.0.1", honest.peer_id: "10.0.0.2", **{s.peer_id: "10.0.0.3" for s in sybils}}
+    async with gated_relay(members, set()) as (_host, hub_addr, gate, refusals), AsyncExitStack() as stack:
+        host, _ = await stack.enter_async_context(running_host(attacker, [LOOPBACK]))
+        for _ in range(40):
+            answer = await hop(host, hub_addr, "RESERVE", Identity.generate().peer_id)
+            assert answer.status == Status.PERMISSION_DENIED
+        assert gate.reserved() == {} and len(refusals) == 40
+        assert {why for _, why in refusals} == {"a relay reservation for another peer"}
+        # The member's own reservation, named or not, is taken: one slot, whatever it asks.
+        assert (await hop(host, hub_addr, "RESERVE", attacker.peer_id)).status == Status.OK
+        assert (await hop(host, hub_addr, "RESERVE", None)).status == Status.OK
+        answers = []
+        for sybil in sybils:
+            sybil_host, _ = await stack.enter_async_context(running_host(sybil, [LOOPBACK]))
+            answers.append((await hop(sybil_host, hub_addr, "RESERVE", None)).status)
+        # Past the cap a limit, not a fault: not counted against the ninth.
+        assert answers == [Status.OK] * RELAY_RESERVATIONS_PER_ADDRESS + [Status.RESOURCE_LIMIT_EXCEEDED], answers
+        assert len(refusals) == 40
+        honest_host, _ = await stack.enter_async_context(running_host(honest, [LOOPBACK]))
+        assert (await hop(honest_host, hub_addr, "RESERVE", None)).status == Status.OK
+        assert len(gate.reserved()) == RELAY_RESERVATIONS_PER_ADDRESS + 2
+        del members[attacker.peer_id]  # it left the fleet: its slot goes at the next sweep
+        with trio.fail_after(5):
+            while attacker.peer_id in gate.reserved():
+                await trio.sleep(0.05)
+
+
+@pytest.mark.trio
+async def test_only_the_planned_hole_punch_partner_may_open_a_circuit_to_a_nated_node():
+    """Item 2: four identities each held a circuit to a NATed victim, whose real successor was refused for over
+    two minutes; any member could open a circuit to any reserved node. Now the relay carries a circuit only
+    between two nodes the broadcaster planned to hole-punch."""
+    from libp2p.relay.circuit_v2.pb.circuit_pb2 import Status
+
+    from node.nat import NatTraversal
+
+    victim, successor = Identity.generate(), Identity.generate()
+    others = [Identity.generate() for _ in range(4)]
+    members = {p.peer_id: f"10.0.1.{i}" for i, p in enumerate([victim, successor, *others])}
+    async with gated_relay(members, {(successor.peer_id, victim.peer_id)}) as (_host, hub_addr, gate, refusals), \
+            trio.open_nursery() as nursery, AsyncExitStack() as stack:
+        victim_host, _ = await stack.enter_async_context(running_host(victim, [LOOPBACK]))
+        nat = await stack.enter_async_context(NatTraversal(victim_host, hub_addr, lambda p: p == successor.peer_id).running())
+        await connect(victim_host, hub_addr)
+        await nat.reserve(nursery)
+        for other in others:
+            host, _ = await stack.enter_async_context(running_host(other, [LOOPBACK]))
+            answer = await hop(host, hub_addr, "CONNECT", victim.peer_id)
+            assert answer.status == Status.PERMISSION_DENIED
+        assert [why for _, why in refusals] == ["a relay circuit to a node it was not planned to hole-punch with"] * 4
+        successor_host, _ = await stack.enter_async_context(running_host(successor, [LOOPBACK]))
+        assert (await hop(successor_host, hub_addr, "CONNECT", victim.peer_id)).status == Status.OK  # the circuit is up
+        nursery.cancel_scope.cancel()
 
 
 # -- untrusted peers, round three: the dial-back as SSRF, port scanner and probe starver (items 3-5) -------------
