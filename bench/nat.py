@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from tests.harness import query, wait_until  # noqa: E402
-from tests.netns import PUBLIC_NODE_IP, SPARE_PUBLIC_IPS, Topology, unavailable  # noqa: E402
+from tests.netns import PUBLIC_NODE_LISTEN, Topology, unavailable  # noqa: E402
 from tests.test_broadcast import HUB_TOML, node_states, stop_all  # noqa: E402
 
 RUN_TIMEOUT_S = 600.0
@@ -63,11 +63,11 @@ def run(net: Topology, work: Path, nat: bool, args: argparse.Namespace, log) -> 
     rate = str(args.link_mbps)
     hub = net.start_hub(hub_dir, "--config", str(hub_dir / "hub.toml"), "--prompts-per-step", "2", "--group-size", "4",
                         "--kappa", "1", "--staleness", "1", "--max-new-tokens", "4", "--link-mbps", rate, "--hub-mbps", rate)
-    places = {"public": (net.public, f"/ip4/{PUBLIC_NODE_IP}/tcp/0")}
+    places = {"public": (net.public, PUBLIC_NODE_LISTEN)}
     if nat:
         places |= {"home-1": (net.homes[0], "/ip4/0.0.0.0/tcp/0"), "home-2": (net.homes[1], "/ip4/0.0.0.0/tcp/0")}
     else:
-        places |= {f"public-{i}": (net.public, f"/ip4/{ip}/tcp/0") for i, ip in enumerate(SPARE_PUBLIC_IPS, 2)}
+        places |= {f"public-{i}": (net.public, PUBLIC_NODE_LISTEN) for i in (2, 3)}
     dirs = {name: hub_dir.parent / name for name in places}
     nodes = [net.start_node(ns, dirs[name], listen, hub.addr, "--link-mbps", rate, "--declared-link-mbps", rate,
                             "--max-rollouts-per-s", "20") for name, (ns, listen) in places.items()]

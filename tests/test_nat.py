@@ -13,7 +13,7 @@ import pytest
 
 from hub.chains import link_kind
 from tests.harness import Proc, query, wait_until
-from tests.netns import PUBLIC_NODE_IP, Topology, unavailable
+from tests.netns import PUBLIC_NODE_LISTEN, Topology, unavailable
 from tests.test_broadcast import HUB_TOML, node_states, stop_all
 
 REASON = unavailable()
@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"
 
 
 def run_fleet(tmp_path: Path, with_public_node: bool):
-    """A hub and its nodes in the namespaces until every node, probed, holds v3: (names -> peer ids, node
-    states, hub status)."""
+    """A hub and its nodes in the namespaces until every node, once probed, installed two more versions:
+    (names -> peer ids, node states, hub status)."""
     hub_dir = tmp_path / "hub"
     hub_dir.mkdir()
     (hub_dir / "hub.toml").write_text(HUB_TOML)
@@ -32,19 +32,24 @@ def run_fleet(tmp_path: Path, with_public_node: bool):
                             "--group-size", "4", "--kappa", "1", "--staleness", "1", "--max-new-tokens", "4")
         places = {"home-1": (net.homes[0], "/ip4/0.0.0.0/tcp/0"), "home-2": (net.homes[1], "/ip4/0.0.0.0/tcp/0")}
         if with_public_node:
-            places["public"] = (net.public, f"/ip4/{PUBLIC_NODE_IP}/tcp/0")
+            places["public"] = (net.public, PUBLIC_NODE_LISTEN)
         nodes: list[Proc] = []
         try:
             nodes = [net.start_node(ns, tmp_path / name, listen, hub.addr, "--max-rollouts-per-s", "20")
                      for name, (ns, listen) in places.items()]
 
-            def planned() -> dict | None:
+            def probed() -> dict | None:
                 by = node_states(hub)
-                if len(by) < len(places) or any(n.reachability == "unknown" for n in by.values()):
-                    return None
-                return by if all(n.version_held >= 3 for n in by.values()) else None
+                return by if len(by) == len(places) and all(n.reachability != "unknown" for n in by.values()) else None
 
-            states = wait_until(planned, 240, f"{len(places)} probed nodes holding v3")
+            # Until its dial-back's verdict a node pulls from the hub: the planned links carry what comes after.
+            after = max(n.version_held for n in wait_until(probed, 120, f"{len(places)} probed nodes").values()) + 2
+
+            def installed_after() -> dict | None:
+                by = node_states(hub)
+                return by if all(n.version_held >= after for n in by.values()) else None
+
+            states = wait_until(installed_after, 180, f"every node holding v{after}")
             status = hub.status()
         finally:
             stop_all([*nodes, hub])
