@@ -10,6 +10,7 @@ any other exception is our own bug and propagates to `safe_handler`, never count
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -56,14 +57,28 @@ from shared.messages import (
 )
 from shared.net import forget_peer, remote_ip, remote_peer_id, set_handler
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
-from shared.wire import PeerFault, StreamEOF, decode_signed, read_frame, read_message, signed_caps, write_message
+from shared.wire import (
+    LIBP2P_END_OF_STREAM,
+    PeerFault,
+    StreamEOF,
+    decode_signed,
+    read_frame,
+    read_message,
+    signed_caps,
+    write_message,
+)
 
 log = logging.getLogger("echo2.hub.service")
 
 GUARD_PRUNE_PERIOD_S = 1.0
 GUARD_IDLE_S = 300.0
-# The longest a peer that has not joined keeps a connection, busy or not (a dashboard simply redials).
+# The longest a peer that has not joined keeps a connection, busy or not (a dashboard simply redials), counted
+# over its reconnections: a stranger that redials at once is let go at once, until it was away this long.
 NON_MEMBER_LIFETIME_S = 120.0
+STRANGER_MEMORY_S = 600.0
+# After a refusal, how long the peer may take to read it and close its side before the stream is reset.
+REFUSE_LINGER_S = 2.0
+REFUSE_DRAIN_BYTES = 64 * 1024
 
 REFUSE_WRITE_TIMEOUT_S = 2.0
 # A submission answered, its next lease not granted for a reason of the peer's (a ban under way): ask again then.
@@ -156,28 +171,35 @@ class HubService:
         for protocol, handler in handlers.items():
             set_handler(self.host, protocol, self._guarded(protocol, handler), log)
         connected_at: dict[str, float] = {}
+        strangers: dict[str, tuple[float, float]] = {}
         while True:
             await trio.sleep(GUARD_PRUNE_PERIOD_S)
             self.guard.prune(idle_s=GUARD_IDLE_S)
-            await self._close_idle_connections(connected_at)
+            await self._close_idle_connections(connected_at, strangers)
 
-    async def _close_idle_connections(self, connected_at: dict[str, float]) -> None:
+    async def _close_idle_connections(self, connected_at: dict[str, float], strangers: dict[str, tuple[float, float]]) -> None:
         """Disconnect peers that are not joined nodes (strangers, nodes that left or were banned, dashboards)
-        once idle for trust.idle_connection_s: py-libp2p never closes an idle connection, and every one held
-        is a slot an honest node may need."""
+        once idle for trust.idle_connection_s, or connected NON_MEMBER_LIFETIME_S in all over their reconnections
+        (`strangers`: peer -> (first seen connected, last seen connected)): py-libp2p never closes an idle
+        connection, and every one held is a slot an honest node may need."""
         now = time.monotonic()
         peers = {p.to_base58(): p for p in self.host.get_network().get_connections_map()}
         for gone in set(connected_at) - set(peers):
             del connected_at[gone]
+        for name in [p for p, (_, last) in strangers.items() if now - last > STRANGER_MEMORY_S]:
+            del strangers[name]
         for name, peer in peers.items():
             since = connected_at.setdefault(name, now)
             if self.state.is_member(name):
+                strangers.pop(name, None)
                 continue
+            first = strangers[name][0] if name in strangers else since
+            strangers[name] = (first, now)
             active = self.guard.last_active(name)
             idle = now - max(since, active if active is not None else since) > self.guard.config.idle_connection_s
             # Not idle but never joining (a stranger polling the status to keep its slot) goes too, later.
-            if idle or now - since > NON_MEMBER_LIFETIME_S:
-                log.info("closing the idle connection of %s (not a joined node)", name)
+            if idle or now - first > NON_MEMBER_LIFETIME_S:
+                log.info("closing the %s connection of %s (not a joined node)", "idle" if idle else "long-held", name)
                 await forget_peer(self.host, peer)
                 connected_at.pop(name, None)
 
@@ -357,12 +379,22 @@ async def _reply(stream: INetStream, msg) -> None:
 
 
 async def _refuse(stream: INetStream, code: RejectCode, reason: str) -> None:
+    """Answer with a Reject, then end the stream on both sides: the peer has REFUSE_LINGER_S to read it and close
+    its side (what our clients do); whatever else it sends meanwhile is dropped unread, and a stream still open
+    after that is reset, so neither side holds it."""
     try:
         with trio.move_on_after(REFUSE_WRITE_TIMEOUT_S):
             await write_message(stream, Reject(code=code, reason=reason[:1000]))
-            await stream.close()
-    except Exception:  # noqa: BLE001 - the peer may already be gone
-        await stream.reset()
+            await stream.close_write()
+        with trio.move_on_after(REFUSE_LINGER_S):
+            with contextlib.suppress(*LIBP2P_END_OF_STREAM):
+                while await stream.read(REFUSE_DRAIN_BYTES):
+                    pass
+            await stream.close()  # the peer closed its side: the stream ends cleanly
+            return
+    except Exception:  # noqa: BLE001 - the peer may already be gone, or have reset the stream
+        pass
+    await stream.reset()
 
 
 def build_hub_service(

@@ -42,7 +42,7 @@ BINARY_TYPE_MAX = 255
 
 # py-libp2p's ways of saying "this stream ends here": NetStream raises StreamEOF, StreamReset,
 # StreamClosed or a generic StreamError (all StreamError); a raw muxed stream raises these two.
-_P2P_END_OF_STREAM = (_P2PStreamError, MuxedStreamEOF, MuxedStreamReset)
+LIBP2P_END_OF_STREAM = (_P2PStreamError, MuxedStreamEOF, MuxedStreamReset)
 
 
 # Every protocol id carries it; bumped on any change of a message's fields (messages are extra="forbid").
@@ -97,7 +97,7 @@ async def read_exact(stream: ReadableStream, n: int) -> bytes:
     while got < n:
         try:
             piece = await stream.read(n - got)
-        except _P2P_END_OF_STREAM as exc:
+        except LIBP2P_END_OF_STREAM as exc:
             raise StreamEOF(f"stream ended after {got} of {n} bytes ({type(exc).__name__})") from exc
         if not piece:
             raise StreamEOF(f"stream ended after {got} of {n} bytes")

@@ -14,10 +14,11 @@ import pytest
 import trio
 from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify_push.identify_push import ID_PUSH as IDENTIFY_PUSH_PROTOCOL
+from libp2p.peer.id import ID
 
 from hub.chains import num_chains
 from hub.config import HubConfig, LearnerConfig, LeaseConfig
-from hub.service import STRANGER_FRAME_CAP_BYTES
+from hub.service import REFUSE_LINGER_S, STRANGER_FRAME_CAP_BYTES
 from node.client import HubClient
 from shared.crypto import Identity
 from shared.messages import (
@@ -37,7 +38,7 @@ from shared.messages import (
     Submission,
     SubmitReply,
 )
-from shared.net import connect, running_host
+from shared.net import connect, forget_peer, running_host
 from shared.wire import HEADER, encode_frame
 from tests.harness import start_hub
 from tests.inproc import PERMISSIVE_TRUST, InprocHub, inproc_hub
@@ -127,7 +128,9 @@ async def test_strangers_are_refused_before_a_byte_of_their_frames_is_read(tmp_p
         assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_LEASE, reply
         assert time.monotonic() - started < 2.0
         assert reserved == [STRANGER_FRAME_CAP_BYTES]  # what a join takes, not a submission's 32 MiB
-        assert hub.service.guard.buffered_bytes == 0
+        with trio.fail_after(REFUSE_LINGER_S + 1.0):  # released once the refused stream has ended on both sides
+            while hub.service.guard.buffered_bytes:
+                await trio.sleep(0.02)
 
 
 @pytest.mark.trio
@@ -217,6 +220,49 @@ async def test_a_stranger_that_never_answers_identify_does_not_stop_the_hub(tmp_
         await trio.sleep(2 * 1.0)
         reply = await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply)
         assert isinstance(reply, JoinReply)
+
+
+@pytest.mark.trio
+async def test_a_stranger_sending_garbage_and_redialling_is_let_go_on_time_and_its_refused_streams_end(
+        tmp_path, default_model_dir, monkeypatch):
+    """Untrusted peers, round three, item 11: an outside implementation sending garbage on the join protocol kept
+    its connection over 5 minutes, though strangers' connections end after 120 s however busy; and a refused
+    stream was left open unread, so the sender's close waited for the connection to die. Now the lifetime
+    counts over reconnections, and a refused stream is reset once the peer had REFUSE_LINGER_S to read why."""
+    import hub.service
+    from shared.net import open_stream
+
+    monkeypatch.setattr(hub.service, "NON_MEMBER_LIFETIME_S", 3.0)
+    async with inproc_hub(tmp_path / "hub", default_model_dir, CONFIG) as hub_, AsyncExitStack() as stack:
+        host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
+        hub_host, started = hub_.service.host, trio.current_time()
+        # The refused stream: the Reject comes, then the hub ends the stream though we never close our side.
+        stream = await open_stream(host, await connect(host, hub_.addr), JOIN_PROTOCOL)
+        await stream.write(b"\xff" * 64)
+        reply = await stream.read(4096)
+        assert b"bad_request" in reply
+        with trio.fail_after(hub.service.REFUSE_LINGER_S + 2.0), pytest.raises(Exception):  # noqa: B017 - reset
+            while True:
+                await stream.write(b"\xff" * 64)
+                await trio.sleep(0.1)
+        # Busy with garbage and redialling at once: let go by the lifetime counted over every connection, so past it
+        # each new connection lasts one sweep (GUARD_PRUNE_PERIOD_S), not a fresh lifetime.
+        streak, longest = 0.0, 0.0
+        with trio.fail_after(30):
+            while trio.current_time() - started < 14.0:
+                connected = bool(hub_host.get_network().get_connections(host.get_id()))
+                streak = streak + 0.2 if connected else 0.0
+                if trio.current_time() - started > 3.0 + hub.service.GUARD_PRUNE_PERIOD_S + 1.0:
+                    longest = max(longest, streak)
+                try:
+                    if not connected:  # dropped: it notices at once and redials
+                        await forget_peer(host, ID.from_base58(hub_.identity.peer_id))
+                    garbage = await open_stream(host, await connect(host, hub_.addr), JOIN_PROTOCOL)
+                    await garbage.write(b"\xff" * 64)
+                except Exception:  # noqa: BLE001 - dropped mid-way: it redials
+                    pass
+                await trio.sleep(0.2)
+        assert longest <= 2 * hub.service.GUARD_PRUNE_PERIOD_S + 0.5, longest
 
 
 @pytest.mark.slow
