@@ -9,6 +9,12 @@ loop on them (`follow`). A step's rows are split across ranks by token count (`p
 each rank computes its rows, FSDP2 reduce-scatters the gradients, and each rank steps its shard
 of the optimizer state. Backend: NCCL on CUDA, gloo on CPU.
 
+Rendezvous: the ranks of `--learner-procs` (one machine) meet in a FileStore, a file of mode 0600 in the
+data dir, and their gloo (or NCCL) sockets listen on loopback only: torch's TCPStore would listen on
+every interface of the machine (whatever MASTER_ADDR says), where anyone who reaches the port could
+read and overwrite the ranks' addresses. Under torchrun across machines the store is torchrun's: the
+README says what to firewall.
+
 Failure: a rank that dies makes the next collective on rank 0 fail (or the hub's watch sees its
 process gone); the hub then stops with one line naming the rank, and a restart resumes from the
 last checkpoint. The store lives on rank 0 only, so acknowledged groups are never lost.
@@ -19,7 +25,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hub.ranks import RankEnv
+from hub.ranks import RANK_STORE_ENV, RankEnv
 
 log = logging.getLogger("echo2.hub.distributed")
 
@@ -42,6 +47,8 @@ COLLECTIVE_TIMEOUT_S = 86400.0
 JOIN_TIMEOUT_S = 300.0
 RANK_POLL_S = 0.5
 BROKEN_GROUP_WAIT_S = 3.0
+RANK_STORE_FILE = "learner-ranks.store"
+LOOPBACK_IFNAME = "lo"
 
 
 class LearnerRankLost(RuntimeError):
@@ -109,15 +116,28 @@ def init_ranks(env: RankEnv, device: str) -> Collective:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if env.store_file is not None:  # ranks on this machine: a private file, sockets on loopback only
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, LOOPBACK_IFNAME)
+        dist.init_process_group(backend, store=dist.FileStore(env.store_file, env.world), rank=env.rank,
+                                world_size=env.world, timeout=timeout)
+        return Collective(env.rank, env.world)
     # env:// so that under torchrun the ranks use its agent's store (TORCHELASTIC_USE_AGENT_STORE) rather
     # than rank 0 binding the same port again.
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    dist.init_process_group(
-        backend, init_method="env://", rank=env.rank, world_size=env.world,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world, timeout=timeout)
     return Collective(env.rank, env.world)
+
+
+def rank_store(data_dir: Path) -> Path:
+    """A fresh rendezvous file for --learner-procs in `data_dir`, readable and writable by this user only (each
+    start replaces the last one's)."""
+    path = Path(data_dir) / RANK_STORE_FILE
+    path.unlink(missing_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    return path
 
 
 def join_ranks(env: RankEnv, device: str, watch: RankWatch | None) -> Collective:
@@ -148,12 +168,6 @@ def join_ranks(env: RankEnv, device: str, watch: RankWatch | None) -> Collective
         watch.kill()
         raise LearnerRankLost(f"joining the learner ranks failed: {result['error']}")
     return result["collective"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shard(model: torch.nn.Module, bf16: bool) -> None:
@@ -225,12 +239,12 @@ class RankWatch:
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
-    def spawn(self, world: int, port: int, data_dir: Path, argv: Sequence[str]) -> None:
+    def spawn(self, world: int, store_file: Path, data_dir: Path, argv: Sequence[str]) -> None:
         """Ranks 1..world-1 on this machine: `echo-hub start` with the same flags, its rank in the environment."""
         data_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(1, world):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                   RANK_STORE_ENV: str(store_file)}
             path = data_dir / f"learner-rank-{rank}.log"
             with open(path, "wb") as out:  # retention: each start's log replaces the last one's
                 # Their own session: a Ctrl-C reaches the hub alone, which then stops them in order. Killed

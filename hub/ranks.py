@@ -17,8 +17,13 @@ class RankEnv:
     rank: int
     world: int
     local_rank: int
-    master_addr: str
-    master_port: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    # The ranks of --learner-procs meet in this file (mode 0600) instead of a TCP store: hub/distributed.py.
+    store_file: str | None = None
+
+
+RANK_STORE_ENV = "ECHO2_RANK_STORE"
 
 
 def rank_env() -> RankEnv | None:
@@ -29,4 +34,5 @@ def rank_env() -> RankEnv | None:
         rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]),
         local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
         master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(os.environ.get("MASTER_PORT", "29500")),
+        store_file=os.environ.get(RANK_STORE_ENV),
     )

@@ -22,9 +22,9 @@ from hub.distributed import (
     broadcast,
     device_for,
     follow,
-    free_port,
     init_ranks,
     join_ranks,
+    rank_store,
 )
 from hub.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
 from hub.preflight import RUN_IDENTITY_KEYS, Resume, run_identity
@@ -151,11 +151,13 @@ class Hub:
         if world == 1:
             return None
         if env is None:
-            env = RankEnv(rank=0, world=world, local_rank=0, master_addr="127.0.0.1", master_port=free_port())
+            self.config.data_dir.mkdir(parents=True, exist_ok=True)
+            env = RankEnv(rank=0, world=world, local_rank=0, store_file=str(rank_store(self.config.data_dir)))
             self.watch = RankWatch()
-            self.watch.spawn(world, env.master_port, self.config.data_dir, sys.argv[1:])
+            self.watch.spawn(world, Path(env.store_file), self.config.data_dir, sys.argv[1:])
         device = device_for(lc.device, env)
-        print(f"echo-hub: waiting for {world - 1} learner ranks to join at {env.master_addr}:{env.master_port} "
+        where = f"in {env.store_file}" if env.store_file else f"at {env.master_addr}:{env.master_port}"
+        print(f"echo-hub: waiting for {world - 1} learner ranks to join {where} "
               f"(torch.distributed, {'nccl' if device.startswith('cuda') else 'gloo'})", flush=True)
         collective = join_ranks(env, device, self.watch)
         print(f"echo-hub: learner sharded over {world} processes (FSDP2)", flush=True)

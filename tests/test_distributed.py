@@ -17,7 +17,7 @@ import torch
 
 from hub.checkpoint import latest_checkpoint, save_checkpoint
 from hub.config import HubConfig, LearnerConfig
-from hub.distributed import Collective, free_port, init_ranks, partition_rows
+from hub.distributed import Collective, init_ranks, partition_rows, rank_store
 from hub.learner import Learner
 from hub.ranks import RankEnv
 from tests import forked
@@ -49,10 +49,20 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def two_rank_run(rank: int, port: int, model_dir: str, work: str) -> None:
-    """Rank `rank` of 2: resume the one-process checkpoint, take step 2, save a sharded checkpoint."""
+def listening_sockets() -> list[str]:
+    """The addresses this process listens on (TCP)."""
+    import psutil
+
+    return [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+
+
+def two_rank_run(rank: int, store: str, model_dir: str, work: str) -> None:
+    """Rank `rank` of 2: resume the one-process checkpoint, take step 2, save a sharded checkpoint; rank 0 also
+    records what its process listens on once the group is up."""
     torch.set_num_threads(1)
-    collective = init_ranks(RankEnv(rank, 2, rank, "127.0.0.1", port), "cpu")
+    collective = init_ranks(RankEnv(rank, 2, rank, store_file=store), "cpu")
+    if rank == 0:
+        (Path(work) / "listening.txt").write_text("\n".join(listening_sockets()))
     checkpoint = latest_checkpoint(Path(work) / "single")
     learner = Learner(Path(model_dir), CFG, SAMPLING, checkpoint, collective, "cpu")
     learner.train_step(synthetic_groups(seed=2), 2)
@@ -76,7 +86,14 @@ def test_two_ranks_train_like_one_process_and_checkpoints_move_between_world_siz
     expected = weights(single)
 
     # One-process checkpoint resumed on two ranks, which then take the same step 2.
-    mp.spawn(two_rank_run, args=(free_port(), str(default_model_dir), str(tmp_path)), nprocs=2)
+    store = rank_store(tmp_path)
+    assert store.stat().st_mode & 0o777 == 0o600
+    mp.spawn(two_rank_run, args=(str(store), str(default_model_dir), str(tmp_path)), nprocs=2)
+    # Untrusted peers, round three, item 9: torch's TCPStore listened on every interface (its keys, the ranks'
+    # gloo addresses, listed, written and deleted from another interface). The ranks meet in a 0600 file now,
+    # and what they listen on is loopback only.
+    listening = (tmp_path / "listening.txt").read_text().split()
+    assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening
     gathered = torch.load(tmp_path / "two-rank-weights.pt")
     assert "lm_head.weight" not in gathered  # tied to the embedding: one name, as a snapshot carries it
     assert max_diff(gathered, expected) <= TOLERANCE
@@ -91,10 +108,10 @@ def test_two_ranks_train_like_one_process_and_checkpoints_move_between_world_siz
     assert steps == {2}
 
 
-def gpu_rank(rank: int, world: int, port: int, model_dir: str, work: str) -> None:
+def gpu_rank(rank: int, world: int, store: str, model_dir: str, work: str) -> None:
     """One NCCL rank: the learner sharded in bf16 (FSDP2 MixedPrecisionPolicy) takes one step."""
     device = f"cuda:{rank}"
-    collective = init_ranks(RankEnv(rank, world, rank, "127.0.0.1", port), device)
+    collective = init_ranks(RankEnv(rank, world, rank, store_file=store), device)
     cfg = CFG.model_copy(update={"dtype": "bfloat16", "device": "cuda"})
     learner = Learner(Path(model_dir), cfg, SAMPLING, collective=collective, device=device)
     before = learner.state_dict()
@@ -114,7 +131,7 @@ def test_nccl_ranks_train_in_bf16_with_fp32_masters(default_model_dir, tmp_path)
     import torch.multiprocessing as mp
 
     world = min(2, torch.cuda.device_count())
-    mp.spawn(gpu_rank, args=(world, free_port(), str(default_model_dir), str(tmp_path)), nprocs=world)
+    mp.spawn(gpu_rank, args=(world, str(rank_store(tmp_path)), str(default_model_dir), str(tmp_path)), nprocs=world)
     result = torch.load(tmp_path / "gpu.pt")
     assert result["masters"] == {torch.float32}
     assert all(t.dtype == torch.float32 for t in result["after"].values())
