@@ -223,7 +223,7 @@ class Hub:
             )
             state.on_membership.append(self.on_membership)
             bulk = channel_for(config.listen, config.broadcast.bulk_port)
-            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.snapshot, self.broadcaster,
+            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.encoded, self.broadcaster,
                                         bulk)
             self._announce()
             from libp2p.tools.anyio_service import background_trio_service

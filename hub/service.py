@@ -24,7 +24,7 @@ from libp2p.peer.id import ID
 
 from hub.broadcast import Broadcaster, ChainLinks, HubUplink
 from hub.config import HubConfig
-from hub.guard import Admission, PeerGuard
+from hub.guard import Admission, PeerGuard, TokenBuckets
 from hub.snapshots import SnapshotShelf
 from hub.state import HANDLER_TIMEOUT_S, HubBusy, HubState
 from shared.bulk import BulkChannel, serving_stream
@@ -41,7 +41,6 @@ from shared.messages import (
     BadChunkReport,
     Heartbeat,
     HeartbeatReply,
-    HubStatus,
     JoinReply,
     JoinRequest,
     Lease,
@@ -55,7 +54,7 @@ from shared.messages import (
     Submission,
     SubmitReply,
 )
-from shared.net import forget_peer, remote_ip, remote_peer_id, set_handler
+from shared.net import address_key, forget_peer, remote_ip, remote_peer_id, set_handler
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
 from shared.wire import (
     LIBP2P_END_OF_STREAM,
@@ -76,6 +75,9 @@ GUARD_IDLE_S = 300.0
 # over its reconnections: a stranger that redials at once is let go at once, until it was away this long.
 NON_MEMBER_LIFETIME_S = 120.0
 STRANGER_MEMORY_S = 600.0
+# Status requests of peers that have not joined, per address key: a burst, then this many per second.
+STRANGER_STATUS_PER_S = 1.0
+STRANGER_STATUS_BURST = 5
 # After a refusal, how long the peer may take to read it and close its side before the stream is reset.
 REFUSE_LINGER_S = 2.0
 REFUSE_DRAIN_BYTES = 64 * 1024
@@ -136,7 +138,7 @@ class HubService:
         guard: PeerGuard,
         uplink: HubUplink,
         terms: JoinTerms,
-        status: Callable[[int], HubStatus],
+        status: Callable[[bool, int], Awaitable[bytes]],
         chain_links: Callable[[str], ChainLinks],
         on_heartbeat: Callable[[], None],
         on_report: Callable[[INetStream], Awaitable[None]],
@@ -157,6 +159,7 @@ class HubService:
         self.on_report = on_report
         self.punch_failed = punch_failed
         self.operators = frozenset({host.get_id().to_base58(), *guard.config.status_operators})
+        self._stranger_status = TokenBuckets(STRANGER_STATUS_PER_S, STRANGER_STATUS_BURST)
 
     async def run(self) -> None:
         handlers = {
@@ -321,9 +324,16 @@ class HubService:
 
     async def _on_status(self, stream: INetStream) -> None:
         request = await read_message(stream, StatusRequest)
-        status = self.status(request.events)
+        peer = remote_peer_id(stream)
+        operator = peer in self.operators
+        if not operator and not self.state.is_member(peer):
+            wait_s = self._stranger_status.take(address_key(remote_ip(stream)) or peer, time.monotonic())
+            if wait_s > 0:
+                raise HubBusy(f"status requests from this address: retry in {wait_s:.1f}s")
         # What other volunteers are paid is the operator's business: strangers and nodes see it redacted.
-        await _reply(stream, status if remote_peer_id(stream) in self.operators else status.redact())
+        frame = await self.status(operator, request.events)
+        await stream.write(frame)
+        await stream.close()
 
     async def _on_snapshot(self, stream: INetStream) -> None:
         """Serve a snapshot straight from the hub (first fetch, repair, or a chain head's pull)."""
@@ -403,7 +413,7 @@ def build_hub_service(
     config: HubConfig,
     state: HubState,
     shelf: SnapshotShelf,
-    status: Callable[[int], HubStatus],
+    status: Callable[[bool, int], Awaitable[bytes]],
     broadcaster: Broadcaster | None = None,
     bulk: BulkChannel | None = None,
 ) -> HubService:

@@ -22,10 +22,17 @@ from hub.state import HubState
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
 from shared.messages import EvalPoint, EventRecord, HubStatus, NodeStatus, StepPoint
+from shared.wire import encode_message
 
 STATUS_PERIOD_S = 1.0
 HISTORY_POINTS = 300
 EVENTS_KEPT = 200
+# A status request's event count is served from the smallest of these that covers it (one encoding each).
+EVENT_BUCKETS = (0, 20, 50, EVENTS_KEPT)
+# Nodes listed: every live one, and those gone or banned within RECENT_NODES_S, newest first, at most
+# STATUS_NODES_MAX (about 5 MB encoded, under HubStatus.MAX_BYTES); the store keeps the rest.
+RECENT_NODES_S = 3600.0
+STATUS_NODES_MAX = 10_000
 # Settled accepted groups the usable fraction is measured over: recent enough to follow the reward.
 USABLE_WINDOW_GROUPS = 512
 
@@ -72,6 +79,11 @@ class StatusBoard:
         # The same without stale drops: what one step's rollouts shrink by (hub.capacity.Arrival).
         self.fresh_usable_fraction = 1.0
         self.running = True
+        # The status of the last refresh, and its encodings served since: (operator, events) -> frame bytes.
+        self._built: HubStatus | None = None
+        self._built_at = -float("inf")
+        self._encoded: dict[tuple[bool, int], bytes] = {}
+        self._encoding = trio.Lock()
 
     def _read_store(self) -> None:
         steps = self.store.recent_steps(HISTORY_POINTS)
@@ -92,10 +104,20 @@ class StatusBoard:
             for e in self.store.events(EVENTS_KEPT)
         )
 
+    def _listed(self, now: float) -> tuple[list, int]:
+        """The nodes a status lists (see RECENT_NODES_S), and how many it leaves out."""
+        everyone = self.state.fleet.nodes.values()
+        listed = [n for n in everyone if n.state not in ("gone", "banned") or now - n.last_seen <= RECENT_NODES_S]
+        if len(listed) > STATUS_NODES_MAX:
+            listed.sort(key=lambda n: (n.state in ("gone", "banned"), -n.last_seen))
+            listed = listed[:STATUS_NODES_MAX]
+        return listed, len(everyone) - len(listed)
+
     def snapshot(self, events: int = 50) -> HubStatus:
         """The status now (on the trio thread: the state's view is only ever touched there)."""
         now = time.time()
         state = self.state
+        listed, omitted = self._listed(now)
         chains = self.broadcaster.chains if self.broadcaster else []
         chain_of = {p: (i, j) for i, chain in enumerate(chains) for j, p in enumerate(chain)}
         kinds = self.broadcaster.link_kinds() if self.broadcaster else {}
@@ -109,7 +131,7 @@ class StatusBoard:
                 reachability=n.reachability,
                 link=kinds.get(n.peer_id, ""),
             )
-            for n in state.fleet.nodes.values()
+            for n in listed
         )
         last = self.history[-1] if self.history else None
         cost = state.cost_usd(now)
@@ -132,7 +154,7 @@ class StatusBoard:
             mu_pool=capacity.mu_pool, mu_min=capacity.mu_min, mu_target=capacity.mu_target,
             usable_fraction=capacity.usable_fraction,
             cost_usd=cost, cost_per_step_usd=cost / step if step else None, all_on_cost_usd=state.all_on_cost_usd(now),
-            history=self.history, evals=self.evals, events=self.events[:events],
+            history=self.history, evals=self.evals, events=self.events[:events], nodes_omitted=omitted,
         )
 
     def refresh_sync(self) -> HubStatus:
@@ -143,12 +165,40 @@ class StatusBoard:
         return status
 
     async def refresh(self) -> HubStatus:
-        await trio.to_thread.run_sync(self._read_store)
-        status = self.snapshot(EVENTS_KEPT)  # on the trio thread: the fleet is only ever touched there
+        status = await self._build()
         await trio.to_thread.run_sync(atomic_write_text, self.path, status.model_dump_json())
         return status
+
+    async def _build(self) -> HubStatus:
+        await trio.to_thread.run_sync(self._read_store)
+        status = self.snapshot(EVENTS_KEPT)  # on the trio thread: the fleet is only ever touched there
+        self._built, self._built_at, self._encoded = status, time.monotonic(), {}
+        return status
+
+    async def encoded(self, operator: bool, events: int) -> bytes:
+        """The status frame a status request gets: built at most once per STATUS_PERIOD_S whoever asks, and each
+        view encoded once per build, off the event loop (the operator's, or the redacted one everyone else gets)."""
+        async with self._encoding:
+            if self._built is None or time.monotonic() - self._built_at > STATUS_PERIOD_S:
+                await self._build()
+            bucket = next((b for b in EVENT_BUCKETS if b >= events), EVENT_BUCKETS[-1])
+            key = (operator, bucket)
+            if key not in self._encoded:
+                self._encoded[key] = await trio.to_thread.run_sync(_encode_view, self._built, operator, bucket)
+            return self._encoded[key]
 
     async def run(self) -> None:
         while True:
             await self.refresh()
             await trio.sleep(STATUS_PERIOD_S)
+
+
+def _encode_view(status: HubStatus, operator: bool, events: int) -> bytes:
+    """One view of `status` as a frame, always within HubStatus.MAX_BYTES: nodes are dropped, newest kept,
+    until it fits (a list past the cap has already been cut by `_listed`; this is the last line)."""
+    view = status if operator else status.redact()
+    view = view.model_copy(update={"events": view.events[:events]})
+    while len(frame := encode_message(view)) > HubStatus.MAX_BYTES:
+        keep = len(view.nodes) // 2
+        view = view.model_copy(update={"nodes": view.nodes[:keep], "nodes_omitted": view.nodes_omitted + len(view.nodes) - keep})
+    return frame

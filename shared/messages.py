@@ -355,6 +355,7 @@ class HubStatus(Message):
     evals: tuple[EvalPoint, ...] = Field((), description="held-out evaluations, oldest first (recent ones)")
     events: tuple[EventRecord, ...] = ()
     redacted: bool = Field(False, description="nodes' prices, costs and hardware hidden: asked without an operator key")
+    nodes_omitted: int = Field(0, ge=0, description="nodes left out: gone or banned long ago, or past the list's cap")
 
     def broadcast_bytes_text(self) -> str:
         """What one broadcast ships: "snapshot 4.2 MB, delta 0.31 MB (7.4%)"."""
@@ -366,9 +367,11 @@ class HubStatus(Message):
         return text + f", delta {self.delta_bytes / 1e6:.3g} MB ({self.delta_bytes / self.snapshot_bytes:.1%})"
 
     def redact(self) -> HubStatus:
-        """The status a peer without an operator key sees: no node's price, cost or hardware."""
+        """The status a peer without an operator key sees: no node's price, cost or hardware, and events without
+        their details (which name prices and addresses)."""
         nodes = tuple(n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": ""}) for n in self.nodes)
-        return self.model_copy(update={"nodes": nodes, "redacted": True})
+        events = tuple(e.model_copy(update={"detail": ""}) for e in self.events)
+        return self.model_copy(update={"nodes": nodes, "events": events, "redacted": True})
 
 
 class SnapshotRequest(Message):
