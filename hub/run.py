@@ -36,6 +36,7 @@ from hub.tasks import hub_tasks
 from hub.trackers import open_trackers
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE, SNAPSHOTS_DIR
+from shared.logs import setup_logging
 from shared.messages import EvalPoint, RejectCode
 from shared.net import address_key, running_host
 from shared.signals import Stopper
@@ -43,17 +44,6 @@ from shared.signals import Stopper
 log = logging.getLogger("echo2.hub")
 
 MBIT_BYTES = 1e6 / 8
-
-
-def _setup_logging(config: HubConfig) -> None:
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(config.data_dir / HUB_LOG_FILE)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(config.log_level.upper())
-    # py-libp2p logs ordinary peer churn (a node leaving) at ERROR; it belongs in the file, not the terminal.
-    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
 
 def dialable_addrs(addrs: list[str]) -> list[str]:
@@ -280,7 +270,7 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     if resume is not None:
         print(f"echo-hub: resuming the run in {config.data_dir} at step {resume.step} "
               f"({resume.groups_waiting} groups waiting; task {resume.task})", flush=True)
-    _setup_logging(config)
+    setup_logging(config.data_dir / HUB_LOG_FILE, config.log_level)
     import torch
     import transformers
 

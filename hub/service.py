@@ -29,6 +29,7 @@ from hub.snapshots import SnapshotShelf
 from hub.state import HANDLER_TIMEOUT_S, HubBusy, HubState
 from shared.bulk import BulkChannel, serving_stream
 from shared.crypto import Identity
+from shared.logs import PeerLogLimiter
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
@@ -160,6 +161,7 @@ class HubService:
         self.punch_failed = punch_failed
         self.operators = frozenset({host.get_id().to_base58(), *guard.config.status_operators})
         self._stranger_status = TokenBuckets(STRANGER_STATUS_PER_S, STRANGER_STATUS_BURST)
+        self._refusal_log = PeerLogLimiter()
 
     async def run(self) -> None:
         handlers = {
@@ -247,8 +249,12 @@ class HubService:
         return guarded
 
     async def _misbehaved(self, stream: INetStream, peer: str, protocol: str, code: RejectCode, reason: str) -> None:
-        """A peer sent something we refuse: count it against the peer, tell it why, keep serving."""
-        log.warning("refused %s from %s: %s", protocol, peer, reason)
+        """A peer sent something we refuse: count it against the peer, tell it why, keep serving. Logged once per
+        peer per window (a peer refused in a loop must not fill the disk with lines)."""
+        logged, held = self._refusal_log.allow(peer, time.monotonic())
+        if logged:
+            log.warning("refused %s from %s: %s%s", protocol, peer, reason,
+                        f" ({held} more refusals of it since its last line)" if held else "")
         await self.state.record_refusal(peer, code)
         await _refuse(stream, code, reason)
 

@@ -48,7 +48,7 @@ from hub.copies import CopyDetector, CopyFlag
 from hub.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
 from hub.guard import LeaseQuota
 from hub.leases import LeaseBook, LeaseError, LeaseRecord
-from hub.store import NewEvent, NodeBanned, StepRecord, Store
+from hub.store import EVENTS_RETAINED, NewEvent, NodeBanned, StepRecord, Store
 from hub.submissions import (
     REASON_CLAIMED_REWARD,
     GroupVerdict,
@@ -76,6 +76,8 @@ PROBE_PROMPTS = 1
 # Liveness (last seen, time online, measured throughput) and the learner's time reach the store
 # this often: a crash loses at most this much of them, never anything acknowledged or paid.
 FLUSH_PERIOD_S = 5.0
+# One "join" event row per node per this long, however often it rejoins.
+JOIN_EVENT_WINDOW_S = 60.0
 # How stale the live-node count behind the heartbeat period may be.
 HEARTBEAT_RECOUNT_S = 1.0
 
@@ -182,6 +184,7 @@ class HubState:
         if run is not None:
             store.set_run(run)  # what this run trains: a later start that asks for another is refused
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
+        self._join_events: dict[str, float] = {}  # node -> when its last "join" event was written
         # Accepted groups committed (or being committed) but not yet in the buffer or discarded.
         self._reserved = 0
         # Of those, the groups of nodes on probation waiting for their audit (bounded: trust.audit_queue_groups).
@@ -275,7 +278,12 @@ class HubState:
         if previous is not None and previous.state == "banned":
             raise PeerFault(f"banned: {previous.banned_reason}", RejectCode.BANNED)
         state = "standby" if previous is not None and previous.measured else "probing"
-        event = ("join", peer, f"price ${request.price_per_hour:.2f}/h backend {request.backend}")
+        # A node rejoining in a loop gets one event row per JOIN_EVENT_WINDOW_S, not one per join.
+        now = self.clock()
+        event = None
+        if now - self._join_events.get(peer, -JOIN_EVENT_WINDOW_S) >= JOIN_EVENT_WINDOW_S:
+            self._join_events[peer] = now
+            event = ("join", peer, f"price ${request.price_per_hour:.2f}/h backend {request.backend}")
         with trio.CancelScope(shield=True):
             joined = await self.writer.write(lambda: self.store.upsert_node(
                 peer, request.price_per_hour, request.hardware, request.link_bps, request.backend, state, event=event,
@@ -718,9 +726,12 @@ class HubState:
         return rows
 
     async def flush(self) -> None:
-        """Write liveness and the learner's time to the store."""
+        """Write liveness and the learner's time to the store; keep the newest EVENTS_RETAINED events; forget
+        join-event times past their window."""
         rows, now = self._liveness(), self.clock()
         await self.writer.write(self.store.flush_liveness, rows, self.totals.session_id, now)
+        await self.writer.write(self.store.prune_events, EVENTS_RETAINED)
+        self._join_events = {p: at for p, at in self._join_events.items() if now - at < JOIN_EVENT_WINDOW_S}
 
     def flush_sync(self) -> None:
         """The last flush, after trio ended (blocking)."""

@@ -47,6 +47,8 @@ from shared.rollout import Group
 
 BUSY_TIMEOUT_MS = 10_000
 EVENTS_DEFAULT_LIMIT = 200
+# Retention of the events table: the newest this many rows (the books live in nodes, ledger and trajectories).
+EVENTS_RETAINED = 100_000
 
 Verdict = Literal["accepted", "rejected", "late"]
 VERDICTS: tuple[Verdict, ...] = GROUP_VERDICTS  # type: ignore[assignment]
@@ -805,6 +807,11 @@ class Store:
     def add_event(self, kind: str, node_id: str | None, detail: str) -> None:
         with self._write():
             self._events([(kind, node_id, detail)])
+
+    def prune_events(self, keep: int) -> int:
+        """Delete all but the newest `keep` events; how many went."""
+        with self._write():
+            return self.db.execute("DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (keep,)).rowcount
 
     def events(self, limit: int = EVENTS_DEFAULT_LIMIT) -> list[EventRow]:
         """The newest `limit` events, newest first."""

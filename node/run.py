@@ -18,6 +18,7 @@ from node.hub_link import NodeRefused
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.files import atomic_write_text
 from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE, SNAPSHOTS_DIR
+from shared.logs import setup_logging
 from shared.messages import (
     RELAY_PROTOCOL,
     SNAPSHOT_PROTOCOL,
@@ -43,20 +44,6 @@ def _hardware(device: str) -> str:
     if device == "cuda":
         return f"{torch.cuda.get_device_name(0)} ({os.cpu_count()} CPUs)"
     return f"{platform.processor() or platform.machine()} CPU x{os.cpu_count()}"
-
-
-def _setup_logging(config: NodeConfig) -> None:
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(config.data_dir / NODE_LOG_FILE)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(config.log_level.upper())
-    stderr = logging.StreamHandler()
-    stderr.setLevel(logging.WARNING)
-    root.addHandler(stderr)
-    # py-libp2p logs expected peer churn at ERROR; keep it in the file only.
-    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
 
 class NodeRuntime:
@@ -227,7 +214,7 @@ def _print_event(event: EventRecord) -> None:
 def run_node(config: NodeConfig, dashboard: bool = False) -> int:
     if dashboard:
         return _run_with_dashboard(config)
-    _setup_logging(config)
+    setup_logging(config.data_dir / NODE_LOG_FILE, config.log_level, stderr_level=logging.WARNING)
     import torch
     import transformers
 

@@ -322,6 +322,55 @@ async def test_the_strangers_status_leaks_nothing_is_built_once_per_period_is_ra
         assert builds == [1]
 
 
+@pytest.mark.trio
+async def test_peers_cannot_grow_the_log_or_the_events_table(tmp_path, default_model_dir, caplog):
+    """Untrusted peers, round three, item 10: four strangers added 19 KB/s to hub.log (a WARNING per refused
+    request, about 1.7 GB a day), and one identity rejoining added 341 event rows in 15 s. Now a peer's refusals
+    are logged once per PEER_LOG_WINDOW_S with a count, a rejoin writes one event per JOIN_EVENT_WINDOW_S, the
+    events table keeps its newest EVENTS_RETAINED rows, and log files rotate by size."""
+    import logging
+
+    async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:
+        stranger = await client(stack, hub)
+        with caplog.at_level(logging.WARNING, logger="echo2.hub.service"):
+            for _ in range(40):
+                await stranger.send_frame(LEASE_PROTOCOL, encode_frame(LeaseRequest.TYPE, b"{}"), LeaseReply)
+        lines = [r for r in caplog.records if stranger.identity.peer_id in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+        rejoiner = await client(stack, hub)
+        for _ in range(20):
+            assert isinstance(await rejoiner.send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply), JoinReply)
+        await hub.state.flush()
+        joins = [e for e in hub.state.store.events(1000) if e.kind == "join" and e.node_id == rejoiner.identity.peer_id]
+        assert len(joins) == 1
+        for i in range(50):
+            await hub.state.event("test", None, str(i))
+        assert hub.state.store.prune_events(10) > 0
+        assert [e.detail for e in hub.state.store.events(1000)] == [str(i) for i in range(49, 39, -1)]
+
+
+def test_log_files_rotate_by_size(tmp_path, monkeypatch):
+    import logging
+
+    import shared.logs
+
+    monkeypatch.setattr(shared.logs, "LOG_MAX_BYTES", 2000)
+    root = logging.getLogger()
+    before = list(root.handlers), root.level
+    try:
+        shared.logs.setup_logging(tmp_path / "hub.log", "info")
+        for i in range(500):
+            logging.getLogger("echo2.test").info("line %d of a log that would grow without bound", i)
+    finally:
+        for handler in root.handlers[len(before[0]):]:
+            handler.close()
+        root.handlers[:] = before[0]
+        root.setLevel(before[1])
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["hub.log", "hub.log.1", "hub.log.2", "hub.log.3"]
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 4 * 2000 + 200
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_real_hub_with_a_planned_uplink_survives_a_hostile_join(tmp_path):
