@@ -42,8 +42,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from multiaddr import Multiaddr
 
-from shared.messages import MIN_LINK_BPS, BulkOffer, SnapshotRequest
-from shared.net import canonical_ip, remote_ip
+from shared.messages import BulkOffer, SnapshotRequest
+from shared.net import address_key, canonical_ip, remote_ip
 from shared.wire import StreamEOF, write_message
 
 log = logging.getLogger("echo2.bulk")
@@ -65,16 +65,23 @@ BULK_CONNECT_S = 3.0
 BULK_ACCEPT_S = BULK_CONNECT_S + 2.0
 # A new connection must present a ticket this soon.
 TICKET_READ_S = 2.0
-# A record must leave within this plus its bytes at the slowest link a node may declare.
-WRITE_STALL_S = 20.0
+# A record goes out in pieces of PROGRESS_BYTES, each of which must leave within PROGRESS_S: a receiver that
+# stops reading frees its transfer (and what it holds of ours) in seconds, at any record size, while a link
+# at MIN_LINK_BPS still makes it (64 KiB in 6.6 s).
+PROGRESS_BYTES = 64 * 1024
+PROGRESS_S = 8.0
 # A sender whose channel could not be reached is asked over libp2p for this long.
 BULK_RETRY_S = 300.0
-# Offers waiting for their connection (each at most BULK_ACCEPT_S), in all and per receiver (an honest one pulls
-# one version at a time from a sender), and connections still to present a ticket.
+# Offers waiting for their connection (each at most BULK_ACCEPT_S), in all, per receiver (an honest one pulls
+# one version at a time from a sender) and per address key (shared.net.address_key: an IPv4 address or an
+# IPv6 /64); a connection still to present a ticket needs an open offer of its address that no other such
+# connection waits on. Transfers running at once, in all and per address key: past them, requests are served
+# on libp2p, under the peer guard's memory budget.
 MAX_OPEN_OFFERS = 256
 MAX_OPEN_OFFERS_PER_PEER = 4
-MAX_UNTICKETED = 64
-MAX_UNTICKETED_PER_IP = 8
+MAX_OPEN_OFFERS_PER_ADDRESS = 8
+MAX_TRANSFERS = 32
+MAX_TRANSFERS_PER_ADDRESS = 4
 # What accept() raises when the process is out of descriptors or buffers: wait this long and accept again.
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_RETRY_S = 0.1
@@ -111,10 +118,13 @@ class BulkStream:
     async def _send_record(self, plain) -> None:
         sealed = self._aead.encrypt(self._send_prefix + self._sent.to_bytes(8, "big"), plain, None)
         self._sent += 1
-        # A receiver that stops reading must not hold the sender forever (py-libp2p's Yamux gives up after 5 s).
-        with trio.fail_after(WRITE_STALL_S + len(sealed) / MIN_LINK_BPS):
+        # A receiver that stops reading must not hold the sender (py-libp2p's Yamux gives up after 5 s).
+        with trio.fail_after(PROGRESS_S):
             await self._sock.send_all(RECORD_HEADER.pack(len(sealed)))
-            await self._sock.send_all(sealed)
+        view = memoryview(sealed)
+        for start in range(0, len(view), PROGRESS_BYTES):
+            with trio.fail_after(PROGRESS_S):
+                await self._sock.send_all(view[start:start + PROGRESS_BYTES])
 
     async def read(self, n: int) -> bytes:
         """At most `n` bytes; b"" once the sender closed the connection between records."""
@@ -169,6 +179,7 @@ class BulkStream:
 class _Offer:
     peer_id: str
     ip: str  # the receiver's, as the libp2p connection shows it: only that address may present the ticket
+    address: str  # address_key(ip): what its limits count by
     key: bytes
     expires_at: float
     arrived: trio.Event = field(default_factory=trio.Event)
@@ -197,7 +208,8 @@ class BulkChannel:
         self.requested_port = port
         self.port: int | None = None
         self._offers: dict[bytes, _Offer] = {}
-        self._unticketed: collections.Counter[str] = collections.Counter()
+        self._unticketed: collections.Counter[str] = collections.Counter()  # by address key
+        self._transfers: collections.Counter[str] = collections.Counter()  # running, by address key
         self._unreachable: dict[str, float] = {}
         self.served = 0  # transfers this process sent on the channel
         self.dialed = 0  # and received on other peers' channels
@@ -222,11 +234,32 @@ class BulkChannel:
             del self._offers[ticket]
         if self.port is None or ip is None or len(self._offers) >= MAX_OPEN_OFFERS:
             return BulkOffer()
-        if sum(o.peer_id == peer_id for o in self._offers.values()) >= MAX_OPEN_OFFERS_PER_PEER:
+        address = address_key(ip)
+        if (sum(o.peer_id == peer_id for o in self._offers.values()) >= MAX_OPEN_OFFERS_PER_PEER
+                or sum(o.address == address for o in self._offers.values()) >= MAX_OPEN_OFFERS_PER_ADDRESS
+                or sum(self._transfers.values()) >= MAX_TRANSFERS or self._transfers[address] >= MAX_TRANSFERS_PER_ADDRESS):
             return BulkOffer()
         ticket, key = os.urandom(TICKET_BYTES), os.urandom(KEY_BYTES)
-        self._offers[ticket] = _Offer(peer_id, canonical_ip(ip), key, now + BULK_ACCEPT_S)
+        self._offers[ticket] = _Offer(peer_id, canonical_ip(ip), address, key, now + BULK_ACCEPT_S)
         return BulkOffer(port=self.port, ticket=ticket.hex(), key=key.hex())
+
+    @asynccontextmanager
+    async def transfer(self, offer: BulkOffer):
+        """accept(offer) as a context: the transfer counts against its address's and the channel's caps until it
+        ends, and its connection is closed then."""
+        ticket = bytes.fromhex(offer.ticket)
+        waiting = self._offers.get(ticket)
+        address = waiting.address if waiting is not None else None
+        stream = await self.accept(offer)
+        self._transfers[address] += 1
+        try:
+            yield stream
+        finally:
+            self._transfers[address] -= 1
+            if self._transfers[address] <= 0:
+                del self._transfers[address]
+            with trio.CancelScope(shield=True):
+                await stream.close()
 
     async def accept(self, offer: BulkOffer) -> BulkStream:
         """The connection that presented `offer`'s ticket (trio.TooSlowError if none came in time)."""
@@ -263,16 +296,17 @@ class BulkChannel:
                 except OSError:  # gone already
                     await trio.aclose_forcefully(sock)
                     continue
-                # Only an address we made an offer to gets a slot, and only a few at a time: strangers
-                # cannot crowd out the receivers who hold tickets.
-                if (self._unticketed[ip] >= MAX_UNTICKETED_PER_IP or sum(self._unticketed.values()) >= MAX_UNTICKETED
-                        or not any(o.ip == ip for o in self._offers.values())):
+                # One connection waiting for its ticket per open offer of its address: strangers get no slot,
+                # and a receiver's silent connections cannot crowd out others' (nor its own next offers).
+                address = address_key(ip)
+                waiting_offers = sum(o.address == address and not o.claimed for o in self._offers.values())
+                if self._unticketed[address] >= waiting_offers:
                     await trio.aclose_forcefully(sock)
                     continue
-                self._unticketed[ip] += 1
-                nursery.start_soon(self._take_ticket, sock, ip)
+                self._unticketed[address] += 1
+                nursery.start_soon(self._take_ticket, sock, ip, address)
 
-    async def _take_ticket(self, sock: trio.SocketStream, ip: str) -> None:
+    async def _take_ticket(self, sock: trio.SocketStream, ip: str, address: str) -> None:
         """Hand a connection to the offer whose ticket it presents from the offer's address; else close it."""
         stream = None
         try:
@@ -292,9 +326,9 @@ class BulkChannel:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
             log.debug("bulk connection from %s failed before its ticket: %r", ip, exc)
         finally:
-            self._unticketed[ip] -= 1
-            if self._unticketed[ip] <= 0:
-                del self._unticketed[ip]
+            self._unticketed[address] -= 1
+            if self._unticketed[address] <= 0:
+                del self._unticketed[address]
             if stream is None or waiting.stream is not stream:
                 await trio.aclose_forcefully(sock)
 
@@ -363,9 +397,5 @@ async def serving_stream(stream, request: SnapshotRequest, channel: BulkChannel 
     if offer.port is None:
         yield stream
         return
-    bulk = await channel.accept(offer)
-    try:
+    async with channel.transfer(offer) as bulk:
         yield bulk
-    finally:
-        with trio.CancelScope(shield=True):
-            await bulk.close()

@@ -3,6 +3,7 @@ snapshot relayed hub -> relay -> sink on it by real keepers, with the fall-back 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -215,7 +216,6 @@ async def test_two_connections_racing_with_one_ticket_get_one_hello():
 
 async def test_connections_from_strangers_silent_ones_and_excess_ones_are_closed(monkeypatch):
     monkeypatch.setattr(bulk, "TICKET_READ_S", 0.3)
-    monkeypatch.setattr(bulk, "MAX_UNTICKETED", 3)
     async with trio.open_nursery() as nursery:
         channel = BulkChannel("127.0.0.1", 0)
         await channel.start(nursery)
@@ -224,21 +224,110 @@ async def test_connections_from_strangers_silent_ones_and_excess_ones_are_closed
         with trio.fail_after(0.25):
             assert await stranger.receive_some(10) == b""
         channel.offer(PEER, "127.0.0.1")
-        silent = [await trio.open_tcp_stream("127.0.0.1", channel.port) for _ in range(3)]
+        silent = await trio.open_tcp_stream("127.0.0.1", channel.port)
         await trio.sleep(0.1)
         excess = await trio.open_tcp_stream("127.0.0.1", channel.port)
-        with trio.fail_after(0.25):  # closed at once: three connections already wait for their tickets
+        with trio.fail_after(0.25):  # closed at once: its address's one open offer has a connection waiting
             assert await excess.receive_some(10) == b""
-        with trio.fail_after(2):  # each silent one closed after TICKET_READ_S
-            for sock in silent:
-                assert await sock.receive_some(10) == b""
+        with trio.fail_after(2):  # the silent one closed after TICKET_READ_S
+            assert await silent.receive_some(10) == b""
         assert not channel._unticketed
-        # The slots are free again: an honest dial goes through.
+        # The slot is free again: an honest dial goes through.
         served, dialed = await _pair(channel)
         await served.close(), await dialed.close()
-        for sock in [stranger, *silent, excess]:
+        for sock in [stranger, silent, excess]:
             await sock.aclose()
         nursery.cancel_scope.cancel()
+
+
+# -- untrusted peers, round three: the bulk channel crowded out and held by slow readers (items 6-7) -----------
+
+
+async def test_members_on_many_addresses_cannot_crowd_an_honest_receiver_off_the_channel():
+    """Item 6: eight members on eight addresses each held 8 silent connections; the global cap of 64 filled and an
+    honest receiver got the channel on 0 of 6 tries. Now a connection waiting for its ticket needs an open offer of
+    its address that no other waiting connection holds: each member holds one slot, for its own offer."""
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("0.0.0.0", 0)
+        await channel.start(nursery)
+        held = []
+        for i in range(2, 10):
+            ip = f"127.0.0.{i}"
+            channel.offer(Identity.generate().peer_id, ip)
+            for _ in range(8):
+                sock = await trio.open_tcp_stream("127.0.0.1", channel.port, local_address=ip)
+                held.append(sock)
+        await trio.sleep(0.2)
+        assert sum(channel._unticketed.values()) == 8  # one per offer, not 64
+        for _ in range(6):
+            served, dialed = await _pair(channel)
+            await served.close(), await dialed.close()
+        for sock in held:
+            await sock.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_offers_are_counted_per_address_and_ipv6_slash_64():
+    """Item 6: 88 identities on 4 addresses left honest requests with port-less offers; and limits counted exact
+    addresses, not the /64 one operator holds."""
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        offers = [channel.offer(Identity.generate().peer_id, f"10.0.0.{i % 4}") for i in range(88)]
+        assert sum(o.port is not None for o in offers) == 4 * bulk.MAX_OPEN_OFFERS_PER_ADDRESS
+        assert channel.offer(PEER, "127.0.0.1").port == channel.port  # the honest receiver's
+        v6 = [channel.offer(Identity.generate().peer_id, f"2001:db8:0:1::{i:x}") for i in range(1, 20)]
+        assert sum(o.port is not None for o in v6) == bulk.MAX_OPEN_OFFERS_PER_ADDRESS  # one /64
+        assert channel.offer(OTHER, "2001:db8:0:2::1").port == channel.port  # another /64
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_receiver_that_stops_reading_frees_the_sender_in_seconds(monkeypatch):
+    """Item 7: a receiver that stopped reading held a transfer 125 s on the bulk channel (a 4 MiB record: 439 s),
+    against 5 s on libp2p. Now each piece of a record must leave within PROGRESS_S."""
+    monkeypatch.setattr(bulk, "PROGRESS_S", 1.0)
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        served, dialed = await _pair(channel)
+        started = trio.current_time()
+        with pytest.raises(trio.TooSlowError):
+            for _ in range(64):  # the dialer never reads: socket buffers fill, then nothing moves
+                await served.write(os.urandom(RECORD_BYTES))
+        assert trio.current_time() - started < 1.0 + 3.0
+        await served.close(), await dialed.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_transfers_at_once_are_capped_per_address_and_in_all(monkeypatch):
+    """Item 7: 64 stalled transfers added 104 MB to the hub, with no cap per address or overall. Past the caps a
+    request gets a port-less offer: it is served on libp2p, under the peer guard's memory budget."""
+    monkeypatch.setattr(bulk, "MAX_TRANSFERS", 6)
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        async with contextlib.AsyncExitStack() as stack:
+            for i in range(bulk.MAX_TRANSFERS_PER_ADDRESS):
+                peer = Identity.generate().peer_id
+                offer = channel.offer(peer, "127.0.0.1")
+                nursery.start_soon(channel.dial, peer, "127.0.0.1", offer)
+                await stack.enter_async_context(channel.transfer(offer))
+            assert channel.offer(OTHER, "127.0.0.1") == BulkOffer()  # this address runs its four
+            assert channel.offer(OTHER, "127.0.0.2").port == channel.port
+            for ip in ("127.0.0.2", "127.0.0.3"):
+                offer = channel.offer(OTHER, ip)
+                nursery.start_soon(_dial_from, channel, ip, offer)
+                await stack.enter_async_context(channel.transfer(offer))
+            assert channel.offer(PEER, "127.0.0.4") == BulkOffer()  # six in all: the channel is full
+        assert channel.offer(PEER, "127.0.0.4").port == channel.port  # and free again once they ended
+        nursery.cancel_scope.cancel()
+
+
+async def _dial_from(channel: BulkChannel, ip: str, offer: BulkOffer) -> None:
+    """A receiver at `ip` taking `offer` (its connection comes from that address)."""
+    sock = await trio.open_tcp_stream("127.0.0.1", channel.port, local_address=ip)
+    await sock.send_all(bytes.fromhex(offer.ticket))
+    await trio.sleep_forever()
 
 
 async def test_running_out_of_descriptors_does_not_end_the_channel(monkeypatch):
