@@ -46,6 +46,8 @@ BROADCAST_FINISH_S = 60.0
 STEPS_AFTER_CHURN = 5
 HEARTBEAT_PERIOD_S = 2.0
 FLOOD_STREAMS = 300
+# How long silent strangers hold their connections: past the hub's idle sweep (trust.idle_connection_s, 15 s).
+SILENT_STRANGER_HOLD_S = 18.0
 HUB_ARGS = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "64", "--group-size", "4",
             "--max-new-tokens", "8", "--log-level", "info")
 
@@ -600,6 +602,68 @@ async def scenario_status_snooping(x: Client, control: Client, db: HubDB) -> Sce
     return r
 
 
+async def scenario_silent_stranger(x: Client, control: Client, db: HubDB, strangers: int) -> ScenarioResult:
+    """Bare libp2p hosts that connect and never answer identify, held past the idle sweep (py-libp2p never recorded
+    them, and forgetting them raised in the sweeper: the hub exited). The hub must live on and serve."""
+    from contextlib import AsyncExitStack
+
+    from libp2p.identity.identify.identify import ID as IDENTIFY
+    from libp2p.identity.identify_push.identify_push import ID_PUSH as IDENTIFY_PUSH
+
+    from shared.crypto import Identity
+    from shared.net import connect, running_host
+
+    r = ScenarioResult("silent_stranger")
+    async with AsyncExitStack() as stack:
+        for _ in range(strangers):
+            host, _ = await stack.enter_async_context(running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]))
+            host.remove_stream_handler(IDENTIFY)
+            host.remove_stream_handler(IDENTIFY_PUSH)
+            await connect(host, x.hub_addr)
+        await trio.sleep(SILENT_STRANGER_HOLD_S)
+    r.attempts = 1
+    r.false_rejections += await control.honest_round()  # raises if the hub is gone
+    r.detected = 1
+    return r
+
+
+async def scenario_relay_reservations(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
+    """A member reserves relay slots in the names of random peers (it filled all 4,096 for an hour): every such
+    reservation is refused and counted against it, and its own still works."""
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, PeerId, Status
+    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+    from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+    from shared.crypto import Identity
+    from shared.net import open_stream
+
+    async def reserve(peer: str | None) -> int | None:
+        message = HopMessage(type=HopMessage.RESERVE)
+        if peer is not None:
+            message.peer.CopyFrom(PeerId(id=ID.from_base58(peer).to_bytes()))
+        stream = await open_stream(x.host, x.hub_peer_id, PROTOCOL_ID)
+        try:
+            await write_delimited_msg(stream, message)
+            with trio.fail_after(10):
+                return (await read_delimited_msg(stream, HopMessage)).status
+        except Exception:  # noqa: BLE001 - a reset is a refusal without an answer
+            return None
+        finally:
+            await stream.reset()
+
+    r = ScenarioResult("relay_reservations")
+    for _ in range(attempts * 10):
+        status = await reserve(Identity.generate().peer_id)
+        r.attempts += 1
+        r.detected += status != Status.OK
+        r.accepted += status == Status.OK
+    if await reserve(None) != Status.OK:
+        r.false_rejections += 1
+    r.false_rejections += await control.honest_round()
+    return r
+
+
 # -- running the scenarios against real hubs --------------------------------------------------
 
 
@@ -644,12 +708,12 @@ async def with_clients(hub: HubProc, engines: list, body: Callable) -> object:
 
 PROTOCOL_CHEATS = ("bad_signature", "replay", "fake_reward", "oversized_frame", "garbage_frame", "stream_flood",
                    "hostile_join", "throwaway_identities", "stranger_big_frames", "pay_inflation", "rejected_disk",
-                   "status_snooping")
+                   "status_snooping", "silent_stranger", "relay_reservations")
 AUDIT_CHEATS = ("fake_logprobs", "wrong_model", "copied_completions", "nudged_copies", "partial_fabrication")
 # Measured by bench/faults.py only: each is tested in process, faster, where the defence lives
 # (tests/test_attacks.py, test_state.py, test_store.py).
 BENCH_ONLY = frozenset({"hostile_join", "throwaway_identities", "stranger_big_frames", "pay_inflation", "rejected_disk",
-                        "status_snooping"})
+                        "status_snooping", "silent_stranger", "relay_reservations"})
 
 
 def start_protocol_hub(work: Path) -> HubProc:
@@ -701,6 +765,10 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
                 return await scenario_rejected_disk(x, control, db, attempts)
             if name == "status_snooping":
                 return await scenario_status_snooping(x, control, db)
+            if name == "silent_stranger":
+                return await scenario_silent_stranger(x, control, db, 4)
+            if name == "relay_reservations":
+                return await scenario_relay_reservations(x, control, db, attempts)
             return await scenario_stream_flood(x, control, db, FLOOD_STREAMS // (3 if quick else 1))
 
         result = trio.run(with_clients, hub, [(engine, base_dir)] * 2, protocol)
