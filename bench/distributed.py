@@ -55,7 +55,7 @@ def run_steps(learner, groups, steps: int) -> list[float]:
     return times
 
 
-def rank_main(rank: int, world: int, port: int, model_dir: str, groups, steps: int, lr: float, out: str) -> None:
+def rank_main(rank: int, world: int, store: str, model_dir: str, groups, steps: int, lr: float, out: str) -> None:
     """One learner rank of the sharded run (torch.multiprocessing.spawn target)."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -67,7 +67,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, groups, steps: i
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
-    collective = init_ranks(RankEnv(rank, world, rank, "127.0.0.1", port), "cpu")
+    collective = init_ranks(RankEnv(rank, world, rank, store_file=store), "cpu")
     learner = Learner(Path(model_dir), learner_config(lr), HubConfig().sampling, collective=collective, device="cpu")
     times = run_steps(learner, groups, steps)
     weights = learner.state_dict()
@@ -84,7 +84,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path, log) -> list[dict
 
     from bench.delta import make_groups, model_dir_for
     from hub.config import HubConfig
-    from hub.distributed import free_port
+    from hub.distributed import rank_store
     from hub.learner import Learner
 
     torch.set_num_threads(1)
@@ -98,7 +98,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path, log) -> list[dict
     del single
     log(f"{name}: the same steps on {args.procs} processes (FSDP2, gloo)")
     out = work / f"{name}-sharded.pt"
-    mp.spawn(rank_main, args=(args.procs, free_port(), str(model_dir), groups, args.steps, args.lr, str(out)),
+    mp.spawn(rank_main, args=(args.procs, str(rank_store(work)), str(model_dir), groups, args.steps, args.lr, str(out)),
              nprocs=args.procs)
     sharded = torch.load(out)
     diff = max(float((sharded["weights"][k] - reference[k]).abs().max()) for k in sharded["weights"])

@@ -259,9 +259,12 @@ class HubService:
         await _refuse(stream, code, reason)
 
     async def _turn_away(self, stream: INetStream, peer: str, admission: Admission) -> None:
-        """A peer over its stream, rate or memory caps: told to retry later, disconnected if it keeps on."""
-        await _refuse(stream, RejectCode.BUSY, f"retry in {admission.retry_after_s:.2f}s: {admission.reason}")
-        if admission.verdict == "disconnect":
+        """A peer over its stream, rate or memory caps: told to retry later, disconnected if it keeps on (at once:
+        its stream is not given time to close, the connection goes with it)."""
+        disconnect = admission.verdict == "disconnect"
+        await _refuse(stream, RejectCode.BUSY, f"retry in {admission.retry_after_s:.2f}s: {admission.reason}",
+                      linger_s=0.0 if disconnect else REFUSE_LINGER_S)
+        if disconnect:
             await self.state.event("disconnect", peer, admission.reason)
             await self.host.disconnect(ID.from_base58(peer))
 
@@ -394,15 +397,15 @@ async def _reply(stream: INetStream, msg) -> None:
     await stream.close()
 
 
-async def _refuse(stream: INetStream, code: RejectCode, reason: str) -> None:
-    """Answer with a Reject, then end the stream on both sides: the peer has REFUSE_LINGER_S to read it and close
-    its side (what our clients do); whatever else it sends meanwhile is dropped unread, and a stream still open
+async def _refuse(stream: INetStream, code: RejectCode, reason: str, linger_s: float = REFUSE_LINGER_S) -> None:
+    """Answer with a Reject, then end the stream on both sides: the peer has `linger_s` to read it and close its
+    side (what our clients do); whatever else it sends meanwhile is dropped unread, and a stream still open
     after that is reset, so neither side holds it."""
     try:
         with trio.move_on_after(REFUSE_WRITE_TIMEOUT_S):
             await write_message(stream, Reject(code=code, reason=reason[:1000]))
             await stream.close_write()
-        with trio.move_on_after(REFUSE_LINGER_S):
+        with trio.move_on_after(linger_s):
             with contextlib.suppress(*LIBP2P_END_OF_STREAM):
                 while await stream.read(REFUSE_DRAIN_BYTES):
                     pass

@@ -22,7 +22,7 @@ from hub.state import HubState
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
 from shared.messages import EvalPoint, EventRecord, HubStatus, NodeStatus, StepPoint
-from shared.wire import encode_message
+from shared.wire import encode_frame
 
 STATUS_PERIOD_S = 1.0
 HISTORY_POINTS = 300
@@ -194,11 +194,11 @@ class StatusBoard:
 
 
 def _encode_view(status: HubStatus, operator: bool, events: int) -> bytes:
-    """One view of `status` as a frame, always within HubStatus.MAX_BYTES: nodes are dropped, newest kept,
-    until it fits (a list past the cap has already been cut by `_listed`; this is the last line)."""
+    """One view of `status` as a frame, always within HubStatus.MAX_BYTES: nodes are dropped from the end of the
+    list until it fits (a list past STATUS_NODES_MAX was already cut to the live and newest; this is the last line)."""
     view = status if operator else status.redact()
     view = view.model_copy(update={"events": view.events[:events]})
-    while len(frame := encode_message(view)) > HubStatus.MAX_BYTES:
+    while len(body := view.model_dump_json().encode()) > HubStatus.MAX_BYTES:
         keep = len(view.nodes) // 2
         view = view.model_copy(update={"nodes": view.nodes[:keep], "nodes_omitted": view.nodes_omitted + len(view.nodes) - keep})
-    return frame
+    return encode_frame(HubStatus.TYPE, body)
