@@ -210,3 +210,12 @@ def test_distributed_bench_smoke(capsys):
     assert set(rows) == {1, 2} and all({"model", "procs", "step_s", "max_abs_weight_diff_vs_1proc"} <= set(r)
                                        for r in rows.values())
     assert rows[2]["max_abs_weight_diff_vs_1proc"] <= 1e-5
+
+
+def test_status_bench_smoke(capsys):
+    """The status board's costs, the old per-request path beside the served one, at a small fleet."""
+    out = load_bench("status").main(["--json", "--identities", "40"])
+    assert printed_json(capsys) == json.loads(json.dumps(out))
+    (row,) = out["rows"]
+    assert row["identities"] == 40 and row["nodes_listed"] == 20  # the live half: the gone half left 2 h ago
+    assert row["per_request_ms_served"] > 0 and row["per_request_ms_rebuilt"] > 0 and row["frame_bytes"] > 0
