@@ -32,7 +32,7 @@ from hub.ranks import RankEnv, rank_env
 from hub.snapshots import SnapshotShelf
 from hub.state import HubState
 from hub.store import Store
-from hub.tasks import hub_tasks
+from hub.tasks import context_tokens, hub_tasks
 from hub.trackers import open_trackers
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE, SNAPSHOTS_DIR
@@ -97,6 +97,7 @@ class Hub:
         auditor = Auditor(model_dir, self.shelf, config.sampling, config.trust, self.dtype)
         audits = AuditQueue(auditor, config.trust.audit_queue_groups)
         rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], tokenizer, rules.stop_ids)
+        self.context_tokens = context_tokens(self.task, tokenizer, config.sampling.max_new_tokens)
         self.state = HubState(
             Store(config.data_dir / HUB_STORE_FILE), config, self.task, rules=rules,
             model_config_hash=model_config_hash(model_config.to_dict()), audits=audits,
@@ -213,8 +214,8 @@ class Hub:
             )
             state.on_membership.append(self.on_membership)
             bulk = channel_for(config.listen, config.broadcast.bulk_port)
-            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.encoded, self.broadcaster,
-                                        bulk)
+            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.encoded,
+                                        self.context_tokens, self.broadcaster, bulk)
             self._announce()
             from libp2p.tools.anyio_service import background_trio_service
 

@@ -114,6 +114,7 @@ class JoinTerms:
 
     staleness: int
     task: str
+    context_tokens: int  # hub.tasks.context_tokens of the task
 
 
 def no_chains(peer: str) -> ChainLinks:
@@ -275,7 +276,7 @@ class HubService:
         record = await self.state.join(remote_peer_id(stream), request, remote_ip(stream))
         await _reply(stream, JoinReply(
             state=record.state, latest_version=self.shelf.newest_version(), staleness=self.terms.staleness,
-            task=self.terms.task, heartbeat_period_s=record.heartbeat_period_s,
+            task=self.terms.task, heartbeat_period_s=record.heartbeat_period_s, context_tokens=self.terms.context_tokens,
         ))
 
     async def _on_heartbeat(self, stream: INetStream) -> None:
@@ -423,6 +424,7 @@ def build_hub_service(
     state: HubState,
     shelf: SnapshotShelf,
     status: Callable[[bool, int], Awaitable[bytes]],
+    context_tokens: int,
     broadcaster: Broadcaster | None = None,
     bulk: BulkChannel | None = None,
 ) -> HubService:
@@ -430,7 +432,7 @@ def build_hub_service(
     bc = config.broadcast
     uplink = HubUplink(bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None,
                        bc.link_mbps * MBIT_BYTES if bc.link_mbps else None)
-    terms = JoinTerms(config.learner.staleness, config.task)
+    terms = JoinTerms(config.learner.staleness, config.task, context_tokens)
     return HubService(
         host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
         chain_links=broadcaster.links if broadcaster else no_chains,

@@ -63,6 +63,14 @@ class Engine(ABC):
         """Log-prob of each completion token given its prompt at temperature 1, without top-p, as this engine
         computes it with the weights it holds now."""
 
+    def fit_context(self, tokens: int) -> None:
+        """The hub's leases need `tokens` of context (its join reply): EngineUnavailable when this engine cannot
+        give them. An engine with a fixed context (vLLM's max_model_len) sizes itself by it."""
+        limit = getattr(getattr(getattr(self, "model", None), "config", None), "max_position_embeddings", None)
+        if limit is not None and tokens > limit:
+            raise EngineUnavailable(f"this hub's leases need {tokens} tokens of context (longest prompt plus "
+                                    f"max_new_tokens) and the model has {limit}")
+
     @property
     @abstractmethod
     def vocab_size(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -72,8 +72,11 @@ class HubLink:
         heartbeat: Callable[[], Heartbeat],
         on_reply: Callable[[HeartbeatReply], None],
         backoff_max_s: float,
+        on_join: Callable[[JoinReply], Awaitable[None]] | None = None,
     ) -> None:
+        """`on_join`: awaited with each join reply before the node heartbeats (it may raise to stop the node)."""
         self.client = client
+        self.on_join = on_join
         self.join_request = join_request
         self.heartbeat = heartbeat
         self.on_reply = on_reply
@@ -117,6 +120,8 @@ class HubLink:
             self.state.note("joined", f"state {reply.state}, hub at v{reply.latest_version}, task {reply.task}, "
                                       f"S={reply.staleness}, heartbeat every {reply.heartbeat_period_s:g}s")
             log.info("joined hub %s as %s (hub at v%d)", self.client.hub_peer_id[-8:], reply.state, reply.latest_version)
+            if self.on_join is not None:
+                await self.on_join(reply)
             await self._heartbeats()
 
     async def _heartbeats(self) -> None:

@@ -25,6 +25,7 @@ from shared.messages import (
     EventRecord,
     Heartbeat,
     HeartbeatReply,
+    JoinReply,
     JoinRequest,
     NodeView,
 )
@@ -77,6 +78,16 @@ class NodeRuntime:
             log.warning("v%d carries no install probe (written by a hub from before probes): not checked", version)
         else:
             log.info("v%d reproduces the hub's install probe: mean |log-prob gap| %.2g", version, gap)
+
+    async def _on_join(self, reply: JoinReply) -> None:
+        """Size the engine by the context the hub's leases need (vLLM starts here, off the event loop)."""
+        from node.engine import EngineUnavailable
+
+        async with self.engine_lock:
+            try:
+                await trio.to_thread.run_sync(self.engine.fit_context, reply.context_tokens)
+            except EngineUnavailable as exc:
+                raise InstallFailed(str(exc)) from exc
 
     def _join_request(self) -> JoinRequest:
         return JoinRequest(
@@ -190,7 +201,8 @@ class NodeRuntime:
                 version_held=lambda: self.keeper.version_held,
                 max_rollouts_per_s=self.config.max_rollouts_per_s, on_unknown=lambda: self.link.beat_now.set(),
             )
-            self.link = HubLink(client, self._join_request, self._heartbeat, self._on_reply, self.config.reconnect_max_s)
+            self.link = HubLink(client, self._join_request, self._heartbeat, self._on_reply, self.config.reconnect_max_s,
+                                on_join=self._on_join)
             self.link.state.on_note = _print_event
             set_handler(host, SNAPSHOT_PROTOCOL, self.keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, self.keeper.on_relay_offer, log)

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from node.engine import DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_KV_CACHE_GIB, Engine, VLLMResources
+from node.engine import DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_KV_CACHE_GIB, Engine, EngineUnavailable, VLLMResources
 from shared.adapters import LoraSpec, snapshot_spec, write_peft_dir
 from shared.generation import model_stop_ids
 from shared.rollout import Completion, SamplingParams, engine_seed, lease_seed, prompt_seeds
@@ -101,45 +101,83 @@ class VLLMEngine(Engine):
         max_model_len: int | None = None,
         max_lora_rank: int = 0,
     ):
+        """vLLM itself starts at the first `fit_context` (the hub's join reply says how much context leases need,
+        which fixes max_model_len) or, without one, at the first install (max_model_len as given, or the model's)."""
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         self.dtype = dtype
         self.device = "cpu" if current_platform.is_cpu() else "cuda"
-        memory = _configure_platform(self.device, resources)
+        self._memory = _configure_platform(self.device, resources)
         self.seed = engine_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = version
+        self.model_dir = model_dir
+        self.enforce_eager = enforce_eager
+        config = AutoConfig.from_pretrained(model_dir)
+        # The most context the model itself has: what a hub may ask of it at most.
+        self.model_context = getattr(config, "max_position_embeddings", None)
+        self.max_model_len = max_model_len
         # Tied names from the module tree of a weightless copy: vLLM keeps the embedding of a tied pair and
         # ignores lm_head, so a snapshot carrying both would run differently here and on the hub.
         with torch.device("meta"):
-            self._tied = tied_groups(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
-        self._llm = LLM(
-            model=str(model_dir),
-            tokenizer=str(model_dir),
-            dtype=dtype,
-            # Each process its own seed unless one is configured: nodes sampling the same prompts in the same
-            # order must not produce the same completions.
-            seed=self.seed,
-            max_model_len=max_model_len,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            enforce_eager=enforce_eager,
-            **memory,
-            **({"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1} if max_lora_rank else {}),
-        )
+            self._tied = tied_groups(AutoModelForCausalLM.from_config(config))
         self.max_lora_rank = max_lora_rank
         # A LoRA run's policy: the newest snapshot's adapters, as the LoRARequest every generate names.
         self._lora_request = None
-        built = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
-        if built != dtype:
-            raise RuntimeError(f"vLLM built the model in {built}, asked for {dtype}")
         # What vLLM stops on (tokenizer EOS, generation_config EOS ids, config EOS): the hub accepts the same set.
         self._stop_ids = set(model_stop_ids(model_dir))
+        self._llm = None
         self._lock = threading.Lock()
+
+    def _engine(self):
+        """vLLM's LLM, started on first use (callers hold self._lock)."""
+        if self._llm is None:
+            from vllm import LLM
+
+            self._llm = LLM(
+                model=str(self.model_dir),
+                tokenizer=str(self.model_dir),
+                dtype=self.dtype,
+                # Each process its own seed unless one is configured: nodes sampling the same prompts in the same
+                # order must not produce the same completions.
+                seed=self.seed,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=WORKER_EXTENSION,
+                enforce_eager=self.enforce_eager,
+                **self._memory,
+                **({"enable_lora": True, "max_lora_rank": self.max_lora_rank, "max_loras": 1} if self.max_lora_rank else {}),
+            )
+            built = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
+            if built != self.dtype:
+                raise RuntimeError(f"vLLM built the model in {built}, asked for {self.dtype}")
+            self.max_model_len = self._llm.llm_engine.model_config.max_model_len
+        return self._llm
+
+    def fit_context(self, tokens: int) -> None:
+        """Size max_model_len by what the hub's leases need (its join reply): vLLM starts now, with room for exactly
+        that. EngineUnavailable when the model has less, when vLLM cannot hold one such sequence (KV cache too
+        small: the message says), or when an engine already started for less (a hub restarted with longer
+        leases: restart the node)."""
+        if self.model_context is not None and tokens > self.model_context:
+            raise EngineUnavailable(f"this hub's leases need {tokens} tokens of context (longest prompt plus "
+                                    f"max_new_tokens) and the model has {self.model_context}")
+        with self._lock:
+            if self._llm is not None:
+                if tokens > self.max_model_len:
+                    raise EngineUnavailable(f"this hub's leases now need {tokens} tokens of context and this vLLM engine "
+                                            f"was started for {self.max_model_len}: restart the node")
+                return
+            self.max_model_len = tokens
+            try:
+                self._engine()
+            except Exception as exc:  # vLLM refuses a context its memory cannot hold: one line, with its reason
+                self._llm = None
+                reason = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else type(exc).__name__
+                raise EngineUnavailable(f"vLLM could not start with {tokens} tokens of context: {reason}") from exc
 
     def install(self, path: Path, version: int) -> None:
         spec = snapshot_spec(path)
@@ -155,8 +193,8 @@ class VLLMEngine(Engine):
                 raise SnapshotError(str(exc)) from exc
             check_tied_copies(names, self._tied)
             try:
-                self._llm.collective_rpc("echo2_load_snapshot", args=(str(path),))
-                if self._llm.reset_prefix_cache() is False:
+                self._engine().collective_rpc("echo2_load_snapshot", args=(str(path),))
+                if self._engine().reset_prefix_cache() is False:
                     raise RuntimeError("vLLM refused to reset its prefix cache after a weight swap")
             except Exception as exc:
                 raise self._swap_failed(version, exc) from exc
@@ -203,14 +241,14 @@ class VLLMEngine(Engine):
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
         with self._lock:
             self._usable()
-            outputs = self._llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False,
+            outputs = self._engine().generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False,
                                          lora_request=self._lora_request)
             version = self.version
         return [[self._completion(o, version) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
 
     @property
     def vocab_size(self) -> int:
-        return self._llm.llm_engine.model_config.get_vocab_size()
+        return self._engine().llm_engine.model_config.get_vocab_size()
 
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -219,7 +257,7 @@ class VLLMEngine(Engine):
         # says: at temperature 1 without top-p that is the distribution the probe asks for.
         params = VLLMSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0)
         requests = [{"prompt_token_ids": [*p, *c]} for p, c in zip(prompt_ids, completion_ids)]
-        outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
+        outputs = self._engine().generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         scored = []
         for out, prompt, completion in zip(outputs, prompt_ids, completion_ids):
             steps = out.prompt_logprobs[len(prompt):]

@@ -41,6 +41,7 @@ NodeState = Literal["probing", "active", "standby", "banned", "gone"]
 # modem and a data-centre NIC, a price below any GPU rental (the hub's own ceiling is lower).
 MAX_CHUNKS = 1 << 24
 MIN_LINK_BPS = 1e4
+MAX_CONTEXT_TOKENS = 1 << 22
 MAX_LINK_BPS = 1e12
 MAX_PRICE_PER_HOUR = 1000.0
 MAX_LISTEN_ADDRS = 8
@@ -152,6 +153,7 @@ class JoinReply(Message):
     staleness: int = Field(ge=0)
     task: str
     heartbeat_period_s: float = Field(gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="how often the node must heartbeat")
+    context_tokens: int = Field(ge=1, le=MAX_CONTEXT_TOKENS, description="what a lease can need of a model's context: the task's longest prompt plus max_new_tokens (vLLM sizes max_model_len by it)")
 
 
 class Heartbeat(Message):

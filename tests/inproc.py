@@ -20,6 +20,7 @@ from hub.state import HubState
 from hub.status import RunInfo, StatusBoard
 from hub.store import Store
 from hub.submissions import SubmissionRules, token_text_bytes
+from hub.tasks import context_tokens
 from shared.crypto import Identity
 from shared.layout import HUB_STORE_FILE, SNAPSHOTS_DIR
 from shared.messages import SUBMIT_PROTOCOL
@@ -120,7 +121,10 @@ async def inproc_hub(
                     config.task, config.broadcast.mode),
             data_dir, state, learner_step=lambda: version[0],
         )
-        service = build_hub_service(host, identity, config, state, shelf, status.encoded)
+        from transformers import AutoTokenizer
+
+        tokens = context_tokens(load_task(config.task), AutoTokenizer.from_pretrained(model_dir), config.sampling.max_new_tokens)
+        service = build_hub_service(host, identity, config, state, shelf, status.encoded, tokens)
         hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, version)
         hub.publish(0)
         try:

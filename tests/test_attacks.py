@@ -411,3 +411,17 @@ def test_a_real_hub_with_a_planned_uplink_survives_a_hostile_join(tmp_path):
         assert hub.process.poll() is None, hub.output()[-2000:]
     finally:
         hub.stop()
+
+
+@pytest.mark.trio
+async def test_the_join_reply_carries_the_context_a_lease_needs(tmp_path, default_model_dir):
+    from transformers import AutoTokenizer
+
+    from hub.tasks import context_tokens
+    from shared.tasks import load_task
+
+    async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:
+        reply = await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply)
+    expected = context_tokens(load_task(CONFIG.task), AutoTokenizer.from_pretrained(default_model_dir),
+                              CONFIG.sampling.max_new_tokens)
+    assert isinstance(reply, JoinReply) and reply.context_tokens == expected > CONFIG.sampling.max_new_tokens

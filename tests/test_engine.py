@@ -239,3 +239,21 @@ def test_a_vllm_node_without_vllm_is_one_line_and_writes_no_key(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"echo-node: the vllm backend is unavailable: {vllm_unavailable_reason()}"]
     assert not (tmp_path / "node" / "node.key").exists()
+
+
+def test_the_hub_tells_the_context_its_leases_need_and_an_engine_refuses_more_than_its_model_has(default_model_dir):
+    """max_model_len sized from the lease: the hub's join reply carries its task's longest prompt (as engines
+    tokenize it) plus max_new_tokens; an engine whose model has less refuses in one line."""
+    from transformers import AutoTokenizer
+
+    from hub.tasks import context_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    task = ReverseTask()
+    longest = max(len(tokenizer(p.text)["input_ids"]) for p in task.prompts())
+    assert context_tokens(task, tokenizer, 16) == longest + 16
+    engine = HFEngine(default_model_dir, device="cpu")
+    limit = engine.model.config.max_position_embeddings
+    engine.fit_context(limit)
+    with pytest.raises(EngineUnavailable, match=f"need {limit + 1} tokens of context .* the model has {limit}"):
+        engine.fit_context(limit + 1)

@@ -178,6 +178,26 @@ def test_vllm_serves_lora_adapters_as_the_hf_engine_computes_them(default_model_
         engine.close()
 
 
+def test_vllm_is_sized_by_the_context_the_hubs_leases_need(default_model_dir):
+    """The node starts vLLM once the hub's join reply says what a lease can need: max_model_len is exactly that; a
+    hub that later needs more gets a node that says to restart it; more than the model has is refused up front."""
+    from node.engine import EngineUnavailable
+    from node.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=True)
+    try:
+        with pytest.raises(EngineUnavailable, match="the model has"):
+            engine.fit_context(engine.model_context + 1)
+        engine.fit_context(32)  # the default model has 64 positions
+        assert engine._llm.llm_engine.model_config.max_model_len == 32 == engine.max_model_len
+        engine.fit_context(24)  # less: the running engine serves it
+        with pytest.raises(EngineUnavailable, match="started for 32: restart the node"):
+            engine.fit_context(48)
+        assert engine.generate(PROMPTS[:2], 1, SamplingParams(max_new_tokens=4))
+    finally:
+        engine.close()
+
+
 def _scale_embedding(worker) -> None:
     """Runs inside vLLM's worker: one tensor changed after an install, as a half-applied swap would leave it."""
     import torch
