@@ -309,6 +309,16 @@ class BulkChannel:
     async def _take_ticket(self, sock: trio.SocketStream, ip: str, address: str) -> None:
         """Hand a connection to the offer whose ticket it presents from the offer's address; else close it."""
         stream = None
+        waits = True  # it holds one of its address's waiting slots until it claims a ticket or ends
+
+        def stop_waiting() -> None:
+            nonlocal waits
+            if waits:
+                waits = False
+                self._unticketed[address] -= 1
+                if self._unticketed[address] <= 0:
+                    del self._unticketed[address]
+
         try:
             with trio.move_on_after(TICKET_READ_S):
                 ticket = await _receive_exactly(sock, TICKET_BYTES)
@@ -316,6 +326,7 @@ class BulkChannel:
                 if (waiting is not None and not waiting.claimed and not waiting.abandoned and waiting.ip == ip
                         and waiting.expires_at >= time.monotonic()):
                     waiting.claimed = True  # before any await: one connection per ticket
+                    stop_waiting()  # its offer no longer counts as open, so its slot goes with it
                     stream = BulkStream(sock, waiting.key, dialer=False, peer_id=waiting.peer_id)
                     await stream._send_record(b"")  # proves the key: the dialer trusts nothing before it
                     if not waiting.abandoned:
@@ -326,9 +337,7 @@ class BulkChannel:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
             log.debug("bulk connection from %s failed before its ticket: %r", ip, exc)
         finally:
-            self._unticketed[address] -= 1
-            if self._unticketed[address] <= 0:
-                del self._unticketed[address]
+            stop_waiting()
             if stream is None or waiting.stream is not stream:
                 await trio.aclose_forcefully(sock)
 

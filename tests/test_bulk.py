@@ -267,6 +267,39 @@ async def test_members_on_many_addresses_cannot_crowd_an_honest_receiver_off_the
         nursery.cancel_scope.cancel()
 
 
+async def test_a_claimed_ticket_frees_its_waiting_slot_at_once(monkeypatch):
+    """Two receivers on one address (nodes of one machine) dial at once: the first claims its ticket, and while
+    its hello is on its way the second still gets a slot (its own offer is open). The claimed connection used
+    to count as waiting while its offer no longer did, and the second was closed: it fell back to libp2p."""
+    send_record = BulkStream._send_record
+
+    async def slow_hello(self, plain) -> None:
+        if not plain:
+            await trio.sleep(0.3)
+        await send_record(self, plain)
+
+    monkeypatch.setattr(BulkStream, "_send_record", slow_hello)
+    async with trio.open_nursery() as nursery:
+        channel = BulkChannel("127.0.0.1", 0)
+        await channel.start(nursery)
+        offers = [channel.offer(peer, "127.0.0.1") for peer in (PEER, OTHER)]
+        dialed: list[BulkStream] = []
+
+        async def dial(peer: str, offer: BulkOffer, after_s: float) -> None:
+            await trio.sleep(after_s)
+            dialed.append(await channel.dial(peer, "127.0.0.1", offer))
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as dials:
+                dials.start_soon(dial, PEER, offers[0], 0.0)
+                dials.start_soon(dial, OTHER, offers[1], 0.1)
+                served = [await channel.accept(offer) for offer in offers]
+        assert len(dialed) == 2
+        for stream in [*served, *dialed]:
+            await stream.close()
+        nursery.cancel_scope.cancel()
+
+
 async def test_offers_are_counted_per_address_and_ipv6_slash_64():
     """Item 6: 88 identities on 4 addresses left honest requests with port-less offers; and limits counted exact
     addresses, not the /64 one operator holds."""
