@@ -64,9 +64,11 @@ def perturbed_state(model, seed: int) -> dict:
 
 
 def gaps(vllm_engine, hf_engine, prompts: list[str], n: int = 4) -> tuple[float, float]:
-    """Mean and max |vLLM - transformers| log-prob over the sampled tokens inside the transformers nucleus."""
+    """Mean and max |vLLM - transformers| log-prob over the sampled tokens inside the transformers nucleus, as the
+    hub's audit measures them (hub.audit.gap_stats)."""
     import torch
 
+    from hub.audit import gap_stats
     from shared.logprobs import completion_logprobs
     from shared.rollout import SamplingParams
 
@@ -79,9 +81,8 @@ def gaps(vllm_engine, hf_engine, prompts: list[str], n: int = 4) -> tuple[float,
     reported = torch.zeros_like(ref, dtype=torch.float32)
     for row, c in enumerate(flat):
         reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
-    inside = mask.bool() & torch.isfinite(ref)
-    diff = (ref.float() - reported).abs()[inside]
-    return float(diff.mean()), float(diff.max())
+    stats = gap_stats(reported, ref, mask)
+    return stats.mean_abs_gap, stats.max_abs_gap
 
 
 def tokens_per_s(engine, prompts: list[str], n: int = 8) -> float:

@@ -163,26 +163,26 @@ class Auditor:
         snapshot = self.shelf.get(version)
         if snapshot is None:
             raise VersionUnavailable(f"snapshot v{version} is not on the shelf")
-        if snapshot.manifest.whole_hash != self.loaded_hash:
+        try:
+            self._load_file(snapshot.path, snapshot.manifest.whole_hash)
+        except FileNotFoundError as exc:  # it left the shelf (and the disk) between get and load
+            raise VersionUnavailable(f"snapshot v{version} was deleted") from exc
+
+    def _load_file(self, path: Path, whole_hash: str) -> None:
+        """The snapshot weights at `path` (whole hash `whole_hash`) into the model, unless it holds them already."""
+        if whole_hash != self.loaded_hash:
             self.loaded_hash = None  # a load that fails half way leaves no known weights
-            try:
-                if self.model is None:
-                    self.model = self._base(snapshot.path)
-                install_snapshot(self.model, snapshot.path)
-            except FileNotFoundError as exc:  # it left the shelf (and the disk) between get and load
-                raise VersionUnavailable(f"snapshot v{version} was deleted") from exc
-            self.loaded_hash = snapshot.manifest.whole_hash
+            if self.model is None:
+                self.model = self._base(path)
+            install_snapshot(self.model, path)
+            self.loaded_hash = whole_hash
 
     def install_probe(self, path: Path, whole_hash: str, rows: tuple[tuple[TokenRow, ...], tuple[TokenRow, ...]]) -> InstallProbe:
         """The install probe of the snapshot weights at `path` (not yet on the shelf): the audit's own model and
         computation, at temperature 1 without top-p, on the snapshot's weights in the snapshot's dtype."""
         prompts, completions = rows
         with self._lock, torch.inference_mode():
-            self.loaded_hash = None
-            if self.model is None:
-                self.model = self._base(path)
-            install_snapshot(self.model, path)
-            self.loaded_hash = whole_hash  # an audit of this version soon after needs no second load
+            self._load_file(path, whole_hash)  # an audit of this version soon after needs no second load
             logprobs, _ = completion_logprobs(self.model, list(prompts), list(completions), self.pad_id)
         return InstallProbe(
             prompt_ids=prompts, completion_ids=completions, max_mean_abs_gap=self.mean_abs_gap,

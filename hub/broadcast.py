@@ -363,10 +363,9 @@ class Broadcaster:
         """Dial the node back (hub/reachability.py), then plan its links by the answer."""
         probed = (record.listen_addrs, record.remote_ip)
         addrs = probe_targets(record.peer_id, *probed)
-        started = trio.current_time()
+        started, answered = trio.current_time(), None
         try:
             with trio.move_on_after(PROBE_VERDICT_S):
-                answered = None
                 answered = await dial_back(record.peer_id, addrs)
         except Exception as exc:  # noqa: BLE001 - our throwaway host failing is no reason to stop the hub
             log.warning("dial-back of %s failed: %r", record.peer_id[-8:], exc)

@@ -135,6 +135,7 @@ def rank_store(data_dir: Path) -> Path:
     """A fresh rendezvous file for --learner-procs in `data_dir`, readable and writable by this user only (each
     start replaces the last one's)."""
     path = Path(data_dir) / RANK_STORE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     return path

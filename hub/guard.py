@@ -181,16 +181,17 @@ class TokenBuckets:
         self.per_s, self.burst, self.max_keys = per_s, float(burst), max_keys
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    def _level(self, key: str, now: float) -> float:
+    def level(self, key: str, now: float) -> float:
+        """Tokens in `key`'s bucket now (a full bucket for a key never seen)."""
         tokens, at = self._buckets.get(key, (self.burst, now))
         return min(self.burst, tokens + (now - at) * self.per_s)
 
     def take(self, key: str, now: float) -> float:
         """0.0 when a token was spent, else the seconds until one is due (nothing spent)."""
-        level = self._level(key, now)
+        level = self.level(key, now)
         if level < 1.0:
             return (1.0 - level) / self.per_s
         self._buckets[key] = (level - 1.0, now)
         if len(self._buckets) > self.max_keys:
-            self._buckets = {k: v for k, v in self._buckets.items() if self._level(k, now) < self.burst}
+            self._buckets = {k: v for k, v in self._buckets.items() if self.level(k, now) < self.burst}
         return 0.0

@@ -30,10 +30,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Awaitable, Callable, Container
-from dataclasses import dataclass, field
 
 import trio
 
+from hub.guard import TokenBuckets
 from shared.crypto import Identity
 from shared.net import address_key, admit_only, build_host, connect, remote_peer_id
 
@@ -216,7 +216,6 @@ def probe_targets(peer_id: str, listen_addrs: tuple[str, ...], observed_ip: str 
     return tuple(f"/{family}/{observed_ip}/tcp/{port}/p2p/{peer_id}" for port in ports[:PROBED_ADDRS])
 
 
-@dataclass
 class DialBackQueue:
     """Whose dial-back starts next (see the module docstring): a pure scheduler, the caller runs the probes.
 
@@ -225,15 +224,14 @@ class DialBackQueue:
     address wait their turn). Per identity: one probe per PROBE_INTERVAL_S, whatever it rejoins with.
     """
 
-    interval_s: float = PROBE_INTERVAL_S
-    burst: int = PROBE_BURST
-    refill_s: float = PROBE_REFILL_S
-    # peer -> (priority: higher first, order of arrival, address key)
-    _waiting: dict[str, tuple[int, int, str]] = field(default_factory=dict)
-    _busy: set[str] = field(default_factory=set)
-    _tokens: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (tokens, as of)
-    _probed: dict[str, float] = field(default_factory=dict)  # peer -> when its last probe started
-    _arrivals: int = 0
+    def __init__(self, interval_s: float = PROBE_INTERVAL_S, burst: int = PROBE_BURST,
+                 refill_s: float = PROBE_REFILL_S) -> None:
+        self.interval_s = interval_s
+        self._buckets = TokenBuckets(1.0 / refill_s, burst)
+        self._waiting: dict[str, tuple[int, int, str]] = {}  # peer -> (priority: higher first, arrival, address key)
+        self._busy: set[str] = set()  # address keys with a probe running
+        self._probed: dict[str, float] = {}  # peer -> when its last probe started
+        self._arrivals = 0
 
     def offer(self, peer: str, ip: str | None, priority: int) -> None:
         """Queue `peer` (seen at `ip`; priority: audits it passed). Offered again, it keeps its place."""
@@ -248,21 +246,17 @@ class DialBackQueue:
     def __contains__(self, peer: str) -> bool:
         return peer in self._waiting
 
-    def _tokens_at(self, key: str, now: float) -> float:
-        tokens, at = self._tokens.get(key, (float(self.burst), now))
-        return min(float(self.burst), tokens + (now - at) / self.refill_s)
-
     def take(self, now: float) -> tuple[str, str] | None:
         """The next (peer, address key) to probe, or None while no waiting one may start now."""
         ready = [(-prio, seq, peer, key) for peer, (prio, seq, key) in self._waiting.items()
-                 if key not in self._busy and self._tokens_at(key, now) >= 1.0
+                 if key not in self._busy and self._buckets.level(key, now) >= 1.0
                  and now - self._probed.get(peer, -self.interval_s) >= self.interval_s]
         if not ready:
             return None
         _, _, peer, key = min(ready)
         del self._waiting[peer]
         self._busy.add(key)
-        self._tokens[key] = (self._tokens_at(key, now) - 1.0, now)
+        self._buckets.take(key, now)
         self._probed[peer] = now
         return peer, key
 
@@ -270,6 +264,5 @@ class DialBackQueue:
         self._busy.discard(key)
 
     def prune(self, now: float) -> None:
-        """Forget full buckets and identities rested past the interval: the tables stay as small as recent probes."""
-        self._tokens = {k: v for k, v in self._tokens.items() if k in self._busy or self._tokens_at(k, now) < self.burst}
+        """Forget identities rested past the interval (the buckets bound themselves, hub.guard.TokenBuckets)."""
         self._probed = {p: at for p, at in self._probed.items() if now - at < self.interval_s}

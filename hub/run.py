@@ -142,7 +142,6 @@ class Hub:
         if world == 1:
             return None
         if env is None:
-            self.config.data_dir.mkdir(parents=True, exist_ok=True)
             env = RankEnv(rank=0, world=world, local_rank=0, store_file=str(rank_store(self.config.data_dir)))
             self.watch = RankWatch()
             self.watch.spawn(world, Path(env.store_file), self.config.data_dir, sys.argv[1:])

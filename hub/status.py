@@ -22,9 +22,12 @@ from hub.state import HubState
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
 from shared.messages import EvalPoint, EventRecord, HubStatus, NodeStatus, StepPoint
-from shared.wire import encode_frame
+from shared.wire import HEADER, encode_frame
 
 STATUS_PERIOD_S = 1.0
+# A build older than this was not refreshed by `run` (which builds every period plus its own time): a status
+# request builds anew.
+STATUS_MAX_AGE_S = 2 * STATUS_PERIOD_S
 HISTORY_POINTS = 300
 EVENTS_KEPT = 200
 # A status request's event count is served from the smallest of these that covers it (one encoding each).
@@ -165,8 +168,12 @@ class StatusBoard:
         return status
 
     async def refresh(self) -> HubStatus:
-        status = await self._build()
-        await trio.to_thread.run_sync(atomic_write_text, self.path, status.model_dump_json())
+        """Build the status and write status.json: the operator's full view, encoded once and also kept as the
+        frame an operator's status request gets until the next build."""
+        async with self._encoding:
+            status = await self._build()
+            frame = await self._frame(True, EVENTS_KEPT)
+        await trio.to_thread.run_sync(atomic_write_text, self.path, frame[HEADER.size:].decode())
         return status
 
     async def _build(self) -> HubStatus:
@@ -175,17 +182,21 @@ class StatusBoard:
         self._built, self._built_at, self._encoded = status, time.monotonic(), {}
         return status
 
+    async def _frame(self, operator: bool, events: int) -> bytes:
+        """One view of the last build, encoded at most once per build, in a worker thread (callers hold _encoding)."""
+        key = (operator, events)
+        if key not in self._encoded:
+            self._encoded[key] = await trio.to_thread.run_sync(_encode_view, self._built, operator, events)
+        return self._encoded[key]
+
     async def encoded(self, operator: bool, events: int) -> bytes:
-        """The status frame a status request gets: built at most once per STATUS_PERIOD_S whoever asks, and each
-        view encoded once per build, off the event loop (the operator's, or the redacted one everyone else gets)."""
+        """The status frame a status request gets (the operator's view, or the redacted one everyone else gets):
+        the last build's while `run` keeps building every STATUS_PERIOD_S, built here only when nobody does
+        (an in-process hub of tests and benchmarks), so at most one build per period whoever asks."""
         async with self._encoding:
-            if self._built is None or time.monotonic() - self._built_at > STATUS_PERIOD_S:
+            if self._built is None or time.monotonic() - self._built_at > STATUS_MAX_AGE_S:
                 await self._build()
-            bucket = next((b for b in EVENT_BUCKETS if b >= events), EVENT_BUCKETS[-1])
-            key = (operator, bucket)
-            if key not in self._encoded:
-                self._encoded[key] = await trio.to_thread.run_sync(_encode_view, self._built, operator, bucket)
-            return self._encoded[key]
+            return await self._frame(operator, next((b for b in EVENT_BUCKETS if b >= events), EVENT_BUCKETS[-1]))
 
     async def run(self) -> None:
         while True:

@@ -34,5 +34,5 @@ def context_tokens(task: Task, tokenizer, max_new_tokens: int) -> int:
     """What a lease of `task` can need of a model's context: its longest prompt, tokenized as engines tokenize
     (`tokenizer(text)["input_ids"]`), plus max_new_tokens. Nodes size their engines by it (vLLM's max_model_len)."""
     texts = [p.text for p in task.prompts()]
-    longest = max((len(ids) for ids in tokenizer(texts)["input_ids"]), default=0) if texts else 0
+    longest = max(map(len, tokenizer(texts)["input_ids"])) if texts else 0
     return longest + max_new_tokens

@@ -40,6 +40,7 @@ class Engine(ABC):
     tokenizer: object
     dtype: str  # "float32" or "bfloat16": the weights' dtype, which snapshots must carry
     broken: str | None = None  # why the engine must not generate, once a swap failed half way
+    model_context: int | None = None  # the model's positions (max_position_embeddings): the most a lease may need
     _lock: threading.Lock  # held by install, generate and scoring: none of them interleave
 
     def _usable(self) -> None:
@@ -66,10 +67,9 @@ class Engine(ABC):
     def fit_context(self, tokens: int) -> None:
         """The hub's leases need `tokens` of context (its join reply): EngineUnavailable when this engine cannot
         give them. An engine with a fixed context (vLLM's max_model_len) sizes itself by it."""
-        limit = getattr(getattr(getattr(self, "model", None), "config", None), "max_position_embeddings", None)
-        if limit is not None and tokens > limit:
+        if self.model_context is not None and tokens > self.model_context:
             raise EngineUnavailable(f"this hub's leases need {tokens} tokens of context (longest prompt plus "
-                                    f"max_new_tokens) and the model has {limit}")
+                                    f"max_new_tokens) and the model has {self.model_context}")
 
     @property
     @abstractmethod
@@ -82,11 +82,13 @@ class Engine(ABC):
         snapshot carries no probe (one written before probes existed)."""
         if probe is None:
             return None
-        with self._lock:
-            self._usable()
-            scored = self.score(probe.prompt_ids, probe.completion_ids)
         try:
-            return probe.check(scored, self.vocab_size)
+            with self._lock:
+                self._usable()
+                vocab_size = self.vocab_size
+                probe.check_tokens(vocab_size)
+                scored = self.score(probe.prompt_ids, probe.completion_ids)
+            return probe.check(scored, vocab_size)
         except ProbeMismatch as exc:
             self.broken = (f"v{version} installed, but this {self.backend} engine does not compute it: {exc}. The node "
                            "stops before generating with it (nothing was submitted, so nothing counts against it); "

@@ -29,6 +29,7 @@ class HFEngine(Engine):
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model_context = getattr(self.model.config, "max_position_embeddings", None)
         self.version = version
         self.sampler = Sampler(self.model, self.tokenizer, self.device, process_seed=seed)
         # install and generate must not interleave (a node may call them from different threads).

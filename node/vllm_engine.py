@@ -136,7 +136,7 @@ class VLLMEngine(Engine):
         if self._llm is None:
             from vllm import LLM
 
-            self._llm = LLM(
+            llm = LLM(
                 model=str(self.model_dir),
                 tokenizer=str(self.model_dir),
                 dtype=self.dtype,
@@ -151,10 +151,11 @@ class VLLMEngine(Engine):
                 **self._memory,
                 **({"enable_lora": True, "max_lora_rank": self.max_lora_rank, "max_loras": 1} if self.max_lora_rank else {}),
             )
-            built = str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")
+            built = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
             if built != self.dtype:
+                llm.llm_engine.engine_core.shutdown()  # its engine process must not outlive the refusal
                 raise RuntimeError(f"vLLM built the model in {built}, asked for {self.dtype}")
-            self.max_model_len = self._llm.llm_engine.model_config.max_model_len
+            self._llm, self.max_model_len = llm, llm.llm_engine.model_config.max_model_len
         return self._llm
 
     def fit_context(self, tokens: int) -> None:
@@ -162,9 +163,7 @@ class VLLMEngine(Engine):
         that. EngineUnavailable when the model has less, when vLLM cannot hold one such sequence (KV cache too
         small: the message says), or when an engine already started for less (a hub restarted with longer
         leases: restart the node)."""
-        if self.model_context is not None and tokens > self.model_context:
-            raise EngineUnavailable(f"this hub's leases need {tokens} tokens of context (longest prompt plus "
-                                    f"max_new_tokens) and the model has {self.model_context}")
+        super().fit_context(tokens)
         with self._lock:
             if self._llm is not None:
                 if tokens > self.max_model_len:
@@ -175,7 +174,6 @@ class VLLMEngine(Engine):
             try:
                 self._engine()
             except Exception as exc:  # vLLM refuses a context its memory cannot hold: one line, with its reason
-                self._llm = None
                 reason = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else type(exc).__name__
                 raise EngineUnavailable(f"vLLM could not start with {tokens} tokens of context: {reason}") from exc
 

@@ -74,10 +74,15 @@ class InstallProbe(BaseModel):
             raise ValueError("a probe row's log-probs do not match its completion")
         return self
 
-    def check(self, scored: Sequence[Sequence[float]], vocab_size: int) -> float:
-        """The mean |gap| of an engine's `scored` log-probs of these rows; ProbeMismatch past the tolerance."""
+    def check_tokens(self, vocab_size: int) -> None:
+        """ProbeMismatch when a row names a token past the model's vocabulary: checked before an engine scores
+        the rows (an embedding lookup past its table would fail inside the engine, not as a mismatch)."""
         if any(t >= vocab_size for row in (*self.prompt_ids, *self.completion_ids) for t in row):
             raise ProbeMismatch(f"the probe names tokens past this model's vocabulary of {vocab_size}")
+
+    def check(self, scored: Sequence[Sequence[float]], vocab_size: int) -> float:
+        """The mean |gap| of an engine's `scored` log-probs of these rows; ProbeMismatch past the tolerance."""
+        self.check_tokens(vocab_size)
         gap = probe_gap(self.logprobs, scored)
         if not gap <= self.max_mean_abs_gap:
             raise ProbeMismatch(f"its log-probs of the hub's probe differ by {gap:.4g} nats per token on average "

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hub.audit import gap_stats
 from hub.config import TrustConfig
 from node.engine import vllm_platform, vllm_unavailable_reason
 from shared.logprobs import completion_logprobs
@@ -67,10 +68,10 @@ def mean_gap(vllm_engine, hf_engine, sampling: SamplingParams, n: int = 4) -> fl
     reported = torch.zeros_like(ref)
     for row, c in enumerate(flat):
         reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
-    inside = mask.bool() & torch.isfinite(ref)
-    outside = int(mask.sum()) - int(inside.sum())
-    assert outside <= TrustConfig().audit_max_outside_frac * int(mask.sum()), f"{outside} tokens outside the nucleus"
-    return ((ref - reported).abs()[inside].sum() / inside.sum()).item()
+    stats = gap_stats(reported, ref, mask)  # as the hub's audit measures it
+    assert stats.outside_nucleus <= TrustConfig().audit_max_outside_frac * stats.tokens, \
+        f"{stats.outside_nucleus} tokens outside the nucleus"
+    return stats.mean_abs_gap
 
 
 def test_vllm_generates_completions(engines):
