@@ -4,14 +4,14 @@ Usage: python bench/broadcast.py [--nodes 1,2,4,8] [--size-mb 64] [--link-mbps 4
                                  [--hub-mbps X] [--modes chain,star] [--out bench/out/broadcast.png] [--json]
 
 Drives the real transfer code in one process: a hub host serving a SnapshotShelf over the
-snapshot protocol (as hub/service.py does) and N node hosts running the real SnapshotKeeper,
+snapshot protocol (as hub/service/handlers.py does) and N node hosts running the real SnapshotKeeper,
 each a real libp2p host (Noise, Yamux, TCP) on 127.0.0.1. Every sender writes through a
 RateLimiter: each node at Bw (--link-mbps), the hub at B0 (--hub-mbps, default Bw) in total
 and at most Bw per connection. The snapshot is random bytes signed by the hub like any
-snapshot. Chain mode lays nodes out with hub.chains.plan_chains and starts each snapshot the
+snapshot. Chain mode lays nodes out with hub.method.chains.plan_chains and starts each snapshot the
 way the hub does (a RelayOffer to each chain head; every relay announces to its successor);
 star mode has every node pull from the hub. T is from the hub's first offer to the last
-node's verified install; the ideal is DESIGN.md section 5 (hub.chains).
+node's verified install; the ideal is DESIGN.md section 5 (hub.method.chains).
 
 All hosts share one Python process and so one core: what the emulated links allow in
 aggregate (chain: N * Bw) must stay below what that core can push through Noise and Yamux,
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import trio
 
-from hub.broadcast import HubUplink
-from hub.chains import chained_broadcast_ideal_s, plan_chains, star_ideal_s
-from hub.snapshots import SnapshotShelf
+from hub.distribution.broadcast import HubUplink
+from hub.method.chains import chained_broadcast_ideal_s, plan_chains, star_ideal_s
+from hub.records.snapshots import SnapshotShelf
 from node.client import HubClient
 from node.keeper import HUB, SnapshotKeeper, Upstream
 from shared.crypto import Identity
@@ -120,7 +120,7 @@ async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, nursery: 
 
 
 async def offer(host, peer_id: str, version: int) -> None:
-    """The hub's nudge to a chain head (hub/broadcast.py)."""
+    """The hub's nudge to a chain head (hub/distribution/broadcast.py)."""
     stream = await open_stream(host, peer_id, RELAY_PROTOCOL)
     await write_message(stream, RelayOffer(version=version))
     await stream.close()

@@ -12,12 +12,12 @@ steps pass (the new node slows the learner on a small machine, and T_train is a 
 averages over the next learner steps, at least --steps-per-point and until the measured bubble's
 standard error is at most --target-se (per-step bubbles range from 0 to 0.7 near mu_min, so 30 steps
 leave an error of about 0.05): measured bubble = sum(T_idle) / sum(T_idle + T_train)
-(metrics.jsonl), predicted = hub.capacity.predicted_bubble(kappa, R / usable, mean T_train, mean
+(metrics.jsonl), predicted = hub.method.capacity.predicted_bubble(kappa, R / usable, mean T_train, mean
 T_bcast, mu_pool) with mu_pool the hub's measured pool throughput and usable the share of accepted
 groups it trained on (status.json), over the same steps: the per-period balance, every node charged
 T_bcast's stall; hub_predicted_bubble is the mean of the hub's own per-step predictions
-(metrics.jsonl), which charge each node its own install's stall (hub.capacity.pool_stall_s) and also
-count the first step that needs the newest version (hub.capacity.first_step_idle_s), both from when
+(metrics.jsonl), which charge each node its own install's stall (hub.method.capacity.pool_stall_s) and also
+count the first step that needs the newest version (hub.method.capacity.first_step_idle_s), both from when
 heartbeats showed each node holding it.
 
 Cost: two hubs with the same fleet (one unthrottled node at $0.35/h, three throttled ones at
@@ -40,11 +40,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from hub.capacity import InfeasibleCapacity, mu_min, predicted_bubble
-from hub.metrics import read_metrics
+from hub.method.capacity import InfeasibleCapacity, mu_min, predicted_bubble
+from hub.training.metrics import read_metrics
 from shared.layout import METRICS_FILE
 from shared.messages import HubStatus
-from tests.harness import HubProc, Proc, node_peer_id, start_hub, start_node
+from testbed.harness import HubProc, Proc, node_peer_id, start_hub, start_node
 
 STALENESS = 4
 KAPPA = 3
@@ -96,7 +96,7 @@ class Point:
     measured_se: float  # standard error of measured_bubble (batch means of SE_BATCH_STEPS steps)
     predicted_bubble: float
     # The hub's own per-step prediction (metrics.jsonl), which also models the first step that needs the
-    # newest version from when the pool got it (hub.capacity.first_step_idle_s); None if it made none.
+    # newest version from when the pool got it (hub.method.capacity.first_step_idle_s); None if it made none.
     hub_predicted_bubble: float | None
     t_train_s: float
     t_bcast_s: float

@@ -85,15 +85,15 @@ def make_groups(model_dir: Path, sampling) -> list:
 async def run_one(model: str, model_dir: Path, params: int, lr: float, args: argparse.Namespace, log) -> dict:
     import trio
 
-    from hub.broadcast import HubUplink
     from hub.config import HubConfig, LearnerConfig
-    from hub.learner import Learner
+    from hub.distribution.broadcast import HubUplink
+    from hub.training.learner import Learner
     from shared.crypto import Identity
     from shared.delta import build_delta_snapshot
     from shared.net import RateLimiter
     from shared.snapshot import build_snapshot, file_hash, remove_snapshot_files
-    from tests.peers import hub_peer, node_peer, scratch_dir
-    from tests.relay_scenarios import Hub, join
+    from testbed.peers import hub_peer, node_peer, scratch_dir
+    from testbed.relay_scenarios import Hub, join
 
     sampling = HubConfig().sampling.model_copy(update={"max_new_tokens": MAX_NEW_TOKENS, "seed": 0})
     cfg = LearnerConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, lr=lr, dtype="bfloat16", threads=args.threads)

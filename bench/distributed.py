@@ -4,9 +4,9 @@ Usage: python bench/distributed.py [--json] [--models default,25M] [--procs 2] [
 
 For each model (the embedded default, or a random-init Qwen2 of bench/scale.py's sizes built
 locally): PROMPTS groups generated once by the model itself (bench/delta.py's make_groups), the
-same batch for every step. One process runs hub.learner.Learner for --steps steps; then --procs
+same batch for every step. One process runs hub.training.learner.Learner for --steps steps; then --procs
 processes (torch.distributed, gloo) each run the same Learner sharded with FSDP2 on the same
-steps, each computing its share of the rows (hub.distributed.partition_rows). Printed per run:
+steps, each computing its share of the rows (hub.training.distributed.partition_rows). Printed per run:
 step_s (median wall time of a step, one torch thread per process) and
 max_abs_weight_diff_vs_1proc (largest elementwise difference of the final fp32 weights from the
 one-process run's). Target (issue 17): <= 1e-5 in fp32.
@@ -61,9 +61,9 @@ def rank_main(rank: int, world: int, store: str, model_dir: str, groups, steps: 
     from transformers.utils import logging as hf_logging
 
     from hub.config import HubConfig
-    from hub.distributed import init_ranks
-    from hub.learner import Learner
-    from hub.ranks import RankEnv
+    from hub.training.distributed import init_ranks
+    from hub.training.learner import Learner
+    from hub.training.ranks import RankEnv
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
@@ -84,8 +84,8 @@ def run_model(name: str, args: argparse.Namespace, work: Path, log) -> list[dict
 
     from bench.delta import make_groups, model_dir_for
     from hub.config import HubConfig
-    from hub.distributed import rank_store
-    from hub.learner import Learner
+    from hub.training.distributed import rank_store
+    from hub.training.learner import Learner
 
     torch.set_num_threads(1)
     model_dir, params = model_dir_for(name, work)

@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hub.metrics import policy_reward, read_metrics  # noqa: E402
-from hub.summary import fifth_means  # noqa: E402
+from hub.cli.summary import fifth_means  # noqa: E402
+from hub.training.metrics import policy_reward, read_metrics  # noqa: E402
 from shared.layout import HUB_STATUS_FILE, METRICS_FILE  # noqa: E402
 from shared.messages import HubStatus  # noqa: E402
 

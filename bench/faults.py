@@ -1,13 +1,13 @@
 """Fault injection against the real system: misbehaving nodes, hub crashes, node churn (measured and printed).
 
-The scenarios live in tests/fault_scenarios.py, shared with tests/test_faults.py (one test per cheat
+The scenarios live in testbed/fault_scenarios.py, shared with tests/test_faults.py (one test per cheat
 class); see that module for what each does and counts. This script runs the ones asked for against
 real hub processes and prints the figures.
 
 Usage: python bench/faults.py [--json] [--quick] [--only bad_signature,replay,...,framed_relay,crash,churn] [--kills N]
 
 Relay scenarios (framed_relay, forged_manifest, stalling_relay, serving_strangers) run in process
-against the real Broadcaster and keepers (tests/relay_scenarios.py).
+against the real Broadcaster and keepers (testbed/relay_scenarios.py).
 
 `--only crash --kills 200` is the crash mode: 200 SIGKILLs of the hub at random moments (mid learner
 step, mid submission), each followed by a restart, then the books are checked (JSON adds wall_s).
@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import trio
 
-from tests.fault_scenarios import (
+from testbed.fault_scenarios import (
     AUDIT_CHEATS,
     PROTOCOL_CHEATS,
     run_cheat,
@@ -38,7 +38,7 @@ from tests.fault_scenarios import (
     start_audit_hub,
     start_protocol_hub,
 )
-from tests.relay_scenarios import RELAY_SCENARIOS
+from testbed.relay_scenarios import RELAY_SCENARIOS
 
 
 def run_cheats(work: Path, names: list[str], quick: bool, say) -> list[dict]:

@@ -58,7 +58,7 @@ def make_batch(model_dir: Path, prompts: int, n: int, sampling):
     """
     import random
 
-    from hub.buffer import has_reward_variance
+    from hub.records.buffer import has_reward_variance
     from node.hf_engine import HFEngine
     from shared.rollout import Group
     from shared.tasks.reverse import ReverseTask
@@ -84,7 +84,7 @@ def make_batch(model_dir: Path, prompts: int, n: int, sampling):
 
 def trl_inputs(groups, tokenizer, n: int) -> dict[str, torch.Tensor]:
     """The dict GRPOTrainer._compute_loss reads, built from the same groups and advantages as ours."""
-    from hub.grpo import group_advantages
+    from hub.method.grpo import group_advantages
 
     prompt_rows, completion_rows, logprob_rows = [], [], []
     for group in groups:
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from transformers.utils import logging as hf_logging
 
     from hub.config import HubConfig, LearnerConfig
-    from hub.learner import Learner
+    from hub.training.learner import Learner
     from shared.default_model import ensure_default_model
 
     # transformers' weight-loading bars would garble ours and the JSON line.

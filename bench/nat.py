@@ -2,7 +2,7 @@
 
 Usage (root: it builds network namespaces): python bench/nat.py [--json] [--link-mbps 100] [--versions 5]
 
-Topology (tests/netns.py): the hub on a public segment; in the "nat" run one node beside it and two
+Topology (testbed/netns.py): the hub on a public segment; in the "nat" run one node beside it and two
 nodes each behind its own MASQUERADE router, in the "no_nat" run the same three nodes all on the
 public segment. Each run is a real hub and three real recording nodes, every link emulated at
 --link-mbps (the hub's uplink too, so one chain), the learner publishing every step (kappa 1,
@@ -31,9 +31,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.harness import query, wait_until  # noqa: E402
-from tests.netns import PUBLIC_NODE_LISTEN, Topology, unavailable  # noqa: E402
-from tests.test_broadcast import HUB_TOML, node_states, stop_all  # noqa: E402
+from testbed.harness import HUB_TOML, node_states, query, stop_all, wait_until  # noqa: E402  # noqa: E402
+from testbed.netns import PUBLIC_NODE_LISTEN, Topology, unavailable  # noqa: E402
 
 RUN_TIMEOUT_S = 600.0
 _INSTALLED = re.compile(r"installed v(\d+) \(([\d.]+)s, (?:a delta of )?(\d+) bytes")

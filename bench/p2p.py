@@ -56,7 +56,7 @@ from shared.messages import (
 )
 from shared.net import running_host
 from shared.rollout import Completion, SamplingParams
-from tests.harness import query
+from testbed.harness import query
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 GROUP_SIZE = 2
@@ -74,11 +74,11 @@ SUBMIT_INTERVAL_S = 20.0
 
 
 def serve(data_dir: Path) -> None:
-    """Run the real HubService and HubState on loopback (tests/inproc.py: the factory `echo-hub start` uses,
+    """Run the real HubService and HubState on loopback (testbed/inproc.py: the factory `echo-hub start` uses,
     with a version counter for the learner); print the address."""
     from hub.config import HubConfig, LearnerConfig, LeaseConfig
     from shared.default_model import ensure_default_model
-    from tests.inproc import PERMISSIVE_TRUST, inproc_hub
+    from testbed.inproc import PERMISSIVE_TRUST, inproc_hub
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model_dir = ensure_default_model(progress=False)

@@ -12,7 +12,7 @@ uplink), [scheduler] enabled = false so all three work, and a learner that publi
 is timed alone) until --snapshots broadcasts after v0 were timed. Measured:
 - snapshot_bytes, publish_s (build + write of a snapshot: the store's published_at - created_at),
   t_bcast_s (from the hub recording a version to the last node's "installed vN" log line, the
-  mean over versions every node installed) against ideal_s (hub.chains.chained_broadcast_ideal_s
+  mean over versions every node installed) against ideal_s (hub.method.chains.chained_broadcast_ideal_s
   for 3 nodes in one chain). The hub's own T_bcast is not used: it records a version only if no
   newer one was published before the last node had it, and at S = 0 the chain's head already
   sends the learner the rollouts of the next step while the tail is still receiving;
@@ -56,12 +56,12 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from hub.chains import chained_broadcast_ideal_s  # noqa: E402
+from hub.method.chains import chained_broadcast_ideal_s  # noqa: E402
 from shared.layout import SNAPSHOTS_DIR  # noqa: E402
-from tests.harness import Proc, query, start_hub, start_node, wait_until  # noqa: E402
+from testbed.harness import Proc, query, start_hub, start_node, wait_until  # noqa: E402
 
 MB = 1e6
-# name -> (hidden, layers): ~12 x hidden^2 x layers with grouped-query attention (tests/models.py).
+# name -> (hidden, layers): ~12 x hidden^2 x layers with grouped-query attention (testbed/models.py).
 SIZES = {"25M": (512, 9), "100M": (768, 16), "400M": (1280, 24)}
 STALENESS = 0  # on-policy: each version is broadcast, used and timed before the next (kappa = 1)
 NODES = 3
@@ -159,7 +159,7 @@ class Result:
 def build_model(work: Path, size: str) -> tuple[Path, int]:
     from transformers import AutoConfig
 
-    from tests.models import random_model_dir
+    from testbed.models import random_model_dir
 
     hidden, layers = SIZES[size]
     out = work / f"qwen2-{size}"
@@ -293,8 +293,8 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
 
     import trio
 
-    from hub.broadcast import HubUplink
-    from hub.snapshots import SnapshotShelf
+    from hub.distribution.broadcast import HubUplink
+    from hub.records.snapshots import SnapshotShelf
     from node.keeper import HUB, SnapshotKeeper, Upstream
     from shared.bulk import BulkChannel, serving_stream
     from shared.crypto import Identity

@@ -2,12 +2,12 @@
 
     python bench/simulate.py [--nodes 10,100,1000,10000] [--seeds 1] [--fleet-seed K] [--steps K] [--json] [--plot PNG]
 
-Unchanged project code decides: `hub.capacity` (mu_min, predicted_bubble, control_decision and
+Unchanged project code decides: `hub.method.capacity` (mu_min, predicted_bubble, control_decision and
 held_release: the closed loop's one move, a set of nodes, per control period),
-`hub.chains.plan_chains` (who relays to whom), `hub.capacity.default_kappa` and the lease and
+`hub.method.chains.plan_chains` (who relays to whom), `hub.method.capacity.default_kappa` and the lease and
 staleness rules as the hub applies them (a node holding a version older than the learner can use
 gets no lease; a group of version x is used at step t only if (t - 1) - x <= S; the buffer is
-consumed oldest first). The scheduler's wrapper (hub/scheduler.py: activate everything until
+consumed oldest first). The scheduler's wrapper (hub/control/scheduler.py: activate everything until
 T_train is known, activate at once, release a node only after it has been wanted for release
 RELEASE_HOLD_PERIODS periods on end) is mirrored here.
 
@@ -34,13 +34,13 @@ Production is fluid: between events each producing node adds rate * dt rollouts 
 holds (times the usable fraction). A node switches to a new version one lease (prompts_per_lease *
 group_size rollouts at its rate) after the snapshot arrives: it finishes its lease with the version it
 had, and hands the new one's rollouts in a lease at a time. Request rates at the hub: joins and leaves as drawn, heartbeats
-at the period the hub tells its online nodes (`hub.fleet.heartbeat_period`: every 2 s up to
+at the period the hub tells its online nodes (`hub.records.fleet.heartbeat_period`: every 2 s up to
 scheduler.heartbeats_per_s in all), one lease-carrying submission per prompts_per_lease *
 group_size rollouts (4 x 16).
 
-The predicted bubble is hub.capacity.predicted_bubble with each active node's start on the newest
+The predicted bubble is hub.method.capacity.predicted_bubble with each active node's start on the newest
 version, as the hub times it (the per-period stall is their throughput-weighted mean, pool_stall_s), and
-half a lease of lag per active node (hub.capacity.first_step_idle_s:
+half a lease of lag per active node (hub.method.capacity.first_step_idle_s:
 the first step that can use nothing older waits for that version's rollouts; at 1,000+ nodes that
 step, not the per-period balance, is where the learner idles).
 
@@ -65,7 +65,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hub.capacity import (  # noqa: E402
+from hub.config import LeaseConfig, SchedulerConfig  # noqa: E402
+from hub.control.scheduler import RELEASE_HOLD_PERIODS  # noqa: E402
+from hub.method.capacity import (  # noqa: E402
     Arrival,
     InfeasibleCapacity,
     NodeOffer,
@@ -75,10 +77,8 @@ from hub.capacity import (  # noqa: E402
     mu_min,
     predicted_bubble,
 )
-from hub.chains import plan_chains  # noqa: E402
-from hub.config import LeaseConfig, SchedulerConfig  # noqa: E402
-from hub.fleet import heartbeat_period  # noqa: E402
-from hub.scheduler import RELEASE_HOLD_PERIODS  # noqa: E402
+from hub.method.chains import plan_chains  # noqa: E402
+from hub.records.fleet import heartbeat_period  # noqa: E402
 
 GPU_MIX = (  # (share, rollouts/s, $/h)
     (0.35, 6.0, 0.10),
@@ -208,7 +208,7 @@ class Simulation:
         self.t_arrive_last: float | None = None  # the active pool's throughput-weighted mean arrival
         self.installs_last: tuple[tuple[float, float], ...] = ()  # (rate, seconds) per active node: pool_stall_s
         self.publish_at: dict[int, float] = {}
-        self.release_wanted: dict[str, float] = {}  # as hub.scheduler keeps it
+        self.release_wanted: dict[str, float] = {}  # as hub.control.scheduler keeps it
         self.ramp_s: float | None = None
         # Per step, from the second half on: (idle, train, predicted bubble or None, active count, cost $)
         self.records: list[tuple[float, float, float | None, int, float]] = []
@@ -554,7 +554,7 @@ def demand(fleet: list[Node], staleness: int, share: float) -> float:
     """R (rollouts the learner trains on per step) that makes mu_min `share` of the fleet's expected online
     throughput (ONLINE_AT_START of it).
 
-    mu_min is the hub's own (hub.capacity.mu_min, linear in R) at the whole fleet's chain broadcast time, so
+    mu_min is the hub's own (hub.method.capacity.mu_min, linear in R) at the whole fleet's chain broadcast time, so
     every fleet asks for the same share of its throughput, whatever its slowest link; and R depends on the
     fleet only, not on a seed's dice, so the seeds of one fleet differ in churn and T_train alone.
     """

@@ -77,7 +77,7 @@ def measure_step_s(model_dir: Path, cfg, sampling) -> float:
     """Seconds of one learner step plus the generation of its groups, at this run's sizes."""
     import random
 
-    from hub.learner import Learner
+    from hub.training.learner import Learner
     from node.hf_engine import HFEngine
     from shared.rollout import Group
     from shared.tasks.reverse import ReverseTask
@@ -104,11 +104,11 @@ def measure_step_s(model_dir: Path, cfg, sampling) -> float:
 def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, delay_s: float, data_dir: Path,
             on_step) -> dict:
     from hub.config import HubConfig
-    from hub.learner import LearnerComponent
-    from hub.local_rollouts import LocalRollouts
-    from hub.metrics import read_metrics
-    from hub.state import HubState
-    from hub.store import Store
+    from hub.records.store import Store
+    from hub.service.local_rollouts import LocalRollouts
+    from hub.service.state import HubState
+    from hub.training.learner import LearnerComponent
+    from hub.training.metrics import read_metrics
     from node.hf_engine import HFEngine
     from shared.crypto import Identity
     from shared.default_model import sample_accuracy

@@ -2,7 +2,7 @@
 
     python bench/status.py [--identities 300,23000] [--json]
 
-The real hub service and status board in process (tests/inproc.py), its fleet filled with `--identities`
+The real hub service and status board in process (testbed/inproc.py), its fleet filled with `--identities`
 records, half live and half gone two hours ago (as throwaway joins leave them). Side by side:
 - `per_request_ms_rebuilt`: CPU of what a status request did before the board cached it (build the
   view from every node, redact, encode), on the event loop, per request;
@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))
 
 import trio
 
-from hub.fleet import NodeRecord
+from hub.records.fleet import NodeRecord
 from shared.messages import HubStatus
 from shared.wire import HEADER, encode_message
-from tests.inproc import inproc_hub
-from tests.test_attacks import CONFIG
+from testbed.inproc import PERMISSIVE_CONFIG as CONFIG
+from testbed.inproc import inproc_hub
 
 
 async def measure(identities: int, work: Path) -> dict:

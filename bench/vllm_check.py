@@ -65,10 +65,10 @@ def perturbed_state(model, seed: int) -> dict:
 
 def gaps(vllm_engine, hf_engine, prompts: list[str], n: int = 4) -> tuple[float, float]:
     """Mean and max |vLLM - transformers| log-prob over the sampled tokens inside the transformers nucleus, as the
-    hub's audit measures them (hub.audit.gap_stats)."""
+    hub's audit measures them (hub.trust.audit.gap_stats)."""
     import torch
 
-    from hub.audit import gap_stats
+    from hub.trust.audit import gap_stats
     from shared.logprobs import completion_logprobs
     from shared.rollout import SamplingParams
 
@@ -109,9 +109,9 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
     import vllm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hub.audit import Auditor
     from hub.config import TrustConfig
-    from hub.snapshots import SnapshotShelf
+    from hub.records.snapshots import SnapshotShelf
+    from hub.trust.audit import Auditor
     from node.engine import EngineBroken
     from node.hf_engine import HFEngine
     from node.vllm_engine import VLLMEngine
@@ -161,9 +161,9 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
 
 def run_e2e(device: str, nodes: int, steps: int, tmp: Path) -> dict:
     """A real hub and `nodes` vLLM nodes; the hub stops itself after `steps` learner steps."""
-    from hub.metrics import policy_reward, read_metrics
-    from hub.store import Store
-    from hub.summary import fifth_means
+    from hub.cli.summary import fifth_means
+    from hub.records.store import Store
+    from hub.training.metrics import policy_reward, read_metrics
     from shared.layout import HUB_STORE_FILE, METRICS_FILE
 
     data = tmp / "hub"

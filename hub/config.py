@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from hub.capacity import default_kappa, validate_kappa
+from hub.method.capacity import default_kappa, validate_kappa
 from shared.config import Section
 from shared.layout import HUB_KEY_FILE
 from shared.rollout import SamplingParams

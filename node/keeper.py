@@ -130,7 +130,7 @@ class Held:
 class Upstream:
     peer_id: str | None  # None: the hub
     addrs: tuple[str, ...]
-    kind: str = "direct"  # hub.chains.link_kind: "holepunch" is reached through node/nat.py
+    kind: str = "direct"  # hub.method.chains.link_kind: "holepunch" is reached through node/nat.py
 
 
 HUB = Upstream(None, ())

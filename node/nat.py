@@ -1,6 +1,6 @@
 """The node's side of NAT traversal: a reservation on the hub's relay, and hole punches to a NATed upstream.
 
-A node the hub found NATed (hub/reachability.py) reserves a slot on the hub's circuit relay v2, so
+A node the hub found NATed (hub/distribution/reachability.py) reserves a slot on the hub's circuit relay v2, so
 that a NATed successor can reach it through the hub. The successor dials it there
 (`/<hub>/p2p-circuit/p2p/<upstream>`) and runs DCUtR over that relayed connection: both exchange
 the addresses the hub observed them at and dial each other at once, which opens both NATs. On

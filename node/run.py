@@ -185,7 +185,7 @@ class NodeRuntime:
         bulk = channel_for(self.config.listen, self.config.bulk_port)
         async with running_host(self.identity, [self.config.listen]) as (host, addrs):
             # A port-forwarded host says where peers reach it; behind a NAT nothing is needed (the hub
-            # finds out, hub/reachability.py, and plans links the node dials itself).
+            # finds out, hub/distribution/reachability.py, and plans links the node dials itself).
             public = self.config.public_addr
             self.listen_addrs = (f"{public}/p2p/{self.identity.peer_id}",) if public else tuple(addrs)
             client = HubClient(host, self.identity, self.config.hub)

@@ -291,7 +291,7 @@ class StepPoint(Message):
 
 
 class EvalPoint(Message):
-    """One held-out evaluation of the policy after `step` (hub/evaluation.py)."""
+    """One held-out evaluation of the policy after `step` (hub/training/evaluation.py)."""
 
     TYPE: ClassVar[int] = 23
     MAX_BYTES: ClassVar[int] = 4 * KIB

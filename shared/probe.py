@@ -7,7 +7,7 @@ applied half way, a CUDA graph that captured the old weights' pointers, an adapt
 wrong modules. The hub's audits would catch such a node only after it had spent its work, and then ban
 an honest volunteer. The probe catches it at install: a few fixed (prompt, completion) token rows, and
 their per-token log-probs at temperature 1 without top-p, computed by the hub on the snapshot's weights
-in the snapshot's dtype (the audit's own computation, hub/audit.py). The node scores the same rows with
+in the snapshot's dtype (the audit's own computation, hub/trust/audit.py). The node scores the same rows with
 its engine and refuses the version if the mean |gap| passes the audit tolerance the hub signs beside
 them. Temperature 1 without top-p keeps nucleus boundaries, where two honest engines may disagree on a
 token's membership, out of the comparison.

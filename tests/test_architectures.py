@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from hub.audit import Auditor
 from hub.config import TrustConfig
-from hub.snapshots import SnapshotShelf
+from hub.records.snapshots import SnapshotShelf
+from hub.trust.audit import Auditor
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import build_snapshot, model_dir_config_hash
 from shared.tasks.reverse import ReverseTask
-from tests.models import ARCHITECTURES, random_model_dir
+from testbed.models import ARCHITECTURES, random_model_dir
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=6, seed=5)
 

@@ -1,5 +1,5 @@
 """Attacks of an outside review on the landed protocol, each replayed by hand-built peers with fresh
-identities against the real hub service and state in-process (tests/inproc.py) or a real `echo-hub`
+identities against the real hub service and state in-process (testbed/inproc.py) or a real `echo-hub`
 process: hostile numbers and strings, throwaway identities that filled py-libp2p's connection slots,
 big frames from strangers, status snooping. The attacks on audits, pay, relays, copies and disk use
 live beside the code they hit (test_state, test_broadcast, test_transfer, test_copies, test_store)."""
@@ -16,9 +16,8 @@ from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify_push.identify_push import ID_PUSH as IDENTIFY_PUSH_PROTOCOL
 from libp2p.peer.id import ID
 
-from hub.chains import num_chains
-from hub.config import HubConfig, LearnerConfig, LeaseConfig
-from hub.service import REFUSE_LINGER_S, STRANGER_FRAME_CAP_BYTES
+from hub.method.chains import num_chains
+from hub.service.handlers import REFUSE_LINGER_S, STRANGER_FRAME_CAP_BYTES
 from node.client import HubClient
 from shared.crypto import Identity
 from shared.messages import (
@@ -41,15 +40,11 @@ from shared.messages import (
 )
 from shared.net import connect, forget_peer, running_host
 from shared.wire import HEADER, encode_frame
-from tests.harness import start_hub
-from tests.inproc import PERMISSIVE_TRUST, InprocHub, inproc_hub
+from testbed.harness import start_hub
+from testbed.inproc import PERMISSIVE_CONFIG, PERMISSIVE_TRUST, InprocHub, inproc_hub
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-CONFIG = HubConfig(
-    learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=2),
-    lease=LeaseConfig(prompts_per_lease=2),
-    trust=PERMISSIVE_TRUST,
-)
+CONFIG = PERMISSIVE_CONFIG
 
 
 def join_json(hub: InprocHub, **fields) -> bytes:
@@ -230,10 +225,10 @@ async def test_a_stranger_sending_garbage_and_redialling_is_let_go_on_time_and_i
     its connection over 5 minutes, though strangers' connections end after 120 s however busy; and a refused
     stream was left open unread, so the sender's close waited for the connection to die. Now the lifetime
     counts over reconnections, and a refused stream is reset once the peer had REFUSE_LINGER_S to read why."""
-    import hub.service
+    from hub.service import handlers
     from shared.net import open_stream
 
-    monkeypatch.setattr(hub.service, "NON_MEMBER_LIFETIME_S", 3.0)
+    monkeypatch.setattr(handlers, "NON_MEMBER_LIFETIME_S", 3.0)
     async with inproc_hub(tmp_path / "hub", default_model_dir, CONFIG) as hub_, AsyncExitStack() as stack:
         host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
         hub_host, started = hub_.service.host, trio.current_time()
@@ -242,7 +237,7 @@ async def test_a_stranger_sending_garbage_and_redialling_is_let_go_on_time_and_i
         await stream.write(b"\xff" * 64)
         reply = await stream.read(4096)
         assert b"bad_request" in reply
-        with trio.fail_after(hub.service.REFUSE_LINGER_S + 2.0), pytest.raises(Exception):  # noqa: B017 - reset
+        with trio.fail_after(handlers.REFUSE_LINGER_S + 2.0), pytest.raises(Exception):  # noqa: B017 - reset
             while True:
                 await stream.write(b"\xff" * 64)
                 await trio.sleep(0.1)
@@ -253,7 +248,7 @@ async def test_a_stranger_sending_garbage_and_redialling_is_let_go_on_time_and_i
             while trio.current_time() - started < 14.0:
                 connected = bool(hub_host.get_network().get_connections(host.get_id()))
                 streak = streak + 0.2 if connected else 0.0
-                if trio.current_time() - started > 3.0 + hub.service.GUARD_PRUNE_PERIOD_S + 1.0:
+                if trio.current_time() - started > 3.0 + handlers.GUARD_PRUNE_PERIOD_S + 1.0:
                     longest = max(longest, streak)
                 try:
                     if not connected:  # dropped: it notices at once and redials
@@ -263,7 +258,7 @@ async def test_a_stranger_sending_garbage_and_redialling_is_let_go_on_time_and_i
                 except Exception:  # noqa: BLE001 - dropped mid-way: it redials
                     pass
                 await trio.sleep(0.2)
-        assert longest <= 2 * hub.service.GUARD_PRUNE_PERIOD_S + 0.5, longest
+        assert longest <= 2 * handlers.GUARD_PRUNE_PERIOD_S + 0.5, longest
 
 
 def hub_status_board(hub: InprocHub):
@@ -276,9 +271,9 @@ async def test_the_strangers_status_leaks_nothing_is_built_once_per_period_is_ra
     """Untrusted peers, round three, item 8: events showed strangers a volunteer's price and IP:port; the view was
     rebuilt on the event loop per request from every node ever seen (1.6 -> 13.2 ms after 300 throwaway joins);
     past about 23,000 identities it outgrew its 8 MiB cap and every status reply failed."""
-    from hub import status as status_module
-    from hub.fleet import NodeRecord
-    from hub.service import STRANGER_STATUS_BURST
+    from hub.records.fleet import NodeRecord
+    from hub.service import status as status_module
+    from hub.service.handlers import STRANGER_STATUS_BURST
 
     # A tenth of production's cap and fleets, so a busy machine builds it in time (the bench figures use the real ones).
     monkeypatch.setattr(status_module, "STATUS_NODES_MAX", 1_000)
@@ -417,7 +412,7 @@ def test_a_real_hub_with_a_planned_uplink_survives_a_hostile_join(tmp_path):
 async def test_the_join_reply_carries_the_context_a_lease_needs(tmp_path, default_model_dir):
     from transformers import AutoTokenizer
 
-    from hub.tasks import context_tokens
+    from hub.training.tasks import context_tokens
     from shared.tasks import load_task
 
     async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:

@@ -8,14 +8,14 @@ import pytest
 import torch
 import trio
 
-from hub.audit import AuditJob, Auditor, AuditQueue, GapStats, gap_stats, judge
 from hub.config import AUDIT_GAP_BY_DTYPE, TrustConfig
-from hub.snapshots import SnapshotShelf
+from hub.records.snapshots import SnapshotShelf
+from hub.trust.audit import AuditJob, Auditor, AuditQueue, GapStats, gap_stats, judge
 from shared.crypto import Identity
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import build_snapshot, model_config_hash
 from shared.tasks.reverse import ReverseTask
-from tests.models import nudged_model
+from testbed.models import nudged_model
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10)
 GROUPS = 20

@@ -4,24 +4,30 @@ a corrupt relay banned while its successors still install a verified snapshot, a
 
 from __future__ import annotations
 
-import json
-import signal
-from pathlib import Path
-
 import pytest
 import trio
-from safetensors.torch import load as safetensors_load
 
-from hub.broadcast import Broadcast, HubUplink
+from hub.distribution.broadcast import Broadcast, HubUplink
 from node.keeper import HUB
 from shared.crypto import Identity
-from shared.snapshot import SIGNATURE_BYTES, Manifest, blake3_hex, snapshot_paths
+from shared.snapshot import snapshot_paths
 from shared.transfer import STALL_S
-from tests import forked
-from tests.harness import Proc, _env, node_peer_id, query, start_hub, wait_until
-from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot
-from tests.recording_node import weights_digest
-from tests.relay_scenarios import Hub, join, scenario_forged_manifest, scenario_framed_relay
+from testbed.harness import (
+    LINK_MBPS,
+    QUIET_NODE,
+    Proc,
+    assert_installed_bit_exact,
+    hub_manifest,
+    node_peer_id,
+    node_states,
+    query,
+    start_test_hub,
+    start_test_node,
+    stop_all,
+    wait_until,
+)
+from testbed.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot
+from testbed.relay_scenarios import Hub, join, scenario_forged_manifest, scenario_framed_relay
 
 KIB = 1024
 
@@ -151,61 +157,6 @@ async def test_hub_uplink_shares_b0_and_caps_each_stream_at_bw(hub_bps, expected
 
 # -- real processes ----------------------------------------------------------------------------
 
-LINK_MBPS = 2.0  # 250 kB/s per link: the ~3.5 MB default-model snapshot takes ~14 s per hop
-HUB_TOML = """
-[scheduler]
-heartbeat_period_s = 0.5
-heartbeat_timeout_s = 3.0
-control_period_s = 1.0
-[broadcast]
-chunk_kib = 128
-"""
-# Nodes barely generate (a lease's rollouts take 1 / 0.05 s each): the CPU goes to the transfers.
-QUIET_NODE = ("--max-rollouts-per-s", "0.05")
-
-
-def start_test_node(hub_addr: str, data_dir: Path, *args: str, module: str = "tests.recording_node") -> Proc:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    log = data_dir / "node.out"
-    argv = ["join", "--hub", hub_addr, "--price", "0.35", "--backend", "hf",
-            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
-    return Proc(forked.spawn(module, argv, str(log), _env()), log)
-
-
-def start_test_hub(data_dir: Path, *args: str):
-    data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "hub.toml").write_text(HUB_TOML)
-    return start_hub(data_dir, "--local-nodes", "0", "--steps", "0", "--config", str(data_dir / "hub.toml"), *args)
-
-
-def hub_manifest(hub_dir: Path, version: int) -> Manifest:
-    raw = snapshot_paths(hub_dir / "snapshots", version)[1].read_bytes()
-    return Manifest.model_validate_json(raw[SIGNATURE_BYTES:])
-
-
-def assert_installed_bit_exact(node_dir: Path, hub_dir: Path, version: int) -> None:
-    """What the node put into its engine, and the engine's weights read back, are the hub's file byte for byte."""
-    hub_file = snapshot_paths(hub_dir / "snapshots", version)[0].read_bytes()
-    tensors = safetensors_load(hub_file)  # the safetensors library reads our streamed files
-    record = json.loads((node_dir / "installed" / f"v{version}.json").read_text())
-    assert record == {
-        "version": version, "bytes_blake3": blake3_hex(hub_file), "model_digest": weights_digest(tensors, tensors)
-    }
-
-
-def node_states(hub) -> dict[str, object]:
-    status = hub.status()
-    return {} if status is None else {n.peer_id: n for n in status.nodes}
-
-
-def stop_all(procs: list[Proc]) -> None:
-    for proc in procs:
-        if proc.process.poll() is None:
-            proc.process.send_signal(signal.SIGINT)
-    for proc in procs:
-        proc.stop(timeout_s=15)
-
-
 @pytest.mark.slow
 def test_chain_of_four_bit_exact_and_survives_losing_its_second_node(tmp_path):
     hub_dir = tmp_path / "hub"
@@ -257,7 +208,7 @@ def test_corrupt_relay_is_banned_and_no_node_installs_corrupt_data(tmp_path):
     hub = start_test_hub(hub_dir, "--prompts-per-step", "4096")
     nodes: list[Proc] = []
     try:
-        evil = start_test_node(hub.addr, tmp_path / "evil", *QUIET_NODE, module="tests.evil_node")
+        evil = start_test_node(hub.addr, tmp_path / "evil", *QUIET_NODE, module="testbed.evil_node")
         nodes.append(evil)
         evil_id = node_peer_id(evil)
         wait_until(lambda: (n := node_states(hub).get(evil_id)) and n.version_held == 0, 120, "the evil node to hold v0")
@@ -366,7 +317,7 @@ async def test_a_relay_whose_successor_gets_nothing_moves_to_the_end_of_its_chai
 async def test_a_broadcast_knows_when_the_active_pools_throughput_got_it(monkeypatch):
     """Heartbeats show a (active, 6/s) holding v1 1 s after its publish, b (active, 2/s) 3 s after and
     c (standby) 10 s after: T_bcast is 10 s, the pool's throughput had it (6 * 1 + 2 * 3) / 8 = 1.5 s, and
-    each active node's install goes to the capacity model's stall (hub.capacity.pool_stall_s)."""
+    each active node's install goes to the capacity model's stall (hub.method.capacity.pool_stall_s)."""
     hub_id = Identity.generate()
     async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b, node_peer(peer) as c:
         hub = Hub(peer, "chain")
@@ -375,7 +326,7 @@ async def test_a_broadcast_knows_when_the_active_pools_throughput_got_it(monkeyp
             records[node.peer_id].state, records[node.peer_id].rollouts_per_s = state, rate
         hub.broadcaster.pending = [Broadcast(1, 100.0, frozenset(records))]
         for at, node in ((101.0, a), (103.0, b), (110.0, c)):
-            monkeypatch.setattr("hub.broadcast.time.monotonic", lambda at=at: at)
+            monkeypatch.setattr("hub.distribution.broadcast.time.monotonic", lambda at=at: at)
             records[node.peer_id].version_held = 1
             hub.broadcaster.check_done()
             hub.broadcaster.check_done()  # a later heartbeat does not move the time it was first seen

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from hub.buffer import BufferSignal, ReplayBuffer
+from hub.records.buffer import BufferSignal, ReplayBuffer
 from shared.rollout import Completion, Group
 
 

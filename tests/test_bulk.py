@@ -30,7 +30,7 @@ from shared.crypto import Identity
 from shared.messages import BulkOffer, SnapshotRequest
 from shared.transfer import RECEIVER_GONE
 from shared.wire import StreamEOF, read_exact, read_message
-from tests.peers import hub_peer, node_peer, random_snapshot, wait_installed
+from testbed.peers import hub_peer, node_peer, random_snapshot, wait_installed
 
 pytestmark = pytest.mark.trio
 

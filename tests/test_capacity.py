@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hub.capacity import (
+from hub.method.capacity import (
     Arrival,
     InfeasibleCapacity,
     NodeOffer,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hub.chains import (
+from hub.method.chains import (
     chain_ideal_s,
     chained_broadcast_ideal_s,
     num_chains,
@@ -98,7 +98,7 @@ def test_star_ideal():
 
 
 def test_link_kind_says_who_dials_whom():
-    from hub.chains import link_kind
+    from hub.method.chains import link_kind
 
     assert link_kind(None, "nated") == "hub"  # a chain head pulls from the hub
     assert link_kind("public", "nated") == "direct" and link_kind("public", "unknown") == "direct"
@@ -110,7 +110,7 @@ def test_link_kind_says_who_dials_whom():
 
 
 def test_a_dialable_node_goes_between_two_nated_ones():
-    from hub.chains import separate_nated
+    from hub.method.chains import separate_nated
 
     reach = {"a": "nated", "b": "nated", "c": "nated", "p": "public", "q": "public"}
     assert separate_nated(["a", "b", "p"], reach) == ["a", "p", "b"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hub.checkpoint as checkpoint
-from hub.checkpoint import latest_checkpoint, list_checkpoints, remove_stale_temporaries, save_checkpoint
+import hub.training.checkpoint as checkpoint
+from hub.training.checkpoint import latest_checkpoint, list_checkpoints, remove_stale_temporaries, save_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hub.copies import CopyDetector, coincidence_log_prob, group_fingerprint
+from hub.trust.copies import CopyDetector, coincidence_log_prob, group_fingerprint
 from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.reverse import ReverseTask
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hub.metrics import read_metrics
-from hub.store import Store
+from hub.records.store import Store
+from hub.training.metrics import read_metrics
 from shared.layout import HUB_STORE_FILE, METRICS_FILE
 
 HELPER = Path(__file__).with_name("crash_hub.py")

@@ -16,8 +16,8 @@ import torch
 import trio
 import zstandard
 
-from hub.broadcast import HubUplink
-from hub.snapshots import SnapshotShelf
+from hub.distribution.broadcast import HubUplink
+from hub.records.snapshots import SnapshotShelf
 from node.keeper import HUB
 from shared import delta as delta_mod
 from shared.crypto import Identity
@@ -32,10 +32,9 @@ from shared.delta import (
 )
 from shared.messages import BadChunkReport
 from shared.snapshot import blake3_hex, build_snapshot, delta_paths, remove_snapshot_files
-from tests.harness import Proc, node_peer_id, query, wait_until
-from tests.peers import CONFIG_HASH, FlippingKeeper, evolving_snapshots, hub_peer, node_peer, wait_installed
-from tests.relay_scenarios import Hub, join
-from tests.test_broadcast import node_states, start_test_hub, start_test_node, stop_all
+from testbed.harness import Proc, node_peer_id, node_states, query, start_test_hub, start_test_node, stop_all, wait_until
+from testbed.peers import CONFIG_HASH, FlippingKeeper, evolving_snapshots, hub_peer, node_peer, wait_installed
+from testbed.relay_scenarios import Hub, join
 
 KIB = 1024
 ZSTD = zstandard.ZstdCompressor(level=3)

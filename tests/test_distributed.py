@@ -1,4 +1,4 @@
-"""The learner sharded across processes (hub/distributed.py): rows split by tokens, two gloo ranks that train
+"""The learner sharded across processes (hub/training/distributed.py): rows split by tokens, two gloo ranks that train
 like one process, checkpoints that move between world sizes, and a real `echo-hub start --learner-procs 2`
 whose nodes install its snapshots, that stops with one line when rank 1 is killed and resumes."""
 
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hub.checkpoint import latest_checkpoint, save_checkpoint
 from hub.config import HubConfig, LearnerConfig
-from hub.distributed import Collective, init_ranks, partition_rows, rank_store
-from hub.learner import Learner
-from hub.ranks import RankEnv
-from tests import forked
-from tests.harness import query, wait_until
+from hub.training.checkpoint import latest_checkpoint, save_checkpoint
+from hub.training.distributed import Collective, init_ranks, partition_rows, rank_store
+from hub.training.learner import Learner
+from hub.training.ranks import RankEnv
+from testbed import forked
+from testbed.harness import query, wait_until
 from tests.test_learner import synthetic_groups
 
 SAMPLING = HubConfig().sampling

@@ -246,7 +246,7 @@ def test_the_hub_tells_the_context_its_leases_need_and_an_engine_refuses_more_th
     tokenize it) plus max_new_tokens; an engine whose model has less refuses in one line."""
     from transformers import AutoTokenizer
 
-    from hub.tasks import context_tokens
+    from hub.training.tasks import context_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     task = ReverseTask()

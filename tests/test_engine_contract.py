@@ -104,7 +104,7 @@ def test_an_engine_whose_swap_failed_half_way_refuses_to_generate(tmp_path: Path
 
 
 def test_the_hub_accepts_a_completion_ending_in_any_declared_eos() -> None:
-    from hub.submissions import _check_completion
+    from hub.trust.submissions import _check_completion
     from shared.rollout import Completion
 
     sampling = SamplingParams(max_new_tokens=4)

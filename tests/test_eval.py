@@ -12,15 +12,15 @@ import pytest
 import trio
 
 from hub.config import EvalConfig
-from hub.evaluation import Evaluator, pass_at_k, summarize
-from hub.metrics import read_evals, read_metrics
+from hub.training.evaluation import Evaluator, pass_at_k, summarize
+from hub.training.metrics import read_evals, read_metrics
 from shared.layout import HUB_STORE_FILE, METRICS_FILE
 from shared.messages import HubStatus
 from shared.rollout import SamplingParams
 from shared.tasks.base import Prompt, Task
 from shared.tasks.reverse import ReverseTask
 from shared.tasks.split import excluding, is_held_out, split_task
-from tests.harness import start_hub
+from testbed.harness import start_hub
 from tests.test_first_contact import assert_one_line_mistake, run, snapshot_of
 
 
@@ -188,7 +188,7 @@ class ScriptedEvaluator:
 
 
 async def run_runner(evaluator, body):
-    from hub.evaluation import EvalRunner
+    from hub.training.evaluation import EvalRunner
 
     recorded, events = [], []
 

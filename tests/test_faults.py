@@ -1,4 +1,4 @@
-"""Every fault scenario of tests/fault_scenarios.py (also measured by bench/faults.py), one test per class,
+"""Every fault scenario of testbed/fault_scenarios.py (also measured by bench/faults.py), one test per class,
 in its quick size against real processes on loopback: each cheat is detected and neither trained on
 nor paid, honest work alongside is never refused, a SIGKILLed hub loses and double-counts nothing,
 and the run survives losing 30% of its nodes.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_scenarios import (
+from testbed.fault_scenarios import (
     AUDIT_CHEATS,
     BENCH_ONLY,
     PROTOCOL_CHEATS,

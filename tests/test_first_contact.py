@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, start_hub, wait_until
+from testbed.harness import free_port, start_hub, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_ID = "12D3KooWBQfx3WEjxhccpcx6oocrexqynsmUXa6uBjuKgWdjmdLR"
@@ -163,7 +163,7 @@ def test_one_hub_per_data_dir_and_a_resume_that_says_what_it_resumes(tmp_path: P
         assert hub.stop() in (0, 130)
     # Another task on this run's data dir: refused with both ways out, nothing touched.
     before = snapshot_of(data)
-    changed = run("hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0", "--task", "tests.tasks:EchoTask")
+    changed = run("hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0", "--task", "testbed.tasks:EchoTask")
     assert_one_line_mistake(changed, "another task", "--fresh", "--resume-anyway")
     assert snapshot_of(data) == before
     # Evaluation newly on: a held-out split would take prompts the run may have trained on.
@@ -177,7 +177,7 @@ def test_one_hub_per_data_dir_and_a_resume_that_says_what_it_resumes(tmp_path: P
     finally:
         hub.stop()
     # --fresh starts over and keeps the old run aside.
-    hub = start_hub(data, "--local-nodes", "0", "--steps", "0", "--fresh", "--task", "tests.tasks:EchoTask", port=port)
+    hub = start_hub(data, "--local-nodes", "0", "--steps", "0", "--fresh", "--task", "testbed.tasks:EchoTask", port=port)
     try:
         assert "the old run is now in" in hub.output()
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith("data.old-")]
@@ -240,7 +240,7 @@ def test_the_example_config_is_what_echo_hub_config_prints_and_it_loads(tmp_path
 def test_a_learner_that_stalls_while_work_arrives_says_why(tmp_path: Path) -> None:
     config = tmp_path / "hub.toml"
     config.write_text("[learner]\nstall_warning_s = 1.0\n")
-    hub = start_hub(tmp_path / "data", "--local-nodes", "1", "--task", "tests.tasks:FlatTask", "--config", str(config))
+    hub = start_hub(tmp_path / "data", "--local-nodes", "1", "--task", "testbed.tasks:FlatTask", "--config", str(config))
     try:
         line = wait_until(lambda: next((ln for ln in hub.output().splitlines() if "warning: no learner step" in ln), None),
                           120, "the stall warning")

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from shared.messages import HubStatus
-from tests.harness import HubProc, Proc, node_peer_id, query, start_hub, start_node
+from testbed.harness import HubProc, Proc, node_peer_id, query, start_hub, start_node
 
 HEARTBEAT_TIMEOUT_S = 5.0
 NODE_START_S = 240.0

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hub.grpo import group_advantages, grpo_loss, staleness_histogram
+from hub.method.grpo import group_advantages, grpo_loss, staleness_histogram
 
 F64 = torch.float64
 
@@ -214,7 +214,7 @@ def test_staleness_histogram():
 
 
 def test_micro_batches_pack_rows_by_padded_tokens():
-    from hub.grpo import micro_batches
+    from hub.method.grpo import micro_batches
 
     # 5 rows of 3 + 2 tokens, budget 10: two rows (2 x 5 = 10) fit, three (15) do not.
     assert micro_batches([(3, 2)] * 5, 10) == [range(0, 2), range(2, 4), range(4, 5)]

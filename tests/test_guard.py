@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from hub.config import TrustConfig
-from hub.guard import LeaseQuota, PeerGuard
+from hub.trust.guard import LeaseQuota, PeerGuard
 from shared.net import address_key
 
 MIB = 1 << 20

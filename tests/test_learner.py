@@ -10,14 +10,14 @@ import pytest
 import torch
 import trio
 
-from hub.buffer import ReplayBuffer
-from hub.checkpoint import latest_checkpoint
 from hub.config import HubConfig, LearnerConfig
-from hub.learner import LearnerComponent
-from hub.local_rollouts import LocalRollouts
-from hub.metrics import read_metrics
-from hub.state import HubState
-from hub.store import Store
+from hub.records.buffer import ReplayBuffer
+from hub.records.store import Store
+from hub.service.local_rollouts import LocalRollouts
+from hub.service.state import HubState
+from hub.training.checkpoint import latest_checkpoint
+from hub.training.learner import LearnerComponent
+from hub.training.metrics import read_metrics
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
@@ -203,7 +203,7 @@ def synthetic_groups(count: int = 4, n: int = 4, seed: int = 0) -> list[Group]:
 
 def step_gradients(cfg: LearnerConfig, groups: list[Group]):
     """(StepStats, {name: grad}) of one train_step, the optimizer's update left out."""
-    from hub.learner import Learner
+    from hub.training.learner import Learner
 
     torch.set_num_threads(1)
     learner = Learner(ensure_default_model(progress=False), cfg, SAMPLING)
@@ -241,7 +241,7 @@ def test_bf16_learner_keeps_fp32_masters_and_trains_under_autocast():
 def test_bf16_with_checkpointing_casts_per_layer_and_gives_the_cached_gradient(monkeypatch):
     """Without autocast's cache a checkpointed bf16 step keeps no bf16 copy of the whole model, and computes
     the same gradient as a step that keeps it."""
-    from hub import learner as learner_module
+    from hub.training import learner as learner_module
 
     groups = synthetic_groups(seed=2)
     cfg = LearnerConfig(dtype="bfloat16", gradient_checkpointing=True)
@@ -264,7 +264,7 @@ def test_bf16_with_checkpointing_casts_per_layer_and_gives_the_cached_gradient(m
 
 
 def test_auto_dtype_is_fp32_on_a_cpu_learner():
-    from hub.learner import Learner
+    from hub.training.learner import Learner
 
     learner = Learner(ensure_default_model(progress=False), LearnerConfig(), SAMPLING)
     assert learner.snapshot_dtype == torch.float32

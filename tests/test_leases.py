@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hub.leases import LeaseBook, LeaseError, LeaseRecord
+from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
 from shared.tasks.reverse import ReverseTask
 
 TIMEOUT_S = 10.0

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
-from hub.audit import Auditor
-from hub.checkpoint import latest_checkpoint, save_checkpoint
 from hub.config import LearnerConfig, TrustConfig
-from hub.learner import Learner
-from hub.snapshots import SnapshotShelf
+from hub.records.snapshots import SnapshotShelf
+from hub.training.checkpoint import latest_checkpoint, save_checkpoint
+from hub.training.learner import Learner
+from hub.trust.audit import Auditor
 from node.hf_engine import HFEngine
 from shared.adapters import (
     LORA_METADATA_KEY,
@@ -33,10 +33,9 @@ from shared.crypto import Identity
 from shared.rollout import SamplingParams
 from shared.snapshot import SnapshotError, build_snapshot, model_config_hash
 from shared.tasks.reverse import ReverseTask
-from tests.harness import Proc, node_peer_id, query, wait_until
-from tests.recording_node import weights_digest
+from testbed.harness import Proc, node_peer_id, node_states, query, start_test_hub, start_test_node, stop_all, wait_until
+from testbed.recording_node import weights_digest
 from tests.test_audit import generate
-from tests.test_broadcast import node_states, start_test_hub, start_test_node, stop_all
 from tests.test_learner import synthetic_groups
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10)
@@ -195,8 +194,8 @@ def test_a_real_lora_run_ships_adapters_that_a_real_node_installs_bit_exact(tmp_
 
 
 def test_a_resume_must_match_the_checkpoints_kind_rank_and_alpha(trained, tmp_path):
+    from hub.cli.preflight import check_checkpoint_fits
     from hub.config import HubConfig
-    from hub.preflight import check_checkpoint_fits
     from shared.checks import UserError
     from shared.layout import CHECKPOINTS_DIR
 

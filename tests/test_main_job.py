@@ -14,7 +14,7 @@ import pytest
 
 from shared.layout import HUB_STORE_FILE
 from shared.messages import NodeView
-from tests.harness import start_hub
+from testbed.harness import start_hub
 from tui.hub_app import HubDashboard
 from tui.sources import DataDirSource, HubSource
 
@@ -111,7 +111,7 @@ def test_data_dir_of_another_schema_is_refused_with_the_reason(tmp_path: Path) -
 
 
 def test_help_is_fast_and_imports_no_torch() -> None:
-    for module in ("hub.cli", "node.cli"):
+    for module in ("hub.cli.main", "node.cli"):
         code = (
             f"import sys, {module} as m\n"
             "try:\n    m.main(['--help'])\nexcept SystemExit:\n    pass\n"
@@ -124,7 +124,7 @@ def test_help_is_fast_and_imports_no_torch() -> None:
 
 def test_a_start_mistake_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
     code = (
-        "import sys, hub.cli as m\n"
+        "import sys, hub.cli.main as m\n"
         f"code = m.main(['start', '--kappa', '0', '--data-dir', {str(tmp_path / 'data')!r}])\n"
         "assert 'torch' not in sys.modules, 'torch imported before the mistake was refused'\n"
         "sys.exit(code)\n"
@@ -137,9 +137,9 @@ def test_a_start_mistake_is_refused_before_torch_is_imported(tmp_path: Path) -> 
 def test_local_nodes_are_forked_from_one_node_server_and_stop_on_sigint(tmp_path: Path) -> None:
     """Local nodes run `echo-node join` in processes forked from the node server (not from this process),
     each in its own session writing its own node.out, and exit 0 when the hub stops them."""
-    from hub.local_nodes import spawn_local_nodes, start_node_server, stop_local_nodes
+    from hub.cli.local_nodes import spawn_local_nodes, start_node_server, stop_local_nodes
     from shared.crypto import Identity
-    from tests.harness import free_port, wait_until
+    from testbed.harness import free_port, wait_until
 
     start_node_server()
     nobody = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{Identity.generate().peer_id}"  # the nodes keep retrying
@@ -160,11 +160,11 @@ def test_local_nodes_are_forked_from_one_node_server_and_stop_on_sigint(tmp_path
 
 def test_a_local_node_stops_when_its_hub_is_killed(tmp_path: Path) -> None:
     """SIGKILL the process that spawned a local node (a stand-in for the hub): the node stops on its own."""
-    from tests.harness import wait_until
+    from testbed.harness import wait_until
 
     code = (
         "import sys, time\n"
-        "from hub.local_nodes import spawn_local_nodes, start_node_server\n"
+        "from hub.cli.local_nodes import spawn_local_nodes, start_node_server\n"
         "from shared.crypto import Identity\n"
         "start_node_server()\n"
         f"(node,) = spawn_local_nodes(1, '/ip4/127.0.0.1/tcp/9/p2p/' + Identity.generate().peer_id, {str(tmp_path)!r})\n"
@@ -195,7 +195,7 @@ def test_a_local_node_stops_when_its_hub_is_killed(tmp_path: Path) -> None:
 def test_echo_hub_start_with_a_model_dir_gives_its_local_nodes_that_model(tmp_path: Path) -> None:
     """`--model DIR` with local nodes: each spawned node loads DIR too (a Qwen3 here, another config hash
     than the embedded default's), so every join is accepted and the run finishes its steps."""
-    from tests.models import random_model_dir
+    from testbed.models import random_model_dir
 
     model = random_model_dir(tmp_path / "my-model", "qwen3", hidden=64, layers=2)
     # A random model scores 0 on every prompt: train on zero-variance groups too, or no step would ever come.

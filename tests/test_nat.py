@@ -1,4 +1,4 @@
-"""Home volunteers behind NAT, in Linux network namespaces this test builds (tests/netns.py): the hub on a
+"""Home volunteers behind NAT, in Linux network namespaces this test builds (testbed/netns.py): the hub on a
 public segment, a public node beside it, and nodes each behind its own MASQUERADE router that drops what
 it did not ask for. The hub dials each node back to learn who is dialable and plans each link by it: a
 node dials a dialable upstream, a NATed upstream dials its dialable successor, and two NATed nodes
@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hub.chains import link_kind
-from tests.harness import Proc, query, wait_until
-from tests.netns import PUBLIC_NODE_LISTEN, Topology, unavailable
-from tests.test_broadcast import HUB_TOML, node_states, stop_all
+from hub.method.chains import link_kind
+from testbed.harness import HUB_TOML, Proc, node_states, query, stop_all, wait_until
+from testbed.netns import PUBLIC_NODE_LISTEN, Topology, unavailable
 
 REASON = unavailable()
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import Proc, free_port, node_peer_id, query, start_hub, start_node, wait_until
 
-from hub.cli import main as hub_cli
+from hub.cli.main import main as hub_cli
 from shared.crypto import Identity
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
@@ -43,6 +42,7 @@ from shared.messages import (
 from shared.net import connect, open_stream, request, running_host
 from shared.snapshot import model_dir_config_hash
 from shared.wire import HEADER, FrameError, StreamEOF, read_message
+from testbed.harness import Proc, free_port, node_peer_id, query, start_hub, start_node, wait_until
 
 HUB_TOML = """
 steps = 0

@@ -19,8 +19,8 @@ import trio
 from transformers import AutoTokenizer
 
 from hub.config import HubConfig, LearnerConfig, LeaseConfig
-from hub.service import MEMBERS_ONLY
-from hub.submissions import REASON_CLAIMED_REWARD
+from hub.service.handlers import MEMBERS_ONLY
+from hub.trust.submissions import REASON_CLAIMED_REWARD
 from node.client import HubClient
 from shared.crypto import Identity
 from shared.messages import (
@@ -47,7 +47,7 @@ from shared.messages import (
 from shared.net import running_host
 from shared.rollout import Completion, SamplingParams
 from shared.wire import HEADER, StreamEOF, encode_frame, encode_signed
-from tests.inproc import PERMISSIVE_TRUST, InprocHub, inproc_hub, wait_state
+from testbed.inproc import PERMISSIVE_TRUST, InprocHub, inproc_hub, wait_state
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 STALENESS = 2

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from hub.capacity import NodeOffer
-from hub.plan import PlanError, add_plan_arguments, compute_plan, load_fleet, run_plan
+from hub.cli.plan import PlanError, add_plan_arguments, compute_plan, load_fleet, run_plan
+from hub.method.capacity import NodeOffer
 
 FLEET_ACE = """
 [[node]]

@@ -10,9 +10,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from hub.audit import Auditor
 from hub.config import TrustConfig
-from hub.snapshots import SnapshotShelf
+from hub.records.snapshots import SnapshotShelf
+from hub.trust.audit import Auditor
 from node.engine import EngineBroken
 from node.hf_engine import HFEngine
 from shared.crypto import Identity

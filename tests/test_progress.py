@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from hub.buffer import REASON_STALE, REASON_ZERO_VARIANCE
-from hub.progress import STALL_CHECK_S, stall_cause, watch_for_stalls
+from hub.cli.progress import STALL_CHECK_S, stall_cause, watch_for_stalls
+from hub.records.buffer import REASON_STALE, REASON_ZERO_VARIANCE
 
 
 def test_stall_cause_names_the_dominant_reason():

@@ -1,4 +1,4 @@
-"""The hub's dial-back (hub/reachability.py) on loopback: a node that answers a fresh dial is public; an address
+"""The hub's dial-back (hub/distribution/reachability.py) on loopback: a node that answers a fresh dial is public; an address
 that refuses, or answers with another key, is not. And `echo-node join --public-addr` is checked up front."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import pytest
 import trio
 
-from hub.reachability import dial_back
+from hub.distribution.reachability import dial_back
 from shared.crypto import Identity
 from shared.net import connect, running_host
 
@@ -48,8 +48,8 @@ def test_a_malformed_public_addr_is_one_line_naming_it():
 async def test_two_nated_nodes_hole_punch_and_after_a_failed_punch_a_dialable_node_goes_between():
     from types import SimpleNamespace
 
-    from tests.peers import hub_peer
-    from tests.relay_scenarios import Hub, join
+    from testbed.peers import hub_peer
+    from testbed.relay_scenarios import Hub, join
 
     async with hub_peer(Identity.generate()) as peer:
         hub = Hub(peer, "chain")
@@ -80,7 +80,7 @@ async def gated_relay(members: dict[str, str], planned: set[tuple[str, str]]):
     (initiator, target) hole punches the broadcaster planned. Yields (hub host, its address, gate, refusals)."""
     from libp2p.tools.anyio_service import background_trio_service
 
-    from hub.reachability import RelayGate, guard_relay, relay_service
+    from hub.distribution.reachability import RelayGate, guard_relay, relay_service
 
     refusals: list[tuple[str, str]] = []
 
@@ -148,7 +148,7 @@ async def test_one_member_cannot_exhaust_the_relays_reservations():
     RELAY_RESERVATIONS_PER_ADDRESS; reservations of nodes that left are dropped."""
     from libp2p.relay.circuit_v2.pb.circuit_pb2 import Status
 
-    from hub.reachability import RELAY_RESERVATIONS_PER_ADDRESS
+    from hub.distribution.reachability import RELAY_RESERVATIONS_PER_ADDRESS
 
     attacker, honest = Identity.generate(), Identity.generate()
     sybils = [Identity.generate() for _ in range(RELAY_RESERVATIONS_PER_ADDRESS + 1)]
@@ -211,7 +211,7 @@ async def test_only_the_planned_hole_punch_partner_may_open_a_circuit_to_a_nated
 
 
 def test_probe_targets_are_the_observed_ip_on_declared_ports_and_never_a_name():
-    from hub.reachability import probe_targets
+    from hub.distribution.reachability import probe_targets
 
     me, other = Identity.generate().peer_id, Identity.generate().peer_id
     declared = ("/ip4/127.0.0.9/tcp/5297", "/dns4/attacker.example/tcp/5298", f"/ip4/10.0.0.1/tcp/5299/p2p/{other}",
@@ -222,7 +222,7 @@ def test_probe_targets_are_the_observed_ip_on_declared_ports_and_never_a_name():
 
 
 def test_dial_backs_go_audited_first_one_at_a_time_per_address_from_a_slow_bucket():
-    from hub.reachability import DialBackQueue
+    from hub.distribution.reachability import DialBackQueue
 
     queue = DialBackQueue(interval_s=30.0, burst=2, refill_s=10.0)
     for i in range(5):
@@ -277,14 +277,13 @@ async def test_a_joiner_cannot_make_the_hub_dial_another_host_nor_read_its_ports
     """Item 3: listen addresses of other hosts (127.0.0.9) and names were dialled, every DNS answer too; and a
     closed port's verdict came in 0.8-1.05 s against 5.06 s for a silent one. Now the hub dials only the IP the
     node came from, and a verdict that is not "public" comes PROBE_VERDICT_S after the probe started."""
-    import hub.broadcast
-    import hub.reachability
-    from tests.peers import hub_peer
-    from tests.relay_scenarios import Hub, join
+    from hub.distribution import broadcast, reachability
+    from testbed.peers import hub_peer
+    from testbed.relay_scenarios import Hub, join
 
     # Shorter than production's 5 s and 11 s, in the same proportion, so the test takes seconds.
-    monkeypatch.setattr(hub.reachability, "PROBE_TIMEOUT_S", 1.5)
-    monkeypatch.setattr(hub.broadcast, "PROBE_VERDICT_S", 2 * 1.5 + 1.0)
+    monkeypatch.setattr(reachability, "PROBE_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(broadcast, "PROBE_VERDICT_S", 2 * 1.5 + 1.0)
     async with hub_peer(Identity.generate()) as peer, trio.open_nursery() as nursery:
         hub = Hub(peer, "chain")
         await nursery.start(hub.broadcaster.run)
@@ -312,8 +311,8 @@ async def test_volunteers_are_never_told_an_address_the_dial_back_did_not_confir
     its successor pulls from the hub, whatever it rejoins with."""
     from types import SimpleNamespace
 
-    from tests.peers import hub_peer
-    from tests.relay_scenarios import Hub, join
+    from testbed.peers import hub_peer
+    from testbed.relay_scenarios import Hub, join
 
     async with hub_peer(Identity.generate()) as peer:
         hub = Hub(peer, "chain")
@@ -335,8 +334,8 @@ async def test_throwaway_identities_with_silent_ports_do_not_starve_an_honest_pr
     then it was planned as public and its successors' dials failed). Now their address gets one probe at a time."""
     from types import SimpleNamespace
 
-    from tests.peers import hub_peer, node_peer
-    from tests.relay_scenarios import Hub, join
+    from testbed.peers import hub_peer, node_peer
+    from testbed.relay_scenarios import Hub, join
 
     async with hub_peer(Identity.generate()) as peer, node_peer(peer) as honest_node, trio.open_nursery() as nursery:
         hub = Hub(peer, "chain")

@@ -22,8 +22,8 @@ from shared.crypto import Identity
 from shared.messages import HubStatus
 from shared.net import running_host
 from shared.snapshot import model_dir_config_hash
-from tests.fault_scenarios import Client, trained_model_dir
-from tests.harness import HubProc, free_port, query, start_hub, wait_until
+from testbed.fault_scenarios import Client, trained_model_dir
+from testbed.harness import HubProc, free_port, query, start_hub, wait_until
 
 HUB_TOML = """
 [scheduler]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from hub.config import SchedulerConfig
-from hub.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
-from hub.scheduler import RELEASE_HOLD_PERIODS, LearnerTiming, Scheduler
+from hub.control.scheduler import RELEASE_HOLD_PERIODS, LearnerTiming, Scheduler
+from hub.records.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
 from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest
 
 T0 = 1000.0

@@ -522,7 +522,7 @@ def test_corrupted_files_detected(tmp_path, hub, other):
 def test_the_hub_shelf_keeps_s_plus_one_versions_on_disk_and_prunes_orphans(hub, snaps):
     import trio
 
-    from hub.snapshots import SnapshotShelf
+    from hub.records.snapshots import SnapshotShelf
 
     shelf = SnapshotShelf(keep=3, directory=snaps)
     sizes = []

@@ -13,17 +13,17 @@ import pytest
 import torch
 import trio
 
-from hub.audit import AuditJob, AuditResult
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
-from hub.snapshots import SnapshotShelf
-from hub.state import HubState, billable_seconds
-from hub.store import StepRecord
+from hub.records.snapshots import SnapshotShelf
+from hub.records.store import StepRecord
+from hub.service.state import HubState, billable_seconds
+from hub.trust.audit import AuditJob, AuditResult
 from shared.crypto import Identity
 from shared.messages import Heartbeat, JoinRequest, RejectCode, Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, SamplingParams
 from shared.snapshot import build_snapshot
 from shared.wire import PeerFault
-from tests.inproc import PERMISSIVE_TRUST, open_state
+from testbed.inproc import PERMISSIVE_TRUST, open_state
 
 CONFIG = HubConfig(
     learner=LearnerConfig(staleness=2, prompts_per_step=2, group_size=2),

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from hub.store import SCHEMA_VERSION, SchemaMismatch, StepRecord, Store
-from hub.submissions import GroupVerdict
+from hub.records.store import SCHEMA_VERSION, SchemaMismatch, StepRecord, Store
+from hub.trust.submissions import GroupVerdict
 from shared.messages import SubmittedGroup, Tallies
 from shared.rollout import Completion, Group
 

@@ -1,4 +1,4 @@
-"""hub/submissions.py against hand-built Completions: every rejection reason, and rewards recomputed from token ids."""
+"""hub/trust/submissions.py against hand-built Completions: every rejection reason, and rewards recomputed from token ids."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
-from hub.leases import LeaseRecord
-from hub.submissions import (
+from hub.records.leases import LeaseRecord
+from hub.trust.submissions import (
     REASON_CLAIMED_REWARD,
     GroupVerdict,
     SubmissionRules,

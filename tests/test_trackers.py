@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hub.config import TrackingConfig
-from hub.metrics import MetricsWriter
-from hub.trackers import missing_tracker_packages, open_trackers
+from hub.training.metrics import MetricsWriter
+from hub.training.trackers import missing_tracker_packages, open_trackers
 from shared.layout import METRICS_FILE
 
 ROWS = [{"step": 1, "reward_mean": 0.25, "loss": 0.5}, {"step": 2, "reward_mean": 0.5, "loss": 0.25},

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from hub.broadcast import HubUplink
-from hub.snapshots import SnapshotShelf
+from hub.distribution.broadcast import HubUplink
+from hub.records.snapshots import SnapshotShelf
 from node.keeper import HUB, Upstream
 from shared.crypto import Identity
 from shared.messages import (
@@ -26,8 +26,8 @@ from shared.net import RateLimiter, connect, open_stream, set_handler
 from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, blake3_hex, encode_chunk
 from shared.transfer import ChunkRejected, commitment_payload, receive_snapshot
 from shared.wire import encode_frame, read_message, write_frame, write_message
-from tests.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, scratch_dir, wait_installed
-from tests.relay_scenarios import pull, scenario_serving_strangers, scenario_stalling_relay
+from testbed.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, scratch_dir, wait_installed
+from testbed.relay_scenarios import pull, scenario_serving_strangers, scenario_stalling_relay
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -30,7 +30,7 @@ from shared.messages import (
 )
 from shared.net import running_host, set_handler
 from shared.wire import read_message, write_message
-from tests.harness import free_port
+from testbed.harness import free_port
 from tui.cli import add_dashboard_arguments, run_dashboard, run_node_dashboard
 from tui.hub_app import HubDashboard, cost_per_rollout, display_state, rho
 from tui.node_app import NodeDashboard

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hub.audit import gap_stats
 from hub.config import TrustConfig
+from hub.trust.audit import gap_stats
 from node.engine import vllm_platform, vllm_unavailable_reason
 from shared.logprobs import completion_logprobs
 from shared.rollout import SamplingParams
@@ -214,8 +214,8 @@ def test_vllm_reproduces_the_install_probe_and_a_corrupted_tensor_is_caught(engi
     import cloudpickle
     from transformers import AutoTokenizer
 
-    from hub.audit import Auditor
-    from hub.snapshots import SnapshotShelf
+    from hub.records.snapshots import SnapshotShelf
+    from hub.trust.audit import Auditor
     from node.engine import EngineBroken
     from shared.crypto import Identity
     from shared.generation import model_stop_ids

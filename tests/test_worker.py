@@ -13,7 +13,7 @@ from node.worker import Worker
 from shared.crypto import Identity
 from shared.messages import Reject, RejectCode
 from shared.net import running_host
-from tests.inproc import PERMISSIVE_TRUST, inproc_hub
+from testbed.inproc import PERMISSIVE_TRUST, inproc_hub
 
 
 class ForgottenBy:

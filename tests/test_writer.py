@@ -8,8 +8,8 @@ import sqlite3
 import pytest
 import trio
 
-from hub.store import Store
-from hub.writer import StoreWriter
+from hub.records.store import Store
+from hub.records.writer import StoreWriter
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Command-line entry points of the dashboards, for hub/cli.py (`echo-hub dashboard`) and node/cli.py
+"""Command-line entry points of the dashboards, for hub/cli/main.py (`echo-hub dashboard`) and node/cli.py
 (`echo-node join --dashboard`, `echo-node dashboard`). Textual and the sources load only when a
 dashboard is built, so `--help` stays fast."""
 

@@ -1,0 +1,233 @@
+"""`echo-hub`: the operator's entry point. Parses flags, then imports the heavy modules it needs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import version as package_version
+from pathlib import Path
+
+from shared.checks import UserError
+
+
+def _bool(text: str) -> bool:
+    """A flag's on/off value: on/off, true/false, yes/no or 1/0."""
+    value = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+    if text.lower() not in value:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value[text.lower()]
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list (`--report-to tensorboard,wandb`)."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+# flag name -> (dotted HubConfig field, type); flags override the TOML file, which overrides defaults.
+# Each flag's help is its field's description, choices and default (hub/config.py).
+START_FLAGS: dict[str, tuple[str, type]] = {
+    "data_dir": ("data_dir", Path),
+    "model": ("model", Path),
+    "task": ("task", str),
+    "listen": ("listen", str),
+    "key": ("key", Path),
+    "steps": ("steps", int),
+    "local_nodes": ("local_nodes", int),
+    "staleness": ("learner.staleness", int),
+    "kappa": ("learner.kappa", int),
+    "prompts_per_step": ("learner.prompts_per_step", int),
+    "group_size": ("learner.group_size", int),
+    "lr": ("learner.lr", float),
+    "seed": ("learner.seed", int),
+    "max_new_tokens": ("sampling.max_new_tokens", int),
+    "temperature": ("sampling.temperature", float),
+    "top_p": ("sampling.top_p", float),
+    "dtype": ("learner.dtype", str),
+    "micro_batch_tokens": ("learner.micro_batch_tokens", int),
+    "gradient_checkpointing": ("learner.gradient_checkpointing", _bool),
+    "learner_procs": ("learner.procs", int),
+    "lora_rank": ("learner.lora_rank", int),
+    "lora_alpha": ("learner.lora_alpha", float),
+    "lora_targets": ("learner.lora_targets", _names),
+    "checkpoints_kept": ("learner.checkpoints_kept", int),
+    "broadcast": ("broadcast.mode", str),
+    "link_mbps": ("broadcast.link_mbps", float),
+    "hub_mbps": ("broadcast.hub_uplink_mbps", float),
+    "delta_max_ratio": ("broadcast.delta_max_ratio", float),
+    "bulk_port": ("broadcast.bulk_port", int),
+    "log_level": ("log_level", str),
+    "prompt_column": ("dataset.prompt_column", str),
+    "answer_column": ("dataset.answer_column", str),
+    "reward": ("dataset.reward", str),
+    "dataset_split": ("dataset.split", str),
+    "chat": ("dataset.chat", _bool),
+    "eval_every": ("eval.every", int),
+    "eval_task": ("eval.task", str),
+    "eval_split": ("eval.split", float),
+    "eval_prompts": ("eval.prompts", int),
+    "eval_samples": ("eval.samples", int),
+    "eval_temperature": ("eval.temperature", float),
+    "report_to": ("tracking.report_to", _names),
+    "run_name": ("tracking.run_name", str),
+}
+# The flags of `echo-hub eval`: what picks the policy's prompts and how they are sampled.
+EVAL_FLAGS = ("task", "seed", "max_new_tokens", "temperature", "top_p", "dtype", "prompt_column", "answer_column",
+              "reward", "dataset_split", "chat", "eval_task", "eval_split", "eval_prompts", "eval_samples", "eval_temperature")
+
+
+def _start_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("start", help="run the hub (and, by default, local volunteer nodes)")
+    from hub.config import HubConfig
+    from shared.config import flag_help
+
+    p.add_argument("--config", type=Path,
+                   help="hub.toml: any field of `echo-hub config` (flat keys like staleness = 4 work too); flags override it")
+    for flag, (dotted, kind) in START_FLAGS.items():
+        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted))
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live progress display")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--fresh", action="store_true",
+                        help="start a new run even if DATA_DIR holds one (the old run is renamed DATA_DIR.old-<time>)")
+    resume.add_argument("--resume-anyway", action="store_true",
+                        help="resume DATA_DIR's run even though its model or task differs from this start's")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="echo-hub",
+        description="echo2 hub: central GRPO learner that signs policy snapshots and buys rollouts from volunteer nodes.",
+    )
+    parser.add_argument("--version", action="version", version=f"echo-hub {package_version('echo2')}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _start_parser(sub)
+    sub.add_parser("config", help="print an example hub.toml: every field, its default and what it does")
+
+    status = sub.add_parser("status", help="print nodes, leases, versions, throughput and cost of a hub")
+    where = status.add_mutually_exclusive_group()
+    where.add_argument("--hub", help="multiaddr of a running hub (with /p2p/<id>)")
+    where.add_argument("--data-dir", type=Path, default=None, help="read DATA_DIR/status.json (default ./echo2-data)")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument("--key", type=Path, default=None,
+                        help="with --hub: ask as this identity (the hub's DATA_DIR/hub.key, or a key listed in "
+                             "trust.status_operators, sees nodes' prices and costs; others see them hidden)")
+
+    from hub.cli.plan import add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="capacity planning for a fleet, without running anything"))
+
+    from tui.cli import add_dashboard_arguments
+
+    add_dashboard_arguments(sub.add_parser("dashboard", help="live terminal dashboard of a hub"))
+
+    ev = sub.add_parser("eval", help="evaluate a saved policy (DATA_DIR/final, a checkpoint) on held-out prompts")
+    from hub.config import HubConfig
+    from shared.config import flag_help
+
+    ev.add_argument("--model", type=Path, required=True, help="policy directory (save_pretrained layout)")
+    ev.add_argument("--config", type=Path, help="hub.toml of the run: its task, sampling and eval settings")
+    for flag in EVAL_FLAGS:
+        dotted, kind = START_FLAGS[flag]
+        ev.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted))
+    ev.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    ev.add_argument("--json", action="store_true", help="print the result as one JSON line")
+
+    report = sub.add_parser("report", help="plot reward, staleness and bubble ratio from metrics.jsonl")
+    report.add_argument("--data-dir", type=Path, default=Path("echo2-data"), help="the hub's data dir")
+    report.add_argument("--out", type=Path, default=None, help="PNG path (default DATA_DIR/report.png)")
+    return parser
+
+
+def prepare_start(config, fresh: bool, anyway: bool):
+    """Every check of `echo-hub start` (UserError on a mistake, nothing written), then the data dir lock."""
+    from hub.cli.preflight import Started, check_resume, check_start, lock_data_dir, move_aside
+    from shared.default_model import default_model_dir
+
+    check_start(config)
+    model_dir = config.model or default_model_dir()
+    resume = None if fresh else check_resume(config, model_dir, anyway)
+    if fresh and config.data_dir.exists() and any(config.data_dir.iterdir()):
+        lock_data_dir(config.data_dir).close()  # refused while another hub runs on it
+        aside = move_aside(config.data_dir, keep_key=config.key is None)
+        print(f"echo-hub: --fresh: the old run is now in {aside} (the hub key stays: same address)", file=sys.stderr)
+    return Started(lock=lock_data_dir(config.data_dir), resume=resume)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "start":
+        from hub.config import HubConfig
+        from hub.training.ranks import rank_env
+        from shared.config import ConfigError, load_config
+
+        overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
+        env = rank_env()
+        try:
+            config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+            if env is not None and env.rank > 0:  # a learner rank of a sharded learner: rank 0 runs the hub
+                from hub.cli.run import run_learner_rank
+
+                return run_learner_rank(config, env)
+            started = prepare_start(config, fresh=args.fresh, anyway=args.resume_anyway)
+        except (ConfigError, UserError) as exc:
+            print(f"echo-hub: {exc}", file=sys.stderr)
+            return 2
+        if config.local_nodes:
+            from hub.cli.local_nodes import start_node_server
+
+            start_node_server()  # it imports the nodes' modules while this process imports the learner's
+        from hub.cli.run import run_hub
+
+        return run_hub(config, progress=not args.no_progress, resume=started.resume, lock=started.lock)
+    if args.command == "config":
+        from hub.config import HubConfig
+        from shared.config import example_toml
+
+        print(example_toml(HubConfig, "hub.toml for `echo-hub start --config hub.toml`"), end="")
+        return 0
+    if args.command == "status":
+        from hub.cli.status import run_status
+
+        try:
+            return run_status(hub=args.hub, data_dir=args.data_dir, as_json=args.json, key=args.key)
+        except UserError as exc:
+            print(f"echo-hub status: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "plan":
+        from hub.cli.plan import run_plan
+
+        return run_plan(args)
+    if args.command == "dashboard":
+        from tui.cli import run_dashboard
+
+        try:
+            return run_dashboard(args)
+        except UserError as exc:
+            print(f"echo-hub dashboard: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "eval":
+        from hub.config import HubConfig
+        from shared.config import ConfigError, load_config
+
+        overrides = {START_FLAGS[flag][0]: getattr(args, flag) for flag in EVAL_FLAGS}
+        try:
+            config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+            from hub.cli.eval import check_eval
+
+            task = check_eval(config, args.model)
+        except (ConfigError, UserError) as exc:
+            print(f"echo-hub eval: {exc}", file=sys.stderr)
+            return 2
+        from hub.cli.eval import run_eval
+
+        return run_eval(config, args.model, task, args.device, args.json)
+    if args.command == "report":
+        from hub.cli.report import write_report
+
+        out = write_report(args.data_dir, args.out)
+        print(f"wrote {out}")
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""What `echo-hub start` checks before it runs: every user mistake found here is one line and exit 2, before
+anything is written to the data dir. Then it locks the data dir (one hub per data dir) and says what
+it resumes, refusing a resume whose model or task changed.
+
+Everything here is quick (files, sockets, one read-only SQLite query, importing the task): no torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from hub.config import HubConfig
+from shared.checks import (
+    UserError,
+    check_bulk_port,
+    check_data_dir,
+    check_key_file,
+    check_listen,
+    check_model_dir,
+    model_fingerprint,
+)
+from shared.layout import CHECKPOINTS_DIR, HUB_KEY_FILE, HUB_STORE_FILE
+from shared.tasks.base import Task
+
+LOCK_FILE = "hub.lock"
+
+
+@dataclass(frozen=True)
+class Started:
+    """A start that passed every check: the data dir lock (held while the hub runs) and what it resumes."""
+
+    lock: IO[str]
+    resume: Resume | None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What an existing data dir holds, as the start line reports it."""
+
+    step: int
+    groups_waiting: int
+    model: str
+    task: str
+
+
+def check_start(config: HubConfig) -> None:
+    """Every check of `echo-hub start` that needs no lock: UserError on the first mistake."""
+    check_data_dir(config.data_dir)
+    if config.model is not None:
+        check_model_dir(config.model)
+    checked_tasks(config, config.model, evaluate=config.eval.every > 0)
+    check_lora(config)
+    check_learner_procs(config)
+    check_trackers(config)
+    check_listen(config.listen)
+    check_bulk_port(config.listen, config.broadcast.bulk_port)
+    check_key_file(config.key_path, "--key" if config.key is not None else "the hub key")
+
+
+def checked_tasks(config: HubConfig, model_dir: Path | None, evaluate: bool) -> tuple[Task, Task | None]:
+    """(training task, held-out task when `evaluate`): UserError naming the flag when one cannot load or is empty."""
+    from hub.training.tasks import held_out, load_hub_task
+
+    errors = (ValueError, ImportError, AttributeError, TypeError, OSError)
+    try:
+        task = load_hub_task(config.task, config, model_dir)
+        if not task.prompts():
+            raise ValueError("it has no prompts")
+    except errors as exc:
+        raise UserError(f"--task {config.task}: {str(exc).removeprefix(f'task spec {config.task!r}: ')}") from None
+    if not evaluate:
+        return task, None
+    ev = config.eval
+    try:
+        return task, held_out(config, task, model_dir)[1]
+    except errors as exc:
+        flag = f"--eval-task {ev.task}" if ev.task is not None else f"--eval-split {ev.split:g}"
+        raise UserError(f"{flag}: {str(exc).removeprefix(f'task spec {ev.task!r}: ')}") from None
+
+
+def check_learner_procs(config: HubConfig) -> None:
+    """A learner sharded over several processes trains full weights without a KL reference."""
+    lc = config.learner
+    world = int(os.environ.get("WORLD_SIZE", lc.procs))
+    if world == 1:
+        return
+    if lc.lora_rank:
+        raise UserError(f"--lora-rank {lc.lora_rank} with {world} learner processes: LoRA adapters train on one "
+                        "learner process; drop --learner-procs (or --lora-rank)")
+    if lc.beta > 0:
+        raise UserError(f"learner.beta = {lc.beta:g} with {world} learner processes: the KL reference model is not "
+                        "sharded; set beta = 0 or run one learner process")
+    if lc.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < lc.procs:
+            raise UserError(f"--learner-procs {lc.procs}: this machine has {torch.cuda.device_count()} CUDA devices, one "
+                            "per learner process is needed")
+
+
+def check_lora(config: HubConfig) -> None:
+    """--lora-targets must name Linear modules of the model (checked on a weightless copy of it)."""
+    lc = config.learner
+    if not lc.lora_rank or config.model is None:
+        return  # the embedded default has peft's default targets (q_proj, v_proj)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shared.adapters import add_adapters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model))
+    try:
+        add_adapters(model, lc.lora_rank, lc.lora_alpha, lc.lora_targets)
+    except ValueError as exc:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        what = f"--lora-targets {','.join(lc.lora_targets)}" if lc.lora_targets else "--lora-rank (peft's default targets)"
+        raise UserError(f"{what}: {str(exc).splitlines()[0]}; this model's Linear modules are {','.join(linear)}") from None
+
+
+def check_trackers(config: HubConfig) -> None:
+    from hub.training.trackers import TRACK_EXTRA, missing_tracker_packages
+
+    missing = missing_tracker_packages(config.tracking)
+    if missing:
+        raise UserError(f"--report-to {','.join(config.tracking.report_to)}: {', '.join(missing)} not installed; "
+                        f"{TRACK_EXTRA}")
+
+
+def lock_data_dir(data_dir: Path) -> IO[str]:
+    """Hold DATA_DIR/hub.lock for as long as the returned file stays open: a second hub is refused."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the life of the hub
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise UserError(f"--data-dir {data_dir}: another hub (pid {holder}) is running on it; stop it, or pass "
+                        "another --data-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+RUN_IDENTITY_KEYS = ("model_fingerprint", "task", "held_out")
+
+
+def held_out_spec(config: HubConfig) -> str:
+    """Which prompts the run keeps out of training: changing it on resume would evaluate on trained prompts."""
+    if config.eval.every == 0:
+        return "none"
+    return f"task {config.eval.task.strip()}" if config.eval.task is not None else f"split {config.eval.split:g}"
+
+
+def run_identity(config: HubConfig, model_dir: Path) -> tuple[str, str, str]:
+    """(model fingerprint, task, held-out prompts) of the run this start asks for."""
+    return model_fingerprint(model_dir), config.task.strip(), held_out_spec(config)
+
+
+def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | None:
+    """What the data dir's existing run is (None: a fresh one). UserError when it trains another model or
+    task than this start asks for, unless `anyway`."""
+    store = config.data_dir / HUB_STORE_FILE
+    if not store.exists():
+        return None
+    from hub.records.store import SCHEMA_VERSION  # here, not at the top: a mistake on a fresh start is refused without it
+
+    # A store closed cleanly has no -wal file: read it `immutable`, or SQLite would create -wal/-shm files.
+    # After a crash they exist already and hold committed pages: read through them.
+    wal = store.with_name(store.name + "-wal").exists()
+    db = sqlite3.connect(f"file:{store}?mode=ro{'' if wal else '&immutable=1'}", uri=True, timeout=10)
+    try:
+        found = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if tables and found != SCHEMA_VERSION:
+            raise UserError(f"--data-dir {config.data_dir}: its store holds echo2 schema {found}, this echo2 uses "
+                            f"{SCHEMA_VERSION}; finish that run with the echo2 that started it, or pass --fresh "
+                            "(the old run is moved aside) or another --data-dir")
+        if "run" not in tables:
+            return None
+        meta = dict(db.execute("SELECT key, value FROM run").fetchall())
+        step = db.execute("SELECT COALESCE(MAX(step), 0) FROM steps").fetchone()[0]
+        waiting = db.execute(
+            "SELECT COUNT(*) FROM trajectories WHERE verdict = 'accepted' AND consumed_step IS NULL"
+            " AND discard_reason IS NULL"
+        ).fetchone()[0]
+    finally:
+        db.close()
+    fingerprint = model_fingerprint(model_dir) if model_dir.exists() else None
+    asked = (("model", "model_fingerprint", fingerprint), ("task", "task", config.task.strip()),
+             ("held-out prompts", "held_out", held_out_spec(config)))
+    changed = [what for what, key, now in asked if now is not None and key in meta and meta[key] != now]
+    if changed and not anyway:
+        shown = {"model": "model", "task": "task", "held-out prompts": "held_out"}
+        was = ", ".join(f"{what} {meta[shown[what]]!r}" for what in changed)
+        raise UserError(f"--data-dir {config.data_dir} holds a run of another {' and '.join(changed)} ({was}); pass "
+                        "--fresh to start over (the old run is moved aside), --resume-anyway to go on with the "
+                        "new one, or another --data-dir")
+    check_checkpoint_fits(config)
+    return Resume(step=step, groups_waiting=waiting, model=meta.get("model", "?"), task=meta.get("task", "?"))
+
+
+def check_checkpoint_fits(config: HubConfig) -> None:
+    """The checkpoint a resume loads must be of this start's kind: LoRA adapters of the same rank and alpha,
+    or full weights."""
+    from hub.training.checkpoint import latest_checkpoint
+    from shared.adapters import snapshot_spec
+    from shared.snapshot import SnapshotError
+
+    checkpoint = latest_checkpoint(config.data_dir / CHECKPOINTS_DIR)
+    if checkpoint is None:
+        return
+    lc = config.learner
+    fix = "start it so, or pass --fresh (the old run is moved aside) or another --data-dir"
+    if not checkpoint.adapter_path.exists():
+        if lc.lora_rank:
+            raise UserError(f"--lora-rank {lc.lora_rank}: the run in {config.data_dir} trains full weights "
+                            f"(checkpoint step {checkpoint.step}); drop --lora-rank, or pass --fresh or another --data-dir")
+        return
+    try:
+        spec = snapshot_spec(checkpoint.adapter_path)
+    except SnapshotError as exc:
+        raise UserError(f"{checkpoint.adapter_path}: {exc}") from None
+    if spec is not None and (spec.rank, spec.alpha) != (lc.lora_rank, lc.lora_alpha):
+        raise UserError(f"the run in {config.data_dir} trains LoRA adapters of rank {spec.rank}, alpha {spec.alpha:g} "
+                        f"(checkpoint step {checkpoint.step}): {fix} (--lora-rank {spec.rank} --lora-alpha {spec.alpha:g})")
+
+
+def move_aside(data_dir: Path, keep_key: bool) -> Path:
+    """--fresh: the old run is renamed, never deleted; the new run starts in an empty data dir, with the hub's
+    key copied back when it lived there (`keep_key`), so the hub keeps its address."""
+    aside = data_dir.with_name(f"{data_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(data_dir, aside)
+    if keep_key and (aside / HUB_KEY_FILE).exists():
+        data_dir.mkdir()
+        shutil.copy2(aside / HUB_KEY_FILE, data_dir / HUB_KEY_FILE)
+    return aside

@@ -1,0 +1,51 @@
+"""`echo-hub report`: reward (training and held-out), staleness and bubble ratio over learner steps, plotted to a PNG
+from metrics.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hub.training.metrics import policy_reward, read_evals, read_metrics
+from shared.layout import METRICS_FILE, REPORT_FILE
+
+
+def write_report(data_dir: Path, out: Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(Path(data_dir) / METRICS_FILE)
+    if not rows:
+        raise SystemExit(f"echo-hub report: no learner steps in {Path(data_dir) / METRICS_FILE}")
+    out = Path(out) if out is not None else Path(data_dir) / REPORT_FILE
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    rewards = [policy_reward(r) for r in rows]
+    axes[0].plot(steps, rewards, label="rollout reward", alpha=0.6)
+    axes[0].plot(steps, [r["reward_mean"] for r in rows], label="reward of trained groups", alpha=0.4)
+    window = max(1, len(rows) // 10)
+    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / min(window, i + 1) for i in range(len(rows))]
+    axes[0].plot(steps, smooth, label=f"moving mean ({window} steps)", linewidth=2)
+    evals = read_evals(Path(data_dir) / METRICS_FILE)
+    if evals:
+        axes[0].plot([e["eval_step"] for e in evals], [e["eval_reward"] for e in evals], "o-", color="black",
+                     label=f"held-out reward ({int(evals[-1]['eval_prompts'])} prompts)", linewidth=2)
+    axes[0].set_ylabel("reward")
+    axes[0].legend(loc="lower right")
+    axes[1].plot(steps, [r["staleness_mean"] for r in rows], label="mean")
+    axes[1].plot(steps, [r["staleness_max"] for r in rows], label="max", linestyle="--")
+    axes[1].set_ylabel("staleness (versions)")
+    axes[1].legend(loc="upper right")
+    axes[2].plot(steps, [r["bubble"] for r in rows], label="measured")
+    if any("predicted_bubble" in r for r in rows):
+        axes[2].plot(steps, [r.get("predicted_bubble", float("nan")) for r in rows], label="capacity model", linestyle="--")
+    axes[2].set_ylabel("bubble ratio")
+    axes[2].set_xlabel("learner step")
+    axes[2].set_ylim(0, 1)
+    axes[2].legend(loc="upper right")
+    fig.suptitle(f"echo2 run: {Path(data_dir).resolve().name}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

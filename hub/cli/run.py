@@ -1,0 +1,374 @@
+"""`run_hub`: the hub process — learner, libp2p service, broadcaster, scheduler, status board and,
+for the embedded default, local volunteer nodes — wired together in one trio nursery."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import trio
+
+from hub.cli.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
+from hub.cli.preflight import RUN_IDENTITY_KEYS, Resume, run_identity
+from hub.config import HubConfig
+from hub.records.snapshots import SnapshotShelf
+from hub.records.store import Store
+from hub.service.state import HubState
+from hub.training.distributed import (
+    RANK_POLL_S,
+    Collective,
+    LearnerRankLost,
+    RankWatch,
+    broadcast,
+    device_for,
+    follow,
+    init_ranks,
+    join_ranks,
+    rank_store,
+)
+from hub.training.ranks import RankEnv, rank_env
+from hub.training.tasks import context_tokens, hub_tasks
+from hub.training.trackers import open_trackers
+from shared.crypto import Identity
+from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE, SNAPSHOTS_DIR
+from shared.logs import setup_logging
+from shared.messages import EvalPoint, RejectCode
+from shared.net import address_key, running_host
+from shared.signals import Stopper
+
+log = logging.getLogger("echo2.hub")
+
+MBIT_BYTES = 1e6 / 8
+
+
+def dialable_addrs(addrs: list[str]) -> list[str]:
+    """Addresses a node can dial: a 0.0.0.0 listener is reachable on loopback and on each local IPv4."""
+    out: list[str] = []
+    for addr in addrs:
+        if "/ip4/0.0.0.0/" not in addr:
+            out.append(addr)
+            continue
+        ips = ["127.0.0.1"]
+        try:
+            ips += sorted({info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)})
+        except OSError:
+            pass
+        out += [addr.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/") for ip in dict.fromkeys(ips)]
+    return out
+
+
+class Hub:
+    """Everything the hub runs, wired together: HubState owns the state, the rest read it or call it."""
+
+    def __init__(self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from hub.training.evaluation import EvalRunner, Evaluator
+        from hub.training.learner import LearnerComponent
+        from hub.trust.audit import Auditor, AuditQueue
+        from hub.trust.submissions import SubmissionRules, token_text_bytes
+        from shared.adapters import LoraSpec
+        from shared.generation import model_stop_ids
+        from shared.precision import resolve_dtype
+        from shared.probe import PROBE_ROWS, probe_rows
+        from shared.snapshot import model_config_hash
+
+        lc = config.learner
+        self.dtype = resolve_dtype(lc.dtype, lc.device)
+        self.config = config
+        self.identity = identity
+        self.progress = progress
+        self.task, eval_task = hub_tasks(config, model_dir)
+        # S + 1 versions on the shelf (a rollout may be that stale), files of older ones deleted.
+        self.shelf = SnapshotShelf(keep=lc.staleness + 1, directory=config.data_dir / SNAPSHOTS_DIR)
+        # The service decodes in worker threads while the learner tokenizes in its own: separate instances.
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model_config = AutoConfig.from_pretrained(model_dir)
+        rules = SubmissionRules(
+            task=self.task, group_size=lc.group_size, sampling=config.sampling, stop_ids=frozenset(model_stop_ids(model_dir)),
+            vocab_size=model_config.vocab_size, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
+        )
+        auditor = Auditor(model_dir, self.shelf, config.sampling, config.trust, self.dtype)
+        audits = AuditQueue(auditor, config.trust.audit_queue_groups)
+        rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], tokenizer, rules.stop_ids)
+        self.context_tokens = context_tokens(self.task, tokenizer, config.sampling.max_new_tokens)
+        self.state = HubState(
+            Store(config.data_dir / HUB_STORE_FILE), config, self.task, rules=rules,
+            model_config_hash=model_config_hash(model_config.to_dict()), audits=audits,
+            oldest_useful_version=lambda: self.learner.min_useful_version(), newest_version=self.shelf.newest_version,
+            run=dict(zip(RUN_IDENTITY_KEYS, run_identity(config, model_dir)), model=str(model_dir)),
+        )
+        # Files the shelf no longer serves (a crash's orphans, versions from before a restart) go now; the
+        # newest stays for the learner to serve again on resume.
+        latest = self.state.store.latest_version()
+        self.shelf.prune(set() if latest is None else {latest})
+        # Unbuffered: the learner writes its next snapshot only once the shelf took (and pruned for) the last,
+        # so the snapshot dir never holds more than S + 2 of them.
+        self.snapshot_send, self.snapshot_recv = trio.open_memory_channel(0)
+        self.trackers = open_trackers(config.tracking, config.data_dir, config.model_dump(mode="json"))
+        self.evaluation = None
+        if eval_task is not None:
+            lora = LoraSpec(rank=lc.lora_rank, alpha=lc.lora_alpha, targets=lc.lora_targets) if lc.lora_rank else None
+            evaluator = Evaluator(model_dir, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed, lora)
+            self.evaluation = EvalRunner(evaluator, config.eval.every, self._record_eval, self.state.event)
+        self.watch: RankWatch | None = None
+        self.learner = LearnerComponent(
+            lc, config.sampling, model_dir, config.data_dir, self.state, identity,
+            self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024, config.broadcast.delta_max_ratio,
+            extra_metrics=lambda step: self.scheduler.step_metrics(step, self.state.cost_usd(time.time())),
+            trackers=self.trackers, evaluation=self.evaluation, ranks=self._join_ranks(),
+            probe=lambda path, whole_hash: auditor.install_probe(path, whole_hash, rows),
+        )
+        self.local_nodes: list[LocalNode] = []
+        self.addrs: list[str] = []
+        self.stopper = Stopper()
+
+    def _address_key(self, peer: str) -> str | None:
+        record = self.state.fleet.get(peer)
+        return address_key(record.remote_ip) if record is not None else None
+
+    def _join_ranks(self) -> tuple[Collective, str, RankWatch | None] | None:
+        """A learner sharded over several processes: spawn the other ranks (--learner-procs) unless torchrun
+        launched them, and join their process group as rank 0. None: one learner process."""
+        lc = self.config.learner
+        env = rank_env()
+        world = env.world if env is not None else lc.procs
+        if world == 1:
+            return None
+        if env is None:
+            env = RankEnv(rank=0, world=world, local_rank=0, store_file=str(rank_store(self.config.data_dir)))
+            self.watch = RankWatch()
+            self.watch.spawn(world, Path(env.store_file), self.config.data_dir, sys.argv[1:])
+        device = device_for(lc.device, env)
+        where = f"in {env.store_file}" if env.store_file else f"at {env.master_addr}:{env.master_port}"
+        print(f"echo-hub: waiting for {world - 1} learner ranks to join {where} "
+              f"(torch.distributed, {'nccl' if device.startswith('cuda') else 'gloo'})", flush=True)
+        collective = join_ranks(env, device, self.watch)
+        print(f"echo-hub: learner sharded over {world} processes (FSDP2)", flush=True)
+        return collective, device, self.watch
+
+    async def _watch_ranks(self) -> None:
+        """A spawned learner rank that exits ends the run (one line naming it), even while the learner waits."""
+        while True:
+            await trio.sleep(RANK_POLL_S)
+            if (gone := self.watch.dead()) is not None:
+                raise LearnerRankLost(gone)
+
+    async def _record_eval(self, row: EvalPoint) -> None:
+        await self.state.record_eval(row)
+        await trio.to_thread.run_sync(self.learner.metrics.append_row, row.as_metrics_row())
+
+    def on_membership(self) -> None:
+        self.broadcaster.replan()
+        self.scheduler.poke()
+
+    async def _publisher(self) -> None:
+        async for published in self.snapshot_recv:
+            self.shelf.add(published.snapshot, published.delta)
+            await self.broadcaster.publish(published.version)
+
+    # -- run ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        from hub.control.scheduler import LearnerTiming, Scheduler
+        from hub.distribution.broadcast import Broadcaster
+        from hub.service.handlers import build_hub_service
+        from hub.service.status import RunInfo, StatusBoard
+        from shared.bulk import channel_for
+
+        config, lc, state = self.config, self.config.learner, self.state
+        # The nodes this hub spawns all dial from loopback: room for them on top of the per-address cap.
+        per_ip = config.trust.max_connections_per_ip + config.local_nodes
+        async with running_host(self.identity, [config.listen], per_ip) as (host, addrs):
+            self.addrs = dialable_addrs(addrs)
+            bc = config.broadcast
+            self.broadcaster = Broadcaster(
+                host, state.fleet, self.shelf, bc.mode, bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None,
+                ban=state.ban, event=state.event, record_t_bcast=state.record_broadcast_time,
+            )
+            self.scheduler = Scheduler(
+                config.scheduler, state.fleet,
+                LearnerTiming(lc.effective_kappa, lc.prompts_per_step * lc.group_size,
+                              t_train_s=lambda: self.status.t_train_recent_s,
+                              t_bcast_s=self.broadcaster.last_t_bcast_s,
+                              usable_fraction=lambda: self.status.usable_fraction,
+                              staleness=lc.staleness,
+                              t_arrive_s=self.broadcaster.last_arrival_s,
+                              installs=self.broadcaster.last_installs,
+                              fresh_usable_fraction=lambda: self.status.fresh_usable_fraction,
+                              rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size),
+                set_state=state.set_state,
+            )
+            self.status = StatusBoard(
+                RunInfo(self.identity.peer_id, tuple(self.addrs), config.steps, lc.staleness, lc.effective_kappa,
+                        config.task, config.broadcast.mode),
+                config.data_dir, state, learner_step=lambda: self.learner.step,
+                broadcaster=self.broadcaster, scheduler=self.scheduler,
+            )
+            state.on_membership.append(self.on_membership)
+            bulk = channel_for(config.listen, config.broadcast.bulk_port)
+            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.encoded,
+                                        self.context_tokens, self.broadcaster, bulk)
+            self._announce()
+            from libp2p.tools.anyio_service import background_trio_service
+
+            from hub.distribution.reachability import RelayGate, guard_relay, relay_service
+
+            # The relay NATed nodes reserve on, for hole-punch signalling between them (node/nat.py).
+            relay = relay_service(host)
+            gate = RelayGate(relay, state.fleet.is_member, self._address_key, self.broadcaster.planned_punch,
+                             lambda peer, reason: state.record_refusal(peer, RejectCode.BAD_REQUEST))
+            async with background_trio_service(relay), trio.open_nursery() as nursery:
+                nursery.start_soon(guard_relay, host, relay, gate)
+                nursery.start_soon(self.stopper.run, nursery.cancel_scope)
+                await nursery.start(self.broadcaster.run)  # before anything can publish
+                if bulk is not None:
+                    await bulk.start(nursery)
+                for component in (state, service, self.scheduler, self.status):
+                    nursery.start_soon(component.run)
+                nursery.start_soon(self._publisher)
+                if self.evaluation is not None:
+                    await nursery.start(self.evaluation.run)
+                if config.local_nodes:
+                    # In a thread: the first fork waits for the node server to finish its imports.
+                    self.local_nodes = await trio.to_thread.run_sync(functools.partial(
+                        spawn_local_nodes, config.local_nodes, self.addrs[0], config.data_dir,
+                        link_mbps=config.broadcast.link_mbps, model=config.model, extra_args=("--dtype", self.dtype),
+                    ))
+                    state.own_nodes = frozenset(n.peer_id for n in self.local_nodes)
+                from hub.cli.progress import live_progress, plain_progress, watch_for_stalls
+
+                # A live bar on a terminal; plain lines in a log file or a pipe (a bar there is one truncated line).
+                nursery.start_soon(live_progress if self.progress and sys.stdout.isatty() else plain_progress, self)
+                nursery.start_soon(watch_for_stalls, self, lc.stall_warning_s)
+                if self.watch is not None:
+                    nursery.start_soon(self._watch_ranks)
+                await self.learner.run()
+                if self.evaluation is not None:  # the final policy's evaluation belongs to the run
+                    await self.evaluation.finish(self.learner.step, self.learner.learner.state_dict)
+                self.status.running = False
+                await self.status.refresh()
+                nursery.cancel_scope.cancel()
+
+    def _announce(self) -> None:
+        print(f"echo-hub {self.identity.peer_id}", flush=True)
+        print("listening on:", flush=True)
+        for addr in self.addrs:
+            print(f"  {addr}", flush=True)
+        print(f"volunteers join with:\n  echo-node join --hub {self.addrs[0]}", flush=True)
+        print(f"data dir: {self.config.data_dir.resolve()}  (logs: {HUB_LOG_FILE}, metrics: {METRICS_FILE})", flush=True)
+
+
+def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = None, lock: IO[str] | None = None) -> int:
+    """Run the hub until its steps are done or it is interrupted. `lock`: the data dir lock, held until we return."""
+    if resume is not None:
+        print(f"echo-hub: resuming the run in {config.data_dir} at step {resume.step} "
+              f"({resume.groups_waiting} groups waiting; task {resume.task})", flush=True)
+    setup_logging(config.data_dir / HUB_LOG_FILE, config.log_level)
+    import torch
+    import transformers
+
+    from hub.cli.summary import print_summary
+    from shared.default_model import ensure_default_model
+
+    torch.set_num_threads(config.learner.threads)
+    transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
+    identity = Identity.load_or_create(config.key_path)
+    model_dir = Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty()))
+    try:
+        hub = Hub(config, identity, model_dir, progress)
+    except LearnerRankLost as exc:
+        print(f"echo-hub: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        trio.run(hub.run)
+    except BaseException as exc:  # noqa: BLE001 - a lost learner rank is handled, anything else re-raised
+        lost = _lost_rank(exc)
+        if lost is None:
+            raise
+        return _stop_after_lost_rank(hub, lost)
+    finally:
+        stop_local_nodes(hub.local_nodes)
+    interrupted = hub.stopper.signal_name is not None
+    if interrupted:
+        stopped = f"{len(hub.cli.local_nodes)} local nodes stopped; " if hub.local_nodes else ""
+        print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
+        hub.learner.save_state()
+        hub.status.running = False
+    if hub.watch is not None or rank_env() is not None:
+        hub.learner.learner.stop()  # the other ranks leave their command loop
+        if hub.watch is not None:
+            hub.watch.stop()
+    hub.state.flush_sync()
+    hub.status.refresh_sync()
+    hub.trackers.close()
+    hub.state.store.close()
+    print_summary(config.data_dir, interrupted=interrupted)
+    return 130 if interrupted else 0
+
+
+def _lost_rank(exc: BaseException) -> LearnerRankLost | None:
+    """The LearnerRankLost in `exc` (trio nurseries wrap what their tasks raise in exception groups)."""
+    if isinstance(exc, LearnerRankLost):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        return next((found for inner in exc.exceptions if (found := _lost_rank(inner)) is not None), None)
+    return None
+
+
+def _stop_after_lost_rank(hub: Hub, exc: LearnerRankLost) -> int:
+    """A learner rank died: no collective can run any more (no checkpoint, no final policy); keep what the
+    store holds and say how to go on."""
+    from hub.training.checkpoint import latest_checkpoint
+    from shared.layout import CHECKPOINTS_DIR
+
+    if hub.watch is not None:
+        hub.watch.kill()
+    hub.state.flush_sync()
+    hub.status.running = False
+    hub.status.refresh_sync()
+    hub.trackers.close()
+    hub.state.store.close()
+    checkpoint = latest_checkpoint(hub.config.data_dir / CHECKPOINTS_DIR)
+    resume = f"checkpoint step {checkpoint.step}" if checkpoint else "the start (no checkpoint yet)"
+    print(f"echo-hub: {exc}: the run stopped at step {hub.training.learner.step}. Start it again to resume from {resume}; "
+          "acknowledged groups are kept.", file=sys.stderr, flush=True)
+    return 1
+
+
+def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
+    """Ranks 1..N-1 of a sharded learner: the learner alone, running what rank 0 (the hub) broadcasts."""
+    import torch
+    import transformers
+
+    from hub.training.learner import Learner
+    from shared.default_model import ensure_default_model
+
+    logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s rank {env.rank} %(levelname)s %(name)s: %(message)s")
+    lc = config.learner
+    torch.set_num_threads(lc.threads)
+    transformers.utils.logging.disable_progress_bar()
+    model_dir = Path(config.model or ensure_default_model(progress=False))
+    device = device_for(lc.device, env)
+    collective = init_ranks(env, device)
+    checkpoint = broadcast(None).checkpoint  # rank 0's choice: every rank must resume the same one
+    if checkpoint is not None and not checkpoint.path.is_dir():
+        print(f"echo-hub learner rank {env.rank}: rank 0 resumes from {checkpoint.path}, which this machine does not "
+              "see: the data dir must be on a filesystem every machine mounts", file=sys.stderr, flush=True)
+        return 1
+    learner = Learner(model_dir, lc, config.sampling, checkpoint, collective, device)
+    try:
+        follow(learner)
+    except RuntimeError as exc:  # rank 0 (the hub) or another rank went away: nothing to do but leave
+        print(f"echo-hub learner rank {env.rank}: the learner group broke ({exc}); leaving", file=sys.stderr, flush=True)
+        return 1
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,483 @@
+"""The hub's broadcaster: keeps the forwarding chains, starts each snapshot down them, measures T_bcast,
+and judges reports of bad relays by the relays' own signed commitments (DESIGN section 5).
+
+Nodes pull from their chain predecessor (the hub for a chain head) over the snapshot
+protocol; the broadcaster only tells each node whom to pull from (in heartbeat replies) and
+nudges chain heads with a RelayOffer when a snapshot is published, so no heartbeat period
+is lost. In star mode every node pulls from the hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import IHost, INetStream
+
+from hub.distribution.reachability import PROBE_VERDICT_S, PROBES_AT_ONCE, DialBackQueue, dial_back, probe_targets
+from hub.method.chains import join_chains, link_kind, num_chains, relink_after_leave, separate_nated
+from hub.records.fleet import Fleet, NodeRecord
+from hub.records.snapshots import SnapshotShelf
+from shared.crypto import public_key_from_peer_id
+from shared.messages import (
+    RELAY_PROTOCOL,
+    BadChunkReport,
+    RejectCode,
+    RelayOffer,
+    TransferAck,
+    short_id,
+)
+from shared.net import RateLimiter, open_stream, remote_peer_id
+from shared.transfer import STALL_S, Writer, commitment_holds
+from shared.wire import PeerFault, WritableStream, read_message, write_message
+
+log = logging.getLogger("echo2.hub.broadcast")
+
+
+
+# How often waiting dial-backs are looked at again when nothing woke the dispatcher.
+PROBE_DISPATCH_S = 0.5
+# Broadcasts timed at once; an older one still unfinished when a newer one would exceed this is dropped
+# untimed (its receivers are far behind; the newer ones will be timed).
+PENDING_BROADCASTS = 8
+
+@dataclass(frozen=True)
+class ChainLinks:
+    """Where one node pulls snapshots from and who pulls from it (hub.method.chains.link_kind: how)."""
+
+    upstream: str | None
+    upstream_addrs: tuple[str, ...]
+    downstream: str | None
+    chain: int | None
+    chain_position: int | None
+    kind: str = "hub"
+    downstream_addrs: tuple[str, ...] = ()  # dial these first: the downstream cannot dial this node
+
+
+@dataclass
+class Broadcast:
+    version: int
+    published_at: float
+    receivers: frozenset[str]
+    done_at: float | None = None
+    # receiver -> when the hub first saw it holding this version (or a newer one): its heartbeat or a lease
+    # request told the fleet record, and the next heartbeat of any node checks. A lease request is when the
+    # node starts to work with the version, which is what the capacity model needs.
+    installed_at: dict[str, float] = field(default_factory=dict)
+    # (rollouts/s, seconds from the publish) of each node of the active pool, once the broadcast is done
+    # (hub.method.capacity.Arrival).
+    installs: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.done_at is None else self.done_at - self.published_at
+
+    @property
+    def arrive_s(self) -> float | None:
+        """When the active pool's throughput got it, on average; None if no active node did."""
+        total = math.fsum(w for w, _ in self.installs)
+        return math.fsum(w * s for w, s in self.installs) / total if total > 0 else None
+
+
+class _Through:
+    """A stream whose writes go through a shared limiter."""
+
+    def __init__(self, limiter: RateLimiter, stream: WritableStream) -> None:
+        self.limiter = limiter
+        self.stream = stream
+
+    async def write(self, data: bytes) -> None:
+        await self.limiter.write(self.stream, data)
+
+
+class _LinkThenUplink:
+    """One stream: at most Bw on its own connection, and a share of the hub's uplink B0."""
+
+    def __init__(self, link: RateLimiter, uplink: RateLimiter) -> None:
+        self.link = link
+        self.uplink = uplink
+
+    async def write(self, stream: WritableStream, data: bytes) -> None:
+        await self.link.write(_Through(self.uplink, stream), data)
+
+
+class HubUplink:
+    """Link emulation for what the hub serves: B0 shared by all its streams, each stream at most Bw.
+
+    B0 alone models a hub whose uplink is the bottleneck (star mode's N * M / B0); Bw alone,
+    a hub no faster than one node link. With B0 > Bw both apply, so that N_ch = B0 / Bw chain
+    heads each get Bw, as DESIGN.md section 5 assumes. Both None: no emulation.
+    """
+
+    def __init__(self, hub_bps: float | None, link_bps: float | None) -> None:
+        self.link_bps = link_bps
+        total = hub_bps if hub_bps is not None else link_bps
+        self.uplink = RateLimiter(total) if total is not None else None
+        self.per_stream = link_bps is not None and total is not None and link_bps < total
+
+    def for_stream(self) -> Writer | None:
+        """The writer one served stream goes through (None: unlimited)."""
+        if self.per_stream:
+            return _LinkThenUplink(RateLimiter(self.link_bps), self.uplink)
+        return self.uplink
+
+
+class Broadcaster:
+    def __init__(
+        self,
+        host: IHost,
+        fleet: Fleet,
+        shelf: SnapshotShelf,
+        mode: str,
+        hub_uplink_bps: float | None,
+        ban: Callable[[NodeRecord, str], Awaitable[None]],
+        event: Callable[[str, str | None, str], Awaitable[None]],
+        record_t_bcast: Callable[[int, float], Awaitable[None]],
+    ) -> None:
+        self.host = host
+        self.hub_peer_id = host.get_id().to_base58()
+        self.fleet = fleet
+        self.shelf = shelf
+        self.mode = mode
+        self.hub_uplink_bps = hub_uplink_bps
+        self.ban = ban
+        self.event = event
+        self.record_t_bcast = record_t_bcast
+        self.chains: list[list[str]] = []
+        # node -> ((receiving version, chunks received), since when): progress of each node, from heartbeats.
+        self._progress: dict[str, tuple[tuple[int | None, int], float]] = {}
+        # node -> the version for which it last got its upstream moved.
+        self._demoted_for: dict[str, int] = {}
+        # Broadcasts not yet on every receiver, oldest first. Several at once: a learner that publishes
+        # faster than the chain's tail installs must still get each version timed.
+        self.pending: list[Broadcast] = []
+        self.last_done: Broadcast | None = None
+        self._nursery: trio.Nursery | None = None
+        self._probing: set[str] = set()  # dial-backs running now
+        self._probe_queue = DialBackQueue()
+        self._probe_wake = trio.Event()
+
+    # -- chain membership ---------------------------------------------------------------
+
+    def receivers(self) -> list[NodeRecord]:
+        return [n for n in self.fleet.live() if n.state in ("probing", "active", "standby")]
+
+    def _max_chains(self, members: list[NodeRecord]) -> int:
+        if self.mode == "star":
+            return max(1, len(members))
+        if not members or self.hub_uplink_bps is None:
+            return 1  # B0 unknown: assume the hub uplink is no faster than a node's link
+        return num_chains(self.hub_uplink_bps, min(n.link_bps for n in members), len(members))
+
+    def replan(self) -> None:
+        """Bring the chains in line with the fleet: cut out who left, append who joined."""
+        members = {n.peer_id: n for n in self.receivers()}
+        chains = self.chains
+        for gone in [p for chain in chains for p in chain if p not in members]:
+            chains = relink_after_leave(chains, gone)
+        in_chains = {p for chain in chains for p in chain}
+        limit = self._max_chains(list(members.values()))
+        for peer in sorted(members, key=lambda p: (-members[p].link_bps, p)):
+            if peer not in in_chains:
+                chains = join_chains(chains, peer, limit)
+        for peer in set(self._progress) - set(members):
+            self._progress.pop(peer, None)
+            self._demoted_for.pop(peer, None)
+        self._probe_queue.retain(members)
+        reach = {p: n.reachability for p, n in members.items()}
+        # Hole punches are tried first; a chain where one failed gets dialable nodes between its NATed ones.
+        chains = [separate_nated(chain, reach) if any(members[p].punch_failed_with for p in chain if p in members)
+                  else chain for chain in chains]
+        for peer, record in members.items():
+            if record.reachability == "unknown" and peer not in self._probing and peer not in self._probe_queue:
+                self._probe_queue.offer(peer, record.remote_ip, record.audits_passed)
+                self._probe_wake.set()
+        if chains != self.chains:
+            self.chains = chains
+            log.info("chains: %s", [[p[-6:] for p in c] for c in chains])
+
+    def _reach(self, peer: str | None) -> str | None:
+        record = self.fleet.get(peer) if peer else None
+        return None if peer is None else (record.reachability if record else "unknown")
+
+    def _kind(self, upstream: str | None, peer: str) -> str:
+        """hub.method.chains.link_kind, and a pull from the hub after a hole punch between the two failed."""
+        kind = link_kind(self._reach(upstream), self._reach(peer))
+        record = self.fleet.get(peer)
+        if kind == "holepunch" and record is not None and record.punch_failed_with == upstream:
+            return "hub"
+        return kind
+
+    @staticmethod
+    def _dial_addrs(record: NodeRecord) -> tuple[str, ...]:
+        """Where peers dial a node: the address its dial-back answered at, and none before one did (a listen
+        address it merely declares could be anyone's: volunteers would dial it from inside their LANs)."""
+        return (record.answered_addr,) if record.answered_addr else ()
+
+    def planned_punch(self, initiator: str, target: str) -> bool:
+        """Whether `initiator` is to hole-punch to `target`, its NATed upstream (the hub's relay carries only that)."""
+        links = self.links(initiator)
+        return links.kind == "holepunch" and links.upstream == target
+
+    def link_kinds(self) -> dict[str, str]:
+        """How every chain member gets its snapshots, in one pass over the chains (for the status board)."""
+        return {peer: self._kind(chain[i - 1] if i else None, peer)
+                for chain in self.chains for i, peer in enumerate(chain)}
+
+    def punch_failed(self, peer: str, upstream: str) -> None:
+        """`peer` says its hole punch with `upstream` failed: believed only of the link planned as a punch;
+        the pair is separated at once."""
+        record = self.fleet.get(peer)
+        links = self.links(peer)
+        if record is None or links.kind != "holepunch" or links.upstream != upstream:
+            return
+        record.punch_failed_with = upstream
+        self.replan()
+
+    def links(self, peer: str) -> ChainLinks:
+        for index, chain in enumerate(self.chains):
+            if peer in chain:
+                position = chain.index(peer)
+                upstream = chain[position - 1] if position > 0 else None
+                kind = self._kind(upstream, peer)
+                if kind == "hub":
+                    upstream = None  # heads its chain, or sits behind a NATed node it cannot reach
+                record = self.fleet.get(upstream) if upstream else None
+                addrs = self._dial_addrs(record) if record and kind == "direct" else ()
+                downstream = chain[position + 1] if position + 1 < len(chain) else None
+                down = self.fleet.get(downstream) if downstream else None
+                down_kind = self._kind(peer, downstream) if downstream else None
+                pushed = down is not None and down_kind == "pushed"
+                if down is not None and down_kind == "hub":
+                    downstream = None  # it pulls from the hub, not from us
+                push_to = self._dial_addrs(down) if pushed else ()
+                return ChainLinks(upstream, addrs, downstream, index, position, kind, push_to)
+        return ChainLinks(None, (), None, None, None)
+
+    # -- broadcasts -----------------------------------------------------------------------
+
+    async def publish(self, version: int) -> None:
+        """A snapshot is on the shelf: start the clock and nudge every chain head."""
+        self.replan()
+        receivers = frozenset(n.peer_id for n in self.receivers())
+        full, delta = self.shelf.get(version), self.shelf.delta(version)
+        size = f"{full.manifest.total_bytes / 1e6:.3g} MB" if full else "?"
+        if full and delta:
+            size += f", delta {delta.manifest.total_bytes / 1e6:.3g} MB ({delta.manifest.total_bytes / full.manifest.total_bytes:.1%})"
+        await self.event("snapshot", None, f"v{version} ({size}) published to {len(receivers)} nodes in "
+                                           f"{len(self.chains)} chains")
+        if not receivers:
+            # Nobody to time: a T_bcast here would measure how long the first node took to join.
+            return
+        self.pending = [*self.pending, Broadcast(version, time.monotonic(), receivers)][-PENDING_BROADCASTS:]
+        for chain in self.chains:
+            self._spawn(self._nudge, chain[0], version)
+        self.check_done()
+
+    async def _nudge(self, peer: str, version: int) -> None:
+        try:
+            with trio.fail_after(5):
+                stream = await open_stream(self.host, peer, RELAY_PROTOCOL)
+                await write_message(stream, RelayOffer(version=version))
+                await stream.close()
+        except Exception as exc:  # noqa: BLE001 - the heartbeat reply tells it anyway
+            log.debug("nudge of %s failed: %r", peer[-8:], exc)
+
+    def check_done(self) -> None:
+        """Called on every heartbeat: a broadcast ends when every receiver still around holds its version
+        (or a newer one: a node that skipped to the next version had this one's bytes on the way)."""
+        now = time.monotonic()
+        for b in list(self.pending):
+            waiting = []
+            for p in b.receivers:
+                n = self.fleet.get(p)
+                if n is None or n.state in ("banned", "gone"):
+                    continue
+                if n.version_held < b.version:
+                    waiting.append(p)
+                else:
+                    b.installed_at.setdefault(p, now)
+            if not waiting:
+                b.done_at = now
+                b.installs = self._active_installs(b)
+                self.pending.remove(b)
+                if self.last_done is None or b.version > self.last_done.version:
+                    self.last_done = b
+                log.info("v%d reached every node in %.2fs", b.version, b.seconds)
+                self._spawn(self.record_t_bcast, b.version, b.seconds)
+        if self.pending:
+            self._check_progress(self.pending[-1], now)
+
+    def _check_progress(self, b: Broadcast, now: float) -> None:
+        """Re-link around a relay whose successor makes no progress while the relay says it is ahead.
+
+        Judged from heartbeats, by what each node says of itself: a relay that claims chunks it does not
+        serve is moved to the end of its chain. A successor can get its own upstream moved at most once
+        per version, so no node climbs a chain faster than one place per published version."""
+        held = self.shelf.held_manifest(b.version)
+        if held is None:
+            return
+        chunk_bytes = held[1].chunk_size
+        for chain in self.chains:
+            for up, down in zip(chain, chain[1:]):
+                u, d = self.fleet.get(up), self.fleet.get(down)
+                if u is None or d is None or d.version_held >= b.version:
+                    continue
+                mark = (d.receiving_version, d.chunks_received)
+                seen = self._progress.get(down)
+                if seen is None or seen[0] != mark:
+                    self._progress[down] = (mark, now)
+                    continue
+                ahead = u.version_held >= b.version or (
+                    u.receiving_version == b.version and u.chunks_received > d.chunks_received)
+                window = STALL_S + 2 * chunk_bytes / max(1.0, min(u.link_bps, d.link_bps))
+                if ahead and now - seen[1] > window and self._demoted_for.get(down) != b.version:
+                    self._demoted_for[down] = b.version
+                    self._progress[down] = (mark, now)
+                    self.demote(up)
+                    self._spawn(self.event, "relay_stalled", up,
+                                f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
+
+    async def _dispatch_probes(self) -> None:
+        """Start dial-backs as DialBackQueue allows, at most PROBES_AT_ONCE at a time."""
+        while True:
+            now = trio.current_time()
+            while len(self._probing) < PROBES_AT_ONCE and (taken := self._probe_queue.take(now)) is not None:
+                peer, key = taken
+                record = self.fleet.get(peer)
+                if record is None or record.reachability != "unknown":
+                    self._probe_queue.done(key)
+                    continue
+                self._probing.add(peer)
+                self._spawn(self._probe, record, key)
+            self._probe_queue.prune(now)
+            self._probe_wake = trio.Event()
+            with trio.move_on_after(PROBE_DISPATCH_S):  # a rested address or a freed slot: look again
+                await self._probe_wake.wait()
+
+    async def _probe(self, record: NodeRecord, key: str) -> None:
+        """Dial the node back (hub/distribution/reachability.py), then plan its links by the answer."""
+        probed = (record.listen_addrs, record.remote_ip)
+        addrs = probe_targets(record.peer_id, *probed)
+        started, answered = trio.current_time(), None
+        try:
+            with trio.move_on_after(PROBE_VERDICT_S):
+                answered = await dial_back(record.peer_id, addrs)
+        except Exception as exc:  # noqa: BLE001 - our throwaway host failing is no reason to stop the hub
+            log.warning("dial-back of %s failed: %r", record.peer_id[-8:], exc)
+            answered = None
+        finally:
+            self._probing.discard(record.peer_id)
+            self._probe_queue.done(key)
+            self._probe_wake.set()
+        if answered is None:
+            # A refused port and a silent one get their verdict at the same moment: no port-scan oracle.
+            await trio.sleep_until(started + PROBE_VERDICT_S)
+        if (record.listen_addrs, record.remote_ip) != probed:
+            self.replan()  # it rejoined from elsewhere meanwhile: that address gets its own probe
+            return
+        record.reachability = "public" if answered else "nated"
+        record.answered_addr = answered
+        await self.event("reachability", record.peer_id, f"{record.reachability} ({', '.join(addrs) or 'no address'})")
+        self.replan()
+
+    def _active_installs(self, b: Broadcast) -> tuple[tuple[float, float], ...]:
+        """(rollouts/s, seconds from the publish) of each active node that installed `b`."""
+        return tuple(
+            (n.rollouts_per_s, at - b.published_at) for p, at in b.installed_at.items()
+            if (n := self.fleet.get(p)) is not None and n.state == "active" and n.rollouts_per_s > 0
+        )
+
+    def last_t_bcast_s(self) -> float | None:
+        return None if self.last_done is None else self.last_done.seconds
+
+    def last_arrival_s(self) -> float | None:
+        return None if self.last_done is None else self.last_done.arrive_s
+
+    def last_installs(self) -> tuple[tuple[float, float], ...]:
+        return () if self.last_done is None else self.last_done.installs
+
+    # -- judging reports of bad relays --------------------------------------------------------
+
+    async def on_report(self, stream: INetStream) -> None:
+        """REPORT_PROTOCOL: a node reports its upstream. With the upstream's signed commitment, the report
+        is proof either way: the upstream committed to bytes that fail the manifest the hub signed (it is
+        banned), or to the right bytes (the reporter lied, and is banned). Without one, nothing can be
+        checked: the upstream is only moved to the end of its chain, where it feeds nobody.
+        """
+        reporter = remote_peer_id(stream)
+        report = await read_message(stream, BadChunkReport)
+        accused = self.fleet.get(report.upstream)
+        if self.links(reporter).upstream != report.upstream or accused is None:
+            raise PeerFault("that peer is not your upstream", RejectCode.NOT_UPSTREAM)
+        verdict = self.judge(report)
+        if verdict == "accused":
+            await self.ban(accused, f"committed to a corrupt {report.kind} {report.index} of v{report.version}")
+        elif verdict == "reporter" and (rec := self.fleet.get(reporter)) is not None:
+            await self.ban(rec, f"false report against {report.upstream[-8:]}: its commitment is to the right bytes")
+        elif verdict == "unproven":
+            # Nothing to check, so nothing is done on the reporter's word alone (it could be used to move
+            # honest relays around); a relay that really stalls is seen in heartbeats (_check_progress).
+            await self.event("report_unproven", reporter, f"{short_id(report.upstream)}: {report.reason}")
+        else:
+            await self.event("report_unchecked", reporter, f"v{report.version} is no longer held: cannot check")
+        await write_message(stream, TransferAck(version=report.version, chunks=0, ok=verdict == "accused"))
+        await stream.close()
+
+    def judge(self, report: BadChunkReport) -> str:
+        """Whom a report proves a liar: "accused", "reporter", "unproven" (no commitment), or "unknown"."""
+        if report.kind == "unproven" or report.commitment_hex is None or report.digest_hex is None:
+            return "unproven"
+        signature = bytes.fromhex(report.commitment_hex)
+        try:
+            key = public_key_from_peer_id(report.upstream)
+        except ValueError:
+            return "reporter"  # the reporter named a peer id no commitment can be checked against
+        if not commitment_holds(key, report.kind, report.version, report.index, report.digest_hex, signature):
+            return "reporter"  # evidence the accused never signed: fabricated
+        if self.shelf.get(report.version) is None:
+            return "unknown"
+        delta = report.kind.startswith("delta-")
+        snapshot = self.shelf.delta(report.version) if delta else self.shelf.get(report.version)
+        if snapshot is None:
+            # No delta of it held: a hub that restarted republishes its newest version without the delta its
+            # relays may still serve. Nothing to check the commitment against.
+            return "unknown"
+        manifest = snapshot.manifest
+        if report.kind in ("manifest", "delta-manifest"):
+            truth = self.shelf.manifest_digest(report.version, delta)
+        elif report.index < manifest.chunk_count:
+            truth = manifest.chunk_hashes[report.index]
+        else:
+            truth = None  # a chunk index the snapshot does not have: whatever was committed to is wrong
+        return "reporter" if report.digest_hex == truth else "accused"
+
+    def demote(self, peer: str) -> None:
+        """Move `peer` to the end of its chain: an unreliable relay then feeds nobody."""
+        for chain in self.chains:
+            if peer in chain and chain[-1] != peer:
+                chain.remove(peer)
+                chain.append(peer)
+                log.info("moved %s to the end of its chain", peer[-8:])
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start with `await nursery.start(broadcaster.run)`: publish() needs the nursery this opens."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._dispatch_probes)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Background work in the broadcaster's nursery; none once it stopped (heartbeats handled while the
+        hub shuts down still call check_done)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+

@@ -1,0 +1,134 @@
+"""The hub's in-memory registry of volunteer nodes: who joined, what they declared, what the hub measured.
+
+Declared values (price, link, hardware) come from the node; everything used for money or
+scheduling decisions (throughput, cost, counts) is measured by the hub itself. Plain data and
+pure helpers: HubState (hub/service/state.py) is the only writer, after its store commits; the
+scheduler, the broadcaster and the status board read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hub.method.capacity import ewma
+from hub.records.store import NodeRow
+from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest, NodeState, Tallies
+
+THROUGHPUT_EWMA_ALPHA = 0.3
+
+
+def heartbeat_period(live_nodes: int, min_period_s: float, heartbeats_per_s: float) -> float:
+    """How often each node should heartbeat so the fleet sends at most `heartbeats_per_s` in all, never more
+    often than every `min_period_s` (nor less than every HEARTBEAT_PERIOD_MAX_S): liveness must not cost
+    the hub more as the fleet grows."""
+    return min(max(min_period_s, live_nodes / heartbeats_per_s), HEARTBEAT_PERIOD_MAX_S)
+
+
+def heartbeat_timeout(period_told_s: float, min_period_s: float, min_timeout_s: float) -> float:
+    """How long a node told to beat every `period_told_s` may be silent before it is dropped: the configured
+    timeout, stretched by as much as its period was (the same number of missed beats)."""
+    return min_timeout_s * max(1.0, period_told_s / min_period_s)
+
+
+@dataclass
+class NodeRecord:
+    peer_id: str
+    price_per_hour: float
+    link_bps: float
+    backend: str
+    hardware: str
+    listen_addrs: tuple[str, ...]
+    remote_ip: str | None
+    last_seen: float
+    state: NodeState = "probing"
+    version_held: int = -1
+    receiving_version: int | None = None
+    chunks_received: int = 0
+    rollouts_per_s: float = 0.0
+    measured: bool = False
+    tallies: Tallies = field(default_factory=Tallies)
+    audits_passed: int = 0
+    # Time of the newest submission whose audit passed: a later ban voids only pay booked after it.
+    vouched_at: float | None = None
+    online_s: float = 0.0  # heartbeating time over all sessions (what an always-on fleet would pay for)
+    banned_reason: str | None = None
+    # Whether peers can dial it (hub/distribution/reachability.py): "unknown" until the hub's dial-back answers.
+    reachability: str = "unknown"
+    # The NATed upstream a hole punch with failed (it then pulls from the hub; the planner separates them).
+    punch_failed_with: str | None = None
+    # The address the hub's dial-back was answered at: the only one peers are told to dial.
+    answered_addr: str | None = None
+    # The heartbeat period the hub last told it (0: not told yet); its silence timeout follows it.
+    heartbeat_period_s: float = 0.0
+
+    @property
+    def rho(self) -> float:
+        """Cost per unit throughput, $/h per (rollout/s); unmeasured nodes sort last."""
+        return self.price_per_hour / self.rollouts_per_s if self.rollouts_per_s > 0 else float("inf")
+
+    @classmethod
+    def from_row(cls, row: NodeRow) -> NodeRecord:
+        """A node the store remembers, as a restarted hub sees it: gone until it joins again (or banned)."""
+        return cls(
+            peer_id=row.peer_id, price_per_hour=row.price_per_hour, link_bps=row.link_bps or 0.0, backend=row.backend,
+            hardware=row.hardware, listen_addrs=(), remote_ip=None, last_seen=row.last_seen,
+            state="banned" if row.state == "banned" else "gone", rollouts_per_s=row.rollouts_per_s,
+            measured=row.measured, tallies=row.tallies, audits_passed=row.audits_passed, vouched_at=row.vouched_at,
+            online_s=row.online_s, banned_reason=row.banned_reason,
+        )
+
+
+class Fleet:
+    """Every node the hub knows, by peer id."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeRecord] = {}
+
+    def join(self, peer_id: str, request: JoinRequest, remote_ip: str | None, now: float) -> NodeRecord:
+        """A node (re)joining: what it declares now replaces what it declared before, in place, so a command
+        still holding its record keeps writing to the one the fleet shows; what the hub measured stays."""
+        record = self.nodes.get(peer_id)
+        if record is None:
+            record = self.nodes[peer_id] = NodeRecord(
+                peer_id=peer_id, price_per_hour=0.0, link_bps=0.0, backend="", hardware="", listen_addrs=(),
+                remote_ip=None, last_seen=now,
+            )
+        record.price_per_hour, record.link_bps = request.price_per_hour, request.link_bps
+        record.backend, record.hardware = request.backend, request.hardware
+        if (record.listen_addrs, record.remote_ip) != (request.listen_addrs, remote_ip):
+            record.reachability = "unknown"  # another address: dialed back again
+            record.punch_failed_with = record.answered_addr = None
+        record.listen_addrs, record.remote_ip = request.listen_addrs, remote_ip
+        record.last_seen, record.version_held = now, request.version_held
+        record.receiving_version, record.chunks_received = None, 0
+        record.state = "standby" if record.measured else "probing"
+        return record
+
+    def put(self, record: NodeRecord) -> None:
+        self.nodes[record.peer_id] = record
+
+    def get(self, peer_id: str) -> NodeRecord | None:
+        return self.nodes.get(peer_id)
+
+    def is_member(self, peer_id: str) -> bool:
+        """A node that joined and is neither banned nor gone."""
+        record = self.nodes.get(peer_id)
+        return record is not None and record.state not in ("banned", "gone")
+
+    def live(self) -> list[NodeRecord]:
+        return [n for n in self.nodes.values() if n.state not in ("banned", "gone")]
+
+    def in_state(self, *states: NodeState) -> list[NodeRecord]:
+        return [n for n in self.nodes.values() if n.state in states]
+
+    @staticmethod
+    def throughput_after(record: NodeRecord, accepted_rollouts: int, seconds: float) -> tuple[float, bool]:
+        """(rollouts/s, measured) once one answered lease is folded into the node's measured throughput."""
+        sample = accepted_rollouts / seconds if seconds > 0 else 0.0
+        rate = sample if not record.measured else ewma(record.rollouts_per_s, sample, THROUGHPUT_EWMA_ALPHA)
+        return rate, True
+
+    def silent(self, now: float, min_period_s: float, min_timeout_s: float) -> list[NodeRecord]:
+        """Live nodes silent for longer than their heartbeat timeout (`heartbeat_timeout`)."""
+        return [n for n in self.live()
+                if now - n.last_seen > heartbeat_timeout(n.heartbeat_period_s, min_period_s, min_timeout_s)]

@@ -1,0 +1,443 @@
+"""The hub's libp2p service: a thin adapter from the node protocols to HubState's commands.
+
+Each handler reads one size-capped request (a signed one verified before it is decoded), calls
+one HubState command, and writes the reply. No bookkeeping happens here. Every inbound stream
+first passes the peer guard (per-peer stream, rate and memory caps). A peer fault (`PeerFault`:
+bad frame, bad signature, a request it may not make) is counted against the peer and answered
+with a Reject naming its code; `HubBusy` asks the peer to send the same request again later;
+any other exception is our own bug and propagates to `safe_handler`, never counted against a peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+
+from hub.config import HubConfig
+from hub.distribution.broadcast import Broadcaster, ChainLinks, HubUplink
+from hub.records.snapshots import SnapshotShelf
+from hub.service.state import HANDLER_TIMEOUT_S, HubBusy, HubState
+from hub.trust.guard import Admission, PeerGuard, TokenBuckets
+from shared.bulk import BulkChannel, serving_stream
+from shared.crypto import Identity
+from shared.logs import PeerLogLimiter
+from shared.messages import (
+    HEARTBEAT_PROTOCOL,
+    JOIN_PROTOCOL,
+    LEASE_PROTOCOL,
+    MIN_LINK_BPS,
+    REPORT_PROTOCOL,
+    SNAPSHOT_PROTOCOL,
+    STATUS_PROTOCOL,
+    SUBMIT_PROTOCOL,
+    BadChunkReport,
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    Lease,
+    LeasePrompt,
+    LeaseReply,
+    LeaseRequest,
+    Reject,
+    RejectCode,
+    SnapshotRequest,
+    StatusRequest,
+    Submission,
+    SubmitReply,
+)
+from shared.net import address_key, forget_peer, remote_ip, remote_peer_id, set_handler
+from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
+from shared.wire import (
+    LIBP2P_END_OF_STREAM,
+    PeerFault,
+    StreamEOF,
+    decode_signed,
+    read_frame,
+    read_message,
+    signed_caps,
+    write_message,
+)
+
+log = logging.getLogger("echo2.hub.service")
+
+GUARD_PRUNE_PERIOD_S = 1.0
+GUARD_IDLE_S = 300.0
+# The longest a peer that has not joined keeps a connection, busy or not (a dashboard simply redials), counted
+# over its reconnections: a stranger that redials at once is let go at once, until it was away this long.
+NON_MEMBER_LIFETIME_S = 120.0
+STRANGER_MEMORY_S = 600.0
+# Status requests of peers that have not joined, per address key: a burst, then this many per second.
+STRANGER_STATUS_PER_S = 1.0
+STRANGER_STATUS_BURST = 5
+# After a refusal, how long the peer may take to read it and close its side before the stream is reset.
+REFUSE_LINGER_S = 2.0
+REFUSE_DRAIN_BYTES = 64 * 1024
+
+REFUSE_WRITE_TIMEOUT_S = 2.0
+# A submission answered, its next lease not granted for a reason of the peer's (a ban under way): ask again then.
+NO_LEASE_RETRY_S = 5.0
+REPLY_WRITE_TIMEOUT_S = 30.0
+MBIT_BYTES = 1e6 / 8
+
+# Largest frame a handler of each protocol may read: what the guard reserves against a peer's memory budget.
+PROTOCOL_FRAME_CAPS = {
+    JOIN_PROTOCOL: JoinRequest.MAX_BYTES,
+    HEARTBEAT_PROTOCOL: Heartbeat.MAX_BYTES,
+    LEASE_PROTOCOL: LeaseRequest.MAX_BYTES,
+    SUBMIT_PROTOCOL: signed_caps(Submission)[Submission.TYPE],
+    STATUS_PROTOCOL: StatusRequest.MAX_BYTES,
+    SNAPSHOT_PROTOCOL: SnapshotRequest.MAX_BYTES,
+    REPORT_PROTOCOL: BadChunkReport.MAX_BYTES,
+}
+# Protocols only joined nodes may use: a stranger is refused before one byte of its request is read.
+MEMBERS_ONLY = frozenset({HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL})
+# What a stream from a peer that has not joined may pin in hub memory (a join or status request fits).
+STRANGER_FRAME_CAP_BYTES = JoinRequest.MAX_BYTES
+# How long a handler may take: one exchange, except a snapshot transfer, which lasts as long as the model
+# takes to cross the link and is bounded by progress instead (shared.transfer.STALL_S, Yamux's window timeout).
+PROTOCOL_TIMEOUTS_S = {SNAPSHOT_PROTOCOL: math.inf}
+
+
+@dataclass(frozen=True)
+class JoinTerms:
+    """What every join reply tells a node besides its state."""
+
+    staleness: int
+    task: str
+    context_tokens: int  # hub.training.tasks.context_tokens of the task
+
+
+def no_chains(peer: str) -> ChainLinks:
+    """Where a node pulls from when the hub runs no broadcaster: from the hub itself."""
+    return ChainLinks(None, (), None, None, None)
+
+
+async def refuse_reports(stream: INetStream) -> None:
+    """REPORT_PROTOCOL of a hub that runs no broadcaster: it has no chains, so no upstream to report."""
+    await read_message(stream, BadChunkReport)
+    raise PeerFault("this hub runs no broadcaster: there is no upstream to report", RejectCode.NOT_UPSTREAM)
+
+
+class HubService:
+    """Serves the hub's protocols on `host`; one component of the hub's trio nursery."""
+
+    def __init__(
+        self,
+        host: IHost,
+        identity: Identity,
+        state: HubState,
+        shelf: SnapshotShelf,
+        guard: PeerGuard,
+        uplink: HubUplink,
+        terms: JoinTerms,
+        status: Callable[[bool, int], Awaitable[bytes]],
+        chain_links: Callable[[str], ChainLinks],
+        on_heartbeat: Callable[[], None],
+        on_report: Callable[[INetStream], Awaitable[None]],
+        punch_failed: Callable[[str, str], None] = lambda peer, upstream: None,
+        bulk: BulkChannel | None = None,
+    ) -> None:
+        self.host = host
+        self.bulk = bulk
+        self.identity = identity  # signs the commitments of the snapshot frames it serves
+        self.state = state
+        self.shelf = shelf
+        self.guard = guard
+        self.uplink = uplink
+        self.terms = terms
+        self.status = status
+        self.chain_links = chain_links
+        self.on_heartbeat = on_heartbeat
+        self.on_report = on_report
+        self.punch_failed = punch_failed
+        self.operators = frozenset({host.get_id().to_base58(), *guard.config.status_operators})
+        self._stranger_status = TokenBuckets(STRANGER_STATUS_PER_S, STRANGER_STATUS_BURST)
+        self._refusal_log = PeerLogLimiter()
+
+    async def run(self) -> None:
+        handlers = {
+            JOIN_PROTOCOL: self._on_join,
+            HEARTBEAT_PROTOCOL: self._on_heartbeat,
+            LEASE_PROTOCOL: self._on_lease,
+            SUBMIT_PROTOCOL: self._on_submit,
+            STATUS_PROTOCOL: self._on_status,
+            SNAPSHOT_PROTOCOL: self._on_snapshot,
+            REPORT_PROTOCOL: self.on_report,
+        }
+        for protocol, handler in handlers.items():
+            set_handler(self.host, protocol, self._guarded(protocol, handler), log)
+        connected_at: dict[str, float] = {}
+        strangers: dict[str, tuple[float, float]] = {}
+        while True:
+            await trio.sleep(GUARD_PRUNE_PERIOD_S)
+            self.guard.prune(idle_s=GUARD_IDLE_S)
+            await self._close_idle_connections(connected_at, strangers)
+
+    async def _close_idle_connections(self, connected_at: dict[str, float], strangers: dict[str, tuple[float, float]]) -> None:
+        """Disconnect peers that are not joined nodes (strangers, nodes that left or were banned, dashboards)
+        once idle for trust.idle_connection_s, or connected NON_MEMBER_LIFETIME_S in all over their reconnections
+        (`strangers`: peer -> (first seen connected, last seen connected)): py-libp2p never closes an idle
+        connection, and every one held is a slot an honest node may need."""
+        now = time.monotonic()
+        peers = {p.to_base58(): p for p in self.host.get_network().get_connections_map()}
+        for gone in set(connected_at) - set(peers):
+            del connected_at[gone]
+        for name in [p for p, (_, last) in strangers.items() if now - last > STRANGER_MEMORY_S]:
+            del strangers[name]
+        for name, peer in peers.items():
+            since = connected_at.setdefault(name, now)
+            if self.state.is_member(name):
+                strangers.pop(name, None)
+                continue
+            first = strangers[name][0] if name in strangers else since
+            strangers[name] = (first, now)
+            active = self.guard.last_active(name)
+            idle = now - max(since, active if active is not None else since) > self.guard.config.idle_connection_s
+            # Not idle but never joining (a stranger polling the status to keep its slot) goes too, later.
+            if idle or now - first > NON_MEMBER_LIFETIME_S:
+                log.info("closing the %s connection of %s (not a joined node)", "idle" if idle else "long-held", name)
+                await forget_peer(self.host, peer)
+                connected_at.pop(name, None)
+
+    # -- the guard around every handler ---------------------------------------------------
+
+    def _guarded(self, protocol: str, handler: Callable[[INetStream], Awaitable[None]]):
+        timeout_s = PROTOCOL_TIMEOUTS_S.get(protocol, HANDLER_TIMEOUT_S)
+
+        async def guarded(stream: INetStream) -> None:
+            peer = remote_peer_id(stream)
+            member = self.state.is_member(peer)
+            # A submission's memory is reserved only for a node with a lease to answer, and only as much as
+            # an honest answer to it takes: a member cannot pin the hub's frame budget with submissions
+            # that could only be refused.
+            leaseless = member and protocol == SUBMIT_PROTOCOL and not self.state.leases.holds(peer)
+            if not member or leaseless:
+                cap = min(PROTOCOL_FRAME_CAPS[protocol], STRANGER_FRAME_CAP_BYTES)
+            else:
+                cap = self.state.submission_cap(peer) if protocol == SUBMIT_PROTOCOL else PROTOCOL_FRAME_CAPS[protocol]
+            admission = self.guard.admit(peer, cap)
+            if not admission.admitted:
+                await self._turn_away(stream, peer, admission)
+                return
+            try:
+                if protocol in MEMBERS_ONLY and not member:
+                    self.state.known(peer)  # raises the PeerFault that says why: nothing is read or parsed
+                if leaseless:
+                    raise PeerFault("no open lease: ask for one before submitting", RejectCode.BAD_LEASE)
+                # The peer's reads and writes have a deadline; our own processing between them does not:
+                # a slow audit or commit on our side is never counted against the peer.
+                await handler(_PeerDeadline(stream, trio.current_time() + timeout_s))
+            except HubBusy as exc:
+                await _refuse(stream, RejectCode.BUSY, str(exc))
+            except PeerFault as exc:
+                await self._misbehaved(stream, peer, protocol, RejectCode(exc.code), exc.reason)
+            except (StreamEOF, trio.TooSlowError) as exc:
+                await self._misbehaved(stream, peer, protocol, RejectCode.BAD_REQUEST, f"{type(exc).__name__}: {exc}")
+            finally:
+                self.guard.release(peer, admission)
+
+        guarded.__qualname__ = f"HubService[{protocol}]"
+        return guarded
+
+    async def _misbehaved(self, stream: INetStream, peer: str, protocol: str, code: RejectCode, reason: str) -> None:
+        """A peer sent something we refuse: count it against the peer, tell it why, keep serving. Logged once per
+        peer per window (a peer refused in a loop must not fill the disk with lines)."""
+        logged, held = self._refusal_log.allow(peer, time.monotonic())
+        if logged:
+            log.warning("refused %s from %s: %s%s", protocol, peer, reason,
+                        f" ({held} more refusals of it since its last line)" if held else "")
+        await self.state.record_refusal(peer, code)
+        await _refuse(stream, code, reason)
+
+    async def _turn_away(self, stream: INetStream, peer: str, admission: Admission) -> None:
+        """A peer over its stream, rate or memory caps: told to retry later, disconnected if it keeps on (at once:
+        its stream is not given time to close, the connection goes with it)."""
+        disconnect = admission.verdict == "disconnect"
+        await _refuse(stream, RejectCode.BUSY, f"retry in {admission.retry_after_s:.2f}s: {admission.reason}",
+                      linger_s=0.0 if disconnect else REFUSE_LINGER_S)
+        if disconnect:
+            await self.state.event("disconnect", peer, admission.reason)
+            await self.host.disconnect(ID.from_base58(peer))
+
+    # -- protocols -------------------------------------------------------------------------
+
+    async def _on_join(self, stream: INetStream) -> None:
+        request = await read_message(stream, JoinRequest)
+        record = await self.state.join(remote_peer_id(stream), request, remote_ip(stream))
+        await _reply(stream, JoinReply(
+            state=record.state, latest_version=self.shelf.newest_version(), staleness=self.terms.staleness,
+            task=self.terms.task, heartbeat_period_s=record.heartbeat_period_s, context_tokens=self.terms.context_tokens,
+        ))
+
+    async def _on_heartbeat(self, stream: INetStream) -> None:
+        beat = await read_message(stream, Heartbeat)
+        peer = remote_peer_id(stream)
+        record = self.state.heartbeat(peer, beat)
+        if beat.punch_failed_with is not None:
+            self.punch_failed(peer, beat.punch_failed_with)
+        self.on_heartbeat()
+        links = self.chain_links(peer)
+        await _reply(stream, HeartbeatReply(
+            state=record.state, latest_version=self.shelf.newest_version(), upstream=links.upstream,
+            upstream_addrs=links.upstream_addrs, downstream=links.downstream, chain=links.chain,
+            chain_position=links.chain_position, downstream_addrs=links.downstream_addrs,
+            reachability=record.reachability, upstream_link=links.kind, heartbeat_period_s=record.heartbeat_period_s,
+        ))
+
+    async def _lease_reply(self, peer: str, version_held: int) -> LeaseReply:
+        grant = await self.state.grant_lease(peer, version_held)
+        lease = grant.lease
+        if lease is None:
+            return LeaseReply(lease=None, retry_after_s=grant.retry_after_s, reason=grant.reason)
+        rules = self.state.rules
+        return LeaseReply(lease=Lease(
+            lease_id=lease.lease_id,
+            prompts=tuple(LeasePrompt(prompt_id=p.id, text=p.text) for p in lease.prompts),
+            group_size=rules.group_size,
+            sampling=rules.sampling,
+            min_version=lease.min_version,
+            deadline_s=lease.deadline - lease.issued_at,
+        ))
+
+    async def _on_lease(self, stream: INetStream) -> None:
+        request = await read_message(stream, LeaseRequest)
+        await _reply(stream, await self._lease_reply(remote_peer_id(stream), request.version_held))
+
+    async def _on_submit(self, stream: INetStream) -> None:
+        peer = remote_peer_id(stream)
+        # The cap the guard reserved: nothing awaited since, so the peer's open leases are the same.
+        tag, body = await read_frame(stream, {Submission.TYPE: self.state.submission_cap(peer)})
+        # The Noise handshake proved the stream's peer; the signature binds the exact bytes to it.
+        submission = decode_signed(tag, body, peer, Submission)
+        signed_hash = hashlib.blake2b(body, digest_size=16).hexdigest()
+        outcome = await self.state.accept_submission(peer, submission, signed_hash)
+        next_lease = None
+        if submission.next_lease_for is not None:
+            try:
+                next_lease = await self._lease_reply(peer, submission.next_lease_for)
+            except PeerFault as exc:  # banned meanwhile, say: the submission is committed, so it is still answered
+                next_lease = LeaseReply(lease=None, retry_after_s=NO_LEASE_RETRY_S, reason=exc.reason[:500])
+        await _reply(stream, SubmitReply(
+            accepted=outcome.accepted, rejected=outcome.rejected, late=outcome.late, paid_usd=outcome.paid_usd,
+            next_lease=next_lease,
+        ))
+
+    async def _on_status(self, stream: INetStream) -> None:
+        request = await read_message(stream, StatusRequest)
+        peer = remote_peer_id(stream)
+        operator = peer in self.operators
+        if not operator and not self.state.is_member(peer):
+            wait_s = self._stranger_status.take(address_key(remote_ip(stream)) or peer, time.monotonic())
+            if wait_s > 0:
+                raise HubBusy(f"status requests from this address: retry in {wait_s:.1f}s")
+        # What other volunteers are paid is the operator's business: strangers and nodes see it redacted.
+        frame = await self.status(operator, request.events)
+        await stream.write(frame)
+        await stream.close()
+
+    async def _on_snapshot(self, stream: INetStream) -> None:
+        """Serve a snapshot straight from the hub (first fetch, repair, or a chain head's pull)."""
+        with trio.fail_after(HANDLER_TIMEOUT_S):
+            request = await read_message(stream, SnapshotRequest)
+        peer = remote_peer_id(stream)
+        self.state.known(peer)
+        try:
+            servable(self.shelf, request)
+            async with serving_stream(stream, request, self.bulk, peer) as transfer:
+                ack = await serve_snapshot(transfer, self.shelf, request, self.uplink.for_stream(), self.identity)
+        except NotServable as exc:
+            raise PeerFault(str(exc), RejectCode.NOT_HELD) from None
+        except LookupError as exc:
+            # The learner moved on and the shelf let this version go mid-transfer: ours, not the peer's.
+            log.info("snapshot transfer to %s ended: %s", peer[-8:], exc)
+            await stream.reset()
+            return
+        except (*RECEIVER_GONE, trio.TooSlowError) as exc:
+            # The receiver left, re-linked or stopped reading mid-transfer: ordinary churn, not misbehaviour.
+            log.info("snapshot transfer to %s ended early: %s", peer[-8:], exc)
+            await stream.reset()
+            return
+        if not ack.ok:
+            log.warning("snapshot v%d to %s ended badly: %s", ack.version, peer, ack.reason)
+        await stream.close()
+
+
+class _PeerDeadline:
+    """A stream whose reads must all be done by `deadline` (the peer's request), and whose each write must
+    finish within REPLY_WRITE_TIMEOUT_S (the peer reading our reply); everything else passes through."""
+
+    def __init__(self, stream: INetStream, deadline: float) -> None:
+        self._stream = stream
+        self._deadline = deadline
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    async def read(self, n: int = -1) -> bytes:
+        with trio.fail_at(self._deadline):
+            return await self._stream.read(n)
+
+    async def write(self, data: bytes) -> None:
+        # A big write (a snapshot chunk) may take as long as its bytes take at the slowest link allowed.
+        with trio.fail_after(REPLY_WRITE_TIMEOUT_S + len(data) / MIN_LINK_BPS):
+            await self._stream.write(data)
+
+
+async def _reply(stream: INetStream, msg) -> None:
+    await write_message(stream, msg)
+    await stream.close()
+
+
+async def _refuse(stream: INetStream, code: RejectCode, reason: str, linger_s: float = REFUSE_LINGER_S) -> None:
+    """Answer with a Reject, then end the stream on both sides: the peer has `linger_s` to read it and close its
+    side (what our clients do); whatever else it sends meanwhile is dropped unread, and a stream still open
+    after that is reset, so neither side holds it."""
+    try:
+        with trio.move_on_after(REFUSE_WRITE_TIMEOUT_S):
+            await write_message(stream, Reject(code=code, reason=reason[:1000]))
+            await stream.close_write()
+        with trio.move_on_after(linger_s):
+            with contextlib.suppress(*LIBP2P_END_OF_STREAM):
+                while await stream.read(REFUSE_DRAIN_BYTES):
+                    pass
+            await stream.close()  # the peer closed its side: the stream ends cleanly
+            return
+    except Exception:  # noqa: BLE001 - the peer may already be gone, or have reset the stream
+        pass
+    await stream.reset()
+
+
+def build_hub_service(
+    host: IHost,
+    identity: Identity,
+    config: HubConfig,
+    state: HubState,
+    shelf: SnapshotShelf,
+    status: Callable[[bool, int], Awaitable[bytes]],
+    context_tokens: int,
+    broadcaster: Broadcaster | None = None,
+    bulk: BulkChannel | None = None,
+) -> HubService:
+    """The hub's service as `echo-hub start` runs it; without a broadcaster, every node pulls from the hub."""
+    bc = config.broadcast
+    uplink = HubUplink(bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None,
+                       bc.link_mbps * MBIT_BYTES if bc.link_mbps else None)
+    terms = JoinTerms(config.learner.staleness, config.task, context_tokens)
+    return HubService(
+        host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
+        chain_links=broadcaster.links if broadcaster else no_chains,
+        on_heartbeat=broadcaster.check_done if broadcaster else lambda: None,
+        on_report=broadcaster.on_report if broadcaster else refuse_reports,
+        punch_failed=broadcaster.punch_failed if broadcaster else lambda peer, upstream: None,
+        bulk=bulk,
+    )

@@ -1,0 +1,215 @@
+"""The hub's status board: one HubStatus snapshot of the whole system, refreshed every second,
+served on the status protocol and written atomically to DATA_DIR/status.json (the dashboard
+reads either, also after the run has ended).
+
+Nodes, tallies, costs and run totals are HubState's view (all-time, restored on restart); the
+step history, events and the usable fraction are read from the store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from hub.control.scheduler import CapacityView, Scheduler
+from hub.distribution.broadcast import Broadcaster
+from hub.method.capacity import usable_fraction
+from hub.service.state import HubState
+from hub.training.metrics import policy_reward
+from shared.files import atomic_write_text
+from shared.layout import HUB_STATUS_FILE
+from shared.messages import EvalPoint, EventRecord, HubStatus, NodeStatus, StepPoint
+from shared.wire import HEADER, encode_frame
+
+STATUS_PERIOD_S = 1.0
+# A build older than this was not refreshed by `run` (which builds every period plus its own time): a status
+# request builds anew.
+STATUS_MAX_AGE_S = 2 * STATUS_PERIOD_S
+HISTORY_POINTS = 300
+EVENTS_KEPT = 200
+# A status request's event count is served from the smallest of these that covers it (one encoding each).
+EVENT_BUCKETS = (0, 20, 50, EVENTS_KEPT)
+# Nodes listed: every live one, and those gone or banned within RECENT_NODES_S, newest first, at most
+# STATUS_NODES_MAX (about 5 MB encoded, under HubStatus.MAX_BYTES); the store keeps the rest.
+RECENT_NODES_S = 3600.0
+STATUS_NODES_MAX = 10_000
+# Settled accepted groups the usable fraction is measured over: recent enough to follow the reward.
+USABLE_WINDOW_GROUPS = 512
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    hub_id: str
+    addrs: tuple[str, ...]
+    steps_target: int
+    staleness: int
+    kappa: int
+    task: str
+    broadcast_mode: str
+
+
+NO_CAPACITY = CapacityView(0.0, None, None, None, "no scheduler")
+
+
+class StatusBoard:
+    """Without a broadcaster or a scheduler (in-process hubs of tests and benchmarks) it shows no chains
+    and no capacity model."""
+
+    def __init__(
+        self,
+        info: RunInfo,
+        data_dir: Path,
+        state: HubState,
+        learner_step: Callable[[], int],
+        broadcaster: Broadcaster | None = None,
+        scheduler: Scheduler | None = None,
+    ) -> None:
+        self.info = info
+        self.path = Path(data_dir) / HUB_STATUS_FILE
+        self.state = state
+        self.store = state.store
+        self.broadcaster = broadcaster
+        self.scheduler = scheduler
+        self.learner_step = learner_step
+        self.history: tuple[StepPoint, ...] = ()
+        self.events: tuple[EventRecord, ...] = ()
+        self.evals: tuple[EvalPoint, ...] = ()
+        self.t_train_recent_s: float | None = None
+        self.usable_fraction = 1.0
+        # The same without stale drops: what one step's rollouts shrink by (hub.method.capacity.Arrival).
+        self.fresh_usable_fraction = 1.0
+        self.running = True
+        # The status of the last refresh, and its encodings served since: (operator, events) -> frame bytes.
+        self._built: HubStatus | None = None
+        self._built_at = -float("inf")
+        self._encoded: dict[tuple[bool, int], bytes] = {}
+        self._encoding = trio.Lock()
+
+    def _read_store(self) -> None:
+        steps = self.store.recent_steps(HISTORY_POINTS)
+        self.history = tuple(
+            StepPoint(step=s.step, version=s.version, reward_mean=policy_reward(s.as_json_dict()), staleness_mean=s.staleness_mean,
+                      bubble=s.bubble, t_train_s=s.t_train_s, t_idle_s=s.t_idle_s)
+            for s in steps
+        )
+        recent = [s.t_train_s for s in steps[-10:]]
+        self.t_train_recent_s = sum(recent) / len(recent) if recent else None
+        trained, settled, stale = self.store.recent_usable_groups(USABLE_WINDOW_GROUPS)
+        self.usable_fraction = usable_fraction(trained, settled)
+        # Everything settled went stale: no step of ours to learn the other skips from.
+        self.fresh_usable_fraction = usable_fraction(trained, settled - stale) if settled > stale else self.usable_fraction
+        self.evals = tuple(self.store.evals(HISTORY_POINTS))
+        self.events = tuple(
+            EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)
+            for e in self.store.events(EVENTS_KEPT)
+        )
+
+    def _listed(self, now: float) -> tuple[list, int]:
+        """The nodes a status lists (see RECENT_NODES_S), and how many it leaves out."""
+        everyone = self.state.fleet.nodes.values()
+        listed = [n for n in everyone if n.state not in ("gone", "banned") or now - n.last_seen <= RECENT_NODES_S]
+        if len(listed) > STATUS_NODES_MAX:
+            listed.sort(key=lambda n: (n.state in ("gone", "banned"), -n.last_seen))
+            listed = listed[:STATUS_NODES_MAX]
+        return listed, len(everyone) - len(listed)
+
+    def snapshot(self, events: int = 50) -> HubStatus:
+        """The status now (on the trio thread: the state's view is only ever touched there)."""
+        now = time.time()
+        state = self.state
+        listed, omitted = self._listed(now)
+        chains = self.broadcaster.chains if self.broadcaster else []
+        chain_of = {p: (i, j) for i, chain in enumerate(chains) for j, p in enumerate(chain)}
+        kinds = self.broadcaster.link_kinds() if self.broadcaster else {}
+        nodes = tuple(
+            NodeStatus(
+                peer_id=n.peer_id, state=n.state, price_per_hour=n.price_per_hour, rollouts_per_s=n.rollouts_per_s,
+                version_held=n.version_held, receiving_version=n.receiving_version,
+                chunks_received=n.chunks_received, tallies=n.tallies, cost_usd=state.totals.paid_usd.get(n.peer_id, 0.0),
+                backend=n.backend, hardware=n.hardware,
+                chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
+                reachability=n.reachability,
+                link=kinds.get(n.peer_id, ""),
+            )
+            for n in listed
+        )
+        last = self.history[-1] if self.history else None
+        cost = state.cost_usd(now)
+        step = self.learner_step()
+        capacity = self.scheduler.view if self.scheduler else NO_CAPACITY
+        shelf = self.broadcaster.shelf if self.broadcaster else None
+        newest = shelf.get(None) if shelf else None
+        delta = shelf.delta(newest.manifest.version) if newest else None
+        return HubStatus(
+            hub_id=self.info.hub_id, addrs=self.info.addrs, running=self.running, updated_at=now, step=step,
+            steps_target=self.info.steps_target, version=step, staleness=self.info.staleness, kappa=self.info.kappa,
+            task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in chains),
+            broadcast_mode=self.info.broadcast_mode, open_leases=len(state.leases.open),
+            totals=state.totals.groups, dropped_stale=state.totals.dropped_stale,
+            reward_mean=last.reward_mean if last else None,
+            t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s() if self.broadcaster else None,
+            snapshot_bytes=newest.manifest.total_bytes if newest else None,
+            delta_bytes=delta.manifest.total_bytes if delta else None,
+            bubble=last.bubble if last else None, predicted_bubble=capacity.predicted_bubble,
+            mu_pool=capacity.mu_pool, mu_min=capacity.mu_min, mu_target=capacity.mu_target,
+            usable_fraction=capacity.usable_fraction,
+            cost_usd=cost, cost_per_step_usd=cost / step if step else None, all_on_cost_usd=state.all_on_cost_usd(now),
+            history=self.history, evals=self.evals, events=self.events[:events], nodes_omitted=omitted,
+        )
+
+    def refresh_sync(self) -> HubStatus:
+        """Read the store and write status.json, outside trio (the final write after the event loop ended)."""
+        self._read_store()
+        status = self.snapshot(EVENTS_KEPT)
+        atomic_write_text(self.path, status.model_dump_json())
+        return status
+
+    async def refresh(self) -> HubStatus:
+        """Build the status and write status.json: the operator's full view, encoded once and also kept as the
+        frame an operator's status request gets until the next build."""
+        async with self._encoding:
+            status = await self._build()
+            frame = await self._frame(True, EVENTS_KEPT)
+        await trio.to_thread.run_sync(atomic_write_text, self.path, frame[HEADER.size:].decode())
+        return status
+
+    async def _build(self) -> HubStatus:
+        await trio.to_thread.run_sync(self._read_store)
+        status = self.snapshot(EVENTS_KEPT)  # on the trio thread: the fleet is only ever touched there
+        self._built, self._built_at, self._encoded = status, time.monotonic(), {}
+        return status
+
+    async def _frame(self, operator: bool, events: int) -> bytes:
+        """One view of the last build, encoded at most once per build, in a worker thread (callers hold _encoding)."""
+        key = (operator, events)
+        if key not in self._encoded:
+            self._encoded[key] = await trio.to_thread.run_sync(_encode_view, self._built, operator, events)
+        return self._encoded[key]
+
+    async def encoded(self, operator: bool, events: int) -> bytes:
+        """The status frame a status request gets (the operator's view, or the redacted one everyone else gets):
+        the last build's while `run` keeps building every STATUS_PERIOD_S, built here only when nobody does
+        (an in-process hub of tests and benchmarks), so at most one build per period whoever asks."""
+        async with self._encoding:
+            if self._built is None or time.monotonic() - self._built_at > STATUS_MAX_AGE_S:
+                await self._build()
+            return await self._frame(operator, next((b for b in EVENT_BUCKETS if b >= events), EVENT_BUCKETS[-1]))
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await trio.sleep(STATUS_PERIOD_S)
+
+
+def _encode_view(status: HubStatus, operator: bool, events: int) -> bytes:
+    """One view of `status` as a frame, always within HubStatus.MAX_BYTES: nodes are dropped from the end of the
+    list until it fits (a list past STATUS_NODES_MAX was already cut to the live and newest; this is the last line)."""
+    view = status if operator else status.redact()
+    view = view.model_copy(update={"events": view.events[:events]})
+    while len(body := view.model_dump_json().encode()) > HubStatus.MAX_BYTES:
+        keep = len(view.nodes) // 2
+        view = view.model_copy(update={"nodes": view.nodes[:keep], "nodes_omitted": view.nodes_omitted + len(view.nodes) - keep})
+    return encode_frame(HubStatus.TYPE, body)

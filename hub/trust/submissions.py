@@ -1,0 +1,176 @@
+"""Checks of one signed submission against the lease it answers; the hub's verdict per group.
+
+Nothing a node says about its own work is believed: the completion text is re-decoded from
+the token ids with the hub's tokenizer, the reward is recomputed from the task, and lengths,
+versions and log-probs are bounded by the lease. A node may claim rewards; a claim that differs
+from the hub's score is a lie, and that group is rejected (neither trained on nor paid).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from hub.records.leases import LeaseRecord
+from shared.messages import Submission, SubmittedGroup
+from shared.rollout import Completion, Group, SamplingParams
+from shared.tasks.base import Task
+
+CLAIMED_REWARD_TOLERANCE = 1e-6
+# The most bytes a submission's JSON spends on each of its parts, for the frame cap of one lease's answer.
+JSON_BYTES_PER_CHAR = 6  # a control character escaped ("\u001f"); others take at most 4 (raw UTF-8)
+NUMBER_JSON_BYTES = 26  # a token id (<= 10 digits) or a float's shortest repr (<= 24 chars), with its comma
+COMPLETION_JSON_BYTES = 256  # a completion's keys, brackets, finish_reason and version
+GROUP_JSON_BYTES = JSON_BYTES_PER_CHAR * 200 + 256  # a group's keys and its prompt id at its longest, escaped
+SUBMISSION_JSON_BYTES = JSON_BYTES_PER_CHAR * (64 + 128) + 256  # keys, lease id and node id at their longest
+REASON_CLAIMED_REWARD = "claimed rewards differ from the hub's scores"
+
+log = logging.getLogger("echo2.hub.submissions")
+
+
+@dataclass(frozen=True)
+class VersionWindow:
+    """Versions the hub accepts right now: newest published, and the oldest still within S."""
+
+    oldest: int
+    newest: int
+
+
+@dataclass(frozen=True)
+class SubmissionRules:
+    """What every submission is checked against; fixed for the hub's lifetime."""
+
+    task: Task
+    group_size: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]  # every EOS the model declares (shared.generation.model_stop_ids)
+    vocab_size: int
+    decode: Callable[[list[int]], str]
+    token_text_bytes: int  # the most JSON bytes one token's decoded text takes (`token_text_bytes`)
+
+
+def token_text_bytes(vocab: Iterable[str]) -> int:
+    """The most JSON bytes one token's decoded text can take. A vocabulary entry (a byte-level BPE or
+    SentencePiece piece) decodes to at most as many characters as it has, each at most
+    JSON_BYTES_PER_CHAR bytes once escaped."""
+    return JSON_BYTES_PER_CHAR * max(map(len, vocab))
+
+
+def submission_frame_cap(prompts: int, group_size: int, max_new_tokens: int, text_bytes_per_token: int) -> int:
+    """The most bytes an honest answer to a lease of `prompts` prompts takes (signature excluded): every
+    completion at max_new_tokens tokens of the longest text, with a claimed reward each. The hub reads
+    and reserves no more than this for a submission, however large the protocol's own cap."""
+    token = 2 * NUMBER_JSON_BYTES + text_bytes_per_token
+    completion = COMPLETION_JSON_BYTES + max_new_tokens * token + NUMBER_JSON_BYTES
+    return SUBMISSION_JSON_BYTES + prompts * (GROUP_JSON_BYTES + group_size * completion)
+
+
+@dataclass(frozen=True)
+class GroupVerdict:
+    prompt_id: str
+    accepted: bool
+    reason: str
+    submitted: SubmittedGroup
+    group: Group | None = None
+    # Refused only because its version fell out of the staleness window while it was generated:
+    # the normal cost of asynchrony for an honest node, kept apart from refusals for bad work.
+    late: bool = False
+
+    def __post_init__(self) -> None:
+        if self.accepted and self.late:
+            raise ValueError("a group is either accepted or late, not both")
+
+    @property
+    def verdict(self) -> str:
+        """How the store records it: accepted, late or rejected."""
+        return "accepted" if self.accepted else "late" if self.late else "rejected"
+
+
+def _check_completion(c: Completion, sampling: SamplingParams, stop_ids: frozenset[int]) -> str | None:
+    n = len(c.token_ids)
+    if n == 0 or n > sampling.max_new_tokens:
+        return f"completion length {n} outside [1, {sampling.max_new_tokens}]"
+    if len(c.logprobs) != n:
+        return f"{len(c.logprobs)} log-probs for {n} tokens"
+    if not all(math.isfinite(lp) and lp <= 1e-6 for lp in c.logprobs):
+        return "log-probs must be finite and <= 0"
+    if c.finish_reason == "stop" and c.token_ids[-1] not in stop_ids:
+        return "finish_reason stop without EOS"
+    if c.finish_reason == "length" and n != sampling.max_new_tokens:
+        return "finish_reason length before max_new_tokens"
+    if not stop_ids.isdisjoint(c.token_ids[:-1]):
+        return "tokens after EOS"
+    return None
+
+
+def check_group(
+    submitted: SubmittedGroup,
+    record: LeaseRecord,
+    seen: set[str],
+    rules: SubmissionRules,
+    window: VersionWindow,
+    node_id: str,
+) -> GroupVerdict:
+    pid = submitted.prompt_id
+    reject = lambda reason: GroupVerdict(pid, False, reason, submitted)  # noqa: E731
+    prompts = {p.id: p for p in record.prompts}
+    if pid not in prompts:
+        return reject("prompt not in lease")
+    if pid in record.answered or pid in seen:
+        return reject("prompt already answered")
+    seen.add(pid)
+    if len(submitted.completions) != rules.group_size:
+        return reject(f"{len(submitted.completions)} completions, lease asked for {rules.group_size}")
+    versions = {c.version for c in submitted.completions}
+    if len(versions) != 1:
+        return reject("completions of one group made with different versions")
+    version = versions.pop()
+    if version > window.newest:
+        return reject(f"version {version} was never published (newest {window.newest})")
+    if version < record.min_version:
+        # The lease was only issued to a node holding at least min_version: not lateness.
+        return reject(f"version {version} below the lease's minimum {record.min_version}")
+    for c in submitted.completions:
+        problem = _check_completion(c, rules.sampling, rules.stop_ids)
+        if problem is None and any(not 0 <= t < rules.vocab_size for t in c.token_ids):
+            problem = "token id outside the vocabulary"
+        if problem is not None:
+            return reject(problem)
+    # Checked last: only a group that is otherwise valid work is late rather than rejected.
+    if version < window.oldest:
+        reason = f"stale version {version} (oldest accepted {window.oldest})"
+        return GroupVerdict(pid, False, reason, submitted, late=True)
+    completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
+    prompt = prompts[pid]
+    try:
+        rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
+    except Exception as exc:  # noqa: BLE001 -- the operator's reward code on a peer's text: this group only
+        log.error("the task's reward failed on a completion of %s", pid, exc_info=exc)
+        return reject(f"the task's reward failed on this group ({type(exc).__name__})")
+    if not all(math.isfinite(r) for r in rewards):
+        log.error("the task's reward gave %r for %s", rewards, pid)
+        return reject("the task's reward is not a finite number for this group")
+    if submitted.claimed_rewards is not None and (
+        len(submitted.claimed_rewards) != len(rewards)
+        or any(not abs(a - b) <= CLAIMED_REWARD_TOLERANCE for a, b in zip(submitted.claimed_rewards, rewards))
+    ):
+        return reject(REASON_CLAIMED_REWARD)
+    group = Group(
+        prompt_id=pid,
+        prompt_text=prompt.text,
+        version=version,
+        completions=tuple(completions),
+        rewards=rewards,
+        node_id=node_id,
+    )
+    return GroupVerdict(pid, True, "", submitted, group)
+
+
+def check_submission(
+    submission: Submission, record: LeaseRecord, rules: SubmissionRules, window: VersionWindow
+) -> list[GroupVerdict]:
+    """Verdicts for every group of a submission whose lease and signer were already verified."""
+    seen: set[str] = set()
+    return [check_group(g, record, seen, rules, window, submission.node_id) for g in submission.groups]
