@@ -11,7 +11,7 @@ and at most Bw per connection. The snapshot is random bytes signed by the hub li
 snapshot. Chain mode lays nodes out with hub.method.chains.plan_chains and starts each snapshot the
 way the hub does (a RelayOffer to each chain head; every relay announces to its successor);
 star mode has every node pull from the hub. T is from the hub's first offer to the last
-node's verified install; the ideal is DESIGN.md section 5 (hub.method.chains).
+node's verified install; the ideal is docs/DESIGN.md §7 (hub.method.chains).
 
 All hosts share one Python process and so one core: what the emulated links allow in
 aggregate (chain: N * Bw) must stay below what that core can push through Noise and Yamux,
@@ -44,10 +44,10 @@ from shared.messages import RELAY_PROTOCOL, SNAPSHOT_PROTOCOL, RelayOffer, Snaps
 from shared.net import RateLimiter, connect, open_stream, running_host, set_handler
 from shared.snapshot import Snapshot
 from shared.transfer import serve_snapshot
+from shared.units import BYTES_PER_MBIT
 from shared.wire import read_message, write_message
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-MBIT_BYTES = 1e6 / 8
 RUN_TIMEOUT_S = 1800.0
 log = logging.getLogger("bench.broadcast")
 
@@ -68,7 +68,7 @@ class Result:
 def random_snapshot(identity: Identity, size_bytes: int, chunk_bytes: int, directory: Path) -> Snapshot:
     import torch
 
-    from shared.snapshot import build_snapshot
+    from shared.model_io import build_snapshot
 
     tensor = torch.frombuffer(bytearray(os.urandom(size_bytes)), dtype=torch.uint8)
     return build_snapshot({"w": tensor}, 1, identity, "0" * 64, directory, chunk_size=chunk_bytes)
@@ -225,8 +225,8 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",")]
     if not sizes or min(sizes) < 1 or not set(modes) <= {"chain", "star"}:
         parser.error("--nodes needs sizes >= 1 and --modes only chain and/or star")
-    link_bps = args.link_mbps * MBIT_BYTES
-    hub_bps = (args.hub_mbps or args.link_mbps) * MBIT_BYTES
+    link_bps = args.link_mbps * BYTES_PER_MBIT
+    hub_bps = (args.hub_mbps or args.link_mbps) * BYTES_PER_MBIT
     chunk_bytes = args.chunk_kib * 1024
     hub_id = Identity.generate()
     snapshot = random_snapshot(hub_id, int(args.size_mb * 1e6), chunk_bytes, SCRATCH)
@@ -244,11 +244,11 @@ def main() -> None:
                 Result(mode, n, seconds, ideal_s(mode, n, total, chunk_bytes, link_bps, hub_bps), time.process_time() - cpu)
             )
             progress.advance(bar)
-    title = f"{total / 1e6:.0f} MB, {args.chunk_kib} KiB chunks, Bw {args.link_mbps:g} Mbit/s, B0 {hub_bps / MBIT_BYTES:g} Mbit/s"
+    title = f"{total / 1e6:.0f} MB, {args.chunk_kib} KiB chunks, Bw {args.link_mbps:g} Mbit/s, B0 {hub_bps / BYTES_PER_MBIT:g} Mbit/s"
     plot(results, args.out, title)
     report = {
         "config": {"size_bytes": total, "chunk_bytes": chunk_bytes, "link_mbps": args.link_mbps,
-                   "hub_mbps": hub_bps / MBIT_BYTES, "cpus": os.cpu_count()},
+                   "hub_mbps": hub_bps / BYTES_PER_MBIT, "cpus": os.cpu_count()},
         "results": [
             {"mode": r.mode, "nodes": r.nodes, "seconds": round(r.seconds, 3), "ideal_seconds": round(r.ideal_seconds, 3),
              "ratio": round(r.seconds / r.ideal_seconds, 3), "cpu_s": round(r.cpu_s, 2)}

@@ -33,7 +33,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-MBIT_BYTES = 1e6 / 8
+from shared.units import BYTES_PER_MBIT  # noqa: E402
+
 NODES = 3
 PROMPTS, GROUP_SIZE, MAX_NEW_TOKENS = 8, 4, 12
 WAIT_S = 600.0
@@ -90,8 +91,9 @@ async def run_one(model: str, model_dir: Path, params: int, lr: float, args: arg
     from hub.training.learner import Learner
     from shared.crypto import Identity
     from shared.delta import build_delta_snapshot
+    from shared.model_io import build_snapshot
     from shared.net import RateLimiter
-    from shared.snapshot import build_snapshot, file_hash, remove_snapshot_files
+    from shared.snapshot import file_hash, remove_snapshot_files
     from testbed.peers import hub_peer, node_peer, scratch_dir
     from testbed.relay_scenarios import Hub, join
 
@@ -100,7 +102,7 @@ async def run_one(model: str, model_dir: Path, params: int, lr: float, args: arg
     learner = await trio.to_thread.run_sync(Learner, model_dir, cfg, sampling)
     groups = await trio.to_thread.run_sync(make_groups, model_dir, sampling)
     identity, directory = Identity.generate(), scratch_dir()
-    link_bps = args.link_mbps * MBIT_BYTES
+    link_bps = args.link_mbps * BYTES_PER_MBIT
 
     def publish(version: int, previous):
         snapshot = build_snapshot(learner.state_dict(), version, identity, learner.config_hash, directory,

@@ -31,6 +31,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from shared.units import BYTES_PER_MBIT  # noqa: E402
 from testbed.harness import HUB_TOML, node_states, query, stop_all, wait_until  # noqa: E402  # noqa: E402
 from testbed.netns import PUBLIC_NODE_LISTEN, Topology, unavailable  # noqa: E402
 
@@ -52,7 +53,7 @@ def last_rate_mbps(node_dir: Path) -> float | None:
     if not found:
         return None
     _, seconds, size = found[-1]
-    return round(int(size) * 8 / max(float(seconds), 1e-6) / 1e6, 2)
+    return round(int(size) / max(float(seconds), 1e-6) / BYTES_PER_MBIT, 2)
 
 
 def run(net: Topology, work: Path, nat: bool, args: argparse.Namespace, log) -> dict:

@@ -58,6 +58,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from hub.method.chains import chained_broadcast_ideal_s  # noqa: E402
 from shared.layout import SNAPSHOTS_DIR  # noqa: E402
+from shared.units import BYTES_PER_MBIT  # noqa: E402
 from testbed.harness import Proc, query, start_hub, start_node, wait_until  # noqa: E402
 
 MB = 1e6
@@ -225,7 +226,7 @@ def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: flo
     snapshot_bytes = rows[0][0]
     publish_s = sum(r[1] for r in rows) / len(rows)
     t_bcast = sum(times.values()) / len(times)
-    link_bps = link_mbps * MB / 8
+    link_bps = link_mbps * BYTES_PER_MBIT
     ideal = chained_broadcast_ideal_s(snapshot_bytes, 1 << 20, NODES, link_bps, link_bps)
     engine_bytes = params * (2 if dtype == "bfloat16" else 4)
     learner_state = 16 * params
@@ -395,7 +396,7 @@ def measure_relay(work: Path, model_dir: Path, dtype: str, profile: Path | None,
     from transformers import AutoModelForCausalLM
 
     from shared.crypto import Identity
-    from shared.snapshot import build_snapshot, model_dir_config_hash
+    from shared.model_io import build_snapshot, model_dir_config_hash
 
     relay_dir = work / "relay"
     shutil.rmtree(relay_dir, ignore_errors=True)

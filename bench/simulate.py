@@ -2,14 +2,13 @@
 
     python bench/simulate.py [--nodes 10,100,1000,10000] [--seeds 1] [--fleet-seed K] [--steps K] [--json] [--plot PNG]
 
-Unchanged project code decides: `hub.method.capacity` (mu_min, predicted_bubble, control_decision and
-held_release: the closed loop's one move, a set of nodes, per control period),
-`hub.method.chains.plan_chains` (who relays to whom), `hub.method.capacity.default_kappa` and the lease and
-staleness rules as the hub applies them (a node holding a version older than the learner can use
+Unchanged project code decides: `hub.method.capacity` (mu_min, predicted_bubble), the hub scheduler's own
+policy `hub.control.policy.decide` (activate everything until T_train is known, then per control period one
+set of nodes activated at once or released once it has been wanted for release RELEASE_HOLD_PERIODS periods
+on end), `hub.method.chains.plan_chains` (who relays to whom), `hub.method.capacity.default_kappa` and the
+lease and staleness rules as the hub applies them (a node holding a version older than the learner can use
 gets no lease; a group of version x is used at step t only if (t - 1) - x <= S; the buffer is
-consumed oldest first). The scheduler's wrapper (hub/control/scheduler.py: activate everything until
-T_train is known, activate at once, release a node only after it has been wanted for release
-RELEASE_HOLD_PERIODS periods on end) is mirrored here.
+consumed oldest first).
 
 What is drawn (per seed; documented so the figures can be argued with):
 - Volunteers: a GPU mix of 35% RTX 3060-class (6 rollouts/s at $0.10/h), 35% RTX 4090-class
@@ -59,6 +58,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,19 +66,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hub.config import LeaseConfig, SchedulerConfig  # noqa: E402
-from hub.control.scheduler import RELEASE_HOLD_PERIODS  # noqa: E402
+from hub.control.policy import CapacityView, FleetView, decide  # noqa: E402
 from hub.method.capacity import (  # noqa: E402
     Arrival,
     InfeasibleCapacity,
     NodeOffer,
-    control_decision,
     default_kappa,
-    held_release,
     mu_min,
     predicted_bubble,
 )
 from hub.method.chains import plan_chains  # noqa: E402
 from hub.records.fleet import heartbeat_period  # noqa: E402
+from shared.units import BYTES_PER_MBIT  # noqa: E402
 
 GPU_MIX = (  # (share, rollouts/s, $/h)
     (0.35, 6.0, 0.10),
@@ -153,7 +152,7 @@ def draw_fleet(n: int, rng: random.Random) -> list[Node]:
         _, rate, price = GPU_MIX[c]
         link_mbps = min(LINK_MAX_MBPS, max(LINK_MIN_MBPS, LINK_MEDIAN_MBPS * math.exp(rng.gauss(0, LINK_SIGMA))))
         nodes.append(Node(f"n{i:05d}", rate * math.exp(rng.gauss(0, JITTER_SIGMA)),
-                          price * math.exp(rng.gauss(0, JITTER_SIGMA)), link_mbps * 1e6 / 8))
+                          price * math.exp(rng.gauss(0, JITTER_SIGMA)), link_mbps * BYTES_PER_MBIT))
     return nodes
 
 
@@ -191,7 +190,8 @@ class Simulation:
         self.kappa = default_kappa(scenario.staleness)
         self.R = rollouts_per_step
         self.inflight_cap = LeaseConfig().max_inflight_steps * rollouts_per_step
-        self.cfg = SchedulerConfig()
+        # all-on is the hub's scheduler switched off: every measured node works.
+        self.cfg = SchedulerConfig(enabled=scenario.scheduler)
         self.now = 0.0
         self.events: list[tuple[float, int, str, object]] = []
         self._seq = 0
@@ -208,7 +208,7 @@ class Simulation:
         self.t_arrive_last: float | None = None  # the active pool's throughput-weighted mean arrival
         self.installs_last: tuple[tuple[float, float], ...] = ()  # (rate, seconds) per active node: pool_stall_s
         self.publish_at: dict[int, float] = {}
-        self.release_wanted: dict[str, float] = {}  # as hub.control.scheduler keeps it
+        self.release_wanted: Mapping[str, float] = {}  # as hub.control.scheduler keeps it
         self.ramp_s: float | None = None
         # Per step, from the second half on: (idle, train, predicted bubble or None, active count, cost $)
         self.records: list[tuple[float, float, float | None, int, float]] = []
@@ -399,38 +399,30 @@ class Simulation:
         self.requests["leave"] += 1
         self.push(self.now + self.churn_rng[node.name].expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
 
+    def capacity(self) -> CapacityView:
+        """The capacity model as the hub's scheduler computes it (hub.control.scheduler.Scheduler.capacity)."""
+        if not self.t_train_recent:
+            return CapacityView(self.active_rate, None, None, None, "learner has not stepped yet")
+        t_train = sum(self.t_train_recent) / len(self.t_train_recent)
+        try:
+            needed = mu_min(self.kappa, self.R / self.usable(), t_train, self.t_bcast_last or 0.0, self.sc.staleness)
+        except InfeasibleCapacity as exc:
+            return CapacityView(self.active_rate, None, None, None, str(exc))
+        return CapacityView(self.active_rate, needed, self.cfg.gamma * needed, None, "measured")
+
     def control(self) -> None:
-        if self.t_train_recent:
-            t_train = sum(self.t_train_recent) / len(self.t_train_recent)
-            try:
-                target = self.cfg.gamma * mu_min(self.kappa, self.R / self.usable(), t_train, self.t_bcast_last or 0.0,
-                                                 self.sc.staleness)
-            except InfeasibleCapacity:
-                target = None
-        else:
-            target = None
-        measured = [n for n in self.nodes.values() if n.online and n.state in ("standby", "active")]
-        if not self.sc.scheduler or target is None:
-            self.release_wanted.clear()
-            for n in measured:
-                if n.state == "standby":
-                    self.set_state(n, "active")
-            return
-        if self.ramp_s is None and self.active_rate >= target:
+        """One control period of the hub's policy (probes are moved to standby by their own event)."""
+        capacity = self.capacity()
+        if self.sc.scheduler and self.ramp_s is None and capacity.mu_target is not None \
+                and self.active_rate >= capacity.mu_target:
             self.ramp_s = self.now
-        active = [n.offer for n in measured if n.state == "active"]
-        standby = [n.offer for n in measured if n.state == "standby"]
-        decision = control_decision(active, standby, target, self.cfg.release_margin)
-        if decision.action == "release":
-            ready = held_release(self.release_wanted, decision.nodes, self.now,
-                                 RELEASE_HOLD_PERIODS * self.cfg.control_period_s)
-            for name in ready:
-                del self.release_wanted[name]
-                self.set_state(self.nodes[name], "standby")
-        else:
-            self.release_wanted.clear()
-            for name in decision.nodes:
-                self.set_state(self.nodes[name], "active")
+        measured = [n for n in self.nodes.values() if n.online and n.state in ("standby", "active")]
+        fleet = FleetView(tuple(n.offer for n in measured if n.state == "active"),
+                          tuple(n.offer for n in measured if n.state == "standby"))
+        decision = decide(fleet, capacity, self.cfg, self.release_wanted, self.now)
+        self.release_wanted = decision.release_wanted
+        for move in decision.moves:
+            self.set_state(self.nodes[move.node], move.state)
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> None:

@@ -107,7 +107,7 @@ def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, 
     from hub.records.store import Store
     from hub.service.local_rollouts import LocalRollouts
     from hub.service.state import HubState
-    from hub.training.learner import LearnerComponent
+    from hub.training.loop import LearnerComponent
     from hub.training.metrics import read_metrics
     from node.hf_engine import HFEngine
     from shared.crypto import Identity

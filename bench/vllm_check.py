@@ -55,7 +55,7 @@ def engine_resources(device: str):
 def perturbed_state(model, seed: int) -> dict:
     import torch
 
-    from shared.snapshot import tied_duplicates
+    from shared.model_io import tied_duplicates
 
     gen = torch.Generator().manual_seed(seed)
     dropped = tied_duplicates(model)
@@ -117,9 +117,9 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
     from node.vllm_engine import VLLMEngine
     from shared.crypto import Identity
     from shared.generation import model_stop_ids
+    from shared.model_io import build_snapshot, model_dir_config_hash
     from shared.probe import probe_rows
     from shared.rollout import SamplingParams
-    from shared.snapshot import build_snapshot, model_dir_config_hash
     from shared.tasks.reverse import ReverseTask
 
     prompts = [p.text for p in ReverseTask().prompts()[:32]]
@@ -237,7 +237,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     # The bench sends one function of its own to vLLM's worker (the corruption the install probe must catch).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    from node.engine import vllm_unavailable_reason
+    from node.backends import vllm_unavailable_reason
 
     reason = vllm_unavailable_reason(args.device)
     if reason is not None:

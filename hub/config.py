@@ -17,7 +17,7 @@ DEFAULT_HUB_PORT = 4077
 
 
 class LearnerConfig(Section):
-    """GRPO learner (DESIGN sections 2, 6)."""
+    """GRPO learner (docs/DESIGN.md §2-4)."""
 
     staleness: int = Field(4, ge=0, le=64, description="S: max versions a trajectory may lag the learner")
     kappa: int | None = Field(None, ge=1, le=64, description="publish a snapshot every kappa steps (default max(1, S-1))")
@@ -60,7 +60,7 @@ class LearnerConfig(Section):
 
 
 class LeaseConfig(Section):
-    """Work leases handed to nodes (DESIGN section 7)."""
+    """Work leases handed to nodes (docs/DESIGN.md §9)."""
 
     prompts_per_lease: int = Field(4, ge=1, le=1024, description="prompts in one lease")
     lease_timeout_s: float = Field(60.0, gt=0.0, le=86400.0, description="a lease not answered by then is re-leased")
@@ -72,7 +72,7 @@ class LeaseConfig(Section):
 
 
 class BroadcastConfig(Section):
-    """Snapshot dissemination (DESIGN section 5)."""
+    """Snapshot dissemination (docs/DESIGN.md §7-8)."""
 
     mode: Literal["chain", "star"] = Field("chain", description="forwarding chains or hub-to-every-node")
     chunk_kib: int = Field(1024, ge=4, le=16384, description="snapshot chunk size in KiB")
@@ -85,7 +85,7 @@ class BroadcastConfig(Section):
 
 
 class SchedulerConfig(Section):
-    """Capacity model and cost-aware activation (DESIGN sections 3, 4)."""
+    """Capacity model and cost-aware activation (docs/DESIGN.md §5-6)."""
 
     gamma: float = Field(1.1, ge=1.0, le=10.0, description="provisioning headroom over mu_min")
     control_period_s: float = Field(5.0, gt=0.0, le=3600.0, description="seconds between fleet decisions")
@@ -106,7 +106,7 @@ class SchedulerConfig(Section):
         return self
 
 
-# Config of the hub's trust defences (DESIGN section 7): log-prob audits, copy detection, Sybil and peer limits.
+# Config of the hub's trust defences (docs/DESIGN.md §10): log-prob audits, copy detection, Sybil and peer limits.
 #
 # Defaults and why (measured on the embedded default model, 20 prompts x 8 completions x <= 10 tokens):
 # - honest fp32 CPU node vs the hub's fp32 CPU recomputation: mean |dlogp| ~3e-7, max ~7e-6;
@@ -122,7 +122,7 @@ AUDIT_GAP_BY_DTYPE = {"float32": 0.01, "bfloat16": 0.05}
 
 
 class TrustConfig(Section):
-    """Audits, copy detection and per-peer limits of the hub (DESIGN section 7)."""
+    """Audits, copy detection and per-peer limits of the hub (docs/DESIGN.md §10)."""
 
     audit_rate: float = Field(0.05, ge=0.0, le=1.0, description="fraction of a trusted node's submissions re-scored")
     audit_first_n: int = Field(10, ge=0, le=10_000, description="a node is audited on every submission until it passed this many")

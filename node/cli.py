@@ -1,8 +1,10 @@
-"""`echo-node`: the volunteer's entry point. Parses flags, then imports torch and the engine."""
+"""`echo-node`: the volunteer's entry point. Parses flags, then runs the node (node/run.py imports torch and the
+engine), in this process or as the child of its dashboard."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from importlib.metadata import version as package_version
 from pathlib import Path
@@ -88,9 +90,30 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UserError) as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 2
+    if args.dashboard:
+        return _run_with_dashboard(config)
     from node.run import run_node
 
-    return run_node(config, dashboard=args.dashboard)
+    return run_node(config)
+
+
+def _run_with_dashboard(config) -> int:
+    """The dashboard is its own process (Textual runs on asyncio, libp2p on trio): run the node as a child."""
+    from tui.cli import run_node_dashboard
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "node.cli", "join", *config_to_args(config)]
+    with open(config.data_dir / "node.err", "ab") as err:
+        child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        run_node_dashboard(config.data_dir).run()
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return 0
 
 
 if __name__ == "__main__":

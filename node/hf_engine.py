@@ -12,8 +12,8 @@ from node.engine import Engine
 from shared.adapters import install_snapshot
 from shared.generation import Sampler
 from shared.logprobs import completion_logprobs
+from shared.model_io import PartialCopy
 from shared.rollout import Completion, SamplingParams
-from shared.snapshot import PartialCopy
 
 
 class HFEngine(Engine):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,11 @@ from shared.messages import (
 from shared.net import RateLimiter, running_host, set_handler
 from shared.probe import InstallProbe
 from shared.signals import Stopper
+from shared.units import BYTES_PER_MBIT
 
 log = logging.getLogger("echo2.node")
 
 STATUS_PERIOD_S = 1.0
-MBIT = 1e6 / 8
 
 
 def _hardware(device: str) -> str:
@@ -93,7 +92,7 @@ class NodeRuntime:
         return JoinRequest(
             price_per_hour=self.config.price,
             hardware=self.hardware,
-            link_bps=self.config.declared_link_mbps * MBIT,
+            link_bps=self.config.declared_link_mbps * BYTES_PER_MBIT,
             backend=self.engine.backend,
             model_config_hash=self.model_config_hash,
             dtype=self.engine.dtype,
@@ -181,7 +180,7 @@ class NodeRuntime:
         from node.worker import Worker
         from shared.bulk import channel_for
 
-        limiter = RateLimiter(self.config.link_mbps * MBIT) if self.config.link_mbps else None
+        limiter = RateLimiter(self.config.link_mbps * BYTES_PER_MBIT) if self.config.link_mbps else None
         bulk = channel_for(self.config.listen, self.config.bulk_port)
         async with running_host(self.identity, [self.config.listen]) as (host, addrs):
             # A port-forwarded host says where peers reach it; behind a NAT nothing is needed (the hub
@@ -223,17 +222,16 @@ def _print_event(event: EventRecord) -> None:
     print(f"{time.strftime('%H:%M:%S', time.localtime(event.at))} {event.kind:<12} {event.detail}", flush=True)
 
 
-def run_node(config: NodeConfig, dashboard: bool = False) -> int:
-    if dashboard:
-        return _run_with_dashboard(config)
+def run_node(config: NodeConfig) -> int:
     setup_logging(config.data_dir / NODE_LOG_FILE, config.log_level, stderr_level=logging.WARNING)
     import torch
     import transformers
 
-    from node.engine import EngineUnavailable, VLLMResources, make_engine
+    from node.backends import make_engine
+    from node.engine import EngineUnavailable, VLLMResources
     from shared.default_model import ensure_default_model
+    from shared.model_io import model_dir_config_hash
     from shared.rollout import engine_seed
-    from shared.snapshot import model_dir_config_hash
 
     torch.set_num_threads(config.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
@@ -273,22 +271,3 @@ def run_node(config: NodeConfig, dashboard: bool = False) -> int:
     print(f"echo-node: stopped ({runtime.stopper.signal_name})", file=sys.stderr)
     return 0
 
-
-def _run_with_dashboard(config: NodeConfig) -> int:
-    """The dashboard is its own process (Textual runs on asyncio, libp2p on trio): run the node as a child."""
-    from node.cli import config_to_args
-    from tui.cli import run_node_dashboard
-
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "node.cli", "join", *config_to_args(config)]
-    with open(config.data_dir / "node.err", "ab") as err:
-        child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        run_node_dashboard(config.data_dir).run()
-    finally:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-    return 0

@@ -28,8 +28,9 @@ from pathlib import Path
 from node.engine import DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_KV_CACHE_GIB, Engine, EngineUnavailable, VLLMResources
 from shared.adapters import LoraSpec, snapshot_spec, write_peft_dir
 from shared.generation import model_stop_ids
+from shared.model_io import check_tied_copies, tied_groups
 from shared.rollout import Completion, SamplingParams, engine_seed, lease_seed, prompt_seeds
-from shared.snapshot import SnapshotError, check_tied_copies, tied_groups
+from shared.snapshot import SnapshotError
 from shared.weights_file import WeightsFileError, read_entries
 
 WORKER_EXTENSION = "node.vllm_engine.SnapshotWorkerExtension"

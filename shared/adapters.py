@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shared.snapshot import SnapshotError, load_into
+from shared.model_io import load_into
+from shared.snapshot import SnapshotError
 from shared.weights_file import read_metadata
 
 LORA_METADATA_KEY = "echo2_lora"
@@ -106,7 +107,7 @@ def prepare_for(model: torch.nn.Module, spec: LoraSpec | None) -> None:
 
 def install_snapshot(model: torch.nn.Module, path: Path) -> None:
     """Copy a snapshot file into `model` in place: all weights, or (an adapter snapshot) the adapters,
-    injected first if the model has none. Same guarantees as shared.snapshot.load_into."""
+    injected first if the model has none. Same guarantees as shared.model_io.load_into."""
     prepare_for(model, snapshot_spec(path))
     load_into(model, path, keys=is_adapter_key if model_spec(model) is not None else None)
 

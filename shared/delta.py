@@ -19,7 +19,7 @@ did not sign. Memory: a few pieces (PIECE_ELEMENTS elements each) at a time, nev
 
 Deltas pay off only when few elements change (bf16 snapshots at small learning rates); fp32
 snapshots change almost everywhere every step, and the hub then publishes the full snapshot alone
-(hub/training/learner.py compares the delta's size to the full one's).
+(hub/training/loop.py compares the delta's size to the full one's).
 """
 
 from __future__ import annotations

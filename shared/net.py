@@ -24,15 +24,8 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
   reading with the window full makes the writer fail after 5 s with StreamReset
   ("Timed out waiting for window update"; measured with a 40 MiB write to a reader that
   sleeps 7 s). Readers must keep draining while they do slow work.
-- Yamux credit: py-libp2p sends a window update after every read, even of a few bytes, so a
-  request and its reply cost 22 frames (each a Noise message and a send), 12 of them window
-  updates. `_credit_like_go_yamux` replaces that rule with go-yamux's (credit once half the
-  window is used, auto-tuning kept): 10 frames.
-- Noise framing: py-libp2p's 64 KiB Yamux frames are 17 bytes over Noise's largest message, so each
-  data frame went out as two messages, and the receiver made two socket reads per message (its length,
-  then its body). YAMUX_FRAME_BYTES and `_read_noise_message` make that one message per frame and about
-  one read per message: the bare transport's CPU per GB fell from 27-32 to 19-22 (bench/scale.py's
-  transport floor, 200 MB, two processes, side by side).
+- Yamux credit and Noise framing: patched, shared/libp2p_patches.py (applied before the first host
+  is built, and only on the py-libp2p release they were written against).
 - An exception escaping a stream handler propagates into the connection's nursery and
   from there can cancel the whole host; `safe_handler` contains it.
 - Inbound connections (swarm.py, `_handle_inbound_connection`): each holds a slot of a
@@ -54,27 +47,24 @@ import sys
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from importlib.metadata import version as package_version
 
 import trio
 from libp2p import new_host
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
-from libp2p.io.exceptions import IncompleteReadError
 from libp2p.network.config import ConnectionConfig
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, SIZE_NOISE_MESSAGE_LEN, NoiseTransportReadWriter
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer.yamux import yamux as yamux_module
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
+from shared import libp2p_patches
 from shared.crypto import Identity
 from shared.wire import Message, WritableStream, read_message, write_message, write_signed
 
@@ -91,27 +81,13 @@ MAX_CONNECTIONS = 8192
 MAX_INBOUND_PER_IP = 32
 # What one operator is assumed to control: an IPv4 address, or an IPv6 /64.
 IPV6_PREFIX_BITS = 64
-# `_inbound_handler`, `_credit_like_go_yamux`, `_read_noise_message` and YAMUX_FRAME_BYTES replace private
-# methods and constants of this release only.
-LIBP2P_PATCHED_VERSION = "0.8.1"
-# Noise carries at most 65,535 bytes a message, 16 of them its tag. py-libp2p's Yamux data frames are
-# 64 KiB with their 12-byte header, one message too many: each went out as two (65,519 bytes and 17),
-# two encryptions, two sends, and four socket reads at the other end.
-YAMUX_FRAME_BYTES = MAX_PLAINTEXT_LENGTH
-# Bytes one socket read may take for a Noise session: it takes every message that has queued, where
-# py-libp2p reads each one's 2-byte length and its body separately.
-NOISE_RECEIVE_BYTES = 256 * 1024
-NOISE_LENGTH_BYTES = SIZE_NOISE_MESSAGE_LEN
 log = logging.getLogger("echo2.net")
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 
 
 def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> IHost:
-    _check_patched_version()
-    YamuxStream._auto_tune_and_send_window_update = _credit_like_go_yamux
-    yamux_module.MAX_MESSAGE_SIZE = YAMUX_FRAME_BYTES
-    NoiseTransportReadWriter.read_msg = _read_noise_message
+    libp2p_patches.apply()
     key_pair = identity.libp2p_keypair()
     host = new_host(
         key_pair=key_pair,
@@ -135,62 +111,10 @@ def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> 
     return host
 
 
-def _check_patched_version() -> None:
-    found = package_version("libp2p")
-    if found != LIBP2P_PATCHED_VERSION:
-        raise RuntimeError(f"shared/net.py patches private methods of py-libp2p {LIBP2P_PATCHED_VERSION}; found {found}")
-
-
-# py-libp2p's own rule, kept for comparison (tests/test_net.py).
-PY_LIBP2P_CREDIT = YamuxStream._auto_tune_and_send_window_update
-
-
-async def _credit_like_go_yamux(self: YamuxStream, *, bytes_read: int = 0) -> None:
-    """Replaces YamuxStream._auto_tune_and_send_window_update: grant credit as go-yamux does, only once the
-    slack (target window minus what the sender may still send and what is buffered unread) reaches half
-    the target, growing the target as py-libp2p's auto-tuning does.
-
-    py-libp2p also credits the bytes of every read while the slack is under half a window: one more
-    Yamux frame, Noise message and send per read. A request and its reply took 22 frames, 12 of them
-    such window updates; 10 with this rule. The sender never waits for long: a reader that drained its
-    buffer has slack of at least half the window once the sender has used it, and credits it then."""
-    async with self.window_lock:
-        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
-        slack = self.target_recv_window - (self.recv_window + buffered)
-        if slack <= 0 or slack < self._grow_threshold():
-            return
-        increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
-    await self.send_window_update(increment, skip_lock=True)
-
-
-async def _read_noise_message(self: NoiseTransportReadWriter, prefix_encoded: bool = False) -> bytes:
-    """Replaces NoiseTransportReadWriter.read_msg: the same messages, cut from a receive buffer filled by
-    reads of up to NOISE_RECEIVE_BYTES, where py-libp2p made two exact reads each (one read per message
-    or fewer, unless a message arrives in pieces). Only the transport phase buffers: the handshake's
-    reader stops exactly at its last message, so no bytes of the session are left behind in it."""
-    pending: bytearray | None = getattr(self, "_echo2_received", None)
-    if pending is None:
-        pending = self._echo2_received = bytearray()
-    while True:
-        if len(pending) >= NOISE_LENGTH_BYTES:
-            end = NOISE_LENGTH_BYTES + int.from_bytes(pending[:NOISE_LENGTH_BYTES], "big")
-            if len(pending) >= end:
-                message = bytes(pending[NOISE_LENGTH_BYTES:end])
-                del pending[:end]
-                break
-        more = await self.read_writer.read_write_closer.read(NOISE_RECEIVE_BYTES)
-        if not more:
-            # As py-libp2p's exact reads end: Yamux treats 0 bytes received as a clean close.
-            wanted = end if len(pending) >= NOISE_LENGTH_BYTES else NOISE_LENGTH_BYTES
-            raise IncompleteReadError(f"connection closed after {len(pending)} of {wanted} bytes of a Noise message",
-                                      expected_bytes=wanted, received_bytes=len(pending))
-        pending += more
-    return self.decrypt(message[len(self.prefix):] if prefix_encoded else message)
-
-
 def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
     """Replace the swarm's inbound handler (see the module docstring): slots freed when a connection ends,
-    and at most `inbound_per_ip` live inbound connections per remote address (loopback included)."""
+    and at most `inbound_per_ip` live inbound connections per remote address (loopback included). Reads the
+    swarm's private internals of the py-libp2p release shared/libp2p_patches.py checks for."""
     if inbound_per_ip < 1:
         raise ValueError(f"inbound_per_ip must be >= 1, got {inbound_per_ip}")
     swarm = host.get_network()

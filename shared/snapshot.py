@@ -3,8 +3,8 @@
 A snapshot is written once (streamed, shared/weights_file.py), cut into chunks and described
 by a manifest carrying the blake3 hash of every chunk and of the whole. The hub signs the
 manifest's exact JSON bytes; every hop checks the signature before parsing the JSON and checks
-each chunk against the manifest before storing, forwarding or loading it (DESIGN.md sections 5
-and 7). Snapshots live on disk at every hop: the hub serves chunks from its file, a node writes
+each chunk against the manifest before storing, forwarding or loading it (docs/DESIGN.md
+§8). Snapshots live on disk at every hop: the hub serves chunks from its file, a node writes
 verified chunks into a preallocated file, relays from it and installs from it, so no process
 holds a whole snapshot in RAM. Nothing here hands out a partial snapshot:
 `ChunkAssembler.finish()` returns the file only once every chunk and the whole hash verified.
@@ -14,11 +14,7 @@ MAX_MANIFEST_BYTES = 8 MiB admits about 125,000 chunks: about 122 GiB of weights
 default 1 MiB chunk and about 1.9 TiB at MAX_CHUNK_BYTES. A Qwen3-8B bf16 snapshot (16.4 GB)
 needs about 15,600 chunks, a 1 MiB manifest.
 
-Tied weights: safetensors refuses tensors that share storage. `build_snapshot` keeps
-the first name of each group of exact aliases (state-dict order, so `model.embed_tokens.weight`
-survives and the tied `lm_head.weight` is dropped, as Hugging Face checkpoints and vLLM's
-loaders expect) and clones tensors that merely overlap another's storage. `load_into` accepts
-a missing key only when the model ties it to a key the snapshot does carry.
+Nothing here imports torch: a model's weights go in and out of snapshot files in shared/model_io.py.
 """
 
 from __future__ import annotations
@@ -29,13 +25,12 @@ import os
 import re
 import struct
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import blake3
-import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -48,7 +43,6 @@ from pydantic import (
 from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
 from shared.files import atomic_write_bytes
 from shared.probe import InstallProbe
-from shared.weights_file import WeightsFileError, copy_into, read_entries, write_weights
 
 SNAPSHOT_FORMAT_VERSION = 2  # 2: manifests of delta snapshots (shared/delta.py)
 CHUNK_SIZE_BYTES = 1 << 20
@@ -243,118 +237,6 @@ def model_config_hash(config_dict: Mapping[str, object]) -> str:
     return blake3_hex(text.encode())
 
 
-def model_dir_config_hash(model_dir: str | Path) -> str:
-    """model_config_hash of the config in a Hugging Face model directory (what a node compares to the hub's)."""
-    from transformers import AutoConfig
-
-    return model_config_hash(AutoConfig.from_pretrained(str(model_dir)).to_dict())
-
-
-def _untied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors with no shared storage: exact aliases dropped (first name kept), overlaps cloned.
-
-    No copy otherwise: the writer reads each tensor as it writes it."""
-    kept: dict[str, torch.Tensor] = {}
-    seen: set[tuple] = set()
-    storages: set[int] = set()
-    for name, tensor in state_dict.items():
-        tensor = tensor.detach()
-        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
-        if storage is not None:
-            alias_key = (tensor.device, storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-            if alias_key in seen:
-                continue
-            seen.add(alias_key)
-            if (tensor.device, storage) in storages:
-                tensor = tensor.clone()
-            else:
-                storages.add((tensor.device, storage))
-        kept[name] = tensor
-    return kept
-
-
-class PartialCopy(SnapshotError):
-    """A copy that stopped after it began: the model now holds a mix of two versions."""
-
-
-def tied_groups(model: torch.nn.Module) -> list[set[str]]:
-    """Sets of state-dict names that are one parameter (tied embeddings), from the module tree alone
-    (works on a meta-device model)."""
-    names: dict[int, set[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), set()).add(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def tied_duplicates(model: torch.nn.Module) -> set[str]:
-    """The names a snapshot of `model` leaves out: all but the first of each tied group, in state-dict order
-    (what build_snapshot keeps: the embedding, which vLLM's loaders expect)."""
-    order = {name: i for i, name in enumerate(model.state_dict())}
-    return {name for group in tied_groups(model) for name in sorted(group, key=order.__getitem__)[1:]}
-
-
-def check_tied_copies(names: Iterable[str], groups: Iterable[set[str]]) -> None:
-    """A snapshot carries one name per tied group: engines disagree on which copy wins (vLLM keeps the
-    embedding, transformers whichever loads last), so two copies are refused, equal or not."""
-    present = set(names)
-    for group in groups:
-        both = sorted(group & present)
-        if len(both) > 1:
-            raise SnapshotError(f"snapshot carries {' and '.join(both)}, which this model ties: a snapshot "
-                                "must carry one of them")
-
-
-def load_into(model: torch.nn.Module, path: Path, keys: Callable[[str], bool] | None = None) -> None:
-    """Copy the snapshot file's weights into `model` in place (no re-instantiation), one tensor at a time.
-
-    Strict except for tied weights: a key may be absent only if the model ties it to a key
-    the snapshot carries, and at most one key of a tied group may be present. Shapes and dtypes
-    must match exactly, so loaded values are bit-identical; everything is checked before the
-    first byte is copied (SnapshotError, model untouched); a failure after that is PartialCopy.
-    `keys`: the part of the model's state dict the snapshot holds, all of it (the adapters of a LoRA
-    run, shared/adapters.py); None: the whole state dict.
-    """
-    try:
-        entries = read_entries(path)
-    except WeightsFileError as exc:
-        raise SnapshotError(str(exc)) from exc
-    current = model.state_dict()
-    if keys is not None:
-        current = {name: tensor for name, tensor in current.items() if keys(name)}
-    names = {e.name for e in entries}
-    unexpected = sorted(names - set(current))
-    if unexpected:
-        raise SnapshotError(f"snapshot has keys the model lacks: {unexpected[:10]}")
-    check_tied_copies(names, tied_groups(model))
-    loaded_storages = {current[name].untyped_storage().data_ptr() for name in names}
-    untied_missing = sorted(
-        name
-        for name in set(current) - names
-        if current[name].numel() == 0 or current[name].untyped_storage().data_ptr() not in loaded_storages
-    )
-    if untied_missing:
-        raise SnapshotError(f"snapshot lacks keys the model needs: {untied_missing[:10]}")
-    for entry in entries:
-        target = current[entry.name]
-        if tuple(target.shape) != entry.shape or target.dtype != entry.dtype:
-            raise SnapshotError(
-                f"{entry.name}: snapshot has {entry.shape} {entry.dtype}, model has {tuple(target.shape)} {target.dtype}"
-            )
-    staging: dict[torch.dtype, torch.Tensor] = {}
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below; a failure here has copied nothing
-    except OSError as exc:
-        raise SnapshotError(f"{path}: {exc}") from exc
-    done = 0
-    try:
-        with torch.no_grad(), f:
-            for entry in entries:
-                copy_into(f, entry, current[entry.name], staging)
-                done += 1
-    except Exception as exc:
-        raise PartialCopy(f"{path}: copy stopped at tensor {done + 1} of {len(entries)} ({exc!r})") from exc
-
-
 @dataclass(frozen=True)
 class Snapshot:
     """A verified (or self-built) snapshot: the signed manifest, its parsed form and the weights file."""
@@ -395,21 +277,20 @@ class ChunkHasher:
         return tuple(self.chunk_hashes), self.whole.hexdigest()
 
 
-def build_snapshot(
-    state_dict: Mapping[str, torch.Tensor],
+def write_snapshot(
+    directory: Path,
     version: int,
     identity: Identity,
     config_hash: str,
-    directory: Path,
-    dtype: torch.dtype | None = None,
+    write_weights: Callable[[Path, Callable[[memoryview], None]], int],
     chunk_size: int = CHUNK_SIZE_BYTES,
     created_at: float | None = None,
-    metadata: Mapping[str, str] | None = None,
     probe: Callable[[Path, str], InstallProbe] | None = None,
 ) -> Snapshot:
-    """Stream the weights (floating ones in `dtype`, when given) into `directory`, hashing every chunk
-    and the whole on the way, then sign the manifest with the hub's key and write it. `probe(weights
-    path, whole hash)`: the install probe of the written weights, signed in the manifest.
+    """Write `version`'s weights file into `directory` with `write_weights(path, on_bytes)` (which feeds every
+    byte it writes to `on_bytes` and returns the file's length), hashing every chunk and the whole on the way,
+    then sign the manifest with the hub's key and write it. `probe(weights path, whole hash)`: the install
+    probe of the written weights, signed in the manifest.
 
     Crash-safe: the weights go to a temp file renamed into place, and the manifest is written
     last, so a manifest on disk means its weights file is complete.
@@ -420,7 +301,7 @@ def build_snapshot(
     hasher = ChunkHasher(chunk_size)
     tmp = weights_path.with_name(f".{weights_path.name}.tmp")
     try:
-        total = write_weights(tmp, _untied(state_dict), dtype, hasher.update, metadata)
+        total = write_weights(tmp, hasher.update)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, weights_path)

@@ -237,68 +237,12 @@ async def receive_snapshot(
     (BulkUnreachable if it cannot be opened: ask again without bulk); both streams are closed at the end.
     """
     await write_message(stream, request)
-    transfer = stream
-    if request.bulk:
-        if bulk is None:
-            raise ValueError("a request for the bulk channel needs a BulkChannel to dial it")
-        with trio.fail_after(stall_s):
-            offer = await read_message(stream, BulkOffer)
-        if offer.port is not None:
-            transfer = await bulk.dial(sender_peer_id, remote_ip(stream), offer)
+    transfer = await _transfer_stream(stream, request, sender_peer_id, stall_s, bulk)
     try:
         sender_key = public_key_from_peer_id(sender_peer_id)
-        _, body = await read_frame(transfer, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]}, stall_s, MIN_TRANSFER_BPS)
-        manifest_bytes, sig = body[:-SIGNATURE_BYTES], body[-SIGNATURE_BYTES:]
-        digest = blake3.blake3(manifest_bytes).hexdigest()
-        proof = None  # a request without a version binds the sender to nothing in particular
-        committed: CommitKind | None = None
-        if request.version is not None:
-            committed = _committed_kind(sender_key, request.version, digest, sig)
-            if committed is None:
-                raise ChunkRejected(request.version, 0, "manifest frame without a valid commitment", None)
-            proof = Proof(committed, request.version, 0, digest, sig)
-        try:
-            signed = SignedManifest.from_bytes(manifest_bytes)
-            manifest = verify_manifest(signed, hub_peer_id, newer_than)
-            if request.version is not None and manifest.version != request.version:
-                raise BadChunk(f"asked for v{request.version}, got a manifest for v{manifest.version}")
-            if committed is not None and committed != frame_kinds(manifest)[0]:
-                raise BadChunk(f"committed to a {committed} frame, sent a {manifest.kind} snapshot's manifest")
-            wanted = wanted_chunks(request, manifest.chunk_count)
-        except (SnapshotError, LookupError) as exc:
-            raise ChunkRejected(request.version or 0, 0, f"manifest refused: {exc}", proof) from None
-        manifest_kind, chunk_kind = frame_kinds(manifest)
-        if request.version is None and not commitment_holds(sender_key, manifest_kind, manifest.version, 0, digest, sig):
-            raise ChunkRejected(manifest.version, 0, "manifest frame without a valid commitment", None)
-        if manifest.kind == "delta" and manifest.base_version != request.base_version:
-            raise UnusableDelta(f"offered a delta against v{manifest.base_version}; this node holds {request.base_version}")
+        signed, manifest, wanted = await _receive_manifest(transfer, request, hub_peer_id, sender_key, newer_than, stall_s)
         assembler = assembler_for(signed, manifest)
-        received = 0
-        try:
-            for expected in wanted:
-                _, frame = await read_frame(transfer, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]}, stall_s, MIN_TRANSFER_BPS)
-                body, sig = frame[:-SIGNATURE_BYTES], frame[-SIGNATURE_BYTES:]
-                try:
-                    version, index, data = decode_chunk(body)
-                except BadChunk as exc:
-                    raise ChunkRejected(manifest.version, expected, str(exc), None) from None
-                if (version, index) != (manifest.version, expected):
-                    # Committed or not, a frame for another slot proves nothing about the one asked for.
-                    raise ChunkRejected(manifest.version, expected, f"sender sent chunk {index} of v{version} instead", None)
-                digest = blake3.blake3(data).hexdigest()
-                if not commitment_holds(sender_key, chunk_kind, version, index, digest, sig):
-                    raise ChunkRejected(manifest.version, expected, "chunk frame without a valid commitment", None)
-                proof = Proof(chunk_kind, version, index, digest, sig)
-                try:
-                    assembler.add(index, data, digest)
-                except BadChunk as exc:
-                    raise ChunkRejected(manifest.version, expected, str(exc), proof) from None
-                received += 1
-                if on_chunk is not None:
-                    await on_chunk(index)
-        except ChunkRejected as exc:
-            await write_message(transfer, TransferAck(version=manifest.version, chunks=received, ok=False, reason=str(exc)[:500]))
-            raise
+        received = await _receive_chunks(transfer, manifest, wanted, sender_key, assembler, on_chunk, stall_s)
         await write_message(transfer, TransferAck(version=manifest.version, chunks=received, ok=True))
         await transfer.close()
     finally:
@@ -308,3 +252,108 @@ async def receive_snapshot(
     if transfer is not stream:
         await stream.close()
     return assembler
+
+
+async def _transfer_stream(stream, request: SnapshotRequest, sender_peer_id: str, stall_s: float,
+                           bulk: BulkChannel | None):
+    """Where the frames will come: the sender's bulk channel when asked for and offered, else `stream`."""
+    if not request.bulk:
+        return stream
+    if bulk is None:
+        raise ValueError("a request for the bulk channel needs a BulkChannel to dial it")
+    with trio.fail_after(stall_s):
+        offer = await read_message(stream, BulkOffer)
+    if offer.port is None:
+        return stream
+    return await bulk.dial(sender_peer_id, remote_ip(stream), offer)
+
+
+async def _receive_manifest(
+    transfer, request: SnapshotRequest, hub_peer_id: str, sender_key: bytes, newer_than: int | None, stall_s: float,
+) -> tuple[SignedManifest, Manifest, range]:
+    """Read the manifest frame, check the sender's commitment to it and the hub's signature, and return it
+    with the chunk indices to expect (ChunkRejected, or UnusableDelta for a delta against another base)."""
+    _, body = await read_frame(transfer, {MANIFEST_FRAME: TRANSFER_CAPS[MANIFEST_FRAME]}, stall_s, MIN_TRANSFER_BPS)
+    manifest_bytes, sig = body[:-SIGNATURE_BYTES], body[-SIGNATURE_BYTES:]
+    digest = blake3.blake3(manifest_bytes).hexdigest()
+    committed = _asked_commitment(sender_key, request, digest, sig)
+    proof = None if committed is None else Proof(committed, request.version, 0, digest, sig)
+    signed, manifest, wanted = _verified_manifest(manifest_bytes, request, hub_peer_id, newer_than, committed, proof)
+    manifest_kind, _ = frame_kinds(manifest)
+    if request.version is None and not commitment_holds(sender_key, manifest_kind, manifest.version, 0, digest, sig):
+        raise ChunkRejected(manifest.version, 0, "manifest frame without a valid commitment", None)
+    if manifest.kind == "delta" and manifest.base_version != request.base_version:
+        raise UnusableDelta(f"offered a delta against v{manifest.base_version}; this node holds {request.base_version}")
+    return signed, manifest, wanted
+
+
+def _asked_commitment(sender_key: bytes, request: SnapshotRequest, digest_hex: str, sig: bytes) -> CommitKind | None:
+    """The manifest kind the sender committed to for the version asked for (ChunkRejected if to neither); None
+    when the request names no version, which binds the sender to nothing in particular."""
+    if request.version is None:
+        return None
+    committed = _committed_kind(sender_key, request.version, digest_hex, sig)
+    if committed is None:
+        raise ChunkRejected(request.version, 0, "manifest frame without a valid commitment", None)
+    return committed
+
+
+def _verified_manifest(
+    manifest_bytes: bytes, request: SnapshotRequest, hub_peer_id: str, newer_than: int | None,
+    committed: CommitKind | None, proof: Proof | None,
+) -> tuple[SignedManifest, Manifest, range]:
+    """The hub-signed manifest the request asked for, matching the kind committed to, and the chunk indices
+    it asks of it; ChunkRejected (with `proof`) for anything else."""
+    try:
+        signed = SignedManifest.from_bytes(manifest_bytes)
+        manifest = verify_manifest(signed, hub_peer_id, newer_than)
+        if request.version is not None and manifest.version != request.version:
+            raise BadChunk(f"asked for v{request.version}, got a manifest for v{manifest.version}")
+        if committed is not None and committed != frame_kinds(manifest)[0]:
+            raise BadChunk(f"committed to a {committed} frame, sent a {manifest.kind} snapshot's manifest")
+        return signed, manifest, wanted_chunks(request, manifest.chunk_count)
+    except (SnapshotError, LookupError) as exc:
+        raise ChunkRejected(request.version or 0, 0, f"manifest refused: {exc}", proof) from None
+
+
+async def _receive_chunks(
+    transfer, manifest: Manifest, wanted: range, sender_key: bytes, assembler: ChunkAssembler,
+    on_chunk: Callable[[int], Awaitable[None]] | None, stall_s: float,
+) -> int:
+    """Receive the `wanted` chunks in order into `assembler` and return how many came; on a rejected frame,
+    tell the sender (a failed TransferAck) and raise ChunkRejected."""
+    received = 0
+    try:
+        for expected in wanted:
+            index = await _receive_chunk(transfer, manifest, expected, sender_key, assembler, stall_s)
+            received += 1
+            if on_chunk is not None:
+                await on_chunk(index)
+    except ChunkRejected as exc:
+        await write_message(transfer, TransferAck(version=manifest.version, chunks=received, ok=False, reason=str(exc)[:500]))
+        raise
+    return received
+
+
+async def _receive_chunk(
+    transfer, manifest: Manifest, expected: int, sender_key: bytes, assembler: ChunkAssembler, stall_s: float,
+) -> int:
+    """Read chunk `expected`, check the sender's commitment, then the manifest's hash, and store it; its index."""
+    _, frame = await read_frame(transfer, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]}, stall_s, MIN_TRANSFER_BPS)
+    body, sig = frame[:-SIGNATURE_BYTES], frame[-SIGNATURE_BYTES:]
+    try:
+        version, index, data = decode_chunk(body)
+    except BadChunk as exc:
+        raise ChunkRejected(manifest.version, expected, str(exc), None) from None
+    if (version, index) != (manifest.version, expected):
+        # Committed or not, a frame for another slot proves nothing about the one asked for.
+        raise ChunkRejected(manifest.version, expected, f"sender sent chunk {index} of v{version} instead", None)
+    digest = blake3.blake3(data).hexdigest()
+    _, chunk_kind = frame_kinds(manifest)
+    if not commitment_holds(sender_key, chunk_kind, version, index, digest, sig):
+        raise ChunkRejected(manifest.version, expected, "chunk frame without a valid commitment", None)
+    try:
+        assembler.add(index, data, digest)
+    except BadChunk as exc:
+        raise ChunkRejected(manifest.version, expected, str(exc), Proof(chunk_kind, version, index, digest, sig)) from None
+    return index

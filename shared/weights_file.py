@@ -76,7 +76,7 @@ def write_weights(
 ) -> int:
     """Write `tensors` (floating ones cast to `dtype` when given) to `path`; returns the file's length.
 
-    `tensors` must hold no two names sharing storage (shared.snapshot drops tied aliases first).
+    `tensors` must hold no two names sharing storage (shared.model_io drops tied aliases first).
     Every byte written also goes to `on_bytes`, in file order. The caller makes the write atomic.
     `metadata`: extra string pairs for the header's __metadata__ (safetensors allows only strings).
     """

@@ -16,17 +16,16 @@ from pathlib import Path
 import torch
 import trio
 
+from hub.cli.build import build_hub_state
 from hub.config import HubConfig, LearnerConfig
-from hub.records.store import Store
+from hub.records.snapshots import SnapshotShelf
 from hub.service.local_rollouts import LocalRollouts
-from hub.service.state import HubState
-from hub.training.learner import LearnerComponent
+from hub.training.loop import LearnerComponent
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
-from shared.layout import HUB_KEY_FILE, HUB_STORE_FILE
+from shared.layout import HUB_KEY_FILE
 from shared.rollout import SamplingParams
-from shared.tasks.reverse import ReverseTask
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
 CONFIG = LearnerConfig(staleness=3, prompts_per_step=4, group_size=4, lr=3e-4, checkpoint_every=2)
@@ -36,14 +35,17 @@ def main() -> None:
     data_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
     model_dir = ensure_default_model(progress=False)
-    state = HubState(Store(data_dir / HUB_STORE_FILE), HubConfig(learner=CONFIG, sampling=SAMPLING), ReverseTask())
+    # Built as `echo-hub start` builds it (the default task: reverse); its shelf stays empty, as no service runs.
+    config = HubConfig(learner=CONFIG, sampling=SAMPLING, data_dir=data_dir)
+    core = build_hub_state(config, model_dir, SnapshotShelf(keep=CONFIG.staleness + 1), lambda: learner.min_useful_version())
+    state = core.state
     send, receive = trio.open_memory_channel(64)
     learner = LearnerComponent(
         CONFIG, SAMPLING, model_dir, data_dir, state, Identity.load_or_create(data_dir / HUB_KEY_FILE), send, steps, 1 << 20,
     )
     (data_dir / f"refill-{os.getpid()}.json").write_text(json.dumps(state.buffer.row_ids()))
     rollouts = LocalRollouts(
-        HFEngine(model_dir), ReverseTask(), SAMPLING, CONFIG.group_size, state, receive,
+        HFEngine(model_dir), core.task, SAMPLING, CONFIG.group_size, state, receive,
         learner.min_useful_version, prompts_per_batch=4, max_pending_groups=12,
     )
 

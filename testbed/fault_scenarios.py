@@ -685,8 +685,8 @@ async def with_clients(hub: HubProc, engines: list, body: Callable) -> object:
     from contextlib import AsyncExitStack
 
     from shared.crypto import Identity
+    from shared.model_io import model_dir_config_hash
     from shared.net import running_host
-    from shared.snapshot import model_dir_config_hash
 
     config_hash = model_dir_config_hash(engines[0][1])
     async with AsyncExitStack() as stack:
@@ -854,7 +854,7 @@ def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
 
         identity = Identity.load_or_create(work / "crash-client.key")
         async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
-            from shared.snapshot import model_dir_config_hash
+            from shared.model_io import model_dir_config_hash
 
             client = Client(host, identity, hub.addr, engine, model_dir_config_hash(base_dir),
                             version=engine.version, snapshots_dir=data_dir / SNAPSHOTS_DIR)

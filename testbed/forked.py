@@ -2,7 +2,7 @@
 
 `echo-hub start` and `echo-node join` each spend 8-12 CPU-seconds importing torch, transformers and
 libp2p before they do anything, and the integration tests start about a hundred of them: on 2 cores
-that was a third of the suite. `spawn(module, argv, out)` runs `module.main(argv)` in a process forked
+that would be a third of the suite's time. `spawn(module, argv, out)` runs `module.main(argv)` in a process forked
 from multiprocessing's forkserver (preloaded with those imports), writing stdout and stderr to `out`,
 and returns an object that answers like `subprocess.Popen`. The process is otherwise the command line's:
 its own pid, argv, environment, signal handlers and exit code, and its atexit handlers run on exit.
@@ -26,7 +26,7 @@ from multiprocessing.process import BaseProcess
 from hub.cli.local_nodes import redirect_output
 
 PRELOAD = (
-    "hub.cli", "hub.cli.run", "hub.training.learner", "hub.service.handlers", "hub.cli.local_nodes",
+    "hub.cli.main", "hub.cli.run", "hub.training.loop", "hub.service.handlers", "hub.cli.local_nodes",
     "node.cli", "node.run", "node.hf_engine", "libp2p", "transformers.models.qwen2.modeling_qwen2",
 )
 _CONTEXT = multiprocessing.get_context("forkserver")

@@ -97,7 +97,7 @@ def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True) -> H
     # Beside the data dir, not in it: `--fresh` moves the data dir away while the hub writes its output.
     log = data_dir.parent / f"{data_dir.name}-hub-{time.time_ns()}.out"
     argv = ["start", "--data-dir", str(data_dir), "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--no-progress", *args]
-    process = forked.spawn("hub.cli", argv, str(log), _env())
+    process = forked.spawn("hub.cli.main", argv, str(log), _env())
     hub = HubProc(process, log, "", data_dir)
     if wait:
         def printed() -> str | None:

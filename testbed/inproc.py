@@ -1,9 +1,11 @@
-"""The real hub service, state and store assembled in-process (tests and bench/p2p.py), through the same
-factory `echo-hub start` uses; a version counter the caller moves stands in for the learner, and a
-tiny control loop for the scheduler (measured nodes are activated)."""
+"""The real hub service, state and store assembled in-process (tests and bench/p2p.py), built as `echo-hub start`
+builds them (hub.cli.build, hub.service.handlers.build_hub_service); a version counter the caller moves stands
+in for the learner, and a tiny control loop for the scheduler: the scheduler's own policy, switched off
+(hub.control.policy.decide: measured nodes are activated)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -12,22 +14,18 @@ from pathlib import Path
 import torch
 import trio
 
-from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
+from hub.cli.build import HubCore, build_hub_state
+from hub.config import HubConfig, LearnerConfig, LeaseConfig, SchedulerConfig, TrustConfig
+from hub.control.policy import decide, fleet_view
 from hub.records.snapshots import SnapshotShelf
-from hub.records.store import Store
 from hub.service.handlers import HubService, build_hub_service
 from hub.service.state import HubState
-from hub.service.status import RunInfo, StatusBoard
-from hub.training.tasks import context_tokens
-from hub.trust.audit import Auditor, AuditQueue
-from hub.trust.submissions import SubmissionRules, token_text_bytes
+from hub.service.status import NO_CAPACITY, RunInfo, StatusBoard
 from shared.crypto import Identity
-from shared.layout import HUB_STORE_FILE, SNAPSHOTS_DIR
+from shared.layout import SNAPSHOTS_DIR
 from shared.messages import SUBMIT_PROTOCOL
+from shared.model_io import build_snapshot
 from shared.net import running_host
-from shared.precision import resolve_dtype
-from shared.snapshot import build_snapshot, model_dir_config_hash
-from shared.tasks import load_task
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 ACTIVATE_PERIOD_S = 0.02
@@ -45,29 +43,16 @@ PERMISSIVE_CONFIG = HubConfig(
 )
 
 
-def submission_rules(model_dir: Path, config: HubConfig) -> SubmissionRules:
-    from transformers import AutoConfig, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return SubmissionRules(
-        task=load_task(config.task), group_size=config.learner.group_size, sampling=config.sampling,
-        stop_ids=frozenset({tokenizer.eos_token_id}), vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
-    )
+def open_core(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, version: list[int]) -> HubCore:
+    """The hub's state over DATA_DIR's store, built as `echo-hub start` builds it, its learner at `version[0]`."""
+    staleness = config.learner.staleness
+    return build_hub_state(config.model_copy(update={"data_dir": Path(data_dir)}), Path(model_dir), shelf,
+                           lambda: max(0, version[0] - staleness))
 
 
 def open_state(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, version: list[int]) -> HubState:
-    """A HubState over DATA_DIR's store whose learner is at `version[0]`; audits as the config says."""
-    audits = None
-    if config.trust.audit_rate > 0 or config.trust.audit_first_n > 0:
-        audits = AuditQueue(Auditor(model_dir, shelf, config.sampling, config.trust, resolve_dtype(config.learner.dtype, config.learner.device)), config.trust.audit_queue_groups)
-    staleness = config.learner.staleness
-    return HubState(
-        Store(Path(data_dir) / HUB_STORE_FILE), config, load_task(config.task), rules=submission_rules(model_dir, config),
-        model_config_hash=model_dir_config_hash(model_dir), audits=audits,
-        oldest_useful_version=lambda: max(0, version[0] - staleness), newest_version=shelf.newest_version,
-    )
+    """open_core's HubState alone (tests of the state)."""
+    return open_core(data_dir, model_dir, config, shelf, version).state
 
 
 @dataclass
@@ -97,12 +82,13 @@ class InprocHub:
         )
 
 
-async def _activate_measured(state: HubState) -> None:
-    """The scheduler's "activate all" without its capacity model."""
+async def _activate_measured(state: HubState, config: SchedulerConfig) -> None:
+    """The scheduler's policy with the scheduler off: every measured node works (no capacity model, no drops)."""
+    off = config.model_copy(update={"enabled": False})
     while True:
-        for record in state.fleet.in_state("probing", "standby"):
-            if record.measured:
-                await state.set_state(record, "active", "measured (in-process hub)")
+        decision = decide(fleet_view(state.fleet), NO_CAPACITY, off, {}, time.time())
+        for move in decision.moves:
+            await state.set_state(state.fleet.get(move.node), move.state, move.reason)
         await trio.sleep(ACTIVATE_PERIOD_S)
 
 
@@ -115,7 +101,8 @@ async def inproc_hub(
     identity = identity or Identity.generate()
     version = [0]
     shelf = SnapshotShelf(keep=config.learner.staleness + 1, directory=Path(data_dir) / SNAPSHOTS_DIR)
-    state = open_state(data_dir, model_dir, config, shelf, version)
+    core = open_core(data_dir, model_dir, config, shelf, version)
+    state = core.state
     weights = None
     if real_weights:
         from transformers import AutoModelForCausalLM
@@ -127,17 +114,14 @@ async def inproc_hub(
                     config.task, config.broadcast.mode),
             data_dir, state, learner_step=lambda: version[0],
         )
-        from transformers import AutoTokenizer
-
-        tokens = context_tokens(load_task(config.task), AutoTokenizer.from_pretrained(model_dir), config.sampling.max_new_tokens)
-        service = build_hub_service(host, identity, config, state, shelf, status.encoded, tokens)
+        service = build_hub_service(host, identity, config, state, shelf, status.encoded, core.context_tokens)
         hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, version)
         hub.publish(0)
         try:
             async with trio.open_nursery() as nursery:
                 for run in (state.run, service.run):
                     nursery.start_soon(run)
-                nursery.start_soon(_activate_measured, state)
+                nursery.start_soon(_activate_measured, state, config.scheduler)
                 while SUBMIT_PROTOCOL not in host.get_mux().handlers:
                     await trio.sleep(0.01)
                 yield hub

@@ -128,7 +128,7 @@ class Topology:
 
     def start_hub(self, hub_dir: Path, *args: str) -> HubProc:
         """`echo-hub start` on the public segment at HUB_IP (no local nodes); returns once it printed its id."""
-        hub = self.start(self.public, hub_dir, "hub.cli", [
+        hub = self.start(self.public, hub_dir, "hub.cli.main", [
             "start", "--data-dir", str(hub_dir), "--listen",
             f"/ip4/{HUB_IP}/tcp/{HUB_PORT}", "--no-progress", "--local-nodes", "0", "--steps", "0", *args,
         ])

@@ -31,8 +31,9 @@ from shared.messages import (
     SnapshotRequest,
     TransferAck,
 )
+from shared.model_io import build_snapshot
 from shared.net import RateLimiter, connect, remote_peer_id, running_host, set_handler
-from shared.snapshot import Snapshot, build_snapshot
+from shared.snapshot import Snapshot
 from shared.transfer import STALL_S, ChunkSource, serve_snapshot
 from shared.wire import read_message, write_message
 

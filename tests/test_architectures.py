@@ -14,8 +14,8 @@ from hub.records.snapshots import SnapshotShelf
 from hub.trust.audit import Auditor
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
+from shared.model_io import build_snapshot, model_dir_config_hash
 from shared.rollout import Group, SamplingParams
-from shared.snapshot import build_snapshot, model_dir_config_hash
 from shared.tasks.reverse import ReverseTask
 from testbed.models import ARCHITECTURES, random_model_dir
 

@@ -386,7 +386,7 @@ def test_a_real_hub_with_a_planned_uplink_survives_a_hostile_join(tmp_path):
                 peer = HubClient(host, identity, hub.addr, timeout_s=20)
                 await peer.connect()
                 from shared.default_model import ensure_default_model
-                from shared.snapshot import model_dir_config_hash
+                from shared.model_io import model_dir_config_hash
 
                 config_hash = model_dir_config_hash(ensure_default_model(progress=False))
                 body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 5e-324, "backend": "hf", "dtype": "float32",

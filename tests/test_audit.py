@@ -12,8 +12,9 @@ from hub.config import AUDIT_GAP_BY_DTYPE, TrustConfig
 from hub.records.snapshots import SnapshotShelf
 from hub.trust.audit import AuditJob, Auditor, AuditQueue, GapStats, gap_stats, judge
 from shared.crypto import Identity
+from shared.model_io import build_snapshot
 from shared.rollout import Group, SamplingParams
-from shared.snapshot import build_snapshot, model_config_hash
+from shared.snapshot import model_config_hash
 from shared.tasks.reverse import ReverseTask
 from testbed.models import nudged_model
 

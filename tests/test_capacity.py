@@ -263,13 +263,15 @@ def test_control_replaces_several_pricey_nodes_in_one_move():
 
 
 def test_a_release_batch_is_released_only_as_far_as_every_period_of_the_hold_wanted_it():
-    wanted: dict[str, float] = {}
-    assert held_release(wanted, ["c", "b", "a"], 0.0, 3.0) == []
-    assert wanted == {"c": 0.0, "b": 0.0, "a": 0.0}
-    assert held_release(wanted, ["c", "b"], 1.0, 3.0) == []  # a noisy period wanted less: a starts over
-    assert wanted == {"c": 0.0, "b": 0.0}
-    assert held_release(wanted, ["c", "b", "a"], 3.0, 3.0) == ["c", "b"]  # a wanted for 0 s of 3
-    assert wanted["a"] == 3.0
+    ready, wanted = held_release({}, ["c", "b", "a"], 0.0, 3.0)
+    assert (ready, wanted) == ([], {"c": 0.0, "b": 0.0, "a": 0.0})
+    ready, wanted = held_release(wanted, ["c", "b"], 1.0, 3.0)  # a noisy period wanted less: a starts over
+    assert (ready, wanted) == ([], {"c": 0.0, "b": 0.0})
+    ready, wanted = held_release(wanted, ["c", "b", "a"], 3.0, 3.0)
+    assert (ready, wanted) == (["c", "b"], {"c": 0.0, "b": 0.0, "a": 3.0})  # a wanted for 0 s of 3
+    given = {"c": 0.0}
+    held_release(given, ["b"], 1.0, 3.0)
+    assert given == {"c": 0.0}  # pure: the caller's map is left as it was
 
 
 def test_release_leaves_the_pool_at_the_band_by_exact_sum():

@@ -17,7 +17,7 @@ from hub.records.store import Store
 from hub.training.metrics import read_metrics
 from shared.layout import HUB_STORE_FILE, METRICS_FILE
 
-HELPER = Path(__file__).with_name("crash_hub.py")
+HELPER = Path(__file__).resolve().parents[1] / "testbed" / "crash_hub.py"
 REPO_ROOT = HELPER.parent.parent
 FIRST_RUN_MIN_STEPS = 3
 TOTAL_STEPS = 9

@@ -31,7 +31,8 @@ from shared.delta import (
     delta_full_manifest,
 )
 from shared.messages import BadChunkReport
-from shared.snapshot import blake3_hex, build_snapshot, delta_paths, remove_snapshot_files
+from shared.model_io import build_snapshot
+from shared.snapshot import blake3_hex, delta_paths, remove_snapshot_files
 from testbed.harness import Proc, node_peer_id, node_states, query, start_test_hub, start_test_node, stop_all, wait_until
 from testbed.peers import CONFIG_HASH, FlippingKeeper, evolving_snapshots, hub_peer, node_peer, wait_installed
 from testbed.relay_scenarios import Hub, join

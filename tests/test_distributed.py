@@ -146,7 +146,7 @@ def start_hub(data_dir: Path, *args: str) -> forked.Forked:
     out = data_dir.parent / f"{data_dir.name}-{time.time_ns()}.out"
     argv = ["start", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress",
             "--learner-procs", "2", *args]
-    return forked.spawn("hub.cli", argv, str(out), {**os.environ, "PYTHONUNBUFFERED": "1"})
+    return forked.spawn("hub.cli.main", argv, str(out), {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def steps_done(data_dir: Path) -> int:

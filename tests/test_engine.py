@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from node.engine import EngineUnavailable, make_engine, vllm_unavailable_reason
+from node.backends import make_engine, vllm_unavailable_reason
+from node.engine import EngineUnavailable
 from node.hf_engine import HFEngine
 from shared.logprobs import completion_logprobs, nucleus_removed, sampling_logprobs
+from shared.model_io import tied_duplicates
 from shared.rollout import SamplingParams
-from shared.snapshot import tied_duplicates
 from shared.tasks.reverse import ReverseTask
 
 PROMPTS = [p.text for p in ReverseTask().prompts()[:16]]
@@ -194,7 +195,8 @@ def test_vllm_memory_and_threads_are_set_in_the_unit_of_the_device(monkeypatch):
     """On a CPU the KV cache is GiB of host memory and the engine's threads are left to the OS unless cores are
     named (vLLM's own "auto" binding pins every engine on a machine to the same first core); on CUDA a share of
     the GPU. A setting of the other device is refused in one line."""
-    from node.engine import VLLMResources, check_vllm_resources
+    from node.backends import check_vllm_resources
+    from node.engine import VLLMResources
     from node.vllm_engine import _configure_platform
 
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):

@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 from node.engine import EngineBroken
 from node.hf_engine import HFEngine
 from shared.generation import model_stop_ids, stop_token_ids
+from shared.model_io import tied_duplicates, tied_groups
 from shared.rollout import MIN_TEMPERATURE, SamplingParams, engine_seed, prompt_seeds
-from shared.snapshot import SnapshotError, tied_duplicates, tied_groups
+from shared.snapshot import SnapshotError
 
 
 def test_stop_tokens_are_the_union_of_every_eos_declaration() -> None:
@@ -76,7 +77,7 @@ def test_a_snapshot_with_differing_tied_copies_is_refused(tmp_path: Path, defaul
 
 def test_an_engine_whose_swap_failed_half_way_refuses_to_generate(tmp_path: Path, default_model_dir: Path,
                                                                    monkeypatch) -> None:
-    import shared.snapshot
+    import shared.model_io
 
     engine = HFEngine(default_model_dir)
     state = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
@@ -85,7 +86,7 @@ def test_an_engine_whose_swap_failed_half_way_refuses_to_generate(tmp_path: Path
     engine.install(path, 1)
     # A read error after the first tensor (a disk failing, a file replaced under us): every check passed,
     # some weights are copied, the rest are not.
-    real, copied = shared.snapshot.copy_into, []
+    real, copied = shared.model_io.copy_into, []
 
     def failing(f, entry, target, staging):
         if copied:
@@ -93,7 +94,7 @@ def test_an_engine_whose_swap_failed_half_way_refuses_to_generate(tmp_path: Path
         copied.append(entry.name)
         real(f, entry, target, staging)
 
-    monkeypatch.setattr(shared.snapshot, "copy_into", failing)
+    monkeypatch.setattr(shared.model_io, "copy_into", failing)
     with pytest.raises(EngineBroken, match="swap to v2 failed part way"):
         engine.install(path, 2)
     assert engine.version == 1
@@ -124,7 +125,7 @@ def test_the_vllm_check_says_in_one_line_why_it_cannot_run_here(device: str) -> 
     import subprocess
     import sys
 
-    from node.engine import vllm_unavailable_reason
+    from node.backends import vllm_unavailable_reason
 
     reason = vllm_unavailable_reason(device)
     if reason is None:

@@ -16,7 +16,7 @@ from hub.records.store import Store
 from hub.service.local_rollouts import LocalRollouts
 from hub.service.state import HubState
 from hub.training.checkpoint import latest_checkpoint
-from hub.training.learner import LearnerComponent
+from hub.training.loop import LearnerComponent
 from hub.training.metrics import read_metrics
 from node.hf_engine import HFEngine
 from shared.crypto import Identity

@@ -30,8 +30,9 @@ from shared.adapters import (
     write_peft_dir,
 )
 from shared.crypto import Identity
+from shared.model_io import build_snapshot
 from shared.rollout import SamplingParams
-from shared.snapshot import SnapshotError, build_snapshot, model_config_hash
+from shared.snapshot import SnapshotError, model_config_hash
 from shared.tasks.reverse import ReverseTask
 from testbed.harness import Proc, node_peer_id, node_states, query, start_test_hub, start_test_node, stop_all, wait_until
 from testbed.recording_node import weights_digest

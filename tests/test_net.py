@@ -26,11 +26,9 @@ from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
 from shared.crypto import Identity, peer_id_from_multiaddr
+from shared.libp2p_patches import PY_LIBP2P_CREDIT, YAMUX_FRAME_BYTES, _read_noise_message
 from shared.net import (
-    PY_LIBP2P_CREDIT,
-    YAMUX_FRAME_BYTES,
     RateLimiter,
-    _read_noise_message,
     connect,
     open_stream,
     remote_ip,
@@ -204,7 +202,7 @@ class FrameCounter:
 @pytest.mark.trio
 @pytest.mark.parametrize("credit", ["py-libp2p", "go-yamux"])
 async def test_window_credit_follows_go_yamux(monkeypatch, credit):
-    """shared.net._credit_like_go_yamux: window updates only once half the window is used. py-libp2p's own
+    """shared.libp2p_patches._credit_like_go_yamux: window updates only once half the window is used. py-libp2p's own
     rule (PY_LIBP2P_CREDIT, patched back in for comparison) adds one per read: a request and its reply
     took 22 frames, 12 of them window updates, and a 4 MiB frame 98 updates; with go-yamux's rule the
     request takes 10 frames and the 4 MiB frame arrives whole, the sender never left waiting."""
@@ -239,7 +237,7 @@ async def test_window_credit_follows_go_yamux(monkeypatch, credit):
 @pytest.mark.trio
 @pytest.mark.parametrize("frame_bytes", [64 * 1024, YAMUX_FRAME_BYTES])
 async def test_bulk_yamux_frames_fit_one_noise_message(monkeypatch, frame_bytes):
-    """shared.net.YAMUX_FRAME_BYTES: with py-libp2p's own 64 KiB frames (patched back in for comparison) each
+    """shared.libp2p_patches.YAMUX_FRAME_BYTES: with py-libp2p's own 64 KiB frames (patched back in for comparison) each
     data frame of a 4 MiB transfer takes two Noise messages, the second of 17 bytes; with frames of Noise's
     largest plaintext, one message per frame, and about one socket read per message (a read takes what has
 arrived, up to NOISE_RECEIVE_BYTES)."""
@@ -261,7 +259,7 @@ arrived, up to NOISE_RECEIVE_BYTES)."""
     with trio.fail_after(30):
         async with two_hosts() as (server_id, _, server_addrs, _, client):
             if frame_bytes == YAMUX_FRAME_BYTES:
-                assert yamux_module.MAX_MESSAGE_SIZE == YAMUX_FRAME_BYTES  # build_host's patch
+                assert yamux_module.MAX_MESSAGE_SIZE == YAMUX_FRAME_BYTES  # libp2p_patches.apply(), from build_host
             else:
                 monkeypatch.setattr(yamux_module, "MAX_MESSAGE_SIZE", frame_bytes)
             await connect(client, server_addrs[0])
@@ -312,10 +310,10 @@ def noise_reader(data: bytes, pieces: list[int]) -> NoiseTransportReadWriter:
 
 @pytest.mark.trio
 async def test_buffered_noise_reader_splits_and_joins_socket_reads(monkeypatch):
-    """shared.net._read_noise_message: messages split across reads, several in one read, and a length prefix
+    """shared.libp2p_patches._read_noise_message: messages split across reads, several in one read, and a length prefix
     cut in two all come out whole and in order; the connection ending between messages is a clean close
     (what Yamux expects), ending inside one is not."""
-    monkeypatch.setattr(NoiseTransportReadWriter, "read_msg", _read_noise_message)  # as build_host does
+    monkeypatch.setattr(NoiseTransportReadWriter, "read_msg", _read_noise_message)  # as libp2p_patches.apply() does
     messages = [b"a" * 5, b"", b"b" * 40_000, b"d" * 3, b"e" * 65_519]
     wire = b"".join(len(m).to_bytes(2, "big") + m for m in messages)
     for pieces in ([1] * 9 + [len(wire)], [len(wire)], [3, 6, 40_000, 1, 1, 30_000, 5]):
@@ -432,3 +430,12 @@ async def test_safe_handler_contains_errors_but_not_base_exceptions(caplog):
     stream = FakeHandlerStream(peer)
     await safe_handler(grouped_errors, log)(stream)
     assert stream.resets == 1
+
+
+def test_patches_refuse_another_py_libp2p_release(monkeypatch):
+    """The patches read private internals of one py-libp2p release: any other one is refused, naming both."""
+    import shared.libp2p_patches as patches
+
+    monkeypatch.setattr(patches, "package_version", lambda name: "0.9.0")
+    with pytest.raises(patches.LibP2PVersionError, match=r"py-libp2p 0\.8\.1 .* py-libp2p 0\.9\.0 is installed"):
+        patches.check_version()

@@ -39,8 +39,8 @@ from shared.messages import (
     StatusRequest,
     Submission,
 )
+from shared.model_io import model_dir_config_hash
 from shared.net import connect, open_stream, request, running_host
-from shared.snapshot import model_dir_config_hash
 from shared.wire import HEADER, FrameError, StreamEOF, read_message
 from testbed.harness import Proc, free_port, node_peer_id, query, start_hub, start_node, wait_until
 

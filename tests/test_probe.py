@@ -17,9 +17,10 @@ from node.engine import EngineBroken
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
 from shared.generation import model_stop_ids
+from shared.model_io import build_snapshot, model_dir_config_hash, tied_duplicates
 from shared.probe import PROBE_COMPLETION_TOKENS, PROBE_ROWS, InstallProbe, ProbeMismatch, probe_gap, probe_rows
 from shared.rollout import SamplingParams
-from shared.snapshot import Manifest, build_snapshot, model_dir_config_hash, read_snapshot_files, tied_duplicates
+from shared.snapshot import Manifest, read_snapshot_files
 from shared.tasks.reverse import ReverseTask
 
 ROW = {"prompt_ids": ((1, 2, 3),), "completion_ids": ((4, 5),), "logprobs": ((-1.0, -2.0),), "max_mean_abs_gap": 0.01}

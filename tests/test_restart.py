@@ -20,8 +20,8 @@ import trio
 
 from shared.crypto import Identity
 from shared.messages import HubStatus
+from shared.model_io import model_dir_config_hash
 from shared.net import running_host
-from shared.snapshot import model_dir_config_hash
 from testbed.fault_scenarios import Client, trained_model_dir
 from testbed.harness import HubProc, free_port, query, start_hub, wait_until
 

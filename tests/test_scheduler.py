@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 
 from hub.config import SchedulerConfig
-from hub.control.scheduler import RELEASE_HOLD_PERIODS, LearnerTiming, Scheduler
+from hub.control.policy import RELEASE_HOLD_PERIODS, CapacityView, FleetView, Move, decide, fleet_view
+from hub.control.scheduler import LearnerTiming, Scheduler
+from hub.method.capacity import NodeOffer
 from hub.records.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
 from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest
 
@@ -425,3 +427,67 @@ async def test_a_node_told_a_longer_period_is_dropped_only_after_its_stretched_t
     fleet.get("b").last_seen = now - 31.0
     await scheduler.control_once(now)
     assert transitions.log[0] == ("b", "gone", "no heartbeat for 30s")
+
+
+# The policy alone (hub.control.policy.decide): the same function the Scheduler, bench/simulate.py and
+# testbed/inproc.py call. Target 11/s, margin 0.2 (band 13.2/s), control period 1 s: a hold of 3 s.
+POLICY = SchedulerConfig(gamma=1.1, control_period_s=1.0, release_margin=0.2)
+TARGET = CapacityView(0.0, 10.0, 11.0, None, "measured")
+
+
+def test_policy_moves_measured_probes_to_standby_and_activates_the_cheapest_below_target():
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0).state = "active"
+    measured(fleet, "b", 0.4, 8.0).state = "standby"
+    measured(fleet, "c", 0.3, 4.0)  # probing, its probe measured
+    join(fleet, "p", 0.2)  # probing, not measured: not in the view
+    view = fleet_view(fleet)
+    assert view == FleetView((NodeOffer("a", 0.1, 5.0),), (NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.3, 4.0)),
+                             frozenset({"c"}))
+    # pool 5/s, shortfall 6/s: b (rho 0.05, below c's 0.075) covers it alone
+    decision = decide(view, TARGET, POLICY, {"a": T0 - 5}, T0)
+    assert decision.moves == (Move("c", "standby", "probe measured 4 rollouts/s"),
+                              Move("b", "active", "pool 5/s below target 11/s"))
+    assert decision.release_wanted == {}  # an activation ends every release wish
+
+
+def test_policy_without_a_target_activates_every_measured_node():
+    view = FleetView((), (NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.3, 4.0)), frozenset({"c"}))
+    decision = decide(view, CapacityView(0.0, None, None, None, "learner has not stepped yet"), POLICY, {}, T0)
+    assert decision.moves == (Move("c", "standby", "probe measured 4 rollouts/s"),
+                              Move("b", "active", "activate all (learner has not stepped yet)"),
+                              Move("c", "active", "activate all (learner has not stepped yet)"))
+    off = POLICY.model_copy(update={"enabled": False})
+    assert [m.reason for m in decide(view, TARGET, off, {}, T0).moves][1:] == ["activate all (scheduler disabled)"] * 2
+
+
+def test_policy_holds_inside_the_band():
+    # pool 13/s meets 11/s; without b (rho 0.05 > a's 0.02) 5/s < 13.2/s: nothing moves, the wishes end
+    view = FleetView((NodeOffer("a", 0.1, 5.0), NodeOffer("b", 0.4, 8.0)), ())
+    assert decide(view, TARGET, POLICY, {"b": T0 - 1}, T0) == decide(view, TARGET, POLICY, {}, T0)
+    assert decide(view, TARGET, POLICY, {"b": T0 - 1}, T0).moves == ()
+    assert decide(view, TARGET, POLICY, {"b": T0 - 1}, T0).release_wanted == {}
+
+
+def test_policy_releases_only_after_the_hold():
+    # pool 20/s; without c (rho 0.1) 15/s >= 13.2/s, without b (0.05) too 7/s: c alone is released
+    view = FleetView((NodeOffer("a", 0.14, 7.0), NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.5, 5.0)), ())
+    first = decide(view, TARGET, POLICY, {}, T0)
+    assert (first.moves, first.release_wanted) == ((), {"c": T0})
+    early = decide(view, TARGET, POLICY, first.release_wanted, T0 + 2.9)
+    assert (early.moves, early.release_wanted) == ((), {"c": T0})
+    due = decide(view, TARGET, POLICY, first.release_wanted, T0 + 3.0)
+    assert due.moves == (Move("c", "standby", "pool without it 15/s >= target with margin 13.2/s for 3s"),)
+    assert due.release_wanted == {}
+
+
+def test_policy_releases_the_part_of_a_batch_every_period_of_the_hold_wanted():
+    # pool 25/s: d (rho 0.2) and c (0.1) can both go (25 - 5 - 5 = 15 >= 13.2/s); c was wanted for 3 s, d only
+    # for 1 s: c goes, the reason says it was part of the batch, and d waits on
+    view = FleetView((NodeOffer("a", 0.14, 7.0), NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.5, 5.0),
+                      NodeOffer("d", 1.0, 5.0)), ())
+    decision = decide(view, TARGET, POLICY, {"c": T0 - 3, "d": T0 - 1, "gone": T0 - 9}, T0)
+    assert decision.moves == (
+        Move("c", "standby", "pool without these 2 15/s >= target with margin 13.2/s for 3s (1 of them wanted that long)"),
+    )
+    assert decision.release_wanted == {"d": T0 - 1}

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from shared.crypto import SIGNATURE_BYTES, Identity
+from shared.model_io import build_snapshot, load_into, model_dir_config_hash
 from shared.snapshot import (
     CHUNK_HEADER,
     MAX_CHUNK_BYTES,
@@ -29,13 +30,10 @@ from shared.snapshot import (
     SnapshotError,
     StaleSnapshot,
     blake3_hex,
-    build_snapshot,
     decode_chunk,
     encode_chunk,
     file_hash,
-    load_into,
     model_config_hash,
-    model_dir_config_hash,
     read_snapshot_files,
     remove_snapshot_files,
     sign_manifest,
@@ -225,7 +223,7 @@ def test_build_streams_without_a_second_copy_of_the_weights(tmp_path):
     script = textwrap.dedent(f"""
         import resource, torch, json
         from shared.crypto import Identity
-        from shared.snapshot import build_snapshot
+        from shared.model_io import build_snapshot
         torch.manual_seed(0)
         state = {{f"layer{{i}}.weight": torch.full((4096, 1024), i / 7) for i in range(32)}}  # 32 x 16 MiB
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

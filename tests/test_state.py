@@ -16,12 +16,13 @@ import trio
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
 from hub.records.snapshots import SnapshotShelf
 from hub.records.store import StepRecord
-from hub.service.state import HubState, billable_seconds
+from hub.service.pricing import billable_seconds
+from hub.service.state import HubState
 from hub.trust.audit import AuditJob, AuditResult
 from shared.crypto import Identity
 from shared.messages import Heartbeat, JoinRequest, RejectCode, Submission, SubmittedGroup, Tallies
+from shared.model_io import build_snapshot
 from shared.rollout import Completion, SamplingParams
-from shared.snapshot import build_snapshot
 from shared.wire import PeerFault
 from testbed.inproc import PERMISSIVE_TRUST, open_state
 
@@ -91,7 +92,7 @@ async def running(state: HubState) -> AsyncIterator[None]:
 async def settled(state: HubState) -> None:
     """Every committed group is in the buffer or discarded (audits of held groups included)."""
     with trio.fail_after(10):
-        while state._reserved:
+        while state.room.reserved:
             await trio.sleep(0.01)
 
 
@@ -157,7 +158,7 @@ async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_
 
     def state_at() -> HubState:
         state = reopen(tmp_path, default_model_dir, config)
-        state.audits, state.clock = audits, lambda: clock[0]
+        state.probation.audits, state.clock = audits, lambda: clock[0]
         return state
 
     state = state_at()
@@ -232,8 +233,8 @@ def test_audit_draws_come_from_the_os_csprng(tmp_path, default_model_dir):
     for i in range(2):
         state = reopen(tmp_path / str(i), default_model_dir)
         # The OS's generator: not seedable, so nothing a node learns of the run's seed predicts an audit.
-        assert isinstance(state.audit_rng, secrets.SystemRandom)
-        draws.append([state.audit_rng.random() for _ in range(8)])
+        assert isinstance(state.probation.rng, secrets.SystemRandom)
+        draws.append([state.probation.rng.random() for _ in range(8)])
         state.store.close()
     assert draws[0] != draws[1]
 
@@ -244,7 +245,7 @@ async def test_on_probation_every_group_is_audited_before_any_reaches_the_buffer
                                                             lease_new_node_prompts=2)})
     state = reopen(tmp_path, default_model_dir, config)
     audits = ScriptedAudits()
-    state.audits = audits
+    state.probation.audits = audits
     peer = Identity.generate().peer_id
     async with running(state):
         await state.join(peer, join_request(state), "10.0.0.1")
@@ -329,3 +330,14 @@ async def test_the_address_quota_counts_the_leases_open_at_an_address_and_frees_
         assert (await state.grant_lease(peers[0], 0)).lease is not None
         assert state.leases.open_by_address["198.51.100.7"] == 2 and state.leases.open_count(peers[0]) == 1
         assert second.lease_id in state.leases.open
+
+
+def test_the_test_bed_builds_its_hub_as_echo_hub_start_does(tmp_path, default_model_dir):
+    """testbed.inproc builds through hub.cli.build: stop ids are every EOS the model declares (not the tokenizer's
+    alone), and the run's identity is recorded as a resume checks it."""
+    from shared.generation import model_stop_ids
+
+    state = reopen(tmp_path, default_model_dir)
+    assert state.rules.stop_ids == frozenset(model_stop_ids(default_model_dir))
+    assert state.store.run_info()["task"] == "reverse"
+    state.store.close()

@@ -9,7 +9,8 @@ import pytest
 
 from shared.tasks import BUILTIN_TASKS, load_task
 from shared.tasks.base import Task
-from shared.tasks.math import MathTask, extract_final_answer, is_cheap_to_verify
+from shared.tasks.dataset import MathTask
+from shared.tasks.math import extract_final_answer, is_cheap_to_verify
 
 DATA = Path(__file__).parent / "data"
 MATH_FILE = DATA / "math_small.jsonl"

@@ -9,10 +9,11 @@ from safetensors.torch import save_file
 
 from hub.config import TrustConfig
 from hub.trust.audit import gap_stats
-from node.engine import vllm_platform, vllm_unavailable_reason
+from node.backends import vllm_platform, vllm_unavailable_reason
 from shared.logprobs import completion_logprobs
+from shared.model_io import tied_duplicates
 from shared.rollout import SamplingParams
-from shared.snapshot import SnapshotError, tied_duplicates
+from shared.snapshot import SnapshotError
 from shared.tasks.reverse import ReverseTask
 
 pytestmark = [
@@ -154,7 +155,8 @@ def test_vllm_serves_lora_adapters_as_the_hf_engine_computes_them(default_model_
     from node.vllm_engine import VLLMEngine
     from shared.adapters import adapter_state, add_adapters, snapshot_metadata
     from shared.crypto import Identity
-    from shared.snapshot import SnapshotError, build_snapshot
+    from shared.model_io import build_snapshot
+    from shared.snapshot import SnapshotError
 
     hf_engine = HFEngine(default_model_dir, device=DEVICE, dtype="float32")
     spec = add_adapters(hf_engine.model, 8, 16.0)
@@ -219,8 +221,8 @@ def test_vllm_reproduces_the_install_probe_and_a_corrupted_tensor_is_caught(engi
     from node.engine import EngineBroken
     from shared.crypto import Identity
     from shared.generation import model_stop_ids
+    from shared.model_io import build_snapshot, model_dir_config_hash
     from shared.probe import probe_rows
-    from shared.snapshot import build_snapshot, model_dir_config_hash
 
     vllm_engine, hf_engine = engines
     rows = probe_rows(PROMPTS[:5], AutoTokenizer.from_pretrained(default_model_dir), frozenset(model_stop_ids(default_model_dir)))

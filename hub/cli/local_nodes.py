@@ -3,8 +3,8 @@
 They are forked from one server process (multiprocessing's forkserver) that imports the node's modules
 once, started when the hub starts so that it imports while the hub builds its learner. Each node then
 runs `echo-node join` exactly as the command line does, in its own session with its own output file.
-Started as separate interpreters, each node spent ~12 CPU-seconds importing torch, transformers and
-libp2p before it could join: on a 2-core laptop, three of them delayed the first step by ~15 s.
+Importing torch, transformers and libp2p costs a node many CPU-seconds before it can join; separate
+interpreters would pay that once per node, on the cores the hub needs for its first steps.
 """
 
 from __future__ import annotations

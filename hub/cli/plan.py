@@ -32,8 +32,8 @@ from hub.method.capacity import (
 
 DEFAULT_STALENESS = 4
 DEFAULT_GAMMA = 1.1
-DEFAULT_LEARNER_PRICE_PER_HOUR = 3.06  # A100 80GB rental, DESIGN section 1
-DEFAULT_ROLLOUTS_PER_STEP = 128 * 16  # 128 prompts x n = 16, DESIGN section 1
+DEFAULT_LEARNER_PRICE_PER_HOUR = 3.06  # A100 80GB rental, docs/DESIGN.md §1
+DEFAULT_ROLLOUTS_PER_STEP = 128 * 16  # 128 prompts x n = 16, docs/DESIGN.md §1
 FLEET_NODE_KEYS = frozenset({"name", "price_per_hour", "rollouts_per_s"})
 EXIT_USAGE_ERROR = 2
 

@@ -14,11 +14,9 @@ from typing import IO
 import trio
 
 from hub.cli.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
-from hub.cli.preflight import RUN_IDENTITY_KEYS, Resume, run_identity
+from hub.cli.preflight import Resume
 from hub.config import HubConfig
 from hub.records.snapshots import SnapshotShelf
-from hub.records.store import Store
-from hub.service.state import HubState
 from hub.training.distributed import (
     RANK_POLL_S,
     Collective,
@@ -32,18 +30,16 @@ from hub.training.distributed import (
     rank_store,
 )
 from hub.training.ranks import RankEnv, rank_env
-from hub.training.tasks import context_tokens, hub_tasks
 from hub.training.trackers import open_trackers
 from shared.crypto import Identity
-from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE, METRICS_FILE, SNAPSHOTS_DIR
+from shared.layout import HUB_LOG_FILE, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logs import setup_logging
 from shared.messages import EvalPoint, RejectCode
 from shared.net import address_key, running_host
 from shared.signals import Stopper
+from shared.units import BYTES_PER_MBIT
 
 log = logging.getLogger("echo2.hub")
-
-MBIT_BYTES = 1e6 / 8
 
 
 def dialable_addrs(addrs: list[str]) -> list[str]:
@@ -66,44 +62,24 @@ class Hub:
     """Everything the hub runs, wired together: HubState owns the state, the rest read it or call it."""
 
     def __init__(self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
+        from hub.cli.build import build_hub_state
         from hub.training.evaluation import EvalRunner, Evaluator
-        from hub.training.learner import LearnerComponent
-        from hub.trust.audit import Auditor, AuditQueue
-        from hub.trust.submissions import SubmissionRules, token_text_bytes
+        from hub.training.loop import LearnerComponent
         from shared.adapters import LoraSpec
-        from shared.generation import model_stop_ids
         from shared.precision import resolve_dtype
         from shared.probe import PROBE_ROWS, probe_rows
-        from shared.snapshot import model_config_hash
 
         lc = config.learner
         self.dtype = resolve_dtype(lc.dtype, lc.device)
         self.config = config
         self.identity = identity
         self.progress = progress
-        self.task, eval_task = hub_tasks(config, model_dir)
         # S + 1 versions on the shelf (a rollout may be that stale), files of older ones deleted.
         self.shelf = SnapshotShelf(keep=lc.staleness + 1, directory=config.data_dir / SNAPSHOTS_DIR)
-        # The service decodes in worker threads while the learner tokenizes in its own: separate instances.
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model_config = AutoConfig.from_pretrained(model_dir)
-        rules = SubmissionRules(
-            task=self.task, group_size=lc.group_size, sampling=config.sampling, stop_ids=frozenset(model_stop_ids(model_dir)),
-            vocab_size=model_config.vocab_size, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
-        )
-        auditor = Auditor(model_dir, self.shelf, config.sampling, config.trust, self.dtype)
-        audits = AuditQueue(auditor, config.trust.audit_queue_groups)
-        rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], tokenizer, rules.stop_ids)
-        self.context_tokens = context_tokens(self.task, tokenizer, config.sampling.max_new_tokens)
-        self.state = HubState(
-            Store(config.data_dir / HUB_STORE_FILE), config, self.task, rules=rules,
-            model_config_hash=model_config_hash(model_config.to_dict()), audits=audits,
-            oldest_useful_version=lambda: self.learner.min_useful_version(), newest_version=self.shelf.newest_version,
-            run=dict(zip(RUN_IDENTITY_KEYS, run_identity(config, model_dir)), model=str(model_dir)),
-        )
+        core = build_hub_state(config, model_dir, self.shelf, lambda: self.learner.min_useful_version())
+        self.task, eval_task, auditor = core.task, core.eval_task, core.auditor
+        self.state, self.context_tokens = core.state, core.context_tokens
+        rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], core.tokenizer, self.state.rules.stop_ids)
         # Files the shelf no longer serves (a crash's orphans, versions from before a restart) go now; the
         # newest stays for the learner to serve again on resume.
         latest = self.state.store.latest_version()
@@ -189,7 +165,7 @@ class Hub:
             self.addrs = dialable_addrs(addrs)
             bc = config.broadcast
             self.broadcaster = Broadcaster(
-                host, state.fleet, self.shelf, bc.mode, bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None,
+                host, state.fleet, self.shelf, bc.mode, bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
                 ban=state.ban, event=state.event, record_t_bcast=state.record_broadcast_time,
             )
             self.scheduler = Scheduler(
@@ -297,7 +273,7 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
         stop_local_nodes(hub.local_nodes)
     interrupted = hub.stopper.signal_name is not None
     if interrupted:
-        stopped = f"{len(hub.cli.local_nodes)} local nodes stopped; " if hub.local_nodes else ""
+        stopped = f"{len(hub.local_nodes)} local nodes stopped; " if hub.local_nodes else ""
         print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
         hub.learner.save_state()
         hub.status.running = False
@@ -337,7 +313,7 @@ def _stop_after_lost_rank(hub: Hub, exc: LearnerRankLost) -> int:
     hub.state.store.close()
     checkpoint = latest_checkpoint(hub.config.data_dir / CHECKPOINTS_DIR)
     resume = f"checkpoint step {checkpoint.step}" if checkpoint else "the start (no checkpoint yet)"
-    print(f"echo-hub: {exc}: the run stopped at step {hub.training.learner.step}. Start it again to resume from {resume}; "
+    print(f"echo-hub: {exc}: the run stopped at step {hub.learner.step}. Start it again to resume from {resume}; "
           "acknowledged groups are kept.", file=sys.stderr, flush=True)
     return 1
 

@@ -1,5 +1,5 @@
 """The hub's broadcaster: keeps the forwarding chains, starts each snapshot down them, measures T_bcast,
-and judges reports of bad relays by the relays' own signed commitments (DESIGN section 5).
+and judges reports of bad relays by the relays' own signed commitments (docs/DESIGN.md §7-8).
 
 Nodes pull from their chain predecessor (the hub for a chain head) over the snapshot
 protocol; the broadcaster only tells each node whom to pull from (in heartbeat replies) and
@@ -110,7 +110,7 @@ class HubUplink:
 
     B0 alone models a hub whose uplink is the bottleneck (star mode's N * M / B0); Bw alone,
     a hub no faster than one node link. With B0 > Bw both apply, so that N_ch = B0 / Bw chain
-    heads each get Bw, as DESIGN.md section 5 assumes. Both None: no emulation.
+    heads each get Bw, as docs/DESIGN.md §7 assumes. Both None: no emulation.
     """
 
     def __init__(self, hub_bps: float | None, link_bps: float | None) -> None:
@@ -176,29 +176,50 @@ class Broadcaster:
     def replan(self) -> None:
         """Bring the chains in line with the fleet: cut out who left, append who joined."""
         members = {n.peer_id: n for n in self.receivers()}
-        chains = self.chains
+        chains = self._joined(self._without_gone(self.chains, members), members)
+        self._forget_gone(members)
+        chains = self._separate_failed_punches(chains, members)
+        self._queue_probes(members)
+        if chains != self.chains:
+            self.chains = chains
+            log.info("chains: %s", [[p[-6:] for p in c] for c in chains])
+
+    @staticmethod
+    def _without_gone(chains: list[list[str]], members: dict[str, NodeRecord]) -> list[list[str]]:
+        """The chains relinked around every node no longer among `members`."""
         for gone in [p for chain in chains for p in chain if p not in members]:
             chains = relink_after_leave(chains, gone)
+        return chains
+
+    def _joined(self, chains: list[list[str]], members: dict[str, NodeRecord]) -> list[list[str]]:
+        """The chains with every member not yet in one appended, fastest link first."""
         in_chains = {p for chain in chains for p in chain}
         limit = self._max_chains(list(members.values()))
         for peer in sorted(members, key=lambda p: (-members[p].link_bps, p)):
             if peer not in in_chains:
                 chains = join_chains(chains, peer, limit)
+        return chains
+
+    def _forget_gone(self, members: dict[str, NodeRecord]) -> None:
+        """Drop the progress, demotions and queued dial-backs of nodes no longer among `members`."""
         for peer in set(self._progress) - set(members):
             self._progress.pop(peer, None)
             self._demoted_for.pop(peer, None)
         self._probe_queue.retain(members)
+
+    @staticmethod
+    def _separate_failed_punches(chains: list[list[str]], members: dict[str, NodeRecord]) -> list[list[str]]:
+        """Hole punches are tried first; a chain where one failed gets dialable nodes between its NATed ones."""
         reach = {p: n.reachability for p, n in members.items()}
-        # Hole punches are tried first; a chain where one failed gets dialable nodes between its NATed ones.
-        chains = [separate_nated(chain, reach) if any(members[p].punch_failed_with for p in chain if p in members)
-                  else chain for chain in chains]
+        return [separate_nated(chain, reach) if any(members[p].punch_failed_with for p in chain if p in members)
+                else chain for chain in chains]
+
+    def _queue_probes(self, members: dict[str, NodeRecord]) -> None:
+        """Queue a dial-back for every member whose reachability is still unknown and not yet probed."""
         for peer, record in members.items():
             if record.reachability == "unknown" and peer not in self._probing and peer not in self._probe_queue:
                 self._probe_queue.offer(peer, record.remote_ip, record.audits_passed)
                 self._probe_wake.set()
-        if chains != self.chains:
-            self.chains = chains
-            log.info("chains: %s", [[p[-6:] for p in c] for c in chains])
 
     def _reach(self, peer: str | None) -> str | None:
         record = self.fleet.get(peer) if peer else None

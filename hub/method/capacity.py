@@ -1,4 +1,4 @@
-"""Capacity model and cost-aware activation (DESIGN sections 3-4), as pure functions.
+"""Capacity model and cost-aware activation (docs/DESIGN.md §5-6), as pure functions.
 
 How much rollout throughput keeps the learner busy (mu_min), the learner idle time and bubble
 a pool of given throughput leaves, which nodes to buy (cheapest throughput first), and the
@@ -8,7 +8,7 @@ closed-loop decision the hub's scheduler takes every control period.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,8 +50,8 @@ def usable_fraction(trained_groups: int, settled_groups: int) -> float:
 def broadcast_stall_s(kappa: int, t_train_s: float, t_bcast_s: float, staleness: int | None = None) -> float:
     """Seconds per publish period in which the fleet holds no version it may still generate with.
 
-    DESIGN's formula (staleness None) counts the whole T_bcast. Under the hub's lease rule a node
-    keeps generating with version x through the learner's step x + S, which ends S - kappa steps
+    The upstream formula (staleness None) counts the whole T_bcast. Under the hub's lease rule (docs/DESIGN.md
+    §5.2) a node keeps generating with version x through the learner's step x + S, which ends S - kappa steps
     after version x + kappa is published; only a broadcast slower than that stalls it:
     max(0, T_bcast - (S - kappa) * T_train). At S = 0 (kappa = 1) that is T_bcast + T_train: a
     node generates only while the learner waits.
@@ -65,7 +65,7 @@ def mu_min(
     kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, staleness: int | None = None,
 ) -> float:
     """Pool throughput (rollouts/s) that just keeps the learner busy: kappa*R / (kappa*T_train - stall), the
-    stall as broadcast_stall_s gives it (DESIGN's formula, stall = T_bcast, when staleness is None). At S = 0
+    stall as broadcast_stall_s gives it (docs/DESIGN.md §5.3; stall = T_bcast when staleness is None). At S = 0
     no pool does: the learner waits for every broadcast and every rollout."""
     _check_period(kappa, rollouts_per_step, t_train_s, t_bcast_s)
     if staleness == 0:
@@ -322,64 +322,81 @@ def control_decision(
     _check_unique([*active, *standby])
     mu_pool = math.fsum(node.rollouts_per_s for node in active)
     if mu_pool < mu_target:
-        if standby:
-            picks = activate(standby, mu_target - mu_pool).active
-            return Decision(
-                "activate", _names(picks), f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s"
-            )
-        return Decision("hold", (), f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s, no standby node")
+        return _top_up(standby, mu_pool, mu_target)
+    hold = Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
     if not active:
-        return Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
+        return hold
     release_floor = mu_target * (1.0 + release_margin)
-    priciest = max(active, key=_cheapest_first_key)
-    without = mu_pool - priciest.rollouts_per_s
+    without = mu_pool - max(active, key=_cheapest_first_key).rollouts_per_s
     if without >= release_floor:  # checked before sorting: most periods hold, and fleets run to thousands
-        ordered = sorted(active, key=_cheapest_first_key, reverse=True)
-        count = 1
-        while count < len(ordered) and without - ordered[count].rollouts_per_s >= release_floor:
-            without -= ordered[count].rollouts_per_s
-            count += 1
-        # The running difference drifts by ulps over a long batch: what stays must clear the band exactly,
-        # or with no margin the pool would sit a hair under target and buy a node back next period.
-        while count and (without := math.fsum(n.rollouts_per_s for n in ordered[count:])) < release_floor:
-            count -= 1
-        if not count:
-            return Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
-        released = ordered[:count]
-        return Decision(
-            "release",
-            _names(released),
-            f"pool without {_count(released)} {without:.4g}/s >= target with margin {release_floor:.4g}/s",
-        )
+        return _release(active, without, release_floor) or hold
+    return _replacement(active, standby, without, release_floor) or hold
+
+
+def _top_up(standby: Sequence[NodeOffer], mu_pool: float, mu_target: float) -> Decision:
+    """Below target: the cheapest standby nodes whose throughput covers the shortfall (hold with none)."""
+    below = f"pool {mu_pool:.4g}/s below target {mu_target:.4g}/s"
+    if not standby:
+        return Decision("hold", (), f"{below}, no standby node")
+    return Decision("activate", _names(activate(standby, mu_target - mu_pool).active), below)
+
+
+def _release(active: Sequence[NodeOffer], without: float, release_floor: float) -> Decision | None:
+    """The priciest active nodes the pool can do without while it keeps release_floor (`without`: the pool
+    less the priciest); None when the exact sum leaves none to release."""
+    ordered = sorted(active, key=_cheapest_first_key, reverse=True)
+    count = 1
+    while count < len(ordered) and without - ordered[count].rollouts_per_s >= release_floor:
+        without -= ordered[count].rollouts_per_s
+        count += 1
+    # The running difference drifts by ulps over a long batch: what stays must clear the band exactly,
+    # or with no margin the pool would sit a hair under target and buy a node back next period.
+    while count and (without := math.fsum(n.rollouts_per_s for n in ordered[count:])) < release_floor:
+        count -= 1
+    if not count:
+        return None
+    released = ordered[:count]
+    return Decision(
+        "release",
+        _names(released),
+        f"pool without {_count(released)} {without:.4g}/s >= target with margin {release_floor:.4g}/s",
+    )
+
+
+def _replacement(
+    active: Sequence[NodeOffer], standby: Sequence[NodeOffer], without: float, release_floor: float,
+) -> Decision | None:
+    """Standby nodes cheaper per unit than the priciest active node that, with the pool less that node
+    (`without`), clear release_floor: the cheapest of them that do; None when none can."""
+    priciest = max(active, key=_cheapest_first_key)
     cheaper = [n for n in standby if _cheapest_first_key(n) < _cheapest_first_key(priciest)]
-    if cheaper and without + math.fsum(n.rollouts_per_s for n in cheaper) >= release_floor:
-        # The cheapest pool that clears the band (it leaves the priciest node out, as the check above says):
-        # activate all of its standby nodes at once; later periods release what it leaves out.
-        best = activate([*active, *cheaper], release_floor).active
-        cheaper_names = {n.name for n in cheaper}
-        picks = [n for n in best if n.name in cheaper_names]
-        return Decision(
-            "activate",
-            _names(picks),
-            f"rho {picks[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
-            f"replace it (target with margin {release_floor:.4g}/s)",
-        )
-    return Decision("hold", (), f"pool {mu_pool:.4g}/s meets target {mu_target:.4g}/s")
+    if not cheaper or without + math.fsum(n.rollouts_per_s for n in cheaper) < release_floor:
+        return None
+    # The cheapest pool that clears the band (it leaves the priciest node out, as the check above says):
+    # activate all of its standby nodes at once; later periods release what it leaves out.
+    best = activate([*active, *cheaper], release_floor).active
+    cheaper_names = {n.name for n in cheaper}
+    picks = [n for n in best if n.name in cheaper_names]
+    return Decision(
+        "activate",
+        _names(picks),
+        f"rho {picks[0].rho:.4g} below {priciest.name}'s {priciest.rho:.4g}: cheaper nodes can "
+        f"replace it (target with margin {release_floor:.4g}/s)",
+    )
 
 
-def held_release(wanted_since: dict[str, float], batch: Sequence[str], now: float, hold_s: float) -> list[str]:
-    """The nodes of a release batch that the loop has wanted to release for at least hold_s, in batch order.
+def held_release(
+    wanted_since: Mapping[str, float], batch: Sequence[str], now: float, hold_s: float,
+) -> tuple[list[str], dict[str, float]]:
+    """The nodes of a release batch that the loop has wanted to release for at least hold_s (in batch order),
+    and since when each node of the batch has been wanted without a break (the next period's `wanted_since`).
 
-    `wanted_since` (node -> since when it was wanted without a break) is updated in place: nodes not in this
-    period's batch drop out, new ones start now. One noisy period can thus release only what every period of
-    the hold agreed on (batches are priciest-first prefixes: the smallest of them), not its own whole batch.
+    Nodes not in this period's batch drop out, new ones start now. One noisy period can thus release only
+    what every period of the hold agreed on (batches are priciest-first prefixes: the smallest of them),
+    not its own whole batch.
     """
-    wanted_now = set(batch)
-    for name in [n for n in wanted_since if n not in wanted_now]:
-        del wanted_since[name]
-    for name in batch:
-        wanted_since.setdefault(name, now)
-    return [name for name in batch if now - wanted_since[name] >= hold_s]
+    since = {name: wanted_since.get(name, now) for name in batch}
+    return [name for name in batch if now - since[name] >= hold_s], since
 
 
 def _names(nodes: Iterable[NodeOffer]) -> tuple[str, ...]:

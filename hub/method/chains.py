@@ -1,4 +1,4 @@
-"""Chain planner for the pipelined snapshot broadcast (DESIGN section 5), as pure functions.
+"""Chain planner for the pipelined snapshot broadcast (docs/DESIGN.md §7), as pure functions.
 
 Arranges active nodes into N_ch = max(1, floor(B0 / Bw)) store-and-forward chains, re-links a
 chain when a node leaves, and gives the ideal chained and star broadcast times the

@@ -1,4 +1,4 @@
-"""GRPO math for the learner (DESIGN section 6): group advantages and the clipped, token-level loss.
+"""GRPO math for the learner (docs/DESIGN.md §4): group advantages and the clipped, token-level loss.
 
 Pure torch functions with no model, optimizer or I/O, so every formula is tested against
 hand-computed values.

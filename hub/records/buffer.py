@@ -1,4 +1,4 @@
-"""Replay buffer of versioned groups with the staleness rule t - version <= S (DESIGN section 6).
+"""Replay buffer of versioned groups with the staleness rule t - version <= S (docs/DESIGN.md §3).
 
 Pure Python and not thread-safe: the hub touches it only from its trio thread. Trio
 users wait for data with `BufferSignal` (a trio.Condition notified on every add), so
@@ -94,7 +94,7 @@ class ReplayBuffer:
     def take(self, step: int, k: int) -> TakeResult:
         """Up to k usable groups, oldest first, after dropping the ones too stale for `step`.
 
-        `step` is the version the learner's next update starts from (see hub/training/learner.py).
+        `step` is the version the learner's next update starts from (see hub/training/loop.py).
         """
         dropped = self.prune(step)
         groups: list[Group] = []

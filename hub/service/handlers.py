@@ -57,6 +57,7 @@ from shared.messages import (
 )
 from shared.net import address_key, forget_peer, remote_ip, remote_peer_id, set_handler
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
+from shared.units import BYTES_PER_MBIT
 from shared.wire import (
     LIBP2P_END_OF_STREAM,
     PeerFault,
@@ -87,7 +88,6 @@ REFUSE_WRITE_TIMEOUT_S = 2.0
 # A submission answered, its next lease not granted for a reason of the peer's (a ban under way): ask again then.
 NO_LEASE_RETRY_S = 5.0
 REPLY_WRITE_TIMEOUT_S = 30.0
-MBIT_BYTES = 1e6 / 8
 
 # Largest frame a handler of each protocol may read: what the guard reserves against a peer's memory budget.
 PROTOCOL_FRAME_CAPS = {
@@ -430,8 +430,8 @@ def build_hub_service(
 ) -> HubService:
     """The hub's service as `echo-hub start` runs it; without a broadcaster, every node pulls from the hub."""
     bc = config.broadcast
-    uplink = HubUplink(bc.hub_uplink_mbps * MBIT_BYTES if bc.hub_uplink_mbps else None,
-                       bc.link_mbps * MBIT_BYTES if bc.link_mbps else None)
+    uplink = HubUplink(bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
+                       bc.link_mbps * BYTES_PER_MBIT if bc.link_mbps else None)
     terms = JoinTerms(config.learner.staleness, config.task, context_tokens)
     return HubService(
         host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,

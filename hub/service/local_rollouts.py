@@ -20,7 +20,7 @@ from typing import Protocol
 import trio
 
 from hub.service.state import HubState
-from hub.training.learner import SnapshotPublished
+from hub.training.loop import SnapshotPublished
 from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.base import Prompt, Task
 

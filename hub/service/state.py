@@ -12,8 +12,11 @@ is reserved for accepted groups being committed, and a ban marks the node banned
 groups out of the buffer first (no submission slips in; the learner never trains on a group
 whose discard is being committed). A ban is also checked inside every write of a node's work.
 
-Groups of a node on probation are committed `held`, audited after the reply (off the handler's
-clock), and released to the buffer by the transaction that records the passed audit.
+Its collaborators decide and count, and write nothing: the checks of a submission
+(hub/trust/submissions.py), probation and audit sampling (hub/trust/probation.py: groups of a node on
+probation are committed `held`, audited after the reply, off the handler's clock, and released to the
+buffer by the transaction that records the passed audit), the pay of a lease (hub/service/pricing.py)
+and the buffer room reserved for groups being committed (hub/service/room.py).
 
 Lease rows in the store follow the lease book one handler deadline late (`sweep`): a submission
 still being checked when its lease's deadline passed can commit against an open row.
@@ -30,12 +33,11 @@ and propagates.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,19 +49,24 @@ from hub.records.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_tim
 from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.records.store import EVENTS_RETAINED, NewEvent, NodeBanned, StepRecord, Store
 from hub.records.writer import StoreWriter
+from hub.service.pricing import price_lease
+from hub.service.room import BufferRoom
 from hub.trust.audit import AuditJob, AuditQueue
 from hub.trust.copies import CopyDetector, CopyFlag
 from hub.trust.guard import LeaseQuota
+from hub.trust.probation import Probation
 from hub.trust.submissions import (
-    REASON_CLAIMED_REWARD,
     GroupVerdict,
     SubmissionRules,
     VersionWindow,
     check_submission,
+    reject_copies,
+    submission_events,
     submission_frame_cap,
+    verdict_tallies,
 )
 from shared.crypto import SIGNATURE_BYTES, public_key_from_peer_id
-from shared.messages import GROUP_VERDICTS, EvalPoint, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
+from shared.messages import EvalPoint, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
 from shared.net import address_key
 from shared.precision import resolve_dtype
 from shared.rollout import Group
@@ -80,16 +87,6 @@ FLUSH_PERIOD_S = 5.0
 JOIN_EVENT_WINDOW_S = 60.0
 # How stale the live-node count behind the heartbeat period may be.
 HEARTBEAT_RECOUNT_S = 1.0
-
-
-def billable_seconds(hold_s: float, accepted: int, leased: int, accepted_tokens: int, tokens_per_s_floor: float) -> float:
-    """Seconds of a lease the node is paid for: the time it held the lease, in the share of its prompts it
-    answered acceptably, and never more than its accepted tokens take at the slowest rate paid in full.
-
-    Holding a lease longer, or answering with a few tokens, earns nothing more than doing the work."""
-    if leased < 1 or not 0 <= accepted <= leased:
-        raise ValueError(f"accepted {accepted} of {leased} leased prompts")
-    return min(max(0.0, hold_s) * accepted / leased, accepted_tokens / tokens_per_s_floor)
 
 
 class HubBusy(Exception):
@@ -156,7 +153,6 @@ class HubState:
         self.model_config_hash = model_config_hash
         self.snapshot_dtype = resolve_dtype(config.learner.dtype, config.learner.device)
         self.lease_config = config.lease
-        self.trust = trust
         self.heartbeat_timeout_s = config.scheduler.heartbeat_timeout_s
         self.min_heartbeat_period_s = config.scheduler.heartbeat_period_s
         self.heartbeats_per_s = config.scheduler.heartbeats_per_s
@@ -177,18 +173,14 @@ class HubState:
         self.signal = BufferSignal()
         self.copies = CopyDetector(trust.copy_cache_groups, trust.copy_min_surprise_nats, trust.mean_abs_gap(self.snapshot_dtype))
         self.quota = LeaseQuota(trust, config.lease.prompts_per_lease)
-        self.audits = audits
-        self.audit_rng = secrets.SystemRandom()
+        self.probation = Probation(trust, audits)
+        self.room = BufferRoom(self.buffer)
         # Called after a node joins, leaves, is banned or gets measured: chains and activation follow.
         self.on_membership: list[Callable[[], None]] = []
         if run is not None:
             store.set_run(run)  # what this run trains: a later start that asks for another is refused
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
         self._join_events: dict[str, float] = {}  # node -> when its last "join" event was written
-        # Accepted groups committed (or being committed) but not yet in the buffer or discarded.
-        self._reserved = 0
-        # Of those, the groups of nodes on probation waiting for their audit (bounded: trust.audit_queue_groups).
-        self._held = 0
         self._nursery: trio.Nursery | None = None
         self.totals = self._load()
 
@@ -388,7 +380,7 @@ class HubState:
         k = PROBE_PROMPTS if probe else quota.prompts
         if not probe:  # a probe (one prompt, one per node) must not starve behind the cap
             room = int(self.lease_config.max_inflight_steps * self.prompts_per_step) - (
-                len(self.buffer) + self._reserved + self.leases.outstanding_prompts()
+                self.room.in_use() + self.leases.outstanding_prompts()
             )
             # A lease shrinks to the room left rather than waiting for room it may never get.
             k = min(k, room)
@@ -424,15 +416,19 @@ class HubState:
 
     # -- submissions -------------------------------------------------------------------------
 
+    def _rules(self) -> SubmissionRules:
+        """The submission rules; a learner-only state has none and takes no submissions."""
+        if self.rules is None:
+            raise RuntimeError("this HubState was built without submission rules")
+        return self.rules
+
     def submission_cap(self, peer: str) -> int:
         """The largest signed submission frame `peer` may send now: an honest answer to its biggest open
         lease (0 without one). What the guard reserves for the stream and the handler reads, at most."""
-        if self.rules is None:
-            raise RuntimeError("this HubState was built without submission rules")
+        rules = self._rules()
         prompts = max((len(lease.prompts) for lease in self.leases.leases_of(peer)), default=0)
         if not prompts:
             return 0
-        rules = self.rules
         cap = submission_frame_cap(prompts, rules.group_size, rules.sampling.max_new_tokens, rules.token_text_bytes)
         return min(cap + SIGNATURE_BYTES, signed_caps(Submission)[Submission.TYPE])
 
@@ -442,151 +438,136 @@ class HubState:
         Returns only after the commit: the reply built from it is an acknowledgement. Groups of a node on
         probation are held (durably) until their audit, which runs after the reply, off the handler.
         """
-        if self.rules is None:
-            raise RuntimeError("this HubState was built without submission rules")
+        rules = self._rules()
         record = self.known(peer)
         if submission.node_id != peer:
             raise PeerFault("submission names another node")
         now = self.clock()
-        try:
-            lease = self.leases.claim(submission.lease_id, peer, now)
-        except LeaseError as exc:
-            raise PeerFault(str(exc), RejectCode.BAD_LEASE) from None
-        committed = False
-        try:
-            verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, self.rules, self.window())
+        with self._claimed(submission.lease_id, peer, now) as lease:
+            verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, rules, self.window())
             if lease.closed:
                 raise PeerFault("lease withdrawn while the submission was checked", RejectCode.BAD_LEASE)
-            verdicts, copies = self._reject_copies(verdicts, peer, lease.lease_id)
-            accepted = [v for v in verdicts if v.accepted]
-            # Room is reserved before the commit: concurrent submissions must not overfill the buffer
-            # with groups their nodes were told were accepted.
-            if accepted and len(self.buffer) + self._reserved + len(accepted) > self.buffer.capacity_groups:
-                raise HubBusy("hub buffer full: resubmit later")
-            seconds = min(now - lease.issued_at, self.lease_config.lease_timeout_s)
-            billed_s = billable_seconds(seconds, len(accepted), len(lease.prompts),
-                                        sum(len(c.token_ids) for v in accepted for c in v.group.completions),
-                                        self.lease_config.paid_tokens_per_s_floor)
-            usd = min(lease.price_per_hour * billed_s / 3600.0, self.lease_config.max_cost_per_lease_usd)
-            rollouts = sum(len(v.group.completions) for v in accepted)
-            rate, measured = self.fleet.throughput_after(record, rollouts, seconds)
-            counts = Tallies(**{name: sum(v.verdict == name for v in verdicts) for name in GROUP_VERDICTS})
-            events = self._submission_events(peer, lease, verdicts, copies, rate)
-            hold = bool(accepted) and self._on_probation(record)
-            if hold and self._held + len(accepted) > self.trust.audit_queue_groups:
-                # Audits of new nodes are backed up: whoever sends more new work must wait (bounded, not piled up).
-                raise HubBusy("audits of new nodes backed up: resubmit later")
-            self._reserved += len(accepted)
-            self._held += len(accepted) if hold else 0
-            with trio.CancelScope(shield=True):
-                try:
-                    row_ids = await self.writer.write(lambda: self.store.record_submission(
-                        lease.lease_id, peer, verdicts, usd=usd, seconds=billed_s, signed_bytes_hash=signed_hash,
-                        now=now, rollouts_per_s=rate, events=events, hold=hold,
-                    ))
-                except BaseException as exc:
-                    self._reserved -= len(accepted)
-                    self._held -= len(accepted) if hold else 0
-                    if isinstance(exc, NodeBanned):
-                        raise PeerFault("banned", RejectCode.BANNED) from None
-                    raise
-                committed = True
-                for verdict in verdicts:
-                    lease.answered.add(verdict.prompt_id)
-                self.leases.close(lease)
-                record.tallies = record.tallies + counts
-                self.totals.groups = self.totals.groups + counts
-                if usd > 0 and record.state != "banned":  # a ban under way sets the node's pay itself
-                    self.totals.paid_usd[peer] = self.totals.paid_usd.get(peer, 0.0) + usd
-                record.rollouts_per_s, record.measured = rate, measured
-                self._dirty.add(peer)
-                kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.accepted]
-                if hold:
-                    self._nursery.start_soon(self._audit_held, record, lease.lease_id, kept, now)
-                else:
-                    await self._settle(record, lease.lease_id, kept, now)
-        finally:
-            if not committed:
-                self.leases.release(lease)
+            verdicts, copies = reject_copies(verdicts, self.copies, peer, lease.lease_id)
+            usd = await self._commit_submission(record, lease, verdicts, copies, signed_hash, now)
         if lease.probe:
             self._membership_changed()  # measured: the scheduler may move it to standby now
         refused = [v for v in verdicts if not v.accepted]
         return SubmissionOutcome(
-            accepted=len(accepted),
+            accepted=len(verdicts) - len(refused),
             rejected=tuple((v.prompt_id, v.reason) for v in refused if not v.late),
             late=tuple((v.prompt_id, v.reason) for v in refused if v.late),
             paid_usd=usd,
         )
 
-    def _submission_events(
-        self, peer: str, lease: LeaseRecord, verdicts: Sequence[GroupVerdict], copies: Sequence[CopyFlag], rate: float
-    ) -> list[NewEvent]:
-        events: list[NewEvent] = [("copy_detected", peer, flag.describe()) for flag in copies]
-        mismatches = sum(v.reason == REASON_CLAIMED_REWARD for v in verdicts)
-        if mismatches:
-            events.append(("reward_claim_mismatch", peer, f"{mismatches} groups claimed other rewards"))
-        if lease.probe:
-            events.append(("probed", peer, f"{rate:.2f} rollouts/s"))
-        return events
+    @contextmanager
+    def _claimed(self, lease_id: str, peer: str, now: float) -> Iterator[LeaseRecord]:
+        """The lease a submission answers, claimed while the submission is checked and committed; open again
+        for a valid answer if this one is refused (releasing a lease its committed answer closed is a no-op)."""
+        try:
+            lease = self.leases.claim(lease_id, peer, now)
+        except LeaseError as exc:
+            raise PeerFault(str(exc), RejectCode.BAD_LEASE) from None
+        try:
+            yield lease
+        finally:
+            self.leases.release(lease)
 
-    def _reject_copies(
-        self, verdicts: list[GroupVerdict], peer: str, lease_id: str
-    ) -> tuple[list[GroupVerdict], list[CopyFlag]]:
-        """Groups that repeat earlier work too exactly to be honest are refused: neither trained on nor paid."""
-        flags, out = [], []
+    def _admit(self, record: NodeRecord, accepted: int) -> int:
+        """How many of a submission's `accepted` groups are held for audit (all of a node on probation), or
+        HubBusy when there is no room for them now: the node may send the same submission again later."""
+        if not self.room.fits(accepted):
+            raise HubBusy("hub buffer full: resubmit later")
+        if not accepted or not self.probation.on_probation(record):
+            return 0
+        if self.probation.backed_up(accepted):
+            # Audits of new nodes are backed up: whoever sends more new work must wait (bounded, not piled up).
+            raise HubBusy("audits of new nodes backed up: resubmit later")
+        return accepted
+
+    async def _commit_submission(
+        self, record: NodeRecord, lease: LeaseRecord, verdicts: list[GroupVerdict], copies: Sequence[CopyFlag],
+        signed_hash: str, now: float,
+    ) -> float:
+        """Commit checked verdicts with their pay, tallies, throughput and events, then hand the accepted groups
+        on: to their audit (held) or to the buffer. Returns the pay booked."""
+        accepted = [v.group for v in verdicts if v.accepted]
+        held = self._admit(record, len(accepted))
+        pay = price_lease(lease, accepted, now, self.lease_config)
+        rate, measured = self.fleet.throughput_after(record, sum(len(g.completions) for g in accepted), pay.held_s)
+        events = submission_events(record.peer_id, lease, verdicts, copies, rate)
+        with trio.CancelScope(shield=True):
+            try:
+                # Room and the audit backlog are counted before the commit: concurrent submissions must not
+                # overfill either with groups their nodes were told were accepted.
+                with self.room.reserving(len(accepted)), self.probation.holding(held):
+                    row_ids = await self.writer.write(lambda: self.store.record_submission(
+                        lease.lease_id, record.peer_id, verdicts, usd=pay.usd, seconds=pay.billed_s,
+                        signed_bytes_hash=signed_hash, now=now, rollouts_per_s=rate, events=events, hold=held > 0,
+                    ))
+            except NodeBanned:
+                raise PeerFault("banned", RejectCode.BANNED) from None
+            self._book_submission(record, lease, verdicts, pay.usd, rate, measured)
+            kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.accepted]
+            if held:
+                self._nursery.start_soon(self._audit_held, record, lease.lease_id, kept, now)
+            else:
+                await self._settle(record, lease.lease_id, kept, now)
+        return pay.usd
+
+    def _book_submission(
+        self, record: NodeRecord, lease: LeaseRecord, verdicts: Sequence[GroupVerdict], usd: float, rate: float,
+        measured: bool,
+    ) -> None:
+        """The view after a submission's commit: its lease answered, the node's tallies, pay and throughput."""
         for verdict in verdicts:
-            flag = self.copies.check(verdict.group, peer, lease_id) if verdict.accepted else None
-            if flag is not None:
-                flags.append(flag)
-                verdict = dataclasses.replace(verdict, accepted=False, reason="copy of an earlier group", group=None)
-            out.append(verdict)
-        return out, flags
+            lease.answered.add(verdict.prompt_id)
+        self.leases.close(lease)
+        counts = verdict_tallies(verdicts)
+        record.tallies = record.tallies + counts
+        self.totals.groups = self.totals.groups + counts
+        if usd > 0 and record.state != "banned":  # a ban under way sets the node's pay itself
+            self.totals.paid_usd[record.peer_id] = self.totals.paid_usd.get(record.peer_id, 0.0) + usd
+        record.rollouts_per_s, record.measured = rate, measured
+        self._dirty.add(record.peer_id)
 
     async def _settle(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
         """Groups of a trusted node: into the buffer (an audit may be sampled for later)."""
+        self.room.release(len(kept))
         if record.state == "banned":
             # Banned by an audit that failed while this submission was in flight: never trained on.
-            await self._discard(kept, "banned: audit failed")
+            if kept:
+                ids = [row_id for _, row_id in kept]
+                await self.writer.write(self.store.discard_trajectories, ids, "banned: audit failed")
             return
         if kept:
-            self._sample_audit(record, lease_id, kept, answered_at)
+            self.probation.sample(record.peer_id, lease_id, kept, answered_at)
         await self._buffer(kept)
 
     async def _audit_held(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
         """Groups of a node on probation: every one audited, and only then released to the buffer. Work whose
         audit cannot run (its version left the shelf) is discarded and not paid: unverified is unpaid."""
+        row_ids = [row_id for _, row_id in kept]
         try:
             with trio.CancelScope(shield=True):
                 passed = await self._audit([AuditJob(record.peer_id, lease_id, row_id, group, answered_at)
-                                            for group, row_id in kept], release=[row_id for _, row_id in kept])
+                                            for group, row_id in kept], release=row_ids)
+                self.room.release(len(kept))
                 if record.state == "banned":
-                    # Failed, or banned meanwhile (a released row must not slip past the ban either).
-                    self._reserved -= len(kept)
-                    await self._discard_pending(kept, "banned: audit failed")
+                    # Failed, or banned meanwhile (a released row must not slip past the ban either):
+                    # discard whichever rows the ban has not discarded already.
+                    await self.writer.write(self.store.discard_if_pending, row_ids, "banned: audit failed")
                 elif passed:
                     await self._buffer(kept)
                 else:
-                    self._reserved -= len(kept)
                     paid = await self.writer.write(
-                        self.store.discard_and_void, [row_id for _, row_id in kept], "not audited while on probation",
-                        record.peer_id, lease_id,
+                        self.store.discard_and_void, row_ids, "not audited while on probation", record.peer_id, lease_id,
                     )
                     self.totals.paid_usd[record.peer_id] = paid
         finally:
-            self._held -= len(kept)
-
-    async def _discard(self, kept: Sequence[tuple[Group, int]], reason: str) -> None:
-        self._reserved -= len(kept)
-        if kept:
-            await self.writer.write(self.store.discard_trajectories, [row_id for _, row_id in kept], reason)
-
-    async def _discard_pending(self, kept: Sequence[tuple[Group, int]], reason: str) -> None:
-        """Discard whichever of these rows a ban has not discarded already."""
-        await self.writer.write(self.store.discard_if_pending, [row_id for _, row_id in kept], reason)
+            self.probation.release(len(kept))
 
     async def _buffer(self, kept: Sequence[tuple[Group, int]]) -> None:
         """Groups committed as accepted go into the buffer; a refusal is recorded on the row, never silent."""
-        self._reserved -= len(kept)
         refused: dict[str, list[int]] = {}
         for group, row_id in kept:
             result = self.buffer.add(group, row_id)
@@ -601,31 +582,16 @@ class HubState:
         with trio.CancelScope(shield=True):
             row_id = await self.writer.write(self.store.record_trajectory, group, None, "", "accepted")
             self.totals.groups = self.totals.groups + Tallies(accepted=1)
-            self._reserved += 1
             await self._buffer([(group, row_id)])
 
     # -- audits ------------------------------------------------------------------------------
 
-    def _on_probation(self, record: NodeRecord) -> bool:
-        """A node whose every submission is still audited: its work waits for the verdict."""
-        return record.audits_passed < self.trust.audit_first_n
-
-    def _sample_audit(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
-        """Decide, now that a submission is in, whether to audit it later; if so queue one of its groups.
-
-        Drawn from the OS's CSPRNG: no node can replay the draws to cheat only when it will not be checked.
-        """
-        if self.audit_rng.random() >= self.trust.audit_rate:
-            return
-        group, row_id = kept[self.audit_rng.randrange(len(kept))]
-        self.audits.offer(AuditJob(record.peer_id, lease_id, row_id, group, answered_at))
-
     async def run_audits(self) -> None:
         """Audit the sampled groups one after another, off the trio thread (a component of the hub's nursery)."""
-        if self.audits is None:
+        if self.probation.audits is None:
             await trio.sleep_forever()
         while True:
-            await self._audit([await self.audits.next_job()])
+            await self._audit([await self.probation.audits.next_job()])
 
     async def _audit(self, jobs: Sequence[AuditJob], release: Sequence[int] = ()) -> bool:
         """Audit groups of one submission. True: all passed (one passed audit for the node, its pay up to this
@@ -634,13 +600,11 @@ class HubState:
         record = self.fleet.get(jobs[0].node_id)
         if record is None or record.state == "banned":
             return False
-        for job in jobs:
-            result = await self.audits.judge(job)
-            if result is None:
-                return False
-            if not result.passed:
-                await self._penalize(record, f"audit failed: v{job.group.version} group {job.group.prompt_id}: {result.reason}")
-                return False
+        verdict = await self.probation.judge(jobs)
+        if verdict.failure is not None:
+            await self._penalize(record, verdict.failure)
+        if not verdict.passed:
+            return False
         answered_at = jobs[0].answered_at
         with trio.CancelScope(shield=True):
             released = await self.writer.write(self.store.record_audit_pass, record.peer_id, answered_at, list(release))
@@ -663,7 +627,7 @@ class HubState:
         record.banned_reason = reason
         # Out of the buffer before the commit: the learner must not take a group being discarded.
         dropped = self.buffer.drop_node(record.peer_id)
-        since = record.vouched_at or 0.0
+        since = self.probation.unvouched_since(record)
         with trio.CancelScope(shield=True):
             voided, paid = await self.writer.write(lambda: self.store.penalize_node(
                 record.peer_id, dropped, since, reason,

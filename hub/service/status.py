@@ -14,7 +14,8 @@ from pathlib import Path
 
 import trio
 
-from hub.control.scheduler import CapacityView, Scheduler
+from hub.control.policy import CapacityView
+from hub.control.scheduler import Scheduler
 from hub.distribution.broadcast import Broadcaster
 from hub.method.capacity import usable_fraction
 from hub.service.state import HubState

@@ -27,8 +27,8 @@ from hub.config import EvalConfig
 from shared.adapters import LoraSpec, add_adapters, load_adapter_state, model_spec
 from shared.generation import Sampler
 from shared.messages import EvalPoint
+from shared.model_io import tied_duplicates
 from shared.rollout import SamplingParams
-from shared.snapshot import tied_duplicates
 from shared.tasks.base import Task
 
 log = logging.getLogger("echo2.hub.eval")

@@ -3,20 +3,25 @@
 Nothing a node says about its own work is believed: the completion text is re-decoded from
 the token ids with the hub's tokenizer, the reward is recomputed from the task, and lengths,
 versions and log-probs are bounded by the lease. A node may claim rewards; a claim that differs
-from the hub's score is a lie, and that group is rejected (neither trained on nor paid).
+from the hub's score is a lie, and that group is rejected (neither trained on nor paid), and so is a
+group that repeats earlier work too exactly to be honest (hub/trust/copies.py finds those). Here too:
+what a submission's verdicts add to the tallies and to the event log.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hub.records.leases import LeaseRecord
-from shared.messages import Submission, SubmittedGroup
+from hub.records.store import NewEvent
+from hub.trust.copies import CopyDetector, CopyFlag
+from shared.messages import GROUP_VERDICTS, Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group, SamplingParams
-from shared.tasks.base import Task
+from shared.tasks.base import Prompt, Task
 
 CLAIMED_REWARD_TOLERANCE = 1e-6
 # The most bytes a submission's JSON spends on each of its parts, for the frame cap of one lease's answer.
@@ -105,6 +110,82 @@ def _check_completion(c: Completion, sampling: SamplingParams, stop_ids: frozens
     return None
 
 
+def _check_prompt(pid: str, prompts: Mapping[str, Prompt], record: LeaseRecord, seen: set[str]) -> str | None:
+    """The group answers a prompt of the lease that neither the lease nor this submission answered before."""
+    if pid not in prompts:
+        return "prompt not in lease"
+    if pid in record.answered or pid in seen:
+        return "prompt already answered"
+    seen.add(pid)
+    return None
+
+
+def _check_size(submitted: SubmittedGroup, rules: SubmissionRules) -> str | None:
+    """As many completions as the lease asked for."""
+    if len(submitted.completions) != rules.group_size:
+        return f"{len(submitted.completions)} completions, lease asked for {rules.group_size}"
+    return None
+
+
+def _check_version(submitted: SubmittedGroup, record: LeaseRecord, window: VersionWindow) -> str | None:
+    """One version for the whole group, published and not below the lease's minimum (staleness comes last)."""
+    versions = {c.version for c in submitted.completions}
+    if len(versions) != 1:
+        return "completions of one group made with different versions"
+    version = versions.pop()
+    if version > window.newest:
+        return f"version {version} was never published (newest {window.newest})"
+    if version < record.min_version:
+        # The lease was only issued to a node holding at least min_version: not lateness.
+        return f"version {version} below the lease's minimum {record.min_version}"
+    return None
+
+
+def _check_tokens(submitted: SubmittedGroup, rules: SubmissionRules) -> str | None:
+    """Every completion well-formed (`_check_completion`) and within the vocabulary."""
+    for c in submitted.completions:
+        problem = _check_completion(c, rules.sampling, rules.stop_ids)
+        if problem is None and any(not 0 <= t < rules.vocab_size for t in c.token_ids):
+            problem = "token id outside the vocabulary"
+        if problem is not None:
+            return problem
+    return None
+
+
+def _claims_differ(claimed: Sequence[float] | None, rewards: Sequence[float]) -> bool:
+    """Whether the node claimed rewards other than the hub's scores (claiming none is no lie)."""
+    return claimed is not None and (
+        len(claimed) != len(rewards)
+        or any(not abs(a - b) <= CLAIMED_REWARD_TOLERANCE for a, b in zip(claimed, rewards))
+    )
+
+
+def _score(submitted: SubmittedGroup, prompt: Prompt, rules: SubmissionRules, node_id: str) -> GroupVerdict:
+    """A valid group's completions re-decoded and scored by the task: accepted, unless the scores cannot be
+    had or the node claimed others."""
+    pid = submitted.prompt_id
+    completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
+    try:
+        rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
+    except Exception as exc:  # noqa: BLE001 -- the operator's reward code on a peer's text: this group only
+        log.error("the task's reward failed on a completion of %s", pid, exc_info=exc)
+        return GroupVerdict(pid, False, f"the task's reward failed on this group ({type(exc).__name__})", submitted)
+    if not all(math.isfinite(r) for r in rewards):
+        log.error("the task's reward gave %r for %s", rewards, pid)
+        return GroupVerdict(pid, False, "the task's reward is not a finite number for this group", submitted)
+    if _claims_differ(submitted.claimed_rewards, rewards):
+        return GroupVerdict(pid, False, REASON_CLAIMED_REWARD, submitted)
+    group = Group(
+        prompt_id=pid,
+        prompt_text=prompt.text,
+        version=submitted.completions[0].version,
+        completions=tuple(completions),
+        rewards=rewards,
+        node_id=node_id,
+    )
+    return GroupVerdict(pid, True, "", submitted, group)
+
+
 def check_group(
     submitted: SubmittedGroup,
     record: LeaseRecord,
@@ -113,59 +194,19 @@ def check_group(
     window: VersionWindow,
     node_id: str,
 ) -> GroupVerdict:
+    """The hub's verdict on one group of a submission; `seen` holds the prompts it answered before this group."""
     pid = submitted.prompt_id
-    reject = lambda reason: GroupVerdict(pid, False, reason, submitted)  # noqa: E731
     prompts = {p.id: p for p in record.prompts}
-    if pid not in prompts:
-        return reject("prompt not in lease")
-    if pid in record.answered or pid in seen:
-        return reject("prompt already answered")
-    seen.add(pid)
-    if len(submitted.completions) != rules.group_size:
-        return reject(f"{len(submitted.completions)} completions, lease asked for {rules.group_size}")
-    versions = {c.version for c in submitted.completions}
-    if len(versions) != 1:
-        return reject("completions of one group made with different versions")
-    version = versions.pop()
-    if version > window.newest:
-        return reject(f"version {version} was never published (newest {window.newest})")
-    if version < record.min_version:
-        # The lease was only issued to a node holding at least min_version: not lateness.
-        return reject(f"version {version} below the lease's minimum {record.min_version}")
-    for c in submitted.completions:
-        problem = _check_completion(c, rules.sampling, rules.stop_ids)
-        if problem is None and any(not 0 <= t < rules.vocab_size for t in c.token_ids):
-            problem = "token id outside the vocabulary"
-        if problem is not None:
-            return reject(problem)
+    problem = (_check_prompt(pid, prompts, record, seen) or _check_size(submitted, rules)
+               or _check_version(submitted, record, window) or _check_tokens(submitted, rules))
+    if problem is not None:
+        return GroupVerdict(pid, False, problem, submitted)
+    version = submitted.completions[0].version
     # Checked last: only a group that is otherwise valid work is late rather than rejected.
     if version < window.oldest:
         reason = f"stale version {version} (oldest accepted {window.oldest})"
         return GroupVerdict(pid, False, reason, submitted, late=True)
-    completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
-    prompt = prompts[pid]
-    try:
-        rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
-    except Exception as exc:  # noqa: BLE001 -- the operator's reward code on a peer's text: this group only
-        log.error("the task's reward failed on a completion of %s", pid, exc_info=exc)
-        return reject(f"the task's reward failed on this group ({type(exc).__name__})")
-    if not all(math.isfinite(r) for r in rewards):
-        log.error("the task's reward gave %r for %s", rewards, pid)
-        return reject("the task's reward is not a finite number for this group")
-    if submitted.claimed_rewards is not None and (
-        len(submitted.claimed_rewards) != len(rewards)
-        or any(not abs(a - b) <= CLAIMED_REWARD_TOLERANCE for a, b in zip(submitted.claimed_rewards, rewards))
-    ):
-        return reject(REASON_CLAIMED_REWARD)
-    group = Group(
-        prompt_id=pid,
-        prompt_text=prompt.text,
-        version=version,
-        completions=tuple(completions),
-        rewards=rewards,
-        node_id=node_id,
-    )
-    return GroupVerdict(pid, True, "", submitted, group)
+    return _score(submitted, prompts[pid], rules, node_id)
 
 
 def check_submission(
@@ -174,3 +215,35 @@ def check_submission(
     """Verdicts for every group of a submission whose lease and signer were already verified."""
     seen: set[str] = set()
     return [check_group(g, record, seen, rules, window, submission.node_id) for g in submission.groups]
+
+
+def reject_copies(
+    verdicts: Sequence[GroupVerdict], copies: CopyDetector, node_id: str, lease_id: str
+) -> tuple[list[GroupVerdict], list[CopyFlag]]:
+    """Groups that repeat earlier work too exactly to be honest are refused: neither trained on nor paid."""
+    flags, out = [], []
+    for verdict in verdicts:
+        flag = copies.check(verdict.group, node_id, lease_id) if verdict.accepted else None
+        if flag is not None:
+            flags.append(flag)
+            verdict = dataclasses.replace(verdict, accepted=False, reason="copy of an earlier group", group=None)
+        out.append(verdict)
+    return out, flags
+
+
+def verdict_tallies(verdicts: Sequence[GroupVerdict]) -> Tallies:
+    """A submission's groups counted by verdict, as the node's tallies and the run's totals add them."""
+    return Tallies(**{name: sum(v.verdict == name for v in verdicts) for name in GROUP_VERDICTS})
+
+
+def submission_events(
+    node_id: str, lease: LeaseRecord, verdicts: Sequence[GroupVerdict], copies: Sequence[CopyFlag], rate: float
+) -> list[NewEvent]:
+    """The events a submission's commit writes: copies found, rewards claimed falsely, a probe's throughput."""
+    events: list[NewEvent] = [("copy_detected", node_id, flag.describe()) for flag in copies]
+    mismatches = sum(v.reason == REASON_CLAIMED_REWARD for v in verdicts)
+    if mismatches:
+        events.append(("reward_claim_mismatch", node_id, f"{mismatches} groups claimed other rewards"))
+    if lease.probe:
+        events.append(("probed", node_id, f"{rate:.2f} rollouts/s"))
+    return events

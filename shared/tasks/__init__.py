@@ -9,16 +9,13 @@ lazily, so loading one task never imports another's dependencies.
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from shared.tasks.base import Prompt, Task
-from shared.tasks.dataset import DatasetOptions, DatasetTask, chat_renderer, is_dataset_path
+from shared.tasks.dataset import DatasetOptions, DatasetTask, MathTask, chat_renderer, is_dataset_path
+from shared.tasks.user_code import import_object
 
 BUILTIN_TASKS: Mapping[str, str] = {
     "reverse": "shared.tasks.reverse:ReverseTask",
@@ -26,24 +23,6 @@ BUILTIN_TASKS: Mapping[str, str] = {
 MATH_PREFIX = "math:"
 
 __all__ = ["BUILTIN_TASKS", "MATH_PREFIX", "DatasetOptions", "Prompt", "Task", "import_object", "load_task"]
-
-
-def import_object(spec: str, what: str) -> Any:
-    """The object a 'module.path:name' spec names; ValueError saying what is wrong. The current directory
-    is importable, as it is for `python -m` (console scripts do not put it on sys.path)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{what} spec {spec!r}: expected 'module.path:{'ClassName' if what == 'task' else 'function'}'")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise ValueError(f"{what} spec {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    return obj
 
 
 def _load_class(spec: str, import_path: str) -> type[Task]:
@@ -70,8 +49,6 @@ def load_task(spec: str, dataset: DatasetOptions = DatasetOptions(), model_dir: 
     dataset on disk; `model_dir` holds the tokenizer whose chat template renders chat prompts."""
     spec = spec.strip()
     if spec.startswith(MATH_PREFIX):
-        from shared.tasks.math import MathTask
-
         path = spec[len(MATH_PREFIX) :]
         if not path:
             raise ValueError(f"task spec {spec!r}: expected 'math:PATH.jsonl'")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.tasks.base import Prompt, Task
+from shared.tasks.user_code import import_object
 
 DATA_EXTRA = "pip install 'echo2[data]'"
 BUILTIN_REWARDS = ("math", "exact")
@@ -152,8 +153,6 @@ def _answer_text(value: Any, where: str, column: str) -> str:
 
 def load_reward_function(spec: str) -> Callable[..., Any]:
     """`module:function` (imported from the current directory or installed packages)."""
-    from shared.tasks import import_object
-
     fn = import_object(spec, "reward")
     if not callable(fn) or inspect.isclass(fn):
         raise ValueError(f"reward {spec!r} is not a function")
@@ -251,3 +250,14 @@ class DatasetTask(Task):
         if self._math is not None:
             return self._math.score(prompt, completion)
         return 1.0 if completion.strip() == (prompt.answer or "").strip() else 0.0
+
+
+class MathTask(DatasetTask):
+    """`math:FILE.jsonl`: one {"prompt": str, "answer": str} object per line (blank lines skipped, other keys
+    ignored, anything else a ValueError naming the file and line), scored by shared.tasks.math.MathReward. A
+    prompt's id is "math-<line number>", stable across runs of the same file."""
+
+    name = "math"
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path, DatasetOptions(reward="math", id_prefix="math"))

@@ -1,9 +1,4 @@
-"""Math word problems from a local JSONL file, scored by answer equivalence with math-verify.
-
-File format (`math:FILE.jsonl`): one {"prompt": str, "answer": str} object per line, read by
-shared.tasks.dataset (blank lines skipped, other keys ignored, anything else a ValueError naming
-the file and line). A prompt's id is "math-<line number>", stable across runs of the same file.
-MathReward is also the "math" reward of any dataset.
+"""The "math" reward: answer equivalence with math-verify, for `math:FILE.jsonl` tasks and any dataset.
 
 Scoring extracts the completion's final answer ourselves (the content of the last complete
 \\boxed{...}, else the last number such as -3, 1,000, 2.5 or 3/4) and compares it with the gold
@@ -13,7 +8,7 @@ any thread but the main one (and the hub scores in worker threads), so they are 
 sees it: at most MAX_ANSWER_CHARS characters, only whitelisted LaTeX commands, no factorials,
 no nested exponents, a bounded product of exponent literals (10,000 for rational arithmetic, 16
 once a variable, root or function appears), at most 3 variables. An answer failing the guard
-scores 0.0. At the guard's limits a comparison took about 0.2 s here; without the guard, answers
+scores 0.0. Within the guard's limits a comparison stays well under a second; without the guard, answers
 such as (x+y+z)^{99}, 99999999! or 9^{9^{9^{9}}} hang sympy indefinitely. The guard is a
 heuristic, not a proof: running math-verify in a killable worker process would be the complete fix.
 """
@@ -22,10 +17,8 @@ from __future__ import annotations
 
 import re
 import threading
-from pathlib import Path
 
 from shared.tasks.base import Prompt
-from shared.tasks.dataset import DatasetOptions, DatasetTask
 
 MAX_ANSWER_CHARS = 100
 MAX_VARIABLES = 3
@@ -236,11 +229,3 @@ class MathReward:
             return 0.0
         return 1.0 if answers_match(gold, candidate) else 0.0
 
-
-class MathTask(DatasetTask):
-    """`math:FILE.jsonl`: {"prompt", "answer"} lines scored by MathReward; ids "math-<line number>"."""
-
-    name = "math"
-
-    def __init__(self, path: str | Path) -> None:
-        super().__init__(path, DatasetOptions(reward="math", id_prefix="math"))

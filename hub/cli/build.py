@@ -1,0 +1,77 @@
+"""The hub's state as `echo-hub start` builds it from a config and a model directory: the training task, the
+rules every submission is checked against (stop ids: every EOS the model declares), the audits and the
+HubState over the data dir's store. The composition root (hub.cli.run) and the test bed (testbed/) build
+their hubs here, so a test's hub checks submissions as a real one does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hub.cli.preflight import RUN_IDENTITY_KEYS, run_identity
+from hub.config import HubConfig
+from hub.records.snapshots import SnapshotShelf
+from hub.records.store import Store
+from hub.service.state import HubState
+from hub.training.tasks import context_tokens, hub_tasks
+from hub.trust.audit import Auditor, AuditQueue
+from hub.trust.submissions import SubmissionRules, token_text_bytes
+from shared.layout import HUB_STORE_FILE
+from shared.precision import resolve_dtype
+from shared.tasks.base import Task
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class HubCore:
+    """A built hub state and what the rest of the hub is wired to besides it."""
+
+    state: HubState
+    task: Task
+    eval_task: Task | None  # None: evaluation is off
+    auditor: Auditor  # the audits' model, which also computes the learner's install probes
+    # The service's own tokenizer: it decodes in worker threads while the learner tokenizes in its own.
+    tokenizer: PreTrainedTokenizerBase
+    context_tokens: int  # what a lease can need of a model's context (hub.training.tasks.context_tokens)
+
+
+def submission_rules(
+    config: HubConfig, task: Task, model_dir: Path, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig,
+) -> SubmissionRules:
+    """What every submission is checked against: the task, the sampling, the model's stop ids and vocabulary."""
+    from shared.generation import model_stop_ids
+
+    return SubmissionRules(
+        task=task, group_size=config.learner.group_size, sampling=config.sampling,
+        stop_ids=frozenset(model_stop_ids(model_dir)), vocab_size=model_config.vocab_size,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
+    )
+
+
+def build_hub_state(
+    config: HubConfig, model_dir: Path, shelf: SnapshotShelf, oldest_useful_version: Callable[[], int],
+) -> HubCore:
+    """The HubState over config.data_dir's store, serving `shelf`, with its rules, audits and run identity."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from shared.snapshot import model_config_hash
+
+    lc = config.learner
+    task, eval_task = hub_tasks(config, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_config = AutoConfig.from_pretrained(model_dir)
+    auditor = Auditor(model_dir, shelf, config.sampling, config.trust, resolve_dtype(lc.dtype, lc.device))
+    state = HubState(
+        Store(config.data_dir / HUB_STORE_FILE), config, task,
+        rules=submission_rules(config, task, model_dir, tokenizer, model_config),
+        model_config_hash=model_config_hash(model_config.to_dict()),
+        audits=AuditQueue(auditor, config.trust.audit_queue_groups),
+        oldest_useful_version=oldest_useful_version, newest_version=shelf.newest_version,
+        run=dict(zip(RUN_IDENTITY_KEYS, run_identity(config, model_dir)), model=str(model_dir)),
+    )
+    return HubCore(state, task, eval_task, auditor, tokenizer, context_tokens(task, tokenizer, config.sampling.max_new_tokens))

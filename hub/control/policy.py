@@ -1,0 +1,107 @@
+"""The scheduler's move each control period, as one pure function (`decide`): the hub's Scheduler, the fleet
+simulator (bench/simulate.py) and the in-process test hub (testbed/inproc.py) all call it.
+
+Measured probes join the standby pool. Without a target (scheduler off, nothing measured yet, or no fleet
+can keep up) every measured node works, so the learner waits as little as possible. Otherwise one set of
+nodes is activated or released (hub.method.capacity.control_decision: a fleet of thousands settles in a few
+periods, not one period per node). Activation is immediate (a starving learner costs the most); a node is
+released only once it has been wanted for release RELEASE_HOLD_PERIODS control periods on end, on top of
+the release margin, so neither a noisy throughput nor a noisy T_train can make the loop release nodes and
+buy them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hub.config import SchedulerConfig
+from hub.method.capacity import Decision, NodeOffer, control_decision, held_release
+from hub.records.fleet import Fleet, NodeRecord
+
+RELEASE_HOLD_PERIODS = 3
+
+
+@dataclass(frozen=True)
+class CapacityView:
+    """The capacity model's inputs and outputs at one control period."""
+
+    mu_pool: float
+    mu_min: float | None
+    mu_target: float | None
+    predicted_bubble: float | None
+    reason: str
+    usable_fraction: float = 1.0
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The measured fleet at one control period, as `decide` sees it."""
+
+    active: tuple[NodeOffer, ...]
+    # Standby nodes and measured probes, in the fleet's order.
+    standby: tuple[NodeOffer, ...]
+    # Those of `standby` still probing: they move to standby first.
+    probed: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Move:
+    """One node to move to `state`, with the reason its event records."""
+
+    node: str
+    state: Literal["standby", "active"]
+    reason: str
+
+
+@dataclass(frozen=True)
+class PeriodDecision:
+    """A control period's moves, in order, and since when each node is wanted for release (for the next)."""
+
+    moves: tuple[Move, ...]
+    release_wanted: Mapping[str, float] = field(default_factory=dict)
+
+
+def offer(record: NodeRecord) -> NodeOffer:
+    """A node as the capacity model sees it: its declared price and measured throughput."""
+    return NodeOffer(record.peer_id, record.price_per_hour, record.rollouts_per_s)
+
+
+def fleet_view(fleet: Fleet) -> FleetView:
+    """The fleet's active nodes, standby nodes and measured probes, as plain offers."""
+    waiting = [n for n in fleet.in_state("probing", "standby") if n.state == "standby" or n.measured]
+    return FleetView(
+        tuple(offer(n) for n in fleet.in_state("active")), tuple(offer(n) for n in waiting),
+        frozenset(n.peer_id for n in waiting if n.state == "probing"),
+    )
+
+
+def decide(
+    fleet: FleetView, capacity: CapacityView, config: SchedulerConfig, release_wanted: Mapping[str, float], now: float,
+) -> PeriodDecision:
+    """This period's moves, from the measured fleet, the capacity model's target and the release wishes so far
+    (node -> since when it has been wanted for release without a break)."""
+    probes = tuple(Move(n.name, "standby", f"probe measured {n.rollouts_per_s:.4g} rollouts/s")
+                   for n in fleet.standby if n.name in fleet.probed)
+    if not config.enabled or capacity.mu_target is None:
+        why = "scheduler disabled" if not config.enabled else capacity.reason
+        return PeriodDecision(probes + tuple(Move(n.name, "active", f"activate all ({why})") for n in fleet.standby))
+    decision = control_decision(fleet.active, fleet.standby, capacity.mu_target, config.release_margin)
+    if decision.action == "release":
+        released = _held_release(decision, release_wanted, now, RELEASE_HOLD_PERIODS * config.control_period_s)
+        return PeriodDecision(probes + released.moves, released.release_wanted)
+    return PeriodDecision(probes + tuple(Move(name, "active", decision.reason) for name in decision.nodes))
+
+
+def _held_release(decision: Decision, release_wanted: Mapping[str, float], now: float, hold_s: float) -> PeriodDecision:
+    """The nodes of a release decision wanted for release at least hold_s, the hold in their reason."""
+    ready, since = held_release(release_wanted, decision.nodes, now, hold_s)
+    if not ready:
+        return PeriodDecision((), since)
+    held_s = now - max(since[name] for name in ready)
+    subset = "" if len(ready) == len(decision.nodes) else f" ({len(ready)} of them wanted that long)"
+    reason = f"{decision.reason} for {held_s:.3g}s{subset}"
+    gone = set(ready)
+    return PeriodDecision(tuple(Move(name, "standby", reason) for name in ready),
+                          {name: t for name, t in since.items() if name not in gone})

@@ -1,0 +1,319 @@
+"""The training loop: it takes usable groups from the hub's buffer, steps the Learner on them, commits
+each step, and publishes a signed snapshot every kappa steps.
+
+`LearnerComponent` waits for usable groups (that wait is T_idle), runs the step in a worker thread,
+commits it through its host, appends metrics, checkpoints, and sends each snapshot on a memory channel.
+It knows the hub only as a `LearnerHost`: the buffer and its signal, the record's latest step, version
+and checkpoint, and the learner's writes (HubState is one; hub/cli/run.py wires it in).
+
+Versions and staleness: the policy after step t is version t. Step t updates the policy of
+version t-1, so a group made with version x has age (t-1) - x at step t: the number of
+updates between the policy that sampled it and the policy being updated. S = 0 is then
+fully on-policy.
+
+GIL caveat: torch releases the GIL inside its kernels, but the Python around a forward and
+backward pass (module calls, autograd bookkeeping) holds it in short bursts. The step runs
+in a worker thread, so trio keeps scheduling between those bursts; test_learner measures the
+lateness of a 10 ms trio ticker during steps. A model whose Python overhead dominates would
+need the step in a separate process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from hub.config import LearnerConfig
+from hub.records.buffer import BufferSignal, ReplayBuffer
+from hub.records.store import CheckpointRow, StepRecord
+from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries, save_checkpoint
+from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
+from hub.training.evaluation import EvalRunner
+from hub.training.learner import Learner
+from hub.training.metrics import MetricsWriter, bubble_ratio
+from hub.training.trackers import Trackers
+from shared.crypto import Identity
+from shared.delta import build_delta_snapshot
+from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
+from shared.model_io import build_snapshot
+from shared.probe import InstallProbe
+from shared.rollout import SamplingParams
+from shared.snapshot import Snapshot, read_snapshot_files
+
+log = logging.getLogger("echo2.hub.learner")
+
+
+@dataclass(frozen=True)
+class SnapshotPublished:
+    """A snapshot whose files and store row exist; sent to the broadcaster and local rollouts."""
+
+    version: int
+    snapshot: Snapshot
+    delta: Snapshot | None = None  # the version as a delta against the one published before it
+
+
+class RecordReads(Protocol):
+    """The reads of the hub's record the loop makes when it starts and when it saves on Ctrl-C."""
+
+    def latest_step(self) -> int | None: ...
+
+    def latest_version(self) -> int | None: ...
+
+    def latest_checkpoint(self) -> CheckpointRow | None: ...
+
+
+class LearnerHost(Protocol):
+    """The hub as the loop sees it. The loop takes groups from `buffer` on the trio thread, waits on `signal`
+    and notifies it after each take and step; `commit_step` writes a step with its consumed and stale-dropped
+    groups in one transaction; the `record_*` writes touch only the store and may run in any thread."""
+
+    @property
+    def store(self) -> RecordReads: ...
+
+    @property
+    def buffer(self) -> ReplayBuffer: ...
+
+    @property
+    def signal(self) -> BufferSignal: ...
+
+    async def commit_step(self, record: StepRecord, consumed_ids: Sequence[int], dropped_stale_ids: Sequence[int]) -> None: ...
+
+    def record_snapshot(self, version: int, path: str, manifest_hash: str, total_bytes: int, started_at: float) -> None: ...
+
+    def record_checkpoint(self, step: int, path: Path, version: int) -> None: ...
+
+    def record_event(self, kind: str, node_id: str | None, detail: str) -> None: ...
+
+
+class LearnerComponent:
+    """Trio driver of the Learner over a data dir; resumes from the newest checkpoint there.
+
+    Construction blocks (loads the model, reads the store): build it before trio starts or in
+    trio.to_thread.run_sync. It takes groups from its host's buffer (refilled from the store
+    when the host opened) and commits its steps through the host.
+    `run` trains until the step number reaches `steps` (0: forever), then saves DATA_DIR/final.
+    Per step: wait for prompts_per_step usable groups (T_idle), train in a worker thread,
+    commit step row + consumed and stale-dropped row ids in one transaction, append
+    metrics.jsonl (and the trackers), hand the weights to a due evaluation, checkpoint every
+    checkpoint_every steps, publish every kappa steps.
+    """
+
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        sampling: SamplingParams,
+        base_model_dir: Path,
+        data_dir: Path,
+        host: LearnerHost,
+        identity: Identity,
+        snapshot_send: trio.MemorySendChannel[SnapshotPublished],
+        steps: int,
+        chunk_size_bytes: int,
+        delta_max_ratio: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+        extra_metrics: Callable[[int], Mapping[str, float | None]] = lambda step: {},
+        trackers: Trackers | None = None,
+        evaluation: EvalRunner | None = None,
+        ranks: tuple[Collective, str, RankWatch | None] | None = None,
+        probe: Callable[[Path, str], InstallProbe] | None = None,
+    ) -> None:
+        """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
+        (hub/training/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
+        the install probe signed into each snapshot's manifest (shared/probe.py)."""
+        self.probe = probe
+        self.cfg = cfg
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.store = host.store
+        self.buffer = host.buffer
+        self.signal = host.signal
+        self.identity = identity
+        self.snapshot_send = snapshot_send
+        self.steps = steps
+        self.chunk_size_bytes = chunk_size_bytes
+        self.delta_max_ratio = delta_max_ratio
+        self._last_published: Snapshot | None = None  # the base of the next delta
+        self.kappa = cfg.effective_kappa
+        self.clock = clock
+        self.extra_metrics = extra_metrics
+        self._offered_seen = (0, 0.0)
+        self.snapshots_dir = self.data_dir / SNAPSHOTS_DIR
+        self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
+        remove_stale_temporaries(self.checkpoints_dir)
+        checkpoint = latest_checkpoint(self.checkpoints_dir)
+        self.sharded = ranks is not None
+        if ranks is None:
+            self.learner = Learner(base_model_dir, cfg, sampling, checkpoint)
+        else:
+            collective, device, watch = ranks
+            broadcast(Command("init", checkpoint=checkpoint))  # every rank resumes what rank 0 resumes
+            self.learner = RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch)
+        self.metrics = MetricsWriter(self.data_dir / METRICS_FILE, trackers)
+        self.evaluation = evaluation
+        # Numbering continues after the newest committed step even when the checkpoint is older:
+        # steps after the checkpoint are lost as weights but stay in the record, so versions
+        # never repeat.
+        latest_step = self.store.latest_step() or 0
+        self.step = max(latest_step, checkpoint.step if checkpoint is not None else 0)
+        self.training = False
+        self.snapshot_seconds: list[float] = []
+        self._pending_stale: list[int] = []
+        if self.step > 0 or checkpoint is not None:
+            lost = self.step - (checkpoint.step if checkpoint is not None else 0)
+            host.record_event(
+                "learner_resume", None,
+                f"step {self.step}, checkpoint {checkpoint.step if checkpoint else 'none'}, steps lost as weights: {lost}",
+            )
+
+    @property
+    def version(self) -> int:
+        """Version of the policy the learner holds now."""
+        return self.step
+
+    def min_useful_version(self) -> int:
+        """Oldest version whose fresh rollouts the next take can still use (for leases and local rollouts)."""
+        next_take_version = self.step + 1 if self.training else self.step
+        return max(0, next_take_version - self.cfg.staleness)
+
+    async def run(self) -> None:
+        await self._publish_initial()
+        k = self.cfg.prompts_per_step
+        while self.steps == 0 or self.step < self.steps:
+            current = self.step
+            t = current + 1
+            idle_started = self.clock()
+            while True:
+                dropped = self.buffer.prune(current)
+                if dropped:
+                    self._pending_stale.extend(dropped)
+                    self.signal.notify()
+                if self.buffer.ready(current, k):
+                    break
+                await self.signal.wait()
+            t_idle = self.clock() - idle_started
+            taken = self.buffer.take(current, k)
+            self._pending_stale.extend(taken.dropped_row_ids)
+            self.training = True
+            self.signal.notify()
+            try:
+                # Sharded, a step waits on other processes: when one dies the hub stops without waiting for it.
+                stats = await trio.to_thread.run_sync(self.learner.train_step, taken.groups, t,
+                                                      abandon_on_cancel=self.sharded)
+            finally:
+                self.training = False
+            staleness = taken.staleness
+            record = StepRecord(
+                step=t,
+                version=t,
+                reward_mean=stats.reward_mean,
+                reward_std=stats.reward_std,
+                staleness_mean=sum(staleness) / len(staleness),
+                staleness_max=max(staleness),
+                dropped_stale=len(self._pending_stale),
+                t_train_s=stats.t_train_s,
+                t_idle_s=t_idle,
+                bubble=bubble_ratio(t_idle, stats.t_train_s),
+                tokens=stats.tokens,
+                clip_frac=stats.clip_frac,
+                extra={
+                    "loss": stats.loss,
+                    "ratio_mean": stats.ratio_mean,
+                    "ratio_max": stats.ratio_max,
+                    "kl": stats.kl,
+                    "masked_by_is": stats.masked_by_is,
+                    "grad_norm": stats.grad_norm,
+                    "t_forward_s": stats.t_forward_s,
+                    "t_backward_s": stats.t_backward_s,
+                    "t_optim_s": stats.t_optim_s,
+                    **self._rollout_reward_since_last_step(),
+                    **self.extra_metrics(t),
+                },
+            )
+            stale_ids = list(self._pending_stale)
+            await self.host.commit_step(record, taken.row_ids, stale_ids)
+            self._pending_stale.clear()
+            self.step = t
+            await trio.to_thread.run_sync(self.metrics.append, record)
+            if self.evaluation is not None and self.evaluation.due(t):
+                await self.evaluation.start(t, self.learner.state_dict)
+            if t % self.cfg.checkpoint_every == 0:
+                await trio.to_thread.run_sync(self._checkpoint, t)
+            if t % self.kappa == 0:
+                await self._publish(t)
+            self.signal.notify()
+        await trio.to_thread.run_sync(self.learner.save_final, self.data_dir / FINAL_DIR)
+
+    def _rollout_reward_since_last_step(self) -> dict[str, float]:
+        """Mean reward of every group offered since the previous step, zero-variance ones included.
+
+        The step's own reward_mean covers only the groups it trained on, which skipping
+        zero-variance groups biases towards 0.5; this one tracks what the policy scores.
+        """
+        count, total = self.buffer.offered, self.buffer.offered_reward_sum
+        seen_count, seen_total = self._offered_seen
+        self._offered_seen = (count, total)
+        if count == seen_count:
+            return {}
+        return {"rollout_reward_mean": (total - seen_total) / (count - seen_count)}
+
+    def save_state(self) -> None:
+        """Checkpoint and save the final policy now (on Ctrl-C): blocking, call outside trio."""
+        latest = self.store.latest_checkpoint()
+        if self.step > 0 and (latest is None or latest.step < self.step):  # a periodic one may have just been taken
+            self._checkpoint(self.step)
+        self.learner.save_final(self.data_dir / FINAL_DIR)
+
+    def _checkpoint(self, step: int) -> None:
+        learner = self.learner
+        info = save_checkpoint(
+            self.checkpoints_dir, step, step, learner.model, learner.tokenizer, learner.optimizer,
+            keep=self.cfg.checkpoints_kept, adapter=learner.state_dict() if learner.lora is not None else None,
+            adapter_metadata=learner.snapshot_metadata,
+            sharded=learner.save_sharded if learner.collective.world > 1 else None,
+        )
+        self.host.record_checkpoint(step, info.path, step)
+
+    async def _publish_initial(self) -> None:
+        """Snapshot of the policy held at start: v0 when fresh; on resume, a new version or the last one again."""
+        latest = await trio.to_thread.run_sync(self.store.latest_version)
+        if latest is None or latest < self.step:
+            await self._publish(self.step)
+            return
+        snapshot = await trio.to_thread.run_sync(
+            read_snapshot_files, self.snapshots_dir, latest, self.identity.peer_id
+        )
+        self._last_published = snapshot
+        await self.snapshot_send.send(SnapshotPublished(version=latest, snapshot=snapshot))
+
+    def _build_and_write(self, version: int) -> tuple[Snapshot, Snapshot | None]:
+        started, started_at = time.perf_counter(), time.time()
+        snapshot = build_snapshot(
+            self.learner.state_dict(), version, self.identity, self.learner.config_hash, self.snapshots_dir,
+            dtype=self.learner.snapshot_dtype, chunk_size=self.chunk_size_bytes, metadata=self.learner.snapshot_metadata,
+            probe=self.probe,
+        )
+        manifest = snapshot.manifest
+        delta = None
+        base = self._last_published
+        if self.delta_max_ratio > 0 and base is not None and base.manifest.config_hash == manifest.config_hash:
+            try:
+                built = build_delta_snapshot(base, snapshot, self.identity, self.snapshots_dir, self.delta_max_ratio)
+            except OSError as exc:  # a full disk, say: the full snapshot is written, receivers pull that
+                log.warning("v%d goes without a delta: %s", version, exc)
+                built = None
+            if built is not None:
+                delta = built[0]
+        self.host.record_snapshot(version, str(snapshot.path), manifest.whole_hash, manifest.total_bytes, started_at)
+        self.snapshot_seconds.append(time.perf_counter() - started)
+        self._last_published = snapshot
+        return snapshot, delta
+
+    async def _publish(self, version: int) -> None:
+        snapshot, delta = await trio.to_thread.run_sync(self._build_and_write, version)
+        await self.snapshot_send.send(SnapshotPublished(version=version, snapshot=snapshot, delta=delta))
