@@ -75,7 +75,7 @@ def make_groups(model_dir: Path, sampling) -> list:
     prompts = task.sample(rng, PROMPTS)
     groups = []
     for prompt, completions in zip(prompts, engine.generate([p.text for p in prompts], GROUP_SIZE, sampling), strict=True):
-        rewards = tuple(task.reward(prompt, c.text) for c in completions)
+        rewards = tuple(task.rewards(prompt, [c.text for c in completions]))
         if len(set(rewards)) == 1:
             rewards = tuple(float(i % 2) for i in range(GROUP_SIZE))
         groups.append(Group(prompt_id=prompt.id, prompt_text=prompt.text, version=0, completions=tuple(completions),

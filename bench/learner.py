@@ -73,7 +73,7 @@ def make_batch(model_dir: Path, prompts: int, n: int, sampling):
         for prompt, completions in zip(chosen, outputs, strict=True):
             group = Group(
                 prompt_id=prompt.id, prompt_text=prompt.text, version=0, completions=tuple(completions),
-                rewards=tuple(task.reward(prompt, c.text) for c in completions),
+                rewards=tuple(task.rewards(prompt, [c.text for c in completions])),
             )
             if has_reward_variance(group):
                 groups.append(group)

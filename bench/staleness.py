@@ -93,7 +93,7 @@ def measure_step_s(model_dir: Path, cfg, sampling) -> float:
         outputs = engine.generate([p.text for p in prompts], cfg.group_size, sampling)
         groups = [
             Group(prompt_id=p.id, prompt_text=p.text, version=0, completions=tuple(cs),
-                  rewards=tuple(task.reward(p, c.text) for c in cs))
+                  rewards=tuple(task.rewards(p, [c.text for c in cs])))
             for p, cs in zip(prompts, outputs, strict=True)
         ]
         learner.train_step(groups, step + 1)

@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from node.engine import Engine, EngineUnavailable, VLLMResources
+from shared.checks import UserError
 
 BACKENDS = ("auto", "hf", "vllm")
 
@@ -36,6 +37,16 @@ def vllm_unavailable_reason(device: str | None = None) -> str | None:
     if device is not None and device != platform:
         return f"the installed vLLM is the {platform.upper()} build: run with --device {platform}, or install the other build"
     return None
+
+
+def check_backend(backend: str, device: str | None) -> None:
+    """UserError when `--backend vllm` cannot run here (on `device`), naming why and what to install: before the
+    node writes anything. torch and vLLM are imported only for that choice."""
+    if backend != "vllm":
+        return
+    reason = vllm_unavailable_reason(device)
+    if reason is not None:
+        raise UserError(f"--backend vllm: {reason}")
 
 
 def check_vllm_resources(platform: str, resources: VLLMResources) -> None:

@@ -4,12 +4,18 @@ engine), in this process or as the child of its dashboard."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
+import threading
+import time
 from importlib.metadata import version as package_version
 from pathlib import Path
 
 from shared.checks import UserError
+
+NODE_ERR_FILE = "node.err"  # the stderr of a node run under its dashboard
+STOP_TIMEOUT_S = 10.0
 
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
 JOIN_FLAGS: dict[str, tuple[str, type]] = {
@@ -72,6 +78,17 @@ def check_join(config) -> None:
     check_listen(config.listen)
     check_bulk_port(config.listen, config.bulk_port)
     check_key_file(config.key_path, "--key" if config.key is not None else "the node key")
+    check_engine(config)
+
+
+def check_engine(config) -> None:
+    """An engine this machine cannot run (--device cuda without CUDA, --backend vllm without vLLM): UserError.
+    torch is imported only for those choices."""
+    from node.backends import check_backend
+    from shared.precision import check_device
+
+    check_device(config.device, "--device")
+    check_backend(config.backend, None if config.device == "auto" else config.device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,37 +99,85 @@ def main(argv: list[str] | None = None) -> int:
         return run_dashboard(args, kind="node")
     from node.config import NodeConfig
     from shared.config import ConfigError, load_config
+    from shared.layout import NODE_LOCK_FILE
+    from shared.lock import lock_data_dir
 
     overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in JOIN_FLAGS.items()}
     try:
         config = load_config(NodeConfig, args.config, overrides)
         check_join(config)
+        # One node per data dir: two would be one identity, knocking each other off the hub.
+        lock = lock_data_dir(config.data_dir, NODE_LOCK_FILE, "node")
     except (ConfigError, UserError) as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 2
     if args.dashboard:
+        lock.close()  # the node under the dashboard takes it; a second node is refused here already
         return _run_with_dashboard(config)
-    from node.run import run_node
+    try:
+        with lock:
+            from node.run import run_node
 
-    return run_node(config)
+            return run_node(config)
+    except KeyboardInterrupt:  # before the node's own signal handling runs (imports, building the engine)
+        print("echo-node: interrupted before it joined", file=sys.stderr)
+        return 130
 
 
 def _run_with_dashboard(config) -> int:
-    """The dashboard is its own process (Textual runs on asyncio, libp2p on trio): run the node as a child."""
+    """The dashboard is its own process (Textual runs on asyncio, libp2p on trio): run the node as a child. The
+    dashboard closes with the node (Ctrl-C or q stop it; it may end by itself), then says how the node ended."""
     from tui.cli import run_node_dashboard
 
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    err_path = config.data_dir / NODE_ERR_FILE
+    said_before = err_path.stat().st_size if err_path.exists() else 0
+    started = time.time()
     args = [sys.executable, "-m", "node.cli", "join", *config_to_args(config)]
-    with open(config.data_dir / "node.err", "ab") as err:
+    with open(err_path, "ab") as err:
         child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err)
+    app = run_node_dashboard(config.data_dir)
+    threading.Thread(target=_close_when_done, args=(child, app), daemon=True).start()
     try:
-        run_node_dashboard(config.data_dir).run()
+        with contextlib.suppress(KeyboardInterrupt):
+            app.run()
     finally:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        ended_itself = _stop(child)
+    if ended_itself and child.returncode != 0:
+        # Its own words (a refusal, another peer at the hub's address): they went to its stderr file.
+        print(err_path.read_bytes()[said_before:].decode(errors="replace").strip(), file=sys.stderr)
+        return child.returncode
+    return _print_summary(config.data_dir, started)
+
+
+def _close_when_done(child: subprocess.Popen, app) -> None:
+    """Close the dashboard once the node under it has ended by itself."""
+    child.wait()
+    with contextlib.suppress(RuntimeError):  # the dashboard has closed already
+        app.call_from_thread(app.exit)
+
+
+def _stop(child: subprocess.Popen) -> bool:
+    """Stop the node under the dashboard (SIGTERM: it writes its status once more); whether it had ended by itself."""
+    if child.poll() is not None:
+        return True
+    child.terminate()
+    try:
+        child.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    return False
+
+
+def _print_summary(data_dir: Path, started: float) -> int:
+    """What the node under the dashboard did, from the status it wrote on the way out."""
+    from node.summary import stored_summary
+
+    summary = stored_summary(data_dir, since=started)
+    how = "" if summary else f" before it ran (see {data_dir / NODE_ERR_FILE})"
+    print(f"echo-node: stopped{how}", file=sys.stderr)
+    if summary:
+        print(summary, flush=True)
     return 0
 
 

@@ -2,16 +2,21 @@
 
 Every call opens one stream to the hub, writes one request (a submission signed with the node's
 identity), and returns the hub's typed reply or its `Reject`; a transport failure (hub away,
-timeout) raises. The node's hub link, worker and keeper use it, and so do the tests and
-benchmarks, whose misbehaving peers subclass it or send raw frames through `send_frame`.
+timeout) raises, and another peer answering at the hub's address raises WrongHub. The node's hub
+link, worker and keeper use it, and so do the tests and benchmarks, whose misbehaving peers
+subclass it or send raw frames through `send_frame`.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import trio
 from libp2p.abc import IHost
+from libp2p.exceptions import MultiError
+from libp2p.security.noise.exceptions import PeerIDMismatchesPubkey
+from libp2p.transport.exceptions import SecurityUpgradeFailure
 
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.messages import (
@@ -42,6 +47,39 @@ REQUEST_TIMEOUT_S = 30.0
 # A bad-chunk report is answered only after the hub fetched the chunk from the accused itself.
 REPORT_TIMEOUT_S = 40.0
 BUSY_RETRY_S = 0.25
+# How py-libp2p 0.8.1 names the key that answered a dial: Noise's PeerIDMismatchesPubkey, or the upgrader's own check.
+_ANSWERED_RE = re.compile(r"(?:remote_peer_id_from_pubkey=|Peer ID mismatch: expected \S+, got )(\w+)")
+
+
+class WrongHub(Exception):
+    """Another peer answered at the hub's address: the Noise handshake proved a key other than the /p2p/ one."""
+
+    def __init__(self, transport: str, expected: str, answered: str) -> None:
+        super().__init__(transport, expected, answered)
+        self.transport, self.expected, self.answered = transport, expected, answered
+
+    def __str__(self) -> str:
+        return (f"another peer answered at {self.transport} (peer id {self.answered}, not {self.expected}): "
+                "check the /p2p/ part of --hub")
+
+
+def answered_instead(exc: BaseException) -> str | None:
+    """The peer id that answered a dial in place of the one dialled, found anywhere in the exceptions py-libp2p
+    nests (causes, contexts, groups, its MultiError); None when the dial failed for another reason."""
+    pending, seen = [exc], set()
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, (PeerIDMismatchesPubkey, SecurityUpgradeFailure)) and (m := _ANSWERED_RE.search(str(err))):
+            return m.group(1)
+        pending += [err.__cause__, err.__context__]
+        if isinstance(err, BaseExceptionGroup):
+            pending += err.exceptions
+        elif isinstance(err, MultiError):
+            pending += err.errors
+    return None
 
 
 class HubClient:
@@ -59,9 +97,15 @@ class HubClient:
         return self.identity.peer_id
 
     async def connect(self) -> None:
-        """Dial the hub (a live connection is reused)."""
-        with trio.fail_after(self.timeout_s):
-            await connect(self.host, self.hub_addr)
+        """Dial the hub (a live connection is reused); WrongHub when another peer answers at its address."""
+        try:
+            with trio.fail_after(self.timeout_s):
+                await connect(self.host, self.hub_addr)
+        except Exception as exc:
+            answered = answered_instead(exc)
+            if answered is None:
+                raise
+            raise WrongHub(self.hub_addr.partition("/p2p/")[0], self.hub_peer_id, answered) from exc
 
     async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None):
         return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject,

@@ -17,7 +17,7 @@ class NodeConfig(Section):
     hub: str = Field(description="hub multiaddr including /p2p/<hub peer id>, as the hub printed it")
     price: float = Field(0.35, ge=0.0, le=1000.0, description="declared price in $/h")
     backend: Literal["auto", "hf", "vllm"] = Field("auto", description="rollout engine")
-    device: Literal["cpu", "cuda"] | None = Field(None, description="torch device (None: cuda if present)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch device (auto: cuda when torch sees a GPU, else cpu)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="engine weight dtype, must be the hub's (auto: bfloat16 on a CUDA GPU that has it, else float32)")
     data_dir: Path = Field(Path("echo2-node"), description="identity, snapshots, logs, node_status.json")
     key: Path | None = Field(None, description="identity key file (default DATA_DIR/node.key)")

@@ -4,7 +4,8 @@ The hub's identity is the /p2p/ part of the address the volunteer was given; the
 handshake proves we reached that key, so a hub restart at the same address needs no
 action from the volunteer: heartbeats fail, the link rejoins with exponential backoff.
 The hub sets the heartbeat period (in its join reply). A refusal that cannot fix itself
-(banned, another model than the hub's) ends the node with the hub's reason.
+(banned, another model than the hub's) ends the node with the hub's reason; so does another
+peer answering at the hub's address before the first join (the /p2p/ part of --hub is wrong).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from node.client import HubClient
+from node.client import HubClient, WrongHub
 from shared.messages import EventRecord, Heartbeat, HeartbeatReply, JoinReply, JoinRequest, Reject, RejectCode
 
 log = logging.getLogger("echo2.node.hub_link")
@@ -88,26 +89,41 @@ class HubLink:
     async def _join(self) -> JoinReply:
         backoff = BACKOFF_START_S
         while True:
-            try:
-                await self.client.connect()
-                reply = await self.client.join(self.join_request())
-            except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
-                log.info("hub not reachable (%s); retrying in %.1fs", type(exc).__name__, backoff)
-                self.state.note("unreachable", f"hub not reachable ({_reason(exc)}); next try in {backoff:.0f}s")
-                self.state.connected = False
-                self.state.state = "connecting"
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
-                continue
-            if isinstance(reply, Reject):
-                if reply.code in FINAL_REFUSALS:
-                    raise NodeRefused(reply.reason)
-                log.warning("hub refused join: %s; retrying in %.1fs", reply.reason, backoff)
-                self.state.note("join_refused", f"{reply.reason}; next try in {backoff:.0f}s")
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
-                continue
-            return reply
+            reply = await self._try_join(backoff)
+            if reply is not None:
+                return reply
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, self.backoff_max_s)
+
+    async def _try_join(self, backoff: float) -> JoinReply | None:
+        """One join: the hub's reply, or None once the failure is noted (the caller retries after `backoff`).
+        Raises what no retry cures: a final refusal, or another peer at the hub's address before any join."""
+        try:
+            await self.client.connect()
+            reply = await self.client.join(self.join_request())
+        except WrongHub as exc:
+            if self.state.joins == 0:
+                raise  # the /p2p/ part of --hub names another key than the one there: the volunteer must fix it
+            # The hub we joined gave way to another peer at its address: it may come back there.
+            log.warning("%s; retrying in %.1fs", exc, backoff)
+            self._unreachable("wrong_peer", f"{exc}; next try in {backoff:.0f}s")
+            return None
+        except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
+            log.info("hub not reachable (%s); retrying in %.1fs", type(exc).__name__, backoff)
+            self._unreachable("unreachable", f"hub not reachable ({_reason(exc)}); next try in {backoff:.0f}s")
+            return None
+        if isinstance(reply, Reject):
+            if reply.code in FINAL_REFUSALS:
+                raise NodeRefused(reply.reason)
+            log.warning("hub refused join: %s; retrying in %.1fs", reply.reason, backoff)
+            self.state.note("join_refused", f"{reply.reason}; next try in {backoff:.0f}s")
+            return None
+        return reply
+
+    def _unreachable(self, kind: str, detail: str) -> None:
+        self.state.note(kind, detail)
+        self.state.connected = False
+        self.state.state = "connecting"
 
     async def run(self) -> None:
         while True:

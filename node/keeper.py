@@ -183,6 +183,7 @@ class SnapshotKeeper:
         # A version whose delta did not apply (or came against another base): pulled in full.
         self._full_for: int | None = None
         self.deltas_applied = 0
+        self.bytes_served = 0  # chunk bytes handed to successors (and the hub) that pulled from us
         self._punch = punch
         # The NATed upstream our last hole punch with failed (the heartbeat tells the hub).
         self.punch_failed: str | None = None
@@ -247,6 +248,12 @@ class SnapshotKeeper:
         return None
 
     async def chunk(self, version: int, index: int, delta: bool = False) -> bytes:
+        data = await self._chunk(version, index, delta)
+        self.bytes_served += len(data)
+        return data
+
+    async def _chunk(self, version: int, index: int, delta: bool) -> bytes:
+        """Chunk `index` of `version` (or of its delta) once we hold it: from the installed file or the transfer."""
         while True:
             held = self.held
             if held is not None and held.manifest.version == version:

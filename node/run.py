@@ -11,9 +11,11 @@ from pathlib import Path
 
 import trio
 
+from node.client import WrongHub
 from node.config import NodeConfig
 from node.engine import InstallFailed
 from node.hub_link import NodeRefused
+from node.summary import summary_text
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.files import atomic_write_text
 from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE, SNAPSHOTS_DIR
@@ -36,6 +38,8 @@ from shared.units import BYTES_PER_MBIT
 log = logging.getLogger("echo2.node")
 
 STATUS_PERIOD_S = 1.0
+# Ends the volunteer is told in one line, with the exit code: 2 for a mistake in the flags, 1 for a hub's refusal.
+ONE_LINE_ENDS: dict[type[Exception], int] = {WrongHub: 2, NodeRefused: 1, InstallFailed: 1}
 
 
 def _hardware(device: str) -> str:
@@ -62,6 +66,7 @@ class NodeRuntime:
         self._nursery: trio.Nursery | None = None
         self.nat = None  # NatTraversal, once the host runs
         self.stopper = Stopper()
+        self.versions_installed = 0
 
     async def _install(self, path: Path, version: int, probe: InstallProbe | None) -> None:
         from shared.snapshot import SnapshotError
@@ -129,6 +134,7 @@ class NodeRuntime:
             log.info("relay reservation on the hub failed: %r", exc)
 
     def _on_installed(self, version: int) -> None:
+        self.versions_installed += 1
         self.link.state.note("installed", f"v{version}")
         self.link.beat_now.set()  # tell the hub at once: it measures T_bcast from these
 
@@ -158,6 +164,8 @@ class NodeRuntime:
             tallies=stats.tallies,
             earnings_usd=stats.earned_usd,
             busy_s=stats.busy_s,
+            versions_installed=self.versions_installed,
+            relayed_bytes=keeper.bytes_served,
             events=tuple(link.events[-20:]),
         )
 
@@ -231,11 +239,12 @@ def run_node(config: NodeConfig) -> int:
     from node.engine import EngineUnavailable, VLLMResources
     from shared.default_model import ensure_default_model
     from shared.model_io import model_dir_config_hash
+    from shared.precision import pick_device
     from shared.rollout import engine_seed
 
     torch.set_num_threads(config.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(config.device, torch.cuda.is_available())
     model_dir = config.model or ensure_default_model(progress=sys.stderr.isatty())
     # Each process its own sampling seed unless one is configured: two nodes leased the same prompts in the
     # same order must not sample the same completions (copy detection would flag them).
@@ -244,8 +253,8 @@ def run_node(config: NodeConfig) -> int:
     resources = VLLMResources(gpu_memory_fraction=config.gpu_memory_fraction, kv_cache_gib=config.kv_cache_gib,
                               cpu_cores=config.cpu_cores, threads=config.threads)
     try:
-        engine = make_engine(config.backend, model_dir, device=config.device, version=-1, dtype=config.dtype, seed=seed,
-                             vllm=resources, max_lora_rank=config.max_lora_rank)
+        engine = make_engine(config.backend, model_dir, device=None if config.device == "auto" else config.device,
+                             version=-1, dtype=config.dtype, seed=seed, vllm=resources, max_lora_rank=config.max_lora_rank)
     except EngineUnavailable as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 2
@@ -255,19 +264,28 @@ def run_node(config: NodeConfig) -> int:
     runtime = NodeRuntime(config, identity, engine, config_hash, device)
     try:
         trio.run(runtime.run)
-    except BaseExceptionGroup as group:
-        refused, rest = group.split((NodeRefused, InstallFailed))
-        if refused is None or rest is not None:
+    except (BaseExceptionGroup, *ONE_LINE_ENDS) as exc:
+        end = one_line_end(exc)
+        if end is None:
             raise
-        while isinstance(refused, BaseExceptionGroup):
-            refused = refused.exceptions[0]
-        print(f"echo-node: {refused}", file=sys.stderr)
-        return 1
-    except (NodeRefused, InstallFailed) as exc:
-        print(f"echo-node: {exc}", file=sys.stderr)
-        return 1
+        print(f"echo-node: {end[0]}", file=sys.stderr)
+        return end[1]
     finally:
         engine.close()
-    print(f"echo-node: stopped ({runtime.stopper.signal_name})", file=sys.stderr)
+    print(f"echo-node: stopped ({runtime.stopper.signal_name})", file=sys.stderr, flush=True)
+    print(summary_text(runtime.view()), flush=True)
     return 0
+
+
+def one_line_end(exc: BaseException) -> tuple[Exception, int] | None:
+    """The end the volunteer is told in one line (ONE_LINE_ENDS) and its exit code, even inside trio's exception
+    groups; None when anything else ended the node (a bug: its traceback is the report)."""
+    if isinstance(exc, BaseExceptionGroup):
+        ends, rest = exc.split(tuple(ONE_LINE_ENDS))
+        if ends is None or rest is not None:
+            return None
+        while isinstance(ends, BaseExceptionGroup):
+            ends = ends.exceptions[0]
+        exc = ends
+    return next(((exc, code) for kind, code in ONE_LINE_ENDS.items() if isinstance(exc, kind)), None)
 

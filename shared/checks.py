@@ -10,7 +10,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
+import sqlite3
 from pathlib import Path
 
 import blake3
@@ -58,6 +60,10 @@ def model_fingerprint(path: Path) -> str:
 def check_data_dir(path: Path, flag: str = "--data-dir") -> None:
     """A directory we may create or write in (it need not exist yet)."""
     path = Path(path)
+    try:
+        path.exists()
+    except OSError as exc:  # a name past the filesystem's limit, a component that is a file...
+        raise UserError(f"{flag} {path}: {exc.strerror}; pass another {flag}") from None
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path}: is a file, not a directory; pass another {flag}")
     existing = path
@@ -154,3 +160,23 @@ def check_key_file(path: Path, flag: str = "--key") -> None:
     if path.stat().st_size != 32:
         raise UserError(f"{flag} {path}: holds {path.stat().st_size} bytes, not a 32-byte Ed25519 key; "
                         "point --key at the right file, or move this one away to make a new identity")
+
+
+def disk_full(exc: BaseException) -> BaseException | None:
+    """The error in `exc`, or in the exception groups it nests, that says a disk (or the user's quota) is full: an
+    OSError ENOSPC or EDQUOT, or SQLite's SQLITE_FULL; None when there is none."""
+    if isinstance(exc, BaseExceptionGroup):
+        return next((found for inner in exc.exceptions if (found := disk_full(inner)) is not None), None)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    if isinstance(exc, sqlite3.OperationalError) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return exc
+    return None
+
+
+def free_space(path: Path) -> str:
+    """The free space on the disk of `path` (or of its nearest existing parent): "12.3 MB free"."""
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return f"{shutil.disk_usage(existing).free / 1e6:.1f} MB free"

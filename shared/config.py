@@ -7,6 +7,7 @@ Precedence is defaults < TOML file < command-line flags. Each process has one ro
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -163,19 +164,29 @@ def example_toml(model: type[BaseModel], title: str) -> str:
     """Every field of `model`, section by section, with its help line and default: a config file to start from.
 
     Fields whose default is unset (None) are shown commented out."""
-    lines = [f"# {title}", "# Every field with its default; flags given on the command line override this file.", ""]
-    sections = []
+    head = [f"# {title}", "# Every field with its default; flags given on the command line override this file.", ""]
+    return "\n".join(head + _toml_lines(model, lambda name, field: field.get_default(call_default_factory=True))) + "\n"
+
+
+def config_toml(config: BaseModel, title: str) -> str:
+    """Every field of `config` with its value, in example_toml's layout: the file that loads back to `config`."""
+    return "\n".join([f"# {title}", ""] + _toml_lines(type(config), lambda name, field: getattr(config, name))) + "\n"
+
+
+def _toml_lines(model: type[BaseModel], value_of: Callable[[str, Any], Any]) -> list[str]:
+    """The fields of `model` as TOML lines, top-level ones first, then one table per section."""
+    lines, sections = [], []
     for name, field in model.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        if isinstance(default, BaseModel):
-            sections.append((name, default))
+        value = value_of(name, field)
+        if isinstance(value, BaseModel):
+            sections.append((name, value))
             continue
-        lines += _toml_field(name, field, default)
+        lines += _toml_field(name, field, value)
     for name, section in sections:
         lines += ["", f"[{name}]", f"# {(type(section).__doc__ or '').strip().splitlines()[0]}"]
         for key, field in type(section).model_fields.items():
             lines += _toml_field(key, field, getattr(section, key))
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _toml_field(name: str, field, default: Any) -> list[str]:

@@ -21,12 +21,16 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     # One temp file per writing thread: the hub's status board and its final refresh write status.json from
     # two worker threads, and a shared temp name let one rename the other's file away (FileNotFoundError).
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk fails the write: leave no half-written temp file behind
+        raise
     if durable:
         fsync_dir(path.parent)
 

@@ -46,6 +46,11 @@ MAX_LINK_BPS = 1e12
 MAX_PRICE_PER_HOUR = 1000.0
 MAX_LISTEN_ADDRS = 8
 MAX_ADDR_CHARS = 256
+
+# A status file whose writer claims to be running but has not rewritten it for this long
+# (it is rewritten about once a second) most likely belongs to a process that died.
+STALE_FILE_S = 10.0
+
 _BASE58 = "1-9A-HJ-NP-Za-km-z"
 ADDR_PATTERN = rf"^/(ip4|ip6|dns|dns4|dns6)/[A-Za-z0-9.:\-]{{1,200}}/tcp/[0-9]{{1,5}}(/p2p/[{_BASE58}]{{1,128}})?$"
 PEER_ID_PATTERN = rf"^[{_BASE58}]{{1,128}}$"
@@ -318,6 +323,10 @@ class EventRecord(Message):
     detail: str = ""
 
 
+# The learner steps the rollout reward shown live is averaged over (one step's rollouts are a noisy sample).
+RECENT_REWARD_STEPS = 10
+
+
 class HubStatus(Message):
     """What `echo-hub status` and the dashboard show; also written to DATA_DIR/status.json."""
 
@@ -358,6 +367,22 @@ class HubStatus(Message):
     events: tuple[EventRecord, ...] = ()
     redacted: bool = Field(False, description="nodes' prices, costs and hardware hidden: asked without an operator key")
     nodes_omitted: int = Field(0, ge=0, description="nodes left out: gone or banned long ago, or past the list's cap")
+
+    def recent_reward(self, steps: int = RECENT_REWARD_STEPS) -> tuple[float, int] | None:
+        """The rollout reward (every rollout offered, per step) averaged over the last `steps` learner steps of
+        the history, and over how many it is (fewer early in a run); None before the first step."""
+        points = self.history[-steps:]
+        if not points:
+            return None
+        return sum(p.reward_mean for p in points) / len(points), len(points)
+
+    def recent_reward_text(self, digits: int = 3) -> str:
+        """`recent_reward` with what it averages: "0.412 (last 10 steps)"; "-" before the first step."""
+        found = self.recent_reward()
+        if found is None:
+            return "-"
+        mean, steps = found
+        return f"{mean:.{digits}f} (last {f'{steps} steps' if steps > 1 else 'step'})"
 
     def broadcast_bytes_text(self) -> str:
         """What one broadcast ships: "snapshot 4.2 MB, delta 0.31 MB (7.4%)"."""
@@ -474,4 +499,6 @@ class NodeView(Message):
     tallies: Tallies = Tallies()
     earnings_usd: float = Field(0.0, description="what the hub booked for this node's leases (as it replied)")
     busy_s: float = 0.0
+    versions_installed: int = Field(0, ge=0, description="snapshots installed since this process started")
+    relayed_bytes: int = Field(0, ge=0, description="snapshot bytes served to successors (and the hub) since it started")
     events: tuple[EventRecord, ...] = ()

@@ -295,7 +295,7 @@ async def scenario_fake_reward(x: Client, control: Client, db: HubDB, attempts: 
         groups = []
         for g in await x.groups(lease):
             prompt = task.get(g.prompt_id)
-            truth = [task.reward(prompt, x.decode(c)) for c in g.completions]
+            truth = task.rewards(prompt, [x.decode(c) for c in g.completions])
             groups.append(g.model_copy(update={"claimed_rewards": tuple(1.0 - t for t in truth)}))
         reply = await x.submit_frame(x.frame(lease.lease_id, tuple(groups)))
         r.attempts += 1

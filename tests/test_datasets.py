@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from shared.tasks import DatasetOptions, load_task
+from shared.tasks.base import RewardError, checked_rewards
 from shared.tasks.dataset import DatasetTask
 from tests.test_first_contact import assert_one_line_mistake, run, snapshot_of
 
@@ -78,6 +79,19 @@ def test_trl_reward_function_gets_the_other_columns(tmp_path: Path) -> None:
     assert task.reward(first, "abc") == 1.0 and task.reward(first, "abcd") == 0.0
     assert task.reward(second, "abcde") == 1.0
     assert first.id == "row-1"  # JSONL ids are line numbers
+    # One call per group, the prompt and the row's columns repeated per completion, as TRL repeats them.
+    assert list(task.rewards(second, ["abcde", "ab", "12345"])) == [1.0, 0.0, 1.0]
+    assert task.reward_name == "reward_funcs:length_match"
+
+
+def test_a_trl_reward_function_sees_the_whole_group(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "n": 7}\n')
+    task = DatasetTask(path, DatasetOptions(reward="reward_funcs:group_echo"))
+    prompt = task.prompts()[0]
+    assert checked_rewards(task, prompt, ["x", "yy", "zzz"]) == (3.0, 3.0, 3.0)
+    with pytest.raises(RewardError, match="reward reward_funcs:first_only returned 1 value for 3 completions"):
+        checked_rewards(DatasetTask(path, DatasetOptions(reward="reward_funcs:first_only")), prompt, ["x", "yy", "zzz"])
 
 
 def test_chat_prompts_are_rendered_with_the_chat_template(tmp_path: Path, default_model_dir: Path) -> None:
@@ -128,8 +142,9 @@ def test_a_reward_that_is_not_a_finite_number_is_refused(tmp_path: Path) -> None
     path = tmp_path / "rows.jsonl"
     path.write_text('{"prompt": "a"}\n')
     task = DatasetTask(path, DatasetOptions(reward="reward_funcs:not_finite"))
-    with pytest.raises(ValueError, match="rewards must be finite numbers"):
-        task.reward(task.prompts()[0], "x")
+    with pytest.raises(RewardError, match="reward reward_funcs:not_finite returned nan for completion 1 of 2; rewards "
+                                          "must be finite numbers"):
+        checked_rewards(task, task.prompts()[0], ["x", "y"])
 
 
 def test_dataset_mistakes_through_the_cli_are_one_line(tmp_path: Path) -> None:

@@ -239,8 +239,8 @@ def test_a_vllm_node_without_vllm_is_one_line_and_writes_no_key(tmp_path, capsys
     hub = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWQMibLEAhHEXGXzsNXUzih2693chjq9xjpCFATrsuGtxH"
     assert main(["join", "--hub", hub, "--data-dir", str(tmp_path / "node"), "--backend", "vllm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"echo-node: the vllm backend is unavailable: {vllm_unavailable_reason()}"]
-    assert not (tmp_path / "node" / "node.key").exists()
+    assert err == [f"echo-node: --backend vllm: {vllm_unavailable_reason()}"]
+    assert not (tmp_path / "node").exists()
 
 
 def test_the_hub_tells_the_context_its_leases_need_and_an_engine_refuses_more_than_its_model_has(default_model_dir):

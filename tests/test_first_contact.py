@@ -69,6 +69,12 @@ HUB_MISTAKES = {
     "bulk port out of range": (["--bulk-port", "70000"], ["broadcast.bulk_port", "65535"]),
     "bulk port = libp2p port": (["--listen", "/ip4/127.0.0.1/tcp/4391", "--bulk-port", "4391"],
                                 ["--bulk-port 4391", "libp2p listen port", "--bulk-port 4392"]),
+    "reward that raises": (["--task", "testbed.tasks:RaisingRewardTask"],
+                           ["reward testbed.tasks:RaisingRewardTask.rewards raised KeyError", "fix the reward"]),
+    "reward that returns NaN": (["--task", "testbed.tasks:NanRewardTask"],
+                                ["reward testbed.tasks:NanRewardTask.rewards returned nan", "finite"]),
+    "reward with one value per group": (["--task", "testbed.tasks:OneRewardTask", "--group-size", "4"],
+                                        ["reward testbed.tasks:OneRewardTask.rewards returned 1 value for 4 completions"]),
 }
 
 

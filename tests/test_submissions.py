@@ -20,7 +20,7 @@ from hub.trust.submissions import (
 )
 from shared.messages import Submission, SubmittedGroup
 from shared.rollout import Completion, SamplingParams
-from shared.tasks.base import Prompt
+from shared.tasks.base import Prompt, RewardError
 from shared.tasks.reverse import ReverseTask
 
 MAX_NEW_TOKENS = 6
@@ -201,22 +201,22 @@ def test_duplicate_prompt_in_one_submission_is_answered_once(rules, tokenizer):
 
 
 class BrokenReward(ReverseTask):
-    """An operator's reward that raises on some text, or returns NaN: a peer's completion must not crash the hub."""
+    """An operator's reward that raises on some text, or returns NaN: the operator's fault, not the node's."""
 
-    def reward(self, prompt, completion):
-        if completion.startswith("c"):
+    def rewards(self, prompt, completions):
+        if any(c.startswith("c") for c in completions):
             raise RuntimeError("regex blew up")
-        return float("nan")
+        return [float("nan")] * len(completions)
 
 
-def test_a_reward_that_raises_or_is_not_finite_rejects_only_that_group(rules, tokenizer):
+def test_a_reward_that_raises_or_is_not_finite_is_no_verdict_on_the_node(rules, tokenizer):
     from dataclasses import replace
 
     broken = replace(rules, task=BrokenReward())
-    raised = verdict(broken, group(tokenizer, texts=("cba", "abc")))
-    assert not raised.accepted and raised.reason == "the task's reward failed on this group (RuntimeError)"
-    nan = verdict(broken, group(tokenizer, texts=("xba", "abc")))
-    assert not nan.accepted and "not a finite number" in nan.reason
+    with pytest.raises(RewardError, match=f"reward {__name__}:BrokenReward.rewards raised RuntimeError"):
+        verdict(broken, group(tokenizer, texts=("cba", "abc")))
+    with pytest.raises(RewardError, match="returned nan for completion 1 of 2"):
+        verdict(broken, group(tokenizer, texts=("xba", "abc")))
 
 
 def test_submission_frame_cap_by_hand():

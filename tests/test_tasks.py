@@ -204,6 +204,9 @@ def test_load_module_class(monkeypatch):
     monkeypatch.syspath_prepend(str(DATA))
     task = load_task("tiny_tasks:EchoTask")
     assert task.reward(task.get("echo-0"), "hello") == 1.0
+    # A task written per completion is scored a group at a time all the same.
+    assert list(task.rewards(task.get("echo-0"), ["hello", "bye"])) == [1.0, 0.0]
+    assert task.reward_name == "tiny_tasks:EchoTask.reward"
 
 
 @pytest.mark.parametrize(
@@ -218,7 +221,7 @@ def test_load_module_class(monkeypatch):
         ("tiny_tasks:Missing", "has no attribute 'Missing'"),
         ("tiny_tasks:NotATask", "not a subclass"),
         ("tiny_tasks:NOT_A_CLASS", "not a subclass"),
-        ("tiny_tasks:AbstractTask", "abstract (does not implement reward)"),
+        ("tiny_tasks:AbstractTask", "abstract (does not implement rewards)"),
         ("tiny_tasks:NeedsArgsTask", "requires arguments ['size']"),
     ],
 )

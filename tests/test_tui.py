@@ -179,6 +179,9 @@ async def test_hub_dashboard_shows_learner_cost_chains_nodes_and_events(hub_dir:
         assert "step 10/100" in learner and "T_bcast 4.2 s" in learner and "predicted 0.020" in learner
         assert "min 3.00" in learner and "target 3.30" in learner and "usable 57%" in learner
         assert len(app.query_one("#reward-spark").data) == 10
+        label = app.query_one("#reward-label")  # the mean of the sparkline's 10 steps, named on hover
+        assert str(label.render()) == f"rollout {sum(app.query_one('#reward-spark').data) / 10:.3f}"
+        assert label.tooltip == "rollout reward, mean of the last 10 learner steps"
         assert app.query_one("#eval-spark").data == [0.25, 0.375]
         assert str(app.query_one("#eval-label").render()) == "eval 0.375 @10"
         cost = static_text(app, "#cost")

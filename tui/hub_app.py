@@ -12,7 +12,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
-from shared.messages import TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus
+from shared.messages import RECENT_REWARD_STEPS, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus
 from tui import DEFAULT_REFRESH_S
 from tui.widgets import (
     Banner,
@@ -182,7 +182,7 @@ class HubDashboard(DashboardApp):
             with Vertical(id="learner", classes="panel"):
                 yield Static(id="learner-text")
                 with Horizontal(classes="spark-row"):
-                    yield Label("reward —", id="reward-label")
+                    yield Label("rollout —", id="reward-label")
                     yield Sparkline([], id="reward-spark")
                 with Horizontal(classes="spark-row"):
                     yield Label("staleness —", id="staleness-label")
@@ -233,7 +233,10 @@ class HubDashboard(DashboardApp):
         staleness = [p.staleness_mean for p in status.history]
         self.query_one("#reward-spark", Sparkline).data = rewards
         self.query_one("#staleness-spark", Sparkline).data = staleness
-        self.query_one("#reward-label", Label).update(f"reward {number(status.reward_mean, '.3f')}")
+        recent = status.recent_reward()
+        label = self.query_one("#reward-label", Label)
+        label.update(f"rollout {number(recent[0] if recent else None, '.3f')}")
+        label.tooltip = f"rollout reward, mean of the last {recent[1] if recent else RECENT_REWARD_STEPS} learner steps"
         last_staleness = staleness[-1] if staleness else None
         self.query_one("#staleness-label", Label).update(f"staleness {number(last_staleness, '.2f')}")
         self.query_one("#eval-spark", Sparkline).data = [e.reward for e in status.evals]

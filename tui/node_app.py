@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
 from shared.messages import TALLY_FIELDS, NodeView
+from shared.units import duration
 from tui import DEFAULT_REFRESH_S
-from tui.widgets import Banner, DashboardApp, duration, event_lines, money, number, short_id, styled_state, tally_cells
+from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state, tally_cells
 
 
 def identity_text(view: NodeView) -> Text:
@@ -65,6 +67,8 @@ class NodeDashboard(DashboardApp):
     """Live view of one volunteer node from its DATA_DIR/node_status.json."""
 
     TITLE = "echo2 node"
+    # Ctrl-C quits, as it stops the node everywhere else: under `echo-node join --dashboard` it stops the node too.
+    BINDINGS = [*DashboardApp.BINDINGS, Binding("ctrl+c", "quit", "Quit", show=False, priority=True)]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
     CSS = """
     .panel { border: round $primary; border-title-color: $accent; padding: 0 1; height: auto; }

@@ -12,13 +12,10 @@ from textual.app import App
 from textual.binding import Binding
 from textual.widgets import HelpPanel, Static
 
-from shared.messages import TALLY_FIELDS, EventRecord, Tallies, short_id
+from shared.messages import STALE_FILE_S, TALLY_FIELDS, EventRecord, Tallies, short_id
 from tui import DEFAULT_REFRESH_S
 from tui.sources import NoStatus, Unreachable
 
-# A status file whose writer claims to be running but has not rewritten it for this long
-# (it is rewritten about once a second) most likely belongs to a process that died.
-STALE_FILE_S = 10.0
 MAX_REASON_CHARS = 300
 
 EVENT_STYLES = {
@@ -42,16 +39,6 @@ STATE_STYLES = {
     "banned": "bold red",
     "gone": "dim",
 }
-
-
-def duration(seconds: float) -> str:
-    """3 s, 4 min 05 s, 2 h 03 min: readable at any scale (busy time, waits)."""
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60:02d} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def money(usd: float | None, digits: int = 2) -> str:

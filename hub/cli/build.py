@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hub.cli.preflight import RUN_IDENTITY_KEYS, run_identity
+from hub.cli.preflight import run_identity
 from hub.config import HubConfig
 from hub.records.snapshots import SnapshotShelf
 from hub.records.store import Store
@@ -72,6 +72,6 @@ def build_hub_state(
         model_config_hash=model_config_hash(model_config.to_dict()),
         audits=AuditQueue(auditor, config.trust.audit_queue_groups),
         oldest_useful_version=oldest_useful_version, newest_version=shelf.newest_version,
-        run=dict(zip(RUN_IDENTITY_KEYS, run_identity(config, model_dir)), model=str(model_dir)),
+        run={**run_identity(config, model_dir), "model": str(model_dir)},
     )
     return HubCore(state, task, eval_task, auditor, tokenizer, context_tokens(task, tokenizer, config.sampling.max_new_tokens))

@@ -1,4 +1,5 @@
-"""`echo-hub eval`: one held-out evaluation of a saved policy (a run's final dir, a checkpoint, any model)."""
+"""`echo-hub eval`: one held-out evaluation of a saved policy (a run's final dir, a checkpoint, any model), by
+default on the task and with the sampling of the run that saved it (its echo2.toml, hub/cli/card.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,19 @@ from pathlib import Path
 
 from hub.config import HubConfig
 from shared.checks import check_model_dir
+from shared.layout import RUN_CONFIG_FILE
 from shared.tasks.base import Task
+
+
+def saved_run_config(model: Path) -> Path | None:
+    """The config of the run that saved the policy in `model`: beside it in final/, one level up from a checkpoint's
+    model/ (None: it has none, as a model from elsewhere)."""
+    from hub.training.checkpoint import MODEL_SUBDIR
+
+    for saved in (model / RUN_CONFIG_FILE, model.parent / RUN_CONFIG_FILE if model.name == MODEL_SUBDIR else None):
+        if saved is not None and saved.is_file():
+            return saved
+    return None
 
 
 def check_eval(config: HubConfig, model: Path) -> Task:
@@ -19,7 +32,8 @@ def check_eval(config: HubConfig, model: Path) -> Task:
     return checked_tasks(config, model, evaluate=True)[1]
 
 
-def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_json: bool) -> int:
+def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_json: bool, saved: Path | None = None) -> int:
+    """Evaluate `model` once and print the result (`saved`: the run config it came with, said to be used)."""
     import torch
     import transformers
 
@@ -29,6 +43,11 @@ def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_
     transformers.utils.logging.disable_progress_bar()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(config.learner.dtype, device)
+    if saved is not None:
+        s, temperature = config.sampling, config.eval.temperature
+        temperature = s.temperature if temperature is None else temperature
+        print(f"echo-hub eval: the run's config {saved}: task {config.task}, temperature {temperature:g}, top_p "
+              f"{s.top_p:g}, max_new_tokens {s.max_new_tokens} (--config or flags override it)", file=sys.stderr)
     print(f"echo-hub eval: {model} on {min(config.eval.prompts, len(task.prompts()))} held-out prompts of "
           f"{config.eval.task or config.task} x {config.eval.samples} samples ({dtype}, {device})", file=sys.stderr)
     evaluator = Evaluator(model, task, config.eval, config.sampling, dtype, device, config.learner.seed)

@@ -79,11 +79,29 @@ def _node_main(argv: list[str], out_path: str) -> None:
     sys.exit(code)
 
 
+def local_nodes_device(choice: str, learner_device: str) -> str:
+    """The local nodes' device: auto runs them where the learner runs (a `--device cpu` hub leaves the GPU alone)."""
+    return learner_device if choice == "auto" else choice
+
+
+def join_argv(
+    hub_addr: str, price: float, device: str, node_dir: Path, link_mbps: float | None, model: Path | None,
+    extra_args: tuple[str, ...],
+) -> list[str]:
+    """The `echo-node join` command line of one local node."""
+    return [
+        "join", "--hub", hub_addr, "--price", str(price),
+        "--backend", "hf", "--device", device, "--data-dir", str(node_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
+        *(["--link-mbps", str(link_mbps)] if link_mbps else []),
+        *(["--model", str(Path(model).resolve())] if model else []), *extra_args,
+    ]
+
+
 def spawn_local_nodes(
     count: int, hub_addr: str, data_dir: Path, link_mbps: float | None = None, model: Path | None = None,
-    extra_args: tuple[str, ...] = (),
+    extra_args: tuple[str, ...] = (), device: str = "cpu",
 ) -> list[LocalNode]:
-    """`count` nodes joining `hub_addr`, each with the hub's model (`model`; None: the embedded default)."""
+    """`count` nodes joining `hub_addr` on `device`, each with the hub's model (`model`; None: the embedded default)."""
     nodes = []
     for i in range(count):
         node_dir = Path(data_dir) / LOCAL_NODES_DIR / f"node-{i}"
@@ -91,12 +109,7 @@ def spawn_local_nodes(
         price = LOCAL_NODE_PRICES[i % len(LOCAL_NODE_PRICES)]
         # The hub makes the node's key, so it knows its own nodes apart from strangers on its address.
         peer_id = Identity.load_or_create(node_dir / NODE_KEY_FILE).peer_id
-        argv = [
-            "join", "--hub", hub_addr, "--price", str(price),
-            "--backend", "hf", "--device", "cpu", "--data-dir", str(node_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
-            *(["--link-mbps", str(link_mbps)] if link_mbps else []),
-            *(["--model", str(Path(model).resolve())] if model else []), *extra_args,
-        ]
+        argv = join_argv(hub_addr, price, device, node_dir, link_mbps, model, extra_args)
         # daemon: a hub that exits without stopping its nodes (an error) takes them with it.
         process = _FORKSERVER.Process(target=_node_main, args=(argv, str(node_dir / "node.out")),
                                       name=f"echo-node-{i}", daemon=True)

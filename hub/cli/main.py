@@ -33,6 +33,8 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "key": ("key", Path),
     "steps": ("steps", int),
     "local_nodes": ("local_nodes", int),
+    "local_device": ("local_device", str),
+    "device": ("learner.device", str),
     "staleness": ("learner.staleness", int),
     "kappa": ("learner.kappa", int),
     "prompts_per_step": ("learner.prompts_per_step", int),
@@ -70,6 +72,8 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "report_to": ("tracking.report_to", _names),
     "run_name": ("tracking.run_name", str),
 }
+# On/off flags of `echo-hub start` that take no value: given is on (flag name -> dotted HubConfig field).
+START_SWITCHES: dict[str, str] = {"allow_lossy_prompts": "dataset.allow_lossy_prompts"}
 # The flags of `echo-hub eval`: what picks the policy's prompts and how they are sampled.
 EVAL_FLAGS = ("task", "seed", "max_new_tokens", "temperature", "top_p", "dtype", "prompt_column", "answer_column",
               "reward", "dataset_split", "chat", "eval_task", "eval_split", "eval_prompts", "eval_samples", "eval_temperature")
@@ -84,12 +88,16 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
                    help="hub.toml: any field of `echo-hub config` (flat keys like staleness = 4 work too); flags override it")
     for flag, (dotted, kind) in START_FLAGS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted))
+    for flag, dotted in START_SWITCHES.items():
+        p.add_argument("--" + flag.replace("_", "-"), dest=flag, action="store_const", const=True, default=None,
+                       help=flag_help(HubConfig, dotted))
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live progress display")
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--fresh", action="store_true",
                         help="start a new run even if DATA_DIR holds one (the old run is renamed DATA_DIR.old-<time>)")
     resume.add_argument("--resume-anyway", action="store_true",
-                        help="resume DATA_DIR's run even though its model or task differs from this start's")
+                        help="resume DATA_DIR's run even though its model, task or training settings (lr, group "
+                             "size, staleness...) differ from this start's")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.config import flag_help
 
     ev.add_argument("--model", type=Path, required=True, help="policy directory (save_pretrained layout)")
-    ev.add_argument("--config", type=Path, help="hub.toml of the run: its task, sampling and eval settings")
+    ev.add_argument("--config", type=Path, help="hub.toml of the run: its task, sampling and eval settings (default: "
+                    "the echo2.toml a run saves beside each policy, when MODEL has one)")
     for flag in EVAL_FLAGS:
         dotted, kind = START_FLAGS[flag]
         ev.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted))
@@ -138,46 +147,104 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare_start(config, fresh: bool, anyway: bool):
-    """Every check of `echo-hub start` (UserError on a mistake, nothing written), then the data dir lock."""
-    from hub.cli.preflight import Started, check_resume, check_start, lock_data_dir, move_aside
+    """Every check of `echo-hub start` (UserError on a mistake, nothing written), then the data dir lock. None:
+    the run already did the steps asked, and says so."""
+    from hub.cli.preflight import Started, check_resume, check_start, move_aside
     from shared.default_model import default_model_dir
+    from shared.layout import FINAL_DIR, HUB_LOCK_FILE
+    from shared.lock import lock_data_dir
+    from shared.precision import check_device
 
     check_start(config)
+    check_device(config.learner.device, "--device")
+    check_device(config.local_device, "--local-device")
     model_dir = config.model or default_model_dir()
     resume = None if fresh else check_resume(config, model_dir, anyway)
+    if resume is not None and resume.finished:
+        print(f"echo-hub: nothing to do: the run is at step {resume.step}; pass --steps M > {resume.step} to train "
+              f"on (its final policy: {config.data_dir / FINAL_DIR})")
+        return None
     if fresh and config.data_dir.exists() and any(config.data_dir.iterdir()):
-        lock_data_dir(config.data_dir).close()  # refused while another hub runs on it
+        lock_data_dir(config.data_dir, HUB_LOCK_FILE, "hub").close()  # refused while another hub runs on it
         aside = move_aside(config.data_dir, keep_key=config.key is None)
         print(f"echo-hub: --fresh: the old run is now in {aside} (the hub key stays: same address)", file=sys.stderr)
-    return Started(lock=lock_data_dir(config.data_dir), resume=resume)
+    return Started(lock=lock_data_dir(config.data_dir, HUB_LOCK_FILE, "hub"), resume=resume)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """`echo-hub eval`: its config is --config, else the run's saved beside the policy (and it says so), else the
+    defaults; flags override it."""
+    from hub.cli.eval import check_eval, run_eval, saved_run_config
+    from hub.config import HubConfig
+    from shared.config import ConfigError, load_config
+
+    overrides = {START_FLAGS[flag][0]: getattr(args, flag) for flag in EVAL_FLAGS}
+    saved = None if args.config is not None else saved_run_config(args.model)
+    try:
+        config = load_config(HubConfig, args.config or saved, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+        task = check_eval(config, args.model)
+    except (ConfigError, UserError) as exc:
+        print(f"echo-hub eval: {f'{saved}: ' if saved else ''}{exc}", file=sys.stderr)
+        return 2
+    return run_eval(config, args.model, task, args.device, args.json, saved)
+
+
+def _start(args: argparse.Namespace) -> int:
+    """`echo-hub start`: a mistake is one line and exit 2; so is a disk that fills while the hub starts (one that
+    fills while it runs, run_hub stops the run for)."""
+    from hub.config import HubConfig
+    from hub.training.ranks import rank_env
+    from shared.checks import disk_full, free_space
+    from shared.config import ConfigError, load_config
+
+    overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
+    overrides |= {dotted: getattr(args, flag) for flag, dotted in START_SWITCHES.items()}
+    env = rank_env()
+    try:
+        config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+        if env is not None and env.rank > 0:  # a learner rank of a sharded learner: rank 0 runs the hub
+            from hub.cli.run import run_learner_rank
+
+            return run_learner_rank(config, env)
+        started = prepare_start(config, fresh=args.fresh, anyway=args.resume_anyway)
+    except (ConfigError, UserError) as exc:
+        print(f"echo-hub: {exc}", file=sys.stderr)
+        return 2
+    if started is None:
+        return 0
+    if config.local_nodes:
+        from hub.cli.local_nodes import start_node_server
+
+        start_node_server()  # it imports the nodes' modules while this process imports the learner's
+    from hub.cli.run import run_hub
+
+    try:
+        return run_hub(config, progress=not args.no_progress, resume=started.resume, lock=started.lock)
+    except Exception as exc:
+        if disk_full(exc) is None:
+            raise
+        print(f"echo-hub: the disk of --data-dir {config.data_dir} is full ({free_space(config.data_dir)}); free some "
+              "space, or pass another --data-dir", file=sys.stderr, flush=True)
+        return 2
+
+
+def _only_ctrl_c(exc: BaseException) -> bool:
+    """Whether `exc` is Ctrl-C and nothing else (trio wraps what reaches it in exception groups)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(KeyboardInterrupt)[1] is None
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
-        from hub.config import HubConfig
-        from hub.training.ranks import rank_env
-        from shared.config import ConfigError, load_config
-
-        overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
-        env = rank_env()
         try:
-            config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
-            if env is not None and env.rank > 0:  # a learner rank of a sharded learner: rank 0 runs the hub
-                from hub.cli.run import run_learner_rank
-
-                return run_learner_rank(config, env)
-            started = prepare_start(config, fresh=args.fresh, anyway=args.resume_anyway)
-        except (ConfigError, UserError) as exc:
-            print(f"echo-hub: {exc}", file=sys.stderr)
-            return 2
-        if config.local_nodes:
-            from hub.cli.local_nodes import start_node_server
-
-            start_node_server()  # it imports the nodes' modules while this process imports the learner's
-        from hub.cli.run import run_hub
-
-        return run_hub(config, progress=not args.no_progress, resume=started.resume, lock=started.lock)
+            return _start(args)
+        except BaseException as exc:  # Ctrl-C before the run's own handler takes over (a check, the model build)
+            if not _only_ctrl_c(exc):
+                raise
+            print("echo-hub: stopped by Ctrl-C; start it again to go on", file=sys.stderr, flush=True)
+            return 130
     if args.command == "config":
         from hub.config import HubConfig
         from shared.config import example_toml
@@ -205,25 +272,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"echo-hub dashboard: {exc}", file=sys.stderr)
             return 2
     if args.command == "eval":
-        from hub.config import HubConfig
-        from shared.config import ConfigError, load_config
-
-        overrides = {START_FLAGS[flag][0]: getattr(args, flag) for flag in EVAL_FLAGS}
-        try:
-            config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
-            from hub.cli.eval import check_eval
-
-            task = check_eval(config, args.model)
-        except (ConfigError, UserError) as exc:
-            print(f"echo-hub eval: {exc}", file=sys.stderr)
-            return 2
-        from hub.cli.eval import run_eval
-
-        return run_eval(config, args.model, task, args.device, args.json)
+        return _eval(args)
     if args.command == "report":
         from hub.cli.report import write_report
 
-        out = write_report(args.data_dir, args.out)
+        try:
+            out = write_report(args.data_dir, args.out)
+        except UserError as exc:
+            print(f"echo-hub report: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {out}")
         return 0
     raise AssertionError(args.command)

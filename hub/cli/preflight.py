@@ -1,16 +1,19 @@
 """What `echo-hub start` checks before it runs: every user mistake found here is one line and exit 2, before
-anything is written to the data dir. Then it locks the data dir (one hub per data dir) and says what
-it resumes, refusing a resume whose model or task changed.
+anything is written to the data dir. Then `echo-hub start` locks the data dir (shared/lock.py: one hub per
+data dir) and this module says what it resumes: nothing, when the run already did the steps asked; refused,
+when its model, task, held-out prompts or training settings changed (unless --resume-anyway).
 
 Everything here is quick (files, sockets, one read-only SQLite query, importing the task): no torch.
 """
 
 from __future__ import annotations
 
-import fcntl
+import functools
+import json
 import os
 import shutil
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +29,9 @@ from shared.checks import (
     check_model_dir,
     model_fingerprint,
 )
-from shared.layout import CHECKPOINTS_DIR, HUB_KEY_FILE, HUB_STORE_FILE
+from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, HUB_KEY_FILE, HUB_STORE_FILE
+from shared.precision import resolve_device
 from shared.tasks.base import Task
-
-LOCK_FILE = "hub.lock"
 
 
 @dataclass(frozen=True)
@@ -48,24 +50,32 @@ class Resume:
     groups_waiting: int
     model: str
     task: str
+    changed: tuple[str, ...] = ()  # training settings this start changes (--resume-anyway), as "lr 0.0003 -> 3e-05"
+    finished: bool = False  # the run already did the steps this start asks for, and saved its final policy
 
 
 def check_start(config: HubConfig) -> None:
-    """Every check of `echo-hub start` that needs no lock: UserError on the first mistake."""
+    """Every check of `echo-hub start` that needs no lock: UserError on the first mistake; a warning printed for
+    what a flag lets through (--allow-lossy-prompts)."""
     check_data_dir(config.data_dir)
     if config.model is not None:
         check_model_dir(config.model)
-    checked_tasks(config, config.model, evaluate=config.eval.every > 0)
+    tasks = checked_tasks(config, config.model, evaluate=config.eval.every > 0)
     check_lora(config)
     check_learner_procs(config)
     check_trackers(config)
     check_listen(config.listen)
     check_bulk_port(config.listen, config.broadcast.bulk_port)
     check_key_file(config.key_path, "--key" if config.key is not None else "the hub key")
+    from hub.training.tasks import check_prompts
+
+    for warning in check_prompts(config, *tasks):  # last: no warning comes before a mistake in the flags
+        print(f"echo-hub: {warning}", file=sys.stderr, flush=True)
 
 
 def checked_tasks(config: HubConfig, model_dir: Path | None, evaluate: bool) -> tuple[Task, Task | None]:
-    """(training task, held-out task when `evaluate`): UserError naming the flag when one cannot load or is empty."""
+    """(training task, held-out task when `evaluate`): UserError naming the flag when one cannot load or is empty,
+    or naming the reward function when it fails the start check (hub.training.tasks.check_reward)."""
     from hub.training.tasks import held_out, load_hub_task
 
     errors = (ValueError, ImportError, AttributeError, TypeError, OSError)
@@ -75,6 +85,7 @@ def checked_tasks(config: HubConfig, model_dir: Path | None, evaluate: bool) -> 
             raise ValueError("it has no prompts")
     except errors as exc:
         raise UserError(f"--task {config.task}: {str(exc).removeprefix(f'task spec {config.task!r}: ')}") from None
+    checked_reward(task, config.learner.group_size)
     if not evaluate:
         return task, None
     ev = config.eval
@@ -83,6 +94,17 @@ def checked_tasks(config: HubConfig, model_dir: Path | None, evaluate: bool) -> 
     except errors as exc:
         flag = f"--eval-task {ev.task}" if ev.task is not None else f"--eval-split {ev.split:g}"
         raise UserError(f"{flag}: {str(exc).removeprefix(f'task spec {ev.task!r}: ')}") from None
+
+
+def checked_reward(task: Task, group_size: int) -> None:
+    """The task's reward passes the start check; UserError with its one line when it does not."""
+    from hub.training.tasks import check_reward
+    from shared.tasks.base import RewardError
+
+    try:
+        check_reward(task, group_size)
+    except RewardError as exc:
+        raise UserError(str(exc)) from None
 
 
 def check_learner_procs(config: HubConfig) -> None:
@@ -97,7 +119,7 @@ def check_learner_procs(config: HubConfig) -> None:
     if lc.beta > 0:
         raise UserError(f"learner.beta = {lc.beta:g} with {world} learner processes: the KL reference model is not "
                         "sharded; set beta = 0 or run one learner process")
-    if lc.device.startswith("cuda"):
+    if resolve_device(lc.device, "--device") == "cuda":
         import torch
 
         if torch.cuda.device_count() < lc.procs:
@@ -134,26 +156,20 @@ def check_trackers(config: HubConfig) -> None:
                         f"{TRACK_EXTRA}")
 
 
-def lock_data_dir(data_dir: Path) -> IO[str]:
-    """Hold DATA_DIR/hub.lock for as long as the returned file stays open: a second hub is refused."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the life of the hub
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise UserError(f"--data-dir {data_dir}: another hub (pid {holder}) is running on it; stop it, or pass "
-                        "another --data-dir") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
-
-
-RUN_IDENTITY_KEYS = ("model_fingerprint", "task", "held_out")
+# What a run trains with besides its model, task and held-out prompts, by the name the user knows (its flag, or
+# its hub.toml key) -> where HubConfig keeps it. A resume that changes one is refused unless --resume-anyway;
+# what changes only how or how long the run goes (devices, ports, logging, steps, checkpoints) never is.
+TRAINING_SETTINGS = {
+    "lr": "learner.lr", "group_size": "learner.group_size", "prompts_per_step": "learner.prompts_per_step",
+    "staleness": "learner.staleness", "kappa": "learner.effective_kappa", "seed": "learner.seed",
+    "weight_decay": "learner.weight_decay", "grad_clip": "learner.grad_clip", "eps_low": "learner.eps_low",
+    "eps_high": "learner.eps_high", "use_is_ratio": "learner.use_is_ratio", "max_is_ratio": "learner.max_is_ratio",
+    "beta": "learner.beta", "advantage_scale": "learner.advantage_scale",
+    "skip_zero_variance": "learner.skip_zero_variance",
+    "max_new_tokens": "sampling.max_new_tokens", "temperature": "sampling.temperature", "top_p": "sampling.top_p",
+    "prompt_column": "dataset.prompt_column", "answer_column": "dataset.answer_column", "reward": "dataset.reward",
+    "dataset_split": "dataset.split", "chat": "dataset.chat",
+}
 
 
 def held_out_spec(config: HubConfig) -> str:
@@ -163,14 +179,31 @@ def held_out_spec(config: HubConfig) -> str:
     return f"task {config.eval.task.strip()}" if config.eval.task is not None else f"split {config.eval.split:g}"
 
 
-def run_identity(config: HubConfig, model_dir: Path) -> tuple[str, str, str]:
-    """(model fingerprint, task, held-out prompts) of the run this start asks for."""
-    return model_fingerprint(model_dir), config.task.strip(), held_out_spec(config)
+def training_settings(config: HubConfig) -> dict[str, str]:
+    """TRAINING_SETTINGS of `config`, each value as JSON text (how the store records them)."""
+    return {name: json.dumps(functools.reduce(getattr, dotted.split("."), config))
+            for name, dotted in TRAINING_SETTINGS.items()}
 
 
-def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | None:
-    """What the data dir's existing run is (None: a fresh one). UserError when it trains another model or
-    task than this start asks for, unless `anyway`."""
+def run_identity(config: HubConfig, model_dir: Path) -> dict[str, str]:
+    """What the run this start asks for trains (the store records it; a resume is checked against it): the model's
+    fingerprint, the task, the held-out prompts and the training settings."""
+    return {"model_fingerprint": model_fingerprint(model_dir), "task": config.task.strip(),
+            "held_out": held_out_spec(config), **training_settings(config)}
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """What a data dir's store says of its run: what it trains (Store.set_run), its step, its waiting groups."""
+
+    meta: dict[str, str]
+    step: int
+    groups_waiting: int
+
+
+def read_run(config: HubConfig) -> RecordedRun | None:
+    """The run the data dir's store records (None: none yet), read without writing a byte. UserError when the
+    store is of another echo2 schema."""
     store = config.data_dir / HUB_STORE_FILE
     if not store.exists():
         return None
@@ -189,26 +222,57 @@ def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | N
                             "(the old run is moved aside) or another --data-dir")
         if "run" not in tables:
             return None
-        meta = dict(db.execute("SELECT key, value FROM run").fetchall())
-        step = db.execute("SELECT COALESCE(MAX(step), 0) FROM steps").fetchone()[0]
-        waiting = db.execute(
-            "SELECT COUNT(*) FROM trajectories WHERE verdict = 'accepted' AND consumed_step IS NULL"
-            " AND discard_reason IS NULL"
-        ).fetchone()[0]
+        return RecordedRun(
+            meta=dict(db.execute("SELECT key, value FROM run").fetchall()),
+            step=db.execute("SELECT COALESCE(MAX(step), 0) FROM steps").fetchone()[0],
+            groups_waiting=db.execute(
+                "SELECT COUNT(*) FROM trajectories WHERE verdict = 'accepted' AND consumed_step IS NULL"
+                " AND discard_reason IS NULL"
+            ).fetchone()[0],
+        )
     finally:
         db.close()
+
+
+def check_same_run(config: HubConfig, model_dir: Path, meta: dict[str, str]) -> None:
+    """UserError when the recorded run trains another model, task or held-out prompts than this start asks for."""
     fingerprint = model_fingerprint(model_dir) if model_dir.exists() else None
     asked = (("model", "model_fingerprint", fingerprint), ("task", "task", config.task.strip()),
              ("held-out prompts", "held_out", held_out_spec(config)))
-    changed = [what for what, key, now in asked if now is not None and key in meta and meta[key] != now]
-    if changed and not anyway:
-        shown = {"model": "model", "task": "task", "held-out prompts": "held_out"}
-        was = ", ".join(f"{what} {meta[shown[what]]!r}" for what in changed)
-        raise UserError(f"--data-dir {config.data_dir} holds a run of another {' and '.join(changed)} ({was}); pass "
-                        "--fresh to start over (the old run is moved aside), --resume-anyway to go on with the "
-                        "new one, or another --data-dir")
-    check_checkpoint_fits(config)
-    return Resume(step=step, groups_waiting=waiting, model=meta.get("model", "?"), task=meta.get("task", "?"))
+    changed = [(what, key) for what, key, now in asked if now is not None and key in meta and meta[key] != now]
+    if changed:
+        was = ", ".join(f"{what} {meta[key]!r}" for what, key in changed)
+        raise UserError(f"--data-dir {config.data_dir} holds a run of another {' and '.join(w for w, _ in changed)} "
+                        f"({was}); pass --fresh to start over (the old run is moved aside), --resume-anyway to go on "
+                        "with the new one, or another --data-dir")
+
+
+def changed_settings(config: HubConfig, meta: dict[str, str]) -> tuple[str, ...]:
+    """The training settings this start changes from the recorded run's, each as "lr 0.0003 -> 3e-05" (a store
+    that predates a setting records none of it: nothing to compare)."""
+    now = training_settings(config)
+    return tuple(f"{name} {meta[name]} -> {value}" for name, value in now.items() if name in meta and meta[name] != value)
+
+
+def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | None:
+    """What the data dir's existing run is (None: a fresh one). UserError when it trains another model, task or
+    held-out prompts, or with other training settings, than this start asks for, unless `anyway`."""
+    run = read_run(config)
+    if run is None:
+        return None
+    changed = changed_settings(config, run.meta)
+    if not anyway:
+        check_same_run(config, model_dir, run.meta)
+        if changed:
+            raise UserError(f"--data-dir {config.data_dir}: on resume: {', '.join(changed)}; start it with the run's "
+                            "settings, pass --resume-anyway to go on with these, or --fresh to start over (the old run "
+                            "is moved aside)")
+    resume = Resume(step=run.step, groups_waiting=run.groups_waiting, model=run.meta.get("model", "?"),
+                    task=run.meta.get("task", "?"), changed=changed,
+                    finished=0 < config.steps <= run.step and (config.data_dir / FINAL_DIR).is_dir())
+    if not resume.finished:  # a finished run loads no checkpoint
+        check_checkpoint_fits(config)
+    return resume
 
 
 def check_checkpoint_fits(config: HubConfig) -> None:
@@ -241,7 +305,11 @@ def move_aside(data_dir: Path, keep_key: bool) -> Path:
     """--fresh: the old run is renamed, never deleted; the new run starts in an empty data dir, with the hub's
     key copied back when it lived there (`keep_key`), so the hub keeps its address."""
     aside = data_dir.with_name(f"{data_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.rename(data_dir, aside)
+    try:
+        os.rename(data_dir, aside)
+    except OSError as exc:  # a name past the filesystem's limit, a data dir that is a mount point...
+        raise UserError(f"--fresh: the old run in --data-dir {data_dir} cannot be renamed {aside.name} "
+                        f"({exc.strerror}); move it away yourself, or pass another --data-dir") from None
     if keep_key and (aside / HUB_KEY_FILE).exists():
         data_dir.mkdir()
         shutil.copy2(aside / HUB_KEY_FILE, data_dir / HUB_KEY_FILE)

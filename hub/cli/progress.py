@@ -1,5 +1,6 @@
 """What a running hub tells the terminal: a live rich progress bar on a terminal, plain lines every few seconds
-otherwise (a log file, a pipe, `--no-progress`), and a warning when the learner stalls while work arrives."""
+otherwise (a log file, a pipe, `--no-progress`), and a warning when the learner stalls while work arrives
+(accepted or rejected: a fleet whose every group is rejected is a stall too, named by its top reason)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,9 @@ ZERO_VARIANCE_SHARE = 0.8
 
 def _line(status: HubStatus) -> str:
     states = [n.state for n in status.nodes]
-    reward = f"{status.reward_mean:.2f}" if status.reward_mean is not None else "-"
     bubble = f"{status.bubble:.2f}" if status.bubble is not None else "-"
     return (
-        f"v{status.version} reward {reward} | nodes {states.count('active')} active "
+        f"v{status.version} rollout reward {status.recent_reward_text(2)} | nodes {states.count('active')} active "
         f"{states.count('standby')} standby | accepted {status.totals.accepted} | bubble {bubble} | ${status.cost_usd:.4f}"
     )
 
@@ -69,26 +69,52 @@ def stall_cause(discards: dict[str, int], waiting: int, needed: int) -> str:
     return f"only {waiting} usable groups waiting, {needed} needed per step: the fleet is too slow or too small"
 
 
+def rejection_cause(reasons: dict[str, int], rejected: int) -> str:
+    """Why the groups that arrive are refused: the most frequent reason among the recent rejections."""
+    total = sum(reasons.values())
+    if not total:
+        return f"{rejected} of them were rejected"
+    top = max(reasons, key=reasons.__getitem__)
+    return (f"{rejected} of them were rejected, most for \"{top}\" ({reasons[top]} of the last {total} rejections): "
+            "the nodes' work fails the hub's checks (each node is told why)")
+
+
+def _groups_in(hub) -> tuple[int, int]:
+    """(accepted, rejected) groups received so far."""
+    groups = hub.state.totals.groups
+    return groups.accepted, groups.rejected
+
+
+async def _cause(hub, accepted: int, rejected: int) -> str:
+    """Why no step came of the groups that arrived: mostly rejected, or accepted but not enough to train on."""
+    if rejected >= accepted:
+        reasons = await trio.to_thread.run_sync(hub.state.store.recent_rejections, 256)
+        return rejection_cause(reasons, rejected)
+    discards = await trio.to_thread.run_sync(hub.state.store.recent_discards, 256)
+    return stall_cause(discards, len(hub.state.buffer), hub.config.learner.prompts_per_step)
+
+
 async def watch_for_stalls(hub, threshold_s: float) -> None:
     """Warn (log, event, terminal) when no learner step for `threshold_s` while groups keep arriving."""
     last_step, since = hub.learner.step, trio.current_time()
-    accepted_then = hub.state.totals.groups.accepted
+    then = _groups_in(hub)
     warned = False
     while True:
         await trio.sleep(STALL_CHECK_S)
         if hub.learner.step != last_step:
             last_step, since, warned = hub.learner.step, trio.current_time(), False
-            accepted_then = hub.state.totals.groups.accepted
+            then = _groups_in(hub)
             continue
-        arrived = hub.state.totals.groups.accepted - accepted_then
-        if arrived == 0:
+        now = _groups_in(hub)
+        accepted, rejected = now[0] - then[0], now[1] - then[1]
+        if accepted + rejected == 0:
             since = trio.current_time()  # waiting for work is not a stall: the clock runs once work arrives
             continue
         if warned or trio.current_time() - since < threshold_s:
             continue
-        discards = await trio.to_thread.run_sync(hub.state.store.recent_discards, 256)
-        cause = stall_cause(discards, len(hub.state.buffer), hub.config.learner.prompts_per_step)
-        detail = f"no learner step for {trio.current_time() - since:.0f}s while {arrived} groups arrived: {cause}"
+        cause = await _cause(hub, accepted, rejected)
+        detail = (f"no learner step for {trio.current_time() - since:.0f}s while {accepted + rejected} groups arrived: "
+                  f"{cause}")
         log.warning(detail)
         print(f"echo-hub: warning: {detail}", flush=True)
         await hub.state.event("learner_stalled", None, detail)

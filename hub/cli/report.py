@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hub.training.metrics import policy_reward, read_evals, read_metrics
+from shared.checks import UserError
 from shared.layout import METRICS_FILE, REPORT_FILE
 
 
@@ -46,6 +47,11 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
     axes[2].legend(loc="upper right")
     fig.suptitle(f"echo2 run: {Path(data_dir).resolve().name}")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as exc:  # a read-only data dir (a finished run on a shared mount), a full disk...
+        raise UserError(f"{out}: cannot write it ({exc.strerror}); pass --out PATH in a directory you can "
+                        "write to") from None
+    finally:
+        plt.close(fig)
     return out

@@ -9,11 +9,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import trio
 
-from hub.cli.local_nodes import LocalNode, spawn_local_nodes, stop_local_nodes
+from hub.cli.local_nodes import LocalNode, local_nodes_device, spawn_local_nodes, stop_local_nodes
 from hub.cli.preflight import Resume
 from hub.config import HubConfig
 from hub.records.snapshots import SnapshotShelf
@@ -31,15 +31,19 @@ from hub.training.distributed import (
 )
 from hub.training.ranks import RankEnv, rank_env
 from hub.training.trackers import open_trackers
+from shared.checks import disk_full, free_space
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logs import setup_logging
 from shared.messages import EvalPoint, RejectCode
 from shared.net import address_key, running_host
+from shared.precision import device_phrase
 from shared.signals import Stopper
+from shared.tasks.base import RewardError
 from shared.units import BYTES_PER_MBIT
 
 log = logging.getLogger("echo2.hub")
+E = TypeVar("E", bound=BaseException)
 
 
 def dialable_addrs(addrs: list[str]) -> list[str]:
@@ -63,6 +67,7 @@ class Hub:
 
     def __init__(self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool) -> None:
         from hub.cli.build import build_hub_state
+        from hub.cli.card import run_card
         from hub.training.evaluation import EvalRunner, Evaluator
         from hub.training.loop import LearnerComponent
         from shared.adapters import LoraSpec
@@ -100,6 +105,7 @@ class Hub:
             extra_metrics=lambda step: self.scheduler.step_metrics(step, self.state.cost_usd(time.time())),
             trackers=self.trackers, evaluation=self.evaluation, ranks=self._join_ranks(),
             probe=lambda path, whole_hash: auditor.install_probe(path, whole_hash, rows),
+            card=functools.partial(run_card, config, model_dir),
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
@@ -216,6 +222,7 @@ class Hub:
                     self.local_nodes = await trio.to_thread.run_sync(functools.partial(
                         spawn_local_nodes, config.local_nodes, self.addrs[0], config.data_dir,
                         link_mbps=config.broadcast.link_mbps, model=config.model, extra_args=("--dtype", self.dtype),
+                        device=config.local_device,
                     ))
                     state.own_nodes = frozenset(n.peer_id for n in self.local_nodes)
                 from hub.cli.progress import live_progress, plain_progress, watch_for_stalls
@@ -226,8 +233,6 @@ class Hub:
                 if self.watch is not None:
                     nursery.start_soon(self._watch_ranks)
                 await self.learner.run()
-                if self.evaluation is not None:  # the final policy's evaluation belongs to the run
-                    await self.evaluation.finish(self.learner.step, self.learner.learner.state_dict)
                 self.status.running = False
                 await self.status.refresh()
                 nursery.cancel_scope.cancel()
@@ -241,11 +246,32 @@ class Hub:
         print(f"data dir: {self.config.data_dir.resolve()}  (logs: {HUB_LOG_FILE}, metrics: {METRICS_FILE})", flush=True)
 
 
+def on_this_machine(config: HubConfig) -> HubConfig:
+    """`config` with its devices resolved here, once: the learner's (auto: cuda when torch sees a GPU) and the local
+    nodes' (auto: the learner's)."""
+    from shared.precision import resolve_device
+
+    learner = resolve_device(config.learner.device, "--device")
+    return config.model_copy(update={"learner": config.learner.model_copy(update={"device": learner}),
+                                     "local_device": local_nodes_device(config.local_device, learner)})
+
+
+def announce_device(device: str) -> None:
+    """Say, and log, where the learner runs."""
+    import torch
+
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else ""
+    line = f"learner on {device_phrase(device, torch.cuda.is_available(), gpu)}"
+    print(f"echo-hub: {line}", flush=True)
+    log.info(line)
+
+
 def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = None, lock: IO[str] | None = None) -> int:
     """Run the hub until its steps are done or it is interrupted. `lock`: the data dir lock, held until we return."""
     if resume is not None:
+        changed = f"; on resume (--resume-anyway): {', '.join(resume.changed)}" if resume.changed else ""
         print(f"echo-hub: resuming the run in {config.data_dir} at step {resume.step} "
-              f"({resume.groups_waiting} groups waiting; task {resume.task})", flush=True)
+              f"({resume.groups_waiting} groups waiting; task {resume.task}){changed}", flush=True)
     setup_logging(config.data_dir / HUB_LOG_FILE, config.log_level)
     import torch
     import transformers
@@ -255,6 +281,8 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
 
     torch.set_num_threads(config.learner.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
+    config = on_this_machine(config)
+    announce_device(config.learner.device)
     identity = Identity.load_or_create(config.key_path)
     model_dir = Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty()))
     try:
@@ -262,21 +290,25 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     except LearnerRankLost as exc:
         print(f"echo-hub: {exc}", file=sys.stderr, flush=True)
         return 1
+    failure: RewardError | None = None
     try:
         trio.run(hub.run)
-    except BaseException as exc:  # noqa: BLE001 - a lost learner rank is handled, anything else re-raised
-        lost = _lost_rank(exc)
-        if lost is None:
+    except BaseException as exc:  # noqa: BLE001 - a lost learner rank or a failed reward is handled, the rest re-raised
+        lost = _found(exc, LearnerRankLost)
+        if lost is not None:
+            return _stop_without_checkpoint(hub, str(lost), "Start it again", code=1)
+        if disk_full(exc) is not None:
+            where = config.data_dir
+            return _stop_without_checkpoint(hub, f"the disk of --data-dir {where} is full ({free_space(where)})",
+                                            "Free some space and start it again", code=2)
+        failure = _found(exc, RewardError)
+        if failure is None:
             raise
-        return _stop_after_lost_rank(hub, lost)
     finally:
         stop_local_nodes(hub.local_nodes)
-    interrupted = hub.stopper.signal_name is not None
+    interrupted = hub.stopper.signal_name is not None or failure is not None
     if interrupted:
-        stopped = f"{len(hub.local_nodes)} local nodes stopped; " if hub.local_nodes else ""
-        print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
-        hub.learner.save_state()
-        hub.status.running = False
+        _save_stopped_run(hub, failure)
     if hub.watch is not None or rank_env() is not None:
         hub.learner.learner.stop()  # the other ranks leave their command loop
         if hub.watch is not None:
@@ -286,36 +318,54 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     hub.trackers.close()
     hub.state.store.close()
     print_summary(config.data_dir, interrupted=interrupted)
+    if failure is not None:
+        saved = " with a checkpoint" if hub.learner.step > 0 else ""
+        print(f"echo-hub: {failure}: the run stopped at step {hub.learner.step}{saved} (the traceback is in "
+              f"{HUB_LOG_FILE}); start it again to resume", file=sys.stderr, flush=True)
+        return 1
     return 130 if interrupted else 0
 
 
-def _lost_rank(exc: BaseException) -> LearnerRankLost | None:
-    """The LearnerRankLost in `exc` (trio nurseries wrap what their tasks raise in exception groups)."""
-    if isinstance(exc, LearnerRankLost):
+def _save_stopped_run(hub: Hub, failure: RewardError | None) -> None:
+    """A run stopped before its last step (Ctrl-C, SIGTERM, the task's reward failing): its checkpoint and policy
+    saved, so that starting it again resumes."""
+    if failure is None:
+        stopped = f"{len(hub.local_nodes)} local nodes stopped; " if hub.local_nodes else ""
+        print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
+    hub.learner.save_state()
+    hub.status.running = False
+
+
+def _found(exc: BaseException, kind: type[E]) -> E | None:
+    """The first `kind` in `exc` (trio nurseries wrap what their tasks raise in exception groups)."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
-        return next((found for inner in exc.exceptions if (found := _lost_rank(inner)) is not None), None)
+        return next((found for inner in exc.exceptions if (found := _found(inner, kind)) is not None), None)
     return None
 
 
-def _stop_after_lost_rank(hub: Hub, exc: LearnerRankLost) -> int:
-    """A learner rank died: no collective can run any more (no checkpoint, no final policy); keep what the
-    store holds and say how to go on."""
+def _stop_without_checkpoint(hub: Hub, why: str, how: str, code: int) -> int:
+    """A failure after which no checkpoint can be saved (a learner rank died: no collective runs any more; the data
+    dir's disk is full): keep what the store holds, close the rest, and say in one line `why` and `how` to go on.
+    Each closing write is tried: on a full disk it may fail for that same reason."""
     from hub.training.checkpoint import latest_checkpoint
     from shared.layout import CHECKPOINTS_DIR
 
     if hub.watch is not None:
         hub.watch.kill()
-    hub.state.flush_sync()
     hub.status.running = False
-    hub.status.refresh_sync()
-    hub.trackers.close()
-    hub.state.store.close()
+    for close in (hub.state.flush_sync, hub.status.refresh_sync, hub.trackers.close, hub.state.store.close):
+        try:
+            close()
+        except Exception as exc:
+            if disk_full(exc) is None:
+                raise
     checkpoint = latest_checkpoint(hub.config.data_dir / CHECKPOINTS_DIR)
     resume = f"checkpoint step {checkpoint.step}" if checkpoint else "the start (no checkpoint yet)"
-    print(f"echo-hub: {exc}: the run stopped at step {hub.learner.step}. Start it again to resume from {resume}; "
+    print(f"echo-hub: {why}: the run stopped at step {hub.learner.step}. {how} to resume from {resume}; "
           "acknowledged groups are kept.", file=sys.stderr, flush=True)
-    return 1
+    return code
 
 
 def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
@@ -327,7 +377,7 @@ def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
     from shared.default_model import ensure_default_model
 
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s rank {env.rank} %(levelname)s %(name)s: %(message)s")
-    lc = config.learner
+    lc = on_this_machine(config).learner
     torch.set_num_threads(lc.threads)
     transformers.utils.logging.disable_progress_bar()
     model_dir = Path(config.model or ensure_default_model(progress=False))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from rich import box
@@ -12,8 +13,10 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.checks import UserError, check_key_file, check_peer_addr
-from shared.layout import HUB_STATUS_FILE
-from shared.messages import TALLY_FIELDS, TALLY_SHORT, HubStatus, short_id
+from shared.layout import HUB_LOCK_FILE, HUB_STATUS_FILE
+from shared.lock import live_holder
+from shared.messages import STALE_FILE_S, TALLY_FIELDS, TALLY_SHORT, HubStatus, short_id
+from shared.units import duration
 
 STATUS_TIMEOUT_S = 10.0
 
@@ -37,12 +40,36 @@ def fetch_status(hub_addr: str, key: Path | None = None) -> HubStatus:
     return trio.run(fetch)
 
 
-def render(status: HubStatus, console: Console) -> None:
+def run_state(status: HubStatus, data_dir: Path | None = None, now: float | None = None) -> str:
+    """What the hub is doing: "running", "finished", "stopped", or, for a hub whose status file says running but
+    which died without a word (SIGKILL, a power cut), "stopped (last seen <time>, <N> s ago)". `data_dir`: the
+    status came from its file, so DATA_DIR/hub.lock's pid tells whether its writer still runs."""
+    if not status.running:
+        return "finished" if status.steps_target and status.step >= status.steps_target else "stopped"
+    if data_dir is None:
+        return "running"  # the hub itself answered
+    age_s = (time.time() if now is None else now) - status.updated_at
+    pid = live_holder(data_dir, HUB_LOCK_FILE)
+    if pid is not None:
+        return "running" if age_s <= STALE_FILE_S else f"running (pid {pid}; status not rewritten for {duration(age_s)})"
+    if not (data_dir / HUB_LOCK_FILE).exists() and age_s <= STALE_FILE_S:
+        return "running"  # no lock file to ask (a copied data dir): the status is fresh
+    return f"stopped (last seen {_clock(status.updated_at)}, {duration(age_s)} ago)"
+
+
+def _clock(at: float) -> str:
+    """14:03:07 today, 2026-11-30 14:03 on an earlier day."""
+    same_day = time.localtime(at)[:3] == time.localtime()[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M", time.localtime(at))
+
+
+def render(status: HubStatus, console: Console, state: str | None = None) -> None:
+    """The status as tables; `state` (run_state's) in place of the status's own running flag."""
     head = Table.grid(padding=(0, 2))
-    head.add_row("hub", status.hub_id, "running" if status.running else "finished")
+    head.add_row("hub", status.hub_id)
+    head.add_row("state", state or run_state(status))
     head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
-    reward = f"{status.reward_mean:.3f}" if status.reward_mean is not None else "-"
-    head.add_row("reward", f"{reward} (last step)", f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
+    head.add_row("rollout reward", status.recent_reward_text(), f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
     if status.evals:
         e = status.evals[-1]
         passes = f"pass@1 {e.pass_at_1:.3f}, pass@{e.k} {e.pass_at_k:.3f}" if e.k > 1 else f"pass@1 {e.pass_at_1:.3f}"
@@ -91,25 +118,38 @@ def run_status(hub: str | None, data_dir: Path | None, as_json: bool, key: Path 
         except Exception as exc:  # noqa: BLE001 - dial and protocol errors share no base class
             print(f"echo-hub status: no answer from {hub}: {_reason(exc)}", file=sys.stderr)
             return 1
+        state = run_state(status)
     else:
-        path = Path(data_dir or "echo2-data") / HUB_STATUS_FILE
-        if not path.exists():
-            raise UserError(f"no {path}: give the --data-dir of a hub, or --hub ADDR")
-        try:
-            status = HubStatus.model_validate_json(path.read_text())
-        except ValueError:
-            print(f"echo-hub status: {path} is not a hub status (written by another echo2?)", file=sys.stderr)
+        data_dir = Path(data_dir or "echo2-data")
+        status = _read_status_file(data_dir / HUB_STATUS_FILE)
+        if status is None:
             return 1
+        state = run_state(status, data_dir)
+        if status.running and state.startswith("stopped"):
+            status = status.model_copy(update={"running": False})  # what its file says is no longer true
+            if as_json:
+                print(f"echo-hub status: the hub {state}", file=sys.stderr)
     try:
         if as_json:
             print(status.model_dump_json(indent=2))
         else:
-            render(status, Console())
+            render(status, Console(), state)
         sys.stdout.flush()
     except BrokenPipeError:
         # `echo-hub status --json | head`: the reader has what it wanted.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _read_status_file(path: Path) -> HubStatus | None:
+    """The HubStatus a data dir's hub last wrote; None (said on stderr) when the file holds something else."""
+    if not path.exists():
+        raise UserError(f"no {path}: give the --data-dir of a hub, or --hub ADDR")
+    try:
+        return HubStatus.model_validate_json(path.read_text())
+    except ValueError:
+        print(f"echo-hub status: {path} is not a hub status (written by another echo2?)", file=sys.stderr)
+        return None
 
 
 def _reason(exc: BaseException) -> str:

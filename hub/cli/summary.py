@@ -14,8 +14,13 @@ from shared.messages import HubStatus, short_id
 
 def fifth_means(values: list[float]) -> tuple[float, float]:
     """Mean of the first and of the last fifth (at least one value each)."""
-    k = max(1, len(values) // 5)
+    k = fifth(len(values))
     return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def fifth(n: int) -> int:
+    """How many of `n` values a fifth is (at least one)."""
+    return max(1, n // 5)
 
 
 def print_summary(data_dir: Path, interrupted: bool = False) -> None:
@@ -29,7 +34,9 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
     if rows:
         first, last = fifth_means([policy_reward(r) for r in rows])
         table.add_row("learner steps", str(rows[-1]["step"]))
-        table.add_row("reward (first fifth -> last fifth)", f"{first:.3f} -> {last:.3f}")
+        k = fifth(len(rows))
+        table.add_row(f"rollout reward, first fifth -> last fifth ({k} step{'s' if k > 1 else ''} each)",
+                      f"{first:.3f} -> {last:.3f}")
         table.add_row("staleness mean / max", f"{sum(r['staleness_mean'] for r in rows) / len(rows):.2f} / {max(r['staleness_max'] for r in rows)}")
         table.add_row("bubble ratio (mean)", f"{sum(r['bubble'] for r in rows) / len(rows):.3f}")
         table.add_row("T_train mean", f"{sum(r['t_train_s'] for r in rows) / len(rows):.3f} s")

@@ -680,6 +680,15 @@ class Store:
         )
         return {r["how"]: int(r["n"]) for r in rows}
 
+    def recent_rejections(self, limit: int) -> dict[str, int]:
+        """Why the newest `limit` rejected groups were rejected: reason -> count."""
+        rows = self._rows(
+            "SELECT COALESCE(reason, '?') AS why, COUNT(*) AS n FROM ("
+            " SELECT reason FROM trajectories WHERE verdict = 'rejected' ORDER BY id DESC LIMIT ?) GROUP BY why",
+            (limit,),
+        )
+        return {r["why"]: int(r["n"]) for r in rows}
+
     def dropped_stale_count(self) -> int:
         """Accepted groups ever dropped as too stale to train on."""
         return int(self._rows("SELECT COUNT(*) AS n FROM trajectories WHERE discard_reason = ?", (REASON_STALE,))[0]["n"])

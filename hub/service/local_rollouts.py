@@ -4,7 +4,8 @@ It behaves like a node seen from the hub: it only ever holds a published snapsho
 delivered `install_delay_s` late, to emulate broadcast time T_bcast and so staleness), it
 makes no group older than the learner can use (like a lease's min_version), and its groups
 go through the same path as submissions: hub-side reward, a committed accepted store row,
-then the buffer (a buffer refusal is recorded on the row, never silent), all by HubState.
+then the buffer (a buffer refusal is recorded on the row, never silent), all by HubState. A reward that
+fails (shared.tasks.base.RewardError) ends it, and the run with it.
 
 The engine is passed in (hub/ does not import node/): anything with
 install(path: Path, version: int) and generate(prompts, n, sampling) -> list[list[Completion]].
@@ -22,7 +23,7 @@ import trio
 from hub.service.state import HubState
 from hub.training.loop import SnapshotPublished
 from shared.rollout import Completion, Group, SamplingParams
-from shared.tasks.base import Prompt, Task
+from shared.tasks.base import Prompt, Task, checked_rewards
 
 
 class RolloutEngine(Protocol):
@@ -111,7 +112,7 @@ class LocalRollouts:
                     prompt_text=prompt.text,
                     version=version,
                     completions=tuple(completions),
-                    rewards=tuple(self.task.reward(prompt, c.text) for c in completions),
+                    rewards=checked_rewards(self.task, prompt, [c.text for c in completions]),
                 )
             )
         return groups

@@ -28,7 +28,8 @@ what it showed before, and a failed audit voids only pay booked after the node's
 
 Everything here runs on the trio thread except the `record_*` methods marked as learner records,
 which touch only the store. Peer faults raise `PeerFault`; anything else is our own invariant
-and propagates.
+and propagates. A failure of the operator's reward is neither: the submission it scored is answered
+busy, nothing of it is committed or counted against its node, and `run` raises the failure to stop the run.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from shared.messages import EvalPoint, Heartbeat, JoinRequest, NodeState, Reject
 from shared.net import address_key
 from shared.precision import resolve_dtype
 from shared.rollout import Group
-from shared.tasks.base import Task
+from shared.tasks.base import RewardError, Task
 from shared.wire import PeerFault, signed_caps
 
 log = logging.getLogger("echo2.hub.state")
@@ -162,6 +163,7 @@ class HubState:
         # Nodes `echo-hub start` spawned itself (their keys made by the hub): exempt from the per-address quota.
         self.own_nodes: frozenset[str] = frozenset()
         self.prompts_per_step = lc.prompts_per_step
+        self.group_size = lc.group_size
         self.staleness = lc.staleness
         self.learner_price_per_hour = lc.learner_price_per_hour
         self.oldest_useful_version = oldest_useful_version
@@ -177,6 +179,8 @@ class HubState:
         self.room = BufferRoom(self.buffer)
         # Called after a node joins, leaves, is banned or gets measured: chains and activation follow.
         self.on_membership: list[Callable[[], None]] = []
+        # The first failure of the operator's reward: the run stops with it (`run` raises it).
+        self.reward_failure: RewardError | None = None
         if run is not None:
             store.set_run(run)  # what this run trains: a later start that asks for another is refused
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
@@ -193,6 +197,10 @@ class HubState:
             self.fleet.put(NodeRecord.from_row(row))
         refill_refused: dict[str, list[int]] = {}
         for row_id, group in self.store.unconsumed_groups():
+            if len(group.rewards) != self.group_size:  # made before a resume changed group_size: no step takes it
+                refill_refused.setdefault(f"group size {len(group.rewards)}, not the run's {self.group_size}",
+                                          []).append(row_id)
+                continue
             result = self.buffer.add(group, row_id)
             if not result.accepted:
                 refill_refused.setdefault(result.reason or "refused", []).append(row_id)
@@ -444,7 +452,11 @@ class HubState:
             raise PeerFault("submission names another node")
         now = self.clock()
         with self._claimed(submission.lease_id, peer, now) as lease:
-            verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, rules, self.window())
+            try:
+                verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, rules, self.window())
+            except RewardError as exc:
+                self.reward_failed(exc)
+                raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
             if lease.closed:
                 raise PeerFault("lease withdrawn while the submission was checked", RejectCode.BAD_LEASE)
             verdicts, copies = reject_copies(verdicts, self.copies, peer, lease.lease_id)
@@ -458,6 +470,13 @@ class HubState:
             late=tuple((v.prompt_id, v.reason) for v in refused if v.late),
             paid_usd=usd,
         )
+
+    def reward_failed(self, exc: RewardError) -> None:
+        """The operator's reward failed on work it scored: nothing of that work is committed or counted against
+        its node, and the run stops (`run` raises the first failure; its traceback is logged once)."""
+        if self.reward_failure is None:
+            self.reward_failure = exc
+            log.error("%s: stopping the run", exc, exc_info=exc.__cause__ or exc)
 
     @contextmanager
     def _claimed(self, lease_id: str, peer: str, now: float) -> Iterator[LeaseRecord]:
@@ -703,12 +722,14 @@ class HubState:
 
     async def run(self) -> None:
         """Lease sweeps every second, liveness flushes every FLUSH_PERIOD_S, audits as they come (a component
-        of the hub's nursery)."""
+        of the hub's nursery). Raises the reward's first failure: the run cannot go on without its reward."""
         flushed = self.clock()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.run_audits)
             while True:
+                if self.reward_failure is not None:
+                    raise self.reward_failure
                 await trio.sleep(1.0)
                 await self.sweep()
                 if self.clock() - flushed >= FLUSH_PERIOD_S:

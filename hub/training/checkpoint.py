@@ -3,6 +3,8 @@
 A LoRA run's checkpoint holds its adapters (ADAPTER_FILE) instead of the model: the base never changes.
 A learner sharded over several ranks writes a torch.distributed.checkpoint directory (SHARDED_SUBDIR:
 every rank its shard of the weights and optimizer state), which any number of ranks can resume.
+Beside the weights, a checkpoint holds the text files it is given: the run card (hub/cli/card.py) that says
+which run's policy it is.
 
 A checkpoint is written into a temporary sibling directory, every file fsynced, then renamed
 into place and the parent fsynced, so a directory named `step-NNNNNNNN` is always complete.
@@ -79,11 +81,11 @@ def _fsync_tree(root: Path) -> None:
 def save_checkpoint(
     root: Path, step: int, version: int, model, tokenizer, optimizer, keep: int = CHECKPOINTS_KEPT,
     adapter: Mapping[str, torch.Tensor] | None = None, sharded: Callable[[Path], None] | None = None,
-    adapter_metadata: Mapping[str, str] | None = None,
+    adapter_metadata: Mapping[str, str] | None = None, files: Mapping[str, str] | None = None,
 ) -> CheckpointInfo:
     """Atomically write the checkpoint of `step` (`adapter`: a LoRA run's adapters, saved instead of the
     model, with `adapter_metadata`, their spec; `sharded`: writes every rank's shard into the directory it is given, instead of the model and
-    optimizer); returns where it lives."""
+    optimizer; `files`: text files written beside them, name -> text); returns where it lives."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CHECKPOINT_PREFIX}{step:08d}"
@@ -101,6 +103,7 @@ def save_checkpoint(
         if sharded is None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "version": version}))
+        write_text_files(tmp, files or {})
         _fsync_tree(tmp)
         os.rename(tmp, final)
         fsync_dir(root)
@@ -113,6 +116,14 @@ def save_checkpoint(
         except OSError as exc:  # the new checkpoint is committed; an old one left behind is retried next save
             log.warning("could not remove old checkpoint %s: %s", old.path, exc)
     return CheckpointInfo(step=step, version=version, path=final)
+
+
+def write_text_files(directory: Path, files: Mapping[str, str]) -> None:
+    """Each of `files` (name -> text) into `directory`, each whole or not at all."""
+    for name, text in files.items():
+        tmp = directory / f".{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, directory / name)
 
 
 def _remove_checkpoint(path: Path) -> None:

@@ -25,7 +25,7 @@ from hub.training.distributed import SOLO, Collective, full_state_dict, partitio
 from shared.adapters import LoraSpec, adapter_state, add_adapters, is_adapter_key, merged_state_dict, snapshot_metadata
 from shared.logprobs import completion_logprobs
 from shared.model_io import load_into, tied_duplicates
-from shared.precision import engine_dtype
+from shared.precision import engine_dtype, resolve_device
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import model_config_hash
 
@@ -152,7 +152,7 @@ class Learner:
         self.cfg = cfg
         self.sampling = sampling
         self.collective = collective
-        self.device = torch.device(device or cfg.device)
+        self.device = torch.device(device or resolve_device(cfg.device, "--device"))
         # A LoRA run's base never changes: its checkpoints hold the adapters only; a sharded checkpoint's
         # weights are loaded into the sharded model below.
         policy_dir = (checkpoint.model_dir if checkpoint is not None and not cfg.lora_rank and not checkpoint.sharded

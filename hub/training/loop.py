@@ -32,7 +32,7 @@ import trio
 from hub.config import LearnerConfig
 from hub.records.buffer import BufferSignal, ReplayBuffer
 from hub.records.store import CheckpointRow, StepRecord
-from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries, save_checkpoint
+from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries, save_checkpoint, write_text_files
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
 from hub.training.evaluation import EvalRunner
 from hub.training.learner import Learner
@@ -97,7 +97,8 @@ class LearnerComponent:
     Construction blocks (loads the model, reads the store): build it before trio starts or in
     trio.to_thread.run_sync. It takes groups from its host's buffer (refilled from the store
     when the host opened) and commits its steps through the host.
-    `run` trains until the step number reaches `steps` (0: forever), then saves DATA_DIR/final.
+    `run` trains until the step number reaches `steps` (0: forever), then evaluates the final policy (when
+    evaluation is on), checkpoints it and saves it as DATA_DIR/final, each with its run card.
     Per step: wait for prompts_per_step usable groups (T_idle), train in a worker thread,
     commit step row + consumed and stale-dropped row ids in one transaction, append
     metrics.jsonl (and the trackers), hand the weights to a due evaluation, checkpoint every
@@ -122,11 +123,14 @@ class LearnerComponent:
         evaluation: EvalRunner | None = None,
         ranks: tuple[Collective, str, RankWatch | None] | None = None,
         probe: Callable[[Path, str], InstallProbe] | None = None,
+        card: Callable[[int], Mapping[str, str]] | None = None,
     ) -> None:
         """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
         (hub/training/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
-        the install probe signed into each snapshot's manifest (shared/probe.py)."""
+        the install probe signed into each snapshot's manifest (shared/probe.py). `card(step)`: the text files saved
+        beside the policy of that step, in each checkpoint and in DATA_DIR/final (name -> text)."""
         self.probe = probe
+        self.card = card or (lambda step: {})
         self.cfg = cfg
         self.data_dir = Path(data_dir)
         self.host = host
@@ -247,7 +251,9 @@ class LearnerComponent:
             if t % self.kappa == 0:
                 await self._publish(t)
             self.signal.notify()
-        await trio.to_thread.run_sync(self.learner.save_final, self.data_dir / FINAL_DIR)
+        if self.evaluation is not None:  # the final policy's evaluation belongs to the run, and to its card
+            await self.evaluation.finish(self.step, self.learner.state_dict)
+        await trio.to_thread.run_sync(self.save_state)
 
     def _rollout_reward_since_last_step(self) -> dict[str, float]:
         """Mean reward of every group offered since the previous step, zero-variance ones included.
@@ -263,11 +269,14 @@ class LearnerComponent:
         return {"rollout_reward_mean": (total - seen_total) / (count - seen_count)}
 
     def save_state(self) -> None:
-        """Checkpoint and save the final policy now (on Ctrl-C): blocking, call outside trio."""
+        """Checkpoint and save the final policy, with its card, now (at the end of the run, on Ctrl-C): a later
+        start resumes this policy. Blocking: call outside trio or in a worker thread."""
         latest = self.store.latest_checkpoint()
         if self.step > 0 and (latest is None or latest.step < self.step):  # a periodic one may have just been taken
             self._checkpoint(self.step)
-        self.learner.save_final(self.data_dir / FINAL_DIR)
+        final = self.data_dir / FINAL_DIR
+        self.learner.save_final(final)
+        write_text_files(final, self.card(self.step))
 
     def _checkpoint(self, step: int) -> None:
         learner = self.learner
@@ -275,7 +284,7 @@ class LearnerComponent:
             self.checkpoints_dir, step, step, learner.model, learner.tokenizer, learner.optimizer,
             keep=self.cfg.checkpoints_kept, adapter=learner.state_dict() if learner.lora is not None else None,
             adapter_metadata=learner.snapshot_metadata,
-            sharded=learner.save_sharded if learner.collective.world > 1 else None,
+            sharded=learner.save_sharded if learner.collective.world > 1 else None, files=self.card(step),
         )
         self.host.record_checkpoint(step, info.path, step)
 

@@ -5,13 +5,13 @@ the token ids with the hub's tokenizer, the reward is recomputed from the task, 
 versions and log-probs are bounded by the lease. A node may claim rewards; a claim that differs
 from the hub's score is a lie, and that group is rejected (neither trained on nor paid), and so is a
 group that repeats earlier work too exactly to be honest (hub/trust/copies.py finds those). Here too:
-what a submission's verdicts add to the tallies and to the event log.
+what a submission's verdicts add to the tallies and to the event log. The reward is the operator's code:
+when it fails (shared.tasks.base.RewardError) no verdict is given, and the error propagates.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ from hub.records.store import NewEvent
 from hub.trust.copies import CopyDetector, CopyFlag
 from shared.messages import GROUP_VERDICTS, Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group, SamplingParams
-from shared.tasks.base import Prompt, Task
+from shared.tasks.base import Prompt, Task, checked_rewards
 
 CLAIMED_REWARD_TOLERANCE = 1e-6
 # The most bytes a submission's JSON spends on each of its parts, for the frame cap of one lease's answer.
@@ -31,8 +31,6 @@ COMPLETION_JSON_BYTES = 256  # a completion's keys, brackets, finish_reason and 
 GROUP_JSON_BYTES = JSON_BYTES_PER_CHAR * 200 + 256  # a group's keys and its prompt id at its longest, escaped
 SUBMISSION_JSON_BYTES = JSON_BYTES_PER_CHAR * (64 + 128) + 256  # keys, lease id and node id at their longest
 REASON_CLAIMED_REWARD = "claimed rewards differ from the hub's scores"
-
-log = logging.getLogger("echo2.hub.submissions")
 
 
 @dataclass(frozen=True)
@@ -161,18 +159,11 @@ def _claims_differ(claimed: Sequence[float] | None, rewards: Sequence[float]) ->
 
 
 def _score(submitted: SubmittedGroup, prompt: Prompt, rules: SubmissionRules, node_id: str) -> GroupVerdict:
-    """A valid group's completions re-decoded and scored by the task: accepted, unless the scores cannot be
-    had or the node claimed others."""
+    """A valid group's completions re-decoded and scored by the task in one call: accepted, unless the node
+    claimed other scores. A reward that fails raises RewardError: the operator's fault, not the node's."""
     pid = submitted.prompt_id
     completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
-    try:
-        rewards = tuple(float(rules.task.reward(prompt, c.text)) for c in completions)
-    except Exception as exc:  # noqa: BLE001 -- the operator's reward code on a peer's text: this group only
-        log.error("the task's reward failed on a completion of %s", pid, exc_info=exc)
-        return GroupVerdict(pid, False, f"the task's reward failed on this group ({type(exc).__name__})", submitted)
-    if not all(math.isfinite(r) for r in rewards):
-        log.error("the task's reward gave %r for %s", rewards, pid)
-        return GroupVerdict(pid, False, "the task's reward is not a finite number for this group", submitted)
+    rewards = checked_rewards(rules.task, prompt, [c.text for c in completions])
     if _claims_differ(submitted.claimed_rewards, rewards):
         return GroupVerdict(pid, False, REASON_CLAIMED_REWARD, submitted)
     group = Group(

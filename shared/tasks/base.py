@@ -1,10 +1,20 @@
-"""The task interface: prompts with ids and a reward function; nothing else is known about a task."""
+"""The task interface: prompts with ids and a reward function; nothing else is known about a task.
+
+A reward is called once per group, with every completion of one prompt, as TRL calls a reward function once
+per batch: it returns one number per completion. The reward is the operator's code: `checked_rewards` turns
+its exception or a value other than one finite number per completion into a RewardError naming it, which
+stops the run; it is never counted against the node whose completions it scored.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,17 +35,39 @@ class Prompt:
 
 
 class Task(ABC):
-    """A source of prompts plus the hub-side reward R(x, y) in [0, 1]."""
+    """A source of prompts plus the hub-side reward R(x, y) in [0, 1]. A task implements `rewards` (one group at
+    a time); a task written per completion implements `reward` instead, and is then scored one completion at
+    a time."""
 
     name: str = "task"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.reward is not Task.reward and getattr(cls.rewards, "__isabstractmethod__", False):
+            cls.rewards = Task._rewards_per_completion  # a task written per completion: scored one at a time
 
     @abstractmethod
     def prompts(self) -> list[Prompt]:
         """All prompts of the task, in a stable order."""
 
     @abstractmethod
+    def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
+        """Score the decoded completions of one group of `prompt`: one number per completion, in order."""
+
     def reward(self, prompt: Prompt, completion: str) -> float:
-        """Score a decoded completion of `prompt`."""
+        """Score one decoded completion of `prompt` (a group of one)."""
+        return self.rewards(prompt, [completion])[0]
+
+    def _rewards_per_completion(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
+        """`rewards` of a task that implements `reward`: one call per completion."""
+        return [self.reward(prompt, c) for c in completions]
+
+    @property
+    def reward_name(self) -> str:
+        """The reward function as an import spec ("module:Class.rewards"), as messages about it name it."""
+        cls = type(self)
+        method = "reward" if cls.rewards is Task._rewards_per_completion else "rewards"
+        return f"{cls.__module__}:{cls.__qualname__}.{method}"
 
     def get(self, prompt_id: str) -> Prompt:
         """The prompt with this id (KeyError if unknown)."""
@@ -49,3 +81,48 @@ class Task(ABC):
         """k prompts drawn with replacement."""
         pool = self.prompts()
         return [pool[rng.randrange(len(pool))] for _ in range(k)]
+
+
+class RewardError(Exception):
+    """The task's reward raised, or returned other than one finite number per completion: the operator's code to
+    fix, never a node's fault. The message is the one line that says so, naming the function."""
+
+
+def _shown(value: Any) -> str:
+    """A value a reward returned, short enough for one line: its repr (cut) and type."""
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
+
+
+def _problem(out: Any, n: int) -> str | None:
+    """What is wrong with `out` as the rewards of `n` completions (None: nothing)."""
+    if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+        return f"returned {_shown(out)}; it must return a list of one number per completion"
+    try:
+        count = len(out)
+    except TypeError:  # a 0-d numpy array has __len__ but no length
+        return f"returned {_shown(out)}; it must return a list of one number per completion"
+    if count != n:
+        return f"returned {count} value{'' if count == 1 else 's'} for {n} completions; it must return one number per completion"
+    for i, value in enumerate(out):
+        if not isinstance(value, numbers.Real):
+            return f"returned {_shown(value)} for completion {i + 1} of {n}; rewards must be numbers"
+        if not math.isfinite(value):
+            return f"returned {value!r} for completion {i + 1} of {n}; rewards must be finite numbers"
+    return None
+
+
+def checked_rewards(task: Task, prompt: Prompt, completions: Sequence[str]) -> tuple[float, ...]:
+    """The task's rewards for one group of `prompt`, one call for the group: RewardError naming the function when
+    it raises or returns other than one finite number per completion."""
+    name = task.reward_name
+    try:
+        out = task.rewards(prompt, list(completions))
+    except Exception as exc:  # noqa: BLE001 -- the operator's code: any failure is theirs to fix
+        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise RewardError(f"reward {name} raised {type(exc).__name__}{': ' + detail if detail else ''} "
+                          f"(prompt {prompt.id}); fix the reward function") from exc
+    problem = _problem(out, len(completions))
+    if problem is not None:
+        raise RewardError(f"reward {name} {problem} (prompt {prompt.id})")
+    return tuple(float(v) for v in out)

@@ -8,8 +8,9 @@ the model tokenizer's chat template; `chat` also renders string prompts as one u
 
 Rewards: "math" (math-verify equivalence of the final answer with the `answer` column), "exact"
 (the stripped completion equals the answer), or "module:function" with TRL's reward-function
-signature: fn(prompts=[...], completions=[...], **columns) -> list[float], called once per
-completion with lists of one (chat prompts get chat completions, [{"role": "assistant", ...}]).
+signature: fn(prompts=[...], completions=[...], **columns) -> list[float], called once per group
+with the group's prompt repeated once per completion, as TRL repeats it per generation (chat
+prompts get chat completions, [{"role": "assistant", ...}]).
 
 Prompt ids are "<prefix>-<n>": n is the JSONL line number or the row index, so they are stable
 across runs of the same file. Nothing here leaves the hub: answers and columns are hub-side.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,15 +160,6 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def _check_reward_output(spec: str, out: Any) -> float:
-    if not isinstance(out, (list, tuple)) or len(out) != 1:
-        raise ValueError(f"reward {spec}: must return a list with one float per completion, got {out!r}")
-    value = out[0]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"reward {spec}: returned {value!r}; rewards must be finite numbers")
-    return float(value)
-
-
 class DatasetTask(Task):
     """Prompts from a dataset on disk, scored by `options.reward`. `render_chat` builds the chat renderer,
     called only if a chat prompt appears (it loads the tokenizer)."""
@@ -226,30 +218,37 @@ class DatasetTask(Task):
         """The function must take what TRL passes: prompts, completions and the dataset's other columns."""
         first = self._prompts[0]
         try:
-            inspect.signature(self._function).bind(**self._call_arguments(first, "x"))
+            inspect.signature(self._function).bind(**self._call_arguments(first, ["x"]))
         except TypeError as exc:
             raise ValueError(f"reward {self.options.reward}: cannot be called as TRL calls reward functions "
                              f"(prompts=, completions=, one keyword per dataset column): {exc}") from None
 
-    def _call_arguments(self, prompt: Prompt, completion: str) -> dict[str, Any]:
+    def _call_arguments(self, prompt: Prompt, completions: list[str]) -> dict[str, Any]:
+        """TRL's keywords for one group: its prompt and every other column once per completion."""
+        n = len(completions)
         messages = self._messages.get(prompt.id)
         if messages is not None:
-            prompts: list[Any] = [list(messages)]
-            completions: list[Any] = [[{"role": "assistant", "content": completion}]]
+            prompts: list[Any] = [list(messages)] * n
+            shown: list[Any] = [[{"role": "assistant", "content": c}] for c in completions]
         else:
-            prompts, completions = [prompt.text], [completion]
-        columns = {k: [v] for k, v in self._columns.get(prompt.id, {}).items()}
-        return {"prompts": prompts, "completions": completions, **columns}
+            prompts, shown = [prompt.text] * n, list(completions)
+        columns = {k: [v] * n for k, v in self._columns.get(prompt.id, {}).items()}
+        return {"prompts": prompts, "completions": shown, **columns}
 
     def prompts(self) -> list[Prompt]:
         return list(self._prompts)
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
+    @property
+    def reward_name(self) -> str:
+        return self.options.reward
+
+    def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
         if self._function is not None:
-            return _check_reward_output(self.options.reward, self._function(**self._call_arguments(prompt, completion)))
+            return self._function(**self._call_arguments(prompt, completions))
         if self._math is not None:
-            return self._math.score(prompt, completion)
-        return 1.0 if completion.strip() == (prompt.answer or "").strip() else 0.0
+            return [self._math.score(prompt, c) for c in completions]
+        answer = (prompt.answer or "").strip()
+        return [1.0 if c.strip() == answer else 0.0 for c in completions]
 
 
 class MathTask(DatasetTask):

@@ -40,8 +40,9 @@ class ReverseTask(Task):
     def prompts(self) -> list[Prompt]:
         return list(self._prompts)
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return 1.0 if completion.strip() == self.target(prompt) else 0.0
+    def rewards(self, prompt: Prompt, completions: list[str]) -> list[float]:
+        target = self.target(prompt)
+        return [1.0 if c.strip() == target else 0.0 for c in completions]
 
     @staticmethod
     def target(prompt: Prompt) -> str:

@@ -6,7 +6,7 @@ keeps both copies on one side), and the split of a task is the same on every run
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from blake3 import blake3
 
@@ -33,8 +33,12 @@ class TaskPart(Task):
     def prompts(self) -> list[Prompt]:
         return list(self._prompts)
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return self.task.reward(prompt, completion)
+    def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
+        return self.task.rewards(prompt, completions)
+
+    @property
+    def reward_name(self) -> str:
+        return self.task.reward_name
 
 
 def split_task(task: Task, fraction: float) -> tuple[TaskPart, TaskPart]:

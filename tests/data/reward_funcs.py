@@ -20,3 +20,14 @@ def no_kwargs(prompts, completions):
 
 def not_finite(prompts, completions, **kwargs):
     return [float("nan") for _ in completions]
+
+
+def group_echo(prompts, completions, **kwargs):
+    """How many completions it was called with, for each: a group arrives in one call."""
+    assert len(prompts) == len(completions) == len(kwargs["n"]) and len(set(prompts)) == 1
+    return [float(len(completions))] * len(completions)
+
+
+def first_only(prompts, completions, **kwargs):
+    """Scores only the first completion: one value for the whole group."""
+    return [1.0]

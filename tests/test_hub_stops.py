@@ -1,0 +1,195 @@
+"""A hub that stops other than by finishing says so in one line, and `echo-hub status` tells the truth about it
+afterwards: a SIGKILLed hub is "stopped (last seen ...)", Ctrl-C while it builds its model is one line and exit
+130, a full disk stops the run with one line naming the data dir and its free space, and the filesystem's refusals
+(a name too long for `--fresh`, a read-only data dir for `echo-hub report`) are one line, exit 2.
+
+Real `echo-hub` processes; the full disk and the read-only dir are real tmpfs mounts (skipped where mounting is
+not permitted)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from testbed.harness import start_hub, wait_until
+from tests.test_first_contact import ROOT, assert_one_line_mistake, run
+
+
+def assert_one_line(result: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    assert result.returncode == code, (result.returncode, result.stdout[-1000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def state_line(printed: str) -> str:
+    """The "state" row of `echo-hub status`."""
+    return next(line for line in printed.splitlines() if line.startswith("state "))
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` for the test's duration; skips the test where mounting is refused."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a real full disk needs a tmpfs mount, refused here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_status_of_a_sigkilled_hub_says_stopped_and_when_it_was_last_seen(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    hub = start_hub(data, "--local-nodes", "0", "--steps", "0")
+    try:
+        wait_until(lambda: (s := hub.status()) is not None and s.running, 30, "the hub to write its status")
+        live = run("hub.cli", "status", "--data-dir", str(data))
+        assert live.returncode == 0 and state_line(live.stdout).split()[1:] == ["running"], live.stdout + live.stderr
+    finally:
+        hub.kill()  # SIGKILL: nothing of the hub runs to say it stopped
+    assert hub.status().running  # what the hub last wrote
+    dead = run("hub.cli", "status", "--data-dir", str(data))
+    assert dead.returncode == 0, dead.stderr
+    state = state_line(dead.stdout)
+    assert "stopped (last seen " in state and " s ago)" in state, dead.stdout
+    as_json = run("hub.cli", "status", "--json", "--data-dir", str(data))
+    assert json.loads(as_json.stdout)["running"] is False
+    assert "stopped (last seen " in as_json.stderr
+
+
+def test_the_state_status_prints_follows_the_lock_holder_and_the_status_age(tmp_path: Path) -> None:
+    from hub.cli.status import run_state
+    from tests.test_tui import hub_status
+
+    now = time.time()
+    fresh = hub_status().model_copy(update={"running": True, "updated_at": now - 1})
+    stale = fresh.model_copy(update={"updated_at": now - 125})
+    assert run_state(fresh, tmp_path, now) == "running"  # no lock file: a fresh status is believed
+    assert run_state(stale, tmp_path, now).startswith("stopped (last seen ")
+    assert run_state(stale, tmp_path, now).endswith(", 2 min 05 s ago)")
+    (tmp_path / "hub.lock").write_text(f"{os.getpid()}\n")  # a live holder: running, however old its status
+    assert run_state(fresh, tmp_path, now) == "running"
+    assert run_state(stale, tmp_path, now) == f"running (pid {os.getpid()}; status not rewritten for 2 min 05 s)"
+    (tmp_path / "hub.lock").write_text(f"{dead_pid()}\n")
+    assert run_state(fresh, tmp_path, now).startswith("stopped (last seen ")
+    done = fresh.model_copy(update={"running": False, "step": fresh.steps_target})
+    assert run_state(done, tmp_path, now) == "finished"
+    assert run_state(done.model_copy(update={"step": done.steps_target - 1}), tmp_path, now) == "stopped"
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    hub = subprocess.Popen([sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0",
+                            "--steps", "0", "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        # hub.log opens just before torch is imported and the model built: Ctrl-C lands in the build.
+        wait_until(lambda: (data / "hub.log").exists() or hub.poll() is not None, 60, "the hub to open its log",
+                   poll_s=0.02)
+        time.sleep(0.3)
+        hub.send_signal(signal.SIGINT)
+        out, err = hub.communicate(timeout=60)
+    finally:
+        if hub.poll() is None:
+            hub.kill()
+            hub.wait()
+    assert "listening on" not in out, "the hub started before the Ctrl-C: the test missed the model build"
+    assert_one_line(subprocess.CompletedProcess(hub.args, hub.returncode, out, err), 130, "Ctrl-C", "start it again")
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_status_says_stopped(tmp_path: Path) -> None:
+    # 6 MB: the hub's first snapshot (4.2 MB) fits, a local node's copy of it does not.
+    with tmpfs(tmp_path / "small", "6m") as small:
+        data = small / "data"
+        hub = start_hub(data, "--local-nodes", "1", "--steps", "20", "--prompts-per-step", "4", "--group-size", "4",
+                        wait=False)
+        try:
+            code = hub.process.wait(timeout=180)
+        finally:
+            hub.kill()
+        output = hub.output()
+        assert code == 2, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        line = output.strip().splitlines()[-1]
+        assert "full" in line and str(data) in line and "MB free" in line and "start it again" in line, line
+        status = run("hub.cli", "status", "--data-dir", str(data))
+        assert status.returncode == 0, status.stderr
+        assert state_line(status.stdout).split()[1] == "stopped", status.stdout
+        assert not list(data.rglob(".*.tmp")), "a failed status write left its temp file"
+
+
+def test_fresh_on_a_data_dir_whose_old_run_name_is_too_long_is_one_line(tmp_path: Path) -> None:
+    # 240 characters: a legal name, but the old run's name (+ ".old-<time>") is past the filesystem's 255.
+    data = tmp_path / ("d" * 240)
+    data.mkdir()
+    (data / "hub.sqlite").write_text("")
+    result = run("hub.cli", "start", "--data-dir", str(data), "--fresh", "--local-nodes", "0")
+    assert_one_line_mistake(result, "--fresh", "too long", "--data-dir")
+    assert (data / "hub.sqlite").exists()
+
+
+def test_a_data_dir_name_too_long_for_the_filesystem_is_one_line(tmp_path: Path) -> None:
+    result = run("hub.cli", "start", "--data-dir", str(tmp_path / ("e" * 300)), "--fresh", "--local-nodes", "0")
+    assert_one_line_mistake(result, "--data-dir", "too long")
+
+
+def test_report_on_a_read_only_data_dir_is_one_line(tmp_path: Path) -> None:
+    row = {"step": 1, "reward_mean": 0.5, "rollout_reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0,
+           "bubble": 0.1}
+    if os.geteuid() != 0:
+        data = tmp_path / "data"
+        data.mkdir()
+        (data / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+        data.chmod(0o555)
+        result = run("hub.cli", "report", "--data-dir", str(data))
+    else:  # root writes through file modes: a read-only mount
+        with tmpfs(tmp_path / "ro", "1m") as data:
+            (data / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+            subprocess.run(["mount", "-o", "remount,ro", str(data)], check=True)
+            result = run("hub.cli", "report", "--data-dir", str(data))
+    assert_one_line_mistake(result, "report.png", "--out")
+
+
+def test_a_disk_that_fills_while_the_hub_starts_is_one_line_and_other_errors_stay_tracebacks(tmp_path, monkeypatch,
+                                                                                             capsys) -> None:
+    import errno
+
+    import hub.cli.run
+    from hub.cli.main import main
+
+    data = tmp_path / "data"
+    argv = ["start", "--data-dir", str(data), "--local-nodes", "0", "--listen", "/ip4/127.0.0.1/tcp/0"]
+
+    def fails(code: int):
+        def run_hub(*args, **kwargs):  # the store's first write, injected where run_hub builds the hub
+            raise OSError(code, os.strerror(code), str(data / "hub.sqlite"))
+        return run_hub
+
+    monkeypatch.setattr(hub.cli.run, "run_hub", fails(errno.ENOSPC))
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"--data-dir {data} is full" in lines[0] and "MB free" in lines[0], lines
+    monkeypatch.setattr(hub.cli.run, "run_hub", fails(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        main(argv)
