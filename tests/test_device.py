@@ -124,6 +124,7 @@ def test_the_node_takes_device_auto() -> None:
     assert NodeConfig(hub="x", device="auto").device == "auto" and NodeConfig(hub="x").device == "auto"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_default_hub_without_cuda_says_its_learner_is_on_the_cpu(tmp_path: Path) -> None:
     hub = start_hub(tmp_path / "data", "--local-nodes", "0", "--steps", "1")

@@ -52,6 +52,7 @@ def tmpfs(path: Path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.mark.slow
 def test_status_of_a_sigkilled_hub_says_stopped_and_when_it_was_last_seen(tmp_path: Path) -> None:
     data = tmp_path / "data"
     hub = start_hub(data, "--local-nodes", "0", "--steps", "0")
@@ -98,6 +99,7 @@ def dead_pid() -> int:
     return child.pid
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path: Path) -> None:
     data = tmp_path / "data"
     hub = subprocess.Popen([sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0",
@@ -118,6 +120,7 @@ def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path
     assert_one_line(subprocess.CompletedProcess(hub.args, hub.returncode, out, err), 130, "Ctrl-C", "start it again")
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_status_says_stopped(tmp_path: Path) -> None:
     # 6 MB: the hub's first snapshot (4.2 MB) fits, a local node's copy of it does not.
     with tmpfs(tmp_path / "small", "6m") as small:

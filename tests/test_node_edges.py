@@ -50,6 +50,7 @@ def test_device_cuda_without_cuda_is_one_line(tmp_path: Path, capsys) -> None:
     # (--backend vllm without vLLM: tests/test_engine.py)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_node_builds_its_engine_is_one_line(tmp_path: Path) -> None:
     data = tmp_path / "node"
     node = subprocess.Popen(join_args(NOWHERE, data, "--device", "cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -191,6 +192,7 @@ def _exit_code(pid: int, fd: int, timeout_s: float = 30) -> int | None:
         os.close(fd)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ctrl_c_in_the_dashboard_stops_the_node_and_prints_its_summary(tmp_path: Path) -> None:
     data = tmp_path / "node"
@@ -219,6 +221,7 @@ def test_ctrl_c_in_the_dashboard_stops_the_node_and_prints_its_summary(tmp_path:
 # -- against a real hub: another peer at its address, one node per data dir, SIGINT's summary -------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_real_node_names_the_wrong_peer_refuses_a_second_node_and_sums_up_on_sigint(tmp_path: Path) -> None:
     hub = start_hub(tmp_path / "hub", "--local-nodes", "0", "--steps", "0")

@@ -117,6 +117,7 @@ def test_max_new_tokens_past_the_context_is_refused_with_the_numbers(tmp_path: P
     assert "--task" not in line and snapshot_of(tmp_path) == before
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_allow_lossy_prompts_warns_once_and_the_run_goes_on(tmp_path: Path) -> None:
     path = dataset(tmp_path / "rows.jsonl", ["what is 1 + 1 =", LOSSY, "what is 2 + 2 ="])

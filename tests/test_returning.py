@@ -29,6 +29,9 @@ def start(data: Path, *args: str) -> subprocess.CompletedProcess:
     return run("hub.cli", "start", "--data-dir", str(data), *RUN_ARGS, *args, timeout_s=240)
 
 
+# Each test starts real `echo-hub` runs on the tiny model.
+pytestmark = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     """The data dir of a run of 2 steps that finished."""
