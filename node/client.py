@@ -23,6 +23,9 @@ from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
+    MIN_LINK_BPS,
+    MODEL_FILE_FRAME,
+    MODEL_PROTOCOL,
     REPORT_PROTOCOL,
     STATUS_PROTOCOL,
     SUBMIT_PROTOCOL,
@@ -34,6 +37,9 @@ from shared.messages import (
     JoinRequest,
     LeaseReply,
     LeaseRequest,
+    ModelFile,
+    ModelFiles,
+    ModelFilesRequest,
     Reject,
     StatusRequest,
     Submission,
@@ -41,7 +47,7 @@ from shared.messages import (
     TransferAck,
 )
 from shared.net import connect, open_stream, request
-from shared.wire import Message, encode_signed, read_message
+from shared.wire import Message, decode_message, encode_signed, read_frame, read_message, write_message
 
 REQUEST_TIMEOUT_S = 30.0
 # A bad-chunk report is answered only after the hub fetched the chunk from the accused itself.
@@ -140,6 +146,23 @@ class HubClient:
 
     async def status(self, events: int = 0) -> HubStatus | Reject:
         return await self.ask(STATUS_PROTOCOL, StatusRequest(events=events), HubStatus)
+
+    async def model_files(self) -> ModelFiles | Reject:
+        """The hub's model: its name and the config and tokenizer files a node without --model needs."""
+        return await self.ask(MODEL_PROTOCOL, ModelFilesRequest(), ModelFiles)
+
+    async def model_file(self, entry: ModelFile) -> bytes | Reject:
+        """One listed file's bytes, at most the size the list gave it (the caller checks its hash)."""
+        with trio.fail_after(self.timeout_s + entry.size / MIN_LINK_BPS):
+            stream = await open_stream(self.host, self.hub_peer_id, MODEL_PROTOCOL)
+            try:
+                await write_message(stream, ModelFilesRequest(name=entry.name))
+                await stream.close_write()
+                tag, body = await read_frame(stream, {MODEL_FILE_FRAME: entry.size, Reject.TYPE: Reject.MAX_BYTES})
+            finally:
+                with trio.CancelScope(shield=True):
+                    await stream.reset()
+        return body if tag == MODEL_FILE_FRAME else decode_message(Reject, body)
 
     async def send_frame(self, protocol: str, frame: bytes, *reply_types: type[Message], close_write: bool = True):
         """Write raw bytes on a new stream, then read one reply of `reply_types` or Reject (raises if the

@@ -16,6 +16,22 @@ from shared.model_io import PartialCopy
 from shared.rollout import Completion, SamplingParams
 
 
+def _load_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of `model_dir`; without weight files (the hub's config and tokenizer only, shared/model_files.py)
+    its tensors are left unset: the first snapshot, installed before any generation, fills every one of them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from shared.model_files import has_weights
+
+    if has_weights(model_dir):
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    model.tie_weights()  # tying runs with the initialisation skipped above; snapshots carry one of a tied pair
+    return model
+
+
 class HFEngine(Engine):
     """A transformers model behind shared.generation.Sampler; snapshots are copied into it in place."""
 
@@ -23,12 +39,12 @@ class HFEngine(Engine):
 
     def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32",
                  seed: int | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.device = torch.device(device)
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = _load_model(model_dir, getattr(torch, dtype)).to(self.device).eval()
         self.model_context = getattr(self.model.config, "max_position_embeddings", None)
         self.version = version
         self.sampler = Sampler(self.model, self.tokenizer, self.device, process_seed=seed)

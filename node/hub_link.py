@@ -53,7 +53,7 @@ class NodeRefused(Exception):
         return f"the hub refused this node: {self.args[0]}"
 
 
-def _reason(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     """The innermost cause of a failed dial or request (trio and libp2p nest them), in a few words."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
@@ -110,7 +110,7 @@ class HubLink:
             return None
         except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
             log.info("hub not reachable (%s); retrying in %.1fs", type(exc).__name__, backoff)
-            self._unreachable("unreachable", f"hub not reachable ({_reason(exc)}); next try in {backoff:.0f}s")
+            self._unreachable("unreachable", f"hub not reachable ({describe_failure(exc)}); next try in {backoff:.0f}s")
             return None
         if isinstance(reply, Reject):
             if reply.code in FINAL_REFUSALS:

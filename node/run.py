@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -15,10 +16,11 @@ from node.client import WrongHub
 from node.config import NodeConfig
 from node.engine import InstallFailed
 from node.hub_link import NodeRefused
+from node.model_fetch import STATUS_PERIOD_S, ModelFetch
 from node.summary import summary_text
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.files import atomic_write_text
-from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE, SNAPSHOTS_DIR
+from shared.layout import NODE_LOG_FILE, NODE_MODEL_DIR, NODE_STATUS_FILE, SNAPSHOTS_DIR
 from shared.logs import setup_logging
 from shared.messages import (
     RELAY_PROTOCOL,
@@ -30,6 +32,7 @@ from shared.messages import (
     JoinRequest,
     NodeView,
 )
+from shared.model_files import ModelFilesRefused
 from shared.net import RateLimiter, running_host, set_handler
 from shared.probe import InstallProbe
 from shared.signals import Stopper
@@ -37,9 +40,8 @@ from shared.units import BYTES_PER_MBIT
 
 log = logging.getLogger("echo2.node")
 
-STATUS_PERIOD_S = 1.0
 # Ends the volunteer is told in one line, with the exit code: 2 for a mistake in the flags, 1 for a hub's refusal.
-ONE_LINE_ENDS: dict[type[Exception], int] = {WrongHub: 2, NodeRefused: 1, InstallFailed: 1}
+ONE_LINE_ENDS: dict[type[Exception], int] = {WrongHub: 2, NodeRefused: 1, InstallFailed: 1, ModelFilesRefused: 1}
 
 
 def _hardware(device: str) -> str:
@@ -237,7 +239,6 @@ def run_node(config: NodeConfig) -> int:
 
     from node.backends import make_engine
     from node.engine import EngineUnavailable, VLLMResources
-    from shared.default_model import ensure_default_model
     from shared.model_io import model_dir_config_hash
     from shared.precision import pick_device
     from shared.rollout import engine_seed
@@ -245,7 +246,9 @@ def run_node(config: NodeConfig) -> int:
     torch.set_num_threads(config.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
     device = pick_device(config.device, torch.cuda.is_available())
-    model_dir = config.model or ensure_default_model(progress=sys.stderr.isatty())
+    if config.model is None and (code := fetch_hub_model(config)) is not None:
+        return code
+    model_dir = config.model or config.data_dir / NODE_MODEL_DIR
     # Each process its own sampling seed unless one is configured: two nodes leased the same prompts in the
     # same order must not sample the same completions (copy detection would flag them).
     seed = engine_seed(config.seed)
@@ -258,22 +261,48 @@ def run_node(config: NodeConfig) -> int:
     except EngineUnavailable as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 2
-    identity = Identity.load_or_create(config.key_path)  # after every refusal above: a refused start writes nothing
+    identity = Identity.load_or_create(config.key_path)  # after every refusal above: a refused start writes no key
     config_hash = model_dir_config_hash(model_dir)
     print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
     runtime = NodeRuntime(config, identity, engine, config_hash, device)
     try:
-        trio.run(runtime.run)
+        code = _run_phase(runtime.run)
+    finally:
+        engine.close()
+    return code if code is not None else _stopped(runtime.stopper, runtime.view())
+
+
+def fetch_hub_model(config: NodeConfig) -> int | None:
+    """A node without --model: the hub's config and tokenizer files into DATA_DIR/model (node/model_fetch.py), so
+    it runs whatever model the hub trains. None once they are there, else the exit code (a refusal, a signal)."""
+    fetch = ModelFetch(config, Identity.load_or_create(config.key_path), config.data_dir / NODE_MODEL_DIR, _print_event)
+    code = _run_phase(fetch.run)
+    if code is not None:
+        return code
+    if fetch.listing is None:  # stopped before the hub answered
+        return _stopped(fetch.stopper, fetch.view())
+    print(f"echo-node: the hub trains {fetch.listing.model}; its config and tokenizer are in {fetch.directory}",
+          flush=True)
+    return None
+
+
+def _run_phase(run: Callable[[], Awaitable[None]]) -> int | None:
+    """trio.run(run); the exit code of an end the volunteer is told in one line (printed), None when it returned."""
+    try:
+        trio.run(run)
     except (BaseExceptionGroup, *ONE_LINE_ENDS) as exc:
         end = one_line_end(exc)
         if end is None:
             raise
         print(f"echo-node: {end[0]}", file=sys.stderr)
         return end[1]
-    finally:
-        engine.close()
-    print(f"echo-node: stopped ({runtime.stopper.signal_name})", file=sys.stderr, flush=True)
-    print(summary_text(runtime.view()), flush=True)
+    return None
+
+
+def _stopped(stopper: Stopper, view: NodeView) -> int:
+    """A node stopped by a signal: say so, and what it did."""
+    print(f"echo-node: stopped ({stopper.signal_name})", file=sys.stderr, flush=True)
+    print(summary_text(view), flush=True)
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from node.engine import DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_KV_CACHE_GIB, Engine, EngineUnavailable, VLLMResources
 from shared.adapters import LoraSpec, snapshot_spec, write_peft_dir
 from shared.generation import model_stop_ids
+from shared.model_files import has_weights
 from shared.model_io import check_tied_copies, tied_groups
 from shared.rollout import Completion, SamplingParams, engine_seed, lease_seed, prompt_seeds
 from shared.snapshot import SnapshotError
@@ -149,6 +150,9 @@ class VLLMEngine(Engine):
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=WORKER_EXTENSION,
                 enforce_eager=self.enforce_eager,
+                # The hub's config and tokenizer only (shared/model_files.py): vLLM starts on random weights, and
+                # the first snapshot, installed before any generation, replaces every one of them.
+                **({} if has_weights(self.model_dir) else {"load_format": "dummy"}),
                 **self._memory,
                 **({"enable_lora": True, "max_lora_rank": self.max_lora_rank, "max_loras": 1} if self.max_lora_rank else {}),
             )

@@ -26,6 +26,7 @@ STATUS_PROTOCOL = protocol_id("status")
 SNAPSHOT_PROTOCOL = protocol_id("snapshot")
 RELAY_PROTOCOL = protocol_id("relay")
 REPORT_PROTOCOL = protocol_id("report")
+MODEL_PROTOCOL = protocol_id("model")
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -33,6 +34,7 @@ MIB = 1024 * KIB
 # Binary frame tags (bodies are not JSON).
 MANIFEST_FRAME = 200
 CHUNK_FRAME = 201
+MODEL_FILE_FRAME = 202  # the bytes of one model file (MODEL_PROTOCOL)
 
 NodeState = Literal["probing", "active", "standby", "banned", "gone"]
 
@@ -159,6 +161,54 @@ class JoinReply(Message):
     task: str
     heartbeat_period_s: float = Field(gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="how often the node must heartbeat")
     context_tokens: int = Field(ge=1, le=MAX_CONTEXT_TOKENS, description="what a lease can need of a model's context: the task's longest prompt plus max_new_tokens (vLLM sizes max_model_len by it)")
+
+
+# The model's config and tokenizer files a hub offers nodes that bring no model (shared/model_files.py): real
+# tokenizers take up to ~20 MB, a config a few KB; weights never travel this way (they come as snapshots).
+MODEL_FILE_MAX_BYTES = 32 * MIB
+MODEL_FILES_MAX_BYTES = 64 * MIB
+MODEL_FILES_MAX_COUNT = 32
+# A plain file name: no path separator, no leading dot (hence no ".."), nothing a shell or a file system treats specially.
+MODEL_FILE_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$"
+
+
+class ModelFile(BaseModel):
+    """One file of the hub's model directory: its name, size and blake3 (checked before it is written)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str = Field(max_length=100, pattern=MODEL_FILE_NAME_PATTERN)
+    size: int = Field(ge=0, le=MODEL_FILE_MAX_BYTES, description="bytes")
+    blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class ModelFilesRequest(Message):
+    """Ask the hub for its model's file list (name None) or for one file's bytes (a MODEL_FILE_FRAME answers)."""
+
+    TYPE: ClassVar[int] = 25
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    name: str | None = Field(None, max_length=100, pattern=MODEL_FILE_NAME_PATTERN)
+
+
+class ModelFiles(Message):
+    """The hub's model: what it is (for people) and the files a node needs to build its engine before the
+    first snapshot brings the weights."""
+
+    TYPE: ClassVar[int] = 26
+    MAX_BYTES: ClassVar[int] = 16 * KIB
+    model: PrintableText = Field(max_length=300, description="name, architecture and vocabulary, e.g. Qwen3-8B (Qwen3ForCausalLM, vocab 151936)")
+    weights_in_snapshots: bool = Field(description="False in a LoRA run: snapshots carry adapters only, the node needs the base weights")
+    files: tuple[ModelFile, ...] = Field(min_length=1, max_length=MODEL_FILES_MAX_COUNT)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ModelFiles:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise ValueError("file names repeat")
+        if "config.json" not in names:
+            raise ValueError("no config.json")
+        if sum(f.size for f in self.files) > MODEL_FILES_MAX_BYTES:
+            raise ValueError(f"files total more than MODEL_FILES_MAX_BYTES ({MODEL_FILES_MAX_BYTES})")
+        return self
 
 
 class Heartbeat(Message):

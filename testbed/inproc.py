@@ -114,7 +114,8 @@ async def inproc_hub(
                     config.task, config.broadcast.mode),
             data_dir, state, learner_step=lambda: version[0],
         )
-        service = build_hub_service(host, identity, config, state, shelf, status.encoded, core.context_tokens)
+        service = build_hub_service(host, identity, config, state, shelf, status.encoded, core.context_tokens,
+                                    model_offer=core.model_offer)
         hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, version)
         hub.publish(0)
         try:

@@ -19,6 +19,7 @@ from hub.training.tasks import context_tokens, hub_tasks
 from hub.trust.audit import Auditor, AuditQueue
 from hub.trust.submissions import SubmissionRules, token_text_bytes
 from shared.layout import HUB_STORE_FILE
+from shared.model_files import ModelOffer, model_label, model_offer
 from shared.precision import resolve_dtype
 from shared.tasks.base import Task
 
@@ -37,6 +38,7 @@ class HubCore:
     # The service's own tokenizer: it decodes in worker threads while the learner tokenizes in its own.
     tokenizer: PreTrainedTokenizerBase
     context_tokens: int  # what a lease can need of a model's context (hub.training.tasks.context_tokens)
+    model_offer: ModelOffer | None  # the config and tokenizer files nodes without --model fetch (None: none)
 
 
 def submission_rules(
@@ -65,13 +67,17 @@ def build_hub_state(
     task, eval_task = hub_tasks(config, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config = AutoConfig.from_pretrained(model_dir)
+    label = model_label(model_dir, model_config)
     auditor = Auditor(model_dir, shelf, config.sampling, config.trust, resolve_dtype(lc.dtype, lc.device))
     state = HubState(
         Store(config.data_dir / HUB_STORE_FILE), config, task,
         rules=submission_rules(config, task, model_dir, tokenizer, model_config),
-        model_config_hash=model_config_hash(model_config.to_dict()),
+        model_config_hash=model_config_hash(model_config.to_dict()), model_label=label,
         audits=AuditQueue(auditor, config.trust.audit_queue_groups),
         oldest_useful_version=oldest_useful_version, newest_version=shelf.newest_version,
         run={**run_identity(config, model_dir), "model": str(model_dir)},
     )
-    return HubCore(state, task, eval_task, auditor, tokenizer, context_tokens(task, tokenizer, config.sampling.max_new_tokens))
+    # A LoRA run's snapshots carry the adapters only: a node needs the base weights on disk then.
+    offer = model_offer(model_dir, label, weights_in_snapshots=not lc.lora_rank)
+    return HubCore(state, task, eval_task, auditor, tokenizer, context_tokens(task, tokenizer, config.sampling.max_new_tokens),
+                   offer)

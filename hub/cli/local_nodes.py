@@ -89,11 +89,14 @@ def join_argv(
     extra_args: tuple[str, ...],
 ) -> list[str]:
     """The `echo-node join` command line of one local node."""
+    from shared.default_model import default_model_dir
+
     return [
         "join", "--hub", hub_addr, "--price", str(price),
         "--backend", "hf", "--device", device, "--data-dir", str(node_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
         *(["--link-mbps", str(link_mbps)] if link_mbps else []),
-        *(["--model", str(Path(model).resolve())] if model else []), *extra_args,
+        # The hub's own directory: a node on the hub's machine need not fetch its config and tokenizer.
+        "--model", str(Path(model or default_model_dir()).resolve()), *extra_args,
     ]
 
 

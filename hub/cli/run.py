@@ -83,7 +83,7 @@ class Hub:
         self.shelf = SnapshotShelf(keep=lc.staleness + 1, directory=config.data_dir / SNAPSHOTS_DIR)
         core = build_hub_state(config, model_dir, self.shelf, lambda: self.learner.min_useful_version())
         self.task, eval_task, auditor = core.task, core.eval_task, core.auditor
-        self.state, self.context_tokens = core.state, core.context_tokens
+        self.state, self.context_tokens, self.model_offer = core.state, core.context_tokens, core.model_offer
         rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], core.tokenizer, self.state.rules.stop_ids)
         # Files the shelf no longer serves (a crash's orphans, versions from before a restart) go now; the
         # newest stays for the learner to serve again on resume.
@@ -196,7 +196,7 @@ class Hub:
             state.on_membership.append(self.on_membership)
             bulk = channel_for(config.listen, config.broadcast.bulk_port)
             service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.encoded,
-                                        self.context_tokens, self.broadcaster, bulk)
+                                        self.context_tokens, self.broadcaster, bulk, self.model_offer)
             self._announce()
             from libp2p.tools.anyio_service import background_trio_service
 

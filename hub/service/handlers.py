@@ -35,6 +35,8 @@ from shared.messages import (
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
     MIN_LINK_BPS,
+    MODEL_FILE_FRAME,
+    MODEL_PROTOCOL,
     REPORT_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
@@ -48,6 +50,7 @@ from shared.messages import (
     LeasePrompt,
     LeaseReply,
     LeaseRequest,
+    ModelFilesRequest,
     Reject,
     RejectCode,
     SnapshotRequest,
@@ -55,6 +58,7 @@ from shared.messages import (
     Submission,
     SubmitReply,
 )
+from shared.model_files import ModelOffer
 from shared.net import address_key, forget_peer, remote_ip, remote_peer_id, set_handler
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
 from shared.units import BYTES_PER_MBIT
@@ -66,6 +70,7 @@ from shared.wire import (
     read_frame,
     read_message,
     signed_caps,
+    write_frame,
     write_message,
 )
 
@@ -98,6 +103,7 @@ PROTOCOL_FRAME_CAPS = {
     STATUS_PROTOCOL: StatusRequest.MAX_BYTES,
     SNAPSHOT_PROTOCOL: SnapshotRequest.MAX_BYTES,
     REPORT_PROTOCOL: BadChunkReport.MAX_BYTES,
+    MODEL_PROTOCOL: ModelFilesRequest.MAX_BYTES,
 }
 # Protocols only joined nodes may use: a stranger is refused before one byte of its request is read.
 MEMBERS_ONLY = frozenset({HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL})
@@ -146,8 +152,10 @@ class HubService:
         on_report: Callable[[INetStream], Awaitable[None]],
         punch_failed: Callable[[str, str], None] = lambda peer, upstream: None,
         bulk: BulkChannel | None = None,
+        model_offer: ModelOffer | None = None,
     ) -> None:
         self.host = host
+        self.model_offer = model_offer  # the files a node without --model builds its engine from
         self.bulk = bulk
         self.identity = identity  # signs the commitments of the snapshot frames it serves
         self.state = state
@@ -173,6 +181,7 @@ class HubService:
             STATUS_PROTOCOL: self._on_status,
             SNAPSHOT_PROTOCOL: self._on_snapshot,
             REPORT_PROTOCOL: self.on_report,
+            MODEL_PROTOCOL: self._on_model,
         }
         for protocol, handler in handlers.items():
             set_handler(self.host, protocol, self._guarded(protocol, handler), log)
@@ -278,6 +287,23 @@ class HubService:
             state=record.state, latest_version=self.shelf.newest_version(), staleness=self.terms.staleness,
             task=self.terms.task, heartbeat_period_s=record.heartbeat_period_s, context_tokens=self.terms.context_tokens,
         ))
+
+    async def _on_model(self, stream: INetStream) -> None:
+        """The model's file list, or one file's bytes in a MODEL_FILE_FRAME: asked before a node's first join."""
+        request = await read_message(stream, ModelFilesRequest)
+        offer = self.model_offer
+        if offer is None:
+            raise PeerFault("this hub offers no model files: start the node with --model and the hub's model",
+                            RejectCode.NOT_HELD)
+        if request.name is None:
+            await _reply(stream, offer.listing)
+            return
+        entry = offer.entry(request.name)
+        if entry is None:
+            raise PeerFault(f"no model file {request.name!r} here", RejectCode.NOT_HELD)
+        data = await trio.to_thread.run_sync(offer.read, entry)
+        await write_frame(stream, MODEL_FILE_FRAME, data)
+        await stream.close()
 
     async def _on_heartbeat(self, stream: INetStream) -> None:
         beat = await read_message(stream, Heartbeat)
@@ -427,6 +453,7 @@ def build_hub_service(
     context_tokens: int,
     broadcaster: Broadcaster | None = None,
     bulk: BulkChannel | None = None,
+    model_offer: ModelOffer | None = None,
 ) -> HubService:
     """The hub's service as `echo-hub start` runs it; without a broadcaster, every node pulls from the hub."""
     bc = config.broadcast
@@ -439,5 +466,5 @@ def build_hub_service(
         on_heartbeat=broadcaster.check_done if broadcaster else lambda: None,
         on_report=broadcaster.on_report if broadcaster else refuse_reports,
         punch_failed=broadcaster.punch_failed if broadcaster else lambda peer, upstream: None,
-        bulk=bulk,
+        bulk=bulk, model_offer=model_offer,
     )

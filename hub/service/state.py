@@ -139,6 +139,7 @@ class HubState:
         *,
         rules: SubmissionRules | None = None,  # None: a learner-only state that takes no submissions
         model_config_hash: str = "",
+        model_label: str = "",
         audits: AuditQueue | None = None,
         oldest_useful_version: Callable[[], int] = lambda: 0,
         newest_version: Callable[[], int] = lambda: -1,
@@ -152,6 +153,7 @@ class HubState:
         self.writer = StoreWriter(store)
         self.rules = rules
         self.model_config_hash = model_config_hash
+        self.model_label = model_label  # hub.cli.build: name (architecture, vocab), for the mismatch refusal
         self.snapshot_dtype = resolve_dtype(config.learner.dtype, config.learner.device)
         self.lease_config = config.lease
         self.heartbeat_timeout_s = config.scheduler.heartbeat_timeout_s
@@ -260,8 +262,8 @@ class HubState:
 
     async def join(self, peer: str, request: JoinRequest, remote_ip: str | None) -> NodeRecord:
         if request.model_config_hash != self.model_config_hash:
-            raise PeerFault("model config differs from the hub's: start the node with the hub's model",
-                            RejectCode.MODEL_MISMATCH)
+            raise PeerFault(f"model config differs from the hub's: the hub trains {self.model_label or 'another model'}; "
+                            "start the node without --model to use the hub's, or with that model", RejectCode.MODEL_MISMATCH)
         if request.dtype != self.snapshot_dtype:
             raise PeerFault(f"this hub publishes {self.snapshot_dtype} snapshots and the node's engine runs "
                             f"{request.dtype}: restart the node with --dtype {self.snapshot_dtype}", RejectCode.MODEL_MISMATCH)

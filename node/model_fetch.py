@@ -1,0 +1,100 @@
+"""A node started without --model: the hub's config and tokenizer files, fetched into DATA_DIR/model before the
+engine is built from them (the weights come as the first snapshot, as for every node)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from node.client import HubClient, WrongHub
+from node.config import NodeConfig
+from node.hub_link import BACKOFF_START_S, LinkState, describe_failure
+from shared.crypto import Identity
+from shared.files import atomic_write_text
+from shared.layout import NODE_STATUS_FILE
+from shared.messages import EventRecord, ModelFiles, NodeView, Reject
+from shared.model_files import ModelFilesRefused, held, prune_unlisted, write_model_file
+from shared.net import running_host
+from shared.signals import Stopper
+
+log = logging.getLogger("echo2.node.model_fetch")
+
+# A host that only dials: any free port on loopback's family is enough.
+DIAL_ONLY_LISTEN = "/ip4/127.0.0.1/tcp/0"
+STATUS_PERIOD_S = 1.0  # how often node_status.json is rewritten, in this phase and by the running node
+
+
+async def fetch_hub_model(client: HubClient, directory: Path) -> ModelFiles:
+    """Ask the hub for its model's file list, then for each file `directory` lacks; each is checked against the
+    list before it is written, and files the list does not name are removed. ModelFilesRefused: the hub offers
+    none, its run needs the base weights on disk (LoRA), or a file is not what the list says."""
+    listing = await client.model_files()
+    if isinstance(listing, Reject):
+        raise ModelFilesRefused(listing.reason)
+    if not listing.weights_in_snapshots:
+        raise ModelFilesRefused(f"the hub trains LoRA adapters on {listing.model} and its snapshots carry no base "
+                                "weights: start the node with --model and that model")
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry in listing.files:
+        if await trio.to_thread.run_sync(held, directory, entry):
+            continue
+        data = await client.model_file(entry)
+        if isinstance(data, Reject):
+            raise ModelFilesRefused(f"{entry.name}: {data.reason}")
+        await trio.to_thread.run_sync(write_model_file, directory, entry, data)
+    await trio.to_thread.run_sync(prune_unlisted, directory, listing)
+    return listing
+
+
+class ModelFetch:
+    """The node's first phase without --model: dial the hub until it answers (backoff as the hub link's) and fetch
+    its model files, writing node_status.json meanwhile (the dashboard shows a node waiting for its hub) and
+    stopping on SIGINT/SIGTERM. Another peer at the hub's address (WrongHub) or a refusal ends it."""
+
+    def __init__(self, config: NodeConfig, identity: Identity, directory: Path,
+                 on_note: Callable[[EventRecord], None]) -> None:
+        self.config = config
+        self.identity = identity
+        self.directory = directory
+        self.state = LinkState(on_note=on_note)
+        self.stopper = Stopper()
+        self.listing: ModelFiles | None = None  # None once run returns: stopped by a signal
+
+    def view(self) -> NodeView:
+        return NodeView(peer_id=self.identity.peer_id, hub_addr=self.config.hub, connected=False, state="connecting",
+                        updated_at=time.time(), price_per_hour=self.config.price, backend=self.config.backend,
+                        version_held=-1, events=tuple(self.state.events[-20:]))
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.stopper.run, nursery.cancel_scope)
+            nursery.start_soon(self._write_status)
+            self.listing = await self._fetch()
+            nursery.cancel_scope.cancel()
+
+    async def _write_status(self) -> None:
+        while True:
+            await trio.to_thread.run_sync(atomic_write_text, self.config.data_dir / NODE_STATUS_FILE,
+                                          self.view().model_dump_json())
+            await trio.sleep(STATUS_PERIOD_S)
+
+    async def _fetch(self) -> ModelFiles:
+        async with running_host(self.identity, [DIAL_ONLY_LISTEN]) as (host, _):
+            client = HubClient(host, self.identity, self.config.hub)
+            backoff = BACKOFF_START_S
+            while True:
+                try:
+                    await client.connect()
+                    return await fetch_hub_model(client, self.directory)
+                except (WrongHub, ModelFilesRefused):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
+                    log.info("model files: hub not reachable (%r)", exc)
+                    self.state.note("unreachable", f"hub not reachable ({describe_failure(exc)}); "
+                                                   f"next try in {backoff:.0f}s")
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.reconnect_max_s)
