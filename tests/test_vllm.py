@@ -201,6 +201,42 @@ def test_vllm_is_sized_by_the_context_the_hubs_leases_need(default_model_dir):
         engine.close()
 
 
+def test_a_vllm_node_without_the_models_weights_runs_on_the_hubs_files_and_its_first_snapshot(engines, tmp_path,
+                                                                                                default_model_dir):
+    """A volunteer without --model (41.3): vLLM starts on the hub's config and tokenizer only (shared.model_files, as
+    the node writes them), and the first snapshot it installs replaces every weight: the install probe passes and
+    its log-probs are the model's."""
+    from hub.records.snapshots import SnapshotShelf
+    from hub.trust.audit import Auditor
+    from node.vllm_engine import VLLMEngine
+    from shared.crypto import Identity
+    from shared.generation import model_stop_ids
+    from shared.model_files import has_weights, model_offer, write_model_file
+    from shared.model_io import build_snapshot, model_dir_config_hash
+    from shared.probe import probe_rows
+
+    _, hf_engine = engines
+    offer = model_offer(default_model_dir, "default", weights_in_snapshots=True)
+    kit = tmp_path / "model"
+    for entry in offer.listing.files:
+        write_model_file(kit, entry, offer.read(entry))
+    assert not has_weights(kit)
+    rows = probe_rows(PROMPTS[:5], hf_engine.tokenizer, frozenset(model_stop_ids(default_model_dir)))
+    auditor = Auditor(default_model_dir, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(),
+                      TrustConfig(), "float32")
+    dropped = tied_duplicates(hf_engine.model)
+    state = {k: v.cpu().clone() for k, v in hf_engine.model.state_dict().items() if k not in dropped}
+    snapshot = build_snapshot(state, 1, Identity.generate(), model_dir_config_hash(default_model_dir), tmp_path / "snap",
+                              probe=lambda path, whole: auditor.install_probe(path, whole, rows))
+    engine = VLLMEngine(kit, dtype="float32", enforce_eager=True)
+    try:
+        engine.install(snapshot.path, 1)
+        assert engine.check_install(snapshot.manifest.probe, 1) <= 1e-4
+        assert mean_gap(engine, hf_engine, SamplingParams(max_new_tokens=8)) < MAX_MEAN_LOGPROB_GAP
+    finally:
+        engine.close()
+
+
 def _scale_embedding(worker) -> None:
     """Runs inside vLLM's worker: one tensor changed after an install, as a half-applied swap would leave it."""
     import torch
