@@ -166,7 +166,7 @@ def test_final_policy_is_the_merged_model_and_peft_dir_loads_the_same_adapters(t
 
 
 @pytest.mark.slow
-def test_a_real_lora_run_ships_adapters_that_a_real_node_installs_bit_exact(tmp_path):
+def test_a_real_lora_run_ships_adapters_that_a_real_node_installs_bit_exact(tmp_path, default_model_dir):
     hub_dir = tmp_path / "hub"
     # S = 3: the hub keeps its newest 4 snapshot files, so the newest one the node installed is still there
     # when the hub is stopped (first: it publishes no more while the node's installs are compared).
@@ -175,7 +175,8 @@ def test_a_real_lora_run_ships_adapters_that_a_real_node_installs_bit_exact(tmp_
     nodes: list[Proc] = []
     try:
         node_dir = tmp_path / "node"
-        nodes = [start_test_node(hub.addr, node_dir)]
+        # A LoRA run's snapshots carry only the adapters: its nodes bring the base model.
+        nodes = [start_test_node(hub.addr, node_dir, "--model", str(default_model_dir))]
         peer = node_peer_id(nodes[0])
         wait_until(lambda: (n := node_states(hub).get(peer)) and n.version_held >= 3, 180, "the node to hold v3")
         stop_all([hub])
