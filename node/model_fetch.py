@@ -28,13 +28,17 @@ DIAL_ONLY_LISTEN = "/ip4/127.0.0.1/tcp/0"
 STATUS_PERIOD_S = 1.0  # how often node_status.json is rewritten, in this phase and by the running node
 
 
+class ModelFilesBusy(Exception):
+    """The hub is throttling model files (its per-address limit, or its own load): ask again after a while."""
+
+
 async def fetch_hub_model(client: HubClient, directory: Path) -> ModelFiles:
     """Ask the hub for its model's file list, then for each file `directory` lacks; each is checked against the
     list before it is written, and files the list does not name are removed. ModelFilesRefused: the hub offers
     none, its run needs the base weights on disk (LoRA), or a file is not what the list says."""
     listing = await client.model_files()
     if isinstance(listing, Reject):
-        raise ModelFilesRefused(listing.reason)
+        raise (ModelFilesBusy if listing.busy else ModelFilesRefused)(listing.reason)
     if not listing.weights_in_snapshots:
         raise ModelFilesRefused(f"the hub trains LoRA adapters on {listing.model} and its snapshots carry no base "
                                 "weights: start the node with --model and that model")
@@ -44,7 +48,7 @@ async def fetch_hub_model(client: HubClient, directory: Path) -> ModelFiles:
             continue
         data = await client.model_file(entry)
         if isinstance(data, Reject):
-            raise ModelFilesRefused(f"{entry.name}: {data.reason}")
+            raise (ModelFilesBusy if data.busy else ModelFilesRefused)(f"{entry.name}: {data.reason}")
         await trio.to_thread.run_sync(write_model_file, directory, entry, data)
     await trio.to_thread.run_sync(prune_unlisted, directory, listing)
     return listing
@@ -92,6 +96,8 @@ class ModelFetch:
                     return await fetch_hub_model(client, self.directory)
                 except (WrongHub, ModelFilesRefused):
                     raise
+                except ModelFilesBusy as exc:  # files already written are kept: the next try asks for the rest
+                    self.state.note("busy", f"model files: {exc}; next try in {backoff:.0f}s")
                 except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
                     log.info("model files: hub not reachable (%r)", exc)
                     self.state.note("unreachable", f"hub not reachable ({describe_failure(exc)}); "

@@ -420,3 +420,23 @@ async def test_the_join_reply_carries_the_context_a_lease_needs(tmp_path, defaul
     expected = context_tokens(load_task(CONFIG.task), AutoTokenizer.from_pretrained(default_model_dir),
                               CONFIG.sampling.max_new_tokens)
     assert isinstance(reply, JoinReply) and reply.context_tokens == expected > CONFIG.sampling.max_new_tokens
+
+
+@pytest.mark.trio
+async def test_throwaway_identities_cannot_turn_the_model_files_into_an_amplifier(tmp_path, default_model_dir):
+    """Volunteers bring no model (41.3): a 1 KiB request asks for a file of up to MODEL_FILE_MAX_BYTES, before any
+    join. Files are served per address: MODEL_KITS_BURST whole kits, then one per MODEL_KIT_REFILL_S, however many
+    identities ask; the list itself stays answered."""
+    from hub.service.handlers import MODEL_KITS_BURST
+    from shared.messages import ModelFiles
+
+    async with inproc_hub(tmp_path / "hub", default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:
+        listing = await (await client(stack, hub)).model_files()
+        assert isinstance(listing, ModelFiles)
+        biggest = max(listing.files, key=lambda f: f.size)
+        for _ in range(MODEL_KITS_BURST * len(listing.files)):
+            data = await (await client(stack, hub)).model_file(biggest)  # a fresh identity each time, one address
+            assert isinstance(data, bytes) and len(data) == biggest.size
+        refused = await (await client(stack, hub)).model_file(biggest)
+        assert isinstance(refused, Reject) and refused.busy and "model files from this address" in refused.reason
+        assert isinstance(await (await client(stack, hub)).model_files(), ModelFiles)

@@ -120,6 +120,23 @@ def test_the_node_refuses_a_file_that_is_not_what_the_list_says_and_keeps_what_i
         trio.run(fetch_hub_model, refused, tmp_path / "none")
 
 
+def test_a_throttled_file_is_asked_again_later_not_taken_for_a_refusal(tmp_path):
+    """The hub serves model files per address (several nodes behind one NAT share it): a busy reply keeps what
+    was written and is retried, where a refusal ends the node."""
+    from node.model_fetch import ModelFilesBusy, fetch_hub_model
+
+    tok = b'{"model": {}}'
+    files = listing(entry("config.json", CONFIG), entry("tokenizer.json", tok))
+    busy = Reject(code=RejectCode.BUSY, reason="model files from this address: retry in 60s")
+    throttled = FakeHub(files, {"config.json": CONFIG, "tokenizer.json": busy})
+    with pytest.raises(ModelFilesBusy, match="tokenizer.json: model files from this address"):
+        trio.run(fetch_hub_model, throttled, tmp_path / "model")
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json"]
+    later = FakeHub(files, {"config.json": CONFIG, "tokenizer.json": tok})
+    assert trio.run(fetch_hub_model, later, tmp_path / "model") == files
+    assert later.asked == ["tokenizer.json"]
+
+
 def test_the_hub_offers_configs_and_tokenizer_never_weights(default_model_dir):
     from transformers import AutoConfig
 
