@@ -14,6 +14,8 @@ from shared.rollout import SamplingParams
 from shared.tasks.dataset import DatasetOptions
 
 DEFAULT_HUB_PORT = 4077
+# A torch device as the flags and TOML take it: auto picks cuda when torch sees a GPU.
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]{1,2})?)$"
 
 
 class LearnerConfig(Section):
@@ -44,7 +46,7 @@ class LearnerConfig(Section):
     lora_targets: tuple[str, ...] = Field((), max_length=64, description="Linear modules to adapt, e.g. q_proj,v_proj (empty: peft's default for the architecture)")
     learner_price_per_hour: float = Field(3.06, ge=0.0, le=1000.0, description="learner GPU price, $/h")
     seed: int = Field(0, ge=0, description="seed for the learner and prompt sampling")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch device of the learner (auto: cuda when torch sees a GPU, else cpu)")
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="torch device of the learner: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads for the learner")
     procs: int = Field(1, ge=1, le=64, description="learner processes on this machine, sharded with FSDP2 (gloo on CPU, NCCL on GPUs: one GPU each); under torchrun WORLD_SIZE decides")
     stall_warning_s: float = Field(120.0, gt=0.0, le=86400.0, description="warn when no step for this long while groups arrive")
@@ -207,7 +209,7 @@ class HubConfig(Section):
     key: Path | None = Field(None, description="hub identity key file (default DATA_DIR/hub.key)")
     steps: int = Field(300, ge=0, le=10_000_000, description="learner steps to run (0: until interrupted)")
     local_nodes: int = Field(3, ge=0, le=64, description="volunteer nodes to spawn on loopback")
-    local_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch device of the local nodes (auto: the learner's)")
+    local_device: str = Field("auto", pattern=DEVICE_PATTERN, description="torch device of the local nodes: auto (the learner's), cpu, cuda or cuda:N")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of the data-dir log")
     learner: LearnerConfig = LearnerConfig()
     sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)

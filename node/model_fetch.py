@@ -1,4 +1,4 @@
-"""A node started without --model: the hub's config and tokenizer files, fetched into DATA_DIR/model before the
+"""A node started without --model: the hub's config and tokenizer files, fetched into DATA_DIR/hub-model before the
 engine is built from them (the weights come as the first snapshot, as for every node)."""
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ def run_node(config: NodeConfig) -> int:
 
 
 def fetch_hub_model(config: NodeConfig) -> int | None:
-    """A node without --model: the hub's config and tokenizer files into DATA_DIR/model (node/model_fetch.py), so
+    """A node without --model: the hub's config and tokenizer files into DATA_DIR/hub-model (node/model_fetch.py), so
     it runs whatever model the hub trains. None once they are there, else the exit code (a refusal, a signal)."""
     fetch = ModelFetch(config, Identity.load_or_create(config.key_path), config.data_dir / NODE_MODEL_DIR, _print_event)
     code = _run_phase(fetch.run)

@@ -25,5 +25,5 @@ LOCAL_NODES_DIR = "nodes"  # data dirs of the local nodes `echo-hub start` spawn
 NODE_KEY_FILE = "node.key"
 NODE_STATUS_FILE = "node_status.json"  # the newest NodeView, rewritten every second
 NODE_LOG_FILE = "node.log"
-NODE_MODEL_DIR = "model"  # the hub's config and tokenizer files, for a node started without --model
+NODE_MODEL_DIR = "hub-model"  # the hub's config and tokenizer files, for a node started without --model (pruned: ours alone)
 NODE_LOCK_FILE = "node.lock"  # flock'd by the running node, holds its pid (shared/lock.py)

@@ -30,21 +30,18 @@ def lock_data_dir(data_dir: Path, lock_file: str, holder: str) -> IO[str]:
     return handle
 
 
-def live_holder(data_dir: Path, lock_file: str) -> int | None:
-    """The pid DATA_DIR/`lock_file` names when that process still runs on this machine; None when the file names
-    none, or its process is gone (a zombie, killed but not yet reaped, is gone)."""
+def live_holder(data_dir: Path, lock_file: str) -> str | None:
+    """The pid DATA_DIR/`lock_file` names while its lock is held (its holder runs); None when nobody holds it. The
+    lock itself is asked, not the pid: it dies with its process, whatever pid namespace the holder ran in and
+    whichever process reuses its pid since."""
     try:
-        pid = int((data_dir / lock_file).read_text().strip())
-    except (OSError, ValueError):
+        handle = open(data_dir / lock_file)  # noqa: SIM115 - closed below
+    except OSError:
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return handle.read().strip() or "unknown"
+        fcntl.flock(handle, fcntl.LOCK_UN)
         return None
-    except PermissionError:
-        return pid  # another user's process
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return pid  # no /proc: the signal check is all there is
-    return None if state == "Z" else pid

@@ -42,15 +42,21 @@ def model_label(model_dir: Path, config) -> str:
     """How people know the model: its name (`_name_or_path`'s last part), architecture and vocabulary size."""
     name = Path(str(getattr(config, "_name_or_path", "") or model_dir)).name or str(model_dir)
     arch = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
-    return f"{name} ({arch}, vocab {config.vocab_size})"
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", "?")
+    return f"{name} ({arch}, vocab {vocab})"
+
+
+def plain_model_file(name: str) -> bool:
+    """A name a node writes: plain (no directory part), of a config or tokenizer kind, never weights, a weight index
+    or code; a hub that lists another is refused whole."""
+    return (bool(_NAME_RE.match(name)) and name == Path(name).name and Path(name).suffix in OFFERED_SUFFIXES
+            and not name.endswith(WEIGHT_INDEX_SUFFIX))
 
 
 def _offered(path: Path) -> bool:
     """A non-weight file of the model directory (a link too: Hugging Face's cache links to its blobs) with a name
     any node may write."""
-    name = path.name
-    return (path.is_file() and bool(_NAME_RE.match(name)) and path.suffix in OFFERED_SUFFIXES
-            and not name.endswith(WEIGHT_INDEX_SUFFIX) and path.stat().st_size <= MODEL_FILE_MAX_BYTES)
+    return path.is_file() and plain_model_file(path.name) and path.stat().st_size <= MODEL_FILE_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,8 @@ def held(directory: Path, entry: ModelFile) -> bool:
 def write_model_file(directory: Path, entry: ModelFile, data: bytes) -> None:
     """Write `data` as `entry` in `directory` once its size and blake3 match the list: to a temporary file in
     the same directory, renamed into place. ModelFilesRefused otherwise, and nothing is left behind."""
-    if not _NAME_RE.match(entry.name) or entry.name != Path(entry.name).name:
-        raise ModelFilesRefused(f"{entry.name!r} is not a plain file name")
+    if not plain_model_file(entry.name):
+        raise ModelFilesRefused(f"{entry.name!r} is not a plain config or tokenizer file name")
     if len(data) != entry.size:
         raise ModelFilesRefused(f"{entry.name} has {len(data)} bytes, the list says {entry.size}")
     if blake3_hex(data) != entry.blake3:

@@ -110,11 +110,23 @@ def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True) -> H
     return hub
 
 
+def with_model(args: tuple[str, ...]) -> tuple[str, ...]:
+    """A test node's flags with `--model` the embedded default unless given: test hubs train it, and a node
+    fetching the hub's files (tests/test_model_files.py) is not what most tests test. `--no-model`: fetch them."""
+    if "--no-model" in args:
+        return tuple(a for a in args if a != "--no-model")
+    if "--model" in args:
+        return args
+    from shared.default_model import ensure_default_model
+
+    return ("--model", str(ensure_default_model(progress=False)), *args)
+
+
 def start_node(hub_addr: str, data_dir: Path, *args: str, price: float = 0.35, nice: int = 0) -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / f"node-{time.time_ns()}.out"
     argv = ["join", "--hub", hub_addr, "--price", str(price), "--backend", "hf",
-            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
+            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *with_model(args)]
     process = forked.spawn("node.cli", argv, str(log), _env(), nice=nice)
     return Proc(process, log)
 
@@ -144,7 +156,7 @@ def start_test_node(hub_addr: str, data_dir: Path, *args: str, module: str = "te
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "node.out"
     argv = ["join", "--hub", hub_addr, "--price", "0.35", "--backend", "hf",
-            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *args]
+            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *with_model(args)]
     return Proc(forked.spawn(module, argv, str(log), _env()), log)
 
 

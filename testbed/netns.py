@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from testbed import forked
-from testbed.harness import HubProc, Proc, wait_until
+from testbed.harness import HubProc, Proc, wait_until, with_model
 
 HUB_IP = "10.77.0.1"
 # Where a public node listens, in the hub's namespace: its connections to the hub come from HUB_IP (a local
@@ -140,5 +140,5 @@ class Topology:
         """A recording `echo-node join` (testbed/recording_node.py) inside `ns`."""
         return self.start(ns, data_dir, "testbed.recording_node", [
             "join", "--hub", hub_addr, "--price", "0.35",
-            "--backend", "hf", "--device", "cpu", "--data-dir", str(data_dir), "--listen", listen, *args,
+            "--backend", "hf", "--device", "cpu", "--data-dir", str(data_dir), "--listen", listen, *with_model(args),
         ])

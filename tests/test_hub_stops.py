@@ -82,21 +82,17 @@ def test_the_state_status_prints_follows_the_lock_holder_and_the_status_age(tmp_
     assert run_state(fresh, tmp_path, now) == "running"  # no lock file: a fresh status is believed
     assert run_state(stale, tmp_path, now).startswith("stopped (last seen ")
     assert run_state(stale, tmp_path, now).endswith(", 2 min 05 s ago)")
-    (tmp_path / "hub.lock").write_text(f"{os.getpid()}\n")  # a live holder: running, however old its status
+    from shared.lock import lock_data_dir
+
+    held = lock_data_dir(tmp_path, "hub.lock", "hub")  # a live holder: running, however old its status
     assert run_state(fresh, tmp_path, now) == "running"
     assert run_state(stale, tmp_path, now) == f"running (pid {os.getpid()}; status not rewritten for 2 min 05 s)"
-    (tmp_path / "hub.lock").write_text(f"{dead_pid()}\n")
+    held.close()  # as its process dying releases it: the pid still in the file does not make it run
+    assert (tmp_path / "hub.lock").read_text().strip() == str(os.getpid())
     assert run_state(fresh, tmp_path, now).startswith("stopped (last seen ")
     done = fresh.model_copy(update={"running": False, "step": fresh.steps_target})
     assert run_state(done, tmp_path, now) == "finished"
     assert run_state(done.model_copy(update={"step": done.steps_target - 1}), tmp_path, now) == "stopped"
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited and been reaped."""
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
 
 
 @pytest.mark.slow

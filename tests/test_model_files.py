@@ -10,6 +10,7 @@ import pytest
 import trio
 from pydantic import ValidationError
 
+from shared.layout import NODE_MODEL_DIR
 from shared.messages import (
     MODEL_FILE_MAX_BYTES,
     MODEL_FILES_MAX_BYTES,
@@ -76,9 +77,13 @@ def test_a_file_lands_only_when_its_size_and_hash_match_the_list(tmp_path):
     with pytest.raises(ModelFilesRefused, match="bytes"):
         write_model_file(tmp_path, good, CONFIG + b" ")
     # A list entry built without its validation (model_construct) is checked again at the write.
-    with pytest.raises(ModelFilesRefused, match="plain file name"):
+    with pytest.raises(ModelFilesRefused, match="plain config or tokenizer file name"):
         write_model_file(tmp_path, ModelFile.model_construct(name="../x.json", size=len(CONFIG),
                                                              blake3=blake3_hex(CONFIG)), CONFIG)
+    # Weights, a weight index or code from a hostile hub: from_pretrained would load them instead of a snapshot.
+    for name in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "modeling_evil.py"):
+        with pytest.raises(ModelFilesRefused, match="plain config or tokenizer file name"):
+            write_model_file(tmp_path, entry(name, CONFIG), CONFIG)
     assert list(tmp_path.iterdir()) == [] and not (tmp_path.parent / "x.json").exists()
     write_model_file(tmp_path, good, CONFIG)
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"] and (tmp_path / "config.json").read_bytes() == CONFIG
@@ -174,7 +179,7 @@ def test_a_node_without_model_joins_any_hub_and_a_wrong_model_is_told_the_hubs(t
         assert wrong.process.wait(timeout=120) == 1, wrong.output()[-2000:]
         assert (f"model config differs from the hub's: the hub trains qwen3-tiny (Qwen3ForCausalLM, vocab {vocab}); "
                 "start the node without --model to use the hub's, or with that model") in wrong.output()
-        node = start_node(hub.addr, tmp_path / "node")
+        node = start_node(hub.addr, tmp_path / "node", "--no-model")
         nodes.append(node)
         assert hub.process.wait(timeout=300) == 0, hub.output()[-3000:] + node.output()[-3000:]
     finally:
@@ -182,7 +187,7 @@ def test_a_node_without_model_joins_any_hub_and_a_wrong_model_is_told_the_hubs(t
             proc.kill()
         hub.kill()
     assert "the hub trains qwen3-tiny (Qwen3ForCausalLM" in node.output()
-    written = {p.name for p in (tmp_path / "node" / "model").iterdir()}
+    written = {p.name for p in (tmp_path / "node" / NODE_MODEL_DIR).iterdir()}
     assert "config.json" in written and "tokenizer.json" in written and not any(n.endswith(".safetensors") for n in written)
     status = hub.status()
     assert status is not None and status.step == 2 and sum(n.tallies.accepted for n in status.nodes) >= 2 * 4

@@ -93,9 +93,8 @@ def test_final_and_each_checkpoint_hold_the_run_config_and_a_model_card(finished
     checkpoints = sorted((finished / "checkpoints").iterdir())
     assert [c.name for c in checkpoints] == ["step-00000002"]
     for where in (finished / "final", checkpoints[-1]):
-        saved = load_config(HubConfig, where / "echo2.toml", {})  # devices as resolved on this machine
-        assert saved.model_copy(update={"learner": asked.learner, "local_device": asked.local_device}) == asked
-        assert saved.learner.model_copy(update={"device": asked.learner.device}) == asked.learner
+        # As asked (devices "auto", not this machine's resolution): the file starts the run on another machine.
+        assert load_config(HubConfig, where / "echo2.toml", {}) == asked
         card = (where / "README.md").read_text()
         for field in ("base model", "task", TASK, "steps", "2", "rollout reward", "held-out reward"):
             assert field in card, (field, card)

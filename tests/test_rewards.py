@@ -175,3 +175,42 @@ def test_a_reward_that_fails_mid_run_stops_it_with_a_checkpoint_and_blames_no_no
     assert status is not None and not status.running
     assert all(n.tallies.rejected == 0 for n in status.nodes) and status.totals.rejected == 0
     assert status.totals.accepted <= LATE_FAILURE_GROUPS
+
+
+def test_only_the_reward_failing_on_trusted_work_or_on_several_strangers_stops_the_run():
+    """The scored text is the node's: a stranger on probation sending text the reward chokes on cannot stop a run."""
+    from hub.service.state import REWARD_FAILURE_STRANGERS, reward_failure_stops
+
+    assert reward_failure_stops(vouched=True, failed_nodes=1)
+    assert not reward_failure_stops(vouched=False, failed_nodes=1)
+    assert not reward_failure_stops(vouched=False, failed_nodes=REWARD_FAILURE_STRANGERS - 1)
+    assert reward_failure_stops(vouched=False, failed_nodes=REWARD_FAILURE_STRANGERS)
+
+
+@pytest.mark.trio
+async def test_a_node_on_probation_cannot_stop_the_run_with_text_the_reward_chokes_on(tmp_path, default_model_dir,
+                                                                                      tokenizer) -> None:
+    from hub.service.state import REWARD_FAILURE_STRANGERS
+
+    config = CONFIG.model_copy(update={"task": "testbed.tasks:RaisingRewardTask", "trust": CONFIG.trust.model_copy(
+        update={"audit_first_n": 5})})
+    state = reopen(tmp_path, default_model_dir, config)
+    for n in range(REWARD_FAILURE_STRANGERS):
+        node = Identity.generate().peer_id
+        await state.join(node, join_request(state), f"10.0.0.{n + 1}")
+        grant = await state.grant_lease(node, 0)
+        with pytest.raises(HubBusy, match="not scored" if n < REWARD_FAILURE_STRANGERS - 1 else "the hub is stopping"):
+            await state.accept_submission(node, answer(tokenizer, grant.lease, node), f"h{n}")
+        assert state.fleet.get(node).tallies == Tallies()
+        assert (state.reward_failure is None) == (n < REWARD_FAILURE_STRANGERS - 1)
+    state.store.close()
+
+
+def test_a_subclass_that_overrides_reward_only_is_scored_by_its_own_reward():
+    class Halves(ReverseTask):
+        def reward(self, prompt: Prompt, completion: str) -> float:
+            return 0.5
+
+    prompt = Halves().prompts()[0]
+    assert list(checked_rewards(Halves(), prompt, ["a", "b"])) == [0.5, 0.5]
+    assert Halves().reward_name.endswith("Halves.reward")

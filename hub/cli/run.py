@@ -65,7 +65,10 @@ def dialable_addrs(addrs: list[str]) -> list[str]:
 class Hub:
     """Everything the hub runs, wired together: HubState owns the state, the rest read it or call it."""
 
-    def __init__(self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool) -> None:
+    def __init__(self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool,
+                 asked: HubConfig | None = None) -> None:
+        """`asked`: the config before this machine resolved its devices (what final/ and checkpoints record, so
+        the run's echo2.toml starts on another machine); `config` when omitted."""
         from hub.cli.build import build_hub_state
         from hub.cli.card import run_card
         from hub.training.evaluation import EvalRunner, Evaluator
@@ -77,6 +80,7 @@ class Hub:
         lc = config.learner
         self.dtype = resolve_dtype(lc.dtype, lc.device)
         self.config = config
+        self.model_dir = model_dir
         self.identity = identity
         self.progress = progress
         # S + 1 versions on the shelf (a rollout may be that stale), files of older ones deleted.
@@ -105,7 +109,7 @@ class Hub:
             extra_metrics=lambda step: self.scheduler.step_metrics(step, self.state.cost_usd(time.time())),
             trackers=self.trackers, evaluation=self.evaluation, ranks=self._join_ranks(),
             probe=lambda path, whole_hash: auditor.install_probe(path, whole_hash, rows),
-            card=functools.partial(run_card, config, model_dir),
+            card=functools.partial(run_card, asked or config, model_dir),
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
@@ -242,7 +246,9 @@ class Hub:
         print("listening on:", flush=True)
         for addr in self.addrs:
             print(f"  {addr}", flush=True)
-        print(f"volunteers join with:\n  echo-node join --hub {self.addrs[0]}", flush=True)
+        # A LoRA run's snapshots carry only the adapters: its volunteers bring the base model.
+        base = f" --model <a copy of {self.model_dir.name}>" if self.config.learner.lora_rank else ""
+        print(f"volunteers join with:\n  echo-node join --hub {self.addrs[0]}{base}", flush=True)
         print(f"data dir: {self.config.data_dir.resolve()}  (logs: {HUB_LOG_FILE}, metrics: {METRICS_FILE})", flush=True)
 
 
@@ -281,12 +287,12 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
 
     torch.set_num_threads(config.learner.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
-    config = on_this_machine(config)
+    asked, config = config, on_this_machine(config)
     announce_device(config.learner.device)
     identity = Identity.load_or_create(config.key_path)
     model_dir = Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty()))
     try:
-        hub = Hub(config, identity, model_dir, progress)
+        hub = Hub(config, identity, model_dir, progress, asked=asked)
     except LearnerRankLost as exc:
         print(f"echo-hub: {exc}", file=sys.stderr, flush=True)
         return 1

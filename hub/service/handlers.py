@@ -85,11 +85,11 @@ STRANGER_MEMORY_S = 600.0
 # Status requests of peers that have not joined, per address key: a burst, then this many per second.
 STRANGER_STATUS_PER_S = 1.0
 STRANGER_STATUS_BURST = 5
-# Model files served per address key, counted in whole model kits (every file of the list once): two kits at once,
-# then one kit per MODEL_KIT_REFILL_S. One 1 KiB request asks for up to MODEL_FILE_MAX_BYTES, so throwaway
-# identities on one machine must not turn the hub's uplink into an amplifier.
-MODEL_KITS_BURST = 2
-MODEL_KIT_REFILL_S = 600.0
+# Model file bytes served per address key, counted in whole model kits (every file of the list once): a machine
+# of MODEL_KITS_BURST GPUs fetches at once, then one kit per MODEL_KIT_REFILL_S. One 1 KiB request asks for up
+# to MODEL_FILE_MAX_BYTES, so throwaway identities on one machine must not turn the hub's uplink into an amplifier.
+MODEL_KITS_BURST = 8
+MODEL_KIT_REFILL_S = 60.0
 # After a refusal, how long the peer may take to read it and close its side before the stream is reset.
 REFUSE_LINGER_S = 2.0
 REFUSE_DRAIN_BYTES = 64 * 1024
@@ -175,8 +175,8 @@ class HubService:
         self.punch_failed = punch_failed
         self.operators = frozenset({host.get_id().to_base58(), *guard.config.status_operators})
         self._stranger_status = TokenBuckets(STRANGER_STATUS_PER_S, STRANGER_STATUS_BURST)
-        files = len(model_offer.listing.files) if model_offer is not None else 1
-        self._model_files = TokenBuckets(files / MODEL_KIT_REFILL_S, MODEL_KITS_BURST * files)
+        kit_bytes = sum(f.size for f in model_offer.listing.files) if model_offer is not None else 1
+        self._model_bytes = TokenBuckets(kit_bytes / MODEL_KIT_REFILL_S, MODEL_KITS_BURST * kit_bytes)
         self._refusal_log = PeerLogLimiter()
 
     async def run(self) -> None:
@@ -308,7 +308,8 @@ class HubService:
         entry = offer.entry(request.name)
         if entry is None:
             raise PeerFault(f"no model file {request.name!r} here", RejectCode.NOT_HELD)
-        wait_s = self._model_files.take(address_key(remote_ip(stream)) or remote_peer_id(stream), time.monotonic())
+        wait_s = self._model_bytes.take(address_key(remote_ip(stream)) or remote_peer_id(stream), time.monotonic(),
+                                        entry.size)
         if wait_s > 0:
             raise HubBusy(f"model files from this address: retry in {wait_s:.0f}s")
         data = await trio.to_thread.run_sync(offer.read, entry)

@@ -67,6 +67,7 @@ from hub.trust.submissions import (
     verdict_tallies,
 )
 from shared.crypto import SIGNATURE_BYTES, public_key_from_peer_id
+from shared.logs import PeerLogLimiter
 from shared.messages import EvalPoint, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
 from shared.net import address_key
 from shared.precision import resolve_dtype
@@ -78,6 +79,9 @@ log = logging.getLogger("echo2.hub.state")
 
 # The longest a protocol handler may run (and so hold a claimed lease): the service's deadline.
 HANDLER_TIMEOUT_S = 30.0
+# Distinct nodes on probation whose work the task's reward failed on before the reward, not the text they sent,
+# is taken to be broken (a vouched node's, or the hub's own local nodes', stops the run at once).
+REWARD_FAILURE_STRANGERS = 3
 NO_WORK_RETRY_S = 0.25
 STANDBY_RETRY_S = 2.0
 PROBE_PROMPTS = 1
@@ -88,6 +92,12 @@ FLUSH_PERIOD_S = 5.0
 JOIN_EVENT_WINDOW_S = 60.0
 # How stale the live-node count behind the heartbeat period may be.
 HEARTBEAT_RECOUNT_S = 1.0
+
+
+def reward_failure_stops(vouched: bool, failed_nodes: int) -> bool:
+    """Whether a reward failure stops the run: the scored text is the node's, so one node on probation (a stranger
+    sending text the reward chokes on) cannot; a vouched node can, and so can REWARD_FAILURE_STRANGERS of them."""
+    return vouched or failed_nodes >= REWARD_FAILURE_STRANGERS
 
 
 class HubBusy(Exception):
@@ -183,6 +193,8 @@ class HubState:
         self.on_membership: list[Callable[[], None]] = []
         # The first failure of the operator's reward: the run stops with it (`run` raises it).
         self.reward_failure: RewardError | None = None
+        self._reward_failed_on: set[str] = set()  # nodes whose work the reward failed on, this run
+        self._reward_log = PeerLogLimiter()
         if run is not None:
             store.set_run(run)  # what this run trains: a later start that asks for another is refused
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
@@ -457,8 +469,10 @@ class HubState:
             try:
                 verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, rules, self.window())
             except RewardError as exc:
-                self.reward_failed(exc)
-                raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
+                if self.reward_failed(exc, peer):
+                    raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
+                raise HubBusy("the task's reward failed on this work: not scored (not counted against this node)") \
+                    from None
             if lease.closed:
                 raise PeerFault("lease withdrawn while the submission was checked", RejectCode.BAD_LEASE)
             verdicts, copies = reject_copies(verdicts, self.copies, peer, lease.lease_id)
@@ -473,12 +487,22 @@ class HubState:
             paid_usd=usd,
         )
 
-    def reward_failed(self, exc: RewardError) -> None:
-        """The operator's reward failed on work it scored: nothing of that work is committed or counted against
-        its node, and the run stops (`run` raises the first failure; its traceback is logged once)."""
+    def reward_failed(self, exc: RewardError, peer: str) -> bool:
+        """The operator's reward failed on `peer`'s work: nothing of it is committed or counted against the node.
+        Whether the run stops (`run` raises the first failure; its traceback is logged once): the text scored
+        is the node's, so a node on probation cannot stop a run alone (`reward_failure_stops`)."""
+        record = self.fleet.get(peer)
+        vouched = peer in self.own_nodes or (record is not None and not self.probation.on_probation(record))
+        self._reward_failed_on.add(peer)
+        if not reward_failure_stops(vouched, len(self._reward_failed_on)):
+            if self._reward_log.allow(peer, time.monotonic())[0]:
+                log.warning("%s (on the work of %s, on probation: %d of %d distinct such nodes stop the run)", exc,
+                            peer, len(self._reward_failed_on), REWARD_FAILURE_STRANGERS)
+            return False
         if self.reward_failure is None:
             self.reward_failure = exc
             log.error("%s: stopping the run", exc, exc_info=exc.__cause__ or exc)
+        return True
 
     @contextmanager
     def _claimed(self, lease_id: str, peer: str, now: float) -> Iterator[LeaseRecord]:

@@ -186,12 +186,12 @@ class TokenBuckets:
         tokens, at = self._buckets.get(key, (self.burst, now))
         return min(self.burst, tokens + (now - at) * self.per_s)
 
-    def take(self, key: str, now: float) -> float:
-        """0.0 when a token was spent, else the seconds until one is due (nothing spent)."""
+    def take(self, key: str, now: float, tokens: float = 1.0) -> float:
+        """0.0 when `tokens` were spent, else the seconds until they are due (nothing spent)."""
         level = self.level(key, now)
-        if level < 1.0:
-            return (1.0 - level) / self.per_s
-        self._buckets[key] = (level - 1.0, now)
+        if level < tokens:
+            return (tokens - level) / self.per_s
+        self._buckets[key] = (level - tokens, now)
         if len(self._buckets) > self.max_keys:
             self._buckets = {k: v for k, v in self._buckets.items() if self.level(k, now) < self.burst}
         return 0.0

@@ -43,8 +43,10 @@ class Task(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.reward is not Task.reward and getattr(cls.rewards, "__isabstractmethod__", False):
-            cls.rewards = Task._rewards_per_completion  # a task written per completion: scored one at a time
+        # A task written per completion, or a subclass overriding its parent's `reward` only: scored one at a time
+        # by that `reward` (an inherited `rewards` would silently score by the parent's).
+        if "reward" in cls.__dict__ and "rewards" not in cls.__dict__:
+            cls.rewards = Task._rewards_per_completion
 
     @abstractmethod
     def prompts(self) -> list[Prompt]:
