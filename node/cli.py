@@ -20,7 +20,7 @@ STOP_TIMEOUT_S = 10.0
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
 JOIN_FLAGS: dict[str, tuple[str, type]] = {
     name: (name, kind) for name, kind in (
-        ("hub", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
+        ("hub", str), ("name", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
         ("model", Path), ("listen", str), ("public_addr", str), ("bulk_port", int), ("max_rollouts_per_s", float), ("link_mbps", float),
         ("declared_link_mbps", float), ("threads", int), ("seed", int), ("gpu_memory_fraction", float),
         ("kv_cache_gib", int), ("cpu_cores", str),

@@ -105,6 +105,7 @@ class NodeRuntime:
             dtype=self.engine.dtype,
             version_held=self.keeper.version_held,
             listen_addrs=self.listen_addrs,
+            name=self.config.name,
         )
 
     def _heartbeat(self) -> Heartbeat:

@@ -1,0 +1,164 @@
+"""The hub's public web view: a status page, /api/status (the status protocol's redacted view as JSON) and /metrics
+(Prometheus text), served by hypercorn's trio worker on the hub's own event loop. Read-only: no route changes state.
+
+Every route reads the status board's last build (hub/service/status.py), so a scrape or a page costs at most one
+encoding per board period, whoever asks; prices, costs and hardware of nodes never leave through here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from importlib.resources import files
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from hub.service.status import StatusBoard
+from shared.messages import GROUP_VERDICTS, HubStatus
+
+# Requests served at once; more get 503 at once, so a crowd (or slow clients) cannot queue work on the hub's loop.
+MAX_CONCURRENT_REQUESTS = 32
+# A slow client is dropped after this long without sending; an idle kept-alive connection sooner.
+READ_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5.0
+MAX_HEADER_BYTES = 8 * 1024
+PAGE = files("hub.service").joinpath("web_page.html").read_text()
+
+
+class _Bounded:
+    """ASGI middleware: at most MAX_CONCURRENT_REQUESTS at once (503 beyond), GET and HEAD only (405 otherwise)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.limiter = trio.CapacityLimiter(MAX_CONCURRENT_REQUESTS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] not in ("GET", "HEAD"):
+            return await PlainTextResponse("read-only", 405, headers={"Allow": "GET, HEAD"})(scope, receive, send)
+        try:
+            self.limiter.acquire_nowait()
+        except trio.WouldBlock:
+            return await PlainTextResponse("busy", 503, headers={"Retry-After": "1"})(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.limiter.release()
+
+
+class StatusCollector:
+    """prometheus_client collector over one HubStatus (set before each scrape)."""
+
+    def __init__(self) -> None:
+        self.status: HubStatus | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.status is not None:
+            yield from status_metrics(self.status)
+
+
+def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+    """A gauge with one sample, or none while `value` is unknown."""
+    family = GaugeMetricFamily(name, doc)
+    if value is not None:
+        family.add_metric([], value)
+    return family
+
+
+def _by_label(family: GaugeMetricFamily | CounterMetricFamily, counts: dict[str, float]) -> GaugeMetricFamily | CounterMetricFamily:
+    for label, value in sorted(counts.items()):
+        family.add_metric([label], value)
+    return family
+
+
+def _count(values: list[str], known: tuple[str, ...] = ()) -> dict[str, float]:
+    """How many of each value, every known one present (a 0 series keeps dashboards' queries defined)."""
+    counts = dict.fromkeys(known, 0.0)
+    for value in values:
+        counts[value] = counts.get(value, 0.0) + 1
+    return counts
+
+
+def status_metrics(s: HubStatus) -> list[Metric]:
+    """The echo2_ metrics of one status: gauges of the run, the capacity model and the fleet; counters of groups
+    and cost (all-time, restored on restart)."""
+    last_eval = s.evals[-1].reward if s.evals else None
+    return [
+        _gauge("echo2_learner_step", "learner steps done", s.step),
+        _gauge("echo2_learner_steps_target", "learner steps to run (0: until interrupted)", s.steps_target),
+        _gauge("echo2_learner_version", "policy version the learner publishes", s.version),
+        _gauge("echo2_rollout_reward", "mean rollout reward of the last step", s.reward_mean),
+        _gauge("echo2_eval_reward", "mean reward of the last held-out evaluation", last_eval),
+        _gauge("echo2_bubble_ratio", "share of the last step the learner waited for rollouts", s.bubble),
+        _gauge("echo2_predicted_bubble_ratio", "the capacity model's predicted bubble", s.predicted_bubble),
+        _gauge("echo2_train_step_seconds", "mean learner step time (recent steps)", s.t_train_s),
+        _gauge("echo2_broadcast_seconds", "T_bcast: time for the last version to reach the fleet", s.t_bcast_s),
+        _gauge("echo2_mu_pool_rollouts_per_second", "mu_pool: rollout rate of the active pool", s.mu_pool),
+        _gauge("echo2_mu_min_rollouts_per_second", "mu_min: rollout rate the learner needs to never wait", s.mu_min),
+        _gauge("echo2_mu_target_rollouts_per_second", "mu_target: rollout rate the scheduler aims at", s.mu_target),
+        _gauge("echo2_usable_fraction", "share of accepted groups the learner trains on (recent window)", s.usable_fraction),
+        _gauge("echo2_snapshot_bytes", "bytes of the newest full snapshot", s.snapshot_bytes),
+        _gauge("echo2_delta_bytes", "bytes of the newest delta", s.delta_bytes),
+        _gauge("echo2_open_leases", "leases out now", s.open_leases),
+        _by_label(GaugeMetricFamily("echo2_nodes", "nodes listed, by state", labels=["state"]),
+                  _count([n.state for n in s.nodes], ("probing", "active", "standby", "banned", "gone"))),
+        _by_label(GaugeMetricFamily("echo2_nodes_by_reachability", "nodes listed, by reachability", labels=["reachability"]),
+                  _count([n.reachability for n in s.nodes], ("public", "nated", "unknown"))),
+        _by_label(GaugeMetricFamily("echo2_nodes_by_link", "nodes listed, by how they get snapshots", labels=["link"]),
+                  _count([n.link or "none" for n in s.nodes])),
+        _by_label(CounterMetricFamily("echo2_groups", "groups received, by verdict", labels=["verdict"]),
+                  {v: getattr(s.totals, v) for v in GROUP_VERDICTS}),
+        CounterMetricFamily("echo2_refused_requests", "requests refused at the protocol level", value=s.totals.refused),
+        CounterMetricFamily("echo2_dropped_stale_groups", "accepted groups dropped as too stale", value=s.dropped_stale),
+        CounterMetricFamily("echo2_cost_usd", "paid to volunteers, not voided", value=s.cost_usd),
+    ]
+
+
+def web_app(board: StatusBoard) -> ASGIApp:
+    """The page, /api/status and /metrics over `board`."""
+    collector = StatusCollector()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+
+    async def page(_request: object) -> Response:
+        return HTMLResponse(PAGE, headers={"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                                                       "style-src 'unsafe-inline'; img-src 'none'"})
+
+    async def api_status(_request: object) -> Response:
+        return Response(await board.public_json(), media_type="application/json")
+
+    async def metrics(_request: object) -> Response:
+        collector.status = await board.latest()
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [Route("/", page), Route("/api/status", api_status), Route("/metrics", metrics)]
+    return _Bounded(Starlette(routes=routes))
+
+
+def hypercorn_config(bind: str):  # noqa: ANN201 (hypercorn imports lazily)
+    """hypercorn's settings for a public, read-only server: small headers, short timeouts, no access log."""
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [bind]
+    config.h11_max_incomplete_size = MAX_HEADER_BYTES
+    config.read_timeout = READ_TIMEOUT_S
+    config.keep_alive_timeout = KEEP_ALIVE_S
+    config.keep_alive_max_requests = 100
+    config.wsgi_max_body_size = 0
+    config.accesslog = None
+    config.include_server_header = False
+    return config
+
+
+async def serve_web(board: StatusBoard, bind: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the web view at `bind` (HOST:PORT) until cancelled; reports the bound addresses when listening."""
+    from hypercorn.trio import serve
+
+    await serve(web_app(board), hypercorn_config(bind), task_status=task_status)

@@ -1,0 +1,99 @@
+"""The hub's public web view against a real `echo-hub start --http` with local nodes: /api/status lists them,
+/metrics parses with prometheus_client's own parser, and headless chromium renders a row per node with a hostile
+display name as inert text."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from testbed.harness import free_port, start_hub, start_node, stop_all, wait_until
+
+pytestmark = pytest.mark.slow
+
+HOSTILE = "<img src=x onerror=alert(1)>"
+PRIVATE = ("price_per_hour", "cost_usd", "hardware")
+
+
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read()
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory):
+    """A hub with two local nodes and one joined with a hostile name, after a few steps; yields its page's URL."""
+    root = tmp_path_factory.mktemp("web")
+    port = free_port()
+    hub = start_hub(root / "hub", "--local-nodes", "2", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4",
+                    "--http", f"127.0.0.1:{port}")
+    procs = [hub]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.append(start_node(hub.addr, root / "guest", "--name", HOSTILE))
+
+        def ready() -> dict | None:
+            status = json.loads(get(f"{url}/api/status"))
+            active = [n for n in status["nodes"] if n["state"] == "active"]
+            return status if len(active) >= 3 and status["step"] >= 2 else None
+
+        wait_until(ready, 240, "three active nodes and two steps", poll_s=1.0)
+        yield url
+    finally:
+        stop_all(procs)
+
+
+def test_api_status_lists_the_nodes_without_their_prices_costs_or_hardware(hub: str) -> None:
+    status = json.loads(get(f"{hub}/api/status"))
+    assert status["redacted"] is True
+    assert len(status["nodes"]) == 3
+    assert {n["name"] for n in status["nodes"]} >= {HOSTILE}
+    for node in status["nodes"]:
+        assert (node["price_per_hour"], node["cost_usd"], node["hardware"]) == (0.0, 0.0, "")
+        assert node["name"] == HOSTILE or node["name"] == node["peer_id"][-8:]
+
+
+def test_metrics_parse_with_prometheus_client(hub: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(get(f"{hub}/metrics").decode())}
+    for name in ("echo2_learner_step", "echo2_learner_version", "echo2_rollout_reward", "echo2_bubble_ratio",
+                 "echo2_broadcast_seconds", "echo2_mu_pool_rollouts_per_second", "echo2_mu_min_rollouts_per_second",
+                 "echo2_mu_target_rollouts_per_second", "echo2_nodes", "echo2_nodes_by_reachability", "echo2_groups",
+                 "echo2_cost_usd", "echo2_snapshot_bytes"):
+        assert name in families, name
+    assert families["echo2_groups"].type == "counter"
+    assert families["echo2_learner_step"].samples[0].value >= 2
+    nodes = {s.labels["state"]: s.value for s in families["echo2_nodes"].samples}
+    assert nodes["active"] == 3
+    accepted = {s.labels["verdict"]: s.value for s in families["echo2_groups"].samples if s.name == "echo2_groups_total"}
+    assert accepted["accepted"] > 0
+
+
+def test_the_server_changes_nothing(hub: str) -> None:
+    request = urllib.request.Request(f"{hub}/api/status", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 405
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (apt-get install chromium)")
+def test_chromium_renders_a_row_per_node_and_the_hostile_name_as_text(hub: str, tmp_path: Path) -> None:
+    dom = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
+         "--virtual-time-budget=5000", "--dump-dom", f"{hub}/"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    assert len(re.findall(r'<tr [^>]*class="node"', dom)) == 3, dom[-3000:]
+    assert 'data-state="ready"' in dom
+    assert "<path" in dom  # the reward curve
+    # Inert: the markup came through as text (escaped by the serializer), never as an element.
+    assert "&lt;img src=x onerror=alert(1)&gt;" in dom
+    assert "<img" not in dom
