@@ -331,6 +331,7 @@ class NodeStatus(Message):
     reachability: str = Field("unknown", description="public, nated (dials out only) or unknown (not probed yet)")
     link: str = Field("", description="how it gets snapshots: hub, direct (dials its upstream), pushed (dialed by it)")
     name: str = Field("", max_length=32, description="display name the node chose, or its short peer id")
+    audits_passed: int = Field(0, ge=0, description="audits of its work the hub re-ran and found honest")
 
     def net_text(self) -> str:
         """Reachability and link in a few characters: "nat/push", "pub/direct", "?/hub"."""

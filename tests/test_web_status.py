@@ -7,14 +7,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from hub.service.web import StatusCollector
+from hub.service.web import StatusCollector, status_metrics
 from node.config import NodeConfig
 from shared.messages import HubStatus, NodeStatus, Tallies
 from testbed.harness import free_port, start_hub, start_node, stop_all, wait_until
@@ -54,6 +56,16 @@ def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> Non
     assert ("echo2_bubble_ratio", ()) not in samples  # unknown until a step: no sample rather than a made-up 0
 
 
+def test_the_grafana_dashboard_queries_only_metrics_the_hub_exports() -> None:
+    status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=0, steps_target=0, version=0, staleness=0,
+                       kappa=1, task="t", nodes=(), open_leases=0, totals=Tallies(), dropped_stale=0)
+    exported = {f.name for f in status_metrics(status)}
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-echo2.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"echo2_[a-z_]+", target["expr"])}
+    assert queried and {q.removesuffix("_total") for q in queried} <= exported
+
+
 def get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read()
@@ -72,7 +84,10 @@ def hub(tmp_path_factory: pytest.TempPathFactory):
         procs.append(start_node(hub.addr, root / "guest", "--name", HOSTILE))
 
         def ready() -> dict | None:
-            status = json.loads(get(f"{url}/api/status"))
+            try:
+                status = json.loads(get(f"{url}/api/status"))
+            except urllib.error.URLError:  # the libp2p address is printed before the page listens
+                return None
             active = [n for n in status["nodes"] if n["state"] == "active"]
             return status if len(active) >= 3 and status["step"] >= 2 else None
 
@@ -117,6 +132,16 @@ def test_the_server_changes_nothing(hub: str) -> None:
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 405
+
+
+@pytest.mark.slow
+def test_a_slow_client_does_not_stall_the_server(hub: str) -> None:
+    host, port = hub.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(b"GET /api/status HTTP/1.1\r\nHost: x\r\n")  # and never finishes its headers
+        started = time.monotonic()
+        assert json.loads(get(f"{hub}/api/status"))["nodes"]
+        assert time.monotonic() - started < 5.0
 
 
 @pytest.mark.slow

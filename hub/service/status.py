@@ -134,6 +134,7 @@ class StatusBoard:
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
                 reachability=n.reachability,
                 link=kinds.get(n.peer_id, ""), name=n.name or short_id(n.peer_id),
+                audits_passed=n.audits_passed,
             )
             for n in listed
         )
