@@ -404,6 +404,8 @@ class HubStatus(Message):
     open_leases: int
     totals: Tallies = Field(description="every group received by verdict (local rollouts included), refusals of all nodes")
     dropped_stale: int = Field(description="accepted groups dropped from the buffer as too stale, all-time")
+    submissions: int = Field(0, ge=0, description="submissions received from nodes, this session")
+    heartbeats: int = Field(0, ge=0, description="heartbeats received from nodes, this session")
     reward_mean: float | None = None
     t_train_s: float | None = None
     t_bcast_s: float | None = None

@@ -15,10 +15,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from hub.service.web import StatusCollector, status_metrics
+from hub.service.web import StatusCollector
 from node.config import NodeConfig
-from shared.messages import HubStatus, NodeStatus, Tallies
+from shared.messages import HubStatus, NodeStatus, StepPoint, Tallies
 from testbed.harness import free_port, start_hub, start_node, stop_all, wait_until
 
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -33,19 +35,18 @@ def test_a_display_name_is_printable_bounded_text_and_markup_is_allowed() -> Non
 
 
 def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
     node = NodeStatus(peer_id="p" * 52, state="active", price_per_hour=9.0, rollouts_per_s=2.0, version_held=3,
                       tallies=Tallies(accepted=5), cost_usd=1.0, reachability="nated", link="pushed")
     status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=4, steps_target=10, version=4, staleness=2,
                        kappa=1, task="reverse", nodes=(node,), open_leases=1, totals=Tallies(accepted=5, late=2),
                        dropped_stale=1, cost_usd=0.5)
 
-    collector = StatusCollector()
-    collector.status = status
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    collector = StatusCollector(registry)
+    collector.update(status)
+    steps = tuple(StepPoint(step=k, version=k, reward_mean=0.5, staleness_mean=1.0, bubble=0.1, t_train_s=0.3, t_idle_s=0.0)
+                  for k in (5, 6))
+    collector.update(status.model_copy(update={"history": steps}))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     assert samples[("echo2_nodes", (("state", "active"),))] == 1
@@ -53,17 +54,21 @@ def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> Non
     assert samples[("echo2_nodes_by_reachability", (("reachability", "nated"),))] == 1
     assert samples[("echo2_groups_total", (("verdict", "late"),))] == 2
     assert samples[("echo2_cost_usd_total", ())] == 0.5
+    assert samples[("echo2_learner_step_seconds_count", ())] == 2  # the steps after the first scrape
+    assert samples[("echo2_learner_step_seconds_bucket", (("le", "0.5"),))] == 2
     assert ("echo2_bubble_ratio", ()) not in samples  # unknown until a step: no sample rather than a made-up 0
 
 
 def test_the_grafana_dashboard_queries_only_metrics_the_hub_exports() -> None:
     status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=0, steps_target=0, version=0, staleness=0,
                        kappa=1, task="t", nodes=(), open_leases=0, totals=Tallies(), dropped_stale=0)
-    exported = {f.name for f in status_metrics(status)}
+    registry = CollectorRegistry(auto_describe=False)
+    StatusCollector(registry).update(status)
+    exported = {f.name for f in registry.collect()}
     dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-echo2.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"echo2_[a-z_]+", target["expr"])}
-    assert queried and {q.removesuffix("_total") for q in queried} <= exported
+    assert queried and {re.sub(r"_(total|bucket|sum|count)$", "", q) for q in queried} <= exported
 
 
 def get(url: str) -> bytes:
@@ -110,15 +115,15 @@ def test_api_status_lists_the_nodes_without_their_prices_costs_or_hardware(hub: 
 
 @pytest.mark.slow
 def test_metrics_parse_with_prometheus_client(hub: str) -> None:
-    from prometheus_client.parser import text_string_to_metric_families
-
     families = {f.name: f for f in text_string_to_metric_families(get(f"{hub}/metrics").decode())}
     for name in ("echo2_learner_step", "echo2_learner_version", "echo2_rollout_reward", "echo2_bubble_ratio",
                  "echo2_broadcast_seconds", "echo2_mu_pool_rollouts_per_second", "echo2_mu_min_rollouts_per_second",
                  "echo2_mu_target_rollouts_per_second", "echo2_nodes", "echo2_nodes_by_reachability", "echo2_groups",
-                 "echo2_cost_usd", "echo2_snapshot_bytes"):
+                 "echo2_cost_usd", "echo2_snapshot_bytes", "echo2_submissions", "echo2_heartbeats",
+                 "echo2_learner_step_seconds"):
         assert name in families, name
-    assert families["echo2_groups"].type == "counter"
+    assert families["echo2_groups"].type == families["echo2_heartbeats"].type == "counter"
+    assert families["echo2_learner_step_seconds"].type == "histogram"
     assert families["echo2_learner_step"].samples[0].value >= 2
     nodes = {s.labels["state"]: s.value for s in families["echo2_nodes"].samples}
     assert nodes["active"] == 3

@@ -151,6 +151,7 @@ class StatusBoard:
             task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in chains),
             broadcast_mode=self.info.broadcast_mode, open_leases=len(state.leases.open),
             totals=state.totals.groups, dropped_stale=state.totals.dropped_stale,
+            submissions=state.totals.submissions, heartbeats=state.totals.heartbeats,
             reward_mean=last.reward_mean if last else None,
             t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s() if self.broadcaster else None,
             snapshot_bytes=newest.manifest.total_bytes if newest else None,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from importlib.resources import files
 
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -27,6 +27,7 @@ MAX_CONCURRENT_REQUESTS = 32
 READ_TIMEOUT_S = 10.0
 KEEP_ALIVE_S = 5.0
 MAX_HEADER_BYTES = 8 * 1024
+STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 PAGE = files("hub.service").joinpath("web_page.html").read_text()
 
 
@@ -53,10 +54,25 @@ class _Bounded:
 
 
 class StatusCollector:
-    """prometheus_client collector over one HubStatus (set before each scrape)."""
+    """prometheus_client collector over one HubStatus (set before each scrape), and the learner's step time as a
+    histogram fed from the status's step history: every step since the last scrape (the history holds the last
+    HISTORY_POINTS, far more than a scrape interval's worth)."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.status: HubStatus | None = None
+        self.step_seconds = Histogram("echo2_learner_step_seconds", "learner step time (this hub process's steps)",
+                                      buckets=STEP_SECONDS_BUCKETS, registry=registry)
+        self.observed_step: int | None = None
+        registry.register(self)
+
+    def update(self, status: HubStatus) -> None:
+        """Take the status a scrape reports; steps taken before the first scrape are history, not observations."""
+        self.status = status
+        if self.observed_step is not None:
+            for point in status.history:
+                if point.step > self.observed_step:
+                    self.step_seconds.observe(point.t_train_s)
+        self.observed_step = status.history[-1].step if status.history else 0
 
     def collect(self) -> Iterator[Metric]:
         if self.status is not None:
@@ -117,14 +133,15 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         CounterMetricFamily("echo2_refused_requests", "requests refused at the protocol level", value=s.totals.refused),
         CounterMetricFamily("echo2_dropped_stale_groups", "accepted groups dropped as too stale", value=s.dropped_stale),
         CounterMetricFamily("echo2_cost_usd", "paid to volunteers, not voided", value=s.cost_usd),
+        CounterMetricFamily("echo2_submissions", "submissions received from nodes (this hub process)", value=s.submissions),
+        CounterMetricFamily("echo2_heartbeats", "heartbeats received from nodes (this hub process)", value=s.heartbeats),
     ]
 
 
 def web_app(board: StatusBoard) -> ASGIApp:
     """The page, /api/status and /metrics over `board`."""
-    collector = StatusCollector()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    collector = StatusCollector(registry)
 
     async def page(_request: object) -> Response:
         return HTMLResponse(PAGE, headers={"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
@@ -134,7 +151,7 @@ def web_app(board: StatusBoard) -> ASGIApp:
         return Response(await board.public_json(), media_type="application/json")
 
     async def metrics(_request: object) -> Response:
-        collector.status = await board.latest()
+        collector.update(await board.latest())
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     routes = [Route("/", page), Route("/api/status", api_status), Route("/metrics", metrics)]
