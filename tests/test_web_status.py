@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hub.service.web import StatusCollector
+from hub.service.web import BURST_PER_ADDRESS, RATE_PER_ADDRESS, RateLimit, StatusCollector
 from node.config import NodeConfig
 from shared.messages import HubStatus, NodeStatus, StepPoint, Tallies
 from testbed.harness import free_port, start_hub, start_node, stop_all, wait_until
@@ -57,6 +58,28 @@ def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> Non
     assert samples[("echo2_learner_step_seconds_count", ())] == 2  # the steps after the first scrape
     assert samples[("echo2_learner_step_seconds_bucket", (("le", "0.5"),))] == 2
     assert ("echo2_bubble_ratio", ()) not in samples  # unknown until a step: no sample rather than a made-up 0
+
+
+def test_a_busy_http_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "hub.cli.main", "start", "--data-dir", str(tmp_path / "data"),
+                               "--http", f"127.0.0.1:{port}", "--listen", "/ip4/127.0.0.1/tcp/0"],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"echo-hub: --http 127.0.0.1:{port}: port {port} is already in use (another hub?); "
+                                   f"stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off")
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_client_past_its_rate_is_refused_until_its_bucket_refills() -> None:
+    rate = RateLimit()
+    assert all(rate.allow("a", 0.0) for _ in range(int(BURST_PER_ADDRESS)))
+    assert not rate.allow("a", 0.0)
+    assert rate.allow("b", 0.0)  # another address has its own bucket
+    assert rate.allow("a", 1.0 / RATE_PER_ADDRESS)
 
 
 def test_the_grafana_dashboard_queries_only_metrics_the_hub_exports() -> None:

@@ -23,6 +23,11 @@ from shared.messages import GROUP_VERDICTS, HubStatus
 
 # Requests served at once; more get 503 at once, so a crowd (or slow clients) cannot queue work on the hub's loop.
 MAX_CONCURRENT_REQUESTS = 32
+# Requests per second one client address may make (a refreshing page makes one per 2 s, a scraper fewer), with a
+# burst for a page load; the table of addresses is bounded (a crowd of addresses empties it: each starts afresh).
+RATE_PER_ADDRESS = 5.0
+BURST_PER_ADDRESS = 20.0
+ADDRESSES_TRACKED = 10_000
 # A slow client is dropped after this long without sending; an idle kept-alive connection sooner.
 READ_TIMEOUT_S = 10.0
 KEEP_ALIVE_S = 5.0
@@ -31,18 +36,37 @@ STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 1
 PAGE = files("hub.service").joinpath("web_page.html").read_text()
 
 
+class RateLimit:
+    """A token bucket per client address: RATE_PER_ADDRESS requests per second, bursts up to BURST_PER_ADDRESS."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, when counted)
+
+    def allow(self, address: str, now: float) -> bool:
+        if len(self.buckets) >= ADDRESSES_TRACKED and address not in self.buckets:
+            self.buckets.clear()
+        tokens, then = self.buckets.get(address, (BURST_PER_ADDRESS, now))
+        tokens = min(BURST_PER_ADDRESS, tokens + (now - then) * RATE_PER_ADDRESS)
+        self.buckets[address] = (max(0.0, tokens - 1.0), now)
+        return tokens >= 1.0
+
+
 class _Bounded:
-    """ASGI middleware: at most MAX_CONCURRENT_REQUESTS at once (503 beyond), GET and HEAD only (405 otherwise)."""
+    """ASGI middleware: GET and HEAD only (405 otherwise), a rate per client address (429 beyond) and at most
+    MAX_CONCURRENT_REQUESTS at once (503 beyond)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.limiter = trio.CapacityLimiter(MAX_CONCURRENT_REQUESTS)
+        self.rate = RateLimit()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if scope["method"] not in ("GET", "HEAD"):
             return await PlainTextResponse("read-only", 405, headers={"Allow": "GET, HEAD"})(scope, receive, send)
+        if not self.rate.allow((scope.get("client") or ("?",))[0], trio.current_time()):
+            return await PlainTextResponse("too many requests", 429, headers={"Retry-After": "1"})(scope, receive, send)
         try:
             self.limiter.acquire_nowait()
         except trio.WouldBlock:
