@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from hub.method.capacity import default_kappa, validate_kappa
-from shared.config import Section
+from shared.config import HttpBind, Section
 from shared.layout import HUB_KEY_FILE
 from shared.rollout import SamplingParams
 from shared.tasks.dataset import DatasetOptions
@@ -208,8 +208,7 @@ class HubConfig(Section):
     listen: str = Field(f"/ip4/0.0.0.0/tcp/{DEFAULT_HUB_PORT}", description="libp2p listen multiaddr")
     key: Path | None = Field(None, description="hub identity key file (default DATA_DIR/hub.key)")
     steps: int = Field(300, ge=0, le=10_000_000, description="learner steps to run (0: until interrupted)")
-    http: str = Field("off", pattern=r"^(off|[A-Za-z0-9.\-]+:[0-9]{1,5}|\[[0-9a-fA-F:]+\]:[0-9]{1,5})$",
-                      description=f"public status page, /api/status and /metrics at HOST:PORT (e.g. 0.0.0.0:{DEFAULT_HTTP_PORT}), or off")
+    http: HttpBind = Field("off", description=f"public status page, /api/status and /metrics at HOST:PORT (e.g. 0.0.0.0:{DEFAULT_HTTP_PORT}), or off")
     local_nodes: int = Field(3, ge=0, le=64, description="volunteer nodes to spawn on loopback")
     local_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch device of the local nodes (auto: the learner's)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of the data-dir log")

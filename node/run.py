@@ -226,6 +226,11 @@ class NodeRuntime:
                 nursery.start_soon(self.link.run)
                 nursery.start_soon(self.worker.run)
                 nursery.start_soon(self._write_status)
+                if self.config.http != "off":
+                    from node.web import serve_node_web
+
+                    bound = await nursery.start(serve_node_web, self.view, self.config.http)
+                    print(f"node page: {' '.join(bound)}", flush=True)
 
 
 def _print_event(event: EventRecord) -> None:

@@ -19,9 +19,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hub.service.web import BURST_PER_ADDRESS, RATE_PER_ADDRESS, RateLimit, StatusCollector
+from hub.service.web import StatusCollector
 from node.config import NodeConfig
 from shared.messages import HubStatus, NodeStatus, StepPoint, Tallies
+from shared.web import BURST_PER_ADDRESS, RATE_PER_ADDRESS, RateLimit
 from testbed.harness import free_port, start_hub, start_node, stop_all, wait_until
 
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -100,16 +101,17 @@ def get(url: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory):
-    """A hub with two local nodes and one joined with a hostile name, after a few steps; yields its page's URL."""
+def pages(tmp_path_factory: pytest.TempPathFactory):
+    """A hub with two local nodes and one joined with a hostile name, after a few steps (the guest
+    serving its own page too); yields the hub's page URL and the guest's."""
     root = tmp_path_factory.mktemp("web")
-    port = free_port()
+    port, node_port = free_port(), free_port()
     hub = start_hub(root / "hub", "--local-nodes", "2", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4",
                     "--http", f"127.0.0.1:{port}")
     procs = [hub]
     url = f"http://127.0.0.1:{port}"
     try:
-        procs.append(start_node(hub.addr, root / "guest", "--name", HOSTILE))
+        procs.append(start_node(hub.addr, root / "guest", "--name", HOSTILE, "--http", f"127.0.0.1:{node_port}"))
 
         def ready() -> dict | None:
             try:
@@ -120,13 +122,14 @@ def hub(tmp_path_factory: pytest.TempPathFactory):
             return status if len(active) >= 3 and status["step"] >= 2 else None
 
         wait_until(ready, 240, "three active nodes and two steps", poll_s=1.0)
-        yield url
+        yield url, f"http://127.0.0.1:{node_port}"
     finally:
         stop_all(procs)
 
 
 @pytest.mark.slow
-def test_api_status_lists_the_nodes_without_their_prices_costs_or_hardware(hub: str) -> None:
+def test_api_status_lists_the_nodes_without_their_prices_costs_or_hardware(pages: tuple[str, str]) -> None:
+    hub, _ = pages
     status = json.loads(get(f"{hub}/api/status"))
     assert status["redacted"] is True
     assert len(status["nodes"]) == 3
@@ -137,7 +140,8 @@ def test_api_status_lists_the_nodes_without_their_prices_costs_or_hardware(hub: 
 
 
 @pytest.mark.slow
-def test_metrics_parse_with_prometheus_client(hub: str) -> None:
+def test_metrics_parse_with_prometheus_client(pages: tuple[str, str]) -> None:
+    hub, _ = pages
     families = {f.name: f for f in text_string_to_metric_families(get(f"{hub}/metrics").decode())}
     for name in ("echo2_learner_step", "echo2_learner_version", "echo2_rollout_reward", "echo2_bubble_ratio",
                  "echo2_broadcast_seconds", "echo2_mu_pool_rollouts_per_second", "echo2_mu_min_rollouts_per_second",
@@ -155,7 +159,8 @@ def test_metrics_parse_with_prometheus_client(hub: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_server_changes_nothing(hub: str) -> None:
+def test_the_server_changes_nothing(pages: tuple[str, str]) -> None:
+    hub, _ = pages
     request = urllib.request.Request(f"{hub}/api/status", data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
@@ -163,7 +168,21 @@ def test_the_server_changes_nothing(hub: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_slow_client_does_not_stall_the_server(hub: str) -> None:
+def test_the_node_serves_its_own_page_and_metrics(pages: tuple[str, str]) -> None:
+    _, node = pages
+    view = json.loads(get(f"{node}/api/status"))
+    assert view["state"] == "active" and view["version_held"] >= 0
+    families = {f.name: f for f in text_string_to_metric_families(get(f"{node}/metrics").decode())}
+    assert families["echo2_node_version_held"].samples[0].value >= 0
+    accepted = {s.labels["verdict"]: s.value for s in families["echo2_node_groups"].samples if s.name.endswith("_total")}
+    assert accepted["accepted"] > 0
+    assert "echo2_node_earnings_usd" in families and "echo2_node_relayed_bytes" in families
+    assert b"<table" in get(f"{node}/")
+
+
+@pytest.mark.slow
+def test_a_slow_client_does_not_stall_the_server(pages: tuple[str, str]) -> None:
+    hub, _ = pages
     host, port = hub.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as slow:
         slow.sendall(b"GET /api/status HTTP/1.1\r\nHost: x\r\n")  # and never finishes its headers
@@ -174,7 +193,8 @@ def test_a_slow_client_does_not_stall_the_server(hub: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (apt-get install chromium)")
-def test_chromium_renders_a_row_per_node_and_the_hostile_name_as_text(hub: str, tmp_path: Path) -> None:
+def test_chromium_renders_a_row_per_node_and_the_hostile_name_as_text(pages: tuple[str, str], tmp_path: Path) -> None:
+    hub, _ = pages
     dom = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
          "--virtual-time-budget=5000", "--dump-dom", f"{hub}/"],

@@ -14,67 +14,16 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from hub.service.status import StatusBoard
 from shared.messages import GROUP_VERDICTS, HubStatus
+from shared.web import by_label, gauge, serve
 
-# Requests served at once; more get 503 at once, so a crowd (or slow clients) cannot queue work on the hub's loop.
-MAX_CONCURRENT_REQUESTS = 32
-# Requests per second one client address may make (a refreshing page makes one per 2 s, a scraper fewer), with a
-# burst for a page load; the table of addresses is bounded (a crowd of addresses empties it: each starts afresh).
-RATE_PER_ADDRESS = 5.0
-BURST_PER_ADDRESS = 20.0
-ADDRESSES_TRACKED = 10_000
-# A slow client is dropped after this long without sending; an idle kept-alive connection sooner.
-READ_TIMEOUT_S = 10.0
-KEEP_ALIVE_S = 5.0
-MAX_HEADER_BYTES = 8 * 1024
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 PAGE = files("hub.service").joinpath("web_page.html").read_text()
-
-
-class RateLimit:
-    """A token bucket per client address: RATE_PER_ADDRESS requests per second, bursts up to BURST_PER_ADDRESS."""
-
-    def __init__(self) -> None:
-        self.buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, when counted)
-
-    def allow(self, address: str, now: float) -> bool:
-        if len(self.buckets) >= ADDRESSES_TRACKED and address not in self.buckets:
-            self.buckets.clear()
-        tokens, then = self.buckets.get(address, (BURST_PER_ADDRESS, now))
-        tokens = min(BURST_PER_ADDRESS, tokens + (now - then) * RATE_PER_ADDRESS)
-        self.buckets[address] = (max(0.0, tokens - 1.0), now)
-        return tokens >= 1.0
-
-
-class _Bounded:
-    """ASGI middleware: GET and HEAD only (405 otherwise), a rate per client address (429 beyond) and at most
-    MAX_CONCURRENT_REQUESTS at once (503 beyond)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-        self.limiter = trio.CapacityLimiter(MAX_CONCURRENT_REQUESTS)
-        self.rate = RateLimit()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if scope["method"] not in ("GET", "HEAD"):
-            return await PlainTextResponse("read-only", 405, headers={"Allow": "GET, HEAD"})(scope, receive, send)
-        if not self.rate.allow((scope.get("client") or ("?",))[0], trio.current_time()):
-            return await PlainTextResponse("too many requests", 429, headers={"Retry-After": "1"})(scope, receive, send)
-        try:
-            self.limiter.acquire_nowait()
-        except trio.WouldBlock:
-            return await PlainTextResponse("busy", 503, headers={"Retry-After": "1"})(scope, receive, send)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.limiter.release()
 
 
 class StatusCollector:
@@ -103,20 +52,6 @@ class StatusCollector:
             yield from status_metrics(self.status)
 
 
-def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
-    """A gauge with one sample, or none while `value` is unknown."""
-    family = GaugeMetricFamily(name, doc)
-    if value is not None:
-        family.add_metric([], value)
-    return family
-
-
-def _by_label(family: GaugeMetricFamily | CounterMetricFamily, counts: dict[str, float]) -> GaugeMetricFamily | CounterMetricFamily:
-    for label, value in sorted(counts.items()):
-        family.add_metric([label], value)
-    return family
-
-
 def _count(values: list[str], known: tuple[str, ...] = ()) -> dict[str, float]:
     """How many of each value, every known one present (a 0 series keeps dashboards' queries defined)."""
     counts = dict.fromkeys(known, 0.0)
@@ -130,29 +65,29 @@ def status_metrics(s: HubStatus) -> list[Metric]:
     and cost (all-time, restored on restart)."""
     last_eval = s.evals[-1].reward if s.evals else None
     return [
-        _gauge("echo2_learner_step", "learner steps done", s.step),
-        _gauge("echo2_learner_steps_target", "learner steps to run (0: until interrupted)", s.steps_target),
-        _gauge("echo2_learner_version", "policy version the learner publishes", s.version),
-        _gauge("echo2_rollout_reward", "mean rollout reward of the last step", s.reward_mean),
-        _gauge("echo2_eval_reward", "mean reward of the last held-out evaluation", last_eval),
-        _gauge("echo2_bubble_ratio", "share of the last step the learner waited for rollouts", s.bubble),
-        _gauge("echo2_predicted_bubble_ratio", "the capacity model's predicted bubble", s.predicted_bubble),
-        _gauge("echo2_train_step_seconds", "mean learner step time (recent steps)", s.t_train_s),
-        _gauge("echo2_broadcast_seconds", "T_bcast: time for the last version to reach the fleet", s.t_bcast_s),
-        _gauge("echo2_mu_pool_rollouts_per_second", "mu_pool: rollout rate of the active pool", s.mu_pool),
-        _gauge("echo2_mu_min_rollouts_per_second", "mu_min: rollout rate the learner needs to never wait", s.mu_min),
-        _gauge("echo2_mu_target_rollouts_per_second", "mu_target: rollout rate the scheduler aims at", s.mu_target),
-        _gauge("echo2_usable_fraction", "share of accepted groups the learner trains on (recent window)", s.usable_fraction),
-        _gauge("echo2_snapshot_bytes", "bytes of the newest full snapshot", s.snapshot_bytes),
-        _gauge("echo2_delta_bytes", "bytes of the newest delta", s.delta_bytes),
-        _gauge("echo2_open_leases", "leases out now", s.open_leases),
-        _by_label(GaugeMetricFamily("echo2_nodes", "nodes listed, by state", labels=["state"]),
+        gauge("echo2_learner_step", "learner steps done", s.step),
+        gauge("echo2_learner_steps_target", "learner steps to run (0: until interrupted)", s.steps_target),
+        gauge("echo2_learner_version", "policy version the learner publishes", s.version),
+        gauge("echo2_rollout_reward", "mean rollout reward of the last step", s.reward_mean),
+        gauge("echo2_eval_reward", "mean reward of the last held-out evaluation", last_eval),
+        gauge("echo2_bubble_ratio", "share of the last step the learner waited for rollouts", s.bubble),
+        gauge("echo2_predicted_bubble_ratio", "the capacity model's predicted bubble", s.predicted_bubble),
+        gauge("echo2_train_step_seconds", "mean learner step time (recent steps)", s.t_train_s),
+        gauge("echo2_broadcast_seconds", "T_bcast: time for the last version to reach the fleet", s.t_bcast_s),
+        gauge("echo2_mu_pool_rollouts_per_second", "mu_pool: rollout rate of the active pool", s.mu_pool),
+        gauge("echo2_mu_min_rollouts_per_second", "mu_min: rollout rate the learner needs to never wait", s.mu_min),
+        gauge("echo2_mu_target_rollouts_per_second", "mu_target: rollout rate the scheduler aims at", s.mu_target),
+        gauge("echo2_usable_fraction", "share of accepted groups the learner trains on (recent window)", s.usable_fraction),
+        gauge("echo2_snapshot_bytes", "bytes of the newest full snapshot", s.snapshot_bytes),
+        gauge("echo2_delta_bytes", "bytes of the newest delta", s.delta_bytes),
+        gauge("echo2_open_leases", "leases out now", s.open_leases),
+        by_label(GaugeMetricFamily("echo2_nodes", "nodes listed, by state", labels=["state"]),
                   _count([n.state for n in s.nodes], ("probing", "active", "standby", "banned", "gone"))),
-        _by_label(GaugeMetricFamily("echo2_nodes_by_reachability", "nodes listed, by reachability", labels=["reachability"]),
+        by_label(GaugeMetricFamily("echo2_nodes_by_reachability", "nodes listed, by reachability", labels=["reachability"]),
                   _count([n.reachability for n in s.nodes], ("public", "nated", "unknown"))),
-        _by_label(GaugeMetricFamily("echo2_nodes_by_link", "nodes listed, by how they get snapshots", labels=["link"]),
+        by_label(GaugeMetricFamily("echo2_nodes_by_link", "nodes listed, by how they get snapshots", labels=["link"]),
                   _count([n.link or "none" for n in s.nodes])),
-        _by_label(CounterMetricFamily("echo2_groups", "groups received, by verdict", labels=["verdict"]),
+        by_label(CounterMetricFamily("echo2_groups", "groups received, by verdict", labels=["verdict"]),
                   {v: getattr(s.totals, v) for v in GROUP_VERDICTS}),
         CounterMetricFamily("echo2_refused_requests", "requests refused at the protocol level", value=s.totals.refused),
         CounterMetricFamily("echo2_dropped_stale_groups", "accepted groups dropped as too stale", value=s.dropped_stale),
@@ -179,27 +114,9 @@ def web_app(board: StatusBoard) -> ASGIApp:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     routes = [Route("/", page), Route("/api/status", api_status), Route("/metrics", metrics)]
-    return _Bounded(Starlette(routes=routes))
-
-
-def hypercorn_config(bind: str):  # noqa: ANN201 (hypercorn imports lazily)
-    """hypercorn's settings for a public, read-only server: small headers, short timeouts, no access log."""
-    from hypercorn.config import Config
-
-    config = Config()
-    config.bind = [bind]
-    config.h11_max_incomplete_size = MAX_HEADER_BYTES
-    config.read_timeout = READ_TIMEOUT_S
-    config.keep_alive_timeout = KEEP_ALIVE_S
-    config.keep_alive_max_requests = 100
-    config.wsgi_max_body_size = 0
-    config.accesslog = None
-    config.include_server_header = False
-    return config
+    return Starlette(routes=routes)
 
 
 async def serve_web(board: StatusBoard, bind: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the web view at `bind` (HOST:PORT) until cancelled; reports the bound addresses when listening."""
-    from hypercorn.trio import serve
-
-    await serve(web_app(board), hypercorn_config(bind), task_status=task_status)
+    await serve(web_app(board), bind, task_status=task_status)
