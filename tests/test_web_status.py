@@ -203,6 +203,7 @@ def test_chromium_renders_a_row_per_node_and_the_hostile_name_as_text(pages: tup
     assert len(re.findall(r'<tr [^>]*class="node"', dom)) == 3, dom[-3000:]
     assert 'data-state="ready"' in dom
     assert "<path" in dom  # the reward curve
+    assert dom.count('class="chain-node"') >= 2  # the chain picture: the hub, then the nodes it feeds
     # Inert: the markup came through as text (escaped by the serializer), never as an element.
     assert "&lt;img src=x onerror=alert(1)&gt;" in dom
     assert "<img" not in dom
