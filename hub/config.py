@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from hub.method.capacity import default_kappa, validate_kappa
-from shared.config import Section
+from shared.config import HttpBind, Section
 from shared.layout import HUB_KEY_FILE
 from shared.rollout import SamplingParams
 from shared.tasks.dataset import DatasetOptions
@@ -16,6 +16,8 @@ from shared.tasks.dataset import DatasetOptions
 DEFAULT_HUB_PORT = 4077
 # A torch device as the flags and TOML take it: auto picks cuda when torch sees a GPU.
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]{1,2})?)$"
+# The status page's documented port (`--http 0.0.0.0:4078`); off unless asked: see HubConfig.http.
+DEFAULT_HTTP_PORT = 4078
 
 
 class LearnerConfig(Section):
@@ -208,6 +210,7 @@ class HubConfig(Section):
     listen: str = Field(f"/ip4/0.0.0.0/tcp/{DEFAULT_HUB_PORT}", description="libp2p listen multiaddr")
     key: Path | None = Field(None, description="hub identity key file (default DATA_DIR/hub.key)")
     steps: int = Field(300, ge=0, le=10_000_000, description="learner steps to run (0: until interrupted)")
+    http: HttpBind = Field("off", description=f"public status page, /api/status and /metrics at HOST:PORT (e.g. 0.0.0.0:{DEFAULT_HTTP_PORT}), or off")
     local_nodes: int = Field(3, ge=0, le=64, description="volunteer nodes to spawn on loopback")
     local_device: str = Field("auto", pattern=DEVICE_PATTERN, description="torch device of the local nodes: auto (the learner's), cpu, cuda or cuda:N")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of the data-dir log")

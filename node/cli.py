@@ -20,7 +20,7 @@ STOP_TIMEOUT_S = 10.0
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
 JOIN_FLAGS: dict[str, tuple[str, type]] = {
     name: (name, kind) for name, kind in (
-        ("hub", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
+        ("hub", str), ("name", str), ("http", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
         ("model", Path), ("listen", str), ("public_addr", str), ("bulk_port", int), ("max_rollouts_per_s", float), ("link_mbps", float),
         ("declared_link_mbps", float), ("threads", int), ("seed", int), ("gpu_memory_fraction", float),
         ("kv_cache_gib", int), ("cpu_cores", str),
@@ -65,6 +65,7 @@ def check_join(config) -> None:
     from shared.checks import (
         check_bulk_port,
         check_data_dir,
+        check_http,
         check_key_file,
         check_listen,
         check_model_dir,
@@ -77,6 +78,7 @@ def check_join(config) -> None:
         check_model_dir(config.model)
     check_listen(config.listen)
     check_bulk_port(config.listen, config.bulk_port)
+    check_http(config.http, config.listen)
     check_key_file(config.key_path, "--key" if config.key is not None else "the node key")
     check_engine(config)
 

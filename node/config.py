@@ -7,14 +7,18 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.config import Section
+from shared.config import HttpBind, Section
 from shared.layout import NODE_KEY_FILE
+from shared.messages import DisplayName
 
 
 class NodeConfig(Section):
     """Everything `echo-node join` needs."""
 
     hub: str = Field(description="hub multiaddr including /p2p/<hub peer id>, as the hub printed it")
+    name: DisplayName | None = Field(
+        None, description="display name on the hub's status page, 1-32 printable characters (None: the short peer id)")
+    http: HttpBind = Field("off", description="this node's own page, /api/status and /metrics at HOST:PORT, or off")
     price: float = Field(0.35, ge=0.0, le=1000.0, description="declared price in $/h")
     backend: Literal["auto", "hf", "vllm"] = Field("auto", description="rollout engine")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch device (auto: cuda when torch sees a GPU, else cpu)")

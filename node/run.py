@@ -105,6 +105,7 @@ class NodeRuntime:
             dtype=self.engine.dtype,
             version_held=self.keeper.version_held,
             listen_addrs=self.listen_addrs,
+            name=self.config.name,
         )
 
     def _heartbeat(self) -> Heartbeat:
@@ -225,6 +226,11 @@ class NodeRuntime:
                 nursery.start_soon(self.link.run)
                 nursery.start_soon(self.worker.run)
                 nursery.start_soon(self._write_status)
+                if self.config.http != "off":
+                    from node.web import serve_node_web
+
+                    bound = await nursery.start(serve_node_web, self.view, self.config.http)
+                    print(f"node page: {' '.join(bound)}", flush=True)
 
 
 def _print_event(event: EventRecord) -> None:

@@ -126,6 +126,21 @@ def check_bulk_port(listen: str, port: int, flag: str = "--bulk-port") -> None:
     _check_bindable(host, family, port, f"{flag} {port}", str(port + 1))
 
 
+def check_http(bind: str, listen: str, flag: str = "--http") -> None:
+    """The status page's HOST:PORT (its form is already checked): free now, and not the libp2p port ("off": no page)."""
+    from multiaddr import Multiaddr
+
+    if bind == "off":
+        return
+    host, _, port = bind.rpartition(":")
+    family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+    libp2p_port = int(Multiaddr(listen).value_for_protocol("tcp"))
+    if int(port) == libp2p_port and libp2p_port != 0:
+        raise UserError(f"{flag} {bind}: port {port} is the libp2p listen port too ({listen}); give the page its own, "
+                        f"e.g. {flag} {host}:{libp2p_port + 1}")
+    _check_bindable(host.strip("[]"), family, int(port), f"{flag} {bind}", f"{host}:{int(port) + 1} or {flag} off")
+
+
 def _check_bindable(host: str, family: int, port: int, what: str, suggestion: str) -> None:
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
 T = TypeVar("T", bound=BaseModel)
+# Where a status page listens (shared/web.py): HOST:PORT, [IPv6]:PORT, or off.
+HttpBind = Annotated[str, Field(pattern=r"^(off|[A-Za-z0-9.\-]+:[0-9]{1,5}|\[[0-9a-fA-F:]+\]:[0-9]{1,5})$")]
 
 
 class Section(BaseModel):

@@ -81,6 +81,9 @@ ChunkIndex = Annotated[int, Field(ge=0, le=MAX_CHUNKS)]
 PrintableText = Annotated[str, AfterValidator(_printable)]
 ListenAddr = Annotated[str, Field(max_length=MAX_ADDR_CHARS, pattern=ADDR_PATTERN)]
 PeerIdText = Annotated[str, Field(max_length=128, pattern=PEER_ID_PATTERN)]
+# A volunteer's display name: printable, no space at either end. Any such text is allowed (markup too), because
+# every place that shows it escapes it: the web page sets it as text only, the terminals print it as plain text.
+DisplayName = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^\S(.*\S)?$"), AfterValidator(_printable)]
 
 
 class RejectCode(StrEnum):
@@ -150,6 +153,7 @@ class JoinRequest(Message):
     dtype: Literal["float32", "bfloat16"] = Field(description="the engine's weight dtype; must be the hub's snapshot dtype")
     version_held: HeldVersion = -1
     listen_addrs: tuple[ListenAddr, ...] = Field((), max_length=MAX_LISTEN_ADDRS, description="where peers can dial this node")
+    name: DisplayName | None = Field(None, description="display name on the hub's status page (None: the short peer id)")
 
 
 class JoinReply(Message):
@@ -326,6 +330,8 @@ class NodeStatus(Message):
     chain_position: int | None = None
     reachability: str = Field("unknown", description="public, nated (dials out only) or unknown (not probed yet)")
     link: str = Field("", description="how it gets snapshots: hub, direct (dials its upstream), pushed (dialed by it)")
+    name: str = Field("", max_length=32, description="display name the node chose, or its short peer id")
+    audits_passed: int = Field(0, ge=0, description="audits of its work the hub re-ran and found honest")
 
     def net_text(self) -> str:
         """Reachability and link in a few characters: "nat/push", "pub/direct", "?/hub"."""
@@ -398,6 +404,8 @@ class HubStatus(Message):
     open_leases: int
     totals: Tallies = Field(description="every group received by verdict (local rollouts included), refusals of all nodes")
     dropped_stale: int = Field(description="accepted groups dropped from the buffer as too stale, all-time")
+    submissions: int = Field(0, ge=0, description="submissions received from nodes, this session")
+    heartbeats: int = Field(0, ge=0, description="heartbeats received from nodes, this session")
     reward_mean: float | None = None
     t_train_s: float | None = None
     t_bcast_s: float | None = None

@@ -30,6 +30,7 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "model": ("model", Path),
     "task": ("task", str),
     "listen": ("listen", str),
+    "http": ("http", str),
     "key": ("key", Path),
     "steps": ("steps", int),
     "local_nodes": ("local_nodes", int),

@@ -24,6 +24,7 @@ from shared.checks import (
     UserError,
     check_bulk_port,
     check_data_dir,
+    check_http,
     check_key_file,
     check_listen,
     check_model_dir,
@@ -66,6 +67,7 @@ def check_start(config: HubConfig) -> None:
     check_trackers(config)
     check_listen(config.listen)
     check_bulk_port(config.listen, config.broadcast.bulk_port)
+    check_http(config.http, config.listen)
     check_key_file(config.key_path, "--key" if config.key is not None else "the hub key")
     from hub.training.tasks import check_prompts
 

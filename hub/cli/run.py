@@ -218,6 +218,8 @@ class Hub:
                     await bulk.start(nursery)
                 for component in (state, service, self.scheduler, self.status):
                     nursery.start_soon(component.run)
+                if config.http != "off":
+                    await self._serve_web(nursery)
                 nursery.start_soon(self._publisher)
                 if self.evaluation is not None:
                     await nursery.start(self.evaluation.run)
@@ -240,6 +242,13 @@ class Hub:
                 self.status.running = False
                 await self.status.refresh()
                 nursery.cancel_scope.cancel()
+
+    async def _serve_web(self, nursery: trio.Nursery) -> None:
+        """The public status page, /api/status and /metrics on this event loop (hub/service/web.py)."""
+        from hub.service.web import serve_web
+
+        bound = await nursery.start(serve_web, self.status, self.config.http)
+        print(f"status page: {' '.join(bound)}", flush=True)
 
     def _announce(self) -> None:
         print(f"echo-hub {self.identity.peer_id}", flush=True)

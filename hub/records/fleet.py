@@ -60,6 +60,8 @@ class NodeRecord:
     answered_addr: str | None = None
     # The heartbeat period the hub last told it (0: not told yet); its silence timeout follows it.
     heartbeat_period_s: float = 0.0
+    # The display name it joined with (None: its short peer id is shown).
+    name: str | None = None
 
     @property
     def rho(self) -> float:
@@ -94,7 +96,7 @@ class Fleet:
                 remote_ip=None, last_seen=now,
             )
         record.price_per_hour, record.link_bps = request.price_per_hour, request.link_bps
-        record.backend, record.hardware = request.backend, request.hardware
+        record.backend, record.hardware, record.name = request.backend, request.hardware, request.name
         if (record.listen_addrs, record.remote_ip) != (request.listen_addrs, remote_ip):
             record.reachability = "unknown"  # another address: dialed back again
             record.punch_failed_with = record.answered_addr = None

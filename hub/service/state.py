@@ -133,6 +133,9 @@ class RunTotals:
     learner_s_before: float  # learner time of earlier sessions
     session_started: float
     session_id: int = 0
+    # Messages received in this session only (what /metrics counts; a Prometheus counter restarts with the process).
+    submissions: int = 0
+    heartbeats: int = 0
 
     def learner_s(self, now: float) -> float:
         return self.learner_s_before + max(0.0, now - self.session_started)
@@ -315,6 +318,7 @@ class HubState:
         """A live node's news; kept in memory and flushed to the store every FLUSH_PERIOD_S."""
         record = self.known(peer)
         self._seen(record)
+        self.totals.heartbeats += 1
         record.version_held = beat.version_held
         record.receiving_version = beat.receiving_version
         record.chunks_received = beat.chunks_received
@@ -462,6 +466,7 @@ class HubState:
         """
         rules = self._rules()
         record = self.known(peer)
+        self.totals.submissions += 1
         if submission.node_id != peer:
             raise PeerFault("submission names another node")
         now = self.clock()

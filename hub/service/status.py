@@ -22,7 +22,7 @@ from hub.service.state import HubState
 from hub.training.metrics import policy_reward
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
-from shared.messages import EvalPoint, EventRecord, HubStatus, NodeStatus, StepPoint
+from shared.messages import EvalPoint, EventRecord, HubStatus, NodeStatus, StepPoint, short_id
 from shared.wire import HEADER, encode_frame
 
 STATUS_PERIOD_S = 1.0
@@ -133,7 +133,8 @@ class StatusBoard:
                 backend=n.backend, hardware=n.hardware,
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
                 reachability=n.reachability,
-                link=kinds.get(n.peer_id, ""),
+                link=kinds.get(n.peer_id, ""), name=n.name or short_id(n.peer_id),
+                audits_passed=n.audits_passed,
             )
             for n in listed
         )
@@ -150,6 +151,7 @@ class StatusBoard:
             task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in chains),
             broadcast_mode=self.info.broadcast_mode, open_leases=len(state.leases.open),
             totals=state.totals.groups, dropped_stale=state.totals.dropped_stale,
+            submissions=state.totals.submissions, heartbeats=state.totals.heartbeats,
             reward_mean=last.reward_mean if last else None,
             t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s() if self.broadcaster else None,
             snapshot_bytes=newest.manifest.total_bytes if newest else None,
@@ -183,6 +185,11 @@ class StatusBoard:
         self._built, self._built_at, self._encoded = status, time.monotonic(), {}
         return status
 
+    async def _fresh(self) -> None:
+        """Build unless `run` built within STATUS_MAX_AGE_S (callers hold _encoding)."""
+        if self._built is None or time.monotonic() - self._built_at > STATUS_MAX_AGE_S:
+            await self._build()
+
     async def _frame(self, operator: bool, events: int) -> bytes:
         """One view of the last build, encoded at most once per build, in a worker thread (callers hold _encoding)."""
         key = (operator, events)
@@ -195,9 +202,18 @@ class StatusBoard:
         the last build's while `run` keeps building every STATUS_PERIOD_S, built here only when nobody does
         (an in-process hub of tests and benchmarks), so at most one build per period whoever asks."""
         async with self._encoding:
-            if self._built is None or time.monotonic() - self._built_at > STATUS_MAX_AGE_S:
-                await self._build()
+            await self._fresh()
             return await self._frame(operator, next((b for b in EVENT_BUCKETS if b >= events), EVENT_BUCKETS[-1]))
+
+    async def public_json(self) -> bytes:
+        """The redacted view strangers get over the status protocol, as JSON (the web page's /api/status)."""
+        return (await self.encoded(False, 0))[HEADER.size:]
+
+    async def latest(self) -> HubStatus:
+        """The last build, built here when nobody refreshes (what /metrics aggregates; no node's fields leave)."""
+        async with self._encoding:
+            await self._fresh()
+            return self._built
 
     async def run(self) -> None:
         while True:

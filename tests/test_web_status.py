@@ -1,0 +1,209 @@
+"""The hub's public web view against a real `echo-hub start --http` with local nodes: /api/status lists them,
+/metrics parses with prometheus_client's own parser, and headless chromium renders a row per node with a hostile
+display name as inert text."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hub.service.web import StatusCollector
+from node.config import NodeConfig
+from shared.messages import HubStatus, NodeStatus, StepPoint, Tallies
+from shared.web import BURST_PER_ADDRESS, RATE_PER_ADDRESS, RateLimit
+from testbed.harness import free_port, start_hub, start_node, stop_all, wait_until
+
+HOSTILE = "<img src=x onerror=alert(1)>"
+PRIVATE = ("price_per_hour", "cost_usd", "hardware")
+
+
+def test_a_display_name_is_printable_bounded_text_and_markup_is_allowed() -> None:
+    assert NodeConfig(hub="x", name=HOSTILE).name == HOSTILE  # shown as text everywhere, so it may say anything
+    for bad in ("", " padded", "x" * 33, "right\u202eto left", "two\nlines"):
+        with pytest.raises(ValueError):
+            NodeConfig(hub="x", name=bad)
+
+
+def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> None:
+    node = NodeStatus(peer_id="p" * 52, state="active", price_per_hour=9.0, rollouts_per_s=2.0, version_held=3,
+                      tallies=Tallies(accepted=5), cost_usd=1.0, reachability="nated", link="pushed")
+    status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=4, steps_target=10, version=4, staleness=2,
+                       kappa=1, task="reverse", nodes=(node,), open_leases=1, totals=Tallies(accepted=5, late=2),
+                       dropped_stale=1, cost_usd=0.5)
+
+    registry = CollectorRegistry(auto_describe=False)
+    collector = StatusCollector(registry)
+    collector.update(status)
+    steps = tuple(StepPoint(step=k, version=k, reward_mean=0.5, staleness_mean=1.0, bubble=0.1, t_train_s=0.3, t_idle_s=0.0)
+                  for k in (5, 6))
+    collector.update(status.model_copy(update={"history": steps}))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("echo2_nodes", (("state", "active"),))] == 1
+    assert samples[("echo2_nodes", (("state", "banned"),))] == 0
+    assert samples[("echo2_nodes_by_reachability", (("reachability", "nated"),))] == 1
+    assert samples[("echo2_groups_total", (("verdict", "late"),))] == 2
+    assert samples[("echo2_cost_usd_total", ())] == 0.5
+    assert samples[("echo2_learner_step_seconds_count", ())] == 2  # the steps after the first scrape
+    assert samples[("echo2_learner_step_seconds_bucket", (("le", "0.5"),))] == 2
+    assert ("echo2_bubble_ratio", ()) not in samples  # unknown until a step: no sample rather than a made-up 0
+
+
+def test_a_busy_http_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "hub.cli.main", "start", "--data-dir", str(tmp_path / "data"),
+                               "--http", f"127.0.0.1:{port}", "--listen", "/ip4/127.0.0.1/tcp/0"],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"echo-hub: --http 127.0.0.1:{port}: port {port} is already in use (another hub?); "
+                                   f"stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off")
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_client_past_its_rate_is_refused_until_its_bucket_refills() -> None:
+    rate = RateLimit()
+    assert all(rate.allow("a", 0.0) for _ in range(int(BURST_PER_ADDRESS)))
+    assert not rate.allow("a", 0.0)
+    assert rate.allow("b", 0.0)  # another address has its own bucket
+    assert rate.allow("a", 1.0 / RATE_PER_ADDRESS)
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_hub_exports() -> None:
+    status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=0, steps_target=0, version=0, staleness=0,
+                       kappa=1, task="t", nodes=(), open_leases=0, totals=Tallies(), dropped_stale=0)
+    registry = CollectorRegistry(auto_describe=False)
+    StatusCollector(registry).update(status)
+    exported = {f.name for f in registry.collect()}
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-echo2.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"echo2_[a-z_]+", target["expr"])}
+    assert queried and {re.sub(r"_(total|bucket|sum|count)$", "", q) for q in queried} <= exported
+
+
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read()
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory: pytest.TempPathFactory):
+    """A hub with two local nodes and one joined with a hostile name, after a few steps (the guest
+    serving its own page too); yields the hub's page URL and the guest's."""
+    root = tmp_path_factory.mktemp("web")
+    port, node_port = free_port(), free_port()
+    hub = start_hub(root / "hub", "--local-nodes", "2", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4",
+                    "--http", f"127.0.0.1:{port}")
+    procs = [hub]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.append(start_node(hub.addr, root / "guest", "--name", HOSTILE, "--http", f"127.0.0.1:{node_port}"))
+
+        def ready() -> dict | None:
+            try:
+                status = json.loads(get(f"{url}/api/status"))
+            except urllib.error.URLError:  # the libp2p address is printed before the page listens
+                return None
+            active = [n for n in status["nodes"] if n["state"] == "active"]
+            return status if len(active) >= 3 and status["step"] >= 2 else None
+
+        wait_until(ready, 240, "three active nodes and two steps", poll_s=1.0)
+        yield url, f"http://127.0.0.1:{node_port}"
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.slow
+def test_api_status_lists_the_nodes_without_their_prices_costs_or_hardware(pages: tuple[str, str]) -> None:
+    hub, _ = pages
+    status = json.loads(get(f"{hub}/api/status"))
+    assert status["redacted"] is True
+    assert len(status["nodes"]) == 3
+    assert {n["name"] for n in status["nodes"]} >= {HOSTILE}
+    for node in status["nodes"]:
+        assert (node["price_per_hour"], node["cost_usd"], node["hardware"]) == (0.0, 0.0, "")
+        assert node["name"] == HOSTILE or node["name"] == node["peer_id"][-8:]
+
+
+@pytest.mark.slow
+def test_metrics_parse_with_prometheus_client(pages: tuple[str, str]) -> None:
+    hub, _ = pages
+    families = {f.name: f for f in text_string_to_metric_families(get(f"{hub}/metrics").decode())}
+    for name in ("echo2_learner_step", "echo2_learner_version", "echo2_rollout_reward", "echo2_bubble_ratio",
+                 "echo2_broadcast_seconds", "echo2_mu_pool_rollouts_per_second", "echo2_mu_min_rollouts_per_second",
+                 "echo2_mu_target_rollouts_per_second", "echo2_nodes", "echo2_nodes_by_reachability", "echo2_groups",
+                 "echo2_cost_usd", "echo2_snapshot_bytes", "echo2_submissions", "echo2_heartbeats",
+                 "echo2_learner_step_seconds"):
+        assert name in families, name
+    assert families["echo2_groups"].type == families["echo2_heartbeats"].type == "counter"
+    assert families["echo2_learner_step_seconds"].type == "histogram"
+    assert families["echo2_learner_step"].samples[0].value >= 2
+    nodes = {s.labels["state"]: s.value for s in families["echo2_nodes"].samples}
+    assert nodes["active"] == 3
+    accepted = {s.labels["verdict"]: s.value for s in families["echo2_groups"].samples if s.name == "echo2_groups_total"}
+    assert accepted["accepted"] > 0
+
+
+@pytest.mark.slow
+def test_the_server_changes_nothing(pages: tuple[str, str]) -> None:
+    hub, _ = pages
+    request = urllib.request.Request(f"{hub}/api/status", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 405
+
+
+@pytest.mark.slow
+def test_the_node_serves_its_own_page_and_metrics(pages: tuple[str, str]) -> None:
+    _, node = pages
+    view = json.loads(get(f"{node}/api/status"))
+    assert view["state"] == "active" and view["version_held"] >= 0
+    families = {f.name: f for f in text_string_to_metric_families(get(f"{node}/metrics").decode())}
+    assert families["echo2_node_version_held"].samples[0].value >= 0
+    accepted = {s.labels["verdict"]: s.value for s in families["echo2_node_groups"].samples if s.name.endswith("_total")}
+    assert accepted["accepted"] > 0
+    assert "echo2_node_earnings_usd" in families and "echo2_node_relayed_bytes" in families
+    assert b"<table" in get(f"{node}/")
+
+
+@pytest.mark.slow
+def test_a_slow_client_does_not_stall_the_server(pages: tuple[str, str]) -> None:
+    hub, _ = pages
+    host, port = hub.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(b"GET /api/status HTTP/1.1\r\nHost: x\r\n")  # and never finishes its headers
+        started = time.monotonic()
+        assert json.loads(get(f"{hub}/api/status"))["nodes"]
+        assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (apt-get install chromium)")
+def test_chromium_renders_a_row_per_node_and_the_hostile_name_as_text(pages: tuple[str, str], tmp_path: Path) -> None:
+    hub, _ = pages
+    dom = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
+         "--virtual-time-budget=5000", "--dump-dom", f"{hub}/"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    assert len(re.findall(r'<tr [^>]*class="node"', dom)) == 3, dom[-3000:]
+    assert 'data-state="ready"' in dom
+    assert "<path" in dom  # the reward curve
+    assert dom.count('class="chain-node"') >= 2  # the chain picture: the hub, then the nodes it feeds
+    # Inert: the markup came through as text (escaped by the serializer), never as an element.
+    assert "&lt;img src=x onerror=alert(1)&gt;" in dom
+    assert "<img" not in dom
