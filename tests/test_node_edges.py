@@ -51,10 +51,11 @@ def test_device_cuda_without_cuda_is_one_line(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_the_node_builds_its_engine_is_one_line(tmp_path: Path) -> None:
+def test_ctrl_c_while_the_node_builds_its_engine_is_one_line(tmp_path: Path, default_model_dir: Path) -> None:
     data = tmp_path / "node"
-    node = subprocess.Popen(join_args(NOWHERE, data, "--device", "cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+    # With --model the engine is built right after the lock (without it the node first fetches the hub's files).
+    node = subprocess.Popen(join_args(NOWHERE, data, "--device", "cpu", "--model", str(default_model_dir)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         # The lock is taken just before torch is imported and the engine built: seconds before it joins.
         wait_until(lambda: (data / NODE_LOCK_FILE).exists(), 60, "the node to lock its data dir")
