@@ -28,6 +28,18 @@ DIAL_ONLY_LISTEN = "/ip4/127.0.0.1/tcp/0"
 STATUS_PERIOD_S = 1.0  # how often node_status.json is rewritten, in this phase and by the running node
 
 
+async def write_status(path: Path, view: Callable[[], NodeView]) -> None:
+    """Rewrite the node's status file (`view()`) every STATUS_PERIOD_S until cancelled, and once more on the way
+    out: what changed since the last write must not vanish from the dashboard's view."""
+    try:
+        while True:
+            await trio.to_thread.run_sync(atomic_write_text, path, view().model_dump_json())
+            await trio.sleep(STATUS_PERIOD_S)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(atomic_write_text, path, view().model_dump_json())
+
+
 class ModelFilesBusy(Exception):
     """The hub is throttling model files (its per-address limit, or its own load): ask again after a while."""
 
@@ -76,15 +88,9 @@ class ModelFetch:
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.stopper.run, nursery.cancel_scope)
-            nursery.start_soon(self._write_status)
+            nursery.start_soon(write_status, self.config.data_dir / NODE_STATUS_FILE, self.view)
             self.listing = await self._fetch()
             nursery.cancel_scope.cancel()
-
-    async def _write_status(self) -> None:
-        while True:
-            await trio.to_thread.run_sync(atomic_write_text, self.config.data_dir / NODE_STATUS_FILE,
-                                          self.view().model_dump_json())
-            await trio.sleep(STATUS_PERIOD_S)
 
     async def _fetch(self) -> ModelFiles:
         async with running_host(self.identity, [DIAL_ONLY_LISTEN]) as (host, _):

@@ -16,10 +16,9 @@ from node.client import WrongHub
 from node.config import NodeConfig
 from node.engine import InstallFailed
 from node.hub_link import NodeRefused
-from node.model_fetch import STATUS_PERIOD_S, ModelFetch
+from node.model_fetch import ModelFetch, write_status
 from node.summary import summary_text
 from shared.crypto import Identity, peer_id_from_multiaddr
-from shared.files import atomic_write_text
 from shared.layout import NODE_LOG_FILE, NODE_MODEL_DIR, NODE_STATUS_FILE, SNAPSHOTS_DIR
 from shared.logs import setup_logging
 from shared.messages import (
@@ -172,17 +171,6 @@ class NodeRuntime:
             events=tuple(link.events[-20:]),
         )
 
-    async def _write_status(self) -> None:
-        path = self.config.data_dir / NODE_STATUS_FILE
-        try:
-            while True:
-                await trio.to_thread.run_sync(atomic_write_text, path, self.view().model_dump_json())
-                await trio.sleep(STATUS_PERIOD_S)
-        finally:
-            # Once more on the way out: work accepted since the last write must not vanish from the view.
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(atomic_write_text, path, self.view().model_dump_json())
-
     async def run(self) -> None:
         from node.client import HubClient
         from node.hub_link import HubLink
@@ -225,7 +213,7 @@ class NodeRuntime:
                 await self.keeper.start(nursery)
                 nursery.start_soon(self.link.run)
                 nursery.start_soon(self.worker.run)
-                nursery.start_soon(self._write_status)
+                nursery.start_soon(write_status, self.config.data_dir / NODE_STATUS_FILE, self.view)
                 if self.config.http != "off":
                     from node.web import serve_node_web
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import blake3
@@ -177,16 +178,19 @@ def check_key_file(path: Path, flag: str = "--key") -> None:
                         "point --key at the right file, or move this one away to make a new identity")
 
 
-def disk_full(exc: BaseException) -> BaseException | None:
-    """The error in `exc`, or in the exception groups it nests, that says a disk (or the user's quota) is full: an
-    OSError ENOSPC or EDQUOT, or SQLite's SQLITE_FULL; None when there is none."""
+def found_in(exc: BaseException, match: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first error in `exc`, or in the exception groups it nests (trio wraps what tasks raise), that `match`
+    accepts; None when there is none."""
     if isinstance(exc, BaseExceptionGroup):
-        return next((found for inner in exc.exceptions if (found := disk_full(inner)) is not None), None)
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return exc
-    if isinstance(exc, sqlite3.OperationalError) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-        return exc
-    return None
+        return next((found for inner in exc.exceptions if (found := found_in(inner, match)) is not None), None)
+    return exc if match(exc) else None
+
+
+def disk_full(exc: BaseException) -> BaseException | None:
+    """The error in `exc` (found_in) that says a disk (or the user's quota) is full: an OSError ENOSPC or EDQUOT,
+    or SQLite's SQLITE_FULL; None when there is none."""
+    return found_in(exc, lambda e: (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+        isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL))
 
 
 def free_space(path: Path) -> str:

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,29 +62,30 @@ def _offered(path: Path) -> bool:
 
 @dataclass(frozen=True)
 class ModelOffer:
-    """What the hub serves on MODEL_PROTOCOL: the list and the directory the bytes are read from."""
+    """What the hub serves on MODEL_PROTOCOL: the list and the bytes it hashed (at most MODEL_FILES_MAX_BYTES, kept:
+    a request costs no disk read, and a file changed on disk since is never served against its old hash)."""
 
-    directory: Path
     listing: ModelFiles
+    data: Mapping[str, bytes]
 
     def entry(self, name: str) -> ModelFile | None:
         return next((f for f in self.listing.files if f.name == name), None)
 
     def read(self, entry: ModelFile) -> bytes:
-        return (self.directory / entry.name).read_bytes()
+        return self.data[entry.name]
 
 
 def model_offer(model_dir: Path, label: str, weights_in_snapshots: bool) -> ModelOffer | None:
     """The hub's offer of `model_dir`'s non-weight files; None (logged) when they break the bounds nodes check."""
-    files = [ModelFile(name=p.name, size=len(data := p.read_bytes()), blake3=blake3_hex(data))
-             for p in sorted(Path(model_dir).iterdir()) if _offered(p)]
+    data = {p.name: p.read_bytes() for p in sorted(Path(model_dir).iterdir()) if _offered(p)}
+    files = [ModelFile(name=name, size=len(body), blake3=blake3_hex(body)) for name, body in data.items()]
     try:
         listing = ModelFiles(model=label, weights_in_snapshots=weights_in_snapshots, files=tuple(files))
     except ValidationError as exc:
         log.warning("the model's files cannot be offered to nodes (they must bring --model): %s",
                     str(exc).splitlines()[:3])
         return None
-    return ModelOffer(Path(model_dir), listing)
+    return ModelOffer(listing, data)
 
 
 def has_weights(model_dir: Path) -> bool:

@@ -9,6 +9,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from shared.buckets import TokenBuckets
+from shared.net import address_key
+
 # Requests served at once; more get 503 at once, so a crowd (or slow clients) cannot queue work on the hub's loop.
 MAX_CONCURRENT_REQUESTS = 32
 # Requests per second one client address may make (a refreshing page makes one per 2 s, a scraper fewer), with a
@@ -39,18 +42,14 @@ def by_label(family: GaugeMetricFamily | CounterMetricFamily, counts: dict[str, 
 
 
 class RateLimit:
-    """A token bucket per client address: RATE_PER_ADDRESS requests per second, bursts up to BURST_PER_ADDRESS."""
+    """RATE_PER_ADDRESS requests per second per client, bursts up to BURST_PER_ADDRESS: shared.buckets.TokenBuckets
+    keyed by address_key (an IPv6 /64 is one client)."""
 
     def __init__(self) -> None:
-        self.buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, when counted)
+        self.buckets = TokenBuckets(RATE_PER_ADDRESS, BURST_PER_ADDRESS, ADDRESSES_TRACKED)
 
     def allow(self, address: str, now: float) -> bool:
-        if len(self.buckets) >= ADDRESSES_TRACKED and address not in self.buckets:
-            self.buckets.clear()
-        tokens, then = self.buckets.get(address, (BURST_PER_ADDRESS, now))
-        tokens = min(BURST_PER_ADDRESS, tokens + (now - then) * RATE_PER_ADDRESS)
-        self.buckets[address] = (max(0.0, tokens - 1.0), now)
-        return tokens >= 1.0
+        return self.buckets.take(address_key(address) or address, now) == 0.0
 
 
 class Bounded:
@@ -89,7 +88,6 @@ def hypercorn_config(bind: str):  # noqa: ANN201 (hypercorn imports lazily)
     config.read_timeout = READ_TIMEOUT_S
     config.keep_alive_timeout = KEEP_ALIVE_S
     config.keep_alive_max_requests = 100
-    config.wsgi_max_body_size = 0
     config.accesslog = None
     config.include_server_header = False
     return config

@@ -141,3 +141,15 @@ def test_prune_forgets_idle_peers_only():
     assert guard.prune(idle_s=60.0) == 1
     assert guard.last_active("idle") is None and guard.last_active("busy") is not None
     guard.release("busy", held)
+
+
+def test_token_buckets_of_throwaway_keys_stay_bounded_and_keep_the_newest():
+    """Keys that each spend once and refill slowly (a bucket of model-file bytes, say) never fill the table past
+    max_keys, and the newest buckets are kept: a flood forgets its own oldest keys first."""
+    from shared.buckets import TokenBuckets
+
+    buckets = TokenBuckets(per_s=1e-6, burst=2, max_keys=100)
+    for i in range(1000):
+        assert buckets.take(f"k{i}", 0.0) == 0.0
+        assert len(buckets._buckets) <= 100
+    assert buckets.level("k999", 0.0) == 1.0 and buckets.level("k0", 0.0) == 2.0  # k0 forgotten: full again

@@ -252,14 +252,21 @@ def main(argv: list[str] | None = None) -> int:
 
         print(example_toml(HubConfig, "hub.toml for `echo-hub start --config hub.toml`"), end="")
         return 0
+    if args.command == "eval":
+        return _eval(args)
+    try:
+        return _inspect(args)
+    except UserError as exc:
+        print(f"echo-hub {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """The commands that look at a run (status, plan, dashboard, report); a UserError is the caller's one line."""
     if args.command == "status":
         from hub.cli.status import run_status
 
-        try:
-            return run_status(hub=args.hub, data_dir=args.data_dir, as_json=args.json, key=args.key)
-        except UserError as exc:
-            print(f"echo-hub status: {exc}", file=sys.stderr)
-            return 2
+        return run_status(hub=args.hub, data_dir=args.data_dir, as_json=args.json, key=args.key)
     if args.command == "plan":
         from hub.cli.plan import run_plan
 
@@ -267,22 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "dashboard":
         from tui.cli import run_dashboard
 
-        try:
-            return run_dashboard(args)
-        except UserError as exc:
-            print(f"echo-hub dashboard: {exc}", file=sys.stderr)
-            return 2
-    if args.command == "eval":
-        return _eval(args)
+        return run_dashboard(args)
     if args.command == "report":
         from hub.cli.report import write_report
 
-        try:
-            out = write_report(args.data_dir, args.out)
-        except UserError as exc:
-            print(f"echo-hub report: {exc}", file=sys.stderr)
-            return 2
-        print(f"wrote {out}")
+        print(f"wrote {write_report(args.data_dir, args.out)}")
         return 0
     raise AssertionError(args.command)
 

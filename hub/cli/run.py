@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO
 
 import trio
 
@@ -31,7 +31,7 @@ from hub.training.distributed import (
 )
 from hub.training.ranks import RankEnv, rank_env
 from hub.training.trackers import open_trackers
-from shared.checks import disk_full, free_space
+from shared.checks import disk_full, found_in, free_space
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logs import setup_logging
@@ -43,7 +43,6 @@ from shared.tasks.base import RewardError
 from shared.units import BYTES_PER_MBIT
 
 log = logging.getLogger("echo2.hub")
-E = TypeVar("E", bound=BaseException)
 
 
 def dialable_addrs(addrs: list[str]) -> list[str]:
@@ -309,14 +308,14 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     try:
         trio.run(hub.run)
     except BaseException as exc:  # noqa: BLE001 - a lost learner rank or a failed reward is handled, the rest re-raised
-        lost = _found(exc, LearnerRankLost)
+        lost = found_in(exc, lambda e: isinstance(e, LearnerRankLost))
         if lost is not None:
             return _stop_without_checkpoint(hub, str(lost), "Start it again", code=1)
         if disk_full(exc) is not None:
             where = config.data_dir
             return _stop_without_checkpoint(hub, f"the disk of --data-dir {where} is full ({free_space(where)})",
                                             "Free some space and start it again", code=2)
-        failure = _found(exc, RewardError)
+        failure = found_in(exc, lambda e: isinstance(e, RewardError))
         if failure is None:
             raise
     finally:
@@ -349,15 +348,6 @@ def _save_stopped_run(hub: Hub, failure: RewardError | None) -> None:
         print(f"\necho-hub: {hub.stopper.signal_name}: {stopped}saving state", file=sys.stderr, flush=True)
     hub.learner.save_state()
     hub.status.running = False
-
-
-def _found(exc: BaseException, kind: type[E]) -> E | None:
-    """The first `kind` in `exc` (trio nurseries wrap what their tasks raise in exception groups)."""
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        return next((found for inner in exc.exceptions if (found := _found(inner, kind)) is not None), None)
-    return None
 
 
 def _stop_without_checkpoint(hub: Hub, why: str, how: str, code: int) -> int:

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Container
 
 import trio
 
-from hub.trust.guard import TokenBuckets
+from shared.buckets import TokenBuckets
 from shared.crypto import Identity
 from shared.net import address_key, admit_only, build_host, connect, remote_peer_id
 

@@ -26,7 +26,8 @@ from hub.config import HubConfig
 from hub.distribution.broadcast import Broadcaster, ChainLinks, HubUplink
 from hub.records.snapshots import SnapshotShelf
 from hub.service.state import HANDLER_TIMEOUT_S, HubBusy, HubState
-from hub.trust.guard import Admission, PeerGuard, TokenBuckets
+from hub.trust.guard import Admission, PeerGuard
+from shared.buckets import TokenBuckets
 from shared.bulk import BulkChannel, serving_stream
 from shared.crypto import Identity
 from shared.logs import PeerLogLimiter
@@ -312,8 +313,7 @@ class HubService:
                                         entry.size)
         if wait_s > 0:
             raise HubBusy(f"model files from this address: retry in {wait_s:.0f}s")
-        data = await trio.to_thread.run_sync(offer.read, entry)
-        await write_frame(stream, MODEL_FILE_FRAME, data)
+        await write_frame(stream, MODEL_FILE_FRAME, offer.read(entry))
         await stream.close()
 
     async def _on_heartbeat(self, stream: INetStream) -> None:

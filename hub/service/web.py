@@ -27,8 +27,8 @@ PAGE = files("hub.service").joinpath("web_page.html").read_text()
 
 
 class StatusCollector:
-    """prometheus_client collector over one HubStatus (set before each scrape), and the learner's step time as a
-    histogram fed from the status's step history: every step since the last scrape (the history holds the last
+    """prometheus_client collector over one HubStatus (set once per board build), and the learner's step time as a
+    histogram fed from the status's step history: every step since the last build it saw (the history holds the last
     HISTORY_POINTS, far more than a scrape interval's worth)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -109,9 +109,14 @@ def web_app(board: StatusBoard) -> ASGIApp:
     async def api_status(_request: object) -> Response:
         return Response(await board.public_json(), media_type="application/json")
 
+    last: list[tuple[HubStatus, bytes]] = []  # the board's last build and its exposition: encoded once per build
+
     async def metrics(_request: object) -> Response:
-        collector.update(await board.latest())
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        status = await board.latest()
+        if not last or last[0][0] is not status:
+            collector.update(status)
+            last[:] = [(status, generate_latest(registry))]
+        return Response(last[0][1], media_type=CONTENT_TYPE_LATEST)
 
     routes = [Route("/", page), Route("/api/status", api_status), Route("/metrics", metrics)]
     return Starlette(routes=routes)

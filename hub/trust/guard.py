@@ -171,27 +171,3 @@ class PeerGuard:
         for peer in gone:
             del self._peers[peer]
         return len(gone)
-
-
-class TokenBuckets:
-    """One token bucket per key (an address key, say): `take` spends a token or says how long until one is due.
-    Full buckets are forgotten once the table passes `max_keys`, so throwaway keys cannot grow it without bound."""
-
-    def __init__(self, per_s: float, burst: int, max_keys: int = 10_000) -> None:
-        self.per_s, self.burst, self.max_keys = per_s, float(burst), max_keys
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def level(self, key: str, now: float) -> float:
-        """Tokens in `key`'s bucket now (a full bucket for a key never seen)."""
-        tokens, at = self._buckets.get(key, (self.burst, now))
-        return min(self.burst, tokens + (now - at) * self.per_s)
-
-    def take(self, key: str, now: float, tokens: float = 1.0) -> float:
-        """0.0 when `tokens` were spent, else the seconds until they are due (nothing spent)."""
-        level = self.level(key, now)
-        if level < tokens:
-            return (tokens - level) / self.per_s
-        self._buckets[key] = (level - tokens, now)
-        if len(self._buckets) > self.max_keys:
-            self._buckets = {k: v for k, v in self._buckets.items() if self.level(k, now) < self.burst}
-        return 0.0
