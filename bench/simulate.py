@@ -1,8 +1,20 @@
 """Fleet simulator: the method at 10 to 10,000 volunteers in simulated time, driven by the project's own code.
 
-    python bench/simulate.py [--nodes 10,100,1000,10000] [--seeds 1] [--fleet-seed K] [--steps K] [--json] [--plot PNG]
+    python bench/simulate.py [--config SIM.toml] [--fleet FLEET.toml] [--nodes 10,100,1000,10000] [--seeds 1]
+                             [--fleet-seed K] [--steps K] [--json] [--plot PNG]
 
-Unchanged project code decides: `hub.method.capacity` (mu_min, predicted_bubble), the hub scheduler's own
+`--config` sets everything below that is drawn or fixed (bench/sim_config.py: the GPU mix with rates and prices,
+links, churn, NAT share, T_train, snapshot size, R, S (ints or `auto`), kappa, gamma, price changes over time and
+fleet changes mid-run); flags given on the command line override it; a bad value is one line and exit 2.
+`--fleet` (or fleet.file) takes `echo-hub plan`'s FLEET.toml as the fleet. bench/presets/ holds the ECHO-2 paper's
+Qwen3-8B setup (every value sourced or marked as an assumption) and a fleet that halves mid-run. Rows carry their
+`staleness` setting; `auto` rows choose S each publish period through the hub's own rule
+(hub.control.staleness.choose_staleness over staleness_costs), the drift being drift_per_version times the mean
+age of the rollouts trained on (no model runs here). A price change is paid at once and ranked as the hub ranks
+it (hub.method.prices.ranking_price, scheduler.price_band); a NATed pair on a chain waits for a hole punch
+(hub.method.chains.link_kind).
+
+Unchanged project code decides: the hub scheduler's capacity model (`hub.control.policy.capacity_view`) and its own
 policy `hub.control.policy.decide` (activate everything until T_train is known, then per control period one
 set of nodes activated at once or released once it has been wanted for release RELEASE_HOLD_PERIODS periods
 on end), `hub.method.chains.plan_chains` (who relays to whom), `hub.method.capacity.default_kappa` and the
@@ -10,7 +22,7 @@ lease and staleness rules as the hub applies them (a node holding a version olde
 gets no lease; a group of version x is used at step t only if (t - 1) - x <= S; the buffer is
 consumed oldest first).
 
-What is drawn (per seed; documented so the figures can be argued with):
+What is drawn by default (per seed; documented so the figures can be argued with):
 - Volunteers: a GPU mix of 35% RTX 3060-class (6 rollouts/s at $0.10/h), 35% RTX 4090-class
   (20/s, $0.35/h), 20% A100-class (35/s, $1.10/h), 10% H100-class (60/s, $2.50/h), each rate and
   price times a lognormal factor (sigma 0.25). Links: lognormal, median 500 Mbit/s (sigma 0.5),
@@ -59,14 +71,19 @@ import random
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pydantic import ValidationError  # noqa: E402
+
+from bench.sim_config import SimConfig, SimConfigError, load_sim_config  # noqa: E402
+from hub.cli.plan import PlanError, load_fleet  # noqa: E402
 from hub.config import LeaseConfig, SchedulerConfig  # noqa: E402
-from hub.control.policy import CapacityView, FleetView, decide  # noqa: E402
+from hub.control.policy import CapacityView, FleetView, capacity_view, decide  # noqa: E402
+from hub.control.staleness import StalenessHold, choose_staleness, staleness_costs  # noqa: E402
 from hub.method.capacity import (  # noqa: E402
     Arrival,
     InfeasibleCapacity,
@@ -75,31 +92,16 @@ from hub.method.capacity import (  # noqa: E402
     mu_min,
     predicted_bubble,
 )
-from hub.method.chains import plan_chains  # noqa: E402
+from hub.method.chains import link_kind, plan_chains  # noqa: E402
+from hub.method.prices import ranking_price  # noqa: E402
 from hub.records.fleet import heartbeat_period  # noqa: E402
 from shared.units import BYTES_PER_MBIT  # noqa: E402
 
-GPU_MIX = (  # (share, rollouts/s, $/h)
-    (0.35, 6.0, 0.10),
-    (0.35, 20.0, 0.35),
-    (0.20, 35.0, 1.10),
-    (0.10, 60.0, 2.50),
-)
-JITTER_SIGMA = 0.25
-LINK_MEDIAN_MBPS, LINK_SIGMA, LINK_MIN_MBPS, LINK_MAX_MBPS = 500.0, 0.5, 100.0, 2000.0
-SESSION_MEAN_S, OFFLINE_MEAN_S, ONLINE_AT_START = 7200.0, 1800.0, 0.8
-PROBE_S = 30.0
-T_TRAIN_S, T_TRAIN_CV = 60.0, 0.10
-STALENESS = 4
-USABLE = 0.7
-LEARNER_PRICE = 3.06
-SNAPSHOT_BYTES = 1.2e9
-CHUNK_BYTES = 1 << 20
-HUB_UPLINK_BPS = 10e9 / 8
-HOP_LATENCY_S = 0.05
-DEMAND_SHARE = 0.3
-ROLLOUTS_PER_LEASE = 4 * 16
+# The simulator's documented fleet (the docstring's), unless --config says otherwise.
+DEFAULT = SimConfig()
+STALENESS = DEFAULT.run.staleness[0]
 NODE_STEPS_MEASURED = 200_000
+EXIT_USAGE_ERROR = 2
 
 
 @dataclass
@@ -108,19 +110,27 @@ class Node:
     rate: float
     price: float
     link_bps: float
+    reach: str = "public"  # or "nated": hub.method.chains.link_kind says how its chain hop connects
     online: bool = False
     state: str = "offline"  # offline | probing | standby | active
     held: int = -1  # version installed
-    offer: NodeOffer = field(init=False)  # what the scheduler sees: rate and price are fixed per node here
+    session: int = 0  # online sessions so far: a leave drawn for an earlier one (ended early) is dropped
+    away_until: float = 0.0  # a fleet change took it away until then (math.inf: for good)
+    offer: NodeOffer = field(init=False)  # what the scheduler sees: measured rate, price at its ranking (band)
 
     def __post_init__(self) -> None:
         self.offer = NodeOffer(self.name, self.price, self.rate)
 
+    def reprice(self, price: float, band: float) -> None:
+        """A new declared price: paid from now on, ranked as the hub ranks it (hub.method.prices.ranking_price)."""
+        self.price = price
+        self.offer = NodeOffer(self.name, ranking_price(self.offer.price_per_hour, price, band), self.rate)
 
-@dataclass
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
-    staleness: int
+    staleness: int | str  # an int, or "auto" (hub.control.staleness chooses it each publish period)
     broadcast: str
     scheduler: bool
 
@@ -133,10 +143,10 @@ SCENARIOS = {
 }
 
 
-def class_counts(n: int) -> list[int]:
-    """How many volunteers of each GPU_MIX class a fleet of n has: the shares, rounded by largest remainder
+def class_counts(n: int, cfg: SimConfig = DEFAULT) -> list[int]:
+    """How many volunteers of each GPU mix class a fleet of n has: the shares, rounded by largest remainder
     (ties to the earlier class), so every fleet of one size has the same mix."""
-    exact = [share * n for share, _, _ in GPU_MIX]
+    exact = [g.share * n for g in cfg.fleet.gpu]
     counts = [math.floor(x) for x in exact]
     by_remainder = sorted(range(len(exact)), key=lambda i: (-(exact[i] - counts[i]), i))
     for i in by_remainder[: n - sum(counts)]:
@@ -144,15 +154,37 @@ def class_counts(n: int) -> list[int]:
     return counts
 
 
-def draw_fleet(n: int, rng: random.Random) -> list[Node]:
-    classes = [i for i, count in enumerate(class_counts(n)) for _ in range(count)]
+def draw_fleet(n: int, rng: random.Random, cfg: SimConfig = DEFAULT) -> list[Node]:
+    classes = [i for i, count in enumerate(class_counts(n, cfg)) for _ in range(count)]
     rng.shuffle(classes)
     nodes = []
+    sigma = cfg.fleet.jitter_sigma
     for i, c in enumerate(classes):
-        _, rate, price = GPU_MIX[c]
-        link_mbps = min(LINK_MAX_MBPS, max(LINK_MIN_MBPS, LINK_MEDIAN_MBPS * math.exp(rng.gauss(0, LINK_SIGMA))))
-        nodes.append(Node(f"n{i:05d}", rate * math.exp(rng.gauss(0, JITTER_SIGMA)),
-                          price * math.exp(rng.gauss(0, JITTER_SIGMA)), link_mbps * BYTES_PER_MBIT))
+        gpu = cfg.fleet.gpu[c]
+        link_bps = draw_link_bps(rng, cfg)
+        nodes.append(Node(f"n{i:05d}", gpu.rollouts_per_s * math.exp(rng.gauss(0, sigma)),
+                          gpu.price_per_hour * math.exp(rng.gauss(0, sigma)), link_bps))
+    draw_nat(nodes, rng, cfg)
+    return nodes
+
+
+def draw_link_bps(rng: random.Random, cfg: SimConfig) -> float:
+    """One node's link: lognormal around the median, clipped to the configured range."""
+    links = cfg.links
+    return min(links.max_mbps, max(links.min_mbps, links.median_mbps * math.exp(rng.gauss(0, links.sigma)))) * BYTES_PER_MBIT
+
+
+def draw_nat(nodes: list[Node], rng: random.Random, cfg: SimConfig) -> None:
+    """Put fleet.nat_share of the nodes behind a NAT (their own stream of dice, so a share of 0 draws none)."""
+    if cfg.fleet.nat_share > 0:
+        for node in nodes:
+            node.reach = "nated" if rng.random() < cfg.fleet.nat_share else "public"
+
+
+def fleet_from_file(path: Path, rng: random.Random, cfg: SimConfig) -> list[Node]:
+    """echo-hub plan's FLEET.toml as the fleet: its names, prices and rates; links and NAT drawn as configured."""
+    nodes = [Node(offer.name, offer.rollouts_per_s, offer.price_per_hour, draw_link_bps(rng, cfg)) for offer in load_fleet(path)]
+    draw_nat(nodes, rng, cfg)
     return nodes
 
 
@@ -176,22 +208,38 @@ class Result:
     staleness_max: int
     dropped_stale_frac: float
     requests_per_s: dict[str, float] = field(default_factory=dict)
+    staleness: int | str = STALENESS  # the row's setting: an int, or "auto"
+    # The S in force at the end, and every move auto made: (step, S, why)
+    staleness_final: int = STALENESS
+    staleness_moves: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 class Simulation:
-    def __init__(self, fleet: list[Node], scenario: Scenario, steps: int, seed: int, rollouts_per_step: float) -> None:
+    def __init__(self, fleet: list[Node], scenario: Scenario, steps: int, seed: int, rollouts_per_step: float,
+                 cfg: SimConfig = DEFAULT) -> None:
         self.nodes = {n.name: n for n in fleet}
+        for node in fleet:  # a fleet may be run again (scenarios of one seed): its sessions count from here
+            node.session, node.away_until = 0, 0.0
         self.sc = scenario
+        self.cfg = cfg
+        self.seed = seed
         self.steps = steps
+        self.auto = scenario.staleness == "auto"
+        # S in force: auto starts at 1 (the freshest) and moves as hub.control.staleness.choose_staleness says.
+        self.S = 1 if self.auto else int(scenario.staleness)
+        self.staleness_moves: list[tuple[int, int, str]] = []
+        self.staleness_hold = StalenessHold()  # what choose_staleness's hysteresis counts over publish periods
+        self.last_publish = 0
+        self.drift_ages: list[tuple[int, float]] = []  # (age, rollouts) consumed since the last S decision
         # Common random numbers: every scenario of one seed sees the same T_train of step k and the same
         # online and offline spells of each node, so scenarios differ only in what the method decides.
         self.train_rng = random.Random(seed * 7919 + len(fleet))
         self.churn_rng = {n.name: churn_stream(seed, n.name) for n in fleet}
-        self.kappa = default_kappa(scenario.staleness)
+        self.kappa = self.kappa_for(self.S)
         self.R = rollouts_per_step
         self.inflight_cap = LeaseConfig().max_inflight_steps * rollouts_per_step
         # all-on is the hub's scheduler switched off: every measured node works.
-        self.cfg = SchedulerConfig(enabled=scenario.scheduler)
+        self.sched = SchedulerConfig(enabled=scenario.scheduler, gamma=cfg.run.gamma)
         self.now = 0.0
         self.events: list[tuple[float, int, str, object]] = []
         self._seq = 0
@@ -233,9 +281,13 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self.events, (at, self._seq, kind, payload))
 
+    def kappa_for(self, staleness: int) -> int:
+        """The publish period at S: run.kappa when set, else the hub's default."""
+        return default_kappa(staleness) if self.cfg.run.kappa is None or staleness == 0 else self.cfg.run.kappa
+
     def min_useful(self) -> int:
         next_take = self.step + 1 if self.training else self.step
-        return max(0, next_take - self.sc.staleness)
+        return max(0, next_take - self.S)
 
     def producing(self, node: Node) -> bool:
         return node.state == "active" and node.held >= 0
@@ -279,31 +331,31 @@ class Simulation:
         if dt <= 0:
             return
         cutoff = self.min_useful()
-        made = {v: rate * dt * USABLE for v, rate in self.rate_by_version.items() if v >= cutoff and rate > 1e-12}
+        made = {v: rate * dt * self.cfg.learner.usable_fraction for v, rate in self.rate_by_version.items() if v >= cutoff and rate > 1e-12}
         # The hub leases no more than max_inflight_steps steps of work ahead: nodes past it wait.
         room = max(0.0, self.inflight_cap - sum(self.buffer.values()))
         total = sum(made.values())
         scale = min(1.0, room / total) if total > 0 else 0.0
         for version, amount in made.items():
             self.buffer[version] = self.buffer.get(version, 0.0) + amount * scale
-        self.spent += (self.active_price + LEARNER_PRICE) * dt / 3600.0
-        period_s = heartbeat_period(self.online_count, self.cfg.heartbeat_period_s, self.cfg.heartbeats_per_s)
+        self.spent += (self.active_price + self.cfg.learner.price_per_hour) * dt / 3600.0
+        period_s = heartbeat_period(self.online_count, self.sched.heartbeat_period_s, self.sched.heartbeats_per_s)
         self.integrated_heartbeats += self.online_count * dt / period_s
-        self.integrated_leases += self.active_rate * dt / ROLLOUTS_PER_LEASE
+        self.integrated_leases += self.active_rate * dt / self.cfg.learner.rollouts_per_lease
         self.now = to
 
     def usable_rate(self) -> float:
         cutoff = self.min_useful()
-        return sum(rate for v, rate in self.rate_by_version.items() if v >= cutoff) * USABLE
+        return sum(rate for v, rate in self.rate_by_version.items() if v >= cutoff) * self.cfg.learner.usable_fraction
 
     def buffered(self) -> float:
-        cutoff = self.step - self.sc.staleness  # usable by the next step (t = step + 1): (t-1) - x <= S
+        cutoff = self.step - self.S  # usable by the next step (t = step + 1): (t-1) - x <= S
         return sum(amount for v, amount in self.buffer.items() if v >= cutoff)
 
     # -- learner --------------------------------------------------------------------------
     def start_step(self) -> None:
         t = self.step + 1
-        cutoff = t - 1 - self.sc.staleness
+        cutoff = t - 1 - self.S
         dropped = sum(self.buffer.pop(v) for v in [v for v in self.buffer if v < cutoff])
         self.dropped += dropped
         self.recent_use = (self.recent_use + [(self.R, dropped)])[-3 * self.kappa:]
@@ -314,13 +366,14 @@ class Simulation:
             need -= take
             if t > self.steps // 2:
                 self.staleness.append(((t - 1) - v, take))
+            self.drift_ages.append(((t - 1) - v, take))
             if need <= 1e-9:
                 break
         self.consumed += self.R
         idle = self.now - (self.idle_since or self.now)
         self.idle_since = None
         self.training = True
-        t_train = max(1.0, self.train_rng.gauss(T_TRAIN_S, T_TRAIN_S * T_TRAIN_CV))
+        t_train = max(1.0, self.train_rng.gauss(self.cfg.learner.t_train_s, self.cfg.learner.t_train_s * self.cfg.learner.t_train_cv))
         self.pending_idle = idle
         self.push(self.now + t_train, "step_done", t_train)
 
@@ -332,8 +385,32 @@ class Simulation:
             self.records.append((self.pending_idle, t_train, self.predicted(), self.active_count(), self.spent - self.cost_mark))
         self.cost_mark = self.spent
         self.idle_since = self.now
-        if self.step % self.kappa == 0:
+        if self.step - self.last_publish >= self.kappa:
+            self.last_publish = self.step
+            if self.auto:
+                self.adapt_staleness()
             self.publish(self.step)
+
+    def adapt_staleness(self) -> None:
+        """One publish period of `--staleness auto`, through the hub's own rule (hub.control.staleness): the drift
+        is drift_per_version times the mean age of the rollouts trained on since the last decision."""
+        weight = sum(w for _, w in self.drift_ages)
+        drift = self.cfg.run.drift_per_version * sum(a * w for a, w in self.drift_ages) / weight if weight else None
+        self.drift_ages = []
+        costs = {}
+        offers = [n.offer for n in self.nodes.values() if n.online and n.state in ("standby", "active")]
+        if offers and self.t_train_recent:
+            costs = staleness_costs(offers, self.cfg.run.staleness_max, self.R / self.usable(), self.t_train_mean(),
+                                    self.t_bcast_last or 0.0, self.sched.gamma, self.cfg.learner.price_per_hour)
+        choice = choose_staleness(self.S, self.cfg.run.staleness_max, drift, self.cfg.run.drift_max, costs,
+                                  hold=self.staleness_hold)
+        self.staleness_hold = self.staleness_hold.after(choice)
+        if choice.staleness != self.S:
+            self.S, self.kappa = choice.staleness, self.kappa_for(choice.staleness)
+            self.staleness_moves.append((self.step, self.S, choice.reason.value if choice.reason else ""))
+
+    def t_train_mean(self) -> float:
+        return sum(self.t_train_recent) / len(self.t_train_recent)
 
     def active_count(self) -> int:
         return sum(1 for n in self.nodes.values() if n.state == "active")
@@ -342,16 +419,20 @@ class Simulation:
         """The usable fraction as the hub measures it: trained over settled, stale drops included."""
         consumed = sum(c for c, _ in self.recent_use)
         dropped = sum(d for _, d in self.recent_use)
-        return USABLE * consumed / (consumed + dropped) if consumed else USABLE
+        usable = self.cfg.learner.usable_fraction
+        return usable * consumed / (consumed + dropped) if consumed else usable
+
+    def arrival(self) -> Arrival | None:
+        """The newest version's arrival at the active pool, as the hub measures it (LearnerTiming.t_arrive_s)."""
+        # The first step that needs the newest version needs R / usable of it: stale drops come from the
+        # old version's overproduction, not from that step.
+        return None if self.t_arrive_last is None else Arrival(
+            self.t_arrive_last, self.R / self.cfg.learner.usable_fraction,
+            self.active_count() * self.cfg.learner.rollouts_per_lease / 2, self.installs_last)
 
     def predicted(self) -> float | None:
-        t_train = sum(self.t_train_recent) / len(self.t_train_recent)
-        # The first step that needs the newest version needs R / USABLE of it: stale drops come from the
-        # old version's overproduction, not from that step.
-        arrival = None if self.t_arrive_last is None else Arrival(
-            self.t_arrive_last, self.R / USABLE, self.active_count() * ROLLOUTS_PER_LEASE / 2, self.installs_last)
-        return predicted_bubble(self.kappa, self.R / self.usable(), t_train, self.t_bcast_last or 0.0, self.active_rate,
-                                self.sc.staleness, arrival)
+        return predicted_bubble(self.kappa, self.R / self.usable(), self.t_train_mean(), self.t_bcast_last or 0.0,
+                                self.active_rate, self.S, self.arrival())
 
     # -- broadcast ------------------------------------------------------------------------
     def publish(self, version: int) -> None:
@@ -359,11 +440,11 @@ class Simulation:
         self.publish_at[version] = self.now
         if not online:
             return
-        arrivals = broadcast_arrivals(online, self.sc.broadcast)
+        arrivals = broadcast_arrivals(online, self.sc.broadcast, self.cfg)
         # A node finishes the lease it holds with the version it had (half a lease on average), asks for work
         # on the new one (when the hub times its arrival), and hands that work in a lease at a time (half a
         # lease behind a steady flow): in this fluid model, it switches one lease after the snapshot arrived.
-        lease_s = {node.name: ROLLOUTS_PER_LEASE / node.rate for node, _ in arrivals}
+        lease_s = {node.name: self.cfg.learner.rollouts_per_lease / node.rate for node, _ in arrivals}
         # What the hub measures: when each active node asks for work on the new version.
         installs = tuple((node.rate, seconds + lease_s[node.name] / 2) for node, seconds in arrivals
                          if node.state == "active")
@@ -381,15 +462,19 @@ class Simulation:
 
     # -- fleet ----------------------------------------------------------------------------
     def come_online(self, node: Node) -> None:
+        if self.now < node.away_until:  # a fleet change took it away: it comes back when that ends
+            return
         node.online = True
+        node.session += 1
         self.online_count += 1
         self.requests["join"] += 1
         node.state = "probing"
-        self.push(self.now + PROBE_S, "probed", node.name)
-        self.push(self.now + self.churn_rng[node.name].expovariate(1 / SESSION_MEAN_S), "leave", node.name)
+        self.push(self.now + self.cfg.churn.probe_s, "probed", node.name)
+        self.push(self.now + self.churn_rng[node.name].expovariate(1 / self.cfg.churn.session_mean_s), "leave",
+                  (node.name, node.session))
         newest = max(self.publish_at, default=None)
         if newest is not None:
-            self.push(self.now + SNAPSHOT_BYTES / node.link_bps, "catch_up", (node.name, newest))
+            self.push(self.now + self.cfg.snapshot.bytes / node.link_bps, "catch_up", (node.name, newest))
 
     def go_offline(self, node: Node) -> None:
         self.set_state(node, "offline")
@@ -397,18 +482,44 @@ class Simulation:
         node.held = -1
         self.online_count -= 1
         self.requests["leave"] += 1
-        self.push(self.now + self.churn_rng[node.name].expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
+        self.push(self.now + self.churn_rng[node.name].expovariate(1 / self.cfg.churn.offline_mean_s), "join", node.name)
+
+    def _leave(self, payload: tuple[str, int]) -> None:
+        node = self.nodes[payload[0]]
+        if node.online and node.session == payload[1]:
+            self.go_offline(node)
+
+    def fleet_change(self, index: int) -> None:
+        """A configured share of the online nodes leave at once (the same ones in every scenario of a seed)."""
+        change = self.cfg.fleet_change[index]
+        online = sorted(n.name for n in self.nodes.values() if n.online)
+        random.Random(f"fleet_change:{index}:{self.seed}").shuffle(online)
+        for name in online[:round(change.leave_share * len(online))]:
+            node = self.nodes[name]
+            node.away_until = math.inf if change.away_s is None else self.now + change.away_s
+            self.go_offline(node)
+            if node.away_until < math.inf:  # back when the change ends (its own offline spell is dropped)
+                self.push(node.away_until, "join", node.name)
+
+    def price_change(self, index: int) -> None:
+        """A configured share of the nodes multiply their price: paid at once, ranked as the hub ranks it."""
+        change = self.cfg.price_change[index]
+        names = sorted(self.nodes)
+        random.Random(f"price_change:{index}:{self.seed}").shuffle(names)
+        for name in names[:round(change.share * len(names))]:
+            node = self.nodes[name]
+            if node.state == "active":
+                self.active_price -= node.price
+            node.reprice(node.price * change.factor, self.sched.price_band)
+            if node.state == "active":
+                self.active_price += node.price
 
     def capacity(self) -> CapacityView:
-        """The capacity model as the hub's scheduler computes it (hub.control.scheduler.Scheduler.capacity)."""
+        """The capacity model through the hub scheduler's own function (hub.control.policy.capacity_view)."""
         if not self.t_train_recent:
             return CapacityView(self.active_rate, None, None, None, "learner has not stepped yet")
-        t_train = sum(self.t_train_recent) / len(self.t_train_recent)
-        try:
-            needed = mu_min(self.kappa, self.R / self.usable(), t_train, self.t_bcast_last or 0.0, self.sc.staleness)
-        except InfeasibleCapacity as exc:
-            return CapacityView(self.active_rate, None, None, None, str(exc))
-        return CapacityView(self.active_rate, needed, self.cfg.gamma * needed, None, "measured")
+        return capacity_view(self.active_rate, self.kappa, self.R, self.t_train_mean(), self.t_bcast_last or 0.0,
+                             self.usable(), self.S, self.arrival(), self.sched.gamma)
 
     def control(self) -> None:
         """One control period of the hub's policy (probes are moved to standby by their own event)."""
@@ -419,19 +530,24 @@ class Simulation:
         measured = [n for n in self.nodes.values() if n.online and n.state in ("standby", "active")]
         fleet = FleetView(tuple(n.offer for n in measured if n.state == "active"),
                           tuple(n.offer for n in measured if n.state == "standby"))
-        decision = decide(fleet, capacity, self.cfg, self.release_wanted, self.now)
+        decision = decide(fleet, capacity, self.sched, self.release_wanted, self.now)
         self.release_wanted = decision.release_wanted
         for move in decision.moves:
             self.set_state(self.nodes[move.node], move.state)
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> None:
+        churn = self.cfg.churn
         for node in self.nodes.values():
-            if self.churn_rng[node.name].random() < ONLINE_AT_START:
+            if self.churn_rng[node.name].random() < churn.online_at_start:
                 self.come_online(node)
             else:
-                self.push(self.churn_rng[node.name].expovariate(1 / OFFLINE_MEAN_S), "join", node.name)
-        self.push(self.cfg.control_period_s, "control")
+                self.push(self.churn_rng[node.name].expovariate(1 / churn.offline_mean_s), "join", node.name)
+        self.push(self.sched.control_period_s, "control")
+        for i, change in enumerate(self.cfg.fleet_change):
+            self.push(change.at_s, "fleet_change", i)
+        for i, change in enumerate(self.cfg.price_change):
+            self.push(change.at_s, "price_change", i)
         self.publish(0)
         handlers = {
             "step_done": lambda p: self.step_done(p),
@@ -439,11 +555,13 @@ class Simulation:
             "switch": lambda p: self.install(self.nodes[p[0]], p[1]),
             "catch_up": lambda p: self.install(self.nodes[p[0]], p[1]) if self.nodes[p[0]].online else None,
             "probed": self._probed,
-            "leave": lambda p: self.go_offline(self.nodes[p]) if self.nodes[p].online else None,
+            "leave": self._leave,
             "join": lambda p: self.come_online(self.nodes[p]) if not self.nodes[p].online else None,
             "control": self._control_event,
+            "fleet_change": self.fleet_change,
+            "price_change": self.price_change,
         }
-        horizon = self.steps * T_TRAIN_S * 50  # a learner that never gets data stops the run
+        horizon = self.steps * self.cfg.learner.t_train_s * 50  # a learner that never gets data stops the run
         while self.step < self.steps and self.now < horizon:
             next_at = self.events[0][0] if self.events else horizon
             if not self.training:
@@ -467,7 +585,7 @@ class Simulation:
 
     def _control_event(self, _payload: object) -> None:
         self.control()
-        self.push(self.now + self.cfg.control_period_s, "control")
+        self.push(self.now + self.sched.control_period_s, "control")
 
     def result(self, n: int, seed: int) -> Result:
         idle = sum(r[0] for r in self.records)
@@ -485,8 +603,8 @@ class Simulation:
         # Feasible: some fleet keeps the learner busy (never at S = 0, where the bubble is still predicted).
         feasible = True
         try:
-            mu_min(self.kappa, self.R / USABLE, T_TRAIN_S, (sum(self.t_bcasts) / len(self.t_bcasts)) if self.t_bcasts else 0.0,
-                   self.sc.staleness)
+            mu_min(self.kappa, self.R / self.cfg.learner.usable_fraction, self.cfg.learner.t_train_s,
+                   (sum(self.t_bcasts) / len(self.t_bcasts)) if self.t_bcasts else 0.0, self.S)
         except InfeasibleCapacity:
             feasible = False
         produced = self.consumed + self.dropped
@@ -509,23 +627,33 @@ class Simulation:
                 "lease": round(self.integrated_leases / self.now, 2),
                 "submission": round(self.integrated_leases / self.now, 2),
             },
+            staleness=self.sc.staleness,
+            staleness_final=self.S,
+            staleness_moves=self.staleness_moves,
         )
 
 
-def broadcast_arrivals(nodes: list[Node], broadcast: str) -> list[tuple[Node, float]]:
+def broadcast_arrivals(nodes: list[Node], broadcast: str, cfg: SimConfig = DEFAULT) -> list[tuple[Node, float]]:
     """Seconds from publish until each node holds the snapshot (the broadcast model in the docstring)."""
+    uplink_bps, size = cfg.links.hub_uplink_mbps * BYTES_PER_MBIT, cfg.snapshot.bytes
     if broadcast == "star":
-        share = HUB_UPLINK_BPS / len(nodes)
-        return [(n, SNAPSHOT_BYTES / min(n.link_bps, share)) for n in nodes]
+        share = uplink_bps / len(nodes)
+        return [(n, size / min(n.link_bps, share)) for n in nodes]
     by_name = {n.name: n for n in nodes}
-    chains = plan_chains([(n.name, n.link_bps) for n in nodes], HUB_UPLINK_BPS)
+    chains = plan_chains([(n.name, n.link_bps) for n in nodes], uplink_bps)
     arrivals = []
     for chain in chains:
-        slowest = HUB_UPLINK_BPS / len(chains)
+        slowest = uplink_bps / len(chains)
+        setup_s, upstream = 0.0, None
         for pos, name in enumerate(chain):
             node = by_name[name]
             slowest = min(slowest, node.link_bps)
-            arrivals.append((node, SNAPSHOT_BYTES / slowest + pos * (CHUNK_BYTES / slowest + HOP_LATENCY_S)))
+            # A hop between two NATed nodes waits for its hole punch, and so does everything after it.
+            if link_kind(upstream, node.reach) == "holepunch":
+                setup_s += cfg.fleet.holepunch_s
+            upstream = node.reach
+            arrivals.append((node, setup_s + size / slowest
+                             + pos * (cfg.snapshot.chunk_bytes / slowest + cfg.links.hop_latency_s)))
     return arrivals
 
 
@@ -542,7 +670,7 @@ def churn_stream(seed: int, name: str) -> random.Random:
     return random.Random(f"{seed}:{name}")
 
 
-def demand(fleet: list[Node], staleness: int, share: float) -> float:
+def demand(fleet: list[Node], staleness: int, share: float, cfg: SimConfig = DEFAULT) -> float:
     """R (rollouts the learner trains on per step) that makes mu_min `share` of the fleet's expected online
     throughput (ONLINE_AT_START of it).
 
@@ -550,50 +678,88 @@ def demand(fleet: list[Node], staleness: int, share: float) -> float:
     every fleet asks for the same share of its throughput, whatever its slowest link; and R depends on the
     fleet only, not on a seed's dice, so the seeds of one fleet differ in churn and T_train alone.
     """
-    t_bcast = max(seconds for _, seconds in broadcast_arrivals(fleet, "chain"))
-    per_rollout = mu_min(default_kappa(staleness), 1.0 / USABLE, T_TRAIN_S, t_bcast, staleness)
-    return share * ONLINE_AT_START * sum(n.rate for n in fleet) / per_rollout
+    t_bcast = max(seconds for _, seconds in broadcast_arrivals(fleet, "chain", cfg))
+    per_rollout = mu_min(default_kappa(staleness), 1.0 / cfg.learner.usable_fraction, cfg.learner.t_train_s, t_bcast,
+                         staleness)
+    return share * cfg.churn.online_at_start * sum(n.rate for n in fleet) / per_rollout
 
 
-def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEMAND_SHARE,
-             fleet_seed: int | None = None) -> Result:
+def build_fleet(n: int, seed: int, fleet_seed: int | None, cfg: SimConfig = DEFAULT) -> list[Node]:
+    """The run's fleet: echo-hub plan's FLEET.toml when fleet.file is set (n unused), else n drawn nodes."""
+    rng = random.Random((seed if fleet_seed is None else fleet_seed) * 1_000_003 + n)
+    return fleet_from_file(cfg.fleet.file, rng, cfg) if cfg.fleet.file is not None else draw_fleet(n, rng, cfg)
+
+
+def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEFAULT.learner.demand_share,
+             fleet_seed: int | None = None, cfg: SimConfig = DEFAULT, staleness: int | str | None = None) -> Result:
     """One run. `seed` drives churn and T_train; the fleet is drawn from `fleet_seed` (None: from `seed` too,
-    so seeds then differ in their fleets as well)."""
-    fleet = draw_fleet(n, random.Random((seed if fleet_seed is None else fleet_seed) * 1_000_003 + n))
-    # The same demand for every scenario of one fleet: the method's R, whatever S the scenario runs at.
-    sim = Simulation(fleet, SCENARIOS[scenario], steps, seed, demand(fleet, STALENESS, share))
+    so seeds then differ in their fleets as well). `staleness`: S for every scenario but sync (None: STALENESS)."""
+    fleet = build_fleet(n, seed, fleet_seed, cfg)
+    base = SCENARIOS[scenario]
+    sc = base if staleness is None or base.name == "sync" else replace(base, staleness=staleness)
+    # The same demand for every scenario of one fleet: the method's R at S = STALENESS, whatever S the scenario runs at.
+    rollouts_per_step = cfg.learner.rollouts_per_step or demand(fleet, STALENESS, share, cfg)
+    sim = Simulation(fleet, sc, steps, seed, rollouts_per_step, cfg)
     sim.run()
-    return sim.result(n, seed)
+    return sim.result(len(fleet), seed)
 
 
-def main() -> int:
+def configured(args: argparse.Namespace) -> SimConfig:
+    """--config's SimConfig (or the default), with the flags given on the command line on top."""
+    cfg = load_sim_config(args.config) if args.config else DEFAULT
+    run = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("fleet_seed", args.fleet_seed)) if v is not None}
+    if args.scenarios:
+        run["scenarios"] = tuple(args.scenarios.split(","))
+    fleet = {}
+    if args.nodes:
+        fleet["nodes"] = tuple(int(x) for x in args.nodes.split(","))
+    if args.fleet:
+        fleet["file"] = args.fleet
+    learner = {} if args.demand is None else {"demand_share": args.demand}
+    try:
+        return SimConfig.model_validate({**cfg.model_dump(), "run": {**cfg.run.model_dump(), **run},
+                                         "fleet": {**cfg.fleet.model_dump(), **fleet},
+                                         "learner": {**cfg.learner.model_dump(), **learner}})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise SimConfigError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+
+
+def rows_to_run(cfg: SimConfig) -> list[tuple[int, int | str, str]]:
+    """(fleet size, S setting, scenario) of every row: sync (S = 0 whatever the setting) once per size."""
+    sizes = (0,) if cfg.fleet.file is not None else cfg.fleet.nodes
+    rows = []
+    for n in sizes:
+        for i, staleness in enumerate(cfg.run.staleness):
+            rows += [(n, staleness, sc) for sc in cfg.run.scenarios if sc != "sync" or i == 0]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", default="10,100,1000,10000", help="fleet sizes, comma-separated")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="scenarios, comma-separated")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds per fleet size and scenario")
+    parser.add_argument("--config", type=Path, default=None, metavar="SIM.toml",
+                        help="everything the simulator draws (bench/sim_config.py; bench/presets/ has examples)")
+    parser.add_argument("--fleet", type=Path, default=None, metavar="FLEET.toml",
+                        help="echo-hub plan's fleet file as the fleet (links and NAT still drawn)")
+    parser.add_argument("--nodes", default=None, help="fleet sizes, comma-separated (default 10,100,1000,10000)")
+    parser.add_argument("--scenarios", default=None, help=f"scenarios, comma-separated (default {','.join(SCENARIOS)})")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per fleet size and scenario (default 1)")
     parser.add_argument("--fleet-seed", type=int, default=None,
                         help="draw one fleet per size from this seed, so seeds differ only in churn and T_train")
     parser.add_argument("--steps", type=int, default=None,
                         help="learner steps per run, figures from the second half (default: default_steps(N))")
-    parser.add_argument("--demand", type=float, default=DEMAND_SHARE,
-                        help="mu_min as a share of the fleet's expected online throughput (above ~0.6 the fleet falls short)")
+    parser.add_argument("--demand", type=float, default=None,
+                        help="mu_min as a share of the fleet's expected online throughput (default 0.3; above ~0.6 "
+                             "the fleet falls short)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--plot", type=Path, default=None, help="write bubble and cost per step vs N to this PNG")
-    args = parser.parse_args()
-    sizes = [int(x) for x in args.nodes.split(",")]
-    scenarios = args.scenarios.split(",")
-    results = []
-    for n in sizes:
-        for scenario in scenarios:
-            for seed in range(args.seeds):
-                started = time.perf_counter()
-                r = simulate(n, scenario, seed, args.steps or default_steps(n), args.demand, args.fleet_seed)
-                if not args.json:
-                    print(f"N={n:<6} {scenario:<10} seed {seed}: bubble {r.bubble_simulated:.3f} (predicted "
-                          f"{r.bubble_predicted}) cost/step ${r.cost_per_step:.3f} T_bcast {r.t_bcast_s:.1f}s "
-                          f"active {r.active_mean:.0f} ramp {r.ramp_s} [{time.perf_counter() - started:.1f}s]",
-                          file=sys.stderr, flush=True)
-                results.append(r.__dict__)
+    args = parser.parse_args(argv)
+    try:
+        cfg = configured(args)
+        results = run_rows(cfg, args.json)
+    except (SimConfigError, PlanError, InfeasibleCapacity) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
     out = {"results": results, "savings": savings(results)}
     out["saving_spread"] = saving_spread(out["savings"])
     if args.plot:
@@ -602,17 +768,37 @@ def main() -> int:
     return 0
 
 
+def run_rows(cfg: SimConfig, quiet: bool) -> list[dict]:
+    """Every row of the configured runs, as JSON-ready dicts."""
+    results = []
+    for n, staleness, scenario in rows_to_run(cfg):
+        for seed in range(cfg.run.seeds):
+            started = time.perf_counter()
+            size = n or len(load_fleet(cfg.fleet.file))
+            r = simulate(n, scenario, seed, cfg.run.steps or default_steps(size), cfg.learner.demand_share,
+                         cfg.run.fleet_seed, cfg, staleness)
+            if not quiet:
+                print(f"N={r.nodes:<6} {scenario:<10} S={staleness!s:<4} seed {seed}: bubble {r.bubble_simulated:.3f} "
+                      f"(predicted {r.bubble_predicted}) cost/step ${r.cost_per_step:.3f} T_bcast {r.t_bcast_s:.1f}s "
+                      f"active {r.active_mean:.0f} ramp {r.ramp_s} [{time.perf_counter() - started:.1f}s]",
+                      file=sys.stderr, flush=True)
+            results.append(r.__dict__)
+    return results
+
+
 def savings(results: list[dict]) -> list[dict]:
-    """Cost-aware against all-on, star and sync: 1 - cost(cost-aware) / cost(other), per N and seed."""
+    """Cost-aware against all-on, star and sync: 1 - cost(cost-aware) / cost(other), per N, S setting and seed
+    (sync, at S = 0 whatever the setting, against every setting)."""
     out = []
-    by = {(r["nodes"], r["scenario"], r["seed"]): r for r in results}
-    for (n, scenario, seed), r in sorted(by.items()):
+    by = {(r["nodes"], r["scenario"], r["seed"], str(r["staleness"])): r for r in results}
+    for (n, scenario, seed, staleness), r in sorted(by.items()):
         if scenario != "cost-aware":
             continue
-        row = {"nodes": n, "seed": seed}
+        row = {"nodes": n, "seed": seed, "staleness": r["staleness"]}
         for other in ("all-on", "star", "sync"):
-            if (n, other, seed) in by:
-                row[f"saving_vs_{other}"] = round(1 - r["cost_per_step"] / by[(n, other, seed)]["cost_per_step"], 4)
+            key = (n, other, seed, "0" if other == "sync" else staleness)
+            if key in by:
+                row[f"saving_vs_{other}"] = round(1 - r["cost_per_step"] / by[key]["cost_per_step"], 4)
         out.append(row)
     return out
 

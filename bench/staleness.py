@@ -15,6 +15,16 @@ averaged over windows of --window steps. reward_eval_final is the exact-match ra
 final policy on a fixed 512-prompt sample (one completion each, the same sampling).
 
     python bench/staleness.py [--json] [--steps 200] [--out bench/out/staleness.png]
+
+--adaptive runs `--staleness auto` against fixed S instead, with real processes: `echo-hub start` (the embedded
+default, --local-nodes 0) and --nodes `echo-node join` volunteers at --node-price $/h, for --steps steps each.
+Scenario `steady`: S = 0 and auto on the whole fleet (reward_last: auto should be within 0.05 of S = 0's).
+Scenario `half_leave`: each S of --fixed and auto, half the nodes stopped once half the steps are done (cost_per_step:
+auto should be at or below the best fixed S). One row per run: scenario, staleness, reward_last (mean rollout reward
+of the last --window steps), cost_per_step (the hub's own: learner time at its price plus what the nodes were paid,
+per step), bubble (mean learner bubble), and the S in force at the end.
+
+    python bench/staleness.py --adaptive --json [--steps 24] [--nodes 4] [--fixed 1 2 4 8]
 """
 
 from __future__ import annotations
@@ -22,14 +32,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import trio
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+import trio  # noqa: E402
 
 CHUNK_SIZE_BYTES = 1 << 20
 EVAL_PROMPTS = 512
@@ -38,6 +52,7 @@ EVAL_SEED = 1
 NO_CHECKPOINTS = 100_000
 PROGRESS_POLL_S = 0.2
 CALIBRATION_STEPS = 2
+ADAPTIVE_RUN_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=None, help="override LearnerConfig's default")
     parser.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS)
     parser.add_argument("--out", type=Path, default=Path("bench/out/staleness.png"), help="reward vs step plot")
+    parser.add_argument("--adaptive", action="store_true", help="--staleness auto against fixed S, real processes")
+    parser.add_argument("--nodes", type=int, default=4, help="--adaptive: volunteer node processes")
+    parser.add_argument("--node-price", type=float, default=0.35, help="--adaptive: each node's price, $/h")
+    parser.add_argument("--fixed", type=int, nargs="+", default=[1, 2, 4, 8], help="--adaptive: fixed S of half_leave")
+    parser.add_argument("--staleness-max", type=int, default=8, help="--adaptive: the auto runs' --staleness-max")
+    parser.add_argument("--drift-max", type=float, default=None, help="--adaptive: the auto runs' --drift-max")
+    parser.add_argument("--scenarios", nargs="+", default=["steady", "half_leave"], choices=["steady", "half_leave"],
+                        help="--adaptive: the scenarios to run")
     return parser.parse_args(argv)
 
 
@@ -208,9 +231,74 @@ def plot(runs: list[dict], out: Path, steps: int) -> None:
     plt.close(fig)
 
 
+def adaptive_run(scenario: str, staleness: int | str, args: argparse.Namespace, tmp: Path) -> dict:
+    """One real hub and its nodes for --steps steps; in `half_leave`, half the nodes stop halfway."""
+    from shared.layout import METRICS_FILE
+    from testbed.harness import start_hub, start_node, stop_all, wait_until
+
+    steps, window = args.steps, args.window or max(1, args.steps // 4)
+    hub_args = ["--local-nodes", "0", "--steps", str(steps), "--staleness", str(staleness),
+                "--prompts-per-step", str(args.prompts_per_step or 8), "--group-size", str(args.group_size or 4)]
+    if staleness == "auto":
+        hub_args += ["--staleness-max", str(args.staleness_max)]
+        if args.drift_max is not None:
+            hub_args += ["--drift-max", str(args.drift_max)]
+    metrics_path = tmp / "hub" / METRICS_FILE
+
+    def steps_done() -> int:
+        return len(metrics_path.read_text().splitlines()) if metrics_path.exists() else 0
+
+    started = time.perf_counter()
+    hub = start_hub(tmp / "hub", *hub_args)
+    nodes = [start_node(hub.addr, tmp / f"node{i}", price=args.node_price) for i in range(args.nodes)]
+    try:
+        if scenario == "half_leave":
+            wait_until(lambda: steps_done() >= steps // 2, ADAPTIVE_RUN_TIMEOUT_S, "half the steps")
+            stop_all(nodes[: len(nodes) // 2])
+        if hub.process.wait(timeout=ADAPTIVE_RUN_TIMEOUT_S) != 0:
+            raise RuntimeError(f"hub failed:\n{hub.output()[-3000:]}")
+    finally:
+        stop_all(nodes)
+        hub.kill()
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    rewards = [r["rollout_reward_mean"] for r in rows[-window:] if "rollout_reward_mean" in r]
+    return {
+        "scenario": scenario,
+        "staleness": staleness,
+        "reward_last": round(statistics.fmean(rewards), 4) if rewards else None,
+        "cost_per_step": rows[-1]["cost_per_step_usd"],
+        "bubble": round(statistics.fmean(r["bubble"] for r in rows), 3),
+        "staleness_final": int(rows[-1]["staleness_budget"]),
+        # (step, S) at the start and at each step where the S in force changed
+        "staleness_path": [(r["step"], int(r["staleness_budget"])) for i, r in enumerate(rows)
+                           if i == 0 or r["staleness_budget"] != rows[i - 1]["staleness_budget"]],
+        "staleness_trained_mean": round(statistics.fmean(r["staleness_mean"] for r in rows), 3),
+        "drift_mean": round(statistics.fmean(r["abs_log_ratio"] for r in rows), 5),
+        "steps": len(rows),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def adaptive_main(args: argparse.Namespace) -> dict:
+    """The --adaptive comparison: steady (S = 0 vs auto) and half_leave (each fixed S vs auto)."""
+    runs = [("steady", 0), ("steady", "auto")] + [("half_leave", s) for s in args.fixed] + [("half_leave", "auto")]
+    runs = [(scenario, s) for scenario, s in runs if scenario in args.scenarios]
+    rows = []
+    for scenario, staleness in runs:
+        with tempfile.TemporaryDirectory(prefix="echo2-bench-adaptive-") as tmp:
+            rows.append(adaptive_run(scenario, staleness, args, Path(tmp)))
+        if not args.json:
+            print(rows[-1], flush=True)
+    return {"steps": args.steps, "nodes": args.nodes, "node_price": args.node_price, "runs": rows}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    if args.adaptive:
+        result = adaptive_main(args)
+        print(json.dumps(result) if args.json else result)
+        return result
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers.utils import logging as hf_logging

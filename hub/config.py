@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from hub.method.capacity import default_kappa, validate_kappa
 from shared.config import HttpBind, Section
 from shared.layout import HUB_KEY_FILE
+from shared.logs import LOG_BACKUPS, LOG_MAX_MB
 from shared.rollout import SamplingParams
 from shared.tasks.dataset import DatasetOptions
 
@@ -23,11 +24,16 @@ DEFAULT_HTTP_PORT = 4078
 class LearnerConfig(Section):
     """GRPO learner (docs/DESIGN.md §2-4)."""
 
-    staleness: int = Field(4, ge=0, le=64, description="S: max versions a trajectory may lag the learner")
+    staleness: int = Field(4, ge=0, le=64, description="S: max versions a trajectory may lag the learner (\"auto\": adapt it, see staleness_auto)")
+    staleness_auto: bool = Field(False, description="set by staleness = \"auto\": the hub picks S in [1, staleness_max] each publish period, starting at 1, on resume at the S of the last step (kappa follows S)")
+    staleness_max: int = Field(8, ge=1, le=64, description="largest S that staleness = \"auto\" may choose")
+    drift_max: float = Field(0.1, gt=0.0, le=10.0, description="auto staleness: bound on the mean |log-ratio| of the tokens trained on; S falls as the drift nears it")
     kappa: int | None = Field(None, ge=1, le=64, description="publish a snapshot every kappa steps (default max(1, S-1))")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="groups consumed per learner step")
     group_size: int = Field(8, ge=2, le=256, description="n: completions per prompt")
     lr: float = Field(3e-4, gt=0.0, le=1.0, description="AdamW learning rate (the default suits the embedded model)")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule over --steps, after the warm-up (linear and cosine decay to 0 at the last step, as TRL's)")
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0, description="share of --steps over which the learning rate rises linearly from 0 (TRL's warmup_ratio)")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="max global gradient norm")
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="lower PPO clip range")
@@ -57,9 +63,31 @@ class LearnerConfig(Section):
     def effective_kappa(self) -> int:
         return self.kappa if self.kappa is not None else default_kappa(self.staleness)
 
+    @property
+    def staleness_bound(self) -> int:
+        """The largest S this run may put in force: what snapshots are kept for and nodes are told."""
+        return self.staleness_max if self.staleness_auto else self.staleness
+
+    @field_validator("lr_scheduler", mode="before")
+    @classmethod
+    def _transformers_name(cls, value: object) -> object:
+        """transformers' `constant_with_warmup` (TRL users' value) is our constant, which warms up as asked."""
+        return "constant" if value == "constant_with_warmup" else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _staleness_auto(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("staleness") == "auto":
+            return {**data, "staleness": 1, "staleness_auto": True}
+        return data
+
     @model_validator(mode="after")
     def _kappa_in_range(self) -> LearnerConfig:
+        if self.staleness_auto and self.kappa is not None:
+            raise ValueError("kappa follows S under staleness = \"auto\": leave kappa unset")
         validate_kappa(self.effective_kappa, self.staleness)
+        if self.staleness_auto and not 1 <= self.staleness <= self.staleness_max:
+            raise ValueError(f"staleness = \"auto\" starts S in [1, staleness_max = {self.staleness_max}], got {self.staleness}")
         return self
 
 
@@ -95,6 +123,8 @@ class SchedulerConfig(Section):
     control_period_s: float = Field(5.0, gt=0.0, le=3600.0, description="seconds between fleet decisions")
     release_margin: float = Field(0.2, ge=0.0, le=10.0, description="hysteresis: nodes are released only while the pool keeps target * (1 + this)")
     max_price_per_hour: float = Field(10.0, ge=0.0, le=1000.0, description="nodes declaring a higher $/h are refused at join")
+    price_change_interval_s: float = Field(600.0, ge=0.0, le=86400.0, description="a joined node may re-declare its price once per this many seconds (sooner is refused and counted against it)")
+    price_band: float = Field(0.05, ge=0.0, le=1.0, description="hysteresis: the scheduler re-ranks a node only once its price moved more than this share")
     heartbeat_period_s: float = Field(2.0, gt=0.0, le=600.0, description="how often nodes heartbeat while the fleet is small (told on join and each beat)")
     heartbeat_timeout_s: float = Field(15.0, gt=0.0, le=3600.0, description="a node silent this long is dropped (stretched as its period is)")
     heartbeats_per_s: float = Field(25.0, gt=0.0, le=1e6, description="most heartbeats/s asked of the whole fleet: past that, every node beats less often")
@@ -149,6 +179,8 @@ class TrustConfig(Section):
     disconnect_cooldown_s: float = Field(60.0, ge=0.0, le=86400.0, description="a disconnected peer is refused outright this long")
     max_connections_per_ip: int = Field(32, ge=1, le=100_000, description="live inbound connections one address may hold (loopback too)")
     idle_connection_s: float = Field(15.0, gt=0.0, le=86400.0, description="a connection of a peer that is not a joined node is closed after this long idle")
+    check_procs: int | None = Field(None, ge=0, le=1024, description="processes that check submissions (decode, lengths, rewards recomputed); 0: a thread of the hub's process; None: cores - 1, at least 1")
+    check_timeout_s: float = Field(20.0, gt=0.0, le=25.0, description="the longest one submission's checks may take: past it the reward is taken to hang and the run stops")
     status_operators: tuple[str, ...] = Field(
         (), max_length=64, description="peer ids that see nodes' prices and costs in the status protocol (the hub's own key always does)")
 
@@ -161,14 +193,23 @@ class DatasetConfig(Section):
     """How a dataset task (--task FILE.jsonl, FILE.parquet or a save_to_disk DIR) is read and scored."""
 
     prompt_column: str = Field("prompt", min_length=1, max_length=256, description="column holding the prompt (a string or chat messages)")
-    answer_column: str = Field("answer", min_length=1, max_length=256, description="column holding the gold answer")
-    reward: str = Field("math", min_length=1, max_length=512, description="math (math-verify on the answer), exact (exact match) or module:function (TRL reward-function signature)")
+    answer_column: str = Field("answer", min_length=1, max_length=256, description="column holding the gold answer (a.b: key b of column a, e.g. verl's reward_model.ground_truth)")
+    reward: str = Field("math", min_length=1, max_length=4096, description="math (math-verify on the answer), exact (exact match) or module:function (TRL's or verl's signature); several comma-separated add up")
+    reward_weights: tuple[Annotated[float, Field(ge=-1e6, le=1e6, allow_inf_nan=False)], ...] = Field((), max_length=64, description="one weight per --reward function, comma-separated (empty: 1.0 each)")
+    reward_style: Literal["auto", "trl", "verl"] = Field("auto", description="how module:function rewards are called: trl, verl (compute_score) or auto (verl when it takes solution_str)")
     split: str = Field("train", min_length=1, max_length=256, description="split of a save_to_disk DatasetDict to read")
     chat: bool = Field(False, description="render string prompts as one user message with the tokenizer's chat template (message lists always are)")
     allow_lossy_prompts: bool = Field(False, description="start even when the tokenizer drops characters of some prompts (warned once; by default refused)")
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _one_list(cls, value: object) -> object:
+        """`--reward a --reward b` and hub.toml's `reward = ["a", "b"]` as `a,b`."""
+        return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+
     def options(self, id_prefix: str = "row") -> DatasetOptions:
-        return DatasetOptions(self.prompt_column, self.answer_column, self.reward, self.split, self.chat, id_prefix)
+        return DatasetOptions(self.prompt_column, self.answer_column, self.reward, self.split, self.chat, id_prefix,
+                              self.reward_weights, self.reward_style)
 
 
 class EvalConfig(Section):
@@ -199,6 +240,7 @@ class TrackingConfig(Section):
     project: str = Field("echo2", min_length=1, max_length=128, description="project name in wandb and trackio")
     run_name: str | None = Field(None, max_length=128, description="run name in the trackers (None: the data dir's name)")
     dir: Path | None = Field(None, description="where local trackers write (None: DATA_DIR/<tracker>)")
+    log_completions: int = Field(0, ge=0, le=256, description="sample completions (prompt, completion, reward, version) logged per step to metrics.jsonl and the trackers (0: none)")
 
 
 class HubConfig(Section):
@@ -214,6 +256,10 @@ class HubConfig(Section):
     local_nodes: int = Field(3, ge=0, le=64, description="volunteer nodes to spawn on loopback")
     local_device: str = Field("auto", pattern=DEVICE_PATTERN, description="torch device of the local nodes: auto (the learner's), cpu, cuda or cuda:N")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of the data-dir log")
+    log_max_mb: float = Field(LOG_MAX_MB, ge=0.01, le=1e6, description="hub.log is rotated past this size, in MB (the local nodes' logs too)")
+    log_backups: int = Field(LOG_BACKUPS, ge=1, le=1000, description="rotated logs kept (hub.log.1 ...); older ones are deleted")
+    save_rollouts: Path | None = Field(None, description="write each learner step's groups as a Parquet shard into this directory (None: off)")
+    save_rollouts_max_gb: float = Field(10.0, gt=0.0, le=1e6, description="--save-rollouts keeps at most this many GB: the oldest shards are deleted")
     learner: LearnerConfig = LearnerConfig()
     sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
     lease: LeaseConfig = LeaseConfig()
@@ -227,3 +273,12 @@ class HubConfig(Section):
     @property
     def key_path(self) -> Path:
         return self.key if self.key is not None else self.data_dir / HUB_KEY_FILE
+
+    @model_validator(mode="after")
+    def _schedule_needs_an_end(self) -> HubConfig:
+        # A decay or a warm-up is a share of the run's steps: a run until interrupted has no length to share.
+        lc = self.learner
+        if self.steps == 0 and (lc.lr_scheduler != "constant" or lc.warmup_ratio > 0):
+            raise ValueError(f"--lr-scheduler {lc.lr_scheduler} with --warmup-ratio {lc.warmup_ratio:g} needs --steps N "
+                             "(0 runs until interrupted: only a constant learning rate without warm-up fits it)")
+        return self

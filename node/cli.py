@@ -13,18 +13,20 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 
 from shared.checks import UserError
+from shared.flags import EXAMPLE_FORMAT, FlagParser
 
 NODE_ERR_FILE = "node.err"  # the stderr of a node run under its dashboard
 STOP_TIMEOUT_S = 10.0
+SAID_BYTES = 16384  # the tail of a node's stderr its dashboard repeats when the node ended by itself, failing
 
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
 JOIN_FLAGS: dict[str, tuple[str, type]] = {
     name: (name, kind) for name, kind in (
-        ("hub", str), ("name", str), ("http", str), ("price", float), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
+        ("hub", str), ("name", str), ("http", str), ("price", float), ("price_schedule", str), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
         ("model", Path), ("listen", str), ("public_addr", str), ("bulk_port", int), ("max_rollouts_per_s", float), ("link_mbps", float),
         ("declared_link_mbps", float), ("threads", int), ("seed", int), ("gpu_memory_fraction", float),
         ("kv_cache_gib", int), ("cpu_cores", str),
-        ("max_lora_rank", int), ("log_level", str),
+        ("max_lora_rank", int), ("log_level", str), ("log_max_mb", float), ("log_backups", int),
     )
 }
 
@@ -33,16 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     from node.config import NodeConfig
     from shared.config import flag_help
 
-    parser = argparse.ArgumentParser(prog="echo-node", description="echo2 volunteer node: generate rollouts for a hub.")
+    parser = FlagParser(prog="echo-node", description="echo2 volunteer node: generate rollouts for a hub.")
     parser.add_argument("--version", action="version", version=f"echo-node {package_version('echo2')}")
     sub = parser.add_subparsers(dest="command", required=True)
-    join = sub.add_parser("join", help="join a hub and do rollout work for it")
+    join = sub.add_parser("join", help="join a hub and do rollout work for it", formatter_class=EXAMPLE_FORMAT,
+                          epilog="example:\n  echo-node join --hub /ip4/203.0.113.7/tcp/4077/p2p/<hub id> --price 0.35")
     join.add_argument("--config", type=Path, help="node.toml with the same fields; flags override it")
     for flag, (field, kind) in JOIN_FLAGS.items():
         join.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None,
                           help=flag_help(NodeConfig, field))
     join.add_argument("--dashboard", action="store_true", help="show the volunteer's live dashboard")
-    view = sub.add_parser("dashboard", help="watch a node started elsewhere (reads its data dir)")
+    view = sub.add_parser("dashboard", help="watch a node started elsewhere (reads its data dir)",
+                          formatter_class=EXAMPLE_FORMAT, epilog="example:\n  echo-node dashboard --data-dir echo2-node")
     view.add_argument("--data-dir", type=Path, default=Path("echo2-node"), help="the node's --data-dir (default ./echo2-node)")
     from tui.cli import add_view_arguments
 
@@ -129,14 +133,16 @@ def main(argv: list[str] | None = None) -> int:
 def _run_with_dashboard(config) -> int:
     """The dashboard is its own process (Textual runs on asyncio, libp2p on trio): run the node as a child. The
     dashboard closes with the node (Ctrl-C or q stop it; it may end by itself), then says how the node ended."""
+    from shared.logs import RotatingFile
     from tui.cli import run_node_dashboard
 
-    err_path = config.data_dir / NODE_ERR_FILE
-    said_before = err_path.stat().st_size if err_path.exists() else 0
+    err = RotatingFile(config.data_dir / NODE_ERR_FILE, config.log_max_mb, config.log_backups)
     started = time.time()
     args = [sys.executable, "-m", "node.cli", "join", *config_to_args(config)]
-    with open(err_path, "ab") as err:
-        child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err)
+    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    said = bytearray()
+    copier = threading.Thread(target=_copy_stderr, args=(child.stderr, err, said), daemon=True)
+    copier.start()
     app = run_node_dashboard(config.data_dir)
     threading.Thread(target=_close_when_done, args=(child, app), daemon=True).start()
     try:
@@ -144,11 +150,21 @@ def _run_with_dashboard(config) -> int:
             app.run()
     finally:
         ended_itself = _stop(child)
+        copier.join(STOP_TIMEOUT_S)
+        err.close()
     if ended_itself and child.returncode != 0:
-        # Its own words (a refusal, another peer at the hub's address): they went to its stderr file.
-        print(err_path.read_bytes()[said_before:].decode(errors="replace").strip(), file=sys.stderr)
+        # Its own words (a refusal, another peer at the hub's address), which also went to its stderr file.
+        print(said.decode(errors="replace").strip(), file=sys.stderr)
         return child.returncode
     return _print_summary(config.data_dir, started)
+
+
+def _copy_stderr(pipe, sink, said: bytearray) -> None:
+    """The node's stderr into its rotated file, keeping the last SAID_BYTES of it for the one line said on its end."""
+    while chunk := pipe.read1(65536):
+        sink.write(chunk)
+        said += chunk
+        del said[:-SAID_BYTES]
 
 
 def _close_when_done(child: subprocess.Popen, app) -> None:

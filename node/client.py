@@ -26,6 +26,7 @@ from shared.messages import (
     MIN_LINK_BPS,
     MODEL_FILE_FRAME,
     MODEL_PROTOCOL,
+    PRICE_PROTOCOL,
     REPORT_PROTOCOL,
     STATUS_PROTOCOL,
     SUBMIT_PROTOCOL,
@@ -40,6 +41,8 @@ from shared.messages import (
     ModelFile,
     ModelFiles,
     ModelFilesRequest,
+    PriceChange,
+    PriceReply,
     Reject,
     StatusRequest,
     Submission,
@@ -122,6 +125,10 @@ class HubClient:
 
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply | Reject:
         return await self.ask(HEARTBEAT_PROTOCOL, beat, HeartbeatReply)
+
+    async def reprice(self, price_per_hour: float) -> PriceReply | Reject:
+        """Re-declare this node's price (PRICE_PROTOCOL); a hub that predates it refuses the protocol."""
+        return await self.ask(PRICE_PROTOCOL, PriceChange(price_per_hour=price_per_hour), PriceReply)
 
     async def lease(self, version_held: int) -> LeaseReply | Reject:
         return await self.ask(LEASE_PROTOCOL, LeaseRequest(version_held=version_held), LeaseReply)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from node.price_schedule import parse_price_schedule
 from shared.config import HttpBind, Section
 from shared.layout import NODE_KEY_FILE
+from shared.logs import LOG_BACKUPS, LOG_MAX_MB
 from shared.messages import DisplayName
 
 
@@ -20,6 +22,9 @@ class NodeConfig(Section):
         None, description="display name on the hub's status page, 1-32 printable characters (None: the short peer id)")
     http: HttpBind = Field("off", description="this node's own page, /api/status and /metrics at HOST:PORT, or off")
     price: float = Field(0.35, ge=0.0, le=1000.0, description="declared price in $/h")
+    price_schedule: str | None = Field(
+        None, max_length=1000,
+        description="price by local time of day, e.g. 07:00=0.45,23:00=0.30: re-declared to the hub as it changes (replaces --price)")
     backend: Literal["auto", "hf", "vllm"] = Field("auto", description="rollout engine")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch device (auto: cuda when torch sees a GPU, else cpu)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="engine weight dtype, must be the hub's (auto: bfloat16 on a CUDA GPU that has it, else float32)")
@@ -42,6 +47,15 @@ class NodeConfig(Section):
     cpu_cores: str | None = Field(None, pattern=r"^[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,63}$", description="vLLM on a CPU: cores its threads are bound to, e.g. 2-3 (None: --threads threads, left to the OS; two nodes on one machine: give each its own cores)")
     max_lora_rank: int = Field(0, ge=0, le=512, description="vLLM: serve LoRA runs' adapters up to this rank (0: full-weight runs only; vLLM reserves memory for LoRA)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_max_mb: float = Field(LOG_MAX_MB, ge=0.01, le=1e6, description="node.log (and a dashboard's node.err) is rotated past this size, in MB")
+    log_backups: int = Field(LOG_BACKUPS, ge=1, le=1000, description="rotated logs kept (node.log.1 ...); older ones are deleted")
+
+    @field_validator("price_schedule")
+    @classmethod
+    def _schedule_parses(cls, text: str | None) -> str | None:
+        if text is not None:
+            parse_price_schedule(text)
+        return text
 
     @property
     def key_path(self) -> Path:

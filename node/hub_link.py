@@ -18,12 +18,23 @@ from dataclasses import dataclass, field
 import trio
 
 from node.client import HubClient, WrongHub
-from shared.messages import EventRecord, Heartbeat, HeartbeatReply, JoinReply, JoinRequest, Reject, RejectCode
+from shared.messages import (
+    EventRecord,
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    PriceReply,
+    Reject,
+    RejectCode,
+)
 
 log = logging.getLogger("echo2.node.hub_link")
 
 BACKOFF_START_S = 0.5
 EVENTS_KEPT = 50
+# After a price change the hub refused (or could not take: a hub that predates PRICE_PROTOCOL), try again this late.
+PRICE_RETRY_S = 600.0
 # Refusals no retry can cure (the volunteer must change something): the node stops and says why.
 FINAL_REFUSALS = (RejectCode.BANNED, RejectCode.MODEL_MISMATCH, RejectCode.PRICE_TOO_HIGH)
 
@@ -35,6 +46,8 @@ class LinkState:
     latest_version: int = -1
     last_reply: HeartbeatReply | None = None
     joins: int = 0
+    # With a price schedule: the price the hub holds for this node (its join's, then each change it took).
+    price_per_hour: float | None = None
     events: list[EventRecord] = field(default_factory=list)
     # Told every event as it happens: `echo-node join` prints them, so the volunteer sees what it waits for.
     on_note: Callable[[EventRecord], None] = lambda event: None
@@ -74,8 +87,12 @@ class HubLink:
         on_reply: Callable[[HeartbeatReply], None],
         backoff_max_s: float,
         on_join: Callable[[JoinReply], Awaitable[None]] | None = None,
+        price: Callable[[], float] | None = None,
     ) -> None:
-        """`on_join`: awaited with each join reply before the node heartbeats (it may raise to stop the node)."""
+        """`on_join`: awaited with each join reply before the node heartbeats (it may raise to stop the node).
+        `price`: the price this node asks now (a schedule); re-declared to the hub whenever it differs."""
+        self.price = price
+        self.next_price_change = 0.0  # time.monotonic() before which the hub takes no change
         self.client = client
         self.on_join = on_join
         self.join_request = join_request
@@ -100,7 +117,8 @@ class HubLink:
         Raises what no retry cures: a final refusal, or another peer at the hub's address before any join."""
         try:
             await self.client.connect()
-            reply = await self.client.join(self.join_request())
+            request = self.join_request()
+            reply = await self.client.join(request)
         except WrongHub as exc:
             if self.state.joins == 0:
                 raise  # the /p2p/ part of --hub names another key than the one there: the volunteer must fix it
@@ -118,6 +136,8 @@ class HubLink:
             log.warning("hub refused join: %s; retrying in %.1fs", reply.reason, backoff)
             self.state.note("join_refused", f"{reply.reason}; next try in {backoff:.0f}s")
             return None
+        if self.price is not None:  # a rejoin declared the schedule's price anew: the rate limit starts over
+            self.state.price_per_hour, self.next_price_change = request.price_per_hour, 0.0
         return reply
 
     def _unreachable(self, kind: str, detail: str) -> None:
@@ -174,6 +194,30 @@ class HubLink:
             self.state.last_reply = reply
             self.period_s = reply.heartbeat_period_s  # the hub stretches it as its fleet grows
             self.on_reply(reply)
+            await self._follow_price()
             with trio.move_on_after(self.period_s):
                 await self.beat_now.wait()
             self.beat_now = trio.Event()
+
+    async def _follow_price(self) -> None:
+        """Re-declare the price when the schedule moved it, no sooner than the hub takes a change."""
+        if self.price is None:
+            return
+        wanted = self.price()
+        if wanted == self.state.price_per_hour or time.monotonic() < self.next_price_change:
+            return
+        try:
+            reply = await self.client.reprice(wanted)
+        except Exception as exc:  # noqa: BLE001 - away, or a hub without PRICE_PROTOCOL: it keeps the joined price
+            reply = None
+            reason = f"hub did not take it ({describe_failure(exc)})"
+        if isinstance(reply, PriceReply):
+            self.state.note("price", f"${self.state.price_per_hour:.2f}/h -> ${reply.price_per_hour:.2f}/h")
+            self.state.price_per_hour = reply.price_per_hour
+            self.next_price_change = time.monotonic() + reply.next_change_in_s
+            return
+        if isinstance(reply, Reject):
+            reason = reply.reason
+        log.warning("price change to $%.4g/h refused: %s", wanted, reason)
+        self.state.note("price_refused", f"${wanted:.2f}/h: {reason}; next try in {PRICE_RETRY_S:.0f}s")
+        self.next_price_change = time.monotonic() + PRICE_RETRY_S

@@ -17,6 +17,7 @@ from node.config import NodeConfig
 from node.engine import InstallFailed
 from node.hub_link import NodeRefused
 from node.model_fetch import ModelFetch, write_status
+from node.price_schedule import parse_price_schedule, scheduled_price
 from node.summary import summary_text
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.layout import NODE_LOG_FILE, NODE_MODEL_DIR, NODE_STATUS_FILE, SNAPSHOTS_DIR
@@ -94,9 +95,16 @@ class NodeRuntime:
             except EngineUnavailable as exc:
                 raise InstallFailed(str(exc)) from exc
 
+    def _price_now(self) -> float:
+        """The price this node asks now: its schedule's at this local time, else --price."""
+        if self.config.price_schedule is None:
+            return self.config.price
+        local = time.localtime()
+        return scheduled_price(parse_price_schedule(self.config.price_schedule), local.tm_hour * 60 + local.tm_min)
+
     def _join_request(self) -> JoinRequest:
         return JoinRequest(
-            price_per_hour=self.config.price,
+            price_per_hour=self._price_now(),
             hardware=self.hardware,
             link_bps=self.config.declared_link_mbps * BYTES_PER_MBIT,
             backend=self.engine.backend,
@@ -150,7 +158,7 @@ class NodeRuntime:
             connected=link.connected,
             state=link.state,
             updated_at=time.time(),
-            price_per_hour=self.config.price,
+            price_per_hour=self._price_now() if link.price_per_hour is None else link.price_per_hour,
             backend=self.engine.backend,
             version_held=keeper.version_held,
             receiving_version=transfer.manifest.version if transfer else None,
@@ -200,7 +208,8 @@ class NodeRuntime:
                 max_rollouts_per_s=self.config.max_rollouts_per_s, on_unknown=lambda: self.link.beat_now.set(),
             )
             self.link = HubLink(client, self._join_request, self._heartbeat, self._on_reply, self.config.reconnect_max_s,
-                                on_join=self._on_join)
+                                on_join=self._on_join,
+                                price=None if self.config.price_schedule is None else self._price_now)
             self.link.state.on_note = _print_event
             set_handler(host, SNAPSHOT_PROTOCOL, self.keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, self.keeper.on_relay_offer, log)
@@ -227,7 +236,8 @@ def _print_event(event: EventRecord) -> None:
 
 
 def run_node(config: NodeConfig) -> int:
-    setup_logging(config.data_dir / NODE_LOG_FILE, config.log_level, stderr_level=logging.WARNING)
+    setup_logging(config.data_dir / NODE_LOG_FILE, config.log_level, stderr_level=logging.WARNING,
+                  max_mb=config.log_max_mb, backups=config.log_backups)
     import torch
     import transformers
 

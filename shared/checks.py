@@ -149,7 +149,7 @@ def _check_bindable(host: str, family: int, port: int, what: str, suggestion: st
             probe.bind((host, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise UserError(f"{what}: port {port} is already in use (another hub?); stop it or "
+                raise UserError(f"{what}: port {port} is already in use (another hub or node?); stop it or "
                                 f"listen on another port, e.g. {suggestion}") from None
             raise UserError(f"{what}: cannot listen there ({exc.strerror})") from None
 

@@ -6,6 +6,7 @@ Precedence is defaults < TOML file < command-line flags. Each process has one ro
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,7 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {toml_path} is not valid TOML: {exc}") from None
         for flat, dotted in (aliases or {}).items():
-            if flat in tree and flat not in model.model_fields and "." in dotted:
+            if flat in tree and flat not in model.model_fields and flat != dotted:
                 set_dotted(tree, dotted, tree.pop(flat))
     flags: dict[str, Any] = {}
     for dotted, value in overrides.items():
@@ -76,10 +77,17 @@ def load_config(
     try:
         return model.model_validate(_merge(tree, flags))
     except ValidationError as exc:
-        raise ConfigError("invalid configuration: " + "; ".join(_describe(model, err) for err in exc.errors())) from None
+        flat = list(aliases or {})
+        raise ConfigError("invalid configuration: " + "; ".join(_describe(model, err, flat) for err in exc.errors())) from None
 
 
-def _describe(model: type[BaseModel], err: dict) -> str:
+def _did_you_mean(key: str, known: list[str]) -> str:
+    """ "did you mean X? " for the known key closest to `key`, or nothing."""
+    found = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"did you mean {found[0]!r}? " if found else ""
+
+
+def _describe(model: type[BaseModel], err: dict, flat: list[str] | None = None) -> str:
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         *section, key = err["loc"]
@@ -88,9 +96,11 @@ def _describe(model: type[BaseModel], err: dict) -> str:
                       and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields]
             if owners:
                 return f"key {key!r} belongs in section [{owners[0]}] ({owners[0]}.{key}), not at the top level"
-        fields = _section_model(model, section).model_fields
+        fields = list(_section_model(model, section).model_fields)
         place = f"[{'.'.join(map(str, section))}]" if section else "the top level"
-        return f"unknown key {key!r} in {place} (known there: {', '.join(fields)})"
+        # At the top level a flag's name (staleness = 4) is a key too.
+        guess = _did_you_mean(str(key), fields + ([] if section else list(flat or [])))
+        return f"unknown key {key!r} in {place}: {guess}(known there: {', '.join(fields)})"
     if err["type"] == "missing":
         field = _leaf_field(model, where)
         return f"{where} is required: {field.description}" if field.description else f"{where} is required"
@@ -132,22 +142,37 @@ def _leaf_field(model: type[BaseModel], dotted: str):
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, Path):
-        return str(value)
+    """A default as a person types it on the command line: on/off, comma lists, bare words."""
     if value is PydanticUndefined:
         return "required"
-    return repr(value) if isinstance(value, str) else str(value)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value)) if value else "empty"
+    if isinstance(value, str) and not value:
+        return '""'
+    return str(value)
 
 
-def flag_help(model: type[BaseModel], dotted: str) -> str:
-    """A flag's help from the config field it sets: its description, its choices, its default."""
+def _choices(annotation: Any) -> tuple[list[Any], bool]:
+    """The values a Literal field takes, and whether it takes several (a tuple of them)."""
+    if get_origin(annotation) is tuple and get_args(annotation):
+        return _choices(get_args(annotation)[0])[0], True
+    return (list(get_args(annotation)) if get_origin(annotation) is Literal else []), False
+
+
+def flag_help(model: type[BaseModel], dotted: str, switch: bool = False) -> str:
+    """A flag's help from the config field it sets: its description, its choices (on or off for a boolean, unless
+    it is a `switch` that takes no value), its default."""
     field = _leaf_field(model, dotted)
     text = field.description or ""
-    choices = [a for a in get_args(field.annotation) if get_origin(field.annotation) is Literal]
+    choices, several = _choices(field.annotation)
     if choices:
-        text += f" (one of {', '.join(map(str, choices))})"
+        text += f" ({'any of' if several else 'one of'} {', '.join(map(str, choices))}{', comma-separated' if several else ''})"
+    elif field.annotation is bool and not switch:
+        text += " (on or off)"
     default = _default(model, dotted)
-    if default is not None and default is not PydanticUndefined:
+    if default is not None and not switch:
         text += f" (default {_show(default)})"
     return text.replace("%", "%%")  # argparse formats help with %
 
@@ -198,3 +223,31 @@ def _toml_field(name: str, field, default: Any) -> list[str]:
     else:
         out.append(f"{name} = {_toml_value(default)}")
     return out
+
+
+def reference_markdown(model: type[BaseModel], flags: dict[str, list[str]], title: str) -> str:
+    """Every field of `model` as Markdown tables, one per section: key, the flags that set it, default, description.
+
+    `flags` maps a dotted field to its flags (`{"learner.lr": ["--lr", "--learning-rate"]}`); docs/configuration.md
+    is built from it, so the reference cannot drift from the model."""
+    out = [f"## {title}", ""]
+    tables: list[tuple[str, type[BaseModel], str]] = [("top level", model, "")]
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            tables.append((f"[{name}]", field.annotation, name + "."))
+    for heading, section, prefix in tables:
+        rows = [(key, field) for key, field in section.model_fields.items()
+                if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))]
+        if not rows:
+            continue
+        doc = (section.__doc__ or "").strip().splitlines()[0] if section is not model else ""
+        out += [f"### {heading}", ""] + ([doc, ""] if doc else [])
+        out += ["| key | flag | default | description |", "| --- | --- | --- | --- |"]
+        for key, field in rows:
+            default = _default(model, prefix + key)
+            shown = "(none)" if default is None else "required" if default is PydanticUndefined else f"`{_toml_value(default)}`"
+            given = ", ".join(f"`{flag}`" for flag in flags.get(prefix + key, [])) or "(file only)"
+            text = (field.description or "").replace("|", "\\|")
+            out.append(f"| `{key}` | {given} | {shown} | {text} |")
+        out.append("")
+    return "\n".join(out)

@@ -9,6 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# Tokens whose entropy is computed at once: its temporaries are this many rows of the vocabulary (about 77 MB of
+# float32 at a 151k vocabulary), never the whole [B, T, V] again, as TRL's entropy_from_logits(chunk_size=...).
+ENTROPY_CHUNK_TOKENS = 128
+
 
 def nucleus_removed(scaled_logits: Tensor, top_p: float) -> Tensor:
     """Bool mask of tokens outside the top-p nucleus, with transformers' and vLLM's tie rules.
@@ -46,6 +50,45 @@ def completion_logprobs(
     tokens only, so each row sees the positions it would see alone (as during generation).
     Differentiable with respect to the model's parameters.
     """
+    logprobs, targets, mask = _completion_distributions(model, prompt_ids, completion_ids, pad_id, temperature, top_p)
+    return _token_logprobs(logprobs, targets, mask), mask
+
+
+def completion_logprobs_and_entropy(
+    model,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """completion_logprobs' log-probs and mask, and the entropy [B, T] (nats, no gradient) of the sampling
+    distribution at each completion token, from the same forward pass (0 at padding)."""
+    logprobs, targets, mask = _completion_distributions(model, prompt_ids, completion_ids, pad_id, temperature, top_p)
+    return _token_logprobs(logprobs, targets, mask), mask, sampling_entropy(logprobs) * mask
+
+
+def sampling_entropy(logprobs: Tensor) -> Tensor:
+    """The entropy (nats, no gradient) of each distribution of log-probs [..., V], ENTROPY_CHUNK_TOKENS at a time.
+    Tokens outside the nucleus have log-prob -inf and probability 0: entr(0) = 0, they add nothing."""
+    with torch.no_grad():
+        rows = logprobs.detach().reshape(-1, logprobs.shape[-1])
+        parts = [torch.special.entr(chunk.exp()).sum(-1) for chunk in rows.split(ENTROPY_CHUNK_TOKENS)]
+        return torch.cat(parts).reshape(logprobs.shape[:-1])
+
+
+def _token_logprobs(logprobs: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """The log-prob of each target token, 0 at padding."""
+    token_logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # Padding slots may sit outside the nucleus (-inf); zero them so sums and grads stay finite.
+    return token_logprobs.masked_fill(mask == 0, 0.0)
+
+
+def _completion_distributions(
+    model, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, temperature: float, top_p: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One forward pass: the sampling log-distribution [B, T, V] before each completion token, the tokens [B, T]
+    and the mask [B, T] of real ones."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
@@ -74,9 +117,4 @@ def completion_logprobs(
         logits_to_keep=completion_width + 1,
     ).logits[:, :-1, :]
     logprobs = sampling_logprobs(logits, temperature, top_p)
-    targets = ids[:, prompt_width:]
-    mask = attention[:, prompt_width:].float()
-    token_logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    # Padding slots may sit outside the nucleus (-inf); zero them so sums and grads stay finite.
-    token_logprobs = token_logprobs.masked_fill(mask == 0, 0.0)
-    return token_logprobs, mask
+    return logprobs, ids[:, prompt_width:], attention[:, prompt_width:].float()

@@ -1,16 +1,22 @@
 """Process logs: one size-rotated file per data dir, and per-peer rate limits on lines peers can trigger.
 
-Retention: a log file rotates at LOG_MAX_BYTES and LOG_BACKUPS old files are kept (hub.log, hub.log.1, ...),
-so a hub's or node's logs never take more than (LOG_BACKUPS + 1) * LOG_MAX_BYTES of its data dir.
+Retention: a log file rotates past its size cap (`log_max_mb`, LOG_MAX_MB by default) and `log_backups` old files
+are kept (hub.log, hub.log.1, ...), so a hub's or node's logs never take more than (backups + 1) x the cap of its
+data dir. A process's own output captured to a file (a local node's node.out, a dashboard node's node.err) gets the
+same rule through `CappedOutput`.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import logging.handlers
+import os
+import sys
+import threading
 from pathlib import Path
 
-LOG_MAX_BYTES = 50 * 1024 * 1024
+LOG_MAX_MB = 50.0
 LOG_BACKUPS = 3
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Lines a peer can cause (its refused requests): at most one per PEER_LOG_WINDOW_S each, with a count of the rest.
@@ -18,11 +24,17 @@ PEER_LOG_WINDOW_S = 10.0
 PEER_LOG_KEYS = 10_000
 
 
-def setup_logging(path: Path, level: str, stderr_level: int | None = None) -> None:
-    """Log to `path` (rotated by size) at `level`; also to stderr from `stderr_level` when given. py-libp2p logs
-    ordinary peer churn at ERROR: it goes to the file only."""
+def log_bytes(max_mb: float) -> int:
+    """A log size cap in MB (the config's unit) as bytes."""
+    return int(max_mb * 1024 * 1024)
+
+
+def setup_logging(path: Path, level: str, stderr_level: int | None = None, max_mb: float = LOG_MAX_MB,
+                  backups: int = LOG_BACKUPS) -> None:
+    """Log to `path` (rotated past `max_mb`, `backups` old files kept) at `level`; also to stderr from `stderr_level`
+    when given. py-libp2p logs ordinary peer churn at ERROR: it goes to the file only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=log_bytes(max_mb), backupCount=backups)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -32,6 +44,76 @@ def setup_logging(path: Path, level: str, stderr_level: int | None = None) -> No
         stderr.setLevel(stderr_level)
         root.addHandler(stderr)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+
+
+def rotate_files(path: Path, backups: int) -> None:
+    """path -> path.1 -> ... -> path.<backups>, the oldest one dropped (RotatingFileHandler's naming)."""
+    for i in range(backups - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{i}")
+        if older.exists():
+            os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
+    if path.exists():
+        os.replace(path, path.with_name(f"{path.name}.1"))
+
+
+class RotatingFile:
+    """Bytes appended to `path`, rotated as the logs are once the next write would pass the cap; any thread."""
+
+    def __init__(self, path: Path, max_mb: float, backups: int) -> None:
+        self.path = Path(path)
+        self.max_bytes = log_bytes(max_mb)
+        self.backups = backups
+        self._lock = threading.Lock()
+        self._file = open(self.path, "ab")
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            size = self._file.tell()
+            if size > 0 and size + len(data) > self.max_bytes:
+                self._file.close()
+                rotate_files(self.path, self.backups)
+                self._file = open(self.path, "ab")
+            self._file.write(data)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class RotatingTextStream(io.TextIOBase):
+    """A text stream (sys.stdout, sys.stderr) whose every write lands in a RotatingFile at once."""
+
+    def __init__(self, target: RotatingFile, fd: int) -> None:
+        super().__init__()
+        self.target = target
+        self._fd = fd
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.target.write(text.encode("utf-8", "replace"))
+        return len(text)
+
+    def fileno(self) -> int:  # faulthandler and the like write below Python, to the file opened at start
+        return self._fd
+
+
+def capture_output(path: Path, max_mb: float = LOG_MAX_MB, backups: int = LOG_BACKUPS) -> None:
+    """This process's stdout and stderr appended to `path`, rotated as the logs are. Python's writes go through a
+    RotatingTextStream; what is written below Python (a C library, a fatal error's dump) goes to the file as it was
+    at start, so it may land in a rotated one."""
+    out = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    target = RotatingFile(path, max_mb, backups)
+    sys.stdout, sys.stderr = RotatingTextStream(target, 1), RotatingTextStream(target, 2)
 
 
 class PeerLogLimiter:

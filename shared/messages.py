@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from shared.rollout import MAX_VERSION, Completion, SamplingParams
+from shared.staleness import StalenessMove
 from shared.wire import Message, protocol_id
 
 JOIN_PROTOCOL = protocol_id("join")
@@ -27,6 +28,8 @@ SNAPSHOT_PROTOCOL = protocol_id("snapshot")
 RELAY_PROTOCOL = protocol_id("relay")
 REPORT_PROTOCOL = protocol_id("report")
 MODEL_PROTOCOL = protocol_id("model")
+# Added in a minor step: a hub without it refuses the protocol, and the node keeps the price it joined with.
+PRICE_PROTOCOL = protocol_id("price")
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -242,6 +245,23 @@ class HeartbeatReply(Message):
         "hub", description="how to reach the upstream: dial it, be dialed by it, or hole-punch through the hub's relay")
 
 
+class PriceChange(Message):
+    """A joined node re-declares its price: paid for leases issued from now on (bounded as at join)."""
+
+    TYPE: ClassVar[int] = 35
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    price_per_hour: float = Field(ge=0.0, le=MAX_PRICE_PER_HOUR, description="new price, $/h")
+
+
+class PriceReply(Message):
+    """The price now in force and how long until the hub takes the next change."""
+
+    TYPE: ClassVar[int] = 36
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    price_per_hour: float = Field(ge=0.0, le=MAX_PRICE_PER_HOUR)
+    next_change_in_s: float = Field(ge=0.0, le=86400.0, description="a change sooner than this is refused")
+
+
 class LeaseRequest(Message):
     TYPE: ClassVar[int] = 6
     MAX_BYTES: ClassVar[int] = 1 * KIB
@@ -332,6 +352,8 @@ class NodeStatus(Message):
     link: str = Field("", description="how it gets snapshots: hub, direct (dials its upstream), pushed (dialed by it)")
     name: str = Field("", max_length=32, description="display name the node chose, or its short peer id")
     audits_passed: int = Field(0, ge=0, description="audits of its work the hub re-ran and found honest")
+    price_history: tuple[tuple[float, float], ...] = Field(
+        (), max_length=16, description="its latest declared prices, (unix time, $/h), oldest first")
 
     def net_text(self) -> str:
         """Reachability and link in a few characters: "nat/push", "pub/direct", "?/hub"."""
@@ -383,6 +405,28 @@ class EventRecord(Message):
 RECENT_REWARD_STEPS = 10
 
 
+class Contribution(Message):
+    """A volunteer's accepted work over some span: the leaderboard's figures."""
+
+    TYPE: ClassVar[int] = 41
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    accepted: int = Field(0, ge=0, description="groups accepted")
+    tokens: int = Field(0, ge=0, description="completion tokens of the accepted groups")
+    gpu_hours: float = Field(0.0, ge=0, description="hours of accepted work (a lease's held time, in its accepted share)")
+    audits_passed: int = Field(0, ge=0, description="audits of its work the hub re-ran and found honest")
+
+
+class Leader(Message):
+    """One volunteer on the leaderboard."""
+
+    TYPE: ClassVar[int] = 42
+    MAX_BYTES: ClassVar[int] = 2 * KIB
+    peer_id: str
+    name: str = Field(max_length=32, description="display name the node chose, or its short peer id")
+    run: Contribution = Field(description="over the whole run")
+    day: Contribution = Field(description="over the last 24 hours")
+
+
 class HubStatus(Message):
     """What `echo-hub status` and the dashboard show; also written to DATA_DIR/status.json."""
 
@@ -406,6 +450,9 @@ class HubStatus(Message):
     dropped_stale: int = Field(description="accepted groups dropped from the buffer as too stale, all-time")
     submissions: int = Field(0, ge=0, description="submissions received from nodes, this session")
     heartbeats: int = Field(0, ge=0, description="heartbeats received from nodes, this session")
+    audits_passed: int = Field(0, ge=0, description="audits of submissions that passed, this session")
+    audits_failed: int = Field(0, ge=0, description="audits that failed (the node was banned), this session")
+    audits_unverified: int = Field(0, ge=0, description="audits that could not run (the work was dropped), this session")
     reward_mean: float | None = None
     t_train_s: float | None = None
     t_bcast_s: float | None = None
@@ -421,10 +468,14 @@ class HubStatus(Message):
     cost_per_step_usd: float | None = None
     all_on_cost_usd: float = 0.0
     history: tuple[StepPoint, ...] = ()
+    staleness_moves: tuple[StalenessMove, ...] = Field(
+        (), max_length=100, description="S and kappa in force over time, each with why it moved (oldest first, recent ones)")
     evals: tuple[EvalPoint, ...] = Field((), description="held-out evaluations, oldest first (recent ones)")
     events: tuple[EventRecord, ...] = ()
     redacted: bool = Field(False, description="nodes' prices, costs and hardware hidden: asked without an operator key")
     nodes_omitted: int = Field(0, ge=0, description="nodes left out: gone or banned long ago, or past the list's cap")
+    leaders: tuple[Leader, ...] = Field((), description="the leaderboard: the volunteers with the most accepted groups over "
+                                                        "the whole run and over the last day, banned ones left out")
 
     def recent_reward(self, steps: int = RECENT_REWARD_STEPS) -> tuple[float, int] | None:
         """The rollout reward (every rollout offered, per step) averaged over the last `steps` learner steps of
@@ -454,7 +505,8 @@ class HubStatus(Message):
     def redact(self) -> HubStatus:
         """The status a peer without an operator key sees: no node's price, cost or hardware, and events without
         their details (which name prices and addresses)."""
-        nodes = tuple(n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": ""}) for n in self.nodes)
+        nodes = tuple(n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": "", "price_history": ()})
+                      for n in self.nodes)
         events = tuple(e.model_copy(update={"detail": ""}) for e in self.events)
         return self.model_copy(update={"nodes": nodes, "events": events, "redacted": True})
 

@@ -903,7 +903,7 @@ def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
     accepted = db.query("SELECT lease_id, prompt_id, COUNT(*) FROM trajectories WHERE verdict = 'accepted' GROUP BY lease_id, prompt_id")
     stored = {(lease, prompt) for lease, prompt, _ in accepted}
     double = sum(n - 1 for _, _, n in accepted if n > 1)
-    paid_twice = db.query("SELECT COUNT(*) FROM (SELECT lease_id FROM ledger WHERE voided = 0 GROUP BY lease_id HAVING COUNT(*) > 1)")[0][0]
+    paid_twice = db.query("SELECT COUNT(*) FROM (SELECT lease_id FROM ledger WHERE voided = 0 AND lease_id IS NOT NULL GROUP BY lease_id HAVING COUNT(*) > 1)")[0][0]
     versions = [v for (v,) in db.query("SELECT version FROM snapshots ORDER BY published_at")]
     steps = [s for (s,) in db.query("SELECT step FROM steps ORDER BY step")]
     integrity = db.query("PRAGMA integrity_check")[0][0]

@@ -22,8 +22,9 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
-from hub.cli.local_nodes import redirect_output
+from shared.logs import capture_output
 
 PRELOAD = (
     "hub.cli.main", "hub.cli.run", "hub.training.loop", "hub.service.handlers", "hub.cli.local_nodes",
@@ -86,7 +87,7 @@ def _main(module: str, argv: list[str], out_path: str, env: dict[str, str], netn
     os.nice(nice)
     if netns is not None:
         _enter_netns(netns)
-    redirect_output(out_path)
+    capture_output(Path(out_path))
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module, *argv]

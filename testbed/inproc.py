@@ -30,10 +30,12 @@ from shared.net import running_host
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 ACTIVATE_PERIOD_S = 0.02
 
-# No audits, full-size leases from the first one, limits far above what a test drives.
+# No audits, full-size leases from the first one, limits far above what a test drives; checks in a thread of the
+# hub's process (no check workers to spawn: tests of the pool ask for one).
 PERMISSIVE_TRUST = TrustConfig(
     audit_rate=0.0, audit_first_n=0, trusted_after_audits=0, max_open_leases_per_peer=64, max_open_leases_per_ip=100_000,
     requests_per_s=1e5, request_burst=100_000, max_streams_per_peer=1024, max_connections_per_ip=100_000,
+    check_procs=0,
 )
 # A small hub that trusts everyone: for tests and benches of the protocol, not of the audits.
 PERMISSIVE_CONFIG = HubConfig(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 from shared.tasks.reverse import ReverseTask
 
 # Groups a LateFailingTask scores before its reward starts raising: a few learner steps of a short run.
@@ -53,3 +56,35 @@ class LateFailingTask(ReverseTask):
         if self.scored > LATE_FAILURE_GROUPS:
             raise ValueError("the grader's lookup table has no entry for this prompt")
         return super().rewards(prompt, completions)
+
+
+class HangingRewardTask(ReverseTask):
+    """An operator's reward that never returns (a grader waiting on something that never comes)."""
+
+    def rewards(self, prompt, completions: list[str]) -> list[float]:
+        time.sleep(3600.0)
+        return super().rewards(prompt, completions)
+
+
+class SlowRewardTask(ReverseTask):
+    """The reversal task with a reward that takes a second: a check worker can be killed in the middle of one."""
+
+    def rewards(self, prompt, completions: list[str]) -> list[float]:
+        time.sleep(1.0)
+        return super().rewards(prompt, completions)
+
+
+class OverlapTask(ReverseTask):
+    """Reward: the share of a completion's characters found in its prompt. Unlike the exact reversal, a random model's
+    long completions score apart, so every group carries an advantage (bench/soak.py's long runs train for real)."""
+
+    def rewards(self, prompt, completions: list[str]) -> list[float]:
+        chars = set(prompt.text)
+        return [sum(c in chars for c in text) / len(text) if text else 0.0 for text in completions]
+
+
+class DyingRewardTask(ReverseTask):
+    """A reward that takes its process down with it (a native extension crashing, say)."""
+
+    def rewards(self, prompt, completions: list[str]) -> list[float]:
+        os._exit(3)

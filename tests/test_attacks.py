@@ -351,16 +351,15 @@ async def test_peers_cannot_grow_the_log_or_the_events_table(tmp_path, default_m
         assert [e.detail for e in hub.state.store.events(1000)] == [str(i) for i in range(49, 39, -1)]
 
 
-def test_log_files_rotate_by_size(tmp_path, monkeypatch):
+def test_log_files_rotate_by_size(tmp_path):
     import logging
 
     import shared.logs
 
-    monkeypatch.setattr(shared.logs, "LOG_MAX_BYTES", 2000)
     root = logging.getLogger()
     before = list(root.handlers), root.level
     try:
-        shared.logs.setup_logging(tmp_path / "hub.log", "info")
+        shared.logs.setup_logging(tmp_path / "hub.log", "info", max_mb=2000 / 2**20, backups=3)
         for i in range(500):
             logging.getLogger("echo2.test").info("line %d of a log that would grow without bound", i)
     finally:

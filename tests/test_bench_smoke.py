@@ -219,3 +219,55 @@ def test_status_bench_smoke(capsys):
     (row,) = out["rows"]
     assert row["identities"] == 40 and row["nodes_listed"] == 20  # the live half: the gone half left 2 h ago
     assert row["per_request_ms_served"] > 0 and row["per_request_ms_rebuilt"] > 0 and row["frame_bytes"] > 0
+
+
+def test_soak_bench_fits_one_rss_line_within_each_hub_life_and_spreads_its_faults():
+    soak = load_bench("soak")
+    # Two lives at different baselines, each growing 1 MB per step: the slope is 1, not the jump between them.
+    assert soak.pooled_slope([[(0, 100.0), (1, 101.0)], [(2, 500.0), (3, 501.0), (4, 502.0)]]) == 1.0
+    assert soak.pooled_slope([[(5, 1.0)]]) is None
+    assert soak.plan(600.0, kills=2, churns=2) == [(100.0, "churn"), (200.0, "kill"), (300.0, "churn"), (400.0, "kill")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_soak_bench_smoke(tmp_path):
+    """A minute of the soak: a real hub killed once, two real nodes, long completions; every key, nothing lost."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(BENCH_DIR / "soak.py"), "--minutes", "1", "--kills", "1", "--nodes", "2",
+                           "--skip-resume", "--json", "--work-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=380)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert {"minutes", "steps", "completion_tokens_mean", "payload_bytes_per_step", "store_bytes_per_step",
+            "data_dir_bytes_per_step", "hub_rss_slope_mb_per_1k_steps", "hub_fds_first", "hub_fds_last", "kills",
+            "acknowledged_lost", "resume_s_large_store", "log_bytes_max"} <= result.keys()
+    assert result["kills"] == 1 and result["acknowledged_lost"] == 0 and result["steps"] > 0
+    assert result["completion_tokens_mean"] >= 256
+    assert "hub SIGKILLed (1/1)" in done.stderr
+
+
+def test_ingest_bench_derives_the_fleet_from_the_smaller_of_the_hub_process_and_the_check_workers():
+    fleet = load_bench("ingest").fleet_supported(hub_ms=0.4, worker_ms=2.0, beat_ms=1.0, heartbeats_per_s=25.0)
+    # A node hands in 0.25 completions/s; the hub process keeps 1 - 25 beats/s x 1 ms = 0.975 of its core.
+    assert fleet["nodes_by_hub_process"] == 9750 and fleet["nodes_by_check_workers"] == 30000
+    assert fleet["fleet_supported_16_cores"] == 9750 and fleet["limited_by"] == "hub process"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ingest_bench_smoke(default_model_dir):
+    """Old path (checks in a thread) and one check process side by side, every stage costed."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCH_DIR / "ingest.py"), "--task", "reverse", "--procs", "0,1",
+                          "--submissions", "4", "--json"], capture_output=True, text=True, timeout=380, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    old, new = result["runs"]
+    assert (old["procs"], new["procs"]) == (0, 1) and new["scaling"] == 1.0
+    for run in (old, new):
+        assert run["completions"] == 4 * 4 * 8 and run["completions_per_s"] > 0 and run["fleet_supported_16_cores"] > 0
+        assert set(run["cpu_ms_per_completion"]) == {"protocol", "signature", "parse", "decode", "reward", "copies",
+                                                     "ipc", "commit"}
+    assert old["cpu_ms_per_completion"]["ipc"] == 0 < new["cpu_ms_per_completion"]["ipc"]

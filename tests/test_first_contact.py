@@ -238,7 +238,7 @@ def test_the_example_config_is_what_echo_hub_config_prints_and_it_loads(tmp_path
     # Every field is there, with its help line.
     for section in ("learner", "sampling", "lease", "broadcast", "scheduler", "trust"):
         assert f"[{section}]" in printed.stdout
-    assert "# S: max versions a trajectory may lag the learner\nstaleness = 4" in printed.stdout
+    assert "# S: max versions a trajectory may lag the learner (\"auto\": adapt it, see staleness_auto)\nstaleness = 4" in printed.stdout
 
 
 @pytest.mark.slow

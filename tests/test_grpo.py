@@ -141,6 +141,8 @@ def test_padding_tokens_do_not_count():
     assert loss.item() == pytest.approx((-2.0 + 1.2) / 3)
     assert stats["ratio_mean"] == pytest.approx(3.2 / 3)
     assert stats["ratio_max"] == pytest.approx(1.2)
+    # the drift: |log r| is 0, 0 and log 1.2 on the real tokens, nothing from padding
+    assert stats["abs_log_ratio"] == pytest.approx(math.log(1.2) / 3)
     assert torch.isfinite(lp.grad).all()
     assert lp.grad[0, 2] == 0 and lp.grad[1, 1] == 0 and lp.grad[1, 2] == 0
     torch.testing.assert_close(lp.grad[0, :2], t([-1 / 3, -1 / 3]))

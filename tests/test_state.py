@@ -172,6 +172,7 @@ async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_
             await settled(state)
             await state.set_state(state.fleet.get(peer), "active", "test")
     assert len(audits.judged) == 3 and state.fleet.get(peer).vouched_at == clock[0]
+    assert state.totals.audits == {"passed": 3, "failed": 0, "unverified": 0}
     paid = state.totals.paid_usd[peer]
     state.store.close()
 
@@ -188,6 +189,7 @@ async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_
         await settled(state)
     record = state.fleet.get(peer)
     assert record.state == "banned" and "gap 0.5" in record.banned_reason
+    assert state.totals.audits == {"passed": 0, "failed": 1, "unverified": 0}  # this session's
     assert state.totals.paid_usd[peer] == pytest.approx(paid) == state.store.ledger_total_usd(peer)
     assert len(state.buffer) == 0  # the cheat's groups never reached the buffer
     with pytest.raises(PeerFault) as refused:

@@ -223,7 +223,8 @@ def test_refused_work_is_kept_as_a_hash_not_a_payload(tmp_path):
                     GroupVerdict("p2", False, "completion too long", refused)]
         before = sum(p.stat().st_size for p in directory.iterdir())
         store.record_submission("L1", "peerA", verdicts, usd=0.0, seconds=1.0, signed_bytes_hash="h")
-        rows = store.db.execute("SELECT verdict, group_json IS NULL, length(group_hash) FROM trajectories ORDER BY id").fetchall()
+        rows = store.db.execute("SELECT verdict, id NOT IN (SELECT id FROM payloads), length(group_hash) FROM trajectories"
+                                " ORDER BY id").fetchall()
         assert rows == [("accepted", 0, 64), ("rejected", 1, 64)]
         store.close()
         return sum(p.stat().st_size for p in directory.iterdir()) - before

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.tasks import BUILTIN_TASKS, load_task
-from shared.tasks.base import Task
+from shared.tasks.base import RewardError, Task
 from shared.tasks.dataset import MathTask
 from shared.tasks.math import extract_final_answer, is_cheap_to_verify
 
@@ -59,7 +59,7 @@ def test_unparseable_gold_answer_is_reported(tmp_path):
     path = tmp_path / "gold.jsonl"
     path.write_text('{"prompt": "a", "answer": "\\\\"}\n')
     task = MathTask(path)
-    with pytest.raises(ValueError, match="math-1"):
+    with pytest.raises(RewardError, match="gold answer .* of math-1 does not parse"):
         task.reward(task.get("math-1"), "\\boxed{1}")
 
 

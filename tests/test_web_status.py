@@ -41,7 +41,7 @@ def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> Non
                       tallies=Tallies(accepted=5), cost_usd=1.0, reachability="nated", link="pushed")
     status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=4, steps_target=10, version=4, staleness=2,
                        kappa=1, task="reverse", nodes=(node,), open_leases=1, totals=Tallies(accepted=5, late=2),
-                       dropped_stale=1, cost_usd=0.5)
+                       dropped_stale=1, cost_usd=0.5, audits_passed=3, audits_failed=1)
 
     registry = CollectorRegistry(auto_describe=False)
     collector = StatusCollector(registry)
@@ -56,6 +56,10 @@ def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> Non
     assert samples[("echo2_nodes_by_reachability", (("reachability", "nated"),))] == 1
     assert samples[("echo2_groups_total", (("verdict", "late"),))] == 2
     assert samples[("echo2_cost_usd_total", ())] == 0.5
+    assert samples[("echo2_audits_total", (("result", "failed"),))] == 1
+    assert samples[("echo2_audits_total", (("result", "passed"),))] == 3
+    assert samples[("echo2_audits_total", (("result", "unverified"),))] == 0
+    assert (samples[("echo2_staleness", ())], samples[("echo2_kappa", ())]) == (2, 1)  # the S and kappa in force
     assert samples[("echo2_learner_step_seconds_count", ())] == 2  # the steps after the first scrape
     assert samples[("echo2_learner_step_seconds_bucket", (("le", "0.5"),))] == 2
     assert ("echo2_bubble_ratio", ()) not in samples  # unknown until a step: no sample rather than a made-up 0
@@ -70,9 +74,24 @@ def test_a_busy_http_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
                                "--http", f"127.0.0.1:{port}", "--listen", "/ip4/127.0.0.1/tcp/0"],
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip() == (f"echo-hub: --http 127.0.0.1:{port}: port {port} is already in use (another hub?); "
-                                   f"stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off")
+    assert done.stderr.strip() == (f"echo-hub: --http 127.0.0.1:{port}: port {port} is already in use (another hub or "
+                                   f"node?); stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off")
     assert not (tmp_path / "data").exists()
+
+
+def test_a_busy_http_port_stops_a_node_before_it_writes_anything(tmp_path: Path) -> None:
+    hub = "/ip4/127.0.0.1/tcp/4077/p2p/12D3KooWBQfx3WEjxhccpcx6oocrexqynsmUXa6uBjuKgWdjmdLR"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "node.cli", "join", "--hub", hub, "--data-dir", str(tmp_path / "node"),
+                               "--http", f"127.0.0.1:{port}", "--listen", "/ip4/127.0.0.1/tcp/0"],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"echo-node: --http 127.0.0.1:{port}: port {port} is already in use (another hub or "
+                                   f"node?); stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_client_past_its_rate_is_refused_until_its_bucket_refills() -> None:
@@ -107,7 +126,7 @@ def pages(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("web")
     port, node_port = free_port(), free_port()
     hub = start_hub(root / "hub", "--local-nodes", "2", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4",
-                    "--http", f"127.0.0.1:{port}")
+                    "--eval-every", "1", "--eval-prompts", "4", "--http", f"127.0.0.1:{port}")
     procs = [hub]
     url = f"http://127.0.0.1:{port}"
     try:
@@ -119,9 +138,10 @@ def pages(tmp_path_factory: pytest.TempPathFactory):
             except urllib.error.URLError:  # the libp2p address is printed before the page listens
                 return None
             active = [n for n in status["nodes"] if n["state"] == "active"]
-            return status if len(active) >= 3 and status["step"] >= 2 else None
+            guest_led = any(v["name"] == HOSTILE for v in status["leaders"])
+            return status if len(active) >= 3 and status["step"] >= 2 and len(status["evals"]) >= 2 and guest_led else None
 
-        wait_until(ready, 240, "three active nodes and two steps", poll_s=1.0)
+        wait_until(ready, 240, "three active nodes, two steps, two evaluations, the guest on the leaderboard", poll_s=1.0)
         yield url, f"http://127.0.0.1:{node_port}"
     finally:
         stop_all(procs)
@@ -137,6 +157,9 @@ def test_api_status_lists_the_nodes_without_their_prices_costs_or_hardware(pages
     for node in status["nodes"]:
         assert (node["price_per_hour"], node["cost_usd"], node["hardware"]) == (0.0, 0.0, "")
         assert node["name"] == HOSTILE or node["name"] == node["peer_id"][-8:]
+    guest = next(v for v in status["leaders"] if v["name"] == HOSTILE)
+    assert guest["run"]["accepted"] >= guest["day"]["accepted"] > 0
+    assert guest["day"]["tokens"] > 0 and guest["day"]["gpu_hours"] > 0
 
 
 @pytest.mark.slow
@@ -147,7 +170,7 @@ def test_metrics_parse_with_prometheus_client(pages: tuple[str, str]) -> None:
                  "echo2_broadcast_seconds", "echo2_mu_pool_rollouts_per_second", "echo2_mu_min_rollouts_per_second",
                  "echo2_mu_target_rollouts_per_second", "echo2_nodes", "echo2_nodes_by_reachability", "echo2_groups",
                  "echo2_cost_usd", "echo2_snapshot_bytes", "echo2_submissions", "echo2_heartbeats",
-                 "echo2_learner_step_seconds"):
+                 "echo2_learner_step_seconds", "echo2_eval_reward", "echo2_delta_bytes", "echo2_audits"):
         assert name in families, name
     assert families["echo2_groups"].type == families["echo2_heartbeats"].type == "counter"
     assert families["echo2_learner_step_seconds"].type == "histogram"
@@ -202,8 +225,34 @@ def test_chromium_renders_a_row_per_node_and_the_hostile_name_as_text(pages: tup
     ).stdout
     assert len(re.findall(r'<tr [^>]*class="node"', dom)) == 3, dom[-3000:]
     assert 'data-state="ready"' in dom
-    assert "<path" in dom  # the reward curve
+    assert 'data-series="rollout"' in dom and 'data-series="eval"' in dom  # the reward and eval curves
+    assert len(re.findall(r'<tr class="leader"', dom)) >= 2  # the day's and the run's leaderboards
     assert dom.count('class="chain-node"') >= 2  # the chain picture: the hub, then the nodes it feeds
     # Inert: the markup came through as text (escaped by the serializer), never as an element.
     assert "&lt;img src=x onerror=alert(1)&gt;" in dom
     assert "<img" not in dom
+
+
+def test_each_leaderboard_table_shows_at_most_leaders_max_rows() -> None:
+    from hub.service.status import LEADERS_MAX
+    from hub.service.web import PAGE
+
+    node = shutil.which("node") or pytest.skip("needs node to run the page's script")
+    constant = re.search(r"^const LEADERS_MAX = \d+;$", PAGE, re.M)
+    render = re.search(r"^function renderLeaderboard\(.*?^}$", PAGE, re.M | re.S)
+    assert constant and render and constant.group(0) == f"const LEADERS_MAX = {LEADERS_MAX};"
+    # The hub sends the day's top and the run's top together: up to twice LEADERS_MAX volunteers.
+    script = constant.group(0) + render.group(0) + f"""
+const rows = [];
+const $ = () => ({{tBodies: [{{replaceChildren() {{}}, appendChild(r) {{ rows.push(r); }}, get rows() {{ return rows; }}}}]}});
+const row = (cells) => ({{cells}});
+const leaders = Array.from({{length: {2 * LEADERS_MAX}}}, (_, i) => {{
+  const c = {{accepted: i + 1, tokens: 1, gpu_hours: 1, audits_passed: 0}};
+  return {{name: "v" + i, day: c, run: c}};
+}});
+renderLeaderboard("leaders-day", "day", leaders);
+console.log(JSON.stringify([rows.length, rows[0].cells[2]]));
+"""
+    done = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [LEADERS_MAX, 2 * LEADERS_MAX]  # the top LEADERS_MAX, the busiest first

@@ -13,6 +13,7 @@ from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
 from shared.messages import RECENT_REWARD_STEPS, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus
+from shared.staleness import moves_text
 from tui import DEFAULT_REFRESH_S
 from tui.widgets import (
     Banner,
@@ -112,6 +113,8 @@ def learner_text(status: HubStatus) -> Text:
     out = Text()
     out.append(f"step {status.step}/{status.steps_target or '∞'}", style="bold")
     out.append(f"  v{status.version}  S={status.staleness}  κ={status.kappa}  leases {status.open_leases}\n")
+    if len(status.staleness_moves) > 1:  # S moved (--staleness auto): when and why
+        out.append(moves_text(status.staleness_moves, last=2) + "\n", style="cyan")
     out.append(f"T_train {number(status.t_train_s, '.1f', ' s')}  T_bcast {number(status.t_bcast_s, '.1f', ' s')}\n")
     out.append(status.broadcast_bytes_text() + "\n")
     over = status.bubble is not None and status.predicted_bubble is not None and status.bubble > status.predicted_bubble

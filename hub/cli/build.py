@@ -5,6 +5,7 @@ their hubs here, so a test's hub checks submissions as a real one does."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,9 @@ from hub.config import HubConfig
 from hub.records.snapshots import SnapshotShelf
 from hub.records.store import Store
 from hub.service.state import HubState
-from hub.training.tasks import context_tokens, hub_tasks
+from hub.training.tasks import context_tokens, hub_tasks, load_hub_task
 from hub.trust.audit import Auditor, AuditQueue
+from hub.trust.checkpool import CheckPool, SubmissionChecks, resolved_check_procs
 from hub.trust.submissions import SubmissionRules, token_text_bytes
 from shared.layout import HUB_STORE_FILE
 from shared.model_files import ModelOffer, model_label, model_offer
@@ -55,6 +57,26 @@ def submission_rules(
     )
 
 
+def load_submission_rules(config_json: str, model_dir: Path) -> SubmissionRules:
+    """The submission rules built from the config alone, as each check worker process builds its own (the config
+    as JSON: a worker started later may run newer code, whose config has fields the hub's object lacks)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = HubConfig.model_validate_json(config_json)
+    task = load_hub_task(config.task, config, model_dir)
+    return submission_rules(config, task, model_dir, AutoTokenizer.from_pretrained(model_dir),
+                            AutoConfig.from_pretrained(model_dir))
+
+
+def submission_checks(config: HubConfig, model_dir: Path) -> SubmissionChecks | None:
+    """A pool of `--check-procs` check processes (None for 0: HubState checks in a thread of its own)."""
+    procs = resolved_check_procs(config.trust.check_procs)
+    if procs == 0:
+        return None
+    factory = functools.partial(load_submission_rules, config.model_dump_json(), model_dir)
+    return CheckPool(factory, procs, config.trust.check_timeout_s)
+
+
 def build_hub_state(
     config: HubConfig, model_dir: Path, shelf: SnapshotShelf, oldest_useful_version: Callable[[], int],
 ) -> HubCore:
@@ -72,9 +94,11 @@ def build_hub_state(
     state = HubState(
         Store(config.data_dir / HUB_STORE_FILE), config, task,
         rules=submission_rules(config, task, model_dir, tokenizer, model_config),
+        checks=submission_checks(config, model_dir),
         model_config_hash=model_config_hash(model_config.to_dict()), model_label=label,
         audits=AuditQueue(auditor, config.trust.audit_queue_groups),
         oldest_useful_version=oldest_useful_version, newest_version=shelf.newest_version,
+        shelved_versions=shelf.versions,
         run={**run_identity(config, model_dir), "model": str(model_dir)},
     )
     # A LoRA run's snapshots carry the adapters only: a node needs the base weights on disk then.

@@ -21,10 +21,12 @@ from pathlib import Path
 
 from shared.crypto import Identity
 from shared.layout import LOCAL_NODES_DIR, NODE_KEY_FILE
+from shared.logs import LOG_BACKUPS, LOG_MAX_MB, capture_output
 
 # Differing declared prices ($/h), so cost-aware activation has something to choose between.
 LOCAL_NODE_PRICES = (0.35, 0.50, 0.80, 0.30, 0.65, 1.00, 0.45, 0.90)
 STOP_TIMEOUT_S = 10.0
+LOCAL_NODE_OUT_FILE = "node.out"  # a local node's stdout and stderr, in its data dir
 # What a node imports before it can join (a module that fails to import is left to the node itself).
 NODE_MODULES = ("node.cli", "node.run", "node.hf_engine", "libp2p", "transformers.models.qwen2.modeling_qwen2")
 _FORKSERVER = multiprocessing.get_context("forkserver")
@@ -45,16 +47,6 @@ def start_node_server() -> None:
     forkserver.ensure_running()
 
 
-def redirect_output(out_path: str) -> None:
-    """Send this (forked) process's stdout and stderr to `out_path`, appended, a line at a time."""
-    out = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    sys.stdout.reconfigure(line_buffering=True, write_through=True)
-    sys.stderr.reconfigure(line_buffering=True, write_through=True)
-
-
 def _stop_with_the_hub() -> None:
     """SIGINT this node once the hub that started it is gone, however it ended (the pipe it holds for the
     node closes): a local node never outlives its hub, even when the node server died before it."""
@@ -64,11 +56,11 @@ def _stop_with_the_hub() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def _node_main(argv: list[str], out_path: str) -> None:
+def _node_main(argv: list[str], out_path: str, log_max_mb: float, log_backups: int) -> None:
     """One forked local node: its own session (a Ctrl-C in the terminal reaches the hub, which then stops
-    the nodes itself) and output file, then `echo-node` with `argv`."""
+    the nodes itself) and output file, rotated as its log is, then `echo-node` with `argv`."""
     os.setsid()
-    redirect_output(out_path)
+    capture_output(Path(out_path), log_max_mb, log_backups)
     threading.Thread(target=_stop_with_the_hub, name="hub-watch", daemon=True).start()
     from node.cli import main
 
@@ -102,9 +94,10 @@ def join_argv(
 
 def spawn_local_nodes(
     count: int, hub_addr: str, data_dir: Path, link_mbps: float | None = None, model: Path | None = None,
-    extra_args: tuple[str, ...] = (), device: str = "cpu",
+    extra_args: tuple[str, ...] = (), device: str = "cpu", log: tuple[float, int] = (LOG_MAX_MB, LOG_BACKUPS),
 ) -> list[LocalNode]:
-    """`count` nodes joining `hub_addr` on `device`, each with the hub's model (`model`; None: the embedded default)."""
+    """`count` nodes joining `hub_addr` on `device`, each with the hub's model (`model`; None: the embedded default);
+    `log`: the size cap in MB and the backups of each node's log and output file (the hub's own)."""
     nodes = []
     for i in range(count):
         node_dir = Path(data_dir) / LOCAL_NODES_DIR / f"node-{i}"
@@ -112,9 +105,10 @@ def spawn_local_nodes(
         price = LOCAL_NODE_PRICES[i % len(LOCAL_NODE_PRICES)]
         # The hub makes the node's key, so it knows its own nodes apart from strangers on its address.
         peer_id = Identity.load_or_create(node_dir / NODE_KEY_FILE).peer_id
-        argv = join_argv(hub_addr, price, device, node_dir, link_mbps, model, extra_args)
+        argv = join_argv(hub_addr, price, device, node_dir, link_mbps, model,
+                         ("--log-max-mb", str(log[0]), "--log-backups", str(log[1]), *extra_args))
         # daemon: a hub that exits without stopping its nodes (an error) takes them with it.
-        process = _FORKSERVER.Process(target=_node_main, args=(argv, str(node_dir / "node.out")),
+        process = _FORKSERVER.Process(target=_node_main, args=(argv, str(node_dir / LOCAL_NODE_OUT_FILE), *log),
                                       name=f"echo-node-{i}", daemon=True)
         process.start()
         nodes.append(LocalNode(i, peer_id, price, node_dir, process))

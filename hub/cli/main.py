@@ -8,6 +8,7 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 
 from shared.checks import UserError
+from shared.flags import EXAMPLE_FORMAT, FlagParser
 
 
 def _bool(text: str) -> bool:
@@ -16,6 +17,16 @@ def _bool(text: str) -> bool:
     if text.lower() not in value:
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
     return value[text.lower()]
+
+
+def _staleness(text: str) -> int | str:
+    """`--staleness`: a whole number of versions, or auto (the hub adapts S, up to --staleness-max)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -36,11 +47,21 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "local_nodes": ("local_nodes", int),
     "local_device": ("local_device", str),
     "device": ("learner.device", str),
-    "staleness": ("learner.staleness", int),
+    "staleness": ("learner.staleness", _staleness),
+    "staleness_max": ("learner.staleness_max", int),
+    "drift_max": ("learner.drift_max", float),
     "kappa": ("learner.kappa", int),
     "prompts_per_step": ("learner.prompts_per_step", int),
     "group_size": ("learner.group_size", int),
     "lr": ("learner.lr", float),
+    "lr_scheduler": ("learner.lr_scheduler", str),
+    "warmup_ratio": ("learner.warmup_ratio", float),
+    "weight_decay": ("learner.weight_decay", float),
+    "beta": ("learner.beta", float),
+    "eps_low": ("learner.eps_low", float),
+    "eps_high": ("learner.eps_high", float),
+    "grad_clip": ("learner.grad_clip", float),
+    "checkpoint_every": ("learner.checkpoint_every", int),
     "seed": ("learner.seed", int),
     "max_new_tokens": ("sampling.max_new_tokens", int),
     "temperature": ("sampling.temperature", float),
@@ -58,10 +79,17 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "hub_mbps": ("broadcast.hub_uplink_mbps", float),
     "delta_max_ratio": ("broadcast.delta_max_ratio", float),
     "bulk_port": ("broadcast.bulk_port", int),
+    "check_procs": ("trust.check_procs", int),
     "log_level": ("log_level", str),
+    "log_max_mb": ("log_max_mb", float),
+    "log_backups": ("log_backups", int),
+    "save_rollouts": ("save_rollouts", Path),
+    "save_rollouts_max_gb": ("save_rollouts_max_gb", float),
     "prompt_column": ("dataset.prompt_column", str),
     "answer_column": ("dataset.answer_column", str),
     "reward": ("dataset.reward", str),
+    "reward_weights": ("dataset.reward_weights", _names),
+    "reward_style": ("dataset.reward_style", str),
     "dataset_split": ("dataset.split", str),
     "chat": ("dataset.chat", _bool),
     "eval_every": ("eval.every", int),
@@ -72,26 +100,79 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "eval_temperature": ("eval.temperature", float),
     "report_to": ("tracking.report_to", _names),
     "run_name": ("tracking.run_name", str),
+    "log_completions": ("tracking.log_completions", int),
 }
 # On/off flags of `echo-hub start` that take no value: given is on (flag name -> dotted HubConfig field).
 START_SWITCHES: dict[str, str] = {"allow_lossy_prompts": "dataset.allow_lossy_prompts"}
+# Flags that may be given several times, adding up (`--reward a --reward b` is `--reward a,b`, and
+# `--reward-weights 1 --reward-weights 0.5` is `--reward-weights 1,0.5`).
+REPEATED_FLAGS = frozenset({"reward", "reward_weights"})
+# TRL's names for the same settings (GRPOConfig and transformers' TrainingArguments), accepted as flags and as flat
+# hub.toml keys. --epsilon sets the lower clip range only: eps_high keeps its own default (DAPO's 0.28).
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "group_size": ("num_generations",),
+    "max_new_tokens": ("max_completion_length",),
+    "lr": ("learning_rate",),
+    "steps": ("max_steps",),
+    "eps_low": ("epsilon",),
+    "eps_high": ("epsilon_high",),
+    "grad_clip": ("max_grad_norm",),
+    "checkpoint_every": ("save_steps",),
+    "lr_scheduler": ("lr_scheduler_type",),
+}
+# One example per command, at the end of its --help.
+EXAMPLES: dict[str, str] = {
+    "start": "echo-hub start --task train.jsonl --num-generations 8 --max-steps 500 --learning-rate 1e-5 \\\n"
+             "    --lr-scheduler cosine --warmup-ratio 0.1 --report-to tensorboard --log-completions 4",
+    "config": "echo-hub config > hub.toml && echo-hub start --config hub.toml",
+    "status": "echo-hub status --data-dir echo2-data",
+    "plan": "echo-hub plan --fleet fleet.toml --t-train 2.0 --t-bcast 5.0",
+    "dashboard": "echo-hub dashboard --data-dir echo2-data",
+    "eval": "echo-hub eval --model echo2-data/final --eval-prompts 200",
+    "report": "echo-hub report --data-dir echo2-data   # writes echo2-data/report.png",
+}
+
+
+def _flags(flag: str) -> list[str]:
+    """A START_FLAGS entry's command-line spellings: its own, then TRL's."""
+    return ["--" + name.replace("_", "-") for name in (flag, *FLAG_ALIASES.get(flag, ()))]
+
+
+def _flat_keys() -> dict[str, str]:
+    """The flat hub.toml keys (every flag's name, TRL's too) -> the dotted HubConfig field each sets."""
+    return {name: dotted for flag, (dotted, _) in START_FLAGS.items() for name in (flag, *FLAG_ALIASES.get(flag, ()))}
+
+
+def start_flags_by_field() -> dict[str, list[str]]:
+    """Each dotted HubConfig field -> the `echo-hub start` flags that set it (the configuration reference's)."""
+    out = {dotted: _flags(flag) for flag, (dotted, _) in START_FLAGS.items()}
+    return out | {dotted: ["--" + flag.replace("_", "-")] for flag, dotted in START_SWITCHES.items()}
+
+
+def _add_parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with its example."""
+    return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {EXAMPLES[name]}",
+                          formatter_class=EXAMPLE_FORMAT)
+
+
 # The flags of `echo-hub eval`: what picks the policy's prompts and how they are sampled.
 EVAL_FLAGS = ("task", "seed", "max_new_tokens", "temperature", "top_p", "dtype", "prompt_column", "answer_column",
-              "reward", "dataset_split", "chat", "eval_task", "eval_split", "eval_prompts", "eval_samples", "eval_temperature")
+              "reward", "reward_weights", "reward_style", "dataset_split", "chat", "eval_task", "eval_split", "eval_prompts", "eval_samples", "eval_temperature")
 
 
 def _start_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("start", help="run the hub (and, by default, local volunteer nodes)")
+    p = _add_parser(sub, "start", "run the hub (and, by default, local volunteer nodes)")
     from hub.config import HubConfig
     from shared.config import flag_help
 
     p.add_argument("--config", type=Path,
                    help="hub.toml: any field of `echo-hub config` (flat keys like staleness = 4 work too); flags override it")
     for flag, (dotted, kind) in START_FLAGS.items():
-        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted))
+        p.add_argument(*_flags(flag), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted),
+                       action="append" if flag in REPEATED_FLAGS else "store")
     for flag, dotted in START_SWITCHES.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, action="store_const", const=True, default=None,
-                       help=flag_help(HubConfig, dotted))
+                       help=flag_help(HubConfig, dotted, switch=True))
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live progress display")
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--fresh", action="store_true",
@@ -102,16 +183,16 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="echo-hub",
         description="echo2 hub: central GRPO learner that signs policy snapshots and buys rollouts from volunteer nodes.",
     )
     parser.add_argument("--version", action="version", version=f"echo-hub {package_version('echo2')}")
     sub = parser.add_subparsers(dest="command", required=True)
     _start_parser(sub)
-    sub.add_parser("config", help="print an example hub.toml: every field, its default and what it does")
+    _add_parser(sub, "config", "print an example hub.toml: every field, its default and what it does")
 
-    status = sub.add_parser("status", help="print nodes, leases, versions, throughput and cost of a hub")
+    status = _add_parser(sub, "status", "print nodes, leases, versions, throughput and cost of a hub")
     where = status.add_mutually_exclusive_group()
     where.add_argument("--hub", help="multiaddr of a running hub (with /p2p/<id>)")
     where.add_argument("--data-dir", type=Path, default=None, help="read DATA_DIR/status.json (default ./echo2-data)")
@@ -122,13 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from hub.cli.plan import add_plan_arguments
 
-    add_plan_arguments(sub.add_parser("plan", help="capacity planning for a fleet, without running anything"))
+    add_plan_arguments(_add_parser(sub, "plan", "capacity planning for a fleet, without running anything"))
 
     from tui.cli import add_dashboard_arguments
 
-    add_dashboard_arguments(sub.add_parser("dashboard", help="live terminal dashboard of a hub"))
+    add_dashboard_arguments(_add_parser(sub, "dashboard", "live terminal dashboard of a hub"))
 
-    ev = sub.add_parser("eval", help="evaluate a saved policy (DATA_DIR/final, a checkpoint) on held-out prompts")
+    ev = _add_parser(sub, "eval", "evaluate a saved policy (DATA_DIR/final, a checkpoint) on held-out prompts")
     from hub.config import HubConfig
     from shared.config import flag_help
 
@@ -137,11 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "the echo2.toml a run saves beside each policy, when MODEL has one)")
     for flag in EVAL_FLAGS:
         dotted, kind = START_FLAGS[flag]
-        ev.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted))
+        ev.add_argument(*_flags(flag), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted),
+                        action="append" if flag in REPEATED_FLAGS else "store")
     ev.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     ev.add_argument("--json", action="store_true", help="print the result as one JSON line")
 
-    report = sub.add_parser("report", help="plot reward, staleness and bubble ratio from metrics.jsonl")
+    report = _add_parser(sub, "report", "plot reward, loss, KL, staleness and bubble ratio from metrics.jsonl")
     report.add_argument("--data-dir", type=Path, default=Path("echo2-data"), help="the hub's data dir")
     report.add_argument("--out", type=Path, default=None, help="PNG path (default DATA_DIR/report.png)")
     return parser
@@ -172,6 +254,14 @@ def prepare_start(config, fresh: bool, anyway: bool):
     return Started(lock=lock_data_dir(config.data_dir, HUB_LOCK_FILE, "hub"), resume=resume)
 
 
+def _given(args: argparse.Namespace, flag: str) -> object:
+    """A flag's value; a repeated list flag's values (one tuple each time it is given) as one tuple."""
+    value = getattr(args, flag)
+    if isinstance(value, list) and all(isinstance(v, tuple) for v in value):
+        return tuple(item for v in value for item in v)
+    return value
+
+
 def _eval(args: argparse.Namespace) -> int:
     """`echo-hub eval`: its config is --config, else the run's saved beside the policy (and it says so), else the
     defaults; flags override it."""
@@ -179,10 +269,10 @@ def _eval(args: argparse.Namespace) -> int:
     from hub.config import HubConfig
     from shared.config import ConfigError, load_config
 
-    overrides = {START_FLAGS[flag][0]: getattr(args, flag) for flag in EVAL_FLAGS}
+    overrides = {START_FLAGS[flag][0]: _given(args, flag) for flag in EVAL_FLAGS}
     saved = None if args.config is not None else saved_run_config(args.model)
     try:
-        config = load_config(HubConfig, args.config or saved, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+        config = load_config(HubConfig, args.config or saved, overrides, aliases=_flat_keys())
         task = check_eval(config, args.model)
     except (ConfigError, UserError) as exc:
         print(f"echo-hub eval: {f'{saved}: ' if saved else ''}{exc}", file=sys.stderr)
@@ -198,11 +288,11 @@ def _start(args: argparse.Namespace) -> int:
     from shared.checks import disk_full, free_space
     from shared.config import ConfigError, load_config
 
-    overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
+    overrides = {dotted: _given(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
     overrides |= {dotted: getattr(args, flag) for flag, dotted in START_SWITCHES.items()}
     env = rank_env()
     try:
-        config = load_config(HubConfig, args.config, overrides, aliases={f: d for f, (d, _) in START_FLAGS.items()})
+        config = load_config(HubConfig, args.config, overrides, aliases=_flat_keys())
         if env is not None and env.rank > 0:  # a learner rank of a sharded learner: rank 0 runs the hub
             from hub.cli.run import run_learner_rank
 

@@ -59,6 +59,8 @@ def check_start(config: HubConfig) -> None:
     """Every check of `echo-hub start` that needs no lock: UserError on the first mistake; a warning printed for
     what a flag lets through (--allow-lossy-prompts)."""
     check_data_dir(config.data_dir)
+    if config.save_rollouts is not None:
+        check_data_dir(config.save_rollouts, "--save-rollouts")
     if config.model is not None:
         check_model_dir(config.model)
     tasks = checked_tasks(config, config.model, evaluate=config.eval.every > 0)
@@ -167,9 +169,11 @@ TRAINING_SETTINGS = {
     "weight_decay": "learner.weight_decay", "grad_clip": "learner.grad_clip", "eps_low": "learner.eps_low",
     "eps_high": "learner.eps_high", "use_is_ratio": "learner.use_is_ratio", "max_is_ratio": "learner.max_is_ratio",
     "beta": "learner.beta", "advantage_scale": "learner.advantage_scale",
+    "lr_scheduler": "learner.lr_scheduler", "warmup_ratio": "learner.warmup_ratio",
     "skip_zero_variance": "learner.skip_zero_variance",
     "max_new_tokens": "sampling.max_new_tokens", "temperature": "sampling.temperature", "top_p": "sampling.top_p",
     "prompt_column": "dataset.prompt_column", "answer_column": "dataset.answer_column", "reward": "dataset.reward",
+    "reward_weights": "dataset.reward_weights", "reward_style": "dataset.reward_style",
     "dataset_split": "dataset.split", "chat": "dataset.chat",
 }
 

@@ -1,5 +1,5 @@
-"""`echo-hub report`: reward (training and held-out), staleness and bubble ratio over learner steps, plotted to a PNG
-from metrics.jsonl."""
+"""`echo-hub report`: reward (training and held-out), loss and KL, staleness and bubble ratio over learner steps,
+plotted to a PNG from metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -8,6 +8,17 @@ from pathlib import Path
 from hub.training.metrics import policy_reward, read_evals, read_metrics
 from shared.checks import UserError
 from shared.layout import METRICS_FILE, REPORT_FILE
+
+
+def _loss_and_kl(ax, steps: list[float], rows: list[dict[str, float]]) -> None:
+    """The GRPO loss on the left axis, the KL to the initial policy on the right (its scale is another)."""
+    ax.plot(steps, [r.get("loss", float("nan")) for r in rows], label="loss", color="tab:blue")
+    ax.set_ylabel("loss")
+    kl_axis = ax.twinx()
+    kl_axis.plot(steps, [r.get("kl", float("nan")) for r in rows], label="KL", color="tab:red", alpha=0.7)
+    kl_axis.set_ylabel("KL to the initial policy")
+    lines = ax.get_lines() + kl_axis.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
 
 
 def write_report(data_dir: Path, out: Path | None = None) -> Path:
@@ -21,7 +32,7 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
         raise SystemExit(f"echo-hub report: no learner steps in {Path(data_dir) / METRICS_FILE}")
     out = Path(out) if out is not None else Path(data_dir) / REPORT_FILE
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(8, 10.5), sharex=True)
     rewards = [policy_reward(r) for r in rows]
     axes[0].plot(steps, rewards, label="rollout reward", alpha=0.6)
     axes[0].plot(steps, [r["reward_mean"] for r in rows], label="reward of trained groups", alpha=0.4)
@@ -34,17 +45,18 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
                      label=f"held-out reward ({int(evals[-1]['eval_prompts'])} prompts)", linewidth=2)
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")
-    axes[1].plot(steps, [r["staleness_mean"] for r in rows], label="mean")
-    axes[1].plot(steps, [r["staleness_max"] for r in rows], label="max", linestyle="--")
-    axes[1].set_ylabel("staleness (versions)")
-    axes[1].legend(loc="upper right")
-    axes[2].plot(steps, [r["bubble"] for r in rows], label="measured")
-    if any("predicted_bubble" in r for r in rows):
-        axes[2].plot(steps, [r.get("predicted_bubble", float("nan")) for r in rows], label="capacity model", linestyle="--")
-    axes[2].set_ylabel("bubble ratio")
-    axes[2].set_xlabel("learner step")
-    axes[2].set_ylim(0, 1)
+    _loss_and_kl(axes[1], steps, rows)
+    axes[2].plot(steps, [r["staleness_mean"] for r in rows], label="mean")
+    axes[2].plot(steps, [r["staleness_max"] for r in rows], label="max", linestyle="--")
+    axes[2].set_ylabel("staleness (versions)")
     axes[2].legend(loc="upper right")
+    axes[3].plot(steps, [r["bubble"] for r in rows], label="measured")
+    if any("predicted_bubble" in r for r in rows):
+        axes[3].plot(steps, [r.get("predicted_bubble", float("nan")) for r in rows], label="capacity model", linestyle="--")
+    axes[3].set_ylabel("bubble ratio")
+    axes[3].set_xlabel("learner step")
+    axes[3].set_ylim(0, 1)
+    axes[3].legend(loc="upper right")
     fig.suptitle(f"echo2 run: {Path(data_dir).resolve().name}")
     fig.tight_layout()
     try:

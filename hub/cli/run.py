@@ -83,7 +83,7 @@ class Hub:
         self.identity = identity
         self.progress = progress
         # S + 1 versions on the shelf (a rollout may be that stale), files of older ones deleted.
-        self.shelf = SnapshotShelf(keep=lc.staleness + 1, directory=config.data_dir / SNAPSHOTS_DIR)
+        self.shelf = SnapshotShelf(keep=lc.staleness_bound + 1, directory=config.data_dir / SNAPSHOTS_DIR)
         core = build_hub_state(config, model_dir, self.shelf, lambda: self.learner.min_useful_version())
         self.task, eval_task, auditor = core.task, core.eval_task, core.auditor
         self.state, self.context_tokens, self.model_offer = core.state, core.context_tokens, core.model_offer
@@ -107,8 +107,11 @@ class Hub:
             self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024, config.broadcast.delta_max_ratio,
             extra_metrics=lambda step: self.scheduler.step_metrics(step, self.state.cost_usd(time.time())),
             trackers=self.trackers, evaluation=self.evaluation, ranks=self._join_ranks(),
+            log_completions=config.tracking.log_completions,
             probe=lambda path, whole_hash: auditor.install_probe(path, whole_hash, rows),
-            card=functools.partial(run_card, asked or config, model_dir),
+            card=functools.partial(run_card, asked or config, model_dir), rollouts=rollout_export(config),
+            staleness_control=(lambda version, drift, per_version: self.scheduler.adapt_staleness(version, drift, per_version))
+            if lc.staleness_auto else None,
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
@@ -161,7 +164,7 @@ class Hub:
     # -- run ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        from hub.control.scheduler import LearnerTiming, Scheduler
+        from hub.control.scheduler import LearnerTiming, Scheduler, StalenessBounds
         from hub.distribution.broadcast import Broadcaster
         from hub.service.handlers import build_hub_service
         from hub.service.status import RunInfo, StatusBoard
@@ -179,16 +182,20 @@ class Hub:
             )
             self.scheduler = Scheduler(
                 config.scheduler, state.fleet,
-                LearnerTiming(lc.effective_kappa, lc.prompts_per_step * lc.group_size,
+                # The learner's S and kappa: under --staleness auto a resume goes on at the S in force, not the start's.
+                LearnerTiming(self.learner.kappa, lc.prompts_per_step * lc.group_size,
                               t_train_s=lambda: self.status.t_train_recent_s,
                               t_bcast_s=self.broadcaster.last_t_bcast_s,
                               usable_fraction=lambda: self.status.usable_fraction,
-                              staleness=lc.staleness,
+                              staleness=self.learner.staleness,
                               t_arrive_s=self.broadcaster.last_arrival_s,
                               installs=self.broadcaster.last_installs,
                               fresh_usable_fraction=lambda: self.status.fresh_usable_fraction,
                               rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size),
                 set_state=state.set_state,
+                adaptive=StalenessBounds(lc.staleness_max, lc.drift_max, lc.learner_price_per_hour)
+                if lc.staleness_auto else None,
+                start_step=self.learner.step,
             )
             self.status = StatusBoard(
                 RunInfo(self.identity.peer_id, tuple(self.addrs), config.steps, lc.staleness, lc.effective_kappa,
@@ -227,7 +234,7 @@ class Hub:
                     self.local_nodes = await trio.to_thread.run_sync(functools.partial(
                         spawn_local_nodes, config.local_nodes, self.addrs[0], config.data_dir,
                         link_mbps=config.broadcast.link_mbps, model=config.model, extra_args=("--dtype", self.dtype),
-                        device=config.local_device,
+                        device=config.local_device, log=(config.log_max_mb, config.log_backups),
                     ))
                     state.own_nodes = frozenset(n.peer_id for n in self.local_nodes)
                 from hub.cli.progress import live_progress, plain_progress, watch_for_stalls
@@ -280,13 +287,22 @@ def announce_device(device: str) -> None:
     log.info(line)
 
 
+def rollout_export(config: HubConfig):
+    """--save-rollouts' writer (None: off); pyarrow is imported only then."""
+    if config.save_rollouts is None:
+        return None
+    from hub.training.rollout_export import RolloutExport
+
+    return RolloutExport(config.save_rollouts, int(config.save_rollouts_max_gb * 1e9), config.learner.advantage_scale)
+
+
 def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = None, lock: IO[str] | None = None) -> int:
     """Run the hub until its steps are done or it is interrupted. `lock`: the data dir lock, held until we return."""
     if resume is not None:
         changed = f"; on resume (--resume-anyway): {', '.join(resume.changed)}" if resume.changed else ""
         print(f"echo-hub: resuming the run in {config.data_dir} at step {resume.step} "
               f"({resume.groups_waiting} groups waiting; task {resume.task}){changed}", flush=True)
-    setup_logging(config.data_dir / HUB_LOG_FILE, config.log_level)
+    setup_logging(config.data_dir / HUB_LOG_FILE, config.log_level, max_mb=config.log_max_mb, backups=config.log_backups)
     import torch
     import transformers
 

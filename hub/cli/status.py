@@ -16,6 +16,7 @@ from shared.checks import UserError, check_key_file, check_peer_addr
 from shared.layout import HUB_LOCK_FILE, HUB_STATUS_FILE
 from shared.lock import live_holder
 from shared.messages import STALE_FILE_S, TALLY_FIELDS, TALLY_SHORT, HubStatus, short_id
+from shared.staleness import moves_text
 from shared.units import duration
 
 STATUS_TIMEOUT_S = 10.0
@@ -75,6 +76,7 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
         passes = f"pass@1 {e.pass_at_1:.3f}, pass@{e.k} {e.pass_at_k:.3f}" if e.k > 1 else f"pass@1 {e.pass_at_1:.3f}"
         head.add_row("held-out", f"{e.reward:.3f} at step {e.step} ({e.prompts} prompts)", passes)
     head.add_row("staleness S / kappa", f"{status.staleness} / {status.kappa}", f"task {status.task}")
+    head.add_row("S over time", moves_text(status.staleness_moves), "")
     t = status.totals
     head.add_row("trajectories", f"{t.accepted} accepted, {t.rejected} rejected, {t.late} late",
                  f"{status.dropped_stale} stale")
@@ -100,6 +102,10 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
                       *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS), f"{n.cost_usd:.5f}", chain,
                       n.net_text())
     console.print(nodes)
+    for n in status.nodes:
+        if len(n.price_history) > 1:  # only nodes whose price moved: a joined price alone says nothing new
+            moves = " -> ".join(f"{price:.2f} ({_clock(at)})" for at, price in n.price_history)
+            console.print(f"price {short_id(n.peer_id)}: $/h {moves}")
     for i, chain in enumerate(status.chains):
         console.print(f"chain {i}: hub -> " + " -> ".join(short_id(p) for p in chain))
 

@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hub.config import SchedulerConfig
-from hub.method.capacity import Decision, NodeOffer, control_decision, held_release
+from hub.method.capacity import (
+    Arrival,
+    Decision,
+    InfeasibleCapacity,
+    NodeOffer,
+    control_decision,
+    held_release,
+    mu_min,
+    predicted_bubble,
+)
 from hub.records.fleet import Fleet, NodeRecord
 
 RELEASE_HOLD_PERIODS = 3
@@ -63,9 +72,28 @@ class PeriodDecision:
     release_wanted: Mapping[str, float] = field(default_factory=dict)
 
 
+def capacity_view(
+    mu_pool: float, kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, usable: float,
+    staleness: int | None, arrival: Arrival | None, gamma: float,
+) -> CapacityView:
+    """The capacity model at one control period, from what the hub measured: mu_min, the target gamma * mu_min
+    and the bubble the active pool leaves (the Scheduler and bench/simulate.py both call it)."""
+    # Accepted rollouts the fleet must produce per step, counting the groups the learner skips.
+    r = rollouts_per_step / usable
+    bubble = predicted_bubble(kappa, r, t_train_s, t_bcast_s, mu_pool, staleness, arrival)
+    try:
+        needed = mu_min(kappa, r, t_train_s, t_bcast_s, staleness)
+    except InfeasibleCapacity as exc:
+        # No target, but the bubble of the pool we have is still predicted (never 0 here).
+        return CapacityView(mu_pool, None, None, bubble, str(exc), usable)
+    return CapacityView(mu_pool, needed, gamma * needed, bubble,
+                        f"T_train {t_train_s:.3g}s T_bcast {t_bcast_s:.3g}s usable {usable:.0%}", usable)
+
+
 def offer(record: NodeRecord) -> NodeOffer:
-    """A node as the capacity model sees it: its declared price and measured throughput."""
-    return NodeOffer(record.peer_id, record.price_per_hour, record.rollouts_per_s)
+    """A node as the capacity model sees it: its ranking price (its declared one, give or take
+    scheduler.price_band) and measured throughput."""
+    return NodeOffer(record.peer_id, record.rank_price, record.rollouts_per_s)
 
 
 def fleet_view(fleet: Fleet) -> FleetView:

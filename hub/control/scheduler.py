@@ -12,17 +12,23 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
 from hub.config import SchedulerConfig
-from hub.control.policy import CapacityView, decide, fleet_view
-from hub.method.capacity import Arrival, InfeasibleCapacity, mu_min, predicted_bubble
+from hub.control.policy import CapacityView, capacity_view, decide, fleet_view
+from hub.control.staleness import StalenessCost, StalenessHold, choose_staleness, staleness_costs
+from hub.method.capacity import Arrival, default_kappa
 from hub.records.fleet import Fleet, NodeRecord, heartbeat_timeout
+from shared.staleness import StalenessMove, StalenessReason
 
 log = logging.getLogger("echo2.hub.scheduler")
+
+# Moves of S kept for the status board (the store's events keep them all).
+STALENESS_MOVES_KEPT = 100
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,15 @@ class LearnerTiming:
     rollouts_per_lease: int = 0
 
 
+@dataclass(frozen=True)
+class StalenessBounds:
+    """`--staleness auto`: the largest S, the drift bound, and the learner's price the cost per step counts."""
+
+    staleness_max: int
+    drift_max: float
+    learner_price_per_hour: float
+
+
 class Scheduler:
     """Runs `control_once` every control period (or sooner when poked) on the hub's fleet."""
 
@@ -60,15 +75,26 @@ class Scheduler:
         fleet: Fleet,
         timing: LearnerTiming,
         set_state: Callable[[NodeRecord, str, str], Awaitable[None]],
+        adaptive: StalenessBounds | None = None,
+        start_step: int = 0,
     ) -> None:
+        """`adaptive`: S is chosen each publish period (`adapt_staleness`) within these bounds; None: S stays."""
         self.config = config
         self.fleet = fleet
         self.timing = timing
         self.set_state = set_state
+        self.adaptive = adaptive
+        # S and kappa in force over time, and why each moved: what the status board shows.
+        self.staleness_moves: deque[StalenessMove] = deque(maxlen=STALENESS_MOVES_KEPT)
+        if timing.staleness is not None:
+            self.staleness_moves.append(StalenessMove(step=start_step, staleness=timing.staleness, kappa=timing.kappa,
+                                                      reason=StalenessReason.START))
         self.view = CapacityView(0.0, None, None, None, "no measurements yet")
         self.wake = trio.Event()
         # Node -> since when the loop has wanted to release it without a break (hub.method.capacity.held_release).
         self._release_wanted: Mapping[str, float] = {}
+        # What the S choice's hysteresis counts over publish periods (hub.control.staleness.choose_staleness).
+        self._staleness_hold = StalenessHold()
 
     def capacity(self) -> CapacityView:
         active = self.fleet.in_state("active")
@@ -76,27 +102,12 @@ class Scheduler:
         t_train, t_bcast = self.timing.t_train_s(), self.timing.t_bcast_s() or 0.0
         if t_train is None:
             return CapacityView(mu_pool, None, None, None, "learner has not stepped yet")
-        usable = self.timing.usable_fraction()
-        # Accepted rollouts the fleet must produce per step, counting the groups the learner skips.
-        k, r = self.timing.kappa, self.timing.rollouts_per_step / usable
         t_arrive = self.timing.t_arrive_s()
         arrival = None if t_arrive is None else Arrival(
             t_arrive, self.timing.rollouts_per_step / self.timing.fresh_usable_fraction(),
             len(active) * self.timing.rollouts_per_lease / 2, self.timing.installs())
-        try:
-            needed = mu_min(k, r, t_train, t_bcast, self.timing.staleness)
-        except InfeasibleCapacity as exc:
-            # No target, but the bubble of the pool we have is still predicted (never 0 here).
-            return CapacityView(
-                mu_pool, None, None, predicted_bubble(k, r, t_train, t_bcast, mu_pool, self.timing.staleness, arrival),
-                str(exc),
-                usable,
-            )
-        return CapacityView(
-            mu_pool, needed, self.config.gamma * needed,
-            predicted_bubble(k, r, t_train, t_bcast, mu_pool, self.timing.staleness, arrival),
-            f"T_train {t_train:.3g}s T_bcast {t_bcast:.3g}s usable {usable:.0%}", usable,
-        )
+        return capacity_view(mu_pool, self.timing.kappa, self.timing.rollouts_per_step, t_train, t_bcast,
+                             self.timing.usable_fraction(), self.timing.staleness, arrival, self.config.gamma)
 
     async def control_once(self, now: float) -> None:
         """One control period: drop the silent nodes, then make the policy's moves."""
@@ -131,6 +142,36 @@ class Scheduler:
             "cost_usd": cost_usd,
             "cost_per_step_usd": cost_usd / step if step > 0 else None,
         }
+
+    def adapt_staleness(self, step: int, drift: float | None, drift_per_version: float | None = None) -> StalenessMove | None:
+        """After the publish of version `step`: the S (and kappa) for the next period, put in force here, or None when S
+        stays. `drift`: the mean |log-ratio| of the tokens trained on since the last call; `drift_per_version`: the run's
+        drift per version of age (hub/control/staleness.py)."""
+        bounds, timing = self.adaptive, self.timing
+        if bounds is None or timing.staleness is None:
+            raise RuntimeError("adapt_staleness needs adaptive bounds and a staleness in force")
+        choice = choose_staleness(timing.staleness, bounds.staleness_max, drift, bounds.drift_max, self._staleness_costs(),
+                                  drift_per_version, self._staleness_hold)
+        self._staleness_hold = self._staleness_hold.after(choice)
+        if choice.reason is None:
+            return None
+        move = StalenessMove(step=step, staleness=choice.staleness, kappa=default_kappa(choice.staleness),
+                             reason=choice.reason, drift=drift, detail=choice.detail)
+        self.timing = replace(timing, staleness=move.staleness, kappa=move.kappa)
+        self.staleness_moves.append(move)
+        self.view = self.capacity()
+        return move
+
+    def _staleness_costs(self) -> dict[int, StalenessCost]:
+        """The capacity model's cost per step at each S the bounds allow, over every measured node; empty before T_train."""
+        timing, bounds = self.timing, self.adaptive
+        t_train = timing.t_train_s()
+        if t_train is None or bounds is None:
+            return {}
+        view = fleet_view(self.fleet)
+        offers = [n for n in view.active + view.standby if n.rollouts_per_s > 0]
+        return staleness_costs(offers, bounds.staleness_max, timing.rollouts_per_step / timing.usable_fraction(), t_train,
+                               timing.t_bcast_s() or 0.0, self.config.gamma, bounds.learner_price_per_hour)
 
     async def run(self) -> None:
         while True:

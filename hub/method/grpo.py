@@ -74,7 +74,8 @@ def grpo_loss(
 
     stats: clip_frac (share of taking-part tokens where the clipped branch is strictly
     smaller, so it carries no gradient), ratio_mean and ratio_max (over all mask tokens,
-    before the max_is_ratio filter, so the filter's effect stays visible), kl (k3 mean, 0.0
+    before the max_is_ratio filter, so the filter's effect stays visible), abs_log_ratio (mean |log r| over the
+    same tokens: the off-policy drift adaptive staleness guards), kl (k3 mean, 0.0
     without ref_logprobs), masked_by_is (mask tokens dropped by max_is_ratio).
     """
     shape = logprobs.shape
@@ -129,6 +130,7 @@ def grpo_loss(
         "clip_frac": float(clip_active.sum()) / max(1, int(n_keep)),
         "ratio_mean": float(ratio_detached[valid].sum()) / n_valid if n_valid else 0.0,
         "ratio_max": float(ratio_detached[valid].max()) if n_valid else 0.0,
+        "abs_log_ratio": float(log_ratio.detach()[valid].abs().sum()) / n_valid if n_valid else 0.0,
         "kl": kl_value,
         "masked_by_is": float(n_valid - int(n_keep)),
     }

@@ -15,6 +15,7 @@ from hub.records.store import NodeRow
 from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest, NodeState, Tallies
 
 THROUGHPUT_EWMA_ALPHA = 0.3
+PRICE_HISTORY_KEPT = 8  # (at, $/h) per node in memory and on the status board; the store keeps them all
 
 
 def heartbeat_period(live_nodes: int, min_period_s: float, heartbeats_per_s: float) -> float:
@@ -62,6 +63,23 @@ class NodeRecord:
     heartbeat_period_s: float = 0.0
     # The display name it joined with (None: its short peer id is shown).
     name: str | None = None
+    # The price the scheduler ranks it by once it re-declared one (hub.method.prices.ranking_price); None: as joined.
+    ranked_price_per_hour: float | None = None
+    # When it last re-declared its price since it joined (None: not yet, so it may now).
+    price_changed_at: float | None = None
+    # Its latest prices, (at, $/h), oldest first: `echo-hub status` shows how its price moved.
+    price_history: tuple[tuple[float, float], ...] = ()
+
+    def declare_price(self, price: float, at: float) -> None:
+        """The price it is paid at for leases issued from `at` on, kept in its history when it differs."""
+        self.price_per_hour = price
+        if not self.price_history or self.price_history[-1][1] != price:
+            self.price_history = (*self.price_history, (at, price))[-PRICE_HISTORY_KEPT:]
+
+    @property
+    def rank_price(self) -> float:
+        """The $/h the scheduler ranks it by: its declared price, give or take scheduler.price_band."""
+        return self.price_per_hour if self.ranked_price_per_hour is None else self.ranked_price_per_hour
 
     @property
     def rho(self) -> float:
@@ -69,14 +87,14 @@ class NodeRecord:
         return self.price_per_hour / self.rollouts_per_s if self.rollouts_per_s > 0 else float("inf")
 
     @classmethod
-    def from_row(cls, row: NodeRow) -> NodeRecord:
+    def from_row(cls, row: NodeRow, price_history: tuple[tuple[float, float], ...] = ()) -> NodeRecord:
         """A node the store remembers, as a restarted hub sees it: gone until it joins again (or banned)."""
         return cls(
             peer_id=row.peer_id, price_per_hour=row.price_per_hour, link_bps=row.link_bps or 0.0, backend=row.backend,
             hardware=row.hardware, listen_addrs=(), remote_ip=None, last_seen=row.last_seen,
             state="banned" if row.state == "banned" else "gone", rollouts_per_s=row.rollouts_per_s,
             measured=row.measured, tallies=row.tallies, audits_passed=row.audits_passed, vouched_at=row.vouched_at,
-            online_s=row.online_s, banned_reason=row.banned_reason,
+            online_s=row.online_s, banned_reason=row.banned_reason, name=row.name, price_history=price_history,
         )
 
 
@@ -95,7 +113,9 @@ class Fleet:
                 peer_id=peer_id, price_per_hour=0.0, link_bps=0.0, backend="", hardware="", listen_addrs=(),
                 remote_ip=None, last_seen=now,
             )
-        record.price_per_hour, record.link_bps = request.price_per_hour, request.link_bps
+        record.declare_price(request.price_per_hour, now)
+        record.link_bps = request.link_bps
+        record.ranked_price_per_hour, record.price_changed_at = None, None
         record.backend, record.hardware, record.name = request.backend, request.hardware, request.name
         if (record.listen_addrs, record.remote_ip) != (request.listen_addrs, remote_ip):
             record.reachability = "unknown"  # another address: dialed back again

@@ -13,22 +13,34 @@ its Table.insert is not used for writes because it commits on its own and would 
 
 Trajectory lifecycle: a row is written with its verdict (accepted, rejected, or late: refused
 only because its version fell out of the staleness window). Only accepted rows keep the group
-itself; a refused one keeps its blake3 hash, so refused work costs the disk a row, not its
-payload. An
+itself (in `payloads`, beside the row); a refused one keeps its blake3 hash, so refused work costs
+the disk a row, not its payload. An
 accepted row later gets exactly one of consumed_step (a committed learner step
 trained on it) or discard_reason (stale, zero reward variance, buffer full...).
 Accepted rows with neither are the replay buffer's contents after a restart, except those
 `held` for the audit of a node on probation, which are released by a passed audit and are
 discarded if the hub stops before their audit.
 
+Retention (`retain`, run by HubState every RETAIN_PERIOD_S): a group's payload is kept while it is pending
+(the buffer, an audit, crash recovery) and while its version is still on the snapshot shelf; then only its
+hash, verdict, reward, version, node and step stay. Closed leases and ledger rows nothing can void any more
+go after CLOSED_RETAINED_S (the ledger as one roll-up row per node); events keep the newest EVENTS_RETAINED.
+`counts` holds the totals by verdict, kept by triggers, so no reader counts the whole history.
+
 Events: a write method that changes what the hub shows takes the event(s) describing it and
 inserts them in its own transaction, so the log never disagrees with the state. Only
 hub/service/state.py (HubState) writes; dashboards and tests read.
+
+Credit (the status page's leaderboard): a node's accepted groups, their tokens, the seconds of accepted work and
+its passed audits are counted in the same transaction as the submission or audit, as running tallies on its row
+and in an hourly bucket (`credit_hours`, the last CREDIT_HOURS_KEPT hours): nothing is summed from the work rows,
+so retention may drop those.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -49,6 +61,15 @@ BUSY_TIMEOUT_MS = 10_000
 EVENTS_DEFAULT_LIMIT = 200
 # Retention of the events table: the newest this many rows (the books live in nodes, ledger and trajectories).
 EVENTS_RETAINED = 100_000
+# The leaderboard's hourly credit buckets are kept this long: its day is the last 24 of them; the whole run's
+# figures are running tallies on the node rows.
+CREDIT_HOUR_S = 3600
+CREDIT_HOURS_KEPT = 48
+# Retention of closed leases and of ledger rows nothing can void any more (then rolled up, one row per node).
+CLOSED_RETAINED_S = 3600.0
+# The WAL file is cut back to this after a checkpoint; free pages past FREE_PAGES_SLACK go back to the disk.
+WAL_LIMIT_BYTES = 64 * 1024 * 1024
+FREE_PAGES_SLACK = 4096
 
 Verdict = Literal["accepted", "rejected", "late"]
 VERDICTS: tuple[Verdict, ...] = GROUP_VERDICTS  # type: ignore[assignment]
@@ -57,7 +78,7 @@ LeaseState = Literal["open", "answered", "expired"]
 NewEvent = tuple[str, str | None, str]
 
 # Bumped whenever _SCHEMA changes; a database of another version is refused, never half-used.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class SchemaMismatch(RuntimeError):
@@ -93,8 +114,21 @@ CREATE TABLE IF NOT EXISTS nodes (
     rollouts_per_s REAL    NOT NULL DEFAULT 0,
     measured       INTEGER NOT NULL DEFAULT 0 CHECK (measured IN (0, 1)),
     online_s       REAL    NOT NULL DEFAULT 0,
-    banned_reason  TEXT
+    banned_reason  TEXT,
+    name           TEXT,
+    tokens         INTEGER NOT NULL DEFAULT 0,
+    gpu_s          REAL    NOT NULL DEFAULT 0
 );
+CREATE INDEX IF NOT EXISTS nodes_accepted ON nodes(accepted);
+CREATE TABLE IF NOT EXISTS credit_hours (
+    hour          INTEGER NOT NULL,
+    node_id       TEXT    NOT NULL,
+    accepted      INTEGER NOT NULL DEFAULT 0,
+    tokens        INTEGER NOT NULL DEFAULT 0,
+    gpu_s         REAL    NOT NULL DEFAULT 0,
+    audits_passed INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (hour, node_id)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS run (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -133,11 +167,10 @@ CREATE TABLE IF NOT EXISTS steps (
 );
 CREATE TABLE IF NOT EXISTS trajectories (
     id                INTEGER PRIMARY KEY AUTOINCREMENT,
-    lease_id          TEXT REFERENCES leases(id),
+    lease_id          TEXT,
     node_id           TEXT    NOT NULL,
     prompt_id         TEXT    NOT NULL,
     version           INTEGER NOT NULL,
-    group_json        TEXT,
     group_hash        TEXT    NOT NULL,
     reward_mean       REAL    NOT NULL,
     verdict           TEXT    NOT NULL CHECK (verdict IN ('accepted', 'rejected', 'late')),
@@ -147,20 +180,38 @@ CREATE TABLE IF NOT EXISTS trajectories (
     discard_reason    TEXT,
     signed_bytes_hash TEXT,
     held              INTEGER NOT NULL DEFAULT 0 CHECK (held IN (0, 1)),
-    CHECK (consumed_step IS NULL OR discard_reason IS NULL),
-    CHECK ((verdict = 'accepted') = (group_json IS NOT NULL))
+    CHECK (consumed_step IS NULL OR discard_reason IS NULL)
 );
 CREATE INDEX IF NOT EXISTS trajectories_pending ON trajectories(verdict, consumed_step, discard_reason);
+-- An accepted group's payload (token ids, log-probs, text), apart from its row: retention deletes it whole,
+-- and the rows that stay (the books) stay packed.
+CREATE TABLE IF NOT EXISTS payloads (
+    id         INTEGER PRIMARY KEY REFERENCES trajectories(id),
+    group_json TEXT NOT NULL
+);
+-- Groups ever received by verdict and ever dropped stale, kept by the writes themselves: a resume reads
+-- four rows, not the whole history.
+CREATE TABLE IF NOT EXISTS counts (
+    name TEXT PRIMARY KEY,
+    n    INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO counts (name, n) VALUES ('accepted', 0), ('rejected', 0), ('late', 0), ('stale', 0);
 CREATE TABLE IF NOT EXISTS ledger (
     id         INTEGER PRIMARY KEY AUTOINCREMENT,
     node_id    TEXT    NOT NULL REFERENCES nodes(peer_id),
-    lease_id   TEXT REFERENCES leases(id),
+    lease_id   TEXT,
     step       INTEGER REFERENCES steps(step),
     usd        REAL    NOT NULL,
     seconds    REAL    NOT NULL,
     created_at REAL    NOT NULL,
     voided     INTEGER NOT NULL DEFAULT 0 CHECK (voided IN (0, 1))
 );
+CREATE TABLE IF NOT EXISTS prices (
+    node_id        TEXT NOT NULL REFERENCES nodes(peer_id),
+    at             REAL NOT NULL,
+    price_per_hour REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS prices_by_node ON prices(node_id, at);
 CREATE TABLE IF NOT EXISTS events (
     id      INTEGER PRIMARY KEY AUTOINCREMENT,
     at      REAL NOT NULL,
@@ -185,6 +236,19 @@ CREATE TABLE IF NOT EXISTS evals (
     created_at REAL    NOT NULL
 );
 """.replace("{tally_columns}", ",\n    ".join(f"{name:<14} INTEGER NOT NULL DEFAULT 0" for name in TALLY_FIELDS))
+# Statements with a `;` of their own inside, so not in _SCHEMA (split at `;`): `counts` kept exact, pending
+# payloads kept.
+_TRIGGERS = (
+    "CREATE TRIGGER IF NOT EXISTS trajectories_counted AFTER INSERT ON trajectories BEGIN"
+    " UPDATE counts SET n = n + 1 WHERE name = NEW.verdict; END",
+    "CREATE TRIGGER IF NOT EXISTS trajectories_stale AFTER UPDATE OF discard_reason ON trajectories"
+    f" WHEN NEW.discard_reason = '{REASON_STALE}' AND OLD.discard_reason IS NOT '{REASON_STALE}' BEGIN"
+    " UPDATE counts SET n = n + 1 WHERE name = 'stale'; END",
+    # A pending group (the buffer, an audit, what a crash must recover) keeps its payload, whoever deletes.
+    "CREATE TRIGGER IF NOT EXISTS payloads_pending BEFORE DELETE ON payloads"
+    " WHEN (SELECT consumed_step IS NULL AND discard_reason IS NULL FROM trajectories WHERE id = OLD.id) BEGIN"
+    " SELECT RAISE(ABORT, 'the payload of a pending group'); END",
+)
 
 
 @dataclass(frozen=True)
@@ -272,11 +336,43 @@ class NodeRow:
     measured: bool
     online_s: float
     banned_reason: str | None
+    name: str | None = None
+    tokens: int = 0  # completion tokens of its accepted groups
+    gpu_s: float = 0.0  # seconds of accepted work (pricing.billable_seconds), paid or not
 
     @classmethod
     def from_sql(cls, row: dict) -> NodeRow:
         tallies = Tallies(**{name: row.pop(name) for name in TALLY_FIELDS})
         return cls(**{**row, "measured": bool(row["measured"])}, tallies=tallies)
+
+
+@dataclass(frozen=True)
+class Credit:
+    """A volunteer's accepted work: groups, their completion tokens, the seconds they took, audits passed."""
+
+    accepted: int
+    tokens: int
+    gpu_s: float
+    audits_passed: int
+
+
+@dataclass(frozen=True)
+class LeaderRow:
+    """One volunteer on the leaderboard: its credit over the whole run and over the last day."""
+
+    peer_id: str
+    name: str | None
+    run: Credit
+    day: Credit
+
+
+@dataclass(frozen=True)
+class Retained:
+    """What one `Store.retain` let go: payloads dropped, leases deleted, ledger rows merged into roll-ups."""
+
+    payloads: int
+    leases: int
+    ledger_rows: int
 
 
 @dataclass(frozen=True)
@@ -303,7 +399,10 @@ class Store:
         self._lock = threading.RLock()
         self._in_batch = False
         self.db = sqlite_utils.Database(conn)
+        # Takes effect on a new file only: pages freed by retention go back to the disk (`checkpoint`).
+        self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
@@ -315,7 +414,7 @@ class Store:
                     f"{self.path} holds echo2 schema {found}, this echo2 uses {SCHEMA_VERSION}: "
                     "finish that run with the echo2 that started it, or start this one in a new --data-dir"
                 )
-            for statement in _SCHEMA.split(";"):
+            for statement in [*_SCHEMA.split(";"), *_TRIGGERS]:
                 if statement.strip():
                     self.db.execute(statement)
             self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -392,6 +491,11 @@ class Store:
             rows = self.db.execute("PRAGMA integrity_check").fetchall()
         return "\n".join(str(r[0]) for r in rows)
 
+    def _keep_payload(self, row_id: int, group_json: str | None) -> None:
+        """An accepted group's payload beside its row (refused work keeps none), inside the caller's transaction."""
+        if group_json is not None:
+            self.db.execute("INSERT INTO payloads (id, group_json) VALUES (?, ?)", (row_id, group_json))
+
     def _events(self, events: Sequence[NewEvent]) -> None:
         """Insert events inside the caller's transaction."""
         now = time.time()
@@ -429,36 +533,72 @@ class Store:
 
     def upsert_node(
         self, peer_id: str, price_per_hour: float, hardware: str, link_bps: float | None, backend: str,
-        state: str = "probing", event: NewEvent | None = None,
+        state: str = "probing", event: NewEvent | None = None, name: str | None = None,
     ) -> bool:
-        """Insert a node on first contact or refresh what it declares; tallies, audits and ban survive.
+        """Insert a node on first contact or refresh what it declares (its display name too: None shows its short
+        peer id); tallies, audits and ban survive.
 
         False (and nothing written) for a banned node: a ban is checked in the same transaction, so a
         join racing a ban can never undo it."""
         now = time.time()
         with self._write():
             cur = self.db.execute(
-                "INSERT INTO nodes (peer_id, price_per_hour, hardware, link_bps, backend, first_seen, last_seen, state)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                "INSERT INTO nodes (peer_id, price_per_hour, hardware, link_bps, backend, first_seen, last_seen, state, name)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(peer_id) DO UPDATE SET price_per_hour = excluded.price_per_hour,"
                 " hardware = excluded.hardware, link_bps = excluded.link_bps, backend = excluded.backend,"
-                " last_seen = excluded.last_seen, state = excluded.state WHERE nodes.state != 'banned'",
-                (peer_id, price_per_hour, hardware, link_bps, backend, now, now, state),
+                " last_seen = excluded.last_seen, state = excluded.state, name = excluded.name WHERE nodes.state != 'banned'",
+                (peer_id, price_per_hour, hardware, link_bps, backend, now, now, state, name),
             )
             if cur.rowcount != 1:
                 return False
+            self._price_row(peer_id, price_per_hour, now)
             self._events([event] if event else [])
             return True
+
+    def set_node_price(self, peer_id: str, price_per_hour: float, at: float, event: NewEvent | None = None) -> bool:
+        """A joined node's re-declared price, kept in its price history; False (nothing written) when banned."""
+        with self._write():
+            cur = self.db.execute("UPDATE nodes SET price_per_hour = ? WHERE peer_id = ? AND state != 'banned'",
+                                  (price_per_hour, peer_id))
+            if cur.rowcount != 1:
+                return False
+            self._price_row(peer_id, price_per_hour, at)
+            self._events([event] if event else [])
+            return True
+
+    def _price_row(self, peer_id: str, price_per_hour: float, at: float) -> None:
+        """A price history row, unless the node's latest row already says this price (a rejoin at the same one)."""
+        self.db.execute(
+            "INSERT INTO prices (node_id, at, price_per_hour) SELECT ?, ?, ? WHERE ? IS NOT"
+            " (SELECT price_per_hour FROM prices WHERE node_id = ? ORDER BY at DESC, rowid DESC LIMIT 1)",
+            (peer_id, at, price_per_hour, price_per_hour, peer_id),
+        )
+
+    def price_history(self, limit_per_node: int) -> dict[str, list[tuple[float, float]]]:
+        """(at, $/h) of each node's latest `limit_per_node` prices, oldest first."""
+        rows = self._rows(
+            "SELECT node_id, at, price_per_hour FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY node_id"
+            " ORDER BY at DESC, rowid DESC) AS newest FROM prices) WHERE newest <= ? ORDER BY node_id, at, rowid",
+            (limit_per_node,),
+        )
+        history: dict[str, list[tuple[float, float]]] = {}
+        for row in rows:
+            history.setdefault(row["node_id"], []).append((row["at"], row["price_per_hour"]))
+        return history
 
     def count_refusal(self, peer_id: str) -> None:
         """One more request of this node refused at the protocol level (bad frame, expired lease...)."""
         with self._write():
             self.db.execute("UPDATE nodes SET refused = refused + 1 WHERE peer_id = ?", (peer_id,))
 
-    def record_audit_pass(self, peer_id: str, vouched_at: float, release_ids: Sequence[int] = ()) -> bool:
+    def record_audit_pass(
+        self, peer_id: str, vouched_at: float, release_ids: Sequence[int] = (), now: float | None = None
+    ) -> bool:
         """One more audit of this node's work passed; its pay up to `vouched_at` (the audited submission's
         time) is vouched for, and its held rows `release_ids` may be trained on. Both survive a hub restart:
-        probation, quota and what a later ban voids. False (nothing written) if the node is banned."""
+        probation, quota and what a later ban voids. False (nothing written) if the node is banned. The pass
+        counts in the credit hour of `now` (the caller's clock, as submissions' do; default the wall clock)."""
         with self._write():
             cur = self.db.execute(
                 "UPDATE nodes SET audits_passed = audits_passed + 1, vouched_at = MAX(COALESCE(vouched_at, 0), ?)"
@@ -468,7 +608,47 @@ class Store:
             if cur.rowcount != 1:
                 return False
             self.db.conn.executemany("UPDATE trajectories SET held = 0 WHERE id = ?", [(i,) for i in release_ids])
+            self._credit(peer_id, time.time() if now is None else now, Credit(accepted=0, tokens=0, gpu_s=0.0,
+                                                                              audits_passed=1))
             return True
+
+    def _credit(self, node_id: str, now: float, credit: Credit) -> None:
+        """Add `credit` to the node's hour bucket (and its tokens and seconds to its running tallies; its groups and
+        audits have theirs); buckets older than CREDIT_HOURS_KEPT go, by the primary key's range."""
+        if not (credit.accepted or credit.audits_passed):
+            return
+        hour = int(now // CREDIT_HOUR_S)
+        self.db.execute("UPDATE nodes SET tokens = tokens + ?, gpu_s = gpu_s + ? WHERE peer_id = ?",
+                        (credit.tokens, credit.gpu_s, node_id))
+        self.db.execute(
+            "INSERT INTO credit_hours (hour, node_id, accepted, tokens, gpu_s, audits_passed) VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT(hour, node_id) DO UPDATE SET accepted = accepted + excluded.accepted,"
+            " tokens = tokens + excluded.tokens, gpu_s = gpu_s + excluded.gpu_s,"
+            " audits_passed = audits_passed + excluded.audits_passed",
+            (hour, node_id, credit.accepted, credit.tokens, credit.gpu_s, credit.audits_passed),
+        )
+        self.db.execute("DELETE FROM credit_hours WHERE hour < ?", (hour - CREDIT_HOURS_KEPT,))
+
+    def leaders(self, now: float, limit: int) -> list[LeaderRow]:
+        """The leaderboard: the `limit` volunteers with the most accepted groups over the whole run and the `limit`
+        with the most over the last day (its 24 hour buckets), banned ones left out; indexed, never a scan of the work."""
+        rows = self._rows(
+            "WITH day AS (SELECT node_id, SUM(accepted) AS accepted, SUM(tokens) AS tokens, SUM(gpu_s) AS gpu_s,"
+            "  SUM(audits_passed) AS audits_passed FROM credit_hours WHERE hour > ? GROUP BY node_id),"
+            " top AS (SELECT node_id FROM (SELECT node_id FROM day WHERE node_id NOT IN"
+            "   (SELECT peer_id FROM nodes WHERE state = 'banned') ORDER BY accepted DESC LIMIT ?)"
+            "  UNION SELECT peer_id FROM (SELECT peer_id FROM nodes WHERE state != 'banned' ORDER BY accepted DESC LIMIT ?))"
+            " SELECT n.peer_id, n.name, n.accepted, n.tokens, n.gpu_s, n.audits_passed, COALESCE(d.accepted, 0) AS d_accepted,"
+            "  COALESCE(d.tokens, 0) AS d_tokens, COALESCE(d.gpu_s, 0) AS d_gpu_s, COALESCE(d.audits_passed, 0) AS d_audits"
+            " FROM nodes n JOIN top t ON t.node_id = n.peer_id LEFT JOIN day d ON d.node_id = n.peer_id"
+            " WHERE n.state != 'banned' AND (n.accepted > 0 OR n.audits_passed > 0) ORDER BY n.accepted DESC",
+            (int(now // CREDIT_HOUR_S) - 24, limit, limit),
+        )
+        return [
+            LeaderRow(r["peer_id"], r["name"], Credit(r["accepted"], r["tokens"], r["gpu_s"], r["audits_passed"]),
+                      Credit(r["d_accepted"], r["d_tokens"], r["d_gpu_s"], r["d_audits"]))
+            for r in rows
+        ]
 
     def set_node_state(
         self, peer_id: str, state: str, banned_reason: str | None = None, event: NewEvent | None = None
@@ -578,11 +758,12 @@ class Store:
         group_json = group.model_dump_json()
         with self._write():
             cur = self.db.execute(
-                "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, group_hash, reward_mean,"
-                " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (lease_id, node_id, group.prompt_id, group.version, group_json if verdict == "accepted" else None,
+                "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_hash, reward_mean,"
+                " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (lease_id, node_id, group.prompt_id, group.version,
                  blake3.blake3(group_json.encode()).hexdigest(), reward_mean, verdict, reason, time.time(), signed_bytes_hash),
             )
+            self._keep_payload(int(cur.lastrowid), group_json if verdict == "accepted" else None)
             if node_id:
                 # `verdict` was checked against VERDICTS above: it names a column.
                 self.db.execute(f"UPDATE nodes SET {verdict} = {verdict} + 1 WHERE peer_id = ?", (node_id,))
@@ -596,13 +777,15 @@ class Store:
         usd: float,
         seconds: float,
         signed_bytes_hash: str,
+        tokens: int = 0,
         now: float | None = None,
         rollouts_per_s: float | None = None,
         events: Sequence[NewEvent] = (),
         hold: bool = False,
     ) -> list[int]:
         """In one transaction: close the lease, record every group with its verdict, count them against
-        the node, book the payment, store the node's new measured throughput, and the events.
+        the node, book the payment and the leaderboard's credit (`seconds` billed, `tokens` of the accepted
+        completions), store the node's new measured throughput, and the events.
 
         `verdicts` are hub.trust.submissions.GroupVerdict. Returns the row ids in verdict order. `hold`: the
         accepted rows wait for an audit (`record_audit_pass` releases them). A banned node raises
@@ -632,15 +815,17 @@ class Store:
                     version = v.submitted.completions[0].version if v.submitted.completions else -1
                     reward_mean = 0.0
                 cur = self.db.execute(
-                    "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_json, group_hash, reward_mean,"
-                    " verdict, reason, received_at, signed_bytes_hash, held) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (lease_id, node_id, v.prompt_id[:200], version, group_json, group_hash, reward_mean,
+                    "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_hash, reward_mean,"
+                    " verdict, reason, received_at, signed_bytes_hash, held) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (lease_id, node_id, v.prompt_id[:200], version, group_hash, reward_mean,
                      v.verdict, (v.reason or None) and v.reason[:500], now, signed_bytes_hash, int(hold and v.accepted)),
                 )
                 ids.append(int(cur.lastrowid))
+                self._keep_payload(ids[-1], group_json)
             counts = [sum(v.verdict == name for v in verdicts) for name in VERDICTS]
             sets = ", ".join(f"{name} = {name} + ?" for name in VERDICTS)
             self.db.execute(f"UPDATE nodes SET {sets} WHERE peer_id = ?", (*counts, node_id))
+            self._credit(node_id, now, Credit(counts[VERDICTS.index("accepted")], tokens, seconds, 0))
             if rollouts_per_s is not None:
                 self.db.execute(
                     "UPDATE nodes SET rollouts_per_s = ?, measured = 1 WHERE peer_id = ?", (rollouts_per_s, node_id)
@@ -655,11 +840,12 @@ class Store:
 
     def recent_usable_groups(self, limit: int) -> tuple[int, int, int]:
         """(trained, settled, dropped as stale) among the newest `limit` accepted groups that were trained on
-        or discarded."""
+        or discarded. Both this and `recent_discards` walk back from the newest row and stop at `limit` (through the
+        verdict index SQLite would sort every accepted group ever: a status build would cost the whole history)."""
         row = self._rows(
             "SELECT COALESCE(SUM(consumed_step IS NOT NULL), 0) AS trained, COUNT(*) AS settled,"
             " COALESCE(SUM(discard_reason = ?), 0) AS stale FROM ("
-            " SELECT consumed_step, discard_reason FROM trajectories WHERE verdict = 'accepted'"
+            " SELECT consumed_step, discard_reason FROM trajectories NOT INDEXED WHERE verdict = 'accepted'"
             " AND (consumed_step IS NOT NULL OR discard_reason IS NOT NULL) ORDER BY id DESC LIMIT ?)",
             (REASON_STALE, limit),
         )[0]
@@ -667,14 +853,14 @@ class Store:
 
     def trajectory_counts(self) -> dict[Verdict, int]:
         """Groups ever received, by verdict (every verdict present, zero if none)."""
-        rows = self._rows("SELECT verdict, COUNT(*) AS n FROM trajectories GROUP BY verdict")
-        return {name: 0 for name in VERDICTS} | {r["verdict"]: int(r["n"]) for r in rows}
+        rows = self._rows("SELECT name, n FROM counts WHERE name != 'stale'")
+        return {name: 0 for name in VERDICTS} | {r["name"]: int(r["n"]) for r in rows}
 
     def recent_discards(self, limit: int) -> dict[str, int]:
         """How the newest `limit` settled accepted groups were settled: reason -> count ("trained" for trained on)."""
         rows = self._rows(
             "SELECT COALESCE(discard_reason, 'trained') AS how, COUNT(*) AS n FROM ("
-            " SELECT discard_reason FROM trajectories WHERE verdict = 'accepted'"
+            " SELECT discard_reason FROM trajectories NOT INDEXED WHERE verdict = 'accepted'"
             " AND (consumed_step IS NOT NULL OR discard_reason IS NOT NULL) ORDER BY id DESC LIMIT ?) GROUP BY how",
             (limit,),
         )
@@ -691,7 +877,7 @@ class Store:
 
     def dropped_stale_count(self) -> int:
         """Accepted groups ever dropped as too stale to train on."""
-        return int(self._rows("SELECT COUNT(*) AS n FROM trajectories WHERE discard_reason = ?", (REASON_STALE,))[0]["n"])
+        return int(self._rows("SELECT n FROM counts WHERE name = 'stale'")[0]["n"])
 
     def recent_steps(self, limit: int) -> list[StepRecord]:
         """The newest `limit` learner steps, oldest first."""
@@ -731,8 +917,8 @@ class Store:
         """Discard every row still held for an audit (at start: their audits died with the last hub)."""
         with self._write():
             return self.db.execute(
-                "UPDATE trajectories SET discard_reason = ? WHERE held = 1 AND consumed_step IS NULL"
-                " AND discard_reason IS NULL",
+                "UPDATE trajectories SET discard_reason = ? WHERE verdict = 'accepted' AND consumed_step IS NULL"
+                " AND discard_reason IS NULL AND held = 1",
                 (reason,),
             ).rowcount
 
@@ -749,8 +935,9 @@ class Store:
     def unconsumed_groups(self) -> list[tuple[int, Group]]:
         """Accepted rows neither trained on nor discarded, oldest first: the buffer after a restart."""
         rows = self._rows(
-            "SELECT id, group_json FROM trajectories WHERE verdict = 'accepted'"
-            " AND consumed_step IS NULL AND discard_reason IS NULL AND held = 0 ORDER BY id"
+            # A pending row always has its payload (retention takes only settled ones'): a missing one raises here.
+            "SELECT t.id, p.group_json FROM trajectories t LEFT JOIN payloads p ON p.id = t.id WHERE verdict = 'accepted'"
+            " AND consumed_step IS NULL AND discard_reason IS NULL AND held = 0 ORDER BY t.id"
         )
         return [(r["id"], Group.model_validate_json(r["group_json"])) for r in rows]
 
@@ -796,6 +983,11 @@ class Store:
     def latest_step(self) -> int | None:
         return self._rows("SELECT MAX(step) AS s FROM steps")[0]["s"]
 
+    def latest_step_record(self) -> StepRecord | None:
+        """The newest committed step, None before the first."""
+        newest = self._step_records("SELECT * FROM steps ORDER BY step DESC LIMIT 1")
+        return newest[0] if newest else None
+
     def ledger_total_usd(self, node_id: str | None = None) -> float:
         """Money booked and not voided, for one node or all."""
         if node_id is None:
@@ -821,6 +1013,68 @@ class Store:
         """Delete all but the newest `keep` events; how many went."""
         with self._write():
             return self.db.execute("DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (keep,)).rowcount
+
+    # -- retention: what the books no longer need -----------------------------------------
+
+    def retain(self, oldest_version: int, closed_before: float, vouch_needed: bool) -> Retained:
+        """In one transaction: drop the payload of settled groups (trained on or discarded) made with a version
+        older than `oldest_version` (off the snapshot shelf: no audit can score them again), delete leases
+        closed before `closed_before`, and roll up the ledger rows booked before it that nothing can void any
+        more into one row per node (and voided or not). `vouch_needed`: a failed audit voids a node's pay
+        after its last passed one (audits are on); without audits only a ban voids, and it voids everything.
+        Hashes, verdicts, rewards, versions, nodes and steps stay: the books add up the same."""
+        with self._write():
+            payloads = self.db.execute(
+                "DELETE FROM payloads WHERE id IN (SELECT t.id FROM payloads p JOIN trajectories t ON t.id = p.id"
+                " WHERE t.version < ? AND (t.consumed_step IS NOT NULL OR t.discard_reason IS NOT NULL))",
+                (oldest_version,),
+            ).rowcount
+            leases = self.db.execute(
+                "DELETE FROM leases WHERE state IN ('answered', 'expired') AND deadline < ?", (closed_before,)
+            ).rowcount
+            ledger = self._roll_up_ledger(closed_before, vouch_needed)
+        return Retained(payloads, leases, ledger)
+
+    def _roll_up_ledger(self, before: float, vouch_needed: bool) -> int:
+        """Merge each node's final ledger rows booked before `before` into its newest one; rows deleted."""
+        rows = self.db.execute(
+            "SELECT l.id, l.node_id, l.voided, l.usd, l.seconds, l.created_at FROM ledger l"
+            " JOIN nodes n ON n.peer_id = l.node_id WHERE l.created_at < ?"
+            " AND (n.state = 'banned' OR l.created_at <= COALESCE(n.vouched_at, ?)) ORDER BY l.id",
+            (before, -1.0 if vouch_needed else float("inf")),
+        ).fetchall()
+        groups: dict[tuple[str, int], list[tuple]] = {}
+        for row in rows:
+            groups.setdefault((row[1], row[2]), []).append(row)
+        gone: list[tuple[int]] = []
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            # A roll-up row is booked at its newest member's time: a later ban voids it whole or not at all,
+            # as it would have its members.
+            self.db.execute(
+                "UPDATE ledger SET usd = ?, seconds = ?, created_at = ?, lease_id = NULL, step = NULL WHERE id = ?",
+                (math.fsum(m[3] for m in members), math.fsum(m[4] for m in members), max(m[5] for m in members),
+                 members[-1][0]),
+            )
+            gone.extend((m[0],) for m in members[:-1])
+        self.db.conn.executemany("DELETE FROM ledger WHERE id = ?", gone)
+        return len(gone)
+
+    def checkpoint(self) -> bool:
+        """Copy the WAL into the file and cut it back, unless a reader holds it (then False: the next one
+        does); free pages past FREE_PAGES_SLACK go back to the disk. Outside any transaction."""
+        with self._lock:
+            # Not waiting on a reader: the writer's lock is held meanwhile, and every write would wait too.
+            self.db.execute("PRAGMA busy_timeout=0")
+            try:
+                busy = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            finally:
+                self.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            free = int(self.pragma("freelist_count"))
+            if free > FREE_PAGES_SLACK:
+                self.db.execute(f"PRAGMA incremental_vacuum({free - FREE_PAGES_SLACK})").fetchall()
+        return not busy
 
     def events(self, limit: int = EVENTS_DEFAULT_LIMIT) -> list[EventRow]:
         """The newest `limit` events, newest first."""

@@ -38,6 +38,7 @@ from shared.messages import (
     MIN_LINK_BPS,
     MODEL_FILE_FRAME,
     MODEL_PROTOCOL,
+    PRICE_PROTOCOL,
     REPORT_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
@@ -52,6 +53,8 @@ from shared.messages import (
     LeaseReply,
     LeaseRequest,
     ModelFilesRequest,
+    PriceChange,
+    PriceReply,
     Reject,
     RejectCode,
     SnapshotRequest,
@@ -110,9 +113,11 @@ PROTOCOL_FRAME_CAPS = {
     SNAPSHOT_PROTOCOL: SnapshotRequest.MAX_BYTES,
     REPORT_PROTOCOL: BadChunkReport.MAX_BYTES,
     MODEL_PROTOCOL: ModelFilesRequest.MAX_BYTES,
+    PRICE_PROTOCOL: PriceChange.MAX_BYTES,
 }
 # Protocols only joined nodes may use: a stranger is refused before one byte of its request is read.
-MEMBERS_ONLY = frozenset({HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL})
+MEMBERS_ONLY = frozenset({HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL,
+                          PRICE_PROTOCOL})
 # What a stream from a peer that has not joined may pin in hub memory (a join or status request fits).
 STRANGER_FRAME_CAP_BYTES = JoinRequest.MAX_BYTES
 # How long a handler may take: one exchange, except a snapshot transfer, which lasts as long as the model
@@ -190,6 +195,7 @@ class HubService:
             SNAPSHOT_PROTOCOL: self._on_snapshot,
             REPORT_PROTOCOL: self.on_report,
             MODEL_PROTOCOL: self._on_model,
+            PRICE_PROTOCOL: self._on_price,
         }
         for protocol, handler in handlers.items():
             set_handler(self.host, protocol, self._guarded(protocol, handler), log)
@@ -331,6 +337,11 @@ class HubService:
             reachability=record.reachability, upstream_link=links.kind, heartbeat_period_s=record.heartbeat_period_s,
         ))
 
+    async def _on_price(self, stream: INetStream) -> None:
+        change = await read_message(stream, PriceChange)
+        next_in_s = await self.state.reprice(remote_peer_id(stream), change.price_per_hour)
+        await _reply(stream, PriceReply(price_per_hour=change.price_per_hour, next_change_in_s=next_in_s))
+
     async def _lease_reply(self, peer: str, version_held: int) -> LeaseReply:
         grant = await self.state.grant_lease(peer, version_held)
         lease = grant.lease
@@ -470,7 +481,7 @@ def build_hub_service(
     bc = config.broadcast
     uplink = HubUplink(bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
                        bc.link_mbps * BYTES_PER_MBIT if bc.link_mbps else None)
-    terms = JoinTerms(config.learner.staleness, config.task, context_tokens)
+    terms = JoinTerms(config.learner.staleness_bound, config.task, context_tokens)
     return HubService(
         host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
         chain_links=broadcaster.links if broadcaster else no_chains,

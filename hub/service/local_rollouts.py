@@ -23,7 +23,7 @@ import trio
 from hub.service.state import HubState
 from hub.training.loop import SnapshotPublished
 from shared.rollout import Completion, Group, SamplingParams
-from shared.tasks.base import Prompt, Task, checked_rewards
+from shared.tasks.base import GroupContext, Prompt, Task, checked_scores
 
 
 class RolloutEngine(Protocol):
@@ -106,13 +106,16 @@ class LocalRollouts:
         for prompt, completions in zip(prompts, outputs, strict=True):
             if any(c.version != version for c in completions):
                 raise RuntimeError(f"engine produced completions of another version than the installed {version}")
+            context = GroupContext(tuple(c.token_ids for c in completions), version)
+            scores = checked_scores(self.task, prompt, [c.text for c in completions], context)
             groups.append(
                 Group(
                     prompt_id=prompt.id,
                     prompt_text=prompt.text,
                     version=version,
                     completions=tuple(completions),
-                    rewards=checked_rewards(self.task, prompt, [c.text for c in completions]),
+                    rewards=scores.rewards,
+                    reward_parts=scores.parts,
                 )
             )
         return groups

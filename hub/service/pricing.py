@@ -21,6 +21,7 @@ class LeasePay:
     held_s: float  # how long the node held the lease, at most its timeout (also its throughput sample's time)
     billed_s: float  # of that, the seconds paid for (`billable_seconds`)
     usd: float
+    tokens: int  # completion tokens of the accepted groups
 
 
 def billable_seconds(hold_s: float, accepted: int, leased: int, accepted_tokens: int, tokens_per_s_floor: float) -> float:
@@ -39,4 +40,4 @@ def price_lease(lease: LeaseRecord, accepted: Sequence[Group], answered_at: floa
     tokens = sum(len(c.token_ids) for group in accepted for c in group.completions)
     billed_s = billable_seconds(held_s, len(accepted), len(lease.prompts), tokens, config.paid_tokens_per_s_floor)
     usd = min(lease.price_per_hour * billed_s / 3600.0, config.max_cost_per_lease_usd)
-    return LeasePay(held_s, billed_s, usd)
+    return LeasePay(held_s, billed_s, usd, tokens)

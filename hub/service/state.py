@@ -39,28 +39,29 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
 from hub.config import HubConfig
+from hub.method.prices import price_change_refusal, ranking_price
 from hub.records.buffer import BufferSignal, ReplayBuffer
-from hub.records.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
+from hub.records.fleet import PRICE_HISTORY_KEPT, Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
 from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
-from hub.records.store import EVENTS_RETAINED, NewEvent, NodeBanned, StepRecord, Store
+from hub.records.store import CLOSED_RETAINED_S, EVENTS_RETAINED, NewEvent, NodeBanned, Retained, StepRecord, Store
 from hub.records.writer import StoreWriter
 from hub.service.pricing import price_lease
 from hub.service.room import BufferRoom
 from hub.trust.audit import AuditJob, AuditQueue
+from hub.trust.checkpool import ChecksLost, SubmissionChecks, ThreadChecks
 from hub.trust.copies import CopyDetector, CopyFlag
 from hub.trust.guard import LeaseQuota
-from hub.trust.probation import Probation
+from hub.trust.probation import AUDIT_RESULTS, Probation, audit_result
 from hub.trust.submissions import (
     GroupVerdict,
     SubmissionRules,
     VersionWindow,
-    check_submission,
     reject_copies,
     submission_events,
     submission_frame_cap,
@@ -88,6 +89,8 @@ PROBE_PROMPTS = 1
 # Liveness (last seen, time online, measured throughput) and the learner's time reach the store
 # this often: a crash loses at most this much of them, never anything acknowledged or paid.
 FLUSH_PERIOD_S = 5.0
+# Retention (Store.retain) and a WAL checkpoint run this often, from the flush.
+RETAIN_PERIOD_S = 60.0
 # One "join" event row per node per this long, however often it rejoins.
 JOIN_EVENT_WINDOW_S = 60.0
 # How stale the live-node count behind the heartbeat period may be.
@@ -136,6 +139,8 @@ class RunTotals:
     # Messages received in this session only (what /metrics counts; a Prometheus counter restarts with the process).
     submissions: int = 0
     heartbeats: int = 0
+    # Audits of submissions by result (`audit_result`), this session.
+    audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(AUDIT_RESULTS, 0))
 
     def learner_s(self, now: float) -> float:
         return self.learner_s_before + max(0.0, now - self.session_started)
@@ -151,11 +156,13 @@ class HubState:
         task: Task,
         *,
         rules: SubmissionRules | None = None,  # None: a learner-only state that takes no submissions
+        checks: SubmissionChecks | None = None,  # where submissions are checked (None: ThreadChecks(rules))
         model_config_hash: str = "",
         model_label: str = "",
         audits: AuditQueue | None = None,
         oldest_useful_version: Callable[[], int] = lambda: 0,
         newest_version: Callable[[], int] = lambda: -1,
+        shelved_versions: Callable[[], list[int]] = list,  # the versions on the snapshot shelf (retention)
         clock: Callable[[], float] = time.time,
         run: Mapping[str, str] | None = None,
     ) -> None:
@@ -165,6 +172,7 @@ class HubState:
         self.store = store
         self.writer = StoreWriter(store)
         self.rules = rules
+        self.checks = checks if checks is not None or rules is None else ThreadChecks(rules)
         self.model_config_hash = model_config_hash
         self.model_label = model_label  # hub.cli.build: name (architecture, vocab), for the mismatch refusal
         self.snapshot_dtype = resolve_dtype(config.learner.dtype, config.learner.device)
@@ -175,6 +183,8 @@ class HubState:
         self._heartbeat_period_s = self.min_heartbeat_period_s
         self._period_counted_at = -math.inf
         self.max_price_per_hour = config.scheduler.max_price_per_hour
+        self.price_change_interval_s = config.scheduler.price_change_interval_s
+        self.price_band = config.scheduler.price_band
         # Nodes `echo-hub start` spawned itself (their keys made by the hub): exempt from the per-address quota.
         self.own_nodes: frozenset[str] = frozenset()
         self.prompts_per_step = lc.prompts_per_step
@@ -183,6 +193,7 @@ class HubState:
         self.learner_price_per_hour = lc.learner_price_per_hour
         self.oldest_useful_version = oldest_useful_version
         self.newest_version = newest_version
+        self.shelved_versions = shelved_versions
         self.clock = clock
         self.fleet = Fleet()
         self.leases = LeaseBook(task, seed=lc.seed)
@@ -202,6 +213,9 @@ class HubState:
             store.set_run(run)  # what this run trains: a later start that asks for another is refused
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
         self._join_events: dict[str, float] = {}  # node -> when its last "join" event was written
+        # With audits off, nothing vouches for pay: only a ban voids it, all of it (Store.retain).
+        self._vouch_needed = trust.audit_rate > 0 or trust.audit_first_n > 0
+        self._retained_at = -math.inf
         self._nursery: trio.Nursery | None = None
         self.totals = self._load()
 
@@ -210,8 +224,9 @@ class HubState:
     def _load(self) -> RunTotals:
         """Rebuild the view from the store (blocking; runs before trio starts)."""
         paid = self.store.ledger_by_node_usd()
+        prices = self.store.price_history(PRICE_HISTORY_KEPT)
         for row in self.store.nodes():
-            self.fleet.put(NodeRecord.from_row(row))
+            self.fleet.put(NodeRecord.from_row(row, tuple(prices.get(row.peer_id, ()))))
         refill_refused: dict[str, list[int]] = {}
         for row_id, group in self.store.unconsumed_groups():
             if len(group.rewards) != self.group_size:  # made before a resume changed group_size: no step takes it
@@ -304,6 +319,7 @@ class HubState:
         with trio.CancelScope(shield=True):
             joined = await self.writer.write(lambda: self.store.upsert_node(
                 peer, request.price_per_hour, request.hardware, request.link_bps, request.backend, state, event=event,
+                name=request.name,
             ))
             banned = self.fleet.get(peer)
             if not joined or (banned is not None and banned.state == "banned"):  # banned while this join was written
@@ -324,6 +340,32 @@ class HubState:
         record.chunks_received = beat.chunks_received
         record.heartbeat_period_s = self.heartbeat_period()
         return record
+
+    async def reprice(self, peer: str, price: float) -> float:
+        """A joined node's new price: paid for leases issued from now on (open ones keep theirs), ranked by the
+        scheduler at its next period once it moved more than scheduler.price_band. Returns the seconds until
+        the next change is taken; a change out of bounds or too soon is a PeerFault, counted against the peer."""
+        record = self.known(peer)
+        self._seen(record)
+        now = self.clock()
+        if price == record.price_per_hour:  # nothing changes, nor does the time the next change waits for
+            last = record.price_changed_at
+            return 0.0 if last is None else max(0.0, self.price_change_interval_s - (now - last))
+        refusal = price_change_refusal(price, self.max_price_per_hour, record.price_changed_at, now,
+                                       self.price_change_interval_s)
+        if refusal is not None:
+            raise PeerFault(refusal, RejectCode.BAD_REQUEST)
+        # Counted before the write (the safe direction): a second change racing this one is already too soon.
+        record.price_changed_at = now
+        event = ("price", peer, f"${record.price_per_hour:.2f}/h -> ${price:.2f}/h")
+        with trio.CancelScope(shield=True):
+            changed = await self.writer.write(lambda: self.store.set_node_price(peer, price, now, event=event))
+            if not changed or record.state == "banned":  # banned while this change was written
+                raise PeerFault("banned", RejectCode.BANNED)
+            record.ranked_price_per_hour = ranking_price(record.rank_price, price, self.price_band)
+            record.declare_price(price, now)
+        log.info("price %s: $%.4g/h (ranked at $%.4g/h)", peer, price, record.rank_price)
+        return self.price_change_interval_s
 
     def heartbeat_period(self) -> float:
         """The period nodes are told to heartbeat at now (`hub.records.fleet.heartbeat_period`); the live nodes are
@@ -448,6 +490,12 @@ class HubState:
             raise RuntimeError("this HubState was built without submission rules")
         return self.rules
 
+    def _checks(self) -> SubmissionChecks:
+        """Where submissions are checked; a learner-only state has no rules, so no checks either."""
+        if self.checks is None:
+            raise RuntimeError("this HubState was built without submission rules")
+        return self.checks
+
     def submission_cap(self, peer: str) -> int:
         """The largest signed submission frame `peer` may send now: an honest answer to its biggest open
         lease (0 without one). What the guard reserves for the stream and the handler reads, at most."""
@@ -464,7 +512,7 @@ class HubState:
         Returns only after the commit: the reply built from it is an acknowledgement. Groups of a node on
         probation are held (durably) until their audit, which runs after the reply, off the handler.
         """
-        rules = self._rules()
+        checks = self._checks()
         record = self.known(peer)
         self.totals.submissions += 1
         if submission.node_id != peer:
@@ -472,7 +520,10 @@ class HubState:
         now = self.clock()
         with self._claimed(submission.lease_id, peer, now) as lease:
             try:
-                verdicts = await trio.to_thread.run_sync(check_submission, submission, lease, rules, self.window())
+                verdicts = await checks.check(submission, lease, self.window())
+            except ChecksLost as exc:
+                log.error("%s: refused as busy", exc)
+                raise HubBusy("the hub lost this submission's checks: resubmit") from None
             except RewardError as exc:
                 if self.reward_failed(exc, peer):
                     raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
@@ -553,6 +604,7 @@ class HubState:
                     row_ids = await self.writer.write(lambda: self.store.record_submission(
                         lease.lease_id, record.peer_id, verdicts, usd=pay.usd, seconds=pay.billed_s,
                         signed_bytes_hash=signed_hash, now=now, rollouts_per_s=rate, events=events, hold=held > 0,
+                        tokens=pay.tokens,
                     ))
             except NodeBanned:
                 raise PeerFault("banned", RejectCode.BANNED) from None
@@ -651,13 +703,15 @@ class HubState:
         if record is None or record.state == "banned":
             return False
         verdict = await self.probation.judge(jobs)
+        self.totals.audits[audit_result(verdict)] += 1
         if verdict.failure is not None:
             await self._penalize(record, verdict.failure)
         if not verdict.passed:
             return False
         answered_at = jobs[0].answered_at
         with trio.CancelScope(shield=True):
-            released = await self.writer.write(self.store.record_audit_pass, record.peer_id, answered_at, list(release))
+            released = await self.writer.write(self.store.record_audit_pass, record.peer_id, answered_at, list(release),
+                                               self.clock())
             if not released:  # banned while it was audited: the ban discarded the rows
                 return False
             record.audits_passed += 1
@@ -741,11 +795,23 @@ class HubState:
 
     async def flush(self) -> None:
         """Write liveness and the learner's time to the store; keep the newest EVENTS_RETAINED events; forget
-        join-event times past their window."""
+        join-event times past their window; every RETAIN_PERIOD_S, `retain`."""
         rows, now = self._liveness(), self.clock()
         await self.writer.write(self.store.flush_liveness, rows, self.totals.session_id, now)
         await self.writer.write(self.store.prune_events, EVENTS_RETAINED)
         self._join_events = {p: at for p, at in self._join_events.items() if now - at < JOIN_EVENT_WINDOW_S}
+        if now - self._retained_at >= RETAIN_PERIOD_S:
+            self._retained_at = now
+            await self.retain(now)
+
+    async def retain(self, now: float) -> Retained:
+        """Let go of what the books no longer need (payloads of settled groups off the shelf, closed leases, final
+        ledger rows), then checkpoint the WAL."""
+        # A group made at a version still on the shelf may still be audited (the auditor scores with it).
+        keep_from = min([self.oldest_useful_version(), *self.shelved_versions()])
+        kept = await self.writer.write(self.store.retain, keep_from, now - CLOSED_RETAINED_S, self._vouch_needed)
+        await trio.to_thread.run_sync(self.store.checkpoint)
+        return kept
 
     def flush_sync(self) -> None:
         """The last flush, after trio ended (blocking)."""
@@ -758,6 +824,8 @@ class HubState:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.run_audits)
+            if self.checks is not None:
+                nursery.start_soon(self.checks.run)
             while True:
                 if self.reward_failure is not None:
                     raise self.reward_failure

@@ -18,11 +18,13 @@ from hub.control.policy import CapacityView
 from hub.control.scheduler import Scheduler
 from hub.distribution.broadcast import Broadcaster
 from hub.method.capacity import usable_fraction
+from hub.records.store import Credit, LeaderRow
 from hub.service.state import HubState
 from hub.training.metrics import policy_reward
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
-from shared.messages import EvalPoint, EventRecord, HubStatus, NodeStatus, StepPoint, short_id
+from shared.messages import Contribution, EvalPoint, EventRecord, HubStatus, Leader, NodeStatus, StepPoint, short_id
+from shared.staleness import StalenessMove
 from shared.wire import HEADER, encode_frame
 
 STATUS_PERIOD_S = 1.0
@@ -39,6 +41,11 @@ RECENT_NODES_S = 3600.0
 STATUS_NODES_MAX = 10_000
 # Settled accepted groups the usable fraction is measured over: recent enough to follow the reward.
 USABLE_WINDOW_GROUPS = 512
+# The leaderboard lists the top LEADERS_MAX volunteers of the whole run and of the last day. Its query (the day
+# sums 24 hourly buckets per volunteer: 60 ms for 2,000 of them) takes at most LEADERS_DUTY of the store's time:
+# the next one waits 1 / LEADERS_DUTY times as long as the last took (a small fleet's is fresh every build).
+LEADERS_MAX = 100
+LEADERS_DUTY = 0.01
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ class StatusBoard:
         self.history: tuple[StepPoint, ...] = ()
         self.events: tuple[EventRecord, ...] = ()
         self.evals: tuple[EvalPoint, ...] = ()
+        self.leaders: tuple[Leader, ...] = ()
+        self._leaders_due = -float("inf")
         self.t_train_recent_s: float | None = None
         self.usable_fraction = 1.0
         # The same without stale drops: what one step's rollouts shrink by (hub.method.capacity.Arrival).
@@ -103,6 +112,9 @@ class StatusBoard:
         # Everything settled went stale: no step of ours to learn the other skips from.
         self.fresh_usable_fraction = usable_fraction(trained, settled - stale) if settled > stale else self.usable_fraction
         self.evals = tuple(self.store.evals(HISTORY_POINTS))
+        if (started := time.monotonic()) >= self._leaders_due:
+            self.leaders = tuple(leader(row) for row in self.store.leaders(time.time(), LEADERS_MAX))
+            self._leaders_due = started + (time.monotonic() - started) / LEADERS_DUTY
         self.events = tuple(
             EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)
             for e in self.store.events(EVENTS_KEPT)
@@ -134,7 +146,7 @@ class StatusBoard:
                 chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
                 reachability=n.reachability,
                 link=kinds.get(n.peer_id, ""), name=n.name or short_id(n.peer_id),
-                audits_passed=n.audits_passed,
+                audits_passed=n.audits_passed, price_history=n.price_history,
             )
             for n in listed
         )
@@ -145,13 +157,17 @@ class StatusBoard:
         shelf = self.broadcaster.shelf if self.broadcaster else None
         newest = shelf.get(None) if shelf else None
         delta = shelf.delta(newest.manifest.version) if newest else None
+        moves = self._staleness_moves()
+        staleness, kappa = (moves[-1].staleness, moves[-1].kappa) if moves else (self.info.staleness, self.info.kappa)
         return HubStatus(
             hub_id=self.info.hub_id, addrs=self.info.addrs, running=self.running, updated_at=now, step=step,
-            steps_target=self.info.steps_target, version=step, staleness=self.info.staleness, kappa=self.info.kappa,
+            steps_target=self.info.steps_target, version=step, staleness=staleness, kappa=kappa,
             task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in chains),
             broadcast_mode=self.info.broadcast_mode, open_leases=len(state.leases.open),
             totals=state.totals.groups, dropped_stale=state.totals.dropped_stale,
             submissions=state.totals.submissions, heartbeats=state.totals.heartbeats,
+            audits_passed=state.totals.audits["passed"], audits_failed=state.totals.audits["failed"],
+            audits_unverified=state.totals.audits["unverified"],
             reward_mean=last.reward_mean if last else None,
             t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s() if self.broadcaster else None,
             snapshot_bytes=newest.manifest.total_bytes if newest else None,
@@ -161,7 +177,12 @@ class StatusBoard:
             usable_fraction=capacity.usable_fraction,
             cost_usd=cost, cost_per_step_usd=cost / step if step else None, all_on_cost_usd=state.all_on_cost_usd(now),
             history=self.history, evals=self.evals, events=self.events[:events], nodes_omitted=omitted,
+            leaders=self.leaders, staleness_moves=moves,
         )
+
+    def _staleness_moves(self) -> tuple[StalenessMove, ...]:
+        """S and kappa over time, the ones in force last: the scheduler moves them under --staleness auto."""
+        return tuple(self.scheduler.staleness_moves) if self.scheduler else ()
 
     def refresh_sync(self) -> HubStatus:
         """Read the store and write status.json, outside trio (the final write after the event loop ended)."""
@@ -219,6 +240,16 @@ class StatusBoard:
         while True:
             await self.refresh()
             await trio.sleep(STATUS_PERIOD_S)
+
+
+def leader(row: LeaderRow) -> Leader:
+    """A leaderboard row as the status shows it: a display name always, hours of work."""
+    def contribution(credit: Credit) -> Contribution:
+        return Contribution(accepted=credit.accepted, tokens=credit.tokens, gpu_hours=credit.gpu_s / 3600.0,
+                            audits_passed=credit.audits_passed)
+
+    return Leader(peer_id=row.peer_id, name=row.name or short_id(row.peer_id), run=contribution(row.run),
+                  day=contribution(row.day))
 
 
 def _encode_view(status: HubStatus, operator: bool, events: int) -> bytes:

@@ -18,12 +18,12 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from hub.service.status import StatusBoard
+from hub.service.status import LEADERS_MAX, StatusBoard
 from shared.messages import GROUP_VERDICTS, HubStatus
 from shared.web import by_label, gauge, serve
 
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-PAGE = files("hub.service").joinpath("web_page.html").read_text()
+PAGE = files("hub.service").joinpath("web_page.html").read_text().replace("{LEADERS_MAX}", str(LEADERS_MAX))
 
 
 class StatusCollector:
@@ -68,6 +68,8 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         gauge("echo2_learner_step", "learner steps done", s.step),
         gauge("echo2_learner_steps_target", "learner steps to run (0: until interrupted)", s.steps_target),
         gauge("echo2_learner_version", "policy version the learner publishes", s.version),
+        gauge("echo2_staleness", "S in force: the staleness budget (it moves under --staleness auto)", s.staleness),
+        gauge("echo2_kappa", "kappa in force: steps between snapshots", s.kappa),
         gauge("echo2_rollout_reward", "mean rollout reward of the last step", s.reward_mean),
         gauge("echo2_eval_reward", "mean reward of the last held-out evaluation", last_eval),
         gauge("echo2_bubble_ratio", "share of the last step the learner waited for rollouts", s.bubble),
@@ -94,6 +96,8 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         CounterMetricFamily("echo2_cost_usd", "paid to volunteers, not voided", value=s.cost_usd),
         CounterMetricFamily("echo2_submissions", "submissions received from nodes (this hub process)", value=s.submissions),
         CounterMetricFamily("echo2_heartbeats", "heartbeats received from nodes (this hub process)", value=s.heartbeats),
+        by_label(CounterMetricFamily("echo2_audits", "audits of submissions, by result (this hub process)", labels=["result"]),
+                 {"passed": s.audits_passed, "failed": s.audits_failed, "unverified": s.audits_unverified}),
     ]
 
 

@@ -214,6 +214,7 @@ class Command:
     groups: tuple[Any, ...] = ()
     path: str = ""
     checkpoint: Any = None  # "init": the CheckpointInfo every rank resumes from (rank 0 chose it)
+    lr: float | None = None  # "step": the learning rate of the step (the schedule's)
 
 
 def broadcast(command: Command | None) -> Command:
@@ -311,8 +312,8 @@ class RankGroup:
                     raise  # ours (out of memory, a bug): not a lost rank
                 raise LearnerRankLost(gone or f"a learner rank stopped answering ({exc})") from exc
 
-    def train_step(self, groups, step: int):
-        return self._run(Command("step", step=step, groups=tuple(groups)))
+    def train_step(self, groups, step: int, lr: float | None = None):
+        return self._run(Command("step", step=step, groups=tuple(groups), lr=lr))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._run(Command("state"))
@@ -344,7 +345,7 @@ def _broken_group(exc: BaseException) -> bool:
 
 def run_command(learner, command: Command):
     if command.kind == "step":
-        return learner.train_step(command.groups, command.step)
+        return learner.train_step(command.groups, command.step, command.lr)
     if command.kind == "state":
         return learner.state_dict()
     if command.kind == "checkpoint":

@@ -29,7 +29,7 @@ from shared.generation import Sampler
 from shared.messages import EvalPoint
 from shared.model_io import tied_duplicates
 from shared.rollout import SamplingParams
-from shared.tasks.base import Task, checked_rewards
+from shared.tasks.base import GroupContext, Task, checked_scores
 
 log = logging.getLogger("echo2.hub.eval")
 
@@ -108,7 +108,9 @@ class Evaluator:
                 return None
             batch = self.prompts[i : i + EVAL_BATCH_PROMPTS]
             groups = self.sampler.generate([p.text for p in batch], self.cfg.samples, self.sampling, step, self.greedy)
-            rewards += [list(checked_rewards(self.task, p, [c.text for c in group])) for p, group in zip(batch, groups)]
+            rewards += [list(checked_scores(self.task, p, [c.text for c in group],
+                                            GroupContext(tuple(c.token_ids for c in group), step)).rewards)
+                        for p, group in zip(batch, groups)]
         return summarize(step, rewards, self.cfg.success_reward, time.perf_counter() - started)
 
 

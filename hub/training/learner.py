@@ -23,7 +23,7 @@ from hub.method.grpo import group_advantages, grpo_loss, micro_batches
 from hub.training.checkpoint import CheckpointInfo
 from hub.training.distributed import SOLO, Collective, full_state_dict, partition_rows, shard
 from shared.adapters import LoraSpec, adapter_state, add_adapters, is_adapter_key, merged_state_dict, snapshot_metadata
-from shared.logprobs import completion_logprobs
+from shared.logprobs import completion_logprobs, completion_logprobs_and_entropy
 from shared.model_io import load_into, tied_duplicates
 from shared.precision import engine_dtype, resolve_device
 from shared.rollout import Group, SamplingParams
@@ -40,6 +40,7 @@ class StepStats:
     clip_frac: float
     ratio_mean: float
     ratio_max: float
+    abs_log_ratio: float  # mean |log pi_behaviour - log pi_current| over valid tokens: off-policy drift
     kl: float
     masked_by_is: float
     grad_norm: float
@@ -47,6 +48,28 @@ class StepStats:
     t_backward_s: float
     t_optim_s: float
     t_train_s: float
+    lr: float  # the learning rate this step trained with (the schedule's, hub/method/schedule.py)
+    entropy: float  # mean entropy (nats) of the sampling distribution at the completion tokens
+    completion_length_mean: float
+    completion_length_max: int
+    clipped_ratio: float  # share of completions cut at max_new_tokens (finish_reason "length")
+
+
+@dataclass(frozen=True)
+class CompletionLengths:
+    """Completion lengths of a step's groups, in tokens, and the share cut at max_new_tokens."""
+
+    mean: float
+    max: int
+    clipped_ratio: float
+
+
+def completion_lengths(groups: Sequence[Group]) -> CompletionLengths:
+    """Mean and max completion length, and the share that ended at max_new_tokens without EOS."""
+    completions = [c for g in groups for c in g.completions]
+    lengths = [len(c.token_ids) for c in completions]
+    clipped = sum(c.finish_reason == "length" for c in completions)
+    return CompletionLengths(sum(lengths) / len(lengths), max(lengths), clipped / len(completions))
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
@@ -85,31 +108,38 @@ class _Tally:
     loss: float = 0.0
     clip: float = 0.0
     ratio_sum: float = 0.0
+    # |log-ratio| summed over valid tokens: the drift adaptive staleness guards (hub/control/staleness.py).
+    drift_sum: float = 0.0
     kl: float = 0.0
     masked: float = 0.0
+    entropy_sum: float = 0.0
     n_keep: int = 0
     n_valid: int = 0
     ratio_max: float = 0.0
     t_forward: float = 0.0
     t_backward: float = 0.0
 
-    def add(self, loss: float, stats: Mapping[str, float], n_valid: int, n_keep: int) -> None:
+    def add(self, loss: float, stats: Mapping[str, float], n_valid: int, n_keep: int, entropy_sum: float) -> None:
         """One micro-batch's share."""
+        self.entropy_sum += entropy_sum
         self.n_keep += n_keep
         self.n_valid += n_valid
         self.loss += loss * n_keep
         self.clip += stats["clip_frac"] * n_keep
         self.kl += stats["kl"] * n_keep
         self.ratio_sum += stats["ratio_mean"] * n_valid
+        self.drift_sum += stats["abs_log_ratio"] * n_valid
         self.masked += stats["masked_by_is"]
         self.ratio_max = max(self.ratio_max, stats["ratio_max"])
 
     def across(self, collective: Collective) -> _Tally:
         """The sums over every rank (this tally itself when alone); the times stay this rank's."""
-        loss, clip, ratio_sum, kl, masked, n_keep, n_valid = collective.sum(
-            [self.loss, self.clip, self.ratio_sum, self.kl, self.masked, self.n_keep, self.n_valid])
-        return dataclasses.replace(self, loss=loss, clip=clip, ratio_sum=ratio_sum, kl=kl, masked=masked,
-                                   n_keep=int(n_keep), n_valid=int(n_valid), ratio_max=collective.max(self.ratio_max))
+        loss, clip, ratio_sum, drift_sum, kl, masked, entropy_sum, n_keep, n_valid = collective.sum(
+            [self.loss, self.clip, self.ratio_sum, self.drift_sum, self.kl, self.masked, self.entropy_sum, self.n_keep,
+             self.n_valid])
+        return dataclasses.replace(self, loss=loss, clip=clip, ratio_sum=ratio_sum, drift_sum=drift_sum, kl=kl, masked=masked,
+                                   entropy_sum=entropy_sum, n_keep=int(n_keep), n_valid=int(n_valid),
+                                   ratio_max=collective.max(self.ratio_max))
 
 
 def _fqn_optimizer_state(model: torch.nn.Module, state: dict) -> dict:
@@ -241,10 +271,14 @@ class Learner:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled,
                               cache_enabled=not self.cfg.gradient_checkpointing)
 
-    def train_step(self, groups: Sequence[Group], step: int) -> StepStats:
+    def train_step(self, groups: Sequence[Group], step: int, lr: float | None = None) -> StepStats:
         """One GRPO update on `groups`: this rank's rows, their gradients summed over micro-batches, then the
-        reduce over the ranks and the optimizer's update."""
+        reduce over the ranks and the optimizer's update, at learning rate `lr` (None: the one it has)."""
         started = time.perf_counter()
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        lengths = completion_lengths(groups)
         rows = self._rows(groups)
         tally = self._accumulate(rows)
         optim_started = time.perf_counter()
@@ -259,6 +293,7 @@ class Learner:
             clip_frac=total.clip / max(1, total.n_keep),
             ratio_mean=total.ratio_sum / max(1, total.n_valid),
             ratio_max=total.ratio_max,
+            abs_log_ratio=total.drift_sum / max(1, total.n_valid),
             kl=total.kl / max(1, total.n_keep),
             masked_by_is=total.masked,
             grad_norm=grad_norm,
@@ -266,6 +301,11 @@ class Learner:
             t_backward_s=total.t_backward,
             t_optim_s=done - optim_started,
             t_train_s=done - started,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            entropy=total.entropy_sum / max(1, total.n_valid),
+            completion_length_mean=lengths.mean,
+            completion_length_max=lengths.max,
+            clipped_ratio=lengths.clipped_ratio,
         )
 
     def _rows(self, groups: Sequence[Group]) -> _Rows:
@@ -322,7 +362,10 @@ class Learner:
         """Forward, loss and backward of one micro-batch: its token-weighted loss's gradient adds to .grad."""
         started = time.perf_counter()
         with self._autocast():
-            logprobs, mask = self._logprobs(self.model, rows, part)
+            logprobs, mask, entropy = completion_logprobs_and_entropy(
+                self.model, rows.prompt_ids[part], rows.completion_ids[part], self.tokenizer.pad_token_id,
+                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+            )
             ref_logprobs = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -342,7 +385,7 @@ class Learner:
         (loss * n_keep).backward()
         tally.t_forward += backward_started - started
         tally.t_backward += time.perf_counter() - backward_started
-        tally.add(float(loss.detach()), stats, n_valid, n_keep)
+        tally.add(float(loss.detach()), stats, n_valid, n_keep, float(entropy.sum()))
 
     def _logprobs(self, model: torch.nn.Module, rows: _Rows, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """`model`'s log-probs of the micro-batch's completion tokens under the sampling's temperature and

@@ -25,26 +25,32 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from hub.config import LearnerConfig
+from hub.method.capacity import default_kappa
+from hub.method.schedule import step_lr
 from hub.records.buffer import BufferSignal, ReplayBuffer
 from hub.records.store import CheckpointRow, StepRecord
 from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries, save_checkpoint, write_text_files
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
 from hub.training.evaluation import EvalRunner
-from hub.training.learner import Learner
-from hub.training.metrics import MetricsWriter, bubble_ratio
+from hub.training.learner import Learner, StepStats
+from hub.training.metrics import MetricsWriter, bubble_ratio, reward_means, sample_completions
 from hub.training.trackers import Trackers
 from shared.crypto import Identity
 from shared.delta import build_delta_snapshot
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
 from shared.model_io import build_snapshot
 from shared.probe import InstallProbe
-from shared.rollout import SamplingParams
+from shared.rollout import Group, SamplingParams
 from shared.snapshot import Snapshot, read_snapshot_files
+from shared.staleness import StalenessMove
+
+if TYPE_CHECKING:  # pyarrow is imported only by a hub that saves rollouts
+    from hub.training.rollout_export import RolloutExport
 
 log = logging.getLogger("echo2.hub.learner")
 
@@ -62,6 +68,8 @@ class RecordReads(Protocol):
     """The reads of the hub's record the loop makes when it starts and when it saves on Ctrl-C."""
 
     def latest_step(self) -> int | None: ...
+
+    def latest_step_record(self) -> StepRecord | None: ...
 
     def latest_version(self) -> int | None: ...
 
@@ -121,16 +129,24 @@ class LearnerComponent:
         extra_metrics: Callable[[int], Mapping[str, float | None]] = lambda step: {},
         trackers: Trackers | None = None,
         evaluation: EvalRunner | None = None,
+        log_completions: int = 0,
         ranks: tuple[Collective, str, RankWatch | None] | None = None,
         probe: Callable[[Path, str], InstallProbe] | None = None,
         card: Callable[[int], Mapping[str, str]] | None = None,
+        rollouts: RolloutExport | None = None,
+        staleness_control: Callable[[int, float | None, float | None], StalenessMove | None] | None = None,
     ) -> None:
         """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
         (hub/training/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
         the install probe signed into each snapshot's manifest (shared/probe.py). `card(step)`: the text files saved
-        beside the policy of that step, in each checkpoint and in DATA_DIR/final (name -> text)."""
+        beside the policy of that step, in each checkpoint and in DATA_DIR/final (name -> text). `rollouts`: where each
+        step's groups are saved as data (--save-rollouts). `staleness_control(version, drift, drift_per_version)`: under
+        --staleness auto, after each publish, the S and kappa of the next period (None: they stay); drift is the mean
+        |log-ratio| of the tokens trained on since the previous publish, drift_per_version the run's drift over mean age
+        on the steps that trained on stale groups (None before one)."""
         self.probe = probe
         self.card = card or (lambda step: {})
+        self.rollouts = rollouts  # --save-rollouts: each step's groups as a Parquet shard
         self.cfg = cfg
         self.data_dir = Path(data_dir)
         self.host = host
@@ -144,8 +160,16 @@ class LearnerComponent:
         self.delta_max_ratio = delta_max_ratio
         self._last_published: Snapshot | None = None  # the base of the next delta
         self.kappa = cfg.effective_kappa
+        # The S in force; a lowered S leaves the window at the old one until a step (see _adapt_staleness).
+        self.staleness = cfg.staleness
+        self.staleness_control = staleness_control
+        self._grace = (cfg.staleness, 0)
+        self._drift: list[float] = []
+        self._stale_drift = (0.0, 0.0)  # sums of drift and of mean age over the steps that trained on stale groups
         self.clock = clock
         self.extra_metrics = extra_metrics
+        self.log_completions = log_completions  # sample completions logged per step (--log-completions)
+        self._groups_trained = 0  # since this start, against the buffer's count of groups offered
         self._offered_seen = (0, 0.0)
         self.snapshots_dir = self.data_dir / SNAPSHOTS_DIR
         self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
@@ -165,6 +189,8 @@ class LearnerComponent:
         # never repeat.
         latest_step = self.store.latest_step() or 0
         self.step = max(latest_step, checkpoint.step if checkpoint is not None else 0)
+        if cfg.staleness_auto:
+            self._resume_staleness()
         self.training = False
         self.snapshot_seconds: list[float] = []
         self._pending_stale: list[int] = []
@@ -183,7 +209,23 @@ class LearnerComponent:
     def min_useful_version(self) -> int:
         """Oldest version whose fresh rollouts the next take can still use (for leases and local rollouts)."""
         next_take_version = self.step + 1 if self.training else self.step
-        return max(0, next_take_version - self.cfg.staleness)
+        return max(0, next_take_version - self.window_staleness())
+
+    def _resume_staleness(self) -> None:
+        """--staleness auto: go on at the S (kappa following) the newest committed step trained under, within
+        [1, staleness_max], rather than at the start's; a move decided after that step is decided again at the next
+        publish."""
+        newest = self.store.latest_step_record()
+        if newest is None:
+            return
+        self.staleness = min(max(1, int(newest.extra["staleness_budget"])), self.cfg.staleness_max)
+        self.kappa = default_kappa(self.staleness)
+        self._grace = (self.staleness, 0)
+
+    def window_staleness(self) -> int:
+        """The S the buffer and the leases' window use: the S in force, or a larger one it replaced, for its grace."""
+        old, until = self._grace
+        return max(self.staleness, old) if self.step < until else self.staleness
 
     async def run(self) -> None:
         await self._publish_initial()
@@ -191,6 +233,7 @@ class LearnerComponent:
         while self.steps == 0 or self.step < self.steps:
             current = self.step
             t = current + 1
+            self.buffer.staleness = self.window_staleness()
             idle_started = self.clock()
             while True:
                 dropped = self.buffer.prune(current)
@@ -207,11 +250,12 @@ class LearnerComponent:
             self.signal.notify()
             try:
                 # Sharded, a step waits on other processes: when one dies the hub stops without waiting for it.
-                stats = await trio.to_thread.run_sync(self.learner.train_step, taken.groups, t,
+                stats = await trio.to_thread.run_sync(self.learner.train_step, taken.groups, t, self._lr(t),
                                                       abandon_on_cancel=self.sharded)
             finally:
                 self.training = False
             staleness = taken.staleness
+            self._groups_trained += len(taken.groups)
             record = StepRecord(
                 step=t,
                 version=t,
@@ -229,12 +273,17 @@ class LearnerComponent:
                     "loss": stats.loss,
                     "ratio_mean": stats.ratio_mean,
                     "ratio_max": stats.ratio_max,
+                    "abs_log_ratio": stats.abs_log_ratio,
+                    "staleness_budget": float(self.staleness),
+                    "kappa": float(self.kappa),
                     "kl": stats.kl,
                     "masked_by_is": stats.masked_by_is,
                     "grad_norm": stats.grad_norm,
                     "t_forward_s": stats.t_forward_s,
                     "t_backward_s": stats.t_backward_s,
                     "t_optim_s": stats.t_optim_s,
+                    **self._trl_metrics(stats),
+                    **reward_means(taken.groups),
                     **self._rollout_reward_since_last_step(),
                     **self.extra_metrics(t),
                 },
@@ -243,17 +292,47 @@ class LearnerComponent:
             await self.host.commit_step(record, taken.row_ids, stale_ids)
             self._pending_stale.clear()
             self.step = t
-            await trio.to_thread.run_sync(self.metrics.append, record)
+            await trio.to_thread.run_sync(self._log_step, record, taken.groups)
+            if self.rollouts is not None:
+                await trio.to_thread.run_sync(self.rollouts.save, taken.groups, t, staleness)
             if self.evaluation is not None and self.evaluation.due(t):
                 await self.evaluation.start(t, self.learner.state_dict)
             if t % self.cfg.checkpoint_every == 0:
                 await trio.to_thread.run_sync(self._checkpoint, t)
+            self._drift.append(stats.abs_log_ratio)
+            if record.staleness_mean > 0:
+                drift_sum, age_sum = self._stale_drift
+                self._stale_drift = (drift_sum + stats.abs_log_ratio, age_sum + record.staleness_mean)
+            # After kappa changes the next multiple of it comes within kappa steps: the lease rule (kappa <= S - 1) holds.
             if t % self.kappa == 0:
                 await self._publish(t)
+                await self._adapt_staleness(t)
             self.signal.notify()
         if self.evaluation is not None:  # the final policy's evaluation belongs to the run, and to its card
             await self.evaluation.finish(self.step, self.learner.state_dict)
         await trio.to_thread.run_sync(self.save_state)
+
+    def _lr(self, step: int) -> float:
+        """The learning rate of `step` under the configured schedule (--lr-scheduler, --warmup-ratio)."""
+        return step_lr(self.cfg.lr, self.cfg.lr_scheduler, step, self.steps, self.cfg.warmup_ratio)
+
+    def _trl_metrics(self, stats: StepStats) -> dict[str, float]:
+        """The step's metrics under TRL's meaning: lr, entropy, completion lengths, and the share of the groups
+        offered since this start (bought or local) that were trained on."""
+        return {
+            "lr": stats.lr,
+            "entropy": stats.entropy,
+            "completion_length_mean": stats.completion_length_mean,
+            "completion_length_max": stats.completion_length_max,
+            "clipped_ratio": stats.clipped_ratio,
+            "trained_share": self._groups_trained / max(1, self.buffer.offered),
+        }
+
+    def _log_step(self, record: StepRecord, groups: Sequence[Group]) -> None:
+        """The step's metrics row, then its sample completions (--log-completions). Blocking."""
+        self.metrics.append(record)
+        if self.log_completions:
+            self.metrics.append_completions(record.step, sample_completions(groups, self.log_completions))
 
     def _rollout_reward_since_last_step(self) -> dict[str, float]:
         """Mean reward of every group offered since the previous step, zero-variance ones included.
@@ -322,6 +401,26 @@ class LearnerComponent:
         self.snapshot_seconds.append(time.perf_counter() - started)
         self._last_published = snapshot
         return snapshot, delta
+
+    async def _adapt_staleness(self, version: int) -> None:
+        """Put the S its control chooses in force. A lowered S keeps the old window for S_old steps: a group made with
+        a version up to this one was usable under the old S until at most this step + S_old, so no group made or leased
+        before the change is dropped for it; the drift guard lowers S early enough (LOWER_AT) for that delay."""
+        if self.staleness_control is None:
+            return
+        drift = sum(self._drift) / len(self._drift) if self._drift else None
+        self._drift.clear()
+        drift_sum, age_sum = self._stale_drift
+        move = self.staleness_control(version, drift, drift_sum / age_sum if age_sum > 0 else None)
+        if move is None:
+            return
+        if move.staleness < self.staleness:
+            _, until = self._grace
+            self._grace = (self.window_staleness(), max(until, version + self.staleness))
+        before = (self.staleness, self.kappa)
+        self.staleness, self.kappa = move.staleness, move.kappa
+        detail = f"S {before[0]} -> {move.staleness}, kappa {before[1]} -> {move.kappa}: {move.reason.value} ({move.detail})"
+        await trio.to_thread.run_sync(self.host.record_event, "staleness", None, detail)
 
     async def _publish(self, version: int) -> None:
         snapshot, delta = await trio.to_thread.run_sync(self._build_and_write, version)

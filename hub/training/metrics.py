@@ -11,11 +11,28 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from hub.records.store import StepRecord
-from hub.training.trackers import Trackers
+from hub.training.trackers import LoggedCompletion, Trackers
+from shared.rollout import Group
+from shared.tasks.rewards import mean_applied
+
+
+def sample_completions(groups: Sequence[Group], n: int) -> list[LoggedCompletion]:
+    """Up to `n` of a step's completions, spread over its prompts: each group's first, then each one's second..."""
+    picked: list[LoggedCompletion] = []
+    width = max((len(g.completions) for g in groups), default=0)
+    for index in range(width):
+        for group in groups:
+            if len(picked) == n:
+                return picked
+            if index < len(group.completions):
+                completion = group.completions[index]
+                picked.append(LoggedCompletion(group.prompt_text, completion.text, group.rewards[index], completion.version))
+    return picked
 
 
 def bubble_ratio(t_idle_s: float, t_train_s: float) -> float:
@@ -46,14 +63,24 @@ class MetricsWriter:
         self.append_row(record.as_json_dict())
 
     def append_row(self, row: Mapping[str, float | int]) -> None:
-        line = json.dumps(row, sort_keys=True) + "\n"
         with self._lock:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+            self._write(json.dumps(row, sort_keys=True))
             if self.trackers is not None:
                 self.trackers.log(row)
+
+    def append_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
+        """One line {"completions_step": step, "completions": [...]}, and a table in each tracker."""
+        with self._lock:
+            self._write(json.dumps({"completions_step": step, "completions": [asdict(c) for c in completions]}))
+            if self.trackers is not None:
+                self.trackers.log_completions(step, completions)
+
+    def _write(self, line: str) -> None:
+        """One line appended and fsynced (under the lock)."""
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _rows(path: Path) -> list[dict[str, float]]:
@@ -69,6 +96,11 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return [row for row in _rows(path) if "step" in row]
 
 
+def read_completions(path: Path) -> list[dict]:
+    """The sample completions' rows of a metrics file (--log-completions), in order."""
+    return [row for row in _rows(path) if "completions_step" in row]
+
+
 def read_evals(path: Path) -> list[dict[str, float]]:
     """The evaluations' rows of a metrics file, by step."""
     return sorted((row for row in _rows(path) if "eval_step" in row), key=lambda row: row["eval_step"])
@@ -78,3 +110,15 @@ def policy_reward(row: Mapping[str, float]) -> float:
     """What the policy scores at a step: the mean over every rollout offered since the previous step
     (zero-variance groups included), falling back to the mean over the groups trained on."""
     return row.get("rollout_reward_mean", row["reward_mean"])
+
+
+def reward_means(groups: Sequence[Group]) -> dict[str, float]:
+    """Each reward function's mean over the completions of `groups` it applies to, by TRL's key
+    "rewards/<name>/mean" (a dataset's reward functions name their values; a function that applied to none, or
+    a task of its own class, logs nothing)."""
+    values: dict[str, list[float | None]] = {}
+    for group in groups:
+        for name, part in group.reward_parts:
+            values.setdefault(name, []).extend(part)
+    means = {name: mean_applied(part) for name, part in values.items()}
+    return {f"rewards/{name}/mean": mean for name, mean in means.items() if mean is not None}

@@ -4,7 +4,8 @@ Each is imported only when chosen; a missing package is a user mistake caught be
 starts (`check_trackers`). All three run offline: TensorBoard and trackio write local files,
 W&B runs in offline mode unless WANDB_MODE says otherwise (sync later with `wandb sync`). Local
 files go under DATA_DIR/<tracker>/ unless tracking.dir is set. Every tracker gets the run
-config once and every metrics.jsonl row: learner steps by `step`, evaluations by `eval_step`.
+config once and every metrics.jsonl row: learner steps by `step`, evaluations by `eval_step`; the sample
+completions of --log-completions as a table (TensorBoard: a markdown text, W&B and trackio: a Table).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,8 +28,37 @@ TRACK_EXTRA = "pip install 'echo2[track]'"
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
+@dataclass(frozen=True)
+class LoggedCompletion:
+    """One sample completion of a step, as --log-completions logs it."""
+
+    prompt: str
+    completion: str
+    reward: float
+    version: int
+
+
+COMPLETION_COLUMNS = ["step"] + [f.name for f in fields(LoggedCompletion)]
+
+
+def _table_rows(step: int, completions: Sequence[LoggedCompletion]) -> list[list[Any]]:
+    return [[step, *astuple(c)] for c in completions]
+
+
+def _markdown_table(step: int, completions: Sequence[LoggedCompletion]) -> str:
+    """The completions as a markdown table (TensorBoard renders text as markdown); cells on one line each."""
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(COMPLETION_COLUMNS) + " |", "|" + "---|" * len(COMPLETION_COLUMNS)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in _table_rows(step, completions)]
+    return "\n".join(lines)
+
+
 class Tracker(Protocol):
     def log(self, row: Mapping[str, Any]) -> None: ...
+
+    def log_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -65,6 +96,10 @@ class TensorBoardTracker:
                 self.writer.add_scalar(f"{kind}/{key}", value, step)
         self.writer.flush()
 
+    def log_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
+        self.writer.add_text("train/completions", _markdown_table(step, completions), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -88,6 +123,10 @@ class WandbTracker:
         axis = "eval_step" if kind == "eval" else "step"
         self.run.log({axis: step, **{f"{kind}/{k}": v for k, v in _numbers(row).items() if k != axis}})
 
+    def log_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
+        table = self.wandb.Table(columns=COMPLETION_COLUMNS, data=_table_rows(step, completions))
+        self.run.log({"step": step, "train/completions": table})
+
     def close(self) -> None:
         self.run.finish()
         # finish() can return before wandb's service has written the run file out; teardown waits for it.
@@ -107,6 +146,10 @@ class TrackioTracker:
         kind, step = _row_step(row)
         self.run.log({f"{kind}/{k}": v for k, v in _numbers(row).items()}, step=step)
 
+    def log_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
+        table = self.trackio.Table(columns=COMPLETION_COLUMNS, data=_table_rows(step, completions))
+        self.run.log({"train/completions": table}, step=step)
+
     def close(self) -> None:
         self.run.finish()
 
@@ -124,9 +167,16 @@ class Trackers:
         self.trackers = list(trackers)
 
     def log(self, row: Mapping[str, Any]) -> None:
+        self._each(lambda tracker: tracker.log(row))
+
+    def log_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
+        self._each(lambda tracker: tracker.log_completions(step, completions))
+
+    def _each(self, call) -> None:
+        """`call` on every tracker; one that fails is reported, then dropped."""
         for name, tracker in list(self.trackers):
             try:
-                tracker.log(row)
+                call(tracker)
             except Exception as exc:  # noqa: BLE001 -- a tracker's own failure must not stop training
                 log.error("tracker %s failed and is dropped for the rest of the run: %r", name, exc)
                 print(f"echo-hub: --report-to {name} failed ({exc}); training goes on without it", flush=True)

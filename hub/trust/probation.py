@@ -33,6 +33,14 @@ class AuditVerdict:
     failure: str | None = None
 
 
+AUDIT_RESULTS = ("passed", "failed", "unverified")
+
+
+def audit_result(verdict: AuditVerdict) -> str:
+    """What an audit came to, as /metrics counts it: one of AUDIT_RESULTS."""
+    return "passed" if verdict.passed else "failed" if verdict.failure is not None else "unverified"
+
+
 class Probation:
     """The audit queue, its draws, and the count of groups held for audit."""
 

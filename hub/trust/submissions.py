@@ -21,7 +21,7 @@ from hub.records.store import NewEvent
 from hub.trust.copies import CopyDetector, CopyFlag
 from shared.messages import GROUP_VERDICTS, Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group, SamplingParams
-from shared.tasks.base import Prompt, Task, checked_rewards
+from shared.tasks.base import GroupContext, Prompt, Task, checked_scores
 
 CLAIMED_REWARD_TOLERANCE = 1e-6
 # The most bytes a submission's JSON spends on each of its parts, for the frame cap of one lease's answer.
@@ -163,16 +163,19 @@ def _score(submitted: SubmittedGroup, prompt: Prompt, rules: SubmissionRules, no
     claimed other scores. A reward that fails raises RewardError: the operator's fault, not the node's."""
     pid = submitted.prompt_id
     completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
-    rewards = checked_rewards(rules.task, prompt, [c.text for c in completions])
-    if _claims_differ(submitted.claimed_rewards, rewards):
+    version = submitted.completions[0].version
+    context = GroupContext(tuple(c.token_ids for c in completions), version)
+    scores = checked_scores(rules.task, prompt, [c.text for c in completions], context)
+    if _claims_differ(submitted.claimed_rewards, scores.rewards):
         return GroupVerdict(pid, False, REASON_CLAIMED_REWARD, submitted)
     group = Group(
         prompt_id=pid,
         prompt_text=prompt.text,
-        version=submitted.completions[0].version,
+        version=version,
         completions=tuple(completions),
-        rewards=rewards,
+        rewards=scores.rewards,
         node_id=node_id,
+        reward_parts=scores.parts,
     )
     return GroupVerdict(pid, True, "", submitted, group)
 

@@ -1,9 +1,11 @@
 """The task interface: prompts with ids and a reward function; nothing else is known about a task.
 
 A reward is called once per group, with every completion of one prompt, as TRL calls a reward function once
-per batch: it returns one number per completion. The reward is the operator's code: `checked_rewards` turns
+per batch: it returns one number per completion. The reward is the operator's code: `checked_scores` turns
 its exception or a value other than one finite number per completion into a RewardError naming it, which
-stops the run; it is never counted against the node whose completions it scored.
+stops the run; it is never counted against the node whose completions it scored. A task made of several
+reward functions (a dataset's `--reward a,b`) also gives each one's values (`Scores.parts`), which the
+learner's metrics log apart.
 """
 
 from __future__ import annotations
@@ -34,6 +36,27 @@ class Prompt:
         return self.text if self.split_key is None else self.split_key
 
 
+@dataclass(frozen=True)
+class GroupContext:
+    """What a reward may know of a group besides its texts (TRL passes both): each completion's token ids, and
+    the policy version that sampled the group (the learner steps taken before it: TRL's trainer_state.global_step)."""
+
+    completion_ids: tuple[tuple[int, ...], ...]
+    version: int
+
+
+# Per reward function: its name and one value per completion (None where the function does not apply).
+RewardParts = tuple[tuple[str, tuple[float | None, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A group's rewards, one per completion, and, for a task of several reward functions, each one's values."""
+
+    rewards: tuple[float, ...]
+    parts: RewardParts = ()
+
+
 class Task(ABC):
     """A source of prompts plus the hub-side reward R(x, y) in [0, 1]. A task implements `rewards` (one group at
     a time); a task written per completion implements `reward` instead, and is then scored one completion at
@@ -59,6 +82,11 @@ class Task(ABC):
     def reward(self, prompt: Prompt, completion: str) -> float:
         """Score one decoded completion of `prompt` (a group of one)."""
         return self.rewards(prompt, [completion])[0]
+
+    def scores(self, prompt: Prompt, completions: list[str], context: GroupContext | None) -> Scores:
+        """The group's rewards by `rewards`, checked; a task of several reward functions overrides it to give each
+        one's values too, and one that takes token ids or the version reads them from `context` (None: unknown)."""
+        return Scores(valid_rewards(self.reward_name, prompt, self.rewards(prompt, completions), len(completions)))
 
     def _rewards_per_completion(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
         """`rewards` of a task that implements `reward`: one call per completion."""
@@ -96,8 +124,9 @@ def _shown(value: Any) -> str:
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
 
 
-def _problem(out: Any, n: int) -> str | None:
-    """What is wrong with `out` as the rewards of `n` completions (None: nothing)."""
+def _problem(out: Any, n: int, allow_none: bool = False) -> str | None:
+    """What is wrong with `out` as the rewards of `n` completions (None: nothing). With `allow_none`, None is a
+    value too: the function does not apply to that completion (TRL's convention)."""
     if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
         return f"returned {_shown(out)}; it must return a list of one number per completion"
     try:
@@ -107,6 +136,8 @@ def _problem(out: Any, n: int) -> str | None:
     if count != n:
         return f"returned {count} value{'' if count == 1 else 's'} for {n} completions; it must return one number per completion"
     for i, value in enumerate(out):
+        if value is None and allow_none:
+            continue
         if not isinstance(value, numbers.Real):
             return f"returned {_shown(value)} for completion {i + 1} of {n}; rewards must be numbers"
         if not math.isfinite(value):
@@ -114,17 +145,33 @@ def _problem(out: Any, n: int) -> str | None:
     return None
 
 
-def checked_rewards(task: Task, prompt: Prompt, completions: Sequence[str]) -> tuple[float, ...]:
-    """The task's rewards for one group of `prompt`, one call for the group: RewardError naming the function when
-    it raises or returns other than one finite number per completion."""
-    name = task.reward_name
-    try:
-        out = task.rewards(prompt, list(completions))
-    except Exception as exc:  # noqa: BLE001 -- the operator's code: any failure is theirs to fix
-        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        raise RewardError(f"reward {name} raised {type(exc).__name__}{': ' + detail if detail else ''} "
-                          f"(prompt {prompt.id}); fix the reward function") from exc
-    problem = _problem(out, len(completions))
+def valid_rewards(name: str, prompt: Prompt, out: Any, n: int, allow_none: bool = False) -> tuple[float | None, ...]:
+    """`out` as one float per completion (None kept with `allow_none`); RewardError naming reward `name` when it
+    is not one finite number per completion."""
+    problem = _problem(out, n, allow_none)
     if problem is not None:
         raise RewardError(f"reward {name} {problem} (prompt {prompt.id})")
-    return tuple(float(v) for v in out)
+    return tuple(None if v is None else float(v) for v in out)
+
+
+def checked_scores(task: Task, prompt: Prompt, completions: Sequence[str], context: GroupContext | None = None) -> Scores:
+    """The task's scores for one group of `prompt`, one call for the group: RewardError naming the function when
+    it raises or returns other than one finite number per completion."""
+    try:
+        return task.scores(prompt, list(completions), context)
+    except RewardError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- the operator's code: any failure is theirs to fix
+        raise reward_raised(task.reward_name, prompt, exc) from exc
+
+
+def reward_raised(name: str, prompt: Prompt, exc: Exception) -> RewardError:
+    """The one line for reward `name` raising `exc` on a group of `prompt`."""
+    detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return RewardError(f"reward {name} raised {type(exc).__name__}{': ' + detail if detail else ''} "
+                       f"(prompt {prompt.id}); fix the reward function")
+
+
+def checked_rewards(task: Task, prompt: Prompt, completions: Sequence[str]) -> tuple[float, ...]:
+    """The task's rewards for one group of `prompt` (`checked_scores` without token ids or version)."""
+    return checked_scores(task, prompt, completions).rewards

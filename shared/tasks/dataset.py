@@ -1,16 +1,17 @@
-"""Prompt datasets from local files, scored by a reward: what users of TRL and verl bring.
+"""Prompt datasets from local files, scored by rewards: what users of TRL and verl bring.
 
 Sources: a JSONL file (one object per line), a Parquet file, or a directory written by
 `datasets.Dataset.save_to_disk` (a DatasetDict's split chosen by name). Columns are chosen by
-name (default `prompt` and `answer`); every other column travels with its row to a reward
-function. A prompt is a string, or chat messages (a list of {"role", "content"}) rendered with
+name (default `prompt` and `answer`), or by a dotted path into a nested column
+(`reward_model.ground_truth`, as verl's layout keeps the answer); every other column travels with its row to
+a reward function. A prompt is a string, or chat messages (a list of {"role", "content"}) rendered with
 the model tokenizer's chat template; `chat` also renders string prompts as one user message.
 
-Rewards: "math" (math-verify equivalence of the final answer with the `answer` column), "exact"
-(the stripped completion equals the answer), or "module:function" with TRL's reward-function
-signature: fn(prompts=[...], completions=[...], **columns) -> list[float], called once per group
-with the group's prompt repeated once per completion, as TRL repeats it per generation (chat
-prompts get chat completions, [{"role": "assistant", ...}]).
+Rewards (shared/tasks/rewards.py): "math" (math-verify equivalence of the final answer with the answer
+column), "exact" (the stripped completion equals the answer), or "module:function" in TRL's style or
+verl's `compute_score`; several, comma-separated, add up weighted as TRL's `reward_weights` do. A TRL
+function is called once per group with the group's prompt repeated once per completion, as TRL repeats it
+per generation (chat prompts get chat completions, [{"role": "assistant", ...}]).
 
 Prompt ids are "<prefix>-<n>": n is the JSONL line number or the row index, so they are stable
 across runs of the same file. Nothing here leaves the hub: answers and columns are hub-side.
@@ -18,7 +19,6 @@ across runs of the same file. Nothing here leaves the hub: answers and columns a
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,11 +26,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.tasks.base import Prompt, Task
-from shared.tasks.user_code import import_object
+from shared.tasks.base import GroupContext, Prompt, Scores, Task, valid_rewards
+from shared.tasks.rewards import (
+    Reward,
+    RewardCall,
+    RewardFn,
+    RewardState,
+    RewardStyle,
+    check_callable,
+    check_trl_columns,
+    combine_rewards,
+    load_reward,
+    reward_specs,
+    reward_weights,
+    scored_parts,
+    trl_arguments,
+    verl_arguments,
+)
 
 DATA_EXTRA = "pip install 'echo2[data]'"
-BUILTIN_REWARDS = ("math", "exact")
 
 
 @dataclass(frozen=True)
@@ -39,10 +53,12 @@ class DatasetOptions:
 
     prompt_column: str = "prompt"
     answer_column: str = "answer"
-    reward: str = "math"
+    reward: str | tuple[str, ...] = "math"  # one spec, several comma-separated, or a tuple of them
     split: str = "train"
     chat: bool = False
     id_prefix: str = "row"
+    reward_weights: tuple[float, ...] = ()  # one per reward (empty: 1.0 each)
+    reward_style: RewardStyle = "auto"
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,22 @@ def is_dataset_path(spec: str) -> bool:
     return Path(spec).exists()
 
 
+_ABSENT = object()
+
+
+def column_value(record: Mapping[str, Any], path: str) -> Any:
+    """The value a column path names: the column of that name, else for `a.b` the key `b` of column `a`'s
+    mapping (verl's `reward_model.ground_truth`); _ABSENT when the row has none."""
+    if path in record:
+        return record[path]
+    value: Any = record
+    for key in path.split("."):
+        if not isinstance(value, Mapping) or key not in value:
+            return _ABSENT
+        value = value[key]
+    return value
+
+
 # -- prompts ---------------------------------------------------------------------------------------------
 
 Messages = tuple[Mapping[str, str], ...]
@@ -152,12 +184,26 @@ def _answer_text(value: Any, where: str, column: str) -> str:
     return str(value)
 
 
-def load_reward_function(spec: str) -> Callable[..., Any]:
-    """`module:function` (imported from the current directory or installed packages)."""
-    fn = import_object(spec, "reward")
-    if not callable(fn) or inspect.isclass(fn):
-        raise ValueError(f"reward {spec!r} is not a function")
-    return fn
+def _builtin_rewards(source: str) -> dict[str, RewardFn]:
+    """The builtin rewards against a prompt's answer text; math-verify's gold answers parsed once per prompt."""
+    from shared.tasks.math import MathReward
+
+    math_reward = MathReward(source)
+    return {
+        "math": lambda c: [math_reward.score(c.prompt, t) for t in c.texts],
+        "exact": lambda c: [1.0 if t.strip() == (c.prompt.answer or "").strip() else 0.0 for t in c.texts],
+    }
+
+
+def _loaded_rewards(source: str, opts: DatasetOptions) -> tuple[tuple[Reward, ...], tuple[float, ...]]:
+    """(the rewards `opts.reward` names, their weights); ValueError naming the mistake."""
+    builtins = _builtin_rewards(source)
+    rewards = tuple(load_reward(spec, opts.reward_style, builtins) for spec in reward_specs(opts.reward))
+    names = [r.name for r in rewards]
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"--reward names two reward functions called {twice!r}: their metrics would mix")
+    return rewards, reward_weights(opts.reward_weights, len(rewards))
 
 
 class DatasetTask(Task):
@@ -170,61 +216,87 @@ class DatasetTask(Task):
         self, path: str | Path, options: DatasetOptions = DatasetOptions(),
         render_chat: Callable[[], Callable[[Messages], str]] | None = None,
     ) -> None:
-        from shared.tasks.math import MathReward
-
         self.path = Path(path)
         self.options = opts = options
-        self._function = None if opts.reward in BUILTIN_REWARDS else load_reward_function(opts.reward)
-        self._math = MathReward(str(self.path)) if opts.reward == "math" else None
-        renderer: Callable[[Messages], str] | None = None
+        self._rewards, self._weights = _loaded_rewards(str(self.path), opts)
+        self._render_chat = render_chat
+        self._renderer: Callable[[Messages], str] | None = None
         self._prompts: list[Prompt] = []
-        self._columns: dict[str, Mapping[str, Any]] = {}
+        self._rows: dict[str, Mapping[str, Any]] = {}
+        self._truths: dict[str, Any] = {}
         self._messages: dict[str, Messages] = {}
         for row in read_rows(self.path, opts.split):
-            if opts.prompt_column not in row.record:
-                raise ValueError(f"{row.where}: no column {opts.prompt_column!r} (columns: {', '.join(row.record)}); "
-                                 "choose one with --prompt-column")
-            value = row.record[opts.prompt_column]
-            messages = _messages(value, row.where, opts.prompt_column)
-            if messages is None and opts.chat:
-                messages = ({"role": "user", "content": value},)
-            answer = None
-            if self._function is None:  # a reward function gets the raw column instead, whatever it holds
-                if opts.answer_column not in row.record:
-                    raise ValueError(f"{row.where}: no column {opts.answer_column!r} (the {opts.reward} reward needs "
-                                     "it); choose one with --answer-column")
-                answer = _answer_text(row.record[opts.answer_column], row.where, opts.answer_column)
-            if messages is not None:
-                if renderer is None:
-                    if render_chat is None:
-                        raise ValueError(f"{row.where}: a chat prompt, but no model tokenizer to render it with")
-                    renderer = render_chat()
-                text = renderer(messages)
-            else:
-                text = value
-            key = None if messages is None else json.dumps([dict(m) for m in messages], sort_keys=True)
-            prompt = Prompt(id=f"{opts.id_prefix}-{row.index}", text=text, answer=answer, split_key=key)
-            self._prompts.append(prompt)
-            if messages is not None:
-                self._messages[prompt.id] = messages
-            if self._function is not None:
-                self._columns[prompt.id] = {k: v for k, v in row.record.items() if k != opts.prompt_column}
+            self._add_row(row)
         if not self._prompts:
             raise ValueError(f"{self.path}: no prompts (empty dataset)")
-        if self._function is not None:
-            self._check_signature()
+        self._check_signatures()
 
-    def _check_signature(self) -> None:
-        """The function must take what TRL passes: prompts, completions and the dataset's other columns."""
-        first = self._prompts[0]
-        try:
-            inspect.signature(self._function).bind(**self._call_arguments(first, ["x"]))
-        except TypeError as exc:
-            raise ValueError(f"reward {self.options.reward}: cannot be called as TRL calls reward functions "
-                             f"(prompts=, completions=, one keyword per dataset column): {exc}") from None
+    def _styles(self) -> set[str]:
+        return {r.style for r in self._rewards}
 
-    def _call_arguments(self, prompt: Prompt, completions: list[str]) -> dict[str, Any]:
-        """TRL's keywords for one group: its prompt and every other column once per completion."""
+    def _prompt_of(self, row: Row) -> tuple[str, Messages | None]:
+        """(the prompt text the model sees, its chat messages or None) of a row."""
+        opts = self.options
+        value = column_value(row.record, opts.prompt_column)
+        if value is _ABSENT:
+            raise ValueError(f"{row.where}: no column {opts.prompt_column!r} (columns: {', '.join(row.record)}); "
+                             "choose one with --prompt-column")
+        messages = _messages(value, row.where, opts.prompt_column)
+        if messages is None and opts.chat:
+            messages = ({"role": "user", "content": value},)
+        if messages is None:
+            return value, None
+        if self._renderer is None:
+            if self._render_chat is None:
+                raise ValueError(f"{row.where}: a chat prompt, but no model tokenizer to render it with")
+            self._renderer = self._render_chat()
+        return self._renderer(messages), messages
+
+    def _answer_of(self, row: Row) -> Any:
+        """The answer column's raw value, when a reward needs it (None when none does)."""
+        opts = self.options
+        if not self._styles() & {"builtin", "verl"}:
+            return None  # a TRL function gets the raw columns instead, whatever they hold
+        value = column_value(row.record, opts.answer_column)
+        if value is _ABSENT:
+            needs = ", ".join(r.spec for r in self._rewards if r.style != "trl")
+            hint = ("; verl's layout keeps it in reward_model.ground_truth"
+                    if "verl" in self._styles() and "." not in opts.answer_column else "")
+            raise ValueError(f"{row.where}: no column {opts.answer_column!r} (the {needs} reward needs it{hint}); "
+                             "choose one with --answer-column")
+        return value
+
+    def _add_row(self, row: Row) -> None:
+        """The row's prompt, with what its rewards need of the row kept hub-side."""
+        opts = self.options
+        text, messages = self._prompt_of(row)
+        truth = self._answer_of(row)
+        answer = _answer_text(truth, row.where, opts.answer_column) if "builtin" in self._styles() else None
+        key = None if messages is None else json.dumps([dict(m) for m in messages], sort_keys=True)
+        prompt = Prompt(id=f"{opts.id_prefix}-{row.index}", text=text, answer=answer, split_key=key)
+        self._prompts.append(prompt)
+        if messages is not None:
+            self._messages[prompt.id] = messages
+        if self._styles() - {"builtin"}:
+            self._rows[prompt.id] = columns = {k: v for k, v in row.record.items() if k != opts.prompt_column}
+            if "trl" in self._styles():
+                check_trl_columns(columns, row.where)
+        if "verl" in self._styles():
+            self._truths[prompt.id] = truth
+
+    def _check_signatures(self) -> None:
+        """Each function must take what its style passes: TRL's keywords and the dataset's other columns, or
+        verl's four."""
+        call = self._call(self._prompts[0], ["x"], None)
+        for reward in self._rewards:
+            if reward.style == "trl":
+                check_callable(reward, trl_arguments(call))
+            elif reward.style == "verl":
+                check_callable(reward, verl_arguments(call, "x"))
+
+    def _call(self, prompt: Prompt, completions: list[str], context: GroupContext | None) -> RewardCall:
+        """One group as the reward functions see it. Without a context (made-up completions: the start check)
+        the token ids are empty and the step is 0."""
         n = len(completions)
         messages = self._messages.get(prompt.id)
         if messages is not None:
@@ -232,23 +304,31 @@ class DatasetTask(Task):
             shown: list[Any] = [[{"role": "assistant", "content": c}] for c in completions]
         else:
             prompts, shown = [prompt.text] * n, list(completions)
-        columns = {k: [v] * n for k, v in self._columns.get(prompt.id, {}).items()}
-        return {"prompts": prompts, "completions": shown, **columns}
+        ids = [list(t) for t in context.completion_ids] if context is not None else [[] for _ in completions]
+        state = RewardState(context.version if context is not None else 0)
+        return RewardCall(prompt, prompts, shown, list(completions), ids, state, self._rows.get(prompt.id, {}),
+                          self._truths.get(prompt.id))
 
     def prompts(self) -> list[Prompt]:
         return list(self._prompts)
 
     @property
     def reward_name(self) -> str:
-        return self.options.reward
+        return ",".join(r.spec for r in self._rewards)
+
+    @property
+    def reward_names(self) -> tuple[str, ...]:
+        """The name each reward function's metrics go by (a function's __name__, as TRL logs it)."""
+        return tuple(r.name for r in self._rewards)
+
+    def scores(self, prompt: Prompt, completions: list[str], context: GroupContext | None) -> Scores:
+        parts = scored_parts(self._rewards, self._call(prompt, completions, context))
+        total = combine_rewards(parts, self._weights)
+        return Scores(valid_rewards(self.reward_name, prompt, total, len(completions)),
+                      tuple(zip(self.reward_names, parts)))
 
     def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
-        if self._function is not None:
-            return self._function(**self._call_arguments(prompt, completions))
-        if self._math is not None:
-            return [self._math.score(prompt, c) for c in completions]
-        answer = (prompt.answer or "").strip()
-        return [1.0 if c.strip() == answer else 0.0 for c in completions]
+        return self.scores(prompt, completions, None).rewards
 
 
 class MathTask(DatasetTask):

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 from blake3 import blake3
 
-from shared.tasks.base import Prompt, Task
+from shared.tasks.base import GroupContext, Prompt, Scores, Task
 
 _BUCKETS = 1 << 64
 
@@ -35,6 +35,9 @@ class TaskPart(Task):
 
     def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
         return self.task.rewards(prompt, completions)
+
+    def scores(self, prompt: Prompt, completions: list[str], context: GroupContext | None) -> Scores:
+        return self.task.scores(prompt, completions, context)
 
     @property
     def reward_name(self) -> str:

@@ -1,0 +1,195 @@
+"""A dataset's reward functions as TRL and verl users write them, and how several combine into one reward.
+
+Specs (`--reward a,b`): "math" and "exact" (builtins scored against the answer column), or "module:function"
+in one of two styles, found from the function's parameters unless `--reward-style` says:
+
+- TRL: fn(prompts=[...], completions=[...], completion_ids=[[...]], trainer_state=..., **columns) -> one value
+  per completion, called once per group (every list holds one entry per completion: the prompt and each
+  dataset column repeated, as TRL repeats them per generation). `trainer_state` carries `global_step` (the
+  policy version that sampled the group). A value may be None: the function does not apply to that completion.
+- verl: compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> a number, or a
+  dict holding one under "score", called once per completion. `ground_truth` is the answer column's raw value
+  (`--answer-column reward_model.ground_truth` for verl's layout), `data_source` and `extra_info` the row's
+  columns of those names (None when it has none).
+
+Several functions combine as TRL's `reward_weights` do: each completion's reward is the weighted sum of the
+values of the functions that apply to it (None skipped; 0.0 when none applies).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from shared.tasks.base import Prompt, reward_raised, valid_rewards
+from shared.tasks.user_code import import_object
+
+RewardStyle = Literal["auto", "trl", "verl"]
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+@dataclass(frozen=True)
+class RewardState:
+    """What TRL's `trainer_state` tells a reward function, by TRL's name: the optimizer steps taken before the
+    policy that sampled the group, which is that policy's version."""
+
+    global_step: int
+
+    @property
+    def version(self) -> int:
+        return self.global_step
+
+
+@dataclass(frozen=True)
+class RewardCall:
+    """One group as the reward functions see it: `prompts` and `completions` one per completion, in TRL's
+    format (text, or chat messages for a chat prompt); `texts` the decoded completions."""
+
+    prompt: Prompt
+    prompts: list[Any]
+    completions: list[Any]
+    texts: list[str]
+    completion_ids: list[list[int]]
+    state: RewardState
+    row: Mapping[str, Any]  # the dataset row's columns but the prompt's
+    ground_truth: Any  # the answer column's raw value (None when the row has none)
+
+
+RewardFn = Callable[[RewardCall], Sequence[Any]]
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward function of a dataset task: its spec, the name its metrics go by, how to call it."""
+
+    spec: str
+    name: str
+    style: Literal["builtin", "trl", "verl"]
+    call: RewardFn
+    fn: Callable[..., Any] | None = None  # the user's function (None: a builtin)
+
+
+def combine_rewards(parts: Sequence[Sequence[float | None]], weights: Sequence[float]) -> tuple[float, ...]:
+    """Each completion's weighted sum over the functions that scored it (`parts`: one list per function, one
+    value per completion; None skipped, as TRL's nansum skips NaN; 0.0 when no function applies)."""
+    return tuple(math.fsum(w * v for w, v in zip(weights, values) if v is not None) for values in zip(*parts))
+
+
+def mean_applied(values: Sequence[float | None]) -> float | None:
+    """The mean of the values that are not None (TRL's nanmean); None when every one is."""
+    applied = [v for v in values if v is not None]
+    return math.fsum(applied) / len(applied) if applied else None
+
+
+def reward_specs(reward: str | Sequence[str]) -> tuple[str, ...]:
+    """The specs of `--reward a,b` (a string, or one spec per entry as hub.toml lists them)."""
+    items = reward.split(",") if isinstance(reward, str) else list(reward)
+    specs = tuple(s.strip() for s in items if s.strip())
+    if not specs:
+        raise ValueError("--reward names no reward function")
+    return specs
+
+
+def reward_weights(weights: Sequence[float], count: int) -> tuple[float, ...]:
+    """The weights of `count` reward functions: one each as given, or 1.0 each when none is given."""
+    if not weights:
+        return (1.0,) * count
+    if len(weights) != count:
+        raise ValueError(f"--reward-weights gives {len(weights)} weight{'' if len(weights) == 1 else 's'} for "
+                         f"{count} reward function{'' if count == 1 else 's'}: give one per --reward")
+    return tuple(float(w) for w in weights)
+
+
+def detected_style(fn: Callable[..., Any], style: RewardStyle) -> Literal["trl", "verl"]:
+    """`style` unless auto: then verl when the function takes verl's `solution_str`, else TRL."""
+    if style != "auto":
+        return style
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "trl"
+    return "verl" if "solution_str" in parameters else "trl"
+
+
+def _trl_call(fn: Callable[..., Any]) -> RewardFn:
+    def call(c: RewardCall) -> Sequence[Any]:
+        return fn(**trl_arguments(c))
+
+    return call
+
+
+def trl_arguments(c: RewardCall) -> dict[str, Any]:
+    """TRL's keywords for one group: prompts, completions, their token ids, trainer_state and every other column
+    once per completion."""
+    n = len(c.texts)
+    columns = {k: [v] * n for k, v in c.row.items()}
+    return {"prompts": c.prompts, "completions": c.completions, "completion_ids": c.completion_ids,
+            "trainer_state": c.state, **columns}
+
+
+def check_trl_columns(columns: Iterable[str], where: str) -> None:
+    """ValueError when a column of the row at `where` would override one of TRL's keyword arguments."""
+    for column in columns:
+        if column in TRL_KEYWORDS:
+            raise ValueError(f"{where}: column {column!r} collides with TRL's keyword argument of the same name; "
+                             "rename the column")
+
+
+def verl_arguments(c: RewardCall, text: str) -> dict[str, Any]:
+    """verl's keywords for one completion."""
+    return {"data_source": c.row.get("data_source"), "solution_str": text, "ground_truth": c.ground_truth,
+            "extra_info": c.row.get("extra_info")}
+
+
+def verl_score(out: Any) -> Any:
+    """A compute_score result as a value: its "score" when it returns a dict, as verl reads it (KeyError without
+    one, as verl raises)."""
+    return out["score"] if isinstance(out, Mapping) else out
+
+
+def _verl_call(fn: Callable[..., Any]) -> RewardFn:
+    def call(c: RewardCall) -> Sequence[Any]:
+        return [verl_score(fn(**verl_arguments(c, text))) for text in c.texts]
+
+    return call
+
+
+def load_reward(spec: str, style: RewardStyle, builtins: Mapping[str, RewardFn]) -> Reward:
+    """The reward a spec names: a builtin from `builtins`, else `module:function` in its style."""
+    if spec in builtins:
+        return Reward(spec, spec, "builtin", builtins[spec])
+    fn = import_object(spec, "reward")
+    if not callable(fn) or inspect.isclass(fn):
+        raise ValueError(f"reward {spec!r} is not a function")
+    kind = detected_style(fn, style)
+    name = getattr(fn, "__name__", None) or spec
+    return Reward(spec, name, kind, _verl_call(fn) if kind == "verl" else _trl_call(fn), fn)
+
+
+def check_callable(reward: Reward, fn_args: dict[str, Any]) -> None:
+    """ValueError when the reward's function cannot take the keywords its style passes (`fn_args`)."""
+    try:
+        inspect.signature(reward.fn).bind(**fn_args)
+    except TypeError as exc:
+        how = ("as verl calls compute_score (data_source=, solution_str=, ground_truth=, extra_info=)"
+               if reward.style == "verl" else "as TRL calls reward functions (prompts=, completions=, "
+               "completion_ids=, trainer_state=, one keyword per dataset column)")
+        raise ValueError(f"reward {reward.spec}: cannot be called {how}: {exc}") from None
+    except ValueError:  # a builtin or extension callable without a readable signature: called as it is
+        return
+
+
+def scored_parts(rewards: Sequence[Reward], call: RewardCall) -> tuple[tuple[float | None, ...], ...]:
+    """Each reward function's values for one group, checked: RewardError naming the function when it raises or
+    returns other than one finite number or None per completion."""
+    parts = []
+    for reward in rewards:
+        try:
+            out = reward.call(call)
+        except Exception as exc:  # noqa: BLE001 -- the operator's code: any failure is theirs to fix
+            raise reward_raised(reward.spec, call.prompt, exc) from exc
+        parts.append(valid_rewards(reward.spec, call.prompt, out, len(call.texts), allow_none=reward.style != "builtin"))
+    return tuple(parts)

@@ -1,0 +1,25 @@
+"""Reward functions as TRL users write them today, for tests of several weighted `--reward` functions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def reversed_chars(prompts, completions, completion_ids, trainer_state, answer, **kwargs):
+    """The share of the answer's characters the completion has in place; a numpy array, as TRL accepts.
+    Checks that every keyword arrives as TRL passes it: one entry per completion, ids beside the texts."""
+    assert len(prompts) == len(completions) == len(completion_ids) == len(answer) == len(kwargs["kind"])
+    assert all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in completion_ids)
+    assert isinstance(trainer_state.global_step, int) and trainer_state.global_step >= 0
+    return np.array([sum(a == b for a, b in zip(c.strip(), gold)) / len(gold) for c, gold in zip(completions, answer)])
+
+
+def length_gap(prompts, completions, completion_ids, trainer_state, answer, kind, **kwargs):
+    """-|tokens - answer length| / 10, or None for a row of kind "free": the function does not apply there."""
+    return [None if k == "free" else -abs(len(ids) - len(gold) - 1) / 10
+            for ids, gold, k in zip(completion_ids, answer, kind)]
+
+
+def never_applies(prompts, completions, **kwargs):
+    """None for every completion: a function that applies to no row of the dataset."""
+    return [None] * len(completions)

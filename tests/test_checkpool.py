@@ -1,0 +1,192 @@
+"""Submission checks in worker processes (hub/trust/checkpool.py), against a real HubState, store, tokenizer and
+spawned workers: a killed worker loses no submission (nor is one accepted unchecked), a hanging reward stops the run with one line naming it,
+the copy detector still catches a copy whose two halves were checked by different workers, and a real hub with
+--check-procs 2 trains."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from hub.service.state import HubBusy, HubState
+from hub.trust.checkpool import CheckPool, dump_answer, load_answer, resolved_check_procs
+from hub.trust.submissions import GroupVerdict
+from shared.crypto import Identity
+from shared.messages import Submission, SubmittedGroup, Tallies
+from shared.rollout import Completion, Group
+from tests.test_state import CONFIG, join_request, reopen, running, tokenizer  # noqa: F401 -- a fixture
+
+# Far below any honest sampler's odds: two identical such groups are a copy, whichever prompt they answer.
+COPY_LOGPROB = -3.0
+
+
+def pool_config(procs: int, task: str = "reverse", timeout_s: float = 20.0):
+    trust = CONFIG.trust.model_copy(update={"check_procs": procs, "check_timeout_s": timeout_s})
+    return CONFIG.model_copy(update={"task": task, "trust": trust})
+
+
+def answer(tok, lease, node_id: str, texts_of=None) -> Submission:
+    """Right answers to every prompt of the lease (or `texts_of(prompt)`), each token at COPY_LOGPROB."""
+    groups = []
+    for p in lease.prompts:
+        word = p.text[:-1]
+        completions = []
+        for text in texts_of(p) if texts_of else (word[::-1], word):
+            ids = (*tok.encode(text), tok.eos_token_id)
+            completions.append(Completion(token_ids=ids, logprobs=(COPY_LOGPROB,) * len(ids), finish_reason="stop",
+                                          version=0, text=text))
+        groups.append(SubmittedGroup(prompt_id=p.id, completions=tuple(completions)))
+    return Submission(lease_id=lease.lease_id, node_id=node_id, groups=tuple(groups))
+
+
+async def ready(state: HubState, procs: int) -> CheckPool:
+    """The state's pool once all its workers are idle."""
+    pool = state.checks
+    assert isinstance(pool, CheckPool)
+    with trio.fail_after(120):
+        while pool._idle.statistics().current_buffer_used < procs:
+            await trio.sleep(0.05)
+    return pool
+
+
+async def joined(state: HubState, n: int = 0):
+    node = Identity.generate().peer_id
+    await state.join(node, join_request(state), f"10.0.0.{n + 1}")
+    return node, (await state.grant_lease(node, 0)).lease
+
+
+def test_a_workers_answer_refers_to_the_hubs_own_submission_instead_of_copying_it_back():
+    node = Identity.generate().peer_id
+    completion = Completion(token_ids=tuple(range(2, 1002)), logprobs=(-0.5,) * 1000, finish_reason="length",
+                            version=3, text="")
+    submission = Submission(lease_id="a" * 24, node_id=node, groups=(SubmittedGroup(prompt_id="p",
+                                                                                    completions=(completion,)),))
+    in_worker = pickle.loads(pickle.dumps(submission))
+    (submitted,) = in_worker.groups
+    checked = submitted.completions[0].model_copy(update={"text": "words"})  # as _score re-decodes it
+    group = Group(prompt_id="p", prompt_text="prompt", version=3, completions=(checked,), rewards=(1.0,), node_id=node)
+    answer = ("ok", [GroupVerdict("p", True, "", submitted, group)])
+    data = dump_answer(answer, in_worker)
+    assert len(data) * 10 < len(pickle.dumps(answer))
+    loaded = load_answer(data, submission)
+    assert loaded == answer and loaded[1][0].submitted is submission.groups[0]
+    assert loaded[1][0].group.completions[0].token_ids is completion.token_ids
+
+
+def test_the_default_leaves_the_trio_process_a_core():
+    assert resolved_check_procs(None) == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert resolved_check_procs(0) == 0 and resolved_check_procs(3) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+@pytest.mark.timeout(180)
+async def test_a_killed_check_worker_loses_no_submission(tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:SlowRewardTask"))
+    async with running(state):
+        pool = await ready(state, 1)
+        node, lease = await joined(state)
+        (first,) = pool._workers
+        outcome = None
+
+        async def submit() -> None:
+            nonlocal outcome
+            outcome = await state.accept_submission(node, answer(tokenizer, lease, node), "h")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit)
+            await trio.sleep(0.5)  # its check is in the worker now: each group's reward takes a second
+            os.kill(first.process.pid, signal.SIGKILL)
+        assert outcome.accepted == len(lease.prompts) and outcome.rejected == ()
+        assert first not in pool._workers and len(pool._workers) == 1 and state.reward_failure is None
+        # The replacement also survives an idle worker's death: the next check goes to a fresh one.
+        await ready(state, 1)
+        (second,) = pool._workers
+        os.kill(second.process.pid, signal.SIGKILL)
+        node2, lease2 = await joined(state, 1)
+        outcome = await state.accept_submission(node2, answer(tokenizer, lease2, node2), "h2")
+        assert outcome.accepted == len(lease2.prompts)
+    state.store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+@pytest.mark.timeout(180)
+async def test_a_submission_every_worker_dies_on_is_refused_as_busy_never_accepted(tmp_path, default_model_dir,
+                                                                                   tokenizer):  # noqa: F811
+    state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:DyingRewardTask"))
+    async with running(state):
+        await ready(state, 1)
+        node, lease = await joined(state)
+        with pytest.raises(HubBusy, match="lost this submission's checks"):
+            await state.accept_submission(node, answer(tokenizer, lease, node), "h")
+        assert state.totals.groups == Tallies() and state.fleet.get(node).tallies == Tallies()
+        assert state.reward_failure is None and lease.lease_id in state.leases.open  # the node may send it again
+    state.store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+@pytest.mark.timeout(180)
+async def test_a_hanging_reward_is_stopped_and_reported_not_counted_against_the_node(tmp_path, default_model_dir,
+                                                                                    tokenizer):  # noqa: F811
+    state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:HangingRewardTask", timeout_s=1.0))
+    async with running(state):
+        pool = await ready(state, 1)
+        (hung,) = pool._workers
+        node, lease = await joined(state)
+        with trio.fail_after(10), pytest.raises(HubBusy, match="the hub is stopping"):
+            await state.accept_submission(node, answer(tokenizer, lease, node), "h")
+        message = str(state.reward_failure)
+        assert message.startswith("reward testbed.tasks:HangingRewardTask.rewards did not return within 1s")
+        assert "\n" not in message and "fix the reward function" in message
+        assert state.fleet.get(node).tallies == Tallies() and state.totals.groups == Tallies()
+        assert not hung.process.is_alive() and hung not in pool._workers  # killed, and another one started
+    state.store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+@pytest.mark.timeout(180)
+async def test_copies_checked_by_different_workers_are_still_caught(tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    state = reopen(tmp_path, default_model_dir, pool_config(2))
+    async with running(state):
+        await ready(state, 2)
+        (a, lease_a), (b, lease_b) = await joined(state, 0), await joined(state, 1)
+        original = answer(tokenizer, lease_a, a)
+        copied = iter([c.text for c in g.completions] for g in original.groups)
+        copy = answer(tokenizer, lease_b, b, texts_of=lambda _prompt: next(copied))
+        outcomes = {}
+
+        async def submit(node: str, submission: Submission) -> None:
+            outcomes[node] = await state.accept_submission(node, submission, node)
+
+        # Both at once: the two idle workers take one each.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit, a, original)
+            nursery.start_soon(submit, b, copy)
+        refused = [reason for outcome in outcomes.values() for _, reason in outcome.rejected]
+        assert refused == ["copy of an earlier group"] * len(lease_a.prompts)
+        assert state.totals.groups.accepted == len(lease_a.prompts)
+    state.store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_real_hub_with_two_check_processes_trains(tmp_path: Path) -> None:
+    from testbed.harness import start_hub
+
+    hub = start_hub(tmp_path / "data", "--local-nodes", "1", "--check-procs", "2", "--steps", "2",
+                    "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0")
+    try:
+        code = hub.process.wait(timeout=360)
+    finally:
+        hub.kill()
+    assert code == 0, hub.output()[-3000:]
+    status = hub.status()
+    assert status is not None and status.totals.accepted >= 4

@@ -1,0 +1,74 @@
+"""The command lines speak TRL's language: TRL's names are flags and hub.toml keys, a typo in a flag or a key gets
+"did you mean" in one line (exit 2), and --help shows an example and defaults as a person types them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.flags import closest, unknown_flag_message
+from tests.test_first_contact import assert_one_line_mistake, run, snapshot_of
+
+
+def test_the_closest_flag_is_named() -> None:
+    known = ["--group-size", "--num-generations", "--lr", "--learning-rate", "--help"]
+    assert closest("--num-generatons", known) == "--num-generations"
+    assert closest("--group_size", known) == "--group-size"
+    assert closest("--zzz", known) is None
+    assert unknown_flag_message(["--learnin-rate=3", "x"], known) == "unknown flag --learnin-rate; did you mean --learning-rate?"
+    assert unknown_flag_message(["stray"], known) == "unexpected argument 'stray'; see --help"
+
+
+def test_typos_in_flags_and_toml_keys_get_did_you_mean(tmp_path: Path) -> None:
+    before = snapshot_of(tmp_path)
+    data = str(tmp_path / "data")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--num-generatons", "8"),
+                            "echo-hub start:", "unknown flag --num-generatons", "did you mean --num-generations?")
+    assert_one_line_mistake(run("hub.cli", "eval", "--model", data, "--max-completion-lenght", "8"),
+                            "did you mean --max-completion-length?")
+    assert_one_line_mistake(run("hub.cli", "status", "--data_dir", data), "did you mean --data-dir?")
+    assert_one_line_mistake(run("node.cli", "join", "--hubb", "x"), "echo-node join:", "did you mean --hub?")
+    assert_one_line_mistake(run("hub.cli", "statsu"), "echo-hub: unknown command 'statsu'; did you mean status?")
+    toml = tmp_path / "hub.toml"
+    toml.write_text("learning_rat = 1e-5\n")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
+                            "unknown key 'learning_rat'", "did you mean 'learning_rate'?")
+    toml.write_text("[learner]\nstalenes = 2\n")
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
+                            "[learner]", "did you mean 'staleness'?")
+    toml.unlink()
+    assert snapshot_of(tmp_path) == before
+
+
+def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
+    """Each TRL name reaches its field: the field's own bounds refuse the value, naming the field."""
+    data = str(tmp_path / "data")
+    for flag, value, field in (("--num-generations", "1", "learner.group_size"), ("--learning-rate", "2", "learner.lr"),
+                               ("--max-completion-length", "0", "sampling.max_new_tokens"),
+                               ("--max-steps", "-1", "steps"), ("--epsilon", "-1", "learner.eps_low"),
+                               ("--epsilon-high", "-1", "learner.eps_high"), ("--max-grad-norm", "0", "learner.grad_clip"),
+                               ("--save-steps", "0", "learner.checkpoint_every"), ("--beta", "-1", "learner.beta"),
+                               ("--lr-scheduler-type", "polynomial", "learner.lr_scheduler"),
+                               ("--warmup-ratio", "2", "learner.warmup_ratio"), ("--log-completions", "-1",
+                                                                                 "tracking.log_completions")):
+        assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, flag, value), field)
+    toml = tmp_path / "hub.toml"
+    toml.write_text("num_generations = 1\nmax_steps = 5\n")  # TRL's names as flat hub.toml keys
+    line = assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
+                                   "learner.group_size")
+    assert "max_steps" not in line  # an alias of a top-level field (steps) is taken, not refused as unknown
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--steps", "0", "--lr-scheduler", "cosine"),
+                            "--lr-scheduler cosine", "needs --steps N")
+
+
+def test_help_has_an_example_and_readable_defaults() -> None:
+    for command in ("start", "config", "status", "plan", "dashboard", "eval", "report"):
+        shown = run("hub.cli", command, "--help")
+        assert shown.returncode == 0 and f"example:\n  echo-hub {command}" in shown.stdout, (command, shown.stdout[-500:])
+    for command in ("join", "dashboard"):
+        assert f"example:\n  echo-node {command}" in run("node.cli", command, "--help").stdout
+    text = " ".join(run("hub.cli", "start", "--help").stdout.split())
+    assert "('none',)" not in text and "()" not in text and "default False" not in text
+    assert "(default none)" in text and "--chat CHAT render string prompts" in text and "(on or off) (default off)" in text
+    assert "--group-size GROUP_SIZE, --num-generations GROUP_SIZE" in text
+    assert "--lr-scheduler LR_SCHEDULER, --lr-scheduler-type LR_SCHEDULER" in text
+

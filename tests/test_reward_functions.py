@@ -1,0 +1,218 @@
+"""Rewards as TRL and verl users write them: TRL's full signature (completion_ids, trainer_state), several
+functions with weights where None skips a function for a sample, numpy results, verl's compute_score on
+verl's parquet layout with nested columns, and each function's mean logged apart; then real runs of both."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hub.config import HubConfig
+from hub.training.metrics import read_metrics, reward_means
+from shared.config import ConfigError, load_config
+from shared.layout import METRICS_FILE
+from shared.rollout import Completion, Group
+from shared.tasks import DatasetOptions
+from shared.tasks.base import GroupContext, RewardError, checked_scores
+from shared.tasks.dataset import DatasetTask, column_value
+from shared.tasks.rewards import combine_rewards, mean_applied, reward_weights
+from tests.test_first_contact import assert_one_line_mistake, run
+
+DATA = Path(__file__).parent / "data"
+TRL = "tests.data.trl_rewards"
+VERL = "tests.data.verl_score"
+ROWS = [{"prompt": "abc>", "answer": "cba", "kind": "fixed"}, {"prompt": "hello>", "answer": "olleh", "kind": "free"},
+        {"prompt": "dog>", "answer": "god", "kind": "fixed"}, {"prompt": "stone>", "answer": "enots", "kind": "free"}]
+
+
+def test_weighted_sum_skips_none_as_trl_nansum_does() -> None:
+    # Two functions over three completions: weights 1 and 0.5; None contributes nothing.
+    parts = [[1.0, None, 0.0], [0.5, 2.0, None]]
+    assert combine_rewards(parts, (1.0, 0.5)) == (1.25, 1.0, 0.0)
+    assert combine_rewards([[None, 0.25]], (2.0,)) == (0.0, 0.5)  # no function applies: 0.0, as nansum gives
+    assert combine_rewards([[0.1] * 2, [0.2] * 2], (-1.0, 3.0)) == pytest.approx((0.5, 0.5))
+    assert mean_applied([1.0, None, 0.0]) == 0.5 and mean_applied([None, None]) is None
+
+
+def test_weights_are_one_each_or_one_per_function() -> None:
+    assert reward_weights((), 3) == (1.0, 1.0, 1.0)
+    assert reward_weights((0.5, 2), 2) == (0.5, 2.0)
+    with pytest.raises(ValueError, match="--reward-weights gives 1 weight for 2 reward functions"):
+        reward_weights((1.0,), 2)
+    for bad in ("nan", "inf", "1e308"):  # the configuration bounds each weight
+        with pytest.raises(ConfigError, match="dataset.reward_weights.0"):
+            load_config(HubConfig, None, {"dataset.reward_weights": (float(bad),)})
+    assert load_config(HubConfig, None, {"dataset.reward_weights": (-1e6, 1e6)}).dataset.reward_weights == (-1e6, 1e6)
+
+
+def test_each_reward_mean_over_the_completions_it_applies_to() -> None:
+    def group(parts) -> Group:
+        completion = Completion(token_ids=(1,), logprobs=(-1.0,), finish_reason="stop", version=0, text="x")
+        return Group(prompt_id="p", prompt_text="p", version=0, completions=(completion,) * 2, rewards=(0.0, 0.0),
+                     reward_parts=parts)
+
+    groups = [group((("a", (1.0, None)), ("b", (None, None)))), group((("a", (0.0, 0.5)), ("b", (None, None))))]
+    assert reward_means(groups) == {"rewards/a/mean": 0.5}  # (1 + 0 + 0.5) / 3; b applied to none: not logged
+    assert reward_means([group(())]) == {}
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_trl_functions_get_token_ids_and_trainer_state_and_combine_by_weight(tmp_path: Path) -> None:
+    opts = DatasetOptions(reward=f"{TRL}:reversed_chars,{TRL}:length_gap", reward_weights=(1.0, 0.5))
+    task = DatasetTask(jsonl(tmp_path / "rows.jsonl", ROWS), opts)
+    fixed, free = task.prompts()[:2]
+    assert task.reward_names == ("reversed_chars", "length_gap")
+    # "cbx" has 2 of 3 in place; 3 tokens for a 3-letter answer plus EOS is 1 short: -0.1, weighted 0.5.
+    scores = checked_scores(task, fixed, ["cbx", "cba"], GroupContext(((5, 6, 7), (5, 6, 7, 8)), version=3))
+    assert scores.rewards == pytest.approx((2 / 3 - 0.05, 1.0))
+    assert scores.parts == (("reversed_chars", pytest.approx((2 / 3, 1.0))), ("length_gap", (-0.1, 0.0)))
+    # On a "free" row length_gap returns None: only reversed_chars counts.
+    free_scores = checked_scores(task, free, ["olleh", "oxxxx"], GroupContext(((1,), (1, 2)), version=0))
+    assert free_scores.rewards == (1.0, 0.2) and free_scores.parts[1] == ("length_gap", (None, None))
+
+
+def test_reward_mistakes_name_the_function(tmp_path: Path) -> None:
+    path = jsonl(tmp_path / "rows.jsonl", ROWS)
+    with pytest.raises(ValueError, match="gives 1 weight for 2 reward functions"):
+        DatasetTask(path, DatasetOptions(reward=f"{TRL}:reversed_chars,exact", reward_weights=(1.0,)))
+    with pytest.raises(ValueError, match="two reward functions called 'reversed_chars'"):
+        DatasetTask(path, DatasetOptions(reward=f"{TRL}:reversed_chars,{TRL}:reversed_chars"))
+    with pytest.raises(ValueError, match=r"cannot be called as TRL calls .*completion_ids=, trainer_state="):
+        DatasetTask(path, DatasetOptions(reward="tests.data.reward_funcs:no_kwargs"))
+    with pytest.raises(ValueError, match=r"cannot be called as verl calls compute_score"):
+        DatasetTask(path, DatasetOptions(reward=f"{VERL}:wrong_signature"))
+    # A builtin beside a function: the builtin needs the answer column, the function does not.
+    task = DatasetTask(path, DatasetOptions(reward=f"exact,{TRL}:never_applies"))
+    prompt = task.prompts()[0]
+    assert checked_scores(task, prompt, ["cba", "abc"]).rewards == (1.0, 0.0)
+    broken = DatasetTask(path, DatasetOptions(reward=f"{TRL}:reversed_chars"))
+    with pytest.raises(RewardError, match=f"reward {TRL}:reversed_chars raised AssertionError"):
+        checked_scores(broken, prompt, ["x"], GroupContext(((1,),), version=-1))  # a negative step fails its check
+
+
+VERL_ROWS = [
+    {"data_source": "reverse/exact", "prompt": [{"role": "user", "content": "abc>"}], "ability": "reverse",
+     "reward_model": {"style": "rule", "ground_truth": "cba"}, "extra_info": {"index": 0, "split": "train"}},
+    {"data_source": "reverse/partial", "prompt": [{"role": "user", "content": "hello>"}], "ability": "reverse",
+     "reward_model": {"style": "rule", "ground_truth": "olleh"}, "extra_info": {"index": 1, "split": "train"}},
+    {"data_source": "reverse/partial", "prompt": [{"role": "user", "content": "stone>"}], "ability": "reverse",
+     "reward_model": {"style": "rule", "ground_truth": "enots"}, "extra_info": {"index": 2, "split": "train"}},
+    {"data_source": "reverse/exact", "prompt": [{"role": "user", "content": "dog>"}], "ability": "reverse",
+     "reward_model": {"style": "rule", "ground_truth": "god"}, "extra_info": {"index": 3, "split": "train"}},
+]
+
+
+def verl_parquet(path: Path) -> Path:
+    pa = pytest.importorskip("pyarrow", reason="pyarrow comes with the data extra (pip install 'echo2[data]')")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(VERL_ROWS), path)
+    return path
+
+
+def content_only() -> object:
+    return lambda messages: messages[-1]["content"]
+
+
+def test_verl_compute_score_on_verl_layout_with_a_dotted_answer_column(tmp_path: Path) -> None:
+    path = verl_parquet(tmp_path / "train.parquet")
+    opts = DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:compute_score")
+    task = DatasetTask(path, opts, render_chat=content_only)
+    exact, partial = task.prompts()[:2]
+    assert exact.text == "abc>" and task.reward_names == ("compute_score",)
+    assert checked_scores(task, exact, ["cba", "cbx"]).rewards == (1.0, 0.0)
+    assert checked_scores(task, partial, ["ollxx", "olleh"]).rewards == (0.6, 1.0)  # its dict's "score"
+    # The style can be named; a builtin scores the same nested answer.
+    forced = DatasetTask(path, DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:compute_score",
+                                              reward_style="verl"), render_chat=content_only)
+    assert checked_scores(forced, exact, ["cba"]).rewards == (1.0,)
+    builtin = DatasetTask(path, DatasetOptions(answer_column="reward_model.ground_truth", reward="exact"),
+                          render_chat=content_only)
+    assert builtin.prompts()[1].answer == "olleh"
+    with pytest.raises(ValueError, match=r"no column 'answer' \(the .*compute_score reward needs it; verl's layout "
+                                         r"keeps it in reward_model.ground_truth\)"):
+        DatasetTask(path, DatasetOptions(reward=f"{VERL}:compute_score"), render_chat=content_only)
+
+
+def test_a_verl_dict_without_score_is_a_reward_error_naming_the_function(tmp_path: Path) -> None:
+    path = verl_parquet(tmp_path / "train.parquet")
+    task = DatasetTask(path, DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:no_score"),
+                       render_chat=content_only)
+    with pytest.raises(RewardError, match=f"reward {VERL}:no_score raised KeyError: 'score'"):
+        checked_scores(task, task.prompts()[0], ["cba"])
+
+
+def test_a_column_named_as_a_trl_keyword_is_refused_at_load(tmp_path: Path) -> None:
+    path = jsonl(tmp_path / "rows.jsonl", [{"prompt": "abc>", "answer": "cba", "completions": "x"}])
+    with pytest.raises(ValueError, match="column 'completions' collides with TRL's keyword argument of the same "
+                                         "name; rename the column"):
+        DatasetTask(path, DatasetOptions(reward=f"{TRL}:reversed_chars"))
+    assert DatasetTask(path, DatasetOptions(reward="exact")).prompts()  # a builtin passes no columns
+    result = run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--task", str(path), "--reward",
+                 f"{TRL}:reversed_chars")
+    assert_one_line_mistake(result, "--task", "column 'completions' collides")
+
+
+def test_column_paths_reach_into_nested_columns() -> None:
+    row = {"a": {"b": {"c": 3}}, "x.y": 1}
+    assert column_value(row, "a.b.c") == 3 and column_value(row, "x.y") == 1  # a column named with a dot wins
+    assert column_value(row, "a.z") is column_value(row, "q")  # both absent
+
+
+def test_reward_weights_mistake_through_the_cli_is_one_line(tmp_path: Path) -> None:
+    path = jsonl(tmp_path / "rows.jsonl", ROWS)
+    # --reward repeated adds up as comma-separated specs do: two functions, one weight.
+    for rewards in (["--reward", f"{TRL}:reversed_chars,{TRL}:length_gap"],
+                    ["--reward", f"{TRL}:reversed_chars", "--reward", f"{TRL}:length_gap"]):
+        result = run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--task", str(path), *rewards,
+                     "--reward-weights", "1")
+        assert_one_line_mistake(result, "--task", "--reward-weights gives 1 weight for 2 reward functions")
+    # --reward-weights repeated adds up too: three weights for two functions, not the last one alone.
+    result = run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--task", str(path), "--reward",
+                 f"{TRL}:reversed_chars,{TRL}:length_gap", "--reward-weights", "1,0.5", "--reward-weights", "2")
+    assert_one_line_mistake(result, "--task", "--reward-weights gives 3 weights for 2 reward functions")
+
+
+def train(data: Path, *args: str) -> list[dict]:
+    """A real `echo-hub start` with one local node for 2 steps; its metrics rows."""
+    result = run("hub.cli", "start", "--data-dir", str(data), "--local-nodes", "1", "--steps", "2",
+                 "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8", "--eval-every", "0",
+                 "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress", *args, timeout_s=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = read_metrics(data / METRICS_FILE)
+    assert [r["step"] for r in rows] == [1, 2]
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trl_reward_file_with_two_weighted_functions_trains(tmp_path: Path) -> None:
+    path = jsonl(tmp_path / "rows.jsonl", ROWS * 4)
+    rows = train(tmp_path / "data", "--task", str(path), "--reward", f"{TRL}:reversed_chars,{TRL}:length_gap",
+                 "--reward-weights", "1,0.5")
+    for row in rows:
+        assert 0.0 <= row["rewards/reversed_chars/mean"] <= 1.0
+        assert row["rewards/length_gap/mean"] <= 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_verl_parquet_file_with_compute_score_trains(tmp_path: Path, default_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(model)
+    path = verl_parquet(tmp_path / "train.parquet")
+    rows = train(tmp_path / "data", "--model", str(model), "--task", str(path), "--reward", f"{VERL}:compute_score",
+                 "--answer-column", "reward_model.ground_truth")
+    assert all(0.0 <= row["rewards/compute_score/mean"] <= 1.0 for row in rows)

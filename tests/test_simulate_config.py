@@ -1,0 +1,137 @@
+"""bench/simulate.py as a tool: `--config sim.toml` (bench/sim_config.py), echo-hub plan's fleet file, a mid-run
+fleet change, moving prices, `auto` rows through the hub's own staleness rule, and one-line mistakes."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.test_bench_smoke import load_bench, printed_json
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = ROOT / "bench" / "presets"
+SMALL = "[fleet]\nnodes = [20]\n[run]\nsteps = 24\nscenarios = [\"cost-aware\"]\n"
+
+
+def write(tmp_path: Path, text: str, name: str = "sim.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_the_presets_load_and_the_default_is_the_documented_fleet() -> None:
+    simulate = load_bench("simulate")
+    sim_config = __import__("bench.sim_config", fromlist=["load_sim_config"])
+    paper = sim_config.load_sim_config(PRESETS / "echo2-qwen3-8b.toml")
+    assert paper.learner.rollouts_per_step == 128 * 16 and paper.run.staleness == (3,)
+    halving = sim_config.load_sim_config(PRESETS / "halving.toml")
+    assert "auto" in halving.run.staleness and halving.fleet_change[0].leave_share == 0.5
+    assert [(g.share, g.rollouts_per_s, g.price_per_hour) for g in simulate.DEFAULT.fleet.gpu] == [
+        (0.35, 6.0, 0.10), (0.35, 20.0, 0.35), (0.20, 35.0, 1.10), (0.10, 60.0, 2.50)]
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("[run]\ngamma = 0.5\n", "run.gamma"),
+    ("[fleet]\nnodez = [10]\n", "fleet.nodez"),
+    ("[[fleet.gpu]]\nshare = 0.5\nrollouts_per_s = 1\nprice_per_hour = 1\n", "sum to 1"),
+    ("[run]\nstaleness = [2]\nkappa = 3\n", "kappa"),
+    ("[[fleet_change]]\nat_s = 10\nleave_share = 1.5\n", "fleet_change.0.leave_share"),
+    ("[links]\nmin_mbps = 500\nmax_mbps = 100\n", "min_mbps"),
+    ("not toml = = 1", "not valid TOML"),
+    ("[fleet]\nfile = \"missing.toml\"\n", "cannot read fleet file"),
+])
+def test_a_bad_sim_toml_is_one_line_and_exit_2(tmp_path, capsys, text, says) -> None:
+    simulate = load_bench("simulate")
+    assert simulate.main(["--config", str(write(tmp_path, text)), "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and says in err and "\n" not in err
+
+
+def test_echo_hub_plans_fleet_file_is_the_fleet(tmp_path, capsys) -> None:
+    simulate = load_bench("simulate")
+    nodes = "".join(f"[[node]]\nname = \"gpu{i}\"\nprice_per_hour = {0.2 + 0.1 * i}\nrollouts_per_s = {5 + i}\n"
+                    for i in range(6))
+    write(tmp_path, nodes, "fleet.toml")
+    config = write(tmp_path, SMALL + "[learner]\nrollouts_per_step = 300\n")
+    # fleet.file is relative to sim.toml; --fleet names it on the command line.
+    assert simulate.main(["--config", str(config), "--fleet", str(tmp_path / "fleet.toml"), "--json"]) == 0
+    (row,) = printed_json(capsys)["results"]
+    assert row["nodes"] == 6 and row["rollouts_per_step"] == 300 and 0 < row["active_mean"] <= 6
+    write(tmp_path, "[[node]]\nname = \"x\"\nprice_per_hour = -1\nrollouts_per_s = 1\n", "bad.toml")
+    assert simulate.main(["--config", str(config), "--fleet", str(tmp_path / "bad.toml")]) == 2
+    assert "price_per_hour must be >= 0" in capsys.readouterr().err
+
+
+def _sim(simulate, text: str, tmp_path: Path, scenario: str = "cost-aware", staleness=4):
+    cfg = __import__("bench.sim_config", fromlist=["load_sim_config"]).load_sim_config(write(tmp_path, text))
+    fleet = simulate.build_fleet(40, 0, None, cfg)
+    sc = simulate.SCENARIOS[scenario]
+    sim = simulate.Simulation(fleet, type(sc)(sc.name, staleness, sc.broadcast, sc.scheduler), 60, 0,
+                              simulate.demand(fleet, 4, 0.3, cfg), cfg)
+    return sim
+
+
+def test_half_the_fleet_leaves_at_once_and_stays_away(tmp_path) -> None:
+    simulate = load_bench("simulate")
+    sim = _sim(simulate, "[churn]\nsession_mean_s = 1e9\nonline_at_start = 1.0\n"
+                         "[[fleet_change]]\nat_s = 600\nleave_share = 0.5\n", tmp_path)
+    sim.run()
+    gone = [n for n in sim.nodes.values() if n.away_until == math.inf]
+    assert len(gone) == 20 and not any(n.online for n in gone)
+    assert sim.online_count == 20 and sim.now > 600
+    # Away for a while only: they come back when it ends.
+    sim = _sim(simulate, "[churn]\nsession_mean_s = 1e9\nonline_at_start = 1.0\n"
+                         "[[fleet_change]]\nat_s = 600\nleave_share = 0.5\naway_s = 300\n", tmp_path)
+    sim.run()
+    assert sim.online_count == 40 and sim.requests["join"] == 60
+
+
+def test_moving_prices_are_paid_at_once_and_ranked_past_the_band(tmp_path) -> None:
+    simulate = load_bench("simulate")
+    sim = _sim(simulate, "[[price_change]]\nat_s = 0\nshare = 1.0\nfactor = 1.01\n"
+                         "[[price_change]]\nat_s = 1\nshare = 0.5\nfactor = 3.0\n", tmp_path)
+    before = {n.name: n.price for n in sim.nodes.values()}
+    sim.run()
+    tripled = [n for n in sim.nodes.values() if n.price == pytest.approx(before[n.name] * 3.03)]
+    assert len(tripled) == 20
+    for node in sim.nodes.values():
+        # 1% is inside the hub's 5% band: ranked at the old price; x3 is not: ranked at the new one.
+        ranked = node.price if node in tripled else before[node.name]
+        assert node.offer.price_per_hour == pytest.approx(ranked)
+    # The scheduler moved to the nodes that stayed cheap: most of the active pool is of the untouched half.
+    active = [n for n in sim.nodes.values() if n.state == "active"]
+    assert sum(n not in tripled for n in active) > len(active) / 2
+
+
+def test_auto_rows_choose_s_through_the_hubs_rule(tmp_path, capsys) -> None:
+    simulate = load_bench("simulate")
+    config = write(tmp_path, SMALL.replace("steps = 24", "steps = 40\nstaleness = [\"auto\", 2]\nstaleness_max = 6"))
+    assert simulate.main(["--config", str(config), "--json"]) == 0
+    out = printed_json(capsys)
+    rows = {str(r["staleness"]): r for r in out["results"]}
+    assert set(rows) == {"auto", "2"}
+    auto = rows["auto"]
+    assert 1 <= auto["staleness_final"] <= 6 and auto["staleness_moves"]
+    assert all(1 <= s <= 6 for _, s, _ in auto["staleness_moves"])
+    assert auto["staleness_max"] <= 6 and rows["2"]["staleness_max"] <= 2
+    assert {r["staleness"] for r in out["savings"]} == {"auto", 2}
+    json.dumps(out)  # every row is JSON as printed
+
+
+def test_the_drawn_fleet_is_unchanged_without_nat(tmp_path) -> None:
+    """A config that sets nothing draws the same fleet as before the simulator took a config (same dice)."""
+    simulate = load_bench("simulate")
+    a = simulate.draw_fleet(25, random.Random(9))
+    b = simulate.draw_fleet(25, random.Random(9), simulate.DEFAULT)
+    assert [(n.rate, n.price, n.link_bps, n.reach) for n in a] == [(n.rate, n.price, n.link_bps, n.reach) for n in b]
+    nated = _sim(simulate, "[fleet]\nnat_share = 1.0\nholepunch_s = 7\n", tmp_path)
+    arrivals = dict((n.name, s) for n, s in simulate.broadcast_arrivals(list(nated.nodes.values()), "chain", nated.cfg))
+    plain = dict((n.name, s) for n, s in simulate.broadcast_arrivals(list(nated.nodes.values()), "chain"))
+    # Every hop after a chain's head is between two NATed nodes: each waits for one more hole punch.
+    assert max(arrivals[k] - plain[k] for k in plain) == pytest.approx(7 * (max(
+        len(c) for c in simulate.plan_chains([(n.name, n.link_bps) for n in nated.nodes.values()],
+                                             nated.cfg.links.hub_uplink_mbps * simulate.BYTES_PER_MBIT)) - 1))
