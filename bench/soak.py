@@ -250,7 +250,10 @@ def run(args: argparse.Namespace, say) -> dict:
     (work / "hub.toml").write_text(HUB_TOML)
     hub_args = ("--local-nodes", "0", "--steps", "0", "--model", str(model), "--task", "testbed.tasks:OverlapTask",
                 "--max-new-tokens", str(MAX_NEW_TOKENS), "--prompts-per-step", "4", "--group-size", "4",
-                "--staleness", "2", "--config", str(work / "hub.toml"))
+                "--staleness", "2", "--config", str(work / "hub.toml"),
+                # What grows is measured, not learning: at the default lr the random model's policy collapses within
+                # ~200 steps into equal completions with equal rewards, and the learner stops stepping.
+                "--lr", "1e-6")
     soak = Soak(work, args.minutes, args.kills, say)
     port = free_port()
     hub = start_hub(soak.hub_dir, *hub_args, port=port)

@@ -193,7 +193,10 @@ def test_the_server_changes_nothing(pages: tuple[str, str]) -> None:
 @pytest.mark.slow
 def test_the_node_serves_its_own_page_and_metrics(pages: tuple[str, str]) -> None:
     _, node = pages
-    view = json.loads(get(f"{node}/api/status"))
+    deadline = time.monotonic() + 60
+    # The node hears of its activation at its next heartbeat reply, which a loaded machine may delay.
+    while (view := json.loads(get(f"{node}/api/status")))["state"] != "active" and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert view["state"] == "active" and view["version_held"] >= 0
     families = {f.name: f for f in text_string_to_metric_families(get(f"{node}/metrics").decode())}
     assert families["echo2_node_version_held"].samples[0].value >= 0

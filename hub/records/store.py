@@ -67,9 +67,10 @@ CREDIT_HOUR_S = 3600
 CREDIT_HOURS_KEPT = 48
 # Retention of closed leases and of ledger rows nothing can void any more (then rolled up, one row per node).
 CLOSED_RETAINED_S = 3600.0
-# The WAL file is cut back to this after a checkpoint; free pages past FREE_PAGES_SLACK go back to the disk.
+# The WAL file is cut back to this after a checkpoint; free pages past FREE_PAGES_SLACK go back to the disk
+# (1 MiB of 4 KiB pages: more kept free makes the file swing by that much as payloads come and go).
 WAL_LIMIT_BYTES = 64 * 1024 * 1024
-FREE_PAGES_SLACK = 4096
+FREE_PAGES_SLACK = 256
 
 Verdict = Literal["accepted", "rejected", "late"]
 VERDICTS: tuple[Verdict, ...] = GROUP_VERDICTS  # type: ignore[assignment]
@@ -1065,15 +1066,16 @@ class Store:
         """Copy the WAL into the file and cut it back, unless a reader holds it (then False: the next one
         does); free pages past FREE_PAGES_SLACK go back to the disk. Outside any transaction."""
         with self._lock:
+            # The vacuum writes through the WAL, so it goes first and the checkpoint takes it along.
+            free = int(self.pragma("freelist_count"))
+            if free > FREE_PAGES_SLACK:
+                self.db.execute(f"PRAGMA incremental_vacuum({free - FREE_PAGES_SLACK})").fetchall()
             # Not waiting on a reader: the writer's lock is held meanwhile, and every write would wait too.
             self.db.execute("PRAGMA busy_timeout=0")
             try:
                 busy = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
             finally:
                 self.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            free = int(self.pragma("freelist_count"))
-            if free > FREE_PAGES_SLACK:
-                self.db.execute(f"PRAGMA incremental_vacuum({free - FREE_PAGES_SLACK})").fetchall()
         return not busy
 
     def events(self, limit: int = EVENTS_DEFAULT_LIMIT) -> list[EventRow]:

@@ -89,8 +89,9 @@ PROBE_PROMPTS = 1
 # Liveness (last seen, time online, measured throughput) and the learner's time reach the store
 # this often: a crash loses at most this much of them, never anything acknowledged or paid.
 FLUSH_PERIOD_S = 5.0
-# Retention (Store.retain) and a WAL checkpoint run this often, from the flush.
-RETAIN_PERIOD_S = 60.0
+# Retention (Store.retain) and a WAL checkpoint run this often, from the flush: a pass that finds nothing costs
+# about 0.17 s on a store of 100,000 steps, and payloads wait at most this long past their version's shelf life.
+RETAIN_PERIOD_S = 15.0
 # One "join" event row per node per this long, however often it rejoins.
 JOIN_EVENT_WINDOW_S = 60.0
 # How stale the live-node count behind the heartbeat period may be.
