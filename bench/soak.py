@@ -150,18 +150,24 @@ class Soak:
         return sample
 
 
+def _sizes(paths) -> int:
+    total = 0
+    for path in paths:
+        try:
+            total += os.stat(path).st_size
+        except OSError:  # deleted since it was listed (a rotated snapshot, a checkpoint, the WAL)
+            pass
+    return total
+
+
 def store_bytes(hub_dir: Path) -> int:
-    return sum(p.stat().st_size for p in hub_dir.glob(f"{HUB_STORE_FILE}*"))
+    return _sizes(hub_dir.glob(f"{HUB_STORE_FILE}*"))
 
 
 def tree_bytes(root: Path) -> int:
-    total = 0
-    for path in root.rglob("*"):
-        try:
-            total += path.stat().st_size if path.is_file() else 0
-        except OSError:  # deleted while we walk (a rotated snapshot, a checkpoint)
-            pass
-    return total
+    """Bytes of the files under `root`, walked while the hub writes and deletes in it (a directory that vanishes
+    mid-walk is skipped: os.walk ignores errors unless told otherwise)."""
+    return _sizes(os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names)
 
 
 def process_figures(pid: int) -> tuple[float | None, int | None]:

@@ -1,4 +1,4 @@
-"""Moving prices (docs/DESIGN.md §4): what a node's re-declared price does to the scheduler and when it may move.
+"""Moving prices (docs/DESIGN.md §9): what a node's re-declared price does to the scheduler and when it may move.
 
 A node pays at the price in force when its lease was issued (hub/service/pricing.py); the scheduler ranks it by
 its *ranking* price, which follows the declared one only once that moved more than a band away, so a price
