@@ -289,10 +289,13 @@ class LearnerComponent:
                 },
             )
             stale_ids = list(self._pending_stale)
-            await self.host.commit_step(record, taken.row_ids, stale_ids)
-            self._pending_stale.clear()
-            self.step = t
-            await trio.to_thread.run_sync(self._log_step, record, taken.groups)
+            # A committed step gets its metrics line even when the hub is stopping (Ctrl-C between the two would
+            # leave a hole in metrics.jsonl that a resume never fills).
+            with trio.CancelScope(shield=True):
+                await self.host.commit_step(record, taken.row_ids, stale_ids)
+                self._pending_stale.clear()
+                self.step = t
+                await trio.to_thread.run_sync(self._log_step, record, taken.groups)
             if self.rollouts is not None:
                 await trio.to_thread.run_sync(self.rollouts.save, taken.groups, t, staleness)
             if self.evaluation is not None and self.evaluation.due(t):
