@@ -5,6 +5,7 @@ node's price history)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import trio
@@ -189,3 +190,19 @@ async def test_a_node_link_re_declares_its_scheduled_price(tmp_path, default_mod
             assert record.tallies.refused == 0
             assert [e.kind for e in link.state.events].count("price") == 2
             assert [price for _, price in record.price_history] == [0.40, 0.55, 0.65]
+
+
+def test_a_nodes_price_history_is_bounded(tmp_path) -> None:
+    """However often a node re-declares (or rejoins at a new price), the store keeps its newest
+    PRICES_KEPT_PER_NODE prices, and the newest are the ones kept."""
+    from hub.records.store import PRICES_KEPT_PER_NODE, Store
+
+    store = Store(tmp_path / "hub.sqlite")
+    store.upsert_node("peer-a", 0.1, "cpu", 1000, "hf", "standby")
+    start = time.time() + 1  # after the join's own row
+    for i in range(PRICES_KEPT_PER_NODE + 50):
+        assert store.set_node_price("peer-a", 0.2 + i / 1000, at=start + i)
+    history = store.price_history(10 * PRICES_KEPT_PER_NODE)["peer-a"]
+    store.close()
+    assert len(history) == PRICES_KEPT_PER_NODE
+    assert history[0][0] == start + 50 and history[-1] == (start + PRICES_KEPT_PER_NODE + 49, pytest.approx(0.2 + (PRICES_KEPT_PER_NODE + 49) / 1000))

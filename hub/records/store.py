@@ -67,6 +67,8 @@ CREDIT_HOUR_S = 3600
 CREDIT_HOURS_KEPT = 48
 # Retention of closed leases and of ledger rows nothing can void any more (then rolled up, one row per node).
 CLOSED_RETAINED_S = 3600.0
+# Price history rows kept per node (leases carry their own price: pay never needs older ones).
+PRICES_KEPT_PER_NODE = 100
 # The WAL file is cut back to this after a checkpoint; free pages past FREE_PAGES_SLACK go back to the disk
 # (1 MiB of 4 KiB pages: more kept free makes the file swing by that much as payloads come and go).
 WAL_LIMIT_BYTES = 64 * 1024 * 1024
@@ -569,11 +571,16 @@ class Store:
             return True
 
     def _price_row(self, peer_id: str, price_per_hour: float, at: float) -> None:
-        """A price history row, unless the node's latest row already says this price (a rejoin at the same one)."""
+        """A price history row, unless the node's latest row already says this price (a rejoin at the same one);
+        the node's rows past its newest PRICES_KEPT_PER_NODE go (a node re-declares or rejoins as often as it likes)."""
         self.db.execute(
             "INSERT INTO prices (node_id, at, price_per_hour) SELECT ?, ?, ? WHERE ? IS NOT"
             " (SELECT price_per_hour FROM prices WHERE node_id = ? ORDER BY at DESC, rowid DESC LIMIT 1)",
             (peer_id, at, price_per_hour, price_per_hour, peer_id),
+        )
+        self.db.execute(
+            "DELETE FROM prices WHERE node_id = ? AND rowid NOT IN (SELECT rowid FROM prices WHERE node_id = ?"
+            " ORDER BY at DESC, rowid DESC LIMIT ?)", (peer_id, peer_id, PRICES_KEPT_PER_NODE),
         )
 
     def price_history(self, limit_per_node: int) -> dict[str, list[tuple[float, float]]]:
