@@ -110,22 +110,25 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in JOIN_FLAGS.items()}
     try:
-        config = load_config(NodeConfig, args.config, overrides)
-        check_join(config)
-        # One node per data dir: two would be one identity, knocking each other off the hub.
-        lock = lock_data_dir(config.data_dir, NODE_LOCK_FILE, "node")
-    except (ConfigError, UserError) as exc:
-        print(f"echo-node: {exc}", file=sys.stderr)
-        return 2
-    if args.dashboard:
-        lock.close()  # the node under the dashboard takes it; a second node is refused here already
-        return _run_with_dashboard(config)
-    try:
+        try:
+            config = load_config(NodeConfig, args.config, overrides)
+            check_join(config)  # may import torch to ask for a GPU: Ctrl-C can land here
+            # One node per data dir: two would be one identity, knocking each other off the hub.
+            lock = lock_data_dir(config.data_dir, NODE_LOCK_FILE, "node")
+        except (ConfigError, UserError) as exc:
+            print(f"echo-node: {exc}", file=sys.stderr)
+            return 2
+        if args.dashboard:
+            lock.close()  # the node under the dashboard takes it; a second node is refused here already
+            return _run_with_dashboard(config)
         with lock:
             from node.run import run_node
 
             return run_node(config)
-    except KeyboardInterrupt:  # before the node's own signal handling runs (imports, building the engine)
+    except KeyboardInterrupt:  # before the node's own signal handling runs (checks, imports, building the engine)
+        from shared.signals import ctrl_c_handled
+
+        ctrl_c_handled()
         print("echo-node: interrupted before it joined", file=sys.stderr)
         return 130
 

@@ -21,3 +21,11 @@ class Stopper:
                 self.signal_name = signal.Signals(signum).name
                 scope.cancel()
                 return
+
+
+def ctrl_c_handled() -> None:
+    """Tell CPython that a Ctrl-C we caught was handled. A KeyboardInterrupt raised inside `exec` of a string
+    (dataclasses and namedtuples build their methods that way, so an import can be hit) sets CPython's "unhandled
+    Ctrl-C" flag even when we catch it, and `python -m` then dies by SIGINT instead of returning our exit code; a
+    successful `exec` of a string clears that flag (CPython's run_eval_code_obj resets it)."""
+    exec("")  # noqa: S102 - a constant empty string; the point is the side effect above

@@ -116,6 +116,24 @@ def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path
     assert_one_line(subprocess.CompletedProcess(hub.args, hub.returncode, out, err), 130, "Ctrl-C", "start it again")
 
 
+@pytest.mark.parametrize("cli", ["hub", "node"])
+def test_ctrl_c_raised_inside_exec_still_exits_130_under_python_m(tmp_path: Path, cli: str) -> None:
+    """CI once saw exit -2 (death by SIGINT) after the one line: the Ctrl-C landed while a dataclass built its
+    methods with exec, which leaves CPython's "unhandled Ctrl-C" flag set although main() caught it."""
+    (tmp_path / "interrupted.py").write_text(
+        "import sys\n"
+        "import shared.signals  # imported first: an import that runs exec would itself clear the flag\n"
+        f"import {cli}.cli{'.main' if cli == 'hub' else ''} as cli\n"
+        "def building(*args, **kwargs):\n"
+        "    exec('raise KeyboardInterrupt')\n"
+        f"cli.{'_start' if cli == 'hub' else 'check_join'} = building\n"
+        f"sys.exit(cli.main({['start'] if cli == 'hub' else ['join', '--hub', '/ip4/127.0.0.1/tcp/1/p2p/x']!r}))\n")
+    probe = subprocess.run([sys.executable, "-m", "interrupted"], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert probe.returncode == 130, (probe.returncode, probe.stderr[-2000:])
+    assert "Ctrl-C" in probe.stderr or "interrupted" in probe.stderr
+
+
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_status_says_stopped(tmp_path: Path) -> None:
     # 6 MB: the hub's first snapshot (4.2 MB) fits, a local node's copy of it does not.

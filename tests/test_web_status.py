@@ -23,7 +23,7 @@ from hub.service.web import StatusCollector
 from node.config import NodeConfig
 from shared.messages import HubStatus, NodeStatus, StepPoint, Tallies
 from shared.web import BURST_PER_ADDRESS, RATE_PER_ADDRESS, RateLimit
-from testbed.harness import free_port, start_hub, start_node, stop_all, wait_until
+from testbed.harness import start_hub, start_node, stop_all, wait_until
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 PRIVATE = ("price_per_hour", "cost_usd", "hardware")
@@ -114,6 +114,14 @@ def test_the_grafana_dashboard_queries_only_metrics_the_hub_exports() -> None:
     assert queried and {re.sub(r"_(total|bucket|sum|count)$", "", q) for q in queried} <= exported
 
 
+def printed_url(proc, label: str) -> str:
+    """The address a hub or node printed for its page (`label: http://HOST:PORT`)."""
+    found = wait_until(lambda: re.search(rf"^{label}: (http://\S+)", proc.output(), re.MULTILINE)
+                       or proc.process.poll() is not None, 120, f"the {label} address")
+    assert found is not True, proc.output()[-2000:]
+    return found.group(1)
+
+
 def get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read()
@@ -124,25 +132,38 @@ def pages(tmp_path_factory: pytest.TempPathFactory):
     """A hub with two local nodes and one joined with a hostile name, after a few steps (the guest
     serving its own page too); yields the hub's page URL and the guest's."""
     root = tmp_path_factory.mktemp("web")
-    port, node_port = free_port(), free_port()
+    # Port 0 and the printed address: a port picked free beforehand could be taken by a parallel test meanwhile.
     hub = start_hub(root / "hub", "--local-nodes", "2", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4",
-                    "--eval-every", "1", "--eval-prompts", "4", "--http", f"127.0.0.1:{port}")
+                    "--eval-every", "1", "--eval-prompts", "4", "--http", "127.0.0.1:0")
     procs = [hub]
-    url = f"http://127.0.0.1:{port}"
     try:
-        procs.append(start_node(hub.addr, root / "guest", "--name", HOSTILE, "--http", f"127.0.0.1:{node_port}"))
+        url = printed_url(hub, "status page")
+        guest = start_node(hub.addr, root / "guest", "--name", HOSTILE, "--http", "127.0.0.1:0")
+        procs.append(guest)
+        node_url = printed_url(guest, "node page")
+
+        seen: list[str] = ["the page to answer"]
 
         def ready() -> dict | None:
+            for proc in procs:
+                if proc.process.poll() is not None:
+                    raise AssertionError(f"a process of the run ended ({proc.process.returncode}): {proc.output()[-2000:]}")
             try:
                 status = json.loads(get(f"{url}/api/status"))
             except urllib.error.URLError:  # the libp2p address is printed before the page listens
                 return None
             active = [n for n in status["nodes"] if n["state"] == "active"]
             guest_led = any(v["name"] == HOSTILE for v in status["leaders"])
+            seen[0] = (f"nodes {[(n['name'][-8:], n['state']) for n in status['nodes']]}, step {status['step']}, "
+                       f"{len(status['evals'])} evaluations, leaders {[v['name'][-8:] for v in status['leaders']]}")
             return status if len(active) >= 3 and status["step"] >= 2 and len(status["evals"]) >= 2 and guest_led else None
 
-        wait_until(ready, 240, "three active nodes, two steps, two evaluations, the guest on the leaderboard", poll_s=1.0)
-        yield url, f"http://127.0.0.1:{node_port}"
+        try:
+            wait_until(ready, 240, "three active nodes, two steps, two evaluations, the guest on the leaderboard",
+                       poll_s=1.0)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; last seen: {seen[0]}") from None
+        yield url, node_url
     finally:
         stop_all(procs)
 

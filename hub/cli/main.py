@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as exc:  # Ctrl-C before the run's own handler takes over (a check, the model build)
             if not _only_ctrl_c(exc):
                 raise
+            from shared.signals import ctrl_c_handled
+
+            ctrl_c_handled()
             print("echo-hub: stopped by Ctrl-C; start it again to go on", file=sys.stderr, flush=True)
             return 130
     if args.command == "config":
