@@ -8,11 +8,17 @@ nats, so EOS is all but never sampled and completions run to --max-new-tokens (3
 task scores the share of a completion's characters found in its prompt (testbed.tasks:OverlapTask), so groups
 carry advantages and the learner trains for real.
 
-The hub is SIGKILLed `--kills` times, evenly over the run, and restarted on the same data dir and port; between
-the kills a node at a time is stopped (SIGINT) and started again on its data dir. Growth per step is the slope of
-a least-squares line over the samples of the run's second half (store: hub.sqlite with its WAL; data dir: every
-file under it); the hub's RSS slope is one line fitted within each of its lives (each its own baseline), the first
-30% of each left out (warm-up).
+The hub is SIGKILLed `--kills` times, evenly over the run's first half, and restarted on the same data dir and
+port, so that its last life spans the second half; over the whole run a node at a time is stopped (SIGINT) and
+started again on its data dir. Growth per step is the slope of a least-squares line over the samples of the run's
+second half:
+- store_bytes_per_step: the store's pages in use (dbstat) less the payloads table's. Payloads are kept for a
+  window of versions and go (retain), the WAL is cut back at each checkpoint and FREE_PAGES_SLACK free pages are
+  kept: bounded parts whose swings (several MB as groups come and go) a slope over minutes cannot see through;
+- store_file_bytes_per_step: hub.sqlite with its WAL, those swings included;
+- data_dir_bytes_per_step: every file under the hub's data dir.
+The hub's RSS slope is fitted over its last life, the first 30% of it left out (warm-up: the model loads,
+allocators fill): a life of a few minutes swings by tens of MB, so the short lives before the kills measure noise.
 
 acknowledged_lost: groups a node was told were accepted (its SubmitReply, summed from node_status.json at each
 node's SIGINT stop) beyond what the hub's books credit it with at the end. payload_bytes_per_step: groups received
@@ -48,6 +54,7 @@ MAX_NEW_TOKENS = 320
 LOGIT_STD_NATS = 4.0  # the non-special tokens' logit spread: EOS at 0 is then ~e^-10 as likely as the top token
 SAMPLE_S = 3.0
 WARMUP_SHARE = 0.3  # of the hub's last life, left out of the RSS slope
+KILLS_WITHIN = 0.5  # share of the run the hub kills happen in: the rest is its last life
 HUB_TOML = """
 [learner]
 checkpoint_every = 10
@@ -119,6 +126,7 @@ class Sample:
     life: int
     step: int
     store_bytes: int
+    store_file_bytes: int
     data_bytes: int
     rss_mb: float | None
     fds: int | None
@@ -144,7 +152,10 @@ class Soak:
         count, total = query(self.hub_dir, "SELECT COUNT(*), COALESCE(SUM(LENGTH(group_json)), 0) FROM payloads")[0]
         if count:
             self.payload_means.append(total / count)
-        sample = Sample(time.monotonic() - started, self.life, steps, store_bytes(self.hub_dir), tree_bytes(self.hub_dir),
+        kept = query(self.hub_dir, "SELECT COALESCE(SUM(pgsize), 0) FROM dbstat WHERE name NOT IN ('payloads',"
+                     " (SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'payloads'))")[0][0]
+        sample = Sample(time.monotonic() - started, self.life, steps, kept, store_bytes(self.hub_dir),
+                        tree_bytes(self.hub_dir),
                         *process_figures(hub.process.pid))
         self.samples.append(sample)
         return sample
@@ -183,39 +194,28 @@ def process_figures(pid: int) -> tuple[float | None, int | None]:
 
 def slope(points: list[tuple[float, float]]) -> float | None:
     """Least-squares slope of y on x; None without two distinct x."""
-    return pooled_slope([points])
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
 
 
-def settled_rss(samples: list[Sample]) -> list[list[tuple[float, float]]]:
-    """(step, RSS MB) of each hub life, its first WARMUP_SHARE left out (the model loads, allocators fill)."""
-    lives = []
-    for life in sorted({s.life for s in samples}):
-        points = [(s.step, s.rss_mb) for s in samples if s.life == life and s.rss_mb is not None]
-        lives.append(points[int(len(points) * WARMUP_SHARE):])
-    return lives
-
-
-def pooled_slope(groups: list[list[tuple[float, float]]]) -> float | None:
-    """One least-squares slope of y on x across groups that each have their own level (each hub life its own
-    baseline RSS); None without two distinct x in some group."""
-    num = den = 0.0
-    for points in groups:
-        if len({x for x, _ in points}) < 2:
-            continue
-        mx = sum(x for x, _ in points) / len(points)
-        my = sum(y for _, y in points) / len(points)
-        num += sum((x - mx) * (y - my) for x, y in points)
-        den += sum((x - mx) ** 2 for x, _ in points)
-    return num / den if den else None
+def settled_rss(samples: list[Sample]) -> list[tuple[float, float]]:
+    """(step, RSS MB) of the hub's last life, its first WARMUP_SHARE left out (the model loads, allocators fill)."""
+    last = max((s.life for s in samples), default=0)
+    points = [(s.step, s.rss_mb) for s in samples if s.life == last and s.rss_mb is not None]
+    return points[int(len(points) * WARMUP_SHARE):]
 
 
 def growth_figures(samples: list[Sample], duration_s: float) -> dict:
-    """Bytes per step over the second half, the hub's RSS slope within its lives, its fds first and last."""
+    """Bytes per step over the second half, the hub's RSS slope over its last life, its fds first and last."""
     second_half = [s for s in samples if s.t >= duration_s / 2]
-    rss = pooled_slope(settled_rss(samples))
+    rss = slope(settled_rss(samples))
     with_fds = [s for s in samples if s.fds is not None and s.step > 0]
     return {
         "store_bytes_per_step": slope([(s.step, s.store_bytes) for s in second_half]),
+        "store_file_bytes_per_step": slope([(s.step, s.store_file_bytes) for s in second_half]),
         "data_dir_bytes_per_step": slope([(s.step, s.data_bytes) for s in second_half]),
         "hub_rss_slope_mb_per_1k_steps": None if rss is None else rss * 1000,
         "hub_fds_first": with_fds[0].fds if with_fds else None,
@@ -241,9 +241,9 @@ def resume_figure(skip: bool) -> tuple[float | None, str | None]:
 
 
 def plan(duration_s: float, kills: int, churns: int) -> list[tuple[float, str]]:
-    """When each hub kill and node restart happens: kill k at k/(kills+1) of the run, restart j at
-    (2j+1)/(2 churns+2) of it."""
-    events = [(duration_s * (k + 1) / (kills + 1), "kill") for k in range(kills)]
+    """When each hub kill and node restart happens: kill k at k/(kills+1) of the run's first KILLS_WITHIN,
+    restart j at (2j+1)/(2 churns+2) of the run."""
+    events = [(KILLS_WITHIN * duration_s * (k + 1) / (kills + 1), "kill") for k in range(kills)]
     events += [(duration_s * (2 * j + 1) / (2 * churns + 2), "churn") for j in range(churns)]
     return sorted(events)
 

@@ -6,8 +6,11 @@ The real hub service and status board in process (testbed/inproc.py), its fleet 
 records, half live and half gone two hours ago (as throwaway joins leave them). Side by side:
 - `per_request_ms_rebuilt`: CPU of what a status request did before the board cached it (build the
   view from every node, redact, encode), on the event loop, per request;
-- `per_request_ms_served`: CPU per request as served now (a frame built at most once per second,
-  each view encoded once), averaged over 200 requests, builds included;
+- `per_request_ms_served`: CPU per request as served now from the frame of the board's last build
+  (built at most once per second, each view encoded once), averaged over 200 requests: what one more
+  request costs, builds left out;
+- `cpu_ms_per_s_asked`: the hub process's CPU per second of wall time while a stranger asks for its view
+  ASK_PER_S times a second for ASK_SPAN_S: the builds and encodes the fleet's size costs, included;
 - `build_ms`: one build (once per second whoever asks), `encode_ms`: one view's encoding (in a worker
   thread), `frame_bytes` and `nodes_listed` of the stranger's view.
 """
@@ -32,6 +35,9 @@ from shared.wire import HEADER, encode_message
 from testbed.inproc import PERMISSIVE_CONFIG as CONFIG
 from testbed.inproc import inproc_hub
 
+ASK_PER_S = 100.0
+ASK_SPAN_S = 3.0
+
 
 async def measure(identities: int, work: Path) -> dict:
     from shared.default_model import ensure_default_model
@@ -54,6 +60,11 @@ async def measure(identities: int, work: Path) -> dict:
         for _ in range(200):
             await board.encoded(False, 50)
         served = (time.process_time() - started) / 200
+        started, started_cpu = time.perf_counter(), time.process_time()
+        while time.perf_counter() - started < ASK_SPAN_S:
+            await board.encoded(False, 50)
+            await trio.sleep(1.0 / ASK_PER_S)
+        asked = (time.process_time() - started_cpu) / (time.perf_counter() - started)
         started = time.process_time()
         await board._build()
         build = time.process_time() - started
@@ -62,7 +73,7 @@ async def measure(identities: int, work: Path) -> dict:
         encode = time.perf_counter() - started
         listed = len(HubStatus.model_validate_json(frame[HEADER.size:]).nodes)
     return {"identities": identities, "per_request_ms_rebuilt": round(rebuilt * 1e3, 3),
-            "per_request_ms_served": round(served * 1e3, 3), "build_ms": round(build * 1e3, 1),
+            "per_request_ms_served": round(served * 1e3, 3), "cpu_ms_per_s_asked": round(asked * 1e3, 1), "build_ms": round(build * 1e3, 1),
             "encode_ms": round(encode * 1e3, 1), "frame_bytes": len(frame), "nodes_listed": listed}
 
 

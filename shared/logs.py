@@ -116,6 +116,11 @@ def capture_output(path: Path, max_mb: float = LOG_MAX_MB, backups: int = LOG_BA
     sys.stdout, sys.stderr = RotatingTextStream(target, 1), RotatingTextStream(target, 2)
 
 
+def held_back(held: int) -> str:
+    """The tail of a line PeerLogLimiter allowed: how many like it were held back since the last one."""
+    return f" ({held} more since the last such line)" if held else ""
+
+
 class PeerLogLimiter:
     """Whether a peer-triggered line may be logged now: one per key per window; the next one allowed says how
     many were held back. The table forgets keys past their window once it holds PEER_LOG_KEYS."""

@@ -44,6 +44,7 @@ import collections
 import ipaddress
 import logging
 import sys
+import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -66,6 +67,7 @@ from multiaddr import Multiaddr
 
 from shared import libp2p_patches
 from shared.crypto import Identity
+from shared.logs import PeerLogLimiter, held_back
 from shared.wire import Message, WritableStream, read_message, write_message, write_signed
 
 if sys.version_info < (3, 11):
@@ -120,6 +122,7 @@ def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
     swarm = host.get_network()
     swarm._inbound_limiter.total_tokens = MAX_CONNECTIONS
     per_ip: collections.Counter[str] = collections.Counter()
+    refusal_log = PeerLogLimiter()  # an address dialling in a loop must not fill the disk with lines
 
     async def inbound(self, read_write_closer, maddr, failure_event) -> None:
         remote = self._build_remote_multiaddr(read_write_closer)
@@ -128,7 +131,9 @@ def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
             await _close_quietly(read_write_closer)
             return
         if ip is not None and per_ip[ip] >= inbound_per_ip:
-            log.info("refused an inbound connection from %s: %d already live", ip, per_ip[ip])
+            logged, held = refusal_log.allow(ip, time.monotonic())
+            if logged:
+                log.info("refused an inbound connection from %s: %d already live%s", ip, per_ip[ip], held_back(held))
             await _close_quietly(read_write_closer)
             return
         if ip is not None:
@@ -290,10 +295,14 @@ def admit_only(host: IHost, protocol: str, handler: StreamHandler, allowed: Call
     """Put `handler` (a py-libp2p service's own, registered by it already) behind `allowed(peer id)`: a stream
     from anyone else is reset unread. Call once the service has started (its event_started)."""
 
+    refusal_log = PeerLogLimiter()  # a stranger opening streams in a loop must not fill the disk with lines
+
     async def guarded(stream: INetStream) -> None:
         peer = remote_peer_id(stream)
         if not allowed(peer):
-            log.info("refused %s from %s", protocol, peer[-8:])
+            logged, held = refusal_log.allow(peer, time.monotonic())
+            if logged:
+                log.info("refused %s from %s%s", protocol, peer[-8:], held_back(held))
             await stream.reset()
             return
         await handler(stream)

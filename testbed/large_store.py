@@ -108,7 +108,7 @@ class _History:
         waits in the buffer for the next step."""
         record = StepRecord(step=step, version=step, reward_mean=0.5, reward_std=0.5, staleness_mean=1.0,
                             staleness_max=STALENESS, dropped_stale=1, t_train_s=0.1, t_idle_s=0.0, bubble=0.0,
-                            tokens=64, clip_frac=0.0)
+                            tokens=64, clip_frac=0.0, extra={"staleness_budget": STALENESS, "rollout_reward_mean": 0.5})
 
         def commit() -> None:
             pending = list(self.pending)

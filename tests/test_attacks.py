@@ -351,6 +351,34 @@ async def test_peers_cannot_grow_the_log_or_the_events_table(tmp_path, default_m
         assert [e.detail for e in hub.state.store.events(1000)] == [str(i) for i in range(49, 39, -1)]
 
 
+@pytest.mark.trio
+async def test_a_disconnected_peer_redialling_in_a_loop_writes_one_event_and_line_per_window(tmp_path, default_model_dir,
+                                                                                            caplog):
+    """Item 10, found again by the audit of round three: a peer disconnected for its violations is turned away on
+    every stream while its cooldown lasts, and each one wrote an event row and a line (7,625 rows and 1.2 MB of
+    hub.log in 65 s from one identity redialling). Now once per PEER_LOG_WINDOW_S, with a count of the rest."""
+    import logging
+
+    trust = CONFIG.trust.model_copy(update={"requests_per_s": 0.01, "request_burst": 1, "violations_to_disconnect": 1})
+    async with inproc_hub(tmp_path, default_model_dir, CONFIG.model_copy(update={"trust": trust})) as hub, \
+            AsyncExitStack() as stack:
+        peer = await client(stack, hub)
+        turned_away = 0
+        with caplog.at_level(logging.INFO, logger="echo2.hub"):
+            for _ in range(12):  # the first is answered; the second disconnects; the rest redial into the cooldown
+                try:
+                    await peer.connect()
+                    reply = await peer.send_frame(LEASE_PROTOCOL, encode_frame(LeaseRequest.TYPE, b"{}"), LeaseReply)
+                    turned_away += isinstance(reply, Reject) and "disconnected" in reply.reason
+                except Exception:  # noqa: BLE001 -- the connection went with the refusal before it was read
+                    turned_away += 1
+        await hub.state.flush()
+        events = [e for e in hub.state.store.events(1000) if e.kind == "disconnect" and e.node_id == peer.identity.peer_id]
+        lines = [r for r in caplog.records if "event disconnect" in r.getMessage()]
+        assert turned_away >= 8
+        assert len(events) == 1 and len(lines) == 1, ([e.detail for e in events], [r.getMessage() for r in lines])
+
+
 def test_log_files_rotate_by_size(tmp_path):
     import logging
 

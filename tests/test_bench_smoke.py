@@ -221,12 +221,14 @@ def test_status_bench_smoke(capsys):
     assert row["per_request_ms_served"] > 0 and row["per_request_ms_rebuilt"] > 0 and row["frame_bytes"] > 0
 
 
-def test_soak_bench_fits_one_rss_line_within_each_hub_life_and_spreads_its_faults():
+def test_soak_bench_fits_the_rss_line_over_the_hubs_last_life_and_kills_in_the_first_half():
     soak = load_bench("soak")
-    # Two lives at different baselines, each growing 1 MB per step: the slope is 1, not the jump between them.
-    assert soak.pooled_slope([[(0, 100.0), (1, 101.0)], [(2, 500.0), (3, 501.0), (4, 502.0)]]) == 1.0
-    assert soak.pooled_slope([[(5, 1.0)]]) is None
-    assert soak.plan(600.0, kills=2, churns=2) == [(100.0, "churn"), (200.0, "kill"), (300.0, "churn"), (400.0, "kill")]
+    # An earlier life at another baseline and the last life's warm-up do not count: the slope is the last life's 1.
+    rss = [(0, 0, 100.0), (0, 1, 101.0), *((1, step, 300.0 + (step if step >= 13 else 50)) for step in range(10, 20))]
+    samples = [soak.Sample(float(step), life, step, 0, 0, 0, mb, 10) for life, step, mb in rss]
+    assert soak.slope(soak.settled_rss(samples)) == 1.0
+    assert soak.slope([(5, 1.0)]) is None
+    assert soak.plan(600.0, kills=2, churns=2) == [(100.0, "churn"), (100.0, "kill"), (200.0, "kill"), (300.0, "churn")]
 
 
 @pytest.mark.slow
@@ -241,6 +243,7 @@ def test_soak_bench_smoke(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert {"minutes", "steps", "completion_tokens_mean", "payload_bytes_per_step", "store_bytes_per_step",
+            "store_file_bytes_per_step",
             "data_dir_bytes_per_step", "hub_rss_slope_mb_per_1k_steps", "hub_fds_first", "hub_fds_last", "kills",
             "acknowledged_lost", "resume_s_large_store", "log_bytes_max"} <= result.keys()
     assert result["kills"] == 1 and result["acknowledged_lost"] == 0 and result["steps"] > 0

@@ -141,11 +141,14 @@ async def test_only_fleet_members_may_use_the_hubs_relay():
 
 
 @pytest.mark.trio
-async def test_one_member_cannot_exhaust_the_relays_reservations():
+async def test_one_member_cannot_exhaust_the_relays_reservations(caplog):
     """Item 1: one member sent 4,112 RESERVE messages in 18 s, each naming a random peer: all 4,096 slots filled
     for an hour and an honest member's own reservation was refused. Now a reservation is only ever the stream's
-    own peer's, each refused one counts against the sender, and an address holds at most
-    RELAY_RESERVATIONS_PER_ADDRESS; reservations of nodes that left are dropped."""
+    own peer's, each refused one counts against the sender (and is logged once per PEER_LOG_WINDOW_S: a line each
+    was 31 KB/s of hub.log), and an address holds at most RELAY_RESERVATIONS_PER_ADDRESS; reservations of nodes that
+    left are dropped."""
+    import logging
+
     from libp2p.relay.circuit_v2.pb.circuit_pb2 import Status
 
     from hub.distribution.reachability import RELAY_RESERVATIONS_PER_ADDRESS
@@ -155,10 +158,12 @@ async def test_one_member_cannot_exhaust_the_relays_reservations():
     members = {attacker.peer_id: "10.0.0.1", honest.peer_id: "10.0.0.2", **{s.peer_id: "10.0.0.3" for s in sybils}}
     async with gated_relay(members, set()) as (_host, hub_addr, gate, refusals), AsyncExitStack() as stack:
         host, _ = await stack.enter_async_context(running_host(attacker, [LOOPBACK]))
-        for _ in range(40):
-            answer = await hop(host, hub_addr, "RESERVE", Identity.generate().peer_id)
-            assert answer.status == Status.PERMISSION_DENIED
+        with caplog.at_level(logging.INFO, logger="echo2.hub"):
+            for _ in range(40):
+                answer = await hop(host, hub_addr, "RESERVE", Identity.generate().peer_id)
+                assert answer.status == Status.PERMISSION_DENIED
         assert gate.reserved() == {} and len(refusals) == 40
+        assert len([r for r in caplog.records if "refused relay use by" in r.getMessage()]) == 1
         assert {why for _, why in refusals} == {"a relay reservation for another peer"}
         # The member's own reservation, named or not, is taken: one slot, whatever it asks.
         assert (await hop(host, hub_addr, "RESERVE", attacker.peer_id)).status == Status.OK

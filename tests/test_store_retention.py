@@ -3,6 +3,7 @@ and after a later ban; what is still needed keeps its payload; a resume reads no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -238,3 +239,58 @@ def test_resume_bench_times_a_real_hub_restarted_on_a_built_history(tmp_path):
     assert 0 < first["resume_s_large_store"] < first["build_s"] and first["store_bytes"] > 0
     again = json.loads(subprocess.run(argv, cwd=root, capture_output=True, text=True, check=True, timeout=600).stdout)
     assert again["build_s"] is None and again["steps"] == 31  # the built data dir is reused
+
+
+def test_old_steps_keep_their_columns_but_not_their_metrics_json_and_snapshot_rows_are_capped(tmp_path, monkeypatch):
+    """A step row's metrics JSON is 90% of its bytes (metrics.jsonl holds every step's too): past the newest
+    STEP_METRICS_KEPT steps only the columns stay. Snapshot rows past the newest SNAPSHOT_ROWS_KEPT go. The pages
+    they held go back to the disk at the next checkpoint."""
+    import hub.records.store as store_module
+    from hub.records.store import StepRecord
+
+    monkeypatch.setattr(store_module, "STEP_METRICS_KEPT", 100)
+    monkeypatch.setattr(store_module, "SNAPSHOT_ROWS_KEPT", 3)
+    store = Store(tmp_path / HUB_STORE_FILE)
+    extra = {f"a_metric_with_a_long_name_{i}": 0.1234567890123 * i for i in range(28)}  # as the learner logs them
+
+    def steps(first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            store.commit_step(StepRecord(step, step, 0.5, 0.1, 1.0, 2, 0, 1.0, 0.0, 0.0, 100, 0.0, extra), [])
+            store.add_snapshot(step, f"/snapshots/v{step}", "ab" * 32, 1000, float(step))
+
+    def live_pages() -> int:
+        return store.db.execute("PRAGMA page_count").fetchone()[0] - store.db.execute("PRAGMA freelist_count").fetchone()[0]
+
+    steps(1, 1000)
+    store.checkpoint()
+    before = live_pages()
+    kept = store.retain(0, 0.0, True)
+    assert (kept.step_metrics, kept.snapshot_rows) == (900, 997)
+    rows = store.steps()
+    assert [s.step for s in rows] == list(range(1, 1001)) and [s.reward_mean for s in rows] == [0.5] * 1000
+    assert all(s.extra == {} for s in rows[:900]) and all(s.extra == extra for s in rows[900:])
+    assert [s.version for s in store.snapshots()] == [998, 999, 1000] and store.latest_version() == 1000
+    store.checkpoint()
+    assert live_pages() < 0.4 * before, (live_pages(), before)
+    steps(1001, 1010)  # the next pass trims only the steps that crossed the line since
+    kept = store.retain(0, 0.0, True)
+    assert (kept.step_metrics, kept.snapshot_rows) == (10, 10)
+    assert store.steps()[909].extra == {} and store.steps()[910].extra == extra
+    store.close()
+
+
+def test_trimming_old_step_metrics_leaves_the_books_as_they_were(tmp_path, monkeypatch):
+    """Trajectories, ledger rows and evaluations refer to the steps whose rows retention writes again."""
+    import hub.records.store as store_module
+
+    path = history(tmp_path / "a")
+    before = books(copy(path, tmp_path / "b"))
+    monkeypatch.setattr(store_module, "STEP_METRICS_KEPT", 10)
+    store = Store(path)
+    assert store.retain(OLDEST_ON_SHELF, time.time(), True).step_metrics == STEPS - 10
+    store.close()
+    after = books(path)
+    steps_before, steps_after = before.pop("steps"), after.pop("steps")
+    assert [dataclasses.replace(s, extra={}) if s.step <= STEPS - 10 else s for s in steps_before] == steps_after
+    assert {k: v for k, v in after.items() if k != "view"} == {k: v for k, v in before.items() if k != "view"}
+    assert after["view"][0] == before["view"][0] and after["view"][1:4] == before["view"][1:4]

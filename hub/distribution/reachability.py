@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Container
 
 import trio
 
 from shared.buckets import TokenBuckets
 from shared.crypto import Identity
+from shared.logs import PeerLogLimiter, held_back
 from shared.net import address_key, admit_only, build_host, connect, remote_peer_id
 
 log = logging.getLogger("echo2.hub.reachability")
@@ -90,6 +92,12 @@ class RelayGate:
         self.address_of = address_of  # a member's address key (shared.net.address_key of where it connects from)
         self.planned_punch = planned_punch  # (initiator, target): the broadcaster planned a hole punch between them
         self.refused = refused  # counted against the peer, with why
+        self._refusal_log = PeerLogLimiter()  # a member refused in a loop must not fill the disk with lines
+
+    def _log_refusal(self, peer: str, reason: str) -> None:
+        logged, held = self._refusal_log.allow(peer, time.monotonic())
+        if logged:
+            log.info("refused relay use by %s: %s%s", peer[-8:], reason, held_back(held))
 
     def reserved(self) -> dict[str, str | None]:
         """peer -> address key of every reservation py-libp2p holds."""
@@ -136,8 +144,7 @@ class RelayGate:
             named = ID(msg.peer.id).to_base58() if msg.HasField("peer") and msg.peer.id else None
             reason = self.reserve_refusal(peer, named)
             if reason is None and self.address_full(peer):
-                log.info("relay reservation of %s refused: its address holds %d already", peer[-8:],
-                         RELAY_RESERVATIONS_PER_ADDRESS)
+                self._log_refusal(peer, f"its address holds {RELAY_RESERVATIONS_PER_ADDRESS} relay reservations already")
                 await self._answer(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, "this address holds its relay reservations")
                 return
             if reason is None:
@@ -152,7 +159,7 @@ class RelayGate:
         else:
             reason = f"relay message type {msg.type}"
         if reason is not None:
-            log.info("refused relay use by %s: %s", peer[-8:], reason)
+            self._log_refusal(peer, reason)
             await self._answer(stream, StatusCode.PERMISSION_DENIED, reason)
             await self.refused(peer, reason)
             return

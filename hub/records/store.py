@@ -25,6 +25,8 @@ Retention (`retain`, run by HubState every RETAIN_PERIOD_S): a group's payload i
 (the buffer, an audit, crash recovery) and while its version is still on the snapshot shelf; then only its
 hash, verdict, reward, version, node and step stay. Closed leases and ledger rows nothing can void any more
 go after CLOSED_RETAINED_S (the ledger as one roll-up row per node); events keep the newest EVENTS_RETAINED.
+A step row keeps its full metrics (`metrics_json`, which metrics.jsonl holds too) for the newest
+STEP_METRICS_KEPT steps, then only its columns; the snapshots table keeps its newest SNAPSHOT_ROWS_KEPT rows.
 `counts` holds the totals by verdict, kept by triggers, so no reader counts the whole history.
 
 Events: a write method that changes what the hub shows takes the event(s) describing it and
@@ -67,6 +69,11 @@ CREDIT_HOUR_S = 3600
 CREDIT_HOURS_KEPT = 48
 # Retention of closed leases and of ledger rows nothing can void any more (then rolled up, one row per node).
 CLOSED_RETAINED_S = 3600.0
+# Steps whose row keeps its full metrics JSON (the status page reads the newest 300, a resume the newest one;
+# metrics.jsonl keeps every step's): 90% of a step row's bytes, about 0.8 KB a step for good otherwise.
+STEP_METRICS_KEPT = 1000
+# Snapshot rows kept (one per version, nothing reads old ones: the shelf holds 3 and resumes from the newest).
+SNAPSHOT_ROWS_KEPT = 100
 # Price history rows kept per node (leases carry their own price: pay never needs older ones).
 PRICES_KEPT_PER_NODE = 100
 # The WAL file is cut back to this after a checkpoint; free pages past FREE_PAGES_SLACK go back to the disk
@@ -376,6 +383,8 @@ class Retained:
     payloads: int
     leases: int
     ledger_rows: int
+    step_metrics: int = 0
+    snapshot_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -401,6 +410,7 @@ class Store:
         )
         self._lock = threading.RLock()
         self._in_batch = False
+        self._metrics_trimmed_to = 0  # retain: steps up to this one have had their metrics JSON trimmed
         self.db = sqlite_utils.Database(conn)
         # Takes effect on a new file only: pages freed by retention go back to the disk (`checkpoint`).
         self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
@@ -1041,7 +1051,30 @@ class Store:
                 "DELETE FROM leases WHERE state IN ('answered', 'expired') AND deadline < ?", (closed_before,)
             ).rowcount
             ledger = self._roll_up_ledger(closed_before, vouch_needed)
-        return Retained(payloads, leases, ledger)
+            metrics = self._trim_step_metrics()
+            snapshots = self.db.execute(
+                "DELETE FROM snapshots WHERE version < (SELECT version FROM snapshots ORDER BY version DESC"
+                " LIMIT 1 OFFSET ?)", (SNAPSHOT_ROWS_KEPT - 1,),
+            ).rowcount
+        return Retained(payloads, leases, ledger, metrics, snapshots)
+
+    def _trim_step_metrics(self) -> int:
+        """Empty the metrics JSON of the steps that crossed the STEP_METRICS_KEPT line since the last pass (the step
+        is the table's key). The rows are deleted and written again: a row shrunk in place keeps its page, while
+        deleted runs of rows free theirs, and the short rows written back fill few."""
+        newest = self.db.execute("SELECT MAX(step) FROM steps").fetchone()[0] or 0
+        span = (self._metrics_trimmed_to, newest - STEP_METRICS_KEPT)
+        self._metrics_trimmed_to = max(self._metrics_trimmed_to, span[1])
+        columns = ("step, version, reward_mean, reward_std, staleness_mean, staleness_max, dropped_stale, t_train_s,"
+                   " t_idle_s, bubble, tokens, clip_frac, created_at")
+        where = "WHERE step > ? AND step <= ? AND metrics_json != '{}'"
+        rows = self.db.execute(f"SELECT {columns} FROM steps {where}", span).fetchall()
+        # Trajectories, ledger rows and evaluations refer to these steps: checked at commit, once they are back.
+        self.db.execute("PRAGMA defer_foreign_keys = ON")
+        self.db.execute(f"DELETE FROM steps {where}", span)
+        self.db.conn.executemany(f"INSERT INTO steps ({columns}, metrics_json) VALUES ({', '.join('?' * 13)}, '{{}}')",
+                                 rows)
+        return len(rows)
 
     def _roll_up_ledger(self, before: float, vouch_needed: bool) -> int:
         """Merge each node's final ledger rows booked before `before` into its newest one; rows deleted."""

@@ -30,7 +30,7 @@ from hub.trust.guard import Admission, PeerGuard
 from shared.buckets import TokenBuckets
 from shared.bulk import BulkChannel, serving_stream
 from shared.crypto import Identity
-from shared.logs import PeerLogLimiter
+from shared.logs import PeerLogLimiter, held_back
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
@@ -184,6 +184,7 @@ class HubService:
         kit_bytes = sum(f.size for f in model_offer.listing.files) if model_offer is not None else 1
         self._model_bytes = TokenBuckets(kit_bytes / MODEL_KIT_REFILL_S, MODEL_KITS_BURST * kit_bytes)
         self._refusal_log = PeerLogLimiter()
+        self._disconnect_log = PeerLogLimiter()
 
     async def run(self) -> None:
         handlers = {
@@ -277,19 +278,21 @@ class HubService:
         peer per window (a peer refused in a loop must not fill the disk with lines)."""
         logged, held = self._refusal_log.allow(peer, time.monotonic())
         if logged:
-            log.warning("refused %s from %s: %s%s", protocol, peer, reason,
-                        f" ({held} more refusals of it since its last line)" if held else "")
+            log.warning("refused %s from %s: %s%s", protocol, peer, reason, held_back(held))
         await self.state.record_refusal(peer, code)
         await _refuse(stream, code, reason)
 
     async def _turn_away(self, stream: INetStream, peer: str, admission: Admission) -> None:
         """A peer over its stream, rate or memory caps: told to retry later, disconnected if it keeps on (at once:
-        its stream is not given time to close, the connection goes with it)."""
+        its stream is not given time to close, the connection goes with it). A peer that redials while it is
+        disconnected is turned away on every stream: its event row and line are written once per window."""
         disconnect = admission.verdict == "disconnect"
         await _refuse(stream, RejectCode.BUSY, f"retry in {admission.retry_after_s:.2f}s: {admission.reason}",
                       linger_s=0.0 if disconnect else REFUSE_LINGER_S)
         if disconnect:
-            await self.state.event("disconnect", peer, admission.reason)
+            logged, held = self._disconnect_log.allow(peer, time.monotonic())
+            if logged:
+                await self.state.event("disconnect", peer, admission.reason + held_back(held))
             await self.host.disconnect(ID.from_base58(peer))
 
     # -- protocols -------------------------------------------------------------------------

@@ -327,7 +327,8 @@ class HubState:
                 raise PeerFault("banned", RejectCode.BANNED)
             record = self.fleet.join(peer, request, remote_ip, self.clock())
             record.heartbeat_period_s = self.heartbeat_period()
-        log.info("join %s state %s", peer, record.state)
+        if event is not None:  # a node rejoining in a loop gets a line per window too
+            log.info("join %s state %s", peer, record.state)
         self._membership_changed()
         return record
 
