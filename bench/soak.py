@@ -152,8 +152,8 @@ class Soak:
         count, total = query(self.hub_dir, "SELECT COUNT(*), COALESCE(SUM(LENGTH(group_json)), 0) FROM payloads")[0]
         if count:
             self.payload_means.append(total / count)
-        kept = query(self.hub_dir, "SELECT COALESCE(SUM(pgsize), 0) FROM dbstat WHERE name NOT IN ('payloads',"
-                     " (SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'payloads'))")[0][0]
+        kept = query(self.hub_dir, "SELECT COALESCE(SUM(pgsize), 0) FROM dbstat WHERE name != 'payloads' AND name NOT IN"
+                     " (SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'payloads')")[0][0]
         sample = Sample(time.monotonic() - started, self.life, steps, kept, store_bytes(self.hub_dir),
                         tree_bytes(self.hub_dir),
                         *process_figures(hub.process.pid))

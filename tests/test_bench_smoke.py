@@ -246,6 +246,7 @@ def test_soak_bench_smoke(tmp_path):
             "store_file_bytes_per_step",
             "data_dir_bytes_per_step", "hub_rss_slope_mb_per_1k_steps", "hub_fds_first", "hub_fds_last", "kills",
             "acknowledged_lost", "resume_s_large_store", "log_bytes_max"} <= result.keys()
+    assert result["store_bytes_per_step"] > 0 and result["store_file_bytes_per_step"] is not None
     assert result["kills"] == 1 and result["acknowledged_lost"] == 0 and result["steps"] > 0
     assert result["completion_tokens_mean"] >= 256
     assert "hub SIGKILLed (1/1)" in done.stderr

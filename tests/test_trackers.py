@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,9 @@ def needs(module: str) -> None:
         pytest.skip(f"{module} is not installed (it comes with the dev and track extras: pip install 'echo2[track]')")
 
 
-def log_rows(tmp_path: Path, tracker: str) -> Path:
+def log_rows(tmp_path: Path, tracker: str, run_name: str = "t") -> Path:
     data = tmp_path / "data"
-    trackers = open_trackers(TrackingConfig(report_to=(tracker,), run_name="t"), data, CONFIG)
+    trackers = open_trackers(TrackingConfig(report_to=(tracker,), run_name=run_name), data, CONFIG)
     writer = MetricsWriter(data / METRICS_FILE, trackers)
     for row in ROWS:
         writer.append_row(row)
@@ -49,10 +50,11 @@ def wandb_run_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("offline-run-*/run-*.wandb"))
 
 
-def trackio_metrics(directory: Path, project: str) -> set[str]:
+def trackio_metrics(directory: Path, project: str, run_name: str | None = None) -> set[str]:
     db = sqlite3.connect(directory / f"{project}.db")
     try:
-        rows = [r[0] for r in db.execute("SELECT metrics FROM metrics")]
+        rows = [r[0] for r in db.execute("SELECT metrics FROM metrics WHERE ? IS NULL OR run_name = ?",
+                                         (run_name, run_name))]
     finally:
         db.close()
     import json
@@ -81,8 +83,13 @@ def test_wandb_writes_an_offline_run(tmp_path: Path, monkeypatch) -> None:
 
 def test_trackio_writes_a_local_store(tmp_path: Path) -> None:
     needs("trackio")
-    data = log_rows(tmp_path, "trackio")
-    assert {"train/reward_mean", "eval/eval_reward"} <= trackio_metrics(data / "trackio", "echo2")
+    run_name = f"t{time.time_ns()}"
+    log_rows(tmp_path, "trackio", run_name)
+    import trackio.utils
+
+    # trackio fixes its directory at its first import: another test of this process may have chosen it (our run's
+    # rows are told apart by its name).
+    assert {"train/reward_mean", "eval/eval_reward"} <= trackio_metrics(trackio.utils.TRACKIO_DIR, "echo2", run_name)
 
 
 def test_a_missing_tracker_package_is_named_with_the_extra(monkeypatch) -> None:
