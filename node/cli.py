@@ -103,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
         from tui.cli import run_dashboard
 
         return run_dashboard(args, kind="node")
+    try:
+        return _join(args)
+    except KeyboardInterrupt:  # before the node's own signal handling runs (checks, imports, building the engine)
+        from shared.signals import ctrl_c_handled
+
+        ctrl_c_handled()
+        print("echo-node: interrupted before it joined", file=sys.stderr)
+        return 130
+
+
+def _join(args: argparse.Namespace) -> int:
+    """`echo-node join`: its config checked (a mistake is one line, exit 2), its data dir locked, then the node."""
     from node.config import NodeConfig
     from shared.config import ConfigError, load_config
     from shared.layout import NODE_LOCK_FILE
@@ -110,27 +122,20 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in JOIN_FLAGS.items()}
     try:
-        try:
-            config = load_config(NodeConfig, args.config, overrides)
-            check_join(config)  # may import torch to ask for a GPU: Ctrl-C can land here
-            # One node per data dir: two would be one identity, knocking each other off the hub.
-            lock = lock_data_dir(config.data_dir, NODE_LOCK_FILE, "node")
-        except (ConfigError, UserError) as exc:
-            print(f"echo-node: {exc}", file=sys.stderr)
-            return 2
-        if args.dashboard:
-            lock.close()  # the node under the dashboard takes it; a second node is refused here already
-            return _run_with_dashboard(config)
-        with lock:
-            from node.run import run_node
+        config = load_config(NodeConfig, args.config, overrides)
+        check_join(config)  # may import torch to ask for a GPU: Ctrl-C can land here
+        # One node per data dir: two would be one identity, knocking each other off the hub.
+        lock = lock_data_dir(config.data_dir, NODE_LOCK_FILE, "node")
+    except (ConfigError, UserError) as exc:
+        print(f"echo-node: {exc}", file=sys.stderr)
+        return 2
+    if args.dashboard:
+        lock.close()  # the node under the dashboard takes it; a second node is refused here already
+        return _run_with_dashboard(config)
+    with lock:
+        from node.run import run_node
 
-            return run_node(config)
-    except KeyboardInterrupt:  # before the node's own signal handling runs (checks, imports, building the engine)
-        from shared.signals import ctrl_c_handled
-
-        ctrl_c_handled()
-        print("echo-node: interrupted before it joined", file=sys.stderr)
-        return 130
+        return run_node(config)
 
 
 def _run_with_dashboard(config) -> int:

@@ -14,6 +14,7 @@ import logging.handlers
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 LOG_MAX_MB = 50.0
@@ -116,11 +117,6 @@ def capture_output(path: Path, max_mb: float = LOG_MAX_MB, backups: int = LOG_BA
     sys.stdout, sys.stderr = RotatingTextStream(target, 1), RotatingTextStream(target, 2)
 
 
-def held_back(held: int) -> str:
-    """The tail of a line PeerLogLimiter allowed: how many like it were held back since the last one."""
-    return f" ({held} more since the last such line)" if held else ""
-
-
 class PeerLogLimiter:
     """Whether a peer-triggered line may be logged now: one per key per window; the next one allowed says how
     many were held back. The table forgets keys past their window once it holds PEER_LOG_KEYS."""
@@ -139,3 +135,11 @@ class PeerLogLimiter:
         if len(self._last) > PEER_LOG_KEYS:
             self._last = {k: v for k, v in self._last.items() if now - v[0] < self.window_s}
         return True, held
+
+    def tail(self, key: str) -> str | None:
+        """None when `key`'s line is held back now; else the end of the line to log: how many like it were held
+        back since the last one ("" for none)."""
+        logged, held = self.allow(key, time.monotonic())
+        if not logged:
+            return None
+        return f" ({held} more since the last such line)" if held else ""

@@ -44,7 +44,6 @@ import collections
 import ipaddress
 import logging
 import sys
-import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -67,7 +66,7 @@ from multiaddr import Multiaddr
 
 from shared import libp2p_patches
 from shared.crypto import Identity
-from shared.logs import PeerLogLimiter, held_back
+from shared.logs import PeerLogLimiter
 from shared.wire import Message, WritableStream, read_message, write_message, write_signed
 
 if sys.version_info < (3, 11):
@@ -131,9 +130,8 @@ def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
             await _close_quietly(read_write_closer)
             return
         if ip is not None and per_ip[ip] >= inbound_per_ip:
-            logged, held = refusal_log.allow(ip, time.monotonic())
-            if logged:
-                log.info("refused an inbound connection from %s: %d already live%s", ip, per_ip[ip], held_back(held))
+            if (tail := refusal_log.tail(ip)) is not None:
+                log.info("refused an inbound connection from %s: %d already live%s", ip, per_ip[ip], tail)
             await _close_quietly(read_write_closer)
             return
         if ip is not None:
@@ -300,9 +298,8 @@ def admit_only(host: IHost, protocol: str, handler: StreamHandler, allowed: Call
     async def guarded(stream: INetStream) -> None:
         peer = remote_peer_id(stream)
         if not allowed(peer):
-            logged, held = refusal_log.allow(peer, time.monotonic())
-            if logged:
-                log.info("refused %s from %s%s", protocol, peer[-8:], held_back(held))
+            if (tail := refusal_log.tail(peer)) is not None:
+                log.info("refused %s from %s%s", protocol, peer[-8:], tail)
             await stream.reset()
             return
         await handler(stream)

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Awaitable, Callable, Container
 
 import trio
 
 from shared.buckets import TokenBuckets
 from shared.crypto import Identity
-from shared.logs import PeerLogLimiter, held_back
+from shared.logs import PeerLogLimiter
 from shared.net import address_key, admit_only, build_host, connect, remote_peer_id
 
 log = logging.getLogger("echo2.hub.reachability")
@@ -95,9 +94,8 @@ class RelayGate:
         self._refusal_log = PeerLogLimiter()  # a member refused in a loop must not fill the disk with lines
 
     def _log_refusal(self, peer: str, reason: str) -> None:
-        logged, held = self._refusal_log.allow(peer, time.monotonic())
-        if logged:
-            log.info("refused relay use by %s: %s%s", peer[-8:], reason, held_back(held))
+        if (tail := self._refusal_log.tail(peer)) is not None:
+            log.info("refused relay use by %s: %s%s", peer[-8:], reason, tail)
 
     def reserved(self) -> dict[str, str | None]:
         """peer -> address key of every reservation py-libp2p holds."""

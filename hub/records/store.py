@@ -87,6 +87,10 @@ LeaseState = Literal["open", "answered", "expired"]
 # (kind, node id or None, detail): an event row written inside the transaction of the change it describes.
 NewEvent = tuple[str, str | None, str]
 
+# A step row's columns but its metrics JSON, in the order of StepRecord's fields (and created_at).
+_STEP_COLUMNS = ("step, version, reward_mean, reward_std, staleness_mean, staleness_max, dropped_stale, t_train_s,"
+                 " t_idle_s, bubble, tokens, clip_frac, created_at")
+
 # Bumped whenever _SCHEMA changes; a database of another version is refused, never half-used.
 SCHEMA_VERSION = 3
 
@@ -970,9 +974,7 @@ class Store:
         now = time.time()
         with self._write():
             self.db.execute(
-                "INSERT INTO steps (step, version, reward_mean, reward_std, staleness_mean, staleness_max,"
-                " dropped_stale, t_train_s, t_idle_s, bubble, tokens, clip_frac, created_at, metrics_json)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO steps ({_STEP_COLUMNS}, metrics_json) VALUES ({', '.join('?' * 14)})",
                 (record.step, record.version, record.reward_mean, record.reward_std, record.staleness_mean,
                  record.staleness_max, record.dropped_stale, record.t_train_s, record.t_idle_s, record.bubble,
                  record.tokens, record.clip_frac, now, json.dumps(dict(record.extra))),
@@ -1065,15 +1067,13 @@ class Store:
         newest = self.db.execute("SELECT MAX(step) FROM steps").fetchone()[0] or 0
         span = (self._metrics_trimmed_to, newest - STEP_METRICS_KEPT)
         self._metrics_trimmed_to = max(self._metrics_trimmed_to, span[1])
-        columns = ("step, version, reward_mean, reward_std, staleness_mean, staleness_max, dropped_stale, t_train_s,"
-                   " t_idle_s, bubble, tokens, clip_frac, created_at")
         where = "WHERE step > ? AND step <= ? AND metrics_json != '{}'"
-        rows = self.db.execute(f"SELECT {columns} FROM steps {where}", span).fetchall()
+        rows = self.db.execute(f"SELECT {_STEP_COLUMNS} FROM steps {where}", span).fetchall()
         # Trajectories, ledger rows and evaluations refer to these steps: checked at commit, once they are back.
         self.db.execute("PRAGMA defer_foreign_keys = ON")
         self.db.execute(f"DELETE FROM steps {where}", span)
-        self.db.conn.executemany(f"INSERT INTO steps ({columns}, metrics_json) VALUES ({', '.join('?' * 13)}, '{{}}')",
-                                 rows)
+        self.db.conn.executemany(
+            f"INSERT INTO steps ({_STEP_COLUMNS}, metrics_json) VALUES ({', '.join('?' * 13)}, '{{}}')", rows)
         return len(rows)
 
     def _roll_up_ledger(self, before: float, vouch_needed: bool) -> int:

@@ -30,7 +30,7 @@ from hub.trust.guard import Admission, PeerGuard
 from shared.buckets import TokenBuckets
 from shared.bulk import BulkChannel, serving_stream
 from shared.crypto import Identity
-from shared.logs import PeerLogLimiter, held_back
+from shared.logs import PeerLogLimiter
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
@@ -276,9 +276,8 @@ class HubService:
     async def _misbehaved(self, stream: INetStream, peer: str, protocol: str, code: RejectCode, reason: str) -> None:
         """A peer sent something we refuse: count it against the peer, tell it why, keep serving. Logged once per
         peer per window (a peer refused in a loop must not fill the disk with lines)."""
-        logged, held = self._refusal_log.allow(peer, time.monotonic())
-        if logged:
-            log.warning("refused %s from %s: %s%s", protocol, peer, reason, held_back(held))
+        if (tail := self._refusal_log.tail(peer)) is not None:
+            log.warning("refused %s from %s: %s%s", protocol, peer, reason, tail)
         await self.state.record_refusal(peer, code)
         await _refuse(stream, code, reason)
 
@@ -290,9 +289,8 @@ class HubService:
         await _refuse(stream, RejectCode.BUSY, f"retry in {admission.retry_after_s:.2f}s: {admission.reason}",
                       linger_s=0.0 if disconnect else REFUSE_LINGER_S)
         if disconnect:
-            logged, held = self._disconnect_log.allow(peer, time.monotonic())
-            if logged:
-                await self.state.event("disconnect", peer, admission.reason + held_back(held))
+            if (tail := self._disconnect_log.tail(peer)) is not None:
+                await self.state.event("disconnect", peer, admission.reason + tail)
             await self.host.disconnect(ID.from_base58(peer))
 
     # -- protocols -------------------------------------------------------------------------
