@@ -103,11 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         from tui.cli import run_dashboard
 
         return run_dashboard(args, kind="node")
-    try:
-        return _join(args)
-    except KeyboardInterrupt:  # before the node's own signal handling runs (checks, imports, building the engine)
-        from shared.signals import ctrl_c_handled
+    from shared.signals import CtrlCWatch, ctrl_c_handled
 
+    with CtrlCWatch() as ctrl_c:
+        try:
+            return _join(args)
+        except BaseException as exc:  # Ctrl-C before the node's own signal handling runs (checks, imports, the engine)
+            if not ctrl_c.stopped(exc):
+                raise
         ctrl_c_handled()
         print("echo-node: interrupted before it joined", file=sys.stderr)
         return 130

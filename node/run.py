@@ -35,7 +35,7 @@ from shared.messages import (
 from shared.model_files import ModelFilesRefused
 from shared.net import RateLimiter, running_host, set_handler
 from shared.probe import InstallProbe
-from shared.signals import Stopper
+from shared.signals import Stopper, trio_owns_ctrl_c
 from shared.units import BYTES_PER_MBIT
 
 log = logging.getLogger("echo2.node")
@@ -293,7 +293,8 @@ def fetch_hub_model(config: NodeConfig) -> int | None:
 def _run_phase(run: Callable[[], Awaitable[None]]) -> int | None:
     """trio.run(run); the exit code of an end the volunteer is told in one line (printed), None when it returned."""
     try:
-        trio.run(run)
+        with trio_owns_ctrl_c():
+            trio.run(run)
     except (BaseExceptionGroup, *ONE_LINE_ENDS) as exc:
         end = one_line_end(exc)
         if end is None:

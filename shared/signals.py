@@ -1,8 +1,12 @@
-"""Clean shutdown on Ctrl-C or SIGTERM for trio processes: cancel the main scope, remember why."""
+"""Clean shutdown on Ctrl-C or SIGTERM: for trio processes, cancel the main scope and remember why; before trio
+runs (checks, imports, the model build), know that Ctrl-C came even when a library swallowed the interrupt."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import types
+from collections.abc import Iterator
 
 import trio
 
@@ -29,3 +33,45 @@ def ctrl_c_handled() -> None:
     Ctrl-C" flag even when we catch it, and `python -m` then dies by SIGINT instead of returning our exit code; a
     successful `exec` of a string clears that flag (CPython's run_eval_code_obj resets it)."""
     exec("")  # noqa: S102 - a constant empty string; the point is the side effect above
+
+
+class CtrlCWatch:
+    """Python's own Ctrl-C (KeyboardInterrupt where it lands) that also remembers it came. A library may turn the
+    interrupt into another error: cut inside `import numpy.dtypes`, numpy's lazy attribute recurses, and transformers
+    reports "Could not import module 'Qwen2ForCausalLM'". A start-up that fails after Ctrl-C was stopped by the user.
+    Used as a context manager around start-up; `trio_owns_ctrl_c` lends Ctrl-C back for trio.run."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: object = None
+
+    def _handler(self, signum: int, frame: types.FrameType | None) -> None:
+        self.seen = True
+        signal.default_int_handler(signum, frame)
+
+    def stopped(self, exc: BaseException) -> bool:
+        """Whether Ctrl-C ended the start-up that raised `exc`: it came (whatever became of it), or `exc` is the
+        interrupt and nothing else (trio wraps what reaches it in exception groups; an `exec` may raise it bare)."""
+        if self.seen:
+            return True
+        if isinstance(exc, BaseExceptionGroup):
+            return exc.split(KeyboardInterrupt)[1] is None
+        return isinstance(exc, KeyboardInterrupt)
+
+    def __enter__(self) -> CtrlCWatch:
+        self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+@contextlib.contextmanager
+def trio_owns_ctrl_c() -> Iterator[None]:
+    """Python's default Ctrl-C handler for the duration: trio.run takes Ctrl-C over (delivering it at checkpoints)
+    only where it finds that handler, and a KeyboardInterrupt raised at any bytecode could break trio's own state."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -134,6 +134,34 @@ def test_ctrl_c_raised_inside_exec_still_exits_130_under_python_m(tmp_path: Path
     assert "Ctrl-C" in probe.stderr or "interrupted" in probe.stderr
 
 
+@pytest.mark.parametrize("ctrl_c", [True, False], ids=["ctrl-c", "no-ctrl-c"])
+@pytest.mark.parametrize("cli", ["hub", "node"])
+def test_ctrl_c_a_library_turned_into_another_error_exits_130_and_that_error_alone_is_raised(
+        tmp_path: Path, cli: str, ctrl_c: bool) -> None:
+    """CI once saw a traceback and exit 1: Ctrl-C cut `import numpy.dtypes` short, numpy's lazy attribute then
+    recursed, and transformers reported "Could not import module 'Qwen2ForCausalLM'"; the interrupt was gone."""
+    (tmp_path / "swallowed.py").write_text(
+        "import os, signal, sys, time\n"
+        f"import {cli}.cli{'.main' if cli == 'hub' else ''} as cli\n"
+        "def building(*args, **kwargs):\n"
+        "    try:\n"
+        f"        if {ctrl_c}:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            time.sleep(30)  # the handler raises here\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass  # as the library did\n"
+        "    raise ModuleNotFoundError(\"Could not import module 'Qwen2ForCausalLM'\")\n"
+        f"cli.{'_start' if cli == 'hub' else 'check_join'} = building\n"
+        f"sys.exit(cli.main({['start'] if cli == 'hub' else ['join', '--hub', '/ip4/127.0.0.1/tcp/1/p2p/x']!r}))\n")
+    probe = subprocess.run([sys.executable, "-m", "swallowed"], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if ctrl_c:
+        assert probe.returncode == 130, (probe.returncode, probe.stderr[-2000:])
+        assert len(probe.stderr.strip().splitlines()) == 1, probe.stderr[-2000:]
+    else:  # our own errors propagate: only a Ctrl-C explains them away
+        assert probe.returncode == 1 and "Qwen2ForCausalLM" in probe.stderr and "Traceback" in probe.stderr
+
+
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_status_says_stopped(tmp_path: Path) -> None:
     # 6 MB: the hub's first snapshot (4.2 MB) fits, a local node's copy of it does not.

@@ -319,23 +319,17 @@ def _start(args: argparse.Namespace) -> int:
         return 2
 
 
-def _only_ctrl_c(exc: BaseException) -> bool:
-    """Whether `exc` is Ctrl-C and nothing else (trio wraps what reaches it in exception groups)."""
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(KeyboardInterrupt)[1] is None
-    return isinstance(exc, KeyboardInterrupt)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
-        try:
-            return _start(args)
-        except BaseException as exc:  # Ctrl-C before the run's own handler takes over (a check, the model build)
-            if not _only_ctrl_c(exc):
-                raise
-            from shared.signals import ctrl_c_handled
+        from shared.signals import CtrlCWatch, ctrl_c_handled
 
+        with CtrlCWatch() as ctrl_c:
+            try:
+                return _start(args)
+            except BaseException as exc:  # Ctrl-C before the run's own handler takes over (a check, the model build)
+                if not ctrl_c.stopped(exc):
+                    raise
             ctrl_c_handled()
             print("echo-hub: stopped by Ctrl-C; start it again to go on", file=sys.stderr, flush=True)
             return 130

@@ -38,7 +38,7 @@ from shared.logs import setup_logging
 from shared.messages import EvalPoint, RejectCode
 from shared.net import address_key, running_host
 from shared.precision import device_phrase
-from shared.signals import Stopper
+from shared.signals import Stopper, trio_owns_ctrl_c
 from shared.tasks.base import RewardError
 from shared.units import BYTES_PER_MBIT
 
@@ -322,7 +322,8 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
         return 1
     failure: RewardError | None = None
     try:
-        trio.run(hub.run)
+        with trio_owns_ctrl_c():
+            trio.run(hub.run)
     except BaseException as exc:  # noqa: BLE001 - a lost learner rank or a failed reward is handled, the rest re-raised
         lost = found_in(exc, lambda e: isinstance(e, LearnerRankLost))
         if lost is not None:
