@@ -9,8 +9,10 @@ How it is measured:
   concurrently. Then every client answers leases with minimal valid work (1 prompt per lease, 2
   completions of a few tokens, correctly signed) for `--seconds`, each submission asking for the
   next lease as a node does; submissions/s counts submissions the hub accepted (verified,
-  re-scored, committed, acknowledged) per wall second. Then the same again with a lease request
-  before every submission (`two_round_trips`, the protocol before 2.1.0), side by side.
+  re-scored, committed, acknowledged) per wall second. Requests go on the clients' sessions (one
+  long-lived stream each, SESSION_PROTOCOL). Then the same again with a lease request before every
+  submission (`two_round_trips`, the protocol before 2.1.0), and with a stream per request
+  (`stream_per_request`, the protocol before sessions), side by side.
 - hub_cpu_ms_per_submission and hub_cpu_utilization: the hub process's CPU (every thread) over the submit
   phase, per accepted submission and per wall second: a utilization below 1 says the clients, not the hub,
   were the limit. hub_cpu_ms_per_heartbeat likewise over the heartbeat phase. fleet_supported_16_cores: the
@@ -111,8 +113,10 @@ def serve(data_dir: Path) -> None:
 
 
 class LightClient(HubClient):
-    def __init__(self, host, identity: Identity, hub_addr: str, tokenizer) -> None:
+    def __init__(self, host, identity: Identity, hub_addr: str, tokenizer, sessions: bool) -> None:
         super().__init__(host, identity, hub_addr, timeout_s=REQUEST_TIMEOUT_S)
+        if not sessions:
+            self.sessions = False  # as if the hub had none: a stream per request
         self.tokenizer = tokenizer
         self.submit_latencies: list[float] = []
         self.accepted_submissions = 0
@@ -175,7 +179,7 @@ def cpu_s(pid: int) -> float:
 
 
 async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float, tokenizer, progress,
-                one_round_trip: bool, hub_pid: int) -> dict:
+                one_round_trip: bool, sessions: bool, hub_pid: int) -> dict:
     async with AsyncExitStack() as stack:
         hosts = []
         for _ in range(n_clients):
@@ -187,7 +191,7 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
 
         async def join(host, identity) -> None:
             started = time.monotonic()
-            client = LightClient(host, identity, hub_addr, tokenizer)
+            client = LightClient(host, identity, hub_addr, tokenizer, sessions)
             await client.connect()
             reply = await client.join(JoinRequest(
                 price_per_hour=0.1, hardware="bench", link_bps=1e8, backend="hf", dtype="float32", model_config_hash=config_hash,
@@ -276,7 +280,7 @@ def fleet_supported_16_cores(submission_ms: float, heartbeat_ms: float) -> int:
     return int(left / (submission_ms / 1000 / WORKLOAD_SUBMIT_INTERVAL_S))
 
 
-def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool) -> dict:
+def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool, sessions: bool = True) -> dict:
     from transformers import AutoTokenizer
 
     from shared.default_model import ensure_default_model
@@ -293,7 +297,7 @@ def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool
                 raise RuntimeError(f"hub service did not start: {line!r}")
             hub_addr, config_hash = line[len(SERVE_READY):].split()
             return trio.run(drive, hub_addr, config_hash, n_clients, seconds, tokenizer, progress, one_round_trip,
-                            child.pid)
+                            sessions, child.pid)
         finally:
             child.send_signal(signal.SIGINT)
             try:
@@ -378,6 +382,13 @@ def main() -> None:
         # Side by side, the same hub with every lease asked for on its own (how nodes did it before 2.1.0).
         two = service_bench(args.clients, args.seconds, progress, one_round_trip=False)
         result["two_round_trips"] = {k: two[k] for k in ("submissions_per_s", "submit_latency_median_s", "refused_or_no_work")}
+        # And with a stream per request (how nodes did it before sessions).
+        per = service_bench(args.clients, args.seconds, progress, one_round_trip=True, sessions=False)
+        result["stream_per_request"] = {k: per[k] for k in (
+            "submissions_per_s", "heartbeats_per_s", "hub_cpu_ms_per_submission", "hub_cpu_ms_per_heartbeat",
+            "hub_cpu_utilization", "refused_or_no_work")}
+        result["stream_per_request"]["fleet_supported_16_cores"] = fleet_supported_16_cores(
+            per["hub_cpu_ms_per_submission"], per["hub_cpu_ms_per_heartbeat"])
         result["fleet_supported"] = fleet_supported(result["submissions_per_s"], result["heartbeats_per_s"])
         result["fleet_supported_16_cores"] = fleet_supported_16_cores(result["hub_cpu_ms_per_submission"],
                                                                       result["hub_cpu_ms_per_heartbeat"])
@@ -388,7 +399,8 @@ def main() -> None:
         "HubService in its own process; light libp2p clients in another; joins/s = clients / wall time of "
         "concurrent dial+join; submissions/s = accepted lease answers (1 prompt x 2 completions, signed, "
         "re-scored, committed with synchronous=FULL) per wall second, each client looping submit (asking for "
-        "the next lease in it); two_round_trips: the same with a lease request before every submission; "
+        "the next lease in it), on sessions; two_round_trips: the same with a lease request before every "
+        "submission; stream_per_request: the same with a stream per request instead of sessions; "
         "join->first accepted = real echo-node process spawn to the hub's commit of its first accepted group"
     )
     if args.json:

@@ -1,10 +1,12 @@
 """The one client of the hub's node protocols: join, heartbeat, lease, submit, bad-chunk report, status.
 
-Every call opens one stream to the hub, writes one request (a submission signed with the node's
-identity), and returns the hub's typed reply or its `Reject`; a transport failure (hub away,
-timeout) raises, and another peer answering at the hub's address raises WrongHub. The node's hub
-link, worker and keeper use it, and so do the tests and benchmarks, whose misbehaving peers
-subclass it or send raw frames through `send_frame`.
+Every call writes one request (a submission signed with the node's identity) and returns the
+hub's typed reply or its `Reject`; a transport failure (hub away, timeout) raises, and another
+peer answering at the hub's address raises WrongHub. Heartbeats, lease requests, submissions and
+price changes go on long-lived session streams (SESSION_PROTOCOL, a few kept open for reuse);
+the rest, and every request to a hub without sessions, open one stream each. The node's hub link,
+worker and keeper use it, and so do the tests and benchmarks, whose misbehaving peers subclass it
+or send raw frames through `send_frame`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 import time
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.exceptions import MultiError
 from libp2p.security.noise.exceptions import PeerIDMismatchesPubkey
 from libp2p.transport.exceptions import SecurityUpgradeFailure
@@ -28,6 +30,10 @@ from shared.messages import (
     MODEL_PROTOCOL,
     PRICE_PROTOCOL,
     REPORT_PROTOCOL,
+    SESSION_IDLE_S,
+    SESSION_PROTOCOL,
+    SESSION_REQUESTS,
+    SESSIONS_PER_PEER,
     STATUS_PROTOCOL,
     SUBMIT_PROTOCOL,
     BadChunkReport,
@@ -49,13 +55,25 @@ from shared.messages import (
     SubmitReply,
     TransferAck,
 )
-from shared.net import connect, open_stream, request
-from shared.wire import Message, decode_message, encode_signed, read_frame, read_message, write_message
+from shared.net import connect, on_live_connection, open_stream, protocol_refused, request
+from shared.wire import (
+    Message,
+    decode_message,
+    encode_message,
+    encode_signed,
+    read_frame,
+    read_message,
+    write_message,
+)
 
 REQUEST_TIMEOUT_S = 30.0
 # A bad-chunk report is answered only after the hub fetched the chunk from the accused itself.
 REPORT_TIMEOUT_S = 40.0
 BUSY_RETRY_S = 0.25
+# Sessions one client holds (below the hub's SESSIONS_PER_PEER: one may still be closing there), and how long an
+# idle one is reused (well within SESSION_IDLE_S, after which the hub may have ended it unseen).
+CLIENT_SESSIONS = SESSIONS_PER_PEER - 1
+SESSION_REUSE_S = SESSION_IDLE_S / 2
 # How py-libp2p 0.8.1 names the key that answered a dial: Noise's PeerIDMismatchesPubkey, or the upgrader's own check.
 _ANSWERED_RE = re.compile(r"(?:remote_peer_id_from_pubkey=|Peer ID mismatch: expected \S+, got )(\w+)")
 
@@ -100,6 +118,9 @@ class HubClient:
         self.hub_addr = hub_addr
         self.hub_peer_id = peer_id_from_multiaddr(hub_addr)
         self.timeout_s = timeout_s
+        self.sessions: bool | None = None  # whether the hub speaks SESSION_PROTOCOL (None: not asked yet)
+        self._idle: list[tuple[INetStream, float]] = []  # open sessions between requests, with when they were used
+        self._session_slots = trio.Semaphore(CLIENT_SESSIONS)
 
     @property
     def peer_id(self) -> str:
@@ -117,8 +138,66 @@ class HubClient:
             raise WrongHub(self.hub_addr.partition("/p2p/")[0], self.hub_peer_id, answered) from exc
 
     async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None):
-        return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject,
-                             timeout_s=timeout_s or self.timeout_s)
+        timeout_s = timeout_s or self.timeout_s
+        if protocol in SESSION_REQUESTS and self.sessions is not False:
+            reply = await self._in_session(protocol, encode_message(msg), reply_type, timeout_s)
+            if reply is not None:
+                return reply
+        return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject, timeout_s=timeout_s)
+
+    async def _in_session(self, protocol: str, frame: bytes, reply_type: type[Message], timeout_s: float):
+        """The reply to `frame` sent on a session, or None when the hub has no sessions (then never asked again).
+        The session is kept for reuse after a reply; a Reject ended it on the hub's side, so it is closed here."""
+        data = bytes((SESSION_REQUESTS.index(protocol),)) + frame
+        with trio.fail_after(timeout_s):
+            async with self._session_slots:
+                stream, reused = await self._open_session()
+                if stream is None:
+                    return None
+                try:
+                    try:
+                        await stream.write(data)
+                    except Exception:
+                        if not reused:
+                            raise
+                        # A kept session the hub ended unseen: nothing of the request arrived, so it goes on a new one.
+                        with trio.CancelScope(shield=True):
+                            await stream.reset()
+                        stream = await self._new_session()
+                        await stream.write(data)
+                    reply = await read_message(stream, reply_type, Reject)
+                    if isinstance(reply, Reject):
+                        await stream.close()
+                        return reply
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        await stream.reset()
+                    raise
+        self._idle.append((stream, time.monotonic()))
+        return reply
+
+    async def _open_session(self) -> tuple[INetStream | None, bool]:
+        """A session for one request and whether it was kept from an earlier one; None when the hub refuses the
+        protocol. Kept sessions are reused while fresh and on the live connection, the others closed."""
+        now = time.monotonic()
+        while self._idle:
+            stream, used = self._idle.pop()
+            if now - used < SESSION_REUSE_S and on_live_connection(self.host, stream):
+                return stream, True
+            with trio.CancelScope(shield=True):
+                await stream.reset()
+        try:
+            return await self._new_session(), False
+        except Exception as exc:
+            if not protocol_refused(exc):
+                raise
+            self.sessions = False
+            return None, False
+
+    async def _new_session(self) -> INetStream:
+        stream = await open_stream(self.host, self.hub_peer_id, SESSION_PROTOCOL)
+        self.sessions = True
+        return stream
 
     async def join(self, join: JoinRequest) -> JoinReply | Reject:
         return await self.ask(JOIN_PROTOCOL, join, JoinReply)
@@ -137,8 +216,12 @@ class HubClient:
         """Submit (signed by this node), sending again while the hub says it is busy and `deadline`
         (time.monotonic) leaves room; without a deadline, once."""
         while True:
-            reply = await request(self.host, self.hub_peer_id, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
-                                  timeout_s=self.timeout_s, sign_with=self.identity)
+            reply = None
+            if self.sessions is not False:
+                reply = await self._in_session(SUBMIT_PROTOCOL, self.signed(submission), SubmitReply, self.timeout_s)
+            if reply is None:
+                reply = await request(self.host, self.hub_peer_id, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
+                                      timeout_s=self.timeout_s, sign_with=self.identity)
             if not (isinstance(reply, Reject) and reply.busy and deadline is not None
                     and time.monotonic() + BUSY_RETRY_S < deadline):
                 return reply

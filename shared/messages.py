@@ -2,7 +2,8 @@
 
 Each protocol is request/response on its own stream: the dialer writes one message and
 half-closes, the listener answers with one message (snapshot transfers stream frames and
-end with an application ack). Type tags are unique across all messages; binary frames
+end with an application ack). A joined node's frequent requests may instead share one
+long-lived session stream (SESSION_PROTOCOL). Type tags are unique across all messages; binary frames
 (snapshot chunks) use tags 200-255 (see shared/wire.py). Size caps are per message type
 and checked before the body is read.
 """
@@ -30,6 +31,15 @@ REPORT_PROTOCOL = protocol_id("report")
 MODEL_PROTOCOL = protocol_id("model")
 # Added in a minor step: a hub without it refuses the protocol, and the node keeps the price it joined with.
 PRICE_PROTOCOL = protocol_id("price")
+# Added in a minor step: one long-lived stream carries a joined node's requests of SESSION_REQUESTS one at a time,
+# each a selector byte (the protocol's index there) and then exactly the frame that protocol's own stream carries,
+# answered by its reply frame. A stream per request costs the hub ~4x the CPU (negotiation, Yamux open and close:
+# bench/p2p.py). A Reject ends the session; a hub without the protocol refuses it, and the node opens a stream per
+# request as before.
+SESSION_PROTOCOL = protocol_id("session")
+SESSION_REQUESTS = (HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, PRICE_PROTOCOL)
+SESSION_IDLE_S = 120.0  # the hub ends a session that waited this long for its next request
+SESSIONS_PER_PEER = 4  # sessions a node may hold open at once; the hub refuses more as busy
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -69,7 +69,12 @@ class CtrlCWatch:
 @contextlib.contextmanager
 def trio_owns_ctrl_c() -> Iterator[None]:
     """Python's default Ctrl-C handler for the duration: trio.run takes Ctrl-C over (delivering it at checkpoints)
-    only where it finds that handler, and a KeyboardInterrupt raised at any bytecode could break trio's own state."""
+    only where it finds that handler, and a KeyboardInterrupt raised at any bytecode could break trio's own state.
+    A Ctrl-C that a CtrlCWatch saw come during start-up, and that a library swallowed without a trace, is raised
+    here: the user asked the start-up to stop."""
+    watch = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
+    if isinstance(watch, CtrlCWatch) and watch.seen:
+        raise KeyboardInterrupt
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield

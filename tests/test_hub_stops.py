@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from testbed.harness import start_hub, wait_until
-from tests.test_first_contact import ROOT, assert_one_line_mistake, run
+from tests.test_first_contact import HUB_ID, ROOT, assert_one_line_mistake, run
 
 
 def assert_one_line(result: subprocess.CompletedProcess, code: int, *words: str) -> str:
@@ -160,6 +160,27 @@ def test_ctrl_c_a_library_turned_into_another_error_exits_130_and_that_error_alo
         assert len(probe.stderr.strip().splitlines()) == 1, probe.stderr[-2000:]
     else:  # our own errors propagate: only a Ctrl-C explains them away
         assert probe.returncode == 1 and "Qwen2ForCausalLM" in probe.stderr and "Traceback" in probe.stderr
+
+
+def test_ctrl_c_a_library_swallowed_without_a_trace_still_stops_the_node_before_it_joins(tmp_path: Path) -> None:
+    (tmp_path / "swallowed.py").write_text(
+        "import os, signal, sys, time\n"
+        "import node.cli as cli\n"
+        "checks = cli.check_join\n"
+        "def checking(config):\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        time.sleep(30)  # the handler raises here\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass  # and nothing follows from it\n"
+        "    checks(config)\n"
+        "cli.check_join = checking\n"
+        f"sys.exit(cli.main(['join', '--hub', '/ip4/127.0.0.1/tcp/1/p2p/{HUB_ID}', '--data-dir', 'node']))\n")
+    probe = subprocess.run([sys.executable, "-m", "swallowed"], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # Without the watch it would dial the hub (retrying for ever) as if no Ctrl-C had come.
+    assert probe.returncode == 130, (probe.returncode, probe.stdout[-2000:], probe.stderr[-2000:])
+    assert probe.stderr.strip() == "echo-node: interrupted before it joined", probe.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ any other exception is our own bug and propagates to `safe_handler`, never count
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
@@ -40,6 +41,10 @@ from shared.messages import (
     MODEL_PROTOCOL,
     PRICE_PROTOCOL,
     REPORT_PROTOCOL,
+    SESSION_IDLE_S,
+    SESSION_PROTOCOL,
+    SESSION_REQUESTS,
+    SESSIONS_PER_PEER,
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
     SUBMIT_PROTOCOL,
@@ -71,6 +76,7 @@ from shared.wire import (
     PeerFault,
     StreamEOF,
     decode_signed,
+    read_exact,
     read_frame,
     read_message,
     signed_caps,
@@ -185,6 +191,8 @@ class HubService:
         self._model_bytes = TokenBuckets(kit_bytes / MODEL_KIT_REFILL_S, MODEL_KITS_BURST * kit_bytes)
         self._refusal_log = PeerLogLimiter()
         self._disconnect_log = PeerLogLimiter()
+        self._sessions: collections.Counter[str] = collections.Counter()  # open sessions by peer
+        self._handlers: dict[str, Callable[[INetStream], Awaitable[None]]] = {}
 
     async def run(self) -> None:
         handlers = {
@@ -198,8 +206,10 @@ class HubService:
             MODEL_PROTOCOL: self._on_model,
             PRICE_PROTOCOL: self._on_price,
         }
-        for protocol, handler in handlers.items():
-            set_handler(self.host, protocol, self._guarded(protocol, handler), log)
+        self._handlers = {protocol: self._guarded(protocol, handler) for protocol, handler in handlers.items()}
+        for protocol, guarded in self._handlers.items():
+            set_handler(self.host, protocol, guarded, log)
+        set_handler(self.host, SESSION_PROTOCOL, self._on_session, log)
         connected_at: dict[str, float] = {}
         strangers: dict[str, tuple[float, float]] = {}
         while True:
@@ -292,6 +302,52 @@ class HubService:
             if (tail := self._disconnect_log.tail(peer)) is not None:
                 await self.state.event("disconnect", peer, admission.reason + tail)
             await self.host.disconnect(ID.from_base58(peer))
+
+    # -- a node's session: its frequent requests on one stream -------------------------------
+
+    async def _on_session(self, stream: INetStream) -> None:
+        """SESSION_PROTOCOL: each request (a selector byte, then its protocol's frame) goes through that protocol's
+        guarded handler as if it had a stream of its own, until the node closes, a request is refused (which ends
+        the stream) or none comes for SESSION_IDLE_S. Only joined nodes, SESSIONS_PER_PEER at once."""
+        peer = remote_peer_id(stream)
+        try:
+            self.state.known(peer)  # the PeerFault that says why, counted as any members-only request of a stranger
+        except PeerFault as exc:
+            await self._misbehaved(stream, peer, SESSION_PROTOCOL, RejectCode(exc.code), exc.reason)
+            return
+        if self._sessions[peer] >= SESSIONS_PER_PEER:
+            await _refuse(stream, RejectCode.BUSY, f"{SESSIONS_PER_PEER} sessions open: use one of them")
+            return
+        self._sessions[peer] += 1
+        try:
+            while (protocol := await self._next_request(stream, peer)) is not None:
+                request = _SessionRequest(stream)
+                await self._handlers[protocol](request)
+                if not request.answered:  # refused: the stream was ended with the Reject
+                    return
+        finally:
+            self._sessions[peer] -= 1
+            if not self._sessions[peer]:
+                del self._sessions[peer]
+
+    async def _next_request(self, stream: INetStream, peer: str) -> str | None:
+        """The protocol of the session's next request, or None once the session is over (ended here if the node
+        did not end it)."""
+        selector = None
+        with trio.move_on_after(SESSION_IDLE_S):
+            try:
+                selector = (await read_exact(stream, 1))[0]
+            except StreamEOF:  # the node ended the session between requests
+                await stream.close()
+                return None
+        if selector is None:
+            await stream.reset()  # idle: its slot goes back; the node opens another when it needs one
+            return None
+        if selector >= len(SESSION_REQUESTS):
+            await self._misbehaved(stream, peer, SESSION_PROTOCOL, RejectCode.BAD_REQUEST,
+                                   f"session selector {selector} names no request (0-{len(SESSION_REQUESTS) - 1})")
+            return None
+        return SESSION_REQUESTS[selector]
 
     # -- protocols -------------------------------------------------------------------------
 
@@ -440,6 +496,33 @@ class _PeerDeadline:
         # A big write (a snapshot chunk) may take as long as its bytes take at the slowest link allowed.
         with trio.fail_after(REPLY_WRITE_TIMEOUT_S + len(data) / MIN_LINK_BPS):
             await self._stream.write(data)
+
+
+class _SessionRequest:
+    """One request of a session, as its handler sees the stream: the close that follows a reply ends the request,
+    not the session; a refusal (which half-closes first, or resets) ends the session's stream too."""
+
+    def __init__(self, stream: INetStream) -> None:
+        self._stream = stream
+        self.answered = False
+        self._ending = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    async def close_write(self) -> None:
+        self._ending = True
+        await self._stream.close_write()
+
+    async def close(self) -> None:
+        if self._ending:
+            await self._stream.close()
+        else:
+            self.answered = True
+
+    async def reset(self) -> None:
+        self._ending = True
+        await self._stream.reset()
 
 
 async def _reply(stream: INetStream, msg) -> None:

@@ -1,0 +1,191 @@
+"""A node's session (SESSION_PROTOCOL) against a real hub service: its requests share one stream, a hub without
+sessions is spoken to a stream per request, and a peer misusing a session is refused and counted like any other.
+
+The hub is the in-process HubService on a real libp2p host (tests/test_p2p_negative.py's harness).
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import hub.service.handlers as handlers
+from node.client import HubClient
+from shared.crypto import Identity
+from shared.messages import (
+    HEARTBEAT_PROTOCOL,
+    SESSION_PROTOCOL,
+    SESSION_REQUESTS,
+    SESSIONS_PER_PEER,
+    SUBMIT_PROTOCOL,
+    Heartbeat,
+    HeartbeatReply,
+    LeaseReply,
+    Reject,
+    RejectCode,
+    SubmitReply,
+)
+from shared.net import open_stream, request
+from shared.wire import StreamEOF, encode_message, encode_signed, read_message
+from tests.test_p2p_negative import TEST_TIMEOUT_S, clients, joined_and_active, running_hub
+
+HEARTBEAT = SESSION_REQUESTS.index(HEARTBEAT_PROTOCOL)
+
+
+@pytest.fixture
+def hub_args(tmp_path, default_model_dir):
+    from transformers import AutoTokenizer
+
+    return tmp_path, default_model_dir, AutoTokenizer.from_pretrained(default_model_dir)
+
+
+async def open_session(client: HubClient):
+    return await open_stream(client.host, client.hub_peer_id, SESSION_PROTOCOL)
+
+
+async def ask_raw(stream, data: bytes, *reply_types):
+    await stream.write(data)
+    return await read_message(stream, *reply_types, Reject)
+
+
+async def assert_ended(stream) -> None:
+    """The hub ended the stream: nothing more comes."""
+    with pytest.raises(StreamEOF):
+        await read_message(stream, HeartbeatReply, Reject)
+
+
+@pytest.mark.trio
+async def test_a_nodes_requests_share_one_session_and_a_stream_per_request_is_still_served(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            await joined_and_active(node)
+            peer = node.peer_id
+            for _ in range(5):
+                assert isinstance(await node.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
+            lease = await node.lease()
+            reply = await HubClient.submit(node, node.answer(lease))  # the node's own submit, not the raw one
+            assert isinstance(reply, SubmitReply) and reply.accepted == len(lease.prompts), reply
+            assert node.sessions is True and len(node._idle) == 1
+            assert hub.service._sessions[peer] == 1  # every one of those requests on one stream
+            # Requests from a node (or a release) without sessions: a stream each, as before.
+            beat = await request(node.host, node.hub_peer_id, HEARTBEAT_PROTOCOL, Heartbeat(version_held=0),
+                                 HeartbeatReply, Reject, timeout_s=10)
+            assert isinstance(beat, HeartbeatReply)
+            # Concurrent requests open sessions up to the client's own bound, below the hub's.
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(node.heartbeat, Heartbeat(version_held=0))
+            assert 1 <= len(node._idle) < SESSIONS_PER_PEER
+
+
+@pytest.mark.trio
+async def test_a_hub_without_sessions_is_asked_once_then_spoken_to_a_stream_per_request(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            hub.service.host.remove_stream_handler(SESSION_PROTOCOL)  # a hub of the release before sessions
+            await joined_and_active(node)
+            assert node.sessions is False
+            assert isinstance(await node.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
+            assert isinstance(await HubClient.lease(node, 0), LeaseReply)
+            assert not hub.service._sessions
+
+
+@pytest.mark.trio
+async def test_a_kept_session_the_hub_ended_idle_is_replaced_without_losing_the_request(hub_args, monkeypatch):
+    monkeypatch.setattr(handlers, "SESSION_IDLE_S", 0.3)
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            await joined_and_active(node)
+            assert isinstance(await node.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
+            (kept, _), = node._idle
+            await trio.sleep(1.0)
+            assert not hub.service._sessions  # ended idle: the slot went back
+            assert isinstance(await node.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
+            (fresh, _), = node._idle
+            assert fresh is not kept and hub.service._sessions[node.peer_id] == 1
+
+
+# -- a session misused: refused, counted, and the hub keeps serving -------------------------------------
+
+
+@pytest.mark.trio
+async def test_a_stranger_gets_no_session(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (stranger,):
+            stream = await open_session(stranger)
+            reply = await ask_raw(stream, bytes((HEARTBEAT,)) + encode_message(Heartbeat(version_held=0)),
+                                  HeartbeatReply)
+            assert isinstance(reply, Reject) and reply.code == RejectCode.UNKNOWN_NODE, reply
+            await assert_ended(stream)
+            assert not hub.service._sessions
+
+
+@pytest.mark.trio
+async def test_a_selector_naming_no_request_is_refused_and_ends_the_session(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            await joined_and_active(node)
+            refused = hub.state.known(node.peer_id).tallies.refused
+            stream = await open_session(node)
+            reply = await ask_raw(stream, bytes((len(SESSION_REQUESTS),)) + encode_message(Heartbeat(version_held=0)),
+                                  HeartbeatReply)
+            assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_REQUEST and "selector" in reply.reason
+            await assert_ended(stream)
+            assert hub.state.known(node.peer_id).tallies.refused == refused + 1
+            assert isinstance(await node.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)  # still served
+
+
+@pytest.mark.trio
+async def test_a_refused_request_ends_its_session_and_the_next_request_opens_another(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            await joined_and_active(node)
+            before = hub.trusted()
+            lease = await node.lease()
+            stream = await open_session(node)
+            forged = encode_signed(node.answer(lease), Identity.generate())  # signed by another key
+            reply = await ask_raw(stream, bytes((SESSION_REQUESTS.index(SUBMIT_PROTOCOL),)) + forged, SubmitReply)
+            assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_REQUEST, reply
+            await assert_ended(stream)
+            assert hub.trusted() == before
+            reply = await HubClient.submit(node, node.answer(lease))
+            assert isinstance(reply, SubmitReply) and reply.accepted == len(lease.prompts), reply
+
+
+@pytest.mark.trio
+async def test_sessions_past_the_cap_are_refused_as_busy(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            await joined_and_active(node)
+            beat = bytes((HEARTBEAT,)) + encode_message(Heartbeat(version_held=0))
+            held = [await open_session(node) for _ in range(SESSIONS_PER_PEER - hub.service._sessions[node.peer_id])]
+            for stream in held:  # each is served: a request makes the hub count it
+                assert isinstance(await ask_raw(stream, beat, HeartbeatReply), HeartbeatReply)
+            assert hub.service._sessions[node.peer_id] == SESSIONS_PER_PEER
+            extra = await open_session(node)
+            reply = await ask_raw(extra, beat, HeartbeatReply)
+            assert isinstance(reply, Reject) and reply.busy and "sessions open" in reply.reason, reply
+            await held[0].close()  # the node ends one: its slot goes back
+            with trio.fail_after(5):
+                while hub.service._sessions[node.peer_id] == SESSIONS_PER_PEER:
+                    await trio.sleep(0.02)
+            assert isinstance(await ask_raw(await open_session(node), beat, HeartbeatReply), HeartbeatReply)
+
+
+@pytest.mark.trio
+async def test_a_session_cut_mid_request_is_ended_by_the_request_deadline(hub_args, monkeypatch):
+    monkeypatch.setattr(handlers, "HANDLER_TIMEOUT_S", 0.5)
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
+            await joined_and_active(node)
+            sessions = hub.service._sessions[node.peer_id]  # the node's own, kept from its lease request
+            stream = await open_session(node)
+            frame = encode_message(Heartbeat(version_held=0))
+            await stream.write(bytes((HEARTBEAT,)) + frame[: len(frame) // 2])  # then nothing
+            reply = await read_message(stream, HeartbeatReply, Reject)
+            assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_REQUEST and "TooSlow" in reply.reason
+            await assert_ended(stream)
+            with trio.fail_after(5):
+                while hub.service._sessions[node.peer_id] != sessions:
+                    await trio.sleep(0.02)
+
