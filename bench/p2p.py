@@ -12,10 +12,12 @@ How it is measured:
   re-scored, committed, acknowledged) per wall second. Requests go on the clients' sessions (one
   long-lived stream each, SESSION_PROTOCOL). Then the same again with a lease request before every
   submission (`two_round_trips`, the protocol before 2.1.0), and with a stream per request
-  (`stream_per_request`, the protocol before sessions), side by side.
+  (`stream_per_request`, the protocol before sessions), and that with the checks in a thread of the
+  hub's process (`stream_per_request_checks_in_thread`, the hub before sessions and check processes),
+  side by side. The hub runs its default `--check-procs` otherwise.
 - hub_cpu_ms_per_submission and hub_cpu_utilization: the hub process's CPU (every thread) over the submit
   phase, per accepted submission and per wall second: a utilization below 1 says the clients, not the hub,
-  were the limit. hub_cpu_ms_per_heartbeat likewise over the heartbeat phase. fleet_supported_16_cores: the
+  were the limit. check_procs_cpu_ms_per_submission: its check processes' CPU beside it. hub_cpu_ms_per_heartbeat likewise over the heartbeat phase. fleet_supported_16_cores: the
   nodes a 16-core hub serves at bench/ingest.py's workload (one submission every 4 s, heartbeats at the
   adaptive period) from those two costs, the hub's one trio process doing all of this one's work.
 - join -> first accepted: a real `echo-hub start --local-nodes 0 --steps 0` on loopback and one
@@ -82,9 +84,9 @@ WORKLOAD_SUBMIT_INTERVAL_S = 4.0
 # -- the hub side (child process) -------------------------------------------------------------
 
 
-def serve(data_dir: Path) -> None:
+def serve(data_dir: Path, check_procs: int | None) -> None:
     """Run the real HubService and HubState on loopback (testbed/inproc.py: the factory `echo-hub start` uses,
-    with a version counter for the learner); print the address."""
+    with a version counter for the learner) with `check_procs` (None: the hub's default); print the address."""
     from hub.config import HubConfig, LearnerConfig, LeaseConfig
     from shared.default_model import ensure_default_model
     from testbed.inproc import PERMISSIVE_TRUST, inproc_hub
@@ -96,7 +98,7 @@ def serve(data_dir: Path) -> None:
                               buffer_max_groups=1_000_000),
         sampling=SamplingParams(max_new_tokens=8),
         lease=LeaseConfig(prompts_per_lease=1, lease_timeout_s=60.0, max_inflight_steps=100.0),
-        trust=PERMISSIVE_TRUST,
+        trust=PERMISSIVE_TRUST.model_copy(update={"check_procs": check_procs}),
     )
 
     async def main() -> None:
@@ -178,6 +180,17 @@ def cpu_s(pid: int) -> float:
     return times.user + times.system
 
 
+def children_cpu_s(pid: int) -> float:
+    """CPU seconds the live children of a process spent so far (the hub's check processes)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process(pid).children(recursive=True):
+        times = child.cpu_times()
+        total += times.user + times.system
+    return total
+
+
 async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float, tokenizer, progress,
                 one_round_trip: bool, sessions: bool, hub_pid: int) -> dict:
     async with AsyncExitStack() as stack:
@@ -208,7 +221,7 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
                 nursery.start_soon(join, host, identity)
         join_wall = time.monotonic() - started
 
-        started, hub_cpu = time.monotonic(), cpu_s(hub_pid)
+        started, hub_cpu, checks_cpu = time.monotonic(), cpu_s(hub_pid), children_cpu_s(hub_pid)
         deadline = started + seconds
         async with trio.open_nursery() as nursery:
             for client in clients:
@@ -221,6 +234,7 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
 
             nursery.start_soon(tick)
         work_wall, work_cpu = time.monotonic() - started, cpu_s(hub_pid) - hub_cpu
+        checks_cpu = children_cpu_s(hub_pid) - checks_cpu
         # Then heartbeats alone, as fast as the hub answers them: what liveness costs the hub per node.
         started, hub_cpu = time.monotonic(), cpu_s(hub_pid)
         async with trio.open_nursery() as nursery:
@@ -246,8 +260,20 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
             # utilization, the clients were the limit, not the hub.
             "hub_cpu_ms_per_submission": round(work_cpu * 1000 / max(1, submissions), 4),
             "hub_cpu_utilization": round(work_cpu / work_wall, 3),
+            # Beside it, not in it: the hub's check processes (--check-procs), which have cores of their own.
+            "check_procs_cpu_ms_per_submission": round(checks_cpu * 1000 / max(1, submissions), 4),
             "hub_cpu_ms_per_heartbeat": round(beat_cpu * 1000 / max(1, beats), 4),
         }
+
+
+def cpu_figures(run: dict) -> dict:
+    """A side-by-side run's rates and hub CPU, and the fleet a 16-core hub serves at that cost."""
+    out = {k: run[k] for k in ("submissions_per_s", "heartbeats_per_s", "hub_cpu_ms_per_submission",
+                                "check_procs_cpu_ms_per_submission", "hub_cpu_ms_per_heartbeat", "hub_cpu_utilization",
+                                "refused_or_no_work")}
+    out["fleet_supported_16_cores"] = fleet_supported_16_cores(run["hub_cpu_ms_per_submission"],
+                                                               run["hub_cpu_ms_per_heartbeat"])
+    return out
 
 
 def fleet_supported(submissions_per_s: float, heartbeats_per_s: float) -> dict:
@@ -280,7 +306,8 @@ def fleet_supported_16_cores(submission_ms: float, heartbeat_ms: float) -> int:
     return int(left / (submission_ms / 1000 / WORKLOAD_SUBMIT_INTERVAL_S))
 
 
-def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool, sessions: bool = True) -> dict:
+def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool, sessions: bool = True,
+                  check_procs: int | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from shared.default_model import ensure_default_model
@@ -288,7 +315,8 @@ def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(progress=False))
     with tempfile.TemporaryDirectory(prefix="echo2-bench-p2p-") as tmp:
         child = subprocess.Popen(
-            [sys.executable, __file__, "--serve", tmp], stdout=subprocess.PIPE, text=True,
+            [sys.executable, __file__, "--serve", tmp, *([] if check_procs is None else ["--check-procs", str(check_procs)])],
+            stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
@@ -365,9 +393,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="how long the clients submit")
     parser.add_argument("--no-node", action="store_true", help="skip the real `echo-node join` measurement")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--check-procs", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve)
+        serve(args.serve, args.check_procs)
         return
 
     from rich.progress import Progress
@@ -382,13 +411,12 @@ def main() -> None:
         # Side by side, the same hub with every lease asked for on its own (how nodes did it before 2.1.0).
         two = service_bench(args.clients, args.seconds, progress, one_round_trip=False)
         result["two_round_trips"] = {k: two[k] for k in ("submissions_per_s", "submit_latency_median_s", "refused_or_no_work")}
-        # And with a stream per request (how nodes did it before sessions).
+        # And with a stream per request (how nodes did it before sessions), then also with the checks in a thread
+        # of the hub's process (--check-procs 0: the hub before check processes), side by side.
         per = service_bench(args.clients, args.seconds, progress, one_round_trip=True, sessions=False)
-        result["stream_per_request"] = {k: per[k] for k in (
-            "submissions_per_s", "heartbeats_per_s", "hub_cpu_ms_per_submission", "hub_cpu_ms_per_heartbeat",
-            "hub_cpu_utilization", "refused_or_no_work")}
-        result["stream_per_request"]["fleet_supported_16_cores"] = fleet_supported_16_cores(
-            per["hub_cpu_ms_per_submission"], per["hub_cpu_ms_per_heartbeat"])
+        result["stream_per_request"] = cpu_figures(per)
+        before = service_bench(args.clients, args.seconds, progress, one_round_trip=True, sessions=False, check_procs=0)
+        result["stream_per_request_checks_in_thread"] = cpu_figures(before)
         result["fleet_supported"] = fleet_supported(result["submissions_per_s"], result["heartbeats_per_s"])
         result["fleet_supported_16_cores"] = fleet_supported_16_cores(result["hub_cpu_ms_per_submission"],
                                                                       result["hub_cpu_ms_per_heartbeat"])

@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as exc:  # Ctrl-C before the node's own signal handling runs (checks, imports, the engine)
             if not ctrl_c.stopped(exc):
                 raise
-        ctrl_c_handled()
-        print("echo-node: interrupted before it joined", file=sys.stderr)
-        return 130
+    ctrl_c_handled()
+    print("echo-node: interrupted before it joined", file=sys.stderr)
+    return 130
 
 
 def _join(args: argparse.Namespace) -> int:

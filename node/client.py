@@ -146,25 +146,16 @@ class HubClient:
         return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject, timeout_s=timeout_s)
 
     async def _in_session(self, protocol: str, frame: bytes, reply_type: type[Message], timeout_s: float):
-        """The reply to `frame` sent on a session, or None when the hub has no sessions (then never asked again).
-        The session is kept for reuse after a reply; a Reject ended it on the hub's side, so it is closed here."""
-        data = bytes((SESSION_REQUESTS.index(protocol),)) + frame
+        """The reply to `frame` sent on a session, or None when the hub has no sessions (then not asked again
+        until the next join). The session is kept for reuse after a reply; a Reject ended it on the hub's side, so
+        it is closed here. A failure is not retried: the hub may have acted on what it read."""
         with trio.fail_after(timeout_s):
             async with self._session_slots:
-                stream, reused = await self._open_session()
+                stream = await self._open_session()
                 if stream is None:
                     return None
                 try:
-                    try:
-                        await stream.write(data)
-                    except Exception:
-                        if not reused:
-                            raise
-                        # A kept session the hub ended unseen: nothing of the request arrived, so it goes on a new one.
-                        with trio.CancelScope(shield=True):
-                            await stream.reset()
-                        stream = await self._new_session()
-                        await stream.write(data)
+                    await stream.write(bytes((SESSION_REQUESTS.index(protocol),)) + frame)
                     reply = await read_message(stream, reply_type, Reject)
                     if isinstance(reply, Reject):
                         await stream.close()
@@ -176,30 +167,28 @@ class HubClient:
         self._idle.append((stream, time.monotonic()))
         return reply
 
-    async def _open_session(self) -> tuple[INetStream | None, bool]:
-        """A session for one request and whether it was kept from an earlier one; None when the hub refuses the
-        protocol. Kept sessions are reused while fresh and on the live connection, the others closed."""
+    async def _open_session(self) -> INetStream | None:
+        """A session for one request, None when the hub refuses the protocol. Kept sessions are reused while fresh
+        (the hub ends them idle) and on the live connection (one dropped and redialled left them dead)."""
         now = time.monotonic()
         while self._idle:
             stream, used = self._idle.pop()
             if now - used < SESSION_REUSE_S and on_live_connection(self.host, stream):
-                return stream, True
+                return stream
             with trio.CancelScope(shield=True):
                 await stream.reset()
         try:
-            return await self._new_session(), False
+            stream = await open_stream(self.host, self.hub_peer_id, SESSION_PROTOCOL)
         except Exception as exc:
             if not protocol_refused(exc):
                 raise
             self.sessions = False
-            return None, False
-
-    async def _new_session(self) -> INetStream:
-        stream = await open_stream(self.host, self.hub_peer_id, SESSION_PROTOCOL)
+            return None
         self.sessions = True
         return stream
 
     async def join(self, join: JoinRequest) -> JoinReply | Reject:
+        self.sessions = None  # a hub restarted (upgraded, say) under this node may speak sessions now
         return await self.ask(JOIN_PROTOCOL, join, JoinReply)
 
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply | Reject:

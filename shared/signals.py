@@ -59,24 +59,30 @@ class CtrlCWatch:
         return isinstance(exc, KeyboardInterrupt)
 
     def __enter__(self) -> CtrlCWatch:
-        self._previous = signal.signal(signal.SIGINT, self._handler)
+        # Ctrl-C ignored (a background job of a shell) stays ignored; None: a handler not set from Python.
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 @contextlib.contextmanager
 def trio_owns_ctrl_c() -> Iterator[None]:
     """Python's default Ctrl-C handler for the duration: trio.run takes Ctrl-C over (delivering it at checkpoints)
     only where it finds that handler, and a KeyboardInterrupt raised at any bytecode could break trio's own state.
-    A Ctrl-C that a CtrlCWatch saw come during start-up, and that a library swallowed without a trace, is raised
-    here: the user asked the start-up to stop."""
+    A Ctrl-C that the CtrlCWatch saw come during start-up, and that a library swallowed without a trace, is raised
+    here: the user asked the start-up to stop. Without a watch (Ctrl-C ignored, a run in-process) nothing changes."""
     watch = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
-    if isinstance(watch, CtrlCWatch) and watch.seen:
+    if not isinstance(watch, CtrlCWatch):  # no start-up watched here (a test's in-process run, say)
+        yield
+        return
+    if watch.seen:
         raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, watch._handler)

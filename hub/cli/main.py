@@ -330,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             except BaseException as exc:  # Ctrl-C before the run's own handler takes over (a check, the model build)
                 if not ctrl_c.stopped(exc):
                     raise
-            ctrl_c_handled()
-            print("echo-hub: stopped by Ctrl-C; start it again to go on", file=sys.stderr, flush=True)
-            return 130
+        ctrl_c_handled()
+        print("echo-hub: stopped by Ctrl-C; start it again to go on", file=sys.stderr, flush=True)
+        return 130
     if args.command == "config":
         from hub.config import HubConfig
         from shared.config import example_toml

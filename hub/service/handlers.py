@@ -10,7 +10,6 @@ any other exception is our own bug and propagates to `safe_handler`, never count
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import hashlib
 import logging
@@ -191,7 +190,7 @@ class HubService:
         self._model_bytes = TokenBuckets(kit_bytes / MODEL_KIT_REFILL_S, MODEL_KITS_BURST * kit_bytes)
         self._refusal_log = PeerLogLimiter()
         self._disconnect_log = PeerLogLimiter()
-        self._sessions: collections.Counter[str] = collections.Counter()  # open sessions by peer
+        self._sessions: dict[str, list[_Session]] = {}  # open sessions by peer, oldest first
         self._handlers: dict[str, Callable[[INetStream], Awaitable[None]]] = {}
 
     async def run(self) -> None:
@@ -305,43 +304,61 @@ class HubService:
 
     # -- a node's session: its frequent requests on one stream -------------------------------
 
+    def sessions_of(self, peer: str) -> int:
+        """The sessions `peer` holds open."""
+        return len(self._sessions.get(peer, ()))
+
     async def _on_session(self, stream: INetStream) -> None:
         """SESSION_PROTOCOL: each request (a selector byte, then its protocol's frame) goes through that protocol's
         guarded handler as if it had a stream of its own, until the node closes, a request is refused (which ends
-        the stream) or none comes for SESSION_IDLE_S. Only joined nodes, SESSIONS_PER_PEER at once."""
+        the stream) or none comes for SESSION_IDLE_S. Only joined nodes, SESSIONS_PER_PEER at once: a node past
+        that ends its oldest session that waits between requests (left on a connection that died unseen, most
+        likely), or is refused as busy when every one is in a request."""
         peer = remote_peer_id(stream)
+        # Opening one is admitted like any stream (rate, violations, disconnect), then holds no stream slot.
+        admission = self.guard.admit(peer, 0)
+        if not admission.admitted:
+            await self._turn_away(stream, peer, admission)
+            return
+        self.guard.release(peer, admission)
         try:
             self.state.known(peer)  # the PeerFault that says why, counted as any members-only request of a stranger
         except PeerFault as exc:
             await self._misbehaved(stream, peer, SESSION_PROTOCOL, RejectCode(exc.code), exc.reason)
             return
-        if self._sessions[peer] >= SESSIONS_PER_PEER:
-            await _refuse(stream, RejectCode.BUSY, f"{SESSIONS_PER_PEER} sessions open: use one of them")
-            return
-        self._sessions[peer] += 1
+        sessions = self._sessions.setdefault(peer, [])
+        if len(sessions) >= SESSIONS_PER_PEER:
+            waiting = [s for s in sessions if s.waiting is not None]
+            if not waiting:
+                await _refuse(stream, RejectCode.BUSY, f"{SESSIONS_PER_PEER} sessions open, each in a request")
+                return
+            waiting[0].waiting.cancel()  # ends it as if idle
+        session = _Session()
+        sessions.append(session)
         try:
-            while (protocol := await self._next_request(stream, peer)) is not None:
+            while (protocol := await self._next_request(stream, peer, session)) is not None:
                 request = _SessionRequest(stream)
                 await self._handlers[protocol](request)
                 if not request.answered:  # refused: the stream was ended with the Reject
                     return
         finally:
-            self._sessions[peer] -= 1
-            if not self._sessions[peer]:
+            sessions.remove(session)
+            if not sessions and self._sessions.get(peer) is sessions:
                 del self._sessions[peer]
 
-    async def _next_request(self, stream: INetStream, peer: str) -> str | None:
+    async def _next_request(self, stream: INetStream, peer: str, session: _Session) -> str | None:
         """The protocol of the session's next request, or None once the session is over (ended here if the node
         did not end it)."""
         selector = None
-        with trio.move_on_after(SESSION_IDLE_S):
+        with trio.CancelScope(deadline=trio.current_time() + SESSION_IDLE_S) as session.waiting:
             try:
                 selector = (await read_exact(stream, 1))[0]
             except StreamEOF:  # the node ended the session between requests
                 await stream.close()
                 return None
+        session.waiting = None
         if selector is None:
-            await stream.reset()  # idle: its slot goes back; the node opens another when it needs one
+            await stream.reset()  # idle, or ended for a newer one: its slot goes back
             return None
         if selector >= len(SESSION_REQUESTS):
             await self._misbehaved(stream, peer, SESSION_PROTOCOL, RejectCode.BAD_REQUEST,
@@ -498,6 +515,13 @@ class _PeerDeadline:
             await self._stream.write(data)
 
 
+@dataclass
+class _Session:
+    """One open session of a node; `waiting` is set while it waits for its next request (cancel it to end it)."""
+
+    waiting: trio.CancelScope | None = None
+
+
 class _SessionRequest:
     """One request of a session, as its handler sees the stream: the close that follows a reply ends the request,
     not the session; a refusal (which half-closes first, or resets) ends the session's stream too."""
@@ -535,15 +559,16 @@ async def _refuse(stream: INetStream, code: RejectCode, reason: str, linger_s: f
     side (what our clients do); whatever else it sends meanwhile is dropped unread, and a stream still open
     after that is reset, so neither side holds it."""
     try:
-        with trio.move_on_after(REFUSE_WRITE_TIMEOUT_S):
+        with trio.move_on_after(REFUSE_WRITE_TIMEOUT_S) as writing:
             await write_message(stream, Reject(code=code, reason=reason[:1000]))
             await stream.close_write()
-        with trio.move_on_after(linger_s):
-            with contextlib.suppress(*LIBP2P_END_OF_STREAM):
-                while await stream.read(REFUSE_DRAIN_BYTES):
-                    pass
-            await stream.close()  # the peer closed its side: the stream ends cleanly
-            return
+        if not writing.cancelled_caught:  # a peer that does not read its Reject gets no linger either
+            with trio.move_on_after(linger_s):
+                with contextlib.suppress(*LIBP2P_END_OF_STREAM):
+                    while await stream.read(REFUSE_DRAIN_BYTES):
+                        pass
+                await stream.close()  # the peer closed its side: the stream ends cleanly
+                return
     except Exception:  # noqa: BLE001 - the peer may already be gone, or have reset the stream
         pass
     await stream.reset()
