@@ -116,20 +116,32 @@ def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path
     assert_one_line(subprocess.CompletedProcess(hub.args, hub.returncode, out, err), 130, "Ctrl-C", "start it again")
 
 
+CLI_MODULES = {"hub": "hub.cli.main", "node": "node.cli"}
+CLI_ARGS = {"hub": ["start"], "node": ["join", "--hub", f"/ip4/127.0.0.1/tcp/1/p2p/{HUB_ID}", "--data-dir", "node"]}
+CLI_START_STEPS = {"hub": "_start", "node": "check_join"}  # a step of each CLI's start-up, inside its Ctrl-C line
+
+
+def run_patched_cli(tmp_path: Path, cli: str, building: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """`cli`'s main() under `python -m`, its start-up step replaced by the function `building` that the code
+    `building` defines (it may call `original`, the step it replaces)."""
+    step = CLI_START_STEPS[cli]
+    (tmp_path / "patched.py").write_text(
+        "import os, signal, sys, time\n"
+        "import shared.signals  # imported first: an import that runs exec would itself clear CPython's flag\n"
+        f"import {CLI_MODULES[cli]} as cli\n"
+        f"original = cli.{step}\n"
+        f"{building}\n"
+        f"cli.{step} = building\n"
+        f"sys.exit(cli.main({CLI_ARGS[cli]!r}))\n")
+    return subprocess.run([sys.executable, "-m", "patched"], capture_output=True, text=True, timeout=timeout_s,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 @pytest.mark.parametrize("cli", ["hub", "node"])
 def test_ctrl_c_raised_inside_exec_still_exits_130_under_python_m(tmp_path: Path, cli: str) -> None:
     """CI once saw exit -2 (death by SIGINT) after the one line: the Ctrl-C landed while a dataclass built its
     methods with exec, which leaves CPython's "unhandled Ctrl-C" flag set although main() caught it."""
-    (tmp_path / "interrupted.py").write_text(
-        "import sys\n"
-        "import shared.signals  # imported first: an import that runs exec would itself clear the flag\n"
-        f"import {cli}.cli{'.main' if cli == 'hub' else ''} as cli\n"
-        "def building(*args, **kwargs):\n"
-        "    exec('raise KeyboardInterrupt')\n"
-        f"cli.{'_start' if cli == 'hub' else 'check_join'} = building\n"
-        f"sys.exit(cli.main({['start'] if cli == 'hub' else ['join', '--hub', '/ip4/127.0.0.1/tcp/1/p2p/x']!r}))\n")
-    probe = subprocess.run([sys.executable, "-m", "interrupted"], capture_output=True, text=True, timeout=60,
-                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    probe = run_patched_cli(tmp_path, cli, "def building(*args, **kwargs):\n    exec('raise KeyboardInterrupt')")
     assert probe.returncode == 130, (probe.returncode, probe.stderr[-2000:])
     assert "Ctrl-C" in probe.stderr or "interrupted" in probe.stderr
 
@@ -140,9 +152,7 @@ def test_ctrl_c_a_library_turned_into_another_error_exits_130_and_that_error_alo
         tmp_path: Path, cli: str, ctrl_c: bool) -> None:
     """CI once saw a traceback and exit 1: Ctrl-C cut `import numpy.dtypes` short, numpy's lazy attribute then
     recursed, and transformers reported "Could not import module 'Qwen2ForCausalLM'"; the interrupt was gone."""
-    (tmp_path / "swallowed.py").write_text(
-        "import os, signal, sys, time\n"
-        f"import {cli}.cli{'.main' if cli == 'hub' else ''} as cli\n"
+    probe = run_patched_cli(tmp_path, cli, (
         "def building(*args, **kwargs):\n"
         "    try:\n"
         f"        if {ctrl_c}:\n"
@@ -150,11 +160,7 @@ def test_ctrl_c_a_library_turned_into_another_error_exits_130_and_that_error_alo
         "            time.sleep(30)  # the handler raises here\n"
         "    except KeyboardInterrupt:\n"
         "        pass  # as the library did\n"
-        "    raise ModuleNotFoundError(\"Could not import module 'Qwen2ForCausalLM'\")\n"
-        f"cli.{'_start' if cli == 'hub' else 'check_join'} = building\n"
-        f"sys.exit(cli.main({['start'] if cli == 'hub' else ['join', '--hub', '/ip4/127.0.0.1/tcp/1/p2p/x']!r}))\n")
-    probe = subprocess.run([sys.executable, "-m", "swallowed"], capture_output=True, text=True, timeout=60,
-                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        "    raise ModuleNotFoundError(\"Could not import module 'Qwen2ForCausalLM'\")"))
     if ctrl_c:
         assert probe.returncode == 130, (probe.returncode, probe.stderr[-2000:])
         assert len(probe.stderr.strip().splitlines()) == 1, probe.stderr[-2000:]
@@ -163,21 +169,14 @@ def test_ctrl_c_a_library_turned_into_another_error_exits_130_and_that_error_alo
 
 
 def test_ctrl_c_a_library_swallowed_without_a_trace_still_stops_the_node_before_it_joins(tmp_path: Path) -> None:
-    (tmp_path / "swallowed.py").write_text(
-        "import os, signal, sys, time\n"
-        "import node.cli as cli\n"
-        "checks = cli.check_join\n"
-        "def checking(config):\n"
+    probe = run_patched_cli(tmp_path, "node", (
+        "def building(config):\n"
         "    try:\n"
         "        os.kill(os.getpid(), signal.SIGINT)\n"
         "        time.sleep(30)  # the handler raises here\n"
         "    except KeyboardInterrupt:\n"
         "        pass  # and nothing follows from it\n"
-        "    checks(config)\n"
-        "cli.check_join = checking\n"
-        f"sys.exit(cli.main(['join', '--hub', '/ip4/127.0.0.1/tcp/1/p2p/{HUB_ID}', '--data-dir', 'node']))\n")
-    probe = subprocess.run([sys.executable, "-m", "swallowed"], capture_output=True, text=True, timeout=120,
-                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        "    original(config)"), timeout_s=120)
     # Without the watch it would dial the hub (retrying for ever) as if no Ctrl-C had come.
     assert probe.returncode == 130, (probe.returncode, probe.stdout[-2000:], probe.stderr[-2000:])
     assert probe.stderr.strip() == "echo-node: interrupted before it joined", probe.stderr[-2000:]
