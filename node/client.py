@@ -112,13 +112,15 @@ def answered_instead(exc: BaseException) -> str | None:
 class HubClient:
     """Speaks the node protocols to the hub at `hub_addr` (a multiaddr ending in /p2p/<hub id>) from `host`."""
 
-    def __init__(self, host: IHost, identity: Identity, hub_addr: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, host: IHost, identity: Identity, hub_addr: str, timeout_s: float = REQUEST_TIMEOUT_S,
+                 use_sessions: bool = True) -> None:
         self.host = host
         self.identity = identity
         self.hub_addr = hub_addr
         self.hub_peer_id = peer_id_from_multiaddr(hub_addr)
         self.timeout_s = timeout_s
-        self.sessions: bool | None = None  # whether the hub speaks SESSION_PROTOCOL (None: not asked yet)
+        self.use_sessions = use_sessions  # False: a stream per request, as a client before sessions (benchmarks)
+        self.sessions: bool | None = None if use_sessions else False  # the hub speaks SESSION_PROTOCOL (None: not asked)
         self._idle: list[tuple[INetStream, float]] = []  # open sessions between requests, with when they were used
         self._session_slots = trio.Semaphore(CLIENT_SESSIONS)
 
@@ -188,7 +190,8 @@ class HubClient:
         return stream
 
     async def join(self, join: JoinRequest) -> JoinReply | Reject:
-        self.sessions = None  # a hub restarted (upgraded, say) under this node may speak sessions now
+        if self.use_sessions:
+            self.sessions = None  # a hub restarted (upgraded, say) under this node may speak sessions now
         return await self.ask(JOIN_PROTOCOL, join, JoinReply)
 
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply | Reject:

@@ -78,9 +78,17 @@ def test_a_workers_answer_refers_to_the_hubs_own_submission_instead_of_copying_i
     assert loaded[1][0].group.completions[0].token_ids is completion.token_ids
 
 
-def test_the_default_leaves_the_trio_process_a_core():
-    assert resolved_check_procs(None) == max(1, len(os.sched_getaffinity(0)) - 1)
-    assert resolved_check_procs(0) == 0 and resolved_check_procs(3) == 3
+def test_the_default_leaves_the_trio_process_a_core_and_checks_a_light_reward_in_its_thread():
+    assert resolved_check_procs(None, light_reward=False) == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert resolved_check_procs(None, light_reward=True) == 0
+    assert resolved_check_procs(0, light_reward=False) == 0 and resolved_check_procs(3, light_reward=True) == 3
+    # The embedded default's reverse task is light, also as the training part of its split; math is not.
+    from shared.tasks.dataset import MathTask
+    from shared.tasks.reverse import ReverseTask
+    from shared.tasks.split import split_task
+
+    assert ReverseTask().light_reward and split_task(ReverseTask(), 0.1)[0].light_reward
+    assert not MathTask.light_reward
 
 
 @pytest.mark.slow

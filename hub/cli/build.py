@@ -68,9 +68,9 @@ def load_submission_rules(config_json: str, model_dir: Path) -> SubmissionRules:
                             AutoConfig.from_pretrained(model_dir))
 
 
-def submission_checks(config: HubConfig, model_dir: Path) -> SubmissionChecks | None:
+def submission_checks(config: HubConfig, model_dir: Path, task: Task) -> SubmissionChecks | None:
     """A pool of `--check-procs` check processes (None for 0: HubState checks in a thread of its own)."""
-    procs = resolved_check_procs(config.trust.check_procs)
+    procs = resolved_check_procs(config.trust.check_procs, task.light_reward)
     if procs == 0:
         return None
     factory = functools.partial(load_submission_rules, config.model_dump_json(), model_dir)
@@ -94,7 +94,7 @@ def build_hub_state(
     state = HubState(
         Store(config.data_dir / HUB_STORE_FILE), config, task,
         rules=submission_rules(config, task, model_dir, tokenizer, model_config),
-        checks=submission_checks(config, model_dir),
+        checks=submission_checks(config, model_dir, task),
         model_config_hash=model_config_hash(model_config.to_dict()), model_label=label,
         audits=AuditQueue(auditor, config.trust.audit_queue_groups),
         oldest_useful_version=oldest_useful_version, newest_version=shelf.newest_version,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ if TYPE_CHECKING:  # pyarrow is imported only by a hub that saves rollouts
     from hub.training.rollout_export import RolloutExport
 
 log = logging.getLogger("echo2.hub.learner")
+
+SNAPSHOT_TIMES_KEPT = 100
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ class LearnerComponent:
         if cfg.staleness_auto:
             self._resume_staleness()
         self.training = False
-        self.snapshot_seconds: list[float] = []
+        self.snapshot_seconds: deque[float] = deque(maxlen=SNAPSHOT_TIMES_KEPT)  # the latest, for benchmarks
         self._pending_stale: list[int] = []
         if self.step > 0 or checkpoint is not None:
             lost = self.step - (checkpoint.step if checkpoint is not None else 0)
@@ -302,7 +305,8 @@ class LearnerComponent:
                 await self.evaluation.start(t, self.learner.state_dict)
             if t % self.cfg.checkpoint_every == 0:
                 await trio.to_thread.run_sync(self._checkpoint, t)
-            self._drift.append(stats.abs_log_ratio)
+            if self.staleness_control is not None:  # read (and cleared) only by it, once per publish period
+                self._drift.append(stats.abs_log_ratio)
             if record.staleness_mean > 0:
                 drift_sum, age_sum = self._stale_drift
                 self._stale_drift = (drift_sum + stats.abs_log_ratio, age_sum + record.staleness_mean)

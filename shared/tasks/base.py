@@ -63,6 +63,9 @@ class Task(ABC):
     a time."""
 
     name: str = "task"
+    # A reward cheaper than shipping a submission to a check process and its verdicts back (an exact match: the
+    # built-in reverse task): the hub's default checks it in a thread of its own process (hub/trust/checkpool.py).
+    light_reward: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -18,6 +18,7 @@ class ReverseTask(Task):
     """Prompt "qwert>" asks for "trewq" (then EOS); reward 1.0 for an exact match, else 0.0."""
 
     name = "reverse"
+    light_reward = True  # a string compared: ~0.01 ms a completion (bench/ingest.py --task reverse)
 
     def __init__(self, seed: int = REVERSE_DEFAULT_SEED, size: int = REVERSE_DEFAULT_SIZE) -> None:
         if size < 1:

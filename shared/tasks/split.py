@@ -27,6 +27,7 @@ class TaskPart(Task):
     def __init__(self, task: Task, keep: Callable[[Prompt], bool], label: str) -> None:
         self.task = task
         self.name = task.name
+        self.light_reward = task.light_reward
         self.label = label
         self._prompts = [p for p in task.prompts() if keep(p)]
 
