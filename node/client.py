@@ -139,13 +139,18 @@ class HubClient:
                 raise
             raise WrongHub(self.hub_addr.partition("/p2p/")[0], self.hub_peer_id, answered) from exc
 
-    async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None):
+    async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None,
+                  sign_with: Identity | None = None):
+        """`msg` (signed by `sign_with` when given) on a session when its protocol may use one and the hub speaks
+        them, else on a stream of its own; the hub's reply or Reject."""
         timeout_s = timeout_s or self.timeout_s
         if protocol in SESSION_REQUESTS and self.sessions is not False:
-            reply = await self._in_session(protocol, encode_message(msg), reply_type, timeout_s)
+            frame = encode_message(msg) if sign_with is None else encode_signed(msg, sign_with)
+            reply = await self._in_session(protocol, frame, reply_type, timeout_s)
             if reply is not None:
                 return reply
-        return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject, timeout_s=timeout_s)
+        return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject, timeout_s=timeout_s,
+                             sign_with=sign_with)
 
     async def _in_session(self, protocol: str, frame: bytes, reply_type: type[Message], timeout_s: float):
         """The reply to `frame` sent on a session, or None when the hub has no sessions (then not asked again
@@ -208,12 +213,7 @@ class HubClient:
         """Submit (signed by this node), sending again while the hub says it is busy and `deadline`
         (time.monotonic) leaves room; without a deadline, once."""
         while True:
-            reply = None
-            if self.sessions is not False:
-                reply = await self._in_session(SUBMIT_PROTOCOL, self.signed(submission), SubmitReply, self.timeout_s)
-            if reply is None:
-                reply = await request(self.host, self.hub_peer_id, SUBMIT_PROTOCOL, submission, SubmitReply, Reject,
-                                      timeout_s=self.timeout_s, sign_with=self.identity)
+            reply = await self.ask(SUBMIT_PROTOCOL, submission, SubmitReply, sign_with=self.identity)
             if not (isinstance(reply, Reject) and reply.busy and deadline is not None
                     and time.monotonic() + BUSY_RETRY_S < deadline):
                 return reply

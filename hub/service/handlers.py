@@ -343,7 +343,7 @@ class HubService:
                     return
         finally:
             sessions.remove(session)
-            if not sessions and self._sessions.get(peer) is sessions:
+            if not sessions:
                 del self._sessions[peer]
 
     async def _next_request(self, stream: INetStream, peer: str, session: _Session) -> str | None:
