@@ -10,7 +10,9 @@ fleet changes mid-run); flags given on the command line override it; a bad value
 Qwen3-8B setup (every value sourced or marked as an assumption) and a fleet that halves mid-run. Rows carry their
 `staleness` setting; `auto` rows choose S each publish period through the hub's own rule
 (hub.control.staleness.choose_staleness over staleness_costs), the drift being drift_per_version times the mean
-age of the rollouts trained on (no model runs here). A price change is paid at once and ranked as the hub ranks
+age of the rollouts trained on (no model runs here). Every row gets that drift per second-half step (drift_mean,
+and drift_over_bound: the share of steps above drift_max), and `staleness_comparison` sets auto against the
+cheapest fixed S that stayed within the bound, and against the cheapest fixed S whatever its drift. A price change is paid at once and ranked as the hub ranks
 it (hub.method.prices.ranking_price, scheduler.price_band); a NATed pair on a chain waits for a hole punch
 (hub.method.chains.link_kind).
 
@@ -212,6 +214,10 @@ class Result:
     # The S in force at the end, and every move auto made: (step, S, why)
     staleness_final: int = STALENESS
     staleness_moves: list[tuple[int, int, str]] = field(default_factory=list)
+    # The drift model auto decides on (drift_per_version x a step's mean age), for every row: its mean over the
+    # second half, and the share of those steps above drift_max (a fixed S the guard would not have allowed).
+    drift_mean: float = 0.0
+    drift_over_bound: float = 0.0
 
 
 class Simulation:
@@ -261,6 +267,7 @@ class Simulation:
         # Per step, from the second half on: (idle, train, predicted bubble or None, active count, cost $)
         self.records: list[tuple[float, float, float | None, int, float]] = []
         self.staleness: list[tuple[int, float]] = []
+        self.step_drifts: list[float] = []  # each second-half step's modelled drift (every row, auto or fixed S)
         self.dropped = 0.0
         self.consumed = 0.0
         # (consumed, dropped) per recent step: the usable fraction the hub measures (trained / settled)
@@ -360,15 +367,20 @@ class Simulation:
         self.dropped += dropped
         self.recent_use = (self.recent_use + [(self.R, dropped)])[-3 * self.kappa:]
         need = self.R
+        step_ages = []
         for v in sorted(self.buffer):
             take = min(need, self.buffer[v])
             self.buffer[v] -= take
             need -= take
-            if t > self.steps // 2:
-                self.staleness.append(((t - 1) - v, take))
-            self.drift_ages.append(((t - 1) - v, take))
+            step_ages.append(((t - 1) - v, take))
             if need <= 1e-9:
                 break
+        self.drift_ages.extend(step_ages)
+        if t > self.steps // 2:
+            self.staleness.extend(step_ages)
+            weight = sum(w for _, w in step_ages)
+            if weight > 0:
+                self.step_drifts.append(self.cfg.run.drift_per_version * sum(a * w for a, w in step_ages) / weight)
         self.consumed += self.R
         idle = self.now - (self.idle_since or self.now)
         self.idle_since = None
@@ -630,6 +642,9 @@ class Simulation:
             staleness=self.sc.staleness,
             staleness_final=self.S,
             staleness_moves=self.staleness_moves,
+            drift_mean=round(sum(self.step_drifts) / len(self.step_drifts), 5) if self.step_drifts else 0.0,
+            drift_over_bound=round(sum(d > self.cfg.run.drift_max * (1 + 1e-9) for d in self.step_drifts)
+                                   / len(self.step_drifts), 4) if self.step_drifts else 0.0,  # at the bound is within
         )
 
 
@@ -760,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SimConfigError, PlanError, InfeasibleCapacity) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE_ERROR
-    out = {"results": results, "savings": savings(results)}
+    out = {"results": results, "savings": savings(results), "staleness_comparison": staleness_comparison(results)}
     out["saving_spread"] = saving_spread(out["savings"])
     if args.plot:
         plot(results, args.plot)
@@ -799,6 +814,28 @@ def savings(results: list[dict]) -> list[dict]:
             key = (n, other, seed, "0" if other == "sync" else staleness)
             if key in by:
                 row[f"saving_vs_{other}"] = round(1 - r["cost_per_step"] / by[key]["cost_per_step"], 4)
+        out.append(row)
+    return out
+
+
+def staleness_comparison(results: list[dict]) -> list[dict]:
+    """Per N, scenario and seed with an auto row: auto's cost per step against the cheapest fixed S whose steps went
+    past the drift bound no more often than auto's (a fixed S past it trains on what auto's guard refuses: not the
+    same quality), and against the cheapest fixed S whatever its drift. saving = 1 - cost(auto) / cost(that S).
+    bench/staleness.py --adaptive compares its real runs the same way."""
+    out = []
+    keys = sorted({(r["nodes"], r["scenario"], r["seed"]) for r in results if r["staleness"] == "auto"})
+    for n, scenario, seed in keys:
+        same = [r for r in results if (r["nodes"], r["scenario"], r["seed"]) == (n, scenario, seed)]
+        auto = next(r for r in same if r["staleness"] == "auto")
+        fixed = sorted((r for r in same if r["staleness"] != "auto"), key=lambda r: r["cost_per_step"])
+        row = {"nodes": n, "scenario": scenario, "seed": seed, "auto_cost_per_step": auto["cost_per_step"],
+               "auto_drift_over_bound": auto["drift_over_bound"]}
+        within = [r for r in fixed if r["drift_over_bound"] <= auto["drift_over_bound"]]
+        for label, pick in (("best_fixed_within_bound", within), ("best_fixed", fixed)):
+            if pick:
+                row[label] = pick[0]["staleness"]
+                row[f"saving_vs_{label}"] = round(1 - auto["cost_per_step"] / pick[0]["cost_per_step"], 4)
         out.append(row)
     return out
 

@@ -19,6 +19,11 @@ second half:
 - data_dir_bytes_per_step: every file under the hub's data dir.
 The hub's RSS slope is fitted over its last life, the first 30% of it left out (warm-up: the model loads,
 allocators fill): a life of a few minutes swings by tens of MB, so the short lives before the kills measure noise.
+Each sample's RSS is the hub's resting one: the least of the readings taken every RSS_POLL_S since the previous
+sample. A single reading lands inside a learner step or between two at random, and a step holds its activations
+(~130 MB here) while it runs: two runs of the same code fitted 18 and 34 MB per 1k steps over single readings, as
+more of them happened to land mid-step late in the life, while the resting RSS rose by about 10. What is kept
+between steps is what would grow without bound; hub_rss_peak_mb is the largest reading of the last life.
 
 acknowledged_lost: groups a node was told were accepted (its SubmitReply, summed from node_status.json at each
 node's SIGINT stop) beyond what the hub's books credit it with at the end. payload_bytes_per_step: groups received
@@ -53,6 +58,7 @@ from testbed.harness import HubProc, free_port, query, start_hub
 MAX_NEW_TOKENS = 320
 LOGIT_STD_NATS = 4.0  # the non-special tokens' logit spread: EOS at 0 is then ~e^-10 as likely as the top token
 SAMPLE_S = 3.0
+RSS_POLL_S = 0.1  # readings of the hub's RSS between two samples: their least is the resting RSS, their most the peak
 WARMUP_SHARE = 0.3  # of the hub's last life, left out of the RSS slope
 KILLS_WITHIN = 0.5  # share of the run the hub kills happen in: the rest is its last life
 HUB_TOML = """
@@ -128,8 +134,9 @@ class Sample:
     store_bytes: int
     store_file_bytes: int
     data_bytes: int
-    rss_mb: float | None
+    rss_mb: float | None  # resting: the least reading since the previous sample
     fds: int | None
+    rss_peak_mb: float | None = None  # the most
 
 
 @dataclass
@@ -147,16 +154,17 @@ class Soak:
     def hub_dir(self) -> Path:
         return self.work / "hub"
 
-    def sample(self, hub: HubProc, started: float) -> Sample:
+    def sample(self, hub: HubProc, started: float, rss_readings: list[float]) -> Sample:
         steps = query(self.hub_dir, "SELECT COALESCE(MAX(step), 0) FROM steps")[0][0]
         count, total = query(self.hub_dir, "SELECT COUNT(*), COALESCE(SUM(LENGTH(group_json)), 0) FROM payloads")[0]
         if count:
             self.payload_means.append(total / count)
         kept = query(self.hub_dir, "SELECT COALESCE(SUM(pgsize), 0) FROM dbstat WHERE name != 'payloads' AND name NOT IN"
                      " (SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'payloads')")[0][0]
+        rss, fds = process_figures(hub.process.pid)
+        readings = [*rss_readings, *([] if rss is None else [rss])]
         sample = Sample(time.monotonic() - started, self.life, steps, kept, store_bytes(self.hub_dir),
-                        tree_bytes(self.hub_dir),
-                        *process_figures(hub.process.pid))
+                        tree_bytes(self.hub_dir), min(readings, default=None), fds, max(readings, default=None))
         self.samples.append(sample)
         return sample
 
@@ -192,6 +200,17 @@ def process_figures(pid: int) -> tuple[float | None, int | None]:
     return rss_kb / 1024, fds
 
 
+def rss_readings(pid: int, seconds: float) -> list[float]:
+    """The process's RSS in MB every RSS_POLL_S for `seconds` (none once it is gone)."""
+    readings, until = [], time.monotonic() + seconds
+    while time.monotonic() < until:
+        rss, _ = process_figures(pid)
+        if rss is not None:
+            readings.append(rss)
+        time.sleep(RSS_POLL_S)
+    return readings
+
+
 def slope(points: list[tuple[float, float]]) -> float | None:
     """Least-squares slope of y on x; None without two distinct x."""
     if len({x for x, _ in points}) < 2:
@@ -218,6 +237,7 @@ def growth_figures(samples: list[Sample], duration_s: float) -> dict:
         "store_file_bytes_per_step": slope([(s.step, s.store_file_bytes) for s in second_half]),
         "data_dir_bytes_per_step": slope([(s.step, s.data_bytes) for s in second_half]),
         "hub_rss_slope_mb_per_1k_steps": None if rss is None else rss * 1000,
+        "hub_rss_peak_mb": max((s.rss_peak_mb for s in samples if s.life == samples[-1].life and s.rss_peak_mb), default=None),
         "hub_fds_first": with_fds[0].fds if with_fds else None,
         "hub_fds_last": with_fds[-1].fds if with_fds else None,
     }
@@ -269,6 +289,7 @@ def run(args: argparse.Namespace, say) -> dict:
     duration_s = args.minutes * 60
     events = plan(duration_s, args.kills, max(2, round(args.minutes)))
     rng = random.Random(0)
+    readings: list[float] = []
     started = time.monotonic()
     try:
         while (now := time.monotonic() - started) < duration_s:
@@ -276,15 +297,16 @@ def run(args: argparse.Namespace, say) -> dict:
                 _, kind = events.pop(0)
                 if kind == "kill":
                     hub = kill_and_restart(soak, hub, hub_args, port)
+                    readings = []  # the killed process's
                 else:
                     node = rng.choice(nodes)
                     node.stop()
                     node.start(hub.addr, model)
                     say(f"node {node.index} stopped and started again")
-            s = soak.sample(hub, started)
+            s = soak.sample(hub, started, readings)
             say(f"{s.t:5.0f}s step {s.step}, store {s.store_bytes / 1e6:.2f} MB, data dir {s.data_bytes / 1e6:.1f} MB, "
-                f"hub rss {s.rss_mb or 0:.0f} MB, fds {s.fds}")
-            time.sleep(SAMPLE_S)
+                f"hub rss {s.rss_mb or 0:.0f} MB resting, {s.rss_peak_mb or 0:.0f} peak, fds {s.fds}")
+            readings = rss_readings(hub.process.pid, SAMPLE_S)
     finally:
         code = hub.stop(timeout_s=60)
         for node in nodes:

@@ -22,9 +22,13 @@ Scenario `steady`: S = 0 and auto on the whole fleet (reward_last: auto should b
 Scenario `half_leave`: each S of --fixed and auto, half the nodes stopped once half the steps are done (cost_per_step:
 auto should be at or below the best fixed S). One row per run: scenario, staleness, reward_last (mean rollout reward
 of the last --window steps), cost_per_step (the hub's own: learner time at its price plus what the nodes were paid,
-per step), bubble (mean learner bubble), and the S in force at the end.
+per step), bubble (mean learner bubble), the S in force at the end, drift_mean and drift_over_bound (the share of
+steps whose mean |log-ratio| passed --drift-max, the hub's default when not given). --repeats runs every setting that
+many times, round after round, since run-to-run noise on a shared machine is large; `comparison` takes each setting's
+median: steady auto's reward gap to S = 0, and half_leave auto's saving against the cheapest fixed S that passed the
+drift bound no more often than auto (as bench/simulate.py's staleness_comparison) and against the cheapest of all.
 
-    python bench/staleness.py --adaptive --json [--steps 24] [--nodes 4] [--fixed 1 2 4 8]
+    python bench/staleness.py --adaptive --json [--steps 24] [--nodes 4] [--fixed 1 2 4 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--drift-max", type=float, default=None, help="--adaptive: the auto runs' --drift-max")
     parser.add_argument("--scenarios", nargs="+", default=["steady", "half_leave"], choices=["steady", "half_leave"],
                         help="--adaptive: the scenarios to run")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="--adaptive: runs of each setting, interleaved (round k of every setting, then k + 1)")
     return parser.parse_args(argv)
 
 
@@ -231,7 +237,7 @@ def plot(runs: list[dict], out: Path, steps: int) -> None:
     plt.close(fig)
 
 
-def adaptive_run(scenario: str, staleness: int | str, args: argparse.Namespace, tmp: Path) -> dict:
+def adaptive_run(scenario: str, staleness: int | str, args: argparse.Namespace, tmp: Path, drift_max: float) -> dict:
     """One real hub and its nodes for --steps steps; in `half_leave`, half the nodes stop halfway."""
     from shared.layout import METRICS_FILE
     from testbed.harness import start_hub, start_node, stop_all, wait_until
@@ -274,22 +280,58 @@ def adaptive_run(scenario: str, staleness: int | str, args: argparse.Namespace, 
                            if i == 0 or r["staleness_budget"] != rows[i - 1]["staleness_budget"]],
         "staleness_trained_mean": round(statistics.fmean(r["staleness_mean"] for r in rows), 3),
         "drift_mean": round(statistics.fmean(r["abs_log_ratio"] for r in rows), 5),
+        "drift_over_bound": round(sum(r["abs_log_ratio"] > drift_max for r in rows) / len(rows), 4),
         "steps": len(rows),
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
 
 def adaptive_main(args: argparse.Namespace) -> dict:
-    """The --adaptive comparison: steady (S = 0 vs auto) and half_leave (each fixed S vs auto)."""
+    """The --adaptive comparison: steady (S = 0 vs auto) and half_leave (each fixed S vs auto), --repeats rounds."""
+    from hub.config import LearnerConfig
+
+    drift_max = args.drift_max if args.drift_max is not None else LearnerConfig().drift_max
     runs = [("steady", 0), ("steady", "auto")] + [("half_leave", s) for s in args.fixed] + [("half_leave", "auto")]
     runs = [(scenario, s) for scenario, s in runs if scenario in args.scenarios]
     rows = []
-    for scenario, staleness in runs:
-        with tempfile.TemporaryDirectory(prefix="echo2-bench-adaptive-") as tmp:
-            rows.append(adaptive_run(scenario, staleness, args, Path(tmp)))
-        if not args.json:
-            print(rows[-1], flush=True)
-    return {"steps": args.steps, "nodes": args.nodes, "node_price": args.node_price, "runs": rows}
+    for repeat in range(args.repeats):
+        for scenario, staleness in runs:
+            with tempfile.TemporaryDirectory(prefix="echo2-bench-adaptive-") as tmp:
+                rows.append({**adaptive_run(scenario, staleness, args, Path(tmp), drift_max), "repeat": repeat})
+            if not args.json:
+                print(rows[-1], flush=True)
+    return {"steps": args.steps, "nodes": args.nodes, "node_price": args.node_price, "drift_max": drift_max,
+            "runs": rows, "comparison": adaptive_comparison(rows)}
+
+
+def adaptive_comparison(rows: Sequence[dict]) -> dict:
+    """What the --adaptive rows say, each setting by its median over repeats: steady auto's reward against S = 0's
+    (reward_gap: S = 0's less auto's); half_leave auto's cost per step against the cheapest fixed S whose steps went
+    past the drift bound no more often than auto's (a fixed S past it trains on what auto's guard refuses: not the
+    same quality), and against the cheapest fixed S whatever its drift. saving = 1 - cost(auto) / cost(that S)."""
+    def median(scenario: str, staleness: int | str, key: str) -> float | None:
+        values = [r[key] for r in rows if (r["scenario"], r["staleness"]) == (scenario, staleness) and r[key] is not None]
+        return statistics.median(values) if values else None
+
+    out: dict = {}
+    s0, auto = median("steady", 0, "reward_last"), median("steady", "auto", "reward_last")
+    if s0 is not None and auto is not None:
+        out["steady"] = {"reward_s0": s0, "reward_auto": auto, "reward_gap": round(s0 - auto, 4)}
+    auto_cost = median("half_leave", "auto", "cost_per_step")
+    fixed = sorted({r["staleness"] for r in rows if r["scenario"] == "half_leave" and r["staleness"] != "auto"})
+    if auto_cost is None or not fixed:
+        return out
+    auto_over = median("half_leave", "auto", "drift_over_bound")
+    costs = {s: median("half_leave", s, "cost_per_step") for s in fixed}
+    half = {"auto_cost_per_step": auto_cost, "auto_drift_over_bound": auto_over, "fixed_cost_per_step": costs}
+    within = [s for s in fixed if median("half_leave", s, "drift_over_bound") <= auto_over]
+    for label, pick in (("best_fixed_within_bound", within), ("best_fixed", fixed)):
+        if pick:
+            best = min(pick, key=lambda s: costs[s])
+            half[label] = best
+            half[f"saving_vs_{label}"] = round(1 - auto_cost / costs[best], 4)
+    out["half_leave"] = half
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

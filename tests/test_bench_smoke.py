@@ -10,7 +10,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import sqlite3
 import sys
+import types
 from pathlib import Path
 from types import ModuleType
 
@@ -77,6 +80,21 @@ def test_reward_curve_windows():
     assert curve(samples, 6, 3) == {3: 0.5, 6: 0.5}
     # kappa > window: windows without a sampled version are left out, not reported as 0.
     assert curve([(0, 0.25), (10, 0.75)], 20, 4) == {4: 0.25, 12: 0.75}
+
+
+def test_the_adaptive_comparison_takes_medians_and_leaves_out_a_fixed_s_past_the_drift_bound():
+    compare = load_bench("staleness").adaptive_comparison
+    row = lambda scenario, s, reward, cost, over: {"scenario": scenario, "staleness": s, "reward_last": reward,
+                                                   "cost_per_step": cost, "drift_over_bound": over}
+    rows = [row("steady", 0, 0.30, 9.0, 0.0), row("steady", "auto", 0.27, 9.0, 0.1),
+            row("half_leave", 1, 0.2, 2.0, 0.0), row("half_leave", 1, 0.2, 1.0, 0.2), row("half_leave", 1, 0.2, 1.2, 0.0),
+            row("half_leave", 8, 0.1, 0.5, 0.9), row("half_leave", "auto", 0.2, 1.1, 0.1)]
+    out = compare(rows)
+    assert out["steady"] == {"reward_s0": 0.30, "reward_auto": 0.27, "reward_gap": 0.03}
+    half = out["half_leave"]
+    assert half["fixed_cost_per_step"] == {1: 1.2, 8: 0.5}  # medians over the repeats
+    assert half["best_fixed_within_bound"] == 1 and half["saving_vs_best_fixed_within_bound"] == round(1 - 1.1 / 1.2, 4)
+    assert half["best_fixed"] == 8 and half["saving_vs_best_fixed"] == round(1 - 1.1 / 0.5, 4)
 
 
 def test_fleet_simulator_runs_the_projects_own_scheduler(monkeypatch, capsys):
@@ -221,13 +239,21 @@ def test_status_bench_smoke(capsys):
     assert row["per_request_ms_served"] > 0 and row["per_request_ms_rebuilt"] > 0 and row["frame_bytes"] > 0
 
 
-def test_soak_bench_fits_the_rss_line_over_the_hubs_last_life_and_kills_in_the_first_half():
+def test_soak_bench_fits_the_rss_line_over_the_hubs_last_life_and_kills_in_the_first_half(tmp_path):
     soak = load_bench("soak")
     # An earlier life at another baseline and the last life's warm-up do not count: the slope is the last life's 1.
     rss = [(0, 0, 100.0), (0, 1, 101.0), *((1, step, 300.0 + (step if step >= 13 else 50)) for step in range(10, 20))]
     samples = [soak.Sample(float(step), life, step, 0, 0, 0, mb, 10) for life, step, mb in rss]
     assert soak.slope(soak.settled_rss(samples)) == 1.0
     assert soak.slope([(5, 1.0)]) is None
+    # A sample's RSS is the least reading since the one before (resting), its peak the most.
+    soak_run = soak.Soak(tmp_path, 1.0, 0, print)
+    (tmp_path / "hub").mkdir()
+    sqlite3.connect(tmp_path / "hub" / soak.HUB_STORE_FILE).executescript(
+        "CREATE TABLE steps (step INTEGER); CREATE TABLE payloads (group_json TEXT);")
+    sample = soak_run.sample(types.SimpleNamespace(process=types.SimpleNamespace(pid=os.getpid())), 0.0, [1.0, 1e6])
+    assert sample.rss_mb == 1.0 and sample.rss_peak_mb == 1e6
+    assert soak.rss_readings(os.getpid(), 0.25) and all(r > 1 for r in soak.rss_readings(os.getpid(), 0.1))
     assert soak.plan(600.0, kills=2, churns=2) == [(100.0, "churn"), (100.0, "kill"), (200.0, "kill"), (300.0, "churn")]
 
 
@@ -244,7 +270,7 @@ def test_soak_bench_smoke(tmp_path):
     result = json.loads(done.stdout.splitlines()[-1])
     assert {"minutes", "steps", "completion_tokens_mean", "payload_bytes_per_step", "store_bytes_per_step",
             "store_file_bytes_per_step",
-            "data_dir_bytes_per_step", "hub_rss_slope_mb_per_1k_steps", "hub_fds_first", "hub_fds_last", "kills",
+            "data_dir_bytes_per_step", "hub_rss_slope_mb_per_1k_steps", "hub_rss_peak_mb", "hub_fds_first", "hub_fds_last", "kills",
             "acknowledged_lost", "resume_s_large_store", "log_bytes_max"} <= result.keys()
     assert result["store_bytes_per_step"] > 0 and result["store_file_bytes_per_step"] is not None
     assert result["kills"] == 1 and result["acknowledged_lost"] == 0 and result["steps"] > 0

@@ -119,7 +119,23 @@ def test_auto_rows_choose_s_through_the_hubs_rule(tmp_path, capsys) -> None:
     assert all(1 <= s <= 6 for _, s, _ in auto["staleness_moves"])
     assert auto["staleness_max"] <= 6 and rows["2"]["staleness_max"] <= 2
     assert {r["staleness"] for r in out["savings"]} == {"auto", 2}
+    # S = 2's steps train on rollouts at most 2 versions old: drift_per_version x 2 at the most, 0.01 x 2 < 0.05
+    assert 0 < rows["2"]["drift_mean"] <= 0.02 and rows["2"]["drift_over_bound"] == 0
+    [compared] = out["staleness_comparison"]
+    assert compared["best_fixed"] == compared["best_fixed_within_bound"] == 2
     json.dumps(out)  # every row is JSON as printed
+
+
+def test_a_fixed_s_past_the_drift_bound_is_not_the_comparator() -> None:
+    simulate = load_bench("simulate")
+    row = lambda s, cost, over: {"nodes": 9, "scenario": "cost-aware", "seed": 0, "staleness": s,
+                                 "cost_per_step": cost, "drift_over_bound": over}
+    results = [row("auto", 1.0, 0.0), row(2, 1.25, 0.0), row(4, 1.1, 0.0), row(8, 0.8, 0.4),
+               {**row("auto", 2.0, 0.0), "seed": 1}]
+    first, second = simulate.staleness_comparison(results)
+    assert first["best_fixed_within_bound"] == 4 and first["saving_vs_best_fixed_within_bound"] == round(1 - 1 / 1.1, 4)
+    assert first["best_fixed"] == 8 and first["saving_vs_best_fixed"] == -0.25
+    assert second["seed"] == 1 and "best_fixed" not in second  # a seed without fixed rows has nothing to compare
 
 
 def test_the_drawn_fleet_is_unchanged_without_nat(tmp_path) -> None:

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -37,6 +39,7 @@ import blake3
 from shared.rollout import Completion, Group
 
 DIGEST_BYTES = 16
+SUM_BYTES = 12  # a completion's token count (uint32) and log-prob sum (float64), packed in an Origin
 # A cross-prompt repeat with matching log-probs is flagged only if an honest redraw had odds below e^-this.
 CROSS_PROMPT_MIN_SURPRISE_NATS = 3.0
 
@@ -62,14 +65,30 @@ def coincidence_log_prob(group: Group) -> float:
     return log_multinomial + sum(sum(c.logprobs) for c in group.completions)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Origin:
+    """Where a group was first seen, kept small: the detector holds up to copy_cache_groups of them (~0.4 KB each)."""
+
     node_id: str
     lease_id: str
     prompt_id: str
-    prompt_text: str
-    # Per completion, in digest order: (tokens, sum of reported log-probs).
-    logprob_sums: tuple[tuple[int, float], ...] = ()
+    prompt_digest: bytes  # of the prompt text: only its equality is asked
+    # Per completion, in digest order: its token count, then the sum of its reported log-probs (pack_sums).
+    packed_sums: bytes = b""
+
+    @property
+    def logprob_sums(self) -> list[tuple[int, float]]:
+        n = len(self.packed_sums) // SUM_BYTES
+        values = struct.unpack(f"<{n}I{n}d", self.packed_sums)
+        return list(zip(values[:n], values[n:]))
+
+
+def pack_sums(sums: Sequence[tuple[int, float]]) -> bytes:
+    return struct.pack(f"<{len(sums)}I{len(sums)}d", *(n for n, _ in sums), *(s for _, s in sums))
+
+
+def prompt_digest(text: str) -> bytes:
+    return blake3.blake3(text.encode("utf-8", "surrogatepass")).digest(length=DIGEST_BYTES)
 
 
 @dataclass(frozen=True)
@@ -117,7 +136,9 @@ class CopyDetector:
         surprise = -coincidence_log_prob(group)
         key = group_fingerprint(group)
         sums = tuple((len(c.token_ids), math.fsum(c.logprobs)) for c in _in_digest_order(group))
-        here = Origin(node_id, lease_id, group.prompt_id, group.prompt_text, sums)
+        # Interned: a node's id, and a lease's, repeat across the groups kept.
+        here = Origin(sys.intern(node_id), sys.intern(lease_id), group.prompt_id, prompt_digest(group.prompt_text),
+                      pack_sums(sums))
         first = self._seen.get(key)
         if first is not None and (first.lease_id, first.prompt_id) != (here.lease_id, here.prompt_id):
             self._seen.move_to_end(key)
@@ -125,7 +146,7 @@ class CopyDetector:
             # copier cannot make its copy look likely by reporting log-probs near 0 for it.
             log_multinomial = -surprise - math.fsum(s for _, s in sums)
             surprise = max(surprise, -(log_multinomial + math.fsum(s for _, s in first.logprob_sums)))
-            if first.prompt_text == here.prompt_text:
+            if first.prompt_digest == here.prompt_digest:
                 copied = surprise >= self.min_surprise_nats
             else:
                 # Log-probs are conditioned on the prompt: the same ones under another prompt text were
