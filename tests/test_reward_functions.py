@@ -194,7 +194,9 @@ def train(data: Path, *args: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_trl_reward_file_with_two_weighted_functions_trains(tmp_path: Path) -> None:
-    path = jsonl(tmp_path / "rows.jsonl", ROWS * 4)
+    # Every row "fixed", so length_gap applies to each step's prompts (on "free" rows it returns None, and a step
+    # that drew only those had no length_gap metric at all; the skip is checked in the unit test above).
+    path = jsonl(tmp_path / "rows.jsonl", [{**row, "kind": "fixed"} for row in ROWS] * 4)
     rows = train(tmp_path / "data", "--task", str(path), "--reward", f"{TRL}:reversed_chars,{TRL}:length_gap",
                  "--reward-weights", "1,0.5")
     for row in rows:
