@@ -818,25 +818,32 @@ def savings(results: list[dict]) -> list[dict]:
     return out
 
 
+def auto_against_fixed(auto_cost: float, auto_over: float, fixed: Mapping[int, tuple[float, float]]) -> dict:
+    """auto's cost per step against the cheapest fixed S whose steps went past the drift bound no more often than
+    auto's (a fixed S past it trains on what auto's guard refuses: not the same quality), and against the cheapest
+    fixed S whatever its drift. `fixed`: S -> (cost per step, drift_over_bound). saving = 1 - cost(auto) / cost(S).
+    bench/staleness.py --adaptive compares its real runs with it too."""
+    out: dict = {}
+    within = {s: v for s, v in fixed.items() if v[1] <= auto_over}
+    for label, pick in (("best_fixed_within_bound", within), ("best_fixed", fixed)):
+        if pick:
+            best = min(pick, key=lambda s: pick[s][0])
+            out[label] = best
+            out[f"saving_vs_{label}"] = round(1 - auto_cost / pick[best][0], 4)
+    return out
+
+
 def staleness_comparison(results: list[dict]) -> list[dict]:
-    """Per N, scenario and seed with an auto row: auto's cost per step against the cheapest fixed S whose steps went
-    past the drift bound no more often than auto's (a fixed S past it trains on what auto's guard refuses: not the
-    same quality), and against the cheapest fixed S whatever its drift. saving = 1 - cost(auto) / cost(that S).
-    bench/staleness.py --adaptive compares its real runs the same way."""
+    """Per N, scenario and seed with an auto row: auto_against_fixed over that run's fixed-S rows."""
     out = []
     keys = sorted({(r["nodes"], r["scenario"], r["seed"]) for r in results if r["staleness"] == "auto"})
     for n, scenario, seed in keys:
         same = [r for r in results if (r["nodes"], r["scenario"], r["seed"]) == (n, scenario, seed)]
         auto = next(r for r in same if r["staleness"] == "auto")
-        fixed = sorted((r for r in same if r["staleness"] != "auto"), key=lambda r: r["cost_per_step"])
-        row = {"nodes": n, "scenario": scenario, "seed": seed, "auto_cost_per_step": auto["cost_per_step"],
-               "auto_drift_over_bound": auto["drift_over_bound"]}
-        within = [r for r in fixed if r["drift_over_bound"] <= auto["drift_over_bound"]]
-        for label, pick in (("best_fixed_within_bound", within), ("best_fixed", fixed)):
-            if pick:
-                row[label] = pick[0]["staleness"]
-                row[f"saving_vs_{label}"] = round(1 - auto["cost_per_step"] / pick[0]["cost_per_step"], 4)
-        out.append(row)
+        fixed = {r["staleness"]: (r["cost_per_step"], r["drift_over_bound"]) for r in same if r["staleness"] != "auto"}
+        out.append({"nodes": n, "scenario": scenario, "seed": seed, "auto_cost_per_step": auto["cost_per_step"],
+                    "auto_drift_over_bound": auto["drift_over_bound"],
+                    **auto_against_fixed(auto["cost_per_step"], auto["drift_over_bound"], fixed)})
     return out
 
 

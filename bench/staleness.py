@@ -306,9 +306,10 @@ def adaptive_main(args: argparse.Namespace) -> dict:
 
 def adaptive_comparison(rows: Sequence[dict]) -> dict:
     """What the --adaptive rows say, each setting by its median over repeats: steady auto's reward against S = 0's
-    (reward_gap: S = 0's less auto's); half_leave auto's cost per step against the cheapest fixed S whose steps went
-    past the drift bound no more often than auto's (a fixed S past it trains on what auto's guard refuses: not the
-    same quality), and against the cheapest fixed S whatever its drift. saving = 1 - cost(auto) / cost(that S)."""
+    (reward_gap: S = 0's less auto's); half_leave auto's cost per step against fixed S, by bench/simulate.py's
+    auto_against_fixed (the cheapest that passed the drift bound no more often than auto, and the cheapest of all)."""
+    from bench.simulate import auto_against_fixed
+
     def median(scenario: str, staleness: int | str, key: str) -> float | None:
         values = [r[key] for r in rows if (r["scenario"], r["staleness"]) == (scenario, staleness) and r[key] is not None]
         return statistics.median(values) if values else None
@@ -323,14 +324,9 @@ def adaptive_comparison(rows: Sequence[dict]) -> dict:
         return out
     auto_over = median("half_leave", "auto", "drift_over_bound")
     costs = {s: median("half_leave", s, "cost_per_step") for s in fixed}
-    half = {"auto_cost_per_step": auto_cost, "auto_drift_over_bound": auto_over, "fixed_cost_per_step": costs}
-    within = [s for s in fixed if median("half_leave", s, "drift_over_bound") <= auto_over]
-    for label, pick in (("best_fixed_within_bound", within), ("best_fixed", fixed)):
-        if pick:
-            best = min(pick, key=lambda s: costs[s])
-            half[label] = best
-            half[f"saving_vs_{label}"] = round(1 - auto_cost / costs[best], 4)
-    out["half_leave"] = half
+    out["half_leave"] = {"auto_cost_per_step": auto_cost, "auto_drift_over_bound": auto_over, "fixed_cost_per_step": costs,
+                         **auto_against_fixed(auto_cost, auto_over,
+                                              {s: (costs[s], median("half_leave", s, "drift_over_bound")) for s in fixed})}
     return out
 
 

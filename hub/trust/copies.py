@@ -112,7 +112,7 @@ class CopyFlag:
 
 def same_logprobs(a: Origin, b: Origin, tolerance_nats: float) -> bool:
     """Every completion's log-prob sum within `tolerance_nats` per token of the other's."""
-    return len(a.logprob_sums) == len(b.logprob_sums) and all(
+    return len(a.packed_sums) == len(b.packed_sums) and all(
         abs(sa - sb) <= tolerance_nats * max(1, n) for (n, sa), (_, sb) in zip(a.logprob_sums, b.logprob_sums)
     )
 
