@@ -27,7 +27,7 @@ class LearnerConfig(Section):
     staleness: int = Field(4, ge=0, le=64, description="S: max versions a trajectory may lag the learner (\"auto\": adapt it, see staleness_auto)")
     staleness_auto: bool = Field(False, description="set by staleness = \"auto\": the hub picks S in [1, staleness_max] each publish period, starting at 1, on resume at the S of the last step (kappa follows S)")
     staleness_max: int = Field(8, ge=1, le=64, description="largest S that staleness = \"auto\" may choose")
-    drift_max: float = Field(0.1, gt=0.0, le=10.0, description="auto staleness: bound on the mean |log-ratio| of the tokens trained on; S falls as the drift nears it")
+    drift_max: float = Field(0.2, gt=0.0, le=10.0, description="auto staleness: bound on the mean |log-ratio| of the tokens trained on (0.2: eps_low's clip range); S falls at 0.8 x this")
     kappa: int | None = Field(None, ge=1, le=64, description="publish a snapshot every kappa steps (default max(1, S-1))")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="groups consumed per learner step")
     group_size: int = Field(8, ge=2, le=256, description="n: completions per prompt")

@@ -25,6 +25,7 @@ from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
+    LEAVE_PROTOCOL,
     MIN_LINK_BPS,
     MODEL_FILE_FRAME,
     MODEL_PROTOCOL,
@@ -44,6 +45,8 @@ from shared.messages import (
     JoinRequest,
     LeaseReply,
     LeaseRequest,
+    Leave,
+    LeaveReply,
     ModelFile,
     ModelFiles,
     ModelFilesRequest,
@@ -205,6 +208,10 @@ class HubClient:
     async def reprice(self, price_per_hour: float) -> PriceReply | Reject:
         """Re-declare this node's price (PRICE_PROTOCOL); a hub that predates it refuses the protocol."""
         return await self.ask(PRICE_PROTOCOL, PriceChange(price_per_hour=price_per_hour), PriceReply)
+
+    async def leave(self, timeout_s: float) -> LeaveReply | Reject:
+        """Tell the hub this node stops (LEAVE_PROTOCOL); a hub that predates it refuses the protocol."""
+        return await self.ask(LEAVE_PROTOCOL, Leave(), LeaveReply, timeout_s=timeout_s)
 
     async def lease(self, version_held: int) -> LeaseReply | Reject:
         return await self.ask(LEASE_PROTOCOL, LeaseRequest(version_held=version_held), LeaseReply)

@@ -39,6 +39,8 @@ from shared.signals import Stopper, trio_owns_ctrl_c
 from shared.units import BYTES_PER_MBIT
 
 log = logging.getLogger("echo2.node")
+# How long a stopping node waits for the hub to take its leave: a hub away is dropping it at its heartbeat timeout.
+LEAVE_TIMEOUT_S = 3.0
 
 # Ends the volunteer is told in one line, with the exit code: 2 for a mistake in the flags, 1 for a hub's refusal.
 ONE_LINE_ENDS: dict[type[Exception], int] = {WrongHub: 2, NodeRefused: 1, InstallFailed: 1, ModelFilesRefused: 1}
@@ -228,6 +230,19 @@ class NodeRuntime:
 
                     bound = await nursery.start(serve_node_web, self.view, self.config.http)
                     print(f"node page: {' '.join(bound)}", flush=True)
+            if self.stopper.signal_name is not None and self.link.state.connected:
+                await self._leave(client)
+
+    async def _leave(self, client) -> None:
+        """Tell the hub this node stops, so that its open leases go back to the pool now rather than after the hub's
+        heartbeat timeout, while its learner may be waiting for them."""
+        with trio.move_on_after(LEAVE_TIMEOUT_S):
+            try:
+                reply = await client.leave(LEAVE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a hub away or one that predates LEAVE_PROTOCOL: it drops us later
+                log.info("leave not taken: %s", exc)
+                return
+            log.info("left the hub: %s", reply)
 
 
 def _print_event(event: EventRecord) -> None:

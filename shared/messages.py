@@ -37,6 +37,11 @@ PRICE_PROTOCOL = protocol_id("price")
 # bench/p2p.py). A Reject ends the session; a hub without the protocol refuses it, and the node opens a stream per
 # request as before.
 SESSION_PROTOCOL = protocol_id("session")
+# Added in a minor step: a node that stops says so, and its open leases go back to the pool at once instead of
+# after heartbeat_timeout_s of silence, while the learner may be waiting for them. A hub without it refuses the
+# protocol, and the node is dropped at the timeout as before.
+LEAVE_PROTOCOL = protocol_id("leave")
+LEFT_REASON = "left: the node stopped"  # the leave event's detail
 SESSION_REQUESTS = (HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, PRICE_PROTOCOL)
 SESSION_IDLE_S = 120.0  # the hub ends a session that waited this long for its next request
 SESSIONS_PER_PEER = 4  # sessions a node may hold open at once; the hub refuses more as busy
@@ -270,6 +275,21 @@ class PriceReply(Message):
     MAX_BYTES: ClassVar[int] = 1 * KIB
     price_per_hour: float = Field(ge=0.0, le=MAX_PRICE_PER_HOUR)
     next_change_in_s: float = Field(ge=0.0, le=86400.0, description="a change sooner than this is refused")
+
+
+class Leave(Message):
+    """A joined node stops: drop it now (it joins again to come back)."""
+
+    TYPE: ClassVar[int] = 43
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+
+
+class LeaveReply(Message):
+    """The node is gone; this many of its open leases went back to the pool."""
+
+    TYPE: ClassVar[int] = 44
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    leases_released: int = Field(ge=0, le=1_000_000)
 
 
 class LeaseRequest(Message):

@@ -25,6 +25,7 @@ from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
+    LEFT_REASON,
     REPORT_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
@@ -235,6 +236,15 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
         stale_open = query(data, "SELECT COUNT(*) FROM leases WHERE state = 'open' AND issued_at < ?", (restarted_at,))
         assert stale_open == [(0,)]
         assert all(accepted_by(data, peer, since=restarted_at) > 0 for peer in peers)
+
+        # A node stopped by Ctrl-C says it leaves: the hub drops it (and takes back its leases) at once, not after
+        # the 10 s of silence it would otherwise wait; the node has exited once the hub took it.
+        stopped_at = time.time()
+        nodes[0].stop(signal.SIGINT)
+        left = query(data, "SELECT at, detail FROM events WHERE kind = 'leave' AND node_id = ? AND at > ?",
+                     (peers[0], stopped_at))
+        assert [detail for _, detail in left] == [LEFT_REASON] and left[0][0] - stopped_at < 10, left
+        mark("a node left")
 
         assert hub.stop(signal.SIGINT) == 130
         code, out, err = status_cli(capsys, "--data-dir", str(data), "--json")

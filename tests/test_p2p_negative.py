@@ -27,6 +27,8 @@ from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
+    LEAVE_PROTOCOL,
+    LEFT_REASON,
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
     SUBMIT_PROTOCOL,
@@ -37,6 +39,7 @@ from shared.messages import (
     Lease,
     LeaseReply,
     LeaseRequest,
+    LeaveReply,
     Reject,
     RejectCode,
     Submission,
@@ -369,7 +372,8 @@ async def test_oversized_frames_are_refused_from_the_header(hub_args):
             await assert_still_serving(hub, hub_args[2])
 
 
-GARBAGE_PROTOCOLS = (JOIN_PROTOCOL, HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, STATUS_PROTOCOL, SNAPSHOT_PROTOCOL)
+GARBAGE_PROTOCOLS = (JOIN_PROTOCOL, HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, STATUS_PROTOCOL, SNAPSHOT_PROTOCOL,
+                     LEAVE_PROTOCOL)
 
 
 def garbage_payloads() -> list[bytes]:
@@ -384,6 +388,31 @@ def garbage_payloads() -> list[bytes]:
         HEADER.pack(Heartbeat.TYPE, 100) + b"short",  # body shorter than the header says
         encode_frame(Submission.TYPE, os.urandom(64) + b'{"lease_id": "x"}'),
     ]
+
+
+
+@pytest.mark.trio
+async def test_leave_drops_only_the_peer_that_asks_and_gives_its_leases_back(hub_args):
+    with trio.fail_after(TEST_TIMEOUT_S * 2):
+        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 3) as (node, other, stranger):
+            for client in (node, other):
+                await joined_and_active(client)
+            lease = await node.lease()
+            # a peer the hub never heard of is told to join first, and nobody else moves
+            refused = await stranger.leave(REQUEST_TIMEOUT_S)
+            assert isinstance(refused, Reject) and refused.code == RejectCode.UNKNOWN_NODE, refused
+            assert hub.state.fleet.get(node.peer_id).state == "active"
+            reply = await node.leave(REQUEST_TIMEOUT_S)
+            assert reply == LeaveReply(leases_released=1)
+            assert hub.state.fleet.get(node.peer_id).state == "gone"
+            assert hub.state.fleet.get(other.peer_id).state == "active"
+            assert hub.state.leases.leases_of(node.peer_id) == []
+            kinds = [(e.kind, e.node_id, e.detail) for e in hub.state.store.events() if e.kind == "leave"]
+            assert kinds == [("leave", node.peer_id, LEFT_REASON)]
+            # its lease is no longer its own to answer: it joins again first
+            late = await node.submit(node.answer(lease))
+            assert isinstance(late, Reject) and late.code == RejectCode.UNKNOWN_NODE, late
+            await assert_still_serving(hub, hub_args[2])
 
 
 @pytest.mark.trio

@@ -163,3 +163,17 @@ def test_scheduler_counts_the_periods_s_minus_1_is_as_cheap():
         if move is not None:
             moves.append((step, move.staleness, move.reason))
     assert moves == [(1, 3, StalenessReason.POOL_SHORT), (11 + HOLD_PERIODS, 2, StalenessReason.CHEAPER_LOWER)]
+
+
+def test_a_raise_spans_the_versions_the_drift_allows():
+    # S=3 is cheapest by far. From S=1 at drift 0.01 (0.01 per version): 0.01 + 2 x 0.01 < 0.4, so S=3 at once;
+    # at drift 0.15: 0.15 + 0.15 < 0.4 but 0.15 + 2 x 0.15 is not, so S=2, the cheapest up to that ceiling.
+    costs = {1: StalenessCost(1.0, True), 2: StalenessCost(0.9, True), 3: StalenessCost(0.5, False)}
+    choice = choose_staleness(1, 3, 0.01, 0.5, costs)
+    assert (choice.staleness, choice.reason, choice.detail) == (3, StalenessReason.POOL_SHORT,
+                                                                 "$1/step at S=1, $0.5 at S=3")
+    assert choose_staleness(1, 3, 0.15, 0.5, costs).staleness == 2
+    # a measured drift per version overrides drift / S: 0.01 + 2 x 0.2 >= 0.4
+    assert choose_staleness(1, 3, 0.01, 0.5, costs, drift_per_version=0.2).staleness == 2
+    # a lowering stays one version at a time
+    assert choose_staleness(3, 3, 0.45, 0.5, costs).staleness == 2

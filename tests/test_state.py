@@ -20,7 +20,7 @@ from hub.service.pricing import billable_seconds
 from hub.service.state import HubState
 from hub.trust.audit import AuditJob, AuditResult
 from shared.crypto import Identity
-from shared.messages import Heartbeat, JoinRequest, RejectCode, Submission, SubmittedGroup, Tallies
+from shared.messages import LEFT_REASON, Heartbeat, JoinRequest, RejectCode, Submission, SubmittedGroup, Tallies
 from shared.model_io import build_snapshot
 from shared.rollout import Completion, SamplingParams
 from shared.wire import PeerFault
@@ -342,4 +342,30 @@ def test_the_test_bed_builds_its_hub_as_echo_hub_start_does(tmp_path, default_mo
     state = reopen(tmp_path, default_model_dir)
     assert state.rules.stop_ids == frozenset(model_stop_ids(default_model_dir))
     assert state.store.run_info()["task"] == "reverse"
+    state.store.close()
+
+
+@pytest.mark.trio
+async def test_a_node_that_leaves_is_gone_at_once_and_its_leases_go_back(tmp_path, default_model_dir, tokenizer):
+    state = reopen(tmp_path, default_model_dir)
+    a, b, stranger = (Identity.generate().peer_id for _ in range(3))
+    for peer in (a, b):
+        await state.join(peer, join_request(state), "10.0.0.1")
+    first = await state.grant_lease(a, 0)
+    await state.accept_submission(a, answer(tokenizer, first.lease, a), "h1")
+    paid = state.totals.paid_usd[a]
+    held = await state.grant_lease(a, 0)
+    assert [r.lease_id for r in state.leases.leases_of(a)] == [held.lease.lease_id]
+
+    assert await state.leave(a) == 1
+    assert state.fleet.get(a).state == "gone" and state.leases.leases_of(a) == []
+    assert state.fleet.get(b).state != "gone"  # only the peer that asked
+    assert state.totals.paid_usd[a] == paid  # its accepted work stands
+    events = state.store.db.execute("SELECT kind, node_id, detail FROM events WHERE kind = 'leave'").fetchall()
+    assert events == [("leave", a, LEFT_REASON)]
+    # gone (or never joined) is told to join first, as any members-only request
+    for peer in (a, stranger):
+        with pytest.raises(PeerFault) as refused:
+            await state.leave(peer)
+        assert refused.value.code is RejectCode.UNKNOWN_NODE
     state.store.close()

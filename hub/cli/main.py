@@ -322,7 +322,12 @@ def _start(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
+        from shared.memory import tune_malloc
         from shared.signals import CtrlCWatch, ctrl_c_handled
+
+        # First: glibc fixes its arena limit when a thread first needs an arena, and the checks, the tokenizer
+        # and torch start threads before the run does.
+        tune_malloc()
 
         with CtrlCWatch() as ctrl_c:
             try:

@@ -35,6 +35,7 @@ from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
     LEASE_PROTOCOL,
+    LEAVE_PROTOCOL,
     MIN_LINK_BPS,
     MODEL_FILE_FRAME,
     MODEL_PROTOCOL,
@@ -56,6 +57,8 @@ from shared.messages import (
     LeasePrompt,
     LeaseReply,
     LeaseRequest,
+    Leave,
+    LeaveReply,
     ModelFilesRequest,
     PriceChange,
     PriceReply,
@@ -119,10 +122,11 @@ PROTOCOL_FRAME_CAPS = {
     REPORT_PROTOCOL: BadChunkReport.MAX_BYTES,
     MODEL_PROTOCOL: ModelFilesRequest.MAX_BYTES,
     PRICE_PROTOCOL: PriceChange.MAX_BYTES,
+    LEAVE_PROTOCOL: Leave.MAX_BYTES,
 }
 # Protocols only joined nodes may use: a stranger is refused before one byte of its request is read.
 MEMBERS_ONLY = frozenset({HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL,
-                          PRICE_PROTOCOL})
+                          PRICE_PROTOCOL, LEAVE_PROTOCOL})
 # What a stream from a peer that has not joined may pin in hub memory (a join or status request fits).
 STRANGER_FRAME_CAP_BYTES = JoinRequest.MAX_BYTES
 # How long a handler may take: one exchange, except a snapshot transfer, which lasts as long as the model
@@ -204,6 +208,7 @@ class HubService:
             REPORT_PROTOCOL: self.on_report,
             MODEL_PROTOCOL: self._on_model,
             PRICE_PROTOCOL: self._on_price,
+            LEAVE_PROTOCOL: self._on_leave,
         }
         self._handlers = {protocol: self._guarded(protocol, handler) for protocol, handler in handlers.items()}
         for protocol, guarded in self._handlers.items():
@@ -415,6 +420,10 @@ class HubService:
         change = await read_message(stream, PriceChange)
         next_in_s = await self.state.reprice(remote_peer_id(stream), change.price_per_hour)
         await _reply(stream, PriceReply(price_per_hour=change.price_per_hour, next_change_in_s=next_in_s))
+
+    async def _on_leave(self, stream: INetStream) -> None:
+        await read_message(stream, Leave)
+        await _reply(stream, LeaveReply(leases_released=await self.state.leave(remote_peer_id(stream))))
 
     async def _lease_reply(self, peer: str, version_held: int) -> LeaseReply:
         grant = await self.state.grant_lease(peer, version_held)

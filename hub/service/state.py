@@ -69,7 +69,7 @@ from hub.trust.submissions import (
 )
 from shared.crypto import SIGNATURE_BYTES, public_key_from_peer_id
 from shared.logs import PeerLogLimiter
-from shared.messages import EvalPoint, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
+from shared.messages import LEFT_REASON, EvalPoint, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
 from shared.net import address_key
 from shared.precision import resolve_dtype
 from shared.rollout import Group
@@ -368,6 +368,15 @@ class HubState:
             record.declare_price(price, now)
         log.info("price %s: $%.4g/h (ranked at $%.4g/h)", peer, price, record.rank_price)
         return self.price_change_interval_s
+
+    async def leave(self, peer: str) -> int:
+        """A joined node stops (LEAVE_PROTOCOL): gone now, not after heartbeat_timeout_s of silence, and its open leases
+        back to the pool while the learner may be waiting for them. Its pay and accepted work stand; it joins again to
+        come back. Returns how many leases went back."""
+        record = self.known(peer)
+        held = len(self.leases.leases_of(peer))
+        await self.set_state(record, "gone", LEFT_REASON)
+        return held - len(self.leases.leases_of(peer))
 
     def heartbeat_period(self) -> float:
         """The period nodes are told to heartbeat at now (`hub.records.fleet.heartbeat_period`); the live nodes are

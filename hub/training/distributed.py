@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hub.training.ranks import RANK_STORE_ENV, RankEnv
+from shared.memory import release_free_memory
 
 log = logging.getLogger("echo2.hub.distributed")
 
@@ -362,3 +363,5 @@ def follow(learner) -> None:
         if command.kind == "stop":
             return
         run_command(learner, command)
+        if command.kind == "step":
+            release_free_memory()

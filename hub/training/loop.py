@@ -44,6 +44,7 @@ from hub.training.trackers import Trackers
 from shared.crypto import Identity
 from shared.delta import build_delta_snapshot
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
+from shared.memory import release_free_memory
 from shared.model_io import build_snapshot
 from shared.probe import InstallProbe
 from shared.rollout import Group, SamplingParams
@@ -299,6 +300,8 @@ class LearnerComponent:
                 self._pending_stale.clear()
                 self.step = t
                 await trio.to_thread.run_sync(self._log_step, record, taken.groups)
+                # A step frees its activations and the groups it trained on: hand the pages back, not one arena's worth.
+                await trio.to_thread.run_sync(release_free_memory)
             if self.rollouts is not None:
                 await trio.to_thread.run_sync(self.rollouts.save, taken.groups, t, staleness)
             if self.evaluation is not None and self.evaluation.due(t):

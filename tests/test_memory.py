@@ -1,0 +1,83 @@
+"""shared.memory against glibc itself: a fragmented heap keeps its freed pages until release_free_memory hands them
+back; the arena cap is accepted. In a child process, so the figures are that process's alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shared.memory import _glibc
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    from shared.memory import tune_malloc, release_free_memory
+
+    def rss_mb():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+    capped = tune_malloc()
+    # 2 KB blocks come from malloc (Python's own allocator takes 512 bytes at most); every 50th one kept pins
+    # the heap's top, so free() cannot shrink it and the freed pages stay resident.
+    size = int(sys.argv[1])  # not a literal: the compiler would fold b"x" * 2048 into one shared constant
+    blocks = [b"x" * size for _ in range(100_000)]
+    kept = blocks[::50]
+    before = rss_mb()
+    del blocks
+    freed = rss_mb()
+    released = release_free_memory()
+    after = rss_mb()
+    print(json.dumps({"capped": capped, "released": released, "before": before, "freed": freed, "after": after,
+                      "kept": len(kept)}))
+""")
+
+
+@pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc")
+def test_freed_pages_stay_resident_until_released() -> None:
+    out = subprocess.run([sys.executable, "-c", CHILD, "2048"], capture_output=True, text=True, check=True, timeout=60)
+    figures = json.loads(out.stdout)
+    assert figures["capped"] and figures["released"]
+    # ~200 MB allocated; free() alone hands back little of it, the trim nearly all
+    assert figures["freed"] > figures["before"] - 50, figures
+    assert figures["after"] < figures["freed"] - 150, figures
+
+
+THRESHOLD_CHILD = textwrap.dedent("""
+    import ctypes, json, sys
+    from shared.memory import tune_malloc
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = MallInfo2
+    if sys.argv[1] == "tuned":
+        tune_malloc()
+    # glibc's own rule: freeing a mapped block raises the threshold to its size, so the next block a little
+    # smaller comes from the arena; a threshold set by mallopt stays where it was put
+    libc.free(libc.malloc(8 << 20))
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(2 << 20)
+    mapped = libc.mallinfo2().hblkhd - before
+    libc.free(block)
+    print(json.dumps({"mapped": mapped}))
+""")
+
+
+@pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc")
+def test_a_tuned_threshold_keeps_mapping_blocks_of_a_few_mb() -> None:
+    def mapped(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", THRESHOLD_CHILD, mode], capture_output=True, text=True, check=True,
+                             timeout=60)
+        return json.loads(out.stdout)["mapped"]
+
+    assert mapped("default") == 0  # glibc raised its threshold past 2 MB: the block came from the arena
+    assert mapped("tuned") >= 2 << 20
