@@ -30,6 +30,7 @@ from shared.messages import (
     HeartbeatReply,
     JoinReply,
     JoinRequest,
+    LeaveReply,
     NodeView,
 )
 from shared.model_files import ModelFilesRefused
@@ -242,7 +243,10 @@ class NodeRuntime:
             except Exception as exc:  # noqa: BLE001 - a hub away or one that predates LEAVE_PROTOCOL: it drops us later
                 log.info("leave not taken: %s", exc)
                 return
-            log.info("left the hub: %s", reply)
+            if isinstance(reply, LeaveReply):
+                log.info("left the hub: %d leases given back", reply.leases_released)
+            else:
+                log.info("leave refused: %s", reply)
 
 
 def _print_event(event: EventRecord) -> None:

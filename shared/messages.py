@@ -38,10 +38,10 @@ PRICE_PROTOCOL = protocol_id("price")
 # request as before.
 SESSION_PROTOCOL = protocol_id("session")
 # Added in a minor step: a node that stops says so, and its open leases go back to the pool at once instead of
-# after heartbeat_timeout_s of silence, while the learner may be waiting for them. A hub without it refuses the
-# protocol, and the node is dropped at the timeout as before.
+# after heartbeat_timeout_s of silence, while the learner may be waiting for them; it is still dropped at that
+# timeout (hub/service/state.py HubState.leave). A hub without it refuses the protocol.
 LEAVE_PROTOCOL = protocol_id("leave")
-LEFT_REASON = "left: the node stopped"  # the leave event's detail
+LEFT_REASON = "left: the node stopped"  # the detail of the release a leave brings
 SESSION_REQUESTS = (HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, PRICE_PROTOCOL)
 SESSION_IDLE_S = 120.0  # the hub ends a session that waited this long for its next request
 SESSIONS_PER_PEER = 4  # sessions a node may hold open at once; the hub refuses more as busy
@@ -278,14 +278,14 @@ class PriceReply(Message):
 
 
 class Leave(Message):
-    """A joined node stops: drop it now (it joins again to come back)."""
+    """A joined node stops: take back its open leases and its place in the active pool now."""
 
     TYPE: ClassVar[int] = 43
     MAX_BYTES: ClassVar[int] = 1 * KIB
 
 
 class LeaveReply(Message):
-    """The node is gone; this many of its open leases went back to the pool."""
+    """This many of the node's open leases went back to the pool."""
 
     TYPE: ClassVar[int] = 44
     MAX_BYTES: ClassVar[int] = 1 * KIB

@@ -346,26 +346,34 @@ def test_the_test_bed_builds_its_hub_as_echo_hub_start_does(tmp_path, default_mo
 
 
 @pytest.mark.trio
-async def test_a_node_that_leaves_is_gone_at_once_and_its_leases_go_back(tmp_path, default_model_dir, tokenizer):
+async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answerable(tmp_path, default_model_dir,
+                                                                                      tokenizer):
     state = reopen(tmp_path, default_model_dir)
     a, b, stranger = (Identity.generate().peer_id for _ in range(3))
     for peer in (a, b):
         await state.join(peer, join_request(state), "10.0.0.1")
     first = await state.grant_lease(a, 0)
     await state.accept_submission(a, answer(tokenizer, first.lease, a), "h1")
+    await state.set_state(state.fleet.get(a), "active", "test")
     paid = state.totals.paid_usd[a]
     held = await state.grant_lease(a, 0)
     assert [r.lease_id for r in state.leases.leases_of(a)] == [held.lease.lease_id]
 
     assert await state.leave(a) == 1
-    assert state.fleet.get(a).state == "gone" and state.leases.leases_of(a) == []
-    assert state.fleet.get(b).state != "gone"  # only the peer that asked
+    # out of the active pool with its leases back, but still a member until its silence drops it: a relay's
+    # chunks are still judged against it, and a ban still reaches it
+    assert state.fleet.get(a).state == "standby" and state.leases.leases_of(a) == []
+    assert state.fleet.get(b).state == "probing"  # only the peer that asked
     assert state.totals.paid_usd[a] == paid  # its accepted work stands
-    events = state.store.db.execute("SELECT kind, node_id, detail FROM events WHERE kind = 'leave'").fetchall()
-    assert events == [("leave", a, LEFT_REASON)]
-    # gone (or never joined) is told to join first, as any members-only request
-    for peer in (a, stranger):
+    events = state.store.db.execute("SELECT kind, node_id, detail FROM events WHERE detail = ?", (LEFT_REASON,)).fetchall()
+    assert events == [("release", a, LEFT_REASON)]
+    assert await state.leave(a) == 0  # said twice: nothing more to give back
+    await state.ban(state.fleet.get(a), "a corrupt chunk it relayed before it left")
+    assert state.fleet.get(a).state == "banned"
+    # banned, gone or never joined: refused as any members-only request
+    await state.set_state(state.fleet.get(b), "gone", "no heartbeat")
+    for peer, code in ((a, RejectCode.BANNED), (b, RejectCode.UNKNOWN_NODE), (stranger, RejectCode.UNKNOWN_NODE)):
         with pytest.raises(PeerFault) as refused:
             await state.leave(peer)
-        assert refused.value.code is RejectCode.UNKNOWN_NODE
+        assert refused.value.code is code
     state.store.close()

@@ -370,13 +370,19 @@ class HubState:
         return self.price_change_interval_s
 
     async def leave(self, peer: str) -> int:
-        """A joined node stops (LEAVE_PROTOCOL): gone now, not after heartbeat_timeout_s of silence, and its open leases
-        back to the pool while the learner may be waiting for them. Its pay and accepted work stand; it joins again to
-        come back. Returns how many leases went back."""
+        """A joined node stops (LEAVE_PROTOCOL): its open leases go back to the pool now, and an active node leaves
+        the active pool, rather than after heartbeat_timeout_s of silence while the learner may wait for them. It
+        stays a member until that timeout drops it, as before: still in its chain, so a report of a chunk it relayed
+        is still judged against it and it can still be banned (a relay could otherwise corrupt a chunk, leave and be
+        out of the chain before its downstream's report came). Its pay and accepted work stand. Returns how many
+        leases went back."""
         record = self.known(peer)
-        held = len(self.leases.leases_of(peer))
-        await self.set_state(record, "gone", LEFT_REASON)
-        return held - len(self.leases.leases_of(peer))
+        if record.state == "active":
+            await self.set_state(record, "standby", LEFT_REASON)
+        released = self.leases.drop_node(peer)
+        for lease in released:
+            log.info("lease %s of %s back to the pool: it left", lease.lease_id[:8], peer[-8:])
+        return len(released)
 
     def heartbeat_period(self) -> float:
         """The period nodes are told to heartbeat at now (`hub.records.fleet.heartbeat_period`); the live nodes are
