@@ -38,15 +38,15 @@ switches on and off with ordinary T_train noise and each S's cost crosses COST_T
 - the costs plan the broadcast gamma times slower than measured (staleness_costs), the headroom mu_target = gamma *
   mu_min gives the throughput: the stall is convex in T_train (max(0, T_bcast - (S - kappa) * T_train)), so a
   period's mean T_train understates the stall its faster steps bring, and a plan at the mean sits on the edge;
-- hysteresis: a raise needs S + 1 cheaper by more than COST_TOLERANCE; a lowering for cost needs S - 1 no dearer
-  than S (the band between the two is COST_TOLERANCE), and so for HOLD_PERIODS publish periods on end, as a
+- hysteresis: a raise needs the S it goes to cheaper by more than COST_TOLERANCE; a lowering for cost needs S - 1 no
+  dearer than S (the band between the two is COST_TOLERANCE), and so for HOLD_PERIODS publish periods on end, as a
   node's release waits RELEASE_HOLD_PERIODS control periods (hub/control/policy.py). Each S's cost
   steps with the marginal node the pool buys, and that node moves with the measured R and T_train from period to
   period: S - 1 can be as cheap as S in one period and more than COST_TOLERANCE dearer in the next, so a lowering
   taken on one period's costs is undone by the next raise. The drift guard ignores these margins: it acts on
   quality, not money, and at once;
 - after the drift guard lowered S, no raise for HOLD_PERIODS periods: the drift it measures at the lower S is
-  smaller, and the extrapolation to S + 1 would allow straight back the S the guard has just left.
+  smaller, and the extrapolation to a larger S would allow straight back the S the guard has just left.
 
 bench/simulate.py calls `choose_staleness` with `staleness_costs` for its `auto` rows.
 """
