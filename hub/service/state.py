@@ -379,10 +379,14 @@ class HubState:
         record = self.known(peer)
         if record.state == "active":
             await self.set_state(record, "standby", LEFT_REASON)
+        return len(self._leases_back(peer))
+
+    def _leases_back(self, peer: str) -> list[LeaseRecord]:
+        """The node's open leases back to the pool (those whose submission is being checked stay with it)."""
         released = self.leases.drop_node(peer)
         for lease in released:
-            log.info("lease %s of %s back to the pool: it left", lease.lease_id[:8], peer[-8:])
-        return len(released)
+            log.info("lease %s of %s back to the pool", lease.lease_id[:8], peer[-8:])
+        return released
 
     def heartbeat_period(self) -> float:
         """The period nodes are told to heartbeat at now (`hub.records.fleet.heartbeat_period`); the live nodes are
@@ -423,8 +427,7 @@ class HubState:
                 record.banned_reason = banned_reason
             if state in ("gone", "banned"):
                 # A released (standby) node may still finish the lease it holds: it did what it was told.
-                for lease in self.leases.drop_node(record.peer_id):
-                    log.info("lease %s of %s back to the pool", lease.lease_id[:8], record.peer_id[-8:])
+                self._leases_back(record.peer_id)
         log.info("%s %s: %s", kind, record.peer_id, reason)
         if state in ("gone", "banned") or previous in ("gone", "banned"):
             self._membership_changed()
