@@ -10,7 +10,7 @@ fleet changes mid-run); flags given on the command line override it; a bad value
 Qwen3-8B setup (every value sourced or marked as an assumption) and a fleet that halves mid-run. Rows carry their
 `staleness` setting; `auto` rows choose S each publish period through the hub's own rule
 (hub.control.staleness.choose_staleness over staleness_costs), the drift being drift_per_version times the mean
-age of the rollouts trained on (no model runs here). Every row gets that drift per second-half step (drift_mean,
+age of the rollouts a step trained on, read as the hub reads its own (hub.method.drift; no model runs here). Every row gets that drift per second-half step (drift_mean,
 and drift_over_bound: the share of steps above drift_max), and `staleness_comparison` sets auto against the
 cheapest fixed S that stayed within the bound, and against the cheapest fixed S whatever its drift. A price change is paid at once and ranked as the hub ranks
 it (hub.method.prices.ranking_price, scheduler.price_band); a NATed pair on a chain waits for a hole punch
@@ -95,6 +95,7 @@ from hub.method.capacity import (  # noqa: E402
     predicted_bubble,
 )
 from hub.method.chains import link_kind, plan_chains  # noqa: E402
+from hub.method.drift import DriftMeter  # noqa: E402
 from hub.method.prices import ranking_price  # noqa: E402
 from hub.records.fleet import heartbeat_period  # noqa: E402
 from shared.units import BYTES_PER_MBIT  # noqa: E402
@@ -236,7 +237,7 @@ class Simulation:
         self.staleness_moves: list[tuple[int, int, str]] = []
         self.staleness_hold = StalenessHold()  # what choose_staleness's hysteresis counts over publish periods
         self.last_publish = 0
-        self.drift_ages: list[tuple[int, float]] = []  # (age, rollouts) consumed since the last S decision
+        self.drift = DriftMeter()  # what auto decides on, as the hub reads it from its steps
         # Common random numbers: every scenario of one seed sees the same T_train of step k and the same
         # online and offline spells of each node, so scenarios differ only in what the method decides.
         self.train_rng = random.Random(seed * 7919 + len(fleet))
@@ -375,12 +376,14 @@ class Simulation:
             step_ages.append(((t - 1) - v, take))
             if need <= 1e-9:
                 break
-        self.drift_ages.extend(step_ages)
+        weight = sum(w for _, w in step_ages)
+        if weight > 0:
+            age = sum(a * w for a, w in step_ages) / weight
+            self.drift.add(self.cfg.run.drift_per_version * age, age)
+            if t > self.steps // 2:
+                self.step_drifts.append(self.cfg.run.drift_per_version * age)
         if t > self.steps // 2:
             self.staleness.extend(step_ages)
-            weight = sum(w for _, w in step_ages)
-            if weight > 0:
-                self.step_drifts.append(self.cfg.run.drift_per_version * sum(a * w for a, w in step_ages) / weight)
         self.consumed += self.R
         idle = self.now - (self.idle_since or self.now)
         self.idle_since = None
@@ -405,19 +408,19 @@ class Simulation:
 
     def adapt_staleness(self) -> None:
         """One publish period of `--staleness auto`, through the hub's own rule (hub.control.staleness): the drift
-        is drift_per_version times the mean age of the rollouts trained on since the last decision."""
-        weight = sum(w for _, w in self.drift_ages)
-        drift = self.cfg.run.drift_per_version * sum(a * w for a, w in self.drift_ages) / weight if weight else None
-        self.drift_ages = []
+        of a step is drift_per_version times the mean age of the rollouts it trained on, read as the hub reads its own
+        (hub.method.drift.DriftMeter)."""
+        drift, drift_per_version, age = self.drift.read()
         costs = {}
         offers = [n.offer for n in self.nodes.values() if n.online and n.state in ("standby", "active")]
         if offers and self.t_train_recent:
             costs = staleness_costs(offers, self.cfg.run.staleness_max, self.R / self.usable(), self.t_train_mean(),
                                     self.t_bcast_last or 0.0, self.sched.gamma, self.cfg.learner.price_per_hour)
         choice = choose_staleness(self.S, self.cfg.run.staleness_max, drift, self.cfg.run.drift_max, costs,
-                                  hold=self.staleness_hold)
+                                  drift_per_version, self.staleness_hold, age)
         self.staleness_hold = self.staleness_hold.after(choice)
         if choice.staleness != self.S:
+            self.drift.moved()
             self.S, self.kappa = choice.staleness, self.kappa_for(choice.staleness)
             self.staleness_moves.append((self.step, self.S, choice.reason.value if choice.reason else ""))
 

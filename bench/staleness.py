@@ -26,7 +26,8 @@ per step), bubble (mean learner bubble), the S in force at the end, drift_mean a
 steps whose mean |log-ratio| passed --drift-max, the hub's default when not given). --repeats runs every setting that
 many times, round after round, since run-to-run noise on a shared machine is large; `comparison` takes each setting's
 median: steady auto's reward gap to S = 0, and half_leave auto's saving against the cheapest fixed S that passed the
-drift bound no more often than auto (as bench/simulate.py's staleness_comparison) and against the cheapest of all.
+drift bound no more often than auto (as bench/simulate.py's staleness_comparison), against the cheapest fixed S whose
+reward ended within 0.05 of steady S = 0's, and against the cheapest of all.
 
     python bench/staleness.py --adaptive --json [--steps 24] [--nodes 4] [--fixed 1 2 4 8] [--repeats 3]
 """
@@ -57,6 +58,8 @@ NO_CHECKPOINTS = 100_000
 PROGRESS_POLL_S = 0.2
 CALIBRATION_STEPS = 2
 ADAPTIVE_RUN_TIMEOUT_S = 1800.0
+# --adaptive: how far below S = 0's a run's reward_last may end and still count as keeping its quality.
+REWARD_GAP_MAX = 0.05
 
 
 @dataclass(frozen=True)
@@ -308,7 +311,8 @@ def adaptive_main(args: argparse.Namespace) -> dict:
 def adaptive_comparison(rows: Sequence[dict]) -> dict:
     """What the --adaptive rows say, each setting by its median over repeats: steady auto's reward against S = 0's
     (reward_gap: S = 0's less auto's); half_leave auto's cost per step against fixed S, by bench/simulate.py's
-    auto_against_fixed (the cheapest that passed the drift bound no more often than auto, and the cheapest of all)."""
+    auto_against_fixed (the cheapest that passed the drift bound no more often than auto, and the cheapest of all),
+    and against the cheapest whose reward ended within REWARD_GAP_MAX of steady S = 0's."""
     from bench.simulate import auto_against_fixed
 
     def median(scenario: str, staleness: int | str, key: str) -> float | None:
@@ -328,6 +332,14 @@ def adaptive_comparison(rows: Sequence[dict]) -> dict:
     out["half_leave"] = {"auto_cost_per_step": auto_cost, "auto_drift_over_bound": auto_over, "fixed_cost_per_step": costs,
                          **auto_against_fixed(auto_cost, auto_over,
                                               {s: (costs[s], median("half_leave", s, "drift_over_bound")) for s in fixed})}
+    if s0 is not None:
+        # The issue's own terms: the cheapest fixed S whose reward stayed within REWARD_GAP_MAX of S = 0's.
+        kept = {s: costs[s] for s in fixed if (r := median("half_leave", s, "reward_last")) is not None
+                and s0 - r <= REWARD_GAP_MAX}
+        if kept:
+            best = min(kept, key=kept.__getitem__)
+            out["half_leave"] |= {"best_fixed_within_reward": best,
+                                  "saving_vs_best_fixed_within_reward": round(1 - auto_cost / kept[best], 4)}
     return out
 
 

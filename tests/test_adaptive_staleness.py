@@ -11,11 +11,14 @@ from pydantic import ValidationError
 
 from hub.cli.main import START_FLAGS, build_parser
 from hub.config import HubConfig, LearnerConfig
+from hub.method.drift import MIN_DRIFT_STEPS
 from shared.config import load_config
 from shared.staleness import StalenessReason
 from testbed.harness import query, start_hub
 
-STEPS = 8
+# From S = 3 the drift's first reading comes MIN_DRIFT_STEPS steps in (S -> 2), the next MIN_DRIFT_STEPS steps later
+# (S -> 1), and one more step trains at S = 1.
+STEPS = 2 * MIN_DRIFT_STEPS + 1
 
 
 def test_staleness_auto_flag_and_config():
@@ -35,7 +38,7 @@ def test_staleness_auto_flag_and_config():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_auto_staleness_lowers_s_when_drift_nears_its_bound(tmp_path: Path):
-    # Starting at S = 3 with a drift bound no stale rollout stays under: S falls one version per publish, to 1.
+    # Starting at S = 3 with a drift bound no stale rollout stays under: S falls one version per drift reading, to 1.
     config = tmp_path / "hub.toml"
     config.write_text("[learner]\nstaleness_auto = true\nstaleness = 3\nstaleness_max = 3\ndrift_max = 0.0001\n")
     data = tmp_path / "data"

@@ -82,7 +82,7 @@ def test_reward_curve_windows():
     assert curve([(0, 0.25), (10, 0.75)], 20, 4) == {4: 0.25, 12: 0.75}
 
 
-def test_the_adaptive_comparison_takes_medians_and_leaves_out_a_fixed_s_past_the_drift_bound():
+def test_the_adaptive_comparison_takes_medians_and_leaves_out_a_fixed_s_past_the_drift_bound_or_the_reward_gap():
     compare = load_bench("staleness").adaptive_comparison
     row = lambda scenario, s, reward, cost, over: {"scenario": scenario, "staleness": s, "reward_last": reward,
                                                    "cost_per_step": cost, "drift_over_bound": over}
@@ -95,6 +95,10 @@ def test_the_adaptive_comparison_takes_medians_and_leaves_out_a_fixed_s_past_the
     assert half["fixed_cost_per_step"] == {1: 1.2, 8: 0.5}  # medians over the repeats
     assert half["best_fixed_within_bound"] == 1 and half["saving_vs_best_fixed_within_bound"] == round(1 - 1.1 / 1.2, 4)
     assert half["best_fixed"] == 8 and half["saving_vs_best_fixed"] == round(1 - 1.1 / 0.5, 4)
+    # S = 8's reward, 0.1, ended 0.2 below S = 0's 0.30: past the 0.05 allowed; S = 1's 0.2 too, so none is kept
+    assert "best_fixed_within_reward" not in half
+    kept = compare([*rows, row("half_leave", 4, 0.26, 1.5, 0.5)])["half_leave"]
+    assert kept["best_fixed_within_reward"] == 4 and kept["saving_vs_best_fixed_within_reward"] == round(1 - 1.1 / 1.5, 4)
 
 
 def test_fleet_simulator_runs_the_projects_own_scheduler(monkeypatch, capsys):

@@ -6,6 +6,7 @@ import pytest
 
 from hub.control.staleness import HOLD_PERIODS, StalenessCost, StalenessHold, choose_staleness, staleness_costs
 from hub.method.capacity import NodeOffer
+from hub.method.drift import DRIFT_WINDOW_STEPS, DriftMeter, expected_age
 from shared.staleness import StalenessReason
 
 # R = 10 rollouts/step, T_train = 1 s, T_bcast = 0.5 s, gamma 1, learner $3.6/h (0.001 $/s).
@@ -111,9 +112,9 @@ def test_drift_guard_lowers_whatever_the_cost():
     assert choose_staleness(1, 3, 0.9, 0.5, costs_of(HEALTHY)).staleness == 1  # never below 1
 
 
-@pytest.mark.parametrize(("drift", "raised"), [(0.199, True), (0.2, False), (None, False)])
+@pytest.mark.parametrize(("drift", "raised"), [(0.133, True), (0.134, False), (None, False)])
 def test_raise_blocked_by_extrapolated_drift(drift, raised):
-    # At S=1 the drift doubles at S=2 (linear in age): a raise needs 2 x drift < 0.4.
+    # At S=1 the mean age triples at S=2 (0.5 -> 1.5) and the drift with it: a raise needs 3 x drift < 0.4.
     choice = choose_staleness(1, 3, drift, 0.5, costs_of(HEALTHY))
     assert choice.staleness == (2 if raised else 1)
 
@@ -166,14 +167,49 @@ def test_scheduler_counts_the_periods_s_minus_1_is_as_cheap():
 
 
 def test_a_raise_spans_the_versions_the_drift_allows():
-    # S=3 is cheapest by far. From S=1 at drift 0.01 (0.01 per version): 0.01 + 2 x 0.01 < 0.4, so S=3 at once;
-    # at drift 0.15: 0.15 + 0.15 < 0.4 but 0.15 + 2 x 0.15 is not, so S=2, the cheapest up to that ceiling.
+    # S=3 is cheapest by far; mean ages 0.5, 1.5, 2.0 at S=1, 2, 3. From S=1 at drift 0.01, 0.01 per version of age
+    # measured: 0.01 + 1.5 x 0.01 < 0.4, so S=3 at once; 0.3 per version: 0.01 + 1.0 x 0.3 < 0.4 but 0.01 + 1.5 x 0.3
+    # is not, so S=2, the cheapest up to that ceiling.
     costs = {1: StalenessCost(1.0, True), 2: StalenessCost(0.9, True), 3: StalenessCost(0.5, False)}
-    choice = choose_staleness(1, 3, 0.01, 0.5, costs)
+    choice = choose_staleness(1, 3, 0.01, 0.5, costs, drift_per_version=0.01)
     assert (choice.staleness, choice.reason, choice.detail) == (3, StalenessReason.POOL_SHORT,
                                                                  "$1/step at S=1, $0.5 at S=3")
-    assert choose_staleness(1, 3, 0.15, 0.5, costs).staleness == 2
-    # a measured drift per version overrides drift / S: 0.01 + 2 x 0.2 >= 0.4
-    assert choose_staleness(1, 3, 0.01, 0.5, costs, drift_per_version=0.2).staleness == 2
+    assert choose_staleness(1, 3, 0.01, 0.5, costs, drift_per_version=0.3).staleness == 2
+    # from S=2 one version adds half a version of age: 0.1 + 0.5 x 0.5 < 0.4
+    assert choose_staleness(2, 3, 0.1, 0.5, costs, drift_per_version=0.5).staleness == 3
+    # unmeasured, drift / 0.5 = 0.02 would allow S=3 too, but stands in for one version of S only
+    assert choose_staleness(1, 3, 0.01, 0.5, costs).staleness == 2
+    # groups twice as old as the model's at S=2 (age 3.0): S=3 adds 1.0 of age, not 0.5: 0.1 + 1.0 x 0.5 >= 0.4
+    assert choose_staleness(2, 3, 0.1, 0.5, costs, drift_per_version=0.5, age=3.0).staleness == 2
     # a lowering stays one version at a time
     assert choose_staleness(3, 3, 0.45, 0.5, costs).staleness == 2
+
+
+def test_expected_age_by_hand():
+    # S - kappa / 2, kappa = max(1, S - 1): what the embedded default's fixed-S runs trained at (hub/method/drift.py)
+    assert [expected_age(s) for s in (1, 2, 3, 4, 8)] == [0.5, 1.5, 2.0, 2.5, 4.5]
+
+
+def test_drift_meter_by_hand():
+    """hub/method/drift.py: readings over at least MIN_DRIFT_STEPS steps, none before that many at the S in force;
+    the drift per version over the recent stale steps only."""
+    meter = DriftMeter()
+    for drift, age in [(0.0, 0.0), (0.3, 1.0), (0.1, 0.5)]:
+        meter.add(drift, age)
+    assert meter.read() == (None, pytest.approx(0.4 / 1.5), None)  # 3 steps < 4: no drift yet
+    meter.add(0.2, 1.0)
+    # a one-step period reads the last 4 steps: drift (0 + 0.3 + 0.1 + 0.2) / 4, age (0 + 1 + 0.5 + 1) / 4
+    assert meter.read() == (pytest.approx(0.15), pytest.approx(0.6 / 2.5), pytest.approx(0.625))
+    for _ in range(5):  # a period of 5 steps reads its own
+        meter.add(0.05, 1.0)
+    assert meter.read()[0::2] == (pytest.approx(0.05), pytest.approx(1.0))
+    meter.moved()
+    meter.add(0.4, 2.0)
+    assert meter.read()[0] is None  # one step at the new S
+    for _ in range(DRIFT_WINDOW_STEPS):  # the window forgets the early steps' larger drift per version
+        meter.add(0.1, 2.0)
+    assert meter.read() == (pytest.approx(0.1), pytest.approx(0.05), pytest.approx(2.0))
+    fresh = DriftMeter()
+    fresh.add(0.2, 1.0)
+    fresh.add(0.0, 0.0)
+    assert fresh.drift_per_version() is None  # one stale step < MIN_STALE_STEPS

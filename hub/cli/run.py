@@ -110,8 +110,8 @@ class Hub:
             log_completions=config.tracking.log_completions,
             probe=lambda path, whole_hash: auditor.install_probe(path, whole_hash, rows),
             card=functools.partial(run_card, asked or config, model_dir), rollouts=rollout_export(config),
-            staleness_control=(lambda version, drift, per_version: self.scheduler.adapt_staleness(version, drift, per_version))
-            if lc.staleness_auto else None,
+            # late-bound: the scheduler is built below
+            staleness_control=(lambda *reading: self.scheduler.adapt_staleness(*reading)) if lc.staleness_auto else None,
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []

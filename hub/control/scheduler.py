@@ -143,15 +143,15 @@ class Scheduler:
             "cost_per_step_usd": cost_usd / step if step > 0 else None,
         }
 
-    def adapt_staleness(self, step: int, drift: float | None, drift_per_version: float | None = None) -> StalenessMove | None:
+    def adapt_staleness(self, step: int, drift: float | None, drift_per_version: float | None = None,
+                        age: float | None = None) -> StalenessMove | None:
         """After the publish of version `step`: the S (and kappa) for the next period, put in force here, or None when S
-        stays. `drift`: the mean |log-ratio| of the tokens trained on since the last call; `drift_per_version`: the run's
-        drift per version of age (hub/control/staleness.py)."""
+        stays. `drift`, `drift_per_version`, `age`: the period's reading (hub/method/drift.py)."""
         bounds, timing = self.adaptive, self.timing
         if bounds is None or timing.staleness is None:
             raise RuntimeError("adapt_staleness needs adaptive bounds and a staleness in force")
         choice = choose_staleness(timing.staleness, bounds.staleness_max, drift, bounds.drift_max, self._staleness_costs(),
-                                  drift_per_version, self._staleness_hold)
+                                  drift_per_version, self._staleness_hold, age)
         self._staleness_hold = self._staleness_hold.after(choice)
         if choice.reason is None:
             return None

@@ -3,13 +3,14 @@
 under a guard on the off-policy drift of the tokens the learner trains on.
 
 The drift is the mean |log pi_behaviour - log pi_current| over the step's trained tokens (GRPO's log-ratio,
-hub/method/grpo.py), averaged over the steps since the previous decision. Of the three measures the learner
-could use, it is the one that:
+hub/method/grpo.py), averaged over the steps since the previous decision (at least MIN_DRIFT_STEPS of them;
+hub/method/drift.py reads it). Of the three measures the learner could use, it is the one that:
 - is measured on every step at no cost (the loss computes the log-ratio anyway) and counts what the importance
   ratio must correct, engine mismatch included;
-- grows about linearly with a rollout's age, so the drift one more version of staleness would bring can be
-  extrapolated: the run's drift per version of age (sum of drift over sum of mean age, on steps that trained on
-  stale groups; conservative, as part of the drift does not grow with age), or drift / S before any stale step;
+- grows about linearly with a rollout's age, so the drift at a larger S can be extrapolated: the recent drift per
+  version of age (hub/method/drift.py; conservative, as part of the drift does not grow with age) times the mean age
+  that S adds (the measured age scaled by expected_age), or drift / age, one version of S at most, before the drift
+  per version is measured;
 - reads on the clip's scale: PPO clips at |log-ratio| ~ 0.2 (eps 0.2 / 0.28), so a mean well below that leaves
   most tokens with a gradient.
 The default bound, drift_max = 0.2, is the clip's own range (eps_low): the mean token stays inside the trust region
@@ -25,8 +26,9 @@ The rule, one move per publish period:
 - drift >= LOWER_AT * drift_max: S - 1 (DRIFT), whatever the cost, at once; a lowering is one version at a time, so
   each is measured before the next;
 - else the cheapest S up to a ceiling, the smallest S within COST_TOLERANCE of the cheapest (fresher rollouts
-  for the same money); the ceiling is S + k for the largest k whose extrapolated drift, drift + k x the drift per
-  version, stays below LOWER_AT * drift_max (so a raise never triggers the next period's lowering). A raise may
+  for the same money); the ceiling is the largest S' whose extrapolated drift, drift + the drift per version x
+  age x (expected_age(S') / expected_age(S) - 1), stays below LOWER_AT * drift_max (so a raise never triggers the next period's lowering), and S + 1 while
+  the drift per version is not measured (drift / S can be near 0 then, and the ceiling staleness_max). A raise may
   span several versions: one version per period took 15-20 steps to climb from S = 1 to the S = 4 the embedded
   default's fleet wanted (kappa = S - 1, so a period grows with S), and those steps cost what S = 1 costs. The
   extrapolation is conservative (below), so a jump lands under the bound as a single step would;
@@ -58,6 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hub.method.capacity import InfeasibleCapacity, NodeOffer, activate, cost_per_step, default_kappa, mu_min
+from hub.method.drift import expected_age
 from shared.staleness import StalenessReason
 
 # Lower S once the drift reaches this share of its bound: the margin covers the S_old steps in which groups
@@ -136,16 +139,24 @@ def cheapest_staleness(costs: Mapping[int, StalenessCost], ceiling: int) -> int:
 
 
 def raise_ceiling(current: int, staleness_max: int, drift: float | None, drift_max: float,
-                  drift_per_version: float | None = None, periods_since_drift: int | None = None) -> int:
-    """The largest S a raise may reach: current + k for the largest k whose extrapolated drift, drift + k x the drift
-    per version (drift_per_version, else drift / S), stays below the lowering threshold; the current S when not even
-    one version does, when the drift is unmeasured, or less than HOLD_PERIODS periods after the drift guard last
-    lowered S (periods_since_drift; None: never)."""
+                  drift_per_version: float | None = None, periods_since_drift: int | None = None,
+                  age: float | None = None) -> int:
+    """The largest S a raise may reach: the largest S' whose extrapolated drift, drift + the drift per version of age x
+    the age S' adds, stays below the lowering threshold; the age S' adds is the measured mean age (`age`, else
+    expected_age(current)) x (expected_age(S') / expected_age(current) - 1). Current + 1 at most while
+    drift_per_version is unmeasured, drift / age standing in for it. The current S when not even current + 1 passes,
+    when the drift is unmeasured, or less than HOLD_PERIODS periods after the drift guard last lowered S
+    (periods_since_drift; None: never)."""
     if drift is None or (periods_since_drift is not None and periods_since_drift < HOLD_PERIODS):
         return current
-    rise = drift / current if drift_per_version is None else drift_per_version
+    model = expected_age(current)
+    scale = (age if age is not None and age > 0 else model) / model
+    if drift_per_version is None:
+        rise, staleness_max = drift / (model * scale), min(staleness_max, current + 1)
+    else:
+        rise = drift_per_version
     ceiling = current
-    while ceiling < staleness_max and drift + (ceiling + 1 - current) * rise < LOWER_AT * drift_max:
+    while ceiling < staleness_max and drift + (expected_age(ceiling + 1) - model) * scale * rise < LOWER_AT * drift_max:
         ceiling += 1
     return ceiling
 
@@ -157,7 +168,7 @@ def lower_as_cheap(current: int, costs: Mapping[int, StalenessCost]) -> bool:
 
 def choose_staleness(
     current: int, staleness_max: int, drift: float | None, drift_max: float, costs: Mapping[int, StalenessCost],
-    drift_per_version: float | None = None, hold: StalenessHold = StalenessHold(),
+    drift_per_version: float | None = None, hold: StalenessHold = StalenessHold(), age: float | None = None,
 ) -> StalenessChoice:
     """This publish period's S: one version below `current`, or up to raise_ceiling above it (see the module
     docstring for the rule).
@@ -165,13 +176,14 @@ def choose_staleness(
     `drift`: mean |log-ratio| of the trained tokens since the last decision (None: no step yet); `costs`: the
     capacity model's cost for each S in [1, staleness_max] (staleness_costs), missing when not measured yet;
     `drift_per_version`: the run's drift per version of age (None: no step trained on stale groups yet);
-    `hold`: the hysteresis's counts, `hold.after(choice)` from the previous period's (a fresh one at the start).
+    `hold`: the hysteresis's counts, `hold.after(choice)` from the previous period's (a fresh one at the start);
+    `age`: the mean age of the groups trained on over the drift's steps (None: expected_age(current) stands in).
     """
     if drift is not None and drift >= LOWER_AT * drift_max and current > 1:
         return StalenessChoice(current - 1, StalenessReason.DRIFT, f"drift {drift:.3g} >= {LOWER_AT:g} x {drift_max:g}")
     if not costs:
         return StalenessChoice(current, None, "capacity not measured yet")
-    ceiling = raise_ceiling(current, staleness_max, drift, drift_max, drift_per_version, hold.periods_since_drift)
+    ceiling = raise_ceiling(current, staleness_max, drift, drift_max, drift_per_version, hold.periods_since_drift, age)
     best = cheapest_staleness(costs, ceiling)
     here = costs[current].cost_per_step
     as_cheap = lower_as_cheap(current, costs)

@@ -32,6 +32,7 @@ import trio
 
 from hub.config import LearnerConfig
 from hub.method.capacity import default_kappa
+from hub.method.drift import DriftMeter
 from hub.method.schedule import step_lr
 from hub.records.buffer import BufferSignal, ReplayBuffer
 from hub.records.store import CheckpointRow, StepRecord
@@ -138,16 +139,16 @@ class LearnerComponent:
         probe: Callable[[Path, str], InstallProbe] | None = None,
         card: Callable[[int], Mapping[str, str]] | None = None,
         rollouts: RolloutExport | None = None,
-        staleness_control: Callable[[int, float | None, float | None], StalenessMove | None] | None = None,
+        staleness_control: Callable[[int, float | None, float | None, float | None], StalenessMove | None] | None = None,
     ) -> None:
         """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
         (hub/training/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
         the install probe signed into each snapshot's manifest (shared/probe.py). `card(step)`: the text files saved
         beside the policy of that step, in each checkpoint and in DATA_DIR/final (name -> text). `rollouts`: where each
         step's groups are saved as data (--save-rollouts). `staleness_control(version, drift, drift_per_version)`: under
-        --staleness auto, after each publish, the S and kappa of the next period (None: they stay); drift is the mean
-        |log-ratio| of the tokens trained on since the previous publish, drift_per_version the run's drift over mean age
-        on the steps that trained on stale groups (None before one)."""
+        --staleness auto, after each publish, the S and kappa of the next period (None: they stay), given the period's
+        drift, the drift per version of age and the mean age, as hub/method/drift.py reads them from the steps (each
+        None when not measured yet)."""
         self.probe = probe
         self.card = card or (lambda step: {})
         self.rollouts = rollouts  # --save-rollouts: each step's groups as a Parquet shard
@@ -168,8 +169,7 @@ class LearnerComponent:
         self.staleness = cfg.staleness
         self.staleness_control = staleness_control
         self._grace = (cfg.staleness, 0)
-        self._drift: list[float] = []
-        self._stale_drift = (0.0, 0.0)  # sums of drift and of mean age over the steps that trained on stale groups
+        self._drift = DriftMeter()  # what staleness_control decides on
         self.clock = clock
         self.extra_metrics = extra_metrics
         self.log_completions = log_completions  # sample completions logged per step (--log-completions)
@@ -308,11 +308,7 @@ class LearnerComponent:
                 await self.evaluation.start(t, self.learner.state_dict)
             if t % self.cfg.checkpoint_every == 0:
                 await trio.to_thread.run_sync(self._checkpoint, t)
-            if self.staleness_control is not None:  # read (and cleared) only by it, once per publish period
-                self._drift.append(stats.abs_log_ratio)
-            if record.staleness_mean > 0:
-                drift_sum, age_sum = self._stale_drift
-                self._stale_drift = (drift_sum + stats.abs_log_ratio, age_sum + record.staleness_mean)
+            self._drift.add(stats.abs_log_ratio, record.staleness_mean)
             # After kappa changes the next multiple of it comes within kappa steps: the lease rule (kappa <= S - 1) holds.
             if t % self.kappa == 0:
                 await self._publish(t)
@@ -418,12 +414,10 @@ class LearnerComponent:
         before the change is dropped for it; the drift guard lowers S early enough (LOWER_AT) for that delay."""
         if self.staleness_control is None:
             return
-        drift = sum(self._drift) / len(self._drift) if self._drift else None
-        self._drift.clear()
-        drift_sum, age_sum = self._stale_drift
-        move = self.staleness_control(version, drift, drift_sum / age_sum if age_sum > 0 else None)
+        move = self.staleness_control(version, *self._drift.read())
         if move is None:
             return
+        self._drift.moved()
         if move.staleness < self.staleness:
             _, until = self._grace
             self._grace = (self.window_staleness(), max(until, version + self.staleness))
