@@ -4,12 +4,16 @@ a corrupt relay banned while its successors still install a verified snapshot, a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import trio
 
 from hub.distribution.broadcast import Broadcast, HubUplink
 from node.keeper import HUB
 from shared.crypto import Identity
+from shared.messages import REPORT_PROTOCOL, BadChunkReport, Reject, RejectCode, TransferAck
+from shared.net import request
 from shared.snapshot import snapshot_paths
 from shared.transfer import STALL_S
 from testbed.harness import (
@@ -26,8 +30,8 @@ from testbed.harness import (
     stop_all,
     wait_until,
 )
-from testbed.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot
-from testbed.relay_scenarios import Hub, join, scenario_forged_manifest, scenario_framed_relay
+from testbed.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, wait_installed
+from testbed.relay_scenarios import Hub, genuine_commitment, join, scenario_forged_manifest, scenario_framed_relay
 
 KIB = 1024
 
@@ -127,6 +131,41 @@ async def test_corrupt_relay_is_banned_and_its_successors_get_a_verified_snapsho
     assert b.installed[0] == snapshot.path.read_bytes() and c.installed[0] == snapshot.path.read_bytes()
     assert hub.broadcaster.chains == [[b.peer_id, c.peer_id]]
     assert hub.fleet.get(b.peer_id).state != "banned" and hub.fleet.get(c.peer_id).state != "banned"
+
+
+@pytest.mark.trio
+async def test_a_relay_that_leaves_is_relinked_around_but_still_answers_for_what_it_sent():
+    """A relay that said it leaves (HubState.leave sets left_at) is cut out of its chain at once, so its downstream
+    pulls from the hub rather than waiting on it until its heartbeat timeout; a broadcast no longer waits for it; and
+    its downstream's report of a chunk it corrupted before it left still bans it. Nobody else may report it."""
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as peer, node_peer(peer, keeper_class=FlippingKeeper) as evil, \
+            node_peer(peer) as b, node_peer(peer) as c:
+        hub = Hub(peer, "chain")
+        peer.shelf.add(random_snapshot(hub_id, 0, 512 * KIB, 64 * KIB))
+        for node in (evil, b, c):
+            join(hub.fleet, node)
+        hub.broadcaster.chains = [[evil.peer_id, b.peer_id, c.peer_id]]
+        evil.keeper.update(0, HUB, b.peer_id)  # what its heartbeat reply tells it in that chain
+        await wait_installed([evil], 0, 10)
+        digest, commitment = await genuine_commitment(b, evil, 0, FlippingKeeper.BAD_INDEX)
+        await hub.broadcaster.publish(0)
+        hub.fleet.get(evil.peer_id).left_at = time.time()
+        hub.broadcaster.replan()
+        assert hub.broadcaster.chains == [[b.peer_id, c.peer_id]] and hub.broadcaster.links(b.peer_id).upstream is None
+        for node in (b, c):
+            hub.fleet.get(node.peer_id).version_held = 0
+        hub.broadcaster.check_done()
+        assert hub.broadcaster.pending == []  # evil, a receiver of v0 when it was published, is not waited for
+        report = BadChunkReport(upstream=evil.peer_id, kind="chunk", version=0, index=FlippingKeeper.BAD_INDEX,
+                                digest_hex=digest, commitment_hex=commitment)
+        outsider = await request(c.host, peer.peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=10)
+        framed = await request(b.host, peer.peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=10)
+        again = await request(b.host, peer.peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=10)
+    assert isinstance(outsider, Reject) and outsider.code == RejectCode.NOT_UPSTREAM
+    assert isinstance(framed, TransferAck) and framed.ok
+    assert hub.banned == [(evil.peer_id, f"committed to a corrupt chunk {FlippingKeeper.BAD_INDEX} of v0")]
+    assert isinstance(again, Reject) and again.code == RejectCode.NOT_UPSTREAM  # banned: no longer anyone's upstream
 
 
 @pytest.mark.trio

@@ -14,6 +14,7 @@ import torch
 import trio
 
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
+from hub.control.policy import fleet_view
 from hub.records.snapshots import SnapshotShelf
 from hub.records.store import StepRecord
 from hub.service.pricing import billable_seconds
@@ -368,6 +369,12 @@ async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answer
     events = state.store.db.execute("SELECT kind, node_id, detail FROM events WHERE detail = ?", (LEFT_REASON,)).fetchall()
     assert events == [("release", a, LEFT_REASON)]
     assert await state.leave(a) == 0  # said twice: nothing more to give back
+    # never activated again, nor a receiver or relay (hub/distribution/broadcast.py), unless it joins again
+    assert state.fleet.get(a).left_at is not None
+    assert a not in {o.name for o in fleet_view(state.fleet).standby}
+    await state.join(a, join_request(state), "10.0.0.1")
+    assert state.fleet.get(a).left_at is None and a in {o.name for o in fleet_view(state.fleet).standby}
+    assert await state.leave(a) == 0 and state.fleet.get(a).left_at is not None
     await state.ban(state.fleet.get(a), "a corrupt chunk it relayed before it left")
     assert state.fleet.get(a).state == "banned"
     # banned, gone or never joined: refused as any members-only request

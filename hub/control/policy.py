@@ -97,8 +97,9 @@ def offer(record: NodeRecord) -> NodeOffer:
 
 
 def fleet_view(fleet: Fleet) -> FleetView:
-    """The fleet's active nodes, standby nodes and measured probes, as plain offers."""
-    waiting = [n for n in fleet.in_state("probing", "standby") if n.state == "standby" or n.measured]
+    """The fleet's active nodes, standby nodes and measured probes, as plain offers (not a node that said it leaves)."""
+    waiting = [n for n in fleet.in_state("probing", "standby")
+               if (n.state == "standby" or n.measured) and n.left_at is None]
     return FleetView(
         tuple(offer(n) for n in fleet.in_state("active")), tuple(offer(n) for n in waiting),
         frozenset(n.peer_id for n in waiting if n.state == "probing"),

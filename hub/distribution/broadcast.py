@@ -152,6 +152,8 @@ class Broadcaster:
         self._progress: dict[str, tuple[tuple[int | None, int], float]] = {}
         # node -> the version for which it last got its upstream moved.
         self._demoted_for: dict[str, int] = {}
+        # node -> the upstream it had before that relay said it leaves (_remember_left_relays).
+        self._left_upstream: dict[str, str] = {}
         # Broadcasts not yet on every receiver, oldest first. Several at once: a learner that publishes
         # faster than the chain's tail installs must still get each version timed.
         self.pending: list[Broadcast] = []
@@ -164,7 +166,7 @@ class Broadcaster:
     # -- chain membership ---------------------------------------------------------------
 
     def receivers(self) -> list[NodeRecord]:
-        return [n for n in self.fleet.live() if n.state in ("probing", "active", "standby")]
+        return [n for n in self.fleet.live() if n.state in ("probing", "active", "standby") and n.left_at is None]
 
     def _max_chains(self, members: list[NodeRecord]) -> int:
         if self.mode == "star":
@@ -176,6 +178,7 @@ class Broadcaster:
     def replan(self) -> None:
         """Bring the chains in line with the fleet: cut out who left, append who joined."""
         members = {n.peer_id: n for n in self.receivers()}
+        self._remember_left_relays(members)
         chains = self._joined(self._without_gone(self.chains, members), members)
         self._forget_gone(members)
         chains = self._separate_failed_punches(chains, members)
@@ -199,6 +202,15 @@ class Broadcaster:
             if peer not in in_chains:
                 chains = join_chains(chains, peer, limit)
         return chains
+
+    def _remember_left_relays(self, members: dict[str, NodeRecord]) -> None:
+        """Before the chains are relinked: the downstream of each relay that said it leaves may still report a chunk
+        that relay sent, until the relay is dropped (gone or banned)."""
+        self._left_upstream = {down: up for down, up in self._left_upstream.items() if self.fleet.is_member(up)}
+        for chain in self.chains:
+            for up, down in zip(chain, chain[1:], strict=False):
+                if up not in members and down in members and self.fleet.is_member(up):
+                    self._left_upstream[down] = up
 
     def _forget_gone(self, members: dict[str, NodeRecord]) -> None:
         """Drop the progress, demotions and queued dial-backs of nodes no longer among `members`."""
@@ -316,7 +328,7 @@ class Broadcaster:
             waiting = []
             for p in b.receivers:
                 n = self.fleet.get(p)
-                if n is None or n.state in ("banned", "gone"):
+                if n is None or n.state in ("banned", "gone") or n.left_at is not None:
                     continue
                 if n.version_held < b.version:
                     waiting.append(p)
@@ -433,7 +445,8 @@ class Broadcaster:
         reporter = remote_peer_id(stream)
         report = await read_message(stream, BadChunkReport)
         accused = self.fleet.get(report.upstream)
-        if self.links(reporter).upstream != report.upstream or accused is None:
+        upstreams = (self.links(reporter).upstream, self._left_upstream.get(reporter))
+        if report.upstream not in upstreams or accused is None:
             raise PeerFault("that peer is not your upstream", RejectCode.NOT_UPSTREAM)
         verdict = self.judge(report)
         if verdict == "accused":

@@ -69,6 +69,9 @@ class NodeRecord:
     price_changed_at: float | None = None
     # Its latest prices, (at, $/h), oldest first: `echo-hub status` shows how its price moved.
     price_history: tuple[tuple[float, float], ...] = ()
+    # When it said it stops (LEAVE_PROTOCOL; None: it did not, or joined again since). A member until its heartbeat
+    # timeout, but no longer a receiver, a relay or a node to activate.
+    left_at: float | None = None
 
     def declare_price(self, price: float, at: float) -> None:
         """The price it is paid at for leases issued from `at` on, kept in its history when it differs."""
@@ -124,6 +127,7 @@ class Fleet:
         record.last_seen, record.version_held = now, request.version_held
         record.receiving_version, record.chunks_received = None, 0
         record.state = "standby" if record.measured else "probing"
+        record.left_at = None
         return record
 
     def put(self, record: NodeRecord) -> None:

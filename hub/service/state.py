@@ -370,16 +370,20 @@ class HubState:
         return self.price_change_interval_s
 
     async def leave(self, peer: str) -> int:
-        """A joined node stops (LEAVE_PROTOCOL): its open leases go back to the pool now, and an active node leaves
-        the active pool, rather than after heartbeat_timeout_s of silence while the learner may wait for them. It
-        stays a member until that timeout drops it, as before: still in its chain, so a report of a chunk it relayed
-        is still judged against it and it can still be banned (a relay could otherwise corrupt a chunk, leave and be
-        out of the chain before its downstream's report came). Its pay and accepted work stand. Returns how many
-        leases went back."""
+        """A joined node stops (LEAVE_PROTOCOL): its open leases go back to the pool now, an active node leaves the
+        active pool, and its chain is relinked around it, rather than after heartbeat_timeout_s of silence while the
+        learner waits for its leases and its downstream for chunks. It is not activated again unless it joins again.
+        It stays a member until that timeout drops it, as before, so it can still be banned: a report of a chunk it
+        relayed is still judged against it (hub/distribution/broadcast.py; a relay could otherwise corrupt a chunk and
+        leave before its downstream's report came). Its pay and accepted work stand. Returns how many leases went
+        back."""
         record = self.known(peer)
+        record.left_at = self.clock()
         if record.state == "active":
             await self.set_state(record, "standby", LEFT_REASON)
-        return len(self._leases_back(peer))
+        released = len(self._leases_back(peer))
+        self._membership_changed()
+        return released
 
     def _leases_back(self, peer: str) -> list[LeaseRecord]:
         """The node's open leases back to the pool (those whose submission is being checked stay with it)."""
