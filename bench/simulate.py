@@ -10,10 +10,11 @@ fleet changes mid-run); flags given on the command line override it; a bad value
 Qwen3-8B setup (every value sourced or marked as an assumption) and a fleet that halves mid-run. Rows carry their
 `staleness` setting; `auto` rows choose S each publish period through the hub's own rule
 (hub.control.staleness.choose_staleness over staleness_costs), the drift being drift_per_version times the mean
-age of the rollouts a step trained on, read as the hub reads its own (hub.method.drift; no model runs here). Every row gets that drift per second-half step (drift_mean,
-and drift_over_bound: the share of steps above drift_max), and `staleness_comparison` sets auto against the
-cheapest fixed S that stayed within the bound, and against the cheapest fixed S whatever its drift. A price change is paid at once and ranked as the hub ranks
-it (hub.method.prices.ranking_price, scheduler.price_band); a NATed pair on a chain waits for a hole punch
+age of the rollouts a step trained on, read as the hub reads its own (hub.method.drift; no model runs here). Every
+row gets that drift per second-half step (drift_mean, and drift_over_bound: the share of steps above drift_max),
+and `staleness_comparison` sets auto against the cheapest fixed S that stayed within the bound, and against the
+cheapest fixed S whatever its drift. A price change is paid at once and ranked as the hub ranks it
+(hub.method.prices.ranking_price, scheduler.price_band); a NATed pair on a chain waits for a hole punch
 (hub.method.chains.link_kind).
 
 Unchanged project code decides: the hub scheduler's capacity model (`hub.control.policy.capacity_view`) and its own

@@ -335,7 +335,9 @@ def adaptive_comparison(rows: Sequence[dict]) -> dict:
     if s0 is not None:
         # The issue's own terms: the cheapest fixed S whose reward stayed within REWARD_GAP_MAX of S = 0's.
         kept = {s: costs[s] for s in fixed if (r := median("half_leave", s, "reward_last")) is not None
-                and s0 - r <= REWARD_GAP_MAX}
+                and costs[s] is not None and s0 - r <= REWARD_GAP_MAX}
+        auto_reward = median("half_leave", "auto", "reward_last")
+        out["half_leave"]["auto_reward_gap"] = None if auto_reward is None else round(s0 - auto_reward, 4)
         if kept:
             best = min(kept, key=kept.__getitem__)
             out["half_leave"] |= {"best_fixed_within_reward": best,

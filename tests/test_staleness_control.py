@@ -181,6 +181,10 @@ def test_a_raise_spans_the_versions_the_drift_allows():
     assert choose_staleness(1, 3, 0.01, 0.5, costs).staleness == 2
     # groups twice as old as the model's at S=2 (age 3.0): S=3 adds 1.0 of age, not 0.5: 0.1 + 1.0 x 0.5 >= 0.4
     assert choose_staleness(2, 3, 0.1, 0.5, costs, drift_per_version=0.5, age=3.0).staleness == 2
+    # a younger age than the model's (steps just after a raise, groups of the old S) is not trusted: at 0.75 S=3
+    # would add 0.25 (0.1 + 0.25 x 0.7 < 0.4), but it adds the model's 0.5 (0.1 + 0.5 x 0.7 >= 0.4)
+    assert choose_staleness(2, 3, 0.1, 0.5, costs, drift_per_version=0.7, age=0.75).staleness == 2
+    assert choose_staleness(2, 3, 0.1, 0.5, costs, drift_per_version=0.5, age=0.75).staleness == 3
     # a lowering stays one version at a time
     assert choose_staleness(3, 3, 0.45, 0.5, costs).staleness == 2
 
@@ -188,6 +192,8 @@ def test_a_raise_spans_the_versions_the_drift_allows():
 def test_expected_age_by_hand():
     # S - kappa / 2, kappa = max(1, S - 1): what the embedded default's fixed-S runs trained at (hub/method/drift.py)
     assert [expected_age(s) for s in (1, 2, 3, 4, 8)] == [0.5, 1.5, 2.0, 2.5, 4.5]
+    with pytest.raises(ValueError):
+        expected_age(0)
 
 
 def test_drift_meter_by_hand():

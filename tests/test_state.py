@@ -360,7 +360,9 @@ async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answer
     held = await state.grant_lease(a, 0)
     assert [r.lease_id for r in state.leases.leases_of(a)] == [held.lease.lease_id]
 
-    assert await state.leave(a) == 1
+    relinked = []  # what hub/cli/run.py listens with: the broadcaster relinks the chains, the scheduler decides
+    state.on_membership.append(lambda: relinked.append(True))
+    assert await state.leave(a) == 1 and relinked
     # out of the active pool with its leases back, but still a member until its silence drops it: a relay's
     # chunks are still judged against it, and a ban still reaches it
     assert state.fleet.get(a).state == "standby" and state.leases.leases_of(a) == []
@@ -369,6 +371,8 @@ async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answer
     events = state.store.db.execute("SELECT kind, node_id, detail FROM events WHERE detail = ?", (LEFT_REASON,)).fetchall()
     assert events == [("release", a, LEFT_REASON)]
     assert await state.leave(a) == 0  # said twice: nothing more to give back
+    await state.set_state(state.fleet.get(a), "active", "the scheduler decided before the leave came")
+    assert state.fleet.get(a).state == "standby"
     # never activated again, nor a receiver or relay (hub/distribution/broadcast.py), unless it joins again
     assert state.fleet.get(a).left_at is not None
     assert a not in {o.name for o in fleet_view(state.fleet).standby}
@@ -377,6 +381,11 @@ async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answer
     assert await state.leave(a) == 0 and state.fleet.get(a).left_at is not None
     await state.ban(state.fleet.get(a), "a corrupt chunk it relayed before it left")
     assert state.fleet.get(a).state == "banned"
+    # a probing node that left is given no more probes
+    assert (await state.grant_lease(b, 0)).lease is not None
+    assert await state.leave(b) == 1
+    refused = await state.grant_lease(b, 0)
+    assert refused.lease is None and refused.reason.startswith("left")
     # banned, gone or never joined: refused as any members-only request
     await state.set_state(state.fleet.get(b), "gone", "no heartbeat")
     for peer, code in ((a, RejectCode.BANNED), (b, RejectCode.UNKNOWN_NODE), (stranger, RejectCode.UNKNOWN_NODE)):

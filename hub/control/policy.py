@@ -98,10 +98,10 @@ def offer(record: NodeRecord) -> NodeOffer:
 
 def fleet_view(fleet: Fleet) -> FleetView:
     """The fleet's active nodes, standby nodes and measured probes, as plain offers (not a node that said it leaves)."""
-    waiting = [n for n in fleet.in_state("probing", "standby")
-               if (n.state == "standby" or n.measured) and n.left_at is None]
+    staying = [n for n in fleet.in_state("active", "probing", "standby") if n.left_at is None]
+    waiting = [n for n in staying if n.state == "standby" or (n.state == "probing" and n.measured)]
     return FleetView(
-        tuple(offer(n) for n in fleet.in_state("active")), tuple(offer(n) for n in waiting),
+        tuple(offer(n) for n in staying if n.state == "active"), tuple(offer(n) for n in waiting),
         frozenset(n.peer_id for n in waiting if n.state == "probing"),
     )
 

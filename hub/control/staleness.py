@@ -3,8 +3,9 @@
 under a guard on the off-policy drift of the tokens the learner trains on.
 
 The drift is the mean |log pi_behaviour - log pi_current| over the step's trained tokens (GRPO's log-ratio,
-hub/method/grpo.py), averaged over the steps since the previous decision (at least MIN_DRIFT_STEPS of them;
-hub/method/drift.py reads it). Of the three measures the learner could use, it is the one that:
+hub/method/grpo.py), averaged over the steps since the previous decision, or the last MIN_DRIFT_STEPS steps when
+fewer, and not read until MIN_DRIFT_STEPS steps were trained at a new S (hub/method/drift.py). Of the three
+measures the learner could use, it is the one that:
 - is measured on every step at no cost (the loss computes the log-ratio anyway) and counts what the importance
   ratio must correct, engine mismatch included;
 - grows about linearly with a rollout's age, so the drift at a larger S can be extrapolated: the recent drift per
@@ -27,11 +28,12 @@ The rule, one move per publish period:
   each is measured before the next;
 - else the cheapest S up to a ceiling, the smallest S within COST_TOLERANCE of the cheapest (fresher rollouts
   for the same money); the ceiling is the largest S' whose extrapolated drift, drift + the drift per version x
-  age x (expected_age(S') / expected_age(S) - 1), stays below LOWER_AT * drift_max (so a raise never triggers the next period's lowering), and S + 1 while
-  the drift per version is not measured (drift / S can be near 0 then, and the ceiling staleness_max). A raise may
-  span several versions: one version per period took 15-20 steps to climb from S = 1 to the S = 4 the embedded
-  default's fleet wanted (kappa = S - 1, so a period grows with S), and those steps cost what S = 1 costs. The
-  extrapolation is conservative (below), so a jump lands under the bound as a single step would;
+  age x (expected_age(S') / expected_age(S) - 1), stays below LOWER_AT * drift_max (so a raise never triggers the
+  next period's lowering), and S + 1 while the drift per version is not measured (drift / age can be near 0 then,
+  and the ceiling staleness_max). A raise may span several versions: one version per period took 15-20 steps to
+  climb from S = 1 to the S = 4 the embedded default's fleet wanted (kappa = S - 1, so a period grows with S), and
+  those steps cost what S = 1 costs. The extrapolation is conservative (above), so a jump lands under the bound as
+  a single step would;
 - a raise says why: the fleet falls short of mu_min at the S in force (POOL_SHORT) or the broadcast's stall
   costs (BROADCAST); a lowering says it is as cheap (CHEAPER_LOWER).
 
@@ -64,7 +66,8 @@ from hub.method.drift import expected_age
 from shared.staleness import StalenessReason
 
 # Lower S once the drift reaches this share of its bound: the margin covers the S_old steps in which groups
-# leased under the old S are still trained on (hub/training/loop.py, the window's grace).
+# leased under the old S are still trained on (hub/training/loop.py, the window's grace), and the MIN_DRIFT_STEPS
+# steps at a new S before its drift is read (hub/method/drift.py).
 LOWER_AT = 0.8
 # A larger S must be this much cheaper per step to be chosen: stale rollouts cost quality the model cannot price.
 COST_TOLERANCE = 0.02
@@ -142,15 +145,15 @@ def raise_ceiling(current: int, staleness_max: int, drift: float | None, drift_m
                   drift_per_version: float | None = None, periods_since_drift: int | None = None,
                   age: float | None = None) -> int:
     """The largest S a raise may reach: the largest S' whose extrapolated drift, drift + the drift per version of age x
-    the age S' adds, stays below the lowering threshold; the age S' adds is the measured mean age (`age`, else
-    expected_age(current)) x (expected_age(S') / expected_age(current) - 1). Current + 1 at most while
+    the age S' adds, stays below the lowering threshold; the age S' adds is the mean age (`age`, measured, when above
+    expected_age(current); else that) x (expected_age(S') / expected_age(current) - 1). Current + 1 at most while
     drift_per_version is unmeasured, drift / age standing in for it. The current S when not even current + 1 passes,
     when the drift is unmeasured, or less than HOLD_PERIODS periods after the drift guard last lowered S
     (periods_since_drift; None: never)."""
     if drift is None or (periods_since_drift is not None and periods_since_drift < HOLD_PERIODS):
         return current
     model = expected_age(current)
-    scale = (age if age is not None and age > 0 else model) / model
+    scale = max(1.0, (age or 0.0) / model)
     if drift_per_version is None:
         rise, staleness_max = drift / (model * scale), min(staleness_max, current + 1)
     else:
@@ -173,11 +176,12 @@ def choose_staleness(
     """This publish period's S: one version below `current`, or up to raise_ceiling above it (see the module
     docstring for the rule).
 
-    `drift`: mean |log-ratio| of the trained tokens since the last decision (None: no step yet); `costs`: the
-    capacity model's cost for each S in [1, staleness_max] (staleness_costs), missing when not measured yet;
-    `drift_per_version`: the run's drift per version of age (None: no step trained on stale groups yet);
-    `hold`: the hysteresis's counts, `hold.after(choice)` from the previous period's (a fresh one at the start);
-    `age`: the mean age of the groups trained on over the drift's steps (None: expected_age(current) stands in).
+    `drift`: mean |log-ratio| of the trained tokens over the period (None: not read yet, the first MIN_DRIFT_STEPS
+    steps at the S in force); `costs`: the capacity model's cost for each S in [1, staleness_max]
+    (staleness_costs), missing when not measured yet; `drift_per_version`: the recent drift per version of age
+    (None: not measured yet); `hold`: the hysteresis's counts, `hold.after(choice)` from the previous period's (a
+    fresh one at the start); `age`: the mean age of the groups trained on over the drift's steps (None:
+    expected_age(current) stands in). hub/method/drift.py reads the three.
     """
     if drift is not None and drift >= LOWER_AT * drift_max and current > 1:
         return StalenessChoice(current - 1, StalenessReason.DRIFT, f"drift {drift:.3g} >= {LOWER_AT:g} x {drift_max:g}")

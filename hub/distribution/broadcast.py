@@ -152,8 +152,8 @@ class Broadcaster:
         self._progress: dict[str, tuple[tuple[int | None, int], float]] = {}
         # node -> the version for which it last got its upstream moved.
         self._demoted_for: dict[str, int] = {}
-        # node -> the upstream it had before that relay said it leaves (_remember_left_relays).
-        self._left_upstream: dict[str, str] = {}
+        # node -> the upstreams it had that said they leave since (_remember_left_relays).
+        self._left_upstream: dict[str, set[str]] = {}
         # Broadcasts not yet on every receiver, oldest first. Several at once: a learner that publishes
         # faster than the chain's tail installs must still get each version timed.
         self.pending: list[Broadcast] = []
@@ -205,12 +205,14 @@ class Broadcaster:
 
     def _remember_left_relays(self, members: dict[str, NodeRecord]) -> None:
         """Before the chains are relinked: the downstream of each relay that said it leaves may still report a chunk
-        that relay sent, until the relay is dropped (gone or banned)."""
-        self._left_upstream = {down: up for down, up in self._left_upstream.items() if self.fleet.is_member(up)}
+        that relay sent, until the relay is dropped (gone or banned) or joins again; a downstream dropped is forgotten."""
         for chain in self.chains:
             for up, down in zip(chain, chain[1:], strict=False):
                 if up not in members and down in members and self.fleet.is_member(up):
-                    self._left_upstream[down] = up
+                    self._left_upstream.setdefault(down, set()).add(up)
+        kept = {down: {up for up in ups if up not in members and self.fleet.is_member(up)}
+                for down, ups in self._left_upstream.items() if down in members}
+        self._left_upstream = {down: ups for down, ups in kept.items() if ups}
 
     def _forget_gone(self, members: dict[str, NodeRecord]) -> None:
         """Drop the progress, demotions and queued dial-backs of nodes no longer among `members`."""
@@ -445,7 +447,7 @@ class Broadcaster:
         reporter = remote_peer_id(stream)
         report = await read_message(stream, BadChunkReport)
         accused = self.fleet.get(report.upstream)
-        upstreams = (self.links(reporter).upstream, self._left_upstream.get(reporter))
+        upstreams = {self.links(reporter).upstream, *self._left_upstream.get(reporter, ())}
         if report.upstream not in upstreams or accused is None:
             raise PeerFault("that peer is not your upstream", RejectCode.NOT_UPSTREAM)
         verdict = self.judge(report)

@@ -70,7 +70,7 @@ class NodeRecord:
     # Its latest prices, (at, $/h), oldest first: `echo-hub status` shows how its price moved.
     price_history: tuple[tuple[float, float], ...] = ()
     # When it said it stops (LEAVE_PROTOCOL; None: it did not, or joined again since). A member until its heartbeat
-    # timeout, but no longer a receiver, a relay or a node to activate.
+    # timeout (a ban still reaches it), but no longer a receiver, a relay, a node to activate or one given work.
     left_at: float | None = None
 
     def declare_price(self, price: float, at: float) -> None:

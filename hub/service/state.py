@@ -412,9 +412,10 @@ class HubState:
         self._dirty.add(record.peer_id)
 
     async def set_state(self, record: NodeRecord, state: NodeState, reason: str) -> None:
-        """Move a node to `state` (activate, release, drop, ...); a no-op when it is there already, and for a
-        banned node (a ban is for good, whatever a caller decided before it awaited)."""
-        if record.state in (state, "banned"):
+        """Move a node to `state` (activate, release, drop, ...); a no-op when it is there already, for a banned node
+        (a ban is for good, whatever a caller decided before it awaited), and to activate a node that said it leaves
+        (the scheduler may have decided before the leave came)."""
+        if record.state in (state, "banned") or (state == "active" and record.left_at is not None):
             return
         previous = record.state
         kind = {"active": "activate", "standby": "release" if previous == "active" else "standby",
@@ -460,6 +461,8 @@ class HubState:
         window = self.window()
         if record.state not in ("probing", "active"):
             return LeaseGrant(None, f"{record.state}: no work for now", STANDBY_RETRY_S)
+        if record.left_at is not None:  # a probing node that said it leaves: its probe went back to the pool
+            return LeaseGrant(None, "left: join again for work", STANDBY_RETRY_S)
         if version_held < window.oldest or version_held < 0:
             return LeaseGrant(None, f"fetch a snapshot >= v{window.oldest} first", NO_WORK_RETRY_S)
         probe = record.state == "probing"

@@ -145,10 +145,10 @@ class LearnerComponent:
         (hub/training/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
         the install probe signed into each snapshot's manifest (shared/probe.py). `card(step)`: the text files saved
         beside the policy of that step, in each checkpoint and in DATA_DIR/final (name -> text). `rollouts`: where each
-        step's groups are saved as data (--save-rollouts). `staleness_control(version, drift, drift_per_version)`: under
-        --staleness auto, after each publish, the S and kappa of the next period (None: they stay), given the period's
-        drift, the drift per version of age and the mean age, as hub/method/drift.py reads them from the steps (each
-        None when not measured yet)."""
+        step's groups are saved as data (--save-rollouts). `staleness_control(version, drift, drift_per_version,
+        age)`: under --staleness auto, after each publish, the S and kappa of the next period (None: they stay), given
+        the period's drift, the drift per version of age and the mean age, as hub/method/drift.py reads them from the
+        steps (each None when not measured yet)."""
         self.probe = probe
         self.card = card or (lambda step: {})
         self.rollouts = rollouts  # --save-rollouts: each step's groups as a Parquet shard
