@@ -370,7 +370,9 @@ async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answer
     assert state.totals.paid_usd[a] == paid  # its accepted work stands
     events = state.store.db.execute("SELECT kind, node_id, detail FROM events WHERE detail = ?", (LEFT_REASON,)).fetchall()
     assert events == [("release", a, LEFT_REASON)]
+    relinked.clear()
     assert await state.leave(a) == 0  # said twice: nothing more to give back
+    assert not relinked  # nor a replan of the chains for each time it is said
     await state.set_state(state.fleet.get(a), "active", "the scheduler decided before the leave came")
     assert state.fleet.get(a).state == "standby"
     # never activated again, nor a receiver or relay (hub/distribution/broadcast.py), unless it joins again

@@ -376,8 +376,11 @@ class HubState:
         It stays a member until that timeout drops it, as before, so it can still be banned: a report of a chunk it
         relayed is still judged against it (hub/distribution/broadcast.py; a relay could otherwise corrupt a chunk and
         leave before its downstream's report came). Its pay and accepted work stand. Returns how many leases went
-        back."""
+        back. Said again before it rejoins, it changes nothing: a member repeating it cannot make the hub replan its
+        chains on every request."""
         record = self.known(peer)
+        if record.left_at is not None:
+            return 0  # its leases went back at the first leave, and it has been given none since
         record.left_at = self.clock()
         if record.state == "active":
             await self.set_state(record, "standby", LEFT_REASON)
