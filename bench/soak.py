@@ -8,9 +8,10 @@ nats, so EOS is all but never sampled and completions run to --max-new-tokens (3
 task scores the share of a completion's characters found in its prompt (testbed.tasks:OverlapTask), so groups
 carry advantages and the learner trains for real.
 
-The hub is SIGKILLed `--kills` times, evenly over the run's first half, and restarted on the same data dir and
-port, so that its last life spans the second half; over the whole run a node at a time is stopped (SIGINT) and
-started again on its data dir. Growth per step is the slope of a least-squares line over the samples of the run's
+The hub runs as `echo-hub start` does from a shell (its own interpreter, under the allocator it picks: shared/memory.py),
+not forked from the test server. It is SIGKILLed `--kills` times, evenly over the run's first half, and restarted on
+the same data dir and port, so that its last life spans the second half; over the whole run a node at a time is
+stopped (SIGINT) and started again on its data dir. Growth per step is the slope of a least-squares line over the samples of the run's
 second half:
 - store_bytes_per_step: the store's pages in use (dbstat) less the payloads table's. Payloads are kept for a
   window of versions and go (retain), the WAL is cut back at each checkpoint and FREE_PAGES_SLACK free pages are
@@ -282,7 +283,7 @@ def run(args: argparse.Namespace, say) -> dict:
                 "--lr", "1e-6")
     soak = Soak(work, args.minutes, args.kills, say)
     port = free_port()
-    hub = start_hub(soak.hub_dir, *hub_args, port=port)
+    hub = start_hub(soak.hub_dir, *hub_args, port=port, command_line=True)
     nodes = [SoakNode(i, work / f"node-{i}", work) for i in range(args.nodes)]
     for node in nodes:
         node.start(hub.addr, model)
@@ -320,7 +321,7 @@ def kill_and_restart(soak: Soak, hub: HubProc, hub_args: tuple[str, ...], port: 
     soak.killed += 1
     soak.life += 1
     restarted_at = time.monotonic()
-    hub = start_hub(soak.hub_dir, *hub_args, port=port)
+    hub = start_hub(soak.hub_dir, *hub_args, port=port, command_line=True)
     soak.say(f"hub SIGKILLed ({soak.killed}/{soak.kills}); serving again after {time.monotonic() - restarted_at:.1f}s")
     return hub
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,13 +96,20 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, pol
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True) -> HubProc:
-    """`echo-hub start` on 127.0.0.1 with `args` (e.g. --local-nodes 0 --steps 5); returns once it printed its address."""
+def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True, command_line: bool = False) -> HubProc:
+    """`echo-hub start` on 127.0.0.1 with `args` (e.g. --local-nodes 0 --steps 5); returns once it printed its address.
+    command_line: in an interpreter of its own, started as a user starts it (what a benchmark of the hub's memory
+    measures), not forked from the server."""
     data_dir.mkdir(parents=True, exist_ok=True)
     # Beside the data dir, not in it: `--fresh` moves the data dir away while the hub writes its output.
     log = data_dir.parent / f"{data_dir.name}-hub-{time.time_ns()}.out"
     argv = ["start", "--data-dir", str(data_dir), "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--no-progress", *args]
-    process = forked.spawn("hub.cli.main", argv, str(log), _env())
+    if command_line:
+        with log.open("wb") as out:
+            process = subprocess.Popen([sys.executable, "-m", "hub.cli.main", *argv], stdout=out,
+                                       stderr=subprocess.STDOUT, env=_env())
+    else:
+        process = forked.spawn("hub.cli.main", argv, str(log), _env())
     hub = HubProc(process, log, "", data_dir)
     if wait:
         def printed() -> str | None:

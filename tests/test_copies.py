@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+import tracemalloc
+from collections import OrderedDict
 
 import pytest
 import torch
 
-from hub.trust.copies import CopyDetector, coincidence_log_prob, group_fingerprint
+from hub.trust.copies import RECORD, CopyDetector, coincidence_log_prob, group_fingerprint
 from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.reverse import ReverseTask
 
@@ -52,7 +54,7 @@ def diverse(seed: int) -> Group:
 
 
 def detector() -> CopyDetector:
-    return CopyDetector(capacity=100, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    return CopyDetector(capacity=100, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
 
 
 def test_a_copy_with_nudged_logprobs_is_still_flagged():
@@ -104,7 +106,7 @@ def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
     # Low temperature makes the tiny model near-deterministic, as a well-trained policy is on easy prompts.
     sampling = SamplingParams(temperature=0.1, top_p=1.0, max_new_tokens=10)
     prompts = ReverseTask().sample(random.Random(4), 6)
-    detector = CopyDetector(capacity=1000, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    detector = CopyDetector(capacity=1000, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
     # Two honest nodes get the same prompts (prompts are drawn with replacement) in separate leases.
     batches = [engine.generate([p.text for p in prompts], 8, sampling) for _ in range(2)]
     fingerprints: list[set[bytes]] = []
@@ -120,7 +122,7 @@ def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
 
 
 def test_lru_is_bounded():
-    detector = CopyDetector(capacity=3, min_surprise_nats=1.0, logprob_tolerance_nats=0.05)
+    detector = CopyDetector(capacity=3, group_size=2, min_surprise_nats=1.0, logprob_tolerance_nats=0.05)
     groups = [group([completion((10 + i, 2), (-5.0, -1.0))] * 2, pid=f"p{i}") for i in range(5)]
     for i, g in enumerate(groups):
         assert detector.check(g, "n", f"L{i}") is None
@@ -148,3 +150,60 @@ def test_cross_prompt_repeats_need_matching_logprobs_and_real_randomness():
     certain = group([completion((5, 2), (-1e-3, -1e-4))] * 8)
     assert seen.check(certain, "nodeA", "L5") is None
     assert seen.check(certain.model_copy(update={"prompt_id": "p9", "prompt_text": "xyz>"}), "nodeB", "L6") is None
+
+
+def test_the_table_keeps_exactly_the_least_recently_used_through_collisions_and_evictions():
+    """Hundreds of groups through a 16-slot detector (a 32-position table: probe runs collide and wrap), repeats of
+    random earlier ones refreshing them: a repeat is flagged exactly when an LRU of 16 would still hold it."""
+    detector = CopyDetector(capacity=16, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    lru: OrderedDict[int, None] = OrderedDict()
+    rng = random.Random(3)
+    flagged, sent = 0, []
+    for i in range(600):
+        seed = rng.choice(sent[-24:]) if sent and rng.random() < 0.4 else i + 1000
+        sent.append(seed)
+        flag = detector.check(diverse(seed), "nodeA", f"L{i}")
+        assert (flag is not None) == (seed in lru), f"check {i}: group {seed}"
+        flagged += flag is not None
+        lru[seed] = None
+        lru.move_to_end(seed)
+        while len(lru) > 16:
+            lru.popitem(last=False)
+        assert len(detector) == len(lru)
+    assert flagged > 20
+
+
+def test_kept_groups_cost_no_python_memory():
+    """The records live in mappings: two thousand more groups kept add nothing to Python's heap (a dict of small
+    objects per group took ~0.6 KB each, and pinned its allocator's arenas for as long as any of them lived)."""
+    detector = CopyDetector(capacity=5000, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    groups = [diverse(seed) for seed in range(4000)]
+    tracemalloc.start()
+    try:
+        # Warm under the tracer: the interpreter's free lists (of tuples, floats) then hold traced objects (~0.1 MB
+        # once, within the first 2,000 groups).
+        for i, g in enumerate(groups[:2000]):
+            detector.check(g, "nodeA", f"W{i}")
+        before, _ = tracemalloc.get_traced_memory()
+        for i, g in enumerate(groups[2000:]):
+            assert detector.check(g, "nodeA", f"M{i}") is None
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(detector) == 4000
+    assert grown < 20_000, f"{grown} bytes of Python objects for 2,000 more groups kept"
+    assert detector.reserved_bytes <= 5000 * (RECORD.size + 8 * 12 + 16) + 4 * 16384
+
+
+def test_long_names_are_cut_in_the_record_but_compared_whole():
+    detector = CopyDetector(capacity=10, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    long_node = "12D3KooW" + "x" * 120
+    original = diverse(5).model_copy(update={"prompt_id": "p" * 150 + "é"})
+    assert detector.check(original, long_node + "A", "L1") is None
+    # Another node whose id differs only past the kept width is still another node.
+    flag = detector.check(original.model_copy(update={"prompt_id": "p2"}), long_node + "B", "L2")
+    assert flag is not None and not flag.same_node
+    assert flag.first.node_id == long_node[:64] and flag.first.prompt_id == "p" * 48
+    assert flag.describe().startswith("group for p2 (lease L2) repeats 12D3KooW")
+    # Same lease and prompt id (the long one) again: not a copy, whatever the width kept.
+    assert detector.check(original, long_node + "A", "L1") is None

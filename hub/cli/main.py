@@ -322,9 +322,11 @@ def _start(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
-        from shared.memory import tune_malloc
+        from shared.memory import tune_malloc, use_c_allocator
         from shared.signals import CtrlCWatch, ctrl_c_handled
 
+        if argv is None:  # the command line itself (a test's hub, forked with its argv, keeps the server's allocator)
+            use_c_allocator()
         # First: glibc fixes its arena limit when a thread first needs an arena, and the checks, the tokenizer
         # and torch start threads before the run does.
         tune_malloc()

@@ -200,7 +200,7 @@ class HubState:
         self.leases = LeaseBook(task, seed=lc.seed)
         self.buffer = ReplayBuffer(lc.buffer_max_groups, lc.staleness, lc.skip_zero_variance)
         self.signal = BufferSignal()
-        self.copies = CopyDetector(trust.copy_cache_groups, trust.copy_min_surprise_nats, trust.mean_abs_gap(self.snapshot_dtype))
+        self.copies = CopyDetector(trust.copy_cache_groups, lc.group_size, trust.copy_min_surprise_nats, trust.mean_abs_gap(self.snapshot_dtype))
         self.quota = LeaseQuota(trust, config.lease.prompts_per_lease)
         self.probation = Probation(trust, audits)
         self.room = BufferRoom(self.buffer)
