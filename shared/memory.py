@@ -69,7 +69,8 @@ REEXEC_MARK_ENV = "ECHO2_PYTHONMALLOC_SET"
 
 def use_c_allocator() -> None:
     """Run this command line again with Python's objects in glibc's heap (PYTHONMALLOC=malloc); returns only where it
-    already runs so, where the user chose an allocator (PYTHONMALLOC set), or where the C library is not glibc.
+    already runs so, where the user chose an allocator (PYTHONMALLOC set, or -E / -I), where the C library is not glibc,
+    or where there is no command line or interpreter to run again (embedded; said on stderr).
 
     Python's own allocator (pymalloc) serves objects up to 512 bytes from 1 MiB arenas and hands an arena back only
     once every object in it is freed. A process that lives for weeks and keeps a few objects from each burst of
@@ -84,11 +85,17 @@ def use_c_allocator() -> None:
         os.environ.pop(REEXEC_MARK_ENV)
         os.environ.pop("PYTHONMALLOC", None)
         return
-    if _glibc() is None or "PYTHONMALLOC" in os.environ or not sys.orig_argv:
+    # -E and -I ignore PYTHONMALLOC: running again would change nothing.
+    if _glibc() is None or "PYTHONMALLOC" in os.environ or sys.flags.ignore_environment or not sys.orig_argv:
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None when started with the stream closed
+            stream.flush()
     # sys.orig_argv is the command line as typed (`echo-hub start ...`, `python -m hub.cli.main start ...`): the
     # same script, flags and import path again.
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-              {**os.environ, "PYTHONMALLOC": "malloc", REEXEC_MARK_ENV: "1"})
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+                  {**os.environ, "PYTHONMALLOC": "malloc", REEXEC_MARK_ENV: "1"})
+    except OSError as exc:  # no interpreter to run again (sys.executable empty or gone): say so and go on
+        print(f"note: Python's own allocator kept ({sys.executable or 'no interpreter path'} could not be run again: "
+              f"{exc.strerror}); the hub's resting memory may grow over a long run", file=sys.stderr)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,16 @@ def test_the_c_allocator_hands_back_what_a_few_survivors_of_a_burst_pin() -> Non
     # the 4 KiB page each survivor sits on (~40 MB).
     assert chosen["kept_mb"] > 150, chosen
     assert c_heap["kept_mb"] < chosen["kept_mb"] / 3, (c_heap, chosen)
+
+
+@pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc")
+def test_a_hub_started_with_stdout_closed_or_python_E_still_starts() -> None:
+    probe = ("import sys; from shared.memory import use_c_allocator; use_c_allocator(); "
+             "print(sys.getallocatedblocks() == 0, file=sys.stderr)")
+    closed = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{probe}" >&-'], capture_output=True, text=True,
+                            timeout=60)
+    assert closed.returncode == 0 and closed.stderr.strip() == "True", closed.stderr
+    # -E ignores PYTHONMALLOC: no second start, Python's allocator kept.
+    ignoring = subprocess.run([sys.executable, "-E", "-c", probe], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parent.parent)
+    assert ignoring.returncode == 0 and ignoring.stderr.strip() == "False", ignoring.stderr

@@ -27,8 +27,10 @@ this multiset of completions. The rules:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
+import secrets
 import struct
 from collections import Counter
 from collections.abc import Sequence
@@ -132,8 +134,8 @@ def _fit(text: str, width: int) -> bytes:
 
 # A kept group, in one fixed-size record: its fingerprint; digests of (lease, prompt id), of the node id and of the
 # prompt text (what the rules compare); the node id, lease id and prompt id cut to widths that name them in an event
-# (a peer id is 52 characters); its completion count. Its packed sums follow in a slot of group_size x SUM_BYTES.
-RECORD = struct.Struct(f"<{DIGEST_BYTES}s{DIGEST_BYTES}s{DIGEST_BYTES}s{DIGEST_BYTES}s64s16s48sH")
+# (a peer id is 52 characters, a lease id 24); its completion count. Its packed sums follow in a slot of group_size x SUM_BYTES.
+RECORD = struct.Struct(f"<{DIGEST_BYTES}s{DIGEST_BYTES}s{DIGEST_BYTES}s{DIGEST_BYTES}s64s24s48sH")
 NONE = -1  # no slot: the ends of the recency list
 
 
@@ -155,8 +157,9 @@ class CopyDetector:
         self.min_surprise_nats = min_surprise_nats
         self.logprob_tolerance_nats = logprob_tolerance_nats
         self._sums_bytes = group_size * SUM_BYTES
-        self._records = mmap.mmap(-1, capacity * RECORD.size)
-        self._sums = mmap.mmap(-1, capacity * self._sums_bytes)
+        self._records = _mapping(capacity * RECORD.size)
+        self._sums = _mapping(capacity * self._sums_bytes)
+        self._salt = secrets.token_bytes(16)
         self._table_size = 1 << max(1, (2 * capacity - 1).bit_length())  # load factor <= 1/2
         # Slot + 1 at each position, 0 where empty: a fresh mapping reads as zeros.
         self._table = _ints(self._table_size)
@@ -203,9 +206,15 @@ class CopyDetector:
                     return CopyFlag(key.hex(), first, here, surprise, first_node == _key(node_id))
                 return None
         else:
+            slot = None
+        record = RECORD.pack(key, origin_key, _key(node_id), here.prompt_digest, _fit(node_id, 64), _fit(lease_id, 24),
+                             _fit(group.prompt_id, 48), len(sums))
+        if slot is None:  # the record packed first: nothing below raises once the table has changed
             slot = self._take_slot()
             self._insert(key, slot)
-        self._write(slot, key, origin_key, here)
+        self._records[slot * RECORD.size:(slot + 1) * RECORD.size] = record
+        start = slot * self._sums_bytes
+        self._sums[start:start + len(here.packed_sums)] = here.packed_sums
         return None
 
     def _origin(self, slot: int) -> Origin:
@@ -213,21 +222,15 @@ class CopyDetector:
         start = slot * self._sums_bytes
         return Origin(_text(node), _text(lease), _text(prompt), digest, self._sums[start:start + n * SUM_BYTES])
 
-    def _write(self, slot: int, key: bytes, origin_key: bytes, origin: Origin) -> None:
-        RECORD.pack_into(self._records, slot * RECORD.size, key, origin_key, _key(origin.node_id), origin.prompt_digest,
-                         _fit(origin.node_id, 64), _fit(origin.lease_id, 16), _fit(origin.prompt_id, 48),
-                         len(origin.packed_sums) // SUM_BYTES)
-        start = slot * self._sums_bytes
-        self._sums[start:start + len(origin.packed_sums)] = origin.packed_sums
-
     def _fingerprint(self, slot: int) -> bytes:
         start = slot * RECORD.size
         return self._records[start:start + DIGEST_BYTES]
 
     def _home(self, key: bytes) -> int:
-        # Python's hash of bytes is keyed per process: a node grinding token ids cannot aim its groups' fingerprints
-        # at one probe run (each accepted group would then cost the hub a scan of all the others).
-        return hash(key) & (self._table_size - 1)
+        # Keyed by a secret of this detector's: a node grinding token ids cannot aim its groups' fingerprints at one
+        # probe run (each accepted group would then cost the hub a scan of all the others).
+        digest = hashlib.blake2b(key, key=self._salt, digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (self._table_size - 1)
 
     def _find(self, key: bytes) -> int | None:
         """The table position holding `key`'s slot, None if it is not kept."""
@@ -299,9 +302,14 @@ class CopyDetector:
         self._newest = slot
 
 
+def _mapping(size: int) -> mmap.mmap:
+    """`size` bytes of zeros, private to this process (a fork would copy them, not share them)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+
+
 def _ints(count: int) -> memoryview:
     """`count` int32s in an anonymous mapping, all 0."""
-    return memoryview(mmap.mmap(-1, 4 * max(1, count))).cast("i")
+    return memoryview(_mapping(4 * max(1, count))).cast("i")
 
 
 def _text(field: bytes) -> str:
