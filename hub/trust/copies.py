@@ -134,7 +134,8 @@ def _fit(text: str, width: int) -> bytes:
 
 # A kept group, in one fixed-size record: its fingerprint; digests of (lease, prompt id), of the node id and of the
 # prompt text (what the rules compare); the node id, lease id and prompt id cut to widths that name them in an event
-# (a peer id is 52 characters, a lease id 24); its completion count. Its packed sums follow in a slot of group_size x SUM_BYTES.
+# (a peer id is 52 characters, a lease id 24); its completion count. Its packed sums follow in a slot of
+# group_size x SUM_BYTES.
 RECORD = struct.Struct(f"<{DIGEST_BYTES}s{DIGEST_BYTES}s{DIGEST_BYTES}s{DIGEST_BYTES}s64s24s48sH")
 NONE = -1  # no slot: the ends of the recency list
 
