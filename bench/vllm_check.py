@@ -76,7 +76,7 @@ def gaps(vllm_engine, hf_engine, prompts: list[str], n: int = 4) -> tuple[float,
     flat = [c for group in vllm_engine.generate(prompts, n, sampling) for c in group]
     ids = [i for i in hf_engine.tokenizer(prompts)["input_ids"] for _ in range(n)]
     with torch.inference_mode():
-        ref, mask = completion_logprobs(hf_engine.model, ids, [list(c.token_ids) for c in flat], hf_engine.pad_id,
+        ref, mask = completion_logprobs(hf_engine.model, ids, [list(c.token_ids) for c in flat],
                                         sampling.temperature, sampling.top_p)
     reported = torch.zeros_like(ref, dtype=torch.float32)
     for row, c in enumerate(flat):

@@ -72,8 +72,7 @@ class HFEngine(Engine):
 
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         with torch.inference_mode():
-            logprobs, _ = completion_logprobs(self.model, [list(p) for p in prompt_ids], [list(c) for c in completion_ids],
-                                              self.pad_id)
+            logprobs, _ = completion_logprobs(self.model, [list(p) for p in prompt_ids], [list(c) for c in completion_ids])
         return [row[: len(c)] for row, c in zip(logprobs.float().tolist(), completion_ids)]
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:

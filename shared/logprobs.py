@@ -2,16 +2,35 @@
 
 The hub learner backprops through these and the hub's audits compare them with what nodes
 report, so the filtering here is the one the engines sample with (shared/generation.py imports it).
+
+Rows are packed, not padded: each row's prompt and completion sit back to back with other rows' in one
+sequence (a bin), at position ids restarting from 0 (the positions it would see alone, as during
+generation); transformers reads the restarts as a block-diagonal causal mask (sdpa, eager) or varlen
+attention (flash, flex). A varlen kernel takes every row in one bin; a dense one computes each pair of a
+bin's tokens before masking, so its bins are only as long as the longest row. The LM head runs on the
+positions that predict a completion token only, a chunk of tokens at a time (HEAD_CHUNK_BYTES of
+float32 logits), recomputed in backward: the [tokens, vocabulary] log-softmax is never held whole (at
+a 152k vocabulary one of 16k tokens is 10 GB of float32).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
-# Tokens whose entropy is computed at once: its temporaries are this many rows of the vocabulary (about 77 MB of
-# float32 at a 151k vocabulary), never the whole [B, T, V] again, as TRL's entropy_from_logits(chunk_size=...).
-ENTROPY_CHUNK_TOKENS = 128
+# One chunk of the head's float32 logits: ~441 tokens at a 152k vocabulary. Its temporaries (logits, their
+# scaled copy, the nucleus sort's) are a few of these, whatever the micro-batch's size.
+HEAD_CHUNK_BYTES = 256 << 20
+# Config keys of architectures whose forward changes the head's output (Gemma 2/3's soft-capping, Cohere's
+# and Granite's scaling): the selective head's output is log-probs, which such a forward would corrupt.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# Attention implementations that attend within each packed row only (cu_seqlens, or flex's block mask).
+VARLEN_ATTENTION = frozenset({"flash_attention_2", "flash_attention_3", "flex_attention"})
 
 
 def nucleus_removed(scaled_logits: Tensor, top_p: float) -> Tensor:
@@ -27,94 +46,203 @@ def nucleus_removed(scaled_logits: Tensor, top_p: float) -> Tensor:
     return removed_sorted.scatter(-1, sorted_index, removed_sorted)
 
 
-def sampling_logprobs(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
-    """Log-softmax of logits / temperature restricted to the top-p nucleus (-inf outside it), in fp32."""
+def sampling_scores(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
+    """logits / temperature in fp32, -inf outside the top-p nucleus: the sampling distribution's log-probs up to
+    their log-sum-exp."""
     scaled = logits.float() / temperature
     if top_p < 1.0:
         # The nucleus membership is a discrete choice: no gradient flows through it.
         scaled = scaled.masked_fill(nucleus_removed(scaled.detach(), top_p), float("-inf"))
-    return torch.log_softmax(scaled, dim=-1)
+    return scaled
+
+
+def sampling_logprobs(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
+    """Log-softmax of logits / temperature restricted to the top-p nucleus (-inf outside it), in fp32."""
+    return torch.log_softmax(sampling_scores(logits, temperature, top_p), dim=-1)
 
 
 def completion_logprobs(
     model,
-    prompt_ids: list[list[int]],
-    completion_ids: list[list[int]],
-    pad_id: int,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
     top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Log-probs [B, T] of each completion token given its prompt, and a float mask [B, T] of real tokens.
-
-    One forward pass over [left-padded prompt | right-padded completion]; position ids count real
-    tokens only, so each row sees the positions it would see alone (as during generation).
-    Differentiable with respect to the model's parameters.
-    """
-    logprobs, targets, mask = _completion_distributions(model, prompt_ids, completion_ids, pad_id, temperature, top_p)
-    return _token_logprobs(logprobs, targets, mask), mask
+    """Log-probs [B, T] of each completion token given its prompt (T: the longest completion; 0 past a row's
+    end), and a float mask [B, T] of real tokens. One forward pass over the packed rows; differentiable with
+    respect to the model's parameters. The model's LM head is swapped for the pass: hold the model alone."""
+    logprobs, _, mask = _packed_logprobs(model, prompt_ids, completion_ids, temperature, top_p, entropy=False)
+    return logprobs, mask
 
 
 def completion_logprobs_and_entropy(
     model,
-    prompt_ids: list[list[int]],
-    completion_ids: list[list[int]],
-    pad_id: int,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
     top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """completion_logprobs' log-probs and mask, and the entropy [B, T] (nats, no gradient) of the sampling
-    distribution at each completion token, from the same forward pass (0 at padding)."""
-    logprobs, targets, mask = _completion_distributions(model, prompt_ids, completion_ids, pad_id, temperature, top_p)
-    return _token_logprobs(logprobs, targets, mask), mask, sampling_entropy(logprobs) * mask
+    distribution at each completion token, from the same forward pass (0 past a row's end)."""
+    logprobs, entropy, mask = _packed_logprobs(model, prompt_ids, completion_ids, temperature, top_p, entropy=True)
+    return logprobs, mask, entropy
 
 
-def sampling_entropy(logprobs: Tensor) -> Tensor:
-    """The entropy (nats, no gradient) of each distribution of log-probs [..., V], ENTROPY_CHUNK_TOKENS at a time.
-    Tokens outside the nucleus have log-prob -inf and probability 0: entr(0) = 0, they add nothing."""
-    with torch.no_grad():
-        rows = logprobs.detach().reshape(-1, logprobs.shape[-1])
-        parts = [torch.special.entr(chunk.exp()).sum(-1) for chunk in rows.split(ENTROPY_CHUNK_TOKENS)]
-        return torch.cat(parts).reshape(logprobs.shape[:-1])
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows packed into bins: each row's prompt and completion (its last token left out: it predicts nothing
+    asked for) at position ids from 0, rows back to back in a bin, each bin's tail a run of padding that starts
+    at 0 again. `keep` indexes the flattened [bins, width] positions whose next token is a completion token,
+    `targets` those tokens, `slots` where each lands in the flattened [rows, longest completion] output."""
+
+    input_ids: Tensor  # [bins, bin width]
+    position_ids: Tensor  # [bins, bin width]
+    keep: Tensor  # [K]
+    targets: Tensor  # [K]
+    slots: Tensor  # [K]
+    rows: int
+    width: int  # the longest completion
 
 
-def _token_logprobs(logprobs: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
-    """The log-prob of each target token, 0 at padding."""
-    token_logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    # Padding slots may sit outside the nucleus (-inf); zero them so sums and grads stay finite.
-    return token_logprobs.masked_fill(mask == 0, 0.0)
-
-
-def _completion_distributions(
-    model, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, temperature: float, top_p: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One forward pass: the sampling log-distribution [B, T, V] before each completion token, the tokens [B, T]
-    and the mask [B, T] of real ones."""
+def pack_rows(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+              bin_tokens: int | None = None) -> PackedRows:
+    """The rows in bins of max(bin_tokens, the longest row) tokens, first fit, longest first (None: one bin
+    holding every row). A row with an empty completion contributes nothing."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("empty prompt")
+    width = max((len(c) for c in completion_ids), default=0)
+    lengths = {row: len(p) + len(c) - 1 for row, (p, c) in enumerate(zip(prompt_ids, completion_ids)) if c}
+    capacity = sum(lengths.values()) if bin_tokens is None else max(bin_tokens, max(lengths.values(), default=0))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(lengths, key=lambda r: (-lengths[r], r)):
+        fits = next((b for b, free in enumerate(room) if free >= lengths[row]), None)
+        if fits is None:
+            bins.append([])
+            room.append(capacity)
+            fits = len(bins) - 1
+        bins[fits].append(row)
+        room[fits] -= lengths[row]
+    ids = torch.zeros((len(bins), capacity), dtype=torch.long)
+    positions = torch.zeros((len(bins), capacity), dtype=torch.long)
+    keep: list[int] = []
+    targets: list[int] = []
+    slots: list[int] = []
+    for b, members in enumerate(bins):
+        start = 0
+        for row in sorted(members):
+            prompt, completion = prompt_ids[row], completion_ids[row]
+            stop = start + lengths[row]
+            ids[b, start:stop] = torch.tensor([*prompt, *completion[:-1]], dtype=torch.long)
+            positions[b, start:stop] = torch.arange(lengths[row])
+            keep.extend(range(b * capacity + start + len(prompt) - 1, b * capacity + stop))
+            targets.extend(completion)
+            slots.extend(range(row * width, row * width + len(completion)))
+            start = stop
+        positions[b, start:] = torch.arange(capacity - start)
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)
+    return PackedRows(ids, positions, as_long(keep), as_long(targets), as_long(slots), len(prompt_ids), width)
+
+
+def _packed_logprobs(
+    model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], temperature: float,
+    top_p: float, entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-probs, entropy (zeros unless asked) and mask, each [B, T]."""
+    # A varlen kernel attends within each packed row only, so one bin holds them all; a dense one (sdpa, eager)
+    # computes every pair of a bin's tokens and masks most, so bins stay as long as the longest row.
+    varlen = getattr(model.config, "_attn_implementation", None) in VARLEN_ATTENTION
+    packed = pack_rows(prompt_ids, completion_ids, None if varlen else 0)
     device = next(model.parameters()).device
-    batch = len(prompt_ids)
-    prompt_width = max(len(p) for p in prompt_ids)
-    completion_width = max((len(c) for c in completion_ids), default=0)
-    ids = torch.full((batch, prompt_width + completion_width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
-        start = prompt_width - len(prompt)
-        ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
-        attention[row, start:prompt_width] = 1
-        if completion:
-            ids[row, prompt_width : prompt_width + len(completion)] = torch.tensor(completion, dtype=torch.long)
-            attention[row, prompt_width : prompt_width + len(completion)] = 1
-    ids, attention = ids.to(device), attention.to(device)
-    positions = (attention.cumsum(dim=-1) - 1).clamp(min=0)
-    # Logits at positions prompt_width-1 .. end-1 predict the completion tokens.
-    logits = model(
-        input_ids=ids,
-        attention_mask=attention,
-        position_ids=positions,
-        use_cache=False,
-        logits_to_keep=completion_width + 1,
-    ).logits[:, :-1, :]
-    logprobs = sampling_logprobs(logits, temperature, top_p)
-    return logprobs, ids[:, prompt_width:], attention[:, prompt_width:].float()
+    size = packed.rows * packed.width
+    slots = packed.slots.to(device)
+    mask = torch.zeros(size, device=device).index_fill_(0, slots, 1.0).view(packed.rows, packed.width)
+    if not len(packed.targets):
+        zeros = torch.zeros((packed.rows, packed.width), device=device)
+        return zeros, zeros.clone(), mask
+    with _selective_head(model, packed.keep.to(device), packed.targets.to(device), temperature, top_p, entropy) as head:
+        # No attention mask: transformers reads the packing off the position ids' restarts.
+        token_logprobs = model(
+            input_ids=packed.input_ids.to(device),
+            position_ids=packed.position_ids.to(device),
+            use_cache=False,
+        ).logits
+    logprobs = torch.zeros(size, device=device, dtype=token_logprobs.dtype).index_copy(0, slots, token_logprobs)
+    entropies = torch.zeros(size, device=device)
+    if entropy:
+        entropies.index_copy_(0, slots, head.entropy())
+    return logprobs.view(packed.rows, packed.width), entropies.view(packed.rows, packed.width), mask
+
+
+class _Chunk:
+    """One chunk of the head: the targets' log-probs from the hidden states. Under checkpoint it runs again in
+    backward; the entropy (no gradient) is taken on its first run only."""
+
+    def __init__(self, head: torch.nn.Module, targets: Tensor, temperature: float, top_p: float, entropy: bool):
+        self.head, self.targets, self.temperature, self.top_p = head, targets, temperature, top_p
+        self.want_entropy = entropy
+        self.entropy: Tensor | None = None
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        scores = sampling_scores(self.head(hidden), self.temperature, self.top_p)
+        log_total = torch.logsumexp(scores, dim=-1)
+        if self.want_entropy and self.entropy is None:
+            with torch.no_grad():
+                # Outside the nucleus the log-prob is -inf and the probability 0: entr(0) = 0 adds nothing.
+                self.entropy = torch.special.entr((scores.detach() - log_total.detach()[:, None]).exp()).sum(-1)
+        return scores.gather(-1, self.targets[:, None]).squeeze(-1) - log_total
+
+
+class _SelectiveHead(torch.nn.Module):
+    """Stands in for a causal LM's head for one forward: from the hidden states [bins, width, H] it returns the
+    log-probs [K] of the targets at the kept positions, a chunk of tokens at a time. Inside the model's own
+    forward, so FSDP2 gathers the head's weights as for the real one."""
+
+    def __init__(self, head: torch.nn.Module, keep: Tensor, targets: Tensor, temperature: float, top_p: float,
+                 entropy: bool, vocab: int):
+        super().__init__()
+        self.head = head
+        self.keep = keep
+        self.targets, self.temperature, self.top_p, self.want_entropy = targets, temperature, top_p, entropy
+        self.chunk_tokens = max(1, HEAD_CHUNK_BYTES // (4 * vocab))
+        self.chunks: list[_Chunk] = []
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.keep)
+        out = []
+        for start in range(0, hidden.shape[0], self.chunk_tokens):
+            stop = start + self.chunk_tokens
+            chunk = _Chunk(self.head, self.targets[start:stop], self.temperature, self.top_p, self.want_entropy)
+            self.chunks.append(chunk)
+            if torch.is_grad_enabled():
+                # Keep only the chunk's input for backward: its logits are computed again there.
+                out.append(checkpoint(chunk, hidden[start:stop], use_reentrant=False))
+            else:
+                out.append(chunk(hidden[start:stop]))
+        return torch.cat(out)
+
+    def entropy(self) -> Tensor:
+        parts = [chunk.entropy for chunk in self.chunks]
+        if any(part is None for part in parts):
+            raise RuntimeError("entropy was not asked for in this forward")
+        return torch.cat(parts)  # type: ignore[arg-type]
+
+
+@contextmanager
+def _selective_head(model, keep: Tensor, targets: Tensor, temperature: float, top_p: float, entropy: bool) -> Iterator[_SelectiveHead]:
+    for key in _LOGIT_TRANSFORMS:
+        if getattr(model.config, key, None) not in (None, 1, 1.0):
+            raise ValueError(f"{model.config.model_type} transforms its logits after the LM head ({key}); "
+                             "echo2's log-probs support models whose logits are the head's output")
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to take log-probs from")
+    vocab = int(getattr(head, "out_features", None) or model.config.vocab_size)
+    selective = _SelectiveHead(head, keep, targets, temperature, top_p, entropy, vocab)
+    model.set_output_embeddings(selective)
+    try:
+        yield selective
+    finally:
+        model.set_output_embeddings(head)

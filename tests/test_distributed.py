@@ -114,7 +114,8 @@ def gpu_rank(rank: int, world: int, store: str, model_dir: str, work: str) -> No
     collective = init_ranks(RankEnv(rank, world, rank, store_file=store), device)
     cfg = CFG.model_copy(update={"dtype": "bfloat16", "device": "cuda"})
     learner = Learner(Path(model_dir), cfg, SAMPLING, collective=collective, device=device)
-    before = learner.state_dict()
+    # Alone (world 1), state_dict() gives the live tensors, which the step changes in place: copy them.
+    before = {name: tensor.detach().to("cpu", copy=True) for name, tensor in learner.state_dict().items()}
     stats = learner.train_step(synthetic_groups(seed=1), 1)
     after = learner.state_dict()
     masters = {p.dtype for p in learner.model.parameters()}

@@ -96,7 +96,7 @@ def test_engine_logprobs_match_completion_logprobs(engine, temperature, top_p):
     prompt_ids = [ids for ids in engine.tokenizer(PROMPTS)["input_ids"] for _ in range(n)]
     with torch.no_grad():
         ref, mask = completion_logprobs(
-            engine.model, prompt_ids, [list(c.token_ids) for c in flat], engine.pad_id, temperature, top_p
+            engine.model, prompt_ids, [list(c.token_ids) for c in flat], temperature, top_p
         )
     reported = torch.zeros_like(ref)
     for row, c in enumerate(flat):
@@ -109,10 +109,10 @@ def test_engine_logprobs_match_completion_logprobs(engine, temperature, top_p):
 def test_completion_logprobs_is_differentiable_and_padding_invariant(engine):
     prompt_ids = engine.tokenizer(["abc>", "qwerty>"])["input_ids"]
     completions = [[6, 5, 4, 1], [28]]
-    batched, mask = completion_logprobs(engine.model, prompt_ids, completions, engine.pad_id, 0.7, 0.9)
+    batched, mask = completion_logprobs(engine.model, prompt_ids, completions, 0.7, 0.9)
     assert mask.tolist() == [[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
     assert torch.isfinite(batched).all()
-    alone, _ = completion_logprobs(engine.model, prompt_ids[1:], completions[1:], engine.pad_id, 0.7, 0.9)
+    alone, _ = completion_logprobs(engine.model, prompt_ids[1:], completions[1:], 0.7, 0.9)
     assert torch.allclose(batched[1, :1], alone[0], atol=1e-5)
     engine.model.zero_grad(set_to_none=True)
     (batched * mask).sum().backward()

@@ -215,15 +215,15 @@ def test_staleness_histogram():
         staleness_histogram(3, [4])
 
 
-def test_micro_batches_pack_rows_by_padded_tokens():
+def test_micro_batches_pack_rows_by_real_tokens():
     from hub.method.grpo import micro_batches
 
-    # 5 rows of 3 + 2 tokens, budget 10: two rows (2 x 5 = 10) fit, three (15) do not.
-    assert micro_batches([(3, 2)] * 5, 10) == [range(0, 2), range(2, 4), range(4, 5)]
-    # Padding counts: (3, 2) then (1, 20) pads both to 3 + 20 = 23 per row; a lone row over budget goes alone.
-    assert micro_batches([(3, 2), (1, 20), (2, 2)], 10) == [range(0, 1), range(1, 2), range(2, 3)]
-    assert micro_batches([(4, 4), (4, 4)], 16) == [range(0, 2)]
-    assert micro_batches([(4, 4), (4, 4)], 15) == [range(0, 1), range(1, 2)]
+    # 5 rows of 5 tokens, budget 10: two rows (10) fit, three (15) do not.
+    assert micro_batches([5] * 5, 10) == [range(0, 2), range(2, 4), range(4, 5)]
+    # No padding counts: 5 + 4 fit in 10 beside a long row, which goes alone.
+    assert micro_batches([5, 21, 4, 5], 10) == [range(0, 1), range(1, 2), range(2, 4)]
+    assert micro_batches([8, 8], 16) == [range(0, 2)]
+    assert micro_batches([8, 8], 15) == [range(0, 1), range(1, 2)]
     assert micro_batches([], 5) == []
     with pytest.raises(ValueError):
-        micro_batches([(1, 1)], 0)
+        micro_batches([2], 0)

@@ -269,3 +269,24 @@ def test_auto_dtype_is_fp32_on_a_cpu_learner():
     learner = Learner(ensure_default_model(progress=False), LearnerConfig(), SAMPLING)
     assert learner.snapshot_dtype == torch.float32
     assert not learner.model.training
+
+
+def test_activation_estimate_and_the_micro_batch_a_gpu_holds():
+    from hub.training.learner import activation_bytes_per_token, auto_micro_batch_tokens
+
+    # Qwen3-0.6B's shape in bf16: 28 layers x 2 B x (10 x 1024 + 4 x 3072) = 1,261,568 B a token.
+    assert activation_bytes_per_token(28, 1024, 3072, 2, checkpointing=False) == 1_261_568
+    # Checkpointed: each layer's input (28 x 2 x 1024) and one layer recomputed (45,056).
+    assert activation_bytes_per_token(28, 1024, 3072, 2, checkpointing=True) == 57_344 + 45_056
+    # 100 GiB free: half of it over 1,261,568 B is 42,555 tokens, rounded down to 41 x 1024.
+    assert auto_micro_batch_tokens(100 << 30, 1_261_568) == 41_984
+    assert auto_micro_batch_tokens(0, 1_261_568) == 1024  # never below one unit
+    assert auto_micro_batch_tokens(-5, 10) == 1024
+    assert auto_micro_batch_tokens(1 << 50, 1) == 1 << 20  # nor above the cap
+
+
+def test_a_cpu_learner_takes_the_fixed_budget_unless_told(default_model_dir):
+    from hub.training.learner import CPU_MICRO_BATCH_TOKENS, Learner
+
+    assert Learner(default_model_dir, LearnerConfig(), SAMPLING).micro_batch_tokens == CPU_MICRO_BATCH_TOKENS
+    assert Learner(default_model_dir, LearnerConfig(micro_batch_tokens=512), SAMPLING).micro_batch_tokens == 512

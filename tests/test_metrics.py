@@ -21,41 +21,39 @@ from shared.rollout import Completion, Group
 
 
 class FixedLogits(torch.nn.Module):
-    """A causal LM stand-in whose next-token logits are always `row`."""
+    """A causal LM stand-in whose next-token logits are always `row`: its head is a bias over zero weights."""
 
     def __init__(self, row: list[float]) -> None:
         super().__init__()
-        self.row = torch.nn.Parameter(torch.tensor(row))
+        self.lm_head = torch.nn.Linear(1, len(row))
+        with torch.no_grad():
+            self.lm_head.weight.zero_()
+            self.lm_head.bias.copy_(torch.tensor(row))
+        self.config = SimpleNamespace(model_type="fixed", vocab_size=len(row))
 
-    def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep):  # noqa: ANN001, ANN201
-        return SimpleNamespace(logits=self.row.expand(input_ids.shape[0], logits_to_keep, -1))
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, head: torch.nn.Module) -> None:
+        self.lm_head = head
+
+    def forward(self, input_ids, position_ids, use_cache):  # noqa: ANN001, ANN201
+        return SimpleNamespace(logits=self.lm_head(torch.zeros(*input_ids.shape, 1)))
 
 
 def test_entropy_of_the_sampling_distribution() -> None:
     prompts, completions = [[1], [2, 3]], [[0, 1, 1], [1]]
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    _, _, uniform = completion_logprobs_and_entropy(FixedLogits([0.0] * 5), prompts, completions, pad_id=0)
+    _, _, uniform = completion_logprobs_and_entropy(FixedLogits([0.0] * 5), prompts, completions)
     assert torch.allclose(uniform, math.log(5) * mask)
     # Probabilities 1/4 and 3/4: H = -(1/4 ln 1/4 + 3/4 ln 3/4).
     model = FixedLogits([0.0, math.log(3.0)])
-    logprobs, got_mask, entropy = completion_logprobs_and_entropy(model, prompts, completions, pad_id=0)
+    logprobs, got_mask, entropy = completion_logprobs_and_entropy(model, prompts, completions)
     assert torch.allclose(entropy, 0.5623351446 * mask) and torch.equal(got_mask, mask)
-    assert torch.equal(logprobs, completion_logprobs(model, prompts, completions, pad_id=0)[0])
+    assert torch.equal(logprobs, completion_logprobs(model, prompts, completions)[0])
     # top-p 0.5 keeps the likelier token only: nothing left to choose between.
-    _, _, nucleus = completion_logprobs_and_entropy(model, prompts, completions, pad_id=0, top_p=0.5)
+    _, _, nucleus = completion_logprobs_and_entropy(model, prompts, completions, top_p=0.5)
     assert torch.equal(nucleus, torch.zeros_like(mask))
-
-
-def test_entropy_in_chunks_is_the_whole_and_has_no_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    import shared.logprobs
-
-    logits = torch.randn(3, 5, 7, requires_grad=True)
-    logprobs = torch.log_softmax(logits.masked_fill(logits > 1.0, float("-inf")), dim=-1)  # some outside the nucleus
-    probs = logprobs.detach().exp()
-    whole = -(probs * logprobs.detach().nan_to_num(neginf=0.0)).sum(-1)
-    monkeypatch.setattr(shared.logprobs, "ENTROPY_CHUNK_TOKENS", 4)  # 15 tokens: chunks of 4, the last of 3
-    chunked = shared.logprobs.sampling_entropy(logprobs)
-    assert torch.allclose(chunked, whole) and not chunked.requires_grad and chunked.shape == (3, 5)
 
 
 def group(prompt: str, lengths: list[int], reasons: list[str], rewards: list[float], version: int = 3) -> Group:

@@ -63,7 +63,7 @@ def mean_gap(vllm_engine, hf_engine, sampling: SamplingParams, n: int = 4) -> fl
     prompt_ids = [ids for ids in hf_engine.tokenizer(PROMPTS)["input_ids"] for _ in range(n)]
     with torch.no_grad():
         ref, mask = completion_logprobs(
-            hf_engine.model, prompt_ids, [list(c.token_ids) for c in flat], hf_engine.pad_id,
+            hf_engine.model, prompt_ids, [list(c.token_ids) for c in flat],
             sampling.temperature, sampling.top_p,
         )
     reported = torch.zeros_like(ref)

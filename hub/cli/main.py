@@ -68,6 +68,7 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "top_p": ("sampling.top_p", float),
     "dtype": ("learner.dtype", str),
     "micro_batch_tokens": ("learner.micro_batch_tokens", int),
+    "attention": ("learner.attention", str),
     "gradient_checkpointing": ("learner.gradient_checkpointing", _bool),
     "learner_procs": ("learner.procs", int),
     "lora_rank": ("learner.lora_rank", int),

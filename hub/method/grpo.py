@@ -137,9 +137,9 @@ def grpo_loss(
     return loss, stats
 
 
-def micro_batches(rows: Sequence[tuple[int, int]], budget_tokens: int) -> list[range]:
-    """Consecutive ranges of (prompt tokens, completion tokens) rows whose padded forward, rows x
-    (longest prompt + longest completion), fits `budget_tokens`.
+def micro_batches(row_tokens: Sequence[int], budget_tokens: int) -> list[range]:
+    """Consecutive ranges of rows whose tokens (prompt and completion: rows are packed, not padded, see
+    shared/logprobs.py) add up to at most `budget_tokens`.
 
     A row over the budget alone gets a micro-batch of its own (a row cannot be split). Order is
     kept, so per-row tensors (advantages, behaviour log-probs) slice the same way.
@@ -147,15 +147,14 @@ def micro_batches(rows: Sequence[tuple[int, int]], budget_tokens: int) -> list[r
     if budget_tokens < 1:
         raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
     out: list[range] = []
-    start, prompt_width, completion_width = 0, 0, 0
-    for i, (prompt, completion) in enumerate(rows):
-        wider_prompt, wider_completion = max(prompt_width, prompt), max(completion_width, completion)
-        if i > start and (i - start + 1) * (wider_prompt + wider_completion) > budget_tokens:
+    start, total = 0, 0
+    for i, tokens in enumerate(row_tokens):
+        if i > start and total + tokens > budget_tokens:
             out.append(range(start, i))
-            start, wider_prompt, wider_completion = i, prompt, completion
-        prompt_width, completion_width = wider_prompt, wider_completion
-    if start < len(rows):
-        out.append(range(start, len(rows)))
+            start, total = i, 0
+        total += tokens
+    if start < len(row_tokens):
+        out.append(range(start, len(row_tokens)))
     return out
 
 

@@ -8,6 +8,7 @@ state and the run its final policy; hub/training/loop.py drives it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ from shared.precision import engine_dtype, resolve_device
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import model_config_hash
 
+log = logging.getLogger("echo2.hub.learner")
 
 @dataclass(frozen=True)
 class StepStats:
@@ -70,6 +72,34 @@ def completion_lengths(groups: Sequence[Group]) -> CompletionLengths:
     lengths = [len(c.token_ids) for c in completions]
     clipped = sum(c.finish_reason == "length" for c in completions)
     return CompletionLengths(sum(lengths) / len(lengths), max(lengths), clipped / len(completions))
+
+
+# A CPU learner shares the machine's memory with the hub and its local nodes: a fixed budget, not the free RAM.
+CPU_MICRO_BATCH_TOKENS = 16384
+# Share of the GPU's free memory (after weights, gradients and optimizer state) that a micro-batch's activations
+# may take: the estimate below leaves out the allocator's fragmentation and the attention kernels' workspace.
+GPU_ACTIVATION_SHARE = 0.5
+MICRO_BATCH_ROUNDING_TOKENS = 1024
+MAX_AUTO_MICRO_BATCH_TOKENS = 1 << 20
+
+
+def activation_bytes_per_token(layers: int, hidden: int, intermediate: int, bytes_per_value: int,
+                               checkpointing: bool) -> int:
+    """Activation bytes one token keeps for backward, estimated for a Llama-shaped decoder: per layer the
+    attention's inputs and outputs (~10 x hidden values) and the gated MLP's (~4 x intermediate); with
+    checkpointing, each layer's input only plus one layer recomputed at a time."""
+    per_layer = bytes_per_value * (10 * hidden + 4 * intermediate)
+    if checkpointing:
+        return layers * bytes_per_value * hidden + per_layer
+    return layers * per_layer
+
+
+def auto_micro_batch_tokens(free_bytes: int, per_token_bytes: int) -> int:
+    """The micro-batch a GPU with `free_bytes` left for activations holds: GPU_ACTIVATION_SHARE of it, in whole
+    MICRO_BATCH_ROUNDING_TOKENS, at least one such unit and at most MAX_AUTO_MICRO_BATCH_TOKENS."""
+    tokens = int(GPU_ACTIVATION_SHARE * max(0, free_bytes) / max(1, per_token_bytes))
+    tokens = tokens // MICRO_BATCH_ROUNDING_TOKENS * MICRO_BATCH_ROUNDING_TOKENS
+    return min(MAX_AUTO_MICRO_BATCH_TOKENS, max(MICRO_BATCH_ROUNDING_TOKENS, tokens))
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
@@ -189,7 +219,8 @@ class Learner:
                       else Path(base_model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
         # fp32 master weights whatever the snapshot dtype; bf16 runs forward and backward under autocast.
-        self.model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32,
+                                                          attn_implementation=cfg.attention).to(self.device)
         self.lora: LoraSpec | None = None
         if cfg.lora_rank:
             self.lora = add_adapters(self.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
@@ -231,9 +262,26 @@ class Learner:
         self.reference = None
         if cfg.beta > 0:
             # The KL anchor is the initial policy, also after a resume.
-            reference = AutoModelForCausalLM.from_pretrained(Path(base_model_dir), dtype=torch.float32)
+            reference = AutoModelForCausalLM.from_pretrained(Path(base_model_dir), dtype=torch.float32,
+                                                             attn_implementation=cfg.attention)
             self.reference = reference.to(self.device).eval().requires_grad_(False)
         self.config_hash = model_config_hash(self.model.config.to_dict())
+        self.micro_batch_tokens = cfg.micro_batch_tokens or self._auto_micro_batch_tokens(trainable)
+        log.info("learner micro-batches of at most %d tokens%s", self.micro_batch_tokens,
+                 "" if cfg.micro_batch_tokens else f" (sized for {self.device})")
+
+    def _auto_micro_batch_tokens(self, trainable: Sequence[torch.nn.Parameter]) -> int:
+        """CPU_MICRO_BATCH_TOKENS on a CPU; on a GPU, what its free memory holds once the gradients and AdamW's
+        two moments (fp32, allocated at the first step) are taken out."""
+        if self.device.type != "cuda":
+            return CPU_MICRO_BATCH_TOKENS
+        free, _ = torch.cuda.mem_get_info(self.device)
+        pending = 3 * 4 * sum(p.numel() for p in trainable) // self.collective.world
+        config = self.model.config
+        per_token = activation_bytes_per_token(
+            config.num_hidden_layers, config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size),
+            2 if self.snapshot_dtype == torch.bfloat16 else 4, self.cfg.gradient_checkpointing)
+        return auto_micro_batch_tokens(free - pending, per_token)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What a snapshot carries: the live weights (a LoRA run's adapters only), not a copy (a snapshot
@@ -341,11 +389,11 @@ class Learner:
         token count and the summed gradient divided by the step's count before clipping: exact, not an
         approximation."""
         c = self.collective
-        sizes = [(len(p), len(q)) for p, q in zip(rows.prompt_ids, rows.completion_ids)]
+        sizes = [len(p) + len(q) for p, q in zip(rows.prompt_ids, rows.completion_ids)]
         # Zeroed in place, not freed: re-allocating model-sized gradients every step fragments the heap.
         self.optimizer.zero_grad(set_to_none=False)
         tally = _Tally()
-        parts = micro_batches(sizes, self.cfg.micro_batch_tokens) if sizes else []
+        parts = micro_batches(sizes, self.micro_batch_tokens) if sizes else []
         # Sharded, every rank runs as many forward and backward passes as the busiest (FSDP gathers weights in
         # each), and gradients are reduced across ranks in the last one only.
         count = int(c.max(len(parts)))
@@ -363,7 +411,7 @@ class Learner:
         started = time.perf_counter()
         with self._autocast():
             logprobs, mask, entropy = completion_logprobs_and_entropy(
-                self.model, rows.prompt_ids[part], rows.completion_ids[part], self.tokenizer.pad_token_id,
+                self.model, rows.prompt_ids[part], rows.completion_ids[part],
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p,
             )
             ref_logprobs = None
@@ -374,12 +422,15 @@ class Learner:
             behaviour = _pad(rows.behaviour[part], logprobs.shape[1]).to(self.device)
         else:
             behaviour = logprobs.detach()
+        n_valid = int(mask.sum())
+        if n_valid == 0:  # only empty completions: nothing to learn, but a sharded rank still takes part
+            self._idle_pass(self.tokenizer.pad_token_id)
+            return
         loss, stats = grpo_loss(
             logprobs, behaviour, rows.advantages[part], mask,
             eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high, max_is_ratio=self.cfg.max_is_ratio,
             ref_logprobs=ref_logprobs, beta=self.cfg.beta,
         )
-        n_valid = int(mask.sum())
         n_keep = n_valid - int(stats["masked_by_is"])
         backward_started = time.perf_counter()
         (loss * n_keep).backward()
@@ -391,7 +442,7 @@ class Learner:
         """`model`'s log-probs of the micro-batch's completion tokens under the sampling's temperature and
         top-p, and their mask."""
         return completion_logprobs(
-            model, rows.prompt_ids[part], rows.completion_ids[part], self.tokenizer.pad_token_id,
+            model, rows.prompt_ids[part], rows.completion_ids[part],
             temperature=self.sampling.temperature, top_p=self.sampling.top_p,
         )
 

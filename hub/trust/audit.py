@@ -183,7 +183,7 @@ class Auditor:
         prompts, completions = rows
         with self._lock, torch.inference_mode():
             self._load_file(path, whole_hash)  # an audit of this version soon after needs no second load
-            logprobs, _ = completion_logprobs(self.model, list(prompts), list(completions), self.pad_id)
+            logprobs, _ = completion_logprobs(self.model, list(prompts), list(completions))
         return InstallProbe(
             prompt_ids=prompts, completion_ids=completions, max_mean_abs_gap=self.mean_abs_gap,
             logprobs=tuple(tuple(float(x) for x in row[: len(c)]) for row, c in zip(logprobs.tolist(), completions)),
@@ -198,7 +198,7 @@ class Auditor:
         with self._lock, torch.inference_mode():
             self._load(version)
             recomputed, mask = completion_logprobs(
-                self.model, [prompt] * len(completions), completions, self.pad_id,
+                self.model, [prompt] * len(completions), completions,
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p,
             )
         reported = torch.zeros_like(recomputed)
