@@ -6,6 +6,9 @@ real hub processes and prints the figures.
 
 Usage: python bench/faults.py [--json] [--quick] [--only bad_signature,replay,...,framed_relay,crash,churn] [--kills N]
 
+A scenario that fails is a row of its own with its `error` (crash and churn: an `error` in place of their
+figures); the others still run, and the JSON always prints.
+
 Relay scenarios (framed_relay, forged_manifest, stalling_relay, serving_strangers) run in process
 against the real Broadcaster and keepers (testbed/relay_scenarios.py).
 
@@ -17,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -29,12 +35,15 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import trio
 
+from node.hub_link import describe_failure
 from testbed.fault_scenarios import (
     AUDIT_CHEATS,
     PROTOCOL_CHEATS,
+    ScenarioResult,
     run_cheat,
     run_churn,
     run_crash,
+    run_row,
     start_audit_hub,
     start_protocol_hub,
 )
@@ -47,14 +56,27 @@ def run_cheats(work: Path, names: list[str], quick: bool, say) -> list[dict]:
         wanted = [n for n in group if n in names]
         if not wanted:
             continue
-        hub = start(work)
+        try:
+            hub = start(work)
+        except Exception as exc:  # noqa: BLE001 - its scenarios are rows that say so; the rest still run
+            results += [asdict(ScenarioResult(n, error=f"hub did not start: {describe_failure(exc)}")) for n in wanted]
+            continue
         try:
             for name in wanted:
                 say(name)
-                results.append(asdict(run_cheat(name, hub, quick)))
+                results.append(asdict(run_row(name, partial(run_cheat, name, hub, quick))))
         finally:
             hub.stop()
     return results
+
+
+def run_figures(name: str, run: Callable[[], dict]) -> dict:
+    """The crash or churn figures; when the scenario fails, its error in their place (the JSON still prints)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - a failed scenario is a finding of the bench, not its end
+        logging.getLogger("echo2.bench.faults").warning("%s failed", name, exc_info=exc)
+        return {"error": describe_failure(exc)}
 
 
 def main() -> None:
@@ -88,15 +110,15 @@ def main() -> None:
     for name, scenario in RELAY_SCENARIOS.items():  # in process: real Broadcaster, real keepers
         if not only or name in only:
             say(name)
-            out["scenarios"].append(asdict(trio.run(scenario)))
+            out["scenarios"].append(asdict(run_row(name, partial(trio.run, scenario))))
     if args.kills is not None and args.kills < 1:
         parser.error(f"--kills must be >= 1, got {args.kills}")
     if not only or "crash" in only:
         started = time.monotonic()
-        out["crash"] = run_crash(work, args.kills or (2 if args.quick else 6), say)
+        out["crash"] = run_figures("crash", partial(run_crash, work, args.kills or (2 if args.quick else 6), say))
         out["crash"]["wall_s"] = round(time.monotonic() - started, 1)
     if not only or "churn" in only:
-        out["churn"] = run_churn(work, 4 if args.quick else 7, say)
+        out["churn"] = run_figures("churn", partial(run_churn, work, 4 if args.quick else 7, say))
     if args.json:
         print(json.dumps(out, indent=2))
     else:

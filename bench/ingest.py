@@ -68,7 +68,7 @@ from shared.model_io import build_snapshot
 from shared.rollout import Completion, SamplingParams
 from shared.tasks.base import checked_rewards
 from shared.wire import HEADER_BYTES, decode_message, decode_signed, encode_message, encode_signed, read_frame
-from testbed.inproc import PERMISSIVE_TRUST, open_core
+from testbed.inproc import PERMISSIVE_TRUST, LearnerAt, open_core
 
 WORKLOAD_COMPLETION_INTERVAL_S = 4.0  # an RTX 5090-class node's one 8k-token completion (the paper's workload)
 FLEET_CORES = 16
@@ -289,7 +289,7 @@ async def run_procs(procs: int, args, model_dir: Path, task: str, tokenizer, mak
         )
         shelf = SnapshotShelf(keep=3, directory=Path(tmp) / "snapshots")
         shelf.add(build_snapshot({"w": torch.zeros(4)}, 0, Identity.generate(), "0" * 64, shelf.directory))
-        state = open_core(Path(tmp), model_dir, config, shelf, [0]).state
+        state = open_core(Path(tmp), model_dir, config, shelf, LearnerAt(config.learner.staleness)).state
         rng = random.Random(procs)
         try:
             async with trio.open_nursery() as nursery:

@@ -20,10 +20,12 @@ cheapest fixed S whatever its drift. A price change is paid at once and ranked a
 Unchanged project code decides: the hub scheduler's capacity model (`hub.control.policy.capacity_view`) and its own
 policy `hub.control.policy.decide` (activate everything until T_train is known, then per control period one
 set of nodes activated at once or released once it has been wanted for release RELEASE_HOLD_PERIODS periods
-on end), `hub.method.chains.plan_chains` (who relays to whom), `hub.method.capacity.default_kappa` and the
-lease and staleness rules as the hub applies them (a node holding a version older than the learner can use
-gets no lease; a group of version x is used at step t only if (t - 1) - x <= S; the buffer is
-consumed oldest first).
+on end), `hub.method.chains.plan_chains` (who relays to whom) and `hub.method.capacity.default_kappa`. Restated
+here, because the hub keeps them in methods of stateful objects rather than pure functions (the learner's
+min_useful_version, the buffer's cutoff): a node holding a version older than the learner can use gets no lease;
+a group of version x is used at step t only if (t - 1) - x <= S; the buffer is consumed oldest first. Not
+modelled: the window a lowered S keeps for S_old more steps (hub.training.loop, `_adapt_staleness`), so an
+`auto` row drops as stale, just after a lowering, groups the hub would still train on.
 
 What is drawn by default (per seed; documented so the figures can be argued with):
 - Volunteers: a GPU mix of 35% RTX 3060-class (6 rollouts/s at $0.10/h), 35% RTX 4090-class

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -21,6 +21,8 @@ from shared.messages import Lease, LeaseReply, Reject, RejectCode, Submission, S
 log = logging.getLogger("echo2.node.worker")
 
 IDLE_RETRY_S = 0.5
+
+Rewrite = Callable[[Lease, tuple[SubmittedGroup, ...]], Awaitable[tuple[SubmittedGroup, ...]]]
 
 
 @dataclass
@@ -72,33 +74,42 @@ class Worker:
                 with trio.move_on_after(IDLE_RETRY_S):
                     await self.wake.wait()
                 continue
-            reply, next_lease = next_lease, None
-            if reply is None:
-                try:
-                    reply = await self.client.lease(self.version_held())
-                except Exception as exc:  # noqa: BLE001 - hub unreachable: the hub link reconnects
-                    log.debug("lease request failed: %r", exc)
-                    await trio.sleep(IDLE_RETRY_S)
-                    continue
-            if isinstance(reply, Reject):
-                log.info("lease refused: %s", reply.reason)
-                if reply.code == RejectCode.UNKNOWN_NODE:
-                    self.on_unknown()
-                await trio.sleep(IDLE_RETRY_S)
+            lease, next_lease = await self.next_lease(next_lease), None
+            if isinstance(lease, str):
                 continue
-            if reply.lease is None:
-                await trio.sleep(max(reply.retry_after_s, 0.05))
-                continue
-            answered = await self.work(reply.lease)
+            answered = await self.work(lease)
             if isinstance(answered, SubmitReply):
                 next_lease = answered.next_lease
+
+    async def next_lease(self, reply: LeaseReply | None = None) -> Lease | str:
+        """A lease from the hub (`reply`: its answer carried by the last submission, else one asked for now), or
+        why there is none, once the wait the hub asked for has passed."""
+        if reply is None:
+            try:
+                reply = await self.client.lease(self.version_held())
+            except Exception as exc:  # noqa: BLE001 - hub unreachable: the hub link reconnects
+                log.debug("lease request failed: %r", exc)
+                await trio.sleep(IDLE_RETRY_S)
+                return f"lease request failed: {exc!r}"
+        if isinstance(reply, Reject):
+            log.info("lease refused: %s", reply.reason)
+            if reply.code == RejectCode.UNKNOWN_NODE:
+                self.on_unknown()
+            await trio.sleep(IDLE_RETRY_S)
+            return f"lease refused: {reply.reason}"
+        if reply.lease is None:
+            await trio.sleep(max(reply.retry_after_s, 0.05))
+            return f"no lease: {reply.reason}"
+        return reply.lease
 
     def _generate(self, lease: Lease):
         texts = [p.text for p in lease.prompts]
         return self.engine.generate(texts, lease.group_size, lease.sampling)
 
-    async def work(self, lease: Lease) -> SubmitReply | Reject | None:
-        """Answer one lease; the hub's reply, or None when it was not answered (the hub re-leases its prompts)."""
+    async def work(self, lease: Lease, rewrite: Rewrite | None = None) -> SubmitReply | Reject | None:
+        """Answer one lease; the hub's reply, or None when it was not answered (the hub re-leases its prompts).
+        `rewrite`: the hostile peers of tests and benchmarks (testbed/fault_scenarios.py) submit what it makes of the
+        groups generated; a node never passes it."""
         if self.version_held() < lease.min_version:
             # Work made with an older policy than the lease allows would be refused: let the lease lapse.
             log.warning("lease %s needs v%d, this node holds v%d: not answered", lease.lease_id[:8], lease.min_version,
@@ -113,12 +124,13 @@ class Worker:
             await trio.sleep(max(0.0, rollouts / self.max_rollouts_per_s - (time.monotonic() - started)))
         elapsed = time.monotonic() - started
         tokens = sum(len(c.token_ids) for g in groups for c in g)
+        answer = tuple(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(g)) for p, g in zip(lease.prompts, groups))
+        if rewrite is not None:
+            answer = await rewrite(lease, answer)
         submission = Submission(
             lease_id=lease.lease_id,
             node_id=self.client.peer_id,
-            groups=tuple(
-                SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(g)) for p, g in zip(lease.prompts, groups)
-            ),
+            groups=answer,
             next_lease_for=self.version_held() if self.can_work() else None,
         )
         try:

@@ -2,8 +2,9 @@
 and bench/faults.py (which measures and prints them): misbehaving nodes, hub crashes, node churn.
 
 Every scenario runs against a real hub process (`echo-hub start`, loopback) with real libp2p peers:
-in-process clients built on the node's own HubClient (honest or cheating, with the real tiny
-model) and, for churn, real `echo-node join` processes.
+in-process nodes built from the node's own HubClient, HubLink and Worker (honest, or cheating through
+the worker's rewrite hook and raw frames, with the real tiny model) and, for churn, real `echo-node join`
+processes. A scenario that fails is a row of its own naming its error (run_row); the others still run.
 
 - cheats: bad signature, replay, fake reward, oversized and garbage frames, stream flood, fake
   log-probs, wrong model, copied completions. Each counts attempts, how many the hub detected
@@ -24,16 +25,33 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import trio
 
 from hub.service.status import STATUS_PERIOD_S
-from node.client import HubClient
+from node.client import BUSY_RETRY_S, HubClient
+from node.hub_link import HubLink, NodeRefused, describe_failure
+from node.worker import Rewrite, Worker
+from shared.crypto import Identity
 from shared.layout import HUB_STATUS_FILE, SNAPSHOTS_DIR
-from shared.messages import HubStatus, Reject, SubmitReply
+from shared.messages import (
+    SUBMIT_PROTOCOL,
+    Heartbeat,
+    HubStatus,
+    JoinReply,
+    JoinRequest,
+    Lease,
+    Reject,
+    Submission,
+    SubmitReply,
+    SubmittedGroup,
+)
+from shared.net import running_host
 from shared.wire import StreamEOF
 from testbed.harness import HubProc, free_port, node_peer_id, query, start_hub, start_node, wait_until
 
@@ -41,7 +59,8 @@ log = logging.getLogger("echo2.tests.faults")
 
 REQUEST_TIMEOUT_S = 20.0
 LEASE_WAIT_S = 60.0
-BUSY_RETRIES = 40
+LINK_JOIN_S = 60.0  # a client's first join through its hub link (which retries until the hub answers)
+LINK_BACKOFF_MAX_S = 2.0  # its rejoins: the crash scenario's hub comes back within seconds
 BROADCAST_FINISH_S = 60.0
 STEPS_AFTER_CHURN = 5
 FLOOD_STREAMS = 300
@@ -65,6 +84,7 @@ class ScenarioResult:
     false_rejections: int = 0
     # The node's cost on the hub's status (what the dashboard shows) agrees with its ledger.
     shown_cost_matches_ledger: bool = True
+    error: str | None = None  # the scenario failed before its end: why (its figures are then all zero)
 
 
 # -- reading the hub's store (read-only, while the hub runs) -------------------------------
@@ -109,82 +129,109 @@ class HubDB:
         )[0][0]
 
 
-# -- an in-process peer speaking the node protocol ------------------------------------------
+# -- an in-process node built from node/'s own parts ------------------------------------------
 
 
 class Client(HubClient):
-    """A peer that joins the hub, heartbeats, takes leases and submits what the scenario makes it submit."""
+    """A node made of node/'s HubClient, HubLink (join, heartbeats, rejoins) and Worker (lease, generate, sign,
+    submit), on the engine it is given. It asks for each lease itself and installs the newest snapshot in
+    `snapshots_dir` before asking (the scenarios test the hub's books, not the transfer). A scenario makes it
+    misbehave through the worker's `rewrite` hook or raw frames (`send`)."""
 
-    def __init__(self, host, identity, hub_addr: str, engine, config_hash: str, version: int = 0,
+    def __init__(self, host, identity, hub_addr: str, engine, config_hash: str, engine_lock: trio.Lock | None = None,
                  snapshots_dir: Path | None = None) -> None:
         super().__init__(host, identity, hub_addr, timeout_s=REQUEST_TIMEOUT_S)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.config_hash = config_hash
-        self.version = version
         self.snapshots_dir = snapshots_dir
-        self.heartbeat_period_s = 2.0  # until the hub says otherwise: an honest node beats as told
+        self.engine_lock = engine_lock or trio.Lock()  # one per engine: clients sharing an engine take turns
+        self.refused: str | None = None  # the hub's reason once it refused this node for good (banned)
+        self.joined = trio.Event()
+        self.link = HubLink(self, self.join_request, lambda: Heartbeat(version_held=self.version), lambda reply: None,
+                            LINK_BACKOFF_MAX_S, on_join=self._on_join)
+        # can_work False: no lease rides on a submission (the scenario asks for each; an extra one would stay open
+        # against the node's quota).
+        self.worker = Worker(self, engine, self.engine_lock, can_work=lambda: False, version_held=lambda: self.version,
+                             max_rollouts_per_s=None, on_unknown=self.link.beat_now.set)
 
-    async def join(self) -> None:
-        from shared.messages import JoinRequest
+    @property
+    def version(self) -> int:
+        return self.engine.version
 
+    def join_request(self, price_per_hour: float = 0.35) -> JoinRequest:
+        return JoinRequest(price_per_hour=price_per_hour, hardware="bench", link_bps=1e8, backend="hf",
+                           dtype="float32", model_config_hash=self.config_hash, version_held=self.version)
+
+    async def _on_join(self, reply: JoinReply) -> None:
+        self.joined.set()
+
+    async def join_once(self) -> None:
+        """One join, no retry (a throwaway identity, or a fresh node checking it can get in): Refused when refused."""
         await self.connect()
-        reply = await super().join(JoinRequest(price_per_hour=0.35, hardware="bench", link_bps=1e8, backend="hf", dtype="float32",
-                                               model_config_hash=self.config_hash, version_held=self.version))
+        reply = await self.join(self.join_request())
         if isinstance(reply, Reject):
             raise Refused(f"join refused: {reply.reason}")
-        self.heartbeat_period_s = reply.heartbeat_period_s
 
-    async def heartbeats(self) -> None:
-        from shared.messages import Heartbeat
+    async def run_link(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The hub link, started once joined; a refusal for good (a ban: a cheat's expected end) ends it quietly."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._link)
+            with trio.fail_after(LINK_JOIN_S):
+                while not self.joined.is_set() and self.refused is None:
+                    with trio.move_on_after(0.1):
+                        await self.joined.wait()
+            if self.refused is not None:
+                raise Refused(self.refused)
+            task_status.started()
 
-        while True:
-            try:
-                reply = await self.heartbeat(Heartbeat(version_held=self.version))
-                if not isinstance(reply, Reject):
-                    self.heartbeat_period_s = reply.heartbeat_period_s
-            except Exception as exc:  # noqa: BLE001 - the hub may be down (crash scenario) or refusing us
-                log.debug("heartbeat failed: %r", exc)
-            await trio.sleep(self.heartbeat_period_s)
+    async def _link(self) -> None:
+        try:
+            await self.link.run()
+        except NodeRefused as exc:
+            self.refused = exc.args[0]
 
-    async def lease(self, wait_s: float = LEASE_WAIT_S):
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if self.snapshots_dir is not None:
-                await trio.to_thread.run_sync(self.install_newest)
-            reply = await super().lease(self.version)
-            if isinstance(reply, Reject) and reply.busy:
-                await trio.sleep(0.5)  # throttled by the hub's per-peer rate limit: an honest node backs off
-                continue
-            if isinstance(reply, Reject):
-                raise Refused(f"lease refused: {reply.reason}")
-            if reply.lease is not None:
-                return reply.lease
-            await trio.sleep(max(0.1, reply.retry_after_s))
-        raise TimeoutError("no lease")
+    async def take_lease(self, wait_s: float = LEASE_WAIT_S) -> Lease:
+        """The next lease the worker gets; Refused once this node is refused for good, TimeoutError (with the hub's
+        last reason) when none comes within `wait_s`."""
+        why = "not asked"
+        with trio.move_on_after(wait_s):
+            while self.refused is None:
+                await self.install_newest()
+                lease = await self.worker.next_lease()
+                if not isinstance(lease, str):
+                    return lease
+                why = lease
+        if self.refused is not None:
+            raise Refused(self.refused)
+        raise TimeoutError(f"no lease in {wait_s:g}s ({why})")
 
-    def install_newest(self) -> None:
-        """Install the newest snapshot in the hub's data dir (the crash scenario tests the books, not the transfer)."""
+    async def install_newest(self) -> None:
+        """Install the newest snapshot in the hub's data dir, if newer than the engine's."""
         from shared.snapshot import SnapshotError, read_snapshot_files
 
+        if self.snapshots_dir is None:
+            return
         versions = [int(p.stem[1:]) for p in self.snapshots_dir.glob("v*.manifest")]
         newest = max(versions, default=self.version)
         if newest <= self.version:
             return
-        try:
-            snapshot = read_snapshot_files(self.snapshots_dir, newest, self.hub_peer_id)
-            self.engine.install(snapshot.path, newest)
-        except (OSError, SnapshotError):
-            return  # still being written, or already deleted for a newer one: next time
-        self.version = newest
+        async with self.engine_lock:
+            try:
+                snapshot = await trio.to_thread.run_sync(read_snapshot_files, self.snapshots_dir, newest,
+                                                         self.hub_peer_id)
+                await trio.to_thread.run_sync(self.engine.install, snapshot.path, newest)
+            except (OSError, SnapshotError):
+                return  # still being written, or already deleted for a newer one: next time
 
-    async def groups(self, lease, engine=None, claim_version: int | None = None):
-        from shared.messages import SubmittedGroup
-
+    async def groups(self, lease: Lease, engine=None, claim_version: int | None = None) -> tuple[SubmittedGroup, ...]:
+        """Groups for `lease` made outside the worker (by `engine`, claiming `claim_version`): what a scenario sends
+        as raw bytes, or a cheat submits in place of its own engine's."""
         engine = engine or self.engine
-        made = await trio.to_thread.run_sync(
-            engine.generate, [p.text for p in lease.prompts], lease.group_size, lease.sampling
-        )
+        async with self.engine_lock:
+            made = await trio.to_thread.run_sync(
+                engine.generate, [p.text for p in lease.prompts], lease.group_size, lease.sampling
+            )
         out = []
         for prompt, completions in zip(lease.prompts, made):
             if claim_version is not None:
@@ -196,10 +243,12 @@ class Client(HubClient):
         """The completion's text as the hub decodes it (the hub never believes the node's own text)."""
         return self.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
 
-    def frame(self, lease_id: str, groups) -> bytes:
-        from shared.messages import Submission
+    def submission(self, lease: Lease, groups) -> Submission:
+        return Submission(lease_id=lease.lease_id, node_id=self.peer_id, groups=tuple(groups))
 
-        return self.signed(Submission(lease_id=lease_id, node_id=self.peer_id, groups=groups))
+    async def submit_answer(self, lease: Lease, groups) -> SubmitReply | Reject:
+        """`groups` submitted for `lease` as the worker submits (HubClient.submit, sent again while the hub is busy)."""
+        return await self.submit(self.submission(lease, groups), deadline=time.monotonic() + lease.deadline_s)
 
     async def send(self, protocol: str, frame: bytes, reply_types: tuple, close_write: bool = True):
         """Write raw bytes on a new stream; the hub's reply, or the name of how the stream ended."""
@@ -212,23 +261,43 @@ class Client(HubClient):
         except Exception as exc:  # noqa: BLE001 - any way the hub refuses us counts as refused
             return f"error:{type(exc).__name__}"
 
-    async def submit_frame(self, frame: bytes):
-        """Submit signed bytes, sending again while the hub throttles us (as node/worker.py does)."""
-        from shared.messages import SUBMIT_PROTOCOL
-
-        for _ in range(BUSY_RETRIES):
-            reply = await self.send(SUBMIT_PROTOCOL, frame, (SubmitReply,))
-            if not (isinstance(reply, Reject) and reply.busy):
+    async def send_while_busy(self, protocol: str, frame: bytes, reply_types: tuple, lease: Lease):
+        """Raw bytes no node sends (a tampered submission), sent again while the hub is busy, as HubClient.submit does
+        with what it signs, until the lease's deadline."""
+        deadline = time.monotonic() + lease.deadline_s
+        while True:
+            reply = await self.send(protocol, frame, reply_types)
+            if not (isinstance(reply, Reject) and reply.busy and time.monotonic() + BUSY_RETRY_S < deadline):
                 return reply
-            await trio.sleep(0.25)
-        return reply
+            await trio.sleep(BUSY_RETRY_S)
 
     async def honest_round(self) -> int:
-        """One honest lease answered; how many of its groups the hub rejected (a control measurement)."""
-        lease = await self.lease()
-        reply = await self.submit_frame(self.frame(lease.lease_id, await self.groups(lease)))
+        """One lease answered by the worker; how many of its groups the hub rejected (a control measurement)."""
+        lease = await self.take_lease()
+        reply = await self.worker.work(lease)
         # Strict: the control answers at the newest version, so even a late group counts here.
         return len(reply.rejected) + len(reply.late) if isinstance(reply, SubmitReply) else len(lease.prompts)
+
+
+@asynccontextmanager
+async def linked_clients(hub: HubProc, members: list[tuple[Identity, object, Path]]) -> AsyncIterator[list[Client]]:
+    """One Client per (identity, engine, model dir) joined to `hub` with its link running, for the block."""
+    from shared.model_io import model_dir_config_hash
+
+    locks: dict[int, trio.Lock] = {}
+    async with AsyncExitStack() as stack:
+        clients = []
+        for identity, engine, model_dir in members:
+            host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
+            clients.append(Client(host, identity, hub.addr, engine, model_dir_config_hash(model_dir),
+                                  locks.setdefault(id(engine), trio.Lock()), hub.data_dir / SNAPSHOTS_DIR))
+        async with trio.open_nursery() as nursery:  # inside the hosts: their links end before they do
+            for client in clients:
+                await nursery.start(client.run_link)
+            try:
+                yield clients
+            finally:
+                nursery.cancel_scope.cancel()
 
 
 def accepted_of(reply) -> int:
@@ -246,19 +315,19 @@ def refused(reply) -> bool:
 async def scenario_bad_signature(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
     r = ScenarioResult("bad_signature")
     for _ in range(attempts):
-        lease = await x.lease()
+        lease = await x.take_lease()
         groups = await x.groups(lease)
-        frame = bytearray(x.frame(lease.lease_id, groups))
+        frame = bytearray(x.signed(x.submission(lease, groups)))
         frame[5 + 7] ^= 0x40  # a bit of the signature, just after the 5-byte frame header
         paid_before = db.paid(x.peer_id)
-        reply = await x.submit_frame(bytes(frame))
+        reply = await x.send_while_busy(SUBMIT_PROTOCOL, bytes(frame), (SubmitReply,), lease)
         r.attempts += 1
         r.detected += refused(reply)
         r.accepted += accepted_of(reply)
         r.paid += db.paid(x.peer_id) - paid_before
         # Then the genuine answer, as a real node would send: the lease must not stay open
         # (open leases count against the node's quota).
-        await x.submit_frame(x.frame(lease.lease_id, groups))
+        await x.submit_answer(lease, groups)
         r.false_rejections += await control.honest_round()
     return r
 
@@ -266,13 +335,14 @@ async def scenario_bad_signature(x: Client, control: Client, db: HubDB, attempts
 async def scenario_replay(x: Client, control: Client, db: HubDB, attempts: int) -> ScenarioResult:
     r = ScenarioResult("replay")
     for _ in range(attempts):
-        lease = await x.lease()
-        frame = x.frame(lease.lease_id, await x.groups(lease))
-        first = await x.submit_frame(frame)
+        lease = await x.take_lease()
+        answer = x.submission(lease, await x.groups(lease))
+        first = await x.submit(answer, deadline=time.monotonic() + lease.deadline_s)
         if accepted_of(first) == 0:
             raise RuntimeError(f"honest first answer refused: {first!r}")
         paid_once = db.paid(x.peer_id)
-        reply = await x.submit_frame(frame)
+        # The same signed bytes again (Ed25519 signatures are deterministic).
+        reply = await x.submit(answer, deadline=time.monotonic() + lease.deadline_s)
         r.attempts += 1
         r.detected += refused(reply)
         r.accepted += accepted_of(reply)
@@ -290,14 +360,14 @@ async def scenario_fake_reward(x: Client, control: Client, db: HubDB, attempts: 
     r = ScenarioResult("fake_reward")
     paid_before = db.paid(x.peer_id)
     mismatches_before = db.events("reward_claim_mismatch", x.peer_id)
+
+    async def lie(lease: Lease, groups: tuple[SubmittedGroup, ...]) -> tuple[SubmittedGroup, ...]:
+        return tuple(g.model_copy(update={"claimed_rewards": tuple(
+            1.0 - t for t in task.rewards(task.get(g.prompt_id), [x.decode(c) for c in g.completions]))})
+            for g in groups)
+
     for _ in range(attempts):
-        lease = await x.lease()
-        groups = []
-        for g in await x.groups(lease):
-            prompt = task.get(g.prompt_id)
-            truth = task.rewards(prompt, [x.decode(c) for c in g.completions])
-            groups.append(g.model_copy(update={"claimed_rewards": tuple(1.0 - t for t in truth)}))
-        reply = await x.submit_frame(x.frame(lease.lease_id, tuple(groups)))
+        reply = await x.worker.work(await x.take_lease(), rewrite=lie)
         r.attempts += 1
         r.accepted += accepted_of(reply)
         r.false_rejections += await control.honest_round()
@@ -405,19 +475,20 @@ async def scenario_stream_flood(x: Client, control: Client, db: HubDB, streams: 
 
 
 async def scenario_caught_later(
-    name: str, db: HubDB, cheat: Client, control: Client, make: Callable, attempts: int, settle_s: float = 5.0
+    name: str, db: HubDB, cheat: Client, control: Client, make: Rewrite, attempts: int, settle_s: float = 5.0
 ) -> ScenarioResult:
-    """A cheat the submission checks cannot see (audits or the copy detector must catch it after the fact)."""
+    """A cheat the submission checks cannot see (audits or the copy detector must catch it after the fact): the
+    cheat's worker submits what `make` makes of the groups it generated."""
     r = ScenarioResult(name)
     paid_before = db.paid(cheat.peer_id)
     leases: list[str] = []
     for _ in range(attempts):
         try:
-            lease = await cheat.lease(wait_s=15.0)
+            lease = await cheat.take_lease(wait_s=15.0)
         except (Refused, TimeoutError):
             break  # banned, or no more work for it: refused from now on
         leases.append(lease.lease_id)
-        reply = await cheat.submit_frame(cheat.frame(lease.lease_id, await make(lease)))
+        reply = await cheat.worker.work(lease, rewrite=make)
         r.attempts += 1
         r.detected += refused(reply)
         r.false_rejections += await control.honest_round()
@@ -454,7 +525,6 @@ async def scenario_hostile_join(x: Client, control: Client, db: HubDB) -> Scenar
         r.attempts += 1
         r.detected += refused(reply)
         r.accepted += not refused(reply)
-    await x.join()  # back in good standing for whatever comes next
     r.false_rejections += await control.honest_round()
     return r
 
@@ -462,10 +532,6 @@ async def scenario_hostile_join(x: Client, control: Client, db: HubDB) -> Scenar
 async def scenario_throwaway_identities(x: Client, control: Client, db: HubDB, count: int) -> ScenarioResult:
     """`count` fresh identities connect, join and leave (they used to fill py-libp2p's inbound slots for good,
     locking every later node out); then a fresh honest node must still get in."""
-    from contextlib import AsyncExitStack
-
-    from shared.crypto import Identity
-    from shared.net import running_host
 
     r = ScenarioResult("throwaway_identities")
     limiter = trio.CapacityLimiter(8)
@@ -476,7 +542,7 @@ async def scenario_throwaway_identities(x: Client, control: Client, db: HubDB, c
             host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
             sybil = Client(host, identity, x.hub_addr, x.engine, x.config_hash)
             try:
-                await sybil.join()
+                await sybil.join_once()
             except Exception:  # noqa: BLE001 - refused or throttled: not the lockout this measures
                 pass
 
@@ -489,7 +555,7 @@ async def scenario_throwaway_identities(x: Client, control: Client, db: HubDB, c
         host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
         fresh = Client(host, identity, x.hub_addr, x.engine, x.config_hash)
         try:
-            await fresh.join()
+            await fresh.join_once()
             r.detected = 1  # the flood changed nothing for the next node
         except Exception as exc:  # noqa: BLE001 - locked out: the failure this scenario looks for
             log.warning("fresh node locked out after %d throwaway identities: %r", count, exc)
@@ -501,11 +567,7 @@ async def scenario_throwaway_identities(x: Client, control: Client, db: HubDB, c
 async def scenario_stranger_big_frames(x: Client, control: Client, db: HubDB, streams: int) -> ScenarioResult:
     """Strangers (never joined) open submissions claiming 30 MiB: refused from the header, before anything is
     read, so an honest node's work goes on unhindered."""
-    from contextlib import AsyncExitStack
-
-    from shared.crypto import Identity
     from shared.messages import SUBMIT_PROTOCOL, Submission
-    from shared.net import running_host
     from shared.wire import HEADER
 
     r = ScenarioResult("stranger_big_frames")
@@ -536,19 +598,21 @@ async def scenario_stranger_big_frames(x: Client, control: Client, db: HubDB, st
 async def scenario_pay_inflation(x: Client, control: Client, db: HubDB) -> ScenarioResult:
     """A node declares $1000/h (refused: above the hub's ceiling), then holds a lease for 5 s at the ceiling
     and answers with a few tokens: paid for the tokens, not for the hold."""
-    from shared.messages import JoinRequest
 
     r = ScenarioResult("pay_inflation")
-    reply = await HubClient.join(x, JoinRequest(price_per_hour=1000.0, hardware="x", link_bps=1e8, backend="hf", dtype="float32",
-                                                model_config_hash=x.config_hash, version_held=x.version))
+    reply = await x.join(x.join_request(price_per_hour=1000.0))
     r.attempts += 1
     r.detected += isinstance(reply, Reject)
     paid_before = db.paid(x.peer_id)
-    lease = await x.lease()
-    groups = await x.groups(lease)
-    tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
-    await trio.sleep(5.0)
-    answer = await x.submit_frame(x.frame(lease.lease_id, groups))
+    tokens = 0
+
+    async def hold(lease: Lease, groups: tuple[SubmittedGroup, ...]) -> tuple[SubmittedGroup, ...]:
+        nonlocal tokens
+        tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+        await trio.sleep(5.0)
+        return groups
+
+    answer = await x.worker.work(await x.take_lease(), rewrite=hold)
     paid = db.paid(x.peer_id) - paid_before
     r.attempts += 1
     # Paid at most for the tokens at the slowest rate the hub pays in full, at the price it joined at.
@@ -566,31 +630,35 @@ async def scenario_rejected_disk(x: Client, control: Client, db: HubDB, attempts
     since frame caps follow the lease, refused at the frame's header before a byte of it is read or kept)."""
     r = ScenarioResult("rejected_disk")
     store = db.data_dir / "hub.sqlite"
-    for _ in range(attempts):
-        lease = await x.lease()
-        groups = await x.groups(lease)
+    sent: dict[str, tuple[SubmittedGroup, ...]] = {}
+
+    async def bloat(lease: Lease, groups: tuple[SubmittedGroup, ...]) -> tuple[SubmittedGroup, ...]:
         # Completions far past the lease's length cap are refused; tens of kB each is what a filler sends.
-        bloated = tuple(g.model_copy(update={"completions": tuple(
+        sent["made"], sent["bloated"] = groups, tuple(g.model_copy(update={"completions": tuple(
             c.model_copy(update={"token_ids": c.token_ids * 500, "logprobs": c.logprobs * 500}) for c in g.completions),
         }) for g in groups)
+        return sent["bloated"]
+
+    for _ in range(attempts):
+        lease = await x.take_lease()
         before = sum(p.stat().st_size for p in store.parent.glob("hub.sqlite*"))
-        reply = await x.submit_frame(x.frame(lease.lease_id, bloated))
+        reply = await x.worker.work(lease, rewrite=bloat)
         grown = sum(p.stat().st_size for p in store.parent.glob("hub.sqlite*")) - before
-        payload = sum(len(g.model_dump_json()) for g in bloated)
+        payload = sum(len(g.model_dump_json()) for g in sent["bloated"])
         r.attempts += 1
         refused = isinstance(reply, Reject) or (isinstance(reply, SubmitReply) and reply.accepted == 0)
         r.detected += refused and grown < payload
         r.accepted += accepted_of(reply)
+        if isinstance(reply, Reject):
+            # Refused from the frame's header, the lease is still open: the genuine answer closes it, as a node
+            # would (left open, leases count against the node's quota, and the next attempt waits for them to expire).
+            await x.submit_answer(lease, sent["made"])
         r.false_rejections += await control.honest_round()
     return r
 
 
 async def scenario_status_snooping(x: Client, control: Client, db: HubDB) -> ScenarioResult:
     """A stranger asks the hub's status: it sees the run, not what any node is paid or runs on."""
-    from contextlib import AsyncExitStack
-
-    from shared.crypto import Identity
-    from shared.net import running_host
 
     r = ScenarioResult("status_snooping")
     async with AsyncExitStack() as stack:
@@ -610,13 +678,10 @@ async def scenario_status_snooping(x: Client, control: Client, db: HubDB) -> Sce
 async def scenario_silent_stranger(x: Client, control: Client, db: HubDB, strangers: int) -> ScenarioResult:
     """Bare libp2p hosts that connect and never answer identify, held past the idle sweep (py-libp2p never recorded
     them, and forgetting them raised in the sweeper: the hub exited). The hub must live on and serve."""
-    from contextlib import AsyncExitStack
-
     from libp2p.identity.identify.identify import ID as IDENTIFY
     from libp2p.identity.identify_push.identify_push import ID_PUSH as IDENTIFY_PUSH
 
-    from shared.crypto import Identity
-    from shared.net import connect, running_host
+    from shared.net import connect
 
     r = ScenarioResult("silent_stranger")
     async with AsyncExitStack() as stack:
@@ -640,7 +705,6 @@ async def scenario_relay_reservations(x: Client, control: Client, db: HubDB, att
     from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
     from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-    from shared.crypto import Identity
     from shared.net import open_stream
 
     async def reserve(peer: str | None) -> int | None:
@@ -683,32 +747,13 @@ def trained_model_dir(base: Path, out: Path) -> Path:
 
 
 async def with_clients(hub: HubProc, engines: list, body: Callable) -> object:
-    """Join one client per (engine, model dir) to `hub`, heartbeat them, and run `body(clients)`."""
-    from contextlib import AsyncExitStack
-
-    from shared.crypto import Identity
-    from shared.model_io import model_dir_config_hash
-    from shared.net import running_host
-
-    config_hash = model_dir_config_hash(engines[0][1])
-    async with AsyncExitStack() as stack:
-        clients = []
-        for engine, _ in engines:
-            identity = Identity.generate()
-            host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
-            client = Client(host, identity, hub.addr, engine, config_hash)
-            await client.join()
-            clients.append(client)
-        async with trio.open_nursery() as nursery:
-            for client in clients:
-                nursery.start_soon(client.heartbeats)
-                # Answer the probe lease honestly first: a node is measured, then activated.
-                if await client.honest_round():
-                    raise RuntimeError("the hub rejected an honest probe answer")
-            try:
-                return await body(clients)
-            finally:
-                nursery.cancel_scope.cancel()
+    """Join one client of a fresh identity per (engine, model dir) to `hub`, each of them answering its probe lease
+    (a node is measured, then activated), and run `body(clients)`."""
+    async with linked_clients(hub, [(Identity.generate(), engine, model_dir) for engine, model_dir in engines]) as clients:
+        for client in clients:
+            if await client.honest_round():
+                raise RuntimeError("the hub rejected an honest probe answer")
+        return await body(clients)
 
 
 PROTOCOL_CHEATS = ("bad_signature", "replay", "fake_reward", "oversized_frame", "garbage_frame", "stream_flood",
@@ -734,9 +779,20 @@ def start_audit_hub(work: Path) -> HubProc:
     return start_hub(work / "hub-audit", *HUB_ARGS, "--model", str(trained_dir))
 
 
+def run_row(name: str, run: Callable[[], ScenarioResult]) -> ScenarioResult:
+    """`run()`'s result; when it fails, a row of its own naming the error, so that the other scenarios still run."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - a scenario that fails is its row's finding, not the end of the bench
+        log.warning("scenario %s failed", name, exc_info=exc)
+        return ScenarioResult(name, error=describe_failure(exc))
+
+
 def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
     """One cheat class against a running hub (a protocol hub for PROTOCOL_CHEATS, an audit hub for AUDIT_CHEATS),
     by fresh identities next to an honest control node."""
+    if hub.process.poll() is not None:  # an earlier scenario ended it: say so, rather than wait to join
+        raise RuntimeError(f"the hub is not running (exit status {hub.process.returncode})")
     from node.hf_engine import HFEngine
     from shared.default_model import ensure_default_model
 
@@ -790,15 +846,14 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
         if name == "fake_logprobs":
             rng = random.Random(3)
 
-            async def fake(lease):
-                groups = await cheat.groups(lease)
+            async def fake(lease, groups):
                 return tuple(g.model_copy(update={"completions": tuple(
                     c.model_copy(update={"logprobs": tuple(min(0.0, lp + rng.uniform(-0.5, 0.5)) for lp in c.logprobs)})
                     for c in g.completions)}) for g in groups)
 
             return await scenario_caught_later(name, db, cheat, control, fake, attempts * 2)
         if name == "wrong_model":
-            async def base_model(lease):
+            async def base_model(lease, groups):
                 return await cheat.groups(lease, engine=wrong, claim_version=0)
 
             return await scenario_caught_later(name, db, cheat, control, base_model, attempts * 2)
@@ -807,8 +862,7 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
             for _ in range(3):  # passed audits buy full-size leases while the node is still on probation
                 await cheat.honest_round()
 
-            async def one_fake_group(lease):
-                groups = await cheat.groups(lease)
+            async def one_fake_group(lease, groups):
                 fake = groups[-1].model_copy(update={"completions": tuple(
                     c.model_copy(update={"logprobs": (0.0,) * len(c.logprobs)}) for c in groups[-1].completions)})
                 return (*groups[:-1], fake)
@@ -816,10 +870,10 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
             return await scenario_caught_later(name, db, cheat, control, one_fake_group, attempts)
         nudge = 1e-7 if name == "nudged_copies" else 0.0
 
-        async def copied(lease):
-            first = await original.lease()
+        async def copied(lease, own):
+            first = await original.take_lease()
             groups = await original.groups(first)
-            await original.submit_frame(original.frame(first.lease_id, groups))
+            await original.submit_answer(first, groups)
             # The copier answers its own lease with the original's groups, prompt ids swapped in (and, for
             # nudged_copies, every log-prob moved by 1e-7: the fingerprint over exact floats missed those).
             return tuple(g.model_copy(update={"prompt_id": p.prompt_id, "completions": tuple(
@@ -850,42 +904,36 @@ def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
 
     async def session(hub: HubProc, mid_submission: bool) -> None:
         """Work honestly against `hub` until it is killed (by us, at a random moment)."""
-        from shared.crypto import Identity
-        from shared.messages import SubmitReply
-        from shared.net import running_host
-
         identity = Identity.load_or_create(work / "crash-client.key")
-        async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
-            from shared.model_io import model_dir_config_hash
-
-            client = Client(host, identity, hub.addr, engine, model_dir_config_hash(base_dir),
-                            version=engine.version, snapshots_dir=data_dir / SNAPSHOTS_DIR)
-            await client.join()
+        async with linked_clients(hub, [(identity, engine, base_dir)]) as (client,):
             kill_at = time.monotonic() + rng.uniform(1.0, 6.0)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(client.heartbeats)
-                while True:
-                    lease = await client.lease()
-                    frame = client.frame(lease.lease_id, await client.groups(lease))
-                    if mid_submission and time.monotonic() >= kill_at:
-                        # Kill while the hub holds this submission: it may or may not commit; we never see an ack.
-                        async with trio.open_nursery() as inner:
-                            inner.start_soon(client.submit_frame, frame)
-                            await trio.sleep(rng.uniform(0.0, 0.05))
+            while True:
+                lease = await client.take_lease()
+                if mid_submission and time.monotonic() >= kill_at:
+                    # Kill while the hub holds this submission: it may or may not commit; we never see an ack.
+                    async with trio.open_nursery() as inner:
+
+                        async def kill_in_flight(lease: Lease, groups: tuple[SubmittedGroup, ...]):
+                            inner.start_soon(kill_after, rng.uniform(0.0, 0.05), inner.cancel_scope)
+                            return groups
+
+                        async def kill_after(delay_s: float, scope: trio.CancelScope) -> None:
+                            await trio.sleep(delay_s)
                             hub.process.send_signal(signal.SIGKILL)
                             kill_log.append("mid-submission")
-                            inner.cancel_scope.cancel()
-                        break
-                    reply = await client.submit_frame(frame)
-                    if isinstance(reply, SubmitReply):
-                        rejected = {pid for pid, _ in reply.rejected + reply.late}
-                        acked.update((lease.lease_id, p.prompt_id) for p in lease.prompts if p.prompt_id not in rejected)
-                    if not mid_submission and time.monotonic() >= kill_at:
-                        await trio.sleep(rng.uniform(0.0, 0.3))
-                        hub.process.send_signal(signal.SIGKILL)  # mostly mid learner step: it steps every 4 groups
-                        kill_log.append("random")
-                        break
-                nursery.cancel_scope.cancel()
+                            scope.cancel()
+
+                        inner.start_soon(partial(client.worker.work, lease, rewrite=kill_in_flight))
+                    break
+                reply = await client.worker.work(lease)
+                if isinstance(reply, SubmitReply):
+                    rejected = {pid for pid, _ in reply.rejected + reply.late}
+                    acked.update((lease.lease_id, p.prompt_id) for p in lease.prompts if p.prompt_id not in rejected)
+                if not mid_submission and time.monotonic() >= kill_at:
+                    await trio.sleep(rng.uniform(0.0, 0.3))
+                    hub.process.send_signal(signal.SIGKILL)  # mostly mid learner step: it steps every 4 groups
+                    kill_log.append("random")
+                    break
 
     for k in range(kills):
         say(f"crash {k + 1}/{kills}")

@@ -1,26 +1,27 @@
 """The real hub service, state and store assembled in-process (tests and bench/p2p.py), built as `echo-hub start`
-builds them (hub.cli.build, hub.service.handlers.build_hub_service); a version counter the caller moves stands
-in for the learner, and a tiny control loop for the scheduler: the scheduler's own policy, switched off
-(hub.control.policy.decide: measured nodes are activated)."""
+builds them (hub.cli.build, hub.service.handlers.build_hub_service), with the hub's own Scheduler switched off
+(every measured node works) and poked on membership changes as the hub pokes it. A version counter the caller
+moves stands in for the learner; the oldest version a lease may be made with is the learner's own rule
+(hub.training.loop.LearnerComponent.min_useful_version) run on that counter."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import trio
 
 from hub.cli.build import HubCore, build_hub_state
-from hub.config import HubConfig, LearnerConfig, LeaseConfig, SchedulerConfig, TrustConfig
-from hub.control.policy import decide, fleet_view
+from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
+from hub.control.scheduler import LearnerTiming, Scheduler
 from hub.records.snapshots import SnapshotShelf
 from hub.service.handlers import HubService, build_hub_service
 from hub.service.state import HubState
-from hub.service.status import NO_CAPACITY, RunInfo, StatusBoard
+from hub.service.status import RunInfo, StatusBoard
+from hub.training.loop import LearnerComponent
 from shared.crypto import Identity
 from shared.layout import SNAPSHOTS_DIR
 from shared.messages import SUBMIT_PROTOCOL
@@ -28,7 +29,6 @@ from shared.model_io import build_snapshot
 from shared.net import running_host
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-ACTIVATE_PERIOD_S = 0.02
 
 # No audits, full-size leases from the first one, limits far above what a test drives; checks in a thread of the
 # hub's process (no check workers to spawn: tests of the pool ask for one).
@@ -45,16 +45,30 @@ PERMISSIVE_CONFIG = HubConfig(
 )
 
 
-def open_core(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, version: list[int]) -> HubCore:
-    """The hub's state over DATA_DIR's store, built as `echo-hub start` builds it, its learner at `version[0]`."""
-    staleness = config.learner.staleness
+class LearnerAt:
+    """Stands in for the learner: at the version the caller puts in `step`, never training, its S never lowered.
+    What it answers is LearnerComponent's own code run on these fields (its methods are taken as they are, so a
+    change of the rule reaches the tests; a pure function of the leases' window would make this a plain call)."""
+
+    min_useful_version = LearnerComponent.min_useful_version
+    window_staleness = LearnerComponent.window_staleness
+
+    def __init__(self, staleness: int, step: int = 0) -> None:
+        self.step = step
+        self.training = False
+        self.staleness = staleness
+        self._grace = (staleness, 0)  # LearnerComponent's (S before a lowering, until which step): none in force
+
+
+def open_core(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, learner: LearnerAt) -> HubCore:
+    """The hub's state over DATA_DIR's store, built as `echo-hub start` builds it, its learner `learner`."""
     return build_hub_state(config.model_copy(update={"data_dir": Path(data_dir)}), Path(model_dir), shelf,
-                           lambda: max(0, version[0] - staleness))
+                           learner.min_useful_version)
 
 
-def open_state(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, version: list[int]) -> HubState:
+def open_state(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, learner: LearnerAt) -> HubState:
     """open_core's HubState alone (tests of the state)."""
-    return open_core(data_dir, model_dir, config, shelf, version).state
+    return open_core(data_dir, model_dir, config, shelf, learner).state
 
 
 @dataclass
@@ -67,13 +81,18 @@ class InprocHub:
     service: HubService
     config_hash: str
     weights: dict[str, torch.Tensor] | None
-    version: list[int] = field(default_factory=lambda: [0])
+    learner: LearnerAt
+
+    @property
+    def version(self) -> int:
+        """The version the learner is at (the newest published)."""
+        return self.learner.step
 
     def publish(self, version: int) -> None:
         """What the learner does every kappa steps: a new signed snapshot, and the learner is at that version."""
         weights = self.weights if self.weights is not None else {"w": torch.full((4,), float(version))}
         self.shelf.add(build_snapshot(weights, version, self.identity, self.config_hash, self.shelf.directory))
-        self.version[0] = version
+        self.learner.step = version
 
     def trusted(self) -> tuple:
         """What a misbehaving node must not be able to move: accepted work, money, what the learner will train on."""
@@ -84,14 +103,16 @@ class InprocHub:
         )
 
 
-async def _activate_measured(state: HubState, config: SchedulerConfig) -> None:
-    """The scheduler's policy with the scheduler off: every measured node works (no capacity model, no drops)."""
-    off = config.model_copy(update={"enabled": False})
-    while True:
-        decision = decide(fleet_view(state.fleet), NO_CAPACITY, off, {}, time.time())
-        for move in decision.moves:
-            await state.set_state(state.fleet.get(move.node), move.state, move.reason)
-        await trio.sleep(ACTIVATE_PERIOD_S)
+def scheduler_off(config: HubConfig, state: HubState) -> Scheduler:
+    """The hub's Scheduler with its capacity model off (every measured node works; the silent are dropped), told of
+    every membership change as `echo-hub start` tells it. The learner never steps here: no T_train, no T_bcast."""
+    lc = config.learner
+    timing = LearnerTiming(lc.effective_kappa, lc.prompts_per_step * lc.group_size, t_train_s=lambda: None,
+                           t_bcast_s=lambda: None, staleness=lc.staleness,
+                           rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size)
+    scheduler = Scheduler(config.scheduler.model_copy(update={"enabled": False}), state.fleet, timing, state.set_state)
+    state.on_membership.append(scheduler.poke)
+    return scheduler
 
 
 @asynccontextmanager
@@ -101,9 +122,10 @@ async def inproc_hub(
     """Run the hub's service and state on loopback until the block ends. `real_weights`: snapshots carry the
     model's own weights (audits need them), else a small dummy tensor."""
     identity = identity or Identity.generate()
-    version = [0]
-    shelf = SnapshotShelf(keep=config.learner.staleness + 1, directory=Path(data_dir) / SNAPSHOTS_DIR)
-    core = open_core(data_dir, model_dir, config, shelf, version)
+    learner = LearnerAt(config.learner.staleness)
+    # As hub/cli/run.py opens it: S + 1 versions at the largest S the run may put in force.
+    shelf = SnapshotShelf(keep=config.learner.staleness_bound + 1, directory=Path(data_dir) / SNAPSHOTS_DIR)
+    core = open_core(data_dir, model_dir, config, shelf, learner)
     state = core.state
     weights = None
     if real_weights:
@@ -114,17 +136,16 @@ async def inproc_hub(
         status = StatusBoard(
             RunInfo(identity.peer_id, tuple(addrs), 0, config.learner.staleness, config.learner.effective_kappa,
                     config.task, config.broadcast.mode),
-            data_dir, state, learner_step=lambda: version[0],
+            data_dir, state, learner_step=lambda: learner.step,
         )
         service = build_hub_service(host, identity, config, state, shelf, status.encoded, core.context_tokens,
                                     model_offer=core.model_offer)
-        hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, version)
+        hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, learner)
         hub.publish(0)
         try:
             async with trio.open_nursery() as nursery:
-                for run in (state.run, service.run):
+                for run in (state.run, service.run, scheduler_off(config, state).run):
                     nursery.start_soon(run)
-                nursery.start_soon(_activate_measured, state, config.scheduler)
                 while SUBMIT_PROTOCOL not in host.get_mux().handlers:
                     await trio.sleep(0.01)
                 yield hub

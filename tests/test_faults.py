@@ -1,7 +1,8 @@
 """Every fault scenario of testbed/fault_scenarios.py (also measured by bench/faults.py), one test per class,
 in its quick size against real processes on loopback: each cheat is detected and neither trained on
 nor paid, honest work alongside is never refused, a SIGKILLed hub loses and double-counts nothing,
-and the run survives losing 30% of its nodes.
+and the run survives losing 30% of its nodes. A scenario that fails is a row of its own naming why, and
+the next one still runs.
 
 The protocol cheats share one hub and the caught-later cheats another (module fixtures); every
 test brings its own fresh identities."""
@@ -9,6 +10,7 @@ test brings its own fresh identities."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from testbed.fault_scenarios import (
     run_cheat,
     run_churn,
     run_crash,
+    run_row,
     start_audit_hub,
     start_protocol_hub,
 )
@@ -82,3 +85,14 @@ def test_sigkilled_hub_loses_and_pays_nothing_twice(tmp_path: Path) -> None:
 def test_run_survives_losing_30_percent_of_its_nodes(tmp_path: Path) -> None:
     churn = run_churn(tmp_path, nodes=4, say=lambda _: None)
     assert churn["run_completed"] and churn["survivors_with_snapshot"] == churn["survivors"], churn
+
+
+def test_a_failing_scenario_is_a_row_of_its_own_and_the_next_still_runs(protocol_hub: HubProc, tmp_path: Path) -> None:
+    stopped = start_protocol_hub(tmp_path)
+    stopped.stop()
+    # As bench/faults.py runs them: the first against a hub that is gone, the next against the running one.
+    failed, ran = (run_row("replay", partial(run_cheat, "replay", hub, True)) for hub in (stopped, protocol_hub))
+    assert failed.name == "replay" and "the hub is not running" in failed.error, failed
+    assert failed.attempts == failed.detected == 0, failed
+    assert ran.error is None, ran
+    assert_cheat_failed(ran)

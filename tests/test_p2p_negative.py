@@ -88,11 +88,11 @@ class Client(HubClient):
     async def join(self, config_hash: str | None = None) -> JoinReply | Reject:
         return await super().join(JoinRequest(
             price_per_hour=0.5, hardware="test", link_bps=1e8, backend="hf", dtype="float32",
-            model_config_hash=config_hash or self.hub.config_hash, version_held=self.hub.version[0],
+            model_config_hash=config_hash or self.hub.config_hash, version_held=self.hub.version,
         ))
 
     async def lease(self) -> Lease:
-        reply = await super().lease(self.hub.version[0])
+        reply = await super().lease(self.hub.version)
         assert isinstance(reply, LeaseReply) and reply.lease is not None, reply
         return reply.lease
 
@@ -104,7 +104,7 @@ class Client(HubClient):
                claimed: tuple[float, ...] | None = None, lease_id: str | None = None,
                node_id: str | None = None) -> Submission:
         """One right and one wrong completion per prompt (or two wrong ones), at the hub's current version."""
-        version = self.hub.version[0] if version is None else version
+        version = self.hub.version if version is None else version
         groups = []
         for p in lease.prompts:
             word = p.text[:-1]
@@ -188,7 +188,7 @@ async def test_honest_flow_is_accepted_and_paid(hub_args):
             assert reply.next_lease is None  # not asked for
             # One round trip per lease: a submission may ask for the next lease, which its reply carries.
             lease = await node.lease()
-            reply = await node.submit(node.answer(lease).model_copy(update={"next_lease_for": hub.version[0]}))
+            reply = await node.submit(node.answer(lease).model_copy(update={"next_lease_for": hub.version}))
             assert reply.accepted == PROMPTS_PER_LEASE and reply.next_lease.lease is not None
             following = reply.next_lease.lease
             assert following.lease_id in hub.state.leases.open and hub.state.store.lease(following.lease_id).state == "open"
@@ -224,7 +224,7 @@ async def test_a_node_rejoining_a_restarted_hub_keeps_its_tallies(hub_args):
         async with running_hub(*hub_args, identity=identity) as hub, clients(hub, tokenizer, 1) as (node,):
             await joined_and_active(node)
             lease = await node.lease()
-            reply = await node.submit(node.answer(lease, version=hub.version[0] + 5))  # never published
+            reply = await node.submit(node.answer(lease, version=hub.version + 5))  # never published
             assert isinstance(reply, SubmitReply) and len(reply.rejected) == PROMPTS_PER_LEASE
             await node.submit(node.answer(lease), signer=Identity.generate())  # refused outright
             for _ in range(3):

@@ -3,7 +3,7 @@ node (those that left included), their tallies and cost, the run totals and the 
 failed audit after the restart voids only the pay booked since that node's last passed audit.
 
 Real processes on loopback: `echo-hub start` (twice, same data dir and port) on a trained policy, two
-in-process volunteers built on the node's HubClient generating with the real tiny model."""
+in-process volunteers built from the node's HubLink and Worker, generating with the real tiny model."""
 
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ import trio
 
 from shared.crypto import Identity
 from shared.messages import HubStatus
-from shared.model_io import model_dir_config_hash
-from shared.net import running_host
-from testbed.fault_scenarios import Client, trained_model_dir
+from testbed.fault_scenarios import linked_clients, trained_model_dir
 from testbed.harness import HubProc, free_port, query, start_hub, wait_until
 
 HUB_TOML = """
@@ -53,23 +51,10 @@ def comparable(status: HubStatus) -> dict:
 
 
 async def volunteers(hub: HubProc, engine, model_dir: Path, identities: list[Identity], body):
-    """Clients with these identities, joined to `hub`, heartbeating while `body(clients)` runs; then they leave."""
-    from contextlib import AsyncExitStack
-
-    async with AsyncExitStack() as stack:
-        clients = []
-        for identity in identities:
-            host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
-            client = Client(host, identity, hub.addr, engine, model_dir_config_hash(model_dir))
-            await client.join()
-            clients.append(client)
-        async with trio.open_nursery() as nursery:
-            for client in clients:
-                nursery.start_soon(client.heartbeats)
-            try:
-                return await body(clients)
-            finally:
-                nursery.cancel_scope.cancel()
+    """Nodes with these identities (node/'s HubLink and Worker), joined to `hub` while `body(clients)` runs; then
+    they go silent."""
+    async with linked_clients(hub, [(identity, engine, model_dir) for identity in identities]) as clients:
+        return await body(clients)
 
 
 def wait_gone(hub: HubProc, peers: list[str]) -> HubStatus:
@@ -130,13 +115,14 @@ def test_restarted_hub_shows_the_same_books_and_voids_only_pay_since_the_last_pa
         # The worker comes back and lies about its log-probs: still on probation, so the audit catches it at once.
         rng = random.Random(3)
 
+        async def lie(lease, groups):
+            return tuple(g.model_copy(update={"completions": tuple(
+                c.model_copy(update={"logprobs": tuple(min(0.0, lp + rng.uniform(-0.5, 0.5)) for lp in c.logprobs)})
+                for c in g.completions)}) for g in groups)
+
         async def cheat(clients) -> None:
             (a,) = clients
-            lease = await a.lease()
-            groups = tuple(g.model_copy(update={"completions": tuple(
-                c.model_copy(update={"logprobs": tuple(min(0.0, lp + rng.uniform(-0.5, 0.5)) for lp in c.logprobs)})
-                for c in g.completions)}) for g in await a.groups(lease))
-            await a.submit_frame(a.frame(lease.lease_id, groups))
+            await a.worker.work(await a.take_lease(), rewrite=lie)
 
         trio.run(volunteers, hub, engine, trained, [worker], cheat)
         banned = wait_until(lambda: (s := hub.status()) and next(

@@ -25,7 +25,7 @@ from shared.messages import LEFT_REASON, Heartbeat, JoinRequest, RejectCode, Sub
 from shared.model_io import build_snapshot
 from shared.rollout import Completion, SamplingParams
 from shared.wire import PeerFault
-from testbed.inproc import PERMISSIVE_TRUST, open_state
+from testbed.inproc import PERMISSIVE_TRUST, LearnerAt, open_state
 
 CONFIG = HubConfig(
     learner=LearnerConfig(staleness=2, prompts_per_step=2, group_size=2),
@@ -101,7 +101,7 @@ def reopen(data_dir: Path, model_dir: Path, config: HubConfig = CONFIG) -> HubSt
     """A state over DATA_DIR's store whose hub published v0 (so work at v0 is in the window)."""
     shelf = SnapshotShelf(keep=3)
     shelf.add(build_snapshot({"w": torch.zeros(4)}, 0, Identity.generate(), "0" * 64, data_dir / "snapshots"))
-    return open_state(data_dir, model_dir, config, shelf, [0])
+    return open_state(data_dir, model_dir, config, shelf, LearnerAt(config.learner.staleness))
 
 
 def view(state: HubState) -> dict:
