@@ -48,6 +48,7 @@ class LearnerConfig(Section):
     checkpoints_kept: int = Field(2, ge=1, le=1000, description="newest checkpoints kept on disk; older ones are deleted")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="snapshot and engine precision (auto: bfloat16 on a CUDA GPU that has it, else float32); master weights stay fp32")
     micro_batch_tokens: int | None = Field(None, ge=64, le=10_000_000, description="tokens (prompts and completions, packed) per forward/backward micro-batch; gradients accumulate over them (None: from the GPU's free memory, 16384 on a CPU)")
+    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="AdamW with fp32 moments (8 bytes a trained parameter), or adamw8bit: torchao's blockwise 8-bit moments (2 bytes; pip install -e \".[lowbit]\"), one learner process")
     attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = Field("sdpa", description="the learner's attention kernel: sdpa and eager pack rows into sequences as long as the longest row; flex_attention (CUDA) and flash_attention_2 (the flash-attn package) attend within each row, a micro-batch in one sequence")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory for long completions, ~30% slower")
     lora_rank: int = Field(0, ge=0, le=1024, description="train LoRA adapters of this rank only, and ship only them in snapshots (0: full fine-tuning)")

@@ -172,6 +172,7 @@ def rank_pid(data_dir: Path) -> int:
 
 @pytest.mark.parametrize(("flags", "words"), [
     (("--lora-rank", "8"), ("--lora-rank 8 with 2 learner processes", "drop --learner-procs")),
+    (("--optimizer", "adamw8bit"), ("--optimizer adamw8bit with 2 learner processes", "drop --learner-procs")),
 ])
 def test_what_a_sharded_learner_cannot_do_is_refused_in_one_line(tmp_path, flags, words):
     data = tmp_path / "hub"

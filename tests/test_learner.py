@@ -290,3 +290,35 @@ def test_a_cpu_learner_takes_the_fixed_budget_unless_told(default_model_dir):
 
     assert Learner(default_model_dir, LearnerConfig(), SAMPLING).micro_batch_tokens == CPU_MICRO_BATCH_TOKENS
     assert Learner(default_model_dir, LearnerConfig(micro_batch_tokens=512), SAMPLING).micro_batch_tokens == 512
+
+
+def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(tmp_path):
+    """torchao's 8-bit moments: the same first update up to quantisation, state that survives a checkpoint."""
+    from hub.training.checkpoint import save_checkpoint
+    from hub.training.learner import Learner
+
+    torch.set_num_threads(1)
+    model_dir = ensure_default_model(progress=False)
+    groups = synthetic_groups(seed=2)
+    cfg = LearnerConfig(optimizer="adamw8bit")
+    ref = Learner(model_dir, LearnerConfig(), SAMPLING)
+    learner = Learner(model_dir, cfg, SAMPLING)
+    start = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
+    for step in (1, 2):
+        ref.train_step(groups, step)
+        learner.train_step(groups, step)
+    with torch.no_grad():
+        moved = sum(float((p - start[n]).abs().sum()) for n, p in ref.model.named_parameters())
+        apart = sum(float((p - q).abs().sum()) for p, q in zip(learner.model.parameters(), ref.model.parameters()))
+    assert moved > 0 and apart < 0.1 * moved
+
+    info = save_checkpoint(tmp_path / "checkpoints", 2, 2, learner.model, learner.tokenizer, learner.optimizer)
+    from hub.training.checkpoint import latest_checkpoint
+
+    resumed = Learner(model_dir, cfg, SAMPLING, checkpoint=latest_checkpoint(tmp_path / "checkpoints"))
+    assert info.step == 2
+    after = learner.train_step(groups, 3)
+    again = resumed.train_step(groups, 3)
+    assert again.loss == pytest.approx(after.loss, rel=1e-5, abs=1e-7)
+    for (name, p), q in zip(learner.model.named_parameters(), resumed.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name

@@ -69,6 +69,7 @@ START_FLAGS: dict[str, tuple[str, type]] = {
     "dtype": ("learner.dtype", str),
     "micro_batch_tokens": ("learner.micro_batch_tokens", int),
     "attention": ("learner.attention", str),
+    "optimizer": ("learner.optimizer", str),
     "gradient_checkpointing": ("learner.gradient_checkpointing", _bool),
     "learner_procs": ("learner.procs", int),
     "lora_rank": ("learner.lora_rank", int),

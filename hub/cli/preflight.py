@@ -66,6 +66,7 @@ def check_start(config: HubConfig) -> None:
     tasks = checked_tasks(config, config.model, evaluate=config.eval.every > 0)
     check_lora(config)
     check_learner_procs(config)
+    check_learner_kernels(config)
     check_trackers(config)
     check_listen(config.listen)
     check_bulk_port(config.listen, config.broadcast.bulk_port)
@@ -129,6 +130,26 @@ def check_learner_procs(config: HubConfig) -> None:
         if torch.cuda.device_count() < lc.procs:
             raise UserError(f"--learner-procs {lc.procs}: this machine has {torch.cuda.device_count()} CUDA devices, one "
                             "per learner process is needed")
+
+
+def check_learner_kernels(config: HubConfig) -> None:
+    """The optimizer and attention kernel the learner is asked for are installed and run on its device."""
+    import importlib.util
+
+    lc = config.learner
+    world = int(os.environ.get("WORLD_SIZE", lc.procs))
+    if lc.optimizer == "adamw8bit":
+        if importlib.util.find_spec("torchao") is None:
+            raise UserError("--optimizer adamw8bit needs torchao: pip install -e \".[lowbit]\" (or --optimizer adamw)")
+        if world > 1:
+            raise UserError(f"--optimizer adamw8bit with {world} learner processes: its 8-bit moments train on one "
+                            "learner process; drop --learner-procs (or use --optimizer adamw)")
+    if lc.attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise UserError("--attention flash_attention_2 needs the flash-attn package (pip install flash-attn); "
+                        "or use --attention flex_attention on CUDA, or sdpa")
+    if lc.attention == "flex_attention" and resolve_device(lc.device, "--device") != "cuda":
+        raise UserError("--attention flex_attention trains on CUDA only (torch's flex attention has no CPU "
+                        "backward); use --attention sdpa")
 
 
 def check_lora(config: HubConfig) -> None:
