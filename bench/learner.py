@@ -77,6 +77,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--completion-len", type=int, default=10, help="the longest completion; they are uniform from half of it")
     parser.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per micro-batch on both sides (default: the learner's)")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
+    parser.add_argument("--attention", choices=("sdpa", "eager", "flex_attention", "flash_attention_2"), default="sdpa",
+                        help="echo2's attention kernel (LearnerConfig.attention); TRL's stays sdpa")
+    parser.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw", help="echo2's (LearnerConfig.optimizer)")
+    parser.add_argument("--no-trl", action="store_true", help="echo2's side only (where TRL's would not fit, or to probe sizes)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per side (after one warm-up step)")
     parser.add_argument("--lr", type=float, default=None, help="default: LearnerConfig's")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per side")
@@ -210,7 +214,8 @@ def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
         prompts_per_step=len(batch), group_size=config["n"], lr=config["lr"], weight_decay=0.0, grad_clip=GRAD_CLIP,
         eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=0.0, threads=config["threads"], device=config["device"],
         dtype="bfloat16" if config["device"] == "cuda" else "float32", micro_batch_tokens=config["micro_batch_tokens"],
-        gradient_checkpointing=config["gradient_checkpointing"],
+        gradient_checkpointing=config["gradient_checkpointing"], attention=config["attention"],
+        optimizer=config["optimizer"],
     )
     learner = Learner(model_dir, cfg, sampling)
     prompts = [row["prompt_ids"] for row in batch for _ in row["completions"]]
@@ -355,21 +360,27 @@ def run_sides(args: argparse.Namespace, work: Path, config: dict, progress) -> d
     """Each side's warm-up and timed steps: alternating on a CPU, one side after the other on CUDA."""
     steps: dict[str, list[dict]] = {"echo2": [], "trl": []}
     echo2 = Side("echo2", args, work)
+    setup = {"echo2": echo2.ready}
+    steps["setup"] = setup  # type: ignore[assignment]
+    if "error" in echo2.ready:
+        echo2.close()
+        return steps
     config.update(behaviour=echo2.ready["behaviour"], micro_batch_tokens=echo2.ready["micro_batch_tokens"])
     (work / "config.json").write_text(json.dumps(config))
-    steps["setup"] = [echo2.ready]
     sides = [echo2]
-    if args.device == "cuda":  # the GPU to each side alone
+    if args.device == "cuda" or args.no_trl:  # the GPU to each side alone
         _run(echo2, steps, args.repeats + 1, progress)
         echo2.close()
+        if args.no_trl:
+            return steps
         trl = Side("trl", args, work)
-        steps["setup"].append(trl.ready)
+        setup["trl"] = trl.ready
         if "error" not in trl.ready:
             _run(trl, steps, args.repeats + 1, progress)
         trl.close()
         return steps
     trl = Side("trl", args, work)
-    steps["setup"].append(trl.ready)
+    setup["trl"] = trl.ready
     sides.append(trl)
     try:
         for repeat in range(args.repeats + 1):
@@ -403,17 +414,18 @@ def peak_flops(device: str) -> tuple[str, float | None]:
 
 def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tokens: int) -> dict:
     device_name, peak = peak_flops(args.device)
-    params = steps["setup"][0]["params"]
+    params = steps["setup"]["echo2"].get("params")
     result: dict = {"device": args.device, "device_name": device_name, "shape": args.shape, "params": params,
                     "tokens": tokens, "completion_tokens": completion_tokens, "prompts": args.prompts, "n": args.n,
-                    "completion_len": args.completion_len, "micro_batch_tokens": steps["setup"][0]["micro_batch_tokens"],
-                    "gradient_checkpointing": args.gradient_checkpointing, "repeats": args.repeats, "lr": args.lr,
+                    "completion_len": args.completion_len, "micro_batch_tokens": steps["setup"]["echo2"].get("micro_batch_tokens"),
+                    "gradient_checkpointing": args.gradient_checkpointing, "attention": args.attention,
+                    "optimizer": args.optimizer, "repeats": args.repeats, "lr": args.lr,
                     "threads": args.threads, "trl_version": _trl_version(), "peak_bf16_flops": peak}
     memory_key, scale = ("peak_gib", 1 / 2**30) if args.device == "cuda" else ("peak_bytes", 1)
     first: dict = {}
     for name in ("echo2", "trl"):
         runs = steps[name]
-        error = next((r["error"] for r in runs if "error" in r), None) or steps["setup"][0 if name == "echo2" else -1].get("error")
+        error = next((r["error"] for r in runs if "error" in r), None) or steps["setup"].get(name, {}).get("error")
         timed = [r for r in runs[1:] if "error" not in r]
         if error or not timed:
             result.update({f"{name}_step_s": None, f"{name}_{memory_key}": None, f"{name}_mfu": None,
@@ -427,7 +439,7 @@ def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tok
             f"{name}_first_step_s": round(runs[0]["s"], 4),
             f"{name}_{memory_key}": round(memory * scale, 3) if args.device == "cuda" else int(memory),
             f"{name}_tokens_per_s": round(tokens / step_s, 1),
-            f"{name}_mfu": round(6 * params * tokens / step_s / peak, 4) if peak else None,
+            f"{name}_mfu": round(6 * params * tokens / step_s / peak, 4) if peak and params else None,
         })
         first[f"{name}_loss"], first[f"{name}_grad_norm"] = runs[0]["loss"], runs[0]["grad_norm"]
     if result["echo2_step_s"] and result["trl_step_s"]:
@@ -468,7 +480,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         (work / "batch.json").write_text(json.dumps(batch))
         config = {"model_dir": str(model_dir), "device": args.device, "n": args.n, "lr": args.lr, "threads": args.threads,
                   "completion_len": args.completion_len, "micro_batch_tokens": args.micro_batch_tokens,
-                  "gradient_checkpointing": args.gradient_checkpointing, "work": str(work)}
+                  "gradient_checkpointing": args.gradient_checkpointing, "attention": args.attention,
+                  "optimizer": args.optimizer, "work": str(work)}
         (work / "config.json").write_text(json.dumps(config))
         with Progress(disable=args.json, transient=True) as progress:
             bar = progress.add_task(f"learner step bench ({args.shape} on {args.device})", total=2 * (args.repeats + 1))

@@ -14,7 +14,7 @@ window (zero-variance and stale-dropped groups included: they measure the policy
 averaged over windows of --window steps. reward_eval_final is the exact-match rate of the
 final policy on a fixed 512-prompt sample (one completion each, the same sampling).
 
-    python bench/staleness.py [--json] [--steps 200] [--out bench/out/staleness.png]
+    python bench/staleness.py [--json] [--steps 200] [--out bench/out/staleness.png] [--optimizers adamw adamw8bit]
 
 --adaptive runs `--staleness auto` against fixed S instead, with real processes: `echo-hub start` (the embedded
 default, --local-nodes 0) and --nodes `echo-node join` volunteers at --node-price $/h, for --steps steps each.
@@ -66,6 +66,7 @@ REWARD_GAP_MAX = 0.05
 class RunSpec:
     staleness: int
     is_ratio: bool
+    optimizer: str = "adamw"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -80,6 +81,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=None, help="override LearnerConfig's default")
     parser.add_argument("--group-size", type=int, default=None, help="override LearnerConfig's default")
     parser.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS)
+    parser.add_argument("--optimizers", nargs="+", default=["adamw"], choices=["adamw", "adamw8bit"],
+                        help="every run once with each (LearnerConfig.optimizer): 8-bit moments against fp32 ones")
     parser.add_argument("--out", type=Path, default=Path("bench/out/staleness.png"), help="reward vs step plot")
     parser.add_argument("--adaptive", action="store_true", help="--staleness auto against fixed S, real processes")
     parser.add_argument("--nodes", type=int, default=4, help="--adaptive: volunteer node processes")
@@ -97,7 +100,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def learner_config(spec: RunSpec, args: argparse.Namespace):
     from hub.config import LearnerConfig
 
-    overrides = {"staleness": spec.staleness, "use_is_ratio": spec.is_ratio, "checkpoint_every": NO_CHECKPOINTS}
+    overrides = {"staleness": spec.staleness, "use_is_ratio": spec.is_ratio, "checkpoint_every": NO_CHECKPOINTS,
+                 "optimizer": spec.optimizer}
     if args.prompts_per_step is not None:
         overrides["prompts_per_step"] = args.prompts_per_step
     if args.group_size is not None:
@@ -185,6 +189,7 @@ def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, 
     return {
         "staleness": spec.staleness,
         "is_ratio": spec.is_ratio,
+        "optimizer": spec.optimizer,
         "kappa": cfg.effective_kappa,
         "install_delay_s": round(delay_s, 3),
         "reward_first": curve[min(curve)],
@@ -226,7 +231,7 @@ def plot(runs: list[dict], out: Path, steps: int) -> None:
     for run in runs:
         xs = list(run["reward_at_step"])
         ys = list(run["reward_at_step"].values())
-        label = f"S={run['staleness']} {'with' if run['is_ratio'] else 'without'} IS ratio " \
+        label = f"S={run['staleness']} {'with' if run['is_ratio'] else 'without'} IS ratio, {run['optimizer']} " \
                 f"(mean staleness {run['staleness_mean']:.1f})"
         ax.plot(xs, ys, marker="o", markersize=3, linestyle="-" if run["is_ratio"] else "--", label=label)
     ax.set_xlabel("learner step (end of window)")
@@ -362,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     hf_logging.disable_progress_bar()
     model_dir = ensure_default_model(progress=not args.json)
     sampling = HubConfig().sampling
-    specs = [RunSpec(s, True) for s in args.staleness] + [RunSpec(s, False) for s in args.no_is_ratio]
+    specs = [RunSpec(s, ratio, optimizer) for optimizer in args.optimizers
+             for s, ratio in [(s, True) for s in args.staleness] + [(s, False) for s in args.no_is_ratio]]
     step_s = measure_step_s(model_dir, learner_config(specs[0], args), sampling)
     runs = []
     with Progress(
@@ -370,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         disable=args.json, transient=True,
     ) as progress:
         for spec in specs:
-            label = f"S={spec.staleness} {'ratio' if spec.is_ratio else 'no ratio'}"
+            label = f"S={spec.staleness} {'ratio' if spec.is_ratio else 'no ratio'} {spec.optimizer}"
             bar = progress.add_task(label, total=args.steps)
             with tempfile.TemporaryDirectory(prefix="echo2-bench-staleness-") as tmp:
                 run = run_one(
