@@ -77,7 +77,7 @@ class Engine(ABC):
     def check_install(self, probe: InstallProbe | None, version: int) -> float | None:
         """After installing `version`: reproduce the hub's install probe (shared/probe.py), or mark the engine
         broken and raise EngineBroken, before anything is generated with it. The mean |gap|, or None when the
-        snapshot carries no probe (one written before probes existed)."""
+        snapshot carries no probe (its learner was built without one: tests and benches)."""
         if probe is None:
             return None
         try:

@@ -33,7 +33,7 @@ log = logging.getLogger("echo2.node.hub_link")
 
 BACKOFF_START_S = 0.5
 EVENTS_KEPT = 50
-# After a price change the hub refused (or could not take: a hub that predates PRICE_PROTOCOL), try again this late.
+# After a price change the hub refused (or could not take: away, timed out), try again this late.
 PRICE_RETRY_S = 600.0
 # Refusals no retry can cure (the volunteer must change something): the node stops and says why.
 FINAL_REFUSALS = (RejectCode.BANNED, RejectCode.MODEL_MISMATCH, RejectCode.PRICE_TOO_HIGH)
@@ -208,7 +208,7 @@ class HubLink:
             return
         try:
             reply = await self.client.reprice(wanted)
-        except Exception as exc:  # noqa: BLE001 - away, or a hub without PRICE_PROTOCOL: it keeps the joined price
+        except Exception as exc:  # noqa: BLE001 - away or timed out: it keeps the joined price
             reply = None
             reason = f"hub did not take it ({describe_failure(exc)})"
         if isinstance(reply, PriceReply):

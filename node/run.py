@@ -84,7 +84,7 @@ class NodeRuntime:
             # Before the worker may generate with it: EngineBroken (an InstallFailed) stops the node in one line.
             gap = await trio.to_thread.run_sync(self.engine.check_install, probe, version)
         if gap is None:
-            log.warning("v%d carries no install probe (written by a hub from before probes): not checked", version)
+            log.warning("v%d carries no install probe (its learner was built without one): not checked", version)
         else:
             log.info("v%d reproduces the hub's install probe: mean |log-prob gap| %.2g", version, gap)
 
@@ -240,7 +240,7 @@ class NodeRuntime:
         with trio.move_on_after(LEAVE_TIMEOUT_S):
             try:
                 reply = await client.leave(LEAVE_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - a hub away or one that predates LEAVE_PROTOCOL: it drops us later
+            except Exception as exc:  # noqa: BLE001 - a hub away: it drops us after its heartbeat timeout
                 log.info("leave not taken: %s", exc)
                 return
             if isinstance(reply, LeaveReply):

@@ -57,7 +57,6 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -311,13 +310,6 @@ def admit_only(host: IHost, protocol: str, handler: StreamHandler, allowed: Call
 
 async def open_stream(host: IHost, peer_id: str, protocol: str) -> INetStream:
     return await host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
-
-
-def protocol_refused(exc: BaseException) -> bool:
-    """Whether opening a stream failed because the peer does not speak the protocol (py-libp2p 0.8.1 says so only
-    in the message of the MultiselectClientError it chains), rather than for a transport reason."""
-    cause = exc.__cause__
-    return isinstance(cause, MultiselectClientError) and "protocol not supported" in str(cause)
 
 
 def on_live_connection(host: IHost, stream: INetStream) -> bool:
