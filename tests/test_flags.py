@@ -60,6 +60,14 @@ def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
                             "--lr-scheduler cosine", "needs --steps N")
 
 
+def test_an_epsilon_the_loss_cannot_take_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """eps_low = 1 would clip ratios at 0: the config's bound refuses it, not the learner's first step."""
+    before = snapshot_of(tmp_path)
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--epsilon", "1.0"),
+                            "learner.eps_low", "less than 1")
+    assert snapshot_of(tmp_path) == before
+
+
 def test_help_has_an_example_and_readable_defaults() -> None:
     for command in ("start", "config", "status", "plan", "dashboard", "eval", "report"):
         shown = run("hub.cli", command, "--help")
