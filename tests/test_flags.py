@@ -32,6 +32,9 @@ def test_typos_in_flags_and_toml_keys_get_did_you_mean(tmp_path: Path) -> None:
     toml.write_text("learning_rat = 1e-5\n")
     assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
                             "unknown key 'learning_rat'", "did you mean 'learning_rate'?")
+    toml.write_text("[learner]\nlora_targets = \"q_proj\"\n")  # a scalar where a list goes
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
+                            'learner.lora_targets takes a list: write lora_targets = ["q_proj"]')
     toml.write_text("[learner]\nstalenes = 2\n")
     assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
                             "[learner]", "did you mean 'staleness'?")
