@@ -226,10 +226,11 @@ def _architecture_only(value: object) -> object:
 
 
 def model_config_hash(config_dict: Mapping[str, object]) -> str:
-    """blake3 hex of a model config (e.g. `PretrainedConfig.to_dict()`) as sorted, compact JSON.
+    """The one model identity: blake3 hex of a model config (`PretrainedConfig.to_dict()`, or a config.json as
+    written: shared.checks.model_fingerprint) as sorted, compact JSON.
 
     Private keys (`_name_or_path`, ...), `transformers_version` and the dtype are left out, at
-    every nesting level. TypeError for values JSON cannot hold.
+    every nesting level. TypeError (ValueError for NaN) for values JSON cannot hold.
     """
     text = json.dumps(
         _architecture_only(config_dict), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
