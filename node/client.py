@@ -12,7 +12,6 @@ or send raw frames through `send_frame`.
 from __future__ import annotations
 
 import re
-import time
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -166,13 +165,13 @@ class HubClient:
                     with trio.CancelScope(shield=True):
                         await stream.reset()
                     raise
-        self._idle.append((stream, time.monotonic()))
+        self._idle.append((stream, trio.current_time()))
         return reply
 
     async def _open_session(self) -> INetStream:
         """A session for one request. Kept sessions are reused while fresh (the hub ends them idle) and on the live
         connection (one dropped and redialled left them dead)."""
-        now = time.monotonic()
+        now = trio.current_time()
         while self._idle:
             stream, used = self._idle.pop()
             if now - used < SESSION_REUSE_S and on_live_connection(self.host, stream):
@@ -200,11 +199,11 @@ class HubClient:
 
     async def submit(self, submission: Submission, deadline: float | None = None) -> SubmitReply | Reject:
         """Submit (signed by this node), sending again while the hub says it is busy and `deadline`
-        (time.monotonic) leaves room; without a deadline, once."""
+        (trio.current_time) leaves room; without a deadline, once."""
         while True:
             reply = await self.ask(SUBMIT_PROTOCOL, submission, SubmitReply, sign_with=self.identity)
             if not (isinstance(reply, Reject) and reply.busy and deadline is not None
-                    and time.monotonic() + BUSY_RETRY_S < deadline):
+                    and trio.current_time() + BUSY_RETRY_S < deadline):
                 return reply
             await trio.sleep(BUSY_RETRY_S)
 

@@ -9,7 +9,6 @@ the version that actually produced it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,14 +103,14 @@ class Worker:
             log.warning("lease %s needs v%d, this node holds v%d: not answered", lease.lease_id[:8], lease.min_version,
                         self.version_held())
             return None
-        started = time.monotonic()
+        started = trio.current_time()
         async with self.engine_lock:
             groups = await trio.to_thread.run_sync(self._generate, lease)
         rollouts = sum(len(g) for g in groups)
         if self.max_rollouts_per_s is not None:
             # Emulated slow hardware: the work takes as long as it would at the throttled rate.
-            await trio.sleep(max(0.0, rollouts / self.max_rollouts_per_s - (time.monotonic() - started)))
-        elapsed = time.monotonic() - started
+            await trio.sleep(max(0.0, rollouts / self.max_rollouts_per_s - (trio.current_time() - started)))
+        elapsed = trio.current_time() - started
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         submission = Submission(
             lease_id=lease.lease_id,
