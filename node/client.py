@@ -95,7 +95,8 @@ class WrongHub(Exception):
 def answered_instead(exc: BaseException) -> str | None:
     """The peer id that answered a dial in place of the one dialled, found anywhere in the exceptions py-libp2p
     nests (causes, contexts, groups, its MultiError); None when the dial failed for another reason."""
-    pending, seen = [exc], set()
+    pending: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while pending:
         err = pending.pop()
         if err is None or id(err) in seen:

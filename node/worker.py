@@ -11,11 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from node.client import HubClient
 from shared.messages import Lease, LeaseReply, Reject, RejectCode, Submission, SubmitReply, SubmittedGroup, Tallies
+
+if TYPE_CHECKING:
+    from node.engine import Engine
 
 log = logging.getLogger("echo2.node.worker")
 
@@ -42,7 +46,7 @@ class Worker:
     def __init__(
         self,
         client: HubClient,
-        engine,
+        engine: Engine,
         engine_lock: trio.Lock,
         can_work: Callable[[], bool],
         version_held: Callable[[], int],
@@ -65,6 +69,7 @@ class Worker:
     async def run(self) -> None:
         # The hub's answer to the lease request the last submission carried: one round trip per lease.
         next_lease: LeaseReply | None = None
+        reply: LeaseReply | Reject | None
         while True:
             if not self.can_work() or self.version_held() < 0:
                 next_lease = None  # a lease this node cannot work on now lapses; the hub re-leases it

@@ -246,10 +246,10 @@ class BulkChannel:
     async def transfer(self, offer: BulkOffer):
         """accept(offer) as a context: the transfer counts against its address's and the channel's caps until it
         ends, and its connection is closed then."""
-        ticket = bytes.fromhex(offer.ticket)
-        waiting = self._offers.get(ticket)
-        address = waiting.address if waiting is not None else None
-        stream = await self.accept(offer)
+        waiting = self._offers.get(bytes.fromhex(offer.ticket))
+        stream = await self.accept(offer)  # TooSlowError for an offer no longer open
+        assert waiting is not None
+        address = waiting.address
         self._transfers[address] += 1
         try:
             yield stream
@@ -307,7 +307,7 @@ class BulkChannel:
 
     async def _take_ticket(self, sock: trio.SocketStream, ip: str, address: str) -> None:
         """Hand a connection to the offer whose ticket it presents from the offer's address; else close it."""
-        stream = None
+        stream, waiting = None, None
         waits = True  # it holds one of its address's waiting slots until it claims a ticket or ends
 
         def stop_waiting() -> None:
@@ -331,13 +331,13 @@ class BulkChannel:
                     if not waiting.abandoned:
                         waiting.stream = stream
                         waiting.arrived.set()
-            if stream is None or waiting.stream is not stream:
+            if stream is None or waiting is None or waiting.stream is not stream:
                 log.debug("bulk connection from %s without a ticket in use closed", ip)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
             log.debug("bulk connection from %s failed before its ticket: %r", ip, exc)
         finally:
             stop_waiting()
-            if stream is None or waiting.stream is not stream:
+            if stream is None or waiting is None or waiting.stream is not stream:
                 await trio.aclose_forcefully(sock)
 
     # -- receiver side -----------------------------------------------------------------------------
@@ -358,8 +358,9 @@ class BulkChannel:
         try:
             with trio.fail_after(BULK_CONNECT_S):
                 try:
-                    if ip is None:
-                        raise OSError("the libp2p connection has no remote IP address")
+                    if ip is None or offer.port is None:
+                        raise OSError("the libp2p connection has no remote IP address" if ip is None
+                                      else "the offer names no port")
                     sock = await trio.open_tcp_stream(ip, offer.port)
                 except OSError:
                     self._unreachable[peer_id] = trio.current_time() + BULK_RETRY_S
@@ -402,7 +403,7 @@ async def serving_stream(stream, request: SnapshotRequest, channel: BulkChannel 
         return
     offer = channel.offer(peer_id, remote_ip(stream)) if channel is not None else BulkOffer()
     await write_message(stream, offer)
-    if offer.port is None:
+    if offer.port is None or channel is None:
         yield stream
         return
     async with channel.transfer(offer) as bulk:

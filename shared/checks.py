@@ -119,6 +119,7 @@ def check_bulk_port(listen: str, port: int, flag: str = "--bulk-port") -> None:
         raise UserError(f"{flag} {port} is the libp2p listen port too ({listen}); give the bulk channel its own, "
                         f"e.g. {flag} {port + 1}")
     host, family = _host(ma)
+    assert host is not None  # `listen` is already checked
     _check_bindable(host, family, port, f"{flag} {port}", str(port + 1))
 
 

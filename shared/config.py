@@ -118,7 +118,7 @@ def _did_you_mean(key: str, known: list[str]) -> str:
     return f"did you mean {found[0]!r}? " if found else ""
 
 
-def _describe(model: type[BaseModel], err: dict, flat: list[str] | None = None) -> str:
+def _describe(model: type[BaseModel], err: Any, flat: list[str] | None = None) -> str:
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         *section, key = err["loc"]

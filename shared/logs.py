@@ -91,9 +91,7 @@ class RotatingTextStream(io.TextIOBase):
         self.target = target
         self._fd = fd
 
-    @property
-    def encoding(self) -> str:
-        return "utf-8"
+    encoding = "utf-8"
 
     def writable(self) -> bool:
         return True

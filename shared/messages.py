@@ -159,7 +159,8 @@ class Tallies(BaseModel):
 TALLY_FIELDS: tuple[str, ...] = tuple(Tallies.model_fields)
 # The tallies that are verdicts on one group each: a group is exactly one of these.
 GROUP_VERDICTS: tuple[str, ...] = ("accepted", "rejected", "late")
-TALLY_SHORT: dict[str, str] = {name: f.json_schema_extra["short"] for name, f in Tallies.model_fields.items()}
+TALLY_SHORT: dict[str, str] = {name: str(f.json_schema_extra["short"]) for name, f in Tallies.model_fields.items()
+                               if isinstance(f.json_schema_extra, dict)}
 
 
 class JoinRequest(Message):

@@ -47,6 +47,7 @@ import sys
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import overload
 
 import trio
 from libp2p import new_host
@@ -67,7 +68,7 @@ from multiaddr import Multiaddr
 from shared import libp2p_patches
 from shared.crypto import Identity
 from shared.logs import PeerLogLimiter
-from shared.wire import Message, WritableStream, read_message, write_message, write_signed
+from shared.wire import M2, M, Message, WritableStream, read_message, write_message, write_signed
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -154,6 +155,10 @@ def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
     swarm._do_handle_inbound_connection = types.MethodType(inbound, swarm)
 
 
+@overload
+def address_key(ip: str) -> str: ...
+@overload
+def address_key(ip: str | None) -> str | None: ...
 def address_key(ip: str | None) -> str | None:
     """What one operator is assumed to control: an IPv4 address, or an IPv6 /64 (None: unknown address)."""
     if ip is None:
@@ -317,6 +322,15 @@ def on_live_connection(host: IHost, stream: INetStream) -> bool:
     return any(conn.muxed_conn is stream.muxed_conn for conn in host.get_network().get_connections(stream.muxed_conn.peer_id))
 
 
+@overload
+async def request(host: IHost, peer_id: str, protocol: str, msg: Message, reply: type[M], /, *,
+                  timeout_s: float, sign_with: Identity | None = None) -> M: ...
+@overload
+async def request(host: IHost, peer_id: str, protocol: str, msg: Message, reply: type[M], other: type[M2], /, *,
+                  timeout_s: float, sign_with: Identity | None = None) -> M | M2: ...
+@overload
+async def request(host: IHost, peer_id: str, protocol: str, msg: Message, *reply_types: type[Message],
+                  timeout_s: float, sign_with: Identity | None = None) -> Message: ...
 async def request(
     host: IHost,
     peer_id: str,

@@ -156,7 +156,7 @@ class StatusBoard:
         capacity = self.scheduler.view if self.scheduler else NO_CAPACITY
         shelf = self.broadcaster.shelf if self.broadcaster else None
         newest = shelf.get(None) if shelf else None
-        delta = shelf.delta(newest.manifest.version) if newest else None
+        delta = shelf.delta(newest.manifest.version) if shelf and newest else None
         moves = self._staleness_moves()
         staleness, kappa = (moves[-1].staleness, moves[-1].kappa) if moves else (self.info.staleness, self.info.kappa)
         return HubStatus(
@@ -234,6 +234,7 @@ class StatusBoard:
         """The last build, built here when nobody refreshes (what /metrics aggregates; no node's fields leave)."""
         async with self._encoding:
             await self._fresh()
+            assert self._built is not None  # _fresh built one
             return self._built
 
     async def run(self) -> None:
