@@ -121,17 +121,7 @@ def _did_you_mean(key: str, known: list[str]) -> str:
 def _describe(model: type[BaseModel], err: Any, flat: list[str] | None = None) -> str:
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        *section, key = err["loc"]
-        if not section:
-            owners = [name for name, f in model.model_fields.items() if isinstance(f.annotation, type)
-                      and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields]
-            if owners:
-                return f"key {key!r} belongs in section [{owners[0]}] ({owners[0]}.{key}), not at the top level"
-        fields = list(_section_model(model, section).model_fields)
-        place = f"[{'.'.join(map(str, section))}]" if section else "the top level"
-        # At the top level a flag's name (staleness = 4) is a key too.
-        guess = _did_you_mean(str(key), fields + ([] if section else list(flat or [])))
-        return f"unknown key {key!r} in {place}: {guess}(known there: {', '.join(fields)})"
+        return _unknown_key(model, err["loc"], flat)
     if err["type"] == "missing":
         *section, key = err["loc"]
         field = _section_model(model, section).model_fields.get(str(key))
@@ -149,6 +139,21 @@ def _describe(model: type[BaseModel], err: Any, flat: list[str] | None = None) -
     if "input" not in err or isinstance(err["input"], dict) or len(shown) > SHOWN_INPUT_CHARS:
         return f"{where or '(config)'}: {message}"
     return f"{where or '(config)'}: {message} (got {shown})"
+
+
+def _unknown_key(model: type[BaseModel], loc: tuple, flat: list[str] | None) -> str:
+    """A key no model field takes: the section it belongs in, or the closest known key."""
+    *section, key = loc
+    if not section:
+        owners = [name for name, f in model.model_fields.items() if isinstance(f.annotation, type)
+                  and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields]
+        if owners:
+            return f"key {key!r} belongs in section [{owners[0]}] ({owners[0]}.{key}), not at the top level"
+    fields = list(_section_model(model, section).model_fields)
+    place = f"[{'.'.join(map(str, section))}]" if section else "the top level"
+    # At the top level a flag's name (staleness = 4) is a key too.
+    guess = _did_you_mean(str(key), fields + ([] if section else list(flat or [])))
+    return f"unknown key {key!r} in {place}: {guess}(known there: {', '.join(fields)})"
 
 
 def _section_model(model: type[BaseModel], path: list) -> type[BaseModel]:
