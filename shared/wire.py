@@ -250,6 +250,10 @@ async def write_signed(stream: WritableStream, msg: Message, identity: Identity)
     await stream.write(encode_signed(msg, identity))
 
 
+@overload
+def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, expected: type[M], /) -> M: ...
+@overload
+def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, *expected: type[Message]) -> Message: ...
 def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, *expected: type[Message]) -> Message:
     """Verify `body` (signature + JSON) as `signer_peer_id`'s, then parse it as the class owning `type_tag`."""
     by_type = _by_type(expected)
@@ -266,6 +270,10 @@ def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, *expected: ty
     return decode_message(cls, json_body)
 
 
+@overload
+async def read_signed(stream: ReadableStream, signer_peer_id: str, expected: type[M], /) -> M: ...
+@overload
+async def read_signed(stream: ReadableStream, signer_peer_id: str, *expected: type[Message]) -> Message: ...
 async def read_signed(stream: ReadableStream, signer_peer_id: str, *expected: type[Message]) -> Message:
     type_tag, body = await read_frame(stream, signed_caps(*expected))
     return decode_signed(type_tag, body, signer_peer_id, *expected)
