@@ -12,7 +12,7 @@ How it is measured:
   re-scored, committed, acknowledged) per wall second. Requests go on the clients' sessions (one
   long-lived stream each, SESSION_PROTOCOL). Then the same again with a lease request before every
   submission (`two_round_trips`, the protocol before 2.1.0), and with a stream per request
-  (`stream_per_request`, the protocol before sessions), and with one check process (`one_check_process`:
+  (`stream_per_request`, a client built here that opens a stream each), and with one check process (`one_check_process`:
   for this light reward the hub's default checks in its own thread), side by side.
 - hub_cpu_ms_per_submission and hub_cpu_utilization: the hub process's CPU (every thread) over the submit
   phase, per accepted submission and per wall second: a utilization below 1 says the clients, not the hub,
@@ -62,8 +62,9 @@ from shared.messages import (
     SubmitReply,
     SubmittedGroup,
 )
-from shared.net import running_host
+from shared.net import request, running_host
 from shared.rollout import Completion, SamplingParams
+from shared.wire import Message
 from testbed.harness import query
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -115,7 +116,8 @@ def serve(data_dir: Path, check_procs: int | None) -> None:
 
 class LightClient(HubClient):
     def __init__(self, host, identity: Identity, hub_addr: str, tokenizer, sessions: bool) -> None:
-        super().__init__(host, identity, hub_addr, timeout_s=REQUEST_TIMEOUT_S, use_sessions=sessions)
+        super().__init__(host, identity, hub_addr, timeout_s=REQUEST_TIMEOUT_S)
+        self.sessions = sessions  # False: a stream per request, for comparison with sessions
         self.tokenizer = tokenizer
         self.submit_latencies: list[float] = []
         self.accepted_submissions = 0
@@ -134,6 +136,13 @@ class LightClient(HubClient):
                                               version=0, text=text))
             groups.append(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(completions)))
         return Submission(lease_id=lease.lease_id, node_id=self.peer_id, groups=tuple(groups))
+
+    async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None,
+                  sign_with: Identity | None = None):
+        if self.sessions:
+            return await super().ask(protocol, msg, reply_type, timeout_s, sign_with)
+        return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject,
+                             timeout_s=timeout_s or self.timeout_s, sign_with=sign_with)
 
     async def work_until(self, deadline: float, one_round_trip: bool) -> None:
         """Lease -> submit until `deadline`; with `one_round_trip` each submission asks for the next lease
@@ -408,7 +417,7 @@ def main() -> None:
         # Side by side, the same hub with every lease asked for on its own (how nodes did it before 2.1.0).
         two = service_bench(args.clients, args.seconds, progress, one_round_trip=False)
         result["two_round_trips"] = {k: two[k] for k in ("submissions_per_s", "submit_latency_median_s", "refused_or_no_work")}
-        # And with a stream per request (how nodes did it before sessions), and with one check process (what the
+        # And with a stream per request (what sessions save), and with one check process (what the
         # hub's default spares this light reward), side by side.
         per = service_bench(args.clients, args.seconds, progress, one_round_trip=True, sessions=False)
         result["stream_per_request"] = cpu_figures(per)

@@ -8,16 +8,17 @@ FLEET.toml (`fleet.file`, relative to sim.toml), whose nodes keep their names, p
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from hub.config import LearnerConfig, SchedulerConfig
 from hub.method.capacity import validate_kappa
+from shared.config import ConfigError, field_of, read_toml, validated
 
 
-class SimConfigError(ValueError):
+class SimConfigError(ConfigError):
     """sim.toml is unreadable or out of bounds: the message is the one line the user sees."""
 
 
@@ -89,7 +90,7 @@ class ChurnPart(Part):
 class LearnerPart(Part):
     t_train_s: float = Field(60.0, gt=0.0, le=1e6, description="mean seconds of one learner step")
     t_train_cv: float = Field(0.10, ge=0.0, le=1.0, description="coefficient of variation of T_train (normal)")
-    price_per_hour: float = Field(3.06, ge=0.0, le=10_000.0, description="the learner's $/h")
+    price_per_hour: float = field_of(LearnerConfig, "learner_price_per_hour")
     usable_fraction: float = Field(0.7, gt=0.0, le=1.0, description="share of accepted rollouts the learner trains on")
     rollouts_per_step: float | None = Field(None, gt=0.0, le=1e9, description="R (None: sized by demand_share)")
     demand_share: float = Field(0.3, gt=0.0, le=10.0, description="without R: mu_min as this share of the fleet's expected online throughput")
@@ -101,28 +102,27 @@ class SnapshotPart(Part):
     chunk_bytes: float = Field(float(1 << 20), gt=0.0, le=1e10, description="chunk size of the chained broadcast")
 
 
-StalenessSetting = int | Literal["auto"]
+# An S as the hub takes it (its bounds), or auto; a value is checked as the one its type says it means.
+StalenessSetting = Annotated[
+    Annotated[int, *LearnerConfig.model_fields["staleness"].metadata, Tag("S")] | Annotated[Literal["auto"], Tag("auto")],
+    Discriminator(lambda value: "auto" if isinstance(value, str) else "S"),
+]
 
 
 class RunPart(Part):
-    staleness: tuple[StalenessSetting, ...] = Field((4,), min_length=1, max_length=16, description="S of each row set (an int, or auto)")
-    kappa: int | None = Field(None, ge=1, le=64, description="publish period (None: default_kappa(S))")
-    staleness_max: int = Field(8, ge=1, le=64, description="auto: the largest S it may choose")
+    """The hub's settings a run is simulated under: their defaults and bounds are the hub's own (hub/config.py)."""
+
+    staleness: tuple[StalenessSetting, ...] = Field((LearnerConfig().staleness,), min_length=1, max_length=16, description="S of each row set (an int, or auto)")
+    kappa: int | None = field_of(LearnerConfig, "kappa", description="publish period (None: default_kappa(S))")
+    staleness_max: int = field_of(LearnerConfig, "staleness_max")
     drift_per_version: float = Field(0.01, ge=0.0, le=10.0, description="auto: mean |log-ratio| one version of age adds (an assumption: no model runs here)")
-    drift_max: float = Field(0.05, gt=0.0, le=10.0, description="auto: the drift bound (the hub's --drift-max)")
-    gamma: float = Field(1.1, ge=1.0, le=10.0, description="provisioning headroom over mu_min")
+    drift_max: float = field_of(LearnerConfig, "drift_max")
+    gamma: float = field_of(SchedulerConfig, "gamma")
     steps: int | None = Field(None, ge=4, le=10_000_000, description="learner steps per run (None: default_steps(N))")
     seeds: int = Field(1, ge=1, le=1000, description="seeds per fleet size and scenario")
     fleet_seed: int | None = Field(None, ge=0, description="draw one fleet per size from this seed")
     scenarios: tuple[Literal["cost-aware", "all-on", "star", "sync"], ...] = Field(
         ("cost-aware", "all-on", "star", "sync"), min_length=1, description="scenarios to run")
-
-    @field_validator("staleness")
-    @classmethod
-    def _budgets(cls, values: tuple[StalenessSetting, ...]) -> tuple[StalenessSetting, ...]:
-        if any(v != "auto" and not 0 <= v <= 64 for v in values):
-            raise ValueError(f"staleness values are ints in [0, 64] or 'auto', got {values}")
-        return values
 
 
 class PriceChange(Part):
@@ -164,18 +164,9 @@ class SimConfig(Part):
 def load_sim_config(path: Path) -> SimConfig:
     """sim.toml as a SimConfig, `fleet.file` made relative to it; SimConfigError says what is wrong in one line."""
     try:
-        with open(path, "rb") as handle:
-            document = tomllib.load(handle)
-    except OSError as exc:
-        raise SimConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise SimConfigError(f"{path} is not valid TOML: {exc}") from exc
-    try:
-        config = SimConfig.model_validate(document)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise SimConfigError(f"{path}: {where}: {first['msg']}") from None
+        config = validated(SimConfig, read_toml(path, "simulator config"), str(path))
+    except ConfigError as exc:
+        raise SimConfigError(str(exc)) from None
     if config.fleet.file is not None and not config.fleet.file.is_absolute():
         config = config.model_copy(update={"fleet": config.fleet.model_copy(update={"file": path.parent / config.fleet.file})})
     return config

@@ -36,7 +36,7 @@ class LearnerConfig(Section):
     warmup_ratio: float = Field(0.0, ge=0.0, le=1.0, description="share of --steps over which the learning rate rises linearly from 0 (TRL's warmup_ratio)")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="max global gradient norm")
-    eps_low: float = Field(0.2, ge=0.0, le=1.0, description="lower PPO clip range")
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="lower PPO clip range (below 1: the clip keeps ratios above 1 - eps_low > 0)")
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="upper PPO clip range")
     use_is_ratio: bool = Field(True, description="importance-weight stale rollouts (off: treat them as on-policy)")
     max_is_ratio: float | None = Field(None, gt=1.0, description="mask tokens whose ratio exceeds this")

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node.engine import Engine, EngineUnavailable, VLLMResources
 from shared.checks import UserError
+
+if TYPE_CHECKING:
+    from shared.precision import DtypeChoice
 
 BACKENDS = ("auto", "hf", "vllm")
 
@@ -62,7 +66,7 @@ def check_vllm_resources(platform: str, resources: VLLMResources) -> None:
 
 
 def make_engine(
-    backend: str, model_dir: Path, device: str | None = None, version: int = 0, dtype: str = "auto",
+    backend: str, model_dir: Path, device: str | None = None, version: int = 0, dtype: DtypeChoice = "auto",
     seed: int | None = None, vllm: VLLMResources = VLLMResources(), max_lora_rank: int = 0,
 ) -> Engine:
     """An engine for model_dir. backend "auto" picks vLLM when it can run on CUDA (and device is not "cpu"), else
@@ -81,6 +85,7 @@ def make_engine(
         if reason is not None:
             raise EngineUnavailable(f"the vllm backend is unavailable: {reason}")
         platform = vllm_platform()
+        assert platform is not None  # vLLM is available
         check_vllm_resources(platform, vllm)
         from node.vllm_engine import VLLMEngine
 

@@ -4,7 +4,7 @@ Every call writes one request (a submission signed with the node's identity) and
 hub's typed reply or its `Reject`; a transport failure (hub away, timeout) raises, and another
 peer answering at the hub's address raises WrongHub. Heartbeats, lease requests, submissions and
 price changes go on long-lived session streams (SESSION_PROTOCOL, a few kept open for reuse);
-the rest, and every request to a hub without sessions, open one stream each. The node's hub link,
+the rest open one stream each. The node's hub link,
 worker and keeper use it, and so do the tests and benchmarks, whose misbehaving peers subclass it
 or send raw frames through `send_frame`.
 """
@@ -12,7 +12,6 @@ or send raw frames through `send_frame`.
 from __future__ import annotations
 
 import re
-import time
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -58,7 +57,7 @@ from shared.messages import (
     SubmitReply,
     TransferAck,
 )
-from shared.net import connect, on_live_connection, open_stream, protocol_refused, request
+from shared.net import connect, on_live_connection, open_stream, request
 from shared.wire import (
     Message,
     decode_message,
@@ -96,7 +95,8 @@ class WrongHub(Exception):
 def answered_instead(exc: BaseException) -> str | None:
     """The peer id that answered a dial in place of the one dialled, found anywhere in the exceptions py-libp2p
     nests (causes, contexts, groups, its MultiError); None when the dial failed for another reason."""
-    pending, seen = [exc], set()
+    pending: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while pending:
         err = pending.pop()
         if err is None or id(err) in seen:
@@ -115,15 +115,12 @@ def answered_instead(exc: BaseException) -> str | None:
 class HubClient:
     """Speaks the node protocols to the hub at `hub_addr` (a multiaddr ending in /p2p/<hub id>) from `host`."""
 
-    def __init__(self, host: IHost, identity: Identity, hub_addr: str, timeout_s: float = REQUEST_TIMEOUT_S,
-                 use_sessions: bool = True) -> None:
+    def __init__(self, host: IHost, identity: Identity, hub_addr: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.host = host
         self.identity = identity
         self.hub_addr = hub_addr
         self.hub_peer_id = peer_id_from_multiaddr(hub_addr)
         self.timeout_s = timeout_s
-        self.use_sessions = use_sessions  # False: a stream per request, as a client before sessions (benchmarks)
-        self.sessions: bool | None = None if use_sessions else False  # the hub speaks SESSION_PROTOCOL (None: not asked)
         self._idle: list[tuple[INetStream, float]] = []  # open sessions between requests, with when they were used
         self._session_slots = trio.Semaphore(CLIENT_SESSIONS)
 
@@ -144,26 +141,21 @@ class HubClient:
 
     async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None,
                   sign_with: Identity | None = None):
-        """`msg` (signed by `sign_with` when given) on a session when its protocol may use one and the hub speaks
-        them, else on a stream of its own; the hub's reply or Reject."""
+        """`msg` (signed by `sign_with` when given) on a session when its protocol may use one, else on a stream of
+        its own; the hub's reply or Reject."""
         timeout_s = timeout_s or self.timeout_s
-        if protocol in SESSION_REQUESTS and self.sessions is not False:
+        if protocol in SESSION_REQUESTS:
             frame = encode_message(msg) if sign_with is None else encode_signed(msg, sign_with)
-            reply = await self._in_session(protocol, frame, reply_type, timeout_s)
-            if reply is not None:
-                return reply
+            return await self._in_session(protocol, frame, reply_type, timeout_s)
         return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject, timeout_s=timeout_s,
                              sign_with=sign_with)
 
     async def _in_session(self, protocol: str, frame: bytes, reply_type: type[Message], timeout_s: float):
-        """The reply to `frame` sent on a session, or None when the hub has no sessions (then not asked again
-        until the next join). The session is kept for reuse after a reply; a Reject ended it on the hub's side, so
-        it is closed here. A failure is not retried: the hub may have acted on what it read."""
+        """The reply to `frame` sent on a session. The session is kept for reuse after a reply; a Reject ended it on
+        the hub's side, so it is closed here. A failure is not retried: the hub may have acted on what it read."""
         with trio.fail_after(timeout_s):
             async with self._session_slots:
                 stream = await self._open_session()
-                if stream is None:
-                    return None
                 try:
                     await stream.write(bytes((SESSION_REQUESTS.index(protocol),)) + frame)
                     reply = await read_message(stream, reply_type, Reject)
@@ -174,43 +166,33 @@ class HubClient:
                     with trio.CancelScope(shield=True):
                         await stream.reset()
                     raise
-        self._idle.append((stream, time.monotonic()))
+        self._idle.append((stream, trio.current_time()))
         return reply
 
-    async def _open_session(self) -> INetStream | None:
-        """A session for one request, None when the hub refuses the protocol. Kept sessions are reused while fresh
-        (the hub ends them idle) and on the live connection (one dropped and redialled left them dead)."""
-        now = time.monotonic()
+    async def _open_session(self) -> INetStream:
+        """A session for one request. Kept sessions are reused while fresh (the hub ends them idle) and on the live
+        connection (one dropped and redialled left them dead)."""
+        now = trio.current_time()
         while self._idle:
             stream, used = self._idle.pop()
             if now - used < SESSION_REUSE_S and on_live_connection(self.host, stream):
                 return stream
             with trio.CancelScope(shield=True):
                 await stream.reset()
-        try:
-            stream = await open_stream(self.host, self.hub_peer_id, SESSION_PROTOCOL)
-        except Exception as exc:
-            if not protocol_refused(exc):
-                raise
-            self.sessions = False
-            return None
-        self.sessions = True
-        return stream
+        return await open_stream(self.host, self.hub_peer_id, SESSION_PROTOCOL)
 
     async def join(self, join: JoinRequest) -> JoinReply | Reject:
-        if self.use_sessions:
-            self.sessions = None  # a hub restarted (upgraded, say) under this node may speak sessions now
         return await self.ask(JOIN_PROTOCOL, join, JoinReply)
 
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply | Reject:
         return await self.ask(HEARTBEAT_PROTOCOL, beat, HeartbeatReply)
 
     async def reprice(self, price_per_hour: float) -> PriceReply | Reject:
-        """Re-declare this node's price (PRICE_PROTOCOL); a hub that predates it refuses the protocol."""
+        """Re-declare this node's price (PRICE_PROTOCOL)."""
         return await self.ask(PRICE_PROTOCOL, PriceChange(price_per_hour=price_per_hour), PriceReply)
 
     async def leave(self, timeout_s: float) -> LeaveReply | Reject:
-        """Tell the hub this node stops (LEAVE_PROTOCOL); a hub that predates it refuses the protocol."""
+        """Tell the hub this node stops (LEAVE_PROTOCOL)."""
         return await self.ask(LEAVE_PROTOCOL, Leave(), LeaveReply, timeout_s=timeout_s)
 
     async def lease(self, version_held: int) -> LeaseReply | Reject:
@@ -218,11 +200,11 @@ class HubClient:
 
     async def submit(self, submission: Submission, deadline: float | None = None) -> SubmitReply | Reject:
         """Submit (signed by this node), sending again while the hub says it is busy and `deadline`
-        (time.monotonic) leaves room; without a deadline, once."""
+        (trio.current_time) leaves room; without a deadline, once."""
         while True:
             reply = await self.ask(SUBMIT_PROTOCOL, submission, SubmitReply, sign_with=self.identity)
             if not (isinstance(reply, Reject) and reply.busy and deadline is not None
-                    and time.monotonic() + BUSY_RETRY_S < deadline):
+                    and trio.current_time() + BUSY_RETRY_S < deadline):
                 return reply
             await trio.sleep(BUSY_RETRY_S)
 

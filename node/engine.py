@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from shared.probe import InstallProbe, ProbeMismatch
 from shared.rollout import Completion, SamplingParams
@@ -35,7 +35,7 @@ class Engine(ABC):
 
     backend: ClassVar[str]
     version: int
-    tokenizer: object
+    tokenizer: Any  # a Hugging Face tokenizer
     dtype: str  # "float32" or "bfloat16": the weights' dtype, which snapshots must carry
     broken: str | None = None  # why the engine must not generate, once a swap failed half way
     model_context: int | None = None  # the model's positions (max_position_embeddings): the most a lease may need
@@ -77,7 +77,7 @@ class Engine(ABC):
     def check_install(self, probe: InstallProbe | None, version: int) -> float | None:
         """After installing `version`: reproduce the hub's install probe (shared/probe.py), or mark the engine
         broken and raise EngineBroken, before anything is generated with it. The mean |gap|, or None when the
-        snapshot carries no probe (one written before probes existed)."""
+        snapshot carries no probe (its learner was built without one: tests and benches)."""
         if probe is None:
             return None
         try:

@@ -33,7 +33,7 @@ log = logging.getLogger("echo2.node.hub_link")
 
 BACKOFF_START_S = 0.5
 EVENTS_KEPT = 50
-# After a price change the hub refused (or could not take: a hub that predates PRICE_PROTOCOL), try again this late.
+# After a price change the hub refused (or could not take: away, timed out), try again this late.
 PRICE_RETRY_S = 600.0
 # Refusals no retry can cure (the volunteer must change something): the node stops and says why.
 FINAL_REFUSALS = (RejectCode.BANNED, RejectCode.MODEL_MISMATCH, RejectCode.PRICE_TOO_HIGH)
@@ -92,7 +92,7 @@ class HubLink:
         """`on_join`: awaited with each join reply before the node heartbeats (it may raise to stop the node).
         `price`: the price this node asks now (a schedule); re-declared to the hub whenever it differs."""
         self.price = price
-        self.next_price_change = 0.0  # time.monotonic() before which the hub takes no change
+        self.next_price_change = 0.0  # trio.current_time() before which the hub takes no change
         self.client = client
         self.on_join = on_join
         self.join_request = join_request
@@ -204,20 +204,20 @@ class HubLink:
         if self.price is None:
             return
         wanted = self.price()
-        if wanted == self.state.price_per_hour or time.monotonic() < self.next_price_change:
+        if wanted == self.state.price_per_hour or trio.current_time() < self.next_price_change:
             return
         try:
             reply = await self.client.reprice(wanted)
-        except Exception as exc:  # noqa: BLE001 - away, or a hub without PRICE_PROTOCOL: it keeps the joined price
+        except Exception as exc:  # noqa: BLE001 - away or timed out: it keeps the joined price
             reply = None
             reason = f"hub did not take it ({describe_failure(exc)})"
         if isinstance(reply, PriceReply):
             self.state.note("price", f"${self.state.price_per_hour:.2f}/h -> ${reply.price_per_hour:.2f}/h")
             self.state.price_per_hour = reply.price_per_hour
-            self.next_price_change = time.monotonic() + reply.next_change_in_s
+            self.next_price_change = trio.current_time() + reply.next_change_in_s
             return
         if isinstance(reply, Reject):
             reason = reply.reason
         log.warning("price change to $%.4g/h refused: %s", wanted, reason)
         self.state.note("price_refused", f"${wanted:.2f}/h: {reason}; next try in {PRICE_RETRY_S:.0f}s")
-        self.next_price_change = time.monotonic() + PRICE_RETRY_S
+        self.next_price_change = trio.current_time() + PRICE_RETRY_S

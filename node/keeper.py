@@ -474,11 +474,12 @@ class SnapshotKeeper:
                 transfer.assembler.discard()
             paths = delta_paths if manifest.kind == "delta" else snapshot_paths
             path, _ = paths(self.directory, manifest.version)
-            self.transfer = Transfer(signed, manifest, ChunkAssembler(manifest, path), time.monotonic(), self._name(source))
+            transfer = self.transfer = Transfer(signed, manifest, ChunkAssembler(manifest, path), time.monotonic(),
+                                                self._name(source))
             self._notify()
             if self.downstream is not None:
                 self._announce_downstream(manifest.version)
-        return self.transfer.assembler
+        return transfer.assembler
 
     async def _on_chunk(self, index: int) -> None:
         self._notify()
@@ -513,6 +514,7 @@ class SnapshotKeeper:
 
     async def _complete(self, version: int) -> None:
         transfer = self.transfer
+        assert transfer is not None  # a chunk completed it
         # Hashing a whole model is seconds of CPU for a large one: off the event loop.
         path = await trio.to_thread.run_sync(transfer.assembler.finish)  # whole hash checked
         if transfer.manifest.kind == "delta":

@@ -12,7 +12,6 @@ and the heartbeat says so, so the hub stops planning that pair.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -56,7 +55,7 @@ class NatTraversal:
         self.stop = CircuitV2Protocol(host, allow_hop=False)  # accepts connections relayed to us
         self.dcutr = DCUtRProtocol(host, dial_timeout=DIAL_TIMEOUT_S)
         self.transport = CircuitV2Transport(host, self.stop, RelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT))
-        self.reserved_at: float | None = None  # monotonic time of our last reservation on the hub
+        self.reserved_at: float | None = None  # trio.current_time() of our last reservation on the hub
         self.reserving = False
 
     @asynccontextmanager
@@ -72,7 +71,7 @@ class NatTraversal:
 
     def needs_reservation(self) -> bool:
         """No reservation yet, none in flight, or one old enough to renew (a hub that restarted forgot it)."""
-        return not self.reserving and (self.reserved_at is None or time.monotonic() - self.reserved_at > RESERVE_EVERY_S)
+        return not self.reserving and (self.reserved_at is None or trio.current_time() - self.reserved_at > RESERVE_EVERY_S)
 
     async def reserve(self, nursery: trio.Nursery) -> None:
         """A slot on the hub's relay, so NATed successors can reach us; one attempt at a time."""
@@ -86,7 +85,7 @@ class NatTraversal:
         finally:
             self.reserving = False
         if held:
-            self.reserved_at = time.monotonic()
+            self.reserved_at = trio.current_time()
         log.info("relay reservation on the hub: %s", "held" if held else "refused")
 
     def direct(self, peer_id: str) -> bool:

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -39,6 +40,10 @@ from shared.probe import InstallProbe
 from shared.signals import Stopper, trio_owns_ctrl_c
 from shared.units import BYTES_PER_MBIT
 
+if TYPE_CHECKING:
+    from node.engine import Engine
+    from node.nat import NatTraversal
+
 log = logging.getLogger("echo2.node")
 # How long a stopping node waits for the hub to take its leave: a hub away is dropping it at its heartbeat timeout.
 LEAVE_TIMEOUT_S = 3.0
@@ -58,7 +63,7 @@ def _hardware(device: str) -> str:
 class NodeRuntime:
     """Wires the node's components together in one trio nursery."""
 
-    def __init__(self, config: NodeConfig, identity: Identity, engine, model_config_hash: str, device: str) -> None:
+    def __init__(self, config: NodeConfig, identity: Identity, engine: Engine, model_config_hash: str, device: str) -> None:
         self.config = config
         self.identity = identity
         self.engine = engine
@@ -69,7 +74,7 @@ class NodeRuntime:
         self.engine_lock = trio.Lock()
         self.listen_addrs: tuple[str, ...] = ()
         self._nursery: trio.Nursery | None = None
-        self.nat = None  # NatTraversal, once the host runs
+        self.nat: NatTraversal  # once the host runs
         self.stopper = Stopper()
         self.versions_installed = 0
 
@@ -84,7 +89,7 @@ class NodeRuntime:
             # Before the worker may generate with it: EngineBroken (an InstallFailed) stops the node in one line.
             gap = await trio.to_thread.run_sync(self.engine.check_install, probe, version)
         if gap is None:
-            log.warning("v%d carries no install probe (written by a hub from before probes): not checked", version)
+            log.warning("v%d carries no install probe (its learner was built without one): not checked", version)
         else:
             log.info("v%d reproduces the hub's install probe: mean |log-prob gap| %.2g", version, gap)
 
@@ -141,6 +146,7 @@ class NodeRuntime:
             self.worker.wake = trio.Event()
 
     async def _reserve(self) -> None:
+        assert self._nursery is not None  # started from it
         try:
             await self.nat.reserve(self._nursery)
         except Exception as exc:  # noqa: BLE001 - the hub may be away; the next heartbeat reply retries
@@ -240,7 +246,7 @@ class NodeRuntime:
         with trio.move_on_after(LEAVE_TIMEOUT_S):
             try:
                 reply = await client.leave(LEAVE_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - a hub away or one that predates LEAVE_PROTOCOL: it drops us later
+            except Exception as exc:  # noqa: BLE001 - a hub away: it drops us after its heartbeat timeout
                 log.info("leave not taken: %s", exc)
                 return
             if isinstance(reply, LeaveReply):
@@ -314,7 +320,7 @@ def _run_phase(run: Callable[[], Awaitable[None]]) -> int | None:
     try:
         with trio_owns_ctrl_c():
             trio.run(run)
-    except (BaseExceptionGroup, *ONE_LINE_ENDS) as exc:
+    except BaseException as exc:
         end = one_line_end(exc)
         if end is None:
             raise
@@ -337,8 +343,9 @@ def one_line_end(exc: BaseException) -> tuple[Exception, int] | None:
         ends, rest = exc.split(tuple(ONE_LINE_ENDS))
         if ends is None or rest is not None:
             return None
-        while isinstance(ends, BaseExceptionGroup):
-            ends = ends.exceptions[0]
-        exc = ends
+        first: BaseException = ends
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        exc = first
     return next(((exc, code) for kind, code in ONE_LINE_ENDS.items() if isinstance(exc, kind)), None)
 

@@ -54,7 +54,7 @@ class SnapshotWorkerExtension:
                 count += 1
                 yield item
 
-        runner = self.model_runner
+        runner = self.model_runner  # type: ignore[attr-defined]  # vLLM's worker, which this class is mixed into
         # reload_weights maps HF names onto vLLM's fused layers (qkv, gate_up) like load_weights, then runs the
         # post-load processing again (repacked CPU linears, quantised layouts).
         runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)

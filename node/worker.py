@@ -9,14 +9,17 @@ the version that actually produced it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from node.client import HubClient
 from shared.messages import Lease, LeaseReply, Reject, RejectCode, Submission, SubmitReply, SubmittedGroup, Tallies
+
+if TYPE_CHECKING:
+    from node.engine import Engine
 
 log = logging.getLogger("echo2.node.worker")
 
@@ -45,7 +48,7 @@ class Worker:
     def __init__(
         self,
         client: HubClient,
-        engine,
+        engine: Engine,
         engine_lock: trio.Lock,
         can_work: Callable[[], bool],
         version_held: Callable[[], int],
@@ -68,6 +71,7 @@ class Worker:
     async def run(self) -> None:
         # The hub's answer to the lease request the last submission carried: one round trip per lease.
         next_lease: LeaseReply | None = None
+        reply: LeaseReply | Reject | None
         while True:
             if not self.can_work() or self.version_held() < 0:
                 next_lease = None  # a lease this node cannot work on now lapses; the hub re-leases it
@@ -115,14 +119,14 @@ class Worker:
             log.warning("lease %s needs v%d, this node holds v%d: not answered", lease.lease_id[:8], lease.min_version,
                         self.version_held())
             return None
-        started = time.monotonic()
+        started = trio.current_time()
         async with self.engine_lock:
             groups = await trio.to_thread.run_sync(self._generate, lease)
         rollouts = sum(len(g) for g in groups)
         if self.max_rollouts_per_s is not None:
             # Emulated slow hardware: the work takes as long as it would at the throttled rate.
-            await trio.sleep(max(0.0, rollouts / self.max_rollouts_per_s - (time.monotonic() - started)))
-        elapsed = time.monotonic() - started
+            await trio.sleep(max(0.0, rollouts / self.max_rollouts_per_s - (trio.current_time() - started)))
+        elapsed = trio.current_time() - started
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         answer = tuple(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(g)) for p, g in zip(lease.prompts, groups))
         if rewrite is not None:

@@ -33,7 +33,6 @@ import errno
 import logging
 import os
 import struct
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -229,7 +228,7 @@ class BulkChannel:
         """A one-time ticket and key for `peer_id`, to be presented from `ip` (an offer without a port when the
         receiver's IP is unknown or too many offers are open: a member asking and never dialing takes at most
         MAX_OPEN_OFFERS_PER_PEER of them, so a few such members cannot push everyone back onto libp2p)."""
-        now = time.monotonic()
+        now = trio.current_time()
         for ticket in [t for t, o in self._offers.items() if o.expires_at < now]:
             del self._offers[ticket]
         if self.port is None or ip is None or len(self._offers) >= MAX_OPEN_OFFERS:
@@ -247,10 +246,10 @@ class BulkChannel:
     async def transfer(self, offer: BulkOffer):
         """accept(offer) as a context: the transfer counts against its address's and the channel's caps until it
         ends, and its connection is closed then."""
-        ticket = bytes.fromhex(offer.ticket)
-        waiting = self._offers.get(ticket)
-        address = waiting.address if waiting is not None else None
-        stream = await self.accept(offer)
+        waiting = self._offers.get(bytes.fromhex(offer.ticket))
+        stream = await self.accept(offer)  # TooSlowError for an offer no longer open
+        assert waiting is not None
+        address = waiting.address
         self._transfers[address] += 1
         try:
             yield stream
@@ -268,7 +267,7 @@ class BulkChannel:
         if waiting is None:
             raise trio.TooSlowError("the bulk offer expired before it was sent")
         try:
-            with trio.move_on_after(max(0.0, waiting.expires_at - time.monotonic())):
+            with trio.move_on_after(max(0.0, waiting.expires_at - trio.current_time())):
                 await waiting.arrived.wait()
         finally:
             self._offers.pop(ticket, None)
@@ -308,7 +307,7 @@ class BulkChannel:
 
     async def _take_ticket(self, sock: trio.SocketStream, ip: str, address: str) -> None:
         """Hand a connection to the offer whose ticket it presents from the offer's address; else close it."""
-        stream = None
+        stream, waiting = None, None
         waits = True  # it holds one of its address's waiting slots until it claims a ticket or ends
 
         def stop_waiting() -> None:
@@ -324,7 +323,7 @@ class BulkChannel:
                 ticket = await _receive_exactly(sock, TICKET_BYTES)
                 waiting = self._offers.get(ticket) if ticket is not None else None
                 if (waiting is not None and not waiting.claimed and not waiting.abandoned and waiting.ip == ip
-                        and waiting.expires_at >= time.monotonic()):
+                        and waiting.expires_at >= trio.current_time()):
                     waiting.claimed = True  # before any await: one connection per ticket
                     stop_waiting()  # its offer no longer counts as open, so its slot goes with it
                     stream = BulkStream(sock, waiting.key, dialer=False, peer_id=waiting.peer_id)
@@ -332,20 +331,20 @@ class BulkChannel:
                     if not waiting.abandoned:
                         waiting.stream = stream
                         waiting.arrived.set()
-            if stream is None or waiting.stream is not stream:
+            if stream is None or waiting is None or waiting.stream is not stream:
                 log.debug("bulk connection from %s without a ticket in use closed", ip)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
             log.debug("bulk connection from %s failed before its ticket: %r", ip, exc)
         finally:
             stop_waiting()
-            if stream is None or waiting.stream is not stream:
+            if stream is None or waiting is None or waiting.stream is not stream:
                 await trio.aclose_forcefully(sock)
 
     # -- receiver side -----------------------------------------------------------------------------
 
     def usable(self, peer_id: str) -> bool:
         """Whether to ask `peer_id` for its bulk channel (not if it could not be reached lately)."""
-        now = time.monotonic()
+        now = trio.current_time()
         for peer in [p for p, until in self._unreachable.items() if until <= now]:
             del self._unreachable[peer]
         return peer_id not in self._unreachable
@@ -359,11 +358,12 @@ class BulkChannel:
         try:
             with trio.fail_after(BULK_CONNECT_S):
                 try:
-                    if ip is None:
-                        raise OSError("the libp2p connection has no remote IP address")
+                    if ip is None or offer.port is None:
+                        raise OSError("the libp2p connection has no remote IP address" if ip is None
+                                      else "the offer names no port")
                     sock = await trio.open_tcp_stream(ip, offer.port)
                 except OSError:
-                    self._unreachable[peer_id] = time.monotonic() + BULK_RETRY_S
+                    self._unreachable[peer_id] = trio.current_time() + BULK_RETRY_S
                     raise
                 await sock.send_all(bytes.fromhex(offer.ticket))
                 stream = BulkStream(sock, bytes.fromhex(offer.key), dialer=True, peer_id=peer_id)
@@ -374,7 +374,7 @@ class BulkChannel:
             self.dialed += 1
             return stream
         except trio.TooSlowError as exc:
-            self._unreachable[peer_id] = time.monotonic() + BULK_RETRY_S
+            self._unreachable[peer_id] = trio.current_time() + BULK_RETRY_S
             if sock is not None:
                 await trio.aclose_forcefully(sock)
             raise BulkUnreachable(f"bulk channel of {peer_id[-8:]} at {ip} port {offer.port}: {exc!r}") from exc
@@ -403,7 +403,7 @@ async def serving_stream(stream, request: SnapshotRequest, channel: BulkChannel 
         return
     offer = channel.offer(peer_id, remote_ip(stream)) if channel is not None else BulkOffer()
     await write_message(stream, offer)
-    if offer.port is None:
+    if offer.port is None or channel is None:
         yield stream
         return
     async with channel.transfer(offer) as bulk:

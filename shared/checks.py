@@ -16,11 +16,9 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
-import blake3
+from shared.snapshot import model_config_hash
 
 ADDR_EXAMPLE = "/ip4/203.0.113.7/tcp/4077/p2p/12D3KooW..."
-# config.json keys that differ between copies of one model without changing it.
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype")
 
 
 class UserError(Exception):
@@ -50,12 +48,9 @@ def check_model_dir(path: Path, flag: str = "--model") -> None:
 
 
 def model_fingerprint(path: Path) -> str:
-    """blake3 of a model directory's config.json as sorted JSON, minus keys that vary between copies."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    for key in _VOLATILE_CONFIG_KEYS:
-        config.pop(key, None)
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
-    return blake3.blake3(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    """The model identity (shared.snapshot.model_config_hash) of a model directory's config.json as written, without
+    loading transformers: what a run records and a resume compares."""
+    return model_config_hash(json.loads((Path(path) / "config.json").read_text()))
 
 
 def check_data_dir(path: Path, flag: str = "--data-dir") -> None:
@@ -124,6 +119,7 @@ def check_bulk_port(listen: str, port: int, flag: str = "--bulk-port") -> None:
         raise UserError(f"{flag} {port} is the libp2p listen port too ({listen}); give the bulk channel its own, "
                         f"e.g. {flag} {port + 1}")
     host, family = _host(ma)
+    assert host is not None  # `listen` is already checked
     _check_bindable(host, family, port, f"{flag} {port}", str(port + 1))
 
 

@@ -1,4 +1,5 @@
-"""Config plumbing shared by both processes: a strict pydantic base, TOML loading and flag overrides.
+"""Config plumbing shared by both processes and the tools: a strict pydantic base, TOML loading with one-line
+errors, and flag overrides.
 
 Precedence is defaults < TOML file < command-line flags. Each process has one root model
 (`HubConfig`, `NodeConfig`); components receive only their own section.
@@ -6,6 +7,7 @@ Precedence is defaults < TOML file < command-line flags. Each process has one ro
 
 from __future__ import annotations
 
+import copy
 import difflib
 import tomllib
 from collections.abc import Callable
@@ -13,9 +15,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 T = TypeVar("T", bound=BaseModel)
+# A bad value longer than this (a whole array of tables, say) is not repeated in the one-line error.
+SHOWN_INPUT_CHARS = 120
 # Where a status page listens (shared/web.py): HOST:PORT, [IPv6]:PORT, or off.
 HttpBind = Annotated[str, Field(pattern=r"^(off|[A-Za-z0-9.\-]+:[0-9]{1,5}|\[[0-9a-fA-F:]+\]:[0-9]{1,5})$")]
 
@@ -40,6 +45,13 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def field_of(model: type[BaseModel], dotted: str, **changes: Any) -> Any:
+    """Another model's field (its type's bounds and its default) for a model that takes the same value, so that the
+    rule is defined once; `changes`: Field() arguments it differs by (a description, say)."""
+    field = _leaf_field(model, dotted)
+    return FieldInfo.merge_field_infos(field, **changes) if changes else copy.copy(field)
+
+
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """Set tree['a']['b'] = value for dotted = 'a.b', creating sections as needed."""
     *parents, leaf = dotted.split(".")
@@ -47,6 +59,36 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parents:
         node = node.setdefault(part, {})
     node[leaf] = value
+
+
+def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
+    """The TOML document at `path`; ConfigError (one line, naming `what` and the path) when it cannot be read."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"cannot read {what} {path}: it does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"cannot read {what} {path}: it is a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not valid TOML: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not valid TOML: {exc}") from None
+
+
+def validated(model: type[T], document: dict[str, Any], context: str = "invalid configuration",
+              flat: list[str] | None = None) -> T:
+    """`document` as `model`; ConfigError (one line, after `context`) naming every bad value and what is expected.
+    `flat`: the top-level names a file may also use (a flag's name), offered as "did you mean"."""
+    try:
+        return model.model_validate(document)
+    except ValidationError as exc:
+        errors = exc.errors()
+        # A table that failed inside an array of them also leaves the array short: the inner error says it all.
+        errors = [err for err in errors if not (err["type"] == "too_short" and any(
+            other["loc"][:len(err["loc"])] == err["loc"] and len(other["loc"]) > len(err["loc"]) for other in errors))]
+        raise ConfigError(f"{context}: " + "; ".join(_describe(model, err, flat) for err in errors)) from None
 
 
 def load_config(
@@ -59,14 +101,7 @@ def load_config(
     """
     tree: dict[str, Any] = {}
     if toml_path is not None:
-        try:
-            tree = tomllib.loads(Path(toml_path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {toml_path} does not exist") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {toml_path} is a directory") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {toml_path} is not valid TOML: {exc}") from None
+        tree = read_toml(toml_path)
         for flat, dotted in (aliases or {}).items():
             if flat in tree and flat not in model.model_fields and flat != dotted:
                 set_dotted(tree, dotted, tree.pop(flat))
@@ -74,11 +109,7 @@ def load_config(
     for dotted, value in overrides.items():
         if value is not None:
             set_dotted(flags, dotted, value)
-    try:
-        return model.model_validate(_merge(tree, flags))
-    except ValidationError as exc:
-        flat = list(aliases or {})
-        raise ConfigError("invalid configuration: " + "; ".join(_describe(model, err, flat) for err in exc.errors())) from None
+    return validated(model, _merge(tree, flags), flat=list(aliases or {}))
 
 
 def _did_you_mean(key: str, known: list[str]) -> str:
@@ -87,35 +118,65 @@ def _did_you_mean(key: str, known: list[str]) -> str:
     return f"did you mean {found[0]!r}? " if found else ""
 
 
-def _describe(model: type[BaseModel], err: dict, flat: list[str] | None = None) -> str:
+def _describe(model: type[BaseModel], err: Any, flat: list[str] | None = None) -> str:
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        *section, key = err["loc"]
-        if not section:
-            owners = [name for name, f in model.model_fields.items() if isinstance(f.annotation, type)
-                      and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields]
-            if owners:
-                return f"key {key!r} belongs in section [{owners[0]}] ({owners[0]}.{key}), not at the top level"
-        fields = list(_section_model(model, section).model_fields)
-        place = f"[{'.'.join(map(str, section))}]" if section else "the top level"
-        # At the top level a flag's name (staleness = 4) is a key too.
-        guess = _did_you_mean(str(key), fields + ([] if section else list(flat or [])))
-        return f"unknown key {key!r} in {place}: {guess}(known there: {', '.join(fields)})"
+        return _unknown_key(model, err["loc"], flat)
     if err["type"] == "missing":
-        field = _leaf_field(model, where)
-        return f"{where} is required: {field.description}" if field.description else f"{where} is required"
+        *section, key = err["loc"]
+        field = _section_model(model, section).model_fields.get(str(key))
+        return f"{where} is required: {field.description}" if field and field.description else f"{where} is required"
+    if err["type"] in ("tuple_type", "list_type") and not isinstance(err.get("input"), (dict, list, tuple)):
+        # A scalar where a list goes (`staleness = 3`): say the list, not "Input should be a valid tuple".
+        *section, leaf = err["loc"]
+        field = _section_model(model, section).model_fields.get(str(leaf))
+        given = f"{leaf} = {_toml_value(err['input'])}"
+        if field is not None and _model_in(field.annotation) is not None:
+            return f"{where} takes tables: write [[{where}]] sections, not {given}"
+        return f"{where} takes a list: write {leaf} = [{_toml_value(err['input'])}], not {given}"
     message = err["msg"].removeprefix("Value error, ")
-    return f"{where or '(config)'}: {message} (got {err['input']!r})" if "input" in err and not isinstance(
-        err["input"], dict) else f"{where or '(config)'}: {message}"
+    shown = repr(err.get("input"))
+    if "input" not in err or isinstance(err["input"], dict) or len(shown) > SHOWN_INPUT_CHARS:
+        return f"{where or '(config)'}: {message}"
+    return f"{where or '(config)'}: {message} (got {shown})"
+
+
+def _unknown_key(model: type[BaseModel], loc: tuple, flat: list[str] | None) -> str:
+    """A key no model field takes: the section it belongs in, or the closest known key."""
+    *section, key = loc
+    if not section:
+        owners = [name for name, f in model.model_fields.items() if isinstance(f.annotation, type)
+                  and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields]
+        if owners:
+            return f"key {key!r} belongs in section [{owners[0]}] ({owners[0]}.{key}), not at the top level"
+    fields = list(_section_model(model, section).model_fields)
+    place = f"[{'.'.join(map(str, section))}]" if section else "the top level"
+    # At the top level a flag's name (staleness = 4) is a key too.
+    guess = _did_you_mean(str(key), fields + ([] if section else list(flat or [])))
+    return f"unknown key {key!r} in {place}: {guess}(known there: {', '.join(fields)})"
 
 
 def _section_model(model: type[BaseModel], path: list) -> type[BaseModel]:
+    """The model a key at `path` belongs to: sections, and the tables of an array of them (`[[node]]`: an index)."""
     for part in path:
-        annotation = model.model_fields[str(part)].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        inner = None if field is None else _model_in(field.annotation)
+        if inner is None:
             break
-        model = annotation
+        model = inner
     return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds: itself, or the one in its tuple or optional."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
 
 
 def _default(model: type[BaseModel], dotted: str) -> Any:

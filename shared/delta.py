@@ -59,7 +59,7 @@ ZSTD_LEVEL = 3
 MAX_FOOTER_BYTES = 16 << 20
 _FOOTER_LEN_BYTES = 8
 _GAP_DTYPE = np.dtype("<u4")
-_UINT_BY_WIDTH = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_UINT_BY_WIDTH: dict[int, np.dtype] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 KINDS = ("same", "sparse", "xor", "whole")
 
 
@@ -88,7 +88,7 @@ def _read_piece(f, entry: Entry, start: int, count: int) -> np.ndarray:
     out = np.empty(count, dtype=_UINT_BY_WIDTH[width])
     f.seek(entry.start + start * width)
     try:
-        read_exact_into(f, memoryview(out).cast("B"), entry.name)
+        read_exact_into(f, out.data.cast("B"), entry.name)
     except WeightsFileError as exc:
         raise DeltaError(str(exc)) from exc
     return out
@@ -264,7 +264,7 @@ def apply_delta(base_path: Path, base_hash: str, delta_path: Path, full: Manifes
             for (entry, start, count), (kind, length, changed) in zip(plan, footer.pieces, strict=True):
                 old = _read_piece(fb, entry, start, count)
                 new = _decode(kind, fd.read(length), changed, old, f"{entry.name}[{start}:{start + count}]")
-                emit(memoryview(np.ascontiguousarray(new)).cast("B"))
+                emit(np.ascontiguousarray(new).data.cast("B"))
             chunk_hashes, whole_hash = hasher.finish()
             if whole_hash != full.whole_hash or chunk_hashes != full.chunk_hashes:
                 raise DeltaError(f"delta result fails the hashes of v{full.version}")

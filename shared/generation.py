@@ -11,11 +11,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.logprobs import sampling_logprobs
 from shared.rollout import Completion, SamplingParams, lease_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -53,7 +57,7 @@ class Sampler:
     """Samples n completions per prompt in one left-padded batch with a KV cache. Not thread-safe: callers
     serialise generate() against weight changes."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device, process_seed: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer, device: torch.device, process_seed: int | None = None) -> None:
         self.model = model
         # Mixed into a seeded request's seed (shared.rollout.lease_seed): None keeps the request's seed as is.
         self.process_seed = process_seed

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 LOG_MAX_MB = 50.0
@@ -90,9 +91,7 @@ class RotatingTextStream(io.TextIOBase):
         self.target = target
         self._fd = fd
 
-    @property
-    def encoding(self) -> str:
-        return "utf-8"
+    encoding = "utf-8"
 
     def writable(self) -> bool:
         return True
@@ -121,8 +120,9 @@ class PeerLogLimiter:
     """Whether a peer-triggered line may be logged now: one per key per window; the next one allowed says how
     many were held back. The table forgets keys past their window once it holds PEER_LOG_KEYS."""
 
-    def __init__(self, window_s: float = PEER_LOG_WINDOW_S) -> None:
+    def __init__(self, window_s: float = PEER_LOG_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
+        self.clock = clock  # seconds, for `tail` (a test passes its own)
         self._last: dict[str, tuple[float, int]] = {}  # key -> (when last logged, lines held back since)
 
     def allow(self, key: str, now: float) -> tuple[bool, int]:
@@ -139,7 +139,7 @@ class PeerLogLimiter:
     def tail(self, key: str) -> str | None:
         """None when `key`'s line is held back now; else the end of the line to log: how many like it were held
         back since the last one ("" for none)."""
-        logged, held = self.allow(key, time.monotonic())
+        logged, held = self.allow(key, self.clock())
         if not logged:
             return None
         return f" ({held} more since the last such line)" if held else ""

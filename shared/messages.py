@@ -55,6 +55,8 @@ CHUNK_FRAME = 201
 MODEL_FILE_FRAME = 202  # the bytes of one model file (MODEL_PROTOCOL)
 
 NodeState = Literal["probing", "active", "standby", "banned", "gone"]
+# Whether peers can dial a node: yes, it dials out only (behind a NAT), or not probed yet.
+Reachability = Literal["public", "nated", "unknown"]
 
 # Bounds on what a peer may declare. Every number a peer sends is bounded here, before any of our
 # code sees it: a version is a learner step (far below SQLite's 64-bit INTEGER), a link between a
@@ -157,7 +159,8 @@ class Tallies(BaseModel):
 TALLY_FIELDS: tuple[str, ...] = tuple(Tallies.model_fields)
 # The tallies that are verdicts on one group each: a group is exactly one of these.
 GROUP_VERDICTS: tuple[str, ...] = ("accepted", "rejected", "late")
-TALLY_SHORT: dict[str, str] = {name: f.json_schema_extra["short"] for name, f in Tallies.model_fields.items()}
+TALLY_SHORT: dict[str, str] = {name: str(f.json_schema_extra["short"]) for name, f in Tallies.model_fields.items()
+                               if isinstance(f.json_schema_extra, dict)}
 
 
 class JoinRequest(Message):
@@ -255,7 +258,7 @@ class HeartbeatReply(Message):
         (), max_length=MAX_LISTEN_ADDRS, description="dial the downstream at these first: it cannot dial this node")
     chain: int | None = None
     chain_position: int | None = None
-    reachability: Literal["unknown", "public", "nated"] = Field("unknown", description="whether peers can dial this node")
+    reachability: Reachability = Field("unknown", description="whether peers can dial this node")
     upstream_link: Literal["hub", "direct", "pushed", "holepunch"] = Field(
         "hub", description="how to reach the upstream: dial it, be dialed by it, or hole-punch through the hub's relay")
 
@@ -378,7 +381,7 @@ class NodeStatus(Message):
     hardware: str = ""
     chain: int | None = Field(None, description="index of the forwarding chain it sits in")
     chain_position: int | None = None
-    reachability: str = Field("unknown", description="public, nated (dials out only) or unknown (not probed yet)")
+    reachability: Reachability = Field("unknown", description="public, nated (dials out only) or unknown (not probed yet)")
     link: str = Field("", description="how it gets snapshots: hub, direct (dials its upstream), pushed (dialed by it)")
     name: str = Field("", max_length=32, description="display name the node chose, or its short peer id")
     audits_passed: int = Field(0, ge=0, description="audits of its work the hub re-ran and found honest")

@@ -37,7 +37,7 @@ def _untied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     No copy otherwise: the writer reads each tensor as it writes it."""
     kept: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
-    storages: set[int] = set()
+    storages: set[tuple[torch.device, int]] = set()
     for name, tensor in state_dict.items():
         tensor = tensor.detach()
         storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None

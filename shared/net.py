@@ -47,6 +47,7 @@ import sys
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import overload
 
 import trio
 from libp2p import new_host
@@ -57,7 +58,6 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -68,7 +68,7 @@ from multiaddr import Multiaddr
 from shared import libp2p_patches
 from shared.crypto import Identity
 from shared.logs import PeerLogLimiter
-from shared.wire import Message, WritableStream, read_message, write_message, write_signed
+from shared.wire import M2, M, Message, WritableStream, read_message, write_message, write_signed
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -155,6 +155,10 @@ def _hold_inbound_slots_while_alive(host: IHost, inbound_per_ip: int) -> None:
     swarm._do_handle_inbound_connection = types.MethodType(inbound, swarm)
 
 
+@overload
+def address_key(ip: str) -> str: ...
+@overload
+def address_key(ip: str | None) -> str | None: ...
 def address_key(ip: str | None) -> str | None:
     """What one operator is assumed to control: an IPv4 address, or an IPv6 /64 (None: unknown address)."""
     if ip is None:
@@ -313,18 +317,20 @@ async def open_stream(host: IHost, peer_id: str, protocol: str) -> INetStream:
     return await host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
 
 
-def protocol_refused(exc: BaseException) -> bool:
-    """Whether opening a stream failed because the peer does not speak the protocol (py-libp2p 0.8.1 says so only
-    in the message of the MultiselectClientError it chains), rather than for a transport reason."""
-    cause = exc.__cause__
-    return isinstance(cause, MultiselectClientError) and "protocol not supported" in str(cause)
-
-
 def on_live_connection(host: IHost, stream: INetStream) -> bool:
     """Whether `stream` rides a connection the host still holds (one dropped and redialled leaves it dead)."""
     return any(conn.muxed_conn is stream.muxed_conn for conn in host.get_network().get_connections(stream.muxed_conn.peer_id))
 
 
+@overload
+async def request(host: IHost, peer_id: str, protocol: str, msg: Message, reply: type[M], /, *,
+                  timeout_s: float, sign_with: Identity | None = None) -> M: ...
+@overload
+async def request(host: IHost, peer_id: str, protocol: str, msg: Message, reply: type[M], other: type[M2], /, *,
+                  timeout_s: float, sign_with: Identity | None = None) -> M | M2: ...
+@overload
+async def request(host: IHost, peer_id: str, protocol: str, msg: Message, *reply_types: type[Message],
+                  timeout_s: float, sign_with: Identity | None = None) -> Message: ...
 async def request(
     host: IHost,
     peer_id: str,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
 
 import trio
 
@@ -43,7 +45,7 @@ class CtrlCWatch:
 
     def __init__(self) -> None:
         self.seen = False
-        self._previous: object = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
 
     def _handler(self, signum: int, frame: types.FrameType | None) -> None:
         self.seen = True

@@ -128,7 +128,7 @@ class Manifest(BaseModel):
         fields = (self.base_version, self.base_hash, self.result_hash)
         if self.kind == "full" and fields != (None, None, None):
             raise ValueError("a full snapshot's manifest names no base or result")
-        if self.kind == "delta" and (None in fields or self.base_version >= self.version):
+        if self.kind == "delta" and (self.base_version is None or None in fields or self.base_version >= self.version):
             raise ValueError("a delta's manifest names an older base version, the base's hash and the result's hash")
         return self
 
@@ -203,7 +203,7 @@ def verify_manifest(signed: SignedManifest, hub_peer_id: str, newer_than: int | 
     return manifest
 
 
-def blake3_hex(data: bytes | memoryview) -> str:
+def blake3_hex(data: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
@@ -226,10 +226,11 @@ def _architecture_only(value: object) -> object:
 
 
 def model_config_hash(config_dict: Mapping[str, object]) -> str:
-    """blake3 hex of a model config (e.g. `PretrainedConfig.to_dict()`) as sorted, compact JSON.
+    """The one model identity: blake3 hex of a model config (`PretrainedConfig.to_dict()`, or a config.json as
+    written: shared.checks.model_fingerprint) as sorted, compact JSON.
 
     Private keys (`_name_or_path`, ...), `transformers_version` and the dtype are left out, at
-    every nesting level. TypeError for values JSON cannot hold.
+    every nesting level. TypeError (ValueError for NaN) for values JSON cannot hold.
     """
     text = json.dumps(
         _architecture_only(config_dict), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False

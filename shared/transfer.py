@@ -277,7 +277,7 @@ async def _receive_manifest(
     manifest_bytes, sig = body[:-SIGNATURE_BYTES], body[-SIGNATURE_BYTES:]
     digest = blake3.blake3(manifest_bytes).hexdigest()
     committed = _asked_commitment(sender_key, request, digest, sig)
-    proof = None if committed is None else Proof(committed, request.version, 0, digest, sig)
+    proof = None if committed is None or request.version is None else Proof(committed, request.version, 0, digest, sig)
     signed, manifest, wanted = _verified_manifest(manifest_bytes, request, hub_peer_id, newer_than, committed, proof)
     manifest_kind, _ = frame_kinds(manifest)
     if request.version is None and not commitment_holds(sender_key, manifest_kind, manifest.version, 0, digest, sig):

@@ -64,7 +64,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def write_weights(

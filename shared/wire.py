@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar, overload
 
 import pydantic
 import trio
@@ -179,6 +179,12 @@ class Message(pydantic.BaseModel):
         _MESSAGE_TYPES[tag] = cls
 
 
+# The message types a read expects, so that the caller gets the union of them, not any Message.
+M = TypeVar("M", bound=Message)
+M2 = TypeVar("M2", bound=Message)
+M3 = TypeVar("M3", bound=Message)
+
+
 def _json_body(msg: Message) -> bytes:
     body = msg.model_dump_json().encode()
     if len(body) > msg.MAX_BYTES:
@@ -200,7 +206,7 @@ def signed_caps(*expected: type[Message]) -> dict[int, int]:
     return {cls.TYPE: cls.MAX_BYTES + SIGNATURE_BYTES for cls in expected}
 
 
-def decode_message(cls: type[Message], body: bytes) -> Message:
+def decode_message(cls: type[M], body: bytes) -> M:
     """Parse a frame body read for `cls` (FrameError when malformed)."""
     try:
         return cls.model_validate_json(body)
@@ -216,7 +222,16 @@ async def write_message(stream: WritableStream, msg: Message) -> None:
     await stream.write(encode_message(msg))
 
 
+@overload
+async def read_message(stream: ReadableStream, expected: type[M], /) -> M: ...
+@overload
+async def read_message(stream: ReadableStream, expected: type[M], other: type[M2], /) -> M | M2: ...
+@overload
+async def read_message(stream: ReadableStream, expected: type[M], other: type[M2], third: type[M3], /) -> M | M2 | M3: ...
+@overload
+async def read_message(stream: ReadableStream, *expected: type[Message]) -> Message: ...
 async def read_message(stream: ReadableStream, *expected: type[Message]) -> Message:
+    """One message of one of the `expected` types (FrameError for any other, or a malformed one)."""
     by_type = _by_type(expected)
     type_tag, body = await read_frame(stream, message_caps(*expected))
     return decode_message(by_type[type_tag], body)
@@ -235,6 +250,10 @@ async def write_signed(stream: WritableStream, msg: Message, identity: Identity)
     await stream.write(encode_signed(msg, identity))
 
 
+@overload
+def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, expected: type[M], /) -> M: ...
+@overload
+def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, *expected: type[Message]) -> Message: ...
 def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, *expected: type[Message]) -> Message:
     """Verify `body` (signature + JSON) as `signer_peer_id`'s, then parse it as the class owning `type_tag`."""
     by_type = _by_type(expected)
@@ -251,6 +270,10 @@ def decode_signed(type_tag: int, body: bytes, signer_peer_id: str, *expected: ty
     return decode_message(cls, json_body)
 
 
+@overload
+async def read_signed(stream: ReadableStream, signer_peer_id: str, expected: type[M], /) -> M: ...
+@overload
+async def read_signed(stream: ReadableStream, signer_peer_id: str, *expected: type[Message]) -> Message: ...
 async def read_signed(stream: ReadableStream, signer_peer_id: str, *expected: type[Message]) -> Message:
     type_tag, body = await read_frame(stream, signed_caps(*expected))
     return decode_signed(type_tag, body, signer_peer_id, *expected)

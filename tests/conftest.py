@@ -17,8 +17,8 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(autouse=True)
 def _wall_clock_turn(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The suite runs on two pytest-xdist workers; a test marked `timing` (it asserts wall-clock rates or
-    deadlines) runs alone. Every test holds a shared lock while it runs, a timing test an exclusive one;
+    """The suite runs on two pytest-xdist workers; a test marked `timing` (it measures a real rate or delay,
+    where no mock clock can stand in) runs alone. Every test holds a shared lock while it runs, a timing test an exclusive one;
     the turnstile lets a waiting timing test in before the other worker starts its next test."""
     root = tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
     exclusive = request.node.get_closest_marker("timing") is not None

@@ -32,6 +32,9 @@ def test_typos_in_flags_and_toml_keys_get_did_you_mean(tmp_path: Path) -> None:
     toml.write_text("learning_rat = 1e-5\n")
     assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
                             "unknown key 'learning_rat'", "did you mean 'learning_rate'?")
+    toml.write_text("[learner]\nlora_targets = \"q_proj\"\n")  # a scalar where a list goes
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
+                            'learner.lora_targets takes a list: write lora_targets = ["q_proj"]')
     toml.write_text("[learner]\nstalenes = 2\n")
     assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
                             "[learner]", "did you mean 'staleness'?")
@@ -58,6 +61,14 @@ def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
     assert "max_steps" not in line  # an alias of a top-level field (steps) is taken, not refused as unknown
     assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--steps", "0", "--lr-scheduler", "cosine"),
                             "--lr-scheduler cosine", "needs --steps N")
+
+
+def test_an_epsilon_the_loss_cannot_take_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """eps_low = 1 would clip ratios at 0: the config's bound refuses it, not the learner's first step."""
+    before = snapshot_of(tmp_path)
+    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--epsilon", "1.0"),
+                            "learner.eps_low", "less than 1")
+    assert snapshot_of(tmp_path) == before
 
 
 def test_help_has_an_example_and_readable_defaults() -> None:

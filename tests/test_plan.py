@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hub.cli.plan import PlanError, add_plan_arguments, compute_plan, load_fleet, run_plan
+from hub.cli.plan import PlanConfig, PlanError, add_plan_arguments, compute_plan, load_fleet, run_plan
 from hub.method.capacity import NodeOffer
 
 FLEET_ACE = """
@@ -119,19 +119,19 @@ def node(name="n", price="1.0", throughput="2.0", extra=""):
 @pytest.mark.parametrize(
     ("fleet", "message"),
     [
-        (node(price="-0.1"), "node 'n': price_per_hour must be >= 0"),
-        (node(throughput="0"), "node 'n': rollouts_per_s must be > 0"),
-        (node(throughput="-3"), "node 'n': rollouts_per_s must be > 0"),
-        (node() + node(), "node 'n': duplicate name"),
-        ('[[node]]\nname = "n"\nprice_per_hour = 1.0\n', "node #1: missing keys ['rollouts_per_s']"),
-        (node(extra="gpu = \"5090\""), "node #1: unknown keys ['gpu']"),
-        ("", "declares no nodes"),
-        ('title = "x"\n' + node(), "unknown top-level keys ['title']"),
-        (node(price='"cheap"'), "price_per_hour must be a number"),
-        (node(throughput="true"), "rollouts_per_s must be a number"),
-        (node(price="inf"), "price_per_hour must be finite"),
+        (node(price="-0.1"), "node.0.price_per_hour: Input should be greater than or equal to 0 (got -0.1)"),
+        (node(throughput="0"), "node.0.rollouts_per_s: Input should be greater than 0"),
+        (node(throughput="-3"), "node.0.rollouts_per_s: Input should be greater than 0 (got -3)"),
+        (node() + node(), "node: duplicate node name 'n'"),
+        ('[[node]]\nname = "n"\nprice_per_hour = 1.0\n', "node.0.rollouts_per_s is required"),
+        (node(extra="gpu = \"5090\""), "unknown key 'gpu' in [node.0]"),
+        ("", "node is required: the candidate nodes, as [[node]] tables"),
+        ('title = "x"\n' + node(), "unknown key 'title' in the top level"),
+        (node(price='"cheap"'), "node.0.price_per_hour: Input should be a valid number (got 'cheap')"),
+        (node(throughput="true"), "node.0.rollouts_per_s: Input should be a valid number (got True)"),
+        (node(price="inf"), "node.0.price_per_hour: Input should be a finite number"),
         ('[[node]\nname = "n"', "is not valid TOML"),
-        ('node = 3\n', "'node' must be an array of tables"),
+        ('node = 3\n', "node takes tables: write [[node]] sections, not node = 3"),
     ],
 )
 def test_bad_fleets(tmp_path, capsys, fleet, message):
@@ -151,12 +151,27 @@ def test_missing_fleet_file(tmp_path, capsys):
 
 def test_compute_plan_directly():
     fleet = [NodeOffer("x", 0.35, 4.0), NodeOffer("y", 0.35, 2.0)]
-    # kappa 2: mu_min = 2 * 8 / (2 * 4 - 4) = 4, target 4.4: x (rho 0.0875) then y
-    result = compute_plan(fleet, 8, 4.0, 4.0, kappa=2, gamma=1.1, learner_price=3.06)
+    # S 3, kappa 2: stall = 6 - (3 - 2) * 4 = 2 s, mu_min = 2 * 12 / (2 * 4 - 2) = 4, target 4.4: x (rho 0.0875) then y
+    plan = PlanConfig(rollouts_per_step=12, t_train=4.0, t_bcast=6.0, staleness=3, kappa=2, gamma=1.1, learner_price=3.06)
+    result = compute_plan(fleet, plan)
     assert [n.name for n in result.active] == ["x", "y"]
     assert result.mu_min == pytest.approx(4.0)
-    # idle = max(0, 16 / 6 + 4 - 8) = 0: step time is T_train
+    # idle = max(0, 24 / 6 + 2 - 8) = 0: step time is T_train
     assert result.predicted_step_s == pytest.approx(4.0)
     assert result.cost_per_step == pytest.approx((3.06 + 0.7) * 4.0 / 3600)
-    with pytest.raises(PlanError, match="--gamma"):
-        compute_plan(fleet, 8, 4.0, 4.0, kappa=2, gamma=0.9, learner_price=3.06)
+
+
+def test_the_plans_bounds_and_defaults_are_the_hubs(tmp_path, capsys):
+    """gamma, S, kappa and the learner's price are the hub's own settings: its bounds refuse, its defaults fill in."""
+    from hub.config import LearnerConfig, SchedulerConfig
+
+    plan = PlanConfig(t_train=1.0, t_bcast=0.0)
+    assert (plan.gamma, plan.staleness, plan.learner_price) == (
+        SchedulerConfig().gamma, LearnerConfig().staleness, LearnerConfig().learner_price_per_hour)
+    for flag, value, says in (("--gamma", "0.9", "gamma: Input should be greater than or equal to 1"),
+                              ("--staleness", "65", "staleness: Input should be less than or equal to 64"),
+                              ("--learner-price", "-1", "learner_price: Input should be greater than or equal to 0"),
+                              ("--rollouts-per-step", "0", "rollouts_per_step: Input should be greater than 0")):
+        code, out, err = run(tmp_path, capsys, FLEET_ACE, *PERIOD, flag, value)
+        assert code == 2 and out == "" and err.startswith("error: echo-hub plan: ") and says in err, err
+        assert len(err.strip().splitlines()) == 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hub.training.rollout_export import RolloutExport, rollout_columns, shard_name, shards_to_delete
-from shared.logs import RotatingFile, capture_output, rotate_files
+from shared.logs import PeerLogLimiter, RotatingFile, capture_output, rotate_files
 from shared.rollout import Completion, Group
 from testbed.harness import start_hub
 
@@ -89,6 +89,18 @@ def test_rotating_file_keeps_backups_and_each_file_under_the_cap(tmp_path: Path)
     assert path.read_text().splitlines()[-1] == "line 099 of output that would grow"
     rotate_files(path, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["node.out.1", "node.out.2"]
+
+
+def test_a_peers_lines_are_held_back_within_the_window_and_counted_on_its_clock() -> None:
+    now = [100.0]
+    limiter = PeerLogLimiter(window_s=10.0, clock=lambda: now[0])
+    assert limiter.tail("peer") == ""  # the first is logged
+    assert limiter.tail("peer") is None and limiter.tail("peer") is None  # then held back
+    assert limiter.tail("other") == ""  # each key on its own
+    now[0] += 9.999
+    assert limiter.tail("peer") is None
+    now[0] += 0.001
+    assert limiter.tail("peer") == " (3 more since the last such line)"
 
 
 def test_captured_output_is_rotated(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""A node's session (SESSION_PROTOCOL) against a real hub service: its requests share one stream, a hub without
-sessions is spoken to a stream per request, and a peer misusing a session is refused and counted like any other.
+"""A node's session (SESSION_PROTOCOL) against a real hub service: its requests share one stream, a request on a
+stream of its own is still served, and a peer misusing a session is refused and counted like any other.
 
 The hub is the in-process HubService on a real libp2p host (tests/test_p2p_negative.py's harness).
 """
@@ -20,7 +20,6 @@ from shared.messages import (
     SUBMIT_PROTOCOL,
     Heartbeat,
     HeartbeatReply,
-    LeaseReply,
     Reject,
     RejectCode,
     SubmitReply,
@@ -66,9 +65,9 @@ async def test_a_nodes_requests_share_one_session_and_a_stream_per_request_is_st
             lease = await node.lease()
             reply = await HubClient.submit(node, node.answer(lease))  # the node's own submit, not the raw one
             assert isinstance(reply, SubmitReply) and reply.accepted == len(lease.prompts), reply
-            assert node.sessions is True and len(node._idle) == 1
+            assert len(node._idle) == 1
             assert hub.service.sessions_of(peer) == 1  # every one of those requests on one stream
-            # Requests from a node (or a release) without sessions: a stream each, as before.
+            # A request on a stream of its own: served as well.
             beat = await request(node.host, node.hub_peer_id, HEARTBEAT_PROTOCOL, Heartbeat(version_held=0),
                                  HeartbeatReply, Reject, timeout_s=10)
             assert isinstance(beat, HeartbeatReply)
@@ -83,18 +82,6 @@ async def test_a_nodes_requests_share_one_session_and_a_stream_per_request_is_st
                     nursery.start_soon(beat)
             assert all(isinstance(r, HeartbeatReply) for r in replies), replies
             assert 1 <= len(node._idle) < SESSIONS_PER_PEER
-
-
-@pytest.mark.trio
-async def test_a_hub_without_sessions_is_asked_once_then_spoken_to_a_stream_per_request(hub_args):
-    with trio.fail_after(TEST_TIMEOUT_S):
-        async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
-            hub.service.host.remove_stream_handler(SESSION_PROTOCOL)  # a hub of the release before sessions
-            await joined_and_active(node)
-            assert node.sessions is False
-            assert isinstance(await node.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
-            assert isinstance(await HubClient.lease(node, 0), LeaseReply)
-            assert not hub.service._sessions  # not one, of anyone
 
 
 @pytest.mark.trio

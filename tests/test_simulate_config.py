@@ -36,19 +36,33 @@ def test_the_presets_load_and_the_default_is_the_documented_fleet() -> None:
 
 @pytest.mark.parametrize(("text", "says"), [
     ("[run]\ngamma = 0.5\n", "run.gamma"),
-    ("[fleet]\nnodez = [10]\n", "fleet.nodez"),
+    ("[fleet]\nnodez = [10]\n", "unknown key 'nodez' in [fleet]: did you mean 'nodes'?"),
     ("[[fleet.gpu]]\nshare = 0.5\nrollouts_per_s = 1\nprice_per_hour = 1\n", "sum to 1"),
     ("[run]\nstaleness = [2]\nkappa = 3\n", "kappa"),
     ("[[fleet_change]]\nat_s = 10\nleave_share = 1.5\n", "fleet_change.0.leave_share"),
     ("[links]\nmin_mbps = 500\nmax_mbps = 100\n", "min_mbps"),
     ("not toml = = 1", "not valid TOML"),
     ("[fleet]\nfile = \"missing.toml\"\n", "cannot read fleet file"),
+    ("[run]\nstaleness = 3\n", "run.staleness takes a list: write staleness = [3], not staleness = 3"),
+    ("[run]\nstaleness = [65]\n", "less than or equal to 64"),  # the hub's own bound on S
+    ("fleet = 3\n", "fleet: Input should be a valid dictionary"),
 ])
 def test_a_bad_sim_toml_is_one_line_and_exit_2(tmp_path, capsys, text, says) -> None:
     simulate = load_bench("simulate")
     assert simulate.main(["--config", str(write(tmp_path, text)), "--json"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and says in err and "\n" not in err
+
+
+def test_the_hubs_settings_default_and_bound_as_the_hub_does() -> None:
+    """S, kappa, staleness_max, drift_max, gamma and the learner's price are read from the hub's config classes."""
+    from bench.sim_config import SimConfig
+    from hub.config import LearnerConfig, SchedulerConfig
+
+    run, learner, hub = SimConfig().run, SimConfig().learner, LearnerConfig()
+    assert (run.staleness, run.kappa, run.staleness_max, run.drift_max) == (
+        (hub.staleness,), hub.kappa, hub.staleness_max, hub.drift_max)
+    assert (run.gamma, learner.price_per_hour) == (SchedulerConfig().gamma, hub.learner_price_per_hour)
 
 
 def test_echo_hub_plans_fleet_file_is_the_fleet(tmp_path, capsys) -> None:
@@ -63,7 +77,7 @@ def test_echo_hub_plans_fleet_file_is_the_fleet(tmp_path, capsys) -> None:
     assert row["nodes"] == 6 and row["rollouts_per_step"] == 300 and 0 < row["active_mean"] <= 6
     write(tmp_path, "[[node]]\nname = \"x\"\nprice_per_hour = -1\nrollouts_per_s = 1\n", "bad.toml")
     assert simulate.main(["--config", str(config), "--fleet", str(tmp_path / "bad.toml")]) == 2
-    assert "price_per_hour must be >= 0" in capsys.readouterr().err
+    assert "node.0.price_per_hour: Input should be greater than or equal to 0" in capsys.readouterr().err
 
 
 def _sim(simulate, text: str, tmp_path: Path, scenario: str = "cost-aware", staleness=4):
@@ -119,7 +133,7 @@ def test_auto_rows_choose_s_through_the_hubs_rule(tmp_path, capsys) -> None:
     assert all(1 <= s <= 6 for _, s, _ in auto["staleness_moves"])
     assert auto["staleness_max"] <= 6 and rows["2"]["staleness_max"] <= 2
     assert {r["staleness"] for r in out["savings"]} == {"auto", 2}
-    # S = 2's steps train on rollouts at most 2 versions old: drift_per_version x 2 at the most, 0.01 x 2 < 0.05
+    # S = 2's steps train on rollouts at most 2 versions old: drift_per_version x 2 at the most, 0.01 x 2 < drift_max
     assert 0 < rows["2"]["drift_mean"] <= 0.02 and rows["2"]["drift_over_bound"] == 0
     [compared] = out["staleness_comparison"]
     assert compared["best_fixed"] == compared["best_fixed_within_bound"] == 2

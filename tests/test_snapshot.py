@@ -250,6 +250,23 @@ def test_model_config_hash_is_stable_and_sensitive(model):
     assert model_config_hash({**config, **volatile}) == h
 
 
+def test_a_runs_model_fingerprint_is_the_same_identity_at_every_level(tmp_path):
+    """The data dir's recorded model (shared.checks.model_fingerprint) is model_config_hash of config.json: a nested
+    config's dtype or private key (a multimodal model's text_config) is as volatile as a top-level one."""
+    from shared.checks import model_fingerprint
+
+    config = {"model_type": "x", "hidden_size": 8, "text_config": {"hidden_size": 4, "dtype": "float32"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fingerprint = model_fingerprint(tmp_path)
+    assert fingerprint == model_config_hash(config)
+    config["text_config"] = {"hidden_size": 4, "dtype": "bfloat16", "_name_or_path": "/elsewhere"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "transformers_version": "9.9"}))
+    assert model_fingerprint(tmp_path) == fingerprint
+    config["text_config"]["hidden_size"] = 5
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_fingerprint(tmp_path) != fingerprint
+
+
 def test_model_dir_config_hash_matches_loaded_model_anywhere(tmp_path, model):
     from transformers import AutoModelForCausalLM
 

@@ -11,8 +11,9 @@ from hub.config import HubConfig
 from node.client import HubClient
 from node.worker import Worker
 from shared.crypto import Identity
-from shared.messages import Reject, RejectCode
+from shared.messages import Lease, LeasePrompt, Reject, RejectCode, SubmitReply
 from shared.net import running_host
+from shared.rollout import Completion, SamplingParams
 from testbed.inproc import PERMISSIVE_TRUST, inproc_hub
 
 
@@ -59,3 +60,40 @@ async def test_a_real_hub_that_never_met_the_node_makes_the_link_beat_at_once(tm
         await client.connect()  # connected, never joined: the hub answers its lease request UNKNOWN_NODE
         worker = await run_until_nudged(client, timeout_s=20)
     assert worker.stats.leases_done == 0
+
+
+class InstantEngine:
+    """Generates at once: the time a lease takes is the worker's throttle alone."""
+
+    def generate(self, texts, n, sampling):
+        completion = Completion(token_ids=(5, 6), logprobs=(-0.5, -0.5), finish_reason="stop", version=0, text="ab")
+        return [[completion] * n for _ in texts]
+
+
+class Recorder:
+    """A hub client that records when (on trio's clock) each submission came, and with which deadline."""
+
+    peer_id = "node"
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[float, float | None]] = []
+
+    async def submit(self, submission, deadline=None):
+        self.submitted.append((trio.current_time(), deadline))
+        return SubmitReply(accepted=len(submission.groups))
+
+
+@pytest.mark.trio
+async def test_a_throttled_worker_takes_as_long_as_its_rate_says(autojump_clock):
+    """--max-rollouts-per-s: 3 prompts x 4 completions at 2 rollouts/s take 6 s, on trio's clock (a mock one here,
+    so the figure is exact however busy the machine is), and the submission's deadline is the lease's."""
+    worker = Worker(Recorder(), InstantEngine(), trio.Lock(), can_work=lambda: True, version_held=lambda: 0,
+                    max_rollouts_per_s=2.0)
+    lease = Lease(lease_id="l" * 24, prompts=tuple(LeasePrompt(prompt_id=f"p{i}", text="abc") for i in range(3)),
+                  group_size=4, sampling=SamplingParams(max_new_tokens=2), min_version=0, deadline_s=60.0)
+    started = trio.current_time()
+    reply = await worker.work(lease)
+    assert isinstance(reply, SubmitReply) and reply.accepted == 3
+    ((at, deadline),) = worker.client.submitted
+    assert at - started == 6.0 and deadline == started + 60.0
+    assert worker.stats.rollouts_per_s == 2.0 and worker.stats.busy_s == 6.0

@@ -57,7 +57,7 @@ def build_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hu
         check_peer_addr(args.hub)
         if args.key is not None:
             check_key_file(args.key)
-        source = HubSource(args.hub, identity=Identity.load(args.key) if args.key else None)
+        source: HubSource | DataDirSource = HubSource(args.hub, identity=Identity.load(args.key) if args.key else None)
     else:
         source = DataDirSource(args.data_dir, kind="hub")
     return HubDashboard(source, args.refresh_s)

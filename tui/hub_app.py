@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+from typing import Any, Callable
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -47,7 +48,11 @@ def cost_per_rollout(status: HubStatus) -> float | None:
 class Column:
     key: str
     label: str
-    sort_key: Callable[[NodeStatus], object]
+    sort_key: Callable[[NodeStatus], Any]
+
+
+def _tally(name: str, node: NodeStatus) -> int:
+    return getattr(node.tallies, name)
 
 
 def _none_last(value: float | None) -> tuple[bool, float]:
@@ -61,7 +66,7 @@ NODE_COLUMNS: tuple[Column, ...] = (
     Column("mu", "roll/s", lambda n: n.rollouts_per_s),
     Column("rho", "rho", lambda n: _none_last(rho(n))),
     Column("version", "ver", lambda n: n.version_held),
-    *(Column(name, TALLY_SHORT[name], lambda n, name=name: getattr(n.tallies, name)) for name in TALLY_FIELDS),
+    *(Column(name, TALLY_SHORT[name], partial(_tally, name)) for name in TALLY_FIELDS),
     Column("cost", "cost", lambda n: n.cost_usd),
     Column("net", "net", lambda n: n.net_text()),
 )

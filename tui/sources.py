@@ -240,7 +240,7 @@ class HubSource:
 
     async def _forget_connection(self, host: IHost) -> None:
         """Drop a possibly half-dead connection so the next fetch dials afresh."""
-        with trio.move_on_after(1.0, shield=True):
+        with trio.move_on_after(1.0, shield=True):  # type: ignore[call-arg]  # trio_typing's stubs (libp2p's) predate it
             try:
                 await host.disconnect(ID.from_base58(self.hub_peer_id))
             except Exception as exc:

@@ -29,7 +29,9 @@ def check_eval(config: HubConfig, model: Path) -> Task:
     from hub.cli.preflight import checked_tasks
 
     check_model_dir(model)
-    return checked_tasks(config, model, evaluate=True)[1]
+    task = checked_tasks(config, model, evaluate=True)[1]
+    assert task is not None  # asked to evaluate
+    return task
 
 
 def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_json: bool, saved: Path | None = None) -> int:
@@ -52,6 +54,7 @@ def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_
           f"{config.eval.task or config.task} x {config.eval.samples} samples ({dtype}, {device})", file=sys.stderr)
     evaluator = Evaluator(model, task, config.eval, config.sampling, dtype, device, config.learner.seed)
     row = evaluator.evaluate(0)
+    assert row is not None  # None only when told to stop
     if as_json:
         out = {"model": str(model), **row.as_metrics_row()}
         del out["eval_step"]

@@ -117,7 +117,7 @@ def spawn_local_nodes(
 
 def stop_local_nodes(nodes: list[LocalNode]) -> None:
     for node in nodes:
-        if node.process.is_alive():
+        if node.process.is_alive() and node.process.pid is not None:
             os.kill(node.process.pid, signal.SIGINT)
     for node in nodes:
         node.process.join(STOP_TIMEOUT_S)

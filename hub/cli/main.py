@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from importlib.metadata import version as package_version
 from pathlib import Path
+from typing import Any
 
 from shared.checks import UserError
 from shared.flags import EXAMPLE_FORMAT, FlagParser
@@ -36,7 +38,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 # flag name -> (dotted HubConfig field, type); flags override the TOML file, which overrides defaults.
 # Each flag's help is its field's description, choices and default (hub/config.py).
-START_FLAGS: dict[str, tuple[str, type]] = {
+START_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "data_dir": ("data_dir", Path),
     "model": ("model", Path),
     "task": ("task", str),

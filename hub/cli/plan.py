@@ -11,13 +11,14 @@ import argparse
 import json
 import math
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import Field, field_validator, model_validator
 from rich.console import Console
 from rich.table import Table
 
+from hub.config import LearnerConfig, SchedulerConfig
 from hub.method.capacity import (
     InfeasibleCapacity,
     NodeOffer,
@@ -29,17 +30,58 @@ from hub.method.capacity import (
     predicted_step_s,
     validate_kappa,
 )
+from shared.config import ConfigError, Section, field_of, read_toml, validated
 
-DEFAULT_STALENESS = 4
-DEFAULT_GAMMA = 1.1
-DEFAULT_LEARNER_PRICE_PER_HOUR = 3.06  # A100 80GB rental, docs/DESIGN.md §1
-DEFAULT_ROLLOUTS_PER_STEP = 128 * 16  # 128 prompts x n = 16, docs/DESIGN.md §1
-FLEET_NODE_KEYS = frozenset({"name", "price_per_hour", "rollouts_per_s"})
 EXIT_USAGE_ERROR = 2
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """The fleet file or the plan's parameters are unusable."""
+
+
+class FleetNode(Section):
+    """One candidate node: a [[node]] table of FLEET.toml."""
+
+    name: str = Field(min_length=1, max_length=256, description="the node's name, unique in the file")
+    price_per_hour: float = Field(ge=0.0, le=1e6, strict=True, allow_inf_nan=False, description="its declared price, $/h")
+    rollouts_per_s: float = Field(gt=0.0, le=1e9, strict=True, allow_inf_nan=False, description="its rollouts per second")
+
+
+class Fleet(Section):
+    """FLEET.toml: the candidate nodes."""
+
+    node: tuple[FleetNode, ...] = Field(min_length=1, max_length=1_000_000, description="the candidate nodes, as [[node]] tables (at least one)")
+
+    @field_validator("node")
+    @classmethod
+    def _names_unique(cls, nodes: tuple[FleetNode, ...]) -> tuple[FleetNode, ...]:
+        seen: set[str] = set()
+        for node in nodes:
+            if node.name in seen:
+                raise ValueError(f"duplicate node name {node.name!r}")
+            seen.add(node.name)
+        return nodes
+
+
+class PlanConfig(Section):
+    """What `echo-hub plan` sizes a fleet for; the hub's own settings keep the hub's defaults and bounds."""
+
+    rollouts_per_step: float = Field(128 * 16, gt=0.0, le=1e12, description="accepted rollouts needed per step (128 prompts x n = 16 by default, docs/DESIGN.md §1); to count the groups the learner skips, divide by the share it trains on (`echo-hub status`)")
+    t_train: float = Field(gt=0.0, le=1e7, description="seconds per learner step")
+    t_bcast: float = Field(ge=0.0, le=1e7, description="seconds to broadcast a snapshot to the fleet")
+    staleness: int = field_of(LearnerConfig, "staleness", description="staleness budget S in versions")
+    kappa: int | None = field_of(LearnerConfig, "kappa", description="publish period in learner steps (default max(1, S - 1))")
+    gamma: float = field_of(SchedulerConfig, "gamma")
+    learner_price: float = field_of(LearnerConfig, "learner_price_per_hour", description="learner $/h (an A100 80GB's by default)")
+
+    @property
+    def effective_kappa(self) -> int:
+        return self.kappa if self.kappa is not None else default_kappa(self.staleness)
+
+    @model_validator(mode="after")
+    def _kappa_in_range(self) -> PlanConfig:
+        validate_kappa(self.effective_kappa, self.staleness)
+        return self
 
 
 @dataclass(frozen=True)
@@ -70,87 +112,23 @@ class PlanResult:
         }
 
 
-def _number(node_label: str, key: str, value: object) -> float:
-    # bool is an int subclass; `price_per_hour = true` is a typo, not a price.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PlanError(f"{node_label}: {key} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise PlanError(f"{node_label}: {key} must be finite, got {value!r}")
-    return float(value)
-
-
 def load_fleet(path: Path) -> list[NodeOffer]:
-    """Parse and validate FLEET.toml; every problem is a PlanError naming the node and key."""
+    """FLEET.toml's nodes; every problem is a PlanError (one line) naming the key."""
     try:
-        with open(path, "rb") as handle:
-            document = tomllib.load(handle)
-    except OSError as exc:
-        raise PlanError(f"cannot read fleet file {path}: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise PlanError(f"fleet file {path} is not valid TOML: {exc}") from exc
-    unknown_top = sorted(set(document) - {"node"})
-    if unknown_top:
-        raise PlanError(f"fleet file {path}: unknown top-level keys {unknown_top}; expected [[node]] tables")
-    tables = document.get("node", [])
-    if not isinstance(tables, list) or not all(isinstance(table, dict) for table in tables):
-        raise PlanError(f"fleet file {path}: 'node' must be an array of tables ([[node]])")
-    if not tables:
-        raise PlanError(f"fleet file {path} declares no nodes; add [[node]] tables")
-    fleet: list[NodeOffer] = []
-    seen: set[str] = set()
-    for index, table in enumerate(tables):
-        label = f"node #{index + 1}"
-        missing = sorted(FLEET_NODE_KEYS - set(table))
-        if missing:
-            raise PlanError(f"{label}: missing keys {missing}")
-        unknown = sorted(set(table) - FLEET_NODE_KEYS)
-        if unknown:
-            raise PlanError(f"{label}: unknown keys {unknown}; allowed: {sorted(FLEET_NODE_KEYS)}")
-        name = table["name"]
-        if not isinstance(name, str) or not name:
-            raise PlanError(f"{label}: name must be a non-empty string, got {name!r}")
-        label = f"node {name!r}"
-        if name in seen:
-            raise PlanError(f"{label}: duplicate name")
-        seen.add(name)
-        price = _number(label, "price_per_hour", table["price_per_hour"])
-        throughput = _number(label, "rollouts_per_s", table["rollouts_per_s"])
-        if price < 0:
-            raise PlanError(f"{label}: price_per_hour must be >= 0, got {price:g}")
-        if throughput <= 0:
-            raise PlanError(f"{label}: rollouts_per_s must be > 0, got {throughput:g}")
-        fleet.append(NodeOffer(name, price, throughput))
-    return fleet
+        fleet = validated(Fleet, read_toml(path, "fleet file"), f"fleet file {path}")
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+    return [NodeOffer(node.name, node.price_per_hour, node.rollouts_per_s) for node in fleet.node]
 
 
-def compute_plan(
-    fleet: list[NodeOffer],
-    rollouts_per_step: float,
-    t_train_s: float,
-    t_bcast_s: float,
-    kappa: int,
-    gamma: float,
-    learner_price: float,
-    staleness: int | None = None,
-) -> PlanResult:
-    """The plan for a validated fleet; raises InfeasibleCapacity or PlanError."""
-    if rollouts_per_step <= 0:
-        raise PlanError(f"--rollouts-per-step must be > 0, got {rollouts_per_step:g}")
-    if t_train_s <= 0:
-        raise PlanError(f"--t-train must be > 0 seconds, got {t_train_s:g}")
-    if t_bcast_s < 0:
-        raise PlanError(f"--t-bcast must be >= 0 seconds, got {t_bcast_s:g}")
-    if kappa < 1:
-        raise PlanError(f"--kappa must be >= 1, got {kappa}")
-    if gamma < 1:
-        raise PlanError(f"--gamma is headroom over mu_min and must be >= 1, got {gamma:g}")
-    if learner_price < 0:
-        raise PlanError(f"--learner-price must be >= 0, got {learner_price:g}")
-    minimum = mu_min(kappa, rollouts_per_step, t_train_s, t_bcast_s, staleness)
-    target = gamma * minimum
+def compute_plan(fleet: list[NodeOffer], plan: PlanConfig) -> PlanResult:
+    """The plan for a validated fleet; raises InfeasibleCapacity."""
+    kappa, staleness = plan.effective_kappa, plan.staleness
+    minimum = mu_min(kappa, plan.rollouts_per_step, plan.t_train, plan.t_bcast, staleness)
+    target = plan.gamma * minimum
     chosen = activate(fleet, target)
     active_prices = [node.price_per_hour for node in chosen.active]
-    period = (kappa, rollouts_per_step, t_train_s, t_bcast_s, chosen.mu_active)
+    period = (kappa, plan.rollouts_per_step, plan.t_train, plan.t_bcast, chosen.mu_active)
     return PlanResult(
         kappa=kappa,
         mu_min=minimum,
@@ -160,31 +138,34 @@ def compute_plan(
         shortfall=chosen.shortfall,
         predicted_bubble=predicted_bubble(*period, staleness),
         predicted_step_s=predicted_step_s(*period, staleness),
-        cost_per_hour=learner_price + math.fsum(active_prices),
-        cost_per_step=cost_per_step(*period, learner_price, active_prices, staleness),
+        cost_per_hour=plan.learner_price + math.fsum(active_prices),
+        cost_per_step=cost_per_step(*period, plan.learner_price, active_prices, staleness),
     )
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `echo-hub plan`."""
+    """Options of `echo-hub plan`: each sets the PlanConfig field of its name (bounds and defaults there)."""
+    fields = PlanConfig.model_fields
     parser.add_argument("--fleet", type=Path, required=True, metavar="FLEET.toml",
                         help="candidate nodes: [[node]] tables with name, price_per_hour, rollouts_per_s")
-    parser.add_argument("--rollouts-per-step", type=float, default=DEFAULT_ROLLOUTS_PER_STEP, metavar="R",
-                        help=f"accepted rollouts needed per step (default {DEFAULT_ROLLOUTS_PER_STEP}); to count the "
-                             "groups the learner skips, divide by the share it trains on (`echo-hub status`)")
-    parser.add_argument("--t-train", type=float, required=True, metavar="T",
-                        help="seconds per learner step")
-    parser.add_argument("--t-bcast", type=float, required=True, metavar="B",
-                        help="seconds to broadcast a snapshot to the fleet")
-    parser.add_argument("--staleness", type=int, default=DEFAULT_STALENESS, metavar="S",
-                        help=f"staleness budget in versions (default {DEFAULT_STALENESS})")
-    parser.add_argument("--kappa", type=int, default=None, metavar="K",
-                        help="publish period in learner steps (default max(1, S - 1))")
-    parser.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, metavar="G",
-                        help=f"provisioning headroom over mu_min (default {DEFAULT_GAMMA})")
-    parser.add_argument("--learner-price", type=float, default=DEFAULT_LEARNER_PRICE_PER_HOUR, metavar="P",
-                        help=f"learner $/h (default {DEFAULT_LEARNER_PRICE_PER_HOUR}, an A100 80GB)")
+    parser.add_argument("--t-train", type=float, required=True, metavar="T", help=fields["t_train"].description)
+    parser.add_argument("--t-bcast", type=float, required=True, metavar="B", help=fields["t_bcast"].description)
+    for name, metavar, kind in (("rollouts_per_step", "R", float), ("staleness", "S", int), ("kappa", "K", int),
+                                ("gamma", "G", float), ("learner_price", "P", float)):
+        field = fields[name]
+        default = "" if field.default is None else f" (default {field.default:g})"
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar,
+                            help=f"{field.description}{default}".replace("%", "%%"))
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def plan_config(args: argparse.Namespace) -> PlanConfig:
+    """The command line's PlanConfig; PlanError (one line) naming a value out of bounds."""
+    given = {name: getattr(args, name) for name in PlanConfig.model_fields if getattr(args, name, None) is not None}
+    try:
+        return validated(PlanConfig, given, "echo-hub plan")
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _print_table(result: PlanResult, console: Console) -> None:
@@ -217,14 +198,8 @@ def _print_table(result: PlanResult, console: Console) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan; a bad fleet or infeasible capacity prints 'error: ...' and returns 2."""
     try:
-        try:
-            kappa = default_kappa(args.staleness) if args.kappa is None else args.kappa
-            validate_kappa(kappa, args.staleness)
-        except ValueError as exc:
-            raise PlanError(str(exc)) from exc
-        fleet = load_fleet(args.fleet)
-        result = compute_plan(fleet, args.rollouts_per_step, args.t_train, args.t_bcast,
-                              kappa, args.gamma, args.learner_price, args.staleness)
+        plan = plan_config(args)
+        result = compute_plan(load_fleet(args.fleet), plan)
     except (PlanError, InfeasibleCapacity) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE_ERROR

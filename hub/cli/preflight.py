@@ -275,8 +275,8 @@ def check_same_run(config: HubConfig, model_dir: Path, meta: dict[str, str]) -> 
 
 
 def changed_settings(config: HubConfig, meta: dict[str, str]) -> tuple[str, ...]:
-    """The training settings this start changes from the recorded run's, each as "lr 0.0003 -> 3e-05" (a store
-    that predates a setting records none of it: nothing to compare)."""
+    """The training settings this start changes from the recorded run's, each as "lr 0.0003 -> 3e-05" (a run
+    recorded before a setting existed names none of it: nothing to compare)."""
     now = training_settings(config)
     return tuple(f"{name} {meta[name]} -> {value}" for name, value in now.items() if name in meta and meta[name] != value)
 

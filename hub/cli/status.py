@@ -104,10 +104,10 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
     console.print(nodes)
     for n in status.nodes:
         if len(n.price_history) > 1:  # only nodes whose price moved: a joined price alone says nothing new
-            moves = " -> ".join(f"{price:.2f} ({_clock(at)})" for at, price in n.price_history)
-            console.print(f"price {short_id(n.peer_id)}: $/h {moves}")
-    for i, chain in enumerate(status.chains):
-        console.print(f"chain {i}: hub -> " + " -> ".join(short_id(p) for p in chain))
+            history = " -> ".join(f"{price:.2f} ({_clock(at)})" for at, price in n.price_history)
+            console.print(f"price {short_id(n.peer_id)}: $/h {history}")
+    for i, members in enumerate(status.chains):
+        console.print(f"chain {i}: hub -> " + " -> ".join(short_id(p) for p in members))
 
 
 def run_status(hub: str | None, data_dir: Path | None, as_json: bool, key: Path | None = None) -> int:
@@ -127,9 +127,10 @@ def run_status(hub: str | None, data_dir: Path | None, as_json: bool, key: Path 
         state = run_state(status)
     else:
         data_dir = Path(data_dir or "echo2-data")
-        status = _read_status_file(data_dir / HUB_STATUS_FILE)
-        if status is None:
+        written = _read_status_file(data_dir / HUB_STATUS_FILE)
+        if written is None:
             return 1
+        status = written
         state = run_state(status, data_dir)
         if status.running and state.startswith("stopped"):
             status = status.model_copy(update={"running": False})  # what its file says is no longer true

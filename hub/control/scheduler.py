@@ -119,7 +119,8 @@ class Scheduler:
         decision = decide(fleet_view(self.fleet), self.view, config, self._release_wanted, now)
         self._release_wanted = decision.release_wanted
         for move in decision.moves:
-            await self.set_state(self.fleet.get(move.node), move.state, move.reason)
+            if (moved := self.fleet.get(move.node)) is not None:  # not gone while an earlier move was written
+                await self.set_state(moved, move.state, move.reason)
         if decision.moves:
             self.view = self.capacity()
 

@@ -91,6 +91,7 @@ class LocalRollouts:
             while not self._can_generate():
                 await self.signal.wait()
             message = self._delivered
+            assert message is not None  # _can_generate says so
             if message.version != self.installed_version:
                 await trio.to_thread.run_sync(self.engine.install, message.snapshot.path, message.version)
                 self.installed_version = message.version

@@ -18,12 +18,14 @@ from hub.control.policy import CapacityView
 from hub.control.scheduler import Scheduler
 from hub.distribution.broadcast import Broadcaster
 from hub.method.capacity import usable_fraction
+from hub.records.snapshots import SnapshotShelf
 from hub.records.store import Credit, LeaderRow
 from hub.service.state import HubState
 from hub.training.metrics import policy_reward
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
 from shared.messages import Contribution, EvalPoint, EventRecord, HubStatus, Leader, NodeStatus, StepPoint, short_id
+from shared.snapshot import Snapshot
 from shared.staleness import StalenessMove
 from shared.wire import HEADER, encode_frame
 
@@ -155,8 +157,7 @@ class StatusBoard:
         step = self.learner_step()
         capacity = self.scheduler.view if self.scheduler else NO_CAPACITY
         shelf = self.broadcaster.shelf if self.broadcaster else None
-        newest = shelf.get(None) if shelf else None
-        delta = shelf.delta(newest.manifest.version) if newest else None
+        newest, delta = _newest(shelf)
         moves = self._staleness_moves()
         staleness, kappa = (moves[-1].staleness, moves[-1].kappa) if moves else (self.info.staleness, self.info.kappa)
         return HubStatus(
@@ -234,12 +235,21 @@ class StatusBoard:
         """The last build, built here when nobody refreshes (what /metrics aggregates; no node's fields leave)."""
         async with self._encoding:
             await self._fresh()
+            assert self._built is not None  # _fresh built one
             return self._built
 
     async def run(self) -> None:
         while True:
             await self.refresh()
             await trio.sleep(STATUS_PERIOD_S)
+
+
+def _newest(shelf: SnapshotShelf | None) -> tuple[Snapshot | None, Snapshot | None]:
+    """The newest snapshot on the shelf and its delta (None for what is not there)."""
+    newest = shelf.get(None) if shelf is not None else None
+    if shelf is None or newest is None:
+        return None, None
+    return newest, shelf.delta(newest.manifest.version)
 
 
 def leader(row: LeaderRow) -> Leader:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from importlib.resources import files
+from typing import get_args
 
 import trio
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -19,7 +20,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from hub.service.status import LEADERS_MAX, StatusBoard
-from shared.messages import GROUP_VERDICTS, HubStatus
+from shared.messages import GROUP_VERDICTS, HubStatus, NodeState, Reachability
 from shared.web import by_label, gauge, serve
 
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -84,9 +85,9 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         gauge("echo2_delta_bytes", "bytes of the newest delta", s.delta_bytes),
         gauge("echo2_open_leases", "leases out now", s.open_leases),
         by_label(GaugeMetricFamily("echo2_nodes", "nodes listed, by state", labels=["state"]),
-                  _count([n.state for n in s.nodes], ("probing", "active", "standby", "banned", "gone"))),
+                  _count([n.state for n in s.nodes], get_args(NodeState))),
         by_label(GaugeMetricFamily("echo2_nodes_by_reachability", "nodes listed, by reachability", labels=["reachability"]),
-                  _count([n.reachability for n in s.nodes], ("public", "nated", "unknown"))),
+                  _count([n.reachability for n in s.nodes], get_args(Reachability))),
         by_label(GaugeMetricFamily("echo2_nodes_by_link", "nodes listed, by how they get snapshots", labels=["link"]),
                   _count([n.link or "none" for n in s.nodes])),
         by_label(CounterMetricFamily("echo2_groups", "groups received, by verdict", labels=["verdict"]),

@@ -141,7 +141,7 @@ class Auditor:
         self.mean_abs_gap = config.mean_abs_gap(snapshot_dtype)
         self.dtype = getattr(torch, snapshot_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = None
+        self.model: torch.nn.Module | None = None
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         # The whole hash of the snapshot the model holds; None: the weights are the model dir's, no snapshot's.
         self.loaded_hash: str | None = None
@@ -172,9 +172,8 @@ class Auditor:
         """The snapshot weights at `path` (whole hash `whole_hash`) into the model, unless it holds them already."""
         if whole_hash != self.loaded_hash:
             self.loaded_hash = None  # a load that fails half way leaves no known weights
-            if self.model is None:
-                self.model = self._base(path)
-            install_snapshot(self.model, path)
+            model = self.model = self.model if self.model is not None else self._base(path)
+            install_snapshot(model, path)
             self.loaded_hash = whole_hash
 
     def install_probe(self, path: Path, whole_hash: str, rows: tuple[tuple[TokenRow, ...], tuple[TokenRow, ...]]) -> InstallProbe:

@@ -80,10 +80,12 @@ class Probation:
         if self.rng.random() >= self.trust.audit_rate:
             return
         group, row_id = kept[self.rng.randrange(len(kept))]
+        assert self.audits is not None, "a hub without an auditor draws no audits"
         self.audits.offer(AuditJob(node_id, lease_id, row_id, group, answered_at))
 
     async def judge(self, jobs: Sequence[AuditJob]) -> AuditVerdict:
         """Audit the groups of one submission in turn, up to the first that fails or cannot be audited."""
+        assert self.audits is not None, "a hub without an auditor holds nothing for audit"
         for job in jobs:
             result = await self.audits.judge(job)
             if result is None:

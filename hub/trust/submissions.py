@@ -84,6 +84,8 @@ class GroupVerdict:
     def __post_init__(self) -> None:
         if self.accepted and self.late:
             raise ValueError("a group is either accepted or late, not both")
+        if self.accepted != (self.group is not None):
+            raise ValueError("an accepted group carries its parsed Group, a refused one none")
 
     @property
     def verdict(self) -> str:
@@ -217,7 +219,7 @@ def reject_copies(
     """Groups that repeat earlier work too exactly to be honest are refused: neither trained on nor paid."""
     flags, out = [], []
     for verdict in verdicts:
-        flag = copies.check(verdict.group, node_id, lease_id) if verdict.accepted else None
+        flag = copies.check(verdict.group, node_id, lease_id) if verdict.group is not None else None
         if flag is not None:
             flags.append(flag)
             verdict = dataclasses.replace(verdict, accepted=False, reason="copy of an earlier group", group=None)

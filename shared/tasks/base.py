@@ -16,7 +16,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Task(ABC):
         # A task written per completion, or a subclass overriding its parent's `reward` only: scored one at a time
         # by that `reward` (an inherited `rewards` would silently score by the parent's).
         if "reward" in cls.__dict__ and "rewards" not in cls.__dict__:
-            cls.rewards = Task._rewards_per_completion
+            setattr(cls, "rewards", Task._rewards_per_completion)  # a class patched at its definition
 
     @abstractmethod
     def prompts(self) -> list[Prompt]:
@@ -148,6 +148,10 @@ def _problem(out: Any, n: int, allow_none: bool = False) -> str | None:
     return None
 
 
+@overload
+def valid_rewards(name: str, prompt: Prompt, out: Any, n: int, allow_none: Literal[False] = False) -> tuple[float, ...]: ...
+@overload
+def valid_rewards(name: str, prompt: Prompt, out: Any, n: int, allow_none: bool) -> tuple[float | None, ...]: ...
 def valid_rewards(name: str, prompt: Prompt, out: Any, n: int, allow_none: bool = False) -> tuple[float | None, ...]:
     """`out` as one float per completion (None kept with `allow_none`); RewardError naming reward `name` when it
     is not one finite number per completion."""

@@ -171,6 +171,7 @@ def load_reward(spec: str, style: RewardStyle, builtins: Mapping[str, RewardFn])
 
 def check_callable(reward: Reward, fn_args: dict[str, Any]) -> None:
     """ValueError when the reward's function cannot take the keywords its style passes (`fn_args`)."""
+    assert reward.fn is not None, "a builtin reward is not checked"
     try:
         inspect.signature(reward.fn).bind(**fn_args)
     except TypeError as exc:
