@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,8 +16,11 @@ from shared.logprobs import completion_logprobs
 from shared.model_io import PartialCopy
 from shared.rollout import Completion, SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def _load_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+
+def _load_model(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
     """The model of `model_dir`; without weight files (the hub's config and tokenizer only, shared/model_files.py)
     its tensors are left unset: the first snapshot, installed before any generation, fills every one of them."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -71,7 +71,6 @@ class Worker:
     async def run(self) -> None:
         # The hub's answer to the lease request the last submission carried: one round trip per lease.
         next_lease: LeaseReply | None = None
-        reply: LeaseReply | Reject | None
         while True:
             if not self.can_work() or self.version_held() < 0:
                 next_lease = None  # a lease this node cannot work on now lapses; the hub re-leases it
@@ -85,9 +84,10 @@ class Worker:
             if isinstance(answered, SubmitReply):
                 next_lease = answered.next_lease
 
-    async def next_lease(self, reply: LeaseReply | None = None) -> Lease | str:
-        """A lease from the hub (`reply`: its answer carried by the last submission, else one asked for now), or
+    async def next_lease(self, carried: LeaseReply | None = None) -> Lease | str:
+        """A lease from the hub (`carried`: its answer carried by the last submission, else one asked for now), or
         why there is none, once the wait the hub asked for has passed."""
+        reply: LeaseReply | Reject | None = carried
         if reply is None:
             try:
                 reply = await self.client.lease(self.version_held())

@@ -304,9 +304,9 @@ def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(t
     ref = Learner(model_dir, LearnerConfig(), SAMPLING)
     learner = Learner(model_dir, cfg, SAMPLING)
     start = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
-    for step in (1, 2):
-        ref.train_step(groups, step)
-        learner.train_step(groups, step)
+    for step, lr in ((1, 3e-4), (2, 1e-4)):  # a schedule moves the rate between steps
+        ref.train_step(groups, step, lr)
+        assert learner.train_step(groups, step, lr).lr == pytest.approx(lr)
     with torch.no_grad():
         moved = sum(float((p - start[n]).abs().sum()) for n, p in ref.model.named_parameters())
         apart = sum(float((p - q).abs().sum()) for p, q in zip(learner.model.parameters(), ref.model.parameters()))

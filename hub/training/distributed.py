@@ -169,7 +169,9 @@ def join_ranks(env: RankEnv, device: str, watch: RankWatch | None) -> Collective
     if "error" in result:
         watch.kill()
         raise LearnerRankLost(f"joining the learner ranks failed: {result['error']}")
-    return result["collective"]
+    collective = result["collective"]
+    assert isinstance(collective, Collective)
+    return collective
 
 
 def shard(model: torch.nn.Module, bf16: bool) -> None:
@@ -194,10 +196,10 @@ def full_state_dict(model: torch.nn.Module, keep: Sequence[str] | None = None) -
 
     rank = dist.get_rank()
     out: dict[str, torch.Tensor] = {}
-    keep = None if keep is None else set(keep)
+    wanted = None if keep is None else set(keep)
     for name, tensor in model.state_dict().items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if rank == 0 and (keep is None or name in keep):
+        if rank == 0 and (wanted is None or name in wanted):
             out[name] = full.detach().to("cpu", copy=True)
         del full
     return out
@@ -222,9 +224,12 @@ def broadcast(command: Command | None) -> Command:
     """Rank 0 sends `command`; the others receive it (they pass None)."""
     import torch.distributed as dist
 
-    box = [command]
+    box: list[Command | None] = [command]
     dist.broadcast_object_list(box, src=0, device=_device() if dist.get_backend() == "nccl" else None)
-    return box[0]
+    received = box[0]
+    if received is None:
+        raise LearnerRankLost("rank 0 broadcast no command")
+    return received
 
 
 def _die_with_parent() -> None:

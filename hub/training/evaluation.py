@@ -138,7 +138,7 @@ class EvalRunner:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[name-defined]
         """Start with `await nursery.start(runner.run)`: start() needs the nursery this opens."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -157,6 +157,7 @@ class EvalRunner:
             return
         self.running = step
         self._idle = trio.Event()
+        assert self._nursery is not None, "start() before run() started"
         self._nursery.start_soon(self._evaluate, step)
 
     async def _failed(self, step: int, exc: Exception) -> None:
@@ -170,7 +171,8 @@ class EvalRunner:
         try:
             try:
                 # Abandoned on cancel: the thread sees `stop` at its next batch and ends on its own.
-                result = await trio.to_thread.run_sync(self.evaluator.evaluate, step, stop, abandon_on_cancel=True)
+                result = await trio.to_thread.run_sync(  # type: ignore[call-arg]
+                    self.evaluator.evaluate, step, stop, abandon_on_cancel=True)
             except trio.Cancelled:
                 stop.set()
                 raise

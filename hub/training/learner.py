@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -200,7 +201,7 @@ def _zero_dropout(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+            setattr(module, "attention_dropout", 0.0)  # a config float on attention modules, not a submodule
 
 
 class Learner:
@@ -316,7 +317,7 @@ class Learner:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -335,7 +336,10 @@ class Learner:
         started = time.perf_counter()
         if lr is not None:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW8bit keeps it as a tensor
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
         lengths = completion_lengths(groups)
         rows = self._rows(groups)
         tally = self._accumulate(rows)

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import trio
 
@@ -185,7 +185,8 @@ class LearnerComponent:
         else:
             collective, device, watch = ranks
             broadcast(Command("init", checkpoint=checkpoint))  # every rank resumes what rank 0 resumes
-            self.learner = RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch)
+            # RankGroup answers the Learner's own interface, each call run on every rank.
+            self.learner = cast(Learner, RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch))
         self.metrics = MetricsWriter(self.data_dir / METRICS_FILE, trackers)
         self.evaluation = evaluation
         # Numbering continues after the newest committed step even when the checkpoint is older:
@@ -222,7 +223,7 @@ class LearnerComponent:
         newest = self.store.latest_step_record()
         if newest is None:
             return
-        self.staleness = min(max(1, int(newest.extra["staleness_budget"])), self.cfg.staleness_max)
+        self.staleness = min(max(1, int(newest.extra["staleness_budget"] or 1)), self.cfg.staleness_max)
         self.kappa = default_kappa(self.staleness)
         self._grace = (self.staleness, 0)
 
@@ -254,8 +255,8 @@ class LearnerComponent:
             self.signal.notify()
             try:
                 # Sharded, a step waits on other processes: when one dies the hub stops without waiting for it.
-                stats = await trio.to_thread.run_sync(self.learner.train_step, taken.groups, t, self._lr(t),
-                                                      abandon_on_cancel=self.sharded)
+                stats = await trio.to_thread.run_sync(  # type: ignore[call-arg]
+                    self.learner.train_step, taken.groups, t, self._lr(t), abandon_on_cancel=self.sharded)
             finally:
                 self.training = False
             staleness = taken.staleness

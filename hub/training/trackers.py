@@ -111,7 +111,7 @@ class WandbTracker:
         self.wandb = wandb
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project, name=run_name, dir=str(directory), config=dict(config),
-                              mode=os.environ.get("WANDB_MODE", "offline"))
+                              mode=os.environ.get("WANDB_MODE", "offline"))  # type: ignore[arg-type]  # wandb checks it
         # Evaluations finish after later steps were logged: they get their own x axis.
         self.run.define_metric("step")
         self.run.define_metric("train/*", step_metric="step")
@@ -124,7 +124,7 @@ class WandbTracker:
         self.run.log({axis: step, **{f"{kind}/{k}": v for k, v in _numbers(row).items() if k != axis}})
 
     def log_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
-        table = self.wandb.Table(columns=COMPLETION_COLUMNS, data=_table_rows(step, completions))
+        table = self.wandb.Table(columns=list[str | int](COMPLETION_COLUMNS), data=_table_rows(step, completions))
         self.run.log({"step": step, "train/completions": table})
 
     def close(self) -> None:
