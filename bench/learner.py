@@ -128,6 +128,7 @@ def make_batch(model_dir: Path, args: argparse.Namespace) -> list[dict]:
     from transformers import AutoConfig, AutoTokenizer
 
     from shared.default_model import CHARACTERS
+    from shared.tasks.reverse import ReverseTask
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
@@ -137,9 +138,11 @@ def make_batch(model_dir: Path, args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"--completion-len {args.completion_len}: the {args.shape} model's context is "
                          f"{config.max_position_embeddings} tokens; use a shorter one or another --shape")
     rng = random.Random(SAMPLING_SEED)
+    # The default model's own task's prompts on its shape (short words); random characters on the others.
+    texts = ([p.text for p in ReverseTask().sample(random.Random(SAMPLING_SEED), args.prompts)] if args.shape == "default"
+             else ["".join(rng.choice(CHARACTERS) for _ in range(prompt_chars)) + ">" for _ in range(args.prompts)])
     batch = []
-    for index in range(args.prompts):
-        text = "".join(rng.choice(CHARACTERS) for _ in range(prompt_chars)) + ">"
+    for index, text in enumerate(texts):
         completions = [[rng.randrange(config.vocab_size) for _ in range(rng.randint(max(1, args.completion_len // 2), args.completion_len))]
                        for _ in range(args.n)]
         rewards = [float(rng.random() < 0.5) for _ in range(args.n)]
