@@ -308,3 +308,161 @@ def test_a_collapsed_policy_repeats_itself_honestly_across_versions():
     assert seen.settle(repeat, "nodeB", "L1", [-4e-3] * 8) is None
     for i in range(20):
         assert seen.check(confident(pid=f"q{i}"), f"node{i % 4}", f"M{i}") is None
+
+
+class TwoPromptTask(ReverseTask):
+    """Two words: leases keep drawing the same prompt texts, as a small task or a long run does."""
+
+    def __init__(self) -> None:
+        super().__init__(size=2)
+
+
+class Volunteer:
+    """A node on loopback: joins the in-process hub, leases, answers with the real engine (its claims rewritten by
+    `claim`, when it lies), submits, and keeps what the hub decided."""
+
+    def __init__(self, hub, host, identity, engine) -> None:
+        from node.client import HubClient
+
+        self.hub, self.engine = hub, engine
+        self.client = HubClient(host, identity, hub.addr, timeout_s=30)
+        self.peer_id = identity.peer_id
+        self.copies_refused = 0
+        self.groups: list[Group] = []
+
+    async def join(self) -> None:
+        from shared.messages import JoinReply, JoinRequest
+
+        await self.client.connect()
+        reply = await self.client.join(JoinRequest(
+            price_per_hour=0.5, hardware="test", link_bps=1e8, backend="hf", dtype="float32",
+            model_config_hash=self.hub.config_hash, version_held=0))
+        assert isinstance(reply, JoinReply), reply
+
+    async def answer(self, claim=None) -> int:
+        """One lease answered; how many of its groups were accepted."""
+        import trio
+
+        from shared.messages import LeaseReply, Submission, SubmitReply, SubmittedGroup
+
+        reply = await self.client.lease(0)
+        assert isinstance(reply, LeaseReply) and reply.lease is not None, reply
+        lease = reply.lease
+        batches = await trio.to_thread.run_sync(
+            self.engine.generate, [p.text for p in lease.prompts], lease.group_size, lease.sampling)
+        groups = []
+        for prompt, completions in zip(lease.prompts, batches):
+            if claim is not None:
+                completions = [c.model_copy(update={"logprobs": claim(c)}) for c in completions]
+            groups.append(SubmittedGroup(prompt_id=prompt.prompt_id, completions=tuple(completions)))
+            self.groups.append(Group(prompt_id=prompt.prompt_id, prompt_text=prompt.text, version=0,
+                                     completions=tuple(completions), rewards=(0.0,) * len(completions), node_id="n"))
+        answer = await self.client.submit(Submission(lease_id=lease.lease_id, node_id=self.peer_id, groups=tuple(groups)))
+        assert isinstance(answer, SubmitReply), answer
+        self.copies_refused += sum(reason == "copy of an earlier group" for _, reason in answer.rejected)
+        return answer.accepted
+
+
+@pytest.mark.trio
+async def test_a_collapsed_policy_served_by_honest_nodes_after_a_framing_attempt_is_never_refused(
+        tmp_path, default_model_dir):
+    """A real hub on loopback, its policy collapsed (the tiny model at temperature 0.05: every answer the same): a
+    throwaway identity first submits the groups that policy produces, claiming them just likely enough to be
+    accepted and unlikely enough that honest repeats look like copies on its word (on the code before: 3 of 3
+    refused). Three honest nodes then serve the same prompts: none of their groups is refused as a copy, the
+    throwaway's sightings are forgotten once it is banned, and a near-copy of an honest group is still refused."""
+    from contextlib import AsyncExitStack
+
+    from hub.config import HubConfig, LearnerConfig, LeaseConfig
+    from node.hf_engine import HFEngine
+    from shared.crypto import Identity
+    from shared.net import running_host
+    from testbed.inproc import LOOPBACK, PERMISSIVE_TRUST, inproc_hub
+
+    torch.manual_seed(0)
+    config = HubConfig(
+        task=f"{__name__}:TwoPromptTask", learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=8),
+        lease=LeaseConfig(prompts_per_lease=1), trust=PERMISSIVE_TRUST,
+        sampling=SamplingParams(temperature=0.05, top_p=1.0, max_new_tokens=10))
+    engine = HFEngine(default_model_dir)
+    async with inproc_hub(tmp_path, default_model_dir, config, real_weights=True) as hub, AsyncExitStack() as stack:
+        async def volunteer() -> Volunteer:
+            identity = Identity.generate()
+            host, _ = await stack.enter_async_context(running_host(identity, [LOOPBACK]))
+            node = Volunteer(hub, host, identity, engine)
+            await node.join()
+            return node
+
+        attacker = await volunteer()
+        # 2.6 nats a completion: seven duplicates (its own group) stay under the bar, eight repeats pass it.
+        framed = 0
+        while framed < 2:
+            framed += await attacker.answer(claim=lambda c: (-2.6 / len(c.token_ids),) * len(c.token_ids))
+        honest = [await volunteer() for _ in range(3)]
+        for _ in range(3):
+            for node in honest:
+                await node.answer()
+        assert [node.copies_refused for node in honest] == [0, 0, 0]
+        framed_prints = {group_fingerprint(g) for g in attacker.groups}
+        repeats = sum(group_fingerprint(g) in framed_prints for node in honest for g in node.groups)
+        assert repeats >= 3, "the honest nodes were expected to repeat the framed groups"
+
+        kept = len(hub.state.copies)
+        await hub.state.ban(hub.state.fleet.get(attacker.peer_id), "test: the throwaway identity")
+        assert len(hub.state.copies) < kept
+        for node in honest:
+            await node.answer()
+        assert [node.copies_refused for node in honest] == [0, 0, 0]
+
+
+
+@pytest.mark.trio
+async def test_near_copies_of_honest_groups_are_refused_on_a_real_hub(tmp_path, default_model_dir):
+    """A real hub on loopback, a policy with real randomness (a random-weight model at temperature 1): a copier that
+    answers its lease with an honest node's group, one or two of its completions replaced by duplicates of others
+    (round four: accepted and paid), is refused as a copy; the honest node never is."""
+    from contextlib import AsyncExitStack
+
+    from hub.config import HubConfig, LearnerConfig, LeaseConfig
+    from node.hf_engine import HFEngine
+    from shared.crypto import Identity
+    from shared.messages import LeaseReply, Submission, SubmitReply, SubmittedGroup
+    from shared.net import running_host
+    from testbed.inproc import LOOPBACK, PERMISSIVE_TRUST, inproc_hub
+    from testbed.models import random_model_dir
+
+    torch.manual_seed(0)
+    model = random_model_dir(tmp_path / "model", "qwen2", hidden=64, layers=2)
+    config = HubConfig(
+        task=f"{__name__}:TwoPromptTask", learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=8),
+        lease=LeaseConfig(prompts_per_lease=1), trust=PERMISSIVE_TRUST,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10))
+    engine = HFEngine(model)
+    async with inproc_hub(tmp_path / "hub", model, config, real_weights=True) as hub, AsyncExitStack() as stack:
+        async def volunteer() -> Volunteer:
+            identity = Identity.generate()
+            host, _ = await stack.enter_async_context(running_host(identity, [LOOPBACK]))
+            node = Volunteer(hub, host, identity, engine)
+            await node.join()
+            return node
+
+        honest, copier = await volunteer(), await volunteer()
+        while len({g.prompt_text for g in honest.groups}) < 2:  # both prompts answered: any lease can be copied
+            assert await honest.answer() == 1
+        refused = []
+        for replace in ((0,), (0, 5)):
+            reply = await copier.client.lease(0)
+            assert isinstance(reply, LeaseReply) and reply.lease is not None, reply
+            lease = reply.lease
+            source = next(g for g in honest.groups if g.prompt_text == lease.prompts[0].text)
+            completions = list(source.completions)
+            for i in replace:
+                completions[i] = completions[i + 1]
+            answer = await copier.client.submit(Submission(lease_id=lease.lease_id, node_id=copier.peer_id, groups=(
+                SubmittedGroup(prompt_id=lease.prompts[0].prompt_id, completions=tuple(completions)),)))
+            assert isinstance(answer, SubmitReply), answer
+            refused += [reason for _, reason in answer.rejected]
+        assert refused == ["copy of an earlier group"] * 2
+        for _ in range(2):
+            await honest.answer()
+        assert honest.copies_refused == 0
