@@ -212,7 +212,7 @@ def test_kept_groups_cost_no_python_memory():
         tracemalloc.stop()
     assert len(detector) == 4000
     assert grown < 20_000, f"{grown} bytes of Python objects for 2,000 more groups kept"
-    assert detector.reserved_bytes <= 5000 * (RECORD.size + 8 * ENTRY.size + 8) + 4 * (16384 + 131072)
+    assert detector.reserved_bytes <= 5000 * (RECORD.size + 8 * ENTRY.size + 8) + 4 * (16384 + 2 * 131072)
 
 
 def test_long_names_are_cut_in_the_record_but_compared_whole():
@@ -295,6 +295,25 @@ def test_near_copies_are_caught_per_completion():
     likely = completion((3, 2), (-0.5, -0.01))
     assert seen.check(group([likely, *diverse(10).completions[1:]]), "honest", "L5") is None
     assert seen.check(group([likely, *diverse(11).completions[1:]]), "other", "L6") is None
+
+
+def test_completions_replayed_under_another_prompt_with_their_log_probs_are_caught():
+    """Part of a genuine group replayed as the answer to another prompt, beside fresh completions: the same tokens
+    with the same log-probs were not sampled there. With its own log-probs (a model that ignores the prompt) or
+    near-certain tokens, it is no copy."""
+    seen = detector()
+    longer = group([completion((40 + i, 41 + i, 2), (-4.5, -4.5, -0.01)) for i in range(8)])
+    assert seen.check(longer, "honest", "L1") is None
+    elsewhere = {"prompt_id": "p2", "prompt_text": "zz>"}
+    replayed = group((*longer.completions[:5], *diverse(3).completions[:3])).model_copy(update=elsewhere)
+    flag = seen.check(replayed, "copier", "L2")
+    assert flag is not None and flag.repeated == 5 and "repeats 5 of 8 completions of honest's group" in flag.describe()
+    own = replayed.model_copy(update={"completions": tuple(
+        c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, *c.logprobs[1:])}) for c in replayed.completions)})
+    assert seen.check(own.model_copy(update={"prompt_id": "p3"}), "other", "L3") is None
+    certain = group([completion((60 + i, 2), (-1e-3, -1e-4)) for i in range(8)])
+    assert seen.check(certain, "nodeA", "L4") is None
+    assert seen.check(certain.model_copy(update=elsewhere), "nodeB", "L5") is None
 
 
 def test_a_collapsed_policy_repeats_itself_honestly_across_versions():

@@ -2,11 +2,13 @@
 
 A node that replays work it (or another identity) already submitted is paid for sampling it never did. The
 detector keeps a bounded LRU of recent accepted groups and, per completion, an index of where each was last seen
-for its prompt text; `check` flags a group whose repeats an honest sampler would almost never have drawn.
+(for its prompt text, and anywhere); `check` flags a group whose repeats an honest sampler would almost never have
+drawn.
 
 Digests are blake3 over token ids alone: independent of completion order (a copier gains nothing by shuffling), of
 the claimed version, and of the log-probs, so nudging a log-prob (which audits cannot tell from bf16 noise) changes
-nothing. A group's fingerprint is over its sorted completion digests; a completion's index key adds the prompt text.
+nothing. A group's fingerprint is over its sorted completion digests; a completion's key under its prompt adds the
+prompt text's digest.
 
 What is legitimately repeated: prompts are drawn with replacement, so the same prompt text reaches several nodes,
 and a peaked or converged policy repeats itself (a confident model answers "olleh<eos>" eight times out of eight,
@@ -20,9 +22,11 @@ with log-probs near 0). So a repeat is evidence only when it was improbable unde
   sold) needs no earlier group. Its combinatorial term counts the ways to place the repeats in the group (for a whole
   group, the multinomial).
 - another prompt text: log-probs are conditioned on the prompt, so an honest sampler of the other prompt reports
-  other log-probs for the same tokens. Flagged when every completion's log-prob sum is within
-  `logprob_tolerance_nats` per token of the earlier group's and R >= CROSS_PROMPT_MIN_SURPRISE_NATS. A copier that
-  shifts its log-probs by more than the tolerance (the audit tolerance) lies by more than audits let pass.
+  other log-probs for the same tokens. A whole group is flagged when every completion's log-prob sum is within
+  `logprob_tolerance_nats` per token of the earlier group's and R >= CROSS_PROMPT_MIN_SURPRISE_NATS; some of its
+  completions are, when those match so and their R >= min_surprise_nats (a model that ignores its prompt repeats
+  itself across prompts honestly, with those log-probs). A copier that shifts its log-probs by more than the
+  tolerance (the audit tolerance) lies by more than audits let pass.
 
 Whose log-probs: R is computed on the submitter's own claims (audited like all its claims: a lie found bans it and
 voids its pay) and on the earlier sighting's claims for the shared completions. When the two agree on which side of
@@ -50,7 +54,7 @@ import blake3
 from shared.rollout import Completion, Group
 
 DIGEST_BYTES = 16
-# One completion of a kept group: its index key (prompt text + tokens), token count (uint32), log-prob sum (float64).
+# One completion of a kept group: its digest, token count (uint32), log-prob sum (float64).
 ENTRY = struct.Struct(f"<{DIGEST_BYTES}sId")
 # A cross-prompt repeat with matching log-probs is flagged only if an honest redraw had odds below e^-this.
 CROSS_PROMPT_MIN_SURPRISE_NATS = 3.0
@@ -187,7 +191,7 @@ class _Seen:
     origin_key: bytes
     node_key: bytes
     here: Origin
-    keys: tuple[bytes, ...]  # index key of each distinct completion
+    keys: tuple[bytes, ...]  # digest of each distinct completion
     counts: tuple[int, ...]  # its multiplicity in the group
     claimed: tuple[float, ...]  # its log-prob sum as the submitter claims it
     tokens: tuple[int, ...]
@@ -275,8 +279,10 @@ class CopyDetector:
         self._entries = _mapping(capacity * self._entries_bytes)
         salt = secrets.token_bytes(16)
         self._groups = _Table(capacity, self._fingerprint, salt)
-        # A completion's value: slot * group_size + its index in the slot.
+        # A completion's value: slot * group_size + its index in the slot. Indexed under its prompt text (the key
+        # adds the prompt's digest), and anywhere (its digest alone: replayed under another prompt).
         self._completions = _Table(capacity * group_size, self._entry_key, salt)
+        self._anywhere = _Table(capacity * group_size, self._entry_digest, salt)
         self._older, self._newer = _ints(capacity), _ints(capacity)
         self._oldest = self._newest = NONE
         self._free = NONE  # slots forgotten, chained through _newer
@@ -290,7 +296,7 @@ class CopyDetector:
     def reserved_bytes(self) -> int:
         """What it may come to hold when full, in bytes: the most its mappings are backed with."""
         return (len(self._records) + len(self._entries) + self._groups.reserved_bytes + self._completions.reserved_bytes
-                + 8 * self.capacity)
+                + self._anywhere.reserved_bytes + 8 * self.capacity)
 
     def check(self, group: Group, node_id: str, lease_id: str) -> CopyFlag | Disputed | None:
         """A CopyFlag if this group repeats work too improbably to be honest; Disputed when that depends on whose
@@ -306,7 +312,7 @@ class CopyDetector:
         else:
             if len(trusted) != len(group.completions):
                 raise ValueError(f"{len(trusted)} recomputed sums for {len(group.completions)} completions")
-            by_key = {_entry_key_of(seen.here.prompt_digest, c.token_ids): s for c, s in zip(group.completions, trusted)}
+            by_key = {completion_digest(c.token_ids): s for c, s in zip(group.completions, trusted)}
             flag = self._judge(seen, tuple(by_key[k] for k in seen.keys), keep=True)
         assert not isinstance(flag, Disputed)
         return flag
@@ -341,7 +347,7 @@ class CopyDetector:
         tokens: list[int] = []
         packed = bytearray()
         for c in ordered:
-            key = _entry_key_of(digest, c.token_ids)
+            key = completion_digest(c.token_ids)
             total = math.fsum(c.logprobs)
             packed += ENTRY.pack(key, len(c.token_ids), total)
             if keys and keys[-1] == key:  # digest order puts a completion's duplicates together
@@ -352,7 +358,8 @@ class CopyDetector:
             claimed.append(total)
             tokens.append(len(c.token_ids))
         here = Origin(node_id, lease_id, group.prompt_id, digest, bytes(packed))
-        fingerprint = blake3.blake3(b"".join(completion_digest(c.token_ids) for c in ordered)).digest(length=DIGEST_BYTES)
+        fingerprint = blake3.blake3(b"".join(ENTRY.unpack_from(packed, i * ENTRY.size)[0] for i in range(len(ordered)))
+                                    ).digest(length=DIGEST_BYTES)
         return _Seen(fingerprint, _key(lease_id, group.prompt_id), _key(node_id), here, tuple(keys), tuple(counts),
                      tuple(claimed), tuple(tokens))
 
@@ -372,17 +379,29 @@ class CopyDetector:
                 flag = self._cross_prompt(seen, whole, trusted)
                 if flag is not None:
                     return flag
+        # Its completions seen under another prompt text with the same log-probs: not sampled there.
+        elsewhere: dict[int, list[int]] = {}
         for i, key in enumerate(seen.keys):
-            found = self._completions.find(key)
+            found = self._completions.find(_prompt_key(seen.here.prompt_digest, key))
             if found is not None:
                 slot = self._completions.value(found) // self.group_size
                 if slot != whole and self._origin_key(slot) != seen.origin_key:
                     earlier.setdefault(slot, []).append(i)
+            found = self._anywhere.find(key)
+            if found is not None:
+                slot, index = divmod(self._anywhere.value(found), self.group_size)
+                if (slot != whole and self._prompt_digest(slot) != seen.here.prompt_digest
+                        and self._origin_key(slot) != seen.origin_key):
+                    _, n, first_sum = ENTRY.unpack_from(self._entries, slot * self._entries_bytes + index * ENTRY.size)
+                    if abs(first_sum - seen.claimed[i]) <= self.logprob_tolerance_nats * max(1, n):
+                        elsewhere.setdefault(slot, []).append(i)
         disputed: Disputed | None = None
         verdicts: list[tuple[int | None, bool | None, float, int]] = [
             (slot, *self._repeat(seen, slot, shared, trusted)) for slot, shared in earlier.items()]
         # Its own duplicates alone (one completion sampled, several sold) need no earlier group.
         verdicts.append((None, *self._repeat(seen, None, [], trusted)))
+        for slot, shared in elsewhere.items():  # the same figures as the earlier sighting's: no dispute to settle
+            verdicts.append((slot, *self._repeat(seen, None, shared, trusted)))
         for earlier_slot, copied, surprise, repeated in verdicts:
             if copied is None:
                 disputed = disputed or Disputed(self._origin(earlier_slot) if earlier_slot is not None else seen.here)
@@ -465,11 +484,12 @@ class CopyDetector:
                 continue
             previous = key
             value = slot * self.group_size + index
-            found = self._completions.find(key)
-            if found is None:
-                self._completions.insert(key, value)
-            else:  # the newest sighting: an older group's eviction then leaves it indexed
-                self._completions.put(found, value)
+            for table, table_key in ((self._completions, _prompt_key(here.prompt_digest, key)), (self._anywhere, key)):
+                found = table.find(table_key)
+                if found is None:
+                    table.insert(table_key, value)
+                else:  # the newest sighting: an older group's eviction then leaves it indexed
+                    table.put(found, value)
 
     def _take_slot(self) -> int:
         """A free slot: a forgotten one, the next unused one, or the least recently used one's, forgotten first."""
@@ -492,9 +512,10 @@ class CopyDetector:
         self._groups.delete(position)
         for index in range(self._count(slot)):
             value = slot * self.group_size + index
-            found = self._completions.find(self._entry_key(value))
-            if found is not None and self._completions.value(found) == value:
-                self._completions.delete(found)
+            for table, key in ((self._completions, self._entry_key(value)), (self._anywhere, self._entry_digest(value))):
+                found = table.find(key)
+                if found is not None and table.value(found) == value:
+                    table.delete(found)
 
     def _write_sums(self, slot: int, keys: Sequence[bytes], sums: Sequence[float]) -> None:
         by_key = dict(zip(keys, sums))
@@ -533,10 +554,13 @@ class CopyDetector:
     def _count(self, slot: int) -> int:
         return struct.unpack_from("<H", self._records, (slot + 1) * RECORD.size - 2)[0]
 
-    def _entry_key(self, value: int) -> bytes:
+    def _entry_digest(self, value: int) -> bytes:
         slot, index = divmod(value, self.group_size)
         start = slot * self._entries_bytes + index * ENTRY.size
         return self._entries[start:start + DIGEST_BYTES]
+
+    def _entry_key(self, value: int) -> bytes:
+        return _prompt_key(self._prompt_digest(value // self.group_size), self._entry_digest(value))
 
     def _touch(self, slot: int) -> None:
         if slot != self._newest:
@@ -563,10 +587,10 @@ class CopyDetector:
         self._newest = slot
 
 
-def _entry_key_of(prompt: bytes, token_ids: tuple[int, ...]) -> bytes:
-    """A completion's index key: its prompt text's digest and its tokens' (the same tokens under another prompt
-    are another completion)."""
-    return blake3.blake3(prompt + completion_digest(token_ids)).digest(length=DIGEST_BYTES)
+def _prompt_key(prompt: bytes, completion: bytes) -> bytes:
+    """A completion's key under its prompt text: the digests of both (the same tokens under another prompt are
+    another completion there)."""
+    return blake3.blake3(prompt + completion).digest(length=DIGEST_BYTES)
 
 
 def _mapping(size: int) -> mmap.mmap:
