@@ -185,7 +185,7 @@ class JoinReply(Message):
     task: str
     heartbeat_period_s: float = Field(gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="how often the node must heartbeat")
     context_tokens: int = Field(ge=1, le=MAX_CONTEXT_TOKENS, description="what a lease can need of a model's context: the task's longest prompt plus max_new_tokens (vLLM sizes max_model_len by it)")
-    # Added in a minor step (None: a hub from before, and the node keeps its model directory's set).
+    # Protocol 2.6.0 (None: the node keeps its model directory's set).
     stop_ids: tuple[Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)], ...] | None = Field(None, min_length=1, max_length=MAX_STOP_IDS, description="the ids that end a completion: every EOS of the hub's model (shared.generation.model_stop_ids), which its checks accept and nothing else")
 
 
