@@ -10,7 +10,7 @@ import pytest
 import trio
 from pydantic import ValidationError
 
-from shared.layout import NODE_MODEL_DIR
+from shared.layout import NODE_LOG_FILE, NODE_MODEL_DIR
 from shared.messages import (
     MODEL_FILE_MAX_BYTES,
     MODEL_FILES_MAX_BYTES,
@@ -232,5 +232,6 @@ def test_engines_with_and_without_the_model_stop_where_the_hub_does(tmp_path, de
     with sqlite3.connect(tmp_path / "hub" / HUB_STORE_FILE) as db:
         reasons = db.execute("SELECT reason, COUNT(*) FROM trajectories WHERE verdict != 'accepted' GROUP BY reason").fetchall()
     assert reasons == [], reasons
-    assert "stopping on the hub's EOS ids" not in nodes[0].output()  # the hub's files declare the hub's set
-    assert f"stopping on the hub's EOS ids {sorted(stops)}" in nodes[1].output()
+    logs = [(tmp_path / name / NODE_LOG_FILE).read_text() for name in ("fetching", "own")]
+    assert "stopping on the hub's EOS ids" not in logs[0]  # the hub's files declare the hub's set
+    assert f"stopping on the hub's EOS ids {sorted(stops)}" in logs[1]
