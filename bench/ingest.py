@@ -246,7 +246,9 @@ async def calibrate(state: HubState, frames: list[Frame], config: HubConfig) -> 
                                    [c.text for c in v.group.completions])[0] for v in verdicts if v.accepted)
         ms["decode"] += spent - reward_ms
         ms["reward"] += reward_ms
-        ms["copies"] += _thread_ms(reject_copies, verdicts, copies, frame.peer, submission.lease_id)[0]
+        t0 = time.thread_time()
+        await reject_copies(verdicts, copies, frame.peer, submission.lease_id)
+        ms["copies"] += (time.thread_time() - t0) * 1000
         job_ms, job = _thread_ms(pickle.dumps, (submission, lease, window))
         in_worker, lease_copy, _ = pickle.loads(job)  # a worker's answer refers into its own copy of the job
         answer_ms, answer = _thread_ms(dump_answer, ("ok", check_submission(in_worker, lease_copy, rules, window)),

@@ -165,7 +165,7 @@ class TrustConfig(Section):
     audit_mean_abs_gap: float | None = Field(None, gt=0.0, le=10.0, description="max mean |reported - recomputed| log-prob per group, nats (None: 0.01 for float32 snapshots, 0.05 for bfloat16)")
     audit_max_outside_frac: float = Field(0.05, ge=0.0, le=1.0, description="max fraction of tokens outside the hub's top-p nucleus")
     audit_queue_groups: int = Field(256, ge=1, le=100_000, description="groups waiting for an audit: sampled ones beyond it are skipped, probation ones told to retry")
-    copy_cache_groups: int = Field(100_000, ge=1, le=10_000_000, description="recent group fingerprints kept for copy detection (LRU; ~0.2 KB + 12 B per completion each)")
+    copy_cache_groups: int = Field(100_000, ge=1, le=10_000_000, description="recent group fingerprints kept for copy detection (LRU; ~0.2 KB + 44 B per completion each)")
     copy_min_surprise_nats: float = Field(20.0, ge=0.0, le=1e6, description="a repeat is a copy only if an honest repeat had probability < exp(-this)")
     lease_new_node_prompts: int = Field(1, ge=1, le=1024, description="prompts per lease until a node passed trusted_after_audits audits")
     trusted_after_audits: int = Field(3, ge=0, le=10_000, description="audits a node must pass before full-size leases")

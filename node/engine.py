@@ -69,6 +69,16 @@ class Engine(ABC):
             raise EngineUnavailable(f"this hub's leases need {tokens} tokens of context (longest prompt plus "
                                     f"max_new_tokens) and the model has {self.model_context}")
 
+    @abstractmethod
+    def use_stop_ids(self, stop_ids: Sequence[int]) -> None:
+        """End completions on exactly `stop_ids` (the hub's set, from its join reply: what it checks submissions
+        against, shared.generation.model_stop_ids of its model) from the next generate on."""
+
+    @property
+    @abstractmethod
+    def stop_ids(self) -> frozenset[int]:
+        """The ids a completion ends on now."""
+
     @property
     @abstractmethod
     def vocab_size(self) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from node.engine import Engine
 from shared.adapters import install_snapshot
-from shared.generation import Sampler
+from shared.generation import Sampler, model_stop_ids
 from shared.logprobs import completion_logprobs
 from shared.model_io import PartialCopy
 from shared.rollout import Completion, SamplingParams
@@ -51,7 +51,10 @@ class HFEngine(Engine):
         self.model = _load_model(model_dir, getattr(torch, dtype)).to(self.device).eval()
         self.model_context = getattr(self.model.config, "max_position_embeddings", None)
         self.version = version
-        self.sampler = Sampler(self.model, self.tokenizer, self.device, process_seed=seed)
+        # The directory's declared set (generation_config.json too, which a model built from config.json alone never
+        # reads), until the hub's join reply names the set it checks submissions against (use_stop_ids).
+        self.sampler = Sampler(self.model, self.tokenizer, self.device, process_seed=seed,
+                               stop_ids=model_stop_ids(model_dir))
         # install and generate must not interleave (a node may call them from different threads).
         self._lock = threading.Lock()
 
@@ -69,6 +72,14 @@ class HFEngine(Engine):
             except PartialCopy as exc:
                 raise self._swap_failed(version, exc) from exc
             self.version = version
+
+    def use_stop_ids(self, stop_ids: Sequence[int]) -> None:
+        with self._lock:
+            self.sampler.use_stop_ids(stop_ids)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.sampler.stop_ids.tolist())
 
     @property
     def vocab_size(self) -> int:

@@ -94,7 +94,8 @@ class NodeRuntime:
             log.info("v%d reproduces the hub's install probe: mean |log-prob gap| %.2g", version, gap)
 
     async def _on_join(self, reply: JoinReply) -> None:
-        """Size the engine by the context the hub's leases need (vLLM starts here, off the event loop)."""
+        """Size the engine by the context the hub's leases need (vLLM starts here, off the event loop), and stop
+        it on exactly the EOS set the hub checks against."""
         from node.engine import EngineUnavailable
 
         async with self.engine_lock:
@@ -102,6 +103,10 @@ class NodeRuntime:
                 await trio.to_thread.run_sync(self.engine.fit_context, reply.context_tokens)
             except EngineUnavailable as exc:
                 raise InstallFailed(str(exc)) from exc
+            if reply.stop_ids is not None and frozenset(reply.stop_ids) != self.engine.stop_ids:
+                log.info("stopping on the hub's EOS ids %s (this model directory declares %s)", list(reply.stop_ids),
+                         sorted(self.engine.stop_ids))
+                await trio.to_thread.run_sync(self.engine.use_stop_ids, reply.stop_ids)
 
     def _price_now(self) -> float:
         """The price this node asks now: its schedule's at this local time, else --price."""

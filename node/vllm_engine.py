@@ -128,8 +128,9 @@ class VLLMEngine(Engine):
         self.max_lora_rank = max_lora_rank
         # A LoRA run's policy: the newest snapshot's adapters, as the LoRARequest every generate names.
         self._lora_request = None
-        # What vLLM stops on (tokenizer EOS, generation_config EOS ids, config EOS): the hub accepts the same set.
-        self._stop_ids = set(model_stop_ids(model_dir))
+        # What vLLM stops on by itself (tokenizer EOS, generation_config EOS ids) and config EOS, until the hub's join
+        # reply names its set (use_stop_ids); every request names the set as stop_token_ids too.
+        self._stop_ids = frozenset(model_stop_ids(model_dir))
         self._llm = None
         self._lock = threading.Lock()
 
@@ -228,6 +229,7 @@ class VLLMEngine(Engine):
             raise ValueError(f"n must be >= 1, got {n}")
         if not prompts:
             return []
+        stop_ids = self._stop_ids
         # A configured seed becomes one seed per prompt: one seed for all would sample equal prompts alike.
         params = [
             VLLMSamplingParams(
@@ -238,6 +240,7 @@ class VLLMEngine(Engine):
                 max_tokens=sampling.max_new_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 seed=seed,
+                stop_token_ids=sorted(stop_ids),
             )
             for seed in prompt_seeds(lease_seed(sampling.seed, self.seed), prompts)
         ]
@@ -248,6 +251,16 @@ class VLLMEngine(Engine):
                                          lora_request=self._lora_request)
             version = self.version
         return [[self._completion(o, version) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
+
+    def use_stop_ids(self, stop_ids: Sequence[int]) -> None:
+        if not stop_ids:
+            raise ValueError("no stop ids: a completion could never end on EOS")
+        with self._lock:
+            self._stop_ids = frozenset(stop_ids)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self._stop_ids
 
     @property
     def vocab_size(self) -> int:

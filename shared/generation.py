@@ -57,18 +57,26 @@ class Sampler:
     """Samples n completions per prompt in one left-padded batch with a KV cache. Not thread-safe: callers
     serialise generate() against weight changes."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, device: torch.device, process_seed: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer, device: torch.device, process_seed: int | None = None,
+                 stop_ids: Sequence[int] | None = None) -> None:
         self.model = model
         # Mixed into a seeded request's seed (shared.rollout.lease_seed): None keeps the request's seed as is.
         self.process_seed = process_seed
         self.tokenizer = tokenizer
         self.device = device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.stop_ids = torch.tensor(
-            stop_token_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id, model.config.eos_token_id),
-            device=device,
-        )
+        # None: what the loaded model declares. A model built from config.json alone (no weights on disk) never
+        # read generation_config.json: an engine passes model_stop_ids of its directory, then the hub's set.
+        if stop_ids is None:
+            stop_ids = stop_token_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id, model.config.eos_token_id)
+        self.use_stop_ids(stop_ids)
         self._cache_kwarg = cache_kwarg(model)
+
+    def use_stop_ids(self, stop_ids: Sequence[int]) -> None:
+        """Stop on exactly `stop_ids` from the next generate on (callers serialise it against generate)."""
+        if not stop_ids:
+            raise ValueError("no stop ids: a completion could never end on EOS")
+        self.stop_ids = torch.tensor(sorted(set(stop_ids)), device=self.device)
 
     def generate(
         self, prompts: Sequence[str], n: int, sampling: SamplingParams, version: int, greedy: bool = False,

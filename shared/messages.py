@@ -67,6 +67,8 @@ MAX_CONTEXT_TOKENS = 1 << 22
 MAX_LINK_BPS = 1e12
 MAX_PRICE_PER_HOUR = 1000.0
 MAX_LISTEN_ADDRS = 8
+MAX_STOP_IDS = 64  # EOS ids a model declares (Qwen3 and Llama 3: 2-3)
+MAX_TOKEN_ID = 1 << 31
 MAX_ADDR_CHARS = 256
 
 # A status file whose writer claims to be running but has not rewritten it for this long
@@ -186,6 +188,8 @@ class JoinReply(Message):
     task: str
     heartbeat_period_s: float = Field(gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="how often the node must heartbeat")
     context_tokens: int = Field(ge=1, le=MAX_CONTEXT_TOKENS, description="what a lease can need of a model's context: the task's longest prompt plus max_new_tokens (vLLM sizes max_model_len by it)")
+    # Protocol 2.6.0 (None: the node keeps its model directory's set).
+    stop_ids: tuple[Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)], ...] | None = Field(None, min_length=1, max_length=MAX_STOP_IDS, description="the ids that end a completion: every EOS of the hub's model (shared.generation.model_stop_ids), which its checks accept and nothing else")
 
 
 # The model's config and tokenizer files a hub offers nodes that bring no model (shared/model_files.py): real

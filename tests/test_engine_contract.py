@@ -41,6 +41,36 @@ def test_a_model_dir_with_several_eos_ids_stops_on_each(tmp_path: Path, default_
     assert set(HFEngine(model).sampler.stop_ids.tolist()) == {eos, 5}
 
 
+def test_an_engine_without_weights_stops_on_generation_configs_eos_and_then_on_the_hubs(tmp_path: Path,
+                                                                                          default_model_dir: Path) -> None:
+    """A node without --model builds its model from config.json alone, whose generation config never reads
+    generation_config.json: the engine still stops on its EOS ids, then on exactly the set the hub names."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for path in default_model_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, model / path.name)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eos, vowels = tokenizer.eos_token_id, [tokenizer.convert_tokens_to_ids(v) for v in "aeiou"]
+    config = GenerationConfig.from_pretrained(model)
+    config.eos_token_id = [eos, *vowels]
+    config.save_pretrained(model)
+    engine = HFEngine(model)
+    assert engine.model.generation_config.eos_token_id == eos  # what transformers alone would have stopped on
+    assert engine.stop_ids == {eos, *vowels}
+    engine.install(next(default_model_dir.glob("*.safetensors")), 0)  # the weights a first snapshot brings
+    torch.manual_seed(0)
+    rows = engine.generate(["abc>"], 16, SamplingParams(temperature=1.0, max_new_tokens=12))[0]
+    assert any(c.token_ids[-1] in vowels for c in rows)
+    assert all(not set(c.token_ids[:-1]) & {eos, *vowels} for c in rows)
+    engine.use_stop_ids([eos])
+    assert engine.stop_ids == {eos}
+    with pytest.raises(ValueError, match="no stop ids"):
+        engine.use_stop_ids([])
+
+
 def test_sampling_bounds() -> None:
     assert MIN_TEMPERATURE == 0.01  # vLLM clamps anything lower: the recorded log-probs would be wrong
     SamplingParams(temperature=0.01)

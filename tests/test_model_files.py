@@ -10,7 +10,7 @@ import pytest
 import trio
 from pydantic import ValidationError
 
-from shared.layout import NODE_MODEL_DIR
+from shared.layout import NODE_LOG_FILE, NODE_MODEL_DIR
 from shared.messages import (
     MODEL_FILE_MAX_BYTES,
     MODEL_FILES_MAX_BYTES,
@@ -23,7 +23,7 @@ from shared.messages import (
 )
 from shared.model_files import ModelFilesRefused, model_label, model_offer, write_model_file
 from shared.snapshot import blake3_hex
-from testbed.harness import start_hub, start_node
+from testbed.harness import start_hub, start_node, wait_until
 
 CONFIG = b'{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 50}'
 
@@ -191,3 +191,47 @@ def test_a_node_without_model_joins_any_hub_and_a_wrong_model_is_told_the_hubs(t
     assert "config.json" in written and "tokenizer.json" in written and not any(n.endswith(".safetensors") for n in written)
     status = hub.status()
     assert status is not None and status.step == 2 and sum(n.tallies.accepted for n in status.nodes) >= 2 * 4
+
+
+def test_engines_with_and_without_the_model_stop_where_the_hub_does(tmp_path, default_model_dir):
+    """generation_config.json declares more EOS ids than config.json (Qwen's models do): a node that fetches the
+    hub's files (building its model from config.json alone) and one whose own --model declares fewer both stop on
+    the hub's set (its join reply names it), so the hub rejects none of their groups as "tokens after EOS"."""
+    import shutil
+    import sqlite3
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from shared.layout import HUB_STORE_FILE
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    # Vowels end a completion: most reversed words hold one before their end, so an engine stopping on
+    # config.json's EOS alone would run past them.
+    stops = [tokenizer.eos_token_id, *(tokenizer.convert_tokens_to_ids(v) for v in "aeiou")]
+    config = GenerationConfig.from_pretrained(model)
+    config.eos_token_id = stops
+    config.save_pretrained(model)
+    (tmp_path / "hub.toml").write_text("[learner]\nskip_zero_variance = false\n")
+    hub = start_hub(tmp_path / "hub", "--model", str(model), "--local-nodes", "0", "--steps", "1000", "--config",
+                    str(tmp_path / "hub.toml"), "--prompts-per-step", "4", "--group-size", "4")
+    nodes = [start_node(hub.addr, tmp_path / "fetching", "--no-model"),
+             start_node(hub.addr, tmp_path / "own", "--model", str(default_model_dir))]
+
+    def both_paid() -> bool:
+        status = hub.status()
+        return status is not None and sum(n.tallies.accepted >= 8 for n in status.nodes) == 2
+
+    try:
+        wait_until(both_paid, 240, "both nodes to have groups accepted")
+    finally:
+        for proc in nodes:
+            proc.kill()
+        hub.kill()
+    with sqlite3.connect(tmp_path / "hub" / HUB_STORE_FILE) as db:
+        reasons = db.execute("SELECT reason, COUNT(*) FROM trajectories WHERE verdict != 'accepted' GROUP BY reason").fetchall()
+    assert reasons == [], reasons
+    logs = [(tmp_path / name / NODE_LOG_FILE).read_text() for name in ("fetching", "own")]
+    assert "stopping on the hub's EOS ids" not in logs[0]  # the hub's files declare the hub's set
+    assert f"stopping on the hub's EOS ids {sorted(stops)}" in logs[1]

@@ -278,3 +278,44 @@ def test_vllm_reproduces_the_install_probe_and_a_corrupted_tensor_is_caught(engi
         vllm_engine.check_install(snapshot.manifest.probe, 21)
     with pytest.raises(EngineBroken):
         vllm_engine.generate(PROMPTS[:1], 1, SamplingParams(max_new_tokens=2))
+
+
+def test_vllm_stops_on_the_hubs_eos_set_with_and_without_the_models_weights(engines, tmp_path, default_model_dir):
+    """generation_config.json declares more EOS ids than config.json (Qwen's models do): a vLLM node on the hub's files
+    (no weights) stops on them, and one whose own --model declares fewer stops on the set the hub's join reply
+    names; the hub's checks find no "tokens after EOS" in either's completions."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from hub.trust.submissions import _check_completion
+    from node.vllm_engine import VLLMEngine
+    from shared.generation import model_stop_ids
+    from shared.model_files import model_offer, write_model_file
+
+    _, hf_engine = engines
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir, model)
+    tokenizer = hf_engine.tokenizer
+    stops = [tokenizer.eos_token_id, *(tokenizer.convert_tokens_to_ids(v) for v in "aeiou")]
+    config = GenerationConfig.from_pretrained(model)
+    config.eos_token_id = stops
+    config.save_pretrained(model)
+    hub_stops = frozenset(model_stop_ids(model))
+    assert hub_stops == set(stops)
+    offer = model_offer(model, "default", weights_in_snapshots=True)
+    kit = tmp_path / "kit"
+    for entry in offer.listing.files:
+        write_model_file(kit, entry, offer.read(entry))
+    weights = next(default_model_dir.glob("*.safetensors"))
+    sampling = SamplingParams(max_new_tokens=12)
+    for directory in (kit, default_model_dir):
+        engine = VLLMEngine(directory, dtype="float32", enforce_eager=True)
+        try:
+            engine.use_stop_ids(sorted(hub_stops))  # what the node does with its join reply
+            engine.install(weights, 1)
+            rows = [c for group in engine.generate(PROMPTS, 4, sampling) for c in group]
+        finally:
+            engine.close()
+        assert [_check_completion(c, sampling, hub_stops) for c in rows] == [None] * len(rows)
+        assert any(c.token_ids[-1] in set(stops[1:]) for c in rows)  # stopped on generation_config.json's ids

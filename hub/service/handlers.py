@@ -141,6 +141,7 @@ class JoinTerms:
     staleness: int
     task: str
     context_tokens: int  # hub.training.tasks.context_tokens of the task
+    stop_ids: tuple[int, ...] | None = None  # SubmissionRules.stop_ids: the EOS set every engine must stop on
 
 
 def no_chains(peer: str) -> ChainLinks:
@@ -379,6 +380,7 @@ class HubService:
         await _reply(stream, JoinReply(
             state=record.state, latest_version=self.shelf.newest_version(), staleness=self.terms.staleness,
             task=self.terms.task, heartbeat_period_s=record.heartbeat_period_s, context_tokens=self.terms.context_tokens,
+            stop_ids=self.terms.stop_ids,
         ))
 
     async def _on_model(self, stream: INetStream) -> None:
@@ -599,7 +601,8 @@ def build_hub_service(
     bc = config.broadcast
     uplink = HubUplink(bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
                        bc.link_mbps * BYTES_PER_MBIT if bc.link_mbps else None)
-    terms = JoinTerms(config.learner.staleness_bound, config.task, context_tokens)
+    terms = JoinTerms(config.learner.staleness_bound, config.task, context_tokens,
+                      tuple(sorted(state.rules.stop_ids)) if state.rules is not None else None)
     return HubService(
         host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
         chain_links=broadcaster.links if broadcaster else no_chains,

@@ -436,6 +436,8 @@ class HubState:
             if state in ("gone", "banned"):
                 # A released (standby) node may still finish the lease it holds: it did what it was told.
                 self._leases_back(record.peer_id)
+            if state == "banned":  # its sightings are no evidence against anyone (hub/trust/copies.py)
+                self.copies.forget(record.peer_id)
         log.info("%s %s: %s", kind, record.peer_id, reason)
         if state in ("gone", "banned") or previous in ("gone", "banned"):
             self._membership_changed()
@@ -561,7 +563,7 @@ class HubState:
                     from None
             if lease.closed:
                 raise PeerFault("lease withdrawn while the submission was checked", RejectCode.BAD_LEASE)
-            verdicts, copies = reject_copies(verdicts, self.copies, peer, lease.lease_id)
+            verdicts, copies = await reject_copies(verdicts, self.copies, peer, lease.lease_id, self.probation.recompute)
             usd = await self._commit_submission(record, lease, verdicts, copies, signed_hash, now)
         if lease.probe:
             self._membership_changed()  # measured: the scheduler may move it to standby now

@@ -142,7 +142,6 @@ class Auditor:
         self.dtype = getattr(torch, snapshot_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model: torch.nn.Module | None = None
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         # The whole hash of the snapshot the model holds; None: the weights are the model dir's, no snapshot's.
         self.loaded_hash: str | None = None
         self._lock = threading.Lock()
@@ -188,18 +187,31 @@ class Auditor:
             logprobs=tuple(tuple(float(x) for x in row[: len(c)]) for row, c in zip(logprobs.tolist(), completions)),
         )
 
-    def audit(self, group: Group, version: int) -> AuditResult:
-        """Re-score `group`'s completions with `version`'s weights; VersionUnavailable if it left the shelf."""
+    def logprob_sums(self, group: Group) -> list[float]:
+        """Each completion's log-prob sum under its claimed version, as sampled (temperature, top-p): the likelihood
+        the copy detector trusts when claims disagree (hub/trust/copies.py). -inf for a completion holding a token
+        outside the nucleus. VersionUnavailable if the version left the shelf."""
+        version = group.completions[0].version
         if any(c.version != version for c in group.completions):
-            raise ValueError(f"group {group.prompt_id} holds completions of versions other than v{version}")
+            raise ValueError(f"group {group.prompt_id} mixes policy versions")
+        recomputed, mask = self._recompute(group, version)
+        return recomputed.masked_fill(mask == 0, 0.0).sum(dim=-1).tolist()
+
+    def _recompute(self, group: Group, version: int) -> tuple[torch.Tensor, torch.Tensor]:
         prompt = self.tokenizer(group.prompt_text)["input_ids"]
         completions = [list(c.token_ids) for c in group.completions]
         with self._lock, torch.inference_mode():
             self._load(version)
-            recomputed, mask = completion_logprobs(
+            return completion_logprobs(
                 self.model, [prompt] * len(completions), completions,
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p,
             )
+
+    def audit(self, group: Group, version: int) -> AuditResult:
+        """Re-score `group`'s completions with `version`'s weights; VersionUnavailable if it left the shelf."""
+        if any(c.version != version for c in group.completions):
+            raise ValueError(f"group {group.prompt_id} holds completions of versions other than v{version}")
+        recomputed, mask = self._recompute(group, version)
         reported = torch.zeros_like(recomputed)
         for row, c in enumerate(group.completions):
             reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
@@ -236,6 +248,8 @@ class AuditQueue:
         # One audit at a time, on a thread of its own: waiting audits queue here, never on trio's shared
         # worker threads (which every store write needs).
         self._limiter = trio.CapacityLimiter(1)
+        # Recomputes for the copy detector wait on the model's lock, not behind queued audits.
+        self._recompute_limiter = trio.CapacityLimiter(1)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -254,6 +268,15 @@ class AuditQueue:
             self._wake = trio.Event()
             await self._wake.wait()
         return self._jobs.popleft()
+
+    async def recompute(self, group: Group) -> list[float] | None:
+        """Auditor.logprob_sums in a worker thread (one model, so one at a time with the audits); None when the
+        version left the shelf (logged)."""
+        try:
+            return await trio.to_thread.run_sync(self.auditor.logprob_sums, group, limiter=self._recompute_limiter)
+        except VersionUnavailable as exc:
+            log.warning("recomputing log-probs of group %s for copy detection skipped: %s", group.prompt_id, exc)
+            return None
 
     async def judge(self, job: AuditJob) -> AuditResult | None:
         """Re-score the job's group in a worker thread; None when its version left the shelf (logged)."""

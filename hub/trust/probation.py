@@ -83,6 +83,11 @@ class Probation:
         assert self.audits is not None, "a hub without an auditor draws no audits"
         self.audits.offer(AuditJob(node_id, lease_id, row_id, group, answered_at))
 
+    async def recompute(self, group: Group) -> list[float] | None:
+        """The audit model's log-prob sums of `group`'s completions (the copy detector's disputes); None without
+        audits or when its version left the shelf."""
+        return None if self.audits is None else await self.audits.recompute(group)
+
     async def judge(self, jobs: Sequence[AuditJob]) -> AuditVerdict:
         """Audit the groups of one submission in turn, up to the first that fails or cannot be audited."""
         assert self.audits is not None, "a hub without an auditor holds nothing for audit"

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hub.records.leases import LeaseRecord
 from hub.records.store import NewEvent
-from hub.trust.copies import CopyDetector, CopyFlag
+from hub.trust.copies import CopyDetector, CopyFlag, Disputed
 from shared.messages import GROUP_VERDICTS, Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.base import GroupContext, Prompt, Task, checked_scores
@@ -213,14 +213,22 @@ def check_submission(
     return [check_group(g, record, seen, rules, window, submission.node_id) for g in submission.groups]
 
 
-def reject_copies(
-    verdicts: Sequence[GroupVerdict], copies: CopyDetector, node_id: str, lease_id: str
+async def reject_copies(
+    verdicts: Sequence[GroupVerdict], copies: CopyDetector, node_id: str, lease_id: str,
+    recompute: Callable[[Group], Awaitable[Sequence[float] | None]] | None = None,
 ) -> tuple[list[GroupVerdict], list[CopyFlag]]:
-    """Groups that repeat earlier work too exactly to be honest are refused: neither trained on nor paid."""
-    flags, out = [], []
+    """Groups that repeat earlier work too improbably to be honest are refused: neither trained on nor paid. A group
+    whose verdict depends on whose log-probs are believed is settled on `recompute`'s (the hub's own: each
+    completion's log-prob sum under the claimed version; None when it cannot), or on its own claims without one."""
+    flags: list[CopyFlag] = []
+    out: list[GroupVerdict] = []
     for verdict in verdicts:
-        flag = copies.check(verdict.group, node_id, lease_id) if verdict.group is not None else None
-        if flag is not None:
+        group = verdict.group
+        flag = copies.check(group, node_id, lease_id) if group is not None else None
+        if isinstance(flag, Disputed) and group is not None:
+            trusted = await recompute(group) if recompute is not None else None
+            flag = copies.settle(group, node_id, lease_id, trusted)
+        if isinstance(flag, CopyFlag):
             flags.append(flag)
             verdict = dataclasses.replace(verdict, accepted=False, reason="copy of an earlier group", group=None)
         out.append(verdict)
