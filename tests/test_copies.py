@@ -364,8 +364,14 @@ class Volunteer:
 
         from shared.messages import LeaseReply, Submission, SubmitReply, SubmittedGroup
 
-        reply = await self.client.lease(0)
-        assert isinstance(reply, LeaseReply) and reply.lease is not None, reply
+        # A node that just joined is in standby until the hub's scheduler activates it: ask until it is.
+        with trio.fail_after(30):
+            while True:
+                reply = await self.client.lease(0)
+                assert isinstance(reply, LeaseReply), reply
+                if reply.lease is not None:
+                    break
+                await trio.sleep(0.05)
         lease = reply.lease
         batches = await trio.to_thread.run_sync(
             self.engine.generate, [p.text for p in lease.prompts], lease.group_size, lease.sampling)
