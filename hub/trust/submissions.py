@@ -218,9 +218,16 @@ def check_group(
 def check_submission(
     submission: Submission, record: LeaseRecord, rules: SubmissionRules, window: VersionWindow
 ) -> list[GroupVerdict]:
-    """Verdicts for every group of a submission whose lease and signer were already verified."""
+    """Verdicts for every group of a submission whose lease and signer were already verified. Once a group ran the
+    reward past its budget, the rest are rejected unscored: the node has shown what its text costs."""
     seen: set[str] = set()
-    return [check_group(g, record, seen, rules, window, submission.node_id) for g in submission.groups]
+    verdicts: list[GroupVerdict] = []
+    for group in submission.groups:
+        if verdicts and verdicts[-1].reason == REASON_OVER_BUDGET:
+            verdicts.append(GroupVerdict(group.prompt_id, False, REASON_OVER_BUDGET, group))
+        else:
+            verdicts.append(check_group(group, record, seen, rules, window, submission.node_id))
+    return verdicts
 
 
 def charged_verdicts(submission: Submission, reason: str) -> list[GroupVerdict]:

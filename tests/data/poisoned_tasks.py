@@ -11,7 +11,7 @@ from shared.tasks.reverse import ReverseTask
 POISON = "poison"  # in the embedded model's vocabulary: lower-case letters
 # CPU a SpinningRewardTask spends per poisoned group, and wall time a SleepingRewardTask waits: far past any
 # budget a test sets, short enough that a thread left running ends within the test.
-SPIN_S = 3.0
+SPIN_S = 1.0
 SLEEP_S = 4.0
 
 
