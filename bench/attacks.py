@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -62,11 +63,12 @@ class Node:
         assert isinstance(reply, JoinReply), reply
 
     async def lease(self):
-        while True:
-            reply = await self.client.lease(self.hub.version[0])
-            if isinstance(reply, LeaseReply) and reply.lease is not None:
-                return reply.lease
-            await trio.sleep(0.05)
+        with trio.fail_after(HANDLER_TIMEOUT_S):
+            while True:
+                reply = await self.client.lease(self.hub.version[0])
+                if isinstance(reply, LeaseReply) and reply.lease is not None:
+                    return reply.lease
+                await trio.sleep(0.05)
 
     async def work(self, poisoned: bool) -> tuple[float, SubmitReply | None]:
         """Lease, answer (rightly, or with POISON in every group) and submit: (seconds to the reply, the reply)."""
@@ -109,8 +111,11 @@ async def honest_round(node: Node, until: float, out: dict) -> None:
 
 async def run_mode(procs: int, attackers: int, seconds: float, work: Path, model_dir: Path) -> dict:
     trust = PERMISSIVE_TRUST.model_copy(update={"check_procs": procs, "reward_budget_s": REWARD_BUDGET_S})
-    config = HubConfig(learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=2, buffer_max_groups=100_000),
-                       sampling=SamplingParams(max_new_tokens=32), lease=LeaseConfig(prompts_per_lease=2),
+    # Room for every lease of the bench: no learner takes groups out of the buffer (as bench/p2p.py).
+    config = HubConfig(learner=LearnerConfig(staleness=2, prompts_per_step=4096, group_size=2,
+                                             buffer_max_groups=1_000_000),
+                       sampling=SamplingParams(max_new_tokens=32),
+                       lease=LeaseConfig(prompts_per_lease=2, max_inflight_steps=100.0),
                        trust=trust, task="tests.data.poisoned_tasks:SpinningRewardTask")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     async with inproc_hub(work, model_dir, config) as hub, AsyncExitStack() as stack:
@@ -167,6 +172,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the flood (the quiet spell: half)")
     parser.add_argument("--modes", default="process,thread", help=f"comma-separated: {', '.join(MODES)}")
     args = parser.parse_args()
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model_dir = ensure_default_model(progress=False)
     results = []
     for mode in args.modes.split(","):
