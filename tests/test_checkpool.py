@@ -273,6 +273,27 @@ async def test_in_a_thread_an_overrun_is_charged_and_the_nodes_next_checks_wait_
 
 @pytest.mark.trio
 @pytest.mark.timeout(120)
+async def test_in_a_thread_an_honest_check_waiting_for_a_thread_an_overrun_holds_is_not_charged(
+        tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    """The time limit counts from the thread's start: waiting for one (here the only thread, held by an abandoned
+    check) is no node's doing."""
+    from tests.data.poisoned_tasks import SLEEP_S
+
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SleepingRewardTask",
+                                                            timeout_s=1.0))
+    state.checks = checks = ThreadChecks(state.rules, timeout_s=1.0, threads=1)
+    node, lease = await joined(state)
+    honest, lease2 = await joined(state, 1)
+    outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+    assert outcome.accepted == 0 and node in checks._overrunning  # its thread sleeps on, holding the only one
+    with trio.fail_after(SLEEP_S * 5):
+        outcome = await state.accept_submission(honest, answer(tokenizer, lease2, honest), "h2")
+    assert outcome.accepted == len(lease2.prompts) and state.fleet.get(honest).tallies.rejected == 0
+    state.store.close()
+
+
+@pytest.mark.trio
+@pytest.mark.timeout(120)
 async def test_in_a_thread_a_group_past_its_cpu_budget_is_measured_and_rejected(tmp_path, default_model_dir,
                                                                               tokenizer):  # noqa: F811
     state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SpinningRewardTask",

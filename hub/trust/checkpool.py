@@ -159,15 +159,31 @@ async def reward_failed(exc: RewardError, submission: Submission, probe: RewardP
     return charged_verdicts(submission, REASON_REWARD_FAILED)
 
 
+class _Taken:
+    """A thread limiter's token taken before a check's clock started (waiting for a thread is no node's doing),
+    handed to `trio.to_thread.run_sync`, which gives it back when the thread ends, abandoned or not."""
+
+    def __init__(self, limiter: trio.CapacityLimiter, borrower: object) -> None:
+        self.limiter, self.borrower = limiter, borrower
+
+    async def acquire_on_behalf_of(self, _borrower: object) -> None:
+        """Already taken."""
+
+    def release_on_behalf_of(self, _borrower: object) -> None:
+        self.limiter.release_on_behalf_of(self.borrower)
+
+
 class ThreadChecks:
     """The checks in worker threads of the hub's own process (`--check-procs 0`): a thread cannot be killed, so
     a check past `timeout_s` is abandoned, its groups rejected, and its node's checks refused until it ends.
-    Its own thread limiter: abandoned checks never hold the threads the store's writes need."""
+    Its own thread limiters: abandoned checks never hold the threads the store's writes need, nor the one the
+    operator's probe runs in (nodes' overruns cannot make the probe time out)."""
 
     def __init__(self, rules: SubmissionRules, timeout_s: float, threads: int | None = None) -> None:
         self.rules = rules
         self.timeout_s = timeout_s
         self.limiter = trio.CapacityLimiter(threads or max(2, len(os.sched_getaffinity(0))))
+        self._probe_limiter = trio.CapacityLimiter(1)
         self.shares = NodeShares()
         self.probe = RewardProbe(self._probe)
         self._lock = threading.Lock()
@@ -195,9 +211,16 @@ class ThreadChecks:
                     return charged_verdicts(submission, REASON_OVER_BUDGET)
                 self._overrunning.add(node)  # until the thread returns (`_checked`), abandoned or not
             outcome: Any = None
+            borrower = object()
+            try:
+                await self.limiter.acquire_on_behalf_of(borrower)
+            except BaseException:
+                with self._lock:
+                    self._overrunning.discard(node)
+                raise
             with trio.move_on_after(self.timeout_s):
                 outcome = await trio.to_thread.run_sync(self._checked, submission, lease, window,
-                                                        abandon_on_cancel=True, limiter=self.limiter)
+                                                        abandon_on_cancel=True, limiter=_Taken(self.limiter, borrower))
         if outcome is None:
             await self.probe.blame(node, f"the reward's checks ran past {self.timeout_s:g}s")
             return charged_verdicts(submission, REASON_OVER_BUDGET)
@@ -207,7 +230,8 @@ class ThreadChecks:
 
     async def _probe(self) -> str | None:
         with trio.move_on_after(self.timeout_s):
-            return await trio.to_thread.run_sync(probe_reward, self.rules, abandon_on_cancel=True, limiter=self.limiter)
+            return await trio.to_thread.run_sync(probe_reward, self.rules, abandon_on_cancel=True,
+                                                 limiter=self._probe_limiter)
         return _hung(self.rules.task.reward_name, self.timeout_s)
 
 
