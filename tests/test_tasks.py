@@ -171,6 +171,14 @@ def test_junk_completions_score_zero_without_raising(math_task, completion):
         ("2^", False),
         ("\\int_0^1 x", False),
         ("1" * 101, False),
+        ("\\sin x \\cos x", True),
+        ("\\sin(x)\\cos(x)", True),
+        ("\\sin\\cos x", False),
+        ("\\log_{2}(\\ln 8)", False),
+        ("((((1))))", True),
+        ("((((((1))))))", False),
+        ("\\{1, \\{2\\}\\}", True),
+        ("\\{\\{\\{\\{\\{\\{1\\}\\}\\}\\}\\}\\}", False),
     ],
 )
 def test_is_cheap_to_verify(answer, cheap):

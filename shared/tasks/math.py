@@ -30,7 +30,7 @@ MAX_VARIABLES = 3
 # does not: (x+y+z)^{99}, (\sqrt{2}+\sqrt{3}+\sqrt{5})^{1000} and \sin(1)^{1000} all hang.
 MAX_EXPONENT_PRODUCT_RATIONAL = 10_000
 MAX_EXPONENT_PRODUCT_OTHER = 16
-# Brackets ({, ( and [) open at once: an honest answer such as \\left(\\frac{\\sqrt{3}}{2}, 1\\right) needs 3;
+# Brackets ({, (, [ and \\{) open at once: an honest answer such as \\left(\\frac{\\sqrt{3}}{2}, 1\\right) needs 3;
 # sympy's cost grows with every level of a nested expression (a 13-deep \\sin: 6-12 s).
 MAX_NESTING_DEPTH = 5
 # Functions whose argument may not hold another: sympy evaluates a tower of them (\\exp(\\exp(\\exp(...))))
@@ -169,13 +169,13 @@ def _exponent_groups(answer: str) -> list[str] | None:
 
 
 _TOKEN_RE = re.compile(r"\\(?:[A-Za-z]+|.)|\s+|.", re.DOTALL)
-_OPENING = frozenset("{([")
-_CLOSING = frozenset("})]")
+_OPENING = frozenset(["{", "(", "[", "\\{"])  # \{ opens a set: sympy nests it as deep as any bracket
+_CLOSING = frozenset(["}", ")", "]", "\\}"])
 
 
 def _nesting_ok(answer: str) -> bool:
-    """Brackets nested at most MAX_NESTING_DEPTH deep, and no function applied to another: none inside the
-    bracket that opens its argument, nor as its argument (\\sin\\sin x). Escaped braces (\\{) are text."""
+    """Brackets (set braces \\{ too) nested at most MAX_NESTING_DEPTH deep, and no function applied to another:
+    none inside the bracket that opens its argument, nor as its argument (\\sin\\sin x)."""
     stack: list[bool] = []  # per open bracket: whether it holds a function's argument
     after_function = False  # the last token that was not space, \\left or an exponent was a function
     tokens = _TOKEN_RE.findall(answer)
