@@ -30,10 +30,10 @@ MAX_VARIABLES = 3
 # does not: (x+y+z)^{99}, (\sqrt{2}+\sqrt{3}+\sqrt{5})^{1000} and \sin(1)^{1000} all hang.
 MAX_EXPONENT_PRODUCT_RATIONAL = 10_000
 MAX_EXPONENT_PRODUCT_OTHER = 16
-# Brackets ({, (, [ and \\{) open at once: an honest answer such as \\left(\\frac{\\sqrt{3}}{2}, 1\\right) needs 3;
-# sympy's cost grows with every level of a nested expression (a 13-deep \\sin: 6-12 s).
+# Brackets ({, (, [ and \{) open at once: an honest answer such as \left(\frac{\sqrt{3}}{2}, 1\right) needs 3;
+# sympy's cost grows with every level of a nested expression (a 13-deep \sin: 6-12 s).
 MAX_NESTING_DEPTH = 5
-# Functions whose argument may not hold another: sympy evaluates a tower of them (\\exp(\\exp(\\exp(...))))
+# Functions whose argument may not hold another: sympy evaluates a tower of them (\exp(\exp(\exp(...))))
 # symbolically and numerically for minutes.
 FUNCTION_COMMANDS = frozenset(["sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "log", "ln", "exp"])
 ALLOWED_LATEX_COMMANDS = frozenset(
@@ -177,7 +177,7 @@ def _nesting_ok(answer: str) -> bool:
     """Brackets (set braces \\{ too) nested at most MAX_NESTING_DEPTH deep, and no function applied to another:
     none inside the bracket that opens its argument, nor as its argument (\\sin\\sin x)."""
     stack: list[bool] = []  # per open bracket: whether it holds a function's argument
-    after_function = False  # the last token that was not space, \\left or an exponent was a function
+    after_function = False  # the last token that was not space, \left or an exponent was a function
     tokens = _TOKEN_RE.findall(answer)
     i = 0
     while i < len(tokens):
@@ -185,7 +185,7 @@ def _nesting_ok(answer: str) -> bool:
         i += 1
         if token.isspace() or token == "\\left":
             continue
-        if after_function and token in "^_":  # \\sin^{2}(x), \\log_2 8: an exponent or base, then the argument
+        if after_function and token in "^_":  # \sin^{2}(x), \log_2 8: an exponent or base, then the argument
             if i < len(tokens) and tokens[i] == "{":
                 depth = 0
                 while i < len(tokens):
