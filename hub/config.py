@@ -182,7 +182,8 @@ class TrustConfig(Section):
     max_connections_per_ip: int = Field(32, ge=1, le=100_000, description="live inbound connections one address may hold (loopback too)")
     idle_connection_s: float = Field(15.0, gt=0.0, le=86400.0, description="a connection of a peer that is not a joined node is closed after this long idle")
     check_procs: int | None = Field(None, ge=0, le=1024, description="processes that check submissions (decode, lengths, rewards recomputed); 0: a thread of the hub's process; None: cores - 1, at least 1 (0 for a task with a light reward, as reverse)")
-    check_timeout_s: float = Field(20.0, gt=0.0, le=25.0, description="the longest one submission's checks may take: past it the reward is taken to hang and the run stops")
+    check_timeout_s: float = Field(20.0, gt=0.0, le=25.0, description="the longest (wall clock) one submission's checks may take: past it its groups are rejected, counted against its node, and the reward is probed")
+    reward_budget_s: float = Field(1.0, gt=0.0, le=60.0, description="CPU seconds the reward may spend per completion (a group gets this times its size): past it the group is rejected, counted against its node")
     status_operators: tuple[str, ...] = Field(
         (), max_length=64, description="peer ids that see nodes' prices and costs in the status protocol (the hub's own key always does)")
 

@@ -37,6 +37,7 @@ from shared.messages import (
     RejectCode,
     Submission,
     SubmitReply,
+    SubmittedGroup,
 )
 from shared.net import connect, forget_peer, running_host
 from shared.wire import HEADER, encode_frame
@@ -482,3 +483,60 @@ async def test_throwaway_identities_cannot_turn_the_model_files_into_an_amplifie
         refused = await (await client(stack, hub)).model_file(biggest)
         assert isinstance(refused, Reject) and refused.busy and "model files from this address" in refused.reason
         assert isinstance(await (await client(stack, hub)).model_files(), ModelFiles)
+
+
+@pytest.mark.trio
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("procs", [1, 0], ids=["check process", "hub thread"])
+async def test_poisoned_groups_are_charged_to_their_nodes_while_an_honest_node_is_answered_and_the_run_goes_on(
+        tmp_path, default_model_dir, procs):
+    """Round four, item 1: a boxed \\exp tower ran the math reward for minutes. Checks timed out, the senders were
+    answered "busy" with nothing counted, two of them kept the one worker busy (3 of 3 honest submissions timed
+    out), and three stopped the run as a "broken reward". Here three nodes flood the hub with groups the reward
+    spends SPIN_S of CPU on (as sympy did on the tower) while an honest node works: every poisoned group is
+    rejected past its budget and counted against its sender, every honest submission is accepted, and the
+    run goes on."""
+    from transformers import AutoTokenizer
+
+    from hub.trust.submissions import REASON_OVER_BUDGET
+    from tests.data.poisoned_tasks import POISON
+    from tests.test_p2p_negative import CONFIG as NODES_CONFIG
+    from tests.test_p2p_negative import clients, joined_and_active
+
+    rounds = 2
+    trust = PERMISSIVE_TRUST.model_copy(update={"check_procs": procs, "reward_budget_s": 0.05})
+    config = NODES_CONFIG.model_copy(update={"task": "tests.data.poisoned_tasks:SpinningRewardTask", "trust": trust})
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    async with inproc_hub(tmp_path, default_model_dir, config) as hub, clients(hub, tokenizer, 4) as everyone:
+        honest, *attackers = everyone
+        with trio.fail_after(120):  # the check process starts first
+            for node in everyone:
+                await joined_and_active(node)
+        charged: dict[str, int] = {}
+        accepted = []
+
+        async def attack(node) -> None:
+            for _ in range(rounds):
+                lease = await node.lease()
+                version = hub.version[0]
+                groups = tuple(SubmittedGroup(prompt_id=p.prompt_id, completions=(
+                    node.completion(POISON, version), node.completion("x", version))) for p in lease.prompts)
+                reply = await node.submit(Submission(lease_id=lease.lease_id, node_id=node.peer_id, groups=groups))
+                assert isinstance(reply, SubmitReply) and reply.accepted == 0, reply
+                assert {reason for _, reason in reply.rejected} == {REASON_OVER_BUDGET}
+                charged[node.peer_id] = charged.get(node.peer_id, 0) + len(groups)
+
+        async def work() -> None:
+            for _ in range(rounds):
+                lease = await honest.lease()
+                reply = await honest.submit(honest.answer(lease))
+                assert isinstance(reply, SubmitReply) and reply.accepted == len(lease.prompts), reply
+                accepted.append(reply.accepted)
+
+        async with trio.open_nursery() as nursery:
+            for node in attackers:
+                nursery.start_soon(attack, node)
+            nursery.start_soon(work)
+        assert len(accepted) == rounds and hub.state.reward_failure is None
+        for node in attackers:
+            assert hub.state.fleet.get(node.peer_id).tallies.rejected == charged[node.peer_id] > 0

@@ -1,7 +1,8 @@
-"""Submission checks in worker processes (hub/trust/checkpool.py), against a real HubState, store, tokenizer and
-spawned workers: a killed worker loses no submission (nor is one accepted unchecked), a hanging reward stops the run with one line naming it,
-the copy detector still catches a copy whose two halves were checked by different workers, and a real hub with
---check-procs 2 trains."""
+"""Submission checks in worker processes and in threads (hub/trust/checkpool.py), against a real HubState, store,
+tokenizer and spawned workers: a killed worker loses no submission (nor is one accepted unchecked), a reward that
+hangs on everything stops the run with one line naming it, one that a node's text makes slow or hang is charged to
+that node and never delays another node, the copy detector still catches a copy whose two halves were checked by
+different workers, and a real hub with --check-procs 2 trains."""
 
 from __future__ import annotations
 
@@ -14,19 +15,21 @@ import pytest
 import trio
 
 from hub.service.state import HubBusy, HubState
-from hub.trust.checkpool import CheckPool, dump_answer, load_answer, resolved_check_procs
-from hub.trust.submissions import GroupVerdict
+from hub.trust.checkpool import CheckPool, NodeShares, ThreadChecks, dump_answer, load_answer, resolved_check_procs
+from hub.trust.submissions import REASON_OVER_BUDGET, GroupVerdict
 from shared.crypto import Identity
 from shared.messages import Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group
+from tests.data.poisoned_tasks import POISON
 from tests.test_state import CONFIG, join_request, reopen, running, tokenizer  # noqa: F401 -- a fixture
 
 # Far below any honest sampler's odds: two identical such groups are a copy, whichever prompt they answer.
 COPY_LOGPROB = -3.0
 
 
-def pool_config(procs: int, task: str = "reverse", timeout_s: float = 20.0):
-    trust = CONFIG.trust.model_copy(update={"check_procs": procs, "check_timeout_s": timeout_s})
+def pool_config(procs: int, task: str = "reverse", timeout_s: float = 20.0, budget_s: float = 1.0):
+    trust = CONFIG.trust.model_copy(update={"check_procs": procs, "check_timeout_s": timeout_s,
+                                            "reward_budget_s": budget_s})
     return CONFIG.model_copy(update={"task": task, "trust": trust})
 
 
@@ -141,20 +144,164 @@ async def test_a_submission_every_worker_dies_on_is_refused_as_busy_never_accept
 @pytest.mark.slow
 @pytest.mark.trio
 @pytest.mark.timeout(180)
-async def test_a_hanging_reward_is_stopped_and_reported_not_counted_against_the_node(tmp_path, default_model_dir,
-                                                                                    tokenizer):  # noqa: F811
+async def test_a_reward_that_hangs_on_everything_stops_the_run_and_blames_no_node(tmp_path, default_model_dir,
+                                                                                 tokenizer):  # noqa: F811
     state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:HangingRewardTask", timeout_s=1.0))
     async with running(state):
         pool = await ready(state, 1)
         (hung,) = pool._workers
         node, lease = await joined(state)
-        with trio.fail_after(10), pytest.raises(HubBusy, match="the hub is stopping"):
+        # The node's work timed out, and so did the operator's probe, in the worker started in its place.
+        with trio.fail_after(60), pytest.raises(HubBusy, match="the hub is stopping"):
             await state.accept_submission(node, answer(tokenizer, lease, node), "h")
         message = str(state.reward_failure)
         assert message.startswith("reward testbed.tasks:HangingRewardTask.rewards did not return within 1s")
         assert "\n" not in message and "fix the reward function" in message
         assert state.fleet.get(node).tallies == Tallies() and state.totals.groups == Tallies()
         assert not hung.process.is_alive() and hung not in pool._workers  # killed, and another one started
+    state.store.close()
+
+
+def poisoned(tok, lease, node: str) -> Submission:
+    """An answer to every prompt of the lease whose groups each hold POISON."""
+    return answer(tok, lease, node, texts_of=lambda _prompt: (POISON, "x"))
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+@pytest.mark.timeout(180)
+async def test_a_group_that_runs_the_reward_past_its_cpu_budget_is_rejected_and_the_worker_kept(
+        tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    state = reopen(tmp_path, default_model_dir, pool_config(1, "tests.data.poisoned_tasks:SpinningRewardTask",
+                                                            budget_s=0.1))
+    async with running(state):
+        pool = await ready(state, 1)
+        (worker,) = pool._workers
+        node, lease = await joined(state)
+        outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+        assert outcome.accepted == 0 and {reason for _, reason in outcome.rejected} == {REASON_OVER_BUDGET}
+        assert state.fleet.get(node).tallies == Tallies(rejected=len(lease.prompts))
+        honest, lease2 = await joined(state, 1)
+        outcome = await state.accept_submission(honest, answer(tokenizer, lease2, honest), "h2")
+        assert outcome.accepted == len(lease2.prompts) and state.reward_failure is None
+        assert pool._workers == {worker} and worker.process.is_alive()  # interrupted by its CPU timer, not killed
+    state.store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+@pytest.mark.timeout(180)
+async def test_a_submission_whose_checks_run_past_the_time_limit_is_charged_and_another_node_is_not_delayed(
+        tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    """A reward waiting without CPU on a node's text (no CPU timer fires) is stopped by the wall clock: the worker
+    is killed, the groups rejected and counted against the node, and the reward, passing its probe, runs on."""
+    state = reopen(tmp_path, default_model_dir, pool_config(2, "tests.data.poisoned_tasks:SleepingRewardTask",
+                                                            timeout_s=1.0))
+    async with running(state):
+        pool = await ready(state, 2)
+        node, lease = await joined(state)
+        honest, lease2 = await joined(state, 1)
+        outcomes = {}
+
+        async def submit(peer: str, submission: Submission) -> None:
+            outcomes[peer] = await state.accept_submission(peer, submission, peer)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit, node, poisoned(tokenizer, lease, node))
+            await trio.sleep(0.2)
+            nursery.start_soon(submit, honest, answer(tokenizer, lease2, honest))
+            with trio.fail_after(30):
+                while honest not in outcomes:
+                    await trio.sleep(0.01)
+            assert node not in outcomes  # the other worker took the honest node's work at once
+        assert outcomes[honest].accepted == len(lease2.prompts)
+        assert outcomes[node].accepted == 0 and {r for _, r in outcomes[node].rejected} == {REASON_OVER_BUDGET}
+        assert state.fleet.get(node).tallies == Tallies(rejected=len(lease.prompts)) and state.reward_failure is None
+        await ready(state, 2)  # the killed worker replaced
+        assert len(pool._workers) == 2
+    state.store.close()
+
+
+@pytest.mark.trio
+async def test_a_nodes_checks_take_turns_and_never_wait_for_another_nodes(autojump_clock):
+    shares, order = NodeShares(), []
+
+    async def check(node: str, tag: str, seconds: float) -> None:
+        async with shares.turn(node):
+            order.append(f"{tag} in")
+            await trio.sleep(seconds)
+            order.append(f"{tag} out")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(check, "a", "a1", 1.0)
+        await trio.sleep(0.1)
+        nursery.start_soon(check, "a", "a2", 0.1)
+        nursery.start_soon(check, "b", "b1", 0.1)
+    assert order == ["a1 in", "b1 in", "b1 out", "a1 out", "a2 in", "a2 out"]
+    assert shares._turns == {}
+
+
+@pytest.mark.trio
+@pytest.mark.timeout(120)
+async def test_in_a_thread_an_overrun_is_charged_and_the_nodes_next_checks_wait_for_its_thread(
+        tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    """--check-procs 0: a thread cannot be killed. A check past the time limit is abandoned and charged; its node's
+    next submission is charged unchecked while that thread runs; another node's is checked meanwhile."""
+    from tests.data.poisoned_tasks import SLEEP_S
+
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SleepingRewardTask",
+                                                            timeout_s=1.0))
+    checks = state.checks
+    assert isinstance(checks, ThreadChecks)
+    node, lease = await joined(state)
+    outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+    assert outcome.accepted == 0 and {r for _, r in outcome.rejected} == {REASON_OVER_BUDGET}
+    lease_b = (await state.grant_lease(node, 0)).lease
+    outcome = await state.accept_submission(node, answer(tokenizer, lease_b, node), "h-b")
+    assert outcome.accepted == 0  # its first check still runs: it gets no second thread
+    honest, lease2 = await joined(state, 1)
+    outcome = await state.accept_submission(honest, answer(tokenizer, lease2, honest), "h2")
+    assert outcome.accepted == len(lease2.prompts)
+    with trio.fail_after(SLEEP_S * 5):
+        while node in checks._overrunning:
+            await trio.sleep(0.1)
+    lease_c = (await state.grant_lease(node, 0)).lease
+    outcome = await state.accept_submission(node, answer(tokenizer, lease_c, node), "h-c")
+    assert outcome.accepted == len(lease_c.prompts) and state.reward_failure is None
+    state.store.close()
+
+
+@pytest.mark.trio
+@pytest.mark.timeout(120)
+async def test_in_a_thread_an_honest_check_waiting_for_a_thread_an_overrun_holds_is_not_charged(
+        tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    """The time limit counts from the thread's start: waiting for one (here the only thread, held by an abandoned
+    check) is no node's doing."""
+    from tests.data.poisoned_tasks import SLEEP_S
+
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SleepingRewardTask",
+                                                            timeout_s=1.0))
+    state.checks = checks = ThreadChecks(state.rules, timeout_s=1.0, threads=1)
+    node, lease = await joined(state)
+    honest, lease2 = await joined(state, 1)
+    outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+    assert outcome.accepted == 0 and node in checks._overrunning  # its thread sleeps on, holding the only one
+    with trio.fail_after(SLEEP_S * 5):
+        outcome = await state.accept_submission(honest, answer(tokenizer, lease2, honest), "h2")
+    assert outcome.accepted == len(lease2.prompts) and state.fleet.get(honest).tallies.rejected == 0
+    state.store.close()
+
+
+@pytest.mark.trio
+@pytest.mark.timeout(120)
+async def test_in_a_thread_a_group_past_its_cpu_budget_is_measured_and_rejected(tmp_path, default_model_dir,
+                                                                              tokenizer):  # noqa: F811
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SpinningRewardTask",
+                                                            budget_s=0.1))
+    node, lease = await joined(state)
+    outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+    assert outcome.accepted == 0 and {r for _, r in outcome.rejected} == {REASON_OVER_BUDGET}
+    assert state.fleet.get(node).tallies == Tallies(rejected=len(lease.prompts)) and state.reward_failure is None
     state.store.close()
 
 

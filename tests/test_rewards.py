@@ -177,33 +177,62 @@ def test_a_reward_that_fails_mid_run_stops_it_with_a_checkpoint_and_blames_no_no
     assert status.totals.accepted <= LATE_FAILURE_GROUPS
 
 
-def test_only_the_reward_failing_on_trusted_work_or_on_several_strangers_stops_the_run():
-    """The scored text is the node's: a stranger on probation sending text the reward chokes on cannot stop a run."""
-    from hub.service.state import REWARD_FAILURE_STRANGERS, reward_failure_stops
+@pytest.mark.trio
+async def test_the_probe_blames_the_node_while_the_reward_passes_it_and_stops_the_run_once_it_fails(autojump_clock):
+    """A failure on a node's text is the node's while the reward passes the operator's own probe; a passed probe
+    stands PROBE_VALID_S (nodes cannot make the hub probe on every submission); a failed one is a RewardError."""
+    from hub.trust.checkpool import PROBE_VALID_S, RewardProbe
 
-    assert reward_failure_stops(vouched=True, failed_nodes=1)
-    assert not reward_failure_stops(vouched=False, failed_nodes=1)
-    assert not reward_failure_stops(vouched=False, failed_nodes=REWARD_FAILURE_STRANGERS - 1)
-    assert reward_failure_stops(vouched=False, failed_nodes=REWARD_FAILURE_STRANGERS)
+    calls, problem = [], [None]
+
+    async def probe() -> str | None:
+        calls.append(trio.current_time())
+        return problem[0]
+
+    gate = RewardProbe(probe)
+    await gate.blame("node", "the reward raised")
+    await gate.blame("node", "the reward raised")
+    assert len(calls) == 1
+    problem[0] = "reward x raised KeyError (prompt p); fix the reward function"
+    await gate.blame("other", "the reward raised")  # the passed probe still stands
+    with trio.move_on_after(PROBE_VALID_S):
+        await trio.sleep_forever()
+    with pytest.raises(RewardError, match="raised KeyError"):
+        await gate.blame("node", "the reward raised")
+    assert len(calls) == 2
 
 
 @pytest.mark.trio
-async def test_a_node_on_probation_cannot_stop_the_run_with_text_the_reward_chokes_on(tmp_path, default_model_dir,
-                                                                                      tokenizer) -> None:
-    from hub.service.state import REWARD_FAILURE_STRANGERS
+async def test_nodes_cannot_stop_the_run_with_text_the_reward_chokes_on_and_are_charged_for_it(
+        tmp_path, default_model_dir, tokenizer) -> None:
+    """Round four: three nodes on probation sending text the reward raised on stopped the run. Now however
+    many nodes do, their groups are rejected and counted against them, and honest work is still taken."""
+    from hub.trust.submissions import REASON_REWARD_FAILED
+    from tests.data.poisoned_tasks import POISON
+    from tests.test_checkpool import answer as answer_with
 
-    config = CONFIG.model_copy(update={"task": "testbed.tasks:RaisingRewardTask", "trust": CONFIG.trust.model_copy(
-        update={"audit_first_n": 5})})
+    # Vouched nodes (no audits), whose failures stopped the run at once: on probation or not, the probe decides.
+    config = CONFIG.model_copy(update={"task": "tests.data.poisoned_tasks:ChokingRewardTask"})
     state = reopen(tmp_path, default_model_dir, config)
-    for n in range(REWARD_FAILURE_STRANGERS):
+    for n in range(5):
         node = Identity.generate().peer_id
         await state.join(node, join_request(state), f"10.0.0.{n + 1}")
         grant = await state.grant_lease(node, 0)
-        with pytest.raises(HubBusy, match="not scored" if n < REWARD_FAILURE_STRANGERS - 1 else "the hub is stopping"):
-            await state.accept_submission(node, answer(tokenizer, grant.lease, node), f"h{n}")
-        assert state.fleet.get(node).tallies == Tallies()
-        assert (state.reward_failure is None) == (n < REWARD_FAILURE_STRANGERS - 1)
+        poisoned = answer_with(tokenizer, grant.lease, node, texts_of=lambda _p: (POISON, "x"))
+        outcome = await state.accept_submission(node, poisoned, f"h{n}")
+        groups = len(grant.lease.prompts)
+        assert outcome.accepted == 0 and outcome.rejected == tuple((p.id, REASON_REWARD_FAILED)
+                                                                   for p in grant.lease.prompts)
+        assert state.fleet.get(node).tallies == Tallies(rejected=groups) and state.reward_failure is None
+    honest = Identity.generate().peer_id
+    await state.join(honest, join_request(state), "10.0.1.1")
+    grant = await state.grant_lease(honest, 0)
+    outcome = await state.accept_submission(honest, answer(tokenizer, grant.lease, honest), "honest")
+    assert outcome.accepted == len(grant.lease.prompts) and state.reward_failure is None
     state.store.close()
+    db = sqlite3.connect(tmp_path / HUB_STORE_FILE)
+    assert db.execute("SELECT COUNT(*) FROM events WHERE kind = 'reward_charged'").fetchone()[0] == 5
+    db.close()
 
 
 def test_a_subclass_that_overrides_reward_only_is_scored_by_its_own_reward():

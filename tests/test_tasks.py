@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from shared.tasks import BUILTIN_TASKS, load_task
 from shared.tasks.base import RewardError, Task
+from shared.tasks.budget import OverBudget, cpu_budget
 from shared.tasks.dataset import MathTask
-from shared.tasks.math import extract_final_answer, is_cheap_to_verify
+from shared.tasks.math import _parse_latex, answers_match, extract_final_answer, is_cheap_to_verify
 
 DATA = Path(__file__).parent / "data"
 MATH_FILE = DATA / "math_small.jsonl"
@@ -169,10 +171,89 @@ def test_junk_completions_score_zero_without_raising(math_task, completion):
         ("2^", False),
         ("\\int_0^1 x", False),
         ("1" * 101, False),
+        ("\\sin x \\cos x", True),
+        ("\\sin(x)\\cos(x)", True),
+        ("\\sin\\cos x", False),
+        ("\\log_{2}(\\ln 8)", False),
+        ("((((1))))", True),
+        ("((((((1))))))", False),
+        ("\\{1, \\{2\\}\\}", True),
+        ("\\{\\{\\{\\{\\{\\{1\\}\\}\\}\\}\\}\\}", False),
     ],
 )
 def test_is_cheap_to_verify(answer, cheap):
     assert is_cheap_to_verify(answer) is cheap
+
+
+def corpus(name: str) -> list[str]:
+    """The answers of a corpus file in tests/data (one a line, # starts a comment)."""
+    return [line for line in (DATA / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+HOSTILE = corpus("hostile_math_answers.txt")
+HONEST = corpus("honest_math_answers.txt")
+
+
+@pytest.mark.parametrize("answer", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_answers_are_refused_before_sympy_sees_them(math_task, answer):
+    """Round four: \\exp(\\exp(\\exp(\\exp(\\exp(1))))) passed the guard and ran math-verify for minutes; a 13-deep
+    \\sin took 6-12 s. Each such answer scores 0 without being parsed."""
+    assert not is_cheap_to_verify(answer)
+    for prompt in math_task.prompts():
+        assert math_task.reward(prompt, f"So the answer is \\boxed{{{answer}}}.") == 0.0
+
+
+@pytest.mark.parametrize("answer", HONEST, ids=range(len(HONEST)))
+def test_honest_answers_of_the_math_tasks_kind_still_verify(answer):
+    assert is_cheap_to_verify(answer)
+    assert answers_match(_parse_latex(answer), answer)
+
+
+@pytest.mark.timeout(60)
+def test_a_tower_the_guard_would_miss_is_stopped_by_the_checks_cpu_budget():
+    """The guard is a heuristic: on a check worker's main thread the CPU budget interrupts what it misses (here
+    the tower, parsed and verified unguarded, which ran for minutes)."""
+    from math_verify import verify
+
+    gold = _parse_latex("2")
+    with pytest.raises(OverBudget):
+        with cpu_budget(0.5):
+            verify(gold, _parse_latex(HOSTILE[0]), timeout_seconds=None)
+
+
+def test_a_reward_that_swallows_the_interrupt_is_interrupted_again_and_still_over_budget():
+    interrupts = 0
+    with pytest.raises(OverBudget):
+        with cpu_budget(0.05):
+            start = time.thread_time()
+            while True:
+                try:
+                    if time.thread_time() - start >= 1.0:
+                        break
+                    sum(range(1000))
+                except BaseException:  # noqa: BLE001 -- a hostile or careless reward
+                    interrupts += 1
+    assert interrupts > 1
+
+
+def test_in_a_thread_the_budget_is_measured_when_the_check_returns():
+    outcome = []
+
+    def check(spin_s: float) -> None:
+        try:
+            with cpu_budget(0.05):
+                start = time.thread_time()
+                while time.thread_time() - start < spin_s:
+                    pass
+            outcome.append("within")
+        except OverBudget:
+            outcome.append("over")
+
+    for spin_s in (0.3, 0.0):
+        thread = threading.Thread(target=check, args=(spin_s,))
+        thread.start()
+        thread.join(timeout=30)
+    assert outcome == ["over", "within"]
 
 
 def test_reward_works_in_worker_thread(math_task):

@@ -53,7 +53,7 @@ def submission_rules(
         task=task, group_size=config.learner.group_size, sampling=config.sampling,
         stop_ids=frozenset(model_stop_ids(model_dir)), vocab_size=model_config.vocab_size,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
+        token_text_bytes=token_text_bytes(tokenizer.get_vocab()), reward_budget_s=config.trust.reward_budget_s,
     )
 
 

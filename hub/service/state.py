@@ -28,8 +28,10 @@ what it showed before, and a failed audit voids only pay booked after the node's
 
 Everything here runs on the trio thread except the `record_*` methods marked as learner records,
 which touch only the store. Peer faults raise `PeerFault`; anything else is our own invariant
-and propagates. A failure of the operator's reward is neither: the submission it scored is answered
-busy, nothing of it is committed or counted against its node, and `run` raises the failure to stop the run.
+and propagates. A reward that fails or overruns on a node's work while it passes the operator's probe is
+the node's doing: its groups are rejected (hub/trust/checkpool.py). One that fails the probe too is the
+operator's: the submission is answered busy, nothing of it is committed, and `run` raises the failure to stop
+the run.
 """
 
 from __future__ import annotations
@@ -68,7 +70,6 @@ from hub.trust.submissions import (
     verdict_tallies,
 )
 from shared.crypto import SIGNATURE_BYTES, public_key_from_peer_id
-from shared.logs import PeerLogLimiter
 from shared.messages import LEFT_REASON, EvalPoint, Heartbeat, JoinRequest, NodeState, RejectCode, Submission, Tallies
 from shared.net import address_key
 from shared.precision import resolve_dtype
@@ -80,9 +81,6 @@ log = logging.getLogger("echo2.hub.state")
 
 # The longest a protocol handler may run (and so hold a claimed lease): the service's deadline.
 HANDLER_TIMEOUT_S = 30.0
-# Distinct nodes on probation whose work the task's reward failed on before the reward, not the text they sent,
-# is taken to be broken (a vouched node's, or the hub's own local nodes', stops the run at once).
-REWARD_FAILURE_STRANGERS = 3
 NO_WORK_RETRY_S = 0.25
 STANDBY_RETRY_S = 2.0
 PROBE_PROMPTS = 1
@@ -96,12 +94,6 @@ RETAIN_PERIOD_S = 15.0
 JOIN_EVENT_WINDOW_S = 60.0
 # How stale the live-node count behind the heartbeat period may be.
 HEARTBEAT_RECOUNT_S = 1.0
-
-
-def reward_failure_stops(vouched: bool, failed_nodes: int) -> bool:
-    """Whether a reward failure stops the run: the scored text is the node's, so one node on probation (a stranger
-    sending text the reward chokes on) cannot; a vouched node can, and so can REWARD_FAILURE_STRANGERS of them."""
-    return vouched or failed_nodes >= REWARD_FAILURE_STRANGERS
 
 
 class HubBusy(Exception):
@@ -157,7 +149,7 @@ class HubState:
         task: Task,
         *,
         rules: SubmissionRules | None = None,  # None: a learner-only state that takes no submissions
-        checks: SubmissionChecks | None = None,  # where submissions are checked (None: ThreadChecks(rules))
+        checks: SubmissionChecks | None = None,  # where submissions are checked (None: ThreadChecks)
         model_config_hash: str = "",
         model_label: str = "",
         audits: AuditQueue | None = None,
@@ -173,7 +165,7 @@ class HubState:
         self.store = store
         self.writer = StoreWriter(store)
         self.rules = rules
-        self.checks = checks if checks is not None or rules is None else ThreadChecks(rules)
+        self.checks = checks if checks is not None or rules is None else ThreadChecks(rules, trust.check_timeout_s)
         self.model_config_hash = model_config_hash
         self.model_label = model_label  # hub.cli.build: name (architecture, vocab), for the mismatch refusal
         self.snapshot_dtype = resolve_dtype(config.learner.dtype, config.learner.device)
@@ -208,8 +200,6 @@ class HubState:
         self.on_membership: list[Callable[[], None]] = []
         # The first failure of the operator's reward: the run stops with it (`run` raises it).
         self.reward_failure: RewardError | None = None
-        self._reward_failed_on: set[str] = set()  # nodes whose work the reward failed on, this run
-        self._reward_log = PeerLogLimiter()
         if run is not None:
             store.set_run(run)  # what this run trains: a later start that asks for another is refused
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
@@ -556,11 +546,9 @@ class HubState:
             except ChecksLost as exc:
                 log.error("%s: refused as busy", exc)
                 raise HubBusy("the hub lost this submission's checks: resubmit") from None
-            except RewardError as exc:
-                if self.reward_failed(exc, peer):
-                    raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
-                raise HubBusy("the task's reward failed on this work: not scored (not counted against this node)") \
-                    from None
+            except RewardError as exc:  # it fails the operator's own probe too
+                self.reward_failed(exc)
+                raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
             if lease.closed:
                 raise PeerFault("lease withdrawn while the submission was checked", RejectCode.BAD_LEASE)
             verdicts, copies = await reject_copies(verdicts, self.copies, peer, lease.lease_id, self.probation.recompute)
@@ -575,22 +563,12 @@ class HubState:
             paid_usd=usd,
         )
 
-    def reward_failed(self, exc: RewardError, peer: str) -> bool:
-        """The operator's reward failed on `peer`'s work: nothing of it is committed or counted against the node.
-        Whether the run stops (`run` raises the first failure; its traceback is logged once): the text scored
-        is the node's, so a node on probation cannot stop a run alone (`reward_failure_stops`)."""
-        record = self.fleet.get(peer)
-        vouched = peer in self.own_nodes or (record is not None and not self.probation.on_probation(record))
-        self._reward_failed_on.add(peer)
-        if not reward_failure_stops(vouched, len(self._reward_failed_on)):
-            if self._reward_log.allow(peer, time.monotonic())[0]:
-                log.warning("%s (on the work of %s, on probation: %d of %d distinct such nodes stop the run)", exc,
-                            peer, len(self._reward_failed_on), REWARD_FAILURE_STRANGERS)
-            return False
+    def reward_failed(self, exc: RewardError) -> None:
+        """The operator's reward is broken (it fails its probe): the run stops (`run` raises the first failure; its
+        traceback is logged once)."""
         if self.reward_failure is None:
             self.reward_failure = exc
             log.error("%s: stopping the run", exc, exc_info=exc.__cause__ or exc)
-        return True
 
     @contextmanager
     def _claimed(self, lease_id: str, peer: str, now: float) -> Iterator[LeaseRecord]:

@@ -8,27 +8,49 @@ the submission's token and log-prob tuples as references into the hub's own copy
 hub process unpickles texts and rewards, not the completions it sent.
 
 A worker that dies under a check is replaced and the check sent to another one; after CHECK_ATTEMPTS deaths
-the submission is refused as busy (the node sends it again): never lost, never accepted unchecked. A check
-that runs past the timeout can only be the operator's reward hanging (nothing else in it waits): its worker
-is killed and replaced and the failure is a RewardError, which stops the run as a raising reward does.
+the submission is refused as busy (the node sends it again): never lost, never accepted unchecked.
+
+The reward runs on text the node chose, so what it costs is the node's. A group whose reward spends more
+than its CPU budget is rejected (shared/tasks/budget.py: interrupted in a worker's main thread, measured in
+a thread); a submission whose checks run past `check_timeout_s` of wall clock has every group rejected (a
+worker is killed and replaced; a thread cannot be killed, so its node gets no other check until it ends).
+Each node checks one submission at a time (`NodeShares`): what one node's submissions cost delays that
+node only, and the others take the remaining workers in turn. When the reward raises, or runs past its
+budget, `RewardProbe` asks whether the reward itself is broken by running it on the operator's own probe
+(the start check's made-up completions): broken, it is a RewardError that stops the run; sound, the work
+is rejected and counted against its node (a few nodes' text never stops a run).
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 import multiprocessing
 import os
 import pickle
+import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import trio
 
 from hub.records.leases import LeaseRecord
-from hub.trust.submissions import GroupVerdict, SubmissionRules, VersionWindow, check_submission
+from hub.training.tasks import check_reward
+from hub.trust.submissions import (
+    REASON_OVER_BUDGET,
+    REASON_REWARD_FAILED,
+    GroupVerdict,
+    SubmissionRules,
+    VersionWindow,
+    charged_verdicts,
+    check_submission,
+)
+from shared.logs import PeerLogLimiter
 from shared.messages import Submission
 from shared.tasks.base import RewardError
 
@@ -38,6 +60,8 @@ log = logging.getLogger("echo2.hub.checks")
 CHECK_ATTEMPTS = 3
 # A worker imports the task, its reward and the tokenizer before its first check.
 WORKER_START_TIMEOUT_S = 300.0
+# A probe the reward passed stands this long: nodes cannot make the hub probe on every submission.
+PROBE_VALID_S = 60.0
 _CONTEXT = multiprocessing.get_context("spawn")
 
 RulesFactory = Callable[[], SubmissionRules]
@@ -67,18 +91,148 @@ class SubmissionChecks(Protocol):
     async def check(self, submission: Submission, lease: LeaseRecord, window: VersionWindow) -> list[GroupVerdict]: ...
 
 
-class ThreadChecks:
-    """The checks in a worker thread of the hub's own process (`--check-procs 0`): one core at most."""
+def probe_reward(rules: SubmissionRules) -> str | None:
+    """The operator's own probe of the reward (the start check, hub/training/tasks.py): None when it passes,
+    else its one line."""
+    try:
+        check_reward(rules.task, rules.group_size)
+    except RewardError as exc:
+        return str(exc)
+    return None
 
-    def __init__(self, rules: SubmissionRules) -> None:
+
+def _hung(reward: str, timeout_s: float) -> str:
+    """The one line for a reward that did not return on the operator's own probe."""
+    return (f"reward {reward} did not return within {timeout_s:g}s on nodes' work nor on the start check's own "
+            "completions; fix the reward function")
+
+
+class RewardProbe:
+    """Whose fault a reward's failure or overrun on a node's work is (see the module docstring)."""
+
+    def __init__(self, probe: Callable[[], Awaitable[str | None]]) -> None:
+        self._probe = probe  # the probe's failure, None when it passed
+        self._passed_at = -math.inf
+        self._lock = trio.Lock()
+        self._log = PeerLogLimiter()
+
+    async def blame(self, node_id: str, what: str) -> None:
+        """Return when the node's text is to blame for `what` (the reward passes the probe); raise RewardError,
+        which stops the run, when the reward fails the probe too."""
+        async with self._lock:  # one probe at a time: the others wait for its verdict
+            if trio.current_time() - self._passed_at >= PROBE_VALID_S:
+                problem = await self._probe()
+                if problem is not None:
+                    raise RewardError(problem)
+                self._passed_at = trio.current_time()
+        if self._log.allow(node_id, time.monotonic())[0]:
+            log.warning("%s on the work of %s; the reward passes its probe: counted against the node", what, node_id)
+
+
+class NodeShares:
+    """Each node checks one submission at a time: its next waits for its last, never for another node's."""
+
+    def __init__(self) -> None:
+        self._turns: dict[str, trio.Lock] = {}
+
+    @asynccontextmanager
+    async def turn(self, node_id: str) -> AsyncIterator[None]:
+        lock = self._turns.setdefault(node_id, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._turns.pop(node_id, None)
+
+
+async def settled(verdicts: list[GroupVerdict], submission: Submission, probe: RewardProbe) -> list[GroupVerdict]:
+    """Verdicts whose groups ran the reward past its budget stand once the probe says the reward is sound."""
+    if any(v.reason == REASON_OVER_BUDGET for v in verdicts):
+        await probe.blame(submission.node_id, "the reward ran past its CPU budget")
+    return verdicts
+
+
+async def reward_failed(exc: RewardError, submission: Submission, probe: RewardProbe) -> list[GroupVerdict]:
+    """The reward raised on a submission: its groups rejected, once the probe says the reward is sound."""
+    await probe.blame(submission.node_id, str(exc))
+    return charged_verdicts(submission, REASON_REWARD_FAILED)
+
+
+class _Taken:
+    """A thread limiter's token taken before a check's clock started (waiting for a thread is no node's doing),
+    handed to `trio.to_thread.run_sync`, which gives it back when the thread ends, abandoned or not."""
+
+    def __init__(self, limiter: trio.CapacityLimiter, borrower: object) -> None:
+        self.limiter, self.borrower = limiter, borrower
+
+    async def acquire_on_behalf_of(self, _borrower: object) -> None:
+        """Already taken."""
+
+    def release_on_behalf_of(self, _borrower: object) -> None:
+        self.limiter.release_on_behalf_of(self.borrower)
+
+
+class ThreadChecks:
+    """The checks in worker threads of the hub's own process (`--check-procs 0`): a thread cannot be killed, so
+    a check past `timeout_s` is abandoned, its groups rejected, and its node's checks refused until it ends.
+    Its own thread limiters: abandoned checks never hold the threads the store's writes need, nor the one the
+    operator's probe runs in (nodes' overruns cannot make the probe time out)."""
+
+    def __init__(self, rules: SubmissionRules, timeout_s: float, threads: int | None = None) -> None:
         self.rules = rules
+        self.timeout_s = timeout_s
+        self.limiter = trio.CapacityLimiter(threads or max(2, len(os.sched_getaffinity(0))))
+        self._probe_limiter = trio.CapacityLimiter(1)
+        self.shares = NodeShares()
+        self.probe = RewardProbe(self._probe)
+        self._lock = threading.Lock()
+        self._overrunning: set[str] = set()  # nodes with an abandoned check still running
 
     async def run(self) -> None:
         """Nothing to start or supervise."""
         await trio.sleep_forever()
 
+    def _checked(self, submission: Submission, lease: LeaseRecord, window: VersionWindow) -> Any:
+        """check_submission in the thread, its outcome as a value; the node is free once it returns."""
+        try:
+            return check_submission(submission, lease, self.rules, window)
+        except RewardError as exc:
+            return exc
+        finally:
+            with self._lock:
+                self._overrunning.discard(submission.node_id)
+
     async def check(self, submission: Submission, lease: LeaseRecord, window: VersionWindow) -> list[GroupVerdict]:
-        return await trio.to_thread.run_sync(check_submission, submission, lease, self.rules, window)
+        node = submission.node_id
+        async with self.shares.turn(node):
+            with self._lock:
+                if node in self._overrunning:
+                    return charged_verdicts(submission, REASON_OVER_BUDGET)
+                self._overrunning.add(node)  # until the thread returns (`_checked`), abandoned or not
+            outcome: Any = None
+            borrower = object()
+            try:
+                await self.limiter.acquire_on_behalf_of(borrower)
+            except BaseException:
+                with self._lock:
+                    self._overrunning.discard(node)
+                raise
+            with trio.move_on_after(self.timeout_s):
+                outcome = await trio.to_thread.run_sync(self._checked, submission, lease, window,
+                                                        abandon_on_cancel=True, limiter=_Taken(self.limiter, borrower))
+        if outcome is None:
+            await self.probe.blame(node, f"the reward's checks ran past {self.timeout_s:g}s")
+            return charged_verdicts(submission, REASON_OVER_BUDGET)
+        if isinstance(outcome, RewardError):
+            return await reward_failed(outcome, submission, self.probe)
+        return await settled(outcome, submission, self.probe)
+
+    async def _probe(self) -> str | None:
+        with trio.move_on_after(self.timeout_s):
+            return await trio.to_thread.run_sync(probe_reward, self.rules, abandon_on_cancel=True,
+                                                 limiter=self._probe_limiter)
+        return _hung(self.rules.task.reward_name, self.timeout_s)
 
 
 def _shared_parts(submission: Submission) -> dict[int, tuple[str, int, int]]:
@@ -117,8 +271,9 @@ def load_answer(data: bytes, submission: Submission) -> tuple[str, Any]:
 
 
 def _serve(conn: Connection, factory: RulesFactory) -> None:
-    """A worker process: build the rules, say so with the reward's name, then check submissions until the hub's
-    end of the pipe closes. A RewardError goes back as its message; anything else is the hub's bug."""
+    """A worker process: build the rules, say so with the reward's name, then check submissions (or probe the
+    reward: a job of None) until the hub's end of the pipe closes. A RewardError goes back as its message;
+    anything else is the hub's bug."""
     try:
         rules = factory()
     except BaseException:  # noqa: BLE001 -- reported to the hub, which stops
@@ -127,15 +282,22 @@ def _serve(conn: Connection, factory: RulesFactory) -> None:
     conn.send(("ready", rules.task.reward_name))
     while True:
         try:
-            submission, lease, window = conn.recv()
+            job = conn.recv()
         except EOFError:
             return
+        if job is None:
+            conn.send_bytes(pickle.dumps(("probe", probe_reward(rules))))
+            continue
+        submission, lease, window = job
         try:
             conn.send_bytes(dump_answer(("ok", check_submission(submission, lease, rules, window)), submission))
         except RewardError as exc:
             conn.send_bytes(pickle.dumps(("reward", str(exc))))
         except Exception:  # noqa: BLE001 -- our own bug, raised again in the hub
             conn.send_bytes(pickle.dumps(("bug", traceback.format_exc())))
+
+
+Job = tuple[Submission, LeaseRecord, VersionWindow] | None  # None: probe the reward
 
 
 class _Worker:
@@ -160,13 +322,14 @@ class _Worker:
             raise RuntimeError(f"a check worker failed to start:\n{value}")
         return value
 
-    def call(self, job: tuple[Submission, LeaseRecord, VersionWindow], timeout_s: float) -> tuple[str, Any] | None:
-        """Send one check and wait for its answer; None when it ran past `timeout_s`. EOFError or OSError: the
+    def call(self, job: Job, timeout_s: float) -> tuple[str, Any] | None:
+        """Send one job and wait for its answer; None when it ran past `timeout_s`. EOFError or OSError: the
         worker died (blocking)."""
         self.conn.send(job)
         if not self.conn.poll(timeout_s):
             return None
-        return load_answer(self.conn.recv_bytes(), job[0])
+        data = self.conn.recv_bytes()
+        return pickle.loads(data) if job is None else load_answer(data, job[0])
 
     def stop(self) -> None:
         """Kill the process and reap it (blocking)."""
@@ -185,6 +348,8 @@ class CheckPool:
         self.procs = procs
         self.timeout_s = timeout_s
         self.reward_name = ""
+        self.shares = NodeShares()
+        self.probe = RewardProbe(self._probe)
         self._idle_send, self._idle = trio.open_memory_channel(procs)
         self._workers: set[_Worker] = set()
         self._nursery: trio.Nursery | None = None
@@ -220,17 +385,38 @@ class CheckPool:
 
     async def check(self, submission: Submission, lease: LeaseRecord, window: VersionWindow) -> list[GroupVerdict]:
         """The verdicts of `check_submission`, computed by a worker: ChecksLost when CHECK_ATTEMPTS workers died
-        under it, RewardError when the reward failed or hung."""
-        for _ in range(CHECK_ATTEMPTS):
-            worker = await self._idle.receive()
-            answer = await self._call(worker, (submission, lease, window))
-            if answer is not None:
-                return self._verdicts(answer, submission)
-        raise ChecksLost(f"{CHECK_ATTEMPTS} check workers died checking a submission of lease {submission.lease_id}")
+        under it, RewardError when the reward fails its probe too (see the module docstring)."""
+        async with self.shares.turn(submission.node_id):
+            for _ in range(CHECK_ATTEMPTS):
+                answer = await self._call(await self._idle.receive(), (submission, lease, window))
+                if answer is not None:
+                    break
+            else:
+                raise ChecksLost(f"{CHECK_ATTEMPTS} check workers died checking a submission of lease "
+                                 f"{submission.lease_id}")
+        kind, value = answer
+        if kind == "timeout":
+            await self.probe.blame(submission.node_id, f"the reward's checks ran past {self.timeout_s:g}s")
+            return charged_verdicts(submission, REASON_OVER_BUDGET)
+        if kind == "reward":
+            return await reward_failed(RewardError(value), submission, self.probe)
+        if kind == "bug":
+            raise RuntimeError(f"a check worker failed on a submission of lease {submission.lease_id}:\n{value}")
+        return await settled(value, submission, self.probe)
 
-    async def _call(self, worker: _Worker, job: tuple[Submission, LeaseRecord, VersionWindow]) -> tuple[str, Any] | None:
-        """The worker's answer, or None when it died under the check (it is replaced). A worker whose check is
-        abandoned (the handler cancelled) or that hangs is replaced too: its state is unknown."""
+    async def _probe(self) -> str | None:
+        """The operator's probe of the reward in a worker: None when it passed (a worker that dies under it is
+        replaced and the probe sent again)."""
+        while True:
+            answer = await self._call(await self._idle.receive(), None)
+            if answer is not None:
+                kind, value = answer
+                return _hung(self.reward_name, self.timeout_s) if kind == "timeout" else value
+
+    async def _call(self, worker: _Worker, job: Job) -> tuple[str, Any] | None:
+        """The worker's answer (("timeout", None) past the timeout), or None when it died under the job (it is
+        replaced). A worker whose job is abandoned (the handler cancelled) or that hangs is replaced too: its
+        state is unknown."""
         try:
             answer = await trio.to_thread.run_sync(worker.call, job, self.timeout_s, abandon_on_cancel=True)
         except (EOFError, OSError):
@@ -243,16 +429,6 @@ class CheckPool:
             raise
         if answer is None:
             await self._replace(worker)
-            return ("reward", f"reward {self.reward_name} did not return within {self.timeout_s:g}s (lease "
-                              f"{job[1].lease_id}); fix the reward function")
+            return ("timeout", None)
         self._idle_send.send_nowait(worker)
         return answer
-
-    @staticmethod
-    def _verdicts(answer: tuple[str, Any], submission: Submission) -> list[GroupVerdict]:
-        kind, value = answer
-        if kind == "reward":
-            raise RewardError(value)
-        if kind == "bug":
-            raise RuntimeError(f"a check worker failed on a submission of lease {submission.lease_id}:\n{value}")
-        return value

@@ -4,9 +4,11 @@ Nothing a node says about its own work is believed: the completion text is re-de
 the token ids with the hub's tokenizer, the reward is recomputed from the task, and lengths,
 versions and log-probs are bounded by the lease. A node may claim rewards; a claim that differs
 from the hub's score is a lie, and that group is rejected (neither trained on nor paid), and so is a
-group that repeats earlier work too exactly to be honest (hub/trust/copies.py finds those). Here too:
-what a submission's verdicts add to the tallies and to the event log. The reward is the operator's code:
-when it fails (shared.tasks.base.RewardError) no verdict is given, and the error propagates.
+group that repeats earlier work too exactly to be honest (hub/trust/copies.py finds those), and a group
+whose reward ran past its CPU budget (shared/tasks/budget.py): the node chose the text the reward ran on.
+Here too: what a submission's verdicts add to the tallies and to the event log. The reward is the
+operator's code: when it fails (shared.tasks.base.RewardError) no verdict is given, and the error
+propagates (hub/trust/checkpool.py decides whose fault it was).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from hub.config import TrustConfig
 from hub.records.leases import LeaseRecord
 from hub.records.store import NewEvent
 from hub.trust.copies import CopyDetector, CopyFlag, Disputed
 from shared.messages import GROUP_VERDICTS, Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.base import GroupContext, Prompt, Task, checked_scores
+from shared.tasks.budget import OverBudget, cpu_budget
 
 CLAIMED_REWARD_TOLERANCE = 1e-6
 # The most bytes a submission's JSON spends on each of its parts, for the frame cap of one lease's answer.
@@ -31,6 +35,8 @@ COMPLETION_JSON_BYTES = 256  # a completion's keys, brackets, finish_reason and 
 GROUP_JSON_BYTES = JSON_BYTES_PER_CHAR * 200 + 256  # a group's keys and its prompt id at its longest, escaped
 SUBMISSION_JSON_BYTES = JSON_BYTES_PER_CHAR * (64 + 128) + 256  # keys, lease id and node id at their longest
 REASON_CLAIMED_REWARD = "claimed rewards differ from the hub's scores"
+REASON_OVER_BUDGET = "the reward ran past its budget on this work"
+REASON_REWARD_FAILED = "the task's reward failed on this work"
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class SubmissionRules:
     vocab_size: int
     decode: Callable[[list[int]], str]
     token_text_bytes: int  # the most JSON bytes one token's decoded text takes (`token_text_bytes`)
+    # CPU seconds the reward may spend per completion (TrustConfig.reward_budget_s).
+    reward_budget_s: float = TrustConfig.model_fields["reward_budget_s"].default
 
 
 def token_text_bytes(vocab: Iterable[str]) -> int:
@@ -162,12 +170,16 @@ def _claims_differ(claimed: Sequence[float] | None, rewards: Sequence[float]) ->
 
 def _score(submitted: SubmittedGroup, prompt: Prompt, rules: SubmissionRules, node_id: str) -> GroupVerdict:
     """A valid group's completions re-decoded and scored by the task in one call: accepted, unless the node
-    claimed other scores. A reward that fails raises RewardError: the operator's fault, not the node's."""
+    claimed other scores or the call ran past the group's CPU budget. A reward that fails raises RewardError."""
     pid = submitted.prompt_id
     completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
     version = submitted.completions[0].version
     context = GroupContext(tuple(c.token_ids for c in completions), version)
-    scores = checked_scores(rules.task, prompt, [c.text for c in completions], context)
+    try:
+        with cpu_budget(rules.reward_budget_s * len(completions)):
+            scores = checked_scores(rules.task, prompt, [c.text for c in completions], context)
+    except OverBudget:
+        return GroupVerdict(pid, False, REASON_OVER_BUDGET, submitted)
     if _claims_differ(submitted.claimed_rewards, scores.rewards):
         return GroupVerdict(pid, False, REASON_CLAIMED_REWARD, submitted)
     group = Group(
@@ -208,9 +220,23 @@ def check_group(
 def check_submission(
     submission: Submission, record: LeaseRecord, rules: SubmissionRules, window: VersionWindow
 ) -> list[GroupVerdict]:
-    """Verdicts for every group of a submission whose lease and signer were already verified."""
+    """Verdicts for every group of a submission whose lease and signer were already verified. Once a group ran the
+    reward past its budget, the rest are rejected unscored: the node has shown what its text costs."""
     seen: set[str] = set()
-    return [check_group(g, record, seen, rules, window, submission.node_id) for g in submission.groups]
+    verdicts: list[GroupVerdict] = []
+    for group in submission.groups:
+        if verdicts and verdicts[-1].reason == REASON_OVER_BUDGET:
+            verdicts.append(GroupVerdict(group.prompt_id, False, REASON_OVER_BUDGET, group))
+        else:
+            verdicts.append(check_group(group, record, seen, rules, window, submission.node_id))
+    return verdicts
+
+
+def charged_verdicts(submission: Submission, reason: str) -> list[GroupVerdict]:
+    """Every group of a submission rejected for `reason`: its checks as a whole ran past their budget, or the
+    reward failed on it while it still passes the operator's probe (hub/trust/checkpool.py). Counted against
+    the node as any rejected work is: neither paid nor trained on."""
+    return [GroupVerdict(g.prompt_id, False, reason, g) for g in submission.groups]
 
 
 async def reject_copies(
@@ -248,6 +274,9 @@ def submission_events(
     mismatches = sum(v.reason == REASON_CLAIMED_REWARD for v in verdicts)
     if mismatches:
         events.append(("reward_claim_mismatch", node_id, f"{mismatches} groups claimed other rewards"))
+    overruns = sum(v.reason in (REASON_OVER_BUDGET, REASON_REWARD_FAILED) for v in verdicts)
+    if overruns:
+        events.append(("reward_charged", node_id, f"{overruns} groups ran the reward past its budget or made it fail"))
     if lease.probe:
         events.append(("probed", node_id, f"{rate:.2f} rollouts/s"))
     return events

@@ -7,10 +7,13 @@ any thread but the main one (and the hub scores in worker threads), so they are 
 (parsing_timeout=None, timeout_seconds=None) and the candidate is instead made cheap before sympy
 sees it: at most MAX_ANSWER_CHARS characters, only whitelisted LaTeX commands, no factorials,
 no nested exponents, a bounded product of exponent literals (10,000 for rational arithmetic, 16
-once a variable, root or function appears), at most 3 variables. An answer failing the guard
-scores 0.0. Within the guard's limits a comparison stays well under a second; without the guard, answers
-such as (x+y+z)^{99}, 99999999! or 9^{9^{9^{9}}} hang sympy indefinitely. The guard is a
-heuristic, not a proof: running math-verify in a killable worker process would be the complete fix.
+once a variable, root or function appears), at most 3 variables, brackets nested at most
+MAX_NESTING_DEPTH deep and no function (\\sin, \\exp, ...) applied to another. An answer failing the
+guard scores 0.0. Within the guard's limits a comparison stays well under a second; without the guard,
+answers such as (x+y+z)^{99}, 99999999! or 9^{9^{9^{9}}} hang sympy indefinitely, a tower
+\\exp(\\exp(\\exp(\\exp(\\exp(1))))) ran for minutes and a 13-deep \\sin for 6-12 s (the corpus of such
+answers: tests/data/hostile_math_answers.txt). The guard is a heuristic, not a proof: what it misses is
+bounded by the check's CPU budget (shared/tasks/budget.py), which counts the overrun against the node.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ MAX_VARIABLES = 3
 # does not: (x+y+z)^{99}, (\sqrt{2}+\sqrt{3}+\sqrt{5})^{1000} and \sin(1)^{1000} all hang.
 MAX_EXPONENT_PRODUCT_RATIONAL = 10_000
 MAX_EXPONENT_PRODUCT_OTHER = 16
+# Brackets ({, (, [ and \{) open at once: an honest answer such as \left(\frac{\sqrt{3}}{2}, 1\right) needs 3;
+# sympy's cost grows with every level of a nested expression (a 13-deep \sin: 6-12 s).
+MAX_NESTING_DEPTH = 5
+# Functions whose argument may not hold another: sympy evaluates a tower of them (\exp(\exp(\exp(...))))
+# symbolically and numerically for minutes.
+FUNCTION_COMMANDS = frozenset(["sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "log", "ln", "exp"])
 ALLOWED_LATEX_COMMANDS = frozenset(
     [
         "frac",
@@ -159,9 +168,53 @@ def _exponent_groups(answer: str) -> list[str] | None:
     return groups
 
 
+_TOKEN_RE = re.compile(r"\\(?:[A-Za-z]+|.)|\s+|.", re.DOTALL)
+_OPENING = frozenset(["{", "(", "[", "\\{"])  # \{ opens a set: sympy nests it as deep as any bracket
+_CLOSING = frozenset(["}", ")", "]", "\\}"])
+
+
+def _nesting_ok(answer: str) -> bool:
+    """Brackets (set braces \\{ too) nested at most MAX_NESTING_DEPTH deep, and no function applied to another:
+    none inside the bracket that opens its argument, nor as its argument (\\sin\\sin x)."""
+    stack: list[bool] = []  # per open bracket: whether it holds a function's argument
+    after_function = False  # the last token that was not space, \left or an exponent was a function
+    tokens = _TOKEN_RE.findall(answer)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        if token.isspace() or token == "\\left":
+            continue
+        if after_function and token in "^_":  # \sin^{2}(x), \log_2 8: an exponent or base, then the argument
+            if i < len(tokens) and tokens[i] == "{":
+                depth = 0
+                while i < len(tokens):
+                    depth += {"{": 1, "}": -1}.get(tokens[i], 0)
+                    i += 1
+                    if depth == 0:
+                        break
+            else:
+                i += 1
+            continue
+        name = token[1:] if token.startswith("\\") else None
+        if name in FUNCTION_COMMANDS:
+            if after_function or any(stack):
+                return False
+            after_function = True
+            continue
+        if token in _OPENING:
+            stack.append(after_function)
+            if len(stack) > MAX_NESTING_DEPTH:
+                return False
+        elif token in _CLOSING and stack:
+            stack.pop()
+        after_function = False
+    return True
+
+
 def is_cheap_to_verify(answer: str) -> bool:
     """Whether sympy can parse and compare `answer` in bounded time (see the module docstring)."""
-    if len(answer) > MAX_ANSWER_CHARS or "**" in answer:
+    if len(answer) > MAX_ANSWER_CHARS or "**" in answer or not _nesting_ok(answer):
         return False
     commands = _COMMAND_RE.findall(answer)
     if any(c not in ALLOWED_LATEX_COMMANDS and c not in _ALLOWED_SYMBOL_COMMANDS for c in commands):
