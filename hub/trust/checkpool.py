@@ -219,8 +219,9 @@ class ThreadChecks:
                     self._overrunning.discard(node)
                 raise
             with trio.move_on_after(self.timeout_s):
-                outcome = await trio.to_thread.run_sync(self._checked, submission, lease, window,
-                                                        abandon_on_cancel=True, limiter=_Taken(self.limiter, borrower))
+                outcome = await trio.to_thread.run_sync(  # type: ignore[call-arg]
+                    self._checked, submission, lease, window, abandon_on_cancel=True,
+                    limiter=_Taken(self.limiter, borrower))  # type: ignore[arg-type]  # trio takes any limiter
         if outcome is None:
             await self.probe.blame(node, f"the reward's checks ran past {self.timeout_s:g}s")
             return charged_verdicts(submission, REASON_OVER_BUDGET)
@@ -230,8 +231,8 @@ class ThreadChecks:
 
     async def _probe(self) -> str | None:
         with trio.move_on_after(self.timeout_s):
-            return await trio.to_thread.run_sync(probe_reward, self.rules, abandon_on_cancel=True,
-                                                 limiter=self._probe_limiter)
+            return await trio.to_thread.run_sync(  # type: ignore[call-arg]
+                probe_reward, self.rules, abandon_on_cancel=True, limiter=self._probe_limiter)
         return _hung(self.rules.task.reward_name, self.timeout_s)
 
 
@@ -249,25 +250,38 @@ def _shared_parts(submission: Submission) -> dict[int, tuple[str, int, int]]:
 
 def dump_answer(answer: tuple[str, Any], submission: Submission) -> bytes:
     """The worker's answer pickled with the submission's own parts sent as references (most of its bytes)."""
-    parts = _shared_parts(submission)
     out = io.BytesIO()
-    pickler = pickle.Pickler(out, pickle.HIGHEST_PROTOCOL)
-    pickler.persistent_id = lambda obj: parts.get(id(obj))
-    pickler.dump(answer)
+    _RefPickler(out, _shared_parts(submission)).dump(answer)
     return out.getvalue()
+
+
+class _RefPickler(pickle.Pickler):
+    """Pickles the submission's own parts (by object identity) as references."""
+
+    def __init__(self, out: io.BytesIO, parts: dict[int, tuple[str, int, int]]) -> None:
+        super().__init__(out, pickle.HIGHEST_PROTOCOL)
+        self.parts = parts
+
+    def persistent_id(self, obj: Any) -> tuple[str, int, int] | None:
+        return self.parts.get(id(obj))
+
+
+class _RefUnpickler(pickle.Unpickler):
+    """Resolves _RefPickler's references to the hub's copy of the submission."""
+
+    def __init__(self, data: bytes, submission: Submission) -> None:
+        super().__init__(io.BytesIO(data))
+        self.submission = submission
+
+    def persistent_load(self, ref: tuple[str, int, int]) -> Any:
+        kind, g, c = ref
+        group = self.submission.groups[g]
+        return group if kind == "group" else getattr(group.completions[c], "token_ids" if kind == "tokens" else "logprobs")
 
 
 def load_answer(data: bytes, submission: Submission) -> tuple[str, Any]:
     """A worker's answer with its references resolved to the hub's copy of the submission (equal values)."""
-
-    def resolve(ref: tuple[str, int, int]) -> Any:
-        kind, g, c = ref
-        group = submission.groups[g]
-        return group if kind == "group" else getattr(group.completions[c], "token_ids" if kind == "tokens" else "logprobs")
-
-    unpickler = pickle.Unpickler(io.BytesIO(data))
-    unpickler.persistent_load = resolve
-    return unpickler.load()
+    return _RefUnpickler(data, submission).load()
 
 
 def _serve(conn: Connection, factory: RulesFactory) -> None:
@@ -373,7 +387,7 @@ class CheckPool:
         worker = _Worker(self.factory)
         self._workers.add(worker)
         # Abandoned when the hub stops meanwhile: `run` kills the process, which ends the thread's wait.
-        self.reward_name = await trio.to_thread.run_sync(worker.ready, abandon_on_cancel=True)
+        self.reward_name = await trio.to_thread.run_sync(worker.ready, abandon_on_cancel=True)  # type: ignore[call-arg]
         self._idle_send.send_nowait(worker)
 
     async def _replace(self, worker: _Worker) -> None:
@@ -418,7 +432,8 @@ class CheckPool:
         replaced). A worker whose job is abandoned (the handler cancelled) or that hangs is replaced too: its
         state is unknown."""
         try:
-            answer = await trio.to_thread.run_sync(worker.call, job, self.timeout_s, abandon_on_cancel=True)
+            answer = await trio.to_thread.run_sync(  # type: ignore[call-arg]
+                worker.call, job, self.timeout_s, abandon_on_cancel=True)
         except (EOFError, OSError):
             log.warning("a check worker died (exit code %s): replaced, its check sent again", worker.process.exitcode)
             await self._replace(worker)
