@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from hub.service.state import HubBusy, HubState
+from hub.service.intake import HubBusy
+from hub.service.state import HubState
 from hub.trust.checkpool import CheckPool, dump_answer, load_answer, resolved_check_procs
 from hub.trust.submissions import GroupVerdict
 from shared.crypto import Identity
@@ -46,7 +47,7 @@ def answer(tok, lease, node_id: str, texts_of=None) -> Submission:
 
 async def ready(state: HubState, procs: int) -> CheckPool:
     """The state's pool once all its workers are idle."""
-    pool = state.checks
+    pool = state.intake.checks
     assert isinstance(pool, CheckPool)
     with trio.fail_after(120):
         while pool._idle.statistics().current_buffer_used < procs:
@@ -56,8 +57,8 @@ async def ready(state: HubState, procs: int) -> CheckPool:
 
 async def joined(state: HubState, n: int = 0):
     node = Identity.generate().peer_id
-    await state.join(node, join_request(state), f"10.0.0.{n + 1}")
-    return node, (await state.grant_lease(node, 0)).lease
+    await state.membership.join(node, join_request(state), f"10.0.0.{n + 1}")
+    return node, (await state.leasing.grant(node, 0)).lease
 
 
 def test_a_workers_answer_refers_to_the_hubs_own_submission_instead_of_copying_it_back():
@@ -104,20 +105,20 @@ async def test_a_killed_check_worker_loses_no_submission(tmp_path, default_model
 
         async def submit() -> None:
             nonlocal outcome
-            outcome = await state.accept_submission(node, answer(tokenizer, lease, node), "h")
+            outcome = await state.intake.accept(node, answer(tokenizer, lease, node), "h")
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(submit)
             await trio.sleep(0.5)  # its check is in the worker now: each group's reward takes a second
             os.kill(first.process.pid, signal.SIGKILL)
         assert outcome.accepted == len(lease.prompts) and outcome.rejected == ()
-        assert first not in pool._workers and len(pool._workers) == 1 and state.reward_failure is None
+        assert first not in pool._workers and len(pool._workers) == 1 and state.intake.reward_failure is None
         # The replacement also survives an idle worker's death: the next check goes to a fresh one.
         await ready(state, 1)
         (second,) = pool._workers
         os.kill(second.process.pid, signal.SIGKILL)
         node2, lease2 = await joined(state, 1)
-        outcome = await state.accept_submission(node2, answer(tokenizer, lease2, node2), "h2")
+        outcome = await state.intake.accept(node2, answer(tokenizer, lease2, node2), "h2")
         assert outcome.accepted == len(lease2.prompts)
     state.store.close()
 
@@ -132,9 +133,9 @@ async def test_a_submission_every_worker_dies_on_is_refused_as_busy_never_accept
         await ready(state, 1)
         node, lease = await joined(state)
         with pytest.raises(HubBusy, match="lost this submission's checks"):
-            await state.accept_submission(node, answer(tokenizer, lease, node), "h")
+            await state.intake.accept(node, answer(tokenizer, lease, node), "h")
         assert state.totals.groups == Tallies() and state.fleet.get(node).tallies == Tallies()
-        assert state.reward_failure is None and lease.lease_id in state.leases.open  # the node may send it again
+        assert state.intake.reward_failure is None and lease.lease_id in state.leasing.book.open  # the node may send it again
     state.store.close()
 
 
@@ -149,8 +150,8 @@ async def test_a_hanging_reward_is_stopped_and_reported_not_counted_against_the_
         (hung,) = pool._workers
         node, lease = await joined(state)
         with trio.fail_after(10), pytest.raises(HubBusy, match="the hub is stopping"):
-            await state.accept_submission(node, answer(tokenizer, lease, node), "h")
-        message = str(state.reward_failure)
+            await state.intake.accept(node, answer(tokenizer, lease, node), "h")
+        message = str(state.intake.reward_failure)
         assert message.startswith("reward testbed.tasks:HangingRewardTask.rewards did not return within 1s")
         assert "\n" not in message and "fix the reward function" in message
         assert state.fleet.get(node).tallies == Tallies() and state.totals.groups == Tallies()
@@ -172,7 +173,7 @@ async def test_copies_checked_by_different_workers_are_still_caught(tmp_path, de
         outcomes = {}
 
         async def submit(node: str, submission: Submission) -> None:
-            outcomes[node] = await state.accept_submission(node, submission, node)
+            outcomes[node] = await state.intake.accept(node, submission, node)
 
         # Both at once: the two idle workers take one each.
         async with trio.open_nursery() as nursery:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 
-from hub.service.state import HubBusy
+from hub.service.intake import HubBusy
 from hub.training.tasks import check_reward
 from shared.crypto import Identity
 from shared.layout import CHECKPOINTS_DIR, HUB_LOG_FILE, HUB_STORE_FILE
@@ -128,14 +128,14 @@ async def test_a_reward_failure_is_never_the_nodes_fault_and_stops_the_run(tmp_p
     config = CONFIG.model_copy(update={"task": "testbed.tasks:RaisingRewardTask"})
     state = reopen(tmp_path, default_model_dir, config)
     node = Identity.generate().peer_id
-    await state.join(node, join_request(state), "10.0.0.1")
+    await state.membership.join(node, join_request(state), "10.0.0.1")
     caplog.set_level(logging.ERROR)
-    grant = await state.grant_lease(node, 0)
+    grant = await state.leasing.grant(node, 0)
     for n in range(3):  # the lease stays open: the node may answer it again
         with pytest.raises(HubBusy, match="the task's reward failed"):
-            await state.accept_submission(node, answer(tokenizer, grant.lease, node), f"h{n}")
+            await state.intake.accept(node, answer(tokenizer, grant.lease, node), f"h{n}")
     assert state.fleet.get(node).tallies == Tallies() and state.totals.groups == Tallies()
-    assert "raised KeyError" in str(state.reward_failure)
+    assert "raised KeyError" in str(state.intake.reward_failure)
     assert sum(r.exc_info is not None for r in caplog.records) == 1  # the traceback once, not per group
     # The state's own task ends the run with it.
     with pytest.raises(BaseException) as stopped:  # noqa: PT011 -- trio wraps it in an exception group
@@ -179,7 +179,7 @@ def test_a_reward_that_fails_mid_run_stops_it_with_a_checkpoint_and_blames_no_no
 
 def test_only_the_reward_failing_on_trusted_work_or_on_several_strangers_stops_the_run():
     """The scored text is the node's: a stranger on probation sending text the reward chokes on cannot stop a run."""
-    from hub.service.state import REWARD_FAILURE_STRANGERS, reward_failure_stops
+    from hub.service.intake import REWARD_FAILURE_STRANGERS, reward_failure_stops
 
     assert reward_failure_stops(vouched=True, failed_nodes=1)
     assert not reward_failure_stops(vouched=False, failed_nodes=1)
@@ -190,19 +190,19 @@ def test_only_the_reward_failing_on_trusted_work_or_on_several_strangers_stops_t
 @pytest.mark.trio
 async def test_a_node_on_probation_cannot_stop_the_run_with_text_the_reward_chokes_on(tmp_path, default_model_dir,
                                                                                       tokenizer) -> None:
-    from hub.service.state import REWARD_FAILURE_STRANGERS
+    from hub.service.intake import REWARD_FAILURE_STRANGERS
 
     config = CONFIG.model_copy(update={"task": "testbed.tasks:RaisingRewardTask", "trust": CONFIG.trust.model_copy(
         update={"audit_first_n": 5})})
     state = reopen(tmp_path, default_model_dir, config)
     for n in range(REWARD_FAILURE_STRANGERS):
         node = Identity.generate().peer_id
-        await state.join(node, join_request(state), f"10.0.0.{n + 1}")
-        grant = await state.grant_lease(node, 0)
+        await state.membership.join(node, join_request(state), f"10.0.0.{n + 1}")
+        grant = await state.leasing.grant(node, 0)
         with pytest.raises(HubBusy, match="not scored" if n < REWARD_FAILURE_STRANGERS - 1 else "the hub is stopping"):
-            await state.accept_submission(node, answer(tokenizer, grant.lease, node), f"h{n}")
+            await state.intake.accept(node, answer(tokenizer, grant.lease, node), f"h{n}")
         assert state.fleet.get(node).tallies == Tallies()
-        assert (state.reward_failure is None) == (n < REWARD_FAILURE_STRANGERS - 1)
+        assert (state.intake.reward_failure is None) == (n < REWARD_FAILURE_STRANGERS - 1)
     state.store.close()
 
 

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -21,6 +22,7 @@ from libp2p.abc import IHost, INetStream
 from hub.distribution.reachability import PROBE_VERDICT_S, PROBES_AT_ONCE, DialBackQueue, dial_back, probe_targets
 from hub.method.chains import join_chains, link_kind, num_chains, relink_after_leave, separate_nated
 from hub.records.fleet import Fleet, NodeRecord
+from hub.records.measurements import Measurements
 from hub.records.snapshots import SnapshotShelf
 from shared.crypto import public_key_from_peer_id
 from shared.messages import (
@@ -126,6 +128,15 @@ class HubUplink:
         return self.uplink
 
 
+class ReachabilityReports(Protocol):
+    """Where the broadcaster reports what it found of a node's reachability: the owner of the node records
+    (hub/service/membership.py); the broadcaster itself writes no record."""
+
+    def reached(self, record: NodeRecord, answered_addr: str | None) -> None: ...
+
+    def punch_failed(self, record: NodeRecord, upstream: str) -> None: ...
+
+
 class Broadcaster:
     def __init__(
         self,
@@ -137,8 +148,15 @@ class Broadcaster:
         ban: Callable[[NodeRecord, str], Awaitable[None]],
         event: Callable[[str, str | None, str], Awaitable[None]],
         record_t_bcast: Callable[[int, float], Awaitable[None]],
+        reports: ReachabilityReports | None = None,
+        measurements: Measurements | None = None,
     ) -> None:
+        """`reports`: the owner of `fleet`'s records (None: a fleet with no other owner, as in the test bed's relay
+        scenarios, written through its own helpers). `measurements`: where each broadcast on every receiver is
+        measured (T_bcast, arrival, installs; None: kept here only)."""
         self.host = host
+        self.reports: ReachabilityReports = reports if reports is not None else fleet
+        self.measurements = measurements
         self.hub_peer_id = host.get_id().to_base58()
         self.fleet = fleet
         self.shelf = shelf
@@ -270,7 +288,7 @@ class Broadcaster:
         links = self.links(peer)
         if record is None or links.kind != "holepunch" or links.upstream != upstream:
             return
-        record.punch_failed_with = upstream
+        self.reports.punch_failed(record, upstream)
         self.replan()
 
     def links(self, peer: str) -> ChainLinks:
@@ -342,6 +360,8 @@ class Broadcaster:
                 self.pending.remove(b)
                 if self.last_done is None or b.version > self.last_done.version:
                     self.last_done = b
+                    if self.measurements is not None:
+                        self.measurements.broadcast_done(b.seconds, b.arrive_s, b.installs)
                 log.info("v%d reached every node in %.2fs", b.version, b.seconds)
                 self._spawn(self.record_t_bcast, b.version, b.seconds)
         if self.pending:
@@ -415,8 +435,7 @@ class Broadcaster:
         if (record.listen_addrs, record.remote_ip) != probed:
             self.replan()  # it rejoined from elsewhere meanwhile: that address gets its own probe
             return
-        record.reachability = "public" if answered else "nated"
-        record.answered_addr = answered
+        self.reports.reached(record, answered)
         await self.event("reachability", record.peer_id, f"{record.reachability} ({', '.join(addrs) or 'no address'})")
         self.replan()
 

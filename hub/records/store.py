@@ -352,7 +352,7 @@ class NodeRow:
     banned_reason: str | None
     name: str | None = None
     tokens: int = 0  # completion tokens of its accepted groups
-    gpu_s: float = 0.0  # seconds of accepted work (pricing.billable_seconds), paid or not
+    gpu_s: float = 0.0  # seconds of accepted work (hub.method.prices.billable_seconds), paid or not
 
     @classmethod
     def from_sql(cls, row: dict) -> NodeRow:

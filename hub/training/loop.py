@@ -35,6 +35,7 @@ from hub.method.capacity import default_kappa
 from hub.method.drift import DriftMeter
 from hub.method.schedule import step_lr
 from hub.records.buffer import BufferSignal, ReplayBuffer
+from hub.records.measurements import Measurements, oldest_useful_version, resumed_staleness
 from hub.records.store import CheckpointRow, StepRecord
 from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries, save_checkpoint, write_text_files
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
@@ -94,6 +95,9 @@ class LearnerHost(Protocol):
 
     @property
     def signal(self) -> BufferSignal: ...
+
+    @property
+    def measurements(self) -> Measurements: ...
 
     async def commit_step(self, record: StepRecord, consumed_ids: Sequence[int], dropped_stale_ids: Sequence[int]) -> None: ...
 
@@ -196,6 +200,7 @@ class LearnerComponent:
         if cfg.staleness_auto:
             self._resume_staleness()
         self.training = False
+        self._measured()
         self.snapshot_seconds: deque[float] = deque(maxlen=SNAPSHOT_TIMES_KEPT)  # the latest, for benchmarks
         self._pending_stale: list[int] = []
         if self.step > 0 or checkpoint is not None:
@@ -212,19 +217,25 @@ class LearnerComponent:
 
     def min_useful_version(self) -> int:
         """Oldest version whose fresh rollouts the next take can still use (for leases and local rollouts)."""
-        next_take_version = self.step + 1 if self.training else self.step
-        return max(0, next_take_version - self.window_staleness())
+        return oldest_useful_version(self.step, self.training, self.window_staleness())
 
     def _resume_staleness(self) -> None:
         """--staleness auto: go on at the S (kappa following) the newest committed step trained under, within
         [1, staleness_max], rather than at the start's; a move decided after that step is decided again at the next
         publish."""
-        newest = self.store.latest_step_record()
-        if newest is None:
+        resumed = resumed_staleness(self.store.latest_step_record(), self.cfg.staleness_max)
+        if resumed is None:
             return
-        self.staleness = min(max(1, int(newest.extra["staleness_budget"])), self.cfg.staleness_max)
+        self.staleness = resumed
         self.kappa = default_kappa(self.staleness)
         self._grace = (self.staleness, 0)
+
+    def _measured(self) -> None:
+        """The learner's window as the hub's measurements hold it (Leasing's version floor, the status board's step):
+        set after every change of the step, of a step under way, or of S."""
+        window = self.host.measurements.learner
+        window.step, window.training = self.step, self.training
+        window.staleness, window.window_staleness, window.kappa = self.staleness, self.window_staleness(), self.kappa
 
     def window_staleness(self) -> int:
         """The S the buffer and the leases' window use: the S in force, or a larger one it replaced, for its grace."""
@@ -251,6 +262,7 @@ class LearnerComponent:
             taken = self.buffer.take(current, k)
             self._pending_stale.extend(taken.dropped_row_ids)
             self.training = True
+            self._measured()
             self.signal.notify()
             try:
                 # Sharded, a step waits on other processes: when one dies the hub stops without waiting for it.
@@ -258,6 +270,7 @@ class LearnerComponent:
                                                       abandon_on_cancel=self.sharded)
             finally:
                 self.training = False
+                self._measured()
             staleness = taken.staleness
             self._groups_trained += len(taken.groups)
             record = StepRecord(
@@ -299,6 +312,7 @@ class LearnerComponent:
                 await self.host.commit_step(record, taken.row_ids, stale_ids)
                 self._pending_stale.clear()
                 self.step = t
+                self._measured()
                 await trio.to_thread.run_sync(self._log_step, record, taken.groups)
                 # A step frees its activations and the groups it trained on: hand the pages back, not one arena's worth.
                 await trio.to_thread.run_sync(release_free_memory)
@@ -423,6 +437,7 @@ class LearnerComponent:
             self._grace = (self.window_staleness(), max(until, version + self.staleness))
         before = (self.staleness, self.kappa)
         self.staleness, self.kappa = move.staleness, move.kappa
+        self._measured()
         detail = f"S {before[0]} -> {move.staleness}, kappa {before[1]} -> {move.kappa}: {move.reason.value} ({move.detail})"
         await trio.to_thread.run_sync(self.host.record_event, "staleness", None, detail)
 
