@@ -85,7 +85,9 @@ class RecordReads(Protocol):
 class LearnerHost(Protocol):
     """The hub as the loop sees it. The loop takes groups from `buffer` on the trio thread, waits on `signal`
     and notifies it after each take and step; `commit_step` writes a step with its consumed and stale-dropped
-    groups in one transaction; the `record_*` writes touch only the store and may run in any thread."""
+    groups in one transaction; the `record_*` writes go through the hub's one store writer and may run in a worker
+    thread (they wait for its commit there). `measurements.learner` is the loop's window (step, S, kappa) as the
+    hub's Leasing and status board read it: the loop sets it after every change."""
 
     @property
     def store(self) -> RecordReads: ...
