@@ -269,3 +269,20 @@ def test_the_composition_root_builds_in_order():
     assert lambdas_given_to_constructors((ROOT / COMPOSITION_ROOT).read_text()) == []
     assert lambdas_given_to_constructors("x = Thing(1, key=lambda: later.value)\ny = make(lambda: 1)\n") == [
         "Thing at line 1"]
+
+
+def test_the_intakes_steps_are_numbered_alike_in_its_code_its_docstring_and_the_architecture():
+    """A submission's path: the numbered steps of hub/service/intake.py's docstring, the step marks in its code (in
+    order, each step once) and the numbered list in docs/ARCHITECTURE.md are the same steps."""
+    import re
+
+    source = (ROOT / "hub/service/intake.py").read_text()
+    docstring = ast.get_docstring(ast.parse(source))
+    described = [int(n) for n in re.findall(r"^ ?(\d+)\. ", docstring, re.MULTILINE)]
+    marked: list[int] = []
+    for first, last in re.findall(r"  # (\d+)(?:-(\d+))?$", source, re.MULTILINE):
+        marked += range(int(first), int(last or first) + 1)
+    architecture = (ROOT / "docs/ARCHITECTURE.md").read_text()
+    intake = architecture[architecture.index("4. **The intake**"):architecture.index("5. **Learner step.**")]
+    listed = [int(n) for n in re.findall(r"^    (\d+)\. \*", intake, re.MULTILINE)]
+    assert described == marked == listed == list(range(1, 12))
