@@ -74,6 +74,7 @@ class Hub:
         from hub.control.scheduler import LearnerTiming, Scheduler, StalenessBounds
         from hub.training.evaluation import EvalRunner, Evaluator
         from hub.training.loop import LearnerComponent
+        from hub.training.metrics import MetricsWriter
         from shared.adapters import LoraSpec
         from shared.precision import resolve_dtype
         from shared.probe import PROBE_ROWS, probe_rows
@@ -99,6 +100,8 @@ class Hub:
         # so the snapshot dir never holds more than S + 2 of them.
         self.snapshot_send, self.snapshot_recv = trio.open_memory_channel(0)
         self.trackers = open_trackers(config.tracking, config.data_dir, config.model_dump(mode="json"))
+        # metrics.jsonl, before the evaluations and the learner that both write it.
+        self.metrics = MetricsWriter(config.data_dir / METRICS_FILE, self.trackers)
         self.evaluation = None
         if eval_task is not None:
             lora = LoraSpec(rank=lc.lora_rank, alpha=lc.lora_alpha, targets=lc.lora_targets) if lc.lora_rank else None
@@ -125,7 +128,7 @@ class Hub:
             log_completions=config.tracking.log_completions,
             probe=functools.partial(auditor.install_probe, rows=rows),
             card=functools.partial(run_card, asked or config, model_dir), rollouts=rollout_export(config),
-            staleness_control=self.scheduler.adapt_staleness if lc.staleness_auto else None,
+            staleness_control=self.scheduler.adapt_staleness if lc.staleness_auto else None, metrics=self.metrics,
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
@@ -164,7 +167,7 @@ class Hub:
 
     async def _record_eval(self, row: EvalPoint) -> None:
         await self.state.record_eval(row)
-        await trio.to_thread.run_sync(self.learner.metrics.append_row, row.as_metrics_row())
+        await trio.to_thread.run_sync(self.metrics.append_row, row.as_metrics_row())
 
     def _step_metrics(self, step: int) -> dict[str, float | None]:
         """The capacity model and the money spent, for each step's metrics line."""

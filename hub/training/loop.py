@@ -146,6 +146,7 @@ class LearnerComponent:
         card: Callable[[int], Mapping[str, str]] | None = None,
         rollouts: RolloutExport | None = None,
         staleness_control: Callable[[int, float | None, float | None, float | None], StalenessMove | None] | None = None,
+        metrics: MetricsWriter | None = None,
     ) -> None:
         """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
         (hub/training/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
@@ -192,7 +193,8 @@ class LearnerComponent:
             collective, device, watch = ranks
             broadcast(Command("init", checkpoint=checkpoint))  # every rank resumes what rank 0 resumes
             self.learner = RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch)
-        self.metrics = MetricsWriter(self.data_dir / METRICS_FILE, trackers)
+        # metrics.jsonl: the hub's writer, which its evaluations write to too (None: one of the loop's own).
+        self.metrics = metrics if metrics is not None else MetricsWriter(self.data_dir / METRICS_FILE, trackers)
         self.evaluation = evaluation
         # Numbering continues after the newest committed step even when the checkpoint is older:
         # steps after the checkpoint are lost as weights but stay in the record, so versions
