@@ -162,7 +162,7 @@ async def run_mode(procs: int, attackers: int, seconds: float, work: Path, model
             "poisoned": charged,
             "attackers_rejected_in_tallies": sum(t.rejected for t in tallies),
             "attackers_accepted_in_tallies": sum(t.accepted for t in tallies),
-            "run_stopped": hub.state.reward_failure is not None,
+            "run_stopped": hub.state.intake.reward_failure is not None,
         }
 
 

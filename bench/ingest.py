@@ -165,10 +165,10 @@ async def lease_all(state: HubState, n_leases: int) -> list[tuple[Identity, obje
         identity = Identity.generate()
         request = JoinRequest(price_per_hour=0.5, hardware="bench", link_bps=1e9, backend="hf", dtype="float32",
                               model_config_hash=state.model_config_hash, version_held=0)
-        record = await state.join(identity.peer_id, request, "10.0.0.1")
+        record = await state.membership.join(identity.peer_id, request, "10.0.0.1")
         await state.set_state(record, "active", "bench")
         for _ in range(min(per_node, n_leases - len(leases))):
-            grant = await state.grant_lease(identity.peer_id, 0)
+            grant = await state.leasing.grant(identity.peer_id, 0)
             assert grant.lease is not None, grant.reason
             leases.append((identity, grant.lease))
     return leases
@@ -176,9 +176,9 @@ async def lease_all(state: HubState, n_leases: int) -> list[tuple[Identity, obje
 
 async def submit(state: HubState, frame: Frame) -> int:
     """What HubService._on_submit does with a frame, less libp2p: the completions the checks judged."""
-    tag, body = await read_frame(BytesStream(frame.frame), {Submission.TYPE: state.submission_cap(frame.peer)})
+    tag, body = await read_frame(BytesStream(frame.frame), {Submission.TYPE: state.intake.frame_cap(frame.peer)})
     submission = decode_signed(tag, body, frame.peer, Submission)
-    outcome = await state.accept_submission(frame.peer, submission, hashlib.blake2b(body, digest_size=16).hexdigest())
+    outcome = await state.intake.accept(frame.peer, submission, hashlib.blake2b(body, digest_size=16).hexdigest())
     return (outcome.accepted + len(outcome.rejected) + len(outcome.late)) * state.group_size
 
 
@@ -192,7 +192,7 @@ def _cpu_of(pids: list[int]) -> float:
 
 async def timed_run(state: HubState, frames: list[Frame], in_flight: int) -> dict:
     """Every frame through the submit path, `in_flight` at a time: wall time, hub and worker CPU."""
-    pool = state.checks
+    pool = state.intake.checks
     pids = [w.process.pid for w in pool._workers] if isinstance(pool, CheckPool) else []
     queue = iter(frames)
     judged = 0
@@ -220,13 +220,13 @@ def _thread_ms(fn: Callable, *args) -> tuple[float, object]:
 
 async def calibrate(state: HubState, frames: list[Frame], config: HubConfig) -> dict[str, float]:
     """CPU ms per completion of each stage, one at a time on the same frames (before they are submitted)."""
-    rules, window = state.rules, state.window()
+    rules, window = state.intake.rules, state.leasing.window()
     copies = CopyDetector(config.trust.copy_cache_groups, config.learner.group_size, config.trust.copy_min_surprise_nats,
                           0.01)
     for frame in frames[:2]:  # warm: the reward's first call imports and caches what it uses
         submission = decode_signed(*await read_frame(BytesStream(frame.frame), {Submission.TYPE: len(frame.frame)}),
                                    frame.peer, Submission)
-        check_submission(submission, state.leases.open[submission.lease_id], rules, window)
+        check_submission(submission, state.leasing.book.open[submission.lease_id], rules, window)
     ms = dict.fromkeys(("protocol", "signature", "parse", "decode", "reward", "copies", "ipc_hub", "ipc_worker"), 0.0)
     completions = 0
     for frame in frames:
@@ -239,7 +239,7 @@ async def calibrate(state: HubState, frames: list[Frame], config: HubConfig) -> 
         ms["signature"] += spent
         spent, submission = _thread_ms(decode_message, Submission, json_body)
         ms["parse"] += spent
-        lease = state.leases.open[submission.lease_id]
+        lease = state.leasing.book.open[submission.lease_id]
         spent, verdicts = _thread_ms(check_submission, submission, lease, rules, window)
         prompts = {p.id: p for p in lease.prompts}
         reward_ms = sum(_thread_ms(checked_rewards, rules.task, prompts[v.prompt_id],
@@ -264,7 +264,7 @@ def heartbeat_ms(state: HubState, peer: str, repeats: int = 2000) -> float:
     body = encode_message(Heartbeat(version_held=0))[HEADER_BYTES:]
     t0 = time.thread_time()
     for _ in range(repeats):
-        state.heartbeat(peer, decode_message(Heartbeat, body))
+        state.membership.heartbeat(peer, decode_message(Heartbeat, body))
     return (time.thread_time() - t0) * 1000 / repeats
 
 
@@ -301,8 +301,8 @@ async def run_procs(procs: int, args, model_dir: Path, task: str, tokenizer, mak
                 frames = build_frames(state, leases, make_text, tokenizer, args.completion_tokens, rng)
                 stages = await calibrate(state, frames[:CALIBRATION_SUBMISSIONS], config)
                 beat = heartbeat_ms(state, frames[0].peer)
-                if isinstance(state.checks, CheckPool):
-                    while state.checks._idle.statistics().current_buffer_used < procs:
+                if isinstance(state.intake.checks, CheckPool):
+                    while state.intake.checks._idle.statistics().current_buffer_used < procs:
                         await trio.sleep(0.05)
                 await timed_run(state, frames[CALIBRATION_SUBMISSIONS:][:warmup], warmup)
                 run = await timed_run(state, frames[CALIBRATION_SUBMISSIONS + warmup:], max(4, 4 * procs))

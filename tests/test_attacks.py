@@ -537,6 +537,6 @@ async def test_poisoned_groups_are_charged_to_their_nodes_while_an_honest_node_i
             for node in attackers:
                 nursery.start_soon(attack, node)
             nursery.start_soon(work)
-        assert len(accepted) == rounds and hub.state.reward_failure is None
+        assert len(accepted) == rounds and hub.state.intake.reward_failure is None
         for node in attackers:
             assert hub.state.fleet.get(node.peer_id).tallies.rejected == charged[node.peer_id] > 0

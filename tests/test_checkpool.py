@@ -49,7 +49,7 @@ def answer(tok, lease, node_id: str, texts_of=None) -> Submission:
 
 async def ready(state: HubState, procs: int) -> CheckPool:
     """The state's pool once all its workers are idle."""
-    pool = state.checks
+    pool = state.intake.checks
     assert isinstance(pool, CheckPool)
     with trio.fail_after(120):
         while pool._idle.statistics().current_buffer_used < procs:
@@ -59,8 +59,8 @@ async def ready(state: HubState, procs: int) -> CheckPool:
 
 async def joined(state: HubState, n: int = 0):
     node = Identity.generate().peer_id
-    await state.join(node, join_request(state), f"10.0.0.{n + 1}")
-    return node, (await state.grant_lease(node, 0)).lease
+    await state.membership.join(node, join_request(state), f"10.0.0.{n + 1}")
+    return node, (await state.leasing.grant(node, 0)).lease
 
 
 def test_a_workers_answer_refers_to_the_hubs_own_submission_instead_of_copying_it_back():
@@ -107,20 +107,20 @@ async def test_a_killed_check_worker_loses_no_submission(tmp_path, default_model
 
         async def submit() -> None:
             nonlocal outcome
-            outcome = await state.accept_submission(node, answer(tokenizer, lease, node), "h")
+            outcome = await state.intake.accept(node, answer(tokenizer, lease, node), "h")
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(submit)
             await trio.sleep(0.5)  # its check is in the worker now: each group's reward takes a second
             os.kill(first.process.pid, signal.SIGKILL)
         assert outcome.accepted == len(lease.prompts) and outcome.rejected == ()
-        assert first not in pool._workers and len(pool._workers) == 1 and state.reward_failure is None
+        assert first not in pool._workers and len(pool._workers) == 1 and state.intake.reward_failure is None
         # The replacement also survives an idle worker's death: the next check goes to a fresh one.
         await ready(state, 1)
         (second,) = pool._workers
         os.kill(second.process.pid, signal.SIGKILL)
         node2, lease2 = await joined(state, 1)
-        outcome = await state.accept_submission(node2, answer(tokenizer, lease2, node2), "h2")
+        outcome = await state.intake.accept(node2, answer(tokenizer, lease2, node2), "h2")
         assert outcome.accepted == len(lease2.prompts)
     state.store.close()
 
@@ -135,9 +135,9 @@ async def test_a_submission_every_worker_dies_on_is_refused_as_busy_never_accept
         await ready(state, 1)
         node, lease = await joined(state)
         with pytest.raises(HubBusy, match="lost this submission's checks"):
-            await state.accept_submission(node, answer(tokenizer, lease, node), "h")
+            await state.intake.accept(node, answer(tokenizer, lease, node), "h")
         assert state.totals.groups == Tallies() and state.fleet.get(node).tallies == Tallies()
-        assert state.reward_failure is None and lease.lease_id in state.leases.open  # the node may send it again
+        assert state.intake.reward_failure is None and lease.lease_id in state.leasing.book.open  # the node may send it again
     state.store.close()
 
 
@@ -153,8 +153,8 @@ async def test_a_reward_that_hangs_on_everything_stops_the_run_and_blames_no_nod
         node, lease = await joined(state)
         # The node's work timed out, and so did the operator's probe, in the worker started in its place.
         with trio.fail_after(60), pytest.raises(HubBusy, match="the hub is stopping"):
-            await state.accept_submission(node, answer(tokenizer, lease, node), "h")
-        message = str(state.reward_failure)
+            await state.intake.accept(node, answer(tokenizer, lease, node), "h")
+        message = str(state.intake.reward_failure)
         assert message.startswith("reward testbed.tasks:HangingRewardTask.rewards did not return within 1s")
         assert "\n" not in message and "fix the reward function" in message
         assert state.fleet.get(node).tallies == Tallies() and state.totals.groups == Tallies()
@@ -178,12 +178,12 @@ async def test_a_group_that_runs_the_reward_past_its_cpu_budget_is_rejected_and_
         pool = await ready(state, 1)
         (worker,) = pool._workers
         node, lease = await joined(state)
-        outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+        outcome = await state.intake.accept(node, poisoned(tokenizer, lease, node), "h")
         assert outcome.accepted == 0 and {reason for _, reason in outcome.rejected} == {REASON_OVER_BUDGET}
         assert state.fleet.get(node).tallies == Tallies(rejected=len(lease.prompts))
         honest, lease2 = await joined(state, 1)
-        outcome = await state.accept_submission(honest, answer(tokenizer, lease2, honest), "h2")
-        assert outcome.accepted == len(lease2.prompts) and state.reward_failure is None
+        outcome = await state.intake.accept(honest, answer(tokenizer, lease2, honest), "h2")
+        assert outcome.accepted == len(lease2.prompts) and state.intake.reward_failure is None
         assert pool._workers == {worker} and worker.process.is_alive()  # interrupted by its CPU timer, not killed
     state.store.close()
 
@@ -204,7 +204,7 @@ async def test_a_submission_whose_checks_run_past_the_time_limit_is_charged_and_
         outcomes = {}
 
         async def submit(peer: str, submission: Submission) -> None:
-            outcomes[peer] = await state.accept_submission(peer, submission, peer)
+            outcomes[peer] = await state.intake.accept(peer, submission, peer)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(submit, node, poisoned(tokenizer, lease, node))
@@ -216,7 +216,7 @@ async def test_a_submission_whose_checks_run_past_the_time_limit_is_charged_and_
             assert node not in outcomes  # the other worker took the honest node's work at once
         assert outcomes[honest].accepted == len(lease2.prompts)
         assert outcomes[node].accepted == 0 and {r for _, r in outcomes[node].rejected} == {REASON_OVER_BUDGET}
-        assert state.fleet.get(node).tallies == Tallies(rejected=len(lease.prompts)) and state.reward_failure is None
+        assert state.fleet.get(node).tallies == Tallies(rejected=len(lease.prompts)) and state.intake.reward_failure is None
         await ready(state, 2)  # the killed worker replaced
         assert len(pool._workers) == 2
     state.store.close()
@@ -251,23 +251,23 @@ async def test_in_a_thread_an_overrun_is_charged_and_the_nodes_next_checks_wait_
 
     state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SleepingRewardTask",
                                                             timeout_s=1.0))
-    checks = state.checks
+    checks = state.intake.checks
     assert isinstance(checks, ThreadChecks)
     node, lease = await joined(state)
-    outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+    outcome = await state.intake.accept(node, poisoned(tokenizer, lease, node), "h")
     assert outcome.accepted == 0 and {r for _, r in outcome.rejected} == {REASON_OVER_BUDGET}
-    lease_b = (await state.grant_lease(node, 0)).lease
-    outcome = await state.accept_submission(node, answer(tokenizer, lease_b, node), "h-b")
+    lease_b = (await state.leasing.grant(node, 0)).lease
+    outcome = await state.intake.accept(node, answer(tokenizer, lease_b, node), "h-b")
     assert outcome.accepted == 0  # its first check still runs: it gets no second thread
     honest, lease2 = await joined(state, 1)
-    outcome = await state.accept_submission(honest, answer(tokenizer, lease2, honest), "h2")
+    outcome = await state.intake.accept(honest, answer(tokenizer, lease2, honest), "h2")
     assert outcome.accepted == len(lease2.prompts)
     with trio.fail_after(SLEEP_S * 5):
         while node in checks._overrunning:
             await trio.sleep(0.1)
-    lease_c = (await state.grant_lease(node, 0)).lease
-    outcome = await state.accept_submission(node, answer(tokenizer, lease_c, node), "h-c")
-    assert outcome.accepted == len(lease_c.prompts) and state.reward_failure is None
+    lease_c = (await state.leasing.grant(node, 0)).lease
+    outcome = await state.intake.accept(node, answer(tokenizer, lease_c, node), "h-c")
+    assert outcome.accepted == len(lease_c.prompts) and state.intake.reward_failure is None
     state.store.close()
 
 
@@ -281,13 +281,13 @@ async def test_in_a_thread_an_honest_check_waiting_for_a_thread_an_overrun_holds
 
     state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SleepingRewardTask",
                                                             timeout_s=1.0))
-    state.checks = checks = ThreadChecks(state.rules, timeout_s=1.0, threads=1)
+    state.intake.checks = checks = ThreadChecks(state.intake.rules, timeout_s=1.0, threads=1)
     node, lease = await joined(state)
     honest, lease2 = await joined(state, 1)
-    outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+    outcome = await state.intake.accept(node, poisoned(tokenizer, lease, node), "h")
     assert outcome.accepted == 0 and node in checks._overrunning  # its thread sleeps on, holding the only one
     with trio.fail_after(SLEEP_S * 5):
-        outcome = await state.accept_submission(honest, answer(tokenizer, lease2, honest), "h2")
+        outcome = await state.intake.accept(honest, answer(tokenizer, lease2, honest), "h2")
     assert outcome.accepted == len(lease2.prompts) and state.fleet.get(honest).tallies.rejected == 0
     state.store.close()
 
@@ -299,9 +299,9 @@ async def test_in_a_thread_a_group_past_its_cpu_budget_is_measured_and_rejected(
     state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SpinningRewardTask",
                                                             budget_s=0.1))
     node, lease = await joined(state)
-    outcome = await state.accept_submission(node, poisoned(tokenizer, lease, node), "h")
+    outcome = await state.intake.accept(node, poisoned(tokenizer, lease, node), "h")
     assert outcome.accepted == 0 and {r for _, r in outcome.rejected} == {REASON_OVER_BUDGET}
-    assert state.fleet.get(node).tallies == Tallies(rejected=len(lease.prompts)) and state.reward_failure is None
+    assert state.fleet.get(node).tallies == Tallies(rejected=len(lease.prompts)) and state.intake.reward_failure is None
     state.store.close()
 
 
@@ -319,7 +319,7 @@ async def test_copies_checked_by_different_workers_are_still_caught(tmp_path, de
         outcomes = {}
 
         async def submit(node: str, submission: Submission) -> None:
-            outcomes[node] = await state.accept_submission(node, submission, node)
+            outcomes[node] = await state.intake.accept(node, submission, node)
 
         # Both at once: the two idle workers take one each.
         async with trio.open_nursery() as nursery:

@@ -432,9 +432,9 @@ async def test_a_collapsed_policy_served_by_honest_nodes_after_a_framing_attempt
         repeats = sum(group_fingerprint(g) in framed_prints for node in honest for g in node.groups)
         assert repeats >= 3, "the honest nodes were expected to repeat the framed groups"
 
-        kept = len(hub.state.copies)
+        kept = len(hub.state.intake.copies)
         await hub.state.ban(hub.state.fleet.get(attacker.peer_id), "test: the throwaway identity")
-        assert len(hub.state.copies) < kept
+        assert len(hub.state.intake.copies) < kept
         for node in honest:
             await node.answer()
         assert [node.copies_refused for node in honest] == [0, 0, 0]

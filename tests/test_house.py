@@ -159,3 +159,130 @@ def test_the_readmes_layout_is_the_tree():
     top = {"hub", "node", "shared", "tui", "testbed", "tests", "bench", "docs"}
     assert named == top | hub_rooms | {"config.py"}
     assert all((ROOT / name).is_dir() for name in top)
+
+
+# -- the hub's state: three owners, classes a reader holds, a composition root built in order ----------------------
+
+MAX_PUBLIC_METHODS = 25
+# Classes still past the bound, each with the step that brings it under; an entry that is no longer past it fails.
+OVER_THE_BOUND = {
+    "hub.records.store.Store": "splits into the tables each owner writes, behind the one writer (issue 55, item 1; "
+                               "testbed/ and bench/ call its methods by name)",
+}
+# Each owner's records (the dataclass in hub/records/) and the only modules that may assign to their fields.
+OWNED_RECORDS = {
+    ("hub/records/fleet.py", "NodeRecord"): {"hub/service/membership.py", "hub/records/fleet.py"},
+    ("hub/records/leases.py", "LeaseRecord"): {"hub/service/leasing.py", "hub/records/leases.py"},
+}
+COMPOSITION_ROOT = "hub/cli/run.py"
+
+
+def public_methods(tops: tuple[str, ...]) -> dict[str, int]:
+    """Dotted class name -> the public methods (properties included) its own body defines."""
+    counts = {}
+    for module, path in modules(tops).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                counts[f"{module}.{node.name}"] = sum(
+                    isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("_") for f in node.body)
+    return counts
+
+
+def test_no_class_in_hub_has_more_public_methods_than_a_reader_holds():
+    counts = public_methods(("hub",))
+    too_many = {name: n for name, n in counts.items() if n > MAX_PUBLIC_METHODS and name not in OVER_THE_BOUND}
+    assert too_many == {}
+    assert {name: counts.get(name, 0) for name in OVER_THE_BOUND if counts.get(name, 0) <= MAX_PUBLIC_METHODS} == {}
+
+
+def record_fields(path: str, name: str) -> set[str]:
+    """The fields a dataclass declares."""
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    raise AssertionError(f"no class {name} in {path}")
+
+
+def assigned_attributes(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, attribute) of every assignment to an attribute of something other than `self`."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store) and not (
+                        isinstance(part.value, ast.Name) and part.value.id == "self"):
+                    found.append((part.lineno, part.attr))
+    return found
+
+
+def owner_record_writes(root: Path) -> list[str]:
+    """Assignments to an owner's record fields in a module outside that owner."""
+    wrong = []
+    for (path, name), owners in OWNED_RECORDS.items():
+        fields = record_fields(path, name)
+        for module in sorted((root / "hub").rglob("*.py")):
+            where = str(module.relative_to(root))
+            if where in owners:
+                continue
+            wrong += [f"{where}:{line} {name}.{attr}" for line, attr in assigned_attributes(ast.parse(module.read_text()))
+                      if attr in fields]
+    return wrong
+
+
+def test_only_an_owner_writes_its_records():
+    """The fleet's node records are Membership's to write, the lease records Leasing's: everyone else reports to
+    them (the broadcaster's dial-backs, the intake's tallies) or reads."""
+    assert owner_record_writes(ROOT) == []
+
+
+def test_the_record_check_sees_a_write(tmp_path):
+    """The checker itself: a module outside the owners that sets a node's state is caught."""
+    for path in {p for p, _ in OWNED_RECORDS}:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text((ROOT / path).read_text())
+    (tmp_path / "hub/service").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "hub/service/rogue.py").write_text("def f(record, lease):\n    record.state = 'banned'\n"
+                                                  "    lease.closed, x = True, 1\n    self.state = 1\n")
+    assert owner_record_writes(tmp_path) == ["hub/service/rogue.py:2 NodeRecord.state",
+                                             "hub/service/rogue.py:3 LeaseRecord.closed"]
+
+
+def lambdas_given_to_constructors(source: str) -> list[str]:
+    """`Name(..., lambda ...)` calls: a lambda handed to a class being built (a stand-in for a later component)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        if not name[:1].isupper():
+            continue
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            if any(isinstance(part, ast.Lambda) for part in ast.walk(arg)):
+                found.append(f"{name} at line {node.lineno}")
+    return found
+
+
+def test_the_composition_root_builds_in_order():
+    """hub/cli/run.py builds each component after those it needs: no lambda stands in for one not built yet."""
+    assert lambdas_given_to_constructors((ROOT / COMPOSITION_ROOT).read_text()) == []
+    assert lambdas_given_to_constructors("x = Thing(1, key=lambda: later.value)\ny = make(lambda: 1)\n") == [
+        "Thing at line 1"]
+
+
+def test_the_intakes_steps_are_numbered_alike_in_its_code_its_docstring_and_the_architecture():
+    """A submission's path: the numbered steps of hub/service/intake.py's docstring, the step marks in its code (in
+    order, each step once) and the numbered list in docs/ARCHITECTURE.md are the same steps."""
+    import re
+
+    source = (ROOT / "hub/service/intake.py").read_text()
+    docstring = ast.get_docstring(ast.parse(source))
+    described = [int(n) for n in re.findall(r"^ ?(\d+)\. ", docstring, re.MULTILINE)]
+    marked: list[int] = []
+    for first, last in re.findall(r"  # (\d+)(?:-(\d+))?$", source, re.MULTILINE):
+        marked += range(int(first), int(last or first) + 1)
+    architecture = (ROOT / "docs/ARCHITECTURE.md").read_text()
+    intake = architecture[architecture.index("4. **The intake**"):architecture.index("5. **Learner step.**")]
+    listed = [int(n) for n in re.findall(r"^    (\d+)\. \*", intake, re.MULTILINE)]
+    assert described == marked == listed == list(range(1, 12))

@@ -102,10 +102,10 @@ def test_a_volunteer_without_accepted_work_is_not_a_leader(tmp_path) -> None:
 async def test_the_display_name_and_the_credit_survive_a_hub_restart(tmp_path, default_model_dir, tokenizer) -> None:
     state = reopen(tmp_path, default_model_dir)
     peer = Identity.generate().peer_id
-    await state.join(peer, join_request(state).model_copy(update={"name": HOSTILE}), "10.0.0.1")
-    grant = await state.grant_lease(peer, 0)
+    await state.membership.join(peer, join_request(state).model_copy(update={"name": HOSTILE}), "10.0.0.1")
+    grant = await state.leasing.grant(peer, 0)
     submission = answer(tokenizer, grant.lease, peer)
-    outcome = await state.accept_submission(peer, submission, "h1")
+    outcome = await state.intake.accept(peer, submission, "h1")
     assert outcome.accepted == len(submission.groups)
     await state.flush()
     state.store.close()

@@ -191,7 +191,7 @@ async def test_honest_flow_is_accepted_and_paid(hub_args):
             reply = await node.submit(node.answer(lease).model_copy(update={"next_lease_for": hub.version}))
             assert reply.accepted == PROMPTS_PER_LEASE and reply.next_lease.lease is not None
             following = reply.next_lease.lease
-            assert following.lease_id in hub.state.leases.open and hub.state.store.lease(following.lease_id).state == "open"
+            assert following.lease_id in hub.state.leasing.book.open and hub.state.store.lease(following.lease_id).state == "open"
             assert (await node.submit(node.answer(following))).accepted == PROMPTS_PER_LEASE
             # The piggybacked request obeys the same rules as a lease request: no snapshot held, no lease.
             lease = await node.lease()
@@ -210,7 +210,7 @@ async def test_full_buffer_says_busy_and_the_node_resubmits(hub_args):
             before = hub.trusted()
             reply = await node.submit(node.answer(lease))
             assert isinstance(reply, Reject) and reply.busy and "buffer full" in reply.reason
-            assert hub.trusted() == before and lease.lease_id in hub.state.leases.open
+            assert hub.trusted() == before and lease.lease_id in hub.state.leasing.book.open
             assert hub.state.fleet.get(node.peer_id).tallies.refused == 0  # the hub's own limit, not the node's fault
             hub.state.buffer.capacity_groups = 1000
             assert (await node.submit(node.answer(lease))).accepted == PROMPTS_PER_LEASE
@@ -260,7 +260,7 @@ async def test_bad_signature_is_refused_and_the_lease_stays_answerable(hub_args)
             reply = await node.send_raw(SUBMIT_PROTOCOL, bytes(frame), SubmitReply)
             assert isinstance(reply, Reject) and "not signed by" in reply.reason
             assert hub.trusted() == before
-            assert hub.state.store.lease(lease.lease_id).state == "open" and lease.lease_id in hub.state.leases.open
+            assert hub.state.store.lease(lease.lease_id).state == "open" and lease.lease_id in hub.state.leasing.book.open
             # Counted against the node as refused requests, in memory and in the store; not as rejected groups.
             tallies = hub.state.fleet.get(node.peer_id).tallies
             assert (tallies.refused, tallies.rejected) == (2, 0)
@@ -364,7 +364,7 @@ async def test_oversized_frames_are_refused_from_the_header(hub_args):
             assert isinstance(reply, Reject) and "cap is" in reply.reason
             # Far below the protocol's cap, a submission is still capped at what an honest answer to the
             # node's lease takes (2 prompts x 2 completions x 8 tokens here): one byte more is refused.
-            cap = hub.state.submission_cap(node.peer_id)
+            cap = hub.state.intake.frame_cap(node.peer_id)
             assert 0 < cap < 64 * 1024
             reply = await node.send_raw(SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, cap + 1), SubmitReply)
             assert isinstance(reply, Reject) and f"cap is {cap}" in reply.reason
@@ -406,7 +406,7 @@ async def test_leave_drops_only_the_peer_that_asks_and_gives_its_leases_back(hub
             assert reply == LeaveReply(leases_released=1)
             assert hub.state.fleet.get(node.peer_id).state == "standby"  # a member until its silence drops it
             assert hub.state.fleet.get(other.peer_id).state == "active"
-            assert hub.state.leases.leases_of(node.peer_id) == []
+            assert hub.state.leasing.book.leases_of(node.peer_id) == []
             left = [(e.kind, e.node_id) for e in hub.state.store.events() if e.detail == LEFT_REASON]
             assert left == [("release", node.peer_id)]
             # the lease it gave back is no longer its own to answer
@@ -494,11 +494,11 @@ async def test_a_growing_fleet_is_told_to_heartbeat_less_often(hub_args):
     with trio.fail_after(TEST_TIMEOUT_S):
         async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 3) as nodes:
             state = hub.state
-            state.heartbeats_per_s = 1.0  # three nodes at one beat/s in all: every 3 s each (configured: 2 s)
+            state.membership.heartbeats_per_s = 1.0  # three nodes at one beat/s in all: every 3 s each (configured: 2 s)
             first = await nodes[0].join()
             assert first.heartbeat_period_s == 2.0
             for node in nodes[1:]:
                 assert isinstance(await node.join(), JoinReply)
-            state._period_counted_at -= 60  # the count is refreshed once a second: let this beat recount
+            state.membership._period_counted_at -= 60  # the count is refreshed once a second: let this beat recount
             reply = await nodes[0].heartbeat(Heartbeat(version_held=0))
             assert reply.heartbeat_period_s == 3.0 and state.fleet.get(nodes[0].peer_id).heartbeat_period_s == 3.0

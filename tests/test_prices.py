@@ -111,8 +111,8 @@ async def test_a_joined_node_re_declares_its_price(tmp_path, default_model_dir) 
             record = hub.state.fleet.get(node.peer_id)
             assert (record.price_per_hour, record.rank_price) == (0.7, 0.7)
             # The lease held across the change keeps the price it was issued at; the next one gets the new price.
-            assert hub.state.leases.open[held.lease_id].price_per_hour == 0.5
-            assert hub.state.leases.open[(await node.lease()).lease_id].price_per_hour == 0.7
+            assert hub.state.leasing.book.open[held.lease_id].price_per_hour == 0.5
+            assert hub.state.leasing.book.open[(await node.lease()).lease_id].price_per_hour == 0.7
             # Too soon, and out of bounds: refused and counted against the node, the price unchanged.
             too_soon = await node.reprice(0.8)
             assert isinstance(too_soon, Reject) and too_soon.code == RejectCode.BAD_REQUEST and "next in" in too_soon.reason

@@ -37,10 +37,15 @@ class FakeHub:
         async def event(kind, peer, detail):
             self.events.append((kind, detail))
 
+        async def recent_discards(limit):
+            return {REASON_ZERO_VARIANCE: 9, "trained": 1}
+
+        async def recent_rejections(limit):
+            return {"copy of an earlier group": 7, "tokens after EOS": 2}
+
         self.state = SimpleNamespace(totals=totals, buffer=[], event=event,
-                                     store=SimpleNamespace(recent_discards=lambda limit: {REASON_ZERO_VARIANCE: 9, "trained": 1},
-                                                           recent_rejections=lambda limit: {"copy of an earlier group": 7,
-                                                                                            "tokens after EOS": 2}))
+                                     intake=SimpleNamespace(recent_discards=recent_discards,
+                                                            recent_rejections=recent_rejections))
         self.config = SimpleNamespace(learner=SimpleNamespace(prompts_per_step=8))
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 
-from hub.service.state import HubBusy
+from hub.service.intake import HubBusy
 from hub.training.tasks import check_reward
 from shared.crypto import Identity
 from shared.layout import CHECKPOINTS_DIR, HUB_LOG_FILE, HUB_STORE_FILE
@@ -128,14 +128,14 @@ async def test_a_reward_failure_is_never_the_nodes_fault_and_stops_the_run(tmp_p
     config = CONFIG.model_copy(update={"task": "testbed.tasks:RaisingRewardTask"})
     state = reopen(tmp_path, default_model_dir, config)
     node = Identity.generate().peer_id
-    await state.join(node, join_request(state), "10.0.0.1")
+    await state.membership.join(node, join_request(state), "10.0.0.1")
     caplog.set_level(logging.ERROR)
-    grant = await state.grant_lease(node, 0)
+    grant = await state.leasing.grant(node, 0)
     for n in range(3):  # the lease stays open: the node may answer it again
         with pytest.raises(HubBusy, match="the task's reward failed"):
-            await state.accept_submission(node, answer(tokenizer, grant.lease, node), f"h{n}")
+            await state.intake.accept(node, answer(tokenizer, grant.lease, node), f"h{n}")
     assert state.fleet.get(node).tallies == Tallies() and state.totals.groups == Tallies()
-    assert "raised KeyError" in str(state.reward_failure)
+    assert "raised KeyError" in str(state.intake.reward_failure)
     assert sum(r.exc_info is not None for r in caplog.records) == 1  # the traceback once, not per group
     # The state's own task ends the run with it.
     with pytest.raises(BaseException) as stopped:  # noqa: PT011 -- trio wraps it in an exception group
@@ -216,19 +216,19 @@ async def test_nodes_cannot_stop_the_run_with_text_the_reward_chokes_on_and_are_
     state = reopen(tmp_path, default_model_dir, config)
     for n in range(5):
         node = Identity.generate().peer_id
-        await state.join(node, join_request(state), f"10.0.0.{n + 1}")
-        grant = await state.grant_lease(node, 0)
+        await state.membership.join(node, join_request(state), f"10.0.0.{n + 1}")
+        grant = await state.leasing.grant(node, 0)
         poisoned = answer_with(tokenizer, grant.lease, node, texts_of=lambda _p: (POISON, "x"))
-        outcome = await state.accept_submission(node, poisoned, f"h{n}")
+        outcome = await state.intake.accept(node, poisoned, f"h{n}")
         groups = len(grant.lease.prompts)
         assert outcome.accepted == 0 and outcome.rejected == tuple((p.id, REASON_REWARD_FAILED)
                                                                    for p in grant.lease.prompts)
-        assert state.fleet.get(node).tallies == Tallies(rejected=groups) and state.reward_failure is None
+        assert state.fleet.get(node).tallies == Tallies(rejected=groups) and state.intake.reward_failure is None
     honest = Identity.generate().peer_id
-    await state.join(honest, join_request(state), "10.0.1.1")
-    grant = await state.grant_lease(honest, 0)
-    outcome = await state.accept_submission(honest, answer(tokenizer, grant.lease, honest), "honest")
-    assert outcome.accepted == len(grant.lease.prompts) and state.reward_failure is None
+    await state.membership.join(honest, join_request(state), "10.0.1.1")
+    grant = await state.leasing.grant(honest, 0)
+    outcome = await state.intake.accept(honest, answer(tokenizer, grant.lease, honest), "honest")
+    assert outcome.accepted == len(grant.lease.prompts) and state.intake.reward_failure is None
     state.store.close()
     db = sqlite3.connect(tmp_path / HUB_STORE_FILE)
     assert db.execute("SELECT COUNT(*) FROM events WHERE kind = 'reward_charged'").fetchone()[0] == 5

@@ -14,27 +14,47 @@ from hub.control.policy import RELEASE_HOLD_PERIODS, CapacityView, FleetView, Mo
 from hub.control.scheduler import LearnerTiming, Scheduler
 from hub.method.capacity import NodeOffer
 from hub.records.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
+from hub.records.measurements import Measurements
 from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest
 
 T0 = 1000.0
 
 
-class FakeTiming:
+class FakeTiming(Measurements):
+    """Measurements a test sets by hand, under the names the tests use."""
+
     def __init__(self, t_train_s: float | None = 1.5, t_bcast_s: float | None = 1.0, usable: float = 1.0,
                  staleness: int | None = None, t_arrive_s: float | None = None, fresh_usable: float = 1.0) -> None:
-        self.t_train_s = t_train_s
-        self.t_bcast_s = t_bcast_s
-        self.usable = usable
+        super().__init__(t_train_recent_s=t_train_s, usable_fraction=usable, fresh_usable_fraction=fresh_usable,
+                         t_bcast_s=t_bcast_s, t_arrive_s=t_arrive_s)
         self.staleness = staleness
-        self.t_arrive_s = t_arrive_s
-        self.fresh_usable = fresh_usable
-        self.installs: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def t_train_s(self) -> float | None:
+        return self.t_train_recent_s
+
+    @t_train_s.setter
+    def t_train_s(self, value: float | None) -> None:
+        self.t_train_recent_s = value
+
+    @property
+    def usable(self) -> float:
+        return self.usable_fraction
+
+    @usable.setter
+    def usable(self, value: float) -> None:
+        self.usable_fraction = value
+
+    @property
+    def fresh_usable(self) -> float:
+        return self.fresh_usable_fraction
+
+    @fresh_usable.setter
+    def fresh_usable(self, value: float) -> None:
+        self.fresh_usable_fraction = value
 
     def timing(self, rollouts_per_lease: int = 0) -> LearnerTiming:
-        return LearnerTiming(2, 10, t_train_s=lambda: self.t_train_s, t_bcast_s=lambda: self.t_bcast_s,
-                             usable_fraction=lambda: self.usable, staleness=self.staleness,
-                             t_arrive_s=lambda: self.t_arrive_s, fresh_usable_fraction=lambda: self.fresh_usable,
-                             rollouts_per_lease=rollouts_per_lease, installs=lambda: self.installs)
+        return LearnerTiming(2, 10, self, staleness=self.staleness, rollouts_per_lease=rollouts_per_lease)
 
 
 class Transitions:

@@ -133,13 +133,13 @@ async def test_a_selector_naming_no_request_is_refused_and_ends_the_session(hub_
     with trio.fail_after(TEST_TIMEOUT_S):
         async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (node,):
             await joined_and_active(node)
-            refused = hub.state.known(node.peer_id).tallies.refused
+            refused = hub.state.membership.known(node.peer_id).tallies.refused
             stream = await open_session(node)
             reply = await ask_raw(stream, bytes((len(SESSION_REQUESTS),)) + encode_message(Heartbeat(version_held=0)),
                                   HeartbeatReply)
             assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_REQUEST and "selector" in reply.reason
             await assert_ended(stream)
-            assert hub.state.known(node.peer_id).tallies.refused == refused + 1
+            assert hub.state.membership.known(node.peer_id).tallies.refused == refused + 1
             assert isinstance(await node.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)  # still served
 
 

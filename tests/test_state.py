@@ -15,9 +15,9 @@ import trio
 
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
 from hub.control.policy import fleet_view
+from hub.method.prices import billable_seconds
 from hub.records.snapshots import SnapshotShelf
 from hub.records.store import StepRecord
-from hub.service.pricing import billable_seconds
 from hub.service.state import HubState
 from hub.trust.audit import AuditJob, AuditResult
 from shared.crypto import Identity
@@ -84,7 +84,7 @@ async def running(state: HubState) -> AsyncIterator[None]:
     """The state's own tasks (lease sweeps, audits of held groups) running around the block."""
     async with trio.open_nursery() as nursery:
         nursery.start_soon(state.run)
-        while state._nursery is None:
+        while state.intake._nursery is None:
             await trio.sleep(0)
         yield
         nursery.cancel_scope.cancel()
@@ -93,7 +93,7 @@ async def running(state: HubState) -> AsyncIterator[None]:
 async def settled(state: HubState) -> None:
     """Every committed group is in the buffer or discarded (audits of held groups included)."""
     with trio.fail_after(10):
-        while state.room.reserved:
+        while state.intake.room.reserved:
             await trio.sleep(0.01)
 
 
@@ -118,19 +118,19 @@ async def test_a_reopened_state_shows_what_the_old_one_showed(tmp_path, default_
     state = reopen(tmp_path, default_model_dir)
     a, b = Identity.generate().peer_id, Identity.generate().peer_id
     for peer in (a, b):
-        await state.join(peer, join_request(state), "10.0.0.1")
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
     # a: a probe, then full leases; b: one wrong answer and a refused request, then it leaves.
-    grant = await state.grant_lease(a, 0)
-    await state.accept_submission(a, answer(tokenizer, grant.lease, a), "h1")
+    grant = await state.leasing.grant(a, 0)
+    await state.intake.accept(a, answer(tokenizer, grant.lease, a), "h1")
     await state.set_state(state.fleet.get(a), "active", "test")
-    grant = await state.grant_lease(a, 0)
-    outcome = await state.accept_submission(a, answer(tokenizer, grant.lease, a), "h2")
+    grant = await state.leasing.grant(a, 0)
+    outcome = await state.intake.accept(a, answer(tokenizer, grant.lease, a), "h2")
     assert outcome.accepted == 2 and outcome.paid_usd > 0
-    grant = await state.grant_lease(b, 0)
-    await state.accept_submission(b, answer(tokenizer, grant.lease, b, right=False), "h3")  # zero variance: accepted
-    await state.record_refusal(b, RejectCode.BAD_REQUEST)
-    await state.record_refusal(b, RejectCode.UNKNOWN_NODE)  # not its fault: not counted
-    state.heartbeat(b, Heartbeat(version_held=0))
+    grant = await state.leasing.grant(b, 0)
+    await state.intake.accept(b, answer(tokenizer, grant.lease, b, right=False), "h3")  # zero variance: accepted
+    await state.membership.record_refusal(b, RejectCode.BAD_REQUEST)
+    await state.membership.record_refusal(b, RejectCode.UNKNOWN_NODE)  # not its fault: not counted
+    state.membership.heartbeat(b, Heartbeat(version_held=0))
     await state.set_state(state.fleet.get(b), "gone", "no heartbeat")
     # The learner trains on two groups and drops one as stale.
     ids = state.buffer.row_ids()
@@ -146,10 +146,15 @@ async def test_a_reopened_state_shows_what_the_old_one_showed(tmp_path, default_
     assert view(again) == before
     assert again.cost_usd(again.clock()) >= cost  # learner time keeps counting from where it was
     # The nodes rejoin with what the hub measured: no second probe.
-    record = await again.join(a, join_request(again, price=0.7), "10.0.0.1")
+    record = await again.membership.join(a, join_request(again, price=0.7), "10.0.0.1")
     assert record.state == "standby" and record.tallies == Tallies(accepted=3) and record.price_per_hour == 0.7
     again.store.close()
 
+
+
+def set_clock(state: HubState, clock) -> None:
+    """The state and its three owners on a clock the test moves."""
+    state.clock = state.membership.clock = state.leasing.clock = state.intake.clock = clock
 
 @pytest.mark.trio
 async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_path, default_model_dir, tokenizer):
@@ -159,17 +164,18 @@ async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_
 
     def state_at() -> HubState:
         state = reopen(tmp_path, default_model_dir, config)
-        state.probation.audits, state.clock = audits, lambda: clock[0]
+        state.intake.probation.audits = audits
+        set_clock(state, lambda: clock[0])
         return state
 
     state = state_at()
     peer = Identity.generate().peer_id
     async with running(state):
-        await state.join(peer, join_request(state), "10.0.0.1")
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
         for _ in range(3):  # on probation: each submission is audited before its groups are buffered
-            grant = await state.grant_lease(peer, 0)
+            grant = await state.leasing.grant(peer, 0)
             clock[0] += 10.0
-            await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+            await state.intake.accept(peer, answer(tokenizer, grant.lease, peer), "h")
             await settled(state)
             await state.set_state(state.fleet.get(peer), "active", "test")
     assert len(audits.judged) == 3 and state.fleet.get(peer).vouched_at == clock[0]
@@ -180,12 +186,12 @@ async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_
     state = state_at()
     assert state.fleet.get(peer).vouched_at == clock[0]
     async with running(state):
-        await state.join(peer, join_request(state), "10.0.0.1")
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
         await state.set_state(state.fleet.get(peer), "active", "test")
         audits.passes = False
-        grant = await state.grant_lease(peer, 0)
+        grant = await state.leasing.grant(peer, 0)
         clock[0] += 10.0
-        outcome = await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+        outcome = await state.intake.accept(peer, answer(tokenizer, grant.lease, peer), "h")
         assert outcome.paid_usd > 0  # booked with the answer, voided by the audit that follows
         await settled(state)
     record = state.fleet.get(peer)
@@ -194,7 +200,7 @@ async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_
     assert state.totals.paid_usd[peer] == pytest.approx(paid) == state.store.ledger_total_usd(peer)
     assert len(state.buffer) == 0  # the cheat's groups never reached the buffer
     with pytest.raises(PeerFault) as refused:
-        await state.join(peer, join_request(state), "10.0.0.1")
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
     assert refused.value.code == RejectCode.BANNED
     state.store.close()
 
@@ -204,29 +210,29 @@ async def test_peer_faults_carry_codes_and_our_own_errors_propagate(tmp_path, de
     state = reopen(tmp_path, default_model_dir)
     stranger = Identity.generate().peer_id
     with pytest.raises(PeerFault) as fault:
-        await state.grant_lease(stranger, 0)
+        await state.leasing.grant(stranger, 0)
     assert fault.value.code == RejectCode.UNKNOWN_NODE
     bad = join_request(state).model_copy(update={"model_config_hash": "0" * 64})
     with pytest.raises(PeerFault) as fault:
-        await state.join(stranger, bad, None)
+        await state.membership.join(stranger, bad, None)
     assert fault.value.code == RejectCode.MODEL_MISMATCH
     # An engine in another dtype than the snapshots (a CPU hub publishes float32): refused with the flag to pass.
     other_dtype = join_request(state).model_copy(update={"dtype": "bfloat16"})
     with pytest.raises(PeerFault, match="restart the node with --dtype float32") as fault:
-        await state.join(stranger, other_dtype, None)
+        await state.membership.join(stranger, other_dtype, None)
     assert fault.value.code == RejectCode.MODEL_MISMATCH and state.fleet.get(stranger) is None
     peer = Identity.generate().peer_id
-    await state.join(peer, join_request(state), None)
-    grant = await state.grant_lease(peer, 0)
+    await state.membership.join(peer, join_request(state), None)
+    grant = await state.leasing.grant(peer, 0)
     with pytest.raises(PeerFault) as fault:
-        await state.accept_submission(peer, answer(tokenizer, grant.lease, peer).model_copy(update={"lease_id": "x" * 24}), "h")
+        await state.intake.accept(peer, answer(tokenizer, grant.lease, peer).model_copy(update={"lease_id": "x" * 24}), "h")
     assert fault.value.code == RejectCode.BAD_LEASE
     # A store that fails under us is our bug: it raises as itself, and the lease stays answerable.
     state.store.close()
     with pytest.raises(Exception) as ours:
-        await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+        await state.intake.accept(peer, answer(tokenizer, grant.lease, peer), "h")
     assert not isinstance(ours.value, PeerFault)
-    assert grant.lease.lease_id in state.leases.open and not grant.lease.checking
+    assert grant.lease.lease_id in state.leasing.book.open and not grant.lease.checking
     assert state.fleet.get(peer).tallies == Tallies()
 
 
@@ -236,8 +242,8 @@ def test_audit_draws_come_from_the_os_csprng(tmp_path, default_model_dir):
     for i in range(2):
         state = reopen(tmp_path / str(i), default_model_dir)
         # The OS's generator: not seedable, so nothing a node learns of the run's seed predicts an audit.
-        assert isinstance(state.probation.rng, secrets.SystemRandom)
-        draws.append([state.probation.rng.random() for _ in range(8)])
+        assert isinstance(state.intake.probation.rng, secrets.SystemRandom)
+        draws.append([state.intake.probation.rng.random() for _ in range(8)])
         state.store.close()
     assert draws[0] != draws[1]
 
@@ -248,20 +254,20 @@ async def test_on_probation_every_group_is_audited_before_any_reaches_the_buffer
                                                             lease_new_node_prompts=2)})
     state = reopen(tmp_path, default_model_dir, config)
     audits = ScriptedAudits()
-    state.probation.audits = audits
+    state.intake.probation.audits = audits
     peer = Identity.generate().peer_id
     async with running(state):
-        await state.join(peer, join_request(state), "10.0.0.1")
-        grant = await state.grant_lease(peer, 0)  # the probe
-        await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
+        grant = await state.leasing.grant(peer, 0)  # the probe
+        await state.intake.accept(peer, answer(tokenizer, grant.lease, peer), "h")
         await settled(state)
         await state.set_state(state.fleet.get(peer), "active", "test")
-        grant = await state.grant_lease(peer, 0)
+        grant = await state.leasing.grant(peer, 0)
         assert len(grant.lease.prompts) == 2
         # One honest group and one fabricated one: the fabricated one is not the first audited.
         fabricated = grant.lease.prompts[1].id
         audits.judge = lambda job: _scripted(job, fabricated)  # type: ignore[method-assign]
-        outcome = await state.accept_submission(peer, answer(tokenizer, grant.lease, peer), "h")
+        outcome = await state.intake.accept(peer, answer(tokenizer, grant.lease, peer), "h")
         assert len(state.buffer) == 1  # held for its audit: only the probe's group is in the buffer
         await settled(state)
     assert outcome.accepted == 2  # acknowledged and booked before the audit's verdict...
@@ -281,24 +287,24 @@ async def _scripted(job: AuditJob, fabricated: str) -> AuditResult:
 async def test_pay_follows_the_price_at_lease_time_and_the_work_done(tmp_path, default_model_dir, tokenizer):
     clock = [1000.0]
     state = reopen(tmp_path, default_model_dir)
-    state.clock = lambda: clock[0]
+    set_clock(state, lambda: clock[0])
     peer = Identity.generate().peer_id
-    await state.join(peer, join_request(state, price=1.0), "10.0.0.1")
-    grant = await state.grant_lease(peer, 0)
+    await state.membership.join(peer, join_request(state, price=1.0), "10.0.0.1")
+    grant = await state.leasing.grant(peer, 0)
     # Holding the lease for 50 s and answering with a handful of tokens is paid for the tokens, not the hold.
     clock[0] += 50.0
     submission = answer(tokenizer, grant.lease, peer)
     tokens = sum(len(c.token_ids) for g in submission.groups for c in g.completions)
     # Rejoining at a higher price does not reprice the lease already issued.
-    await state.join(peer, join_request(state, price=9.0), "10.0.0.1")
-    outcome = await state.accept_submission(peer, submission, "h")
+    await state.membership.join(peer, join_request(state, price=9.0), "10.0.0.1")
+    outcome = await state.intake.accept(peer, submission, "h")
     floor = CONFIG.lease.paid_tokens_per_s_floor
     assert outcome.paid_usd == pytest.approx(1.0 * tokens / floor / 3600.0)
     assert outcome.paid_usd < 1.0 * 50.0 / 3600.0 / 100
     # Above the hub's ceiling, a node is refused before it is probed (or paid for a probe).
     too_dear = join_request(state, price=CONFIG.scheduler.max_price_per_hour + 1)
     with pytest.raises(PeerFault) as refused:
-        await state.join(Identity.generate().peer_id, too_dear, "10.0.0.2")
+        await state.membership.join(Identity.generate().peer_id, too_dear, "10.0.0.2")
     assert refused.value.code == RejectCode.PRICE_TOO_HIGH
     state.store.close()
 
@@ -319,20 +325,20 @@ async def test_the_address_quota_counts_the_leases_open_at_an_address_and_frees_
     state = reopen(tmp_path, default_model_dir, CONFIG.model_copy(update={"trust": trust}))
     peers = [Identity.generate().peer_id for _ in range(4)]
     for peer in peers[:3]:
-        await state.join(peer, join_request(state), "198.51.100.7")
-    await state.join(peers[3], join_request(state), "203.0.113.9")
+        await state.membership.join(peer, join_request(state), "198.51.100.7")
+    await state.membership.join(peers[3], join_request(state), "203.0.113.9")
     async with running(state):
-        first, second = [(await state.grant_lease(p, 0)).lease for p in peers[:2]]
-        refused = await state.grant_lease(peers[2], 0)
+        first, second = [(await state.leasing.grant(p, 0)).lease for p in peers[:2]]
+        refused = await state.leasing.grant(peers[2], 0)
         assert refused.lease is None and refused.reason == "2 leases open for address 198.51.100.7 (max 2)"
-        assert (await state.grant_lease(peers[3], 0)).lease is not None  # another address has its own quota
-        await state.accept_submission(peers[0], answer(tokenizer, first, peers[0]), "h")
-        assert (await state.grant_lease(peers[2], 0)).lease is not None  # the answered lease freed its slot
-        state.own_nodes = frozenset(peers[:3])  # the operator's own nodes neither use nor count against it
-        assert state.leases.open_by_address["198.51.100.7"] == 2
-        assert (await state.grant_lease(peers[0], 0)).lease is not None
-        assert state.leases.open_by_address["198.51.100.7"] == 2 and state.leases.open_count(peers[0]) == 1
-        assert second.lease_id in state.leases.open
+        assert (await state.leasing.grant(peers[3], 0)).lease is not None  # another address has its own quota
+        await state.intake.accept(peers[0], answer(tokenizer, first, peers[0]), "h")
+        assert (await state.leasing.grant(peers[2], 0)).lease is not None  # the answered lease freed its slot
+        state.leasing.exempt(peers[:3])  # the operator's own nodes neither use nor count against it
+        assert state.leasing.book.open_by_address["198.51.100.7"] == 2
+        assert (await state.leasing.grant(peers[0], 0)).lease is not None
+        assert state.leasing.book.open_by_address["198.51.100.7"] == 2 and state.leasing.book.open_count(peers[0]) == 1
+        assert second.lease_id in state.leasing.book.open
 
 
 def test_the_test_bed_builds_its_hub_as_echo_hub_start_does(tmp_path, default_model_dir):
@@ -341,7 +347,7 @@ def test_the_test_bed_builds_its_hub_as_echo_hub_start_does(tmp_path, default_mo
     from shared.generation import model_stop_ids
 
     state = reopen(tmp_path, default_model_dir)
-    assert state.rules.stop_ids == frozenset(model_stop_ids(default_model_dir))
+    assert state.intake.rules.stop_ids == frozenset(model_stop_ids(default_model_dir))
     assert state.store.run_info()["task"] == "reverse"
     state.store.close()
 
@@ -352,46 +358,46 @@ async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answer
     state = reopen(tmp_path, default_model_dir)
     a, b, stranger = (Identity.generate().peer_id for _ in range(3))
     for peer in (a, b):
-        await state.join(peer, join_request(state), "10.0.0.1")
-    first = await state.grant_lease(a, 0)
-    await state.accept_submission(a, answer(tokenizer, first.lease, a), "h1")
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
+    first = await state.leasing.grant(a, 0)
+    await state.intake.accept(a, answer(tokenizer, first.lease, a), "h1")
     await state.set_state(state.fleet.get(a), "active", "test")
     paid = state.totals.paid_usd[a]
-    held = await state.grant_lease(a, 0)
-    assert [r.lease_id for r in state.leases.leases_of(a)] == [held.lease.lease_id]
+    held = await state.leasing.grant(a, 0)
+    assert [r.lease_id for r in state.leasing.book.leases_of(a)] == [held.lease.lease_id]
 
     relinked = []  # what hub/cli/run.py listens with: the broadcaster relinks the chains, the scheduler decides
-    state.on_membership.append(lambda: relinked.append(True))
-    assert await state.leave(a) == 1 and relinked
+    state.membership.on_change.append(lambda: relinked.append(True))
+    assert await state.membership.leave(a) == 1 and relinked
     # out of the active pool with its leases back, but still a member until its silence drops it: a relay's
     # chunks are still judged against it, and a ban still reaches it
-    assert state.fleet.get(a).state == "standby" and state.leases.leases_of(a) == []
+    assert state.fleet.get(a).state == "standby" and state.leasing.book.leases_of(a) == []
     assert state.fleet.get(b).state == "probing"  # only the peer that asked
     assert state.totals.paid_usd[a] == paid  # its accepted work stands
     events = state.store.db.execute("SELECT kind, node_id, detail FROM events WHERE detail = ?", (LEFT_REASON,)).fetchall()
     assert events == [("release", a, LEFT_REASON)]
     relinked.clear()
-    assert await state.leave(a) == 0  # said twice: nothing more to give back
+    assert await state.membership.leave(a) == 0  # said twice: nothing more to give back
     assert not relinked  # nor a replan of the chains for each time it is said
     await state.set_state(state.fleet.get(a), "active", "the scheduler decided before the leave came")
     assert state.fleet.get(a).state == "standby"
     # never activated again, nor a receiver or relay (hub/distribution/broadcast.py), unless it joins again
     assert state.fleet.get(a).left_at is not None
     assert a not in {o.name for o in fleet_view(state.fleet).standby}
-    await state.join(a, join_request(state), "10.0.0.1")
+    await state.membership.join(a, join_request(state), "10.0.0.1")
     assert state.fleet.get(a).left_at is None and a in {o.name for o in fleet_view(state.fleet).standby}
-    assert await state.leave(a) == 0 and state.fleet.get(a).left_at is not None
-    await state.ban(state.fleet.get(a), "a corrupt chunk it relayed before it left")
+    assert await state.membership.leave(a) == 0 and state.fleet.get(a).left_at is not None
+    await state.membership.ban(state.fleet.get(a), "a corrupt chunk it relayed before it left")
     assert state.fleet.get(a).state == "banned"
     # a probing node that left is given no more probes
-    assert (await state.grant_lease(b, 0)).lease is not None
-    assert await state.leave(b) == 1
-    refused = await state.grant_lease(b, 0)
+    assert (await state.leasing.grant(b, 0)).lease is not None
+    assert await state.membership.leave(b) == 1
+    refused = await state.leasing.grant(b, 0)
     assert refused.lease is None and refused.reason.startswith("left")
     # banned, gone or never joined: refused as any members-only request
     await state.set_state(state.fleet.get(b), "gone", "no heartbeat")
     for peer, code in ((a, RejectCode.BANNED), (b, RejectCode.UNKNOWN_NODE), (stranger, RejectCode.UNKNOWN_NODE)):
         with pytest.raises(PeerFault) as refused:
-            await state.leave(peer)
+            await state.membership.leave(peer)
         assert refused.value.code is code
     state.store.close()

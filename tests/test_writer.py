@@ -132,3 +132,14 @@ async def test_a_job_of_several_writes_is_all_or_nothing_in_a_batch(store):
     with pytest.raises(RuntimeError):
         await writer.write(two_then_fail)
     assert store.events(10) == []
+
+
+@pytest.mark.trio
+async def test_a_worker_threads_write_waits_for_the_batch_and_one_outside_trio_runs_at_once(store):
+    """The learner's records (a snapshot row, a checkpoint row, an event) come from its worker threads: there they
+    go through the writer's batch and the thread waits for the commit; before trio starts or after it ended, at once."""
+    writer = StoreWriter(store)
+    writer.write_blocking(store.add_event, "before", None, "no trio yet")
+    assert writer.writes == 0 and [e.kind for e in store.events(10)] == ["before"]
+    await trio.to_thread.run_sync(writer.write_blocking, store.add_event, "thread", None, "from a worker thread")
+    assert writer.writes == 1 and {e.kind for e in store.events(10)} == {"before", "thread"}

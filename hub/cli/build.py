@@ -69,7 +69,7 @@ def load_submission_rules(config_json: str, model_dir: Path) -> SubmissionRules:
 
 
 def submission_checks(config: HubConfig, model_dir: Path, task: Task) -> SubmissionChecks | None:
-    """A pool of `--check-procs` check processes (None for 0: HubState checks in a thread of its own)."""
+    """A pool of `--check-procs` check processes (None for 0: the intake checks in a thread of its own)."""
     procs = resolved_check_procs(config.trust.check_procs, task.light_reward)
     if procs == 0:
         return None
@@ -78,9 +78,11 @@ def submission_checks(config: HubConfig, model_dir: Path, task: Task) -> Submiss
 
 
 def build_hub_state(
-    config: HubConfig, model_dir: Path, shelf: SnapshotShelf, oldest_useful_version: Callable[[], int],
+    config: HubConfig, model_dir: Path, shelf: SnapshotShelf, oldest_useful_version: Callable[[], int] | None = None,
 ) -> HubCore:
-    """The HubState over config.data_dir's store, serving `shelf`, with its rules, audits and run identity."""
+    """The HubState over config.data_dir's store, serving `shelf`, with its rules, audits and run identity.
+    `oldest_useful_version`: a stand-in for the learner's window, for a hub with no learner of its own (the test
+    bed's); None: the window the hub's learner keeps in the state's measurements."""
     from transformers import AutoConfig, AutoTokenizer
 
     from shared.snapshot import model_config_hash

@@ -19,6 +19,8 @@ REFRESH_S = 0.5
 PLAIN_PERIOD_S = 10.0
 STALL_CHECK_S = 10.0
 ZERO_VARIANCE_SHARE = 0.8
+# The newest groups a stall's cause is read from (rejections, or what became of accepted ones).
+RECENT_GROUPS = 256
 
 
 def _line(status: HubStatus) -> str:
@@ -88,9 +90,8 @@ def _groups_in(hub) -> tuple[int, int]:
 async def _cause(hub, accepted: int, rejected: int) -> str:
     """Why no step came of the groups that arrived: mostly rejected, or accepted but not enough to train on."""
     if rejected >= accepted:
-        reasons = await trio.to_thread.run_sync(hub.state.store.recent_rejections, 256)
-        return rejection_cause(reasons, rejected)
-    discards = await trio.to_thread.run_sync(hub.state.store.recent_discards, 256)
+        return rejection_cause(await hub.state.intake.recent_rejections(RECENT_GROUPS), rejected)
+    discards = await hub.state.intake.recent_discards(RECENT_GROUPS)
     return stall_cause(discards, len(hub.state.buffer), hub.config.learner.prompts_per_step)
 
 

@@ -21,6 +21,7 @@ from hub.training.distributed import (
     RANK_POLL_S,
     Collective,
     LearnerRankLost,
+    RankGroup,
     RankWatch,
     broadcast,
     device_for,
@@ -54,7 +55,7 @@ def dialable_addrs(addrs: list[str]) -> list[str]:
             continue
         ips = ["127.0.0.1"]
         try:
-            ips += sorted({info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)})
+            ips += sorted({str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)})
         except OSError:
             pass
         out += [addr.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/") for ip in dict.fromkeys(ips)]
@@ -62,7 +63,8 @@ def dialable_addrs(addrs: list[str]) -> list[str]:
 
 
 class Hub:
-    """Everything the hub runs, wired together: HubState owns the state, the rest read it or call it."""
+    """Everything the hub runs, built in order and wired together: HubState's three owners hold the state, the
+    rest read it or call their commands; no component stands in for one built later."""
 
     def __init__(self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool,
                  asked: HubConfig | None = None) -> None:
@@ -70,8 +72,10 @@ class Hub:
         the run's echo2.toml starts on another machine); `config` when omitted."""
         from hub.cli.build import build_hub_state
         from hub.cli.card import run_card
+        from hub.control.scheduler import LearnerTiming, Scheduler, StalenessBounds
         from hub.training.evaluation import EvalRunner, Evaluator
         from hub.training.loop import LearnerComponent
+        from hub.training.metrics import MetricsWriter
         from shared.adapters import LoraSpec
         from shared.precision import resolve_dtype
         from shared.probe import PROBE_ROWS, probe_rows
@@ -84,10 +88,12 @@ class Hub:
         self.progress = progress
         # S + 1 versions on the shelf (a rollout may be that stale), files of older ones deleted.
         self.shelf = SnapshotShelf(keep=lc.staleness_bound + 1, directory=config.data_dir / SNAPSHOTS_DIR)
-        core = build_hub_state(config, model_dir, self.shelf, lambda: self.learner.min_useful_version())
+        core = build_hub_state(config, model_dir, self.shelf)
         self.task, eval_task, auditor = core.task, core.eval_task, core.auditor
         self.state, self.context_tokens, self.model_offer = core.state, core.context_tokens, core.model_offer
-        rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], core.tokenizer, self.state.rules.stop_ids)
+        rules = self.state.intake.rules
+        assert rules is not None, "echo-hub start's hub takes submissions"
+        rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], core.tokenizer, rules.stop_ids)
         # Files the shelf no longer serves (a crash's orphans, versions from before a restart) go now; the
         # newest stays for the learner to serve again on resume.
         latest = self.state.store.latest_version()
@@ -96,22 +102,35 @@ class Hub:
         # so the snapshot dir never holds more than S + 2 of them.
         self.snapshot_send, self.snapshot_recv = trio.open_memory_channel(0)
         self.trackers = open_trackers(config.tracking, config.data_dir, config.model_dump(mode="json"))
+        # metrics.jsonl, before the evaluations and the learner that both write it.
+        self.metrics = MetricsWriter(config.data_dir / METRICS_FILE, self.trackers)
         self.evaluation = None
         if eval_task is not None:
             lora = LoraSpec(rank=lc.lora_rank, alpha=lc.lora_alpha, targets=lc.lora_targets) if lc.lora_rank else None
             evaluator = Evaluator(model_dir, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed, lora)
             self.evaluation = EvalRunner(evaluator, config.eval.every, self._record_eval, self.state.event)
+        # The scheduler before the learner, which asks it for S under --staleness auto: what it reads of the learner
+        # (T_train, the usable fraction, the S and kappa a resumed run goes on at) is in the state's measurements.
+        window = self.state.measurements.learner
+        self.scheduler = Scheduler(
+            config.scheduler, self.state.fleet,
+            LearnerTiming(window.kappa, lc.prompts_per_step * lc.group_size, self.state.measurements,
+                          staleness=window.staleness, rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size),
+            set_state=self.state.membership.set_state,
+            adaptive=StalenessBounds(lc.staleness_max, lc.drift_max, lc.learner_price_per_hour)
+            if lc.staleness_auto else None,
+            start_step=window.step,
+        )
         self.watch: RankWatch | None = None
         self.learner = LearnerComponent(
             lc, config.sampling, model_dir, config.data_dir, self.state, identity,
             self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024, config.broadcast.delta_max_ratio,
-            extra_metrics=lambda step: self.scheduler.step_metrics(step, self.state.cost_usd(time.time())),
+            extra_metrics=self._step_metrics,
             trackers=self.trackers, evaluation=self.evaluation, ranks=self._join_ranks(),
             log_completions=config.tracking.log_completions,
-            probe=lambda path, whole_hash: auditor.install_probe(path, whole_hash, rows),
+            probe=functools.partial(auditor.install_probe, rows=rows),
             card=functools.partial(run_card, asked or config, model_dir), rollouts=rollout_export(config),
-            # late-bound: the scheduler is built below
-            staleness_control=(lambda *reading: self.scheduler.adapt_staleness(*reading)) if lc.staleness_auto else None,
+            staleness_control=self.scheduler.adapt_staleness if lc.staleness_auto else None, metrics=self.metrics,
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
@@ -130,9 +149,10 @@ class Hub:
         if world == 1:
             return None
         if env is None:
-            env = RankEnv(rank=0, world=world, local_rank=0, store_file=str(rank_store(self.config.data_dir)))
+            store_file = rank_store(self.config.data_dir)
+            env = RankEnv(rank=0, world=world, local_rank=0, store_file=str(store_file))
             self.watch = RankWatch()
-            self.watch.spawn(world, Path(env.store_file), self.config.data_dir, sys.argv[1:])
+            self.watch.spawn(world, Path(store_file), self.config.data_dir, sys.argv[1:])
         device = device_for(lc.device, env)
         where = f"in {env.store_file}" if env.store_file else f"at {env.master_addr}:{env.master_port}"
         print(f"echo-hub: waiting for {world - 1} learner ranks to join {where} "
@@ -143,29 +163,34 @@ class Hub:
 
     async def _watch_ranks(self) -> None:
         """A spawned learner rank that exits ends the run (one line naming it), even while the learner waits."""
+        watch = self.watch
+        assert watch is not None, "only a hub that spawned its ranks watches them"
         while True:
             await trio.sleep(RANK_POLL_S)
-            if (gone := self.watch.dead()) is not None:
+            if (gone := watch.dead()) is not None:
                 raise LearnerRankLost(gone)
 
     async def _record_eval(self, row: EvalPoint) -> None:
         await self.state.record_eval(row)
-        await trio.to_thread.run_sync(self.learner.metrics.append_row, row.as_metrics_row())
+        await trio.to_thread.run_sync(self.metrics.append_row, row.as_metrics_row())
+
+    def _step_metrics(self, step: int) -> dict[str, float | None]:
+        """The capacity model and the money spent, for each step's metrics line."""
+        return self.scheduler.step_metrics(step, self.state.cost_usd(time.time()))
 
     def on_membership(self) -> None:
         self.broadcaster.replan()
         self.scheduler.poke()
 
-    async def _publisher(self) -> None:
-        async for published in self.snapshot_recv:
-            self.shelf.add(published.snapshot, published.delta)
-            await self.broadcaster.publish(published.version)
+    async def _relay_refused(self, peer: str, reason: str) -> None:
+        """A relay request the gate refused: counted against the peer as any refused request."""
+        await self.state.membership.record_refusal(peer, RejectCode.BAD_REQUEST)
 
     # -- run ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        from hub.control.scheduler import LearnerTiming, Scheduler, StalenessBounds
         from hub.distribution.broadcast import Broadcaster
+        from hub.distribution.publisher import SnapshotPublisher
         from hub.service.handlers import build_hub_service
         from hub.service.status import RunInfo, StatusBoard
         from shared.bulk import channel_for
@@ -178,32 +203,16 @@ class Hub:
             bc = config.broadcast
             self.broadcaster = Broadcaster(
                 host, state.fleet, self.shelf, bc.mode, bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
-                ban=state.ban, event=state.event, record_t_bcast=state.record_broadcast_time,
+                ban=state.membership.ban, event=state.event, record_t_bcast=state.record_broadcast_time,
+                reports=state.membership, measurements=state.measurements,
             )
-            self.scheduler = Scheduler(
-                config.scheduler, state.fleet,
-                # The learner's S and kappa: under --staleness auto a resume goes on at the S in force, not the start's.
-                LearnerTiming(self.learner.kappa, lc.prompts_per_step * lc.group_size,
-                              t_train_s=lambda: self.status.t_train_recent_s,
-                              t_bcast_s=self.broadcaster.last_t_bcast_s,
-                              usable_fraction=lambda: self.status.usable_fraction,
-                              staleness=self.learner.staleness,
-                              t_arrive_s=self.broadcaster.last_arrival_s,
-                              installs=self.broadcaster.last_installs,
-                              fresh_usable_fraction=lambda: self.status.fresh_usable_fraction,
-                              rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size),
-                set_state=state.set_state,
-                adaptive=StalenessBounds(lc.staleness_max, lc.drift_max, lc.learner_price_per_hour)
-                if lc.staleness_auto else None,
-                start_step=self.learner.step,
-            )
+            publisher = SnapshotPublisher(self.snapshot_recv, self.shelf, self.broadcaster)
             self.status = StatusBoard(
                 RunInfo(self.identity.peer_id, tuple(self.addrs), config.steps, lc.staleness, lc.effective_kappa,
                         config.task, config.broadcast.mode),
-                config.data_dir, state, learner_step=lambda: self.learner.step,
-                broadcaster=self.broadcaster, scheduler=self.scheduler,
+                config.data_dir, state, broadcaster=self.broadcaster, scheduler=self.scheduler,
             )
-            state.on_membership.append(self.on_membership)
+            state.membership.on_change.append(self.on_membership)
             bulk = channel_for(config.listen, config.broadcast.bulk_port)
             service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.encoded,
                                         self.context_tokens, self.broadcaster, bulk, self.model_offer)
@@ -215,7 +224,7 @@ class Hub:
             # The relay NATed nodes reserve on, for hole-punch signalling between them (node/nat.py).
             relay = relay_service(host)
             gate = RelayGate(relay, state.fleet.is_member, self._address_key, self.broadcaster.planned_punch,
-                             lambda peer, reason: state.record_refusal(peer, RejectCode.BAD_REQUEST))
+                             self._relay_refused)
             async with background_trio_service(relay), trio.open_nursery() as nursery:
                 nursery.start_soon(guard_relay, host, relay, gate)
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
@@ -226,7 +235,7 @@ class Hub:
                     nursery.start_soon(component.run)
                 if config.http != "off":
                     await self._serve_web(nursery)
-                nursery.start_soon(self._publisher)
+                nursery.start_soon(publisher.run)
                 if self.evaluation is not None:
                     await nursery.start(self.evaluation.run)
                 if config.local_nodes:
@@ -236,7 +245,7 @@ class Hub:
                         link_mbps=config.broadcast.link_mbps, model=config.model, extra_args=("--dtype", self.dtype),
                         device=config.local_device, log=(config.log_max_mb, config.log_backups),
                     ))
-                    state.own_nodes = frozenset(n.peer_id for n in self.local_nodes)
+                    state.leasing.exempt(n.peer_id for n in self.local_nodes)
                 from hub.cli.progress import live_progress, plain_progress, watch_for_stalls
 
                 # A live bar on a terminal; plain lines in a log file or a pipe (a bar there is one truncated line).
@@ -320,7 +329,7 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     except LearnerRankLost as exc:
         print(f"echo-hub: {exc}", file=sys.stderr, flush=True)
         return 1
-    failure: RewardError | None = None
+    failure: BaseException | None = None  # the RewardError that stopped the run
     try:
         with trio_owns_ctrl_c():
             trio.run(hub.run)
@@ -341,7 +350,8 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     if interrupted:
         _save_stopped_run(hub, failure)
     if hub.watch is not None or rank_env() is not None:
-        hub.learner.learner.stop()  # the other ranks leave their command loop
+        if isinstance(hub.learner.learner, RankGroup):
+            hub.learner.learner.stop()  # the other ranks leave their command loop
         if hub.watch is not None:
             hub.watch.stop()
     hub.state.flush_sync()
@@ -357,7 +367,7 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     return 130 if interrupted else 0
 
 
-def _save_stopped_run(hub: Hub, failure: RewardError | None) -> None:
+def _save_stopped_run(hub: Hub, failure: BaseException | None) -> None:
     """A run stopped before its last step (Ctrl-C, SIGTERM, the task's reward failing): its checkpoint and policy
     saved, so that starting it again resumes."""
     if failure is None:

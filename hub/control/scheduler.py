@@ -23,6 +23,8 @@ from hub.control.policy import CapacityView, capacity_view, decide, fleet_view
 from hub.control.staleness import StalenessCost, StalenessHold, choose_staleness, staleness_costs
 from hub.method.capacity import Arrival, default_kappa
 from hub.records.fleet import Fleet, NodeRecord, heartbeat_timeout
+from hub.records.measurements import Measurements
+from shared.messages import NodeState
 from shared.staleness import StalenessMove, StalenessReason
 
 log = logging.getLogger("echo2.hub.scheduler")
@@ -33,25 +35,15 @@ STALENESS_MOVES_KEPT = 100
 
 @dataclass(frozen=True)
 class LearnerTiming:
-    """What the capacity model needs from the learner and the broadcaster, read when needed."""
+    """What the capacity model needs from the learner and the broadcaster: its shape here, the figures measured
+    (T_train, T_bcast, usable fractions, arrivals and installs: hub/records/measurements.py) read when needed."""
 
     kappa: int
     rollouts_per_step: int
-    t_train_s: Callable[[], float | None]
-    t_bcast_s: Callable[[], float | None]
-    # Share of accepted groups that end up trained on (hub.method.capacity.usable_fraction).
-    usable_fraction: Callable[[], float] = lambda: 1.0
+    measured: Measurements
     # S: how long nodes may go on with the version they hold (hub.method.capacity.broadcast_stall_s); None: the
     # upstream formula (docs/DESIGN.md §5.2), where the broadcast stops the fleet for all of T_bcast.
     staleness: int | None = None
-    # The active pool's throughput-weighted mean time to install the newest version, and the usable
-    # fraction without stale drops: the bubble of the first step that needs that version
-    # (hub.method.capacity.first_step_idle_s). None: not measured, and that step is not modelled.
-    t_arrive_s: Callable[[], float | None] = lambda: None
-    # (rollouts/s, seconds from publish to install) of each active node for that version: the pool's stall
-    # (hub.method.capacity.pool_stall_s). Empty: every node is charged T_bcast.
-    installs: Callable[[], tuple[tuple[float, float], ...]] = lambda: ()
-    fresh_usable_fraction: Callable[[], float] = lambda: 1.0
     # Rollouts in one lease (prompts_per_lease * group_size): each active node hands in a new version's
     # rollouts a lease at a time, half a lease behind a steady flow (hub.method.capacity.Arrival.lease_rollouts).
     rollouts_per_lease: int = 0
@@ -74,7 +66,7 @@ class Scheduler:
         config: SchedulerConfig,
         fleet: Fleet,
         timing: LearnerTiming,
-        set_state: Callable[[NodeRecord, str, str], Awaitable[None]],
+        set_state: Callable[[NodeRecord, NodeState, str], Awaitable[None]],
         adaptive: StalenessBounds | None = None,
         start_step: int = 0,
     ) -> None:
@@ -99,15 +91,19 @@ class Scheduler:
     def capacity(self) -> CapacityView:
         active = self.fleet.in_state("active")
         mu_pool = math.fsum(n.rollouts_per_s for n in active)
-        t_train, t_bcast = self.timing.t_train_s(), self.timing.t_bcast_s() or 0.0
+        measured = self.timing.measured
+        t_train, t_bcast = measured.t_train_recent_s, measured.t_bcast_s or 0.0
         if t_train is None:
             return CapacityView(mu_pool, None, None, None, "learner has not stepped yet")
-        t_arrive = self.timing.t_arrive_s()
+        t_arrive = measured.t_arrive_s
+        # The active pool's throughput-weighted mean time to install the newest version, and the usable fraction
+        # without stale drops: the bubble of the first step that needs that version (hub.method.capacity.
+        # first_step_idle_s); each active node's (rollouts/s, install time) gives the pool's stall (pool_stall_s).
         arrival = None if t_arrive is None else Arrival(
-            t_arrive, self.timing.rollouts_per_step / self.timing.fresh_usable_fraction(),
-            len(active) * self.timing.rollouts_per_lease / 2, self.timing.installs())
+            t_arrive, self.timing.rollouts_per_step / measured.fresh_usable_fraction,
+            len(active) * self.timing.rollouts_per_lease / 2, measured.installs)
         return capacity_view(mu_pool, self.timing.kappa, self.timing.rollouts_per_step, t_train, t_bcast,
-                             self.timing.usable_fraction(), self.timing.staleness, arrival, self.config.gamma)
+                             measured.usable_fraction, self.timing.staleness, arrival, self.config.gamma)
 
     async def control_once(self, now: float) -> None:
         """One control period: drop the silent nodes, then make the policy's moves."""
@@ -166,13 +162,14 @@ class Scheduler:
     def _staleness_costs(self) -> dict[int, StalenessCost]:
         """The capacity model's cost per step at each S the bounds allow, over every measured node; empty before T_train."""
         timing, bounds = self.timing, self.adaptive
-        t_train = timing.t_train_s()
+        measured = timing.measured
+        t_train = measured.t_train_recent_s
         if t_train is None or bounds is None:
             return {}
         view = fleet_view(self.fleet)
         offers = [n for n in view.active + view.standby if n.rollouts_per_s > 0]
-        return staleness_costs(offers, bounds.staleness_max, timing.rollouts_per_step / timing.usable_fraction(), t_train,
-                               timing.t_bcast_s() or 0.0, self.config.gamma, bounds.learner_price_per_hour)
+        return staleness_costs(offers, bounds.staleness_max, timing.rollouts_per_step / measured.usable_fraction, t_train,
+                               measured.t_bcast_s or 0.0, self.config.gamma, bounds.learner_price_per_hour)
 
     async def run(self) -> None:
         while True:

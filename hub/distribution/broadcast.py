@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -21,6 +22,7 @@ from libp2p.abc import IHost, INetStream
 from hub.distribution.reachability import PROBE_VERDICT_S, PROBES_AT_ONCE, DialBackQueue, dial_back, probe_targets
 from hub.method.chains import join_chains, link_kind, num_chains, relink_after_leave, separate_nated
 from hub.records.fleet import Fleet, NodeRecord
+from hub.records.measurements import Measurements
 from hub.records.snapshots import SnapshotShelf
 from shared.crypto import public_key_from_peer_id
 from shared.messages import (
@@ -121,9 +123,18 @@ class HubUplink:
 
     def for_stream(self) -> Writer | None:
         """The writer one served stream goes through (None: unlimited)."""
-        if self.per_stream:
+        if self.per_stream and self.link_bps is not None and self.uplink is not None:
             return _LinkThenUplink(RateLimiter(self.link_bps), self.uplink)
         return self.uplink
+
+
+class ReachabilityReports(Protocol):
+    """Where the broadcaster reports what it found of a node's reachability: the owner of the node records
+    (hub/service/membership.py); the broadcaster itself writes no record."""
+
+    def reached(self, record: NodeRecord, answered_addr: str | None) -> None: ...
+
+    def punch_failed(self, record: NodeRecord, upstream: str) -> None: ...
 
 
 class Broadcaster:
@@ -137,8 +148,15 @@ class Broadcaster:
         ban: Callable[[NodeRecord, str], Awaitable[None]],
         event: Callable[[str, str | None, str], Awaitable[None]],
         record_t_bcast: Callable[[int, float], Awaitable[None]],
+        reports: ReachabilityReports | None = None,
+        measurements: Measurements | None = None,
     ) -> None:
+        """`reports`: the owner of `fleet`'s records (None: a fleet with no other owner, as in the test bed's relay
+        scenarios, written through its own helpers). `measurements`: where each broadcast on every receiver is
+        measured (T_bcast, arrival, installs; None: kept here only)."""
         self.host = host
+        self.reports: ReachabilityReports = reports if reports is not None else fleet
+        self.measurements = measurements
         self.hub_peer_id = host.get_id().to_base58()
         self.fleet = fleet
         self.shelf = shelf
@@ -235,13 +253,13 @@ class Broadcaster:
                 self._probe_queue.offer(peer, record.remote_ip, record.audits_passed)
                 self._probe_wake.set()
 
-    def _reach(self, peer: str | None) -> str | None:
-        record = self.fleet.get(peer) if peer else None
-        return None if peer is None else (record.reachability if record else "unknown")
+    def _reach(self, peer: str) -> str:
+        record = self.fleet.get(peer)
+        return record.reachability if record else "unknown"
 
     def _kind(self, upstream: str | None, peer: str) -> str:
         """hub.method.chains.link_kind, and a pull from the hub after a hole punch between the two failed."""
-        kind = link_kind(self._reach(upstream), self._reach(peer))
+        kind = link_kind(self._reach(upstream) if upstream else None, self._reach(peer))
         record = self.fleet.get(peer)
         if kind == "holepunch" and record is not None and record.punch_failed_with == upstream:
             return "hub"
@@ -270,7 +288,7 @@ class Broadcaster:
         links = self.links(peer)
         if record is None or links.kind != "holepunch" or links.upstream != upstream:
             return
-        record.punch_failed_with = upstream
+        self.reports.punch_failed(record, upstream)
         self.replan()
 
     def links(self, peer: str) -> ChainLinks:
@@ -289,7 +307,7 @@ class Broadcaster:
                 pushed = down is not None and down_kind == "pushed"
                 if down is not None and down_kind == "hub":
                     downstream = None  # it pulls from the hub, not from us
-                push_to = self._dial_addrs(down) if pushed else ()
+                push_to = self._dial_addrs(down) if pushed and down is not None else ()
                 return ChainLinks(upstream, addrs, downstream, index, position, kind, push_to)
         return ChainLinks(None, (), None, None, None)
 
@@ -342,6 +360,8 @@ class Broadcaster:
                 self.pending.remove(b)
                 if self.last_done is None or b.version > self.last_done.version:
                     self.last_done = b
+                    if self.measurements is not None and b.seconds is not None:
+                        self.measurements.broadcast_done(b.seconds, b.arrive_s, b.installs)
                 log.info("v%d reached every node in %.2fs", b.version, b.seconds)
                 self._spawn(self.record_t_bcast, b.version, b.seconds)
         if self.pending:
@@ -415,8 +435,7 @@ class Broadcaster:
         if (record.listen_addrs, record.remote_ip) != probed:
             self.replan()  # it rejoined from elsewhere meanwhile: that address gets its own probe
             return
-        record.reachability = "public" if answered else "nated"
-        record.answered_addr = answered
+        self.reports.reached(record, answered)
         await self.event("reachability", record.peer_id, f"{record.reachability} ({', '.join(addrs) or 'no address'})")
         self.replan()
 
@@ -500,7 +519,7 @@ class Broadcaster:
                 chain.append(peer)
                 log.info("moved %s to the end of its chain", peer[-8:])
 
-    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[name-defined]
         """Start with `await nursery.start(broadcaster.run)`: publish() needs the nursery this opens."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery

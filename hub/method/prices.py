@@ -1,13 +1,65 @@
-"""Moving prices (docs/DESIGN.md §9): what a node's re-declared price does to the scheduler and when it may move.
+"""Prices (docs/DESIGN.md §9), every rule of them in one place: what one answered lease pays, what a node's
+re-declared price does to the scheduler, and when it may move.
 
-A node pays at the price in force when its lease was issued (hub/service/pricing.py); the scheduler ranks it by
-its *ranking* price, which follows the declared one only once that moved more than a band away, so a price
-flapping by a cent neither reorders the pool nor churns it.
+A lease is paid at the node's price when it was issued, for the seconds of the lease its accepted work is worth,
+and never more than the per-lease cap (`price_lease`, `billable_seconds`); the intake books what they return in the
+transaction that records the submission. The scheduler ranks a node by its *ranking* price, which follows the
+declared one only once that moved more than a band away, so a price flapping by a cent neither reorders the pool
+nor churns it. Pure functions.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.rollout import Group
+
+SECONDS_PER_HOUR = 3600.0
+
+
+class PayTerms(Protocol):
+    """What pay is bounded by (hub.config.LeaseConfig)."""
+
+    @property
+    def lease_timeout_s(self) -> float: ...
+    @property
+    def paid_tokens_per_s_floor(self) -> float: ...
+    @property
+    def max_cost_per_lease_usd(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class LeasePay:
+    """The pay for one answered lease."""
+
+    held_s: float  # how long the node held the lease, at most its timeout (also its throughput sample's time)
+    billed_s: float  # of that, the seconds paid for (`billable_seconds`)
+    usd: float
+    tokens: int  # completion tokens of the accepted groups
+
+
+def billable_seconds(hold_s: float, accepted: int, leased: int, accepted_tokens: int, tokens_per_s_floor: float) -> float:
+    """Seconds of a lease the node is paid for: the time it held the lease, in the share of its prompts it
+    answered acceptably, and never more than its accepted tokens take at the slowest rate paid in full.
+
+    Holding a lease longer, or answering with a few tokens, earns nothing more than doing the work."""
+    if leased < 1 or not 0 <= accepted <= leased:
+        raise ValueError(f"accepted {accepted} of {leased} leased prompts")
+    return min(max(0.0, hold_s) * accepted / leased, accepted_tokens / tokens_per_s_floor)
+
+
+def price_lease(issued_at: float, price_per_hour: float, leased: int, accepted: Sequence[Group], answered_at: float,
+                terms: PayTerms) -> LeasePay:
+    """The pay for a lease of `leased` prompts issued at `issued_at` at `price_per_hour`, answered at `answered_at`
+    with the `accepted` groups."""
+    held_s = min(answered_at - issued_at, terms.lease_timeout_s)
+    tokens = sum(len(c.token_ids) for group in accepted for c in group.completions)
+    billed_s = billable_seconds(held_s, len(accepted), leased, tokens, terms.paid_tokens_per_s_floor)
+    usd = min(price_per_hour * billed_s / SECONDS_PER_HOUR, terms.max_cost_per_lease_usd)
+    return LeasePay(held_s, billed_s, usd, tokens)
 
 
 def ranking_price(ranked: float, declared: float, band: float) -> float:

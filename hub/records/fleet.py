@@ -2,8 +2,9 @@
 
 Declared values (price, link, hardware) come from the node; everything used for money or
 scheduling decisions (throughput, cost, counts) is measured by the hub itself. Plain data and
-pure helpers: HubState (hub/service/state.py) is the only writer, after its store commits; the
-scheduler, the broadcaster and the status board read it.
+pure helpers: Membership (hub/service/membership.py) is the only writer, after its store commits; the
+scheduler, the broadcaster and the status board read it (the broadcaster reports what its dial-backs and its
+nodes' hole punches found to Membership, `ReachabilityReports`).
 """
 
 from __future__ import annotations
@@ -135,6 +136,17 @@ class Fleet:
 
     def get(self, peer_id: str) -> NodeRecord | None:
         return self.nodes.get(peer_id)
+
+    @staticmethod
+    def reached(record: NodeRecord, answered_addr: str | None) -> None:
+        """The hub's dial-back answered at `answered_addr` (None: it did not)."""
+        record.reachability = "public" if answered_addr else "nated"
+        record.answered_addr = answered_addr
+
+    @staticmethod
+    def punch_failed(record: NodeRecord, upstream: str) -> None:
+        """The node's hole punch with its NATed `upstream` failed."""
+        record.punch_failed_with = upstream
 
     def is_member(self, peer_id: str) -> bool:
         """A node that joined and is neither banned nor gone."""

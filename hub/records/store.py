@@ -30,8 +30,8 @@ STEP_METRICS_KEPT steps, then only its columns; the snapshots table keeps its ne
 `counts` holds the totals by verdict, kept by triggers, so no reader counts the whole history.
 
 Events: a write method that changes what the hub shows takes the event(s) describing it and
-inserts them in its own transaction, so the log never disagrees with the state. Only
-hub/service/state.py (HubState) writes; dashboards and tests read.
+inserts them in its own transaction, so the log never disagrees with the state. Only the hub's state (its three
+owners and the learner's records, hub/service/state.py) writes, through the one StoreWriter; dashboards and tests read.
 
 Credit (the status page's leaderboard): a node's accepted groups, their tokens, the seconds of accepted work and
 its passed audits are counted in the same transaction as the submission or audit, as running tallies on its row
@@ -352,7 +352,7 @@ class NodeRow:
     banned_reason: str | None
     name: str | None = None
     tokens: int = 0  # completion tokens of its accepted groups
-    gpu_s: float = 0.0  # seconds of accepted work (pricing.billable_seconds), paid or not
+    gpu_s: float = 0.0  # seconds of accepted work (hub.method.prices.billable_seconds), paid or not
 
     @classmethod
     def from_sql(cls, row: dict) -> NodeRow:

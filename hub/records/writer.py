@@ -1,6 +1,6 @@
 """Group commit: the hub's store writes from many concurrent handlers, committed together.
 
-Every HubState write goes through one StoreWriter. A write that arrives while no batch is being
+Every write of the hub's state (its three owners' and the learner's records) goes through one StoreWriter. A write that arrives while no batch is being
 committed leads one: it takes every write queued so far (up to MAX_BATCH_WRITES) to one worker
 thread, where `Store.write_batch` runs them in one transaction, each in a savepoint of its own,
 and commits once. Writes that arrive meanwhile queue; when a batch is committed the oldest of them
@@ -62,10 +62,23 @@ class StoreWriter:
                 self._committing = True
             if job.outcome is None:
                 await self._lead()
+        assert job.outcome is not None, "a led batch settles every job in it"
         ok, value = job.outcome
         if not ok:
             raise value
         return value
+
+    def write_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """`write` from a worker thread trio started (the learner's): the thread waits for the batch's commit. Where
+        trio is not running the hub (a record written before it starts or after it ended), `fn` runs at once,
+        all-or-nothing as every Store write method is."""
+        try:
+            trio.from_thread.check_cancelled()
+        except RuntimeError:  # not a thread trio started
+            return fn(*args)
+        except trio.Cancelled:
+            pass  # the write is shielded: a record the learner made is kept
+        return trio.from_thread.run(self.write, fn, *args)
 
     async def _lead(self) -> None:
         batch = self._queue[: self.max_batch]

@@ -1,7 +1,8 @@
-"""The hub's libp2p service: a thin adapter from the node protocols to HubState's commands.
+"""The hub's libp2p service: the node protocols translated into the commands of the hub's three owners.
 
-Each handler reads one size-capped request (a signed one verified before it is decoded), calls
-one HubState command, and writes the reply. No bookkeeping happens here. Every inbound stream
+Each handler reads one size-capped request, calls one command of Membership, Leasing or Intake (a submission's
+frame is read, verified and decoded by the intake's pipeline, within the cap the guard reserved for it), and writes
+the reply. No bookkeeping happens here. Every inbound stream
 first passes the peer guard (per-peer stream, rate and memory caps). A peer fault (`PeerFault`:
 bad frame, bad signature, a request it may not make) is counted against the peer and answered
 with a Reject naming its code; `HubBusy` asks the peer to send the same request again later;
@@ -11,7 +12,7 @@ any other exception is our own bug and propagates to `safe_handler`, never count
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import logging
 import math
 import time
@@ -25,7 +26,9 @@ from libp2p.peer.id import ID
 from hub.config import HubConfig
 from hub.distribution.broadcast import Broadcaster, ChainLinks, HubUplink
 from hub.records.snapshots import SnapshotShelf
-from hub.service.state import HANDLER_TIMEOUT_S, HubBusy, HubState
+from hub.service.intake import HubBusy
+from hub.service.leasing import HANDLER_TIMEOUT_S
+from hub.service.state import HubState
 from hub.trust.guard import Admission, PeerGuard
 from shared.buckets import TokenBuckets
 from shared.bulk import BulkChannel, serving_stream
@@ -77,7 +80,6 @@ from shared.wire import (
     LIBP2P_END_OF_STREAM,
     PeerFault,
     StreamEOF,
-    decode_signed,
     read_exact,
     read_frame,
     read_message,
@@ -179,7 +181,10 @@ class HubService:
         self.model_offer = model_offer  # the files a node without --model builds its engine from
         self.bulk = bulk
         self.identity = identity  # signs the commitments of the snapshot frames it serves
-        self.state = state
+        self.state = state  # for the guard's refusals and events; the commands go to its owners
+        self.membership = state.membership
+        self.leasing = state.leasing
+        self.intake = state.intake
         self.shelf = shelf
         self.guard = guard
         self.uplink = uplink
@@ -235,7 +240,7 @@ class HubService:
             del strangers[name]
         for name, peer in peers.items():
             since = connected_at.setdefault(name, now)
-            if self.state.is_member(name):
+            if self.membership.is_member(name):
                 strangers.pop(name, None)
                 continue
             first = strangers[name][0] if name in strangers else since
@@ -255,27 +260,25 @@ class HubService:
 
         async def guarded(stream: INetStream) -> None:
             peer = remote_peer_id(stream)
-            member = self.state.is_member(peer)
+            member = self.membership.is_member(peer)
             # A submission's memory is reserved only for a node with a lease to answer, and only as much as
-            # an honest answer to it takes: a member cannot pin the hub's frame budget with submissions
-            # that could only be refused.
-            leaseless = member and protocol == SUBMIT_PROTOCOL and not self.state.leases.holds(peer)
-            if not member or leaseless:
+            # an honest answer to it takes (the intake's step 1): a member cannot pin the hub's frame budget with
+            # submissions that could only be refused.
+            lease_cap = self.intake.frame_cap(peer) if member and protocol == SUBMIT_PROTOCOL else 0
+            if not member or (protocol == SUBMIT_PROTOCOL and not lease_cap):
                 cap = min(PROTOCOL_FRAME_CAPS[protocol], STRANGER_FRAME_CAP_BYTES)
             else:
-                cap = self.state.submission_cap(peer) if protocol == SUBMIT_PROTOCOL else PROTOCOL_FRAME_CAPS[protocol]
+                cap = lease_cap or PROTOCOL_FRAME_CAPS[protocol]
             admission = self.guard.admit(peer, cap)
             if not admission.admitted:
                 await self._turn_away(stream, peer, admission)
                 return
             try:
                 if protocol in MEMBERS_ONLY and not member:
-                    self.state.known(peer)  # raises the PeerFault that says why: nothing is read or parsed
-                if leaseless:
-                    raise PeerFault("no open lease: ask for one before submitting", RejectCode.BAD_LEASE)
+                    self.membership.known(peer)  # raises the PeerFault that says why: nothing is read or parsed
                 # The peer's reads and writes have a deadline; our own processing between them does not:
                 # a slow audit or commit on our side is never counted against the peer.
-                await handler(_PeerDeadline(stream, trio.current_time() + timeout_s))
+                await handler(_PeerDeadline(stream, trio.current_time() + timeout_s, lease_cap))
             except HubBusy as exc:
                 await _refuse(stream, RejectCode.BUSY, str(exc))
             except PeerFault as exc:
@@ -293,7 +296,7 @@ class HubService:
         peer per window (a peer refused in a loop must not fill the disk with lines)."""
         if (tail := self._refusal_log.tail(peer)) is not None:
             log.warning("refused %s from %s: %s%s", protocol, peer, reason, tail)
-        await self.state.record_refusal(peer, code)
+        await self.membership.record_refusal(peer, code)
         await _refuse(stream, code, reason)
 
     async def _turn_away(self, stream: INetStream, peer: str, admission: Admission) -> None:
@@ -328,17 +331,17 @@ class HubService:
             return
         self.guard.release(peer, admission)
         try:
-            self.state.known(peer)  # the PeerFault that says why, counted as any members-only request of a stranger
+            self.membership.known(peer)  # the PeerFault that says why, counted as any members-only request of a stranger
         except PeerFault as exc:
             await self._misbehaved(stream, peer, SESSION_PROTOCOL, RejectCode(exc.code), exc.reason)
             return
         sessions = self._sessions.setdefault(peer, [])
         if len(sessions) >= SESSIONS_PER_PEER:
-            waiting = [s for s in sessions if s.waiting is not None]
+            waiting = [s.waiting for s in sessions if s.waiting is not None]
             if not waiting:
                 await _refuse(stream, RejectCode.BUSY, f"{SESSIONS_PER_PEER} sessions open, each in a request")
                 return
-            waiting[0].waiting.cancel()  # ends it as if idle
+            waiting[0].cancel()  # ends it as if idle
         session = _Session()
         sessions.append(session)
         try:
@@ -376,7 +379,7 @@ class HubService:
 
     async def _on_join(self, stream: INetStream) -> None:
         request = await read_message(stream, JoinRequest)
-        record = await self.state.join(remote_peer_id(stream), request, remote_ip(stream))
+        record = await self.membership.join(remote_peer_id(stream), request, remote_ip(stream))
         await _reply(stream, JoinReply(
             state=record.state, latest_version=self.shelf.newest_version(), staleness=self.terms.staleness,
             task=self.terms.task, heartbeat_period_s=record.heartbeat_period_s, context_tokens=self.terms.context_tokens,
@@ -406,7 +409,7 @@ class HubService:
     async def _on_heartbeat(self, stream: INetStream) -> None:
         beat = await read_message(stream, Heartbeat)
         peer = remote_peer_id(stream)
-        record = self.state.heartbeat(peer, beat)
+        record = self.membership.heartbeat(peer, beat)
         if beat.punch_failed_with is not None:
             self.punch_failed(peer, beat.punch_failed_with)
         self.on_heartbeat()
@@ -420,19 +423,21 @@ class HubService:
 
     async def _on_price(self, stream: INetStream) -> None:
         change = await read_message(stream, PriceChange)
-        next_in_s = await self.state.reprice(remote_peer_id(stream), change.price_per_hour)
+        next_in_s = await self.membership.reprice(remote_peer_id(stream), change.price_per_hour)
         await _reply(stream, PriceReply(price_per_hour=change.price_per_hour, next_change_in_s=next_in_s))
 
     async def _on_leave(self, stream: INetStream) -> None:
         await read_message(stream, Leave)
-        await _reply(stream, LeaveReply(leases_released=await self.state.leave(remote_peer_id(stream))))
+        await _reply(stream, LeaveReply(leases_released=await self.membership.leave(remote_peer_id(stream))))
 
     async def _lease_reply(self, peer: str, version_held: int) -> LeaseReply:
-        grant = await self.state.grant_lease(peer, version_held)
+        grant = await self.leasing.grant(peer, version_held)
         lease = grant.lease
         if lease is None:
             return LeaseReply(lease=None, retry_after_s=grant.retry_after_s, reason=grant.reason)
-        rules = self.state.rules
+        rules = self.intake.rules
+        if rules is None:
+            raise PeerFault("this hub takes no submissions", RejectCode.BAD_LEASE)
         return LeaseReply(lease=Lease(
             lease_id=lease.lease_id,
             prompts=tuple(LeasePrompt(prompt_id=p.id, text=p.text) for p in lease.prompts),
@@ -446,14 +451,10 @@ class HubService:
         request = await read_message(stream, LeaseRequest)
         await _reply(stream, await self._lease_reply(remote_peer_id(stream), request.version_held))
 
-    async def _on_submit(self, stream: INetStream) -> None:
+    async def _on_submit(self, stream: _PeerDeadline) -> None:
         peer = remote_peer_id(stream)
-        # The cap the guard reserved: nothing awaited since, so the peer's open leases are the same.
-        tag, body = await read_frame(stream, {Submission.TYPE: self.state.submission_cap(peer)})
-        # The Noise handshake proved the stream's peer; the signature binds the exact bytes to it.
-        submission = decode_signed(tag, body, peer, Submission)
-        signed_hash = hashlib.blake2b(body, digest_size=16).hexdigest()
-        outcome = await self.state.accept_submission(peer, submission, signed_hash)
+        # The cap the guard reserved (the intake's step 1): nothing awaited since, so the peer's open leases are the same.
+        submission, outcome = await self.intake.submit(peer, stream.lease_cap, functools.partial(read_frame, stream))
         next_lease = None
         if submission.next_lease_for is not None:
             try:
@@ -469,7 +470,7 @@ class HubService:
         request = await read_message(stream, StatusRequest)
         peer = remote_peer_id(stream)
         operator = peer in self.operators
-        if not operator and not self.state.is_member(peer):
+        if not operator and not self.membership.is_member(peer):
             wait_s = self._stranger_status.take(address_key(remote_ip(stream)) or peer, time.monotonic())
             if wait_s > 0:
                 raise HubBusy(f"status requests from this address: retry in {wait_s:.1f}s")
@@ -483,7 +484,7 @@ class HubService:
         with trio.fail_after(HANDLER_TIMEOUT_S):
             request = await read_message(stream, SnapshotRequest)
         peer = remote_peer_id(stream)
-        self.state.known(peer)
+        self.membership.known(peer)
         try:
             servable(self.shelf, request)
             async with serving_stream(stream, request, self.bulk, peer) as transfer:
@@ -509,9 +510,10 @@ class _PeerDeadline:
     """A stream whose reads must all be done by `deadline` (the peer's request), and whose each write must
     finish within REPLY_WRITE_TIMEOUT_S (the peer reading our reply); everything else passes through."""
 
-    def __init__(self, stream: INetStream, deadline: float) -> None:
+    def __init__(self, stream: INetStream, deadline: float, lease_cap: int = 0) -> None:
         self._stream = stream
         self._deadline = deadline
+        self.lease_cap = lease_cap  # a submission's: the frame the guard reserved for it (0: no open lease)
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
@@ -602,7 +604,7 @@ def build_hub_service(
     uplink = HubUplink(bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
                        bc.link_mbps * BYTES_PER_MBIT if bc.link_mbps else None)
     terms = JoinTerms(config.learner.staleness_bound, config.task, context_tokens,
-                      tuple(sorted(state.rules.stop_ids)) if state.rules is not None else None)
+                      tuple(sorted(state.intake.rules.stop_ids)) if state.intake.rules is not None else None)
     return HubService(
         host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
         chain_links=broadcaster.links if broadcaster else no_chains,

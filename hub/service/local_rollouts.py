@@ -4,7 +4,7 @@ It behaves like a node seen from the hub: it only ever holds a published snapsho
 delivered `install_delay_s` late, to emulate broadcast time T_bcast and so staleness), it
 makes no group older than the learner can use (like a lease's min_version), and its groups
 go through the same path as submissions: hub-side reward, a committed accepted store row,
-then the buffer (a buffer refusal is recorded on the row, never silent), all by HubState. A reward that
+then the buffer (a buffer refusal is recorded on the row, never silent), all by the intake. A reward that
 fails (shared.tasks.base.RewardError) ends it, and the run with it.
 
 The engine is passed in (hub/ does not import node/): anything with
@@ -98,7 +98,7 @@ class LocalRollouts:
             prompts = self.task.sample(self.rng, self.prompts_per_batch)
             groups = await trio.to_thread.run_sync(self._generate_and_score, prompts, message.version)
             for group in groups:
-                await self.state.record_local_group(group)
+                await self.state.intake.record_local_group(group)
                 self.generated_groups += 1
 
     def _generate_and_score(self, prompts: list[Prompt], version: int) -> list[Group]:

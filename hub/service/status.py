@@ -2,8 +2,9 @@
 served on the status protocol and written atomically to DATA_DIR/status.json (the dashboard
 reads either, also after the run has ended).
 
-Nodes, tallies, costs and run totals are HubState's view (all-time, restored on restart); the
-step history, events and the usable fraction are read from the store."""
+Nodes, tallies, costs and run totals are the hub's owners' view (all-time, restored on restart); T_train, T_bcast
+and the usable fractions are the hub's measurements (hub/records/measurements.py), the ones the scheduler plans by;
+the step history and events are read from the store."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import trio
 from hub.control.policy import CapacityView
 from hub.control.scheduler import Scheduler
 from hub.distribution.broadcast import Broadcaster
-from hub.method.capacity import usable_fraction
 from hub.records.snapshots import SnapshotShelf
 from hub.records.store import Credit, LeaderRow
 from hub.service.state import HubState
@@ -41,8 +41,6 @@ EVENT_BUCKETS = (0, 20, 50, EVENTS_KEPT)
 # STATUS_NODES_MAX (about 5 MB encoded, under HubStatus.MAX_BYTES); the store keeps the rest.
 RECENT_NODES_S = 3600.0
 STATUS_NODES_MAX = 10_000
-# Settled accepted groups the usable fraction is measured over: recent enough to follow the reward.
-USABLE_WINDOW_GROUPS = 512
 # The leaderboard lists the top LEADERS_MAX volunteers of the whole run and of the last day. Its query (the day
 # sums 24 hourly buckets per volunteer: 60 ms for 2,000 of them) takes at most LEADERS_DUTY of the store's time:
 # the next one waits 1 / LEADERS_DUTY times as long as the last took (a small fleet's is fresh every build).
@@ -73,7 +71,7 @@ class StatusBoard:
         info: RunInfo,
         data_dir: Path,
         state: HubState,
-        learner_step: Callable[[], int],
+        learner_step: Callable[[], int] | None = None,
         broadcaster: Broadcaster | None = None,
         scheduler: Scheduler | None = None,
     ) -> None:
@@ -83,16 +81,14 @@ class StatusBoard:
         self.store = state.store
         self.broadcaster = broadcaster
         self.scheduler = scheduler
+        # The learner's step (None: as the learner last set it in the hub's measurements).
         self.learner_step = learner_step
+        self.measured = state.measurements
         self.history: tuple[StepPoint, ...] = ()
         self.events: tuple[EventRecord, ...] = ()
         self.evals: tuple[EvalPoint, ...] = ()
         self.leaders: tuple[Leader, ...] = ()
         self._leaders_due = -float("inf")
-        self.t_train_recent_s: float | None = None
-        self.usable_fraction = 1.0
-        # The same without stale drops: what one step's rollouts shrink by (hub.method.capacity.Arrival).
-        self.fresh_usable_fraction = 1.0
         self.running = True
         # The status of the last refresh, and its encodings served since: (operator, events) -> frame bytes.
         self._built: HubStatus | None = None
@@ -107,12 +103,6 @@ class StatusBoard:
                       bubble=s.bubble, t_train_s=s.t_train_s, t_idle_s=s.t_idle_s)
             for s in steps
         )
-        recent = [s.t_train_s for s in steps[-10:]]
-        self.t_train_recent_s = sum(recent) / len(recent) if recent else None
-        trained, settled, stale = self.store.recent_usable_groups(USABLE_WINDOW_GROUPS)
-        self.usable_fraction = usable_fraction(trained, settled)
-        # Everything settled went stale: no step of ours to learn the other skips from.
-        self.fresh_usable_fraction = usable_fraction(trained, settled - stale) if settled > stale else self.usable_fraction
         self.evals = tuple(self.store.evals(HISTORY_POINTS))
         if (started := time.monotonic()) >= self._leaders_due:
             self.leaders = tuple(leader(row) for row in self.store.leaders(time.time(), LEADERS_MAX))
@@ -154,7 +144,7 @@ class StatusBoard:
         )
         last = self.history[-1] if self.history else None
         cost = state.cost_usd(now)
-        step = self.learner_step()
+        step = self.learner_step() if self.learner_step is not None else self.measured.learner.step
         capacity = self.scheduler.view if self.scheduler else NO_CAPACITY
         shelf = self.broadcaster.shelf if self.broadcaster else None
         newest, delta = _newest(shelf)
@@ -164,13 +154,13 @@ class StatusBoard:
             hub_id=self.info.hub_id, addrs=self.info.addrs, running=self.running, updated_at=now, step=step,
             steps_target=self.info.steps_target, version=step, staleness=staleness, kappa=kappa,
             task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in chains),
-            broadcast_mode=self.info.broadcast_mode, open_leases=len(state.leases.open),
+            broadcast_mode=self.info.broadcast_mode, open_leases=state.leasing.open_leases(),
             totals=state.totals.groups, dropped_stale=state.totals.dropped_stale,
             submissions=state.totals.submissions, heartbeats=state.totals.heartbeats,
             audits_passed=state.totals.audits["passed"], audits_failed=state.totals.audits["failed"],
             audits_unverified=state.totals.audits["unverified"],
             reward_mean=last.reward_mean if last else None,
-            t_train_s=self.t_train_recent_s, t_bcast_s=self.broadcaster.last_t_bcast_s() if self.broadcaster else None,
+            t_train_s=self.measured.t_train_recent_s, t_bcast_s=self.measured.t_bcast_s,
             snapshot_bytes=newest.manifest.total_bytes if newest else None,
             delta_bytes=delta.manifest.total_bytes if delta else None,
             bubble=last.bubble if last else None, predicted_bubble=capacity.predicted_bubble,

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -35,6 +35,7 @@ from hub.method.capacity import default_kappa
 from hub.method.drift import DriftMeter
 from hub.method.schedule import step_lr
 from hub.records.buffer import BufferSignal, ReplayBuffer
+from hub.records.measurements import Measurements, oldest_useful_version, resumed_staleness
 from hub.records.store import CheckpointRow, StepRecord
 from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries, save_checkpoint, write_text_files
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
@@ -84,7 +85,9 @@ class RecordReads(Protocol):
 class LearnerHost(Protocol):
     """The hub as the loop sees it. The loop takes groups from `buffer` on the trio thread, waits on `signal`
     and notifies it after each take and step; `commit_step` writes a step with its consumed and stale-dropped
-    groups in one transaction; the `record_*` writes touch only the store and may run in any thread."""
+    groups in one transaction; the `record_*` writes go through the hub's one store writer and may run in a worker
+    thread (they wait for its commit there). `measurements.learner` is the loop's window (step, S, kappa) as the
+    hub's Leasing and status board read it: the loop sets it after every change."""
 
     @property
     def store(self) -> RecordReads: ...
@@ -94,6 +97,9 @@ class LearnerHost(Protocol):
 
     @property
     def signal(self) -> BufferSignal: ...
+
+    @property
+    def measurements(self) -> Measurements: ...
 
     async def commit_step(self, record: StepRecord, consumed_ids: Sequence[int], dropped_stale_ids: Sequence[int]) -> None: ...
 
@@ -140,6 +146,7 @@ class LearnerComponent:
         card: Callable[[int], Mapping[str, str]] | None = None,
         rollouts: RolloutExport | None = None,
         staleness_control: Callable[[int, float | None, float | None, float | None], StalenessMove | None] | None = None,
+        metrics: MetricsWriter | None = None,
     ) -> None:
         """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
         (hub/training/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
@@ -180,14 +187,16 @@ class LearnerComponent:
         remove_stale_temporaries(self.checkpoints_dir)
         checkpoint = latest_checkpoint(self.checkpoints_dir)
         self.sharded = ranks is not None
+        # RankGroup answers the Learner's own interface (each call run on every rank), and stop().
+        self.learner: Learner | RankGroup
         if ranks is None:
             self.learner = Learner(base_model_dir, cfg, sampling, checkpoint)
         else:
             collective, device, watch = ranks
             broadcast(Command("init", checkpoint=checkpoint))  # every rank resumes what rank 0 resumes
-            # RankGroup answers the Learner's own interface, each call run on every rank.
-            self.learner = cast(Learner, RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch))
-        self.metrics = MetricsWriter(self.data_dir / METRICS_FILE, trackers)
+            self.learner = RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch)
+        # metrics.jsonl: the hub's writer, which its evaluations write to too (None: one of the loop's own).
+        self.metrics = metrics if metrics is not None else MetricsWriter(self.data_dir / METRICS_FILE, trackers)
         self.evaluation = evaluation
         # Numbering continues after the newest committed step even when the checkpoint is older:
         # steps after the checkpoint are lost as weights but stay in the record, so versions
@@ -197,6 +206,7 @@ class LearnerComponent:
         if cfg.staleness_auto:
             self._resume_staleness()
         self.training = False
+        self._measured()
         self.snapshot_seconds: deque[float] = deque(maxlen=SNAPSHOT_TIMES_KEPT)  # the latest, for benchmarks
         self._pending_stale: list[int] = []
         if self.step > 0 or checkpoint is not None:
@@ -213,19 +223,25 @@ class LearnerComponent:
 
     def min_useful_version(self) -> int:
         """Oldest version whose fresh rollouts the next take can still use (for leases and local rollouts)."""
-        next_take_version = self.step + 1 if self.training else self.step
-        return max(0, next_take_version - self.window_staleness())
+        return oldest_useful_version(self.step, self.training, self.window_staleness())
 
     def _resume_staleness(self) -> None:
         """--staleness auto: go on at the S (kappa following) the newest committed step trained under, within
         [1, staleness_max], rather than at the start's; a move decided after that step is decided again at the next
         publish."""
-        newest = self.store.latest_step_record()
-        if newest is None:
+        resumed = resumed_staleness(self.store.latest_step_record(), self.cfg.staleness_max)
+        if resumed is None:
             return
-        self.staleness = min(max(1, int(newest.extra["staleness_budget"] or 1)), self.cfg.staleness_max)
+        self.staleness = resumed
         self.kappa = default_kappa(self.staleness)
         self._grace = (self.staleness, 0)
+
+    def _measured(self) -> None:
+        """The learner's window as the hub's measurements hold it (Leasing's version floor, the status board's step):
+        set after every change of the step, of a step under way, or of S."""
+        window = self.host.measurements.learner
+        window.step, window.training = self.step, self.training
+        window.staleness, window.window_staleness, window.kappa = self.staleness, self.window_staleness(), self.kappa
 
     def window_staleness(self) -> int:
         """The S the buffer and the leases' window use: the S in force, or a larger one it replaced, for its grace."""
@@ -252,6 +268,7 @@ class LearnerComponent:
             taken = self.buffer.take(current, k)
             self._pending_stale.extend(taken.dropped_row_ids)
             self.training = True
+            self._measured()
             self.signal.notify()
             try:
                 # Sharded, a step waits on other processes: when one dies the hub stops without waiting for it.
@@ -259,6 +276,7 @@ class LearnerComponent:
                     self.learner.train_step, taken.groups, t, self._lr(t), abandon_on_cancel=self.sharded)
             finally:
                 self.training = False
+                self._measured()
             staleness = taken.staleness
             self._groups_trained += len(taken.groups)
             record = StepRecord(
@@ -300,6 +318,7 @@ class LearnerComponent:
                 await self.host.commit_step(record, taken.row_ids, stale_ids)
                 self._pending_stale.clear()
                 self.step = t
+                self._measured()
                 await trio.to_thread.run_sync(self._log_step, record, taken.groups)
                 # A step frees its activations and the groups it trained on: hand the pages back, not one arena's worth.
                 await trio.to_thread.run_sync(release_free_memory)
@@ -424,6 +443,7 @@ class LearnerComponent:
             self._grace = (self.window_staleness(), max(until, version + self.staleness))
         before = (self.staleness, self.kappa)
         self.staleness, self.kappa = move.staleness, move.kappa
+        self._measured()
         detail = f"S {before[0]} -> {move.staleness}, kappa {before[1]} -> {move.kappa}: {move.reason.value} ({move.detail})"
         await trio.to_thread.run_sync(self.host.record_event, "staleness", None, detail)
 

@@ -18,7 +18,7 @@ Tokens the hub's recomputation puts outside the top-p nucleus (log-prob -inf) ha
 low-precision engines at nucleus boundaries (~1 in 900 tokens for bf16, top_p 0.9): they are
 left out of the mean and limited by `audit_max_outside_frac` instead.
 
-What follows a verdict is HubState's (hub/service/state.py): a pass vouches for the node's pay up to the
+What follows a verdict is the intake's (hub/service/intake.py): a pass vouches for the node's pay up to the
 audited submission; a failure bans the node, drops its groups still in the replay buffer and
 voids its pay booked after its last passed audit. Groups the learner already trained on stay
 trained on: audits are spot checks, not a gate.
@@ -233,7 +233,7 @@ class AuditJob:
 class AuditQueue:
     """Audits groups off the trio thread, one at a time.
 
-    HubState `offer`s sampled groups of trusted nodes (a full queue skips new jobs rather than
+    The intake `offer`s sampled groups of trusted nodes (a full queue skips new jobs rather than
     hold up submissions; logged), takes them back with `next_job` in its audit loop, and calls
     `judge` for those and, right away, for the groups of nodes on probation.
     """

@@ -8,7 +8,7 @@ passed audit. At most `audit_queue_groups` groups are held at once; more new wor
 the node's pay up to the audited submission; a failed one bans it and voids its pay booked since.
 
 This decides and counts; it writes nothing. What follows a verdict (the release, the discard, the ban and
-the voided pay) is HubState's (hub/service/state.py), the one writer of the hub's state.
+the voided pay) is the intake's (hub/service/intake.py), the owner of probation and audits.
 """
 
 from __future__ import annotations

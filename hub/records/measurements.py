@@ -1,0 +1,103 @@
+"""What the hub measured of its learner and of its broadcasts: the figures the scheduler plans by, Leasing holds
+leases to and the status board shows, kept in one object so each is computed once and read by all.
+
+`Measurements` is fed by the step commit (HubState.commit_step reads the recent steps and settled groups inside the
+commit's transaction: `read_from`) and at start; by the learner's own window (`LearnerWindow`: its step, whether a
+step is under way, the S in force and the S the window uses, kappa); and by the broadcaster when a broadcast reached
+every receiver (`broadcast_done`). Readers never write it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hub.method.capacity import default_kappa, usable_fraction
+from hub.records.store import StepRecord, Store
+
+# T_train is the mean of this many newest steps.
+T_TRAIN_STEPS = 10
+# Settled accepted groups the usable fraction is measured over: recent enough to follow the reward.
+USABLE_WINDOW_GROUPS = 512
+
+
+def oldest_useful_version(step: int, training: bool, window_staleness: int) -> int:
+    """The oldest version whose fresh rollouts the learner's next take can still use: that take trains version
+    `step` + 1 while a step is under way (else `step`), and uses groups up to `window_staleness` versions older."""
+    next_take_version = step + 1 if training else step
+    return max(0, next_take_version - window_staleness)
+
+
+def resumed_staleness(newest: StepRecord | None, staleness_max: int) -> int | None:
+    """--staleness auto: the S a resumed run goes on at, the one its newest committed step trained under, within
+    [1, staleness_max] (None: no step yet, the start's S)."""
+    if newest is None:
+        return None
+    budget = newest.extra["staleness_budget"]
+    return min(max(1, int(budget if budget is not None else 1)), staleness_max)
+
+
+@dataclass
+class LearnerWindow:
+    """The learner's side of the version window, as the learner (hub/training/loop.py) last set it."""
+
+    step: int = 0
+    training: bool = False
+    staleness: int = 1  # the S in force
+    window_staleness: int = 1  # the S the window uses: the S in force, or a larger one it replaced, for its grace
+    kappa: int = 1
+
+    def min_useful_version(self) -> int:
+        return oldest_useful_version(self.step, self.training, self.window_staleness)
+
+    @classmethod
+    def at_start(cls, store: Store, staleness: int, kappa: int, staleness_max: int | None) -> LearnerWindow:
+        """The window a learner over `store` starts with, before it is built (the scheduler is built first): its
+        newest committed step, and under --staleness auto (`staleness_max` set) the S that step trained under."""
+        resumed = resumed_staleness(store.latest_step_record(), staleness_max) if staleness_max is not None else None
+        if resumed is not None:
+            staleness, kappa = resumed, default_kappa(resumed)
+        return cls(step=store.latest_step() or 0, staleness=staleness, window_staleness=staleness, kappa=kappa)
+
+
+@dataclass(frozen=True)
+class StepReading:
+    """The figures a step commit reads back from the store."""
+
+    t_train_recent_s: float | None
+    usable_fraction: float
+    fresh_usable_fraction: float
+
+
+def read_step_figures(store: Store) -> StepReading:
+    """T_train over the newest steps and the usable fractions over the newest settled groups (blocking)."""
+    recent = [s.t_train_s for s in store.recent_steps(T_TRAIN_STEPS)]
+    trained, settled, stale = store.recent_usable_groups(USABLE_WINDOW_GROUPS)
+    usable = usable_fraction(trained, settled)
+    # Everything settled went stale: no step of ours to learn the other skips from.
+    fresh = usable_fraction(trained, settled - stale) if settled > stale else usable
+    return StepReading(sum(recent) / len(recent) if recent else None, usable, fresh)
+
+
+@dataclass
+class Measurements:
+    """The measured figures; see the module docstring."""
+
+    learner: LearnerWindow = field(default_factory=LearnerWindow)
+    t_train_recent_s: float | None = None  # None: no step yet
+    # Share of accepted groups that end up trained on (hub.method.capacity.usable_fraction), and the same without
+    # stale drops: what one step's rollouts shrink by (hub.method.capacity.Arrival).
+    usable_fraction: float = 1.0
+    fresh_usable_fraction: float = 1.0
+    # Of the newest broadcast on every receiver: T_bcast, the active pool's throughput-weighted mean time to install
+    # it, and (rollouts/s, seconds from publish to install) of each active node. None / empty: none yet.
+    t_bcast_s: float | None = None
+    t_arrive_s: float | None = None
+    installs: tuple[tuple[float, float], ...] = ()
+
+    def step_committed(self, reading: StepReading) -> None:
+        self.t_train_recent_s = reading.t_train_recent_s
+        self.usable_fraction = reading.usable_fraction
+        self.fresh_usable_fraction = reading.fresh_usable_fraction
+
+    def broadcast_done(self, seconds: float, arrive_s: float | None, installs: tuple[tuple[float, float], ...]) -> None:
+        self.t_bcast_s, self.t_arrive_s, self.installs = seconds, arrive_s, installs

@@ -1,0 +1,417 @@
+"""Intake: every submission's way in, one linear pipeline over typed values, and what follows its audit.
+
+    frame -> Submission -> Claimed -> Checked (accepted | late | rejected) -> Priced -> Committed
+          -> routed: held for audit (a node on probation) | buffered
+
+The steps, each once and in this order (docs/ARCHITECTURE.md lists them with the same numbers):
+
+ 1. an open lease to answer: the frame cap is an honest answer to the sender's biggest open lease (the guard
+    reserved it); a node without one is refused before one byte is read;
+ 2. the frame, read up to that cap, and its signature over the exact bytes (`decode_signed`);
+ 3. the sender: a joined node in good standing, the one the submission names;
+ 4. the lease claimed: open, the sender's, not past its deadline, not being answered already;
+ 5. the content: every group against its lease and the version window, rewards recomputed (hub/trust/submissions.py,
+    in the check pool of hub/trust/checkpool.py); a failure of the operator's reward answers busy;
+ 6. the lease still open once checked (not withdrawn meanwhile);
+ 7. copies: a group repeating an earlier one as an honest sampler would not (hub/trust/copies.py);
+ 8. room: buffer room for the accepted groups, and for a node on probation room in the audit backlog (else busy);
+ 9. the price: the lease's pay (hub/method/prices.py) and the node's measured throughput;
+10. the commit: verdicts, pay, tallies, events in one store transaction, which refuses a banned node and a lease
+    row no longer open;
+11. the route: a node on probation's groups held until their audit passes (then buffered, else discarded and
+    unpaid); anyone else's buffered, an audit sampled for later.
+
+Returns only after the commit: the reply built from it is an acknowledgement. The intake owns the buffer room, the
+probation count and audits, the copy detector and the reward-failure rule; the node's records change through
+Membership, the lease through Leasing, the store through the one StoreWriter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import trio
+
+from hub.config import HubConfig
+from hub.method.prices import LeasePay, price_lease
+from hub.records.buffer import BufferSignal, ReplayBuffer
+from hub.records.fleet import NodeRecord
+from hub.records.leases import LeaseRecord
+from hub.records.store import NodeBanned, Store
+from hub.records.writer import StoreWriter
+from hub.service.leasing import Leasing
+from hub.service.membership import Membership
+from hub.service.room import BufferRoom
+from hub.service.totals import RunTotals
+from hub.trust.audit import AuditJob, AuditQueue
+from hub.trust.checkpool import ChecksLost, SubmissionChecks, ThreadChecks
+from hub.trust.copies import CopyDetector, CopyFlag
+from hub.trust.probation import Probation, audit_result
+from hub.trust.submissions import GroupVerdict, SubmissionRules, reject_copies, submission_events, verdict_tallies
+from shared.messages import RejectCode, Submission, Tallies
+from shared.precision import resolve_dtype
+from shared.rollout import Group
+from shared.tasks.base import RewardError
+from shared.wire import PeerFault, decode_signed
+
+log = logging.getLogger("echo2.hub.intake")
+
+# Reads one frame of at most the given size per tag: (tag, body).
+FrameReader = Callable[[dict[int, int]], Awaitable[tuple[int, bytes]]]
+
+
+class HubBusy(Exception):
+    """The hub cannot take this request now; the peer did nothing wrong and may send it again."""
+
+
+@dataclass(frozen=True)
+class SubmissionOutcome:
+    """What the hub decided about one submission, as the node is told."""
+
+    accepted: int
+    rejected: tuple[tuple[str, str], ...]
+    late: tuple[tuple[str, str], ...]
+    paid_usd: float
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """Steps 1-4 passed: a signed submission of a joined node, its lease claimed."""
+
+    record: NodeRecord
+    submission: Submission
+    signed_hash: str
+    lease: LeaseRecord
+    at: float
+
+
+@dataclass(frozen=True)
+class Checked:
+    """Steps 5-7 passed: every group's verdict (accepted, late or rejected) and the copies flagged."""
+
+    claimed: Claimed
+    verdicts: list[GroupVerdict]
+    copies: Sequence[CopyFlag]
+
+    @property
+    def accepted(self) -> list[Group]:
+        return [v.group for v in self.verdicts if v.group is not None]  # an accepted verdict carries its group
+
+    def outcome(self, paid_usd: float) -> SubmissionOutcome:
+        refused = [v for v in self.verdicts if not v.accepted]
+        return SubmissionOutcome(
+            accepted=len(self.verdicts) - len(refused),
+            rejected=tuple((v.prompt_id, v.reason) for v in refused if not v.late),
+            late=tuple((v.prompt_id, v.reason) for v in refused if v.late),
+            paid_usd=paid_usd,
+        )
+
+
+@dataclass(frozen=True)
+class Priced:
+    """Steps 8-9 passed: room for it, how many of its groups are held for audit, its pay and throughput."""
+
+    checked: Checked
+    held: int
+    pay: LeasePay
+    rate: float
+    measured: bool
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Step 10 done: committed, with each accepted group's row."""
+
+    priced: Priced
+    kept: Sequence[tuple[Group, int]]
+
+
+class Intake:
+    """The submission pipeline and the audits' consequences; see the module docstring."""
+
+    def __init__(
+        self, store: Store, writer: StoreWriter, config: HubConfig, membership: Membership, leasing: Leasing,
+        buffer: ReplayBuffer, signal: BufferSignal, room: BufferRoom, totals: RunTotals,
+        rules: SubmissionRules | None, checks: SubmissionChecks | None, audits: AuditQueue | None,
+        clock: Callable[[], float],
+    ) -> None:
+        """`rules` None: a learner-only hub that takes no submissions. `checks` None: ThreadChecks(rules)."""
+        trust, lc = config.trust, config.learner
+        if rules is not None and audits is None and (trust.audit_rate > 0 or trust.audit_first_n > 0):
+            raise ValueError("audits are configured (audit_rate or audit_first_n > 0) but no AuditQueue was given")
+        self.store = store
+        self.writer = writer
+        self.lease_config = config.lease
+        self.membership = membership
+        self.leasing = leasing
+        self.buffer = buffer
+        self.signal = signal
+        self.room = room
+        self.totals = totals
+        self.rules = rules
+        self.checks = checks if checks is not None or rules is None else ThreadChecks(rules, trust.check_timeout_s)
+        self.clock = clock
+        snapshot_dtype = resolve_dtype(lc.dtype, lc.device)
+        self.copies = CopyDetector(trust.copy_cache_groups, lc.group_size, trust.copy_min_surprise_nats,
+                                   trust.mean_abs_gap(snapshot_dtype))
+        self.probation = Probation(trust, audits)
+        membership.on_ban.append(self.copies.forget)
+        # The first failure of the operator's reward: the run stops with it (HubState.run raises it).
+        self.reward_failure: RewardError | None = None
+        self._nursery: trio.Nursery | None = None
+
+    # -- the pipeline ----------------------------------------------------------------------------
+
+    def frame_cap(self, peer: str) -> int:
+        """Step 1's cap: the largest signed submission frame `peer` may send now (0: it holds no open lease)."""
+        if self.rules is None:
+            raise RuntimeError("this hub was built without submission rules")
+        return self.leasing.submission_cap(peer, self.rules)
+
+    async def submit(self, peer: str, cap: int, read: FrameReader) -> tuple[Submission, SubmissionOutcome]:
+        """A submission from `peer`, whose guard reserved `cap` (`frame_cap`), through every step (see the module
+        docstring): the submission and what the node is told of it."""
+        if not cap:  # 1
+            raise PeerFault("no open lease: ask for one before submitting", RejectCode.BAD_LEASE)
+        tag, body = await read({Submission.TYPE: cap})  # 2
+        # The Noise handshake proved the stream's peer; the signature binds the exact bytes to it.
+        submission = decode_signed(tag, body, peer, Submission)
+        return submission, await self.accept(peer, submission, hashlib.blake2b(body, digest_size=16).hexdigest())
+
+    async def accept(self, peer: str, submission: Submission, signed_hash: str) -> SubmissionOutcome:
+        """Steps 3-11 of a submission whose signed bytes (hashed: `signed_hash`) `submit` read and verified."""
+        if self.checks is None:
+            raise RuntimeError("this hub was built without submission rules")
+        record = self.membership.submits(peer)  # 3
+        if submission.node_id != peer:
+            raise PeerFault("submission names another node")
+        with self._claimed(record, submission, signed_hash) as claimed:  # 4
+            checked = await self._check(claimed)  # 5-7
+            priced = self._price(checked)  # 8-9
+            committed = await self._commit(priced)  # 10
+            await self._route(committed)  # 11
+        if claimed.lease.probe:
+            self.membership.changed()  # measured: the scheduler may move it to standby now
+        return checked.outcome(priced.pay.usd)
+
+    @contextmanager
+    def _claimed(self, record: NodeRecord, submission: Submission, signed_hash: str) -> Iterator[Claimed]:
+        """Step 4: the lease claimed while the submission is checked and committed; open again for a valid answer if
+        this one is refused (releasing a lease its committed answer closed is a no-op)."""
+        now = self.clock()
+        lease = self.leasing.claim(submission.lease_id, record.peer_id, now)
+        try:
+            yield Claimed(record, submission, signed_hash, lease, now)
+        finally:
+            self.leasing.release(lease)
+
+    async def _check(self, claimed: Claimed) -> Checked:
+        """Steps 5-7: the content in the check pool, the lease still open, the copies."""
+        peer, lease = claimed.record.peer_id, claimed.lease
+        if self.checks is None:
+            raise PeerFault("this hub takes no submissions", RejectCode.BAD_LEASE)
+        try:
+            verdicts = await self.checks.check(claimed.submission, lease, self.leasing.window())
+        except ChecksLost as exc:
+            log.error("%s: refused as busy", exc)
+            raise HubBusy("the hub lost this submission's checks: resubmit") from None
+        except RewardError as exc:  # it fails the operator's own probe too (hub/trust/checkpool.py)
+            self.reward_failed(exc)
+            raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
+        if lease.closed:
+            raise PeerFault("lease withdrawn while the submission was checked", RejectCode.BAD_LEASE)
+        verdicts, copies = await reject_copies(verdicts, self.copies, peer, lease.lease_id, self.probation.recompute)
+        return Checked(claimed, verdicts, copies)
+
+    def _price(self, checked: Checked) -> Priced:
+        """Steps 8-9: room in the buffer and, for a node on probation, in the audit backlog (HubBusy when there is
+        none now: the node may send the same submission again later); then the pay and the throughput sample."""
+        record, accepted = checked.claimed.record, checked.accepted
+        if not self.room.fits(len(accepted)):
+            raise HubBusy("hub buffer full: resubmit later")
+        held = 0
+        if accepted and self.probation.on_probation(record):
+            if self.probation.backed_up(len(accepted)):
+                # Audits of new nodes are backed up: whoever sends more new work must wait (bounded, not piled up).
+                raise HubBusy("audits of new nodes backed up: resubmit later")
+            held = len(accepted)
+        pay = price_lease(checked.claimed.lease.issued_at, checked.claimed.lease.price_per_hour,
+                          len(checked.claimed.lease.prompts), accepted, checked.claimed.at, self.lease_config)
+        rate, measured = self.membership.fleet.throughput_after(
+            record, sum(len(g.completions) for g in accepted), pay.held_s)
+        return Priced(checked, held, pay, rate, measured)
+
+    async def _commit(self, priced: Priced) -> Committed:
+        """Step 10: verdicts, pay, tallies, throughput and events in one transaction (which refuses a banned node and
+        a closed lease row), then the records: the lease answered, the node's tallies and throughput, the totals."""
+        checked = priced.checked
+        claimed, verdicts, pay = checked.claimed, checked.verdicts, priced.pay
+        record, lease = claimed.record, claimed.lease
+        accepted = len(checked.accepted)
+        events = submission_events(record.peer_id, lease, verdicts, checked.copies, priced.rate)
+        with trio.CancelScope(shield=True):
+            try:
+                # Room and the audit backlog are counted before the commit: concurrent submissions must not
+                # overfill either with groups their nodes were told were accepted.
+                with self.room.reserving(accepted), self.probation.holding(priced.held):
+                    row_ids = await self.writer.write(lambda: self.store.record_submission(
+                        lease.lease_id, record.peer_id, verdicts, usd=pay.usd, seconds=pay.billed_s,
+                        signed_bytes_hash=claimed.signed_hash, now=claimed.at, rollouts_per_s=priced.rate,
+                        events=events, hold=priced.held > 0, tokens=pay.tokens,
+                    ))
+            except NodeBanned:
+                raise PeerFault("banned", RejectCode.BANNED) from None
+            self.leasing.answered(lease, [v.prompt_id for v in verdicts])
+            counts = verdict_tallies(verdicts)
+            self.membership.book_work(record, counts, priced.rate, priced.measured)
+            self.totals.groups = self.totals.groups + counts
+            if pay.usd > 0 and record.state != "banned":  # a ban under way sets the node's pay itself
+                self.totals.paid_usd[record.peer_id] = self.totals.paid_usd.get(record.peer_id, 0.0) + pay.usd
+        kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.group is not None]
+        return Committed(priced, kept)
+
+    async def _route(self, committed: Committed) -> None:
+        """Step 11: held for audit (a node on probation: audited after the reply, off the handler's clock) or
+        buffered."""
+        claimed = committed.priced.checked.claimed
+        with trio.CancelScope(shield=True):
+            if committed.priced.held:
+                assert self._nursery is not None, "HubState.run starts the intake's nursery before any submission"
+                self._nursery.start_soon(self._audit_held, claimed.record, claimed.lease.lease_id, committed.kept,
+                                         claimed.at)
+            else:
+                await self._settle(claimed.record, claimed.lease.lease_id, committed.kept, claimed.at)
+
+    def reward_failed(self, exc: RewardError) -> None:
+        """The operator's reward is broken (it fails its probe): the run stops (HubState.run raises the first failure;
+        its traceback is logged once)."""
+        if self.reward_failure is None:
+            self.reward_failure = exc
+            log.error("%s: stopping the run", exc, exc_info=exc.__cause__ or exc)
+
+    async def recent_rejections(self, limit: int) -> dict[str, int]:
+        """Why the newest `limit` rejected groups were rejected: reason -> count (the stall warning's cause)."""
+        return await trio.to_thread.run_sync(self.store.recent_rejections, limit)
+
+    async def recent_discards(self, limit: int) -> dict[str, int]:
+        """What became of the newest `limit` settled accepted groups: trained, or why discarded -> count."""
+        return await trio.to_thread.run_sync(self.store.recent_discards, limit)
+
+    # -- the routes --------------------------------------------------------------------------------
+
+    async def _settle(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
+        """Groups of a trusted node: into the buffer (an audit may be sampled for later)."""
+        self.room.release(len(kept))
+        if record.state == "banned":
+            # Banned by an audit that failed while this submission was in flight: never trained on.
+            if kept:
+                ids = [row_id for _, row_id in kept]
+                await self.writer.write(self.store.discard_trajectories, ids, "banned: audit failed")
+            return
+        if kept:
+            self.probation.sample(record.peer_id, lease_id, kept, answered_at)
+        await self._buffer(kept)
+
+    async def _audit_held(self, record: NodeRecord, lease_id: str, kept: Sequence[tuple[Group, int]], answered_at: float) -> None:
+        """Groups of a node on probation: every one audited, and only then released to the buffer. Work whose
+        audit cannot run (its version left the shelf) is discarded and not paid: unverified is unpaid."""
+        row_ids = [row_id for _, row_id in kept]
+        try:
+            with trio.CancelScope(shield=True):
+                passed = await self._audit([AuditJob(record.peer_id, lease_id, row_id, group, answered_at)
+                                            for group, row_id in kept], release=row_ids)
+                self.room.release(len(kept))
+                if record.state == "banned":
+                    # Failed, or banned meanwhile (a released row must not slip past the ban either):
+                    # discard whichever rows the ban has not discarded already.
+                    await self.writer.write(self.store.discard_if_pending, row_ids, "banned: audit failed")
+                elif passed:
+                    await self._buffer(kept)
+                else:
+                    paid = await self.writer.write(
+                        self.store.discard_and_void, row_ids, "not audited while on probation", record.peer_id, lease_id,
+                    )
+                    self.totals.paid_usd[record.peer_id] = paid
+        finally:
+            self.probation.release(len(kept))
+
+    async def _buffer(self, kept: Sequence[tuple[Group, int]]) -> None:
+        """Groups committed as accepted go into the buffer; a refusal is recorded on the row, never silent."""
+        refused: dict[str, list[int]] = {}
+        for group, row_id in kept:
+            result = self.buffer.add(group, row_id)
+            if not result.accepted:
+                refused.setdefault(result.reason or "refused", []).append(row_id)
+        for reason, ids in refused.items():
+            await self.writer.write(self.store.discard_trajectories, ids, reason)
+        self.signal.notify()
+
+    async def record_local_group(self, group: Group) -> None:
+        """A group from the hub's own in-process rollouts: committed as accepted, then offered to the buffer."""
+        with trio.CancelScope(shield=True):
+            row_id = await self.writer.write(self.store.record_trajectory, group, None, "", "accepted")
+            self.totals.groups = self.totals.groups + Tallies(accepted=1)
+            await self._buffer([(group, row_id)])
+
+    # -- audits ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Audit the sampled groups one after another, off the trio thread; check submissions (the check pool's
+        workers); the nursery held submissions are audited in (a component of the hub's nursery)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self.checks is not None:
+                nursery.start_soon(self.checks.run)
+            if self.probation.audits is None:
+                await trio.sleep_forever()
+            while True:
+                await self._audit([await self.probation.audits.next_job()])
+
+    async def _audit(self, jobs: Sequence[AuditJob], release: Sequence[int] = ()) -> bool:
+        """Audit groups of one submission. True: all passed (one passed audit for the node, its pay up to this
+        submission vouched for, the `release`d rows free to be trained on); False: one failed (the node is
+        banned) or could not be audited."""
+        record = self.membership.fleet.get(jobs[0].node_id)
+        if record is None or record.state == "banned":
+            return False
+        verdict = await self.probation.judge(jobs)
+        self.totals.audits[audit_result(verdict)] += 1
+        if verdict.failure is not None:
+            await self._penalize(record, verdict.failure)
+        if not verdict.passed:
+            return False
+        answered_at = jobs[0].answered_at
+        with trio.CancelScope(shield=True):
+            released = await self.writer.write(self.store.record_audit_pass, record.peer_id, answered_at, list(release),
+                                               self.clock())
+            if not released:  # banned while it was audited: the ban discarded the rows
+                return False
+            self.membership.vouch(record, answered_at)
+        return True
+
+    async def _penalize(self, record: NodeRecord, reason: str) -> None:
+        """Ban a node caught cheating, drop its untrained groups, void its pay since its last passed audit.
+
+        Groups the learner already trained on stay trained on: audits are spot checks, not a gate.
+        """
+        if record.state == "banned":
+            return
+        # Banned in the record at once, before the commit: no submission, join or state change of this node may slip
+        # in while the ban is being written.
+        self.membership.mark_banned(record, reason)
+        # Out of the buffer before the commit: the learner must not take a group being discarded.
+        dropped = self.buffer.drop_node(record.peer_id)
+        since = self.probation.unvouched_since(record)
+        with trio.CancelScope(shield=True):
+            voided, paid = await self.writer.write(lambda: self.store.penalize_node(
+                record.peer_id, dropped, since, reason,
+                event=("audit_fail", record.peer_id, f"{reason}; dropped {len(dropped)} groups"),
+            ))
+            self.totals.paid_usd[record.peer_id] = paid
+            self.leasing.release_node(record.peer_id)
+        log.warning("banned %s: %s; dropped %d groups, voided %d payments", record.peer_id, reason, len(dropped), voided)
+        self.membership.changed()

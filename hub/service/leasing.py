@@ -1,0 +1,190 @@
+"""Leasing: who holds which prompts. It owns the lease book (hub/records/leases.py), the per-identity and
+per-address lease quotas, the operator's own nodes' exemption from the address quota, the version window a lease
+and a submission are held to (`min_useful_version`) and the largest submission a node may send (its cap). It grants
+leases, sweeps expired ones, and hands them to the intake to claim, answer or release; every durable change goes
+through the one StoreWriter.
+
+A lease being written is open in the book before its commit (concurrent requests count it against quotas and the
+in-flight cap) and withdrawn if the commit fails: the one change made before its write, in the safe direction. Lease
+rows in the store follow the book one handler deadline late (`sweep`): a submission still being checked when its
+lease's deadline passed can commit against an open row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+import trio
+
+from hub.config import HubConfig
+from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
+from hub.records.store import NewEvent, Store
+from hub.records.writer import StoreWriter
+from hub.service.membership import Membership
+from hub.service.room import BufferRoom
+from hub.trust.guard import LeaseQuota
+from hub.trust.submissions import SubmissionRules, VersionWindow, submission_frame_cap
+from shared.crypto import SIGNATURE_BYTES
+from shared.messages import RejectCode, Submission
+from shared.net import address_key
+from shared.tasks.base import Task
+from shared.wire import PeerFault, signed_caps
+
+log = logging.getLogger("echo2.hub.leasing")
+
+# The longest a protocol handler may run (and so hold a claimed lease): the service's deadline.
+HANDLER_TIMEOUT_S = 30.0
+NO_WORK_RETRY_S = 0.25
+STANDBY_RETRY_S = 2.0
+PROBE_PROMPTS = 1
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """A lease for the node, or why there is none and when to ask again."""
+
+    lease: LeaseRecord | None
+    reason: str = ""
+    retry_after_s: float = 0.0
+
+
+class Leasing:
+    """The lease book, its quotas and the version window; see the module docstring."""
+
+    def __init__(self, store: Store, writer: StoreWriter, config: HubConfig, task: Task, membership: Membership,
+                 room: BufferRoom, oldest_useful_version: Callable[[], int], newest_version: Callable[[], int],
+                 clock: Callable[[], float]) -> None:
+        """`room`: the buffer room the intake reserves, counted here against the in-flight cap (read only).
+        `oldest_useful_version`: the learner's window (hub/records/measurements.py); `newest_version`: the shelf's."""
+        self.store = store
+        self.membership = membership
+        membership.on_departure.append(self.release_node)
+        self.writer = writer
+        self.config = config.lease
+        self.prompts_per_step = config.learner.prompts_per_step
+        self.room = room
+        self.oldest_useful_version = oldest_useful_version
+        self.newest_version = newest_version
+        self.clock = clock
+        self.book = LeaseBook(task, seed=config.learner.seed)
+        self.quota = LeaseQuota(config.trust, config.lease.prompts_per_lease)
+        # Nodes `echo-hub start` spawned itself (their keys made by the hub): exempt from the per-address quota.
+        self._own_nodes: frozenset[str] = frozenset()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def min_useful_version(self) -> int:
+        """The oldest version whose fresh rollouts the learner's next take can still use: a lease's floor."""
+        return self.oldest_useful_version()
+
+    def window(self) -> VersionWindow:
+        """The versions a submission's groups may be made with now."""
+        return VersionWindow(oldest=self.min_useful_version(), newest=self.newest_version())
+
+    def exempt(self, peers: Iterable[str]) -> None:
+        """The operator's own nodes (spawned by `echo-hub start`): out of the per-address quota, and vouched for."""
+        self._own_nodes = frozenset(peers)
+
+    def is_own(self, peer: str) -> bool:
+        return peer in self._own_nodes
+
+    def open_leases(self) -> int:
+        return len(self.book.open)
+
+    def submission_cap(self, peer: str, rules: SubmissionRules) -> int:
+        """The largest signed submission frame `peer` may send now: an honest answer to its biggest open lease
+        (0 without one). What the guard reserves for the stream and the intake reads, at most."""
+        prompts = max((len(lease.prompts) for lease in self.book.leases_of(peer)), default=0)
+        if not prompts:
+            return 0
+        cap = submission_frame_cap(prompts, rules.group_size, rules.sampling.max_new_tokens, rules.token_text_bytes)
+        return min(cap + SIGNATURE_BYTES, signed_caps(Submission)[Submission.TYPE])
+
+    # -- granting ----------------------------------------------------------------------------
+
+    async def grant(self, peer: str, version_held: int) -> LeaseGrant:
+        """A lease for a node that asks for work holding `version_held`, or why none (PeerFault: it may not ask)."""
+        record = self.membership.asks_for_work(peer, version_held)
+        window = self.window()
+        if record.state not in ("probing", "active"):
+            return LeaseGrant(None, f"{record.state}: no work for now", STANDBY_RETRY_S)
+        if record.left_at is not None:  # a probing node that said it leaves: its probe went back to the pool
+            return LeaseGrant(None, "left: join again for work", STANDBY_RETRY_S)
+        if version_held < window.oldest or version_held < 0:
+            return LeaseGrant(None, f"fetch a snapshot >= v{window.oldest} first", NO_WORK_RETRY_S)
+        probe = record.state == "probing"
+        if probe and self.book.holds(peer):
+            return LeaseGrant(None, "probe lease outstanding", NO_WORK_RETRY_S)
+        quota = self.quota.decide(peer, record.remote_ip, record.audits_passed, self.book.open_count(peer),
+                                  self.book.open_by_address, self._own_nodes)
+        if not quota.allowed:
+            return LeaseGrant(None, quota.reason, NO_WORK_RETRY_S)
+        k = PROBE_PROMPTS if probe else quota.prompts
+        if not probe:  # a probe (one prompt, one per node) must not starve behind the cap
+            room = int(self.config.max_inflight_steps * self.prompts_per_step) - (
+                self.room.in_use() + self.book.outstanding_prompts()
+            )
+            # A lease shrinks to the room left rather than waiting for room it may never get.
+            k = min(k, room)
+            if k < 1:
+                return LeaseGrant(None, "enough work in flight", NO_WORK_RETRY_S)
+        # Open in the book before the commit, so concurrent requests see it against their quota and the
+        # in-flight cap; withdrawn if the commit fails. Its id reaches the node only after the commit.
+        lease = self.book.draft(peer, k, min_version=window.oldest, now=self.clock(),
+                                timeout_s=self.config.lease_timeout_s, price_per_hour=record.price_per_hour,
+                                probe=probe, address=None if peer in self._own_nodes else address_key(record.remote_ip))
+        self.book.open_lease(lease)
+        try:
+            with trio.CancelScope(shield=True):
+                await self.writer.write(
+                    self.store.add_lease, lease.lease_id, peer, list(lease.prompt_ids), lease.min_version,
+                    lease.issued_at, lease.deadline,
+                )
+        except BaseException:
+            self.book.abandon(lease)
+            raise
+        return LeaseGrant(lease)
+
+    async def sweep(self) -> None:
+        """Expire leases past their deadline: their prompts are leased again."""
+        now = self.clock()
+        expired = self.book.expire(now)
+        for record in expired:
+            log.info("lease %s of %s expired: re-queued", record.lease_id[:8], record.node_id[-8:])
+        # The store follows the book one handler deadline late: see the module docstring.
+        events: list[NewEvent] = [("lease_expired", r.node_id, f"lease {r.lease_id[:8]} re-queued") for r in expired]
+        checking = [r.lease_id for r in self.book.open.values() if r.checking]
+        await self.writer.write(lambda: self.store.expire_leases(now - HANDLER_TIMEOUT_S, events, checking))
+
+    def release_node(self, peer: str) -> list[LeaseRecord]:
+        """A node leaving the pool: its open leases back to the pool (those whose submission is being checked stay
+        with it)."""
+        released = self.book.drop_node(peer)
+        for lease in released:
+            log.info("lease %s of %s back to the pool", lease.lease_id[:8], peer[-8:])
+        return released
+
+    # -- the intake's side: a lease answered -----------------------------------------------------
+
+    def holds(self, peer: str) -> bool:
+        """Whether `peer` holds an open lease (only then may it send a submission's worth of bytes)."""
+        return self.book.holds(peer)
+
+    def claim(self, lease_id: str, peer: str, now: float) -> LeaseRecord:
+        """The lease a submission answers, claimed while the submission is checked and committed (PeerFault:
+        it answers none)."""
+        try:
+            return self.book.claim(lease_id, peer, now)
+        except LeaseError as exc:
+            raise PeerFault(str(exc), RejectCode.BAD_LEASE) from None
+
+    def release(self, lease: LeaseRecord) -> None:
+        """A claimed lease whose answer was refused: open again for a valid answer (a no-op once answered)."""
+        self.book.release(lease)
+
+    def answered(self, lease: LeaseRecord, prompt_ids: Collection[str]) -> None:
+        """A lease's answer committed: these prompts are answered, the rest go back to the pool."""
+        lease.answered.update(prompt_ids)
+        self.book.close(lease)

@@ -1,0 +1,53 @@
+"""The hub's measurements (hub/records/measurements.py): fed by the step commit and the learner's window, read by
+the scheduler, Leasing and the status board; the version floor and a resumed run's S by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from hub.config import HubConfig, LearnerConfig
+from hub.records.measurements import LearnerWindow, oldest_useful_version, resumed_staleness
+from hub.records.store import StepRecord, Store
+from hub.service.state import HubState
+from shared.tasks.reverse import ReverseTask
+
+
+def step(n: int, t_train_s: float, budget: float = 2.0) -> StepRecord:
+    return StepRecord(n, n, 0.5, 0.5, 0.0, 0, 0, t_train_s, 0.0, 0.0, 10, 0.0, {"staleness_budget": budget})
+
+
+def test_the_version_floor_by_hand():
+    # Step 7 done, S = 2: the next take trains v7 -> groups of v5 on; while step 8 trains, v6 on.
+    assert oldest_useful_version(7, False, 2) == 5
+    assert oldest_useful_version(7, True, 2) == 6
+    assert oldest_useful_version(1, False, 4) == 0
+    assert LearnerWindow(step=7, training=True, window_staleness=3).min_useful_version() == 5
+
+
+def test_a_resumed_run_goes_on_at_the_s_its_newest_step_trained_under(tmp_path):
+    assert resumed_staleness(None, 4) is None
+    assert resumed_staleness(step(3, 1.0, budget=6.0), 4) == 4  # within staleness_max
+    assert resumed_staleness(step(3, 1.0, budget=0.0), 4) == 1
+    store = Store(tmp_path / "hub.db")
+    store.commit_step(step(1, 1.0, budget=3.0), [])
+    window = LearnerWindow.at_start(store, staleness=1, kappa=1, staleness_max=4)
+    assert (window.step, window.staleness, window.window_staleness, window.kappa) == (1, 3, 3, 2)
+    assert LearnerWindow.at_start(store, staleness=1, kappa=1, staleness_max=None).staleness == 1  # S fixed
+    store.close()
+
+
+@pytest.mark.trio
+async def test_the_step_commit_feeds_t_train_and_leasing_reads_the_learners_window(tmp_path):
+    state = HubState(Store(tmp_path / "hub.db"), HubConfig(learner=LearnerConfig(staleness=2)), ReverseTask())
+    assert state.measurements.t_train_recent_s is None and state.measurements.usable_fraction == 1.0
+    await state.commit_step(step(1, 1.0), [], [])
+    await state.commit_step(step(2, 3.0), [], [])
+    assert state.measurements.t_train_recent_s == pytest.approx(2.0)
+    window = state.measurements.learner
+    window.step, window.training, window.window_staleness = 5, True, 2
+    assert state.leasing.min_useful_version() == 4 and state.leasing.window().oldest == 4
+    state.store.close()
+    again = HubState(Store(tmp_path / "hub.db"), HubConfig(learner=LearnerConfig(staleness=2)), ReverseTask())
+    assert again.measurements.t_train_recent_s == pytest.approx(2.0)  # read back at start
+    assert again.measurements.learner.step == 2
+    again.store.close()
