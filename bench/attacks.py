@@ -3,7 +3,7 @@
 A few identities flood the hub with groups its reward spends SPIN_S of CPU on, as sympy spent minutes on a
 boxed \\exp tower (untrusted peers, round four, item 1), while an honest node keeps working and heartbeating.
 The hub is the real service, state, store and checks in process (testbed/inproc.py), its task
-tests.data.poisoned_tasks:SpinningRewardTask; each node is a real libp2p host. Printed per check mode
+testbed.poisoned_tasks:SpinningRewardTask; each node is a real libp2p host. Printed per check mode
 (check process, hub thread): the honest node's submissions answered within HANDLER_TIMEOUT_S and accepted,
 its submission and heartbeat round trips (p50, max) before and under the flood, the poisoned groups rejected
 past their budget and counted against their senders, and whether the run stopped.
@@ -30,7 +30,7 @@ import trio
 from transformers import AutoTokenizer
 
 from hub.config import HubConfig, LearnerConfig, LeaseConfig
-from hub.service.state import HANDLER_TIMEOUT_S
+from hub.service.leasing import HANDLER_TIMEOUT_S
 from hub.trust.submissions import REASON_OVER_BUDGET
 from node.client import HubClient
 from shared.crypto import Identity
@@ -39,7 +39,7 @@ from shared.messages import Heartbeat, JoinReply, JoinRequest, LeaseReply, Submi
 from shared.net import running_host
 from shared.rollout import Completion, SamplingParams
 from testbed.inproc import LOOPBACK, PERMISSIVE_TRUST, InprocHub, inproc_hub
-from tests.data.poisoned_tasks import POISON
+from testbed.poisoned_tasks import POISON
 
 MODES = {"process": 1, "thread": 0}  # --check-procs of each mode
 REWARD_BUDGET_S = 0.05  # CPU per completion: a poisoned group (SPIN_S of CPU) is far past it
@@ -54,7 +54,7 @@ class Node:
     def completion(self, text: str) -> Completion:
         ids = (*self.tokenizer.encode(text), self.tokenizer.eos_token_id)
         return Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop",
-                          version=self.hub.version[0], text=text)
+                          version=self.hub.version, text=text)
 
     async def join(self) -> None:
         reply = await self.client.join(JoinRequest(price_per_hour=0.5, hardware="bench", link_bps=1e8, backend="hf",
@@ -65,7 +65,7 @@ class Node:
     async def lease(self):
         with trio.fail_after(HANDLER_TIMEOUT_S):
             while True:
-                reply = await self.client.lease(self.hub.version[0])
+                reply = await self.client.lease(self.hub.version)
                 if isinstance(reply, LeaseReply) and reply.lease is not None:
                     return reply.lease
                 await trio.sleep(0.05)
@@ -84,7 +84,7 @@ class Node:
 
     async def beat(self) -> float:
         start = time.monotonic()
-        await self.client.heartbeat(Heartbeat(version_held=self.hub.version[0]))
+        await self.client.heartbeat(Heartbeat(version_held=self.hub.version))
         return time.monotonic() - start
 
 
@@ -116,7 +116,7 @@ async def run_mode(procs: int, attackers: int, seconds: float, work: Path, model
                                              buffer_max_groups=1_000_000),
                        sampling=SamplingParams(max_new_tokens=32),
                        lease=LeaseConfig(prompts_per_lease=2, max_inflight_steps=100.0),
-                       trust=trust, task="tests.data.poisoned_tasks:SpinningRewardTask")
+                       trust=trust, task="testbed.poisoned_tasks:SpinningRewardTask")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     async with inproc_hub(work, model_dir, config) as hub, AsyncExitStack() as stack:
         nodes = []

@@ -107,11 +107,11 @@ def scheduler_off(config: HubConfig, state: HubState) -> Scheduler:
     """The hub's Scheduler with its capacity model off (every measured node works; the silent are dropped), told of
     every membership change as `echo-hub start` tells it. The learner never steps here: no T_train, no T_bcast."""
     lc = config.learner
-    timing = LearnerTiming(lc.effective_kappa, lc.prompts_per_step * lc.group_size, t_train_s=lambda: None,
-                           t_bcast_s=lambda: None, staleness=lc.staleness,
-                           rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size)
-    scheduler = Scheduler(config.scheduler.model_copy(update={"enabled": False}), state.fleet, timing, state.set_state)
-    state.on_membership.append(scheduler.poke)
+    timing = LearnerTiming(lc.effective_kappa, lc.prompts_per_step * lc.group_size, state.measurements,
+                           staleness=lc.staleness, rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size)
+    scheduler = Scheduler(config.scheduler.model_copy(update={"enabled": False}), state.fleet, timing,
+                          state.membership.set_state)
+    state.membership.on_change.append(scheduler.poke)
     return scheduler
 
 

@@ -499,13 +499,13 @@ async def test_poisoned_groups_are_charged_to_their_nodes_while_an_honest_node_i
     from transformers import AutoTokenizer
 
     from hub.trust.submissions import REASON_OVER_BUDGET
-    from tests.data.poisoned_tasks import POISON
+    from testbed.poisoned_tasks import POISON
     from tests.test_p2p_negative import CONFIG as NODES_CONFIG
     from tests.test_p2p_negative import clients, joined_and_active
 
     rounds = 2
     trust = PERMISSIVE_TRUST.model_copy(update={"check_procs": procs, "reward_budget_s": 0.05})
-    config = NODES_CONFIG.model_copy(update={"task": "tests.data.poisoned_tasks:SpinningRewardTask", "trust": trust})
+    config = NODES_CONFIG.model_copy(update={"task": "testbed.poisoned_tasks:SpinningRewardTask", "trust": trust})
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     async with inproc_hub(tmp_path, default_model_dir, config) as hub, clients(hub, tokenizer, 4) as everyone:
         honest, *attackers = everyone
@@ -518,7 +518,7 @@ async def test_poisoned_groups_are_charged_to_their_nodes_while_an_honest_node_i
         async def attack(node) -> None:
             for _ in range(rounds):
                 lease = await node.lease()
-                version = hub.version[0]
+                version = hub.version
                 groups = tuple(SubmittedGroup(prompt_id=p.prompt_id, completions=(
                     node.completion(POISON, version), node.completion("x", version))) for p in lease.prompts)
                 reply = await node.submit(Submission(lease_id=lease.lease_id, node_id=node.peer_id, groups=groups))

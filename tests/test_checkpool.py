@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from hub.service.state import HubBusy, HubState
+from hub.service.intake import HubBusy
+from hub.service.state import HubState
 from hub.trust.checkpool import CheckPool, NodeShares, ThreadChecks, dump_answer, load_answer, resolved_check_procs
 from hub.trust.submissions import REASON_OVER_BUDGET, GroupVerdict
 from shared.crypto import Identity
 from shared.messages import Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group
-from tests.data.poisoned_tasks import POISON
+from testbed.poisoned_tasks import POISON
 from tests.test_state import CONFIG, join_request, reopen, running, tokenizer  # noqa: F401 -- a fixture
 
 # Far below any honest sampler's odds: two identical such groups are a copy, whichever prompt they answer.
@@ -172,7 +173,7 @@ def poisoned(tok, lease, node: str) -> Submission:
 @pytest.mark.timeout(180)
 async def test_a_group_that_runs_the_reward_past_its_cpu_budget_is_rejected_and_the_worker_kept(
         tmp_path, default_model_dir, tokenizer):  # noqa: F811
-    state = reopen(tmp_path, default_model_dir, pool_config(1, "tests.data.poisoned_tasks:SpinningRewardTask",
+    state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.poisoned_tasks:SpinningRewardTask",
                                                             budget_s=0.1))
     async with running(state):
         pool = await ready(state, 1)
@@ -195,7 +196,7 @@ async def test_a_submission_whose_checks_run_past_the_time_limit_is_charged_and_
         tmp_path, default_model_dir, tokenizer):  # noqa: F811
     """A reward waiting without CPU on a node's text (no CPU timer fires) is stopped by the wall clock: the worker
     is killed, the groups rejected and counted against the node, and the reward, passing its probe, runs on."""
-    state = reopen(tmp_path, default_model_dir, pool_config(2, "tests.data.poisoned_tasks:SleepingRewardTask",
+    state = reopen(tmp_path, default_model_dir, pool_config(2, "testbed.poisoned_tasks:SleepingRewardTask",
                                                             timeout_s=1.0))
     async with running(state):
         pool = await ready(state, 2)
@@ -247,9 +248,9 @@ async def test_in_a_thread_an_overrun_is_charged_and_the_nodes_next_checks_wait_
         tmp_path, default_model_dir, tokenizer):  # noqa: F811
     """--check-procs 0: a thread cannot be killed. A check past the time limit is abandoned and charged; its node's
     next submission is charged unchecked while that thread runs; another node's is checked meanwhile."""
-    from tests.data.poisoned_tasks import SLEEP_S
+    from testbed.poisoned_tasks import SLEEP_S
 
-    state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SleepingRewardTask",
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SleepingRewardTask",
                                                             timeout_s=1.0))
     checks = state.intake.checks
     assert isinstance(checks, ThreadChecks)
@@ -277,9 +278,9 @@ async def test_in_a_thread_an_honest_check_waiting_for_a_thread_an_overrun_holds
         tmp_path, default_model_dir, tokenizer):  # noqa: F811
     """The time limit counts from the thread's start: waiting for one (here the only thread, held by an abandoned
     check) is no node's doing."""
-    from tests.data.poisoned_tasks import SLEEP_S
+    from testbed.poisoned_tasks import SLEEP_S
 
-    state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SleepingRewardTask",
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SleepingRewardTask",
                                                             timeout_s=1.0))
     state.intake.checks = checks = ThreadChecks(state.intake.rules, timeout_s=1.0, threads=1)
     node, lease = await joined(state)
@@ -296,7 +297,7 @@ async def test_in_a_thread_an_honest_check_waiting_for_a_thread_an_overrun_holds
 @pytest.mark.timeout(120)
 async def test_in_a_thread_a_group_past_its_cpu_budget_is_measured_and_rejected(tmp_path, default_model_dir,
                                                                               tokenizer):  # noqa: F811
-    state = reopen(tmp_path, default_model_dir, pool_config(0, "tests.data.poisoned_tasks:SpinningRewardTask",
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SpinningRewardTask",
                                                             budget_s=0.1))
     node, lease = await joined(state)
     outcome = await state.intake.accept(node, poisoned(tokenizer, lease, node), "h")

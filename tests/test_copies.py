@@ -433,7 +433,7 @@ async def test_a_collapsed_policy_served_by_honest_nodes_after_a_framing_attempt
         assert repeats >= 3, "the honest nodes were expected to repeat the framed groups"
 
         kept = len(hub.state.intake.copies)
-        await hub.state.ban(hub.state.fleet.get(attacker.peer_id), "test: the throwaway identity")
+        await hub.state.membership.ban(hub.state.fleet.get(attacker.peer_id), "test: the throwaway identity")
         assert len(hub.state.intake.copies) < kept
         for node in honest:
             await node.answer()

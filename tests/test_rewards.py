@@ -208,11 +208,11 @@ async def test_nodes_cannot_stop_the_run_with_text_the_reward_chokes_on_and_are_
     """Round four: three nodes on probation sending text the reward raised on stopped the run. Now however
     many nodes do, their groups are rejected and counted against them, and honest work is still taken."""
     from hub.trust.submissions import REASON_REWARD_FAILED
-    from tests.data.poisoned_tasks import POISON
+    from testbed.poisoned_tasks import POISON
     from tests.test_checkpool import answer as answer_with
 
     # Vouched nodes (no audits), whose failures stopped the run at once: on probation or not, the probe decides.
-    config = CONFIG.model_copy(update={"task": "tests.data.poisoned_tasks:ChokingRewardTask"})
+    config = CONFIG.model_copy(update={"task": "testbed.poisoned_tasks:ChokingRewardTask"})
     state = reopen(tmp_path, default_model_dir, config)
     for n in range(5):
         node = Identity.generate().peer_id

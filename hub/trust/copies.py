@@ -379,29 +379,50 @@ class CopyDetector:
                 flag = self._cross_prompt(seen, whole, trusted)
                 if flag is not None:
                     return flag
-        # Its completions seen under another prompt text with the same log-probs: not sampled there.
         elsewhere: dict[int, list[int]] = {}
         for i, key in enumerate(seen.keys):
-            found = self._completions.find(_prompt_key(seen.here.prompt_digest, key))
-            if found is not None:
-                slot = self._completions.value(found) // self.group_size
-                if slot != whole and self._origin_key(slot) != seen.origin_key:
-                    earlier.setdefault(slot, []).append(i)
-            found = self._anywhere.find(key)
-            if found is not None:
-                slot, index = divmod(self._anywhere.value(found), self.group_size)
-                if (slot != whole and self._prompt_digest(slot) != seen.here.prompt_digest
-                        and self._origin_key(slot) != seen.origin_key):
-                    _, n, first_sum = ENTRY.unpack_from(self._entries, slot * self._entries_bytes + index * ENTRY.size)
-                    if abs(first_sum - seen.claimed[i]) <= self.logprob_tolerance_nats * max(1, n):
-                        elsewhere.setdefault(slot, []).append(i)
-        disputed: Disputed | None = None
+            slot = self._same_prompt_sighting(seen, key, whole)
+            if slot is not None:
+                earlier.setdefault(slot, []).append(i)
+            slot = self._replayed_sighting(seen, i, key, whole)
+            if slot is not None:
+                elsewhere.setdefault(slot, []).append(i)
+        verdict = self._verdict(seen, whole, earlier, elsewhere, trusted)
+        if verdict is None:
+            self._settled(seen, whole, earlier, trusted if keep else None)
+        return verdict
+
+    def _same_prompt_sighting(self, seen: _Seen, key: bytes, whole: int | None) -> int | None:
+        """The earlier group of another origin, under the same prompt text, that holds completion `key`."""
+        found = self._completions.find(_prompt_key(seen.here.prompt_digest, key))
+        if found is None:
+            return None
+        slot = self._completions.value(found) // self.group_size
+        return slot if slot != whole and self._origin_key(slot) != seen.origin_key else None
+
+    def _replayed_sighting(self, seen: _Seen, i: int, key: bytes, whole: int | None) -> int | None:
+        """The earlier group of another origin that holds completion `key` under another prompt text with the same
+        log-probs: not sampled there."""
+        found = self._anywhere.find(key)
+        if found is None:
+            return None
+        slot, index = divmod(self._anywhere.value(found), self.group_size)
+        if slot == whole or self._prompt_digest(slot) == seen.here.prompt_digest or self._origin_key(slot) == seen.origin_key:
+            return None
+        _, n, first_sum = ENTRY.unpack_from(self._entries, slot * self._entries_bytes + index * ENTRY.size)
+        return slot if abs(first_sum - seen.claimed[i]) <= self.logprob_tolerance_nats * max(1, n) else None
+
+    def _verdict(self, seen: _Seen, whole: int | None, earlier: dict[int, list[int]], elsewhere: dict[int, list[int]],
+                 trusted: Sequence[float] | None) -> CopyFlag | Disputed | None:
+        """A copy flag for the first repeat that makes the group a copy; else Disputed if one depends on whose
+        log-probs are believed; else None."""
         verdicts: list[tuple[int | None, bool | None, float, int]] = [
             (slot, *self._repeat(seen, slot, shared, trusted)) for slot, shared in earlier.items()]
         # Its own duplicates alone (one completion sampled, several sold) need no earlier group.
         verdicts.append((None, *self._repeat(seen, None, [], trusted)))
         for slot, shared in elsewhere.items():  # the same figures as the earlier sighting's: no dispute to settle
             verdicts.append((slot, *self._repeat(seen, None, shared, trusted)))
+        disputed: Disputed | None = None
         for earlier_slot, copied, surprise, repeated in verdicts:
             if copied is None:
                 disputed = disputed or Disputed(self._origin(earlier_slot) if earlier_slot is not None else seen.here)
@@ -410,18 +431,19 @@ class CopyDetector:
                 same = earlier_slot is None or self._node_key(earlier_slot) == seen.node_key
                 return CopyFlag(seen.fingerprint.hex(), first, seen.here, surprise, same, repeated,
                                 sum(seen.counts), earlier_slot is not None and earlier_slot == whole)
-        if disputed is not None:
-            return disputed
-        if keep and trusted is not None:
-            # The hub's own figures replace the disputed claims: a later repeat is judged against them.
+        return disputed
+
+    def _settled(self, seen: _Seen, whole: int | None, earlier: dict[int, list[int]],
+                 trusted: Sequence[float] | None) -> None:
+        """A group that is no copy: the hub's own figures (`trusted`) replace the disputed claims, so a later repeat
+        is judged against them; a new group is remembered."""
+        if trusted is not None:
             for slot, shared in earlier.items():
                 self._write_sums(slot, [seen.keys[i] for i in shared], [trusted[i] for i in shared])
-        if whole is not None:
-            if keep and trusted is not None:
+            if whole is not None:
                 self._write_sums(whole, seen.keys, trusted)
-            return None
-        self._remember(seen, trusted if keep else None)
-        return None
+        if whole is None:
+            self._remember(seen, trusted)
 
     def _repeat(self, seen: _Seen, slot: int | None, shared: list[int], trusted: Sequence[float] | None,
                 ) -> tuple[bool | None, float, int]:
