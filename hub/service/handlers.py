@@ -502,7 +502,7 @@ class HubService:
             return
         if not ack.ok:
             log.warning("snapshot v%d to %s ended badly: %s", ack.version, peer, ack.reason)
-        await stream.close()
+        await close_answered(stream)
 
 
 class _PeerDeadline:
