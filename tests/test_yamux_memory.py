@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -221,3 +222,15 @@ async def test_an_answered_stream_is_closed_for_reading(tmp_path, default_model_
                               timeout_s=10)
                 assert held_unread(hub, identity.peer_id) == 0
                 assert connected(hub.service.host, identity.peer_id)
+
+
+def test_overruns_are_counted_per_peer_for_the_most_recent_peers_only(monkeypatch):
+    """Throwaway identities overrunning in turn must not grow the table: the oldest peer is forgotten first."""
+    monkeypatch.setattr(libp2p_patches, "_overruns", type(libp2p_patches._overruns)())
+    monkeypatch.setattr(libp2p_patches, "OVERRUN_PEERS", 2)
+    conns = {name: SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda name=name: name)) for name in "abc"}
+    for name in "aab":
+        assert isinstance(libp2p_patches._overran(conns[name], "test"), libp2p_patches.PeerOverran)
+    assert (libp2p_patches.overruns("a"), libp2p_patches.overruns("b")) == (2, 1)
+    libp2p_patches._overran(conns["c"], "test")
+    assert [libp2p_patches.overruns(name) for name in "abc"] == [0, 1, 1]
