@@ -15,17 +15,30 @@ relies on the same release's swarm internals and is covered by the same check.
   length, then its body). YAMUX_FRAME_BYTES and `_read_noise_message` make that one message per frame and
   about one read per message, which saves about a third of the bare transport's CPU per GB
   (bench/scale.py's transport floor measures it).
+- Receive memory: py-libp2p buffers every DATA byte a peer sends, even past the stream's receive window (it
+  only logs the overrun), and keeps what a stream received until someone reads it. `_StreamBuffer` (installed
+  on every Yamux connection by `_init_with_guarded_buffers`) refuses bytes past a stream's window, and more than
+  CONNECTION_BUFFER_BYTES held unread on one connection's streams: the connection is closed and the overrun
+  counted against the peer (`overruns`). `_close_read_in_muxer` makes NetStream.close_read, which py-libp2p
+  only records in the stream's state, drop what the stream holds unread and whatever the peer sends after it
+  (docs/upstream/yamux-window.md is the report for py-libp2p).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 from importlib.metadata import version as package_version
 
+import trio
 from libp2p.io.exceptions import IncompleteReadError
+from libp2p.network.stream.net_stream import NetStream
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, SIZE_NOISE_MESSAGE_LEN, NoiseTransportReadWriter
 from libp2p.stream_muxer.yamux import yamux as yamux_module
-from libp2p.stream_muxer.yamux.yamux import YamuxStream
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+
+from shared.logs import PeerLogLimiter
 
 LIBP2P_PATCHED_VERSION = "0.8.1"
 # Noise carries at most 65,535 bytes a message, 16 of them its tag. py-libp2p's Yamux data frames are
@@ -36,6 +49,13 @@ YAMUX_FRAME_BYTES = MAX_PLAINTEXT_LENGTH
 # py-libp2p reads each one's 2-byte length and its body separately.
 NOISE_RECEIVE_BYTES = 256 * 1024
 NOISE_LENGTH_BYTES = SIZE_NOISE_MESSAGE_LEN
+# Bytes one connection's streams may hold received and not yet read: two streams at the largest window
+# py-libp2p grants (16 MiB). A peer within its windows stays under it unless the host leaves several streams
+# of its own unread; a peer over it is disconnected.
+CONNECTION_BUFFER_BYTES = 2 * yamux_module.MAX_WINDOW_SIZE
+# Peers whose overruns are remembered, the most recent ones (throwaway identities must not grow the table).
+OVERRUN_PEERS = 4096
+log = logging.getLogger("echo2.net")
 
 
 class LibP2PVersionError(RuntimeError):
@@ -59,6 +79,8 @@ def apply() -> None:
     YamuxStream._auto_tune_and_send_window_update = _credit_like_go_yamux
     yamux_module.MAX_MESSAGE_SIZE = YAMUX_FRAME_BYTES
     NoiseTransportReadWriter.read_msg = _read_noise_message
+    Yamux.__init__ = _init_with_guarded_buffers
+    NetStream.close_read = _close_read_in_muxer
 
 
 # py-libp2p's own rule, kept for comparison (tests/test_net.py).
@@ -106,3 +128,98 @@ async def _read_noise_message(self: NoiseTransportReadWriter, prefix_encoded: bo
                                       expected_bytes=wanted, received_bytes=len(pending))
         pending += more
     return self.decrypt(message[len(self.prefix):] if prefix_encoded else message)
+
+
+class PeerOverran(trio.TooSlowError):
+    """Raised from a Yamux connection's reader to close the connection. py-libp2p 0.8.1's reader contains
+    other errors raised while it buffers DATA (it marks the stream closed and reads on); a TooSlowError is the
+    one it answers by closing the connection, in its own task, with its own cleanup."""
+
+
+_overruns: collections.OrderedDict[str, int] = collections.OrderedDict()
+_overrun_log = PeerLogLimiter()  # a peer redialling to overrun in a loop must not fill the disk with lines
+
+
+def overruns(peer_id: str) -> int:
+    """How many of `peer_id`'s connections were closed for overrunning a window or the buffer cap (the
+    OVERRUN_PEERS most recent peers are remembered)."""
+    return _overruns.get(peer_id, 0)
+
+
+def _overran(conn: Yamux, reason: str) -> PeerOverran:
+    peer = conn.peer_id.to_base58()
+    _overruns[peer] = _overruns.pop(peer, 0) + 1
+    while len(_overruns) > OVERRUN_PEERS:
+        _overruns.popitem(last=False)
+    if (tail := _overrun_log.tail(peer)) is not None:
+        log.warning("closing the connection of %s: %s%s", peer, reason, tail)
+    return PeerOverran(f"peer {peer} {reason}")
+
+
+class _StreamBuffer(bytearray):
+    """A Yamux stream's receive buffer (Yamux.stream_buffers values): py-libp2p's reader extends it with each
+    DATA frame's bytes before it takes them off the stream's window, so `extend` sees the window they must fit.
+    Bytes on a stream closed for reading are dropped, and still take up its window, which is never credited
+    again: a peer that keeps sending overruns it soon."""
+
+    conn: Yamux
+    stream_id: int
+
+    def extend(self, data) -> None:
+        conn = self.conn
+        stream = conn.streams.get(self.stream_id)
+        if stream is None:
+            return
+        if len(data) > stream.recv_window:
+            raise _overran(conn, f"sent {len(data)} bytes on stream {self.stream_id} past its receive window "
+                                 f"({stream.recv_window} bytes left)")
+        if getattr(stream, "_echo2_reads_closed", False):
+            return
+        held = sum(map(len, conn.stream_buffers.values())) + len(data)
+        if held > CONNECTION_BUFFER_BYTES:
+            raise _overran(conn, f"would have {held} bytes held unread on its streams, over "
+                                 f"{CONNECTION_BUFFER_BYTES}")
+        super().extend(data)
+
+
+class _GuardedBuffers(dict[int, bytearray]):
+    """Yamux.stream_buffers: every buffer py-libp2p stores in it becomes a `_StreamBuffer` of its connection."""
+
+    def __init__(self, conn: Yamux) -> None:
+        super().__init__()
+        self.conn = conn
+
+    def __setitem__(self, stream_id: int, buffer: bytearray) -> None:
+        guarded = _StreamBuffer(buffer)
+        guarded.conn, guarded.stream_id = self.conn, stream_id
+        super().__setitem__(stream_id, guarded)
+
+
+_yamux_init = Yamux.__init__
+
+
+def _init_with_guarded_buffers(self: Yamux, *args, **kwargs) -> None:
+    """Replaces Yamux.__init__: py-libp2p's, then stream buffers that refuse overruns (`_StreamBuffer`)."""
+    _yamux_init(self, *args, **kwargs)
+    self.stream_buffers = _GuardedBuffers(self)
+
+
+_net_stream_close_read = NetStream.close_read
+
+
+async def _close_read_in_muxer(self: NetStream) -> None:
+    """Replaces NetStream.close_read, which py-libp2p only records in the stream's state (reads still work, and
+    Yamux keeps buffering): the Yamux stream also drops what it holds unread and whatever the peer sends on it
+    from now on (see `_StreamBuffer`)."""
+    await _net_stream_close_read(self)
+    stream = self.muxed_stream
+    if not isinstance(stream, YamuxStream):
+        return
+    stream._echo2_reads_closed = True  # read by _StreamBuffer.extend
+    conn = stream.conn
+    async with conn.streams_lock:
+        buffer = conn.stream_buffers.get(stream.stream_id)
+        if buffer:
+            buffer.clear()
+        if stream.closed:  # the peer closed its side already: nothing is left to hold
+            conn._finalize_stream_locked(stream, fully_closed=True)

@@ -26,6 +26,10 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
   sleeps 7 s). Readers must keep draining while they do slow work.
 - Yamux credit and Noise framing: patched, shared/libp2p_patches.py (applied before the first host
   is built, and only on the py-libp2p release they were written against).
+- Receive memory (patched there too): py-libp2p buffers whatever a peer sends, past the stream's window
+  and on a stream nobody reads any more. With the patches, a peer past a window, or past
+  CONNECTION_BUFFER_BYTES held unread on its connection, is disconnected, and `close_read()` drops what a
+  stream holds and will receive; `close_answered` ends an answered request that way.
 - An exception escaping a stream handler propagates into the connection's nursery and
   from there can cancel the whole host; `safe_handler` contains it.
 - Inbound connections (swarm.py, `_handle_inbound_connection`): each holds a slot of a
@@ -275,6 +279,14 @@ def safe_handler(handler: StreamHandler, log: logging.Logger) -> StreamHandler:
                 raise rest
 
     return wrapped
+
+
+async def close_answered(stream: INetStream) -> None:
+    """End a stream whose request we have answered: close() (a FIN after the reply, which the peer still
+    reads), then close_read(), so that what the peer sends from now on is dropped unread and, once past the
+    window the stream still grants, closes its connection (shared/libp2p_patches.py)."""
+    await stream.close()
+    await stream.close_read()
 
 
 def set_handler(host: IHost, protocol: str, handler: StreamHandler, log: logging.Logger) -> None:

@@ -73,7 +73,7 @@ from shared.messages import (
     SubmitReply,
 )
 from shared.model_files import ModelOffer
-from shared.net import address_key, forget_peer, remote_ip, remote_peer_id, set_handler
+from shared.net import address_key, close_answered, forget_peer, remote_ip, remote_peer_id, set_handler
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
 from shared.units import BYTES_PER_MBIT
 from shared.wire import (
@@ -404,7 +404,7 @@ class HubService:
         if wait_s > 0:
             raise HubBusy(f"model files from this address: retry in {wait_s:.0f}s")
         await write_frame(stream, MODEL_FILE_FRAME, offer.read(entry))
-        await stream.close()
+        await close_answered(stream)
 
     async def _on_heartbeat(self, stream: INetStream) -> None:
         beat = await read_message(stream, Heartbeat)
@@ -477,7 +477,7 @@ class HubService:
         # What other volunteers are paid is the operator's business: strangers and nodes see it redacted.
         frame = await self.status(operator, request.events)
         await stream.write(frame)
-        await stream.close()
+        await close_answered(stream)
 
     async def _on_snapshot(self, stream: INetStream) -> None:
         """Serve a snapshot straight from the hub (first fetch, repair, or a chain head's pull)."""
@@ -503,7 +503,7 @@ class HubService:
             return
         if not ack.ok:
             log.warning("snapshot v%d to %s ended badly: %s", ack.version, peer, ack.reason)
-        await stream.close()
+        await close_answered(stream)
 
 
 class _PeerDeadline:
@@ -561,10 +561,13 @@ class _SessionRequest:
         self._ending = True
         await self._stream.reset()
 
+    async def close_read(self) -> None:
+        """An answered request leaves the session reading: its next request comes on the same stream."""
+
 
 async def _reply(stream: INetStream, msg) -> None:
     await write_message(stream, msg)
-    await stream.close()
+    await close_answered(stream)
 
 
 async def _refuse(stream: INetStream, code: RejectCode, reason: str, linger_s: float = REFUSE_LINGER_S) -> None:
