@@ -207,7 +207,7 @@ async def test_a_member_flooding_its_answered_heartbeat_stream_is_disconnected(t
                 await joined.write(join_frame(hub))
                 assert isinstance(await read_message(joined, JoinReply), JoinReply)
                 await joined.close()
-                assert hub.state.is_member(identity.peer_id)
+                assert hub.state.membership.is_member(identity.peer_id)
                 sent, growth = await answered_then_flooded(hub, host, HEARTBEAT_PROTOCOL,
                                                            Heartbeat(version_held=hub.version), HeartbeatReply)
                 assert sent < FLOOD_BYTES and growth <= RSS_GROWTH_BYTES, (sent, growth)
