@@ -358,21 +358,27 @@ class Volunteer:
             model_config_hash=self.hub.config_hash, version_held=0))
         assert isinstance(reply, JoinReply), reply
 
-    async def answer(self, claim=None) -> int:
-        """One lease answered; how many of its groups were accepted."""
+    async def lease(self):
+        """A lease; a node that just joined is in standby until the hub's scheduler activates it: ask until it is."""
         import trio
 
-        from shared.messages import LeaseReply, Submission, SubmitReply, SubmittedGroup
+        from shared.messages import LeaseReply
 
-        # A node that just joined is in standby until the hub's scheduler activates it: ask until it is.
         with trio.fail_after(30):
             while True:
                 reply = await self.client.lease(0)
                 assert isinstance(reply, LeaseReply), reply
                 if reply.lease is not None:
-                    break
+                    return reply.lease
                 await trio.sleep(0.05)
-        lease = reply.lease
+
+    async def answer(self, claim=None) -> int:
+        """One lease answered; how many of its groups were accepted."""
+        import trio
+
+        from shared.messages import Submission, SubmitReply, SubmittedGroup
+
+        lease = await self.lease()
         batches = await trio.to_thread.run_sync(
             self.engine.generate, [p.text for p in lease.prompts], lease.group_size, lease.sampling)
         groups = []
@@ -451,7 +457,7 @@ async def test_near_copies_of_honest_groups_are_refused_on_a_real_hub(tmp_path, 
     from hub.config import HubConfig, LearnerConfig, LeaseConfig
     from node.hf_engine import HFEngine
     from shared.crypto import Identity
-    from shared.messages import LeaseReply, Submission, SubmitReply, SubmittedGroup
+    from shared.messages import Submission, SubmitReply, SubmittedGroup
     from shared.net import running_host
     from testbed.inproc import LOOPBACK, PERMISSIVE_TRUST, inproc_hub
     from testbed.models import random_model_dir
@@ -476,9 +482,7 @@ async def test_near_copies_of_honest_groups_are_refused_on_a_real_hub(tmp_path, 
             assert await honest.answer() == 1
         refused = []
         for replace in ((0,), (0, 5)):
-            reply = await copier.client.lease(0)
-            assert isinstance(reply, LeaseReply) and reply.lease is not None, reply
-            lease = reply.lease
+            lease = await copier.lease()
             source = next(g for g in honest.groups if g.prompt_text == lease.prompts[0].text)
             completions = list(source.completions)
             for i in replace:
