@@ -20,12 +20,11 @@ cheapest fixed S whatever its drift. A price change is paid at once and ranked a
 Unchanged project code decides: the hub scheduler's capacity model (`hub.control.policy.capacity_view`) and its own
 policy `hub.control.policy.decide` (activate everything until T_train is known, then per control period one
 set of nodes activated at once or released once it has been wanted for release RELEASE_HOLD_PERIODS periods
-on end), `hub.method.chains.plan_chains` (who relays to whom) and `hub.method.capacity.default_kappa`. Restated
-here, because the hub keeps them in methods of stateful objects rather than pure functions (the learner's
-min_useful_version, the buffer's cutoff): a node holding a version older than the learner can use gets no lease;
-a group of version x is used at step t only if (t - 1) - x <= S; the buffer is consumed oldest first. Not
-modelled: the window a lowered S keeps for S_old more steps (hub.training.loop, `_adapt_staleness`), so an
-`auto` row drops as stale, just after a lowering, groups the hub would still train on.
+on end), `hub.method.chains.plan_chains` (who relays to whom), `hub.method.capacity.default_kappa`, the
+learner's version floor (`hub.records.measurements.oldest_useful_version`: a node holding a version older than
+the learner can use gets no lease) and the buffer's cutoff (`hub.records.buffer.usable_from`: a group of version
+x is used at step t only if (t - 1) - x <= S); the buffer is consumed oldest first. Not modelled: the window a
+lowered S keeps for S_old more steps (hub.training.loop, `_adapt_staleness`), so an `auto` row drops as stale, just after a lowering, groups the hub would still train on.
 
 What is drawn by default (per seed; documented so the figures can be argued with):
 - Volunteers: a GPU mix of 35% RTX 3060-class (6 rollouts/s at $0.10/h), 35% RTX 4090-class
@@ -100,7 +99,9 @@ from hub.method.capacity import (  # noqa: E402
 from hub.method.chains import link_kind, plan_chains  # noqa: E402
 from hub.method.drift import DriftMeter  # noqa: E402
 from hub.method.prices import ranking_price  # noqa: E402
+from hub.records.buffer import usable_from  # noqa: E402
 from hub.records.fleet import heartbeat_period  # noqa: E402
+from hub.records.measurements import oldest_useful_version  # noqa: E402
 from shared.units import BYTES_PER_MBIT  # noqa: E402
 
 # The simulator's documented fleet (the docstring's), unless --config says otherwise.
@@ -297,8 +298,7 @@ class Simulation:
         return default_kappa(staleness) if self.cfg.run.kappa is None or staleness == 0 else self.cfg.run.kappa
 
     def min_useful(self) -> int:
-        next_take = self.step + 1 if self.training else self.step
-        return max(0, next_take - self.S)
+        return oldest_useful_version(self.step, self.training, self.S)
 
     def producing(self, node: Node) -> bool:
         return node.state == "active" and node.held >= 0
@@ -360,13 +360,13 @@ class Simulation:
         return sum(rate for v, rate in self.rate_by_version.items() if v >= cutoff) * self.cfg.learner.usable_fraction
 
     def buffered(self) -> float:
-        cutoff = self.step - self.S  # usable by the next step (t = step + 1): (t-1) - x <= S
+        cutoff = usable_from(self.step, self.S)  # usable by the next step (t = step + 1)
         return sum(amount for v, amount in self.buffer.items() if v >= cutoff)
 
     # -- learner --------------------------------------------------------------------------
     def start_step(self) -> None:
         t = self.step + 1
-        cutoff = t - 1 - self.S
+        cutoff = usable_from(t - 1, self.S)
         dropped = sum(self.buffer.pop(v) for v in [v for v in self.buffer if v < cutoff])
         self.dropped += dropped
         self.recent_use = (self.recent_use + [(self.R, dropped)])[-3 * self.kappa:]

@@ -83,3 +83,12 @@ async def test_signal_wakes_waiter():
         buf.add(group(0), 2)
         signal.notify()
     assert woke == [2]
+
+
+def test_the_cutoff_the_buffer_and_the_simulator_share():
+    from hub.records.buffer import usable_from
+
+    # A take at step 10 under S = 3 trains on versions 7..10; at S = 0 on version 10 only.
+    assert usable_from(10, 3) == 7
+    assert usable_from(10, 0) == 10
+    assert usable_from(2, 4) == -2  # early on, every version made so far

@@ -37,6 +37,12 @@ def has_reward_variance(group: Group) -> bool:
     return len(set(group.rewards)) > 1
 
 
+def usable_from(step: int, staleness: int) -> int:
+    """The oldest version a take at `step` (the version the learner's next update starts from) trains on: a group
+    made with version x is used only if step - x <= S."""
+    return step - staleness
+
+
 class ReplayBuffer:
     """Complete groups, each tagged with its policy version and store row id, oldest first."""
 
@@ -75,7 +81,7 @@ class ReplayBuffer:
         return AddResult(True)
 
     def _usable(self, version: int, group: Group) -> bool:
-        return version - group.version <= self.staleness
+        return group.version >= usable_from(version, self.staleness)
 
     def ready(self, step: int, k: int) -> bool:
         """True when `take(step, k)` would return k groups."""
