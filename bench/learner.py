@@ -80,6 +80,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=("sdpa", "eager", "flex_attention", "flash_attention_2"), default="sdpa",
                         help="echo2's attention kernel (LearnerConfig.attention); TRL's stays sdpa")
     parser.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw", help="echo2's (LearnerConfig.optimizer)")
+    parser.add_argument("--compile", action="store_true",
+                        help="echo2's decoder layers under torch.compile (LearnerConfig.compile); the compile is in "
+                             "echo2_compile_s, apart from the timed steps")
     parser.add_argument("--no-trl", action="store_true", help="echo2's side only (where TRL's would not fit, or to probe sizes)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per side (after one warm-up step)")
     parser.add_argument("--lr", type=float, default=None, help="default: LearnerConfig's")
@@ -218,7 +221,7 @@ def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
         eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=0.0, threads=config["threads"], device=config["device"],
         dtype="bfloat16" if config["device"] == "cuda" else "float32", micro_batch_tokens=config["micro_batch_tokens"],
         gradient_checkpointing=config["gradient_checkpointing"], attention=config["attention"],
-        optimizer=config["optimizer"],
+        optimizer=config["optimizer"], compile=config["compile"],
     )
     learner = Learner(model_dir, cfg, sampling)
     prompts = [row["prompt_ids"] for row in batch for _ in row["completions"]]
@@ -422,7 +425,7 @@ def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tok
                     "tokens": tokens, "completion_tokens": completion_tokens, "prompts": args.prompts, "n": args.n,
                     "completion_len": args.completion_len, "micro_batch_tokens": steps["setup"]["echo2"].get("micro_batch_tokens"),
                     "gradient_checkpointing": args.gradient_checkpointing, "attention": args.attention,
-                    "optimizer": args.optimizer, "repeats": args.repeats, "lr": args.lr,
+                    "optimizer": args.optimizer, "compile": args.compile, "repeats": args.repeats, "lr": args.lr,
                     "threads": args.threads, "trl_version": _trl_version(), "peak_bf16_flops": peak}
     memory_key, scale = ("peak_gib", 1 / 2**30) if args.device == "cuda" else ("peak_bytes", 1)
     first: dict = {}
@@ -445,6 +448,9 @@ def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tok
             f"{name}_mfu": round(6 * params * tokens / step_s / peak, 4) if peak and params else None,
         })
         first[f"{name}_loss"], first[f"{name}_grad_norm"] = runs[0]["loss"], runs[0]["grad_norm"]
+    if args.compile and result["echo2_step_s"]:
+        # The first step is the only one that compiles (dynamic shapes): what it took beyond a steady step.
+        result["echo2_compile_s"] = round(result["echo2_first_step_s"] - result["echo2_step_s"], 2)
     if result["echo2_step_s"] and result["trl_step_s"]:
         result["ratio"] = round(result["echo2_step_s"] / result["trl_step_s"], 3)
         # Each repeat's two steps run back to back, so their ratio shares the machine's load at that moment.
@@ -484,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         config = {"model_dir": str(model_dir), "device": args.device, "n": args.n, "lr": args.lr, "threads": args.threads,
                   "completion_len": args.completion_len, "micro_batch_tokens": args.micro_batch_tokens,
                   "gradient_checkpointing": args.gradient_checkpointing, "attention": args.attention,
-                  "optimizer": args.optimizer, "work": str(work)}
+                  "optimizer": args.optimizer, "compile": args.compile, "work": str(work)}
         (work / "config.json").write_text(json.dumps(config))
         with Progress(disable=args.json, transient=True) as progress:
             bar = progress.add_task(f"learner step bench ({args.shape} on {args.device})", total=2 * (args.repeats + 1))

@@ -51,6 +51,7 @@ class LearnerConfig(Section):
     optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="AdamW with fp32 moments (8 bytes a trained parameter), or adamw8bit: torchao's blockwise 8-bit moments (2 bytes; pip install -e \".[lowbit]\"), one learner process")
     attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = Field("sdpa", description="the learner's attention kernel: sdpa and eager pack rows into sequences as long as the longest row; flex_attention (CUDA) and flash_attention_2 (the flash-attn package) attend within each row, a micro-batch in one sequence")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory for long completions, ~30% slower")
+    compile: bool = Field(False, description="torch.compile each decoder layer (dynamic shapes, so one compile serves every length): the first step pays the compile, tens of seconds; a CPU needs a C++ compiler")
     lora_rank: int = Field(0, ge=0, le=1024, description="train LoRA adapters of this rank only, and ship only them in snapshots (0: full fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0.0, le=1e4, description="LoRA scale numerator: the update is lora_alpha / lora_rank x B A")
     lora_targets: tuple[str, ...] = Field((), max_length=64, description="Linear modules to adapt, e.g. q_proj,v_proj (empty: peft's default for the architecture)")

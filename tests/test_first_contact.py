@@ -265,3 +265,15 @@ def test_version_flags_print_the_installed_version() -> None:
     for module, name in (("hub.cli", "echo-hub"), ("node.cli", "echo-node")):
         result = run(module, "--version")
         assert result.returncode == 0 and result.stdout.strip() == f"{name} {version('echo2')}", result
+
+
+def test_compile_on_a_cpu_without_a_cpp_compiler_is_one_line(monkeypatch) -> None:
+    from hub.cli import preflight
+    from hub.config import HubConfig
+    from shared.checks import UserError
+
+    config = HubConfig.model_validate({"learner": {"compile": True, "device": "cpu"}})
+    preflight.check_learner_kernels(config)  # this machine has g++
+    monkeypatch.setattr(preflight.shutil, "which", lambda name: None)
+    with pytest.raises(UserError, match=r"--compile on a CPU needs a C\+\+ compiler"):
+        preflight.check_learner_kernels(config)

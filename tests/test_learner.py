@@ -227,6 +227,38 @@ def test_micro_batches_and_checkpointing_give_the_one_batch_gradient():
         assert stats.clip_frac == pytest.approx(whole_stats.clip_frac, abs=1e-9)
 
 
+def test_compiled_layers_give_the_eager_gradient_at_every_length():
+    """--compile: each decoder layer compiled with dynamic shapes gives the eager step's loss and gradient, and
+    a second batch of other lengths (other packed shapes) reuses the compiled graphs with no recompile."""
+    from torch._dynamo.utils import counters
+
+    from hub.training.learner import Learner
+
+    torch.set_num_threads(1)
+    counters.clear()
+    compiled = Learner(ensure_default_model(progress=False), LearnerConfig(compile=True), SAMPLING)
+    compiled.optimizer.step = lambda: None
+    graphs = []
+    for seed in (0, 1):
+        groups = synthetic_groups(seed=seed)
+        eager_stats, eager = step_gradients(LearnerConfig(), groups)
+        stats = compiled.train_step(groups, 1)
+        graphs.append(counters["stats"]["unique_graphs"])
+        for name, param in compiled.model.named_parameters():
+            if param.grad is not None:
+                assert torch.allclose(param.grad, eager[name], rtol=1e-3, atol=1e-6), name
+        assert stats.loss == pytest.approx(eager_stats.loss, rel=1e-4, abs=1e-7)
+    assert graphs[0] >= 1, "nothing was compiled"
+    assert graphs[1] == graphs[0], "the second batch's lengths recompiled the layers"
+
+
+def test_compile_refuses_a_model_that_names_no_decoder_layer():
+    from hub.training.learner import compile_decoder_layers
+
+    with pytest.raises(ValueError, match="no decoder layer class"):
+        compile_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
 def test_bf16_learner_keeps_fp32_masters_and_trains_under_autocast():
     groups = synthetic_groups(seed=1)
     cfg = LearnerConfig(dtype="bfloat16")

@@ -73,6 +73,7 @@ START_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "attention": ("learner.attention", str),
     "optimizer": ("learner.optimizer", str),
     "gradient_checkpointing": ("learner.gradient_checkpointing", _bool),
+    "compile": ("learner.compile", _bool),
     "learner_procs": ("learner.procs", int),
     "lora_rank": ("learner.lora_rank", int),
     "lora_alpha": ("learner.lora_alpha", float),

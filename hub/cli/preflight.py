@@ -150,6 +150,9 @@ def check_learner_kernels(config: HubConfig) -> None:
     if lc.attention == "flex_attention" and resolve_device(lc.device, "--device") != "cuda":
         raise UserError("--attention flex_attention trains on CUDA only (torch's flex attention has no CPU "
                         "backward); use --attention sdpa")
+    if lc.compile and resolve_device(lc.device, "--device") == "cpu" and not any(map(shutil.which, ("c++", "g++", "clang++"))):
+        raise UserError("--compile on a CPU needs a C++ compiler (torch.compile's CPU kernels are C++): install g++, "
+                        "or drop --compile")
 
 
 def check_lora(config: HubConfig) -> None:

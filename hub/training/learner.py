@@ -204,6 +204,20 @@ def _zero_dropout(model: torch.nn.Module) -> None:
             setattr(module, "attention_dropout", 0.0)  # a config float on attention modules, not a submodule
 
 
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """torch.compile each decoder layer in place (regional compilation: one small graph compiled once and reused
+    by every layer, instead of the whole model's), with dynamic shapes so that packed bins of any length reuse
+    it. The layers are the classes the model names in `_no_split_modules`. Returns how many were compiled."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to compile; "
+                         "drop --compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 class Learner:
     """The policy, its optimizer and (only when beta > 0) a frozen reference copy; blocking."""
 
@@ -254,6 +268,10 @@ class Learner:
             # mode computes exactly what eval mode does.
             _zero_dropout(self.model)
             self.model.train()
+        if cfg.compile:
+            # After checkpointing wraps the layers and before FSDP2 shards them, as torchtitan orders it.
+            log.info("learner: torch.compile on %d decoder layers; the first step compiles them",
+                     compile_decoder_layers(self.model))
         self._tied_duplicates = tied_duplicates(self.model)
         if collective.world > 1:
             shard(self.model, bf16=self.snapshot_dtype == torch.bfloat16)
