@@ -182,7 +182,7 @@ def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, 
     wall_s = time.perf_counter() - started
 
     metrics = read_metrics(data_dir / METRICS_FILE)
-    rows = [r for r in store.trajectories() if r.verdict == "accepted"]
+    rows = [r for r in store.groups.trajectories() if r.verdict == "accepted"]
     store.close()
     curve = reward_curve([(r.version, r.reward_mean) for r in rows], args.steps, args.window or max(1, args.steps // 10))
     final = learner.learner

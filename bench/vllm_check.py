@@ -205,7 +205,7 @@ def run_e2e(device: str, nodes: int, steps: int, tmp: Path) -> dict:
     rows = read_metrics(data / METRICS_FILE)
     store = Store(data / HUB_STORE_FILE)
     try:
-        fleet = store.nodes()
+        fleet = store.members.nodes()
     finally:
         store.close()
     first, last = fifth_means([policy_reward(r) for r in rows]) if rows else (None, None)

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hub.records.store import CLOSED_RETAINED_S, StepRecord, Store
+from hub.records.schema import CLOSED_RETAINED_S, StepRecord
+from hub.records.store import Store
 from hub.trust.submissions import GroupVerdict
 from shared.layout import HUB_STORE_FILE
 from shared.messages import SubmittedGroup
@@ -93,12 +94,12 @@ class _History:
         verdict = _verdict(prompt_id, version, self.group_size, accepted)
 
         def answer() -> None:
-            self.store.add_lease(lease_id, node, [prompt_id], version, now - 2.0, now + 60.0)
-            ids = self.store.record_submission(lease_id, node, [verdict], 0.0004, 2.0, f"h{n}", now=now)
+            self.store.leases.add_lease(lease_id, node, [prompt_id], version, now - 2.0, now + 60.0)
+            ids = self.store.groups.record_submission(lease_id, node, [verdict], 0.0004, 2.0, f"h{n}", now=now)
             if accepted:
                 self.pending.extend(ids)
             if (n // len(self.nodes)) % AUDIT_EVERY_LEASES == 0:
-                self.store.record_audit_pass(node, now)
+                self.store.members.record_audit_pass(node, now)
 
         self.queue(answer)
         self.leases += 1
@@ -113,7 +114,7 @@ class _History:
         def commit() -> None:
             pending = list(self.pending)
             self.pending = deque(pending[-1:])
-            self.store.commit_step(record, pending[1:-1], pending[:1])
+            self.store.training.commit_step(record, pending[1:-1], pending[:1])
 
         self.queue(commit)
 
@@ -125,10 +126,10 @@ def build_large_store(data_dir: Path, steps: int, leases: int, *, nodes: int = 3
     False: no retention at the end (tests of retention itself)."""
     store = Store(Path(data_dir) / HUB_STORE_FILE)
     try:
-        first = (store.latest_step() or 0) + 1
+        first = (store.training.latest_step() or 0) + 1
         peers = [f"synthetic-node-{i:04d}" for i in range(nodes)]
         for peer in peers:
-            store.upsert_node(peer, 0.4, "synthetic", 1e9, "hf", state="gone")
+            store.members.upsert_node(peer, 0.4, "synthetic", 1e9, "hf", state="gone")
         history = _History(store, peers, group_size, leases, f"L{first}-", lease_interval_s)
         for i in range(steps):
             step = first + i

@@ -71,7 +71,8 @@ def test_resume_goes_on_at_the_s_in_force(tmp_path: Path):
     import torch
     import trio
 
-    from hub.records.store import StepRecord, Store
+    from hub.records.schema import StepRecord
+    from hub.records.store import Store
     from hub.service.state import HubState
     from hub.training.loop import LearnerComponent
     from shared.crypto import Identity
@@ -96,8 +97,8 @@ def test_resume_goes_on_at_the_s_in_force(tmp_path: Path):
     store = Store(data / "hub.db")
     for step, budget in ((1, 1.0), (2, 2.0), (3, 3.0)):
         record = StepRecord(step, step, 0.5, 0.5, 0.0, 0, 0, 0.1, 0.0, 0.0, 10, 0.0, {"staleness_budget": budget})
-        store.commit_step(record, [])
-    assert store.latest_step_record().extra == {"staleness_budget": 3.0}
+        store.training.commit_step(record, [])
+    assert store.training.latest_step_record().extra == {"staleness_budget": 3.0}
     store.close()
     resumed = learner_on(data, 4)
     assert (resumed.step, resumed.staleness, resumed.kappa, resumed.window_staleness()) == (3, 3, 2, 3)

@@ -344,12 +344,12 @@ async def test_peers_cannot_grow_the_log_or_the_events_table(tmp_path, default_m
         for _ in range(20):
             assert isinstance(await rejoiner.send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply), JoinReply)
         await hub.state.flush()
-        joins = [e for e in hub.state.store.events(1000) if e.kind == "join" and e.node_id == rejoiner.identity.peer_id]
+        joins = [e for e in hub.state.store.journal.events(1000) if e.kind == "join" and e.node_id == rejoiner.identity.peer_id]
         assert len(joins) == 1
         for i in range(50):
             await hub.state.event("test", None, str(i))
-        assert hub.state.store.prune_events(10) > 0
-        assert [e.detail for e in hub.state.store.events(1000)] == [str(i) for i in range(49, 39, -1)]
+        assert hub.state.store.journal.prune_events(10) > 0
+        assert [e.detail for e in hub.state.store.journal.events(1000)] == [str(i) for i in range(49, 39, -1)]
 
 
 @pytest.mark.trio
@@ -388,7 +388,7 @@ async def test_a_disconnected_peer_redialling_in_a_loop_writes_one_event_and_lin
             state_log.removeHandler(capture)
             state_log.setLevel(saved[0])
             state_log.disabled = saved[1]
-        events = [e for e in hub.state.store.events(1000) if e.kind == "disconnect" and e.node_id == peer.identity.peer_id]
+        events = [e for e in hub.state.store.journal.events(1000) if e.kind == "disconnect" and e.node_id == peer.identity.peer_id]
         lines = [r for r in records if "event disconnect" in r.getMessage()]
         assert turned_away >= 8
         assert len(events) == 1 and len(lines) == 1, ([e.detail for e in events], [r.getMessage() for r in lines])

@@ -57,10 +57,10 @@ def test_sigkill_mid_run_loses_no_acknowledged_trajectory(tmp_path):
     # What was committed at the moment of the kill (opening the store replays the WAL).
     store = Store(tmp_path / HUB_STORE_FILE)
     assert store.integrity_check() == "ok"
-    rows = store.trajectories()
+    rows = store.groups.trajectories()
     pending = {r.id for r in rows if r.verdict == "accepted" and r.consumed_step is None and r.discard_reason is None}
-    killed_at_step = store.latest_step()
-    versions_before = [s.version for s in store.snapshots()]
+    killed_at_step = store.training.latest_step()
+    versions_before = [s.version for s in store.shelf.snapshots()]
     store.close()
     assert killed_at_step >= FIRST_RUN_MIN_STEPS
 
@@ -71,7 +71,7 @@ def test_sigkill_mid_run_loses_no_acknowledged_trajectory(tmp_path):
 
     store = Store(tmp_path / HUB_STORE_FILE)
     assert store.integrity_check() == "ok"
-    after = {r.id: r for r in store.trajectories()}
+    after = {r.id: r for r in store.groups.trajectories()}
     # Every accepted, untrained row was put back into the buffer, or refused by it with a
     # recorded reason (a crash between the row's commit and its buffer admission).
     back = set(refill)
@@ -80,12 +80,12 @@ def test_sigkill_mid_run_loses_no_acknowledged_trajectory(tmp_path):
     assert all(after[i].discard_reason == "zero reward variance" for i in refused)
     # Rows pending at the kill can only be trained on by steps after it.
     assert all(after[i].consumed_step is None or after[i].consumed_step > killed_at_step for i in pending)
-    steps = [s.step for s in store.steps()]
+    steps = [s.step for s in store.training.steps()]
     assert steps == list(range(1, TOTAL_STEPS + killed_at_step + 1))
-    versions = [s.version for s in store.snapshots()]
+    versions = [s.version for s in store.shelf.snapshots()]
     assert versions[: len(versions_before)] == versions_before
     assert versions == sorted(set(versions)) and versions[-1] > versions_before[-1]
-    published = sorted(store.snapshots(), key=lambda s: s.published_at)
+    published = sorted(store.shelf.snapshots(), key=lambda s: s.published_at)
     assert [s.version for s in published] == versions
     metrics = read_metrics(tmp_path / METRICS_FILE)
     assert [m["step"] for m in metrics] == sorted({m["step"] for m in metrics})

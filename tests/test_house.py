@@ -164,11 +164,6 @@ def test_the_readmes_layout_is_the_tree():
 # -- the hub's state: three owners, classes a reader holds, a composition root built in order ----------------------
 
 MAX_PUBLIC_METHODS = 25
-# Classes still past the bound, each with the step that brings it under; an entry that is no longer past it fails.
-OVER_THE_BOUND = {
-    "hub.records.store.Store": "splits into the tables each owner writes, behind the one writer (issue 55, item 1; "
-                               "testbed/ and bench/ call its methods by name)",
-}
 # Each owner's records (the dataclass in hub/records/) and the only modules that may assign to their fields.
 OWNED_RECORDS = {
     ("hub/records/fleet.py", "NodeRecord"): {"hub/service/membership.py", "hub/records/fleet.py"},
@@ -190,9 +185,7 @@ def public_methods(tops: tuple[str, ...]) -> dict[str, int]:
 
 def test_no_class_in_hub_has_more_public_methods_than_a_reader_holds():
     counts = public_methods(("hub",))
-    too_many = {name: n for name, n in counts.items() if n > MAX_PUBLIC_METHODS and name not in OVER_THE_BOUND}
-    assert too_many == {}
-    assert {name: counts.get(name, 0) for name in OVER_THE_BOUND if counts.get(name, 0) <= MAX_PUBLIC_METHODS} == {}
+    assert {name: n for name, n in counts.items() if n > MAX_PUBLIC_METHODS} == {}
 
 
 def record_fields(path: str, name: str) -> set[str]:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from hub.records.store import CREDIT_HOUR_S, CREDIT_HOURS_KEPT, Credit, Store
+from hub.records.schema import CREDIT_HOUR_S, CREDIT_HOURS_KEPT, Credit
+from hub.records.store import Store
 from hub.service.status import RunInfo, StatusBoard
 from hub.trust.submissions import GroupVerdict
 from shared.crypto import Identity
@@ -28,73 +29,73 @@ def tokenizer(default_model_dir):
 
 def submit(store: Store, peer: str, lease: str, accepted: int, refused: int, seconds: float, tokens: int, now: float) -> None:
     """One answered lease of `peer`: `accepted` good groups and `refused` bad ones."""
-    store.add_lease(lease, peer, [f"{lease}-{i}" for i in range(accepted + refused)], 0, now - 10, now + 60)
+    store.leases.add_lease(lease, peer, [f"{lease}-{i}" for i in range(accepted + refused)], 0, now - 10, now + 60)
     verdicts = []
     for i in range(accepted + refused):
         group = make_group(f"{lease}-{i}", 0)
         submitted = SubmittedGroup(prompt_id=group.prompt_id, completions=group.completions)
         ok = i < accepted
         verdicts.append(GroupVerdict(group.prompt_id, ok, "" if ok else "tokens after EOS", submitted, group=group if ok else None))
-    store.record_submission(lease, peer, verdicts, usd=0.0, seconds=seconds, signed_bytes_hash="h", now=now, tokens=tokens)
+    store.groups.record_submission(lease, peer, verdicts, usd=0.0, seconds=seconds, signed_bytes_hash="h", now=now, tokens=tokens)
 
 
 def test_leaders_sum_the_day_and_the_run_and_leave_the_banned_out(tmp_path) -> None:
     store = Store(tmp_path / "hub.db")
     now = time.time()
     for peer, name in (("A", "ada"), ("B", None), ("C", "cheat")):
-        store.upsert_node(peer, 0.5, "gpu", 1e8, "hf", name=name)
+        store.members.upsert_node(peer, 0.5, "gpu", 1e8, "hf", name=name)
     submit(store, "A", "a-old", 1, 0, 10.0, 6, now - 2 * 86400)  # the run's, not the day's
     submit(store, "A", "a-new", 2, 1, 4.0, 12, now)
-    assert store.record_audit_pass("A", now)
+    assert store.members.record_audit_pass("A", now)
     submit(store, "B", "b-new", 1, 1, 3.0, 6, now - 3600)
     submit(store, "C", "c-new", 5, 0, 9.0, 30, now)
-    store.penalize_node("C", [], 0.0, "audit failed")
+    store.members.penalize_node("C", [], 0.0, "audit failed")
 
-    (a, b) = store.leaders(now, 10)
+    (a, b) = store.members.leaders(now, 10)
     assert (a.peer_id, a.name, b.peer_id, b.name) == ("A", "ada", "B", None)
     assert a.run == Credit(accepted=3, tokens=18, gpu_s=14.0, audits_passed=1)
     assert a.day == Credit(accepted=2, tokens=12, gpu_s=4.0, audits_passed=1)
     assert b.run == b.day == Credit(accepted=1, tokens=6, gpu_s=3.0, audits_passed=0)
-    assert [r.peer_id for r in store.leaders(now, 1)] == ["A"]  # the top of the run is also the top of the day
+    assert [r.peer_id for r in store.members.leaders(now, 1)] == ["A"]  # the top of the run is also the top of the day
 
     # Hour buckets older than CREDIT_HOURS_KEPT go; the run's tallies stay.
     submit(store, "B", "b-later", 1, 0, 1.0, 6, now + (CREDIT_HOURS_KEPT + 2) * CREDIT_HOUR_S)
     hours = [r[0] for r in store.db.execute("SELECT hour FROM credit_hours").fetchall()]
     assert hours == [int(now // CREDIT_HOUR_S) + CREDIT_HOURS_KEPT + 2]
-    (a_later, b_later) = store.leaders(now + (CREDIT_HOURS_KEPT + 2) * CREDIT_HOUR_S, 10)
+    (a_later, b_later) = store.members.leaders(now + (CREDIT_HOURS_KEPT + 2) * CREDIT_HOUR_S, 10)
     assert (a_later.peer_id, a_later.run, a_later.day) == ("A", Credit(3, 18, 14.0, 1), Credit(0, 0, 0.0, 0))
     assert (b_later.peer_id, b_later.run.accepted, b_later.day.accepted) == ("B", 2, 1)
     # One of each: the run's top (A) and the day's (B).
-    assert [r.peer_id for r in store.leaders(now + (CREDIT_HOURS_KEPT + 2) * CREDIT_HOUR_S, 1)] == ["A", "B"]
+    assert [r.peer_id for r in store.members.leaders(now + (CREDIT_HOURS_KEPT + 2) * CREDIT_HOUR_S, 1)] == ["A", "B"]
 
 
 def test_a_banned_volunteer_takes_no_slot_of_the_day(tmp_path) -> None:
     store = Store(tmp_path / "hub.db")
     now = time.time()
     for peer in ("A", "B", "C"):
-        store.upsert_node(peer, 0.5, "gpu", 1e8, "hf")
+        store.members.upsert_node(peer, 0.5, "gpu", 1e8, "hf")
     submit(store, "A", "a-old", 9, 0, 1.0, 6, now - 2 * 86400)  # the run's top, not the day's
     submit(store, "B", "b-new", 1, 0, 1.0, 6, now)
     submit(store, "C", "c-new", 5, 0, 1.0, 30, now)  # the day's top, then banned
-    store.penalize_node("C", [], 0.0, "audit failed")
-    assert [r.peer_id for r in store.leaders(now, 1)] == ["A", "B"]  # B is the day's top once C is out
+    store.members.penalize_node("C", [], 0.0, "audit failed")
+    assert [r.peer_id for r in store.members.leaders(now, 1)] == ["A", "B"]  # B is the day's top once C is out
 
 
 def test_an_audit_pass_counts_in_the_hour_of_its_clock(tmp_path) -> None:
     store = Store(tmp_path / "hub.db")
     now = time.time() - 3 * 86400  # a clock days behind the wall's: the audit's hour is the clock's
-    store.upsert_node("A", 0.5, "gpu", 1e8, "hf")
+    store.members.upsert_node("A", 0.5, "gpu", 1e8, "hf")
     submit(store, "A", "a", 1, 0, 1.0, 6, now)
-    assert store.record_audit_pass("A", now, now=now)
+    assert store.members.record_audit_pass("A", now, now=now)
     hours = store.db.execute("SELECT hour, accepted, audits_passed FROM credit_hours").fetchall()
     assert [tuple(h) for h in hours] == [(int(now // CREDIT_HOUR_S), 1, 1)]
 
 
 def test_a_volunteer_without_accepted_work_is_not_a_leader(tmp_path) -> None:
     store = Store(tmp_path / "hub.db")
-    store.upsert_node("A", 0.5, "gpu", 1e8, "hf")
+    store.members.upsert_node("A", 0.5, "gpu", 1e8, "hf")
     submit(store, "A", "a", 0, 2, 0.0, 0, time.time())
-    assert store.leaders(time.time(), 10) == []
+    assert store.members.leaders(time.time(), 10) == []
     assert store.db.execute("SELECT COUNT(*) FROM credit_hours").fetchone()[0] == 0
 
 

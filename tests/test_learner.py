@@ -83,7 +83,7 @@ async def run_rig(rig: Rig) -> list[float]:
 
 def quarter_rewards(store: Store, steps: int) -> tuple[float, float]:
     """Mean reward of every accepted group sampled by versions in the first and the last quarter of steps."""
-    rows = [r for r in store.trajectories() if r.verdict == "accepted"]
+    rows = [r for r in store.groups.trajectories() if r.verdict == "accepted"]
     quarter = steps // 4
 
     def mean(lo: int, hi: int) -> float:
@@ -127,7 +127,7 @@ def test_grpo_learns_reverse(tmp_path, staleness, install_delay_s, steps, learns
         assert last - first >= MIN_REWARD_GAIN, (first, last)
     # Steps run in a worker thread: a step blocking trio would delay ticks by a whole T_train.
     assert p99 < 0.1
-    versions = [s.version for s in rig.store.snapshots()]
+    versions = [s.version for s in rig.store.shelf.snapshots()]
     assert versions == list(range(0, steps + 1, cfg.effective_kappa))
     assert (tmp_path / FINAL_DIR / "config.json").exists()
     assert rig.store.integrity_check() == "ok"
@@ -148,10 +148,10 @@ def test_resume_from_checkpoint(tmp_path):
     first = make_rig(tmp_path, cfg, 4, identity)
     trio.run(run_rig, first)
     assert latest_checkpoint(tmp_path / "checkpoints").step == 4
-    assert first.store.latest_checkpoint().step == 4
+    assert first.store.training.latest_checkpoint().step == 4
     # An acknowledged, untrained group must survive the restart.
-    extra = first.store.record_trajectory(synthetic_group(first.learner.learner.tokenizer, 4), None, "", "accepted")
-    pending = [row_id for row_id, _ in first.store.unconsumed_groups()]
+    extra = first.store.groups.record_trajectory(synthetic_group(first.learner.learner.tokenizer, 4), None, "", "accepted")
+    pending = [row_id for row_id, _ in first.store.groups.unconsumed_groups()]
     assert extra in pending
     weights = {k: v.clone() for k, v in first.learner.learner.model.state_dict().items()}
     first.store.close()
@@ -165,15 +165,15 @@ def test_resume_from_checkpoint(tmp_path):
     assert opt_state and all(int(s["step"]) == 4 for s in opt_state.values())
     trio.run(run_rig, second)
 
-    assert [s.step for s in second.store.steps()] == [1, 2, 3, 4, 5, 6]
+    assert [s.step for s in second.store.training.steps()] == [1, 2, 3, 4, 5, 6]
     # Trained on after the restart, or still waiting behind older usable groups (oldest first): never lost.
-    row = next(r for r in second.store.trajectories() if r.id == extra)
+    row = next(r for r in second.store.groups.trajectories() if r.id == extra)
     assert row.discard_reason is None and row.consumed_step in (None, 5, 6), row
     # kappa = 3: v0, v3; the resumed policy is published as v4 (newer than v3), then v6.
-    assert [s.version for s in second.store.snapshots()] == [0, 3, 4, 6]
+    assert [s.version for s in second.store.shelf.snapshots()] == [0, 3, 4, 6]
     snapshot = read_snapshot_files(tmp_path / "snapshots", 6, identity.peer_id)
     assert snapshot.manifest.version == 6
-    events = [e.kind for e in second.store.events()]
+    events = [e.kind for e in second.store.journal.events()]
     assert "learner_resume" in events
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from hub.config import HubConfig, LearnerConfig
 from hub.records.measurements import LearnerWindow, oldest_useful_version, resumed_staleness
-from hub.records.store import StepRecord, Store
+from hub.records.schema import StepRecord
+from hub.records.store import Store
 from hub.service.state import HubState
 from shared.tasks.reverse import ReverseTask
 
@@ -29,7 +30,7 @@ def test_a_resumed_run_goes_on_at_the_s_its_newest_step_trained_under(tmp_path):
     assert resumed_staleness(step(3, 1.0, budget=6.0), 4) == 4  # within staleness_max
     assert resumed_staleness(step(3, 1.0, budget=0.0), 4) == 1
     store = Store(tmp_path / "hub.db")
-    store.commit_step(step(1, 1.0, budget=3.0), [])
+    store.training.commit_step(step(1, 1.0, budget=3.0), [])
     window = LearnerWindow.at_start(store, staleness=1, kappa=1, staleness_max=4)
     assert (window.step, window.staleness, window.window_staleness, window.kappa) == (1, 3, 3, 2)
     assert LearnerWindow.at_start(store, staleness=1, kappa=1, staleness_max=None).staleness == 1  # S fixed

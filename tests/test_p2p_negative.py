@@ -175,15 +175,15 @@ async def test_honest_flow_is_accepted_and_paid(hub_args):
             await joined_and_active(node)
             lease = await node.lease()
             assert len(lease.prompts) == PROMPTS_PER_LEASE and lease.group_size == GROUP_SIZE
-            paid_before = hub.state.store.ledger_total_usd(node.peer_id)
+            paid_before = hub.state.store.groups.ledger_total_usd(node.peer_id)
             reply = await node.submit(node.answer(lease))
             assert (reply.accepted, reply.rejected, reply.late) == (PROMPTS_PER_LEASE, (), ())
             # The node is told what it was paid, and that is what the ledger booked.
             assert reply.paid_usd > 0
-            assert reply.paid_usd == pytest.approx(hub.state.store.ledger_total_usd(node.peer_id) - paid_before)
-            assert hub.state.store.lease(lease.lease_id).state == "answered"
+            assert reply.paid_usd == pytest.approx(hub.state.store.groups.ledger_total_usd(node.peer_id) - paid_before)
+            assert hub.state.store.leases.lease(lease.lease_id).state == "answered"
             assert hub.trusted()[0] == 1 + PROMPTS_PER_LEASE
-            assert hub.state.store.ledger_total_usd(node.peer_id) > 0
+            assert hub.state.store.groups.ledger_total_usd(node.peer_id) > 0
             assert len(hub.state.buffer) == 1 + PROMPTS_PER_LEASE
             assert reply.next_lease is None  # not asked for
             # One round trip per lease: a submission may ask for the next lease, which its reply carries.
@@ -191,7 +191,7 @@ async def test_honest_flow_is_accepted_and_paid(hub_args):
             reply = await node.submit(node.answer(lease).model_copy(update={"next_lease_for": hub.version}))
             assert reply.accepted == PROMPTS_PER_LEASE and reply.next_lease.lease is not None
             following = reply.next_lease.lease
-            assert following.lease_id in hub.state.leasing.book.open and hub.state.store.lease(following.lease_id).state == "open"
+            assert following.lease_id in hub.state.leasing.book.open and hub.state.store.leases.lease(following.lease_id).state == "open"
             assert (await node.submit(node.answer(following))).accepted == PROMPTS_PER_LEASE
             # The piggybacked request obeys the same rules as a lease request: no snapshot held, no lease.
             lease = await node.lease()
@@ -228,7 +228,7 @@ async def test_a_node_rejoining_a_restarted_hub_keeps_its_tallies(hub_args):
             assert isinstance(reply, SubmitReply) and len(reply.rejected) == PROMPTS_PER_LEASE
             await node.submit(node.answer(lease), signer=Identity.generate())  # refused outright
             for _ in range(3):
-                hub.state.store.record_audit_pass(node.peer_id, time.time())
+                hub.state.store.members.record_audit_pass(node.peer_id, time.time())
             paid = hub.state.totals.paid_usd[node.peer_id]
             node_identity = node.identity
         # A new hub process on the same data dir and key: the store is all that is left.
@@ -260,11 +260,11 @@ async def test_bad_signature_is_refused_and_the_lease_stays_answerable(hub_args)
             reply = await node.send_raw(SUBMIT_PROTOCOL, bytes(frame), SubmitReply)
             assert isinstance(reply, Reject) and "not signed by" in reply.reason
             assert hub.trusted() == before
-            assert hub.state.store.lease(lease.lease_id).state == "open" and lease.lease_id in hub.state.leasing.book.open
+            assert hub.state.store.leases.lease(lease.lease_id).state == "open" and lease.lease_id in hub.state.leasing.book.open
             # Counted against the node as refused requests, in memory and in the store; not as rejected groups.
             tallies = hub.state.fleet.get(node.peer_id).tallies
             assert (tallies.refused, tallies.rejected) == (2, 0)
-            assert hub.state.store.node(node.peer_id).tallies == tallies
+            assert hub.state.store.members.node(node.peer_id).tallies == tallies
             # The genuine answer still goes through.
             assert (await node.submit(node.answer(lease))).accepted == PROMPTS_PER_LEASE
             await assert_still_serving(hub, hub_args[2])
@@ -315,7 +315,7 @@ async def test_replayed_submission_is_refused_and_not_paid_twice(hub_args):
             assert reply.accepted == PROMPTS_PER_LEASE
             assert reply.rejected == ((lease2.prompts[0].prompt_id, "prompt already answered"),)
             assert hub.trusted()[0] == before[0] + PROMPTS_PER_LEASE
-            rows = [r for r in hub.state.store.trajectories() if r.lease_id == lease.lease_id]
+            rows = [r for r in hub.state.store.groups.trajectories() if r.lease_id == lease.lease_id]
             assert len(rows) == PROMPTS_PER_LEASE
 
 
@@ -407,7 +407,7 @@ async def test_leave_drops_only_the_peer_that_asks_and_gives_its_leases_back(hub
             assert hub.state.fleet.get(node.peer_id).state == "standby"  # a member until its silence drops it
             assert hub.state.fleet.get(other.peer_id).state == "active"
             assert hub.state.leasing.book.leases_of(node.peer_id) == []
-            left = [(e.kind, e.node_id) for e in hub.state.store.events() if e.detail == LEFT_REASON]
+            left = [(e.kind, e.node_id) for e in hub.state.store.journal.events() if e.detail == LEFT_REASON]
             assert left == [("release", node.peer_id)]
             # the lease it gave back is no longer its own to answer
             late = await node.submit(node.answer(lease))
@@ -422,7 +422,7 @@ async def test_garbage_on_every_protocol_changes_nothing(hub_args):
             await joined_and_active(node)
             lease = await node.lease()
             before = hub.trusted()
-            nodes_before = [(n.peer_id, n.state) for n in hub.state.store.nodes()]
+            nodes_before = [(n.peer_id, n.state) for n in hub.state.store.members.nodes()]
             refused_before = hub.state.fleet.get(node.peer_id).tallies.refused
             sent = 0
             for client in (node, stranger):  # a joined node and one the hub has never heard of
@@ -435,8 +435,8 @@ async def test_garbage_on_every_protocol_changes_nothing(hub_args):
                         assert isinstance(reply, Reject) and reply.code == expected, (protocol, payload[:20], reply)
                         sent += client is node
             assert hub.trusted() == before
-            assert [(n.peer_id, n.state) for n in hub.state.store.nodes()] == nodes_before
-            assert hub.state.store.lease(lease.lease_id).state == "open"
+            assert [(n.peer_id, n.state) for n in hub.state.store.members.nodes()] == nodes_before
+            assert hub.state.store.leases.lease(lease.lease_id).state == "open"
             # Counted against the joined node, once per refused request; the stranger has nothing to count against.
             assert hub.state.fleet.get(node.peer_id).tallies.refused == refused_before + sent
             assert hub.state.fleet.get(stranger.peer_id) is None
@@ -461,7 +461,7 @@ async def test_a_claimed_reward_the_hub_does_not_score_is_refused_unpaid_and_cou
             assert [why for _, why in reply.rejected] == [REASON_CLAIMED_REWARD] * PROMPTS_PER_LEASE
             assert hub.trusted()[:3] == before[:3]  # nothing accepted, paid or buffered
             assert hub.state.fleet.get(node.peer_id).tallies.rejected == PROMPTS_PER_LEASE
-            assert [e.detail for e in hub.state.store.events() if e.kind == "reward_claim_mismatch"] == [
+            assert [e.detail for e in hub.state.store.journal.events() if e.kind == "reward_claim_mismatch"] == [
                 f"{PROMPTS_PER_LEASE} groups claimed other rewards"]
             # Claims that match the hub's scores are fine.
             lease = await node.lease()
@@ -480,7 +480,7 @@ async def test_strangers_and_wrong_models_get_nothing(hub_args):
             assert isinstance(reply, Reject) and "join first" in reply.reason
             reply = await stranger.join(config_hash="0" * 64)
             assert isinstance(reply, Reject) and "model config differs" in reply.reason
-            assert hub.state.fleet.nodes == {} and hub.state.store.nodes() == []
+            assert hub.state.fleet.nodes == {} and hub.state.store.members.nodes() == []
             # A submission from a stranger is verified (it is signed by the stranger) and then refused.
             fake = Submission(lease_id="0" * 24, node_id=stranger.peer_id, groups=())
             reply = await stranger.submit(fake)

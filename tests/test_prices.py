@@ -124,9 +124,9 @@ async def test_a_joined_node_re_declares_its_price(tmp_path, default_model_dir) 
             same = await node.reprice(0.71)  # the price in force again: no change, not refused, the wait unchanged
             assert isinstance(same, PriceReply) and 0 < same.next_change_in_s <= 1.0
             await hub.state.flush()
-            history = hub.state.store.price_history(limit_per_node=10)[node.peer_id]
+            history = hub.state.store.members.price_history(limit_per_node=10)[node.peer_id]
             assert [price for _, price in history] == [0.5, 0.7, 0.71]
-            assert hub.state.store.node(node.peer_id).price_per_hour == 0.71
+            assert hub.state.store.members.node(node.peer_id).price_per_hour == 0.71
             # The status board and `echo-hub status` show how the price moved; a status without the key does not.
             board = StatusBoard(RunInfo(hub.identity.peer_id, (hub.addr,), 0, 2, 1, "t", "chain"), tmp_path, hub.state,
                                 learner_step=lambda: 0)
@@ -195,14 +195,15 @@ async def test_a_node_link_re_declares_its_scheduled_price(tmp_path, default_mod
 def test_a_nodes_price_history_is_bounded(tmp_path) -> None:
     """However often a node re-declares (or rejoins at a new price), the store keeps its newest
     PRICES_KEPT_PER_NODE prices, and the newest are the ones kept."""
-    from hub.records.store import PRICES_KEPT_PER_NODE, Store
+    from hub.records.schema import PRICES_KEPT_PER_NODE
+    from hub.records.store import Store
 
     store = Store(tmp_path / "hub.sqlite")
-    store.upsert_node("peer-a", 0.1, "cpu", 1000, "hf", "standby")
+    store.members.upsert_node("peer-a", 0.1, "cpu", 1000, "hf", "standby")
     start = time.time() + 1  # after the join's own row
     for i in range(PRICES_KEPT_PER_NODE + 50):
-        assert store.set_node_price("peer-a", 0.2 + i / 1000, at=start + i)
-    history = store.price_history(10 * PRICES_KEPT_PER_NODE)["peer-a"]
+        assert store.members.set_node_price("peer-a", 0.2 + i / 1000, at=start + i)
+    history = store.members.price_history(10 * PRICES_KEPT_PER_NODE)["peer-a"]
     store.close()
     assert len(history) == PRICES_KEPT_PER_NODE
     assert history[0][0] == start + 50 and history[-1] == (start + PRICES_KEPT_PER_NODE + 49, pytest.approx(0.2 + (PRICES_KEPT_PER_NODE + 49) / 1000))

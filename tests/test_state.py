@@ -17,7 +17,7 @@ from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
 from hub.control.policy import fleet_view
 from hub.method.prices import billable_seconds
 from hub.records.snapshots import SnapshotShelf
-from hub.records.store import StepRecord
+from hub.records.schema import StepRecord
 from hub.service.state import HubState
 from hub.trust.audit import AuditJob, AuditResult
 from shared.crypto import Identity
@@ -197,7 +197,7 @@ async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_
     record = state.fleet.get(peer)
     assert record.state == "banned" and "gap 0.5" in record.banned_reason
     assert state.totals.audits == {"passed": 0, "failed": 1, "unverified": 0}  # this session's
-    assert state.totals.paid_usd[peer] == pytest.approx(paid) == state.store.ledger_total_usd(peer)
+    assert state.totals.paid_usd[peer] == pytest.approx(paid) == state.store.groups.ledger_total_usd(peer)
     assert len(state.buffer) == 0  # the cheat's groups never reached the buffer
     with pytest.raises(PeerFault) as refused:
         await state.membership.join(peer, join_request(state), "10.0.0.1")
@@ -273,7 +273,7 @@ async def test_on_probation_every_group_is_audited_before_any_reaches_the_buffer
     assert outcome.accepted == 2  # acknowledged and booked before the audit's verdict...
     assert state.fleet.get(peer).state == "banned"  # ...which then bans the node
     assert len(state.buffer) == 0  # neither group of the lie, and the probe's group dropped with the ban
-    rows = {r.prompt_id: r.discard_reason for r in state.store.trajectories() if r.lease_id == grant.lease.lease_id}
+    rows = {r.prompt_id: r.discard_reason for r in state.store.groups.trajectories() if r.lease_id == grant.lease.lease_id}
     assert set(rows.values()) == {"banned: audit failed"}
     state.store.close()
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from hub.records.store import SCHEMA_VERSION, SchemaMismatch, StepRecord, Store
+from hub.records.schema import SCHEMA_VERSION, SchemaMismatch, StepRecord
+from hub.records.store import Store
 from hub.trust.submissions import GroupVerdict
 from shared.messages import SubmittedGroup, Tallies
 from shared.rollout import Completion, Group
@@ -56,40 +57,40 @@ def test_database_of_another_schema_is_refused_untouched(tmp_path):
 
 def test_commit_step_is_atomic(tmp_path):
     store = Store(tmp_path / "hub.db")
-    store.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")
-    store.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time(), time.time() + 60)
-    ids = [store.record_trajectory(make_group(f"p{i}", 0), "L1", "peerA", "accepted") for i in range(3)]
-    store.commit_step(make_record(1), ids[:2], dropped_stale_ids=[ids[2]])
-    rows = {r.id: r for r in store.trajectories()}
+    store.members.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")
+    store.leases.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time(), time.time() + 60)
+    ids = [store.groups.record_trajectory(make_group(f"p{i}", 0), "L1", "peerA", "accepted") for i in range(3)]
+    store.training.commit_step(make_record(1), ids[:2], dropped_stale_ids=[ids[2]])
+    rows = {r.id: r for r in store.groups.trajectories()}
     assert rows[ids[0]].consumed_step == 1 and rows[ids[1]].consumed_step == 1
-    assert rows[ids[2]].discard_reason == "stale" and store.dropped_stale_count() == 1
-    assert store.node("peerA").tallies.accepted == 3
+    assert rows[ids[2]].discard_reason == "stale" and store.groups.dropped_stale_count() == 1
+    assert store.members.node("peerA").tallies.accepted == 3
 
     # A second step that names an already-consumed id must leave nothing behind.
-    fresh = store.record_trajectory(make_group("p9", 1), None, "", "accepted")
+    fresh = store.groups.record_trajectory(make_group("p9", 1), None, "", "accepted")
     with pytest.raises(ValueError, match="not an accepted, pending row"):
-        store.commit_step(make_record(2), [fresh, ids[0]])
-    assert [s.step for s in store.steps()] == [1]
-    assert [gid for gid, _ in store.unconsumed_groups()] == [fresh]
+        store.training.commit_step(make_record(2), [fresh, ids[0]])
+    assert [s.step for s in store.training.steps()] == [1]
+    assert [gid for gid, _ in store.groups.unconsumed_groups()] == [fresh]
     # Duplicate step numbers are refused by the primary key, also atomically.
     with pytest.raises(sqlite3.IntegrityError):
-        store.commit_step(make_record(1), [fresh])
-    assert [gid for gid, _ in store.unconsumed_groups()] == [fresh]
+        store.training.commit_step(make_record(1), [fresh])
+    assert [gid for gid, _ in store.groups.unconsumed_groups()] == [fresh]
 
 
 def test_unconsumed_groups_survive_reopen(tmp_path):
     path = tmp_path / "hub.db"
     store = Store(path)
-    a = store.record_trajectory(make_group("a", 0), None, "", "accepted")
-    store.record_trajectory(make_group("r", 0), None, "", "rejected", reason="bad reward claim")
-    b = store.record_trajectory(make_group("b", 1, (1.0, 0.0)), None, "", "accepted")
-    c = store.record_trajectory(make_group("c", 1), None, "", "accepted")
-    store.commit_step(make_record(1), [a])
-    store.discard_trajectories([c], "zero reward variance")
+    a = store.groups.record_trajectory(make_group("a", 0), None, "", "accepted")
+    store.groups.record_trajectory(make_group("r", 0), None, "", "rejected", reason="bad reward claim")
+    b = store.groups.record_trajectory(make_group("b", 1, (1.0, 0.0)), None, "", "accepted")
+    c = store.groups.record_trajectory(make_group("c", 1), None, "", "accepted")
+    store.training.commit_step(make_record(1), [a])
+    store.groups.discard_trajectories([c], "zero reward variance")
     store.close()
 
     again = Store(path)
-    pending = again.unconsumed_groups()
+    pending = again.groups.unconsumed_groups()
     assert [gid for gid, _ in pending] == [b]
     assert pending[0][1] == make_group("b", 1, (1.0, 0.0))
     assert again.integrity_check() == "ok"
@@ -97,43 +98,43 @@ def test_unconsumed_groups_survive_reopen(tmp_path):
 
 def test_snapshots_checkpoints_events_leases(tmp_path):
     store = Store(tmp_path / "hub.db")
-    assert store.latest_version() is None
-    store.add_snapshot(0, "snapshots/v0", "h0", 100, time.time())
-    store.add_snapshot(3, "snapshots/v3", "h3", 100, time.time())
+    assert store.shelf.latest_version() is None
+    store.shelf.add_snapshot(0, "snapshots/v0", "h0", 100, time.time())
+    store.shelf.add_snapshot(3, "snapshots/v3", "h3", 100, time.time())
     with pytest.raises(ValueError, match="not newer"):
-        store.add_snapshot(3, "snapshots/v3b", "h3b", 100, time.time())
-    store.set_broadcast_time(3, 1.5)
-    assert store.latest_version() == 3
-    assert store.snapshots()[-1].t_bcast_s == 1.5
+        store.shelf.add_snapshot(3, "snapshots/v3b", "h3b", 100, time.time())
+    store.shelf.set_broadcast_time(3, 1.5)
+    assert store.shelf.latest_version() == 3
+    assert store.shelf.snapshots()[-1].t_bcast_s == 1.5
 
-    assert store.latest_checkpoint() is None
-    store.commit_step(make_record(1), [])
-    store.commit_step(make_record(2), [])
-    store.add_checkpoint(1, "ckpt/1", 1)
-    store.add_checkpoint(2, "ckpt/2", 2)
-    assert store.latest_checkpoint().step == 2
+    assert store.training.latest_checkpoint() is None
+    store.training.commit_step(make_record(1), [])
+    store.training.commit_step(make_record(2), [])
+    store.training.add_checkpoint(1, "ckpt/1", 1)
+    store.training.add_checkpoint(2, "ckpt/2", 2)
+    assert store.training.latest_checkpoint().step == 2
     with pytest.raises(sqlite3.IntegrityError):  # a checkpoint must name a committed step
-        store.add_checkpoint(7, "ckpt/7", 7)
+        store.training.add_checkpoint(7, "ckpt/7", 7)
 
-    store.add_event("join", "peerA", "hello")
-    store.add_event("ban", "peerA", "bad chunk")
-    assert [e.kind for e in store.events(limit=1)] == ["ban"]
+    store.journal.add_event("join", "peerA", "hello")
+    store.journal.add_event("ban", "peerA", "bad chunk")
+    assert [e.kind for e in store.journal.events(limit=1)] == ["ban"]
 
-    store.upsert_node("peerA", 0.35, "cpu", None, "hf")
-    store.add_lease("L1", "peerA", ["p1"], 0, time.time(), time.time() - 1)
-    store.add_lease("L2", "peerA", ["p2"], 0, time.time(), time.time() + 60)
-    assert store.expire_leases(time.time(), events=[("lease_expired", "peerA", "L1")]) == ["L1"]
-    assert store.lease("L1").state == "expired" and store.lease("L2").prompt_ids == ("p2",)
-    assert store.events(limit=1)[0].kind == "lease_expired"
+    store.members.upsert_node("peerA", 0.35, "cpu", None, "hf")
+    store.leases.add_lease("L1", "peerA", ["p1"], 0, time.time(), time.time() - 1)
+    store.leases.add_lease("L2", "peerA", ["p2"], 0, time.time(), time.time() + 60)
+    assert store.leases.expire_leases(time.time(), events=[("lease_expired", "peerA", "L1")]) == ["L1"]
+    assert store.leases.lease("L1").state == "expired" and store.leases.lease("L2").prompt_ids == ("p2",)
+    assert store.journal.events(limit=1)[0].kind == "lease_expired"
     with pytest.raises(sqlite3.IntegrityError):  # leases only for known nodes
-        store.add_lease("L3", "stranger", ["p"], 0, time.time(), time.time())
-    assert store.steps()[0].extra == {"kl": 0.01}
+        store.leases.add_lease("L3", "stranger", ["p"], 0, time.time(), time.time())
+    assert store.training.steps()[0].extra == {"kl": 0.01}
 
 
 def test_submission_verdicts_are_tallied_per_node_and_overall(tmp_path):
     store = Store(tmp_path / "hub.db")
-    store.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")
-    store.add_lease("L1", "peerA", ["p1", "p2", "p3"], 0, time.time(), time.time() + 60)
+    store.members.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")
+    store.leases.add_lease("L1", "peerA", ["p1", "p2", "p3"], 0, time.time(), time.time() + 60)
     good = make_group("p1", 3)
     submitted = SubmittedGroup(prompt_id="p1", completions=good.completions)
     verdicts = [
@@ -141,71 +142,71 @@ def test_submission_verdicts_are_tallied_per_node_and_overall(tmp_path):
         GroupVerdict("p2", False, "stale version 1 (oldest accepted 2)", submitted, late=True),
         GroupVerdict("p3", False, "tokens after EOS", submitted),
     ]
-    ids = store.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h",
+    ids = store.groups.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h",
                                   rollouts_per_s=3.5, events=[("probed", "peerA", "3.5 rollouts/s")])
-    assert [store.trajectories()[i].verdict for i in range(3)] == ["accepted", "late", "rejected"]
+    assert [store.groups.trajectories()[i].verdict for i in range(3)] == ["accepted", "late", "rejected"]
     assert len(ids) == 3
-    node = store.node("peerA")
+    node = store.members.node("peerA")
     assert node.tallies == Tallies(accepted=1, rejected=1, late=1)
     assert (node.rollouts_per_s, node.measured) == (3.5, True)
-    assert store.events(limit=1)[0].detail == "3.5 rollouts/s"  # in the same transaction
-    assert store.ledger_total_usd("peerA") == pytest.approx(0.01)
+    assert store.journal.events(limit=1)[0].detail == "3.5 rollouts/s"  # in the same transaction
+    assert store.groups.ledger_total_usd("peerA") == pytest.approx(0.01)
     # A replay racing the first answer finds the lease answered: nothing changes.
     with pytest.raises(ValueError, match="not open"):
-        store.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h")
-    assert store.node("peerA").tallies == Tallies(accepted=1, rejected=1, late=1)
-    store.record_trajectory(make_group("p4", 1), None, "peerA", "late", reason="stale version 1")
-    assert store.trajectory_counts() == {"accepted": 1, "rejected": 1, "late": 2}
-    assert store.node("peerA").tallies.late == 2
+        store.groups.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h")
+    assert store.members.node("peerA").tallies == Tallies(accepted=1, rejected=1, late=1)
+    store.groups.record_trajectory(make_group("p4", 1), None, "peerA", "late", reason="stale version 1")
+    assert store.groups.trajectory_counts() == {"accepted": 1, "rejected": 1, "late": 2}
+    assert store.members.node("peerA").tallies.late == 2
     with pytest.raises(ValueError, match="verdict must be one of"):
-        store.record_trajectory(make_group("p5", 1), None, "peerA", "maybe")
+        store.groups.record_trajectory(make_group("p5", 1), None, "peerA", "maybe")
 
 
 def test_recent_usable_groups_counts_settled_accepted_rows(tmp_path):
     store = Store(tmp_path / "hub.db")
-    ids = [store.record_trajectory(make_group(f"p{i}", 0), None, "", "accepted") for i in range(6)]
-    store.record_trajectory(make_group("late", 0), None, "", "late")  # never accepted: not counted
-    assert store.recent_usable_groups(100) == (0, 0, 0)  # all pending: nothing settled
-    store.commit_step(make_record(1), ids[:2], dropped_stale_ids=[ids[2]])
-    store.discard_trajectories([ids[3]], "zero reward variance")
-    assert store.recent_usable_groups(100) == (2, 4, 1)  # ids[4:] still pending; ids[2] went stale
-    assert store.recent_usable_groups(2) == (0, 2, 1)  # the newest two settled were both skipped
+    ids = [store.groups.record_trajectory(make_group(f"p{i}", 0), None, "", "accepted") for i in range(6)]
+    store.groups.record_trajectory(make_group("late", 0), None, "", "late")  # never accepted: not counted
+    assert store.groups.recent_usable_groups(100) == (0, 0, 0)  # all pending: nothing settled
+    store.training.commit_step(make_record(1), ids[:2], dropped_stale_ids=[ids[2]])
+    store.groups.discard_trajectories([ids[3]], "zero reward variance")
+    assert store.groups.recent_usable_groups(100) == (2, 4, 1)  # ids[4:] still pending; ids[2] went stale
+    assert store.groups.recent_usable_groups(2) == (0, 2, 1)  # the newest two settled were both skipped
 
 
 def test_liveness_sessions_audits_and_penalties_survive_reopen(tmp_path):
     path = tmp_path / "hub.db"
     store = Store(path)
     first = store.start_session(1000.0)
-    store.upsert_node("peerA", 0.35, "cpu", 1e8, "hf", "active", event=("join", "peerA", "price $0.35/h"))
-    store.flush_liveness([("peerA", 1010.0, 9.5, 2.25, True)], first, 1030.0)
-    store.record_audit_pass("peerA", 1005.0)
-    store.record_audit_pass("peerA", 1003.0)  # an older submission's audit passing later vouches for no less
-    store.add_lease("L1", "peerA", ["p1"], 0, 1000.0, 2000.0)
-    store.add_lease("L2", "peerA", ["p2"], 0, 1000.0, 2000.0)
+    store.members.upsert_node("peerA", 0.35, "cpu", 1e8, "hf", "active", event=("join", "peerA", "price $0.35/h"))
+    store.members.flush_liveness([("peerA", 1010.0, 9.5, 2.25, True)], first, 1030.0)
+    store.members.record_audit_pass("peerA", 1005.0)
+    store.members.record_audit_pass("peerA", 1003.0)  # an older submission's audit passing later vouches for no less
+    store.leases.add_lease("L1", "peerA", ["p1"], 0, 1000.0, 2000.0)
+    store.leases.add_lease("L2", "peerA", ["p2"], 0, 1000.0, 2000.0)
     g1, g2 = make_group("p1", 0), make_group("p2", 0)
     v = lambda g: GroupVerdict(g.prompt_id, True, "", SubmittedGroup(prompt_id=g.prompt_id, completions=g.completions), g)
-    (row1,) = store.record_submission("L1", "peerA", [v(g1)], usd=0.01, seconds=1.0, signed_bytes_hash="h", now=1004.0)
-    (row2,) = store.record_submission("L2", "peerA", [v(g2)], usd=0.02, seconds=1.0, signed_bytes_hash="h", now=1006.0)
+    (row1,) = store.groups.record_submission("L1", "peerA", [v(g1)], usd=0.01, seconds=1.0, signed_bytes_hash="h", now=1004.0)
+    (row2,) = store.groups.record_submission("L2", "peerA", [v(g2)], usd=0.02, seconds=1.0, signed_bytes_hash="h", now=1006.0)
     store.close()
 
     store = Store(path)
     assert store.learner_seconds() == pytest.approx(30.0)
     second = store.start_session(5000.0)
-    store.flush_liveness([], second, 5004.0)
+    store.members.flush_liveness([], second, 5004.0)
     assert store.learner_seconds() == pytest.approx(34.0)
-    node = store.node("peerA")
+    node = store.members.node("peerA")
     assert (node.last_seen, node.online_s, node.rollouts_per_s, node.measured) == (1010.0, 9.5, 2.25, True)
     assert (node.audits_passed, node.vouched_at) == (2, 1005.0)
     # Caught later: banned, its pending row discarded, pay after its last vouched-for submission voided.
-    voided, paid = store.penalize_node("peerA", [row2], node.vouched_at, "audit failed", event=("audit_fail", "peerA", "x"))
+    voided, paid = store.members.penalize_node("peerA", [row2], node.vouched_at, "audit failed", event=("audit_fail", "peerA", "x"))
     assert (voided, paid) == (1, pytest.approx(0.01))
-    node = store.node("peerA")
+    node = store.members.node("peerA")
     assert (node.state, node.banned_reason) == ("banned", "audit failed")
-    assert {r.id: r.discard_reason for r in store.trajectories()} == {row1: None, row2: "banned: audit failed"}
+    assert {r.id: r.discard_reason for r in store.groups.trajectories()} == {row1: None, row2: "banned: audit failed"}
     with pytest.raises(ValueError, match="not an accepted, pending row"):  # all or nothing
-        store.penalize_node("peerA", [row2], 0.0, "again")
-    assert store.ledger_total_usd("peerA") == pytest.approx(0.01)
-    assert [e.kind for e in store.events()] == ["audit_fail", "join"]
+        store.members.penalize_node("peerA", [row2], 0.0, "again")
+    assert store.groups.ledger_total_usd("peerA") == pytest.approx(0.01)
+    assert [e.kind for e in store.journal.events()] == ["audit_fail", "join"]
 
 
 def test_refused_work_is_kept_as_a_hash_not_a_payload(tmp_path):
@@ -213,8 +214,8 @@ def test_refused_work_is_kept_as_a_hash_not_a_payload(tmp_path):
         """Bytes the store's files (WAL included) grow by for one submission: one accepted group, one refused."""
         directory = tmp_path / str(refused_tokens)
         store = Store(directory / "hub.db")
-        store.upsert_node("peerA", 0.35, "cpu", 1e8, "hf")
-        store.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time(), time.time() + 60)
+        store.members.upsert_node("peerA", 0.35, "cpu", 1e8, "hf")
+        store.leases.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time(), time.time() + 60)
         good = make_group("p1", 3)
         refused = SubmittedGroup(prompt_id="p2", completions=tuple(
             Completion(token_ids=(5,) * refused_tokens, logprobs=(-0.1,) * refused_tokens, finish_reason="length",
@@ -222,7 +223,7 @@ def test_refused_work_is_kept_as_a_hash_not_a_payload(tmp_path):
         verdicts = [GroupVerdict("p1", True, "", SubmittedGroup(prompt_id="p1", completions=good.completions), group=good),
                     GroupVerdict("p2", False, "completion too long", refused)]
         before = sum(p.stat().st_size for p in directory.iterdir())
-        store.record_submission("L1", "peerA", verdicts, usd=0.0, seconds=1.0, signed_bytes_hash="h")
+        store.groups.record_submission("L1", "peerA", verdicts, usd=0.0, seconds=1.0, signed_bytes_hash="h")
         rows = store.db.execute("SELECT verdict, id NOT IN (SELECT id FROM payloads), length(group_hash) FROM trajectories"
                                 " ORDER BY id").fetchall()
         assert rows == [("accepted", 0, 64), ("rejected", 1, 64)]

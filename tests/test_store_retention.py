@@ -46,15 +46,15 @@ def books(path: Path) -> dict:
     a resume refills; and the view a restarted HubState rebuilds (which writes a session: call it once per copy)."""
     store = Store(path)
     out = {
-        "nodes": store.nodes(),
-        "paid": {k: round(v, 9) for k, v in store.ledger_by_node_usd().items()},
-        "paid_total": round(store.ledger_total_usd(), 9),
-        "counts": (store.trajectory_counts(), store.dropped_stale_count()),
-        "recent": (store.recent_usable_groups(10_000), store.recent_discards(10_000), store.recent_rejections(10_000)),
-        "steps": store.steps(),
-        "pending": store.unconsumed_groups(),
+        "nodes": store.members.nodes(),
+        "paid": {k: round(v, 9) for k, v in store.groups.ledger_by_node_usd().items()},
+        "paid_total": round(store.groups.ledger_total_usd(), 9),
+        "counts": (store.groups.trajectory_counts(), store.groups.dropped_stale_count()),
+        "recent": (store.groups.recent_usable_groups(10_000), store.groups.recent_discards(10_000), store.groups.recent_rejections(10_000)),
+        "steps": store.training.steps(),
+        "pending": store.groups.unconsumed_groups(),
         "rows": [(r.id, r.node_id, r.version, r.verdict, r.reward_mean, r.consumed_step, r.discard_reason)
-                 for r in store.trajectories()],
+                 for r in store.groups.trajectories()],
     }
     state = HubState(store, CONFIG, ReverseTask())
     out["view"] = (
@@ -95,8 +95,8 @@ def test_books_are_the_same_after_retention_and_only_settled_payloads_off_the_sh
     assert after == before
     # What stays: every pending group's payload, and settled ones of versions still on the shelf.
     store = Store(path)
-    pending = {i for i, _ in store.unconsumed_groups()}
-    recent = {r.id for r in store.trajectories() if r.verdict == "accepted" and r.version >= OLDEST_ON_SHELF}
+    pending = {i for i, _ in store.groups.unconsumed_groups()}
+    recent = {r.id for r in store.groups.trajectories() if r.verdict == "accepted" and r.version >= OLDEST_ON_SHELF}
     store.close()
     assert pending and recent and payload_ids(path) == (pending | recent) & held
     assert retain(path) == (0, 0, 0)  # nothing is retained twice
@@ -171,10 +171,10 @@ def test_a_ban_after_retention_voids_what_it_would_have_voided(tmp_path, vouch_n
     paid = []
     for p in (path, twin):
         store = Store(p)
-        node = store.nodes()[0]
+        node = store.members.nodes()[0]
         # What HubState._penalize voids: pay after the last passed audit (with audits off: all of it).
-        store.penalize_node(node.peer_id, [], (node.vouched_at or 0.0) if vouch_needed else 0.0, "test")
-        paid.append({k: round(v, 9) for k, v in store.ledger_by_node_usd().items()})
+        store.members.penalize_node(node.peer_id, [], (node.vouched_at or 0.0) if vouch_needed else 0.0, "test")
+        paid.append({k: round(v, 9) for k, v in store.groups.ledger_by_node_usd().items()})
         store.close()
     assert paid[0] == paid[1]
     assert retain(path, vouch_needed)[2] > 0  # the banned node's rows are final: rolled up
@@ -205,7 +205,7 @@ def test_the_store_file_stops_growing_once_payloads_are_retained(tmp_path):
     for cycle in range(4):
         build_large_store(tmp_path, 20, 200, nodes=4, group_size=64)
         store = Store(tmp_path / HUB_STORE_FILE)
-        store.add_event("cycle", None, str(cycle))
+        store.journal.add_event("cycle", None, str(cycle))
         assert os.path.getsize(f"{tmp_path / HUB_STORE_FILE}-wal") > 0
         assert store.checkpoint()
         assert os.path.getsize(f"{tmp_path / HUB_STORE_FILE}-wal") == 0
@@ -223,7 +223,7 @@ async def test_the_hub_keeps_payloads_of_versions_still_on_its_shelf(tmp_path):
                      shelved_versions=lambda: shelf)
     kept = await state.retain(time.time())
     assert kept.payloads > 0 and kept.leases > 0
-    rows = state.store.trajectories()
+    rows = state.store.groups.trajectories()
     state.store.close()
     on_shelf = {r.id for r in rows if r.verdict == "accepted" and r.version >= shelf[0]}
     pending = {r.id for r in rows if r.verdict == "accepted" and r.consumed_step is None and r.discard_reason is None}
@@ -246,7 +246,7 @@ def test_old_steps_keep_their_columns_but_not_their_metrics_json_and_snapshot_ro
     STEP_METRICS_KEPT steps only the columns stay. Snapshot rows past the newest SNAPSHOT_ROWS_KEPT go. The pages
     they held go back to the disk at the next checkpoint."""
     import hub.records.store as store_module
-    from hub.records.store import StepRecord
+    from hub.records.schema import StepRecord
 
     monkeypatch.setattr(store_module, "STEP_METRICS_KEPT", 100)
     monkeypatch.setattr(store_module, "SNAPSHOT_ROWS_KEPT", 3)
@@ -255,8 +255,8 @@ def test_old_steps_keep_their_columns_but_not_their_metrics_json_and_snapshot_ro
 
     def steps(first: int, last: int) -> None:
         for step in range(first, last + 1):
-            store.commit_step(StepRecord(step, step, 0.5, 0.1, 1.0, 2, 0, 1.0, 0.0, 0.0, 100, 0.0, extra), [])
-            store.add_snapshot(step, f"/snapshots/v{step}", "ab" * 32, 1000, float(step))
+            store.training.commit_step(StepRecord(step, step, 0.5, 0.1, 1.0, 2, 0, 1.0, 0.0, 0.0, 100, 0.0, extra), [])
+            store.shelf.add_snapshot(step, f"/snapshots/v{step}", "ab" * 32, 1000, float(step))
 
     def live_pages() -> int:
         return store.db.execute("PRAGMA page_count").fetchone()[0] - store.db.execute("PRAGMA freelist_count").fetchone()[0]
@@ -266,16 +266,16 @@ def test_old_steps_keep_their_columns_but_not_their_metrics_json_and_snapshot_ro
     before = live_pages()
     kept = store.retain(0, 0.0, True)
     assert (kept.step_metrics, kept.snapshot_rows) == (900, 997)
-    rows = store.steps()
+    rows = store.training.steps()
     assert [s.step for s in rows] == list(range(1, 1001)) and [s.reward_mean for s in rows] == [0.5] * 1000
     assert all(s.extra == {} for s in rows[:900]) and all(s.extra == extra for s in rows[900:])
-    assert [s.version for s in store.snapshots()] == [998, 999, 1000] and store.latest_version() == 1000
+    assert [s.version for s in store.shelf.snapshots()] == [998, 999, 1000] and store.shelf.latest_version() == 1000
     store.checkpoint()
     assert live_pages() < 0.4 * before, (live_pages(), before)
     steps(1001, 1010)  # the next pass trims only the steps that crossed the line since
     kept = store.retain(0, 0.0, True)
     assert (kept.step_metrics, kept.snapshot_rows) == (10, 10)
-    assert store.steps()[909].extra == {} and store.steps()[910].extra == extra
+    assert store.training.steps()[909].extra == {} and store.training.steps()[910].extra == extra
     store.close()
 
 

@@ -237,7 +237,7 @@ def read_run(config: HubConfig) -> RecordedRun | None:
     store = config.data_dir / HUB_STORE_FILE
     if not store.exists():
         return None
-    from hub.records.store import SCHEMA_VERSION  # here, not at the top: a mistake on a fresh start is refused without it
+    from hub.records.schema import SCHEMA_VERSION
 
     # A store closed cleanly has no -wal file: read it `immutable`, or SQLite would create -wal/-shm files.
     # After a crash they exist already and hold committed pages: read through them.

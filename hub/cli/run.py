@@ -96,7 +96,7 @@ class Hub:
         rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], core.tokenizer, rules.stop_ids)
         # Files the shelf no longer serves (a crash's orphans, versions from before a restart) go now; the
         # newest stays for the learner to serve again on resume.
-        latest = self.state.store.latest_version()
+        latest = self.state.store.shelf.latest_version()
         self.shelf.prune(set() if latest is None else {latest})
         # Unbuffered: the learner writes its next snapshot only once the shelf took (and pruned for) the last,
         # so the snapshot dir never holds more than S + 2 of them.

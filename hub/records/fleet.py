@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hub.method.capacity import ewma
-from hub.records.store import NodeRow
+from hub.records.schema import NodeRow
 from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest, NodeState, Tallies
 
 THROUGHPUT_EWMA_ALPHA = 0.3

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hub.method.capacity import default_kappa, usable_fraction
-from hub.records.store import StepRecord, Store
+from hub.records.schema import StepRecord
+from hub.records.store import Store
 
 # T_train is the mean of this many newest steps.
 T_TRAIN_STEPS = 10
@@ -53,10 +54,10 @@ class LearnerWindow:
     def at_start(cls, store: Store, staleness: int, kappa: int, staleness_max: int | None) -> LearnerWindow:
         """The window a learner over `store` starts with, before it is built (the scheduler is built first): its
         newest committed step, and under --staleness auto (`staleness_max` set) the S that step trained under."""
-        resumed = resumed_staleness(store.latest_step_record(), staleness_max) if staleness_max is not None else None
+        resumed = resumed_staleness(store.training.latest_step_record(), staleness_max) if staleness_max is not None else None
         if resumed is not None:
             staleness, kappa = resumed, default_kappa(resumed)
-        return cls(step=store.latest_step() or 0, staleness=staleness, window_staleness=staleness, kappa=kappa)
+        return cls(step=store.training.latest_step() or 0, staleness=staleness, window_staleness=staleness, kappa=kappa)
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ class StepReading:
 
 def read_step_figures(store: Store) -> StepReading:
     """T_train over the newest steps and the usable fractions over the newest settled groups (blocking)."""
-    recent = [s.t_train_s for s in store.recent_steps(T_TRAIN_STEPS)]
-    trained, settled, stale = store.recent_usable_groups(USABLE_WINDOW_GROUPS)
+    recent = [s.t_train_s for s in store.training.recent_steps(T_TRAIN_STEPS)]
+    trained, settled, stale = store.groups.recent_usable_groups(USABLE_WINDOW_GROUPS)
     usable = usable_fraction(trained, settled)
     # Everything settled went stale: no step of ours to learn the other skips from.
     fresh = usable_fraction(trained, settled - stale) if settled > stale else usable

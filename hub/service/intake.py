@@ -41,7 +41,8 @@ from hub.method.prices import LeasePay, price_lease
 from hub.records.buffer import BufferSignal, ReplayBuffer
 from hub.records.fleet import NodeRecord
 from hub.records.leases import LeaseRecord
-from hub.records.store import NodeBanned, Store
+from hub.records.schema import NodeBanned
+from hub.records.store import Store
 from hub.records.writer import StoreWriter
 from hub.service.leasing import Leasing
 from hub.service.membership import Membership
@@ -258,7 +259,7 @@ class Intake:
                 # Room and the audit backlog are counted before the commit: concurrent submissions must not
                 # overfill either with groups their nodes were told were accepted.
                 with self.room.reserving(accepted), self.probation.holding(priced.held):
-                    row_ids = await self.writer.write(lambda: self.store.record_submission(
+                    row_ids = await self.writer.write(lambda: self.store.groups.record_submission(
                         lease.lease_id, record.peer_id, verdicts, usd=pay.usd, seconds=pay.billed_s,
                         signed_bytes_hash=claimed.signed_hash, now=claimed.at, rollouts_per_s=priced.rate,
                         events=events, hold=priced.held > 0, tokens=pay.tokens,
@@ -295,11 +296,11 @@ class Intake:
 
     async def recent_rejections(self, limit: int) -> dict[str, int]:
         """Why the newest `limit` rejected groups were rejected: reason -> count (the stall warning's cause)."""
-        return await trio.to_thread.run_sync(self.store.recent_rejections, limit)
+        return await trio.to_thread.run_sync(self.store.groups.recent_rejections, limit)
 
     async def recent_discards(self, limit: int) -> dict[str, int]:
         """What became of the newest `limit` settled accepted groups: trained, or why discarded -> count."""
-        return await trio.to_thread.run_sync(self.store.recent_discards, limit)
+        return await trio.to_thread.run_sync(self.store.groups.recent_discards, limit)
 
     # -- the routes --------------------------------------------------------------------------------
 
@@ -310,7 +311,7 @@ class Intake:
             # Banned by an audit that failed while this submission was in flight: never trained on.
             if kept:
                 ids = [row_id for _, row_id in kept]
-                await self.writer.write(self.store.discard_trajectories, ids, "banned: audit failed")
+                await self.writer.write(self.store.groups.discard_trajectories, ids, "banned: audit failed")
             return
         if kept:
             self.probation.sample(record.peer_id, lease_id, kept, answered_at)
@@ -328,12 +329,12 @@ class Intake:
                 if record.state == "banned":
                     # Failed, or banned meanwhile (a released row must not slip past the ban either):
                     # discard whichever rows the ban has not discarded already.
-                    await self.writer.write(self.store.discard_if_pending, row_ids, "banned: audit failed")
+                    await self.writer.write(self.store.groups.discard_if_pending, row_ids, "banned: audit failed")
                 elif passed:
                     await self._buffer(kept)
                 else:
                     paid = await self.writer.write(
-                        self.store.discard_and_void, row_ids, "not audited while on probation", record.peer_id, lease_id,
+                        self.store.groups.discard_and_void, row_ids, "not audited while on probation", record.peer_id, lease_id,
                     )
                     self.totals.paid_usd[record.peer_id] = paid
         finally:
@@ -347,13 +348,13 @@ class Intake:
             if not result.accepted:
                 refused.setdefault(result.reason or "refused", []).append(row_id)
         for reason, ids in refused.items():
-            await self.writer.write(self.store.discard_trajectories, ids, reason)
+            await self.writer.write(self.store.groups.discard_trajectories, ids, reason)
         self.signal.notify()
 
     async def record_local_group(self, group: Group) -> None:
         """A group from the hub's own in-process rollouts: committed as accepted, then offered to the buffer."""
         with trio.CancelScope(shield=True):
-            row_id = await self.writer.write(self.store.record_trajectory, group, None, "", "accepted")
+            row_id = await self.writer.write(self.store.groups.record_trajectory, group, None, "", "accepted")
             self.totals.groups = self.totals.groups + Tallies(accepted=1)
             await self._buffer([(group, row_id)])
 
@@ -386,7 +387,7 @@ class Intake:
             return False
         answered_at = jobs[0].answered_at
         with trio.CancelScope(shield=True):
-            released = await self.writer.write(self.store.record_audit_pass, record.peer_id, answered_at, list(release),
+            released = await self.writer.write(self.store.members.record_audit_pass, record.peer_id, answered_at, list(release),
                                                self.clock())
             if not released:  # banned while it was audited: the ban discarded the rows
                 return False
@@ -407,7 +408,7 @@ class Intake:
         dropped = self.buffer.drop_node(record.peer_id)
         since = self.probation.unvouched_since(record)
         with trio.CancelScope(shield=True):
-            voided, paid = await self.writer.write(lambda: self.store.penalize_node(
+            voided, paid = await self.writer.write(lambda: self.store.members.penalize_node(
                 record.peer_id, dropped, since, reason,
                 event=("audit_fail", record.peer_id, f"{reason}; dropped {len(dropped)} groups"),
             ))

@@ -20,7 +20,8 @@ import trio
 
 from hub.config import HubConfig
 from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
-from hub.records.store import NewEvent, Store
+from hub.records.schema import NewEvent
+from hub.records.store import Store
 from hub.records.writer import StoreWriter
 from hub.service.membership import Membership
 from hub.service.room import BufferRoom
@@ -139,7 +140,7 @@ class Leasing:
         try:
             with trio.CancelScope(shield=True):
                 await self.writer.write(
-                    self.store.add_lease, lease.lease_id, peer, list(lease.prompt_ids), lease.min_version,
+                    self.store.leases.add_lease, lease.lease_id, peer, list(lease.prompt_ids), lease.min_version,
                     lease.issued_at, lease.deadline,
                 )
         except BaseException:
@@ -156,7 +157,7 @@ class Leasing:
         # The store follows the book one handler deadline late: see the module docstring.
         events: list[NewEvent] = [("lease_expired", r.node_id, f"lease {r.lease_id[:8]} re-queued") for r in expired]
         checking = [r.lease_id for r in self.book.open.values() if r.checking]
-        await self.writer.write(lambda: self.store.expire_leases(now - HANDLER_TIMEOUT_S, events, checking))
+        await self.writer.write(lambda: self.store.leases.expire_leases(now - HANDLER_TIMEOUT_S, events, checking))
 
     def release_node(self, peer: str) -> list[LeaseRecord]:
         """A node leaving the pool: its open leases back to the pool (those whose submission is being checked stay

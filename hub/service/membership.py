@@ -82,8 +82,8 @@ class Membership:
 
     def load(self) -> None:
         """Every node the store remembers, as a restarted hub sees it (blocking; runs before trio starts)."""
-        prices = self.store.price_history(PRICE_HISTORY_KEPT)
-        for row in self.store.nodes():
+        prices = self.store.members.price_history(PRICE_HISTORY_KEPT)
+        for row in self.store.members.nodes():
             self.fleet.put(NodeRecord.from_row(row, tuple(prices.get(row.peer_id, ()))))
 
     # -- reading ---------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class Membership:
             self._join_events[peer] = now
             event = ("join", peer, f"price ${request.price_per_hour:.2f}/h backend {request.backend}")
         with trio.CancelScope(shield=True):
-            joined = await self.writer.write(lambda: self.store.upsert_node(
+            joined = await self.writer.write(lambda: self.store.members.upsert_node(
                 peer, request.price_per_hour, request.hardware, request.link_bps, request.backend, state, event=event,
                 name=request.name,
             ))
@@ -196,7 +196,7 @@ class Membership:
         record.price_changed_at = now
         event = ("price", peer, f"${record.price_per_hour:.2f}/h -> ${price:.2f}/h")
         with trio.CancelScope(shield=True):
-            changed = await self.writer.write(lambda: self.store.set_node_price(peer, price, now, event=event))
+            changed = await self.writer.write(lambda: self.store.members.set_node_price(peer, price, now, event=event))
             if not changed or record.state == "banned":  # banned while this change was written
                 raise PeerFault("banned", RejectCode.BANNED)
             record.ranked_price_per_hour = ranking_price(record.rank_price, price, self.price_band)
@@ -253,7 +253,7 @@ class Membership:
                 "gone": "leave", "banned": "ban"}.get(state, state)
         banned_reason = reason if state == "banned" else None
         with trio.CancelScope(shield=True):
-            moved = await self.writer.write(lambda: self.store.set_node_state(
+            moved = await self.writer.write(lambda: self.store.members.set_node_state(
                 record.peer_id, state, banned_reason, event=(kind, record.peer_id, reason),
             ))
             if not moved or record.state == "banned":  # banned meanwhile
@@ -292,7 +292,7 @@ class Membership:
         if record is None or code in (RejectCode.UNKNOWN_NODE, RejectCode.BUSY):
             return
         with trio.CancelScope(shield=True):
-            await self.writer.write(self.store.count_refusal, peer)
+            await self.writer.write(self.store.members.count_refusal, peer)
             record.tallies = record.tallies + Tallies(refused=1)
             self.totals.groups = self.totals.groups + Tallies(refused=1)
 

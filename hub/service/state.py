@@ -42,7 +42,8 @@ from hub.config import HubConfig
 from hub.records.buffer import BufferSignal, ReplayBuffer
 from hub.records.fleet import NodeRecord
 from hub.records.measurements import LearnerWindow, Measurements, read_step_figures
-from hub.records.store import CLOSED_RETAINED_S, EVENTS_RETAINED, Retained, StepRecord, Store
+from hub.records.schema import CLOSED_RETAINED_S, EVENTS_RETAINED, Retained, StepRecord
+from hub.records.store import Store
 from hub.records.writer import StoreWriter
 from hub.service.intake import Intake
 from hub.service.leasing import Leasing
@@ -120,10 +121,10 @@ class HubState:
 
     def _load(self) -> RunTotals:
         """Rebuild the buffer and the run's totals from the store (blocking; runs before trio starts)."""
-        paid = self.store.ledger_by_node_usd()
-        refused = sum(row.tallies.refused for row in self.store.nodes())
+        paid = self.store.groups.ledger_by_node_usd()
+        refused = sum(row.tallies.refused for row in self.store.members.nodes())
         refill_refused: dict[str, list[int]] = {}
-        for row_id, group in self.store.unconsumed_groups():
+        for row_id, group in self.store.groups.unconsumed_groups():
             if len(group.rewards) != self.group_size:  # made before a resume changed group_size: no step takes it
                 refill_refused.setdefault(f"group size {len(group.rewards)}, not the run's {self.group_size}",
                                           []).append(row_id)
@@ -132,20 +133,20 @@ class HubState:
             if not result.accepted:
                 refill_refused.setdefault(result.reason or "refused", []).append(row_id)
         for reason, ids in refill_refused.items():
-            self.store.discard_trajectories(ids, reason)
-        unaudited = self.store.discard_held("not audited before the hub stopped")
+            self.store.groups.discard_trajectories(ids, reason)
+        unaudited = self.store.groups.discard_held("not audited before the hub stopped")
         if unaudited:
             log.warning("discarded %d groups of nodes on probation: their audits died with the last hub", unaudited)
-        counts = self.store.trajectory_counts()
+        counts = self.store.groups.trajectory_counts()
         now = self.clock()
         learner_s_before = self.store.learner_seconds()
         session_id = self.store.start_session(now)
         # Leases of an earlier run of this hub died with its lease book: none can be answered now.
-        self.store.expire_leases(float("inf"))
+        self.store.leases.expire_leases(float("inf"))
         self.measurements.step_committed(read_step_figures(self.store))
         return RunTotals(
             groups=Tallies(**counts, refused=refused),
-            dropped_stale=self.store.dropped_stale_count(),
+            dropped_stale=self.store.groups.dropped_stale_count(),
             paid_usd=paid,
             learner_s_before=learner_s_before,
             session_started=now,
@@ -174,7 +175,7 @@ class HubState:
         also reads back the figures the step changed (T_train, usable fractions) into `measurements`."""
 
         def commit():
-            self.store.commit_step(record, consumed_ids, dropped_stale_ids)
+            self.store.training.commit_step(record, consumed_ids, dropped_stale_ids)
             return read_step_figures(self.store)
 
         with trio.CancelScope(shield=True):
@@ -185,7 +186,7 @@ class HubState:
     def record_snapshot(self, version: int, path: str, manifest_hash: str, total_bytes: int, started_at: float) -> None:
         """Learner record (any thread; blocking): a snapshot is on disk; its build began at `started_at`
         (so published_at - created_at is the time to write it)."""
-        self.writer.write_blocking(lambda: self.store.add_snapshot(version, path, manifest_hash, total_bytes,
+        self.writer.write_blocking(lambda: self.store.shelf.add_snapshot(version, path, manifest_hash, total_bytes,
                                                                    created_at=started_at))
 
     async def record_eval(self, row: EvalPoint) -> None:
@@ -193,7 +194,7 @@ class HubState:
         detail = f"step {row.step}: reward {row.reward:.3f}, pass@1 {row.pass_at_1:.3f}, pass@{row.k} {row.pass_at_k:.3f}"
 
         def write() -> None:
-            self.store.add_eval(row)
+            self.store.training.add_eval(row)
             self._add_event("eval", None, detail)
 
         with trio.CancelScope(shield=True):
@@ -201,10 +202,10 @@ class HubState:
 
     def record_checkpoint(self, step: int, path: Path, version: int) -> None:
         """Learner record (any thread; blocking): a checkpoint was written."""
-        self.writer.write_blocking(self.store.add_checkpoint, step, str(path), version)
+        self.writer.write_blocking(self.store.training.add_checkpoint, step, str(path), version)
 
     async def record_broadcast_time(self, version: int, seconds: float) -> None:
-        await self.writer.write(lambda: self.store.set_broadcast_time(
+        await self.writer.write(lambda: self.store.shelf.set_broadcast_time(
             version, seconds, event=("broadcast_done", None, f"v{version} on every node in {seconds:.2f}s"),
         ))
 
@@ -218,7 +219,7 @@ class HubState:
 
     def _add_event(self, kind: str, node_id: str | None, detail: str) -> None:
         log.info("event %s %s %s", kind, node_id or "-", detail)
-        self.store.add_event(kind, node_id, detail)
+        self.store.journal.add_event(kind, node_id, detail)
 
     # -- liveness ------------------------------------------------------------------------------
 
@@ -226,8 +227,8 @@ class HubState:
         """Write liveness and the learner's time to the store; keep the newest EVENTS_RETAINED events; forget
         join-event times past their window; every RETAIN_PERIOD_S, `retain`."""
         rows, now = self.membership.liveness(), self.clock()
-        await self.writer.write(self.store.flush_liveness, rows, self.totals.session_id, now)
-        await self.writer.write(self.store.prune_events, EVENTS_RETAINED)
+        await self.writer.write(self.store.members.flush_liveness, rows, self.totals.session_id, now)
+        await self.writer.write(self.store.journal.prune_events, EVENTS_RETAINED)
         self.membership.forget_join_events(now)
         if now - self._retained_at >= RETAIN_PERIOD_S:
             self._retained_at = now
@@ -244,7 +245,7 @@ class HubState:
 
     def flush_sync(self) -> None:
         """The last flush, after trio ended (blocking)."""
-        self.store.flush_liveness(self.membership.liveness(), self.totals.session_id, self.clock())
+        self.store.members.flush_liveness(self.membership.liveness(), self.totals.session_id, self.clock())
 
     async def run(self) -> None:
         """Lease sweeps every second, liveness flushes every FLUSH_PERIOD_S, the intake's audits and checks (a

@@ -19,7 +19,7 @@ from hub.control.policy import CapacityView
 from hub.control.scheduler import Scheduler
 from hub.distribution.broadcast import Broadcaster
 from hub.records.snapshots import SnapshotShelf
-from hub.records.store import Credit, LeaderRow
+from hub.records.schema import Credit, LeaderRow
 from hub.service.state import HubState
 from hub.training.metrics import policy_reward
 from shared.files import atomic_write_text
@@ -97,19 +97,19 @@ class StatusBoard:
         self._encoding = trio.Lock()
 
     def _read_store(self) -> None:
-        steps = self.store.recent_steps(HISTORY_POINTS)
+        steps = self.store.training.recent_steps(HISTORY_POINTS)
         self.history = tuple(
             StepPoint(step=s.step, version=s.version, reward_mean=policy_reward(s.as_json_dict()), staleness_mean=s.staleness_mean,
                       bubble=s.bubble, t_train_s=s.t_train_s, t_idle_s=s.t_idle_s)
             for s in steps
         )
-        self.evals = tuple(self.store.evals(HISTORY_POINTS))
+        self.evals = tuple(self.store.training.evals(HISTORY_POINTS))
         if (started := time.monotonic()) >= self._leaders_due:
-            self.leaders = tuple(leader(row) for row in self.store.leaders(time.time(), LEADERS_MAX))
+            self.leaders = tuple(leader(row) for row in self.store.members.leaders(time.time(), LEADERS_MAX))
             self._leaders_due = started + (time.monotonic() - started) / LEADERS_DUTY
         self.events = tuple(
             EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)
-            for e in self.store.events(EVENTS_KEPT)
+            for e in self.store.journal.events(EVENTS_KEPT)
         )
 
     def _listed(self, now: float) -> tuple[list, int]:

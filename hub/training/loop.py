@@ -36,7 +36,9 @@ from hub.method.drift import DriftMeter
 from hub.method.schedule import step_lr
 from hub.records.buffer import BufferSignal, ReplayBuffer
 from hub.records.measurements import Measurements, oldest_useful_version, resumed_staleness
-from hub.records.store import CheckpointRow, StepRecord
+from hub.records.schema import StepRecord
+from hub.records.shelf_table import ShelfTable
+from hub.records.training_table import TrainingTable
 from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries, save_checkpoint, write_text_files
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
 from hub.training.evaluation import EvalRunner
@@ -71,15 +73,13 @@ class SnapshotPublished:
 
 
 class RecordReads(Protocol):
-    """The reads of the hub's record the loop makes when it starts and when it saves on Ctrl-C."""
+    """The tables of the hub's record the loop reads when it starts and when it saves on Ctrl-C."""
 
-    def latest_step(self) -> int | None: ...
+    @property
+    def training(self) -> TrainingTable: ...
 
-    def latest_step_record(self) -> StepRecord | None: ...
-
-    def latest_version(self) -> int | None: ...
-
-    def latest_checkpoint(self) -> CheckpointRow | None: ...
+    @property
+    def shelf(self) -> ShelfTable: ...
 
 
 class LearnerHost(Protocol):
@@ -201,7 +201,7 @@ class LearnerComponent:
         # Numbering continues after the newest committed step even when the checkpoint is older:
         # steps after the checkpoint are lost as weights but stay in the record, so versions
         # never repeat.
-        latest_step = self.store.latest_step() or 0
+        latest_step = self.store.training.latest_step() or 0
         self.step = max(latest_step, checkpoint.step if checkpoint is not None else 0)
         if cfg.staleness_auto:
             self._resume_staleness()
@@ -229,7 +229,7 @@ class LearnerComponent:
         """--staleness auto: go on at the S (kappa following) the newest committed step trained under, within
         [1, staleness_max], rather than at the start's; a move decided after that step is decided again at the next
         publish."""
-        resumed = resumed_staleness(self.store.latest_step_record(), self.cfg.staleness_max)
+        resumed = resumed_staleness(self.store.training.latest_step_record(), self.cfg.staleness_max)
         if resumed is None:
             return
         self.staleness = resumed
@@ -376,7 +376,7 @@ class LearnerComponent:
     def save_state(self) -> None:
         """Checkpoint and save the final policy, with its card, now (at the end of the run, on Ctrl-C): a later
         start resumes this policy. Blocking: call outside trio or in a worker thread."""
-        latest = self.store.latest_checkpoint()
+        latest = self.store.training.latest_checkpoint()
         if self.step > 0 and (latest is None or latest.step < self.step):  # a periodic one may have just been taken
             self._checkpoint(self.step)
         final = self.data_dir / FINAL_DIR
@@ -395,7 +395,7 @@ class LearnerComponent:
 
     async def _publish_initial(self) -> None:
         """Snapshot of the policy held at start: v0 when fresh; on resume, a new version or the last one again."""
-        latest = await trio.to_thread.run_sync(self.store.latest_version)
+        latest = await trio.to_thread.run_sync(self.store.shelf.latest_version)
         if latest is None or latest < self.step:
             await self._publish(self.step)
             return

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from hub.records.store import StepRecord
+from hub.records.schema import StepRecord
 from hub.training.trackers import LoggedCompletion, Trackers
 from shared.rollout import Group
 from shared.tasks.rewards import mean_applied

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from hub.config import TrustConfig
 from hub.records.leases import LeaseRecord
-from hub.records.store import NewEvent
+from hub.records.schema import NewEvent
 from hub.trust.copies import CopyDetector, CopyFlag, Disputed
 from shared.messages import GROUP_VERDICTS, Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group, SamplingParams
