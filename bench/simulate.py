@@ -23,8 +23,9 @@ set of nodes activated at once or released once it has been wanted for release R
 on end), `hub.method.chains.plan_chains` (who relays to whom), `hub.method.capacity.default_kappa`, the
 learner's version floor (`hub.records.measurements.oldest_useful_version`: a node holding a version older than
 the learner can use gets no lease) and the buffer's cutoff (`hub.records.buffer.usable_from`: a group of version
-x is used at step t only if (t - 1) - x <= S); the buffer is consumed oldest first. Not modelled: the window a
-lowered S keeps for S_old more steps (hub.training.loop, `_adapt_staleness`), so an `auto` row drops as stale, just after a lowering, groups the hub would still train on.
+x is used at step t only if (t - 1) - x <= S, with S the window's: a lowered S keeps the old one for S_old more
+steps, `hub.records.measurements.grace_staleness` and `grace_after_lowering`, as the learner keeps it); the buffer is
+consumed oldest first.
 
 What is drawn by default (per seed; documented so the figures can be argued with):
 - Volunteers: a GPU mix of 35% RTX 3060-class (6 rollouts/s at $0.10/h), 35% RTX 4090-class
@@ -101,7 +102,7 @@ from hub.method.drift import DriftMeter  # noqa: E402
 from hub.method.prices import ranking_price  # noqa: E402
 from hub.records.buffer import usable_from  # noqa: E402
 from hub.records.fleet import heartbeat_period  # noqa: E402
-from hub.records.measurements import oldest_useful_version  # noqa: E402
+from hub.records.measurements import grace_after_lowering, grace_staleness, oldest_useful_version  # noqa: E402
 from shared.units import BYTES_PER_MBIT  # noqa: E402
 
 # The simulator's documented fleet (the docstring's), unless --config says otherwise.
@@ -239,6 +240,7 @@ class Simulation:
         # S in force: auto starts at 1 (the freshest) and moves as hub.control.staleness.choose_staleness says.
         self.S = 1 if self.auto else int(scenario.staleness)
         self.staleness_moves: list[tuple[int, int, str]] = []
+        self.grace = (self.S, 0)  # the learner's: (S before a lowering, until which step its window still holds)
         self.staleness_hold = StalenessHold()  # what choose_staleness's hysteresis counts over publish periods
         self.last_publish = 0
         self.drift = DriftMeter()  # what auto decides on, as the hub reads it from its steps
@@ -298,7 +300,7 @@ class Simulation:
         return default_kappa(staleness) if self.cfg.run.kappa is None or staleness == 0 else self.cfg.run.kappa
 
     def min_useful(self) -> int:
-        return oldest_useful_version(self.step, self.training, self.S)
+        return oldest_useful_version(self.step, self.training, self.window())
 
     def producing(self, node: Node) -> bool:
         return node.state == "active" and node.held >= 0
@@ -355,18 +357,22 @@ class Simulation:
         self.integrated_leases += self.active_rate * dt / self.cfg.learner.rollouts_per_lease
         self.now = to
 
+    def window(self) -> int:
+        """The S the buffer's cutoff and the version floor use now (the learner's window_staleness)."""
+        return grace_staleness(self.S, self.grace, self.step)
+
     def usable_rate(self) -> float:
         cutoff = self.min_useful()
         return sum(rate for v, rate in self.rate_by_version.items() if v >= cutoff) * self.cfg.learner.usable_fraction
 
     def buffered(self) -> float:
-        cutoff = usable_from(self.step, self.S)  # usable by the next step (t = step + 1)
+        cutoff = usable_from(self.step, self.window())  # usable by the next step (t = step + 1)
         return sum(amount for v, amount in self.buffer.items() if v >= cutoff)
 
     # -- learner --------------------------------------------------------------------------
     def start_step(self) -> None:
         t = self.step + 1
-        cutoff = usable_from(t - 1, self.S)
+        cutoff = usable_from(t - 1, self.window())
         dropped = sum(self.buffer.pop(v) for v in [v for v in self.buffer if v < cutoff])
         self.dropped += dropped
         self.recent_use = (self.recent_use + [(self.R, dropped)])[-3 * self.kappa:]
@@ -424,6 +430,8 @@ class Simulation:
         self.staleness_hold = self.staleness_hold.after(choice)
         if choice.staleness != self.S:
             self.drift.moved()
+            if choice.staleness < self.S:
+                self.grace = grace_after_lowering(self.grace, self.window(), self.step, self.S)
             self.S, self.kappa = choice.staleness, self.kappa_for(choice.staleness)
             self.staleness_moves.append((self.step, self.S, choice.reason.value if choice.reason else ""))
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from hub.config import HubConfig, LearnerConfig
-from hub.records.measurements import LearnerWindow, oldest_useful_version, resumed_staleness
+from hub.records.measurements import (
+    LearnerWindow,
+    grace_after_lowering,
+    grace_staleness,
+    oldest_useful_version,
+    resumed_staleness,
+)
 from hub.records.schema import StepRecord
 from hub.records.store import Store
 from hub.service.state import HubState
@@ -23,6 +29,19 @@ def test_the_version_floor_by_hand():
     assert oldest_useful_version(7, True, 2) == 6
     assert oldest_useful_version(1, False, 4) == 0
     assert LearnerWindow(step=7, training=True, window_staleness=3).min_useful_version() == 5
+
+
+def test_a_lowered_s_keeps_its_window_for_its_grace_by_hand():
+    """S 4 lowered to 2 at version 10: the window stays 4 until step 14 (10 + the old S), then is 2."""
+    grace = grace_after_lowering((4, 0), 4, 10, 4)
+    assert grace == (4, 14)
+    assert [grace_staleness(2, grace, step) for step in (10, 13, 14, 20)] == [4, 4, 2, 2]
+    # Lowered again (to 1) at 12, while the first grace still holds: the window is still 4, now until 14 at least.
+    again = grace_after_lowering(grace, grace_staleness(2, grace, 12), 12, 2)
+    assert again == (4, 14)
+    assert [grace_staleness(1, again, step) for step in (13, 14)] == [4, 1]
+    # No lowering in force: the S in force.
+    assert grace_staleness(3, (3, 0), 5) == 3
 
 
 def test_a_resumed_run_goes_on_at_the_s_its_newest_step_trained_under(tmp_path):

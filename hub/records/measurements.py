@@ -28,6 +28,20 @@ def oldest_useful_version(step: int, training: bool, window_staleness: int) -> i
     return max(0, next_take_version - window_staleness)
 
 
+def grace_staleness(staleness: int, grace: tuple[int, int], step: int) -> int:
+    """The S the buffer and the leases' window use at `step`: the S in force, or a larger one it replaced while its
+    grace lasts (`grace` = (S before a lowering, the step until which it still holds))."""
+    old, until = grace
+    return max(staleness, old) if step < until else staleness
+
+
+def grace_after_lowering(grace: tuple[int, int], window: int, version: int, staleness: int) -> tuple[int, int]:
+    """The grace once S (`staleness`, the one being lowered) is lowered at `version`, the window then `window`: a group
+    made with a version up to this one was usable under the old S until at most `version` + S, so the old window
+    holds until then and no group made or leased before the change is dropped for it."""
+    return window, max(grace[1], version + staleness)
+
+
 def resumed_staleness(newest: StepRecord | None, staleness_max: int) -> int | None:
     """--staleness auto: the S a resumed run goes on at, the one its newest committed step trained under, within
     [1, staleness_max] (None: no step yet, the start's S)."""

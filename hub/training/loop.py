@@ -35,7 +35,13 @@ from hub.method.capacity import default_kappa
 from hub.method.drift import DriftMeter
 from hub.method.schedule import step_lr
 from hub.records.buffer import BufferSignal, ReplayBuffer
-from hub.records.measurements import Measurements, oldest_useful_version, resumed_staleness
+from hub.records.measurements import (
+    Measurements,
+    grace_after_lowering,
+    grace_staleness,
+    oldest_useful_version,
+    resumed_staleness,
+)
 from hub.records.schema import StepRecord
 from hub.records.shelf_table import ShelfTable
 from hub.records.training_table import TrainingTable
@@ -245,8 +251,7 @@ class LearnerComponent:
 
     def window_staleness(self) -> int:
         """The S the buffer and the leases' window use: the S in force, or a larger one it replaced, for its grace."""
-        old, until = self._grace
-        return max(self.staleness, old) if self.step < until else self.staleness
+        return grace_staleness(self.staleness, self._grace, self.step)
 
     async def run(self) -> None:
         await self._publish_initial()
@@ -439,8 +444,7 @@ class LearnerComponent:
             return
         self._drift.moved()
         if move.staleness < self.staleness:
-            _, until = self._grace
-            self._grace = (self.window_staleness(), max(until, version + self.staleness))
+            self._grace = grace_after_lowering(self._grace, self.window_staleness(), version, self.staleness)
         before = (self.staleness, self.kappa)
         self.staleness, self.kappa = move.staleness, move.kappa
         self._measured()
