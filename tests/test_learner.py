@@ -95,6 +95,7 @@ def quarter_rewards(store: Store, steps: int) -> tuple[float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # the trio ticks' lateness while steps run in a worker thread is a real delay
 @pytest.mark.parametrize("staleness, install_delay_s, steps, learns", [
     # S = 0 runs the same loop synchronously (each step waits for rollouts of the version before it); its
     # learning curve is S = 3's on a longer wall clock, so it runs long enough to check the mechanics only.

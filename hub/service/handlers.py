@@ -176,8 +176,10 @@ class HubService:
         punch_failed: Callable[[str, str], None] = lambda peer, upstream: None,
         bulk: BulkChannel | None = None,
         model_offer: ModelOffer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.host = host
+        self.clock = clock  # what the per-address rates and the idle connections' ages are counted on
         self.model_offer = model_offer  # the files a node without --model builds its engine from
         self.bulk = bulk
         self.identity = identity  # signs the commitments of the snapshot frames it serves
@@ -232,7 +234,7 @@ class HubService:
         once idle for trust.idle_connection_s, or connected NON_MEMBER_LIFETIME_S in all over their reconnections
         (`strangers`: peer -> (first seen connected, last seen connected)): py-libp2p never closes an idle
         connection, and every one held is a slot an honest node may need."""
-        now = time.monotonic()
+        now = self.clock()
         peers = {p.to_base58(): p for p in self.host.get_network().get_connections_map()}
         for gone in set(connected_at) - set(peers):
             del connected_at[gone]
@@ -399,7 +401,7 @@ class HubService:
         entry = offer.entry(request.name)
         if entry is None:
             raise PeerFault(f"no model file {request.name!r} here", RejectCode.NOT_HELD)
-        wait_s = self._model_bytes.take(address_key(remote_ip(stream)) or remote_peer_id(stream), time.monotonic(),
+        wait_s = self._model_bytes.take(address_key(remote_ip(stream)) or remote_peer_id(stream), self.clock(),
                                         entry.size)
         if wait_s > 0:
             raise HubBusy(f"model files from this address: retry in {wait_s:.0f}s")
@@ -471,7 +473,7 @@ class HubService:
         peer = remote_peer_id(stream)
         operator = peer in self.operators
         if not operator and not self.membership.is_member(peer):
-            wait_s = self._stranger_status.take(address_key(remote_ip(stream)) or peer, time.monotonic())
+            wait_s = self._stranger_status.take(address_key(remote_ip(stream)) or peer, self.clock())
             if wait_s > 0:
                 raise HubBusy(f"status requests from this address: retry in {wait_s:.1f}s")
         # What other volunteers are paid is the operator's business: strangers and nodes see it redacted.
