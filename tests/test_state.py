@@ -16,8 +16,8 @@ import trio
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
 from hub.control.policy import fleet_view
 from hub.method.prices import billable_seconds
-from hub.records.snapshots import SnapshotShelf
 from hub.records.schema import StepRecord
+from hub.records.snapshots import SnapshotShelf
 from hub.service.state import HubState
 from hub.trust.audit import AuditJob, AuditResult
 from shared.crypto import Identity

@@ -18,8 +18,8 @@ import trio
 from hub.control.policy import CapacityView
 from hub.control.scheduler import Scheduler
 from hub.distribution.broadcast import Broadcaster
-from hub.records.snapshots import SnapshotShelf
 from hub.records.schema import Credit, LeaderRow
+from hub.records.snapshots import SnapshotShelf
 from hub.service.state import HubState
 from hub.training.metrics import policy_reward
 from shared.files import atomic_write_text
