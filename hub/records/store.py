@@ -1,4 +1,9 @@
-"""The hub's durable state in one SQLite file; the only module that touches SQLite.
+"""The hub's durable state in one SQLite file: the connection, the schema (hub/records/schema.py) and the transactions.
+
+Tables: the queries live with the tables each owner writes, attributes of the Store on its connection and inside its
+transactions (hub/records/table.py): `members` (Membership's nodes, prices, credit, bans), `leases` (Leasing's),
+`groups` (Intake's submitted groups, payloads, rejections, discards and the ledger), `training` (steps, checkpoints,
+evaluations), `shelf` (published snapshots), `journal` (events). A caller says `store.leases.lease(lease_id)`.
 
 Threading: one connection, opened with check_same_thread=False and guarded by a
 re-entrant lock, so any one thread at a time may use a Store. Every method blocks;
