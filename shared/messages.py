@@ -25,6 +25,9 @@ HEARTBEAT_PROTOCOL = protocol_id("heartbeat")
 LEASE_PROTOCOL = protocol_id("lease")
 SUBMIT_PROTOCOL = protocol_id("submit")
 STATUS_PROTOCOL = protocol_id("status")
+# Status requests a peer that has not joined may make per address, sustained (after a short burst): the hub
+# enforces it, and a remote dashboard polls slower than it.
+STRANGER_STATUS_PER_S = 1.0
 SNAPSHOT_PROTOCOL = protocol_id("snapshot")
 RELAY_PROTOCOL = protocol_id("relay")
 REPORT_PROTOCOL = protocol_id("report")

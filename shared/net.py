@@ -72,7 +72,7 @@ from multiaddr import Multiaddr
 from shared import libp2p_patches
 from shared.crypto import Identity
 from shared.logs import PeerLogLimiter
-from shared.wire import M2, M, Message, WritableStream, read_message, write_message, write_signed
+from shared.wire import LIBP2P_END_OF_STREAM, M2, M, Message, StreamEOF, WritableStream, read_message, write_message, write_signed
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -253,6 +253,21 @@ async def _reset_after_failure(stream: INetStream, log: logging.Logger, peer: st
         log.warning("could not reset stream from %s after handler failure", peer, exc_info=True)
 
 
+def _peer_ended_stream(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_peer_ended_stream(e) for e in exc.exceptions)
+    return isinstance(exc, (StreamEOF, *LIBP2P_END_OF_STREAM))
+
+
+def _log_failure(log: logging.Logger, name: str, peer: str, exc: BaseException) -> None:
+    # A peer that resets or closes mid-exchange (it stopped, timed out, or moved on) is normal traffic on a
+    # volunteer network: one INFO line. Anything else is a bug of ours or a hostile frame: keep the traceback.
+    if _peer_ended_stream(exc):
+        log.info("stream %s ended by peer %s: %r", name, peer, exc)
+    else:
+        log.warning("stream handler %s failed for peer %s: %r", name, peer, exc, exc_info=exc)
+
+
 def safe_handler(handler: StreamHandler, log: logging.Logger) -> StreamHandler:
     """Wrap a stream handler so that its errors are logged and reset the stream instead of killing the host.
 
@@ -266,13 +281,13 @@ def safe_handler(handler: StreamHandler, log: logging.Logger) -> StreamHandler:
             await handler(stream)
         except Exception as exc:
             peer = remote_peer_id(stream)
-            log.warning("stream handler %s failed for peer %s: %r", name, peer, exc, exc_info=exc)
+            _log_failure(log, name, peer, exc)
             await _reset_after_failure(stream, log, peer)
         except BaseExceptionGroup as group:
             errors, rest = group.split(Exception)
             if errors is not None:
                 peer = remote_peer_id(stream)
-                log.warning("stream handler %s failed for peer %s: %r", name, peer, errors, exc_info=errors)
+                _log_failure(log, name, peer, errors)
                 with trio.CancelScope(shield=True):
                     await _reset_after_failure(stream, log, peer)
             if rest is not None:

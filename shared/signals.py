@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import types
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -88,3 +89,20 @@ def trio_owns_ctrl_c() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, watch._handler)
+
+
+@contextlib.contextmanager
+def children_ignore_ctrl_c() -> Iterator[None]:
+    """Ctrl-C ignored while child processes start inside: a spawned or forkserver interpreter keeps an inherited
+    SIG_IGN (Python installs its KeyboardInterrupt handler only over SIG_DFL), so the terminal's Ctrl-C, sent to
+    the whole process group, reaches only this process, which stops its children itself; a child interrupted
+    mid-import or mid-job would print its own traceback around our one line. Outside the main thread (where
+    handlers cannot be set) the child is started as is, and must ignore Ctrl-C itself first thing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

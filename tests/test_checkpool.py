@@ -98,6 +98,32 @@ def test_the_default_leaves_the_trio_process_a_core_and_checks_a_light_reward_in
 @pytest.mark.slow
 @pytest.mark.trio
 @pytest.mark.timeout(180)
+async def test_a_check_worker_ignores_ctrl_c_mid_job(tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    """The terminal's Ctrl-C reaches the whole process group: a worker must not die printing `Process echo2-check:`
+    and a traceback; it finishes its job, and the hub stops it."""
+    state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:SlowRewardTask"))
+    async with running(state):
+        pool = await ready(state, 1)
+        node, lease = await joined(state)
+        (first,) = pool._workers
+        outcome = None
+
+        async def submit() -> None:
+            nonlocal outcome
+            outcome = await state.intake.accept(node, answer(tokenizer, lease, node), "h")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit)
+            await trio.sleep(0.5)  # its check is in the worker now: each group's reward takes a second
+            os.kill(first.process.pid, signal.SIGINT)
+        assert outcome.accepted == len(lease.prompts)
+        assert set(pool._workers) == {first} and first.process.is_alive()
+    state.store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.trio
+@pytest.mark.timeout(180)
 async def test_a_killed_check_worker_loses_no_submission(tmp_path, default_model_dir, tokenizer):  # noqa: F811
     state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:SlowRewardTask"))
     async with running(state):

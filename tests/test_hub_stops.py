@@ -96,9 +96,12 @@ def test_the_state_status_prints_follows_the_lock_holder_and_the_status_age(tmp_
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path: Path) -> None:
+@pytest.mark.parametrize("local_nodes", ["0", "1"])
+def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path: Path, local_nodes: str) -> None:
+    """With local nodes, their node server (a forkserver) is importing torch and libp2p when the Ctrl-C comes:
+    it ignores it (the hub stops it), so its import tracebacks do not surround the one line."""
     data = tmp_path / "data"
-    hub = subprocess.Popen([sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0",
+    hub = subprocess.Popen([sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--local-nodes", local_nodes,
                             "--steps", "0", "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -113,7 +116,14 @@ def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path
             hub.kill()
             hub.wait()
     assert "listening on" not in out, "the hub started before the Ctrl-C: the test missed the model build"
-    assert_one_line(subprocess.CompletedProcess(hub.args, hub.returncode, out, err), 130, "Ctrl-C", "start it again")
+    if local_nodes == "0":
+        assert_one_line(subprocess.CompletedProcess(hub.args, hub.returncode, out, err), 130, "Ctrl-C", "start it again")
+        return
+    # The node server's imports may still print this machine's library warnings (torchao's, say) as it exits:
+    # not ours to silence; its tracebacks are.
+    assert hub.returncode == 130 and "Traceback" not in err + out, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("echo-hub")] == [
+        "echo-hub: stopped by Ctrl-C; start it again to go on"], err[-3000:]
 
 
 CLI_MODULES = {"hub": "hub.cli.main", "node": "node.cli"}

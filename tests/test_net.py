@@ -171,6 +171,26 @@ async def test_failing_handler_does_not_kill_host(caplog):
 
 
 @pytest.mark.trio
+async def test_peer_reset_is_one_info_line(caplog):
+    """A peer that resets its stream mid-request (it stopped or moved on) is normal traffic: one INFO line, no
+    traceback, and the host keeps serving."""
+    with trio.fail_after(20):
+        async with two_hosts() as (server_id, _, server_addrs, client_id, client):
+            await connect(client, server_addrs[0])
+            with caplog.at_level(logging.DEBUG, logger="test_net"):
+                stream = await open_stream(client, server_id.peer_id, ECHO)
+                await stream.reset()
+                with trio.fail_after(10):
+                    while not any(client_id.peer_id in r.getMessage() for r in caplog.records):
+                        await trio.sleep(0.05)
+            ours = [r for r in caplog.records if client_id.peer_id in r.getMessage()]
+            assert [(r.levelno, r.exc_info) for r in ours] == [(logging.INFO, None)]
+            assert "ended by peer" in ours[0].getMessage()
+            reply = await request(client, server_id.peer_id, ECHO, Ask(text="still up"), Answer, timeout_s=10)
+            assert reply.text == "STILL UP"
+
+
+@pytest.mark.trio
 async def test_large_frame_crosses_intact():
     payload = hashlib.sha256(b"seed").digest() * (BIG_BYTES // 32)
     with trio.fail_after(30):

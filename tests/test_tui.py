@@ -31,7 +31,8 @@ from shared.messages import (
 from shared.net import running_host, set_handler
 from shared.wire import read_message, write_message
 from testbed.harness import free_port
-from tui.cli import add_dashboard_arguments, run_dashboard, run_node_dashboard
+from tui import DEFAULT_REFRESH_S
+from tui.cli import add_dashboard_arguments, build_dashboard, run_dashboard, run_node_dashboard
 from tui.hub_app import HubDashboard, cost_per_rollout, display_state, rho
 from tui.node_app import NodeDashboard
 from tui.sources import DataDirSource, HubSource, NoStatus, Unreachable
@@ -380,6 +381,39 @@ async def test_hub_source_unreachable_then_reachable_over_real_libp2p() -> None:
         await until(lambda: banner.shown)
         assert "UNREACHABLE" in str(banner.render()) and "showing data from" in str(banner.render())
         assert sorted(table_peers(app)) == sorted(NODE_IDS)
+
+
+@pytest.mark.asyncio
+async def test_a_throttled_status_request_keeps_the_data_and_shows_no_banner() -> None:
+    """The hub's per-address status limit answers BUSY: the hub is up, so the screen keeps its data unflagged."""
+    identity = Identity.generate()
+    port = free_port()
+    app = HubDashboard(HubSource(f"/ip4/127.0.0.1/tcp/{port}/p2p/{identity.peer_id}", timeout_s=5.0), refresh_s=0.1)
+    with TinyHub(identity, port, hub_status(step=21)) as hub:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await app.loaded.wait()
+            await pilot.pause()
+            assert isinstance(app.last_result, HubStatus)
+            hub.status = Reject(code=RejectCode.BUSY, reason="status requests from this address: retry in 0.4s")
+            answered = hub.requests
+            await until(lambda: hub.requests >= answered + 3)
+            await pilot.pause()
+            assert not app.query_one(Banner).shown
+            assert isinstance(app.last_result, HubStatus) and "step 21/100" in static_text(app, "#learner-text")
+
+
+def test_remote_dashboard_polls_slower_than_the_hubs_status_limit(tmp_path: Path) -> None:
+    from shared.messages import STRANGER_STATUS_PER_S
+
+    parser = argparse.ArgumentParser()
+    add_dashboard_arguments(parser)
+    remote = build_dashboard(parser.parse_args(["--hub", f"/ip4/127.0.0.1/tcp/1/p2p/{HUB_IDENTITY.peer_id}"]))
+    try:
+        assert remote.refresh_s > 1.0 / STRANGER_STATUS_PER_S
+    finally:
+        remote.source.close()
+    local = build_dashboard(parser.parse_args(["--data-dir", str(tmp_path)]))
+    assert isinstance(local.source, DataDirSource) and local.refresh_s == DEFAULT_REFRESH_S
 
 
 @pytest.mark.asyncio

@@ -27,7 +27,12 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_view_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S, help="seconds between refreshes (default 1)")
+    parser.add_argument(
+        "--refresh-s",
+        type=float,
+        default=None,
+        help=f"seconds between refreshes (default {DEFAULT_REFRESH_S:g}; with --hub, twice the hub's per-address status interval)",
+    )
     parser.add_argument(
         "--screenshot",
         metavar="FILE.svg",
@@ -42,14 +47,15 @@ def build_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hu
     from tui.node_app import NodeDashboard
     from tui.sources import DataDirSource, HubSource
 
-    if args.refresh_s <= 0:
+    if args.refresh_s is not None and args.refresh_s <= 0:
         raise UserError(f"--refresh-s must be positive, got {args.refresh_s}")
+    refresh_s = args.refresh_s or DEFAULT_REFRESH_S
     if kind == "hub" and args.data_dir is not None and _holds_only_node_status(args.data_dir):
         kind = "node"  # a volunteer's data dir: show the volunteer's view, as --help says
     if kind == "node":
         if args.data_dir is None:
             raise UserError("the node dashboard reads the node's --data-dir; --hub is for the hub dashboard")
-        return NodeDashboard(DataDirSource(args.data_dir, kind="node"), args.refresh_s)
+        return NodeDashboard(DataDirSource(args.data_dir, kind="node"), refresh_s)
     if args.hub is not None:
         from shared.checks import check_key_file, check_peer_addr
         from shared.crypto import Identity
@@ -58,9 +64,18 @@ def build_dashboard(args: argparse.Namespace, kind: Literal["hub", "node"] = "hu
         if args.key is not None:
             check_key_file(args.key)
         source: HubSource | DataDirSource = HubSource(args.hub, identity=Identity.load(args.key) if args.key else None)
+        refresh_s = args.refresh_s or hub_refresh_s()
     else:
         source = DataDirSource(args.data_dir, kind="hub")
-    return HubDashboard(source, args.refresh_s)
+    return HubDashboard(source, refresh_s)
+
+
+def hub_refresh_s() -> float:
+    """A remote dashboard shares the hub's per-address status limit with every other one on its address (an
+    operator's key lifts it): polling at half that rate leaves room, so a healthy hub is not refused."""
+    from shared.messages import STRANGER_STATUS_PER_S
+
+    return 2.0 / STRANGER_STATUS_PER_S
 
 
 def _holds_only_node_status(data_dir: Path) -> bool:

@@ -55,6 +55,13 @@ class NoStatus:
 
 
 @dataclass(frozen=True)
+class Throttled:
+    """The hub answered but asked us to slow down (its per-address status limit): it is up, nothing new to show."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Unreachable:
     """The hub did not answer this time; the next fetch tries again."""
 
@@ -171,7 +178,7 @@ class HubSource:
     def describe(self) -> str:
         return self.addr
 
-    async def fetch(self) -> HubStatus | Unreachable:
+    async def fetch(self) -> HubStatus | Throttled | Unreachable:
         if self._trio is None or not self._trio.alive:
             self._trio = _TrioHost(self.identity)
         trio_host = self._trio
@@ -183,7 +190,7 @@ class HubSource:
         except Exception as exc:  # its thread has ended; the next fetch starts a new one
             self._trio = None
             return Unreachable(f"the dashboard's libp2p host did not start: {exc!r}")
-        done: concurrent.futures.Future[HubStatus | Unreachable] = concurrent.futures.Future()
+        done: concurrent.futures.Future[HubStatus | Throttled | Unreachable] = concurrent.futures.Future()
         try:
             trio_host.submit(self._fetch_in_trio, trio_host.host, done)
         except trio.RunFinishedError:
@@ -206,7 +213,7 @@ class HubSource:
             await self._forget_connection(host)
         done.set_result(result)
 
-    async def _ask(self, host: IHost) -> HubStatus | Unreachable:
+    async def _ask(self, host: IHost) -> HubStatus | Throttled | Unreachable:
         hub = ID.from_base58(self.hub_peer_id)
         with trio.fail_after(self.timeout_s):
             reused = bool(host.get_network().get_connections(hub))
@@ -222,6 +229,8 @@ class HubSource:
                 log.debug("status request to %s failed (%r); redialling once", self.hub_peer_id, exc)
                 await self._forget_connection(host)
                 reply = await self._connect_and_request(host)
+        if isinstance(reply, Reject) and reply.busy:
+            return Throttled(reply.reason)
         if isinstance(reply, Reject):
             return Unreachable(f"hub refused the status request: {reply.reason}")
         return reply

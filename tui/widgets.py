@@ -14,7 +14,7 @@ from textual.widgets import HelpPanel, Static
 
 from shared.messages import STALE_FILE_S, TALLY_FIELDS, EventRecord, Tallies, short_id
 from tui import DEFAULT_REFRESH_S
-from tui.sources import NoStatus, Unreachable
+from tui.sources import NoStatus, Throttled, Unreachable
 
 MAX_REASON_CHARS = 300
 
@@ -163,6 +163,9 @@ class DashboardApp(App):
             self._fetching = False
         if not self.is_running:
             return  # the app began shutting down during the fetch: its widgets are being removed
+        if isinstance(result, Throttled):
+            # The hub is up and asked us to wait: what is on screen is still the latest we know.
+            return
         self.last_result = result
         if not isinstance(result, (NoStatus, Unreachable)):
             self.last_good_at = time.time()

@@ -22,6 +22,7 @@ from pathlib import Path
 from shared.crypto import Identity
 from shared.layout import LOCAL_NODES_DIR, NODE_KEY_FILE
 from shared.logs import LOG_BACKUPS, LOG_MAX_MB, capture_output
+from shared.signals import children_ignore_ctrl_c
 
 # Differing declared prices ($/h), so cost-aware activation has something to choose between.
 LOCAL_NODE_PRICES = (0.35, 0.50, 0.80, 0.30, 0.65, 1.00, 0.45, 0.90)
@@ -44,7 +45,8 @@ class LocalNode:
 def start_node_server() -> None:
     """Start the process local nodes are forked from; it imports NODE_MODULES in the background."""
     _FORKSERVER.set_forkserver_preload(list(NODE_MODULES))
-    forkserver.ensure_running()
+    with children_ignore_ctrl_c():  # a Ctrl-C during its imports would print their tracebacks
+        forkserver.ensure_running()
 
 
 def _stop_with_the_hub() -> None:
@@ -60,6 +62,9 @@ def _node_main(argv: list[str], out_path: str, log_max_mb: float, log_backups: i
     """One forked local node: its own session (a Ctrl-C in the terminal reaches the hub, which then stops
     the nodes itself) and output file, rotated as its log is, then `echo-node` with `argv`."""
     os.setsid()
+    # The node server ignores Ctrl-C, and its children inherit that: a node is stopped by SIGINT (by its hub, or
+    # by `_stop_with_the_hub`), so it takes Python's own handler back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     capture_output(Path(out_path), log_max_mb, log_backups)
     threading.Thread(target=_stop_with_the_hub, name="hub-watch", daemon=True).start()
     from node.cli import main

@@ -50,6 +50,7 @@ from shared.messages import (
     SESSIONS_PER_PEER,
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
+    STRANGER_STATUS_PER_S,
     SUBMIT_PROTOCOL,
     BadChunkReport,
     Heartbeat,
@@ -96,8 +97,7 @@ GUARD_IDLE_S = 300.0
 # over its reconnections: a stranger that redials at once is let go at once, until it was away this long.
 NON_MEMBER_LIFETIME_S = 120.0
 STRANGER_MEMORY_S = 600.0
-# Status requests of peers that have not joined, per address key: a burst, then this many per second.
-STRANGER_STATUS_PER_S = 1.0
+# Status requests of peers that have not joined, per address key: a burst, then STRANGER_STATUS_PER_S.
 STRANGER_STATUS_BURST = 5
 # Model file bytes served per address key, counted in whole model kits (every file of the list once): a machine
 # of MODEL_KITS_BURST GPUs fetches at once, then one kit per MODEL_KIT_REFILL_S. One 1 KiB request asks for up

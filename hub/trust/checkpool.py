@@ -29,6 +29,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -52,6 +53,7 @@ from hub.trust.submissions import (
 )
 from shared.logs import PeerLogLimiter
 from shared.messages import Submission
+from shared.signals import children_ignore_ctrl_c
 from shared.tasks.base import RewardError
 
 log = logging.getLogger("echo2.hub.checks")
@@ -288,6 +290,7 @@ def _serve(conn: Connection, factory: RulesFactory) -> None:
     """A worker process: build the rules, say so with the reward's name, then check submissions (or probe the
     reward: a job of None) until the hub's end of the pipe closes. A RewardError goes back as its message;
     anything else is the hub's bug."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the hub stops us (our pipe closes) on Ctrl-C; see children_ignore_ctrl_c
     try:
         rules = factory()
     except BaseException:  # noqa: BLE001 -- reported to the hub, which stops
@@ -320,7 +323,8 @@ class _Worker:
     def __init__(self, factory: RulesFactory) -> None:
         self.conn, child = _CONTEXT.Pipe()
         self.process = _CONTEXT.Process(target=_serve, args=(child, factory), daemon=True, name="echo2-check")
-        self.process.start()
+        with children_ignore_ctrl_c():
+            self.process.start()
         child.close()
 
     def ready(self) -> str:
