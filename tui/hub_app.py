@@ -269,8 +269,9 @@ class HubDashboard(DashboardApp):
         table = self.query_one("#nodes-table", DataTable)
         keep = self.selected_peer
         table.clear()
+        redacted = self.status is not None and self.status.redacted
         for node in self.sorted_nodes():
-            table.add_row(*node_row(node, self.status.redacted), key=node.peer_id)
+            table.add_row(*node_row(node, redacted), key=node.peer_id)
         if keep is not None and keep in table.rows:
             table.move_cursor(row=table.get_row_index(keep), animate=False)
         self._title_nodes()
