@@ -544,11 +544,16 @@ class HubStatus(Message):
 
     def redact(self) -> HubStatus:
         """The status a peer without an operator key sees: no node's price, cost or hardware, and events without
-        their details (which name prices and addresses)."""
+        their details (which name prices and addresses).
+
+        The fleet's cost totals go too: with one node on, two reads give its price as
+        3600 x (delta all_on - delta cost) / delta t, and quantising would still leak it whenever that node dominates a
+        step, so only operators see money."""
         nodes = tuple(n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": "", "price_history": ()})
                       for n in self.nodes)
         events = tuple(e.model_copy(update={"detail": ""}) for e in self.events)
-        return self.model_copy(update={"nodes": nodes, "events": events, "redacted": True})
+        return self.model_copy(update={"nodes": nodes, "events": events, "redacted": True, "cost_usd": 0.0,
+                                       "cost_per_step_usd": None, "all_on_cost_usd": 0.0})
 
 
 class SnapshotRequest(Message):

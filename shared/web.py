@@ -38,6 +38,9 @@ READ_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 20.0
 KEEP_ALIVE_S = 5.0
 MAX_HEADER_BYTES = 8 * 1024
+# h11 bounds only a head still incomplete in its buffer (h11_max_incomplete_size): one write can carry a complete
+# head of any size, so the middleware bounds complete heads too.
+MAX_HEADERS = 100
 
 
 def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
@@ -89,6 +92,10 @@ class Bounded:
         # The rate first: every request counts, refused ones too.
         if not self.rate.allow((scope.get("client") or ("?",))[0], trio.current_time()):
             return await PlainTextResponse("too many requests", 429, headers={"Retry-After": "1"})(scope, receive, send)
+        headers = scope["headers"]
+        if len(headers) > MAX_HEADERS or sum(len(n) + len(v) + 4 for n, v in headers) > MAX_HEADER_BYTES:
+            return await PlainTextResponse("request header fields too large", 431,
+                                           headers={"Connection": "close"})(scope, receive, send)
         if scope["method"] not in ("GET", "HEAD"):
             return await PlainTextResponse("read-only", 405, headers={"Allow": "GET, HEAD"})(scope, receive, send)
         if has_body(scope):

@@ -207,3 +207,22 @@ def test_a_nodes_price_history_is_bounded(tmp_path) -> None:
     store.close()
     assert len(history) == PRICES_KEPT_PER_NODE
     assert history[0][0] == start + 50 and history[-1] == (start + PRICES_KEPT_PER_NODE + 49, pytest.approx(0.2 + (PRICES_KEPT_PER_NODE + 49) / 1000))
+
+
+def test_a_rejoin_keeps_the_price_change_clock() -> None:
+    """Issue 54 item 5: a join reset price_changed_at, so leave, re-join and reprice took 20 changes in 0.3 s."""
+    def join(price: float) -> JoinRequest:
+        return JoinRequest(price_per_hour=price, hardware="h", link_bps=1e8, backend="hf", model_config_hash="ab",
+                           dtype="float32")
+
+    fleet = Fleet()
+    record = fleet.join("p", join(1.0), None, now=0.0)
+    assert record.price_changed_at is None  # a first join is no change
+    record.price_changed_at = 10.0  # a reprice at t=10 s
+    fleet.join("p", join(1.0), None, now=11.0)  # re-join at the same price: the clock stays
+    assert record.price_changed_at == 10.0
+    assert price_change_refusal(2.0, 100.0, record.price_changed_at, 12.0, 600.0) is not None
+    fleet.join("p", join(3.0), None, now=20.0)  # re-join at another price: that is a change
+    assert record.price_changed_at == 20.0
+    assert price_change_refusal(4.0, 100.0, record.price_changed_at, 30.0, 600.0) is not None
+    assert price_change_refusal(4.0, 100.0, record.price_changed_at, 621.0, 600.0) is None

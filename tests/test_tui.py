@@ -33,7 +33,7 @@ from shared.wire import read_message, write_message
 from testbed.harness import free_port
 from tui import DEFAULT_REFRESH_S
 from tui.cli import add_dashboard_arguments, build_dashboard, run_dashboard, run_node_dashboard
-from tui.hub_app import HubDashboard, cost_per_rollout, display_state, rho
+from tui.hub_app import HIDDEN, HubDashboard, cost_per_rollout, cost_text, display_state, node_row, rho
 from tui.node_app import NodeDashboard
 from tui.sources import DataDirSource, HubSource, NoStatus, Unreachable
 from tui.widgets import Banner, short_id
@@ -526,3 +526,19 @@ async def test_node_dashboard_renders_node_view(tmp_path: Path) -> None:
         assert "850 tok/s" in work
         assert "node-activated-event" in static_text(app, "#events")
         assert f"{short_id(HUB_IDENTITY.peer_id)} at /ip4/127.0.0.1/tcp/4001" in static_text(app, "#identity")
+
+
+def test_a_redacted_price_reads_hidden_not_zero() -> None:
+    """Issue 52: a non-operator saw "$/h 0.00" for a redacted price, which reads as a free node."""
+    node = NodeStatus(peer_id="p" * 12, state="active", price_per_hour=7.77, rollouts_per_s=1.0, version_held=1,
+                      tallies=Tallies(), cost_usd=1.5)
+    status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=1, steps_target=10, version=1,
+                       staleness=1, kappa=1, task="t", nodes=(node,), open_leases=0, totals=Tallies(),
+                       dropped_stale=0, cost_usd=1.5, all_on_cost_usd=3.0)
+    shown = [str(cell) for cell in node_row(node)]
+    assert "7.77" in " ".join(shown) and HIDDEN not in shown
+    redacted = status.redact()
+    cells = [str(cell) for cell in node_row(redacted.nodes[0], redacted.redacted)]
+    assert cells.count(HIDDEN) == 2 and not any("0.00" in c for c in cells)
+    assert HIDDEN in str(cost_text(redacted)) and "$" not in str(cost_text(redacted))
+    assert "1.5" in str(cost_text(status)) or "1.50" in str(cost_text(status))

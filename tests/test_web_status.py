@@ -239,6 +239,22 @@ def test_a_slow_client_does_not_stall_the_server(pages: tuple[str, str]) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("head", [b"X-Big: " + b"a" * 64 * 1024 + b"\r\n",
+                                  b"".join(b"X-%d: a\r\n" % i for i in range(2000))], ids=["64KB-header", "2000-headers"])
+def test_a_complete_oversized_head_is_refused_and_closed(pages: tuple[str, str], head: bytes) -> None:
+    """Issue 54 item 7: h11 bounds only an incomplete head; one write of a complete one was answered 200."""
+    hub, _ = pages
+    host, port = hub.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"GET /api/status HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        answer = b""
+        while chunk := conn.recv(65536):  # read to the close: the server must end the connection
+            answer += chunk
+    status = int(answer.split(b" ", 2)[1])
+    assert status in (400, 431), answer[:200]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (apt-get install chromium)")
 def test_chromium_renders_a_row_per_node_and_the_hostile_name_as_text(pages: tuple[str, str], tmp_path: Path) -> None:
     hub, _ = pages
@@ -280,3 +296,26 @@ console.log(JSON.stringify([rows.length, rows[0].cells[2]]));
     done = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [LEADERS_MAX, 2 * LEADERS_MAX]  # the top LEADERS_MAX, the busiest first
+
+
+def test_two_redacted_reads_do_not_give_a_lone_nodes_price() -> None:
+    """Issue 54 item 4: one node on at $7.77/h and paid nothing between two reads 30 s apart; the attack
+    3600 x (delta all_on - delta cost) / delta t recovered its price from the redacted totals."""
+    price = 7.77
+    node = NodeStatus(peer_id="p", name="n", state="active", price_per_hour=price, rollouts_per_s=1.0, version_held=1,
+                      tallies=Tallies(), hardware="H100", cost_usd=0.0)
+
+    def read(at_s: float, paid_s: float) -> HubStatus:
+        return HubStatus(hub_id="h", addrs=(), running=True, updated_at=at_s, step=1, steps_target=10, version=1,
+                         staleness=1, kappa=1, task="t", nodes=(node,), open_leases=1, totals=Tallies(),
+                         dropped_stale=0, cost_usd=price * paid_s / 3600, cost_per_step_usd=price * paid_s / 3600,
+                         all_on_cost_usd=price * at_s / 3600)
+
+    first, second = read(100.0, 1.0), read(130.0, 1.0)
+    leaked = 3600 * ((second.all_on_cost_usd - first.all_on_cost_usd) - (second.cost_usd - first.cost_usd)) / 30
+    assert abs(leaked - price) < 0.1  # the attack works on what an operator sees
+    a, b = first.redact(), second.redact()
+    derived = 3600 * ((b.all_on_cost_usd - a.all_on_cost_usd) - (b.cost_usd - a.cost_usd)) / 30
+    assert abs(derived - price) > 1.0 and derived == 0.0
+    assert (b.cost_usd, b.all_on_cost_usd, b.cost_per_step_usd) == (0.0, 0.0, None)
+    assert b.nodes[0].price_per_hour == 0.0 and b.nodes[0].cost_usd == 0.0

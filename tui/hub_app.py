@@ -72,19 +72,23 @@ NODE_COLUMNS: tuple[Column, ...] = (
 )
 
 
-def node_row(node: NodeStatus) -> tuple[object, ...]:
+# Shown where the hub redacted a figure (asked without an operator key): "$/h 0.00" would read as a free node.
+HIDDEN = "hidden"
+
+
+def node_row(node: NodeStatus, redacted: bool = False) -> tuple[object, ...]:
     version = str(node.version_held)
     if node.receiving_version is not None:
         version += f"←{node.receiving_version}:{node.chunks_received}"
     return (
         Text(short_id(node.peer_id), style="bold"),
         styled_state(display_state(node)),
-        Text(money(node.price_per_hour), justify="right"),
+        Text(HIDDEN if redacted else money(node.price_per_hour), justify="right"),
         Text(number(node.rollouts_per_s), justify="right"),
         Text(number(rho(node), '.3g'), justify="right"),
         Text(version, justify="right"),
         *tally_cells(node.tallies),
-        Text(money(node.cost_usd, 3), justify="right"),
+        Text(HIDDEN if redacted else money(node.cost_usd, 3), justify="right"),
         Text(node.net_text(), style="yellow" if node.reachability == "nated" else ""),
     )
 
@@ -133,15 +137,18 @@ def learner_text(status: HubStatus) -> Text:
 
 def cost_text(status: HubStatus) -> Text:
     out = Text()
-    out.append("total       ")
-    out.append(money(status.cost_usd, 3) + "\n", style="bold")
-    out.append(f"per step    {money(status.cost_per_step_usd, 4)}\n")
-    out.append(f"per rollout {money(cost_per_rollout(status), 5)}\n")
-    out.append(f"all nodes   {money(status.all_on_cost_usd, 3)}\n")
-    if status.all_on_cost_usd > 0:
-        out.append(f"saved       {1 - status.cost_usd / status.all_on_cost_usd:.0%}\n", style="green")
+    if status.redacted:  # the hub sends no totals then (HubStatus.redact): zeros would read as a free fleet
+        out.append(f"total       {HIDDEN}\n", style="bold")
     else:
-        out.append("saved       —\n")
+        out.append("total       ")
+        out.append(money(status.cost_usd, 3) + "\n", style="bold")
+        out.append(f"per step    {money(status.cost_per_step_usd, 4)}\n")
+        out.append(f"per rollout {money(cost_per_rollout(status), 5)}\n")
+        out.append(f"all nodes   {money(status.all_on_cost_usd, 3)}\n")
+        if status.all_on_cost_usd > 0:
+            out.append(f"saved       {1 - status.cost_usd / status.all_on_cost_usd:.0%}\n", style="green")
+        else:
+            out.append("saved       —\n")
     t = status.totals
     out.append(f"acc {t.accepted} rej {t.rejected} late {t.late} stale {status.dropped_stale}", style="dim")
     if status.redacted:
@@ -262,8 +269,9 @@ class HubDashboard(DashboardApp):
         table = self.query_one("#nodes-table", DataTable)
         keep = self.selected_peer
         table.clear()
+        redacted = self.status is not None and self.status.redacted
         for node in self.sorted_nodes():
-            table.add_row(*node_row(node), key=node.peer_id)
+            table.add_row(*node_row(node, redacted), key=node.peer_id)
         if keep is not None and keep in table.rows:
             table.move_cursor(row=table.get_row_index(keep), animate=False)
         self._title_nodes()

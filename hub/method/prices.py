@@ -73,7 +73,7 @@ def ranking_price(ranked: float, declared: float, band: float) -> float:
 def price_change_refusal(price: float, ceiling: float, last_change_at: float | None, now: float,
                          min_interval_s: float) -> str | None:
     """Why a joined node may not re-declare `price` now (None: it may): the same bounds as at join, and one
-    change per `min_interval_s` after the last one (`last_change_at`; None: none since it joined)."""
+    change per `min_interval_s` after the last one (`last_change_at`, kept across re-joins; None: none yet)."""
     if not math.isfinite(price) or price < 0:
         return f"price must be a finite number >= 0, got {price!r}"
     if price > ceiling:

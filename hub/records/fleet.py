@@ -117,9 +117,13 @@ class Fleet:
                 peer_id=peer_id, price_per_hour=0.0, link_bps=0.0, backend="", hardware="", listen_addrs=(),
                 remote_ip=None, last_seen=now,
             )
+        if record.price_per_hour != request.price_per_hour and record.price_history:
+            # A re-join at another price is a price change: the clock of the one-per-interval rule is the identity's,
+            # not the session's, or leave and re-join would bypass it (issue 54 item 5).
+            record.price_changed_at = now
         record.declare_price(request.price_per_hour, now)
         record.link_bps = request.link_bps
-        record.ranked_price_per_hour, record.price_changed_at = None, None
+        record.ranked_price_per_hour = None
         record.backend, record.hardware, record.name = request.backend, request.hardware, request.name
         if (record.listen_addrs, record.remote_ip) != (request.listen_addrs, remote_ip):
             record.reachability = "unknown"  # another address: dialed back again
