@@ -55,7 +55,8 @@ def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> Non
     assert samples[("echo2_nodes", (("state", "banned"),))] == 0
     assert samples[("echo2_nodes_by_reachability", (("reachability", "nated"),))] == 1
     assert samples[("echo2_groups_total", (("verdict", "late"),))] == 2
-    assert samples[("echo2_cost_usd_total", ())] == 0.5
+    # Money never leaves through the web view: with one node on, the cost total moves with its price alone.
+    assert not any(name.startswith("echo2_cost") for name, _ in samples)
     assert samples[("echo2_audits_total", (("result", "failed"),))] == 1
     assert samples[("echo2_audits_total", (("result", "passed"),))] == 3
     assert samples[("echo2_audits_total", (("result", "unverified"),))] == 0
@@ -190,7 +191,7 @@ def test_metrics_parse_with_prometheus_client(pages: tuple[str, str]) -> None:
     for name in ("echo2_learner_step", "echo2_learner_version", "echo2_rollout_reward", "echo2_bubble_ratio",
                  "echo2_broadcast_seconds", "echo2_mu_pool_rollouts_per_second", "echo2_mu_min_rollouts_per_second",
                  "echo2_mu_target_rollouts_per_second", "echo2_nodes", "echo2_nodes_by_reachability", "echo2_groups",
-                 "echo2_cost_usd", "echo2_snapshot_bytes", "echo2_submissions", "echo2_heartbeats",
+                 "echo2_snapshot_bytes", "echo2_submissions", "echo2_heartbeats",
                  "echo2_learner_step_seconds", "echo2_eval_reward", "echo2_delta_bytes", "echo2_audits"):
         assert name in families, name
     assert families["echo2_groups"].type == families["echo2_heartbeats"].type == "counter"

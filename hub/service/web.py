@@ -94,7 +94,6 @@ def status_metrics(s: HubStatus) -> list[Metric]:
                   {v: getattr(s.totals, v) for v in GROUP_VERDICTS}),
         CounterMetricFamily("echo2_refused_requests", "requests refused at the protocol level", value=s.totals.refused),
         CounterMetricFamily("echo2_dropped_stale_groups", "accepted groups dropped as too stale", value=s.dropped_stale),
-        CounterMetricFamily("echo2_cost_usd", "paid to volunteers, not voided", value=s.cost_usd),
         CounterMetricFamily("echo2_submissions", "submissions received from nodes (this hub process)", value=s.submissions),
         CounterMetricFamily("echo2_heartbeats", "heartbeats received from nodes (this hub process)", value=s.heartbeats),
         by_label(CounterMetricFamily("echo2_audits", "audits of submissions, by result (this hub process)", labels=["result"]),
