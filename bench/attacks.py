@@ -53,13 +53,20 @@ class Node:
 
     def completion(self, text: str) -> Completion:
         ids = (*self.tokenizer.encode(text), self.tokenizer.eos_token_id)
-        return Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop",
-                          version=self.hub.version, text=text)
+        return Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop", version=self.hub.version, text=text)
 
     async def join(self) -> None:
-        reply = await self.client.join(JoinRequest(price_per_hour=0.5, hardware="bench", link_bps=1e8, backend="hf",
-                                                   dtype="float32", model_config_hash=self.hub.config_hash,
-                                                   version_held=0))
+        reply = await self.client.join(
+            JoinRequest(
+                price_per_hour=0.5,
+                hardware="bench",
+                link_bps=1e8,
+                backend="hf",
+                dtype="float32",
+                model_config_hash=self.hub.config_hash,
+                version_held=0,
+            )
+        )
         assert isinstance(reply, JoinReply), reply
 
     async def lease(self):
@@ -73,12 +80,16 @@ class Node:
     async def work(self, poisoned: bool) -> tuple[float, SubmitReply | None]:
         """Lease, answer (rightly, or with POISON in every group) and submit: (seconds to the reply, the reply)."""
         lease = await self.lease()
-        groups = tuple(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(self.completion(t) for t in (
-            (POISON, "x") if poisoned else (p.text[:-1][::-1], p.text[:-1])))) for p in lease.prompts)
+        groups = tuple(
+            SubmittedGroup(
+                prompt_id=p.prompt_id,
+                completions=tuple(self.completion(t) for t in ((POISON, "x") if poisoned else (p.text[:-1][::-1], p.text[:-1]))),
+            )
+            for p in lease.prompts
+        )
         start = time.monotonic()
         with trio.move_on_after(HANDLER_TIMEOUT_S + 5):
-            reply = await self.client.submit(Submission(lease_id=lease.lease_id, node_id=self.client.peer_id,
-                                                        groups=groups))
+            reply = await self.client.submit(Submission(lease_id=lease.lease_id, node_id=self.client.peer_id, groups=groups))
             return time.monotonic() - start, reply if isinstance(reply, SubmitReply) else None
         return time.monotonic() - start, None
 
@@ -89,13 +100,17 @@ class Node:
 
 
 def summary(seconds: list[float]) -> dict:
-    return {"n": len(seconds), "p50_ms": round(1000 * statistics.median(seconds), 1) if seconds else None,
-            "max_ms": round(1000 * max(seconds), 1) if seconds else None}
+    return {
+        "n": len(seconds),
+        "p50_ms": round(1000 * statistics.median(seconds), 1) if seconds else None,
+        "max_ms": round(1000 * max(seconds), 1) if seconds else None,
+    }
 
 
 async def honest_round(node: Node, until: float, out: dict) -> None:
     """Submissions and heartbeats of the honest node until `until` (time.monotonic)."""
     async with trio.open_nursery() as nursery:
+
         async def beats() -> None:
             while time.monotonic() < until:
                 out["beats"].append(await node.beat())
@@ -112,11 +127,13 @@ async def honest_round(node: Node, until: float, out: dict) -> None:
 async def run_mode(procs: int, attackers: int, seconds: float, work: Path, model_dir: Path) -> dict:
     trust = PERMISSIVE_TRUST.model_copy(update={"check_procs": procs, "reward_budget_s": REWARD_BUDGET_S})
     # Room for every lease of the bench: no learner takes groups out of the buffer (as bench/p2p.py).
-    config = HubConfig(learner=LearnerConfig(staleness=2, prompts_per_step=4096, group_size=2,
-                                             buffer_max_groups=1_000_000),
-                       sampling=SamplingParams(max_new_tokens=32),
-                       lease=LeaseConfig(prompts_per_lease=2, max_inflight_steps=100.0),
-                       trust=trust, task="testbed.poisoned_tasks:SpinningRewardTask")
+    config = HubConfig(
+        learner=LearnerConfig(staleness=2, prompts_per_step=4096, group_size=2, buffer_max_groups=1_000_000),
+        sampling=SamplingParams(max_new_tokens=32),
+        lease=LeaseConfig(prompts_per_lease=2, max_inflight_steps=100.0),
+        trust=trust,
+        task="testbed.poisoned_tasks:SpinningRewardTask",
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     async with inproc_hub(work, model_dir, config) as hub, AsyncExitStack() as stack:
         nodes = []
@@ -155,7 +172,8 @@ async def run_mode(procs: int, attackers: int, seconds: float, work: Path, model
             "attackers": attackers,
             "honest_quiet": {"submit": summary(quiet["submits"]), "heartbeat": summary(quiet["beats"])},
             "honest_under_flood": {
-                "submit": summary(flood["submits"]), "heartbeat": summary(flood["beats"]),
+                "submit": summary(flood["submits"]),
+                "heartbeat": summary(flood["beats"]),
                 "answered_within_deadline": f"{flood['answered_in_time']}/{len(flood['submits'])}",
                 "accepted": f"{flood['accepted_all']}/{len(flood['submits'])}",
             },

@@ -56,6 +56,7 @@ log = logging.getLogger("bench.broadcast")
 SCRATCH = Path(tempfile.mkdtemp(prefix="echo2-bench-broadcast-"))
 atexit.register(shutil.rmtree, SCRATCH, True)
 
+
 @dataclass(frozen=True)
 class Result:
     mode: str
@@ -109,8 +110,16 @@ async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, nursery: 
             node.done.set()
 
         client = HubClient(host, identity, hub_addr)
-        keeper = SnapshotKeeper(host, identity, hub_peer_id, Path(tempfile.mkdtemp(dir=SCRATCH)), install, RateLimiter(link_bps), on_installed=lambda v: None,
-                                report=client.report)
+        keeper = SnapshotKeeper(
+            host,
+            identity,
+            hub_peer_id,
+            Path(tempfile.mkdtemp(dir=SCRATCH)),
+            install,
+            RateLimiter(link_bps),
+            on_installed=lambda v: None,
+            report=client.report,
+        )
         node = BenchNode(identity.peer_id, addrs[0], host, keeper, trio.Event())
         set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)
         set_handler(host, RELAY_PROTOCOL, keeper.on_relay_offer, log)
@@ -244,14 +253,27 @@ def main() -> None:
                 Result(mode, n, seconds, ideal_s(mode, n, total, chunk_bytes, link_bps, hub_bps), time.process_time() - cpu)
             )
             progress.advance(bar)
-    title = f"{total / 1e6:.0f} MB, {args.chunk_kib} KiB chunks, Bw {args.link_mbps:g} Mbit/s, B0 {hub_bps / BYTES_PER_MBIT:g} Mbit/s"
+    title = (
+        f"{total / 1e6:.0f} MB, {args.chunk_kib} KiB chunks, Bw {args.link_mbps:g} Mbit/s, B0 {hub_bps / BYTES_PER_MBIT:g} Mbit/s"
+    )
     plot(results, args.out, title)
     report = {
-        "config": {"size_bytes": total, "chunk_bytes": chunk_bytes, "link_mbps": args.link_mbps,
-                   "hub_mbps": hub_bps / BYTES_PER_MBIT, "cpus": os.cpu_count()},
+        "config": {
+            "size_bytes": total,
+            "chunk_bytes": chunk_bytes,
+            "link_mbps": args.link_mbps,
+            "hub_mbps": hub_bps / BYTES_PER_MBIT,
+            "cpus": os.cpu_count(),
+        },
         "results": [
-            {"mode": r.mode, "nodes": r.nodes, "seconds": round(r.seconds, 3), "ideal_seconds": round(r.ideal_seconds, 3),
-             "ratio": round(r.seconds / r.ideal_seconds, 3), "cpu_s": round(r.cpu_s, 2)}
+            {
+                "mode": r.mode,
+                "nodes": r.nodes,
+                "seconds": round(r.seconds, 3),
+                "ideal_seconds": round(r.ideal_seconds, 3),
+                "ratio": round(r.seconds / r.ideal_seconds, 3),
+                "cpu_s": round(r.cpu_s, 2),
+            }
             for r in results
         ],
         "checks": checks(results),
@@ -264,8 +286,14 @@ def main() -> None:
     for column in ("mode", "N", "seconds", "ideal s", "ratio", "cpu s"):
         table.add_column(column, justify="right")
     for r in report["results"]:
-        table.add_row(r["mode"], str(r["nodes"]), f"{r['seconds']:.2f}", f"{r['ideal_seconds']:.2f}",
-                      f"{r['ratio']:.2f}", f"{r['cpu_s']:.1f}")
+        table.add_row(
+            r["mode"],
+            str(r["nodes"]),
+            f"{r['seconds']:.2f}",
+            f"{r['ideal_seconds']:.2f}",
+            f"{r['ratio']:.2f}",
+            f"{r['cpu_s']:.1f}",
+        )
     console = Console()
     console.print(table)
     console.print(report["checks"], f"plot: {args.out}")

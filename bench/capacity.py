@@ -152,7 +152,7 @@ def bubble_and_se(rows: list[dict], batch: int) -> tuple[float, float]:
     steps per broadcast they repeat in a pattern, so a batch spans whole patterns); inf with < 2 batches."""
     idle = sum(m["t_idle_s"] for m in rows)
     bubble = idle / (idle + sum(m["t_train_s"] for m in rows))
-    batches = [rows[i:i + batch] for i in range(0, len(rows) - batch + 1, batch)]
+    batches = [rows[i : i + batch] for i in range(0, len(rows) - batch + 1, batch)]
     if len(batches) < 2:
         return bubble, math.inf
     means = [sum(m["t_idle_s"] for m in b) / sum(m["t_idle_s"] + m["t_train_s"] for m in b) for b in batches]
@@ -217,9 +217,11 @@ def feasible_mu_min(rollouts_per_step: float, t_train: float, t_bcast: float) ->
 
 def describe(point: Point) -> str:
     needed = "infeasible" if point.mu_min is None else f"{point.mu_min:.1f}/s"
-    return (f"mu_pool {point.mu_pool:.1f}/s (mu_min {needed}): "
-            f"bubble {point.measured_bubble:.3f} ± {point.measured_se:.3f} measured over {point.steps} steps, {point.predicted_bubble:.3f} predicted"
-            + ("" if point.hub_predicted_bubble is None else f" ({point.hub_predicted_bubble:.3f} by the hub)"))
+    return (
+        f"mu_pool {point.mu_pool:.1f}/s (mu_min {needed}): "
+        f"bubble {point.measured_bubble:.3f} ± {point.measured_se:.3f} measured over {point.steps} steps, {point.predicted_bubble:.3f} predicted"
+        + ("" if point.hub_predicted_bubble is None else f" ({point.hub_predicted_bubble:.3f} by the hub)")
+    )
 
 
 def measured_broadcast(status: HubStatus) -> bool:
@@ -262,8 +264,11 @@ def cost_per_step(root: Path, scheduler_enabled: bool, warmup: int, steps: int) 
         for name, (price, throttle) in COST_FLEET.items():
             run.add_node(name, price, throttle)
         run.wait_ids()
-        start = run.wait(lambda s: s.step >= warmup and all(run.state(s, n) is not None for n in COST_FLEET),
-                         "warm-up steps", timeout_s=POINT_TIMEOUT_S * 2)
+        start = run.wait(
+            lambda s: s.step >= warmup and all(run.state(s, n) is not None for n in COST_FLEET),
+            "warm-up steps",
+            timeout_s=POINT_TIMEOUT_S * 2,
+        )
         end = run.wait(lambda s: s.step >= start.step + steps, "measured steps", timeout_s=POINT_TIMEOUT_S * 2)
         return (end.cost_usd - start.cost_usd) / (end.step - start.step)
     finally:
@@ -284,14 +289,22 @@ def plot(points: list[Point], path: Path) -> None:
     ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (per-period balance, T_bcast stall)")
     if all(p.hub_predicted_bubble is not None for p in ordered):
         ax.plot(x, [p.hub_predicted_bubble for p in ordered], "^:", label="predicted by the hub (own installs, first step)")
-    ax.errorbar(x, [p.measured_bubble for p in ordered], yerr=[2 * p.measured_se for p in ordered], fmt="s-",
-                capsize=3, label="measured (learner T_idle), ± 2 standard errors")
+    ax.errorbar(
+        x,
+        [p.measured_bubble for p in ordered],
+        yerr=[2 * p.measured_se for p in ordered],
+        fmt="s-",
+        capsize=3,
+        label="measured (learner T_idle), ± 2 standard errors",
+    )
     ax.set_xlabel("mu_pool, accepted rollouts/s (measured)")
     ax.set_ylabel("bubble ratio")
     ax.set_ylim(-0.02, 1.0)
     usable = sum(p.usable_fraction for p in ordered) / len(ordered)
-    ax.set_title(f"learner bubble vs pool throughput\nkappa={KAPPA}, R={ROLLOUTS_PER_STEP}, {usable:.0%} of accepted groups trained on",
-                 fontsize=10)
+    ax.set_title(
+        f"learner bubble vs pool throughput\nkappa={KAPPA}, R={ROLLOUTS_PER_STEP}, {usable:.0%} of accepted groups trained on",
+        fontsize=10,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -305,19 +318,23 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="keep data dirs here (default: a temp dir)")
     parser.add_argument("--first-rollouts-per-s", type=float, default=40.0)
     parser.add_argument("--fractions", default="0.5,0.8,1.3,2.0", help="pool throughputs to reach, as fractions of mu_min")
-    parser.add_argument("--steps-per-point", type=int, default=MIN_SE_BATCHES * SE_BATCH_STEPS,
-                        help="learner steps measured per point, at least")
+    parser.add_argument(
+        "--steps-per-point", type=int, default=MIN_SE_BATCHES * SE_BATCH_STEPS, help="learner steps measured per point, at least"
+    )
     parser.add_argument("--max-steps-per-point", type=int, default=240, help="at most, if the target error is not met")
-    parser.add_argument("--target-se", type=float, default=0.02,
-                        help="measure a point until its bubble's standard error is at most this")
+    parser.add_argument(
+        "--target-se", type=float, default=0.02, help="measure a point until its bubble's standard error is at most this"
+    )
     parser.add_argument("--settle-steps", type=int, default=3, help="steps skipped after each new node, before measuring")
     parser.add_argument("--cost-warmup", type=int, default=10)
     parser.add_argument("--cost-steps", type=int, default=15)
     parser.add_argument("--skip-cost", action="store_true", help="only the bubble sweep")
     args = parser.parse_args()
     if args.steps_per_point < MIN_SE_BATCHES * SE_BATCH_STEPS:
-        parser.error(f"--steps-per-point {args.steps_per_point}: at least {MIN_SE_BATCHES * SE_BATCH_STEPS} "
-                     f"({MIN_SE_BATCHES} batches of {SE_BATCH_STEPS} steps) for a standard error to trust")
+        parser.error(
+            f"--steps-per-point {args.steps_per_point}: at least {MIN_SE_BATCHES * SE_BATCH_STEPS} "
+            f"({MIN_SE_BATCHES} batches of {SE_BATCH_STEPS} steps) for a standard error to trust"
+        )
     if args.max_steps_per_point < args.steps_per_point:
         parser.error(f"--max-steps-per-point {args.max_steps_per_point}: at least --steps-per-point ({args.steps_per_point})")
 
@@ -333,14 +350,25 @@ def main() -> int:
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="echo2-capacity-"))
     fractions = [float(f) for f in args.fractions.split(",")]
     with console.status("bubble sweep"):
-        points = sweep(root, args.first_rollouts_per_s, fractions, lambda run: measure_point(
-            run, args.settle_steps, args.steps_per_point, args.max_steps_per_point, args.target_se), say)
+        points = sweep(
+            root,
+            args.first_rollouts_per_s,
+            fractions,
+            lambda run: measure_point(run, args.settle_steps, args.steps_per_point, args.max_steps_per_point, args.target_se),
+            say,
+        )
     plot(points, args.out)
     result: dict[str, object] = {
-        "sweep": [{"mu_pool": p.mu_pool, "measured_bubble": p.measured_bubble,
-                   "measured_se": p.measured_se,
-                   "predicted_bubble": p.predicted_bubble, "hub_predicted_bubble": p.hub_predicted_bubble}
-                  for p in points],
+        "sweep": [
+            {
+                "mu_pool": p.mu_pool,
+                "measured_bubble": p.measured_bubble,
+                "measured_se": p.measured_se,
+                "predicted_bubble": p.predicted_bubble,
+                "hub_predicted_bubble": p.hub_predicted_bubble,
+            }
+            for p in points
+        ],
         "points": [asdict(p) for p in points],
         "plot": str(args.out),
     }

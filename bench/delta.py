@@ -78,8 +78,9 @@ def make_groups(model_dir: Path, sampling) -> list:
         rewards = tuple(task.rewards(prompt, [c.text for c in completions]))
         if len(set(rewards)) == 1:
             rewards = tuple(float(i % 2) for i in range(GROUP_SIZE))
-        groups.append(Group(prompt_id=prompt.id, prompt_text=prompt.text, version=0, completions=tuple(completions),
-                            rewards=rewards))
+        groups.append(
+            Group(prompt_id=prompt.id, prompt_text=prompt.text, version=0, completions=tuple(completions), rewards=rewards)
+        )
     return groups
 
 
@@ -105,8 +106,9 @@ async def run_one(model: str, model_dir: Path, params: int, lr: float, args: arg
     link_bps = args.link_mbps * BYTES_PER_MBIT
 
     def publish(version: int, previous):
-        snapshot = build_snapshot(learner.state_dict(), version, identity, learner.config_hash, directory,
-                                  dtype=learner.snapshot_dtype)
+        snapshot = build_snapshot(
+            learner.state_dict(), version, identity, learner.config_hash, directory, dtype=learner.snapshot_dtype
+        )
         built = build_delta_snapshot(previous, snapshot, identity, directory, 1.0) if previous else None
         return snapshot, (built[0] if built else None), (built[1] if built else None)
 
@@ -115,8 +117,12 @@ async def run_one(model: str, model_dir: Path, params: int, lr: float, args: arg
     bit_exact = True
     async with hub_peer(identity) as peer:
         hub = Hub(peer, "chain")
-        async with node_peer(peer, read=file_hash) as a, node_peer(peer, read=file_hash) as b, \
-                node_peer(peer, read=file_hash) as c, trio.open_nursery() as nursery:
+        async with (
+            node_peer(peer, read=file_hash) as a,
+            node_peer(peer, read=file_hash) as b,
+            node_peer(peer, read=file_hash) as c,
+            trio.open_nursery() as nursery,
+        ):
             nodes = [a, b, c]
             await nursery.start(hub.broadcaster.run)
             for node in nodes:
@@ -143,17 +149,22 @@ async def run_one(model: str, model_dir: Path, params: int, lr: float, args: arg
                 if stats is not None:
                     ratios.append(stats.bytes / snapshot.manifest.total_bytes)
                     changed.append(stats.changed_elements / stats.total_elements)
-                    log(f"  {model} lr {lr:g}: v{version} delta {stats.bytes / 1e6:.3g} MB = {ratios[-1]:.2%} of "
-                        f"{snapshot.manifest.total_bytes / 1e6:.3g} MB, {changed[-1]:.2%} of elements changed")
+                    log(
+                        f"  {model} lr {lr:g}: v{version} delta {stats.bytes / 1e6:.3g} MB = {ratios[-1]:.2%} of "
+                        f"{snapshot.manifest.total_bytes / 1e6:.3g} MB, {changed[-1]:.2%} of elements changed"
+                    )
                 if previous is not None and previous.manifest.version > 0:
                     remove_snapshot_files(directory, previous.manifest.version - 1)
                 previous = snapshot
             deltas_applied = [n.keeper.deltas_applied for n in nodes]
             nursery.cancel_scope.cancel()
         # The same version to three fresh keepers at the same link rate: no base, so in full.
-        async with node_peer(peer, RateLimiter(link_bps), read=file_hash) as d, \
-                node_peer(peer, RateLimiter(link_bps), read=file_hash) as e, \
-                node_peer(peer, RateLimiter(link_bps), read=file_hash) as f, trio.open_nursery() as nursery:
+        async with (
+            node_peer(peer, RateLimiter(link_bps), read=file_hash) as d,
+            node_peer(peer, RateLimiter(link_bps), read=file_hash) as e,
+            node_peer(peer, RateLimiter(link_bps), read=file_hash) as f,
+            trio.open_nursery() as nursery,
+        ):
             fresh = [d, e, f]
             await nursery.start(hub.broadcaster.run)
             for node in fresh:
@@ -170,12 +181,21 @@ async def run_one(model: str, model_dir: Path, params: int, lr: float, args: arg
             nursery.cancel_scope.cancel()
     mean_ratio = sum(ratios) / len(ratios)
     return {
-        "model": model, "params": params, "lr": lr, "publishes": len(ratios),
-        "full_bytes": previous.manifest.total_bytes, "delta_bytes_mean": round(mean_ratio * previous.manifest.total_bytes),
-        "delta_ratio": round(mean_ratio, 4), "delta_ratio_max": round(max(ratios), 4),
-        "changed_fraction_mean": round(sum(changed) / len(changed), 4), "weights_bit_exact": bit_exact,
-        "deltas_applied_per_node": deltas_applied, "t_bcast_full_s": round(t_full, 3),
-        "t_bcast_delta_s": round(t_delta, 3), "t_bcast_ratio": round(t_delta / t_full, 3), "ratios": [round(r, 4) for r in ratios],
+        "model": model,
+        "params": params,
+        "lr": lr,
+        "publishes": len(ratios),
+        "full_bytes": previous.manifest.total_bytes,
+        "delta_bytes_mean": round(mean_ratio * previous.manifest.total_bytes),
+        "delta_ratio": round(mean_ratio, 4),
+        "delta_ratio_max": round(max(ratios), 4),
+        "changed_fraction_mean": round(sum(changed) / len(changed), 4),
+        "weights_bit_exact": bit_exact,
+        "deltas_applied_per_node": deltas_applied,
+        "t_bcast_full_s": round(t_full, 3),
+        "t_bcast_delta_s": round(t_delta, 3),
+        "t_bcast_ratio": round(t_delta / t_full, 3),
+        "ratios": [round(r, 4) for r in ratios],
     }
 
 
@@ -190,8 +210,12 @@ def plot(results: list[dict], path: Path) -> None:
         ax.plot(range(1, len(r["ratios"]) + 1), r["ratios"], "o-", label=f"{r['model']} lr {r['lr']:g}")
     ax.axhline(0.10, color="gray", ls="--", lw=1, label="target at lr 1e-6")
     ax.axhline(0.5, color="gray", ls=":", lw=1, label="hub's cut-off (delta_max_ratio)")
-    ax.set(xlabel="publish (one GRPO step each)", ylabel="delta bytes / full bf16 snapshot", yscale="log",
-           title="Delta snapshots: bytes per broadcast")
+    ax.set(
+        xlabel="publish (one GRPO step each)",
+        ylabel="delta bytes / full bf16 snapshot",
+        yscale="log",
+        title="Delta snapshots: bytes per broadcast",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,8 +252,10 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"{model} ({params / 1e6:.1f}M parameters), lr {lr:g}: {args.publishes} publishes")
                 results.append(trio.run(run_one, model, model_dir, params, lr, args, log))
                 r = results[-1]
-                log(f"  -> delta {r['delta_ratio']:.2%} of full, T_bcast {r['t_bcast_delta_s']:.2f}s vs "
-                    f"{r['t_bcast_full_s']:.2f}s full, bit-exact {r['weights_bit_exact']}")
+                log(
+                    f"  -> delta {r['delta_ratio']:.2%} of full, T_bcast {r['t_bcast_delta_s']:.2f}s vs "
+                    f"{r['t_bcast_full_s']:.2f}s full, bit-exact {r['weights_bit_exact']}"
+                )
     if args.plot:
         plot(results, args.plot)
     out = {"link_mbps": args.link_mbps, "results": results}

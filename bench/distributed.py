@@ -98,15 +98,28 @@ def run_model(name: str, args: argparse.Namespace, work: Path, log) -> list[dict
     del single
     log(f"{name}: the same steps on {args.procs} processes (FSDP2, gloo)")
     out = work / f"{name}-sharded.pt"
-    mp.spawn(rank_main, args=(args.procs, str(rank_store(work)), str(model_dir), groups, args.steps, args.lr, str(out)),
-             nprocs=args.procs)
+    mp.spawn(
+        rank_main,
+        args=(args.procs, str(rank_store(work)), str(model_dir), groups, args.steps, args.lr, str(out)),
+        nprocs=args.procs,
+    )
     sharded = torch.load(out)
     diff = max(float((sharded["weights"][k] - reference[k]).abs().max()) for k in sharded["weights"])
     return [
-        {"model": name, "params": params, "procs": 1, "step_s": round(statistics.median(single_times), 4),
-         "max_abs_weight_diff_vs_1proc": 0.0},
-        {"model": name, "params": params, "procs": args.procs, "step_s": round(statistics.median(sharded["times"]), 4),
-         "max_abs_weight_diff_vs_1proc": diff},
+        {
+            "model": name,
+            "params": params,
+            "procs": 1,
+            "step_s": round(statistics.median(single_times), 4),
+            "max_abs_weight_diff_vs_1proc": 0.0,
+        },
+        {
+            "model": name,
+            "params": params,
+            "procs": args.procs,
+            "step_s": round(statistics.median(sharded["times"]), 4),
+            "max_abs_weight_diff_vs_1proc": diff,
+        },
     ]
 
 

@@ -28,12 +28,27 @@ from shared.messages import HubStatus  # noqa: E402
 
 
 def run(data_dir: Path, steps: int, nodes: int, extra: list[str], quiet: bool) -> dict:
-    cmd = [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data_dir), "--steps", str(steps),
-           "--local-nodes", str(nodes), "--listen", "/ip4/127.0.0.1/tcp/0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hub.cli",
+        "start",
+        "--data-dir",
+        str(data_dir),
+        "--steps",
+        str(steps),
+        "--local-nodes",
+        str(nodes),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        *extra,
+    ]
     if quiet:
         cmd.append("--no-progress")
     started = time.monotonic()
-    result = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.STDOUT if quiet else None)
+    result = subprocess.run(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.STDOUT if quiet else None
+    )
     wall = time.monotonic() - started
     if result.returncode != 0:
         raise SystemExit(f"echo-hub start failed with {result.returncode} (data dir {data_dir})")

@@ -103,8 +103,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     unknown = only - set(PROTOCOL_CHEATS + AUDIT_CHEATS) - set(RELAY_SCENARIOS) - {"crash", "churn"}
     if unknown:
-        parser.error(f"unknown scenario(s) {sorted(unknown)}: choose from "
-                     f"{', '.join([*PROTOCOL_CHEATS, *AUDIT_CHEATS, *RELAY_SCENARIOS])}, crash, churn")
+        parser.error(
+            f"unknown scenario(s) {sorted(unknown)}: choose from "
+            f"{', '.join([*PROTOCOL_CHEATS, *AUDIT_CHEATS, *RELAY_SCENARIOS])}, crash, churn"
+        )
     names = [n for n in PROTOCOL_CHEATS + AUDIT_CHEATS if not only or n in only]
     out: dict = {"scenarios": run_cheats(work, names, args.quick, say)}
     for name, scenario in RELAY_SCENARIOS.items():  # in process: real Broadcaster, real keepers

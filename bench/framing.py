@@ -68,11 +68,7 @@ async def default_config_host(identity: Identity, listen: list[str]) -> AsyncIte
     key_pair = identity.libp2p_keypair()
     host = new_host(
         key_pair=key_pair,
-        sec_opt={
-            TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(
-                key_pair, noise_privkey=create_new_x25519_key_pair().private_key
-            )
-        },
+        sec_opt={TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         transports=[TCP()],
     )
@@ -107,9 +103,7 @@ async def run(total_mb: int, chunk_kib: int, dials: int, show_progress: bool) ->
         async with running_host(client_id, [LOOPBACK]) as (client, _):
             await connect(client, server_addr)
             stream = await open_stream(client, server_id.peer_id, BENCH_PROTOCOL)
-            progress = Progress(
-                TextColumn("framed chunks"), BarColumn(), TransferSpeedColumn(), disable=not show_progress
-            )
+            progress = Progress(TextColumn("framed chunks"), BarColumn(), TransferSpeedColumn(), disable=not show_progress)
             with progress:
                 task = progress.add_task("send", total=total_bytes)
                 start = time.perf_counter()

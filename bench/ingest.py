@@ -95,7 +95,7 @@ class BytesStream:
         self.data, self.pos = data, 0
 
     async def read(self, n: int) -> bytes:
-        chunk = self.data[self.pos:self.pos + n]
+        chunk = self.data[self.pos : self.pos + n]
         self.pos += len(chunk)
         return chunk
 
@@ -110,11 +110,19 @@ def write_math_task(directory: Path, rng: random.Random) -> str:
             rows.append({"prompt": f"What is {a} times {b}? Put the final answer in \\boxed{{}}.", "answer": str(a * b)})
         elif kind == 1:
             g = math.gcd(a, b)
-            rows.append({"prompt": f"Simplify {a}/{b}. Put the final answer in \\boxed{{}}.",
-                         "answer": f"\\frac{{{a // g}}}{{{b // g}}}" if b // g != 1 else str(a // g)})
+            rows.append(
+                {
+                    "prompt": f"Simplify {a}/{b}. Put the final answer in \\boxed{{}}.",
+                    "answer": f"\\frac{{{a // g}}}{{{b // g}}}" if b // g != 1 else str(a // g),
+                }
+            )
         else:
-            rows.append({"prompt": f"Simplify the square root of {4 * a}. Put the final answer in \\boxed{{}}.",
-                         "answer": f"2\\sqrt{{{a}}}"})
+            rows.append(
+                {
+                    "prompt": f"Simplify the square root of {4 * a}. Put the final answer in \\boxed{{}}.",
+                    "answer": f"2\\sqrt{{{a}}}",
+                }
+            )
     path = directory / "math.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return f"math:{path}"
@@ -140,18 +148,30 @@ def reverse_text(answer: str, right: bool, rng: random.Random) -> str:
 
 def completion(text: str, tokenizer, max_tokens: int, rng: random.Random) -> Completion:
     ids = tokenizer.encode(text)[: max_tokens - 1] + [tokenizer.eos_token_id]
-    return Completion(token_ids=tuple(ids), logprobs=tuple(-rng.uniform(0.01, 3.0) for _ in ids),
-                      finish_reason="stop", version=0, text=tokenizer.decode(ids, skip_special_tokens=True))
+    return Completion(
+        token_ids=tuple(ids),
+        logprobs=tuple(-rng.uniform(0.01, 3.0) for _ in ids),
+        finish_reason="stop",
+        version=0,
+        text=tokenizer.decode(ids, skip_special_tokens=True),
+    )
 
 
-def build_frames(state: HubState, leases: list[tuple[Identity, object]], make_text: Callable, tokenizer,
-                 max_tokens: int, rng: random.Random) -> list[Frame]:
+def build_frames(
+    state: HubState, leases: list[tuple[Identity, object]], make_text: Callable, tokenizer, max_tokens: int, rng: random.Random
+) -> list[Frame]:
     """One signed submission frame per lease: every prompt answered, about 60% right."""
     frames = []
     for identity, lease in leases:
-        groups = tuple(SubmittedGroup(prompt_id=p.id, completions=tuple(
-            completion(make_text(p, rng.random() < 0.6, rng), tokenizer, max_tokens, rng) for _ in range(state.group_size)))
-            for p in lease.prompts)
+        groups = tuple(
+            SubmittedGroup(
+                prompt_id=p.id,
+                completions=tuple(
+                    completion(make_text(p, rng.random() < 0.6, rng), tokenizer, max_tokens, rng) for _ in range(state.group_size)
+                ),
+            )
+            for p in lease.prompts
+        )
         submission = Submission(lease_id=lease.lease_id, node_id=identity.peer_id, groups=groups)
         frames.append(Frame(identity.peer_id, encode_signed(submission, identity), len(groups) * state.group_size))
     return frames
@@ -163,8 +183,15 @@ async def lease_all(state: HubState, n_leases: int) -> list[tuple[Identity, obje
     leases = []
     while len(leases) < n_leases:
         identity = Identity.generate()
-        request = JoinRequest(price_per_hour=0.5, hardware="bench", link_bps=1e9, backend="hf", dtype="float32",
-                              model_config_hash=state.model_config_hash, version_held=0)
+        request = JoinRequest(
+            price_per_hour=0.5,
+            hardware="bench",
+            link_bps=1e9,
+            backend="hf",
+            dtype="float32",
+            model_config_hash=state.model_config_hash,
+            version_held=0,
+        )
         record = await state.membership.join(identity.peer_id, request, "10.0.0.1")
         await state.set_state(record, "active", "bench")
         for _ in range(min(per_node, n_leases - len(leases))):
@@ -208,8 +235,12 @@ async def timed_run(state: HubState, frames: list[Frame], in_flight: int) -> dic
         for _ in range(in_flight):
             nursery.start_soon(feeder)
     wall = time.perf_counter() - t0
-    return {"completions": judged, "wall_s": wall, "hub_cpu_s": time.process_time() - cpu0,
-            "worker_cpu_s": _cpu_of(pids) - workers0}
+    return {
+        "completions": judged,
+        "wall_s": wall,
+        "hub_cpu_s": time.process_time() - cpu0,
+        "worker_cpu_s": _cpu_of(pids) - workers0,
+    }
 
 
 def _thread_ms(fn: Callable, *args) -> tuple[float, object]:
@@ -221,11 +252,11 @@ def _thread_ms(fn: Callable, *args) -> tuple[float, object]:
 async def calibrate(state: HubState, frames: list[Frame], config: HubConfig) -> dict[str, float]:
     """CPU ms per completion of each stage, one at a time on the same frames (before they are submitted)."""
     rules, window = state.intake.rules, state.leasing.window()
-    copies = CopyDetector(config.trust.copy_cache_groups, config.learner.group_size, config.trust.copy_min_surprise_nats,
-                          0.01)
+    copies = CopyDetector(config.trust.copy_cache_groups, config.learner.group_size, config.trust.copy_min_surprise_nats, 0.01)
     for frame in frames[:2]:  # warm: the reward's first call imports and caches what it uses
-        submission = decode_signed(*await read_frame(BytesStream(frame.frame), {Submission.TYPE: len(frame.frame)}),
-                                   frame.peer, Submission)
+        submission = decode_signed(
+            *await read_frame(BytesStream(frame.frame), {Submission.TYPE: len(frame.frame)}), frame.peer, Submission
+        )
         check_submission(submission, state.leasing.book.open[submission.lease_id], rules, window)
     ms = dict.fromkeys(("protocol", "signature", "parse", "decode", "reward", "copies", "ipc_hub", "ipc_worker"), 0.0)
     completions = 0
@@ -242,8 +273,11 @@ async def calibrate(state: HubState, frames: list[Frame], config: HubConfig) -> 
         lease = state.leasing.book.open[submission.lease_id]
         spent, verdicts = _thread_ms(check_submission, submission, lease, rules, window)
         prompts = {p.id: p for p in lease.prompts}
-        reward_ms = sum(_thread_ms(checked_rewards, rules.task, prompts[v.prompt_id],
-                                   [c.text for c in v.group.completions])[0] for v in verdicts if v.accepted)
+        reward_ms = sum(
+            _thread_ms(checked_rewards, rules.task, prompts[v.prompt_id], [c.text for c in v.group.completions])[0]
+            for v in verdicts
+            if v.accepted
+        )
         ms["decode"] += spent - reward_ms
         ms["reward"] += reward_ms
         t0 = time.thread_time()
@@ -251,8 +285,7 @@ async def calibrate(state: HubState, frames: list[Frame], config: HubConfig) -> 
         ms["copies"] += (time.thread_time() - t0) * 1000
         job_ms, job = _thread_ms(pickle.dumps, (submission, lease, window))
         in_worker, lease_copy, _ = pickle.loads(job)  # a worker's answer refers into its own copy of the job
-        answer_ms, answer = _thread_ms(dump_answer, ("ok", check_submission(in_worker, lease_copy, rules, window)),
-                                       in_worker)
+        answer_ms, answer = _thread_ms(dump_answer, ("ok", check_submission(in_worker, lease_copy, rules, window)), in_worker)
         ms["ipc_hub"] += job_ms + _thread_ms(load_answer, answer, submission)[0]
         ms["ipc_worker"] += answer_ms + _thread_ms(pickle.loads, job)[0]
         completions += frame.completions
@@ -275,15 +308,19 @@ def fleet_supported(hub_ms: float, worker_ms: float, beat_ms: float, heartbeats_
     by_hub = hub_left / (per_node * hub_ms / 1000)
     # No check workers (procs 0): the checks are in hub_ms, and the other cores idle.
     by_workers = (FLEET_CORES - HUB_PROCESS_CORES) / (per_node * worker_ms / 1000) if worker_ms else math.inf
-    return {"fleet_supported_16_cores": int(min(by_hub, by_workers)), "limited_by": "hub process" if by_hub < by_workers
-            else "check workers", "nodes_by_hub_process": int(by_hub),
-            "nodes_by_check_workers": int(by_workers) if worker_ms else None}
+    return {
+        "fleet_supported_16_cores": int(min(by_hub, by_workers)),
+        "limited_by": "hub process" if by_hub < by_workers else "check workers",
+        "nodes_by_hub_process": int(by_hub),
+        "nodes_by_check_workers": int(by_workers) if worker_ms else None,
+    }
 
 
 async def run_procs(procs: int, args, model_dir: Path, task: str, tokenizer, make_text: Callable) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = HubConfig(
-            task=task, data_dir=Path(tmp),
+            task=task,
+            data_dir=Path(tmp),
             learner=LearnerConfig(prompts_per_step=1024, buffer_max_groups=100_000, staleness=2),
             lease=LeaseConfig(prompts_per_lease=4, lease_timeout_s=3600.0, max_inflight_steps=100.0),
             sampling=SamplingParams(max_new_tokens=args.completion_tokens),
@@ -305,7 +342,7 @@ async def run_procs(procs: int, args, model_dir: Path, task: str, tokenizer, mak
                     while state.intake.checks._idle.statistics().current_buffer_used < procs:
                         await trio.sleep(0.05)
                 await timed_run(state, frames[CALIBRATION_SUBMISSIONS:][:warmup], warmup)
-                run = await timed_run(state, frames[CALIBRATION_SUBMISSIONS + warmup:], max(4, 4 * procs))
+                run = await timed_run(state, frames[CALIBRATION_SUBMISSIONS + warmup :], max(4, 4 * procs))
                 nursery.cancel_scope.cancel()
         finally:
             state.store.close()
@@ -324,7 +361,9 @@ def summarize(procs: int, stages: dict[str, float], beat: float, run: dict, hear
     hub_ms = sum(stages[s] for s in in_hub) + commit
     worker_ms = stages["decode"] + stages["reward"] + stages["ipc_worker"] if procs else 0.0
     return {
-        "procs": procs, "completions": n, "wall_s": round(run["wall_s"], 3),
+        "procs": procs,
+        "completions": n,
+        "wall_s": round(run["wall_s"], 3),
         "completions_per_s": round(n / run["wall_s"], 1),
         "cpu_ms_per_completion": table,
         "hub_process_cpu_ms_per_completion": round(hub_measured, 4),
@@ -354,12 +393,15 @@ def main() -> None:
         rng = random.Random(0)
         if args.task == "math":
             task = write_math_task(Path(tmp), rng)
+
             def make_text(p, right, rng):
                 return math_text(p.answer, right, args.completion_tokens, tokenizer, rng)
         else:
             task = "reverse"
+
             def make_text(p, right, rng):
                 return reverse_text(p.answer, right, rng)
+
         results = []
         for procs in [int(p) for p in args.procs.split(",")]:
             results.append(trio.run(run_procs, procs, args, model_dir, task, tokenizer, make_text))
@@ -368,10 +410,16 @@ def main() -> None:
     base = next((r for r in results if r["procs"] == 1), None)
     for r in results:
         r["scaling"] = round(r["completions_per_s"] / base["completions_per_s"], 3) if base and r["procs"] else None
-    out = {"bench": "ingest", "task": args.task, "completion_tokens": args.completion_tokens,
-           "workload": {"completion_interval_s": WORKLOAD_COMPLETION_INTERVAL_S, "fleet_cores": FLEET_CORES},
-           "cpus": len(os.sched_getaffinity(0)), "load_avg_1m": round(os.getloadavg()[0], 2), "runs": results,
-           "median_scaling": statistics.median([r["scaling"] for r in results if r["scaling"]] or [0])}
+    out = {
+        "bench": "ingest",
+        "task": args.task,
+        "completion_tokens": args.completion_tokens,
+        "workload": {"completion_interval_s": WORKLOAD_COMPLETION_INTERVAL_S, "fleet_cores": FLEET_CORES},
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "runs": results,
+        "median_scaling": statistics.median([r["scaling"] for r in results if r["scaling"]] or [0]),
+    }
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

@@ -50,39 +50,94 @@ PROMPT_CHARS = 48
 # model with Qwen3's vocabulary, where the LM head is most of the work, as it is for a small real model.
 SHAPES: dict[str, dict | None] = {
     "default": None,
-    "tiny-vocab152k": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny-vocab152k": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
 QWEN3_VOCAB = 151936
 # Dense bf16 tensor-core peak (FLOP/s) by device name, from the vendors' data sheets.
-PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "H800": 989.4e12, "A100": 312e12, "A800": 312e12,
-                   "L40S": 362e12, "RTX 5090": 209.5e12, "RTX 4090": 165.2e12, "B200": 2250e12}
+PEAK_BF16_FLOPS = {
+    "H200": 989.4e12,
+    "H100": 989.4e12,
+    "H800": 989.4e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "RTX 5090": 209.5e12,
+    "RTX 4090": 165.2e12,
+    "B200": 2250e12,
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a progress display")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--shape", choices=tuple(SHAPES), default="default", help="the model: the default one, or a shape with random weights")
+    parser.add_argument(
+        "--shape", choices=tuple(SHAPES), default="default", help="the model: the default one, or a shape with random weights"
+    )
     parser.add_argument("--prompts", type=int, default=16, help="prompts (groups) in the batch")
     parser.add_argument("--n", type=int, default=8, help="completions per prompt")
     parser.add_argument("--completion-len", type=int, default=10, help="the longest completion; they are uniform from half of it")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per micro-batch on both sides (default: the learner's)")
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, default=None, help="tokens per micro-batch on both sides (default: the learner's)"
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
-    parser.add_argument("--attention", choices=("sdpa", "eager", "flex_attention", "flash_attention_2"), default="sdpa",
-                        help="echo2's attention kernel (LearnerConfig.attention); TRL's stays sdpa")
+    parser.add_argument(
+        "--attention",
+        choices=("sdpa", "eager", "flex_attention", "flash_attention_2"),
+        default="sdpa",
+        help="echo2's attention kernel (LearnerConfig.attention); TRL's stays sdpa",
+    )
     parser.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw", help="echo2's (LearnerConfig.optimizer)")
-    parser.add_argument("--compile", action="store_true",
-                        help="echo2's decoder layers under torch.compile (LearnerConfig.compile); the compile is in "
-                             "echo2_compile_s, apart from the timed steps")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="echo2's decoder layers under torch.compile (LearnerConfig.compile); the compile is in "
+        "echo2_compile_s, apart from the timed steps",
+    )
     parser.add_argument("--no-trl", action="store_true", help="echo2's side only (where TRL's would not fit, or to probe sizes)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per side (after one warm-up step)")
     parser.add_argument("--lr", type=float, default=None, help="default: LearnerConfig's")
@@ -112,9 +167,16 @@ def model_dir_for(shape: str, device: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     tokenizer = AutoTokenizer.from_pretrained(default)
-    config = Qwen3Config(vocab_size=QWEN3_VOCAB, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
+    config = Qwen3Config(
+        vocab_size=QWEN3_VOCAB,
+        max_position_embeddings=40960,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **SHAPES[shape],
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
@@ -138,24 +200,39 @@ def make_batch(model_dir: Path, args: argparse.Namespace) -> list[dict]:
     # The default model's context is 64 tokens: its prompts leave room for the completions (and BOS, ">").
     prompt_chars = min(PROMPT_CHARS, config.max_position_embeddings - args.completion_len - 2)
     if prompt_chars < 1:
-        raise SystemExit(f"--completion-len {args.completion_len}: the {args.shape} model's context is "
-                         f"{config.max_position_embeddings} tokens; use a shorter one or another --shape")
+        raise SystemExit(
+            f"--completion-len {args.completion_len}: the {args.shape} model's context is "
+            f"{config.max_position_embeddings} tokens; use a shorter one or another --shape"
+        )
     rng = random.Random(SAMPLING_SEED)
     # The default model's own task's prompts on its shape (short words); random characters on the others.
-    texts = ([p.text for p in ReverseTask().sample(random.Random(SAMPLING_SEED), args.prompts)] if args.shape == "default"
-             else ["".join(rng.choice(CHARACTERS) for _ in range(prompt_chars)) + ">" for _ in range(args.prompts)])
+    texts = (
+        [p.text for p in ReverseTask().sample(random.Random(SAMPLING_SEED), args.prompts)]
+        if args.shape == "default"
+        else ["".join(rng.choice(CHARACTERS) for _ in range(prompt_chars)) + ">" for _ in range(args.prompts)]
+    )
     batch = []
     for index, text in enumerate(texts):
-        completions = [[rng.randrange(config.vocab_size) for _ in range(rng.randint(max(1, args.completion_len // 2), args.completion_len))]
-                       for _ in range(args.n)]
+        completions = [
+            [rng.randrange(config.vocab_size) for _ in range(rng.randint(max(1, args.completion_len // 2), args.completion_len))]
+            for _ in range(args.n)
+        ]
         rewards = [float(rng.random() < 0.5) for _ in range(args.n)]
         rewards[0], rewards[1] = 1.0, 0.0  # every group has reward variance, as the hub's buffer passes them
-        batch.append({"id": f"p{index}", "text": text, "prompt_ids": tokenizer(text)["input_ids"],
-                      "completions": completions, "rewards": rewards})
+        batch.append(
+            {
+                "id": f"p{index}",
+                "text": text,
+                "prompt_ids": tokenizer(text)["input_ids"],
+                "completions": completions,
+                "rewards": rewards,
+            }
+        )
     return batch
 
 
 # ---- each side, in a process of its own ----------------------------------------------------------------------
+
 
 def side_main(args: argparse.Namespace) -> None:
     """A side's process: set up, then answer one JSON line per command read ("step", "quit") on stdin."""
@@ -195,8 +272,7 @@ def measure(step, device: str) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
-    memory = (torch.cuda.max_memory_allocated() if device == "cuda"
-              else (_status_kib("VmHWM") - rss_before) * 1024)
+    memory = torch.cuda.max_memory_allocated() if device == "cuda" else (_status_kib("VmHWM") - rss_before) * 1024
     return {"s": elapsed, "loss": loss, "grad_norm": grad_norm, "memory": memory}
 
 
@@ -217,11 +293,22 @@ def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
 
     sampling = HubConfig().sampling.model_copy(update={"max_new_tokens": config["completion_len"], "seed": SAMPLING_SEED})
     cfg = LearnerConfig(
-        prompts_per_step=len(batch), group_size=config["n"], lr=config["lr"], weight_decay=0.0, grad_clip=GRAD_CLIP,
-        eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=0.0, threads=config["threads"], device=config["device"],
-        dtype="bfloat16" if config["device"] == "cuda" else "float32", micro_batch_tokens=config["micro_batch_tokens"],
-        gradient_checkpointing=config["gradient_checkpointing"], attention=config["attention"],
-        optimizer=config["optimizer"], compile=config["compile"],
+        prompts_per_step=len(batch),
+        group_size=config["n"],
+        lr=config["lr"],
+        weight_decay=0.0,
+        grad_clip=GRAD_CLIP,
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        beta=0.0,
+        threads=config["threads"],
+        device=config["device"],
+        dtype="bfloat16" if config["device"] == "cuda" else "float32",
+        micro_batch_tokens=config["micro_batch_tokens"],
+        gradient_checkpointing=config["gradient_checkpointing"],
+        attention=config["attention"],
+        optimizer=config["optimizer"],
+        compile=config["compile"],
     )
     learner = Learner(model_dir, cfg, sampling)
     prompts = [row["prompt_ids"] for row in batch for _ in row["completions"]]
@@ -229,12 +316,27 @@ def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
     with torch.no_grad(), torch.autocast(config["device"], dtype=torch.bfloat16, enabled=config["device"] == "cuda"):
         logprobs, _ = completion_logprobs(learner.model, prompts, completions, sampling.temperature, sampling.top_p)
     rows = [row[: len(c)] for row, c in zip(logprobs.tolist(), completions)]
-    reply({"behaviour": rows, "params": sum(p.numel() for p in learner.model.parameters()),
-           "micro_batch_tokens": learner.micro_batch_tokens})
+    reply(
+        {
+            "behaviour": rows,
+            "params": sum(p.numel() for p in learner.model.parameters()),
+            "micro_batch_tokens": learner.micro_batch_tokens,
+        }
+    )
     it = iter(rows)
-    groups = [Group(prompt_id=row["id"], prompt_text=row["text"], version=0, rewards=tuple(row["rewards"]), completions=tuple(
-        Completion(token_ids=tuple(c), logprobs=tuple(next(it)), finish_reason="length", version=0, text="")
-        for c in row["completions"])) for row in batch]
+    groups = [
+        Group(
+            prompt_id=row["id"],
+            prompt_text=row["text"],
+            version=0,
+            rewards=tuple(row["rewards"]),
+            completions=tuple(
+                Completion(token_ids=tuple(c), logprobs=tuple(next(it)), finish_reason="length", version=0, text="")
+                for c in row["completions"]
+            ),
+        )
+        for row in batch
+    ]
     count = iter(range(1, 1 << 30))
 
     def step() -> tuple[float, float]:
@@ -257,16 +359,37 @@ def trl_side(model_dir: Path, batch: list[dict], config: dict, reply):
         # GRPOConfig and GRPOTrainer warn about options this bench never uses (deprecations, generation).
         warnings.simplefilter("ignore")
         args = GRPOConfig(
-            output_dir=str(config["work"]), per_device_train_batch_size=len(batch) * config["n"],
-            num_generations=config["n"], max_completion_length=config["completion_len"], temperature=1.0, top_p=1.0,
-            loss_type="dapo", beta=0.0, epsilon=EPS_LOW, epsilon_high=EPS_HIGH, scale_rewards="group", num_iterations=1,
-            learning_rate=config["lr"], weight_decay=0.0, max_grad_norm=GRAD_CLIP, optim="adamw_torch",
-            lr_scheduler_type="constant", use_cpu=not cuda, bf16=cuda, fp16=False, report_to=[], save_strategy="no",
-            logging_strategy="no", seed=0, gradient_checkpointing=config["gradient_checkpointing"],
+            output_dir=str(config["work"]),
+            per_device_train_batch_size=len(batch) * config["n"],
+            num_generations=config["n"],
+            max_completion_length=config["completion_len"],
+            temperature=1.0,
+            top_p=1.0,
+            loss_type="dapo",
+            beta=0.0,
+            epsilon=EPS_LOW,
+            epsilon_high=EPS_HIGH,
+            scale_rewards="group",
+            num_iterations=1,
+            learning_rate=config["lr"],
+            weight_decay=0.0,
+            max_grad_norm=GRAD_CLIP,
+            optim="adamw_torch",
+            lr_scheduler_type="constant",
+            use_cpu=not cuda,
+            bf16=cuda,
+            fp16=False,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            seed=0,
+            gradient_checkpointing=config["gradient_checkpointing"],
         )
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         trainer = GRPOTrainer(
-            model=model, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+            model=model,
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=args,
             train_dataset=Dataset.from_dict({"prompt": [row["text"] for row in batch]}),
             processing_class=AutoTokenizer.from_pretrained(model_dir),
         )
@@ -318,20 +441,25 @@ def trl_inputs(batch: list[dict], behaviour: list[list[float]], pad_id: int, gro
     completion_mask = torch.zeros((rows, c_width), dtype=torch.long)
     old_logps = torch.zeros((rows, c_width), dtype=torch.float32)
     for i, (p, c, lp) in enumerate(zip(prompt_rows, completion_rows, behaviour)):
-        prompt_ids[i, p_width - len(p):] = torch.tensor(p)
-        prompt_mask[i, p_width - len(p):] = 1
+        prompt_ids[i, p_width - len(p) :] = torch.tensor(p)
+        prompt_mask[i, p_width - len(p) :] = 1
         completion_ids[i, : len(c)] = torch.tensor(c)
         completion_mask[i, : len(c)] = 1
         old_logps[i, : len(lp)] = torch.tensor(lp)
     rewards = torch.tensor([r for row in batch for r in row["rewards"]], dtype=torch.float32)
     return {
-        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-        "completion_mask": completion_mask, "advantages": group_advantages(rewards, len(batch[0]["completions"])),
-        "old_per_token_logps": old_logps, "num_items_in_batch": completion_mask.sum(),
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": group_advantages(rewards, len(batch[0]["completions"])),
+        "old_per_token_logps": old_logps,
+        "num_items_in_batch": completion_mask.sum(),
     }
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
+
 
 class Side:
     """A side's process: commands on its stdin, one JSON reply per line on its stdout."""
@@ -340,7 +468,9 @@ class Side:
         self.name = name
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--side", name, "--work", str(work), "--threads", str(args.threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self.ready = self.read()
 
@@ -421,12 +551,27 @@ def peak_flops(device: str) -> tuple[str, float | None]:
 def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tokens: int) -> dict:
     device_name, peak = peak_flops(args.device)
     params = steps["setup"]["echo2"].get("params")
-    result: dict = {"device": args.device, "device_name": device_name, "shape": args.shape, "params": params,
-                    "tokens": tokens, "completion_tokens": completion_tokens, "prompts": args.prompts, "n": args.n,
-                    "completion_len": args.completion_len, "micro_batch_tokens": steps["setup"]["echo2"].get("micro_batch_tokens"),
-                    "gradient_checkpointing": args.gradient_checkpointing, "attention": args.attention,
-                    "optimizer": args.optimizer, "compile": args.compile, "repeats": args.repeats, "lr": args.lr,
-                    "threads": args.threads, "trl_version": _trl_version(), "peak_bf16_flops": peak}
+    result: dict = {
+        "device": args.device,
+        "device_name": device_name,
+        "shape": args.shape,
+        "params": params,
+        "tokens": tokens,
+        "completion_tokens": completion_tokens,
+        "prompts": args.prompts,
+        "n": args.n,
+        "completion_len": args.completion_len,
+        "micro_batch_tokens": steps["setup"]["echo2"].get("micro_batch_tokens"),
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "attention": args.attention,
+        "optimizer": args.optimizer,
+        "compile": args.compile,
+        "repeats": args.repeats,
+        "lr": args.lr,
+        "threads": args.threads,
+        "trl_version": _trl_version(),
+        "peak_bf16_flops": peak,
+    }
     memory_key, scale = ("peak_gib", 1 / 2**30) if args.device == "cuda" else ("peak_bytes", 1)
     first: dict = {}
     for name in ("echo2", "trl"):
@@ -434,19 +579,27 @@ def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tok
         error = next((r["error"] for r in runs if "error" in r), None) or steps["setup"].get(name, {}).get("error")
         timed = [r for r in runs[1:] if "error" not in r]
         if error or not timed:
-            result.update({f"{name}_step_s": None, f"{name}_{memory_key}": None, f"{name}_mfu": None,
-                           f"{name}_error": error or "no timed step"})
+            result.update(
+                {
+                    f"{name}_step_s": None,
+                    f"{name}_{memory_key}": None,
+                    f"{name}_mfu": None,
+                    f"{name}_error": error or "no timed step",
+                }
+            )
             continue
         step_s = statistics.median(r["s"] for r in timed)
         memory = max(r["memory"] for r in (timed if args.device == "cpu" else runs))
-        result.update({
-            f"{name}_step_s": round(step_s, 4),
-            f"{name}_step_s_all": [round(r["s"], 4) for r in timed],
-            f"{name}_first_step_s": round(runs[0]["s"], 4),
-            f"{name}_{memory_key}": round(memory * scale, 3) if args.device == "cuda" else int(memory),
-            f"{name}_tokens_per_s": round(tokens / step_s, 1),
-            f"{name}_mfu": round(6 * params * tokens / step_s / peak, 4) if peak and params else None,
-        })
+        result.update(
+            {
+                f"{name}_step_s": round(step_s, 4),
+                f"{name}_step_s_all": [round(r["s"], 4) for r in timed],
+                f"{name}_first_step_s": round(runs[0]["s"], 4),
+                f"{name}_{memory_key}": round(memory * scale, 3) if args.device == "cuda" else int(memory),
+                f"{name}_tokens_per_s": round(tokens / step_s, 1),
+                f"{name}_mfu": round(6 * params * tokens / step_s / peak, 4) if peak and params else None,
+            }
+        )
         first[f"{name}_loss"], first[f"{name}_grad_norm"] = runs[0]["loss"], runs[0]["grad_norm"]
     if args.compile and result["echo2_step_s"]:
         # The first step is the only one that compiles (dynamic shapes): what it took beyond a steady step.
@@ -454,8 +607,9 @@ def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tok
     if result["echo2_step_s"] and result["trl_step_s"]:
         result["ratio"] = round(result["echo2_step_s"] / result["trl_step_s"], 3)
         # Each repeat's two steps run back to back, so their ratio shares the machine's load at that moment.
-        result["ratio_paired_median"] = round(statistics.median(
-            e / t for e, t in zip(result["echo2_step_s_all"], result["trl_step_s_all"])), 3)
+        result["ratio_paired_median"] = round(
+            statistics.median(e / t for e, t in zip(result["echo2_step_s_all"], result["trl_step_s_all"])), 3
+        )
         result["memory_ratio"] = round(result[f"echo2_{memory_key}"] / max(result[f"trl_{memory_key}"], 1e-9), 3)
         first["loss_rel_diff"] = abs(first["echo2_loss"] - first["trl_loss"]) / max(abs(first["trl_loss"]), 1e-12)
     else:
@@ -487,10 +641,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="echo2-bench-learner-") as tmp:
         work = Path(tmp)
         (work / "batch.json").write_text(json.dumps(batch))
-        config = {"model_dir": str(model_dir), "device": args.device, "n": args.n, "lr": args.lr, "threads": args.threads,
-                  "completion_len": args.completion_len, "micro_batch_tokens": args.micro_batch_tokens,
-                  "gradient_checkpointing": args.gradient_checkpointing, "attention": args.attention,
-                  "optimizer": args.optimizer, "compile": args.compile, "work": str(work)}
+        config = {
+            "model_dir": str(model_dir),
+            "device": args.device,
+            "n": args.n,
+            "lr": args.lr,
+            "threads": args.threads,
+            "completion_len": args.completion_len,
+            "micro_batch_tokens": args.micro_batch_tokens,
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "attention": args.attention,
+            "optimizer": args.optimizer,
+            "compile": args.compile,
+            "work": str(work),
+        }
         (work / "config.json").write_text(json.dumps(config))
         with Progress(disable=args.json, transient=True) as progress:
             bar = progress.add_task(f"learner step bench ({args.shape} on {args.device})", total=2 * (args.repeats + 1))

@@ -61,16 +61,37 @@ def run(net: Topology, work: Path, nat: bool, args: argparse.Namespace, log) -> 
     hub_dir.mkdir(parents=True)
     (hub_dir / "hub.toml").write_text(HUB_TOML)
     rate = str(args.link_mbps)
-    hub = net.start_hub(hub_dir, "--config", str(hub_dir / "hub.toml"), "--prompts-per-step", "2", "--group-size", "4",
-                        "--kappa", "1", "--staleness", "1", "--max-new-tokens", "4", "--link-mbps", rate, "--hub-mbps", rate)
+    hub = net.start_hub(
+        hub_dir,
+        "--config",
+        str(hub_dir / "hub.toml"),
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--kappa",
+        "1",
+        "--staleness",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--link-mbps",
+        rate,
+        "--hub-mbps",
+        rate,
+    )
     places = {"public": (net.public, PUBLIC_NODE_LISTEN)}
     if nat:
         places |= {"home-1": (net.homes[0], "/ip4/0.0.0.0/tcp/0"), "home-2": (net.homes[1], "/ip4/0.0.0.0/tcp/0")}
     else:
         places |= {f"public-{i}": (net.public, PUBLIC_NODE_LISTEN) for i in (2, 3)}
     dirs = {name: hub_dir.parent / name for name in places}
-    nodes = [net.start_node(ns, dirs[name], listen, hub.addr, "--link-mbps", rate, "--declared-link-mbps", rate,
-                            "--max-rollouts-per-s", "20") for name, (ns, listen) in places.items()]
+    nodes = [
+        net.start_node(
+            ns, dirs[name], listen, hub.addr, "--link-mbps", rate, "--declared-link-mbps", rate, "--max-rollouts-per-s", "20"
+        )
+        for name, (ns, listen) in places.items()
+    ]
     log(f"{'nat' if nat else 'no_nat'}: hub and {len(nodes)} nodes started")
     try:
         # Timed from the first version published once the hub has probed every node (a NATed one answers a
@@ -84,8 +105,7 @@ def run(net: Topology, work: Path, nat: bool, args: argparse.Namespace, log) -> 
         first = wait_until(probed, RUN_TIMEOUT_S, "every node probed") + 1
 
         def timed() -> list[float] | None:
-            rows = query(hub_dir, "SELECT t_bcast_s FROM snapshots WHERE version >= ? AND t_bcast_s IS NOT NULL",
-                         (first,))
+            rows = query(hub_dir, "SELECT t_bcast_s FROM snapshots WHERE version >= ? AND t_bcast_s IS NOT NULL", (first,))
             return [r[0] for r in rows] if len(rows) >= args.versions else None
 
         times = wait_until(timed, RUN_TIMEOUT_S, f"{args.versions} timed broadcasts", poll_s=0.5)
@@ -99,12 +119,20 @@ def run(net: Topology, work: Path, nat: bool, args: argparse.Namespace, log) -> 
         for position, peer in enumerate(chain):
             kind = states[peer].link
             source = "hub" if kind == "hub" or position == 0 else name_of[chain[position - 1]]
-            links.append({"from": source, "to": name_of[peer], "kind": kind, "mbps": last_rate_mbps(dirs[name_of[peer]]),
-                          "reachability": states[peer].reachability})
+            links.append(
+                {
+                    "from": source,
+                    "to": name_of[peer],
+                    "kind": kind,
+                    "mbps": last_rate_mbps(dirs[name_of[peer]]),
+                    "reachability": states[peer].reachability,
+                }
+            )
     hashes = dict(query(hub_dir, "SELECT version, manifest_hash FROM snapshots"))
     exact = all(
         json.loads(p.read_text())["bytes_blake3"] == hashes[json.loads(p.read_text())["version"]]
-        for d in dirs.values() for p in (d / "installed").glob("v*.json")
+        for d in dirs.values()
+        for p in (d / "installed").glob("v*.json")
     )
     return {"links": links, "t_bcast_s": round(sum(times) / len(times), 3), "all_bit_exact": exact}
 
@@ -125,9 +153,14 @@ def main(argv: list[str] | None = None) -> dict:
         nat = run(net, Path(tmp), True, args, log)
         plain = run(net, Path(tmp), False, args, log)
     out = {
-        "links": nat["links"], "t_bcast_s": nat["t_bcast_s"], "t_bcast_no_nat_s": plain["t_bcast_s"],
-        "hub_relay_bytes": 0, "all_bit_exact": nat["all_bit_exact"] and plain["all_bit_exact"],
-        "link_mbps": args.link_mbps, "no_nat_links": plain["links"], "seconds": round(time.monotonic() - started, 1),
+        "links": nat["links"],
+        "t_bcast_s": nat["t_bcast_s"],
+        "t_bcast_no_nat_s": plain["t_bcast_s"],
+        "hub_relay_bytes": 0,
+        "all_bit_exact": nat["all_bit_exact"] and plain["all_bit_exact"],
+        "link_mbps": args.link_mbps,
+        "no_nat_links": plain["links"],
+        "seconds": round(time.monotonic() - started, 1),
     }
     print(json.dumps(out))
     return out

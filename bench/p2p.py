@@ -94,8 +94,7 @@ def serve(data_dir: Path, check_procs: int | None) -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model_dir = ensure_default_model(progress=False)
     config = HubConfig(
-        learner=LearnerConfig(staleness=STALENESS, prompts_per_step=4096, group_size=GROUP_SIZE,
-                              buffer_max_groups=1_000_000),
+        learner=LearnerConfig(staleness=STALENESS, prompts_per_step=4096, group_size=GROUP_SIZE, buffer_max_groups=1_000_000),
         sampling=SamplingParams(max_new_tokens=8),
         lease=LeaseConfig(prompts_per_lease=1, lease_timeout_s=60.0, max_inflight_steps=100.0),
         trust=PERMISSIVE_TRUST.model_copy(update={"check_procs": check_procs}),
@@ -132,17 +131,32 @@ class LightClient(HubClient):
             completions = []
             for text in (word[::-1], word):
                 ids = (*self.tokenizer.encode(text), self.tokenizer.eos_token_id)
-                completions.append(Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop",
-                                              version=0, text=text))
+                completions.append(
+                    Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop", version=0, text=text)
+                )
             groups.append(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(completions)))
         return Submission(lease_id=lease.lease_id, node_id=self.peer_id, groups=tuple(groups))
 
-    async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None,
-                  sign_with: Identity | None = None):
+    async def ask(
+        self,
+        protocol: str,
+        msg: Message,
+        reply_type: type[Message],
+        timeout_s: float | None = None,
+        sign_with: Identity | None = None,
+    ):
         if self.sessions:
             return await super().ask(protocol, msg, reply_type, timeout_s, sign_with)
-        return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject,
-                             timeout_s=timeout_s or self.timeout_s, sign_with=sign_with)
+        return await request(
+            self.host,
+            self.hub_peer_id,
+            protocol,
+            msg,
+            reply_type,
+            Reject,
+            timeout_s=timeout_s or self.timeout_s,
+            sign_with=sign_with,
+        )
 
     async def work_until(self, deadline: float, one_round_trip: bool) -> None:
         """Lease -> submit until `deadline`; with `one_round_trip` each submission asks for the next lease
@@ -167,7 +181,6 @@ class LightClient(HubClient):
                 self.accepted_groups += result.accepted
             else:
                 self.refused["submit: " + (result.reason[:60] if isinstance(result, Reject) else "nothing accepted")] += 1
-
 
     async def beat_until(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -197,8 +210,17 @@ def children_cpu_s(pid: int) -> float:
     return total
 
 
-async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float, tokenizer, progress,
-                one_round_trip: bool, sessions: bool, hub_pid: int) -> dict:
+async def drive(
+    hub_addr: str,
+    config_hash: str,
+    n_clients: int,
+    seconds: float,
+    tokenizer,
+    progress,
+    one_round_trip: bool,
+    sessions: bool,
+    hub_pid: int,
+) -> dict:
     async with AsyncExitStack() as stack:
         hosts = []
         for _ in range(n_clients):
@@ -212,9 +234,17 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
             started = time.monotonic()
             client = LightClient(host, identity, hub_addr, tokenizer, sessions)
             await client.connect()
-            reply = await client.join(JoinRequest(
-                price_per_hour=0.1, hardware="bench", link_bps=1e8, backend="hf", dtype="float32", model_config_hash=config_hash,
-                version_held=0))
+            reply = await client.join(
+                JoinRequest(
+                    price_per_hour=0.1,
+                    hardware="bench",
+                    link_bps=1e8,
+                    backend="hf",
+                    dtype="float32",
+                    model_config_hash=config_hash,
+                    version_held=0,
+                )
+            )
             if not isinstance(reply, JoinReply):
                 raise RuntimeError(f"join refused: {reply}")
             join_latencies.append(time.monotonic() - started)
@@ -274,11 +304,19 @@ async def drive(hub_addr: str, config_hash: str, n_clients: int, seconds: float,
 
 def cpu_figures(run: dict) -> dict:
     """A side-by-side run's rates and hub CPU, and the fleet a 16-core hub serves at that cost."""
-    out = {k: run[k] for k in ("submissions_per_s", "heartbeats_per_s", "hub_cpu_ms_per_submission",
-                                "check_procs_cpu_ms_per_submission", "hub_cpu_ms_per_heartbeat", "hub_cpu_utilization",
-                                "refused_or_no_work")}
-    out["fleet_supported_16_cores"] = fleet_supported_16_cores(run["hub_cpu_ms_per_submission"],
-                                                               run["hub_cpu_ms_per_heartbeat"])
+    out = {
+        k: run[k]
+        for k in (
+            "submissions_per_s",
+            "heartbeats_per_s",
+            "hub_cpu_ms_per_submission",
+            "check_procs_cpu_ms_per_submission",
+            "hub_cpu_ms_per_heartbeat",
+            "hub_cpu_utilization",
+            "refused_or_no_work",
+        )
+    }
+    out["fleet_supported_16_cores"] = fleet_supported_16_cores(run["hub_cpu_ms_per_submission"], run["hub_cpu_ms_per_heartbeat"])
     return out
 
 
@@ -297,8 +335,13 @@ def fleet_supported(submissions_per_s: float, heartbeats_per_s: float) -> dict:
         adaptive = fixed
     else:
         adaptive = int(max(0.0, 1 - budget * per_beat) * SUBMIT_INTERVAL_S * submissions_per_s)
-    return {"submit_interval_s": SUBMIT_INTERVAL_S, "nodes": adaptive, "heartbeats_per_s_budget": budget,
-            "nodes_at_a_fixed_2s_heartbeat": fixed, "nodes_without_heartbeats": int(SUBMIT_INTERVAL_S * submissions_per_s)}
+    return {
+        "submit_interval_s": SUBMIT_INTERVAL_S,
+        "nodes": adaptive,
+        "heartbeats_per_s_budget": budget,
+        "nodes_at_a_fixed_2s_heartbeat": fixed,
+        "nodes_without_heartbeats": int(SUBMIT_INTERVAL_S * submissions_per_s),
+    }
 
 
 def fleet_supported_16_cores(submission_ms: float, heartbeat_ms: float) -> int:
@@ -312,8 +355,9 @@ def fleet_supported_16_cores(submission_ms: float, heartbeat_ms: float) -> int:
     return int(left / (submission_ms / 1000 / WORKLOAD_SUBMIT_INTERVAL_S))
 
 
-def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool, sessions: bool = True,
-                  check_procs: int | None = None) -> dict:
+def service_bench(
+    n_clients: int, seconds: float, progress, one_round_trip: bool, sessions: bool = True, check_procs: int | None = None
+) -> dict:
     from transformers import AutoTokenizer
 
     from shared.default_model import ensure_default_model
@@ -322,16 +366,18 @@ def service_bench(n_clients: int, seconds: float, progress, one_round_trip: bool
     with tempfile.TemporaryDirectory(prefix="echo2-bench-p2p-") as tmp:
         child = subprocess.Popen(
             [sys.executable, __file__, "--serve", tmp, *([] if check_procs is None else ["--check-procs", str(check_procs)])],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
             line = child.stdout.readline()
             if not line.startswith(SERVE_READY):
                 raise RuntimeError(f"hub service did not start: {line!r}")
-            hub_addr, config_hash = line[len(SERVE_READY):].split()
-            return trio.run(drive, hub_addr, config_hash, n_clients, seconds, tokenizer, progress, one_round_trip,
-                            sessions, child.pid)
+            hub_addr, config_hash = line[len(SERVE_READY) :].split()
+            return trio.run(
+                drive, hub_addr, config_hash, n_clients, seconds, tokenizer, progress, one_round_trip, sessions, child.pid
+            )
         finally:
             child.send_signal(signal.SIGINT)
             try:
@@ -349,9 +395,29 @@ def first_work_bench(progress) -> dict:
         data.mkdir()
         hub_out = open(data / "hub.out", "wb")
         hub = subprocess.Popen(
-            [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--listen", LOOPBACK,
-             "--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--no-progress"],
-            stdout=hub_out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            [
+                sys.executable,
+                "-m",
+                "hub.cli",
+                "start",
+                "--data-dir",
+                str(data),
+                "--listen",
+                LOOPBACK,
+                "--local-nodes",
+                "0",
+                "--steps",
+                "0",
+                "--prompts-per-step",
+                "4",
+                "--group-size",
+                "4",
+                "--no-progress",
+            ],
+            stdout=hub_out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
         node = None
         try:
@@ -363,9 +429,26 @@ def first_work_bench(progress) -> dict:
             progress("node", 0)
             spawned = time.time()
             node = subprocess.Popen(
-                [sys.executable, "-m", "node.cli", "join", "--hub", match.group(1), "--backend", "hf",
-                 "--device", "cpu", "--data-dir", str(Path(tmp) / "node"), "--listen", LOOPBACK],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "node.cli",
+                    "join",
+                    "--hub",
+                    match.group(1),
+                    "--backend",
+                    "hf",
+                    "--device",
+                    "cpu",
+                    "--data-dir",
+                    str(Path(tmp) / "node"),
+                    "--listen",
+                    LOOPBACK,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                env=env,
             )
             while True:
                 joined = query(data, "SELECT MIN(at) FROM events WHERE kind = 'join'")[0][0]
@@ -424,8 +507,9 @@ def main() -> None:
         pool = service_bench(args.clients, args.seconds, progress, one_round_trip=True, check_procs=1)
         result["one_check_process"] = cpu_figures(pool)
         result["fleet_supported"] = fleet_supported(result["submissions_per_s"], result["heartbeats_per_s"])
-        result["fleet_supported_16_cores"] = fleet_supported_16_cores(result["hub_cpu_ms_per_submission"],
-                                                                      result["hub_cpu_ms_per_heartbeat"])
+        result["fleet_supported_16_cores"] = fleet_supported_16_cores(
+            result["hub_cpu_ms_per_submission"], result["hub_cpu_ms_per_heartbeat"]
+        )
         if not args.no_node:
             result.update(first_work_bench(progress))
     result["cpus"] = os.cpu_count()

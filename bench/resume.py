@@ -35,8 +35,20 @@ BUILT_FILE = "built.json"
 
 
 def hub_argv(data_dir: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "hub.cli.main", "start", "--data-dir", str(data_dir), "--steps", str(steps),
-            "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "hub.cli.main",
+        "start",
+        "--data-dir",
+        str(data_dir),
+        "--steps",
+        str(steps),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def built(base: Path, steps: int, leases: int, rebuild: bool, say) -> tuple[int, float | None]:
@@ -64,8 +76,9 @@ def time_resume(base: Path, work: Path, last_step: int) -> float:
     log = work / "resumed-hub.out"
     with log.open("w") as out:
         started = time.monotonic()
-        hub = subprocess.Popen(hub_argv(data, last_step + 1000, "--local-nodes", "0"), cwd=ROOT, stdout=out,
-                               stderr=subprocess.STDOUT)
+        hub = subprocess.Popen(
+            hub_argv(data, last_step + 1000, "--local-nodes", "0"), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         while (match := ADDR_RE.search(log.read_text(errors="replace"))) is None:
             if hub.poll() is not None or time.monotonic() - started > SERVE_TIMEOUT_S:
@@ -89,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000, help="learner steps of history")
     parser.add_argument("--leases", type=int, default=1_000_000, help="answered leases of history")
-    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "echo2-bench-resume",
-                        help="where the large data dir is kept between runs")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "echo2-bench-resume",
+        help="where the large data dir is kept between runs",
+    )
     parser.add_argument("--rebuild", action="store_true", help="build the large data dir again")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args(argv)
@@ -104,13 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     last_step, build_s = built(base, args.steps, args.leases, args.rebuild, say)
     say("timing a real hub start on a copy")
     resume_s = time_resume(base, args.work_dir, last_step)
-    print(json.dumps({
-        "resume_s_large_store": round(resume_s, 2),
-        "store_bytes": (base / HUB_STORE_FILE).stat().st_size,
-        "steps": last_step,
-        "leases": args.leases,
-        "build_s": None if build_s is None else round(build_s, 1),
-    }, indent=None if args.json else 2))
+    print(
+        json.dumps(
+            {
+                "resume_s_large_store": round(resume_s, 2),
+                "store_bytes": (base / HUB_STORE_FILE).stat().st_size,
+                "steps": last_step,
+                "leases": args.leases,
+                "build_s": None if build_s is None else round(build_s, 1),
+            },
+            indent=None if args.json else 2,
+        )
+    )
     return 0
 
 

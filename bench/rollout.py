@@ -48,8 +48,14 @@ def main() -> None:
     def run_bare() -> int:
         with torch.inference_mode():
             out = model.generate(
-                **batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                **batch,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.max_new_tokens,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
             )
         return _completion_tokens(out[:, batch["input_ids"].shape[1] :].tolist(), tok.eos_token_id)
 

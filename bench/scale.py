@@ -129,7 +129,7 @@ def broadcast_times(data: Path, node_dirs: list[Path]) -> dict[int, float]:
 
 def dir_bytes(path: Path) -> int:
     total = 0
-    for entry in (path.iterdir() if path.is_dir() else ()):
+    for entry in path.iterdir() if path.is_dir() else ():
         try:
             total += entry.stat().st_size
         except FileNotFoundError:  # deleted between listing and stat
@@ -175,22 +175,47 @@ def build_model(work: Path, size: str) -> tuple[Path, int]:
     return out, params
 
 
-def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: float, snapshots: int, log,
-            checkpointing: bool = False) -> Result:
+def run_one(
+    work: Path, model_dir: Path, params: int, dtype: str, link_mbps: float, snapshots: int, log, checkpointing: bool = False
+) -> Result:
     run_dir = work / f"run-{model_dir.name}-{dtype}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     (run_dir / "hub.toml").write_text(hub_toml())
     data = run_dir / "hub"
-    hub = start_hub(data, "--config", str(run_dir / "hub.toml"), "--model", str(model_dir), "--dtype", dtype,
-                    "--link-mbps", str(link_mbps), "--hub-mbps", str(link_mbps),
-                    "--gradient-checkpointing", "true" if checkpointing else "false")
+    hub = start_hub(
+        data,
+        "--config",
+        str(run_dir / "hub.toml"),
+        "--model",
+        str(model_dir),
+        "--dtype",
+        dtype,
+        "--link-mbps",
+        str(link_mbps),
+        "--hub-mbps",
+        str(link_mbps),
+        "--gradient-checkpointing",
+        "true" if checkpointing else "false",
+    )
     nodes: list[Proc] = []
     try:
         node_dirs = [run_dir / f"node{i}" for i in range(NODES)]
         for node_dir in node_dirs:
-            nodes.append(start_node(hub.addr, node_dir, "--model", str(model_dir), "--dtype", dtype,
-                                    "--link-mbps", str(link_mbps), "--declared-link-mbps", str(link_mbps)))
+            nodes.append(
+                start_node(
+                    hub.addr,
+                    node_dir,
+                    "--model",
+                    str(model_dir),
+                    "--dtype",
+                    dtype,
+                    "--link-mbps",
+                    str(link_mbps),
+                    "--declared-link-mbps",
+                    str(link_mbps),
+                )
+            )
 
         def all_hold_v0() -> bool:
             views = [d / "node_status.json" for d in node_dirs]
@@ -232,11 +257,21 @@ def run_one(work: Path, model_dir: Path, params: int, dtype: str, link_mbps: flo
     learner_state = 16 * params
     shutil.rmtree(run_dir, ignore_errors=True)
     return Result(
-        params=params, dtype=dtype, snapshot_bytes=snapshot_bytes, publish_s=round(publish_s, 3),
-        t_bcast_s=round(t_bcast, 3), ideal_s=round(ideal, 3), hub_peak_rss_bytes=hub_peak,
-        node_peak_rss_bytes=node_peak, snapshot_dir_bytes=dir_peak, node_snapshot_dir_bytes=node_dir_peak,
-        hub_startup_peak_rss_bytes=startup[0], node_startup_peak_rss_bytes=startup[1],
-        engine_model_bytes=engine_bytes, learner_state_bytes=learner_state, broadcasts=len(times),
+        params=params,
+        dtype=dtype,
+        snapshot_bytes=snapshot_bytes,
+        publish_s=round(publish_s, 3),
+        t_bcast_s=round(t_bcast, 3),
+        ideal_s=round(ideal, 3),
+        hub_peak_rss_bytes=hub_peak,
+        node_peak_rss_bytes=node_peak,
+        snapshot_dir_bytes=dir_peak,
+        node_snapshot_dir_bytes=node_dir_peak,
+        hub_startup_peak_rss_bytes=startup[0],
+        node_startup_peak_rss_bytes=startup[1],
+        engine_model_bytes=engine_bytes,
+        learner_state_bytes=learner_state,
+        broadcasts=len(times),
         targets_met={
             "node_rss": node_peak <= 1.3 * engine_bytes + ALLOWANCE_BYTES,
             "hub_rss": hub_peak <= learner_state + snapshot_bytes + ALLOWANCE_BYTES,
@@ -269,9 +304,14 @@ def run_roles(work: Path, roles: dict[str, list[str]]) -> None:
     raise with every role's stderr tail if one fails."""
     import subprocess
 
-    procs = [subprocess.Popen([sys.executable, __file__, "--role", role, "--work-dir", str(work), *extra],
-                              stdout=subprocess.DEVNULL, stderr=open(work / f"{role}.err", "wb"))
-             for role, extra in roles.items()]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--role", role, "--work-dir", str(work), *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=open(work / f"{role}.err", "wb"),
+        )
+        for role, extra in roles.items()
+    ]
     try:
         for proc in procs:
             if proc.wait(timeout=RUN_TIMEOUT_S) != 0:
@@ -327,8 +367,11 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
             if channel is not None:
                 await channel.start(nursery)
             set_handler(host, SNAPSHOT_PROTOCOL, serve, log)
-            publish(work, "source", {"peer_id": identity.peer_id, "addr": addrs[0], "version": version,
-                               "bytes": snapshot.manifest.total_bytes})
+            publish(
+                work,
+                "source",
+                {"peer_id": identity.peer_id, "addr": addrs[0], "version": version, "bytes": snapshot.manifest.total_bytes},
+            )
             await wait_for(work, "sink-done")
             nursery.cancel_scope.cancel()
 
@@ -347,8 +390,17 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
             channel = BulkChannel("127.0.0.1", 0) if bulk else None
             if channel is not None:
                 await channel.start(nursery)
-            keeper = SnapshotKeeper(host, identity, info["peer_id"], work / name, install, None,
-                                    on_installed=lambda v: None, report=report, bulk=channel)
+            keeper = SnapshotKeeper(
+                host,
+                identity,
+                info["peer_id"],
+                work / name,
+                install,
+                None,
+                on_installed=lambda v: None,
+                report=report,
+                bulk=channel,
+            )
             set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, keeper.on_relay_offer, log)
             await connect(host, info["addr"])
@@ -364,8 +416,11 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
                 ended = resource.getrusage(resource.RUSAGE_SELF)
                 cpu = (ended.ru_utime - started.ru_utime) + (ended.ru_stime - started.ru_stime)
                 on_bulk = channel is not None and (channel.dialed, channel.served) == (1, 1)
-                publish(work, "relay-result", {"cpu_s": cpu, "wall_s": time.perf_counter() - wall, "bytes": info["bytes"],
-                                               "bulk": on_bulk})
+                publish(
+                    work,
+                    "relay-result",
+                    {"cpu_s": cpu, "wall_s": time.perf_counter() - wall, "bytes": info["bytes"], "bulk": on_bulk},
+                )
             else:
                 relay = await wait_for(work, "relay")
                 publish(work, "sink", {"peer_id": identity.peer_id})
@@ -402,8 +457,14 @@ def measure_relay(work: Path, model_dir: Path, dtype: str, profile: Path | None,
     shutil.rmtree(relay_dir, ignore_errors=True)
     relay_dir.mkdir(parents=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    build_snapshot(model.state_dict(), 1, Identity.from_seed(bytes(32)), model_dir_config_hash(model_dir),
-                   relay_dir / "source-snapshots", dtype=getattr(torch, dtype))
+    build_snapshot(
+        model.state_dict(),
+        1,
+        Identity.from_seed(bytes(32)),
+        model_dir_config_hash(model_dir),
+        relay_dir / "source-snapshots",
+        dtype=getattr(torch, dtype),
+    )
     del model
     out: dict = {}
     for path, prefix in (("bulk", "relay"), ("libp2p", "relay_libp2p")):
@@ -417,9 +478,16 @@ def measure_relay(work: Path, model_dir: Path, dtype: str, profile: Path | None,
             raise RuntimeError(f"the {path} relay run took the {'bulk' if result['bulk'] else 'libp2p'} path")
         gb = result["bytes"] / 1e9
         log(f"  relay ({path}): {result['bytes'] / MB:.0f} MB in {result['wall_s']:.1f}s, {result['cpu_s']:.1f} CPU-s")
-        out.update({"relay_bytes": result["bytes"], "relay_dtype": dtype, f"{prefix}_wall_s": round(result["wall_s"], 2),
-                    f"{prefix}_cpu_s": round(result["cpu_s"], 2), f"{prefix}_cpu_s_per_gb": round(result["cpu_s"] / gb, 2),
-                    f"{prefix}_mb_per_s": round(result["bytes"] / MB / result["wall_s"], 1)})
+        out.update(
+            {
+                "relay_bytes": result["bytes"],
+                "relay_dtype": dtype,
+                f"{prefix}_wall_s": round(result["wall_s"], 2),
+                f"{prefix}_cpu_s": round(result["cpu_s"], 2),
+                f"{prefix}_cpu_s_per_gb": round(result["cpu_s"] / gb, 2),
+                f"{prefix}_mb_per_s": round(result["bytes"] / MB / result["wall_s"], 1),
+            }
+        )
     shutil.rmtree(relay_dir, ignore_errors=True)
     return out
 
@@ -471,7 +539,7 @@ def floor_role(role: str, work: Path, total_bytes: int) -> None:
             started = cpu_s()
             left = total_bytes
             while left:
-                await stream.write(block[:min(left, FLOOR_WRITE_BYTES)])
+                await stream.write(block[: min(left, FLOOR_WRITE_BYTES)])
                 left -= min(left, FLOOR_WRITE_BYTES)
             await read_exact(stream, 2)
             publish(work, "floor-send", {"cpu_s": cpu_s() - started})
@@ -492,8 +560,10 @@ def measure_transport_floor(work: Path, total_bytes: int, log) -> dict:
     shutil.rmtree(floor_dir, ignore_errors=True)
     gb = total_bytes / 1e9
     log(f"  transport floor: {recv['cpu_s'] + send['cpu_s']:.1f} CPU-s for {total_bytes / MB:.0f} MB one hop")
-    return {"transport_floor_cpu_s_per_gb": round((recv["cpu_s"] + send["cpu_s"]) / gb, 2),
-            "transport_floor_mb_per_s": round(total_bytes / MB / recv["wall_s"], 1)}
+    return {
+        "transport_floor_cpu_s_per_gb": round((recv["cpu_s"] + send["cpu_s"]) / gb, 2),
+        "transport_floor_mb_per_s": round(total_bytes / MB / recv["wall_s"], 1),
+    }
 
 
 def plot(results: list[Result], out: Path) -> None:
@@ -510,10 +580,22 @@ def plot(results: list[Result], out: Path) -> None:
         x = [r.params / 1e6 for r in rows]
         rss.plot(x, [r.hub_peak_rss_bytes / 1e9 for r in rows], marker=marker, label=f"hub {dtype}")
         rss.plot(x, [r.node_peak_rss_bytes / 1e9 for r in rows], marker=marker, linestyle="--", label=f"node {dtype}")
-        rss.plot(x, [(1.3 * r.engine_model_bytes + ALLOWANCE_BYTES) / 1e9 for r in rows], color="grey",
-                 linestyle=":", linewidth=1, label=f"node target {dtype}")
-        rss.plot(x, [(r.learner_state_bytes + r.snapshot_bytes + ALLOWANCE_BYTES) / 1e9 for r in rows], color="black",
-                 linestyle=":", linewidth=1, label=f"hub target {dtype}")
+        rss.plot(
+            x,
+            [(1.3 * r.engine_model_bytes + ALLOWANCE_BYTES) / 1e9 for r in rows],
+            color="grey",
+            linestyle=":",
+            linewidth=1,
+            label=f"node target {dtype}",
+        )
+        rss.plot(
+            x,
+            [(r.learner_state_bytes + r.snapshot_bytes + ALLOWANCE_BYTES) / 1e9 for r in rows],
+            color="black",
+            linestyle=":",
+            linewidth=1,
+            label=f"hub target {dtype}",
+        )
         bcast.plot(x, [r.t_bcast_s for r in rows], marker=marker, label=f"T_bcast {dtype}")
         bcast.plot(x, [r.ideal_s for r in rows], color="grey", linestyle=":", marker=marker, label=f"ideal {dtype}")
     rss.set(xlabel="parameters (M)", ylabel="peak RSS in steady state (GB)", title="Memory vs model size")
@@ -534,8 +616,11 @@ def main() -> None:
     parser.add_argument("--link-mbps", type=float, default=800.0, help="emulated hub and node links, Mbit/s")
     parser.add_argument("--snapshots", type=int, default=5, help="timed broadcasts per run (after v0)")
     parser.add_argument("--no-relay", action="store_true", help="skip the relay CPU measurement")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="run the hub's learner with --gradient-checkpointing true (less peak RSS, slower steps)")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="run the hub's learner with --gradient-checkpointing true (less peak RSS, slower steps)",
+    )
     parser.add_argument("--profile", type=Path, default=None, help="write the relay's cProfile here")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of RSS and T_bcast against size")
     parser.add_argument("--work-dir", type=Path, default=None, help="models and runs (default: a temp dir, removed)")
@@ -567,17 +652,21 @@ def main() -> None:
             model_dir, params = build_model(work, size)
             log(f"{size}: {params / 1e6:.1f}M parameters")
             for dtype in dtypes:
-                results.append(run_one(work, model_dir, params, dtype, args.link_mbps, args.snapshots, log,
-                                       args.gradient_checkpointing))
+                results.append(
+                    run_one(work, model_dir, params, dtype, args.link_mbps, args.snapshots, log, args.gradient_checkpointing)
+                )
                 r = results[-1]
-                log(f"  {dtype}: {r.snapshot_bytes / MB:.0f} MB, publish {r.publish_s:.1f}s, T_bcast {r.t_bcast_s:.1f}s "
+                log(
+                    f"  {dtype}: {r.snapshot_bytes / MB:.0f} MB, publish {r.publish_s:.1f}s, T_bcast {r.t_bcast_s:.1f}s "
                     f"(ideal {r.ideal_s:.1f}s), hub {r.hub_peak_rss_bytes / MB:.0f} MB, node {r.node_peak_rss_bytes / MB:.0f} MB, "
-                    f"dir {r.snapshot_dir_bytes / MB:.0f} MB, targets {r.targets_met}")
+                    f"dir {r.snapshot_dir_bytes / MB:.0f} MB, targets {r.targets_met}"
+                )
         out: dict = {"results": [asdict(r) for r in results]}
         pairs = {(r.params, r.dtype): r.snapshot_bytes for r in results}
         out["bf16_half_of_fp32"] = {
             str(p): round(pairs[(p, "bfloat16")] / pairs[(p, "float32")], 4)
-            for p, d in pairs if d == "float32" and (p, "bfloat16") in pairs
+            for p, d in pairs
+            if d == "float32" and (p, "bfloat16") in pairs
         }
         if not args.no_relay:
             largest = build_model(work, max(sizes, key=lambda s: SIZES[s][0] ** 2 * SIZES[s][1]))[0]

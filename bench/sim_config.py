@@ -43,10 +43,14 @@ DEFAULT_GPU_MIX = (
 
 
 class FleetPart(Part):
-    nodes: tuple[int, ...] = Field((10, 100, 1000, 10000), min_length=1, max_length=16, description="fleet sizes to simulate (drawn fleets)")
+    nodes: tuple[int, ...] = Field(
+        (10, 100, 1000, 10000), min_length=1, max_length=16, description="fleet sizes to simulate (drawn fleets)"
+    )
     file: Path | None = Field(None, description="echo-hub plan's FLEET.toml instead of a drawn fleet (relative to sim.toml)")
     gpu: tuple[GpuClass, ...] = Field(DEFAULT_GPU_MIX, min_length=1, max_length=32, description="the drawn fleet's GPU mix")
-    jitter_sigma: float = Field(0.25, ge=0.0, le=2.0, description="lognormal sigma of each node's rate and price around its class")
+    jitter_sigma: float = Field(
+        0.25, ge=0.0, le=2.0, description="lognormal sigma of each node's rate and price around its class"
+    )
     nat_share: float = Field(0.0, ge=0.0, le=1.0, description="share of nodes behind a NAT (dial out only)")
     holepunch_s: float = Field(2.0, ge=0.0, le=600.0, description="seconds a hole punch adds to a hop between two NATed nodes")
 
@@ -81,7 +85,9 @@ class LinksPart(Part):
 
 
 class ChurnPart(Part):
-    session_mean_s: float = Field(7200.0, gt=0.0, le=1e12, description="mean online session (exponential; 1e9 or more: nobody leaves)")
+    session_mean_s: float = Field(
+        7200.0, gt=0.0, le=1e12, description="mean online session (exponential; 1e9 or more: nobody leaves)"
+    )
     offline_mean_s: float = Field(1800.0, gt=0.0, le=1e7, description="mean offline spell (exponential)")
     online_at_start: float = Field(0.8, ge=0.0, le=1.0, description="share of nodes online at the start")
     probe_s: float = Field(30.0, ge=0.0, le=3600.0, description="seconds a joining node's probe lease takes")
@@ -93,7 +99,9 @@ class LearnerPart(Part):
     price_per_hour: float = field_of(LearnerConfig, "learner_price_per_hour")
     usable_fraction: float = Field(0.7, gt=0.0, le=1.0, description="share of accepted rollouts the learner trains on")
     rollouts_per_step: float | None = Field(None, gt=0.0, le=1e9, description="R (None: sized by demand_share)")
-    demand_share: float = Field(0.3, gt=0.0, le=10.0, description="without R: mu_min as this share of the fleet's expected online throughput")
+    demand_share: float = Field(
+        0.3, gt=0.0, le=10.0, description="without R: mu_min as this share of the fleet's expected online throughput"
+    )
     rollouts_per_lease: int = Field(64, ge=1, le=1_000_000, description="prompts_per_lease * group_size")
 
 
@@ -112,17 +120,22 @@ StalenessSetting = Annotated[
 class RunPart(Part):
     """The hub's settings a run is simulated under: their defaults and bounds are the hub's own (hub/config.py)."""
 
-    staleness: tuple[StalenessSetting, ...] = Field((LearnerConfig().staleness,), min_length=1, max_length=16, description="S of each row set (an int, or auto)")
+    staleness: tuple[StalenessSetting, ...] = Field(
+        (LearnerConfig().staleness,), min_length=1, max_length=16, description="S of each row set (an int, or auto)"
+    )
     kappa: int | None = field_of(LearnerConfig, "kappa", description="publish period (None: default_kappa(S))")
     staleness_max: int = field_of(LearnerConfig, "staleness_max")
-    drift_per_version: float = Field(0.01, ge=0.0, le=10.0, description="auto: mean |log-ratio| one version of age adds (an assumption: no model runs here)")
+    drift_per_version: float = Field(
+        0.01, ge=0.0, le=10.0, description="auto: mean |log-ratio| one version of age adds (an assumption: no model runs here)"
+    )
     drift_max: float = field_of(LearnerConfig, "drift_max")
     gamma: float = field_of(SchedulerConfig, "gamma")
     steps: int | None = Field(None, ge=4, le=10_000_000, description="learner steps per run (None: default_steps(N))")
     seeds: int = Field(1, ge=1, le=1000, description="seeds per fleet size and scenario")
     fleet_seed: int | None = Field(None, ge=0, description="draw one fleet per size from this seed")
     scenarios: tuple[Literal["cost-aware", "all-on", "star", "sync"], ...] = Field(
-        ("cost-aware", "all-on", "star", "sync"), min_length=1, description="scenarios to run")
+        ("cost-aware", "all-on", "star", "sync"), min_length=1, description="scenarios to run"
+    )
 
 
 class PriceChange(Part):

@@ -89,14 +89,7 @@ from hub.cli.plan import PlanError, load_fleet  # noqa: E402
 from hub.config import LeaseConfig, SchedulerConfig  # noqa: E402
 from hub.control.policy import CapacityView, FleetView, capacity_view, decide  # noqa: E402
 from hub.control.staleness import StalenessHold, choose_staleness, staleness_costs  # noqa: E402
-from hub.method.capacity import (  # noqa: E402
-    Arrival,
-    InfeasibleCapacity,
-    NodeOffer,
-    default_kappa,
-    mu_min,
-    predicted_bubble,
-)
+from hub.method.capacity import Arrival, InfeasibleCapacity, NodeOffer, default_kappa, mu_min, predicted_bubble  # noqa: E402
 from hub.method.chains import link_kind, plan_chains  # noqa: E402
 from hub.method.drift import DriftMeter  # noqa: E402
 from hub.method.prices import ranking_price  # noqa: E402
@@ -170,8 +163,14 @@ def draw_fleet(n: int, rng: random.Random, cfg: SimConfig = DEFAULT) -> list[Nod
     for i, c in enumerate(classes):
         gpu = cfg.fleet.gpu[c]
         link_bps = draw_link_bps(rng, cfg)
-        nodes.append(Node(f"n{i:05d}", gpu.rollouts_per_s * math.exp(rng.gauss(0, sigma)),
-                          gpu.price_per_hour * math.exp(rng.gauss(0, sigma)), link_bps))
+        nodes.append(
+            Node(
+                f"n{i:05d}",
+                gpu.rollouts_per_s * math.exp(rng.gauss(0, sigma)),
+                gpu.price_per_hour * math.exp(rng.gauss(0, sigma)),
+                link_bps,
+            )
+        )
     draw_nat(nodes, rng, cfg)
     return nodes
 
@@ -227,8 +226,9 @@ class Result:
 
 
 class Simulation:
-    def __init__(self, fleet: list[Node], scenario: Scenario, steps: int, seed: int, rollouts_per_step: float,
-                 cfg: SimConfig = DEFAULT) -> None:
+    def __init__(
+        self, fleet: list[Node], scenario: Scenario, steps: int, seed: int, rollouts_per_step: float, cfg: SimConfig = DEFAULT
+    ) -> None:
         self.nodes = {n.name: n for n in fleet}
         for node in fleet:  # a fleet may be run again (scenarios of one seed): its sessions count from here
             node.session, node.away_until = 0, 0.0
@@ -344,7 +344,11 @@ class Simulation:
         if dt <= 0:
             return
         cutoff = self.min_useful()
-        made = {v: rate * dt * self.cfg.learner.usable_fraction for v, rate in self.rate_by_version.items() if v >= cutoff and rate > 1e-12}
+        made = {
+            v: rate * dt * self.cfg.learner.usable_fraction
+            for v, rate in self.rate_by_version.items()
+            if v >= cutoff and rate > 1e-12
+        }
         # The hub leases no more than max_inflight_steps steps of work ahead: nodes past it wait.
         room = max(0.0, self.inflight_cap - sum(self.buffer.values()))
         total = sum(made.values())
@@ -375,7 +379,7 @@ class Simulation:
         cutoff = usable_from(t - 1, self.window())
         dropped = sum(self.buffer.pop(v) for v in [v for v in self.buffer if v < cutoff])
         self.dropped += dropped
-        self.recent_use = (self.recent_use + [(self.R, dropped)])[-3 * self.kappa:]
+        self.recent_use = (self.recent_use + [(self.R, dropped)])[-3 * self.kappa :]
         need = self.R
         step_ages = []
         for v in sorted(self.buffer):
@@ -397,7 +401,9 @@ class Simulation:
         idle = self.now - (self.idle_since or self.now)
         self.idle_since = None
         self.training = True
-        t_train = max(1.0, self.train_rng.gauss(self.cfg.learner.t_train_s, self.cfg.learner.t_train_s * self.cfg.learner.t_train_cv))
+        t_train = max(
+            1.0, self.train_rng.gauss(self.cfg.learner.t_train_s, self.cfg.learner.t_train_s * self.cfg.learner.t_train_cv)
+        )
         self.pending_idle = idle
         self.push(self.now + t_train, "step_done", t_train)
 
@@ -423,10 +429,18 @@ class Simulation:
         costs = {}
         offers = [n.offer for n in self.nodes.values() if n.online and n.state in ("standby", "active")]
         if offers and self.t_train_recent:
-            costs = staleness_costs(offers, self.cfg.run.staleness_max, self.R / self.usable(), self.t_train_mean(),
-                                    self.t_bcast_last or 0.0, self.sched.gamma, self.cfg.learner.price_per_hour)
-        choice = choose_staleness(self.S, self.cfg.run.staleness_max, drift, self.cfg.run.drift_max, costs,
-                                  drift_per_version, self.staleness_hold, age)
+            costs = staleness_costs(
+                offers,
+                self.cfg.run.staleness_max,
+                self.R / self.usable(),
+                self.t_train_mean(),
+                self.t_bcast_last or 0.0,
+                self.sched.gamma,
+                self.cfg.learner.price_per_hour,
+            )
+        choice = choose_staleness(
+            self.S, self.cfg.run.staleness_max, drift, self.cfg.run.drift_max, costs, drift_per_version, self.staleness_hold, age
+        )
         self.staleness_hold = self.staleness_hold.after(choice)
         if choice.staleness != self.S:
             self.drift.moved()
@@ -452,13 +466,27 @@ class Simulation:
         """The newest version's arrival at the active pool, as the hub measures it (LearnerTiming.t_arrive_s)."""
         # The first step that needs the newest version needs R / usable of it: stale drops come from the
         # old version's overproduction, not from that step.
-        return None if self.t_arrive_last is None else Arrival(
-            self.t_arrive_last, self.R / self.cfg.learner.usable_fraction,
-            self.active_count() * self.cfg.learner.rollouts_per_lease / 2, self.installs_last)
+        return (
+            None
+            if self.t_arrive_last is None
+            else Arrival(
+                self.t_arrive_last,
+                self.R / self.cfg.learner.usable_fraction,
+                self.active_count() * self.cfg.learner.rollouts_per_lease / 2,
+                self.installs_last,
+            )
+        )
 
     def predicted(self) -> float | None:
-        return predicted_bubble(self.kappa, self.R / self.usable(), self.t_train_mean(), self.t_bcast_last or 0.0,
-                                self.active_rate, self.S, self.arrival())
+        return predicted_bubble(
+            self.kappa,
+            self.R / self.usable(),
+            self.t_train_mean(),
+            self.t_bcast_last or 0.0,
+            self.active_rate,
+            self.S,
+            self.arrival(),
+        )
 
     # -- broadcast ------------------------------------------------------------------------
     def publish(self, version: int) -> None:
@@ -472,8 +500,7 @@ class Simulation:
         # lease behind a steady flow): in this fluid model, it switches one lease after the snapshot arrived.
         lease_s = {node.name: self.cfg.learner.rollouts_per_lease / node.rate for node, _ in arrivals}
         # What the hub measures: when each active node asks for work on the new version.
-        installs = tuple((node.rate, seconds + lease_s[node.name] / 2) for node, seconds in arrivals
-                         if node.state == "active")
+        installs = tuple((node.rate, seconds + lease_s[node.name] / 2) for node, seconds in arrivals if node.state == "active")
         weight = sum(w for w, _ in installs)
         if weight > 0:
             self.installs_last = installs
@@ -496,8 +523,11 @@ class Simulation:
         self.requests["join"] += 1
         node.state = "probing"
         self.push(self.now + self.cfg.churn.probe_s, "probed", node.name)
-        self.push(self.now + self.churn_rng[node.name].expovariate(1 / self.cfg.churn.session_mean_s), "leave",
-                  (node.name, node.session))
+        self.push(
+            self.now + self.churn_rng[node.name].expovariate(1 / self.cfg.churn.session_mean_s),
+            "leave",
+            (node.name, node.session),
+        )
         newest = max(self.publish_at, default=None)
         if newest is not None:
             self.push(self.now + self.cfg.snapshot.bytes / node.link_bps, "catch_up", (node.name, newest))
@@ -520,7 +550,7 @@ class Simulation:
         change = self.cfg.fleet_change[index]
         online = sorted(n.name for n in self.nodes.values() if n.online)
         random.Random(f"fleet_change:{index}:{self.seed}").shuffle(online)
-        for name in online[:round(change.leave_share * len(online))]:
+        for name in online[: round(change.leave_share * len(online))]:
             node = self.nodes[name]
             node.away_until = math.inf if change.away_s is None else self.now + change.away_s
             self.go_offline(node)
@@ -532,7 +562,7 @@ class Simulation:
         change = self.cfg.price_change[index]
         names = sorted(self.nodes)
         random.Random(f"price_change:{index}:{self.seed}").shuffle(names)
-        for name in names[:round(change.share * len(names))]:
+        for name in names[: round(change.share * len(names))]:
             node = self.nodes[name]
             if node.state == "active":
                 self.active_price -= node.price
@@ -544,18 +574,32 @@ class Simulation:
         """The capacity model through the hub scheduler's own function (hub.control.policy.capacity_view)."""
         if not self.t_train_recent:
             return CapacityView(self.active_rate, None, None, None, "learner has not stepped yet")
-        return capacity_view(self.active_rate, self.kappa, self.R, self.t_train_mean(), self.t_bcast_last or 0.0,
-                             self.usable(), self.S, self.arrival(), self.sched.gamma)
+        return capacity_view(
+            self.active_rate,
+            self.kappa,
+            self.R,
+            self.t_train_mean(),
+            self.t_bcast_last or 0.0,
+            self.usable(),
+            self.S,
+            self.arrival(),
+            self.sched.gamma,
+        )
 
     def control(self) -> None:
         """One control period of the hub's policy (probes are moved to standby by their own event)."""
         capacity = self.capacity()
-        if self.sc.scheduler and self.ramp_s is None and capacity.mu_target is not None \
-                and self.active_rate >= capacity.mu_target:
+        if (
+            self.sc.scheduler
+            and self.ramp_s is None
+            and capacity.mu_target is not None
+            and self.active_rate >= capacity.mu_target
+        ):
             self.ramp_s = self.now
         measured = [n for n in self.nodes.values() if n.online and n.state in ("standby", "active")]
-        fleet = FleetView(tuple(n.offer for n in measured if n.state == "active"),
-                          tuple(n.offer for n in measured if n.state == "standby"))
+        fleet = FleetView(
+            tuple(n.offer for n in measured if n.state == "active"), tuple(n.offer for n in measured if n.state == "standby")
+        )
         decision = decide(fleet, capacity, self.sched, self.release_wanted, self.now)
         self.release_wanted = decision.release_wanted
         for move in decision.moves:
@@ -629,23 +673,33 @@ class Simulation:
         # Feasible: some fleet keeps the learner busy (never at S = 0, where the bubble is still predicted).
         feasible = True
         try:
-            mu_min(self.kappa, self.R / self.cfg.learner.usable_fraction, self.cfg.learner.t_train_s,
-                   (sum(self.t_bcasts) / len(self.t_bcasts)) if self.t_bcasts else 0.0, self.S)
+            mu_min(
+                self.kappa,
+                self.R / self.cfg.learner.usable_fraction,
+                self.cfg.learner.t_train_s,
+                (sum(self.t_bcasts) / len(self.t_bcasts)) if self.t_bcasts else 0.0,
+                self.S,
+            )
         except InfeasibleCapacity:
             feasible = False
         produced = self.consumed + self.dropped
         return Result(
-            nodes=n, scenario=self.sc.name, seed=seed, feasible=feasible,
+            nodes=n,
+            scenario=self.sc.name,
+            seed=seed,
+            feasible=feasible,
             bubble_simulated=round(idle / (idle + train), 4) if idle + train > 0 else 1.0,
             bubble_predicted=round(sum(predicted) / len(predicted), 4) if predicted else None,
             cost_per_step=round(sum(r[4] for r in self.records) / max(1, len(self.records)), 4),
             t_bcast_s=round(sum(self.t_bcasts) / len(self.t_bcasts), 2) if self.t_bcasts else math.nan,
-            steps=self.step, sim_hours=round(hours, 2),
+            steps=self.step,
+            sim_hours=round(hours, 2),
             active_mean=round(sum(r[3] for r in self.records) / max(1, len(self.records)), 1),
             ramp_s=None if self.ramp_s is None else round(self.ramp_s, 1),
             rollouts_per_step=round(self.R, 1),
             staleness_mean=round(sum(a * w for a, w in self.staleness) / total, 3),
-            staleness_p95=p95, staleness_max=max((a for a, _ in self.staleness), default=0),
+            staleness_p95=p95,
+            staleness_max=max((a for a, _ in self.staleness), default=0),
             dropped_stale_frac=round(self.dropped / produced, 4) if produced else 0.0,
             requests_per_s={
                 "join": round(self.requests["join"] / self.now, 3),
@@ -657,8 +711,11 @@ class Simulation:
             staleness_final=self.S,
             staleness_moves=self.staleness_moves,
             drift_mean=round(sum(self.step_drifts) / len(self.step_drifts), 5) if self.step_drifts else 0.0,
-            drift_over_bound=round(sum(d > self.cfg.run.drift_max * (1 + 1e-9) for d in self.step_drifts)
-                                   / len(self.step_drifts), 4) if self.step_drifts else 0.0,  # at the bound is within
+            drift_over_bound=round(
+                sum(d > self.cfg.run.drift_max * (1 + 1e-9) for d in self.step_drifts) / len(self.step_drifts), 4
+            )
+            if self.step_drifts
+            else 0.0,  # at the bound is within
         )
 
 
@@ -681,8 +738,9 @@ def broadcast_arrivals(nodes: list[Node], broadcast: str, cfg: SimConfig = DEFAU
             if link_kind(upstream, node.reach) == "holepunch":
                 setup_s += cfg.fleet.holepunch_s
             upstream = node.reach
-            arrivals.append((node, setup_s + size / slowest
-                             + pos * (cfg.snapshot.chunk_bytes / slowest + cfg.links.hop_latency_s)))
+            arrivals.append(
+                (node, setup_s + size / slowest + pos * (cfg.snapshot.chunk_bytes / slowest + cfg.links.hop_latency_s))
+            )
     return arrivals
 
 
@@ -708,8 +766,7 @@ def demand(fleet: list[Node], staleness: int, share: float, cfg: SimConfig = DEF
     fleet only, not on a seed's dice, so the seeds of one fleet differ in churn and T_train alone.
     """
     t_bcast = max(seconds for _, seconds in broadcast_arrivals(fleet, "chain", cfg))
-    per_rollout = mu_min(default_kappa(staleness), 1.0 / cfg.learner.usable_fraction, cfg.learner.t_train_s, t_bcast,
-                         staleness)
+    per_rollout = mu_min(default_kappa(staleness), 1.0 / cfg.learner.usable_fraction, cfg.learner.t_train_s, t_bcast, staleness)
     return share * cfg.churn.online_at_start * sum(n.rate for n in fleet) / per_rollout
 
 
@@ -719,8 +776,16 @@ def build_fleet(n: int, seed: int, fleet_seed: int | None, cfg: SimConfig = DEFA
     return fleet_from_file(cfg.fleet.file, rng, cfg) if cfg.fleet.file is not None else draw_fleet(n, rng, cfg)
 
 
-def simulate(n: int, scenario: str, seed: int, steps: int, share: float = DEFAULT.learner.demand_share,
-             fleet_seed: int | None = None, cfg: SimConfig = DEFAULT, staleness: int | str | None = None) -> Result:
+def simulate(
+    n: int,
+    scenario: str,
+    seed: int,
+    steps: int,
+    share: float = DEFAULT.learner.demand_share,
+    fleet_seed: int | None = None,
+    cfg: SimConfig = DEFAULT,
+    staleness: int | str | None = None,
+) -> Result:
     """One run. `seed` drives churn and T_train; the fleet is drawn from `fleet_seed` (None: from `seed` too,
     so seeds then differ in their fleets as well). `staleness`: S for every scenario but sync (None: STALENESS)."""
     fleet = build_fleet(n, seed, fleet_seed, cfg)
@@ -746,9 +811,14 @@ def configured(args: argparse.Namespace) -> SimConfig:
         fleet["file"] = args.fleet
     learner = {} if args.demand is None else {"demand_share": args.demand}
     try:
-        return SimConfig.model_validate({**cfg.model_dump(), "run": {**cfg.run.model_dump(), **run},
-                                         "fleet": {**cfg.fleet.model_dump(), **fleet},
-                                         "learner": {**cfg.learner.model_dump(), **learner}})
+        return SimConfig.model_validate(
+            {
+                **cfg.model_dump(),
+                "run": {**cfg.run.model_dump(), **run},
+                "fleet": {**cfg.fleet.model_dump(), **fleet},
+                "learner": {**cfg.learner.model_dump(), **learner},
+            }
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         raise SimConfigError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
@@ -766,20 +836,38 @@ def rows_to_run(cfg: SimConfig) -> list[tuple[int, int | str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=None, metavar="SIM.toml",
-                        help="everything the simulator draws (bench/sim_config.py; bench/presets/ has examples)")
-    parser.add_argument("--fleet", type=Path, default=None, metavar="FLEET.toml",
-                        help="echo-hub plan's fleet file as the fleet (links and NAT still drawn)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="SIM.toml",
+        help="everything the simulator draws (bench/sim_config.py; bench/presets/ has examples)",
+    )
+    parser.add_argument(
+        "--fleet",
+        type=Path,
+        default=None,
+        metavar="FLEET.toml",
+        help="echo-hub plan's fleet file as the fleet (links and NAT still drawn)",
+    )
     parser.add_argument("--nodes", default=None, help="fleet sizes, comma-separated (default 10,100,1000,10000)")
     parser.add_argument("--scenarios", default=None, help=f"scenarios, comma-separated (default {','.join(SCENARIOS)})")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per fleet size and scenario (default 1)")
-    parser.add_argument("--fleet-seed", type=int, default=None,
-                        help="draw one fleet per size from this seed, so seeds differ only in churn and T_train")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="learner steps per run, figures from the second half (default: default_steps(N))")
-    parser.add_argument("--demand", type=float, default=None,
-                        help="mu_min as a share of the fleet's expected online throughput (default 0.3; above ~0.6 "
-                             "the fleet falls short)")
+    parser.add_argument(
+        "--fleet-seed",
+        type=int,
+        default=None,
+        help="draw one fleet per size from this seed, so seeds differ only in churn and T_train",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="learner steps per run, figures from the second half (default: default_steps(N))"
+    )
+    parser.add_argument(
+        "--demand",
+        type=float,
+        default=None,
+        help="mu_min as a share of the fleet's expected online throughput (default 0.3; above ~0.6 the fleet falls short)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--plot", type=Path, default=None, help="write bubble and cost per step vs N to this PNG")
     args = parser.parse_args(argv)
@@ -804,13 +892,24 @@ def run_rows(cfg: SimConfig, quiet: bool) -> list[dict]:
         for seed in range(cfg.run.seeds):
             started = time.perf_counter()
             size = n or len(load_fleet(cfg.fleet.file))
-            r = simulate(n, scenario, seed, cfg.run.steps or default_steps(size), cfg.learner.demand_share,
-                         cfg.run.fleet_seed, cfg, staleness)
+            r = simulate(
+                n,
+                scenario,
+                seed,
+                cfg.run.steps or default_steps(size),
+                cfg.learner.demand_share,
+                cfg.run.fleet_seed,
+                cfg,
+                staleness,
+            )
             if not quiet:
-                print(f"N={r.nodes:<6} {scenario:<10} S={staleness!s:<4} seed {seed}: bubble {r.bubble_simulated:.3f} "
-                      f"(predicted {r.bubble_predicted}) cost/step ${r.cost_per_step:.3f} T_bcast {r.t_bcast_s:.1f}s "
-                      f"active {r.active_mean:.0f} ramp {r.ramp_s} [{time.perf_counter() - started:.1f}s]",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"N={r.nodes:<6} {scenario:<10} S={staleness!s:<4} seed {seed}: bubble {r.bubble_simulated:.3f} "
+                    f"(predicted {r.bubble_predicted}) cost/step ${r.cost_per_step:.3f} T_bcast {r.t_bcast_s:.1f}s "
+                    f"active {r.active_mean:.0f} ramp {r.ramp_s} [{time.perf_counter() - started:.1f}s]",
+                    file=sys.stderr,
+                    flush=True,
+                )
             results.append(r.__dict__)
     return results
 
@@ -855,9 +954,16 @@ def staleness_comparison(results: list[dict]) -> list[dict]:
         same = [r for r in results if (r["nodes"], r["scenario"], r["seed"]) == (n, scenario, seed)]
         auto = next(r for r in same if r["staleness"] == "auto")
         fixed = {r["staleness"]: (r["cost_per_step"], r["drift_over_bound"]) for r in same if r["staleness"] != "auto"}
-        out.append({"nodes": n, "scenario": scenario, "seed": seed, "auto_cost_per_step": auto["cost_per_step"],
-                    "auto_drift_over_bound": auto["drift_over_bound"],
-                    **auto_against_fixed(auto["cost_per_step"], auto["drift_over_bound"], fixed)})
+        out.append(
+            {
+                "nodes": n,
+                "scenario": scenario,
+                "seed": seed,
+                "auto_cost_per_step": auto["cost_per_step"],
+                "auto_drift_over_bound": auto["drift_over_bound"],
+                **auto_against_fixed(auto["cost_per_step"], auto["drift_over_bound"], fixed),
+            }
+        )
     return out
 
 
@@ -868,9 +974,17 @@ def saving_spread(rows: list[dict]) -> list[dict]:
         for key in sorted({k for r in rows for k in r if k.startswith("saving_vs_")}):
             values = [r[key] for r in rows if r["nodes"] == n and key in r]
             if values:
-                out.append({"nodes": n, "vs": key.removeprefix("saving_vs_"), "seeds": len(values),
-                            "min": min(values), "max": max(values), "mean": round(sum(values) / len(values), 4),
-                            "spread_points": round(100 * (max(values) - min(values)), 1)})
+                out.append(
+                    {
+                        "nodes": n,
+                        "vs": key.removeprefix("saving_vs_"),
+                        "seeds": len(values),
+                        "min": min(values),
+                        "max": max(values),
+                        "mean": round(sum(values) / len(values), 4),
+                        "spread_points": round(100 * (max(values) - min(values)), 1),
+                    }
+                )
     return out
 
 
@@ -887,10 +1001,17 @@ def plot(results: list[dict], path: Path) -> None:
             continue
         sizes = sorted({r["nodes"] for r in rows})
         mean = lambda key, n: sum(r[key] for r in rows if r["nodes"] == n) / sum(1 for r in rows if r["nodes"] == n)
-        line, = axes[0].plot(sizes, [mean("bubble_simulated", n) for n in sizes], "o-", label=f"{scenario} simulated")
-        predicted = [[r["bubble_predicted"] for r in rows if r["nodes"] == n and r["bubble_predicted"] is not None] for n in sizes]
-        axes[0].plot(sizes, [sum(p) / len(p) if p else math.nan for p in predicted], "x--", color=line.get_color(),
-                     label=f"{scenario} predicted")
+        (line,) = axes[0].plot(sizes, [mean("bubble_simulated", n) for n in sizes], "o-", label=f"{scenario} simulated")
+        predicted = [
+            [r["bubble_predicted"] for r in rows if r["nodes"] == n and r["bubble_predicted"] is not None] for n in sizes
+        ]
+        axes[0].plot(
+            sizes,
+            [sum(p) / len(p) if p else math.nan for p in predicted],
+            "x--",
+            color=line.get_color(),
+            label=f"{scenario} predicted",
+        )
         axes[1].plot(sizes, [mean("cost_per_step", n) / n for n in sizes], "o-", label=scenario)
         axes[2].plot(sizes, [mean("t_bcast_s", n) for n in sizes], "o-", label=scenario)
     for ax, title in zip(axes, ("learner bubble", "cost per step per node ($)", "T_bcast (s)")):

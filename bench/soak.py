@@ -105,8 +105,23 @@ class SoakNode:
     def start(self, hub_addr: str, model: Path) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / NODE_STATUS_FILE).unlink(missing_ok=True)  # a life that writes none is counted as 0
-        argv = ["join", "--hub", hub_addr, "--price", "0.35", "--backend", "hf", "--device", "cpu", "--data-dir",
-                str(self.data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--model", str(model)]
+        argv = [
+            "join",
+            "--hub",
+            hub_addr,
+            "--price",
+            "0.35",
+            "--backend",
+            "hf",
+            "--device",
+            "cpu",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--model",
+            str(model),
+        ]
         # The output beside the data dir: the data dir holds only what the node writes itself.
         out = self.out_dir / f"node-{self.index}-{time.time_ns()}.out"
         self.process = forked.spawn("node.cli", argv, str(out), {**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -160,12 +175,24 @@ class Soak:
         count, total = query(self.hub_dir, "SELECT COUNT(*), COALESCE(SUM(LENGTH(group_json)), 0) FROM payloads")[0]
         if count:
             self.payload_means.append(total / count)
-        kept = query(self.hub_dir, "SELECT COALESCE(SUM(pgsize), 0) FROM dbstat WHERE name != 'payloads' AND name NOT IN"
-                     " (SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'payloads')")[0][0]
+        kept = query(
+            self.hub_dir,
+            "SELECT COALESCE(SUM(pgsize), 0) FROM dbstat WHERE name != 'payloads' AND name NOT IN"
+            " (SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'payloads')",
+        )[0][0]
         rss, fds = process_figures(hub.process.pid)
         readings = [*rss_readings, *([] if rss is None else [rss])]
-        sample = Sample(time.monotonic() - started, self.life, steps, kept, store_bytes(self.hub_dir),
-                        tree_bytes(self.hub_dir), min(readings, default=None), fds, max(readings, default=None))
+        sample = Sample(
+            time.monotonic() - started,
+            self.life,
+            steps,
+            kept,
+            store_bytes(self.hub_dir),
+            tree_bytes(self.hub_dir),
+            min(readings, default=None),
+            fds,
+            max(readings, default=None),
+        )
         self.samples.append(sample)
         return sample
 
@@ -225,7 +252,7 @@ def settled_rss(samples: list[Sample]) -> list[tuple[float, float]]:
     """(step, RSS MB) of the hub's last life, its first WARMUP_SHARE left out (the model loads, allocators fill)."""
     last = max((s.life for s in samples), default=0)
     points = [(s.step, s.rss_mb) for s in samples if s.life == last and s.rss_mb is not None]
-    return points[int(len(points) * WARMUP_SHARE):]
+    return points[int(len(points) * WARMUP_SHARE) :]
 
 
 def growth_figures(samples: list[Sample], duration_s: float) -> dict:
@@ -245,8 +272,13 @@ def growth_figures(samples: list[Sample], duration_s: float) -> dict:
 
 
 def log_bytes_max(roots: list[Path]) -> int:
-    sizes = [p.stat().st_size for root in roots for pattern in ("*.log*", "node.out*", "node.err*")
-             for p in root.rglob(pattern) if p.is_file()]
+    sizes = [
+        p.stat().st_size
+        for root in roots
+        for pattern in ("*.log*", "node.out*", "node.err*")
+        for p in root.rglob(pattern)
+        if p.is_file()
+    ]
     return max(sizes, default=0)
 
 
@@ -275,12 +307,30 @@ def run(args: argparse.Namespace, say) -> dict:
     model = build_model(work / "model")
     (work / "hub.toml").parent.mkdir(parents=True, exist_ok=True)
     (work / "hub.toml").write_text(HUB_TOML)
-    hub_args = ("--local-nodes", "0", "--steps", "0", "--model", str(model), "--task", "testbed.tasks:OverlapTask",
-                "--max-new-tokens", str(MAX_NEW_TOKENS), "--prompts-per-step", "4", "--group-size", "4",
-                "--staleness", "2", "--config", str(work / "hub.toml"),
-                # What grows is measured, not learning: at the default lr the random model's policy collapses within
-                # ~200 steps into equal completions with equal rewards, and the learner stops stepping.
-                "--lr", "1e-6")
+    hub_args = (
+        "--local-nodes",
+        "0",
+        "--steps",
+        "0",
+        "--model",
+        str(model),
+        "--task",
+        "testbed.tasks:OverlapTask",
+        "--max-new-tokens",
+        str(MAX_NEW_TOKENS),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--staleness",
+        "2",
+        "--config",
+        str(work / "hub.toml"),
+        # What grows is measured, not learning: at the default lr the random model's policy collapses within
+        # ~200 steps into equal completions with equal rewards, and the learner stops stepping.
+        "--lr",
+        "1e-6",
+    )
     soak = Soak(work, args.minutes, args.kills, say)
     port = free_port()
     hub = start_hub(soak.hub_dir, *hub_args, port=port, command_line=True)
@@ -305,8 +355,10 @@ def run(args: argparse.Namespace, say) -> dict:
                     node.start(hub.addr, model)
                     say(f"node {node.index} stopped and started again")
             s = soak.sample(hub, started, readings)
-            say(f"{s.t:5.0f}s step {s.step}, store {s.store_bytes / 1e6:.2f} MB, data dir {s.data_bytes / 1e6:.1f} MB, "
-                f"hub rss {s.rss_mb or 0:.0f} MB resting, {s.rss_peak_mb or 0:.0f} peak, fds {s.fds}")
+            say(
+                f"{s.t:5.0f}s step {s.step}, store {s.store_bytes / 1e6:.2f} MB, data dir {s.data_bytes / 1e6:.1f} MB, "
+                f"hub rss {s.rss_mb or 0:.0f} MB resting, {s.rss_peak_mb or 0:.0f} peak, fds {s.fds}"
+            )
             readings = rss_readings(hub.process.pid, SAMPLE_S)
     finally:
         code = hub.stop(timeout_s=60)

@@ -75,14 +75,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="learner steps per run")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 3, 6, 11], help="S values run with the ratio")
     parser.add_argument("--no-is-ratio", type=int, nargs="*", default=[6], help="S values also run without the ratio")
-    parser.add_argument("--delay-steps", type=float, default=0.5,
-                        help="snapshot install delay per unit of S, in measured learner steps")
+    parser.add_argument(
+        "--delay-steps", type=float, default=0.5, help="snapshot install delay per unit of S, in measured learner steps"
+    )
     parser.add_argument("--window", type=int, default=None, help="reward window in steps (default steps // 10)")
     parser.add_argument("--prompts-per-step", type=int, default=None, help="override LearnerConfig's default")
     parser.add_argument("--group-size", type=int, default=None, help="override LearnerConfig's default")
     parser.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS)
-    parser.add_argument("--optimizers", nargs="+", default=["adamw"], choices=["adamw", "adamw8bit"],
-                        help="every run once with each (LearnerConfig.optimizer): 8-bit moments against fp32 ones")
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=["adamw"],
+        choices=["adamw", "adamw8bit"],
+        help="every run once with each (LearnerConfig.optimizer): 8-bit moments against fp32 ones",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/staleness.png"), help="reward vs step plot")
     parser.add_argument("--adaptive", action="store_true", help="--staleness auto against fixed S, real processes")
     parser.add_argument("--nodes", type=int, default=4, help="--adaptive: volunteer node processes")
@@ -90,18 +96,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--fixed", type=int, nargs="+", default=[1, 2, 4, 8], help="--adaptive: fixed S of half_leave")
     parser.add_argument("--staleness-max", type=int, default=8, help="--adaptive: the auto runs' --staleness-max")
     parser.add_argument("--drift-max", type=float, default=None, help="--adaptive: the auto runs' --drift-max")
-    parser.add_argument("--scenarios", nargs="+", default=["steady", "half_leave"], choices=["steady", "half_leave"],
-                        help="--adaptive: the scenarios to run")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="--adaptive: runs of each setting, interleaved (round k of every setting, then k + 1)")
+    parser.add_argument(
+        "--scenarios",
+        nargs="+",
+        default=["steady", "half_leave"],
+        choices=["steady", "half_leave"],
+        help="--adaptive: the scenarios to run",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="--adaptive: runs of each setting, interleaved (round k of every setting, then k + 1)",
+    )
     return parser.parse_args(argv)
 
 
 def learner_config(spec: RunSpec, args: argparse.Namespace):
     from hub.config import LearnerConfig
 
-    overrides = {"staleness": spec.staleness, "use_is_ratio": spec.is_ratio, "checkpoint_every": NO_CHECKPOINTS,
-                 "optimizer": spec.optimizer}
+    overrides = {
+        "staleness": spec.staleness,
+        "use_is_ratio": spec.is_ratio,
+        "checkpoint_every": NO_CHECKPOINTS,
+        "optimizer": spec.optimizer,
+    }
     if args.prompts_per_step is not None:
         overrides["prompts_per_step"] = args.prompts_per_step
     if args.group_size is not None:
@@ -128,8 +147,13 @@ def measure_step_s(model_dir: Path, cfg, sampling) -> float:
         prompts = task.sample(rng, cfg.prompts_per_step)
         outputs = engine.generate([p.text for p in prompts], cfg.group_size, sampling)
         groups = [
-            Group(prompt_id=p.id, prompt_text=p.text, version=0, completions=tuple(cs),
-                  rewards=tuple(task.rewards(p, [c.text for c in cs])))
+            Group(
+                prompt_id=p.id,
+                prompt_text=p.text,
+                version=0,
+                completions=tuple(cs),
+                rewards=tuple(task.rewards(p, [c.text for c in cs])),
+            )
             for p, cs in zip(prompts, outputs, strict=True)
         ]
         learner.train_step(groups, step + 1)
@@ -137,8 +161,7 @@ def measure_step_s(model_dir: Path, cfg, sampling) -> float:
     return min(seconds)
 
 
-def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, delay_s: float, data_dir: Path,
-            on_step) -> dict:
+def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, delay_s: float, data_dir: Path, on_step) -> dict:
     from hub.config import HubConfig
     from hub.records.store import Store
     from hub.service.local_rollouts import LocalRollouts
@@ -155,12 +178,17 @@ def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, 
     state = HubState(Store(data_dir / HUB_STORE_FILE), HubConfig(learner=cfg, sampling=sampling), ReverseTask())
     store = state.store
     send, receive = trio.open_memory_channel(64)
-    learner = LearnerComponent(
-        cfg, sampling, model_dir, data_dir, state, Identity.generate(), send, args.steps, CHUNK_SIZE_BYTES,
-    )
+    learner = LearnerComponent(cfg, sampling, model_dir, data_dir, state, Identity.generate(), send, args.steps, CHUNK_SIZE_BYTES)
     rollouts = LocalRollouts(
-        HFEngine(model_dir), ReverseTask(), sampling, cfg.group_size, state, receive,
-        learner.min_useful_version, max_pending_groups=2 * cfg.prompts_per_step, install_delay_s=delay_s,
+        HFEngine(model_dir),
+        ReverseTask(),
+        sampling,
+        cfg.group_size,
+        state,
+        receive,
+        learner.min_useful_version,
+        max_pending_groups=2 * cfg.prompts_per_step,
+        install_delay_s=delay_s,
         seed=cfg.seed,
     )
 
@@ -231,8 +259,10 @@ def plot(runs: list[dict], out: Path, steps: int) -> None:
     for run in runs:
         xs = list(run["reward_at_step"])
         ys = list(run["reward_at_step"].values())
-        label = f"S={run['staleness']} {'with' if run['is_ratio'] else 'without'} IS ratio, {run['optimizer']} " \
-                f"(mean staleness {run['staleness_mean']:.1f})"
+        label = (
+            f"S={run['staleness']} {'with' if run['is_ratio'] else 'without'} IS ratio, {run['optimizer']} "
+            f"(mean staleness {run['staleness_mean']:.1f})"
+        )
         ax.plot(xs, ys, marker="o", markersize=3, linestyle="-" if run["is_ratio"] else "--", label=label)
     ax.set_xlabel("learner step (end of window)")
     ax.set_ylabel("reward of sampled groups")
@@ -252,8 +282,18 @@ def adaptive_run(scenario: str, staleness: int | str, args: argparse.Namespace, 
     from testbed.harness import start_hub, start_node, stop_all, wait_until
 
     steps, window = args.steps, args.window or max(1, args.steps // 4)
-    hub_args = ["--local-nodes", "0", "--steps", str(steps), "--staleness", str(staleness),
-                "--prompts-per-step", str(args.prompts_per_step or 8), "--group-size", str(args.group_size or 4)]
+    hub_args = [
+        "--local-nodes",
+        "0",
+        "--steps",
+        str(steps),
+        "--staleness",
+        str(staleness),
+        "--prompts-per-step",
+        str(args.prompts_per_step or 8),
+        "--group-size",
+        str(args.group_size or 4),
+    ]
     if staleness == "auto":
         hub_args += ["--staleness-max", str(args.staleness_max)]
         if args.drift_max is not None:
@@ -285,8 +325,11 @@ def adaptive_run(scenario: str, staleness: int | str, args: argparse.Namespace, 
         "bubble": round(statistics.fmean(r["bubble"] for r in rows), 3),
         "staleness_final": int(rows[-1]["staleness_budget"]),
         # (step, S) at the start and at each step where the S in force changed
-        "staleness_path": [(r["step"], int(r["staleness_budget"])) for i, r in enumerate(rows)
-                           if i == 0 or r["staleness_budget"] != rows[i - 1]["staleness_budget"]],
+        "staleness_path": [
+            (r["step"], int(r["staleness_budget"]))
+            for i, r in enumerate(rows)
+            if i == 0 or r["staleness_budget"] != rows[i - 1]["staleness_budget"]
+        ],
         "staleness_trained_mean": round(statistics.fmean(r["staleness_mean"] for r in rows), 3),
         "drift_mean": round(statistics.fmean(r["abs_log_ratio"] for r in rows), 5),
         "drift_over_bound": round(sum(r["abs_log_ratio"] > drift_max for r in rows) / len(rows), 4),
@@ -309,8 +352,14 @@ def adaptive_main(args: argparse.Namespace) -> dict:
                 rows.append({**adaptive_run(scenario, staleness, args, Path(tmp), drift_max), "repeat": repeat})
             if not args.json:
                 print(rows[-1], flush=True)
-    return {"steps": args.steps, "nodes": args.nodes, "node_price": args.node_price, "drift_max": drift_max,
-            "runs": rows, "comparison": adaptive_comparison(rows)}
+    return {
+        "steps": args.steps,
+        "nodes": args.nodes,
+        "node_price": args.node_price,
+        "drift_max": drift_max,
+        "runs": rows,
+        "comparison": adaptive_comparison(rows),
+    }
 
 
 def adaptive_comparison(rows: Sequence[dict]) -> dict:
@@ -334,19 +383,27 @@ def adaptive_comparison(rows: Sequence[dict]) -> dict:
         return out
     auto_over = median("half_leave", "auto", "drift_over_bound")
     costs = {s: median("half_leave", s, "cost_per_step") for s in fixed}
-    out["half_leave"] = {"auto_cost_per_step": auto_cost, "auto_drift_over_bound": auto_over, "fixed_cost_per_step": costs,
-                         **auto_against_fixed(auto_cost, auto_over,
-                                              {s: (costs[s], median("half_leave", s, "drift_over_bound")) for s in fixed})}
+    out["half_leave"] = {
+        "auto_cost_per_step": auto_cost,
+        "auto_drift_over_bound": auto_over,
+        "fixed_cost_per_step": costs,
+        **auto_against_fixed(auto_cost, auto_over, {s: (costs[s], median("half_leave", s, "drift_over_bound")) for s in fixed}),
+    }
     if s0 is not None:
         # The issue's own terms: the cheapest fixed S whose reward stayed within REWARD_GAP_MAX of S = 0's.
-        kept = {s: costs[s] for s in fixed if (r := median("half_leave", s, "reward_last")) is not None
-                and costs[s] is not None and s0 - r <= REWARD_GAP_MAX}
+        kept = {
+            s: costs[s]
+            for s in fixed
+            if (r := median("half_leave", s, "reward_last")) is not None and costs[s] is not None and s0 - r <= REWARD_GAP_MAX
+        }
         auto_reward = median("half_leave", "auto", "reward_last")
         out["half_leave"]["auto_reward_gap"] = None if auto_reward is None else round(s0 - auto_reward, 4)
         if kept:
             best = min(kept, key=kept.__getitem__)
-            out["half_leave"] |= {"best_fixed_within_reward": best,
-                                  "saving_vs_best_fixed_within_reward": round(1 - auto_cost / kept[best], 4)}
+            out["half_leave"] |= {
+                "best_fixed_within_reward": best,
+                "saving_vs_best_fixed_within_reward": round(1 - auto_cost / kept[best], 4),
+            }
     return out
 
 
@@ -367,20 +424,32 @@ def main(argv: Sequence[str] | None = None) -> dict:
     hf_logging.disable_progress_bar()
     model_dir = ensure_default_model(progress=not args.json)
     sampling = HubConfig().sampling
-    specs = [RunSpec(s, ratio, optimizer) for optimizer in args.optimizers
-             for s, ratio in [(s, True) for s in args.staleness] + [(s, False) for s in args.no_is_ratio]]
+    specs = [
+        RunSpec(s, ratio, optimizer)
+        for optimizer in args.optimizers
+        for s, ratio in [(s, True) for s in args.staleness] + [(s, False) for s in args.no_is_ratio]
+    ]
     step_s = measure_step_s(model_dir, learner_config(specs[0], args), sampling)
     runs = []
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        disable=args.json, transient=True,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=args.json,
+        transient=True,
     ) as progress:
         for spec in specs:
             label = f"S={spec.staleness} {'ratio' if spec.is_ratio else 'no ratio'} {spec.optimizer}"
             bar = progress.add_task(label, total=args.steps)
             with tempfile.TemporaryDirectory(prefix="echo2-bench-staleness-") as tmp:
                 run = run_one(
-                    spec, args, model_dir, sampling, args.delay_steps * spec.staleness * step_s, Path(tmp),
+                    spec,
+                    args,
+                    model_dir,
+                    sampling,
+                    args.delay_steps * spec.staleness * step_s,
+                    Path(tmp),
                     lambda step, bar=bar: progress.update(bar, completed=step),
                 )
             runs.append(run)
@@ -389,8 +458,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from shared.tasks.reverse import ReverseTask
 
     initial = sample_accuracy(
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir),
-        ReverseTask(), args.eval_prompts, EVAL_SEED, sampling.max_new_tokens,
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model_dir),
+        ReverseTask(),
+        args.eval_prompts,
+        EVAL_SEED,
+        sampling.max_new_tokens,
     )
     plot(runs, args.out, args.steps)
     result = {

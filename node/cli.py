@@ -21,12 +21,34 @@ SAID_BYTES = 16384  # the tail of a node's stderr its dashboard repeats when the
 
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
 JOIN_FLAGS: dict[str, tuple[str, type]] = {
-    name: (name, kind) for name, kind in (
-        ("hub", str), ("name", str), ("http", str), ("price", float), ("price_schedule", str), ("backend", str), ("device", str), ("dtype", str), ("data_dir", Path), ("key", Path),
-        ("model", Path), ("listen", str), ("public_addr", str), ("bulk_port", int), ("max_rollouts_per_s", float), ("link_mbps", float),
-        ("declared_link_mbps", float), ("threads", int), ("seed", int), ("gpu_memory_fraction", float),
-        ("kv_cache_gib", int), ("cpu_cores", str),
-        ("max_lora_rank", int), ("log_level", str), ("log_max_mb", float), ("log_backups", int),
+    name: (name, kind)
+    for name, kind in (
+        ("hub", str),
+        ("name", str),
+        ("http", str),
+        ("price", float),
+        ("price_schedule", str),
+        ("backend", str),
+        ("device", str),
+        ("dtype", str),
+        ("data_dir", Path),
+        ("key", Path),
+        ("model", Path),
+        ("listen", str),
+        ("public_addr", str),
+        ("bulk_port", int),
+        ("max_rollouts_per_s", float),
+        ("link_mbps", float),
+        ("declared_link_mbps", float),
+        ("threads", int),
+        ("seed", int),
+        ("gpu_memory_fraction", float),
+        ("kv_cache_gib", int),
+        ("cpu_cores", str),
+        ("max_lora_rank", int),
+        ("log_level", str),
+        ("log_max_mb", float),
+        ("log_backups", int),
     )
 }
 
@@ -38,15 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(prog="echo-node", description="echo2 volunteer node: generate rollouts for a hub.")
     parser.add_argument("--version", action="version", version=f"echo-node {package_version('echo2')}")
     sub = parser.add_subparsers(dest="command", required=True)
-    join = sub.add_parser("join", help="join a hub and do rollout work for it", formatter_class=EXAMPLE_FORMAT,
-                          epilog="example:\n  echo-node join --hub /ip4/203.0.113.7/tcp/4077/p2p/<hub id> --price 0.35")
+    join = sub.add_parser(
+        "join",
+        help="join a hub and do rollout work for it",
+        formatter_class=EXAMPLE_FORMAT,
+        epilog="example:\n  echo-node join --hub /ip4/203.0.113.7/tcp/4077/p2p/<hub id> --price 0.35",
+    )
     join.add_argument("--config", type=Path, help="node.toml with the same fields; flags override it")
     for flag, (field, kind) in JOIN_FLAGS.items():
-        join.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None,
-                          help=flag_help(NodeConfig, field))
+        join.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(NodeConfig, field))
     join.add_argument("--dashboard", action="store_true", help="show the volunteer's live dashboard")
-    view = sub.add_parser("dashboard", help="watch a node started elsewhere (reads its data dir)",
-                          formatter_class=EXAMPLE_FORMAT, epilog="example:\n  echo-node dashboard --data-dir echo2-node")
+    view = sub.add_parser(
+        "dashboard",
+        help="watch a node started elsewhere (reads its data dir)",
+        formatter_class=EXAMPLE_FORMAT,
+        epilog="example:\n  echo-node dashboard --data-dir echo2-node",
+    )
     view.add_argument("--data-dir", type=Path, default=Path("echo2-node"), help="the node's --data-dir (default ./echo2-node)")
     from tui.cli import add_view_arguments
 

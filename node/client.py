@@ -58,15 +58,7 @@ from shared.messages import (
     TransferAck,
 )
 from shared.net import connect, on_live_connection, open_stream, request
-from shared.wire import (
-    Message,
-    decode_message,
-    encode_message,
-    encode_signed,
-    read_frame,
-    read_message,
-    write_message,
-)
+from shared.wire import Message, decode_message, encode_message, encode_signed, read_frame, read_message, write_message
 
 REQUEST_TIMEOUT_S = 30.0
 # A bad-chunk report is answered only after the hub fetched the chunk from the accused itself.
@@ -88,8 +80,10 @@ class WrongHub(Exception):
         self.transport, self.expected, self.answered = transport, expected, answered
 
     def __str__(self) -> str:
-        return (f"another peer answered at {self.transport} (peer id {self.answered}, not {self.expected}): "
-                "check the /p2p/ part of --hub")
+        return (
+            f"another peer answered at {self.transport} (peer id {self.answered}, not {self.expected}): "
+            "check the /p2p/ part of --hub"
+        )
 
 
 def answered_instead(exc: BaseException) -> str | None:
@@ -139,16 +133,23 @@ class HubClient:
                 raise
             raise WrongHub(self.hub_addr.partition("/p2p/")[0], self.hub_peer_id, answered) from exc
 
-    async def ask(self, protocol: str, msg: Message, reply_type: type[Message], timeout_s: float | None = None,
-                  sign_with: Identity | None = None):
+    async def ask(
+        self,
+        protocol: str,
+        msg: Message,
+        reply_type: type[Message],
+        timeout_s: float | None = None,
+        sign_with: Identity | None = None,
+    ):
         """`msg` (signed by `sign_with` when given) on a session when its protocol may use one, else on a stream of
         its own; the hub's reply or Reject."""
         timeout_s = timeout_s or self.timeout_s
         if protocol in SESSION_REQUESTS:
             frame = encode_message(msg) if sign_with is None else encode_signed(msg, sign_with)
             return await self._in_session(protocol, frame, reply_type, timeout_s)
-        return await request(self.host, self.hub_peer_id, protocol, msg, reply_type, Reject, timeout_s=timeout_s,
-                             sign_with=sign_with)
+        return await request(
+            self.host, self.hub_peer_id, protocol, msg, reply_type, Reject, timeout_s=timeout_s, sign_with=sign_with
+        )
 
     async def _in_session(self, protocol: str, frame: bytes, reply_type: type[Message], timeout_s: float):
         """The reply to `frame` sent on a session. The session is kept for reuse after a reply; a Reject ended it on
@@ -203,8 +204,12 @@ class HubClient:
         (trio.current_time) leaves room; without a deadline, once."""
         while True:
             reply = await self.ask(SUBMIT_PROTOCOL, submission, SubmitReply, sign_with=self.identity)
-            if not (isinstance(reply, Reject) and reply.busy and deadline is not None
-                    and trio.current_time() + BUSY_RETRY_S < deadline):
+            if not (
+                isinstance(reply, Reject)
+                and reply.busy
+                and deadline is not None
+                and trio.current_time() + BUSY_RETRY_S < deadline
+            ):
                 return reply
             await trio.sleep(BUSY_RETRY_S)
 

@@ -66,8 +66,10 @@ class Engine(ABC):
         """The hub's leases need `tokens` of context (its join reply): EngineUnavailable when this engine cannot
         give them. An engine with a fixed context (vLLM's max_model_len) sizes itself by it."""
         if self.model_context is not None and tokens > self.model_context:
-            raise EngineUnavailable(f"this hub's leases need {tokens} tokens of context (longest prompt plus "
-                                    f"max_new_tokens) and the model has {self.model_context}")
+            raise EngineUnavailable(
+                f"this hub's leases need {tokens} tokens of context (longest prompt plus "
+                f"max_new_tokens) and the model has {self.model_context}"
+            )
 
     @abstractmethod
     def use_stop_ids(self, stop_ids: Sequence[int]) -> None:
@@ -98,9 +100,11 @@ class Engine(ABC):
                 scored = self.score(probe.prompt_ids, probe.completion_ids)
             return probe.check(scored, vocab_size)
         except ProbeMismatch as exc:
-            self.broken = (f"v{version} installed, but this {self.backend} engine does not compute it: {exc}. The node "
-                           "stops before generating with it (nothing was submitted, so nothing counts against it); "
-                           "restart it, and report it if it happens again")
+            self.broken = (
+                f"v{version} installed, but this {self.backend} engine does not compute it: {exc}. The node "
+                "stops before generating with it (nothing was submitted, so nothing counts against it); "
+                "restart it, and report it if it happens again"
+            )
             raise EngineBroken(self.broken) from exc
 
     def close(self) -> None:

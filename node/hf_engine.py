@@ -41,8 +41,7 @@ class HFEngine(Engine):
 
     backend = "hf"
 
-    def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32",
-                 seed: int | None = None):
+    def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32", seed: int | None = None):
         from transformers import AutoTokenizer
 
         self.device = torch.device(device)
@@ -53,8 +52,7 @@ class HFEngine(Engine):
         self.version = version
         # The directory's declared set (generation_config.json too, which a model built from config.json alone never
         # reads), until the hub's join reply names the set it checks submissions against (use_stop_ids).
-        self.sampler = Sampler(self.model, self.tokenizer, self.device, process_seed=seed,
-                               stop_ids=model_stop_ids(model_dir))
+        self.sampler = Sampler(self.model, self.tokenizer, self.device, process_seed=seed, stop_ids=model_stop_ids(model_dir))
         # install and generate must not interleave (a node may call them from different threads).
         self._lock = threading.Lock()
 

@@ -18,16 +18,7 @@ from dataclasses import dataclass, field
 import trio
 
 from node.client import HubClient, WrongHub
-from shared.messages import (
-    EventRecord,
-    Heartbeat,
-    HeartbeatReply,
-    JoinReply,
-    JoinRequest,
-    PriceReply,
-    Reject,
-    RejectCode,
-)
+from shared.messages import EventRecord, Heartbeat, HeartbeatReply, JoinReply, JoinRequest, PriceReply, Reject, RejectCode
 
 log = logging.getLogger("echo2.node.hub_link")
 
@@ -153,8 +144,11 @@ class HubLink:
             self.state.state = reply.state
             self.state.latest_version = reply.latest_version
             self.state.joins += 1
-            self.state.note("joined", f"state {reply.state}, hub at v{reply.latest_version}, task {reply.task}, "
-                                      f"S={reply.staleness}, heartbeat every {reply.heartbeat_period_s:g}s")
+            self.state.note(
+                "joined",
+                f"state {reply.state}, hub at v{reply.latest_version}, task {reply.task}, "
+                f"S={reply.staleness}, heartbeat every {reply.heartbeat_period_s:g}s",
+            )
             log.info("joined hub %s as %s (hub at v%d)", self.client.hub_peer_id[-8:], reply.state, reply.latest_version)
             if self.on_join is not None:
                 await self.on_join(reply)

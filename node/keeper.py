@@ -58,15 +58,7 @@ from shared.messages import (
 )
 from shared.net import connect, open_stream, remote_peer_id
 from shared.probe import InstallProbe
-from shared.snapshot import (
-    ChunkAssembler,
-    Manifest,
-    SignedManifest,
-    SnapshotError,
-    delta_paths,
-    read_chunk,
-    snapshot_paths,
-)
+from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, delta_paths, read_chunk, snapshot_paths
 from shared.transfer import (
     RECEIVER_GONE,
     STALL_S,
@@ -198,8 +190,9 @@ class SnapshotKeeper:
         self._changed.set()
         self._changed = trio.Event()
 
-    def update(self, latest_version: int, upstream: Upstream, downstream: str | None,
-               downstream_addrs: tuple[str, ...] = ()) -> None:
+    def update(
+        self, latest_version: int, upstream: Upstream, downstream: str | None, downstream_addrs: tuple[str, ...] = ()
+    ) -> None:
         """New orders from the hub (heartbeat reply): the version to get and where to get it; `downstream_addrs`:
         our successor cannot dial us (we are behind a NAT), so we dial it and it pulls over that connection."""
         relinked = upstream != self.upstream
@@ -282,7 +275,9 @@ class SnapshotKeeper:
         # A successor may ask before our own pull of that version has begun: give it a moment.
         with trio.move_on_after(MANIFEST_WAIT_S):
             while self._may_pull_from_us(peer) and (
-                req.version is not None and req.version > self.version_held and self.held_manifest(req.version, req.base_version) is None
+                req.version is not None
+                and req.version > self.version_held
+                and self.held_manifest(req.version, req.base_version) is None
             ):
                 await self._changed.wait()
         if not self._may_pull_from_us(peer):
@@ -388,8 +383,14 @@ class SnapshotKeeper:
             if source.peer_id is not None:
                 self.upstream_failures += 1
                 if stalled:
-                    await self._report(BadChunkReport(upstream=source.peer_id, kind="unproven", version=version,
-                                                      reason=f"unreachable or silent for {self.stall_s:.0f}s"))
+                    await self._report(
+                        BadChunkReport(
+                            upstream=source.peer_id,
+                            kind="unproven",
+                            version=version,
+                            reason=f"unreachable or silent for {self.stall_s:.0f}s",
+                        )
+                    )
             with trio.move_on_after(RETRY_S * 4):
                 await self._changed.wait()
             await trio.sleep(RETRY_S)
@@ -474,8 +475,9 @@ class SnapshotKeeper:
                 transfer.assembler.discard()
             paths = delta_paths if manifest.kind == "delta" else snapshot_paths
             path, _ = paths(self.directory, manifest.version)
-            transfer = self.transfer = Transfer(signed, manifest, ChunkAssembler(manifest, path), time.monotonic(),
-                                                self._name(source))
+            transfer = self.transfer = Transfer(
+                signed, manifest, ChunkAssembler(manifest, path), time.monotonic(), self._name(source)
+            )
             self._notify()
             if self.downstream is not None:
                 self._announce_downstream(manifest.version)
@@ -496,11 +498,18 @@ class SnapshotKeeper:
         self.distrusted.add(source.peer_id)
         proof = exc.proof
         if proof is None:
-            report = BadChunkReport(upstream=source.peer_id, kind="unproven", version=exc.version, index=exc.index,
-                                    reason=str(exc)[:300])
+            report = BadChunkReport(
+                upstream=source.peer_id, kind="unproven", version=exc.version, index=exc.index, reason=str(exc)[:300]
+            )
         else:
-            report = BadChunkReport(upstream=source.peer_id, kind=proof.kind, version=proof.version, index=proof.index,
-                                    digest_hex=proof.digest_hex, commitment_hex=proof.signature.hex())
+            report = BadChunkReport(
+                upstream=source.peer_id,
+                kind=proof.kind,
+                version=proof.version,
+                index=proof.index,
+                digest_hex=proof.digest_hex,
+                commitment_hex=proof.signature.hex(),
+            )
         await self._report(report)
 
     async def _report(self, report: BadChunkReport) -> None:
@@ -509,8 +518,7 @@ class SnapshotKeeper:
         except Exception as exc:  # noqa: BLE001 - the hub may be away; the repair goes on without it
             log.warning("could not report %s: %r", report.upstream[-8:], exc)
             return
-        log.info("reported %s (%s, v%d chunk %d): %s", report.upstream[-8:], report.kind, report.version, report.index,
-                 reply)
+        log.info("reported %s (%s, v%d chunk %d): %s", report.upstream[-8:], report.kind, report.version, report.index, reply)
 
     async def _complete(self, version: int) -> None:
         transfer = self.transfer
@@ -544,8 +552,14 @@ class SnapshotKeeper:
         if previous is not None:  # retention: the installed version and the one in flight, nothing older
             previous.remove()
         came_as = f"a delta of {held.delta.manifest.total_bytes} bytes" if held.delta else f"{held.manifest.total_bytes} bytes"
-        log.info("installed v%d (%.2fs, %s, last from %s over %s)", version, time.monotonic() - transfer.started_at,
-                 came_as, transfer.source, transfer.via)
+        log.info(
+            "installed v%d (%.2fs, %s, last from %s over %s)",
+            version,
+            time.monotonic() - transfer.started_at,
+            came_as,
+            transfer.source,
+            transfer.via,
+        )
         self.on_installed(version)
 
     def _apply(self, transfer: Transfer, delta_path: Path) -> Held:
@@ -554,8 +568,11 @@ class SnapshotKeeper:
         if base is None or base.manifest.version != transfer.manifest.base_version:
             raise DeltaError(f"the delta's base v{transfer.manifest.base_version} is not installed here")
         signed, full, base_hash = delta_full_manifest(delta_path, self.hub_peer_id)
-        if full.version != transfer.manifest.version or full.whole_hash != transfer.manifest.result_hash \
-                or base_hash != base.manifest.whole_hash:
+        if (
+            full.version != transfer.manifest.version
+            or full.whole_hash != transfer.manifest.result_hash
+            or base_hash != base.manifest.whole_hash
+        ):
             raise DeltaError("the full manifest inside the delta does not match the delta's own manifest")
         path, _ = snapshot_paths(self.directory, full.version)
         apply_delta(base.path, base.manifest.whole_hash, delta_path, full, path)

@@ -52,8 +52,10 @@ async def fetch_hub_model(client: HubClient, directory: Path) -> ModelFiles:
     if isinstance(listing, Reject):
         raise (ModelFilesBusy if listing.busy else ModelFilesRefused)(listing.reason)
     if not listing.weights_in_snapshots:
-        raise ModelFilesRefused(f"the hub trains LoRA adapters on {listing.model} and its snapshots carry no base "
-                                "weights: start the node with --model and that model")
+        raise ModelFilesRefused(
+            f"the hub trains LoRA adapters on {listing.model} and its snapshots carry no base "
+            "weights: start the node with --model and that model"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     for entry in listing.files:
         if await trio.to_thread.run_sync(held, directory, entry):
@@ -71,8 +73,7 @@ class ModelFetch:
     its model files, writing node_status.json meanwhile (the dashboard shows a node waiting for its hub) and
     stopping on SIGINT/SIGTERM. Another peer at the hub's address (WrongHub) or a refusal ends it."""
 
-    def __init__(self, config: NodeConfig, identity: Identity, directory: Path,
-                 on_note: Callable[[EventRecord], None]) -> None:
+    def __init__(self, config: NodeConfig, identity: Identity, directory: Path, on_note: Callable[[EventRecord], None]) -> None:
         self.config = config
         self.identity = identity
         self.directory = directory
@@ -81,9 +82,17 @@ class ModelFetch:
         self.listing: ModelFiles | None = None  # None once run returns: stopped by a signal
 
     def view(self) -> NodeView:
-        return NodeView(peer_id=self.identity.peer_id, hub_addr=self.config.hub, connected=False, state="connecting",
-                        updated_at=time.time(), price_per_hour=self.config.price, backend=self.config.backend,
-                        version_held=-1, events=tuple(self.state.events[-20:]))
+        return NodeView(
+            peer_id=self.identity.peer_id,
+            hub_addr=self.config.hub,
+            connected=False,
+            state="connecting",
+            updated_at=time.time(),
+            price_per_hour=self.config.price,
+            backend=self.config.backend,
+            version_held=-1,
+            events=tuple(self.state.events[-20:]),
+        )
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -106,7 +115,6 @@ class ModelFetch:
                     self.state.note("busy", f"model files: {exc}; next try in {backoff:.0f}s")
                 except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
                     log.info("model files: hub not reachable (%r)", exc)
-                    self.state.note("unreachable", f"hub not reachable ({describe_failure(exc)}); "
-                                                   f"next try in {backoff:.0f}s")
+                    self.state.note("unreachable", f"hub not reachable ({describe_failure(exc)}); next try in {backoff:.0f}s")
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.reconnect_max_s)

@@ -64,8 +64,7 @@ class NatTraversal:
             await self.stop.event_started.wait()
             await self.dcutr.event_started.wait()
             # A relayed connection is handed to us by the relay itself: only our hub's may.
-            admit_only(self.host, STOP_PROTOCOL, self.stop._handle_stop_stream,
-                       lambda peer: peer == self.hub_id.to_base58(), log)
+            admit_only(self.host, STOP_PROTOCOL, self.stop._handle_stop_stream, lambda peer: peer == self.hub_id.to_base58(), log)
             admit_only(self.host, DCUTR_PROTOCOL, self.dcutr._handle_dcutr_stream, self.neighbour, log)
             yield self
 

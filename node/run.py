@@ -104,8 +104,11 @@ class NodeRuntime:
             except EngineUnavailable as exc:
                 raise InstallFailed(str(exc)) from exc
             if reply.stop_ids is not None and frozenset(reply.stop_ids) != self.engine.stop_ids:
-                log.info("stopping on the hub's EOS ids %s (this model directory declares %s)", list(reply.stop_ids),
-                         sorted(self.engine.stop_ids))
+                log.info(
+                    "stopping on the hub's EOS ids %s (this model directory declares %s)",
+                    list(reply.stop_ids),
+                    sorted(self.engine.stop_ids),
+                )
                 await trio.to_thread.run_sync(self.engine.use_stop_ids, reply.stop_ids)
 
     def _price_now(self) -> float:
@@ -210,20 +213,39 @@ class NodeRuntime:
             self.listen_addrs = (f"{public}/p2p/{self.identity.peer_id}",) if public else tuple(addrs)
             client = HubClient(host, self.identity, self.config.hub)
             # Relayed connections and hole punches only with the peers the hub put next to us in a chain.
-            self.nat = NatTraversal(host, self.config.hub, lambda peer: peer in (self.keeper.downstream,
-                                                                                 self.keeper.upstream.peer_id))
-            self.keeper = SnapshotKeeper(host, self.identity, self.hub_peer_id, self.config.data_dir / SNAPSHOTS_DIR,
-                                         self._install, limiter, self._on_installed, client.report, punch=self.nat.punch,
-                                         bulk=bulk)
+            self.nat = NatTraversal(
+                host, self.config.hub, lambda peer: peer in (self.keeper.downstream, self.keeper.upstream.peer_id)
+            )
+            self.keeper = SnapshotKeeper(
+                host,
+                self.identity,
+                self.hub_peer_id,
+                self.config.data_dir / SNAPSHOTS_DIR,
+                self._install,
+                limiter,
+                self._on_installed,
+                client.report,
+                punch=self.nat.punch,
+                bulk=bulk,
+            )
             self.worker = Worker(
-                client, self.engine, self.engine_lock,
+                client,
+                self.engine,
+                self.engine_lock,
                 can_work=lambda: self.link.state.connected and self.link.state.state in ("active", "probing"),
                 version_held=lambda: self.keeper.version_held,
-                max_rollouts_per_s=self.config.max_rollouts_per_s, on_unknown=lambda: self.link.beat_now.set(),
+                max_rollouts_per_s=self.config.max_rollouts_per_s,
+                on_unknown=lambda: self.link.beat_now.set(),
             )
-            self.link = HubLink(client, self._join_request, self._heartbeat, self._on_reply, self.config.reconnect_max_s,
-                                on_join=self._on_join,
-                                price=None if self.config.price_schedule is None else self._price_now)
+            self.link = HubLink(
+                client,
+                self._join_request,
+                self._heartbeat,
+                self._on_reply,
+                self.config.reconnect_max_s,
+                on_join=self._on_join,
+                price=None if self.config.price_schedule is None else self._price_now,
+            )
             self.link.state.on_note = _print_event
             set_handler(host, SNAPSHOT_PROTOCOL, self.keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, self.keeper.on_relay_offer, log)
@@ -266,8 +288,13 @@ def _print_event(event: EventRecord) -> None:
 
 
 def run_node(config: NodeConfig) -> int:
-    setup_logging(config.data_dir / NODE_LOG_FILE, config.log_level, stderr_level=logging.WARNING,
-                  max_mb=config.log_max_mb, backups=config.log_backups)
+    setup_logging(
+        config.data_dir / NODE_LOG_FILE,
+        config.log_level,
+        stderr_level=logging.WARNING,
+        max_mb=config.log_max_mb,
+        backups=config.log_backups,
+    )
     import torch
     import transformers
 
@@ -287,11 +314,23 @@ def run_node(config: NodeConfig) -> int:
     # same order must not sample the same completions (copy detection would flag them).
     seed = engine_seed(config.seed)
     torch.manual_seed(seed)
-    resources = VLLMResources(gpu_memory_fraction=config.gpu_memory_fraction, kv_cache_gib=config.kv_cache_gib,
-                              cpu_cores=config.cpu_cores, threads=config.threads)
+    resources = VLLMResources(
+        gpu_memory_fraction=config.gpu_memory_fraction,
+        kv_cache_gib=config.kv_cache_gib,
+        cpu_cores=config.cpu_cores,
+        threads=config.threads,
+    )
     try:
-        engine = make_engine(config.backend, model_dir, device=None if config.device == "auto" else config.device,
-                             version=-1, dtype=config.dtype, seed=seed, vllm=resources, max_lora_rank=config.max_lora_rank)
+        engine = make_engine(
+            config.backend,
+            model_dir,
+            device=None if config.device == "auto" else config.device,
+            version=-1,
+            dtype=config.dtype,
+            seed=seed,
+            vllm=resources,
+            max_lora_rank=config.max_lora_rank,
+        )
     except EngineUnavailable as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 2
@@ -315,8 +354,7 @@ def fetch_hub_model(config: NodeConfig) -> int | None:
         return code
     if fetch.listing is None:  # stopped before the hub answered
         return _stopped(fetch.stopper, fetch.view())
-    print(f"echo-node: the hub trains {fetch.listing.model}; its config and tokenizer are in {fetch.directory}",
-          flush=True)
+    print(f"echo-node: the hub trains {fetch.listing.model}; its config and tokenizer are in {fetch.directory}", flush=True)
     return None
 
 
@@ -353,4 +391,3 @@ def one_line_end(exc: BaseException) -> tuple[Exception, int] | None:
             first = first.exceptions[0]
         exc = first
     return next(((exc, code) for kind, code in ONE_LINE_ENDS.items() if isinstance(exc, kind)), None)
-

@@ -15,12 +15,14 @@ def summary_text(view: NodeView) -> str:
     installed = view.versions_installed
     held = f"holds v{view.version_held}" if view.version_held >= 0 else "holds none"
     verdicts = ", ".join(f"{name} {getattr(view.tallies, name)}" for name in TALLY_FIELDS)
-    return "\n".join((
-        f"  snapshots  {installed} version{'' if installed == 1 else 's'} installed, {held}",
-        f"  work       {view.leases_done} leases: {verdicts} (as the hub replied)",
-        f"  earnings   ${view.earnings_usd:.4f} at ${view.price_per_hour:.2f}/h over {duration(view.busy_s)} busy",
-        f"  relayed    {view.relayed_bytes / 1e6:.1f} MB of snapshots to this node's successors",
-    ))
+    return "\n".join(
+        (
+            f"  snapshots  {installed} version{'' if installed == 1 else 's'} installed, {held}",
+            f"  work       {view.leases_done} leases: {verdicts} (as the hub replied)",
+            f"  earnings   ${view.earnings_usd:.4f} at ${view.price_per_hour:.2f}/h over {duration(view.busy_s)} busy",
+            f"  relayed    {view.relayed_bytes / 1e6:.1f} MB of snapshots to this node's successors",
+        )
+    )
 
 
 def stored_summary(data_dir: Path, since: float) -> str | None:

@@ -173,8 +173,10 @@ class VLLMEngine(Engine):
         with self._lock:
             if self._llm is not None:
                 if tokens > self.max_model_len:
-                    raise EngineUnavailable(f"this hub's leases now need {tokens} tokens of context and this vLLM engine "
-                                            f"was started for {self.max_model_len}: restart the node")
+                    raise EngineUnavailable(
+                        f"this hub's leases now need {tokens} tokens of context and this vLLM engine "
+                        f"was started for {self.max_model_len}: restart the node"
+                    )
                 return
             self.max_model_len = tokens
             try:
@@ -210,8 +212,9 @@ class VLLMEngine(Engine):
         from vllm.lora.request import LoRARequest
 
         if spec.rank > self.max_lora_rank:
-            raise SnapshotError(f"this hub trains LoRA adapters of rank {spec.rank}: restart the node with "
-                                f"--max-lora-rank {spec.rank}")
+            raise SnapshotError(
+                f"this hub trains LoRA adapters of rank {spec.rank}: restart the node with --max-lora-rank {spec.rank}"
+            )
         adapter_dir = write_peft_dir(path, spec, path.parent / f"lora-v{version}")
         with self._lock:
             self._usable()
@@ -247,8 +250,9 @@ class VLLMEngine(Engine):
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
         with self._lock:
             self._usable()
-            outputs = self._engine().generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False,
-                                         lora_request=self._lora_request)
+            outputs = self._engine().generate(
+                [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self._lora_request
+            )
             version = self.version
         return [[self._completion(o, version) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
 
@@ -276,7 +280,7 @@ class VLLMEngine(Engine):
         outputs = self._engine().generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         scored = []
         for out, prompt, completion in zip(outputs, prompt_ids, completion_ids):
-            steps = out.prompt_logprobs[len(prompt):]
+            steps = out.prompt_logprobs[len(prompt) :]
             scored.append([step[token].logprob for step, token in zip(steps, completion)])
         return scored
 

@@ -47,8 +47,10 @@ def view_metrics(v: NodeView) -> list[Metric]:
         gauge("echo2_node_rollouts_per_second", "measured generation rate", v.rollouts_per_s),
         gauge("echo2_node_tokens_per_second", "measured generation rate in tokens", v.tokens_per_s),
         CounterMetricFamily("echo2_node_leases", "leases done", value=v.leases_done),
-        by_label(CounterMetricFamily("echo2_node_groups", "groups the hub decided about, by verdict", labels=["verdict"]),
-                 {name: getattr(v.tallies, name) for name in GROUP_VERDICTS}),
+        by_label(
+            CounterMetricFamily("echo2_node_groups", "groups the hub decided about, by verdict", labels=["verdict"]),
+            {name: getattr(v.tallies, name) for name in GROUP_VERDICTS},
+        ),
         CounterMetricFamily("echo2_node_earnings_usd", "booked by the hub for this node's leases", value=v.earnings_usd),
         CounterMetricFamily("echo2_node_relayed_bytes", "snapshot bytes served to successors", value=v.relayed_bytes),
         CounterMetricFamily("echo2_node_busy_seconds", "time spent generating", value=v.busy_s),

@@ -116,8 +116,12 @@ class Worker:
         groups generated; a node never passes it."""
         if self.version_held() < lease.min_version:
             # Work made with an older policy than the lease allows would be refused: let the lease lapse.
-            log.warning("lease %s needs v%d, this node holds v%d: not answered", lease.lease_id[:8], lease.min_version,
-                        self.version_held())
+            log.warning(
+                "lease %s needs v%d, this node holds v%d: not answered",
+                lease.lease_id[:8],
+                lease.min_version,
+                self.version_held(),
+            )
             return None
         started = trio.current_time()
         async with self.engine_lock:
@@ -150,7 +154,8 @@ class Worker:
         self.stats.rollouts_per_s = rollouts / elapsed if elapsed > 0 else 0.0
         if isinstance(reply, SubmitReply):
             self.stats.tallies = self.stats.tallies + Tallies(
-                accepted=reply.accepted, rejected=len(reply.rejected), late=len(reply.late))
+                accepted=reply.accepted, rejected=len(reply.rejected), late=len(reply.late)
+            )
             self.stats.earned_usd += reply.paid_usd
             self.stats.last_rejections = [f"{pid}: {why}" for pid, why in reply.rejected + reply.late][-5:]
         elif isinstance(reply, Reject):

@@ -157,9 +157,18 @@ def write_peft_dir(snapshot_path: Path, spec: LoraSpec, out_dir: Path) -> Path:
     }
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-        "target_modules": list(spec.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": list(spec.targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
     }
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out_dir

@@ -25,5 +25,5 @@ class TokenBuckets:
         self._buckets[key] = (level - tokens, now)
         if len(self._buckets) > self.max_keys:
             kept = [(k, v) for k, v in self._buckets.items() if self.level(k, now) < self.burst]
-            self._buckets = dict(kept[-max(1, self.max_keys // 2):])  # room for max_keys / 2 new keys till the next walk
+            self._buckets = dict(kept[-max(1, self.max_keys // 2) :])  # room for max_keys / 2 new keys till the next walk
         return 0.0

@@ -112,7 +112,7 @@ class BulkStream:
     async def write(self, data: bytes) -> None:
         view = memoryview(data)
         for start in range(0, len(view), RECORD_BYTES):
-            await self._send_record(view[start:start + RECORD_BYTES])
+            await self._send_record(view[start : start + RECORD_BYTES])
 
     async def _send_record(self, plain) -> None:
         sealed = self._aead.encrypt(self._send_prefix + self._sent.to_bytes(8, "big"), plain, None)
@@ -123,7 +123,7 @@ class BulkStream:
         view = memoryview(sealed)
         for start in range(0, len(view), PROGRESS_BYTES):
             with trio.fail_after(PROGRESS_S):
-                await self._sock.send_all(view[start:start + PROGRESS_BYTES])
+                await self._sock.send_all(view[start : start + PROGRESS_BYTES])
 
     async def read(self, n: int) -> bytes:
         """At most `n` bytes; b"" once the sender closed the connection between records."""
@@ -132,7 +132,7 @@ class BulkStream:
             if record is None:
                 return b""
             self._plain, self._offset = record, 0
-        piece = self._plain[self._offset:self._offset + n]
+        piece = self._plain[self._offset : self._offset + n]
         self._offset += len(piece)
         return piece
 
@@ -234,9 +234,12 @@ class BulkChannel:
         if self.port is None or ip is None or len(self._offers) >= MAX_OPEN_OFFERS:
             return BulkOffer()
         address = address_key(ip)
-        if (sum(o.peer_id == peer_id for o in self._offers.values()) >= MAX_OPEN_OFFERS_PER_PEER
-                or sum(o.address == address for o in self._offers.values()) >= MAX_OPEN_OFFERS_PER_ADDRESS
-                or sum(self._transfers.values()) >= MAX_TRANSFERS or self._transfers[address] >= MAX_TRANSFERS_PER_ADDRESS):
+        if (
+            sum(o.peer_id == peer_id for o in self._offers.values()) >= MAX_OPEN_OFFERS_PER_PEER
+            or sum(o.address == address for o in self._offers.values()) >= MAX_OPEN_OFFERS_PER_ADDRESS
+            or sum(self._transfers.values()) >= MAX_TRANSFERS
+            or self._transfers[address] >= MAX_TRANSFERS_PER_ADDRESS
+        ):
             return BulkOffer()
         ticket, key = os.urandom(TICKET_BYTES), os.urandom(KEY_BYTES)
         self._offers[ticket] = _Offer(peer_id, canonical_ip(ip), address, key, now + BULK_ACCEPT_S)
@@ -322,8 +325,13 @@ class BulkChannel:
             with trio.move_on_after(TICKET_READ_S):
                 ticket = await _receive_exactly(sock, TICKET_BYTES)
                 waiting = self._offers.get(ticket) if ticket is not None else None
-                if (waiting is not None and not waiting.claimed and not waiting.abandoned and waiting.ip == ip
-                        and waiting.expires_at >= trio.current_time()):
+                if (
+                    waiting is not None
+                    and not waiting.claimed
+                    and not waiting.abandoned
+                    and waiting.ip == ip
+                    and waiting.expires_at >= trio.current_time()
+                ):
                     waiting.claimed = True  # before any await: one connection per ticket
                     stop_waiting()  # its offer no longer counts as open, so its slot goes with it
                     stream = BulkStream(sock, waiting.key, dialer=False, peer_id=waiting.peer_id)
@@ -359,8 +367,9 @@ class BulkChannel:
             with trio.fail_after(BULK_CONNECT_S):
                 try:
                     if ip is None or offer.port is None:
-                        raise OSError("the libp2p connection has no remote IP address" if ip is None
-                                      else "the offer names no port")
+                        raise OSError(
+                            "the libp2p connection has no remote IP address" if ip is None else "the offer names no port"
+                        )
                     sock = await trio.open_tcp_stream(ip, offer.port)
                 except OSError:
                     self._unreachable[peer_id] = trio.current_time() + BULK_RETRY_S
@@ -369,8 +378,11 @@ class BulkChannel:
                 stream = BulkStream(sock, bytes.fromhex(offer.key), dialer=True, peer_id=peer_id)
                 hello = await stream._receive_record()
             if hello != b"":
-                raise StreamEOF("the channel closed without accepting the ticket" if hello is None
-                                else "the channel's first record was not the empty hello")
+                raise StreamEOF(
+                    "the channel closed without accepting the ticket"
+                    if hello is None
+                    else "the channel's first record was not the empty hello"
+                )
             self.dialed += 1
             return stream
         except trio.TooSlowError as exc:

@@ -29,16 +29,18 @@ def check_model_dir(path: Path, flag: str = "--model") -> None:
     """A local Hugging Face model directory: config, tokenizer and weights."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{flag} {path}: no such directory; give a local Hugging Face model directory "
-                        "(nothing is downloaded)")
+        raise UserError(f"{flag} {path}: no such directory; give a local Hugging Face model directory (nothing is downloaded)")
     if not path.is_dir():
         raise UserError(f"{flag} {path}: not a directory; give the directory that holds config.json")
     if not (path / "config.json").is_file():
-        raise UserError(f"{flag} {path}: no config.json, so not a Hugging Face model directory "
-                        "(save one with model.save_pretrained(DIR))")
+        raise UserError(
+            f"{flag} {path}: no config.json, so not a Hugging Face model directory (save one with model.save_pretrained(DIR))"
+        )
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise UserError(f"{flag} {path}: no tokenizer files (tokenizer.json); save the tokenizer beside the model "
-                        "with tokenizer.save_pretrained(DIR)")
+        raise UserError(
+            f"{flag} {path}: no tokenizer files (tokenizer.json); save the tokenizer beside the model "
+            "with tokenizer.save_pretrained(DIR)"
+        )
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise UserError(f"{flag} {path}: no weights (*.safetensors); save them with model.save_pretrained(DIR)")
     try:
@@ -78,15 +80,17 @@ def check_peer_addr(addr: str, flag: str = "--hub") -> str:
     from shared.crypto import peer_id_from_multiaddr, public_key_from_peer_id
 
     if "/p2p/" not in addr and addr.startswith(("/ip4/", "/ip6/", "/dns")):
-        raise UserError(f"{flag} {addr!r} lacks the hub's peer id: add the /p2p/12D3KooW... part "
-                        "`echo-hub start` prints after the port")
+        raise UserError(
+            f"{flag} {addr!r} lacks the hub's peer id: add the /p2p/12D3KooW... part `echo-hub start` prints after the port"
+        )
     try:
         Multiaddr(addr)
         peer_id = peer_id_from_multiaddr(addr)
         public_key_from_peer_id(peer_id)
     except Exception:  # noqa: BLE001 - multiaddr and base58 raise many types; all mean a mistyped address
-        raise UserError(f"{flag} {addr!r} is not a hub address: copy the one `echo-hub start` prints, "
-                        f"like {ADDR_EXAMPLE}") from None
+        raise UserError(
+            f"{flag} {addr!r} is not a hub address: copy the one `echo-hub start` prints, like {ADDR_EXAMPLE}"
+        ) from None
     return peer_id
 
 
@@ -116,8 +120,9 @@ def check_bulk_port(listen: str, port: int, flag: str = "--bulk-port") -> None:
         return
     ma = Multiaddr(listen)
     if int(ma.value_for_protocol("tcp")) == port:
-        raise UserError(f"{flag} {port} is the libp2p listen port too ({listen}); give the bulk channel its own, "
-                        f"e.g. {flag} {port + 1}")
+        raise UserError(
+            f"{flag} {port} is the libp2p listen port too ({listen}); give the bulk channel its own, e.g. {flag} {port + 1}"
+        )
     host, family = _host(ma)
     assert host is not None  # `listen` is already checked
     _check_bindable(host, family, port, f"{flag} {port}", str(port + 1))
@@ -133,8 +138,10 @@ def check_http(bind: str, listen: str, flag: str = "--http") -> None:
     family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
     libp2p_port = int(Multiaddr(listen).value_for_protocol("tcp"))
     if int(port) == libp2p_port and libp2p_port != 0:
-        raise UserError(f"{flag} {bind}: port {port} is the libp2p listen port too ({listen}); give the page its own, "
-                        f"e.g. {flag} {host}:{libp2p_port + 1}")
+        raise UserError(
+            f"{flag} {bind}: port {port} is the libp2p listen port too ({listen}); give the page its own, "
+            f"e.g. {flag} {host}:{libp2p_port + 1}"
+        )
     _check_bindable(host.strip("[]"), family, int(port), f"{flag} {bind}", f"{host}:{int(port) + 1} or {flag} off")
 
 
@@ -145,8 +152,10 @@ def _check_bindable(host: str, family: int, port: int, what: str, suggestion: st
             probe.bind((host, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise UserError(f"{what}: port {port} is already in use (another hub or node?); stop it or "
-                                f"listen on another port, e.g. {suggestion}") from None
+                raise UserError(
+                    f"{what}: port {port} is already in use (another hub or node?); stop it or "
+                    f"listen on another port, e.g. {suggestion}"
+                ) from None
             raise UserError(f"{what}: cannot listen there ({exc.strerror})") from None
 
 
@@ -170,8 +179,10 @@ def check_key_file(path: Path, flag: str = "--key") -> None:
     if mode & 0o077:
         raise UserError(f"{flag} {path}: mode {oct(mode)} lets others read the key; run: chmod 600 {path}")
     if path.stat().st_size != 32:
-        raise UserError(f"{flag} {path}: holds {path.stat().st_size} bytes, not a 32-byte Ed25519 key; "
-                        "point --key at the right file, or move this one away to make a new identity")
+        raise UserError(
+            f"{flag} {path}: holds {path.stat().st_size} bytes, not a 32-byte Ed25519 key; "
+            "point --key at the right file, or move this one away to make a new identity"
+        )
 
 
 def found_in(exc: BaseException, match: Callable[[BaseException], bool]) -> BaseException | None:
@@ -185,8 +196,13 @@ def found_in(exc: BaseException, match: Callable[[BaseException], bool]) -> Base
 def disk_full(exc: BaseException) -> BaseException | None:
     """The error in `exc` (found_in) that says a disk (or the user's quota) is full: an OSError ENOSPC or EDQUOT,
     or SQLite's SQLITE_FULL; None when there is none."""
-    return found_in(exc, lambda e: (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
-        isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL))
+    return found_in(
+        exc,
+        lambda e: (
+            (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+            or (isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL)
+        ),
+    )
 
 
 def free_space(path: Path) -> str:

@@ -77,8 +77,9 @@ def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
         raise ConfigError(f"{what} {path} is not valid TOML: {exc}") from None
 
 
-def validated(model: type[T], document: dict[str, Any], context: str = "invalid configuration",
-              flat: list[str] | None = None) -> T:
+def validated(
+    model: type[T], document: dict[str, Any], context: str = "invalid configuration", flat: list[str] | None = None
+) -> T:
     """`document` as `model`; ConfigError (one line, after `context`) naming every bad value and what is expected.
     `flat`: the top-level names a file may also use (a flag's name), offered as "did you mean"."""
     try:
@@ -86,14 +87,18 @@ def validated(model: type[T], document: dict[str, Any], context: str = "invalid 
     except ValidationError as exc:
         errors = exc.errors()
         # A table that failed inside an array of them also leaves the array short: the inner error says it all.
-        errors = [err for err in errors if not (err["type"] == "too_short" and any(
-            other["loc"][:len(err["loc"])] == err["loc"] and len(other["loc"]) > len(err["loc"]) for other in errors))]
+        errors = [
+            err
+            for err in errors
+            if not (
+                err["type"] == "too_short"
+                and any(other["loc"][: len(err["loc"])] == err["loc"] and len(other["loc"]) > len(err["loc"]) for other in errors)
+            )
+        ]
         raise ConfigError(f"{context}: " + "; ".join(_describe(model, err, flat) for err in errors)) from None
 
 
-def load_config(
-    model: type[T], toml_path: Path | None, overrides: dict[str, Any], aliases: dict[str, str] | None = None
-) -> T:
+def load_config(model: type[T], toml_path: Path | None, overrides: dict[str, Any], aliases: dict[str, str] | None = None) -> T:
     """Build `model` from defaults, then the TOML file, then `overrides` (dotted keys -> values).
 
     `aliases` maps flat TOML keys (a flag's name, like `staleness`) to their dotted place (`learner.staleness`),
@@ -145,8 +150,11 @@ def _unknown_key(model: type[BaseModel], loc: tuple, flat: list[str] | None) -> 
     """A key no model field takes: the section it belongs in, or the closest known key."""
     *section, key = loc
     if not section:
-        owners = [name for name, f in model.model_fields.items() if isinstance(f.annotation, type)
-                  and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields]
+        owners = [
+            name
+            for name, f in model.model_fields.items()
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and key in f.annotation.model_fields
+        ]
         if owners:
             return f"key {key!r} belongs in section [{owners[0]}] ({owners[0]}.{key}), not at the top level"
     fields = list(_section_model(model, section).model_fields)
@@ -297,8 +305,11 @@ def reference_markdown(model: type[BaseModel], flags: dict[str, list[str]], titl
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             tables.append((f"[{name}]", field.annotation, name + "."))
     for heading, section, prefix in tables:
-        rows = [(key, field) for key, field in section.model_fields.items()
-                if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))]
+        rows = [
+            (key, field)
+            for key, field in section.model_fields.items()
+            if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
+        ]
         if not rows:
             continue
         doc = (section.__doc__ or "").strip().splitlines()[0] if section is not model else ""

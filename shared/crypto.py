@@ -68,9 +68,7 @@ class Identity:
         return identity
 
     def seed(self) -> bytes:
-        return self._key.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-        )
+        return self._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
 
     def sign(self, data: bytes) -> bytes:
         return self._key.sign(data)

@@ -186,9 +186,7 @@ def sample_accuracy(model, tokenizer, task: ReverseTask, n_prompts: int, seed: i
 
 
 def build_default_model(
-    out_dir: Path,
-    recipe: DefaultModelRecipe = DEFAULT_MODEL_RECIPE,
-    on_step: Callable[[int, int], None] | None = None,
+    out_dir: Path, recipe: DefaultModelRecipe = DEFAULT_MODEL_RECIPE, on_step: Callable[[int, int], None] | None = None
 ) -> BuildStats:
     """Build, warm up and save the default model into out_dir (created); on_step(done, total) reports progress."""
     import torch

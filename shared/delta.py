@@ -114,7 +114,9 @@ def _encode(old: np.ndarray, new: np.ndarray, zstd: zstandard.ZstdCompressor) ->
     return ("sparse", sparse, count) if len(sparse) <= len(xor) else ("xor", xor, count)
 
 
-def build_delta(base_path: Path, new_path: Path, full_signed: SignedManifest, base_hash: str, out_path: Path) -> DeltaStats | None:
+def build_delta(
+    base_path: Path, new_path: Path, full_signed: SignedManifest, base_hash: str, out_path: Path
+) -> DeltaStats | None:
     """Write the delta turning `base_path` into `new_path` to `out_path` (atomically); None when the two
     files do not share one layout (another model, a dtype change): such a version goes full only.
 
@@ -137,16 +139,23 @@ def build_delta(base_path: Path, new_path: Path, full_signed: SignedManifest, ba
             out.write(manifest_bytes)
             for entry in base_entries:
                 for start, count in _pieces(entry):
-                    kind, payload, changed = _encode(_read_piece(fb, entry, start, count), _read_piece(fn, entry, start, count), zstd)
+                    kind, payload, changed = _encode(
+                        _read_piece(fb, entry, start, count), _read_piece(fn, entry, start, count), zstd
+                    )
                     out.write(payload)
                     records.append([kind, len(payload), changed])
                     stats.pieces[kind] += 1
                     stats.changed_elements += changed
                     stats.total_elements += count
-            footer = json.dumps({
-                "format": DELTA_FORMAT_VERSION, "base_hash": base_hash, "manifest_bytes": len(manifest_bytes),
-                "pieces": records,
-            }, separators=(",", ":")).encode()
+            footer = json.dumps(
+                {
+                    "format": DELTA_FORMAT_VERSION,
+                    "base_hash": base_hash,
+                    "manifest_bytes": len(manifest_bytes),
+                    "pieces": records,
+                },
+                separators=(",", ":"),
+            ).encode()
             out.write(footer)
             out.write(len(footer).to_bytes(_FOOTER_LEN_BYTES, "little"))
             out.flush()
@@ -182,8 +191,11 @@ def _read_footer(f, size: int) -> _Footer:
     except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: a length of Infinity
         raise DeltaError(f"delta footer is malformed: {exc!r}") from exc
     payload = sum(n for _, n, _ in footer.pieces)
-    if not 0 < footer.manifest_bytes <= SIGNATURE_BYTES + MAX_MANIFEST_BYTES or any(n < 0 for _, n, _ in footer.pieces) \
-            or footer.manifest_bytes + payload + length + _FOOTER_LEN_BYTES != size:
+    if (
+        not 0 < footer.manifest_bytes <= SIGNATURE_BYTES + MAX_MANIFEST_BYTES
+        or any(n < 0 for _, n, _ in footer.pieces)
+        or footer.manifest_bytes + payload + length + _FOOTER_LEN_BYTES != size
+    ):
         raise DeltaError("delta footer's lengths do not add up to the file")
     return footer
 
@@ -276,7 +288,7 @@ def apply_delta(base_path: Path, base_hash: str, delta_path: Path, full: Manifes
 
 
 def build_delta_snapshot(
-    base: Snapshot, new: Snapshot, identity: Identity, directory: Path, max_ratio: float,
+    base: Snapshot, new: Snapshot, identity: Identity, directory: Path, max_ratio: float
 ) -> tuple[Snapshot, DeltaStats] | None:
     """`new` as a signed delta against `base` in `directory` (chunked and hashed like a full snapshot), or
     None, leaving no file, when the two do not share a layout or the delta would exceed `max_ratio` of
@@ -290,10 +302,19 @@ def build_delta_snapshot(
         return None
     chunk_hashes, whole_hash = hash_chunks(data_path, new.manifest.chunk_size)
     manifest = Manifest(
-        format_version=SNAPSHOT_FORMAT_VERSION, version=new.manifest.version, total_bytes=stats.bytes,
-        chunk_size=new.manifest.chunk_size, chunk_hashes=chunk_hashes, whole_hash=whole_hash,
-        config_hash=new.manifest.config_hash, created_at=time.time(), signer=identity.peer_id, kind="delta",
-        base_version=base.manifest.version, base_hash=base.manifest.whole_hash, result_hash=new.manifest.whole_hash,
+        format_version=SNAPSHOT_FORMAT_VERSION,
+        version=new.manifest.version,
+        total_bytes=stats.bytes,
+        chunk_size=new.manifest.chunk_size,
+        chunk_hashes=chunk_hashes,
+        whole_hash=whole_hash,
+        config_hash=new.manifest.config_hash,
+        created_at=time.time(),
+        signer=identity.peer_id,
+        kind="delta",
+        base_version=base.manifest.version,
+        base_hash=base.manifest.whole_hash,
+        result_hash=new.manifest.whole_hash,
     )
     signed = sign_manifest(manifest, identity)
     atomic_write_bytes(manifest_path, signed.to_bytes())

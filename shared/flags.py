@@ -50,8 +50,11 @@ class FlagParser(argparse.ArgumentParser):
     def _check_value(self, action, value):  # noqa: ANN001, ANN202 -- argparse's own hook for choices
         if isinstance(action, argparse._SubParsersAction) and value not in action.choices:
             guess = closest(value, list(action.choices))
-            self.exit(2, f"{self.prog}: unknown command {value!r}; "
-                         + (f"did you mean {guess}?\n" if guess else f"one of {', '.join(action.choices)}\n"))
+            self.exit(
+                2,
+                f"{self.prog}: unknown command {value!r}; "
+                + (f"did you mean {guess}?\n" if guess else f"one of {', '.join(action.choices)}\n"),
+            )
         super()._check_value(action, value)
 
     def parse_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 -- argparse's own signature

@@ -49,16 +49,23 @@ def model_stop_ids(model_dir: Path) -> tuple[int, ...]:
         generation_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:  # no generation_config.json
         generation_eos = None
-    return stop_token_ids(AutoTokenizer.from_pretrained(model_dir).eos_token_id, generation_eos,
-                          AutoConfig.from_pretrained(model_dir).eos_token_id)
+    return stop_token_ids(
+        AutoTokenizer.from_pretrained(model_dir).eos_token_id, generation_eos, AutoConfig.from_pretrained(model_dir).eos_token_id
+    )
 
 
 class Sampler:
     """Samples n completions per prompt in one left-padded batch with a KV cache. Not thread-safe: callers
     serialise generate() against weight changes."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, device: torch.device, process_seed: int | None = None,
-                 stop_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer,
+        device: torch.device,
+        process_seed: int | None = None,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
         self.model = model
         # Mixed into a seeded request's seed (shared.rollout.lease_seed): None keeps the request's seed as is.
         self.process_seed = process_seed
@@ -79,7 +86,7 @@ class Sampler:
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), device=self.device)
 
     def generate(
-        self, prompts: Sequence[str], n: int, sampling: SamplingParams, version: int, greedy: bool = False,
+        self, prompts: Sequence[str], n: int, sampling: SamplingParams, version: int, greedy: bool = False
     ) -> list[list[Completion]]:
         """n completions per prompt, in prompt order. greedy: the most likely token each step (log-probs
         then under temperature 1, no top-p)."""
@@ -108,9 +115,7 @@ class Sampler:
             )
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _sample(
-        self, prompt_ids: list[list[int]], sampling: SamplingParams, greedy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, prompt_ids: list[list[int]], sampling: SamplingParams, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled tokens [B, L] and their log-probs [B, L]; rows continue (ignored) after their stop token."""
         from transformers import DynamicCache
 
@@ -130,7 +135,11 @@ class Sampler:
         temperature, top_p = (1.0, 1.0) if greedy else (sampling.temperature, sampling.top_p)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
-            input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1,
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
             **{self._cache_kwarg: cache},
         )
         next_position = positions[:, -1:] + 1
@@ -150,7 +159,10 @@ class Sampler:
                 break
             attention = torch.cat([attention, ones], dim=-1)
             out = self.model(
-                input_ids=token, attention_mask=attention, position_ids=next_position, use_cache=True,
+                input_ids=token,
+                attention_mask=attention,
+                position_ids=next_position,
+                use_cache=True,
                 **{self._cache_kwarg: cache},
             )
             next_position = next_position + 1

@@ -124,10 +124,13 @@ async def _read_noise_message(self: NoiseTransportReadWriter, prefix_encoded: bo
         if not more:
             # As py-libp2p's exact reads end: Yamux treats 0 bytes received as a clean close.
             wanted = end if len(pending) >= NOISE_LENGTH_BYTES else NOISE_LENGTH_BYTES
-            raise IncompleteReadError(f"connection closed after {len(pending)} of {wanted} bytes of a Noise message",
-                                      expected_bytes=wanted, received_bytes=len(pending))
+            raise IncompleteReadError(
+                f"connection closed after {len(pending)} of {wanted} bytes of a Noise message",
+                expected_bytes=wanted,
+                received_bytes=len(pending),
+            )
         pending += more
-    return self.decrypt(message[len(self.prefix):] if prefix_encoded else message)
+    return self.decrypt(message[len(self.prefix) :] if prefix_encoded else message)
 
 
 class PeerOverran(trio.TooSlowError):
@@ -171,14 +174,15 @@ class _StreamBuffer(bytearray):
         if stream is None:
             return
         if len(data) > stream.recv_window:
-            raise _overran(conn, f"sent {len(data)} bytes on stream {self.stream_id} past its receive window "
-                                 f"({stream.recv_window} bytes left)")
+            raise _overran(
+                conn,
+                f"sent {len(data)} bytes on stream {self.stream_id} past its receive window ({stream.recv_window} bytes left)",
+            )
         if getattr(stream, "_echo2_reads_closed", False):
             return
         held = sum(map(len, conn.stream_buffers.values())) + len(data)
         if held > CONNECTION_BUFFER_BYTES:
-            raise _overran(conn, f"would have {held} bytes held unread on its streams, over "
-                                 f"{CONNECTION_BUFFER_BYTES}")
+            raise _overran(conn, f"would have {held} bytes held unread on its streams, over {CONNECTION_BUFFER_BYTES}")
         super().extend(data)
 
 

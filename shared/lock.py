@@ -21,8 +21,9 @@ def lock_data_dir(data_dir: Path, lock_file: str, holder: str) -> IO[str]:
         handle.seek(0)
         pid = handle.read().strip() or "unknown"
         handle.close()
-        raise UserError(f"--data-dir {data_dir}: another {holder} (pid {pid}) is running on it; stop it, or pass "
-                        "another --data-dir") from None
+        raise UserError(
+            f"--data-dir {data_dir}: another {holder} (pid {pid}) is running on it; stop it, or pass another --data-dir"
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")

@@ -104,8 +104,9 @@ class PackedRows:
     width: int  # the longest completion
 
 
-def pack_rows(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-              bin_tokens: int | None = None) -> PackedRows:
+def pack_rows(
+    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], bin_tokens: int | None = None
+) -> PackedRows:
     """The rows in bins of max(bin_tokens, the longest row) tokens, first fit, longest first (None: one bin
     holding every row). A row with an empty completion contributes nothing."""
     if len(prompt_ids) != len(completion_ids):
@@ -147,8 +148,12 @@ def pack_rows(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
 
 
 def _packed_logprobs(
-    model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], temperature: float,
-    top_p: float, entropy: bool,
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    temperature: float,
+    top_p: float,
+    entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probs, entropy (zeros unless asked) and mask, each [B, T]."""
     # A varlen kernel attends within each packed row only, so one bin holds them all; a dense one (sdpa, eager)
@@ -165,9 +170,7 @@ def _packed_logprobs(
     with _selective_head(model, packed.keep.to(device), packed.targets.to(device), temperature, top_p, entropy) as head:
         # No attention mask: transformers reads the packing off the position ids' restarts.
         token_logprobs = model(
-            input_ids=packed.input_ids.to(device),
-            position_ids=packed.position_ids.to(device),
-            use_cache=False,
+            input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device), use_cache=False
         ).logits
     logprobs = torch.zeros(size, device=device, dtype=token_logprobs.dtype).index_copy(0, slots, token_logprobs)
     entropies = torch.zeros(size, device=device)
@@ -200,8 +203,9 @@ class _SelectiveHead(torch.nn.Module):
     log-probs [K] of the targets at the kept positions, a chunk of tokens at a time. Inside the model's own
     forward, so FSDP2 gathers the head's weights as for the real one."""
 
-    def __init__(self, head: torch.nn.Module, keep: Tensor, targets: Tensor, temperature: float, top_p: float,
-                 entropy: bool, vocab: int):
+    def __init__(
+        self, head: torch.nn.Module, keep: Tensor, targets: Tensor, temperature: float, top_p: float, entropy: bool, vocab: int
+    ):
         super().__init__()
         self.head = head
         self.keep = keep
@@ -231,11 +235,15 @@ class _SelectiveHead(torch.nn.Module):
 
 
 @contextmanager
-def _selective_head(model, keep: Tensor, targets: Tensor, temperature: float, top_p: float, entropy: bool) -> Iterator[_SelectiveHead]:
+def _selective_head(
+    model, keep: Tensor, targets: Tensor, temperature: float, top_p: float, entropy: bool
+) -> Iterator[_SelectiveHead]:
     for key in _LOGIT_TRANSFORMS:
         if getattr(model.config, key, None) not in (None, 1, 1.0):
-            raise ValueError(f"{model.config.model_type} transforms its logits after the LM head ({key}); "
-                             "echo2's log-probs support models whose logits are the head's output")
+            raise ValueError(
+                f"{model.config.model_type} transforms its logits after the LM head ({key}); "
+                "echo2's log-probs support models whose logits are the head's output"
+            )
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to take log-probs from")

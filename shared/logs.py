@@ -31,8 +31,9 @@ def log_bytes(max_mb: float) -> int:
     return int(max_mb * 1024 * 1024)
 
 
-def setup_logging(path: Path, level: str, stderr_level: int | None = None, max_mb: float = LOG_MAX_MB,
-                  backups: int = LOG_BACKUPS) -> None:
+def setup_logging(
+    path: Path, level: str, stderr_level: int | None = None, max_mb: float = LOG_MAX_MB, backups: int = LOG_BACKUPS
+) -> None:
     """Log to `path` (rotated past `max_mb`, `backups` old files kept) at `level`; also to stderr from `stderr_level`
     when given. py-libp2p logs ordinary peer churn at ERROR: it goes to the file only."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -49,8 +49,10 @@ def tune_malloc(arenas: int = HUB_MALLOC_ARENAS, mmap_threshold_bytes: int = HUB
     if libc is None:
         log.info("malloc not tuned: the C library is not glibc")
         return False
-    return bool(libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas))
-                and libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(mmap_threshold_bytes)))
+    return bool(
+        libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas))
+        and libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(mmap_threshold_bytes))
+    )
 
 
 def release_free_memory() -> bool:
@@ -94,8 +96,12 @@ def use_c_allocator() -> None:
     # sys.orig_argv is the command line as typed (`echo-hub start ...`, `python -m hub.cli.main start ...`): the
     # same script, flags and import path again.
     try:
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-                  {**os.environ, "PYTHONMALLOC": "malloc", REEXEC_MARK_ENV: "1"})
+        os.execve(
+            sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "PYTHONMALLOC": "malloc", REEXEC_MARK_ENV: "1"}
+        )
     except OSError as exc:  # no interpreter to run again (sys.executable empty or gone): say so and go on
-        print(f"note: Python's own allocator kept ({sys.executable or 'no interpreter path'} could not be run again: "
-              f"{exc.strerror}); the hub's resting memory may grow over a long run", file=sys.stderr)
+        print(
+            f"note: Python's own allocator kept ({sys.executable or 'no interpreter path'} could not be run again: "
+            f"{exc.strerror}); the hub's resting memory may grow over a long run",
+            file=sys.stderr,
+        )

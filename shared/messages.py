@@ -147,10 +147,18 @@ class Tallies(BaseModel):
 
     accepted: int = Field(0, ge=0, description="groups accepted", json_schema_extra={"short": "acc"})
     rejected: int = Field(0, ge=0, description="groups refused as bad work", json_schema_extra={"short": "rej"})
-    late: int = Field(0, ge=0, description="groups refused only because their version fell out of the staleness window",
-                      json_schema_extra={"short": "late"})
-    refused: int = Field(0, ge=0, description="requests refused at the protocol level (bad frames, expired leases...)",
-                         json_schema_extra={"short": "ref"})
+    late: int = Field(
+        0,
+        ge=0,
+        description="groups refused only because their version fell out of the staleness window",
+        json_schema_extra={"short": "late"},
+    )
+    refused: int = Field(
+        0,
+        ge=0,
+        description="requests refused at the protocol level (bad frames, expired leases...)",
+        json_schema_extra={"short": "ref"},
+    )
 
     def __add__(self, other: Tallies) -> Tallies:
         return Tallies(**{name: getattr(self, name) + getattr(other, name) for name in TALLY_FIELDS})
@@ -164,8 +172,9 @@ class Tallies(BaseModel):
 TALLY_FIELDS: tuple[str, ...] = tuple(Tallies.model_fields)
 # The tallies that are verdicts on one group each: a group is exactly one of these.
 GROUP_VERDICTS: tuple[str, ...] = ("accepted", "rejected", "late")
-TALLY_SHORT: dict[str, str] = {name: str(f.json_schema_extra["short"]) for name, f in Tallies.model_fields.items()
-                               if isinstance(f.json_schema_extra, dict)}
+TALLY_SHORT: dict[str, str] = {
+    name: str(f.json_schema_extra["short"]) for name, f in Tallies.model_fields.items() if isinstance(f.json_schema_extra, dict)
+}
 
 
 class JoinRequest(Message):
@@ -190,9 +199,18 @@ class JoinReply(Message):
     staleness: int = Field(ge=0)
     task: str
     heartbeat_period_s: float = Field(gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="how often the node must heartbeat")
-    context_tokens: int = Field(ge=1, le=MAX_CONTEXT_TOKENS, description="what a lease can need of a model's context: the task's longest prompt plus max_new_tokens (vLLM sizes max_model_len by it)")
+    context_tokens: int = Field(
+        ge=1,
+        le=MAX_CONTEXT_TOKENS,
+        description="what a lease can need of a model's context: the task's longest prompt plus max_new_tokens (vLLM sizes max_model_len by it)",
+    )
     # Protocol 2.6.0 (None: the node keeps its model directory's set).
-    stop_ids: tuple[Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)], ...] | None = Field(None, min_length=1, max_length=MAX_STOP_IDS, description="the ids that end a completion: every EOS of the hub's model (shared.generation.model_stop_ids), which its checks accept and nothing else")
+    stop_ids: tuple[Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)], ...] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_STOP_IDS,
+        description="the ids that end a completion: every EOS of the hub's model (shared.generation.model_stop_ids), which its checks accept and nothing else",
+    )
 
 
 # The model's config and tokenizer files a hub offers nodes that bring no model (shared/model_files.py): real
@@ -227,8 +245,12 @@ class ModelFiles(Message):
 
     TYPE: ClassVar[int] = 26
     MAX_BYTES: ClassVar[int] = 16 * KIB
-    model: PrintableText = Field(max_length=300, description="name, architecture and vocabulary, e.g. Qwen3-8B (Qwen3ForCausalLM, vocab 151936)")
-    weights_in_snapshots: bool = Field(description="False in a LoRA run: snapshots carry adapters only, the node needs the base weights")
+    model: PrintableText = Field(
+        max_length=300, description="name, architecture and vocabulary, e.g. Qwen3-8B (Qwen3ForCausalLM, vocab 151936)"
+    )
+    weights_in_snapshots: bool = Field(
+        description="False in a LoRA run: snapshots carry adapters only, the node needs the base weights"
+    )
     files: tuple[ModelFile, ...] = Field(min_length=1, max_length=MODEL_FILES_MAX_COUNT)
 
     @model_validator(mode="after")
@@ -257,17 +279,21 @@ class HeartbeatReply(Message):
     MAX_BYTES: ClassVar[int] = 16 * KIB
     state: NodeState
     latest_version: HeldVersion
-    heartbeat_period_s: float = Field(gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="when to beat next: longer as the fleet grows")
+    heartbeat_period_s: float = Field(
+        gt=0.0, le=HEARTBEAT_PERIOD_MAX_S, description="when to beat next: longer as the fleet grows"
+    )
     upstream: str | None = Field(None, description="peer id this node pulls snapshots from (None: the hub)")
     upstream_addrs: tuple[ListenAddr, ...] = Field((), max_length=MAX_LISTEN_ADDRS)
     downstream: str | None = Field(None, description="peer id that pulls snapshots from this node")
     downstream_addrs: tuple[ListenAddr, ...] = Field(
-        (), max_length=MAX_LISTEN_ADDRS, description="dial the downstream at these first: it cannot dial this node")
+        (), max_length=MAX_LISTEN_ADDRS, description="dial the downstream at these first: it cannot dial this node"
+    )
     chain: int | None = None
     chain_position: int | None = None
     reachability: Reachability = Field("unknown", description="whether peers can dial this node")
     upstream_link: Literal["hub", "direct", "pushed", "holepunch"] = Field(
-        "hub", description="how to reach the upstream: dial it, be dialed by it, or hole-punch through the hub's relay")
+        "hub", description="how to reach the upstream: dial it, be dialed by it, or hole-punch through the hub's relay"
+    )
 
 
 class PriceChange(Message):
@@ -361,7 +387,9 @@ class SubmitReply(Message):
     MAX_BYTES: ClassVar[int] = 256 * KIB + LeaseReply.MAX_BYTES
     accepted: int = Field(ge=0)
     rejected: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of groups refused as bad work")
-    late: tuple[tuple[str, str], ...] = Field((), description="(prompt_id, reason) of groups whose version fell out of the window")
+    late: tuple[tuple[str, str], ...] = Field(
+        (), description="(prompt_id, reason) of groups whose version fell out of the window"
+    )
     paid_usd: float = Field(0.0, ge=0.0, description="what the hub booked for this lease")
     next_lease: LeaseReply | None = Field(None, description="the answer to the submission's next_lease_for, if it asked")
 
@@ -393,12 +421,13 @@ class NodeStatus(Message):
     name: str = Field("", max_length=32, description="display name the node chose, or its short peer id")
     audits_passed: int = Field(0, ge=0, description="audits of its work the hub re-ran and found honest")
     price_history: tuple[tuple[float, float], ...] = Field(
-        (), max_length=16, description="its latest declared prices, (unix time, $/h), oldest first")
+        (), max_length=16, description="its latest declared prices, (unix time, $/h), oldest first"
+    )
 
     def net_text(self) -> str:
         """Reachability and link in a few characters: "nat/push", "pub/direct", "?/hub"."""
         reach = {"public": "pub", "nated": "nat"}.get(self.reachability, "?")
-        return f"{reach}/{ {'pushed': 'push', 'holepunch': 'punch'}.get(self.link, self.link) or '-'}"
+        return f"{reach}/{ {'pushed': 'push', 'holepunch': 'punch'}.get(self.link, self.link) or '-' }"
 
 
 class StepPoint(Message):
@@ -428,8 +457,15 @@ class EvalPoint(Message):
 
     def as_metrics_row(self) -> dict[str, float | int]:
         """The metrics.jsonl line of this evaluation."""
-        return {"eval_step": self.step, "eval_reward": self.reward, "eval_pass_at_1": self.pass_at_1,
-                "eval_pass_at_k": self.pass_at_k, "eval_k": self.k, "eval_prompts": self.prompts, "eval_s": self.seconds}
+        return {
+            "eval_step": self.step,
+            "eval_reward": self.reward,
+            "eval_pass_at_1": self.pass_at_1,
+            "eval_pass_at_k": self.pass_at_k,
+            "eval_k": self.k,
+            "eval_prompts": self.prompts,
+            "eval_s": self.seconds,
+        }
 
 
 class EventRecord(Message):
@@ -509,13 +545,17 @@ class HubStatus(Message):
     all_on_cost_usd: float = 0.0
     history: tuple[StepPoint, ...] = ()
     staleness_moves: tuple[StalenessMove, ...] = Field(
-        (), max_length=100, description="S and kappa in force over time, each with why it moved (oldest first, recent ones)")
+        (), max_length=100, description="S and kappa in force over time, each with why it moved (oldest first, recent ones)"
+    )
     evals: tuple[EvalPoint, ...] = Field((), description="held-out evaluations, oldest first (recent ones)")
     events: tuple[EventRecord, ...] = ()
     redacted: bool = Field(False, description="nodes' prices, costs and hardware hidden: asked without an operator key")
     nodes_omitted: int = Field(0, ge=0, description="nodes left out: gone or banned long ago, or past the list's cap")
-    leaders: tuple[Leader, ...] = Field((), description="the leaderboard: the volunteers with the most accepted groups over "
-                                                        "the whole run and over the last day, banned ones left out")
+    leaders: tuple[Leader, ...] = Field(
+        (),
+        description="the leaderboard: the volunteers with the most accepted groups over "
+        "the whole run and over the last day, banned ones left out",
+    )
 
     def recent_reward(self, steps: int = RECENT_REWARD_STEPS) -> tuple[float, int] | None:
         """The rollout reward (every rollout offered, per step) averaged over the last `steps` learner steps of
@@ -549,11 +589,20 @@ class HubStatus(Message):
         The fleet's cost totals go too: with one node on, two reads give its price as
         3600 x (delta all_on - delta cost) / delta t, and quantising would still leak it whenever that node dominates a
         step, so only operators see money."""
-        nodes = tuple(n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": "", "price_history": ()})
-                      for n in self.nodes)
+        nodes = tuple(
+            n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": "", "price_history": ()}) for n in self.nodes
+        )
         events = tuple(e.model_copy(update={"detail": ""}) for e in self.events)
-        return self.model_copy(update={"nodes": nodes, "events": events, "redacted": True, "cost_usd": 0.0,
-                                       "cost_per_step_usd": None, "all_on_cost_usd": 0.0})
+        return self.model_copy(
+            update={
+                "nodes": nodes,
+                "events": events,
+                "redacted": True,
+                "cost_usd": 0.0,
+                "cost_per_step_usd": None,
+                "all_on_cost_usd": 0.0,
+            }
+        )
 
 
 class SnapshotRequest(Message):

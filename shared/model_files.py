@@ -50,8 +50,12 @@ def model_label(model_dir: Path, config) -> str:
 def plain_model_file(name: str) -> bool:
     """A name a node writes: plain (no directory part), of a config or tokenizer kind, never weights, a weight index
     or code; a hub that lists another is refused whole."""
-    return (bool(_NAME_RE.match(name)) and name == Path(name).name and Path(name).suffix in OFFERED_SUFFIXES
-            and not name.endswith(WEIGHT_INDEX_SUFFIX))
+    return (
+        bool(_NAME_RE.match(name))
+        and name == Path(name).name
+        and Path(name).suffix in OFFERED_SUFFIXES
+        and not name.endswith(WEIGHT_INDEX_SUFFIX)
+    )
 
 
 def _offered(path: Path) -> bool:
@@ -82,8 +86,7 @@ def model_offer(model_dir: Path, label: str, weights_in_snapshots: bool) -> Mode
     try:
         listing = ModelFiles(model=label, weights_in_snapshots=weights_in_snapshots, files=tuple(files))
     except ValidationError as exc:
-        log.warning("the model's files cannot be offered to nodes (they must bring --model): %s",
-                    str(exc).splitlines()[:3])
+        log.warning("the model's files cannot be offered to nodes (they must bring --model): %s", str(exc).splitlines()[:3])
         return None
     return ModelOffer(listing, data)
 

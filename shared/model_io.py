@@ -71,9 +71,14 @@ def build_snapshot(
     path, whole hash)`: the install probe of the written weights, signed in the manifest."""
     tensors = _untied(state_dict)
     return write_snapshot(
-        directory, version, identity, config_hash,
+        directory,
+        version,
+        identity,
+        config_hash,
         lambda path, on_bytes: write_weights(path, tensors, dtype, on_bytes, metadata),
-        chunk_size=chunk_size, created_at=created_at, probe=probe,
+        chunk_size=chunk_size,
+        created_at=created_at,
+        probe=probe,
     )
 
 
@@ -104,8 +109,9 @@ def check_tied_copies(names: Iterable[str], groups: Iterable[set[str]]) -> None:
     for group in groups:
         both = sorted(group & present)
         if len(both) > 1:
-            raise SnapshotError(f"snapshot carries {' and '.join(both)}, which this model ties: a snapshot "
-                                "must carry one of them")
+            raise SnapshotError(
+                f"snapshot carries {' and '.join(both)}, which this model ties: a snapshot must carry one of them"
+            )
 
 
 def load_into(model: torch.nn.Module, path: Path, keys: Callable[[str], bool] | None = None) -> None:

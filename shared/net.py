@@ -97,16 +97,14 @@ def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> 
     key_pair = identity.libp2p_keypair()
     host = new_host(
         key_pair=key_pair,
-        sec_opt={
-            TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(
-                key_pair, noise_privkey=create_new_x25519_key_pair().private_key
-            )
-        },
+        sec_opt={TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         transports=[TCP()],
         connection_config=ConnectionConfig(
-            max_connections_per_peer=MAX_CONNECTIONS_PER_PEER, max_connections=MAX_CONNECTIONS,
-            high_watermark=MAX_CONNECTIONS, low_watermark=MAX_CONNECTIONS // 2,
+            max_connections_per_peer=MAX_CONNECTIONS_PER_PEER,
+            max_connections=MAX_CONNECTIONS,
+            high_watermark=MAX_CONNECTIONS,
+            low_watermark=MAX_CONNECTIONS // 2,
         ),
         enable_mDNS=False,
         bootstrap=None,
@@ -187,7 +185,6 @@ def canonical_ip(ip: str) -> str:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
     return str(address)
-
 
 
 def _multiaddr_ip(addr: Multiaddr | None) -> str | None:
@@ -350,14 +347,40 @@ def on_live_connection(host: IHost, stream: INetStream) -> bool:
 
 
 @overload
-async def request(host: IHost, peer_id: str, protocol: str, msg: Message, reply: type[M], /, *,
-                  timeout_s: float, sign_with: Identity | None = None) -> M: ...
+async def request(
+    host: IHost,
+    peer_id: str,
+    protocol: str,
+    msg: Message,
+    reply: type[M],
+    /,
+    *,
+    timeout_s: float,
+    sign_with: Identity | None = None,
+) -> M: ...
 @overload
-async def request(host: IHost, peer_id: str, protocol: str, msg: Message, reply: type[M], other: type[M2], /, *,
-                  timeout_s: float, sign_with: Identity | None = None) -> M | M2: ...
+async def request(
+    host: IHost,
+    peer_id: str,
+    protocol: str,
+    msg: Message,
+    reply: type[M],
+    other: type[M2],
+    /,
+    *,
+    timeout_s: float,
+    sign_with: Identity | None = None,
+) -> M | M2: ...
 @overload
-async def request(host: IHost, peer_id: str, protocol: str, msg: Message, *reply_types: type[Message],
-                  timeout_s: float, sign_with: Identity | None = None) -> Message: ...
+async def request(
+    host: IHost,
+    peer_id: str,
+    protocol: str,
+    msg: Message,
+    *reply_types: type[Message],
+    timeout_s: float,
+    sign_with: Identity | None = None,
+) -> Message: ...
 async def request(
     host: IHost,
     peer_id: str,

@@ -43,9 +43,15 @@ class InstallProbe(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    prompt_ids: tuple[TokenRow, ...] = Field(min_length=1, max_length=MAX_PROBE_ROWS, description="token ids of each row's prompt")
-    completion_ids: tuple[TokenRow, ...] = Field(min_length=1, max_length=MAX_PROBE_ROWS, description="token ids of each row's completion")
-    logprobs: tuple[tuple[float, ...], ...] = Field(min_length=1, max_length=MAX_PROBE_ROWS, description="the hub's log-prob of each completion token")
+    prompt_ids: tuple[TokenRow, ...] = Field(
+        min_length=1, max_length=MAX_PROBE_ROWS, description="token ids of each row's prompt"
+    )
+    completion_ids: tuple[TokenRow, ...] = Field(
+        min_length=1, max_length=MAX_PROBE_ROWS, description="token ids of each row's completion"
+    )
+    logprobs: tuple[tuple[float, ...], ...] = Field(
+        min_length=1, max_length=MAX_PROBE_ROWS, description="the hub's log-prob of each completion token"
+    )
     max_mean_abs_gap: float = Field(gt=0.0, le=10.0, allow_inf_nan=False, description="the audit tolerance, nats per token")
 
     @field_validator("prompt_ids", "completion_ids")
@@ -85,8 +91,10 @@ class InstallProbe(BaseModel):
         self.check_tokens(vocab_size)
         gap = probe_gap(self.logprobs, scored)
         if not gap <= self.max_mean_abs_gap:
-            raise ProbeMismatch(f"its log-probs of the hub's probe differ by {gap:.4g} nats per token on average "
-                                f"(tolerance {self.max_mean_abs_gap:g})")
+            raise ProbeMismatch(
+                f"its log-probs of the hub's probe differ by {gap:.4g} nats per token on average "
+                f"(tolerance {self.max_mean_abs_gap:g})"
+            )
         return gap
 
 

@@ -31,14 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 import blake3
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
 from shared.files import atomic_write_bytes
@@ -100,7 +93,9 @@ class Manifest(BaseModel):
     base_version: int | None = Field(None, ge=0, description="delta: the version it applies to")
     base_hash: str | None = Field(None, description="delta: whole hash of the base version's weights file")
     result_hash: str | None = Field(None, description="delta: whole hash of the weights file it produces")
-    probe: InstallProbe | None = Field(None, description="full: reference log-probs every engine reproduces after installing (shared/probe.py)")
+    probe: InstallProbe | None = Field(
+        None, description="full: reference log-probs every engine reproduces after installing (shared/probe.py)"
+    )
 
     @field_validator("format_version")
     @classmethod
@@ -232,9 +227,7 @@ def model_config_hash(config_dict: Mapping[str, object]) -> str:
     Private keys (`_name_or_path`, ...), `transformers_version` and the dtype are left out, at
     every nesting level. TypeError (ValueError for NaN) for values JSON cannot hold.
     """
-    text = json.dumps(
-        _architecture_only(config_dict), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    )
+    text = json.dumps(_architecture_only(config_dict), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return blake3_hex(text.encode())
 
 

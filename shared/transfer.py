@@ -183,8 +183,7 @@ class Writer(Protocol):
 
 
 async def serve_snapshot(
-    stream, source: ChunkSource, request: SnapshotRequest, limiter: Writer | None, identity: Identity,
-    stall_s: float = STALL_S,
+    stream, source: ChunkSource, request: SnapshotRequest, limiter: Writer | None, identity: Identity, stall_s: float = STALL_S
 ) -> TransferAck:
     """Answer one SnapshotRequest on `stream`, committing to every frame as `identity`, and return the
     receiver's ack (NotServable if there is nothing to serve)."""
@@ -194,8 +193,7 @@ async def serve_snapshot(
     # Committed to the version asked for: sending another one's manifest in its place is then provable.
     asked = request.version if request.version is not None else manifest.version
     manifest_kind, chunk_kind = frame_kinds(manifest)
-    await write_frame(stream, MANIFEST_FRAME,
-                      manifest_bytes + identity.sign(commitment_payload(manifest_kind, asked, 0, digest)))
+    await write_frame(stream, MANIFEST_FRAME, manifest_bytes + identity.sign(commitment_payload(manifest_kind, asked, 0, digest)))
     version, delta = manifest.version, manifest.kind == "delta"
     for index in indices:
         data = await source.chunk(version, index, delta)
@@ -254,8 +252,7 @@ async def receive_snapshot(
     return assembler
 
 
-async def _transfer_stream(stream, request: SnapshotRequest, sender_peer_id: str, stall_s: float,
-                           bulk: BulkChannel | None):
+async def _transfer_stream(stream, request: SnapshotRequest, sender_peer_id: str, stall_s: float, bulk: BulkChannel | None):
     """Where the frames will come: the sender's bulk channel when asked for and offered, else `stream`."""
     if not request.bulk:
         return stream
@@ -269,7 +266,7 @@ async def _transfer_stream(stream, request: SnapshotRequest, sender_peer_id: str
 
 
 async def _receive_manifest(
-    transfer, request: SnapshotRequest, hub_peer_id: str, sender_key: bytes, newer_than: int | None, stall_s: float,
+    transfer, request: SnapshotRequest, hub_peer_id: str, sender_key: bytes, newer_than: int | None, stall_s: float
 ) -> tuple[SignedManifest, Manifest, range]:
     """Read the manifest frame, check the sender's commitment to it and the hub's signature, and return it
     with the chunk indices to expect (ChunkRejected, or UnusableDelta for a delta against another base)."""
@@ -299,8 +296,12 @@ def _asked_commitment(sender_key: bytes, request: SnapshotRequest, digest_hex: s
 
 
 def _verified_manifest(
-    manifest_bytes: bytes, request: SnapshotRequest, hub_peer_id: str, newer_than: int | None,
-    committed: CommitKind | None, proof: Proof | None,
+    manifest_bytes: bytes,
+    request: SnapshotRequest,
+    hub_peer_id: str,
+    newer_than: int | None,
+    committed: CommitKind | None,
+    proof: Proof | None,
 ) -> tuple[SignedManifest, Manifest, range]:
     """The hub-signed manifest the request asked for, matching the kind committed to, and the chunk indices
     it asks of it; ChunkRejected (with `proof`) for anything else."""
@@ -317,8 +318,13 @@ def _verified_manifest(
 
 
 async def _receive_chunks(
-    transfer, manifest: Manifest, wanted: range, sender_key: bytes, assembler: ChunkAssembler,
-    on_chunk: Callable[[int], Awaitable[None]] | None, stall_s: float,
+    transfer,
+    manifest: Manifest,
+    wanted: range,
+    sender_key: bytes,
+    assembler: ChunkAssembler,
+    on_chunk: Callable[[int], Awaitable[None]] | None,
+    stall_s: float,
 ) -> int:
     """Receive the `wanted` chunks in order into `assembler` and return how many came; on a rejected frame,
     tell the sender (a failed TransferAck) and raise ChunkRejected."""
@@ -336,7 +342,7 @@ async def _receive_chunks(
 
 
 async def _receive_chunk(
-    transfer, manifest: Manifest, expected: int, sender_key: bytes, assembler: ChunkAssembler, stall_s: float,
+    transfer, manifest: Manifest, expected: int, sender_key: bytes, assembler: ChunkAssembler, stall_s: float
 ) -> int:
     """Read chunk `expected`, check the sender's commitment, then the manifest's hash, and store it; its index."""
     _, frame = await read_frame(transfer, {CHUNK_FRAME: TRANSFER_CAPS[CHUNK_FRAME]}, stall_s, MIN_TRANSFER_BPS)

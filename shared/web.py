@@ -51,12 +51,13 @@ def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
     return family
 
 
-def by_label(family: GaugeMetricFamily | CounterMetricFamily, counts: dict[str, float]) -> GaugeMetricFamily | CounterMetricFamily:
+def by_label(
+    family: GaugeMetricFamily | CounterMetricFamily, counts: dict[str, float]
+) -> GaugeMetricFamily | CounterMetricFamily:
     """`family` with one sample per label value."""
     for label, value in sorted(counts.items()):
         family.add_metric([label], value)
     return family
-
 
 
 class RateLimit:
@@ -73,8 +74,9 @@ class RateLimit:
 
 def has_body(scope: Scope) -> bool:
     """Whether a request says it carries a body (nothing here reads one)."""
-    return any(name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
-               for name, value in scope["headers"])
+    return any(
+        name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0") for name, value in scope["headers"]
+    )
 
 
 class Bounded:
@@ -94,8 +96,9 @@ class Bounded:
             return await PlainTextResponse("too many requests", 429, headers={"Retry-After": "1"})(scope, receive, send)
         headers = scope["headers"]
         if len(headers) > MAX_HEADERS or sum(len(n) + len(v) + 4 for n, v in headers) > MAX_HEADER_BYTES:
-            return await PlainTextResponse("request header fields too large", 431,
-                                           headers={"Connection": "close"})(scope, receive, send)
+            return await PlainTextResponse("request header fields too large", 431, headers={"Connection": "close"})(
+                scope, receive, send
+            )
         if scope["method"] not in ("GET", "HEAD"):
             return await PlainTextResponse("read-only", 405, headers={"Allow": "GET, HEAD"})(scope, receive, send)
         if has_body(scope):

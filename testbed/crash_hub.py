@@ -41,12 +41,19 @@ def main() -> None:
     state = core.state
     send, receive = trio.open_memory_channel(64)
     learner = LearnerComponent(
-        CONFIG, SAMPLING, model_dir, data_dir, state, Identity.load_or_create(data_dir / HUB_KEY_FILE), send, steps, 1 << 20,
+        CONFIG, SAMPLING, model_dir, data_dir, state, Identity.load_or_create(data_dir / HUB_KEY_FILE), send, steps, 1 << 20
     )
     (data_dir / f"refill-{os.getpid()}.json").write_text(json.dumps(state.buffer.row_ids()))
     rollouts = LocalRollouts(
-        HFEngine(model_dir), core.task, SAMPLING, CONFIG.group_size, state, receive,
-        learner.min_useful_version, prompts_per_batch=4, max_pending_groups=12,
+        HFEngine(model_dir),
+        core.task,
+        SAMPLING,
+        CONFIG.group_size,
+        state,
+        receive,
+        learner.min_useful_version,
+        prompts_per_batch=4,
+        max_pending_groups=12,
     )
 
     async def report() -> None:

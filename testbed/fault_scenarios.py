@@ -66,8 +66,20 @@ STEPS_AFTER_CHURN = 5
 FLOOD_STREAMS = 300
 # How long silent strangers hold their connections: past the hub's idle sweep (trust.idle_connection_s, 15 s).
 SILENT_STRANGER_HOLD_S = 18.0
-HUB_ARGS = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "64", "--group-size", "4",
-            "--max-new-tokens", "8", "--log-level", "info")
+HUB_ARGS = (
+    "--local-nodes",
+    "0",
+    "--steps",
+    "0",
+    "--prompts-per-step",
+    "64",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--log-level",
+    "info",
+)
 
 
 class Refused(Exception):
@@ -123,8 +135,7 @@ class HubDB:
             return 0
         marks = ",".join("?" * len(lease_ids))
         return self.query(
-            f"SELECT COUNT(*) FROM trajectories WHERE lease_id IN ({marks}) AND verdict = 'accepted'"
-            " AND discard_reason IS NULL",
+            f"SELECT COUNT(*) FROM trajectories WHERE lease_id IN ({marks}) AND verdict = 'accepted' AND discard_reason IS NULL",
             tuple(lease_ids),
         )[0][0]
 
@@ -138,8 +149,16 @@ class Client(HubClient):
     `snapshots_dir` before asking (the scenarios test the hub's books, not the transfer). A scenario makes it
     misbehave through the worker's `rewrite` hook or raw frames (`send`)."""
 
-    def __init__(self, host, identity, hub_addr: str, engine, config_hash: str, engine_lock: trio.Lock | None = None,
-                 snapshots_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        host,
+        identity,
+        hub_addr: str,
+        engine,
+        config_hash: str,
+        engine_lock: trio.Lock | None = None,
+        snapshots_dir: Path | None = None,
+    ) -> None:
         super().__init__(host, identity, hub_addr, timeout_s=REQUEST_TIMEOUT_S)
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -148,20 +167,40 @@ class Client(HubClient):
         self.engine_lock = engine_lock or trio.Lock()  # one per engine: clients sharing an engine take turns
         self.refused: str | None = None  # the hub's reason once it refused this node for good (banned)
         self.joined = trio.Event()
-        self.link = HubLink(self, self.join_request, lambda: Heartbeat(version_held=self.version), lambda reply: None,
-                            LINK_BACKOFF_MAX_S, on_join=self._on_join)
+        self.link = HubLink(
+            self,
+            self.join_request,
+            lambda: Heartbeat(version_held=self.version),
+            lambda reply: None,
+            LINK_BACKOFF_MAX_S,
+            on_join=self._on_join,
+        )
         # can_work False: no lease rides on a submission (the scenario asks for each; an extra one would stay open
         # against the node's quota).
-        self.worker = Worker(self, engine, self.engine_lock, can_work=lambda: False, version_held=lambda: self.version,
-                             max_rollouts_per_s=None, on_unknown=self.link.beat_now.set)
+        self.worker = Worker(
+            self,
+            engine,
+            self.engine_lock,
+            can_work=lambda: False,
+            version_held=lambda: self.version,
+            max_rollouts_per_s=None,
+            on_unknown=self.link.beat_now.set,
+        )
 
     @property
     def version(self) -> int:
         return self.engine.version
 
     def join_request(self, price_per_hour: float = 0.35) -> JoinRequest:
-        return JoinRequest(price_per_hour=price_per_hour, hardware="bench", link_bps=1e8, backend="hf",
-                           dtype="float32", model_config_hash=self.config_hash, version_held=self.version)
+        return JoinRequest(
+            price_per_hour=price_per_hour,
+            hardware="bench",
+            link_bps=1e8,
+            backend="hf",
+            dtype="float32",
+            model_config_hash=self.config_hash,
+            version_held=self.version,
+        )
 
     async def _on_join(self, reply: JoinReply) -> None:
         self.joined.set()
@@ -218,8 +257,7 @@ class Client(HubClient):
             return
         async with self.engine_lock:
             try:
-                snapshot = await trio.to_thread.run_sync(read_snapshot_files, self.snapshots_dir, newest,
-                                                         self.hub_peer_id)
+                snapshot = await trio.to_thread.run_sync(read_snapshot_files, self.snapshots_dir, newest, self.hub_peer_id)
                 await trio.to_thread.run_sync(self.engine.install, snapshot.path, newest)
             except (OSError, SnapshotError):
                 return  # still being written, or already deleted for a newer one: next time
@@ -289,8 +327,17 @@ async def linked_clients(hub: HubProc, members: list[tuple[Identity, object, Pat
         clients = []
         for identity, engine, model_dir in members:
             host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
-            clients.append(Client(host, identity, hub.addr, engine, model_dir_config_hash(model_dir),
-                                  locks.setdefault(id(engine), trio.Lock()), hub.data_dir / SNAPSHOTS_DIR))
+            clients.append(
+                Client(
+                    host,
+                    identity,
+                    hub.addr,
+                    engine,
+                    model_dir_config_hash(model_dir),
+                    locks.setdefault(id(engine), trio.Lock()),
+                    hub.data_dir / SNAPSHOTS_DIR,
+                )
+            )
         async with trio.open_nursery() as nursery:  # inside the hosts: their links end before they do
             for client in clients:
                 await nursery.start(client.run_link)
@@ -362,9 +409,16 @@ async def scenario_fake_reward(x: Client, control: Client, db: HubDB, attempts: 
     mismatches_before = db.events("reward_claim_mismatch", x.peer_id)
 
     async def lie(lease: Lease, groups: tuple[SubmittedGroup, ...]) -> tuple[SubmittedGroup, ...]:
-        return tuple(g.model_copy(update={"claimed_rewards": tuple(
-            1.0 - t for t in task.rewards(task.get(g.prompt_id), [x.decode(c) for c in g.completions]))})
-            for g in groups)
+        return tuple(
+            g.model_copy(
+                update={
+                    "claimed_rewards": tuple(
+                        1.0 - t for t in task.rewards(task.get(g.prompt_id), [x.decode(c) for c in g.completions])
+                    )
+                }
+            )
+            for g in groups
+        )
 
     for _ in range(attempts):
         reply = await x.worker.work(await x.take_lease(), rewrite=lie)
@@ -395,9 +449,13 @@ def _frame_protocols() -> dict:
         Submission,
     )
 
-    return {JOIN_PROTOCOL: (JoinRequest, (JoinReply,)), HEARTBEAT_PROTOCOL: (Heartbeat, (HeartbeatReply,)),
-            LEASE_PROTOCOL: (LeaseRequest, (LeaseReply,)), SUBMIT_PROTOCOL: (Submission, (SubmitReply,)),
-            STATUS_PROTOCOL: (StatusRequest, (HubStatus,))}
+    return {
+        JOIN_PROTOCOL: (JoinRequest, (JoinReply,)),
+        HEARTBEAT_PROTOCOL: (Heartbeat, (HeartbeatReply,)),
+        LEASE_PROTOCOL: (LeaseRequest, (LeaseReply,)),
+        SUBMIT_PROTOCOL: (Submission, (SubmitReply,)),
+        STATUS_PROTOCOL: (StatusRequest, (HubStatus,)),
+    }
 
 
 async def scenario_oversized_frame(x: Client, control: Client, db: HubDB) -> ScenarioResult:
@@ -421,10 +479,10 @@ async def scenario_garbage_frame(x: Client, control: Client, db: HubDB) -> Scena
     rng = random.Random(7)
     for protocol, (request_type, types) in _frame_protocols().items():
         for frame in (
-            bytes(rng.randrange(256) for _ in range(64)),                    # noise
-            HEADER.pack(250, 16) + b"\0" * 16,                               # unknown type tag
-            HEADER.pack(request_type.TYPE, 20) + b"{not json at all!!!}",    # malformed body (unsigned, for submit)
-            b"\x02\x00",                                                     # truncated header
+            bytes(rng.randrange(256) for _ in range(64)),  # noise
+            HEADER.pack(250, 16) + b"\0" * 16,  # unknown type tag
+            HEADER.pack(request_type.TYPE, 20) + b"{not json at all!!!}",  # malformed body (unsigned, for submit)
+            b"\x02\x00",  # truncated header
         ):
             reply = await x.send(protocol, frame, types)
             r.attempts += 1
@@ -516,10 +574,23 @@ async def scenario_hostile_join(x: Client, control: Client, db: HubDB) -> Scenar
     from shared.wire import encode_frame
 
     r = ScenarioResult("hostile_join")
-    base = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf", "dtype": "float32",
-            "model_config_hash": x.config_hash, "version_held": 0, "listen_addrs": []}
-    for override in ({"link_bps": 5e-324}, {"price_per_hour": float("nan")}, {"version_held": 2**70},
-                     {"listen_addrs": ["/ip4/1.2.3.4/tcp/1/" + "x" * 2000] * 16}, {"hardware": "\x1b[2J"}):
+    base = {
+        "price_per_hour": 0.5,
+        "hardware": "x",
+        "link_bps": 1e8,
+        "backend": "hf",
+        "dtype": "float32",
+        "model_config_hash": x.config_hash,
+        "version_held": 0,
+        "listen_addrs": [],
+    }
+    for override in (
+        {"link_bps": 5e-324},
+        {"price_per_hour": float("nan")},
+        {"version_held": 2**70},
+        {"listen_addrs": ["/ip4/1.2.3.4/tcp/1/" + "x" * 2000] * 16},
+        {"hardware": "\x1b[2J"},
+    ):
         frame = encode_frame(JoinRequest.TYPE, json.dumps({**base, **override}).encode())
         reply = await x.send(JOIN_PROTOCOL, frame, (JoinReply,))
         r.attempts += 1
@@ -580,8 +651,9 @@ async def scenario_stranger_big_frames(x: Client, control: Client, db: HubDB, st
 
         async def one() -> None:
             started = time.monotonic()
-            reply = await stranger.send(SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, 30 << 20), (SubmitReply,),
-                                        close_write=False)
+            reply = await stranger.send(
+                SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, 30 << 20), (SubmitReply,), close_write=False
+            )
             outcomes.append((reply, time.monotonic() - started))
 
         async with trio.open_nursery() as nursery:
@@ -634,9 +706,20 @@ async def scenario_rejected_disk(x: Client, control: Client, db: HubDB, attempts
 
     async def bloat(lease: Lease, groups: tuple[SubmittedGroup, ...]) -> tuple[SubmittedGroup, ...]:
         # Completions far past the lease's length cap are refused; tens of kB each is what a filler sends.
-        sent["made"], sent["bloated"] = groups, tuple(g.model_copy(update={"completions": tuple(
-            c.model_copy(update={"token_ids": c.token_ids * 500, "logprobs": c.logprobs * 500}) for c in g.completions),
-        }) for g in groups)
+        sent["made"], sent["bloated"] = (
+            groups,
+            tuple(
+                g.model_copy(
+                    update={
+                        "completions": tuple(
+                            c.model_copy(update={"token_ids": c.token_ids * 500, "logprobs": c.logprobs * 500})
+                            for c in g.completions
+                        )
+                    }
+                )
+                for g in groups
+            ),
+        )
         return sent["bloated"]
 
     for _ in range(attempts):
@@ -756,14 +839,37 @@ async def with_clients(hub: HubProc, engines: list, body: Callable) -> object:
         return await body(clients)
 
 
-PROTOCOL_CHEATS = ("bad_signature", "replay", "fake_reward", "oversized_frame", "garbage_frame", "stream_flood",
-                   "hostile_join", "throwaway_identities", "stranger_big_frames", "pay_inflation", "rejected_disk",
-                   "status_snooping", "silent_stranger", "relay_reservations")
+PROTOCOL_CHEATS = (
+    "bad_signature",
+    "replay",
+    "fake_reward",
+    "oversized_frame",
+    "garbage_frame",
+    "stream_flood",
+    "hostile_join",
+    "throwaway_identities",
+    "stranger_big_frames",
+    "pay_inflation",
+    "rejected_disk",
+    "status_snooping",
+    "silent_stranger",
+    "relay_reservations",
+)
 AUDIT_CHEATS = ("fake_logprobs", "wrong_model", "copied_completions", "nudged_copies", "partial_fabrication")
 # Measured by bench/faults.py only: each is tested in process, faster, where the defence lives
 # (tests/test_attacks.py, test_state.py, test_store.py).
-BENCH_ONLY = frozenset({"hostile_join", "throwaway_identities", "stranger_big_frames", "pay_inflation", "rejected_disk",
-                        "status_snooping", "silent_stranger", "relay_reservations"})
+BENCH_ONLY = frozenset(
+    {
+        "hostile_join",
+        "throwaway_identities",
+        "stranger_big_frames",
+        "pay_inflation",
+        "rejected_disk",
+        "status_snooping",
+        "silent_stranger",
+        "relay_reservations",
+    }
+)
 
 
 def start_protocol_hub(work: Path) -> HubProc:
@@ -847,12 +953,23 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
             rng = random.Random(3)
 
             async def fake(lease, groups):
-                return tuple(g.model_copy(update={"completions": tuple(
-                    c.model_copy(update={"logprobs": tuple(min(0.0, lp + rng.uniform(-0.5, 0.5)) for lp in c.logprobs)})
-                    for c in g.completions)}) for g in groups)
+                return tuple(
+                    g.model_copy(
+                        update={
+                            "completions": tuple(
+                                c.model_copy(
+                                    update={"logprobs": tuple(min(0.0, lp + rng.uniform(-0.5, 0.5)) for lp in c.logprobs)}
+                                )
+                                for c in g.completions
+                            )
+                        }
+                    )
+                    for g in groups
+                )
 
             return await scenario_caught_later(name, db, cheat, control, fake, attempts * 2)
         if name == "wrong_model":
+
             async def base_model(lease, groups):
                 return await cheat.groups(lease, engine=wrong, claim_version=0)
 
@@ -863,8 +980,13 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
                 await cheat.honest_round()
 
             async def one_fake_group(lease, groups):
-                fake = groups[-1].model_copy(update={"completions": tuple(
-                    c.model_copy(update={"logprobs": (0.0,) * len(c.logprobs)}) for c in groups[-1].completions)})
+                fake = groups[-1].model_copy(
+                    update={
+                        "completions": tuple(
+                            c.model_copy(update={"logprobs": (0.0,) * len(c.logprobs)}) for c in groups[-1].completions
+                        )
+                    }
+                )
                 return (*groups[:-1], fake)
 
             return await scenario_caught_later(name, db, cheat, control, one_fake_group, attempts)
@@ -876,9 +998,18 @@ def run_cheat(name: str, hub: HubProc, quick: bool) -> ScenarioResult:
             await original.submit_answer(first, groups)
             # The copier answers its own lease with the original's groups, prompt ids swapped in (and, for
             # nudged_copies, every log-prob moved by 1e-7: the fingerprint over exact floats missed those).
-            return tuple(g.model_copy(update={"prompt_id": p.prompt_id, "completions": tuple(
-                c.model_copy(update={"logprobs": tuple(min(0.0, lp + nudge) for lp in c.logprobs)})
-                for c in g.completions)}) for g, p in zip(groups, lease.prompts))
+            return tuple(
+                g.model_copy(
+                    update={
+                        "prompt_id": p.prompt_id,
+                        "completions": tuple(
+                            c.model_copy(update={"logprobs": tuple(min(0.0, lp + nudge) for lp in c.logprobs)})
+                            for c in g.completions
+                        ),
+                    }
+                )
+                for g, p in zip(groups, lease.prompts)
+            )
 
         return await scenario_caught_later(name, db, cheat, control, copied, attempts)
 
@@ -895,8 +1026,20 @@ def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
     base_dir = ensure_default_model(progress=False)
     data_dir = work / "hub-crash"
     port = free_port()
-    args = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--staleness", "2",
-            "--max-new-tokens", "8")
+    args = (
+        "--local-nodes",
+        "0",
+        "--steps",
+        "0",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--staleness",
+        "2",
+        "--max-new-tokens",
+        "8",
+    )
     engine = HFEngine(base_dir)
     acked: set[tuple[str, str]] = set()
     kill_log: list[str] = []
@@ -950,10 +1093,14 @@ def run_crash(work: Path, kills: int, say: Callable[[str], None]) -> dict:
     finally:
         hub.stop()
     db = HubDB(data_dir)
-    accepted = db.query("SELECT lease_id, prompt_id, COUNT(*) FROM trajectories WHERE verdict = 'accepted' GROUP BY lease_id, prompt_id")
+    accepted = db.query(
+        "SELECT lease_id, prompt_id, COUNT(*) FROM trajectories WHERE verdict = 'accepted' GROUP BY lease_id, prompt_id"
+    )
     stored = {(lease, prompt) for lease, prompt, _ in accepted}
     double = sum(n - 1 for _, _, n in accepted if n > 1)
-    paid_twice = db.query("SELECT COUNT(*) FROM (SELECT lease_id FROM ledger WHERE voided = 0 AND lease_id IS NOT NULL GROUP BY lease_id HAVING COUNT(*) > 1)")[0][0]
+    paid_twice = db.query(
+        "SELECT COUNT(*) FROM (SELECT lease_id FROM ledger WHERE voided = 0 AND lease_id IS NOT NULL GROUP BY lease_id HAVING COUNT(*) > 1)"
+    )[0][0]
     versions = [v for (v,) in db.query("SELECT version FROM snapshots ORDER BY published_at")]
     steps = [s for (s,) in db.query("SELECT step FROM steps ORDER BY step")]
     integrity = db.query("PRAGMA integrity_check")[0][0]
@@ -977,8 +1124,21 @@ def run_churn(work: Path, nodes: int, say: Callable[[str], None]) -> dict:
     # The hub trains until stopped, so the kills cannot outlast a short run; it must keep
     # stepping after the last kill and then stop cleanly.
     staleness = 2
-    hub = start_hub(work / "hub-churn", "--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4",
-                    "--group-size", "4", "--staleness", str(staleness), "--max-new-tokens", "8")
+    hub = start_hub(
+        work / "hub-churn",
+        "--local-nodes",
+        "0",
+        "--steps",
+        "0",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--staleness",
+        str(staleness),
+        "--max-new-tokens",
+        "8",
+    )
     procs = [start_node(hub.addr, work / f"churn-node-{i}") for i in range(nodes)]
     kills = max(2, round(0.3 * nodes))
     killed: list[str] = []
@@ -1017,8 +1177,11 @@ def run_churn(work: Path, nodes: int, say: Callable[[str], None]) -> dict:
             say(f"churn: killed {victim[-6:]} during leases")
         at_last_kill = hub.status().step
         try:
-            wait_until(lambda: (s := hub.status()) and s.step >= at_last_kill + STEPS_AFTER_CHURN, 300,
-                       "the run to keep stepping after the kills")
+            wait_until(
+                lambda: (s := hub.status()) and s.step >= at_last_kill + STEPS_AFTER_CHURN,
+                300,
+                "the run to keep stepping after the kills",
+            )
             continued = True
         except TimeoutError:
             continued = False
@@ -1027,11 +1190,13 @@ def run_churn(work: Path, nodes: int, say: Callable[[str], None]) -> dict:
         # Survivors that finished the snapshot whose broadcast lost a node (the ones killed later,
         # during leases, are not survivors).
         with_snapshot = len(finished & alive.keys())
-        return {"killed": len(killed), "survivors_with_snapshot": with_snapshot, "survivors": len(alive),
-                "run_completed": continued and code in (0, 130) and final is not None and not final.running}
+        return {
+            "killed": len(killed),
+            "survivors_with_snapshot": with_snapshot,
+            "survivors": len(alive),
+            "run_completed": continued and code in (0, 130) and final is not None and not final.running,
+        }
     finally:
         for p in procs:
             p.kill()
         hub.kill()
-
-

@@ -27,8 +27,16 @@ from pathlib import Path
 from shared.logs import capture_output
 
 PRELOAD = (
-    "hub.cli.main", "hub.cli.run", "hub.training.loop", "hub.service.handlers", "hub.cli.local_nodes",
-    "node.cli", "node.run", "node.hf_engine", "libp2p", "transformers.models.qwen2.modeling_qwen2",
+    "hub.cli.main",
+    "hub.cli.run",
+    "hub.training.loop",
+    "hub.service.handlers",
+    "hub.cli.local_nodes",
+    "node.cli",
+    "node.run",
+    "node.hf_engine",
+    "libp2p",
+    "transformers.models.qwen2.modeling_qwen2",
 )
 _CONTEXT = multiprocessing.get_context("forkserver")
 CLONE_NEWNET = 0x40000000
@@ -98,8 +106,9 @@ def _main(module: str, argv: list[str], out_path: str, env: dict[str, str], netn
     sys.exit(code)
 
 
-def spawn(module: str, argv: Sequence[str], out_path: str, env: Mapping[str, str] | None = None,
-          netns: str | None = None, nice: int = 0) -> Forked:
+def spawn(
+    module: str, argv: Sequence[str], out_path: str, env: Mapping[str, str] | None = None, netns: str | None = None, nice: int = 0
+) -> Forked:
     """`python -m module *argv` with stdout and stderr appended to `out_path`, forked from the server; inside
     network namespace `netns` when given, at CPU priority `nice` (added to the server's)."""
     _CONTEXT.set_forkserver_preload(list(PRELOAD))

@@ -106,12 +106,14 @@ def start_hub(data_dir: Path, *args: str, port: int = 0, wait: bool = True, comm
     argv = ["start", "--data-dir", str(data_dir), "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--no-progress", *args]
     if command_line:
         with log.open("wb") as out:
-            process = subprocess.Popen([sys.executable, "-m", "hub.cli.main", *argv], stdout=out,
-                                       stderr=subprocess.STDOUT, env=_env())
+            process = subprocess.Popen(
+                [sys.executable, "-m", "hub.cli.main", *argv], stdout=out, stderr=subprocess.STDOUT, env=_env()
+            )
     else:
         process = forked.spawn("hub.cli.main", argv, str(log), _env())
     hub = HubProc(process, log, "", data_dir)
     if wait:
+
         def printed() -> str | None:
             if process.poll() is not None:
                 raise RuntimeError(f"hub exited with {process.returncode}:\n{hub.output()[-3000:]}")
@@ -137,8 +139,22 @@ def with_model(args: tuple[str, ...]) -> tuple[str, ...]:
 def start_node(hub_addr: str, data_dir: Path, *args: str, price: float = 0.35, nice: int = 0) -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / f"node-{time.time_ns()}.out"
-    argv = ["join", "--hub", hub_addr, "--price", str(price), "--backend", "hf",
-            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *with_model(args)]
+    argv = [
+        "join",
+        "--hub",
+        hub_addr,
+        "--price",
+        str(price),
+        "--backend",
+        "hf",
+        "--device",
+        "cpu",
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        *with_model(args),
+    ]
     process = forked.spawn("node.cli", argv, str(log), _env(), nice=nice)
     return Proc(process, log)
 
@@ -167,8 +183,22 @@ QUIET_NODE = ("--max-rollouts-per-s", "0.05")
 def start_test_node(hub_addr: str, data_dir: Path, *args: str, module: str = "testbed.recording_node") -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "node.out"
-    argv = ["join", "--hub", hub_addr, "--price", "0.35", "--backend", "hf",
-            "--device", "cpu", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *with_model(args)]
+    argv = [
+        "join",
+        "--hub",
+        hub_addr,
+        "--price",
+        "0.35",
+        "--backend",
+        "hf",
+        "--device",
+        "cpu",
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        *with_model(args),
+    ]
     return Proc(forked.spawn(module, argv, str(log), _env()), log)
 
 
@@ -192,9 +222,7 @@ def assert_installed_bit_exact(node_dir: Path, hub_dir: Path, version: int) -> N
     hub_file = snapshot_paths(hub_dir / "snapshots", version)[0].read_bytes()
     tensors = safetensors_load(hub_file)  # the safetensors library reads our streamed files
     record = json.loads((node_dir / "installed" / f"v{version}.json").read_text())
-    assert record == {
-        "version": version, "bytes_blake3": blake3_hex(hub_file), "model_digest": weights_digest(tensors, tensors)
-    }
+    assert record == {"version": version, "bytes_blake3": blake3_hex(hub_file), "model_digest": weights_digest(tensors, tensors)}
 
 
 def node_states(hub) -> dict[str, object]:

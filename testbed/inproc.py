@@ -33,8 +33,15 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # No audits, full-size leases from the first one, limits far above what a test drives; checks in a thread of the
 # hub's process (no check workers to spawn: tests of the pool ask for one).
 PERMISSIVE_TRUST = TrustConfig(
-    audit_rate=0.0, audit_first_n=0, trusted_after_audits=0, max_open_leases_per_peer=64, max_open_leases_per_ip=100_000,
-    requests_per_s=1e5, request_burst=100_000, max_streams_per_peer=1024, max_connections_per_ip=100_000,
+    audit_rate=0.0,
+    audit_first_n=0,
+    trusted_after_audits=0,
+    max_open_leases_per_peer=64,
+    max_open_leases_per_ip=100_000,
+    requests_per_s=1e5,
+    request_burst=100_000,
+    max_streams_per_peer=1024,
+    max_connections_per_ip=100_000,
     check_procs=0,
 )
 # A small hub that trusts everyone: for tests and benches of the protocol, not of the audits.
@@ -62,8 +69,9 @@ class LearnerAt:
 
 def open_core(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, learner: LearnerAt) -> HubCore:
     """The hub's state over DATA_DIR's store, built as `echo-hub start` builds it, its learner `learner`."""
-    return build_hub_state(config.model_copy(update={"data_dir": Path(data_dir)}), Path(model_dir), shelf,
-                           learner.min_useful_version)
+    return build_hub_state(
+        config.model_copy(update={"data_dir": Path(data_dir)}), Path(model_dir), shelf, learner.min_useful_version
+    )
 
 
 def open_state(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, learner: LearnerAt) -> HubState:
@@ -98,7 +106,9 @@ class InprocHub:
         """What a misbehaving node must not be able to move: accepted work, money, what the learner will train on."""
         state = self.state
         return (
-            state.totals.groups.accepted, dict(state.totals.paid_usd), len(state.buffer),
+            state.totals.groups.accepted,
+            dict(state.totals.paid_usd),
+            len(state.buffer),
             tuple(sorted((n.peer_id, n.tallies.accepted) for n in state.fleet.nodes.values())),
         )
 
@@ -107,10 +117,14 @@ def scheduler_off(config: HubConfig, state: HubState) -> Scheduler:
     """The hub's Scheduler with its capacity model off (every measured node works; the silent are dropped), told of
     every membership change as `echo-hub start` tells it. The learner never steps here: no T_train, no T_bcast."""
     lc = config.learner
-    timing = LearnerTiming(lc.effective_kappa, lc.prompts_per_step * lc.group_size, state.measurements,
-                           staleness=lc.staleness, rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size)
-    scheduler = Scheduler(config.scheduler.model_copy(update={"enabled": False}), state.fleet, timing,
-                          state.membership.set_state)
+    timing = LearnerTiming(
+        lc.effective_kappa,
+        lc.prompts_per_step * lc.group_size,
+        state.measurements,
+        staleness=lc.staleness,
+        rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size,
+    )
+    scheduler = Scheduler(config.scheduler.model_copy(update={"enabled": False}), state.fleet, timing, state.membership.set_state)
     state.membership.on_change.append(scheduler.poke)
     return scheduler
 
@@ -134,12 +148,22 @@ async def inproc_hub(
         weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     async with running_host(identity, [LOOPBACK], config.trust.max_connections_per_ip) as (host, addrs):
         status = StatusBoard(
-            RunInfo(identity.peer_id, tuple(addrs), 0, config.learner.staleness, config.learner.effective_kappa,
-                    config.task, config.broadcast.mode),
-            data_dir, state, learner_step=lambda: learner.step,
+            RunInfo(
+                identity.peer_id,
+                tuple(addrs),
+                0,
+                config.learner.staleness,
+                config.learner.effective_kappa,
+                config.task,
+                config.broadcast.mode,
+            ),
+            data_dir,
+            state,
+            learner_step=lambda: learner.step,
         )
-        service = build_hub_service(host, identity, config, state, shelf, status.encoded, core.context_tokens,
-                                    model_offer=core.model_offer)
+        service = build_hub_service(
+            host, identity, config, state, shelf, status.encoded, core.context_tokens, model_offer=core.model_offer
+        )
         hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, learner)
         hub.publish(0)
         try:
@@ -158,4 +182,3 @@ async def wait_state(hub: InprocHub, peer_id: str, state: str, timeout_s: float 
     with trio.fail_after(timeout_s):
         while (record := hub.state.fleet.get(peer_id)) is None or record.state != state:
             await trio.sleep(0.01)
-

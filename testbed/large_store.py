@@ -45,8 +45,7 @@ def _verdict(prompt_id: str, version: int, group_size: int, accepted: bool) -> G
     """A group of `group_size` short completions and the hub's verdict on it (the same prompt and version: the same
     group, built once)."""
     completions = tuple(
-        Completion(token_ids=(5, 6, 7, 2), logprobs=(-0.1, -0.2, -0.3, -0.4), finish_reason="stop", version=version,
-                   text="abc")
+        Completion(token_ids=(5, 6, 7, 2), logprobs=(-0.1, -0.2, -0.3, -0.4), finish_reason="stop", version=version, text="abc")
         for _ in range(group_size)
     )
     rewards = tuple(float(i % 2) for i in range(group_size))
@@ -59,8 +58,9 @@ class _History:
     """The build's clock, pending groups and the writes queued for the next batch: each write is a closure run
     inside `Store.write_batch`, in order, so a step takes the ids of groups written before it in the same batch."""
 
-    def __init__(self, store: Store, nodes: list[str], group_size: int, leases: int, lease_prefix: str,
-                 interval_s: float) -> None:
+    def __init__(
+        self, store: Store, nodes: list[str], group_size: int, leases: int, lease_prefix: str, interval_s: float
+    ) -> None:
         self.store = store
         self.lease_prefix = lease_prefix
         self.nodes = nodes
@@ -107,9 +107,21 @@ class _History:
     def step(self, step: int) -> None:
         """The learner's step: drops the oldest pending group as stale, trains on the others but the newest, which
         waits in the buffer for the next step."""
-        record = StepRecord(step=step, version=step, reward_mean=0.5, reward_std=0.5, staleness_mean=1.0,
-                            staleness_max=STALENESS, dropped_stale=1, t_train_s=0.1, t_idle_s=0.0, bubble=0.0,
-                            tokens=64, clip_frac=0.0, extra={"staleness_budget": STALENESS, "rollout_reward_mean": 0.5})
+        record = StepRecord(
+            step=step,
+            version=step,
+            reward_mean=0.5,
+            reward_std=0.5,
+            staleness_mean=1.0,
+            staleness_max=STALENESS,
+            dropped_stale=1,
+            t_train_s=0.1,
+            t_idle_s=0.0,
+            bubble=0.0,
+            tokens=64,
+            clip_frac=0.0,
+            extra={"staleness_budget": STALENESS, "rollout_reward_mean": 0.5},
+        )
 
         def commit() -> None:
             pending = list(self.pending)
@@ -119,9 +131,17 @@ class _History:
         self.queue(commit)
 
 
-def build_large_store(data_dir: Path, steps: int, leases: int, *, nodes: int = 32, group_size: int = 2,
-                      vouch_needed: bool = True, retained: bool = True,
-                      lease_interval_s: float = LEASE_INTERVAL_S) -> LargeStore:
+def build_large_store(
+    data_dir: Path,
+    steps: int,
+    leases: int,
+    *,
+    nodes: int = 32,
+    group_size: int = 2,
+    vouch_needed: bool = True,
+    retained: bool = True,
+    lease_interval_s: float = LEASE_INTERVAL_S,
+) -> LargeStore:
     """Append `steps` steps and `leases` leases of history to DATA_DIR's store (created if missing). `retained`
     False: no retention at the end (tests of retention itself)."""
     store = Store(Path(data_dir) / HUB_STORE_FILE)
@@ -137,11 +157,11 @@ def build_large_store(data_dir: Path, steps: int, leases: int, *, nodes: int = 3
                 history.lease(step - 1)
             history.step(step)
             if step % RETAIN_EVERY_STEPS == 0:
-                history.queue(functools.partial(
-                    store.retain, step - STALENESS, history.now() - CLOSED_RETAINED_S, vouch_needed))
+                history.queue(functools.partial(store.retain, step - STALENESS, history.now() - CLOSED_RETAINED_S, vouch_needed))
         if retained:  # the hub retains every minute: a store it left behind has little left to retain
-            history.queue(functools.partial(
-                store.retain, first + steps - 1 - STALENESS, history.now() - CLOSED_RETAINED_S, vouch_needed))
+            history.queue(
+                functools.partial(store.retain, first + steps - 1 - STALENESS, history.now() - CLOSED_RETAINED_S, vouch_needed)
+            )
         history.flush()
         store.checkpoint()
         return LargeStore(store.path, first + steps - 1, leases)

@@ -33,8 +33,13 @@ ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
 
 
 def random_model_dir(
-    out_dir: Path, arch: str = "qwen2", hidden: int = 64, layers: int = 2, tokenizer_dir: Path | None = None,
-    seed: int = 0, tie_word_embeddings: bool = True,
+    out_dir: Path,
+    arch: str = "qwen2",
+    hidden: int = 64,
+    layers: int = 2,
+    tokenizer_dir: Path | None = None,
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> Path:
     """A random-init causal LM of `arch` saved with save_pretrained (and the default model's tokenizer) in
     `out_dir`: what an operator's `--model DIR` holds, built locally from the config class, no download.
@@ -51,10 +56,18 @@ def random_model_dir(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or ensure_default_model(progress=False))
     heads = max(1, hidden // 64)
     config = classes[arch](
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=min(2, heads), head_dim=hidden // heads,
-        max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=min(2, heads),
+        head_dim=hidden // heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     from transformers import AutoModelForCausalLM
 

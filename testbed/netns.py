@@ -105,14 +105,39 @@ class Topology:
             _run("ip", "-n", home, "route", "add", "default", "via", f"192.168.{i}.1")
             inside = ("ip", "netns", "exec", router)
             _run(*inside, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-            _run(*inside, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"192.168.{i}.0/24", "-o", "wan",
-                 "-j", "MASQUERADE")
-            _run(*inside, "iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate",
-                 "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            _run(
+                *inside, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"192.168.{i}.0/24", "-o", "wan", "-j", "MASQUERADE"
+            )
+            _run(
+                *inside,
+                "iptables",
+                "-A",
+                "FORWARD",
+                "-i",
+                "wan",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "ESTABLISHED,RELATED",
+                "-j",
+                "ACCEPT",
+            )
             _run(*inside, "iptables", "-A", "FORWARD", "-i", "wan", "-j", "DROP")
             # Nor does it answer what it did not ask for itself: silence, not a reset, as home routers do.
-            _run(*inside, "iptables", "-A", "INPUT", "-i", "wan", "-m", "conntrack", "--ctstate",
-                 "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            _run(
+                *inside,
+                "iptables",
+                "-A",
+                "INPUT",
+                "-i",
+                "wan",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "ESTABLISHED,RELATED",
+                "-j",
+                "ACCEPT",
+            )
             _run(*inside, "iptables", "-A", "INPUT", "-i", "wan", "-j", "DROP")
 
     def close(self) -> None:
@@ -128,17 +153,51 @@ class Topology:
 
     def start_hub(self, hub_dir: Path, *args: str) -> HubProc:
         """`echo-hub start` on the public segment at HUB_IP (no local nodes); returns once it printed its id."""
-        hub = self.start(self.public, hub_dir, "hub.cli.main", [
-            "start", "--data-dir", str(hub_dir), "--listen",
-            f"/ip4/{HUB_IP}/tcp/{HUB_PORT}", "--no-progress", "--local-nodes", "0", "--steps", "0", *args,
-        ])
-        peer = wait_until(lambda: next((line.split()[1] for line in hub.output().splitlines()
-                                        if line.startswith("echo-hub 12D3")), None), 60, "the hub to start")
+        hub = self.start(
+            self.public,
+            hub_dir,
+            "hub.cli.main",
+            [
+                "start",
+                "--data-dir",
+                str(hub_dir),
+                "--listen",
+                f"/ip4/{HUB_IP}/tcp/{HUB_PORT}",
+                "--no-progress",
+                "--local-nodes",
+                "0",
+                "--steps",
+                "0",
+                *args,
+            ],
+        )
+        peer = wait_until(
+            lambda: next((line.split()[1] for line in hub.output().splitlines() if line.startswith("echo-hub 12D3")), None),
+            60,
+            "the hub to start",
+        )
         return HubProc(hub.process, hub.log, f"/ip4/{HUB_IP}/tcp/{HUB_PORT}/p2p/{peer}", hub_dir)
 
     def start_node(self, ns: str, data_dir: Path, listen: str, hub_addr: str, *args: str) -> Proc:
         """A recording `echo-node join` (testbed/recording_node.py) inside `ns`."""
-        return self.start(ns, data_dir, "testbed.recording_node", [
-            "join", "--hub", hub_addr, "--price", "0.35",
-            "--backend", "hf", "--device", "cpu", "--data-dir", str(data_dir), "--listen", listen, *with_model(args),
-        ])
+        return self.start(
+            ns,
+            data_dir,
+            "testbed.recording_node",
+            [
+                "join",
+                "--hub",
+                hub_addr,
+                "--price",
+                "0.35",
+                "--backend",
+                "hf",
+                "--device",
+                "cpu",
+                "--data-dir",
+                str(data_dir),
+                "--listen",
+                listen,
+                *with_model(args),
+            ],
+        )

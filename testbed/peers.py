@@ -23,14 +23,7 @@ from node.client import HubClient
 from node.keeper import SnapshotKeeper, Upstream
 from shared.bulk import BulkChannel, serving_stream
 from shared.crypto import Identity
-from shared.messages import (
-    RELAY_PROTOCOL,
-    REPORT_PROTOCOL,
-    SNAPSHOT_PROTOCOL,
-    BadChunkReport,
-    SnapshotRequest,
-    TransferAck,
-)
+from shared.messages import RELAY_PROTOCOL, REPORT_PROTOCOL, SNAPSHOT_PROTOCOL, BadChunkReport, SnapshotRequest, TransferAck
 from shared.model_io import build_snapshot
 from shared.net import RateLimiter, connect, remote_peer_id, running_host, set_handler
 from shared.snapshot import Snapshot
@@ -60,7 +53,7 @@ def random_snapshot(identity: Identity, version: int, size_bytes: int, chunk_byt
 
 
 def evolving_snapshots(
-    identity: Identity, versions: int, elements: int, changed: int, chunk_bytes: int, seed: int = 0,
+    identity: Identity, versions: int, elements: int, changed: int, chunk_bytes: int, seed: int = 0
 ) -> list[tuple[Snapshot, Snapshot | None]]:
     """`versions` bf16 snapshots of one random tensor, `changed` elements moved between consecutive ones,
     each after the first with its signed delta against the one before (what the hub's learner publishes)."""
@@ -76,8 +69,9 @@ def evolving_snapshots(
         if version:
             where = torch.randperm(elements, generator=generator)[:changed]
             weights[where] += 0.5 + torch.rand(changed, generator=generator)  # far above bf16's resolution
-        snapshot = build_snapshot({"w": weights}, version, identity, CONFIG_HASH, directory, dtype=torch.bfloat16,
-                                  chunk_size=chunk_bytes)
+        snapshot = build_snapshot(
+            {"w": weights}, version, identity, CONFIG_HASH, directory, dtype=torch.bfloat16, chunk_size=chunk_bytes
+        )
         built = build_delta_snapshot(out[-1][0], snapshot, identity, directory, 1.0) if out else None
         out.append((snapshot, None if built is None else built[0]))
     return out
@@ -117,7 +111,7 @@ class HubPeer:
 
 @asynccontextmanager
 async def hub_peer(
-    identity: Identity, uplink: HubUplink | None = None, source: ChunkSource | None = None, bulk: bool = False,
+    identity: Identity, uplink: HubUplink | None = None, source: ChunkSource | None = None, bulk: bool = False
 ) -> AsyncIterator[HubPeer]:
     """`bulk`: serve on a bulk channel (shared/bulk.py) to receivers that ask for it."""
     shelf = SnapshotShelf(keep=4)
@@ -156,8 +150,12 @@ class NodePeer:
 
 @asynccontextmanager
 async def node_peer(
-    hub: HubPeer, limiter: RateLimiter | None = None, keeper_class: type[SnapshotKeeper] = SnapshotKeeper,
-    stall_s: float = STALL_S, read: Callable[[Path], object] = Path.read_bytes, bulk: bool = False,
+    hub: HubPeer,
+    limiter: RateLimiter | None = None,
+    keeper_class: type[SnapshotKeeper] = SnapshotKeeper,
+    stall_s: float = STALL_S,
+    read: Callable[[Path], object] = Path.read_bytes,
+    bulk: bool = False,
 ) -> AsyncIterator[NodePeer]:
     """A node connected to `hub` (as its hub link would be), keeper running; leaving the block kills it.
 
@@ -175,8 +173,18 @@ async def node_peer(
             node.installed_at[version] = time.monotonic()
 
         client = HubClient(host, identity, hub.addr)
-        keeper = keeper_class(host, identity, hub.peer_id, scratch_dir(), install, limiter, on_installed=lambda version: None,
-                              report=client.report, stall_s=stall_s, bulk=channel)
+        keeper = keeper_class(
+            host,
+            identity,
+            hub.peer_id,
+            scratch_dir(),
+            install,
+            limiter,
+            on_installed=lambda version: None,
+            report=client.report,
+            stall_s=stall_s,
+            bulk=channel,
+        )
         node = NodePeer(identity, host, addrs[0], keeper)
         on_chunk = keeper._on_chunk
 

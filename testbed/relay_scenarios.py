@@ -38,7 +38,12 @@ KIB = 1024
 def join(fleet: Fleet, node: NodePeer, probed: bool = True) -> NodeRecord:
     """`node` joined; `probed`: and the hub's dial-back answered at its address (peers are told only such a one)."""
     request = JoinRequest(
-        price_per_hour=0.5, hardware="test", link_bps=1e9, backend="hf", dtype="float32", model_config_hash="0" * 64,
+        price_per_hour=0.5,
+        hardware="test",
+        link_bps=1e9,
+        backend="hf",
+        dtype="float32",
+        model_config_hash="0" * 64,
         listen_addrs=(node.addr,),
     )
     record = fleet.join(node.peer_id, request, "127.0.0.1", time.time())
@@ -56,7 +61,7 @@ class Hub:
         self.banned: list[tuple[str, str]] = []
         self.t_bcast: list[tuple[int, float]] = []
         self.broadcaster = Broadcaster(
-            peer.host, self.fleet, peer.shelf, mode, None, ban=self.ban, event=self.event, record_t_bcast=self.record,
+            peer.host, self.fleet, peer.shelf, mode, None, ban=self.ban, event=self.event, record_t_bcast=self.record
         )
         set_handler(peer.host, REPORT_PROTOCOL, self.on_report, logging.getLogger("tests.hub"))
 
@@ -95,7 +100,6 @@ class Hub:
             await trio.sleep(period_s)
 
 
-
 async def genuine_commitment(puller: NodePeer, relay: NodePeer, version: int, index: int) -> tuple[str, str]:
     """(blake3, commitment) the relay really sends for one chunk: what a framer could replay to the hub."""
     await connect(puller.host, relay.addr)
@@ -104,8 +108,7 @@ async def genuine_commitment(puller: NodePeer, relay: NodePeer, version: int, in
     await read_frame(stream, TRANSFER_CAPS)
     _, frame = await read_frame(stream, TRANSFER_CAPS)
     await stream.reset()
-    return blake3_hex(frame[CHUNK_HEADER.size:-SIGNATURE_BYTES]), frame[-SIGNATURE_BYTES:].hex()
-
+    return blake3_hex(frame[CHUNK_HEADER.size : -SIGNATURE_BYTES]), frame[-SIGNATURE_BYTES:].hex()
 
 
 async def pull(node, sender, version, newer_than=None, signer=None, **request):
@@ -120,7 +123,11 @@ async def pull(node, sender, version, newer_than=None, signer=None, **request):
 
     try:
         await receive_snapshot(
-            stream, SnapshotRequest(version=version, **request), signer or sender.peer_id, sender.peer_id, newer_than,
+            stream,
+            SnapshotRequest(version=version, **request),
+            signer or sender.peer_id,
+            sender.peer_id,
+            newer_than,
             assembler_for,
         )
     except Exception as exc:  # noqa: BLE001 - the tests assert on it
@@ -150,8 +157,13 @@ async def scenario_framed_relay() -> ScenarioResult:
     commitment replayed, no evidence) and one report naming a peer that is not the reporter's upstream.
     Caught: the two liars with proof banned, the unproven one acted on by nobody, the stranger refused."""
     hub_id = Identity.generate()
-    async with hub_peer(hub_id) as peer, node_peer(peer) as honest, node_peer(peer) as forger, \
-            node_peer(peer) as replayer, node_peer(peer) as grumbler:
+    async with (
+        hub_peer(hub_id) as peer,
+        node_peer(peer) as honest,
+        node_peer(peer) as forger,
+        node_peer(peer) as replayer,
+        node_peer(peer) as grumbler,
+    ):
         hub = Hub(peer, "chain")
         peer.shelf.add(random_snapshot(hub_id, 0, 256 * KIB, 64 * KIB))
         honest.keeper.update(0, HUB, replayer.peer_id)
@@ -184,8 +196,13 @@ async def scenario_framed_relay() -> ScenarioResult:
     ]
     wronged = honest.peer_id in banned or hub.fleet.get(honest.peer_id).state == "banned"
     accepted = sum(1 for r in (forged, replayed, unproven) if r.ok)
-    return ScenarioResult("framed_relay", attempts=4, detected=sum(caught), accepted=accepted,
-                          false_rejections=int(wronged) + sum(1 for _, why in hub.banned if "false report" not in why))
+    return ScenarioResult(
+        "framed_relay",
+        attempts=4,
+        detected=sum(caught),
+        accepted=accepted,
+        false_rejections=int(wronged) + sum(1 for _, why in hub.banned if "false report" not in why),
+    )
 
 
 async def scenario_forged_manifest() -> ScenarioResult:
@@ -203,14 +220,23 @@ async def scenario_forged_manifest() -> ScenarioResult:
         def report(sent, asked: int = 2) -> BadChunkReport:
             digest = blake3_hex(sent.signed.to_bytes())
             sig = relay.sign(commitment_payload("manifest", asked, 0, digest))
-            return BadChunkReport(upstream=relay.peer_id, kind="manifest", version=asked, digest_hex=digest,
-                                  commitment_hex=sig.hex())
+            return BadChunkReport(
+                upstream=relay.peer_id, kind="manifest", version=asked, digest_hex=digest, commitment_hex=sig.hex()
+            )
 
-        verdicts = [hub.broadcaster.judge(report(forged)), hub.broadcaster.judge(report(old)),
-                    hub.broadcaster.judge(report(new)), hub.broadcaster.judge(report(new, asked=9))]
+        verdicts = [
+            hub.broadcaster.judge(report(forged)),
+            hub.broadcaster.judge(report(old)),
+            hub.broadcaster.judge(report(new)),
+            hub.broadcaster.judge(report(new, asked=9)),
+        ]
     expected = ["accused", "accused", "reporter", "unknown"]
-    return ScenarioResult("forged_manifest", attempts=4, detected=sum(v == e for v, e in zip(verdicts, expected)),
-                          false_rejections=sum(v != e for v, e in zip(verdicts, expected)))
+    return ScenarioResult(
+        "forged_manifest",
+        attempts=4,
+        detected=sum(v == e for v, e in zip(verdicts, expected)),
+        false_rejections=sum(v != e for v, e in zip(verdicts, expected)),
+    )
 
 
 async def scenario_stalling_relay() -> ScenarioResult:
@@ -221,8 +247,10 @@ async def scenario_stalling_relay() -> ScenarioResult:
     snapshot = random_snapshot(hub_id, 3, 256 * KIB, 64 * KIB)
     async with hub_peer(hub_id) as hub:
         hub.shelf.add(snapshot)
-        async with hub_peer(Identity.generate(), source=StallingSource(hub.shelf)) as staller, \
-                node_peer(hub, stall_s=1.0) as sink:
+        async with (
+            hub_peer(Identity.generate(), source=StallingSource(hub.shelf)) as staller,
+            node_peer(hub, stall_s=1.0) as sink,
+        ):
             sink.keeper.update(3, Upstream(staller.peer_id, (staller.addr,)), None)
             await wait_installed([sink], 3, timeout_s=15)
     reported = bool(hub.reports) and all((r.upstream, r.kind) == (staller.peer_id, "unproven") for _, r in hub.reports)
@@ -249,8 +277,9 @@ async def scenario_serving_strangers() -> ScenarioResult:
             refused = reply.code == RejectCode.NOT_UPSTREAM and time.monotonic() - started < 10
             assembler, error = await pull(successor, relay, 1, signer=hub_id.peer_id)
     served = error is None and assembler.complete
-    return ScenarioResult("serving_strangers", attempts=1, detected=int(refused), accepted=int(not refused),
-                          false_rejections=int(not served))
+    return ScenarioResult(
+        "serving_strangers", attempts=1, detected=int(refused), accepted=int(not refused), false_rejections=int(not served)
+    )
 
 
 RELAY_SCENARIOS = {

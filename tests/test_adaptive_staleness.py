@@ -42,8 +42,9 @@ def test_auto_staleness_lowers_s_when_drift_nears_its_bound(tmp_path: Path):
     config = tmp_path / "hub.toml"
     config.write_text("[learner]\nstaleness_auto = true\nstaleness = 3\nstaleness_max = 3\ndrift_max = 0.0001\n")
     data = tmp_path / "data"
-    hub = start_hub(data, "--config", str(config), "--local-nodes", "2", "--steps", str(STEPS),
-                    "--prompts-per-step", "8", "--group-size", "4")
+    hub = start_hub(
+        data, "--config", str(config), "--local-nodes", "2", "--steps", str(STEPS), "--prompts-per-step", "8", "--group-size", "4"
+    )
     try:
         assert hub.process.wait(timeout=500) == 0, hub.output()[-3000:]
     finally:
@@ -57,8 +58,7 @@ def test_auto_staleness_lowers_s_when_drift_nears_its_bound(tmp_path: Path):
     assert max(r["staleness_max"] for r in rows) <= 3
     status = hub.status()
     assert status is not None and (status.staleness, status.kappa) == (1, 1)
-    assert [m.reason for m in status.staleness_moves] == [StalenessReason.START, StalenessReason.DRIFT,
-                                                          StalenessReason.DRIFT]
+    assert [m.reason for m in status.staleness_moves] == [StalenessReason.START, StalenessReason.DRIFT, StalenessReason.DRIFT]
     assert [m.staleness for m in status.staleness_moves] == [3, 2, 1]
     events = [d for (d,) in query(data, "SELECT detail FROM events WHERE kind = 'staleness' ORDER BY id")]
     assert len(events) == 2 and all(StalenessReason.DRIFT.value in d for d in events), events
@@ -115,9 +115,11 @@ def test_status_and_dashboard_show_s_over_time_and_why():
     from tests.test_tui import hub_status
     from tui.hub_app import learner_text
 
-    moves = (StalenessMove(step=0, staleness=1, kappa=1, reason=StalenessReason.START),
-             StalenessMove(step=6, staleness=2, kappa=1, reason=StalenessReason.POOL_SHORT, drift=0.01),
-             StalenessMove(step=9, staleness=1, kappa=1, reason=StalenessReason.DRIFT, drift=0.09))
+    moves = (
+        StalenessMove(step=0, staleness=1, kappa=1, reason=StalenessReason.START),
+        StalenessMove(step=6, staleness=2, kappa=1, reason=StalenessReason.POOL_SHORT, drift=0.01),
+        StalenessMove(step=9, staleness=1, kappa=1, reason=StalenessReason.DRIFT, drift=0.09),
+    )
     status = hub_status().model_copy(update={"staleness_moves": moves, "staleness": 1, "kappa": 1})
     expected = "S=1 at step 0 (start), S=2 at step 6 (pool short of mu_min), S=1 at step 9 (drift near its bound)"
     out = io.StringIO()

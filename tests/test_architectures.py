@@ -34,8 +34,14 @@ def test_snapshot_install_and_audit_for_each_architecture(tmp_path, arch, dtype)
         for p in trained.parameters():
             p.add_(0.02 * torch.randn_like(p))
     shelf = SnapshotShelf(keep=2, directory=tmp_path / "snapshots")
-    snapshot = build_snapshot(trained.state_dict(), 3, Identity.generate(), model_dir_config_hash(model_dir),
-                              tmp_path / "snapshots", dtype=getattr(torch, dtype))
+    snapshot = build_snapshot(
+        trained.state_dict(),
+        3,
+        Identity.generate(),
+        model_dir_config_hash(model_dir),
+        tmp_path / "snapshots",
+        dtype=getattr(torch, dtype),
+    )
     shelf.add(snapshot)
 
     engine = HFEngine(model_dir, dtype=dtype)
@@ -48,8 +54,13 @@ def test_snapshot_install_and_audit_for_each_architecture(tmp_path, arch, dtype)
     outputs = engine.generate([p.text for p in prompts], 4, SAMPLING)
     auditor = Auditor(model_dir, shelf, SAMPLING, TrustConfig(), dtype)
     for prompt, completions in zip(prompts, outputs):
-        group = Group(prompt_id=prompt.id, prompt_text=prompt.text, version=3, completions=tuple(completions),
-                      rewards=(0.0,) * len(completions))
+        group = Group(
+            prompt_id=prompt.id,
+            prompt_text=prompt.text,
+            version=3,
+            completions=tuple(completions),
+            rewards=(0.0,) * len(completions),
+        )
         result = auditor.audit(group, 3)
         assert result.passed, (arch, dtype, result)
         if dtype == "float32":

@@ -51,8 +51,17 @@ CONFIG = PERMISSIVE_CONFIG
 
 def join_json(hub: InprocHub, **fields) -> bytes:
     """A JoinRequest frame built by hand, so it can say what our own models refuse to build."""
-    body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf", "dtype": "float32",
-            "model_config_hash": hub.config_hash, "version_held": 0, "listen_addrs": [], **fields}
+    body = {
+        "price_per_hour": 0.5,
+        "hardware": "x",
+        "link_bps": 1e8,
+        "backend": "hf",
+        "dtype": "float32",
+        "model_config_hash": hub.config_hash,
+        "version_held": 0,
+        "listen_addrs": [],
+        **fields,
+    }
     return encode_frame(JoinRequest.TYPE, json.dumps(body).encode())
 
 
@@ -71,7 +80,8 @@ HOSTILE_JOINS = {
     "a version past SQLite's INTEGER": {"version_held": 2**70},
     f"{MAX_LISTEN_ADDRS + 1} listen addresses": {"listen_addrs": ["/ip4/1.2.3.4/tcp/1"] * (MAX_LISTEN_ADDRS + 1)},
     f"a listen address of {MAX_ADDR_CHARS + 1} characters": {
-        "listen_addrs": ["/dns4/" + "a" * (MAX_ADDR_CHARS + 1 - len("/dns4//tcp/1")) + "/tcp/1"]},
+        "listen_addrs": ["/dns4/" + "a" * (MAX_ADDR_CHARS + 1 - len("/dns4//tcp/1")) + "/tcp/1"]
+    },
     "a listen address with a terminal escape": {"listen_addrs": ["/ip4/1.2.3.4/tcp/1\x1b[2J"]},
     "hardware with control characters": {"hardware": "GPU\x1b]0;owned\x07"},
 }
@@ -95,9 +105,17 @@ def test_what_the_bounds_admit_stays_inside_every_reply_and_every_planner():
     # The longest upstream address list a heartbeat reply can carry fits its frame cap.
     tail = "/tcp/65535/p2p/" + "1" * 128
     addr = "/dns4/" + "a" * (MAX_ADDR_CHARS - len("/dns4/") - len(tail)) + tail
-    reply = HeartbeatReply(state="active", latest_version=2**53, upstream="1" * 128, upstream_addrs=(addr,) * MAX_LISTEN_ADDRS,
-                           downstream="1" * 128, chain=10**6, chain_position=10**6,
-                           downstream_addrs=(addr,) * MAX_LISTEN_ADDRS, heartbeat_period_s=599.9999999999999)
+    reply = HeartbeatReply(
+        state="active",
+        latest_version=2**53,
+        upstream="1" * 128,
+        upstream_addrs=(addr,) * MAX_LISTEN_ADDRS,
+        downstream="1" * 128,
+        chain=10**6,
+        chain_position=10**6,
+        downstream_addrs=(addr,) * MAX_LISTEN_ADDRS,
+        heartbeat_period_s=599.9999999999999,
+    )
     assert len(reply.model_dump_json()) < HeartbeatReply.MAX_BYTES
     # The smallest link a node may declare against the fastest hub uplink: a number, not an overflow.
     assert num_chains(1e6 * 1e6 / 8, 1e4, max_chains=5000) == 5000
@@ -111,8 +129,9 @@ async def test_strangers_are_refused_before_a_byte_of_their_frames_is_read(tmp_p
             # The header claims 30 MiB; the body never comes. Read first, the hub would wait for it until its handler
             # timed out: half that is the bound, far past any loaded machine's lag.
             with trio.fail_after(HANDLER_TIMEOUT_S / 2):
-                reply = await stranger.send_frame(protocol, HEADER.pack(tag, 30 << 20), SubmitReply, LeaseReply,
-                                                  close_write=False)
+                reply = await stranger.send_frame(
+                    protocol, HEADER.pack(tag, 30 << 20), SubmitReply, LeaseReply, close_write=False
+                )
             assert isinstance(reply, Reject) and reply.code == RejectCode.UNKNOWN_NODE
         # A joined node without a lease to answer may not pin a submission's worth of memory either.
         member = await client(stack, hub)
@@ -121,8 +140,9 @@ async def test_strangers_are_refused_before_a_byte_of_their_frames_is_read(tmp_p
         admit = hub.service.guard.admit
         hub.service.guard.admit = lambda peer, reserve_bytes: reserved.append(reserve_bytes) or admit(peer, reserve_bytes)
         with trio.fail_after(HANDLER_TIMEOUT_S / 2):
-            reply = await member.send_frame(SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, 30 << 20), SubmitReply,
-                                            close_write=False)
+            reply = await member.send_frame(
+                SUBMIT_PROTOCOL, HEADER.pack(Submission.TYPE, 30 << 20), SubmitReply, close_write=False
+            )
         assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_LEASE, reply
         assert reserved == [STRANGER_FRAME_CAP_BYTES]  # what a join takes, not a submission's 32 MiB
         with trio.fail_after(REFUSE_LINGER_S + 1.0):  # released once the refused stream has ended on both sides
@@ -177,8 +197,9 @@ async def test_throwaway_identities_do_not_lock_out_honest_nodes(tmp_path, defau
         with trio.fail_after(20):
             while slots.borrowed_tokens > baseline:
                 await trio.sleep(0.2)
-    config = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(
-        update={"max_connections_per_ip": 3, "idle_connection_s": 1.0})})
+    config = CONFIG.model_copy(
+        update={"trust": PERMISSIVE_TRUST.model_copy(update={"max_connections_per_ip": 3, "idle_connection_s": 1.0})}
+    )
     async with inproc_hub(tmp_path / "capped", default_model_dir, config) as hub, AsyncExitStack() as stack:
         for _ in range(3):
             await client(stack, hub)
@@ -189,8 +210,7 @@ async def test_throwaway_identities_do_not_lock_out_honest_nodes(tmp_path, defau
         with trio.fail_after(10):
             while hub.service.host.get_network().get_connections_map():
                 await trio.sleep(0.2)
-        assert isinstance(await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply),
-                          JoinReply)
+        assert isinstance(await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply), JoinReply)
 
 
 @pytest.mark.trio
@@ -221,7 +241,8 @@ async def test_a_stranger_that_never_answers_identify_does_not_stop_the_hub(tmp_
 
 @pytest.mark.trio
 async def test_a_stranger_sending_garbage_and_redialling_is_let_go_on_time_and_its_refused_streams_end(
-        tmp_path, default_model_dir, monkeypatch):
+    tmp_path, default_model_dir, monkeypatch
+):
     """Untrusted peers, round three, item 11: an outside implementation sending garbage on the join protocol kept
     its connection over 5 minutes, though strangers' connections end after 120 s however busy; and a refused
     stream was left open unread, so the sender's close waited for the connection to die. Now the lifetime
@@ -268,7 +289,8 @@ def hub_status_board(hub: InprocHub):
 
 @pytest.mark.trio
 async def test_the_strangers_status_leaks_nothing_is_built_once_per_period_is_rate_limited_and_always_encodes(
-        tmp_path, default_model_dir, monkeypatch):
+    tmp_path, default_model_dir, monkeypatch
+):
     """Untrusted peers, round three, item 8: events showed strangers a volunteer's price and IP:port; the view was
     rebuilt on the event loop per request from every node ever seen (1.6 -> 13.2 ms after 300 throwaway joins);
     past about 23,000 identities it outgrew its 8 MiB cap and every status reply failed."""
@@ -283,8 +305,9 @@ async def test_the_strangers_status_leaks_nothing_is_built_once_per_period_is_ra
     config = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(update={"status_operators": (operator.peer_id,)})})
     async with inproc_hub(tmp_path, default_model_dir, config) as hub, AsyncExitStack() as stack:
         node = await client(stack, hub)
-        await node.send_frame(JOIN_PROTOCOL, join_json(hub, price_per_hour=7.77, listen_addrs=["/ip4/127.0.0.1/tcp/5297"]),
-                              JoinReply)
+        await node.send_frame(
+            JOIN_PROTOCOL, join_json(hub, price_per_hour=7.77, listen_addrs=["/ip4/127.0.0.1/tcp/5297"]), JoinReply
+        )
         await hub.state.event("join", node.identity.peer_id, "price $7.77/h backend hf at 127.0.0.1:5297")
         stranger = await client(stack, hub)
         seen = await stranger.status(events=50)
@@ -303,12 +326,32 @@ async def test_the_strangers_status_leaks_nothing_is_built_once_per_period_is_ra
         # cap, built once per refresh whoever asks.
         now = time.time()
         for i in range(2_300):
-            hub.state.fleet.put(NodeRecord(peer_id=f"gone{i}", price_per_hour=1.0, link_bps=1e8, backend="hf",
-                                           hardware="x" * 64, listen_addrs=(), remote_ip="10.0.0.1", last_seen=now - 7200,
-                                           state="gone"))
+            hub.state.fleet.put(
+                NodeRecord(
+                    peer_id=f"gone{i}",
+                    price_per_hour=1.0,
+                    link_bps=1e8,
+                    backend="hf",
+                    hardware="x" * 64,
+                    listen_addrs=(),
+                    remote_ip="10.0.0.1",
+                    last_seen=now - 7200,
+                    state="gone",
+                )
+            )
         for i in range(1_200):
-            hub.state.fleet.put(NodeRecord(peer_id=f"live{i}", price_per_hour=1.0, link_bps=1e8, backend="hf",
-                                           hardware="x" * 64, listen_addrs=(), remote_ip="10.0.0.1", last_seen=now))
+            hub.state.fleet.put(
+                NodeRecord(
+                    peer_id=f"live{i}",
+                    price_per_hour=1.0,
+                    link_bps=1e8,
+                    backend="hf",
+                    hardware="x" * 64,
+                    listen_addrs=(),
+                    remote_ip="10.0.0.1",
+                    last_seen=now,
+                )
+            )
         await trio.sleep(status_module.STATUS_MAX_AGE_S + 0.1)  # past the last build: no board.run refreshes it here
         builds = []
         build = hub_status_board(hub)._build
@@ -366,8 +409,10 @@ async def test_a_disconnected_peer_redialling_in_a_loop_writes_one_event_and_lin
     from hub.service.state import log as state_log
 
     trust = CONFIG.trust.model_copy(update={"requests_per_s": 0.01, "request_burst": 1, "violations_to_disconnect": 1})
-    async with inproc_hub(tmp_path, default_model_dir, CONFIG.model_copy(update={"trust": trust})) as hub, \
-            AsyncExitStack() as stack:
+    async with (
+        inproc_hub(tmp_path, default_model_dir, CONFIG.model_copy(update={"trust": trust})) as hub,
+        AsyncExitStack() as stack,
+    ):
         peer = await client(stack, hub)
         turned_away = 0
         # A handler of its own on the logger that writes the line: what other tests of this process did to
@@ -392,7 +437,9 @@ async def test_a_disconnected_peer_redialling_in_a_loop_writes_one_event_and_lin
             state_log.removeHandler(capture)
             state_log.setLevel(saved[0])
             state_log.disabled = saved[1]
-        events = [e for e in hub.state.store.journal.events(1000) if e.kind == "disconnect" and e.node_id == peer.identity.peer_id]
+        events = [
+            e for e in hub.state.store.journal.events(1000) if e.kind == "disconnect" and e.node_id == peer.identity.peer_id
+        ]
         lines = [r for r in records if "event disconnect" in r.getMessage()]
         assert turned_away >= 8
         assert len(events) == 1 and len(lines) == 1, ([e.detail for e in events], [r.getMessage() for r in lines])
@@ -410,7 +457,7 @@ def test_log_files_rotate_by_size(tmp_path):
         for i in range(500):
             logging.getLogger("echo2.test").info("line %d of a log that would grow without bound", i)
     finally:
-        for handler in root.handlers[len(before[0]):]:
+        for handler in root.handlers[len(before[0]) :]:
             handler.close()
         root.handlers[:] = before[0]
         root.setLevel(before[1])
@@ -425,6 +472,7 @@ def test_a_real_hub_with_a_planned_uplink_survives_a_hostile_join(tmp_path):
     """With --hub-mbps the chain planner divides by the declared link: one hostile join took the hub down."""
     hub = start_hub(tmp_path / "hub", "--local-nodes", "0", "--steps", "0", "--hub-mbps", "100")
     try:
+
         async def attack() -> None:
             async with AsyncExitStack() as stack:
                 identity = Identity.generate()
@@ -435,14 +483,20 @@ def test_a_real_hub_with_a_planned_uplink_survives_a_hostile_join(tmp_path):
                 from shared.model_io import model_dir_config_hash
 
                 config_hash = model_dir_config_hash(ensure_default_model(progress=False))
-                body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 5e-324, "backend": "hf", "dtype": "float32",
-                        "model_config_hash": config_hash, "version_held": 0, "listen_addrs": []}
-                reply = await peer.send_frame(JOIN_PROTOCOL, encode_frame(JoinRequest.TYPE, json.dumps(body).encode()),
-                                              JoinReply)
+                body = {
+                    "price_per_hour": 0.5,
+                    "hardware": "x",
+                    "link_bps": 5e-324,
+                    "backend": "hf",
+                    "dtype": "float32",
+                    "model_config_hash": config_hash,
+                    "version_held": 0,
+                    "listen_addrs": [],
+                }
+                reply = await peer.send_frame(JOIN_PROTOCOL, encode_frame(JoinRequest.TYPE, json.dumps(body).encode()), JoinReply)
                 assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_REQUEST
                 body["link_bps"] = 1e4  # the slowest link a node may declare: planned for, not a crash
-                reply = await peer.send_frame(JOIN_PROTOCOL, encode_frame(JoinRequest.TYPE, json.dumps(body).encode()),
-                                              JoinReply)
+                reply = await peer.send_frame(JOIN_PROTOCOL, encode_frame(JoinRequest.TYPE, json.dumps(body).encode()), JoinReply)
                 assert isinstance(reply, JoinReply)
                 await trio.sleep(2.0)
                 beat = await peer.heartbeat(Heartbeat(version_held=0))
@@ -463,8 +517,9 @@ async def test_the_join_reply_carries_the_context_a_lease_needs(tmp_path, defaul
 
     async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:
         reply = await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply)
-    expected = context_tokens(load_task(CONFIG.task), AutoTokenizer.from_pretrained(default_model_dir),
-                              CONFIG.sampling.max_new_tokens)
+    expected = context_tokens(
+        load_task(CONFIG.task), AutoTokenizer.from_pretrained(default_model_dir), CONFIG.sampling.max_new_tokens
+    )
     assert isinstance(reply, JoinReply) and reply.context_tokens == expected > CONFIG.sampling.max_new_tokens
 
 
@@ -493,7 +548,8 @@ async def test_throwaway_identities_cannot_turn_the_model_files_into_an_amplifie
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("procs", [1, 0], ids=["check process", "hub thread"])
 async def test_poisoned_groups_are_charged_to_their_nodes_while_an_honest_node_is_answered_and_the_run_goes_on(
-        tmp_path, default_model_dir, procs):
+    tmp_path, default_model_dir, procs
+):
     """Round four, item 1: a boxed \\exp tower ran the math reward for minutes. Checks timed out, the senders were
     answered "busy" with nothing counted, two of them kept the one worker busy (3 of 3 honest submissions timed
     out), and three stopped the run as a "broken reward". Here three nodes flood the hub with groups the reward
@@ -523,8 +579,12 @@ async def test_poisoned_groups_are_charged_to_their_nodes_while_an_honest_node_i
             for _ in range(rounds):
                 lease = await node.lease()
                 version = hub.version
-                groups = tuple(SubmittedGroup(prompt_id=p.prompt_id, completions=(
-                    node.completion(POISON, version), node.completion("x", version))) for p in lease.prompts)
+                groups = tuple(
+                    SubmittedGroup(
+                        prompt_id=p.prompt_id, completions=(node.completion(POISON, version), node.completion("x", version))
+                    )
+                    for p in lease.prompts
+                )
                 reply = await node.submit(Submission(lease_id=lease.lease_id, node_id=node.peer_id, groups=groups))
                 assert isinstance(reply, SubmitReply) and reply.accepted == 0, reply
                 assert {reason for _, reason in reply.rejected} == {REASON_OVER_BUDGET}

@@ -61,8 +61,16 @@ def generate(engine, prompts, node_id="nodeA", claim_version=None) -> list[Group
         if claim_version is not None:
             completions = [c.model_copy(update={"version": claim_version}) for c in completions]
         version = completions[0].version
-        groups.append(Group(prompt_id=prompt.id, prompt_text=prompt.text, version=version,
-                            completions=tuple(completions), rewards=(0.0,) * N, node_id=node_id))
+        groups.append(
+            Group(
+                prompt_id=prompt.id,
+                prompt_text=prompt.text,
+                version=version,
+                completions=tuple(completions),
+                rewards=(0.0,) * N,
+                node_id=node_id,
+            )
+        )
     return groups
 
 
@@ -121,11 +129,15 @@ def test_invented_logprobs_fail(world):
 async def test_audit_queue_judges_in_order_and_skips_when_full(world):
     honest = generate(world["trained"], world["prompts"][:2], node_id="honest")
     cheat = generate(world["base"], world["prompts"][2:3], node_id="cheat", claim_version=TRAINED_VERSION)[0]
-    gone = honest[1].model_copy(update={"version": 1, "completions": tuple(
-        c.model_copy(update={"version": 1}) for c in honest[1].completions)})  # v1 was never on the shelf
+    gone = honest[1].model_copy(
+        update={"version": 1, "completions": tuple(c.model_copy(update={"version": 1}) for c in honest[1].completions)}
+    )  # v1 was never on the shelf
     queue = AuditQueue(world["auditor"], capacity=3)
-    jobs = [AuditJob("honest", "L-h", 1, honest[0], 1.0), AuditJob("cheat", "L-c", 2, cheat, 2.0),
-            AuditJob("honest", "L-g", 3, gone, 3.0)]
+    jobs = [
+        AuditJob("honest", "L-h", 1, honest[0], 1.0),
+        AuditJob("cheat", "L-c", 2, cheat, 2.0),
+        AuditJob("honest", "L-g", 3, gone, 3.0),
+    ]
     assert all(queue.offer(job) for job in jobs)
     assert not queue.offer(AuditJob("honest", "L-x", 4, honest[0], 4.0)) and len(queue) == 3  # full: skipped
     with trio.fail_after(30):

@@ -59,15 +59,40 @@ def test_learner_bench_smoke(default_model_dir, capsys):
 
 def test_staleness_bench_smoke(default_model_dir, tmp_path, capsys):
     out = tmp_path / "staleness.png"
-    result = load_bench("staleness").main([
-        "--json", "--steps", "3", "--staleness", "0", "--no-is-ratio", "2", "--prompts-per-step", "2",
-        "--group-size", "4", "--eval-prompts", "8", "--window", "1", "--out", str(out),
-    ])
+    result = load_bench("staleness").main(
+        [
+            "--json",
+            "--steps",
+            "3",
+            "--staleness",
+            "0",
+            "--no-is-ratio",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-prompts",
+            "8",
+            "--window",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert printed_json(capsys) == json.loads(json.dumps(result))
     assert out.stat().st_size > 0
     assert [(r["staleness"], r["is_ratio"]) for r in result["runs"]] == [(0, True), (2, False)]
     for run in result["runs"]:
-        assert {"staleness", "is_ratio", "reward_first", "reward_last", "reward_at_step", "staleness_mean", "wall_s"} <= run.keys()
+        assert {
+            "staleness",
+            "is_ratio",
+            "reward_first",
+            "reward_last",
+            "reward_at_step",
+            "staleness_mean",
+            "wall_s",
+        } <= run.keys()
         assert run["steps"] == 3
         assert 0.0 <= run["staleness_mean"] <= run["staleness_max"] <= run["staleness"]
         assert run["reward_at_step"] and all(0.0 <= r <= 1.0 for r in run["reward_at_step"].values())
@@ -86,11 +111,22 @@ def test_reward_curve_windows():
 
 def test_the_adaptive_comparison_takes_medians_and_leaves_out_a_fixed_s_past_the_drift_bound_or_the_reward_gap():
     compare = load_bench("staleness").adaptive_comparison
-    row = lambda scenario, s, reward, cost, over: {"scenario": scenario, "staleness": s, "reward_last": reward,
-                                                   "cost_per_step": cost, "drift_over_bound": over}
-    rows = [row("steady", 0, 0.30, 9.0, 0.0), row("steady", "auto", 0.27, 9.0, 0.1),
-            row("half_leave", 1, 0.2, 2.0, 0.0), row("half_leave", 1, 0.2, 1.0, 0.2), row("half_leave", 1, 0.2, 1.2, 0.0),
-            row("half_leave", 8, 0.1, 0.5, 0.9), row("half_leave", "auto", 0.2, 1.1, 0.1)]
+    row = lambda scenario, s, reward, cost, over: {
+        "scenario": scenario,
+        "staleness": s,
+        "reward_last": reward,
+        "cost_per_step": cost,
+        "drift_over_bound": over,
+    }
+    rows = [
+        row("steady", 0, 0.30, 9.0, 0.0),
+        row("steady", "auto", 0.27, 9.0, 0.1),
+        row("half_leave", 1, 0.2, 2.0, 0.0),
+        row("half_leave", 1, 0.2, 1.0, 0.2),
+        row("half_leave", 1, 0.2, 1.2, 0.0),
+        row("half_leave", 8, 0.1, 0.5, 0.9),
+        row("half_leave", "auto", 0.2, 1.1, 0.1),
+    ]
     out = compare(rows)
     assert out["steady"] == {"reward_s0": 0.30, "reward_auto": 0.27, "reward_gap": 0.03}
     half = out["half_leave"]
@@ -114,8 +150,16 @@ def test_fleet_simulator_runs_the_projects_own_scheduler(monkeypatch, capsys):
     rows = {r["scenario"]: r for r in out["results"]}
     assert set(rows) == {"cost-aware", "all-on", "star", "sync"}
     for row in rows.values():
-        assert {"nodes", "feasible", "bubble_simulated", "bubble_predicted", "cost_per_step", "t_bcast_s",
-                "requests_per_s", "staleness_p95"} <= set(row)
+        assert {
+            "nodes",
+            "feasible",
+            "bubble_simulated",
+            "bubble_predicted",
+            "cost_per_step",
+            "t_bcast_s",
+            "requests_per_s",
+            "staleness_p95",
+        } <= set(row)
         assert row["staleness_max"] <= (0 if row["scenario"] == "sync" else simulate.STALENESS)
     assert rows["sync"]["bubble_simulated"] > rows["cost-aware"]["bubble_simulated"] + 0.2
     assert abs(rows["cost-aware"]["bubble_simulated"] - rows["cost-aware"]["bubble_predicted"]) <= 0.05
@@ -217,8 +261,17 @@ def test_delta_bench_smoke(capsys):
     out = load_bench("delta").main(["--json", "--models", "default", "--lrs", "1e-6", "--publishes", "2"])
     assert printed_json(capsys) == json.loads(json.dumps(out))
     (run,) = out["results"]
-    assert {"model", "lr", "publishes", "full_bytes", "delta_bytes_mean", "delta_ratio", "weights_bit_exact",
-            "t_bcast_full_s", "t_bcast_delta_s"} <= set(run)
+    assert {
+        "model",
+        "lr",
+        "publishes",
+        "full_bytes",
+        "delta_bytes_mean",
+        "delta_ratio",
+        "weights_bit_exact",
+        "t_bcast_full_s",
+        "t_bcast_delta_s",
+    } <= set(run)
     assert run["publishes"] == 2 and run["weights_bit_exact"] and run["deltas_applied_per_node"] == [2, 2, 2]
     assert run["delta_ratio"] < 0.10 and run["t_bcast_delta_s"] > 0 and run["t_bcast_full_s"] > 0
 
@@ -231,8 +284,9 @@ def test_distributed_bench_smoke(capsys):
     out = bench.distributed.main(["--json", "--models", "default", "--steps", "2"])
     assert printed_json(capsys) == json.loads(json.dumps(out))
     rows = {r["procs"]: r for r in out["results"]}
-    assert set(rows) == {1, 2} and all({"model", "procs", "step_s", "max_abs_weight_diff_vs_1proc"} <= set(r)
-                                       for r in rows.values())
+    assert set(rows) == {1, 2} and all(
+        {"model", "procs", "step_s", "max_abs_weight_diff_vs_1proc"} <= set(r) for r in rows.values()
+    )
     assert rows[2]["max_abs_weight_diff_vs_1proc"] <= 1e-5
 
 
@@ -256,7 +310,8 @@ def test_soak_bench_fits_the_rss_line_over_the_hubs_last_life_and_kills_in_the_f
     soak_run = soak.Soak(tmp_path, 1.0, 0, print)
     (tmp_path / "hub").mkdir()
     sqlite3.connect(tmp_path / "hub" / soak.HUB_STORE_FILE).executescript(
-        "CREATE TABLE steps (step INTEGER); CREATE TABLE payloads (group_json TEXT);")
+        "CREATE TABLE steps (step INTEGER); CREATE TABLE payloads (group_json TEXT);"
+    )
     sample = soak_run.sample(types.SimpleNamespace(process=types.SimpleNamespace(pid=os.getpid())), 0.0, [1.0, 1e6])
     assert sample.rss_mb == 1.0 and sample.rss_peak_mb == 1e6
     assert soak.rss_readings(os.getpid(), 0.25) and all(r > 1 for r in soak.rss_readings(os.getpid(), 0.1))
@@ -269,15 +324,44 @@ def test_soak_bench_smoke(tmp_path):
     """A minute of the soak: a real hub killed once, two real nodes, long completions; every key, nothing lost."""
     import subprocess
 
-    done = subprocess.run([sys.executable, str(BENCH_DIR / "soak.py"), "--minutes", "1", "--kills", "1", "--nodes", "2",
-                           "--skip-resume", "--json", "--work-dir", str(tmp_path)], capture_output=True, text=True,
-                          timeout=380)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_DIR / "soak.py"),
+            "--minutes",
+            "1",
+            "--kills",
+            "1",
+            "--nodes",
+            "2",
+            "--skip-resume",
+            "--json",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
-    assert {"minutes", "steps", "completion_tokens_mean", "payload_bytes_per_step", "store_bytes_per_step",
-            "store_file_bytes_per_step",
-            "data_dir_bytes_per_step", "hub_rss_slope_mb_per_1k_steps", "hub_rss_peak_mb", "hub_fds_first", "hub_fds_last", "kills",
-            "acknowledged_lost", "resume_s_large_store", "log_bytes_max"} <= result.keys()
+    assert {
+        "minutes",
+        "steps",
+        "completion_tokens_mean",
+        "payload_bytes_per_step",
+        "store_bytes_per_step",
+        "store_file_bytes_per_step",
+        "data_dir_bytes_per_step",
+        "hub_rss_slope_mb_per_1k_steps",
+        "hub_rss_peak_mb",
+        "hub_fds_first",
+        "hub_fds_last",
+        "kills",
+        "acknowledged_lost",
+        "resume_s_large_store",
+        "log_bytes_max",
+    } <= result.keys()
     assert result["store_bytes_per_step"] > 0 and result["store_file_bytes_per_step"] is not None
     assert result["kills"] == 1 and result["acknowledged_lost"] == 0 and result["steps"] > 0
     assert result["completion_tokens_mean"] >= 256
@@ -297,13 +381,26 @@ def test_ingest_bench_smoke(default_model_dir):
     """Old path (checks in a thread) and one check process side by side, every stage costed."""
     import subprocess
 
-    out = subprocess.run([sys.executable, str(BENCH_DIR / "ingest.py"), "--task", "reverse", "--procs", "0,1",
-                          "--submissions", "4", "--json"], capture_output=True, text=True, timeout=380, check=True)
+    out = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "ingest.py"), "--task", "reverse", "--procs", "0,1", "--submissions", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     old, new = result["runs"]
     assert (old["procs"], new["procs"]) == (0, 1) and new["scaling"] == 1.0
     for run in (old, new):
         assert run["completions"] == 4 * 4 * 8 and run["completions_per_s"] > 0 and run["fleet_supported_16_cores"] > 0
-        assert set(run["cpu_ms_per_completion"]) == {"protocol", "signature", "parse", "decode", "reward", "copies",
-                                                     "ipc", "commit"}
+        assert set(run["cpu_ms_per_completion"]) == {
+            "protocol",
+            "signature",
+            "parse",
+            "decode",
+            "reward",
+            "copies",
+            "ipc",
+            "commit",
+        }
     assert old["cpu_ms_per_completion"]["ipc"] == 0 < new["cpu_ms_per_completion"]["ipc"]

@@ -112,8 +112,12 @@ async def test_versions_published_faster_than_the_chain_installs_them_are_each_t
 @pytest.mark.trio
 async def test_corrupt_relay_is_banned_and_its_successors_get_a_verified_snapshot():
     hub_id = Identity.generate()
-    async with hub_peer(hub_id) as peer, node_peer(peer, keeper_class=FlippingKeeper) as evil, \
-            node_peer(peer) as b, node_peer(peer) as c:
+    async with (
+        hub_peer(hub_id) as peer,
+        node_peer(peer, keeper_class=FlippingKeeper) as evil,
+        node_peer(peer) as b,
+        node_peer(peer) as c,
+    ):
         hub = Hub(peer, "chain")
         snapshot = random_snapshot(hub_id, 0, 1024 * KIB, 64 * KIB)
         peer.shelf.add(snapshot)
@@ -139,8 +143,12 @@ async def test_a_relay_that_leaves_is_relinked_around_but_still_answers_for_what
     pulls from the hub rather than waiting on it until its heartbeat timeout; a broadcast no longer waits for it; and
     its downstream's report of a chunk it corrupted before it left still bans it. Nobody else may report it."""
     hub_id = Identity.generate()
-    async with hub_peer(hub_id) as peer, node_peer(peer, keeper_class=FlippingKeeper) as evil, \
-            node_peer(peer) as b, node_peer(peer) as c:
+    async with (
+        hub_peer(hub_id) as peer,
+        node_peer(peer, keeper_class=FlippingKeeper) as evil,
+        node_peer(peer) as b,
+        node_peer(peer) as c,
+    ):
         hub = Hub(peer, "chain")
         peer.shelf.add(random_snapshot(hub_id, 0, 512 * KIB, 64 * KIB))
         for node in (evil, b, c):
@@ -157,8 +165,14 @@ async def test_a_relay_that_leaves_is_relinked_around_but_still_answers_for_what
             hub.fleet.get(node.peer_id).version_held = 0
         hub.broadcaster.check_done()
         assert hub.broadcaster.pending == []  # evil, a receiver of v0 when it was published, is not waited for
-        report = BadChunkReport(upstream=evil.peer_id, kind="chunk", version=0, index=FlippingKeeper.BAD_INDEX,
-                                digest_hex=digest, commitment_hex=commitment)
+        report = BadChunkReport(
+            upstream=evil.peer_id,
+            kind="chunk",
+            version=0,
+            index=FlippingKeeper.BAD_INDEX,
+            digest_hex=digest,
+            commitment_hex=commitment,
+        )
         outsider = await request(c.host, peer.peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=10)
         framed = await request(b.host, peer.peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=10)
         again = await request(b.host, peer.peer_id, REPORT_PROTOCOL, report, TransferAck, Reject, timeout_s=10)
@@ -196,6 +210,7 @@ async def test_hub_uplink_shares_b0_and_caps_each_stream_at_bw(hub_bps, expected
 
 # -- real processes ----------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_chain_of_four_bit_exact_and_survives_losing_its_second_node(tmp_path):
     hub_dir = tmp_path / "hub"
@@ -209,19 +224,20 @@ def test_chain_of_four_bit_exact_and_survives_losing_its_second_node(tmp_path):
         total = hub_manifest(hub_dir, 0).chunk_count
         chain = wait_until(
             lambda: (s := hub.status()) and len(s.chains) == 1 and len(s.chains[0]) == 4 and s.chains[0],
-            120, "all four nodes in one chain",
+            120,
+            "all four nodes in one chain",
         )
         first, second, third, fourth = chain
 
         def second_and_third_partway() -> bool:
             by = node_states(hub)
-            return (by[second].version_held < 0 and by[second].chunks_received < total * 3 // 4
-                    and by[third].chunks_received > 0)
+            return by[second].version_held < 0 and by[second].chunks_received < total * 3 // 4 and by[third].chunks_received > 0
 
         wait_until(second_and_third_partway, 60, "the second and third node partway through v0", poll_s=0.1)
         proc_of[second].kill()
-        wait_until(lambda: all(node_states(hub)[p].version_held == 0 for p in (first, third, fourth)), 90,
-                   "v0 on the surviving nodes")
+        wait_until(
+            lambda: all(node_states(hub)[p].version_held == 0 for p in (first, third, fourth)), 90, "v0 on the surviving nodes"
+        )
         status = hub.status()
         assert status.chains == ((first, third, fourth),)
         assert node_states(hub)[second].state == "gone"
@@ -255,8 +271,11 @@ def test_corrupt_relay_is_banned_and_no_node_installs_corrupt_data(tmp_path):
         honest = [start_test_node(hub.addr, d, *QUIET_NODE) for d in dirs]
         nodes += honest
         honest_ids = [node_peer_id(n) for n in honest]
-        wait_until(lambda: all((n := node_states(hub).get(p)) and n.version_held == 0 for p in honest_ids), 120,
-                   "v0 on both honest nodes")
+        wait_until(
+            lambda: all((n := node_states(hub).get(p)) and n.version_held == 0 for p in honest_ids),
+            120,
+            "v0 on both honest nodes",
+        )
         states = node_states(hub)
         assert states[evil_id].state == "banned"
         assert all(states[p].state != "banned" for p in honest_ids)
@@ -275,8 +294,19 @@ def test_corrupt_relay_is_banned_and_no_node_installs_corrupt_data(tmp_path):
 def test_star_mode_every_node_pulls_from_the_hub_and_t_bcast_is_recorded(tmp_path):
     hub_dir = tmp_path / "hub"
     hub = start_test_hub(
-        hub_dir, "--broadcast", "star", "--prompts-per-step", "2", "--group-size", "4", "--staleness", "2",
-        "--kappa", "1", "--max-new-tokens", "4",
+        hub_dir,
+        "--broadcast",
+        "star",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--staleness",
+        "2",
+        "--kappa",
+        "1",
+        "--max-new-tokens",
+        "4",
     )
     nodes: list[Proc] = []
     try:

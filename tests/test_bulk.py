@@ -423,8 +423,13 @@ async def test_a_dial_to_nothing_is_unreachable_and_remembered():
 async def test_an_offer_is_all_or_nothing():
     BulkOffer()
     BulkOffer(port=1, ticket="0" * 32, key="0" * 64)
-    for bad in ({"port": 1}, {"ticket": "0" * 32, "key": "0" * 64}, {"port": 0, "ticket": "0" * 32, "key": "0" * 64},
-                {"port": 1, "ticket": "0" * 31, "key": "0" * 64}, {"port": 1, "ticket": "0" * 32, "key": "G" * 64}):
+    for bad in (
+        {"port": 1},
+        {"ticket": "0" * 32, "key": "0" * 64},
+        {"port": 0, "ticket": "0" * 32, "key": "0" * 64},
+        {"port": 1, "ticket": "0" * 31, "key": "0" * 64},
+        {"port": 1, "ticket": "0" * 32, "key": "G" * 64},
+    ):
         with pytest.raises(ValueError):
             BulkOffer(**bad)
 

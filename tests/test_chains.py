@@ -6,14 +6,7 @@ import random
 
 import pytest
 
-from hub.method.chains import (
-    chain_ideal_s,
-    chained_broadcast_ideal_s,
-    num_chains,
-    plan_chains,
-    relink_after_leave,
-    star_ideal_s,
-)
+from hub.method.chains import chain_ideal_s, chained_broadcast_ideal_s, num_chains, plan_chains, relink_after_leave, star_ideal_s
 
 
 def test_num_chains():

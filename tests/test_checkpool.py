@@ -29,8 +29,7 @@ COPY_LOGPROB = -3.0
 
 
 def pool_config(procs: int, task: str = "reverse", timeout_s: float = 20.0, budget_s: float = 1.0):
-    trust = CONFIG.trust.model_copy(update={"check_procs": procs, "check_timeout_s": timeout_s,
-                                            "reward_budget_s": budget_s})
+    trust = CONFIG.trust.model_copy(update={"check_procs": procs, "check_timeout_s": timeout_s, "reward_budget_s": budget_s})
     return CONFIG.model_copy(update={"task": task, "trust": trust})
 
 
@@ -42,8 +41,9 @@ def answer(tok, lease, node_id: str, texts_of=None) -> Submission:
         completions = []
         for text in texts_of(p) if texts_of else (word[::-1], word):
             ids = (*tok.encode(text), tok.eos_token_id)
-            completions.append(Completion(token_ids=ids, logprobs=(COPY_LOGPROB,) * len(ids), finish_reason="stop",
-                                          version=0, text=text))
+            completions.append(
+                Completion(token_ids=ids, logprobs=(COPY_LOGPROB,) * len(ids), finish_reason="stop", version=0, text=text)
+            )
         groups.append(SubmittedGroup(prompt_id=p.id, completions=tuple(completions)))
     return Submission(lease_id=lease.lease_id, node_id=node_id, groups=tuple(groups))
 
@@ -66,10 +66,8 @@ async def joined(state: HubState, n: int = 0):
 
 def test_a_workers_answer_refers_to_the_hubs_own_submission_instead_of_copying_it_back():
     node = Identity.generate().peer_id
-    completion = Completion(token_ids=tuple(range(2, 1002)), logprobs=(-0.5,) * 1000, finish_reason="length",
-                            version=3, text="")
-    submission = Submission(lease_id="a" * 24, node_id=node, groups=(SubmittedGroup(prompt_id="p",
-                                                                                    completions=(completion,)),))
+    completion = Completion(token_ids=tuple(range(2, 1002)), logprobs=(-0.5,) * 1000, finish_reason="length", version=3, text="")
+    submission = Submission(lease_id="a" * 24, node_id=node, groups=(SubmittedGroup(prompt_id="p", completions=(completion,)),))
     in_worker = pickle.loads(pickle.dumps(submission))
     (submitted,) = in_worker.groups
     checked = submitted.completions[0].model_copy(update={"text": "words"})  # as _score re-decodes it
@@ -98,7 +96,7 @@ def test_the_default_leaves_the_trio_process_a_core_and_checks_a_light_reward_in
 @pytest.mark.slow
 @pytest.mark.trio
 @pytest.mark.timeout(180)
-async def test_a_check_worker_ignores_ctrl_c_mid_job(tmp_path, default_model_dir, tokenizer):  # noqa: F811
+async def test_a_check_worker_ignores_ctrl_c_mid_job(tmp_path, default_model_dir, tokenizer):
     """The terminal's Ctrl-C reaches the whole process group: a worker must not die printing `Process echo2-check:`
     and a traceback; it finishes its job, and the hub stops it."""
     state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:SlowRewardTask"))
@@ -124,7 +122,7 @@ async def test_a_check_worker_ignores_ctrl_c_mid_job(tmp_path, default_model_dir
 @pytest.mark.slow
 @pytest.mark.trio
 @pytest.mark.timeout(180)
-async def test_a_killed_check_worker_loses_no_submission(tmp_path, default_model_dir, tokenizer):  # noqa: F811
+async def test_a_killed_check_worker_loses_no_submission(tmp_path, default_model_dir, tokenizer):
     state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:SlowRewardTask"))
     async with running(state):
         pool = await ready(state, 1)
@@ -155,8 +153,7 @@ async def test_a_killed_check_worker_loses_no_submission(tmp_path, default_model
 @pytest.mark.slow
 @pytest.mark.trio
 @pytest.mark.timeout(180)
-async def test_a_submission_every_worker_dies_on_is_refused_as_busy_never_accepted(tmp_path, default_model_dir,
-                                                                                   tokenizer):  # noqa: F811
+async def test_a_submission_every_worker_dies_on_is_refused_as_busy_never_accepted(tmp_path, default_model_dir, tokenizer):
     state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:DyingRewardTask"))
     async with running(state):
         await ready(state, 1)
@@ -171,8 +168,7 @@ async def test_a_submission_every_worker_dies_on_is_refused_as_busy_never_accept
 @pytest.mark.slow
 @pytest.mark.trio
 @pytest.mark.timeout(180)
-async def test_a_reward_that_hangs_on_everything_stops_the_run_and_blames_no_node(tmp_path, default_model_dir,
-                                                                                 tokenizer):  # noqa: F811
+async def test_a_reward_that_hangs_on_everything_stops_the_run_and_blames_no_node(tmp_path, default_model_dir, tokenizer):
     state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:HangingRewardTask", timeout_s=1.0))
     async with running(state):
         pool = await ready(state, 1)
@@ -198,9 +194,9 @@ def poisoned(tok, lease, node: str) -> Submission:
 @pytest.mark.trio
 @pytest.mark.timeout(180)
 async def test_a_group_that_runs_the_reward_past_its_cpu_budget_is_rejected_and_the_worker_kept(
-        tmp_path, default_model_dir, tokenizer):  # noqa: F811
-    state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.poisoned_tasks:SpinningRewardTask",
-                                                            budget_s=0.1))
+    tmp_path, default_model_dir, tokenizer
+):
+    state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.poisoned_tasks:SpinningRewardTask", budget_s=0.1))
     async with running(state):
         pool = await ready(state, 1)
         (worker,) = pool._workers
@@ -219,11 +215,11 @@ async def test_a_group_that_runs_the_reward_past_its_cpu_budget_is_rejected_and_
 @pytest.mark.trio
 @pytest.mark.timeout(180)
 async def test_a_submission_whose_checks_run_past_the_time_limit_is_charged_and_another_node_is_not_delayed(
-        tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    tmp_path, default_model_dir, tokenizer
+):
     """A reward waiting without CPU on a node's text (no CPU timer fires) is stopped by the wall clock: the worker
     is killed, the groups rejected and counted against the node, and the reward, passing its probe, runs on."""
-    state = reopen(tmp_path, default_model_dir, pool_config(2, "testbed.poisoned_tasks:SleepingRewardTask",
-                                                            timeout_s=1.0))
+    state = reopen(tmp_path, default_model_dir, pool_config(2, "testbed.poisoned_tasks:SleepingRewardTask", timeout_s=1.0))
     async with running(state):
         pool = await ready(state, 2)
         node, lease = await joined(state)
@@ -271,13 +267,13 @@ async def test_a_nodes_checks_take_turns_and_never_wait_for_another_nodes(autoju
 @pytest.mark.trio
 @pytest.mark.timeout(120)
 async def test_in_a_thread_an_overrun_is_charged_and_the_nodes_next_checks_wait_for_its_thread(
-        tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    tmp_path, default_model_dir, tokenizer
+):
     """--check-procs 0: a thread cannot be killed. A check past the time limit is abandoned and charged; its node's
     next submission is charged unchecked while that thread runs; another node's is checked meanwhile."""
     from testbed.poisoned_tasks import SLEEP_S
 
-    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SleepingRewardTask",
-                                                            timeout_s=1.0))
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SleepingRewardTask", timeout_s=1.0))
     checks = state.intake.checks
     assert isinstance(checks, ThreadChecks)
     node, lease = await joined(state)
@@ -301,13 +297,13 @@ async def test_in_a_thread_an_overrun_is_charged_and_the_nodes_next_checks_wait_
 @pytest.mark.trio
 @pytest.mark.timeout(120)
 async def test_in_a_thread_an_honest_check_waiting_for_a_thread_an_overrun_holds_is_not_charged(
-        tmp_path, default_model_dir, tokenizer):  # noqa: F811
+    tmp_path, default_model_dir, tokenizer
+):
     """The time limit counts from the thread's start: waiting for one (here the only thread, held by an abandoned
     check) is no node's doing."""
     from testbed.poisoned_tasks import SLEEP_S
 
-    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SleepingRewardTask",
-                                                            timeout_s=1.0))
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SleepingRewardTask", timeout_s=1.0))
     state.intake.checks = checks = ThreadChecks(state.intake.rules, timeout_s=1.0, threads=1)
     node, lease = await joined(state)
     honest, lease2 = await joined(state, 1)
@@ -321,10 +317,8 @@ async def test_in_a_thread_an_honest_check_waiting_for_a_thread_an_overrun_holds
 
 @pytest.mark.trio
 @pytest.mark.timeout(120)
-async def test_in_a_thread_a_group_past_its_cpu_budget_is_measured_and_rejected(tmp_path, default_model_dir,
-                                                                              tokenizer):  # noqa: F811
-    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SpinningRewardTask",
-                                                            budget_s=0.1))
+async def test_in_a_thread_a_group_past_its_cpu_budget_is_measured_and_rejected(tmp_path, default_model_dir, tokenizer):
+    state = reopen(tmp_path, default_model_dir, pool_config(0, "testbed.poisoned_tasks:SpinningRewardTask", budget_s=0.1))
     node, lease = await joined(state)
     outcome = await state.intake.accept(node, poisoned(tokenizer, lease, node), "h")
     assert outcome.accepted == 0 and {r for _, r in outcome.rejected} == {REASON_OVER_BUDGET}
@@ -335,7 +329,7 @@ async def test_in_a_thread_a_group_past_its_cpu_budget_is_measured_and_rejected(
 @pytest.mark.slow
 @pytest.mark.trio
 @pytest.mark.timeout(180)
-async def test_copies_checked_by_different_workers_are_still_caught(tmp_path, default_model_dir, tokenizer):  # noqa: F811
+async def test_copies_checked_by_different_workers_are_still_caught(tmp_path, default_model_dir, tokenizer):
     state = reopen(tmp_path, default_model_dir, pool_config(2))
     async with running(state):
         await ready(state, 2)
@@ -363,8 +357,21 @@ async def test_copies_checked_by_different_workers_are_still_caught(tmp_path, de
 def test_a_real_hub_with_two_check_processes_trains(tmp_path: Path) -> None:
     from testbed.harness import start_hub
 
-    hub = start_hub(tmp_path / "data", "--local-nodes", "1", "--check-procs", "2", "--steps", "2",
-                    "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0")
+    hub = start_hub(
+        tmp_path / "data",
+        "--local-nodes",
+        "1",
+        "--check-procs",
+        "2",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+    )
     try:
         code = hub.process.wait(timeout=360)
     finally:

@@ -20,8 +20,14 @@ def completion(tokens: tuple[int, ...], logprobs: tuple[float, ...]) -> Completi
 
 
 def group(completions, pid: str = "p1") -> Group:
-    return Group(prompt_id=pid, prompt_text="ab>", version=1, completions=tuple(completions),
-                 rewards=(0.0,) * len(completions), node_id="n")
+    return Group(
+        prompt_id=pid,
+        prompt_text="ab>",
+        version=1,
+        completions=tuple(completions),
+        rewards=(0.0,) * len(completions),
+        node_id="n",
+    )
 
 
 def test_repeat_surprise_by_hand():
@@ -62,8 +68,7 @@ def diverse(seed: int) -> Group:
     """Eight distinct completions of unlikely tokens: a repeat of them is no coincidence."""
     rng = random.Random(seed)
     # The seed's own token in each: groups of two seeds share no completion.
-    return group([completion((rng.randrange(4, 40), 1000 + seed, 2), (-rng.uniform(4, 6), -0.1, -0.01))
-                  for _ in range(8)])
+    return group([completion((rng.randrange(4, 40), 1000 + seed, 2), (-rng.uniform(4, 6), -0.1, -0.01)) for _ in range(8)])
 
 
 def detector() -> CopyDetector:
@@ -74,13 +79,25 @@ def test_a_copy_with_nudged_logprobs_is_still_flagged():
     seen = detector()
     original = diverse(1)
     assert seen.check(original, "nodeA", "L1") is None
-    nudged = original.model_copy(update={"completions": tuple(
-        c.model_copy(update={"logprobs": (c.logprobs[0] + 1e-7, *c.logprobs[1:])}) for c in original.completions)})
+    nudged = original.model_copy(
+        update={
+            "completions": tuple(
+                c.model_copy(update={"logprobs": (c.logprobs[0] + 1e-7, *c.logprobs[1:])}) for c in original.completions
+            )
+        }
+    )
     # The same prompt from another lease...
     assert seen.check(nudged, "nodeB", "L2") is not None
     # ...and another prompt, log-probs moved by less than an audit lets pass.
-    moved = nudged.model_copy(update={"prompt_id": "p7", "prompt_text": "zz>", "completions": tuple(
-        c.model_copy(update={"logprobs": (c.logprobs[0] - 0.04, *c.logprobs[1:])}) for c in original.completions)})
+    moved = nudged.model_copy(
+        update={
+            "prompt_id": "p7",
+            "prompt_text": "zz>",
+            "completions": tuple(
+                c.model_copy(update={"logprobs": (c.logprobs[0] - 0.04, *c.logprobs[1:])}) for c in original.completions
+            ),
+        }
+    )
     assert seen.check(moved, "nodeC", "L3") is not None
 
 
@@ -89,8 +106,9 @@ def test_a_copy_that_claims_near_certain_tokens_is_judged_on_the_hubs_recompute(
     original = diverse(2)
     assert seen.check(original, "nodeA", "L1") is None
     # The copier reports its copy as near certain: on its own log-probs the repeat would look honest.
-    certain = original.model_copy(update={"completions": tuple(
-        c.model_copy(update={"logprobs": (-1e-9,) * len(c.logprobs)}) for c in original.completions)})
+    certain = original.model_copy(
+        update={"completions": tuple(c.model_copy(update={"logprobs": (-1e-9,) * len(c.logprobs)}) for c in original.completions)}
+    )
     assert -coincidence_log_prob(certain) < 20.0
     # The first sighting's claims say otherwise: neither is believed, the hub recomputes...
     assert isinstance(seen.check(certain, "nodeB", "L2"), Disputed)
@@ -132,8 +150,14 @@ def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
     for lease, batch in zip(("LA", "LB"), batches):
         fingerprints.append(set())
         for prompt, completions in zip(prompts, batch):
-            g = Group(prompt_id=prompt.id, prompt_text=prompt.text, version=0, completions=tuple(completions),
-                      rewards=(0.0,) * 8, node_id=lease)
+            g = Group(
+                prompt_id=prompt.id,
+                prompt_text=prompt.text,
+                version=0,
+                completions=tuple(completions),
+                rewards=(0.0,) * 8,
+                node_id=lease,
+            )
             fingerprints[-1].add(group_fingerprint(g))
             assert detector.check(g, lease, lease) is None
     assert len(fingerprints[0] & fingerprints[1]) >= 3, "expected identical honest groups on a peaked model"
@@ -142,8 +166,9 @@ def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
 
 def test_lru_is_bounded():
     detector = CopyDetector(capacity=3, group_size=2, min_surprise_nats=1.0, logprob_tolerance_nats=0.05)
-    groups = [group([completion((10 + i, 2), (-5.0, -1.0)), completion((10 + i, 3), (-5.0, -1.0))], pid=f"p{i}")
-              for i in range(5)]
+    groups = [
+        group([completion((10 + i, 2), (-5.0, -1.0)), completion((10 + i, 3), (-5.0, -1.0))], pid=f"p{i}") for i in range(5)
+    ]
     for i, g in enumerate(groups):
         assert detector.check(g, "n", f"L{i}") is None
     assert len(detector) == 3
@@ -163,8 +188,15 @@ def test_cross_prompt_repeats_need_matching_logprobs_and_real_randomness():
     flag = seen.check(moved, "nodeB", "L3")
     assert flag is not None and 3.0 < flag.surprise_nats < 20.0
     # Another prompt with its own log-probs for the same tokens (a model that ignores the prompt) is honest.
-    own = moved.model_copy(update={"prompt_id": "p4", "prompt_text": "qrs>", "completions": tuple(
-        c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, c.logprobs[1])}) for c in likely.completions)})
+    own = moved.model_copy(
+        update={
+            "prompt_id": "p4",
+            "prompt_text": "qrs>",
+            "completions": tuple(
+                c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, c.logprobs[1])}) for c in likely.completions
+            ),
+        }
+    )
     assert seen.check(own, "nodeC", "L4") is None
     # Near-certain groups repeat anywhere honestly: never flagged across prompts.
     certain = group([completion((5, 2), (-1e-3, -1e-4))] * 8)
@@ -308,8 +340,13 @@ def test_completions_replayed_under_another_prompt_with_their_log_probs_are_caug
     replayed = group((*longer.completions[:5], *diverse(3).completions[:3])).model_copy(update=elsewhere)
     flag = seen.check(replayed, "copier", "L2")
     assert flag is not None and flag.repeated == 5 and "repeats 5 of 8 completions of honest's group" in flag.describe()
-    own = replayed.model_copy(update={"completions": tuple(
-        c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, *c.logprobs[1:])}) for c in replayed.completions)})
+    own = replayed.model_copy(
+        update={
+            "completions": tuple(
+                c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, *c.logprobs[1:])}) for c in replayed.completions
+            )
+        }
+    )
     assert seen.check(own.model_copy(update={"prompt_id": "p3"}), "other", "L3") is None
     certain = group([completion((60 + i, 2), (-1e-3, -1e-4)) for i in range(8)])
     assert seen.check(certain, "nodeA", "L4") is None
@@ -353,9 +390,17 @@ class Volunteer:
         from shared.messages import JoinReply, JoinRequest
 
         await self.client.connect()
-        reply = await self.client.join(JoinRequest(
-            price_per_hour=0.5, hardware="test", link_bps=1e8, backend="hf", dtype="float32",
-            model_config_hash=self.hub.config_hash, version_held=0))
+        reply = await self.client.join(
+            JoinRequest(
+                price_per_hour=0.5,
+                hardware="test",
+                link_bps=1e8,
+                backend="hf",
+                dtype="float32",
+                model_config_hash=self.hub.config_hash,
+                version_held=0,
+            )
+        )
         assert isinstance(reply, JoinReply), reply
 
     async def lease(self):
@@ -380,14 +425,23 @@ class Volunteer:
 
         lease = await self.lease()
         batches = await trio.to_thread.run_sync(
-            self.engine.generate, [p.text for p in lease.prompts], lease.group_size, lease.sampling)
+            self.engine.generate, [p.text for p in lease.prompts], lease.group_size, lease.sampling
+        )
         groups = []
         for prompt, completions in zip(lease.prompts, batches):
             if claim is not None:
                 completions = [c.model_copy(update={"logprobs": claim(c)}) for c in completions]
             groups.append(SubmittedGroup(prompt_id=prompt.prompt_id, completions=tuple(completions)))
-            self.groups.append(Group(prompt_id=prompt.prompt_id, prompt_text=prompt.text, version=0,
-                                     completions=tuple(completions), rewards=(0.0,) * len(completions), node_id="n"))
+            self.groups.append(
+                Group(
+                    prompt_id=prompt.prompt_id,
+                    prompt_text=prompt.text,
+                    version=0,
+                    completions=tuple(completions),
+                    rewards=(0.0,) * len(completions),
+                    node_id="n",
+                )
+            )
         answer = await self.client.submit(Submission(lease_id=lease.lease_id, node_id=self.peer_id, groups=tuple(groups)))
         assert isinstance(answer, SubmitReply), answer
         self.copies_refused += sum(reason == "copy of an earlier group" for _, reason in answer.rejected)
@@ -395,8 +449,7 @@ class Volunteer:
 
 
 @pytest.mark.trio
-async def test_a_collapsed_policy_served_by_honest_nodes_after_a_framing_attempt_is_never_refused(
-        tmp_path, default_model_dir):
+async def test_a_collapsed_policy_served_by_honest_nodes_after_a_framing_attempt_is_never_refused(tmp_path, default_model_dir):
     """A real hub on loopback, its policy collapsed (the tiny model at temperature 0.05: every answer the same): a
     throwaway identity first submits the groups that policy produces, claiming them just likely enough to be
     accepted and unlikely enough that honest repeats look like copies on its word (on the code before: 3 of 3
@@ -412,11 +465,15 @@ async def test_a_collapsed_policy_served_by_honest_nodes_after_a_framing_attempt
 
     torch.manual_seed(0)
     config = HubConfig(
-        task=f"{__name__}:TwoPromptTask", learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=8),
-        lease=LeaseConfig(prompts_per_lease=1), trust=PERMISSIVE_TRUST,
-        sampling=SamplingParams(temperature=0.05, top_p=1.0, max_new_tokens=10))
+        task=f"{__name__}:TwoPromptTask",
+        learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=8),
+        lease=LeaseConfig(prompts_per_lease=1),
+        trust=PERMISSIVE_TRUST,
+        sampling=SamplingParams(temperature=0.05, top_p=1.0, max_new_tokens=10),
+    )
     engine = HFEngine(default_model_dir)
     async with inproc_hub(tmp_path, default_model_dir, config, real_weights=True) as hub, AsyncExitStack() as stack:
+
         async def volunteer() -> Volunteer:
             identity = Identity.generate()
             host, _ = await stack.enter_async_context(running_host(identity, [LOOPBACK]))
@@ -446,7 +503,6 @@ async def test_a_collapsed_policy_served_by_honest_nodes_after_a_framing_attempt
         assert [node.copies_refused for node in honest] == [0, 0, 0]
 
 
-
 @pytest.mark.trio
 async def test_near_copies_of_honest_groups_are_refused_on_a_real_hub(tmp_path, default_model_dir):
     """A real hub on loopback, a policy with real randomness (a random-weight model at temperature 1): a copier that
@@ -465,11 +521,15 @@ async def test_near_copies_of_honest_groups_are_refused_on_a_real_hub(tmp_path, 
     torch.manual_seed(0)
     model = random_model_dir(tmp_path / "model", "qwen2", hidden=64, layers=2)
     config = HubConfig(
-        task=f"{__name__}:TwoPromptTask", learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=8),
-        lease=LeaseConfig(prompts_per_lease=1), trust=PERMISSIVE_TRUST,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10))
+        task=f"{__name__}:TwoPromptTask",
+        learner=LearnerConfig(staleness=2, prompts_per_step=8, group_size=8),
+        lease=LeaseConfig(prompts_per_lease=1),
+        trust=PERMISSIVE_TRUST,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10),
+    )
     engine = HFEngine(model)
     async with inproc_hub(tmp_path / "hub", model, config, real_weights=True) as hub, AsyncExitStack() as stack:
+
         async def volunteer() -> Volunteer:
             identity = Identity.generate()
             host, _ = await stack.enter_async_context(running_host(identity, [LOOPBACK]))
@@ -487,8 +547,13 @@ async def test_near_copies_of_honest_groups_are_refused_on_a_real_hub(tmp_path, 
             completions = list(source.completions)
             for i in replace:
                 completions[i] = completions[i + 1]
-            answer = await copier.client.submit(Submission(lease_id=lease.lease_id, node_id=copier.peer_id, groups=(
-                SubmittedGroup(prompt_id=lease.prompts[0].prompt_id, completions=tuple(completions)),)))
+            answer = await copier.client.submit(
+                Submission(
+                    lease_id=lease.lease_id,
+                    node_id=copier.peer_id,
+                    groups=(SubmittedGroup(prompt_id=lease.prompts[0].prompt_id, completions=tuple(completions)),),
+                )
+            )
             assert isinstance(answer, SubmitReply), answer
             refused += [reason for _, reason in answer.rejected]
         assert refused == ["copy of an earlier group"] * 2

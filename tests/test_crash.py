@@ -28,7 +28,11 @@ def start(data_dir: Path, steps: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
     return subprocess.Popen(
         [sys.executable, str(HELPER), str(data_dir), str(steps)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
     )
 
 
@@ -90,5 +94,7 @@ def test_sigkill_mid_run_loses_no_acknowledged_trajectory(tmp_path):
     metrics = read_metrics(tmp_path / METRICS_FILE)
     assert [m["step"] for m in metrics] == sorted({m["step"] for m in metrics})
     assert (tmp_path / "final" / "config.json").exists()
-    print(f"\nkilled after step {killed_at_step}; {len(pending)} pending rows, {len(back)} back in the buffer, "
-          f"{len(refused)} refused on refill; snapshot versions {versions}")
+    print(
+        f"\nkilled after step {killed_at_step}; {len(pending)} pending rows, {len(back)} back in the buffer, "
+        f"{len(refused)} refused on refill; snapshot versions {versions}"
+    )

@@ -9,13 +9,7 @@ import pytest
 from libp2p.crypto.secp256k1 import create_new_key_pair as create_secp256k1_key_pair
 from libp2p.peer.id import ID
 
-from shared.crypto import (
-    Identity,
-    peer_id_from_multiaddr,
-    public_key_from_peer_id,
-    verify,
-    verify_from_peer,
-)
+from shared.crypto import Identity, peer_id_from_multiaddr, public_key_from_peer_id, verify, verify_from_peer
 
 
 def test_load_or_create_persists_with_mode_0600(tmp_path):

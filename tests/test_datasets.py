@@ -59,8 +59,7 @@ def test_save_to_disk_directory_and_its_split(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets", reason="the datasets package comes with the data extra")
     ds = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])})
     ds.save_to_disk(str(tmp_path / "ds"))
-    task = load_task(str(tmp_path / "ds"), DatasetOptions(prompt_column="question", answer_column="solution",
-                                                          reward="exact"))
+    task = load_task(str(tmp_path / "ds"), DatasetOptions(prompt_column="question", answer_column="solution", reward="exact"))
     assert len(task.prompts()) == 3 and task.reward(task.prompts()[1], " 9 ") == 1.0
     test = load_task(str(tmp_path / "ds"), DatasetOptions("question", "solution", "exact", split="test"))
     assert [p.text for p in test.prompts()] == ["What is 2+2?"]
@@ -100,12 +99,13 @@ def test_chat_prompts_are_rendered_with_the_chat_template(tmp_path: Path, defaul
     model = tmp_path / "model"
     shutil.copytree(default_model_dir, model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
-                               "{% if add_generation_prompt %}[assistant]{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     tokenizer.save_pretrained(model)
     path = tmp_path / "chat.jsonl"
-    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abc"}]},
-            {"prompt": "plain"}]
+    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abc"}]}, {"prompt": "plain"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = load_task(str(path), DatasetOptions(reward="reward_funcs:chat_echo", chat=True), model_dir=model)
     chat, plain = task.prompts()
@@ -142,8 +142,9 @@ def test_a_reward_that_is_not_a_finite_number_is_refused(tmp_path: Path) -> None
     path = tmp_path / "rows.jsonl"
     path.write_text('{"prompt": "a"}\n')
     task = DatasetTask(path, DatasetOptions(reward="reward_funcs:not_finite"))
-    with pytest.raises(RewardError, match="reward reward_funcs:not_finite returned nan for completion 1 of 2; rewards "
-                                          "must be finite numbers"):
+    with pytest.raises(
+        RewardError, match="reward reward_funcs:not_finite returned nan for completion 1 of 2; rewards must be finite numbers"
+    ):
         checked_rewards(task, task.prompts()[0], ["x", "y"])
 
 
@@ -152,11 +153,28 @@ def test_dataset_mistakes_through_the_cli_are_one_line(tmp_path: Path) -> None:
     path.write_text('{"question": "a", "solution": "1"}\n')
     before = snapshot_of(tmp_path)
     data = str(tmp_path / "data")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--task", str(path)),
-                            "--task", "no column 'prompt'", "--prompt-column")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--task", str(path), "--prompt-column",
-                                "question", "--answer-column", "solution", "--reward", "nosuchmod:f"),
-                            "--task", "cannot import module 'nosuchmod'")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--task", str(tmp_path / "missing.parquet")),
-                            "--task", "no such file")
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--task", str(path)), "--task", "no column 'prompt'", "--prompt-column"
+    )
+    assert_one_line_mistake(
+        run(
+            "hub.cli",
+            "start",
+            "--data-dir",
+            data,
+            "--task",
+            str(path),
+            "--prompt-column",
+            "question",
+            "--answer-column",
+            "solution",
+            "--reward",
+            "nosuchmod:f",
+        ),
+        "--task",
+        "cannot import module 'nosuchmod'",
+    )
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--task", str(tmp_path / "missing.parquet")), "--task", "no such file"
+    )
     assert snapshot_of(tmp_path) == before

@@ -87,8 +87,13 @@ def test_default_model_reloads_and_generates(default_model_dir):
 
 def test_ensure_builds_once_under_concurrent_callers(tmp_path, monkeypatch):
     tiny = dataclasses.replace(
-        dm.DEFAULT_MODEL_RECIPE, hidden_size=16, intermediate_size=32, num_hidden_layers=1, warmup_steps=2,
-        batch_size=4, eval_prompts=4,
+        dm.DEFAULT_MODEL_RECIPE,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        warmup_steps=2,
+        batch_size=4,
+        eval_prompts=4,
     )
     builds = []
     real_build = dm.build_default_model

@@ -21,15 +21,7 @@ from hub.records.snapshots import SnapshotShelf
 from node.keeper import HUB
 from shared import delta as delta_mod
 from shared.crypto import Identity
-from shared.delta import (
-    DeltaError,
-    _decode,
-    _encode,
-    apply_delta,
-    build_delta,
-    build_delta_snapshot,
-    delta_full_manifest,
-)
+from shared.delta import DeltaError, _decode, _encode, apply_delta, build_delta, build_delta_snapshot, delta_full_manifest
 from shared.messages import BadChunkReport
 from shared.model_io import build_snapshot
 from shared.snapshot import blake3_hex, delta_paths, remove_snapshot_files
@@ -75,18 +67,21 @@ def test_a_piece_goes_same_sparse_xor_or_whole_by_what_changed():
         assert np.array_equal(_decode(*_encode(old, target, ZSTD), old, "t"), target)
 
 
-@pytest.mark.parametrize(("kind", "payload", "count", "message"), [
-    ("same", b"x", 0, "carries bytes"),
-    ("sparse", ZSTD.compress(np.array([1, 0], "<u4").tobytes() + b"\0" * 4), 2, "repeat"),
-    ("sparse", ZSTD.compress(np.array([5, 9], "<u4").tobytes() + b"\0" * 4), 2, "outside the piece"),
-    ("sparse", ZSTD.compress(b"\0" * 6), 2, "holds 6 bytes"),
-    ("sparse", ZSTD.compress(b"\0" * 6), 0, "0 changed elements"),
-    ("sparse", ZSTD.compress(b"\0" * 6), 11, "11 changed elements"),
-    ("xor", ZSTD.compress(b"\0" * 18), 0, "holds 18 bytes, expected 20"),
-    ("xor", ZSTD.compress(b"\0" * (1 << 30)), 0, r"holds 21\+ bytes"),  # a bomb: read no further than the piece
-    ("whole", b"not zstd", 0, "does not decompress"),
-    ("patch", b"", 0, "unknown piece kind"),
-])
+@pytest.mark.parametrize(
+    ("kind", "payload", "count", "message"),
+    [
+        ("same", b"x", 0, "carries bytes"),
+        ("sparse", ZSTD.compress(np.array([1, 0], "<u4").tobytes() + b"\0" * 4), 2, "repeat"),
+        ("sparse", ZSTD.compress(np.array([5, 9], "<u4").tobytes() + b"\0" * 4), 2, "outside the piece"),
+        ("sparse", ZSTD.compress(b"\0" * 6), 2, "holds 6 bytes"),
+        ("sparse", ZSTD.compress(b"\0" * 6), 0, "0 changed elements"),
+        ("sparse", ZSTD.compress(b"\0" * 6), 11, "11 changed elements"),
+        ("xor", ZSTD.compress(b"\0" * 18), 0, "holds 18 bytes, expected 20"),
+        ("xor", ZSTD.compress(b"\0" * (1 << 30)), 0, r"holds 21\+ bytes"),  # a bomb: read no further than the piece
+        ("whole", b"not zstd", 0, "does not decompress"),
+        ("patch", b"", 0, "unknown piece kind"),
+    ],
+)
 def test_hostile_pieces_are_refused(kind, payload, count, message):
     with pytest.raises(DeltaError, match=message):
         _decode(kind, payload, count, np.zeros(10, dtype="<u2"), "t")
@@ -116,7 +111,12 @@ def test_build_and_apply_are_bit_exact_and_count_every_piece(tmp_path, monkeypat
     assert stats.changed_elements == 10 + 1000 and stats.total_elements == 3500 + 2500 + 7
     m = delta.manifest
     assert (m.kind, m.version, m.base_version, m.base_hash, m.result_hash) == (
-        "delta", 2, 1, base.manifest.whole_hash, new.manifest.whole_hash)
+        "delta",
+        2,
+        1,
+        base.manifest.whole_hash,
+        new.manifest.whole_hash,
+    )
     assert m.total_bytes == os.path.getsize(delta.path) == stats.bytes < new.manifest.total_bytes / 4
     signed, full, base_hash = delta_full_manifest(delta.path, hub.peer_id)
     assert (signed, full, base_hash) == (new.signed, new.manifest, base.manifest.whole_hash)
@@ -143,11 +143,11 @@ def test_a_delta_that_does_not_fit_or_fails_the_hashes_writes_nothing(tmp_path, 
     out = tmp_path / "out.safetensors"
     raw = delta.path.read_bytes()
     footer_len = int.from_bytes(raw[-8:], "little")
-    footer = json.loads(raw[-8 - footer_len:-8])
+    footer = json.loads(raw[-8 - footer_len : -8])
 
     def with_footer(**changes) -> bytes:
         text = json.dumps({**footer, **changes}).encode()
-        return raw[:-8 - footer_len] + text + len(text).to_bytes(8, "little")
+        return raw[: -8 - footer_len] + text + len(text).to_bytes(8, "little")
 
     sparse_at = next(i for i, (k, _, _) in enumerate(footer["pieces"]) if k == "sparse")
     sparse_offset = footer["manifest_bytes"] + sum(n for _, n, _ in footer["pieces"][:sparse_at])
@@ -174,8 +174,14 @@ def test_a_delta_that_does_not_fit_or_fails_the_hashes_writes_nothing(tmp_path, 
             apply_delta(base.path, base_hash or base.manifest.whole_hash, path, new.manifest, out)
         assert not out.exists() and not list(tmp_path.glob(".out*")), name
     g = torch.Generator().manual_seed(2)
-    other = build_snapshot({"a": torch.randn(50, 70, generator=g), "b": torch.randn(2500, generator=g), "c": torch.arange(7)},
-                           1, hub, CONFIG_HASH, tmp_path / "other", dtype=torch.bfloat16)
+    other = build_snapshot(
+        {"a": torch.randn(50, 70, generator=g), "b": torch.randn(2500, generator=g), "c": torch.arange(7)},
+        1,
+        hub,
+        CONFIG_HASH,
+        tmp_path / "other",
+        dtype=torch.bfloat16,
+    )
     with pytest.raises(DeltaError, match="fails the hashes"):  # the right delta on a base that is not its own
         apply_delta(other.path, base.manifest.whole_hash, delta.path, new.manifest, out)
     assert not out.exists()
@@ -207,8 +213,12 @@ async def publish(hub: Hub, full, delta) -> None:
 async def test_deltas_go_down_a_chain_and_a_node_that_missed_a_version_gets_it_in_full():
     hub_id = Identity.generate()
     versions = evolving_snapshots(hub_id, 4, 64 * KIB, 300, 8 * KIB)
-    async with hub_peer(hub_id, HubUplink(None, None)) as peer, node_peer(peer) as a, node_peer(peer) as b, \
-            node_peer(peer) as late:
+    async with (
+        hub_peer(hub_id, HubUplink(None, None)) as peer,
+        node_peer(peer) as a,
+        node_peer(peer) as b,
+        node_peer(peer) as late,
+    ):
         async with chain_of(peer, [a, b]) as (hub, nursery):
             for full, delta in versions[:3]:
                 await publish(hub, full, delta)
@@ -241,8 +251,7 @@ async def test_a_relay_that_corrupts_a_delta_chunk_is_banned_and_its_successor_i
     hub_id = Identity.generate()
     versions = evolving_snapshots(hub_id, 2, 256 * KIB, 20_000, 4 * KIB)
     assert versions[1][1].manifest.chunk_count > FlippingKeeper.BAD_INDEX
-    async with hub_peer(hub_id) as peer, node_peer(peer, keeper_class=FlippingKeeper) as evil, \
-            node_peer(peer) as b:
+    async with hub_peer(hub_id) as peer, node_peer(peer, keeper_class=FlippingKeeper) as evil, node_peer(peer) as b:
         async with chain_of(peer, [evil, b]) as (hub, _):
             # v0 straight from the hub to both, then the liar relays v1's delta.
             hub.broadcaster.chains = [[evil.peer_id], [b.peer_id]]
@@ -264,15 +273,29 @@ def test_a_real_hub_publishes_deltas_that_real_nodes_install_bit_exact(tmp_path)
     """`echo-hub start --dtype bfloat16 --lr 1e-6` and two `echo-node` processes: from v1 on each version
     goes as a delta a few percent of the snapshot, and what every node installed hashes as the hub's file."""
     hub_dir = tmp_path / "hub"
-    hub = start_test_hub(hub_dir, "--dtype", "bfloat16", "--lr", "1e-6", "--kappa", "1", "--staleness", "1",
-                         "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4")
+    hub = start_test_hub(
+        hub_dir,
+        "--dtype",
+        "bfloat16",
+        "--lr",
+        "1e-6",
+        "--kappa",
+        "1",
+        "--staleness",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "4",
+    )
     nodes: list[Proc] = []
     try:
         dirs = [tmp_path / "node-0", tmp_path / "node-1"]
         nodes = [start_test_node(hub.addr, d, "--dtype", "bfloat16") for d in dirs]
         ids = [node_peer_id(n) for n in nodes]
-        wait_until(lambda: all((n := node_states(hub).get(p)) and n.version_held >= 4 for p in ids), 180,
-                   "both nodes to hold v4")
+        wait_until(lambda: all((n := node_states(hub).get(p)) and n.version_held >= 4 for p in ids), 180, "both nodes to hold v4")
         status = hub.status()
         stop_all(nodes)
     finally:
@@ -308,8 +331,14 @@ async def test_a_relay_forwards_delta_chunks_while_they_arrive_and_a_restarted_h
         restarted = SnapshotShelf(keep=2)
         restarted.add(versions[1][0])  # the version again, its delta not
         hub.broadcaster.shelf = restarted
-        report = BadChunkReport(upstream=a.peer_id, kind="delta-chunk", version=1, index=0,
-                                digest_hex=relay_commitment[0], commitment_hex=relay_commitment[1])
+        report = BadChunkReport(
+            upstream=a.peer_id,
+            kind="delta-chunk",
+            version=1,
+            index=0,
+            digest_hex=relay_commitment[0],
+            commitment_hex=relay_commitment[1],
+        )
         assert hub.broadcaster.judge(report) == "unknown"
 
 

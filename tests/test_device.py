@@ -22,34 +22,42 @@ from testbed.harness import start_hub
 from tests.test_first_contact import assert_one_line_mistake, run, snapshot_of
 
 
-@pytest.mark.parametrize(("choice", "cuda", "device"), [
-    ("auto", True, "cuda"), ("auto", False, "cpu"),
-    ("cpu", True, "cpu"), ("cpu", False, "cpu"),
-    ("cuda", True, "cuda"),
-])
+@pytest.mark.parametrize(
+    ("choice", "cuda", "device"),
+    [("auto", True, "cuda"), ("auto", False, "cpu"), ("cpu", True, "cpu"), ("cpu", False, "cpu"), ("cuda", True, "cuda")],
+)
 def test_the_device_choice(choice: str, cuda: bool, device: str) -> None:
     assert pick_device(choice, cuda) == device
 
 
-@pytest.mark.parametrize(("choice", "device", "bf16", "dtype"), [
-    ("auto", "cuda", True, "bfloat16"), ("auto", "cuda:1", True, "bfloat16"),
-    ("auto", "cuda", False, "float32"), ("auto", "cpu", False, "float32"), ("auto", "cpu", True, "float32"),
-    ("float32", "cuda", True, "float32"), ("bfloat16", "cpu", False, "bfloat16"),
-])
+@pytest.mark.parametrize(
+    ("choice", "device", "bf16", "dtype"),
+    [
+        ("auto", "cuda", True, "bfloat16"),
+        ("auto", "cuda:1", True, "bfloat16"),
+        ("auto", "cuda", False, "float32"),
+        ("auto", "cpu", False, "float32"),
+        ("auto", "cpu", True, "float32"),
+        ("float32", "cuda", True, "float32"),
+        ("bfloat16", "cpu", False, "bfloat16"),
+    ],
+)
 def test_the_dtype_choice_follows_the_device(choice: str, device: str, bf16: bool, dtype: str) -> None:
     assert pick_dtype(choice, device, bf16) == dtype
 
 
-@pytest.mark.parametrize(("choice", "learner", "device"), [
-    ("auto", "cuda", "cuda"), ("auto", "cpu", "cpu"), ("cpu", "cuda", "cpu"), ("cuda", "cpu", "cuda"),
-])
+@pytest.mark.parametrize(
+    ("choice", "learner", "device"),
+    [("auto", "cuda", "cuda"), ("auto", "cpu", "cpu"), ("cpu", "cuda", "cpu"), ("cuda", "cpu", "cuda")],
+)
 def test_local_nodes_follow_the_learner_unless_told(choice: str, learner: str, device: str) -> None:
     assert local_nodes_device(choice, learner) == device
 
 
-@pytest.mark.parametrize(("device", "cuda", "phrase"), [
-    ("cuda", True, "cuda:0 (GPU-X)"), ("cpu", False, "cpu (no CUDA)"), ("cpu", True, "cpu (--device cpu; CUDA is here)"),
-])
+@pytest.mark.parametrize(
+    ("device", "cuda", "phrase"),
+    [("cuda", True, "cuda:0 (GPU-X)"), ("cpu", False, "cpu (no CUDA)"), ("cpu", True, "cpu (--device cpu; CUDA is here)")],
+)
 def test_the_start_line_says_where_the_learner_runs(device: str, cuda: bool, phrase: str) -> None:
     assert device_phrase(device, cuda, "GPU-X") == phrase
 
@@ -103,18 +111,20 @@ def test_local_nodes_are_given_their_device() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-@pytest.mark.parametrize(("args", "flag"), [
-    (["--device", "cuda"], "--device"), (["--local-device", "cuda"], "--local-device"),
-    (["--config", "{toml}"], "--device"),
-])
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [(["--device", "cuda"], "--device"), (["--local-device", "cuda"], "--local-device"), (["--config", "{toml}"], "--device")],
+)
 def test_cuda_without_cuda_is_one_line_and_touches_nothing(args: list[str], flag: str, tmp_path: Path) -> None:
     toml = tmp_path / "gpu.toml"
     toml.write_text('[learner]\ndevice = "cuda"\n')
     args = [a.format(toml=toml) for a in args]
     before = snapshot_of(tmp_path)
-    line = assert_one_line_mistake(run("hub.cli", "start", "--data-dir", str(tmp_path / "data"),
-                                       "--listen", "/ip4/127.0.0.1/tcp/0", *args),
-                                   f"{flag} cuda: torch here has no CUDA ({torch.__version__})", f"use {flag} cpu or auto")
+    line = assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--listen", "/ip4/127.0.0.1/tcp/0", *args),
+        f"{flag} cuda: torch here has no CUDA ({torch.__version__})",
+        f"use {flag} cpu or auto",
+    )
     assert line == f"echo-hub: {flag} cuda: torch here has no CUDA ({torch.__version__}); use {flag} cpu or auto"
     assert snapshot_of(tmp_path) == before
 
@@ -137,8 +147,10 @@ def test_a_default_hub_without_cuda_says_its_learner_is_on_the_cpu(tmp_path: Pat
 
 
 def test_echo_hub_start_help_names_the_device_choices_without_importing_torch() -> None:
-    code = ("import sys\nfrom hub.cli.main import main\ntry:\n    main(['start', '--help'])\nexcept SystemExit:\n    pass\n"
-            "assert 'torch' not in sys.modules, 'torch imported for --help'\n")
+    code = (
+        "import sys\nfrom hub.cli.main import main\ntry:\n    main(['start', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported for --help'\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--device" in result.stdout and "auto" in result.stdout

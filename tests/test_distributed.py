@@ -145,8 +145,17 @@ def test_nccl_ranks_train_in_bf16_with_fp32_masters(default_model_dir, tmp_path)
 
 def start_hub(data_dir: Path, *args: str) -> forked.Forked:
     out = data_dir.parent / f"{data_dir.name}-{time.time_ns()}.out"
-    argv = ["start", "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress",
-            "--learner-procs", "2", *args]
+    argv = [
+        "start",
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--no-progress",
+        "--learner-procs",
+        "2",
+        *args,
+    ]
     return forked.spawn("hub.cli.main", argv, str(out), {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -170,15 +179,20 @@ def rank_pid(data_dir: Path) -> int:
     raise LookupError("no learner rank 1")
 
 
-@pytest.mark.parametrize(("flags", "words"), [
-    (("--lora-rank", "8"), ("--lora-rank 8 with 2 learner processes", "drop --learner-procs")),
-    (("--optimizer", "adamw8bit"), ("--optimizer adamw8bit with 2 learner processes", "drop --learner-procs")),
-])
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--lora-rank", "8"), ("--lora-rank 8 with 2 learner processes", "drop --learner-procs")),
+        (("--optimizer", "adamw8bit"), ("--optimizer adamw8bit with 2 learner processes", "drop --learner-procs")),
+    ],
+)
 def test_what_a_sharded_learner_cannot_do_is_refused_in_one_line(tmp_path, flags, words):
     data = tmp_path / "hub"
     result = subprocess.run(
         [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--learner-procs", "2", *flags],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     line = result.stderr.strip()
@@ -194,9 +208,14 @@ def test_a_hub_with_two_learner_processes_trains_stops_when_a_rank_dies_and_resu
     config.write_text("[learner]\ncheckpoint_every = 4\n")
     hub = start_hub(data, "--steps", "200", "--local-nodes", "1", "--config", str(config))
     try:
+
         def installed() -> list[str]:
-            return [line for p in (data / "nodes").glob("*/node.log") for line in p.read_text().splitlines()
-                    if "installed v3 " in line or "installed v6 " in line]
+            return [
+                line
+                for p in (data / "nodes").glob("*/node.log")
+                for line in p.read_text().splitlines()
+                if "installed v3 " in line or "installed v6 " in line
+            ]
 
         wait_until(lambda: steps_done(data) >= 6, 180, "6 steps of the sharded learner", poll_s=0.5)
         wait_until(installed, 60, "the node to install v3 or v6 of the sharded learner", poll_s=0.5)
@@ -212,8 +231,12 @@ def test_a_hub_with_two_learner_processes_trains_stops_when_a_rank_dies_and_resu
     assert "learner rank 1 was killed by signal 9" in last and "resume from checkpoint step" in last, out[-3000:]
     assert "Traceback" not in out
     step = query(data, "SELECT MAX(step) FROM steps")[0][0]
-    waiting = {r[0] for r in query(data, "SELECT id FROM trajectories WHERE verdict = 'accepted' "
-                                         "AND consumed_step IS NULL AND discard_reason IS NULL")}
+    waiting = {
+        r[0]
+        for r in query(
+            data, "SELECT id FROM trajectories WHERE verdict = 'accepted' AND consumed_step IS NULL AND discard_reason IS NULL"
+        )
+    }
 
     hub = start_hub(data, "--steps", str(step + 3), "--local-nodes", "1", "--config", str(config))
     try:

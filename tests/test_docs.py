@@ -53,8 +53,14 @@ def config_reference() -> str:
     from shared.config import reference_markdown
 
     node_flags = {dotted: ["--" + flag.replace("_", "-")] for flag, (dotted, _) in JOIN_FLAGS.items()}
-    return "\n".join([GENERATED, "", reference_markdown(HubConfig, start_flags_by_field(), "echo-hub start"),
-                      reference_markdown(NodeConfig, node_flags, "echo-node join")])
+    return "\n".join(
+        [
+            GENERATED,
+            "",
+            reference_markdown(HubConfig, start_flags_by_field(), "echo-hub start"),
+            reference_markdown(NodeConfig, node_flags, "echo-node join"),
+        ]
+    )
 
 
 def _split_config_doc() -> tuple[str, str]:

@@ -41,8 +41,9 @@ def snapshot_file(directory: Path, model, noise: float = 0.0, seed: int = 0) -> 
     weight with different noise would be refused)."""
     gen = torch.Generator().manual_seed(seed)
     dropped = tied_duplicates(model)
-    state = {k: (v + noise * torch.randn(v.shape, generator=gen)).clone() for k, v in model.state_dict().items()
-             if k not in dropped}
+    state = {
+        k: (v + noise * torch.randn(v.shape, generator=gen)).clone() for k, v in model.state_dict().items() if k not in dropped
+    }
     return save(directory, state)
 
 
@@ -95,9 +96,7 @@ def test_engine_logprobs_match_completion_logprobs(engine, temperature, top_p):
     flat = [c for group in out for c in group]
     prompt_ids = [ids for ids in engine.tokenizer(PROMPTS)["input_ids"] for _ in range(n)]
     with torch.no_grad():
-        ref, mask = completion_logprobs(
-            engine.model, prompt_ids, [list(c.token_ids) for c in flat], temperature, top_p
-        )
+        ref, mask = completion_logprobs(engine.model, prompt_ids, [list(c.token_ids) for c in flat], temperature, top_p)
     reported = torch.zeros_like(ref)
     for row, c in enumerate(flat):
         reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
@@ -202,8 +201,11 @@ def test_vllm_memory_and_threads_are_set_in_the_unit_of_the_device(monkeypatch):
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     assert _configure_platform("cpu", VLLMResources(threads=3)) == {}
-    assert (os.environ["VLLM_CPU_KVCACHE_SPACE"], os.environ["VLLM_CPU_OMP_THREADS_BIND"], os.environ["OMP_NUM_THREADS"]) \
-        == ("1", "nobind", "3")
+    assert (os.environ["VLLM_CPU_KVCACHE_SPACE"], os.environ["VLLM_CPU_OMP_THREADS_BIND"], os.environ["OMP_NUM_THREADS"]) == (
+        "1",
+        "nobind",
+        "3",
+    )
     _configure_platform("cpu", VLLMResources(kv_cache_gib=4, cpu_cores="2-3"))
     assert (os.environ["VLLM_CPU_KVCACHE_SPACE"], os.environ["VLLM_CPU_OMP_THREADS_BIND"]) == ("4", "2-3")
     assert _configure_platform("cuda", VLLMResources()) == {"gpu_memory_utilization": 0.85}
@@ -217,11 +219,14 @@ def test_vllm_memory_and_threads_are_set_in_the_unit_of_the_device(monkeypatch):
     check_vllm_resources("cuda", VLLMResources(gpu_memory_fraction=0.5))
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--cpu-cores", "0-1;rm"], "cpu_cores"),
-    (["--kv-cache-gib", "0"], "kv_cache_gib"),
-    (["--gpu-memory-fraction", "1.5"], "gpu_memory_fraction"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--cpu-cores", "0-1;rm"], "cpu_cores"),
+        (["--kv-cache-gib", "0"], "kv_cache_gib"),
+        (["--gpu-memory-fraction", "1.5"], "gpu_memory_fraction"),
+    ],
+)
 def test_vllm_flags_out_of_bounds_are_one_line(tmp_path, capsys, flags, message):
     from node.cli import main
 

@@ -41,8 +41,9 @@ def test_a_model_dir_with_several_eos_ids_stops_on_each(tmp_path: Path, default_
     assert set(HFEngine(model).sampler.stop_ids.tolist()) == {eos, 5}
 
 
-def test_an_engine_without_weights_stops_on_generation_configs_eos_and_then_on_the_hubs(tmp_path: Path,
-                                                                                          default_model_dir: Path) -> None:
+def test_an_engine_without_weights_stops_on_generation_configs_eos_and_then_on_the_hubs(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
     """A node without --model builds its model from config.json alone, whose generation config never reads
     generation_config.json: the engine still stops on its EOS ids, then on exactly the set the hub names."""
     from transformers import AutoTokenizer, GenerationConfig
@@ -105,8 +106,7 @@ def test_a_snapshot_with_differing_tied_copies_is_refused(tmp_path: Path, defaul
     engine.generate(["abc>"], 1, SamplingParams(max_new_tokens=2))  # refused before any copy: still usable
 
 
-def test_an_engine_whose_swap_failed_half_way_refuses_to_generate(tmp_path: Path, default_model_dir: Path,
-                                                                   monkeypatch) -> None:
+def test_an_engine_whose_swap_failed_half_way_refuses_to_generate(tmp_path: Path, default_model_dir: Path, monkeypatch) -> None:
     import shared.model_io
 
     engine = HFEngine(default_model_dir)
@@ -161,8 +161,13 @@ def test_the_vllm_check_says_in_one_line_why_it_cannot_run_here(device: str) -> 
     if reason is None:
         pytest.skip(f"vLLM can run on {device} here: .ci/run runs the check itself")
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "bench/vllm_check.py", "--device", device, "--json"], cwd=root,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "bench/vllm_check.py", "--device", device, "--json"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [f"vllm_check: cannot run on {device}: {reason}"]
 

@@ -78,13 +78,13 @@ def test_evaluator_on_the_real_model_greedy_and_sampled(default_model_dir: Path)
 
     _, held = split_task(ReverseTask(), 0.05)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
-    greedy = Evaluator(default_model_dir, held, EvalConfig(every=1, prompts=32, temperature=0.0), sampling,
-                       "float32", "cpu", seed=0)
+    greedy = Evaluator(
+        default_model_dir, held, EvalConfig(every=1, prompts=32, temperature=0.0), sampling, "float32", "cpu", seed=0
+    )
     first, again = greedy.evaluate(1), greedy.evaluate(2)
     assert first.prompts == 32 and first.k == 1 and first.reward == again.reward  # greedy: deterministic
     assert 0.0 < first.reward <= 1.0  # the warmed-up default model solves some held-out words
-    sampled = Evaluator(default_model_dir, held, EvalConfig(every=1, prompts=32, samples=4), sampling,
-                        "float32", "cpu", seed=0)
+    sampled = Evaluator(default_model_dir, held, EvalConfig(every=1, prompts=32, samples=4), sampling, "float32", "cpu", seed=0)
     row = sampled.evaluate(3)
     assert row.k == 4 and row.pass_at_1 <= row.pass_at_k and row.pass_at_1 == pytest.approx(row.reward)
     # Weights copied in from a (here: zeroed) learner state are what it evaluates.
@@ -96,14 +96,24 @@ def test_evaluator_on_the_real_model_greedy_and_sampled(default_model_dir: Path)
 def test_eval_mistakes_are_one_line(tmp_path: Path) -> None:
     before = snapshot_of(tmp_path)
     data = str(tmp_path / "data")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-split", "1e-9"),
-                            "--eval-split", "leaves none to evaluate on")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-samples", "4",
-                                "--eval-temperature", "0"), "eval", "greedy")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-task",
-                                "nosuch.jsonl"), "--eval-task", "no such file")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--report-to", "tensorbored"),
-                            "tracking.report_to", "tensorboard")
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-split", "1e-9"),
+        "--eval-split",
+        "leaves none to evaluate on",
+    )
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-samples", "4", "--eval-temperature", "0"),
+        "eval",
+        "greedy",
+    )
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--eval-every", "5", "--eval-task", "nosuch.jsonl"),
+        "--eval-task",
+        "no such file",
+    )
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--report-to", "tensorbored"), "tracking.report_to", "tensorboard"
+    )
     assert_one_line_mistake(run("hub.cli", "eval", "--model", str(tmp_path / "none")), "--model", "no such directory")
     assert snapshot_of(tmp_path) == before
 
@@ -116,8 +126,16 @@ def test_a_default_run_evaluates_held_out_prompts_every_10_steps(tmp_path: Path)
     data = tmp_path / "data"
     trackers = [t for t in ("tensorboard", "wandb", "trackio") if _installed(t)]
     # Held-out reward of a default run here: 0.235, 0.305, 0.36 at steps 10, 20, 30 (0.465 at 60).
-    hub = start_hub(data, "--steps", "30", "--eval-every", "10", "--eval-prompts", "200",
-                    *(["--report-to", ",".join(trackers)] if trackers else []))
+    hub = start_hub(
+        data,
+        "--steps",
+        "30",
+        "--eval-every",
+        "10",
+        "--eval-prompts",
+        "200",
+        *(["--report-to", ",".join(trackers)] if trackers else []),
+    )
     try:
         assert hub.process.wait(timeout=500) == 0, hub.output()[-3000:]
     finally:

@@ -21,8 +21,14 @@ HUB_ID = "12D3KooWBQfx3WEjxhccpcx6oocrexqynsmUXa6uBjuKgWdjmdLR"
 
 
 def run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def snapshot_of(path: Path) -> list[tuple[str, int, float]] | None:
@@ -49,8 +55,10 @@ def files(tmp_path: Path) -> dict[str, Path]:
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n{not json\n')
     (tmp_path / "unknown-key.toml").write_text("staleness = 6\n[learner]\nfoo = 1\n")
     (tmp_path / "flat-key.toml").write_text("audit_rate = 0.1\n")
-    return {name.replace("-", "_").replace(".", "_"): tmp_path / name
-            for name in ("empty-model", "a-file", "bad.jsonl", "unknown-key.toml", "flat-key.toml")}
+    return {
+        name.replace("-", "_").replace(".", "_"): tmp_path / name
+        for name in ("empty-model", "a-file", "bad.jsonl", "unknown-key.toml", "flat-key.toml")
+    }
 
 
 HUB_MISTAKES = {
@@ -67,18 +75,28 @@ HUB_MISTAKES = {
     "flat key of a section with no flag": (["--config", "{flat_key_toml}"], ["'audit_rate' belongs in section [trust]"]),
     "negative learning rate": (["--lr", "-1"], ["learner.lr", "greater than 0"]),
     "bulk port out of range": (["--bulk-port", "70000"], ["broadcast.bulk_port", "65535"]),
-    "bulk port = libp2p port": (["--listen", "/ip4/127.0.0.1/tcp/4391", "--bulk-port", "4391"],
-                                ["--bulk-port 4391", "libp2p listen port", "--bulk-port 4392"]),
-    "flex attention on a CPU": (["--attention", "flex_attention", "--device", "cpu"],
-                                ["--attention flex_attention trains on CUDA only", "--attention sdpa"]),
+    "bulk port = libp2p port": (
+        ["--listen", "/ip4/127.0.0.1/tcp/4391", "--bulk-port", "4391"],
+        ["--bulk-port 4391", "libp2p listen port", "--bulk-port 4392"],
+    ),
+    "flex attention on a CPU": (
+        ["--attention", "flex_attention", "--device", "cpu"],
+        ["--attention flex_attention trains on CUDA only", "--attention sdpa"],
+    ),
     "flash attention not installed": (["--attention", "flash_attention_2"], ["flash-attn", "--attention flex_attention"]),
     "unknown optimizer": (["--optimizer", "sgd"], ["learner.optimizer", "adamw8bit"]),
-    "reward that raises": (["--task", "testbed.tasks:RaisingRewardTask"],
-                           ["reward testbed.tasks:RaisingRewardTask.rewards raised KeyError", "fix the reward"]),
-    "reward that returns NaN": (["--task", "testbed.tasks:NanRewardTask"],
-                                ["reward testbed.tasks:NanRewardTask.rewards returned nan", "finite"]),
-    "reward with one value per group": (["--task", "testbed.tasks:OneRewardTask", "--group-size", "4"],
-                                        ["reward testbed.tasks:OneRewardTask.rewards returned 1 value for 4 completions"]),
+    "reward that raises": (
+        ["--task", "testbed.tasks:RaisingRewardTask"],
+        ["reward testbed.tasks:RaisingRewardTask.rewards raised KeyError", "fix the reward"],
+    ),
+    "reward that returns NaN": (
+        ["--task", "testbed.tasks:NanRewardTask"],
+        ["reward testbed.tasks:NanRewardTask.rewards returned nan", "finite"],
+    ),
+    "reward with one value per group": (
+        ["--task", "testbed.tasks:OneRewardTask", "--group-size", "4"],
+        ["reward testbed.tasks:OneRewardTask.rewards returned 1 value for 4 completions"],
+    ),
 }
 
 
@@ -100,8 +118,9 @@ def test_a_port_already_in_use_is_named_with_a_free_one_to_try(tmp_path: Path) -
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        line = assert_one_line_mistake(run("hub.cli", "start", "--data-dir", str(tmp_path / "d"),
-                                           "--listen", f"/ip4/127.0.0.1/tcp/{port}"), "already in use")
+        line = assert_one_line_mistake(
+            run("hub.cli", "start", "--data-dir", str(tmp_path / "d"), "--listen", f"/ip4/127.0.0.1/tcp/{port}"), "already in use"
+        )
     assert f"/ip4/127.0.0.1/tcp/{port + 1}" in line and not (tmp_path / "d").exists()
 
 
@@ -123,12 +142,15 @@ def test_a_bulk_port_already_in_use_is_named(command: str, tmp_path: Path) -> No
 NODE_MISTAKES = {
     "garbage hub address": (["--hub", "garbage"], ["--hub", "not a hub address"]),
     "hub address without /p2p/": (["--hub", "/ip4/127.0.0.1/tcp/4077"], ["--hub", "lacks the hub's peer id", "/p2p/"]),
-    "empty model dir": (["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--model", "{empty_model}"],
-                        ["--model", "config.json"]),
-    "data dir is a file": (["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--data-dir", "{a_file}"],
-                           ["--data-dir", "is a file"]),
-    "bulk port below -1": (["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--bulk-port", "-2"],
-                           ["bulk_port", "-1"]),
+    "empty model dir": (
+        ["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--model", "{empty_model}"],
+        ["--model", "config.json"],
+    ),
+    "data dir is a file": (
+        ["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--data-dir", "{a_file}"],
+        ["--data-dir", "is a file"],
+    ),
+    "bulk port below -1": (["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--bulk-port", "-2"], ["bulk_port", "-1"]),
 }
 
 
@@ -163,8 +185,9 @@ def test_one_hub_per_data_dir_and_a_resume_that_says_what_it_resumes(tmp_path: P
     hub = start_hub(data, "--local-nodes", "0", "--steps", "0", port=port)
     try:
         # A second hub on the same data dir is refused, naming the one that holds it.
-        second = run("hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0",
-                     "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}")
+        second = run(
+            "hub.cli", "start", "--data-dir", str(data), "--local-nodes", "0", "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}"
+        )
         assert_one_line_mistake(second, "another hub", f"pid {hub.process.pid}")
         assert (data / "hub.lock").read_text().strip() == str(hub.process.pid)
         # Plain progress lines, since its output is a file, not a terminal.
@@ -200,9 +223,26 @@ def test_one_hub_per_data_dir_and_a_resume_that_says_what_it_resumes(tmp_path: P
 def test_a_node_says_what_it_waits_for_and_stops_on_a_refusal_it_cannot_fix(tmp_path: Path) -> None:
     # Nothing listens there: the node says so, with its next try, instead of going silent.
     nowhere = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{HUB_ID}"
-    node = subprocess.Popen([sys.executable, "-m", "node.cli", "join", "--hub", nowhere, "--data-dir",
-                             str(tmp_path / "n1"), "--listen", "/ip4/127.0.0.1/tcp/0", "--device", "cpu"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "join",
+            "--hub",
+            nowhere,
+            "--data-dir",
+            str(tmp_path / "n1"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--device",
+            "cpu",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         started, lines = time.monotonic(), []
         while time.monotonic() - started < 60 and not any("next try in" in line for line in lines):
@@ -214,8 +254,21 @@ def test_a_node_says_what_it_waits_for_and_stops_on_a_refusal_it_cannot_fix(tmp_
     # A price above the hub's ceiling will never be accepted: the node stops and says why.
     hub = start_hub(tmp_path / "hub", "--local-nodes", "0", "--steps", "0")
     try:
-        refused = run("node.cli", "join", "--hub", hub.addr, "--price", "50", "--data-dir", str(tmp_path / "n2"),
-                      "--listen", "/ip4/127.0.0.1/tcp/0", "--device", "cpu", timeout_s=100)
+        refused = run(
+            "node.cli",
+            "join",
+            "--hub",
+            hub.addr,
+            "--price",
+            "50",
+            "--data-dir",
+            str(tmp_path / "n2"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--device",
+            "cpu",
+            timeout_s=100,
+        )
         assert refused.returncode != 0 and "Traceback" not in refused.stderr
         assert "above this hub's ceiling" in refused.stderr and "--price" in refused.stderr
     finally:
@@ -234,7 +287,9 @@ def test_status_json_into_a_closed_pipe_is_not_a_traceback(tmp_path: Path) -> No
 def test_the_example_config_is_what_echo_hub_config_prints_and_it_loads(tmp_path: Path) -> None:
     printed = run("hub.cli", "config")
     assert printed.returncode == 0
-    assert printed.stdout == (ROOT / "docs" / "hub.example.toml").read_text(), "regenerate: echo-hub config > docs/hub.example.toml"
+    assert printed.stdout == (ROOT / "docs" / "hub.example.toml").read_text(), (
+        "regenerate: echo-hub config > docs/hub.example.toml"
+    )
     from hub.config import HubConfig
     from shared.config import load_config
 
@@ -242,7 +297,10 @@ def test_the_example_config_is_what_echo_hub_config_prints_and_it_loads(tmp_path
     # Every field is there, with its help line.
     for section in ("learner", "sampling", "lease", "broadcast", "scheduler", "trust"):
         assert f"[{section}]" in printed.stdout
-    assert "# S: max versions a trajectory may lag the learner (\"auto\": adapt it, see staleness_auto)\nstaleness = 4" in printed.stdout
+    assert (
+        '# S: max versions a trajectory may lag the learner ("auto": adapt it, see staleness_auto)\nstaleness = 4'
+        in printed.stdout
+    )
 
 
 @pytest.mark.slow
@@ -252,8 +310,11 @@ def test_a_learner_that_stalls_while_work_arrives_says_why(tmp_path: Path) -> No
     config.write_text("[learner]\nstall_warning_s = 1.0\n")
     hub = start_hub(tmp_path / "data", "--local-nodes", "1", "--task", "testbed.tasks:FlatTask", "--config", str(config))
     try:
-        line = wait_until(lambda: next((ln for ln in hub.output().splitlines() if "warning: no learner step" in ln), None),
-                          120, "the stall warning")
+        line = wait_until(
+            lambda: next((ln for ln in hub.output().splitlines() if "warning: no learner step" in ln), None),
+            120,
+            "the stall warning",
+        )
         assert "had equal rewards" in line and "--group-size" in line
     finally:
         hub.stop()

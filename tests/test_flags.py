@@ -21,23 +21,34 @@ def test_the_closest_flag_is_named() -> None:
 def test_typos_in_flags_and_toml_keys_get_did_you_mean(tmp_path: Path) -> None:
     before = snapshot_of(tmp_path)
     data = str(tmp_path / "data")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--num-generatons", "8"),
-                            "echo-hub start:", "unknown flag --num-generatons", "did you mean --num-generations?")
-    assert_one_line_mistake(run("hub.cli", "eval", "--model", data, "--max-completion-lenght", "8"),
-                            "did you mean --max-completion-length?")
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--num-generatons", "8"),
+        "echo-hub start:",
+        "unknown flag --num-generatons",
+        "did you mean --num-generations?",
+    )
+    assert_one_line_mistake(
+        run("hub.cli", "eval", "--model", data, "--max-completion-lenght", "8"), "did you mean --max-completion-length?"
+    )
     assert_one_line_mistake(run("hub.cli", "status", "--data_dir", data), "did you mean --data-dir?")
     assert_one_line_mistake(run("node.cli", "join", "--hubb", "x"), "echo-node join:", "did you mean --hub?")
     assert_one_line_mistake(run("hub.cli", "statsu"), "echo-hub: unknown command 'statsu'; did you mean status?")
     toml = tmp_path / "hub.toml"
     toml.write_text("learning_rat = 1e-5\n")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
-                            "unknown key 'learning_rat'", "did you mean 'learning_rate'?")
-    toml.write_text("[learner]\nlora_targets = \"q_proj\"\n")  # a scalar where a list goes
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
-                            'learner.lora_targets takes a list: write lora_targets = ["q_proj"]')
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
+        "unknown key 'learning_rat'",
+        "did you mean 'learning_rate'?",
+    )
+    toml.write_text('[learner]\nlora_targets = "q_proj"\n')  # a scalar where a list goes
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
+        'learner.lora_targets takes a list: write lora_targets = ["q_proj"]',
+    )
     toml.write_text("[learner]\nstalenes = 2\n")
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
-                            "[learner]", "did you mean 'staleness'?")
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--config", str(toml)), "[learner]", "did you mean 'staleness'?"
+    )
     toml.unlink()
     assert snapshot_of(tmp_path) == before
 
@@ -45,29 +56,38 @@ def test_typos_in_flags_and_toml_keys_get_did_you_mean(tmp_path: Path) -> None:
 def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
     """Each TRL name reaches its field: the field's own bounds refuse the value, naming the field."""
     data = str(tmp_path / "data")
-    for flag, value, field in (("--num-generations", "1", "learner.group_size"), ("--learning-rate", "2", "learner.lr"),
-                               ("--max-completion-length", "0", "sampling.max_new_tokens"),
-                               ("--max-steps", "-1", "steps"), ("--epsilon", "-1", "learner.eps_low"),
-                               ("--epsilon-high", "-1", "learner.eps_high"), ("--max-grad-norm", "0", "learner.grad_clip"),
-                               ("--save-steps", "0", "learner.checkpoint_every"), ("--beta", "-1", "learner.beta"),
-                               ("--lr-scheduler-type", "polynomial", "learner.lr_scheduler"),
-                               ("--warmup-ratio", "2", "learner.warmup_ratio"), ("--log-completions", "-1",
-                                                                                 "tracking.log_completions")):
+    for flag, value, field in (
+        ("--num-generations", "1", "learner.group_size"),
+        ("--learning-rate", "2", "learner.lr"),
+        ("--max-completion-length", "0", "sampling.max_new_tokens"),
+        ("--max-steps", "-1", "steps"),
+        ("--epsilon", "-1", "learner.eps_low"),
+        ("--epsilon-high", "-1", "learner.eps_high"),
+        ("--max-grad-norm", "0", "learner.grad_clip"),
+        ("--save-steps", "0", "learner.checkpoint_every"),
+        ("--beta", "-1", "learner.beta"),
+        ("--lr-scheduler-type", "polynomial", "learner.lr_scheduler"),
+        ("--warmup-ratio", "2", "learner.warmup_ratio"),
+        ("--log-completions", "-1", "tracking.log_completions"),
+    ):
         assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, flag, value), field)
     toml = tmp_path / "hub.toml"
     toml.write_text("num_generations = 1\nmax_steps = 5\n")  # TRL's names as flat hub.toml keys
-    line = assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)),
-                                   "learner.group_size")
+    line = assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)), "learner.group_size")
     assert "max_steps" not in line  # an alias of a top-level field (steps) is taken, not refused as unknown
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--steps", "0", "--lr-scheduler", "cosine"),
-                            "--lr-scheduler cosine", "needs --steps N")
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--steps", "0", "--lr-scheduler", "cosine"),
+        "--lr-scheduler cosine",
+        "needs --steps N",
+    )
 
 
 def test_an_epsilon_the_loss_cannot_take_is_refused_before_anything_runs(tmp_path: Path) -> None:
     """eps_low = 1 would clip ratios at 0: the config's bound refuses it, not the learner's first step."""
     before = snapshot_of(tmp_path)
-    assert_one_line_mistake(run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--epsilon", "1.0"),
-                            "learner.eps_low", "less than 1")
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--epsilon", "1.0"), "learner.eps_low", "less than 1"
+    )
     assert snapshot_of(tmp_path) == before
 
 
@@ -82,4 +102,3 @@ def test_help_has_an_example_and_readable_defaults() -> None:
     assert "(default none)" in text and "--chat CHAT render string prompts" in text and "(on or off) (default off)" in text
     assert "--group-size GROUP_SIZE, --num-generations GROUP_SIZE" in text
     assert "--lr-scheduler LR_SCHEDULER, --lr-scheduler-type LR_SCHEDULER" in text
-

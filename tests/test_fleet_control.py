@@ -64,12 +64,16 @@ LEASE_SETTLE_S = 40.0  # > lease_timeout_s: by then a lease is answered or expir
 def describe(status: HubStatus | None, names: dict[str, str]) -> str:
     if status is None:
         return "no status.json"
-    head = (f"step {status.step} mu_pool {status.mu_pool} mu_min {status.mu_min} mu_target {status.mu_target} "
-            f"T_train {status.t_train_s} T_bcast {status.t_bcast_s}")
+    head = (
+        f"step {status.step} mu_pool {status.mu_pool} mu_min {status.mu_min} mu_target {status.mu_target} "
+        f"T_train {status.t_train_s} T_bcast {status.t_bcast_s}"
+    )
     lines = [head]
     for n in status.nodes:
-        lines.append(f"  {names.get(n.peer_id, n.peer_id[-6:])}: {n.state} {n.rollouts_per_s:.1f}/s "
-                     f"${n.price_per_hour}/h v{n.version_held} accepted {n.tallies.accepted} cost {n.cost_usd:.6f}")
+        lines.append(
+            f"  {names.get(n.peer_id, n.peer_id[-6:])}: {n.state} {n.rollouts_per_s:.1f}/s "
+            f"${n.price_per_hour}/h v{n.version_held} accepted {n.tallies.accepted} cost {n.cost_usd:.6f}"
+        )
     for e in reversed(status.events[:40]):
         lines.append(f"  event {e.kind} {names.get(e.node_id or '', '-')}: {e.detail}")
     return "\n".join(lines)
@@ -112,9 +116,17 @@ def test_cost_aware_activation_standby_and_replacement(tmp_path: Path):
         s1, s2, z = ids["S1"], ids["S2"], ids["Z"]
         # (On a very slow machine the target can fall so low that the priciest of them, Z and
         # then S2, go back to standby before F arrives; S1, the cheapest, keeps working.)
-        wait_for(hub, names, lambda s: s.mu_target is not None and states(s).get(s1) == "active"
-                 and states(s).get(s2) in ("active", "standby") and states(s).get(z) in ("active", "standby"),
-                 "the slow nodes to work and a measured target")
+        wait_for(
+            hub,
+            names,
+            lambda s: (
+                s.mu_target is not None
+                and states(s).get(s1) == "active"
+                and states(s).get(s2) in ("active", "standby")
+                and states(s).get(z) in ("active", "standby")
+            ),
+            "the slow nodes to work and a measured target",
+        )
         procs["F"] = start_node(hub.addr, tmp_path / "F", price=FLEET["F"][0])
         f = ids["F"] = node_peer_id(procs["F"], timeout_s=NODE_START_S)
         names[f] = "F"
@@ -145,15 +157,24 @@ def test_cost_aware_activation_standby_and_replacement(tmp_path: Path):
         status = wait_for(hub, names, lambda s: s.updated_at > settled_at, "a status after S2's last lease")
         before = node(status, s2)
         newest = status.version
-        status = wait_for(hub, names, lambda s: s.version > newest and node(s, s2).version_held >= s.version - 1,
-                          "the standby node to hold a newer snapshot")
+        status = wait_for(
+            hub,
+            names,
+            lambda s: s.version > newest and node(s, s2).version_held >= s.version - 1,
+            "the standby node to hold a newer snapshot",
+        )
         after = node(status, s2)
         assert after.state == "standby", describe(status, names)
         assert (after.tallies, after.cost_usd) == (before.tallies, before.cost_usd), describe(status, names)
 
         procs["F"].kill()
-        status = wait_for(hub, names, lambda s: states(s).get(f) == "gone" and states(s).get(s1) == "active",
-                          "F dropped and a standby node activated", timeout_s=HEARTBEAT_TIMEOUT_S + 60)
+        status = wait_for(
+            hub,
+            names,
+            lambda s: states(s).get(f) == "gone" and states(s).get(s1) == "active",
+            "F dropped and a standby node activated",
+            timeout_s=HEARTBEAT_TIMEOUT_S + 60,
+        )
         detail = describe(status, names)
         events = [(names.get(e.node_id or ""), e.kind, e.detail) for e in reversed(status.events)]
         leave = max(i for i, (n, k, _) in enumerate(events) if n == "F" and k == "leave")

@@ -79,8 +79,9 @@ def test_honest_peer_pattern_is_never_refused():
 
 def test_rate_limit_throttles_then_disconnects_then_recovers():
     clock = Clock()
-    cfg = TrustConfig(requests_per_s=10.0, request_burst=5, violations_to_disconnect=4, violation_window_s=10.0,
-                      disconnect_cooldown_s=60.0)
+    cfg = TrustConfig(
+        requests_per_s=10.0, request_burst=5, violations_to_disconnect=4, violation_window_s=10.0, disconnect_cooldown_s=60.0
+    )
     guard = PeerGuard(cfg, clock)
     for _ in range(5):
         guard.release("flood", guard.admit("flood", 0))

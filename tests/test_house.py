@@ -98,22 +98,41 @@ def test_circles_are_found():
     assert circles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
 
 
-@pytest.mark.parametrize(("importer", "forbidden"), [
-    ("shared", ("hub", "node", "tui", "testbed")),
-    ("node", ("hub", "testbed")),
-    ("tui", ("hub", "node", "testbed")),
-    ("hub", ("testbed",)),
-    ("hub.method", ("hub.config", "hub.records", "hub.trust", "hub.distribution", "hub.control", "hub.training",
-                    "hub.service", "hub.cli")),
-    ("hub.training", ("hub.service", "hub.cli", "hub.distribution", "hub.control")),
-    ("hub.service", ("hub.cli",)),
-])
+@pytest.mark.parametrize(
+    ("importer", "forbidden"),
+    [
+        ("shared", ("hub", "node", "tui", "testbed")),
+        ("node", ("hub", "testbed")),
+        ("tui", ("hub", "node", "testbed")),
+        ("hub", ("testbed",)),
+        (
+            "hub.method",
+            (
+                "hub.config",
+                "hub.records",
+                "hub.trust",
+                "hub.distribution",
+                "hub.control",
+                "hub.training",
+                "hub.service",
+                "hub.cli",
+            ),
+        ),
+        ("hub.training", ("hub.service", "hub.cli", "hub.distribution", "hub.control")),
+        ("hub.service", ("hub.cli",)),
+    ],
+)
 def test_dependencies_point_one_way(graph, importer, forbidden):
     """The README's direction: hub/, node/, tui/ build on shared/; node/ never imports hub/ (hub/ imports node/
     only to fork local nodes); the training side knows nothing of the node protocol or the hub's state."""
     _, edges = graph
-    wrong = sorted(f"{m} -> {t}" for m, targets in edges.items() if m == importer or m.startswith(importer + ".")
-                   for t in targets if any(t == f or t.startswith(f + ".") for f in forbidden))
+    wrong = sorted(
+        f"{m} -> {t}"
+        for m, targets in edges.items()
+        if m == importer or m.startswith(importer + ".")
+        for t in targets
+        if any(t == f or t.startswith(f + ".") for f in forbidden)
+    )
     assert wrong == []
 
 
@@ -129,8 +148,11 @@ def test_bench_builds_on_testbed_never_on_tests():
     offenders = {}
     for path in scripts:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            )
             bad = [n for n in names if n == "tests" or n.startswith("tests.")]
             if bad:
                 offenders[path.name] = bad
@@ -145,8 +167,10 @@ def test_no_function_is_past_what_a_reader_holds():
         for path in sorted((ROOT / top).rglob("*.py")):
             for block in cc_visit(path.read_text()):
                 if cc_rank(block.complexity) > WORST_RANK:
-                    too_complex.append(f"{path.relative_to(ROOT)}:{block.lineno} {block.fullname} "
-                                       f"{cc_rank(block.complexity)} ({block.complexity})")
+                    too_complex.append(
+                        f"{path.relative_to(ROOT)}:{block.lineno} {block.fullname} "
+                        f"{cc_rank(block.complexity)} ({block.complexity})"
+                    )
     assert too_complex == []
 
 
@@ -179,7 +203,8 @@ def public_methods(tops: tuple[str, ...]) -> dict[str, int]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 counts[f"{module}.{node.name}"] = sum(
-                    isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("_") for f in node.body)
+                    isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("_") for f in node.body
+                )
     return counts
 
 
@@ -200,12 +225,18 @@ def assigned_attributes(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, attribute) of every assignment to an attribute of something other than `self`."""
     found = []
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else ([node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        )
         for target in targets:
             for part in ast.walk(target):
-                if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store) and not (
-                        isinstance(part.value, ast.Name) and part.value.id == "self"):
+                if (
+                    isinstance(part, ast.Attribute)
+                    and isinstance(part.ctx, ast.Store)
+                    and not (isinstance(part.value, ast.Name) and part.value.id == "self")
+                ):
                     found.append((part.lineno, part.attr))
     return found
 
@@ -219,8 +250,11 @@ def owner_record_writes(root: Path) -> list[str]:
             where = str(module.relative_to(root))
             if where in owners:
                 continue
-            wrong += [f"{where}:{line} {name}.{attr}" for line, attr in assigned_attributes(ast.parse(module.read_text()))
-                      if attr in fields]
+            wrong += [
+                f"{where}:{line} {name}.{attr}"
+                for line, attr in assigned_attributes(ast.parse(module.read_text()))
+                if attr in fields
+            ]
     return wrong
 
 
@@ -236,10 +270,13 @@ def test_the_record_check_sees_a_write(tmp_path):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text((ROOT / path).read_text())
     (tmp_path / "hub/service").mkdir(parents=True, exist_ok=True)
-    (tmp_path / "hub/service/rogue.py").write_text("def f(record, lease):\n    record.state = 'banned'\n"
-                                                  "    lease.closed, x = True, 1\n    self.state = 1\n")
-    assert owner_record_writes(tmp_path) == ["hub/service/rogue.py:2 NodeRecord.state",
-                                             "hub/service/rogue.py:3 LeaseRecord.closed"]
+    (tmp_path / "hub/service/rogue.py").write_text(
+        "def f(record, lease):\n    record.state = 'banned'\n    lease.closed, x = True, 1\n    self.state = 1\n"
+    )
+    assert owner_record_writes(tmp_path) == [
+        "hub/service/rogue.py:2 NodeRecord.state",
+        "hub/service/rogue.py:3 LeaseRecord.closed",
+    ]
 
 
 def lambdas_given_to_constructors(source: str) -> list[str]:
@@ -260,8 +297,7 @@ def lambdas_given_to_constructors(source: str) -> list[str]:
 def test_the_composition_root_builds_in_order():
     """hub/cli/run.py builds each component after those it needs: no lambda stands in for one not built yet."""
     assert lambdas_given_to_constructors((ROOT / COMPOSITION_ROOT).read_text()) == []
-    assert lambdas_given_to_constructors("x = Thing(1, key=lambda: later.value)\ny = make(lambda: 1)\n") == [
-        "Thing at line 1"]
+    assert lambdas_given_to_constructors("x = Thing(1, key=lambda: later.value)\ny = make(lambda: 1)\n") == ["Thing at line 1"]
 
 
 def test_the_intakes_steps_are_numbered_alike_in_its_code_its_docstring_and_the_architecture():
@@ -276,6 +312,6 @@ def test_the_intakes_steps_are_numbered_alike_in_its_code_its_docstring_and_the_
     for first, last in re.findall(r"  # (\d+)(?:-(\d+))?$", source, re.MULTILINE):
         marked += range(int(first), int(last or first) + 1)
     architecture = (ROOT / "docs/ARCHITECTURE.md").read_text()
-    intake = architecture[architecture.index("4. **The intake**"):architecture.index("5. **Learner step.**")]
+    intake = architecture[architecture.index("4. **The intake**") : architecture.index("5. **Learner step.**")]
     listed = [int(n) for n in re.findall(r"^    (\d+)\. \*", intake, re.MULTILINE)]
     assert described == marked == listed == list(range(1, 12))

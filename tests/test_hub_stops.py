@@ -42,8 +42,7 @@ def state_line(printed: str) -> str:
 def tmpfs(path: Path, size: str):
     """A tmpfs of `size` mounted at `path` for the test's duration; skips the test where mounting is refused."""
     path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"a real full disk needs a tmpfs mount, refused here: {mounted.stderr.strip()}")
     try:
@@ -101,13 +100,30 @@ def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path
     """With local nodes, their node server (a forkserver) is importing torch and libp2p when the Ctrl-C comes:
     it ignores it (the hub stops it), so its import tracebacks do not surround the one line."""
     data = tmp_path / "data"
-    hub = subprocess.Popen([sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--local-nodes", local_nodes,
-                            "--steps", "0", "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    hub = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hub.cli",
+            "start",
+            "--data-dir",
+            str(data),
+            "--local-nodes",
+            local_nodes,
+            "--steps",
+            "0",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         # hub.log opens just before torch is imported and the model built: Ctrl-C lands in the build.
-        wait_until(lambda: (data / "hub.log").exists() or hub.poll() is not None, 60, "the hub to open its log",
-                   poll_s=0.02)
+        wait_until(lambda: (data / "hub.log").exists() or hub.poll() is not None, 60, "the hub to open its log", poll_s=0.02)
         time.sleep(0.3)
         hub.send_signal(signal.SIGINT)
         out, err = hub.communicate(timeout=60)
@@ -123,7 +139,8 @@ def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path
     # not ours to silence; its tracebacks are.
     assert hub.returncode == 130 and "Traceback" not in err + out, err[-3000:]
     assert [line for line in err.splitlines() if line.startswith("echo-hub")] == [
-        "echo-hub: stopped by Ctrl-C; start it again to go on"], err[-3000:]
+        "echo-hub: stopped by Ctrl-C; start it again to go on"
+    ], err[-3000:]
 
 
 CLI_MODULES = {"hub": "hub.cli.main", "node": "node.cli"}
@@ -142,9 +159,16 @@ def run_patched_cli(tmp_path: Path, cli: str, building: str, timeout_s: float = 
         f"original = cli.{step}\n"
         f"{building}\n"
         f"cli.{step} = building\n"
-        f"sys.exit(cli.main({CLI_ARGS[cli]!r}))\n")
-    return subprocess.run([sys.executable, "-m", "patched"], capture_output=True, text=True, timeout=timeout_s,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        f"sys.exit(cli.main({CLI_ARGS[cli]!r}))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "patched"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 @pytest.mark.parametrize("cli", ["hub", "node"])
@@ -159,18 +183,24 @@ def test_ctrl_c_raised_inside_exec_still_exits_130_under_python_m(tmp_path: Path
 @pytest.mark.parametrize("ctrl_c", [True, False], ids=["ctrl-c", "no-ctrl-c"])
 @pytest.mark.parametrize("cli", ["hub", "node"])
 def test_ctrl_c_a_library_turned_into_another_error_exits_130_and_that_error_alone_is_raised(
-        tmp_path: Path, cli: str, ctrl_c: bool) -> None:
+    tmp_path: Path, cli: str, ctrl_c: bool
+) -> None:
     """CI once saw a traceback and exit 1: Ctrl-C cut `import numpy.dtypes` short, numpy's lazy attribute then
     recursed, and transformers reported "Could not import module 'Qwen2ForCausalLM'"; the interrupt was gone."""
-    probe = run_patched_cli(tmp_path, cli, (
-        "def building(*args, **kwargs):\n"
-        "    try:\n"
-        f"        if {ctrl_c}:\n"
-        "            os.kill(os.getpid(), signal.SIGINT)\n"
-        "            time.sleep(30)  # the handler raises here\n"
-        "    except KeyboardInterrupt:\n"
-        "        pass  # as the library did\n"
-        "    raise ModuleNotFoundError(\"Could not import module 'Qwen2ForCausalLM'\")"))
+    probe = run_patched_cli(
+        tmp_path,
+        cli,
+        (
+            "def building(*args, **kwargs):\n"
+            "    try:\n"
+            f"        if {ctrl_c}:\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "            time.sleep(30)  # the handler raises here\n"
+            "    except KeyboardInterrupt:\n"
+            "        pass  # as the library did\n"
+            "    raise ModuleNotFoundError(\"Could not import module 'Qwen2ForCausalLM'\")"
+        ),
+    )
     if ctrl_c:
         assert probe.returncode == 130, (probe.returncode, probe.stderr[-2000:])
         assert len(probe.stderr.strip().splitlines()) == 1, probe.stderr[-2000:]
@@ -179,14 +209,20 @@ def test_ctrl_c_a_library_turned_into_another_error_exits_130_and_that_error_alo
 
 
 def test_ctrl_c_a_library_swallowed_without_a_trace_still_stops_the_node_before_it_joins(tmp_path: Path) -> None:
-    probe = run_patched_cli(tmp_path, "node", (
-        "def building(config):\n"
-        "    try:\n"
-        "        os.kill(os.getpid(), signal.SIGINT)\n"
-        "        time.sleep(30)  # the handler raises here\n"
-        "    except KeyboardInterrupt:\n"
-        "        pass  # and nothing follows from it\n"
-        "    original(config)"), timeout_s=120)
+    probe = run_patched_cli(
+        tmp_path,
+        "node",
+        (
+            "def building(config):\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        time.sleep(30)  # the handler raises here\n"
+            "    except KeyboardInterrupt:\n"
+            "        pass  # and nothing follows from it\n"
+            "    original(config)"
+        ),
+        timeout_s=120,
+    )
     # Without the watch it would dial the hub (retrying for ever) as if no Ctrl-C had come.
     assert probe.returncode == 130, (probe.returncode, probe.stdout[-2000:], probe.stderr[-2000:])
     assert probe.stderr.strip() == "echo-node: interrupted before it joined", probe.stderr[-2000:]
@@ -197,8 +233,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_status_says_stopped(tmp_path:
     # 6 MB: the hub's first snapshot (4.2 MB) fits, a local node's copy of it does not.
     with tmpfs(tmp_path / "small", "6m") as small:
         data = small / "data"
-        hub = start_hub(data, "--local-nodes", "1", "--steps", "20", "--prompts-per-step", "4", "--group-size", "4",
-                        wait=False)
+        hub = start_hub(data, "--local-nodes", "1", "--steps", "20", "--prompts-per-step", "4", "--group-size", "4", wait=False)
         try:
             code = hub.process.wait(timeout=180)
         finally:
@@ -230,8 +265,7 @@ def test_a_data_dir_name_too_long_for_the_filesystem_is_one_line(tmp_path: Path)
 
 
 def test_report_on_a_read_only_data_dir_is_one_line(tmp_path: Path) -> None:
-    row = {"step": 1, "reward_mean": 0.5, "rollout_reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0,
-           "bubble": 0.1}
+    row = {"step": 1, "reward_mean": 0.5, "rollout_reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0, "bubble": 0.1}
     if os.geteuid() != 0:
         data = tmp_path / "data"
         data.mkdir()
@@ -246,8 +280,9 @@ def test_report_on_a_read_only_data_dir_is_one_line(tmp_path: Path) -> None:
     assert_one_line_mistake(result, "report.png", "--out")
 
 
-def test_a_disk_that_fills_while_the_hub_starts_is_one_line_and_other_errors_stay_tracebacks(tmp_path, monkeypatch,
-                                                                                             capsys) -> None:
+def test_a_disk_that_fills_while_the_hub_starts_is_one_line_and_other_errors_stay_tracebacks(
+    tmp_path, monkeypatch, capsys
+) -> None:
     import errno
 
     import hub.cli.run
@@ -259,6 +294,7 @@ def test_a_disk_that_fills_while_the_hub_starts_is_one_line_and_other_errors_sta
     def fails(code: int):
         def run_hub(*args, **kwargs):  # the store's first write, injected where run_hub builds the hub
             raise OSError(code, os.strerror(code), str(data / "hub.sqlite"))
+
         return run_hub
 
     monkeypatch.setattr(hub.cli.run, "run_hub", fails(errno.ENOSPC))

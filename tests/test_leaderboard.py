@@ -35,7 +35,9 @@ def submit(store: Store, peer: str, lease: str, accepted: int, refused: int, sec
         group = make_group(f"{lease}-{i}", 0)
         submitted = SubmittedGroup(prompt_id=group.prompt_id, completions=group.completions)
         ok = i < accepted
-        verdicts.append(GroupVerdict(group.prompt_id, ok, "" if ok else "tokens after EOS", submitted, group=group if ok else None))
+        verdicts.append(
+            GroupVerdict(group.prompt_id, ok, "" if ok else "tokens after EOS", submitted, group=group if ok else None)
+        )
     store.groups.record_submission(lease, peer, verdicts, usd=0.0, seconds=seconds, signed_bytes_hash="h", now=now, tokens=tokens)
 
 

@@ -56,9 +56,17 @@ def make_rig(data_dir: Path, cfg: LearnerConfig, steps: int, identity: Identity,
     send, receive = trio.open_memory_channel(64)
     learner = LearnerComponent(cfg, SAMPLING, model_dir, data_dir, state, identity, send, steps, CHUNK_SIZE_BYTES)
     rollouts = LocalRollouts(
-        HFEngine(model_dir), ReverseTask(), SAMPLING, cfg.group_size, state, receive,
-        learner.min_useful_version, prompts_per_batch=8, max_pending_groups=2 * cfg.prompts_per_step,
-        install_delay_s=install_delay_s, seed=cfg.seed,
+        HFEngine(model_dir),
+        ReverseTask(),
+        SAMPLING,
+        cfg.group_size,
+        state,
+        receive,
+        learner.min_useful_version,
+        prompts_per_batch=8,
+        max_pending_groups=2 * cfg.prompts_per_step,
+        install_delay_s=install_delay_s,
+        seed=cfg.seed,
     )
     return Rig(state, learner, rollouts)
 
@@ -96,12 +104,15 @@ def quarter_rewards(store: Store, steps: int) -> tuple[float, float]:
 
 @pytest.mark.slow
 @pytest.mark.timing  # the trio ticks' lateness while steps run in a worker thread is a real delay
-@pytest.mark.parametrize("staleness, install_delay_s, steps, learns", [
-    # S = 0 runs the same loop synchronously (each step waits for rollouts of the version before it); its
-    # learning curve is S = 3's on a longer wall clock, so it runs long enough to check the mechanics only.
-    (0, 0.0, 12, False),
-    (3, 0.5, 80, True),
-])
+@pytest.mark.parametrize(
+    "staleness, install_delay_s, steps, learns",
+    [
+        # S = 0 runs the same loop synchronously (each step waits for rollouts of the version before it); its
+        # learning curve is S = 3's on a longer wall clock, so it runs long enough to check the mechanics only.
+        (0, 0.0, 12, False),
+        (3, 0.5, 80, True),
+    ],
+)
 def test_grpo_learns_reverse(tmp_path, staleness, install_delay_s, steps, learns):
     cfg = LearnerConfig(staleness=staleness, prompts_per_step=16, group_size=8, lr=3e-4, checkpoint_every=1000)
     rig = make_rig(tmp_path, cfg, steps, Identity.generate(), install_delay_s)
@@ -139,7 +150,9 @@ def synthetic_group(tokenizer, version: int) -> Group:
     rewards = (1.0, 0.0, 0.0, 1.0)
     for text in ("cba", "abc", "bca", "cba"):
         ids = tuple(tokenizer(text)["input_ids"]) + (tokenizer.eos_token_id,)
-        completions.append(Completion(token_ids=ids, logprobs=(-1.0,) * len(ids), finish_reason="stop", version=version, text=text))
+        completions.append(
+            Completion(token_ids=ids, logprobs=(-1.0,) * len(ids), finish_reason="stop", version=version, text=text)
+        )
     return Group(prompt_id="rev-x", prompt_text="abc>", version=version, completions=tuple(completions), rewards=rewards)
 
 
@@ -192,13 +205,24 @@ def synthetic_groups(count: int = 4, n: int = 4, seed: int = 0) -> list[Group]:
         completions = []
         for _ in range(n):
             length = rng.randint(1, 9)
-            completions.append(Completion(
-                token_ids=tuple(rng.randrange(4, 40) for _ in range(length)),
-                logprobs=tuple(-rng.uniform(0.5, 3.0) for _ in range(length)),
-                finish_reason="length", version=0, text="",
-            ))
-        groups.append(Group(prompt_id=prompt.id, prompt_text=prompt.text, version=0, completions=tuple(completions),
-                            rewards=tuple(float(rng.random() < 0.5) + 0.1 * i for i in range(n))))
+            completions.append(
+                Completion(
+                    token_ids=tuple(rng.randrange(4, 40) for _ in range(length)),
+                    logprobs=tuple(-rng.uniform(0.5, 3.0) for _ in range(length)),
+                    finish_reason="length",
+                    version=0,
+                    text="",
+                )
+            )
+        groups.append(
+            Group(
+                prompt_id=prompt.id,
+                prompt_text=prompt.text,
+                version=0,
+                completions=tuple(completions),
+                rewards=tuple(float(rng.random() < 0.5) + 0.1 * i for i in range(n)),
+            )
+        )
     return groups
 
 

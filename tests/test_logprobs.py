@@ -29,8 +29,9 @@ def reference_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.
             ids[row, prompt_width : prompt_width + len(completion)] = torch.tensor(completion)
             attention[row, prompt_width : prompt_width + len(completion)] = 1
     positions = (attention.cumsum(dim=-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False,
-                   logits_to_keep=completion_width + 1).logits[:, :-1, :]
+    logits = model(
+        input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=completion_width + 1
+    ).logits[:, :-1, :]
     logprobs = sampling_logprobs(logits, temperature, top_p)
     mask = attention[:, prompt_width:].float()
     token = logprobs.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1).masked_fill(mask == 0, 0.0)

@@ -67,8 +67,9 @@ def trained(default_model_dir):
     from pathlib import Path
 
     directory = Path(tempfile.mkdtemp(prefix="echo2-lora-"))
-    snapshot = build_snapshot(learner.state_dict(), 2, identity, learner.config_hash, directory,
-                              metadata=learner.snapshot_metadata)
+    snapshot = build_snapshot(
+        learner.state_dict(), 2, identity, learner.config_hash, directory, metadata=learner.snapshot_metadata
+    )
     return learner, snapshot
 
 
@@ -129,8 +130,14 @@ def test_a_full_snapshot_or_a_malformed_spec_is_refused_by_a_lora_model(trained,
     full = build_snapshot(base_model(default_model_dir).state_dict(), 5, identity, "0" * 64, tmp_path)
     with pytest.raises(SnapshotError, match="full snapshot for a model running LoRA"):
         install_snapshot(engine.model, full.path)
-    bad = build_snapshot(learner.state_dict(), 6, identity, "0" * 64, tmp_path / "bad",
-                         metadata={LORA_METADATA_KEY: json.dumps({"rank": 0, "alpha": 1, "targets": ["q_proj"]})})
+    bad = build_snapshot(
+        learner.state_dict(),
+        6,
+        identity,
+        "0" * 64,
+        tmp_path / "bad",
+        metadata={LORA_METADATA_KEY: json.dumps({"rank": 0, "alpha": 1, "targets": ["q_proj"]})},
+    )
     with pytest.raises(SnapshotError, match="malformed LoRA spec"):
         install_snapshot(base_model(default_model_dir), bad.path)
     assert snapshot_metadata(None) == {}
@@ -138,8 +145,7 @@ def test_a_full_snapshot_or_a_malformed_spec_is_refused_by_a_lora_model(trained,
 
 def test_checkpoint_restores_adapters_and_optimizer_exactly(trained, default_model_dir, tmp_path):
     learner, _ = trained
-    save_checkpoint(tmp_path, 2, 2, learner.model, learner.tokenizer, learner.optimizer,
-                    adapter=learner.state_dict())
+    save_checkpoint(tmp_path, 2, 2, learner.model, learner.tokenizer, learner.optimizer, adapter=learner.state_dict())
     info = latest_checkpoint(tmp_path)
     assert info.adapter_path.exists() and not (info.model_dir / "model.safetensors").exists()
     resumed = Learner(default_model_dir, LORA, SAMPLING, info)
@@ -170,8 +176,23 @@ def test_a_real_lora_run_ships_adapters_that_a_real_node_installs_bit_exact(tmp_
     hub_dir = tmp_path / "hub"
     # S = 3: the hub keeps its newest 4 snapshot files, so the newest one the node installed is still there
     # when the hub is stopped (first: it publishes no more while the node's installs are compared).
-    hub = start_test_hub(hub_dir, "--lora-rank", "8", "--lr", "3e-3", "--kappa", "1", "--staleness", "3",
-                         "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4")
+    hub = start_test_hub(
+        hub_dir,
+        "--lora-rank",
+        "8",
+        "--lr",
+        "3e-3",
+        "--kappa",
+        "1",
+        "--staleness",
+        "3",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "4",
+    )
     nodes: list[Proc] = []
     try:
         node_dir = tmp_path / "node"
@@ -202,8 +223,16 @@ def test_a_resume_must_match_the_checkpoints_kind_rank_and_alpha(trained, tmp_pa
     from shared.layout import CHECKPOINTS_DIR
 
     learner, _ = trained
-    save_checkpoint(tmp_path / CHECKPOINTS_DIR, 2, 2, learner.model, learner.tokenizer, learner.optimizer,
-                    adapter=learner.state_dict(), adapter_metadata=learner.snapshot_metadata)
+    save_checkpoint(
+        tmp_path / CHECKPOINTS_DIR,
+        2,
+        2,
+        learner.model,
+        learner.tokenizer,
+        learner.optimizer,
+        adapter=learner.state_dict(),
+        adapter_metadata=learner.snapshot_metadata,
+    )
 
     def config(**learner_fields) -> HubConfig:
         return HubConfig(data_dir=tmp_path, learner=LearnerConfig(**learner_fields))

@@ -34,8 +34,17 @@ def table_peers(app) -> list[str]:
 async def test_echo_hub_start_trains_with_local_nodes_and_the_dashboard_follows(tmp_path: Path) -> None:
     data = tmp_path / "data"
     hub = start_hub(
-        data, "--local-nodes", "2", "--steps", str(STEPS), "--staleness", str(STALENESS),
-        "--prompts-per-step", "8", "--group-size", "4",
+        data,
+        "--local-nodes",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--staleness",
+        str(STALENESS),
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
     )
     try:
         # The dashboard against the running hub's status protocol: the real nodes show up.
@@ -66,9 +75,16 @@ async def test_echo_hub_start_trains_with_local_nodes_and_the_dashboard_follows(
 
     # The final policy loads like any Hugging Face model.
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys; from transformers import AutoModelForCausalLM as M; "
-         "m = M.from_pretrained(sys.argv[1]); print(sum(p.numel() for p in m.parameters()))", str(data / "final")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from transformers import AutoModelForCausalLM as M; "
+            "m = M.from_pretrained(sys.argv[1]); print(sum(p.numel() for p in m.parameters()))",
+            str(data / "final"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert probe.returncode == 0 and int(probe.stdout.strip().splitlines()[-1]) > 0, probe.stderr[-2000:]
 
@@ -89,7 +105,9 @@ async def test_echo_hub_start_trains_with_local_nodes_and_the_dashboard_follows(
 def test_invalid_combinations_are_refused_with_the_reason(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "hub.cli", "start", "--staleness", "2", "--kappa", "3", "--data-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "kappa" in result.stderr and "S-1" in result.stderr or "kappa must satisfy" in result.stderr
@@ -103,7 +121,9 @@ def test_data_dir_of_another_schema_is_refused_with_the_reason(tmp_path: Path) -
     old.close()
     result = subprocess.run(
         [sys.executable, "-m", "hub.cli", "start", "--local-nodes", "0", "--no-progress", "--data-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "schema 0" in result.stderr and "another --data-dir" in result.stderr and "--fresh" in result.stderr
@@ -147,8 +167,11 @@ def test_local_nodes_are_forked_from_one_node_server_and_stop_on_sigint(tmp_path
     try:
         for node in nodes:
             out = node.data_dir / "node.out"
-            wait_until(lambda out=out: "unreachable" in (out.read_text() if out.exists() else ""), 120,
-                       f"{out} to say the hub is unreachable")
+            wait_until(
+                lambda out=out: "unreachable" in (out.read_text() if out.exists() else ""),
+                120,
+                f"{out} to say the hub is unreachable",
+            )
             assert f"echo-node {node.peer_id} joining {nobody}" in out.read_text()
             assert os.getsid(node.process.pid) == node.process.pid
         parents = {int(Path(f"/proc/{n.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for n in nodes}
@@ -201,8 +224,21 @@ def test_echo_hub_start_with_a_model_dir_gives_its_local_nodes_that_model(tmp_pa
     # A random model scores 0 on every prompt: train on zero-variance groups too, or no step would ever come.
     (tmp_path / "hub.toml").write_text("[learner]\nskip_zero_variance = false\n")
     data = tmp_path / "data"
-    hub = start_hub(data, "--model", str(model), "--local-nodes", "2", "--steps", "3", "--config",
-                    str(tmp_path / "hub.toml"), "--prompts-per-step", "4", "--group-size", "2")
+    hub = start_hub(
+        data,
+        "--model",
+        str(model),
+        "--local-nodes",
+        "2",
+        "--steps",
+        "3",
+        "--config",
+        str(tmp_path / "hub.toml"),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+    )
     try:
         assert hub.process.wait(timeout=300) == 0, hub.output()[-3000:]
     finally:

@@ -77,8 +77,9 @@ THRESHOLD_CHILD = textwrap.dedent("""
 @pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc")
 def test_a_tuned_threshold_keeps_mapping_blocks_of_a_few_mb() -> None:
     def mapped(mode: str) -> int:
-        out = subprocess.run([sys.executable, "-c", THRESHOLD_CHILD, mode], capture_output=True, text=True, check=True,
-                             timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", THRESHOLD_CHILD, mode], capture_output=True, text=True, check=True, timeout=60
+        )
         return json.loads(out.stdout)["mapped"]
 
     assert mapped("default") == 0  # glibc raised its threshold past 2 MB: the block came from the arena
@@ -111,8 +112,9 @@ PINNING_CHILD = textwrap.dedent("""
 @pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc")
 def test_the_c_allocator_hands_back_what_a_few_survivors_of_a_burst_pin() -> None:
     def run(env: dict[str, str]) -> dict:
-        out = subprocess.run([sys.executable, "-c", PINNING_CHILD], capture_output=True, text=True, check=True,
-                             timeout=120, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", PINNING_CHILD], capture_output=True, text=True, check=True, timeout=120, env=env
+        )
         return json.loads(out.stdout)
 
     chosen = run({**os.environ, "PYTHONMALLOC": "pymalloc"})  # the user's choice stands
@@ -128,12 +130,18 @@ def test_the_c_allocator_hands_back_what_a_few_survivors_of_a_burst_pin() -> Non
 
 @pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc")
 def test_a_hub_started_with_stdout_closed_or_python_E_still_starts() -> None:
-    probe = ("import sys; from shared.memory import use_c_allocator; use_c_allocator(); "
-             "print(sys.getallocatedblocks() == 0, file=sys.stderr)")
-    closed = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{probe}" >&-'], capture_output=True, text=True,
-                            timeout=60)
+    probe = (
+        "import sys; from shared.memory import use_c_allocator; use_c_allocator(); "
+        "print(sys.getallocatedblocks() == 0, file=sys.stderr)"
+    )
+    closed = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{probe}" >&-'], capture_output=True, text=True, timeout=60)
     assert closed.returncode == 0 and closed.stderr.strip() == "True", closed.stderr
     # -E ignores PYTHONMALLOC: no second start, Python's allocator kept.
-    ignoring = subprocess.run([sys.executable, "-E", "-c", probe], capture_output=True, text=True, timeout=60,
-                              cwd=Path(__file__).resolve().parent.parent)
+    ignoring = subprocess.run(
+        [sys.executable, "-E", "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert ignoring.returncode == 0 and ignoring.stderr.strip() == "False", ignoring.stderr

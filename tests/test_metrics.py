@@ -57,9 +57,16 @@ def test_entropy_of_the_sampling_distribution() -> None:
 
 
 def group(prompt: str, lengths: list[int], reasons: list[str], rewards: list[float], version: int = 3) -> Group:
-    return Group(prompt_id=prompt, prompt_text=prompt, version=version, rewards=tuple(rewards), completions=tuple(
-        Completion(token_ids=tuple(range(n)), logprobs=(0.0,) * n, finish_reason=r, version=version, text=f"{prompt}{i}")
-        for i, (n, r) in enumerate(zip(lengths, reasons))))
+    return Group(
+        prompt_id=prompt,
+        prompt_text=prompt,
+        version=version,
+        rewards=tuple(rewards),
+        completions=tuple(
+            Completion(token_ids=tuple(range(n)), logprobs=(0.0,) * n, finish_reason=r, version=version, text=f"{prompt}{i}")
+            for i, (n, r) in enumerate(zip(lengths, reasons))
+        ),
+    )
 
 
 GROUPS = [group("a", [2, 10], ["stop", "length"], [1.0, 0.0]), group("b", [4, 4], ["stop", "stop"], [0.5, 0.25], 2)]
@@ -71,8 +78,11 @@ def test_completion_lengths_and_the_share_clipped() -> None:
 
 
 def test_sample_completions_spread_over_prompts() -> None:
-    assert sample_completions(GROUPS, 3) == [LoggedCompletion("a", "a0", 1.0, 3), LoggedCompletion("b", "b0", 0.5, 2),
-                                             LoggedCompletion("a", "a1", 0.0, 3)]
+    assert sample_completions(GROUPS, 3) == [
+        LoggedCompletion("a", "a0", 1.0, 3),
+        LoggedCompletion("b", "b0", 0.5, 2),
+        LoggedCompletion("a", "a1", 0.0, 3),
+    ]
     assert len(sample_completions(GROUPS, 10)) == 4 and sample_completions(GROUPS, 0) == []
 
 
@@ -94,7 +104,8 @@ def test_completions_go_to_metrics_and_tensorboard_as_a_table(tmp_path: Path) ->
     trackers.close()
     assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1]
     assert read_completions(tmp_path / METRICS_FILE) == [
-        {"completions_step": 1, "completions": [{"prompt": "say | hi", "completion": "hi\nthere", "reward": 1.0, "version": 0}]}]
+        {"completions_step": 1, "completions": [{"prompt": "say | hi", "completion": "hi\nthere", "reward": 1.0, "version": 0}]}
+    ]
     table = tensorboard_texts(tmp_path / "tensorboard", "train/completions/text_summary")[1]
     assert table.splitlines()[0] == "| step | prompt | completion | reward | version |"
     assert table.splitlines()[2] == "| 1 | say \\| hi | hi<br>there | 1.0 | 0 |"
@@ -123,9 +134,28 @@ def test_a_real_run_logs_like_trl_and_its_cosine_schedule_survives_a_resume(tmp_
     from testbed.harness import query, start_hub, wait_until
 
     data = tmp_path / "data"
-    args = ("--max-steps", "12", "--lr-scheduler-type", "cosine", "--warmup-ratio", "0.25", "--learning-rate", "1e-3",
-            "--num-generations", "4", "--prompts-per-step", "4", "--local-nodes", "2", "--log-completions", "4",
-            "--report-to", "tensorboard", "--save-steps", "100")
+    args = (
+        "--max-steps",
+        "12",
+        "--lr-scheduler-type",
+        "cosine",
+        "--warmup-ratio",
+        "0.25",
+        "--learning-rate",
+        "1e-3",
+        "--num-generations",
+        "4",
+        "--prompts-per-step",
+        "4",
+        "--local-nodes",
+        "2",
+        "--log-completions",
+        "4",
+        "--report-to",
+        "tensorboard",
+        "--save-steps",
+        "100",
+    )
     hub = start_hub(data, *args)
     try:
         wait_until(lambda: len(read_metrics(data / METRICS_FILE)) >= 3, 300, "three steps")
@@ -148,8 +178,9 @@ def test_a_real_run_logs_like_trl_and_its_cosine_schedule_survives_a_resume(tmp_
         assert row["entropy"] > 0 and 1 <= row["completion_length_mean"] <= row["completion_length_max"] <= 10
         assert 0 <= row["clipped_ratio"] <= 1 and 0 < row["trained_share"] <= 1
     documented = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
-    undocumented = {key for row in rows.values() for key in row
-                    if f"`{key}`" not in documented and not key.startswith("rewards/")}  # `rewards/<name>/mean`
+    undocumented = {
+        key for row in rows.values() for key in row if f"`{key}`" not in documented and not key.startswith("rewards/")
+    }  # `rewards/<name>/mean`
     assert not undocumented, f"metrics keys missing from docs/operations.md: {sorted(undocumented)}"
     logged = {r["completions_step"]: r["completions"] for r in read_completions(data / METRICS_FILE)}
     assert sorted(logged) == list(range(1, 13))

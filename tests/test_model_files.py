@@ -38,8 +38,10 @@ def listing(*files: ModelFile, lora: bool = False) -> ModelFiles:
 
 # -- the list's bounds: every field is hostile until these pass --------------------------------------------
 
-@pytest.mark.parametrize("name", ["../config.json", "a/b.json", "..", ".hidden", "", "x" * 101, "a\\b", "tok\n.json",
-                                  "/etc/passwd"])
+
+@pytest.mark.parametrize(
+    "name", ["../config.json", "a/b.json", "..", ".hidden", "", "x" * 101, "a\\b", "tok\n.json", "/etc/passwd"]
+)
 def test_a_file_name_that_is_no_plain_name_is_refused(name):
     with pytest.raises(ValidationError):
         ModelFile(name=name, size=1, blake3="0" * 64)
@@ -55,8 +57,10 @@ def test_sizes_counts_and_hashes_are_bounded():
     with pytest.raises(ValidationError):
         ModelFile(name="tokenizer.json", size=1, blake3="xyz")
     config = entry("config.json", CONFIG)
-    big = [ModelFile(name=f"v{i}.txt", size=MODEL_FILE_MAX_BYTES, blake3="0" * 64)
-           for i in range(MODEL_FILES_MAX_BYTES // MODEL_FILE_MAX_BYTES + 1)]
+    big = [
+        ModelFile(name=f"v{i}.txt", size=MODEL_FILE_MAX_BYTES, blake3="0" * 64)
+        for i in range(MODEL_FILES_MAX_BYTES // MODEL_FILE_MAX_BYTES + 1)
+    ]
     with pytest.raises(ValidationError, match="MODEL_FILES_MAX_BYTES"):
         listing(config, *big)
     with pytest.raises(ValidationError):
@@ -70,6 +74,7 @@ def test_sizes_counts_and_hashes_are_bounded():
 
 # -- the node's check-then-write --------------------------------------------------------------------------
 
+
 def test_a_file_lands_only_when_its_size_and_hash_match_the_list(tmp_path):
     good = entry("config.json", CONFIG)
     with pytest.raises(ModelFilesRefused, match="blake3"):
@@ -78,8 +83,9 @@ def test_a_file_lands_only_when_its_size_and_hash_match_the_list(tmp_path):
         write_model_file(tmp_path, good, CONFIG + b" ")
     # A list entry built without its validation (model_construct) is checked again at the write.
     with pytest.raises(ModelFilesRefused, match="plain config or tokenizer file name"):
-        write_model_file(tmp_path, ModelFile.model_construct(name="../x.json", size=len(CONFIG),
-                                                             blake3=blake3_hex(CONFIG)), CONFIG)
+        write_model_file(
+            tmp_path, ModelFile.model_construct(name="../x.json", size=len(CONFIG), blake3=blake3_hex(CONFIG)), CONFIG
+        )
     # Weights, a weight index or code from a hostile hub: from_pretrained would load them instead of a snapshot.
     for name in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "modeling_evil.py"):
         with pytest.raises(ModelFilesRefused, match="plain config or tokenizer file name"):
@@ -158,6 +164,7 @@ def test_the_hub_offers_configs_and_tokenizer_never_weights(default_model_dir):
 
 # -- real processes -------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_node_without_model_joins_any_hub_and_a_wrong_model_is_told_the_hubs(tmp_path, default_model_dir):
     """A hub training a Qwen3 (not the embedded default): `echo-node join --hub ADDR` with no --model fetches
@@ -170,15 +177,30 @@ def test_a_node_without_model_joins_any_hub_and_a_wrong_model_is_told_the_hubs(t
     model = random_model_dir(tmp_path / "qwen3-tiny", "qwen3", hidden=64, layers=2)
     vocab = AutoConfig.from_pretrained(model).vocab_size
     (tmp_path / "hub.toml").write_text("[learner]\nskip_zero_variance = false\n")
-    hub = start_hub(tmp_path / "hub", "--model", str(model), "--local-nodes", "0", "--steps", "2", "--config",
-                    str(tmp_path / "hub.toml"), "--prompts-per-step", "4", "--group-size", "2")
+    hub = start_hub(
+        tmp_path / "hub",
+        "--model",
+        str(model),
+        "--local-nodes",
+        "0",
+        "--steps",
+        "2",
+        "--config",
+        str(tmp_path / "hub.toml"),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+    )
     nodes = []
     try:
         wrong = start_node(hub.addr, tmp_path / "wrong", "--model", str(default_model_dir))
         nodes.append(wrong)
         assert wrong.process.wait(timeout=120) == 1, wrong.output()[-2000:]
-        assert (f"model config differs from the hub's: the hub trains qwen3-tiny (Qwen3ForCausalLM, vocab {vocab}); "
-                "start the node without --model to use the hub's, or with that model") in wrong.output()
+        assert (
+            f"model config differs from the hub's: the hub trains qwen3-tiny (Qwen3ForCausalLM, vocab {vocab}); "
+            "start the node without --model to use the hub's, or with that model"
+        ) in wrong.output()
         node = start_node(hub.addr, tmp_path / "node", "--no-model")
         nodes.append(node)
         assert hub.process.wait(timeout=300) == 0, hub.output()[-3000:] + node.output()[-3000:]
@@ -214,10 +236,25 @@ def test_engines_with_and_without_the_model_stop_where_the_hub_does(tmp_path, de
     config.eos_token_id = stops
     config.save_pretrained(model)
     (tmp_path / "hub.toml").write_text("[learner]\nskip_zero_variance = false\n")
-    hub = start_hub(tmp_path / "hub", "--model", str(model), "--local-nodes", "0", "--steps", "1000", "--config",
-                    str(tmp_path / "hub.toml"), "--prompts-per-step", "4", "--group-size", "4")
-    nodes = [start_node(hub.addr, tmp_path / "fetching", "--no-model"),
-             start_node(hub.addr, tmp_path / "own", "--model", str(default_model_dir))]
+    hub = start_hub(
+        tmp_path / "hub",
+        "--model",
+        str(model),
+        "--local-nodes",
+        "0",
+        "--steps",
+        "1000",
+        "--config",
+        str(tmp_path / "hub.toml"),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+    )
+    nodes = [
+        start_node(hub.addr, tmp_path / "fetching", "--no-model"),
+        start_node(hub.addr, tmp_path / "own", "--model", str(default_model_dir)),
+    ]
 
     def both_paid() -> bool:
         status = hub.status()

@@ -27,15 +27,30 @@ def run_fleet(tmp_path: Path, with_public_node: bool):
     hub_dir.mkdir()
     (hub_dir / "hub.toml").write_text(HUB_TOML)
     with Topology() as net:
-        hub = net.start_hub(hub_dir, "--config", str(hub_dir / "hub.toml"), "--prompts-per-step", "2",
-                            "--group-size", "4", "--kappa", "1", "--staleness", "1", "--max-new-tokens", "4")
+        hub = net.start_hub(
+            hub_dir,
+            "--config",
+            str(hub_dir / "hub.toml"),
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--kappa",
+            "1",
+            "--staleness",
+            "1",
+            "--max-new-tokens",
+            "4",
+        )
         places = {"home-1": (net.homes[0], "/ip4/0.0.0.0/tcp/0"), "home-2": (net.homes[1], "/ip4/0.0.0.0/tcp/0")}
         if with_public_node:
             places["public"] = (net.public, PUBLIC_NODE_LISTEN)
         nodes: list[Proc] = []
         try:
-            nodes = [net.start_node(ns, tmp_path / name, listen, hub.addr, "--max-rollouts-per-s", "20")
-                     for name, (ns, listen) in places.items()]
+            nodes = [
+                net.start_node(ns, tmp_path / name, listen, hub.addr, "--max-rollouts-per-s", "20")
+                for name, (ns, listen) in places.items()
+            ]
 
             def probed() -> dict | None:
                 by = node_states(hub)
@@ -63,16 +78,19 @@ def run_fleet(tmp_path: Path, with_public_node: bool):
 def test_every_link_is_made_the_way_its_ends_allow_and_installs_are_bit_exact(tmp_path):
     ids, states, status = run_fleet(tmp_path, with_public_node=True)
     assert {name: states[peer].reachability for name, peer in ids.items()} == {
-        "public": "public", "home-1": "nated", "home-2": "nated"}
+        "public": "public",
+        "home-1": "nated",
+        "home-2": "nated",
+    }
     (chain,) = status.chains
-    expected = [link_kind(states[chain[i - 1]].reachability if i else None, states[peer].reachability)
-                for i, peer in enumerate(chain)]
+    expected = [
+        link_kind(states[chain[i - 1]].reachability if i else None, states[peer].reachability) for i, peer in enumerate(chain)
+    ]
     assert [states[p].link for p in chain] == expected
     assert {"hub"} < set(expected)
     name_of = {peer: name for name, peer in ids.items()}
     for up, peer in zip(chain, chain[1:]):  # each got its newest snapshot from its upstream, as planned
-        installs = [line for line in (tmp_path / name_of[peer] / "node.log").read_text().splitlines()
-                    if "installed v" in line]
+        installs = [line for line in (tmp_path / name_of[peer] / "node.log").read_text().splitlines() if "installed v" in line]
         assert f"last from {up[-8:]}" in installs[-1], installs
 
 

@@ -38,15 +38,7 @@ from shared.net import (
     safe_handler,
     set_handler,
 )
-from shared.wire import (
-    Message,
-    StreamEOF,
-    protocol_id,
-    read_frame,
-    read_message,
-    write_frame,
-    write_message,
-)
+from shared.wire import Message, StreamEOF, protocol_id, read_frame, read_message, write_frame, write_message
 
 # Tags 190-199 belong to this test module (real messages use lower tags).
 
@@ -258,9 +250,9 @@ async def test_window_credit_follows_go_yamux(monkeypatch, credit):
 @pytest.mark.parametrize("frame_bytes", [64 * 1024, YAMUX_FRAME_BYTES])
 async def test_bulk_yamux_frames_fit_one_noise_message(monkeypatch, frame_bytes):
     """shared.libp2p_patches.YAMUX_FRAME_BYTES: with py-libp2p's own 64 KiB frames (patched back in for comparison) each
-    data frame of a 4 MiB transfer takes two Noise messages, the second of 17 bytes; with frames of Noise's
-    largest plaintext, one message per frame, and about one socket read per message (a read takes what has
-arrived, up to NOISE_RECEIVE_BYTES)."""
+        data frame of a 4 MiB transfer takes two Noise messages, the second of 17 bytes; with frames of Noise's
+        largest plaintext, one message per frame, and about one socket read per message (a read takes what has
+    arrived, up to NOISE_RECEIVE_BYTES)."""
     frames = FrameCounter(monkeypatch)
     sent: list[int] = []
     reads: list[int] = []

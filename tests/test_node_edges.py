@@ -32,8 +32,21 @@ NOWHERE = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{HUB_ID}"
 
 
 def join_args(hub: str, data_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "node.cli", "join", "--hub", hub, "--data-dir", str(data_dir),
-            "--listen", "/ip4/127.0.0.1/tcp/0", "--bulk-port", "-1", *args]
+    return [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "join",
+        "--hub",
+        hub,
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--bulk-port",
+        "-1",
+        *args,
+    ]
 
 
 # -- 41.8: an engine this machine cannot run is one line, before anything is written ---------------------
@@ -54,8 +67,13 @@ def test_device_cuda_without_cuda_is_one_line(tmp_path: Path, capsys) -> None:
 def test_ctrl_c_while_the_node_builds_its_engine_is_one_line(tmp_path: Path, default_model_dir: Path) -> None:
     data = tmp_path / "node"
     # With --model the engine is built right after the lock (without it the node first fetches the hub's files).
-    node = subprocess.Popen(join_args(NOWHERE, data, "--device", "cpu", "--model", str(default_model_dir)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    node = subprocess.Popen(
+        join_args(NOWHERE, data, "--device", "cpu", "--model", str(default_model_dir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         # The lock is taken just before torch is imported and the engine built: seconds before it joins.
         wait_until(lambda: (data / NODE_LOCK_FILE).exists(), 60, "the node to lock its data dir")
@@ -106,8 +124,7 @@ class _SwappedHub:
             raise WrongHub("/ip4/127.0.0.1/tcp/4077", HUB_ID, "12D3KooWOther")
 
     async def join(self, request: JoinRequest) -> JoinReply:
-        return JoinReply(state="active", latest_version=0, staleness=1, task="t", heartbeat_period_s=0.05,
-                         context_tokens=64)
+        return JoinReply(state="active", latest_version=0, staleness=1, task="t", heartbeat_period_s=0.05, context_tokens=64)
 
     async def heartbeat(self, beat: Heartbeat):
         raise OSError("connection closed")
@@ -132,13 +149,33 @@ def test_another_peer_after_a_join_is_a_clear_line_and_the_node_keeps_trying() -
 
 
 def test_the_summary_says_what_the_node_did() -> None:
-    view = NodeView(peer_id="12D3KooWme", hub_addr=NOWHERE, connected=True, state="active", updated_at=0.0,
-                    price_per_hour=0.35, backend="hf", version_held=7, leases_done=12,
-                    tallies=Tallies(accepted=96, rejected=1, late=2, refused=0), earnings_usd=0.0123, busy_s=190,
-                    versions_installed=4, relayed_bytes=12_300_000)
+    view = NodeView(
+        peer_id="12D3KooWme",
+        hub_addr=NOWHERE,
+        connected=True,
+        state="active",
+        updated_at=0.0,
+        price_per_hour=0.35,
+        backend="hf",
+        version_held=7,
+        leases_done=12,
+        tallies=Tallies(accepted=96, rejected=1, late=2, refused=0),
+        earnings_usd=0.0123,
+        busy_s=190,
+        versions_installed=4,
+        relayed_bytes=12_300_000,
+    )
     text = summary_text(view)
-    for words in ("4 versions installed, holds v7", "12 leases", "accepted 96", "rejected 1", "late 2", "$0.0123",
-                  "3 min 10 s busy", "12.3 MB of snapshots"):
+    for words in (
+        "4 versions installed, holds v7",
+        "12 leases",
+        "accepted 96",
+        "rejected 1",
+        "late 2",
+        "$0.0123",
+        "3 min 10 s busy",
+        "12.3 MB of snapshots",
+    ):
         assert words in text, (words, text)
 
 
@@ -209,11 +246,15 @@ def test_ctrl_c_in_the_dashboard_stops_the_node_and_prints_its_summary(tmp_path:
     assert b"echo-node: stopped" in out and b"0 versions installed, holds none" in out, out[-2000:]
     assert code == 0
     # The node the dashboard started is gone with it: a new one takes the data dir.
-    again = subprocess.Popen(join_args(NOWHERE, data, "--device", "cpu"), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    again = subprocess.Popen(
+        join_args(NOWHERE, data, "--device", "cpu"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
-        wait_until(lambda: again.poll() is not None or (data / NODE_LOCK_FILE).read_text().strip() == str(again.pid),
-                   60, "the new node to lock the data dir")
+        wait_until(
+            lambda: again.poll() is not None or (data / NODE_LOCK_FILE).read_text().strip() == str(again.pid),
+            60,
+            "the new node to lock the data dir",
+        )
         assert again.poll() is None, again.communicate()
     finally:
         again.kill()
@@ -230,10 +271,22 @@ def test_a_real_node_names_the_wrong_peer_refuses_a_second_node_and_sums_up_on_s
     try:
         transport, _, hub_id = hub.addr.partition("/p2p/")
         # 41.7: the /p2p/ part names another key than the one that answers there.
-        wrong = run("node.cli", "join", "--hub", f"{transport}/p2p/{HUB_ID}", "--data-dir", str(tmp_path / "n0"),
-                    "--listen", "/ip4/127.0.0.1/tcp/0", "--device", "cpu", timeout_s=120)
-        assert_one_line_mistake(wrong, f"another peer answered at {transport}", f"peer id {hub_id}",
-                                       f"not {HUB_ID}", "check the /p2p/ part of --hub")
+        wrong = run(
+            "node.cli",
+            "join",
+            "--hub",
+            f"{transport}/p2p/{HUB_ID}",
+            "--data-dir",
+            str(tmp_path / "n0"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--device",
+            "cpu",
+            timeout_s=120,
+        )
+        assert_one_line_mistake(
+            wrong, f"another peer answered at {transport}", f"peer id {hub_id}", f"not {HUB_ID}", "check the /p2p/ part of --hub"
+        )
         assert "unreachable" not in wrong.stdout
         # The same under the dashboard: it closes with the node and says what the node said.
         wrong_hub = f"{transport}/p2p/{HUB_ID}"
@@ -242,17 +295,32 @@ def test_a_real_node_names_the_wrong_peer_refuses_a_second_node_and_sums_up_on_s
         assert _exit_code(pid, fd) == 2 and b"another peer answered at" in out, out[-2000:]
         # 41.9: one node per data dir; the second is told which process holds it.
         data = tmp_path / "n1"
-        node = subprocess.Popen(join_args(hub.addr, data, "--device", "cpu"), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        node = subprocess.Popen(
+            join_args(hub.addr, data, "--device", "cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
         try:
-            wait_until(lambda: (data / NODE_LOCK_FILE).exists() and (data / NODE_STATUS_FILE).exists(), 120,
-                       "the first node to start")
-            second = run("node.cli", "join", "--hub", hub.addr, "--data-dir", str(data), "--listen",
-                         "/ip4/127.0.0.1/tcp/0", "--device", "cpu")
+            wait_until(
+                lambda: (data / NODE_LOCK_FILE).exists() and (data / NODE_STATUS_FILE).exists(), 120, "the first node to start"
+            )
+            second = run(
+                "node.cli",
+                "join",
+                "--hub",
+                hub.addr,
+                "--data-dir",
+                str(data),
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--device",
+                "cpu",
+            )
             assert_one_line_mistake(second, f"--data-dir {data}", f"another node (pid {node.pid})")
             # 41.9: SIGINT after the first snapshot is in: the summary counts it.
-            wait_until(lambda: NodeView.model_validate_json((data / NODE_STATUS_FILE).read_text()).version_held >= 0,
-                       120, "the node to install the hub's first snapshot")
+            wait_until(
+                lambda: NodeView.model_validate_json((data / NODE_STATUS_FILE).read_text()).version_held >= 0,
+                120,
+                "the node to install the hub's first snapshot",
+            )
             node.send_signal(signal.SIGINT)
             out, err = node.communicate(timeout=60)
         finally:

@@ -85,8 +85,15 @@ def stop_all(procs: list[Proc]) -> None:
         proc.stop(signal.SIGINT, timeout_s=15)
 
 
-HUB_PROTOCOLS = (JOIN_PROTOCOL, HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, STATUS_PROTOCOL,
-                 SNAPSHOT_PROTOCOL, REPORT_PROTOCOL)
+HUB_PROTOCOLS = (
+    JOIN_PROTOCOL,
+    HEARTBEAT_PROTOCOL,
+    LEASE_PROTOCOL,
+    SUBMIT_PROTOCOL,
+    STATUS_PROTOCOL,
+    SNAPSHOT_PROTOCOL,
+    REPORT_PROTOCOL,
+)
 
 
 async def throw_garbage(hub_addr: str) -> HubStatus:
@@ -110,8 +117,11 @@ async def throw_garbage(hub_addr: str) -> HubStatus:
 
 def accepted_by(data_dir: Path, peer: str, since: float = 0.0) -> int:
     """Groups of `peer` the hub accepted, received after `since` (epoch seconds)."""
-    return query(data_dir, "SELECT COUNT(*) FROM trajectories WHERE node_id = ? AND verdict = 'accepted' AND received_at > ?",
-                 (peer, since))[0][0]
+    return query(
+        data_dir,
+        "SELECT COUNT(*) FROM trajectories WHERE node_id = ? AND verdict = 'accepted' AND received_at > ?",
+        (peer, since),
+    )[0][0]
 
 
 def step_of(data_dir: Path) -> int:
@@ -134,8 +144,10 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
     hub = start_hub(data, "--config", str(config), port=port)
     procs: list[Proc] = [hub]
     try:
-        nodes = [start_node(hub.addr, tmp_path / f"node-{i}", "--max-rollouts-per-s", str(NODE_ROLLOUTS_PER_S),
-                            price=0.3 + 0.1 * i) for i in range(2)]
+        nodes = [
+            start_node(hub.addr, tmp_path / f"node-{i}", "--max-rollouts-per-s", str(NODE_ROLLOUTS_PER_S), price=0.3 + 0.1 * i)
+            for i in range(2)
+        ]
         victim = start_node(hub.addr, tmp_path / "victim", "--max-rollouts-per-s", str(VICTIM_ROLLOUTS_PER_S))
         procs += [*nodes, victim]
         peers = [node_peer_id(n) for n in nodes]
@@ -149,8 +161,11 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
 
         # SIGKILL the victim while it holds a lease it got less than 2 s ago (its answers take 4 s).
         def victim_lease():
-            rows = query(data, "SELECT id, prompt_ids, issued_at FROM leases WHERE node_id = ? AND state = 'open'"
-                         " AND issued_at > ?", (victim_peer, time.time() - 2.0))
+            rows = query(
+                data,
+                "SELECT id, prompt_ids, issued_at FROM leases WHERE node_id = ? AND state = 'open' AND issued_at > ?",
+                (victim_peer, time.time() - 2.0),
+            )
             return rows[0] if rows else None
 
         lease_id, prompt_ids, issued_at = wait_until(victim_lease, 30, "the victim to hold a lease", poll_s=0.05)
@@ -159,8 +174,11 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
         killed_at_step = step_of(data)
 
         def expired():
-            return query(data, "SELECT at FROM events WHERE kind = 'lease_expired' AND node_id = ? AND detail LIKE ?",
-                         (victim_peer, f"lease {lease_id[:8]} %"))
+            return query(
+                data,
+                "SELECT at FROM events WHERE kind = 'lease_expired' AND node_id = ? AND detail LIKE ?",
+                (victim_peer, f"lease {lease_id[:8]} %"),
+            )
 
         wait_until(expired, 30, "the victim's lease to expire")
         mark("victim's lease expired")
@@ -169,8 +187,11 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
 
         def re_leased():
             # (From the victim's lease on: the sweep re-queues before it records the event.)
-            for node_id, ids in query(data, "SELECT node_id, prompt_ids FROM leases WHERE issued_at > ?"
-                                      " AND node_id != ? ORDER BY issued_at", (issued_at, victim_peer)):
+            for node_id, ids in query(
+                data,
+                "SELECT node_id, prompt_ids FROM leases WHERE issued_at > ? AND node_id != ? ORDER BY issued_at",
+                (issued_at, victim_peer),
+            ):
                 if json.loads(ids)[: len(prompts)] == prompts:
                     return node_id
             return None
@@ -210,8 +231,7 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
         assert hub.addr.endswith(procs[0].addr.rsplit("/p2p/", 1)[1])  # same identity, same address
 
         def rejoined() -> bool:
-            joins = {p for (p,) in query(data, "SELECT node_id FROM events WHERE kind = 'join' AND at > ?",
-                                          (restarted_at,))}
+            joins = {p for (p,) in query(data, "SELECT node_id FROM events WHERE kind = 'join' AND at > ?", (restarted_at,))}
             return set(peers) <= joins
 
         wait_until(rejoined, REJOIN_TIMEOUT_S, "the nodes to rejoin the restarted hub")
@@ -229,8 +249,13 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
         assert all(n.process.poll() is None for n in nodes), "a node was restarted or died"
         # KAPPA steps after the restart include a publishing one: versions moved on from where they were.
         versions = wait_until(
-            lambda: (vs := [v for (v,) in query(data, "SELECT version FROM snapshots ORDER BY version")])[-1]
-            > versions_before[-1] and vs, 30, "a snapshot newer than before the restart")
+            lambda: (
+                (vs := [v for (v,) in query(data, "SELECT version FROM snapshots ORDER BY version")])[-1] > versions_before[-1]
+                and vs
+            ),
+            30,
+            "a snapshot newer than before the restart",
+        )
         assert versions[: len(versions_before)] == versions_before
         # Leases the first hub handed out died with it; the second hub closed their rows.
         stale_open = query(data, "SELECT COUNT(*) FROM leases WHERE state = 'open' AND issued_at < ?", (restarted_at,))
@@ -241,11 +266,17 @@ def test_three_nodes_survive_a_killed_node_and_a_restarted_hub(tmp_path, capsys)
         # once, not after the 10 s of silence that still drop it; the node has exited once the hub took it.
         stopped_at = time.time()
         nodes[0].stop(signal.SIGINT)
-        left = query(data, "SELECT at, kind FROM events WHERE detail = ? AND node_id = ? AND at > ?",
-                     (LEFT_REASON, peers[0], stopped_at))
+        left = query(
+            data, "SELECT at, kind FROM events WHERE detail = ? AND node_id = ? AND at > ?", (LEFT_REASON, peers[0], stopped_at)
+        )
         assert [kind for _, kind in left] == ["release"] and left[0][0] - stopped_at < 10, left
-        dropped = wait_until(lambda: query(data, "SELECT detail FROM events WHERE kind = 'leave' AND node_id = ? AND at > ?",
-                                           (peers[0], stopped_at)), 30, "the node dropped at its heartbeat timeout")
+        dropped = wait_until(
+            lambda: query(
+                data, "SELECT detail FROM events WHERE kind = 'leave' AND node_id = ? AND at > ?", (peers[0], stopped_at)
+            ),
+            30,
+            "the node dropped at its heartbeat timeout",
+        )
         assert dropped == [("no heartbeat for 10s",)], dropped
         mark("a node left")
 
@@ -275,9 +306,21 @@ async def _probe_hub(hub_addr: str, config_hash: str, seconds: float) -> tuple[l
     async with running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
         with trio.fail_after(30):
             hub = await connect(host, hub_addr)
-            joined = await request(host, hub, JOIN_PROTOCOL, JoinRequest(
-                price_per_hour=9.0, hardware="probe", link_bps=1e6, backend="hf", dtype="float32", model_config_hash=config_hash,
-            ), JoinReply, timeout_s=20)
+            joined = await request(
+                host,
+                hub,
+                JOIN_PROTOCOL,
+                JoinRequest(
+                    price_per_hour=9.0,
+                    hardware="probe",
+                    link_bps=1e6,
+                    backend="hf",
+                    dtype="float32",
+                    model_config_hash=config_hash,
+                ),
+                JoinReply,
+                timeout_s=20,
+            )
         assert isinstance(joined, JoinReply)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -303,8 +346,7 @@ def test_hub_and_nodes_stay_responsive_under_full_cpu_load(tmp_path, default_mod
     procs: list[Proc] = [hub]
     burners: list[multiprocessing.Process] = []
     try:
-        nodes = [start_node(hub.addr, tmp_path / f"node-{i}", "--max-rollouts-per-s", str(NODE_ROLLOUTS_PER_S))
-                 for i in range(2)]
+        nodes = [start_node(hub.addr, tmp_path / f"node-{i}", "--max-rollouts-per-s", str(NODE_ROLLOUTS_PER_S)) for i in range(2)]
         procs += nodes
         peers = [node_peer_id(n) for n in nodes]
         wait_until(lambda: step_of(data) >= 1, STEP_TIMEOUT_S, "the first learner step")
@@ -316,8 +358,10 @@ def test_hub_and_nodes_stay_responsive_under_full_cpu_load(tmp_path, default_mod
         step_after = step_of(data)
         for burner in burners:
             burner.kill()
-        print(f"\nunder load: {len(beats)} heartbeats, max {max(beats):.3f}s, median {sorted(beats)[len(beats) // 2]:.3f}s;"
-              f" status max {max(statuses):.3f}s; learner steps {step_before} -> {step_after}")
+        print(
+            f"\nunder load: {len(beats)} heartbeats, max {max(beats):.3f}s, median {sorted(beats)[len(beats) // 2]:.3f}s;"
+            f" status max {max(statuses):.3f}s; learner steps {step_before} -> {step_after}"
+        )
         assert step_after > step_before, "the hub was not training during the measurement"
         assert max(beats) < LOAD_HEARTBEAT_BOUND_S and max(statuses) < LOAD_HEARTBEAT_BOUND_S
         assert len(beats) >= LOAD_MEASURE_S / (LOAD_HEARTBEAT_BOUND_S * 2 + 0.25)

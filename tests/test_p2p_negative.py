@@ -87,10 +87,17 @@ class Client(HubClient):
         self.hub, self.tokenizer = hub, tokenizer
 
     async def join(self, config_hash: str | None = None) -> JoinReply | Reject:
-        return await super().join(JoinRequest(
-            price_per_hour=0.5, hardware="test", link_bps=1e8, backend="hf", dtype="float32",
-            model_config_hash=config_hash or self.hub.config_hash, version_held=self.hub.version,
-        ))
+        return await super().join(
+            JoinRequest(
+                price_per_hour=0.5,
+                hardware="test",
+                link_bps=1e8,
+                backend="hf",
+                dtype="float32",
+                model_config_hash=config_hash or self.hub.config_hash,
+                version_held=self.hub.version,
+            )
+        )
 
     async def lease(self) -> Lease:
         reply = await super().lease(self.hub.version)
@@ -101,17 +108,26 @@ class Client(HubClient):
         ids = (*self.tokenizer.encode(text), self.tokenizer.eos_token_id)
         return Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop", version=version, text=text)
 
-    def answer(self, lease: Lease, version: int | None = None, wrong_only: bool = False,
-               claimed: tuple[float, ...] | None = None, lease_id: str | None = None,
-               node_id: str | None = None) -> Submission:
+    def answer(
+        self,
+        lease: Lease,
+        version: int | None = None,
+        wrong_only: bool = False,
+        claimed: tuple[float, ...] | None = None,
+        lease_id: str | None = None,
+        node_id: str | None = None,
+    ) -> Submission:
         """One right and one wrong completion per prompt (or two wrong ones), at the hub's current version."""
         version = self.hub.version if version is None else version
         groups = []
         for p in lease.prompts:
             word = p.text[:-1]
             texts = (word + "q", word + "z") if wrong_only else (word[::-1], word)
-            groups.append(SubmittedGroup(prompt_id=p.prompt_id, completions=tuple(self.completion(t, version) for t in texts),
-                                         claimed_rewards=claimed))
+            groups.append(
+                SubmittedGroup(
+                    prompt_id=p.prompt_id, completions=tuple(self.completion(t, version) for t in texts), claimed_rewards=claimed
+                )
+            )
         return Submission(lease_id=lease_id or lease.lease_id, node_id=node_id or self.peer_id, groups=tuple(groups))
 
     async def send_raw(self, protocol: str, data: bytes, *reply_types) -> SubmitReply | Reject | None:
@@ -192,7 +208,10 @@ async def test_honest_flow_is_accepted_and_paid(hub_args):
             reply = await node.submit(node.answer(lease).model_copy(update={"next_lease_for": hub.version}))
             assert reply.accepted == PROMPTS_PER_LEASE and reply.next_lease.lease is not None
             following = reply.next_lease.lease
-            assert following.lease_id in hub.state.leasing.book.open and hub.state.store.leases.lease(following.lease_id).state == "open"
+            assert (
+                following.lease_id in hub.state.leasing.book.open
+                and hub.state.store.leases.lease(following.lease_id).state == "open"
+            )
             assert (await node.submit(node.answer(following))).accepted == PROMPTS_PER_LEASE
             # The piggybacked request obeys the same rules as a lease request: no snapshot held, no lease.
             lease = await node.lease()
@@ -352,8 +371,12 @@ async def test_oversized_frames_are_refused_from_the_header(hub_args):
             await joined_and_active(node)
             await node.lease()  # a lease holder's submission header is read against the full cap
             before = hub.trusted()
-            caps = {SUBMIT_PROTOCOL: Submission, JOIN_PROTOCOL: JoinRequest, HEARTBEAT_PROTOCOL: Heartbeat,
-                    LEASE_PROTOCOL: LeaseRequest}
+            caps = {
+                SUBMIT_PROTOCOL: Submission,
+                JOIN_PROTOCOL: JoinRequest,
+                HEARTBEAT_PROTOCOL: Heartbeat,
+                LEASE_PROTOCOL: LeaseRequest,
+            }
             for protocol, cls in caps.items():
                 # The header alone claims more than the cap; the body never comes. A hub that waited for it would
                 # answer only when its handler timed out: half that is the bound, far past any loaded machine's lag.
@@ -373,8 +396,15 @@ async def test_oversized_frames_are_refused_from_the_header(hub_args):
             await assert_still_serving(hub, hub_args[2])
 
 
-GARBAGE_PROTOCOLS = (JOIN_PROTOCOL, HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, STATUS_PROTOCOL, SNAPSHOT_PROTOCOL,
-                     LEAVE_PROTOCOL)
+GARBAGE_PROTOCOLS = (
+    JOIN_PROTOCOL,
+    HEARTBEAT_PROTOCOL,
+    LEASE_PROTOCOL,
+    SUBMIT_PROTOCOL,
+    STATUS_PROTOCOL,
+    SNAPSHOT_PROTOCOL,
+    LEAVE_PROTOCOL,
+)
 
 
 def garbage_payloads() -> list[bytes]:
@@ -389,7 +419,6 @@ def garbage_payloads() -> list[bytes]:
         HEADER.pack(Heartbeat.TYPE, 100) + b"short",  # body shorter than the header says
         encode_frame(Submission.TYPE, os.urandom(64) + b'{"lease_id": "x"}'),
     ]
-
 
 
 @pytest.mark.trio
@@ -431,8 +460,9 @@ async def test_garbage_on_every_protocol_changes_nothing(hub_args):
                     for payload in garbage_payloads():
                         reply = await client.send_raw(protocol, payload, SubmitReply)
                         # Every one is answered with a Reject that says why, never a silent reset.
-                        expected = (RejectCode.UNKNOWN_NODE if client is stranger and protocol in MEMBERS_ONLY
-                                    else RejectCode.BAD_REQUEST)
+                        expected = (
+                            RejectCode.UNKNOWN_NODE if client is stranger and protocol in MEMBERS_ONLY else RejectCode.BAD_REQUEST
+                        )
                         assert isinstance(reply, Reject) and reply.code == expected, (protocol, payload[:20], reply)
                         sent += client is node
             assert hub.trusted() == before
@@ -443,8 +473,7 @@ async def test_garbage_on_every_protocol_changes_nothing(hub_args):
             assert hub.state.fleet.get(stranger.peer_id) is None
             # The joined node's lease is still good, and heartbeats still answer.
             assert (await node.submit(node.answer(lease))).accepted == PROMPTS_PER_LEASE
-            beat = await node.ask(HEARTBEAT_PROTOCOL, Heartbeat(version_held=0),
-                                  HeartbeatReply)
+            beat = await node.ask(HEARTBEAT_PROTOCOL, Heartbeat(version_held=0), HeartbeatReply)
             assert isinstance(beat, HeartbeatReply) and beat.state == "active"
             await assert_still_serving(hub, hub_args[2])
 
@@ -463,7 +492,8 @@ async def test_a_claimed_reward_the_hub_does_not_score_is_refused_unpaid_and_cou
             assert hub.trusted()[:3] == before[:3]  # nothing accepted, paid or buffered
             assert hub.state.fleet.get(node.peer_id).tallies.rejected == PROMPTS_PER_LEASE
             assert [e.detail for e in hub.state.store.journal.events() if e.kind == "reward_claim_mismatch"] == [
-                f"{PROMPTS_PER_LEASE} groups claimed other rewards"]
+                f"{PROMPTS_PER_LEASE} groups claimed other rewards"
+            ]
             # Claims that match the hub's scores are fine.
             lease = await node.lease()
             reply = await node.submit(node.answer(lease, claimed=(1.0, 0.0)))
@@ -476,8 +506,7 @@ async def test_strangers_and_wrong_models_get_nothing(hub_args):
         async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (stranger,):
             reply = await stranger.ask(LEASE_PROTOCOL, LeaseRequest(version_held=0), LeaseReply)
             assert isinstance(reply, Reject) and "join first" in reply.reason
-            reply = await stranger.ask(HEARTBEAT_PROTOCOL, Heartbeat(version_held=0),
-                                       HeartbeatReply)
+            reply = await stranger.ask(HEARTBEAT_PROTOCOL, Heartbeat(version_held=0), HeartbeatReply)
             assert isinstance(reply, Reject) and "join first" in reply.reason
             reply = await stranger.join(config_hash="0" * 64)
             assert isinstance(reply, Reject) and "model config differs" in reply.reason

@@ -47,8 +47,16 @@ def test_plan_met_by_cheapest_prefix(tmp_path, capsys):
     code, out, err = run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--json")
     assert code == 0 and err == ""
     plan = json.loads(out)
-    assert set(plan) == {"mu_min", "mu_target", "active", "mu_active", "shortfall",
-                         "predicted_bubble", "cost_per_hour", "cost_per_step"}
+    assert set(plan) == {
+        "mu_min",
+        "mu_target",
+        "active",
+        "mu_active",
+        "shortfall",
+        "predicted_bubble",
+        "cost_per_hour",
+        "cost_per_step",
+    }
     # rho: a 0.1, c 0.1 (after a by name), b 0.2; a + c = 15 >= 11
     assert plan["active"] == ["a", "c"]
     assert plan["mu_min"] == pytest.approx(10.0)
@@ -78,8 +86,7 @@ def test_plan_fleet_falls_short(tmp_path, capsys):
 
 
 def test_plan_kappa_override_and_learner_price(tmp_path, capsys):
-    code, out, _ = run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--kappa", "1", "--gamma", "1.0",
-                       "--learner-price", "0", "--json")
+    code, out, _ = run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--kappa", "1", "--gamma", "1.0", "--learner-price", "0", "--json")
     assert code == 0
     plan = json.loads(out)
     # stall = max(0, 5 - (4 - 1) * 10) = 0, mu_min = 100 / 10 = 10: a + c = 15 covers it
@@ -124,14 +131,14 @@ def node(name="n", price="1.0", throughput="2.0", extra=""):
         (node(throughput="-3"), "node.0.rollouts_per_s: Input should be greater than 0 (got -3)"),
         (node() + node(), "node: duplicate node name 'n'"),
         ('[[node]]\nname = "n"\nprice_per_hour = 1.0\n', "node.0.rollouts_per_s is required"),
-        (node(extra="gpu = \"5090\""), "unknown key 'gpu' in [node.0]"),
+        (node(extra='gpu = "5090"'), "unknown key 'gpu' in [node.0]"),
         ("", "node is required: the candidate nodes, as [[node]] tables"),
         ('title = "x"\n' + node(), "unknown key 'title' in the top level"),
         (node(price='"cheap"'), "node.0.price_per_hour: Input should be a valid number (got 'cheap')"),
         (node(throughput="true"), "node.0.rollouts_per_s: Input should be a valid number (got True)"),
         (node(price="inf"), "node.0.price_per_hour: Input should be a finite number"),
         ('[[node]\nname = "n"', "is not valid TOML"),
-        ('node = 3\n', "node takes tables: write [[node]] sections, not node = 3"),
+        ("node = 3\n", "node takes tables: write [[node]] sections, not node = 3"),
     ],
 )
 def test_bad_fleets(tmp_path, capsys, fleet, message):
@@ -167,11 +174,16 @@ def test_the_plans_bounds_and_defaults_are_the_hubs(tmp_path, capsys):
 
     plan = PlanConfig(t_train=1.0, t_bcast=0.0)
     assert (plan.gamma, plan.staleness, plan.learner_price) == (
-        SchedulerConfig().gamma, LearnerConfig().staleness, LearnerConfig().learner_price_per_hour)
-    for flag, value, says in (("--gamma", "0.9", "gamma: Input should be greater than or equal to 1"),
-                              ("--staleness", "65", "staleness: Input should be less than or equal to 64"),
-                              ("--learner-price", "-1", "learner_price: Input should be greater than or equal to 0"),
-                              ("--rollouts-per-step", "0", "rollouts_per_step: Input should be greater than 0")):
+        SchedulerConfig().gamma,
+        LearnerConfig().staleness,
+        LearnerConfig().learner_price_per_hour,
+    )
+    for flag, value, says in (
+        ("--gamma", "0.9", "gamma: Input should be greater than or equal to 1"),
+        ("--staleness", "65", "staleness: Input should be less than or equal to 64"),
+        ("--learner-price", "-1", "learner_price: Input should be greater than or equal to 0"),
+        ("--rollouts-per-step", "0", "rollouts_per_step: Input should be greater than 0"),
+    ):
         code, out, err = run(tmp_path, capsys, FLEET_ACE, *PERIOD, flag, value)
         assert code == 2 and out == "" and err.startswith("error: echo-hub plan: ") and says in err, err
         assert len(err.strip().splitlines()) == 1

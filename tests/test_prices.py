@@ -51,8 +51,21 @@ def test_price_change_rules() -> None:
 def _fleet() -> Fleet:
     fleet = Fleet()
     for name, price, state in (("a", 0.30, "active"), ("b", 0.305, "standby")):
-        fleet.put(NodeRecord(peer_id=name, price_per_hour=price, link_bps=1e8, backend="hf", hardware="", listen_addrs=(),
-                             remote_ip=None, last_seen=0.0, state=state, rollouts_per_s=10.0, measured=True))
+        fleet.put(
+            NodeRecord(
+                peer_id=name,
+                price_per_hour=price,
+                link_bps=1e8,
+                backend="hf",
+                hardware="",
+                listen_addrs=(),
+                remote_ip=None,
+                last_seen=0.0,
+                state=state,
+                rollouts_per_s=10.0,
+                measured=True,
+            )
+        )
     return fleet
 
 
@@ -128,8 +141,9 @@ async def test_a_joined_node_re_declares_its_price(tmp_path, default_model_dir) 
             assert [price for _, price in history] == [0.5, 0.7, 0.71]
             assert hub.state.store.members.node(node.peer_id).price_per_hour == 0.71
             # The status board and `echo-hub status` show how the price moved; a status without the key does not.
-            board = StatusBoard(RunInfo(hub.identity.peer_id, (hub.addr,), 0, 2, 1, "t", "chain"), tmp_path, hub.state,
-                                learner_step=lambda: 0)
+            board = StatusBoard(
+                RunInfo(hub.identity.peer_id, (hub.addr,), 0, 2, 1, "t", "chain"), tmp_path, hub.state, learner_step=lambda: 0
+            )
             status = board.snapshot()
             (shown,) = [n for n in status.nodes if n.peer_id == node.peer_id]
             assert [price for _, price in shown.price_history] == [0.5, 0.7, 0.71]
@@ -160,16 +174,31 @@ async def test_a_node_link_re_declares_its_scheduled_price(tmp_path, default_mod
     as often as the hub takes a change."""
     asked, identity = [0.40], Identity.generate()
     with trio.fail_after(30):
-        async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub, \
-                running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
+        async with (
+            inproc_hub(tmp_path, default_model_dir, CONFIG) as hub,
+            running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, _),
+        ):
             node = HubClient(host, identity, hub.addr, timeout_s=10)
 
             def join_request() -> JoinRequest:
-                return JoinRequest(price_per_hour=asked[0], hardware="test", link_bps=1e8, backend="hf",
-                                   dtype="float32", model_config_hash=hub.config_hash, version_held=-1)
+                return JoinRequest(
+                    price_per_hour=asked[0],
+                    hardware="test",
+                    link_bps=1e8,
+                    backend="hf",
+                    dtype="float32",
+                    model_config_hash=hub.config_hash,
+                    version_held=-1,
+                )
 
-            link = HubLink(node, join_request, lambda: Heartbeat(version_held=-1), lambda reply: None,
-                           backoff_max_s=0.5, price=lambda: asked[0])
+            link = HubLink(
+                node,
+                join_request,
+                lambda: Heartbeat(version_held=-1),
+                lambda reply: None,
+                backoff_max_s=0.5,
+                price=lambda: asked[0],
+            )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(link.run)
                 while hub.state.fleet.get(node.peer_id) is None:
@@ -206,14 +235,19 @@ def test_a_nodes_price_history_is_bounded(tmp_path) -> None:
     history = store.members.price_history(10 * PRICES_KEPT_PER_NODE)["peer-a"]
     store.close()
     assert len(history) == PRICES_KEPT_PER_NODE
-    assert history[0][0] == start + 50 and history[-1] == (start + PRICES_KEPT_PER_NODE + 49, pytest.approx(0.2 + (PRICES_KEPT_PER_NODE + 49) / 1000))
+    assert history[0][0] == start + 50 and history[-1] == (
+        start + PRICES_KEPT_PER_NODE + 49,
+        pytest.approx(0.2 + (PRICES_KEPT_PER_NODE + 49) / 1000),
+    )
 
 
 def test_a_rejoin_keeps_the_price_change_clock() -> None:
     """Issue 54 item 5: a join reset price_changed_at, so leave, re-join and reprice took 20 changes in 0.3 s."""
+
     def join(price: float) -> JoinRequest:
-        return JoinRequest(price_per_hour=price, hardware="h", link_bps=1e8, backend="hf", model_config_hash="ab",
-                           dtype="float32")
+        return JoinRequest(
+            price_per_hour=price, hardware="h", link_bps=1e8, backend="hf", model_config_hash="ab", dtype="float32"
+        )
 
     fleet = Fleet()
     record = fleet.join("p", join(1.0), None, now=0.0)

@@ -26,21 +26,24 @@ from shared.tasks.reverse import ReverseTask
 ROW = {"prompt_ids": ((1, 2, 3),), "completion_ids": ((4, 5),), "logprobs": ((-1.0, -2.0),), "max_mean_abs_gap": 0.01}
 
 
-@pytest.mark.parametrize("what,change", [
-    ("a NaN log-prob", {"logprobs": ((float("nan"), -2.0),)}),
-    ("a positive log-prob", {"logprobs": ((0.5, -2.0),)}),
-    ("a log-prob of -1e308", {"logprobs": ((-1e308, -2.0),)}),
-    ("an infinite tolerance", {"max_mean_abs_gap": float("inf")}),
-    ("a zero tolerance", {"max_mean_abs_gap": 0.0}),
-    ("a tolerance of 5e-324 less than zero", {"max_mean_abs_gap": -5e-324}),
-    ("a negative token id", {"completion_ids": ((-1, 5),)}),
-    ("a token id past 2**31", {"prompt_ids": ((2**40,),)}),
-    ("an empty prompt", {"prompt_ids": ((),)}),
-    ("a completion longer than its log-probs", {"completion_ids": ((4, 5, 6),)}),
-    ("rows that differ in number", {"prompt_ids": ((1,), (2,))}),
-    ("17 rows", {k: v * 17 for k, v in ROW.items() if k != "max_mean_abs_gap"}),
-    ("a 65-token completion", {"completion_ids": ((1,) * 65,), "logprobs": ((-1.0,) * 65,)}),
-])
+@pytest.mark.parametrize(
+    "what,change",
+    [
+        ("a NaN log-prob", {"logprobs": ((float("nan"), -2.0),)}),
+        ("a positive log-prob", {"logprobs": ((0.5, -2.0),)}),
+        ("a log-prob of -1e308", {"logprobs": ((-1e308, -2.0),)}),
+        ("an infinite tolerance", {"max_mean_abs_gap": float("inf")}),
+        ("a zero tolerance", {"max_mean_abs_gap": 0.0}),
+        ("a tolerance of 5e-324 less than zero", {"max_mean_abs_gap": -5e-324}),
+        ("a negative token id", {"completion_ids": ((-1, 5),)}),
+        ("a token id past 2**31", {"prompt_ids": ((2**40,),)}),
+        ("an empty prompt", {"prompt_ids": ((),)}),
+        ("a completion longer than its log-probs", {"completion_ids": ((4, 5, 6),)}),
+        ("rows that differ in number", {"prompt_ids": ((1,), (2,))}),
+        ("17 rows", {k: v * 17 for k, v in ROW.items() if k != "max_mean_abs_gap"}),
+        ("a 65-token completion", {"completion_ids": ((1,) * 65,), "logprobs": ((-1.0,) * 65,)}),
+    ],
+)
 def test_a_hostile_probe_fails_the_schema(what, change):
     InstallProbe.model_validate_json(InstallProbe(**ROW).model_dump_json())  # the unchanged row parses
     with pytest.raises(ValidationError):
@@ -92,8 +95,13 @@ def test_an_engine_reproduces_the_hubs_probe_and_a_corrupted_tensor_stops_it(tmp
     shelf = SnapshotShelf(keep=2, directory=tmp_path / "shelf")
     auditor = Auditor(default_model_dir, shelf, SamplingParams(), TrustConfig(), dtype)
     snapshot = build_snapshot(
-        perturbed_state(AutoModelForCausalLM.from_pretrained(default_model_dir), seed=1), 3, Identity.generate(), model_dir_config_hash(default_model_dir),
-        tmp_path / "snapshots", dtype=getattr(torch, dtype), probe=lambda path, whole: auditor.install_probe(path, whole, rows),
+        perturbed_state(AutoModelForCausalLM.from_pretrained(default_model_dir), seed=1),
+        3,
+        Identity.generate(),
+        model_dir_config_hash(default_model_dir),
+        tmp_path / "snapshots",
+        dtype=getattr(torch, dtype),
+        probe=lambda path, whole: auditor.install_probe(path, whole, rows),
     )
     # What a node reads back: the probe signed in the manifest, within the audit tolerance of this dtype.
     manifest = read_snapshot_files(tmp_path / "snapshots", 3, snapshot.manifest.signer).manifest

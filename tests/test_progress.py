@@ -22,7 +22,8 @@ def test_stall_cause_names_the_dominant_reason():
     assert cause.startswith("50 of the last 100 groups arrived too stale") and "--staleness" in cause
     # Neither: too little work.
     assert stall_cause({}, waiting=3, needed=8) == (
-        "only 3 usable groups waiting, 8 needed per step: the fleet is too slow or too small")
+        "only 3 usable groups waiting, 8 needed per step: the fleet is too slow or too small"
+    )
     assert stall_cause({REASON_STALE: 1, "trained": 2}, waiting=0, needed=8).startswith("only 0 usable")
 
 
@@ -43,9 +44,12 @@ class FakeHub:
         async def recent_rejections(limit):
             return {"copy of an earlier group": 7, "tokens after EOS": 2}
 
-        self.state = SimpleNamespace(totals=totals, buffer=[], event=event,
-                                     intake=SimpleNamespace(recent_discards=recent_discards,
-                                                            recent_rejections=recent_rejections))
+        self.state = SimpleNamespace(
+            totals=totals,
+            buffer=[],
+            event=event,
+            intake=SimpleNamespace(recent_discards=recent_discards, recent_rejections=recent_rejections),
+        )
         self.config = SimpleNamespace(learner=SimpleNamespace(prompts_per_step=8))
 
 
@@ -109,7 +113,7 @@ async def test_groups_that_arrive_only_to_be_rejected_are_a_stall_named_by_its_t
             assert time.monotonic() < deadline, "no stall warning"
             await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    assert "while 9 groups arrived: 9 of them were rejected, most for \"copy of an earlier group\"" in hub.events[0][1]
+    assert 'while 9 groups arrived: 9 of them were rejected, most for "copy of an earlier group"' in hub.events[0][1]
     assert "echo-hub: warning: no learner step" in capsys.readouterr().out
 
 
@@ -132,8 +136,10 @@ def test_the_bar_and_status_name_the_rollout_reward_and_its_window(tmp_path):
     assert f"rollout reward {mean:.2f} (last {len(window)} steps) |" in _line(status)
     out = io.StringIO()
     render(status, Console(file=out, width=200))
-    assert any(line.startswith("rollout reward") and f"{mean:.3f} (last {len(window)} steps)" in line
-               for line in out.getvalue().splitlines()), out.getvalue()
+    assert any(
+        line.startswith("rollout reward") and f"{mean:.3f} (last {len(window)} steps)" in line
+        for line in out.getvalue().splitlines()
+    ), out.getvalue()
     one_step = status.model_copy(update={"history": status.history[:1]})
     assert f"rollout reward {one_step.history[0].reward_mean:.2f} (last step) |" in _line(one_step)
     assert "rollout reward - |" in _line(status.model_copy(update={"history": ()}))
@@ -145,8 +151,18 @@ def test_the_summary_names_the_fifths_it_compares(tmp_path, capsys):
     from hub.cli.summary import print_summary
     from shared.layout import METRICS_FILE
 
-    rows = [{"step": s, "reward_mean": 0.5, "rollout_reward_mean": s / 10, "staleness_mean": 1.0, "staleness_max": 2,
-             "bubble": 0.1, "t_train_s": 1.0} for s in range(1, 11)]
+    rows = [
+        {
+            "step": s,
+            "reward_mean": 0.5,
+            "rollout_reward_mean": s / 10,
+            "staleness_mean": 1.0,
+            "staleness_max": 2,
+            "bubble": 0.1,
+            "t_train_s": 1.0,
+        }
+        for s in range(1, 11)
+    ]
     (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     print_summary(tmp_path)
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "first fifth" in ln)

@@ -36,8 +36,19 @@ async def test_dial_back_answers_only_for_the_node_itself_on_a_connection_of_its
 
 def test_a_malformed_public_addr_is_one_line_naming_it():
     result = subprocess.run(
-        [sys.executable, "-m", "node.cli", "join", "--hub", "/ip4/127.0.0.1/tcp/4077/p2p/12D3KooWQY",
-         "--public-addr", "203.0.113.5:4001"], capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "join",
+            "--hub",
+            "/ip4/127.0.0.1/tcp/4077/p2p/12D3KooWQY",
+            "--public-addr",
+            "203.0.113.5:4001",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     line = result.stderr.strip()
@@ -53,8 +64,9 @@ async def test_two_nated_nodes_hole_punch_and_after_a_failed_punch_a_dialable_no
 
     async with hub_peer(Identity.generate()) as peer:
         hub = Hub(peer, "chain")
-        a, b, c = (SimpleNamespace(peer_id=Identity.generate().peer_id, addr=f"/ip4/127.0.0.1/tcp/{port}")
-                   for port in (4101, 4102, 4103))
+        a, b, c = (
+            SimpleNamespace(peer_id=Identity.generate().peer_id, addr=f"/ip4/127.0.0.1/tcp/{port}") for port in (4101, 4102, 4103)
+        )
         records = {n.peer_id: join(hub.fleet, n) for n in (a, b, c)}
         records[a.peer_id].reachability = records[b.peer_id].reachability = "nated"
         records[c.peer_id].reachability = "public"
@@ -127,8 +139,11 @@ async def hop(host, hub_addr: str, kind: str, peer: str | None):
 @pytest.mark.trio
 async def test_only_fleet_members_may_use_the_hubs_relay():
     member, stranger = Identity.generate(), Identity.generate()
-    async with gated_relay({member.peer_id: "127.0.0.1"}, set()) as (_host, hub_addr, gate, _), \
-            running_host(member, [LOOPBACK]) as (member_host, _), running_host(stranger, [LOOPBACK]) as (stranger_host, _):
+    async with (
+        gated_relay({member.peer_id: "127.0.0.1"}, set()) as (_host, hub_addr, gate, _),
+        running_host(member, [LOOPBACK]) as (member_host, _),
+        running_host(stranger, [LOOPBACK]) as (stranger_host, _),
+    ):
         assert isinstance(await hop(stranger_host, hub_addr, "RESERVE", None), Exception)  # reset unread
         from node.nat import NatTraversal
 
@@ -196,8 +211,11 @@ async def test_only_the_planned_hole_punch_partner_may_open_a_circuit_to_a_nated
     victim, successor = Identity.generate(), Identity.generate()
     others = [Identity.generate() for _ in range(4)]
     members = {p.peer_id: f"10.0.1.{i}" for i, p in enumerate([victim, successor, *others])}
-    async with gated_relay(members, {(successor.peer_id, victim.peer_id)}) as (_host, hub_addr, gate, refusals), \
-            trio.open_nursery() as nursery, AsyncExitStack() as stack:
+    async with (
+        gated_relay(members, {(successor.peer_id, victim.peer_id)}) as (_host, hub_addr, gate, refusals),
+        trio.open_nursery() as nursery,
+        AsyncExitStack() as stack,
+    ):
         victim_host, _ = await stack.enter_async_context(running_host(victim, [LOOPBACK]))
         nat = await stack.enter_async_context(NatTraversal(victim_host, hub_addr, lambda p: p == successor.peer_id).running())
         await connect(victim_host, hub_addr)
@@ -219,8 +237,14 @@ def test_probe_targets_are_the_observed_ip_on_declared_ports_and_never_a_name():
     from hub.distribution.reachability import probe_targets
 
     me, other = Identity.generate().peer_id, Identity.generate().peer_id
-    declared = ("/ip4/127.0.0.9/tcp/5297", "/dns4/attacker.example/tcp/5298", f"/ip4/10.0.0.1/tcp/5299/p2p/{other}",
-                "/ip4/0.0.0.0/tcp/5297", "/ip4/1.2.3.4/udp/5300/quic", "/ip4/1.2.3.4/tcp/0")
+    declared = (
+        "/ip4/127.0.0.9/tcp/5297",
+        "/dns4/attacker.example/tcp/5298",
+        f"/ip4/10.0.0.1/tcp/5299/p2p/{other}",
+        "/ip4/0.0.0.0/tcp/5297",
+        "/ip4/1.2.3.4/udp/5300/quic",
+        "/ip4/1.2.3.4/tcp/0",
+    )
     assert probe_targets(me, declared, "127.0.0.1") == (f"/ip4/127.0.0.1/tcp/5297/p2p/{me}", f"/ip4/127.0.0.1/tcp/5298/p2p/{me}")
     assert probe_targets(me, ("/ip4/1.2.3.4/tcp/4001",), "2001:db8::7") == (f"/ip6/2001:db8::7/tcp/4001/p2p/{me}",)
     assert probe_targets(me, declared, None) == ()
@@ -347,8 +371,9 @@ async def test_throwaway_identities_with_silent_ports_do_not_starve_an_honest_pr
         await nursery.start(hub.broadcaster.run)
         silent, held = await _counting_listener("127.0.0.5", nursery, silent=True)
         for _ in range(24):
-            sybil = join(hub.fleet, SimpleNamespace(peer_id=Identity.generate().peer_id, addr=f"/ip4/127.0.0.5/tcp/{silent}"),
-                         probed=False)
+            sybil = join(
+                hub.fleet, SimpleNamespace(peer_id=Identity.generate().peer_id, addr=f"/ip4/127.0.0.5/tcp/{silent}"), probed=False
+            )
             sybil.remote_ip = "127.0.0.5"
         hub.broadcaster.replan()
         await trio.sleep(0.3)

@@ -29,14 +29,27 @@ heartbeat_period_s = 0.5
 heartbeat_timeout_s = 2.0
 control_period_s = 1.0
 """
-HUB_ARGS = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4",
-            "--max-new-tokens", "8", "--staleness", "2")
+HUB_ARGS = (
+    "--local-nodes",
+    "0",
+    "--steps",
+    "0",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--staleness",
+    "2",
+)
 HONEST_ROUNDS = 3
 
 
 def echo_hub_status(*where: str) -> HubStatus:
-    out = subprocess.run([sys.executable, "-m", "hub.cli", "status", "--json", *where], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "hub.cli", "status", "--json", *where], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return HubStatus.model_validate_json(out.stdout)
 
@@ -84,6 +97,7 @@ def test_restarted_hub_shows_the_same_books_and_voids_only_pay_since_the_last_pa
     # -- first run: both volunteers work (every submission audited: they are on probation), then leave.
     hub = start_hub(data, *args, port=port)
     try:
+
         async def work(clients) -> None:
             a, b = clients
             for _ in range(HONEST_ROUNDS):
@@ -92,8 +106,11 @@ def test_restarted_hub_shows_the_same_books_and_voids_only_pay_since_the_last_pa
 
         trio.run(volunteers, hub, engine, trained, [worker, leaver], work)
         wait_gone(hub, [worker.peer_id, leaver.peer_id])
-        wait_until(lambda: query(data, "SELECT audits_passed FROM nodes WHERE peer_id = ?", (worker.peer_id,))[0][0]
-                   >= HONEST_ROUNDS, 30, "the worker's audits")
+        wait_until(
+            lambda: query(data, "SELECT audits_passed FROM nodes WHERE peer_id = ?", (worker.peer_id,))[0][0] >= HONEST_ROUNDS,
+            30,
+            "the worker's audits",
+        )
     finally:
         assert hub.stop(signal.SIGINT) in (0, 130)
     before = echo_hub_status("--data-dir", str(data))
@@ -116,21 +133,35 @@ def test_restarted_hub_shows_the_same_books_and_voids_only_pay_since_the_last_pa
         rng = random.Random(3)
 
         async def lie(lease, groups):
-            return tuple(g.model_copy(update={"completions": tuple(
-                c.model_copy(update={"logprobs": tuple(min(0.0, lp + rng.uniform(-0.5, 0.5)) for lp in c.logprobs)})
-                for c in g.completions)}) for g in groups)
+            return tuple(
+                g.model_copy(
+                    update={
+                        "completions": tuple(
+                            c.model_copy(update={"logprobs": tuple(min(0.0, lp + rng.uniform(-0.5, 0.5)) for lp in c.logprobs)})
+                            for c in g.completions
+                        )
+                    }
+                )
+                for g in groups
+            )
 
         async def cheat(clients) -> None:
             (a,) = clients
             await a.worker.work(await a.take_lease(), rewrite=lie)
 
         trio.run(volunteers, hub, engine, trained, [worker], cheat)
-        banned = wait_until(lambda: (s := hub.status()) and next(
-            (n for n in s.nodes if n.peer_id == worker.peer_id and n.state == "banned"), None), 30, "the ban")
+        banned = wait_until(
+            lambda: (
+                (s := hub.status()) and next((n for n in s.nodes if n.peer_id == worker.peer_id and n.state == "banned"), None)
+            ),
+            30,
+            "the ban",
+        )
         # Only the lie's pay is voided: everything up to its last passed audit (before the restart) stands.
         assert banned.cost_usd == pytest.approx(paid_before[worker.peer_id], rel=1e-9)
-        voided = query(data, "SELECT COUNT(*), MIN(created_at) FROM ledger WHERE node_id = ? AND voided = 1",
-                       (worker.peer_id,))[0]
+        voided = query(data, "SELECT COUNT(*), MIN(created_at) FROM ledger WHERE node_id = ? AND voided = 1", (worker.peer_id,))[
+            0
+        ]
         assert voided[0] == 1 and voided[1] > restarted_at
         events = [json.dumps(e.model_dump()) for e in hub.status().events if e.kind == "audit_fail"]
         assert len(events) == 1 and worker.peer_id in events[0]

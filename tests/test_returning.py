@@ -21,8 +21,21 @@ from tests.test_first_contact import ROOT, assert_one_line_mistake, run, snapsho
 
 TASK = "testbed.tasks:EchoTask"  # not the default task: a reader of final/ that ignores the run's config scores another
 # What identifies this run: every later start repeats it (eval on: the held-out split is part of the run).
-RUN_ARGS = ("--task", TASK, "--eval-every", "2", "--eval-prompts", "8", "--max-new-tokens", "8",
-            "--local-nodes", "1", "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress")
+RUN_ARGS = (
+    "--task",
+    TASK,
+    "--eval-every",
+    "2",
+    "--eval-prompts",
+    "8",
+    "--max-new-tokens",
+    "8",
+    "--local-nodes",
+    "1",
+    "--listen",
+    "/ip4/127.0.0.1/tcp/0",
+    "--no-progress",
+)
 
 
 def start(data: Path, *args: str) -> subprocess.CompletedProcess:
@@ -31,6 +44,7 @@ def start(data: Path, *args: str) -> subprocess.CompletedProcess:
 
 # Each test starts real `echo-hub` runs on the tiny model.
 pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
@@ -60,8 +74,14 @@ def test_a_finished_run_started_again_has_nothing_to_do_and_loads_no_model(finis
 
 def test_changed_hyperparameters_on_resume_are_listed_and_refused(finished: Path) -> None:
     before = snapshot_of(finished)
-    line = assert_one_line_mistake(start(finished, "--steps", "4", "--lr", "3e-5", "--group-size", "4"),
-                                   "on resume:", "lr 0.0003 -> 3e-05", "group_size 8 -> 4", "--resume-anyway", "--fresh")
+    line = assert_one_line_mistake(
+        start(finished, "--steps", "4", "--lr", "3e-5", "--group-size", "4"),
+        "on resume:",
+        "lr 0.0003 -> 3e-05",
+        "group_size 8 -> 4",
+        "--resume-anyway",
+        "--fresh",
+    )
     assert "max_new_tokens" not in line and "steps" not in line.split("on resume:")[1].split(";")[0]
     assert snapshot_of(finished) == before
 
@@ -87,9 +107,20 @@ def test_resume_anyway_goes_on_with_the_new_settings(finished: Path, tmp_path: P
 
 
 def test_final_and_each_checkpoint_hold_the_run_config_and_a_model_card(finished: Path) -> None:
-    asked = load_config(HubConfig, None, {"data_dir": finished, "task": TASK, "eval.every": 2, "eval.prompts": 8,
-                                          "sampling.max_new_tokens": 8, "local_nodes": 1, "steps": 2,
-                                          "listen": "/ip4/127.0.0.1/tcp/0"})
+    asked = load_config(
+        HubConfig,
+        None,
+        {
+            "data_dir": finished,
+            "task": TASK,
+            "eval.every": 2,
+            "eval.prompts": 8,
+            "sampling.max_new_tokens": 8,
+            "local_nodes": 1,
+            "steps": 2,
+            "listen": "/ip4/127.0.0.1/tcp/0",
+        },
+    )
     checkpoints = sorted((finished / "checkpoints").iterdir())
     assert [c.name for c in checkpoints] == ["step-00000002"]
     for where in (finished / "final", checkpoints[-1]):
@@ -107,8 +138,9 @@ def test_final_and_each_checkpoint_hold_the_run_config_and_a_model_card(finished
 
 
 def test_eval_of_a_final_policy_scores_the_run_task_by_default(finished: Path) -> None:
-    result = run("hub.cli", "eval", "--model", str(finished / "final"), "--eval-prompts", "4", "--device", "cpu",
-                 "--json", timeout_s=120)
+    result = run(
+        "hub.cli", "eval", "--model", str(finished / "final"), "--eval-prompts", "4", "--device", "cpu", "--json", timeout_s=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "echo2.toml" in result.stderr and TASK in result.stderr and "max_new_tokens 8" in result.stderr, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["eval_prompts"] == 4

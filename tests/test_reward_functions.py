@@ -24,8 +24,12 @@ from tests.test_first_contact import assert_one_line_mistake, run
 DATA = Path(__file__).parent / "data"
 TRL = "tests.data.trl_rewards"
 VERL = "tests.data.verl_score"
-ROWS = [{"prompt": "abc>", "answer": "cba", "kind": "fixed"}, {"prompt": "hello>", "answer": "olleh", "kind": "free"},
-        {"prompt": "dog>", "answer": "god", "kind": "fixed"}, {"prompt": "stone>", "answer": "enots", "kind": "free"}]
+ROWS = [
+    {"prompt": "abc>", "answer": "cba", "kind": "fixed"},
+    {"prompt": "hello>", "answer": "olleh", "kind": "free"},
+    {"prompt": "dog>", "answer": "god", "kind": "fixed"},
+    {"prompt": "stone>", "answer": "enots", "kind": "free"},
+]
 
 
 def test_weighted_sum_skips_none_as_trl_nansum_does() -> None:
@@ -51,8 +55,9 @@ def test_weights_are_one_each_or_one_per_function() -> None:
 def test_each_reward_mean_over_the_completions_it_applies_to() -> None:
     def group(parts) -> Group:
         completion = Completion(token_ids=(1,), logprobs=(-1.0,), finish_reason="stop", version=0, text="x")
-        return Group(prompt_id="p", prompt_text="p", version=0, completions=(completion,) * 2, rewards=(0.0, 0.0),
-                     reward_parts=parts)
+        return Group(
+            prompt_id="p", prompt_text="p", version=0, completions=(completion,) * 2, rewards=(0.0, 0.0), reward_parts=parts
+        )
 
     groups = [group((("a", (1.0, None)), ("b", (None, None)))), group((("a", (0.0, 0.5)), ("b", (None, None))))]
     assert reward_means(groups) == {"rewards/a/mean": 0.5}  # (1 + 0 + 0.5) / 3; b applied to none: not logged
@@ -98,14 +103,34 @@ def test_reward_mistakes_name_the_function(tmp_path: Path) -> None:
 
 
 VERL_ROWS = [
-    {"data_source": "reverse/exact", "prompt": [{"role": "user", "content": "abc>"}], "ability": "reverse",
-     "reward_model": {"style": "rule", "ground_truth": "cba"}, "extra_info": {"index": 0, "split": "train"}},
-    {"data_source": "reverse/partial", "prompt": [{"role": "user", "content": "hello>"}], "ability": "reverse",
-     "reward_model": {"style": "rule", "ground_truth": "olleh"}, "extra_info": {"index": 1, "split": "train"}},
-    {"data_source": "reverse/partial", "prompt": [{"role": "user", "content": "stone>"}], "ability": "reverse",
-     "reward_model": {"style": "rule", "ground_truth": "enots"}, "extra_info": {"index": 2, "split": "train"}},
-    {"data_source": "reverse/exact", "prompt": [{"role": "user", "content": "dog>"}], "ability": "reverse",
-     "reward_model": {"style": "rule", "ground_truth": "god"}, "extra_info": {"index": 3, "split": "train"}},
+    {
+        "data_source": "reverse/exact",
+        "prompt": [{"role": "user", "content": "abc>"}],
+        "ability": "reverse",
+        "reward_model": {"style": "rule", "ground_truth": "cba"},
+        "extra_info": {"index": 0, "split": "train"},
+    },
+    {
+        "data_source": "reverse/partial",
+        "prompt": [{"role": "user", "content": "hello>"}],
+        "ability": "reverse",
+        "reward_model": {"style": "rule", "ground_truth": "olleh"},
+        "extra_info": {"index": 1, "split": "train"},
+    },
+    {
+        "data_source": "reverse/partial",
+        "prompt": [{"role": "user", "content": "stone>"}],
+        "ability": "reverse",
+        "reward_model": {"style": "rule", "ground_truth": "enots"},
+        "extra_info": {"index": 2, "split": "train"},
+    },
+    {
+        "data_source": "reverse/exact",
+        "prompt": [{"role": "user", "content": "dog>"}],
+        "ability": "reverse",
+        "reward_model": {"style": "rule", "ground_truth": "god"},
+        "extra_info": {"index": 3, "split": "train"},
+    },
 ]
 
 
@@ -130,33 +155,43 @@ def test_verl_compute_score_on_verl_layout_with_a_dotted_answer_column(tmp_path:
     assert checked_scores(task, exact, ["cba", "cbx"]).rewards == (1.0, 0.0)
     assert checked_scores(task, partial, ["ollxx", "olleh"]).rewards == (0.6, 1.0)  # its dict's "score"
     # The style can be named; a builtin scores the same nested answer.
-    forced = DatasetTask(path, DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:compute_score",
-                                              reward_style="verl"), render_chat=content_only)
+    forced = DatasetTask(
+        path,
+        DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:compute_score", reward_style="verl"),
+        render_chat=content_only,
+    )
     assert checked_scores(forced, exact, ["cba"]).rewards == (1.0,)
-    builtin = DatasetTask(path, DatasetOptions(answer_column="reward_model.ground_truth", reward="exact"),
-                          render_chat=content_only)
+    builtin = DatasetTask(
+        path, DatasetOptions(answer_column="reward_model.ground_truth", reward="exact"), render_chat=content_only
+    )
     assert builtin.prompts()[1].answer == "olleh"
-    with pytest.raises(ValueError, match=r"no column 'answer' \(the .*compute_score reward needs it; verl's layout "
-                                         r"keeps it in reward_model.ground_truth\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no column 'answer' \(the .*compute_score reward needs it; verl's layout "
+        r"keeps it in reward_model.ground_truth\)",
+    ):
         DatasetTask(path, DatasetOptions(reward=f"{VERL}:compute_score"), render_chat=content_only)
 
 
 def test_a_verl_dict_without_score_is_a_reward_error_naming_the_function(tmp_path: Path) -> None:
     path = verl_parquet(tmp_path / "train.parquet")
-    task = DatasetTask(path, DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:no_score"),
-                       render_chat=content_only)
+    task = DatasetTask(
+        path, DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:no_score"), render_chat=content_only
+    )
     with pytest.raises(RewardError, match=f"reward {VERL}:no_score raised KeyError: 'score'"):
         checked_scores(task, task.prompts()[0], ["cba"])
 
 
 def test_a_column_named_as_a_trl_keyword_is_refused_at_load(tmp_path: Path) -> None:
     path = jsonl(tmp_path / "rows.jsonl", [{"prompt": "abc>", "answer": "cba", "completions": "x"}])
-    with pytest.raises(ValueError, match="column 'completions' collides with TRL's keyword argument of the same "
-                                         "name; rename the column"):
+    with pytest.raises(
+        ValueError, match="column 'completions' collides with TRL's keyword argument of the same name; rename the column"
+    ):
         DatasetTask(path, DatasetOptions(reward=f"{TRL}:reversed_chars"))
     assert DatasetTask(path, DatasetOptions(reward="exact")).prompts()  # a builtin passes no columns
-    result = run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--task", str(path), "--reward",
-                 f"{TRL}:reversed_chars")
+    result = run(
+        "hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--task", str(path), "--reward", f"{TRL}:reversed_chars"
+    )
     assert_one_line_mistake(result, "--task", "column 'completions' collides")
 
 
@@ -169,22 +204,57 @@ def test_column_paths_reach_into_nested_columns() -> None:
 def test_reward_weights_mistake_through_the_cli_is_one_line(tmp_path: Path) -> None:
     path = jsonl(tmp_path / "rows.jsonl", ROWS)
     # --reward repeated adds up as comma-separated specs do: two functions, one weight.
-    for rewards in (["--reward", f"{TRL}:reversed_chars,{TRL}:length_gap"],
-                    ["--reward", f"{TRL}:reversed_chars", "--reward", f"{TRL}:length_gap"]):
-        result = run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--task", str(path), *rewards,
-                     "--reward-weights", "1")
+    for rewards in (
+        ["--reward", f"{TRL}:reversed_chars,{TRL}:length_gap"],
+        ["--reward", f"{TRL}:reversed_chars", "--reward", f"{TRL}:length_gap"],
+    ):
+        result = run(
+            "hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--task", str(path), *rewards, "--reward-weights", "1"
+        )
         assert_one_line_mistake(result, "--task", "--reward-weights gives 1 weight for 2 reward functions")
     # --reward-weights repeated adds up too: three weights for two functions, not the last one alone.
-    result = run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--task", str(path), "--reward",
-                 f"{TRL}:reversed_chars,{TRL}:length_gap", "--reward-weights", "1,0.5", "--reward-weights", "2")
+    result = run(
+        "hub.cli",
+        "start",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--task",
+        str(path),
+        "--reward",
+        f"{TRL}:reversed_chars,{TRL}:length_gap",
+        "--reward-weights",
+        "1,0.5",
+        "--reward-weights",
+        "2",
+    )
     assert_one_line_mistake(result, "--task", "--reward-weights gives 3 weights for 2 reward functions")
 
 
 def train(data: Path, *args: str) -> list[dict]:
     """A real `echo-hub start` with one local node for 2 steps; its metrics rows."""
-    result = run("hub.cli", "start", "--data-dir", str(data), "--local-nodes", "1", "--steps", "2",
-                 "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8", "--eval-every", "0",
-                 "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress", *args, timeout_s=300)
+    result = run(
+        "hub.cli",
+        "start",
+        "--data-dir",
+        str(data),
+        "--local-nodes",
+        "1",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--eval-every",
+        "0",
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--no-progress",
+        *args,
+        timeout_s=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = read_metrics(data / METRICS_FILE)
     assert [r["step"] for r in rows] == [1, 2]
@@ -197,8 +267,9 @@ def test_a_trl_reward_file_with_two_weighted_functions_trains(tmp_path: Path) ->
     # Every row "fixed", so length_gap applies to each step's prompts (on "free" rows it returns None, and a step
     # that drew only those had no length_gap metric at all; the skip is checked in the unit test above).
     path = jsonl(tmp_path / "rows.jsonl", [{**row, "kind": "fixed"} for row in ROWS] * 4)
-    rows = train(tmp_path / "data", "--task", str(path), "--reward", f"{TRL}:reversed_chars,{TRL}:length_gap",
-                 "--reward-weights", "1,0.5")
+    rows = train(
+        tmp_path / "data", "--task", str(path), "--reward", f"{TRL}:reversed_chars,{TRL}:length_gap", "--reward-weights", "1,0.5"
+    )
     for row in rows:
         assert 0.0 <= row["rewards/reversed_chars/mean"] <= 1.0
         assert row["rewards/length_gap/mean"] <= 0.0
@@ -215,6 +286,15 @@ def test_a_verl_parquet_file_with_compute_score_trains(tmp_path: Path, default_m
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tokenizer.save_pretrained(model)
     path = verl_parquet(tmp_path / "train.parquet")
-    rows = train(tmp_path / "data", "--model", str(model), "--task", str(path), "--reward", f"{VERL}:compute_score",
-                 "--answer-column", "reward_model.ground_truth")
+    rows = train(
+        tmp_path / "data",
+        "--model",
+        str(model),
+        "--task",
+        str(path),
+        "--reward",
+        f"{VERL}:compute_score",
+        "--answer-column",
+        "reward_model.ground_truth",
+    )
     assert all(0.0 <= row["rewards/compute_score/mean"] <= 1.0 for row in rows)

@@ -109,8 +109,11 @@ def test_the_start_check_calls_the_reward_as_a_run_does() -> None:
     assert task.calls == [4, 4, 4]  # a few prompts, one call per group
     check_reward(task, group_size=1)
     assert task.calls[-1] == 2  # a group of one cannot tell one value per group from one per completion
-    for bad, words in ((RaisingRewardTask(), "raised KeyError"), (NanRewardTask(), "returned nan"),
-                       (OneRewardTask(), "returned 1 value for 4 completions")):
+    for bad, words in (
+        (RaisingRewardTask(), "raised KeyError"),
+        (NanRewardTask(), "returned nan"),
+        (OneRewardTask(), "returned 1 value for 4 completions"),
+    ):
         with pytest.raises(RewardError, match=words):
             check_reward(bad, group_size=4)
 
@@ -123,8 +126,9 @@ def tokenizer(default_model_dir):
 
 
 @pytest.mark.trio
-async def test_a_reward_failure_is_never_the_nodes_fault_and_stops_the_run(tmp_path, default_model_dir, tokenizer,
-                                                                        caplog) -> None:
+async def test_a_reward_failure_is_never_the_nodes_fault_and_stops_the_run(
+    tmp_path, default_model_dir, tokenizer, caplog
+) -> None:
     config = CONFIG.model_copy(update={"task": "testbed.tasks:RaisingRewardTask"})
     state = reopen(tmp_path, default_model_dir, config)
     node = Identity.generate().peer_id
@@ -157,8 +161,21 @@ def test_a_reward_that_fails_mid_run_stops_it_with_a_checkpoint_and_blames_no_no
     from testbed.harness import start_hub
 
     data = tmp_path / "data"
-    hub = start_hub(data, "--local-nodes", "1", "--task", "testbed.tasks:LateFailingTask", "--steps", "200",
-                    "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0")
+    hub = start_hub(
+        data,
+        "--local-nodes",
+        "1",
+        "--task",
+        "testbed.tasks:LateFailingTask",
+        "--steps",
+        "200",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+    )
     try:
         code = hub.process.wait(timeout=240)
     finally:
@@ -204,7 +221,8 @@ async def test_the_probe_blames_the_node_while_the_reward_passes_it_and_stops_th
 
 @pytest.mark.trio
 async def test_nodes_cannot_stop_the_run_with_text_the_reward_chokes_on_and_are_charged_for_it(
-        tmp_path, default_model_dir, tokenizer) -> None:
+    tmp_path, default_model_dir, tokenizer
+) -> None:
     """Round four: three nodes on probation sending text the reward raised on stopped the run. Now however
     many nodes do, their groups are rejected and counted against them, and honest work is still taken."""
     from hub.trust.submissions import REASON_REWARD_FAILED
@@ -221,8 +239,7 @@ async def test_nodes_cannot_stop_the_run_with_text_the_reward_chokes_on_and_are_
         poisoned = answer_with(tokenizer, grant.lease, node, texts_of=lambda _p: (POISON, "x"))
         outcome = await state.intake.accept(node, poisoned, f"h{n}")
         groups = len(grant.lease.prompts)
-        assert outcome.accepted == 0 and outcome.rejected == tuple((p.id, REASON_REWARD_FAILED)
-                                                                   for p in grant.lease.prompts)
+        assert outcome.accepted == 0 and outcome.rejected == tuple((p.id, REASON_REWARD_FAILED) for p in grant.lease.prompts)
         assert state.fleet.get(node).tallies == Tallies(rejected=groups) and state.intake.reward_failure is None
     honest = Identity.generate().peer_id
     await state.membership.join(honest, join_request(state), "10.0.1.1")

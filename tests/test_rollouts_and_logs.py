@@ -16,13 +16,18 @@ from testbed.harness import start_hub
 
 
 def completion(tokens: tuple[int, ...], version: int, text: str) -> Completion:
-    return Completion(token_ids=tokens, logprobs=tuple(-1.0 for _ in tokens), finish_reason="stop", version=version,
-                      text=text)
+    return Completion(token_ids=tokens, logprobs=tuple(-1.0 for _ in tokens), finish_reason="stop", version=version, text=text)
 
 
 def group(pid: str, version: int, rewards: tuple[float, ...], node: str = "node-a") -> Group:
-    return Group(prompt_id=pid, prompt_text=f"reverse {pid}", version=version, rewards=rewards, node_id=node,
-                 completions=tuple(completion((i + 1, 2), version, f"c{i}") for i in range(len(rewards))))
+    return Group(
+        prompt_id=pid,
+        prompt_text=f"reverse {pid}",
+        version=version,
+        rewards=rewards,
+        node_id=node,
+        completions=tuple(completion((i + 1, 2), version, f"c{i}") for i in range(len(rewards))),
+    )
 
 
 def test_rollout_columns_carry_the_learners_advantages_and_the_steps_staleness() -> None:
@@ -128,8 +133,7 @@ def _print_lines(path: Path) -> None:
 
 LOG_CAP_BYTES = 20_000
 # What a node's data dir may hold (README: the retention rule of each), a local node's output included.
-NODE_FILES = {"node.key", "node.lock", "node_status.json", "node.log", "node.log.1", "node.out", "node.out.1",
-              "snapshots"}
+NODE_FILES = {"node.key", "node.lock", "node_status.json", "node.log", "node.log.1", "node.out", "node.out.1", "snapshots"}
 
 
 @pytest.mark.slow
@@ -138,9 +142,27 @@ def test_a_real_run_saves_its_rollouts_and_keeps_logs_and_node_dirs_bounded(tmp_
     import datasets
 
     data, out = tmp_path / "data", tmp_path / "rollouts"
-    hub = start_hub(data, "--local-nodes", "1", "--steps", "4", "--staleness", "2", "--prompts-per-step", "4",
-                    "--group-size", "4", "--save-rollouts", str(out), "--log-max-mb", str(LOG_CAP_BYTES / 2**20),
-                    "--log-backups", "1", "--log-level", "debug")
+    hub = start_hub(
+        data,
+        "--local-nodes",
+        "1",
+        "--steps",
+        "4",
+        "--staleness",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--save-rollouts",
+        str(out),
+        "--log-max-mb",
+        str(LOG_CAP_BYTES / 2**20),
+        "--log-backups",
+        "1",
+        "--log-level",
+        "debug",
+    )
     assert hub.process.wait(timeout=280) == 0, hub.output()[-3000:]
     loaded = datasets.load_dataset("parquet", data_dir=str(out), split="train")
     assert sorted(set(loaded["step"])) == [1, 2, 3, 4]

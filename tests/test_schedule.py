@@ -29,11 +29,7 @@ def test_hand_computed_multipliers() -> None:
 @pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
 @pytest.mark.parametrize("total, ratio", [(20, 0.1), (7, 0.3), (5, 0.0), (1, 0.5)])
 def test_the_same_learning_rates_as_transformers_schedulers(kind: str, total: int, ratio: float) -> None:
-    from transformers import (
-        get_constant_schedule_with_warmup,
-        get_cosine_schedule_with_warmup,
-        get_linear_schedule_with_warmup,
-    )
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
     base = 3e-4
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=base)
@@ -62,7 +58,8 @@ def test_a_decay_or_warm_up_needs_an_end() -> None:
 def test_transformers_name_constant_with_warmup_is_our_constant() -> None:
     from shared.config import load_config
 
-    learner = load_config(HubConfig, None, {"steps": 10, "learner.lr_scheduler": "constant_with_warmup",
-                                            "learner.warmup_ratio": 0.2}).learner
+    learner = load_config(
+        HubConfig, None, {"steps": 10, "learner.lr_scheduler": "constant_with_warmup", "learner.warmup_ratio": 0.2}
+    ).learner
     assert learner.lr_scheduler == "constant"
     assert [step_lr(1.0, learner.lr_scheduler, k, 10, 0.2) for k in (1, 2, 3)] == [0.0, 0.5, 1.0]  # 2 warm-up updates

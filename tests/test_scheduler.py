@@ -23,10 +23,22 @@ T0 = 1000.0
 class FakeTiming(Measurements):
     """Measurements a test sets by hand, under the names the tests use."""
 
-    def __init__(self, t_train_s: float | None = 1.5, t_bcast_s: float | None = 1.0, usable: float = 1.0,
-                 staleness: int | None = None, t_arrive_s: float | None = None, fresh_usable: float = 1.0) -> None:
-        super().__init__(t_train_recent_s=t_train_s, usable_fraction=usable, fresh_usable_fraction=fresh_usable,
-                         t_bcast_s=t_bcast_s, t_arrive_s=t_arrive_s)
+    def __init__(
+        self,
+        t_train_s: float | None = 1.5,
+        t_bcast_s: float | None = 1.0,
+        usable: float = 1.0,
+        staleness: int | None = None,
+        t_arrive_s: float | None = None,
+        fresh_usable: float = 1.0,
+    ) -> None:
+        super().__init__(
+            t_train_recent_s=t_train_s,
+            usable_fraction=usable,
+            fresh_usable_fraction=fresh_usable,
+            t_bcast_s=t_bcast_s,
+            t_arrive_s=t_arrive_s,
+        )
         self.staleness = staleness
 
     @property
@@ -76,7 +88,9 @@ class Transitions:
 
 
 def join(fleet: Fleet, name: str, price: float, now: float = T0) -> NodeRecord:
-    request = JoinRequest(price_per_hour=price, hardware="test", link_bps=1e6, backend="hf", dtype="float32", model_config_hash="ab")
+    request = JoinRequest(
+        price_per_hour=price, hardware="test", link_bps=1e6, backend="hf", dtype="float32", model_config_hash="ab"
+    )
     return fleet.join(name, request, "127.0.0.1", now)
 
 
@@ -127,10 +141,7 @@ async def test_probe_then_standby_then_active():
     record_work(record, 40, 4.0)  # probe lease: 40 accepted rollouts in 4 s of lease time
     assert record.rollouts_per_s == pytest.approx(10.0)
     await scheduler.control_once(T0 + 1)
-    assert transitions.log == [
-        ("a", "standby", "probe measured 10 rollouts/s"),
-        ("a", "active", "pool 0/s below target 11/s"),
-    ]
+    assert transitions.log == [("a", "standby", "probe measured 10 rollouts/s"), ("a", "active", "pool 0/s below target 11/s")]
     assert scheduler.view.mu_pool == pytest.approx(10.0)
     assert scheduler.view.mu_target == pytest.approx(11.0)
 
@@ -156,9 +167,7 @@ async def test_activation_order_by_rho_then_the_rest_stay_on_standby():
     await settle(scheduler, fleet, T0, 6)
     # probed nodes join the standby pool (join order); then, in one move, the cheapest first
     # until 5 + 8 >= 11; c is not needed
-    assert transitions.take() == [
-        ("b", "standby"), ("c", "standby"), ("a", "standby"), ("a", "active"), ("b", "active"),
-    ]
+    assert transitions.take() == [("b", "standby"), ("c", "standby"), ("a", "standby"), ("a", "active"), ("b", "active")]
     assert states(fleet) == {"a": "active", "b": "active", "c": "standby"}
     assert scheduler.view.mu_pool == pytest.approx(13.0)
 
@@ -328,8 +337,7 @@ async def test_infeasible_capacity_activates_everything_with_the_reason():
 
 @pytest.mark.trio
 @pytest.mark.parametrize(
-    ("enabled", "t_train_s", "why"),
-    [(False, 1.5, "scheduler disabled"), (True, None, "learner has not stepped yet")],
+    ("enabled", "t_train_s", "why"), [(False, 1.5, "scheduler disabled"), (True, None, "learner has not stepped yet")]
 )
 async def test_without_a_target_every_measured_node_works(enabled, t_train_s, why):
     fleet = Fleet()
@@ -352,10 +360,19 @@ async def test_step_metrics():
     await settle(scheduler, fleet, T0, 6)
     metrics = scheduler.step_metrics(4, cost_usd=0.02)
     # pool 13/s: idle max(0, 20/13 + 1 - 3) = 0
-    assert metrics == pytest.approx({
-        "mu_pool": 13.0, "mu_min": 10.0, "mu_target": 11.0, "predicted_bubble": 0.0, "usable_fraction": 1.0,
-        "active_nodes": 2.0, "standby_nodes": 1.0, "cost_usd": 0.02, "cost_per_step_usd": 0.005,
-    })
+    assert metrics == pytest.approx(
+        {
+            "mu_pool": 13.0,
+            "mu_min": 10.0,
+            "mu_target": 11.0,
+            "predicted_bubble": 0.0,
+            "usable_fraction": 1.0,
+            "active_nodes": 2.0,
+            "standby_nodes": 1.0,
+            "cost_usd": 0.02,
+            "cost_per_step_usd": 0.005,
+        }
+    )
     fleet.get("b").state = "gone"
     # pool 5/s: idle 20/5 + 1 - 3 = 2 s per period, bubble 2 / (2 + 3)
     assert scheduler.step_metrics(4, 0.02)["predicted_bubble"] == pytest.approx(0.4)
@@ -462,21 +479,24 @@ def test_policy_moves_measured_probes_to_standby_and_activates_the_cheapest_belo
     measured(fleet, "c", 0.3, 4.0)  # probing, its probe measured
     join(fleet, "p", 0.2)  # probing, not measured: not in the view
     view = fleet_view(fleet)
-    assert view == FleetView((NodeOffer("a", 0.1, 5.0),), (NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.3, 4.0)),
-                             frozenset({"c"}))
+    assert view == FleetView((NodeOffer("a", 0.1, 5.0),), (NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.3, 4.0)), frozenset({"c"}))
     # pool 5/s, shortfall 6/s: b (rho 0.05, below c's 0.075) covers it alone
     decision = decide(view, TARGET, POLICY, {"a": T0 - 5}, T0)
-    assert decision.moves == (Move("c", "standby", "probe measured 4 rollouts/s"),
-                              Move("b", "active", "pool 5/s below target 11/s"))
+    assert decision.moves == (
+        Move("c", "standby", "probe measured 4 rollouts/s"),
+        Move("b", "active", "pool 5/s below target 11/s"),
+    )
     assert decision.release_wanted == {}  # an activation ends every release wish
 
 
 def test_policy_without_a_target_activates_every_measured_node():
     view = FleetView((), (NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.3, 4.0)), frozenset({"c"}))
     decision = decide(view, CapacityView(0.0, None, None, None, "learner has not stepped yet"), POLICY, {}, T0)
-    assert decision.moves == (Move("c", "standby", "probe measured 4 rollouts/s"),
-                              Move("b", "active", "activate all (learner has not stepped yet)"),
-                              Move("c", "active", "activate all (learner has not stepped yet)"))
+    assert decision.moves == (
+        Move("c", "standby", "probe measured 4 rollouts/s"),
+        Move("b", "active", "activate all (learner has not stepped yet)"),
+        Move("c", "active", "activate all (learner has not stepped yet)"),
+    )
     off = POLICY.model_copy(update={"enabled": False})
     assert [m.reason for m in decide(view, TARGET, off, {}, T0).moves][1:] == ["activate all (scheduler disabled)"] * 2
 
@@ -504,8 +524,9 @@ def test_policy_releases_only_after_the_hold():
 def test_policy_releases_the_part_of_a_batch_every_period_of_the_hold_wanted():
     # pool 25/s: d (rho 0.2) and c (0.1) can both go (25 - 5 - 5 = 15 >= 13.2/s); c was wanted for 3 s, d only
     # for 1 s: c goes, the reason says it was part of the batch, and d waits on
-    view = FleetView((NodeOffer("a", 0.14, 7.0), NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.5, 5.0),
-                      NodeOffer("d", 1.0, 5.0)), ())
+    view = FleetView(
+        (NodeOffer("a", 0.14, 7.0), NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.5, 5.0), NodeOffer("d", 1.0, 5.0)), ()
+    )
     decision = decide(view, TARGET, POLICY, {"c": T0 - 3, "d": T0 - 1, "gone": T0 - 9}, T0)
     assert decision.moves == (
         Move("c", "standby", "pool without these 2 15/s >= target with margin 13.2/s for 3s (1 of them wanted that long)"),

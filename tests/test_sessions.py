@@ -68,8 +68,9 @@ async def test_a_nodes_requests_share_one_session_and_a_stream_per_request_is_st
             assert len(node._idle) == 1
             assert hub.service.sessions_of(peer) == 1  # every one of those requests on one stream
             # A request on a stream of its own: served as well.
-            beat = await request(node.host, node.hub_peer_id, HEARTBEAT_PROTOCOL, Heartbeat(version_held=0),
-                                 HeartbeatReply, Reject, timeout_s=10)
+            beat = await request(
+                node.host, node.hub_peer_id, HEARTBEAT_PROTOCOL, Heartbeat(version_held=0), HeartbeatReply, Reject, timeout_s=10
+            )
             assert isinstance(beat, HeartbeatReply)
             # Concurrent requests open sessions up to the client's own bound, below the hub's.
             replies = []
@@ -85,8 +86,7 @@ async def test_a_nodes_requests_share_one_session_and_a_stream_per_request_is_st
 
 
 @pytest.mark.trio
-async def test_a_kept_session_is_replaced_when_stale_or_on_a_dropped_connection_and_the_hub_ends_idle_ones(
-        hub_args, monkeypatch):
+async def test_a_kept_session_is_replaced_when_stale_or_on_a_dropped_connection_and_the_hub_ends_idle_ones(hub_args, monkeypatch):
     import node.client
 
     monkeypatch.setattr(handlers, "SESSION_IDLE_S", 0.6)
@@ -96,20 +96,20 @@ async def test_a_kept_session_is_replaced_when_stale_or_on_a_dropped_connection_
             await joined_and_active(node_)
             peer = node_.peer_id
             assert isinstance(await node_.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
-            (kept, _), = node_._idle
+            ((kept, _),) = node_._idle
             await trio.sleep(0.4)  # past its reuse time, before the hub's idle end
             assert isinstance(await node_.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
-            (fresh, _), = node_._idle
+            ((fresh, _),) = node_._idle
             assert fresh is not kept
             await trio.sleep(1.0)
             assert hub.service.sessions_of(peer) == 0  # ended idle by the hub: every slot went back
             # The connection drops and is dialled again: the session kept on the old one is not used.
             assert isinstance(await node_.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
-            (kept, _), = node_._idle
+            ((kept, _),) = node_._idle
             await node_.host.disconnect(kept.muxed_conn.peer_id)
             await node_.connect()
             assert isinstance(await node_.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
-            (fresh, _), = node_._idle
+            ((fresh, _),) = node_._idle
             assert fresh is not kept and fresh.muxed_conn is not kept.muxed_conn
 
 
@@ -121,8 +121,7 @@ async def test_a_stranger_gets_no_session(hub_args):
     with trio.fail_after(TEST_TIMEOUT_S):
         async with running_hub(*hub_args) as hub, clients(hub, hub_args[2], 1) as (stranger,):
             stream = await open_session(stranger)
-            reply = await ask_raw(stream, bytes((HEARTBEAT,)) + encode_message(Heartbeat(version_held=0)),
-                                  HeartbeatReply)
+            reply = await ask_raw(stream, bytes((HEARTBEAT,)) + encode_message(Heartbeat(version_held=0)), HeartbeatReply)
             assert isinstance(reply, Reject) and reply.code == RejectCode.UNKNOWN_NODE, reply
             await assert_ended(stream)
             assert not hub.service._sessions  # not one, of anyone
@@ -135,8 +134,9 @@ async def test_a_selector_naming_no_request_is_refused_and_ends_the_session(hub_
             await joined_and_active(node)
             refused = hub.state.membership.known(node.peer_id).tallies.refused
             stream = await open_session(node)
-            reply = await ask_raw(stream, bytes((len(SESSION_REQUESTS),)) + encode_message(Heartbeat(version_held=0)),
-                                  HeartbeatReply)
+            reply = await ask_raw(
+                stream, bytes((len(SESSION_REQUESTS),)) + encode_message(Heartbeat(version_held=0)), HeartbeatReply
+            )
             assert isinstance(reply, Reject) and reply.code == RejectCode.BAD_REQUEST and "selector" in reply.reason
             await assert_ended(stream)
             assert hub.state.membership.known(node.peer_id).tallies.refused == refused + 1
@@ -181,11 +181,18 @@ async def test_a_reject_on_the_clients_own_session_ends_it_and_it_is_not_kept(hu
 async def test_opening_sessions_in_a_loop_is_throttled_then_disconnected(tmp_path, default_model_dir):
     from transformers import AutoTokenizer
 
-    strict = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(update={
-        "requests_per_s": 1.0, "request_burst": 3, "violations_to_disconnect": 3})})
+    strict = CONFIG.model_copy(
+        update={
+            "trust": PERMISSIVE_TRUST.model_copy(
+                update={"requests_per_s": 1.0, "request_burst": 3, "violations_to_disconnect": 3}
+            )
+        }
+    )
     with trio.fail_after(TEST_TIMEOUT_S):
-        async with inproc_hub(tmp_path, default_model_dir, strict) as hub, \
-                clients(hub, AutoTokenizer.from_pretrained(default_model_dir), 1) as (stranger,):
+        async with (
+            inproc_hub(tmp_path, default_model_dir, strict) as hub,
+            clients(hub, AutoTokenizer.from_pretrained(default_model_dir), 1) as (stranger,),
+        ):
             codes = []
             beat = bytes((HEARTBEAT,)) + encode_message(Heartbeat(version_held=0))
             for _ in range(10):
@@ -249,4 +256,3 @@ async def test_a_session_cut_mid_request_is_ended_by_the_request_deadline(hub_ar
             with trio.fail_after(5):
                 while hub.service.sessions_of(node.peer_id) != sessions:
                     await trio.sleep(0.02)
-

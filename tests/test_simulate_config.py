@@ -14,7 +14,7 @@ from tests.test_bench_smoke import load_bench, printed_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ROOT / "bench" / "presets"
-SMALL = "[fleet]\nnodes = [20]\n[run]\nsteps = 24\nscenarios = [\"cost-aware\"]\n"
+SMALL = '[fleet]\nnodes = [20]\n[run]\nsteps = 24\nscenarios = ["cost-aware"]\n'
 
 
 def write(tmp_path: Path, text: str, name: str = "sim.toml") -> Path:
@@ -31,22 +31,29 @@ def test_the_presets_load_and_the_default_is_the_documented_fleet() -> None:
     halving = sim_config.load_sim_config(PRESETS / "halving.toml")
     assert "auto" in halving.run.staleness and halving.fleet_change[0].leave_share == 0.5
     assert [(g.share, g.rollouts_per_s, g.price_per_hour) for g in simulate.DEFAULT.fleet.gpu] == [
-        (0.35, 6.0, 0.10), (0.35, 20.0, 0.35), (0.20, 35.0, 1.10), (0.10, 60.0, 2.50)]
+        (0.35, 6.0, 0.10),
+        (0.35, 20.0, 0.35),
+        (0.20, 35.0, 1.10),
+        (0.10, 60.0, 2.50),
+    ]
 
 
-@pytest.mark.parametrize(("text", "says"), [
-    ("[run]\ngamma = 0.5\n", "run.gamma"),
-    ("[fleet]\nnodez = [10]\n", "unknown key 'nodez' in [fleet]: did you mean 'nodes'?"),
-    ("[[fleet.gpu]]\nshare = 0.5\nrollouts_per_s = 1\nprice_per_hour = 1\n", "sum to 1"),
-    ("[run]\nstaleness = [2]\nkappa = 3\n", "kappa"),
-    ("[[fleet_change]]\nat_s = 10\nleave_share = 1.5\n", "fleet_change.0.leave_share"),
-    ("[links]\nmin_mbps = 500\nmax_mbps = 100\n", "min_mbps"),
-    ("not toml = = 1", "not valid TOML"),
-    ("[fleet]\nfile = \"missing.toml\"\n", "cannot read fleet file"),
-    ("[run]\nstaleness = 3\n", "run.staleness takes a list: write staleness = [3], not staleness = 3"),
-    ("[run]\nstaleness = [65]\n", "less than or equal to 64"),  # the hub's own bound on S
-    ("fleet = 3\n", "fleet: Input should be a valid dictionary"),
-])
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[run]\ngamma = 0.5\n", "run.gamma"),
+        ("[fleet]\nnodez = [10]\n", "unknown key 'nodez' in [fleet]: did you mean 'nodes'?"),
+        ("[[fleet.gpu]]\nshare = 0.5\nrollouts_per_s = 1\nprice_per_hour = 1\n", "sum to 1"),
+        ("[run]\nstaleness = [2]\nkappa = 3\n", "kappa"),
+        ("[[fleet_change]]\nat_s = 10\nleave_share = 1.5\n", "fleet_change.0.leave_share"),
+        ("[links]\nmin_mbps = 500\nmax_mbps = 100\n", "min_mbps"),
+        ("not toml = = 1", "not valid TOML"),
+        ('[fleet]\nfile = "missing.toml"\n', "cannot read fleet file"),
+        ("[run]\nstaleness = 3\n", "run.staleness takes a list: write staleness = [3], not staleness = 3"),
+        ("[run]\nstaleness = [65]\n", "less than or equal to 64"),  # the hub's own bound on S
+        ("fleet = 3\n", "fleet: Input should be a valid dictionary"),
+    ],
+)
 def test_a_bad_sim_toml_is_one_line_and_exit_2(tmp_path, capsys, text, says) -> None:
     simulate = load_bench("simulate")
     assert simulate.main(["--config", str(write(tmp_path, text)), "--json"]) == 2
@@ -61,21 +68,24 @@ def test_the_hubs_settings_default_and_bound_as_the_hub_does() -> None:
 
     run, learner, hub = SimConfig().run, SimConfig().learner, LearnerConfig()
     assert (run.staleness, run.kappa, run.staleness_max, run.drift_max) == (
-        (hub.staleness,), hub.kappa, hub.staleness_max, hub.drift_max)
+        (hub.staleness,),
+        hub.kappa,
+        hub.staleness_max,
+        hub.drift_max,
+    )
     assert (run.gamma, learner.price_per_hour) == (SchedulerConfig().gamma, hub.learner_price_per_hour)
 
 
 def test_echo_hub_plans_fleet_file_is_the_fleet(tmp_path, capsys) -> None:
     simulate = load_bench("simulate")
-    nodes = "".join(f"[[node]]\nname = \"gpu{i}\"\nprice_per_hour = {0.2 + 0.1 * i}\nrollouts_per_s = {5 + i}\n"
-                    for i in range(6))
+    nodes = "".join(f'[[node]]\nname = "gpu{i}"\nprice_per_hour = {0.2 + 0.1 * i}\nrollouts_per_s = {5 + i}\n' for i in range(6))
     write(tmp_path, nodes, "fleet.toml")
     config = write(tmp_path, SMALL + "[learner]\nrollouts_per_step = 300\n")
     # fleet.file is relative to sim.toml; --fleet names it on the command line.
     assert simulate.main(["--config", str(config), "--fleet", str(tmp_path / "fleet.toml"), "--json"]) == 0
     (row,) = printed_json(capsys)["results"]
     assert row["nodes"] == 6 and row["rollouts_per_step"] == 300 and 0 < row["active_mean"] <= 6
-    write(tmp_path, "[[node]]\nname = \"x\"\nprice_per_hour = -1\nrollouts_per_s = 1\n", "bad.toml")
+    write(tmp_path, '[[node]]\nname = "x"\nprice_per_hour = -1\nrollouts_per_s = 1\n', "bad.toml")
     assert simulate.main(["--config", str(config), "--fleet", str(tmp_path / "bad.toml")]) == 2
     assert "node.0.price_per_hour: Input should be greater than or equal to 0" in capsys.readouterr().err
 
@@ -84,30 +94,40 @@ def _sim(simulate, text: str, tmp_path: Path, scenario: str = "cost-aware", stal
     cfg = __import__("bench.sim_config", fromlist=["load_sim_config"]).load_sim_config(write(tmp_path, text))
     fleet = simulate.build_fleet(40, 0, None, cfg)
     sc = simulate.SCENARIOS[scenario]
-    sim = simulate.Simulation(fleet, type(sc)(sc.name, staleness, sc.broadcast, sc.scheduler), 60, 0,
-                              simulate.demand(fleet, 4, 0.3, cfg), cfg)
+    sim = simulate.Simulation(
+        fleet, type(sc)(sc.name, staleness, sc.broadcast, sc.scheduler), 60, 0, simulate.demand(fleet, 4, 0.3, cfg), cfg
+    )
     return sim
 
 
 def test_half_the_fleet_leaves_at_once_and_stays_away(tmp_path) -> None:
     simulate = load_bench("simulate")
-    sim = _sim(simulate, "[churn]\nsession_mean_s = 1e9\nonline_at_start = 1.0\n"
-                         "[[fleet_change]]\nat_s = 600\nleave_share = 0.5\n", tmp_path)
+    sim = _sim(
+        simulate,
+        "[churn]\nsession_mean_s = 1e9\nonline_at_start = 1.0\n[[fleet_change]]\nat_s = 600\nleave_share = 0.5\n",
+        tmp_path,
+    )
     sim.run()
     gone = [n for n in sim.nodes.values() if n.away_until == math.inf]
     assert len(gone) == 20 and not any(n.online for n in gone)
     assert sim.online_count == 20 and sim.now > 600
     # Away for a while only: they come back when it ends.
-    sim = _sim(simulate, "[churn]\nsession_mean_s = 1e9\nonline_at_start = 1.0\n"
-                         "[[fleet_change]]\nat_s = 600\nleave_share = 0.5\naway_s = 300\n", tmp_path)
+    sim = _sim(
+        simulate,
+        "[churn]\nsession_mean_s = 1e9\nonline_at_start = 1.0\n[[fleet_change]]\nat_s = 600\nleave_share = 0.5\naway_s = 300\n",
+        tmp_path,
+    )
     sim.run()
     assert sim.online_count == 40 and sim.requests["join"] == 60
 
 
 def test_moving_prices_are_paid_at_once_and_ranked_past_the_band(tmp_path) -> None:
     simulate = load_bench("simulate")
-    sim = _sim(simulate, "[[price_change]]\nat_s = 0\nshare = 1.0\nfactor = 1.01\n"
-                         "[[price_change]]\nat_s = 1\nshare = 0.5\nfactor = 3.0\n", tmp_path)
+    sim = _sim(
+        simulate,
+        "[[price_change]]\nat_s = 0\nshare = 1.0\nfactor = 1.01\n[[price_change]]\nat_s = 1\nshare = 0.5\nfactor = 3.0\n",
+        tmp_path,
+    )
     before = {n.name: n.price for n in sim.nodes.values()}
     sim.run()
     tripled = [n for n in sim.nodes.values() if n.price == pytest.approx(before[n.name] * 3.03)]
@@ -123,7 +143,7 @@ def test_moving_prices_are_paid_at_once_and_ranked_past_the_band(tmp_path) -> No
 
 def test_auto_rows_choose_s_through_the_hubs_rule(tmp_path, capsys) -> None:
     simulate = load_bench("simulate")
-    config = write(tmp_path, SMALL.replace("steps = 24", "steps = 40\nstaleness = [\"auto\", 2]\nstaleness_max = 6"))
+    config = write(tmp_path, SMALL.replace("steps = 24", 'steps = 40\nstaleness = ["auto", 2]\nstaleness_max = 6'))
     assert simulate.main(["--config", str(config), "--json"]) == 0
     out = printed_json(capsys)
     rows = {str(r["staleness"]): r for r in out["results"]}
@@ -142,10 +162,15 @@ def test_auto_rows_choose_s_through_the_hubs_rule(tmp_path, capsys) -> None:
 
 def test_a_fixed_s_past_the_drift_bound_is_not_the_comparator() -> None:
     simulate = load_bench("simulate")
-    row = lambda s, cost, over: {"nodes": 9, "scenario": "cost-aware", "seed": 0, "staleness": s,
-                                 "cost_per_step": cost, "drift_over_bound": over}
-    results = [row("auto", 1.0, 0.0), row(2, 1.25, 0.0), row(4, 1.1, 0.0), row(8, 0.8, 0.4),
-               {**row("auto", 2.0, 0.0), "seed": 1}]
+    row = lambda s, cost, over: {
+        "nodes": 9,
+        "scenario": "cost-aware",
+        "seed": 0,
+        "staleness": s,
+        "cost_per_step": cost,
+        "drift_over_bound": over,
+    }
+    results = [row("auto", 1.0, 0.0), row(2, 1.25, 0.0), row(4, 1.1, 0.0), row(8, 0.8, 0.4), {**row("auto", 2.0, 0.0), "seed": 1}]
     first, second = simulate.staleness_comparison(results)
     assert first["best_fixed_within_bound"] == 4 and first["saving_vs_best_fixed_within_bound"] == round(1 - 1 / 1.1, 4)
     assert first["best_fixed"] == 8 and first["saving_vs_best_fixed"] == -0.25
@@ -162,6 +187,16 @@ def test_the_drawn_fleet_is_unchanged_without_nat(tmp_path) -> None:
     arrivals = dict((n.name, s) for n, s in simulate.broadcast_arrivals(list(nated.nodes.values()), "chain", nated.cfg))
     plain = dict((n.name, s) for n, s in simulate.broadcast_arrivals(list(nated.nodes.values()), "chain"))
     # Every hop after a chain's head is between two NATed nodes: each waits for one more hole punch.
-    assert max(arrivals[k] - plain[k] for k in plain) == pytest.approx(7 * (max(
-        len(c) for c in simulate.plan_chains([(n.name, n.link_bps) for n in nated.nodes.values()],
-                                             nated.cfg.links.hub_uplink_mbps * simulate.BYTES_PER_MBIT)) - 1))
+    assert max(arrivals[k] - plain[k] for k in plain) == pytest.approx(
+        7
+        * (
+            max(
+                len(c)
+                for c in simulate.plan_chains(
+                    [(n.name, n.link_bps) for n in nated.nodes.values()],
+                    nated.cfg.links.hub_uplink_mbps * simulate.BYTES_PER_MBIT,
+                )
+            )
+            - 1
+        )
+    )

@@ -74,8 +74,7 @@ def test_no_flapping_under_noisy_t_train_near_the_broadcast():
     # S would go 3 -> 2 -> 3 -> ... every period. Counting the periods on end as the scheduler does, it stays at 3.
     current, hold, moves = 2, StalenessHold(), []
     for period in range(4 * HOLD_PERIODS):
-        choice = choose_staleness(current, 3, 0.0, 0.5, noisy_costs(0.95 if period % 2 == 0 else 1.05),
-                                  hold=hold)
+        choice = choose_staleness(current, 3, 0.0, 0.5, noisy_costs(0.95 if period % 2 == 0 else 1.05), hold=hold)
         hold = hold.after(choice)
         if choice.staleness != current:
             current = choice.staleness
@@ -155,8 +154,13 @@ def test_scheduler_counts_the_periods_s_minus_1_is_as_cheap():
     fleet = Fleet()
     measured(fleet, "a", 3.6, 5.0).state = "active"
     timing = FakeTiming(t_train_s=0.95, t_bcast_s=0.95, staleness=2)
-    scheduler = Scheduler(SchedulerConfig(gamma=1.1), fleet, timing.timing(), Transitions(),
-                          StalenessBounds(staleness_max=3, drift_max=0.5, learner_price_per_hour=3.6))
+    scheduler = Scheduler(
+        SchedulerConfig(gamma=1.1),
+        fleet,
+        timing.timing(),
+        Transitions(),
+        StalenessBounds(staleness_max=3, drift_max=0.5, learner_price_per_hour=3.6),
+    )
     moves = []
     for step, t_train_s in enumerate([0.95, 1.05] * 6 + [1.05] * HOLD_PERIODS, start=1):
         timing.t_train_s = t_train_s
@@ -172,8 +176,7 @@ def test_a_raise_spans_the_versions_the_drift_allows():
     # is not, so S=2, the cheapest up to that ceiling.
     costs = {1: StalenessCost(1.0, True), 2: StalenessCost(0.9, True), 3: StalenessCost(0.5, False)}
     choice = choose_staleness(1, 3, 0.01, 0.5, costs, drift_per_version=0.01)
-    assert (choice.staleness, choice.reason, choice.detail) == (3, StalenessReason.POOL_SHORT,
-                                                                 "$1/step at S=1, $0.5 at S=3")
+    assert (choice.staleness, choice.reason, choice.detail) == (3, StalenessReason.POOL_SHORT, "$1/step at S=1, $0.5 at S=3")
     assert choose_staleness(1, 3, 0.01, 0.5, costs, drift_per_version=0.3).staleness == 2
     # from S=2 one version adds half a version of age: 0.1 + 0.5 x 0.5 < 0.4
     assert choose_staleness(2, 3, 0.1, 0.5, costs, drift_per_version=0.5).staleness == 3

@@ -54,8 +54,15 @@ class ScriptedAudits:
 
 
 def join_request(state: HubState, price: float = 0.5) -> JoinRequest:
-    return JoinRequest(price_per_hour=price, hardware="t", link_bps=1e8, backend="hf", dtype="float32",
-                       model_config_hash=state.model_config_hash, version_held=0)
+    return JoinRequest(
+        price_per_hour=price,
+        hardware="t",
+        link_bps=1e8,
+        backend="hf",
+        dtype="float32",
+        model_config_hash=state.model_config_hash,
+        version_held=0,
+    )
 
 
 def answer(tokenizer, lease, node_id: str, right: bool = True) -> Submission:
@@ -66,8 +73,7 @@ def answer(tokenizer, lease, node_id: str, right: bool = True) -> Submission:
         completions = []
         for text in texts:
             ids = (*tokenizer.encode(text), tokenizer.eos_token_id)
-            completions.append(Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop", version=0,
-                                          text=text))
+            completions.append(Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), finish_reason="stop", version=0, text=text))
         groups.append(SubmittedGroup(prompt_id=p.id, completions=tuple(completions)))
     return Submission(lease_id=lease.lease_id, node_id=node_id, groups=tuple(groups))
 
@@ -106,9 +112,18 @@ def reopen(data_dir: Path, model_dir: Path, config: HubConfig = CONFIG) -> HubSt
 
 def view(state: HubState) -> dict:
     return {
-        "nodes": {p: (n.state if n.state == "banned" else "gone", n.tallies, n.audits_passed, n.vouched_at,
-                      round(n.rollouts_per_s, 9), n.measured, round(n.online_s, 6))
-                  for p, n in state.fleet.nodes.items()},
+        "nodes": {
+            p: (
+                n.state if n.state == "banned" else "gone",
+                n.tallies,
+                n.audits_passed,
+                n.vouched_at,
+                round(n.rollouts_per_s, 9),
+                n.measured,
+                round(n.online_s, 6),
+            )
+            for p, n in state.fleet.nodes.items()
+        },
         "totals": (state.totals.groups, state.totals.dropped_stale, state.totals.paid_usd),
     }
 
@@ -151,10 +166,10 @@ async def test_a_reopened_state_shows_what_the_old_one_showed(tmp_path, default_
     again.store.close()
 
 
-
 def set_clock(state: HubState, clock) -> None:
     """The state and its three owners on a clock the test moves."""
     state.clock = state.membership.clock = state.leasing.clock = state.intake.clock = clock
+
 
 @pytest.mark.trio
 async def test_failed_audit_after_reopen_voids_only_pay_since_the_last_pass(tmp_path, default_model_dir, tokenizer):
@@ -250,8 +265,9 @@ def test_audit_draws_come_from_the_os_csprng(tmp_path, default_model_dir):
 
 @pytest.mark.trio
 async def test_on_probation_every_group_is_audited_before_any_reaches_the_buffer(tmp_path, default_model_dir, tokenizer):
-    config = CONFIG.model_copy(update={"trust": TrustConfig(audit_first_n=10, audit_rate=0.0, trusted_after_audits=0,
-                                                            lease_new_node_prompts=2)})
+    config = CONFIG.model_copy(
+        update={"trust": TrustConfig(audit_first_n=10, audit_rate=0.0, trusted_after_audits=0, lease_new_node_prompts=2)}
+    )
     state = reopen(tmp_path, default_model_dir, config)
     audits = ScriptedAudits()
     state.intake.probation.audits = audits
@@ -320,7 +336,8 @@ def test_billable_seconds_by_hand():
 
 @pytest.mark.trio
 async def test_the_address_quota_counts_the_leases_open_at_an_address_and_frees_them_as_they_close(
-        tmp_path, default_model_dir, tokenizer):
+    tmp_path, default_model_dir, tokenizer
+):
     trust = PERMISSIVE_TRUST.model_copy(update={"max_open_leases_per_ip": 2})
     state = reopen(tmp_path, default_model_dir, CONFIG.model_copy(update={"trust": trust}))
     peers = [Identity.generate().peer_id for _ in range(4)]
@@ -353,8 +370,7 @@ def test_the_test_bed_builds_its_hub_as_echo_hub_start_does(tmp_path, default_mo
 
 
 @pytest.mark.trio
-async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answerable(tmp_path, default_model_dir,
-                                                                                      tokenizer):
+async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answerable(tmp_path, default_model_dir, tokenizer):
     state = reopen(tmp_path, default_model_dir)
     a, b, stranger = (Identity.generate().peer_id for _ in range(3))
     for peer in (a, b):

@@ -24,8 +24,19 @@ def make_group(prompt_id: str, version: int, rewards: tuple[float, ...] = (0.0, 
 
 def make_record(step: int) -> StepRecord:
     return StepRecord(
-        step=step, version=step, reward_mean=0.5, reward_std=0.5, staleness_mean=1.0, staleness_max=2,
-        dropped_stale=0, t_train_s=0.1, t_idle_s=0.05, bubble=1 / 3, tokens=42, clip_frac=0.0, extra={"kl": 0.01},
+        step=step,
+        version=step,
+        reward_mean=0.5,
+        reward_std=0.5,
+        staleness_mean=1.0,
+        staleness_max=2,
+        dropped_stale=0,
+        t_train_s=0.1,
+        t_idle_s=0.05,
+        bubble=1 / 3,
+        tokens=42,
+        clip_frac=0.0,
+        extra={"kl": 0.01},
     )
 
 
@@ -142,8 +153,16 @@ def test_submission_verdicts_are_tallied_per_node_and_overall(tmp_path):
         GroupVerdict("p2", False, "stale version 1 (oldest accepted 2)", submitted, late=True),
         GroupVerdict("p3", False, "tokens after EOS", submitted),
     ]
-    ids = store.groups.record_submission("L1", "peerA", verdicts, usd=0.01, seconds=2.0, signed_bytes_hash="h",
-                                  rollouts_per_s=3.5, events=[("probed", "peerA", "3.5 rollouts/s")])
+    ids = store.groups.record_submission(
+        "L1",
+        "peerA",
+        verdicts,
+        usd=0.01,
+        seconds=2.0,
+        signed_bytes_hash="h",
+        rollouts_per_s=3.5,
+        events=[("probed", "peerA", "3.5 rollouts/s")],
+    )
     assert [store.groups.trajectories()[i].verdict for i in range(3)] == ["accepted", "late", "rejected"]
     assert len(ids) == 3
     node = store.members.node("peerA")
@@ -198,7 +217,9 @@ def test_liveness_sessions_audits_and_penalties_survive_reopen(tmp_path):
     assert (node.last_seen, node.online_s, node.rollouts_per_s, node.measured) == (1010.0, 9.5, 2.25, True)
     assert (node.audits_passed, node.vouched_at) == (2, 1005.0)
     # Caught later: banned, its pending row discarded, pay after its last vouched-for submission voided.
-    voided, paid = store.members.penalize_node("peerA", [row2], node.vouched_at, "audit failed", event=("audit_fail", "peerA", "x"))
+    voided, paid = store.members.penalize_node(
+        "peerA", [row2], node.vouched_at, "audit failed", event=("audit_fail", "peerA", "x")
+    )
     assert (voided, paid) == (1, pytest.approx(0.01))
     node = store.members.node("peerA")
     assert (node.state, node.banned_reason) == ("banned", "audit failed")
@@ -217,15 +238,24 @@ def test_refused_work_is_kept_as_a_hash_not_a_payload(tmp_path):
         store.members.upsert_node("peerA", 0.35, "cpu", 1e8, "hf")
         store.leases.add_lease("L1", "peerA", ["p1", "p2"], 0, time.time(), time.time() + 60)
         good = make_group("p1", 3)
-        refused = SubmittedGroup(prompt_id="p2", completions=tuple(
-            Completion(token_ids=(5,) * refused_tokens, logprobs=(-0.1,) * refused_tokens, finish_reason="length",
-                       version=3, text="") for _ in range(8)))
-        verdicts = [GroupVerdict("p1", True, "", SubmittedGroup(prompt_id="p1", completions=good.completions), group=good),
-                    GroupVerdict("p2", False, "completion too long", refused)]
+        refused = SubmittedGroup(
+            prompt_id="p2",
+            completions=tuple(
+                Completion(
+                    token_ids=(5,) * refused_tokens, logprobs=(-0.1,) * refused_tokens, finish_reason="length", version=3, text=""
+                )
+                for _ in range(8)
+            ),
+        )
+        verdicts = [
+            GroupVerdict("p1", True, "", SubmittedGroup(prompt_id="p1", completions=good.completions), group=good),
+            GroupVerdict("p2", False, "completion too long", refused),
+        ]
         before = sum(p.stat().st_size for p in directory.iterdir())
         store.groups.record_submission("L1", "peerA", verdicts, usd=0.0, seconds=1.0, signed_bytes_hash="h")
-        rows = store.db.execute("SELECT verdict, id NOT IN (SELECT id FROM payloads), length(group_hash) FROM trajectories"
-                                " ORDER BY id").fetchall()
+        rows = store.db.execute(
+            "SELECT verdict, id NOT IN (SELECT id FROM payloads), length(group_hash) FROM trajectories ORDER BY id"
+        ).fetchall()
         assert rows == [("accepted", 0, 64), ("rejected", 1, 64)]
         store.close()
         return sum(p.stat().st_size for p in directory.iterdir()) - before

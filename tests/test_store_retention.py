@@ -50,16 +50,24 @@ def books(path: Path) -> dict:
         "paid": {k: round(v, 9) for k, v in store.groups.ledger_by_node_usd().items()},
         "paid_total": round(store.groups.ledger_total_usd(), 9),
         "counts": (store.groups.trajectory_counts(), store.groups.dropped_stale_count()),
-        "recent": (store.groups.recent_usable_groups(10_000), store.groups.recent_discards(10_000), store.groups.recent_rejections(10_000)),
+        "recent": (
+            store.groups.recent_usable_groups(10_000),
+            store.groups.recent_discards(10_000),
+            store.groups.recent_rejections(10_000),
+        ),
         "steps": store.training.steps(),
         "pending": store.groups.unconsumed_groups(),
-        "rows": [(r.id, r.node_id, r.version, r.verdict, r.reward_mean, r.consumed_step, r.discard_reason)
-                 for r in store.groups.trajectories()],
+        "rows": [
+            (r.id, r.node_id, r.version, r.verdict, r.reward_mean, r.consumed_step, r.discard_reason)
+            for r in store.groups.trajectories()
+        ],
     }
     state = HubState(store, CONFIG, ReverseTask())
     out["view"] = (
         {p: (n.state, n.tallies, n.audits_passed, n.vouched_at) for p, n in state.fleet.nodes.items()},
-        state.totals.groups, state.totals.dropped_stale, {k: round(v, 9) for k, v in state.totals.paid_usd.items()},
+        state.totals.groups,
+        state.totals.dropped_stale,
+        {k: round(v, 9) for k, v in state.totals.paid_usd.items()},
         state.buffer.row_ids(),
     )
     store.close()
@@ -152,8 +160,12 @@ store.retain(int(sys.argv[3]), time.time(), True)
 def test_a_hub_killed_in_the_middle_of_retention_loses_nothing(tmp_path, ticks):
     path = history(tmp_path / "a")
     before, held = books(copy(path, tmp_path / "b")), payload_ids(path)
-    child = subprocess.run([sys.executable, "-c", KILLED_IN_RETENTION, str(path), str(ticks), str(OLDEST_ON_SHELF)],
-                           cwd=Path(__file__).parent.parent, capture_output=True, timeout=60)
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_RETENTION, str(path), str(ticks), str(OLDEST_ON_SHELF)],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        timeout=60,
+    )
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()
     assert os.path.exists(f"{path}-wal")  # it died holding the store
     assert payload_ids(path) == held
@@ -219,8 +231,9 @@ def test_the_store_file_stops_growing_once_payloads_are_retained(tmp_path):
 async def test_the_hub_keeps_payloads_of_versions_still_on_its_shelf(tmp_path):
     path = history(tmp_path)
     shelf = [OLDEST_ON_SHELF - 1, OLDEST_ON_SHELF, OLDEST_ON_SHELF + 1]  # older than the window's oldest
-    state = HubState(Store(path), CONFIG, ReverseTask(), oldest_useful_version=lambda: OLDEST_ON_SHELF + 1,
-                     shelved_versions=lambda: shelf)
+    state = HubState(
+        Store(path), CONFIG, ReverseTask(), oldest_useful_version=lambda: OLDEST_ON_SHELF + 1, shelved_versions=lambda: shelf
+    )
     kept = await state.retain(time.time())
     assert kept.payloads > 0 and kept.leases > 0
     rows = state.store.groups.trajectories()

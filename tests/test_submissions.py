@@ -37,8 +37,11 @@ def tokenizer(default_model_dir):
 @pytest.fixture(scope="module")
 def rules(tokenizer) -> SubmissionRules:
     return SubmissionRules(
-        task=ReverseTask(), group_size=GROUP_SIZE, sampling=SamplingParams(max_new_tokens=MAX_NEW_TOKENS),
-        stop_ids=frozenset({tokenizer.eos_token_id}), vocab_size=len(tokenizer),
+        task=ReverseTask(),
+        group_size=GROUP_SIZE,
+        sampling=SamplingParams(max_new_tokens=MAX_NEW_TOKENS),
+        stop_ids=frozenset({tokenizer.eos_token_id}),
+        vocab_size=len(tokenizer),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
     )
@@ -49,15 +52,24 @@ PROMPTS = (Prompt("p-abc", "abc>", "cba"), Prompt("p-xyz", "xyz>", "zyx"))
 
 def lease(min_version: int = 0, answered: tuple[str, ...] = ()) -> LeaseRecord:
     return LeaseRecord(
-        lease_id="l" * 24, node_id=NODE, prompts=PROMPTS, min_version=min_version, issued_at=0.0, deadline=60.0,
-        price_per_hour=0.5, answered=set(answered),
+        lease_id="l" * 24,
+        node_id=NODE,
+        prompts=PROMPTS,
+        min_version=min_version,
+        issued_at=0.0,
+        deadline=60.0,
+        price_per_hour=0.5,
+        answered=set(answered),
     )
 
 
 def completion(tokenizer, text: str, version: int = 4, claimed_text: str | None = None, **overrides) -> Completion:
     ids = tuple(tokenizer.encode(text)) + (tokenizer.eos_token_id,)
     fields = dict(
-        token_ids=ids, logprobs=tuple(-0.5 for _ in ids), finish_reason="stop", version=version,
+        token_ids=ids,
+        logprobs=tuple(-0.5 for _ in ids),
+        finish_reason="stop",
+        version=version,
         text=text if claimed_text is None else claimed_text,
     )
     fields.update(overrides)
@@ -123,7 +135,8 @@ def reasons(rules, tokenizer) -> dict[str, tuple[SubmittedGroup, LeaseRecord, st
         "too many": (group(tokenizer, texts=("cba",) * 3), lease(), "3 completions, lease asked for 2"),
         "mixed versions": (
             SubmittedGroup(prompt_id="p-abc", completions=(good, completion(tokenizer, "abc", version=5))),
-            lease(), "different versions",
+            lease(),
+            "different versions",
         ),
         "unpublished": (group(tokenizer, version=6), lease(), "version 6 was never published"),
         "stale for window": (group(tokenizer, version=2), lease(), "stale version 2 (oldest accepted 3)"),
@@ -131,40 +144,59 @@ def reasons(rules, tokenizer) -> dict[str, tuple[SubmittedGroup, LeaseRecord, st
         "empty": (with_completion(good.model_copy(update={"token_ids": (), "logprobs": ()})), lease(), "length 0"),
         "too long": (
             with_completion(good.model_copy(update={"token_ids": (a,) * 7 + (eos,), "logprobs": (-0.1,) * 8})),
-            lease(), "length 8 outside [1, 6]",
+            lease(),
+            "length 8 outside [1, 6]",
         ),
         "logprob count": (with_completion(good.model_copy(update={"logprobs": (-0.1,)})), lease(), "1 log-probs for 4"),
-        "positive logprob": (
-            with_completion(good.model_copy(update={"logprobs": (-0.1, 0.5, -0.1, -0.1)})), lease(), "<= 0",
-        ),
-        "nan logprob": (
-            with_completion(good.model_copy(update={"logprobs": (-0.1, math.nan, -0.1, -0.1)})), lease(), "finite",
-        ),
-        "stop without eos": (
-            with_completion(good.model_copy(update={"token_ids": (a, a, a, a)})), lease(), "stop without EOS",
-        ),
+        "positive logprob": (with_completion(good.model_copy(update={"logprobs": (-0.1, 0.5, -0.1, -0.1)})), lease(), "<= 0"),
+        "nan logprob": (with_completion(good.model_copy(update={"logprobs": (-0.1, math.nan, -0.1, -0.1)})), lease(), "finite"),
+        "stop without eos": (with_completion(good.model_copy(update={"token_ids": (a, a, a, a)})), lease(), "stop without EOS"),
         "length too early": (
             with_completion(good.model_copy(update={"token_ids": (a, a, a, a), "finish_reason": "length"})),
-            lease(), "length before max_new_tokens",
+            lease(),
+            "length before max_new_tokens",
         ),
         "tokens after eos": (
-            with_completion(good.model_copy(update={"token_ids": (a, eos, a, eos)})), lease(), "tokens after EOS",
+            with_completion(good.model_copy(update={"token_ids": (a, eos, a, eos)})),
+            lease(),
+            "tokens after EOS",
         ),
         "token outside vocab": (
             with_completion(good.model_copy(update={"token_ids": (a, len(tokenizer) + 7, a, eos)})),
-            lease(), "outside the vocabulary",
+            lease(),
+            "outside the vocabulary",
         ),
         "negative token": (
-            with_completion(good.model_copy(update={"token_ids": (a, -1, a, eos)})), lease(), "outside the vocabulary",
+            with_completion(good.model_copy(update={"token_ids": (a, -1, a, eos)})),
+            lease(),
+            "outside the vocabulary",
         ),
     }
 
 
-@pytest.mark.parametrize("case", [
-    "not in lease", "answered before", "too few", "too many", "mixed versions", "unpublished", "stale for window",
-    "below lease minimum", "empty", "too long", "logprob count", "positive logprob", "nan logprob", "stop without eos",
-    "length too early", "tokens after eos", "token outside vocab", "negative token",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not in lease",
+        "answered before",
+        "too few",
+        "too many",
+        "mixed versions",
+        "unpublished",
+        "stale for window",
+        "below lease minimum",
+        "empty",
+        "too long",
+        "logprob count",
+        "positive logprob",
+        "nan logprob",
+        "stop without eos",
+        "length too early",
+        "tokens after eos",
+        "token outside vocab",
+        "negative token",
+    ],
+)
 def test_every_rejection_reason(rules, tokenizer, case):
     submitted, record, expected = reasons(rules, tokenizer)[case]
     v = verdict(rules, submitted, record)
@@ -190,9 +222,13 @@ def test_bad_work_is_rejected_even_when_it_is_also_stale(rules, tokenizer):
 
 def test_duplicate_prompt_in_one_submission_is_answered_once(rules, tokenizer):
     submission = Submission(
-        lease_id="l" * 24, node_id=NODE,
-        groups=(group(tokenizer), group(tokenizer, texts=("abc", "cba")), group(tokenizer, prompt_id="p-xyz",
-                                                                                texts=("zyx", "zzz"))),
+        lease_id="l" * 24,
+        node_id=NODE,
+        groups=(
+            group(tokenizer),
+            group(tokenizer, texts=("abc", "cba")),
+            group(tokenizer, prompt_id="p-xyz", texts=("zyx", "zzz")),
+        ),
     )
     verdicts = check_submission(submission, lease(), rules, WINDOW)
     assert [(v.prompt_id, v.accepted) for v in verdicts] == [("p-abc", True), ("p-abc", False), ("p-xyz", True)]
@@ -240,10 +276,15 @@ def test_the_largest_honest_answer_fits_the_lease_cap(tokenizer):
     worst_float = -2.2250738585072014e-308
     identity = Identity.generate()
     for text in (text, "\x1f" * len(longest) * MAX_NEW_TOKENS):  # as decoded, and every char escaped
-        completion = Completion(token_ids=ids, logprobs=(worst_float,) * MAX_NEW_TOKENS, finish_reason="length",
-                                version=MAX_VERSION, text=text)
-        groups = tuple(SubmittedGroup(prompt_id="\x1f" * 200, completions=(completion,) * GROUP_SIZE,
-                                      claimed_rewards=(worst_float,) * GROUP_SIZE) for _ in range(3))
+        completion = Completion(
+            token_ids=ids, logprobs=(worst_float,) * MAX_NEW_TOKENS, finish_reason="length", version=MAX_VERSION, text=text
+        )
+        groups = tuple(
+            SubmittedGroup(
+                prompt_id="\x1f" * 200, completions=(completion,) * GROUP_SIZE, claimed_rewards=(worst_float,) * GROUP_SIZE
+            )
+            for _ in range(3)
+        )
         frame = encode_signed(Submission(lease_id="\x1f" * 64, node_id="\x1f" * 128, groups=groups), identity)
         cap = submission_frame_cap(3, GROUP_SIZE, MAX_NEW_TOKENS, token_text_bytes(vocab))
         assert len(frame) - HEADER_BYTES <= cap + SIGNATURE_BYTES

@@ -16,8 +16,11 @@ from hub.training.metrics import MetricsWriter
 from hub.training.trackers import missing_tracker_packages, open_trackers
 from shared.layout import METRICS_FILE
 
-ROWS = [{"step": 1, "reward_mean": 0.25, "loss": 0.5}, {"step": 2, "reward_mean": 0.5, "loss": 0.25},
-        {"eval_step": 2, "eval_reward": 0.75, "eval_pass_at_k": 1.0, "eval_k": 4}]
+ROWS = [
+    {"step": 1, "reward_mean": 0.25, "loss": 0.5},
+    {"step": 2, "reward_mean": 0.5, "loss": 0.25},
+    {"eval_step": 2, "eval_reward": 0.75, "eval_pass_at_k": 1.0, "eval_k": 4},
+]
 CONFIG = {"steps": 2, "learner": {"lr": 3e-4}}
 
 
@@ -53,8 +56,7 @@ def wandb_run_files(directory: Path) -> list[Path]:
 def trackio_metrics(directory: Path, project: str, run_name: str | None = None) -> set[str]:
     db = sqlite3.connect(directory / f"{project}.db")
     try:
-        rows = [r[0] for r in db.execute("SELECT metrics FROM metrics WHERE ? IS NULL OR run_name = ?",
-                                         (run_name, run_name))]
+        rows = [r[0] for r in db.execute("SELECT metrics FROM metrics WHERE ? IS NULL OR run_name = ?", (run_name, run_name))]
     finally:
         db.close()
     import json

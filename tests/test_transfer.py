@@ -15,13 +15,7 @@ from hub.distribution.broadcast import HubUplink
 from hub.records.snapshots import SnapshotShelf
 from node.keeper import HUB, Upstream
 from shared.crypto import Identity
-from shared.messages import (
-    CHUNK_FRAME,
-    MANIFEST_FRAME,
-    SNAPSHOT_PROTOCOL,
-    SnapshotRequest,
-    TransferAck,
-)
+from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SNAPSHOT_PROTOCOL, SnapshotRequest, TransferAck
 from shared.net import RateLimiter, connect, open_stream, set_handler
 from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, blake3_hex, encode_chunk
 from shared.transfer import ChunkRejected, commitment_payload, receive_snapshot
@@ -63,8 +57,11 @@ async def test_chain_of_relays_delivers_bit_exact_and_relays_while_receiving():
     rate = 4e6  # bytes/s on every link: a hop of 2 MiB takes about 0.5 s
     async with hub_peer(hub_id, HubUplink(None, rate)) as hub:
         hub.shelf.add(snapshot)
-        async with node_peer(hub, RateLimiter(rate)) as a, node_peer(hub, RateLimiter(rate)) as b, \
-                node_peer(hub, RateLimiter(rate)) as sink:
+        async with (
+            node_peer(hub, RateLimiter(rate)) as a,
+            node_peer(hub, RateLimiter(rate)) as b,
+            node_peer(hub, RateLimiter(rate)) as sink,
+        ):
             a.keeper.update(-1, HUB, b.peer_id)
             b.keeper.update(-1, a.upstream, sink.peer_id)
             sink.keeper.update(-1, b.upstream, None)
@@ -132,8 +129,7 @@ async def test_tampered_chunk_raises_and_nothing_unverified_is_kept():
     snapshot = random_snapshot(hub_id, 4, 512 * KIB, 64 * KIB)
     async with hub_peer(hub_id) as honest:
         honest.shelf.add(snapshot)
-        async with hub_peer(Identity.generate(), source=FlippingSource(honest.shelf, 3)) as liar, \
-                node_peer(honest) as node:
+        async with hub_peer(Identity.generate(), source=FlippingSource(honest.shelf, 3)) as liar, node_peer(honest) as node:
             assembler, error = await pull(node, liar, 4, signer=hub_id.peer_id)
     assert isinstance(error, ChunkRejected) and (error.version, error.index) == (4, 3)
     # The liar committed to the bytes it sent: proof the hub can check with the liar's key alone.
@@ -202,7 +198,9 @@ async def test_relay_sending_a_bad_chunk_is_reported_and_repaired_from_the_hub()
     ]
     assert sink.keeper.distrusted == {evil.peer_id} and sink.keeper.bad_chunks_seen == 1
     # The repair pulled only what the sink lacked, from the hub.
-    assert [(r.from_chunk, r.only_chunk) for peer, r in hub.requests if peer == sink.peer_id] == [(FlippingKeeper.BAD_INDEX, None)]
+    assert [(r.from_chunk, r.only_chunk) for peer, r in hub.requests if peer == sink.peer_id] == [
+        (FlippingKeeper.BAD_INDEX, None)
+    ]
 
 
 @pytest.mark.trio
@@ -217,7 +215,12 @@ async def test_manifest_signed_by_another_key_is_refused():
             stream = await open_stream(node.host, fake.peer_id, SNAPSHOT_PROTOCOL)
             with pytest.raises(ChunkRejected, match="manifest refused") as refused:
                 await receive_snapshot(
-                    stream, SnapshotRequest(version=9), hub.peer_id, fake.peer_id, None, lambda s, m: ChunkAssembler(m, scratch_dir() / "forged.safetensors")
+                    stream,
+                    SnapshotRequest(version=9),
+                    hub.peer_id,
+                    fake.peer_id,
+                    None,
+                    lambda s, m: ChunkAssembler(m, scratch_dir() / "forged.safetensors"),
                 )
             assert isinstance(refused.value.__context__, BadSignature)
             assert refused.value.proof is not None and refused.value.proof.kind == "manifest"  # provable forgery

@@ -48,17 +48,56 @@ def hub_status(step: int = 10, now: float | None = None, running: bool = True) -
     now = time.time() if now is None else now
     a, b, c = NODE_IDS
     nodes = (
-        NodeStatus(peer_id=a, state="active", price_per_hour=0.35, rollouts_per_s=2.0, version_held=step,
-                   tallies=Tallies(accepted=640, rejected=3, late=9), cost_usd=0.41, backend="hf", hardware="RTX 5090", chain=0, chain_position=0),
-        NodeStatus(peer_id=b, state="active", price_per_hour=0.50, rollouts_per_s=1.6, version_held=step - 1,
-                   receiving_version=step, chunks_received=7, tallies=Tallies(accepted=512), cost_usd=0.55, backend="hf",
-                   chain=0, chain_position=1),
-        NodeStatus(peer_id=c, state="standby", price_per_hour=3.06, rollouts_per_s=4.0, version_held=step,
-                   tallies=Tallies(accepted=128, rejected=12, late=2, refused=5), cost_usd=0.12, backend="vllm", chain=1, chain_position=0),
+        NodeStatus(
+            peer_id=a,
+            state="active",
+            price_per_hour=0.35,
+            rollouts_per_s=2.0,
+            version_held=step,
+            tallies=Tallies(accepted=640, rejected=3, late=9),
+            cost_usd=0.41,
+            backend="hf",
+            hardware="RTX 5090",
+            chain=0,
+            chain_position=0,
+        ),
+        NodeStatus(
+            peer_id=b,
+            state="active",
+            price_per_hour=0.50,
+            rollouts_per_s=1.6,
+            version_held=step - 1,
+            receiving_version=step,
+            chunks_received=7,
+            tallies=Tallies(accepted=512),
+            cost_usd=0.55,
+            backend="hf",
+            chain=0,
+            chain_position=1,
+        ),
+        NodeStatus(
+            peer_id=c,
+            state="standby",
+            price_per_hour=3.06,
+            rollouts_per_s=4.0,
+            version_held=step,
+            tallies=Tallies(accepted=128, rejected=12, late=2, refused=5),
+            cost_usd=0.12,
+            backend="vllm",
+            chain=1,
+            chain_position=0,
+        ),
     )
     history = tuple(
-        StepPoint(step=i, version=i, reward_mean=0.1 + 0.05 * i, staleness_mean=1.0 + (i % 3) * 0.5, bubble=0.02,
-                  t_train_s=12.0, t_idle_s=0.3)
+        StepPoint(
+            step=i,
+            version=i,
+            reward_mean=0.1 + 0.05 * i,
+            staleness_mean=1.0 + (i % 3) * 0.5,
+            bubble=0.02,
+            t_train_s=12.0,
+            t_idle_s=0.3,
+        )
         for i in range(step - 9, step + 1)
     )
     events = (
@@ -69,25 +108,67 @@ def hub_status(step: int = 10, now: float | None = None, running: bool = True) -
         EventRecord(at=now - 20, kind="ban", node_id=c, detail="banned-c reward mismatch"),
     )
     return HubStatus(
-        hub_id=HUB_IDENTITY.peer_id, addrs=(f"/ip4/127.0.0.1/tcp/4001/p2p/{HUB_IDENTITY.peer_id}",), running=running,
-        updated_at=now, step=step, steps_target=100, version=step, staleness=4, kappa=3, task="arith", nodes=nodes,
-        chains=((a, b), (c,)), open_leases=2, totals=Tallies(accepted=1280, rejected=15, late=11, refused=5), dropped_stale=4, reward_mean=0.6,
-        t_train_s=12.1, t_bcast_s=4.2, bubble=0.03, predicted_bubble=0.02, mu_pool=3.6, mu_min=3.0, mu_target=3.3,
+        hub_id=HUB_IDENTITY.peer_id,
+        addrs=(f"/ip4/127.0.0.1/tcp/4001/p2p/{HUB_IDENTITY.peer_id}",),
+        running=running,
+        updated_at=now,
+        step=step,
+        steps_target=100,
+        version=step,
+        staleness=4,
+        kappa=3,
+        task="arith",
+        nodes=nodes,
+        chains=((a, b), (c,)),
+        open_leases=2,
+        totals=Tallies(accepted=1280, rejected=15, late=11, refused=5),
+        dropped_stale=4,
+        reward_mean=0.6,
+        t_train_s=12.1,
+        t_bcast_s=4.2,
+        bubble=0.03,
+        predicted_bubble=0.02,
+        mu_pool=3.6,
+        mu_min=3.0,
+        mu_target=3.3,
         usable_fraction=0.57,
-        cost_usd=1.08, cost_per_step_usd=0.108, all_on_cost_usd=2.5, history=history, events=events,
-        evals=(EvalPoint(step=5, reward=0.25, pass_at_1=0.25, pass_at_k=0.5, k=4, prompts=64, seconds=1.0),
-               EvalPoint(step=10, reward=0.375, pass_at_1=0.375, pass_at_k=0.625, k=4, prompts=64, seconds=1.0)),
+        cost_usd=1.08,
+        cost_per_step_usd=0.108,
+        all_on_cost_usd=2.5,
+        history=history,
+        events=events,
+        evals=(
+            EvalPoint(step=5, reward=0.25, pass_at_1=0.25, pass_at_k=0.5, k=4, prompts=64, seconds=1.0),
+            EvalPoint(step=10, reward=0.375, pass_at_1=0.375, pass_at_k=0.625, k=4, prompts=64, seconds=1.0),
+        ),
     )
 
 
 def node_view(now: float | None = None) -> NodeView:
     now = time.time() if now is None else now
     return NodeView(
-        peer_id=NODE_IDS[1], hub_addr=f"/ip4/127.0.0.1/tcp/4001/p2p/{HUB_IDENTITY.peer_id}", connected=True,
-        state="active", updated_at=now, price_per_hour=0.5, backend="hf", version_held=9, receiving_version=10,
-        chunks_received=7, chunks_total=20, chain=0, chain_position=1, upstream=NODE_IDS[0], downstream=None,
-        tokens_per_s=850.0, rollouts_per_s=1.6, leases_done=12, tallies=Tallies(accepted=512, rejected=4, late=3), earnings_usd=0.55,
-        busy_s=3960.0, events=(EventRecord(at=now - 10, kind="activate", detail="node-activated-event"),),
+        peer_id=NODE_IDS[1],
+        hub_addr=f"/ip4/127.0.0.1/tcp/4001/p2p/{HUB_IDENTITY.peer_id}",
+        connected=True,
+        state="active",
+        updated_at=now,
+        price_per_hour=0.5,
+        backend="hf",
+        version_held=9,
+        receiving_version=10,
+        chunks_received=7,
+        chunks_total=20,
+        chain=0,
+        chain_position=1,
+        upstream=NODE_IDS[0],
+        downstream=None,
+        tokens_per_s=850.0,
+        rollouts_per_s=1.6,
+        leases_done=12,
+        tallies=Tallies(accepted=512, rejected=4, late=3),
+        earnings_usd=0.55,
+        busy_s=3960.0,
+        events=(EventRecord(at=now - 10, kind="activate", detail="node-activated-event"),),
     )
 
 
@@ -530,11 +611,27 @@ async def test_node_dashboard_renders_node_view(tmp_path: Path) -> None:
 
 def test_a_redacted_price_reads_hidden_not_zero() -> None:
     """Issue 52: a non-operator saw "$/h 0.00" for a redacted price, which reads as a free node."""
-    node = NodeStatus(peer_id="p" * 12, state="active", price_per_hour=7.77, rollouts_per_s=1.0, version_held=1,
-                      tallies=Tallies(), cost_usd=1.5)
-    status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=1, steps_target=10, version=1,
-                       staleness=1, kappa=1, task="t", nodes=(node,), open_leases=0, totals=Tallies(),
-                       dropped_stale=0, cost_usd=1.5, all_on_cost_usd=3.0)
+    node = NodeStatus(
+        peer_id="p" * 12, state="active", price_per_hour=7.77, rollouts_per_s=1.0, version_held=1, tallies=Tallies(), cost_usd=1.5
+    )
+    status = HubStatus(
+        hub_id="h",
+        addrs=(),
+        running=True,
+        updated_at=0.0,
+        step=1,
+        steps_target=10,
+        version=1,
+        staleness=1,
+        kappa=1,
+        task="t",
+        nodes=(node,),
+        open_leases=0,
+        totals=Tallies(),
+        dropped_stale=0,
+        cost_usd=1.5,
+        all_on_cost_usd=3.0,
+    )
     shown = [str(cell) for cell in node_row(node)]
     assert "7.77" in " ".join(shown) and HIDDEN not in shown
     redacted = status.redact()

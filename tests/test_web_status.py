@@ -37,20 +37,49 @@ def test_a_display_name_is_printable_bounded_text_and_markup_is_allowed() -> Non
 
 
 def test_metrics_of_a_status_count_nodes_by_state_and_groups_by_verdict() -> None:
-    node = NodeStatus(peer_id="p" * 52, state="active", price_per_hour=9.0, rollouts_per_s=2.0, version_held=3,
-                      tallies=Tallies(accepted=5), cost_usd=1.0, reachability="nated", link="pushed")
-    status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=4, steps_target=10, version=4, staleness=2,
-                       kappa=1, task="reverse", nodes=(node,), open_leases=1, totals=Tallies(accepted=5, late=2),
-                       dropped_stale=1, cost_usd=0.5, audits_passed=3, audits_failed=1)
+    node = NodeStatus(
+        peer_id="p" * 52,
+        state="active",
+        price_per_hour=9.0,
+        rollouts_per_s=2.0,
+        version_held=3,
+        tallies=Tallies(accepted=5),
+        cost_usd=1.0,
+        reachability="nated",
+        link="pushed",
+    )
+    status = HubStatus(
+        hub_id="h",
+        addrs=(),
+        running=True,
+        updated_at=0.0,
+        step=4,
+        steps_target=10,
+        version=4,
+        staleness=2,
+        kappa=1,
+        task="reverse",
+        nodes=(node,),
+        open_leases=1,
+        totals=Tallies(accepted=5, late=2),
+        dropped_stale=1,
+        cost_usd=0.5,
+        audits_passed=3,
+        audits_failed=1,
+    )
 
     registry = CollectorRegistry(auto_describe=False)
     collector = StatusCollector(registry)
     collector.update(status)
-    steps = tuple(StepPoint(step=k, version=k, reward_mean=0.5, staleness_mean=1.0, bubble=0.1, t_train_s=0.3, t_idle_s=0.0)
-                  for k in (5, 6))
+    steps = tuple(
+        StepPoint(step=k, version=k, reward_mean=0.5, staleness_mean=1.0, bubble=0.1, t_train_s=0.3, t_idle_s=0.0) for k in (5, 6)
+    )
     collector.update(status.model_copy(update={"history": steps}))
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in f.samples
+    }
     assert samples[("echo2_nodes", (("state", "active"),))] == 1
     assert samples[("echo2_nodes", (("state", "banned"),))] == 0
     assert samples[("echo2_nodes_by_reachability", (("reachability", "nated"),))] == 1
@@ -71,12 +100,28 @@ def test_a_busy_http_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "hub.cli.main", "start", "--data-dir", str(tmp_path / "data"),
-                               "--http", f"127.0.0.1:{port}", "--listen", "/ip4/127.0.0.1/tcp/0"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hub.cli.main",
+                "start",
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--http",
+                f"127.0.0.1:{port}",
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2
-    assert done.stderr.strip() == (f"echo-hub: --http 127.0.0.1:{port}: port {port} is already in use (another hub or "
-                                   f"node?); stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off")
+    assert done.stderr.strip() == (
+        f"echo-hub: --http 127.0.0.1:{port}: port {port} is already in use (another hub or "
+        f"node?); stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off"
+    )
     assert not (tmp_path / "data").exists()
 
 
@@ -86,12 +131,30 @@ def test_a_busy_http_port_stops_a_node_before_it_writes_anything(tmp_path: Path)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "node.cli", "join", "--hub", hub, "--data-dir", str(tmp_path / "node"),
-                               "--http", f"127.0.0.1:{port}", "--listen", "/ip4/127.0.0.1/tcp/0"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "node.cli",
+                "join",
+                "--hub",
+                hub,
+                "--data-dir",
+                str(tmp_path / "node"),
+                "--http",
+                f"127.0.0.1:{port}",
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2
-    assert done.stderr.strip() == (f"echo-node: --http 127.0.0.1:{port}: port {port} is already in use (another hub or "
-                                   f"node?); stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off")
+    assert done.stderr.strip() == (
+        f"echo-node: --http 127.0.0.1:{port}: port {port} is already in use (another hub or "
+        f"node?); stop it or listen on another port, e.g. 127.0.0.1:{port + 1} or --http off"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -104,21 +167,42 @@ def test_a_client_past_its_rate_is_refused_until_its_bucket_refills() -> None:
 
 
 def test_the_grafana_dashboard_queries_only_metrics_the_hub_exports() -> None:
-    status = HubStatus(hub_id="h", addrs=(), running=True, updated_at=0.0, step=0, steps_target=0, version=0, staleness=0,
-                       kappa=1, task="t", nodes=(), open_leases=0, totals=Tallies(), dropped_stale=0)
+    status = HubStatus(
+        hub_id="h",
+        addrs=(),
+        running=True,
+        updated_at=0.0,
+        step=0,
+        steps_target=0,
+        version=0,
+        staleness=0,
+        kappa=1,
+        task="t",
+        nodes=(),
+        open_leases=0,
+        totals=Tallies(),
+        dropped_stale=0,
+    )
     registry = CollectorRegistry(auto_describe=False)
     StatusCollector(registry).update(status)
     exported = {f.name for f in registry.collect()}
     dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-echo2.json").read_text())
-    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
-               for name in re.findall(r"echo2_[a-z_]+", target["expr"])}
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"echo2_[a-z_]+", target["expr"])
+    }
     assert queried and {re.sub(r"_(total|bucket|sum|count)$", "", q) for q in queried} <= exported
 
 
 def printed_url(proc, label: str) -> str:
     """The address a hub or node printed for its page (`label: http://HOST:PORT`)."""
-    found = wait_until(lambda: re.search(rf"^{label}: (http://\S+)", proc.output(), re.MULTILINE)
-                       or proc.process.poll() is not None, 120, f"the {label} address")
+    found = wait_until(
+        lambda: re.search(rf"^{label}: (http://\S+)", proc.output(), re.MULTILINE) or proc.process.poll() is not None,
+        120,
+        f"the {label} address",
+    )
     assert found is not True, proc.output()[-2000:]
     return found.group(1)
 
@@ -134,8 +218,23 @@ def pages(tmp_path_factory: pytest.TempPathFactory):
     serving its own page too); yields the hub's page URL and the guest's."""
     root = tmp_path_factory.mktemp("web")
     # Port 0 and the printed address: a port picked free beforehand could be taken by a parallel test meanwhile.
-    hub = start_hub(root / "hub", "--local-nodes", "2", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4",
-                    "--eval-every", "1", "--eval-prompts", "4", "--http", "127.0.0.1:0")
+    hub = start_hub(
+        root / "hub",
+        "--local-nodes",
+        "2",
+        "--steps",
+        "0",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "1",
+        "--eval-prompts",
+        "4",
+        "--http",
+        "127.0.0.1:0",
+    )
     procs = [hub]
     try:
         url = printed_url(hub, "status page")
@@ -155,13 +254,14 @@ def pages(tmp_path_factory: pytest.TempPathFactory):
                 return None
             active = [n for n in status["nodes"] if n["state"] == "active"]
             guest_led = any(v["name"] == HOSTILE for v in status["leaders"])
-            seen[0] = (f"nodes {[(n['name'][-8:], n['state']) for n in status['nodes']]}, step {status['step']}, "
-                       f"{len(status['evals'])} evaluations, leaders {[v['name'][-8:] for v in status['leaders']]}")
+            seen[0] = (
+                f"nodes {[(n['name'][-8:], n['state']) for n in status['nodes']]}, step {status['step']}, "
+                f"{len(status['evals'])} evaluations, leaders {[v['name'][-8:] for v in status['leaders']]}"
+            )
             return status if len(active) >= 3 and status["step"] >= 2 and len(status["evals"]) >= 2 and guest_led else None
 
         try:
-            wait_until(ready, 240, "three active nodes, two steps, two evaluations, the guest on the leaderboard",
-                       poll_s=1.0)
+            wait_until(ready, 240, "three active nodes, two steps, two evaluations, the guest on the leaderboard", poll_s=1.0)
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}; last seen: {seen[0]}") from None
         yield url, node_url
@@ -188,11 +288,26 @@ def test_api_status_lists_the_nodes_without_their_prices_costs_or_hardware(pages
 def test_metrics_parse_with_prometheus_client(pages: tuple[str, str]) -> None:
     hub, _ = pages
     families = {f.name: f for f in text_string_to_metric_families(get(f"{hub}/metrics").decode())}
-    for name in ("echo2_learner_step", "echo2_learner_version", "echo2_rollout_reward", "echo2_bubble_ratio",
-                 "echo2_broadcast_seconds", "echo2_mu_pool_rollouts_per_second", "echo2_mu_min_rollouts_per_second",
-                 "echo2_mu_target_rollouts_per_second", "echo2_nodes", "echo2_nodes_by_reachability", "echo2_groups",
-                 "echo2_snapshot_bytes", "echo2_submissions", "echo2_heartbeats",
-                 "echo2_learner_step_seconds", "echo2_eval_reward", "echo2_delta_bytes", "echo2_audits"):
+    for name in (
+        "echo2_learner_step",
+        "echo2_learner_version",
+        "echo2_rollout_reward",
+        "echo2_bubble_ratio",
+        "echo2_broadcast_seconds",
+        "echo2_mu_pool_rollouts_per_second",
+        "echo2_mu_min_rollouts_per_second",
+        "echo2_mu_target_rollouts_per_second",
+        "echo2_nodes",
+        "echo2_nodes_by_reachability",
+        "echo2_groups",
+        "echo2_snapshot_bytes",
+        "echo2_submissions",
+        "echo2_heartbeats",
+        "echo2_learner_step_seconds",
+        "echo2_eval_reward",
+        "echo2_delta_bytes",
+        "echo2_audits",
+    ):
         assert name in families, name
     assert families["echo2_groups"].type == families["echo2_heartbeats"].type == "counter"
     assert families["echo2_learner_step_seconds"].type == "histogram"
@@ -240,8 +355,11 @@ def test_a_slow_client_does_not_stall_the_server(pages: tuple[str, str]) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", [b"X-Big: " + b"a" * 64 * 1024 + b"\r\n",
-                                  b"".join(b"X-%d: a\r\n" % i for i in range(2000))], ids=["64KB-header", "2000-headers"])
+@pytest.mark.parametrize(
+    "head",
+    [b"X-Big: " + b"a" * 64 * 1024 + b"\r\n", b"".join(b"X-%d: a\r\n" % i for i in range(2000))],
+    ids=["64KB-header", "2000-headers"],
+)
 def test_a_complete_oversized_head_is_refused_and_closed(pages: tuple[str, str], head: bytes) -> None:
     """Issue 54 item 7: h11 bounds only an incomplete head; one write of a complete one was answered 200."""
     hub, _ = pages
@@ -260,9 +378,20 @@ def test_a_complete_oversized_head_is_refused_and_closed(pages: tuple[str, str],
 def test_chromium_renders_a_row_per_node_and_the_hostile_name_as_text(pages: tuple[str, str], tmp_path: Path) -> None:
     hub, _ = pages
     dom = subprocess.run(
-        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
-         "--virtual-time-budget=5000", "--dump-dom", f"{hub}/"],
-        capture_output=True, text=True, timeout=120, check=True,
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            f"{hub}/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     assert len(re.findall(r'<tr [^>]*class="node"', dom)) == 3, dom[-3000:]
     assert 'data-state="ready"' in dom
@@ -283,7 +412,10 @@ def test_each_leaderboard_table_shows_at_most_leaders_max_rows() -> None:
     render = re.search(r"^function renderLeaderboard\(.*?^}$", PAGE, re.M | re.S)
     assert constant and render and constant.group(0) == f"const LEADERS_MAX = {LEADERS_MAX};"
     # The hub sends the day's top and the run's top together: up to twice LEADERS_MAX volunteers.
-    script = constant.group(0) + render.group(0) + f"""
+    script = (
+        constant.group(0)
+        + render.group(0)
+        + f"""
 const rows = [];
 const $ = () => ({{tBodies: [{{replaceChildren() {{}}, appendChild(r) {{ rows.push(r); }}, get rows() {{ return rows; }}}}]}});
 const row = (cells) => ({{cells}});
@@ -294,6 +426,7 @@ const leaders = Array.from({{length: {2 * LEADERS_MAX}}}, (_, i) => {{
 renderLeaderboard("leaders-day", "day", leaders);
 console.log(JSON.stringify([rows.length, rows[0].cells[2]]));
 """
+    )
     done = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [LEADERS_MAX, 2 * LEADERS_MAX]  # the top LEADERS_MAX, the busiest first
@@ -303,14 +436,38 @@ def test_two_redacted_reads_do_not_give_a_lone_nodes_price() -> None:
     """Issue 54 item 4: one node on at $7.77/h and paid nothing between two reads 30 s apart; the attack
     3600 x (delta all_on - delta cost) / delta t recovered its price from the redacted totals."""
     price = 7.77
-    node = NodeStatus(peer_id="p", name="n", state="active", price_per_hour=price, rollouts_per_s=1.0, version_held=1,
-                      tallies=Tallies(), hardware="H100", cost_usd=0.0)
+    node = NodeStatus(
+        peer_id="p",
+        name="n",
+        state="active",
+        price_per_hour=price,
+        rollouts_per_s=1.0,
+        version_held=1,
+        tallies=Tallies(),
+        hardware="H100",
+        cost_usd=0.0,
+    )
 
     def read(at_s: float, paid_s: float) -> HubStatus:
-        return HubStatus(hub_id="h", addrs=(), running=True, updated_at=at_s, step=1, steps_target=10, version=1,
-                         staleness=1, kappa=1, task="t", nodes=(node,), open_leases=1, totals=Tallies(),
-                         dropped_stale=0, cost_usd=price * paid_s / 3600, cost_per_step_usd=price * paid_s / 3600,
-                         all_on_cost_usd=price * at_s / 3600)
+        return HubStatus(
+            hub_id="h",
+            addrs=(),
+            running=True,
+            updated_at=at_s,
+            step=1,
+            steps_target=10,
+            version=1,
+            staleness=1,
+            kappa=1,
+            task="t",
+            nodes=(node,),
+            open_leases=1,
+            totals=Tallies(),
+            dropped_stale=0,
+            cost_usd=price * paid_s / 3600,
+            cost_per_step_usd=price * paid_s / 3600,
+            all_on_cost_usd=price * at_s / 3600,
+        )
 
     first, second = read(100.0, 1.0), read(130.0, 1.0)
     leaked = 3600 * ((second.all_on_cost_usd - first.all_on_cost_usd) - (second.cost_usd - first.cost_usd)) / 30

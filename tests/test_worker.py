@@ -33,8 +33,15 @@ class ForgottenBy:
 async def run_until_nudged(client, timeout_s: float) -> Worker:
     """Run a worker on `client` until it nudges its hub link (fails after `timeout_s`)."""
     nudged = trio.Event()
-    worker = Worker(client, engine=None, engine_lock=trio.Lock(), can_work=lambda: True, version_held=lambda: 0,
-                    max_rollouts_per_s=None, on_unknown=nudged.set)
+    worker = Worker(
+        client,
+        engine=None,
+        engine_lock=trio.Lock(),
+        can_work=lambda: True,
+        version_held=lambda: 0,
+        max_rollouts_per_s=None,
+        on_unknown=nudged.set,
+    )
     with trio.fail_after(timeout_s):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(worker.run)
@@ -52,8 +59,7 @@ async def test_a_hub_that_forgot_the_node_makes_the_link_beat_at_once():
 
 @pytest.mark.trio
 async def test_a_real_hub_that_never_met_the_node_makes_the_link_beat_at_once(tmp_path, default_model_dir):
-    async with inproc_hub(tmp_path, default_model_dir, HubConfig(trust=PERMISSIVE_TRUST)) as hub, \
-            AsyncExitStack() as stack:
+    async with inproc_hub(tmp_path, default_model_dir, HubConfig(trust=PERMISSIVE_TRUST)) as hub, AsyncExitStack() as stack:
         identity = Identity.generate()
         host, _ = await stack.enter_async_context(running_host(identity, ["/ip4/127.0.0.1/tcp/0"]))
         client = HubClient(host, identity, hub.addr, timeout_s=10)
@@ -87,10 +93,17 @@ class Recorder:
 async def test_a_throttled_worker_takes_as_long_as_its_rate_says(autojump_clock):
     """--max-rollouts-per-s: 3 prompts x 4 completions at 2 rollouts/s take 6 s, on trio's clock (a mock one here,
     so the figure is exact however busy the machine is), and the submission's deadline is the lease's."""
-    worker = Worker(Recorder(), InstantEngine(), trio.Lock(), can_work=lambda: True, version_held=lambda: 0,
-                    max_rollouts_per_s=2.0)
-    lease = Lease(lease_id="l" * 24, prompts=tuple(LeasePrompt(prompt_id=f"p{i}", text="abc") for i in range(3)),
-                  group_size=4, sampling=SamplingParams(max_new_tokens=2), min_version=0, deadline_s=60.0)
+    worker = Worker(
+        Recorder(), InstantEngine(), trio.Lock(), can_work=lambda: True, version_held=lambda: 0, max_rollouts_per_s=2.0
+    )
+    lease = Lease(
+        lease_id="l" * 24,
+        prompts=tuple(LeasePrompt(prompt_id=f"p{i}", text="abc") for i in range(3)),
+        group_size=4,
+        sampling=SamplingParams(max_new_tokens=2),
+        min_version=0,
+        deadline_s=60.0,
+    )
     started = trio.current_time()
     reply = await worker.work(lease)
     assert isinstance(reply, SubmitReply) and reply.accepted == 3

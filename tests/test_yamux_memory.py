@@ -159,8 +159,16 @@ async def test_streams_each_within_its_window_but_never_read_are_capped_per_conn
 
 
 def join_frame(hub: InprocHub) -> bytes:
-    body = {"price_per_hour": 0.5, "hardware": "x", "link_bps": 1e8, "backend": "hf", "dtype": "float32",
-            "model_config_hash": hub.config_hash, "version_held": 0, "listen_addrs": []}
+    body = {
+        "price_per_hour": 0.5,
+        "hardware": "x",
+        "link_bps": 1e8,
+        "backend": "hf",
+        "dtype": "float32",
+        "model_config_hash": hub.config_hash,
+        "version_held": 0,
+        "listen_addrs": [],
+    }
     return encode_frame(JoinRequest.TYPE, json.dumps(body).encode())
 
 
@@ -180,8 +188,7 @@ def held_unread(hub: InprocHub, peer_id: str) -> int:
 
 async def assert_hub_answers(stack: AsyncExitStack, hub: InprocHub) -> None:
     async with attacker(stack, hub.addr) as (honest, _):
-        status = await request(honest, hub.identity.peer_id, STATUS_PROTOCOL, StatusRequest(events=0), HubStatus,
-                               timeout_s=10)
+        status = await request(honest, hub.identity.peer_id, STATUS_PROTOCOL, StatusRequest(events=0), HubStatus, timeout_s=10)
         assert status.hub_id == hub.identity.peer_id
 
 
@@ -190,8 +197,7 @@ async def test_a_stranger_flooding_its_answered_status_stream_is_disconnected(tm
     with trio.fail_after(TEST_TIMEOUT_S):
         async with inproc_hub(tmp_path, default_model_dir, PERMISSIVE_CONFIG) as hub, AsyncExitStack() as stack:
             async with attacker(stack, hub.addr) as (host, identity):
-                sent, growth = await answered_then_flooded(hub, host, STATUS_PROTOCOL, StatusRequest(events=0),
-                                                           HubStatus)
+                sent, growth = await answered_then_flooded(hub, host, STATUS_PROTOCOL, StatusRequest(events=0), HubStatus)
                 assert sent < FLOOD_BYTES and growth <= RSS_GROWTH_BYTES, (sent, growth)
                 await disconnected(hub.service.host, identity.peer_id)
             assert libp2p_patches.overruns(identity.peer_id) == 1
@@ -208,8 +214,9 @@ async def test_a_member_flooding_its_answered_heartbeat_stream_is_disconnected(t
                 assert isinstance(await read_message(joined, JoinReply), JoinReply)
                 await joined.close()
                 assert hub.state.membership.is_member(identity.peer_id)
-                sent, growth = await answered_then_flooded(hub, host, HEARTBEAT_PROTOCOL,
-                                                           Heartbeat(version_held=hub.version), HeartbeatReply)
+                sent, growth = await answered_then_flooded(
+                    hub, host, HEARTBEAT_PROTOCOL, Heartbeat(version_held=hub.version), HeartbeatReply
+                )
                 assert sent < FLOOD_BYTES and growth <= RSS_GROWTH_BYTES, (sent, growth)
                 await disconnected(hub.service.host, identity.peer_id)
             assert libp2p_patches.overruns(identity.peer_id) == 1
@@ -227,8 +234,7 @@ async def test_an_answered_stream_is_closed_for_reading(tmp_path, default_model_
                 assert isinstance(await read_message(stream, HubStatus), HubStatus)
                 await stream.write(b"\xee" * (DEFAULT_WINDOW_SIZE // 2))
                 # Frames arrive in order on the connection: once a later request is answered, those bytes were too.
-                await request(host, hub.identity.peer_id, STATUS_PROTOCOL, StatusRequest(events=0), HubStatus,
-                              timeout_s=10)
+                await request(host, hub.identity.peer_id, STATUS_PROTOCOL, StatusRequest(events=0), HubStatus, timeout_s=10)
                 assert held_unread(hub, identity.peer_id) == 0
                 assert connected(hub.service.host, identity.peer_id)
 

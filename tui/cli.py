@@ -21,8 +21,13 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hub", metavar="ADDR", help="multiaddr of a running hub, ending in /p2p/<hub peer id>")
     source.add_argument("--data-dir", metavar="DIR", type=Path, help="read DIR/status.json (hub) or DIR/node_status.json (node)")
-    parser.add_argument("--key", metavar="FILE", type=Path, default=None,
-                        help="with --hub: ask as this identity (the hub's DATA_DIR/hub.key sees nodes' prices and costs)")
+    parser.add_argument(
+        "--key",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="with --hub: ask as this identity (the hub's DATA_DIR/hub.key sees nodes' prices and costs)",
+    )
     add_view_arguments(parser)
 
 

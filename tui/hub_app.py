@@ -16,16 +16,7 @@ from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 from shared.messages import RECENT_REWARD_STEPS, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus
 from shared.staleness import moves_text
 from tui import DEFAULT_REFRESH_S
-from tui.widgets import (
-    Banner,
-    DashboardApp,
-    event_lines,
-    money,
-    number,
-    short_id,
-    styled_state,
-    tally_cells,
-)
+from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state, tally_cells
 
 
 def display_state(node: NodeStatus) -> str:
@@ -85,7 +76,7 @@ def node_row(node: NodeStatus, redacted: bool = False) -> tuple[object, ...]:
         styled_state(display_state(node)),
         Text(HIDDEN if redacted else money(node.price_per_hour), justify="right"),
         Text(number(node.rollouts_per_s), justify="right"),
-        Text(number(rho(node), '.3g'), justify="right"),
+        Text(number(rho(node), ".3g"), justify="right"),
         Text(version, justify="right"),
         *tally_cells(node.tallies),
         Text(HIDDEN if redacted else money(node.cost_usd, 3), justify="right"),
@@ -161,11 +152,7 @@ class HubDashboard(DashboardApp):
 
     TITLE = "echo2 hub"
     VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
-    BINDINGS = [
-        *DashboardApp.BINDINGS,
-        Binding("s", "cycle_sort", "Sort"),
-        Binding("S", "reverse_sort", "Reverse", show=False),
-    ]
+    BINDINGS = [*DashboardApp.BINDINGS, Binding("s", "cycle_sort", "Sort"), Binding("S", "reverse_sort", "Reverse", show=False)]
     CSS = """
     .panel { border: round $primary; border-title-color: $accent; padding: 0 1; }
     #top { height: 8; }
@@ -240,9 +227,7 @@ class HubDashboard(DashboardApp):
         self._show_node_events()
 
     def _show_learner(self, status: HubStatus) -> None:
-        self.query_one("#learner", Vertical).border_title = (
-            f"learner · {status.task} · hub {short_id(status.hub_id)}"
-        )
+        self.query_one("#learner", Vertical).border_title = f"learner · {status.task} · hub {short_id(status.hub_id)}"
         self.query_one("#learner-text", Static).update(learner_text(status))
         rewards = [p.reward_mean for p in status.history]
         staleness = [p.staleness_mean for p in status.history]
@@ -256,8 +241,7 @@ class HubDashboard(DashboardApp):
         self.query_one("#staleness-label", Label).update(f"staleness {number(last_staleness, '.2f')}")
         self.query_one("#eval-spark", Sparkline).data = [e.reward for e in status.evals]
         last_eval = status.evals[-1] if status.evals else None
-        self.query_one("#eval-label", Label).update(
-            f"eval {last_eval.reward:.3f} @{last_eval.step}" if last_eval else "eval —")
+        self.query_one("#eval-label", Label).update(f"eval {last_eval.reward:.3f} @{last_eval.step}" if last_eval else "eval —")
 
     def sorted_nodes(self) -> list[NodeStatus]:
         if self.status is None:

@@ -44,16 +44,20 @@ class HubCore:
 
 
 def submission_rules(
-    config: HubConfig, task: Task, model_dir: Path, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig,
+    config: HubConfig, task: Task, model_dir: Path, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig
 ) -> SubmissionRules:
     """What every submission is checked against: the task, the sampling, the model's stop ids and vocabulary."""
     from shared.generation import model_stop_ids
 
     return SubmissionRules(
-        task=task, group_size=config.learner.group_size, sampling=config.sampling,
-        stop_ids=frozenset(model_stop_ids(model_dir)), vocab_size=model_config.vocab_size,
+        task=task,
+        group_size=config.learner.group_size,
+        sampling=config.sampling,
+        stop_ids=frozenset(model_stop_ids(model_dir)),
+        vocab_size=model_config.vocab_size,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        token_text_bytes=token_text_bytes(tokenizer.get_vocab()), reward_budget_s=config.trust.reward_budget_s,
+        token_text_bytes=token_text_bytes(tokenizer.get_vocab()),
+        reward_budget_s=config.trust.reward_budget_s,
     )
 
 
@@ -64,8 +68,9 @@ def load_submission_rules(config_json: str, model_dir: Path) -> SubmissionRules:
 
     config = HubConfig.model_validate_json(config_json)
     task = load_hub_task(config.task, config, model_dir)
-    return submission_rules(config, task, model_dir, AutoTokenizer.from_pretrained(model_dir),
-                            AutoConfig.from_pretrained(model_dir))
+    return submission_rules(
+        config, task, model_dir, AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
+    )
 
 
 def submission_checks(config: HubConfig, model_dir: Path, task: Task) -> SubmissionChecks | None:
@@ -78,7 +83,7 @@ def submission_checks(config: HubConfig, model_dir: Path, task: Task) -> Submiss
 
 
 def build_hub_state(
-    config: HubConfig, model_dir: Path, shelf: SnapshotShelf, oldest_useful_version: Callable[[], int] | None = None,
+    config: HubConfig, model_dir: Path, shelf: SnapshotShelf, oldest_useful_version: Callable[[], int] | None = None
 ) -> HubCore:
     """The HubState over config.data_dir's store, serving `shelf`, with its rules, audits and run identity.
     `oldest_useful_version`: a stand-in for the learner's window, for a hub with no learner of its own (the test
@@ -94,16 +99,21 @@ def build_hub_state(
     label = model_label(model_dir, model_config)
     auditor = Auditor(model_dir, shelf, config.sampling, config.trust, resolve_dtype(lc.dtype, lc.device))
     state = HubState(
-        Store(config.data_dir / HUB_STORE_FILE), config, task,
+        Store(config.data_dir / HUB_STORE_FILE),
+        config,
+        task,
         rules=submission_rules(config, task, model_dir, tokenizer, model_config),
         checks=submission_checks(config, model_dir, task),
-        model_config_hash=model_config_hash(model_config.to_dict()), model_label=label,
+        model_config_hash=model_config_hash(model_config.to_dict()),
+        model_label=label,
         audits=AuditQueue(auditor, config.trust.audit_queue_groups),
-        oldest_useful_version=oldest_useful_version, newest_version=shelf.newest_version,
+        oldest_useful_version=oldest_useful_version,
+        newest_version=shelf.newest_version,
         shelved_versions=shelf.versions,
         run={**run_identity(config, model_dir), "model": str(model_dir)},
     )
     # A LoRA run's snapshots carry the adapters only: a node needs the base weights on disk then.
     offer = model_offer(model_dir, label, weights_in_snapshots=not lc.lora_rank)
-    return HubCore(state, task, eval_task, auditor, tokenizer, context_tokens(task, tokenizer, config.sampling.max_new_tokens),
-                   offer)
+    return HubCore(
+        state, task, eval_task, auditor, tokenizer, context_tokens(task, tokenizer, config.sampling.max_new_tokens), offer
+    )

@@ -16,8 +16,10 @@ from shared.layout import METRICS_FILE, MODEL_CARD_FILE, RUN_CONFIG_FILE
 
 def run_card(config: HubConfig, model_dir: Path, step: int) -> dict[str, str]:
     """The run card of the policy after `step`: file name -> text."""
-    title = (f"the config of the echo2 run that trained this policy; `echo-hub eval --model` this directory reads it, "
-             f"`echo-hub start --config {RUN_CONFIG_FILE}` takes it")
+    title = (
+        f"the config of the echo2 run that trained this policy; `echo-hub eval --model` this directory reads it, "
+        f"`echo-hub start --config {RUN_CONFIG_FILE}` takes it"
+    )
     return {RUN_CONFIG_FILE: config_toml(config, title), MODEL_CARD_FILE: model_card(config, model_dir, step)}
 
 
@@ -29,20 +31,35 @@ def model_card(config: HubConfig, model_dir: Path, step: int) -> str:
         ("base model", f"{model_dir}{lora}"),
         ("task", config.task),
         ("steps", str(step)),
-        ("GRPO", f"group size {lc.group_size}, {lc.prompts_per_step} prompts per step, lr {lc.lr:g}, "
-                 f"staleness {lc.staleness}, kappa {lc.effective_kappa}"),
-        ("sampling", f"temperature {sampling.temperature:g}, top_p {sampling.top_p:g}, "
-                     f"max_new_tokens {sampling.max_new_tokens}"),
+        (
+            "GRPO",
+            f"group size {lc.group_size}, {lc.prompts_per_step} prompts per step, lr {lc.lr:g}, "
+            f"staleness {lc.staleness}, kappa {lc.effective_kappa}",
+        ),
+        ("sampling", f"temperature {sampling.temperature:g}, top_p {sampling.top_p:g}, max_new_tokens {sampling.max_new_tokens}"),
         *reward_facts(config.data_dir / METRICS_FILE, step),
     ]
     table = ["| | |", "|---|---|", *(f"| {what} | {value.replace('|', '/')} |" for what, value in facts)]
-    return "\n".join([
-        "---", "library_name: transformers", "tags:", "- echo2", "- grpo", "---", "",
-        f"# {config.data_dir.name}: step {step}", "",
-        "A policy trained with echo2 (GRPO on rollouts from volunteer nodes).", "", *table, "",
-        f"The run's whole config is in `{RUN_CONFIG_FILE}`: `echo-hub eval --model <this directory>` evaluates on "
-        "the run's task with its sampling.", "",
-    ])
+    return "\n".join(
+        [
+            "---",
+            "library_name: transformers",
+            "tags:",
+            "- echo2",
+            "- grpo",
+            "---",
+            "",
+            f"# {config.data_dir.name}: step {step}",
+            "",
+            "A policy trained with echo2 (GRPO on rollouts from volunteer nodes).",
+            "",
+            *table,
+            "",
+            f"The run's whole config is in `{RUN_CONFIG_FILE}`: `echo-hub eval --model <this directory>` evaluates on "
+            "the run's task with its sampling.",
+            "",
+        ]
+    )
 
 
 def reward_facts(metrics: Path, step: int) -> list[tuple[str, str]]:
@@ -60,9 +77,14 @@ def eval_facts(evals: list[dict[str, float]]) -> list[tuple[str, str]]:
     if not evals:
         return []
     a, b = evals[0], evals[-1]
-    steps, rewards = (f"step {b['eval_step']}", f"{b['eval_reward']:.3f}") if a is b else (
-        f"step {a['eval_step']} -> {b['eval_step']}", f"{a['eval_reward']:.3f} -> {b['eval_reward']:.3f}")
+    steps, rewards = (
+        (f"step {b['eval_step']}", f"{b['eval_reward']:.3f}")
+        if a is b
+        else (f"step {a['eval_step']} -> {b['eval_step']}", f"{a['eval_reward']:.3f} -> {b['eval_reward']:.3f}")
+    )
     facts = [(f"held-out reward ({steps}, {b['eval_prompts']} prompts)", rewards)]
     if int(b["eval_k"]) > 1:
-        facts.append((f"held-out pass@1 / pass@{int(b['eval_k'])} (last)", f"{b['eval_pass_at_1']:.3f} / {b['eval_pass_at_k']:.3f}"))
+        facts.append(
+            (f"held-out pass@1 / pass@{int(b['eval_k'])} (last)", f"{b['eval_pass_at_1']:.3f} / {b['eval_pass_at_k']:.3f}")
+        )
     return facts

@@ -48,10 +48,16 @@ def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_
     if saved is not None:
         s, temperature = config.sampling, config.eval.temperature
         temperature = s.temperature if temperature is None else temperature
-        print(f"echo-hub eval: the run's config {saved}: task {config.task}, temperature {temperature:g}, top_p "
-              f"{s.top_p:g}, max_new_tokens {s.max_new_tokens} (--config or flags override it)", file=sys.stderr)
-    print(f"echo-hub eval: {model} on {min(config.eval.prompts, len(task.prompts()))} held-out prompts of "
-          f"{config.eval.task or config.task} x {config.eval.samples} samples ({dtype}, {device})", file=sys.stderr)
+        print(
+            f"echo-hub eval: the run's config {saved}: task {config.task}, temperature {temperature:g}, top_p "
+            f"{s.top_p:g}, max_new_tokens {s.max_new_tokens} (--config or flags override it)",
+            file=sys.stderr,
+        )
+    print(
+        f"echo-hub eval: {model} on {min(config.eval.prompts, len(task.prompts()))} held-out prompts of "
+        f"{config.eval.task or config.task} x {config.eval.samples} samples ({dtype}, {device})",
+        file=sys.stderr,
+    )
     evaluator = Evaluator(model, task, config.eval, config.sampling, dtype, device, config.learner.seed)
     row = evaluator.evaluate(0)
     assert row is not None  # None only when told to stop

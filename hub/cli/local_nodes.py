@@ -82,24 +82,48 @@ def local_nodes_device(choice: str, learner_device: str) -> str:
 
 
 def join_argv(
-    hub_addr: str, price: float, device: str, node_dir: Path, link_mbps: float | None, model: Path | None,
+    hub_addr: str,
+    price: float,
+    device: str,
+    node_dir: Path,
+    link_mbps: float | None,
+    model: Path | None,
     extra_args: tuple[str, ...],
 ) -> list[str]:
     """The `echo-node join` command line of one local node."""
     from shared.default_model import default_model_dir
 
     return [
-        "join", "--hub", hub_addr, "--price", str(price),
-        "--backend", "hf", "--device", device, "--data-dir", str(node_dir), "--listen", "/ip4/127.0.0.1/tcp/0",
+        "join",
+        "--hub",
+        hub_addr,
+        "--price",
+        str(price),
+        "--backend",
+        "hf",
+        "--device",
+        device,
+        "--data-dir",
+        str(node_dir),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
         *(["--link-mbps", str(link_mbps)] if link_mbps else []),
         # The hub's own directory: a node on the hub's machine need not fetch its config and tokenizer.
-        "--model", str(Path(model or default_model_dir()).resolve()), *extra_args,
+        "--model",
+        str(Path(model or default_model_dir()).resolve()),
+        *extra_args,
     ]
 
 
 def spawn_local_nodes(
-    count: int, hub_addr: str, data_dir: Path, link_mbps: float | None = None, model: Path | None = None,
-    extra_args: tuple[str, ...] = (), device: str = "cpu", log: tuple[float, int] = (LOG_MAX_MB, LOG_BACKUPS),
+    count: int,
+    hub_addr: str,
+    data_dir: Path,
+    link_mbps: float | None = None,
+    model: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+    device: str = "cpu",
+    log: tuple[float, int] = (LOG_MAX_MB, LOG_BACKUPS),
 ) -> list[LocalNode]:
     """`count` nodes joining `hub_addr` on `device`, each with the hub's model (`model`; None: the embedded default);
     `log`: the size cap in MB and the backups of each node's log and output file (the hub's own)."""
@@ -110,11 +134,19 @@ def spawn_local_nodes(
         price = LOCAL_NODE_PRICES[i % len(LOCAL_NODE_PRICES)]
         # The hub makes the node's key, so it knows its own nodes apart from strangers on its address.
         peer_id = Identity.load_or_create(node_dir / NODE_KEY_FILE).peer_id
-        argv = join_argv(hub_addr, price, device, node_dir, link_mbps, model,
-                         ("--log-max-mb", str(log[0]), "--log-backups", str(log[1]), *extra_args))
+        argv = join_argv(
+            hub_addr,
+            price,
+            device,
+            node_dir,
+            link_mbps,
+            model,
+            ("--log-max-mb", str(log[0]), "--log-backups", str(log[1]), *extra_args),
+        )
         # daemon: a hub that exits without stopping its nodes (an error) takes them with it.
-        process = _FORKSERVER.Process(target=_node_main, args=(argv, str(node_dir / LOCAL_NODE_OUT_FILE), *log),
-                                      name=f"echo-node-{i}", daemon=True)
+        process = _FORKSERVER.Process(
+            target=_node_main, args=(argv, str(node_dir / LOCAL_NODE_OUT_FILE), *log), name=f"echo-node-{i}", daemon=True
+        )
         process.start()
         nodes.append(LocalNode(i, peer_id, price, node_dir, process))
     return nodes

@@ -128,7 +128,7 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 # One example per command, at the end of its --help.
 EXAMPLES: dict[str, str] = {
     "start": "echo-hub start --task train.jsonl --num-generations 8 --max-steps 500 --learning-rate 1e-5 \\\n"
-             "    --lr-scheduler cosine --warmup-ratio 0.1 --report-to tensorboard --log-completions 4",
+    "    --lr-scheduler cosine --warmup-ratio 0.1 --report-to tensorboard --log-completions 4",
     "config": "echo-hub config > hub.toml && echo-hub start --config hub.toml",
     "status": "echo-hub status --data-dir echo2-data",
     "plan": "echo-hub plan --fleet fleet.toml --t-train 2.0 --t-bcast 5.0",
@@ -156,13 +156,32 @@ def start_flags_by_field() -> dict[str, list[str]]:
 
 def _add_parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
     """A subcommand whose --help ends with its example."""
-    return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {EXAMPLES[name]}",
-                          formatter_class=EXAMPLE_FORMAT)
+    return sub.add_parser(
+        name, help=help, description=help, epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=EXAMPLE_FORMAT
+    )
 
 
 # The flags of `echo-hub eval`: what picks the policy's prompts and how they are sampled.
-EVAL_FLAGS = ("task", "seed", "max_new_tokens", "temperature", "top_p", "dtype", "prompt_column", "answer_column",
-              "reward", "reward_weights", "reward_style", "dataset_split", "chat", "eval_task", "eval_split", "eval_prompts", "eval_samples", "eval_temperature")
+EVAL_FLAGS = (
+    "task",
+    "seed",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "dtype",
+    "prompt_column",
+    "answer_column",
+    "reward",
+    "reward_weights",
+    "reward_style",
+    "dataset_split",
+    "chat",
+    "eval_task",
+    "eval_split",
+    "eval_prompts",
+    "eval_samples",
+    "eval_temperature",
+)
 
 
 def _start_parser(sub: argparse._SubParsersAction) -> None:
@@ -170,21 +189,42 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
     from hub.config import HubConfig
     from shared.config import flag_help
 
-    p.add_argument("--config", type=Path,
-                   help="hub.toml: any field of `echo-hub config` (flat keys like staleness = 4 work too); flags override it")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="hub.toml: any field of `echo-hub config` (flat keys like staleness = 4 work too); flags override it",
+    )
     for flag, (dotted, kind) in START_FLAGS.items():
-        p.add_argument(*_flags(flag), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted),
-                       action="append" if flag in REPEATED_FLAGS else "store")
+        p.add_argument(
+            *_flags(flag),
+            dest=flag,
+            type=kind,
+            default=None,
+            help=flag_help(HubConfig, dotted),
+            action="append" if flag in REPEATED_FLAGS else "store",
+        )
     for flag, dotted in START_SWITCHES.items():
-        p.add_argument("--" + flag.replace("_", "-"), dest=flag, action="store_const", const=True, default=None,
-                       help=flag_help(HubConfig, dotted, switch=True))
+        p.add_argument(
+            "--" + flag.replace("_", "-"),
+            dest=flag,
+            action="store_const",
+            const=True,
+            default=None,
+            help=flag_help(HubConfig, dotted, switch=True),
+        )
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live progress display")
     resume = p.add_mutually_exclusive_group()
-    resume.add_argument("--fresh", action="store_true",
-                        help="start a new run even if DATA_DIR holds one (the old run is renamed DATA_DIR.old-<time>)")
-    resume.add_argument("--resume-anyway", action="store_true",
-                        help="resume DATA_DIR's run even though its model, task or training settings (lr, group "
-                             "size, staleness...) differ from this start's")
+    resume.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start a new run even if DATA_DIR holds one (the old run is renamed DATA_DIR.old-<time>)",
+    )
+    resume.add_argument(
+        "--resume-anyway",
+        action="store_true",
+        help="resume DATA_DIR's run even though its model, task or training settings (lr, group "
+        "size, staleness...) differ from this start's",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,9 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--hub", help="multiaddr of a running hub (with /p2p/<id>)")
     where.add_argument("--data-dir", type=Path, default=None, help="read DATA_DIR/status.json (default ./echo2-data)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
-    status.add_argument("--key", type=Path, default=None,
-                        help="with --hub: ask as this identity (the hub's DATA_DIR/hub.key, or a key listed in "
-                             "trust.status_operators, sees nodes' prices and costs; others see them hidden)")
+    status.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        help="with --hub: ask as this identity (the hub's DATA_DIR/hub.key, or a key listed in "
+        "trust.status_operators, sees nodes' prices and costs; others see them hidden)",
+    )
 
     from hub.cli.plan import add_plan_arguments
 
@@ -219,12 +263,22 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.config import flag_help
 
     ev.add_argument("--model", type=Path, required=True, help="policy directory (save_pretrained layout)")
-    ev.add_argument("--config", type=Path, help="hub.toml of the run: its task, sampling and eval settings (default: "
-                    "the echo2.toml a run saves beside each policy, when MODEL has one)")
+    ev.add_argument(
+        "--config",
+        type=Path,
+        help="hub.toml of the run: its task, sampling and eval settings (default: "
+        "the echo2.toml a run saves beside each policy, when MODEL has one)",
+    )
     for flag in EVAL_FLAGS:
         dotted, kind = START_FLAGS[flag]
-        ev.add_argument(*_flags(flag), dest=flag, type=kind, default=None, help=flag_help(HubConfig, dotted),
-                        action="append" if flag in REPEATED_FLAGS else "store")
+        ev.add_argument(
+            *_flags(flag),
+            dest=flag,
+            type=kind,
+            default=None,
+            help=flag_help(HubConfig, dotted),
+            action="append" if flag in REPEATED_FLAGS else "store",
+        )
     ev.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     ev.add_argument("--json", action="store_true", help="print the result as one JSON line")
 
@@ -249,8 +303,10 @@ def prepare_start(config, fresh: bool, anyway: bool):
     model_dir = config.model or default_model_dir()
     resume = None if fresh else check_resume(config, model_dir, anyway)
     if resume is not None and resume.finished:
-        print(f"echo-hub: nothing to do: the run is at step {resume.step}; pass --steps M > {resume.step} to train "
-              f"on (its final policy: {config.data_dir / FINAL_DIR})")
+        print(
+            f"echo-hub: nothing to do: the run is at step {resume.step}; pass --steps M > {resume.step} to train "
+            f"on (its final policy: {config.data_dir / FINAL_DIR})"
+        )
         return None
     if fresh and config.data_dir.exists() and any(config.data_dir.iterdir()):
         lock_data_dir(config.data_dir, HUB_LOCK_FILE, "hub").close()  # refused while another hub runs on it
@@ -319,8 +375,12 @@ def _start(args: argparse.Namespace) -> int:
     except Exception as exc:
         if disk_full(exc) is None:
             raise
-        print(f"echo-hub: the disk of --data-dir {config.data_dir} is full ({free_space(config.data_dir)}); free some "
-              "space, or pass another --data-dir", file=sys.stderr, flush=True)
+        print(
+            f"echo-hub: the disk of --data-dir {config.data_dir} is full ({free_space(config.data_dir)}); free some "
+            "space, or pass another --data-dir",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
 
 

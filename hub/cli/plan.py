@@ -50,7 +50,9 @@ class FleetNode(Section):
 class Fleet(Section):
     """FLEET.toml: the candidate nodes."""
 
-    node: tuple[FleetNode, ...] = Field(min_length=1, max_length=1_000_000, description="the candidate nodes, as [[node]] tables (at least one)")
+    node: tuple[FleetNode, ...] = Field(
+        min_length=1, max_length=1_000_000, description="the candidate nodes, as [[node]] tables (at least one)"
+    )
 
     @field_validator("node")
     @classmethod
@@ -66,13 +68,20 @@ class Fleet(Section):
 class PlanConfig(Section):
     """What `echo-hub plan` sizes a fleet for; the hub's own settings keep the hub's defaults and bounds."""
 
-    rollouts_per_step: float = Field(128 * 16, gt=0.0, le=1e12, description="accepted rollouts needed per step (128 prompts x n = 16 by default, docs/DESIGN.md §1); to count the groups the learner skips, divide by the share it trains on (`echo-hub status`)")
+    rollouts_per_step: float = Field(
+        128 * 16,
+        gt=0.0,
+        le=1e12,
+        description="accepted rollouts needed per step (128 prompts x n = 16 by default, docs/DESIGN.md §1); to count the groups the learner skips, divide by the share it trains on (`echo-hub status`)",
+    )
     t_train: float = Field(gt=0.0, le=1e7, description="seconds per learner step")
     t_bcast: float = Field(ge=0.0, le=1e7, description="seconds to broadcast a snapshot to the fleet")
     staleness: int = field_of(LearnerConfig, "staleness", description="staleness budget S in versions")
     kappa: int | None = field_of(LearnerConfig, "kappa", description="publish period in learner steps (default max(1, S - 1))")
     gamma: float = field_of(SchedulerConfig, "gamma")
-    learner_price: float = field_of(LearnerConfig, "learner_price_per_hour", description="learner $/h (an A100 80GB's by default)")
+    learner_price: float = field_of(
+        LearnerConfig, "learner_price_per_hour", description="learner $/h (an A100 80GB's by default)"
+    )
 
     @property
     def effective_kappa(self) -> int:
@@ -146,16 +155,27 @@ def compute_plan(fleet: list[NodeOffer], plan: PlanConfig) -> PlanResult:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `echo-hub plan`: each sets the PlanConfig field of its name (bounds and defaults there)."""
     fields = PlanConfig.model_fields
-    parser.add_argument("--fleet", type=Path, required=True, metavar="FLEET.toml",
-                        help="candidate nodes: [[node]] tables with name, price_per_hour, rollouts_per_s")
+    parser.add_argument(
+        "--fleet",
+        type=Path,
+        required=True,
+        metavar="FLEET.toml",
+        help="candidate nodes: [[node]] tables with name, price_per_hour, rollouts_per_s",
+    )
     parser.add_argument("--t-train", type=float, required=True, metavar="T", help=fields["t_train"].description)
     parser.add_argument("--t-bcast", type=float, required=True, metavar="B", help=fields["t_bcast"].description)
-    for name, metavar, kind in (("rollouts_per_step", "R", float), ("staleness", "S", int), ("kappa", "K", int),
-                                ("gamma", "G", float), ("learner_price", "P", float)):
+    for name, metavar, kind in (
+        ("rollouts_per_step", "R", float),
+        ("staleness", "S", int),
+        ("kappa", "K", int),
+        ("gamma", "G", float),
+        ("learner_price", "P", float),
+    ):
         field = fields[name]
         default = "" if field.default is None else f" (default {field.default:g})"
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar,
-                            help=f"{field.description}{default}".replace("%", "%%"))
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=kind, metavar=metavar, help=f"{field.description}{default}".replace("%", "%%")
+        )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -176,8 +196,7 @@ def _print_table(result: PlanResult, console: Console) -> None:
     nodes.add_column("rollouts/s", justify="right")
     nodes.add_column("rho ($/h per rollout/s)", justify="right")
     for position, node in enumerate(result.active, start=1):
-        nodes.add_row(str(position), node.name, f"{node.price_per_hour:.4g}",
-                      f"{node.rollouts_per_s:.4g}", f"{node.rho:.4g}")
+        nodes.add_row(str(position), node.name, f"{node.price_per_hour:.4g}", f"{node.rollouts_per_s:.4g}", f"{node.rho:.4g}")
     summary = Table(title=f"plan (kappa = {result.kappa})", show_header=False)
     summary.add_column("quantity")
     summary.add_column("value", justify="right")

@@ -119,17 +119,23 @@ def check_learner_procs(config: HubConfig) -> None:
     if world == 1:
         return
     if lc.lora_rank:
-        raise UserError(f"--lora-rank {lc.lora_rank} with {world} learner processes: LoRA adapters train on one "
-                        "learner process; drop --learner-procs (or --lora-rank)")
+        raise UserError(
+            f"--lora-rank {lc.lora_rank} with {world} learner processes: LoRA adapters train on one "
+            "learner process; drop --learner-procs (or --lora-rank)"
+        )
     if lc.beta > 0:
-        raise UserError(f"learner.beta = {lc.beta:g} with {world} learner processes: the KL reference model is not "
-                        "sharded; set beta = 0 or run one learner process")
+        raise UserError(
+            f"learner.beta = {lc.beta:g} with {world} learner processes: the KL reference model is not "
+            "sharded; set beta = 0 or run one learner process"
+        )
     if resolve_device(lc.device, "--device") == "cuda":
         import torch
 
         if torch.cuda.device_count() < lc.procs:
-            raise UserError(f"--learner-procs {lc.procs}: this machine has {torch.cuda.device_count()} CUDA devices, one "
-                            "per learner process is needed")
+            raise UserError(
+                f"--learner-procs {lc.procs}: this machine has {torch.cuda.device_count()} CUDA devices, one "
+                "per learner process is needed"
+            )
 
 
 def check_learner_kernels(config: HubConfig) -> None:
@@ -140,19 +146,25 @@ def check_learner_kernels(config: HubConfig) -> None:
     world = int(os.environ.get("WORLD_SIZE", lc.procs))
     if lc.optimizer == "adamw8bit":
         if importlib.util.find_spec("torchao") is None:
-            raise UserError("--optimizer adamw8bit needs torchao: pip install -e \".[lowbit]\" (or --optimizer adamw)")
+            raise UserError('--optimizer adamw8bit needs torchao: pip install -e ".[lowbit]" (or --optimizer adamw)')
         if world > 1:
-            raise UserError(f"--optimizer adamw8bit with {world} learner processes: its 8-bit moments train on one "
-                            "learner process; drop --learner-procs (or use --optimizer adamw)")
+            raise UserError(
+                f"--optimizer adamw8bit with {world} learner processes: its 8-bit moments train on one "
+                "learner process; drop --learner-procs (or use --optimizer adamw)"
+            )
     if lc.attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise UserError("--attention flash_attention_2 needs the flash-attn package (pip install flash-attn); "
-                        "or use --attention flex_attention on CUDA, or sdpa")
+        raise UserError(
+            "--attention flash_attention_2 needs the flash-attn package (pip install flash-attn); "
+            "or use --attention flex_attention on CUDA, or sdpa"
+        )
     if lc.attention == "flex_attention" and resolve_device(lc.device, "--device") != "cuda":
-        raise UserError("--attention flex_attention trains on CUDA only (torch's flex attention has no CPU "
-                        "backward); use --attention sdpa")
+        raise UserError(
+            "--attention flex_attention trains on CUDA only (torch's flex attention has no CPU backward); use --attention sdpa"
+        )
     if lc.compile and resolve_device(lc.device, "--device") == "cpu" and not any(map(shutil.which, ("c++", "g++", "clang++"))):
-        raise UserError("--compile on a CPU needs a C++ compiler (torch.compile's CPU kernels are C++): install g++, "
-                        "or drop --compile")
+        raise UserError(
+            "--compile on a CPU needs a C++ compiler (torch.compile's CPU kernels are C++): install g++, or drop --compile"
+        )
 
 
 def check_lora(config: HubConfig) -> None:
@@ -180,25 +192,40 @@ def check_trackers(config: HubConfig) -> None:
 
     missing = missing_tracker_packages(config.tracking)
     if missing:
-        raise UserError(f"--report-to {','.join(config.tracking.report_to)}: {', '.join(missing)} not installed; "
-                        f"{TRACK_EXTRA}")
+        raise UserError(f"--report-to {','.join(config.tracking.report_to)}: {', '.join(missing)} not installed; {TRACK_EXTRA}")
 
 
 # What a run trains with besides its model, task and held-out prompts, by the name the user knows (its flag, or
 # its hub.toml key) -> where HubConfig keeps it. A resume that changes one is refused unless --resume-anyway;
 # what changes only how or how long the run goes (devices, ports, logging, steps, checkpoints) never is.
 TRAINING_SETTINGS = {
-    "lr": "learner.lr", "group_size": "learner.group_size", "prompts_per_step": "learner.prompts_per_step",
-    "staleness": "learner.staleness", "kappa": "learner.effective_kappa", "seed": "learner.seed",
-    "weight_decay": "learner.weight_decay", "grad_clip": "learner.grad_clip", "eps_low": "learner.eps_low",
-    "eps_high": "learner.eps_high", "use_is_ratio": "learner.use_is_ratio", "max_is_ratio": "learner.max_is_ratio",
-    "beta": "learner.beta", "advantage_scale": "learner.advantage_scale",
-    "lr_scheduler": "learner.lr_scheduler", "warmup_ratio": "learner.warmup_ratio",
+    "lr": "learner.lr",
+    "group_size": "learner.group_size",
+    "prompts_per_step": "learner.prompts_per_step",
+    "staleness": "learner.staleness",
+    "kappa": "learner.effective_kappa",
+    "seed": "learner.seed",
+    "weight_decay": "learner.weight_decay",
+    "grad_clip": "learner.grad_clip",
+    "eps_low": "learner.eps_low",
+    "eps_high": "learner.eps_high",
+    "use_is_ratio": "learner.use_is_ratio",
+    "max_is_ratio": "learner.max_is_ratio",
+    "beta": "learner.beta",
+    "advantage_scale": "learner.advantage_scale",
+    "lr_scheduler": "learner.lr_scheduler",
+    "warmup_ratio": "learner.warmup_ratio",
     "skip_zero_variance": "learner.skip_zero_variance",
-    "max_new_tokens": "sampling.max_new_tokens", "temperature": "sampling.temperature", "top_p": "sampling.top_p",
-    "prompt_column": "dataset.prompt_column", "answer_column": "dataset.answer_column", "reward": "dataset.reward",
-    "reward_weights": "dataset.reward_weights", "reward_style": "dataset.reward_style",
-    "dataset_split": "dataset.split", "chat": "dataset.chat",
+    "max_new_tokens": "sampling.max_new_tokens",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "prompt_column": "dataset.prompt_column",
+    "answer_column": "dataset.answer_column",
+    "reward": "dataset.reward",
+    "reward_weights": "dataset.reward_weights",
+    "reward_style": "dataset.reward_style",
+    "dataset_split": "dataset.split",
+    "chat": "dataset.chat",
 }
 
 
@@ -211,15 +238,18 @@ def held_out_spec(config: HubConfig) -> str:
 
 def training_settings(config: HubConfig) -> dict[str, str]:
     """TRAINING_SETTINGS of `config`, each value as JSON text (how the store records them)."""
-    return {name: json.dumps(functools.reduce(getattr, dotted.split("."), config))
-            for name, dotted in TRAINING_SETTINGS.items()}
+    return {name: json.dumps(functools.reduce(getattr, dotted.split("."), config)) for name, dotted in TRAINING_SETTINGS.items()}
 
 
 def run_identity(config: HubConfig, model_dir: Path) -> dict[str, str]:
     """What the run this start asks for trains (the store records it; a resume is checked against it): the model's
     fingerprint, the task, the held-out prompts and the training settings."""
-    return {"model_fingerprint": model_fingerprint(model_dir), "task": config.task.strip(),
-            "held_out": held_out_spec(config), **training_settings(config)}
+    return {
+        "model_fingerprint": model_fingerprint(model_dir),
+        "task": config.task.strip(),
+        "held_out": held_out_spec(config),
+        **training_settings(config),
+    }
 
 
 @dataclass(frozen=True)
@@ -247,9 +277,11 @@ def read_run(config: HubConfig) -> RecordedRun | None:
         found = db.execute("PRAGMA user_version").fetchone()[0]
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if tables and found != SCHEMA_VERSION:
-            raise UserError(f"--data-dir {config.data_dir}: its store holds echo2 schema {found}, this echo2 uses "
-                            f"{SCHEMA_VERSION}; finish that run with the echo2 that started it, or pass --fresh "
-                            "(the old run is moved aside) or another --data-dir")
+            raise UserError(
+                f"--data-dir {config.data_dir}: its store holds echo2 schema {found}, this echo2 uses "
+                f"{SCHEMA_VERSION}; finish that run with the echo2 that started it, or pass --fresh "
+                "(the old run is moved aside) or another --data-dir"
+            )
         if "run" not in tables:
             return None
         return RecordedRun(
@@ -267,14 +299,19 @@ def read_run(config: HubConfig) -> RecordedRun | None:
 def check_same_run(config: HubConfig, model_dir: Path, meta: dict[str, str]) -> None:
     """UserError when the recorded run trains another model, task or held-out prompts than this start asks for."""
     fingerprint = model_fingerprint(model_dir) if model_dir.exists() else None
-    asked = (("model", "model_fingerprint", fingerprint), ("task", "task", config.task.strip()),
-             ("held-out prompts", "held_out", held_out_spec(config)))
+    asked = (
+        ("model", "model_fingerprint", fingerprint),
+        ("task", "task", config.task.strip()),
+        ("held-out prompts", "held_out", held_out_spec(config)),
+    )
     changed = [(what, key) for what, key, now in asked if now is not None and key in meta and meta[key] != now]
     if changed:
         was = ", ".join(f"{what} {meta[key]!r}" for what, key in changed)
-        raise UserError(f"--data-dir {config.data_dir} holds a run of another {' and '.join(w for w, _ in changed)} "
-                        f"({was}); pass --fresh to start over (the old run is moved aside), --resume-anyway to go on "
-                        "with the new one, or another --data-dir")
+        raise UserError(
+            f"--data-dir {config.data_dir} holds a run of another {' and '.join(w for w, _ in changed)} "
+            f"({was}); pass --fresh to start over (the old run is moved aside), --resume-anyway to go on "
+            "with the new one, or another --data-dir"
+        )
 
 
 def changed_settings(config: HubConfig, meta: dict[str, str]) -> tuple[str, ...]:
@@ -294,12 +331,19 @@ def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | N
     if not anyway:
         check_same_run(config, model_dir, run.meta)
         if changed:
-            raise UserError(f"--data-dir {config.data_dir}: on resume: {', '.join(changed)}; start it with the run's "
-                            "settings, pass --resume-anyway to go on with these, or --fresh to start over (the old run "
-                            "is moved aside)")
-    resume = Resume(step=run.step, groups_waiting=run.groups_waiting, model=run.meta.get("model", "?"),
-                    task=run.meta.get("task", "?"), changed=changed,
-                    finished=0 < config.steps <= run.step and (config.data_dir / FINAL_DIR).is_dir())
+            raise UserError(
+                f"--data-dir {config.data_dir}: on resume: {', '.join(changed)}; start it with the run's "
+                "settings, pass --resume-anyway to go on with these, or --fresh to start over (the old run "
+                "is moved aside)"
+            )
+    resume = Resume(
+        step=run.step,
+        groups_waiting=run.groups_waiting,
+        model=run.meta.get("model", "?"),
+        task=run.meta.get("task", "?"),
+        changed=changed,
+        finished=0 < config.steps <= run.step and (config.data_dir / FINAL_DIR).is_dir(),
+    )
     if not resume.finished:  # a finished run loads no checkpoint
         check_checkpoint_fits(config)
     return resume
@@ -319,16 +363,20 @@ def check_checkpoint_fits(config: HubConfig) -> None:
     fix = "start it so, or pass --fresh (the old run is moved aside) or another --data-dir"
     if not checkpoint.adapter_path.exists():
         if lc.lora_rank:
-            raise UserError(f"--lora-rank {lc.lora_rank}: the run in {config.data_dir} trains full weights "
-                            f"(checkpoint step {checkpoint.step}); drop --lora-rank, or pass --fresh or another --data-dir")
+            raise UserError(
+                f"--lora-rank {lc.lora_rank}: the run in {config.data_dir} trains full weights "
+                f"(checkpoint step {checkpoint.step}); drop --lora-rank, or pass --fresh or another --data-dir"
+            )
         return
     try:
         spec = snapshot_spec(checkpoint.adapter_path)
     except SnapshotError as exc:
         raise UserError(f"{checkpoint.adapter_path}: {exc}") from None
     if spec is not None and (spec.rank, spec.alpha) != (lc.lora_rank, lc.lora_alpha):
-        raise UserError(f"the run in {config.data_dir} trains LoRA adapters of rank {spec.rank}, alpha {spec.alpha:g} "
-                        f"(checkpoint step {checkpoint.step}): {fix} (--lora-rank {spec.rank} --lora-alpha {spec.alpha:g})")
+        raise UserError(
+            f"the run in {config.data_dir} trains LoRA adapters of rank {spec.rank}, alpha {spec.alpha:g} "
+            f"(checkpoint step {checkpoint.step}): {fix} (--lora-rank {spec.rank} --lora-alpha {spec.alpha:g})"
+        )
 
 
 def move_aside(data_dir: Path, keep_key: bool) -> Path:
@@ -338,8 +386,10 @@ def move_aside(data_dir: Path, keep_key: bool) -> Path:
     try:
         os.rename(data_dir, aside)
     except OSError as exc:  # a name past the filesystem's limit, a data dir that is a mount point...
-        raise UserError(f"--fresh: the old run in --data-dir {data_dir} cannot be renamed {aside.name} "
-                        f"({exc.strerror}); move it away yourself, or pass another --data-dir") from None
+        raise UserError(
+            f"--fresh: the old run in --data-dir {data_dir} cannot be renamed {aside.name} "
+            f"({exc.strerror}); move it away yourself, or pass another --data-dir"
+        ) from None
     if keep_key and (aside / HUB_KEY_FILE).exists():
         data_dir.mkdir()
         shutil.copy2(aside / HUB_KEY_FILE, data_dir / HUB_KEY_FILE)

@@ -39,8 +39,13 @@ def _steps(status: HubStatus) -> str:
 async def live_progress(hub) -> None:
     total = hub.config.steps or None
     with Progress(
-        SpinnerColumn(), TextColumn("[bold]learner steps"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TextColumn("{task.description}"), transient=False,
+        SpinnerColumn(),
+        TextColumn("[bold]learner steps"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        transient=False,
     ) as progress:
         task = progress.add_task("starting", total=total)
         while True:
@@ -62,12 +67,16 @@ def stall_cause(discards: dict[str, int], waiting: int, needed: int) -> str:
     total = sum(discards.values())
     zero = discards.get(REASON_ZERO_VARIANCE, 0)
     if total and zero >= ZERO_VARIANCE_SHARE * total:
-        return (f"{zero} of the last {total} groups had equal rewards, so they teach nothing: the task may be too "
-                "hard (or too easy) for this model; try an easier task, a larger --group-size, or a higher --temperature")
+        return (
+            f"{zero} of the last {total} groups had equal rewards, so they teach nothing: the task may be too "
+            "hard (or too easy) for this model; try an easier task, a larger --group-size, or a higher --temperature"
+        )
     stale = discards.get(REASON_STALE, 0)
     if total and stale >= total / 2:
-        return (f"{stale} of the last {total} groups arrived too stale to train on: raise --staleness, or shrink "
-                "the snapshot / speed up the broadcast")
+        return (
+            f"{stale} of the last {total} groups arrived too stale to train on: raise --staleness, or shrink "
+            "the snapshot / speed up the broadcast"
+        )
     return f"only {waiting} usable groups waiting, {needed} needed per step: the fleet is too slow or too small"
 
 
@@ -77,8 +86,10 @@ def rejection_cause(reasons: dict[str, int], rejected: int) -> str:
     if not total:
         return f"{rejected} of them were rejected"
     top = max(reasons, key=reasons.__getitem__)
-    return (f"{rejected} of them were rejected, most for \"{top}\" ({reasons[top]} of the last {total} rejections): "
-            "the nodes' work fails the hub's checks (each node is told why)")
+    return (
+        f'{rejected} of them were rejected, most for "{top}" ({reasons[top]} of the last {total} rejections): '
+        "the nodes' work fails the hub's checks (each node is told why)"
+    )
 
 
 def _groups_in(hub) -> tuple[int, int]:
@@ -114,8 +125,7 @@ async def watch_for_stalls(hub, threshold_s: float) -> None:
         if warned or trio.current_time() - since < threshold_s:
             continue
         cause = await _cause(hub, accepted, rejected)
-        detail = (f"no learner step for {trio.current_time() - since:.0f}s while {accepted + rejected} groups arrived: "
-                  f"{cause}")
+        detail = f"no learner step for {trio.current_time() - since:.0f}s while {accepted + rejected} groups arrived: {cause}"
         log.warning(detail)
         print(f"echo-hub: warning: {detail}", flush=True)
         await hub.state.event("learner_stalled", None, detail)

@@ -37,12 +37,18 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
     axes[0].plot(steps, rewards, label="rollout reward", alpha=0.6)
     axes[0].plot(steps, [r["reward_mean"] for r in rows], label="reward of trained groups", alpha=0.4)
     window = max(1, len(rows) // 10)
-    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / min(window, i + 1) for i in range(len(rows))]
+    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / min(window, i + 1) for i in range(len(rows))]
     axes[0].plot(steps, smooth, label=f"moving mean ({window} steps)", linewidth=2)
     evals = read_evals(Path(data_dir) / METRICS_FILE)
     if evals:
-        axes[0].plot([e["eval_step"] for e in evals], [e["eval_reward"] for e in evals], "o-", color="black",
-                     label=f"held-out reward ({int(evals[-1]['eval_prompts'])} prompts)", linewidth=2)
+        axes[0].plot(
+            [e["eval_step"] for e in evals],
+            [e["eval_reward"] for e in evals],
+            "o-",
+            color="black",
+            label=f"held-out reward ({int(evals[-1]['eval_prompts'])} prompts)",
+            linewidth=2,
+        )
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")
     _loss_and_kl(axes[1], steps, rows)
@@ -62,8 +68,7 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
     try:
         fig.savefig(out, dpi=110)
     except OSError as exc:  # a read-only data dir (a finished run on a shared mount), a full disk...
-        raise UserError(f"{out}: cannot write it ({exc.strerror}); pass --out PATH in a directory you can "
-                        "write to") from None
+        raise UserError(f"{out}: cannot write it ({exc.strerror}); pass --out PATH in a directory you can write to") from None
     finally:
         plt.close(fig)
     return out

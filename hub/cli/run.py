@@ -66,8 +66,9 @@ class Hub:
     """Everything the hub runs, built in order and wired together: HubState's three owners hold the state, the
     rest read it or call their commands; no component stands in for one built later."""
 
-    def __init__(self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool,
-                 asked: HubConfig | None = None) -> None:
+    def __init__(
+        self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool, asked: HubConfig | None = None
+    ) -> None:
         """`asked`: the config before this machine resolved its devices (what final/ and checkpoints record, so
         the run's echo2.toml starts on another machine); `config` when omitted."""
         from hub.cli.build import build_hub_state
@@ -113,24 +114,41 @@ class Hub:
         # (T_train, the usable fraction, the S and kappa a resumed run goes on at) is in the state's measurements.
         window = self.state.measurements.learner
         self.scheduler = Scheduler(
-            config.scheduler, self.state.fleet,
-            LearnerTiming(window.kappa, lc.prompts_per_step * lc.group_size, self.state.measurements,
-                          staleness=window.staleness, rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size),
+            config.scheduler,
+            self.state.fleet,
+            LearnerTiming(
+                window.kappa,
+                lc.prompts_per_step * lc.group_size,
+                self.state.measurements,
+                staleness=window.staleness,
+                rollouts_per_lease=config.lease.prompts_per_lease * lc.group_size,
+            ),
             set_state=self.state.membership.set_state,
-            adaptive=StalenessBounds(lc.staleness_max, lc.drift_max, lc.learner_price_per_hour)
-            if lc.staleness_auto else None,
+            adaptive=StalenessBounds(lc.staleness_max, lc.drift_max, lc.learner_price_per_hour) if lc.staleness_auto else None,
             start_step=window.step,
         )
         self.watch: RankWatch | None = None
         self.learner = LearnerComponent(
-            lc, config.sampling, model_dir, config.data_dir, self.state, identity,
-            self.snapshot_send, config.steps, config.broadcast.chunk_kib * 1024, config.broadcast.delta_max_ratio,
+            lc,
+            config.sampling,
+            model_dir,
+            config.data_dir,
+            self.state,
+            identity,
+            self.snapshot_send,
+            config.steps,
+            config.broadcast.chunk_kib * 1024,
+            config.broadcast.delta_max_ratio,
             extra_metrics=self._step_metrics,
-            trackers=self.trackers, evaluation=self.evaluation, ranks=self._join_ranks(),
+            trackers=self.trackers,
+            evaluation=self.evaluation,
+            ranks=self._join_ranks(),
             log_completions=config.tracking.log_completions,
             probe=functools.partial(auditor.install_probe, rows=rows),
-            card=functools.partial(run_card, asked or config, model_dir), rollouts=rollout_export(config),
-            staleness_control=self.scheduler.adapt_staleness if lc.staleness_auto else None, metrics=self.metrics,
+            card=functools.partial(run_card, asked or config, model_dir),
+            rollouts=rollout_export(config),
+            staleness_control=self.scheduler.adapt_staleness if lc.staleness_auto else None,
+            metrics=self.metrics,
         )
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
@@ -155,8 +173,11 @@ class Hub:
             self.watch.spawn(world, Path(store_file), self.config.data_dir, sys.argv[1:])
         device = device_for(lc.device, env)
         where = f"in {env.store_file}" if env.store_file else f"at {env.master_addr}:{env.master_port}"
-        print(f"echo-hub: waiting for {world - 1} learner ranks to join {where} "
-              f"(torch.distributed, {'nccl' if device.startswith('cuda') else 'gloo'})", flush=True)
+        print(
+            f"echo-hub: waiting for {world - 1} learner ranks to join {where} "
+            f"(torch.distributed, {'nccl' if device.startswith('cuda') else 'gloo'})",
+            flush=True,
+        )
         collective = join_ranks(env, device, self.watch)
         print(f"echo-hub: learner sharded over {world} processes (FSDP2)", flush=True)
         return collective, device, self.watch
@@ -202,20 +223,47 @@ class Hub:
             self.addrs = dialable_addrs(addrs)
             bc = config.broadcast
             self.broadcaster = Broadcaster(
-                host, state.fleet, self.shelf, bc.mode, bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
-                ban=state.membership.ban, event=state.event, record_t_bcast=state.record_broadcast_time,
-                reports=state.membership, measurements=state.measurements,
+                host,
+                state.fleet,
+                self.shelf,
+                bc.mode,
+                bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
+                ban=state.membership.ban,
+                event=state.event,
+                record_t_bcast=state.record_broadcast_time,
+                reports=state.membership,
+                measurements=state.measurements,
             )
             publisher = SnapshotPublisher(self.snapshot_recv, self.shelf, self.broadcaster)
             self.status = StatusBoard(
-                RunInfo(self.identity.peer_id, tuple(self.addrs), config.steps, lc.staleness, lc.effective_kappa,
-                        config.task, config.broadcast.mode),
-                config.data_dir, state, broadcaster=self.broadcaster, scheduler=self.scheduler,
+                RunInfo(
+                    self.identity.peer_id,
+                    tuple(self.addrs),
+                    config.steps,
+                    lc.staleness,
+                    lc.effective_kappa,
+                    config.task,
+                    config.broadcast.mode,
+                ),
+                config.data_dir,
+                state,
+                broadcaster=self.broadcaster,
+                scheduler=self.scheduler,
             )
             state.membership.on_change.append(self.on_membership)
             bulk = channel_for(config.listen, config.broadcast.bulk_port)
-            service = build_hub_service(host, self.identity, config, state, self.shelf, self.status.encoded,
-                                        self.context_tokens, self.broadcaster, bulk, self.model_offer)
+            service = build_hub_service(
+                host,
+                self.identity,
+                config,
+                state,
+                self.shelf,
+                self.status.encoded,
+                self.context_tokens,
+                self.broadcaster,
+                bulk,
+                self.model_offer,
+            )
             self._announce()
             from libp2p.tools.anyio_service import background_trio_service
 
@@ -223,8 +271,7 @@ class Hub:
 
             # The relay NATed nodes reserve on, for hole-punch signalling between them (node/nat.py).
             relay = relay_service(host)
-            gate = RelayGate(relay, state.fleet.is_member, self._address_key, self.broadcaster.planned_punch,
-                             self._relay_refused)
+            gate = RelayGate(relay, state.fleet.is_member, self._address_key, self.broadcaster.planned_punch, self._relay_refused)
             async with background_trio_service(relay), trio.open_nursery() as nursery:
                 nursery.start_soon(guard_relay, host, relay, gate)
                 nursery.start_soon(self.stopper.run, nursery.cancel_scope)
@@ -240,11 +287,19 @@ class Hub:
                     await nursery.start(self.evaluation.run)
                 if config.local_nodes:
                     # In a thread: the first fork waits for the node server to finish its imports.
-                    self.local_nodes = await trio.to_thread.run_sync(functools.partial(
-                        spawn_local_nodes, config.local_nodes, self.addrs[0], config.data_dir,
-                        link_mbps=config.broadcast.link_mbps, model=config.model, extra_args=("--dtype", self.dtype),
-                        device=config.local_device, log=(config.log_max_mb, config.log_backups),
-                    ))
+                    self.local_nodes = await trio.to_thread.run_sync(
+                        functools.partial(
+                            spawn_local_nodes,
+                            config.local_nodes,
+                            self.addrs[0],
+                            config.data_dir,
+                            link_mbps=config.broadcast.link_mbps,
+                            model=config.model,
+                            extra_args=("--dtype", self.dtype),
+                            device=config.local_device,
+                            log=(config.log_max_mb, config.log_backups),
+                        )
+                    )
                     state.leasing.exempt(n.peer_id for n in self.local_nodes)
                 from hub.cli.progress import live_progress, plain_progress, watch_for_stalls
 
@@ -282,8 +337,12 @@ def on_this_machine(config: HubConfig) -> HubConfig:
     from shared.precision import resolve_device
 
     learner = resolve_device(config.learner.device, "--device")
-    return config.model_copy(update={"learner": config.learner.model_copy(update={"device": learner}),
-                                     "local_device": local_nodes_device(config.local_device, learner)})
+    return config.model_copy(
+        update={
+            "learner": config.learner.model_copy(update={"device": learner}),
+            "local_device": local_nodes_device(config.local_device, learner),
+        }
+    )
 
 
 def announce_device(device: str) -> None:
@@ -309,8 +368,11 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     """Run the hub until its steps are done or it is interrupted. `lock`: the data dir lock, held until we return."""
     if resume is not None:
         changed = f"; on resume (--resume-anyway): {', '.join(resume.changed)}" if resume.changed else ""
-        print(f"echo-hub: resuming the run in {config.data_dir} at step {resume.step} "
-              f"({resume.groups_waiting} groups waiting; task {resume.task}){changed}", flush=True)
+        print(
+            f"echo-hub: resuming the run in {config.data_dir} at step {resume.step} "
+            f"({resume.groups_waiting} groups waiting; task {resume.task}){changed}",
+            flush=True,
+        )
     setup_logging(config.data_dir / HUB_LOG_FILE, config.log_level, max_mb=config.log_max_mb, backups=config.log_backups)
     import torch
     import transformers
@@ -339,8 +401,9 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
             return _stop_without_checkpoint(hub, str(lost), "Start it again", code=1)
         if disk_full(exc) is not None:
             where = config.data_dir
-            return _stop_without_checkpoint(hub, f"the disk of --data-dir {where} is full ({free_space(where)})",
-                                            "Free some space and start it again", code=2)
+            return _stop_without_checkpoint(
+                hub, f"the disk of --data-dir {where} is full ({free_space(where)})", "Free some space and start it again", code=2
+            )
         failure = found_in(exc, lambda e: isinstance(e, RewardError))
         if failure is None:
             raise
@@ -361,8 +424,12 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     print_summary(config.data_dir, interrupted=interrupted)
     if failure is not None:
         saved = " with a checkpoint" if hub.learner.step > 0 else ""
-        print(f"echo-hub: {failure}: the run stopped at step {hub.learner.step}{saved} (the traceback is in "
-              f"{HUB_LOG_FILE}); start it again to resume", file=sys.stderr, flush=True)
+        print(
+            f"echo-hub: {failure}: the run stopped at step {hub.learner.step}{saved} (the traceback is in "
+            f"{HUB_LOG_FILE}); start it again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 130 if interrupted else 0
 
@@ -395,8 +462,12 @@ def _stop_without_checkpoint(hub: Hub, why: str, how: str, code: int) -> int:
                 raise
     checkpoint = latest_checkpoint(hub.config.data_dir / CHECKPOINTS_DIR)
     resume = f"checkpoint step {checkpoint.step}" if checkpoint else "the start (no checkpoint yet)"
-    print(f"echo-hub: {why}: the run stopped at step {hub.learner.step}. {how} to resume from {resume}; "
-          "acknowledged groups are kept.", file=sys.stderr, flush=True)
+    print(
+        f"echo-hub: {why}: the run stopped at step {hub.learner.step}. {how} to resume from {resume}; "
+        "acknowledged groups are kept.",
+        file=sys.stderr,
+        flush=True,
+    )
     return code
 
 
@@ -417,8 +488,12 @@ def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
     collective = init_ranks(env, device)
     checkpoint = broadcast(None).checkpoint  # rank 0's choice: every rank must resume the same one
     if checkpoint is not None and not checkpoint.path.is_dir():
-        print(f"echo-hub learner rank {env.rank}: rank 0 resumes from {checkpoint.path}, which this machine does not "
-              "see: the data dir must be on a filesystem every machine mounts", file=sys.stderr, flush=True)
+        print(
+            f"echo-hub learner rank {env.rank}: rank 0 resumes from {checkpoint.path}, which this machine does not "
+            "see: the data dir must be on a filesystem every machine mounts",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     learner = Learner(model_dir, lc, config.sampling, checkpoint, collective, device)
     try:

@@ -70,7 +70,9 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
     head.add_row("hub", status.hub_id)
     head.add_row("state", state or run_state(status))
     head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
-    head.add_row("rollout reward", status.recent_reward_text(), f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
+    head.add_row(
+        "rollout reward", status.recent_reward_text(), f"bubble {status.bubble:.2f}" if status.bubble is not None else ""
+    )
     if status.evals:
         e = status.evals[-1]
         passes = f"pass@1 {e.pass_at_1:.3f}, pass@{e.k} {e.pass_at_k:.3f}" if e.k > 1 else f"pass@1 {e.pass_at_1:.3f}"
@@ -78,8 +80,7 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
     head.add_row("staleness S / kappa", f"{status.staleness} / {status.kappa}", f"task {status.task}")
     head.add_row("S over time", moves_text(status.staleness_moves), "")
     t = status.totals
-    head.add_row("trajectories", f"{t.accepted} accepted, {t.rejected} rejected, {t.late} late",
-                 f"{status.dropped_stale} stale")
+    head.add_row("trajectories", f"{t.accepted} accepted, {t.rejected} rejected, {t.late} late", f"{status.dropped_stale} stale")
     head.add_row("open leases", str(status.open_leases), f"broadcast {status.broadcast_mode}")
     t_bcast = f"T_bcast {status.t_bcast_s:.1f} s" if status.t_bcast_s is not None else ""
     head.add_row("broadcast", status.broadcast_bytes_text(), t_bcast)
@@ -88,7 +89,9 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
         mu += f", mu_min {status.mu_min:.2f}/s, target {status.mu_target:.2f}/s"
     mu += f", {status.usable_fraction:.0%} of accepted groups trained on"
     head.add_row("throughput", mu, f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
-    head.add_row("cost", f"${status.cost_usd:.4f}", f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else "")
+    head.add_row(
+        "cost", f"${status.cost_usd:.4f}", f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else ""
+    )
     if status.redacted:
         head.add_row("", "nodes' prices and costs hidden: ask with --key DATA_DIR/hub.key", "")
     console.print(head)
@@ -98,9 +101,17 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
         nodes.add_column(col)
     for n in status.nodes:
         chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
-        nodes.add_row(short_id(n.peer_id), n.state, f"{n.price_per_hour:.2f}", f"{n.rollouts_per_s:.2f}", str(n.version_held),
-                      *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS), f"{n.cost_usd:.5f}", chain,
-                      n.net_text())
+        nodes.add_row(
+            short_id(n.peer_id),
+            n.state,
+            f"{n.price_per_hour:.2f}",
+            f"{n.rollouts_per_s:.2f}",
+            str(n.version_held),
+            *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS),
+            f"{n.cost_usd:.5f}",
+            chain,
+            n.net_text(),
+        )
     console.print(nodes)
     for n in status.nodes:
         if len(n.price_history) > 1:  # only nodes whose price moved: a joined price alone says nothing new

@@ -35,9 +35,13 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
         first, last = fifth_means([policy_reward(r) for r in rows])
         table.add_row("learner steps", str(rows[-1]["step"]))
         k = fifth(len(rows))
-        table.add_row(f"rollout reward, first fifth -> last fifth ({k} step{'s' if k > 1 else ''} each)",
-                      f"{first:.3f} -> {last:.3f}")
-        table.add_row("staleness mean / max", f"{sum(r['staleness_mean'] for r in rows) / len(rows):.2f} / {max(r['staleness_max'] for r in rows)}")
+        table.add_row(
+            f"rollout reward, first fifth -> last fifth ({k} step{'s' if k > 1 else ''} each)", f"{first:.3f} -> {last:.3f}"
+        )
+        table.add_row(
+            "staleness mean / max",
+            f"{sum(r['staleness_mean'] for r in rows) / len(rows):.2f} / {max(r['staleness_max'] for r in rows)}",
+        )
         table.add_row("bubble ratio (mean)", f"{sum(r['bubble'] for r in rows) / len(rows):.3f}")
         table.add_row("T_train mean", f"{sum(r['t_train_s'] for r in rows) / len(rows):.3f} s")
     else:
@@ -46,10 +50,14 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
     if evals:
         first_eval, last_eval = evals[0], evals[-1]
         k = int(last_eval["eval_k"])
-        table.add_row(f"held-out reward (step {first_eval['eval_step']} -> {last_eval['eval_step']})",
-                      f"{first_eval['eval_reward']:.3f} -> {last_eval['eval_reward']:.3f}")
+        table.add_row(
+            f"held-out reward (step {first_eval['eval_step']} -> {last_eval['eval_step']})",
+            f"{first_eval['eval_reward']:.3f} -> {last_eval['eval_reward']:.3f}",
+        )
         if k > 1:
-            table.add_row(f"held-out pass@1 / pass@{k} (last)", f"{last_eval['eval_pass_at_1']:.3f} / {last_eval['eval_pass_at_k']:.3f}")
+            table.add_row(
+                f"held-out pass@1 / pass@{k} (last)", f"{last_eval['eval_pass_at_1']:.3f} / {last_eval['eval_pass_at_k']:.3f}"
+            )
     if status is not None:
         t = status.totals
         table.add_row("groups accepted / rejected / late", f"{t.accepted} / {t.rejected} / {t.late}")
@@ -64,4 +72,3 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
     if final.exists():
         console.print(f"final policy: {final.resolve()}  (load with from_pretrained)")
     console.print(f"reward curve: echo-hub report --data-dir {data_dir}")
-

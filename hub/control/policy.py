@@ -73,8 +73,15 @@ class PeriodDecision:
 
 
 def capacity_view(
-    mu_pool: float, kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, usable: float,
-    staleness: int | None, arrival: Arrival | None, gamma: float,
+    mu_pool: float,
+    kappa: int,
+    rollouts_per_step: float,
+    t_train_s: float,
+    t_bcast_s: float,
+    usable: float,
+    staleness: int | None,
+    arrival: Arrival | None,
+    gamma: float,
 ) -> CapacityView:
     """The capacity model at one control period, from what the hub measured: mu_min, the target gamma * mu_min
     and the bubble the active pool leaves (the Scheduler and bench/simulate.py both call it)."""
@@ -86,8 +93,9 @@ def capacity_view(
     except InfeasibleCapacity as exc:
         # No target, but the bubble of the pool we have is still predicted (never 0 here).
         return CapacityView(mu_pool, None, None, bubble, str(exc), usable)
-    return CapacityView(mu_pool, needed, gamma * needed, bubble,
-                        f"T_train {t_train_s:.3g}s T_bcast {t_bcast_s:.3g}s usable {usable:.0%}", usable)
+    return CapacityView(
+        mu_pool, needed, gamma * needed, bubble, f"T_train {t_train_s:.3g}s T_bcast {t_bcast_s:.3g}s usable {usable:.0%}", usable
+    )
 
 
 def offer(record: NodeRecord) -> NodeOffer:
@@ -101,18 +109,22 @@ def fleet_view(fleet: Fleet) -> FleetView:
     staying = [n for n in fleet.in_state("active", "probing", "standby") if n.left_at is None]
     waiting = [n for n in staying if n.state == "standby" or (n.state == "probing" and n.measured)]
     return FleetView(
-        tuple(offer(n) for n in staying if n.state == "active"), tuple(offer(n) for n in waiting),
+        tuple(offer(n) for n in staying if n.state == "active"),
+        tuple(offer(n) for n in waiting),
         frozenset(n.peer_id for n in waiting if n.state == "probing"),
     )
 
 
 def decide(
-    fleet: FleetView, capacity: CapacityView, config: SchedulerConfig, release_wanted: Mapping[str, float], now: float,
+    fleet: FleetView, capacity: CapacityView, config: SchedulerConfig, release_wanted: Mapping[str, float], now: float
 ) -> PeriodDecision:
     """This period's moves, from the measured fleet, the capacity model's target and the release wishes so far
     (node -> since when it has been wanted for release without a break)."""
-    probes = tuple(Move(n.name, "standby", f"probe measured {n.rollouts_per_s:.4g} rollouts/s")
-                   for n in fleet.standby if n.name in fleet.probed)
+    probes = tuple(
+        Move(n.name, "standby", f"probe measured {n.rollouts_per_s:.4g} rollouts/s")
+        for n in fleet.standby
+        if n.name in fleet.probed
+    )
     if not config.enabled or capacity.mu_target is None:
         why = "scheduler disabled" if not config.enabled else capacity.reason
         return PeriodDecision(probes + tuple(Move(n.name, "active", f"activate all ({why})") for n in fleet.standby))
@@ -132,5 +144,6 @@ def _held_release(decision: Decision, release_wanted: Mapping[str, float], now: 
     subset = "" if len(ready) == len(decision.nodes) else f" ({len(ready)} of them wanted that long)"
     reason = f"{decision.reason} for {held_s:.3g}s{subset}"
     gone = set(ready)
-    return PeriodDecision(tuple(Move(name, "standby", reason) for name in ready),
-                          {name: t for name, t in since.items() if name not in gone})
+    return PeriodDecision(
+        tuple(Move(name, "standby", reason) for name in ready), {name: t for name, t in since.items() if name not in gone}
+    )

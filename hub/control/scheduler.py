@@ -79,8 +79,9 @@ class Scheduler:
         # S and kappa in force over time, and why each moved: what the status board shows.
         self.staleness_moves: deque[StalenessMove] = deque(maxlen=STALENESS_MOVES_KEPT)
         if timing.staleness is not None:
-            self.staleness_moves.append(StalenessMove(step=start_step, staleness=timing.staleness, kappa=timing.kappa,
-                                                      reason=StalenessReason.START))
+            self.staleness_moves.append(
+                StalenessMove(step=start_step, staleness=timing.staleness, kappa=timing.kappa, reason=StalenessReason.START)
+            )
         self.view = CapacityView(0.0, None, None, None, "no measurements yet")
         self.wake = trio.Event()
         # Node -> since when the loop has wanted to release it without a break (hub.method.capacity.held_release).
@@ -99,11 +100,27 @@ class Scheduler:
         # The active pool's throughput-weighted mean time to install the newest version, and the usable fraction
         # without stale drops: the bubble of the first step that needs that version (hub.method.capacity.
         # first_step_idle_s); each active node's (rollouts/s, install time) gives the pool's stall (pool_stall_s).
-        arrival = None if t_arrive is None else Arrival(
-            t_arrive, self.timing.rollouts_per_step / measured.fresh_usable_fraction,
-            len(active) * self.timing.rollouts_per_lease / 2, measured.installs)
-        return capacity_view(mu_pool, self.timing.kappa, self.timing.rollouts_per_step, t_train, t_bcast,
-                             measured.usable_fraction, self.timing.staleness, arrival, self.config.gamma)
+        arrival = (
+            None
+            if t_arrive is None
+            else Arrival(
+                t_arrive,
+                self.timing.rollouts_per_step / measured.fresh_usable_fraction,
+                len(active) * self.timing.rollouts_per_lease / 2,
+                measured.installs,
+            )
+        )
+        return capacity_view(
+            mu_pool,
+            self.timing.kappa,
+            self.timing.rollouts_per_step,
+            t_train,
+            t_bcast,
+            measured.usable_fraction,
+            self.timing.staleness,
+            arrival,
+            self.config.gamma,
+        )
 
     async def control_once(self, now: float) -> None:
         """One control period: drop the silent nodes, then make the policy's moves."""
@@ -140,20 +157,35 @@ class Scheduler:
             "cost_per_step_usd": cost_usd / step if step > 0 else None,
         }
 
-    def adapt_staleness(self, step: int, drift: float | None, drift_per_version: float | None = None,
-                        age: float | None = None) -> StalenessMove | None:
+    def adapt_staleness(
+        self, step: int, drift: float | None, drift_per_version: float | None = None, age: float | None = None
+    ) -> StalenessMove | None:
         """After the publish of version `step`: the S (and kappa) for the next period, put in force here, or None when S
         stays. `drift`, `drift_per_version`, `age`: the period's reading (hub/method/drift.py)."""
         bounds, timing = self.adaptive, self.timing
         if bounds is None or timing.staleness is None:
             raise RuntimeError("adapt_staleness needs adaptive bounds and a staleness in force")
-        choice = choose_staleness(timing.staleness, bounds.staleness_max, drift, bounds.drift_max, self._staleness_costs(),
-                                  drift_per_version, self._staleness_hold, age)
+        choice = choose_staleness(
+            timing.staleness,
+            bounds.staleness_max,
+            drift,
+            bounds.drift_max,
+            self._staleness_costs(),
+            drift_per_version,
+            self._staleness_hold,
+            age,
+        )
         self._staleness_hold = self._staleness_hold.after(choice)
         if choice.reason is None:
             return None
-        move = StalenessMove(step=step, staleness=choice.staleness, kappa=default_kappa(choice.staleness),
-                             reason=choice.reason, drift=drift, detail=choice.detail)
+        move = StalenessMove(
+            step=step,
+            staleness=choice.staleness,
+            kappa=default_kappa(choice.staleness),
+            reason=choice.reason,
+            drift=drift,
+            detail=choice.detail,
+        )
         self.timing = replace(timing, staleness=move.staleness, kappa=move.kappa)
         self.staleness_moves.append(move)
         self.view = self.capacity()
@@ -168,8 +200,15 @@ class Scheduler:
             return {}
         view = fleet_view(self.fleet)
         offers = [n for n in view.active + view.standby if n.rollouts_per_s > 0]
-        return staleness_costs(offers, bounds.staleness_max, timing.rollouts_per_step / measured.usable_fraction, t_train,
-                               measured.t_bcast_s or 0.0, self.config.gamma, bounds.learner_price_per_hour)
+        return staleness_costs(
+            offers,
+            bounds.staleness_max,
+            timing.rollouts_per_step / measured.usable_fraction,
+            t_train,
+            measured.t_bcast_s or 0.0,
+            self.config.gamma,
+            bounds.learner_price_per_hour,
+        )
 
     async def run(self) -> None:
         while True:

@@ -112,8 +112,13 @@ class StalenessHold:
 
 
 def staleness_costs(
-    offers: Sequence[NodeOffer], staleness_max: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float,
-    gamma: float, learner_price_per_hour: float,
+    offers: Sequence[NodeOffer],
+    staleness_max: int,
+    rollouts_per_step: float,
+    t_train_s: float,
+    t_bcast_s: float,
+    gamma: float,
+    learner_price_per_hour: float,
 ) -> dict[int, StalenessCost]:
     """Cost per step for each S in [1, staleness_max] (kappa = default_kappa(S)): the cheapest nodes of `offers` that
     reach gamma * mu_min(S) are bought, or all of them when they fall short or no fleet suffices. The broadcast is
@@ -128,8 +133,9 @@ def staleness_costs(
         except InfeasibleCapacity:
             pool, short = tuple(offers), True
         mu_pool = math.fsum(n.rollouts_per_s for n in pool)
-        cost = cost_per_step(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, learner_price_per_hour,
-                             (n.price_per_hour for n in pool), s)
+        cost = cost_per_step(
+            kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, learner_price_per_hour, (n.price_per_hour for n in pool), s
+        )
         costs[s] = StalenessCost(cost, short)
     return costs
 
@@ -141,9 +147,15 @@ def cheapest_staleness(costs: Mapping[int, StalenessCost], ceiling: int) -> int:
     return next(s for s in candidates if costs[s].cost_per_step <= best * (1 + COST_TOLERANCE))
 
 
-def raise_ceiling(current: int, staleness_max: int, drift: float | None, drift_max: float,
-                  drift_per_version: float | None = None, periods_since_drift: int | None = None,
-                  age: float | None = None) -> int:
+def raise_ceiling(
+    current: int,
+    staleness_max: int,
+    drift: float | None,
+    drift_max: float,
+    drift_per_version: float | None = None,
+    periods_since_drift: int | None = None,
+    age: float | None = None,
+) -> int:
     """The largest S a raise may reach: the largest S' whose extrapolated drift, drift + the drift per version of age x
     the age S' adds, stays below the lowering threshold; the age S' adds is the mean age (`age`, measured, when above
     expected_age(current); else that) x (expected_age(S') / expected_age(current) - 1). Current + 1 at most while
@@ -170,8 +182,14 @@ def lower_as_cheap(current: int, costs: Mapping[int, StalenessCost]) -> bool:
 
 
 def choose_staleness(
-    current: int, staleness_max: int, drift: float | None, drift_max: float, costs: Mapping[int, StalenessCost],
-    drift_per_version: float | None = None, hold: StalenessHold = StalenessHold(), age: float | None = None,
+    current: int,
+    staleness_max: int,
+    drift: float | None,
+    drift_max: float,
+    costs: Mapping[int, StalenessCost],
+    drift_per_version: float | None = None,
+    hold: StalenessHold = StalenessHold(),
+    age: float | None = None,
 ) -> StalenessChoice:
     """This publish period's S: one version below `current`, or up to raise_ceiling above it (see the module
     docstring for the rule).
@@ -197,6 +215,7 @@ def choose_staleness(
         return StalenessChoice(best, reason, f"${here:.4g}/step at S={current}, ${there:.4g} at S={best}")
     if best < current and as_cheap and hold.as_cheap_periods + 1 >= HOLD_PERIODS:
         there = costs[current - 1].cost_per_step
-        return StalenessChoice(current - 1, StalenessReason.CHEAPER_LOWER,
-                               f"${there:.4g}/step at S={current - 1}, ${here:.4g} at S={current}")
+        return StalenessChoice(
+            current - 1, StalenessReason.CHEAPER_LOWER, f"${there:.4g}/step at S={current - 1}, ${here:.4g} at S={current}"
+        )
     return StalenessChoice(current, None, f"${here:.4g}/step at S={current}", as_cheap)

@@ -25,14 +25,7 @@ from hub.records.fleet import Fleet, NodeRecord
 from hub.records.measurements import Measurements
 from hub.records.snapshots import SnapshotShelf
 from shared.crypto import public_key_from_peer_id
-from shared.messages import (
-    RELAY_PROTOCOL,
-    BadChunkReport,
-    RejectCode,
-    RelayOffer,
-    TransferAck,
-    short_id,
-)
+from shared.messages import RELAY_PROTOCOL, BadChunkReport, RejectCode, RelayOffer, TransferAck, short_id
 from shared.net import RateLimiter, open_stream, remote_peer_id
 from shared.transfer import STALL_S, Writer, commitment_holds
 from shared.wire import PeerFault, WritableStream, read_message, write_message
@@ -40,12 +33,12 @@ from shared.wire import PeerFault, WritableStream, read_message, write_message
 log = logging.getLogger("echo2.hub.broadcast")
 
 
-
 # How often waiting dial-backs are looked at again when nothing woke the dispatcher.
 PROBE_DISPATCH_S = 0.5
 # Broadcasts timed at once; an older one still unfinished when a newer one would exceed this is dropped
 # untimed (its receivers are far behind; the newer ones will be timed).
 PENDING_BROADCASTS = 8
+
 
 @dataclass(frozen=True)
 class ChainLinks:
@@ -228,8 +221,11 @@ class Broadcaster:
             for up, down in zip(chain, chain[1:], strict=False):
                 if up not in members and down in members and self.fleet.is_member(up):
                     self._left_upstream.setdefault(down, set()).add(up)
-        kept = {down: {up for up in ups if up not in members and self.fleet.is_member(up)}
-                for down, ups in self._left_upstream.items() if down in members}
+        kept = {
+            down: {up for up in ups if up not in members and self.fleet.is_member(up)}
+            for down, ups in self._left_upstream.items()
+            if down in members
+        }
         self._left_upstream = {down: ups for down, ups in kept.items() if ups}
 
     def _forget_gone(self, members: dict[str, NodeRecord]) -> None:
@@ -243,8 +239,10 @@ class Broadcaster:
     def _separate_failed_punches(chains: list[list[str]], members: dict[str, NodeRecord]) -> list[list[str]]:
         """Hole punches are tried first; a chain where one failed gets dialable nodes between its NATed ones."""
         reach = {p: n.reachability for p, n in members.items()}
-        return [separate_nated(chain, reach) if any(members[p].punch_failed_with for p in chain if p in members)
-                else chain for chain in chains]
+        return [
+            separate_nated(chain, reach) if any(members[p].punch_failed_with for p in chain if p in members) else chain
+            for chain in chains
+        ]
 
     def _queue_probes(self, members: dict[str, NodeRecord]) -> None:
         """Queue a dial-back for every member whose reachability is still unknown and not yet probed."""
@@ -278,8 +276,7 @@ class Broadcaster:
 
     def link_kinds(self) -> dict[str, str]:
         """How every chain member gets its snapshots, in one pass over the chains (for the status board)."""
-        return {peer: self._kind(chain[i - 1] if i else None, peer)
-                for chain in self.chains for i, peer in enumerate(chain)}
+        return {peer: self._kind(chain[i - 1] if i else None, peer) for chain in self.chains for i, peer in enumerate(chain)}
 
     def punch_failed(self, peer: str, upstream: str) -> None:
         """`peer` says its hole punch with `upstream` failed: believed only of the link planned as a punch;
@@ -321,8 +318,9 @@ class Broadcaster:
         size = f"{full.manifest.total_bytes / 1e6:.3g} MB" if full else "?"
         if full and delta:
             size += f", delta {delta.manifest.total_bytes / 1e6:.3g} MB ({delta.manifest.total_bytes / full.manifest.total_bytes:.1%})"
-        await self.event("snapshot", None, f"v{version} ({size}) published to {len(receivers)} nodes in "
-                                           f"{len(self.chains)} chains")
+        await self.event(
+            "snapshot", None, f"v{version} ({size}) published to {len(receivers)} nodes in {len(self.chains)} chains"
+        )
         if not receivers:
             # Nobody to time: a T_bcast here would measure how long the first node took to join.
             return
@@ -388,14 +386,14 @@ class Broadcaster:
                     self._progress[down] = (mark, now)
                     continue
                 ahead = u.version_held >= b.version or (
-                    u.receiving_version == b.version and u.chunks_received > d.chunks_received)
+                    u.receiving_version == b.version and u.chunks_received > d.chunks_received
+                )
                 window = STALL_S + 2 * chunk_bytes / max(1.0, min(u.link_bps, d.link_bps))
                 if ahead and now - seen[1] > window and self._demoted_for.get(down) != b.version:
                     self._demoted_for[down] = b.version
                     self._progress[down] = (mark, now)
                     self.demote(up)
-                    self._spawn(self.event, "relay_stalled", up,
-                                f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
+                    self._spawn(self.event, "relay_stalled", up, f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
 
     async def _dispatch_probes(self) -> None:
         """Start dial-backs as DialBackQueue allows, at most PROBES_AT_ONCE at a time."""
@@ -442,7 +440,8 @@ class Broadcaster:
     def _active_installs(self, b: Broadcast) -> tuple[tuple[float, float], ...]:
         """(rollouts/s, seconds from the publish) of each active node that installed `b`."""
         return tuple(
-            (n.rollouts_per_s, at - b.published_at) for p, at in b.installed_at.items()
+            (n.rollouts_per_s, at - b.published_at)
+            for p, at in b.installed_at.items()
             if (n := self.fleet.get(p)) is not None and n.state == "active" and n.rollouts_per_s > 0
         )
 
@@ -535,4 +534,3 @@ class Broadcaster:
         hub shuts down still call check_done)."""
         if self._nursery is not None:
             self._nursery.start_soon(fn, *args)
-

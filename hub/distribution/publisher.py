@@ -29,8 +29,7 @@ class Published(Protocol):
 class SnapshotPublisher:
     """Shelves every published snapshot, then starts its broadcast."""
 
-    def __init__(self, published: trio.MemoryReceiveChannel[Published], shelf: SnapshotShelf,
-                 broadcaster: Broadcaster) -> None:
+    def __init__(self, published: trio.MemoryReceiveChannel[Published], shelf: SnapshotShelf, broadcaster: Broadcaster) -> None:
         self.published = published
         self.shelf = shelf
         self.broadcaster = broadcaster

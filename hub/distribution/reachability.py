@@ -69,8 +69,13 @@ def relay_service(host):
     from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
     from libp2p.relay.circuit_v2.resources import RelayLimits
 
-    limits = RelayLimits(duration=RELAY_DURATION_S, data=RELAY_DATA_BYTES, max_circuit_conns=RELAY_CIRCUITS_PER_PEER,
-                         max_reservations=RELAY_RESERVATIONS, reservation_ttl=RELAY_RESERVATION_TTL_S)
+    limits = RelayLimits(
+        duration=RELAY_DURATION_S,
+        data=RELAY_DATA_BYTES,
+        max_circuit_conns=RELAY_CIRCUITS_PER_PEER,
+        max_reservations=RELAY_RESERVATIONS,
+        reservation_ttl=RELAY_RESERVATION_TTL_S,
+    )
     return CircuitV2Protocol(host, limits=limits, allow_hop=True)
 
 
@@ -109,8 +114,9 @@ class RelayGate:
     def address_full(self, peer: str) -> bool:
         """Its address holds RELAY_RESERVATIONS_PER_ADDRESS others' already (a limit, not the peer's fault)."""
         key = self.address_of(peer)
-        return key is not None and sum(k == key and p != peer for p, k in self.reserved().items()) \
-            >= RELAY_RESERVATIONS_PER_ADDRESS
+        return (
+            key is not None and sum(k == key and p != peer for p, k in self.reserved().items()) >= RELAY_RESERVATIONS_PER_ADDRESS
+        )
 
     def connect_refusal(self, source: str, target: str) -> str | None:
         if self.planned_punch(source, target) or self.planned_punch(target, source):
@@ -229,8 +235,7 @@ class DialBackQueue:
     address wait their turn). Per identity: one probe per PROBE_INTERVAL_S, whatever it rejoins with.
     """
 
-    def __init__(self, interval_s: float = PROBE_INTERVAL_S, burst: int = PROBE_BURST,
-                 refill_s: float = PROBE_REFILL_S) -> None:
+    def __init__(self, interval_s: float = PROBE_INTERVAL_S, burst: int = PROBE_BURST, refill_s: float = PROBE_REFILL_S) -> None:
         self.interval_s = interval_s
         self._buckets = TokenBuckets(1.0 / refill_s, burst)
         self._waiting: dict[str, tuple[int, int, str]] = {}  # peer -> (priority: higher first, arrival, address key)
@@ -253,9 +258,13 @@ class DialBackQueue:
 
     def take(self, now: float) -> tuple[str, str] | None:
         """The next (peer, address key) to probe, or None while no waiting one may start now."""
-        ready = [(-prio, seq, peer, key) for peer, (prio, seq, key) in self._waiting.items()
-                 if key not in self._busy and self._buckets.level(key, now) >= 1.0
-                 and now - self._probed.get(peer, -self.interval_s) >= self.interval_s]
+        ready = [
+            (-prio, seq, peer, key)
+            for peer, (prio, seq, key) in self._waiting.items()
+            if key not in self._busy
+            and self._buckets.level(key, now) >= 1.0
+            and now - self._probed.get(peer, -self.interval_s) >= self.interval_s
+        ]
         if not ready:
             return None
         _, _, peer, key = min(ready)

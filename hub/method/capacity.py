@@ -61,9 +61,7 @@ def broadcast_stall_s(kappa: int, t_train_s: float, t_bcast_s: float, staleness:
     return max(0.0, t_bcast_s - (staleness - kappa) * t_train_s)
 
 
-def mu_min(
-    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, staleness: int | None = None,
-) -> float:
+def mu_min(kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, staleness: int | None = None) -> float:
     """Pool throughput (rollouts/s) that just keeps the learner busy: kappa*R / (kappa*T_train - stall), the
     stall as broadcast_stall_s gives it (docs/DESIGN.md §5.3; stall = T_bcast when staleness is None). At S = 0
     no pool does: the learner waits for every broadcast and every rollout."""
@@ -76,8 +74,11 @@ def mu_min(
     stall_s = broadcast_stall_s(kappa, t_train_s, t_bcast_s, staleness)
     window_s = kappa * t_train_s - stall_s
     if window_s <= 0:
-        stall = f"T_bcast = {t_bcast_s:g} s" if staleness is None else (
-            f"the broadcast's stall T_bcast - (S - kappa) * T_train = {stall_s:g} s")
+        stall = (
+            f"T_bcast = {t_bcast_s:g} s"
+            if staleness is None
+            else (f"the broadcast's stall T_bcast - (S - kappa) * T_train = {stall_s:g} s")
+        )
         raise InfeasibleCapacity(
             f"kappa * T_train = {kappa} * {t_train_s:g} s = {kappa * t_train_s:g} s does not exceed {stall}: "
             f"no fleet can keep the learner busy; raise the staleness budget S and kappa (publish less often) or "
@@ -148,8 +149,13 @@ def first_step_idle_s(kappa: int, t_train_s: float, mu_pool: float, staleness: i
 
 
 def predicted_idle_s(
-    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float,
-    staleness: int | None = None, arrival: Arrival | None = None,
+    kappa: int,
+    rollouts_per_step: float,
+    t_train_s: float,
+    t_bcast_s: float,
+    mu_pool: float,
+    staleness: int | None = None,
+    arrival: Arrival | None = None,
 ) -> float:
     """Learner idle seconds per publish period: max(0, kappa*R/mu_pool + stall - kappa*T_train), the stall
     as broadcast_stall_s gives it (at S = 0: R/mu_pool + T_bcast, as nothing is made while it trains), or
@@ -172,8 +178,13 @@ def predicted_idle_s(
 
 
 def predicted_bubble(
-    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float,
-    staleness: int | None = None, arrival: Arrival | None = None,
+    kappa: int,
+    rollouts_per_step: float,
+    t_train_s: float,
+    t_bcast_s: float,
+    mu_pool: float,
+    staleness: int | None = None,
+    arrival: Arrival | None = None,
 ) -> float:
     """Learner bubble ratio T_idle / (T_idle + kappa*T_train); 1.0 for an empty pool."""
     idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, staleness, arrival)
@@ -183,8 +194,7 @@ def predicted_bubble(
 
 
 def predicted_step_s(
-    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float,
-    staleness: int | None = None,
+    kappa: int, rollouts_per_step: float, t_train_s: float, t_bcast_s: float, mu_pool: float, staleness: int | None = None
 ) -> float:
     """Wall seconds per learner step, idle included: (kappa*T_train + T_idle) / kappa."""
     idle_s = predicted_idle_s(kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, staleness)
@@ -297,10 +307,7 @@ class Decision:
 
 
 def control_decision(
-    active: Sequence[NodeOffer],
-    standby: Sequence[NodeOffer],
-    mu_target: float,
-    release_margin: float = DEFAULT_RELEASE_MARGIN,
+    active: Sequence[NodeOffer], standby: Sequence[NodeOffer], mu_target: float, release_margin: float = DEFAULT_RELEASE_MARGIN
 ) -> Decision:
     """The scheduler's move this control period, from measured throughputs.
 
@@ -364,7 +371,7 @@ def _release(active: Sequence[NodeOffer], without: float, release_floor: float) 
 
 
 def _replacement(
-    active: Sequence[NodeOffer], standby: Sequence[NodeOffer], without: float, release_floor: float,
+    active: Sequence[NodeOffer], standby: Sequence[NodeOffer], without: float, release_floor: float
 ) -> Decision | None:
     """Standby nodes cheaper per unit than the priciest active node that, with the pool less that node
     (`without`), clear release_floor: the cheapest of them that do; None when none can."""
@@ -386,7 +393,7 @@ def _replacement(
 
 
 def held_release(
-    wanted_since: Mapping[str, float], batch: Sequence[str], now: float, hold_s: float,
+    wanted_since: Mapping[str, float], batch: Sequence[str], now: float, hold_s: float
 ) -> tuple[list[str], dict[str, float]]:
     """The nodes of a release batch that the loop has wanted to release for at least hold_s (in batch order),
     and since when each node of the batch has been wanted without a break (the next period's `wanted_since`).

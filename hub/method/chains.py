@@ -82,9 +82,7 @@ def chain_ideal_s(model_bytes: float, chunk_bytes: float, chain_len: int, link_b
     return model_bytes / link_bps + (chain_len - 1) * chunk_bytes / link_bps
 
 
-def chained_broadcast_ideal_s(
-    model_bytes: float, chunk_bytes: float, n_nodes: int, hub_bps: float, link_bps: float
-) -> float:
+def chained_broadcast_ideal_s(model_bytes: float, chunk_bytes: float, n_nodes: int, hub_bps: float, link_bps: float) -> float:
     """Ideal broadcast time to n_nodes over planned chains: the longest chain, ceil(N / N_ch) long.
 
     Each chain runs at min(Bw, B0 / N_ch): Bw normally, B0 itself when the hub uplink is slower
@@ -104,8 +102,7 @@ def star_ideal_s(model_bytes: float, nodes: int, hub_bps: float, link_bps: float
     """
     if model_bytes < 0 or nodes < 1 or hub_bps <= 0 or link_bps <= 0:
         raise ValueError(
-            f"need model_bytes >= 0, nodes >= 1, hub_bps > 0, link_bps > 0; got "
-            f"{model_bytes}, {nodes}, {hub_bps}, {link_bps}"
+            f"need model_bytes >= 0, nodes >= 1, hub_bps > 0, link_bps > 0; got {model_bytes}, {nodes}, {hub_bps}, {link_bps}"
         )
     return model_bytes / min(link_bps, hub_bps / nodes)
 
@@ -157,8 +154,9 @@ def separate_nated(chain: Sequence[str], reach: dict[str, Reachability]) -> list
     i = 1
     while i < len(out):
         if nated(i - 1) and nated(i):
-            spare = next((j for j in range(len(out)) if j not in (i - 1, i) and not nated(j)
-                          and not (nated(j - 1) and nated(j + 1))), None)
+            spare = next(
+                (j for j in range(len(out)) if j not in (i - 1, i) and not nated(j) and not (nated(j - 1) and nated(j + 1))), None
+            )
             if spare is None:
                 break
             node = out.pop(spare)

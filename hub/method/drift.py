@@ -75,8 +75,11 @@ class DriftMeter:
         if self._at_this_s < MIN_DRIFT_STEPS:
             return None, per_version, None
         if steps < MIN_DRIFT_STEPS:
-            drift_sum, age_sum, steps = (math.fsum(d for d, _ in self._last), math.fsum(a for _, a in self._last),
-                                         len(self._last))
+            drift_sum, age_sum, steps = (
+                math.fsum(d for d, _ in self._last),
+                math.fsum(a for _, a in self._last),
+                len(self._last),
+            )
         return drift_sum / steps, per_version, age_sum / steps
 
     def drift_per_version(self) -> float | None:

@@ -36,8 +36,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if rewards.numel() % group_size != 0:
         raise ValueError(
-            f"{rewards.numel()} rewards do not split into groups of {group_size} "
-            f"(remainder {rewards.numel() % group_size})"
+            f"{rewards.numel()} rewards do not split into groups of {group_size} (remainder {rewards.numel() % group_size})"
         )
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())

@@ -51,8 +51,9 @@ def billable_seconds(hold_s: float, accepted: int, leased: int, accepted_tokens:
     return min(max(0.0, hold_s) * accepted / leased, accepted_tokens / tokens_per_s_floor)
 
 
-def price_lease(issued_at: float, price_per_hour: float, leased: int, accepted: Sequence[Group], answered_at: float,
-                terms: PayTerms) -> LeasePay:
+def price_lease(
+    issued_at: float, price_per_hour: float, leased: int, accepted: Sequence[Group], answered_at: float, terms: PayTerms
+) -> LeasePay:
     """The pay for a lease of `leased` prompts issued at `issued_at` at `price_per_hour`, answered at `answered_at`
     with the `accepted` groups."""
     held_s = min(answered_at - issued_at, terms.lease_timeout_s)
@@ -70,8 +71,9 @@ def ranking_price(ranked: float, declared: float, band: float) -> float:
     return declared if abs(declared - ranked) > band * ranked else ranked
 
 
-def price_change_refusal(price: float, ceiling: float, last_change_at: float | None, now: float,
-                         min_interval_s: float) -> str | None:
+def price_change_refusal(
+    price: float, ceiling: float, last_change_at: float | None, now: float, min_interval_s: float
+) -> str | None:
     """Why a joined node may not re-declare `price` now (None: it may): the same bounds as at join, and one
     change per `min_interval_s` after the last one (`last_change_at`, kept across re-joins; None: none yet)."""
     if not math.isfinite(price) or price < 0:

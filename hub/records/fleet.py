@@ -94,11 +94,24 @@ class NodeRecord:
     def from_row(cls, row: NodeRow, price_history: tuple[tuple[float, float], ...] = ()) -> NodeRecord:
         """A node the store remembers, as a restarted hub sees it: gone until it joins again (or banned)."""
         return cls(
-            peer_id=row.peer_id, price_per_hour=row.price_per_hour, link_bps=row.link_bps or 0.0, backend=row.backend,
-            hardware=row.hardware, listen_addrs=(), remote_ip=None, last_seen=row.last_seen,
-            state="banned" if row.state == "banned" else "gone", rollouts_per_s=row.rollouts_per_s,
-            measured=row.measured, tallies=row.tallies, audits_passed=row.audits_passed, vouched_at=row.vouched_at,
-            online_s=row.online_s, banned_reason=row.banned_reason, name=row.name, price_history=price_history,
+            peer_id=row.peer_id,
+            price_per_hour=row.price_per_hour,
+            link_bps=row.link_bps or 0.0,
+            backend=row.backend,
+            hardware=row.hardware,
+            listen_addrs=(),
+            remote_ip=None,
+            last_seen=row.last_seen,
+            state="banned" if row.state == "banned" else "gone",
+            rollouts_per_s=row.rollouts_per_s,
+            measured=row.measured,
+            tallies=row.tallies,
+            audits_passed=row.audits_passed,
+            vouched_at=row.vouched_at,
+            online_s=row.online_s,
+            banned_reason=row.banned_reason,
+            name=row.name,
+            price_history=price_history,
         )
 
 
@@ -114,8 +127,14 @@ class Fleet:
         record = self.nodes.get(peer_id)
         if record is None:
             record = self.nodes[peer_id] = NodeRecord(
-                peer_id=peer_id, price_per_hour=0.0, link_bps=0.0, backend="", hardware="", listen_addrs=(),
-                remote_ip=None, last_seen=now,
+                peer_id=peer_id,
+                price_per_hour=0.0,
+                link_bps=0.0,
+                backend="",
+                hardware="",
+                listen_addrs=(),
+                remote_ip=None,
+                last_seen=now,
             )
         if record.price_per_hour != request.price_per_hour and record.price_history:
             # A re-join at another price is a price change: the clock of the one-per-interval rule is the identity's,
@@ -172,5 +191,6 @@ class Fleet:
 
     def silent(self, now: float, min_period_s: float, min_timeout_s: float) -> list[NodeRecord]:
         """Live nodes silent for longer than their heartbeat timeout (`heartbeat_timeout`)."""
-        return [n for n in self.live()
-                if now - n.last_seen > heartbeat_timeout(n.heartbeat_period_s, min_period_s, min_timeout_s)]
+        return [
+            n for n in self.live() if now - n.last_seen > heartbeat_timeout(n.heartbeat_period_s, min_period_s, min_timeout_s)
+        ]

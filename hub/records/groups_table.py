@@ -37,8 +37,18 @@ class GroupsTable(Table):
             cur = self.db.execute(
                 "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_hash, reward_mean,"
                 " verdict, reason, received_at, signed_bytes_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (lease_id, node_id, group.prompt_id, group.version,
-                 blake3.blake3(group_json.encode()).hexdigest(), reward_mean, verdict, reason, time.time(), signed_bytes_hash),
+                (
+                    lease_id,
+                    node_id,
+                    group.prompt_id,
+                    group.version,
+                    blake3.blake3(group_json.encode()).hexdigest(),
+                    reward_mean,
+                    verdict,
+                    reason,
+                    time.time(),
+                    signed_bytes_hash,
+                ),
             )
             self._keep_payload(int(cur.lastrowid), group_json if verdict == "accepted" else None)
             if node_id:
@@ -94,8 +104,19 @@ class GroupsTable(Table):
                 cur = self.db.execute(
                     "INSERT INTO trajectories (lease_id, node_id, prompt_id, version, group_hash, reward_mean,"
                     " verdict, reason, received_at, signed_bytes_hash, held) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (lease_id, node_id, v.prompt_id[:200], version, group_hash, reward_mean,
-                     v.verdict, (v.reason or None) and v.reason[:500], now, signed_bytes_hash, int(hold and v.accepted)),
+                    (
+                        lease_id,
+                        node_id,
+                        v.prompt_id[:200],
+                        version,
+                        group_hash,
+                        reward_mean,
+                        v.verdict,
+                        (v.reason or None) and v.reason[:500],
+                        now,
+                        signed_bytes_hash,
+                        int(hold and v.accepted),
+                    ),
                 )
                 ids.append(int(cur.lastrowid))
                 self._keep_payload(ids[-1], group_json)
@@ -104,9 +125,7 @@ class GroupsTable(Table):
             self.db.execute(f"UPDATE nodes SET {sets} WHERE peer_id = ?", (*counts, node_id))
             self._credit(node_id, now, Credit(counts[VERDICTS.index("accepted")], tokens, seconds, 0))
             if rollouts_per_s is not None:
-                self.db.execute(
-                    "UPDATE nodes SET rollouts_per_s = ?, measured = 1 WHERE peer_id = ?", (rollouts_per_s, node_id)
-                )
+                self.db.execute("UPDATE nodes SET rollouts_per_s = ?, measured = 1 WHERE peer_id = ?", (rollouts_per_s, node_id))
             if usd > 0:
                 self.db.execute(
                     "INSERT INTO ledger (node_id, lease_id, step, usd, seconds, created_at) VALUES (?, ?, NULL, ?, ?, ?)",
@@ -180,9 +199,11 @@ class GroupsTable(Table):
                 [(reason, i) for i in ids],
             )
             self.db.execute("UPDATE ledger SET voided = 1 WHERE node_id = ? AND lease_id = ?", (node_id, lease_id))
-            return float(self.db.execute(
-                "SELECT COALESCE(SUM(usd), 0) FROM ledger WHERE node_id = ? AND voided = 0", (node_id,)
-            ).fetchone()[0])
+            return float(
+                self.db.execute(
+                    "SELECT COALESCE(SUM(usd), 0) FROM ledger WHERE node_id = ? AND voided = 0", (node_id,)
+                ).fetchone()[0]
+            )
 
     def discard_held(self, reason: str) -> int:
         """Discard every row still held for an audit (at start: their audits died with the last hub)."""
@@ -211,9 +232,7 @@ class GroupsTable(Table):
         if node_id is None:
             rows = self._rows("SELECT COALESCE(SUM(usd), 0) AS t FROM ledger WHERE voided = 0")
         else:
-            rows = self._rows(
-                "SELECT COALESCE(SUM(usd), 0) AS t FROM ledger WHERE voided = 0 AND node_id = ?", (node_id,)
-            )
+            rows = self._rows("SELECT COALESCE(SUM(usd), 0) AS t FROM ledger WHERE voided = 0 AND node_id = ?", (node_id,))
         return float(rows[0]["t"])
 
     def ledger_by_node_usd(self) -> dict[str, float]:

@@ -86,8 +86,15 @@ class LeaseBook:
         return tuple(chosen.values())
 
     def draft(
-        self, node_id: str, k: int, min_version: int, now: float, timeout_s: float, price_per_hour: float = 0.0,
-        probe: bool = False, address: str | None = None,
+        self,
+        node_id: str,
+        k: int,
+        min_version: int,
+        now: float,
+        timeout_s: float,
+        price_per_hour: float = 0.0,
+        probe: bool = False,
+        address: str | None = None,
     ) -> LeaseRecord:
         """A lease of up to k prompts taken from the pool, not open yet: `open_lease` it once it is stored,
         or `abandon` it to give its prompts back."""

@@ -29,9 +29,7 @@ class LeasesTable(Table):
         with self._write():
             ids = [
                 r[0]
-                for r in self.db.execute(
-                    "SELECT id FROM leases WHERE state = 'open' AND deadline < ?", (now,)
-                ).fetchall()
+                for r in self.db.execute("SELECT id FROM leases WHERE state = 'open' AND deadline < ?", (now,)).fetchall()
                 if r[0] not in kept
             ]
             self.db.conn.executemany("UPDATE leases SET state = 'expired' WHERE id = ?", [(i,) for i in ids])

@@ -13,8 +13,15 @@ class MembersTable(Table):
     """The fleet's rows (nodes, prices, credit, bans): what Membership writes."""
 
     def upsert_node(
-        self, peer_id: str, price_per_hour: float, hardware: str, link_bps: float | None, backend: str,
-        state: str = "probing", event: NewEvent | None = None, name: str | None = None,
+        self,
+        peer_id: str,
+        price_per_hour: float,
+        hardware: str,
+        link_bps: float | None,
+        backend: str,
+        state: str = "probing",
+        event: NewEvent | None = None,
+        name: str | None = None,
     ) -> bool:
         """Insert a node on first contact or refresh what it declares (its display name too: None shows its short
         peer id); tallies, audits and ban survive.
@@ -40,8 +47,9 @@ class MembersTable(Table):
     def set_node_price(self, peer_id: str, price_per_hour: float, at: float, event: NewEvent | None = None) -> bool:
         """A joined node's re-declared price, kept in its price history; False (nothing written) when banned."""
         with self._write():
-            cur = self.db.execute("UPDATE nodes SET price_per_hour = ? WHERE peer_id = ? AND state != 'banned'",
-                                  (price_per_hour, peer_id))
+            cur = self.db.execute(
+                "UPDATE nodes SET price_per_hour = ? WHERE peer_id = ? AND state != 'banned'", (price_per_hour, peer_id)
+            )
             if cur.rowcount != 1:
                 return False
             self._price_row(peer_id, price_per_hour, at)
@@ -58,7 +66,8 @@ class MembersTable(Table):
         )
         self.db.execute(
             "DELETE FROM prices WHERE node_id = ? AND rowid NOT IN (SELECT rowid FROM prices WHERE node_id = ?"
-            " ORDER BY at DESC, rowid DESC LIMIT ?)", (peer_id, peer_id, PRICES_KEPT_PER_NODE),
+            " ORDER BY at DESC, rowid DESC LIMIT ?)",
+            (peer_id, peer_id, PRICES_KEPT_PER_NODE),
         )
 
     def price_history(self, limit_per_node: int) -> dict[str, list[tuple[float, float]]]:
@@ -94,8 +103,7 @@ class MembersTable(Table):
             if cur.rowcount != 1:
                 return False
             self.db.conn.executemany("UPDATE trajectories SET held = 0 WHERE id = ?", [(i,) for i in release_ids])
-            self._credit(peer_id, time.time() if now is None else now, Credit(accepted=0, tokens=0, gpu_s=0.0,
-                                                                              audits_passed=1))
+            self._credit(peer_id, time.time() if now is None else now, Credit(accepted=0, tokens=0, gpu_s=0.0, audits_passed=1))
             return True
 
     def leaders(self, now: float, limit: int) -> list[LeaderRow]:
@@ -114,19 +122,20 @@ class MembersTable(Table):
             (int(now // CREDIT_HOUR_S) - 24, limit, limit),
         )
         return [
-            LeaderRow(r["peer_id"], r["name"], Credit(r["accepted"], r["tokens"], r["gpu_s"], r["audits_passed"]),
-                      Credit(r["d_accepted"], r["d_tokens"], r["d_gpu_s"], r["d_audits"]))
+            LeaderRow(
+                r["peer_id"],
+                r["name"],
+                Credit(r["accepted"], r["tokens"], r["gpu_s"], r["audits_passed"]),
+                Credit(r["d_accepted"], r["d_tokens"], r["d_gpu_s"], r["d_audits"]),
+            )
             for r in rows
         ]
 
-    def set_node_state(
-        self, peer_id: str, state: str, banned_reason: str | None = None, event: NewEvent | None = None
-    ) -> bool:
+    def set_node_state(self, peer_id: str, state: str, banned_reason: str | None = None, event: NewEvent | None = None) -> bool:
         """Move a node to `state`; False (and nothing written) when it is banned: a ban is for good."""
         with self._write():
             cur = self.db.execute(
-                "UPDATE nodes SET state = ?, banned_reason = COALESCE(?, banned_reason)"
-                " WHERE peer_id = ? AND state != 'banned'",
+                "UPDATE nodes SET state = ?, banned_reason = COALESCE(?, banned_reason) WHERE peer_id = ? AND state != 'banned'",
                 (state, banned_reason, peer_id),
             )
             if cur.rowcount != 1:
@@ -143,9 +152,7 @@ class MembersTable(Table):
     def nodes(self) -> list[NodeRow]:
         return [NodeRow.from_sql(r) for r in self._rows("SELECT * FROM nodes ORDER BY first_seen")]
 
-    def flush_liveness(
-        self, rows: Sequence[tuple[str, float, float, float, bool]], session_id: int, alive_at: float
-    ) -> None:
+    def flush_liveness(self, rows: Sequence[tuple[str, float, float, float, bool]], session_id: int, alive_at: float) -> None:
         """(peer, last_seen, online_s, rollouts_per_s, measured) per node that changed, and this session's clock."""
         with self._write():
             self.db.conn.executemany(
@@ -155,7 +162,12 @@ class MembersTable(Table):
             self.db.execute("UPDATE sessions SET alive_at = ? WHERE id = ?", (alive_at, session_id))
 
     def penalize_node(
-        self, node_id: str, discard_ids: Sequence[int], since_ts: float, reason: str, event: NewEvent | None = None,
+        self,
+        node_id: str,
+        discard_ids: Sequence[int],
+        since_ts: float,
+        reason: str,
+        event: NewEvent | None = None,
         discard_reason: str = "banned: audit failed",
     ) -> tuple[int, float]:
         """In one transaction: ban the node, discard its dropped pending rows, void its pay booked after
@@ -165,9 +177,7 @@ class MembersTable(Table):
         is not pending.
         """
         with self._write():
-            cur = self.db.execute(
-                "UPDATE nodes SET state = 'banned', banned_reason = ? WHERE peer_id = ?", (reason, node_id)
-            )
+            cur = self.db.execute("UPDATE nodes SET state = 'banned', banned_reason = ? WHERE peer_id = ?", (reason, node_id))
             if cur.rowcount != 1:
                 raise KeyError(f"unknown node {node_id}")
             self._discard(discard_ids, discard_reason)

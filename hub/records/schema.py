@@ -38,8 +38,10 @@ LeaseState = Literal["open", "answered", "expired"]
 NewEvent = tuple[str, str | None, str]
 
 # A step row's columns but its metrics JSON, in the order of StepRecord's fields (and created_at).
-_STEP_COLUMNS = ("step, version, reward_mean, reward_std, staleness_mean, staleness_max, dropped_stale, t_train_s,"
-                 " t_idle_s, bubble, tokens, clip_frac, created_at")
+_STEP_COLUMNS = (
+    "step, version, reward_mean, reward_std, staleness_mean, staleness_max, dropped_stale, t_train_s,"
+    " t_idle_s, bubble, tokens, clip_frac, created_at"
+)
 
 # Bumped whenever _SCHEMA changes; a database of another version is refused, never half-used.
 SCHEMA_VERSION = 3

@@ -82,9 +82,7 @@ class Store:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(
-            str(self.path), check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
-        )
+        conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
         self._lock = threading.RLock()
         self._in_batch = False
         self._metrics_trimmed_to = 0  # retain: steps up to this one have had their metrics JSON trimmed
@@ -124,7 +122,8 @@ class Store:
     def _write(self) -> Iterator[None]:
         with self._lock:
             begin, undo, end = (
-                ("SAVEPOINT w", ("ROLLBACK TO w", "RELEASE w"), "RELEASE w") if self._in_batch
+                ("SAVEPOINT w", ("ROLLBACK TO w", "RELEASE w"), "RELEASE w")
+                if self._in_batch
                 else ("BEGIN IMMEDIATE", ("ROLLBACK",), "COMMIT")
             )
             self.db.execute(begin)
@@ -225,8 +224,8 @@ class Store:
             ledger = self._roll_up_ledger(closed_before, vouch_needed)
             metrics = self._trim_step_metrics()
             snapshots = self.db.execute(
-                "DELETE FROM snapshots WHERE version < (SELECT version FROM snapshots ORDER BY version DESC"
-                " LIMIT 1 OFFSET ?)", (SNAPSHOT_ROWS_KEPT - 1,),
+                "DELETE FROM snapshots WHERE version < (SELECT version FROM snapshots ORDER BY version DESC LIMIT 1 OFFSET ?)",
+                (SNAPSHOT_ROWS_KEPT - 1,),
             ).rowcount
         return Retained(payloads, leases, ledger, metrics, snapshots)
 
@@ -243,7 +242,8 @@ class Store:
         self.db.execute("PRAGMA defer_foreign_keys = ON")
         self.db.execute(f"DELETE FROM steps {where}", span)
         self.db.conn.executemany(
-            f"INSERT INTO steps ({_STEP_COLUMNS}, metrics_json) VALUES ({', '.join('?' * 13)}, '{{}}')", rows)
+            f"INSERT INTO steps ({_STEP_COLUMNS}, metrics_json) VALUES ({', '.join('?' * 13)}, '{{}}')", rows
+        )
         return len(rows)
 
     def _roll_up_ledger(self, before: float, vouch_needed: bool) -> int:
@@ -265,8 +265,7 @@ class Store:
             # as it would have its members.
             self.db.execute(
                 "UPDATE ledger SET usd = ?, seconds = ?, created_at = ?, lease_id = NULL, step = NULL WHERE id = ?",
-                (math.fsum(m[3] for m in members), math.fsum(m[4] for m in members), max(m[5] for m in members),
-                 members[-1][0]),
+                (math.fsum(m[3] for m in members), math.fsum(m[4] for m in members), max(m[5] for m in members), members[-1][0]),
             )
             gone.extend((m[0],) for m in members[:-1])
         self.db.conn.executemany("DELETE FROM ledger WHERE id = ?", gone)
@@ -287,5 +286,3 @@ class Store:
             finally:
                 self.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         return not busy
-
-

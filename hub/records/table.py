@@ -45,9 +45,7 @@ class Table:
         """Insert events inside the caller's transaction."""
         now = time.time()
         for kind, node_id, detail in events:
-            self.db.execute(
-                "INSERT INTO events (at, kind, node_id, detail) VALUES (?, ?, ?, ?)", (now, kind, node_id, detail)
-            )
+            self.db.execute("INSERT INTO events (at, kind, node_id, detail) VALUES (?, ?, ?, ?)", (now, kind, node_id, detail))
 
     def _credit(self, node_id: str, now: float, credit: Credit) -> None:
         """Add `credit` to the node's hour bucket (and its tokens and seconds to its running tallies; its groups and
@@ -55,8 +53,9 @@ class Table:
         if not (credit.accepted or credit.audits_passed):
             return
         hour = int(now // CREDIT_HOUR_S)
-        self.db.execute("UPDATE nodes SET tokens = tokens + ?, gpu_s = gpu_s + ? WHERE peer_id = ?",
-                        (credit.tokens, credit.gpu_s, node_id))
+        self.db.execute(
+            "UPDATE nodes SET tokens = tokens + ?, gpu_s = gpu_s + ? WHERE peer_id = ?", (credit.tokens, credit.gpu_s, node_id)
+        )
         self.db.execute(
             "INSERT INTO credit_hours (hour, node_id, accepted, tokens, gpu_s, audits_passed) VALUES (?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(hour, node_id) DO UPDATE SET accepted = accepted + excluded.accepted,"

@@ -21,9 +21,22 @@ class TrainingTable(Table):
         with self._write():
             self.db.execute(
                 f"INSERT INTO steps ({_STEP_COLUMNS}, metrics_json) VALUES ({', '.join('?' * 14)})",
-                (record.step, record.version, record.reward_mean, record.reward_std, record.staleness_mean,
-                 record.staleness_max, record.dropped_stale, record.t_train_s, record.t_idle_s, record.bubble,
-                 record.tokens, record.clip_frac, now, json.dumps(dict(record.extra))),
+                (
+                    record.step,
+                    record.version,
+                    record.reward_mean,
+                    record.reward_std,
+                    record.staleness_mean,
+                    record.staleness_max,
+                    record.dropped_stale,
+                    record.t_train_s,
+                    record.t_idle_s,
+                    record.bubble,
+                    record.tokens,
+                    record.clip_frac,
+                    now,
+                    json.dumps(dict(record.extra)),
+                ),
             )
             for row_id in consumed_ids:
                 cur = self.db.execute(
@@ -56,9 +69,7 @@ class TrainingTable(Table):
 
     def recent_steps(self, limit: int) -> list[StepRecord]:
         """The newest `limit` learner steps, oldest first."""
-        return self._step_records(
-            "SELECT * FROM (SELECT * FROM steps ORDER BY step DESC LIMIT ?) ORDER BY step", (limit,)
-        )
+        return self._step_records("SELECT * FROM (SELECT * FROM steps ORDER BY step DESC LIMIT ?) ORDER BY step", (limit,))
 
     def add_checkpoint(self, step: int, path: str, version: int) -> None:
         with self._write():

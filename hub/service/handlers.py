@@ -127,8 +127,9 @@ PROTOCOL_FRAME_CAPS = {
     LEAVE_PROTOCOL: Leave.MAX_BYTES,
 }
 # Protocols only joined nodes may use: a stranger is refused before one byte of its request is read.
-MEMBERS_ONLY = frozenset({HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL,
-                          PRICE_PROTOCOL, LEAVE_PROTOCOL})
+MEMBERS_ONLY = frozenset(
+    {HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL, PRICE_PROTOCOL, LEAVE_PROTOCOL}
+)
 # What a stream from a peer that has not joined may pin in hub memory (a join or status request fits).
 STRANGER_FRAME_CAP_BYTES = JoinRequest.MAX_BYTES
 # How long a handler may take: one exchange, except a snapshot transfer, which lasts as long as the model
@@ -306,8 +307,12 @@ class HubService:
         its stream is not given time to close, the connection goes with it). A peer that redials while it is
         disconnected is turned away on every stream: its event row and line are written once per window."""
         disconnect = admission.verdict == "disconnect"
-        await _refuse(stream, RejectCode.BUSY, f"retry in {admission.retry_after_s:.2f}s: {admission.reason}",
-                      linger_s=0.0 if disconnect else REFUSE_LINGER_S)
+        await _refuse(
+            stream,
+            RejectCode.BUSY,
+            f"retry in {admission.retry_after_s:.2f}s: {admission.reason}",
+            linger_s=0.0 if disconnect else REFUSE_LINGER_S,
+        )
         if disconnect:
             if (tail := self._disconnect_log.tail(peer)) is not None:
                 await self.state.event("disconnect", peer, admission.reason + tail)
@@ -372,8 +377,13 @@ class HubService:
             await stream.reset()  # idle, or ended for a newer one: its slot goes back
             return None
         if selector >= len(SESSION_REQUESTS):
-            await self._misbehaved(stream, peer, SESSION_PROTOCOL, RejectCode.BAD_REQUEST,
-                                   f"session selector {selector} names no request (0-{len(SESSION_REQUESTS) - 1})")
+            await self._misbehaved(
+                stream,
+                peer,
+                SESSION_PROTOCOL,
+                RejectCode.BAD_REQUEST,
+                f"session selector {selector} names no request (0-{len(SESSION_REQUESTS) - 1})",
+            )
             return None
         return SESSION_REQUESTS[selector]
 
@@ -382,27 +392,34 @@ class HubService:
     async def _on_join(self, stream: INetStream) -> None:
         request = await read_message(stream, JoinRequest)
         record = await self.membership.join(remote_peer_id(stream), request, remote_ip(stream))
-        await _reply(stream, JoinReply(
-            state=record.state, latest_version=self.shelf.newest_version(), staleness=self.terms.staleness,
-            task=self.terms.task, heartbeat_period_s=record.heartbeat_period_s, context_tokens=self.terms.context_tokens,
-            stop_ids=self.terms.stop_ids,
-        ))
+        await _reply(
+            stream,
+            JoinReply(
+                state=record.state,
+                latest_version=self.shelf.newest_version(),
+                staleness=self.terms.staleness,
+                task=self.terms.task,
+                heartbeat_period_s=record.heartbeat_period_s,
+                context_tokens=self.terms.context_tokens,
+                stop_ids=self.terms.stop_ids,
+            ),
+        )
 
     async def _on_model(self, stream: INetStream) -> None:
         """The model's file list, or one file's bytes in a MODEL_FILE_FRAME: asked before a node's first join."""
         request = await read_message(stream, ModelFilesRequest)
         offer = self.model_offer
         if offer is None:
-            raise PeerFault("this hub offers no model files: start the node with --model and the hub's model",
-                            RejectCode.NOT_HELD)
+            raise PeerFault(
+                "this hub offers no model files: start the node with --model and the hub's model", RejectCode.NOT_HELD
+            )
         if request.name is None:
             await _reply(stream, offer.listing)
             return
         entry = offer.entry(request.name)
         if entry is None:
             raise PeerFault(f"no model file {request.name!r} here", RejectCode.NOT_HELD)
-        wait_s = self._model_bytes.take(address_key(remote_ip(stream)) or remote_peer_id(stream), self.clock(),
-                                        entry.size)
+        wait_s = self._model_bytes.take(address_key(remote_ip(stream)) or remote_peer_id(stream), self.clock(), entry.size)
         if wait_s > 0:
             raise HubBusy(f"model files from this address: retry in {wait_s:.0f}s")
         await write_frame(stream, MODEL_FILE_FRAME, offer.read(entry))
@@ -416,12 +433,22 @@ class HubService:
             self.punch_failed(peer, beat.punch_failed_with)
         self.on_heartbeat()
         links = self.chain_links(peer)
-        await _reply(stream, HeartbeatReply(
-            state=record.state, latest_version=self.shelf.newest_version(), upstream=links.upstream,
-            upstream_addrs=links.upstream_addrs, downstream=links.downstream, chain=links.chain,
-            chain_position=links.chain_position, downstream_addrs=links.downstream_addrs,
-            reachability=record.reachability, upstream_link=links.kind, heartbeat_period_s=record.heartbeat_period_s,
-        ))
+        await _reply(
+            stream,
+            HeartbeatReply(
+                state=record.state,
+                latest_version=self.shelf.newest_version(),
+                upstream=links.upstream,
+                upstream_addrs=links.upstream_addrs,
+                downstream=links.downstream,
+                chain=links.chain,
+                chain_position=links.chain_position,
+                downstream_addrs=links.downstream_addrs,
+                reachability=record.reachability,
+                upstream_link=links.kind,
+                heartbeat_period_s=record.heartbeat_period_s,
+            ),
+        )
 
     async def _on_price(self, stream: INetStream) -> None:
         change = await read_message(stream, PriceChange)
@@ -440,14 +467,16 @@ class HubService:
         rules = self.intake.rules
         if rules is None:
             raise PeerFault("this hub takes no submissions", RejectCode.BAD_LEASE)
-        return LeaseReply(lease=Lease(
-            lease_id=lease.lease_id,
-            prompts=tuple(LeasePrompt(prompt_id=p.id, text=p.text) for p in lease.prompts),
-            group_size=rules.group_size,
-            sampling=rules.sampling,
-            min_version=lease.min_version,
-            deadline_s=lease.deadline - lease.issued_at,
-        ))
+        return LeaseReply(
+            lease=Lease(
+                lease_id=lease.lease_id,
+                prompts=tuple(LeasePrompt(prompt_id=p.id, text=p.text) for p in lease.prompts),
+                group_size=rules.group_size,
+                sampling=rules.sampling,
+                min_version=lease.min_version,
+                deadline_s=lease.deadline - lease.issued_at,
+            )
+        )
 
     async def _on_lease(self, stream: INetStream) -> None:
         request = await read_message(stream, LeaseRequest)
@@ -463,10 +492,16 @@ class HubService:
                 next_lease = await self._lease_reply(peer, submission.next_lease_for)
             except PeerFault as exc:  # banned meanwhile, say: the submission is committed, so it is still answered
                 next_lease = LeaseReply(lease=None, retry_after_s=NO_LEASE_RETRY_S, reason=exc.reason[:500])
-        await _reply(stream, SubmitReply(
-            accepted=outcome.accepted, rejected=outcome.rejected, late=outcome.late, paid_usd=outcome.paid_usd,
-            next_lease=next_lease,
-        ))
+        await _reply(
+            stream,
+            SubmitReply(
+                accepted=outcome.accepted,
+                rejected=outcome.rejected,
+                late=outcome.late,
+                paid_usd=outcome.paid_usd,
+                next_lease=next_lease,
+            ),
+        )
 
     async def _on_status(self, stream: INetStream) -> None:
         request = await read_message(stream, StatusRequest)
@@ -606,15 +641,29 @@ def build_hub_service(
 ) -> HubService:
     """The hub's service as `echo-hub start` runs it; without a broadcaster, every node pulls from the hub."""
     bc = config.broadcast
-    uplink = HubUplink(bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
-                       bc.link_mbps * BYTES_PER_MBIT if bc.link_mbps else None)
-    terms = JoinTerms(config.learner.staleness_bound, config.task, context_tokens,
-                      tuple(sorted(state.intake.rules.stop_ids)) if state.intake.rules is not None else None)
+    uplink = HubUplink(
+        bc.hub_uplink_mbps * BYTES_PER_MBIT if bc.hub_uplink_mbps else None,
+        bc.link_mbps * BYTES_PER_MBIT if bc.link_mbps else None,
+    )
+    terms = JoinTerms(
+        config.learner.staleness_bound,
+        config.task,
+        context_tokens,
+        tuple(sorted(state.intake.rules.stop_ids)) if state.intake.rules is not None else None,
+    )
     return HubService(
-        host, identity, state, shelf, PeerGuard(config.trust, time.monotonic), uplink, terms, status,
+        host,
+        identity,
+        state,
+        shelf,
+        PeerGuard(config.trust, time.monotonic),
+        uplink,
+        terms,
+        status,
         chain_links=broadcaster.links if broadcaster else no_chains,
         on_heartbeat=broadcaster.check_done if broadcaster else lambda: None,
         on_report=broadcaster.on_report if broadcaster else refuse_reports,
         punch_failed=broadcaster.punch_failed if broadcaster else lambda peer, upstream: None,
-        bulk=bulk, model_offer=model_offer,
+        bulk=bulk,
+        model_offer=model_offer,
     )

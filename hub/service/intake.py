@@ -135,9 +135,19 @@ class Intake:
     """The submission pipeline and the audits' consequences; see the module docstring."""
 
     def __init__(
-        self, store: Store, writer: StoreWriter, config: HubConfig, membership: Membership, leasing: Leasing,
-        buffer: ReplayBuffer, signal: BufferSignal, room: BufferRoom, totals: RunTotals,
-        rules: SubmissionRules | None, checks: SubmissionChecks | None, audits: AuditQueue | None,
+        self,
+        store: Store,
+        writer: StoreWriter,
+        config: HubConfig,
+        membership: Membership,
+        leasing: Leasing,
+        buffer: ReplayBuffer,
+        signal: BufferSignal,
+        room: BufferRoom,
+        totals: RunTotals,
+        rules: SubmissionRules | None,
+        checks: SubmissionChecks | None,
+        audits: AuditQueue | None,
         clock: Callable[[], float],
     ) -> None:
         """`rules` None: a learner-only hub that takes no submissions. `checks` None: ThreadChecks(rules)."""
@@ -157,8 +167,9 @@ class Intake:
         self.checks = checks if checks is not None or rules is None else ThreadChecks(rules, trust.check_timeout_s)
         self.clock = clock
         snapshot_dtype = resolve_dtype(lc.dtype, lc.device)
-        self.copies = CopyDetector(trust.copy_cache_groups, lc.group_size, trust.copy_min_surprise_nats,
-                                   trust.mean_abs_gap(snapshot_dtype))
+        self.copies = CopyDetector(
+            trust.copy_cache_groups, lc.group_size, trust.copy_min_surprise_nats, trust.mean_abs_gap(snapshot_dtype)
+        )
         self.probation = Probation(trust, audits)
         membership.on_ban.append(self.copies.forget)
         # The first failure of the operator's reward: the run stops with it (HubState.run raises it).
@@ -240,10 +251,15 @@ class Intake:
                 # Audits of new nodes are backed up: whoever sends more new work must wait (bounded, not piled up).
                 raise HubBusy("audits of new nodes backed up: resubmit later")
             held = len(accepted)
-        pay = price_lease(checked.claimed.lease.issued_at, checked.claimed.lease.price_per_hour,
-                          len(checked.claimed.lease.prompts), accepted, checked.claimed.at, self.lease_config)
-        rate, measured = self.membership.fleet.throughput_after(
-            record, sum(len(g.completions) for g in accepted), pay.held_s)
+        pay = price_lease(
+            checked.claimed.lease.issued_at,
+            checked.claimed.lease.price_per_hour,
+            len(checked.claimed.lease.prompts),
+            accepted,
+            checked.claimed.at,
+            self.lease_config,
+        )
+        rate, measured = self.membership.fleet.throughput_after(record, sum(len(g.completions) for g in accepted), pay.held_s)
         return Priced(checked, held, pay, rate, measured)
 
     async def _commit(self, priced: Priced) -> Committed:
@@ -259,11 +275,21 @@ class Intake:
                 # Room and the audit backlog are counted before the commit: concurrent submissions must not
                 # overfill either with groups their nodes were told were accepted.
                 with self.room.reserving(accepted), self.probation.holding(priced.held):
-                    row_ids = await self.writer.write(lambda: self.store.groups.record_submission(
-                        lease.lease_id, record.peer_id, verdicts, usd=pay.usd, seconds=pay.billed_s,
-                        signed_bytes_hash=claimed.signed_hash, now=claimed.at, rollouts_per_s=priced.rate,
-                        events=events, hold=priced.held > 0, tokens=pay.tokens,
-                    ))
+                    row_ids = await self.writer.write(
+                        lambda: self.store.groups.record_submission(
+                            lease.lease_id,
+                            record.peer_id,
+                            verdicts,
+                            usd=pay.usd,
+                            seconds=pay.billed_s,
+                            signed_bytes_hash=claimed.signed_hash,
+                            now=claimed.at,
+                            rollouts_per_s=priced.rate,
+                            events=events,
+                            hold=priced.held > 0,
+                            tokens=pay.tokens,
+                        )
+                    )
             except NodeBanned:
                 raise PeerFault("banned", RejectCode.BANNED) from None
             self.leasing.answered(lease, [v.prompt_id for v in verdicts])
@@ -282,8 +308,7 @@ class Intake:
         with trio.CancelScope(shield=True):
             if committed.priced.held:
                 assert self._nursery is not None, "HubState.run starts the intake's nursery before any submission"
-                self._nursery.start_soon(self._audit_held, claimed.record, claimed.lease.lease_id, committed.kept,
-                                         claimed.at)
+                self._nursery.start_soon(self._audit_held, claimed.record, claimed.lease.lease_id, committed.kept, claimed.at)
             else:
                 await self._settle(claimed.record, claimed.lease.lease_id, committed.kept, claimed.at)
 
@@ -323,8 +348,9 @@ class Intake:
         row_ids = [row_id for _, row_id in kept]
         try:
             with trio.CancelScope(shield=True):
-                passed = await self._audit([AuditJob(record.peer_id, lease_id, row_id, group, answered_at)
-                                            for group, row_id in kept], release=row_ids)
+                passed = await self._audit(
+                    [AuditJob(record.peer_id, lease_id, row_id, group, answered_at) for group, row_id in kept], release=row_ids
+                )
                 self.room.release(len(kept))
                 if record.state == "banned":
                     # Failed, or banned meanwhile (a released row must not slip past the ban either):
@@ -334,7 +360,7 @@ class Intake:
                     await self._buffer(kept)
                 else:
                     paid = await self.writer.write(
-                        self.store.groups.discard_and_void, row_ids, "not audited while on probation", record.peer_id, lease_id,
+                        self.store.groups.discard_and_void, row_ids, "not audited while on probation", record.peer_id, lease_id
                     )
                     self.totals.paid_usd[record.peer_id] = paid
         finally:
@@ -387,8 +413,9 @@ class Intake:
             return False
         answered_at = jobs[0].answered_at
         with trio.CancelScope(shield=True):
-            released = await self.writer.write(self.store.members.record_audit_pass, record.peer_id, answered_at, list(release),
-                                               self.clock())
+            released = await self.writer.write(
+                self.store.members.record_audit_pass, record.peer_id, answered_at, list(release), self.clock()
+            )
             if not released:  # banned while it was audited: the ban discarded the rows
                 return False
             self.membership.vouch(record, answered_at)
@@ -408,10 +435,15 @@ class Intake:
         dropped = self.buffer.drop_node(record.peer_id)
         since = self.probation.unvouched_since(record)
         with trio.CancelScope(shield=True):
-            voided, paid = await self.writer.write(lambda: self.store.members.penalize_node(
-                record.peer_id, dropped, since, reason,
-                event=("audit_fail", record.peer_id, f"{reason}; dropped {len(dropped)} groups"),
-            ))
+            voided, paid = await self.writer.write(
+                lambda: self.store.members.penalize_node(
+                    record.peer_id,
+                    dropped,
+                    since,
+                    reason,
+                    event=("audit_fail", record.peer_id, f"{reason}; dropped {len(dropped)} groups"),
+                )
+            )
             self.totals.paid_usd[record.peer_id] = paid
             self.leasing.release_node(record.peer_id)
         log.warning("banned %s: %s; dropped %d groups, voided %d payments", record.peer_id, reason, len(dropped), voided)

@@ -54,9 +54,18 @@ class LeaseGrant:
 class Leasing:
     """The lease book, its quotas and the version window; see the module docstring."""
 
-    def __init__(self, store: Store, writer: StoreWriter, config: HubConfig, task: Task, membership: Membership,
-                 room: BufferRoom, oldest_useful_version: Callable[[], int], newest_version: Callable[[], int],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        writer: StoreWriter,
+        config: HubConfig,
+        task: Task,
+        membership: Membership,
+        room: BufferRoom,
+        oldest_useful_version: Callable[[], int],
+        newest_version: Callable[[], int],
+        clock: Callable[[], float],
+    ) -> None:
         """`room`: the buffer room the intake reserves, counted here against the in-flight cap (read only).
         `oldest_useful_version`: the learner's window (hub/records/measurements.py); `newest_version`: the shelf's."""
         self.store = store
@@ -118,8 +127,9 @@ class Leasing:
         probe = record.state == "probing"
         if probe and self.book.holds(peer):
             return LeaseGrant(None, "probe lease outstanding", NO_WORK_RETRY_S)
-        quota = self.quota.decide(peer, record.remote_ip, record.audits_passed, self.book.open_count(peer),
-                                  self.book.open_by_address, self._own_nodes)
+        quota = self.quota.decide(
+            peer, record.remote_ip, record.audits_passed, self.book.open_count(peer), self.book.open_by_address, self._own_nodes
+        )
         if not quota.allowed:
             return LeaseGrant(None, quota.reason, NO_WORK_RETRY_S)
         k = PROBE_PROMPTS if probe else quota.prompts
@@ -133,15 +143,27 @@ class Leasing:
                 return LeaseGrant(None, "enough work in flight", NO_WORK_RETRY_S)
         # Open in the book before the commit, so concurrent requests see it against their quota and the
         # in-flight cap; withdrawn if the commit fails. Its id reaches the node only after the commit.
-        lease = self.book.draft(peer, k, min_version=window.oldest, now=self.clock(),
-                                timeout_s=self.config.lease_timeout_s, price_per_hour=record.price_per_hour,
-                                probe=probe, address=None if peer in self._own_nodes else address_key(record.remote_ip))
+        lease = self.book.draft(
+            peer,
+            k,
+            min_version=window.oldest,
+            now=self.clock(),
+            timeout_s=self.config.lease_timeout_s,
+            price_per_hour=record.price_per_hour,
+            probe=probe,
+            address=None if peer in self._own_nodes else address_key(record.remote_ip),
+        )
         self.book.open_lease(lease)
         try:
             with trio.CancelScope(shield=True):
                 await self.writer.write(
-                    self.store.leases.add_lease, lease.lease_id, peer, list(lease.prompt_ids), lease.min_version,
-                    lease.issued_at, lease.deadline,
+                    self.store.leases.add_lease,
+                    lease.lease_id,
+                    peer,
+                    list(lease.prompt_ids),
+                    lease.min_version,
+                    lease.issued_at,
+                    lease.deadline,
                 )
         except BaseException:
             self.book.abandon(lease)

@@ -54,8 +54,15 @@ class NodeTerms:
 class Membership:
     """The fleet's node records and every write to them; see the module docstring."""
 
-    def __init__(self, store: Store, writer: StoreWriter, config: HubConfig, terms: NodeTerms, totals: RunTotals,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        writer: StoreWriter,
+        config: HubConfig,
+        terms: NodeTerms,
+        totals: RunTotals,
+        clock: Callable[[], float],
+    ) -> None:
         sc = config.scheduler
         self.store = store
         self.writer = writer
@@ -115,11 +122,17 @@ class Membership:
     async def join(self, peer: str, request: JoinRequest, remote_ip: str | None) -> NodeRecord:
         terms = self.terms
         if request.model_config_hash != terms.model_config_hash:
-            raise PeerFault(f"model config differs from the hub's: the hub trains {terms.model_label or 'another model'}; "
-                            "start the node without --model to use the hub's, or with that model", RejectCode.MODEL_MISMATCH)
+            raise PeerFault(
+                f"model config differs from the hub's: the hub trains {terms.model_label or 'another model'}; "
+                "start the node without --model to use the hub's, or with that model",
+                RejectCode.MODEL_MISMATCH,
+            )
         if request.dtype != terms.snapshot_dtype:
-            raise PeerFault(f"this hub publishes {terms.snapshot_dtype} snapshots and the node's engine runs "
-                            f"{request.dtype}: restart the node with --dtype {terms.snapshot_dtype}", RejectCode.MODEL_MISMATCH)
+            raise PeerFault(
+                f"this hub publishes {terms.snapshot_dtype} snapshots and the node's engine runs "
+                f"{request.dtype}: restart the node with --dtype {terms.snapshot_dtype}",
+                RejectCode.MODEL_MISMATCH,
+            )
         try:
             public_key_from_peer_id(peer)
         except ValueError:
@@ -127,8 +140,11 @@ class Membership:
             raise PeerFault("this peer id inlines no Ed25519 key: use an echo2 identity", RejectCode.BAD_REQUEST) from None
         if request.price_per_hour > self.max_price_per_hour:
             # Before any probe: a price above the ceiling is never worth measuring, let alone paying for.
-            raise PeerFault(f"price ${request.price_per_hour:g}/h is above this hub's ceiling "
-                            f"${self.max_price_per_hour:g}/h: join with a lower --price", RejectCode.PRICE_TOO_HIGH)
+            raise PeerFault(
+                f"price ${request.price_per_hour:g}/h is above this hub's ceiling "
+                f"${self.max_price_per_hour:g}/h: join with a lower --price",
+                RejectCode.PRICE_TOO_HIGH,
+            )
         previous = self.fleet.get(peer)
         if previous is not None and previous.state == "banned":
             raise PeerFault(f"banned: {previous.banned_reason}", RejectCode.BANNED)
@@ -140,10 +156,18 @@ class Membership:
             self._join_events[peer] = now
             event = ("join", peer, f"price ${request.price_per_hour:.2f}/h backend {request.backend}")
         with trio.CancelScope(shield=True):
-            joined = await self.writer.write(lambda: self.store.members.upsert_node(
-                peer, request.price_per_hour, request.hardware, request.link_bps, request.backend, state, event=event,
-                name=request.name,
-            ))
+            joined = await self.writer.write(
+                lambda: self.store.members.upsert_node(
+                    peer,
+                    request.price_per_hour,
+                    request.hardware,
+                    request.link_bps,
+                    request.backend,
+                    state,
+                    event=event,
+                    name=request.name,
+                )
+            )
             banned = self.fleet.get(peer)
             if not joined or (banned is not None and banned.state == "banned"):  # banned while this join was written
                 raise PeerFault("banned", RejectCode.BANNED)
@@ -188,8 +212,7 @@ class Membership:
         if price == record.price_per_hour:  # nothing changes, nor does the time the next change waits for
             last = record.price_changed_at
             return 0.0 if last is None else max(0.0, self.price_change_interval_s - (now - last))
-        refusal = price_change_refusal(price, self.max_price_per_hour, record.price_changed_at, now,
-                                       self.price_change_interval_s)
+        refusal = price_change_refusal(price, self.max_price_per_hour, record.price_changed_at, now, self.price_change_interval_s)
         if refusal is not None:
             raise PeerFault(refusal, RejectCode.BAD_REQUEST)
         # Counted before the write (the safe direction): a second change racing this one is already too soon.
@@ -229,8 +252,9 @@ class Membership:
         now = self.clock()
         if now - self._period_counted_at >= HEARTBEAT_RECOUNT_S:
             self._period_counted_at = now
-            self._heartbeat_period_s = heartbeat_period(len(self.fleet.live()), self.min_heartbeat_period_s,
-                                                        self.heartbeats_per_s)
+            self._heartbeat_period_s = heartbeat_period(
+                len(self.fleet.live()), self.min_heartbeat_period_s, self.heartbeats_per_s
+            )
         return self._heartbeat_period_s
 
     def _seen(self, record: NodeRecord) -> None:
@@ -249,13 +273,19 @@ class Membership:
         if record.state in (state, "banned") or (state == "active" and record.left_at is not None):
             return
         previous = record.state
-        kind = {"active": "activate", "standby": "release" if previous == "active" else "standby",
-                "gone": "leave", "banned": "ban"}.get(state, state)
+        kind = {
+            "active": "activate",
+            "standby": "release" if previous == "active" else "standby",
+            "gone": "leave",
+            "banned": "ban",
+        }.get(state, state)
         banned_reason = reason if state == "banned" else None
         with trio.CancelScope(shield=True):
-            moved = await self.writer.write(lambda: self.store.members.set_node_state(
-                record.peer_id, state, banned_reason, event=(kind, record.peer_id, reason),
-            ))
+            moved = await self.writer.write(
+                lambda: self.store.members.set_node_state(
+                    record.peer_id, state, banned_reason, event=(kind, record.peer_id, reason)
+                )
+            )
             if not moved or record.state == "banned":  # banned meanwhile
                 return
             record.state = state
@@ -323,8 +353,11 @@ class Membership:
 
     def liveness(self) -> list[tuple[str, float, float, float, bool]]:
         """What changed of the nodes' liveness since the last call, as the store's flush takes it."""
-        rows = [(p, n.last_seen, n.online_s, n.rollouts_per_s, n.measured)
-                for p in self._dirty if (n := self.fleet.get(p)) is not None]
+        rows = [
+            (p, n.last_seen, n.online_s, n.rollouts_per_s, n.measured)
+            for p in self._dirty
+            if (n := self.fleet.get(p)) is not None
+        ]
         self._dirty = set()
         return rows
 

@@ -95,8 +95,9 @@ class HubState:
         self.group_size = lc.group_size
         self.shelved_versions = shelved_versions
         self.clock = clock
-        self.measurements = Measurements(LearnerWindow.at_start(
-            store, lc.staleness, lc.effective_kappa, lc.staleness_max if lc.staleness_auto else None))
+        self.measurements = Measurements(
+            LearnerWindow.at_start(store, lc.staleness, lc.effective_kappa, lc.staleness_max if lc.staleness_auto else None)
+        )
         self.buffer = ReplayBuffer(lc.buffer_max_groups, lc.staleness, lc.skip_zero_variance)
         self.signal = BufferSignal()
         room = BufferRoom(self.buffer)
@@ -106,11 +107,32 @@ class HubState:
         terms = NodeTerms(model_config_hash, model_label, resolve_dtype(lc.dtype, lc.device))
         self.membership = Membership(store, self.writer, config, terms, self.totals, clock)
         self.membership.load()
-        self.leasing = Leasing(store, self.writer, config, task, self.membership, room,
-                               oldest_useful_version or self.measurements.learner.min_useful_version,
-                               newest_version, clock)
-        self.intake = Intake(store, self.writer, config, self.membership, self.leasing, self.buffer, self.signal, room,
-                             self.totals, rules, checks, audits, clock)
+        self.leasing = Leasing(
+            store,
+            self.writer,
+            config,
+            task,
+            self.membership,
+            room,
+            oldest_useful_version or self.measurements.learner.min_useful_version,
+            newest_version,
+            clock,
+        )
+        self.intake = Intake(
+            store,
+            self.writer,
+            config,
+            self.membership,
+            self.leasing,
+            self.buffer,
+            self.signal,
+            room,
+            self.totals,
+            rules,
+            checks,
+            audits,
+            clock,
+        )
         # The fleet, to read (the scheduler, the broadcaster, the status board); Membership writes it.
         self.fleet = self.membership.fleet
         # With audits off, nothing vouches for pay: only a ban voids it, all of it (Store.retain).
@@ -126,8 +148,7 @@ class HubState:
         refill_refused: dict[str, list[int]] = {}
         for row_id, group in self.store.groups.unconsumed_groups():
             if len(group.rewards) != self.group_size:  # made before a resume changed group_size: no step takes it
-                refill_refused.setdefault(f"group size {len(group.rewards)}, not the run's {self.group_size}",
-                                          []).append(row_id)
+                refill_refused.setdefault(f"group size {len(group.rewards)}, not the run's {self.group_size}", []).append(row_id)
                 continue
             result = self.buffer.add(group, row_id)
             if not result.accepted:
@@ -186,8 +207,9 @@ class HubState:
     def record_snapshot(self, version: int, path: str, manifest_hash: str, total_bytes: int, started_at: float) -> None:
         """Learner record (any thread; blocking): a snapshot is on disk; its build began at `started_at`
         (so published_at - created_at is the time to write it)."""
-        self.writer.write_blocking(lambda: self.store.shelf.add_snapshot(version, path, manifest_hash, total_bytes,
-                                                                   created_at=started_at))
+        self.writer.write_blocking(
+            lambda: self.store.shelf.add_snapshot(version, path, manifest_hash, total_bytes, created_at=started_at)
+        )
 
     async def record_eval(self, row: EvalPoint) -> None:
         """A held-out evaluation finished: its row and an event."""
@@ -205,9 +227,11 @@ class HubState:
         self.writer.write_blocking(self.store.training.add_checkpoint, step, str(path), version)
 
     async def record_broadcast_time(self, version: int, seconds: float) -> None:
-        await self.writer.write(lambda: self.store.shelf.set_broadcast_time(
-            version, seconds, event=("broadcast_done", None, f"v{version} on every node in {seconds:.2f}s"),
-        ))
+        await self.writer.write(
+            lambda: self.store.shelf.set_broadcast_time(
+                version, seconds, event=("broadcast_done", None, f"v{version} on every node in {seconds:.2f}s")
+            )
+        )
 
     def record_event(self, kind: str, node_id: str | None, detail: str) -> None:
         """An event with no state change of its own (any thread but trio's; blocking)."""
@@ -261,4 +285,3 @@ class HubState:
                 if self.clock() - flushed >= FLUSH_PERIOD_S:
                     flushed = self.clock()
                     await self.flush()
-

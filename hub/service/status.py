@@ -99,8 +99,15 @@ class StatusBoard:
     def _read_store(self) -> None:
         steps = self.store.training.recent_steps(HISTORY_POINTS)
         self.history = tuple(
-            StepPoint(step=s.step, version=s.version, reward_mean=policy_reward(s.as_json_dict()), staleness_mean=s.staleness_mean,
-                      bubble=s.bubble, t_train_s=s.t_train_s, t_idle_s=s.t_idle_s)
+            StepPoint(
+                step=s.step,
+                version=s.version,
+                reward_mean=policy_reward(s.as_json_dict()),
+                staleness_mean=s.staleness_mean,
+                bubble=s.bubble,
+                t_train_s=s.t_train_s,
+                t_idle_s=s.t_idle_s,
+            )
             for s in steps
         )
         self.evals = tuple(self.store.training.evals(HISTORY_POINTS))
@@ -108,8 +115,7 @@ class StatusBoard:
             self.leaders = tuple(leader(row) for row in self.store.members.leaders(time.time(), LEADERS_MAX))
             self._leaders_due = started + (time.monotonic() - started) / LEADERS_DUTY
         self.events = tuple(
-            EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail)
-            for e in self.store.journal.events(EVENTS_KEPT)
+            EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail) for e in self.store.journal.events(EVENTS_KEPT)
         )
 
     def _listed(self, now: float) -> tuple[list, int]:
@@ -131,14 +137,24 @@ class StatusBoard:
         kinds = self.broadcaster.link_kinds() if self.broadcaster else {}
         nodes = tuple(
             NodeStatus(
-                peer_id=n.peer_id, state=n.state, price_per_hour=n.price_per_hour, rollouts_per_s=n.rollouts_per_s,
-                version_held=n.version_held, receiving_version=n.receiving_version,
-                chunks_received=n.chunks_received, tallies=n.tallies, cost_usd=state.totals.paid_usd.get(n.peer_id, 0.0),
-                backend=n.backend, hardware=n.hardware,
-                chain=chain_of.get(n.peer_id, (None, None))[0], chain_position=chain_of.get(n.peer_id, (None, None))[1],
+                peer_id=n.peer_id,
+                state=n.state,
+                price_per_hour=n.price_per_hour,
+                rollouts_per_s=n.rollouts_per_s,
+                version_held=n.version_held,
+                receiving_version=n.receiving_version,
+                chunks_received=n.chunks_received,
+                tallies=n.tallies,
+                cost_usd=state.totals.paid_usd.get(n.peer_id, 0.0),
+                backend=n.backend,
+                hardware=n.hardware,
+                chain=chain_of.get(n.peer_id, (None, None))[0],
+                chain_position=chain_of.get(n.peer_id, (None, None))[1],
                 reachability=n.reachability,
-                link=kinds.get(n.peer_id, ""), name=n.name or short_id(n.peer_id),
-                audits_passed=n.audits_passed, price_history=n.price_history,
+                link=kinds.get(n.peer_id, ""),
+                name=n.name or short_id(n.peer_id),
+                audits_passed=n.audits_passed,
+                price_history=n.price_history,
             )
             for n in listed
         )
@@ -151,24 +167,47 @@ class StatusBoard:
         moves = self._staleness_moves()
         staleness, kappa = (moves[-1].staleness, moves[-1].kappa) if moves else (self.info.staleness, self.info.kappa)
         return HubStatus(
-            hub_id=self.info.hub_id, addrs=self.info.addrs, running=self.running, updated_at=now, step=step,
-            steps_target=self.info.steps_target, version=step, staleness=staleness, kappa=kappa,
-            task=self.info.task, nodes=nodes, chains=tuple(tuple(c) for c in chains),
-            broadcast_mode=self.info.broadcast_mode, open_leases=state.leasing.open_leases(),
-            totals=state.totals.groups, dropped_stale=state.totals.dropped_stale,
-            submissions=state.totals.submissions, heartbeats=state.totals.heartbeats,
-            audits_passed=state.totals.audits["passed"], audits_failed=state.totals.audits["failed"],
+            hub_id=self.info.hub_id,
+            addrs=self.info.addrs,
+            running=self.running,
+            updated_at=now,
+            step=step,
+            steps_target=self.info.steps_target,
+            version=step,
+            staleness=staleness,
+            kappa=kappa,
+            task=self.info.task,
+            nodes=nodes,
+            chains=tuple(tuple(c) for c in chains),
+            broadcast_mode=self.info.broadcast_mode,
+            open_leases=state.leasing.open_leases(),
+            totals=state.totals.groups,
+            dropped_stale=state.totals.dropped_stale,
+            submissions=state.totals.submissions,
+            heartbeats=state.totals.heartbeats,
+            audits_passed=state.totals.audits["passed"],
+            audits_failed=state.totals.audits["failed"],
             audits_unverified=state.totals.audits["unverified"],
             reward_mean=last.reward_mean if last else None,
-            t_train_s=self.measured.t_train_recent_s, t_bcast_s=self.measured.t_bcast_s,
+            t_train_s=self.measured.t_train_recent_s,
+            t_bcast_s=self.measured.t_bcast_s,
             snapshot_bytes=newest.manifest.total_bytes if newest else None,
             delta_bytes=delta.manifest.total_bytes if delta else None,
-            bubble=last.bubble if last else None, predicted_bubble=capacity.predicted_bubble,
-            mu_pool=capacity.mu_pool, mu_min=capacity.mu_min, mu_target=capacity.mu_target,
+            bubble=last.bubble if last else None,
+            predicted_bubble=capacity.predicted_bubble,
+            mu_pool=capacity.mu_pool,
+            mu_min=capacity.mu_min,
+            mu_target=capacity.mu_target,
             usable_fraction=capacity.usable_fraction,
-            cost_usd=cost, cost_per_step_usd=cost / step if step else None, all_on_cost_usd=state.all_on_cost_usd(now),
-            history=self.history, evals=self.evals, events=self.events[:events], nodes_omitted=omitted,
-            leaders=self.leaders, staleness_moves=moves,
+            cost_usd=cost,
+            cost_per_step_usd=cost / step if step else None,
+            all_on_cost_usd=state.all_on_cost_usd(now),
+            history=self.history,
+            evals=self.evals,
+            events=self.events[:events],
+            nodes_omitted=omitted,
+            leaders=self.leaders,
+            staleness_moves=moves,
         )
 
     def _staleness_moves(self) -> tuple[StalenessMove, ...]:
@@ -188,7 +227,7 @@ class StatusBoard:
         async with self._encoding:
             status = await self._build()
             frame = await self._frame(True, EVENTS_KEPT)
-        await trio.to_thread.run_sync(atomic_write_text, self.path, frame[HEADER.size:].decode())
+        await trio.to_thread.run_sync(atomic_write_text, self.path, frame[HEADER.size :].decode())
         return status
 
     async def _build(self) -> HubStatus:
@@ -219,7 +258,7 @@ class StatusBoard:
 
     async def public_json(self) -> bytes:
         """The redacted view strangers get over the status protocol, as JSON (the web page's /api/status)."""
-        return (await self.encoded(False, 0))[HEADER.size:]
+        return (await self.encoded(False, 0))[HEADER.size :]
 
     async def latest(self) -> HubStatus:
         """The last build, built here when nobody refreshes (what /metrics aggregates; no node's fields leave)."""
@@ -244,12 +283,15 @@ def _newest(shelf: SnapshotShelf | None) -> tuple[Snapshot | None, Snapshot | No
 
 def leader(row: LeaderRow) -> Leader:
     """A leaderboard row as the status shows it: a display name always, hours of work."""
-    def contribution(credit: Credit) -> Contribution:
-        return Contribution(accepted=credit.accepted, tokens=credit.tokens, gpu_hours=credit.gpu_s / 3600.0,
-                            audits_passed=credit.audits_passed)
 
-    return Leader(peer_id=row.peer_id, name=row.name or short_id(row.peer_id), run=contribution(row.run),
-                  day=contribution(row.day))
+    def contribution(credit: Credit) -> Contribution:
+        return Contribution(
+            accepted=credit.accepted, tokens=credit.tokens, gpu_hours=credit.gpu_s / 3600.0, audits_passed=credit.audits_passed
+        )
+
+    return Leader(
+        peer_id=row.peer_id, name=row.name or short_id(row.peer_id), run=contribution(row.run), day=contribution(row.day)
+    )
 
 
 def _encode_view(status: HubStatus, operator: bool, events: int) -> bytes:

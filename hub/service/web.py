@@ -34,8 +34,12 @@ class StatusCollector:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.status: HubStatus | None = None
-        self.step_seconds = Histogram("echo2_learner_step_seconds", "learner step time (this hub process's steps)",
-                                      buckets=STEP_SECONDS_BUCKETS, registry=registry)
+        self.step_seconds = Histogram(
+            "echo2_learner_step_seconds",
+            "learner step time (this hub process's steps)",
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
         self.observed_step: int | None = None
         registry.register(self)
 
@@ -84,20 +88,30 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         gauge("echo2_snapshot_bytes", "bytes of the newest full snapshot", s.snapshot_bytes),
         gauge("echo2_delta_bytes", "bytes of the newest delta", s.delta_bytes),
         gauge("echo2_open_leases", "leases out now", s.open_leases),
-        by_label(GaugeMetricFamily("echo2_nodes", "nodes listed, by state", labels=["state"]),
-                  _count([n.state for n in s.nodes], get_args(NodeState))),
-        by_label(GaugeMetricFamily("echo2_nodes_by_reachability", "nodes listed, by reachability", labels=["reachability"]),
-                  _count([n.reachability for n in s.nodes], get_args(Reachability))),
-        by_label(GaugeMetricFamily("echo2_nodes_by_link", "nodes listed, by how they get snapshots", labels=["link"]),
-                  _count([n.link or "none" for n in s.nodes])),
-        by_label(CounterMetricFamily("echo2_groups", "groups received, by verdict", labels=["verdict"]),
-                  {v: getattr(s.totals, v) for v in GROUP_VERDICTS}),
+        by_label(
+            GaugeMetricFamily("echo2_nodes", "nodes listed, by state", labels=["state"]),
+            _count([n.state for n in s.nodes], get_args(NodeState)),
+        ),
+        by_label(
+            GaugeMetricFamily("echo2_nodes_by_reachability", "nodes listed, by reachability", labels=["reachability"]),
+            _count([n.reachability for n in s.nodes], get_args(Reachability)),
+        ),
+        by_label(
+            GaugeMetricFamily("echo2_nodes_by_link", "nodes listed, by how they get snapshots", labels=["link"]),
+            _count([n.link or "none" for n in s.nodes]),
+        ),
+        by_label(
+            CounterMetricFamily("echo2_groups", "groups received, by verdict", labels=["verdict"]),
+            {v: getattr(s.totals, v) for v in GROUP_VERDICTS},
+        ),
         CounterMetricFamily("echo2_refused_requests", "requests refused at the protocol level", value=s.totals.refused),
         CounterMetricFamily("echo2_dropped_stale_groups", "accepted groups dropped as too stale", value=s.dropped_stale),
         CounterMetricFamily("echo2_submissions", "submissions received from nodes (this hub process)", value=s.submissions),
         CounterMetricFamily("echo2_heartbeats", "heartbeats received from nodes (this hub process)", value=s.heartbeats),
-        by_label(CounterMetricFamily("echo2_audits", "audits of submissions, by result (this hub process)", labels=["result"]),
-                 {"passed": s.audits_passed, "failed": s.audits_failed, "unverified": s.audits_unverified}),
+        by_label(
+            CounterMetricFamily("echo2_audits", "audits of submissions, by result (this hub process)", labels=["result"]),
+            {"passed": s.audits_passed, "failed": s.audits_failed, "unverified": s.audits_unverified},
+        ),
     ]
 
 
@@ -107,8 +121,13 @@ def web_app(board: StatusBoard) -> ASGIApp:
     collector = StatusCollector(registry)
 
     async def page(_request: object) -> Response:
-        return HTMLResponse(PAGE, headers={"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
-                                                                       "style-src 'unsafe-inline'; img-src 'none'"})
+        return HTMLResponse(
+            PAGE,
+            headers={
+                "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                "style-src 'unsafe-inline'; img-src 'none'"
+            },
+        )
 
     async def api_status(_request: object) -> Response:
         return Response(await board.public_json(), media_type="application/json")

@@ -79,9 +79,17 @@ def _fsync_tree(root: Path) -> None:
 
 
 def save_checkpoint(
-    root: Path, step: int, version: int, model, tokenizer, optimizer, keep: int = CHECKPOINTS_KEPT,
-    adapter: Mapping[str, torch.Tensor] | None = None, sharded: Callable[[Path], None] | None = None,
-    adapter_metadata: Mapping[str, str] | None = None, files: Mapping[str, str] | None = None,
+    root: Path,
+    step: int,
+    version: int,
+    model,
+    tokenizer,
+    optimizer,
+    keep: int = CHECKPOINTS_KEPT,
+    adapter: Mapping[str, torch.Tensor] | None = None,
+    sharded: Callable[[Path], None] | None = None,
+    adapter_metadata: Mapping[str, str] | None = None,
+    files: Mapping[str, str] | None = None,
 ) -> CheckpointInfo:
     """Atomically write the checkpoint of `step` (`adapter`: a LoRA run's adapters, saved instead of the
     model, with `adapter_metadata`, their spec; `sharded`: writes every rank's shard into the directory it is given, instead of the model and

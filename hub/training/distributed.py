@@ -121,8 +121,9 @@ def init_ranks(env: RankEnv, device: str) -> Collective:
     if env.store_file is not None:  # ranks on this machine: a private file, sockets on loopback only
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, LOOPBACK_IFNAME)
-        dist.init_process_group(backend, store=dist.FileStore(env.store_file, env.world), rank=env.rank,
-                                world_size=env.world, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.FileStore(env.store_file, env.world), rank=env.rank, world_size=env.world, timeout=timeout
+        )
         return Collective(env.rank, env.world)
     # env:// so that under torchrun the ranks use its agent's store (TORCHELASTIC_USE_AGENT_STORE) rather
     # than rank 0 binding the same port again.
@@ -251,16 +252,28 @@ class RankWatch:
         """Ranks 1..world-1 on this machine: `echo-hub start` with the same flags, its rank in the environment."""
         data_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(1, world):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                   RANK_STORE_ENV: str(store_file)}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                RANK_STORE_ENV: str(store_file),
+            }
             path = data_dir / f"learner-rank-{rank}.log"
             with open(path, "wb") as out:  # retention: each start's log replaces the last one's
                 # Their own session: a Ctrl-C reaches the hub alone, which then stops them in order. Killed
                 # with the hub if it dies, so no rank outlives it waiting in a collective.
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "hub.cli", *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
-                ))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "hub.cli", *argv],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                )
             self.logs.append(path)
 
     def dead(self, wait_s: float = 0.0) -> str | None:

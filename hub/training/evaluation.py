@@ -57,7 +57,9 @@ def summarize(step: int, rewards: Sequence[Sequence[float]], success_reward: flo
         reward=sum(sum(row) for row in rewards) / (len(rewards) * k),
         pass_at_1=sum(pass_at_k(k, c, 1) for c in solved) / len(rewards),
         pass_at_k=sum(pass_at_k(k, c, k) for c in solved) / len(rewards),
-        k=k, prompts=len(rewards), seconds=seconds,
+        k=k,
+        prompts=len(rewards),
+        seconds=seconds,
     )
 
 
@@ -65,7 +67,14 @@ class Evaluator:
     """A model of its own, the held-out prompts and how to sample them; blocking."""
 
     def __init__(
-        self, model_dir: Path, task: Task, cfg: EvalConfig, sampling: SamplingParams, dtype: str, device: str, seed: int,
+        self,
+        model_dir: Path,
+        task: Task,
+        cfg: EvalConfig,
+        sampling: SamplingParams,
+        dtype: str,
+        device: str,
+        seed: int,
         lora: LoraSpec | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -96,8 +105,10 @@ class Evaluator:
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             untied = set(missing) - tied_duplicates(self.model)
             if unexpected or untied:
-                raise ValueError(f"learner weights do not fit the evaluation model: missing {sorted(untied)[:5]}, "
-                                 f"unexpected {sorted(unexpected)[:5]}")
+                raise ValueError(
+                    f"learner weights do not fit the evaluation model: missing {sorted(untied)[:5]}, "
+                    f"unexpected {sorted(unexpected)[:5]}"
+                )
 
     def evaluate(self, step: int, stop: threading.Event | None = None) -> EvalPoint | None:
         """The evaluation of the weights loaded last; None when `stop` was set (checked between batches)."""
@@ -108,9 +119,14 @@ class Evaluator:
                 return None
             batch = self.prompts[i : i + EVAL_BATCH_PROMPTS]
             groups = self.sampler.generate([p.text for p in batch], self.cfg.samples, self.sampling, step, self.greedy)
-            rewards += [list(checked_scores(self.task, p, [c.text for c in group],
-                                            GroupContext(tuple(c.token_ids for c in group), step)).rewards)
-                        for p, group in zip(batch, groups)]
+            rewards += [
+                list(
+                    checked_scores(
+                        self.task, p, [c.text for c in group], GroupContext(tuple(c.token_ids for c in group), step)
+                    ).rewards
+                )
+                for p, group in zip(batch, groups)
+            ]
         return summarize(step, rewards, self.cfg.success_reward, time.perf_counter() - started)
 
 
@@ -122,7 +138,10 @@ class EvalRunner:
     evaluation in progress stops at its next batch instead of holding the hub's exit."""
 
     def __init__(
-        self, evaluator: Evaluator, every: int, record: Callable[[EvalPoint], Awaitable[None]],
+        self,
+        evaluator: Evaluator,
+        every: int,
+        record: Callable[[EvalPoint], Awaitable[None]],
         event: Callable[[str, str | None, str], Awaitable[None]],
     ) -> None:
         self.evaluator = evaluator
@@ -172,7 +191,8 @@ class EvalRunner:
             try:
                 # Abandoned on cancel: the thread sees `stop` at its next batch and ends on its own.
                 result = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                    self.evaluator.evaluate, step, stop, abandon_on_cancel=True)
+                    self.evaluator.evaluate, step, stop, abandon_on_cancel=True
+                )
             except trio.Cancelled:
                 stop.set()
                 raise
@@ -181,8 +201,16 @@ class EvalRunner:
                 return
             if result is None:
                 return
-            log.info("eval step %d: reward %.3f pass@1 %.3f pass@%d %.3f over %d prompts in %.1fs", step, result.reward,
-                     result.pass_at_1, result.k, result.pass_at_k, result.prompts, result.seconds)
+            log.info(
+                "eval step %d: reward %.3f pass@1 %.3f pass@%d %.3f over %d prompts in %.1fs",
+                step,
+                result.reward,
+                result.pass_at_1,
+                result.k,
+                result.pass_at_k,
+                result.prompts,
+                result.seconds,
+            )
             self.done.add(step)
             with trio.CancelScope(shield=True):  # the store row and the metrics line go together
                 await self.record(result)

@@ -33,6 +33,7 @@ from shared.snapshot import model_config_hash
 
 log = logging.getLogger("echo2.hub.learner")
 
+
 @dataclass(frozen=True)
 class StepStats:
     step: int
@@ -84,8 +85,7 @@ MICRO_BATCH_ROUNDING_TOKENS = 1024
 MAX_AUTO_MICRO_BATCH_TOKENS = 1 << 20
 
 
-def activation_bytes_per_token(layers: int, hidden: int, intermediate: int, bytes_per_value: int,
-                               checkpointing: bool) -> int:
+def activation_bytes_per_token(layers: int, hidden: int, intermediate: int, bytes_per_value: int, checkpointing: bool) -> int:
     """Activation bytes one token keeps for backward, estimated for a Llama-shaped decoder: per layer the
     attention's inputs and outputs (~10 x hidden values) and the gated MLP's (~4 x intermediate); with
     checkpointing, each layer's input only plus one layer recomputed at a time."""
@@ -179,11 +179,31 @@ class _Tally:
     def across(self, collective: Collective) -> _Tally:
         """The sums over every rank (this tally itself when alone); the times stay this rank's."""
         loss, clip, ratio_sum, drift_sum, kl, masked, entropy_sum, n_keep, n_valid = collective.sum(
-            [self.loss, self.clip, self.ratio_sum, self.drift_sum, self.kl, self.masked, self.entropy_sum, self.n_keep,
-             self.n_valid])
-        return dataclasses.replace(self, loss=loss, clip=clip, ratio_sum=ratio_sum, drift_sum=drift_sum, kl=kl, masked=masked,
-                                   entropy_sum=entropy_sum, n_keep=int(n_keep), n_valid=int(n_valid),
-                                   ratio_max=collective.max(self.ratio_max))
+            [
+                self.loss,
+                self.clip,
+                self.ratio_sum,
+                self.drift_sum,
+                self.kl,
+                self.masked,
+                self.entropy_sum,
+                self.n_keep,
+                self.n_valid,
+            ]
+        )
+        return dataclasses.replace(
+            self,
+            loss=loss,
+            clip=clip,
+            ratio_sum=ratio_sum,
+            drift_sum=drift_sum,
+            kl=kl,
+            masked=masked,
+            entropy_sum=entropy_sum,
+            n_keep=int(n_keep),
+            n_valid=int(n_valid),
+            ratio_max=collective.max(self.ratio_max),
+        )
 
 
 def _fqn_optimizer_state(model: torch.nn.Module, state: dict) -> dict:
@@ -211,8 +231,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [module for module in model.modules() if type(module).__name__ in names]
     if not layers:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to compile; "
-                         "drop --compile")
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to compile; drop --compile")
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
@@ -243,12 +262,16 @@ class Learner:
         self.device = torch.device(device or resolve_device(cfg.device, "--device"))
         # A LoRA run's base never changes: its checkpoints hold the adapters only; a sharded checkpoint's
         # weights are loaded into the sharded model below.
-        policy_dir = (checkpoint.model_dir if checkpoint is not None and not cfg.lora_rank and not checkpoint.sharded
-                      else Path(base_model_dir))
+        policy_dir = (
+            checkpoint.model_dir
+            if checkpoint is not None and not cfg.lora_rank and not checkpoint.sharded
+            else Path(base_model_dir)
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
         # fp32 master weights whatever the snapshot dtype; bf16 runs forward and backward under autocast.
-        self.model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32,
-                                                          attn_implementation=cfg.attention).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32, attn_implementation=cfg.attention).to(
+            self.device
+        )
         self.lora: LoraSpec | None = None
         if cfg.lora_rank:
             self.lora = add_adapters(self.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
@@ -270,8 +293,9 @@ class Learner:
             self.model.train()
         if cfg.compile:
             # After checkpointing wraps the layers and before FSDP2 shards them, as torchtitan orders it.
-            log.info("learner: torch.compile on %d decoder layers; the first step compiles them",
-                     compile_decoder_layers(self.model))
+            log.info(
+                "learner: torch.compile on %d decoder layers; the first step compiles them", compile_decoder_layers(self.model)
+            )
         self._tied_duplicates = tied_duplicates(self.model)
         if collective.world > 1:
             shard(self.model, bf16=self.snapshot_dtype == torch.bfloat16)
@@ -291,13 +315,17 @@ class Learner:
         self.reference = None
         if cfg.beta > 0:
             # The KL anchor is the initial policy, also after a resume.
-            reference = AutoModelForCausalLM.from_pretrained(Path(base_model_dir), dtype=torch.float32,
-                                                             attn_implementation=cfg.attention)
+            reference = AutoModelForCausalLM.from_pretrained(
+                Path(base_model_dir), dtype=torch.float32, attn_implementation=cfg.attention
+            )
             self.reference = reference.to(self.device).eval().requires_grad_(False)
         self.config_hash = model_config_hash(self.model.config.to_dict())
         self.micro_batch_tokens = cfg.micro_batch_tokens or self._auto_micro_batch_tokens(trainable)
-        log.info("learner micro-batches of at most %d tokens%s", self.micro_batch_tokens,
-                 "" if cfg.micro_batch_tokens else f" (sized for {self.device})")
+        log.info(
+            "learner micro-batches of at most %d tokens%s",
+            self.micro_batch_tokens,
+            "" if cfg.micro_batch_tokens else f" (sized for {self.device})",
+        )
 
     def _auto_micro_batch_tokens(self, trainable: Sequence[torch.nn.Parameter]) -> int:
         """CPU_MICRO_BATCH_TOKENS on a CPU; on a GPU, what its free memory holds once the gradients and AdamW's
@@ -308,8 +336,12 @@ class Learner:
         pending = 3 * 4 * sum(p.numel() for p in trainable) // self.collective.world
         config = self.model.config
         per_token = activation_bytes_per_token(
-            config.num_hidden_layers, config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size),
-            2 if self.snapshot_dtype == torch.bfloat16 else 4, self.cfg.gradient_checkpointing)
+            config.num_hidden_layers,
+            config.hidden_size,
+            getattr(config, "intermediate_size", 4 * config.hidden_size),
+            2 if self.snapshot_dtype == torch.bfloat16 else 4,
+            self.cfg.gradient_checkpointing,
+        )
         return auto_micro_batch_tokens(free - pending, per_token)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -345,8 +377,9 @@ class Learner:
         # Autocast's cache keeps the bf16 copy of every weight until the forward ends (2 bytes a parameter);
         # with checkpointing nothing else holds them, so each layer casts its weights as it runs, and again
         # in its recomputation (100M parameters: 187 MB less peak RSS, the same step time).
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled,
-                              cache_enabled=not self.cfg.gradient_checkpointing)
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=enabled, cache_enabled=not self.cfg.gradient_checkpointing
+        )
 
     def train_step(self, groups: Sequence[Group], step: int, lr: float | None = None) -> StepStats:
         """One GRPO update on `groups`: this rank's rows, their gradients summed over micro-batches, then the
@@ -443,8 +476,11 @@ class Learner:
         started = time.perf_counter()
         with self._autocast():
             logprobs, mask, entropy = completion_logprobs_and_entropy(
-                self.model, rows.prompt_ids[part], rows.completion_ids[part],
-                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                self.model,
+                rows.prompt_ids[part],
+                rows.completion_ids[part],
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
             )
             ref_logprobs = None
             if self.reference is not None:
@@ -459,9 +495,15 @@ class Learner:
             self._idle_pass(self.tokenizer.pad_token_id)
             return
         loss, stats = grpo_loss(
-            logprobs, behaviour, rows.advantages[part], mask,
-            eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high, max_is_ratio=self.cfg.max_is_ratio,
-            ref_logprobs=ref_logprobs, beta=self.cfg.beta,
+            logprobs,
+            behaviour,
+            rows.advantages[part],
+            mask,
+            eps_low=self.cfg.eps_low,
+            eps_high=self.cfg.eps_high,
+            max_is_ratio=self.cfg.max_is_ratio,
+            ref_logprobs=ref_logprobs,
+            beta=self.cfg.beta,
         )
         n_keep = n_valid - int(stats["masked_by_is"])
         backward_started = time.perf_counter()
@@ -474,8 +516,11 @@ class Learner:
         """`model`'s log-probs of the micro-batch's completion tokens under the sampling's temperature and
         top-p, and their mask."""
         return completion_logprobs(
-            model, rows.prompt_ids[part], rows.completion_ids[part],
-            temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+            model,
+            rows.prompt_ids[part],
+            rows.completion_ids[part],
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
         )
 
     def _reduce_and_update(self, tally: _Tally) -> tuple[_Tally, float]:

@@ -35,13 +35,7 @@ from hub.method.capacity import default_kappa
 from hub.method.drift import DriftMeter
 from hub.method.schedule import step_lr
 from hub.records.buffer import BufferSignal, ReplayBuffer
-from hub.records.measurements import (
-    Measurements,
-    grace_after_lowering,
-    grace_staleness,
-    oldest_useful_version,
-    resumed_staleness,
-)
+from hub.records.measurements import Measurements, grace_after_lowering, grace_staleness, oldest_useful_version, resumed_staleness
 from hub.records.schema import StepRecord
 from hub.records.shelf_table import ShelfTable
 from hub.records.training_table import TrainingTable
@@ -218,7 +212,8 @@ class LearnerComponent:
         if self.step > 0 or checkpoint is not None:
             lost = self.step - (checkpoint.step if checkpoint is not None else 0)
             host.record_event(
-                "learner_resume", None,
+                "learner_resume",
+                None,
                 f"step {self.step}, checkpoint {checkpoint.step if checkpoint else 'none'}, steps lost as weights: {lost}",
             )
 
@@ -278,7 +273,8 @@ class LearnerComponent:
             try:
                 # Sharded, a step waits on other processes: when one dies the hub stops without waiting for it.
                 stats = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                    self.learner.train_step, taken.groups, t, self._lr(t), abandon_on_cancel=self.sharded)
+                    self.learner.train_step, taken.groups, t, self._lr(t), abandon_on_cancel=self.sharded
+                )
             finally:
                 self.training = False
                 self._measured()
@@ -391,10 +387,17 @@ class LearnerComponent:
     def _checkpoint(self, step: int) -> None:
         learner = self.learner
         info = save_checkpoint(
-            self.checkpoints_dir, step, step, learner.model, learner.tokenizer, learner.optimizer,
-            keep=self.cfg.checkpoints_kept, adapter=learner.state_dict() if learner.lora is not None else None,
+            self.checkpoints_dir,
+            step,
+            step,
+            learner.model,
+            learner.tokenizer,
+            learner.optimizer,
+            keep=self.cfg.checkpoints_kept,
+            adapter=learner.state_dict() if learner.lora is not None else None,
             adapter_metadata=learner.snapshot_metadata,
-            sharded=learner.save_sharded if learner.collective.world > 1 else None, files=self.card(step),
+            sharded=learner.save_sharded if learner.collective.world > 1 else None,
+            files=self.card(step),
         )
         self.host.record_checkpoint(step, info.path, step)
 
@@ -404,17 +407,21 @@ class LearnerComponent:
         if latest is None or latest < self.step:
             await self._publish(self.step)
             return
-        snapshot = await trio.to_thread.run_sync(
-            read_snapshot_files, self.snapshots_dir, latest, self.identity.peer_id
-        )
+        snapshot = await trio.to_thread.run_sync(read_snapshot_files, self.snapshots_dir, latest, self.identity.peer_id)
         self._last_published = snapshot
         await self.snapshot_send.send(SnapshotPublished(version=latest, snapshot=snapshot))
 
     def _build_and_write(self, version: int) -> tuple[Snapshot, Snapshot | None]:
         started, started_at = time.perf_counter(), time.time()
         snapshot = build_snapshot(
-            self.learner.state_dict(), version, self.identity, self.learner.config_hash, self.snapshots_dir,
-            dtype=self.learner.snapshot_dtype, chunk_size=self.chunk_size_bytes, metadata=self.learner.snapshot_metadata,
+            self.learner.state_dict(),
+            version,
+            self.identity,
+            self.learner.config_hash,
+            self.snapshots_dir,
+            dtype=self.learner.snapshot_dtype,
+            chunk_size=self.chunk_size_bytes,
+            metadata=self.learner.snapshot_metadata,
             probe=self.probe,
         )
         manifest = snapshot.manifest

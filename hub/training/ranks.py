@@ -31,8 +31,10 @@ def rank_env() -> RankEnv | None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     return RankEnv(
-        rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]),
+        rank=int(os.environ["RANK"]),
+        world=int(os.environ["WORLD_SIZE"]),
         local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(os.environ.get("MASTER_PORT", "29500")),
+        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(os.environ.get("MASTER_PORT", "29500")),
         store_file=os.environ.get(RANK_STORE_ENV),
     )

@@ -23,19 +23,21 @@ from shared.rollout import Group
 log = logging.getLogger("echo2.hub.rollouts")
 
 SHARD_SUFFIX = ".parquet"
-SCHEMA = pa.schema([
-    ("step", pa.int64()),
-    ("prompt_id", pa.string()),
-    ("prompt", pa.string()),
-    ("completion", pa.string()),
-    ("token_ids", pa.list_(pa.int32())),
-    ("finish_reason", pa.string()),
-    ("reward", pa.float64()),
-    ("advantage", pa.float64()),
-    ("version", pa.int64()),
-    ("staleness", pa.int64()),
-    ("node", pa.string()),
-])
+SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("prompt_id", pa.string()),
+        ("prompt", pa.string()),
+        ("completion", pa.string()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("finish_reason", pa.string()),
+        ("reward", pa.float64()),
+        ("advantage", pa.float64()),
+        ("version", pa.int64()),
+        ("staleness", pa.int64()),
+        ("node", pa.string()),
+    ]
+)
 
 
 def shard_name(step: int) -> str:
@@ -52,11 +54,19 @@ def rollout_columns(groups: Sequence[Group], step: int, staleness: Sequence[int]
     row = 0
     for group, age in zip(groups, staleness, strict=True):
         for completion, reward in zip(group.completions, group.rewards, strict=True):
-            for name, value in (("step", step), ("prompt_id", group.prompt_id), ("prompt", group.prompt_text),
-                                ("completion", completion.text), ("token_ids", list(completion.token_ids)),
-                                ("finish_reason", completion.finish_reason), ("reward", reward),
-                                ("advantage", advantages[row]), ("version", completion.version),
-                                ("staleness", age), ("node", group.node_id)):
+            for name, value in (
+                ("step", step),
+                ("prompt_id", group.prompt_id),
+                ("prompt", group.prompt_text),
+                ("completion", completion.text),
+                ("token_ids", list(completion.token_ids)),
+                ("finish_reason", completion.finish_reason),
+                ("reward", reward),
+                ("advantage", advantages[row]),
+                ("version", completion.version),
+                ("staleness", age),
+                ("node", group.node_id),
+            ):
                 columns[name].append(value)
             row += 1
     return columns

@@ -115,12 +115,15 @@ def lossy_prompts(prompts: list[Prompt], seen: list[str]) -> str | None:
     if not lost:
         return None
     chars = list(dict.fromkeys(c for prompt, after in lost for c in _lost_chars(prompt.text, after)))
-    shown = ", ".join(map(repr, chars[:LOST_CHARS_SHOWN])) + (f" and {len(chars) - LOST_CHARS_SHOWN} more"
-                                                              if len(chars) > LOST_CHARS_SHOWN else "")
+    shown = ", ".join(map(repr, chars[:LOST_CHARS_SHOWN])) + (
+        f" and {len(chars) - LOST_CHARS_SHOWN} more" if len(chars) > LOST_CHARS_SHOWN else ""
+    )
     first, after = lost[0]
     start = max(0, len(os.path.commonprefix([first.text, after])) - EXAMPLE_CHARS // 3)
-    return (f"{len(lost)} of {len(prompts)} prompts lose characters to the tokenizer (lost: {shown}), "
-            f"e.g. {first.id} {_around(first.text, start)!r} -> {_around(after, start)!r}")
+    return (
+        f"{len(lost)} of {len(prompts)} prompts lose characters to the tokenizer (lost: {shown}), "
+        f"e.g. {first.id} {_around(first.text, start)!r} -> {_around(after, start)!r}"
+    )
 
 
 def overlong_prompts(prompts: list[Prompt], lengths: list[int], context: int, max_new_tokens: int) -> str | None:
@@ -130,9 +133,11 @@ def overlong_prompts(prompts: list[Prompt], lengths: list[int], context: int, ma
     if not over:
         return None
     worst = max(over, key=lengths.__getitem__)
-    return (f"{len(over)} of {len(prompts)} prompts leave no room for --max-new-tokens {max_new_tokens} in the model's "
-            f"context of {context} tokens (at most {room} prompt tokens), e.g. {prompts[worst].id} with "
-            f"{lengths[worst]} tokens: shorten or drop them, or lower --max-new-tokens")
+    return (
+        f"{len(over)} of {len(prompts)} prompts leave no room for --max-new-tokens {max_new_tokens} in the model's "
+        f"context of {context} tokens (at most {room} prompt tokens), e.g. {prompts[worst].id} with "
+        f"{lengths[worst]} tokens: shorten or drop them, or lower --max-new-tokens"
+    )
 
 
 def max_new_tokens_past_context(max_new_tokens: int, context: int, longest: int) -> str | None:
@@ -140,10 +145,15 @@ def max_new_tokens_past_context(max_new_tokens: int, context: int, longest: int)
     if max_new_tokens < context:
         return None
     room = context - longest
-    fix = (f"pass at most {room} (the longest prompt has {longest} tokens)" if room > 0
-           else f"the longest prompt alone has {longest} tokens: shorten the prompts too")
-    return (f"--max-new-tokens {max_new_tokens} is past the model's context of {context} tokens "
-            f"(max_position_embeddings), which holds the prompt and the completion together; {fix}")
+    fix = (
+        f"pass at most {room} (the longest prompt has {longest} tokens)"
+        if room > 0
+        else f"the longest prompt alone has {longest} tokens: shorten the prompts too"
+    )
+    return (
+        f"--max-new-tokens {max_new_tokens} is past the model's context of {context} tokens "
+        f"(max_position_embeddings), which holds the prompt and the completion together; {fix}"
+    )
 
 
 def _check_context(readings: list[PromptReading], context: int, max_new_tokens: int) -> None:

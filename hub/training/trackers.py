@@ -47,6 +47,7 @@ def _table_rows(step: int, completions: Sequence[LoggedCompletion]) -> list[list
 
 def _markdown_table(step: int, completions: Sequence[LoggedCompletion]) -> str:
     """The completions as a markdown table (TensorBoard renders text as markdown); cells on one line each."""
+
     def cell(value: Any) -> str:
         return str(value).replace("|", "\\|").replace("\n", "<br>")
 
@@ -73,8 +74,7 @@ def missing_tracker_packages(cfg: TrackingConfig) -> list[str]:
 
 
 def _numbers(row: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in row.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def _row_step(row: Mapping[str, Any]) -> tuple[str, int]:
@@ -110,8 +110,9 @@ class WandbTracker:
 
         self.wandb = wandb
         directory.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=project, name=run_name, dir=str(directory), config=dict(config),
-                              mode=os.environ.get("WANDB_MODE", "offline"))  # type: ignore[arg-type]  # wandb checks it
+        self.run = wandb.init(
+            project=project, name=run_name, dir=str(directory), config=dict(config), mode=os.environ.get("WANDB_MODE", "offline")
+        )  # type: ignore[arg-type]  # wandb checks it
         # Evaluations finish after later steps were logged: they get their own x axis.
         self.run.define_metric("step")
         self.run.define_metric("train/*", step_metric="step")

@@ -130,7 +130,7 @@ class Auditor:
     """
 
     def __init__(
-        self, model_dir: Path, shelf: SnapshotShelf, sampling: SamplingParams, config: TrustConfig, snapshot_dtype: str,
+        self, model_dir: Path, shelf: SnapshotShelf, sampling: SamplingParams, config: TrustConfig, snapshot_dtype: str
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -183,7 +183,9 @@ class Auditor:
             self._load_file(path, whole_hash)  # an audit of this version soon after needs no second load
             logprobs, _ = completion_logprobs(self.model, list(prompts), list(completions))
         return InstallProbe(
-            prompt_ids=prompts, completion_ids=completions, max_mean_abs_gap=self.mean_abs_gap,
+            prompt_ids=prompts,
+            completion_ids=completions,
+            max_mean_abs_gap=self.mean_abs_gap,
             logprobs=tuple(tuple(float(x) for x in row[: len(c)]) for row, c in zip(logprobs.tolist(), completions)),
         )
 
@@ -203,8 +205,11 @@ class Auditor:
         with self._lock, torch.inference_mode():
             self._load(version)
             return completion_logprobs(
-                self.model, [prompt] * len(completions), completions,
-                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                self.model,
+                [prompt] * len(completions),
+                completions,
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
             )
 
     def audit(self, group: Group, version: int) -> AuditResult:

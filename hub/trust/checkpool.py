@@ -105,8 +105,10 @@ def probe_reward(rules: SubmissionRules) -> str | None:
 
 def _hung(reward: str, timeout_s: float) -> str:
     """The one line for a reward that did not return on the operator's own probe."""
-    return (f"reward {reward} did not return within {timeout_s:g}s on nodes' work nor on the start check's own "
-            "completions; fix the reward function")
+    return (
+        f"reward {reward} did not return within {timeout_s:g}s on nodes' work nor on the start check's own "
+        "completions; fix the reward function"
+    )
 
 
 class RewardProbe:
@@ -222,8 +224,8 @@ class ThreadChecks:
                 raise
             with trio.move_on_after(self.timeout_s):
                 outcome = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                    self._checked, submission, lease, window, abandon_on_cancel=True,
-                    limiter=_Taken(self.limiter, borrower))  # type: ignore[arg-type]  # trio takes any limiter
+                    self._checked, submission, lease, window, abandon_on_cancel=True, limiter=_Taken(self.limiter, borrower)
+                )  # type: ignore[arg-type]  # trio takes any limiter
         if outcome is None:
             await self.probe.blame(node, f"the reward's checks ran past {self.timeout_s:g}s")
             return charged_verdicts(submission, REASON_OVER_BUDGET)
@@ -234,7 +236,8 @@ class ThreadChecks:
     async def _probe(self) -> str | None:
         with trio.move_on_after(self.timeout_s):
             return await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                probe_reward, self.rules, abandon_on_cancel=True, limiter=self._probe_limiter)
+                probe_reward, self.rules, abandon_on_cancel=True, limiter=self._probe_limiter
+            )
         return _hung(self.rules.task.reward_name, self.timeout_s)
 
 
@@ -410,8 +413,7 @@ class CheckPool:
                 if answer is not None:
                     break
             else:
-                raise ChecksLost(f"{CHECK_ATTEMPTS} check workers died checking a submission of lease "
-                                 f"{submission.lease_id}")
+                raise ChecksLost(f"{CHECK_ATTEMPTS} check workers died checking a submission of lease {submission.lease_id}")
         kind, value = answer
         if kind == "timeout":
             await self.probe.blame(submission.node_id, f"the reward's checks ran past {self.timeout_s:g}s")
@@ -437,7 +439,8 @@ class CheckPool:
         state is unknown."""
         try:
             answer = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                worker.call, job, self.timeout_s, abandon_on_cancel=True)
+                worker.call, job, self.timeout_s, abandon_on_cancel=True
+            )
         except (EOFError, OSError):
             log.warning("a check worker died (exit code %s): replaced, its check sent again", worker.process.exitcode)
             await self._replace(worker)

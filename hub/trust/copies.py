@@ -137,12 +137,16 @@ class CopyFlag:
     def describe(self) -> str:
         odds = f"honest odds e^-{min(self.surprise_nats, 1e6):.0f}"
         if self.first is self.again:
-            return (f"group for {self.again.prompt_id} (lease {self.again.lease_id[:8]}) duplicates its own "
-                    f"completions ({self.repeated} of {self.of}); {odds}")
+            return (
+                f"group for {self.again.prompt_id} (lease {self.again.lease_id[:8]}) duplicates its own "
+                f"completions ({self.repeated} of {self.of}); {odds}"
+            )
         who = "its own" if self.same_node else f"{self.first.node_id}'s"
         what = "repeats" if self.exact else f"repeats {self.repeated} of {self.of} completions of"
-        return (f"group for {self.again.prompt_id} (lease {self.again.lease_id[:8]}) {what} {who} group for "
-                f"{self.first.prompt_id} (lease {self.first.lease_id[:8]}); {odds}")
+        return (
+            f"group for {self.again.prompt_id} (lease {self.again.lease_id[:8]}) {what} {who} group for "
+            f"{self.first.prompt_id} (lease {self.first.lease_id[:8]}); {odds}"
+        )
 
 
 @dataclass(frozen=True)
@@ -295,8 +299,14 @@ class CopyDetector:
     @property
     def reserved_bytes(self) -> int:
         """What it may come to hold when full, in bytes: the most its mappings are backed with."""
-        return (len(self._records) + len(self._entries) + self._groups.reserved_bytes + self._completions.reserved_bytes
-                + self._anywhere.reserved_bytes + 8 * self.capacity)
+        return (
+            len(self._records)
+            + len(self._entries)
+            + self._groups.reserved_bytes
+            + self._completions.reserved_bytes
+            + self._anywhere.reserved_bytes
+            + 8 * self.capacity
+        )
 
     def check(self, group: Group, node_id: str, lease_id: str) -> CopyFlag | Disputed | None:
         """A CopyFlag if this group repeats work too improbably to be honest; Disputed when that depends on whose
@@ -327,7 +337,7 @@ class CopyDetector:
             if offset == NODE_KEY_AT and slot < self._used:
                 self._drop(slot)
                 self._unlink(slot)
-                self._records[slot * RECORD.size:(slot + 1) * RECORD.size] = bytes(RECORD.size)
+                self._records[slot * RECORD.size : (slot + 1) * RECORD.size] = bytes(RECORD.size)
                 self._newer[slot], self._free = self._free, slot
                 self._kept -= 1
                 forgotten += 1
@@ -358,10 +368,19 @@ class CopyDetector:
             claimed.append(total)
             tokens.append(len(c.token_ids))
         here = Origin(node_id, lease_id, group.prompt_id, digest, bytes(packed))
-        fingerprint = blake3.blake3(b"".join(ENTRY.unpack_from(packed, i * ENTRY.size)[0] for i in range(len(ordered)))
-                                    ).digest(length=DIGEST_BYTES)
-        return _Seen(fingerprint, _key(lease_id, group.prompt_id), _key(node_id), here, tuple(keys), tuple(counts),
-                     tuple(claimed), tuple(tokens))
+        fingerprint = blake3.blake3(b"".join(ENTRY.unpack_from(packed, i * ENTRY.size)[0] for i in range(len(ordered)))).digest(
+            length=DIGEST_BYTES
+        )
+        return _Seen(
+            fingerprint,
+            _key(lease_id, group.prompt_id),
+            _key(node_id),
+            here,
+            tuple(keys),
+            tuple(counts),
+            tuple(claimed),
+            tuple(tokens),
+        )
 
     def _judge(self, seen: _Seen, trusted: Sequence[float] | None, keep: bool) -> CopyFlag | Disputed | None:
         """The verdict on `seen`, on `trusted` sums (per distinct completion) if given, else on the claims; `keep`:
@@ -412,12 +431,19 @@ class CopyDetector:
         _, n, first_sum = ENTRY.unpack_from(self._entries, slot * self._entries_bytes + index * ENTRY.size)
         return slot if abs(first_sum - seen.claimed[i]) <= self.logprob_tolerance_nats * max(1, n) else None
 
-    def _verdict(self, seen: _Seen, whole: int | None, earlier: dict[int, list[int]], elsewhere: dict[int, list[int]],
-                 trusted: Sequence[float] | None) -> CopyFlag | Disputed | None:
+    def _verdict(
+        self,
+        seen: _Seen,
+        whole: int | None,
+        earlier: dict[int, list[int]],
+        elsewhere: dict[int, list[int]],
+        trusted: Sequence[float] | None,
+    ) -> CopyFlag | Disputed | None:
         """A copy flag for the first repeat that makes the group a copy; else Disputed if one depends on whose
         log-probs are believed; else None."""
         verdicts: list[tuple[int | None, bool | None, float, int]] = [
-            (slot, *self._repeat(seen, slot, shared, trusted)) for slot, shared in earlier.items()]
+            (slot, *self._repeat(seen, slot, shared, trusted)) for slot, shared in earlier.items()
+        ]
         # Its own duplicates alone (one completion sampled, several sold) need no earlier group.
         verdicts.append((None, *self._repeat(seen, None, [], trusted)))
         for slot, shared in elsewhere.items():  # the same figures as the earlier sighting's: no dispute to settle
@@ -429,12 +455,19 @@ class CopyDetector:
             elif copied:
                 first = self._origin(earlier_slot) if earlier_slot is not None else seen.here
                 same = earlier_slot is None or self._node_key(earlier_slot) == seen.node_key
-                return CopyFlag(seen.fingerprint.hex(), first, seen.here, surprise, same, repeated,
-                                sum(seen.counts), earlier_slot is not None and earlier_slot == whole)
+                return CopyFlag(
+                    seen.fingerprint.hex(),
+                    first,
+                    seen.here,
+                    surprise,
+                    same,
+                    repeated,
+                    sum(seen.counts),
+                    earlier_slot is not None and earlier_slot == whole,
+                )
         return disputed
 
-    def _settled(self, seen: _Seen, whole: int | None, earlier: dict[int, list[int]],
-                 trusted: Sequence[float] | None) -> None:
+    def _settled(self, seen: _Seen, whole: int | None, earlier: dict[int, list[int]], trusted: Sequence[float] | None) -> None:
         """A group that is no copy: the hub's own figures (`trusted`) replace the disputed claims, so a later repeat
         is judged against them; a new group is remembered."""
         if trusted is not None:
@@ -445,8 +478,9 @@ class CopyDetector:
         if whole is None:
             self._remember(seen, trusted)
 
-    def _repeat(self, seen: _Seen, slot: int | None, shared: list[int], trusted: Sequence[float] | None,
-                ) -> tuple[bool | None, float, int]:
+    def _repeat(
+        self, seen: _Seen, slot: int | None, shared: list[int], trusted: Sequence[float] | None
+    ) -> tuple[bool | None, float, int]:
         """Whether repeating `slot`'s `shared` completions (and its own duplicates) makes the group a copy (None:
         disputed), R, and how many completions count as repeats."""
         is_shared = [False] * len(seen.keys)
@@ -478,25 +512,40 @@ class CopyDetector:
         surprise = repeat_surprise(seen.counts, sums, [True] * len(seen.keys))
         if surprise < CROSS_PROMPT_MIN_SURPRISE_NATS:
             return None
-        return CopyFlag(seen.fingerprint.hex(), first, seen.here, surprise, self._node_key(slot) == seen.node_key,
-                        sum(seen.counts), sum(seen.counts), True)
+        return CopyFlag(
+            seen.fingerprint.hex(),
+            first,
+            seen.here,
+            surprise,
+            self._node_key(slot) == seen.node_key,
+            sum(seen.counts),
+            sum(seen.counts),
+            True,
+        )
 
     # -- records ---------------------------------------------------------------------------------
 
     def _remember(self, seen: _Seen, trusted: Sequence[float] | None) -> None:
         here = seen.here
-        record = RECORD.pack(seen.fingerprint, seen.origin_key, seen.node_key, here.prompt_digest,
-                             _fit(here.node_id, 64), _fit(here.lease_id, 24), _fit(here.prompt_id, 48),
-                             sum(seen.counts))
+        record = RECORD.pack(
+            seen.fingerprint,
+            seen.origin_key,
+            seen.node_key,
+            here.prompt_digest,
+            _fit(here.node_id, 64),
+            _fit(here.lease_id, 24),
+            _fit(here.prompt_id, 48),
+            sum(seen.counts),
+        )
         packed = here.packed
         if trusted is not None:
             by_key = dict(zip(seen.keys, trusted))
             packed = b"".join(ENTRY.pack(k, n, by_key[k]) for k, n, _ in ENTRY.iter_unpack(here.packed))
         # Packed first: nothing below raises once the tables have changed.
         slot = self._take_slot()
-        self._records[slot * RECORD.size:(slot + 1) * RECORD.size] = record
+        self._records[slot * RECORD.size : (slot + 1) * RECORD.size] = record
         start = slot * self._entries_bytes
-        self._entries[start:start + len(packed)] = packed
+        self._entries[start : start + len(packed)] = packed
         self._groups.insert(seen.fingerprint, slot)
         self._link_newest(slot)
         self._kept += 1
@@ -551,15 +600,15 @@ class CopyDetector:
     def _origin(self, slot: int) -> Origin:
         _, _, _, digest, node, lease, prompt, n = RECORD.unpack_from(self._records, slot * RECORD.size)
         start = slot * self._entries_bytes
-        return Origin(_text(node), _text(lease), _text(prompt), digest, self._entries[start:start + n * ENTRY.size])
+        return Origin(_text(node), _text(lease), _text(prompt), digest, self._entries[start : start + n * ENTRY.size])
 
     def _sums(self, slot: int) -> list[tuple[bytes, float]]:
         start = slot * self._entries_bytes
-        return [(key, s) for key, _, s in ENTRY.iter_unpack(self._entries[start:start + self._count(slot) * ENTRY.size])]
+        return [(key, s) for key, _, s in ENTRY.iter_unpack(self._entries[start : start + self._count(slot) * ENTRY.size])]
 
     def _field(self, slot: int, index: int) -> bytes:
         start = slot * RECORD.size + index * DIGEST_BYTES
-        return self._records[start:start + DIGEST_BYTES]
+        return self._records[start : start + DIGEST_BYTES]
 
     def _fingerprint(self, slot: int) -> bytes:
         return self._field(slot, 0)
@@ -579,7 +628,7 @@ class CopyDetector:
     def _entry_digest(self, value: int) -> bytes:
         slot, index = divmod(value, self.group_size)
         start = slot * self._entries_bytes + index * ENTRY.size
-        return self._entries[start:start + DIGEST_BYTES]
+        return self._entries[start : start + DIGEST_BYTES]
 
     def _entry_key(self, value: int) -> bytes:
         return _prompt_key(self._prompt_digest(value // self.group_size), self._entry_digest(value))

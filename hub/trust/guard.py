@@ -49,7 +49,12 @@ class LeaseQuota:
         return self.prompts_per_lease
 
     def decide(
-        self, peer_id: str, ip: str | None, audits_passed: int, open_by_peer: int, open_by_address: Mapping[str, int],
+        self,
+        peer_id: str,
+        ip: str | None,
+        audits_passed: int,
+        open_by_peer: int,
+        open_by_address: Mapping[str, int],
         exempt: Collection[str] = frozenset(),
     ) -> QuotaDecision:
         """`open_by_peer`: leases this peer holds open; `open_by_address`: open leases per address key, the
@@ -59,9 +64,13 @@ class LeaseQuota:
         by_address = open_by_address.get(key, 0) if key is not None and peer_id not in exempt else 0
         prompts = self.prompts_for(audits_passed)
         if open_by_peer >= self.config.max_open_leases_per_peer:
-            return QuotaDecision(False, 0, f"{open_by_peer} leases open for this node (max {self.config.max_open_leases_per_peer})")
+            return QuotaDecision(
+                False, 0, f"{open_by_peer} leases open for this node (max {self.config.max_open_leases_per_peer})"
+            )
         if by_address >= self.config.max_open_leases_per_ip:
-            return QuotaDecision(False, 0, f"{by_address} leases open for address {key} (max {self.config.max_open_leases_per_ip})")
+            return QuotaDecision(
+                False, 0, f"{by_address} leases open for address {key} (max {self.config.max_open_leases_per_ip})"
+            )
         return QuotaDecision(True, prompts)
 
 
@@ -106,7 +115,9 @@ class PeerGuard:
         state = self._peers.get(peer_id)
         if state is None:
             state = self._peers[peer_id] = _Peer(tokens=float(self.config.request_burst), refilled_at=now, last_active=now)
-        state.tokens = min(float(self.config.request_burst), state.tokens + (now - state.refilled_at) * self.config.requests_per_s)
+        state.tokens = min(
+            float(self.config.request_burst), state.tokens + (now - state.refilled_at) * self.config.requests_per_s
+        )
         state.refilled_at = now
         state.last_active = now
         return state
@@ -131,7 +142,9 @@ class PeerGuard:
         if now < state.disconnected_until:
             return Admission("disconnect", state.disconnected_until - now, "disconnected for repeated violations")
         if state.streams >= self.config.max_streams_per_peer:
-            return self._refuse(state, now, STREAM_RETRY_S, f"{state.streams} streams open (max {self.config.max_streams_per_peer})")
+            return self._refuse(
+                state, now, STREAM_RETRY_S, f"{state.streams} streams open (max {self.config.max_streams_per_peer})"
+            )
         if state.tokens < 1.0:
             wait = (1.0 - state.tokens) / self.config.requests_per_s
             return self._refuse(state, now, wait, f"over {self.config.requests_per_s:g} requests/s")
@@ -165,7 +178,8 @@ class PeerGuard:
         """Forget peers idle for `idle_s` with nothing open and no cooldown running; how many."""
         now = self.clock()
         gone = [
-            peer for peer, s in self._peers.items()
+            peer
+            for peer, s in self._peers.items()
             if s.streams == 0 and now - s.last_active > idle_s and now >= s.disconnected_until
         ]
         for peer in gone:

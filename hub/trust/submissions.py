@@ -163,8 +163,7 @@ def _check_tokens(submitted: SubmittedGroup, rules: SubmissionRules) -> str | No
 def _claims_differ(claimed: Sequence[float] | None, rewards: Sequence[float]) -> bool:
     """Whether the node claimed rewards other than the hub's scores (claiming none is no lie)."""
     return claimed is not None and (
-        len(claimed) != len(rewards)
-        or any(not abs(a - b) <= CLAIMED_REWARD_TOLERANCE for a, b in zip(claimed, rewards))
+        len(claimed) != len(rewards) or any(not abs(a - b) <= CLAIMED_REWARD_TOLERANCE for a, b in zip(claimed, rewards))
     )
 
 
@@ -195,18 +194,17 @@ def _score(submitted: SubmittedGroup, prompt: Prompt, rules: SubmissionRules, no
 
 
 def check_group(
-    submitted: SubmittedGroup,
-    record: LeaseRecord,
-    seen: set[str],
-    rules: SubmissionRules,
-    window: VersionWindow,
-    node_id: str,
+    submitted: SubmittedGroup, record: LeaseRecord, seen: set[str], rules: SubmissionRules, window: VersionWindow, node_id: str
 ) -> GroupVerdict:
     """The hub's verdict on one group of a submission; `seen` holds the prompts it answered before this group."""
     pid = submitted.prompt_id
     prompts = {p.id: p for p in record.prompts}
-    problem = (_check_prompt(pid, prompts, record, seen) or _check_size(submitted, rules)
-               or _check_version(submitted, record, window) or _check_tokens(submitted, rules))
+    problem = (
+        _check_prompt(pid, prompts, record, seen)
+        or _check_size(submitted, rules)
+        or _check_version(submitted, record, window)
+        or _check_tokens(submitted, rules)
+    )
     if problem is not None:
         return GroupVerdict(pid, False, problem, submitted)
     version = submitted.completions[0].version
@@ -240,7 +238,10 @@ def charged_verdicts(submission: Submission, reason: str) -> list[GroupVerdict]:
 
 
 async def reject_copies(
-    verdicts: Sequence[GroupVerdict], copies: CopyDetector, node_id: str, lease_id: str,
+    verdicts: Sequence[GroupVerdict],
+    copies: CopyDetector,
+    node_id: str,
+    lease_id: str,
     recompute: Callable[[Group], Awaitable[Sequence[float] | None]] | None = None,
 ) -> tuple[list[GroupVerdict], list[CopyFlag]]:
     """Groups that repeat earlier work too improbably to be honest are refused: neither trained on nor paid. A group

@@ -17,9 +17,7 @@ from shared.tasks.base import Prompt, Task
 from shared.tasks.dataset import DatasetOptions, DatasetTask, MathTask, chat_renderer, is_dataset_path
 from shared.tasks.user_code import import_object
 
-BUILTIN_TASKS: Mapping[str, str] = {
-    "reverse": "shared.tasks.reverse:ReverseTask",
-}
+BUILTIN_TASKS: Mapping[str, str] = {"reverse": "shared.tasks.reverse:ReverseTask"}
 MATH_PREFIX = "math:"
 
 __all__ = ["BUILTIN_TASKS", "MATH_PREFIX", "DatasetOptions", "Prompt", "Task", "import_object", "load_task"]
@@ -38,9 +36,7 @@ def _load_class(spec: str, import_path: str) -> type[Task]:
         if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     if required:
-        raise ValueError(
-            f"task spec {spec!r}: {import_path} requires arguments {required}; a task class must take none"
-        )
+        raise ValueError(f"task spec {spec!r}: {import_path} requires arguments {required}; a task class must take none")
     return cls
 
 

@@ -175,8 +175,10 @@ def checked_scores(task: Task, prompt: Prompt, completions: Sequence[str], conte
 def reward_raised(name: str, prompt: Prompt, exc: Exception) -> RewardError:
     """The one line for reward `name` raising `exc` on a group of `prompt`."""
     detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-    return RewardError(f"reward {name} raised {type(exc).__name__}{': ' + detail if detail else ''} "
-                       f"(prompt {prompt.id}); fix the reward function")
+    return RewardError(
+        f"reward {name} raised {type(exc).__name__}{': ' + detail if detail else ''} "
+        f"(prompt {prompt.id}); fix the reward function"
+    )
 
 
 def checked_rewards(task: Task, prompt: Prompt, completions: Sequence[str]) -> tuple[float, ...]:

@@ -152,8 +152,10 @@ def _messages(value: Any, where: str, column: str) -> Messages | None:
         if not value.strip():
             raise ValueError(f"{where}: {column!r} is empty")
         return None
-    if isinstance(value, (list, tuple)) and value and all(
-        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
     ):
         return tuple({"role": m["role"], "content": m["content"]} for m in value)
     raise ValueError(f"{where}: {column!r} must be a non-empty string or a list of {{'role', 'content'}} messages")
@@ -213,7 +215,9 @@ class DatasetTask(Task):
     name = "dataset"
 
     def __init__(
-        self, path: str | Path, options: DatasetOptions = DatasetOptions(),
+        self,
+        path: str | Path,
+        options: DatasetOptions = DatasetOptions(),
         render_chat: Callable[[], Callable[[Messages], str]] | None = None,
     ) -> None:
         self.path = Path(path)
@@ -239,8 +243,10 @@ class DatasetTask(Task):
         opts = self.options
         value = column_value(row.record, opts.prompt_column)
         if value is _ABSENT:
-            raise ValueError(f"{row.where}: no column {opts.prompt_column!r} (columns: {', '.join(row.record)}); "
-                             "choose one with --prompt-column")
+            raise ValueError(
+                f"{row.where}: no column {opts.prompt_column!r} (columns: {', '.join(row.record)}); "
+                "choose one with --prompt-column"
+            )
         messages = _messages(value, row.where, opts.prompt_column)
         if messages is None and opts.chat:
             messages = ({"role": "user", "content": value},)
@@ -260,10 +266,15 @@ class DatasetTask(Task):
         value = column_value(row.record, opts.answer_column)
         if value is _ABSENT:
             needs = ", ".join(r.spec for r in self._rewards if r.style != "trl")
-            hint = ("; verl's layout keeps it in reward_model.ground_truth"
-                    if "verl" in self._styles() and "." not in opts.answer_column else "")
-            raise ValueError(f"{row.where}: no column {opts.answer_column!r} (the {needs} reward needs it{hint}); "
-                             "choose one with --answer-column")
+            hint = (
+                "; verl's layout keeps it in reward_model.ground_truth"
+                if "verl" in self._styles() and "." not in opts.answer_column
+                else ""
+            )
+            raise ValueError(
+                f"{row.where}: no column {opts.answer_column!r} (the {needs} reward needs it{hint}); "
+                "choose one with --answer-column"
+            )
         return value
 
     def _add_row(self, row: Row) -> None:
@@ -306,8 +317,9 @@ class DatasetTask(Task):
             prompts, shown = [prompt.text] * n, list(completions)
         ids = [list(t) for t in context.completion_ids] if context is not None else [[] for _ in completions]
         state = RewardState(context.version if context is not None else 0)
-        return RewardCall(prompt, prompts, shown, list(completions), ids, state, self._rows.get(prompt.id, {}),
-                          self._truths.get(prompt.id))
+        return RewardCall(
+            prompt, prompts, shown, list(completions), ids, state, self._rows.get(prompt.id, {}), self._truths.get(prompt.id)
+        )
 
     def prompts(self) -> list[Prompt]:
         return list(self._prompts)
@@ -324,8 +336,7 @@ class DatasetTask(Task):
     def scores(self, prompt: Prompt, completions: list[str], context: GroupContext | None) -> Scores:
         parts = scored_parts(self._rewards, self._call(prompt, completions, context))
         total = combine_rewards(parts, self._weights)
-        return Scores(valid_rewards(self.reward_name, prompt, total, len(completions)),
-                      tuple(zip(self.reward_names, parts)))
+        return Scores(valid_rewards(self.reward_name, prompt, total, len(completions)), tuple(zip(self.reward_names, parts)))
 
     def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
         return self.scores(prompt, completions, None).rewards

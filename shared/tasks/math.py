@@ -281,4 +281,3 @@ class MathReward:
         if candidate is None:
             return 0.0
         return 1.0 if answers_match(gold, candidate) else 0.0
-

@@ -34,8 +34,7 @@ class ReverseTask(Task):
                 seen.add(word)
                 words.append(word)
         self._prompts = [
-            Prompt(id=f"rev-{i}", text=word + REVERSE_PROMPT_SUFFIX, answer=word[::-1])
-            for i, word in enumerate(words)
+            Prompt(id=f"rev-{i}", text=word + REVERSE_PROMPT_SUFFIX, answer=word[::-1]) for i, word in enumerate(words)
         ]
 
     def prompts(self) -> list[Prompt]:

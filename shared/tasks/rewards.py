@@ -98,8 +98,10 @@ def reward_weights(weights: Sequence[float], count: int) -> tuple[float, ...]:
     if not weights:
         return (1.0,) * count
     if len(weights) != count:
-        raise ValueError(f"--reward-weights gives {len(weights)} weight{'' if len(weights) == 1 else 's'} for "
-                         f"{count} reward function{'' if count == 1 else 's'}: give one per --reward")
+        raise ValueError(
+            f"--reward-weights gives {len(weights)} weight{'' if len(weights) == 1 else 's'} for "
+            f"{count} reward function{'' if count == 1 else 's'}: give one per --reward"
+        )
     return tuple(float(w) for w in weights)
 
 
@@ -126,22 +128,32 @@ def trl_arguments(c: RewardCall) -> dict[str, Any]:
     once per completion."""
     n = len(c.texts)
     columns = {k: [v] * n for k, v in c.row.items()}
-    return {"prompts": c.prompts, "completions": c.completions, "completion_ids": c.completion_ids,
-            "trainer_state": c.state, **columns}
+    return {
+        "prompts": c.prompts,
+        "completions": c.completions,
+        "completion_ids": c.completion_ids,
+        "trainer_state": c.state,
+        **columns,
+    }
 
 
 def check_trl_columns(columns: Iterable[str], where: str) -> None:
     """ValueError when a column of the row at `where` would override one of TRL's keyword arguments."""
     for column in columns:
         if column in TRL_KEYWORDS:
-            raise ValueError(f"{where}: column {column!r} collides with TRL's keyword argument of the same name; "
-                             "rename the column")
+            raise ValueError(
+                f"{where}: column {column!r} collides with TRL's keyword argument of the same name; rename the column"
+            )
 
 
 def verl_arguments(c: RewardCall, text: str) -> dict[str, Any]:
     """verl's keywords for one completion."""
-    return {"data_source": c.row.get("data_source"), "solution_str": text, "ground_truth": c.ground_truth,
-            "extra_info": c.row.get("extra_info")}
+    return {
+        "data_source": c.row.get("data_source"),
+        "solution_str": text,
+        "ground_truth": c.ground_truth,
+        "extra_info": c.row.get("extra_info"),
+    }
 
 
 def verl_score(out: Any) -> Any:
@@ -175,9 +187,12 @@ def check_callable(reward: Reward, fn_args: dict[str, Any]) -> None:
     try:
         inspect.signature(reward.fn).bind(**fn_args)
     except TypeError as exc:
-        how = ("as verl calls compute_score (data_source=, solution_str=, ground_truth=, extra_info=)"
-               if reward.style == "verl" else "as TRL calls reward functions (prompts=, completions=, "
-               "completion_ids=, trainer_state=, one keyword per dataset column)")
+        how = (
+            "as verl calls compute_score (data_source=, solution_str=, ground_truth=, extra_info=)"
+            if reward.style == "verl"
+            else "as TRL calls reward functions (prompts=, completions=, "
+            "completion_ids=, trainer_state=, one keyword per dataset column)"
+        )
         raise ValueError(f"reward {reward.spec}: cannot be called {how}: {exc}") from None
     except ValueError:  # a builtin or extension callable without a readable signature: called as it is
         return

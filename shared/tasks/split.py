@@ -51,11 +51,12 @@ def split_task(task: Task, fraction: float) -> tuple[TaskPart, TaskPart]:
     held = TaskPart(task, lambda p: is_held_out(p.identity, fraction), "held-out")
     total = len(train.prompts()) + len(held.prompts())
     if not held.prompts():
-        raise ValueError(f"holding out {fraction:g} of the task's {total} prompts leaves none to evaluate on; "
-                         "raise --eval-split or give --eval-task")
+        raise ValueError(
+            f"holding out {fraction:g} of the task's {total} prompts leaves none to evaluate on; "
+            "raise --eval-split or give --eval-task"
+        )
     if not train.prompts():
-        raise ValueError(f"holding out {fraction:g} of the task's {total} prompts leaves none to train on; "
-                         "lower --eval-split")
+        raise ValueError(f"holding out {fraction:g} of the task's {total} prompts leaves none to train on; lower --eval-split")
     return train, held
 
 

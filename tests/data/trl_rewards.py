@@ -16,8 +16,7 @@ def reversed_chars(prompts, completions, completion_ids, trainer_state, answer, 
 
 def length_gap(prompts, completions, completion_ids, trainer_state, answer, kind, **kwargs):
     """-|tokens - answer length| / 10, or None for a row of kind "free": the function does not apply there."""
-    return [None if k == "free" else -abs(len(ids) - len(gold) - 1) / 10
-            for ids, gold, k in zip(completion_ids, answer, kind)]
+    return [None if k == "free" else -abs(len(ids) - len(gold) - 1) / 10 for ids, gold, k in zip(completion_ids, answer, kind)]
 
 
 def never_applies(prompts, completions, **kwargs):

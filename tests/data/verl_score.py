@@ -8,8 +8,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     reads its "score")."""
     assert isinstance(extra_info, dict) and "index" in extra_info
     if data_source == "reverse/partial":
-        return {"score": sum(a == b for a, b in zip(solution_str.strip(), ground_truth)) / len(ground_truth),
-                "acc": solution_str.strip() == ground_truth}
+        return {
+            "score": sum(a == b for a, b in zip(solution_str.strip(), ground_truth)) / len(ground_truth),
+            "acc": solution_str.strip() == ground_truth,
+        }
     return float(solution_str.strip() == ground_truth)
 
 
