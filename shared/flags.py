@@ -14,13 +14,21 @@ from collections.abc import Sequence
 EXAMPLE_FORMAT = argparse.RawDescriptionHelpFormatter
 
 
+# How alike a name and a known one must be (difflib's ratio, leading dashes left out) to be offered: a typo is
+# (--learnin-rate 0.96, --hubb 0.86, statsu 0.83); another word is not (--quiet and --beta 0.44, --dry-run and
+# --lora-rank 0.5), and naming it would mislead.
+CLOSE_RATIO = 0.7
+
+
 def closest(name: str, known: Sequence[str]) -> str | None:
-    """The known name `name` most likely meant: itself with dashes for underscores, else the closest spelling."""
+    """The known name `name` most likely meant: itself with dashes for underscores, else the closest spelling
+    (CLOSE_RATIO), else None."""
     dashed = name.replace("_", "-")
     if dashed in known:
         return dashed
-    found = difflib.get_close_matches(dashed, known, n=1, cutoff=0.6)
-    return found[0] if found else None
+    bare = {k.lstrip("-"): k for k in known}
+    found = difflib.get_close_matches(dashed.lstrip("-"), list(bare), n=1, cutoff=CLOSE_RATIO)
+    return bare[found[0]] if found else None
 
 
 def unknown_flag_message(extras: Sequence[str], known: Sequence[str]) -> str:

@@ -18,6 +18,19 @@ def test_the_closest_flag_is_named() -> None:
     assert unknown_flag_message(["stray"], known) == "unexpected argument 'stray'; see --help"
 
 
+def test_another_word_is_not_offered_as_the_flag_meant() -> None:
+    """TRL users' flags echo-hub does not have get "see --help", not a flag they did not mean."""
+    import argparse
+
+    from hub.cli.main import build_parser
+
+    start = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["start"]
+    known = [option for action in start._actions for option in action.option_strings]
+    for wrong in ("--save-total-limit", "--dry-run", "--quiet"):
+        assert unknown_flag_message([wrong], known) == f"unknown flag {wrong}; see --help", wrong
+    assert unknown_flag_message(["--learnin-rate"], known) == "unknown flag --learnin-rate; did you mean --learning-rate?"
+
+
 def test_typos_in_flags_and_toml_keys_get_did_you_mean(tmp_path: Path) -> None:
     before = snapshot_of(tmp_path)
     data = str(tmp_path / "data")
@@ -102,3 +115,19 @@ def test_help_has_an_example_and_readable_defaults() -> None:
     assert "(default none)" in text and "--chat CHAT render string prompts" in text and "(on or off) (default off)" in text
     assert "--group-size GROUP_SIZE, --num-generations GROUP_SIZE" in text
     assert "--lr-scheduler LR_SCHEDULER, --lr-scheduler-type LR_SCHEDULER" in text
+
+
+def test_print_config_shows_what_a_start_would_run_with_and_writes_nothing(tmp_path: Path) -> None:
+    toml = tmp_path / "hub.toml"
+    toml.write_text("[learner]\nlr = 2e-5\ngroup_size = 4\n")
+    data = tmp_path / "data"
+    result = run("hub.cli", "start", "--config", str(toml), "--group-size", "6", "--data-dir", str(data), "--print-config")
+    assert result.returncode == 0, result.stderr
+    assert not data.exists()
+    printed = tmp_path / "printed.toml"
+    printed.write_text(result.stdout)
+    from hub.config import HubConfig
+    from shared.config import load_config
+
+    config = load_config(HubConfig, printed, {})
+    assert (config.learner.lr, config.learner.group_size, config.data_dir) == (2e-5, 6, data)

@@ -194,6 +194,11 @@ def _start_parser(sub: argparse._SubParsersAction) -> None:
         type=Path,
         help="hub.toml: any field of `echo-hub config` (flat keys like staleness = 4 work too); flags override it",
     )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the configuration this start would run with (defaults < --config < flags) as TOML, and exit",
+    )
     for flag, (dotted, kind) in START_FLAGS.items():
         p.add_argument(
             *_flags(flag),
@@ -354,6 +359,11 @@ def _start(args: argparse.Namespace) -> int:
     env = rank_env()
     try:
         config = load_config(HubConfig, args.config, overrides, aliases=_flat_keys())
+        if args.print_config:
+            from shared.config import config_toml
+
+            print(config_toml(config, "echo-hub start's effective configuration (load it with --config)"), end="")
+            return 0
         if env is not None and env.rank > 0:  # a learner rank of a sharded learner: rank 0 runs the hub
             from hub.cli.run import run_learner_rank
 
