@@ -107,6 +107,10 @@ def check_listen(addr: str, flag: str = "--listen") -> None:
     host, family = _host(ma)
     if host is None:
         raise UserError(f"{flag} {addr!r}: give an /ip4/ or /ip6/ address to listen on, like {example}")
+    extra = [p.name for p in ma.protocols()][2:]
+    if extra:
+        # The hosts speak plain TCP (Noise, Yamux) only: a listener for another transport is never reached.
+        raise UserError(f"{flag} {addr!r}: echo2 listens on plain TCP; drop /{'/'.join(extra)}, like {example}")
     if port != 0:
         _check_bindable(host, family, port, f"{flag} {addr}", f"{addr.rsplit('/', 1)[0]}/{port + 1}")
 
