@@ -17,6 +17,7 @@ from shared.flags import EXAMPLE_FORMAT, FlagParser
 
 NODE_ERR_FILE = "node.err"  # the stderr of a node run under its dashboard
 STOP_TIMEOUT_S = 10.0
+MIN_PRICE_PER_HOUR = 0.01  # a positive --price below it is read as a unit mistake (a price per rollout, per second)
 SAID_BYTES = 16384  # the tail of a node's stderr its dashboard repeats when the node ended by itself, failing
 
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
@@ -113,6 +114,11 @@ def check_join(config) -> None:
     check_bulk_port(config.listen, config.bulk_port)
     check_http(config.http, config.listen)
     check_key_file(config.key_path, "--key" if config.key is not None else "the node key")
+    if 0 < config.price < MIN_PRICE_PER_HOUR:
+        raise UserError(
+            f"--price {config.price:g}: prices are $ per hour of this node's GPU, and below ${MIN_PRICE_PER_HOUR}/h is "
+            "most likely another unit; give 0 to volunteer for free, or a price per hour like 0.35"
+        )
     check_engine(config)
 
 

@@ -154,6 +154,10 @@ NODE_MISTAKES = {
         ["--data-dir", "is a file"],
     ),
     "bulk port below -1": (["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--bulk-port", "-2"], ["bulk_port", "-1"]),
+    "a price in another unit": (
+        ["--hub", f"/ip4/127.0.0.1/tcp/4077/p2p/{HUB_ID}", "--price", "0.0001"],
+        ["--price 0.0001", "$ per hour", "give 0 to volunteer for free"],
+    ),
 }
 
 
