@@ -167,3 +167,13 @@ def test_the_summary_names_the_fifths_it_compares(tmp_path, capsys):
     print_summary(tmp_path)
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "first fifth" in ln)
     assert "rollout reward, first fifth -> last fifth (2 steps each)" in line and "0.150 -> 0.950" in line
+
+
+def test_a_run_stopped_before_its_first_step_names_no_final_policy(tmp_path, capsys):
+    from hub.cli.summary import print_summary
+    from shared.layout import FINAL_DIR
+
+    (tmp_path / FINAL_DIR).mkdir()  # even a final/ left by something else is not this run's policy
+    print_summary(tmp_path)
+    out = capsys.readouterr().out
+    assert "final policy" not in out and "no learner step was taken: there is no trained policy yet" in out

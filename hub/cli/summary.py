@@ -69,6 +69,8 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
         table.add_row("nodes", ", ".join(f"{short_id(n.peer_id)}:{n.state}:{n.tallies.accepted}" for n in status.nodes) or "-")
     console.print(table)
     final = Path(data_dir) / FINAL_DIR
-    if final.exists():
+    if rows and final.exists():
         console.print(f"final policy: {final.resolve()}  (load with from_pretrained)")
+    elif not rows:
+        console.print("no learner step was taken: there is no trained policy yet")
     console.print(f"reward curve: echo-hub report --data-dir {data_dir}")

@@ -376,9 +376,11 @@ class LearnerComponent:
 
     def save_state(self) -> None:
         """Checkpoint and save the final policy, with its card, now (at the end of the run, on Ctrl-C): a later
-        start resumes this policy. Blocking: call outside trio or in a worker thread."""
+        start resumes this policy. Nothing before the first step. Blocking: call outside trio or in a worker thread."""
         latest = self.store.training.latest_checkpoint()
-        if self.step > 0 and (latest is None or latest.step < self.step):  # a periodic one may have just been taken
+        if self.step == 0:
+            return  # nothing trained yet: the starting model is no final policy, and the next start begins afresh
+        if latest is None or latest.step < self.step:  # a periodic one may have just been taken
             self._checkpoint(self.step)
         final = self.data_dir / FINAL_DIR
         self.learner.save_final(final)
