@@ -16,7 +16,7 @@ import pytest
 from hub.cli.eval import saved_run_config
 from hub.config import HubConfig
 from shared.config import load_config
-from shared.layout import HUB_STORE_FILE
+from shared.layout import HUB_STORE_FILE, RUN_CONFIG_FILE
 from tests.test_first_contact import ROOT, assert_one_line_mistake, run, snapshot_of
 
 TASK = "testbed.tasks:EchoTask"  # not the default task: a reader of final/ that ignores the run's config scores another
@@ -144,3 +144,36 @@ def test_eval_of_a_final_policy_scores_the_run_task_by_default(finished: Path) -
     assert result.returncode == 0, result.stderr[-2000:]
     assert "echo2.toml" in result.stderr and TASK in result.stderr and "max_new_tokens 8" in result.stderr, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["eval_prompts"] == 4
+
+
+def test_the_run_card_names_the_runs_files_absolutely(tmp_path: Path, monkeypatch) -> None:
+    """final/echo2.toml read from elsewhere (`echo-hub eval --model final`) still finds the task, reward and model."""
+    from hub.cli.card import absolute_spec, run_card
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (work / "rewards.py").write_text("def score(completions, **kw):\n    return [0.0 for _ in completions]\n")
+    monkeypatch.chdir(work)
+    config = HubConfig.model_validate(
+        {
+            "task": "math:data/train.jsonl",
+            "data_dir": "run",
+            "dataset": {"reward": "math,rewards.py:score"},
+            "eval": {"task": "data/train.jsonl"},
+        }
+    )
+    saved = tmp_path / RUN_CONFIG_FILE
+    saved.write_text(run_card(config, work, 0)[RUN_CONFIG_FILE])
+    monkeypatch.chdir(tmp_path)
+    loaded = load_config(HubConfig, saved, {})
+    assert loaded.task == f"math:{work / 'data' / 'train.jsonl'}"
+    assert loaded.eval.task == str(work / "data" / "train.jsonl")
+    assert loaded.dataset.reward == f"math,{work / 'rewards.py'}:score"
+    assert loaded.data_dir == work / "run"
+    # Names that are no file here stay as they are.
+    assert [absolute_spec(s) for s in ("reverse", "shared.tasks.reverse:ReverseTask", "math")] == [
+        "reverse",
+        "shared.tasks.reverse:ReverseTask",
+        "math",
+    ]

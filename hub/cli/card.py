@@ -20,7 +20,35 @@ def run_card(config: HubConfig, model_dir: Path, step: int) -> dict[str, str]:
         f"the config of the echo2 run that trained this policy; `echo-hub eval --model` this directory reads it, "
         f"`echo-hub start --config {RUN_CONFIG_FILE}` takes it"
     )
-    return {RUN_CONFIG_FILE: config_toml(config, title), MODEL_CARD_FILE: model_card(config, model_dir, step)}
+    return {RUN_CONFIG_FILE: config_toml(absolute_paths(config), title), MODEL_CARD_FILE: model_card(config, model_dir, step)}
+
+
+def absolute_paths(config: HubConfig) -> HubConfig:
+    """`config` with every file it names made absolute (as resolved where the hub runs), so a run card read from
+    another directory (`echo-hub eval --model final`) finds the task, model and reward the run used."""
+    resolve = lambda path: None if path is None else path.resolve()
+    return config.model_copy(
+        update={
+            "data_dir": config.data_dir.resolve(),
+            "model": resolve(config.model),
+            "save_rollouts": resolve(config.save_rollouts),
+            "task": absolute_spec(config.task),
+            "eval": config.eval.model_copy(update={"task": config.eval.task and absolute_spec(config.eval.task)}),
+            "dataset": config.dataset.model_copy(
+                update={"reward": ",".join(absolute_spec(r) for r in config.dataset.reward.split(","))}
+            ),
+        }
+    )
+
+
+def absolute_spec(spec: str) -> str:
+    """A task or reward spec with its file made absolute when that file exists here: FILE, math:FILE or
+    FILE.py:function; a builtin name or module:Class is kept as it is."""
+    head, sep, tail = spec.partition(":")
+    for before, path, after in (("", spec, ""),) + (((head + sep, tail, ""), ("", head, sep + tail)) if sep else ()):
+        if path and Path(path).exists():
+            return f"{before}{Path(path).resolve()}{after}"
+    return spec
 
 
 def model_card(config: HubConfig, model_dir: Path, step: int) -> str:
