@@ -111,8 +111,12 @@ class WandbTracker:
         self.wandb = wandb
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=project, name=run_name, dir=str(directory), config=dict(config), mode=os.environ.get("WANDB_MODE", "offline")
-        )  # type: ignore[arg-type]  # wandb checks it
+            project=project,
+            name=run_name,
+            dir=str(directory),
+            config=dict(config),
+            mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]  # wandb checks it
+        )
         # Evaluations finish after later steps were logged: they get their own x axis.
         self.run.define_metric("step")
         self.run.define_metric("train/*", step_metric="step")

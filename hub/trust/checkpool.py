@@ -223,9 +223,15 @@ class ThreadChecks:
                     self._overrunning.discard(node)
                 raise
             with trio.move_on_after(self.timeout_s):
+                # trio takes any limiter (its stubs ask for a CapacityLimiter)
                 outcome = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                    self._checked, submission, lease, window, abandon_on_cancel=True, limiter=_Taken(self.limiter, borrower)
-                )  # type: ignore[arg-type]  # trio takes any limiter
+                    self._checked,
+                    submission,
+                    lease,
+                    window,
+                    abandon_on_cancel=True,
+                    limiter=_Taken(self.limiter, borrower),  # type: ignore[arg-type]
+                )
         if outcome is None:
             await self.probe.blame(node, f"the reward's checks ran past {self.timeout_s:g}s")
             return charged_verdicts(submission, REASON_OVER_BUDGET)
