@@ -120,7 +120,8 @@ class _History:
             bubble=0.0,
             tokens=64,
             clip_frac=0.0,
-            extra={"staleness_budget": STALENESS, "rollout_reward_mean": 0.5},
+            staleness_budget=STALENESS,
+            extra={"rollout_reward_mean": 0.5},
         )
 
         def commit() -> None:

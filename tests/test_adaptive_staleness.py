@@ -95,10 +95,11 @@ def test_resume_goes_on_at_the_s_in_force(tmp_path: Path):
     data = tmp_path / "resumed"
     data.mkdir()
     store = Store(data / "hub.db")
-    for step, budget in ((1, 1.0), (2, 2.0), (3, 3.0)):
-        record = StepRecord(step, step, 0.5, 0.5, 0.0, 0, 0, 0.1, 0.0, 0.0, 10, 0.0, {"staleness_budget": budget})
+    for step, budget in ((1, 1), (2, 2), (3, 3)):
+        record = StepRecord(step, step, 0.5, 0.5, 0.0, 0, 0, 0.1, 0.0, 0.0, 10, 0.0, staleness_budget=budget)
         store.training.commit_step(record, [])
-    assert store.training.latest_step_record().extra == {"staleness_budget": 3.0}
+    newest = store.training.latest_step_record()
+    assert (newest.staleness_budget, newest.extra) == (3, {})
     store.close()
     resumed = learner_on(data, 4)
     assert (resumed.step, resumed.staleness, resumed.kappa, resumed.window_staleness()) == (3, 3, 2, 3)

@@ -19,8 +19,8 @@ from hub.service.state import HubState
 from shared.tasks.reverse import ReverseTask
 
 
-def step(n: int, t_train_s: float, budget: float = 2.0) -> StepRecord:
-    return StepRecord(n, n, 0.5, 0.5, 0.0, 0, 0, t_train_s, 0.0, 0.0, 10, 0.0, {"staleness_budget": budget})
+def step(n: int, t_train_s: float, budget: int = 2) -> StepRecord:
+    return StepRecord(n, n, 0.5, 0.5, 0.0, 0, 0, t_train_s, 0.0, 0.0, 10, 0.0, staleness_budget=budget)
 
 
 def test_the_version_floor_by_hand():
@@ -46,10 +46,10 @@ def test_a_lowered_s_keeps_its_window_for_its_grace_by_hand():
 
 def test_a_resumed_run_goes_on_at_the_s_its_newest_step_trained_under(tmp_path):
     assert resumed_staleness(None, 4) is None
-    assert resumed_staleness(step(3, 1.0, budget=6.0), 4) == 4  # within staleness_max
-    assert resumed_staleness(step(3, 1.0, budget=0.0), 4) == 1
+    assert resumed_staleness(step(3, 1.0, budget=6), 4) == 4  # within staleness_max
+    assert resumed_staleness(step(3, 1.0, budget=0), 4) == 1
     store = Store(tmp_path / "hub.db")
-    store.training.commit_step(step(1, 1.0, budget=3.0), [])
+    store.training.commit_step(step(1, 1.0, budget=3), [])
     window = LearnerWindow.at_start(store, staleness=1, kappa=1, staleness_max=4)
     assert (window.step, window.staleness, window.window_staleness, window.kappa) == (1, 3, 3, 2)
     assert LearnerWindow.at_start(store, staleness=1, kappa=1, staleness_max=None).staleness == 1  # S fixed

@@ -47,8 +47,7 @@ def resumed_staleness(newest: StepRecord | None, staleness_max: int) -> int | No
     [1, staleness_max] (None: no step yet, the start's S)."""
     if newest is None:
         return None
-    budget = newest.extra["staleness_budget"]
-    return min(max(1, int(budget if budget is not None else 1)), staleness_max)
+    return min(max(1, newest.staleness_budget or 1), staleness_max)
 
 
 @dataclass

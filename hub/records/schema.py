@@ -234,9 +234,11 @@ class StepRecord:
     tokens: int
     clip_frac: float
     extra: Mapping[str, float | None] = field(default_factory=dict)
+    # The S this step trained under: a resumed --staleness auto run goes on at it (None: not recorded).
+    staleness_budget: int | None = None
 
     def as_json_dict(self) -> dict[str, float | int]:
-        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        out = {k: v for k, v in asdict(self).items() if k != "extra" and v is not None}
         out.update(self.extra)
         return out
 

@@ -35,7 +35,7 @@ class TrainingTable(Table):
                     record.tokens,
                     record.clip_frac,
                     now,
-                    json.dumps(dict(record.extra)),
+                    json.dumps(_metrics(record)),
                 ),
             )
             for row_id in consumed_ids:
@@ -56,7 +56,8 @@ class TrainingTable(Table):
         for r in self._rows(sql, params):
             extra = json.loads(r.pop("metrics_json"))
             r.pop("created_at")
-            out.append(StepRecord(**r, extra=extra))
+            budget = extra.pop("staleness_budget", None)
+            out.append(StepRecord(**r, extra=extra, staleness_budget=None if budget is None else int(budget)))
         return out
 
     def latest_step(self) -> int | None:
@@ -94,3 +95,9 @@ class TrainingTable(Table):
         """The newest `limit` evaluations, oldest first."""
         rows = self._rows("SELECT * FROM (SELECT * FROM evals ORDER BY step DESC LIMIT ?) ORDER BY step", (limit,))
         return [EvalPoint(**{k: v for k, v in r.items() if k != "created_at"}) for r in rows]
+
+
+def _metrics(record: StepRecord) -> dict[str, float | None]:
+    """The step row's metrics JSON: its extra figures and its S (the columns hold the rest)."""
+    budget = {} if record.staleness_budget is None else {"staleness_budget": float(record.staleness_budget)}
+    return {**record.extra, **budget}

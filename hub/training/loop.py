@@ -293,12 +293,12 @@ class LearnerComponent:
                 bubble=bubble_ratio(t_idle, stats.t_train_s),
                 tokens=stats.tokens,
                 clip_frac=stats.clip_frac,
+                staleness_budget=self.staleness,
                 extra={
                     "loss": stats.loss,
                     "ratio_mean": stats.ratio_mean,
                     "ratio_max": stats.ratio_max,
                     "abs_log_ratio": stats.abs_log_ratio,
-                    "staleness_budget": float(self.staleness),
                     "kappa": float(self.kappa),
                     "kl": stats.kl,
                     "masked_by_is": stats.masked_by_is,
