@@ -15,7 +15,7 @@ from rich.table import Table
 from shared.checks import UserError, check_key_file, check_peer_addr
 from shared.layout import HUB_LOCK_FILE, HUB_STATUS_FILE
 from shared.lock import live_holder
-from shared.messages import STALE_FILE_S, TALLY_FIELDS, TALLY_SHORT, HubStatus, short_id
+from shared.messages import STALE_FILE_S, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, short_id
 from shared.staleness import moves_text
 from shared.units import duration
 
@@ -64,6 +64,22 @@ def _clock(at: float) -> str:
     return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M", time.localtime(at))
 
 
+def _node_cells(n: NodeStatus, redacted: bool) -> tuple[str, ...]:
+    """One row of the nodes table; a redacted status's prices and costs read "hidden", not 0."""
+    chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
+    return (
+        short_id(n.peer_id),
+        n.state,
+        "hidden" if redacted else f"{n.price_per_hour:.2f}",
+        f"{n.rollouts_per_s:.2f}",
+        str(n.version_held),
+        *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS),
+        "hidden" if redacted else f"{n.cost_usd:.5f}",
+        chain,
+        n.net_text(),
+    )
+
+
 def render(status: HubStatus, console: Console, state: str | None = None) -> None:
     """The status as tables; `state` (run_state's) in place of the status's own running flag."""
     head = Table.grid(padding=(0, 2))
@@ -89,29 +105,18 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
         mu += f", mu_min {status.mu_min:.2f}/s, target {status.mu_target:.2f}/s"
     mu += f", {status.usable_fraction:.0%} of accepted groups trained on"
     head.add_row("throughput", mu, f"bubble {status.bubble:.2f}" if status.bubble is not None else "")
-    head.add_row(
-        "cost", f"${status.cost_usd:.4f}", f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else ""
-    )
     if status.redacted:
-        head.add_row("", "nodes' prices and costs hidden: ask with --key DATA_DIR/hub.key", "")
+        head.add_row("cost", "hidden: prices and costs are for operators; ask with --key DATA_DIR/hub.key", "")
+    else:
+        per_step = f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else ""
+        head.add_row("cost", f"${status.cost_usd:.4f}", per_step)
     console.print(head)
     nodes = Table(title="nodes", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     # Short headers, as on the dashboard, so the table fits 80 columns.
     for col in ("peer", "state", "$/h", "roll/s", "ver", *TALLY_SHORT.values(), "cost $", "chain", "net"):
         nodes.add_column(col)
     for n in status.nodes:
-        chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
-        nodes.add_row(
-            short_id(n.peer_id),
-            n.state,
-            f"{n.price_per_hour:.2f}",
-            f"{n.rollouts_per_s:.2f}",
-            str(n.version_held),
-            *(str(getattr(n.tallies, name)) for name in TALLY_FIELDS),
-            f"{n.cost_usd:.5f}",
-            chain,
-            n.net_text(),
-        )
+        nodes.add_row(*_node_cells(n, status.redacted))
     console.print(nodes)
     for n in status.nodes:
         if len(n.price_history) > 1:  # only nodes whose price moved: a joined price alone says nothing new
