@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,34 @@ def test_the_drawn_fleet_is_unchanged_without_nat(tmp_path) -> None:
             - 1
         )
     )
+
+
+def test_an_over_provisioned_fleet_settles_at_the_need_and_does_not_climb(tmp_path) -> None:
+    """Ten workers start all on (the hub activates every measured node until T_train is known): 2.5x the need.
+    A broadcast nearly as long as a step makes many rollouts go stale. Sized by the fraction the hub trains on,
+    those drops raised the target and the fleet settled at 5 workers where 4 suffice; sized without them
+    (hub.method.capacity.fresh_usable_fraction) it settles at the cheapest set that covers the target."""
+    simulate = load_bench("simulate")
+    from bench.sim_config import load_sim_config
+    from hub.method.capacity import NodeOffer, activate, mu_min
+
+    nodes = "".join(f'[[node]]\nname = "w{i}"\nprice_per_hour = 0.35\nrollouts_per_s = 0.44\n' for i in range(10))
+    write(tmp_path, nodes, "fleet.toml")
+    text = (
+        '[fleet]\nfile = "fleet.toml"\nnat_share = 0.0\njitter_sigma = 0.0\n'
+        "[links]\nhub_uplink_mbps = 800.0\nmedian_mbps = 185.0\nsigma = 0.0\nmin_mbps = 185.0\nmax_mbps = 185.0\n"
+        "[churn]\nsession_mean_s = 1e9\nonline_at_start = 1.0\nprobe_s = 60.0\n"
+        "[learner]\nt_train_s = 1631.2\nt_train_cv = 0.0\nrollouts_per_step = 2048\nusable_fraction = 1.0\n"
+        "rollouts_per_lease = 16\n[snapshot]\nbytes = 32.8e9\n[run]\nstaleness = [3]\n"
+    )
+    cfg = load_sim_config(write(tmp_path, text))
+    fleet = simulate.build_fleet(0, 0, None, cfg)
+    sim = simulate.Simulation(fleet, replace(simulate.SCENARIOS["cost-aware"], staleness=3), 40, 0, 2048, cfg)
+    sim.run()
+    result = sim.result(len(fleet), 0)
+    assert result.stale_dropped_fraction > 0.1  # the drops are there to feed on
+    # The need: the cheapest set reaching gamma * mu_min (S = 3, kappa = 2; the broadcast hides inside the window).
+    target = 1.1 * mu_min(2, 2048, 1631.2, result.t_bcast_s, 3)
+    need = len(activate([NodeOffer(f"w{i}", 0.35, 0.44) for i in range(10)], target).active)
+    active_by_step = [record[3] for record in sim.records]
+    assert active_by_step[0] == need and max(active_by_step) == need
