@@ -112,6 +112,12 @@ DEFAULT = SimConfig()
 STALENESS = DEFAULT.run.staleness[0]
 NODE_STEPS_MEASURED = 200_000
 EXIT_USAGE_ERROR = 2
+# The decision on adaptive staleness (issue 40): auto is held against the fixed S that keep the drift bound as well
+# as it does, give or take this share of steps, and whose reward ends within REWARD_GAP_MAX of S = 0's; its cost
+# must be at most AUTO_COST_SLACK times the cheapest of those.
+DRIFT_SHARE_SLACK = 0.05
+REWARD_GAP_MAX = 0.05
+AUTO_COST_SLACK = 1.02
 
 
 @dataclass
@@ -382,6 +388,12 @@ class Simulation:
         cutoff = self.min_useful()
         return sum(rate for v, rate in self.rate_by_version.items() if v >= cutoff) * self.cfg.learner.usable_fraction
 
+    def prune(self) -> None:
+        """Drop what the next take cannot use, as the learner does whenever it looks at its buffer, waiting or not
+        (hub.records.buffer.ReplayBuffer.prune): stale rollouts must not hold the in-flight cap's room."""
+        cutoff = usable_from(self.step, self.window())
+        self.dropped += sum(self.buffer.pop(v) for v in [v for v in self.buffer if v < cutoff])
+
     def buffered(self) -> float:
         cutoff = usable_from(self.step, self.window())  # usable by the next step (t = step + 1)
         return sum(amount for v, amount in self.buffer.items() if v >= cutoff)
@@ -389,9 +401,7 @@ class Simulation:
     # -- learner --------------------------------------------------------------------------
     def start_step(self) -> None:
         t = self.step + 1
-        cutoff = usable_from(t - 1, self.window())
-        dropped = sum(self.buffer.pop(v) for v in [v for v in self.buffer if v < cutoff])
-        self.dropped += dropped
+        self.prune()
         need = self.R
         step_ages = []
         for v in sorted(self.buffer):
@@ -647,6 +657,7 @@ class Simulation:
         while self.step < self.steps and self.now < horizon:
             next_at = self.events[0][0] if self.events else horizon
             if not self.training:
+                self.prune()
                 deficit = self.R - self.buffered()
                 if deficit <= 1e-9:
                     self.start_step()
@@ -993,18 +1004,49 @@ def savings(results: list[dict]) -> list[dict]:
     return out
 
 
-def auto_against_fixed(auto_cost: float, auto_over: float, fixed: Mapping[int, tuple[float, float]]) -> dict:
-    """auto's cost per step against the cheapest fixed S whose steps went past the drift bound no more often than
-    auto's (a fixed S past it trains on what auto's guard refuses: not the same quality), and against the cheapest
-    fixed S whatever its drift. `fixed`: S -> (cost per step, drift_over_bound). saving = 1 - cost(auto) / cost(S).
-    bench/staleness.py --adaptive compares its real runs with it too."""
-    out: dict = {}
-    within = {s: v for s, v in fixed.items() if v[1] <= auto_over}
-    for label, pick in (("best_fixed_within_bound", within), ("best_fixed", fixed)):
+@dataclass(frozen=True)
+class FixedRun:
+    """A fixed-S run as the staleness comparison reads it: reward_last None where no model runs (the simulator)."""
+
+    cost_per_step: float
+    drift_over_bound: float
+    reward_last: float | None = None
+
+
+def auto_against_fixed(auto_cost: float, auto_over: float, fixed: Mapping[int, FixedRun], reward_s0: float | None = None) -> dict:
+    """auto's cost per step against the fixed S, by the decision on adaptive staleness: a fixed S is `eligible` when
+    its share of steps past the drift bound is at most auto's plus DRIFT_SHARE_SLACK and, where rewards are known,
+    its reward_last is within REWARD_GAP_MAX of S = 0's (`reward_s0`); a fixed S past that trains on what auto's guard
+    refuses, which is not the same quality. `fixed_rows` lists every fixed S; best_fixed_eligible is the cheapest
+    eligible one, and auto_within_eligible says whether auto's cost is at most AUTO_COST_SLACK times it; best_fixed
+    is the cheapest whatever its drift. saving = 1 - cost(auto) / cost(S). bench/staleness.py --adaptive compares its
+    real runs with it too."""
+
+    def eligible(run: FixedRun) -> bool:
+        if run.drift_over_bound > auto_over + DRIFT_SHARE_SLACK:
+            return False
+        return reward_s0 is None or run.reward_last is None or reward_s0 - run.reward_last <= REWARD_GAP_MAX
+
+    rows = [
+        {
+            "staleness": s,
+            "cost_per_step": run.cost_per_step,
+            "drift_over_bound": run.drift_over_bound,
+            "reward_last": run.reward_last,
+            "eligible": eligible(run),
+        }
+        for s, run in sorted(fixed.items())
+    ]
+    out: dict = {"fixed_rows": rows}
+    within = {s: run.cost_per_step for s, run in fixed.items() if eligible(run)}
+    every = {s: run.cost_per_step for s, run in fixed.items()}
+    for label, pick in (("best_fixed_eligible", within), ("best_fixed", every)):
         if pick:
-            best = min(pick, key=lambda s: pick[s][0])
+            best = min(pick, key=pick.__getitem__)
             out[label] = best
-            out[f"saving_vs_{label}"] = round(1 - auto_cost / pick[best][0], 4)
+            out[f"saving_vs_{label}"] = round(1 - auto_cost / pick[best], 4)
+    if within:
+        out["auto_within_eligible"] = auto_cost <= AUTO_COST_SLACK * within[out["best_fixed_eligible"]]
     return out
 
 
@@ -1015,7 +1057,7 @@ def staleness_comparison(results: list[dict]) -> list[dict]:
     for n, scenario, seed in keys:
         same = [r for r in results if (r["nodes"], r["scenario"], r["seed"]) == (n, scenario, seed)]
         auto = next(r for r in same if r["staleness"] == "auto")
-        fixed = {r["staleness"]: (r["cost_per_step"], r["drift_over_bound"]) for r in same if r["staleness"] != "auto"}
+        fixed = {r["staleness"]: FixedRun(r["cost_per_step"], r["drift_over_bound"]) for r in same if r["staleness"] != "auto"}
         out.append(
             {
                 "nodes": n,
