@@ -8,7 +8,11 @@ stranger opens every /echo2/ protocol on one connection, sends a frame header cl
 - js: js-libp2p (TCP, Noise, Yamux) from bench/foreign/ (`npm ci` there once; node >= 20);
 - py: a raw py-libp2p host sending the same bytes (testbed/strangers.py), which the suite also runs.
 
+With --busy-every-s the stranger opens one more bad status stream that often while it waits, so it is never idle
+and only the lifetime ends its connection (--lifetime-s shortens the hub's, NON_MEMBER_LIFETIME_S by default).
+
 Usage: python bench/foreign_peer.py [--impl js,py] [--give-up-s 150] [--garbage-bytes 1048576]
+           [--busy-every-s 1] [--lifetime-s 120]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
 from hub.service.handlers import NON_MEMBER_LIFETIME_S
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
+from shared.messages import STATUS_PROTOCOL
 from shared.net import running_host
 from testbed.inproc import LOOPBACK, inproc_hub
 from testbed.strangers import bad_frame_header, echo2_protocols, raw_probe
@@ -45,7 +50,7 @@ CONFIG = HubConfig(
 )
 
 
-def summary(report: dict) -> dict:
+def summary(report: dict, lifetime_s: float) -> dict:
     """The figures the issue asks for: the longest a stream stayed open, the streams' seconds in all, and when the
     connection went, against the hub's cap."""
     ended = [s["ended_s"] if s["ended_s"] is not None else report["give_up_s"] for s in report["streams"] if s["opened_s"]]
@@ -56,11 +61,12 @@ def summary(report: dict) -> dict:
         "longest_stream_open_s": max((e - o for e, o in zip(ended, opened, strict=True)), default=None),
         "stream_seconds_in_all": sum(e - o for e, o in zip(ended, opened, strict=True)),
         "connection_closed_s": report["connection_closed_s"],
-        "hub_cap_s": {"idle": CONFIG.trust.idle_connection_s, "lifetime": NON_MEMBER_LIFETIME_S},
+        "busy_streams": report["busy_streams"],
+        "hub_cap_s": {"idle": CONFIG.trust.idle_connection_s, "lifetime": lifetime_s},
     }
 
 
-async def js_probe(hub_addr: str, protocols: list[str], garbage_bytes: int, give_up_s: float) -> dict:
+async def js_probe(hub_addr: str, protocols: list[str], garbage_bytes: int, give_up_s: float, busy_every_s: float | None) -> dict:
     node = shutil.which("node")
     if node is None:
         raise SystemExit("bench/foreign_peer.py --impl js needs node (>= 20): apt-get install -y nodejs npm")
@@ -71,23 +77,30 @@ async def js_probe(hub_addr: str, protocols: list[str], garbage_bytes: int, give
         "give_up_s": give_up_s,
         "garbage_bytes": garbage_bytes,
         "protocols": [{"protocol": p, "header_hex": bad_frame_header(p).hex()} for p in protocols],
+        "busy": None
+        if busy_every_s is None
+        else {"protocol": STATUS_PROTOCOL, "header_hex": bad_frame_header(STATUS_PROTOCOL).hex(), "every_s": busy_every_s},
     }
     done = await trio.run_process([node, "probe.mjs", json.dumps(args)], cwd=FOREIGN_DIR, capture_stdout=True)
     return json.loads(done.stdout.decode().strip().splitlines()[-1])
 
 
-async def run(impl: str, garbage_bytes: int, give_up_s: float, work: Path, model_dir: Path) -> dict:
+async def run(
+    impl: str, garbage_bytes: int, give_up_s: float, busy_every_s: float | None, lifetime_s: float, work: Path, model_dir: Path
+) -> dict:
     protocols = echo2_protocols()
     async with inproc_hub(work, model_dir, CONFIG) as hub, AsyncExitStack() as stack:
+        hub.service.stranger_lifetime_s = lifetime_s
         if impl == "js":
-            report = await js_probe(hub.addr, protocols, garbage_bytes, give_up_s)
+            report = await js_probe(hub.addr, protocols, garbage_bytes, give_up_s, busy_every_s)
         else:
             host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
-            report = dataclasses.asdict(await raw_probe(host, hub.addr, protocols, garbage_bytes, give_up_s))
+            probe = await raw_probe(host, hub.addr, protocols, garbage_bytes, give_up_s, busy_every_s)
+            report = dataclasses.asdict(probe)
             for stream in report["streams"]:  # as the js probe reports it
                 reply = stream.pop("reply")
                 stream["reply_bytes"], stream["reply_head"] = len(reply), reply[:200].decode("latin-1")
-    return {"summary": summary(report), **report}
+    return {"summary": summary(report, lifetime_s), **report}
 
 
 def main() -> None:
@@ -95,13 +108,17 @@ def main() -> None:
     parser.add_argument("--impl", default="js,py", help="comma-separated: js (js-libp2p), py (raw py-libp2p)")
     parser.add_argument("--give-up-s", type=float, default=NON_MEMBER_LIFETIME_S + 30.0)
     parser.add_argument("--garbage-bytes", type=int, default=1 << 20)
+    parser.add_argument("--busy-every-s", type=float, default=None, help="open a bad status stream this often meanwhile")
+    parser.add_argument("--lifetime-s", type=float, default=NON_MEMBER_LIFETIME_S, help="the hub's stranger lifetime")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     model_dir = ensure_default_model(progress=False)
     results = {}
     for impl in args.impl.split(","):
         with tempfile.TemporaryDirectory() as work:
-            results[impl] = trio.run(run, impl, args.garbage_bytes, args.give_up_s, Path(work), model_dir)
+            results[impl] = trio.run(
+                run, impl, args.garbage_bytes, args.give_up_s, args.busy_every_s, args.lifetime_s, Path(work), model_dir
+            )
     print(json.dumps(results, indent=2))
 
 

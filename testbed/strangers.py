@@ -93,6 +93,7 @@ class ProbeReport:
     implementation: str
     connection_closed_s: float | None
     give_up_s: float
+    busy_streams: int  # bad streams opened while waiting for the connection to close
     streams: list[StreamFate]
 
 
@@ -121,22 +122,29 @@ async def _probe_stream(host: IHost, hub_id: str, protocol: str, garbage: bytes,
     fate.ended_s = trio.current_time() - started
 
 
-async def raw_probe(host: IHost, hub_addr: str, protocols: list[str], garbage_bytes: int, give_up_s: float) -> ProbeReport:
+async def raw_probe(
+    host: IHost, hub_addr: str, protocols: list[str], garbage_bytes: int, give_up_s: float, busy_every_s: float | None = None
+) -> ProbeReport:
     """The js-libp2p probe's attack from a py-libp2p host: every protocol at once on one connection, then wait
-    (up to `give_up_s` from the dial) for the hub to end each stream and the connection."""
+    (up to `give_up_s` from the dial) for the hub to end each stream and the connection, with `busy_every_s`
+    opening one more bad status stream that often meanwhile (a stranger that is never idle)."""
     started = trio.current_time()
     hub_id = await connect(host, hub_addr)
     garbage = bytes([GARBAGE_BYTE]) * garbage_bytes
     fates = [StreamFate(protocol) for protocol in protocols]
+    busy: list[StreamFate] = []
     closed_s = None
     with trio.move_on_after(give_up_s):
         async with trio.open_nursery() as nursery:
             for fate in fates:
                 nursery.start_soon(_probe_stream, host, hub_id, fate.protocol, garbage, started, fate)
-        while host.get_network().get_connections(ID.from_base58(hub_id)):
-            await trio.sleep(0.05)
-        closed_s = trio.current_time() - started
+            while host.get_network().get_connections(ID.from_base58(hub_id)):
+                if busy_every_s is not None and trio.current_time() - started >= len(busy) * busy_every_s:
+                    busy.append(StreamFate(STATUS_PROTOCOL))
+                    nursery.start_soon(_probe_stream, host, hub_id, STATUS_PROTOCOL, garbage, started, busy[-1])
+                await trio.sleep(0.05)
+            closed_s = trio.current_time() - started
     for fate in fates:
         if fate.ended_s is None and not fate.ended_by:
             fate.ended_by = "still open when the probe gave up"
-    return ProbeReport("py-libp2p", closed_s, give_up_s, fates)
+    return ProbeReport("py-libp2p", closed_s, give_up_s, len(busy), fates)

@@ -3,7 +3,8 @@
 // the connection. bench/foreign_peer.py runs it; it prints one JSON object on stdout.
 //
 // Usage: node probe.mjs '{"hub": "/ip4/127.0.0.1/tcp/N/p2p/12D3...", "give_up_s": 150, "garbage_bytes": 1048576,
-//                          "protocols": [{"protocol": "/echo2/join/1", "header_hex": "01ffffffff"}, ...]}'
+//                          "protocols": [{"protocol": "/echo2/join/1", "header_hex": "01ffffffff"}, ...],
+//                          "busy": {"protocol": "/echo2/status/1", "header_hex": "0dffffffff", "every_s": 1} or null}'
 import './node20.mjs'
 import { noise } from '@chainsafe/libp2p-noise'
 import { yamux } from '@chainsafe/libp2p-yamux'
@@ -82,8 +83,16 @@ async function probe ({ protocol, header_hex: headerHex }) {
 }
 
 const streams = await Promise.all(args.protocols.map(probe))
-// The connection may outlive every stream: wait for it until the probe's own deadline.
+// The connection may outlive every stream: wait for it until the probe's own deadline, with `busy` opening one
+// more bad stream every `every_s` meanwhile (a stranger that is never idle).
+let busyStreams = 0
+let nextBusy = Date.now()
 while (connectionClosedS === null && Date.now() - start < giveUpMs) {
+  if (args.busy != null && Date.now() >= nextBusy) {
+    nextBusy += args.busy.every_s * 1000
+    busyStreams += 1
+    probe(args.busy).catch(() => {})
+  }
   await new Promise((resolve) => setTimeout(resolve, 100))
 }
 const report = {
@@ -92,6 +101,7 @@ const report = {
   connection_closed_s: connectionClosedS,
   connection_status: connection.status,
   give_up_s: args.give_up_s,
+  busy_streams: busyStreams,
   streams
 }
 await node.stop()
