@@ -37,7 +37,8 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
   peers that came and went lock every later one out. `_inbound_handler` replaces that
   handler: it holds the slot only while the connection lives, and refuses an address that
   already holds MAX_INBOUND_PER_IP live connections before any handshake. There is no idle
-  timeout in py-libp2p; the hub disconnects idle strangers itself (hub/service/handlers.py).
+  timeout in py-libp2p; the hub disconnects idle strangers itself (hub/service/handlers.py), aging each
+  connection from its start (`ConnectionStarts`, told by the swarm as it registers one).
 - The swarm's auto-connector dials peers it learned of (targeting 200 connections), which
   would make our hosts dial whatever addresses peers advertise: it is stopped.
 """
