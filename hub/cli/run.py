@@ -200,7 +200,7 @@ class Hub:
         return self.scheduler.step_metrics(step, self.state.cost_usd(time.time()))
 
     def on_membership(self) -> None:
-        self.broadcaster.replan()
+        self.broadcaster.replan_soon()
         self.scheduler.poke()
 
     async def _relay_refused(self, peer: str, reason: str) -> None:
