@@ -491,7 +491,7 @@ async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_r
     assert len(state.fleet.nodes) == len(peers)  # listed for as long as the status board lists them
     clock[0] += 2.0
     await state.flush()
-    assert state.fleet.nodes == {}
+    assert state.fleet.nodes == {} and state.membership.departed_count == len(peers)
     assert nodes_all_on() == pytest.approx(all_on)
     with pytest.raises(PeerFault) as unknown:
         state.membership.heartbeat(keeper, Heartbeat(version_held=0))
@@ -500,4 +500,5 @@ async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_r
     assert (record.online_s, record.price_changed_at, record.tallies.refused) == (5.0, clock[0] - DEPARTED_KEPT_S - 1.0, 1)
     assert [p for _, p in record.price_history] == [1.0, 2.0]
     assert nodes_all_on() == pytest.approx(all_on)  # its share counted once, in the fleet again
+    assert state.membership.departed_count == len(peers) - 1
     state.store.close()

@@ -170,12 +170,12 @@ class MembersTable(Table):
             NodeRow.from_sql(r) for r in self._rows("SELECT * FROM nodes WHERE last_seen >= ? ORDER BY first_seen", (seen_since,))
         ]
 
-    def all_on_usd_s(self, seen_before: float) -> float:
-        """$/h x online seconds summed over the nodes last seen before `seen_before`: their share of the all-on cost."""
+    def seen_before(self, at: float) -> tuple[int, float]:
+        """How many nodes were last seen before `at`, and their $/h x online seconds (their share of the all-on cost)."""
         rows = self._rows(
-            "SELECT COALESCE(SUM(price_per_hour * online_s), 0) AS s FROM nodes WHERE last_seen < ?", (seen_before,)
+            "SELECT COUNT(*) AS n, COALESCE(SUM(price_per_hour * online_s), 0) AS s FROM nodes WHERE last_seen < ?", (at,)
         )
-        return float(rows[0]["s"])
+        return int(rows[0]["n"]), float(rows[0]["s"])
 
     def flush_liveness(self, rows: Sequence[tuple[str, float, float, float, bool]], session_id: int, alive_at: float) -> None:
         """(peer, last_seen, online_s, rollouts_per_s, measured) per node that changed, and this session's clock."""

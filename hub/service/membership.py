@@ -86,7 +86,9 @@ class Membership:
         self.on_ban: list[Callable[[str], object]] = []
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
         self._join_events: dict[str, float] = {}  # node -> when its last "join" event was written
-        # $/h x online seconds of the nodes the fleet let go (DEPARTED_KEPT_S): their share of the all-on cost.
+        # The nodes the fleet let go (DEPARTED_KEPT_S): how many (the status counts them as omitted), and their $/h x online
+        # seconds (their share of the all-on cost).
+        self.departed_count = 0
         self.departed_usd_s = 0.0
 
     def load(self) -> None:
@@ -96,11 +98,12 @@ class Membership:
         prices = self.store.members.price_history(PRICE_HISTORY_KEPT, seen_since)
         for row in self.store.members.nodes(seen_since):
             self.fleet.put(NodeRecord.from_row(row, tuple(prices.get(row.peer_id, ()))))
-        self.departed_usd_s = self.store.members.all_on_usd_s(seen_since)
+        self.departed_count, self.departed_usd_s = self.store.members.seen_before(seen_since)
 
     def forget_departed(self, now: float) -> None:
         """Records of nodes gone or banned and not seen for DEPARTED_KEPT_S leave memory; the store keeps them."""
         for record in self.fleet.departed(now - DEPARTED_KEPT_S):
+            self.departed_count += 1
             self.departed_usd_s += record.price_per_hour * record.online_s
 
     async def _recall(self, peer: str) -> NodeRecord | None:
@@ -112,6 +115,7 @@ class Membership:
         row, prices = remembered
         record = NodeRecord.from_row(row, prices)
         self.fleet.put(record)
+        self.departed_count -= 1
         self.departed_usd_s -= row.price_per_hour * row.online_s
         return record
 

@@ -118,13 +118,13 @@ class StatusBoard:
         )
 
     def _listed(self, now: float) -> tuple[list, int]:
-        """The nodes a status lists (see RECENT_NODES_S), and how many it leaves out."""
+        """The nodes a status lists (see RECENT_NODES_S), and how many it leaves out (those the fleet let go too)."""
         everyone = self.state.fleet.nodes.values()
         listed = [n for n in everyone if n.state not in ("gone", "banned") or now - n.last_seen <= RECENT_NODES_S]
         if len(listed) > STATUS_NODES_MAX:
             listed.sort(key=lambda n: (n.state in ("gone", "banned"), -n.last_seen))
             listed = listed[:STATUS_NODES_MAX]
-        return listed, len(everyone) - len(listed)
+        return listed, len(everyone) - len(listed) + self.state.membership.departed_count
 
     def snapshot(self, events: int = 50) -> HubStatus:
         """The status now (on the trio thread: the state's view is only ever touched there)."""
