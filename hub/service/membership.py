@@ -106,9 +106,11 @@ class Membership:
             self.departed_count += 1
             self.departed_usd_s += record.price_per_hour * record.online_s
 
-    async def _recall(self, peer: str) -> NodeRecord | None:
-        """The store's record of a node the fleet let go, back in the fleet (what it measured, its tallies, the clock of
-        its last price change); None for a node never seen."""
+    async def recall(self, peer: str) -> NodeRecord | None:
+        """The node's record, from the store (what it measured, its tallies, the clock of its last price change) back in
+        the fleet if the fleet let it go; None for a node never seen."""
+        if (record := self.fleet.get(peer)) is not None:
+            return record
         remembered = await trio.to_thread.run_sync(self.store.members.remembered, peer, PRICE_HISTORY_KEPT)
         if (record := self.fleet.get(peer)) is not None or remembered is None:
             return record  # recalled by a join racing this one, or a newcomer
@@ -171,7 +173,7 @@ class Membership:
                 f"${self.max_price_per_hour:g}/h: join with a lower --price",
                 RejectCode.PRICE_TOO_HIGH,
             )
-        previous = self.fleet.get(peer) or await self._recall(peer)
+        previous = await self.recall(peer)
         if previous is not None and previous.state == "banned":
             raise PeerFault(f"banned: {previous.banned_reason}", RejectCode.BANNED)
         state = "standby" if previous is not None and previous.measured else "probing"
