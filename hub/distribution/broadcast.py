@@ -35,8 +35,8 @@ log = logging.getLogger("echo2.hub.broadcast")
 
 # How often waiting dial-backs are looked at again when nothing woke the dispatcher.
 PROBE_DISPATCH_S = 0.5
-# Membership changes are replanned at most once per this long: join/leave churn (4 identities made 98 pairs/s)
-# costs one relink of the chains per period, however many changes it covers.
+# Membership changes are replanned at most once per this long: join/leave churn costs one relink of the chains per
+# period, however many changes it covers.
 REPLAN_PERIOD_S = 1.0
 # The `chains:` line is logged at most once per this long; it says how many replans changed the chains since the last.
 CHAINS_LOG_WINDOW_S = 60.0

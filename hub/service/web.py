@@ -2,12 +2,12 @@
 (Prometheus text), served by hypercorn's trio worker in a process of its own, off the hub's event loop. Read-only: no
 route changes state.
 
-A web flood (16 addresses x 8 keep-alive connections: 600-1,000 answers a second, mostly 429) parsed and answered on
-the hub's loop moved members' heartbeat p50 from 2 to 150-240 ms. Here the hub (`serve_web`) binds the sockets, starts
-`python -m hub.service.web` at a lower CPU priority (WEB_NICENESS) with them, and writes it the status board's public
-view (the redacted build, hub/service/status.py) once per build through its stdin; the process (`main`) serves only
-that view, so whatever it is asked costs the hub one pipe write per board period, and it holds nothing a stranger
-may not read (no price, cost or hardware of a node). It ends when the hub closes the pipe, or dies.
+Every request a flood makes is parsed and answered, if only with a 429, so none may be on the protocol's loop: the hub
+(`serve_web`) binds the sockets, starts `python -m hub.service.web` at a lower CPU priority (WEB_NICENESS) with them,
+and writes it the status board's public view (the redacted build, hub/service/status.py) once per build through its
+stdin; the process (`main`) serves only that view, so whatever it is asked costs the hub one pipe write per board
+period, and it holds nothing a stranger may not read (no price, cost or hardware of a node). It ends when the hub
+closes the pipe, or dies.
 
 This module imports nothing of the hub's state (the board is a type only), so the web process starts light."""
 
