@@ -1,6 +1,6 @@
-"""Attacks on the reward's budget against the real hub on loopback (measured and printed as JSON).
+"""Attacks on the real hub on loopback, measured and printed as JSON.
 
-A few identities flood the hub with groups its reward spends SPIN_S of CPU on, as sympy spent minutes on a
+`reward`: a few identities flood the hub with groups its reward spends SPIN_S of CPU on, as sympy spent minutes on a
 boxed \\exp tower (untrusted peers, round four, item 1), while an honest node keeps working and heartbeating.
 The hub is the real service, state, store and checks in process (testbed/inproc.py), its task
 testbed.poisoned_tasks:SpinningRewardTask; each node is a real libp2p host. Printed per check mode
@@ -8,7 +8,15 @@ testbed.poisoned_tasks:SpinningRewardTask; each node is a real libp2p host. Prin
 its submission and heartbeat round trips (p50, max) before and under the flood, the poisoned groups rejected
 past their budget and counted against their senders, and whether the run stopped.
 
-Usage: python bench/attacks.py [--attackers 3] [--seconds 20] [--modes process,thread]
+`web` and `churn` (item 7) run against a real `echo-hub start --http` process: an honest member heartbeats every
+BEAT_S through a quiet spell, then under a web flood (WEB_ADDRESSES client addresses x WEB_CONNECTIONS keep-alive
+connections, each asking /api/status as fast as it is answered), then under join/leave churn (CHURN_IDENTITIES
+identities joining and leaving as fast as they are answered). Each attack runs in a process of its own, so the
+member's round trips measure the hub, not this script. Printed per spell: the member's heartbeat round trips
+(p50, p90, max), the hub's CPU (its processes together: the web server's is one of them), what the hub's log grew
+by and its `chains:` lines, and the attack's own rate.
+
+Usage: python bench/attacks.py [--attacks reward,web,churn] [--attackers 3] [--seconds 20] [--modes process,thread]
 """
 
 from __future__ import annotations
@@ -16,7 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +46,8 @@ from hub.trust.submissions import REASON_OVER_BUDGET
 from node.client import HubClient
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
-from shared.messages import Heartbeat, JoinReply, JoinRequest, LeaseReply, Submission, SubmitReply, SubmittedGroup
+from shared.layout import HUB_LOG_FILE
+from shared.messages import Heartbeat, JoinReply, JoinRequest, LeaseReply, Reject, Submission, SubmitReply, SubmittedGroup
 from shared.net import running_host
 from shared.rollout import Completion, SamplingParams
 from testbed.inproc import LOOPBACK, PERMISSIVE_TRUST, InprocHub, inproc_hub
@@ -184,19 +196,224 @@ async def run_mode(procs: int, attackers: int, seconds: float, work: Path, model
         }
 
 
+# -- web flood and join/leave churn against a real hub process (item 7) ----------------------------------------
+
+BEAT_S = 0.2  # the honest member's heartbeat period (a round trip, then this long)
+WEB_ADDRESSES = 16  # client addresses of the web flood, 127.0.0.2 on
+WEB_CONNECTIONS = 8  # keep-alive connections per address
+CHURN_IDENTITIES = 4
+ATTACK_MARGIN_S = 1.0  # an attacker goes on this much longer than the member is measured under it
+STARTED_LINE = b"attacking\n"  # what an attacker prints once it attacks
+HUB_ARGS = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8")
+
+
+def started() -> None:
+    """An attacker tells the bench it attacks now (the first time it is called)."""
+    if not getattr(started, "done", False):
+        started.done = True  # type: ignore[attr-defined]
+        sys.stdout.buffer.write(STARTED_LINE)
+        sys.stdout.flush()
+
+
+async def web_flood(url: str, seconds: float) -> dict:
+    """WEB_ADDRESSES x WEB_CONNECTIONS keep-alive connections asking /api/status until `seconds` pass: answers by status."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    until = trio.current_time() + seconds
+    answers: dict[str, int] = {}
+    started()
+
+    async def answer(stream: trio.SocketStream, buffered: bytes) -> tuple[int, bytes] | None:
+        """(status, bytes past it) of one answer; None when the server closed the connection."""
+        while b"\r\n\r\n" not in buffered:
+            if not (chunk := await stream.receive_some(65536)):
+                return None
+            buffered += chunk
+        head, _, rest = buffered.partition(b"\r\n\r\n")
+        length = next(
+            (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+        )
+        while len(rest) < length:
+            if not (chunk := await stream.receive_some(65536)):
+                return None
+            rest += chunk
+        return int(head.split(b" ", 2)[1]), rest[length:]
+
+    async def connection(address: str) -> None:
+        while trio.current_time() < until:
+            try:
+                stream = await trio.open_tcp_stream(host, int(port), local_address=address)
+            except OSError:
+                answers["refused"] = answers.get("refused", 0) + 1
+                await trio.sleep(0.05)
+                continue
+            buffered = b""
+            async with stream:
+                while trio.current_time() < until:
+                    try:
+                        await stream.send_all(b"GET /api/status HTTP/1.1\r\nHost: x\r\n\r\n")
+                        got = await answer(stream, buffered)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        got = None
+                    if got is None:
+                        answers["closed"] = answers.get("closed", 0) + 1
+                        break
+                    code, buffered = got
+                    answers[str(code)] = answers.get(str(code), 0) + 1
+
+    with trio.move_on_at(until + 1.0):
+        async with trio.open_nursery() as nursery:
+            for a in range(WEB_ADDRESSES):
+                for _ in range(WEB_CONNECTIONS):
+                    nursery.start_soon(connection, f"127.0.0.{2 + a}")
+    served = sum(n for code, n in answers.items() if code.isdigit())
+    return {"answers": answers, "answers_per_s": round(served / seconds, 1)}
+
+
+async def churn(hub_addr: str, config_hash: str, seconds: float) -> dict:
+    """CHURN_IDENTITIES identities joining and leaving as fast as the hub answers, until `seconds` pass."""
+    until = trio.current_time() + seconds
+    pairs, refused = [0], [0]
+
+    async def identity() -> None:
+        me = Identity.generate()
+        async with running_host(me, [LOOPBACK]) as (host, _):
+            client = HubClient(host, me, hub_addr)
+            await client.connect()
+            if not pairs[0]:
+                started()
+            request = JoinRequest(
+                price_per_hour=0.5, hardware="bench", link_bps=1e8, backend="hf", dtype="float32", model_config_hash=config_hash
+            )
+            while trio.current_time() < until:
+                joined = await client.join(request)
+                left = await client.leave(10.0)
+                pairs[0] += 1
+                refused[0] += isinstance(joined, Reject) + isinstance(left, Reject)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(CHURN_IDENTITIES):
+            nursery.start_soon(identity)
+    return {"pairs_per_s": round(pairs[0] / seconds, 1), "refused_requests": refused[0]}
+
+
+def worker(argv: list[str]) -> None:
+    """`--worker web URL SECONDS` or `--worker churn HUB_ADDR CONFIG_HASH SECONDS`: one attack; STARTED_LINE once it
+    attacks, then its figures as JSON."""
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    kind, *args = argv
+    if kind == "web":
+        print(json.dumps(trio.run(web_flood, args[0], float(args[1]))))
+    else:
+        print(json.dumps(trio.run(churn, args[0], args[1], float(args[2]))))
+
+
+def hub_cpu_s(pid: int) -> float:
+    """CPU seconds the hub's processes (its web server's too) spent so far."""
+    import psutil
+
+    hub = psutil.Process(pid)
+    total = 0.0
+    for process in (hub, *hub.children(recursive=True)):
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float) -> dict:
+    """The member's heartbeats for `seconds` (under `attack`, a worker's argv, when given), and what the hub spent."""
+    log_file = hub.data_dir / HUB_LOG_FILE
+    log_at, cpu_at, started = log_file.stat().st_size, hub_cpu_s(hub.process.pid), time.monotonic()
+    beats: list[float] = []
+    attacked: dict = {}
+    process = None
+    if attack is not None:
+        # It attacks a little longer than the member is measured, from the moment it says it started.
+        argv = [sys.executable, __file__, "--worker", *attack, str(seconds + ATTACK_MARGIN_S)]
+        process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        assert process.stdout is not None
+        out = b""
+        while STARTED_LINE not in out:
+            out += await process.stdout.receive_some()
+        log_at, cpu_at, started = log_file.stat().st_size, hub_cpu_s(hub.process.pid), time.monotonic()
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        sent = time.monotonic()
+        await member.heartbeat(Heartbeat(version_held=0))
+        beats.append(time.monotonic() - sent)
+        await trio.sleep(BEAT_S)
+    elapsed = time.monotonic() - started
+    with log_file.open("rb") as log:
+        log.seek(log_at)
+        grown = log.read()
+    if process is not None:
+        assert process.stdout is not None
+        while chunk := await process.stdout.receive_some():
+            out += chunk
+        await process.wait()
+        attacked = json.loads(out.split(STARTED_LINE, 1)[1])
+    return {
+        "heartbeat": {**summary(beats), "p90_ms": round(1000 * statistics.quantiles(beats, n=10)[-1], 1)},
+        "hub_cores": round((hub_cpu_s(hub.process.pid) - cpu_at) / elapsed, 2),
+        "hub_log_kb_per_s": round(len(grown) / 1000 / elapsed, 1),
+        "chains_lines": grown.count(b" chains: "),
+        **attacked,
+    }
+
+
+async def run_floods(work: Path, seconds: float, model_dir: Path, attacks: set[str]) -> dict:
+    """The quiet spell, then the web flood and the churn among `attacks` (see the module docstring), against one real hub."""
+    from shared.model_io import model_dir_config_hash
+    from testbed.harness import start_hub, stop_all, wait_until
+
+    hub = start_hub(work / "hub", *HUB_ARGS, "--http", "127.0.0.1:0")
+    try:
+        url = wait_until(lambda: re.search(r"^status page: (\S+)", hub.output(), re.M), 120, "the status page").group(1)
+        config_hash = model_dir_config_hash(model_dir)
+        me = Identity.generate()
+        async with running_host(me, [LOOPBACK]) as (host, _):
+            member = HubClient(host, me, hub.addr)
+            await member.connect()
+            joined = await member.join(
+                JoinRequest(
+                    price_per_hour=0.5,
+                    hardware="bench",
+                    link_bps=1e8,
+                    backend="hf",
+                    dtype="float32",
+                    model_config_hash=config_hash,
+                )
+            )
+            assert isinstance(joined, JoinReply), joined
+            spells = {"quiet": None, "web": ["web", url], "churn": ["churn", hub.addr, config_hash]}
+            return {name: await spell(member, hub, attack, seconds) for name, attack in spells.items() if name in attacks}
+    finally:
+        stop_all([hub])
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attackers", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=20.0, help="length of the flood (the quiet spell: half)")
-    parser.add_argument("--modes", default="process,thread", help=f"comma-separated: {', '.join(MODES)}")
+    parser.add_argument("--attacks", default="reward,web,churn", help="comma-separated: reward, web, churn")
+    parser.add_argument("--attackers", type=int, default=3, help="reward: poisoning identities")
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each attack (reward's quiet spell: half)")
+    parser.add_argument("--modes", default="process,thread", help=f"reward: comma-separated: {', '.join(MODES)}")
     args = parser.parse_args()
+    attacks = set(args.attacks.split(","))
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model_dir = ensure_default_model(progress=False)
     results = []
-    for mode in args.modes.split(","):
+    for mode in args.modes.split(",") if "reward" in attacks else ():
         with tempfile.TemporaryDirectory() as work:
             result = trio.run(run_mode, MODES[mode], args.attackers, args.seconds, Path(work), model_dir)
-            results.append({"mode": mode, **result})
+            results.append({"attack": "reward", "mode": mode, **result})
+    if attacks & {"web", "churn"}:
+        with tempfile.TemporaryDirectory() as work:
+            results.append({"attack": "floods", **trio.run(run_floods, Path(work), args.seconds, model_dir, attacks | {"quiet"})})
     print(json.dumps(results, indent=2))
 
 

@@ -503,6 +503,11 @@ class Leader(Message):
     day: Contribution = Field(description="over the last 24 hours")
 
 
+# The status's leaderboard lists the top LEADERS_MAX volunteers of the whole run and of the last day (the hub's status
+# board picks them; its web page shows each table's top LEADERS_MAX).
+LEADERS_MAX = 100
+
+
 class HubStatus(Message):
     """What `echo-hub status` and the dashboard show; also written to DATA_DIR/status.json."""
 

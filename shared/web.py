@@ -5,6 +5,8 @@ share. The hub's status page (hub/service/web.py) and a node's own page (node/we
 
 from __future__ import annotations
 
+import socket
+
 import trio
 import trio.abc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -204,20 +206,38 @@ class ClosingStream:
             self.scope.cancel()
 
 
-async def serve(app: ASGIApp, bind: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `app`, bounded, at `bind` (HOST:PORT) until cancelled; reports the bound addresses when listening.
+def listening_sockets(bind: str) -> list[socket.socket]:
+    """The sockets `serve` accepts on for `bind` (HOST:PORT), bound and listening: the hub makes them and hands
+    them to its web server's process (hub/service/web.py), so a busy port fails in the hub, before anything runs."""
+    config = hypercorn_config(bind)
+    sockets = config.create_sockets().insecure_sockets
+    for sock in sockets:
+        sock.listen(config.backlog)
+    return sockets
+
+
+def urls(sockets: list[socket.socket]) -> list[str]:
+    """The http:// address of each listening socket."""
+    from hypercorn.utils import repr_socket_addr
+
+    return [f"http://{repr_socket_addr(sock.family, sock.getsockname())}" for sock in sockets]
+
+
+async def serve(
+    app: ASGIApp, bind: str, *, sockets: list[socket.socket] | None = None, task_status=trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve `app`, bounded, at `bind` (HOST:PORT; or on `sockets`, listening already) until cancelled; reports the
+    bound addresses when listening.
 
     hypercorn's own trio `serve` accepts every connection; this loop runs the same per-connection server
     (hypercorn.trio.tcp_server.TCPServer) behind SlotListener, so at most MAX_CONNECTIONS are open at once, and
     MAX_CONNECTIONS_PER_ADDRESS of one client (AddressShares)."""
     from hypercorn.trio.tcp_server import TCPServer
     from hypercorn.trio.worker_context import WorkerContext
-    from hypercorn.utils import repr_socket_addr, wrap_app
+    from hypercorn.utils import wrap_app
 
     config = hypercorn_config(bind)
-    sockets = config.create_sockets().insecure_sockets
-    for sock in sockets:
-        sock.listen(config.backlog)
+    sockets = listening_sockets(bind) if sockets is None else sockets
     slots, shares = trio.Semaphore(MAX_CONNECTIONS), AddressShares()
     served, context = wrap_app(Bounded(app), config.wsgi_max_body_size, "asgi"), WorkerContext(None)
 
@@ -235,5 +255,5 @@ async def serve(app: ASGIApp, bind: str, *, task_status=trio.TASK_STATUS_IGNORED
             slots.release()
 
     listeners = [SlotListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)), slots) for sock in sockets]
-    task_status.started([f"http://{repr_socket_addr(sock.family, sock.getsockname())}" for sock in sockets])
+    task_status.started(urls(sockets))
     await trio.serve_listeners(connection, listeners)

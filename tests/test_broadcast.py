@@ -4,12 +4,14 @@ a corrupt relay banned while its successors still install a verified snapshot, a
 
 from __future__ import annotations
 
+import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 import trio
 
-from hub.distribution.broadcast import Broadcast, HubUplink
+from hub.distribution.broadcast import CHAINS_LOG_WINDOW_S, REPLAN_PERIOD_S, Broadcast, HubUplink
 from node.keeper import HUB
 from shared.crypto import Identity
 from shared.messages import REPORT_PROTOCOL, BadChunkReport, Reject, RejectCode, TransferAck
@@ -402,3 +404,46 @@ async def test_a_broadcast_knows_when_the_active_pools_throughput_got_it(monkeyp
     assert hub.broadcaster.last_t_bcast_s() == 10.0
     assert hub.broadcaster.last_arrival_s() == pytest.approx(1.5)
     assert sorted(hub.broadcaster.last_installs()) == [(2.0, 3.0), (6.0, 1.0)]
+
+
+@pytest.mark.trio
+async def test_join_leave_churn_replans_once_per_period_and_logs_the_chains_once_per_window(autojump_clock, caplog):
+    """Issue 54 item 7: 4 identities joining and leaving 100 times a second made a replan, and a `chains:` line
+    listing every chain, per change (4,049 lines in 20 s). On trio's clock: 3 s of such churn."""
+    async with hub_peer(Identity.generate()) as peer:
+        nodes = [SimpleNamespace(peer_id=Identity.generate().peer_id, addr=f"/ip4/127.0.0.1/tcp/{4100 + i}") for i in range(4)]
+        hub = Hub(peer, "chain")
+        broadcaster = hub.broadcaster
+        replans: list[float] = []
+        plans: list[list[list[str]]] = [[]]  # the chains after each replan that changed them
+        replan = broadcaster.replan
+
+        def counted() -> None:
+            replans.append(trio.current_time())
+            replan()
+            if broadcaster.chains != plans[-1]:
+                plans.append([list(c) for c in broadcaster.chains])
+
+        broadcaster.replan = counted  # type: ignore[method-assign]
+        caplog.set_level(logging.INFO, logger="echo2.hub.broadcast")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(broadcaster.run)
+            start = trio.current_time()
+            for change in range(296):  # 148 join/leave pairs, one change every 10 ms, the last a leave
+                node = nodes[change % 4]
+                record = join(hub.fleet, node) if change % 8 < 4 else hub.fleet.get(node.peer_id)
+                if change % 8 >= 4:
+                    record.left_at = trio.current_time()  # what Membership.leave does before it tells the listeners
+                broadcaster.replan_soon()
+                await trio.sleep(0.01)
+            await trio.sleep(REPLAN_PERIOD_S)
+            churned = trio.current_time() - start
+            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chains:")]
+            assert len(replans) <= churned / REPLAN_PERIOD_S + 1
+            assert all(b - a >= REPLAN_PERIOD_S for a, b in zip(replans, replans[1:]))
+            assert lines == [lines[0]]  # the first replan's line; the rest wait for the window to end
+            assert sorted(p for chain in broadcaster.chains for p in chain) == []  # the last change (a leave) is in
+            await trio.sleep(CHAINS_LOG_WINDOW_S)
+            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chains:")]
+            assert len(lines) == 2 and f"({len(plans) - 2} replans since the last such line)" in lines[1]
+            nursery.cancel_scope.cancel()

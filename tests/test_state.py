@@ -5,6 +5,7 @@ pay across a restart, and our own failures are never counted against a peer."""
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ import trio
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
 from hub.control.policy import fleet_view
 from hub.method.prices import billable_seconds
+from hub.records.fleet import DEPARTED_KEPT_S
 from hub.records.schema import StepRecord
 from hub.records.snapshots import SnapshotShelf
 from hub.service.state import HubState
@@ -416,4 +418,87 @@ async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answer
         with pytest.raises(PeerFault) as refused:
             await state.membership.leave(peer)
         assert refused.value.code is code
+    state.store.close()
+
+
+@pytest.mark.trio
+async def test_the_price_change_clock_holds_across_leave_rejoin_and_restart(tmp_path, default_model_dir):
+    """Issue 54 item 5: one price change per price_change_interval_s, whether by a re-price or by a re-join at another
+    price, however the identity leaves, re-joins, or the hub restarts meanwhile (the clock lives with its row)."""
+    interval = CONFIG.scheduler.price_change_interval_s
+    clock = [time.time()]
+    state = reopen(tmp_path, default_model_dir)
+    set_clock(state, lambda: clock[0])
+    peer = Identity.generate().peer_id
+    await state.membership.join(peer, join_request(state, price=1.0), "10.0.0.1")
+    clock[0] += 10.0
+    await state.membership.reprice(peer, 1.5)  # its one change
+    for _ in range(3):  # leave and re-join at another price: a change too soon
+        await state.membership.leave(peer)
+        clock[0] += 1.0
+        with pytest.raises(PeerFault, match="a re-join at another price is a price change") as refused:
+            await state.membership.join(peer, join_request(state, price=2.0), "10.0.0.1")
+        assert refused.value.code == RejectCode.BAD_REQUEST
+        await state.membership.join(peer, join_request(state, price=1.5), "10.0.0.1")  # at its price: welcome
+        with pytest.raises(PeerFault, match="one price change per"):
+            await state.membership.reprice(peer, 2.0)
+    assert state.fleet.get(peer).price_per_hour == 1.5
+    changed_at = state.fleet.get(peer).price_changed_at
+    state.store.close()
+
+    again = reopen(tmp_path, default_model_dir)
+    set_clock(again, lambda: clock[0])
+    with pytest.raises(PeerFault, match="a re-join at another price is a price change"):
+        await again.membership.join(peer, join_request(again, price=2.0), "10.0.0.1")
+    await again.membership.join(peer, join_request(again, price=1.5), "10.0.0.1")
+    with pytest.raises(PeerFault, match="one price change per"):
+        await again.membership.reprice(peer, 2.0)
+    clock[0] = changed_at + interval
+    await again.membership.leave(peer)
+    assert (await again.membership.join(peer, join_request(again, price=2.0), "10.0.0.1")).price_per_hour == 2.0
+    assert again.store.members.node(peer).price_changed_at == clock[0]
+    again.store.close()
+
+
+@pytest.mark.trio
+async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_rejoin(tmp_path, default_model_dir):
+    """Issue 54 item 5: a fleet record per identity ever seen grew the hub for good. Gone for DEPARTED_KEPT_S, a node's
+    record leaves memory; its row keeps what the hub measured and its clocks, and the all-on cost keeps its share."""
+    clock = [time.time()]
+    state = reopen(tmp_path, default_model_dir)
+    set_clock(state, lambda: clock[0])
+    peers = [Identity.generate().peer_id for _ in range(20)]
+    for peer in peers:
+        await state.membership.join(peer, join_request(state, price=1.0), "10.0.0.1")
+    keeper = peers[0]
+    clock[0] += 5.0
+    for peer in peers:
+        state.membership.heartbeat(peer, Heartbeat(version_held=0))  # online 5 s
+    await state.membership.reprice(keeper, 2.0)
+    await state.writer.write(state.store.members.count_refusal, keeper)  # a tally only the row holds now
+    for peer in peers:
+        await state.set_state(state.fleet.get(peer), "gone", "no heartbeat")
+    await state.flush()
+
+    def nodes_all_on() -> float:
+        """The nodes' share of the all-on cost (nobody was paid: cost_usd is the learner's alone)."""
+        return state.all_on_cost_usd(clock[0]) - state.cost_usd(clock[0])
+
+    all_on = nodes_all_on()
+    assert all_on == pytest.approx(len(peers) * 1.0 * 5.0 / 3600.0 + (2.0 - 1.0) * 5.0 / 3600.0)
+    clock[0] += DEPARTED_KEPT_S - 1.0
+    await state.flush()
+    assert len(state.fleet.nodes) == len(peers)  # listed for as long as the status board lists them
+    clock[0] += 2.0
+    await state.flush()
+    assert state.fleet.nodes == {} and state.membership.departed_count == len(peers)
+    assert nodes_all_on() == pytest.approx(all_on)
+    with pytest.raises(PeerFault) as unknown:
+        state.membership.heartbeat(keeper, Heartbeat(version_held=0))
+    assert unknown.value.code == RejectCode.UNKNOWN_NODE
+    record = await state.membership.join(keeper, join_request(state, price=2.0), "10.0.0.1")
+    assert (record.online_s, record.price_changed_at, record.tallies.refused) == (5.0, clock[0] - DEPARTED_KEPT_S - 1.0, 1)
+    assert [p for _, p in record.price_history] == [1.0, 2.0]
+    assert nodes_all_on() == pytest.approx(all_on)  # its share counted once, in the fleet again
+    assert state.membership.departed_count == len(peers) - 1
     state.store.close()

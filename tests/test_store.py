@@ -66,6 +66,31 @@ def test_database_of_another_schema_is_refused_untouched(tmp_path):
     assert check.execute("PRAGMA user_version").fetchone()[0] == 0
 
 
+def test_a_database_of_schema_3_is_migrated_and_keeps_its_rows(tmp_path):
+    """Schema 4 keeps a node's last price change on its row (issue 54 item 5): a hub.sqlite of schema 3 opens, gains
+    the column (a node's newest price row when it changed its price, NULL when it did not), and keeps everything else."""
+    store = Store(tmp_path / "hub.db")
+    store.members.upsert_node("peerA", 0.35, "cpu", 1e8, "hf")
+    store.members.upsert_node("peerB", 0.35, "cpu", 1e8, "hf")
+    changed_at = time.time() + 10.0
+    store.members.set_node_price("peerB", 0.4, at=changed_at)  # a change schema 3 kept only in its price history
+    store.close()
+    old = sqlite3.connect(tmp_path / "hub.db")  # schema 3: the same tables without the column
+    old.execute("ALTER TABLE nodes DROP COLUMN price_changed_at")
+    old.execute("PRAGMA user_version = 3")
+    old.commit()
+    old.close()
+    store = Store(tmp_path / "hub.db")
+    assert store.pragma("user_version") == SCHEMA_VERSION == 4
+    assert [(n.peer_id, n.price_per_hour, n.price_changed_at) for n in store.members.nodes()] == [
+        ("peerA", 0.35, None),
+        ("peerB", 0.4, changed_at),
+    ]
+    assert store.members.set_node_price("peerA", 0.5, at=123.0)
+    assert store.members.node("peerA").price_changed_at == 123.0
+    assert store.integrity_check() == "ok"
+
+
 def test_commit_step_is_atomic(tmp_path):
     store = Store(tmp_path / "hub.db")
     store.members.upsert_node("peerA", 0.35, "rtx5090", 1e8, "hf")

@@ -10,16 +10,19 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
+import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hub.service.web import StatusCollector
+from hub.service.web import StatusCollector, serve_web
 from node.config import NodeConfig
 from shared.messages import HubStatus, NodeStatus, StepPoint, Tallies
 from shared.web import BURST_PER_ADDRESS, RATE_PER_ADDRESS, RateLimit
@@ -477,3 +480,46 @@ def test_two_redacted_reads_do_not_give_a_lone_nodes_price() -> None:
     assert abs(derived - price) > 1.0 and derived == 0.0
     assert (b.cost_usd, b.all_on_cost_usd, b.cost_per_step_usd) == (0.0, 0.0, None)
     assert b.nodes[0].price_per_hour == 0.0 and b.nodes[0].cost_usd == 0.0
+
+
+class OneStatusBoard:
+    """The status board's side the web process reads: the redacted view of `status`, rebuilt (updated_at) per call."""
+
+    def __init__(self, status: HubStatus) -> None:
+        self.status, self.builds = status, 0
+
+    async def public_json(self) -> bytes:
+        self.builds += 1
+        return self.status.model_copy(update={"updated_at": float(self.builds)}).redact().model_dump_json().encode()
+
+
+@pytest.mark.trio
+async def test_the_web_process_answers_while_the_hubs_loop_is_blocked_and_ends_with_it() -> None:
+    """Issue 54 item 7: a web flood answered on the hub's loop moved heartbeat p50 from 2 to 150-240 ms. Served by a
+    process of its own, the page answers while the hub's loop does nothing at all, and holds only the redacted view."""
+    node = NodeStatus(
+        peer_id="p" * 52, state="active", price_per_hour=9.0, rollouts_per_s=2.0, version_held=3, cost_usd=1.0, hardware="H100",
+        tallies=Tallies(accepted=5),
+    )  # fmt: skip
+    status = HubStatus(
+        hub_id="h", addrs=(), running=True, updated_at=0.0, step=4, steps_target=10, version=4, staleness=2, kappa=1,
+        task="reverse", nodes=(node,), open_leases=1, totals=Tallies(accepted=5), dropped_stale=0, cost_usd=0.5,
+    )  # fmt: skip
+    hub = psutil.Process()
+    others = set(hub.children())  # a module fixture's hub may be running
+    with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="the web server's process exited with code -9")):
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(serve_web, OneStatusBoard(status), "127.0.0.1:0")
+            await trio.to_thread.run_sync(get, f"{url}/api/status")  # started and fed
+            answered: dict[str, bytes] = {}
+            asking = threading.Thread(target=lambda: answered.update(api=get(f"{url}/api/status"), metrics=get(f"{url}/metrics")))
+            asking.start()
+            asking.join(timeout=30)  # on the trio thread: the hub's loop runs nothing until the answers come
+            view = json.loads(answered["api"])
+            assert view["redacted"] and view["nodes"][0]["price_per_hour"] == 0.0 and view["nodes"][0]["hardware"] == ""
+            families = {f.name: f for f in text_string_to_metric_families(answered["metrics"].decode())}
+            assert families["echo2_learner_step"].samples[0].value == 4
+            (web,) = set(hub.children()) - others
+            assert web.nice() > hub.nice()  # the protocol's loop gets the cores first
+            web.kill()  # the page is part of the run: its process ending is the hub's error
+    assert set(hub.children()) == others

@@ -200,7 +200,7 @@ class Hub:
         return self.scheduler.step_metrics(step, self.state.cost_usd(time.time()))
 
     def on_membership(self) -> None:
-        self.broadcaster.replan()
+        self.broadcaster.replan_soon()
         self.scheduler.poke()
 
     async def _relay_refused(self, peer: str, reason: str) -> None:
@@ -314,7 +314,7 @@ class Hub:
                 nursery.cancel_scope.cancel()
 
     async def _serve_web(self, nursery: trio.Nursery) -> None:
-        """The public status page, /api/status and /metrics on this event loop (hub/service/web.py)."""
+        """The public status page, /api/status and /metrics, served by a process of its own (hub/service/web.py)."""
         from hub.service.web import serve_web
 
         bound = await nursery.start(serve_web, self.status, self.config.http)

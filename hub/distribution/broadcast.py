@@ -35,6 +35,11 @@ log = logging.getLogger("echo2.hub.broadcast")
 
 # How often waiting dial-backs are looked at again when nothing woke the dispatcher.
 PROBE_DISPATCH_S = 0.5
+# Membership changes are replanned at most once per this long: join/leave churn costs one relink of the chains per
+# period, however many changes it covers.
+REPLAN_PERIOD_S = 1.0
+# The `chains:` line is logged at most once per this long; it says how many replans changed the chains since the last.
+CHAINS_LOG_WINDOW_S = 60.0
 # Broadcasts timed at once; an older one still unfinished when a newer one would exceed this is dropped
 # untimed (its receivers are far behind; the newer ones will be timed).
 PENDING_BROADCASTS = 8
@@ -173,6 +178,9 @@ class Broadcaster:
         self._probing: set[str] = set()  # dial-backs running now
         self._probe_queue = DialBackQueue()
         self._probe_wake = trio.Event()
+        self._replan_wanted = trio.Event()
+        self._chains_logged_at = -math.inf  # trio's clock
+        self._replans_unlogged = 0  # replans that changed the chains since the last `chains:` line
 
     # -- chain membership ---------------------------------------------------------------
 
@@ -196,7 +204,37 @@ class Broadcaster:
         self._queue_probes(members)
         if chains != self.chains:
             self.chains = chains
-            log.info("chains: %s", [[p[-6:] for p in c] for c in chains])
+            self._replans_unlogged += 1
+            self._log_chains()
+
+    def replan_soon(self) -> None:
+        """Who may work changed: the chains follow within REPLAN_PERIOD_S, in one replan for every change meanwhile
+        (`_coalesce_replans`)."""
+        self._replan_wanted.set()
+
+    async def _coalesce_replans(self) -> None:
+        """Replan when asked, at most once per REPLAN_PERIOD_S; log the chains the last replans left once their
+        window is over, if no later replan did."""
+        while True:
+            due = self._chains_logged_at + CHAINS_LOG_WINDOW_S if self._replans_unlogged else math.inf
+            with trio.move_on_at(due):
+                await self._replan_wanted.wait()
+            if not self._replan_wanted.is_set():
+                self._log_chains()
+                continue
+            self._replan_wanted = trio.Event()
+            self.replan()
+            await trio.sleep(REPLAN_PERIOD_S)
+
+    def _log_chains(self) -> None:
+        """The `chains:` line, at most once per CHAINS_LOG_WINDOW_S, with how many replans changed them since."""
+        now = trio.current_time()
+        if not self._replans_unlogged or now - self._chains_logged_at < CHAINS_LOG_WINDOW_S:
+            return
+        log.info(
+            "chains: %s (%d replans since the last such line)", [[p[-6:] for p in c] for c in self.chains], self._replans_unlogged
+        )
+        self._chains_logged_at, self._replans_unlogged = now, 0
 
     @staticmethod
     def _without_gone(chains: list[list[str]], members: dict[str, NodeRecord]) -> list[list[str]]:
@@ -523,6 +561,7 @@ class Broadcaster:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._dispatch_probes)
+            nursery.start_soon(self._coalesce_replans)
             task_status.started()
             try:
                 await trio.sleep_forever()

@@ -17,6 +17,10 @@ from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest, NodeState, Tall
 
 THROUGHPUT_EWMA_ALPHA = 0.3
 PRICE_HISTORY_KEPT = 8  # (at, $/h) per node in memory and on the status board; the store keeps them all
+# The record of a node gone or banned and not seen for this long leaves memory (`Fleet.departed`): throwaway identities
+# joining once each must not grow the hub for good. The store keeps its row, its clocks with it (the last price change),
+# and a re-join recalls it (hub/service/membership.py). As long as the status board lists such nodes (RECENT_NODES_S).
+DEPARTED_KEPT_S = 3600.0
 
 
 def heartbeat_period(live_nodes: int, min_period_s: float, heartbeats_per_s: float) -> float:
@@ -74,6 +78,10 @@ class NodeRecord:
     # timeout (a ban still reaches it), but no longer a receiver, a relay, a node to activate or one given work.
     left_at: float | None = None
 
+    def changes_price(self, price: float) -> bool:
+        """Whether (re-)declaring `price` is a change of a price it declared before (its first join is none)."""
+        return bool(self.price_history) and price != self.price_per_hour
+
     def declare_price(self, price: float, at: float) -> None:
         """The price it is paid at for leases issued from `at` on, kept in its history when it differs."""
         self.price_per_hour = price
@@ -112,6 +120,7 @@ class NodeRecord:
             banned_reason=row.banned_reason,
             name=row.name,
             price_history=price_history,
+            price_changed_at=row.price_changed_at,
         )
 
 
@@ -136,7 +145,7 @@ class Fleet:
                 remote_ip=None,
                 last_seen=now,
             )
-        if record.price_per_hour != request.price_per_hour and record.price_history:
+        if record.changes_price(request.price_per_hour):
             # A re-join at another price is a price change: the clock of the one-per-interval rule is the identity's,
             # not the session's, or leave and re-join would bypass it (issue 54 item 5).
             record.price_changed_at = now
@@ -156,6 +165,13 @@ class Fleet:
 
     def put(self, record: NodeRecord) -> None:
         self.nodes[record.peer_id] = record
+
+    def departed(self, seen_before: float) -> list[NodeRecord]:
+        """Nodes gone or banned and last seen before `seen_before`, taken out of the fleet (see DEPARTED_KEPT_S)."""
+        old = [n for n in self.nodes.values() if n.state in ("gone", "banned") and n.last_seen < seen_before]
+        for record in old:
+            del self.nodes[record.peer_id]
+        return old
 
     def get(self, peer_id: str) -> NodeRecord | None:
         return self.nodes.get(peer_id)

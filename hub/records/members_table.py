@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -22,21 +23,24 @@ class MembersTable(Table):
         state: str = "probing",
         event: NewEvent | None = None,
         name: str | None = None,
+        price_changed_at: float | None = None,
     ) -> bool:
         """Insert a node on first contact or refresh what it declares (its display name too: None shows its short
-        peer id); tallies, audits and ban survive.
+        peer id); tallies, audits and ban survive. `price_changed_at`: the join changes its price (a re-join at
+        another one), at that time; None keeps the time of its last change.
 
         False (and nothing written) for a banned node: a ban is checked in the same transaction, so a
         join racing a ban can never undo it."""
         now = time.time()
         with self._write():
             cur = self.db.execute(
-                "INSERT INTO nodes (peer_id, price_per_hour, hardware, link_bps, backend, first_seen, last_seen, state, name)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                "INSERT INTO nodes (peer_id, price_per_hour, hardware, link_bps, backend, first_seen, last_seen, state, name,"
+                " price_changed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(peer_id) DO UPDATE SET price_per_hour = excluded.price_per_hour,"
                 " hardware = excluded.hardware, link_bps = excluded.link_bps, backend = excluded.backend,"
-                " last_seen = excluded.last_seen, state = excluded.state, name = excluded.name WHERE nodes.state != 'banned'",
-                (peer_id, price_per_hour, hardware, link_bps, backend, now, now, state, name),
+                " last_seen = excluded.last_seen, state = excluded.state, name = excluded.name,"
+                " price_changed_at = COALESCE(excluded.price_changed_at, nodes.price_changed_at) WHERE nodes.state != 'banned'",
+                (peer_id, price_per_hour, hardware, link_bps, backend, now, now, state, name, price_changed_at),
             )
             if cur.rowcount != 1:
                 return False
@@ -45,10 +49,12 @@ class MembersTable(Table):
             return True
 
     def set_node_price(self, peer_id: str, price_per_hour: float, at: float, event: NewEvent | None = None) -> bool:
-        """A joined node's re-declared price, kept in its price history; False (nothing written) when banned."""
+        """A joined node's re-declared price at `at`, kept in its price history and as the time of its last change (the
+        one-per-interval rule's clock, across restarts); False (nothing written) when banned."""
         with self._write():
             cur = self.db.execute(
-                "UPDATE nodes SET price_per_hour = ? WHERE peer_id = ? AND state != 'banned'", (price_per_hour, peer_id)
+                "UPDATE nodes SET price_per_hour = ?, price_changed_at = ? WHERE peer_id = ? AND state != 'banned'",
+                (price_per_hour, at, peer_id),
             )
             if cur.rowcount != 1:
                 return False
@@ -70,12 +76,13 @@ class MembersTable(Table):
             (peer_id, peer_id, PRICES_KEPT_PER_NODE),
         )
 
-    def price_history(self, limit_per_node: int) -> dict[str, list[tuple[float, float]]]:
-        """(at, $/h) of each node's latest `limit_per_node` prices, oldest first."""
+    def price_history(self, limit_per_node: int, seen_since: float = -math.inf) -> dict[str, list[tuple[float, float]]]:
+        """(at, $/h) of each node's latest `limit_per_node` prices, oldest first: of the nodes `nodes(seen_since)` lists."""
         rows = self._rows(
             "SELECT node_id, at, price_per_hour FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY node_id"
-            " ORDER BY at DESC, rowid DESC) AS newest FROM prices) WHERE newest <= ? ORDER BY node_id, at, rowid",
-            (limit_per_node,),
+            " ORDER BY at DESC, rowid DESC) AS newest FROM prices WHERE node_id IN (SELECT peer_id FROM nodes"
+            " WHERE last_seen >= ?)) WHERE newest <= ? ORDER BY node_id, at, rowid",
+            (seen_since, limit_per_node),
         )
         history: dict[str, list[tuple[float, float]]] = {}
         for row in rows:
@@ -145,12 +152,30 @@ class MembersTable(Table):
             self._events([event] if event else [])
             return True
 
+    def remembered(self, peer_id: str, prices_kept: int) -> tuple[NodeRow, tuple[tuple[float, float], ...]] | None:
+        """A node's row and its latest `prices_kept` prices, (at, $/h) oldest first; None for a node never seen."""
+        row = self.node(peer_id)
+        rows = self._rows(
+            "SELECT at, price_per_hour FROM prices WHERE node_id = ? ORDER BY at DESC, rowid DESC LIMIT ?", (peer_id, prices_kept)
+        )
+        return None if row is None else (row, tuple((r["at"], r["price_per_hour"]) for r in reversed(rows)))
+
     def node(self, peer_id: str) -> NodeRow | None:
         rows = self._rows("SELECT * FROM nodes WHERE peer_id = ?", (peer_id,))
         return NodeRow.from_sql(rows[0]) if rows else None
 
-    def nodes(self) -> list[NodeRow]:
-        return [NodeRow.from_sql(r) for r in self._rows("SELECT * FROM nodes ORDER BY first_seen")]
+    def nodes(self, seen_since: float = -math.inf) -> list[NodeRow]:
+        """The nodes last seen at `seen_since` or later (epoch seconds; default all), first seen first."""
+        return [
+            NodeRow.from_sql(r) for r in self._rows("SELECT * FROM nodes WHERE last_seen >= ? ORDER BY first_seen", (seen_since,))
+        ]
+
+    def seen_before(self, at: float) -> tuple[int, float]:
+        """How many nodes were last seen before `at`, and their $/h x online seconds (their share of the all-on cost)."""
+        rows = self._rows(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(price_per_hour * online_s), 0) AS s FROM nodes WHERE last_seen < ?", (at,)
+        )
+        return int(rows[0]["n"]), float(rows[0]["s"])
 
     def flush_liveness(self, rows: Sequence[tuple[str, float, float, float, bool]], session_id: int, alive_at: float) -> None:
         """(peer, last_seen, online_s, rollouts_per_s, measured) per node that changed, and this session's clock."""

@@ -43,8 +43,19 @@ _STEP_COLUMNS = (
     " t_idle_s, bubble, tokens, clip_frac, created_at"
 )
 
-# Bumped whenever _SCHEMA changes; a database of another version is refused, never half-used.
-SCHEMA_VERSION = 3
+# Bumped whenever _SCHEMA changes; a database of an older version is brought up to it by _MIGRATIONS, one of a newer
+# one is refused, never half-used.
+SCHEMA_VERSION = 4
+# version -> the statements that take a database of that version to the next one, in one transaction with the rest.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # The time of a node's last price change, so the one-per-interval rule holds across a hub restart (issue 54 item 5):
+    # its newest price row when it has more than one (the first is the price it joined at).
+    3: (
+        "ALTER TABLE nodes ADD COLUMN price_changed_at REAL",
+        "UPDATE nodes SET price_changed_at = (SELECT MAX(at) FROM prices WHERE node_id = peer_id)"
+        " WHERE (SELECT COUNT(*) FROM prices WHERE node_id = peer_id) > 1",
+    )
+}
 
 
 class SchemaMismatch(RuntimeError):
@@ -83,7 +94,8 @@ CREATE TABLE IF NOT EXISTS nodes (
     banned_reason  TEXT,
     name           TEXT,
     tokens         INTEGER NOT NULL DEFAULT 0,
-    gpu_s          REAL    NOT NULL DEFAULT 0
+    gpu_s          REAL    NOT NULL DEFAULT 0,
+    price_changed_at REAL
 );
 CREATE INDEX IF NOT EXISTS nodes_accepted ON nodes(accepted);
 CREATE TABLE IF NOT EXISTS credit_hours (
@@ -316,6 +328,7 @@ class NodeRow:
     name: str | None = None
     tokens: int = 0  # completion tokens of its accepted groups
     gpu_s: float = 0.0  # seconds of accepted work (hub.method.prices.billable_seconds), paid or not
+    price_changed_at: float | None = None  # its last price change (a re-price, or a re-join at another price)
 
     @classmethod
     def from_sql(cls, row: dict) -> NodeRow:

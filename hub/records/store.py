@@ -60,6 +60,7 @@ from hub.records.journal_table import JournalTable
 from hub.records.leases_table import LeasesTable
 from hub.records.members_table import MembersTable
 from hub.records.schema import (
+    _MIGRATIONS,
     _SCHEMA,
     _STEP_COLUMNS,
     _TRIGGERS,
@@ -97,11 +98,14 @@ class Store:
         with self._write():
             found = self.db.execute("PRAGMA user_version").fetchone()[0]
             fresh = not self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' LIMIT 1").fetchone()
-            if not fresh and found != SCHEMA_VERSION:
+            if not fresh and (found > SCHEMA_VERSION or any(v not in _MIGRATIONS for v in range(found, SCHEMA_VERSION))):
                 raise SchemaMismatch(
                     f"{self.path} holds echo2 schema {found}, this echo2 uses {SCHEMA_VERSION}: "
                     "finish that run with the echo2 that started it, or start this one in a new --data-dir"
                 )
+            for version in range(found, SCHEMA_VERSION) if not fresh else ():
+                for statement in _MIGRATIONS[version]:
+                    self.db.execute(statement)
             for statement in [*_SCHEMA.split(";"), *_TRIGGERS]:
                 if statement.strip():
                     self.db.execute(statement)

@@ -402,7 +402,7 @@ class Intake:
         """Audit groups of one submission. True: all passed (one passed audit for the node, its pay up to this
         submission vouched for, the `release`d rows free to be trained on); False: one failed (the node is
         banned) or could not be audited."""
-        record = self.membership.fleet.get(jobs[0].node_id)
+        record = await self.membership.recall(jobs[0].node_id)  # gone long ago, its audit is still due
         if record is None or record.state == "banned":
             return False
         verdict = await self.probation.judge(jobs)

@@ -26,7 +26,7 @@ import trio
 
 from hub.config import HubConfig
 from hub.method.prices import price_change_refusal, ranking_price
-from hub.records.fleet import PRICE_HISTORY_KEPT, Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
+from hub.records.fleet import DEPARTED_KEPT_S, PRICE_HISTORY_KEPT, Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
 from hub.records.store import Store
 from hub.records.writer import StoreWriter
 from hub.service.totals import RunTotals
@@ -86,12 +86,40 @@ class Membership:
         self.on_ban: list[Callable[[str], object]] = []
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
         self._join_events: dict[str, float] = {}  # node -> when its last "join" event was written
+        # The nodes the fleet let go (DEPARTED_KEPT_S): how many (the status counts them as omitted), and their $/h x online
+        # seconds (their share of the all-on cost).
+        self.departed_count = 0
+        self.departed_usd_s = 0.0
 
     def load(self) -> None:
-        """Every node the store remembers, as a restarted hub sees it (blocking; runs before trio starts)."""
-        prices = self.store.members.price_history(PRICE_HISTORY_KEPT)
-        for row in self.store.members.nodes():
+        """The nodes the store remembers that were seen within DEPARTED_KEPT_S, as a restarted hub sees them (the others
+        are recalled if they join again); blocking, runs before trio starts."""
+        seen_since = self.clock() - DEPARTED_KEPT_S
+        prices = self.store.members.price_history(PRICE_HISTORY_KEPT, seen_since)
+        for row in self.store.members.nodes(seen_since):
             self.fleet.put(NodeRecord.from_row(row, tuple(prices.get(row.peer_id, ()))))
+        self.departed_count, self.departed_usd_s = self.store.members.seen_before(seen_since)
+
+    def forget_departed(self, now: float) -> None:
+        """Records of nodes gone or banned and not seen for DEPARTED_KEPT_S leave memory; the store keeps them."""
+        for record in self.fleet.departed(now - DEPARTED_KEPT_S):
+            self.departed_count += 1
+            self.departed_usd_s += record.price_per_hour * record.online_s
+
+    async def recall(self, peer: str) -> NodeRecord | None:
+        """The node's record, from the store (what it measured, its tallies, the clock of its last price change) back in
+        the fleet if the fleet let it go; None for a node never seen."""
+        if (record := self.fleet.get(peer)) is not None:
+            return record
+        remembered = await trio.to_thread.run_sync(self.store.members.remembered, peer, PRICE_HISTORY_KEPT)
+        if (record := self.fleet.get(peer)) is not None or remembered is None:
+            return record  # recalled by a join racing this one, or a newcomer
+        row, prices = remembered
+        record = NodeRecord.from_row(row, prices)
+        self.fleet.put(record)
+        self.departed_count -= 1
+        self.departed_usd_s -= row.price_per_hour * row.online_s
+        return record
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -145,12 +173,13 @@ class Membership:
                 f"${self.max_price_per_hour:g}/h: join with a lower --price",
                 RejectCode.PRICE_TOO_HIGH,
             )
-        previous = self.fleet.get(peer)
+        previous = await self.recall(peer)
         if previous is not None and previous.state == "banned":
             raise PeerFault(f"banned: {previous.banned_reason}", RejectCode.BANNED)
         state = "standby" if previous is not None and previous.measured else "probing"
-        # A node rejoining in a loop gets one event row per JOIN_EVENT_WINDOW_S, not one per join.
         now = self.clock()
+        price_changed_at = self._rejoin_price_change(previous, request.price_per_hour, now)
+        # A node rejoining in a loop gets one event row per JOIN_EVENT_WINDOW_S, not one per join.
         event = None
         if now - self._join_events.get(peer, -JOIN_EVENT_WINDOW_S) >= JOIN_EVENT_WINDOW_S:
             self._join_events[peer] = now
@@ -166,6 +195,7 @@ class Membership:
                     state,
                     event=event,
                     name=request.name,
+                    price_changed_at=price_changed_at,
                 )
             )
             banned = self.fleet.get(peer)
@@ -177,6 +207,23 @@ class Membership:
             log.info("join %s state %s", peer, record.state)
         self.changed()
         return record
+
+    def _rejoin_price_change(self, previous: NodeRecord | None, price: float, now: float) -> float | None:
+        """A re-join at another price is a price change, under the one-per-interval rule of `reprice` (its clock is the
+        identity's, kept across leave, re-join and restart): `now` when it is one, None when it is none, PeerFault when
+        it comes too soon. Counted before the join's write, as a re-price is."""
+        if previous is None or not previous.changes_price(price):
+            return None
+        refusal = price_change_refusal(
+            price, self.max_price_per_hour, previous.price_changed_at, now, self.price_change_interval_s
+        )
+        if refusal is not None:
+            raise PeerFault(
+                f"a re-join at another price is a price change: {refusal}; join at ${previous.price_per_hour:g}/h until then",
+                RejectCode.BAD_REQUEST,
+            )
+        previous.price_changed_at = now
+        return now
 
     def heartbeat(self, peer: str, beat: Heartbeat) -> NodeRecord:
         """A live node's news; kept in memory and flushed to the store every FLUSH_PERIOD_S."""

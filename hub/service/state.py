@@ -182,7 +182,8 @@ class HubState:
 
     def all_on_cost_usd(self, now: float) -> float:
         """What the run would have cost with every node working whenever it was online."""
-        nodes = sum(n.price_per_hour * n.online_s for n in self.fleet.nodes.values()) / 3600.0
+        in_fleet = sum(n.price_per_hour * n.online_s for n in self.fleet.nodes.values())
+        nodes = (in_fleet + self.membership.departed_usd_s) / 3600.0
         return self.learner_price_per_hour * self.totals.learner_s(now) / 3600.0 + nodes
 
     async def set_state(self, record: NodeRecord, state: NodeState, reason: str) -> None:
@@ -249,11 +250,12 @@ class HubState:
 
     async def flush(self) -> None:
         """Write liveness and the learner's time to the store; keep the newest EVENTS_RETAINED events; forget
-        join-event times past their window; every RETAIN_PERIOD_S, `retain`."""
+        join-event times past their window and the records of nodes departed long ago; every RETAIN_PERIOD_S, `retain`."""
         rows, now = self.membership.liveness(), self.clock()
         await self.writer.write(self.store.members.flush_liveness, rows, self.totals.session_id, now)
         await self.writer.write(self.store.journal.prune_events, EVENTS_RETAINED)
         self.membership.forget_join_events(now)
+        self.membership.forget_departed(now)
         if now - self._retained_at >= RETAIN_PERIOD_S:
             self._retained_at = now
             await self.retain(now)

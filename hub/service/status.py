@@ -24,7 +24,7 @@ from hub.service.state import HubState
 from hub.training.metrics import policy_reward
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
-from shared.messages import Contribution, EvalPoint, EventRecord, HubStatus, Leader, NodeStatus, StepPoint, short_id
+from shared.messages import LEADERS_MAX, Contribution, EvalPoint, EventRecord, HubStatus, Leader, NodeStatus, StepPoint, short_id
 from shared.snapshot import Snapshot
 from shared.staleness import StalenessMove
 from shared.wire import HEADER, encode_frame
@@ -41,10 +41,9 @@ EVENT_BUCKETS = (0, 20, 50, EVENTS_KEPT)
 # STATUS_NODES_MAX (about 5 MB encoded, under HubStatus.MAX_BYTES); the store keeps the rest.
 RECENT_NODES_S = 3600.0
 STATUS_NODES_MAX = 10_000
-# The leaderboard lists the top LEADERS_MAX volunteers of the whole run and of the last day. Its query (the day
+# The leaderboard lists the top LEADERS_MAX (shared/messages.py) volunteers of the whole run and of the last day. Its query (the day
 # sums 24 hourly buckets per volunteer: 60 ms for 2,000 of them) takes at most LEADERS_DUTY of the store's time:
 # the next one waits 1 / LEADERS_DUTY times as long as the last took (a small fleet's is fresh every build).
-LEADERS_MAX = 100
 LEADERS_DUTY = 0.01
 
 
@@ -119,13 +118,13 @@ class StatusBoard:
         )
 
     def _listed(self, now: float) -> tuple[list, int]:
-        """The nodes a status lists (see RECENT_NODES_S), and how many it leaves out."""
+        """The nodes a status lists (see RECENT_NODES_S), and how many it leaves out (those the fleet let go too)."""
         everyone = self.state.fleet.nodes.values()
         listed = [n for n in everyone if n.state not in ("gone", "banned") or now - n.last_seen <= RECENT_NODES_S]
         if len(listed) > STATUS_NODES_MAX:
             listed.sort(key=lambda n: (n.state in ("gone", "banned"), -n.last_seen))
             listed = listed[:STATUS_NODES_MAX]
-        return listed, len(everyone) - len(listed)
+        return listed, len(everyone) - len(listed) + self.state.membership.departed_count
 
     def snapshot(self, events: int = 50) -> HubStatus:
         """The status now (on the trio thread: the state's view is only ever touched there)."""
@@ -257,15 +256,9 @@ class StatusBoard:
             return await self._frame(operator, next((b for b in EVENT_BUCKETS if b >= events), EVENT_BUCKETS[-1]))
 
     async def public_json(self) -> bytes:
-        """The redacted view strangers get over the status protocol, as JSON (the web page's /api/status)."""
+        """The redacted view strangers get over the status protocol, as JSON: what the web process serves and its /metrics
+        read (hub/service/web.py)."""
         return (await self.encoded(False, 0))[HEADER.size :]
-
-    async def latest(self) -> HubStatus:
-        """The last build, built here when nobody refreshes (what /metrics aggregates; no node's fields leave)."""
-        async with self._encoding:
-            await self._fresh()
-            assert self._built is not None  # _fresh built one
-            return self._built
 
     async def run(self) -> None:
         while True:

@@ -1,14 +1,27 @@
 """The hub's public web view: a status page, /api/status (the status protocol's redacted view as JSON) and /metrics
-(Prometheus text), served by hypercorn's trio worker on the hub's own event loop. Read-only: no route changes state.
+(Prometheus text), served by hypercorn's trio worker in a process of its own, off the hub's event loop. Read-only: no
+route changes state.
 
-Every route reads the status board's last build (hub/service/status.py), so a scrape or a page costs at most one
-encoding per board period, whoever asks; prices, costs and hardware of nodes never leave through here."""
+Every request a flood makes is parsed and answered, if only with a 429, so none may be on the protocol's loop: the hub
+(`serve_web`) binds the sockets, starts `python -m hub.service.web` at a lower CPU priority (WEB_NICENESS) with them,
+and writes it the status board's public view (the redacted build, hub/service/status.py) once per build through its
+stdin; the process (`main`) serves only that view, so whatever it is asked costs the hub one pipe write per board
+period, and it holds nothing a stranger may not read (no price, cost or hardware of a node). It ends when the hub
+closes the pipe, or dies.
+
+This module imports nothing of the hub's state (the board is a type only), so the web process starts light."""
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from importlib.resources import files
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 import trio
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -19,10 +32,20 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from hub.service.status import LEADERS_MAX, StatusBoard
-from shared.messages import GROUP_VERDICTS, HubStatus, NodeState, Reachability
-from shared.web import by_label, gauge, serve
+from shared.messages import GROUP_VERDICTS, LEADERS_MAX, HubStatus, NodeState, Reachability
+from shared.web import by_label, gauge, listening_sockets, serve, urls
 
+if TYPE_CHECKING:
+    from hub.service.status import StatusBoard
+
+log = logging.getLogger("echo2.hub.web")
+
+# The web process runs at this much lower CPU priority (nice): under a flood the protocol's loop gets the cores first.
+WEB_NICENESS = 10
+# How long the web process has to end once the hub closes its pipe, before it is killed.
+WEB_EXIT_S = 5.0
+# A view frame's length prefix (bytes, big-endian); a frame is at most HubStatus.MAX_BYTES.
+VIEW_LENGTH_BYTES = 4
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 PAGE = files("hub.service").joinpath("web_page.html").read_text().replace("{LEADERS_MAX}", str(LEADERS_MAX))
 
@@ -115,8 +138,25 @@ def status_metrics(s: HubStatus) -> list[Metric]:
     ]
 
 
-def web_app(board: StatusBoard) -> ASGIApp:
-    """The page, /api/status and /metrics over `board`."""
+class PublicView:
+    """The status board's last public build as the hub wrote it: the JSON /api/status serves, parsed once per build
+    for /metrics (and only when scraped)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self._status: HubStatus | None = None
+
+    def update(self, body: bytes) -> None:
+        self.body, self._status = body, None
+
+    def status(self) -> HubStatus:
+        if self._status is None:
+            self._status = HubStatus.model_validate_json(self.body)
+        return self._status
+
+
+def web_app(view: PublicView) -> ASGIApp:
+    """The page, /api/status and /metrics over the public `view`."""
     registry = CollectorRegistry(auto_describe=False)
     collector = StatusCollector(registry)
 
@@ -130,21 +170,117 @@ def web_app(board: StatusBoard) -> ASGIApp:
         )
 
     async def api_status(_request: object) -> Response:
-        return Response(await board.public_json(), media_type="application/json")
+        return Response(view.body, media_type="application/json")
 
-    last: list[tuple[HubStatus, bytes]] = []  # the board's last build and its exposition: encoded once per build
+    last: list[tuple[bytes, bytes]] = []  # the view's body and its exposition: encoded once per build
 
     async def metrics(_request: object) -> Response:
-        status = await board.latest()
-        if not last or last[0][0] is not status:
-            collector.update(status)
-            last[:] = [(status, generate_latest(registry))]
+        if not last or last[0][0] is not view.body:
+            collector.update(view.status())
+            last[:] = [(view.body, generate_latest(registry))]
         return Response(last[0][1], media_type=CONTENT_TYPE_LATEST)
 
     routes = [Route("/", page), Route("/api/status", api_status), Route("/metrics", metrics)]
     return Starlette(routes=routes)
 
 
+# -- the hub's side ------------------------------------------------------------------------------------------
+
+
 async def serve_web(board: StatusBoard, bind: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the web view at `bind` (HOST:PORT) until cancelled; reports the bound addresses when listening."""
-    await serve(web_app(board), bind, task_status=task_status)
+    """Serve the web view at `bind` (HOST:PORT) from a process of its own until cancelled (see the module docstring);
+    reports the bound addresses once they listen. The process ending first is an error: the page is part of the run."""
+    sockets = listening_sockets(bind)
+    try:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "hub.service.web", bind, *(str(sock.fileno()) for sock in sockets)],
+            stdin=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C at the terminal is the hub's to handle; the process ends with the pipe
+            pass_fds=[sock.fileno() for sock in sockets],
+        )
+        task_status.started(urls(sockets))
+    finally:
+        for sock in sockets:  # the process holds them now (or nobody does)
+            sock.close()
+    assert process.stdin is not None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_feed, board, process.stdin)
+            code = await process.wait()
+            nursery.cancel_scope.cancel()
+        raise RuntimeError(f"the web server's process exited with code {code} (--http {bind})")
+    finally:
+        with trio.CancelScope(shield=True):
+            await process.stdin.aclose()
+            with trio.move_on_after(WEB_EXIT_S):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+async def _feed(board: StatusBoard, pipe: trio.abc.SendStream) -> None:
+    """Write the board's public view to the web process whenever the board built a new one."""
+    from hub.service.status import STATUS_PERIOD_S
+
+    sent = b""
+    while True:
+        body = await board.public_json()
+        if body != sent:
+            await pipe.send_all(len(body).to_bytes(VIEW_LENGTH_BYTES, "big") + body)
+            sent = body
+        await trio.sleep(STATUS_PERIOD_S)
+
+
+# -- the web process -------------------------------------------------------------------------------------------
+
+
+async def _receive_exactly(pipe: trio.abc.ReceiveStream, size: int) -> bytes | None:
+    """`size` bytes from the hub's pipe; None when the hub closed it."""
+    data = b""
+    while len(data) < size:
+        chunk = await pipe.receive_some(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+async def _next_view(pipe: trio.abc.ReceiveStream) -> bytes | None:
+    """The next view frame the hub wrote; None when the hub closed the pipe."""
+    head = await _receive_exactly(pipe, VIEW_LENGTH_BYTES)
+    if head is None:
+        return None
+    size = int.from_bytes(head, "big")
+    if size > HubStatus.MAX_BYTES:
+        raise ValueError(f"a view frame of {size} bytes, past HubStatus.MAX_BYTES")
+    return await _receive_exactly(pipe, size)
+
+
+async def _serve_views(bind: str, sockets: list[socket.socket]) -> None:
+    """Serve the views the hub writes on stdin, on `sockets`, until it closes the pipe."""
+    pipe = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    first = await _next_view(pipe)
+    if first is None:
+        return
+    view = PublicView(first)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: serve(web_app(view), bind, sockets=sockets))
+        while (body := await _next_view(pipe)) is not None:
+            view.update(body)
+        nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hub.service.web BIND FD...`: the web process `serve_web` starts, on the listening sockets FD."""
+    parser = argparse.ArgumentParser(description="the hub's web server process (started by echo-hub start --http)")
+    parser.add_argument("bind")
+    parser.add_argument("fds", nargs="+", type=int)
+    args = parser.parse_args(argv)
+    os.nice(WEB_NICENESS)
+    sockets = [socket.socket(fileno=fd) for fd in args.fds]
+    trio.run(_serve_views, args.bind, sockets)
+
+
+if __name__ == "__main__":
+    main()
