@@ -218,7 +218,15 @@ GROUP_REASON_TEXT: dict[GroupReason, str] = {
 MAX_REASONS = 32  # reasons one count may name: GroupReason's, and room for those a newer hub adds
 # A reason as it travels: one of GroupReason's values, or a newer hub's, shown as sent (the pattern makes it safe to).
 ReasonKey = Annotated[str, Field(pattern=r"^[a-z][a-z_]{0,31}$")]
-ReasonCounts = Annotated[dict[ReasonKey, Annotated[int, Field(ge=0)]], Field(max_length=MAX_REASONS)]
+ReasonCounts = Annotated[dict[ReasonKey, Annotated[int, Field(ge=0, le=2**53)]], Field(max_length=MAX_REASONS)]
+
+
+def reason_meaning(key: str) -> str:
+    """What a reason means, for people; a reason this echo2 does not know (a newer hub's) says so."""
+    try:
+        return GROUP_REASON_TEXT[GroupReason(key)]
+    except ValueError:
+        return "a reason this echo2 does not know (the hub runs a newer one)"
 
 
 def add_reasons(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:

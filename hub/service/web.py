@@ -20,7 +20,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from hub.service.status import LEADERS_MAX, StatusBoard
-from shared.messages import GROUP_VERDICTS, HubStatus, NodeState, Reachability
+from shared.messages import GROUP_VERDICTS, GroupReason, HubStatus, NodeState, Reachability
 from shared.web import by_label, gauge, serve
 
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -103,6 +103,14 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         by_label(
             CounterMetricFamily("echo2_groups", "groups received, by verdict", labels=["verdict"]),
             {v: getattr(s.totals, v) for v in GROUP_VERDICTS},
+        ),
+        by_label(
+            CounterMetricFamily(
+                "echo2_refused_groups",
+                "groups refused, by reason: late is the late verdict, every other one a rejection (this hub process)",
+                labels=["reason"],
+            ),
+            {**{r.value: 0.0 for r in GroupReason}, **{why: float(n) for why, n in s.reasons.items()}},
         ),
         CounterMetricFamily("echo2_refused_requests", "requests refused at the protocol level", value=s.totals.refused),
         CounterMetricFamily("echo2_dropped_stale_groups", "accepted groups dropped as too stale", value=s.dropped_stale),
