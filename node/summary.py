@@ -6,13 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from shared.layout import NODE_STATUS_FILE
-from shared.messages import TALLY_FIELDS, GroupReason, NodeView, reason_meaning
+from shared.messages import TALLY_FIELDS, NodeView
 from shared.units import duration
-
-# Less time in standby than this goes unmentioned: a measured probe passes through it on its way to work.
-STANDBY_SAID_S = 1.0
-LATE_TEXT = "your groups arrived after the hub moved on"
-STANDBY_TEXT = "cheaper capacity covers the need at your price"
 
 
 def summary_text(view: NodeView) -> str:
@@ -27,29 +22,9 @@ def summary_text(view: NodeView) -> str:
             f"  work       {view.leases_done} leases: {verdicts} (as the hub replied)",
             f"  earnings   ${view.earnings_usd:.4f} at ${view.price_per_hour:.2f}/h over {duration(view.busy_s)} busy",
             f"  relayed    {view.relayed_bytes / 1e6:.1f} MB of snapshots to this node's successors",
-            *unpaid_lines(view),
+            *(f"  unpaid     {line}" for line in view.unpaid()),
         )
     )
-
-
-def unpaid_lines(view: NodeView) -> list[str]:
-    """What went unpaid and why, one line each: late groups (with the pace the hub needs), rejected groups by reason,
-    time in standby."""
-    lines = []
-    late = view.tallies.late
-    if late:
-        need = view.needed_rollouts_per_s
-        pace = f"this hub needs {need:.3g} rollouts/s per node" if need is not None else "this hub needs a faster node"
-        lines.append(
-            f"  unpaid     {late} late group{'' if late == 1 else 's'}: {LATE_TEXT}; {pace} "
-            f"(this node's last lease ran at {view.rollouts_per_s:.3g})"
-        )
-    for why, n in sorted(view.reasons.items(), key=lambda item: -item[1]):
-        if why != GroupReason.LATE and n:
-            lines.append(f"  unpaid     {n} group{'' if n == 1 else 's'} rejected ({why}): {reason_meaning(why)}")
-    if view.standby_s >= STANDBY_SAID_S:
-        lines.append(f"  unpaid     {duration(view.standby_s)} in standby: {STANDBY_TEXT} (${view.price_per_hour:.2f}/h)")
-    return lines
 
 
 def stored_summary(data_dir: Path, since: float) -> str | None:

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from shared.rollout import MAX_VERSION, Completion, SamplingParams
 from shared.staleness import StalenessMove
+from shared.units import duration
 from shared.wire import Message, protocol_id
 
 JOIN_PROTOCOL = protocol_id("join")
@@ -753,6 +754,12 @@ class RelayOffer(Message):
     from_chunk: ChunkIndex = 0
 
 
+# A node's time in standby below this goes unsaid: a measured probe passes through it on its way to work.
+STANDBY_SAID_S = 1.0
+LATE_TEXT = "your groups arrived after the hub moved on"
+STANDBY_TEXT = "cheaper capacity covers the need at your price"
+
+
 class NodeView(Message):
     """A volunteer's own view of its work; the node writes it to DATA_DIR/node_status.json."""
 
@@ -784,6 +791,25 @@ class NodeView(Message):
         None, description="the pace the hub's last late verdict asked for (SubmitReply.needed_rollouts_per_s)"
     )
     standby_s: float = Field(0.0, ge=0.0, description="seconds spent in standby since it started")
+
+    def unpaid(self) -> list[str]:
+        """What went unpaid and why, a line each (the node's exit summary and its dashboard): late groups with the
+        pace the hub needs, rejected groups by reason, time in standby."""
+        lines = []
+        late = self.tallies.late
+        if late:
+            need = self.needed_rollouts_per_s
+            pace = f"this hub needs {need:.3g} rollouts/s per node" if need is not None else "this hub needs a faster node"
+            lines.append(
+                f"{late} late group{'' if late == 1 else 's'}: {LATE_TEXT}; {pace} "
+                f"(this node's last lease ran at {self.rollouts_per_s:.3g})"
+            )
+        for why, n in sorted(self.reasons.items(), key=lambda item: -item[1]):
+            if why != GroupReason.LATE and n:
+                lines.append(f"{n} group{'' if n == 1 else 's'} rejected ({why}): {reason_meaning(why)}")
+        if self.standby_s >= STANDBY_SAID_S:
+            lines.append(f"{duration(self.standby_s)} in standby: {STANDBY_TEXT} (${self.price_per_hour:.2f}/h)")
+        return lines
     busy_s: float = 0.0
     versions_installed: int = Field(0, ge=0, description="snapshots installed since this process started")
     relayed_bytes: int = Field(0, ge=0, description="snapshot bytes served to successors (and the hub) since it started")
