@@ -11,8 +11,8 @@ and checked before the body is read.
 from __future__ import annotations
 
 import unicodedata
-from enum import StrEnum
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -810,6 +810,7 @@ class NodeView(Message):
         if self.standby_s >= STANDBY_SAID_S:
             lines.append(f"{duration(self.standby_s)} in standby: {STANDBY_TEXT} (${self.price_per_hour:.2f}/h)")
         return lines
+
     busy_s: float = 0.0
     versions_installed: int = Field(0, ge=0, description="snapshots installed since this process started")
     relayed_bytes: int = Field(0, ge=0, description="snapshot bytes served to successors (and the hub) since it started")

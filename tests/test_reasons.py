@@ -30,6 +30,7 @@ from tui.hub_app import HubDashboard
 from tui.node_app import NodeDashboard
 from tui.sources import DataDirSource
 
+
 def view_of(worker: Worker, peer_id: str) -> NodeView:
     """The node's view of its work as NodeRuntime.view writes it (the parts a worker fills)."""
     stats = worker.stats
@@ -157,7 +158,9 @@ async def dashboards_show_reasons(hub_dir: Path, node_dir: Path, peer: str, both
         await pilot.pause()
         work = str(node_app.query_one("#work").render())
         assert f"refused by reason {both_text}" in work
-        assert "unpaid: " in work and "late group" in work and "your groups arrived after the hub moved on; this hub needs" in work
+        assert (
+            "unpaid: " in work and "late group" in work and "your groups arrived after the hub moved on; this hub needs" in work
+        )
         assert "last refusal (the hub's words):" in work
 
 

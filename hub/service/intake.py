@@ -96,6 +96,7 @@ class SubmissionOutcome:
     reasons: dict[str, int]  # the refused groups by reason (shared.messages.GroupReason)
     needed_rollouts_per_s: float | None  # with late groups: the pace that would have come back in time
 
+
 @dataclass(frozen=True)
 class Claimed:
     """Steps 1-4 passed: a signed submission of a joined node, its lease claimed."""
