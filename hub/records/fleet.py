@@ -51,7 +51,7 @@ class NodeRecord:
     tallies: Tallies = field(default_factory=Tallies)
     # Its refused groups by reason (shared.messages.GroupReason), since the hub started: the store keeps the verdicts'
     # texts, not their codes, so a restart counts anew.
-    reasons: dict[str, int] = field(default_factory=dict)
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
     audits_passed: int = 0
     # Time of the newest submission whose audit passed: a later ban voids only pay booked after it.
     vouched_at: float | None = None

@@ -331,7 +331,7 @@ class Membership:
     def book_work(self, record: NodeRecord, counts: Tallies, reasons: Mapping[str, int], rate: float, measured: bool) -> None:
         """An answered lease, after its commit: the node's tallies, its refusals by reason and measured throughput."""
         record.tallies = record.tallies + counts
-        record.reasons = add_reasons(record.reasons, reasons)
+        record.refused_by_reason = add_reasons(record.refused_by_reason, reasons)
         record.rollouts_per_s, record.measured = rate, measured
         self._dirty.add(record.peer_id)
 

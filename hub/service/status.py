@@ -155,7 +155,7 @@ class StatusBoard:
                 name=n.name or short_id(n.peer_id),
                 audits_passed=n.audits_passed,
                 price_history=n.price_history,
-                reasons=n.reasons,
+                reasons=n.refused_by_reason,
             )
             for n in listed
         )
