@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,13 @@ from node.hf_engine import HFEngine
 from node.summary import summary_text
 from node.worker import Worker
 from shared.crypto import Identity
-from shared.layout import HUB_STATUS_FILE, NODE_STATUS_FILE
+from shared.layout import HUB_LOG_FILE, HUB_STATUS_FILE, NODE_LOG_FILE, NODE_STATUS_FILE
 from shared.messages import HubStatus, Lease, NodeView, SubmitReply, SubmittedGroup, reasons_text, short_id
 from shared.net import running_host
 from testbed.fault_scenarios import Client
+from testbed.harness import HUB_TOML, free_port, start_hub, start_test_node, wait_until
 from testbed.inproc import PERMISSIVE_CONFIG, inproc_hub
+from tests.test_p2p import status_cli
 from tui.hub_app import HubDashboard
 from tui.node_app import NodeDashboard
 from tui.sources import DataDirSource
@@ -162,6 +166,50 @@ async def dashboards_show_reasons(hub_dir: Path, node_dir: Path, peer: str, both
             "unpaid: " in work and "late group" in work and "your groups arrived after the hub moved on; this hub needs" in work
         )
         assert "last refusal (the hub's words):" in work
+
+
+# The real processes' settings: S = 1, small leases and steps, so the learner moves past a held-back lease in seconds.
+E2E_TOML = HUB_TOML + "[lease]\nprompts_per_lease = 2\n"
+E2E_HUB = ("--local-nodes", "0", "--steps", "0", "--staleness", "1", "--prompts-per-step", "2", "--group-size", "4")
+E2E_HUB += ("--max-new-tokens", "4", "--log-level", "info")
+E2E_WAIT_S = 120.0  # past the lease timeout (60 s) that would otherwise end the held-back lease
+
+
+@pytest.mark.slow
+def test_a_real_hub_and_node_say_why_in_hub_log_status_metrics_and_the_nodes_summary(tmp_path, capsys):
+    """`echo-hub start` and a real node runtime (testbed/laggard_node.py: its second lease answered with one broken
+    group, its third held back until the learner moved past it): hub.log, `echo-hub status`, /metrics, the node's
+    log and the summary it prints when stopped all say why."""
+    hub_dir, node_dir, port = tmp_path / "hub", tmp_path / "node", free_port()
+    hub_dir.mkdir()
+    (hub_dir / "hub.toml").write_text(E2E_TOML)
+    hub = start_hub(hub_dir, *E2E_HUB, "--config", str(hub_dir / "hub.toml"), "--http", f"127.0.0.1:{port}")
+    node = start_test_node(hub.addr, node_dir, module="testbed.laggard_node")
+    try:
+        hub_log = hub_dir / HUB_LOG_FILE
+        wait_until(
+            lambda: hub_log.exists() and "group rejected (tokens)" in (text := hub_log.read_text()) and "late (late)" in text,
+            E2E_WAIT_S,
+            "hub.log to name a rejected and a late group",
+        )
+        # status.json is rewritten every second: the counts reach it within a period or two of the log's lines.
+        wait_until(lambda: (s := hub.status()) is not None and {"late", "tokens"} <= set(s.reasons), 10.0, "status.json")
+        code, out, _ = status_cli(capsys, "--data-dir", str(hub_dir))
+        assert code == 0 and "refused by reason" in out
+        (refused_line,) = [line for line in out.splitlines() if re.match(r"refused \w{8}: ", line)]
+        assert "late" in refused_line and "tokens 1" in refused_line
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        assert 'echo2_refused_groups_total{reason="tokens"} 1.0' in metrics
+        assert re.search(r'echo2_refused_groups_total\{reason="late"\} [1-9]', metrics)
+    finally:
+        assert node.stop() in (0, 130), node.output()[-3000:]
+        hub.stop()
+    node_log = (node_dir / NODE_LOG_FILE).read_text()
+    assert "hub: 1 group rejected (tokens 1): log-probs must be finite" in node_log and " late (late " in node_log
+    summary = node.output()
+    assert "late group" in summary and "your groups arrived after the hub moved on; this hub needs" in summary
+    assert "1 group rejected (tokens): a malformed completion" in summary
 
 
 @pytest.mark.parametrize(
