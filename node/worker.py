@@ -213,8 +213,8 @@ class Worker:
                 continue
             why = reasons_text({k: n for k, n in reply.reasons.items() if (k == late) == (verdict == "late")})
             pace = reply.needed_rollouts_per_s if verdict == "late" else None
-            log.log(
-                logging.INFO if verdict == "late" else logging.WARNING,
+            # Both on the volunteer's terminal: late work is unpaid too, however honest.
+            log.warning(
                 "hub: %d group%s %s (%s): %s%s%s",
                 len(groups),
                 "" if len(groups) == 1 else "s",
