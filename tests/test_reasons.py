@@ -21,6 +21,7 @@ from hub.cli.status import render
 from hub.service.web import StatusCollector
 from node.hf_engine import HFEngine
 from node.summary import summary_text
+from node.web import view_metrics
 from node.worker import Worker
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, HUB_STATUS_FILE, NODE_LOG_FILE, NODE_STATUS_FILE
@@ -137,6 +138,8 @@ def test_a_rejected_and_a_late_group_are_explained_everywhere(tmp_path, default_
     assert 'echo2_refused_groups_total{reason="tokens"} 1.0' in metrics
     assert f'echo2_refused_groups_total{{reason="late"}} {late_groups:.1f}' in metrics
     assert 'echo2_refused_groups_total{reason="copy"} 0.0' in metrics
+    node_metrics = {s.labels["reason"]: s.value for f in view_metrics(view) for s in f.samples if "reason" in s.labels}
+    assert node_metrics["tokens"] == 1 and node_metrics["late"] == late_groups and node_metrics["copy"] == 0
 
     # Both dashboards, as a person sees them.
     hub_dir, node_dir = tmp_path / "hub-view", tmp_path / "node-view"
