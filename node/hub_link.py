@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 import trio
 
 from node.client import HubClient, WrongHub
-from shared.messages import EventRecord, Heartbeat, HeartbeatReply, JoinReply, JoinRequest, PriceReply, Reject, RejectCode
+from shared.messages import (
+    STANDBY_TEXT,
+    EventRecord,
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    PriceReply,
+    Reject,
+    RejectCode,
+)
 
 log = logging.getLogger("echo2.node.hub_link")
 
@@ -68,6 +78,12 @@ class LinkState:
         self.events.append(event)
         del self.events[:-EVENTS_KEPT]
         self.on_note(event)
+
+
+def state_change_text(old: str, new: str) -> str:
+    """A state change as the volunteer reads it: "active -> standby: cheaper capacity covers ...", since standby is
+    unpaid and the node would not know why otherwise."""
+    return f"{old} -> {new}" + (f": {STANDBY_TEXT}" if new == "standby" else "")
 
 
 class NodeRefused(Exception):
@@ -202,7 +218,7 @@ class HubLink:
                 continue
             failures = 0
             if reply.state != self.state.state:
-                self.state.note("state", f"{self.state.state} -> {reply.state}")
+                self.state.note("state", state_change_text(self.state.state, reply.state))
             self.state.enter(reply.state)
             self.state.latest_version = reply.latest_version
             self.state.last_reply = reply

@@ -20,6 +20,7 @@ from rich.console import Console
 from hub.cli.status import render
 from hub.service.web import StatusCollector
 from node.hf_engine import HFEngine
+from node.hub_link import LinkState, state_change_text
 from node.summary import summary_text
 from node.web import view_metrics
 from node.worker import Worker
@@ -278,3 +279,22 @@ async def test_a_hostile_hubs_words_reach_the_log_and_screen_cleaned_and_cut(cap
         reasons=worker.stats.reasons,
     )
     assert view.unpaid() == ["1 group rejected (newer_reason): a reason this echo2 does not know (the hub runs a newer one)"]
+
+
+def test_the_node_says_why_it_waits_in_standby_and_counts_the_time() -> None:
+    now = [100.0]
+    link = LinkState(clock=lambda: now[0])
+    link.enter("probing")
+    now[0] = 110.0
+    link.enter("standby")
+    assert state_change_text("probing", "standby") == "probing -> standby: cheaper capacity covers the need at your price"
+    assert state_change_text("standby", "active") == "standby -> active"
+    now[0] = 130.0
+    assert link.standby_s() == 20.0  # the stretch under way counts
+    link.enter("active")
+    now[0] = 200.0
+    link.enter("standby")
+    now[0] = 205.0
+    link.enter("connecting")  # a lost hub ends the stretch too
+    now[0] = 300.0
+    assert link.standby_s() == 25.0
