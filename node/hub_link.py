@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 import trio
 
 from node.client import HubClient, WrongHub
-from shared.messages import EventRecord, Heartbeat, HeartbeatReply, JoinReply, JoinRequest, PriceReply, Reject, RejectCode
+from shared.messages import (
+    STANDBY_TEXT,
+    EventRecord,
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    PriceReply,
+    Reject,
+    RejectCode,
+)
 
 log = logging.getLogger("echo2.node.hub_link")
 
@@ -42,12 +52,38 @@ class LinkState:
     events: list[EventRecord] = field(default_factory=list)
     # Told every event as it happens: `echo-node join` prints them, so the volunteer sees what it waits for.
     on_note: Callable[[EventRecord], None] = lambda event: None
+    # Time in standby (unpaid: the summary says why): the stretches before, and when this one began, on `clock`
+    # (read after trio.run too, by the summary of a stopped node).
+    standby_before_s: float = 0.0
+    standby_since: float | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def enter(self, state: str) -> None:
+        """Take the state the hub gives (or "connecting"), keeping the time spent in standby."""
+        now = self.clock()
+        if self.standby_since is not None and state != "standby":
+            self.standby_before_s += now - self.standby_since
+            self.standby_since = None
+        elif self.standby_since is None and state == "standby":
+            self.standby_since = now
+        self.state = state
+
+    def standby_s(self) -> float:
+        """Seconds spent in standby since the node started, the current stretch included."""
+        current = self.clock() - self.standby_since if self.standby_since is not None else 0.0
+        return self.standby_before_s + current
 
     def note(self, kind: str, detail: str) -> None:
         event = EventRecord(at=time.time(), kind=kind, detail=detail)
         self.events.append(event)
         del self.events[:-EVENTS_KEPT]
         self.on_note(event)
+
+
+def state_change_text(old: str, new: str) -> str:
+    """A state change as the volunteer reads it: "active -> standby: cheaper capacity covers ...", since standby is
+    unpaid and the node would not know why otherwise."""
+    return f"{old} -> {new}" + (f": {STANDBY_TEXT}" if new == "standby" else "")
 
 
 class NodeRefused(Exception):
@@ -134,14 +170,14 @@ class HubLink:
     def _unreachable(self, kind: str, detail: str) -> None:
         self.state.note(kind, detail)
         self.state.connected = False
-        self.state.state = "connecting"
+        self.state.enter("connecting")
 
     async def run(self) -> None:
         while True:
             reply = await self._join()
             self.state.connected = True
             self.period_s = reply.heartbeat_period_s
-            self.state.state = reply.state
+            self.state.enter(reply.state)
             self.state.latest_version = reply.latest_version
             self.state.joins += 1
             self.state.note(
@@ -182,8 +218,8 @@ class HubLink:
                 continue
             failures = 0
             if reply.state != self.state.state:
-                self.state.note("state", f"{self.state.state} -> {reply.state}")
-            self.state.state = reply.state
+                self.state.note("state", state_change_text(self.state.state, reply.state))
+            self.state.enter(reply.state)
             self.state.latest_version = reply.latest_version
             self.state.last_reply = reply
             self.period_s = reply.heartbeat_period_s  # the hub stretches it as its fleet grows

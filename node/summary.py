@@ -11,7 +11,8 @@ from shared.units import duration
 
 
 def summary_text(view: NodeView) -> str:
-    """A few labelled lines: snapshots installed, the hub's verdicts on the work, earnings, bytes relayed."""
+    """A few labelled lines: snapshots installed, the hub's verdicts on the work, earnings, bytes relayed; then what
+    went unpaid and why (late and rejected groups, time in standby)."""
     installed = view.versions_installed
     held = f"holds v{view.version_held}" if view.version_held >= 0 else "holds none"
     verdicts = ", ".join(f"{name} {getattr(view.tallies, name)}" for name in TALLY_FIELDS)
@@ -21,6 +22,7 @@ def summary_text(view: NodeView) -> str:
             f"  work       {view.leases_done} leases: {verdicts} (as the hub replied)",
             f"  earnings   ${view.earnings_usd:.4f} at ${view.price_per_hour:.2f}/h over {duration(view.busy_s)} busy",
             f"  relayed    {view.relayed_bytes / 1e6:.1f} MB of snapshots to this node's successors",
+            *(f"  unpaid     {line}" for line in view.unpaid()),
         )
     )
 

@@ -14,7 +14,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from shared.messages import GROUP_VERDICTS, NodeView
+from shared.messages import GROUP_VERDICTS, GroupReason, NodeView
 from shared.web import by_label, gauge, serve
 
 # The view as a key/value table, refreshed every two seconds; every value is set as text.
@@ -50,6 +50,12 @@ def view_metrics(v: NodeView) -> list[Metric]:
         by_label(
             CounterMetricFamily("echo2_node_groups", "groups the hub decided about, by verdict", labels=["verdict"]),
             {name: getattr(v.tallies, name) for name in GROUP_VERDICTS},
+        ),
+        by_label(
+            CounterMetricFamily(
+                "echo2_node_refused_groups", "groups the hub refused, by reason (as it replied)", labels=["reason"]
+            ),
+            {**{r.value: 0.0 for r in GroupReason}, **{why: float(n) for why, n in v.reasons.items()}},
         ),
         CounterMetricFamily("echo2_node_earnings_usd", "booked by the hub for this node's leases", value=v.earnings_usd),
         CounterMetricFamily("echo2_node_relayed_bytes", "snapshot bytes served to successors", value=v.relayed_bytes),

@@ -16,7 +16,21 @@ from typing import TYPE_CHECKING
 import trio
 
 from node.client import HubClient
-from shared.messages import Lease, LeaseReply, Reject, RejectCode, Submission, SubmitReply, SubmittedGroup, Tallies
+from shared.logs import PeerLogLimiter
+from shared.messages import (
+    GroupReason,
+    Lease,
+    LeaseReply,
+    Reject,
+    RejectCode,
+    Submission,
+    SubmitReply,
+    SubmittedGroup,
+    Tallies,
+    add_reasons,
+    printable_excerpt,
+    reasons_text,
+)
 
 if TYPE_CHECKING:
     from node.engine import Engine
@@ -24,6 +38,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("echo2.node.worker")
 
 IDLE_RETRY_S = 0.5
+# The node's log: one line per verdict (rejected, late) a minute at most, the next one counting the groups held back.
+REFUSAL_LOG_WINDOW_S = 60.0
+# The hub's words about a refused group, as the node keeps and shows them (the hub is a peer: its text is cut and
+# cleaned first).
+REFUSAL_TEXT_CHARS = 200
+PROMPT_ID_CHARS = 40
+LAST_REFUSALS = 5
 
 Rewrite = Callable[[Lease, tuple[SubmittedGroup, ...]], Awaitable[tuple[SubmittedGroup, ...]]]
 
@@ -39,7 +60,10 @@ class WorkStats:
     busy_s: float = 0.0
     tokens_per_s: float = 0.0
     rollouts_per_s: float = 0.0
-    last_rejections: list[str] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)  # refused groups by reason, as the hub replied
+    # The pace the hub's last late verdict said would have come back in time (SubmitReply.needed_rollouts_per_s).
+    needed_rollouts_per_s: float | None = None
+    last_refusals: list[str] = field(default_factory=list)  # the hub's newest refusals, in its words (cleaned)
 
 
 class Worker:
@@ -66,6 +90,7 @@ class Worker:
         self.version_held = version_held
         self.max_rollouts_per_s = max_rollouts_per_s
         self.stats = WorkStats()
+        self.refusal_log = PeerLogLimiter(REFUSAL_LOG_WINDOW_S, trio.current_time)
         self.wake = trio.Event()
 
     async def run(self) -> None:
@@ -157,11 +182,45 @@ class Worker:
                 accepted=reply.accepted, rejected=len(reply.rejected), late=len(reply.late)
             )
             self.stats.earned_usd += reply.paid_usd
-            self.stats.last_rejections = [f"{pid}: {why}" for pid, why in reply.rejected + reply.late][-5:]
+            self._note_refusals(reply)
         elif isinstance(reply, Reject):
             if reply.code == RejectCode.UNKNOWN_NODE:
                 self.on_unknown()
             self.stats.tallies = self.stats.tallies + Tallies(refused=1)
-            self.stats.last_rejections = [reply.reason]
-            log.warning("submission refused: %s", reply.reason)
+            reason = printable_excerpt(reply.reason, REFUSAL_TEXT_CHARS)
+            self.stats.last_refusals = [f"submission refused: {reason}"]
+            log.warning("submission refused: %s", reason)
         return reply
+
+    def _note_refusals(self, reply: SubmitReply) -> None:
+        """The groups a reply refused: counted by reason, kept in the hub's words (cleaned and cut: a hostile hub's
+        text must not reach a terminal as it is) and logged, one line per verdict a minute at most."""
+        refused = reply.rejected + reply.late
+        if not refused:
+            return
+        self.stats.reasons = add_reasons(self.stats.reasons, reply.reasons)
+        if reply.needed_rollouts_per_s is not None:
+            self.stats.needed_rollouts_per_s = reply.needed_rollouts_per_s
+        words = [
+            f"{printable_excerpt(pid, PROMPT_ID_CHARS)}: {printable_excerpt(why, REFUSAL_TEXT_CHARS)}"
+            for pid, why in refused[-LAST_REFUSALS:]
+        ]
+        self.stats.last_refusals = (self.stats.last_refusals + words)[-LAST_REFUSALS:]
+        late = GroupReason.LATE.value
+        for verdict, groups in (("rejected", reply.rejected), ("late", reply.late)):
+            tail = self.refusal_log.tail(verdict, len(groups)) if groups else None
+            if tail is None:
+                continue
+            why = reasons_text({k: n for k, n in reply.reasons.items() if (k == late) == (verdict == "late")})
+            pace = reply.needed_rollouts_per_s if verdict == "late" else None
+            # Both on the volunteer's terminal: late work is unpaid too, however honest.
+            log.warning(
+                "hub: %d group%s %s (%s): %s%s%s",
+                len(groups),
+                "" if len(groups) == 1 else "s",
+                verdict,
+                why,
+                printable_excerpt(groups[0][1], REFUSAL_TEXT_CHARS),
+                f"; in time it needed {pace:.3g} rollouts/s, this node ran {self.stats.rollouts_per_s:.3g}" if pace else "",
+                tail,
+            )

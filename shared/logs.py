@@ -142,21 +142,22 @@ class PeerLogLimiter:
         self.clock = clock  # seconds, for `tail` (a test passes its own)
         self._last: dict[str, tuple[float, int]] = {}  # key -> (when last logged, lines held back since)
 
-    def allow(self, key: str, now: float) -> tuple[bool, int]:
-        """(log it?, lines held back since the last one logged)."""
+    def allow(self, key: str, now: float, count: int = 1) -> tuple[bool, int]:
+        """(log it?, lines held back since the last one logged). `count`: how many things this line reports (a line
+        of 3 refused groups held back adds 3), so what was held back is counted in the things it is about."""
         last, held = self._last.get(key, (-self.window_s, 0))
         if now - last < self.window_s:
-            self._last[key] = (last, held + 1)
-            return False, held + 1
+            self._last[key] = (last, held + count)
+            return False, held + count
         self._last[key] = (now, 0)
         if len(self._last) > PEER_LOG_KEYS:
             self._last = {k: v for k, v in self._last.items() if now - v[0] < self.window_s}
         return True, held
 
-    def tail(self, key: str) -> str | None:
+    def tail(self, key: str, count: int = 1) -> str | None:
         """None when `key`'s line is held back now; else the end of the line to log: how many like it were held
-        back since the last one ("" for none)."""
-        logged, held = self.allow(key, self.clock())
+        back since the last one ("" for none; `count` as `allow` takes it)."""
+        logged, held = self.allow(key, self.clock(), count)
         if not logged:
             return None
         return f" ({held} more since the last such line)" if held else ""

@@ -11,6 +11,7 @@ and checked before the body is read.
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
@@ -18,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from shared.rollout import MAX_VERSION, Completion, SamplingParams
 from shared.staleness import StalenessMove
+from shared.units import duration
 from shared.wire import Message, protocol_id
 
 JOIN_PROTOCOL = protocol_id("join")
@@ -91,11 +93,22 @@ def short_id(peer_id: str | None) -> str:
     return "hub" if peer_id is None else peer_id[-SHORT_ID_CHARS:]
 
 
+_UNPRINTABLE = ("Cc", "Cf", "Zl", "Zp")
+
+
 def _printable(text: str) -> str:
     """Free text a peer sends ends up on operators' terminals: no control or formatting characters."""
-    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text):
+    if any(unicodedata.category(c) in _UNPRINTABLE for c in text):
         raise ValueError("control or formatting characters are not allowed")
     return text
+
+
+def printable_excerpt(text: str, max_chars: int) -> str:
+    """A peer's free text fit for one line of a log or a screen: control and formatting characters shown as "?",
+    cut to `max_chars` (with "..." when cut). For text already received, where refusing it would lose the rest of
+    its message."""
+    clean = "".join("?" if unicodedata.category(c) in _UNPRINTABLE else c for c in text[: max_chars + 1])
+    return clean if len(clean) <= max_chars else clean[: max(max_chars - 3, 0)] + "..."
 
 
 Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
@@ -175,6 +188,57 @@ GROUP_VERDICTS: tuple[str, ...] = ("accepted", "rejected", "late")
 TALLY_SHORT: dict[str, str] = {
     name: str(f.json_schema_extra["short"]) for name, f in Tallies.model_fields.items() if isinstance(f.json_schema_extra, dict)
 }
+
+
+class GroupReason(StrEnum):
+    """Why the hub did not take a group: the words its refusals are counted under in the hub's log, the submit reply,
+    `echo-hub status`, both dashboards, /metrics' `reason` label and the node's summary. LATE is the `late` verdict;
+    every other one a `rejected` one. The verdict's own text adds the details."""
+
+    LATE = "late"
+    LEASE = "lease"
+    VERSION = "version"
+    TOKENS = "tokens"
+    CLAIMED_REWARD = "claimed_reward"
+    COPY = "copy"
+    REWARD_BUDGET = "reward_budget"
+    REWARD_FAILED = "reward_failed"
+
+
+# What each reason means, for people (the node's summary and dashboard, `echo-hub status`).
+GROUP_REASON_TEXT: dict[GroupReason, str] = {
+    GroupReason.LATE: "its version fell out of the hub's staleness window before it arrived (unpaid, not bad work)",
+    GroupReason.LEASE: "it does not answer its lease as asked (a prompt not leased or answered twice, another group size)",
+    GroupReason.VERSION: "made with a version never published, below the lease's minimum, or several versions",
+    GroupReason.TOKENS: "a malformed completion (its length, log-probs, tokens after EOS, ids outside the vocabulary)",
+    GroupReason.CLAIMED_REWARD: "the rewards it claimed differ from the hub's scores",
+    GroupReason.COPY: "it repeats an earlier group too exactly to be honest sampling",
+    GroupReason.REWARD_BUDGET: "the task's reward ran past its CPU budget on its text",
+    GroupReason.REWARD_FAILED: "the task's reward failed on its text",
+}
+MAX_REASONS = 32  # reasons one count may name: GroupReason's, and room for those a newer hub adds
+# A reason as it travels: one of GroupReason's values, or a newer hub's, shown as sent (the pattern makes it safe to).
+ReasonKey = Annotated[str, Field(pattern=r"^[a-z][a-z_]{0,31}$")]
+ReasonCounts = Annotated[dict[ReasonKey, Annotated[int, Field(ge=0, le=2**53)]], Field(max_length=MAX_REASONS)]
+
+
+def reason_meaning(key: str) -> str:
+    """What a reason means, for people; a reason this echo2 does not know (a newer hub's) says so."""
+    try:
+        return GROUP_REASON_TEXT[GroupReason(key)]
+    except ValueError:
+        return "a reason this echo2 does not know (the hub runs a newer one)"
+
+
+def add_reasons(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+    """Two counts by reason added up."""
+    return {key: a.get(key, 0) + b.get(key, 0) for key in {**a, **b}}
+
+
+def reasons_text(counts: Mapping[str, int]) -> str:
+    """Counts by reason in a few words, most first: "tokens 3, late 1" ("-" for none)."""
+    named = sorted(((n, key) for key, n in counts.items() if n), key=lambda item: (-item[0], item[1]))
+    return ", ".join(f"{key} {n}" for n, key in named) or "-"
 
 
 class JoinRequest(Message):
@@ -391,6 +455,13 @@ class SubmitReply(Message):
         (), description="(prompt_id, reason) of groups whose version fell out of the window"
     )
     paid_usd: float = Field(0.0, ge=0.0, description="what the hub booked for this lease")
+    reasons: ReasonCounts = Field({}, description="the refused groups (rejected and late) counted by GroupReason")
+    needed_rollouts_per_s: float | None = Field(
+        None,
+        ge=0.0,
+        le=1e9,
+        description="when groups were late: the pace at which this lease would have come back within the window, rollouts/s",
+    )
     next_lease: LeaseReply | None = Field(None, description="the answer to the submission's next_lease_for, if it asked")
 
 
@@ -423,6 +494,7 @@ class NodeStatus(Message):
     price_history: tuple[tuple[float, float], ...] = Field(
         (), max_length=16, description="its latest declared prices, (unix time, $/h), oldest first"
     )
+    reasons: ReasonCounts = Field({}, description="its refused groups by GroupReason, since the hub started (operators only)")
 
     def net_text(self) -> str:
         """Reachability and link in a few characters: "nat/push", "pub/direct", "?/hub"."""
@@ -529,6 +601,7 @@ class HubStatus(Message):
     open_leases: int
     totals: Tallies = Field(description="every group received by verdict (local rollouts included), refusals of all nodes")
     dropped_stale: int = Field(description="accepted groups dropped from the buffer as too stale, all-time")
+    reasons: ReasonCounts = Field({}, description="refused groups of every node by GroupReason, since the hub started")
     submissions: int = Field(0, ge=0, description="submissions received from nodes, this session")
     heartbeats: int = Field(0, ge=0, description="heartbeats received from nodes, this session")
     audits_passed: int = Field(0, ge=0, description="audits of submissions that passed, this session")
@@ -591,11 +664,15 @@ class HubStatus(Message):
         """The status a peer without an operator key sees: no node's price, cost or hardware, and events without
         their details (which name prices and addresses).
 
+        Nor why a named node's groups were refused (a copy, a false reward claim is an accusation for the operator to
+        weigh): strangers see the fleet's counts by reason; a node learns its own from its submit replies.
+
         The fleet's cost totals go too: with one node on, two reads give its price as
         3600 x (delta all_on - delta cost) / delta t, and quantising would still leak it whenever that node dominates a
         step, so only operators see money."""
         nodes = tuple(
-            n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": "", "price_history": ()}) for n in self.nodes
+            n.model_copy(update={"price_per_hour": 0.0, "cost_usd": 0.0, "hardware": "", "price_history": (), "reasons": {}})
+            for n in self.nodes
         )
         events = tuple(e.model_copy(update={"detail": ""}) for e in self.events)
         return self.model_copy(
@@ -682,6 +759,12 @@ class RelayOffer(Message):
     from_chunk: ChunkIndex = 0
 
 
+# A node's time in standby below this goes unsaid: a measured probe passes through it on its way to work.
+STANDBY_SAID_S = 1.0
+LATE_TEXT = "your groups arrived after the hub moved on"
+STANDBY_TEXT = "cheaper capacity covers the need at your price"
+
+
 class NodeView(Message):
     """A volunteer's own view of its work; the node writes it to DATA_DIR/node_status.json."""
 
@@ -707,6 +790,32 @@ class NodeView(Message):
     leases_done: int = 0
     tallies: Tallies = Tallies()
     earnings_usd: float = Field(0.0, description="what the hub booked for this node's leases (as it replied)")
+    reasons: ReasonCounts = Field({}, description="its refused groups by GroupReason (as the hub replied)")
+    last_refusals: tuple[str, ...] = Field((), max_length=5, description="the hub's newest refusals of its work, in its words")
+    needed_rollouts_per_s: float | None = Field(
+        None, description="the pace the hub's last late verdict asked for (SubmitReply.needed_rollouts_per_s)"
+    )
+    standby_s: float = Field(0.0, ge=0.0, description="seconds spent in standby since it started")
+
+    def unpaid(self) -> list[str]:
+        """What went unpaid and why, a line each (the node's exit summary and its dashboard): late groups with the
+        pace the hub needs, rejected groups by reason, time in standby."""
+        lines = []
+        late = self.tallies.late
+        if late:
+            need = self.needed_rollouts_per_s
+            pace = f"this hub needs {need:.3g} rollouts/s per node" if need is not None else "this hub needs a faster node"
+            lines.append(
+                f"{late} late group{'' if late == 1 else 's'}: {LATE_TEXT}; {pace} "
+                f"(this node's last lease ran at {self.rollouts_per_s:.3g})"
+            )
+        for why, n in sorted(self.reasons.items(), key=lambda item: -item[1]):
+            if why != GroupReason.LATE and n:
+                lines.append(f"{n} group{'' if n == 1 else 's'} rejected ({why}): {reason_meaning(why)}")
+        if self.standby_s >= STANDBY_SAID_S:
+            lines.append(f"{duration(self.standby_s)} in standby: {STANDBY_TEXT} (${self.price_per_hour:.2f}/h)")
+        return lines
+
     busy_s: float = 0.0
     versions_installed: int = Field(0, ge=0, description="snapshots installed since this process started")
     relayed_bytes: int = Field(0, ge=0, description="snapshot bytes served to successors (and the hub) since it started")

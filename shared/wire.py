@@ -46,7 +46,7 @@ LIBP2P_END_OF_STREAM = (_P2PStreamError, MuxedStreamEOF, MuxedStreamReset)
 
 
 # Every protocol id carries it; bumped on any change of a message's fields (messages are extra="forbid").
-PROTOCOL_VERSION = "2.6.0"
+PROTOCOL_VERSION = "2.7.0"
 
 
 class StreamEOF(Exception):

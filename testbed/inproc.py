@@ -90,6 +90,7 @@ class InprocHub:
     config_hash: str
     weights: dict[str, torch.Tensor] | None
     learner: LearnerAt
+    board: StatusBoard  # what `echo-hub status`, the dashboards and /metrics read
 
     @property
     def version(self) -> int:
@@ -164,7 +165,7 @@ async def inproc_hub(
         service = build_hub_service(
             host, identity, config, state, shelf, status.encoded, core.context_tokens, model_offer=core.model_offer
         )
-        hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, learner)
+        hub = InprocHub(identity, addrs[0], config, state, shelf, service, state.model_config_hash, weights, learner, status)
         hub.publish(0)
         try:
             async with trio.open_nursery() as nursery:

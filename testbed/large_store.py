@@ -21,7 +21,7 @@ from hub.records.schema import CLOSED_RETAINED_S, StepRecord
 from hub.records.store import Store
 from hub.trust.submissions import GroupVerdict
 from shared.layout import HUB_STORE_FILE
-from shared.messages import SubmittedGroup
+from shared.messages import GroupReason, SubmittedGroup
 from shared.rollout import Completion, Group
 
 LEASE_INTERVAL_S = 0.5
@@ -51,7 +51,14 @@ def _verdict(prompt_id: str, version: int, group_size: int, accepted: bool) -> G
     rewards = tuple(float(i % 2) for i in range(group_size))
     group = Group(prompt_id=prompt_id, prompt_text="cba>", version=version, completions=completions, rewards=rewards)
     submitted = SubmittedGroup(prompt_id=prompt_id, completions=completions)
-    return GroupVerdict(prompt_id, accepted, "" if accepted else "wrong reward", submitted, group if accepted else None)
+    return GroupVerdict(
+        prompt_id,
+        accepted,
+        "" if accepted else "wrong reward",
+        submitted,
+        group if accepted else None,
+        code=None if accepted else GroupReason.CLAIMED_REWARD,
+    )
 
 
 class _History:

@@ -20,6 +20,7 @@ from hub.method.capacity import (
     first_step_idle_s,
     fresh_usable_fraction,
     held_release,
+    in_time_rollouts_per_s,
     mu_min,
     pool_stall_s,
     predicted_bubble,
@@ -352,3 +353,14 @@ def test_ewma():
     assert ewma(10.0, 20.0, 1.0) == 20.0
     with pytest.raises(ValueError, match="alpha"):
         ewma(1.0, 2.0, 0.0)
+
+
+def test_the_pace_a_late_lease_needed_is_its_rollouts_over_the_time_the_hub_allowed():
+    # 32 rollouts held 40 s; the window's oldest moved 4 versions meanwhile, the work could take 1 of them (it was made
+    # with the lease's minimum): the hub allowed 10 s, so 3.2 rollouts/s would have come back in time.
+    assert in_time_rollouts_per_s(32, 40.0, 4, 1) == pytest.approx(3.2)
+    # Made with a version two past the minimum: 3 of the 4 versions' time were its to use.
+    assert in_time_rollouts_per_s(32, 40.0, 4, 3) == pytest.approx(32 / 30)
+    assert in_time_rollouts_per_s(32, 0.0, 4, 1) is None and in_time_rollouts_per_s(32, 40.0, 0, 1) is None
+    with pytest.raises(ValueError):
+        in_time_rollouts_per_s(32, 40.0, 4, 0)

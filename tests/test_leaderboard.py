@@ -13,7 +13,7 @@ from hub.records.store import Store
 from hub.service.status import RunInfo, StatusBoard
 from hub.trust.submissions import GroupVerdict
 from shared.crypto import Identity
-from shared.messages import SubmittedGroup
+from shared.messages import GroupReason, SubmittedGroup
 from tests.test_state import answer, join_request, reopen
 from tests.test_store import make_group
 
@@ -36,7 +36,14 @@ def submit(store: Store, peer: str, lease: str, accepted: int, refused: int, sec
         submitted = SubmittedGroup(prompt_id=group.prompt_id, completions=group.completions)
         ok = i < accepted
         verdicts.append(
-            GroupVerdict(group.prompt_id, ok, "" if ok else "tokens after EOS", submitted, group=group if ok else None)
+            GroupVerdict(
+                group.prompt_id,
+                ok,
+                "" if ok else "tokens after EOS",
+                submitted,
+                group=group if ok else None,
+                code=None if ok else GroupReason.TOKENS,
+            )
         )
     store.groups.record_submission(lease, peer, verdicts, usd=0.0, seconds=seconds, signed_bytes_hash="h", now=now, tokens=tokens)
 

@@ -177,6 +177,20 @@ def test_the_summary_says_what_the_node_did() -> None:
         "12.3 MB of snapshots",
     ):
         assert words in text, (words, text)
+    # What went unpaid, and why: late groups with the pace the hub needs, rejections by reason, standby.
+    told = view.model_copy(
+        update={"reasons": {"late": 2, "tokens": 1}, "needed_rollouts_per_s": 3.25, "rollouts_per_s": 1.5, "standby_s": 75.0}
+    )
+    unpaid = [line for line in summary_text(told).splitlines() if "unpaid" in line]
+    assert unpaid == [
+        "  unpaid     2 late groups: your groups arrived after the hub moved on; this hub needs 3.25 rollouts/s per node "
+        "(this node's last lease ran at 1.5)",
+        "  unpaid     1 group rejected (tokens): a malformed completion (its length, log-probs, tokens after EOS, ids "
+        "outside the vocabulary)",
+        "  unpaid     1 min 15 s in standby: cheaper capacity covers the need at your price ($0.35/h)",
+    ]
+    # A hub that did not say the pace (none of its late verdicts could measure one): the late line still says why.
+    assert "2 late groups: your groups arrived after the hub moved on; this hub needs a faster node" in text
 
 
 # -- 41.9: Ctrl-C quits the dashboard (and with it the node it watches) --------------------------------------

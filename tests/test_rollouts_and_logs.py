@@ -111,6 +111,19 @@ def test_a_peers_lines_are_held_back_within_the_window_and_counted_on_its_clock(
     assert limiter.tail("peer") == " (3 more since the last such line)"
 
 
+def test_held_back_lines_are_counted_in_the_things_they_report() -> None:
+    """The hub's refusal lines: one per node and reason a minute, what was held back counted in groups."""
+    now = [0.0]
+    limiter = PeerLogLimiter(window_s=60.0, clock=lambda: now[0])
+    assert limiter.tail("node/tokens", count=2) == ""
+    now[0] = 30.0
+    assert limiter.tail("node/tokens", count=3) is None and limiter.tail("node/tokens", count=4) is None
+    assert limiter.tail("node/late", count=5) == ""  # another reason of the same node has its own minute
+    now[0] = 60.0
+    assert limiter.tail("node/tokens", count=1) == " (7 more since the last such line)"
+    assert limiter.tail("node/tokens") is None  # and the next minute starts from that line
+
+
 def test_captured_output_is_rotated(tmp_path: Path) -> None:
     """A forked child's stdout and stderr through capture_output: prints and a line on stderr land, rotated."""
     import multiprocessing

@@ -10,7 +10,7 @@ import pytest
 from hub.records.schema import SCHEMA_VERSION, SchemaMismatch, StepRecord
 from hub.records.store import Store
 from hub.trust.submissions import GroupVerdict
-from shared.messages import SubmittedGroup, Tallies
+from shared.messages import GroupReason, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group
 
 
@@ -176,7 +176,7 @@ def test_submission_verdicts_are_tallied_per_node_and_overall(tmp_path):
     verdicts = [
         GroupVerdict("p1", True, "", submitted, group=good),
         GroupVerdict("p2", False, "stale version 1 (oldest accepted 2)", submitted, late=True),
-        GroupVerdict("p3", False, "tokens after EOS", submitted),
+        GroupVerdict("p3", False, "tokens after EOS", submitted, code=GroupReason.TOKENS),
     ]
     ids = store.groups.record_submission(
         "L1",
@@ -274,7 +274,7 @@ def test_refused_work_is_kept_as_a_hash_not_a_payload(tmp_path):
         )
         verdicts = [
             GroupVerdict("p1", True, "", SubmittedGroup(prompt_id="p1", completions=good.completions), group=good),
-            GroupVerdict("p2", False, "completion too long", refused),
+            GroupVerdict("p2", False, "completion too long", refused, code=GroupReason.TOKENS),
         ]
         before = sum(p.stat().st_size for p in directory.iterdir())
         store.groups.record_submission("L1", "peerA", verdicts, usd=0.0, seconds=1.0, signed_bytes_hash="h")

@@ -17,8 +17,9 @@ from hub.trust.submissions import (
     check_submission,
     submission_frame_cap,
     token_text_bytes,
+    verdict_reasons,
 )
-from shared.messages import Submission, SubmittedGroup
+from shared.messages import GroupReason, Submission, SubmittedGroup
 from shared.rollout import Completion, SamplingParams
 from shared.tasks.base import Prompt, RewardError
 from shared.tasks.reverse import ReverseTask
@@ -206,6 +207,25 @@ def test_every_rejection_reason(rules, tokenizer, case):
     # Only a version that fell out of the window is lateness; everything else is bad work.
     assert v.late == case.startswith("stale")
     assert v.verdict == ("late" if v.late else "rejected")
+    assert v.why == REASON_CODES[case]  # the word its refusal is counted under
+
+
+# The reason code each rejection is counted under (shared.messages.GroupReason).
+REASON_CODES = {
+    "not in lease": GroupReason.LEASE,
+    "answered before": GroupReason.LEASE,
+    "too few": GroupReason.LEASE,
+    "too many": GroupReason.LEASE,
+    "mixed versions": GroupReason.VERSION,
+    "unpublished": GroupReason.VERSION,
+    "stale for window": GroupReason.LATE,
+    "below lease minimum": GroupReason.VERSION,
+    **dict.fromkeys(
+        ("empty", "too long", "logprob count", "positive logprob", "nan logprob", "stop without eos", "length too early"),
+        GroupReason.TOKENS,
+    ),
+    **dict.fromkeys(("tokens after eos", "token outside vocab", "negative token"), GroupReason.TOKENS),
+}
 
 
 def test_bad_work_is_rejected_even_when_it_is_also_stale(rules, tokenizer):
@@ -218,6 +238,9 @@ def test_bad_work_is_rejected_even_when_it_is_also_stale(rules, tokenizer):
     assert honest_but_late.verdict == "late" and honest_but_late.reason == "stale version 2 (oldest accepted 3)"
     with pytest.raises(ValueError, match="accepted or late"):
         GroupVerdict("p", True, "", honest_but_late.submitted, late=True)
+    with pytest.raises(ValueError, match="reason code"):
+        GroupVerdict("p", False, "no code given", honest_but_late.submitted)
+    assert verdict_reasons([v, honest_but_late, v]) == {"tokens": 2, "late": 1}
 
 
 def test_duplicate_prompt_in_one_submission_is_answered_once(rules, tokenizer):

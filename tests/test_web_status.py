@@ -310,6 +310,7 @@ def test_metrics_parse_with_prometheus_client(pages: tuple[str, str]) -> None:
         "echo2_eval_reward",
         "echo2_delta_bytes",
         "echo2_audits",
+        "echo2_refused_groups",
     ):
         assert name in families, name
     assert families["echo2_groups"].type == families["echo2_heartbeats"].type == "counter"

@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
-from shared.messages import RECENT_REWARD_STEPS, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus
+from shared.messages import RECENT_REWARD_STEPS, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, reasons_text
 from shared.staleness import moves_text
 from tui import DEFAULT_REFRESH_S
 from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state, tally_cells
@@ -264,7 +264,8 @@ class HubDashboard(DashboardApp):
         column = NODE_COLUMNS[self.sort_column]
         count = 0 if self.status is None else len(self.status.nodes)
         arrow = "▼" if self.sort_reverse else "▲"
-        self.query_one("#nodes-table").border_title = f"nodes ({count}) · sort: {column.label} {arrow}  [s]"
+        refused = "" if self.status is None or not self.status.reasons else f" · refused: {reasons_text(self.status.reasons)}"
+        self.query_one("#nodes-table").border_title = f"nodes ({count}) · sort: {column.label} {arrow}  [s]{refused}"
 
     def _show_node_events(self) -> None:
         try:
@@ -278,7 +279,11 @@ class HubDashboard(DashboardApp):
             return
         box.border_title = f"events of {short_id(self.selected_peer)}"
         mine = [e for e in self.status.events if e.node_id == self.selected_peer]
-        text.update(event_lines(mine, with_node=False, empty="no recent events for this node"))
+        lines = event_lines(mine, with_node=False, empty="no recent events for this node")
+        node = next((n for n in self.status.nodes if n.peer_id == self.selected_peer), None)
+        if node is not None and node.reasons:  # an operator's view only (HubStatus.redact)
+            lines = Text.assemble((f"refused: {reasons_text(node.reasons)}\n", "yellow"), lines)
+        text.update(lines)
 
     def on_data_table_row_highlighted(self, message: DataTable.RowHighlighted) -> None:
         if message.row_key.value is None:

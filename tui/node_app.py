@@ -8,7 +8,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
-from shared.messages import TALLY_FIELDS, NodeView
+from shared.messages import TALLY_FIELDS, NodeView, reasons_text
 from shared.units import duration
 from tui import DEFAULT_REFRESH_S
 from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state, tally_cells
@@ -54,6 +54,12 @@ def work_text(view: NodeView) -> Text:
     out.append("\nearnings ")
     out.append(money(view.earnings_usd, 4), style="bold green")
     out.append(f" at {money(view.price_per_hour)}/h over {duration(view.busy_s)} busy")
+    if view.reasons:
+        out.append(f"\nrefused by reason {reasons_text(view.reasons)}", style="yellow")
+    for line in view.unpaid():
+        out.append(f"\nunpaid: {line}", style="yellow")
+    if view.last_refusals:
+        out.append(f"\nlast refusal (the hub's words): {view.last_refusals[-1]}", style="dim")
     return out
 
 

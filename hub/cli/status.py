@@ -15,7 +15,7 @@ from rich.table import Table
 from shared.checks import UserError, check_key_file, check_peer_addr
 from shared.layout import HUB_LOCK_FILE, HUB_STATUS_FILE
 from shared.lock import live_holder
-from shared.messages import STALE_FILE_S, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, short_id
+from shared.messages import STALE_FILE_S, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, reasons_text, short_id
 from shared.staleness import moves_text
 from shared.units import duration
 
@@ -80,6 +80,18 @@ def _node_cells(n: NodeStatus, redacted: bool) -> tuple[str, ...]:
     )
 
 
+def _node_notes(status: HubStatus) -> list[str]:
+    """The lines under the nodes table: each node's refusals by reason, then the prices of nodes whose price moved."""
+    # A redacted status has no node's reasons: why a named node was refused is for operators.
+    refused = [f"refused {short_id(n.peer_id)}: {reasons_text(n.reasons)}" for n in status.nodes if n.reasons]
+    prices = [
+        f"price {short_id(n.peer_id)}: $/h " + " -> ".join(f"{price:.2f} ({_clock(at)})" for at, price in n.price_history)
+        for n in status.nodes
+        if len(n.price_history) > 1  # only nodes whose price moved: a joined price alone says nothing new
+    ]
+    return refused + prices
+
+
 def render(status: HubStatus, console: Console, state: str | None = None) -> None:
     """The status as tables; `state` (run_state's) in place of the status's own running flag."""
     head = Table.grid(padding=(0, 2))
@@ -97,6 +109,7 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
     head.add_row("S over time", moves_text(status.staleness_moves), "")
     t = status.totals
     head.add_row("trajectories", f"{t.accepted} accepted, {t.rejected} rejected, {t.late} late", f"{status.dropped_stale} stale")
+    head.add_row("refused by reason", reasons_text(status.reasons), "since the hub started")
     head.add_row("open leases", str(status.open_leases), f"broadcast {status.broadcast_mode}")
     t_bcast = f"T_bcast {status.t_bcast_s:.1f} s" if status.t_bcast_s is not None else ""
     head.add_row("broadcast", status.broadcast_bytes_text(), t_bcast)
@@ -118,10 +131,8 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
     for n in status.nodes:
         nodes.add_row(*_node_cells(n, status.redacted))
     console.print(nodes)
-    for n in status.nodes:
-        if len(n.price_history) > 1:  # only nodes whose price moved: a joined price alone says nothing new
-            history = " -> ".join(f"{price:.2f} ({_clock(at)})" for at, price in n.price_history)
-            console.print(f"price {short_id(n.peer_id)}: $/h {history}")
+    for line in _node_notes(status):
+        console.print(line)
     for i, members in enumerate(status.chains):
         console.print(f"chain {i}: hub -> " + " -> ".join(short_id(p) for p in members))
 

@@ -468,3 +468,16 @@ def ewma(previous: float | None, sample: float, alpha: float) -> float:
     if previous is None:
         return sample
     return alpha * sample + (1.0 - alpha) * previous
+
+
+def in_time_rollouts_per_s(rollouts: int, held_s: float, versions_moved: int, versions_allowed: int) -> float | None:
+    """The pace at which a lease answered late would have come back in time: while the node held it (`held_s`), the
+    oldest version the hub accepts moved `versions_moved` versions; the work could take `versions_allowed` of them
+    (from the lease's minimum to one past the version it was made with). At the hub's pace that is
+    rollouts / (held_s * allowed / moved) rollouts/s: what "this hub needs N rollouts/s per node" tells the node.
+    None when nothing moved or no time passed (nothing to say)."""
+    if rollouts < 0 or versions_allowed < 1:
+        raise ValueError(f"need rollouts >= 0 and versions_allowed >= 1, got {rollouts}, {versions_allowed}")
+    if held_s <= 0 or versions_moved <= 0:
+        return None
+    return rollouts * versions_moved / (held_s * versions_allowed)

@@ -53,6 +53,9 @@ class NodeRecord:
     rollouts_per_s: float = 0.0
     measured: bool = False
     tallies: Tallies = field(default_factory=Tallies)
+    # Its refused groups by reason (shared.messages.GroupReason), since the hub started: the store keeps the verdicts'
+    # texts, not their codes, so a restart counts anew.
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
     audits_passed: int = 0
     # Time of the newest submission whose audit passed: a later ban voids only pay booked after it.
     vouched_at: float | None = None

@@ -509,6 +509,8 @@ class HubService:
                 rejected=outcome.rejected,
                 late=outcome.late,
                 paid_usd=outcome.paid_usd,
+                reasons=outcome.reasons,
+                needed_rollouts_per_s=outcome.needed_rollouts_per_s,
                 next_lease=next_lease,
             ),
         )

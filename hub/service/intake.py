@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import trio
 
 from hub.config import HubConfig
+from hub.method.capacity import in_time_rollouts_per_s
 from hub.method.prices import LeasePay, price_lease
 from hub.records.buffer import BufferSignal, ReplayBuffer
 from hub.records.fleet import NodeRecord
@@ -52,14 +53,29 @@ from hub.trust.audit import AuditJob, AuditQueue
 from hub.trust.checkpool import ChecksLost, SubmissionChecks, ThreadChecks
 from hub.trust.copies import CopyDetector, CopyFlag
 from hub.trust.probation import Probation, audit_result
-from hub.trust.submissions import GroupVerdict, SubmissionRules, reject_copies, submission_events, verdict_tallies
-from shared.messages import RejectCode, Submission, Tallies
+from hub.trust.submissions import (
+    GroupVerdict,
+    SubmissionRules,
+    VersionWindow,
+    reject_copies,
+    submission_events,
+    verdict_reasons,
+    verdict_tallies,
+)
+from shared.logs import PeerLogLimiter
+from shared.messages import GroupReason, RejectCode, Submission, Tallies, add_reasons, short_id
 from shared.precision import resolve_dtype
 from shared.rollout import Group
 from shared.tasks.base import RewardError
 from shared.wire import PeerFault, decode_signed
 
 log = logging.getLogger("echo2.hub.intake")
+
+# One hub.log line per node and reason a minute at most (a node refused on every lease must not fill the disk); the
+# next one says how many groups were held back.
+REASON_LOG_WINDOW_S = 60.0
+# The verdict's own text in that line: the first refused group's, cut to this.
+REASON_LOG_CHARS = 200
 
 # Reads one frame of at most the given size per tag: (tag, body).
 FrameReader = Callable[[dict[int, int]], Awaitable[tuple[int, bytes]]]
@@ -77,6 +93,8 @@ class SubmissionOutcome:
     rejected: tuple[tuple[str, str], ...]
     late: tuple[tuple[str, str], ...]
     paid_usd: float
+    reasons: dict[str, int]  # the refused groups by reason (shared.messages.GroupReason)
+    needed_rollouts_per_s: float | None  # with late groups: the pace that would have come back in time
 
 
 @dataclass(frozen=True)
@@ -102,13 +120,30 @@ class Checked:
     def accepted(self) -> list[Group]:
         return [v.group for v in self.verdicts if v.group is not None]  # an accepted verdict carries its group
 
-    def outcome(self, paid_usd: float) -> SubmissionOutcome:
+    def outcome(self, paid_usd: float, window: VersionWindow) -> SubmissionOutcome:
+        """What the node is told, with the version window as it stands now (for the pace late groups needed)."""
         refused = [v for v in self.verdicts if not v.accepted]
         return SubmissionOutcome(
             accepted=len(self.verdicts) - len(refused),
             rejected=tuple((v.prompt_id, v.reason) for v in refused if not v.late),
             late=tuple((v.prompt_id, v.reason) for v in refused if v.late),
             paid_usd=paid_usd,
+            reasons=verdict_reasons(self.verdicts),
+            needed_rollouts_per_s=self.in_time_pace(window),
+        )
+
+    def in_time_pace(self, window: VersionWindow) -> float | None:
+        """With late groups: the rollouts/s at which this answer would have arrived within the window
+        (hub/method/capacity.py in_time_rollouts_per_s); None without."""
+        late = [v.submitted.completions[0].version for v in self.verdicts if v.late]  # a late group has one version
+        if not late:
+            return None
+        lease = self.claimed.lease
+        return in_time_rollouts_per_s(
+            sum(len(v.submitted.completions) for v in self.verdicts),
+            self.claimed.at - lease.issued_at,
+            window.oldest - lease.min_version,
+            min(late) - lease.min_version + 1,
         )
 
 
@@ -171,6 +206,7 @@ class Intake:
             trust.copy_cache_groups, lc.group_size, trust.copy_min_surprise_nats, trust.mean_abs_gap(snapshot_dtype)
         )
         self.probation = Probation(trust, audits)
+        self.reason_log = PeerLogLimiter(REASON_LOG_WINDOW_S, clock)
         membership.on_ban.append(self.copies.forget)
         # The first failure of the operator's reward: the run stops with it (HubState.run raises it).
         self.reward_failure: RewardError | None = None
@@ -208,7 +244,35 @@ class Intake:
             await self._route(committed)  # 11
         if claimed.lease.probe:
             self.membership.changed()  # measured: the scheduler may move it to standby now
-        return checked.outcome(priced.pay.usd)
+        outcome = checked.outcome(priced.pay.usd, self.leasing.window())
+        self._log_refusals(record, checked.verdicts, outcome.needed_rollouts_per_s)
+        return outcome
+
+    def _log_refusals(self, record: NodeRecord, verdicts: Sequence[GroupVerdict], needed: float | None) -> None:
+        """A submission's refused groups in hub.log: a line per reason, at most one per node and reason a minute
+        (`reason_log`), naming the node, the count, the reason and the first group's own words."""
+        by_reason: dict[GroupReason, list[GroupVerdict]] = {}
+        for v in verdicts:
+            if v.why is not None:
+                by_reason.setdefault(v.why, []).append(v)
+        for why, refused in by_reason.items():
+            tail = self.reason_log.tail(f"{record.peer_id}/{why.value}", len(refused))
+            if tail is None:
+                continue
+            late = why == GroupReason.LATE
+            pace = f"; in time it needed {needed:.3g} rollouts/s" if late and needed is not None else ""
+            log.log(
+                logging.INFO if late else logging.WARNING,
+                "node %s: %d group%s %s (%s): %s%s%s",
+                record.name or short_id(record.peer_id),
+                len(refused),
+                "" if len(refused) == 1 else "s",
+                "late" if late else "rejected",
+                why.value,
+                refused[0].reason[:REASON_LOG_CHARS],
+                pace,
+                tail,
+            )
 
     @contextmanager
     def _claimed(self, record: NodeRecord, submission: Submission, signed_hash: str) -> Iterator[Claimed]:
@@ -293,9 +357,10 @@ class Intake:
             except NodeBanned:
                 raise PeerFault("banned", RejectCode.BANNED) from None
             self.leasing.answered(lease, [v.prompt_id for v in verdicts])
-            counts = verdict_tallies(verdicts)
-            self.membership.book_work(record, counts, priced.rate, priced.measured)
+            counts, reasons = verdict_tallies(verdicts), verdict_reasons(verdicts)
+            self.membership.book_work(record, counts, reasons, priced.rate, priced.measured)
             self.totals.groups = self.totals.groups + counts
+            self.totals.reasons = add_reasons(self.totals.reasons, reasons)
             if pay.usd > 0 and record.state != "banned":  # a ban under way sets the node's pay itself
                 self.totals.paid_usd[record.peer_id] = self.totals.paid_usd.get(record.peer_id, 0.0) + pay.usd
         kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.group is not None]

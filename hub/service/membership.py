@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
 
 import trio
@@ -31,7 +31,7 @@ from hub.records.store import Store
 from hub.records.writer import StoreWriter
 from hub.service.totals import RunTotals
 from shared.crypto import public_key_from_peer_id
-from shared.messages import LEFT_REASON, Heartbeat, JoinRequest, NodeState, RejectCode, Tallies
+from shared.messages import LEFT_REASON, Heartbeat, JoinRequest, NodeState, RejectCode, Tallies, add_reasons
 from shared.wire import PeerFault
 
 log = logging.getLogger("echo2.hub.membership")
@@ -375,9 +375,10 @@ class Membership:
 
     # -- what the hub measured of a node ---------------------------------------------------------
 
-    def book_work(self, record: NodeRecord, counts: Tallies, rate: float, measured: bool) -> None:
-        """An answered lease, after its commit: the node's tallies and measured throughput."""
+    def book_work(self, record: NodeRecord, counts: Tallies, reasons: Mapping[str, int], rate: float, measured: bool) -> None:
+        """An answered lease, after its commit: the node's tallies, its refusals by reason and measured throughput."""
         record.tallies = record.tallies + counts
+        record.refused_by_reason = add_reasons(record.refused_by_reason, reasons)
         record.rollouts_per_s, record.measured = rate, measured
         self._dirty.add(record.peer_id)
 

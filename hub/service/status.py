@@ -154,6 +154,7 @@ class StatusBoard:
                 name=n.name or short_id(n.peer_id),
                 audits_passed=n.audits_passed,
                 price_history=n.price_history,
+                reasons=n.refused_by_reason,
             )
             for n in listed
         )
@@ -182,6 +183,7 @@ class StatusBoard:
             open_leases=state.leasing.open_leases(),
             totals=state.totals.groups,
             dropped_stale=state.totals.dropped_stale,
+            reasons=state.totals.reasons,
             submissions=state.totals.submissions,
             heartbeats=state.totals.heartbeats,
             audits_passed=state.totals.audits["passed"],

@@ -23,6 +23,8 @@ class RunTotals:
     # Messages received in this session only (what /metrics counts; a Prometheus counter restarts with the process).
     submissions: int = 0
     heartbeats: int = 0
+    # Refused groups of every node by reason (shared.messages.GroupReason), this session.
+    reasons: dict[str, int] = field(default_factory=dict)
     # Audits of submissions by result (`audit_result`), this session.
     audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(AUDIT_RESULTS, 0))
 

@@ -32,7 +32,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from shared.messages import GROUP_VERDICTS, LEADERS_MAX, HubStatus, NodeState, Reachability
+from shared.messages import GROUP_VERDICTS, LEADERS_MAX, GroupReason, HubStatus, NodeState, Reachability
 from shared.web import by_label, gauge, listening_sockets, serve, urls
 
 if TYPE_CHECKING:
@@ -126,6 +126,14 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         by_label(
             CounterMetricFamily("echo2_groups", "groups received, by verdict", labels=["verdict"]),
             {v: getattr(s.totals, v) for v in GROUP_VERDICTS},
+        ),
+        by_label(
+            CounterMetricFamily(
+                "echo2_refused_groups",
+                "groups refused, by reason: late is the late verdict, every other one a rejection (this hub process)",
+                labels=["reason"],
+            ),
+            {**{r.value: 0.0 for r in GroupReason}, **{why: float(n) for why, n in s.reasons.items()}},
         ),
         CounterMetricFamily("echo2_refused_requests", "requests refused at the protocol level", value=s.totals.refused),
         CounterMetricFamily("echo2_dropped_stale_groups", "accepted groups dropped as too stale", value=s.dropped_stale),

@@ -22,7 +22,7 @@ from hub.config import TrustConfig
 from hub.records.leases import LeaseRecord
 from hub.records.schema import NewEvent
 from hub.trust.copies import CopyDetector, CopyFlag, Disputed
-from shared.messages import GROUP_VERDICTS, Submission, SubmittedGroup, Tallies
+from shared.messages import GROUP_VERDICTS, GroupReason, Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group, SamplingParams
 from shared.tasks.base import GroupContext, Prompt, Task, checked_scores
 from shared.tasks.budget import OverBudget, cpu_budget
@@ -88,12 +88,22 @@ class GroupVerdict:
     # Refused only because its version fell out of the staleness window while it was generated:
     # the normal cost of asynchrony for an honest node, kept apart from refusals for bad work.
     late: bool = False
+    code: GroupReason | None = None  # why a rejected group was rejected (a late one's is LATE: `why`)
 
     def __post_init__(self) -> None:
         if self.accepted and self.late:
             raise ValueError("a group is either accepted or late, not both")
         if self.accepted != (self.group is not None):
             raise ValueError("an accepted group carries its parsed Group, a refused one none")
+        if self.accepted and self.code is not None:
+            raise ValueError("an accepted group has no reason code")
+        if not self.accepted and not self.late and self.code in (None, GroupReason.LATE):
+            raise ValueError("a rejected group carries the reason code it was rejected for (not LATE)")
+
+    @property
+    def why(self) -> GroupReason | None:
+        """The reason it was refused under (None: accepted)."""
+        return GroupReason.LATE if self.late else self.code
 
     @property
     def verdict(self) -> str:
@@ -178,9 +188,9 @@ def _score(submitted: SubmittedGroup, prompt: Prompt, rules: SubmissionRules, no
         with cpu_budget(rules.reward_budget_s * len(completions)):
             scores = checked_scores(rules.task, prompt, [c.text for c in completions], context)
     except OverBudget:
-        return GroupVerdict(pid, False, REASON_OVER_BUDGET, submitted)
+        return GroupVerdict(pid, False, REASON_OVER_BUDGET, submitted, code=GroupReason.REWARD_BUDGET)
     if _claims_differ(submitted.claimed_rewards, scores.rewards):
-        return GroupVerdict(pid, False, REASON_CLAIMED_REWARD, submitted)
+        return GroupVerdict(pid, False, REASON_CLAIMED_REWARD, submitted, code=GroupReason.CLAIMED_REWARD)
     group = Group(
         prompt_id=pid,
         prompt_text=prompt.text,
@@ -199,14 +209,16 @@ def check_group(
     """The hub's verdict on one group of a submission; `seen` holds the prompts it answered before this group."""
     pid = submitted.prompt_id
     prompts = {p.id: p for p in record.prompts}
-    problem = (
-        _check_prompt(pid, prompts, record, seen)
-        or _check_size(submitted, rules)
-        or _check_version(submitted, record, window)
-        or _check_tokens(submitted, rules)
+    checks = (
+        (GroupReason.LEASE, lambda: _check_prompt(pid, prompts, record, seen)),
+        (GroupReason.LEASE, lambda: _check_size(submitted, rules)),
+        (GroupReason.VERSION, lambda: _check_version(submitted, record, window)),
+        (GroupReason.TOKENS, lambda: _check_tokens(submitted, rules)),
     )
-    if problem is not None:
-        return GroupVerdict(pid, False, problem, submitted)
+    for code, check in checks:
+        problem = check()
+        if problem is not None:
+            return GroupVerdict(pid, False, problem, submitted, code=code)
     version = submitted.completions[0].version
     # Checked last: only a group that is otherwise valid work is late rather than rejected.
     if version < window.oldest:
@@ -224,17 +236,21 @@ def check_submission(
     verdicts: list[GroupVerdict] = []
     for group in submission.groups:
         if verdicts and verdicts[-1].reason == REASON_OVER_BUDGET:
-            verdicts.append(GroupVerdict(group.prompt_id, False, REASON_OVER_BUDGET, group))
+            verdicts.append(GroupVerdict(group.prompt_id, False, REASON_OVER_BUDGET, group, code=GroupReason.REWARD_BUDGET))
         else:
             verdicts.append(check_group(group, record, seen, rules, window, submission.node_id))
     return verdicts
 
 
+# The reason code of each reason a whole submission is charged with (`charged_verdicts`).
+CHARGED_CODES = {REASON_OVER_BUDGET: GroupReason.REWARD_BUDGET, REASON_REWARD_FAILED: GroupReason.REWARD_FAILED}
+
+
 def charged_verdicts(submission: Submission, reason: str) -> list[GroupVerdict]:
-    """Every group of a submission rejected for `reason`: its checks as a whole ran past their budget, or the
-    reward failed on it while it still passes the operator's probe (hub/trust/checkpool.py). Counted against
-    the node as any rejected work is: neither paid nor trained on."""
-    return [GroupVerdict(g.prompt_id, False, reason, g) for g in submission.groups]
+    """Every group of a submission rejected for `reason` (a key of CHARGED_CODES): its checks as a whole ran past
+    their budget, or the reward failed on it while it still passes the operator's probe (hub/trust/checkpool.py).
+    Counted against the node as any rejected work is: neither paid nor trained on."""
+    return [GroupVerdict(g.prompt_id, False, reason, g, code=CHARGED_CODES[reason]) for g in submission.groups]
 
 
 async def reject_copies(
@@ -257,7 +273,9 @@ async def reject_copies(
             flag = copies.settle(group, node_id, lease_id, trusted)
         if isinstance(flag, CopyFlag):
             flags.append(flag)
-            verdict = dataclasses.replace(verdict, accepted=False, reason="copy of an earlier group", group=None)
+            verdict = dataclasses.replace(
+                verdict, accepted=False, reason="copy of an earlier group", group=None, code=GroupReason.COPY
+            )
         out.append(verdict)
     return out, flags
 
@@ -265,6 +283,15 @@ async def reject_copies(
 def verdict_tallies(verdicts: Sequence[GroupVerdict]) -> Tallies:
     """A submission's groups counted by verdict, as the node's tallies and the run's totals add them."""
     return Tallies(**{name: sum(v.verdict == name for v in verdicts) for name in GROUP_VERDICTS})
+
+
+def verdict_reasons(verdicts: Sequence[GroupVerdict]) -> dict[str, int]:
+    """A submission's refused groups counted by reason (GroupReason's values), in the order first met."""
+    counts: dict[str, int] = {}
+    for v in verdicts:
+        if v.why is not None:
+            counts[v.why.value] = counts.get(v.why.value, 0) + 1
+    return counts
 
 
 def submission_events(
