@@ -325,26 +325,33 @@ def reference_markdown(model: type[BaseModel], flags: dict[str, list[str]], titl
             tables += _arrays_of_tables(field.annotation, name + ".")
     tables += _arrays_of_tables(model, "")
     for heading, section, prefix, array in tables:
-        rows = [
-            (key, field)
-            for key, field in section.model_fields.items()
-            if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
-            and _array_of_tables(field.annotation) is None
-        ]
-        if not rows:
-            continue
-        doc = next(iter((section.__doc__ or "").strip().splitlines()), "") if section is not model else ""
-        if array is not None:
-            count = len(_default(model, prefix.removesuffix(".")))
-            doc = f"{array.description or doc} ({'any number of tables' if not count else f'default: {count} tables'})"
-        out += [f"### {heading}", ""] + ([doc, ""] if doc else [])
-        out += ["| key | flag | default | description |", "| --- | --- | --- | --- |"]
-        for key, field in rows:
-            # A key of an array's tables has its own field's default (each table sets it or takes that).
-            default = field.get_default(call_default_factory=True) if array is not None else _default(model, prefix + key)
-            shown = "(none)" if default is None else "required" if default is PydanticUndefined else f"`{_toml_value(default)}`"
-            given = ", ".join(f"`{flag}`" for flag in flags.get(prefix + key, [])) or "(file only)"
-            text = (field.description or "").replace("|", "\\|")
-            out.append(f"| `{key}` | {given} | {shown} | {text} |")
-        out.append("")
+        out += _reference_table(model, flags, heading, section, prefix, array)
     return "\n".join(out)
+
+
+def _reference_table(
+    model: type[BaseModel], flags: dict[str, list[str]], heading: str, section: type[BaseModel], prefix: str, array: Any
+) -> list[str]:
+    """reference_markdown's table of one section (or of an array's tables: `array` is the field holding them)."""
+    rows = [
+        (key, field)
+        for key, field in section.model_fields.items()
+        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
+        and _array_of_tables(field.annotation) is None
+    ]
+    if not rows:
+        return []
+    doc = next(iter((section.__doc__ or "").strip().splitlines()), "") if section is not model else ""
+    if array is not None:
+        count = len(_default(model, prefix.removesuffix(".")))
+        doc = f"{array.description or doc} ({'any number of tables' if not count else f'default: {count} tables'})"
+    out = [f"### {heading}", ""] + ([doc, ""] if doc else [])
+    out += ["| key | flag | default | description |", "| --- | --- | --- | --- |"]
+    for key, field in rows:
+        # A key of an array's tables has its own field's default (each table sets it or takes that).
+        default = field.get_default(call_default_factory=True) if array is not None else _default(model, prefix + key)
+        shown = "(none)" if default is None else "required" if default is PydanticUndefined else f"`{_toml_value(default)}`"
+        given = ", ".join(f"`{flag}`" for flag in flags.get(prefix + key, [])) or "(file only)"
+        text = (field.description or "").replace("|", "\\|")
+        out.append(f"| `{key}` | {given} | {shown} | {text} |")
+    return out + [""]
