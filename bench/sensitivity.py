@@ -9,14 +9,16 @@ Each cell is the preset with two values changed, run by bench/simulate.py's own 
 model, scheduler and chain planner, as every simulated row): the learner's price is `learner GPUs x --gpu-price`
 (the paper's A100 at $3.06/h), and the first `[[fleet.gpu]]` class (the preset's RTX 5090) produces `rate`
 rollouts/s, every other class scaled by the same factor (what sets a rate here is the completion length and the
-decode speed, which move every GPU alike; their prices stay). A cell matches the paper when its full run's $/step
-is within --tolerance of the paper's 8.098 (relative); its ablation deltas are then what the simulator says the
-paper should have seen at that learner and rate, beside the paper's +4.1% / +6.6% (no peer broadcast, 9 / 10
-machines) and +15.3% (no cost-aware activation).
+decode speed, which move every GPU alike; their prices stay). Every capacity rule the preset runs (`run.capacity_rule`)
+gets its own grid. A cell matches the paper when its full run's $/step is within --tolerance of the paper's 8.098
+(relative); its ablation deltas are then what the simulator says the paper should have seen at that learner and
+rate, beside the paper's +4.1% / +6.6% (no peer broadcast, 9 / 10 machines) and +15.3% (no cost-aware
+activation).
 
-`--set run.KEY=VALUE` (a TOML value, repeatable) changes any other key of the preset for every cell, so another
-capacity rule or seed count is one flag. A bad key or value is one line and exit 2. Takes ~2 s per cell and seed
-on a quiet core; the default grid (7 x 11 cells, the preset's seeds) several minutes.
+`--set KEY=VALUE` (a dotted key, a TOML value; repeatable) changes any other key of the preset for every cell:
+`--set 'run.capacity_rule=["paper"]'` or `--set run.seeds=1` is one flag. A bad key or value is one line and exit 2.
+A cell takes ~1 s per seed and rule on a quiet core: the default grid (7 x 11 cells, the preset's 3 seeds and 2
+rules) about 15 minutes there, 30 on the loaded 2-core reference machine.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.sim_config import SimConfig, SimConfigError, load_sim_config  # noqa: E402
-from bench.simulate import EXIT_USAGE_ERROR, run_rows  # noqa: E402
+from bench.simulate import EXIT_USAGE_ERROR, VARIANTS, run_rows  # noqa: E402
 from hub.method.capacity import InfeasibleCapacity  # noqa: E402
 from shared.config import ConfigError, set_dotted, validated  # noqa: E402
 
@@ -42,18 +44,20 @@ PAPER_FULL = 8.098
 PAPER_NO_PEER_BROADCAST = {9: 8.432, 10: 8.630}
 PAPER_NO_COST_AWARE = 9.339
 A100_PRICE_PER_HOUR = 3.06  # the paper's learner GPU (Google Cloud)
-# The paper's ablation variants, as the simulator's scenarios (bench/presets/echo2-qwen3-8b.toml says why).
-VARIANTS = {"cost-aware": "full", "star": "no_peer_broadcast", "all-on": "no_cost_aware"}
+# The scenarios of the paper's ablation (bench/presets/echo2-qwen3-8b.toml says why), named as bench/simulate.py
+# names them (VARIANTS: full, no_peer_broadcast, no_cost_aware).
+ABLATION = ("cost-aware", "star", "all-on")
 
 
-def cell_config(base: SimConfig, learner_gpus: int, rate: float, gpu_price: float) -> SimConfig:
+def cell_config(base: SimConfig, learner_gpus: int, rate: float, gpu_price: float, rule: str) -> SimConfig:
     """`base` with a learner of `learner_gpus` GPUs and its first GPU class at `rate` (the others scaled alike),
-    running the three variants."""
+    running the three variants under one capacity rule."""
     tree = base.model_dump()
     scale = rate / base.fleet.gpu[0].rollouts_per_s
     tree["learner"]["price_per_hour"] = learner_gpus * gpu_price
     tree["fleet"]["gpu"] = [{**gpu, "rollouts_per_s": gpu["rollouts_per_s"] * scale} for gpu in tree["fleet"]["gpu"]]
-    tree["run"]["scenarios"] = list(VARIANTS)
+    tree["run"]["scenarios"] = list(ABLATION)
+    tree["run"]["capacity_rule"] = [rule]
     return validated(SimConfig, tree, f"learner {learner_gpus} GPUs, rate {rate:g}")
 
 
@@ -65,10 +69,11 @@ def cell(cfg: SimConfig, learner_gpus: int, rate: float, tolerance: float) -> di
     """One cell: the three variants' mean $/step over the seeds, the full run's bubble, workers and stale drops, and
     the ablation deltas."""
     rows = run_rows(cfg, quiet=True)
-    by = {name: [r for r in rows if r["scenario"] == scenario] for scenario, name in VARIANTS.items()}
+    by = {VARIANTS[scenario]: [r for r in rows if r["scenario"] == scenario] for scenario in ABLATION}
     cost = {name: mean([r["cost_per_step"] for r in got]) for name, got in by.items()}
     full = by["full"]
     return {
+        "capacity_rule": cfg.run.capacity_rule[0],
         "learner_gpus": learner_gpus,
         "rate_5090": rate,
         "cost_per_step": round(cost["full"], 4),
@@ -76,7 +81,7 @@ def cell(cfg: SimConfig, learner_gpus: int, rate: float, tolerance: float) -> di
         "matches_paper": abs(cost["full"] / PAPER_FULL - 1) <= tolerance,
         "bubble": round(mean([r["bubble_simulated"] for r in full]), 4),
         "nodes_active": round(mean([r["active_mean"] for r in full]), 2),
-        "stale_dropped_fraction": round(mean([r["dropped_stale_frac"] for r in full]), 4),
+        "stale_dropped_fraction": round(mean([r["stale_dropped_fraction"] for r in full]), 4),
         **{
             name: {
                 "cost_per_step": round(cost[name], 4),
@@ -109,15 +114,16 @@ def sweep(args: argparse.Namespace) -> dict:
     if base.fleet.file is not None or len(base.fleet.nodes) != 1:
         raise SimConfigError(f"{args.config}: the sweep needs one drawn fleet size (fleet.nodes = [N], no fleet.file)")
     grid = []
-    for learner_gpus in args.learners:
-        for rate in args.rates:
-            cfg = cell_config(base, learner_gpus, rate, args.gpu_price)
-            grid.append(cell(cfg, learner_gpus, rate, args.tolerance))
-            print(
-                f"learner {learner_gpus} x A100, 5090 {rate:g}/s: ${grid[-1]['cost_per_step']:.3f}/step",
-                file=sys.stderr,
-                flush=True,
-            )
+    for rule in base.run.capacity_rule:
+        for learner_gpus in args.learners:
+            for rate in args.rates:
+                cfg = cell_config(base, learner_gpus, rate, args.gpu_price, rule)
+                grid.append(cell(cfg, learner_gpus, rate, args.tolerance))
+                print(
+                    f"{rule} rule, learner {learner_gpus} x A100, 5090 {rate:g}/s: ${grid[-1]['cost_per_step']:.3f}/step",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return {
         "config": str(args.config),
         "set": args.set,
@@ -141,40 +147,46 @@ def pct(x: float) -> str:
 
 
 def markdown(out: dict) -> str:
-    """The grid of the full run's $/step (matches in bold), then every matching cell with its ablation deltas."""
-    rates = sorted({c["rate_5090"] for c in out["grid"]})
-    learners = sorted({c["learner_gpus"] for c in out["grid"]})
-    at = {(c["learner_gpus"], c["rate_5090"]): c for c in out["grid"]}
+    """Per capacity rule, the grid of the full run's $/step (matches in bold); then every matching cell with its
+    ablation deltas."""
     paper = out["paper"]
-    lines = [
-        f"$/step of the full run, learner A100s (rows) x rollouts/s of one 5090 (columns); **bold**: within "
-        f"{100 * out['tolerance']:g}% of the paper's {paper['full']} ({out['nodes']} workers, {out['seeds']} seed(s)).",
-        "",
-        "| A100s | " + " | ".join(f"{r:g}" for r in rates) + " |",
-        "| --- |" + " --- |" * len(rates),
-    ]
-    for k in learners:
-        cells = [at[(k, r)] for r in rates]
-        shown = [f"**{c['cost_per_step']:.2f}**" if c["matches_paper"] else f"{c['cost_per_step']:.2f}" for c in cells]
-        lines.append(f"| {k} | " + " | ".join(shown) + " |")
+    lines = []
+    for rule in sorted({c["capacity_rule"] for c in out["grid"]}):
+        grid = [c for c in out["grid"] if c["capacity_rule"] == rule]
+        rates = sorted({c["rate_5090"] for c in grid})
+        at = {(c["learner_gpus"], c["rate_5090"]): c for c in grid}
+        lines += [
+            f"{rule} capacity rule: $/step of the full run, learner A100s (rows) x rollouts/s of one 5090 (columns); "
+            f"**bold**: within {100 * out['tolerance']:g}% of the paper's {paper['full']} ({out['nodes']} workers, "
+            f"{out['seeds']} seed(s)).",
+            "",
+            "| A100s | " + " | ".join(f"{r:g}" for r in rates) + " |",
+            "| --- |" + " --- |" * len(rates),
+        ]
+        for k in sorted({c["learner_gpus"] for c in grid}):
+            shown = [
+                f"**{c['cost_per_step']:.2f}**" if c["matches_paper"] else f"{c['cost_per_step']:.2f}"
+                for c in (at[(k, r)] for r in rates)
+            ]
+            lines.append(f"| {k} | " + " | ".join(shown) + " |")
+        lines.append("")
     no_peer = " / ".join(pct(d) for d in paper["delta_no_peer_broadcast"].values())
     lines += [
-        "",
         f"The matching cells, and what each implies for the ablation (paper: no peer broadcast {no_peer} at 9 / 10 "
         f"machines, no cost-aware activation {pct(paper['delta_no_cost_aware'])}):",
         "",
-        "| A100s | 5090 rollouts/s | $/step | vs 8.098 | learner bubble | workers on | stale dropped "
+        "| rule | A100s | 5090 rollouts/s | $/step | vs 8.098 | learner bubble | workers on | stale dropped "
         "| no peer broadcast | no cost-aware |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in out["matches"]:
         lines.append(
-            f"| {c['learner_gpus']} | {c['rate_5090']:g} | {c['cost_per_step']:.3f} | {pct(c['off_paper'])} | "
-            f"{c['bubble']:.3f} | {c['nodes_active']:g} | {c['stale_dropped_fraction']:.3f} | "
+            f"| {c['capacity_rule']} | {c['learner_gpus']} | {c['rate_5090']:g} | {c['cost_per_step']:.3f} | "
+            f"{pct(c['off_paper'])} | {c['bubble']:.3f} | {c['nodes_active']:g} | {c['stale_dropped_fraction']:.3f} | "
             f"{pct(c['no_peer_broadcast']['delta_vs_full'])} | {pct(c['no_cost_aware']['delta_vs_full'])} |"
         )
     if not out["matches"]:
-        lines.append("| (none within the tolerance) | | | | | | | | |")
+        lines.append("| (none within the tolerance) | | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -17,43 +17,47 @@ SHORT = ["--set", "run.seeds=1", "--set", "run.steps=4"]
 def test_a_cell_changes_the_learners_price_and_scales_every_worker_class_alike() -> None:
     sensitivity = load_bench("sensitivity")
     base = sensitivity.load_sim_config(PRESET)
-    cfg = sensitivity.cell_config(base, 2, 0.22, 3.06)
+    cfg = sensitivity.cell_config(base, 2, 0.22, 3.06, "paper")
     assert cfg.learner.price_per_hour == pytest.approx(6.12)
     assert [g.rollouts_per_s for g in cfg.fleet.gpu] == pytest.approx([0.22, 0.125, 0.30])
     assert [g.price_per_hour for g in cfg.fleet.gpu] == [g.price_per_hour for g in base.fleet.gpu]
-    assert cfg.run.scenarios == ("cost-aware", "star", "all-on")
+    assert cfg.run.scenarios == ("cost-aware", "star", "all-on") and cfg.run.capacity_rule == ("paper",)
 
 
 def test_the_presets_own_cell_is_the_simulators_run_of_the_preset(capsys) -> None:
-    """At 4 A100s and 0.44 rollouts/s (the preset's own values) the cell's three variants cost what
-    bench/simulate.py prints for the preset, and a wide tolerance marks it as matching."""
+    """At 4 A100s and 0.44 rollouts/s (the preset's own values) each rule's cell costs what bench/simulate.py prints
+    for the preset under that rule, variant by variant, and a wide tolerance marks it as matching."""
     sensitivity = load_bench("sensitivity")
     simulate = load_bench("simulate")
     assert simulate.main(["--config", str(PRESET), *"--steps 4 --seeds 1 --scenarios cost-aware,star,all-on --json".split()]) == 0
-    rows = {r["scenario"]: r for r in printed_json(capsys)["results"]}
+    rows = {(r["capacity_rule"], r["scenario"]): r for r in printed_json(capsys)["results"]}
     assert sensitivity.main(["--learners", "4", "--rates", "0.44", "--tolerance", "0.5", *SHORT, "--json"]) == 0
     out = printed_json(capsys)
-    [cell] = out["grid"]
-    assert cell["cost_per_step"] == pytest.approx(rows["cost-aware"]["cost_per_step"])
-    assert cell["no_peer_broadcast"]["cost_per_step"] == pytest.approx(rows["star"]["cost_per_step"])
-    assert cell["no_cost_aware"]["delta_vs_full"] == pytest.approx(
-        rows["all-on"]["cost_per_step"] / rows["cost-aware"]["cost_per_step"] - 1, abs=1e-4
-    )
-    assert cell["off_paper"] == pytest.approx(cell["cost_per_step"] / 8.098 - 1, abs=1e-4)
-    assert abs(cell["off_paper"]) <= 0.5 and out["matches"] == [cell]
+    assert {c["capacity_rule"] for c in out["grid"]} == {"paper", "refined"} == {rule for rule, _ in rows}
+    for cell in out["grid"]:
+        rule = cell["capacity_rule"]
+        full = rows[(rule, "cost-aware")]["cost_per_step"]
+        assert cell["cost_per_step"] == pytest.approx(full)
+        assert cell["no_peer_broadcast"]["cost_per_step"] == pytest.approx(rows[(rule, "star")]["cost_per_step"])
+        assert cell["no_cost_aware"]["delta_vs_full"] == pytest.approx(
+            rows[(rule, "all-on")]["cost_per_step"] / full - 1, abs=1e-4
+        )
+        assert cell["off_paper"] == pytest.approx(cell["cost_per_step"] / 8.098 - 1, abs=1e-4)
+    assert out["matches"] == [c for c in out["grid"] if abs(c["off_paper"]) <= 0.5]
     json.dumps(out)
 
 
 def test_the_markdown_marks_the_matching_cells_only(capsys) -> None:
     sensitivity = load_bench("sensitivity")
-    args = ["--learners", "4,8", "--rates", "0.44", *SHORT, "--markdown"]
+    args = ["--learners", "4,8", "--rates", "0.44", *SHORT, "--set", 'run.capacity_rule=["refined"]', "--markdown"]
     assert sensitivity.main([*args, "--tolerance", "0"]) == 0
     text = capsys.readouterr().out
     assert "**" not in text.split("\n\n")[1] and "(none within the tolerance)" in text
     assert sensitivity.main([*args, "--tolerance", "10"]) == 0
     text = capsys.readouterr().out
     assert text.split("\n\n")[1].count("**") == 4  # both cells bold
-    assert len([line for line in text.splitlines() if line.startswith("| 4 | 0.44 |") or line.startswith("| 8 | 0.44 |")]) == 2
+    matched = [line for line in text.splitlines() if line.startswith(("| refined | 4 | 0.44 |", "| refined | 8 | 0.44 |"))]
+    assert len(matched) == 2
 
 
 @pytest.mark.parametrize(
