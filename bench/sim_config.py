@@ -43,6 +43,8 @@ DEFAULT_GPU_MIX = (
 
 
 class FleetPart(Part):
+    """Who the volunteers are: fleet sizes or echo-hub plan's fleet file, the GPU mix, NAT."""
+
     nodes: tuple[int, ...] = Field(
         (10, 100, 1000, 10000), min_length=1, max_length=16, description="fleet sizes to simulate (drawn fleets)"
     )
@@ -70,6 +72,8 @@ class FleetPart(Part):
 
 
 class LinksPart(Part):
+    """Bandwidths the broadcast runs at: the volunteers' links and the hub's uplink."""
+
     median_mbps: float = Field(500.0, gt=0.0, le=1e6, description="median node link, Mbit/s (lognormal)")
     sigma: float = Field(0.5, ge=0.0, le=3.0, description="lognormal sigma of node links")
     min_mbps: float = Field(100.0, gt=0.0, le=1e6, description="node links are clipped to at least this")
@@ -85,6 +89,8 @@ class LinksPart(Part):
 
 
 class ChurnPart(Part):
+    """How volunteers come and go."""
+
     session_mean_s: float = Field(
         7200.0, gt=0.0, le=1e12, description="mean online session (exponential; 1e9 or more: nobody leaves)"
     )
@@ -94,6 +100,8 @@ class ChurnPart(Part):
 
 
 class LearnerPart(Part):
+    """The learner: its step time, price, and the rollouts a step trains on."""
+
     t_train_s: float = Field(60.0, gt=0.0, le=1e6, description="mean seconds of one learner step")
     t_train_cv: float = Field(0.10, ge=0.0, le=1.0, description="coefficient of variation of T_train (normal)")
     price_per_hour: float = field_of(LearnerConfig, "learner_price_per_hour")
@@ -106,6 +114,8 @@ class LearnerPart(Part):
 
 
 class SnapshotPart(Part):
+    """What one published policy weighs."""
+
     bytes: float = Field(1.2e9, gt=0.0, le=1e13, description="bytes of one full snapshot")
     chunk_bytes: float = Field(float(1 << 20), gt=0.0, le=1e10, description="chunk size of the chained broadcast")
 

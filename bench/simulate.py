@@ -6,8 +6,9 @@
 `--config` sets everything below that is drawn or fixed (bench/sim_config.py: the GPU mix with rates and prices,
 links, churn, NAT share, T_train, snapshot size, R, S (ints or `auto`), kappa, gamma, price changes over time and
 fleet changes mid-run); flags given on the command line override it; a bad value is one line and exit 2.
-`--fleet` (or fleet.file) takes `echo-hub plan`'s FLEET.toml as the fleet. bench/presets/ holds the ECHO-2 paper's
-Qwen3-8B setup (every value sourced or marked as an assumption) and a fleet that halves mid-run. Rows carry their
+`--fleet` (or fleet.file) takes `echo-hub plan`'s FLEET.toml as the fleet; `--help` ends with every section and
+key of sim.toml. bench/presets/ holds the ECHO-2 paper's Qwen3-8B ablation and its broadcast-scaling figure (every
+value quoted from the paper, derived, or marked as an assumption) and a fleet that halves mid-run. Rows carry their
 `staleness` setting; `auto` rows choose S each publish period through the hub's own rule
 (hub.control.staleness.choose_staleness over staleness_costs), the drift being drift_per_version times the mean
 age of the rollouts a step trained on, read as the hub reads its own (hub.method.drift; no model runs here). Every
@@ -105,6 +106,7 @@ from hub.method.prices import ranking_price  # noqa: E402
 from hub.records.buffer import usable_from  # noqa: E402
 from hub.records.fleet import heartbeat_period  # noqa: E402
 from hub.records.measurements import grace_after_lowering, grace_staleness, oldest_useful_version  # noqa: E402
+from shared.config import reference_markdown  # noqa: E402
 from shared.units import BYTES_PER_MBIT  # noqa: E402
 
 # The simulator's documented fleet (the docstring's), unless --config says otherwise.
@@ -865,14 +867,33 @@ def rows_to_run(cfg: SimConfig) -> list[tuple[int, int | str, str, CapacityRule]
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# The sim.toml key each flag sets: --help lists the flags beside the keys.
+FLAG_FIELDS = {
+    "fleet.nodes": ["--nodes"],
+    "fleet.file": ["--fleet"],
+    "run.scenarios": ["--scenarios"],
+    "run.seeds": ["--seeds"],
+    "run.fleet_seed": ["--fleet-seed"],
+    "run.steps": ["--steps"],
+    "learner.demand_share": ["--demand"],
+    "run.capacity_rule": ["--capacity-rule"],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its help ends with every sim.toml section and key, generated from SimConfig (as
+    docs/configuration.md is from the hub's models), so it cannot drift from what --config accepts."""
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=reference_markdown(SimConfig, FLAG_FIELDS, "SIM.toml (--config): every section and key"),
+    )
     parser.add_argument(
         "--config",
         type=Path,
         default=None,
         metavar="SIM.toml",
-        help="everything the simulator draws (bench/sim_config.py; bench/presets/ has examples)",
+        help="everything the simulator draws (every key: below; bench/presets/ has examples)",
     )
     parser.add_argument(
         "--fleet",
@@ -907,7 +928,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--plot", type=Path, default=None, help="write bubble and cost per step vs N to this PNG")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         cfg = configured(args)
         results = run_rows(cfg, args.json)

@@ -187,6 +187,23 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _arrays_of_tables(section: type[BaseModel], prefix: str) -> list[tuple[str, type[BaseModel], str, Any]]:
+    """reference_markdown's tables for the arrays of tables of `section` (`[[fleet.gpu]]`: a tuple of models)."""
+    return [
+        (f"[[{prefix}{name}]]", inner, prefix + name + ".", field)
+        for name, field in section.model_fields.items()
+        if (inner := _array_of_tables(field.annotation)) is not None
+    ]
+
+
+def _array_of_tables(annotation: Any) -> type[BaseModel] | None:
+    """The model of a field that holds an array of tables (a tuple of one model), or None."""
+    args = [arg for arg in get_args(annotation) if arg is not Ellipsis]
+    if get_origin(annotation) is tuple and len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
 def _default(model: type[BaseModel], dotted: str) -> Any:
     """The default of a dotted field, as the root model's defaults set it (a section's default instance wins)."""
     *sections, leaf = dotted.split(".")
@@ -300,26 +317,41 @@ def reference_markdown(model: type[BaseModel], flags: dict[str, list[str]], titl
     `flags` maps a dotted field to its flags (`{"learner.lr": ["--lr", "--learning-rate"]}`); docs/configuration.md
     is built from it, so the reference cannot drift from the model."""
     out = [f"## {title}", ""]
-    tables: list[tuple[str, type[BaseModel], str]] = [("top level", model, "")]
+    # (heading, model, dotted prefix, the field that holds an array of tables or None)
+    tables: list[tuple[str, type[BaseModel], str, Any]] = [("top level", model, "", None)]
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            tables.append((f"[{name}]", field.annotation, name + "."))
-    for heading, section, prefix in tables:
-        rows = [
-            (key, field)
-            for key, field in section.model_fields.items()
-            if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
-        ]
-        if not rows:
-            continue
-        doc = (section.__doc__ or "").strip().splitlines()[0] if section is not model else ""
-        out += [f"### {heading}", ""] + ([doc, ""] if doc else [])
-        out += ["| key | flag | default | description |", "| --- | --- | --- | --- |"]
-        for key, field in rows:
-            default = _default(model, prefix + key)
-            shown = "(none)" if default is None else "required" if default is PydanticUndefined else f"`{_toml_value(default)}`"
-            given = ", ".join(f"`{flag}`" for flag in flags.get(prefix + key, [])) or "(file only)"
-            text = (field.description or "").replace("|", "\\|")
-            out.append(f"| `{key}` | {given} | {shown} | {text} |")
-        out.append("")
+            tables.append((f"[{name}]", field.annotation, name + ".", None))
+            tables += _arrays_of_tables(field.annotation, name + ".")
+    tables += _arrays_of_tables(model, "")
+    for heading, section, prefix, array in tables:
+        out += _reference_table(model, flags, heading, section, prefix, array)
     return "\n".join(out)
+
+
+def _reference_table(
+    model: type[BaseModel], flags: dict[str, list[str]], heading: str, section: type[BaseModel], prefix: str, array: Any
+) -> list[str]:
+    """reference_markdown's table of one section (or of an array's tables: `array` is the field holding them)."""
+    rows = [
+        (key, field)
+        for key, field in section.model_fields.items()
+        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
+        and _array_of_tables(field.annotation) is None
+    ]
+    if not rows:
+        return []
+    doc = next(iter((section.__doc__ or "").strip().splitlines()), "") if section is not model else ""
+    if array is not None:
+        count = len(_default(model, prefix.removesuffix(".")))
+        doc = f"{array.description or doc} ({'any number of tables' if not count else f'default: {count} tables'})"
+    out = [f"### {heading}", ""] + ([doc, ""] if doc else [])
+    out += ["| key | flag | default | description |", "| --- | --- | --- | --- |"]
+    for key, field in rows:
+        # A key of an array's tables has its own field's default (each table sets it or takes that).
+        default = field.get_default(call_default_factory=True) if array is not None else _default(model, prefix + key)
+        shown = "(none)" if default is None else "required" if default is PydanticUndefined else f"`{_toml_value(default)}`"
+        given = ", ".join(f"`{flag}`" for flag in flags.get(prefix + key, [])) or "(file only)"
+        text = (field.description or "").replace("|", "\\|")
+        out.append(f"| `{key}` | {given} | {shown} | {text} |")
+    return out + [""]

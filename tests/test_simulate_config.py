@@ -51,6 +51,8 @@ def test_the_presets_load_and_the_default_is_the_documented_fleet() -> None:
         ("not toml = = 1", "not valid TOML"),
         ('[fleet]\nfile = "missing.toml"\n', "cannot read fleet file"),
         ("[run]\nstaleness = 3\n", "run.staleness takes a list: write staleness = [3], not staleness = 3"),
+        ("[fleet]\nnodes = 10\n", "fleet.nodes takes a list: write nodes = [10], not nodes = 10"),
+        ("[fleet]\ngpu = 3\n", "fleet.gpu takes tables: write [[fleet.gpu]] sections, not gpu = 3"),
         ("[run]\nstaleness = [65]\n", "less than or equal to 64"),  # the hub's own bound on S
         ("fleet = 3\n", "fleet: Input should be a valid dictionary"),
     ],
@@ -257,3 +259,99 @@ def test_stale_rollouts_do_not_hold_the_in_flight_cap_while_the_learner_waits(tm
     sim.run()
     assert any(s < previous for (_, s, _), (_, previous, _) in zip(sim.staleness_moves[1:], sim.staleness_moves))
     assert sim.step == 30
+
+
+def _sim_toml_keys() -> dict[str, list[str]]:
+    """Every table of sim.toml and its keys, walked from SimConfig here (not through the help's generator)."""
+    from typing import get_args
+
+    from pydantic import BaseModel
+
+    from bench.sim_config import SimConfig
+
+    def arrays(model: type[BaseModel], prefix: str) -> dict[str, list[str]]:
+        out = {}
+        for name, field in model.model_fields.items():
+            inner = [a for a in get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if inner:
+                out[f"[[{prefix}{name}]]"] = list(inner[0].model_fields)
+        return out
+
+    tables: dict[str, list[str]] = {}
+    for name, field in SimConfig.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            section = field.annotation
+            tables[f"[{name}]"] = [
+                k for k, f in section.model_fields.items() if f"[[{name}.{k}]]" not in arrays(section, name + ".")
+            ]
+            tables |= arrays(section, name + ".")
+    return tables | arrays(SimConfig, "")
+
+
+def test_help_lists_every_sim_toml_section_and_key_with_its_flag(capsys) -> None:
+    simulate = load_bench("simulate")
+    with pytest.raises(SystemExit) as done:
+        simulate.main(["--help"])
+    assert done.value.code == 0
+    help_text = capsys.readouterr().out
+    blocks = {block.split("\n", 1)[0].strip(): block for block in help_text.split("### ")[1:]}
+    tables = _sim_toml_keys()
+    assert {"[fleet]", "[[fleet.gpu]]", "[run]", "[[price_change]]", "[[fleet_change]]"} <= set(tables)
+    for table, keys in tables.items():
+        assert table in blocks, f"--help lists no {table}"
+        for key in keys:
+            assert f"| `{key}` |" in blocks[table], f"--help lists no {table} {key}"
+    # Every flag that sets a key is listed beside it, and names a real key.
+    assert "| `nodes` | `--nodes` |" in blocks["[fleet]"] and "| `steps` | `--steps` |" in blocks["[run]"]
+    config_flags = {
+        flag for action in simulate.build_parser()._actions for flag in action.option_strings if flag.startswith("--")
+    } - {"--help", "--config", "--json", "--plot"}
+    assert config_flags == {flag for flags in simulate.FLAG_FIELDS.values() for flag in flags}
+    for dotted in simulate.FLAG_FIELDS:
+        section, key = dotted.split(".")
+        assert key in tables[f"[{section}]"]
+
+
+# The paper's ablation: T_bcast 1437 s with peer broadcast, 1830 s without; its broadcast figure: ~500 s chained
+# and ~3000 s for the 800 Mbit/s star at N = 9.
+@pytest.mark.parametrize(
+    ("preset", "nodes", "chain_s", "star_s"),
+    [("echo2-qwen3-8b.toml", 10, 1437.0, 1830.0), ("echo2-broadcast-figure.toml", 9, 500.0, 3000.0)],
+)
+def test_the_paper_presets_reproduce_its_broadcast_times(preset, nodes, chain_s, star_s) -> None:
+    """Through the simulator's own broadcast model, on the fleet the preset draws: within 5% of the paper's."""
+    simulate = load_bench("simulate")
+    cfg = simulate.load_sim_config(PRESETS / preset)
+    assert nodes in cfg.fleet.nodes
+    fleet = simulate.build_fleet(nodes, 0, cfg.run.fleet_seed, cfg)
+    for broadcast, paper in (("chain", chain_s), ("star", star_s)):
+        seconds = max(s for _, s in simulate.broadcast_arrivals(fleet, broadcast, cfg))
+        assert seconds == pytest.approx(paper, rel=0.05), (broadcast, seconds)
+
+
+def test_the_ablation_presets_rows_carry_its_broadcast_times() -> None:
+    """A short run of the preset's full and no-peer-broadcast rows: the T_bcast they report is the ablation's."""
+    simulate = load_bench("simulate")
+    cfg = simulate.load_sim_config(PRESETS / "echo2-qwen3-8b.toml")
+    for scenario, paper in (("cost-aware", 1437.0), ("star", 1830.0)):
+        row = simulate.simulate(10, scenario, 0, 4, fleet_seed=cfg.run.fleet_seed, cfg=cfg)
+        assert row.t_bcast_s == pytest.approx(paper, rel=0.05)
+
+
+@pytest.mark.parametrize("preset", ["echo2-qwen3-8b.toml", "echo2-broadcast-figure.toml"])
+def test_every_value_of_a_paper_preset_says_where_it_comes_from(preset) -> None:
+    """Each key's comment block (the comments and keys since the last blank line) carries a tag with its source:
+    [paper: quote], [derived: formula] or [assumption: why]; no bare [paper] tag is left."""
+    lines = (PRESETS / preset).read_text().splitlines()
+    assert not any(tag in line for line in lines for tag in ("[paper]", "[derived]", "[assumption]"))
+    block: list[str] = []
+    for line in lines:
+        text = line.strip()
+        if not text:
+            block = []
+        if not text or text.startswith("["):
+            continue
+        block.append(text)
+        if not text.startswith("#"):
+            key = text.split("=")[0].strip()
+            assert any(tag in " ".join(block) for tag in ("[paper: ", "[derived: ", "[assumption: ")), f"{key} has no tag"
