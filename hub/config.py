@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from hub.method.capacity import default_kappa, validate_kappa
 from shared.config import HttpBind, Section
@@ -41,7 +41,12 @@ class LearnerConfig(Section):
     kappa: int | None = Field(None, ge=1, le=64, description="publish a snapshot every kappa steps (default max(1, S-1))")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="groups consumed per learner step")
     group_size: int = Field(8, ge=2, le=256, description="n: completions per prompt")
-    lr: float = Field(3e-4, gt=0.0, le=1.0, description="AdamW learning rate (the default suits the embedded model)")
+    lr: float = Field(
+        3e-4,
+        gt=0.0,
+        le=1.0,
+        description="AdamW learning rate (the default suits the embedded model; a --model of your own: TRL's 1e-6)",
+    )
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="learning-rate schedule over --steps, after the warm-up (linear and cosine decay to 0 at the last step, as TRL's)",
@@ -493,3 +498,37 @@ class HubConfig(Section):
                 "(0 runs until interrupted: only a constant learning rate without warm-up fits it)"
             )
         return self
+
+
+# TRL's GRPOConfig defaults (trl 1.16: max_completion_length 512, learning_rate 1e-6, num_generations 8). A user's own
+# model starts from these, not from the embedded toy's (10 tokens suit its reversal task; lr 3e-4 its 2 layers).
+USER_MODEL_DEFAULTS: dict[str, int | float] = {"sampling.max_new_tokens": 512, "learner.lr": 1e-6, "learner.group_size": 8}
+# Each of them as the flag that sets it, for the line that says which ones a start took.
+_DEFAULT_FLAGS = {"sampling.max_new_tokens": "--max-new-tokens", "learner.lr": "--lr", "learner.group_size": "--group-size"}
+
+
+def _was_set(config: BaseModel, dotted: str) -> bool:
+    """Whether the TOML file or a flag gave `dotted` (every section on its path, then the field, was given)."""
+    head, _, rest = dotted.partition(".")
+    if head not in config.model_fields_set:
+        return False
+    return not rest or _was_set(getattr(config, head), rest)
+
+
+def with_user_model_defaults(config: HubConfig, own_model: bool) -> tuple[HubConfig, str | None]:
+    """`config` with TRL's defaults for max-new-tokens, lr and group size where `own_model` (not the embedded default)
+    and neither the TOML file nor a flag set them, and the one line that says which it used (None: none)."""
+    if not own_model:
+        return config, None
+    taken = {dotted: value for dotted, value in USER_MODEL_DEFAULTS.items() if not _was_set(config, dotted)}
+    if not taken:
+        return config, None
+    sections: dict[str, dict[str, int | float]] = {}
+    for dotted, value in taken.items():
+        section, field = dotted.split(".")
+        sections.setdefault(section, {})[field] = value
+    config = config.model_copy(
+        update={name: getattr(config, name).model_copy(update=fields) for name, fields in sections.items()}
+    )
+    used = ", ".join(f"{_DEFAULT_FLAGS[dotted]} {value:g}" for dotted, value in taken.items())
+    return config, f"your own model: TRL's defaults {used} (the embedded toy's are for its 2-layer model; flags override)"

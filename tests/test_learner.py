@@ -379,3 +379,24 @@ def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(t
     assert again.loss == pytest.approx(after.loss, rel=1e-5, abs=1e-7)
     for (name, p), q in zip(learner.model.named_parameters(), resumed.model.parameters()):
         assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys):
+    """Every completion of two steps hit max_new_tokens: one warning for the run, printed, logged and in the journal."""
+    torch.set_num_threads(1)
+    cfg = LearnerConfig(prompts_per_step=2, group_size=4, checkpoint_every=100)
+    store = Store(tmp_path / "hub.db")
+    for group in synthetic_groups(count=4):  # every completion finished by "length"
+        store.groups.record_trajectory(group, None, "", "accepted")
+    state = HubState(store, HubConfig(learner=cfg, sampling=SAMPLING), ReverseTask())
+    send, _ = trio.open_memory_channel(64)
+    model_dir = ensure_default_model(progress=False)
+    learner = LearnerComponent(cfg, SAMPLING, model_dir, tmp_path, state, Identity.generate(), send, 2, CHUNK_SIZE_BYTES)
+    trio.run(learner.run)
+    assert learner.step == 2
+    said = [line for line in capsys.readouterr().out.splitlines() if "--max-new-tokens" in line]
+    assert said == [
+        "echo-hub: warning: 100% of step 1's completions were cut at --max-new-tokens 10, so their rewards score "
+        "unfinished answers: raise --max-new-tokens (TRL's --max-completion-length)"
+    ]
+    assert [e.detail for e in store.journal.events() if e.kind == "completions_cut"] == [said[0].split("warning: ")[1]]

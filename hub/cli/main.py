@@ -346,10 +346,17 @@ def _eval(args: argparse.Namespace) -> int:
     return run_eval(config, args.model, task, args.device, args.json, saved)
 
 
+def _own_model(model: Path | None) -> bool:
+    """Whether --model names a model of the user's, not the embedded default (None, or its cache directory)."""
+    from shared.default_model import default_model_dir
+
+    return model is not None and model.resolve() != default_model_dir().resolve()
+
+
 def _start(args: argparse.Namespace) -> int:
     """`echo-hub start`: a mistake is one line and exit 2; so is a disk that fills while the hub starts (one that
     fills while it runs, run_hub stops the run for)."""
-    from hub.config import HubConfig
+    from hub.config import HubConfig, with_user_model_defaults
     from hub.training.ranks import rank_env
     from shared.checks import disk_full, free_space
     from shared.config import ConfigError, load_config
@@ -359,6 +366,7 @@ def _start(args: argparse.Namespace) -> int:
     env = rank_env()
     try:
         config = load_config(HubConfig, args.config, overrides, aliases=_flat_keys())
+        config, defaults = with_user_model_defaults(config, own_model=_own_model(config.model))
         if args.print_config:
             from shared.config import config_toml
 
@@ -374,6 +382,8 @@ def _start(args: argparse.Namespace) -> int:
         return 2
     if started is None:
         return 0
+    if defaults is not None:
+        print(f"echo-hub: {defaults}", flush=True)
     if config.local_nodes:
         from hub.cli.local_nodes import start_node_server
 

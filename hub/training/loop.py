@@ -43,7 +43,7 @@ from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries,
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
 from hub.training.evaluation import EvalRunner
 from hub.training.learner import Learner, StepStats
-from hub.training.metrics import MetricsWriter, bubble_ratio, reward_means, sample_completions
+from hub.training.metrics import MetricsWriter, bubble_ratio, cut_completions_warning, reward_means, sample_completions
 from hub.training.trackers import Trackers
 from shared.crypto import Identity
 from shared.delta import build_delta_snapshot
@@ -180,6 +180,8 @@ class LearnerComponent:
         self.clock = clock
         self.extra_metrics = extra_metrics
         self.log_completions = log_completions  # sample completions logged per step (--log-completions)
+        self.max_new_tokens = sampling.max_new_tokens
+        self._warned_cut = False  # the cut-completions warning is said once a run
         self._groups_trained = 0  # since this start, against the buffer's count of groups offered
         self._offered_seen = (0, 0.0)
         self.snapshots_dir = self.data_dir / SNAPSHOTS_DIR
@@ -329,6 +331,7 @@ class LearnerComponent:
                 await self.evaluation.start(t, self.learner.state_dict)
             if t % self.cfg.checkpoint_every == 0:
                 await trio.to_thread.run_sync(self._checkpoint, t)
+            await self._warn_if_cut(t, stats.clipped_ratio)
             self._drift.add(stats.abs_log_ratio, record.staleness_mean)
             # After kappa changes the next multiple of it comes within kappa steps: the lease rule (kappa <= S - 1) holds.
             if t % self.kappa == 0:
@@ -342,6 +345,16 @@ class LearnerComponent:
     def _lr(self, step: int) -> float:
         """The learning rate of `step` under the configured schedule (--lr-scheduler, --warmup-ratio)."""
         return step_lr(self.cfg.lr, self.cfg.lr_scheduler, step, self.steps, self.cfg.warmup_ratio)
+
+    async def _warn_if_cut(self, step: int, clipped_ratio: float) -> None:
+        """Say once (log, event, terminal) that most of a step's completions hit --max-new-tokens."""
+        line = None if self._warned_cut else cut_completions_warning(step, clipped_ratio, self.max_new_tokens)
+        if line is None:
+            return
+        self._warned_cut = True
+        log.warning(line)
+        print(f"echo-hub: warning: {line}", flush=True)
+        await trio.to_thread.run_sync(self.host.record_event, "completions_cut", None, line)
 
     def _trl_metrics(self, stats: StepStats) -> dict[str, float]:
         """The step's metrics under TRL's meaning: lr, entropy, completion lengths, and the share of the groups

@@ -35,6 +35,20 @@ def sample_completions(groups: Sequence[Group], n: int) -> list[LoggedCompletion
     return picked
 
 
+# Past this share of a step's completions cut at max_new_tokens, most rewards score unfinished answers.
+CUT_WARNING_SHARE = 0.5
+
+
+def cut_completions_warning(step: int, clipped_ratio: float, max_new_tokens: int) -> str | None:
+    """The one line that says most of a step's completions were cut at --max-new-tokens (None: at most half were)."""
+    if clipped_ratio <= CUT_WARNING_SHARE:
+        return None
+    return (
+        f"{clipped_ratio:.0%} of step {step}'s completions were cut at --max-new-tokens {max_new_tokens}, so their "
+        "rewards score unfinished answers: raise --max-new-tokens (TRL's --max-completion-length)"
+    )
+
+
 def bubble_ratio(t_idle_s: float, t_train_s: float) -> float:
     """T_idle / (T_idle + T_train) for one step (0 when both are 0)."""
     total = t_idle_s + t_train_s
