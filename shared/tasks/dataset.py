@@ -1,7 +1,7 @@
 """Prompt datasets from local files, scored by rewards: what users of TRL and verl bring.
 
 Sources: a JSONL file (one object per line), a Parquet file, or a directory written by
-`datasets.Dataset.save_to_disk` (a DatasetDict's split chosen by name). Columns are chosen by
+`datasets.Dataset.save_to_disk` (a DatasetDict's split chosen by name: --dataset-split, or `DIR:SPLIT`). Columns are chosen by
 name (default `prompt` and `answer`), or by a dotted path into a nested column
 (`reward_model.ground_truth`, as verl's layout keeps the answer); every other column travels with its row to
 a reward function. A prompt is a string, or chat messages (a list of {"role", "content"}) rendered with
@@ -101,7 +101,10 @@ def _saved_rows(path: Path, split: str) -> Iterator[Row]:
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(f"{path}: no split {split!r} (it has {', '.join(loaded)}); choose one with --dataset-split")
+            raise ValueError(
+                f"{path}: no split {split!r} (it has {', '.join(loaded)}); choose one with --dataset-split, or as "
+                f"{path}:{next(iter(loaded))}"
+            )
         loaded = loaded[split]
     for i, record in enumerate(loaded):
         yield Row(i, f"{path} row {i}", record)
@@ -123,6 +126,19 @@ def read_rows(path: Path, split: str = "train") -> Iterator[Row]:
 def is_dataset_path(spec: str) -> bool:
     """Whether a task spec names a dataset on disk (a file or directory that exists)."""
     return Path(spec).exists()
+
+
+def split_of(spec: str) -> tuple[Path | None, str]:
+    """(the save_to_disk directory, the split) a "DIR:SPLIT" spec names (`conv_ds:test`); (None, "") when the part
+    before its last ":" is no directory. ValueError when that directory holds one Dataset, which has no splits."""
+    head, sep, split = spec.rpartition(":")
+    if not sep or not head or not split or "/" in split or not Path(head).is_dir():
+        return None, ""
+    path = Path(head)
+    if not (path / "dataset_dict.json").exists():
+        what = "one Dataset (no splits)" if (path / "dataset_info.json").exists() else "no save_to_disk DatasetDict"
+        raise ValueError(f"{path} holds {what}: it has no split {split!r}; name the directory alone")
+    return path, split
 
 
 _ABSENT = object()
