@@ -53,7 +53,8 @@ class Group(BaseModel):
     rewards: tuple[float, ...]
     node_id: str = Field("", description="peer id of the node that made it ('' for in-process)")
     reward_parts: tuple[tuple[str, tuple[float | None, ...]], ...] = Field(
-        (), description="per reward function of the task: its name and values (None: it does not apply); the hub's own scores"
+        (),
+        description="per reward function of the task: its name and values (None: it does not apply), then each number a verl dict held beside its score as <function>/<key>; the hub's own scores",
     )
 
 

@@ -298,3 +298,74 @@ def test_a_verl_parquet_file_with_compute_score_trains(tmp_path: Path, default_m
         "reward_model.ground_truth",
     )
     assert all(0.0 <= row["rewards/compute_score/mean"] <= 1.0 for row in rows)
+
+
+def test_a_verl_dicts_other_numbers_are_logged_and_the_rest_named_at_start(tmp_path: Path) -> None:
+    """verl's reward_extra_info: numbers beside "score" become rewards/<function>/<key>/mean (None where a result
+    holds none); keys holding text cannot be logged, and the start says so in one line."""
+    from hub.training.tasks import check_reward, unlogged_note
+
+    path = verl_parquet(tmp_path / "train.parquet")
+    opts = DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:compute_score")
+    task = DatasetTask(path, opts, render_chat=content_only)
+    exact, partial = task.prompts()[:2]
+    scores = checked_scores(task, partial, ["ollxx", "olleh"])
+    assert scores.parts == (("compute_score", (0.6, 1.0)), ("compute_score/acc", (0.0, 1.0)))
+    assert checked_scores(task, exact, ["cba"]).parts == (("compute_score", (1.0,)),)  # a plain number: nothing more
+    made = Completion(token_ids=(1,), logprobs=(-1.0,), finish_reason="stop", version=0, text="x")
+    groups = [
+        Group(
+            prompt_id=partial.id,
+            prompt_text=partial.text,
+            version=0,
+            completions=(made, made),
+            rewards=scores.rewards,
+            reward_parts=scores.parts,
+        )
+    ]
+    assert reward_means(groups) == {"rewards/compute_score/mean": pytest.approx(0.8), "rewards/compute_score/acc/mean": 0.5}
+    assert unlogged_note(task) is None
+    opts = DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:with_prediction")
+    task = DatasetTask(path, opts, render_chat=content_only)
+    check_reward(task, 4)
+    assert task.unlogged == {"with_prediction/pred"}
+    assert checked_scores(task, task.prompts()[0], ["cba"]).parts[1] == ("with_prediction/hit", (1.0,))
+    assert unlogged_note(task) == (
+        "reward with_prediction/pred (beside the score of its dict) is not a number, so no metric logs it; the numbers "
+        "a dict holds are logged as rewards/<function>/<key>/mean"
+    )
+
+
+def test_a_reward_named_by_its_file_as_verl_names_it(tmp_path: Path) -> None:
+    """verl's custom_reward_function path and name as `FILE.py:function`: loaded from the file wherever it is; a
+    missing file, a missing function or a file that fails as it runs is one line."""
+    path = verl_parquet(tmp_path / "train.parquet")
+    scorer = tmp_path / "elsewhere" / "my_score.py"
+    scorer.parent.mkdir()
+    shutil.copy(DATA / "verl_score.py", scorer)
+    opts = DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{scorer}:compute_score")
+    task = DatasetTask(path, opts, render_chat=content_only)
+    assert task.reward_names == ("compute_score",)
+    assert checked_scores(task, task.prompts()[1], ["ollxx"]).rewards == (0.6,)
+    for reward, message in (
+        (f"{tmp_path / 'none.py'}:compute_score", "no such file"),
+        (f"{scorer}:missing", "has no attribute 'missing'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            DatasetTask(path, DatasetOptions(answer_column="reward_model.ground_truth", reward=reward))
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_package_here\n")
+    result = run(
+        "hub.cli",
+        "start",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--task",
+        str(path),
+        "--answer-column",
+        "reward_model.ground_truth",
+        "--reward",
+        f"{broken}:compute_score",
+    )
+    assert_one_line_mistake(result, f"importing {broken} raised ModuleNotFoundError: No module named 'no_such_package_here'")
+    assert not (tmp_path / "data").exists()

@@ -13,6 +13,7 @@ from hub.config import HubConfig
 from shared.checks import UserError
 from shared.tasks import Task, load_task
 from shared.tasks.base import Prompt, checked_rewards
+from shared.tasks.dataset import DatasetTask
 from shared.tasks.split import excluding, split_task
 
 if TYPE_CHECKING:
@@ -201,3 +202,15 @@ def check_reward(task: Task, group_size: int) -> None:
     completions = [DUMMY_COMPLETIONS[i % len(DUMMY_COMPLETIONS)] for i in range(n)]
     for prompt in task.prompts()[:REWARD_CHECK_PROMPTS]:
         checked_rewards(task, prompt, completions)
+
+
+def unlogged_note(task: Task) -> str | None:
+    """The line that says which keys of a verl reward's dicts the start check saw holding other than numbers, which
+    no metric can log (None: none did)."""
+    unlogged = sorted(task.unlogged) if isinstance(task, DatasetTask) else []
+    if not unlogged:
+        return None
+    return (
+        f"reward {', '.join(unlogged)} (beside the score of its dict) is not a number, so no metric logs it; the "
+        "numbers a dict holds are logged as rewards/<function>/<key>/mean"
+    )

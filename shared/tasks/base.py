@@ -45,7 +45,8 @@ class GroupContext:
     version: int
 
 
-# Per reward function: its name and one value per completion (None where the function does not apply).
+# Per reward function: its name and one value per completion (None where the function does not apply); then per
+# number a verl dict holds beside its score, "<function>/<key>" and its values (None where a result lacks it).
 RewardParts = tuple[tuple[str, tuple[float | None, ...]], ...]
 
 

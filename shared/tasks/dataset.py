@@ -245,6 +245,8 @@ class DatasetTask(Task):
         self._rows: dict[str, Mapping[str, Any]] = {}
         self._truths: dict[str, Any] = {}
         self._messages: dict[str, Messages] = {}
+        # Keys of verl dicts seen holding other than numbers ("<function>/<key>"): no metric logs them; the start says so.
+        self.unlogged: set[str] = set()
         for row in read_rows(self.path, opts.split):
             self._add_row(row)
         if not self._prompts:
@@ -350,9 +352,11 @@ class DatasetTask(Task):
         return tuple(r.name for r in self._rewards)
 
     def scores(self, prompt: Prompt, completions: list[str], context: GroupContext | None) -> Scores:
-        parts = scored_parts(self._rewards, self._call(prompt, completions, context))
-        total = combine_rewards(parts, self._weights)
-        return Scores(valid_rewards(self.reward_name, prompt, total, len(completions)), tuple(zip(self.reward_names, parts)))
+        scored = scored_parts(self._rewards, self._call(prompt, completions, context))
+        total = combine_rewards(scored.parts, self._weights)
+        self.unlogged.update(scored.dropped)
+        named = tuple(zip(self.reward_names, scored.parts)) + scored.extras
+        return Scores(valid_rewards(self.reward_name, prompt, total, len(completions)), named)
 
     def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
         return self.scores(prompt, completions, None).rewards

@@ -8,7 +8,8 @@ in one of two styles, found from the function's parameters unless `--reward-styl
   dataset column repeated, as TRL repeats them per generation). `trainer_state` carries `global_step` (the
   policy version that sampled the group). A value may be None: the function does not apply to that completion.
 - verl: compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> a number, or a
-  dict holding one under "score", called once per completion. `ground_truth` is the answer column's raw value
+  dict holding one under "score", called once per completion; the dict's other keys that hold numbers are
+  logged as metrics (`rewards/<name>/<key>/mean`), as verl's reward_extra_info. `ground_truth` is the answer column's raw value
   (`--answer-column reward_model.ground_truth` for verl's layout), `data_source` and `extra_info` the row's
   columns of those names (None when it has none).
 
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shared.tasks.base import Prompt, reward_raised, valid_rewards
+from shared.tasks.base import Prompt, RewardParts, reward_raised, valid_rewards
 from shared.tasks.user_code import import_object
 
 RewardStyle = Literal["auto", "trl", "verl"]
@@ -162,9 +164,41 @@ def verl_score(out: Any) -> Any:
     return out["score"] if isinstance(out, Mapping) else out
 
 
+_NOT_A_NUMBER = object()
+
+
+def _extra_value(value: Any) -> Any:
+    """A value a verl dict holds beside its score as a metric's value: a float (a bool counts, a numpy scalar too),
+    None when absent or not finite, or _NOT_A_NUMBER (a string, a list...)."""
+    if value is None:
+        return None
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # a numpy scalar or 0-d array
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        return _NOT_A_NUMBER
+    return float(value) if math.isfinite(value) else None
+
+
+def verl_extras(name: str, outs: Sequence[Any]) -> tuple[RewardParts, tuple[str, ...]]:
+    """What compute_score's dicts hold beside "score" (verl's reward_extra_info): each key whose values are numbers,
+    as "<name>/<key>" with one value per completion (None where a completion's result lacks it), and the names of
+    the keys holding anything else, which no metric can log."""
+    keys = dict.fromkeys(key for out in outs if isinstance(out, Mapping) for key in out if key != "score")
+    extras, dropped = [], []
+    for key in keys:
+        values = [_extra_value(out.get(key)) if isinstance(out, Mapping) else None for out in outs]
+        if isinstance(key, str) and _NOT_A_NUMBER not in values:
+            extras.append((f"{name}/{key}", tuple(values)))
+        else:
+            dropped.append(f"{name}/{key}")
+    return tuple(extras), tuple(dropped)
+
+
 def _verl_call(fn: Callable[..., Any]) -> RewardFn:
+    """compute_score called per completion; its results as it returned them (numbers or dicts)."""
+
     def call(c: RewardCall) -> Sequence[Any]:
-        return [verl_score(fn(**verl_arguments(c, text))) for text in c.texts]
+        return [fn(**verl_arguments(c, text)) for text in c.texts]
 
     return call
 
@@ -198,14 +232,30 @@ def check_callable(reward: Reward, fn_args: dict[str, Any]) -> None:
         return
 
 
-def scored_parts(rewards: Sequence[Reward], call: RewardCall) -> tuple[tuple[float | None, ...], ...]:
+@dataclass(frozen=True)
+class ScoredParts:
+    """One group's values of each reward function, with what verl dicts held beside their scores (verl_extras)."""
+
+    parts: tuple[tuple[float | None, ...], ...]
+    extras: RewardParts = ()
+    dropped: tuple[str, ...] = ()
+
+
+def scored_parts(rewards: Sequence[Reward], call: RewardCall) -> ScoredParts:
     """Each reward function's values for one group, checked: RewardError naming the function when it raises or
     returns other than one finite number or None per completion."""
-    parts = []
+    parts: list[tuple[float | None, ...]] = []
+    extras: list[tuple[str, tuple[float | None, ...]]] = []
+    dropped: list[str] = []
     for reward in rewards:
         try:
             out = reward.call(call)
+            if reward.style == "verl":
+                more, left = verl_extras(reward.name, out)
+                out = [verl_score(result) for result in out]
+                extras += more
+                dropped += left
         except Exception as exc:  # noqa: BLE001 -- the operator's code: any failure is theirs to fix
             raise reward_raised(reward.spec, call.prompt, exc) from exc
         parts.append(valid_rewards(reward.spec, call.prompt, out, len(call.texts), allow_none=reward.style != "builtin"))
-    return tuple(parts)
+    return ScoredParts(tuple(parts), tuple(extras), tuple(dropped))
