@@ -382,11 +382,14 @@ def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(t
 
 
 def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys):
-    """Every completion of two steps hit max_new_tokens: one warning for the run, printed, logged and in the journal."""
+    """Every completion of two steps hit max_new_tokens: one warning for the run, printed, logged and in the journal.
+    The steps' rows carry TRL's names too, and frac_reward_zero_std over the groups offered since the step before."""
     torch.set_num_threads(1)
     cfg = LearnerConfig(prompts_per_step=2, group_size=4, checkpoint_every=100)
     store = Store(tmp_path / "hub.db")
-    for group in synthetic_groups(count=4):  # every completion finished by "length"
+    groups = synthetic_groups(count=5)  # every completion finished by "length"
+    groups[4] = groups[4].model_copy(update={"rewards": (0.5,) * 4})  # all alike: offered, never trained on
+    for group in groups:
         store.groups.record_trajectory(group, None, "", "accepted")
     state = HubState(store, HubConfig(learner=cfg, sampling=SAMPLING), ReverseTask())
     send, _ = trio.open_memory_channel(64)
@@ -400,3 +403,7 @@ def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys):
         "unfinished answers: raise --max-new-tokens (TRL's --max-completion-length)"
     ]
     assert [e.detail for e in store.journal.events() if e.kind == "completions_cut"] == [said[0].split("warning: ")[1]]
+    first, second = read_metrics(tmp_path / METRICS_FILE)
+    assert first["frac_reward_zero_std"] == 1 / 5 and "frac_reward_zero_std" not in second  # no group offered since
+    for row in (first, second):
+        assert row["completions/mean_length"] == row["completion_length_mean"] and row["completions/clipped_ratio"] == 1.0

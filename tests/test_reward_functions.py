@@ -60,7 +60,9 @@ def test_each_reward_mean_over_the_completions_it_applies_to() -> None:
         )
 
     groups = [group((("a", (1.0, None)), ("b", (None, None)))), group((("a", (0.0, 0.5)), ("b", (None, None))))]
-    assert reward_means(groups) == {"rewards/a/mean": 0.5}  # (1 + 0 + 0.5) / 3; b applied to none: not logged
+    # a: (1 + 0 + 0.5) / 3, std with Bessel's correction as TRL's nanstd; b applied to none: not logged.
+    assert reward_means(groups) == {"rewards/a/mean": 0.5, "rewards/a/std": 0.5}
+    assert reward_means([group((("a", (1.0, None)),))]) == {"rewards/a/mean": 1.0}  # one value: no std
     assert reward_means([group(())]) == {}
 
 
@@ -323,7 +325,8 @@ def test_a_verl_dicts_other_numbers_are_logged_and_the_rest_named_at_start(tmp_p
             reward_parts=scores.parts,
         )
     ]
-    assert reward_means(groups) == {"rewards/compute_score/mean": pytest.approx(0.8), "rewards/compute_score/acc/mean": 0.5}
+    means = reward_means(groups)
+    assert means["rewards/compute_score/mean"] == pytest.approx(0.8) and means["rewards/compute_score/acc/mean"] == 0.5
     assert unlogged_note(task) is None
     opts = DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:with_prediction")
     task = DatasetTask(path, opts, render_chat=content_only)

@@ -183,7 +183,7 @@ class LearnerComponent:
         self.max_new_tokens = sampling.max_new_tokens
         self._warned_cut = False  # the cut-completions warning is said once a run
         self._groups_trained = 0  # since this start, against the buffer's count of groups offered
-        self._offered_seen = (0, 0.0)
+        self._offered_seen = (0, 0.0, 0)
         self.snapshots_dir = self.data_dir / SNAPSHOTS_DIR
         self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
         remove_stale_temporaries(self.checkpoints_dir)
@@ -365,6 +365,10 @@ class LearnerComponent:
             "completion_length_mean": stats.completion_length_mean,
             "completion_length_max": stats.completion_length_max,
             "clipped_ratio": stats.clipped_ratio,
+            # The same under TRL's names, so TRL users' dashboards and scripts read them.
+            "completions/mean_length": stats.completion_length_mean,
+            "completions/max_length": stats.completion_length_max,
+            "completions/clipped_ratio": stats.clipped_ratio,
             "trained_share": self._groups_trained / max(1, self.buffer.offered),
         }
 
@@ -375,17 +379,22 @@ class LearnerComponent:
             self.metrics.append_completions(record.step, sample_completions(groups, self.log_completions))
 
     def _rollout_reward_since_last_step(self) -> dict[str, float]:
-        """Mean reward of every group offered since the previous step, zero-variance ones included.
+        """Mean reward of every group offered since the previous step, zero-variance ones included, and the share of
+        those groups whose completions all scored the same (TRL's frac_reward_zero_std, over what was sampled).
 
         The step's own reward_mean covers only the groups it trained on, which skipping
         zero-variance groups biases towards 0.5; this one tracks what the policy scores.
         """
-        count, total = self.buffer.offered, self.buffer.offered_reward_sum
-        seen_count, seen_total = self._offered_seen
-        self._offered_seen = (count, total)
+        count, total, zero_std = self.buffer.offered, self.buffer.offered_reward_sum, self.buffer.offered_zero_std
+        seen_count, seen_total, seen_zero_std = self._offered_seen
+        self._offered_seen = (count, total, zero_std)
         if count == seen_count:
             return {}
-        return {"rollout_reward_mean": (total - seen_total) / (count - seen_count)}
+        offered = count - seen_count
+        return {
+            "rollout_reward_mean": (total - seen_total) / offered,
+            "frac_reward_zero_std": (zero_std - seen_zero_std) / offered,
+        }
 
     def save_state(self) -> None:
         """Checkpoint and save the final policy, with its card, now (at the end of the run, on Ctrl-C): a later

@@ -18,7 +18,7 @@ from pathlib import Path
 from hub.records.schema import StepRecord
 from hub.training.trackers import LoggedCompletion, Trackers
 from shared.rollout import Group
-from shared.tasks.rewards import mean_applied
+from shared.tasks.rewards import mean_applied, std_applied
 
 
 def sample_completions(groups: Sequence[Group], n: int) -> list[LoggedCompletion]:
@@ -127,12 +127,18 @@ def policy_reward(row: Mapping[str, float]) -> float:
 
 
 def reward_means(groups: Sequence[Group]) -> dict[str, float]:
-    """Each reward function's mean over the completions of `groups` it applies to, by TRL's key
-    "rewards/<name>/mean" (a dataset's reward functions name their values; a function that applied to none, or
-    a task of its own class, logs nothing)."""
+    """Each reward function's mean and standard deviation over the completions of `groups` it applies to, by TRL's
+    keys "rewards/<name>/mean" and "rewards/<name>/std" (a dataset's reward functions name their values; a function
+    that applied to none, or a task of its own class, logs nothing; the std needs two values)."""
     values: dict[str, list[float | None]] = {}
     for group in groups:
         for name, part in group.reward_parts:
             values.setdefault(name, []).extend(part)
-    means = {name: mean_applied(part) for name, part in values.items()}
-    return {f"rewards/{name}/mean": mean for name, mean in means.items() if mean is not None}
+    out: dict[str, float] = {}
+    for name, part in values.items():
+        mean, std = mean_applied(part), std_applied(part)
+        if mean is not None:
+            out[f"rewards/{name}/mean"] = mean
+        if std is not None:
+            out[f"rewards/{name}/std"] = std
+    return out

@@ -86,6 +86,16 @@ def mean_applied(values: Sequence[float | None]) -> float | None:
     return math.fsum(applied) / len(applied) if applied else None
 
 
+def std_applied(values: Sequence[float | None]) -> float | None:
+    """The standard deviation of the values that are not None, with Bessel's correction (TRL's nanstd); None with
+    fewer than two."""
+    applied = [v for v in values if v is not None]
+    if len(applied) < 2:
+        return None
+    mean = math.fsum(applied) / len(applied)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in applied) / (len(applied) - 1))
+
+
 def reward_specs(reward: str | Sequence[str]) -> tuple[str, ...]:
     """The specs of `--reward a,b` (a string, or one spec per entry as hub.toml lists them)."""
     items = reward.split(",") if isinstance(reward, str) else list(reward)
