@@ -135,8 +135,8 @@ def reward_means(groups: Sequence[Group]) -> dict[str, float]:
         for name, part in group.reward_parts:
             values.setdefault(name, []).extend(part)
     out: dict[str, float] = {}
-    for name, part in values.items():
-        mean, std = mean_applied(part), std_applied(part)
+    for name, applied in values.items():
+        mean, std = mean_applied(applied), std_applied(applied)
         if mean is not None:
             out[f"rewards/{name}/mean"] = mean
         if std is not None:
