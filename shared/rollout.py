@@ -52,6 +52,12 @@ class Group(BaseModel):
     completions: tuple[Completion, ...]
     rewards: tuple[float, ...]
     node_id: str = Field("", description="peer id of the node that made it ('' for in-process)")
+    logged_metrics: tuple[tuple[str, float], ...] = Field(
+        (), description="what the task's reward functions logged with TRL's log_metric while scoring it, (name, value)"
+    )
+    logged_columns: tuple[tuple[str, tuple[str | float | None, ...]], ...] = Field(
+        (), description="what they logged with TRL's log_extra: a column name and one value per completion"
+    )
     reward_parts: tuple[tuple[str, tuple[float | None, ...]], ...] = Field(
         (),
         description="per reward function of the task: its name and values (None: it does not apply), then each number a verl dict held beside its score as <function>/<key>; the hub's own scores",

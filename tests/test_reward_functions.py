@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hub.config import HubConfig
-from hub.training.metrics import read_metrics, reward_means
+from hub.training.metrics import logged_metric_means, read_completions, read_metrics, reward_means, sample_completions
 from shared.config import ConfigError, load_config
 from shared.layout import METRICS_FILE
 from shared.rollout import Completion, Group
@@ -83,6 +83,46 @@ def test_trl_functions_get_token_ids_and_trainer_state_and_combine_by_weight(tmp
     # On a "free" row length_gap returns None: only reversed_chars counts.
     free_scores = checked_scores(task, free, ["olleh", "oxxxx"], GroupContext(((1,), (1, 2)), version=0))
     assert free_scores.rewards == (1.0, 0.2) and free_scores.parts[1] == ("length_gap", (None, None))
+
+
+def test_trl_functions_log_metrics_and_columns_and_may_be_async(tmp_path: Path) -> None:
+    """TRL's log_metric and log_extra reach a function (an async one too, awaited) and stay with its group: a step
+    averages the metric over its groups, and the sample completions carry the column; trainer_state.max_steps is the
+    run's --steps."""
+    from hub.config import HubConfig
+    from hub.training.tasks import load_hub_task
+    from hub.training.trackers import _markdown_table
+
+    path = jsonl(tmp_path / "rows.jsonl", ROWS)
+    config = HubConfig.model_validate({"steps": 7, "dataset": {"reward": f"{TRL}:reversed_chars,{TRL}:judged"}})
+    task = load_hub_task(str(path), config, None)
+    first, second = task.prompts()[:2]
+    scores = checked_scores(task, first, ["cba", "c b a"], GroupContext(((1,), (2,)), version=1))
+    assert scores.rewards == pytest.approx((2.0, 1 / 3)) and scores.parts[1] == ("judged", (1.0, 0.0))
+    assert scores.metrics == (("judge/max_steps", 7.0),) and scores.columns == (("verdict", ("tidy", "spaced")),)
+    other = checked_scores(task, second, ["x"], GroupContext(((1,),), version=1))
+    groups = [
+        Group(
+            prompt_id=prompt.id,
+            prompt_text=prompt.text,
+            version=1,
+            completions=tuple(
+                Completion(token_ids=(1,), logprobs=(-1.0,), finish_reason="stop", version=1, text=text) for text in texts
+            ),
+            rewards=s.rewards,
+            reward_parts=s.parts,
+            logged_metrics=s.metrics + (("judge/seen", float(len(texts))),),
+            logged_columns=s.columns,
+        )
+        for prompt, texts, s in ((first, ["cba", "c b a"], scores), (second, ["x"], other))
+    ]
+    assert logged_metric_means(groups) == {"judge/max_steps": 7.0, "judge/seen": 1.5}
+    sampled = sample_completions(groups, 3)
+    assert [c.extra for c in sampled] == [{"verdict": "tidy"}, {"verdict": "tidy"}, {"verdict": "spaced"}]
+    table = _markdown_table(4, sampled).splitlines()
+    assert table[0] == "| step | prompt | completion | reward | version | verdict |" and table[2].endswith("| tidy |")
+    with pytest.raises(RewardError, match=r"logs_badly raised ValueError: log_extra\('verdict', ...\) takes one value per"):
+        checked_scores(DatasetTask(path, DatasetOptions(reward=f"{TRL}:logs_badly")), first, ["a", "b"])
 
 
 def test_reward_mistakes_name_the_function(tmp_path: Path) -> None:
@@ -269,12 +309,16 @@ def test_a_trl_reward_file_with_two_weighted_functions_trains(tmp_path: Path) ->
     # Every row "fixed", so length_gap applies to each step's prompts (on "free" rows it returns None, and a step
     # that drew only those had no length_gap metric at all; the skip is checked in the unit test above).
     path = jsonl(tmp_path / "rows.jsonl", [{**row, "kind": "fixed"} for row in ROWS] * 4)
-    rows = train(
-        tmp_path / "data", "--task", str(path), "--reward", f"{TRL}:reversed_chars,{TRL}:length_gap", "--reward-weights", "1,0.5"
-    )
+    rewards = f"{TRL}:reversed_chars,{TRL}:length_gap,{TRL}:judged"
+    data = tmp_path / "data"
+    rows = train(data, "--task", str(path), "--reward", rewards, "--reward-weights", "1,0.5,0", "--log-completions", "2")
     for row in rows:
         assert 0.0 <= row["rewards/reversed_chars/mean"] <= 1.0
         assert row["rewards/length_gap/mean"] <= 0.0
+        assert row["judge/max_steps"] == 2.0 and 0.0 <= row["rewards/judged/mean"] <= 1.0  # the async judge's log_metric
+    logged = read_completions(data / METRICS_FILE)
+    assert [len(r["completions"]) for r in logged] == [2, 2]
+    assert all(c["extra"]["verdict"] in ("tidy", "spaced") for r in logged for c in r["completions"])  # its log_extra
 
 
 @pytest.mark.slow

@@ -43,7 +43,14 @@ from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries,
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
 from hub.training.evaluation import EvalRunner
 from hub.training.learner import Learner, StepStats
-from hub.training.metrics import MetricsWriter, bubble_ratio, cut_completions_warning, reward_means, sample_completions
+from hub.training.metrics import (
+    MetricsWriter,
+    bubble_ratio,
+    cut_completions_warning,
+    logged_metric_means,
+    reward_means,
+    sample_completions,
+)
 from hub.training.trackers import Trackers
 from shared.crypto import Identity
 from shared.delta import build_delta_snapshot
@@ -297,6 +304,7 @@ class LearnerComponent:
                 clip_frac=stats.clip_frac,
                 staleness_budget=self.staleness,
                 extra={
+                    **logged_metric_means(taken.groups),  # the reward functions' own: ours win a shared name
                     "loss": stats.loss,
                     "ratio_mean": stats.ratio_mean,
                     "ratio_max": stats.ratio_max,

@@ -9,6 +9,7 @@ the newest line but never invent one; a torn last line is cut off when the file 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,8 @@ from shared.tasks.rewards import mean_applied, std_applied
 
 
 def sample_completions(groups: Sequence[Group], n: int) -> list[LoggedCompletion]:
-    """Up to `n` of a step's completions, spread over its prompts: each group's first, then each one's second..."""
+    """Up to `n` of a step's completions, spread over its prompts: each group's first, then each one's second...;
+    each with the columns the reward functions logged for it (TRL's log_extra)."""
     picked: list[LoggedCompletion] = []
     width = max((len(g.completions) for g in groups), default=0)
     for index in range(width):
@@ -31,8 +33,21 @@ def sample_completions(groups: Sequence[Group], n: int) -> list[LoggedCompletion
                 return picked
             if index < len(group.completions):
                 completion = group.completions[index]
-                picked.append(LoggedCompletion(group.prompt_text, completion.text, group.rewards[index], completion.version))
+                extra = {column: values[index] for column, values in group.logged_columns}
+                picked.append(
+                    LoggedCompletion(group.prompt_text, completion.text, group.rewards[index], completion.version, extra)
+                )
     return picked
+
+
+def logged_metric_means(groups: Sequence[Group]) -> dict[str, float]:
+    """Each metric the reward functions logged (TRL's log_metric) while scoring `groups`, averaged over its calls
+    as TRL averages over a logging step."""
+    values: dict[str, list[float]] = {}
+    for group in groups:
+        for name, value in group.logged_metrics:
+            values.setdefault(name, []).append(value)
+    return {name: math.fsum(logged) / len(logged) for name, logged in values.items()}
 
 
 # Past this share of a step's completions cut at max_new_tokens, most rewards score unfinished answers.
@@ -85,7 +100,7 @@ class MetricsWriter:
     def append_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
         """One line {"completions_step": step, "completions": [...]}, and a table in each tracker."""
         with self._lock:
-            self._write(json.dumps({"completions_step": step, "completions": [asdict(c) for c in completions]}))
+            self._write(json.dumps({"completions_step": step, "completions": [_completion_json(c) for c in completions]}))
             if self.trackers is not None:
                 self.trackers.log_completions(step, completions)
 
@@ -95,6 +110,14 @@ class MetricsWriter:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def _completion_json(completion: LoggedCompletion) -> dict[str, object]:
+    """A sample completion as metrics.jsonl holds it: its log_extra columns under "extra", when it has any."""
+    out = asdict(completion)
+    if not completion.extra:
+        del out["extra"]
+    return out
 
 
 def _rows(path: Path) -> list[dict[str, float]]:

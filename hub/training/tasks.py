@@ -5,7 +5,7 @@ one finite number per completion."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 
 def load_hub_task(spec: str, config: HubConfig, model_dir: Path | None) -> Task:
-    """A task spec read with the config's dataset options (columns, reward, chat)."""
-    return load_task(spec, config.dataset.options(), model_dir)
+    """A task spec read with the config's dataset options (columns, reward, chat) and the run's length (the rewards'
+    trainer_state.max_steps)."""
+    return load_task(spec, replace(config.dataset.options(), max_steps=config.steps), model_dir)
 
 
 def held_out(config: HubConfig, task: Task, model_dir: Path | None) -> tuple[Task, Task]:

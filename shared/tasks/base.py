@@ -50,12 +50,21 @@ class GroupContext:
 RewardParts = tuple[tuple[str, tuple[float | None, ...]], ...]
 
 
+# What TRL-style reward functions logged while scoring one group: each log_metric(name, value) call, and each
+# log_extra(column, values) column with one value per completion (a number, text or None).
+LoggedMetrics = tuple[tuple[str, float], ...]
+LoggedColumns = tuple[tuple[str, tuple[str | float | None, ...]], ...]
+
+
 @dataclass(frozen=True)
 class Scores:
-    """A group's rewards, one per completion, and, for a task of several reward functions, each one's values."""
+    """A group's rewards, one per completion, and, for a task of several reward functions, each one's values and what
+    they logged (TRL's log_metric and log_extra)."""
 
     rewards: tuple[float, ...]
     parts: RewardParts = ()
+    metrics: LoggedMetrics = ()
+    columns: LoggedColumns = ()
 
 
 class Task(ABC):

@@ -31,6 +31,7 @@ from shared.tasks.rewards import (
     Reward,
     RewardCall,
     RewardFn,
+    RewardLog,
     RewardState,
     RewardStyle,
     check_callable,
@@ -59,6 +60,7 @@ class DatasetOptions:
     id_prefix: str = "row"
     reward_weights: tuple[float, ...] = ()  # one per reward (empty: 1.0 each)
     reward_style: RewardStyle = "auto"
+    max_steps: int = 0  # the run's --steps, TRL's trainer_state.max_steps (0: until interrupted)
 
 
 @dataclass(frozen=True)
@@ -334,9 +336,17 @@ class DatasetTask(Task):
         else:
             prompts, shown = [prompt.text] * n, list(completions)
         ids = [list(t) for t in context.completion_ids] if context is not None else [[] for _ in completions]
-        state = RewardState(context.version if context is not None else 0)
+        state = RewardState(context.version if context is not None else 0, self.options.max_steps)
         return RewardCall(
-            prompt, prompts, shown, list(completions), ids, state, self._rows.get(prompt.id, {}), self._truths.get(prompt.id)
+            prompt,
+            prompts,
+            shown,
+            list(completions),
+            ids,
+            state,
+            self._rows.get(prompt.id, {}),
+            self._truths.get(prompt.id),
+            RewardLog(n),
         )
 
     def prompts(self) -> list[Prompt]:
@@ -356,7 +366,8 @@ class DatasetTask(Task):
         total = combine_rewards(scored.parts, self._weights)
         self.unlogged.update(scored.dropped)
         named = tuple(zip(self.reward_names, scored.parts)) + scored.extras
-        return Scores(valid_rewards(self.reward_name, prompt, total, len(completions)), named)
+        rewards = valid_rewards(self.reward_name, prompt, total, len(completions))
+        return Scores(rewards, named, scored.metrics, scored.columns)
 
     def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
         return self.scores(prompt, completions, None).rewards
