@@ -63,6 +63,16 @@ class LearnerConfig(Section):
         0.2, ge=0.0, lt=1.0, description="lower PPO clip range (below 1: the clip keeps ratios above 1 - eps_low > 0)"
     )
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="upper PPO clip range")
+    loss_type: Literal["dapo", "bnpo", "grpo", "dr_grpo"] = Field(
+        "dapo",
+        description="how a step's token losses add up (TRL's loss_type): dapo the mean over its tokens (bnpo the same: a step is one exactly accumulated batch), grpo each completion's mean then their mean, dr_grpo their sum over completions x max_new_tokens",
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=1,
+        description="TRL's num_iterations (mu), which must stay 1: each group trains once, and --staleness S bounds how stale it may be instead",
+    )
     use_is_ratio: bool = Field(True, description="importance-weight stale rollouts (off: treat them as on-policy)")
     max_is_ratio: float | None = Field(None, gt=1.0, description="mask tokens whose ratio exceeds this")
     beta: float = Field(0.0, ge=0.0, le=10.0, description="KL penalty weight to the initial policy")
@@ -138,6 +148,19 @@ class LearnerConfig(Section):
     def _transformers_name(cls, value: object) -> object:
         """transformers' `constant_with_warmup` (TRL users' value) is our constant, which warms up as asked."""
         return "constant" if value == "constant_with_warmup" else value
+
+    @field_validator("num_iterations", mode="before")
+    @classmethod
+    def _one_iteration(cls, value: object) -> object:
+        """mu > 1 refused in words: what it does, and the setting that does the same here."""
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise ValueError(
+                f"{value} (TRL's mu) would train each batch of rollouts {value} times, the later passes on rollouts up "
+                f"to {value - 1} version{'s' if value > 2 else ''} stale; echo2 trains each group once and lets it be up "
+                f"to S versions stale instead: leave it at 1 and set --staleness S >= {value - 1} for as much reuse of "
+                "off-policy rollouts"
+            )
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -367,6 +390,12 @@ class DatasetConfig(Section):
         description="how module:function rewards are called: trl, verl (compute_score) or auto (verl when it takes solution_str)",
     )
     split: str = Field("train", min_length=1, max_length=256, description="split of a save_to_disk DatasetDict to read")
+    max_prompt_length: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="longest prompt in tokens: a longer one is refused at start, naming the count and the longest (verl's truncation='error'; nothing is cut), for --task and --eval-task (None: the model's context is the bound)",
+    )
     chat: bool = Field(
         False,
         description="render string prompts as one user message with the tokenizer's chat template (message lists always are)",

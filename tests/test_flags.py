@@ -82,6 +82,7 @@ def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
         ("--lr-scheduler-type", "polynomial", "learner.lr_scheduler"),
         ("--warmup-ratio", "2", "learner.warmup_ratio"),
         ("--log-completions", "-1", "tracking.log_completions"),
+        ("--loss-type", "cispo", "learner.loss_type"),
     ):
         assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, flag, value), field)
     toml = tmp_path / "hub.toml"
@@ -93,6 +94,18 @@ def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
         "--lr-scheduler cosine",
         "needs --steps N",
     )
+
+
+def test_more_than_one_iteration_is_refused_saying_how_staleness_relates(tmp_path: Path) -> None:
+    """TRL's num_iterations reuses each batch of rollouts: refused in one line that names S as the setting here."""
+    before = snapshot_of(tmp_path)
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--num-iterations", "3"),
+        "learner.num_iterations: 3 (TRL's mu) would train each batch of rollouts 3 times",
+        "up to 2 versions stale",
+        "--staleness S >= 2",
+    )
+    assert snapshot_of(tmp_path) == before
 
 
 def test_an_epsilon_the_loss_cannot_take_is_refused_before_anything_runs(tmp_path: Path) -> None:

@@ -252,6 +252,20 @@ def test_micro_batches_and_checkpointing_give_the_one_batch_gradient():
         assert stats.clip_frac == pytest.approx(whole_stats.clip_frac, abs=1e-9)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_row_mean_loss_types_give_the_one_batch_gradient_over_micro_batches(loss_type):
+    """grpo and dr_grpo average over rows, not tokens: micro-batches weighted by their rows add up to the whole
+    batch's gradient, and the loss differs from dapo's token mean on rows of different lengths."""
+    groups = synthetic_groups()
+    whole_stats, whole = step_gradients(LearnerConfig(micro_batch_tokens=1_000_000, loss_type=loss_type), groups)
+    stats, grads = step_gradients(LearnerConfig(micro_batch_tokens=64, loss_type=loss_type), groups)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, whole[name], rtol=1e-4, atol=1e-7), name
+    assert stats.loss == pytest.approx(whole_stats.loss, rel=1e-5, abs=1e-7)
+    dapo_stats, _ = step_gradients(LearnerConfig(micro_batch_tokens=1_000_000), groups)
+    assert whole_stats.loss != pytest.approx(dapo_stats.loss, rel=1e-3)
+
+
 def test_compiled_layers_give_the_eager_gradient_at_every_length():
     """--compile: each decoder layer compiled with dynamic shapes gives the eager step's loss and gradient, and
     a second batch of other lengths (other packed shapes) reuses the compiled graphs with no recompile."""

@@ -214,6 +214,7 @@ TRAINING_SETTINGS = {
     "max_is_ratio": "learner.max_is_ratio",
     "beta": "learner.beta",
     "advantage_scale": "learner.advantage_scale",
+    "loss_type": "learner.loss_type",
     "lr_scheduler": "learner.lr_scheduler",
     "warmup_ratio": "learner.warmup_ratio",
     "skip_zero_variance": "learner.skip_zero_variance",

@@ -142,6 +142,18 @@ def overlong_prompts(prompts: list[Prompt], lengths: list[int], context: int, ma
     )
 
 
+def prompts_past(prompts: list[Prompt], lengths: list[int], limit: int) -> str | None:
+    """'N of M prompts are longer than --max-prompt-length ...' naming the longest; None when every one fits."""
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if not over:
+        return None
+    worst = max(over, key=lengths.__getitem__)
+    return (
+        f"{len(over)} of {len(prompts)} prompts are longer than --max-prompt-length {limit} tokens, e.g. "
+        f"{prompts[worst].id} with {lengths[worst]} tokens: shorten or drop them, or raise --max-prompt-length"
+    )
+
+
 def max_new_tokens_past_context(max_new_tokens: int, context: int, longest: int) -> str | None:
     """'--max-new-tokens N is past the model's context ...' when no prompt could fit beside it; None when it fits."""
     if max_new_tokens < context:
@@ -170,7 +182,7 @@ def _check_context(readings: list[PromptReading], context: int, max_new_tokens: 
 
 def check_prompts(config: HubConfig, task: Task, eval_task: Task | None) -> list[str]:
     """The data checks of `echo-hub start`: every prompt of the training task (and of --eval-task) fits the
-    model's context beside max_new_tokens and reaches the model whole. UserError with the numbers on the first
+    model's context beside max_new_tokens, and --max-prompt-length when given, and reaches the model whole. UserError with the numbers on the first
     mistake; the warning lines to print when --allow-lossy-prompts lets lossy prompts through."""
     tokenizer, context = model_reading(config.model)
     tasks = {f"--task {config.task}": task}
@@ -179,6 +191,10 @@ def check_prompts(config: HubConfig, task: Task, eval_task: Task | None) -> list
     readings = [read_task(flag, t, tokenizer) for flag, t in tasks.items()]
     if context is not None:
         _check_context(readings, context, config.sampling.max_new_tokens)
+    limit = config.dataset.max_prompt_length
+    for r in readings:
+        if limit is not None and (mistake := prompts_past(r.prompts, r.lengths, limit)) is not None:
+            raise UserError(f"{r.flag}: {mistake}")
     warnings = []
     for r in readings:
         if (lossy := lossy_prompts(r.prompts, r.seen)) is None:
