@@ -503,6 +503,12 @@ class HubConfig(Section):
     save_rollouts_max_gb: float = Field(
         10.0, gt=0.0, le=1e6, description="--save-rollouts keeps at most this many GB: the oldest shards are deleted"
     )
+    repetition_penalty: float = Field(
+        1.0,
+        ge=1.0,
+        le=1.0,
+        description="TRL's repetition_penalty, which must stay 1.0: it would make each token's distribution depend on the completion's earlier tokens, which the hub's exact log-prob recompute (audits, the learner's importance ratios) does not model",
+    )
     learner: LearnerConfig = LearnerConfig()
     sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
     lease: LeaseConfig = LeaseConfig()
@@ -512,6 +518,20 @@ class HubConfig(Section):
     dataset: DatasetConfig = DatasetConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @field_validator("repetition_penalty", mode="before")
+    @classmethod
+    def _no_repetition_penalty(cls, value: object) -> object:
+        """A penalty refused in words: why it cannot be audited, and what to use instead."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1.0:
+            raise ValueError(
+                f"{value:g} would penalise tokens the prompt and the completion already hold, so a token's "
+                "probability would depend on the completion's own earlier tokens; the hub recomputes every audited "
+                "log-prob and the learner's importance ratios from the model's distribution alone (temperature, "
+                "top-p, top-k, min-p), so a penalty would fail honest nodes' audits: leave it at 1.0, and shape "
+                "repetition through the reward"
+            )
+        return value
 
     @property
     def key_path(self) -> Path:

@@ -25,6 +25,10 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10.0, description="softmax temperature")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept before sampling")
+    top_k: int = Field(0, ge=0, le=1 << 20, description="keep only the k most likely tokens before sampling (0: off)")
+    min_p: float = Field(
+        0.0, ge=0.0, lt=1.0, description="drop tokens less likely than min_p x the most likely one before sampling (0: off)"
+    )
     max_new_tokens: int = Field(16, ge=1, le=65536, description="completion length cap in tokens")
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="RNG seed for reproducible sampling")
 

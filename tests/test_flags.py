@@ -83,6 +83,8 @@ def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
         ("--warmup-ratio", "2", "learner.warmup_ratio"),
         ("--log-completions", "-1", "tracking.log_completions"),
         ("--loss-type", "cispo", "learner.loss_type"),
+        ("--top-k", "-1", "sampling.top_k"),
+        ("--min-p", "1", "sampling.min_p"),
     ):
         assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, flag, value), field)
     toml = tmp_path / "hub.toml"
@@ -104,6 +106,16 @@ def test_more_than_one_iteration_is_refused_saying_how_staleness_relates(tmp_pat
         "learner.num_iterations: 3 (TRL's mu) would train each batch of rollouts 3 times",
         "up to 2 versions stale",
         "--staleness S >= 2",
+    )
+    assert snapshot_of(tmp_path) == before
+
+
+def test_a_repetition_penalty_is_refused_saying_why_audits_could_not_check_it(tmp_path: Path) -> None:
+    before = snapshot_of(tmp_path)
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--repetition-penalty", "1.1"),
+        "repetition_penalty: 1.1 would penalise tokens",
+        "would fail honest nodes' audits",
     )
     assert snapshot_of(tmp_path) == before
 

@@ -221,6 +221,8 @@ TRAINING_SETTINGS = {
     "max_new_tokens": "sampling.max_new_tokens",
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p",
     "prompt_column": "dataset.prompt_column",
     "answer_column": "dataset.answer_column",
     "reward": "dataset.reward",

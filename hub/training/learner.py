@@ -486,6 +486,8 @@ class Learner:
                 rows.completion_ids[part],
                 temperature=self.sampling.temperature,
                 top_p=self.sampling.top_p,
+                top_k=self.sampling.top_k,
+                min_p=self.sampling.min_p,
             )
             ref_logprobs = None
             if self.reference is not None:
@@ -531,6 +533,8 @@ class Learner:
             rows.completion_ids[part],
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k,
+            min_p=self.sampling.min_p,
         )
 
     def _reduce_and_update(self, tally: _Tally) -> tuple[_Tally, float]:
