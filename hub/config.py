@@ -510,7 +510,8 @@ class HubConfig(Section):
         description="TRL's repetition_penalty, which must stay 1.0: it would make each token's distribution depend on the completion's earlier tokens, which the hub's exact log-prob recompute (audits, the learner's importance ratios) does not model",
     )
     learner: LearnerConfig = LearnerConfig()
-    sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
+    # The section's own defaults, so that a flag setting one field of it (--top-p) leaves the others at theirs.
+    sampling: SamplingParams = SamplingParams()
     lease: LeaseConfig = LeaseConfig()
     broadcast: BroadcastConfig = BroadcastConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

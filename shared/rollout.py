@@ -29,7 +29,9 @@ class SamplingParams(BaseModel):
     min_p: float = Field(
         0.0, ge=0.0, lt=1.0, description="drop tokens less likely than min_p x the most likely one before sampling (0: off)"
     )
-    max_new_tokens: int = Field(16, ge=1, le=65536, description="completion length cap in tokens")
+    max_new_tokens: int = Field(
+        10, ge=1, le=65536, description="completion length cap in tokens (10 suits the embedded model's task)"
+    )
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="RNG seed for reproducible sampling")
 
 

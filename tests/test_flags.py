@@ -183,6 +183,8 @@ def test_a_users_model_gets_trls_defaults_for_what_was_not_set(tmp_path: Path) -
     config = load_config(HubConfig, toml, flags, aliases=_flat_keys())
     assert with_user_model_defaults(config, own_model=True) == (config, None)
     assert with_user_model_defaults(HubConfig(), own_model=False) == (HubConfig(), None)
+    # One sampling flag leaves the section's other fields at their defaults (--top-p once made max_new_tokens 16).
+    assert load_config(HubConfig, None, {"sampling.top_p": 0.9}).sampling.max_new_tokens == HubConfig().sampling.max_new_tokens
     assert _own_model(tmp_path / "mine") and not _own_model(None) and not _own_model(default_model_dir())
 
     result = run("hub.cli", "start", "--model", str(tmp_path / "mine"), "--max-completion-length", "64", "--print-config")
