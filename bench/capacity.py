@@ -13,9 +13,10 @@ averages over the next learner steps, at least --steps-per-point and until the m
 standard error is at most --target-se (per-step bubbles range from 0 to 0.7 near mu_min, so 30 steps
 leave an error of about 0.05): measured bubble = sum(T_idle) / sum(T_idle + T_train)
 (metrics.jsonl), predicted = hub.method.capacity.predicted_bubble(kappa, R / usable, mean T_train, mean
-T_bcast, mu_pool) with mu_pool the hub's measured pool throughput and usable the share of accepted
-groups it trained on (status.json), over the same steps: the per-period balance, every node charged
-T_bcast's stall; hub_predicted_bubble is the mean of the hub's own per-step predictions
+T_bcast, mu_pool) with mu_pool the hub's measured pool throughput and usable the share the hub sizes by
+(metrics.jsonl), over the same steps: the per-period balance, every node charged T_bcast's stall, under each
+capacity rule (refined: only past (S - kappa) T_train; paper: all of it), whose mean absolute errors
+`rule_errors` gives: the hub's default rule is the one that measures closer; hub_predicted_bubble is the mean of the hub's own per-step predictions
 (metrics.jsonl), which charge each node its own install's stall (hub.method.capacity.pool_stall_s) and also
 count the first step that needs the newest version (hub.method.capacity.first_step_idle_s), both from when
 heartbeats showed each node holding it.
@@ -40,7 +41,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from hub.method.capacity import InfeasibleCapacity, mu_min, predicted_bubble
+from hub.method.capacity import InfeasibleCapacity, mu_min, predicted_bubble, rule_staleness
 from hub.training.metrics import read_metrics
 from shared.layout import METRICS_FILE
 from shared.messages import HubStatus
@@ -94,14 +95,15 @@ class Point:
     mu_pool: float
     measured_bubble: float
     measured_se: float  # standard error of measured_bubble (batch means of SE_BATCH_STEPS steps)
-    predicted_bubble: float
+    predicted_bubble: float  # the refined rule's (the broadcast stalls only past (S - kappa) T_train)
+    predicted_bubble_paper: float  # the paper's rule's (the whole T_bcast stalls every period)
     # The hub's own per-step prediction (metrics.jsonl), which also models the first step that needs the
     # newest version from when the pool got it (hub.method.capacity.first_step_idle_s); None if it made none.
     hub_predicted_bubble: float | None
     t_train_s: float
     t_bcast_s: float
     mu_min: float | None  # None: kappa*T_train <= T_bcast at this point, no pool keeps the learner busy
-    usable_fraction: float  # share of accepted groups trained on; the model plans for R / this
+    usable_fraction: float  # the share the hub sizes by (stale drops counted as usable); the model plans for R / this
     steps: int
 
 
@@ -189,8 +191,9 @@ def measure_point(run: Run, settle_steps: int, min_steps: int, max_steps: int, t
     bubble, se = bubble_and_se(rows, SE_BATCH_STEPS)
     t_train = sum(m["t_train_s"] for m in rows) / len(rows)
     mu_pool = sum(s.mu_pool for s in samples) / len(samples)
-    usable = sum(s.usable_fraction for s in samples) / len(samples)
-    rollouts_per_step = ROLLOUTS_PER_STEP / usable  # as the hub's scheduler plans: skipped groups count
+    # The usable share the hub's scheduler plans by (metrics.jsonl's: hub.method.capacity.fresh_usable_fraction).
+    usable = sum(m["usable_fraction"] for m in rows) / len(rows)
+    rollouts_per_step = ROLLOUTS_PER_STEP / usable
     bcasts = [s.t_bcast_s for s in samples if s.t_bcast_s is not None]
     t_bcast = sum(bcasts) / len(bcasts)
     hub_predicted = [m["predicted_bubble"] for m in rows if m.get("predicted_bubble") is not None]
@@ -198,7 +201,12 @@ def measure_point(run: Run, settle_steps: int, min_steps: int, max_steps: int, t
         mu_pool=mu_pool,
         measured_bubble=bubble,
         measured_se=se,
-        predicted_bubble=predicted_bubble(KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool, STALENESS),
+        predicted_bubble=predicted_bubble(
+            KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool, rule_staleness("refined", STALENESS)
+        ),
+        predicted_bubble_paper=predicted_bubble(
+            KAPPA, rollouts_per_step, t_train, t_bcast, mu_pool, rule_staleness("paper", STALENESS)
+        ),
         hub_predicted_bubble=sum(hub_predicted) / len(hub_predicted) if hub_predicted else None,
         t_train_s=t_train,
         t_bcast_s=t_bcast,
@@ -215,11 +223,21 @@ def feasible_mu_min(rollouts_per_step: float, t_train: float, t_bcast: float) ->
         return None
 
 
+def rule_errors(points: list[Point]) -> dict[str, float]:
+    """Each capacity rule's mean absolute error against the measured bubble: the default rule is the one that
+    measures closer (hub/config.py's scheduler.capacity_rule)."""
+    return {
+        "refined": statistics.fmean(abs(p.predicted_bubble - p.measured_bubble) for p in points),
+        "paper": statistics.fmean(abs(p.predicted_bubble_paper - p.measured_bubble) for p in points),
+    }
+
+
 def describe(point: Point) -> str:
     needed = "infeasible" if point.mu_min is None else f"{point.mu_min:.1f}/s"
     return (
         f"mu_pool {point.mu_pool:.1f}/s (mu_min {needed}): "
-        f"bubble {point.measured_bubble:.3f} ± {point.measured_se:.3f} measured over {point.steps} steps, {point.predicted_bubble:.3f} predicted"
+        f"bubble {point.measured_bubble:.3f} ± {point.measured_se:.3f} measured over {point.steps} steps, "
+        f"{point.predicted_bubble:.3f} predicted ({point.predicted_bubble_paper:.3f} by the paper's rule)"
         + ("" if point.hub_predicted_bubble is None else f" ({point.hub_predicted_bubble:.3f} by the hub)")
     )
 
@@ -286,7 +304,8 @@ def plot(points: list[Point], path: Path) -> None:
     # Absolute throughput: mu_min moves with the measured T_bcast and can be undefined at a point.
     x = [p.mu_pool for p in ordered]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted (per-period balance, T_bcast stall)")
+    ax.plot(x, [p.predicted_bubble for p in ordered], "o--", label="predicted, refined rule (per-period balance)")
+    ax.plot(x, [p.predicted_bubble_paper for p in ordered], "s--", label="predicted, paper's rule (whole T_bcast stalls)")
     if all(p.hub_predicted_bubble is not None for p in ordered):
         ax.plot(x, [p.hub_predicted_bubble for p in ordered], "^:", label="predicted by the hub (own installs, first step)")
     ax.errorbar(
@@ -365,11 +384,13 @@ def main() -> int:
                 "measured_bubble": p.measured_bubble,
                 "measured_se": p.measured_se,
                 "predicted_bubble": p.predicted_bubble,
+                "predicted_bubble_paper": p.predicted_bubble_paper,
                 "hub_predicted_bubble": p.hub_predicted_bubble,
             }
             for p in points
         ],
         "points": [asdict(p) for p in points],
+        "rule_errors": rule_errors(points),
         "plot": str(args.out),
     }
     if not args.skip_cost:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from hub.config import LearnerConfig, SchedulerConfig
-from hub.method.capacity import validate_kappa
+from hub.method.capacity import CapacityRule, validate_kappa
 from shared.config import ConfigError, field_of, read_toml, validated
 
 
@@ -135,6 +135,9 @@ class RunPart(Part):
     fleet_seed: int | None = Field(None, ge=0, description="draw one fleet per size from this seed")
     scenarios: tuple[Literal["cost-aware", "all-on", "star", "sync"], ...] = Field(
         ("cost-aware", "all-on", "star", "sync"), min_length=1, description="scenarios to run"
+    )
+    capacity_rule: tuple[CapacityRule, ...] = Field(
+        ("refined",), min_length=1, max_length=2, description="capacity rules, each running every row (paper, refined)"
     )
 
 

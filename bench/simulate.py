@@ -89,7 +89,16 @@ from hub.cli.plan import PlanError, load_fleet  # noqa: E402
 from hub.config import LeaseConfig, SchedulerConfig  # noqa: E402
 from hub.control.policy import CapacityView, FleetView, capacity_view, decide  # noqa: E402
 from hub.control.staleness import StalenessHold, choose_staleness, staleness_costs  # noqa: E402
-from hub.method.capacity import Arrival, InfeasibleCapacity, NodeOffer, default_kappa, mu_min, predicted_bubble  # noqa: E402
+from hub.method.capacity import (  # noqa: E402
+    Arrival,
+    CapacityRule,
+    InfeasibleCapacity,
+    NodeOffer,
+    default_kappa,
+    mu_min,
+    predicted_bubble,
+    rule_staleness,
+)
 from hub.method.chains import link_kind, plan_chains  # noqa: E402
 from hub.method.drift import DriftMeter  # noqa: E402
 from hub.method.prices import ranking_price  # noqa: E402
@@ -103,6 +112,12 @@ DEFAULT = SimConfig()
 STALENESS = DEFAULT.run.staleness[0]
 NODE_STEPS_MEASURED = 200_000
 EXIT_USAGE_ERROR = 2
+# The decision on adaptive staleness (issue 40): auto is held against the fixed S that keep the drift bound as well
+# as it does, give or take this share of steps, and whose reward ends within REWARD_GAP_MAX of S = 0's; its cost
+# must be at most AUTO_COST_SLACK times the cheapest of those.
+DRIFT_SHARE_SLACK = 0.05
+REWARD_GAP_MAX = 0.05
+AUTO_COST_SLACK = 1.02
 
 
 @dataclass
@@ -134,7 +149,12 @@ class Scenario:
     staleness: int | str  # an int, or "auto" (hub.control.staleness chooses it each publish period)
     broadcast: str
     scheduler: bool
+    capacity_rule: CapacityRule = "refined"  # how the scheduler's capacity model charges the broadcast
 
+
+# The paper's ablation names for the scenarios (its "full system", "without peer broadcast", "without cost-aware
+# activation"); sync has none there.
+VARIANTS = {"cost-aware": "full", "star": "no_peer_broadcast", "all-on": "no_cost_aware", "sync": "sync"}
 
 SCENARIOS = {
     "cost-aware": Scenario("cost-aware", STALENESS, "chain", True),
@@ -213,7 +233,7 @@ class Result:
     staleness_mean: float
     staleness_p95: float
     staleness_max: int
-    dropped_stale_frac: float
+    stale_dropped_fraction: float  # of the rollouts made, the share dropped as too stale
     requests_per_s: dict[str, float] = field(default_factory=dict)
     staleness: int | str = STALENESS  # the row's setting: an int, or "auto"
     # The S in force at the end, and every move auto made: (step, S, why)
@@ -223,6 +243,8 @@ class Result:
     # second half, and the share of those steps above drift_max (a fixed S the guard would not have allowed).
     drift_mean: float = 0.0
     drift_over_bound: float = 0.0
+    capacity_rule: CapacityRule = "refined"
+    variant: str = ""  # the paper's ablation name for the scenario (VARIANTS)
 
 
 class Simulation:
@@ -277,9 +299,6 @@ class Simulation:
         self.step_drifts: list[float] = []  # each second-half step's modelled drift (every row, auto or fixed S)
         self.dropped = 0.0
         self.consumed = 0.0
-        # (consumed, dropped) per recent step: the usable fraction the hub measures (trained / settled)
-        # includes groups dropped as stale, so the model's R / usable counts that waste as the hub's does.
-        self.recent_use: list[tuple[float, float]] = []
         self.t_bcasts: list[float] = []
         self.requests = {"join": 0, "leave": 0}
         self.active_rate = 0.0
@@ -369,6 +388,12 @@ class Simulation:
         cutoff = self.min_useful()
         return sum(rate for v, rate in self.rate_by_version.items() if v >= cutoff) * self.cfg.learner.usable_fraction
 
+    def prune(self) -> None:
+        """Drop what the next take cannot use, as the learner does whenever it looks at its buffer, waiting or not
+        (hub.records.buffer.ReplayBuffer.prune): stale rollouts must not hold the in-flight cap's room."""
+        cutoff = usable_from(self.step, self.window())
+        self.dropped += sum(self.buffer.pop(v) for v in [v for v in self.buffer if v < cutoff])
+
     def buffered(self) -> float:
         cutoff = usable_from(self.step, self.window())  # usable by the next step (t = step + 1)
         return sum(amount for v, amount in self.buffer.items() if v >= cutoff)
@@ -376,10 +401,7 @@ class Simulation:
     # -- learner --------------------------------------------------------------------------
     def start_step(self) -> None:
         t = self.step + 1
-        cutoff = usable_from(t - 1, self.window())
-        dropped = sum(self.buffer.pop(v) for v in [v for v in self.buffer if v < cutoff])
-        self.dropped += dropped
-        self.recent_use = (self.recent_use + [(self.R, dropped)])[-3 * self.kappa :]
+        self.prune()
         need = self.R
         step_ages = []
         for v in sorted(self.buffer):
@@ -437,6 +459,7 @@ class Simulation:
                 self.t_bcast_last or 0.0,
                 self.sched.gamma,
                 self.cfg.learner.price_per_hour,
+                self.sc.capacity_rule,
             )
         choice = choose_staleness(
             self.S, self.cfg.run.staleness_max, drift, self.cfg.run.drift_max, costs, drift_per_version, self.staleness_hold, age
@@ -456,11 +479,9 @@ class Simulation:
         return sum(1 for n in self.nodes.values() if n.state == "active")
 
     def usable(self) -> float:
-        """The usable fraction as the hub measures it: trained over settled, stale drops included."""
-        consumed = sum(c for c, _ in self.recent_use)
-        dropped = sum(d for _, d in self.recent_use)
-        usable = self.cfg.learner.usable_fraction
-        return usable * consumed / (consumed + dropped) if consumed else usable
+        """The usable fraction the hub sizes the fleet by (hub.method.capacity.fresh_usable_fraction): a stale drop
+        counts as usable there, which leaves the configured loss, the only other one simulated."""
+        return self.cfg.learner.usable_fraction
 
     def arrival(self) -> Arrival | None:
         """The newest version's arrival at the active pool, as the hub measures it (LearnerTiming.t_arrive_s)."""
@@ -484,7 +505,7 @@ class Simulation:
             self.t_train_mean(),
             self.t_bcast_last or 0.0,
             self.active_rate,
-            self.S,
+            rule_staleness(self.sc.capacity_rule, self.S),
             self.arrival(),
         )
 
@@ -584,6 +605,7 @@ class Simulation:
             self.S,
             self.arrival(),
             self.sched.gamma,
+            self.sc.capacity_rule,
         )
 
     def control(self) -> None:
@@ -635,6 +657,7 @@ class Simulation:
         while self.step < self.steps and self.now < horizon:
             next_at = self.events[0][0] if self.events else horizon
             if not self.training:
+                self.prune()
                 deficit = self.R - self.buffered()
                 if deficit <= 1e-9:
                     self.start_step()
@@ -700,7 +723,7 @@ class Simulation:
             staleness_mean=round(sum(a * w for a, w in self.staleness) / total, 3),
             staleness_p95=p95,
             staleness_max=max((a for a, _ in self.staleness), default=0),
-            dropped_stale_frac=round(self.dropped / produced, 4) if produced else 0.0,
+            stale_dropped_fraction=round(self.dropped / produced, 4) if produced else 0.0,
             requests_per_s={
                 "join": round(self.requests["join"] / self.now, 3),
                 "heartbeat": round(self.integrated_heartbeats / self.now, 1),
@@ -708,6 +731,8 @@ class Simulation:
                 "submission": round(self.integrated_leases / self.now, 2),
             },
             staleness=self.sc.staleness,
+            capacity_rule=self.sc.capacity_rule,
+            variant=VARIANTS[self.sc.name],
             staleness_final=self.S,
             staleness_moves=self.staleness_moves,
             drift_mean=round(sum(self.step_drifts) / len(self.step_drifts), 5) if self.step_drifts else 0.0,
@@ -785,11 +810,13 @@ def simulate(
     fleet_seed: int | None = None,
     cfg: SimConfig = DEFAULT,
     staleness: int | str | None = None,
+    capacity_rule: CapacityRule = "refined",
 ) -> Result:
     """One run. `seed` drives churn and T_train; the fleet is drawn from `fleet_seed` (None: from `seed` too,
-    so seeds then differ in their fleets as well). `staleness`: S for every scenario but sync (None: STALENESS)."""
+    so seeds then differ in their fleets as well). `staleness`: S for every scenario but sync (None: STALENESS).
+    `capacity_rule`: how the scheduler's capacity model charges the broadcast (hub.method.capacity.rule_staleness)."""
     fleet = build_fleet(n, seed, fleet_seed, cfg)
-    base = SCENARIOS[scenario]
+    base = replace(SCENARIOS[scenario], capacity_rule=capacity_rule)
     sc = base if staleness is None or base.name == "sync" else replace(base, staleness=staleness)
     # The same demand for every scenario of one fleet: the method's R at S = STALENESS, whatever S the scenario runs at.
     rollouts_per_step = cfg.learner.rollouts_per_step or demand(fleet, STALENESS, share, cfg)
@@ -804,6 +831,8 @@ def configured(args: argparse.Namespace) -> SimConfig:
     run = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("fleet_seed", args.fleet_seed)) if v is not None}
     if args.scenarios:
         run["scenarios"] = tuple(args.scenarios.split(","))
+    if args.capacity_rule:
+        run["capacity_rule"] = tuple(args.capacity_rule.split(","))
     fleet = {}
     if args.nodes:
         fleet["nodes"] = tuple(int(x) for x in args.nodes.split(","))
@@ -824,13 +853,15 @@ def configured(args: argparse.Namespace) -> SimConfig:
         raise SimConfigError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
 
 
-def rows_to_run(cfg: SimConfig) -> list[tuple[int, int | str, str]]:
-    """(fleet size, S setting, scenario) of every row: sync (S = 0 whatever the setting) once per size."""
+def rows_to_run(cfg: SimConfig) -> list[tuple[int, int | str, str, CapacityRule]]:
+    """(fleet size, S setting, scenario, capacity rule) of every row: sync (S = 0 whatever the setting) once per
+    size and rule."""
     sizes = (0,) if cfg.fleet.file is not None else cfg.fleet.nodes
     rows = []
     for n in sizes:
-        for i, staleness in enumerate(cfg.run.staleness):
-            rows += [(n, staleness, sc) for sc in cfg.run.scenarios if sc != "sync" or i == 0]
+        for rule in cfg.run.capacity_rule:
+            for i, staleness in enumerate(cfg.run.staleness):
+                rows += [(n, staleness, sc, rule) for sc in cfg.run.scenarios if sc != "sync" or i == 0]
     return rows
 
 
@@ -868,6 +899,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="mu_min as a share of the fleet's expected online throughput (default 0.3; above ~0.6 the fleet falls short)",
     )
+    parser.add_argument(
+        "--capacity-rule",
+        default=None,
+        help="capacity rules, comma-separated: paper (mu_min charges the whole T_bcast), refined (the hub's default: "
+        "only past (S - kappa) T_train); each runs every row (default refined)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--plot", type=Path, default=None, help="write bubble and cost per step vs N to this PNG")
     args = parser.parse_args(argv)
@@ -877,7 +914,12 @@ def main(argv: list[str] | None = None) -> int:
     except (SimConfigError, PlanError, InfeasibleCapacity) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE_ERROR
-    out = {"results": results, "savings": savings(results), "staleness_comparison": staleness_comparison(results)}
+    out = {
+        "results": results,
+        "ablation": ablation(results),
+        "savings": savings(results),
+        "staleness_comparison": staleness_comparison(results),
+    }
     out["saving_spread"] = saving_spread(out["savings"])
     if args.plot:
         plot(results, args.plot)
@@ -888,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_rows(cfg: SimConfig, quiet: bool) -> list[dict]:
     """Every row of the configured runs, as JSON-ready dicts."""
     results = []
-    for n, staleness, scenario in rows_to_run(cfg):
+    for n, staleness, scenario, rule in rows_to_run(cfg):
         for seed in range(cfg.run.seeds):
             started = time.perf_counter()
             size = n or len(load_fleet(cfg.fleet.file))
@@ -901,10 +943,11 @@ def run_rows(cfg: SimConfig, quiet: bool) -> list[dict]:
                 cfg.run.fleet_seed,
                 cfg,
                 staleness,
+                rule,
             )
             if not quiet:
                 print(
-                    f"N={r.nodes:<6} {scenario:<10} S={staleness!s:<4} seed {seed}: bubble {r.bubble_simulated:.3f} "
+                    f"N={r.nodes:<6} {scenario:<10} S={staleness!s:<4} {rule:<7} seed {seed}: bubble {r.bubble_simulated:.3f} "
                     f"(predicted {r.bubble_predicted}) cost/step ${r.cost_per_step:.3f} T_bcast {r.t_bcast_s:.1f}s "
                     f"active {r.active_mean:.0f} ramp {r.ramp_s} [{time.perf_counter() - started:.1f}s]",
                     file=sys.stderr,
@@ -912,6 +955,36 @@ def run_rows(cfg: SimConfig, quiet: bool) -> list[dict]:
                 )
             results.append(r.__dict__)
     return results
+
+
+def ablation(results: list[dict]) -> list[dict]:
+    """The paper's ablation table: per fleet size, S setting, capacity rule and variant, the mean over seeds of
+    T_bcast, cost per step, active nodes and the share of rollouts dropped as stale, with the cost against the
+    full system's (delta_vs_full = cost / cost(full) - 1) under the same rule."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["nodes"], str(r["staleness"]), r["capacity_rule"], r["variant"]), []).append(r)
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+    out = []
+    for (n, staleness, rule, variant), rows in sorted(groups.items()):
+        full = groups.get((n, staleness, rule, "full"))
+        cost = mean(rows, "cost_per_step")
+        out.append(
+            {
+                "nodes": n,
+                "staleness": rows[0]["staleness"],
+                "capacity_rule": rule,
+                "variant": variant,
+                "seeds": len(rows),
+                "t_bcast_s": round(mean(rows, "t_bcast_s"), 1),
+                "cost_per_step": round(cost, 4),
+                "delta_vs_full": round(cost / mean(full, "cost_per_step") - 1, 4) if full else None,
+                "nodes_active": round(mean(rows, "active_mean"), 2),
+                "stale_dropped_fraction": round(mean(rows, "stale_dropped_fraction"), 4),
+                "bubble_simulated": round(mean(rows, "bubble_simulated"), 4),
+            }
+        )
+    return out
 
 
 def savings(results: list[dict]) -> list[dict]:
@@ -931,18 +1004,49 @@ def savings(results: list[dict]) -> list[dict]:
     return out
 
 
-def auto_against_fixed(auto_cost: float, auto_over: float, fixed: Mapping[int, tuple[float, float]]) -> dict:
-    """auto's cost per step against the cheapest fixed S whose steps went past the drift bound no more often than
-    auto's (a fixed S past it trains on what auto's guard refuses: not the same quality), and against the cheapest
-    fixed S whatever its drift. `fixed`: S -> (cost per step, drift_over_bound). saving = 1 - cost(auto) / cost(S).
-    bench/staleness.py --adaptive compares its real runs with it too."""
-    out: dict = {}
-    within = {s: v for s, v in fixed.items() if v[1] <= auto_over}
-    for label, pick in (("best_fixed_within_bound", within), ("best_fixed", fixed)):
+@dataclass(frozen=True)
+class FixedRun:
+    """A fixed-S run as the staleness comparison reads it: reward_last None where no model runs (the simulator)."""
+
+    cost_per_step: float
+    drift_over_bound: float
+    reward_last: float | None = None
+
+
+def auto_against_fixed(auto_cost: float, auto_over: float, fixed: Mapping[int, FixedRun], reward_s0: float | None = None) -> dict:
+    """auto's cost per step against the fixed S, by the decision on adaptive staleness: a fixed S is `eligible` when
+    its share of steps past the drift bound is at most auto's plus DRIFT_SHARE_SLACK and, where rewards are known,
+    its reward_last is within REWARD_GAP_MAX of S = 0's (`reward_s0`); a fixed S past that trains on what auto's guard
+    refuses, which is not the same quality. `fixed_rows` lists every fixed S; best_fixed_eligible is the cheapest
+    eligible one, and auto_within_eligible says whether auto's cost is at most AUTO_COST_SLACK times it; best_fixed
+    is the cheapest whatever its drift. saving = 1 - cost(auto) / cost(S). bench/staleness.py --adaptive compares its
+    real runs with it too."""
+
+    def eligible(run: FixedRun) -> bool:
+        if run.drift_over_bound > auto_over + DRIFT_SHARE_SLACK:
+            return False
+        return reward_s0 is None or run.reward_last is None or reward_s0 - run.reward_last <= REWARD_GAP_MAX
+
+    rows = [
+        {
+            "staleness": s,
+            "cost_per_step": run.cost_per_step,
+            "drift_over_bound": run.drift_over_bound,
+            "reward_last": run.reward_last,
+            "eligible": eligible(run),
+        }
+        for s, run in sorted(fixed.items())
+    ]
+    out: dict = {"fixed_rows": rows}
+    within = {s: run.cost_per_step for s, run in fixed.items() if eligible(run)}
+    every = {s: run.cost_per_step for s, run in fixed.items()}
+    for label, pick in (("best_fixed_eligible", within), ("best_fixed", every)):
         if pick:
-            best = min(pick, key=lambda s: pick[s][0])
+            best = min(pick, key=pick.__getitem__)
             out[label] = best
-            out[f"saving_vs_{label}"] = round(1 - auto_cost / pick[best][0], 4)
+            out[f"saving_vs_{label}"] = round(1 - auto_cost / pick[best], 4)
+    if within:
+        out["auto_within_eligible"] = auto_cost <= AUTO_COST_SLACK * within[out["best_fixed_eligible"]]
     return out
 
 
@@ -953,7 +1057,7 @@ def staleness_comparison(results: list[dict]) -> list[dict]:
     for n, scenario, seed in keys:
         same = [r for r in results if (r["nodes"], r["scenario"], r["seed"]) == (n, scenario, seed)]
         auto = next(r for r in same if r["staleness"] == "auto")
-        fixed = {r["staleness"]: (r["cost_per_step"], r["drift_over_bound"]) for r in same if r["staleness"] != "auto"}
+        fixed = {r["staleness"]: FixedRun(r["cost_per_step"], r["drift_over_bound"]) for r in same if r["staleness"] != "auto"}
         out.append(
             {
                 "nodes": n,

@@ -25,9 +25,10 @@ of the last --window steps), cost_per_step (the hub's own: learner time at its p
 per step), bubble (mean learner bubble), the S in force at the end, drift_mean and drift_over_bound (the share of
 steps whose mean |log-ratio| passed --drift-max, the hub's default when not given). --repeats runs every setting that
 many times, round after round, since run-to-run noise on a shared machine is large; `comparison` takes each setting's
-median: steady auto's reward gap to S = 0, and half_leave auto's saving against the cheapest fixed S that passed the
-drift bound no more often than auto (as bench/simulate.py's staleness_comparison), against the cheapest fixed S whose
-reward ended within 0.05 of steady S = 0's, and against the cheapest of all.
+median: steady auto's reward gap to S = 0, and half_leave's `fixed_rows` (each fixed S's cost_per_step,
+drift_over_bound, reward_last, and `eligible`: past the drift bound at most 5 points more often than auto, and reward
+within 0.05 of steady S = 0's), auto's saving against the cheapest eligible S (`auto_within_eligible`: auto at most
+1.02x its cost; bench/simulate.py's auto_against_fixed) and against the cheapest of all.
 
     python bench/staleness.py --adaptive --json [--steps 24] [--nodes 4] [--fixed 1 2 4 8] [--repeats 3]
 """
@@ -58,8 +59,6 @@ NO_CHECKPOINTS = 100_000
 PROGRESS_POLL_S = 0.2
 CALIBRATION_STEPS = 2
 ADAPTIVE_RUN_TIMEOUT_S = 1800.0
-# --adaptive: how far below S = 0's a run's reward_last may end and still count as keeping its quality.
-REWARD_GAP_MAX = 0.05
 
 
 @dataclass(frozen=True)
@@ -364,10 +363,10 @@ def adaptive_main(args: argparse.Namespace) -> dict:
 
 def adaptive_comparison(rows: Sequence[dict]) -> dict:
     """What the --adaptive rows say, each setting by its median over repeats: steady auto's reward against S = 0's
-    (reward_gap: S = 0's less auto's); half_leave auto's cost per step against fixed S, by bench/simulate.py's
-    auto_against_fixed (the cheapest that passed the drift bound no more often than auto, and the cheapest of all),
-    and against the cheapest whose reward ended within REWARD_GAP_MAX of steady S = 0's."""
-    from bench.simulate import auto_against_fixed
+    (reward_gap: S = 0's less auto's); half_leave auto's cost per step against every fixed S by bench/simulate.py's
+    auto_against_fixed, which marks a fixed S eligible when it passed the drift bound at most 5 points more often than
+    auto and its reward ended within 0.05 of steady S = 0's."""
+    from bench.simulate import FixedRun, auto_against_fixed
 
     def median(scenario: str, staleness: int | str, key: str) -> float | None:
         values = [r[key] for r in rows if (r["scenario"], r["staleness"]) == (scenario, staleness) and r[key] is not None]
@@ -379,31 +378,21 @@ def adaptive_comparison(rows: Sequence[dict]) -> dict:
         out["steady"] = {"reward_s0": s0, "reward_auto": auto, "reward_gap": round(s0 - auto, 4)}
     auto_cost = median("half_leave", "auto", "cost_per_step")
     fixed = sorted({r["staleness"] for r in rows if r["scenario"] == "half_leave" and r["staleness"] != "auto"})
-    if auto_cost is None or not fixed:
-        return out
     auto_over = median("half_leave", "auto", "drift_over_bound")
-    costs = {s: median("half_leave", s, "cost_per_step") for s in fixed}
+    if auto_cost is None or auto_over is None or not fixed:
+        return out
+    runs = {}
+    for s in fixed:
+        cost, over = median("half_leave", s, "cost_per_step"), median("half_leave", s, "drift_over_bound")
+        if cost is not None and over is not None:
+            runs[s] = FixedRun(cost, over, median("half_leave", s, "reward_last"))
+    auto_reward = median("half_leave", "auto", "reward_last")
     out["half_leave"] = {
         "auto_cost_per_step": auto_cost,
         "auto_drift_over_bound": auto_over,
-        "fixed_cost_per_step": costs,
-        **auto_against_fixed(auto_cost, auto_over, {s: (costs[s], median("half_leave", s, "drift_over_bound")) for s in fixed}),
+        "auto_reward_gap": None if auto_reward is None or s0 is None else round(s0 - auto_reward, 4),
+        **auto_against_fixed(auto_cost, auto_over, runs, s0),
     }
-    if s0 is not None:
-        # The issue's own terms: the cheapest fixed S whose reward stayed within REWARD_GAP_MAX of S = 0's.
-        kept = {
-            s: costs[s]
-            for s in fixed
-            if (r := median("half_leave", s, "reward_last")) is not None and costs[s] is not None and s0 - r <= REWARD_GAP_MAX
-        }
-        auto_reward = median("half_leave", "auto", "reward_last")
-        out["half_leave"]["auto_reward_gap"] = None if auto_reward is None else round(s0 - auto_reward, 4)
-        if kept:
-            best = min(kept, key=kept.__getitem__)
-            out["half_leave"] |= {
-                "best_fixed_within_reward": best,
-                "saving_vs_best_fixed_within_reward": round(1 - auto_cost / kept[best], 4),
-            }
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from hub.method.capacity import default_kappa, validate_kappa
+from hub.method.capacity import CapacityRule, default_kappa, validate_kappa
 from shared.config import HttpBind, Section
 from shared.layout import HUB_KEY_FILE
 from shared.logs import LOG_BACKUPS, LOG_MAX_MB
@@ -246,6 +246,10 @@ class SchedulerConfig(Section):
         25.0, gt=0.0, le=1e6, description="most heartbeats/s asked of the whole fleet: past that, every node beats less often"
     )
     enabled: bool = Field(True, description="off: every node is active")
+    capacity_rule: CapacityRule = Field(
+        "refined",
+        description="how mu_min charges the broadcast: paper = the whole T_bcast, refined = only past (S - kappa) T_train",
+    )
 
     @model_validator(mode="after")
     def _timeout_covers_beats(self) -> SchedulerConfig:

@@ -14,11 +14,15 @@ from pathlib import Path
 
 from shared.checks import UserError
 from shared.flags import EXAMPLE_FORMAT, FlagParser
+from shared.logs import quiet_cpu_wheel_noise
 
 NODE_ERR_FILE = "node.err"  # the stderr of a node run under its dashboard
 STOP_TIMEOUT_S = 10.0
 MIN_PRICE_PER_HOUR = 0.01  # a positive --price below it is read as a unit mistake (a price per rollout, per second)
 SAID_BYTES = 16384  # the tail of a node's stderr its dashboard repeats when the node ended by itself, failing
+
+# Before torch is imported here or in the node server local nodes are forked from (it imports this module first).
+quiet_cpu_wheel_noise()
 
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
 JOIN_FLAGS: dict[str, tuple[str, type]] = {

@@ -49,6 +49,22 @@ def setup_logging(
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
 
+class CpuWheelNoise(logging.Filter):
+    """Drops torchao's "Failed to load <kernel>.so" warnings on a machine without CUDA, where its wheel's CUDA kernels
+    cannot load and nothing of ours uses them (adamw8bit's optimizer is plain torch); with CUDA they are kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        torch = sys.modules.get("torch")  # imported before torchao logs anything: torchao imports it first
+        if torch is None or torch.cuda.is_available():
+            return True
+        return not record.getMessage().startswith("Failed to load ")
+
+
+def quiet_cpu_wheel_noise() -> None:
+    """Before torch or transformers is imported: a CPU machine's every start printed two torchao warnings."""
+    logging.getLogger("torchao").addFilter(CpuWheelNoise())
+
+
 def rotate_files(path: Path, backups: int) -> None:
     """path -> path.1 -> ... -> path.<backups>, the oldest one dropped (RotatingFileHandler's naming)."""
     for i in range(backups - 1, 0, -1):

@@ -37,7 +37,8 @@ Stream semantics in py-libp2p 0.8.1 (checked in its source):
   peers that came and went lock every later one out. `_inbound_handler` replaces that
   handler: it holds the slot only while the connection lives, and refuses an address that
   already holds MAX_INBOUND_PER_IP live connections before any handshake. There is no idle
-  timeout in py-libp2p; the hub disconnects idle strangers itself (hub/service/handlers.py).
+  timeout in py-libp2p; the hub disconnects idle strangers itself (hub/service/handlers.py), aging each
+  connection from its start (`ConnectionStarts`, told by the swarm as it registers one).
 - The swarm's auto-connector dials peers it learned of (targeting 200 connections), which
   would make our hosts dial whatever addresses peers advertise: it is stopped.
 """
@@ -49,13 +50,14 @@ import ipaddress
 import logging
 import sys
 import types
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import overload
 
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, INetConn, INetStream, INotifee
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
@@ -222,6 +224,44 @@ async def running_host(
             # Leaving without closing would leave our connections open on the peers' side.
             with trio.CancelScope(shield=True):
                 await host.close()
+
+
+class ConnectionStarts(INotifee):
+    """When each of a host's live connections started, on `clock`: stamped as py-libp2p registers the connection
+    (once its handshake is done, which py-libp2p bounds by ConnectionConfig.inbound_upgrade_timeout), so an age
+    counts from the connection's start, not from when a periodic sweep first saw it. Register it before the host
+    takes connections (`watch`); a connection it was not told of is stamped when first asked about."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._started: weakref.WeakKeyDictionary[INetConn, float] = weakref.WeakKeyDictionary()
+
+    def watch(self, host: IHost) -> ConnectionStarts:
+        host.get_network().register_notifee(self)
+        return self
+
+    def started(self, host: IHost, peer: ID) -> float | None:
+        """When the oldest of `peer`'s live connections started (None: none is live)."""
+        conns = host.get_network().get_connections(peer)
+        return min((self._started.setdefault(conn, self.clock()) for conn in conns), default=None)
+
+    async def connected(self, network, conn: INetConn) -> None:
+        self._started.setdefault(conn, self.clock())
+
+    async def disconnected(self, network, conn: INetConn) -> None:
+        self._started.pop(conn, None)
+
+    async def opened_stream(self, network, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr: Multiaddr) -> None:
+        pass
 
 
 async def forget_peer(host: IHost, peer: ID) -> None:

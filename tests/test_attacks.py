@@ -17,7 +17,7 @@ from libp2p.identity.identify_push.identify_push import ID_PUSH as IDENTIFY_PUSH
 from libp2p.peer.id import ID
 
 from hub.method.chains import num_chains
-from hub.service.handlers import REFUSE_LINGER_S, STRANGER_FRAME_CAP_BYTES
+from hub.service.handlers import GUARD_PRUNE_PERIOD_S, MEMBERS_ONLY, REFUSE_LINGER_S, STRANGER_FRAME_CAP_BYTES
 from hub.service.leasing import HANDLER_TIMEOUT_S
 from node.client import HubClient
 from shared.crypto import Identity
@@ -26,6 +26,8 @@ from shared.messages import (
     LEASE_PROTOCOL,
     MAX_ADDR_CHARS,
     MAX_LISTEN_ADDRS,
+    RELAY_PROTOCOL,
+    SESSION_PROTOCOL,
     SUBMIT_PROTOCOL,
     Heartbeat,
     HeartbeatReply,
@@ -41,7 +43,7 @@ from shared.messages import (
     SubmittedGroup,
 )
 from shared.net import connect, forget_peer, running_host
-from shared.wire import HEADER, encode_frame
+from shared.wire import HEADER, decode_message, encode_frame
 from testbed.harness import start_hub
 from testbed.inproc import PERMISSIVE_CONFIG, PERMISSIVE_TRUST, InprocHub, inproc_hub
 
@@ -241,17 +243,18 @@ async def test_a_stranger_that_never_answers_identify_does_not_stop_the_hub(tmp_
 
 @pytest.mark.trio
 async def test_a_stranger_sending_garbage_and_redialling_is_let_go_on_time_and_its_refused_streams_end(
-    tmp_path, default_model_dir, monkeypatch
+    tmp_path, default_model_dir
 ):
     """Untrusted peers, round three, item 11: an outside implementation sending garbage on the join protocol kept
     its connection over 5 minutes, though strangers' connections end after 120 s however busy; and a refused
     stream was left open unread, so the sender's close waited for the connection to die. Now the lifetime
-    counts over reconnections, and a refused stream is reset once the peer had REFUSE_LINGER_S to read why."""
+    counts over reconnections, and a refused stream is reset once the peer had REFUSE_LINGER_S to read why (at
+    once for a bad frame, as this one is: its reply still reads first)."""
     from hub.service import handlers
     from shared.net import open_stream
 
-    monkeypatch.setattr(handlers, "NON_MEMBER_LIFETIME_S", 3.0)
     async with inproc_hub(tmp_path / "hub", default_model_dir, CONFIG) as hub_, AsyncExitStack() as stack:
+        hub_.service.stranger_lifetime_s = 3.0
         host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
         hub_host, started = hub_.service.host, trio.current_time()
         # The refused stream: the Reject comes, then the hub ends the stream though we never close our side.
@@ -604,3 +607,54 @@ async def test_poisoned_groups_are_charged_to_their_nodes_while_an_honest_node_i
         assert len(accepted) == rounds and hub.state.intake.reward_failure is None
         for node in attackers:
             assert hub.state.fleet.get(node.peer_id).tallies.rejected == charged[node.peer_id] > 0
+
+
+@pytest.mark.trio
+async def test_a_foreign_strangers_bad_frames_are_reset_at_once_and_its_connection_ends_by_the_cap(tmp_path, default_model_dir):
+    """Untrusted peers, round four, item 8 (issue 54 item 6): a js-libp2p stranger sent a 4 GiB length prefix and
+    1 MiB of garbage on every /echo2/ protocol, half-closed, and reported its streams open for 150 s. The same bytes
+    from a raw py-libp2p stream (bench/foreign_peer.py sends them from js-libp2p too): each stream whose frame the
+    hub reads is answered and reset at once, a members-only one is refused unread, none is left open; and the
+    connection ends by the idle rule, counted from its start, with nothing the stranger keeps open counting as
+    activity."""
+    from testbed.strangers import echo2_protocols, raw_probe
+
+    idle_s = 2.0
+    config = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(update={"idle_connection_s": idle_s})})
+    async with inproc_hub(tmp_path, default_model_dir, config) as hub, AsyncExitStack() as stack:
+        host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
+        report = await raw_probe(host, hub.addr, echo2_protocols(), garbage_bytes=1 << 20, give_up_s=HANDLER_TIMEOUT_S)
+    fates = {f.protocol: f for f in report.streams if f.ended_by != "not negotiated"}
+    assert set(fates) == set(echo2_protocols()) - {RELAY_PROTOCOL}  # the hub serves every protocol but the nodes' own
+    for protocol, fate in fates.items():
+        assert fate.ended_s is not None, (protocol, fate)  # ended by the hub, not left open
+        if protocol in MEMBERS_ONLY or protocol == SESSION_PROTOCOL:
+            # Refused before a byte is read, told why, and given REFUSE_LINGER_S to close its side.
+            assert decode_message(Reject, fate.reply[HEADER.size :]).code == RejectCode.UNKNOWN_NODE, (protocol, fate)
+            assert fate.ended_s - fate.opened_s < REFUSE_LINGER_S + 1.0, (protocol, fate)
+        else:
+            # Read up to the header's length, then reset at once: the 1 MiB past the 256 KiB window never all went
+            # (so the Reject written before the reset is lost to a sender still writing: it was told by the reset).
+            assert fate.ended_by == "reset" and fate.half_closed_s is None, (protocol, fate)
+            assert fate.ended_s - fate.opened_s < REFUSE_LINGER_S, (protocol, fate)
+    # Idle since its last stream ended: closed one idle period later, give or take a sweep.
+    last_stream_end_s = max(f.ended_s for f in fates.values() if f.ended_s is not None)
+    assert report.connection_closed_s is not None
+    assert report.connection_closed_s - last_stream_end_s < idle_s + 2 * GUARD_PRUNE_PERIOD_S + 1.0, report
+
+
+@pytest.mark.trio
+async def test_a_busy_stranger_is_let_go_by_the_lifetime_counted_from_its_connections_start(tmp_path, default_model_dir):
+    """However busy it keeps its connection (a bad stream every 0.2 s, so never idle), a peer that does not join is
+    disconnected once its connection is the stranger lifetime old, counted from the connection's start."""
+    from testbed.strangers import raw_probe
+
+    lifetime_s = 3.0
+    async with inproc_hub(tmp_path, default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:
+        hub.service.stranger_lifetime_s = lifetime_s
+        host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
+        report = await raw_probe(host, hub.addr, [JOIN_PROTOCOL], 1024, give_up_s=lifetime_s * 4, busy_every_s=0.2)
+    assert report.busy_streams > 10, report  # never idle for trust.idle_connection_s
+    # From the probe's dial, which starts before the connection does: the lifetime, give or take a sweep.
+    assert report.connection_closed_s is not None, report
+    assert lifetime_s < report.connection_closed_s < lifetime_s + 2 * GUARD_PRUNE_PERIOD_S + 1.0, report

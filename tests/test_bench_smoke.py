@@ -109,7 +109,7 @@ def test_reward_curve_windows():
     assert curve([(0, 0.25), (10, 0.75)], 20, 4) == {4: 0.25, 12: 0.75}
 
 
-def test_the_adaptive_comparison_takes_medians_and_leaves_out_a_fixed_s_past_the_drift_bound_or_the_reward_gap():
+def test_the_adaptive_comparison_marks_the_fixed_s_that_keep_auto_s_drift_bound_and_s0_s_reward():
     compare = load_bench("staleness").adaptive_comparison
     row = lambda scenario, s, reward, cost, over: {
         "scenario": scenario,
@@ -130,13 +130,21 @@ def test_the_adaptive_comparison_takes_medians_and_leaves_out_a_fixed_s_past_the
     out = compare(rows)
     assert out["steady"] == {"reward_s0": 0.30, "reward_auto": 0.27, "reward_gap": 0.03}
     half = out["half_leave"]
-    assert half["fixed_cost_per_step"] == {1: 1.2, 8: 0.5}  # medians over the repeats
-    assert half["best_fixed_within_bound"] == 1 and half["saving_vs_best_fixed_within_bound"] == round(1 - 1.1 / 1.2, 4)
+    # medians over the repeats: S = 1 costs 1.2 and passed the bound on 0 of its steps; S = 8 on 90% (auto: 10%)
+    assert half["fixed_rows"] == [
+        {"staleness": 1, "cost_per_step": 1.2, "drift_over_bound": 0.0, "reward_last": 0.2, "eligible": False},
+        {"staleness": 8, "cost_per_step": 0.5, "drift_over_bound": 0.9, "reward_last": 0.1, "eligible": False},
+    ]
+    # S = 1's reward, 0.2, ended 0.1 below S = 0's 0.30: past the 0.05 allowed, so nothing is eligible
+    assert "best_fixed_eligible" not in half and "auto_within_eligible" not in half
     assert half["best_fixed"] == 8 and half["saving_vs_best_fixed"] == round(1 - 1.1 / 0.5, 4)
-    # S = 8's reward, 0.1, ended 0.2 below S = 0's 0.30: past the 0.05 allowed; S = 1's 0.2 too, so none is kept
-    assert "best_fixed_within_reward" not in half
-    kept = compare([*rows, row("half_leave", 4, 0.26, 1.5, 0.5)])["half_leave"]
-    assert kept["best_fixed_within_reward"] == 4 and kept["saving_vs_best_fixed_within_reward"] == round(1 - 1.1 / 1.5, 4)
+    # S = 4: reward 0.26 (0.04 below S = 0's) and 15% of steps past the bound (auto's 10% + 5 points): eligible
+    kept = compare([*rows, row("half_leave", 4, 0.26, 1.5, 0.15)])["half_leave"]
+    assert kept["best_fixed_eligible"] == 4 and kept["saving_vs_best_fixed_eligible"] == round(1 - 1.1 / 1.5, 4)
+    assert kept["auto_within_eligible"] is True
+    dearer = compare([*rows, row("half_leave", 4, 0.26, 1.07, 0.15)])["half_leave"]
+    assert dearer["auto_within_eligible"] is False  # 1.1 > 1.02 x 1.07
+    assert compare([*rows, row("half_leave", 4, 0.26, 1.5, 0.16)])["half_leave"]["fixed_rows"][1]["eligible"] is False
 
 
 def test_fleet_simulator_runs_the_projects_own_scheduler(monkeypatch, capsys):

@@ -18,12 +18,15 @@ from hub.method.capacity import (
     default_kappa,
     ewma,
     first_step_idle_s,
+    fresh_usable_fraction,
     held_release,
     mu_min,
     pool_stall_s,
     predicted_bubble,
     predicted_idle_s,
     predicted_step_s,
+    rule_staleness,
+    saturation,
     usable_fraction,
     validate_kappa,
 )
@@ -34,6 +37,39 @@ def test_mu_min():
     assert mu_min(3, 100, 10.0, 5.0) == pytest.approx(12.0)
     # DESIGN defaults R = 128 * 16 with kappa = 1: 2048 / (20 - 5)
     assert mu_min(1, 2048, 20.0, 5.0) == pytest.approx(2048 / 15)
+
+
+def test_the_fleet_is_sized_by_the_losses_more_nodes_do_not_make_worse():
+    # 100 settled: 60 trained, 30 dropped as stale, 10 with equal rewards. The stale 30 were usable groups made
+    # too early or too slowly: counted as usable, the fleet makes 1 / 0.9 of R, not 1 / 0.6.
+    assert fresh_usable_fraction(60, 100, 30) == pytest.approx(0.9)
+    assert usable_fraction(60, 100) == pytest.approx(0.6)
+    # Overproduction doubles the stale drops and leaves the other losses' share: the fraction does not move.
+    assert fresh_usable_fraction(60, 160, 90) == pytest.approx(150 / 160)
+    assert fresh_usable_fraction(0, 0, 0) == 1.0
+    assert fresh_usable_fraction(0, 100, 0) == 0.05  # floored as usable_fraction is
+    with pytest.raises(ValueError, match="stale <= settled - trained"):
+        fresh_usable_fraction(60, 100, 41)
+
+
+def test_a_saturated_reward_is_named_and_a_healthy_one_is_not():
+    assert saturation(0.2, 0.8) is None  # at the bound: the fleet's to fix
+    line = saturation(0.1, 0.9)
+    assert line is not None and "same score in 90% of recent groups" in line and "activates none" in line
+    assert "\n" not in line
+    other = saturation(0.1, 0.3)
+    assert other is not None and "discarded (banned or unaudited work)" in other
+
+
+def test_the_papers_rule_charges_the_whole_broadcast_and_the_refined_only_its_overhang():
+    # The paper's Qwen3-8B run: kappa = 2, R = 2048, T_train = 1631.2 s, T_bcast = 1437 s, S = 3.
+    # paper:   2 * 2048 / (2 * 1631.2 - 1437)            = 4096 / 1825.4 = 2.244 rollouts/s
+    # refined: the stall max(0, 1437 - (3 - 2) * 1631.2) = 0: 4096 / 3262.4 = 1.256 rollouts/s
+    paper = mu_min(2, 2048, 1631.2, 1437.0, rule_staleness("paper", 3))
+    refined = mu_min(2, 2048, 1631.2, 1437.0, rule_staleness("refined", 3))
+    assert (round(paper, 3), round(refined, 3)) == (2.244, 1.256)
+    # S = 0 keeps its meaning under both: no fleet keeps a synchronous learner busy.
+    assert rule_staleness("paper", 0) == rule_staleness("refined", 0) == 0
 
 
 def test_usable_fraction():

@@ -143,6 +143,39 @@ def test_ctrl_c_while_the_hub_builds_its_model_is_one_line_and_exit_130(tmp_path
     ], err[-3000:]
 
 
+@pytest.mark.slow
+def test_ctrl_c_mid_run_with_a_users_reward_is_one_line(tmp_path: Path) -> None:
+    """A user's reward runs in check processes and the local node in a forkserver's child: Ctrl-C reaches the whole
+    foreground group, and only the hub says anything (the trial saw `Process echo2-check:` and 15 lines)."""
+    (tmp_path / "rw.py").write_text("def reward(completions, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n")
+    data = tmp_path / "data"
+    hub = subprocess.Popen(
+        [sys.executable, "-m", "hub.cli", "start", "--data-dir", str(data), "--reward", "rw:reward", "--local-nodes", "1"]
+        + ["--steps", "0", "--listen", "/ip4/127.0.0.1/tcp/0", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,  # its own foreground group, as a terminal's Ctrl-C signals every process of it
+    )
+    try:
+        metrics = data / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and metrics.stat().st_size > 0 or hub.poll() is not None, 240, "a first step")
+        os.killpg(hub.pid, signal.SIGINT)
+        out, err = hub.communicate(timeout=120)
+    finally:
+        if hub.poll() is None:
+            os.killpg(hub.pid, signal.SIGKILL)
+            hub.wait()
+    assert hub.returncode == 130, err[-3000:]
+    assert "Traceback" not in err + out and "Process echo2-check" not in err, err[-3000:]
+    # The node server's imports may print this machine's library warnings (torchao's): not ours to silence.
+    assert [line for line in err.splitlines() if line.startswith(("echo-hub", "echo-node"))] == [
+        "echo-hub: SIGINT: 1 local nodes stopped; saving state"
+    ], err[-3000:]
+
+
 CLI_MODULES = {"hub": "hub.cli.main", "node": "node.cli"}
 CLI_ARGS = {"hub": ["start"], "node": ["join", "--hub", f"/ip4/127.0.0.1/tcp/1/p2p/{HUB_ID}", "--data-dir", "node"]}
 CLI_START_STEPS = {"hub": "_start", "node": "check_join"}  # a step of each CLI's start-up, inside its Ctrl-C line

@@ -11,12 +11,14 @@ from hub.records.measurements import (
     grace_after_lowering,
     grace_staleness,
     oldest_useful_version,
+    read_step_figures,
     resumed_staleness,
 )
 from hub.records.schema import StepRecord
 from hub.records.store import Store
 from hub.service.state import HubState
 from shared.tasks.reverse import ReverseTask
+from tests.test_store import make_group, make_record
 
 
 def step(n: int, t_train_s: float, budget: int = 2) -> StepRecord:
@@ -71,3 +73,19 @@ async def test_the_step_commit_feeds_t_train_and_leasing_reads_the_learners_wind
     assert again.measurements.t_train_recent_s == pytest.approx(2.0)  # read back at start
     assert again.measurements.learner.step == 2
     again.store.close()
+
+
+def test_the_step_commit_reads_stale_drops_apart_from_other_losses(tmp_path):
+    """A real store: 8 accepted groups, 2 trained, 2 dropped as stale, 4 with equal rewards. The learner trained on
+    2 of 8; the fleet is sized by (2 + 2) / 8; the reward is not saturated until equal rewards dominate."""
+    store = Store(tmp_path / "hub.db")
+    ids = [store.groups.record_trajectory(make_group(f"p{i}", 0), None, "", "accepted") for i in range(8)]
+    store.training.commit_step(make_record(1), ids[:2], dropped_stale_ids=ids[2:4])
+    store.groups.discard_trajectories(ids[4:], "zero reward variance")
+    reading = read_step_figures(store)
+    assert (reading.usable_fraction, reading.fresh_usable_fraction, reading.saturated) == (0.25, 0.5, None)
+    more = [store.groups.record_trajectory(make_group(f"q{i}", 0), None, "", "accepted") for i in range(16)]
+    store.groups.discard_trajectories(more, "zero reward variance")
+    reading = read_step_figures(store)
+    assert reading.fresh_usable_fraction == pytest.approx(4 / 24)
+    assert reading.saturated is not None and "same score in 83% of recent groups" in reading.saturated

@@ -28,6 +28,7 @@ from multiaddr import Multiaddr
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.libp2p_patches import PY_LIBP2P_CREDIT, YAMUX_FRAME_BYTES, _read_noise_message
 from shared.net import (
+    ConnectionStarts,
     RateLimiter,
     connect,
     open_stream,
@@ -451,3 +452,25 @@ def test_patches_refuse_another_py_libp2p_release(monkeypatch):
     monkeypatch.setattr(patches, "package_version", lambda name: "0.9.0")
     with pytest.raises(patches.LibP2PVersionError, match=r"py-libp2p 0\.8\.1 .* py-libp2p 0\.9\.0 is installed"):
         patches.check_version()
+
+
+@pytest.mark.trio
+async def test_a_connections_start_is_when_the_host_took_it_not_when_it_is_first_asked_about():
+    """The stranger sweep ages a connection from its start (ConnectionStarts, told by the swarm), so a sweep that
+    comes late, or a peer that keeps streams open, does not move it."""
+    ticks = iter(range(1, 1000))
+    async with (
+        running_host(Identity.generate(), [LOOPBACK]) as (server, addrs),
+        running_host(Identity.generate(), [LOOPBACK]) as (client, _),
+    ):
+        starts = ConnectionStarts(lambda: float(next(ticks))).watch(server)
+        await connect(client, addrs[0])
+        with trio.fail_after(5):
+            while not server.get_network().get_connections(client.get_id()):
+                await trio.sleep(0.01)
+        await trio.sleep(0.1)  # the swarm tells its notifees after it registers the connection
+        assert next(ticks) == 2  # time went on: tick 1 was the connection's
+        assert starts.started(server, client.get_id()) == 1.0  # stamped when it came, not now
+        assert starts.started(server, client.get_id()) == 1.0
+        await server.disconnect(client.get_id())
+        assert starts.started(server, client.get_id()) is None

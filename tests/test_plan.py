@@ -48,6 +48,7 @@ def test_plan_met_by_cheapest_prefix(tmp_path, capsys):
     assert code == 0 and err == ""
     plan = json.loads(out)
     assert set(plan) == {
+        "capacity_rule",
         "mu_min",
         "mu_target",
         "active",
@@ -68,6 +69,18 @@ def test_plan_met_by_cheapest_prefix(tmp_path, capsys):
     # 3.06 + 0.5 + 1.0 $/h over a 10 s step
     assert plan["cost_per_hour"] == pytest.approx(4.56)
     assert plan["cost_per_step"] == pytest.approx(4.56 * 10 / 3600)
+
+
+def test_the_papers_capacity_rule_charges_the_whole_broadcast(tmp_path, capsys):
+    # paper: mu_min = 3 * 100 / (3 * 10 - 5) = 12, target 13.2; a + c = 15 still covers it, and the step is
+    # idle max(0, 300 / 15 + 5 - 30) = 0
+    code, out, _ = run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--capacity-rule", "paper", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["capacity_rule"] == "paper" and plan["active"] == ["a", "c"]
+    assert (plan["mu_min"], plan["mu_target"], plan["predicted_bubble"]) == pytest.approx((12.0, 13.2, 0.0))
+    with pytest.raises(SystemExit):
+        run(tmp_path, capsys, FLEET_ACE, *PERIOD, "--capacity-rule", "upstream")
+    assert "invalid choice: 'upstream'" in capsys.readouterr().err
 
 
 def test_plan_fleet_falls_short(tmp_path, capsys):

@@ -4,6 +4,7 @@ pandas, capped), size-rotated logs and captured output, and a node's data dir th
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from hub.training.rollout_export import RolloutExport, rollout_columns, shard_na
 from shared.logs import PeerLogLimiter, RotatingFile, capture_output, rotate_files
 from shared.rollout import Completion, Group
 from testbed.harness import start_hub
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def completion(tokens: tuple[int, ...], version: int, text: str) -> Completion:
@@ -184,3 +187,16 @@ def _peer_id(node_dir: Path) -> str:
     from shared.crypto import Identity
 
     return Identity.load_or_create(node_dir / "node.key").peer_id
+
+
+def test_a_cpu_machine_starts_without_torchaos_cuda_kernel_warnings() -> None:
+    """torchao's wheel warns that its CUDA kernels do not load whenever transformers imports it: on a machine with no
+    CUDA, importing our entry points first keeps those two lines out of every start; its other warnings stay."""
+    import torch
+
+    code = "import node.cli, hub.cli.main, transformers, torchao, logging; logging.getLogger('torchao').warning('kept')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if not torch.cuda.is_available():
+        assert "Failed to load" not in done.stderr, done.stderr[-2000:]
+    assert "kept" in done.stderr

@@ -12,7 +12,7 @@ import pytest
 from hub.config import SchedulerConfig
 from hub.control.policy import RELEASE_HOLD_PERIODS, CapacityView, FleetView, Move, decide, fleet_view
 from hub.control.scheduler import LearnerTiming, Scheduler
-from hub.method.capacity import NodeOffer
+from hub.method.capacity import NodeOffer, saturation
 from hub.records.fleet import Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
 from hub.records.measurements import Measurements
 from shared.messages import HEARTBEAT_PERIOD_MAX_S, JoinRequest
@@ -384,12 +384,13 @@ async def test_step_metrics():
 
 @pytest.mark.trio
 async def test_skipped_groups_raise_the_throughput_the_learner_needs():
-    """Half the accepted groups trained on: the fleet must produce 2R per step, so mu_min doubles."""
+    """Half the accepted groups skipped (equal rewards, not staleness): the fleet must produce 2R per step, so
+    mu_min doubles."""
     fleet = Fleet()
     measured(fleet, "a", 0.1, 5.0)
     measured(fleet, "b", 0.4, 8.0)
     measured(fleet, "c", 0.3, 4.0)
-    scheduler, _ = make(fleet, FakeTiming(usable=0.5))
+    scheduler, _ = make(fleet, FakeTiming(usable=0.5, fresh_usable=0.5))
     await settle(scheduler, fleet, T0, 10)
     metrics = scheduler.step_metrics(4, cost_usd=0.0)
     # R_eff = 10 / 0.5 = 20: mu_min = 2*20 / (2*1.5 - 1) = 20, target 22 > 17 available: all active.
@@ -397,6 +398,43 @@ async def test_skipped_groups_raise_the_throughput_the_learner_needs():
     assert states(fleet) == {"a": "active", "b": "active", "c": "active"}
     # pool 17/s: idle 2*20/17 + 1 - 3 = 6/17 s per period, bubble (6/17) / (6/17 + 3)
     assert metrics["predicted_bubble"] == pytest.approx((6 / 17) / (6 / 17 + 3))
+
+
+@pytest.mark.trio
+async def test_stale_drops_do_not_raise_the_target():
+    """Half the accepted groups dropped as stale, none lost otherwise: an over-provisioned fleet's own waste.
+    The target stays at R's (10/s, 11/s), so the fleet that made the waste is not grown for it."""
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0)
+    measured(fleet, "b", 0.4, 8.0)
+    measured(fleet, "c", 0.3, 4.0)
+    scheduler, _ = make(fleet, FakeTiming(usable=0.5, fresh_usable=1.0))
+    await settle(scheduler, fleet, T0, 10)
+    metrics = scheduler.step_metrics(4, cost_usd=0.0)
+    assert (metrics["mu_min"], metrics["mu_target"]) == pytest.approx((10.0, 11.0))
+    assert states(fleet) == {"a": "active", "b": "active", "c": "standby"}
+
+
+@pytest.mark.trio
+async def test_a_saturated_reward_buys_no_nodes_and_says_why_once(caplog):
+    """Every group with equal rewards: the pool is far below the target the fraction implies, yet no node is
+    activated for it, the log says why once, and once more when the share recovers."""
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0).state = "active"
+    measured(fleet, "b", 0.4, 8.0).state = "standby"
+    saturated = saturation(0.05, 0.95)
+    timing = FakeTiming(fresh_usable=0.05)
+    timing.saturated = saturated
+    scheduler, transitions = make(fleet, timing)
+    with caplog.at_level("INFO", logger="echo2.hub.scheduler"):
+        now = await settle(scheduler, fleet, T0, 5)
+        assert scheduler.view.mu_target == pytest.approx(11.0 / 0.05)
+        assert transitions.take() == [] and states(fleet) == {"a": "active", "b": "standby"}
+        assert [r.getMessage() for r in caplog.records] == [saturated]
+        timing.fresh_usable, timing.saturated = 1.0, None
+        await settle(scheduler, fleet, now, 2)
+    assert transitions.take() == [("b", "active")]
+    assert caplog.records[-1].getMessage().startswith("the usable share of accepted groups recovered")
 
 
 @pytest.mark.trio
@@ -429,15 +467,16 @@ async def test_the_first_step_after_a_broadcast_is_predicted_from_when_the_pool_
     with_leases = Scheduler(scheduler.config, fleet, timing.timing(rollouts_per_lease=4), scheduler.set_state)
     idle = (12.5 + 3 * 2) / 17 - (3.0 - 2.7)
     assert with_leases.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
-    # Where the balance binds (usable 0.3: 20 / 0.3 / 17 s of generation per period), each node stalls by its
-    # own install (a at 1.0 s, b at 2.9 s, c at 2.0 s; 1.5 s of slack): (0 * 5 + 1.4 * 8 + 0.5 * 4) / 17 s, not
-    # T_bcast's 1.4 s.
-    timing.usable = 0.3
+    # Where the balance binds (fresh usable 0.3, no leases: 20 / 0.3 / 17 s of generation per period, against
+    # the first step's 10 / 0.3 / 17 - 0.3 s), each node stalls by its own install (a at 1.0 s, b at 2.9 s, c at
+    # 2.0 s; 1.5 s of slack): (0 * 5 + 1.4 * 8 + 0.5 * 4) / 17 s, not T_bcast's 1.4 s.
+    timing.fresh_usable = 0.3
     idle = 20 / 0.3 / 17 + 1.4 - 3.0
-    assert with_leases.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
+    assert scheduler.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
     timing.installs = ((5.0, 1.0), (8.0, 2.9), (4.0, 2.0))
     idle = 20 / 0.3 / 17 + (1.4 * 8 + 0.5 * 4) / 17 - 3.0
-    assert with_leases.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
+    assert idle > 10 / 0.3 / 17 - 0.3
+    assert scheduler.capacity().predicted_bubble == pytest.approx(idle / (idle + 3.0))
 
 
 def test_heartbeat_period_grows_with_the_fleet_and_timeouts_with_the_period():
@@ -532,3 +571,17 @@ def test_policy_releases_the_part_of_a_batch_every_period_of_the_hold_wanted():
         Move("c", "standby", "pool without these 2 15/s >= target with margin 13.2/s for 3s (1 of them wanted that long)"),
     )
     assert decision.release_wanted == {"d": T0 - 1}
+
+
+def test_a_saturated_view_still_releases_and_still_staffs_an_empty_pool():
+    held = CapacityView(0.0, 10.0, 11.0, None, "measured", hold="saturated")
+    # pool 20/s: c is released after the hold, as without saturation
+    view = FleetView((NodeOffer("a", 0.14, 7.0), NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.5, 5.0)), ())
+    assert decide(view, held, POLICY, {"c": T0 - 3}, T0).moves == decide(view, TARGET, POLICY, {"c": T0 - 3}, T0).moves != ()
+    # No active node: a learner with no fleet gets the cheapest, saturated or not.
+    empty = FleetView((), (NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.3, 4.0)))
+    assert decide(empty, held, POLICY, {}, T0).moves == decide(empty, TARGET, POLICY, {}, T0).moves != ()
+    # Below target with an active node: nothing is bought.
+    short = FleetView((NodeOffer("a", 0.1, 5.0),), (NodeOffer("b", 0.4, 8.0),))
+    assert decide(short, held, POLICY, {}, T0).moves == ()
+    assert decide(short, TARGET, POLICY, {}, T0).moves != ()

@@ -185,11 +185,11 @@ def test_recent_usable_groups_counts_settled_accepted_rows(tmp_path):
     store = Store(tmp_path / "hub.db")
     ids = [store.groups.record_trajectory(make_group(f"p{i}", 0), None, "", "accepted") for i in range(6)]
     store.groups.record_trajectory(make_group("late", 0), None, "", "late")  # never accepted: not counted
-    assert store.groups.recent_usable_groups(100) == (0, 0, 0)  # all pending: nothing settled
+    assert store.groups.recent_usable_groups(100) == (0, 0, 0, 0)  # all pending: nothing settled
     store.training.commit_step(make_record(1), ids[:2], dropped_stale_ids=[ids[2]])
     store.groups.discard_trajectories([ids[3]], "zero reward variance")
-    assert store.groups.recent_usable_groups(100) == (2, 4, 1)  # ids[4:] still pending; ids[2] went stale
-    assert store.groups.recent_usable_groups(2) == (0, 2, 1)  # the newest two settled were both skipped
+    assert store.groups.recent_usable_groups(100) == (2, 4, 1, 1)  # ids[4:] still pending; ids[2] went stale, ids[3] equal
+    assert store.groups.recent_usable_groups(2) == (0, 2, 1, 1)  # the newest two settled were both skipped
 
 
 def test_liveness_sessions_audits_and_penalties_survive_reopen(tmp_path):

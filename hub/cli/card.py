@@ -44,10 +44,13 @@ def absolute_paths(config: HubConfig) -> HubConfig:
 def absolute_spec(spec: str) -> str:
     """A task or reward spec with its file made absolute when that file exists here: FILE, math:FILE or
     FILE.py:function; a builtin name or module:Class is kept as it is."""
+    if spec and Path(spec).exists():  # Path('') is the working directory
+        return str(Path(spec).resolve())
     head, sep, tail = spec.partition(":")
-    for before, path, after in (("", spec, ""),) + (((head + sep, tail, ""), ("", head, sep + tail)) if sep else ()):
-        if path and Path(path).exists():
-            return f"{before}{Path(path).resolve()}{after}"
+    if sep and tail and Path(tail).exists():  # math:FILE
+        return f"{head}:{Path(tail).resolve()}"
+    if sep and head and Path(head).exists():  # FILE.py:function
+        return f"{Path(head).resolve()}:{tail}"
     return spec
 
 

@@ -11,6 +11,10 @@ from typing import Any
 
 from shared.checks import UserError
 from shared.flags import EXAMPLE_FORMAT, FlagParser
+from shared.logs import quiet_cpu_wheel_noise
+
+# Before torch is imported: the hub's start imports it, and transformers imports torchao.
+quiet_cpu_wheel_noise()
 
 
 def _bool(text: str) -> bool:

@@ -20,6 +20,8 @@ from rich.table import Table
 
 from hub.config import LearnerConfig, SchedulerConfig
 from hub.method.capacity import (
+    CAPACITY_RULES,
+    CapacityRule,
     InfeasibleCapacity,
     NodeOffer,
     activate,
@@ -28,6 +30,7 @@ from hub.method.capacity import (
     mu_min,
     predicted_bubble,
     predicted_step_s,
+    rule_staleness,
     validate_kappa,
 )
 from shared.config import ConfigError, Section, field_of, read_toml, validated
@@ -79,6 +82,7 @@ class PlanConfig(Section):
     staleness: int = field_of(LearnerConfig, "staleness", description="staleness budget S in versions")
     kappa: int | None = field_of(LearnerConfig, "kappa", description="publish period in learner steps (default max(1, S - 1))")
     gamma: float = field_of(SchedulerConfig, "gamma")
+    capacity_rule: CapacityRule = field_of(SchedulerConfig, "capacity_rule")
     learner_price: float = field_of(
         LearnerConfig, "learner_price_per_hour", description="learner $/h (an A100 80GB's by default)"
     )
@@ -98,6 +102,7 @@ class PlanResult:
     """Everything `echo-hub plan` reports."""
 
     kappa: int
+    capacity_rule: CapacityRule
     mu_min: float
     mu_target: float
     active: tuple[NodeOffer, ...]
@@ -110,6 +115,7 @@ class PlanResult:
 
     def to_json_dict(self) -> dict[str, object]:
         return {
+            "capacity_rule": self.capacity_rule,
             "mu_min": self.mu_min,
             "mu_target": self.mu_target,
             "active": [node.name for node in self.active],
@@ -132,7 +138,7 @@ def load_fleet(path: Path) -> list[NodeOffer]:
 
 def compute_plan(fleet: list[NodeOffer], plan: PlanConfig) -> PlanResult:
     """The plan for a validated fleet; raises InfeasibleCapacity."""
-    kappa, staleness = plan.effective_kappa, plan.staleness
+    kappa, staleness = plan.effective_kappa, rule_staleness(plan.capacity_rule, plan.staleness)
     minimum = mu_min(kappa, plan.rollouts_per_step, plan.t_train, plan.t_bcast, staleness)
     target = plan.gamma * minimum
     chosen = activate(fleet, target)
@@ -140,6 +146,7 @@ def compute_plan(fleet: list[NodeOffer], plan: PlanConfig) -> PlanResult:
     period = (kappa, plan.rollouts_per_step, plan.t_train, plan.t_bcast, chosen.mu_active)
     return PlanResult(
         kappa=kappa,
+        capacity_rule=plan.capacity_rule,
         mu_min=minimum,
         mu_target=target,
         active=chosen.active,
@@ -176,6 +183,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--" + name.replace("_", "-"), type=kind, metavar=metavar, help=f"{field.description}{default}".replace("%", "%%")
         )
+    rule = fields["capacity_rule"]
+    parser.add_argument("--capacity-rule", choices=CAPACITY_RULES, help=f"{rule.description} (default {rule.default})")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

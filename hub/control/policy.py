@@ -7,7 +7,8 @@ nodes is activated or released (hub.method.capacity.control_decision: a fleet of
 periods, not one period per node). Activation is immediate (a starving learner costs the most); a node is
 released only once it has been wanted for release RELEASE_HOLD_PERIODS control periods on end, on top of
 the release margin, so neither a noisy throughput nor a noisy T_train can make the loop release nodes and
-buy them back.
+buy them back. While the usable share is saturated (CapacityView.hold: a reward that scores every completion
+alike) no node is activated, since more rollouts carry no more signal; releases go on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Literal
 from hub.config import SchedulerConfig
 from hub.method.capacity import (
     Arrival,
+    CapacityRule,
     Decision,
     InfeasibleCapacity,
     NodeOffer,
@@ -26,6 +28,7 @@ from hub.method.capacity import (
     held_release,
     mu_min,
     predicted_bubble,
+    rule_staleness,
 )
 from hub.records.fleet import Fleet, NodeRecord
 
@@ -42,6 +45,8 @@ class CapacityView:
     predicted_bubble: float | None
     reason: str
     usable_fraction: float = 1.0
+    # Why no node is activated however short the pool falls (hub.method.capacity.saturation); None: activate freely.
+    hold: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,20 +87,25 @@ def capacity_view(
     staleness: int | None,
     arrival: Arrival | None,
     gamma: float,
+    rule: CapacityRule = "refined",
+    saturated: str | None = None,
 ) -> CapacityView:
     """The capacity model at one control period, from what the hub measured: mu_min, the target gamma * mu_min
-    and the bubble the active pool leaves (the Scheduler and bench/simulate.py both call it)."""
-    # Accepted rollouts the fleet must produce per step, counting the groups the learner skips.
+    and the bubble the active pool leaves, under the capacity `rule` (the Scheduler and bench/simulate.py both call
+    it). `usable`: the fresh usable fraction (hub.method.capacity.fresh_usable_fraction); `saturated`: why it is
+    too low for more nodes to help (the view then holds activations)."""
+    # Accepted rollouts the fleet must produce per step, counting the groups the learner skips for any cause
+    # but staleness.
     r = rollouts_per_step / usable
+    staleness = rule_staleness(rule, staleness)
     bubble = predicted_bubble(kappa, r, t_train_s, t_bcast_s, mu_pool, staleness, arrival)
     try:
         needed = mu_min(kappa, r, t_train_s, t_bcast_s, staleness)
     except InfeasibleCapacity as exc:
         # No target, but the bubble of the pool we have is still predicted (never 0 here).
-        return CapacityView(mu_pool, None, None, bubble, str(exc), usable)
-    return CapacityView(
-        mu_pool, needed, gamma * needed, bubble, f"T_train {t_train_s:.3g}s T_bcast {t_bcast_s:.3g}s usable {usable:.0%}", usable
-    )
+        return CapacityView(mu_pool, None, None, bubble, str(exc), usable, saturated)
+    reason = f"T_train {t_train_s:.3g}s T_bcast {t_bcast_s:.3g}s usable {usable:.0%} ({rule} rule)"
+    return CapacityView(mu_pool, needed, gamma * needed, bubble, reason, usable, saturated)
 
 
 def offer(record: NodeRecord) -> NodeOffer:
@@ -125,10 +135,17 @@ def decide(
         for n in fleet.standby
         if n.name in fleet.probed
     )
-    if not config.enabled or capacity.mu_target is None:
-        why = "scheduler disabled" if not config.enabled else capacity.reason
-        return PeriodDecision(probes + tuple(Move(n.name, "active", f"activate all ({why})") for n in fleet.standby))
+    if not config.enabled:
+        return PeriodDecision(probes + tuple(Move(n.name, "active", "activate all (scheduler disabled)") for n in fleet.standby))
+    # A saturated reward buys nothing: releases still follow the target, and an empty pool still gets its nodes.
+    holding = capacity.hold is not None and bool(fleet.active)
+    if capacity.mu_target is None:
+        if holding:
+            return PeriodDecision(probes)
+        return PeriodDecision(probes + tuple(Move(n.name, "active", f"activate all ({capacity.reason})") for n in fleet.standby))
     decision = control_decision(fleet.active, fleet.standby, capacity.mu_target, config.release_margin)
+    if holding and decision.action != "release":
+        return PeriodDecision(probes)
     if decision.action == "release":
         released = _held_release(decision, release_wanted, now, RELEASE_HOLD_PERIODS * config.control_period_s)
         return PeriodDecision(probes + released.moves, released.release_wanted)

@@ -88,6 +88,8 @@ class Scheduler:
         self._release_wanted: Mapping[str, float] = {}
         # What the S choice's hysteresis counts over publish periods (hub.control.staleness.choose_staleness).
         self._staleness_hold = StalenessHold()
+        # The saturation line last said (hub.method.capacity.saturation): said once, not every period.
+        self._saturated: str | None = None
 
     def capacity(self) -> CapacityView:
         active = self.fleet.in_state("active")
@@ -116,10 +118,12 @@ class Scheduler:
             self.timing.rollouts_per_step,
             t_train,
             t_bcast,
-            measured.usable_fraction,
+            measured.fresh_usable_fraction,
             self.timing.staleness,
             arrival,
             self.config.gamma,
+            self.config.capacity_rule,
+            measured.saturated,
         )
 
     async def control_once(self, now: float) -> None:
@@ -129,6 +133,7 @@ class Scheduler:
             timeout_s = heartbeat_timeout(record.heartbeat_period_s, config.heartbeat_period_s, config.heartbeat_timeout_s)
             await self.set_state(record, "gone", f"no heartbeat for {timeout_s:g}s")
         self.view = self.capacity()
+        self._say_saturation(self.view.hold)
         decision = decide(fleet_view(self.fleet), self.view, config, self._release_wanted, now)
         self._release_wanted = decision.release_wanted
         for move in decision.moves:
@@ -136,6 +141,14 @@ class Scheduler:
                 await self.set_state(moved, move.state, move.reason)
         if decision.moves:
             self.view = self.capacity()
+
+    def _say_saturation(self, hold: str | None) -> None:
+        """One line when the usable share falls below the saturation bound, and one when it recovers."""
+        if hold is not None and self._saturated is None:
+            log.warning("%s", hold)
+        elif hold is None and self._saturated is not None:
+            log.info("the usable share of accepted groups recovered: the scheduler activates nodes again")
+        self._saturated = hold
 
     def step_metrics(self, step: int, cost_usd: float) -> dict[str, float | None]:
         """Per-step ledger fields for metrics.jsonl: the capacity model now and the money spent so far.
@@ -203,11 +216,12 @@ class Scheduler:
         return staleness_costs(
             offers,
             bounds.staleness_max,
-            timing.rollouts_per_step / measured.usable_fraction,
+            timing.rollouts_per_step / measured.fresh_usable_fraction,
             t_train,
             measured.t_bcast_s or 0.0,
             self.config.gamma,
             bounds.learner_price_per_hour,
+            self.config.capacity_rule,
         )
 
     async def run(self) -> None:

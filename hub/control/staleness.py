@@ -61,7 +61,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hub.method.capacity import InfeasibleCapacity, NodeOffer, activate, cost_per_step, default_kappa, mu_min
+from hub.method.capacity import (
+    CapacityRule,
+    InfeasibleCapacity,
+    NodeOffer,
+    activate,
+    cost_per_step,
+    default_kappa,
+    mu_min,
+    rule_staleness,
+)
 from hub.method.drift import expected_age
 from shared.staleness import StalenessReason
 
@@ -119,22 +128,31 @@ def staleness_costs(
     t_bcast_s: float,
     gamma: float,
     learner_price_per_hour: float,
+    rule: CapacityRule = "refined",
 ) -> dict[int, StalenessCost]:
     """Cost per step for each S in [1, staleness_max] (kappa = default_kappa(S)): the cheapest nodes of `offers` that
     reach gamma * mu_min(S) are bought, or all of them when they fall short or no fleet suffices. The broadcast is
-    planned gamma * t_bcast_s long, headroom for its stall as for the throughput (see the module docstring)."""
+    planned gamma * t_bcast_s long, headroom for its stall as for the throughput (see the module docstring); mu_min
+    and the step's time follow the capacity `rule`."""
     costs = {}
     t_bcast_s = gamma * t_bcast_s
     for s in range(1, staleness_max + 1):
-        kappa = default_kappa(s)
+        kappa, modelled = default_kappa(s), rule_staleness(rule, s)
         try:
-            bought = activate(offers, gamma * mu_min(kappa, rollouts_per_step, t_train_s, t_bcast_s, s))
+            bought = activate(offers, gamma * mu_min(kappa, rollouts_per_step, t_train_s, t_bcast_s, modelled))
             pool, short = bought.active, bought.shortfall > 0
         except InfeasibleCapacity:
             pool, short = tuple(offers), True
         mu_pool = math.fsum(n.rollouts_per_s for n in pool)
         cost = cost_per_step(
-            kappa, rollouts_per_step, t_train_s, t_bcast_s, mu_pool, learner_price_per_hour, (n.price_per_hour for n in pool), s
+            kappa,
+            rollouts_per_step,
+            t_train_s,
+            t_bcast_s,
+            mu_pool,
+            learner_price_per_hour,
+            (n.price_per_hour for n in pool),
+            modelled,
         )
         costs[s] = StalenessCost(cost, short)
     return costs

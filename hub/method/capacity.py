@@ -16,6 +16,13 @@ SECONDS_PER_HOUR = 3600.0
 DEFAULT_RELEASE_MARGIN = 0.2
 # Below this the measurement is more likely broken than the run: never plan for more than 20x R.
 MIN_USABLE_FRACTION = 0.05
+# Below this fresh usable fraction the learner starves for want of signal, not rollouts (hub.method.capacity.
+# saturation): the scheduler then activates no node for it.
+SATURATED_USABLE_FRACTION = 0.2
+# "paper": the ECHO-2 paper's mu_min = kappa R / (kappa T_train - T_bcast); "refined": the hub's, which charges
+# the broadcast only past (S - kappa) T_train (broadcast_stall_s).
+CapacityRule = Literal["paper", "refined"]
+CAPACITY_RULES: tuple[CapacityRule, ...] = ("paper", "refined")
 
 
 class InfeasibleCapacity(ValueError):
@@ -45,6 +52,46 @@ def usable_fraction(trained_groups: int, settled_groups: int) -> float:
     if settled_groups == 0:
         return 1.0
     return max(MIN_USABLE_FRACTION, trained_groups / settled_groups)
+
+
+def fresh_usable_fraction(trained_groups: int, settled_groups: int, stale_groups: int) -> float:
+    """Share of accepted groups the fleet must make per trained one, counting only the losses more nodes do not
+    make worse: (trained + stale) / settled, floored as usable_fraction is; 1.0 before any group settled.
+
+    A group dropped as stale had passed every other check: it was lost to overproduction or a slow broadcast,
+    which a larger fleet makes worse, not better. Sizing the fleet by the plain usable fraction feeds on its
+    own drops: more nodes make more stale groups, the fraction falls, the target rises. Counting a stale group
+    as usable leaves the losses that happen to a group whatever the fleet (zero reward variance, banned or
+    unaudited work), measured over every settled group, so overproduction does not bias them either.
+    """
+    if not 0 <= stale_groups <= settled_groups - trained_groups:
+        raise ValueError(f"need 0 <= stale <= settled - trained, got {stale_groups}, {settled_groups}, {trained_groups}")
+    return usable_fraction(trained_groups + stale_groups, settled_groups)
+
+
+def saturation(fresh_usable: float, zero_variance_share: float) -> str | None:
+    """Why a fresh usable fraction below SATURATED_USABLE_FRACTION is not the fleet's to fix, in one line; None
+    above it. `zero_variance_share`: of the newest settled groups, the share with equal rewards."""
+    if fresh_usable >= SATURATED_USABLE_FRACTION:
+        return None
+    if zero_variance_share >= 0.5:
+        why = (
+            f"the reward gives every completion the same score in {zero_variance_share:.0%} of recent groups "
+            "(a saturated reward or a collapsed policy)"
+        )
+    else:
+        why = "most recent groups were discarded (banned or unaudited work)"
+    return (
+        f"only {fresh_usable:.0%} of accepted groups can be trained on: {why}; more nodes would not help, "
+        "so the hub activates none for it"
+    )
+
+
+def rule_staleness(rule: CapacityRule, staleness: int | None) -> int | None:
+    """The S the capacity model is given under `rule`: the hub's refined rule takes S (the broadcast stalls only
+    past (S - kappa) T_train); the paper's formula ignores it (the whole T_bcast stalls), except at S = 0, where
+    no fleet keeps the learner busy under either."""
+    return staleness if rule == "refined" or staleness == 0 else None
 
 
 def broadcast_stall_s(kappa: int, t_train_s: float, t_bcast_s: float, staleness: int | None = None) -> float:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import blake3
 
-from hub.records.buffer import REASON_STALE
-from hub.records.schema import VERDICTS, Credit, NewEvent, NodeBanned, TrajectoryRow, Verdict
+from hub.records.buffer import REASON_STALE, REASON_ZERO_VARIANCE
+from hub.records.schema import VERDICTS, Credit, NewEvent, NodeBanned, SettledGroups, TrajectoryRow, Verdict
 from hub.records.table import Table
 from shared.rollout import Group
 
@@ -134,18 +134,18 @@ class GroupsTable(Table):
             self._events(events)
         return ids
 
-    def recent_usable_groups(self, limit: int) -> tuple[int, int, int]:
-        """(trained, settled, dropped as stale) among the newest `limit` accepted groups that were trained on
-        or discarded. Both this and `recent_discards` walk back from the newest row and stop at `limit` (through the
+    def recent_usable_groups(self, limit: int) -> SettledGroups:
+        """Trained, settled, dropped as stale and skipped for equal rewards, among the newest `limit` accepted groups
+        that were trained on or discarded. Both this and `recent_discards` walk back from the newest row and stop at `limit` (through the
         verdict index SQLite would sort every accepted group ever: a status build would cost the whole history)."""
         row = self._rows(
             "SELECT COALESCE(SUM(consumed_step IS NOT NULL), 0) AS trained, COUNT(*) AS settled,"
-            " COALESCE(SUM(discard_reason = ?), 0) AS stale FROM ("
+            " COALESCE(SUM(discard_reason = ?), 0) AS stale, COALESCE(SUM(discard_reason = ?), 0) AS zero FROM ("
             " SELECT consumed_step, discard_reason FROM trajectories NOT INDEXED WHERE verdict = 'accepted'"
             " AND (consumed_step IS NOT NULL OR discard_reason IS NOT NULL) ORDER BY id DESC LIMIT ?)",
-            (REASON_STALE, limit),
+            (REASON_STALE, REASON_ZERO_VARIANCE, limit),
         )[0]
-        return int(row["trained"]), int(row["settled"]), int(row["stale"])
+        return SettledGroups(int(row["trained"]), int(row["settled"]), int(row["stale"]), int(row["zero"]))
 
     def trajectory_counts(self) -> dict[Verdict, int]:
         """Groups ever received, by verdict (every verdict present, zero if none)."""

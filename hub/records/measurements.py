@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hub.method.capacity import default_kappa, usable_fraction
+from hub.method.capacity import default_kappa, fresh_usable_fraction, saturation, usable_fraction
 from hub.records.schema import StepRecord
 from hub.records.store import Store
 
@@ -80,16 +80,21 @@ class StepReading:
     t_train_recent_s: float | None
     usable_fraction: float
     fresh_usable_fraction: float
+    saturated: str | None = None  # why the fresh fraction is too low for more nodes to help (capacity.saturation)
 
 
 def read_step_figures(store: Store) -> StepReading:
     """T_train over the newest steps and the usable fractions over the newest settled groups (blocking)."""
     recent = [s.t_train_s for s in store.training.recent_steps(T_TRAIN_STEPS)]
-    trained, settled, stale = store.groups.recent_usable_groups(USABLE_WINDOW_GROUPS)
-    usable = usable_fraction(trained, settled)
-    # Everything settled went stale: no step of ours to learn the other skips from.
-    fresh = usable_fraction(trained, settled - stale) if settled > stale else usable
-    return StepReading(sum(recent) / len(recent) if recent else None, usable, fresh)
+    groups = store.groups.recent_usable_groups(USABLE_WINDOW_GROUPS)
+    fresh = fresh_usable_fraction(groups.trained, groups.settled, groups.stale)
+    zero_share = groups.zero_variance / groups.settled if groups.settled else 0.0
+    return StepReading(
+        sum(recent) / len(recent) if recent else None,
+        usable_fraction(groups.trained, groups.settled),
+        fresh,
+        saturation(fresh, zero_share),
+    )
 
 
 @dataclass
@@ -98,10 +103,12 @@ class Measurements:
 
     learner: LearnerWindow = field(default_factory=LearnerWindow)
     t_train_recent_s: float | None = None  # None: no step yet
-    # Share of accepted groups that end up trained on (hub.method.capacity.usable_fraction), and the same without
-    # stale drops: what one step's rollouts shrink by (hub.method.capacity.Arrival).
+    # Share of accepted groups that end up trained on (hub.method.capacity.usable_fraction), and the same with stale
+    # drops counted as usable (fresh_usable_fraction): what the fleet is sized by, and what one step's rollouts
+    # shrink by (hub.method.capacity.Arrival). `saturated`: why that share is too low for more nodes to help.
     usable_fraction: float = 1.0
     fresh_usable_fraction: float = 1.0
+    saturated: str | None = None
     # Of the newest broadcast on every receiver: T_bcast, the active pool's throughput-weighted mean time to install
     # it, and (rollouts/s, seconds from publish to install) of each active node. None / empty: none yet.
     t_bcast_s: float | None = None
@@ -112,6 +119,7 @@ class Measurements:
         self.t_train_recent_s = reading.t_train_recent_s
         self.usable_fraction = reading.usable_fraction
         self.fresh_usable_fraction = reading.fresh_usable_fraction
+        self.saturated = reading.saturated
 
     def broadcast_done(self, seconds: float, arrive_s: float | None, installs: tuple[tuple[float, float], ...]) -> None:
         self.t_bcast_s, self.t_arrive_s, self.installs = seconds, arrive_s, installs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from hub.records.buffer import REASON_STALE
 from shared.messages import GROUP_VERDICTS, TALLY_FIELDS, Tallies
@@ -215,6 +215,15 @@ _TRIGGERS = (
     " WHEN (SELECT consumed_step IS NULL AND discard_reason IS NULL FROM trajectories WHERE id = OLD.id) BEGIN"
     " SELECT RAISE(ABORT, 'the payload of a pending group'); END",
 )
+
+
+class SettledGroups(NamedTuple):
+    """How the newest settled accepted groups were settled (GroupsTable.recent_usable_groups)."""
+
+    trained: int
+    settled: int
+    stale: int
+    zero_variance: int
 
 
 @dataclass(frozen=True)

@@ -74,11 +74,12 @@ from shared.messages import (
     SubmitReply,
 )
 from shared.model_files import ModelOffer
-from shared.net import address_key, close_answered, forget_peer, remote_ip, remote_peer_id, set_handler
+from shared.net import ConnectionStarts, address_key, close_answered, forget_peer, remote_ip, remote_peer_id, set_handler
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
 from shared.units import BYTES_PER_MBIT
 from shared.wire import (
     LIBP2P_END_OF_STREAM,
+    FrameError,
     PeerFault,
     StreamEOF,
     read_exact,
@@ -178,9 +179,11 @@ class HubService:
         bulk: BulkChannel | None = None,
         model_offer: ModelOffer | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stranger_lifetime_s: float = NON_MEMBER_LIFETIME_S,
     ) -> None:
         self.host = host
         self.clock = clock  # what the per-address rates and the idle connections' ages are counted on
+        self.stranger_lifetime_s = stranger_lifetime_s  # NON_MEMBER_LIFETIME_S, shorter in tests
         self.model_offer = model_offer  # the files a node without --model builds its engine from
         self.bulk = bulk
         self.identity = identity  # signs the commitments of the snapshot frames it serves
@@ -223,38 +226,38 @@ class HubService:
         for protocol, guarded in self._handlers.items():
             set_handler(self.host, protocol, guarded, log)
         set_handler(self.host, SESSION_PROTOCOL, self._on_session, log)
-        connected_at: dict[str, float] = {}
+        starts = ConnectionStarts(self.clock).watch(self.host)
         strangers: dict[str, tuple[float, float]] = {}
         while True:
             await trio.sleep(GUARD_PRUNE_PERIOD_S)
             self.guard.prune(idle_s=GUARD_IDLE_S)
-            await self._close_idle_connections(connected_at, strangers)
+            await self._close_idle_connections(starts, strangers)
 
-    async def _close_idle_connections(self, connected_at: dict[str, float], strangers: dict[str, tuple[float, float]]) -> None:
+    async def _close_idle_connections(self, starts: ConnectionStarts, strangers: dict[str, tuple[float, float]]) -> None:
         """Disconnect peers that are not joined nodes (strangers, nodes that left or were banned, dashboards)
-        once idle for trust.idle_connection_s, or connected NON_MEMBER_LIFETIME_S in all over their reconnections
-        (`strangers`: peer -> (first seen connected, last seen connected)): py-libp2p never closes an idle
-        connection, and every one held is a slot an honest node may need."""
+        once idle for trust.idle_connection_s, or connected `stranger_lifetime_s` in all over their reconnections
+        (`strangers`: peer -> (first connection's start, last seen connected)): py-libp2p never closes an idle
+        connection, and every one held is a slot an honest node may need. Both count from the connection's start,
+        whatever the peer keeps open on it (streams, half-closed or not, are no activity of their own)."""
         now = self.clock()
-        peers = {p.to_base58(): p for p in self.host.get_network().get_connections_map()}
-        for gone in set(connected_at) - set(peers):
-            del connected_at[gone]
         for name in [p for p, (_, last) in strangers.items() if now - last > STRANGER_MEMORY_S]:
             del strangers[name]
-        for name, peer in peers.items():
-            since = connected_at.setdefault(name, now)
+        for peer in list(self.host.get_network().get_connections_map()):
+            name = peer.to_base58()
+            started = starts.started(self.host, peer)
+            if started is None:  # gone since the map was read
+                continue
             if self.membership.is_member(name):
                 strangers.pop(name, None)
                 continue
-            first = strangers[name][0] if name in strangers else since
+            first = min(strangers[name][0], started) if name in strangers else started
             strangers[name] = (first, now)
             active = self.guard.last_active(name)
-            idle = now - max(since, active if active is not None else since) > self.guard.config.idle_connection_s
+            idle = now - max(started, active if active is not None else started) > self.guard.config.idle_connection_s
             # Not idle but never joining (a stranger polling the status to keep its slot) goes too, later.
-            if idle or now - first > NON_MEMBER_LIFETIME_S:
+            if idle or now - first > self.stranger_lifetime_s:
                 log.info("closing the %s connection of %s (not a joined node)", "idle" if idle else "long-held", name)
                 await forget_peer(self.host, peer)
-                connected_at.pop(name, None)
 
     # -- the guard around every handler ---------------------------------------------------
 
@@ -284,6 +287,10 @@ class HubService:
                 await handler(_PeerDeadline(stream, trio.current_time() + timeout_s, lease_cap))
             except HubBusy as exc:
                 await _refuse(stream, RejectCode.BUSY, str(exc))
+            except FrameError as exc:
+                # A bad frame (a length past the cap, a type or body the protocol does not take): nothing more of
+                # the stream is read, whatever its peer keeps sending.
+                await self._misbehaved(stream, peer, protocol, RejectCode(exc.code), exc.reason, linger_s=0.0)
             except PeerFault as exc:
                 await self._misbehaved(stream, peer, protocol, RejectCode(exc.code), exc.reason)
             except (StreamEOF, trio.TooSlowError) as exc:
@@ -294,13 +301,15 @@ class HubService:
         guarded.__qualname__ = f"HubService[{protocol}]"
         return guarded
 
-    async def _misbehaved(self, stream: INetStream, peer: str, protocol: str, code: RejectCode, reason: str) -> None:
+    async def _misbehaved(
+        self, stream: INetStream, peer: str, protocol: str, code: RejectCode, reason: str, linger_s: float = REFUSE_LINGER_S
+    ) -> None:
         """A peer sent something we refuse: count it against the peer, tell it why, keep serving. Logged once per
         peer per window (a peer refused in a loop must not fill the disk with lines)."""
         if (tail := self._refusal_log.tail(peer)) is not None:
             log.warning("refused %s from %s: %s%s", protocol, peer, reason, tail)
         await self.membership.record_refusal(peer, code)
-        await _refuse(stream, code, reason)
+        await _refuse(stream, code, reason, linger_s=linger_s)
 
     async def _turn_away(self, stream: INetStream, peer: str, admission: Admission) -> None:
         """A peer over its stream, rate or memory caps: told to retry later, disconnected if it keeps on (at once:
@@ -383,6 +392,7 @@ class HubService:
                 SESSION_PROTOCOL,
                 RejectCode.BAD_REQUEST,
                 f"session selector {selector} names no request (0-{len(SESSION_REQUESTS) - 1})",
+                linger_s=0.0,  # a bad frame: reset at once, as `_guarded` does
             )
             return None
         return SESSION_REQUESTS[selector]
@@ -610,12 +620,14 @@ async def _reply(stream: INetStream, msg) -> None:
 async def _refuse(stream: INetStream, code: RejectCode, reason: str, linger_s: float = REFUSE_LINGER_S) -> None:
     """Answer with a Reject, then end the stream on both sides: the peer has `linger_s` to read it and close its
     side (what our clients do); whatever else it sends meanwhile is dropped unread, and a stream still open
-    after that is reset, so neither side holds it."""
+    after that is reset, so neither side holds it. With no linger the reset follows the Reject and its FIN at
+    once: a py-libp2p reader still reads a reply that came before the reset (Yamux keeps what a stream buffered
+    when its peer ended it), though a sender still writing its request loses it."""
     try:
         with trio.move_on_after(REFUSE_WRITE_TIMEOUT_S) as writing:
             await write_message(stream, Reject(code=code, reason=reason[:1000]))
             await stream.close_write()
-        if not writing.cancelled_caught:  # a peer that does not read its Reject gets no linger either
+        if not writing.cancelled_caught and linger_s > 0:  # a peer that does not read its Reject gets no linger either
             with trio.move_on_after(linger_s):
                 with contextlib.suppress(*LIBP2P_END_OF_STREAM):
                     while await stream.read(REFUSE_DRAIN_BYTES):

@@ -198,7 +198,7 @@ class StatusBoard:
             mu_pool=capacity.mu_pool,
             mu_min=capacity.mu_min,
             mu_target=capacity.mu_target,
-            usable_fraction=capacity.usable_fraction,
+            usable_fraction=self.measured.usable_fraction,
             cost_usd=cost,
             cost_per_step_usd=cost / step if step else None,
             all_on_cost_usd=state.all_on_cost_usd(now),
