@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -569,12 +570,15 @@ def _was_set(config: BaseModel, dotted: str) -> bool:
     return not rest or _was_set(getattr(config, head), rest)
 
 
-def with_user_model_defaults(config: HubConfig, own_model: bool) -> tuple[HubConfig, str | None]:
-    """`config` with TRL's defaults for max-new-tokens, lr and group size where `own_model` (not the embedded default)
-    and neither the TOML file nor a flag set them, and the one line that says which it used (None: none)."""
+def with_user_model_defaults(
+    config: HubConfig, own_model: bool, fields: Collection[str] = tuple(USER_MODEL_DEFAULTS)
+) -> tuple[HubConfig, str | None]:
+    """`config` with TRL's defaults for max-new-tokens, lr and group size (those of them in `fields`) where
+    `own_model` (not the embedded default) and neither the TOML file nor a flag set them, and the one line that says
+    which it used (None: none)."""
     if not own_model:
         return config, None
-    taken = {dotted: value for dotted, value in USER_MODEL_DEFAULTS.items() if not _was_set(config, dotted)}
+    taken = {dotted: value for dotted, value in USER_MODEL_DEFAULTS.items() if dotted in fields and not _was_set(config, dotted)}
     if not taken:
         return config, None
     sections: dict[str, dict[str, int | float]] = {}

@@ -344,17 +344,22 @@ def _eval(args: argparse.Namespace) -> int:
     """`echo-hub eval`: its config is --config, else the run's saved beside the policy (and it says so), else the
     defaults; flags override it."""
     from hub.cli.eval import check_eval, run_eval, saved_run_config
-    from hub.config import HubConfig
+    from hub.config import HubConfig, with_user_model_defaults
     from shared.config import ConfigError, load_config
 
     overrides = {START_FLAGS[flag][0]: _given(args, flag) for flag in EVAL_FLAGS}
     saved = None if args.config is not None else saved_run_config(args.model)
     try:
         config = load_config(HubConfig, args.config or saved, overrides, aliases=_flat_keys())
+        # Without a run's config the policy is all there is to go by: a model of the user's samples as TRL's would.
+        base = config.model if args.config is not None or saved is not None else args.model
+        config, defaults = with_user_model_defaults(config, _own_model(base), fields=("sampling.max_new_tokens",))
         task = check_eval(config, args.model)
     except (ConfigError, UserError) as exc:
         print(f"echo-hub eval: {f'{saved}: ' if saved else ''}{exc}", file=sys.stderr)
         return 2
+    if defaults is not None:
+        print(f"echo-hub eval: {defaults}", file=sys.stderr, flush=True)
     return run_eval(config, args.model, task, args.device, args.json, saved)
 
 
