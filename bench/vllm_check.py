@@ -5,7 +5,7 @@
 
 1. Swaps: `--swaps` perturbed snapshots of the default model installed into a running fp32 engine (vLLM's
    in-place reload), each timed.
-2. Log-prob gaps: completions sampled by vLLM (temperature 0.7, top-p 0.9) re-scored by the
+2. Log-prob gaps: completions sampled by vLLM (temperature 0.7, top-p 0.9, top-k 20, min-p 0.02) re-scored by the
    transformers computation the hub's audit runs (shared.logprobs), in fp32 and in bf16, over tokens
    inside the hub's nucleus; after the swaps, so the swapped weights are what is measured.
 3. The install probe: the hub's reference for the last snapshot is reproduced; then one tensor scaled
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)\s*$", re.M)
-SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 8}
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.02, "max_new_tokens": 8}
 # On a CPU: GiB of KV cache per engine; the default model needs a sliver of one.
 CPU_KV_GIB = 1
 CUDA_MEMORY_FRACTION = 0.3
@@ -80,7 +80,13 @@ def gaps(vllm_engine, hf_engine, prompts: list[str], n: int = 4) -> tuple[float,
     ids = [i for i in hf_engine.tokenizer(prompts)["input_ids"] for _ in range(n)]
     with torch.inference_mode():
         ref, mask = completion_logprobs(
-            hf_engine.model, ids, [list(c.token_ids) for c in flat], sampling.temperature, sampling.top_p
+            hf_engine.model,
+            ids,
+            [list(c.token_ids) for c in flat],
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            sampling.min_p,
         )
     reported = torch.zeros_like(ref, dtype=torch.float32)
     for row, c in enumerate(flat):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from hub.method.capacity import CapacityRule, default_kappa, validate_kappa
 from shared.config import HttpBind, Section
@@ -41,7 +42,12 @@ class LearnerConfig(Section):
     kappa: int | None = Field(None, ge=1, le=64, description="publish a snapshot every kappa steps (default max(1, S-1))")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="groups consumed per learner step")
     group_size: int = Field(8, ge=2, le=256, description="n: completions per prompt")
-    lr: float = Field(3e-4, gt=0.0, le=1.0, description="AdamW learning rate (the default suits the embedded model)")
+    lr: float = Field(
+        3e-4,
+        gt=0.0,
+        le=1.0,
+        description="AdamW learning rate (the default suits the embedded model; a --model of your own: TRL's 1e-6)",
+    )
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="learning-rate schedule over --steps, after the warm-up (linear and cosine decay to 0 at the last step, as TRL's)",
@@ -58,6 +64,16 @@ class LearnerConfig(Section):
         0.2, ge=0.0, lt=1.0, description="lower PPO clip range (below 1: the clip keeps ratios above 1 - eps_low > 0)"
     )
     eps_high: float = Field(0.28, ge=0.0, le=10.0, description="upper PPO clip range")
+    loss_type: Literal["dapo", "bnpo", "grpo", "dr_grpo"] = Field(
+        "dapo",
+        description="how a step's token losses add up (TRL's loss_type): dapo the mean over its tokens (bnpo the same: a step is one exactly accumulated batch), grpo each completion's mean then their mean, dr_grpo their sum over completions x max_new_tokens",
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=1,
+        description="TRL's num_iterations (mu), which must stay 1: each group trains once, and --staleness S bounds how stale it may be instead",
+    )
     use_is_ratio: bool = Field(True, description="importance-weight stale rollouts (off: treat them as on-policy)")
     max_is_ratio: float | None = Field(None, gt=1.0, description="mask tokens whose ratio exceeds this")
     beta: float = Field(0.0, ge=0.0, le=10.0, description="KL penalty weight to the initial policy")
@@ -133,6 +149,19 @@ class LearnerConfig(Section):
     def _transformers_name(cls, value: object) -> object:
         """transformers' `constant_with_warmup` (TRL users' value) is our constant, which warms up as asked."""
         return "constant" if value == "constant_with_warmup" else value
+
+    @field_validator("num_iterations", mode="before")
+    @classmethod
+    def _one_iteration(cls, value: object) -> object:
+        """mu > 1 refused in words: what it does, and the setting that does the same here."""
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise ValueError(
+                f"{value} (TRL's mu) would train each batch of rollouts {value} times, the later passes on rollouts up "
+                f"to {value - 1} version{'s' if value > 2 else ''} stale; echo2 trains each group once and lets it be up "
+                f"to S versions stale instead: leave it at 1 and set --staleness S >= {value - 1} for as much reuse of "
+                "off-policy rollouts"
+            )
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -366,6 +395,12 @@ class DatasetConfig(Section):
         description="how module:function rewards are called: trl, verl (compute_score) or auto (verl when it takes solution_str)",
     )
     split: str = Field("train", min_length=1, max_length=256, description="split of a save_to_disk DatasetDict to read")
+    max_prompt_length: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="longest prompt in tokens: a longer one is refused at start, naming the count and the longest (verl's truncation='error'; nothing is cut), for --task and --eval-task (None: the model's context is the bound)",
+    )
     chat: bool = Field(
         False,
         description="render string prompts as one user message with the tokenizer's chat template (message lists always are)",
@@ -473,8 +508,15 @@ class HubConfig(Section):
     save_rollouts_max_gb: float = Field(
         10.0, gt=0.0, le=1e6, description="--save-rollouts keeps at most this many GB: the oldest shards are deleted"
     )
+    repetition_penalty: float = Field(
+        1.0,
+        ge=1.0,
+        le=1.0,
+        description="TRL's repetition_penalty, which must stay 1.0: it would make each token's distribution depend on the completion's earlier tokens, which the hub's exact log-prob recompute (audits, the learner's importance ratios) does not model",
+    )
     learner: LearnerConfig = LearnerConfig()
-    sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
+    # The section's own defaults, so that a flag setting one field of it (--top-p) leaves the others at theirs.
+    sampling: SamplingParams = SamplingParams()
     lease: LeaseConfig = LeaseConfig()
     broadcast: BroadcastConfig = BroadcastConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -482,6 +524,20 @@ class HubConfig(Section):
     dataset: DatasetConfig = DatasetConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @field_validator("repetition_penalty", mode="before")
+    @classmethod
+    def _no_repetition_penalty(cls, value: object) -> object:
+        """A penalty refused in words: why it cannot be audited, and what to use instead."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1.0:
+            raise ValueError(
+                f"{value:g} would penalise tokens the prompt and the completion already hold, so a token's "
+                "probability would depend on the completion's own earlier tokens; the hub recomputes every audited "
+                "log-prob and the learner's importance ratios from the model's distribution alone (temperature, "
+                "top-p, top-k, min-p), so a penalty would fail honest nodes' audits: leave it at 1.0, and shape "
+                "repetition through the reward"
+            )
+        return value
 
     @property
     def key_path(self) -> Path:
@@ -497,3 +553,40 @@ class HubConfig(Section):
                 "(0 runs until interrupted: only a constant learning rate without warm-up fits it)"
             )
         return self
+
+
+# TRL's GRPOConfig defaults (trl 1.16: max_completion_length 512, learning_rate 1e-6, num_generations 8). A user's own
+# model starts from these, not from the embedded toy's (10 tokens suit its reversal task; lr 3e-4 its 2 layers).
+USER_MODEL_DEFAULTS: dict[str, int | float] = {"sampling.max_new_tokens": 512, "learner.lr": 1e-6, "learner.group_size": 8}
+# Each of them as the flag that sets it, for the line that says which ones a start took.
+_DEFAULT_FLAGS = {"sampling.max_new_tokens": "--max-new-tokens", "learner.lr": "--lr", "learner.group_size": "--group-size"}
+
+
+def _was_set(config: BaseModel, dotted: str) -> bool:
+    """Whether the TOML file or a flag gave `dotted` (every section on its path, then the field, was given)."""
+    head, _, rest = dotted.partition(".")
+    if head not in config.model_fields_set:
+        return False
+    return not rest or _was_set(getattr(config, head), rest)
+
+
+def with_user_model_defaults(
+    config: HubConfig, own_model: bool, fields: Collection[str] = tuple(USER_MODEL_DEFAULTS)
+) -> tuple[HubConfig, str | None]:
+    """`config` with TRL's defaults for max-new-tokens, lr and group size (those of them in `fields`) where
+    `own_model` (not the embedded default) and neither the TOML file nor a flag set them, and the one line that says
+    which it used (None: none)."""
+    if not own_model:
+        return config, None
+    taken = {dotted: value for dotted, value in USER_MODEL_DEFAULTS.items() if dotted in fields and not _was_set(config, dotted)}
+    if not taken:
+        return config, None
+    sections: dict[str, dict[str, int | float]] = {}
+    for dotted, value in taken.items():
+        section, field = dotted.split(".")
+        sections.setdefault(section, {})[field] = value
+    config = config.model_copy(
+        update={name: getattr(config, name).model_copy(update=fields) for name, fields in sections.items()}
+    )
+    used = ", ".join(f"{_DEFAULT_FLAGS[dotted]} {value:g}" for dotted, value in taken.items())
+    return config, f"your own model: TRL's defaults {used} (the embedded toy's are for its 2-layer model; flags override)"

@@ -19,7 +19,8 @@ class NodeConfig(Section):
 
     hub: str = Field(description="hub multiaddr including /p2p/<hub peer id>, as the hub printed it")
     name: DisplayName | None = Field(
-        None, description="display name on the hub's status page, 1-32 printable characters (None: the short peer id)"
+        None,
+        description="display name on the hub's status page, in echo-hub status and both dashboards (beside the short peer id), 1-32 printable characters (None: the short peer id)",
     )
     http: HttpBind = Field("off", description="this node's own page, /api/status and /metrics at HOST:PORT, or off")
     price: float = Field(0.35, ge=0.0, le=1000.0, description="declared price in $/h")

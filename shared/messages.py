@@ -88,6 +88,10 @@ PEER_ID_PATTERN = rf"^[{_BASE58}]{{1,128}}$"
 SHORT_ID_CHARS = 8
 
 
+# Of a node's chosen name, the characters a nodes table shows beside its short id (the full name is up to 32).
+LABEL_NAME_CHARS = 16
+
+
 def short_id(peer_id: str | None) -> str:
     """How every echo2 screen names a peer: the last 8 characters of its id (None: the hub)."""
     return "hub" if peer_id is None else peer_id[-SHORT_ID_CHARS:]
@@ -496,6 +500,14 @@ class NodeStatus(Message):
     )
     reasons: ReasonCounts = Field({}, description="its refused groups by GroupReason, since the hub started (operators only)")
 
+    def label(self) -> str:
+        """How the nodes tables name it: its chosen name (cut to LABEL_NAME_CHARS) and short id, or the short id."""
+        short = short_id(self.peer_id)
+        if self.name in ("", short):
+            return short
+        name = self.name if len(self.name) <= LABEL_NAME_CHARS else self.name[: LABEL_NAME_CHARS - 1] + "…"
+        return f"{name} {short}"
+
     def net_text(self) -> str:
         """Reachability and link in a few characters: "nat/push", "pub/direct", "?/hub"."""
         reach = {"public": "pub", "nated": "nat"}.get(self.reachability, "?")
@@ -771,6 +783,7 @@ class NodeView(Message):
     TYPE: ClassVar[int] = 22
     MAX_BYTES: ClassVar[int] = 256 * KIB
     peer_id: str
+    name: str = Field("", max_length=32, description="the display name it joined with (--name; empty: none)")
     hub_addr: str
     connected: bool
     state: NodeState | Literal["connecting"]

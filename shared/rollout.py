@@ -25,7 +25,13 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10.0, description="softmax temperature")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept before sampling")
-    max_new_tokens: int = Field(16, ge=1, le=65536, description="completion length cap in tokens")
+    top_k: int = Field(0, ge=0, le=1 << 20, description="keep only the k most likely tokens before sampling (0: off)")
+    min_p: float = Field(
+        0.0, ge=0.0, lt=1.0, description="drop tokens less likely than min_p x the most likely one before sampling (0: off)"
+    )
+    max_new_tokens: int = Field(
+        10, ge=1, le=65536, description="completion length cap in tokens (10 suits the embedded model's task)"
+    )
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="RNG seed for reproducible sampling")
 
 
@@ -52,8 +58,15 @@ class Group(BaseModel):
     completions: tuple[Completion, ...]
     rewards: tuple[float, ...]
     node_id: str = Field("", description="peer id of the node that made it ('' for in-process)")
+    logged_metrics: tuple[tuple[str, float], ...] = Field(
+        (), description="what the task's reward functions logged with TRL's log_metric while scoring it, (name, value)"
+    )
+    logged_columns: tuple[tuple[str, tuple[str | float | None, ...]], ...] = Field(
+        (), description="what they logged with TRL's log_extra: a column name and one value per completion"
+    )
     reward_parts: tuple[tuple[str, tuple[float | None, ...]], ...] = Field(
-        (), description="per reward function of the task: its name and values (None: it does not apply); the hub's own scores"
+        (),
+        description="per reward function of the task: its name and values (None: it does not apply), then each number a verl dict held beside its score as <function>/<key>; the hub's own scores",
     )
 
 

@@ -53,9 +53,9 @@ def world(default_model_dir, tmp_path_factory):
     return {"auditor": auditor, "base": base_engine, "trained": trained_engine, "prompts": prompts, "shelf": shelf}
 
 
-def generate(engine, prompts, node_id="nodeA", claim_version=None) -> list[Group]:
+def generate(engine, prompts, node_id="nodeA", claim_version=None, sampling=SAMPLING) -> list[Group]:
     torch.manual_seed(11)
-    out = engine.generate([p.text for p in prompts], N, SAMPLING)
+    out = engine.generate([p.text for p in prompts], N, sampling)
     groups = []
     for prompt, completions in zip(prompts, out):
         if claim_version is not None:
@@ -107,6 +107,18 @@ def test_wrong_model_fails(world):
     results = [auditor.audit(g, TRAINED_VERSION) for g in groups]
     assert all(not r.passed for r in results), [r.mean_abs_gap for r in results]
     assert min(r.mean_abs_gap for r in results) > AUDIT_GAP_BY_DTYPE["bfloat16"]
+
+
+def test_top_k_and_min_p_are_audited_exactly(world, default_model_dir):
+    """A hub sampling with top-k and min-p: an honest node's groups pass with fp32-exact log-probs; a node that
+    ignores the filters (sampling the wider distribution, reporting its log-probs) is caught on its tokens
+    outside them and on its gaps."""
+    filtered = SAMPLING.model_copy(update={"top_k": 3, "min_p": 0.1})
+    auditor = Auditor(default_model_dir, world["shelf"], filtered, TrustConfig(), "float32")
+    honest = [auditor.audit(g, TRAINED_VERSION) for g in generate(world["trained"], world["prompts"], sampling=filtered)]
+    assert [r.reason for r in honest if not r.passed] == [] and max(r.mean_abs_gap for r in honest) < 1e-4
+    unfiltered = [auditor.audit(g, TRAINED_VERSION) for g in generate(world["trained"], world["prompts"])]
+    assert sum(not r.passed for r in unfiltered) > GROUPS // 2, [r.reason for r in unfiltered]
 
 
 def test_invented_logprobs_fail(world):

@@ -70,6 +70,38 @@ def test_save_to_disk_directory_and_its_split(tmp_path: Path) -> None:
     assert len(load_task(str(tmp_path / "single"), COLUMNS).prompts()) == 3
 
 
+def test_a_split_named_in_the_spec_is_read_for_training_and_for_evaluation(tmp_path: Path) -> None:
+    """`DIR:SPLIT` (`conv_ds:test`) picks a DatasetDict's split wherever a task is named: --task and --eval-task."""
+    datasets = pytest.importorskip("datasets", reason="the datasets package comes with the data extra")
+    from hub.cli.preflight import checked_tasks
+    from hub.config import HubConfig
+
+    ds = tmp_path / "conv_ds"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])}).save_to_disk(
+        str(ds)
+    )
+    options = DatasetOptions("question", "solution", "exact")
+    assert [p.text for p in load_task(f"{ds}:test", options).prompts()] == ["What is 2+2?"]
+    with pytest.raises(ValueError, match=f"no split 'validation' .*train, test.*or as {ds}:train"):
+        load_task(f"{ds}:validation", options)
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
+    with pytest.raises(ValueError, match="single holds one Dataset .no splits.: it has no split 'test'; name the directory"):
+        load_task(f"{tmp_path / 'single'}:test", options)
+    ds = tmp_path / "disjoint"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[1:]), "test": datasets.Dataset.from_list(ROWS[:1])}
+    ).save_to_disk(str(ds))
+    config = HubConfig.model_validate(
+        {
+            "task": f"{ds}:train",
+            "dataset": {"prompt_column": "question", "answer_column": "solution", "reward": "exact"},
+            "eval": {"every": 1, "task": f"{ds}:test"},
+        }
+    )
+    train, held = checked_tasks(config, None, evaluate=True)
+    assert len(train.prompts()) == 2 and held is not None and [p.text for p in held.prompts()] == ["What is 2+2?"]
+
+
 def test_trl_reward_function_gets_the_other_columns(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))

@@ -61,6 +61,24 @@ def test_nucleus_keeps_smallest_prefix_with_mass_at_least_top_p():
     assert torch.allclose(scaled, probs**2 / (probs**2).sum())
 
 
+def test_top_k_and_min_p_drop_below_a_threshold_then_top_p_takes_its_nucleus_of_the_rest():
+    """Probabilities 0.5, 0.25, 0.125, 0.125: top-k 2 keeps two (2/3, 1/3); top-k 3 keeps the tie at the third too;
+    min-p 0.3 keeps p >= 0.15 (two); top-k 3 then top-p 0.7 renormalises all four and takes 0.5 + 0.25."""
+    from shared.logprobs import below_threshold
+
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    assert below_threshold(logits, 2, 0.0).tolist() == [[False, False, True, True]]
+    assert below_threshold(logits, 3, 0.0).tolist() == [[False, False, False, False]]
+    assert below_threshold(logits, 0, 0.3).tolist() == [[False, False, True, True]]
+    assert below_threshold(logits, 1, 0.1).tolist() == [[False, True, True, True]]  # the stricter of the two
+    for kwargs in ({"top_k": 2}, {"min_p": 0.3}, {"top_k": 3, "top_p": 0.7}):
+        lp = sampling_logprobs(logits, **kwargs)
+        assert torch.allclose(lp[0, :2].exp(), torch.tensor([2 / 3, 1 / 3])) and torch.isinf(lp[0, 2:]).all(), kwargs
+    assert torch.allclose(sampling_logprobs(logits, top_k=3).exp(), torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    # Temperature first: at 0.5 the probabilities are 16/22, 4/22, 1/22, 1/22, and min-p 0.1 drops the last two.
+    assert torch.isinf(sampling_logprobs(logits, temperature=0.5, min_p=0.1)[0, 2:]).all()
+
+
 def test_generate_shapes_finish_reasons_and_versions(engine):
     sampling = SamplingParams(max_new_tokens=4, seed=0)
     out = engine.generate(PROMPTS, 3, sampling)
@@ -88,15 +106,20 @@ def test_same_seed_same_outputs(engine):
     assert engine.generate(PROMPTS[:4], 4, sampling.model_copy(update={"seed": 8})) != first
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.7, 0.9)])
-def test_engine_logprobs_match_completion_logprobs(engine, temperature, top_p):
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=8, seed=1)
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k,min_p",
+    [(1.0, 1.0, 0, 0.0), (0.7, 1.0, 0, 0.0), (1.0, 0.9, 0, 0.0), (0.7, 0.9, 0, 0.0), (0.7, 0.9, 5, 0.05)],
+)
+def test_engine_logprobs_match_completion_logprobs(engine, temperature, top_p, top_k, min_p):
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=8, seed=1)
     n = 4
     out = engine.generate(PROMPTS, n, sampling)
     flat = [c for group in out for c in group]
     prompt_ids = [ids for ids in engine.tokenizer(PROMPTS)["input_ids"] for _ in range(n)]
     with torch.no_grad():
-        ref, mask = completion_logprobs(engine.model, prompt_ids, [list(c.token_ids) for c in flat], temperature, top_p)
+        ref, mask = completion_logprobs(
+            engine.model, prompt_ids, [list(c.token_ids) for c in flat], temperature, top_p, top_k, min_p
+        )
     reported = torch.zeros_like(ref)
     for row, c in enumerate(flat):
         reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)

@@ -118,6 +118,18 @@ def test_eval_mistakes_are_one_line(tmp_path: Path) -> None:
     assert snapshot_of(tmp_path) == before
 
 
+def test_eval_of_a_users_model_without_a_run_config_samples_as_trl_would(tmp_path: Path, default_model_dir: Path) -> None:
+    """A policy directory with no echo2.toml beside it, not the embedded default: TRL's max_completion_length, said
+    in one line (the embedded default's own directory is no user's model: tests/test_flags.py)."""
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(default_model_dir, mine)
+    result = run("hub.cli", "eval", "--model", str(mine), "--eval-prompts", "2", "--device", "cpu", "--json", timeout_s=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "echo-hub eval: your own model: TRL's defaults --max-new-tokens 512 (" in result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_default_run_evaluates_held_out_prompts_every_10_steps(tmp_path: Path) -> None:

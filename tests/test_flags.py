@@ -82,6 +82,9 @@ def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
         ("--lr-scheduler-type", "polynomial", "learner.lr_scheduler"),
         ("--warmup-ratio", "2", "learner.warmup_ratio"),
         ("--log-completions", "-1", "tracking.log_completions"),
+        ("--loss-type", "cispo", "learner.loss_type"),
+        ("--top-k", "-1", "sampling.top_k"),
+        ("--min-p", "1", "sampling.min_p"),
     ):
         assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, flag, value), field)
     toml = tmp_path / "hub.toml"
@@ -93,6 +96,28 @@ def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
         "--lr-scheduler cosine",
         "needs --steps N",
     )
+
+
+def test_more_than_one_iteration_is_refused_saying_how_staleness_relates(tmp_path: Path) -> None:
+    """TRL's num_iterations reuses each batch of rollouts: refused in one line that names S as the setting here."""
+    before = snapshot_of(tmp_path)
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--num-iterations", "3"),
+        "learner.num_iterations: 3 (TRL's mu) would train each batch of rollouts 3 times",
+        "up to 2 versions stale",
+        "--staleness S >= 2",
+    )
+    assert snapshot_of(tmp_path) == before
+
+
+def test_a_repetition_penalty_is_refused_saying_why_audits_could_not_check_it(tmp_path: Path) -> None:
+    before = snapshot_of(tmp_path)
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", str(tmp_path / "data"), "--repetition-penalty", "1.1"),
+        "repetition_penalty: 1.1 would penalise tokens",
+        "would fail honest nodes' audits",
+    )
+    assert snapshot_of(tmp_path) == before
 
 
 def test_an_epsilon_the_loss_cannot_take_is_refused_before_anything_runs(tmp_path: Path) -> None:
@@ -131,3 +156,37 @@ def test_print_config_shows_what_a_start_would_run_with_and_writes_nothing(tmp_p
 
     config = load_config(HubConfig, printed, {})
     assert (config.learner.lr, config.learner.group_size, config.data_dir) == (2e-5, 6, data)
+
+
+def test_a_users_model_gets_trls_defaults_for_what_was_not_set(tmp_path: Path) -> None:
+    """--model of the user's own: TRL's max_completion_length, learning_rate and num_generations, each only where
+    neither hub.toml (a TRL name counts) nor a flag set it, and one line naming those it took."""
+    from hub.cli.main import _flat_keys, _own_model
+    from hub.config import HubConfig, with_user_model_defaults
+    from shared.config import load_config
+    from shared.default_model import default_model_dir
+
+    toml = tmp_path / "hub.toml"
+    toml.write_text("learning_rate = 2e-5\n")
+    config = load_config(HubConfig, toml, {"model": tmp_path / "mine"}, aliases=_flat_keys())
+    own, line = with_user_model_defaults(config, own_model=True)
+    assert (own.sampling.max_new_tokens, own.learner.lr, own.learner.group_size) == (512, 2e-5, 8)
+    assert own.sampling.temperature == config.sampling.temperature and own.learner == config.learner.model_copy(
+        update={"group_size": 8}
+    )
+    assert line == (
+        "your own model: TRL's defaults --max-new-tokens 512, --group-size 8 (the embedded toy's are for its 2-layer "
+        "model; flags override)"
+    )
+    assert with_user_model_defaults(own, own_model=True) == (own, None)  # all three set now: nothing more to say
+    flags = {"sampling.max_new_tokens": 64, "learner.group_size": 4}
+    config = load_config(HubConfig, toml, flags, aliases=_flat_keys())
+    assert with_user_model_defaults(config, own_model=True) == (config, None)
+    assert with_user_model_defaults(HubConfig(), own_model=False) == (HubConfig(), None)
+    # One sampling flag leaves the section's other fields at their defaults (--top-p once made max_new_tokens 16).
+    assert load_config(HubConfig, None, {"sampling.top_p": 0.9}).sampling.max_new_tokens == HubConfig().sampling.max_new_tokens
+    assert _own_model(tmp_path / "mine") and not _own_model(None) and not _own_model(default_model_dir())
+
+    result = run("hub.cli", "start", "--model", str(tmp_path / "mine"), "--max-completion-length", "64", "--print-config")
+    assert result.returncode == 0, result.stderr
+    assert {"lr = 1e-06", "max_new_tokens = 64", "group_size = 8"} <= set(result.stdout.splitlines())

@@ -227,3 +227,29 @@ def test_micro_batches_pack_rows_by_real_tokens():
     assert micro_batches([], 5) == []
     with pytest.raises(ValueError):
         micro_batches([2], 0)
+
+
+def test_loss_types_add_tokens_up_as_trl_does():
+    """Two rows of 1 and 3 taking-part tokens, per-token losses -r*A = -A (r = 1): A = 1 and 2 give token losses
+    -1 and -2, -2, -2. dapo and bnpo: (-1 - 6) / 4; grpo: (-1/1 + -6/3) / 2; dr_grpo: -7 / (2 rows x 5)."""
+    lp = torch.zeros(2, 3)
+    mask = t([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    advantages = t([1.0, 2.0])
+    expected = {"dapo": -7 / 4, "bnpo": -7 / 4, "grpo": -1.5, "dr_grpo": -7 / 10}
+    for loss_type, value in expected.items():
+        loss, _ = grpo_loss(lp, lp.clone(), advantages, mask, loss_type=loss_type, max_completion_length=5)
+        assert float(loss) == pytest.approx(value), loss_type
+    with pytest.raises(ValueError, match="dr_grpo needs max_completion_length"):
+        grpo_loss(lp, lp.clone(), advantages, mask, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="unknown loss type 'cispo'"):
+        grpo_loss(lp, lp.clone(), advantages, mask, loss_type="cispo")
+
+
+def test_the_kl_term_is_added_per_token_before_the_rows_are_averaged():
+    """grpo with beta: each row's mean of (policy + beta * k3) tokens, as TRL adds the KL per token."""
+    lp = torch.zeros(2, 2)
+    ref = t([[math.log(2.0), 0.0], [0.0, 0.0]])  # k3 = 2 - log 2 - 1 at one token of row 0
+    mask = t([[1.0, 1.0], [1.0, 0.0]])
+    loss, stats = grpo_loss(lp, lp.clone(), t([0.0, 0.0]), mask, ref_logprobs=ref, beta=0.5, loss_type="grpo")
+    k3 = 1.0 - math.log(2.0)
+    assert float(loss) == pytest.approx(0.5 * (0.5 * k3 / 2 + 0.0)) and stats["kl"] == pytest.approx(k3 / 3)

@@ -252,6 +252,20 @@ def test_micro_batches_and_checkpointing_give_the_one_batch_gradient():
         assert stats.clip_frac == pytest.approx(whole_stats.clip_frac, abs=1e-9)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_row_mean_loss_types_give_the_one_batch_gradient_over_micro_batches(loss_type):
+    """grpo and dr_grpo average over rows, not tokens: micro-batches weighted by their rows add up to the whole
+    batch's gradient, and the loss differs from dapo's token mean on rows of different lengths."""
+    groups = synthetic_groups()
+    whole_stats, whole = step_gradients(LearnerConfig(micro_batch_tokens=1_000_000, loss_type=loss_type), groups)
+    stats, grads = step_gradients(LearnerConfig(micro_batch_tokens=64, loss_type=loss_type), groups)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, whole[name], rtol=1e-4, atol=1e-7), name
+    assert stats.loss == pytest.approx(whole_stats.loss, rel=1e-5, abs=1e-7)
+    dapo_stats, _ = step_gradients(LearnerConfig(micro_batch_tokens=1_000_000), groups)
+    assert whole_stats.loss != pytest.approx(dapo_stats.loss, rel=1e-3)
+
+
 def test_compiled_layers_give_the_eager_gradient_at_every_length():
     """--compile: each decoder layer compiled with dynamic shapes gives the eager step's loss and gradient, and
     a second batch of other lengths (other packed shapes) reuses the compiled graphs with no recompile."""
@@ -379,3 +393,31 @@ def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(t
     assert again.loss == pytest.approx(after.loss, rel=1e-5, abs=1e-7)
     for (name, p), q in zip(learner.model.named_parameters(), resumed.model.parameters()):
         assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys):
+    """Every completion of two steps hit max_new_tokens: one warning for the run, printed, logged and in the journal.
+    The steps' rows carry TRL's names too, and frac_reward_zero_std over the groups offered since the step before."""
+    torch.set_num_threads(1)
+    cfg = LearnerConfig(prompts_per_step=2, group_size=4, checkpoint_every=100)
+    store = Store(tmp_path / "hub.db")
+    groups = synthetic_groups(count=5)  # every completion finished by "length"
+    groups[4] = groups[4].model_copy(update={"rewards": (0.5,) * 4})  # all alike: offered, never trained on
+    for group in groups:
+        store.groups.record_trajectory(group, None, "", "accepted")
+    state = HubState(store, HubConfig(learner=cfg, sampling=SAMPLING), ReverseTask())
+    send, _ = trio.open_memory_channel(64)
+    model_dir = ensure_default_model(progress=False)
+    learner = LearnerComponent(cfg, SAMPLING, model_dir, tmp_path, state, Identity.generate(), send, 2, CHUNK_SIZE_BYTES)
+    trio.run(learner.run)
+    assert learner.step == 2
+    said = [line for line in capsys.readouterr().out.splitlines() if "--max-new-tokens" in line]
+    assert said == [
+        "echo-hub: warning: 100% of step 1's completions were cut at --max-new-tokens 10, so their rewards score "
+        "unfinished answers: raise --max-new-tokens (TRL's --max-completion-length)"
+    ]
+    assert [e.detail for e in store.journal.events() if e.kind == "completions_cut"] == [said[0].split("warning: ")[1]]
+    first, second = read_metrics(tmp_path / METRICS_FILE)
+    assert first["frac_reward_zero_std"] == 1 / 5 and "frac_reward_zero_std" not in second  # no group offered since
+    for row in (first, second):
+        assert row["completions/mean_length"] == row["completion_length_mean"] and row["completions/clipped_ratio"] == 1.0

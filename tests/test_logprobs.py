@@ -14,7 +14,7 @@ from shared.logprobs import completion_logprobs, completion_logprobs_and_entropy
 from testbed.models import ARCHITECTURES, random_model_dir
 
 
-def reference_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, top_p=1.0):
+def reference_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0):
     """The path shared/logprobs.py had before packing: one padded forward over [left-padded prompt |
     right-padded completion], the whole [B, T, V] log-softmax, then a gather. Kept here as the reference."""
     batch = len(prompt_ids)
@@ -32,7 +32,7 @@ def reference_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.
     logits = model(
         input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=completion_width + 1
     ).logits[:, :-1, :]
-    logprobs = sampling_logprobs(logits, temperature, top_p)
+    logprobs = sampling_logprobs(logits, temperature, top_p, top_k, min_p)
     mask = attention[:, prompt_width:].float()
     token = logprobs.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1).masked_fill(mask == 0, 0.0)
     with torch.no_grad():
@@ -62,7 +62,7 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("one_bin", [False, True])
-@pytest.mark.parametrize("sampling", [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("sampling", [(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (0.8, 0.95, 7, 0.02)])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_packed_chunked_logprobs_equal_the_padded_reference(models, arch, sampling, one_bin, monkeypatch):
     model = models[arch]
@@ -71,16 +71,16 @@ def test_packed_chunked_logprobs_equal_the_padded_reference(models, arch, sampli
     # A chunk of 4 tokens: the rows cross chunk boundaries everywhere.
     monkeypatch.setattr(shared.logprobs, "HEAD_CHUNK_BYTES", 4 * 4 * model.config.vocab_size)
     prompts, completions = rows(model.config.vocab_size)
-    temperature, top_p = sampling
+    temperature, top_p, top_k, min_p = sampling
     weights = torch.randn(len(prompts), max(len(c) for c in completions), generator=torch.Generator().manual_seed(1))
 
     model.zero_grad()
-    ref, ref_mask, ref_entropy = reference_logprobs(model, prompts, completions, 0, temperature, top_p)
+    ref, ref_mask, ref_entropy = reference_logprobs(model, prompts, completions, 0, temperature, top_p, top_k, min_p)
     (ref * weights).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad()
-    got, mask, entropy = completion_logprobs_and_entropy(model, prompts, completions, temperature, top_p)
+    got, mask, entropy = completion_logprobs_and_entropy(model, prompts, completions, temperature, top_p, top_k, min_p)
     (got * weights).sum().backward()
 
     assert torch.equal(mask, ref_mask)

@@ -238,11 +238,14 @@ def test_echo_hub_start_with_a_model_dir_gives_its_local_nodes_that_model(tmp_pa
         "4",
         "--group-size",
         "2",
+        "--max-new-tokens",
+        "10",
     )
     try:
         assert hub.process.wait(timeout=300) == 0, hub.output()[-3000:]
     finally:
         hub.kill()
+    assert "echo-hub: your own model: TRL's defaults --lr 1e-06 (" in hub.output()
     status = hub.status()
     assert status is not None and status.step == 3
     # Joined (a refused node never shows in the status) and their work trained the model; on a busy machine

@@ -13,7 +13,7 @@ import torch
 
 from hub.config import TrackingConfig
 from hub.training.learner import completion_lengths
-from hub.training.metrics import MetricsWriter, read_completions, read_metrics, sample_completions
+from hub.training.metrics import MetricsWriter, cut_completions_warning, read_completions, read_metrics, sample_completions
 from hub.training.trackers import LoggedCompletion, open_trackers
 from shared.layout import METRICS_FILE
 from shared.logprobs import completion_logprobs, completion_logprobs_and_entropy
@@ -75,6 +75,12 @@ GROUPS = [group("a", [2, 10], ["stop", "length"], [1.0, 0.0]), group("b", [4, 4]
 def test_completion_lengths_and_the_share_clipped() -> None:
     lengths = completion_lengths(GROUPS)
     assert (lengths.mean, lengths.max, lengths.clipped_ratio) == (5.0, 10, 0.25)
+
+
+def test_cut_completions_warn_only_past_half_of_a_step() -> None:
+    assert cut_completions_warning(3, 0.5, 10) is None
+    line = cut_completions_warning(3, 0.75, 10)
+    assert line is not None and line.startswith("75% of step 3's completions were cut at --max-new-tokens 10")
 
 
 def test_sample_completions_spread_over_prompts() -> None:

@@ -191,6 +191,8 @@ def test_a_node_without_model_joins_any_hub_and_a_wrong_model_is_told_the_hubs(t
         "4",
         "--group-size",
         "2",
+        "--max-new-tokens",
+        "10",
     )
     nodes = []
     try:
@@ -250,6 +252,8 @@ def test_engines_with_and_without_the_model_stop_where_the_hub_does(tmp_path, de
         "4",
         "--group-size",
         "4",
+        "--max-new-tokens",
+        "10",
     )
     nodes = [
         start_node(hub.addr, tmp_path / "fetching", "--no-model"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hub.training.tasks import lossy_prompts, max_new_tokens_past_context, overlong_prompts, prompt_readings
+from hub.training.tasks import lossy_prompts, max_new_tokens_past_context, overlong_prompts, prompt_readings, prompts_past
 from shared.default_model import DEFAULT_MODEL_RECIPE, build_tokenizer
 from shared.tasks.base import Prompt
 from testbed.harness import start_hub
@@ -65,6 +65,27 @@ def test_overlong_prompts_name_the_longest_its_length_the_context_and_max_new_to
         "2 of 3 prompts leave no room for --max-new-tokens 10 in the model's context of 64 tokens (at most 54 prompt "
         "tokens), e.g. row-1 with 60 tokens: shorten or drop them, or lower --max-new-tokens"
     )
+
+
+def test_prompts_past_max_prompt_length_name_the_count_and_the_longest() -> None:
+    prompts = prompts_of("a", "b", "c")
+    assert prompts_past(prompts, [10, 12, 3], 12) is None
+    assert prompts_past(prompts, [13, 20, 3], 12) == (
+        "2 of 3 prompts are longer than --max-prompt-length 12 tokens, e.g. row-2 with 20 tokens: shorten or drop "
+        "them, or raise --max-prompt-length"
+    )
+
+
+def test_a_prompt_past_max_prompt_length_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    path = dataset(tmp_path / "rows.jsonl", ["what is 1 + 1 =", "a" * 30])
+    before = snapshot_of(tmp_path)
+    assert_one_line_mistake(
+        start(tmp_path, "--task", str(path), "--max-prompt-length", "20"),
+        f"--task {path}",
+        "1 of 2 prompts are longer than --max-prompt-length 20 tokens",
+        "row-2 with 3",
+    )
+    assert snapshot_of(tmp_path) == before
 
 
 def test_max_new_tokens_past_the_context_names_what_would_fit() -> None:

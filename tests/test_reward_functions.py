@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hub.config import HubConfig
-from hub.training.metrics import read_metrics, reward_means
+from hub.training.metrics import logged_metric_means, read_completions, read_metrics, reward_means, sample_completions
 from shared.config import ConfigError, load_config
 from shared.layout import METRICS_FILE
 from shared.rollout import Completion, Group
@@ -60,7 +60,9 @@ def test_each_reward_mean_over_the_completions_it_applies_to() -> None:
         )
 
     groups = [group((("a", (1.0, None)), ("b", (None, None)))), group((("a", (0.0, 0.5)), ("b", (None, None))))]
-    assert reward_means(groups) == {"rewards/a/mean": 0.5}  # (1 + 0 + 0.5) / 3; b applied to none: not logged
+    # a: (1 + 0 + 0.5) / 3, std with Bessel's correction as TRL's nanstd; b applied to none: not logged.
+    assert reward_means(groups) == {"rewards/a/mean": 0.5, "rewards/a/std": 0.5}
+    assert reward_means([group((("a", (1.0, None)),))]) == {"rewards/a/mean": 1.0}  # one value: no std
     assert reward_means([group(())]) == {}
 
 
@@ -81,6 +83,46 @@ def test_trl_functions_get_token_ids_and_trainer_state_and_combine_by_weight(tmp
     # On a "free" row length_gap returns None: only reversed_chars counts.
     free_scores = checked_scores(task, free, ["olleh", "oxxxx"], GroupContext(((1,), (1, 2)), version=0))
     assert free_scores.rewards == (1.0, 0.2) and free_scores.parts[1] == ("length_gap", (None, None))
+
+
+def test_trl_functions_log_metrics_and_columns_and_may_be_async(tmp_path: Path) -> None:
+    """TRL's log_metric and log_extra reach a function (an async one too, awaited) and stay with its group: a step
+    averages the metric over its groups, and the sample completions carry the column; trainer_state.max_steps is the
+    run's --steps."""
+    from hub.config import HubConfig
+    from hub.training.tasks import load_hub_task
+    from hub.training.trackers import _markdown_table
+
+    path = jsonl(tmp_path / "rows.jsonl", ROWS)
+    config = HubConfig.model_validate({"steps": 7, "dataset": {"reward": f"{TRL}:reversed_chars,{TRL}:judged"}})
+    task = load_hub_task(str(path), config, None)
+    first, second = task.prompts()[:2]
+    scores = checked_scores(task, first, ["cba", "c b a"], GroupContext(((1,), (2,)), version=1))
+    assert scores.rewards == pytest.approx((2.0, 1 / 3)) and scores.parts[1] == ("judged", (1.0, 0.0))
+    assert scores.metrics == (("judge/max_steps", 7.0),) and scores.columns == (("verdict", ("tidy", "spaced")),)
+    other = checked_scores(task, second, ["x"], GroupContext(((1,),), version=1))
+    groups = [
+        Group(
+            prompt_id=prompt.id,
+            prompt_text=prompt.text,
+            version=1,
+            completions=tuple(
+                Completion(token_ids=(1,), logprobs=(-1.0,), finish_reason="stop", version=1, text=text) for text in texts
+            ),
+            rewards=s.rewards,
+            reward_parts=s.parts,
+            logged_metrics=s.metrics + (("judge/seen", float(len(texts))),),
+            logged_columns=s.columns,
+        )
+        for prompt, texts, s in ((first, ["cba", "c b a"], scores), (second, ["x"], other))
+    ]
+    assert logged_metric_means(groups) == {"judge/max_steps": 7.0, "judge/seen": 1.5}
+    sampled = sample_completions(groups, 3)
+    assert [c.extra for c in sampled] == [{"verdict": "tidy"}, {"verdict": "tidy"}, {"verdict": "spaced"}]
+    table = _markdown_table(4, sampled).splitlines()
+    assert table[0] == "| step | prompt | completion | reward | version | verdict |" and table[2].endswith("| tidy |")
+    with pytest.raises(RewardError, match=r"logs_badly raised ValueError: log_extra\('verdict', ...\) takes one value per"):
+        checked_scores(DatasetTask(path, DatasetOptions(reward=f"{TRL}:logs_badly")), first, ["a", "b"])
 
 
 def test_reward_mistakes_name_the_function(tmp_path: Path) -> None:
@@ -267,12 +309,16 @@ def test_a_trl_reward_file_with_two_weighted_functions_trains(tmp_path: Path) ->
     # Every row "fixed", so length_gap applies to each step's prompts (on "free" rows it returns None, and a step
     # that drew only those had no length_gap metric at all; the skip is checked in the unit test above).
     path = jsonl(tmp_path / "rows.jsonl", [{**row, "kind": "fixed"} for row in ROWS] * 4)
-    rows = train(
-        tmp_path / "data", "--task", str(path), "--reward", f"{TRL}:reversed_chars,{TRL}:length_gap", "--reward-weights", "1,0.5"
-    )
+    rewards = f"{TRL}:reversed_chars,{TRL}:length_gap,{TRL}:judged"
+    data = tmp_path / "data"
+    rows = train(data, "--task", str(path), "--reward", rewards, "--reward-weights", "1,0.5,0", "--log-completions", "2")
     for row in rows:
         assert 0.0 <= row["rewards/reversed_chars/mean"] <= 1.0
         assert row["rewards/length_gap/mean"] <= 0.0
+        assert row["judge/max_steps"] == 2.0 and 0.0 <= row["rewards/judged/mean"] <= 1.0  # the async judge's log_metric
+    logged = read_completions(data / METRICS_FILE)
+    assert [len(r["completions"]) for r in logged] == [2, 2]
+    assert all(c["extra"]["verdict"] in ("tidy", "spaced") for r in logged for c in r["completions"])  # its log_extra
 
 
 @pytest.mark.slow
@@ -298,3 +344,75 @@ def test_a_verl_parquet_file_with_compute_score_trains(tmp_path: Path, default_m
         "reward_model.ground_truth",
     )
     assert all(0.0 <= row["rewards/compute_score/mean"] <= 1.0 for row in rows)
+
+
+def test_a_verl_dicts_other_numbers_are_logged_and_the_rest_named_at_start(tmp_path: Path) -> None:
+    """verl's reward_extra_info: numbers beside "score" become rewards/<function>/<key>/mean (None where a result
+    holds none); keys holding text cannot be logged, and the start says so in one line."""
+    from hub.training.tasks import check_reward, unlogged_note
+
+    path = verl_parquet(tmp_path / "train.parquet")
+    opts = DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:compute_score")
+    task = DatasetTask(path, opts, render_chat=content_only)
+    exact, partial = task.prompts()[:2]
+    scores = checked_scores(task, partial, ["ollxx", "olleh"])
+    assert scores.parts == (("compute_score", (0.6, 1.0)), ("compute_score/acc", (0.0, 1.0)))
+    assert checked_scores(task, exact, ["cba"]).parts == (("compute_score", (1.0,)),)  # a plain number: nothing more
+    made = Completion(token_ids=(1,), logprobs=(-1.0,), finish_reason="stop", version=0, text="x")
+    groups = [
+        Group(
+            prompt_id=partial.id,
+            prompt_text=partial.text,
+            version=0,
+            completions=(made, made),
+            rewards=scores.rewards,
+            reward_parts=scores.parts,
+        )
+    ]
+    means = reward_means(groups)
+    assert means["rewards/compute_score/mean"] == pytest.approx(0.8) and means["rewards/compute_score/acc/mean"] == 0.5
+    assert unlogged_note(task) is None
+    opts = DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{VERL}:with_prediction")
+    task = DatasetTask(path, opts, render_chat=content_only)
+    check_reward(task, 4)
+    assert task.unlogged == {"with_prediction/pred"}
+    assert checked_scores(task, task.prompts()[0], ["cba"]).parts[1] == ("with_prediction/hit", (1.0,))
+    assert unlogged_note(task) == (
+        "reward with_prediction/pred (beside the score of its dict) is not a number, so no metric logs it; the numbers "
+        "a dict holds are logged as rewards/<function>/<key>/mean"
+    )
+
+
+def test_a_reward_named_by_its_file_as_verl_names_it(tmp_path: Path) -> None:
+    """verl's custom_reward_function path and name as `FILE.py:function`: loaded from the file wherever it is; a
+    missing file, a missing function or a file that fails as it runs is one line."""
+    path = verl_parquet(tmp_path / "train.parquet")
+    scorer = tmp_path / "elsewhere" / "my_score.py"
+    scorer.parent.mkdir()
+    shutil.copy(DATA / "verl_score.py", scorer)
+    opts = DatasetOptions(answer_column="reward_model.ground_truth", reward=f"{scorer}:compute_score")
+    task = DatasetTask(path, opts, render_chat=content_only)
+    assert task.reward_names == ("compute_score",)
+    assert checked_scores(task, task.prompts()[1], ["ollxx"]).rewards == (0.6,)
+    for reward, message in (
+        (f"{tmp_path / 'none.py'}:compute_score", "no such file"),
+        (f"{scorer}:missing", "has no attribute 'missing'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            DatasetTask(path, DatasetOptions(answer_column="reward_model.ground_truth", reward=reward))
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_package_here\n")
+    result = run(
+        "hub.cli",
+        "start",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--task",
+        str(path),
+        "--answer-column",
+        "reward_model.ground_truth",
+        "--reward",
+        f"{broken}:compute_score",
+    )
+    assert_one_line_mistake(result, f"importing {broken} raised ModuleNotFoundError: No module named 'no_such_package_here'")
+    assert not (tmp_path / "data").exists()

@@ -639,3 +639,35 @@ def test_a_redacted_price_reads_hidden_not_zero() -> None:
     assert cells.count(HIDDEN) == 2 and not any("0.00" in c for c in cells)
     assert HIDDEN in str(cost_text(redacted)) and "$" not in str(cost_text(redacted))
     assert "1.5" in str(cost_text(status)) or "1.50" in str(cost_text(status))
+
+
+def test_a_volunteers_name_shows_in_status_and_both_dashboards() -> None:
+    """--name beside the short id in `echo-hub status` and the hub dashboard's nodes table (as plain text, never
+    markup; cut to LABEL_NAME_CHARS), and in the node's own dashboard."""
+    import io
+
+    from rich.console import Console
+
+    from hub.cli.status import render
+    from shared.messages import LABEL_NAME_CHARS
+    from tui.node_app import identity_text
+
+    status = hub_status()
+    first, second, third = status.nodes
+    long_name = "b" * 32
+    named = status.model_copy(
+        update={
+            "nodes": (
+                first.model_copy(update={"name": "alice [red]x"}),
+                second.model_copy(update={"name": long_name}),
+                third.model_copy(update={"name": short_id(third.peer_id)}),  # the hub's name for one that chose none
+            )
+        }
+    )
+    out = io.StringIO()
+    render(named, Console(file=out, width=200))
+    alice, cut = f"alice [red]x {short_id(first.peer_id)}", f"{'b' * (LABEL_NAME_CHARS - 1)}… {short_id(second.peer_id)}"
+    assert alice in out.getvalue() and cut in out.getvalue()
+    assert [str(node_row(node)[0]) for node in named.nodes] == [alice, cut, short_id(third.peer_id)]
+    assert "(alice)" in identity_text(node_view().model_copy(update={"name": "alice"})).plain
+    assert "(" not in identity_text(node_view()).plain.splitlines()[0]

@@ -51,7 +51,7 @@ def _none_last(value: float | None) -> tuple[bool, float]:
 
 
 NODE_COLUMNS: tuple[Column, ...] = (
-    Column("peer", "peer", lambda n: short_id(n.peer_id)),
+    Column("peer", "peer", lambda n: n.label()),
     Column("state", "state", display_state),
     Column("price", "$/h", lambda n: n.price_per_hour),
     Column("mu", "roll/s", lambda n: n.rollouts_per_s),
@@ -72,7 +72,7 @@ def node_row(node: NodeStatus, redacted: bool = False) -> tuple[object, ...]:
     if node.receiving_version is not None:
         version += f"←{node.receiving_version}:{node.chunks_received}"
     return (
-        Text(short_id(node.peer_id), style="bold"),
+        Text(node.label(), style="bold"),
         styled_state(display_state(node)),
         Text(HIDDEN if redacted else money(node.price_per_hour), justify="right"),
         Text(number(node.rollouts_per_s), justify="right"),

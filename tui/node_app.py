@@ -17,7 +17,8 @@ from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_
 def identity_text(view: NodeView) -> Text:
     out = Text()
     out.append("peer    ")
-    out.append(view.peer_id + "\n", style="bold")
+    out.append(view.peer_id, style="bold")
+    out.append(f"  ({view.name})\n" if view.name else "\n")
     transport, _, hub_id = view.hub_addr.partition("/p2p/")
     out.append(f"hub     {short_id(hub_id) if hub_id else '?'} at {transport}\n")
     out.append("state   ")

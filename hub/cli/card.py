@@ -67,7 +67,11 @@ def model_card(config: HubConfig, model_dir: Path, step: int) -> str:
             f"group size {lc.group_size}, {lc.prompts_per_step} prompts per step, lr {lc.lr:g}, "
             f"staleness {lc.staleness}, kappa {lc.effective_kappa}",
         ),
-        ("sampling", f"temperature {sampling.temperature:g}, top_p {sampling.top_p:g}, max_new_tokens {sampling.max_new_tokens}"),
+        (
+            "sampling",
+            f"temperature {sampling.temperature:g}, top_p {sampling.top_p:g}, top_k {sampling.top_k}, min_p "
+            f"{sampling.min_p:g}, max_new_tokens {sampling.max_new_tokens}",
+        ),
         *reward_facts(config.data_dir / METRICS_FILE, step),
     ]
     table = ["| | |", "|---|---|", *(f"| {what} | {value.replace('|', '/')} |" for what, value in facts)]

@@ -66,12 +66,17 @@ START_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "beta": ("learner.beta", float),
     "eps_low": ("learner.eps_low", float),
     "eps_high": ("learner.eps_high", float),
+    "loss_type": ("learner.loss_type", str),
+    "num_iterations": ("learner.num_iterations", int),
     "grad_clip": ("learner.grad_clip", float),
     "checkpoint_every": ("learner.checkpoint_every", int),
     "seed": ("learner.seed", int),
     "max_new_tokens": ("sampling.max_new_tokens", int),
     "temperature": ("sampling.temperature", float),
     "top_p": ("sampling.top_p", float),
+    "top_k": ("sampling.top_k", int),
+    "min_p": ("sampling.min_p", float),
+    "repetition_penalty": ("repetition_penalty", float),
     "dtype": ("learner.dtype", str),
     "micro_batch_tokens": ("learner.micro_batch_tokens", int),
     "attention": ("learner.attention", str),
@@ -100,6 +105,7 @@ START_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "reward_weights": ("dataset.reward_weights", _names),
     "reward_style": ("dataset.reward_style", str),
     "dataset_split": ("dataset.split", str),
+    "max_prompt_length": ("dataset.max_prompt_length", int),
     "chat": ("dataset.chat", _bool),
     "eval_every": ("eval.every", int),
     "eval_task": ("eval.task", str),
@@ -172,6 +178,8 @@ EVAL_FLAGS = (
     "max_new_tokens",
     "temperature",
     "top_p",
+    "top_k",
+    "min_p",
     "dtype",
     "prompt_column",
     "answer_column",
@@ -336,24 +344,36 @@ def _eval(args: argparse.Namespace) -> int:
     """`echo-hub eval`: its config is --config, else the run's saved beside the policy (and it says so), else the
     defaults; flags override it."""
     from hub.cli.eval import check_eval, run_eval, saved_run_config
-    from hub.config import HubConfig
+    from hub.config import HubConfig, with_user_model_defaults
     from shared.config import ConfigError, load_config
 
     overrides = {START_FLAGS[flag][0]: _given(args, flag) for flag in EVAL_FLAGS}
     saved = None if args.config is not None else saved_run_config(args.model)
     try:
         config = load_config(HubConfig, args.config or saved, overrides, aliases=_flat_keys())
+        # Without a run's config the policy is all there is to go by: a model of the user's samples as TRL's would.
+        base = config.model if args.config is not None or saved is not None else args.model
+        config, defaults = with_user_model_defaults(config, _own_model(base), fields=("sampling.max_new_tokens",))
         task = check_eval(config, args.model)
     except (ConfigError, UserError) as exc:
         print(f"echo-hub eval: {f'{saved}: ' if saved else ''}{exc}", file=sys.stderr)
         return 2
+    if defaults is not None:
+        print(f"echo-hub eval: {defaults}", file=sys.stderr, flush=True)
     return run_eval(config, args.model, task, args.device, args.json, saved)
+
+
+def _own_model(model: Path | None) -> bool:
+    """Whether --model names a model of the user's, not the embedded default (None, or its cache directory)."""
+    from shared.default_model import default_model_dir
+
+    return model is not None and model.resolve() != default_model_dir().resolve()
 
 
 def _start(args: argparse.Namespace) -> int:
     """`echo-hub start`: a mistake is one line and exit 2; so is a disk that fills while the hub starts (one that
     fills while it runs, run_hub stops the run for)."""
-    from hub.config import HubConfig
+    from hub.config import HubConfig, with_user_model_defaults
     from hub.training.ranks import rank_env
     from shared.checks import disk_full, free_space
     from shared.config import ConfigError, load_config
@@ -363,6 +383,7 @@ def _start(args: argparse.Namespace) -> int:
     env = rank_env()
     try:
         config = load_config(HubConfig, args.config, overrides, aliases=_flat_keys())
+        config, defaults = with_user_model_defaults(config, own_model=_own_model(config.model))
         if args.print_config:
             from shared.config import config_toml
 
@@ -378,6 +399,8 @@ def _start(args: argparse.Namespace) -> int:
         return 2
     if started is None:
         return 0
+    if defaults is not None:
+        print(f"echo-hub: {defaults}", flush=True)
     if config.local_nodes:
         from hub.cli.local_nodes import start_node_server
 

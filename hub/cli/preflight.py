@@ -72,9 +72,10 @@ def check_start(config: HubConfig) -> None:
     check_bulk_port(config.listen, config.broadcast.bulk_port)
     check_http(config.http, config.listen)
     check_key_file(config.key_path, "--key" if config.key is not None else "the hub key")
-    from hub.training.tasks import check_prompts
+    from hub.training.tasks import check_prompts, unlogged_note
 
-    for warning in check_prompts(config, *tasks):  # last: no warning comes before a mistake in the flags
+    note = unlogged_note(tasks[0])
+    for warning in [*check_prompts(config, *tasks), *([note] if note else [])]:  # last: no warning before a mistake
         print(f"echo-hub: {warning}", file=sys.stderr, flush=True)
 
 
@@ -213,12 +214,15 @@ TRAINING_SETTINGS = {
     "max_is_ratio": "learner.max_is_ratio",
     "beta": "learner.beta",
     "advantage_scale": "learner.advantage_scale",
+    "loss_type": "learner.loss_type",
     "lr_scheduler": "learner.lr_scheduler",
     "warmup_ratio": "learner.warmup_ratio",
     "skip_zero_variance": "learner.skip_zero_variance",
     "max_new_tokens": "sampling.max_new_tokens",
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p",
     "prompt_column": "dataset.prompt_column",
     "answer_column": "dataset.answer_column",
     "reward": "dataset.reward",

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from shared.checks import UserError, check_key_file, check_peer_addr
 from shared.layout import HUB_LOCK_FILE, HUB_STATUS_FILE
@@ -64,11 +65,11 @@ def _clock(at: float) -> str:
     return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M", time.localtime(at))
 
 
-def _node_cells(n: NodeStatus, redacted: bool) -> tuple[str, ...]:
+def _node_cells(n: NodeStatus, redacted: bool) -> tuple[str | Text, ...]:
     """One row of the nodes table; a redacted status's prices and costs read "hidden", not 0."""
     chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
     return (
-        short_id(n.peer_id),
+        Text(n.label()),  # a name is the volunteer's text: printed as it is, never read as markup
         n.state,
         "hidden" if redacted else f"{n.price_per_hour:.2f}",
         f"{n.rollouts_per_s:.2f}",

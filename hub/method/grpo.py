@@ -18,6 +18,11 @@ import torch
 from torch import Tensor
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
+# TRL's loss_type values the loss below implements: how the per-token losses of a batch add up to one number.
+# dapo and bnpo: their mean over the batch's tokens (TRL's bnpo takes it per device batch; a step here is one
+# batch, accumulated exactly, so the two agree); grpo: each completion's token mean, then their mean; dr_grpo:
+# their sum over (completions x max_completion_length), a constant.
+LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
@@ -62,14 +67,18 @@ def grpo_loss(
     max_is_ratio: float | None = None,
     ref_logprobs: Tensor | None = None,
     beta: float = 0.0,
+    loss_type: str = "dapo",
+    max_completion_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped GRPO loss with a DAPO token-level mean; gradient flows to `logprobs` only.
+    """Clipped GRPO loss, its tokens added up as `loss_type` says (LOSS_TYPES); gradient flows to `logprobs` only.
 
     logprobs, behaviour_logprobs, mask (and ref_logprobs): [B, T]; advantages: [B].
-    r = exp(logprobs - behaviour_logprobs); per token -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A).
+    r = exp(logprobs - behaviour_logprobs); per token -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), plus
+    beta * the k3 KL exp(ref - lp) - (ref - lp) - 1 (TRL adds it per token too).
     A token takes part when mask is set and, if max_is_ratio is given, r <= max_is_ratio.
-    The loss is the sum over taking-part tokens divided by their count (0 with no such token),
-    plus beta * mean k3 KL (exp(ref - lp) - (ref - lp) - 1) over the same tokens.
+    dapo and bnpo: the sum over taking-part tokens divided by their count (0 with no such token); grpo: each
+    row's sum over its taking-part tokens divided by their count (0 without), averaged over the B rows; dr_grpo:
+    the sum divided by B * max_completion_length.
 
     stats: clip_frac (share of taking-part tokens where the clipped branch is strictly
     smaller, so it carries no gradient), ratio_mean and ratio_max (over all mask tokens,
@@ -92,6 +101,10 @@ def grpo_loss(
     assert max_is_ratio is None or max_is_ratio > 0.0, max_is_ratio
     if beta > 0.0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_TYPES}")
+    if loss_type == "dr_grpo" and not max_completion_length:
+        raise ValueError("loss type dr_grpo needs max_completion_length")
 
     valid = mask.bool()
     # Padding positions may hold -inf or garbage log-probs: zero their log-ratio before exp so
@@ -109,16 +122,15 @@ def grpo_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
-    loss = torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / denom
 
     kl_value = 0.0
     if ref_logprobs is not None:
         ref_diff = torch.where(keep, ref_logprobs.detach() - logprobs, torch.zeros_like(logprobs))
         k3 = torch.exp(ref_diff) - ref_diff - 1.0
-        kl = k3.sum() / denom
-        kl_value = float(kl.detach())
+        kl_value = float(k3.detach().sum() / denom)
         if beta > 0.0:
-            loss = loss + beta * kl
+            per_token = per_token + beta * k3
+    loss = _aggregate(torch.where(keep, per_token, torch.zeros_like(per_token)), keep, loss_type, max_completion_length)
 
     n_valid = int(valid.sum())
     clip_active = (clipped < unclipped).detach() & keep
@@ -131,6 +143,23 @@ def grpo_loss(
         "masked_by_is": float(n_valid - int(n_keep)),
     }
     return loss, stats
+
+
+def _aggregate(per_token: Tensor, keep: Tensor, loss_type: str, max_completion_length: int | None) -> Tensor:
+    """A batch's per-token losses (zero where a token takes no part) as one number, by `loss_type`."""
+    if loss_type == "grpo":
+        per_row = keep.sum(dim=1).clamp(min=1).to(per_token.dtype)
+        return (per_token.sum(dim=1) / per_row).mean()
+    if loss_type == "dr_grpo":
+        assert max_completion_length is not None
+        return per_token.sum() / (per_token.shape[0] * max_completion_length)
+    return per_token.sum() / keep.sum().clamp(min=1).to(per_token.dtype)
+
+
+def row_weighted(loss_type: str) -> bool:
+    """Whether a batch's loss under `loss_type` is a mean over its rows (grpo, dr_grpo), not over its tokens: what
+    a micro-batch's share of a step is weighted by, so that micro-batches add up to the whole batch's loss exactly."""
+    return loss_type in ("grpo", "dr_grpo")
 
 
 def micro_batches(row_tokens: Sequence[int], budget_tokens: int) -> list[range]:

@@ -58,6 +58,7 @@ class ReplayBuffer:
         # Every group offered, useful for training or not: what the policy's rollouts score.
         self.offered = 0
         self.offered_reward_sum = 0.0
+        self.offered_zero_std = 0  # of them, the groups whose completions all scored the same (TRL's zero std)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -68,6 +69,7 @@ class ReplayBuffer:
     def add(self, group: Group, row_id: int) -> AddResult:
         self.offered += 1
         self.offered_reward_sum += sum(group.rewards) / len(group.rewards)
+        self.offered_zero_std += not has_reward_variance(group)
         if self.skip_zero_variance and not has_reward_variance(group):
             return AddResult(False, REASON_ZERO_VARIANCE)
         if len(self._items) >= self.capacity_groups:

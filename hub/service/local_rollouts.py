@@ -117,6 +117,8 @@ class LocalRollouts:
                     completions=tuple(completions),
                     rewards=scores.rewards,
                     reward_parts=scores.parts,
+                    logged_metrics=scores.metrics,
+                    logged_columns=scores.columns,
                 )
             )
         return groups

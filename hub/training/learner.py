@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hub.config import LearnerConfig
-from hub.method.grpo import group_advantages, grpo_loss, micro_batches
+from hub.method.grpo import group_advantages, grpo_loss, micro_batches, row_weighted
 from hub.training.checkpoint import CheckpointInfo
 from hub.training.distributed import SOLO, Collective, full_state_dict, partition_rows, shard
 from shared.adapters import LoraSpec, adapter_state, add_adapters, is_adapter_key, merged_state_dict, snapshot_metadata
@@ -146,9 +146,11 @@ class _Rows:
 
 @dataclass
 class _Tally:
-    """A step's sums over its micro-batches: loss, clip fraction and KL weighted by tokens kept, the ratio
-    by valid tokens; tokens the IS cap masked; the largest ratio; forward and backward time."""
+    """A step's sums over its micro-batches: the loss weighted by what its loss type averages over (tokens kept, or
+    rows: `weight`), clip fraction and KL by tokens kept, the ratio by valid tokens; tokens the IS cap masked; the
+    largest ratio; forward and backward time."""
 
+    weight: float = 0.0
     loss: float = 0.0
     clip: float = 0.0
     ratio_sum: float = 0.0
@@ -163,12 +165,13 @@ class _Tally:
     t_forward: float = 0.0
     t_backward: float = 0.0
 
-    def add(self, loss: float, stats: Mapping[str, float], n_valid: int, n_keep: int, entropy_sum: float) -> None:
-        """One micro-batch's share."""
+    def add(self, loss: float, stats: Mapping[str, float], n_valid: int, n_keep: int, entropy_sum: float, weight: float) -> None:
+        """One micro-batch's share; `weight`: what its loss is a mean over (tokens kept, or rows)."""
         self.entropy_sum += entropy_sum
         self.n_keep += n_keep
         self.n_valid += n_valid
-        self.loss += loss * n_keep
+        self.weight += weight
+        self.loss += loss * weight
         self.clip += stats["clip_frac"] * n_keep
         self.kl += stats["kl"] * n_keep
         self.ratio_sum += stats["ratio_mean"] * n_valid
@@ -178,8 +181,9 @@ class _Tally:
 
     def across(self, collective: Collective) -> _Tally:
         """The sums over every rank (this tally itself when alone); the times stay this rank's."""
-        loss, clip, ratio_sum, drift_sum, kl, masked, entropy_sum, n_keep, n_valid = collective.sum(
+        weight, loss, clip, ratio_sum, drift_sum, kl, masked, entropy_sum, n_keep, n_valid = collective.sum(
             [
+                self.weight,
                 self.loss,
                 self.clip,
                 self.ratio_sum,
@@ -193,6 +197,7 @@ class _Tally:
         )
         return dataclasses.replace(
             self,
+            weight=weight,
             loss=loss,
             clip=clip,
             ratio_sum=ratio_sum,
@@ -399,7 +404,7 @@ class Learner:
         done = time.perf_counter()
         return StepStats(
             step=step,
-            loss=total.loss / max(1, total.n_keep),
+            loss=total.loss / total.weight if total.weight else 0.0,
             reward_mean=float(rows.rewards.mean()),
             reward_std=float(rows.rewards.std(unbiased=False)),
             tokens=total.n_valid,
@@ -481,6 +486,8 @@ class Learner:
                 rows.completion_ids[part],
                 temperature=self.sampling.temperature,
                 top_p=self.sampling.top_p,
+                top_k=self.sampling.top_k,
+                min_p=self.sampling.min_p,
             )
             ref_logprobs = None
             if self.reference is not None:
@@ -491,7 +498,9 @@ class Learner:
         else:
             behaviour = logprobs.detach()
         n_valid = int(mask.sum())
+        rows_here = part.stop - part.start
         if n_valid == 0:  # only empty completions: nothing to learn, but a sharded rank still takes part
+            tally.weight += rows_here if row_weighted(self.cfg.loss_type) else 0  # grpo's mean counts them as zeros
             self._idle_pass(self.tokenizer.pad_token_id)
             return
         loss, stats = grpo_loss(
@@ -504,13 +513,16 @@ class Learner:
             max_is_ratio=self.cfg.max_is_ratio,
             ref_logprobs=ref_logprobs,
             beta=self.cfg.beta,
+            loss_type=self.cfg.loss_type,
+            max_completion_length=self.sampling.max_new_tokens,
         )
         n_keep = n_valid - int(stats["masked_by_is"])
+        weight = rows_here if row_weighted(self.cfg.loss_type) else n_keep
         backward_started = time.perf_counter()
-        (loss * n_keep).backward()
+        (loss * weight).backward()
         tally.t_forward += backward_started - started
         tally.t_backward += time.perf_counter() - backward_started
-        tally.add(float(loss.detach()), stats, n_valid, n_keep, float(entropy.sum()))
+        tally.add(float(loss.detach()), stats, n_valid, n_keep, float(entropy.sum()), weight)
 
     def _logprobs(self, model: torch.nn.Module, rows: _Rows, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """`model`'s log-probs of the micro-batch's completion tokens under the sampling's temperature and
@@ -521,6 +533,8 @@ class Learner:
             rows.completion_ids[part],
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k,
+            min_p=self.sampling.min_p,
         )
 
     def _reduce_and_update(self, tally: _Tally) -> tuple[_Tally, float]:
@@ -528,10 +542,10 @@ class Learner:
         optimizer's update. Returns the summed tally and the gradient's norm before clipping."""
         c = self.collective
         total = tally.across(c)
-        # Each rank's gradient is its rows' token-weighted sum; FSDP averaged them over the ranks, so the
-        # step's token mean is that times world / tokens kept.
-        if c.world > 1 or total.n_keep > 1:
-            divisor = total.n_keep / c.world if total.n_keep else 1.0 / c.world
+        # Each rank's gradient is its micro-batches' weighted sum (by tokens kept, or rows: the loss type's); FSDP
+        # averaged them over the ranks, so the step's mean is that times world / the weights' total.
+        if c.world > 1 or total.weight > 1:
+            divisor = total.weight / c.world if total.weight else 1.0 / c.world
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(divisor)

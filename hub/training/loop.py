@@ -43,7 +43,14 @@ from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries,
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
 from hub.training.evaluation import EvalRunner
 from hub.training.learner import Learner, StepStats
-from hub.training.metrics import MetricsWriter, bubble_ratio, reward_means, sample_completions
+from hub.training.metrics import (
+    MetricsWriter,
+    bubble_ratio,
+    cut_completions_warning,
+    logged_metric_means,
+    reward_means,
+    sample_completions,
+)
 from hub.training.trackers import Trackers
 from shared.crypto import Identity
 from shared.delta import build_delta_snapshot
@@ -180,8 +187,10 @@ class LearnerComponent:
         self.clock = clock
         self.extra_metrics = extra_metrics
         self.log_completions = log_completions  # sample completions logged per step (--log-completions)
+        self.max_new_tokens = sampling.max_new_tokens
+        self._warned_cut = False  # the cut-completions warning is said once a run
         self._groups_trained = 0  # since this start, against the buffer's count of groups offered
-        self._offered_seen = (0, 0.0)
+        self._offered_seen = (0, 0.0, 0)
         self.snapshots_dir = self.data_dir / SNAPSHOTS_DIR
         self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
         remove_stale_temporaries(self.checkpoints_dir)
@@ -295,6 +304,7 @@ class LearnerComponent:
                 clip_frac=stats.clip_frac,
                 staleness_budget=self.staleness,
                 extra={
+                    **logged_metric_means(taken.groups),  # the reward functions' own: ours win a shared name
                     "loss": stats.loss,
                     "ratio_mean": stats.ratio_mean,
                     "ratio_max": stats.ratio_max,
@@ -329,6 +339,7 @@ class LearnerComponent:
                 await self.evaluation.start(t, self.learner.state_dict)
             if t % self.cfg.checkpoint_every == 0:
                 await trio.to_thread.run_sync(self._checkpoint, t)
+            await self._warn_if_cut(t, stats.clipped_ratio)
             self._drift.add(stats.abs_log_ratio, record.staleness_mean)
             # After kappa changes the next multiple of it comes within kappa steps: the lease rule (kappa <= S - 1) holds.
             if t % self.kappa == 0:
@@ -343,6 +354,16 @@ class LearnerComponent:
         """The learning rate of `step` under the configured schedule (--lr-scheduler, --warmup-ratio)."""
         return step_lr(self.cfg.lr, self.cfg.lr_scheduler, step, self.steps, self.cfg.warmup_ratio)
 
+    async def _warn_if_cut(self, step: int, clipped_ratio: float) -> None:
+        """Say once (log, event, terminal) that most of a step's completions hit --max-new-tokens."""
+        line = None if self._warned_cut else cut_completions_warning(step, clipped_ratio, self.max_new_tokens)
+        if line is None:
+            return
+        self._warned_cut = True
+        log.warning(line)
+        print(f"echo-hub: warning: {line}", flush=True)
+        await trio.to_thread.run_sync(self.host.record_event, "completions_cut", None, line)
+
     def _trl_metrics(self, stats: StepStats) -> dict[str, float]:
         """The step's metrics under TRL's meaning: lr, entropy, completion lengths, and the share of the groups
         offered since this start (bought or local) that were trained on."""
@@ -352,6 +373,10 @@ class LearnerComponent:
             "completion_length_mean": stats.completion_length_mean,
             "completion_length_max": stats.completion_length_max,
             "clipped_ratio": stats.clipped_ratio,
+            # The same under TRL's names, so TRL users' dashboards and scripts read them.
+            "completions/mean_length": stats.completion_length_mean,
+            "completions/max_length": stats.completion_length_max,
+            "completions/clipped_ratio": stats.clipped_ratio,
             "trained_share": self._groups_trained / max(1, self.buffer.offered),
         }
 
@@ -362,17 +387,22 @@ class LearnerComponent:
             self.metrics.append_completions(record.step, sample_completions(groups, self.log_completions))
 
     def _rollout_reward_since_last_step(self) -> dict[str, float]:
-        """Mean reward of every group offered since the previous step, zero-variance ones included.
+        """Mean reward of every group offered since the previous step, zero-variance ones included, and the share of
+        those groups whose completions all scored the same (TRL's frac_reward_zero_std, over what was sampled).
 
         The step's own reward_mean covers only the groups it trained on, which skipping
         zero-variance groups biases towards 0.5; this one tracks what the policy scores.
         """
-        count, total = self.buffer.offered, self.buffer.offered_reward_sum
-        seen_count, seen_total = self._offered_seen
-        self._offered_seen = (count, total)
+        count, total, zero_std = self.buffer.offered, self.buffer.offered_reward_sum, self.buffer.offered_zero_std
+        seen_count, seen_total, seen_zero_std = self._offered_seen
+        self._offered_seen = (count, total, zero_std)
         if count == seen_count:
             return {}
-        return {"rollout_reward_mean": (total - seen_total) / (count - seen_count)}
+        offered = count - seen_count
+        return {
+            "rollout_reward_mean": (total - seen_total) / offered,
+            "frac_reward_zero_std": (zero_std - seen_zero_std) / offered,
+        }
 
     def save_state(self) -> None:
         """Checkpoint and save the final policy, with its card, now (at the end of the run, on Ctrl-C): a later

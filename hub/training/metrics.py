@@ -9,6 +9,7 @@ the newest line but never invent one; a torn last line is cut off when the file 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -18,11 +19,12 @@ from pathlib import Path
 from hub.records.schema import StepRecord
 from hub.training.trackers import LoggedCompletion, Trackers
 from shared.rollout import Group
-from shared.tasks.rewards import mean_applied
+from shared.tasks.rewards import mean_applied, std_applied
 
 
 def sample_completions(groups: Sequence[Group], n: int) -> list[LoggedCompletion]:
-    """Up to `n` of a step's completions, spread over its prompts: each group's first, then each one's second..."""
+    """Up to `n` of a step's completions, spread over its prompts: each group's first, then each one's second...;
+    each with the columns the reward functions logged for it (TRL's log_extra)."""
     picked: list[LoggedCompletion] = []
     width = max((len(g.completions) for g in groups), default=0)
     for index in range(width):
@@ -31,8 +33,35 @@ def sample_completions(groups: Sequence[Group], n: int) -> list[LoggedCompletion
                 return picked
             if index < len(group.completions):
                 completion = group.completions[index]
-                picked.append(LoggedCompletion(group.prompt_text, completion.text, group.rewards[index], completion.version))
+                extra = {column: values[index] for column, values in group.logged_columns}
+                picked.append(
+                    LoggedCompletion(group.prompt_text, completion.text, group.rewards[index], completion.version, extra)
+                )
     return picked
+
+
+def logged_metric_means(groups: Sequence[Group]) -> dict[str, float]:
+    """Each metric the reward functions logged (TRL's log_metric) while scoring `groups`, averaged over its calls
+    as TRL averages over a logging step."""
+    values: dict[str, list[float]] = {}
+    for group in groups:
+        for name, value in group.logged_metrics:
+            values.setdefault(name, []).append(value)
+    return {name: math.fsum(logged) / len(logged) for name, logged in values.items()}
+
+
+# Past this share of a step's completions cut at max_new_tokens, most rewards score unfinished answers.
+CUT_WARNING_SHARE = 0.5
+
+
+def cut_completions_warning(step: int, clipped_ratio: float, max_new_tokens: int) -> str | None:
+    """The one line that says most of a step's completions were cut at --max-new-tokens (None: at most half were)."""
+    if clipped_ratio <= CUT_WARNING_SHARE:
+        return None
+    return (
+        f"{clipped_ratio:.0%} of step {step}'s completions were cut at --max-new-tokens {max_new_tokens}, so their "
+        "rewards score unfinished answers: raise --max-new-tokens (TRL's --max-completion-length)"
+    )
 
 
 def bubble_ratio(t_idle_s: float, t_train_s: float) -> float:
@@ -71,7 +100,7 @@ class MetricsWriter:
     def append_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
         """One line {"completions_step": step, "completions": [...]}, and a table in each tracker."""
         with self._lock:
-            self._write(json.dumps({"completions_step": step, "completions": [asdict(c) for c in completions]}))
+            self._write(json.dumps({"completions_step": step, "completions": [_completion_json(c) for c in completions]}))
             if self.trackers is not None:
                 self.trackers.log_completions(step, completions)
 
@@ -81,6 +110,14 @@ class MetricsWriter:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def _completion_json(completion: LoggedCompletion) -> dict[str, object]:
+    """A sample completion as metrics.jsonl holds it: its log_extra columns under "extra", when it has any."""
+    out = asdict(completion)
+    if not completion.extra:
+        del out["extra"]
+    return out
 
 
 def _rows(path: Path) -> list[dict[str, float]]:
@@ -113,12 +150,18 @@ def policy_reward(row: Mapping[str, float]) -> float:
 
 
 def reward_means(groups: Sequence[Group]) -> dict[str, float]:
-    """Each reward function's mean over the completions of `groups` it applies to, by TRL's key
-    "rewards/<name>/mean" (a dataset's reward functions name their values; a function that applied to none, or
-    a task of its own class, logs nothing)."""
+    """Each reward function's mean and standard deviation over the completions of `groups` it applies to, by TRL's
+    keys "rewards/<name>/mean" and "rewards/<name>/std" (a dataset's reward functions name their values; a function
+    that applied to none, or a task of its own class, logs nothing; the std needs two values)."""
     values: dict[str, list[float | None]] = {}
     for group in groups:
         for name, part in group.reward_parts:
             values.setdefault(name, []).extend(part)
-    means = {name: mean_applied(part) for name, part in values.items()}
-    return {f"rewards/{name}/mean": mean for name, mean in means.items() if mean is not None}
+    out: dict[str, float] = {}
+    for name, applied in values.items():
+        mean, std = mean_applied(applied), std_applied(applied)
+        if mean is not None:
+            out[f"rewards/{name}/mean"] = mean
+        if std is not None:
+            out[f"rewards/{name}/std"] = std
+    return out

@@ -5,7 +5,7 @@ one finite number per completion."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +13,7 @@ from hub.config import HubConfig
 from shared.checks import UserError
 from shared.tasks import Task, load_task
 from shared.tasks.base import Prompt, checked_rewards
+from shared.tasks.dataset import DatasetTask
 from shared.tasks.split import excluding, split_task
 
 if TYPE_CHECKING:
@@ -20,8 +21,9 @@ if TYPE_CHECKING:
 
 
 def load_hub_task(spec: str, config: HubConfig, model_dir: Path | None) -> Task:
-    """A task spec read with the config's dataset options (columns, reward, chat)."""
-    return load_task(spec, config.dataset.options(), model_dir)
+    """A task spec read with the config's dataset options (columns, reward, chat) and the run's length (the rewards'
+    trainer_state.max_steps)."""
+    return load_task(spec, replace(config.dataset.options(), max_steps=config.steps), model_dir)
 
 
 def held_out(config: HubConfig, task: Task, model_dir: Path | None) -> tuple[Task, Task]:
@@ -140,6 +142,18 @@ def overlong_prompts(prompts: list[Prompt], lengths: list[int], context: int, ma
     )
 
 
+def prompts_past(prompts: list[Prompt], lengths: list[int], limit: int) -> str | None:
+    """'N of M prompts are longer than --max-prompt-length ...' naming the longest; None when every one fits."""
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if not over:
+        return None
+    worst = max(over, key=lengths.__getitem__)
+    return (
+        f"{len(over)} of {len(prompts)} prompts are longer than --max-prompt-length {limit} tokens, e.g. "
+        f"{prompts[worst].id} with {lengths[worst]} tokens: shorten or drop them, or raise --max-prompt-length"
+    )
+
+
 def max_new_tokens_past_context(max_new_tokens: int, context: int, longest: int) -> str | None:
     """'--max-new-tokens N is past the model's context ...' when no prompt could fit beside it; None when it fits."""
     if max_new_tokens < context:
@@ -168,7 +182,7 @@ def _check_context(readings: list[PromptReading], context: int, max_new_tokens: 
 
 def check_prompts(config: HubConfig, task: Task, eval_task: Task | None) -> list[str]:
     """The data checks of `echo-hub start`: every prompt of the training task (and of --eval-task) fits the
-    model's context beside max_new_tokens and reaches the model whole. UserError with the numbers on the first
+    model's context beside max_new_tokens, and --max-prompt-length when given, and reaches the model whole. UserError with the numbers on the first
     mistake; the warning lines to print when --allow-lossy-prompts lets lossy prompts through."""
     tokenizer, context = model_reading(config.model)
     tasks = {f"--task {config.task}": task}
@@ -177,6 +191,10 @@ def check_prompts(config: HubConfig, task: Task, eval_task: Task | None) -> list
     readings = [read_task(flag, t, tokenizer) for flag, t in tasks.items()]
     if context is not None:
         _check_context(readings, context, config.sampling.max_new_tokens)
+    limit = config.dataset.max_prompt_length
+    for r in readings:
+        if limit is not None and (mistake := prompts_past(r.prompts, r.lengths, limit)) is not None:
+            raise UserError(f"{r.flag}: {mistake}")
     warnings = []
     for r in readings:
         if (lossy := lossy_prompts(r.prompts, r.seen)) is None:
@@ -201,3 +219,15 @@ def check_reward(task: Task, group_size: int) -> None:
     completions = [DUMMY_COMPLETIONS[i % len(DUMMY_COMPLETIONS)] for i in range(n)]
     for prompt in task.prompts()[:REWARD_CHECK_PROMPTS]:
         checked_rewards(task, prompt, completions)
+
+
+def unlogged_note(task: Task) -> str | None:
+    """The line that says which keys of a verl reward's dicts the start check saw holding other than numbers, which
+    no metric can log (None: none did)."""
+    unlogged = sorted(task.unlogged) if isinstance(task, DatasetTask) else []
+    if not unlogged:
+        return None
+    return (
+        f"reward {', '.join(unlogged)} (beside the score of its dict) is not a number, so no metric logs it; the "
+        "numbers a dict holds are logged as rewards/<function>/<key>/mean"
+    )

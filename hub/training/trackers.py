@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,13 +36,20 @@ class LoggedCompletion:
     completion: str
     reward: float
     version: int
+    extra: Mapping[str, str | float | None] = field(default_factory=dict)  # the reward functions' log_extra columns
 
 
-COMPLETION_COLUMNS = ["step"] + [f.name for f in fields(LoggedCompletion)]
+COMPLETION_COLUMNS = ["step"] + [f.name for f in fields(LoggedCompletion) if f.name != "extra"]
+
+
+def _columns(completions: Sequence[LoggedCompletion]) -> list[str]:
+    """A step's table columns: ours, then every log_extra column one of its completions has, as TRL adds them."""
+    return COMPLETION_COLUMNS + list(dict.fromkeys(k for c in completions for k in c.extra))
 
 
 def _table_rows(step: int, completions: Sequence[LoggedCompletion]) -> list[list[Any]]:
-    return [[step, *astuple(c)] for c in completions]
+    extra = _columns(completions)[len(COMPLETION_COLUMNS) :]
+    return [[step, c.prompt, c.completion, c.reward, c.version, *(c.extra.get(k) for k in extra)] for c in completions]
 
 
 def _markdown_table(step: int, completions: Sequence[LoggedCompletion]) -> str:
@@ -51,7 +58,8 @@ def _markdown_table(step: int, completions: Sequence[LoggedCompletion]) -> str:
     def cell(value: Any) -> str:
         return str(value).replace("|", "\\|").replace("\n", "<br>")
 
-    lines = ["| " + " | ".join(COMPLETION_COLUMNS) + " |", "|" + "---|" * len(COMPLETION_COLUMNS)]
+    columns = _columns(completions)
+    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in _table_rows(step, completions)]
     return "\n".join(lines)
 
@@ -129,7 +137,7 @@ class WandbTracker:
         self.run.log({axis: step, **{f"{kind}/{k}": v for k, v in _numbers(row).items() if k != axis}})
 
     def log_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
-        table = self.wandb.Table(columns=list[str | int](COMPLETION_COLUMNS), data=_table_rows(step, completions))
+        table = self.wandb.Table(columns=list[str | int](_columns(completions)), data=_table_rows(step, completions))
         self.run.log({"step": step, "train/completions": table})
 
     def close(self) -> None:
@@ -152,7 +160,7 @@ class TrackioTracker:
         self.run.log({f"{kind}/{k}": v for k, v in _numbers(row).items()}, step=step)
 
     def log_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
-        table = self.trackio.Table(columns=COMPLETION_COLUMNS, data=_table_rows(step, completions))
+        table = self.trackio.Table(columns=_columns(completions), data=_table_rows(step, completions))
         self.run.log({"train/completions": table}, step=step)
 
     def close(self) -> None:

@@ -210,6 +210,8 @@ class Auditor:
                 completions,
                 temperature=self.sampling.temperature,
                 top_p=self.sampling.top_p,
+                top_k=self.sampling.top_k,
+                min_p=self.sampling.min_p,
             )
 
     def audit(self, group: Group, version: int) -> AuditResult:

@@ -199,6 +199,8 @@ def _score(submitted: SubmittedGroup, prompt: Prompt, rules: SubmissionRules, no
         rewards=scores.rewards,
         node_id=node_id,
         reward_parts=scores.parts,
+        logged_metrics=scores.metrics,
+        logged_columns=scores.columns,
     )
     return GroupVerdict(pid, True, "", submitted, group)
 

@@ -1,7 +1,8 @@
 """Task lookup: turns a task spec string (CLI/config) into a Task instance.
 
 Specs: a builtin name ("reverse"); "math:PATH.jsonl" for MathTask; a dataset on disk (a .jsonl or
-.parquet file, or a `datasets` save_to_disk directory) read and scored as DatasetOptions say; or
+.parquet file, or a `datasets` save_to_disk directory, "DIR:SPLIT" naming a DatasetDict's split) read and scored
+as DatasetOptions say; or
 "module.path:ClassName" for a user task (a Task subclass constructible with no arguments). User
 modules are imported from the current directory or installed packages. Builtins are imported
 lazily, so loading one task never imports another's dependencies.
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from shared.tasks.base import Prompt, Task
-from shared.tasks.dataset import DatasetOptions, DatasetTask, MathTask, chat_renderer, is_dataset_path
+from shared.tasks.dataset import DatasetOptions, DatasetTask, MathTask, chat_renderer, is_dataset_path, split_of
 from shared.tasks.user_code import import_object
 
 BUILTIN_TASKS: Mapping[str, str] = {"reverse": "shared.tasks.reverse:ReverseTask"}
@@ -51,8 +53,12 @@ def load_task(spec: str, dataset: DatasetOptions = DatasetOptions(), model_dir: 
         if not Path(path).is_file():
             raise ValueError(f"task spec {spec!r}: no such file {path}")
         return MathTask(path)
+    render = None if model_dir is None else lambda: chat_renderer(model_dir)
     if is_dataset_path(spec):
-        return DatasetTask(spec, dataset, render_chat=None if model_dir is None else lambda: chat_renderer(model_dir))
+        return DatasetTask(spec, dataset, render_chat=render)
+    saved, split = split_of(spec)
+    if saved is not None:
+        return DatasetTask(saved, replace(dataset, split=split), render_chat=render)
     if spec.endswith((".jsonl", ".json", ".parquet")):
         raise ValueError(f"task spec {spec!r}: no such file {spec}")
     if ":" in spec:

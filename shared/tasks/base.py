@@ -45,16 +45,26 @@ class GroupContext:
     version: int
 
 
-# Per reward function: its name and one value per completion (None where the function does not apply).
+# Per reward function: its name and one value per completion (None where the function does not apply); then per
+# number a verl dict holds beside its score, "<function>/<key>" and its values (None where a result lacks it).
 RewardParts = tuple[tuple[str, tuple[float | None, ...]], ...]
+
+
+# What TRL-style reward functions logged while scoring one group: each log_metric(name, value) call, and each
+# log_extra(column, values) column with one value per completion (a number, text or None).
+LoggedMetrics = tuple[tuple[str, float], ...]
+LoggedColumns = tuple[tuple[str, tuple[str | float | None, ...]], ...]
 
 
 @dataclass(frozen=True)
 class Scores:
-    """A group's rewards, one per completion, and, for a task of several reward functions, each one's values."""
+    """A group's rewards, one per completion, and, for a task of several reward functions, each one's values and what
+    they logged (TRL's log_metric and log_extra)."""
 
     rewards: tuple[float, ...]
     parts: RewardParts = ()
+    metrics: LoggedMetrics = ()
+    columns: LoggedColumns = ()
 
 
 class Task(ABC):

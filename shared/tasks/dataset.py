@@ -1,7 +1,7 @@
 """Prompt datasets from local files, scored by rewards: what users of TRL and verl bring.
 
 Sources: a JSONL file (one object per line), a Parquet file, or a directory written by
-`datasets.Dataset.save_to_disk` (a DatasetDict's split chosen by name). Columns are chosen by
+`datasets.Dataset.save_to_disk` (a DatasetDict's split chosen by name: --dataset-split, or `DIR:SPLIT`). Columns are chosen by
 name (default `prompt` and `answer`), or by a dotted path into a nested column
 (`reward_model.ground_truth`, as verl's layout keeps the answer); every other column travels with its row to
 a reward function. A prompt is a string, or chat messages (a list of {"role", "content"}) rendered with
@@ -31,6 +31,7 @@ from shared.tasks.rewards import (
     Reward,
     RewardCall,
     RewardFn,
+    RewardLog,
     RewardState,
     RewardStyle,
     check_callable,
@@ -59,6 +60,7 @@ class DatasetOptions:
     id_prefix: str = "row"
     reward_weights: tuple[float, ...] = ()  # one per reward (empty: 1.0 each)
     reward_style: RewardStyle = "auto"
+    max_steps: int = 0  # the run's --steps, TRL's trainer_state.max_steps (0: until interrupted)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,10 @@ def _saved_rows(path: Path, split: str) -> Iterator[Row]:
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(f"{path}: no split {split!r} (it has {', '.join(loaded)}); choose one with --dataset-split")
+            raise ValueError(
+                f"{path}: no split {split!r} (it has {', '.join(loaded)}); choose one with --dataset-split, or as "
+                f"{path}:{next(iter(loaded))}"
+            )
         loaded = loaded[split]
     for i, record in enumerate(loaded):
         yield Row(i, f"{path} row {i}", record)
@@ -123,6 +128,19 @@ def read_rows(path: Path, split: str = "train") -> Iterator[Row]:
 def is_dataset_path(spec: str) -> bool:
     """Whether a task spec names a dataset on disk (a file or directory that exists)."""
     return Path(spec).exists()
+
+
+def split_of(spec: str) -> tuple[Path | None, str]:
+    """(the save_to_disk directory, the split) a "DIR:SPLIT" spec names (`conv_ds:test`); (None, "") when the part
+    before its last ":" is no directory. ValueError when that directory holds one Dataset, which has no splits."""
+    head, sep, split = spec.rpartition(":")
+    if not sep or not head or not split or "/" in split or not Path(head).is_dir():
+        return None, ""
+    path = Path(head)
+    if not (path / "dataset_dict.json").exists():
+        what = "one Dataset (no splits)" if (path / "dataset_info.json").exists() else "no save_to_disk DatasetDict"
+        raise ValueError(f"{path} holds {what}: it has no split {split!r}; name the directory alone")
+    return path, split
 
 
 _ABSENT = object()
@@ -229,6 +247,8 @@ class DatasetTask(Task):
         self._rows: dict[str, Mapping[str, Any]] = {}
         self._truths: dict[str, Any] = {}
         self._messages: dict[str, Messages] = {}
+        # Keys of verl dicts seen holding other than numbers ("<function>/<key>"): no metric logs them; the start says so.
+        self.unlogged: set[str] = set()
         for row in read_rows(self.path, opts.split):
             self._add_row(row)
         if not self._prompts:
@@ -316,9 +336,17 @@ class DatasetTask(Task):
         else:
             prompts, shown = [prompt.text] * n, list(completions)
         ids = [list(t) for t in context.completion_ids] if context is not None else [[] for _ in completions]
-        state = RewardState(context.version if context is not None else 0)
+        state = RewardState(context.version if context is not None else 0, self.options.max_steps)
         return RewardCall(
-            prompt, prompts, shown, list(completions), ids, state, self._rows.get(prompt.id, {}), self._truths.get(prompt.id)
+            prompt,
+            prompts,
+            shown,
+            list(completions),
+            ids,
+            state,
+            self._rows.get(prompt.id, {}),
+            self._truths.get(prompt.id),
+            RewardLog(n),
         )
 
     def prompts(self) -> list[Prompt]:
@@ -334,9 +362,12 @@ class DatasetTask(Task):
         return tuple(r.name for r in self._rewards)
 
     def scores(self, prompt: Prompt, completions: list[str], context: GroupContext | None) -> Scores:
-        parts = scored_parts(self._rewards, self._call(prompt, completions, context))
-        total = combine_rewards(parts, self._weights)
-        return Scores(valid_rewards(self.reward_name, prompt, total, len(completions)), tuple(zip(self.reward_names, parts)))
+        scored = scored_parts(self._rewards, self._call(prompt, completions, context))
+        total = combine_rewards(scored.parts, self._weights)
+        self.unlogged.update(scored.dropped)
+        named = tuple(zip(self.reward_names, scored.parts)) + scored.extras
+        rewards = valid_rewards(self.reward_name, prompt, total, len(completions))
+        return Scores(rewards, named, scored.metrics, scored.columns)
 
     def rewards(self, prompt: Prompt, completions: list[str]) -> Sequence[float]:
         return self.scores(prompt, completions, None).rewards

@@ -22,3 +22,20 @@ def length_gap(prompts, completions, completion_ids, trainer_state, answer, kind
 def never_applies(prompts, completions, **kwargs):
     """None for every completion: a function that applies to no row of the dataset."""
     return [None] * len(completions)
+
+
+async def judged(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
+    """An async judge, as TRL awaits one: it logs the run's length and each completion's verdict with TRL's
+    log_metric and log_extra, and scores 1 for a completion without spaces."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    log_metric("judge/max_steps", trainer_state.max_steps)
+    log_extra("verdict", ["tidy" if " " not in c.strip() else "spaced" for c in completions])
+    return [float(" " not in c.strip()) for c in completions]
+
+
+def logs_badly(prompts, completions, log_extra, **kwargs):
+    """log_extra with one value for the whole group, not one per completion."""
+    log_extra("verdict", ["one"])
+    return [0.0] * len(completions)

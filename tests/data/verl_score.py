@@ -23,3 +23,10 @@ def wrong_signature(solution_str, answer):
 def no_score(data_source, solution_str, ground_truth, extra_info=None):
     """A dict without verl's "score" key: verl's reader raises KeyError on it."""
     return {"acc": solution_str.strip() == ground_truth}
+
+
+def with_prediction(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's dict with the parsed prediction beside the score (a string: no metric can log it) and a numpy flag."""
+    import numpy as np
+
+    return {"score": float(solution_str.strip() == ground_truth), "pred": solution_str.strip(), "hit": np.bool_(True)}
