@@ -118,6 +118,19 @@ def test_chat_prompts_are_rendered_with_the_chat_template(tmp_path: Path, defaul
         load_task(str(path), DatasetOptions(reward="reward_funcs:chat_echo"), model_dir=default_model_dir)
 
 
+def test_a_chat_prompt_without_model_names_the_default_tokenizers_missing_template(tmp_path: Path) -> None:
+    """With no --model the hub renders chat prompts with the embedded default's tokenizer, which has no chat template:
+    the start says so and what to pass, not that there is no tokenizer."""
+    from hub.config import HubConfig
+    from hub.training.tasks import load_hub_task
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "abc"}], "answer": "cba"}) + "\n")
+    config = HubConfig(task=str(path), dataset={"reward": "exact"})
+    with pytest.raises(ValueError, match=r"the embedded default model's tokenizer .*has no chat template.*pass --model"):
+        load_hub_task(str(path), config, model_dir=None)
+
+
 @pytest.mark.parametrize(
     ("rows", "options", "message"),
     [

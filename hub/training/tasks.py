@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from hub.config import HubConfig
 from shared.checks import UserError
+from shared.default_model import build_tokenizer
 from shared.tasks import Task, load_task
 from shared.tasks.base import Prompt, checked_rewards
 from shared.tasks.split import excluding, split_task
@@ -20,8 +21,9 @@ if TYPE_CHECKING:
 
 
 def load_hub_task(spec: str, config: HubConfig, model_dir: Path | None) -> Task:
-    """A task spec read with the config's dataset options (columns, reward, chat)."""
-    return load_task(spec, config.dataset.options(), model_dir)
+    """A task spec read with the config's dataset options (columns, reward, chat); chat prompts are rendered by the
+    chat template of `model_dir`'s tokenizer, or of the embedded default's (None: the default may not be built yet)."""
+    return load_task(spec, config.dataset.options(), model_dir, default_tokenizer=build_tokenizer)
 
 
 def held_out(config: HubConfig, task: Task, model_dir: Path | None) -> tuple[Task, Task]:
