@@ -57,8 +57,13 @@ class Block:
     marker: tuple[str, str] | None
 
     @property
+    def name(self) -> str:
+        """Its page, as the repository names it."""
+        return str(self.page.relative_to(ROOT)) if self.page.is_relative_to(ROOT) else self.page.name
+
+    @property
     def where(self) -> str:
-        return f"{self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page.name}:{self.line}"
+        return f"{self.name}:{self.line}"
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class Command:
 
     @property
     def where(self) -> str:
-        return f"{self.block.where.rpartition(':')[0]}:{self.line}: `{shlex.join(self.argv)}`"
+        return f"{self.block.name}:{self.line}: `{shlex.join(self.argv)}`"
 
 
 def _marker(line: str) -> tuple[str, str] | None:
@@ -249,12 +254,10 @@ def write_readers_files(page: Path, where: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def chat_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """The embedded default model with a chat template of its characters (`abc` -> `abc>`, its task's prompt)."""
-    from shared.default_model import ensure_default_model
-
     model = tmp_path_factory.mktemp("chat-model") / "model"
-    shutil.copytree(ensure_default_model(progress=False), model)
+    shutil.copytree(default_model_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}, indent=2))
     return model
