@@ -399,3 +399,19 @@ def test_a_run_is_shortened_to_steps_a_loopback_port_and_the_test_model() -> Non
     ]  # fmt: skip
     assert shortened(("echo-hub", "dashboard", "--data-dir", "d"), model)[-2:] == ["--screenshot", "dashboard.svg"]
     assert shortened(("echo-hub", "status"), model) == ["echo-hub", "status"]
+
+
+def test_a_checked_command_reads_the_pages_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config file a page shows is validated with the command that loads it: a misspelt key is a mistake."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- docs-test: file node.toml -->\n```toml\nhub = 'x'\nprise = 0.35\n```\n\n"
+        "<!-- docs-test: check: a remote hub -->\n```bash\necho-node join --config node.toml\n```\n"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    write_readers_files(page, work)
+    monkeypatch.chdir(work)
+    (join,) = commands(blocks(page)[1])
+    mistake = check(join)
+    assert mistake is not None and "prise" in mistake and "price" in mistake, mistake
