@@ -40,8 +40,8 @@ READERS_MODELS = "/models/"
 RUN_MAX_NEW_TOKENS = "10"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
 DASHBOARDS = (("echo-hub", "dashboard"), ("echo-node", "dashboard"))
-# Above the longest run (a hub's 2 steps take about 30 s on a loaded 2-core machine); a command that never ends by
-# itself belongs in a `check` block.
+# Above the longest run (a hub's 2 steps: 20 to 60 s on a 2-core machine, 130 s on one loaded four times over); a
+# command that never ends by itself belongs in a `check` block.
 RUN_TIMEOUT_S = 240
 OUTPUT_SHOWN_CHARS = 3000
 
@@ -133,7 +133,10 @@ def commands(block: Block) -> list[Command]:
         words = shlex.split(PLACEHOLDER.sub(lambda found: found[0].replace(" ", "-"), text), comments=True)
         chain: list[list[str]] = [[]]
         for word in words:
-            chain.append([]) if word == "&&" else chain[-1].append(word)
+            if word == "&&":
+                chain.append([])
+            else:
+                chain[-1].append(word)
         out += [Command(block, block.line + 1 + first, argv) for part in chain if (argv := _echo2_argv(part))]
     return out
 
