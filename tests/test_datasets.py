@@ -118,19 +118,6 @@ def test_chat_prompts_are_rendered_with_the_chat_template(tmp_path: Path, defaul
         load_task(str(path), DatasetOptions(reward="reward_funcs:chat_echo"), model_dir=default_model_dir)
 
 
-def test_a_chat_prompt_without_model_names_the_default_tokenizers_missing_template(tmp_path: Path) -> None:
-    """With no --model the hub renders chat prompts with the embedded default's tokenizer, which has no chat template:
-    the start says so and what to pass, not that there is no tokenizer."""
-    from hub.config import HubConfig
-    from hub.training.tasks import load_hub_task
-
-    path = tmp_path / "chat.jsonl"
-    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "abc"}], "answer": "cba"}) + "\n")
-    config = HubConfig(task=str(path), dataset={"reward": "exact"})
-    with pytest.raises(ValueError, match=r"the embedded default model's tokenizer .*has no chat template.*pass --model"):
-        load_hub_task(str(path), config, model_dir=None)
-
-
 @pytest.mark.parametrize(
     ("rows", "options", "message"),
     [
@@ -164,6 +151,8 @@ def test_a_reward_that_is_not_a_finite_number_is_refused(tmp_path: Path) -> None
 def test_dataset_mistakes_through_the_cli_are_one_line(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text('{"question": "a", "solution": "1"}\n')
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "abc"}], "answer": "cba"}) + "\n")
     before = snapshot_of(tmp_path)
     data = str(tmp_path / "data")
     assert_one_line_mistake(
@@ -189,5 +178,12 @@ def test_dataset_mistakes_through_the_cli_are_one_line(tmp_path: Path) -> None:
     )
     assert_one_line_mistake(
         run("hub.cli", "start", "--data-dir", data, "--task", str(tmp_path / "missing.parquet")), "--task", "no such file"
+    )
+    # A chat prompt (verl's) with no --model: the embedded default's tokenizer has no chat template, and the line says so.
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--task", str(chat), "--reward", "exact"),
+        "the embedded default model's tokenizer",
+        "has no chat template",
+        "pass --model",
     )
     assert snapshot_of(tmp_path) == before
