@@ -31,7 +31,8 @@ PLACEHOLDER = re.compile(r"<[^<>\n]+>")
 # echo2's own programs, and the module each runs as; any other program of a block (a venv, pip, pytest) is the
 # reader's environment, not run.
 PROGRAMS = {"echo-hub": "hub.cli", "echo-node": "node.cli"}
-MAIN_JOB = ("echo-hub", "start")  # the README's main job: run once per session, its data dir shared
+START = ("echo-hub", "start")
+MAIN_JOB = START  # the README's main job, `echo-hub start` as is: run once per session, its data dir shared
 DATA_DIR = "echo2-data"  # the default --data-dir, which the docs' later commands read
 RUN_STEPS = 2
 # The reader's own model in the docs (`--model /models/Qwen3-0.6B`): a run takes the embedded default model with a
@@ -161,7 +162,7 @@ def check(command: Command) -> str | None:
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
             parsed = (hub_parser() if name == "echo-hub" else node_parser()).parse_args(args)
-            if (name, parsed.command) == MAIN_JOB:
+            if (name, parsed.command) == START:
                 start_config(parsed)
             elif (name, parsed.command) == ("echo-node", "join"):
                 join_config(parsed)
@@ -187,7 +188,7 @@ def shortened(argv: tuple[str, ...], chat_model: Path) -> list[str]:
     """What a run executes of a command: `echo-hub start` for RUN_STEPS steps on a loopback port of its own, without
     the live display, the reader's model replaced by the test's; a dashboard rendered once to an SVG."""
     out = list(argv)
-    if tuple(out[:2]) == MAIN_JOB:
+    if tuple(out[:2]) == START:
         out = _set_flag(out, "--steps", str(RUN_STEPS), "--max-steps")
         out = _set_flag(out, "--listen", "/ip4/127.0.0.1/tcp/0")
         out.append("--no-progress")
@@ -307,7 +308,7 @@ def test_the_docs_commands_run_as_written(block: Block, tmp_path: Path, chat_mod
     and start no hub of their own, a copy of the main job's)."""
     cmds = commands(block)
     write_readers_files(block.page, tmp_path)
-    starts = any(c.argv[:2] == MAIN_JOB for c in cmds)
+    starts = any(c.argv[:2] == START for c in cmds)
     if not starts and any(DATA_DIR in c.argv for c in cmds):
         home, ran = main_job(session_dir, chat_model)
         assert ran.returncode == 0, f"the main job (`echo-hub start`) failed, so {block.where} has no {DATA_DIR}"
