@@ -11,10 +11,14 @@ import threading
 import time
 from importlib.metadata import version as package_version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared.checks import UserError
 from shared.flags import EXAMPLE_FORMAT, FlagParser
 from shared.logs import quiet_cpu_wheel_noise
+
+if TYPE_CHECKING:
+    from node.config import NodeConfig
 
 NODE_ERR_FILE = "node.err"  # the stderr of a node run under its dashboard
 STOP_TIMEOUT_S = 10.0
@@ -155,16 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     return 130
 
 
+def join_config(args: argparse.Namespace) -> NodeConfig:
+    """The config `echo-node join` runs with, from its parsed flags: defaults < --config < flags; ConfigError (one
+    line) on a mistake."""
+    from node.config import NodeConfig
+    from shared.config import load_config
+
+    overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in JOIN_FLAGS.items()}
+    return load_config(NodeConfig, args.config, overrides)
+
+
 def _join(args: argparse.Namespace) -> int:
     """`echo-node join`: its config checked (a mistake is one line, exit 2), its data dir locked, then the node."""
-    from node.config import NodeConfig
-    from shared.config import ConfigError, load_config
+    from shared.config import ConfigError
     from shared.layout import NODE_LOCK_FILE
     from shared.lock import lock_data_dir
 
-    overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in JOIN_FLAGS.items()}
     try:
-        config = load_config(NodeConfig, args.config, overrides)
+        config = join_config(args)
         check_join(config)  # may import torch to ask for a GPU: Ctrl-C can land here
         # One node per data dir: two would be one identity, knocking each other off the hub.
         lock = lock_data_dir(config.data_dir, NODE_LOCK_FILE, "node")

@@ -183,6 +183,8 @@ def test_a_reward_that_is_not_a_finite_number_is_refused(tmp_path: Path) -> None
 def test_dataset_mistakes_through_the_cli_are_one_line(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text('{"question": "a", "solution": "1"}\n')
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "abc"}], "answer": "cba"}) + "\n")
     before = snapshot_of(tmp_path)
     data = str(tmp_path / "data")
     assert_one_line_mistake(
@@ -208,5 +210,12 @@ def test_dataset_mistakes_through_the_cli_are_one_line(tmp_path: Path) -> None:
     )
     assert_one_line_mistake(
         run("hub.cli", "start", "--data-dir", data, "--task", str(tmp_path / "missing.parquet")), "--task", "no such file"
+    )
+    # A chat prompt (verl's) with no --model: the embedded default's tokenizer has no chat template, and the line says so.
+    assert_one_line_mistake(
+        run("hub.cli", "start", "--data-dir", data, "--task", str(chat), "--reward", "exact"),
+        "the embedded default model's tokenizer",
+        "has no chat template",
+        "pass --model",
     )
     assert snapshot_of(tmp_path) == before

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.checks import UserError
 from shared.flags import EXAMPLE_FORMAT, FlagParser
@@ -15,6 +15,9 @@ from shared.logs import quiet_cpu_wheel_noise
 
 # Before torch is imported: the hub's start imports it, and transformers imports torchao.
 quiet_cpu_wheel_noise()
+
+if TYPE_CHECKING:
+    from hub.config import HubConfig
 
 
 def _bool(text: str) -> bool:
@@ -370,19 +373,28 @@ def _own_model(model: Path | None) -> bool:
     return model is not None and model.resolve() != default_model_dir().resolve()
 
 
-def _start(args: argparse.Namespace) -> int:
-    """`echo-hub start`: a mistake is one line and exit 2; so is a disk that fills while the hub starts (one that
-    fills while it runs, run_hub stops the run for)."""
-    from hub.config import HubConfig, with_user_model_defaults
-    from hub.training.ranks import rank_env
-    from shared.checks import disk_full, free_space
-    from shared.config import ConfigError, load_config
+def start_config(args: argparse.Namespace) -> HubConfig:
+    """The config `echo-hub start` runs with, from its parsed flags: defaults < --config < flags; ConfigError (one
+    line) on a mistake."""
+    from hub.config import HubConfig
+    from shared.config import load_config
 
     overrides = {dotted: _given(args, flag) for flag, (dotted, _) in START_FLAGS.items()}
     overrides |= {dotted: getattr(args, flag) for flag, dotted in START_SWITCHES.items()}
+    return load_config(HubConfig, args.config, overrides, aliases=_flat_keys())
+
+
+def _start(args: argparse.Namespace) -> int:
+    """`echo-hub start`: a mistake is one line and exit 2; so is a disk that fills while the hub starts (one that
+    fills while it runs, run_hub stops the run for)."""
+    from hub.config import with_user_model_defaults
+    from hub.training.ranks import rank_env
+    from shared.checks import disk_full, free_space
+    from shared.config import ConfigError
+
     env = rank_env()
     try:
-        config = load_config(HubConfig, args.config, overrides, aliases=_flat_keys())
+        config = start_config(args)
         config, defaults = with_user_model_defaults(config, own_model=_own_model(config.model))
         if args.print_config:
             from shared.config import config_toml

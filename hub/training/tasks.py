@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from hub.config import HubConfig
 from shared.checks import UserError
+from shared.default_model import build_tokenizer
 from shared.tasks import Task, load_task
 from shared.tasks.base import Prompt, checked_rewards
 from shared.tasks.dataset import DatasetTask
@@ -22,8 +23,11 @@ if TYPE_CHECKING:
 
 def load_hub_task(spec: str, config: HubConfig, model_dir: Path | None) -> Task:
     """A task spec read with the config's dataset options (columns, reward, chat) and the run's length (the rewards'
-    trainer_state.max_steps)."""
-    return load_task(spec, replace(config.dataset.options(), max_steps=config.steps), model_dir)
+    trainer_state.max_steps); chat prompts are rendered by the chat template of `model_dir`'s tokenizer, or of the
+    embedded default's (None: the default may not be built yet)."""
+    return load_task(
+        spec, replace(config.dataset.options(), max_steps=config.steps), model_dir, default_tokenizer=build_tokenizer
+    )
 
 
 def held_out(config: HubConfig, task: Task, model_dir: Path | None) -> tuple[Task, Task]:

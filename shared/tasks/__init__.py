@@ -11,12 +11,13 @@ lazily, so loading one task never imports another's dependencies.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from shared.tasks.base import Prompt, Task
-from shared.tasks.dataset import DatasetOptions, DatasetTask, MathTask, chat_renderer, is_dataset_path, split_of
+from shared.tasks.dataset import DatasetOptions, DatasetTask, MathTask, Messages, chat_renderer, is_dataset_path, split_of
 from shared.tasks.user_code import import_object
 
 BUILTIN_TASKS: Mapping[str, str] = {"reverse": "shared.tasks.reverse:ReverseTask"}
@@ -42,9 +43,33 @@ def _load_class(spec: str, import_path: str) -> type[Task]:
     return cls
 
 
-def load_task(spec: str, dataset: DatasetOptions = DatasetOptions(), model_dir: Path | None = None) -> Task:
+def _chat_renderer_of(
+    model_dir: Path | None, default_tokenizer: Callable[[], Any] | None
+) -> Callable[[], Callable[[Messages], str]] | None:
+    """What builds the chat renderer (it loads a tokenizer, so only once a chat prompt appears): the tokenizer in
+    `model_dir`, else the default one; None when there is neither."""
+    if model_dir is not None:
+
+        def from_model_dir() -> Callable[[Messages], str]:
+            from transformers import AutoTokenizer
+
+            return chat_renderer(AutoTokenizer.from_pretrained(model_dir), f"the tokenizer in {model_dir}")
+
+        return from_model_dir
+    if default_tokenizer is not None:
+        return lambda: chat_renderer(default_tokenizer(), "the embedded default model's tokenizer (no --model given)")
+    return None
+
+
+def load_task(
+    spec: str,
+    dataset: DatasetOptions = DatasetOptions(),
+    model_dir: Path | None = None,
+    default_tokenizer: Callable[[], Any] | None = None,
+) -> Task:
     """The task named by `spec`; ValueError saying what is wrong with a bad spec. `dataset` applies to a
-    dataset on disk; `model_dir` holds the tokenizer whose chat template renders chat prompts."""
+    dataset on disk; `model_dir` holds the tokenizer whose chat template renders chat prompts, and without one
+    `default_tokenizer` builds the embedded default model's."""
     spec = spec.strip()
     if spec.startswith(MATH_PREFIX):
         path = spec[len(MATH_PREFIX) :]
@@ -53,7 +78,7 @@ def load_task(spec: str, dataset: DatasetOptions = DatasetOptions(), model_dir: 
         if not Path(path).is_file():
             raise ValueError(f"task spec {spec!r}: no such file {path}")
         return MathTask(path)
-    render = None if model_dir is None else lambda: chat_renderer(model_dir)
+    render = _chat_renderer_of(model_dir, default_tokenizer)
     if is_dataset_path(spec):
         return DatasetTask(spec, dataset, render_chat=render)
     saved, split = split_of(spec)

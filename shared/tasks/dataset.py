@@ -179,13 +179,13 @@ def _messages(value: Any, where: str, column: str) -> Messages | None:
     raise ValueError(f"{where}: {column!r} must be a non-empty string or a list of {{'role', 'content'}} messages")
 
 
-def chat_renderer(model_dir: Path) -> Callable[[Messages], str]:
-    """Messages -> the prompt text the model sees, by its tokenizer's chat template (generation prompt added)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+def chat_renderer(tokenizer: Any, whose: str) -> Callable[[Messages], str]:
+    """Messages -> the prompt text the model sees, by `tokenizer`'s chat template (generation prompt added); `whose`
+    names the tokenizer in the ValueError when it has no template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer in {model_dir} has no chat template, so chat prompts cannot be rendered")
+        raise ValueError(
+            f"{whose} has no chat template, so chat prompts cannot be rendered: pass --model with a model whose tokenizer has one"
+        )
     return lambda messages: tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
 
