@@ -96,6 +96,11 @@ def _node_notes(status: HubStatus) -> list[str]:
 def render(status: HubStatus, console: Console, state: str | None = None) -> None:
     """The status as tables; `state` (run_state's) in place of the status's own running flag."""
     head = Table.grid(padding=(0, 2))
+    # Wrapped, never cut: a wide row (the reasons) must not clip another's value on an 80-column pipe; the values'
+    # column keeps room for a one-line state.
+    head.add_column(no_wrap=True)
+    head.add_column(overflow="fold", min_width=40)
+    head.add_column(overflow="fold")
     head.add_row("hub", status.hub_id)
     head.add_row("state", state or run_state(status))
     head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
