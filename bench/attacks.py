@@ -336,7 +336,9 @@ async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float
         assert process.stdout is not None
         out = b""
         while STARTED_LINE not in out:
-            out += await process.stdout.receive_some()
+            if not (chunk := await process.stdout.receive_some()):
+                raise RuntimeError(f"the {attack[0]} attacker ended before it started (exit {await process.wait()})")
+            out += chunk
         log_at, cpu_at, started = log_file.stat().st_size, hub_cpu_s(hub.process.pid), time.monotonic()
     until = time.monotonic() + seconds
     while time.monotonic() < until:

@@ -321,7 +321,7 @@ def plot(points: list[Point], path: Path) -> None:
     ax.set_ylim(-0.02, 1.0)
     usable = sum(p.usable_fraction for p in ordered) / len(ordered)
     ax.set_title(
-        f"learner bubble vs pool throughput\nkappa={KAPPA}, R={ROLLOUTS_PER_STEP}, {usable:.0%} of accepted groups trained on",
+        f"learner bubble vs pool throughput\nkappa={KAPPA}, R={ROLLOUTS_PER_STEP}, sized by {usable:.0%} of accepted groups usable",
         fontsize=10,
     )
     ax.legend()

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.sim_config import SimConfig, SimConfigError, load_sim_config  # noqa: E402
-from bench.simulate import EXIT_USAGE_ERROR, VARIANTS, run_rows  # noqa: E402
+from bench.simulate import EXIT_USAGE_ERROR, ablation, run_rows  # noqa: E402
 from hub.method.capacity import InfeasibleCapacity  # noqa: E402
 from shared.config import ConfigError, set_dotted, validated  # noqa: E402
 
@@ -45,7 +45,7 @@ PAPER_NO_PEER_BROADCAST = {9: 8.432, 10: 8.630}
 PAPER_NO_COST_AWARE = 9.339
 A100_PRICE_PER_HOUR = 3.06  # the paper's learner GPU (Google Cloud)
 # The scenarios of the paper's ablation (bench/presets/echo2-qwen3-8b.toml says why), named as bench/simulate.py
-# names them (VARIANTS: full, no_peer_broadcast, no_cost_aware).
+# names them (bench.simulate.VARIANTS: full, no_peer_broadcast, no_cost_aware).
 ABLATION = ("cost-aware", "star", "all-on")
 
 
@@ -61,33 +61,23 @@ def cell_config(base: SimConfig, learner_gpus: int, rate: float, gpu_price: floa
     return validated(SimConfig, tree, f"learner {learner_gpus} GPUs, rate {rate:g}")
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def cell(cfg: SimConfig, learner_gpus: int, rate: float, tolerance: float) -> dict:
-    """One cell: the three variants' mean $/step over the seeds, the full run's bubble, workers and stale drops, and
-    the ablation deltas."""
-    rows = run_rows(cfg, quiet=True)
-    by = {VARIANTS[scenario]: [r for r in rows if r["scenario"] == scenario] for scenario in ABLATION}
-    cost = {name: mean([r["cost_per_step"] for r in got]) for name, got in by.items()}
-    full = by["full"]
+    """One cell: bench/simulate.py's ablation table for it (the variants' means over the seeds), as the full run's
+    $/step, bubble, workers and stale drops, and the other variants' $/step, deltas and workers."""
+    rows = {row["variant"]: row for row in ablation(run_rows(cfg, quiet=True))}
+    full = rows["full"]
     return {
         "capacity_rule": cfg.run.capacity_rule[0],
         "learner_gpus": learner_gpus,
         "rate_5090": rate,
-        "cost_per_step": round(cost["full"], 4),
-        "off_paper": round(cost["full"] / PAPER_FULL - 1, 4),
-        "matches_paper": abs(cost["full"] / PAPER_FULL - 1) <= tolerance,
-        "bubble": round(mean([r["bubble_simulated"] for r in full]), 4),
-        "nodes_active": round(mean([r["active_mean"] for r in full]), 2),
-        "stale_dropped_fraction": round(mean([r["stale_dropped_fraction"] for r in full]), 4),
+        "cost_per_step": full["cost_per_step"],
+        "off_paper": round(full["cost_per_step"] / PAPER_FULL - 1, 4),
+        "matches_paper": abs(full["cost_per_step"] / PAPER_FULL - 1) <= tolerance,
+        "bubble": full["bubble_simulated"],
+        "nodes_active": full["nodes_active"],
+        "stale_dropped_fraction": full["stale_dropped_fraction"],
         **{
-            name: {
-                "cost_per_step": round(cost[name], 4),
-                "delta_vs_full": round(cost[name] / cost["full"] - 1, 4),
-                "nodes_active": round(mean([r["active_mean"] for r in by[name]]), 2),
-            }
+            name: {key: rows[name][key] for key in ("cost_per_step", "delta_vs_full", "nodes_active")}
             for name in ("no_peer_broadcast", "no_cost_aware")
         },
     }
@@ -113,6 +103,8 @@ def sweep(args: argparse.Namespace) -> dict:
     base = with_settings(load_sim_config(args.config), args.set)
     if base.fleet.file is not None or len(base.fleet.nodes) != 1:
         raise SimConfigError(f"{args.config}: the sweep needs one drawn fleet size (fleet.nodes = [N], no fleet.file)")
+    if len(base.run.staleness) != 1:
+        raise SimConfigError(f"{args.config}: the sweep needs one S (run.staleness = [S]): a cell is one run's ablation")
     grid = []
     for rule in base.run.capacity_rule:
         for learner_gpus in args.learners:

@@ -1013,16 +1013,16 @@ def ablation(results: list[dict]) -> list[dict]:
 
 
 def savings(results: list[dict]) -> list[dict]:
-    """Cost-aware against all-on, star and sync: 1 - cost(cost-aware) / cost(other), per N, S setting and seed
-    (sync, at S = 0 whatever the setting, against every setting)."""
+    """Cost-aware against all-on, star and sync: 1 - cost(cost-aware) / cost(other), per N, capacity rule, S setting
+    and seed (sync, at S = 0 whatever the setting, against every setting)."""
     out = []
-    by = {(r["nodes"], r["scenario"], r["seed"], str(r["staleness"])): r for r in results}
-    for (n, scenario, seed, staleness), r in sorted(by.items()):
+    by = {(r["nodes"], r["capacity_rule"], r["scenario"], r["seed"], str(r["staleness"])): r for r in results}
+    for (n, rule, scenario, seed, staleness), r in sorted(by.items()):
         if scenario != "cost-aware":
             continue
-        row = {"nodes": n, "seed": seed, "staleness": r["staleness"]}
+        row = {"nodes": n, "capacity_rule": rule, "seed": seed, "staleness": r["staleness"]}
         for other in ("all-on", "star", "sync"):
-            key = (n, other, seed, "0" if other == "sync" else staleness)
+            key = (n, rule, other, seed, "0" if other == "sync" else staleness)
             if key in by:
                 row[f"saving_vs_{other}"] = round(1 - r["cost_per_step"] / by[key]["cost_per_step"], 4)
         out.append(row)
@@ -1076,16 +1076,17 @@ def auto_against_fixed(auto_cost: float, auto_over: float, fixed: Mapping[int, F
 
 
 def staleness_comparison(results: list[dict]) -> list[dict]:
-    """Per N, scenario and seed with an auto row: auto_against_fixed over that run's fixed-S rows."""
+    """Per N, capacity rule, scenario and seed with an auto row: auto_against_fixed over that run's fixed-S rows."""
     out = []
-    keys = sorted({(r["nodes"], r["scenario"], r["seed"]) for r in results if r["staleness"] == "auto"})
-    for n, scenario, seed in keys:
-        same = [r for r in results if (r["nodes"], r["scenario"], r["seed"]) == (n, scenario, seed)]
+    run_of = lambda r: (r["nodes"], r["capacity_rule"], r["scenario"], r["seed"])
+    for n, rule, scenario, seed in sorted({run_of(r) for r in results if r["staleness"] == "auto"}):
+        same = [r for r in results if run_of(r) == (n, rule, scenario, seed)]
         auto = next(r for r in same if r["staleness"] == "auto")
         fixed = {r["staleness"]: FixedRun(r["cost_per_step"], r["drift_over_bound"]) for r in same if r["staleness"] != "auto"}
         out.append(
             {
                 "nodes": n,
+                "capacity_rule": rule,
                 "scenario": scenario,
                 "seed": seed,
                 "auto_cost_per_step": auto["cost_per_step"],
@@ -1097,15 +1098,17 @@ def staleness_comparison(results: list[dict]) -> list[dict]:
 
 
 def saving_spread(rows: list[dict]) -> list[dict]:
-    """Per N and baseline: the saving's lowest, highest and mean over seeds, and the spread in points."""
+    """Per N, capacity rule and baseline: the saving's lowest, highest and mean over seeds, and the spread in
+    points."""
     out = []
-    for n in sorted({r["nodes"] for r in rows}):
+    for n, rule in sorted({(r["nodes"], r["capacity_rule"]) for r in rows}):
         for key in sorted({k for r in rows for k in r if k.startswith("saving_vs_")}):
-            values = [r[key] for r in rows if r["nodes"] == n and key in r]
+            values = [r[key] for r in rows if (r["nodes"], r["capacity_rule"]) == (n, rule) and key in r]
             if values:
                 out.append(
                     {
                         "nodes": n,
+                        "capacity_rule": rule,
                         "vs": key.removeprefix("saving_vs_"),
                         "seeds": len(values),
                         "min": min(values),
@@ -1124,10 +1127,13 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for scenario in SCENARIOS:
-        rows = sorted((r for r in results if r["scenario"] == scenario), key=lambda r: r["nodes"])
+    rules = sorted({r["capacity_rule"] for r in results})
+    for scenario, rule in ((scenario, rule) for scenario in SCENARIOS for rule in rules):
+        rows = sorted((r for r in results if (r["scenario"], r["capacity_rule"]) == (scenario, rule)), key=lambda r: r["nodes"])
         if not rows:
             continue
+        if len(rules) > 1:
+            scenario = f"{scenario} ({rule})"
         sizes = sorted({r["nodes"] for r in rows})
         mean = lambda key, n: sum(r[key] for r in rows if r["nodes"] == n) / sum(1 for r in rows if r["nodes"] == n)
         (line,) = axes[0].plot(sizes, [mean("bubble_simulated", n) for n in sizes], "o-", label=f"{scenario} simulated")

@@ -48,7 +48,7 @@ async def measure(identities: int, work: Path) -> dict:
             live = i % 2 == 1
             hub.state.fleet.put(
                 NodeRecord(
-                    peer_id=f"throwaway{i}",
+                    peer_id=f"throwaway{i}".replace("0", "z"),  # base58, as peer ids are
                     price_per_hour=1.0,
                     link_bps=1e8,
                     backend="hf",

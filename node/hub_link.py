@@ -189,6 +189,8 @@ class HubLink:
             if self.on_join is not None:
                 await self.on_join(reply)
             await self._heartbeats()
+            # Lost or forgotten by the hub: rejoining, not standing by (a standby stretch is unpaid time it reports).
+            self.state.enter("connecting")
 
     async def _heartbeats(self) -> None:
         """Heartbeat until the hub stops answering (then return, to rejoin)."""

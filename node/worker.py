@@ -198,7 +198,9 @@ class Worker:
         refused = reply.rejected + reply.late
         if not refused:
             return
-        self.stats.reasons = add_reasons(self.stats.reasons, reply.reasons)
+        # A reply counts no more groups than it refused, whatever it claims.
+        claimed = {key: min(n, len(refused)) for key, n in reply.reasons.items()}
+        self.stats.reasons = add_reasons(self.stats.reasons, claimed)
         if reply.needed_rollouts_per_s is not None:
             self.stats.needed_rollouts_per_s = reply.needed_rollouts_per_s
         words = [

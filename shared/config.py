@@ -343,7 +343,8 @@ def _reference_table(
         return []
     doc = next(iter((section.__doc__ or "").strip().splitlines()), "") if section is not model else ""
     if array is not None:
-        count = len(_default(model, prefix.removesuffix(".")))
+        tables = _default(model, prefix.removesuffix("."))
+        count = 0 if tables is PydanticUndefined else len(tables)  # a required array has no default tables
         doc = f"{array.description or doc} ({'any number of tables' if not count else f'default: {count} tables'})"
     out = [f"### {heading}", ""] + ([doc, ""] if doc else [])
     out += ["| key | flag | default | description |", "| --- | --- | --- | --- |"]

@@ -54,10 +54,10 @@ class CpuWheelNoise(logging.Filter):
     cannot load and nothing of ours uses them (adamw8bit's optimizer is plain torch); with CUDA they are kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        torch = sys.modules.get("torch")  # imported before torchao logs anything: torchao imports it first
-        if torch is None or torch.cuda.is_available():
+        if not record.getMessage().startswith("Failed to load "):
             return True
-        return not record.getMessage().startswith("Failed to load ")
+        torch = sys.modules.get("torch")  # imported before torchao logs anything: torchao imports it first
+        return torch is None or torch.cuda.is_available()
 
 
 def quiet_cpu_wheel_noise() -> None:

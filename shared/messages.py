@@ -223,7 +223,9 @@ GROUP_REASON_TEXT: dict[GroupReason, str] = {
 MAX_REASONS = 32  # reasons one count may name: GroupReason's, and room for those a newer hub adds
 # A reason as it travels: one of GroupReason's values, or a newer hub's, shown as sent (the pattern makes it safe to).
 ReasonKey = Annotated[str, Field(pattern=r"^[a-z][a-z_]{0,31}$")]
-ReasonCounts = Annotated[dict[ReasonKey, Annotated[int, Field(ge=0, le=2**53)]], Field(max_length=MAX_REASONS)]
+REASON_COUNT_MAX = 2**53
+NEEDED_ROLLOUTS_PER_S_MAX = 1e9  # the pace a late verdict names, at most (a lease answered in no time asks for more)
+ReasonCounts = Annotated[dict[ReasonKey, Annotated[int, Field(ge=0, le=REASON_COUNT_MAX)]], Field(max_length=MAX_REASONS)]
 
 
 def reason_meaning(key: str) -> str:
@@ -235,8 +237,13 @@ def reason_meaning(key: str) -> str:
 
 
 def add_reasons(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
-    """Two counts by reason added up."""
-    return {key: a.get(key, 0) + b.get(key, 0) for key in {**a, **b}}
+    """Two counts by reason added up, still a ReasonCounts: each count capped, and a reason `a` does not name yet
+    kept only while fewer than MAX_REASONS are (replies each within the bounds must not add up past them)."""
+    total = {key: min(REASON_COUNT_MAX, n + b.get(key, 0)) for key, n in a.items()}
+    for key, n in b.items():
+        if key not in total and len(total) < MAX_REASONS:
+            total[key] = min(REASON_COUNT_MAX, n)
+    return total
 
 
 def reasons_text(counts: Mapping[str, int]) -> str:
@@ -463,7 +470,7 @@ class SubmitReply(Message):
     needed_rollouts_per_s: float | None = Field(
         None,
         ge=0.0,
-        le=1e9,
+        le=NEEDED_ROLLOUTS_PER_S_MAX,
         description="when groups were late: the pace at which this lease would have come back within the window, rollouts/s",
     )
     next_lease: LeaseReply | None = Field(None, description="the answer to the submission's next_lease_for, if it asked")
@@ -478,7 +485,7 @@ class StatusRequest(Message):
 class NodeStatus(Message):
     TYPE: ClassVar[int] = 14
     MAX_BYTES: ClassVar[int] = 16 * KIB
-    peer_id: str
+    peer_id: PeerIdText
     state: NodeState
     price_per_hour: float
     rollouts_per_s: float
@@ -487,13 +494,15 @@ class NodeStatus(Message):
     chunks_received: int = 0
     tallies: Tallies
     cost_usd: float = Field(description="paid to the node, not voided (from the ledger)")
-    backend: str = ""
-    hardware: str = ""
+    backend: Literal["hf", "vllm", ""] = ""
+    hardware: PrintableText = Field("", max_length=200)
     chain: int | None = Field(None, description="index of the forwarding chain it sits in")
     chain_position: int | None = None
     reachability: Reachability = Field("unknown", description="public, nated (dials out only) or unknown (not probed yet)")
-    link: str = Field("", description="how it gets snapshots: hub, direct (dials its upstream), pushed (dialed by it)")
-    name: str = Field("", max_length=32, description="display name the node chose, or its short peer id")
+    link: Literal["", "hub", "direct", "pushed", "holepunch"] = Field(
+        "", description="how it gets snapshots: hub, direct (dials its upstream), pushed (dialed by it), holepunch"
+    )
+    name: DisplayName | Literal[""] = Field("", description="display name the node chose, or its short peer id")
     audits_passed: int = Field(0, ge=0, description="audits of its work the hub re-ran and found honest")
     price_history: tuple[tuple[float, float], ...] = Field(
         (), max_length=16, description="its latest declared prices, (unix time, $/h), oldest first"
@@ -581,8 +590,8 @@ class Leader(Message):
 
     TYPE: ClassVar[int] = 42
     MAX_BYTES: ClassVar[int] = 2 * KIB
-    peer_id: str
-    name: str = Field(max_length=32, description="display name the node chose, or its short peer id")
+    peer_id: PeerIdText
+    name: DisplayName = Field(description="display name the node chose, or its short peer id")
     run: Contribution = Field(description="over the whole run")
     day: Contribution = Field(description="over the last 24 hours")
 

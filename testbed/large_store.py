@@ -155,7 +155,7 @@ def build_large_store(
     store = Store(Path(data_dir) / HUB_STORE_FILE)
     try:
         first = (store.training.latest_step() or 0) + 1
-        peers = [f"synthetic-node-{i:04d}" for i in range(nodes)]
+        peers = [f"Synthetic{i + 1:04d}".replace("0", "z") for i in range(nodes)]  # base58, as peer ids are
         for peer in peers:
             store.members.upsert_node(peer, 0.4, "synthetic", 1e9, "hf", state="gone")
         history = _History(store, peers, group_size, leases, f"L{first}-", lease_interval_s)

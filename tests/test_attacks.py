@@ -331,7 +331,7 @@ async def test_the_strangers_status_leaks_nothing_is_built_once_per_period_is_ra
         for i in range(2_300):
             hub.state.fleet.put(
                 NodeRecord(
-                    peer_id=f"gone{i}",
+                    peer_id=f"gone{i}".replace("0", "z"),  # base58, as peer ids are
                     price_per_hour=1.0,
                     link_bps=1e8,
                     backend="hf",
@@ -345,7 +345,7 @@ async def test_the_strangers_status_leaks_nothing_is_built_once_per_period_is_ra
         for i in range(1_200):
             hub.state.fleet.put(
                 NodeRecord(
-                    peer_id=f"live{i}",
+                    peer_id=f"Live{i}".replace("0", "z"),
                     price_per_hour=1.0,
                     link_bps=1e8,
                     backend="hf",

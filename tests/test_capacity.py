@@ -362,5 +362,7 @@ def test_the_pace_a_late_lease_needed_is_its_rollouts_over_the_time_the_hub_allo
     # Made with a version two past the minimum: 3 of the 4 versions' time were its to use.
     assert in_time_rollouts_per_s(32, 40.0, 4, 3) == pytest.approx(32 / 30)
     assert in_time_rollouts_per_s(32, 0.0, 4, 1) is None and in_time_rollouts_per_s(32, 40.0, 0, 1) is None
+    # Held for a nanosecond: capped where the reply's field is, so the reply is still sent.
+    assert in_time_rollouts_per_s(10**6, 1e-9, 4, 1) == 1e9
     with pytest.raises(ValueError):
         in_time_rollouts_per_s(32, 40.0, 4, 0)

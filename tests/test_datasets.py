@@ -70,7 +70,7 @@ def test_save_to_disk_directory_and_its_split(tmp_path: Path) -> None:
     assert len(load_task(str(tmp_path / "single"), COLUMNS).prompts()) == 3
 
 
-def test_a_split_named_in_the_spec_is_read_for_training_and_for_evaluation(tmp_path: Path) -> None:
+def test_a_split_named_in_the_spec_is_read_for_training_and_for_evaluation(tmp_path: Path, monkeypatch) -> None:
     """`DIR:SPLIT` (`conv_ds:test`) picks a DatasetDict's split wherever a task is named: --task and --eval-task."""
     datasets = pytest.importorskip("datasets", reason="the datasets package comes with the data extra")
     from hub.cli.preflight import checked_tasks
@@ -87,6 +87,13 @@ def test_a_split_named_in_the_spec_is_read_for_training_and_for_evaluation(tmp_p
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
     with pytest.raises(ValueError, match="single holds one Dataset .no splits.: it has no split 'test'; name the directory"):
         load_task(f"{tmp_path / 'single'}:test", options)
+    # A package directory before the ":" is a module:Class spec, not a dataset and its split.
+    package = tmp_path / "pkg_tasks"
+    package.mkdir()
+    (package / "__init__.py").write_text("from shared.tasks.reverse import ReverseTask as MyTask\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert type(load_task("pkg_tasks:MyTask", options)).__name__ == "ReverseTask"
     ds = tmp_path / "disjoint"
     datasets.DatasetDict(
         {"train": datasets.Dataset.from_list(ROWS[1:]), "test": datasets.Dataset.from_list(ROWS[:1])}

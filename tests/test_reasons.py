@@ -26,7 +26,7 @@ from node.web import view_metrics
 from node.worker import Worker
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, HUB_STATUS_FILE, NODE_LOG_FILE, NODE_STATUS_FILE
-from shared.messages import HubStatus, Lease, NodeView, SubmitReply, SubmittedGroup, reasons_text, short_id
+from shared.messages import MAX_REASONS, HubStatus, Lease, NodeView, SubmitReply, SubmittedGroup, reasons_text, short_id
 from shared.net import running_host
 from testbed.fault_scenarios import Client
 from testbed.harness import HUB_TOML, free_port, start_hub, start_test_node, wait_until
@@ -202,8 +202,14 @@ def test_a_real_hub_and_node_say_why_in_hub_log_status_metrics_and_the_nodes_sum
         assert code == 0 and "refused by reason" in out
         (refused_line,) = [line for line in out.splitlines() if re.match(r"refused \w{8}: ", line)]
         assert "late" in refused_line and "tokens 1" in refused_line
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            metrics = response.read().decode()
+
+        def metrics_page() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                return response.read().decode()
+
+        # The web process serves the view the hub fed it last: up to a status period behind status.json.
+        late = r'echo2_refused_groups_total\{reason="late"\} [1-9]'
+        metrics = wait_until(lambda: page if re.search(late, page := metrics_page()) else None, 10.0, "/metrics' late count")
         assert 'echo2_refused_groups_total{reason="tokens"} 1.0' in metrics
         assert re.search(r'echo2_refused_groups_total\{reason="late"\} [1-9]', metrics)
     finally:
@@ -279,6 +285,52 @@ async def test_a_hostile_hubs_words_reach_the_log_and_screen_cleaned_and_cut(cap
         reasons=worker.stats.reasons,
     )
     assert view.unpaid() == ["1 group rejected (newer_reason): a reason this echo2 does not know (the hub runs a newer one)"]
+
+
+@pytest.mark.trio
+async def test_a_hostile_hubs_reasons_cannot_add_up_past_the_nodes_view() -> None:
+    """Each reply within the frame's bounds (32 reasons, counts to 2**53), many of them: the node's counts stay a
+    valid view, and a reply counts no more groups than it refused."""
+    replies = iter([{f"r{chr(97 + i // 26)}{chr(97 + i % 26)}": 2**53 for i in range(j * 32, (j + 1) * 32)} for j in range(3)])
+
+    class Hostile:
+        peer_id = "node"
+
+        async def submit(self, submission, deadline=None):
+            return SubmitReply(accepted=0, rejected=(("p", "no"),), reasons=next(replies), needed_rollouts_per_s=None)
+
+    class Instant:
+        def generate(self, texts, n, sampling):
+            from shared.rollout import Completion
+
+            return [[Completion(token_ids=(5,), logprobs=(-0.5,), finish_reason="length", version=0, text="a")] * n]
+
+    from shared.messages import LeasePrompt
+    from shared.rollout import SamplingParams
+
+    worker = Worker(Hostile(), Instant(), trio.Lock(), can_work=lambda: True, version_held=lambda: 0, max_rollouts_per_s=None)
+    lease = Lease(
+        lease_id="l" * 24,
+        prompts=(LeasePrompt(prompt_id="p", text="abc"),),
+        group_size=1,
+        sampling=SamplingParams(max_new_tokens=1),
+        min_version=0,
+        deadline_s=60.0,
+    )
+    for _ in range(3):
+        await worker.work(lease)
+    assert len(worker.stats.reasons) == MAX_REASONS and set(worker.stats.reasons.values()) == {1}
+    NodeView(
+        peer_id="p",
+        hub_addr="/ip4/127.0.0.1/tcp/1",
+        connected=True,
+        state="active",
+        updated_at=0.0,
+        price_per_hour=0.0,
+        backend="hf",
+        version_held=0,
+        reasons=worker.stats.reasons,
+    )
 
 
 def test_the_node_says_why_it_waits_in_standby_and_counts_the_time() -> None:

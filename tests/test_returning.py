@@ -177,3 +177,6 @@ def test_the_run_card_names_the_runs_files_absolutely(tmp_path: Path, monkeypatc
         "shared.tasks.reverse:ReverseTask",
         "math",
     ]
+    # A package of the user's, here: made absolute it would not import.
+    (tmp_path / "mytasks").mkdir()
+    assert absolute_spec("mytasks:MyTask") == "mytasks:MyTask"

@@ -125,6 +125,15 @@ def test_trl_functions_log_metrics_and_columns_and_may_be_async(tmp_path: Path) 
         checked_scores(DatasetTask(path, DatasetOptions(reward=f"{TRL}:logs_badly")), first, ["a", "b"])
 
 
+def test_an_async_judge_keeps_its_client_across_groups(tmp_path: Path) -> None:
+    """A client the reward module made once stays usable for every group: the async rewards of a process share one
+    living loop, where a loop per call left the client bound to a closed one (every other call failed)."""
+    task = DatasetTask(jsonl(tmp_path / "rows.jsonl", ROWS), DatasetOptions(reward=f"{TRL}:pooled_judge"))
+    prompt = task.prompts()[0]
+    for _ in range(3):
+        assert checked_scores(task, prompt, ["aba", "ab"]).rewards == (1.0, 0.0)
+
+
 def test_reward_mistakes_name_the_function(tmp_path: Path) -> None:
     path = jsonl(tmp_path / "rows.jsonl", ROWS)
     with pytest.raises(ValueError, match="gives 1 weight for 2 reward functions"):

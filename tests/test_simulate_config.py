@@ -172,6 +172,7 @@ def test_a_fixed_s_past_auto_s_drift_share_by_more_than_5_points_is_not_the_comp
         "staleness": s,
         "cost_per_step": cost,
         "drift_over_bound": over,
+        "capacity_rule": "refined",
     }
     results = [
         row("auto", 1.0, 0.0),
@@ -180,7 +181,11 @@ def test_a_fixed_s_past_auto_s_drift_share_by_more_than_5_points_is_not_the_comp
         row(8, 0.8, 0.4),
         {**row("auto", 2.0, 0.0), "seed": 1},
     ]
-    first, second = simulate.staleness_comparison(results)
+    # The same run under the other capacity rule is compared apart: a fixed S of one rule never prices the other's auto.
+    paper = [{**r, "capacity_rule": "paper", "cost_per_step": 10 * r["cost_per_step"]} for r in results]
+    *others, first, second = simulate.staleness_comparison(results + paper)
+    assert [(c["capacity_rule"], c["seed"], c.get("best_fixed")) for c in others] == [("paper", 0, 8), ("paper", 1, None)]
+    assert others[0]["saving_vs_best_fixed"] == -0.25 and first["capacity_rule"] == "refined"
     assert [r["eligible"] for r in first["fixed_rows"]] == [True, True, False]  # S = 4 at auto's 0 + 5 points
     assert first["best_fixed_eligible"] == 4 and first["saving_vs_best_fixed_eligible"] == round(1 - 1 / 1.1, 4)
     assert first["auto_within_eligible"] is True

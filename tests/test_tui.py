@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from pydantic import ValidationError
 from textual.widgets import DataTable, HelpPanel, ProgressBar, Static
 
 from node.cli import main as node_cli
@@ -20,6 +21,7 @@ from shared.messages import (
     EvalPoint,
     EventRecord,
     HubStatus,
+    Leader,
     NodeStatus,
     NodeView,
     Reject,
@@ -671,3 +673,20 @@ def test_a_volunteers_name_shows_in_status_and_both_dashboards() -> None:
     assert [str(node_row(node)[0]) for node in named.nodes] == [alice, cut, short_id(third.peer_id)]
     assert "(alice)" in identity_text(node_view().model_copy(update={"name": "alice"})).plain
     assert "(" not in identity_text(node_view()).plain.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "field, value", [("name", "a\x1b[2Jb"), ("hardware", "gpu\x1b]0;owned\x07"), ("link", "\x1b[31m"), ("peer_id", "\x1b[2J" * 8)]
+)
+def test_a_remote_hubs_node_rows_carry_no_terminal_control_codes(field: str, value: str) -> None:
+    """`echo-hub status --hub ADDR` and the dashboard print a remote hub's node rows: a field that reaches the screen is
+    refused at the frame when it holds control codes, as the hub's own join refuses them (an honest hub's pass)."""
+    status = hub_status()
+    row = status.nodes[0].model_dump()
+    NodeStatus.model_validate(row)
+    with pytest.raises(ValidationError):
+        NodeStatus.model_validate({**row, field: value})
+    leader = {"peer_id": status.nodes[0].peer_id, "name": "ok", "run": {}, "day": {}}
+    Leader.model_validate(leader)
+    with pytest.raises(ValidationError):
+        Leader.model_validate({**leader, "name": "a\x1b[2Jb"})

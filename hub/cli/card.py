@@ -12,6 +12,7 @@ from hub.config import HubConfig
 from hub.training.metrics import policy_reward, read_evals, read_metrics
 from shared.config import config_toml
 from shared.layout import METRICS_FILE, MODEL_CARD_FILE, RUN_CONFIG_FILE
+from shared.tasks.dataset import is_saved_dataset
 
 
 def run_card(config: HubConfig, model_dir: Path, step: int) -> dict[str, str]:
@@ -42,14 +43,15 @@ def absolute_paths(config: HubConfig) -> HubConfig:
 
 
 def absolute_spec(spec: str) -> str:
-    """A task or reward spec with its file made absolute when that file exists here: FILE, math:FILE or
-    FILE.py:function; a builtin name or module:Class is kept as it is."""
+    """A task or reward spec with its file made absolute when that file exists here: FILE, math:FILE, FILE.py:function
+    or DIR:SPLIT; a builtin name or module:Class is kept as it is (a package directory made absolute would not
+    import)."""
     if spec and Path(spec).exists():  # Path('') is the working directory
         return str(Path(spec).resolve())
     head, sep, tail = spec.partition(":")
     if sep and tail and Path(tail).exists():  # math:FILE
         return f"{head}:{Path(tail).resolve()}"
-    if sep and head and Path(head).exists():  # FILE.py:function
+    if sep and head and (Path(head).is_file() or is_saved_dataset(Path(head))):  # FILE.py:function, DIR:SPLIT
         return f"{Path(head).resolve()}:{tail}"
     return spec
 

@@ -405,14 +405,14 @@ def _start(args: argparse.Namespace) -> int:
             from hub.cli.run import run_learner_rank
 
             return run_learner_rank(config, env)
+        if defaults is not None:  # before the checks: a refusal naming a default's value should find it explained
+            print(f"echo-hub: {defaults}", flush=True)
         started = prepare_start(config, fresh=args.fresh, anyway=args.resume_anyway)
     except (ConfigError, UserError) as exc:
         print(f"echo-hub: {exc}", file=sys.stderr)
         return 2
     if started is None:
         return 0
-    if defaults is not None:
-        print(f"echo-hub: {defaults}", flush=True)
     if config.local_nodes:
         from hub.cli.local_nodes import start_node_server
 

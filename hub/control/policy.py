@@ -8,7 +8,9 @@ periods, not one period per node). Activation is immediate (a starving learner c
 released only once it has been wanted for release RELEASE_HOLD_PERIODS control periods on end, on top of
 the release margin, so neither a noisy throughput nor a noisy T_train can make the loop release nodes and
 buy them back. While the usable share is saturated (CapacityView.hold: a reward that scores every completion
-alike) no node is activated, since more rollouts carry no more signal; releases go on.
+alike, or most groups discarded) no node is activated, since more rollouts carry no more signal. Releases still
+follow the target, but a target sized by a share under 0.2 is 5x R's or more, so in practice the fleet is held as
+it is until the share recovers.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def decide(
             return PeriodDecision(probes)
         return PeriodDecision(probes + tuple(Move(n.name, "active", f"activate all ({capacity.reason})") for n in fleet.standby))
     decision = control_decision(fleet.active, fleet.standby, capacity.mu_target, config.release_margin)
-    if holding and decision.action != "release":
+    if holding and decision.action == "activate":
         return PeriodDecision(probes)
     if decision.action == "release":
         released = _held_release(decision, release_wanted, now, RELEASE_HOLD_PERIODS * config.control_period_s)

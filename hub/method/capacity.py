@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.messages import NEEDED_ROLLOUTS_PER_S_MAX
+
 SECONDS_PER_HOUR = 3600.0
 DEFAULT_RELEASE_MARGIN = 0.2
 # Below this the measurement is more likely broken than the run: never plan for more than 20x R.
@@ -475,9 +477,10 @@ def in_time_rollouts_per_s(rollouts: int, held_s: float, versions_moved: int, ve
     oldest version the hub accepts moved `versions_moved` versions; the work could take `versions_allowed` of them
     (from the lease's minimum to one past the version it was made with). At the hub's pace that is
     rollouts / (held_s * allowed / moved) rollouts/s: what "this hub needs N rollouts/s per node" tells the node.
-    None when nothing moved or no time passed (nothing to say)."""
+    None when nothing moved or no time passed (nothing to say). At most NEEDED_ROLLOUTS_PER_S_MAX: the node's timing
+    sets held_s, and a lease answered in a blink must not make a reply that cannot be sent."""
     if rollouts < 0 or versions_allowed < 1:
         raise ValueError(f"need rollouts >= 0 and versions_allowed >= 1, got {rollouts}, {versions_allowed}")
     if held_s <= 0 or versions_moved <= 0:
         return None
-    return rollouts * versions_moved / (held_s * versions_allowed)
+    return min(NEEDED_ROLLOUTS_PER_S_MAX, rollouts * versions_moved / (held_s * versions_allowed))

@@ -14,7 +14,6 @@ This module imports nothing of the hub's state (the board is a type only), so th
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import subprocess
@@ -37,8 +36,6 @@ from shared.web import by_label, gauge, listening_sockets, serve, urls
 
 if TYPE_CHECKING:
     from hub.service.status import StatusBoard
-
-log = logging.getLogger("echo2.hub.web")
 
 # The web process runs at this much lower CPU priority (nice): under a flood the protocol's loop gets the cores first.
 WEB_NICENESS = 10
@@ -235,7 +232,11 @@ async def _feed(board: StatusBoard, pipe: trio.abc.SendStream) -> None:
     while True:
         body = await board.public_json()
         if body != sent:
-            await pipe.send_all(len(body).to_bytes(VIEW_LENGTH_BYTES, "big") + body)
+            try:
+                await pipe.send_all(len(body).to_bytes(VIEW_LENGTH_BYTES, "big") + body)
+            except trio.BrokenResourceError:
+                # The process died: serve_web says so with its exit code (process.wait), not with a broken pipe.
+                await trio.sleep_forever()
             sent = body
         await trio.sleep(STATUS_PERIOD_S)
 
@@ -245,13 +246,13 @@ async def _feed(board: StatusBoard, pipe: trio.abc.SendStream) -> None:
 
 async def _receive_exactly(pipe: trio.abc.ReceiveStream, size: int) -> bytes | None:
     """`size` bytes from the hub's pipe; None when the hub closed it."""
-    data = b""
-    while len(data) < size:
+    data = bytearray()
+    while len(data) < size:  # appended in place: a view of megabytes is not copied once per chunk
         chunk = await pipe.receive_some(size - len(data))
         if not chunk:
             return None
         data += chunk
-    return data
+    return bytes(data)
 
 
 async def _next_view(pipe: trio.abc.ReceiveStream) -> bytes | None:

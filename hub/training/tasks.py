@@ -132,29 +132,36 @@ def lossy_prompts(prompts: list[Prompt], seen: list[str]) -> str | None:
     )
 
 
-def overlong_prompts(prompts: list[Prompt], lengths: list[int], context: int, max_new_tokens: int) -> str | None:
-    """'N of M prompts leave no room for --max-new-tokens ...' naming the longest; None when every prompt fits."""
-    room = context - max_new_tokens
-    over = [i for i, n in enumerate(lengths) if n > room]
+def _longest_past(prompts: list[Prompt], lengths: list[int], limit: int) -> tuple[int, str] | None:
+    """How many prompts are longer than `limit` tokens, and 'ID with L tokens' of the longest; None when all fit."""
+    over = [i for i, n in enumerate(lengths) if n > limit]
     if not over:
         return None
     worst = max(over, key=lengths.__getitem__)
+    return len(over), f"{prompts[worst].id} with {lengths[worst]} tokens"
+
+
+def overlong_prompts(prompts: list[Prompt], lengths: list[int], context: int, max_new_tokens: int) -> str | None:
+    """'N of M prompts leave no room for --max-new-tokens ...' naming the longest; None when every prompt fits."""
+    room = context - max_new_tokens
+    if (past := _longest_past(prompts, lengths, room)) is None:
+        return None
+    count, longest = past
     return (
-        f"{len(over)} of {len(prompts)} prompts leave no room for --max-new-tokens {max_new_tokens} in the model's "
-        f"context of {context} tokens (at most {room} prompt tokens), e.g. {prompts[worst].id} with "
-        f"{lengths[worst]} tokens: shorten or drop them, or lower --max-new-tokens"
+        f"{count} of {len(prompts)} prompts leave no room for --max-new-tokens {max_new_tokens} in the model's "
+        f"context of {context} tokens (at most {room} prompt tokens), e.g. {longest}: shorten or drop them, or "
+        "lower --max-new-tokens"
     )
 
 
 def prompts_past(prompts: list[Prompt], lengths: list[int], limit: int) -> str | None:
     """'N of M prompts are longer than --max-prompt-length ...' naming the longest; None when every one fits."""
-    over = [i for i, n in enumerate(lengths) if n > limit]
-    if not over:
+    if (past := _longest_past(prompts, lengths, limit)) is None:
         return None
-    worst = max(over, key=lengths.__getitem__)
+    count, longest = past
     return (
-        f"{len(over)} of {len(prompts)} prompts are longer than --max-prompt-length {limit} tokens, e.g. "
-        f"{prompts[worst].id} with {lengths[worst]} tokens: shorten or drop them, or raise --max-prompt-length"
+        f"{count} of {len(prompts)} prompts are longer than --max-prompt-length {limit} tokens, e.g. {longest}: "
+        "shorten or drop them, or raise --max-prompt-length"
     )
 
 

@@ -130,16 +130,21 @@ def is_dataset_path(spec: str) -> bool:
     return Path(spec).exists()
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a save_to_disk directory: a DatasetDict's or one Dataset's."""
+    return (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()
+
+
 def split_of(spec: str) -> tuple[Path | None, str]:
     """(the save_to_disk directory, the split) a "DIR:SPLIT" spec names (`conv_ds:test`); (None, "") when the part
-    before its last ":" is no directory. ValueError when that directory holds one Dataset, which has no splits."""
+    before its last ":" is no save_to_disk directory (a package's `pkg:Class`, say). ValueError when that directory
+    holds one Dataset, which has no splits."""
     head, sep, split = spec.rpartition(":")
-    if not sep or not head or not split or "/" in split or not Path(head).is_dir():
+    if not sep or not head or not split or "/" in split or not is_saved_dataset(Path(head)):
         return None, ""
     path = Path(head)
     if not (path / "dataset_dict.json").exists():
-        what = "one Dataset (no splits)" if (path / "dataset_info.json").exists() else "no save_to_disk DatasetDict"
-        raise ValueError(f"{path} holds {what}: it has no split {split!r}; name the directory alone")
+        raise ValueError(f"{path} holds one Dataset (no splits): it has no split {split!r}; name the directory alone")
     return path, split
 
 

@@ -25,6 +25,8 @@ import functools
 import inspect
 import math
 import numbers
+import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -185,13 +187,35 @@ def is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
+# The process's event loop for async rewards, and the pid that made it (a forked child starts its own).
+_REWARD_LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None
+_REWARD_LOOP_LOCK = threading.Lock()
+
+
+def reward_loop() -> asyncio.AbstractEventLoop:
+    """One event loop per process, on a daemon thread, for every async reward (TRL's pattern): a client a reward module
+    made once (an AsyncOpenAI, an httpx.AsyncClient) stays bound to a loop that lives, which a loop per call closes."""
+    global _REWARD_LOOP
+    with _REWARD_LOOP_LOCK:
+        if _REWARD_LOOP is None or _REWARD_LOOP[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="echo2-reward-loop", daemon=True).start()
+            _REWARD_LOOP = (os.getpid(), loop)
+        return _REWARD_LOOP[1]
+
+
 def _trl_call(fn: Callable[..., Any]) -> RewardFn:
-    """A TRL function called once per group; an async one (an LLM judge, say) run to its end on an event loop of
-    its own, as TRL runs it on its daemon loop."""
+    """A TRL function called once per group; an async one (an LLM judge, say) run to its end on the process's reward
+    loop, as TRL runs it on its daemon loop. A check stopped while it waits (its CPU budget spent) cancels it."""
     if is_async(fn):
 
         def run(c: RewardCall) -> Sequence[Any]:
-            return asyncio.run(fn(**trl_arguments(c)))
+            future = asyncio.run_coroutine_threadsafe(fn(**trl_arguments(c)), reward_loop())
+            try:
+                return future.result()
+            except BaseException:
+                future.cancel()
+                raise
 
         return run
 

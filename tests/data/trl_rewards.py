@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 
@@ -39,3 +41,24 @@ def logs_badly(prompts, completions, log_extra, **kwargs):
     """log_extra with one value for the whole group, not one per completion."""
     log_extra("verdict", ["one"])
     return [0.0] * len(completions)
+
+
+class _Client:
+    """A judge's client made once at import, as an AsyncOpenAI or httpx.AsyncClient is: its replies come through the
+    loop it first ran on, so once that loop has closed every call fails ("Event loop is closed")."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def ask(self, text: str) -> bool:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        reply = self.loop.create_future()
+        self.loop.call_soon(reply.set_result, text == text[::-1])
+        return await reply
+
+
+_CLIENT = _Client()
+
+
+async def pooled_judge(completions, **kwargs):
+    return [1.0 if await _CLIENT.ask(c) else 0.0 for c in completions]
