@@ -103,9 +103,9 @@ from hub.method.capacity import (  # noqa: E402
 from hub.method.chains import link_kind, plan_chains  # noqa: E402
 from hub.method.drift import DriftMeter  # noqa: E402
 from hub.method.prices import ranking_price  # noqa: E402
-from hub.records.buffer import usable_from  # noqa: E402
+from hub.records.buffer import fresh_room, usable_from  # noqa: E402
 from hub.records.fleet import heartbeat_period  # noqa: E402
-from hub.records.measurements import grace_after_lowering, grace_staleness, oldest_useful_version  # noqa: E402
+from hub.records.measurements import grace_after_lowering, grace_staleness, oldest_useful_version, window_start  # noqa: E402
 from shared.config import reference_markdown  # noqa: E402
 from shared.units import BYTES_PER_MBIT  # noqa: E402
 
@@ -370,12 +370,15 @@ class Simulation:
             for v, rate in self.rate_by_version.items()
             if v >= cutoff and rate > 1e-12
         }
-        # The hub leases no more than max_inflight_steps steps of work ahead: nodes past it wait.
-        room = max(0.0, self.inflight_cap - sum(self.buffer.values()))
-        total = sum(made.values())
-        scale = min(1.0, room / total) if total > 0 else 0.0
-        for version, amount in made.items():
-            self.buffer[version] = self.buffer.get(version, 0.0) + amount * scale
+        # The hub leases no more than max_inflight_steps steps of work ahead, and none a take would find too stale
+        # (hub.service.leasing): nodes past either wait. Oldest version first, as a take goes.
+        queued = sum(self.buffer.values())
+        start = window_start(self.step, self.training, self.window())
+        for version in sorted(made):
+            room = min(self.inflight_cap - queued, fresh_room(version, start, self.R, queued))
+            amount = max(0.0, min(made[version], room))
+            self.buffer[version] = self.buffer.get(version, 0.0) + amount
+            queued += amount
         self.spent += (self.active_price + self.cfg.learner.price_per_hour) * dt / 3600.0
         period_s = heartbeat_period(self.online_count, self.sched.heartbeat_period_s, self.sched.heartbeats_per_s)
         self.integrated_heartbeats += self.online_count * dt / period_s

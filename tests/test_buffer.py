@@ -92,3 +92,13 @@ def test_the_cutoff_the_buffer_and_the_simulator_share():
     assert usable_from(10, 3) == 7
     assert usable_from(10, 0) == 10
     assert usable_from(2, 4) == -2  # early on, every version made so far
+
+
+def test_fresh_room_counts_the_takes_a_version_still_serves_by_hand():
+    from hub.records.buffer import fresh_room
+
+    # Next take from v5 (S = 3 at step 8), 4 prompts a step, 6 queued: v5 serves one take (4 - 6 = -2, none left),
+    # v7 three (12 - 6 = 6); early in a run the window starts below 0 and v0 serves S + 1 takes.
+    assert fresh_room(5, 5, 4, 6) == -2
+    assert fresh_room(7, 5, 4, 6) == 6
+    assert fresh_room(0, -3, 4, 0) == 16

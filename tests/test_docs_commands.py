@@ -176,12 +176,16 @@ def check(command: Command) -> str | None:
 # -- run: the command itself, in the page's directory, shortened --------------------------------------------------
 
 
-def _set_flag(argv: list[str], flag: str, value: str, *aliases: str) -> list[str]:
-    """`argv` with `flag` (or one of its aliases) set to `value`: replaced where given, appended where not."""
+def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """`argv` with `echo-hub start`'s `flag` (a START_FLAGS name, spelled as given or as TRL's alias) set to
+    `value`: replaced where given, appended where not."""
+    from hub.cli.main import _flags
+
+    spellings = _flags(flag)
     for i, word in enumerate(argv[:-1]):
-        if word in (flag, *aliases):
+        if word in spellings:
             return [*argv[: i + 1], value, *argv[i + 2 :]]
-    return [*argv, flag, value]
+    return [*argv, spellings[0], value]
 
 
 def shortened(argv: tuple[str, ...], chat_model: Path) -> list[str]:
@@ -189,13 +193,13 @@ def shortened(argv: tuple[str, ...], chat_model: Path) -> list[str]:
     the live display, the reader's model replaced by the test's; a dashboard rendered once to an SVG."""
     out = list(argv)
     if tuple(out[:2]) == START:
-        out = _set_flag(out, "--steps", str(RUN_STEPS), "--max-steps")
-        out = _set_flag(out, "--listen", "/ip4/127.0.0.1/tcp/0")
+        out = _set_flag(out, "steps", str(RUN_STEPS))
+        out = _set_flag(out, "listen", "/ip4/127.0.0.1/tcp/0")
         out.append("--no-progress")
         model = next((out[i + 1] for i, word in enumerate(out[:-1]) if word == "--model"), "")
         if model.startswith(READERS_MODELS):
-            out = _set_flag(out, "--model", str(chat_model))
-            out = _set_flag(out, "--max-new-tokens", RUN_MAX_NEW_TOKENS, "--max-completion-length")
+            out = _set_flag(out, "model", str(chat_model))
+            out = _set_flag(out, "max_new_tokens", RUN_MAX_NEW_TOKENS)
     if tuple(out[:2]) in DASHBOARDS:
         out += ["--screenshot", "dashboard.svg"]
     return out

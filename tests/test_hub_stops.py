@@ -337,3 +337,36 @@ def test_a_disk_that_fills_while_the_hub_starts_is_one_line_and_other_errors_sta
     monkeypatch.setattr(hub.cli.run, "run_hub", fails(errno.EIO))
     with pytest.raises(OSError, match="Input/output error"):
         main(argv)
+
+
+def test_a_stop_that_hangs_dumps_every_threads_stack_where_it_waits(tmp_path: Path) -> None:
+    """CI once killed a hub that had not stopped 30 s after its Ctrl-C, and nothing said what it waited for. Past
+    the Stopper's limit every thread's stack goes to stderr, from faulthandler's thread: here the main thread is
+    held in a blocking call after the cancel, as a thread the stop waits on would hold it."""
+    script = (
+        "import time, trio\n"
+        "from shared.signals import Stopper\n"
+        "def held_where_the_stop_waits():\n"
+        "    time.sleep(3)\n"
+        "async def main():\n"
+        "    stopper = Stopper(stacks_after_s=0.5)\n"
+        "    async with trio.open_nursery() as nursery:\n"
+        "        nursery.start_soon(stopper.run, nursery.cancel_scope)\n"
+        "        await trio.sleep(0.1)  # the stopper's receiver is in place\n"
+        "        print('ready', flush=True)\n"
+        "        await trio.sleep_forever()\n"
+        "    held_where_the_stop_waits()\n"
+        "trio.run(main)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert "Timeout (0:00:00.500000)!" in err and "held_where_the_stop_waits" in err, err

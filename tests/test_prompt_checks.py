@@ -166,4 +166,5 @@ def test_allow_lossy_prompts_warns_once_and_the_run_goes_on(tmp_path: Path) -> N
         assert output.count("lose characters to the tokenizer") == 1, output
         assert "warning" in output and "'What is 12 + 13? Answer:' -> 'hat is 12 + 13 nswer'" in output
     finally:
-        assert hub.stop() in (0, 130)
+        code = hub.stop()
+        assert code in (0, 130), hub.output()[-8000:]  # a hung stop dumps its threads' stacks there

@@ -56,7 +56,7 @@ def test_a_malformed_public_addr_is_one_line_naming_it():
 
 
 @pytest.mark.trio
-async def test_two_nated_nodes_hole_punch_and_after_a_failed_punch_a_dialable_node_goes_between():
+async def test_two_nated_nodes_hole_punch_once_the_upstream_was_told_and_after_a_failed_punch_a_dialable_node_goes_between():
     from types import SimpleNamespace
 
     from testbed.peers import hub_peer
@@ -72,8 +72,10 @@ async def test_two_nated_nodes_hole_punch_and_after_a_failed_punch_a_dialable_no
         records[c.peer_id].reachability = "public"
         hub.broadcaster.chains = [[a.peer_id, b.peer_id, c.peer_id]]
         links = hub.broadcaster.links
+        # Until a's heartbeat reply names b its downstream, a would refuse b's punch: b pulls from the hub.
+        assert [links(n.peer_id).kind for n in (a, b, c)] == ["hub", "hub", "pushed"]
+        assert hub.broadcaster.heartbeat_links(a.peer_id).downstream == b.peer_id
         assert [links(n.peer_id).kind for n in (a, b, c)] == ["hub", "holepunch", "pushed"]
-        assert links(a.peer_id).downstream == b.peer_id
         records[c.peer_id].answered_addr = f"{c.addr}/p2p/{c.peer_id}"
         assert links(b.peer_id).downstream_addrs == (records[c.peer_id].answered_addr,)  # only what answered
         hub.broadcaster.punch_failed(b.peer_id, c.peer_id)  # not its upstream: not believed

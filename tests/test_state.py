@@ -502,3 +502,24 @@ async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_r
     assert nodes_all_on() == pytest.approx(all_on)  # its share counted once, in the fleet again
     assert state.membership.departed_count == len(peers) - 1
     state.store.close()
+
+
+@pytest.mark.trio
+async def test_a_node_on_an_old_version_is_not_leased_work_that_queued_work_would_make_stale(tmp_path, default_model_dir):
+    """At step 4 under S = 2 the next take starts at v2 and each later one a version later. With one step's prompts
+    already leased, a node on v2 would reach the buffer behind them, past its last take: it waits for a snapshot,
+    told why, while a node on v4 is leased (hub.records.buffer.fresh_room)."""
+    shelf = SnapshotShelf(keep=3)
+    shelf.add(build_snapshot({"w": torch.zeros(4)}, 4, Identity.generate(), "0" * 64, tmp_path / "snapshots"))
+    state = open_state(tmp_path, default_model_dir, CONFIG, shelf, LearnerAt(CONFIG.learner.staleness, step=4))
+    a, b = Identity.generate().peer_id, Identity.generate().peer_id
+    for peer in (a, b):
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
+        await state.set_state(state.fleet.get(peer), "active", "test")
+    first = await state.leasing.grant(b, 4)
+    assert first.lease is not None and len(first.lease.prompts) == CONFIG.learner.prompts_per_step
+    refused = await state.leasing.grant(a, 2)
+    assert refused.lease is None and refused.reason == "work queued ahead outlasts v2: fetch a newer snapshot"
+    granted = await state.leasing.grant(a, 4)
+    assert granted.lease is not None and len(granted.lease.prompts) == 2
+    state.store.close()

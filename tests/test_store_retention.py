@@ -231,9 +231,7 @@ def test_the_store_file_stops_growing_once_payloads_are_retained(tmp_path):
 async def test_the_hub_keeps_payloads_of_versions_still_on_its_shelf(tmp_path):
     path = history(tmp_path)
     shelf = [OLDEST_ON_SHELF - 1, OLDEST_ON_SHELF, OLDEST_ON_SHELF + 1]  # older than the window's oldest
-    state = HubState(
-        Store(path), CONFIG, ReverseTask(), oldest_useful_version=lambda: OLDEST_ON_SHELF + 1, shelved_versions=lambda: shelf
-    )
+    state = HubState(Store(path), CONFIG, ReverseTask(), window_start=lambda: OLDEST_ON_SHELF + 1, shelved_versions=lambda: shelf)
     kept = await state.retain(time.time())
     assert kept.payloads > 0 and kept.leases > 0
     rows = state.store.groups.trajectories()

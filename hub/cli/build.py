@@ -83,10 +83,10 @@ def submission_checks(config: HubConfig, model_dir: Path, task: Task) -> Submiss
 
 
 def build_hub_state(
-    config: HubConfig, model_dir: Path, shelf: SnapshotShelf, oldest_useful_version: Callable[[], int] | None = None
+    config: HubConfig, model_dir: Path, shelf: SnapshotShelf, window_start: Callable[[], int] | None = None
 ) -> HubCore:
     """The HubState over config.data_dir's store, serving `shelf`, with its rules, audits and run identity.
-    `oldest_useful_version`: a stand-in for the learner's window, for a hub with no learner of its own (the test
+    `window_start`: a stand-in for the learner's window (hub.records.measurements.window_start), for a hub with no learner of its own (the test
     bed's); None: the window the hub's learner keeps in the state's measurements."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -107,7 +107,7 @@ def build_hub_state(
         model_config_hash=model_config_hash(model_config.to_dict()),
         model_label=label,
         audits=AuditQueue(auditor, config.trust.audit_queue_groups),
-        oldest_useful_version=oldest_useful_version,
+        window_start=window_start,
         newest_version=shelf.newest_version,
         shelved_versions=shelf.versions,
         run={**run_identity(config, model_dir), "model": str(model_dir)},

@@ -170,6 +170,9 @@ class Broadcaster:
         self._demoted_for: dict[str, int] = {}
         # node -> the upstreams it had that said they leave since (_remember_left_relays).
         self._left_upstream: dict[str, set[str]] = {}
+        # node -> the downstream its last heartbeat reply named: a hole punch is planned only once its upstream
+        # was told (a punch the upstream does not expect is refused, and a failed punch separates the pair).
+        self._told_downstream: dict[str, str | None] = {}
         # Broadcasts not yet on every receiver, oldest first. Several at once: a learner that publishes
         # faster than the chain's tail installs must still get each version timed.
         self.pending: list[Broadcast] = []
@@ -271,6 +274,8 @@ class Broadcaster:
         for peer in set(self._progress) - set(members):
             self._progress.pop(peer, None)
             self._demoted_for.pop(peer, None)
+        for peer in set(self._told_downstream) - set(members):
+            del self._told_downstream[peer]
         self._probe_queue.retain(members)
 
     @staticmethod
@@ -293,11 +298,16 @@ class Broadcaster:
         record = self.fleet.get(peer)
         return record.reachability if record else "unknown"
 
-    def _kind(self, upstream: str | None, peer: str) -> str:
-        """hub.method.chains.link_kind, and a pull from the hub after a hole punch between the two failed."""
+    def _kind(self, upstream: str | None, peer: str, told: bool = True) -> str:
+        """hub.method.chains.link_kind, and a pull from the hub after a hole punch between the two failed or, with
+        `told`, while the upstream has not yet been told (by a heartbeat reply) that `peer` is its downstream."""
         kind = link_kind(self._reach(upstream) if upstream else None, self._reach(peer))
+        if kind != "holepunch":
+            return kind
         record = self.fleet.get(peer)
-        if kind == "holepunch" and record is not None and record.punch_failed_with == upstream:
+        if record is not None and record.punch_failed_with == upstream:
+            return "hub"
+        if told and upstream is not None and self._told_downstream.get(upstream) != peer:
             return "hub"
         return kind
 
@@ -326,6 +336,12 @@ class Broadcaster:
         self.reports.punch_failed(record, upstream)
         self.replan()
 
+    def heartbeat_links(self, peer: str) -> ChainLinks:
+        """`links(peer)` for its heartbeat reply, remembering the downstream the reply names."""
+        links = self.links(peer)
+        self._told_downstream[peer] = links.downstream
+        return links
+
     def links(self, peer: str) -> ChainLinks:
         for index, chain in enumerate(self.chains):
             if peer in chain:
@@ -338,7 +354,8 @@ class Broadcaster:
                 addrs = self._dial_addrs(record) if record and kind == "direct" else ()
                 downstream = chain[position + 1] if position + 1 < len(chain) else None
                 down = self.fleet.get(downstream) if downstream else None
-                down_kind = self._kind(peer, downstream) if downstream else None
+                # Planned, told or not: the upstream must hear of its downstream before the downstream punches.
+                down_kind = self._kind(peer, downstream, told=False) if downstream else None
                 pushed = down is not None and down_kind == "pushed"
                 if down is not None and down_kind == "hub":
                     downstream = None  # it pulls from the hub, not from us

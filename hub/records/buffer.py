@@ -43,6 +43,15 @@ def usable_from(step: int, staleness: int) -> int:
     return step - staleness
 
 
+def fresh_room(held: int, window_start: int, prompts_per_step: float, queued: float) -> float:
+    """Prompts a node holding version `held` may be leased and still see trained: takes go oldest version first,
+    the next one uses versions >= `window_start` (hub.records.measurements.window_start, not clamped at 0) and each
+    later one a version more, so groups of `held` serve the next held - window_start + 1 takes, whose prompts the
+    `queued` ones (buffered, on their way in, leased) fill first. Every queued prompt counts as ahead, a newer
+    version's too (it goes after): this errs toward leasing less."""
+    return (held - window_start + 1) * prompts_per_step - queued
+
+
 class ReplayBuffer:
     """Complete groups, each tagged with its policy version and store row id, oldest first."""
 

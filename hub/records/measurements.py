@@ -21,11 +21,17 @@ T_TRAIN_STEPS = 10
 USABLE_WINDOW_GROUPS = 512
 
 
-def oldest_useful_version(step: int, training: bool, window_staleness: int) -> int:
-    """The oldest version whose fresh rollouts the learner's next take can still use: that take trains version
-    `step` + 1 while a step is under way (else `step`), and uses groups up to `window_staleness` versions older."""
+def window_start(step: int, training: bool, window_staleness: int) -> int:
+    """The oldest version the learner's next take uses, below 0 early in a run: that take trains version `step` + 1
+    while a step is under way (else `step`), and uses groups up to `window_staleness` versions older; each later
+    take starts a version later (what hub.records.buffer.fresh_room counts takes from)."""
     next_take_version = step + 1 if training else step
-    return max(0, next_take_version - window_staleness)
+    return next_take_version - window_staleness
+
+
+def oldest_useful_version(step: int, training: bool, window_staleness: int) -> int:
+    """The oldest version whose fresh rollouts the learner's next take can still use (`window_start`, from 0)."""
+    return max(0, window_start(step, training, window_staleness))
 
 
 def grace_staleness(staleness: int, grace: tuple[int, int], step: int) -> int:
@@ -60,8 +66,8 @@ class LearnerWindow:
     window_staleness: int = 1  # the S the window uses: the S in force, or a larger one it replaced, for its grace
     kappa: int = 1
 
-    def min_useful_version(self) -> int:
-        return oldest_useful_version(self.step, self.training, self.window_staleness)
+    def window_start(self) -> int:
+        return window_start(self.step, self.training, self.window_staleness)
 
     @classmethod
     def at_start(cls, store: Store, staleness: int, kappa: int, staleness_max: int | None) -> LearnerWindow:

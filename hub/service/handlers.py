@@ -674,7 +674,7 @@ def build_hub_service(
         uplink,
         terms,
         status,
-        chain_links=broadcaster.links if broadcaster else no_chains,
+        chain_links=broadcaster.heartbeat_links if broadcaster else no_chains,
         on_heartbeat=broadcaster.check_done if broadcaster else lambda: None,
         on_report=broadcaster.on_report if broadcaster else refuse_reports,
         punch_failed=broadcaster.punch_failed if broadcaster else lambda peer, upstream: None,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import trio
 
 from hub.config import HubConfig
+from hub.records.buffer import fresh_room
 from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.records.schema import NewEvent
 from hub.records.store import Store
@@ -62,12 +63,13 @@ class Leasing:
         task: Task,
         membership: Membership,
         room: BufferRoom,
-        oldest_useful_version: Callable[[], int],
+        window_start: Callable[[], int],
         newest_version: Callable[[], int],
         clock: Callable[[], float],
     ) -> None:
         """`room`: the buffer room the intake reserves, counted here against the in-flight cap (read only).
-        `oldest_useful_version`: the learner's window (hub/records/measurements.py); `newest_version`: the shelf's."""
+        `window_start`: the learner's window, unclamped (hub.records.measurements.window_start); `newest_version`: the
+        shelf's."""
         self.store = store
         self.membership = membership
         membership.on_departure.append(self.release_node)
@@ -75,7 +77,7 @@ class Leasing:
         self.config = config.lease
         self.prompts_per_step = config.learner.prompts_per_step
         self.room = room
-        self.oldest_useful_version = oldest_useful_version
+        self.window_start = window_start
         self.newest_version = newest_version
         self.clock = clock
         self.book = LeaseBook(task, seed=config.learner.seed)
@@ -87,7 +89,7 @@ class Leasing:
 
     def min_useful_version(self) -> int:
         """The oldest version whose fresh rollouts the learner's next take can still use: a lease's floor."""
-        return self.oldest_useful_version()
+        return max(0, self.window_start())
 
     def window(self) -> VersionWindow:
         """The versions a submission's groups may be made with now."""
@@ -134,12 +136,18 @@ class Leasing:
             return LeaseGrant(None, quota.reason, NO_WORK_RETRY_S)
         k = PROBE_PROMPTS if probe else quota.prompts
         if not probe:  # a probe (one prompt, one per node) must not starve behind the cap
-            room = int(self.config.max_inflight_steps * self.prompts_per_step) - (
-                self.room.in_use() + self.book.outstanding_prompts()
-            )
+            queued = self.room.in_use() + self.book.outstanding_prompts()
+            room = int(self.config.max_inflight_steps * self.prompts_per_step) - queued
+            # Work that would reach the buffer behind more than its version's takes can use is dropped as
+            # stale: a node on an old version waits for the new one instead.
+            fresh = int(fresh_room(version_held, self.window_start(), self.prompts_per_step, queued))
             # A lease shrinks to the room left rather than waiting for room it may never get.
-            k = min(k, room)
+            k = min(k, room, fresh)
             if k < 1:
+                if fresh < room:
+                    return LeaseGrant(
+                        None, f"work queued ahead outlasts v{version_held}: fetch a newer snapshot", NO_WORK_RETRY_S
+                    )
                 return LeaseGrant(None, "enough work in flight", NO_WORK_RETRY_S)
         # Open in the book before the commit, so concurrent requests see it against their quota and the
         # in-flight cap; withdrawn if the commit fails. Its id reaches the node only after the commit.

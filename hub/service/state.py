@@ -81,7 +81,7 @@ class HubState:
         model_config_hash: str = "",
         model_label: str = "",
         audits: AuditQueue | None = None,
-        oldest_useful_version: Callable[[], int] | None = None,  # None: the learner's window in `measurements`
+        window_start: Callable[[], int] | None = None,  # None: the learner's window in `measurements`
         newest_version: Callable[[], int] = lambda: -1,
         shelved_versions: Callable[[], list[int]] = list,  # the versions on the snapshot shelf (retention)
         clock: Callable[[], float] = time.time,
@@ -114,7 +114,7 @@ class HubState:
             task,
             self.membership,
             room,
-            oldest_useful_version or self.measurements.learner.min_useful_version,
+            window_start or self.measurements.learner.window_start,
             newest_version,
             clock,
         )

@@ -35,7 +35,14 @@ from hub.method.capacity import default_kappa
 from hub.method.drift import DriftMeter
 from hub.method.schedule import step_lr
 from hub.records.buffer import BufferSignal, ReplayBuffer
-from hub.records.measurements import Measurements, grace_after_lowering, grace_staleness, oldest_useful_version, resumed_staleness
+from hub.records.measurements import (
+    Measurements,
+    grace_after_lowering,
+    grace_staleness,
+    oldest_useful_version,
+    resumed_staleness,
+    window_start,
+)
 from hub.records.schema import StepRecord
 from hub.records.shelf_table import ShelfTable
 from hub.records.training_table import TrainingTable
@@ -232,8 +239,12 @@ class LearnerComponent:
         return self.step
 
     def min_useful_version(self) -> int:
-        """Oldest version whose fresh rollouts the next take can still use (for leases and local rollouts)."""
+        """Oldest version whose fresh rollouts the next take can still use (for local rollouts)."""
         return oldest_useful_version(self.step, self.training, self.window_staleness())
+
+    def window_start(self) -> int:
+        """The next take's window start, unclamped (hub.records.measurements.window_start: for leases)."""
+        return window_start(self.step, self.training, self.window_staleness())
 
     def _resume_staleness(self) -> None:
         """--staleness auto: go on at the S (kappa following) the newest committed step trained under, within
