@@ -105,7 +105,7 @@ from hub.method.drift import DriftMeter  # noqa: E402
 from hub.method.prices import ranking_price  # noqa: E402
 from hub.records.buffer import fresh_room, usable_from  # noqa: E402
 from hub.records.fleet import heartbeat_period  # noqa: E402
-from hub.records.measurements import grace_after_lowering, grace_staleness, oldest_useful_version, window_start  # noqa: E402
+from hub.records.measurements import grace_after_lowering, grace_staleness, next_take, oldest_useful_version, takes_served  # noqa: E402
 from shared.config import reference_markdown  # noqa: E402
 from shared.units import BYTES_PER_MBIT  # noqa: E402
 
@@ -373,9 +373,10 @@ class Simulation:
         # The hub leases no more than max_inflight_steps steps of work ahead, and none a take would find too stale
         # (hub.service.leasing): nodes past either wait. Oldest version first, as a take goes.
         queued = sum(self.buffer.values())
-        start = window_start(self.step, self.training, self.window())
+        first = next_take(self.step, self.training)
         for version in sorted(made):
-            room = min(self.inflight_cap - queued, fresh_room(version, start, self.R, queued))
+            takes = takes_served(version, first, self.S, self.grace)
+            room = min(self.inflight_cap - queued, fresh_room(takes, self.R, queued))
             amount = max(0.0, min(made[version], room))
             self.buffer[version] = self.buffer.get(version, 0.0) + amount
             queued += amount

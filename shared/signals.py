@@ -4,9 +4,7 @@ runs (checks, imports, the model build), know that Ctrl-C came even when a libra
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import signal
-import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -16,25 +14,19 @@ from typing import Any
 import trio
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# A stop still under way after this long dumps every thread's stack to stderr (the process's output file).
-STOP_STACKS_AFTER_S = 20.0
 
 
 class Stopper:
-    """Cancels `scope` on the first SIGINT/SIGTERM; `signal_name` says which one arrived (None: none). A stop that
-    hangs says where: past `stacks_after_s`, every thread's stack goes to stderr, written by faulthandler's own
-    thread, so a blocked event loop cannot hold it back."""
+    """Cancels `scope` on the first SIGINT/SIGTERM; `signal_name` says which one arrived (None: none)."""
 
-    def __init__(self, stacks_after_s: float = STOP_STACKS_AFTER_S) -> None:
+    def __init__(self) -> None:
         self.signal_name: str | None = None
-        self.stacks_after_s = stacks_after_s
 
     async def run(self, scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
             async for signum in signals:
                 self.signal_name = signal.Signals(signum).name
                 scope.cancel()
-                faulthandler.dump_traceback_later(self.stacks_after_s, file=sys.stderr)
                 return
 
 

@@ -37,7 +37,8 @@ def main() -> None:
     model_dir = ensure_default_model(progress=False)
     # Built as `echo-hub start` builds it (the default task: reverse); its shelf stays empty, as no service runs.
     config = HubConfig(learner=CONFIG, sampling=SAMPLING, data_dir=data_dir)
-    core = build_hub_state(config, model_dir, SnapshotShelf(keep=CONFIG.staleness + 1), lambda: learner.window_start())
+    # The learner below keeps the window leases read in the state's measurements, as `echo-hub start`'s does.
+    core = build_hub_state(config, model_dir, SnapshotShelf(keep=CONFIG.staleness + 1))
     state = core.state
     send, receive = trio.open_memory_channel(64)
     learner = LearnerComponent(

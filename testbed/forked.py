@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import importlib
 import multiprocessing
 import multiprocessing.util  # registers its exit function before ours below, so ours runs first
@@ -96,6 +97,8 @@ def _main(module: str, argv: list[str], out_path: str, env: dict[str, str], netn
     if netns is not None:
         _enter_netns(netns)
     capture_output(Path(out_path))
+    # A process the harness finds hung gets SIGABRT before SIGKILL: every thread's stack lands in its output.
+    faulthandler.enable(file=sys.stderr)
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module, *argv]

@@ -23,10 +23,12 @@ from testbed import forked
 
 ADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)\s*$", re.M)
 START_TIMEOUT_S = 120.0
+ABORT_WAIT_S = 5.0  # for a hung process's stack dump, before SIGKILL
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a process started from the command line dumps its stacks on SIGABRT too (wait_or_kill).
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 @dataclass
@@ -43,12 +45,17 @@ class Proc:
         return self.wait_or_kill(timeout_s)
 
     def wait_or_kill(self, timeout_s: float) -> int:
-        """Its exit status, once it exits or, after timeout_s, is killed."""
+        """Its exit status, once it exits or, after timeout_s, is killed: first by SIGABRT, on which faulthandler
+        writes every thread's stack to its output (where a hung stop waited), then by SIGKILL."""
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self.process.send_signal(signal.SIGABRT)
+            try:
+                self.process.wait(timeout=ABORT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
         return self.process.returncode
 
     def kill(self) -> None:

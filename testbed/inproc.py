@@ -59,6 +59,7 @@ class LearnerAt:
 
     min_useful_version = LearnerComponent.min_useful_version
     window_start = LearnerComponent.window_start
+    takes_served = LearnerComponent.takes_served
     window_staleness = LearnerComponent.window_staleness
 
     def __init__(self, staleness: int, step: int = 0) -> None:
@@ -70,7 +71,7 @@ class LearnerAt:
 
 def open_core(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, learner: LearnerAt) -> HubCore:
     """The hub's state over DATA_DIR's store, built as `echo-hub start` builds it, its learner `learner`."""
-    return build_hub_state(config.model_copy(update={"data_dir": Path(data_dir)}), Path(model_dir), shelf, learner.window_start)
+    return build_hub_state(config.model_copy(update={"data_dir": Path(data_dir)}), Path(model_dir), shelf, learner)
 
 
 def open_state(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, learner: LearnerAt) -> HubState:

@@ -97,8 +97,8 @@ def test_the_cutoff_the_buffer_and_the_simulator_share():
 def test_fresh_room_counts_the_takes_a_version_still_serves_by_hand():
     from hub.records.buffer import fresh_room
 
-    # Next take from v5 (S = 3 at step 8), 4 prompts a step, 6 queued: v5 serves one take (4 - 6 = -2, none left),
-    # v7 three (12 - 6 = 6); early in a run the window starts below 0 and v0 serves S + 1 takes.
-    assert fresh_room(5, 5, 4, 6) == -2
-    assert fresh_room(7, 5, 4, 6) == 6
-    assert fresh_room(0, -3, 4, 0) == 16
+    # 4 prompts a step, 6 queued: a version that serves one more take has no room left (4 - 6 = -2), one that serves
+    # three has 12 - 6 = 6 (how many a version serves: hub.records.measurements.takes_served).
+    assert fresh_room(1, 4, 6) == -2
+    assert fresh_room(3, 4, 6) == 6
+    assert fresh_room(0, 4, 0) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hub.config import HubConfig, LearnerConfig
+from hub.records.buffer import usable_from
 from hub.records.measurements import (
     LearnerWindow,
     grace_after_lowering,
@@ -13,6 +14,7 @@ from hub.records.measurements import (
     oldest_useful_version,
     read_step_figures,
     resumed_staleness,
+    takes_served,
 )
 from hub.records.schema import StepRecord
 from hub.records.store import Store
@@ -35,14 +37,31 @@ def test_the_version_floor_by_hand():
 
 
 def test_a_lowered_s_keeps_its_window_for_its_grace_by_hand():
-    """S 4 lowered to 2 at version 10: the window stays 4 until step 14 (10 + the old S), then is 2."""
+    """S 4 lowered to 2 at version 10: the window stays 4 through the take at step 14 (10 + the old S, the last
+    that uses v10 under it), then is 2."""
     grace = grace_after_lowering((4, 0), 4, 10, 4)
     assert grace == (4, 14)
-    assert [grace_staleness(2, grace, step) for step in (10, 13, 14, 20)] == [4, 4, 2, 2]
+    assert [grace_staleness(2, grace, step) for step in (10, 13, 14, 15, 20)] == [4, 4, 4, 2, 2]
     # Lowered again (to 1) at 12, while the first grace still holds: the window is still 4, now until 14 at least.
     again = grace_after_lowering(grace, grace_staleness(2, grace, 12), 12, 2)
     assert again == (4, 14)
-    assert [grace_staleness(1, again, step) for step in (13, 14)] == [4, 1]
+    assert [grace_staleness(1, again, step) for step in (14, 15)] == [4, 1]
+
+
+def test_the_takes_a_version_still_serves_by_hand():
+    """The take at step c uses versions >= c - grace_staleness(S, grace, c)."""
+    assert takes_served(7, 5, 3, (3, 0)) == 6  # takes 5..10 (7 + 3)
+    assert takes_served(4, 5, 0, (0, 0)) == 0  # S = 0: v4 is no use to the take at 5
+    # S lowered 4 -> 1 at v10: the grace holds through take 14. A node on v13 at the take of 14 serves that one
+    # (then S = 1 from take 15: 15 - 13 > 1); on v12 from take 12, takes 12-14; with no grace, 12-13.
+    grace = grace_after_lowering((4, 0), 4, 10, 4)
+    assert takes_served(13, 14, 1, grace) == 1
+    assert takes_served(12, 12, 1, grace) == 3 and takes_served(12, 12, 1, (1, 0)) == 2
+    # Every take the count names uses the version, and the next one does not (the buffer's own rule).
+    for held, first in ((13, 14), (12, 12), (11, 11)):
+        n = takes_served(held, first, 1, grace)
+        assert all(held >= usable_from(c, grace_staleness(1, grace, c)) for c in range(first, first + n))
+        assert held < usable_from(first + n, grace_staleness(1, grace, first + n))
     # No lowering in force: the S in force.
     assert grace_staleness(3, (3, 0), 5) == 3
 

@@ -20,6 +20,7 @@ from hub.records.store import Store
 from hub.service.state import HubState
 from shared.layout import HUB_STORE_FILE
 from shared.tasks.reverse import ReverseTask
+from testbed.inproc import LearnerAt
 from testbed.large_store import build_large_store
 
 CONFIG = HubConfig(learner=LearnerConfig(staleness=2, prompts_per_step=2, group_size=2))
@@ -231,7 +232,13 @@ def test_the_store_file_stops_growing_once_payloads_are_retained(tmp_path):
 async def test_the_hub_keeps_payloads_of_versions_still_on_its_shelf(tmp_path):
     path = history(tmp_path)
     shelf = [OLDEST_ON_SHELF - 1, OLDEST_ON_SHELF, OLDEST_ON_SHELF + 1]  # older than the window's oldest
-    state = HubState(Store(path), CONFIG, ReverseTask(), window_start=lambda: OLDEST_ON_SHELF + 1, shelved_versions=lambda: shelf)
+    state = HubState(
+        Store(path),
+        CONFIG,
+        ReverseTask(),
+        learner=LearnerAt(CONFIG.learner.staleness, step=OLDEST_ON_SHELF + 1 + CONFIG.learner.staleness),
+        shelved_versions=lambda: shelf,
+    )
     kept = await state.retain(time.time())
     assert kept.payloads > 0 and kept.leases > 0
     rows = state.store.groups.trajectories()

@@ -6,7 +6,6 @@ their hubs here, so a test's hub checks submissions as a real one does."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +14,7 @@ from hub.cli.preflight import run_identity
 from hub.config import HubConfig
 from hub.records.snapshots import SnapshotShelf
 from hub.records.store import Store
+from hub.service.leasing import LearnerVersions
 from hub.service.state import HubState
 from hub.training.tasks import context_tokens, hub_tasks, load_hub_task
 from hub.trust.audit import Auditor, AuditQueue
@@ -82,11 +82,9 @@ def submission_checks(config: HubConfig, model_dir: Path, task: Task) -> Submiss
     return CheckPool(factory, procs, config.trust.check_timeout_s)
 
 
-def build_hub_state(
-    config: HubConfig, model_dir: Path, shelf: SnapshotShelf, window_start: Callable[[], int] | None = None
-) -> HubCore:
+def build_hub_state(config: HubConfig, model_dir: Path, shelf: SnapshotShelf, learner: LearnerVersions | None = None) -> HubCore:
     """The HubState over config.data_dir's store, serving `shelf`, with its rules, audits and run identity.
-    `window_start`: a stand-in for the learner's window (hub.records.measurements.window_start), for a hub with no learner of its own (the test
+    `learner`: a stand-in for the learner's window (hub.records.measurements.LearnerWindow), for a hub with no learner of its own (the test
     bed's); None: the window the hub's learner keeps in the state's measurements."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -107,7 +105,7 @@ def build_hub_state(
         model_config_hash=model_config_hash(model_config.to_dict()),
         model_label=label,
         audits=AuditQueue(auditor, config.trust.audit_queue_groups),
-        window_start=window_start,
+        learner=learner,
         newest_version=shelf.newest_version,
         shelved_versions=shelf.versions,
         run={**run_identity(config, model_dir), "model": str(model_dir)},

@@ -43,13 +43,12 @@ def usable_from(step: int, staleness: int) -> int:
     return step - staleness
 
 
-def fresh_room(held: int, window_start: int, prompts_per_step: float, queued: float) -> float:
-    """Prompts a node holding version `held` may be leased and still see trained: takes go oldest version first,
-    the next one uses versions >= `window_start` (hub.records.measurements.window_start, not clamped at 0) and each
-    later one a version more, so groups of `held` serve the next held - window_start + 1 takes, whose prompts the
-    `queued` ones (buffered, on their way in, leased) fill first. Every queued prompt counts as ahead, a newer
-    version's too (it goes after): this errs toward leasing less."""
-    return (held - window_start + 1) * prompts_per_step - queued
+def fresh_room(takes: int, prompts_per_step: float, queued: float) -> float:
+    """Prompts a node may be leased and still see trained, its version used by the next `takes` takes
+    (hub.records.measurements.takes_served): takes go oldest version first, so the `queued` prompts (buffered, on
+    their way in, leased) fill those takes first. Every queued prompt counts as ahead, a newer version's too (it
+    goes after): this errs toward leasing less."""
+    return takes * prompts_per_step - queued
 
 
 class ReplayBuffer:

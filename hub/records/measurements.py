@@ -21,12 +21,23 @@ T_TRAIN_STEPS = 10
 USABLE_WINDOW_GROUPS = 512
 
 
+def next_take(step: int, training: bool) -> int:
+    """The step of the learner's next take (`ReplayBuffer.take`'s `step`): `step` + 1 while a step is under way."""
+    return step + 1 if training else step
+
+
 def window_start(step: int, training: bool, window_staleness: int) -> int:
-    """The oldest version the learner's next take uses, below 0 early in a run: that take trains version `step` + 1
-    while a step is under way (else `step`), and uses groups up to `window_staleness` versions older; each later
-    take starts a version later (what hub.records.buffer.fresh_room counts takes from)."""
-    next_take_version = step + 1 if training else step
-    return next_take_version - window_staleness
+    """The oldest version the learner's next take uses, below 0 early in a run: groups up to `window_staleness`
+    versions older than the take's step."""
+    return next_take(step, training) - window_staleness
+
+
+def takes_served(held: int, first_take: int, staleness: int, grace: tuple[int, int]) -> int:
+    """How many takes from `first_take` on still use version `held`: the take at step c uses versions >= c -
+    grace_staleness(S, grace, c), so the last one is at held + S, or later while a lowered S's grace lasts."""
+    old, until = grace
+    last = max(held + staleness, min(until, held + max(staleness, old)))
+    return max(0, last - first_take + 1)
 
 
 def oldest_useful_version(step: int, training: bool, window_staleness: int) -> int:
@@ -36,9 +47,9 @@ def oldest_useful_version(step: int, training: bool, window_staleness: int) -> i
 
 def grace_staleness(staleness: int, grace: tuple[int, int], step: int) -> int:
     """The S the buffer and the leases' window use at `step`: the S in force, or a larger one it replaced while its
-    grace lasts (`grace` = (S before a lowering, the step until which it still holds))."""
+    grace lasts (`grace` = (S before a lowering, the last step that still uses it))."""
     old, until = grace
-    return max(staleness, old) if step < until else staleness
+    return max(staleness, old) if step <= until else staleness
 
 
 def grace_after_lowering(grace: tuple[int, int], window: int, version: int, staleness: int) -> tuple[int, int]:
@@ -64,10 +75,14 @@ class LearnerWindow:
     training: bool = False
     staleness: int = 1  # the S in force
     window_staleness: int = 1  # the S the window uses: the S in force, or a larger one it replaced, for its grace
+    grace: tuple[int, int] = (1, 0)  # (S before a lowering, the last step that still uses it): grace_staleness
     kappa: int = 1
 
     def window_start(self) -> int:
         return window_start(self.step, self.training, self.window_staleness)
+
+    def takes_served(self, held: int) -> int:
+        return takes_served(held, next_take(self.step, self.training), self.staleness, self.grace)
 
     @classmethod
     def at_start(cls, store: Store, staleness: int, kappa: int, staleness_max: int | None) -> LearnerWindow:
@@ -76,7 +91,13 @@ class LearnerWindow:
         resumed = resumed_staleness(store.training.latest_step_record(), staleness_max) if staleness_max is not None else None
         if resumed is not None:
             staleness, kappa = resumed, default_kappa(resumed)
-        return cls(step=store.training.latest_step() or 0, staleness=staleness, window_staleness=staleness, kappa=kappa)
+        return cls(
+            step=store.training.latest_step() or 0,
+            staleness=staleness,
+            window_staleness=staleness,
+            grace=(staleness, 0),
+            kappa=kappa,
+        )
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -43,6 +44,18 @@ STANDBY_RETRY_S = 2.0
 PROBE_PROMPTS = 1
 
 
+class LearnerVersions(Protocol):
+    """The learner's window as leases read it: hub.records.measurements.LearnerWindow, or a test bed's stand-in."""
+
+    def window_start(self) -> int:
+        """The oldest version the next take uses, below 0 early in a run."""
+        ...
+
+    def takes_served(self, held: int) -> int:
+        """How many takes from the next still use version `held`."""
+        ...
+
+
 @dataclass(frozen=True)
 class LeaseGrant:
     """A lease for the node, or why there is none and when to ask again."""
@@ -63,13 +76,12 @@ class Leasing:
         task: Task,
         membership: Membership,
         room: BufferRoom,
-        window_start: Callable[[], int],
+        learner: LearnerVersions,
         newest_version: Callable[[], int],
         clock: Callable[[], float],
     ) -> None:
         """`room`: the buffer room the intake reserves, counted here against the in-flight cap (read only).
-        `window_start`: the learner's window, unclamped (hub.records.measurements.window_start); `newest_version`: the
-        shelf's."""
+        `learner`: the learner's window (hub.records.measurements.LearnerWindow); `newest_version`: the shelf's."""
         self.store = store
         self.membership = membership
         membership.on_departure.append(self.release_node)
@@ -77,7 +89,7 @@ class Leasing:
         self.config = config.lease
         self.prompts_per_step = config.learner.prompts_per_step
         self.room = room
-        self.window_start = window_start
+        self.learner = learner
         self.newest_version = newest_version
         self.clock = clock
         self.book = LeaseBook(task, seed=config.learner.seed)
@@ -89,7 +101,7 @@ class Leasing:
 
     def min_useful_version(self) -> int:
         """The oldest version whose fresh rollouts the learner's next take can still use: a lease's floor."""
-        return max(0, self.window_start())
+        return max(0, self.learner.window_start())
 
     def window(self) -> VersionWindow:
         """The versions a submission's groups may be made with now."""
@@ -140,7 +152,7 @@ class Leasing:
             room = int(self.config.max_inflight_steps * self.prompts_per_step) - queued
             # Work that would reach the buffer behind more than its version's takes can use is dropped as
             # stale: a node on an old version waits for the new one instead.
-            fresh = int(fresh_room(version_held, self.window_start(), self.prompts_per_step, queued))
+            fresh = int(fresh_room(self.learner.takes_served(version_held), self.prompts_per_step, queued))
             # A lease shrinks to the room left rather than waiting for room it may never get.
             k = min(k, room, fresh)
             if k < 1:

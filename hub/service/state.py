@@ -46,7 +46,7 @@ from hub.records.schema import CLOSED_RETAINED_S, EVENTS_RETAINED, Retained, Ste
 from hub.records.store import Store
 from hub.records.writer import StoreWriter
 from hub.service.intake import Intake
-from hub.service.leasing import Leasing
+from hub.service.leasing import LearnerVersions, Leasing
 from hub.service.membership import Membership, NodeTerms
 from hub.service.room import BufferRoom
 from hub.service.totals import RunTotals
@@ -81,7 +81,7 @@ class HubState:
         model_config_hash: str = "",
         model_label: str = "",
         audits: AuditQueue | None = None,
-        window_start: Callable[[], int] | None = None,  # None: the learner's window in `measurements`
+        learner: LearnerVersions | None = None,  # None: the learner's window in `measurements`
         newest_version: Callable[[], int] = lambda: -1,
         shelved_versions: Callable[[], list[int]] = list,  # the versions on the snapshot shelf (retention)
         clock: Callable[[], float] = time.time,
@@ -108,15 +108,7 @@ class HubState:
         self.membership = Membership(store, self.writer, config, terms, self.totals, clock)
         self.membership.load()
         self.leasing = Leasing(
-            store,
-            self.writer,
-            config,
-            task,
-            self.membership,
-            room,
-            window_start or self.measurements.learner.window_start,
-            newest_version,
-            clock,
+            store, self.writer, config, task, self.membership, room, learner or self.measurements.learner, newest_version, clock
         )
         self.intake = Intake(
             store,

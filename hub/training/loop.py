@@ -39,8 +39,10 @@ from hub.records.measurements import (
     Measurements,
     grace_after_lowering,
     grace_staleness,
+    next_take,
     oldest_useful_version,
     resumed_staleness,
+    takes_served,
     window_start,
 )
 from hub.records.schema import StepRecord
@@ -246,6 +248,10 @@ class LearnerComponent:
         """The next take's window start, unclamped (hub.records.measurements.window_start: for leases)."""
         return window_start(self.step, self.training, self.window_staleness())
 
+    def takes_served(self, held: int) -> int:
+        """How many takes from the next still use version `held` (hub.records.measurements.takes_served)."""
+        return takes_served(held, next_take(self.step, self.training), self.staleness, self._grace)
+
     def _resume_staleness(self) -> None:
         """--staleness auto: go on at the S (kappa following) the newest committed step trained under, within
         [1, staleness_max], rather than at the start's; a move decided after that step is decided again at the next
@@ -263,6 +269,7 @@ class LearnerComponent:
         window = self.host.measurements.learner
         window.step, window.training = self.step, self.training
         window.staleness, window.window_staleness, window.kappa = self.staleness, self.window_staleness(), self.kappa
+        window.grace = self._grace
 
     def window_staleness(self) -> int:
         """The S the buffer and the leases' window use: the S in force, or a larger one it replaced, for its grace."""
