@@ -46,7 +46,7 @@ def setup_logging(
         stderr = logging.StreamHandler()
         stderr.setLevel(stderr_level)
         root.addHandler(stderr)
-    logging.getLogger("libp2p").setLevel(os.environ.get("DBG_LIBP2P", "CRITICAL"))
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
 
 class CpuWheelNoise(logging.Filter):

@@ -58,7 +58,6 @@ class LearnerAt:
     change of the rule reaches the tests; a pure function of the leases' window would make this a plain call)."""
 
     min_useful_version = LearnerComponent.min_useful_version
-    window_start = LearnerComponent.window_start
     takes_served = LearnerComponent.takes_served
     window_staleness = LearnerComponent.window_staleness
 

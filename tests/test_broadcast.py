@@ -269,6 +269,10 @@ def test_corrupt_relay_is_banned_and_no_node_installs_corrupt_data(tmp_path):
         nodes.append(evil)
         evil_id = node_peer_id(evil)
         wait_until(lambda: (n := node_states(hub).get(evil_id)) and n.version_held == 0, 120, "the evil node to hold v0")
+        # Replans are coalesced (at most one per REPLAN_PERIOD_S): an honest node joining within that period of the
+        # evil node's join would be placed only after its first heartbeat had sent it to the hub for v0 (CI failed so
+        # with a join 0.97 s after). Past the period, the first honest join is placed at once, behind the evil node.
+        time.sleep(REPLAN_PERIOD_S)
         dirs = [tmp_path / "honest-0", tmp_path / "honest-1"]
         honest = [start_test_node(hub.addr, d, *QUIET_NODE) for d in dirs]
         nodes += honest

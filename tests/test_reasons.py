@@ -10,6 +10,7 @@ import logging
 import re
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -237,28 +238,27 @@ def test_a_hostile_hubs_reasons_are_refused_at_the_frame(reply) -> None:
         SubmitReply.model_validate(reply)
 
 
-@pytest.mark.trio
-async def test_a_hostile_hubs_words_reach_the_log_and_screen_cleaned_and_cut(caplog) -> None:
+class _Instant:
+    """An engine that answers every prompt at once with one token."""
+
+    def generate(self, texts, n, sampling):
+        from shared.rollout import Completion
+
+        return [[Completion(token_ids=(5,), logprobs=(-0.5,), finish_reason="length", version=0, text="a")] * n]
+
+
+def _hostile_worker(reply: Callable[[], SubmitReply]) -> tuple[Worker, Lease]:
+    """A node's worker whose hub answers every submission with `reply()`, and a one-prompt lease for it."""
+    from shared.messages import LeasePrompt
+    from shared.rollout import SamplingParams
+
     class Hostile:
         peer_id = "node"
 
         async def submit(self, submission, deadline=None):
-            words = "\x1b]0;owned\x07" + "x" * 10_000
-            return SubmitReply(
-                accepted=0, rejected=(("p\x1b[2J" * 50, words),), reasons={"newer_reason": 1}, needed_rollouts_per_s=None
-            )
+            return reply()
 
-    class Instant:
-        def generate(self, texts, n, sampling):
-            from shared.rollout import Completion
-
-            return [[Completion(token_ids=(5,), logprobs=(-0.5,), finish_reason="length", version=0, text="a")] * n]
-
-    from shared.messages import LeasePrompt
-    from shared.rollout import SamplingParams
-
-    caplog.set_level(logging.INFO, logger="echo2.node.worker")
-    worker = Worker(Hostile(), Instant(), trio.Lock(), can_work=lambda: True, version_held=lambda: 0, max_rollouts_per_s=None)
+    worker = Worker(Hostile(), _Instant(), trio.Lock(), can_work=lambda: True, version_held=lambda: 0, max_rollouts_per_s=None)
     lease = Lease(
         lease_id="l" * 24,
         prompts=(LeasePrompt(prompt_id="p", text="abc"),),
@@ -267,13 +267,12 @@ async def test_a_hostile_hubs_words_reach_the_log_and_screen_cleaned_and_cut(cap
         min_version=0,
         deadline_s=60.0,
     )
-    await worker.work(lease)
-    (kept,) = worker.stats.last_refusals
-    assert "\x1b" not in kept and "\x07" not in kept and len(kept) < 300
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "echo2.node.worker"]
-    assert "\x1b" not in line and len(line) < 400 and "(newer_reason 1)" in line
-    assert worker.stats.reasons == {"newer_reason": 1}
-    view = NodeView(
+    return worker, lease
+
+
+def _view(reasons: dict[str, int]) -> NodeView:
+    """The node's view with `reasons` as its counts by reason (it validates them as a status file's would be)."""
+    return NodeView(
         peer_id="p",
         hub_addr="/ip4/127.0.0.1/tcp/1",
         connected=True,
@@ -282,8 +281,26 @@ async def test_a_hostile_hubs_words_reach_the_log_and_screen_cleaned_and_cut(cap
         price_per_hour=0.0,
         backend="hf",
         version_held=0,
-        reasons=worker.stats.reasons,
+        reasons=reasons,
     )
+
+
+@pytest.mark.trio
+async def test_a_hostile_hubs_words_reach_the_log_and_screen_cleaned_and_cut(caplog) -> None:
+    words = "\x1b]0;owned\x07" + "x" * 10_000
+    worker, lease = _hostile_worker(
+        lambda: SubmitReply(
+            accepted=0, rejected=(("p\x1b[2J" * 50, words),), reasons={"newer_reason": 1}, needed_rollouts_per_s=None
+        )
+    )
+    caplog.set_level(logging.INFO, logger="echo2.node.worker")
+    await worker.work(lease)
+    (kept,) = worker.stats.last_refusals
+    assert "\x1b" not in kept and "\x07" not in kept and len(kept) < 300
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "echo2.node.worker"]
+    assert "\x1b" not in line and len(line) < 400 and "(newer_reason 1)" in line
+    assert worker.stats.reasons == {"newer_reason": 1}
+    view = _view(worker.stats.reasons)
     assert view.unpaid() == ["1 group rejected (newer_reason): a reason this echo2 does not know (the hub runs a newer one)"]
 
 
@@ -292,45 +309,13 @@ async def test_a_hostile_hubs_reasons_cannot_add_up_past_the_nodes_view() -> Non
     """Each reply within the frame's bounds (32 reasons, counts to 2**53), many of them: the node's counts stay a
     valid view, and a reply counts no more groups than it refused."""
     replies = iter([{f"r{chr(97 + i // 26)}{chr(97 + i % 26)}": 2**53 for i in range(j * 32, (j + 1) * 32)} for j in range(3)])
-
-    class Hostile:
-        peer_id = "node"
-
-        async def submit(self, submission, deadline=None):
-            return SubmitReply(accepted=0, rejected=(("p", "no"),), reasons=next(replies), needed_rollouts_per_s=None)
-
-    class Instant:
-        def generate(self, texts, n, sampling):
-            from shared.rollout import Completion
-
-            return [[Completion(token_ids=(5,), logprobs=(-0.5,), finish_reason="length", version=0, text="a")] * n]
-
-    from shared.messages import LeasePrompt
-    from shared.rollout import SamplingParams
-
-    worker = Worker(Hostile(), Instant(), trio.Lock(), can_work=lambda: True, version_held=lambda: 0, max_rollouts_per_s=None)
-    lease = Lease(
-        lease_id="l" * 24,
-        prompts=(LeasePrompt(prompt_id="p", text="abc"),),
-        group_size=1,
-        sampling=SamplingParams(max_new_tokens=1),
-        min_version=0,
-        deadline_s=60.0,
+    worker, lease = _hostile_worker(
+        lambda: SubmitReply(accepted=0, rejected=(("p", "no"),), reasons=next(replies), needed_rollouts_per_s=None)
     )
     for _ in range(3):
         await worker.work(lease)
     assert len(worker.stats.reasons) == MAX_REASONS and set(worker.stats.reasons.values()) == {1}
-    NodeView(
-        peer_id="p",
-        hub_addr="/ip4/127.0.0.1/tcp/1",
-        connected=True,
-        state="active",
-        updated_at=0.0,
-        price_per_hour=0.0,
-        backend="hf",
-        version_held=0,
-        reasons=worker.stats.reasons,
-    )
+    _view(worker.stats.reasons)
 
 
 def test_the_node_says_why_it_waits_in_standby_and_counts_the_time() -> None:

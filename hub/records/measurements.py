@@ -26,12 +26,6 @@ def next_take(step: int, training: bool) -> int:
     return step + 1 if training else step
 
 
-def window_start(step: int, training: bool, window_staleness: int) -> int:
-    """The oldest version the learner's next take uses, below 0 early in a run: groups up to `window_staleness`
-    versions older than the take's step."""
-    return next_take(step, training) - window_staleness
-
-
 def takes_served(held: int, first_take: int, staleness: int, grace: tuple[int, int]) -> int:
     """How many takes from `first_take` on still use version `held`: the take at step c uses versions >= c -
     grace_staleness(S, grace, c), so the last one is at held + S, or later while a lowered S's grace lasts."""
@@ -41,8 +35,9 @@ def takes_served(held: int, first_take: int, staleness: int, grace: tuple[int, i
 
 
 def oldest_useful_version(step: int, training: bool, window_staleness: int) -> int:
-    """The oldest version whose fresh rollouts the learner's next take can still use (`window_start`, from 0)."""
-    return max(0, window_start(step, training, window_staleness))
+    """The oldest version whose fresh rollouts the learner's next take can still use: that take uses groups up to
+    `window_staleness` versions older than its step."""
+    return max(0, next_take(step, training) - window_staleness)
 
 
 def grace_staleness(staleness: int, grace: tuple[int, int], step: int) -> int:
@@ -78,8 +73,8 @@ class LearnerWindow:
     grace: tuple[int, int] = (1, 0)  # (S before a lowering, the last step that still uses it): grace_staleness
     kappa: int = 1
 
-    def window_start(self) -> int:
-        return window_start(self.step, self.training, self.window_staleness)
+    def min_useful_version(self) -> int:
+        return oldest_useful_version(self.step, self.training, self.window_staleness)
 
     def takes_served(self, held: int) -> int:
         return takes_served(held, next_take(self.step, self.training), self.staleness, self.grace)

@@ -47,8 +47,8 @@ PROBE_PROMPTS = 1
 class LearnerVersions(Protocol):
     """The learner's window as leases read it: hub.records.measurements.LearnerWindow, or a test bed's stand-in."""
 
-    def window_start(self) -> int:
-        """The oldest version the next take uses, below 0 early in a run."""
+    def min_useful_version(self) -> int:
+        """The oldest version whose fresh rollouts the next take can still use."""
         ...
 
     def takes_served(self, held: int) -> int:
@@ -101,7 +101,7 @@ class Leasing:
 
     def min_useful_version(self) -> int:
         """The oldest version whose fresh rollouts the learner's next take can still use: a lease's floor."""
-        return max(0, self.learner.window_start())
+        return self.learner.min_useful_version()
 
     def window(self) -> VersionWindow:
         """The versions a submission's groups may be made with now."""

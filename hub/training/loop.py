@@ -43,7 +43,6 @@ from hub.records.measurements import (
     oldest_useful_version,
     resumed_staleness,
     takes_served,
-    window_start,
 )
 from hub.records.schema import StepRecord
 from hub.records.shelf_table import ShelfTable
@@ -241,12 +240,8 @@ class LearnerComponent:
         return self.step
 
     def min_useful_version(self) -> int:
-        """Oldest version whose fresh rollouts the next take can still use (for local rollouts)."""
+        """Oldest version whose fresh rollouts the next take can still use (for leases and local rollouts)."""
         return oldest_useful_version(self.step, self.training, self.window_staleness())
-
-    def window_start(self) -> int:
-        """The next take's window start, unclamped (hub.records.measurements.window_start: for leases)."""
-        return window_start(self.step, self.training, self.window_staleness())
 
     def takes_served(self, held: int) -> int:
         """How many takes from the next still use version `held` (hub.records.measurements.takes_served)."""
