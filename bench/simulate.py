@@ -371,7 +371,8 @@ class Simulation:
             if v >= cutoff and rate > 1e-12
         }
         # The hub leases no more than max_inflight_steps steps of work ahead, and none a take would find too stale
-        # (hub.service.leasing): nodes past either wait. Oldest version first, as a take goes.
+        # (hub.service.leasing): nodes past either wait. Oldest version first, as a take goes. Both count the work
+        # trained on (hub.records.buffer.leasable), so what is made counts after the usable share.
         queued = sum(self.buffer.values())
         first = next_take(self.step, self.training)
         for version in sorted(made):

@@ -192,7 +192,9 @@ class LeaseConfig(Section):
         le=1e9,
         description="slowest generation paid in full: a lease is paid for at most (accepted tokens / this) seconds",
     )
-    max_inflight_steps: float = Field(2.0, gt=0.0, le=100.0, description="leased + buffered work cap, in learner steps")
+    max_inflight_steps: float = Field(
+        2.0, gt=0.0, le=100.0, description="leased + buffered cap, in learner steps of groups trained on"
+    )
 
 
 class BroadcastConfig(Section):

@@ -97,7 +97,7 @@ class ModelFetch:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.stopper.run, nursery.cancel_scope)
+            await nursery.start(self.stopper.run, nursery.cancel_scope)
             nursery.start_soon(write_status, self.config.data_dir / NODE_STATUS_FILE, self.view)
             self.listing = await self._fetch()
             nursery.cancel_scope.cancel()

@@ -257,7 +257,7 @@ class NodeRuntime:
             log.info("node %s listening on %s", self.identity.peer_id, ", ".join(addrs))
             async with self.nat.running(), trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self.stopper.run, nursery.cancel_scope)
+                await nursery.start(self.stopper.run, nursery.cancel_scope)
                 if bulk is not None:
                     await bulk.start(nursery)
                 await self.keeper.start(nursery)

@@ -17,13 +17,21 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Stopper:
-    """Cancels `scope` on the first SIGINT/SIGTERM; `signal_name` says which one arrived (None: none)."""
+    """Cancels `scope` on the first SIGINT/SIGTERM; `signal_name` says which one arrived (None: none). Started with
+    `await nursery.start(stopper.run, scope)` before the process says it is up: from then on a stop signal is caught
+    (before, it is trio's Ctrl-C, or lost where the parent left SIGINT ignored)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
 
-    async def run(self, scope: trio.CancelScope) -> None:
+    async def run(
+        self,
+        scope: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
+    ) -> None:
         with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            task_status.started()
             async for signum in signals:
                 self.signal_name = signal.Signals(signum).name
                 scope.cancel()

@@ -102,3 +102,13 @@ def test_fresh_room_counts_the_takes_a_version_still_serves_by_hand():
     assert fresh_room(1, 4, 6) == -2
     assert fresh_room(3, 4, 6) == 6
     assert fresh_room(0, 4, 0) == 0
+
+
+def test_leasable_counts_the_coming_prompts_and_a_new_lease_at_the_usable_share_by_hand():
+    from hub.records.buffer import leasable
+
+    # Room for 6 more trained prompts than the buffer holds, 8 prompts leased or being committed, half of what is
+    # leased measured to end up trained on: 6 / 0.5 - 8 = 4 more prompts. Counted raw (usable 1.0): 6 - 8 = -2.
+    assert leasable(6, 8, 0.5) == 4
+    assert leasable(6, 8, 1.0) == -2
+    assert leasable(4, 18, 0.2) == 2  # not (4 - 0.2 * 18) / 0.2, which rounds to 1.999...

@@ -103,17 +103,17 @@ def quarter_rewards(store: Store, steps: int) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timing  # the trio ticks' lateness while steps run in a worker thread is a real delay
 @pytest.mark.parametrize(
     "staleness, install_delay_s, steps, learns",
     [
         # S = 0 runs the same loop synchronously (each step waits for rollouts of the version before it); its
         # learning curve is S = 3's on a longer wall clock, so it runs long enough to check the mechanics only.
-        (0, 0.0, 12, False),
+        # It bounds the trio ticks' lateness while steps run in a worker thread: a real delay, measured alone.
+        pytest.param(0, 0.0, 12, False, marks=pytest.mark.timing),
         (3, 0.5, 80, True),
     ],
 )
-def test_grpo_learns_reverse(tmp_path, staleness, install_delay_s, steps, learns):
+def test_grpo_learns_reverse(request, tmp_path, staleness, install_delay_s, steps, learns):
     cfg = LearnerConfig(staleness=staleness, prompts_per_step=16, group_size=8, lr=3e-4, checkpoint_every=1000)
     rig = make_rig(tmp_path, cfg, steps, Identity.generate(), install_delay_s)
     started = time.perf_counter()
@@ -137,8 +137,10 @@ def test_grpo_learns_reverse(tmp_path, staleness, install_delay_s, steps, learns
     )
     if learns:
         assert last - first >= MIN_REWARD_GAIN, (first, last)
-    # Steps run in a worker thread: a step blocking trio would delay ticks by a whole T_train.
-    assert p99 < 0.1
+    # Steps run in a worker thread: a step blocking trio would delay ticks by a whole T_train. S = 3's 80 steps
+    # share the CPU with the rest of the suite, where a tick is late for other reasons.
+    if request.node.get_closest_marker("timing") is not None:
+        assert p99 < 0.1
     versions = [s.version for s in rig.store.shelf.snapshots()]
     assert versions == list(range(0, steps + 1, cfg.effective_kappa))
     assert (tmp_path / FINAL_DIR / "config.json").exists()

@@ -25,7 +25,7 @@ from hub.trust.audit import AuditJob, AuditResult
 from shared.crypto import Identity
 from shared.messages import LEFT_REASON, Heartbeat, JoinRequest, RejectCode, Submission, SubmittedGroup, Tallies
 from shared.model_io import build_snapshot
-from shared.rollout import Completion, SamplingParams
+from shared.rollout import Completion, Group, SamplingParams
 from shared.wire import PeerFault
 from testbed.inproc import PERMISSIVE_TRUST, LearnerAt, open_state
 
@@ -523,3 +523,38 @@ async def test_a_node_on_an_old_version_is_not_leased_work_that_queued_work_woul
     granted = await state.leasing.grant(a, 4)
     assert granted.lease is not None and len(granted.lease.prompts) == 2
     state.store.close()
+
+
+@pytest.mark.trio
+async def test_the_in_flight_cap_counts_the_work_the_learner_will_train_on(tmp_path, default_model_dir):
+    """The cap is 2 steps of 2 prompts the learner trains on. With every group trained on (usable 1.0), 2 leases of 2
+    fill it. When half of the settled groups had equal rewards (usable 0.5), 4 leases do, as the scheduler sizes the
+    fleet for R / 0.5; a group already in the buffer (it takes no zero-variance one) counts whole: (4 - 1) / 0.5 = 6
+    leased prompts, not (4 - 0.5) / 0.5 = 7. Below the saturated share (0.2) the cap stops growing."""
+
+    async def leased(usable: float, buffered: int = 0) -> list[int]:
+        run = tmp_path / f"u{usable}-b{buffered}"
+        state = open_state(run, default_model_dir, CONFIG, SnapshotShelf(keep=3), LearnerAt(CONFIG.learner.staleness))
+        state.measurements.fresh_usable_fraction = usable
+        for row_id in range(buffered):
+            completions = tuple(
+                Completion(token_ids=(1,), logprobs=(-0.5,), finish_reason="stop", version=0, text="x") for _ in "ab"
+            )
+            added = state.buffer.add(
+                Group(prompt_id=f"b{row_id}", prompt_text="x>", version=0, completions=completions, rewards=(0.0, 1.0)), row_id
+            )
+            assert added.accepted
+        peer = Identity.generate().peer_id
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
+        await state.set_state(state.fleet.get(peer), "active", "test")
+        sizes = []
+        while (grant := await state.leasing.grant(peer, 0)).lease is not None and len(sizes) < 20:
+            sizes.append(len(grant.lease.prompts))
+        assert grant.reason == "enough work in flight"
+        state.store.close()
+        return sizes
+
+    assert await leased(1.0) == [2, 2]
+    assert await leased(0.5) == [2, 2, 2, 2]
+    assert await leased(0.5, buffered=1) == [2, 2, 2]
+    assert await leased(0.01) == await leased(0.2) == [2] * 10

@@ -26,3 +26,8 @@ def test_an_ordinary_test_shares_the_turn(tmp_path_factory):
 @pytest.mark.timing
 def test_a_timing_test_holds_the_turn_alone(tmp_path_factory):
     assert not _try(tmp_path_factory, fcntl.LOCK_SH)
+
+
+def test_timing_tests_are_collected_first_so_one_turn_runs_them_all(request):
+    timing = [item.get_closest_marker("timing") is not None for item in request.session.items]
+    assert any(timing) and timing == sorted(timing, reverse=True)

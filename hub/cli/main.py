@@ -384,17 +384,24 @@ def start_config(args: argparse.Namespace) -> HubConfig:
     return load_config(HubConfig, args.config, overrides, aliases=_flat_keys())
 
 
-def _start(args: argparse.Namespace) -> int:
+def _start(args: argparse.Namespace, reexec: bool) -> int:
     """`echo-hub start`: a mistake is one line and exit 2; so is a disk that fills while the hub starts (one that
-    fills while it runs, run_hub stops the run for)."""
+    fills while it runs, run_hub stops the run for). `reexec`: run this command line again with Python's objects in
+    glibc's heap (shared.memory.use_c_allocator) once its flags are known to be right."""
     from hub.config import with_user_model_defaults
     from hub.training.ranks import rank_env
     from shared.checks import disk_full, free_space
     from shared.config import ConfigError
+    from shared.memory import tune_malloc, use_c_allocator
 
     env = rank_env()
     try:
-        config = start_config(args)
+        config = start_config(args)  # no thread yet, nothing written: a mistake here costs one start-up, not two
+        if reexec:
+            use_c_allocator()
+        # Before any thread: glibc fixes its arena limit when a thread first needs an arena, and the checks, the
+        # tokenizer and torch start threads before the run does.
+        tune_malloc()
         config, defaults = with_user_model_defaults(config, own_model=_own_model(config.model))
         if args.print_config:
             from shared.config import config_toml
@@ -436,18 +443,13 @@ def _start(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
-        from shared.memory import tune_malloc, use_c_allocator
         from shared.signals import CtrlCWatch, ctrl_c_handled
-
-        if argv is None:  # the command line itself (a test's hub, forked with its argv, keeps the server's allocator)
-            use_c_allocator()
-        # First: glibc fixes its arena limit when a thread first needs an arena, and the checks, the tokenizer
-        # and torch start threads before the run does.
-        tune_malloc()
 
         with CtrlCWatch() as ctrl_c:
             try:
-                return _start(args)
+                # The command line itself runs again in glibc's heap; a test's hub, forked with its argv, keeps the
+                # server's allocator.
+                return _start(args, reexec=argv is None)
             except BaseException as exc:  # Ctrl-C before the run's own handler takes over (a check, the model build)
                 if not ctrl_c.stopped(exc):
                     raise

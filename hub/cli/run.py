@@ -264,7 +264,6 @@ class Hub:
                 bulk,
                 self.model_offer,
             )
-            self._announce()
             from libp2p.tools.anyio_service import background_trio_service
 
             from hub.distribution.reachability import RelayGate, guard_relay, relay_service
@@ -274,7 +273,9 @@ class Hub:
             gate = RelayGate(relay, state.fleet.is_member, self._address_key, self.broadcaster.planned_punch, self._relay_refused)
             async with background_trio_service(relay), trio.open_nursery() as nursery:
                 nursery.start_soon(guard_relay, host, relay, gate)
-                nursery.start_soon(self.stopper.run, nursery.cancel_scope)
+                # Catching stop signals before the address is out: a stop sent on seeing it is never lost.
+                await nursery.start(self.stopper.run, nursery.cancel_scope)
+                self._announce()
                 await nursery.start(self.broadcaster.run)  # before anything can publish
                 if bulk is not None:
                     await bulk.start(nursery)

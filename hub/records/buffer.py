@@ -43,6 +43,16 @@ def usable_from(step: int, staleness: int) -> int:
     return step - staleness
 
 
+def leasable(room: float, coming: int, usable: float) -> float:
+    """Prompts that may still be leased when the takes can train on `room` more queued prompts than the buffer holds
+    (the buffer takes no zero-variance group, so its groups count whole): of the prompts still coming (leased, or
+    accepted and being committed) and of a new lease, only the share `usable` that the hub measured ends up trained
+    on (hub.method.capacity.fresh_usable_fraction). The in-flight cap and `fresh_room` count in trained prompts, as
+    the scheduler sizes the fleet by R / usable: counted raw, a reward that scores half of its groups alike would
+    cap the work in flight at half of what the learner trains on."""
+    return room / usable - coming
+
+
 def fresh_room(takes: int, prompts_per_step: float, queued: float) -> float:
     """Prompts a node may be leased and still see trained, its version used by the next `takes` takes
     (hub.records.measurements.takes_served): takes go oldest version first, so the `queued` prompts (buffered, on

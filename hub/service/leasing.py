@@ -20,7 +20,8 @@ from typing import Protocol
 import trio
 
 from hub.config import HubConfig
-from hub.records.buffer import fresh_room
+from hub.method.capacity import SATURATED_USABLE_FRACTION
+from hub.records.buffer import fresh_room, leasable
 from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
 from hub.records.schema import NewEvent
 from hub.records.store import Store
@@ -77,11 +78,13 @@ class Leasing:
         membership: Membership,
         room: BufferRoom,
         learner: LearnerVersions,
+        usable: Callable[[], float],
         newest_version: Callable[[], int],
         clock: Callable[[], float],
     ) -> None:
         """`room`: the buffer room the intake reserves, counted here against the in-flight cap (read only).
-        `learner`: the learner's window (hub.records.measurements.LearnerWindow); `newest_version`: the shelf's."""
+        `learner`: the learner's window (hub.records.measurements.LearnerWindow); `usable`: the measured share of
+        accepted groups the learner trains on (Measurements.fresh_usable_fraction); `newest_version`: the shelf's."""
         self.store = store
         self.membership = membership
         membership.on_departure.append(self.release_node)
@@ -90,6 +93,7 @@ class Leasing:
         self.prompts_per_step = config.learner.prompts_per_step
         self.room = room
         self.learner = learner
+        self.usable = usable
         self.newest_version = newest_version
         self.clock = clock
         self.book = LeaseBook(task, seed=config.learner.seed)
@@ -148,11 +152,15 @@ class Leasing:
             return LeaseGrant(None, quota.reason, NO_WORK_RETRY_S)
         k = PROBE_PROMPTS if probe else quota.prompts
         if not probe:  # a probe (one prompt, one per node) must not starve behind the cap
-            queued = self.room.in_use() + self.book.outstanding_prompts()
-            room = int(self.config.max_inflight_steps * self.prompts_per_step) - queued
+            # Both bounds count the prompts takes will train on; below the saturated share more rollouts do not
+            # help (the scheduler then activates none).
+            usable = max(self.usable(), SATURATED_USABLE_FRACTION)
+            buffered, coming = len(self.room.buffer), self.room.reserved + self.book.outstanding_prompts()
+            room = int(leasable(self.config.max_inflight_steps * self.prompts_per_step - buffered, coming, usable))
             # Work that would reach the buffer behind more than its version's takes can use is dropped as
             # stale: a node on an old version waits for the new one instead.
-            fresh = int(fresh_room(self.learner.takes_served(version_held), self.prompts_per_step, queued))
+            takes = self.learner.takes_served(version_held)
+            fresh = int(leasable(fresh_room(takes, self.prompts_per_step, buffered), coming, usable))
             # A lease shrinks to the room left rather than waiting for room it may never get.
             k = min(k, room, fresh)
             if k < 1:

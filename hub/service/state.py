@@ -108,7 +108,16 @@ class HubState:
         self.membership = Membership(store, self.writer, config, terms, self.totals, clock)
         self.membership.load()
         self.leasing = Leasing(
-            store, self.writer, config, task, self.membership, room, learner or self.measurements.learner, newest_version, clock
+            store,
+            self.writer,
+            config,
+            task,
+            self.membership,
+            room,
+            learner or self.measurements.learner,
+            lambda: self.measurements.fresh_usable_fraction,
+            newest_version,
+            clock,
         )
         self.intake = Intake(
             store,
