@@ -27,15 +27,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not _is_timing(item))
 
 
-_NEXT_IS_TIMING = pytest.StashKey[bool]()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
-    item.stash[_NEXT_IS_TIMING] = nextitem is not None and _is_timing(nextitem)
-    return (yield)
-
-
 class _Turn:
     """This worker's hold on the run's lock: the open lock file, and whether it holds it alone."""
 
@@ -43,15 +34,17 @@ class _Turn:
     exclusive = False
 
 
-@pytest.fixture(autouse=True)
-def _wall_clock_turn(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The suite runs on two pytest-xdist workers; a test marked `timing` (it measures a real rate or delay,
-    where no mock clock can stand in) runs alone. Every test holds a shared lock while it runs, a timing test an
-    exclusive one, kept into the next test where that one is a timing test too; the turnstile lets a waiting timing
-    test in before the other worker starts its next test."""
-    root = tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
-    exclusive = _is_timing(request.node)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """The suite runs on two pytest-xdist workers; a test marked `timing` (it measures a real rate or delay, where no
+    mock clock can stand in) runs alone. Every test holds a shared lock while it runs, a timing test an exclusive
+    one, kept into the next test where that one is a timing test too; the turnstile lets a waiting timing test in
+    before the other worker starts its next test. Around the whole protocol (a skipped or erroring test lets go as
+    well) and outside pytest-timeout's timer, which starts inside: waiting for the turn is not a test's time."""
+    exclusive = _is_timing(item)
     if not (exclusive and _Turn.exclusive):
+        # pytest's own base temp dir (gw0's, gw1's) sits in one directory per run, shared by its workers.
+        root = item.config._tmp_path_factory.getbasetemp().parent
         _Turn.lock = _Turn.lock or open(root / "echo2-timing.lock", "a")  # held across tests
         with open(root / "echo2-turnstile.lock", "a") as turnstile:
             fcntl.flock(turnstile, fcntl.LOCK_EX)
@@ -60,8 +53,8 @@ def _wall_clock_turn(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
             finally:
                 fcntl.flock(turnstile, fcntl.LOCK_UN)
     try:
-        yield
+        return (yield)
     finally:
-        _Turn.exclusive = exclusive and request.node.stash.get(_NEXT_IS_TIMING, False)
+        _Turn.exclusive = exclusive and nextitem is not None and _is_timing(nextitem)
         if not _Turn.exclusive:
             fcntl.flock(_Turn.lock, fcntl.LOCK_UN)

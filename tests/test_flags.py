@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 from shared.flags import closest, unknown_flag_message
-from tests.test_first_contact import assert_one_line_mistake, run, snapshot_of
+from tests.test_first_contact import ROOT, assert_one_line_mistake, run, snapshot_of
 
 
 def test_the_closest_flag_is_named() -> None:
@@ -66,8 +70,12 @@ def test_typos_in_flags_and_toml_keys_get_did_you_mean(tmp_path: Path) -> None:
     assert snapshot_of(tmp_path) == before
 
 
-def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
-    """Each TRL name reaches its field: the field's own bounds refuse the value, naming the field."""
+def test_trl_names_set_the_same_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each TRL name reaches its field: the field's own bounds refuse the value, naming the field. The names run
+    through `echo-hub start`'s own main in this process (a refusal comes before any thread or file, and the command
+    line's one line and exit 2 are checked with real interpreters below and in tests/test_first_contact.py)."""
+    from hub.cli.main import main
+
     data = str(tmp_path / "data")
     for flag, value, field in (
         ("--num-generations", "1", "learner.group_size"),
@@ -86,7 +94,10 @@ def test_trl_names_set_the_same_fields(tmp_path: Path) -> None:
         ("--top-k", "-1", "sampling.top_k"),
         ("--min-p", "1", "sampling.min_p"),
     ):
-        assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, flag, value), field)
+        assert main(["start", "--data-dir", data, flag, value]) == 2
+        printed = capsys.readouterr()
+        assert printed.out == "" and printed.err.count("\n") == 1 and field in printed.err, (flag, printed)
+    assert not Path(data).exists()
     toml = tmp_path / "hub.toml"
     toml.write_text("num_generations = 1\nmax_steps = 5\n")  # TRL's names as flat hub.toml keys
     line = assert_one_line_mistake(run("hub.cli", "start", "--data-dir", data, "--config", str(toml)), "learner.group_size")
@@ -156,6 +167,21 @@ def test_print_config_shows_what_a_start_would_run_with_and_writes_nothing(tmp_p
 
     config = load_config(HubConfig, printed, {})
     assert (config.learner.lr, config.learner.group_size, config.data_dir) == (2e-5, 6, data)
+
+
+def test_a_config_from_a_pipe_is_read_by_the_process_that_runs() -> None:
+    """`echo-hub start` runs itself again (glibc's heap) after checking its flags: a hub.toml that can be read once
+    only, as from a pipe, must reach the process that runs, not be used up by the check."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hub.cli", "start", "--config", "/dev/stdin", "--print-config"],
+        input="[learner]\nstaleness = 5\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "\nstaleness = 5\n" in result.stdout
 
 
 def test_a_users_model_gets_trls_defaults_for_what_was_not_set(tmp_path: Path) -> None:
