@@ -396,13 +396,13 @@ def _start(args: argparse.Namespace, reexec: bool) -> int:
 
     env = rank_env()
     try:
-        # Checked before the re-exec (no thread yet, nothing written): a mistake costs one start-up, not two. A
-        # --config that can be read once only (a pipe, <(...)) is read by the process that runs.
-        once = args.config is not None and not args.config.is_file()
-        config = None if once else start_config(args)
         if reexec:
+            # Checked before the re-exec (no thread yet, nothing written): a mistake costs one start-up, not two. A
+            # --config that can be read once only (a pipe, <(...)) is left to the process that runs.
+            if args.config is None or args.config.is_file():
+                start_config(args)
             use_c_allocator()
-        config = config or start_config(args)
+        config = start_config(args)
         # Before any thread: glibc fixes its arena limit when a thread first needs an arena, and the checks, the
         # tokenizer and torch start threads before the run does.
         tune_malloc()
