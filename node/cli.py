@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from shared.checks import UserError
 from shared.flags import EXAMPLE_FORMAT, FlagParser
-from shared.logs import quiet_cpu_wheel_noise
+from shared.logs import quiet_wheel_noise
 
 if TYPE_CHECKING:
     from node.config import NodeConfig
@@ -26,7 +26,7 @@ MIN_PRICE_PER_HOUR = 0.01  # a positive --price below it is read as a unit mista
 SAID_BYTES = 16384  # the tail of a node's stderr its dashboard repeats when the node ended by itself, failing
 
 # Before torch is imported here or in the node server local nodes are forked from (it imports this module first).
-quiet_cpu_wheel_noise()
+quiet_wheel_noise()
 
 # flag name -> (NodeConfig field, type); each flag's help is its field's description and default (node/config.py).
 JOIN_FLAGS: dict[str, tuple[str, type]] = {

@@ -60,9 +60,23 @@ class CpuWheelNoise(logging.Filter):
         return torch is None or torch.cuda.is_available()
 
 
-def quiet_cpu_wheel_noise() -> None:
-    """Before torch or transformers is imported: a CPU machine's every start printed two torchao warnings."""
+class TorchaoEnumNoise(logging.Filter):
+    """Drops torch's deprecation warning about torchao registering its own enums as pytree constants (torchao 0.18
+    under torch 2.13: two lines on every start, on any device); the same warning about anyone else's enum is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        subject = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return not (
+            "is an Enum subclass" in record.msg
+            and isinstance(subject, type)
+            and subject.__module__.partition(".")[0] == "torchao"
+        )
+
+
+def quiet_wheel_noise() -> None:
+    """Before torch or transformers is imported: every start printed torchao's warnings (transformers imports it)."""
     logging.getLogger("torchao").addFilter(CpuWheelNoise())
+    logging.getLogger("torch.utils._pytree").addFilter(TorchaoEnumNoise())
 
 
 def rotate_files(path: Path, backups: int) -> None:

@@ -74,7 +74,7 @@ from multiaddr import Multiaddr
 from shared import libp2p_patches
 from shared.crypto import Identity
 from shared.logs import PeerLogLimiter
-from shared.wire import LIBP2P_END_OF_STREAM, M2, M, Message, StreamEOF, WritableStream, read_message, write_message, write_signed
+from shared.wire import M2, M, Message, StreamEOF, WritableStream, libp2p_end_of_stream, read_message, write_message, write_signed
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -293,7 +293,7 @@ async def _reset_after_failure(stream: INetStream, log: logging.Logger, peer: st
 def _peer_ended_stream(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_peer_ended_stream(e) for e in exc.exceptions)
-    return isinstance(exc, (StreamEOF, *LIBP2P_END_OF_STREAM))
+    return isinstance(exc, (StreamEOF, *libp2p_end_of_stream()))
 
 
 def _log_failure(log: logging.Logger, name: str, peer: str, exc: BaseException) -> None:

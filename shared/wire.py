@@ -21,6 +21,7 @@ b"" or a py-libp2p EOF/reset error at the end) and `async write(data)`.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Mapping
@@ -28,8 +29,6 @@ from typing import Any, ClassVar, Protocol, TypeVar, overload
 
 import pydantic
 import trio
-from libp2p.network.stream.exceptions import StreamError as _P2PStreamError
-from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
 
 from shared.crypto import SIGNATURE_BYTES, Identity, verify_from_peer
 
@@ -40,9 +39,18 @@ MAX_MESSAGE_TYPE = 199
 BINARY_TYPE_MIN = 200
 BINARY_TYPE_MAX = 255
 
-# py-libp2p's ways of saying "this stream ends here": NetStream raises StreamEOF, StreamReset,
-# StreamClosed or a generic StreamError (all StreamError); a raw muxed stream raises these two.
-LIBP2P_END_OF_STREAM = (_P2PStreamError, MuxedStreamEOF, MuxedStreamReset)
+
+@functools.cache
+def libp2p_end_of_stream() -> tuple[type[Exception], ...]:
+    """py-libp2p's ways of saying "this stream ends here": NetStream raises StreamEOF, StreamReset, StreamClosed or
+    a generic StreamError (all StreamError); a raw muxed stream raises MuxedStreamEOF or MuxedStreamReset.
+
+    Imported when first needed (a stream exists by then, so libp2p is loaded): importing libp2p takes ~0.7 s, which a
+    process that only reads messages' and configs' models (a flag mistake, echo-hub start's check) should not pay."""
+    from libp2p.network.stream.exceptions import StreamError
+    from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
+
+    return (StreamError, MuxedStreamEOF, MuxedStreamReset)
 
 
 # Every protocol id carries it; bumped on any change of a message's fields (messages are extra="forbid").
@@ -97,7 +105,7 @@ async def read_exact(stream: ReadableStream, n: int) -> bytes:
     while got < n:
         try:
             piece = await stream.read(n - got)
-        except LIBP2P_END_OF_STREAM as exc:
+        except libp2p_end_of_stream() as exc:
             raise StreamEOF(f"stream ended after {got} of {n} bytes ({type(exc).__name__})") from exc
         if not piece:
             raise StreamEOF(f"stream ended after {got} of {n} bytes")

@@ -41,7 +41,7 @@ from shared.messages import (
     Submission,
 )
 from shared.net import connect, open_stream
-from shared.wire import HEADER, LIBP2P_END_OF_STREAM
+from shared.wire import HEADER, libp2p_end_of_stream
 
 HUGE_LENGTH = 2**32 - 1
 GARBAGE_BYTE = 0xA5
@@ -109,13 +109,13 @@ async def _probe_stream(host: IHost, hub_id: str, protocol: str, garbage: bytes,
         await stream.write(bad_frame_header(protocol) + garbage)
         await stream.close_write()
         fate.half_closed_s = trio.current_time() - started
-    except LIBP2P_END_OF_STREAM as exc:  # ended by the hub before all of it went: what it answered is still read
+    except libp2p_end_of_stream() as exc:  # ended by the hub before all of it went: what it answered is still read
         fate.error = f"write: {type(exc).__name__}"
     try:
         while piece := await stream.read(65536):
             fate.reply += piece
         fate.ended_by = "closed"
-    except LIBP2P_END_OF_STREAM as exc:  # py-libp2p ends a read with an EOF (the hub's FIN) or a reset
+    except libp2p_end_of_stream() as exc:  # py-libp2p ends a read with an EOF (the hub's FIN) or a reset
         fate.ended_by = "reset" if "Reset" in type(exc).__name__ else "closed"
     except Exception as exc:  # noqa: BLE001 - whatever the hub's end looks like from here is what the probe reports
         fate.ended_by, fate.error = "error", f"{type(exc).__name__}: {exc}"

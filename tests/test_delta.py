@@ -9,6 +9,7 @@ import json
 import os
 import re
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from shared.delta import DeltaError, _decode, _encode, apply_delta, build_delta,
 from shared.messages import BadChunkReport
 from shared.model_io import build_snapshot
 from shared.snapshot import blake3_hex, delta_paths, remove_snapshot_files
-from testbed.harness import Proc, node_peer_id, node_states, query, start_test_hub, start_test_node, stop_all, wait_until
+from testbed.harness import Proc, query, start_test_hub, start_test_node, stop_all, wait_until
 from testbed.peers import CONFIG_HASH, FlippingKeeper, evolving_snapshots, hub_peer, node_peer, wait_installed
 from testbed.relay_scenarios import Hub, join
 
@@ -294,8 +295,9 @@ def test_a_real_hub_publishes_deltas_that_real_nodes_install_bit_exact(tmp_path)
     try:
         dirs = [tmp_path / "node-0", tmp_path / "node-1"]
         nodes = [start_test_node(hub.addr, d, "--dtype", "bfloat16") for d in dirs]
-        ids = [node_peer_id(n) for n in nodes]
-        wait_until(lambda: all((n := node_states(hub).get(p)) and n.version_held >= 4 for p in ids), 180, "both nodes to hold v4")
+        # A node still fetching v0 when v1 and v2 are out skips v1 and takes v2 whole (no delta from v0): wait for
+        # three deltas on each node, not for a version number.
+        wait_until(lambda: all(len(_delta_installs(d)) >= 3 for d in dirs), 180, "three delta installs on both nodes")
         status = hub.status()
         stop_all(nodes)
     finally:
@@ -305,8 +307,11 @@ def test_a_real_hub_publishes_deltas_that_real_nodes_install_bit_exact(tmp_path)
     for node_dir in dirs:
         records = [json.loads(p.read_text()) for p in (node_dir / "installed").glob("v*.json")]
         assert len(records) >= 4 and all(r["bytes_blake3"] == hashes[r["version"]] for r in records)
-        log = (node_dir / "node.log").read_text()
-        assert len(re.findall(r"installed v\d+ \([\d.]+s, a delta of \d+ bytes", log)) >= 3, log[-3000:]
+
+
+def _delta_installs(node_dir: Path) -> list[str]:
+    log = node_dir / "node.log"
+    return re.findall(r"installed v\d+ \([\d.]+s, a delta of \d+ bytes", log.read_text()) if log.exists() else []
 
 
 @pytest.mark.trio

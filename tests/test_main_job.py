@@ -142,16 +142,22 @@ def test_help_is_fast_and_imports_no_torch() -> None:
         assert "usage" in result.stdout
 
 
-def test_a_start_mistake_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
-    code = (
-        "import sys, hub.cli.main as m\n"
-        f"code = m.main(['start', '--kappa', '0', '--data-dir', {str(tmp_path / 'data')!r}])\n"
-        "assert 'torch' not in sys.modules, 'torch imported before the mistake was refused'\n"
-        "sys.exit(code)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2, result.stderr
-    assert "kappa" in result.stderr and not (tmp_path / "data").exists()
+def test_a_mistake_is_refused_before_torch_or_libp2p_is_imported(tmp_path: Path) -> None:
+    """A mistake costs one interpreter start-up and the config's models (~0.4 s), not torch's or libp2p's import."""
+    for module, argv, word in (
+        ("hub.cli.main", ["start", "--kappa", "0", "--data-dir", str(tmp_path / "data")], "kappa"),
+        ("node.cli", ["join", "--hub", "x", "--data-dir", str(tmp_path / "data")], "hub address"),
+    ):
+        code = (
+            f"import sys, {module} as m\n"
+            f"code = m.main({argv!r})\n"
+            "assert 'torch' not in sys.modules, 'torch imported before the mistake was refused'\n"
+            "assert 'libp2p' not in sys.modules, 'libp2p imported before the mistake was refused'\n"
+            "sys.exit(code)\n"
+        )
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert word in result.stderr and not (tmp_path / "data").exists()
 
 
 def test_local_nodes_are_forked_from_one_node_server_and_stop_on_sigint(tmp_path: Path) -> None:

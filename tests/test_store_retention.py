@@ -4,7 +4,6 @@ and after a later ban; what is still needed keeps its payload; a resume reads no
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sqlite3
@@ -249,14 +248,15 @@ async def test_the_hub_keeps_payloads_of_versions_still_on_its_shelf(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_bench_times_a_real_hub_restarted_on_a_built_history(tmp_path):
-    argv = [sys.executable, "bench/resume.py", "--steps", "30", "--leases", "300", "--work-dir", str(tmp_path), "--json"]
-    root = Path(__file__).parent.parent
-    first = json.loads(subprocess.run(argv, cwd=root, capture_output=True, text=True, check=True, timeout=600).stdout)
+def test_resume_bench_times_a_real_hub_restarted_on_a_built_history(tmp_path, capsys):
+    from tests.test_bench_smoke import load_bench, printed_json
+
+    resume = load_bench("resume")
+    assert resume.main(["--steps", "30", "--leases", "300", "--work-dir", str(tmp_path), "--json"]) == 0
+    first = printed_json(capsys)
     assert first["steps"] == 31 and first["leases"] == 300 and first["build_s"] > 0
     assert 0 < first["resume_s_large_store"] < first["build_s"] and first["store_bytes"] > 0
-    again = json.loads(subprocess.run(argv, cwd=root, capture_output=True, text=True, check=True, timeout=600).stdout)
-    assert again["build_s"] is None and again["steps"] == 31  # the built data dir is reused
+    assert resume.built(tmp_path / "base-30-300", 30, 300, False, print) == (31, None)  # reused: no build_s
 
 
 def test_old_steps_keep_their_columns_but_not_their_metrics_json_and_snapshot_rows_are_capped(tmp_path, monkeypatch):

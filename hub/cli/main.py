@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from shared.checks import UserError
 from shared.flags import EXAMPLE_FORMAT, FlagParser
-from shared.logs import quiet_cpu_wheel_noise
+from shared.logs import quiet_wheel_noise
 
 # Before torch is imported: the hub's start imports it, and transformers imports torchao.
-quiet_cpu_wheel_noise()
+quiet_wheel_noise()
 
 if TYPE_CHECKING:
     from hub.config import HubConfig

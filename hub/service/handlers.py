@@ -78,10 +78,10 @@ from shared.net import ConnectionStarts, address_key, close_answered, forget_pee
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
 from shared.units import BYTES_PER_MBIT
 from shared.wire import (
-    LIBP2P_END_OF_STREAM,
     FrameError,
     PeerFault,
     StreamEOF,
+    libp2p_end_of_stream,
     read_exact,
     read_frame,
     read_message,
@@ -631,7 +631,7 @@ async def _refuse(stream: INetStream, code: RejectCode, reason: str, linger_s: f
             await stream.close_write()
         if not writing.cancelled_caught and linger_s > 0:  # a peer that does not read its Reject gets no linger either
             with trio.move_on_after(linger_s):
-                with contextlib.suppress(*LIBP2P_END_OF_STREAM):
+                with contextlib.suppress(*libp2p_end_of_stream()):
                     while await stream.read(REFUSE_DRAIN_BYTES):
                         pass
                 await stream.close()  # the peer closed its side: the stream ends cleanly
