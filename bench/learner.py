@@ -619,6 +619,9 @@ def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tok
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
+    from shared.logs import quiet_wheel_noise
+
+    quiet_wheel_noise()
     args = parse_args(argv)
     if args.side:
         side_main(args)

@@ -49,12 +49,21 @@ def setup_logging(
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
 
+# torchao's warnings that its wheel's GPU parts are missing: its CUDA kernels ("Failed to load <kernel>.so", logger
+# torchao) and triton (torch's CPU wheel has none; logger torchao.kernel.intmm, which transformers imports).
+CPU_WHEEL_NOISE = {"torchao": "Failed to load ", "torchao.kernel.intmm": "Warning: Detected no triton"}
+
+
 class CpuWheelNoise(logging.Filter):
-    """Drops torchao's "Failed to load <kernel>.so" warnings on a machine without CUDA, where its wheel's CUDA kernels
-    cannot load and nothing of ours uses them (adamw8bit's optimizer is plain torch); with CUDA they are kept."""
+    """Drops one of torchao's CPU_WHEEL_NOISE warnings on a machine without CUDA, where those parts cannot load and
+    nothing of ours uses them (adamw8bit's optimizer is plain torch); with CUDA they are kept."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.getMessage().startswith("Failed to load "):
+        if not record.getMessage().startswith(self.prefix):
             return True
         torch = sys.modules.get("torch")  # imported before torchao logs anything: torchao imports it first
         return torch is None or torch.cuda.is_available()
@@ -75,7 +84,8 @@ class TorchaoEnumNoise(logging.Filter):
 
 def quiet_wheel_noise() -> None:
     """Before torch or transformers is imported: every start printed torchao's warnings (transformers imports it)."""
-    logging.getLogger("torchao").addFilter(CpuWheelNoise())
+    for logger, prefix in CPU_WHEEL_NOISE.items():
+        logging.getLogger(logger).addFilter(CpuWheelNoise(prefix))
     logging.getLogger("torch.utils._pytree").addFilter(TorchaoEnumNoise())
 
 

@@ -203,14 +203,16 @@ def _peer_id(node_dir: Path) -> str:
 
 
 def test_a_start_prints_none_of_torchaos_wheel_warnings() -> None:
-    """torchao's wheel warns that its CUDA kernels do not load, and torch that torchao registers its enums as pytree
+    """torchao's wheel warns that its CUDA kernels and triton do not load, and torch that torchao registers its enums as pytree
     constants, whenever transformers imports it: importing our entry points first keeps those lines out of every
     start (the kernels' only on a machine with no CUDA); torchao's other warnings, and torch's about another
     package's enum, stay."""
     import torch
 
     code = (
-        "import node.cli, hub.cli.main, transformers, torchao, logging, enum\n"
+        "import logging\n"
+        "logging.basicConfig()  # as hub.log's handler: torchao.kernel.intmm's NullHandler hides its line otherwise\n"
+        "import node.cli, hub.cli.main, transformers, torchao, torchao.kernel.intmm, enum\n"
         "logging.getLogger('torchao').warning('kept')\n"
         "class Theirs(enum.Enum):\n    A = 1\n"
         "logging.getLogger('torch.utils._pytree').warning('%s is an Enum subclass and is now supported', Theirs)\n"
@@ -218,7 +220,7 @@ def test_a_start_prints_none_of_torchaos_wheel_warnings() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     if not torch.cuda.is_available():
-        assert "Failed to load" not in done.stderr, done.stderr[-2000:]
+        assert "Failed to load" not in done.stderr and "Detected no triton" not in done.stderr, done.stderr[-2000:]
     assert "kept" in done.stderr
     enum_warnings = [line for line in done.stderr.splitlines() if "is an Enum subclass" in line]
     assert len(enum_warnings) == 1 and "Theirs" in enum_warnings[0], done.stderr[-2000:]
