@@ -621,7 +621,7 @@ def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tok
 def main(argv: Sequence[str] | None = None) -> dict:
     from shared.logs import quiet_wheel_noise
 
-    quiet_wheel_noise()
+    quiet_wheel_noise()  # before TRL imports transformers, which imports torchao
     args = parse_args(argv)
     if args.side:
         side_main(args)

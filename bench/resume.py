@@ -98,6 +98,11 @@ def time_resume(base: Path, work: Path, last_step: int) -> float:
         shutil.rmtree(data, ignore_errors=True)  # a copy of the large store: the output file says what happened
 
 
+def base_dir(work_dir: Path, steps: int, leases: int) -> Path:
+    """Where the large data dir of `steps` and `leases` is built, and found again by a later run."""
+    return work_dir / f"base-{steps}-{leases}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000, help="learner steps of history")
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(text, file=sys.stderr)
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    base = args.work_dir / f"base-{args.steps}-{args.leases}"
+    base = base_dir(args.work_dir, args.steps, args.leases)
     last_step, build_s = built(base, args.steps, args.leases, args.rebuild, say)
     say("timing a real hub start on a copy")
     resume_s = time_resume(base, args.work_dir, last_step)

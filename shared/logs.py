@@ -8,6 +8,7 @@ same rule through `CappedOutput`.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import logging.handlers
@@ -71,17 +72,20 @@ class CpuWheelNoise(logging.Filter):
 
 class TorchaoEnumNoise(logging.Filter):
     """Drops torch's deprecation warning about torchao registering its own enums as pytree constants (torchao 0.18
-    under torch 2.13: two lines on every start, on any device); the same warning about anyone else's enum is kept."""
+    under torch 2.13: a line per enum, two on a hub's start, on any device); the same warning about anyone else's enum
+    is kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         subject = record.args[0] if isinstance(record.args, tuple) and record.args else None
         return not (
-            "is an Enum subclass" in record.msg
+            isinstance(record.msg, str)
+            and "is an Enum subclass" in record.msg
             and isinstance(subject, type)
             and subject.__module__.partition(".")[0] == "torchao"
         )
 
 
+@functools.cache  # once per process, however many entry points call it
 def quiet_wheel_noise() -> None:
     """Before torch or transformers is imported: every start printed torchao's warnings (transformers imports it)."""
     for logger, prefix in CPU_WHEEL_NOISE.items():

@@ -21,6 +21,7 @@ from hub.trust.submissions import REASON_OVER_BUDGET, GroupVerdict
 from shared.crypto import Identity
 from shared.messages import Submission, SubmittedGroup, Tallies
 from shared.rollout import Completion, Group
+from shared.tasks.base import RewardError
 from testbed.poisoned_tasks import POISON
 from tests.test_state import CONFIG, join_request, reopen, running, tokenizer  # noqa: F401 -- a fixture
 
@@ -170,7 +171,7 @@ async def test_a_submission_every_worker_dies_on_is_refused_as_busy_never_accept
 @pytest.mark.timeout(180)
 async def test_a_reward_that_hangs_on_everything_stops_the_run_and_blames_no_node(tmp_path, default_model_dir, tokenizer):
     state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:HangingRewardTask", timeout_s=1.0))
-    async with running(state):
+    async with running(state, ends_with=RewardError):
         pool = await ready(state, 1)
         (hung,) = pool._workers
         node, lease = await joined(state)

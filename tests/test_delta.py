@@ -297,7 +297,11 @@ def test_a_real_hub_publishes_deltas_that_real_nodes_install_bit_exact(tmp_path)
         nodes = [start_test_node(hub.addr, d, "--dtype", "bfloat16") for d in dirs]
         # A node still fetching v0 when v1 and v2 are out skips v1 and takes v2 whole (no delta from v0): wait for
         # three deltas on each node, not for a version number.
-        wait_until(lambda: all(len(_delta_installs(d)) >= 3 for d in dirs), 180, "three delta installs on both nodes")
+        try:
+            wait_until(lambda: all(len(_delta_installs(d)) >= 3 for d in dirs), 180, "three delta installs on both nodes")
+        except TimeoutError as exc:
+            logs = "".join(f"\n{d.name}: {(d / 'node.log').read_text()[-2000:]}" for d in dirs if (d / "node.log").exists())
+            raise AssertionError(f"{exc}; installed as deltas: {[len(_delta_installs(d)) for d in dirs]}{logs}") from exc
         status = hub.status()
         stop_all(nodes)
     finally:

@@ -203,10 +203,10 @@ def _peer_id(node_dir: Path) -> str:
 
 
 def test_a_start_prints_none_of_torchaos_wheel_warnings() -> None:
-    """torchao's wheel warns that its CUDA kernels and triton do not load, and torch that torchao registers its enums as pytree
-    constants, whenever transformers imports it: importing our entry points first keeps those lines out of every
-    start (the kernels' only on a machine with no CUDA); torchao's other warnings, and torch's about another
-    package's enum, stay."""
+    """torchao's wheel warns that its CUDA kernels and triton do not load, and torch that torchao registers its enums
+    as pytree constants, whenever transformers imports it: importing our entry points first keeps those lines out of
+    every start (the kernels' and triton's only on a machine with no CUDA); torchao's other warnings, and torch's
+    about another package's enum, stay."""
     import torch
 
     code = (

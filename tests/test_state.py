@@ -88,14 +88,29 @@ def tokenizer(default_model_dir):
 
 
 @asynccontextmanager
-async def running(state: HubState) -> AsyncIterator[None]:
-    """The state's own tasks (lease sweeps, audits of held groups) running around the block."""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(state.run)
-        while state.intake._nursery is None:
-            await trio.sleep(0)
-        yield
-        nursery.cancel_scope.cancel()
+async def running(state: HubState, ends_with: type[Exception] | None = None) -> AsyncIterator[None]:
+    """The state's own tasks (lease sweeps, audits of held groups) running around the block. `ends_with`: the error
+    the state's loop is to end the run with (a reward that failed); the block runs to its end whatever the loop does
+    meanwhile (the loop checks every second, so it may stop the run mid-block), then the loop must end so."""
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(state.run)
+            while state.intake._nursery is None:
+                await trio.sleep(0)
+            if ends_with is None:
+                yield
+                nursery.cancel_scope.cancel()
+            else:
+                with trio.CancelScope(shield=True):
+                    yield
+                with trio.fail_after(10):
+                    await trio.sleep_forever()
+    except BaseExceptionGroup as group:
+        matched, rest = group.split(ends_with) if ends_with is not None else (None, group)
+        if matched is None or rest is not None:
+            raise
+        return
+    assert ends_with is None, f"the state's loop did not end the run with {ends_with.__name__}"
 
 
 async def settled(state: HubState) -> None:

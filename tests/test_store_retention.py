@@ -256,7 +256,7 @@ def test_resume_bench_times_a_real_hub_restarted_on_a_built_history(tmp_path, ca
     first = printed_json(capsys)
     assert first["steps"] == 31 and first["leases"] == 300 and first["build_s"] > 0
     assert 0 < first["resume_s_large_store"] < first["build_s"] and first["store_bytes"] > 0
-    assert resume.built(tmp_path / "base-30-300", 30, 300, False, print) == (31, None)  # reused: no build_s
+    assert resume.built(resume.base_dir(tmp_path, 30, 300), 30, 300, False, print) == (31, None)  # reused: no build_s
 
 
 def test_old_steps_keep_their_columns_but_not_their_metrics_json_and_snapshot_rows_are_capped(tmp_path, monkeypatch):
