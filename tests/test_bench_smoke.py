@@ -57,6 +57,37 @@ def test_learner_bench_smoke(default_model_dir, capsys):
     assert first["echo2_grad_norm"] == pytest.approx(first["trl_grad_norm"], rel=1e-3)
 
 
+GPU_CALL_LIMIT_S = 600  # one command on a lent GPU machine (its run tool's per-call limit)
+GPU_INSTALL_S = 40  # bench/gpu_learner.sh's own start: the carried wheels' install and nvidia-smi
+
+
+def test_gpu_learner_script_runs_only_flags_the_bench_takes_and_each_mode_fits_one_gpu_call():
+    """A lent GPU gives a session one 15-minute go: a misspelt flag in bench/gpu_learner.sh, or a mode whose
+    timeouts add up past one call, would spend it on an argparse error or a killed run, found only there."""
+    import shlex
+
+    learner = load_bench("learner")
+    seconds: dict[str, int] = {}
+    mode = None
+    for line in (BENCH_DIR / "gpu_learner.sh").read_text().replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] in (["if"], ["elif"]) and "=" in words:  # the mode's test: [ "$1" = MODE ]
+            mode = words[words.index("=") + 1]
+        elif words == ["else"] and mode is not None:
+            mode = "scale"
+        elif words == ["fi"]:
+            mode = None
+        elif words[:1] == ["bench"] and mode is not None:
+            name, limit, *args = words[1:]
+            parsed = learner.parse_args(["--device", "cuda", "--json", *args])
+            assert parsed.device == "cuda", name
+            seconds[mode] = seconds.get(mode, 0) + int(limit)
+        elif words[:1] == ["timeout"] and mode is not None:
+            seconds[mode] = seconds.get(mode, 0) + int(words[1])
+    assert set(seconds) == {"figures", "compile", "scale"}  # the modes the script's header names
+    assert all(total + GPU_INSTALL_S <= GPU_CALL_LIMIT_S for total in seconds.values()), seconds
+
+
 def test_staleness_bench_smoke(default_model_dir, tmp_path, capsys):
     out = tmp_path / "staleness.png"
     result = load_bench("staleness").main(
@@ -329,7 +360,8 @@ def test_soak_bench_fits_the_rss_line_over_the_hubs_last_life_and_kills_in_the_f
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_soak_bench_smoke(tmp_path):
-    """A minute of the soak: a real hub killed once, two real nodes, long completions; every key, nothing lost."""
+    """Half a minute of the soak (30-odd steps on 2 cores): a real hub killed once, two real nodes, long completions;
+    every key, nothing lost."""
     import subprocess
 
     done = subprocess.run(
@@ -337,7 +369,7 @@ def test_soak_bench_smoke(tmp_path):
             sys.executable,
             str(BENCH_DIR / "soak.py"),
             "--minutes",
-            "1",
+            "0.5",
             "--kills",
             "1",
             "--nodes",

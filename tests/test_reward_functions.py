@@ -330,31 +330,6 @@ def test_a_trl_reward_file_with_two_weighted_functions_trains(tmp_path: Path) ->
     assert all(c["extra"]["verdict"] in ("tidy", "spaced") for r in logged for c in r["completions"])  # its log_extra
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_verl_parquet_file_with_compute_score_trains(tmp_path: Path, default_model_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
-    model = tmp_path / "model"
-    shutil.copytree(default_model_dir, model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    tokenizer.save_pretrained(model)
-    path = verl_parquet(tmp_path / "train.parquet")
-    rows = train(
-        tmp_path / "data",
-        "--model",
-        str(model),
-        "--task",
-        str(path),
-        "--reward",
-        f"{VERL}:compute_score",
-        "--answer-column",
-        "reward_model.ground_truth",
-    )
-    assert all(0.0 <= row["rewards/compute_score/mean"] <= 1.0 for row in rows)
-
-
 def test_a_verl_dicts_other_numbers_are_logged_and_the_rest_named_at_start(tmp_path: Path) -> None:
     """verl's reward_extra_info: numbers beside "score" become rewards/<function>/<key>/mean (None where a result
     holds none); keys holding text cannot be logged, and the start says so in one line."""
