@@ -150,6 +150,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.n < 2:
         parser.error("--n must be >= 2: a group needs two completions to differ in reward")
+    if args.attention == "flex_attention" and args.device != "cuda":
+        parser.error("--attention flex_attention needs --device cuda (torch's flex attention has no CPU backward)")
     return args
 
 

@@ -88,6 +88,13 @@ def test_gpu_learner_script_runs_only_flags_the_bench_takes_and_each_mode_fits_o
     assert all(total + GPU_INSTALL_S <= GPU_CALL_LIMIT_S for total in seconds.values()), seconds
 
 
+def test_the_learner_bench_refuses_flex_attention_off_cuda_in_one_line(capsys):
+    with pytest.raises(SystemExit) as refused:
+        load_bench("learner").parse_args(["--attention", "flex_attention"])
+    assert refused.value.code == 2
+    assert "--attention flex_attention needs --device cuda" in capsys.readouterr().err
+
+
 def test_staleness_bench_smoke(default_model_dir, tmp_path, capsys):
     out = tmp_path / "staleness.png"
     result = load_bench("staleness").main(
