@@ -150,8 +150,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.n < 2:
         parser.error("--n must be >= 2: a group needs two completions to differ in reward")
-    if args.attention == "flex_attention" and args.device != "cuda":
-        parser.error("--attention flex_attention needs --device cuda (torch's flex attention has no CPU backward)")
     return args
 
 
@@ -630,13 +628,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return {}
     from rich.progress import Progress
 
-    from hub.config import LearnerConfig
+    from hub.cli.preflight import check_learner_kernels
+    from hub.config import HubConfig, LearnerConfig
+    from shared.checks import UserError
 
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit(f"--device cuda: torch {torch.__version__} here has no CUDA; use --device cpu")
+    # What echo-hub start refuses (flex attention off CUDA, a missing torchao or flash-attn), before a model is built.
+    kernels = LearnerConfig(device=args.device, attention=args.attention, optimizer=args.optimizer, compile=args.compile)
+    try:
+        check_learner_kernels(HubConfig(learner=kernels))
+    except UserError as mistake:
+        print(f"bench/learner.py: {mistake}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.lr is None:
         args.lr = LearnerConfig().lr
     model_dir = model_dir_for(args.shape, args.device)

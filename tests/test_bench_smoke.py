@@ -78,9 +78,8 @@ def test_gpu_learner_script_runs_only_flags_the_bench_takes_and_each_mode_fits_o
         elif words == ["fi"]:
             mode = None
         elif words[:1] == ["bench"] and mode is not None:
-            name, limit, *args = words[1:]
-            parsed = learner.parse_args(["--device", "cuda", "--json", *args])
-            assert parsed.device == "cuda", name
+            _name, limit, *args = words[1:]
+            learner.parse_args(["--device", "cuda", "--json", *args])  # argparse's exit 2 on a flag it does not take
             seconds[mode] = seconds.get(mode, 0) + int(limit)
         elif words[:1] == ["timeout"] and mode is not None:
             seconds[mode] = seconds.get(mode, 0) + int(words[1])
@@ -90,9 +89,9 @@ def test_gpu_learner_script_runs_only_flags_the_bench_takes_and_each_mode_fits_o
 
 def test_the_learner_bench_refuses_flex_attention_off_cuda_in_one_line(capsys):
     with pytest.raises(SystemExit) as refused:
-        load_bench("learner").parse_args(["--attention", "flex_attention"])
+        load_bench("learner").main(["--attention", "flex_attention"])
     assert refused.value.code == 2
-    assert "--attention flex_attention needs --device cuda" in capsys.readouterr().err
+    assert "--attention flex_attention trains on CUDA only" in capsys.readouterr().err
 
 
 def test_staleness_bench_smoke(default_model_dir, tmp_path, capsys):
