@@ -8,12 +8,13 @@ testbed.poisoned_tasks:SpinningRewardTask; each node is a real libp2p host. Prin
 its submission and heartbeat round trips (p50, max) before and under the flood, the poisoned groups rejected
 past their budget and counted against their senders, and whether the run stopped.
 
-`web` and `churn` (item 7) run against a real `echo-hub start --http` process: an honest member heartbeats every
+`web`, `churn` (item 7) and `strangers` (issue 65) run against a real `echo-hub start --http` process: an honest member heartbeats every
 BEAT_S through a quiet spell, then under a web flood (WEB_ADDRESSES client addresses x WEB_CONNECTIONS keep-alive
 connections, each asking /api/status as fast as it is answered), then under join/leave churn (CHURN_IDENTITIES
-identities joining and leaving as fast as they are answered). Each attack runs in a process of its own, so the
+identities joining and leaving as fast as they are answered), then under STRANGER_IDENTITIES throwaway identities
+that connect, are identified and hang up (py-libp2p's peerstore evicted the hub's own keys past 1,000 of them). Each attack runs in a process of its own, so the
 member's round trips measure the hub, not this script. Printed per spell: the member's heartbeat round trips
-(p50, p90, max), the hub's CPU (its processes together: the web server's is one of them), what the hub's log grew
+(p50, p90, p99, max), the hub's CPU and resident memory (its processes together: the web server's is one of them), what the hub's log grew
 by and its `chains:` lines, and the attack's own rate.
 
 Usage: python bench/attacks.py [--attacks reward,web,churn] [--attackers 3] [--seconds 20] [--modes process,thread]
@@ -46,8 +47,18 @@ from hub.trust.submissions import REASON_OVER_BUDGET
 from node.client import HubClient
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
-from shared.layout import HUB_LOG_FILE
-from shared.messages import Heartbeat, JoinReply, JoinRequest, LeaseReply, Reject, Submission, SubmitReply, SubmittedGroup
+from shared.layout import HUB_LOG_FILE, HUB_STORE_FILE
+from shared.messages import (
+    Heartbeat,
+    HeartbeatReply,
+    JoinReply,
+    JoinRequest,
+    LeaseReply,
+    Reject,
+    Submission,
+    SubmitReply,
+    SubmittedGroup,
+)
 from shared.net import running_host
 from shared.rollout import Completion, SamplingParams
 from testbed.inproc import LOOPBACK, PERMISSIVE_TRUST, InprocHub, inproc_hub
@@ -202,6 +213,8 @@ BEAT_S = 0.2  # the honest member's heartbeat period (a round trip, then this lo
 WEB_ADDRESSES = 16  # client addresses of the web flood, 127.0.0.2 on
 WEB_CONNECTIONS = 8  # keep-alive connections per address
 CHURN_IDENTITIES = 4
+STRANGER_IDENTITIES = 5000
+STRANGER_DIALS = 8  # identities connecting at once
 ATTACK_MARGIN_S = 1.0  # an attacker goes on this much longer than the member is measured under it
 STARTED_LINE = b"attacking\n"  # what an attacker prints once it attacks
 HUB_ARGS = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8")
@@ -296,15 +309,59 @@ async def churn(hub_addr: str, config_hash: str, seconds: float) -> dict:
     return {"pairs_per_s": round(pairs[0] / seconds, 1), "refused_requests": refused[0]}
 
 
+async def strangers(hub_addr: str, seconds: float) -> dict:
+    """STRANGER_IDENTITIES identities, STRANGER_DIALS at a time, each connecting and hanging up once the hub has
+    identified it (or after a second); ends early once `seconds` pass."""
+    from shared.net import connect
+
+    until = trio.current_time() + seconds
+    count, failed = [0], [0]
+    started()
+
+    async def dialler(share: int) -> None:
+        for _ in range(share):
+            if trio.current_time() >= until:
+                return
+            try:
+                async with running_host(Identity.generate(), [LOOPBACK]) as (host, _):
+                    with trio.move_on_after(1.0):
+                        await connect(host, hub_addr)
+                        await trio.sleep(0.05)  # the hub's identify runs on the new connection
+                count[0] += 1
+            except Exception:  # noqa: BLE001 - a refused dial is the attack's cost, counted
+                failed[0] += 1
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(STRANGER_DIALS):
+            nursery.start_soon(dialler, STRANGER_IDENTITIES // STRANGER_DIALS)
+    return {"identities": count[0], "failed_dials": failed[0]}
+
+
 def worker(argv: list[str]) -> None:
-    """`--worker web URL SECONDS` or `--worker churn HUB_ADDR CONFIG_HASH SECONDS`: one attack; STARTED_LINE once it
-    attacks, then its figures as JSON."""
+    """`--worker web URL SECONDS`, `--worker churn HUB_ADDR CONFIG_HASH SECONDS` or `--worker strangers HUB_ADDR
+    SECONDS`: one attack; STARTED_LINE once it attacks, then its figures as JSON."""
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     kind, *args = argv
     if kind == "web":
         print(json.dumps(trio.run(web_flood, args[0], float(args[1]))))
+    elif kind == "strangers":
+        print(json.dumps(trio.run(strangers, args[0], float(args[1]))))
     else:
         print(json.dumps(trio.run(churn, args[0], args[1], float(args[2]))))
+
+
+def hub_rss_mb(pid: int) -> float:
+    """Resident memory of the hub's processes together, in MB."""
+    import psutil
+
+    hub = psutil.Process(pid)
+    return round(sum(p.memory_info().rss for p in (hub, *hub.children(recursive=True)) if p.is_running()) / 1e6, 1)
+
+
+def store_kb(data_dir: Path) -> float:
+    """The hub's store on disk (its write-ahead log included), in kB."""
+    files = (data_dir / HUB_STORE_FILE, data_dir / f"{HUB_STORE_FILE}-wal")
+    return round(sum(f.stat().st_size for f in files if f.exists()) / 1000, 1)
 
 
 def hub_cpu_s(pid: int) -> float:
@@ -325,6 +382,7 @@ def hub_cpu_s(pid: int) -> float:
 async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float) -> dict:
     """The member's heartbeats for `seconds` (under `attack`, a worker's argv, when given), and what the hub spent."""
     log_file = hub.data_dir / HUB_LOG_FILE
+    rss_at, store_at = hub_rss_mb(hub.process.pid), store_kb(hub.data_dir)
     log_at, cpu_at, started = log_file.stat().st_size, hub_cpu_s(hub.process.pid), time.monotonic()
     beats: list[float] = []
     attacked: dict = {}
@@ -343,7 +401,9 @@ async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float
     until = time.monotonic() + seconds
     while time.monotonic() < until:
         sent = time.monotonic()
-        await member.heartbeat(Heartbeat(version_held=0))
+        beat = await member.heartbeat(Heartbeat(version_held=0))
+        if not isinstance(beat, HeartbeatReply):
+            raise RuntimeError(f"the member's heartbeat was answered {beat!r}")
         beats.append(time.monotonic() - sent)
         await trio.sleep(BEAT_S)
     elapsed = time.monotonic() - started
@@ -357,8 +417,14 @@ async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float
         await process.wait()
         attacked = json.loads(out.split(STARTED_LINE, 1)[1])
     return {
-        "heartbeat": {**summary(beats), "p90_ms": round(1000 * statistics.quantiles(beats, n=10)[-1], 1)},
+        "heartbeat": {
+            **summary(beats),
+            "p90_ms": round(1000 * statistics.quantiles(beats, n=10)[-1], 1),
+            "p99_ms": round(1000 * statistics.quantiles(beats, n=100)[-1], 1),
+        },
         "hub_cores": round((hub_cpu_s(hub.process.pid) - cpu_at) / elapsed, 2),
+        "hub_rss_mb": {"before": rss_at, "after": hub_rss_mb(hub.process.pid)},
+        "store_kb": {"before": store_at, "after": store_kb(hub.data_dir)},
         "hub_log_kb_per_s": round(len(grown) / 1000 / elapsed, 1),
         "chains_lines": grown.count(b" chains: "),
         **attacked,
@@ -389,7 +455,12 @@ async def run_floods(work: Path, seconds: float, model_dir: Path, attacks: set[s
                 )
             )
             assert isinstance(joined, JoinReply), joined
-            spells = {"quiet": None, "web": ["web", url], "churn": ["churn", hub.addr, config_hash]}
+            spells = {
+                "quiet": None,
+                "web": ["web", url],
+                "churn": ["churn", hub.addr, config_hash],
+                "strangers": ["strangers", hub.addr],
+            }
             return {name: await spell(member, hub, attack, seconds) for name, attack in spells.items() if name in attacks}
     finally:
         stop_all([hub])
@@ -400,7 +471,7 @@ def main() -> None:
         worker(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attacks", default="reward,web,churn", help="comma-separated: reward, web, churn")
+    parser.add_argument("--attacks", default="reward,web,churn,strangers", help="comma-separated: reward, web, churn, strangers")
     parser.add_argument("--attackers", type=int, default=3, help="reward: poisoning identities")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each attack (reward's quiet spell: half)")
     parser.add_argument("--modes", default="process,thread", help=f"reward: comma-separated: {', '.join(MODES)}")
@@ -413,7 +484,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             result = trio.run(run_mode, MODES[mode], args.attackers, args.seconds, Path(work), model_dir)
             results.append({"attack": "reward", "mode": mode, **result})
-    if attacks & {"web", "churn"}:
+    if attacks & {"web", "churn", "strangers"}:
         with tempfile.TemporaryDirectory() as work:
             results.append({"attack": "floods", **trio.run(run_floods, Path(work), args.seconds, model_dir, attacks | {"quiet"})})
     print(json.dumps(results, indent=2))

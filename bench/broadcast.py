@@ -100,7 +100,7 @@ async def bench_hub(identity: Identity, shelf: SnapshotShelf, link_bps: float, h
 
 
 @asynccontextmanager
-async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, nursery: trio.Nursery):
+async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, max_snapshot_bytes: int, nursery: trio.Nursery):
     identity = Identity.generate()
     async with running_host(identity, [LOOPBACK]) as (host, addrs):
         node: BenchNode
@@ -119,6 +119,7 @@ async def bench_node(hub_peer_id: str, hub_addr: str, link_bps: float, nursery: 
             RateLimiter(link_bps),
             on_installed=lambda v: None,
             report=client.report,
+            max_snapshot_bytes=max_snapshot_bytes,
         )
         node = BenchNode(identity.peer_id, addrs[0], host, keeper, trio.Event())
         set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)
@@ -142,7 +143,12 @@ async def run_once(mode: str, n: int, snapshot: Snapshot, hub_id: Identity, link
     async with AsyncExitStack() as stack:
         hub_host, hub_addr = await stack.enter_async_context(bench_hub(hub_id, shelf, link_bps, hub_bps))
         nursery = await stack.enter_async_context(trio.open_nursery())
-        nodes = [await stack.enter_async_context(bench_node(hub_id.peer_id, hub_addr, link_bps, nursery)) for _ in range(n)]
+        nodes = [
+            await stack.enter_async_context(
+                bench_node(hub_id.peer_id, hub_addr, link_bps, snapshot.manifest.total_bytes, nursery)
+            )
+            for _ in range(n)
+        ]
         by_id = {node.peer_id: node for node in nodes}
         chains = plan_chains([(p, link_bps) for p in by_id], hub_bps) if mode == "chain" else [[p] for p in by_id]
         for chain in chains:

@@ -4,7 +4,8 @@ connection live (untrusted peers, round four, item 8), printed as JSON.
 The hub is the real service, state and store in process (testbed/inproc.py) with the default trust limits
 (a stranger's connection ends after trust.idle_connection_s idle, and NON_MEMBER_LIFETIME_S however busy). The
 stranger opens every /echo2/ protocol on one connection, sends a frame header claiming a 4 GiB body and
---garbage-bytes of garbage on each, half-closes, and reports when each stream and the connection ended:
+--garbage-bytes of garbage on each (js: in 64 KiB pieces as back-pressure allows, or with --pattern one-write in
+one `send`, as a js-libp2p peer did in issue 65), half-closes, and reports when each stream and the connection ended:
 - js: js-libp2p (TCP, Noise, Yamux) from bench/foreign/ (`npm ci` there once; node >= 20);
 - py: a raw py-libp2p host sending the same bytes (testbed/strangers.py), which the suite also runs.
 
@@ -12,7 +13,7 @@ With --busy-every-s the stranger opens one more bad status stream that often whi
 and only the lifetime ends its connection (--lifetime-s shortens the hub's, NON_MEMBER_LIFETIME_S by default).
 
 Usage: python bench/foreign_peer.py [--impl js,py] [--give-up-s 150] [--garbage-bytes 1048576]
-           [--busy-every-s 1] [--lifetime-s 120]
+           [--busy-every-s 1] [--lifetime-s 120] [--pattern pieces|one-write]
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def summary(report: dict, lifetime_s: float) -> dict:
     }
 
 
-async def js_probe(hub_addr: str, protocols: list[str], garbage_bytes: int, give_up_s: float, busy_every_s: float | None) -> dict:
+async def js_probe(
+    hub_addr: str, protocols: list[str], garbage_bytes: int, give_up_s: float, busy_every_s: float | None, pattern: str
+) -> dict:
     node = shutil.which("node")
     if node is None:
         raise SystemExit("bench/foreign_peer.py --impl js needs node (>= 20): apt-get install -y nodejs npm")
@@ -76,6 +79,7 @@ async def js_probe(hub_addr: str, protocols: list[str], garbage_bytes: int, give
         "hub": hub_addr,
         "give_up_s": give_up_s,
         "garbage_bytes": garbage_bytes,
+        "pattern": pattern,
         "protocols": [{"protocol": p, "header_hex": bad_frame_header(p).hex()} for p in protocols],
         "busy": None
         if busy_every_s is None
@@ -85,14 +89,13 @@ async def js_probe(hub_addr: str, protocols: list[str], garbage_bytes: int, give
     return json.loads(done.stdout.decode().strip().splitlines()[-1])
 
 
-async def run(
-    impl: str, garbage_bytes: int, give_up_s: float, busy_every_s: float | None, lifetime_s: float, work: Path, model_dir: Path
-) -> dict:
+async def run(impl: str, args: argparse.Namespace, work: Path, model_dir: Path) -> dict:
+    garbage_bytes, give_up_s, busy_every_s, lifetime_s = args.garbage_bytes, args.give_up_s, args.busy_every_s, args.lifetime_s
     protocols = echo2_protocols()
     async with inproc_hub(work, model_dir, CONFIG) as hub, AsyncExitStack() as stack:
         hub.service.stranger_lifetime_s = lifetime_s
         if impl == "js":
-            report = await js_probe(hub.addr, protocols, garbage_bytes, give_up_s, busy_every_s)
+            report = await js_probe(hub.addr, protocols, garbage_bytes, give_up_s, busy_every_s, args.pattern)
         else:
             host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
             probe = await raw_probe(host, hub.addr, protocols, garbage_bytes, give_up_s, busy_every_s)
@@ -109,6 +112,12 @@ def main() -> None:
     parser.add_argument("--give-up-s", type=float, default=NON_MEMBER_LIFETIME_S + 30.0)
     parser.add_argument("--garbage-bytes", type=int, default=1 << 20)
     parser.add_argument("--busy-every-s", type=float, default=None, help="open a bad status stream this often meanwhile")
+    parser.add_argument(
+        "--pattern",
+        choices=("pieces", "one-write"),
+        default="pieces",
+        help="js: send the frame in 64 KiB pieces as back-pressure allows, or in one send",
+    )
     parser.add_argument("--lifetime-s", type=float, default=NON_MEMBER_LIFETIME_S, help="the hub's stranger lifetime")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -116,9 +125,7 @@ def main() -> None:
     results = {}
     for impl in args.impl.split(","):
         with tempfile.TemporaryDirectory() as work:
-            results[impl] = trio.run(
-                run, impl, args.garbage_bytes, args.give_up_s, args.busy_every_s, args.lifetime_s, Path(work), model_dir
-            )
+            results[impl] = trio.run(run, impl, args, Path(work), model_dir)
     print(json.dumps(results, indent=2))
 
 

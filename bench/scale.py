@@ -399,6 +399,7 @@ def relay_role(role: str, work: Path, snapshot_dir: Path | None, profile: Path |
                 None,
                 on_installed=lambda v: None,
                 report=report,
+                max_snapshot_bytes=info["bytes"],
                 bulk=channel,
             )
             set_handler(host, SNAPSHOT_PROTOCOL, keeper.serve, log)

@@ -19,6 +19,7 @@ import trio
 
 from node.client import HubClient, WrongHub
 from shared.messages import (
+    PEER_TEXT_CHARS,
     STANDBY_TEXT,
     EventRecord,
     Heartbeat,
@@ -28,6 +29,7 @@ from shared.messages import (
     PriceReply,
     Reject,
     RejectCode,
+    printable_excerpt,
 )
 
 log = logging.getLogger("echo2.node.hub_link")
@@ -99,7 +101,8 @@ def describe_failure(exc: BaseException) -> str:
         exc = exc.exceptions[0]
     while exc.__cause__ is not None and not str(exc):
         exc = exc.__cause__
-    text = str(exc).splitlines()[0][:120] if str(exc) else ""
+    # A peer's words may be inside (a protocol it answered with): cleaned, as every peer text this node shows.
+    text = printable_excerpt(str(exc).splitlines()[0], 120) if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -158,10 +161,11 @@ class HubLink:
             self._unreachable("unreachable", f"hub not reachable ({describe_failure(exc)}); next try in {backoff:.0f}s")
             return None
         if isinstance(reply, Reject):
+            reason = printable_excerpt(reply.reason, PEER_TEXT_CHARS)
             if reply.code in FINAL_REFUSALS:
-                raise NodeRefused(reply.reason)
-            log.warning("hub refused join: %s; retrying in %.1fs", reply.reason, backoff)
-            self.state.note("join_refused", f"{reply.reason}; next try in {backoff:.0f}s")
+                raise NodeRefused(reason)
+            log.warning("hub refused join: %s; retrying in %.1fs", reason, backoff)
+            self.state.note("join_refused", f"{reason}; next try in {backoff:.0f}s")
             return None
         if self.price is not None:  # a rejoin declared the schedule's price anew: the rate limit starts over
             self.state.price_per_hour, self.next_price_change = request.price_per_hour, 0.0
@@ -182,7 +186,7 @@ class HubLink:
             self.state.joins += 1
             self.state.note(
                 "joined",
-                f"state {reply.state}, hub at v{reply.latest_version}, task {reply.task}, "
+                f"state {reply.state}, hub at v{reply.latest_version}, task {printable_excerpt(reply.task, PEER_TEXT_CHARS)}, "
                 f"S={reply.staleness}, heartbeat every {reply.heartbeat_period_s:g}s",
             )
             log.info("joined hub %s as %s (hub at v%d)", self.client.hub_peer_id[-8:], reply.state, reply.latest_version)
@@ -208,14 +212,15 @@ class HubLink:
                 await trio.sleep(BACKOFF_START_S)
                 continue
             if isinstance(reply, Reject):
+                reason = printable_excerpt(reply.reason, PEER_TEXT_CHARS)
                 if reply.code in FINAL_REFUSALS:
-                    raise NodeRefused(reply.reason)
+                    raise NodeRefused(reason)
                 if reply.code == RejectCode.UNKNOWN_NODE:
                     # A restarted hub, or one that dropped us as silent, no longer knows us: join again.
-                    self.state.note("heartbeat_refused", reply.reason)
+                    self.state.note("heartbeat_refused", reason)
                     return
                 # Busy (the hub's own limits) or a one-off refusal: beat again a little later, still joined.
-                log.info("heartbeat refused: %s", reply.reason)
+                log.info("heartbeat refused: %s", reason)
                 await trio.sleep(BACKOFF_START_S)
                 continue
             failures = 0
@@ -249,7 +254,7 @@ class HubLink:
             self.next_price_change = trio.current_time() + reply.next_change_in_s
             return
         if isinstance(reply, Reject):
-            reason = reply.reason
+            reason = printable_excerpt(reply.reason, PEER_TEXT_CHARS)
         log.warning("price change to $%.4g/h refused: %s", wanted, reason)
         self.state.note("price_refused", f"${wanted:.2f}/h: {reason}; next try in {PRICE_RETRY_S:.0f}s")
         self.next_price_change = trio.current_time() + PRICE_RETRY_S

@@ -15,7 +15,10 @@ this keeper; one that keeps failing or stalling is avoided until the hub names a
 upstream. Meanwhile the missing chunks come from the hub itself.
 
 It serves only the successor the hub named (and the hub): a stranger cannot make a volunteer
-upload its snapshots, or hold its streams open.
+upload its snapshots, or hold its streams open. It pulls no version above the newest the hub vouched for
+(a heartbeat reply, the hub's offer, a manifest it signed), except once from an upstream that announced it
+(`announce`), and makes no file for a signed manifest larger than its model or its free disk
+(shared.snapshot.check_snapshot_size).
 
 Deltas (shared/delta.py): each pull names the installed version as its base, so an upstream holding
 the next version as a delta against it sends the delta. The keeper relays the delta chunks as they
@@ -47,6 +50,7 @@ from shared.bulk import BulkChannel, BulkUnreachable, serving_stream
 from shared.crypto import Identity
 from shared.delta import DeltaError, apply_delta, delta_full_manifest
 from shared.messages import (
+    PEER_TEXT_CHARS,
     RELAY_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     BadChunkReport,
@@ -55,10 +59,21 @@ from shared.messages import (
     RelayOffer,
     SnapshotRequest,
     TransferAck,
+    printable_excerpt,
 )
 from shared.net import connect, open_stream, remote_peer_id
 from shared.probe import InstallProbe
-from shared.snapshot import ChunkAssembler, Manifest, SignedManifest, SnapshotError, delta_paths, read_chunk, snapshot_paths
+from shared.snapshot import (
+    ChunkAssembler,
+    Manifest,
+    OversizedSnapshot,
+    SignedManifest,
+    SnapshotError,
+    check_snapshot_size,
+    delta_paths,
+    read_chunk,
+    snapshot_paths,
+)
 from shared.transfer import (
     RECEIVER_GONE,
     STALL_S,
@@ -141,6 +156,7 @@ class SnapshotKeeper:
         limiter: Writer | None,
         on_installed: Callable[[int], None],
         report: Callable[[BadChunkReport], Awaitable[TransferAck | Reject]],
+        max_snapshot_bytes: int,
         stall_s: float = STALL_S,
         punch: Callable[[str], Awaitable[bool]] | None = None,
         bulk: BulkChannel | None = None,
@@ -150,6 +166,9 @@ class SnapshotKeeper:
         self.identity = identity
         self.hub_peer_id = hub_peer_id
         self.directory = Path(directory)
+        # The most bytes a snapshot of this node's model takes (shared.snapshot.snapshot_bytes_bound): a signed
+        # manifest promising more is refused before its file is made.
+        self.max_snapshot_bytes = max_snapshot_bytes
         self._install = install
         self._send_report = report
         self.stall_s = stall_s
@@ -157,6 +176,9 @@ class SnapshotKeeper:
         self.on_installed = on_installed
         self.held: Held | None = None
         self.transfer: Transfer | None = None
+        # The newest version the hub vouched for: its replies' latest, its own offers, a manifest it signed
+        # that verified here. What the keeper pulls never stays above it (see `announce`).
+        self.hub_version = -1
         self.target_version = -1
         self.upstream = HUB
         self.downstream: str | None = None
@@ -174,6 +196,8 @@ class SnapshotKeeper:
         self.relinks = 0
         # A version whose delta did not apply (or came against another base): pulled in full.
         self._full_for: int | None = None
+        # A version whose signed manifest was refused as oversized: not asked for again.
+        self._oversized: int | None = None
         self.deltas_applied = 0
         self.bytes_served = 0  # chunk bytes handed to successors (and the hub) that pulled from us
         self._punch = punch
@@ -196,8 +220,10 @@ class SnapshotKeeper:
         """New orders from the hub (heartbeat reply): the version to get and where to get it; `downstream_addrs`:
         our successor cannot dial us (we are behind a NAT), so we dial it and it pulls over that connection."""
         relinked = upstream != self.upstream
-        changed = latest_version > self.target_version or relinked
-        self.target_version = max(self.target_version, latest_version)
+        self.hub_version = max(self.hub_version, latest_version)
+        # The hub's word replaces a version only an upstream named: one the hub never confirmed must not stick.
+        changed = self.hub_version != self.target_version or relinked
+        self.target_version = self.hub_version
         self.upstream = upstream
         if relinked:
             self.upstream_failures = 0
@@ -221,10 +247,26 @@ class SnapshotKeeper:
         return peer is not None and bool(self.host.get_network().connections.get(ID.from_base58(peer)))
 
     def announce(self, version: int) -> None:
-        """Our upstream says it has started on `version`: pull now rather than at the next heartbeat."""
+        """Our upstream says it has started on `version`: pull now rather than at the next heartbeat.
+
+        Its word is a lead, not the hub's: the pull it starts must show the hub's signed manifest of
+        `version` (which raises `hub_version`), and a pull that shows none, or the hub's next word, takes the
+        target back to the newest version the hub vouched for."""
         if version > self.target_version:
             self.target_version = version
             self._notify()
+
+    def vouch(self, version: int) -> None:
+        """The hub itself names `version` (its offer to a chain head): the hub's word, like a heartbeat reply's."""
+        self.hub_version = max(self.hub_version, version)
+        self.announce(version)
+
+    def _drop_unconfirmed(self, version: int) -> None:
+        """A pull of `version` failed before the hub's manifest of it verified: if only an upstream named it,
+        fall back to the hub's latest (a hostile relay's made-up version would otherwise be asked for forever)."""
+        if version == self.target_version > self.hub_version:
+            log.info("v%d was named by an upstream, never by the hub: back to the hub's v%d", version, self.hub_version)
+            self.target_version = self.hub_version
 
     # -- serving downstream (a shared.transfer.ChunkSource) ------------------------------
 
@@ -303,7 +345,8 @@ class SnapshotKeeper:
             await stream.reset()
             return
         if not ack.ok:
-            log.warning("v%d to %s ended badly: %s", ack.version, remote_peer_id(stream)[-8:], ack.reason)
+            reason = printable_excerpt(ack.reason, PEER_TEXT_CHARS)
+            log.warning("v%d to %s ended badly: %s", ack.version, remote_peer_id(stream)[-8:], reason)
         await stream.close()
 
     async def on_relay_offer(self, stream: INetStream) -> None:
@@ -316,7 +359,9 @@ class SnapshotKeeper:
             offer = await read_message(stream, RelayOffer)
         await stream.close()
         sender = remote_peer_id(stream)
-        if sender in (self.hub_peer_id, self.upstream.peer_id):
+        if sender == self.hub_peer_id:
+            self.vouch(offer.version)
+        elif sender == self.upstream.peer_id:
             self.announce(offer.version)
         else:
             log.info("ignored relay offer of v%d from %s (not our upstream)", offer.version, sender[-8:])
@@ -326,7 +371,7 @@ class SnapshotKeeper:
     async def run(self) -> None:
         while True:
             version = self.target_version
-            if version <= self.version_held:
+            if version <= self.version_held or version == self._oversized:
                 await self._changed.wait()
                 continue
             if await self._pull_once(version):
@@ -359,6 +404,9 @@ class SnapshotKeeper:
             except UnusableDelta as exc:
                 log.info("v%d from %s: %s; asking for the full snapshot", version, self._name(source), exc)
                 self._full_for = version
+            except OversizedSnapshot as exc:
+                log.warning("snapshot v%d refused before a byte of it was written: %s", version, exc)
+                self._oversized = version
             except SnapshotError as exc:
                 # The hub's own signature holds but the snapshot does not (or not the newest): retry.
                 log.warning("snapshot v%d from %s refused: %r", version, self._name(source), exc)
@@ -374,6 +422,7 @@ class SnapshotKeeper:
         transfer = self.transfer
         if transfer is not None and transfer.manifest.version == version and transfer.assembler.complete:
             return True
+        self._drop_unconfirmed(version)
         if rejected is not None:
             await self._reject_source(source, rejected)
         elif scope.cancelled_caught:
@@ -469,8 +518,10 @@ class SnapshotKeeper:
             self.transfer.via = "the bulk channel" if self.bulk is not None and self.bulk.dialed > dialed else "libp2p"
 
     def _assembler_for(self, signed: SignedManifest, manifest: Manifest, source: Upstream) -> ChunkAssembler:
+        self.hub_version = max(self.hub_version, manifest.version)  # the hub signed it: it published this version
         transfer = self.transfer
         if transfer is None or transfer.manifest.version != manifest.version or transfer.manifest.kind != manifest.kind:
+            check_snapshot_size(manifest, self.max_snapshot_bytes, shutil.disk_usage(self.directory).free)
             if transfer is not None:  # superseded by a newer version (or the other kind of it): its file goes
                 transfer.assembler.discard()
             paths = delta_paths if manifest.kind == "delta" else snapshot_paths

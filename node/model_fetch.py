@@ -16,7 +16,7 @@ from node.hub_link import BACKOFF_START_S, LinkState, describe_failure
 from shared.crypto import Identity
 from shared.files import atomic_write_text
 from shared.layout import NODE_STATUS_FILE
-from shared.messages import EventRecord, ModelFiles, NodeView, Reject
+from shared.messages import PEER_TEXT_CHARS, EventRecord, ModelFiles, NodeView, Reject, printable_excerpt
 from shared.model_files import ModelFilesRefused, held, prune_unlisted, write_model_file
 from shared.net import running_host
 from shared.signals import Stopper
@@ -50,7 +50,7 @@ async def fetch_hub_model(client: HubClient, directory: Path) -> ModelFiles:
     none, its run needs the base weights on disk (LoRA), or a file is not what the list says."""
     listing = await client.model_files()
     if isinstance(listing, Reject):
-        raise (ModelFilesBusy if listing.busy else ModelFilesRefused)(listing.reason)
+        raise (ModelFilesBusy if listing.busy else ModelFilesRefused)(printable_excerpt(listing.reason, PEER_TEXT_CHARS))
     if not listing.weights_in_snapshots:
         raise ModelFilesRefused(
             f"the hub trains LoRA adapters on {listing.model} and its snapshots carry no base "
@@ -62,7 +62,8 @@ async def fetch_hub_model(client: HubClient, directory: Path) -> ModelFiles:
             continue
         data = await client.model_file(entry)
         if isinstance(data, Reject):
-            raise (ModelFilesBusy if data.busy else ModelFilesRefused)(f"{entry.name}: {data.reason}")
+            reason = printable_excerpt(data.reason, PEER_TEXT_CHARS)
+            raise (ModelFilesBusy if data.busy else ModelFilesRefused)(f"{entry.name}: {reason}")
         await trio.to_thread.run_sync(write_model_file, directory, entry, data)
     await trio.to_thread.run_sync(prune_unlisted, directory, listing)
     return listing

@@ -63,8 +63,11 @@ def _hardware(device: str) -> str:
 class NodeRuntime:
     """Wires the node's components together in one trio nursery."""
 
-    def __init__(self, config: NodeConfig, identity: Identity, engine: Engine, model_config_hash: str, device: str) -> None:
+    def __init__(
+        self, config: NodeConfig, identity: Identity, engine: Engine, model_config_hash: str, device: str, max_snapshot_bytes: int
+    ) -> None:
         self.config = config
+        self.max_snapshot_bytes = max_snapshot_bytes  # what a snapshot of this model takes at most (the keeper's bound)
         self.identity = identity
         self.engine = engine
         self.model_config_hash = model_config_hash
@@ -230,6 +233,7 @@ class NodeRuntime:
                 limiter,
                 self._on_installed,
                 client.report,
+                self.max_snapshot_bytes,
                 punch=self.nat.punch,
                 bulk=bulk,
             )
@@ -305,9 +309,10 @@ def run_node(config: NodeConfig) -> int:
 
     from node.backends import make_engine
     from node.engine import EngineUnavailable, VLLMResources
-    from shared.model_io import model_dir_config_hash
-    from shared.precision import pick_device
+    from shared.model_io import model_dir_config_hash, model_dir_weights
+    from shared.precision import ENGINE_DTYPE_BYTES, pick_device
     from shared.rollout import engine_seed
+    from shared.snapshot import snapshot_bytes_bound
 
     torch.set_num_threads(config.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
@@ -341,8 +346,9 @@ def run_node(config: NodeConfig) -> int:
         return 2
     identity = Identity.load_or_create(config.key_path)  # after every refusal above: a refused start writes no key
     config_hash = model_dir_config_hash(model_dir)
+    max_snapshot_bytes = snapshot_bytes_bound(model_dir_weights(model_dir), ENGINE_DTYPE_BYTES[engine.dtype])
     print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
-    runtime = NodeRuntime(config, identity, engine, config_hash, device)
+    runtime = NodeRuntime(config, identity, engine, config_hash, device, max_snapshot_bytes)
     try:
         code = _run_phase(runtime.run)
     finally:

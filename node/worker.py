@@ -1,7 +1,9 @@
 """The node's worker: takes leases from the hub, generates the groups, signs and submits them.
 
 Generation runs in a worker thread (the libp2p host must never be starved: py-libp2p
-resets a stream whose reader stalls ~5 s). The engine is shared with the snapshot keeper,
+resets a stream whose reader stalls ~5 s), a slice of the lease's prompts at a time, so the engine's
+peak memory is that of a slice whatever the lease's size; a lease asking more than LEASE_MAX_TOKENS is
+not answered (docs/volunteers.md: what a hub can and cannot make a volunteer do). The engine is shared with the snapshot keeper,
 so generation and weight swaps take turns under one lock, and every completion records
 the version that actually produced it.
 """
@@ -31,6 +33,7 @@ from shared.messages import (
     printable_excerpt,
     reasons_text,
 )
+from shared.rollout import SEED_LIMIT, Completion, SamplingParams
 
 if TYPE_CHECKING:
     from node.engine import Engine
@@ -45,8 +48,33 @@ REFUSAL_LOG_WINDOW_S = 60.0
 REFUSAL_TEXT_CHARS = 200
 PROMPT_ID_CHARS = 40
 LAST_REFUSALS = 5
+# Rollouts one engine call generates at most (a group is never split: a slice holds at least one prompt).
+GENERATE_BATCH_ROLLOUTS = 64
+# The most a lease may ask of this node, in rollouts x max_new_tokens: the answer is held until it is submitted
+# (Python objects, ~100 bytes a token, so ~400 MB at most), and past this an answer at full length would not fit
+# one submission (Submission.MAX_BYTES, at least 8 JSON bytes a token) anyway. A hub's default lease asks 16 Ki.
+LEASE_MAX_TOKENS = 1 << 22
 
 Rewrite = Callable[[Lease, tuple[SubmittedGroup, ...]], Awaitable[tuple[SubmittedGroup, ...]]]
+
+
+def lease_tokens(lease: Lease) -> int:
+    """The most tokens answering `lease` generates: every completion at max_new_tokens."""
+    return len(lease.prompts) * lease.group_size * lease.sampling.max_new_tokens
+
+
+def prompt_slices(prompts: int, group_size: int, batch_rollouts: int) -> list[range]:
+    """The prompts of a lease cut into consecutive slices of at most `batch_rollouts` rollouts (one prompt at least)."""
+    step = max(1, batch_rollouts // group_size)
+    return [range(start, min(start + step, prompts)) for start in range(0, prompts, step)]
+
+
+def slice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """A seeded lease's sampling for its slice `index`: a seed of its own, or every slice would draw the first's
+    random numbers again (an unseeded one samples fresh anyway)."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return sampling.model_copy(update={"seed": (sampling.seed + index) % SEED_LIMIT})
 
 
 @dataclass
@@ -120,20 +148,46 @@ class Worker:
                 log.debug("lease request failed: %r", exc)
                 await trio.sleep(IDLE_RETRY_S)
                 return f"lease request failed: {exc!r}"
+        reason = printable_excerpt(reply.reason, REFUSAL_TEXT_CHARS)
         if isinstance(reply, Reject):
-            log.info("lease refused: %s", reply.reason)
+            log.info("lease refused: %s", reason)
             if reply.code == RejectCode.UNKNOWN_NODE:
                 self.on_unknown()
             await trio.sleep(IDLE_RETRY_S)
-            return f"lease refused: {reply.reason}"
+            return f"lease refused: {reason}"
         if reply.lease is None:
             await trio.sleep(max(reply.retry_after_s, 0.05))
-            return f"no lease: {reply.reason}"
+            return f"no lease: {reason}"
         return reply.lease
 
-    def _generate(self, lease: Lease):
-        texts = [p.text for p in lease.prompts]
-        return self.engine.generate(texts, lease.group_size, lease.sampling)
+    def _generate(self, lease: Lease) -> list[list[Completion]]:
+        """The lease's groups, in prompt order, generated a slice at a time (blocking: runs in a worker thread)."""
+        groups: list[list[Completion]] = []
+        for index, part in enumerate(prompt_slices(len(lease.prompts), lease.group_size, GENERATE_BATCH_ROLLOUTS)):
+            texts = [lease.prompts[i].text for i in part]
+            groups += self.engine.generate(texts, lease.group_size, slice_sampling(lease.sampling, index))
+        return groups
+
+    async def _too_large(self, lease: Lease) -> bool:
+        """Whether `lease` asks more than this node takes (LEASE_MAX_TOKENS): then it lapses, said in a line a
+        minute at most, and the next lease is asked for a little later (a hub that sends only such leases is not
+        hammered)."""
+        tokens = lease_tokens(lease)
+        if tokens <= LEASE_MAX_TOKENS:
+            return False
+        tail = self.refusal_log.tail("too_large")
+        if tail is not None:
+            log.warning(
+                "lease %s asks %d prompts x %d completions x %d tokens, more than this node takes (%d tokens): not answered%s",
+                printable_excerpt(lease.lease_id, PROMPT_ID_CHARS),
+                len(lease.prompts),
+                lease.group_size,
+                lease.sampling.max_new_tokens,
+                LEASE_MAX_TOKENS,
+                tail,
+            )
+        await trio.sleep(IDLE_RETRY_S)
+        return True
 
     async def work(self, lease: Lease, rewrite: Rewrite | None = None) -> SubmitReply | Reject | None:
         """Answer one lease; the hub's reply, or None when it was not answered (the hub re-leases its prompts).
@@ -143,10 +197,12 @@ class Worker:
             # Work made with an older policy than the lease allows would be refused: let the lease lapse.
             log.warning(
                 "lease %s needs v%d, this node holds v%d: not answered",
-                lease.lease_id[:8],
+                printable_excerpt(lease.lease_id, 8),
                 lease.min_version,
                 self.version_held(),
             )
+            return None
+        if await self._too_large(lease):
             return None
         started = trio.current_time()
         async with self.engine_lock:
@@ -169,7 +225,7 @@ class Worker:
         try:
             reply = await self.client.submit(submission, deadline=started + lease.deadline_s)
         except Exception as exc:  # noqa: BLE001 - hub gone or restarting mid-answer: the hub re-leases the prompts
-            log.warning("submission for lease %s not delivered: %r", lease.lease_id[:8], exc)
+            log.warning("submission for lease %s not delivered: %r", printable_excerpt(lease.lease_id, 8), exc)
             reply = None
         self.stats.leases_done += 1
         self.stats.rollouts += rollouts

@@ -22,6 +22,11 @@ relies on the same release's swarm internals and is covered by the same check.
   counted against the peer (`overruns`). `_close_read_in_muxer` makes NetStream.close_read, which py-libp2p
   only records in the stream's state, drop what the stream holds unread and whatever the peer sends after it
   (docs/upstream/yamux-window.md is the report for py-libp2p).
+- Reset streams: py-libp2p's YamuxStream.reset keeps what the stream received unread, and adds what the peer still
+  sends, until its stale-stream sweeper's grace is over (60 s), though nothing may read a reset stream; and resetting
+  a stream both sides had closed sends nothing and keeps that too. A stranger whose one write exceeds the window left
+  a window (256 KiB) of it held per refused stream. `_reset_dropping_unread` drops it and the stream's bookkeeping at
+  once, and what the peer sends after it is ignored (docs/upstream/yamux-reset.md is the report for py-libp2p).
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ def apply() -> None:
     NoiseTransportReadWriter.read_msg = _read_noise_message
     Yamux.__init__ = _init_with_guarded_buffers
     NetStream.close_read = _close_read_in_muxer
+    YamuxStream.reset = _reset_dropping_unread
 
 
 # py-libp2p's own rule, kept for comparison (tests/test_net.py).
@@ -227,3 +233,20 @@ async def _close_read_in_muxer(self: NetStream) -> None:
             buffer.clear()
         if stream.closed:  # the peer closed its side already: nothing is left to hold
             conn._finalize_stream_locked(stream, fully_closed=True)
+
+
+_yamux_reset = YamuxStream.reset
+
+
+async def _reset_dropping_unread(self: YamuxStream) -> None:
+    """Replaces YamuxStream.reset: py-libp2p's (an RST, unless both sides had closed the stream already), after which
+    nothing of the stream is held: what it received unread is dropped, and with it the stream's entry, so that DATA
+    the peer still sends on it is ignored (see the module docstring)."""
+    self._echo2_reads_closed = True  # read by _StreamBuffer.extend: nothing more is kept until the entry goes
+    conn = self.conn
+    async with conn.streams_lock:
+        buffer = conn.stream_buffers.get(self.stream_id)
+        if buffer:
+            buffer.clear()
+    await _yamux_reset(self)
+    await conn._finalize_stream(self, fully_closed=True)  # py-libp2p finalizes only a stream it sent the RST on

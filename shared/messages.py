@@ -107,6 +107,10 @@ def _printable(text: str) -> str:
     return text
 
 
+# A peer's free text (a refusal's reason, a hub's task name) as a node prints and logs it: cleaned and cut to this.
+PEER_TEXT_CHARS = 300
+
+
 def printable_excerpt(text: str, max_chars: int) -> str:
     """A peer's free text fit for one line of a log or a screen: control and formatting characters shown as "?",
     cut to `max_chars` (with "..." when cut). For text already received, where refusing it would lose the rest of

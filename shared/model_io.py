@@ -31,6 +31,16 @@ def model_dir_config_hash(model_dir: str | Path) -> str:
     return model_config_hash(AutoConfig.from_pretrained(str(model_dir)).to_dict())
 
 
+def model_dir_weights(model_dir: str | Path) -> int:
+    """Parameters and buffers of the model a Hugging Face model directory's config describes, tied ones once: what
+    a full snapshot of it holds, counted on a weightless copy (nothing is allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    return sum(t.numel() for t in (*model.parameters(), *model.buffers()))
+
+
 def _untied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tensors with no shared storage: exact aliases dropped (first name kept), overlaps cloned.
 

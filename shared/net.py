@@ -57,7 +57,7 @@ from typing import overload
 
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetConn, INetStream, INotifee
+from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
@@ -74,6 +74,7 @@ from multiaddr import Multiaddr
 from shared import libp2p_patches
 from shared.crypto import Identity
 from shared.logs import PeerLogLimiter
+from shared.peerstore import BoundedPeerStore, ForgetOnHangUp, QuietNotifee
 from shared.wire import M2, M, Message, StreamEOF, WritableStream, libp2p_end_of_stream, read_message, write_message, write_signed
 
 if sys.version_info < (3, 11):
@@ -97,8 +98,10 @@ StreamHandler = Callable[[INetStream], Awaitable[None]]
 def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> IHost:
     libp2p_patches.apply()
     key_pair = identity.libp2p_keypair()
+    peerstore = BoundedPeerStore(ID.from_base58(identity.peer_id))
     host = new_host(
         key_pair=key_pair,
+        peerstore_opt=peerstore,
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         transports=[TCP()],
@@ -113,6 +116,9 @@ def build_host(identity: Identity, inbound_per_ip: int = MAX_INBOUND_PER_IP) -> 
     )
     if host.get_id().to_base58() != identity.peer_id:
         raise RuntimeError(f"libp2p host id {host.get_id()} differs from identity {identity.peer_id}")
+    network = host.get_network()
+    peerstore.is_live = lambda peer: bool(network.get_connections(peer))
+    network.register_notifee(ForgetOnHangUp(peerstore, network.get_connections))
     _hold_inbound_slots_while_alive(host, inbound_per_ip)
     return host
 
@@ -226,7 +232,7 @@ async def running_host(
                 await host.close()
 
 
-class ConnectionStarts(INotifee):
+class ConnectionStarts(QuietNotifee):
     """When each of a host's live connections started, on `clock`: stamped as py-libp2p registers the connection
     (once its handshake is done, which py-libp2p bounds by ConnectionConfig.inbound_upgrade_timeout), so an age
     counts from the connection's start, not from when a periodic sweep first saw it. Register it before the host
@@ -251,27 +257,14 @@ class ConnectionStarts(INotifee):
     async def disconnected(self, network, conn: INetConn) -> None:
         self._started.pop(conn, None)
 
-    async def opened_stream(self, network, stream: INetStream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream: INetStream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr: Multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr: Multiaddr) -> None:
-        pass
-
 
 async def forget_peer(host: IHost, peer: ID) -> None:
-    """Close every connection to `peer` and drop what the peerstore holds of it. py-libp2p records a peer
-    only once it answers identify, and `clear_peerdata` raises for one it never recorded: a stranger that
-    connects and never answers identify must not be able to make that raise in our background tasks."""
+    """Close every connection to `peer` and drop what the peerstore holds of it (a peer it never recorded, one
+    that never answered identify, included)."""
     await host.disconnect(peer)
     peerstore = host.get_peerstore()
-    if peerstore.has_peer(peer):
-        peerstore.clear_peerdata(peer)
+    assert isinstance(peerstore, BoundedPeerStore), "hosts come from build_host"
+    peerstore.forget(peer)
 
 
 def remote_peer_id(stream: INetStream) -> str:

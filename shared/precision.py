@@ -14,6 +14,8 @@ from shared.checks import UserError
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 DtypeChoice = Literal["auto", "float32", "bfloat16"]
 EngineDtype = Literal["float32", "bfloat16"]
+# Bytes one weight takes in each dtype a snapshot may carry.
+ENGINE_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
 
 
 def pick_device(choice: str, cuda_available: bool) -> str:

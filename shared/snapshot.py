@@ -69,6 +69,39 @@ class BadChunk(SnapshotError):
     """A chunk (or the assembled whole) does not match the manifest."""
 
 
+class OversizedSnapshot(SnapshotError):
+    """A signed manifest promises more bytes than this node's model can take, or than its disk holds."""
+
+
+# A snapshot's weights take its model's parameter count x its dtype's bytes; beyond that, the safetensors header
+# (a few hundred bytes per tensor), a LoRA run's adapters (smaller than the model) or a delta (at most
+# delta_max_ratio of the full snapshot, plus the full manifest it embeds). The margin leaves room for all of it and
+# for the few tensors a config does not count; what it refuses is a manifest no model of this config could need.
+SNAPSHOT_SIZE_MARGIN = 1.1
+SNAPSHOT_OVERHEAD_BYTES = MAX_MANIFEST_BYTES + (1 << 20)
+# What a node leaves free on the disk that holds its snapshots, once the next one is written.
+DISK_KEEP_FREE_BYTES = 256 << 20
+
+
+def snapshot_bytes_bound(parameters: int, bytes_per_parameter: int) -> int:
+    """The most bytes a snapshot of a model with `parameters` weights of `bytes_per_parameter` bytes takes."""
+    return math.ceil(parameters * bytes_per_parameter * SNAPSHOT_SIZE_MARGIN) + SNAPSHOT_OVERHEAD_BYTES
+
+
+def check_snapshot_size(manifest: Manifest, max_bytes: int, free_bytes: int) -> None:
+    """OversizedSnapshot unless `manifest`'s snapshot is within the model's bound `max_bytes` and leaves
+    DISK_KEEP_FREE_BYTES of the disk's `free_bytes`: checked before a byte of it is written."""
+    if manifest.total_bytes > max_bytes:
+        raise OversizedSnapshot(
+            f"snapshot v{manifest.version} claims {manifest.total_bytes} bytes; this node's model takes at most {max_bytes}"
+        )
+    if manifest.total_bytes + DISK_KEEP_FREE_BYTES > free_bytes:
+        raise OversizedSnapshot(
+            f"snapshot v{manifest.version} of {manifest.total_bytes} bytes does not fit the {free_bytes} bytes free "
+            f"here with {DISK_KEEP_FREE_BYTES} to spare"
+        )
+
+
 def _hex_hash(value: str) -> str:
     if not _HEX_RE.fullmatch(value):
         raise ValueError(f"expected {_HASH_HEX_CHARS} lowercase hex digits, got {value[:80]!r}")

@@ -32,6 +32,8 @@ from shared.wire import read_message, write_message
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 CONFIG_HASH = "0" * 64
+# The model a test peer stands for: the random snapshots tests publish are far below it.
+PEER_MAX_SNAPSHOT_BYTES = 64 << 20
 log = logging.getLogger("testbed.peers")
 
 
@@ -156,11 +158,13 @@ async def node_peer(
     stall_s: float = STALL_S,
     read: Callable[[Path], object] = Path.read_bytes,
     bulk: bool = False,
+    max_snapshot_bytes: int = PEER_MAX_SNAPSHOT_BYTES,
 ) -> AsyncIterator[NodePeer]:
     """A node connected to `hub` (as its hub link would be), keeper running; leaving the block kills it.
 
     `read`: what `installed` keeps of each installed file (its bytes; a hash for large snapshots).
-    `bulk`: run a bulk channel (shared/bulk.py): ask senders for theirs, and serve on it."""
+    `bulk`: run a bulk channel (shared/bulk.py): ask senders for theirs, and serve on it. `max_snapshot_bytes`:
+    what its model takes at most (SnapshotKeeper's bound)."""
     identity = Identity.generate()
     async with running_host(identity, [LOOPBACK]) as (host, addrs), trio.open_nursery() as nursery:
         channel = BulkChannel("127.0.0.1", 0) if bulk else None
@@ -182,6 +186,7 @@ async def node_peer(
             limiter,
             on_installed=lambda version: None,
             report=client.report,
+            max_snapshot_bytes=max_snapshot_bytes,
             stall_s=stall_s,
             bulk=channel,
         )

@@ -59,6 +59,7 @@ class Hub:
         self.peer = peer
         self.fleet = Fleet()
         self.banned: list[tuple[str, str]] = []
+        self.events: list[tuple[str, str | None, str]] = []  # (kind, node, detail), as the hub's journal keeps them
         self.t_bcast: list[tuple[int, float]] = []
         self.broadcaster = Broadcaster(
             peer.host, self.fleet, peer.shelf, mode, None, ban=self.ban, event=self.event, record_t_bcast=self.record
@@ -79,7 +80,7 @@ class Hub:
         self.broadcaster.replan()
 
     async def event(self, kind: str, node: str | None, detail: str) -> None:
-        pass
+        self.events.append((kind, node, detail))
 
     async def record(self, version: int, seconds: float) -> None:
         self.t_bcast.append((version, seconds))

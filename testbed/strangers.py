@@ -2,14 +2,16 @@
 bench/foreign_peer.py, whose js-libp2p probe in bench/foreign/ sends the same bytes).
 
 Each frame is a header naming the protocol's own request type and claiming a body of 2**32 - 1 bytes, then
-garbage; the probe half-closes and times how long the hub takes to end each stream and the connection."""
+garbage, written in one of WRITE_PATTERNS; the probe times how long the hub takes to end each stream and the
+connection."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from shared import messages
@@ -97,8 +99,44 @@ class ProbeReport:
     streams: list[StreamFate]
 
 
-async def _probe_stream(host: IHost, hub_id: str, protocol: str, garbage: bytes, started: float, fate: StreamFate) -> None:
-    """Open `protocol`, send its bad frame and `garbage`, half-close, then read until the hub ends the stream."""
+# Bytes per write of the "small-writes" pattern.
+SMALL_WRITE_BYTES = 4096
+
+
+async def _one_write_then_close(stream: INetStream, frame: bytes, fate: StreamFate, started: float) -> None:
+    """The whole frame in one write (py-libp2p sends a receive window of it, then waits for credit), then a half-close."""
+    await stream.write(frame)
+    await stream.close_write()
+    fate.half_closed_s = trio.current_time() - started
+
+
+async def _one_write(stream: INetStream, frame: bytes, fate: StreamFate, started: float) -> None:
+    """The whole frame in one write, and the stream left open."""
+    await stream.write(frame)
+
+
+async def _small_writes(stream: INetStream, frame: bytes, fate: StreamFate, started: float) -> None:
+    """The frame SMALL_WRITE_BYTES at a time, then more garbage the same way until the hub ends the stream, never
+    closing."""
+    for start in range(0, len(frame), SMALL_WRITE_BYTES):
+        await stream.write(frame[start : start + SMALL_WRITE_BYTES])
+    while True:
+        await stream.write(bytes([GARBAGE_BYTE]) * SMALL_WRITE_BYTES)
+
+
+# How a stranger's Yamux may write its bad frame: every one must end on the hub within the refusal's bound.
+WRITE_PATTERNS: dict[str, Callable[[INetStream, bytes, StreamFate, float], Awaitable[None]]] = {
+    "one-write": _one_write_then_close,
+    "one-write-no-close": _one_write,
+    "small-writes": _small_writes,
+}
+
+
+async def probe_stream(
+    host: IHost, hub_id: str, protocol: str, garbage: bytes, started: float, fate: StreamFate, pattern: str = "one-write"
+) -> None:
+    """Open `protocol`, write its bad frame and `garbage` as `pattern` does (until the hub ends the stream, for a
+    pattern that never stops), then read until the hub ends the stream."""
     try:
         stream = await open_stream(host, hub_id, protocol)
     except Exception as exc:  # noqa: BLE001 - a protocol the hub does not serve is refused at negotiation
@@ -106,9 +144,7 @@ async def _probe_stream(host: IHost, hub_id: str, protocol: str, garbage: bytes,
         return
     fate.opened_s = trio.current_time() - started
     try:
-        await stream.write(bad_frame_header(protocol) + garbage)
-        await stream.close_write()
-        fate.half_closed_s = trio.current_time() - started
+        await WRITE_PATTERNS[pattern](stream, bad_frame_header(protocol) + garbage, fate, started)
     except libp2p_end_of_stream() as exc:  # ended by the hub before all of it went: what it answered is still read
         fate.error = f"write: {type(exc).__name__}"
     try:
@@ -137,11 +173,11 @@ async def raw_probe(
     with trio.move_on_after(give_up_s):
         async with trio.open_nursery() as nursery:
             for fate in fates:
-                nursery.start_soon(_probe_stream, host, hub_id, fate.protocol, garbage, started, fate)
+                nursery.start_soon(probe_stream, host, hub_id, fate.protocol, garbage, started, fate)
             while host.get_network().get_connections(ID.from_base58(hub_id)):
                 if busy_every_s is not None and trio.current_time() - started >= len(busy) * busy_every_s:
                     busy.append(StreamFate(STATUS_PROTOCOL))
-                    nursery.start_soon(_probe_stream, host, hub_id, STATUS_PROTOCOL, garbage, started, busy[-1])
+                    nursery.start_soon(probe_stream, host, hub_id, STATUS_PROTOCOL, garbage, started, busy[-1])
                 await trio.sleep(0.05)
             closed_s = trio.current_time() - started
     for fate in fates:

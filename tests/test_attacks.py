@@ -243,6 +243,32 @@ async def test_a_stranger_that_never_answers_identify_does_not_stop_the_hub(tmp_
 
 
 @pytest.mark.trio
+async def test_throwaway_identities_that_connect_and_hang_up_neither_stop_the_hub_nor_stay_in_it(tmp_path, default_model_dir):
+    """Issue 65: identities that only connected and hung up made `echo-hub` exit after 1,590 of them, with
+    `PeerStoreError: peer ID not found`: py-libp2p's peerstore, past 1,000 peers, evicted the hub's own key pair first.
+    The bound is lowered to 8 here, so 30 identities cross it; bench/attacks.py --attacks strangers sends 5,000."""
+    async with inproc_hub(tmp_path / "hub", default_model_dir, CONFIG) as hub, AsyncExitStack() as stack:
+        member = await client(stack, hub)
+        assert isinstance(await member.join(JoinRequest.model_validate_json(join_json(hub)[HEADER.size :])), JoinReply)
+        hub_host = hub.service.host
+        store = hub_host.get_peerstore()
+        store.max_peers = 8  # type: ignore[attr-defined]
+        before = len(store.peer_ids())
+        for _ in range(30):
+            async with running_host(Identity.generate(), [LOOPBACK]) as (stranger, _):
+                await connect(stranger, hub.addr)
+                with trio.fail_after(10):  # identified by the hub, so recorded in its peerstore
+                    while not store.has_peer(stranger.get_id()):
+                        await trio.sleep(0.01)
+        with trio.fail_after(10):  # each forgotten once the hub saw its connection close
+            while len(store.peer_ids()) > before:
+                await trio.sleep(0.05)
+        assert store.privkey(hub_host.get_id()) is not None
+        assert isinstance(await member.heartbeat(Heartbeat(version_held=0)), HeartbeatReply)
+        assert isinstance(await (await client(stack, hub)).send_frame(JOIN_PROTOCOL, join_json(hub), JoinReply), JoinReply)
+
+
+@pytest.mark.trio
 async def test_a_stranger_sending_garbage_and_redialling_is_let_go_on_time_and_its_refused_streams_end(
     tmp_path, default_model_dir
 ):

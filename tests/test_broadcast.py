@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -380,7 +381,7 @@ async def test_a_relay_whose_successor_gets_nothing_moves_to_the_end_of_its_chai
             # For the next version it may.
             hub.broadcaster._check_progress(Broadcast(4, 0.0, frozenset(records)), 400.0)
             peer.shelf.add(random_snapshot(hub_id, 4, 256 * KIB, 64 * KIB))
-            records[c.peer_id].version_held = 4
+            records[c.peer_id].version_held = records[a.peer_id].version_held = 4  # a, at the tail, got it from the hub
             records[b.peer_id].receiving_version = 4
             hub.broadcaster._check_progress(Broadcast(4, 0.0, frozenset(records)), 401.0)
             hub.broadcaster._check_progress(Broadcast(4, 0.0, frozenset(records)), 402.0 + STALL_S + 1.0)
@@ -388,20 +389,139 @@ async def test_a_relay_whose_successor_gets_nothing_moves_to_the_end_of_its_chai
             nursery.cancel_scope.cancel()
 
 
+# -- a relay's pace: a chain simulated chunk by chunk on trio's clock, under the real Broadcaster ------------
+
+MIB = 1024 * KIB
+HEARTBEAT_S = 2.0  # hub.config's heartbeat_period_s while the fleet is small
+HUB_S_PER_CHUNK = 1.16 / 5  # issue 65: an honest chain had the 5 MiB snapshot in 1.16 s
+CRAWL_S_PER_CHUNK = 12.0  # issue 65's relay: one 1 MiB chunk every 12 s
+POLL_S = 0.1  # how often a simulated node with nothing to pull looks again
+
+
+@dataclass
+class SimNode:
+    """A chain member as its heartbeats show it; it sends a chunk to its successor every `send_s_per_chunk` (its
+    link, or its malice) and pulls from the upstream its last heartbeat reply named (None: the hub)."""
+
+    peer_id: str
+    addr: str
+    send_s_per_chunk: float
+    upstream: str | None = None
+    target: int = 0
+    held: int = 0
+    receiving: int | None = None
+    chunks: int = 0
+
+
+class SimChain:
+    """What node/keeper.py does, chunk by chunk without the bytes: pull from the named upstream as fast as it sends
+    chunks it holds, resume from a new upstream at the chunk it lacks, heartbeat every HEARTBEAT_S and at once on an
+    install, and follow each reply's links."""
+
+    def __init__(self, hub: Hub, nodes: list[SimNode]) -> None:
+        self.hub = hub
+        self.nodes = {n.peer_id: n for n in nodes}
+
+    def beat(self, node: SimNode) -> None:
+        """hub/service/membership.py's heartbeat, then the reply's links."""
+        record = self.hub.fleet.get(node.peer_id)
+        record.version_held, record.receiving_version, record.chunks_received = node.held, node.receiving, node.chunks
+        record.heartbeat_period_s = HEARTBEAT_S
+        self.hub.broadcaster.check_done()
+        node.upstream = self.hub.broadcaster.links(node.peer_id).upstream
+        node.target = self.hub.peer.shelf.newest_version()
+
+    def supply(self, node: SimNode, version: int) -> tuple[int, float]:
+        """How many chunks of `version` the node's upstream holds, and how long it takes to send one."""
+        total = self.hub.peer.shelf.get(version).manifest.chunk_count
+        if node.upstream is None:
+            return total, HUB_S_PER_CHUNK
+        up = self.nodes[node.upstream]
+        return (total if up.held >= version else up.chunks if up.receiving == version else 0), up.send_s_per_chunk
+
+    async def pull(self, node: SimNode) -> None:
+        while True:
+            version, upstream = node.target, node.upstream
+            if node.receiving != version and version > node.held:
+                node.receiving, node.chunks = version, 0
+            if version <= node.held or node.chunks >= self.supply(node, version)[0]:
+                await trio.sleep(POLL_S)
+                continue
+            await trio.sleep(self.supply(node, version)[1])
+            if node.upstream != upstream:
+                continue  # re-linked meanwhile: the chunk on its way is dropped, the new upstream sends it again
+            node.chunks += 1
+            if node.chunks == self.hub.peer.shelf.get(version).manifest.chunk_count:
+                node.held, node.receiving, node.chunks = version, None, 0
+                self.beat(node)
+
+    async def heartbeats(self, node: SimNode, offset_s: float) -> None:
+        await trio.sleep(offset_s)
+        while True:
+            self.beat(node)
+            await trio.sleep(HEARTBEAT_S)
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for i, node in enumerate(self.nodes.values()):
+                nursery.start_soon(self.pull, node)
+                nursery.start_soon(self.heartbeats, node, i * HEARTBEAT_S / len(self.nodes))
+
+
 @pytest.mark.trio
-async def test_a_broadcast_knows_when_the_active_pools_throughput_got_it(monkeypatch):
+async def test_a_relay_pacing_one_chunk_per_12_s_is_demoted_within_a_snapshot_and_honest_slow_ones_never(autojump_clock):
+    """Issue 65: a relay that sent one 1 MiB chunk every 12 s made each snapshot take 61 s instead of 1.16 s, and no
+    `relay_stalled` event ever named it: any chunk within 20 s was progress. Its successor now gets it moved to the
+    tail during the first snapshot and pulls from the hub; an honest relay at 30% of the hub's pace, and one at 30%
+    of the link it declared (below the hub's pace), keep their places over three snapshots."""
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as peer:
+        hub = Hub(peer, "chain")
+        crawler = SimNode(Identity.generate().peer_id, "/ip4/127.0.0.1/tcp/4201", CRAWL_S_PER_CHUNK)
+        slow = SimNode(Identity.generate().peer_id, "/ip4/127.0.0.1/tcp/4202", HUB_S_PER_CHUNK / 0.3)
+        fast = SimNode(Identity.generate().peer_id, "/ip4/127.0.0.1/tcp/4203", HUB_S_PER_CHUNK)
+        narrow = SimNode(Identity.generate().peer_id, "/ip4/127.0.0.1/tcp/4204", MIB / (0.3 * 1e6))
+        tail = SimNode(Identity.generate().peer_id, "/ip4/127.0.0.1/tcp/4205", HUB_S_PER_CHUNK)
+        nodes = [crawler, slow, fast, narrow, tail]
+        for node in nodes:
+            join(hub.fleet, node).version_held = 0
+        hub.fleet.get(narrow.peer_id).link_bps = 1e6  # declared: 1 MB/s, sent at 300 kB/s
+        hub.broadcaster.chains = [[n.peer_id for n in nodes]]
+        sim = SimChain(hub, nodes)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hub.broadcaster.run)
+            nursery.start_soon(sim.run)
+            named: dict[int, list[str | None]] = {}  # version -> the relays `relay_stalled` named by its end
+            for version in (1, 2, 3):
+                peer.shelf.add(random_snapshot(hub_id, version, 32 * MIB, MIB))
+                await hub.broadcaster.publish(version)
+                with trio.fail_after(3600):
+                    while version not in dict(hub.t_bcast):
+                        await trio.sleep(POLL_S)
+                named[version] = [node for kind, node, _ in hub.events if kind == "relay_stalled"]
+            nursery.cancel_scope.cancel()
+        crawled_s = peer.shelf.get(1).manifest.chunk_count * CRAWL_S_PER_CHUNK
+    assert named == {1: [crawler.peer_id], 2: [crawler.peer_id], 3: [crawler.peer_id]}, hub.events
+    assert hub.broadcaster.chains == [[slow.peer_id, fast.peer_id, narrow.peer_id, tail.peer_id, crawler.peer_id]]
+    # Its successor left it for the hub: v1 took far less than the crawl would have (33 chunks at 12 s: 396 s).
+    assert dict(hub.t_bcast)[1] < crawled_s / 2, hub.t_bcast
+
+
+@pytest.mark.trio
+async def test_a_broadcast_knows_when_the_active_pools_throughput_got_it(autojump_clock):
     """Heartbeats show a (active, 6/s) holding v1 1 s after its publish, b (active, 2/s) 3 s after and
     c (standby) 10 s after: T_bcast is 10 s, the pool's throughput had it (6 * 1 + 2 * 3) / 8 = 1.5 s, and
     each active node's install goes to the capacity model's stall (hub.method.capacity.pool_stall_s)."""
-    hub_id = Identity.generate()
-    async with hub_peer(hub_id) as peer, node_peer(peer) as a, node_peer(peer) as b, node_peer(peer) as c:
+    a, b, c = (SimpleNamespace(peer_id=Identity.generate().peer_id, addr=f"/ip4/127.0.0.1/tcp/{4100 + i}") for i in range(3))
+    async with hub_peer(Identity.generate()) as peer:
         hub = Hub(peer, "chain")
         records = {n.peer_id: join(hub.fleet, n) for n in (a, b, c)}
         for node, state, rate in ((a, "active", 6.0), (b, "active", 2.0), (c, "standby", 10.0)):
             records[node.peer_id].state, records[node.peer_id].rollouts_per_s = state, rate
-        hub.broadcaster.pending = [Broadcast(1, 100.0, frozenset(records))]
-        for at, node in ((101.0, a), (103.0, b), (110.0, c)):
-            monkeypatch.setattr("hub.distribution.broadcast.time.monotonic", lambda at=at: at)
+        published = trio.current_time()
+        hub.broadcaster.pending = [Broadcast(1, published, frozenset(records))]
+        for after_s, node in ((1.0, a), (3.0, b), (10.0, c)):
+            await trio.sleep_until(published + after_s)
             records[node.peer_id].version_held = 1
             hub.broadcaster.check_done()
             hub.broadcaster.check_done()  # a later heartbeat does not move the time it was first seen

@@ -6,7 +6,15 @@ import random
 
 import pytest
 
-from hub.method.chains import chain_ideal_s, chained_broadcast_ideal_s, num_chains, plan_chains, relink_after_leave, star_ideal_s
+from hub.method.chains import (
+    chain_ideal_s,
+    chained_broadcast_ideal_s,
+    num_chains,
+    plan_chains,
+    relay_too_slow,
+    relink_after_leave,
+    star_ideal_s,
+)
 
 
 def test_num_chains():
@@ -114,3 +122,30 @@ def test_a_dialable_node_goes_between_two_nated_ones():
     # A dialable node between two NATed ones stays there; nothing to do without NATed pairs.
     assert separate_nated(["a", "p", "b"], reach) == ["a", "p", "b"]
     assert separate_nated(["p", "q"], reach) == ["p", "q"]
+
+
+def test_relay_too_slow_below_a_quarter_of_the_smaller_of_link_and_hub_over_four_chunks():
+    # Link 1 MB/s, hub 400 kB/s: the bound is 400e3 / 4 = 100 kB/s. With 10 kB chunks and a report 2 s late, the
+    # bound owes 100e3 * (2.25 - 2) = 25 kB at 2.25 s: under 4 chunks, too small a sample to judge even nothing.
+    assert not relay_too_slow(0.0, 2.25, 2.0, 1e6, 4e5, 1e4)
+    # At 2.5 s it owes 50 kB: 30 kB (+ 10 kB that may be in flight) falls short, 40 kB does not.
+    assert relay_too_slow(3e4, 2.5, 2.0, 1e6, 4e5, 1e4)
+    assert not relay_too_slow(4e4, 2.5, 2.0, 1e6, 4e5, 1e4)
+    # A link declared at 200 kB/s, under the hub's pace, sets the bound: 50 kB/s owes 25 kB at 2.5 s (not judged)
+    # and 100 kB at 4 s, which 80 kB misses and 90 kB meets.
+    assert not relay_too_slow(0.0, 2.5, 2.0, 2e5, 4e5, 1e4)
+    assert relay_too_slow(8e4, 4.0, 2.0, 2e5, 4e5, 1e4)
+    assert not relay_too_slow(9e4, 4.0, 2.0, 2e5, 4e5, 1e4)
+
+
+def test_relay_too_slow_at_the_issues_numbers():
+    """Issue 65: 1 MiB chunks, the hub's pace 5 MiB in 1.16 s = 4,519,724 B/s, links declared at 1000 Mbit/s, reports
+    up to 2 heartbeats of 2 s late. The bound: 4,519,724 / 4 = 1,129,931 B/s; it owes 4 chunks (4,194,304 B) once
+    1,129,931 * (t - 4) >= 4,194,304, at t = 7.71 s."""
+    mib, hub_bps, declared_bps = 1 << 20, 5 * (1 << 20) / 1.16, 125e6
+    # At 7.5 s it owes 3,954,759 B: not judged yet.
+    assert not relay_too_slow(0.0, 7.5, 4.0, declared_bps, hub_bps, mib)
+    # At 8 s it owes 4,519,724 B: a relay that sent 1 MiB per 12 s (1 MiB, + 1 MiB in flight) is too slow.
+    assert relay_too_slow(mib, 8.0, 4.0, declared_bps, hub_bps, mib)
+    # A slow honest relay at 30% of the hub's pace (1,355,917 B/s) had 4 s * 1,355,917 = 5.4 MB reported: 5 chunks.
+    assert not relay_too_slow(5 * mib, 8.0, 4.0, declared_bps, hub_bps, mib)

@@ -1,5 +1,6 @@
 """The docs hold: every link in README.md and docs/ resolves (files and #anchors), the README stays a front page,
-and docs/configuration.md's reference is the config models' own (regenerate: `python tests/test_docs.py --write`)."""
+every test docs/trust-model.md's budgets table names exists, and docs/configuration.md's reference is the config
+models' own (regenerate: `python tests/test_docs.py --write`)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,24 @@ def test_a_broken_link_is_caught(tmp_path):
     (tmp_path / "b.md").write_text("# Real heading\n")
     doc.write_text("[ok](b.md#real-heading) [gone](c.md) [bad anchor](b.md#nope) ![img](pic.png)\n```\n[code](x.md)\n```\n")
     assert broken_links(doc) == ["c.md (no such file)", "b.md#nope (no such heading)", "pic.png (no such file)"]
+
+
+def budget_tests(text: str) -> list[str]:
+    """The `file.py::test` names in the budgets table of docs/trust-model.md (a bare `file.py` names a file)."""
+    table = text.split("## Budgets", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
+    return re.findall(r"`(test_\w+\.py(?:::\w+)?)`", table)
+
+
+def test_every_test_the_budgets_table_names_exists():
+    named = budget_tests((ROOT / "docs" / "trust-model.md").read_text())
+    assert len(named) >= 30
+    missing = []
+    for name in named:
+        file, _, test = name.partition("::")
+        path = ROOT / "tests" / file
+        if not path.exists() or (test and not re.search(rf"^(async )?def {test}\(", path.read_text(), re.M)):
+            missing.append(name)
+    assert not missing, missing
 
 
 def test_readme_is_a_front_page():

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 from libp2p import new_host
+from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.io.exceptions import IncompleteReadError
 from libp2p.network.connection.raw_connection import RawConnection
@@ -39,6 +40,7 @@ from shared.net import (
     safe_handler,
     set_handler,
 )
+from shared.peerstore import BoundedPeerStore
 from shared.wire import Message, StreamEOF, protocol_id, read_frame, read_message, write_frame, write_message
 
 # Tags 190-199 belong to this test module (real messages use lower tags).
@@ -474,3 +476,52 @@ async def test_a_connections_start_is_when_the_host_took_it_not_when_it_is_first
         assert starts.started(server, client.get_id()) == 1.0
         await server.disconnect(client.get_id())
         assert starts.started(server, client.get_id()) is None
+
+
+async def come_and_go(addr: str, server: IHost) -> ID:
+    """A throwaway identity that connects, is identified by the server (which records it), and hangs up."""
+    async with running_host(Identity.generate(), [LOOPBACK]) as (stranger, _):
+        await connect(stranger, addr)
+        with trio.fail_after(10):
+            while not (server.get_peerstore().has_peer(stranger.get_id()) and server.get_peerstore().addrs(stranger.get_id())):
+                await trio.sleep(0.01)
+        return stranger.get_id()
+
+
+@pytest.mark.trio
+async def test_throwaway_identities_never_evict_the_hosts_own_keys_and_are_forgotten_when_they_hang_up():
+    """Issue 65: py-libp2p's peerstore keeps 1,000 peers and evicts address-less ones first, the host's own
+    entry (its key pair, no address) among them; the next identify raised PeerStoreError and `echo-hub`, then a
+    volunteer, exited after ~1,600 identities had come and gone. The bound is lowered to 8 here so that 24
+    identities cross it three times over."""
+    async with (
+        running_host(Identity.generate(), [LOOPBACK]) as (server, addrs),
+        running_host(Identity.generate(), [LOOPBACK]) as (honest, _),
+    ):
+        store = server.get_peerstore()
+        store.max_peers = 8  # type: ignore[attr-defined]
+        strangers = [await come_and_go(addrs[0], server) for _ in range(24)]
+        with trio.fail_after(10):  # each is forgotten once the server has seen its connection close
+            while any(store.has_peer(p) for p in strangers):
+                await trio.sleep(0.01)
+        assert store.privkey(server.get_id()) is not None
+        # The server still identifies and serves a newcomer: what the evicted key broke.
+        set_handler(server, ECHO, echo_handler, log)
+        await connect(honest, addrs[0])
+        assert (await request(honest, server.get_id().to_base58(), ECHO, Ask(text="x"), Answer, timeout_s=10)).text == "X"
+        # A peer this host dialled itself is kept past the hang-up: it redials from the addresses stored here.
+        await honest.disconnect(server.get_id())
+        assert honest.get_peerstore().addrs(server.get_id())
+        assert (await request(honest, server.get_id().to_base58(), ECHO, Ask(text="y"), Answer, timeout_s=10)).text == "Y"
+
+
+def test_the_bound_evicts_idle_peers_oldest_first_and_never_the_host_or_a_live_peer():
+    own, live, *idle = (Identity.generate() for _ in range(6))
+    store = BoundedPeerStore(ID.from_base58(own.peer_id), max_idle_peers=3)
+    store.add_key_pair(ID.from_base58(own.peer_id), own.libp2p_keypair())
+    store.is_live = lambda peer: peer == ID.from_base58(live.peer_id)
+    for identity in (live, *idle):
+        store.add_addrs(ID.from_base58(identity.peer_id), [Multiaddr("/ip4/10.0.0.1/tcp/1")], 60)
+    kept = {p.to_base58() for p in store.peer_ids()}
+    # 6 entries for a bound of 3: the three oldest idle peers go; the host and the live peer stay.
+    assert kept == {own.peer_id, live.peer_id, idle[3].peer_id}

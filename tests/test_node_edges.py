@@ -4,6 +4,7 @@ one node per data dir, Ctrl-C with the dashboard open, and the summary a stopped
 
 from __future__ import annotations
 
+import logging
 import os
 import pty
 import select
@@ -22,7 +23,7 @@ from node.hub_link import HubLink
 from node.summary import summary_text
 from shared.crypto import Identity
 from shared.layout import NODE_LOCK_FILE, NODE_STATUS_FILE
-from shared.messages import Heartbeat, JoinReply, JoinRequest, NodeView, Tallies
+from shared.messages import Heartbeat, JoinReply, JoinRequest, NodeView, Reject, RejectCode, Tallies
 from shared.net import running_host
 from testbed.harness import free_port, start_hub, wait_until
 from tests.test_first_contact import HUB_ID, ROOT, assert_one_line_mistake, run
@@ -143,6 +144,56 @@ def test_another_peer_after_a_join_is_a_clear_line_and_the_node_keeps_trying() -
     wrong = [e for e in link.state.events if e.kind == "wrong_peer"]
     assert wrong and "another peer answered at /ip4/127.0.0.1/tcp/4077" in wrong[0].detail
     assert not any(e.kind == "unreachable" for e in link.state.events)
+
+
+# -- issue 65: a hostile hub's words reach the volunteer's terminal and log cleaned ---------------------------------
+
+# Window title, clipboard write, screen clear, a C1 control: what a hub's text carried to a volunteer's terminal.
+ESCAPES = "\x1b]0;owned\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\x9b31m"
+
+
+class _HostileHub:
+    """A hub whose every text carries escape sequences: its task, a busy heartbeat's reason, a lease refusal, a ban."""
+
+    hub_peer_id = HUB_ID
+
+    def __init__(self) -> None:
+        self.beats = 0
+
+    async def connect(self) -> None:
+        pass
+
+    async def join(self, request: JoinRequest) -> JoinReply:
+        return JoinReply(state="active", latest_version=0, staleness=1, task=ESCAPES, heartbeat_period_s=0.01, context_tokens=64)
+
+    async def heartbeat(self, beat: Heartbeat) -> Reject:
+        self.beats += 1
+        return Reject(code=RejectCode.BUSY if self.beats == 1 else RejectCode.BANNED, reason=ESCAPES)
+
+    async def lease(self, version_held: int) -> Reject:
+        return Reject(code=RejectCode.BUSY, reason=ESCAPES)
+
+
+def test_a_hubs_escape_sequences_never_reach_the_terminal_or_the_log(capsys, caplog) -> None:
+    from node.run import _print_event, _run_phase
+    from node.worker import Worker
+
+    caplog.set_level(logging.DEBUG)
+    client = _HostileHub()
+    link = HubLink(client, lambda: None, lambda: Heartbeat(version_held=-1), lambda reply: None, backoff_max_s=0.05)
+    link.state.on_note = _print_event
+    worker = Worker(client, None, None, lambda: True, lambda: 0, None)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await worker.next_lease()
+        await link.run()
+
+    assert _run_phase(main) == 1  # the ban ends the node, in the hub's (cleaned) words
+    printed = capsys.readouterr()
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "owned" in printed.out and "owned" in printed.err and "owned" in logged
+    for text in (printed.out, printed.err, logged):
+        assert not any(c in text for c in "\x1b\x07\x9b")
 
 
 # -- 41.9: what a stopped node prints ------------------------------------------------------------------------

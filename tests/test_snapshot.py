@@ -15,21 +15,25 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from shared.crypto import SIGNATURE_BYTES, Identity
-from shared.model_io import build_snapshot, load_into, model_dir_config_hash
+from shared.model_io import build_snapshot, load_into, model_dir_config_hash, model_dir_weights
 from shared.snapshot import (
     CHUNK_HEADER,
+    DISK_KEEP_FREE_BYTES,
     MAX_CHUNK_BYTES,
     MAX_MANIFEST_BYTES,
     SNAPSHOT_FORMAT_VERSION,
+    SNAPSHOT_OVERHEAD_BYTES,
     BadChunk,
     BadSignature,
     ChunkAssembler,
     MalformedManifest,
     Manifest,
+    OversizedSnapshot,
     SignedManifest,
     SnapshotError,
     StaleSnapshot,
     blake3_hex,
+    check_snapshot_size,
     decode_chunk,
     encode_chunk,
     file_hash,
@@ -37,6 +41,7 @@ from shared.snapshot import (
     read_snapshot_files,
     remove_snapshot_files,
     sign_manifest,
+    snapshot_bytes_bound,
     snapshot_paths,
     verify_chunk,
     verify_manifest,
@@ -558,3 +563,35 @@ def test_the_hub_shelf_keeps_s_plus_one_versions_on_disk_and_prunes_orphans(hub,
     shelf.close()
     assert SnapshotShelf(keep=3, directory=snaps).prune({6}) == 6
     assert sorted(p.name for p in snaps.iterdir()) == ["v00000006.manifest", "v00000006.safetensors"]
+
+
+def test_snapshot_bytes_bound_by_hand():
+    # 1000 weights of 2 bytes, 10% over, plus the overhead a header, a delta's manifest or an adapter may add.
+    assert snapshot_bytes_bound(1000, 2) == 2200 + SNAPSHOT_OVERHEAD_BYTES
+    assert snapshot_bytes_bound(3, 4) == 14 + SNAPSHOT_OVERHEAD_BYTES  # 13.2 rounds up
+
+
+def test_a_manifest_past_the_model_or_the_free_disk_is_refused(tmp_path):
+    """Issue 65: a hub signed a manifest of 1 TiB for a 4.2 MB model and the node began writing it."""
+    identity = Identity.generate()
+    snapshot = build_snapshot(tiny_model(0).state_dict(), 1, identity, CONFIG_HASH, tmp_path)
+    honest = snapshot.manifest
+    bound = snapshot_bytes_bound(sum(p.numel() for p in tiny_model(0).parameters()), 4)
+    check_snapshot_size(honest, bound, free_bytes=honest.total_bytes + DISK_KEEP_FREE_BYTES)
+    tib = honest.model_copy(update={"total_bytes": 1 << 40, "chunk_size": MAX_CHUNK_BYTES, "chunk_hashes": ("0" * 64,) * 65536})
+    with pytest.raises(OversizedSnapshot, match="takes at most"):
+        check_snapshot_size(tib, bound, free_bytes=1 << 50)
+    with pytest.raises(OversizedSnapshot, match="does not fit"):
+        check_snapshot_size(honest, bound, free_bytes=honest.total_bytes + DISK_KEEP_FREE_BYTES - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_default_models_snapshots_are_within_its_config_bound(default_model_dir, tmp_path, dtype):
+    """The bound a node computes from its model directory's config admits the hub's honest snapshots of it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir)
+    snapshot = build_snapshot(model.state_dict(), 1, Identity.generate(), CONFIG_HASH, tmp_path, dtype=dtype)
+    weights = model_dir_weights(default_model_dir)
+    assert weights >= sum(p.numel() for p in model.parameters())
+    assert snapshot.manifest.total_bytes <= snapshot_bytes_bound(weights, dtype.itemsize)

@@ -17,10 +17,12 @@ import trio
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, TrustConfig
 from hub.control.policy import fleet_view
 from hub.method.prices import billable_seconds
-from hub.records.fleet import DEPARTED_KEPT_S
+from hub.records.fleet import DEPARTED_KEPT_S, IDLE_DEPARTED_KEPT_S, NodeRecord
 from hub.records.schema import StepRecord
 from hub.records.snapshots import SnapshotShelf
-from hub.service.state import HubState
+from hub.service.leasing import HANDLER_TIMEOUT_S
+from hub.service.state import RETAIN_PERIOD_S, HubState
+from hub.service.status import STATUS_DEPARTED_MAX, RunInfo, StatusBoard
 from hub.trust.audit import AuditJob, AuditResult
 from shared.crypto import Identity
 from shared.messages import LEFT_REASON, Heartbeat, JoinRequest, RejectCode, Submission, SubmittedGroup, Tallies
@@ -475,7 +477,8 @@ async def test_the_price_change_clock_holds_across_leave_rejoin_and_restart(tmp_
 @pytest.mark.trio
 async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_rejoin(tmp_path, default_model_dir):
     """Issue 54 item 5: a fleet record per identity ever seen grew the hub for good. Gone for DEPARTED_KEPT_S, a node's
-    record leaves memory; its row keeps what the hub measured and its clocks, and the all-on cost keeps its share."""
+    record leaves memory (at the next retention); its row keeps what the hub measured and its clocks, and the all-on cost
+    keeps its share."""
     clock = [time.time()]
     state = reopen(tmp_path, default_model_dir)
     set_clock(state, lambda: clock[0])
@@ -487,7 +490,8 @@ async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_r
     for peer in peers:
         state.membership.heartbeat(peer, Heartbeat(version_held=0))  # online 5 s
     await state.membership.reprice(keeper, 2.0)
-    await state.writer.write(state.store.members.count_refusal, keeper)  # a tally only the row holds now
+    for peer in peers:  # something to remember (not `forgettable`): a recall brings it back from the row
+        await state.membership.record_refusal(peer, RejectCode.BAD_REQUEST)
     for peer in peers:
         await state.set_state(state.fleet.get(peer), "gone", "no heartbeat")
     await state.flush()
@@ -498,10 +502,11 @@ async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_r
 
     all_on = nodes_all_on()
     assert all_on == pytest.approx(len(peers) * 1.0 * 5.0 / 3600.0 + (2.0 - 1.0) * 5.0 / 3600.0)
+    changed_at = state.fleet.get(keeper).price_changed_at
     clock[0] += DEPARTED_KEPT_S - 1.0
     await state.flush()
     assert len(state.fleet.nodes) == len(peers)  # listed for as long as the status board lists them
-    clock[0] += 2.0
+    clock[0] += RETAIN_PERIOD_S
     await state.flush()
     assert state.fleet.nodes == {} and state.membership.departed_count == len(peers)
     assert nodes_all_on() == pytest.approx(all_on)
@@ -509,10 +514,109 @@ async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_r
         state.membership.heartbeat(keeper, Heartbeat(version_held=0))
     assert unknown.value.code == RejectCode.UNKNOWN_NODE
     record = await state.membership.join(keeper, join_request(state, price=2.0), "10.0.0.1")
-    assert (record.online_s, record.price_changed_at, record.tallies.refused) == (5.0, clock[0] - DEPARTED_KEPT_S - 1.0, 1)
+    assert (record.online_s, record.price_changed_at, record.tallies.refused) == (5.0, changed_at, 1)
     assert [p for _, p in record.price_history] == [1.0, 2.0]
     assert nodes_all_on() == pytest.approx(all_on)  # its share counted once, in the fleet again
     assert state.membership.departed_count == len(peers) - 1
+    state.store.close()
+
+
+@pytest.mark.trio
+async def test_a_flood_of_throwaway_identities_costs_the_hub_the_same_after_it_as_before(tmp_path, default_model_dir, tokenizer):
+    """Issue 65: each identity that joined and left (or fell silent) without doing any work kept its rows in the store for
+    good (765 B) and its record in memory for an hour. Now such a record leaves memory IDLE_DEPARTED_KEPT_S after it was
+    last seen and its rows leave the store at the next retention: after the flood the hub holds what it held before.
+    An identity that worked is remembered as before, and a ban survives."""
+    clock = [time.time()]
+    state = reopen(tmp_path, default_model_dir)
+    set_clock(state, lambda: clock[0])
+    worker, banned = (Identity.generate().peer_id for _ in range(2))
+    for peer in (worker, banned):
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
+    first = await state.leasing.grant(worker, 0)
+    await state.intake.accept(worker, answer(tokenizer, first.lease, worker), "h1")
+    await state.membership.reprice(worker, 0.75)  # its price clock runs from now
+    changed_at = clock[0]
+    await state.membership.ban(state.fleet.get(banned), "a corrupt chunk")
+    await state.set_state(state.fleet.get(worker), "gone", "no heartbeat")
+    await state.flush()
+
+    def held() -> tuple:
+        """The store's rows of every identity, and the records in memory."""
+        db = state.store.db
+        rows = tuple(db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] for table in ("nodes", "prices", "leases"))
+        return rows, sorted(state.fleet.nodes)
+
+    before = held()
+    flood = [Identity.generate().peer_id for _ in range(200)]
+    for i, peer in enumerate(flood):
+        await state.membership.join(peer, join_request(state, price=0.1 + i / 1000), f"10.0.{i // 8}.1")
+        if i % 4 == 0:
+            await state.leasing.grant(peer, 0)  # a probe lease it never answers
+        if i % 2 == 0:
+            await state.membership.leave(peer)
+    assert held() != before
+    clock[0] += 5.0
+    for peer in flood:  # said it leaves or fell silent: what the scheduler does after heartbeat_timeout_s
+        await state.set_state(state.fleet.get(peer), "gone", "no heartbeat")
+    # past the probes' deadline and the store's handler deadline after it, and past IDLE_DEPARTED_KEPT_S
+    clock[0] += max(CONFIG.lease.lease_timeout_s + HANDLER_TIMEOUT_S, IDLE_DEPARTED_KEPT_S) + 1.0
+    await state.leasing.sweep()
+    await state.flush()
+    assert held() == before
+    assert state.membership.departed_count == len(flood)  # the status still says how many left
+
+    # the worker is still in memory, and remembered when the fleet lets it go: its work, its price clock
+    assert state.fleet.get(worker).tallies.accepted == 1  # its probe, answered
+    clock[0] += DEPARTED_KEPT_S
+    await state.flush()
+    assert state.fleet.nodes == {}
+    record = await state.membership.join(worker, join_request(state, price=0.75), "10.0.0.1")
+    assert record.tallies.accepted == 1 and record.measured and record.price_changed_at == changed_at
+    with pytest.raises(PeerFault) as refused:
+        await state.membership.join(banned, join_request(state), "10.0.0.1")
+    assert refused.value.code == RejectCode.BANNED
+    state.store.close()
+
+    again = reopen(tmp_path, default_model_dir)  # a restart counts the flood among the nodes that left, too
+    set_clock(again, lambda: clock[0])
+    assert again.membership.departed_count == len(flood)
+    with pytest.raises(PeerFault) as refused:
+        await again.membership.join(banned, join_request(again), "10.0.0.1")
+    assert refused.value.code == RejectCode.BANNED
+    again.store.close()
+
+
+@pytest.mark.trio
+async def test_a_status_reads_the_live_records_and_the_departed_it_lists_never_the_rest(tmp_path, default_model_dir):
+    """Issue 65: after a flood an idle hub spent 0.12 cores on statuses, each a walk of 799 departed records (1.4 cores
+    projected at 10,000). A status now reads the live records and the last STATUS_DEPARTED_MAX to leave: counted in
+    records read, a status after the first reads no more of 2,000 departed than it lists."""
+    state = reopen(tmp_path, default_model_dir)
+    live = [Identity.generate().peer_id for _ in range(3)]
+    for peer in live:
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
+    read: set[str] = set()
+
+    class Counted(NodeRecord):
+        """A departed record that notes each status that reads it."""
+
+        def __getattribute__(self, name: str):
+            read.add(object.__getattribute__(self, "peer_id"))
+            return object.__getattribute__(self, name)
+
+    now = time.time()
+    for i in range(2_000):
+        peer = f"gone{i}".replace("0", "z")  # base58, as peer ids are
+        state.fleet.put(Counted(peer, 1.0, 1e8, "hf", "t", (), "10.0.0.1", now - 60 + i / 100, state="gone", online_s=5.0))
+    board = StatusBoard(RunInfo("hub", (), 0, 2, 1, "reverse", "chain"), tmp_path, state, lambda: 0)
+    board.snapshot(0)  # the first sums the departed's share of the all-on cost, once for all that came or went
+    read.clear()
+    status = board.snapshot(0)
+    assert len(read) == STATUS_DEPARTED_MAX
+    assert [n.peer_id for n in status.nodes[3:]] == [f"gone{i}".replace("0", "z") for i in range(1_999, 1_899, -1)]
+    assert status.nodes_omitted == 2_000 - STATUS_DEPARTED_MAX
+    assert status.all_on_cost_usd == pytest.approx(2_000 * 1.0 * 5.0 / 3600.0, rel=0.01)
     state.store.close()
 
 
@@ -546,7 +650,7 @@ async def test_the_in_flight_cap_counts_the_work_the_learner_will_train_on(tmp_p
 
     async def leased(usable: float, buffered: int = 0) -> list[int]:
         run = tmp_path / f"u{usable}-b{buffered}"
-        state = open_state(run, default_model_dir, CONFIG, SnapshotShelf(keep=3), LearnerAt(CONFIG.learner.staleness))
+        state = reopen(run, default_model_dir)  # v0 published: a node holds nothing the hub has not
         state.measurements.fresh_usable_fraction = usable
         for row_id in range(buffered):
             completions = tuple(
@@ -570,3 +674,55 @@ async def test_the_in_flight_cap_counts_the_work_the_learner_will_train_on(tmp_p
     assert await leased(0.5) == [2, 2, 2, 2]
     assert await leased(0.5, buffered=1) == [2, 2, 2]
     assert await leased(0.01) == await leased(0.2) == [2] * 10
+
+
+@pytest.mark.trio
+async def test_identities_holding_probes_they_never_answer_neither_starve_an_honest_node_nor_keep_probing(
+    tmp_path, default_model_dir, tokenizer
+):
+    """Issue 65: 48 identities on 6 addresses claimed a version, took their one-prompt probe leases and never answered.
+    Probes counted in every other node's room and were re-leased at once when they expired: the learner fell from
+    32 steps/min to 0. Now a probe counts against its holder only, and an unanswered one costs its identity and its
+    address a back-off, then the identity its probing."""
+    from hub.trust.probes import PROBE_STRIKES_TO_STANDBY
+
+    state = reopen(tmp_path, default_model_dir)
+    now = [state.leasing.clock()]
+    state.leasing.clock = lambda: now[0]
+    timeout_s = CONFIG.lease.lease_timeout_s  # the first wait: as long as the probe was held
+    honest = Identity.generate().peer_id
+    await state.membership.join(honest, join_request(state), "10.0.0.1")
+    probe = (await state.leasing.grant(honest, 0)).lease
+    await state.intake.accept(honest, answer(tokenizer, probe, honest), "h")
+    await state.set_state(state.fleet.get(honest), "active", "test")
+    # 64 identities on 8 addresses, each holding its probe.
+    attackers = {Identity.generate().peer_id: f"10.0.1.{i % 8}" for i in range(64)}
+    for peer, ip in attackers.items():
+        await state.membership.join(peer, join_request(state), ip)
+        assert (await state.leasing.grant(peer, 2**53)).lease is not None  # a version past the newest: taken as v0
+        assert state.fleet.get(peer).version_held == 0
+    grant = await state.leasing.grant(honest, 0)
+    assert grant.lease is not None and len(grant.lease.prompts) == CONFIG.lease.prompts_per_lease, grant.reason
+    # The probes expire unanswered: each identity, and every identity on those addresses, waits.
+    now[0] += timeout_s + 1
+    await state.leasing.sweep()
+    for peer in list(attackers)[:3]:
+        refused = await state.leasing.grant(peer, 0)
+        assert refused.lease is None and "unanswered" in refused.reason and refused.retry_after_s == timeout_s
+    fresh, elsewhere = Identity.generate().peer_id, Identity.generate().peer_id
+    await state.membership.join(fresh, join_request(state), "10.0.1.0")
+    await state.membership.join(elsewhere, join_request(state), "10.0.2.1")
+    assert (await state.leasing.grant(fresh, 0)).lease is None
+    assert (await state.leasing.grant(elsewhere, 0)).lease is not None
+    # Each round past the back-off, one more probe each, twice as long a wait after it; then they are probed no more.
+    for round_ in range(1, PROBE_STRIKES_TO_STANDBY):
+        now[0] += timeout_s * 2 ** (round_ - 1)
+        for peer in attackers:
+            assert (await state.leasing.grant(peer, 0)).lease is not None
+        now[0] += timeout_s + 1
+        await state.leasing.sweep()
+        expected = "standby" if round_ == PROBE_STRIKES_TO_STANDBY - 1 else "probing"
+        assert {state.fleet.get(peer).state for peer in attackers} == {expected}
+    now[0] += 3600.0
+    assert (await state.leasing.grant(next(iter(attackers)), 0)).reason == "standby: no work for now"
+    state.store.close()

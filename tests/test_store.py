@@ -81,7 +81,8 @@ def test_a_database_of_schema_3_is_migrated_and_keeps_its_rows(tmp_path):
     old.commit()
     old.close()
     store = Store(tmp_path / "hub.db")
-    assert store.pragma("user_version") == SCHEMA_VERSION == 4
+    assert store.pragma("user_version") == SCHEMA_VERSION == 5
+    assert store.members.seen_before(0.0) == (0, 0.0)  # schema 5: the roll-up of forgotten identities, empty
     assert [(n.peer_id, n.price_per_hour, n.price_changed_at) for n in store.members.nodes()] == [
         ("peerA", 0.35, None),
         ("peerB", 0.4, changed_at),

@@ -314,3 +314,33 @@ def test_trimming_old_step_metrics_leaves_the_books_as_they_were(tmp_path, monke
     ] == steps_after
     assert {k: v for k, v in after.items() if k != "view"} == {k: v for k, v in before.items() if k != "view"}
     assert after["view"][0] == before["view"][0] and after["view"][1:4] == before["view"][1:4]
+
+
+def test_retention_forgets_only_identities_that_left_nothing_to_remember(tmp_path):
+    """Issue 65: a departed identity that did no work goes whole, its prices and expired leases with it, and is counted
+    in a roll-up; one seen since the cut, one still holding a lease, a banned one, one with a refusal or a measurement
+    stay."""
+    store = Store(tmp_path / "hub.db")
+    peers = ("idle", "recent", "leasing", "banned", "refused", "measured")
+    now = time.time()
+    for peer in peers:
+        store.members.upsert_node(peer, 0.5, "t", 1e8, "hf", state="gone")
+        store.members.set_node_price(peer, 0.6, at=now)
+    store.leases.add_lease("expired", "idle", ["p1"], 0, now - 100, now - 50)
+    store.leases.expire_leases(now)
+    store.leases.add_lease("open", "leasing", ["p2"], 0, now, now + 60)
+    store.members.set_node_state("banned", "banned", "a corrupt chunk")
+    store.members.count_refusal("refused")
+    session = store.start_session(now)
+    store.members.flush_liveness([("idle", now, 30.0, 0.0, False), ("measured", now, 0.0, 1.0, True)], session, now)
+    store.members.flush_liveness([("recent", now + 10, 0.0, 0.0, False)], session, now)
+    cut = now + 5
+    assert store.retain(0, 0.0, True, idle_before=cut).nodes == 1
+    assert [n.peer_id for n in store.members.nodes()] == list(peers[1:])
+    assert store.db.execute("SELECT COUNT(*) FROM prices WHERE node_id = 'idle'").fetchone()[0] == 0
+    assert [r[0] for r in store.db.execute("SELECT id FROM leases")] == ["open"]
+    assert store.members.seen_before(cut) == (len(peers) - 1, 0.6 * 30.0)  # four rows seen before the cut, and the roll-up
+    assert store.members.remembered("idle", 8) is None  # a newcomer if it joins again
+    assert store.members.upsert_node("idle", 0.5, "t", 1e8, "hf") and not store.members.upsert_node("banned", 0.5, "t", 1e8, "hf")
+    assert store.integrity_check() == "ok"
+    store.close()

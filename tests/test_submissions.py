@@ -51,7 +51,7 @@ def rules(tokenizer) -> SubmissionRules:
 PROMPTS = (Prompt("p-abc", "abc>", "cba"), Prompt("p-xyz", "xyz>", "zyx"))
 
 
-def lease(min_version: int = 0, answered: tuple[str, ...] = ()) -> LeaseRecord:
+def lease(min_version: int = 0, answered: tuple[str, ...] = (), held_version: int = 0) -> LeaseRecord:
     return LeaseRecord(
         lease_id="l" * 24,
         node_id=NODE,
@@ -61,6 +61,7 @@ def lease(min_version: int = 0, answered: tuple[str, ...] = ()) -> LeaseRecord:
         deadline=60.0,
         price_per_hour=0.5,
         answered=set(answered),
+        held_version=held_version,
     )
 
 
@@ -142,6 +143,12 @@ def reasons(rules, tokenizer) -> dict[str, tuple[SubmittedGroup, LeaseRecord, st
         "unpublished": (group(tokenizer, version=6), lease(), "version 6 was never published"),
         "stale for window": (group(tokenizer, version=2), lease(), "stale version 2 (oldest accepted 3)"),
         "below lease minimum": (group(tokenizer, version=4), lease(min_version=5), "version 4 below the lease's minimum 5"),
+        # Issue 65: leased the room of v5, it answers with v4 groups, which would go stale first and still be paid.
+        "below the version held": (
+            group(tokenizer, version=4),
+            lease(min_version=3, held_version=5),
+            "version 4 below v5, which the node held when it was leased",
+        ),
         "empty": (with_completion(good.model_copy(update={"token_ids": (), "logprobs": ()})), lease(), "length 0"),
         "too long": (
             with_completion(good.model_copy(update={"token_ids": (a,) * 7 + (eos,), "logprobs": (-0.1,) * 8})),

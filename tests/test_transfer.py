@@ -15,9 +15,27 @@ from hub.distribution.broadcast import HubUplink
 from hub.records.snapshots import SnapshotShelf
 from node.keeper import HUB, Upstream
 from shared.crypto import Identity
-from shared.messages import CHUNK_FRAME, MANIFEST_FRAME, SNAPSHOT_PROTOCOL, SnapshotRequest, TransferAck
-from shared.net import RateLimiter, connect, open_stream, set_handler
-from shared.snapshot import BadSignature, ChunkAssembler, StaleSnapshot, blake3_hex, encode_chunk
+from shared.messages import (
+    CHUNK_FRAME,
+    MANIFEST_FRAME,
+    RELAY_PROTOCOL,
+    SNAPSHOT_PROTOCOL,
+    RelayOffer,
+    SnapshotRequest,
+    TransferAck,
+)
+from shared.net import RateLimiter, connect, open_stream, running_host, set_handler
+from shared.snapshot import (
+    MAX_CHUNK_BYTES,
+    SNAPSHOT_FORMAT_VERSION,
+    BadSignature,
+    ChunkAssembler,
+    Manifest,
+    StaleSnapshot,
+    blake3_hex,
+    encode_chunk,
+    sign_manifest,
+)
 from shared.transfer import ChunkRejected, commitment_payload, receive_snapshot
 from shared.wire import encode_frame, read_message, write_frame, write_message
 from testbed.peers import FlippingKeeper, hub_peer, node_peer, random_snapshot, scratch_dir, wait_installed
@@ -365,3 +383,78 @@ async def test_a_node_keeps_its_installed_version_and_the_one_in_flight_on_disk(
                 await wait_installed([node], 4, timeout_s=10)
             assert on_disk() == ["v00000004.safetensors"]
             assert node.installed[4] == snapshots[4].path.read_bytes() and 3 not in node.installed
+
+
+@pytest.mark.trio
+async def test_an_upstream_naming_a_version_the_hub_never_signed_does_not_freeze_the_node():
+    """Issue 65: one RelayOffer(version=2**53) from a node's upstream left it asking for that version for good while
+    the hub moved on. The offer is tried once, the hub's next word takes the target back to its latest, and the
+    victim keeps within one version of a control node that heard no such offer."""
+    hub_id = Identity.generate()
+    snapshots = {v: random_snapshot(hub_id, v, 64 * KIB, 16 * KIB) for v in (1, 2, 3)}
+    async with hub_peer(hub_id) as hub, node_peer(hub) as victim, node_peer(hub) as control:
+        hub.shelf.add(snapshots[1])
+        for node in (victim, control):
+            node.keeper.update(1, HUB, None)
+        await wait_installed([victim, control], 1, timeout_s=10)
+        async with running_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as (attacker, addrs):
+            attacker_id = attacker.get_id().to_base58()
+            victim.keeper.update(1, Upstream(attacker_id, (addrs[0],)), None)  # the hub linked it below the attacker
+            await connect(attacker, victim.addr)
+            stream = await open_stream(attacker, victim.peer_id, RELAY_PROTOCOL)
+            await write_message(stream, RelayOffer(version=2**53))
+            await stream.close()
+            await trio.sleep(0.2)
+        for version in (2, 3):  # the attacker is gone; the hub re-links the victim and publishes on
+            hub.shelf.add(snapshots[version])
+            for node in (victim, control):
+                node.keeper.update(version, HUB, None)
+            await wait_installed([control], version, timeout_s=10)
+            await wait_installed([victim], version, timeout_s=5)
+            assert victim.keeper.version_held >= control.keeper.version_held - 1
+            assert victim.keeper.target_version == version
+
+
+class HugeManifestSource:
+    """A hostile hub: serves its honest shelf, and a signed manifest of 1 TiB as version `huge`."""
+
+    def __init__(self, shelf, hub_id: Identity, huge: int) -> None:
+        self.shelf, self.huge = shelf, huge
+        manifest = Manifest(
+            format_version=SNAPSHOT_FORMAT_VERSION,
+            version=huge,
+            total_bytes=1 << 40,
+            chunk_size=MAX_CHUNK_BYTES,
+            chunk_hashes=("0" * 64,) * ((1 << 40) // MAX_CHUNK_BYTES),
+            whole_hash="0" * 64,
+            config_hash="0" * 64,
+            created_at=0.0,
+            signer=hub_id.peer_id,
+        )
+        self.signed = (sign_manifest(manifest, hub_id), manifest)
+
+    def held_manifest(self, version, base_version=None):
+        return self.signed if version == self.huge else self.shelf.held_manifest(version, base_version)
+
+    async def chunk(self, version: int, index: int, delta: bool = False) -> bytes:
+        if version == self.huge:
+            return b"\0" * MAX_CHUNK_BYTES
+        return await self.shelf.chunk(version, index, delta)
+
+
+@pytest.mark.trio
+async def test_a_signed_manifest_past_the_models_size_is_refused_before_a_byte_is_written(caplog):
+    """Issue 65: a hub's signed manifest of 1 TiB for a small model made the node create the file and write 2 GiB."""
+    caplog.set_level(logging.WARNING, "echo2.node.keeper")
+    hub_id = Identity.generate()
+    shelf = SnapshotShelf(keep=4)
+    async with hub_peer(hub_id, source=HugeManifestSource(shelf, hub_id, huge=1)) as hub, node_peer(hub) as node:
+        node.keeper.update(1, HUB, None)
+        with trio.fail_after(5):
+            while not any("refused before a byte" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.02)
+        assert list(node.keeper.directory.iterdir()) == [] and node.keeper.transfer is None
+        shelf.add(random_snapshot(hub_id, 2, 64 * KIB, 16 * KIB))  # an honest next version passes
+        node.keeper.update(2, HUB, None)
+        await wait_installed([node], 2, timeout_s=10)
+    assert 1 not in node.installed

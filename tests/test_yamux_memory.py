@@ -19,12 +19,15 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE
 
+from hub.service.handlers import REFUSE_LINGER_S, REFUSE_WRITE_TIMEOUT_S
+from hub.service.leasing import HANDLER_TIMEOUT_S
 from shared import libp2p_patches
 from shared.crypto import Identity
 from shared.libp2p_patches import CONNECTION_BUFFER_BYTES
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
+    RELAY_PROTOCOL,
     STATUS_PROTOCOL,
     Heartbeat,
     HeartbeatReply,
@@ -36,6 +39,7 @@ from shared.messages import (
 from shared.net import connect, open_stream, request, running_host, set_handler
 from shared.wire import encode_frame, read_exact, read_message, write_message
 from testbed.inproc import PERMISSIVE_CONFIG, InprocHub, inproc_hub
+from testbed.strangers import GARBAGE_BYTE, WRITE_PATTERNS, StreamFate, echo2_protocols, probe_stream
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 TEST_TIMEOUT_S = 30
@@ -237,6 +241,57 @@ async def test_an_answered_stream_is_closed_for_reading(tmp_path, default_model_
                 await request(host, hub.identity.peer_id, STATUS_PROTOCOL, StatusRequest(events=0), HubStatus, timeout_s=10)
                 assert held_unread(hub, identity.peer_id) == 0
                 assert connected(hub.service.host, identity.peer_id)
+
+
+# The most a refused stranger's stream lives on the hub: the Reject's write, then the linger for the peer's close.
+REFUSED_STREAM_S = REFUSE_WRITE_TIMEOUT_S + REFUSE_LINGER_S
+# A message larger than a stream's initial receive window (256 KiB), as a js-libp2p peer sends in one `send`.
+ONE_MESSAGE_BYTES = 1 << 20
+
+
+def hub_streams(hub: InprocHub, peer_id: str) -> int:
+    """Streams the hub's Yamux still keeps of `peer_id`'s connection (open, or kept for their unread bytes)."""
+    (conn,) = hub.service.host.get_network().get_connections(ID.from_base58(peer_id))
+    return len(conn.muxed_conn.streams)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("pattern", sorted(WRITE_PATTERNS))
+async def test_a_strangers_message_past_the_window_ends_every_stream_and_leaves_nothing_held(
+    tmp_path, default_model_dir, caplog, pattern
+):
+    """Issue 65 item 7: a js-libp2p stranger wrote 1 MiB (a 4 GiB length prefix, then garbage) in one `send` on every
+    /echo2/ protocol, half-closed, then read. Each write pattern a Yamux peer may use, from a raw py-libp2p host: the
+    hub refuses each stream (the refusal logged as it happens), ends it within REFUSED_STREAM_S, and then holds none of
+    its bytes and no entry for it (py-libp2p kept a reset stream's unread window, 256 KiB, for its 60 s sweep). The
+    waits are bounded by half the handler's timeout: a hub that waited on the peer would end them only then, or never."""
+    protocols = [p for p in echo2_protocols() if p != RELAY_PROTOCOL]  # the nodes' own: the hub does not serve it
+    garbage = bytes([GARBAGE_BYTE]) * ONE_MESSAGE_BYTES
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with inproc_hub(tmp_path, default_model_dir, PERMISSIVE_CONFIG) as hub, AsyncExitStack() as stack:
+            async with attacker(stack, hub.addr) as (host, identity):
+                started = trio.current_time()
+                fates = [StreamFate(protocol) for protocol in protocols]
+                with trio.move_on_after(HANDLER_TIMEOUT_S / 2):
+                    async with trio.open_nursery() as nursery:
+                        for fate in fates:
+                            nursery.start_soon(
+                                probe_stream, host, hub.identity.peer_id, fate.protocol, garbage, started, fate, pattern
+                            )
+                # Logged while the stranger is still connected (once per peer and window: the others are counted).
+                assert any(
+                    r.getMessage().startswith("refused /echo2/") and identity.peer_id in r.getMessage() for r in caplog.records
+                )
+                for fate in fates:
+                    assert fate.ended_by in ("closed", "reset") and fate.ended_s is not None, fate
+                    assert fate.ended_s - fate.opened_s < REFUSED_STREAM_S, fate
+                # The hub's side: every stream ended and dropped, nothing of the peer held, the peer still served.
+                with trio.move_on_after(HANDLER_TIMEOUT_S / 2):
+                    while hub_streams(hub, identity.peer_id) or hub.service.guard.buffered_bytes:
+                        await trio.sleep(0.05)
+                assert (hub_streams(hub, identity.peer_id), held_unread(hub, identity.peer_id)) == (0, 0)
+                assert hub.service.guard.buffered_bytes == 0
+            await assert_hub_answers(stack, hub)
 
 
 def test_overruns_are_counted_per_peer_for_the_most_recent_peers_only(monkeypatch):

@@ -3,6 +3,7 @@
 // the connection. bench/foreign_peer.py runs it; it prints one JSON object on stdout.
 //
 // Usage: node probe.mjs '{"hub": "/ip4/127.0.0.1/tcp/N/p2p/12D3...", "give_up_s": 150, "garbage_bytes": 1048576,
+//                          "pattern": "pieces" (64 KiB sends, with back-pressure) or "one-write" (one send),
 //                          "protocols": [{"protocol": "/echo2/join/1", "header_hex": "01ffffffff"}, ...],
 //                          "busy": {"protocol": "/echo2/status/1", "header_hex": "0dffffffff", "every_s": 1} or null}'
 import './node20.mjs'
@@ -62,7 +63,16 @@ async function probe ({ protocol, header_hex: headerHex }) {
       result.reply_bytes += data.byteLength
     })
     try {
-      result.sent = (await sendAll(stream, header)) && (await sendAll(stream, garbage))
+      if (args.pattern === 'one-write') {
+        // The whole message in one send, whatever the stream's back-pressure says; close() waits for it to drain.
+        const message = new Uint8Array(header.byteLength + garbage.byteLength)
+        message.set(header)
+        message.set(garbage, header.byteLength)
+        stream.send(message)
+        result.sent = true
+      } else {
+        result.sent = (await sendAll(stream, header)) && (await sendAll(stream, garbage))
+      }
       if (result.sent) {
         await stream.close({ signal: AbortSignal.timeout(giveUpMs) })
         result.half_closed_s = since(start)

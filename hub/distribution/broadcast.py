@@ -1,5 +1,6 @@
 """The hub's broadcaster: keeps the forwarding chains, starts each snapshot down them, measures T_bcast,
-and judges reports of bad relays by the relays' own signed commitments (docs/DESIGN.md §7-8).
+moves a relay that stalls or crawls to its chain's tail, and judges reports of bad relays by the relays' own
+signed commitments (docs/DESIGN.md §7-8).
 
 Nodes pull from their chain predecessor (the hub for a chain head) over the snapshot
 protocol; the broadcaster only tells each node whom to pull from (in heartbeat replies) and
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -20,7 +20,15 @@ import trio
 from libp2p.abc import IHost, INetStream
 
 from hub.distribution.reachability import PROBE_VERDICT_S, PROBES_AT_ONCE, DialBackQueue, dial_back, probe_targets
-from hub.method.chains import join_chains, link_kind, num_chains, relink_after_leave, separate_nated
+from hub.method.chains import (
+    SLOW_RELAY_FRACTION,
+    join_chains,
+    link_kind,
+    num_chains,
+    relay_too_slow,
+    relink_after_leave,
+    separate_nated,
+)
 from hub.records.fleet import Fleet, NodeRecord
 from hub.records.measurements import Measurements
 from hub.records.snapshots import SnapshotShelf
@@ -43,6 +51,9 @@ CHAINS_LOG_WINDOW_S = 60.0
 # Broadcasts timed at once; an older one still unfinished when a newer one would exceed this is dropped
 # untimed (its receivers are far behind; the newer ones will be timed).
 PENDING_BROADCASTS = 8
+# A successor's report of its chunks may be this many of its heartbeat periods old: one period, and one beat late (as
+# much as its heartbeat timeout forgives). Its relay's pace is judged by what it reported, never by that lag.
+REPORT_LAG_PERIODS = 2
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,16 @@ class ChainLinks:
     chain_position: int | None
     kind: str = "hub"
     downstream_addrs: tuple[str, ...] = ()  # dial these first: the downstream cannot dial this node
+
+
+@dataclass(frozen=True)
+class PaceWindow:
+    """Since when the hub times a relay's pace to its successor: the relay, the version, the successor's chunks then."""
+
+    upstream: str
+    version: int
+    chunks: int
+    since: float  # trio's clock
 
 
 @dataclass
@@ -168,6 +189,8 @@ class Broadcaster:
         self._progress: dict[str, tuple[tuple[int | None, int], float]] = {}
         # node -> the version for which it last got its upstream moved.
         self._demoted_for: dict[str, int] = {}
+        # node -> since when its upstream's pace to it is timed (_check_pace).
+        self._paces: dict[str, PaceWindow] = {}
         # node -> the upstreams it had that said they leave since (_remember_left_relays).
         self._left_upstream: dict[str, set[str]] = {}
         # node -> the downstream its last heartbeat reply named: a hole punch is planned only once its upstream
@@ -274,6 +297,8 @@ class Broadcaster:
         for peer in set(self._progress) - set(members):
             self._progress.pop(peer, None)
             self._demoted_for.pop(peer, None)
+        for peer in set(self._paces) - set(members):
+            del self._paces[peer]
         for peer in set(self._told_downstream) - set(members):
             del self._told_downstream[peer]
         self._probe_queue.retain(members)
@@ -379,7 +404,7 @@ class Broadcaster:
         if not receivers:
             # Nobody to time: a T_bcast here would measure how long the first node took to join.
             return
-        self.pending = [*self.pending, Broadcast(version, time.monotonic(), receivers)][-PENDING_BROADCASTS:]
+        self.pending = [*self.pending, Broadcast(version, trio.current_time(), receivers)][-PENDING_BROADCASTS:]
         for chain in self.chains:
             self._spawn(self._nudge, chain[0], version)
         self.check_done()
@@ -396,7 +421,7 @@ class Broadcaster:
     def check_done(self) -> None:
         """Called on every heartbeat: a broadcast ends when every receiver still around holds its version
         (or a newer one: a node that skipped to the next version had this one's bytes on the way)."""
-        now = time.monotonic()
+        now = trio.current_time()
         for b in list(self.pending):
             waiting = []
             for p in b.receivers:
@@ -421,34 +446,75 @@ class Broadcaster:
             self._check_progress(self.pending[-1], now)
 
     def _check_progress(self, b: Broadcast, now: float) -> None:
-        """Re-link around a relay whose successor makes no progress while the relay says it is ahead.
+        """Re-link around a relay whose successor gets nothing, or far too little, while the relay says it is ahead.
 
         Judged from heartbeats, by what each node says of itself: a relay that claims chunks it does not
-        serve is moved to the end of its chain. A successor can get its own upstream moved at most once
-        per version, so no node climbs a chain faster than one place per published version."""
+        serve, or serves them at a crawl, is moved to the end of its chain. A successor can get its own upstream
+        moved at most once per version, so no node climbs a chain faster than one place per published version."""
         held = self.shelf.held_manifest(b.version)
         if held is None:
             return
         chunk_bytes = held[1].chunk_size
-        for chain in self.chains:
-            for up, down in zip(chain, chain[1:]):
-                u, d = self.fleet.get(up), self.fleet.get(down)
-                if u is None or d is None or d.version_held >= b.version:
-                    continue
-                mark = (d.receiving_version, d.chunks_received)
-                seen = self._progress.get(down)
-                if seen is None or seen[0] != mark:
-                    self._progress[down] = (mark, now)
-                    continue
-                ahead = u.version_held >= b.version or (
-                    u.receiving_version == b.version and u.chunks_received > d.chunks_received
-                )
-                window = STALL_S + 2 * chunk_bytes / max(1.0, min(u.link_bps, d.link_bps))
-                if ahead and now - seen[1] > window and self._demoted_for.get(down) != b.version:
-                    self._demoted_for[down] = b.version
-                    self._progress[down] = (mark, now)
-                    self.demote(up)
-                    self._spawn(self.event, "relay_stalled", up, f"{short_id(down)} got nothing from it for {now - seen[1]:.0f}s")
+        hub_bps = self._hub_pace_bps(b)
+        # Taken before any move: a relay moved to its chain's tail leaves the other pairs as they were.
+        for up, down in [pair for chain in self.chains for pair in zip(chain, chain[1:])]:
+            u, d = self.fleet.get(up), self.fleet.get(down)
+            if u is None or d is None or d.version_held >= b.version:
+                continue
+            self._check_pace(b, u, d, now, chunk_bytes, hub_bps)
+            self._check_stall(b, u, d, now, chunk_bytes)
+
+    def _check_stall(self, b: Broadcast, u: NodeRecord, d: NodeRecord, now: float, chunk_bytes: int) -> None:
+        """Demote `u` when its successor `d` made no progress on `b` for STALL_S plus two chunks' time while `u` is ahead."""
+        mark = (d.receiving_version, d.chunks_received)
+        seen = self._progress.get(d.peer_id)
+        if seen is None or seen[0] != mark:
+            self._progress[d.peer_id] = (mark, now)
+            return
+        ahead = u.version_held >= b.version or (u.receiving_version == b.version and u.chunks_received > d.chunks_received)
+        window = STALL_S + 2 * chunk_bytes / max(1.0, min(u.link_bps, d.link_bps))
+        if ahead and now - seen[1] > window and self._demoted_for.get(d.peer_id) != b.version:
+            self._progress[d.peer_id] = (mark, now)
+            self._demote_for(
+                d.peer_id, b.version, u.peer_id, f"{short_id(d.peer_id)} got nothing from it for {now - seen[1]:.0f}s"
+            )
+
+    def _check_pace(
+        self, b: Broadcast, u: NodeRecord, d: NodeRecord, now: float, chunk_bytes: int, hub_bps: float | None
+    ) -> None:
+        """Demote `u` when it holds `b` whole but sends it to `d` too slowly (hub.method.chains.relay_too_slow against
+        their declared links and the hub's own pace), timed from `d`'s reports since `u` first held it while `d` pulled
+        it from `u`. A successor that pulls elsewhere, or starts over, starts a new window."""
+        window = self._paces.get(d.peer_id)
+        timed = u.version_held >= b.version and d.receiving_version == b.version and self._kind(u.peer_id, d.peer_id) != "hub"
+        if not timed:
+            self._paces.pop(d.peer_id, None)
+            return
+        if window is None or (window.upstream, window.version) != (u.peer_id, b.version) or d.chunks_received < window.chunks:
+            self._paces[d.peer_id] = PaceWindow(u.peer_id, b.version, d.chunks_received, now)
+            return
+        if hub_bps is None or self._demoted_for.get(d.peer_id) == b.version:
+            return
+        delivered, elapsed = (d.chunks_received - window.chunks) * chunk_bytes, now - window.since
+        lag_s, link_bps = REPORT_LAG_PERIODS * d.heartbeat_period_s, min(u.link_bps, d.link_bps)
+        if relay_too_slow(delivered, elapsed, lag_s, link_bps, hub_bps, chunk_bytes):
+            del self._paces[d.peer_id]
+            bound = f"{SLOW_RELAY_FRACTION:.0%} of {min(link_bps, hub_bps) / 1e6:.3g} MB/s (declared link, hub's pace)"
+            detail = f"{short_id(d.peer_id)} got {delivered / 1e6:.3g} MB from it in {elapsed:.0f}s, below {bound}"
+            self._demote_for(d.peer_id, b.version, u.peer_id, detail)
+
+    def _hub_pace_bps(self, b: Broadcast) -> float | None:
+        """The hub's own pace for `b`: its smaller transfer (a delta, when it has one) over the seconds from the publish
+        to the first install; None before any receiver installed it."""
+        first_s = min(b.installed_at.values(), default=b.published_at) - b.published_at
+        sizes = [s.manifest.total_bytes for s in (self.shelf.get(b.version), self.shelf.delta(b.version)) if s is not None]
+        return min(sizes) / first_s if sizes and first_s > 0 else None
+
+    def _demote_for(self, down: str, version: int, up: str, detail: str) -> None:
+        """`down` gets its upstream `up` moved to its chain's tail, once per `version`; the journal counts it against `up`."""
+        self._demoted_for[down] = version
+        self.demote(up)
+        self._spawn(self.event, "relay_stalled", up, detail)
 
     async def _dispatch_probes(self) -> None:
         """Start dial-backs as DialBackQueue allows, at most PROBES_AT_ONCE at a time."""

@@ -1,8 +1,8 @@
 """Chain planner for the pipelined snapshot broadcast (docs/DESIGN.md §7), as pure functions.
 
 Arranges active nodes into N_ch = max(1, floor(B0 / Bw)) store-and-forward chains, re-links a
-chain when a node leaves, and gives the ideal chained and star broadcast times the
-benchmarks compare against.
+chain when a node leaves, gives the ideal chained and star broadcast times the
+benchmarks compare against, and judges whether a relay sends too slowly to keep its place.
 
 Order inside a chain: fastest link first, so slow nodes sit at the tails. A hop runs at the
 rate of the slowest link before it, so a slow node in the middle throttles everyone
@@ -121,6 +121,28 @@ def join_chains(chains: Sequence[Sequence[str]], newcomer: str, max_chains: int)
     else:
         min(out, key=len).append(newcomer)
     return out
+
+
+# -- a relay's pace ----------------------------------------------------------------------------------
+
+# A relay holding the whole snapshot that sends its successor less than this share of what the link between them
+# (both declared) and the hub's own pace promise throttles everyone below it: it is moved to its chain's tail.
+SLOW_RELAY_FRACTION = 0.25
+# A pace is judged only once a relay at that bound would have sent this many chunks: one or two chunks say nothing.
+SLOW_RELAY_MIN_CHUNKS = 4
+
+
+def relay_too_slow(
+    delivered_bytes: float, elapsed_s: float, lag_s: float, declared_bps: float, hub_bps: float, chunk_bytes: float
+) -> bool:
+    """Whether a relay sent its successor too little in `elapsed_s`: `delivered_bytes` below SLOW_RELAY_FRACTION
+    of min(`declared_bps`, `hub_bps`) over that window, judged only once the bound owes SLOW_RELAY_MIN_CHUNKS chunks.
+
+    The relay gets the benefit of every doubt: the successor's report may be `lag_s` old (what it got since is not
+    counted against the relay, nor is that time), and one chunk may be on its way unreported.
+    """
+    owed_bytes = SLOW_RELAY_FRACTION * min(declared_bps, hub_bps) * (elapsed_s - lag_s)
+    return owed_bytes >= SLOW_RELAY_MIN_CHUNKS * chunk_bytes and delivered_bytes + chunk_bytes < owed_bytes
 
 
 # -- reachability: who can dial whom -----------------------------------------------------------------

@@ -9,6 +9,8 @@ nodes' hole punches found to Membership, `ReachabilityReports`).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from hub.method.capacity import ewma
@@ -21,6 +23,11 @@ PRICE_HISTORY_KEPT = 8  # (at, $/h) per node in memory and on the status board; 
 # joining once each must not grow the hub for good. The store keeps its row, its clocks with it (the last price change),
 # and a re-join recalls it (hub/service/membership.py). As long as the status board lists such nodes (RECENT_NODES_S).
 DEPARTED_KEPT_S = 3600.0
+# A departed identity that did nothing worth remembering (`forgettable`) leaves memory this long after it was last seen,
+# and its rows leave the store at the next retention (Store.retain): a flood of throwaway identities costs the hub the
+# same after it as before. Long enough for the status board to show it leave.
+IDLE_DEPARTED_KEPT_S = 60.0
+DEPARTED_STATES: tuple[NodeState, ...] = ("gone", "banned")
 
 
 def heartbeat_period(live_nodes: int, min_period_s: float, heartbeats_per_s: float) -> float:
@@ -127,18 +134,49 @@ class NodeRecord:
         )
 
 
+def forgettable(record: NodeRecord, paid_usd: float) -> bool:
+    """Whether a departed identity left nothing the hub must remember: gone (a ban must survive), never measured, no
+    group or refusal counted against it, no audit passed, nothing paid (`paid_usd`). Its price clock goes with it: a fresh
+    identity starts without one anyway. Store.retain deletes the rows of such identities by the same rule (IDLE_NODE_SQL
+    in hub/records/schema.py)."""
+    return (
+        record.state == "gone"
+        and not record.measured
+        and record.tallies == Tallies()
+        and record.audits_passed == 0
+        and record.vouched_at is None
+        and paid_usd == 0.0
+    )
+
+
 class Fleet:
-    """Every node the hub knows, by peer id."""
+    """Every node the hub holds a record of, by peer id: the pool (joined, neither gone nor banned) apart from those
+    departed, in the order they left, so that a reader of the pool, or of the newest departed, never walks the rest."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, NodeRecord] = {}
+        self._pool: dict[str, NodeRecord] = {}
+        self._departed: dict[str, NodeRecord] = {}
+        self._departed_usd_s: float | None = 0.0  # their $/h x online seconds; None: summed again when next asked
+
+    @property
+    def nodes(self) -> dict[str, NodeRecord]:
+        """Every record (a new dict: Membership files them)."""
+        return {**self._pool, **self._departed}
+
+    def _file(self, record: NodeRecord) -> None:
+        """File `record` as its state says: in the pool, or as the newest departed."""
+        peer = record.peer_id
+        self._pool.pop(peer, None)
+        if self._departed.pop(peer, None) is not None or record.state in DEPARTED_STATES:
+            self._departed_usd_s = None
+        (self._departed if record.state in DEPARTED_STATES else self._pool)[peer] = record
 
     def join(self, peer_id: str, request: JoinRequest, remote_ip: str | None, now: float) -> NodeRecord:
         """A node (re)joining: what it declares now replaces what it declared before, in place, so a command
         still holding its record keeps writing to the one the fleet shows; what the hub measured stays."""
-        record = self.nodes.get(peer_id)
+        record = self.get(peer_id)
         if record is None:
-            record = self.nodes[peer_id] = NodeRecord(
+            record = NodeRecord(
                 peer_id=peer_id,
                 price_per_hour=0.0,
                 link_bps=0.0,
@@ -164,20 +202,46 @@ class Fleet:
         record.receiving_version, record.chunks_received = None, 0
         record.state = "standby" if record.measured else "probing"
         record.left_at = None
+        self._file(record)
         return record
 
     def put(self, record: NodeRecord) -> None:
-        self.nodes[record.peer_id] = record
+        self._file(record)
 
-    def departed(self, seen_before: float) -> list[NodeRecord]:
-        """Nodes gone or banned and last seen before `seen_before`, taken out of the fleet (see DEPARTED_KEPT_S)."""
-        old = [n for n in self.nodes.values() if n.state in ("gone", "banned") and n.last_seen < seen_before]
+    def set_state(self, record: NodeRecord, state: NodeState) -> None:
+        """Move `record` to `state`, filed accordingly (a record the fleet let go meanwhile stays out)."""
+        record.state = state
+        if self.get(record.peer_id) is record:
+            self._file(record)
+
+    def departed(self, now: float, kept_s: Callable[[NodeRecord], float]) -> list[NodeRecord]:
+        """Nodes gone or banned and last seen more than `kept_s` of each ago, taken out of the fleet (DEPARTED_KEPT_S,
+        IDLE_DEPARTED_KEPT_S); a walk of the departed only, at each retention."""
+        old = [n for n in self._departed.values() if n.last_seen < now - kept_s(n)]
         for record in old:
-            del self.nodes[record.peer_id]
+            del self._departed[record.peer_id]
+        if old:
+            self._departed_usd_s = None
         return old
 
+    def newest_departed(self) -> Iterator[NodeRecord]:
+        """The departed, the last to leave first."""
+        return reversed(self._departed.values())
+
+    @property
+    def departed_count(self) -> int:
+        return len(self._departed)
+
+    @property
+    def departed_usd_s(self) -> float:
+        """The departed's $/h x online seconds (their share of the all-on cost), summed when one came or went since."""
+        if self._departed_usd_s is None:
+            self._departed_usd_s = math.fsum(n.price_per_hour * n.online_s for n in self._departed.values())
+        return self._departed_usd_s
+
     def get(self, peer_id: str) -> NodeRecord | None:
-        return self.nodes.get(peer_id)
+        record = self._pool.get(peer_id)
+        return record if record is not None else self._departed.get(peer_id)
 
     @staticmethod
     def reached(record: NodeRecord, answered_addr: str | None) -> None:
@@ -192,14 +256,16 @@ class Fleet:
 
     def is_member(self, peer_id: str) -> bool:
         """A node that joined and is neither banned nor gone."""
-        record = self.nodes.get(peer_id)
-        return record is not None and record.state not in ("banned", "gone")
+        record = self._pool.get(peer_id)
+        return record is not None and record.state not in DEPARTED_STATES
 
     def live(self) -> list[NodeRecord]:
-        return [n for n in self.nodes.values() if n.state not in ("banned", "gone")]
+        # The state is read too: a caller that set a record's state itself (tests, the test bed) did not refile it.
+        return [n for n in self._pool.values() if n.state not in DEPARTED_STATES]
 
     def in_state(self, *states: NodeState) -> list[NodeRecord]:
-        return [n for n in self.nodes.values() if n.state in states]
+        records = self.nodes.values() if set(states) & set(DEPARTED_STATES) else self._pool.values()
+        return [n for n in records if n.state in states]
 
     @staticmethod
     def throughput_after(record: NodeRecord, accepted_rollouts: int, seconds: float) -> tuple[float, bool]:

@@ -35,6 +35,9 @@ class LeaseRecord:
     deadline: float
     price_per_hour: float  # the node's price when the lease was issued: what the lease is paid at
     probe: bool = False
+    # The version the node said it held when it asked (at most the newest published): its groups may not be older,
+    # or a node could be leased the room of a new version and fill it with groups about to go stale.
+    held_version: int = 0
     # The holder's address key (hub.trust.guard.address_key) when the lease counts against its address's quota;
     # None for the operator's own nodes and holders of no known address.
     address: str | None = None
@@ -63,9 +66,11 @@ class LeaseBook:
         self._of_node: dict[str, dict[str, LeaseRecord]] = {}
         self.open_by_address: Counter[str] = Counter()
         self._open_prompts = 0
+        self.open_probes = 0
 
     def outstanding_prompts(self) -> int:
-        """Prompts of open leases (a lease's answered prompts leave with it: it closes as they are recorded)."""
+        """Prompts of open leases other than probes (a lease's answered prompts leave with it: it closes as they are
+        recorded). A probe counts against its holder's quota, not against the room every other node shares."""
         return self._open_prompts
 
     def _next_prompts(self, k: int) -> tuple[Prompt, ...]:
@@ -95,6 +100,7 @@ class LeaseBook:
         price_per_hour: float = 0.0,
         probe: bool = False,
         address: str | None = None,
+        held_version: int = 0,
     ) -> LeaseRecord:
         """A lease of up to k prompts taken from the pool, not open yet: `open_lease` it once it is stored,
         or `abandon` it to give its prompts back."""
@@ -108,6 +114,7 @@ class LeaseBook:
             price_per_hour=price_per_hour,
             probe=probe,
             address=address,
+            held_version=held_version,
         )
 
     def open_lease(self, record: LeaseRecord) -> None:
@@ -117,7 +124,10 @@ class LeaseBook:
         self._of_node.setdefault(record.node_id, {})[record.lease_id] = record
         if record.address is not None:
             self.open_by_address[record.address] += 1
-        self._open_prompts += len(record.prompts)
+        if record.probe:
+            self.open_probes += 1
+        else:
+            self._open_prompts += len(record.prompts)
 
     def _withdraw(self, record: LeaseRecord) -> None:
         """Take an open lease out of the book and its indexes."""
@@ -131,7 +141,10 @@ class LeaseBook:
             self.open_by_address[record.address] -= 1
             if not self.open_by_address[record.address]:
                 del self.open_by_address[record.address]
-        self._open_prompts -= len(record.prompts)
+        if record.probe:
+            self.open_probes -= 1
+        else:
+            self._open_prompts -= len(record.prompts)
 
     def leases_of(self, node_id: str) -> list[LeaseRecord]:
         """The node's open leases."""

@@ -6,7 +6,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from hub.records.schema import CREDIT_HOUR_S, PRICES_KEPT_PER_NODE, Credit, LeaderRow, NewEvent, NodeRow
+from hub.records.schema import CREDIT_HOUR_S, IDLE_NODE_SQL, PRICES_KEPT_PER_NODE, Credit, LeaderRow, NewEvent, NodeRow
 from hub.records.table import Table
 
 
@@ -171,11 +171,34 @@ class MembersTable(Table):
         ]
 
     def seen_before(self, at: float) -> tuple[int, float]:
-        """How many nodes were last seen before `at`, and their $/h x online seconds (their share of the all-on cost)."""
+        """How many nodes were last seen before `at`, and their $/h x online seconds (their share of the all-on cost): the
+        identities retention forgot (`forget_idle`) included."""
         rows = self._rows(
-            "SELECT COUNT(*) AS n, COALESCE(SUM(price_per_hour * online_s), 0) AS s FROM nodes WHERE last_seen < ?", (at,)
+            "SELECT COUNT(peer_id) + f.nodes AS n, COALESCE(SUM(price_per_hour * online_s), 0) + f.usd_s AS s"
+            " FROM forgotten_nodes f LEFT JOIN nodes ON last_seen < ?",
+            (at,),
         )
         return int(rows[0]["n"]), float(rows[0]["s"])
+
+    def forget_idle(self, before: float) -> int:
+        """Inside the caller's transaction (Store.retain): delete the rows of the identities last seen before `before` that
+        left nothing to remember (IDLE_NODE_SQL), hold no lease but expired ones and no ledger row, with their prices and
+        expired leases; their count and $/h x online seconds go to the `forgotten_nodes` roll-up. How many went."""
+        # By the partial index of such rows (SQLite refuses the query if it cannot use it): a pass reads only them.
+        idle = self.db.execute(
+            f"SELECT peer_id, price_per_hour * online_s FROM nodes INDEXED BY nodes_idle WHERE {IDLE_NODE_SQL} AND last_seen < ?"
+            " AND NOT EXISTS (SELECT 1 FROM leases WHERE node_id = nodes.peer_id AND state != 'expired')"
+            " AND NOT EXISTS (SELECT 1 FROM ledger WHERE node_id = nodes.peer_id)",
+            (before,),
+        ).fetchall()
+        peers = [(peer,) for peer, _ in idle]
+        for table in ("leases", "prices"):
+            self.db.conn.executemany(f"DELETE FROM {table} WHERE node_id = ?", peers)
+        self.db.conn.executemany("DELETE FROM nodes WHERE peer_id = ?", peers)
+        self.db.execute(
+            "UPDATE forgotten_nodes SET nodes = nodes + ?, usd_s = usd_s + ?", (len(idle), math.fsum(usd_s for _, usd_s in idle))
+        )
+        return len(idle)
 
     def flush_liveness(self, rows: Sequence[tuple[str, float, float, float, bool]], session_id: int, alive_at: float) -> None:
         """(peer, last_seen, online_s, rollouts_per_s, measured) per node that changed, and this session's clock."""

@@ -26,6 +26,11 @@ STEP_METRICS_KEPT = 1000
 SNAPSHOT_ROWS_KEPT = 100
 # Price history rows kept per node (leases carry their own price: pay never needs older ones).
 PRICES_KEPT_PER_NODE = 100
+# A node row that left nothing to remember (hub.records.fleet.forgettable, as the store sees it): gone, not banned,
+# never measured, no group or refusal counted, no audit passed (nothing paid: retention also finds no ledger row).
+IDLE_NODE_SQL = " AND ".join(
+    ("state = 'gone'", "measured = 0", "audits_passed = 0", "vouched_at IS NULL", *(f"{name} = 0" for name in TALLY_FIELDS))
+)
 # The WAL file is cut back to this after a checkpoint; free pages past FREE_PAGES_SLACK go back to the disk
 # (1 MiB of 4 KiB pages: more kept free makes the file swing by that much as payloads come and go).
 WAL_LIMIT_BYTES = 64 * 1024 * 1024
@@ -45,7 +50,7 @@ _STEP_COLUMNS = (
 
 # Bumped whenever _SCHEMA changes; a database of an older version is brought up to it by _MIGRATIONS, one of a newer
 # one is refused, never half-used.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # version -> the statements that take a database of that version to the next one, in one transaction with the rest.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # The time of a node's last price change, so the one-per-interval rule holds across a hub restart (issue 54 item 5):
@@ -54,7 +59,9 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE nodes ADD COLUMN price_changed_at REAL",
         "UPDATE nodes SET price_changed_at = (SELECT MAX(at) FROM prices WHERE node_id = peer_id)"
         " WHERE (SELECT COUNT(*) FROM prices WHERE node_id = peer_id) > 1",
-    )
+    ),
+    # Idle departed identities compacted (issue 65): the table, its row and the indexes are created as on a new file.
+    4: (),
 }
 
 
@@ -98,6 +105,16 @@ CREATE TABLE IF NOT EXISTS nodes (
     price_changed_at REAL
 );
 CREATE INDEX IF NOT EXISTS nodes_accepted ON nodes(accepted);
+-- The identities retention may delete (IDLE_NODE_SQL), by when they were last seen: a pass that finds none reads none.
+CREATE INDEX IF NOT EXISTS nodes_idle ON nodes(last_seen) WHERE {idle_node};
+-- The identities retention deleted, rolled up: the status counts them among the nodes that left, and the all-on cost
+-- keeps their $/h x online seconds.
+CREATE TABLE IF NOT EXISTS forgotten_nodes (
+    id    INTEGER PRIMARY KEY CHECK (id = 0),
+    nodes INTEGER NOT NULL,
+    usd_s REAL    NOT NULL
+);
+INSERT OR IGNORE INTO forgotten_nodes (id, nodes, usd_s) VALUES (0, 0, 0.0);
 CREATE TABLE IF NOT EXISTS credit_hours (
     hour          INTEGER NOT NULL,
     node_id       TEXT    NOT NULL,
@@ -127,6 +144,8 @@ CREATE TABLE IF NOT EXISTS leases (
     answered_at REAL
 );
 CREATE INDEX IF NOT EXISTS leases_open ON leases(state, deadline);
+-- A node's leases: what retention checks before it deletes an identity (and the foreign key check of that delete).
+CREATE INDEX IF NOT EXISTS leases_by_node ON leases(node_id);
 CREATE TABLE IF NOT EXISTS steps (
     step           INTEGER PRIMARY KEY,
     version        INTEGER NOT NULL,
@@ -184,6 +203,8 @@ CREATE TABLE IF NOT EXISTS ledger (
     created_at REAL    NOT NULL,
     voided     INTEGER NOT NULL DEFAULT 0 CHECK (voided IN (0, 1))
 );
+-- A node's ledger rows: what retention checks before it deletes an identity (and the foreign key check of that delete).
+CREATE INDEX IF NOT EXISTS ledger_by_node ON ledger(node_id);
 CREATE TABLE IF NOT EXISTS prices (
     node_id        TEXT NOT NULL REFERENCES nodes(peer_id),
     at             REAL NOT NULL,
@@ -213,7 +234,9 @@ CREATE TABLE IF NOT EXISTS evals (
     seconds    REAL    NOT NULL,
     created_at REAL    NOT NULL
 );
-""".replace("{tally_columns}", ",\n    ".join(f"{name:<14} INTEGER NOT NULL DEFAULT 0" for name in TALLY_FIELDS))
+""".replace("{tally_columns}", ",\n    ".join(f"{name:<14} INTEGER NOT NULL DEFAULT 0" for name in TALLY_FIELDS)).replace(
+    "{idle_node}", IDLE_NODE_SQL
+)
 # Statements with a `;` of their own inside, so not in _SCHEMA (split at `;`): `counts` kept exact, pending
 # payloads kept.
 _TRIGGERS = (
@@ -358,13 +381,15 @@ class LeaderRow:
 
 @dataclass(frozen=True)
 class Retained:
-    """What one `Store.retain` let go: payloads dropped, leases deleted, ledger rows merged into roll-ups."""
+    """What one `Store.retain` let go: payloads dropped, leases deleted, ledger rows merged into roll-ups, identities
+    forgotten."""
 
     payloads: int
     leases: int
     ledger_rows: int
     step_metrics: int = 0
     snapshot_rows: int = 0
+    nodes: int = 0
 
 
 @dataclass(frozen=True)

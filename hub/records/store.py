@@ -32,6 +32,9 @@ hash, verdict, reward, version, node and step stay. Closed leases and ledger row
 go after CLOSED_RETAINED_S (the ledger as one roll-up row per node); events keep the newest EVENTS_RETAINED.
 A step row keeps its full metrics (`metrics_json`, which metrics.jsonl holds too) for the newest
 STEP_METRICS_KEPT steps, then only its columns; the snapshots table keeps its newest SNAPSHOT_ROWS_KEPT rows.
+A departed identity that left nothing to remember (IDLE_NODE_SQL: no work, no refusal, no pay, not banned) goes whole,
+its prices and expired leases with it, once not seen for the cut HubState gives (IDLE_DEPARTED_KEPT_S); the
+`forgotten_nodes` row counts such identities, so the hub still says how many left.
 `counts` holds the totals by verdict, kept by triggers, so no reader counts the whole history.
 
 Events: a write method that changes what the hub shows takes the event(s) describing it and
@@ -209,13 +212,14 @@ class Store:
         """Learner time of every session so far (each up to its last flush)."""
         return float(self._rows("SELECT COALESCE(SUM(alive_at - started_at), 0) AS s FROM sessions")[0]["s"])
 
-    def retain(self, oldest_version: int, closed_before: float, vouch_needed: bool) -> Retained:
+    def retain(self, oldest_version: int, closed_before: float, vouch_needed: bool, idle_before: float = -math.inf) -> Retained:
         """In one transaction: drop the payload of settled groups (trained on or discarded) made with a version
         older than `oldest_version` (off the snapshot shelf: no audit can score them again), delete leases
         closed before `closed_before`, and roll up the ledger rows booked before it that nothing can void any
         more into one row per node (and voided or not). `vouch_needed`: a failed audit voids a node's pay
         after its last passed one (audits are on); without audits only a ban voids, and it voids everything.
-        Hashes, verdicts, rewards, versions, nodes and steps stay: the books add up the same."""
+        Hashes, verdicts, rewards, versions, nodes and steps stay: the books add up the same. The identities last
+        seen before `idle_before` that left nothing to remember go whole (`MembersTable.forget_idle`; default none)."""
         with self._write():
             payloads = self.db.execute(
                 "DELETE FROM payloads WHERE id IN (SELECT t.id FROM payloads p JOIN trajectories t ON t.id = p.id"
@@ -231,7 +235,8 @@ class Store:
                 "DELETE FROM snapshots WHERE version < (SELECT version FROM snapshots ORDER BY version DESC LIMIT 1 OFFSET ?)",
                 (SNAPSHOT_ROWS_KEPT - 1,),
             ).rowcount
-        return Retained(payloads, leases, ledger, metrics, snapshots)
+            nodes = self.members.forget_idle(idle_before)
+        return Retained(payloads, leases, ledger, metrics, snapshots, nodes)
 
     def _trim_step_metrics(self) -> int:
         """Empty the metrics JSON of the steps that crossed the STEP_METRICS_KEPT line since the last pass (the step

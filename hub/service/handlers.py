@@ -105,7 +105,9 @@ STRANGER_STATUS_BURST = 5
 # to MODEL_FILE_MAX_BYTES, so throwaway identities on one machine must not turn the hub's uplink into an amplifier.
 MODEL_KITS_BURST = 8
 MODEL_KIT_REFILL_S = 60.0
-# After a refusal, how long the peer may take to read it and close its side before the stream is reset.
+# After a refusal, how long the peer may take to read it and close its side before the stream is reset. A refused
+# stream thus ends within REFUSE_WRITE_TIMEOUT_S + REFUSE_LINGER_S however its peer writes (one write past the Yamux
+# window, small writes, no close), and its reset leaves nothing of it held (shared/libp2p_patches.py).
 REFUSE_LINGER_S = 2.0
 REFUSE_DRAIN_BYTES = 64 * 1024
 
@@ -438,7 +440,7 @@ class HubService:
     async def _on_heartbeat(self, stream: INetStream) -> None:
         beat = await read_message(stream, Heartbeat)
         peer = remote_peer_id(stream)
-        record = self.membership.heartbeat(peer, beat)
+        record = self.membership.heartbeat(peer, beat, self.shelf.newest_version())
         if beat.punch_failed_with is not None:
             self.punch_failed(peer, beat.punch_failed_with)
         self.on_heartbeat()

@@ -29,6 +29,7 @@ from hub.records.writer import StoreWriter
 from hub.service.membership import Membership
 from hub.service.room import BufferRoom
 from hub.trust.guard import LeaseQuota
+from hub.trust.probes import PROBE_STRIKES_TO_STANDBY, ProbeStrikes
 from hub.trust.submissions import SubmissionRules, VersionWindow, submission_frame_cap
 from shared.crypto import SIGNATURE_BYTES
 from shared.messages import RejectCode, Submission
@@ -43,6 +44,9 @@ HANDLER_TIMEOUT_S = 30.0
 NO_WORK_RETRY_S = 0.25
 STANDBY_RETRY_S = 2.0
 PROBE_PROMPTS = 1
+# Probes open at once, all identities together: they are outside the in-flight cap (see `grant`), so they get a
+# bound of their own.
+OPEN_PROBES_MAX = 256
 
 
 class LearnerVersions(Protocol):
@@ -98,6 +102,7 @@ class Leasing:
         self.clock = clock
         self.book = LeaseBook(task, seed=config.learner.seed)
         self.quota = LeaseQuota(config.trust, config.lease.prompts_per_lease)
+        self.probes = ProbeStrikes(first_wait_s=config.lease.lease_timeout_s)
         # Nodes `echo-hub start` spawned itself (their keys made by the hub): exempt from the per-address quota.
         self._own_nodes: frozenset[str] = frozenset()
 
@@ -134,6 +139,8 @@ class Leasing:
 
     async def grant(self, peer: str, version_held: int) -> LeaseGrant:
         """A lease for a node that asks for work holding `version_held`, or why none (PeerFault: it may not ask)."""
+        # A node holds nothing the hub has not published: a claim past it is taken as the newest.
+        version_held = min(version_held, self.newest_version())
         record = self.membership.asks_for_work(peer, version_held)
         window = self.window()
         if record.state not in ("probing", "active"):
@@ -143,15 +150,16 @@ class Leasing:
         if version_held < window.oldest or version_held < 0:
             return LeaseGrant(None, f"fetch a snapshot >= v{window.oldest} first", NO_WORK_RETRY_S)
         probe = record.state == "probing"
-        if probe and self.book.holds(peer):
-            return LeaseGrant(None, "probe lease outstanding", NO_WORK_RETRY_S)
+        address = None if peer in self._own_nodes else address_key(record.remote_ip)
+        if probe and (refusal := self._probe_refusal(peer, address)) is not None:
+            return refusal
         quota = self.quota.decide(
             peer, record.remote_ip, record.audits_passed, self.book.open_count(peer), self.book.open_by_address, self._own_nodes
         )
         if not quota.allowed:
             return LeaseGrant(None, quota.reason, NO_WORK_RETRY_S)
         k = PROBE_PROMPTS if probe else quota.prompts
-        if not probe:  # a probe (one prompt, one per node) must not starve behind the cap
+        if not probe:  # a probe (one prompt, one per node, OPEN_PROBES_MAX in all) must not starve behind the cap
             # Both bounds count the prompts takes will train on; below the saturated share more rollouts do not
             # help (the scheduler then activates none).
             usable = max(self.usable(), SATURATED_USABLE_FRACTION)
@@ -179,7 +187,8 @@ class Leasing:
             timeout_s=self.config.lease_timeout_s,
             price_per_hour=record.price_per_hour,
             probe=probe,
-            address=None if peer in self._own_nodes else address_key(record.remote_ip),
+            address=address,
+            held_version=version_held,
         )
         self.book.open_lease(lease)
         try:
@@ -198,12 +207,28 @@ class Leasing:
             raise
         return LeaseGrant(lease)
 
+    def _probe_refusal(self, peer: str, address: str | None) -> LeaseGrant | None:
+        """Why `peer`, probing, gets no probe now (None: it may have one)."""
+        if self.book.holds(peer):
+            return LeaseGrant(None, "probe lease outstanding", NO_WORK_RETRY_S)
+        wait_s = self.probes.wait_s(peer, address, self.clock())
+        if wait_s > 0:
+            return LeaseGrant(None, f"a probe of this node or its address went unanswered: next in {wait_s:.0f}s", wait_s)
+        if self.book.open_probes >= OPEN_PROBES_MAX:
+            return LeaseGrant(None, f"{OPEN_PROBES_MAX} new nodes are being probed: wait for a probe slot", STANDBY_RETRY_S)
+        return None
+
     async def sweep(self) -> None:
-        """Expire leases past their deadline: their prompts are leased again."""
+        """Expire leases past their deadline: their prompts are leased again. An unanswered probe costs its holder and its
+        address a back-off (hub/trust/probes.py); PROBE_STRIKES_TO_STANDBY rounds of them put the holder on standby."""
         now = self.clock()
         expired = self.book.expire(now)
         for record in expired:
             log.info("lease %s of %s expired: re-queued", record.lease_id[:8], record.node_id[-8:])
+            if record.probe and self.probes.unanswered(record.node_id, record.address, now) >= PROBE_STRIKES_TO_STANDBY:
+                node = self.membership.fleet.get(record.node_id)
+                if node is not None and node.state == "probing":
+                    await self.membership.set_state(node, "standby", f"{PROBE_STRIKES_TO_STANDBY} rounds of probes unanswered")
         # The store follows the book one handler deadline late: see the module docstring.
         events: list[NewEvent] = [("lease_expired", r.node_id, f"lease {r.lease_id[:8]} re-queued") for r in expired]
         checking = [r.lease_id for r in self.book.open.values() if r.checking]
@@ -239,3 +264,5 @@ class Leasing:
         """A lease's answer committed: these prompts are answered, the rest go back to the pool."""
         lease.answered.update(prompt_ids)
         self.book.close(lease)
+        if lease.probe:
+            self.probes.answered(lease.node_id, lease.address)

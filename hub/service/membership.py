@@ -26,7 +26,16 @@ import trio
 
 from hub.config import HubConfig
 from hub.method.prices import price_change_refusal, ranking_price
-from hub.records.fleet import DEPARTED_KEPT_S, PRICE_HISTORY_KEPT, Fleet, NodeRecord, heartbeat_period, heartbeat_timeout
+from hub.records.fleet import (
+    DEPARTED_KEPT_S,
+    IDLE_DEPARTED_KEPT_S,
+    PRICE_HISTORY_KEPT,
+    Fleet,
+    NodeRecord,
+    forgettable,
+    heartbeat_period,
+    heartbeat_timeout,
+)
 from hub.records.store import Store
 from hub.records.writer import StoreWriter
 from hub.service.totals import RunTotals
@@ -86,23 +95,30 @@ class Membership:
         self.on_ban: list[Callable[[str], object]] = []
         self._dirty: set[str] = set()  # nodes whose liveness changed since the last flush
         self._join_events: dict[str, float] = {}  # node -> when its last "join" event was written
-        # The nodes the fleet let go (DEPARTED_KEPT_S): how many (the status counts them as omitted), and their $/h x online
-        # seconds (their share of the all-on cost).
+        # The nodes the fleet let go (DEPARTED_KEPT_S, IDLE_DEPARTED_KEPT_S): how many (the status counts them as omitted),
+        # and their $/h x online seconds (their share of the all-on cost).
         self.departed_count = 0
         self.departed_usd_s = 0.0
 
     def load(self) -> None:
         """The nodes the store remembers that were seen within DEPARTED_KEPT_S, as a restarted hub sees them (the others
-        are recalled if they join again); blocking, runs before trio starts."""
+        are recalled if they join again), the last seen last; blocking, runs before trio starts."""
         seen_since = self.clock() - DEPARTED_KEPT_S
         prices = self.store.members.price_history(PRICE_HISTORY_KEPT, seen_since)
-        for row in self.store.members.nodes(seen_since):
+        for row in sorted(self.store.members.nodes(seen_since), key=lambda row: row.last_seen):
             self.fleet.put(NodeRecord.from_row(row, tuple(prices.get(row.peer_id, ()))))
         self.departed_count, self.departed_usd_s = self.store.members.seen_before(seen_since)
 
     def forget_departed(self, now: float) -> None:
-        """Records of nodes gone or banned and not seen for DEPARTED_KEPT_S leave memory; the store keeps them."""
-        for record in self.fleet.departed(now - DEPARTED_KEPT_S):
+        """Records of nodes gone or banned leave memory: those that did nothing worth remembering (`forgettable`) once not
+        seen for IDLE_DEPARTED_KEPT_S (the retention that calls this deletes their rows next, by the same cut), the others
+        once not seen for DEPARTED_KEPT_S (the store keeps them)."""
+        paid = self.totals.paid_usd
+
+        def kept_s(record: NodeRecord) -> float:
+            return IDLE_DEPARTED_KEPT_S if forgettable(record, paid.get(record.peer_id, 0.0)) else DEPARTED_KEPT_S
+
+        for record in self.fleet.departed(now, kept_s):
             self.departed_count += 1
             self.departed_usd_s += record.price_per_hour * record.online_s
 
@@ -225,12 +241,13 @@ class Membership:
         previous.price_changed_at = now
         return now
 
-    def heartbeat(self, peer: str, beat: Heartbeat) -> NodeRecord:
-        """A live node's news; kept in memory and flushed to the store every FLUSH_PERIOD_S."""
+    def heartbeat(self, peer: str, beat: Heartbeat, newest_version: int | None = None) -> NodeRecord:
+        """A live node's news; kept in memory and flushed to the store every FLUSH_PERIOD_S. A node holds nothing the
+        hub has not published (`newest_version`, when given): a version past it is taken as the newest."""
         record = self.known(peer)
         self._seen(record)
         self.totals.heartbeats += 1
-        record.version_held = beat.version_held
+        record.version_held = beat.version_held if newest_version is None else min(beat.version_held, newest_version)
         record.receiving_version = beat.receiving_version
         record.chunks_received = beat.chunks_received
         record.heartbeat_period_s = self.heartbeat_period()
@@ -335,7 +352,7 @@ class Membership:
             )
             if not moved or record.state == "banned":  # banned meanwhile
                 return
-            record.state = state
+            self.fleet.set_state(record, state)
             if banned_reason is not None:
                 record.banned_reason = banned_reason
             if state in ("gone", "banned"):
@@ -354,7 +371,7 @@ class Membership:
     def mark_banned(self, record: NodeRecord, reason: str) -> None:
         """Banned in the record at once, before the ban's commit (the intake's audit ban; the one other exception
         to "record after commit"): no submission, join or state change of this node may slip in meanwhile."""
-        record.state = "banned"
+        self.fleet.set_state(record, "banned")
         record.banned_reason = reason
         self._banned(record.peer_id)
 

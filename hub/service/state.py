@@ -40,7 +40,7 @@ import trio
 
 from hub.config import HubConfig
 from hub.records.buffer import BufferSignal, ReplayBuffer
-from hub.records.fleet import NodeRecord
+from hub.records.fleet import IDLE_DEPARTED_KEPT_S, NodeRecord
 from hub.records.measurements import LearnerWindow, Measurements, read_step_figures
 from hub.records.schema import CLOSED_RETAINED_S, EVENTS_RETAINED, Retained, StepRecord
 from hub.records.store import Store
@@ -182,9 +182,10 @@ class HubState:
         return sum(self.totals.paid_usd.values()) + self.learner_price_per_hour * self.totals.learner_s(now) / 3600.0
 
     def all_on_cost_usd(self, now: float) -> float:
-        """What the run would have cost with every node working whenever it was online."""
-        in_fleet = sum(n.price_per_hour * n.online_s for n in self.fleet.nodes.values())
-        nodes = (in_fleet + self.membership.departed_usd_s) / 3600.0
+        """What the run would have cost with every node working whenever it was online (the departed's share is summed
+        only when one comes or goes: a status costs the same however many left)."""
+        live = sum(n.price_per_hour * n.online_s for n in self.fleet.live())
+        nodes = (live + self.fleet.departed_usd_s + self.membership.departed_usd_s) / 3600.0
         return self.learner_price_per_hour * self.totals.learner_s(now) / 3600.0 + nodes
 
     async def set_state(self, record: NodeRecord, state: NodeState, reason: str) -> None:
@@ -251,22 +252,26 @@ class HubState:
 
     async def flush(self) -> None:
         """Write liveness and the learner's time to the store; keep the newest EVENTS_RETAINED events; forget
-        join-event times past their window and the records of nodes departed long ago; every RETAIN_PERIOD_S, `retain`."""
+        join-event times past their window; every RETAIN_PERIOD_S, `retain` (which forgets departed nodes too)."""
         rows, now = self.membership.liveness(), self.clock()
         await self.writer.write(self.store.members.flush_liveness, rows, self.totals.session_id, now)
         await self.writer.write(self.store.journal.prune_events, EVENTS_RETAINED)
         self.membership.forget_join_events(now)
-        self.membership.forget_departed(now)
         if now - self._retained_at >= RETAIN_PERIOD_S:
             self._retained_at = now
             await self.retain(now)
 
     async def retain(self, now: float) -> Retained:
         """Let go of what the books no longer need (payloads of settled groups off the shelf, closed leases, final
-        ledger rows), then checkpoint the WAL."""
+        ledger rows, the rows of departed identities that left nothing to remember), then checkpoint the WAL."""
         # A group made at a version still on the shelf may still be audited (the auditor scores with it).
         keep_from = min([self.leasing.min_useful_version(), *self.shelved_versions()])
-        kept = await self.writer.write(self.store.retain, keep_from, now - CLOSED_RETAINED_S, self._vouch_needed)
+        # Those identities' records left memory first (Membership.forget_departed, by the same cut): a command of the
+        # fleet's never meets a record whose row is gone.
+        self.membership.forget_departed(now)
+        kept = await self.writer.write(
+            self.store.retain, keep_from, now - CLOSED_RETAINED_S, self._vouch_needed, now - IDLE_DEPARTED_KEPT_S
+        )
         await trio.to_thread.run_sync(self.store.checkpoint)
         return kept
 

@@ -8,6 +8,7 @@ the step history and events are read from the store."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import trio
 from hub.control.policy import CapacityView
 from hub.control.scheduler import Scheduler
 from hub.distribution.broadcast import Broadcaster
+from hub.records.fleet import NodeRecord
 from hub.records.schema import Credit, LeaderRow
 from hub.records.snapshots import SnapshotShelf
 from hub.service.state import HubState
@@ -37,10 +39,12 @@ HISTORY_POINTS = 300
 EVENTS_KEPT = 200
 # A status request's event count is served from the smallest of these that covers it (one encoding each).
 EVENT_BUCKETS = (0, 20, 50, EVENTS_KEPT)
-# Nodes listed: every live one, and those gone or banned within RECENT_NODES_S, newest first, at most
-# STATUS_NODES_MAX (about 5 MB encoded, under HubStatus.MAX_BYTES); the store keeps the rest.
+# Nodes listed: every live one, and the last STATUS_DEPARTED_MAX to leave (gone or banned) within RECENT_NODES_S, at
+# most STATUS_NODES_MAX in all (about 5 MB encoded, under HubStatus.MAX_BYTES); the rest are counted as omitted (the
+# store keeps them). A status costs the same however many identities came and went.
 RECENT_NODES_S = 3600.0
 STATUS_NODES_MAX = 10_000
+STATUS_DEPARTED_MAX = 100
 # The leaderboard lists the top LEADERS_MAX (shared/messages.py) volunteers of the whole run and of the last day. Its query (the day
 # sums 24 hourly buckets per volunteer: 60 ms for 2,000 of them) takes at most LEADERS_DUTY of the store's time:
 # the next one waits 1 / LEADERS_DUTY times as long as the last took (a small fleet's is fresh every build).
@@ -117,14 +121,17 @@ class StatusBoard:
             EventRecord(at=e.at, kind=e.kind, node_id=e.node_id, detail=e.detail) for e in self.store.journal.events(EVENTS_KEPT)
         )
 
-    def _listed(self, now: float) -> tuple[list, int]:
-        """The nodes a status lists (see RECENT_NODES_S), and how many it leaves out (those the fleet let go too)."""
-        everyone = self.state.fleet.nodes.values()
-        listed = [n for n in everyone if n.state not in ("gone", "banned") or now - n.last_seen <= RECENT_NODES_S]
-        if len(listed) > STATUS_NODES_MAX:
-            listed.sort(key=lambda n: (n.state in ("gone", "banned"), -n.last_seen))
-            listed = listed[:STATUS_NODES_MAX]
-        return listed, len(everyone) - len(listed) + self.state.membership.departed_count
+    def _listed(self, now: float) -> tuple[list[NodeRecord], int]:
+        """The nodes a status lists (see RECENT_NODES_S), and how many it leaves out (those the fleet let go too); it
+        reads the live records and the departed it lists, never the others."""
+        fleet = self.state.fleet
+        live = fleet.live()
+        if len(live) > STATUS_NODES_MAX:
+            live.sort(key=lambda n: -n.last_seen)
+        room = min(STATUS_DEPARTED_MAX, max(0, STATUS_NODES_MAX - len(live)))
+        recent = (n for n in fleet.newest_departed() if now - n.last_seen <= RECENT_NODES_S)
+        listed = live[:STATUS_NODES_MAX] + list(itertools.islice(recent, room))
+        return listed, len(live) + fleet.departed_count - len(listed) + self.state.membership.departed_count
 
     def snapshot(self, events: int = 50) -> HubStatus:
         """The status now (on the trio thread: the state's view is only ever touched there)."""

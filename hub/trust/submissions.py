@@ -156,6 +156,9 @@ def _check_version(submitted: SubmittedGroup, record: LeaseRecord, window: Versi
     if version < record.min_version:
         # The lease was only issued to a node holding at least min_version: not lateness.
         return f"version {version} below the lease's minimum {record.min_version}"
+    if version < record.held_version:
+        # Its room was sized for that version's takes: older work would take it and then go stale, paid.
+        return f"version {version} below v{record.held_version}, which the node held when it was leased"
     return None
 
 
