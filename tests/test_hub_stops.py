@@ -9,6 +9,7 @@ not permitted)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -261,14 +262,31 @@ def test_ctrl_c_a_library_swallowed_without_a_trace_still_stops_the_node_before_
     assert probe.stderr.strip() == "echo-node: interrupted before it joined", probe.stderr[-2000:]
 
 
+def fill(path: Path) -> None:
+    """Write zeros to `path` until its disk is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_status_says_stopped(tmp_path: Path) -> None:
-    # 6 MB: the hub's first snapshot (4.2 MB) fits, a local node's copy of it does not.
-    with tmpfs(tmp_path / "small", "6m") as small:
+    # 8 MB: the hub's first snapshot (4.2 MB) fits; then another program fills the disk, and the hub's next write
+    # (its status, once a second) finds it full. A node's copy no longer fills it: a node checks that a snapshot fits
+    # its free disk before it writes a byte of it (tests/test_snapshot.py).
+    with tmpfs(tmp_path / "small", "8m") as small:
         data = small / "data"
-        hub = start_hub(data, "--local-nodes", "1", "--steps", "20", "--prompts-per-step", "4", "--group-size", "4", wait=False)
+        hub = start_hub(data, "--local-nodes", "0", "--steps", "20", "--prompts-per-step", "4", "--group-size", "4")
         try:
-            code = hub.process.wait(timeout=180)
+            wait_until(lambda: (s := hub.status()) is not None and s.running, 60, "the hub to write its status")
+            fill(small / "filler")
+            code = hub.process.wait(timeout=60)
         finally:
             hub.kill()
         output = hub.output()
