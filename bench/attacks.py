@@ -12,7 +12,15 @@ past their budget and counted against their senders, and whether the run stopped
 BEAT_S through a quiet spell, then under a web flood (WEB_ADDRESSES client addresses x WEB_CONNECTIONS keep-alive
 connections, each asking /api/status as fast as it is answered), then under join/leave churn (CHURN_IDENTITIES
 identities joining and leaving as fast as they are answered), then under STRANGER_IDENTITIES throwaway identities
-that connect, are identified and hang up (py-libp2p's peerstore evicted the hub's own keys past 1,000 of them). Each attack runs in a process of its own, so the
+that connect, are identified and hang up (py-libp2p's peerstore evicted the hub's own keys past 1,000 of them).
+
+`probes` (issue 65) runs a real `echo-hub start` with one local node training, and measures its learner's steps a
+minute quiet, then while PROBE_IDENTITIES identities join, take the one-prompt probe lease each is given and never
+answer it, asking again every PROBE_ASK_S (48 of them took the learner from 32 steps/min to 0), and, as a control,
+while as many identities join and send as many requests (a second heartbeat in place of each lease request): on a
+2-core machine the attackers' own CPU slows the learner, and the control measures that share. The hub allows
+PROBE_IDENTITIES open leases and twice as many connections per address, so that all of them hold a probe from
+loopback. Each attack runs in a process of its own, so the
 member's round trips measure the hub, not this script. Printed per spell: the member's heartbeat round trips
 (p50, p90, p99, max), the hub's CPU and resident memory (its processes together: the web server's is one of them), what the hub's log grew
 by and its `chains:` lines, and the attack's own rate.
@@ -215,6 +223,15 @@ WEB_CONNECTIONS = 8  # keep-alive connections per address
 CHURN_IDENTITIES = 4
 STRANGER_IDENTITIES = 5000
 STRANGER_DIALS = 8  # identities connecting at once
+PROBE_IDENTITIES = 64
+PROBE_ASK_S = 5.0  # the leases are held whatever the pace: a slow one keeps their own CPU out of the figure
+PROBE_HUB_TOML = """
+[lease]
+lease_timeout_s = 10
+[trust]
+max_open_leases_per_ip = 64
+max_connections_per_ip = 128
+"""
 ATTACK_MARGIN_S = 1.0  # an attacker goes on this much longer than the member is measured under it
 STARTED_LINE = b"attacking\n"  # what an attacker prints once it attacks
 HUB_ARGS = ("--local-nodes", "0", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8")
@@ -337,6 +354,41 @@ async def strangers(hub_addr: str, seconds: float) -> dict:
     return {"identities": count[0], "failed_dials": failed[0]}
 
 
+async def probe_hoarders(hub_addr: str, config_hash: str, seconds: float, ask: bool = True) -> dict:
+    """PROBE_IDENTITIES identities that join, claim the version the hub names, hold the probe they are leased and never
+    answer it, asking for work every PROBE_ASK_S (`ask` False: a heartbeat in place of each lease request); until
+    `seconds` pass."""
+    until = trio.current_time() + seconds
+    held, refused = [0], [0]
+    started()
+
+    async def identity() -> None:
+        me = Identity.generate()
+        async with running_host(me, [LOOPBACK]) as (host, _):
+            client = HubClient(host, me, hub_addr)
+            await client.connect()
+            request = JoinRequest(
+                price_per_hour=0.01, hardware="bench", link_bps=1e8, backend="hf", dtype="float32", model_config_hash=config_hash
+            )
+            joined = await client.join(request)
+            if not isinstance(joined, JoinReply):
+                refused[0] += 1
+                return
+            version = joined.latest_version
+            while trio.current_time() < until:
+                beat = await client.heartbeat(Heartbeat(version_held=version))
+                version = beat.latest_version if isinstance(beat, HeartbeatReply) else version
+                reply = await (client.lease(version) if ask else client.heartbeat(Heartbeat(version_held=version)))
+                if isinstance(reply, LeaseReply) and reply.lease is not None:
+                    held[0] += 1
+                await trio.sleep(PROBE_ASK_S)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(PROBE_IDENTITIES):
+            nursery.start_soon(identity)
+    return {"identities": PROBE_IDENTITIES, "probes_taken": held[0], "joins_refused": refused[0]}
+
+
 def worker(argv: list[str]) -> None:
     """`--worker web URL SECONDS`, `--worker churn HUB_ADDR CONFIG_HASH SECONDS` or `--worker strangers HUB_ADDR
     SECONDS`: one attack; STARTED_LINE once it attacks, then its figures as JSON."""
@@ -346,6 +398,8 @@ def worker(argv: list[str]) -> None:
         print(json.dumps(trio.run(web_flood, args[0], float(args[1]))))
     elif kind == "strangers":
         print(json.dumps(trio.run(strangers, args[0], float(args[1]))))
+    elif kind in ("probes", "beats"):
+        print(json.dumps(trio.run(probe_hoarders, args[0], args[1], float(args[2]), kind == "probes")))
     else:
         print(json.dumps(trio.run(churn, args[0], args[1], float(args[2]))))
 
@@ -466,12 +520,62 @@ async def run_floods(work: Path, seconds: float, model_dir: Path, attacks: set[s
         stop_all([hub])
 
 
+async def steps_per_min(hub, seconds: float) -> float:
+    """The learner's steps a minute over the next `seconds` (from the status the hub writes once a second)."""
+    first = hub.status()
+    await trio.sleep(seconds)
+    last = hub.status()
+    assert first is not None and last is not None
+    return round(60.0 * (last.step - first.step) / (last.updated_at - first.updated_at), 1)
+
+
+async def run_probes(work: Path, seconds: float, model_dir: Path) -> dict:
+    """The learner's steps a minute quiet, then under PROBE_IDENTITIES probe hoarders, on one real hub (see the
+    module docstring)."""
+    from shared.model_io import model_dir_config_hash
+    from testbed.harness import start_hub, stop_all, wait_until
+
+    config = work / "hub.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(PROBE_HUB_TOML)
+    hub = start_hub(work / "hub", "--config", str(config), "--local-nodes", "1", "--steps", "0", *HUB_ARGS[4:])
+    try:
+        wait_until(lambda: (s := hub.status()) is not None and s.step >= 3, 180, "the learner's first steps")
+        quiet = await steps_per_min(hub, seconds)
+        figures: dict = {"quiet": quiet}
+        for kind in ("beats", "probes"):
+            argv = [sys.executable, __file__, "--worker", kind, hub.addr, model_dir_config_hash(model_dir), str(seconds + 15)]
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+            process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, env=env)
+            assert process.stdout is not None
+            out = b""
+            while STARTED_LINE not in out:
+                if not (chunk := await process.stdout.receive_some()):
+                    raise RuntimeError(f"the {kind} attacker ended before it started (exit {await process.wait()})")
+                out += chunk
+            await trio.sleep(5.0)  # they join (and take their probes)
+            figures[f"under_{kind}"] = await steps_per_min(hub, seconds)
+            while chunk := await process.stdout.receive_some():
+                out += chunk
+            await process.wait()
+            figures[f"{kind}_attacker"] = json.loads(out.split(STARTED_LINE, 1)[1])
+        figures["ratio_probes_to_quiet"] = round(figures["under_probes"] / quiet, 2) if quiet else None
+        figures["ratio_probes_to_control"] = (
+            round(figures["under_probes"] / figures["under_beats"], 2) if figures["under_beats"] else None
+        )
+        return figures
+    finally:
+        stop_all([hub])
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         worker(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attacks", default="reward,web,churn,strangers", help="comma-separated: reward, web, churn, strangers")
+    parser.add_argument(
+        "--attacks", default="reward,web,churn,strangers,probes", help="comma-separated: reward, web, churn, strangers, probes"
+    )
     parser.add_argument("--attackers", type=int, default=3, help="reward: poisoning identities")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each attack (reward's quiet spell: half)")
     parser.add_argument("--modes", default="process,thread", help=f"reward: comma-separated: {', '.join(MODES)}")
@@ -487,6 +591,9 @@ def main() -> None:
     if attacks & {"web", "churn", "strangers"}:
         with tempfile.TemporaryDirectory() as work:
             results.append({"attack": "floods", **trio.run(run_floods, Path(work), args.seconds, model_dir, attacks | {"quiet"})})
+    if "probes" in attacks:
+        with tempfile.TemporaryDirectory() as work:
+            results.append({"attack": "probes", **trio.run(run_probes, Path(work), args.seconds, model_dir)})
     print(json.dumps(results, indent=2))
 
 

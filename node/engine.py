@@ -34,6 +34,10 @@ class Engine(ABC):
     """
 
     backend: ClassVar[str]
+    # The most rollouts one `generate` call is given (None: a whole lease, for an engine that schedules its own memory,
+    # as vLLM's does): the worker cuts a lease into slices of this size, so a hub's large lease cannot grow the
+    # engine's memory (docs/volunteers.md).
+    batch_rollouts: ClassVar[int | None] = None
     version: int
     tokenizer: Any  # a Hugging Face tokenizer
     dtype: str  # "float32" or "bfloat16": the weights' dtype, which snapshots must carry

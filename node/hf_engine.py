@@ -40,6 +40,8 @@ class HFEngine(Engine):
     """A transformers model behind shared.generation.Sampler; snapshots are copied into it in place."""
 
     backend = "hf"
+    # Its KV cache and logits grow with the batch: 64 rollouts hold a default lease (4 prompts x 8) in one call.
+    batch_rollouts = 64
 
     def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32", seed: int | None = None):
         from transformers import AutoTokenizer

@@ -1,10 +1,10 @@
 """The node's worker: takes leases from the hub, generates the groups, signs and submits them.
 
 Generation runs in a worker thread (the libp2p host must never be starved: py-libp2p
-resets a stream whose reader stalls ~5 s), a slice of the lease's prompts at a time, so the engine's
-peak memory is that of a slice whatever the lease's size; a lease asking more than LEASE_MAX_TOKENS is
-not answered (docs/volunteers.md: what a hub can and cannot make a volunteer do). The engine is shared with the snapshot keeper,
-so generation and weight swaps take turns under one lock, and every completion records
+resets a stream whose reader stalls ~5 s), a slice of the lease's prompts at a time (the engine's
+`batch_rollouts`), so the engine's peak memory is that of a slice whatever the lease's size; a lease asking
+more than LEASE_MAX_TOKENS is not answered (docs/volunteers.md: what a hub can and cannot make a volunteer
+do). The engine is shared with the snapshot keeper, so generation and weight swaps take turns under one lock, and every completion records
 the version that actually produced it.
 """
 
@@ -48,8 +48,6 @@ REFUSAL_LOG_WINDOW_S = 60.0
 REFUSAL_TEXT_CHARS = 200
 PROMPT_ID_CHARS = 40
 LAST_REFUSALS = 5
-# Rollouts one engine call generates at most (a group is never split: a slice holds at least one prompt).
-GENERATE_BATCH_ROLLOUTS = 64
 # The most a lease may ask of this node, in rollouts x max_new_tokens: the answer is held until it is submitted
 # (Python objects, ~100 bytes a token, so ~400 MB at most), and past this an answer at full length would not fit
 # one submission (Submission.MAX_BYTES, at least 8 JSON bytes a token) anyway. A hub's default lease asks 16 Ki.
@@ -163,7 +161,8 @@ class Worker:
     def _generate(self, lease: Lease) -> list[list[Completion]]:
         """The lease's groups, in prompt order, generated a slice at a time (blocking: runs in a worker thread)."""
         groups: list[list[Completion]] = []
-        for index, part in enumerate(prompt_slices(len(lease.prompts), lease.group_size, GENERATE_BATCH_ROLLOUTS)):
+        batch = self.engine.batch_rollouts or len(lease.prompts) * lease.group_size  # (a group is never split)
+        for index, part in enumerate(prompt_slices(len(lease.prompts), lease.group_size, batch)):
             texts = [lease.prompts[i].text for i in part]
             groups += self.engine.generate(texts, lease.group_size, slice_sampling(lease.sampling, index))
         return groups

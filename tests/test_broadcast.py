@@ -389,6 +389,36 @@ async def test_a_relay_whose_successor_gets_nothing_moves_to_the_end_of_its_chai
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.trio
+async def test_throwaway_successors_that_never_pull_cannot_push_a_measured_relay_down_its_chain():
+    """Issue 65: 64 identities that joined and never pulled a snapshot each looked like a stalled successor of the
+    relay ahead of them, so the one node doing the work was moved to their tail, version after version, and waited
+    out a 20 s stall behind each of them: its learner fell to a fifth of its steps. An unmeasured successor's word
+    never moves a measured relay, and measured nodes come first in their chains."""
+    hub_id = Identity.generate()
+    async with hub_peer(hub_id) as peer, node_peer(peer) as worker, node_peer(peer) as x, node_peer(peer) as y:
+        hub = Hub(peer, "chain")
+        peer.shelf.add(random_snapshot(hub_id, 3, 256 * KIB, 64 * KIB))
+        records = {n.peer_id: join(hub.fleet, n) for n in (x, worker, y)}
+        records[worker.peer_id].measured = True
+        hub.broadcaster.chains = [[x.peer_id, worker.peer_id, y.peer_id]]
+        hub.broadcaster.replan()
+        assert hub.broadcaster.chains == [[worker.peer_id, x.peer_id, y.peer_id]]
+        records[worker.peer_id].version_held = 3
+        broadcast = Broadcast(3, 0.0, frozenset(records))
+        async with trio.open_nursery() as nursery:
+            hub.broadcaster._nursery = nursery
+            for at in (100.0, 100.0 + STALL_S + 1.0, 100.0 + 2 * STALL_S + 2.0):
+                hub.broadcaster._check_progress(broadcast, at)
+            assert hub.broadcaster.chains[0][0] == worker.peer_id
+            # x, unmeasured, stalls y behind it: it is moved, as before.
+            records[x.peer_id].version_held = 3
+            hub.broadcaster._check_progress(broadcast, 300.0)
+            hub.broadcaster._check_progress(broadcast, 300.0 + STALL_S + 1.0)
+            assert hub.broadcaster.chains == [[worker.peer_id, y.peer_id, x.peer_id]]
+            nursery.cancel_scope.cancel()
+
+
 # -- a relay's pace: a chain simulated chunk by chunk on trio's clock, under the real Broadcaster ------------
 
 MIB = 1024 * KIB

@@ -11,6 +11,7 @@ from hub.method.chains import (
     chained_broadcast_ideal_s,
     num_chains,
     plan_chains,
+    proven_first,
     relay_too_slow,
     relink_after_leave,
     star_ideal_s,
@@ -149,3 +150,9 @@ def test_relay_too_slow_at_the_issues_numbers():
     assert relay_too_slow(mib, 8.0, 4.0, declared_bps, hub_bps, mib)
     # A slow honest relay at 30% of the hub's pace (1,355,917 B/s) had 4 s * 1,355,917 = 5.4 MB reported: 5 chunks.
     assert not relay_too_slow(5 * mib, 8.0, 4.0, declared_bps, hub_bps, mib)
+
+
+def test_proven_nodes_come_first_in_each_chain_and_each_part_keeps_its_order():
+    chains = [["x1", "a", "x2", "b"], ["x3"], ["c", "x4"]]
+    assert proven_first(chains, {"a", "b", "c"}) == [["a", "b", "x1", "x2"], ["x3"], ["c", "x4"]]
+    assert proven_first(chains, set()) == chains

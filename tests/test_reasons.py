@@ -241,6 +241,8 @@ def test_a_hostile_hubs_reasons_are_refused_at_the_frame(reply) -> None:
 class _Instant:
     """An engine that answers every prompt at once with one token."""
 
+    batch_rollouts = None
+
     def generate(self, texts, n, sampling):
         from shared.rollout import Completion
 

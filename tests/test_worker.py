@@ -9,7 +9,7 @@ import trio
 
 from hub.config import HubConfig
 from node.client import HubClient
-from node.worker import GENERATE_BATCH_ROLLOUTS, LEASE_MAX_TOKENS, Worker, lease_tokens, prompt_slices
+from node.worker import LEASE_MAX_TOKENS, Worker, lease_tokens, prompt_slices
 from shared.crypto import Identity
 from shared.messages import Lease, LeasePrompt, Reject, RejectCode, SubmitReply
 from shared.net import running_host
@@ -71,6 +71,8 @@ async def test_a_real_hub_that_never_met_the_node_makes_the_link_beat_at_once(tm
 class InstantEngine:
     """Generates at once: the time a lease takes is the worker's throttle alone."""
 
+    batch_rollouts = None  # a whole lease a call
+
     def generate(self, texts, n, sampling):
         completion = Completion(token_ids=(5, 6), logprobs=(-0.5, -0.5), finish_reason="stop", version=0, text="ab")
         return [[completion] * n for _ in texts]
@@ -117,6 +119,8 @@ async def test_a_throttled_worker_takes_as_long_as_its_rate_says(autojump_clock)
 class BatchRecorder(InstantEngine):
     """Records the rollouts each engine call was asked for, and answers with each prompt's own text."""
 
+    batch_rollouts = 64  # as HFEngine's
+
     def __init__(self) -> None:
         self.batches: list[int] = []
         self.seeds: list[int | None] = []
@@ -152,7 +156,7 @@ async def test_a_lease_is_generated_in_bounded_batches_in_prompt_order():
     worker = Worker(Recorder(), engine, trio.Lock(), can_work=lambda: True, version_held=lambda: 0, max_rollouts_per_s=None)
     lease = lease_of(20, 8, 16, seed=7)
     assert isinstance(await worker.work(lease), SubmitReply)
-    assert engine.batches == [64, 64, 32] and max(engine.batches) <= GENERATE_BATCH_ROLLOUTS
+    assert engine.batches == [64, 64, 32]
     assert len(set(engine.seeds)) == 3  # a seeded lease: each slice draws its own numbers, reproducibly
     answered = [(g.prompt_id, g.completions[0].text) for g in worker.client.answers[0].groups]
     assert answered == [(f"p{i}", f"t{i}") for i in range(20)]

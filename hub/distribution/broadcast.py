@@ -25,6 +25,7 @@ from hub.method.chains import (
     join_chains,
     link_kind,
     num_chains,
+    proven_first,
     relay_too_slow,
     relink_after_leave,
     separate_nated,
@@ -225,6 +226,7 @@ class Broadcaster:
         members = {n.peer_id: n for n in self.receivers()}
         self._remember_left_relays(members)
         chains = self._joined(self._without_gone(self.chains, members), members)
+        chains = proven_first(chains, {p for p, n in members.items() if n.measured})
         self._forget_gone(members)
         chains = self._separate_failed_punches(chains, members)
         self._queue_probes(members)
@@ -450,7 +452,10 @@ class Broadcaster:
 
         Judged from heartbeats, by what each node says of itself: a relay that claims chunks it does not
         serve, or serves them at a crawl, is moved to the end of its chain. A successor can get its own upstream
-        moved at most once per version, so no node climbs a chain faster than one place per published version."""
+        moved at most once per version, so no node climbs a chain faster than one place per published version; and
+        only a node the hub measured (it answered work) can get a measured relay moved: a throwaway identity that
+        never pulls looks like a relay's stalled successor, and 64 of them pushed the one working node to their
+        tail, a 20 s stall behind each of them a version (issue 65)."""
         held = self.shelf.held_manifest(b.version)
         if held is None:
             return
@@ -459,7 +464,7 @@ class Broadcaster:
         # Taken before any move: a relay moved to its chain's tail leaves the other pairs as they were.
         for up, down in [pair for chain in self.chains for pair in zip(chain, chain[1:])]:
             u, d = self.fleet.get(up), self.fleet.get(down)
-            if u is None or d is None or d.version_held >= b.version:
+            if u is None or d is None or d.version_held >= b.version or (u.measured and not d.measured):
                 continue
             self._check_pace(b, u, d, now, chunk_bytes, hub_bps)
             self._check_stall(b, u, d, now, chunk_bytes)

@@ -14,7 +14,7 @@ differ by at most one.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 def num_chains(hub_uplink_bps: float, node_link_bps: float, max_chains: int = 1 << 20) -> int:
@@ -121,6 +121,13 @@ def join_chains(chains: Sequence[Sequence[str]], newcomer: str, max_chains: int)
     else:
         min(out, key=len).append(newcomer)
     return out
+
+
+def proven_first(chains: Sequence[Sequence[str]], proven: Collection[str]) -> list[list[str]]:
+    """Each chain with its `proven` members (nodes the hub measured: they answered work) first, then the rest, each
+    part in its order: a throwaway identity that never pulls stalls whoever pulls behind it, so no proven node waits
+    behind an unproven one."""
+    return [[p for p in chain if p in proven] + [p for p in chain if p not in proven] for chain in chains]
 
 
 # -- a relay's pace ----------------------------------------------------------------------------------
