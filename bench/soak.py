@@ -1,7 +1,7 @@
 """Soak: a real hub and real nodes for M minutes at long completions, with hub SIGKILLs and node churn; what grows
 per learner step (store, data dir, hub RSS, open fds, logs) and whether an acknowledged group is ever lost.
 
-Usage: python bench/soak.py [--minutes M] [--json] [--kills 3] [--nodes 3] [--work-dir DIR] [--skip-resume]
+Usage: python bench/soak.py [--minutes M] [--min-steps N] [--json] [--kills 3] [--nodes 3] [--work-dir DIR] [--skip-resume]
 
 The model is a random-init one whose special tokens' logits are pinned at 0 while the others spread with a std of 4
 nats, so EOS is all but never sampled and completions run to --max-new-tokens (320): ~300 tokens on average. The
@@ -343,7 +343,9 @@ def run(args: argparse.Namespace, say) -> dict:
     readings: list[float] = []
     started = time.monotonic()
     try:
-        while (now := time.monotonic() - started) < duration_s:
+        # Past M minutes, on until the learner made --min-steps: a short run on a busy machine still has steps to
+        # measure growth over (the kills and churn stay within the M minutes).
+        while (now := time.monotonic() - started) < duration_s or (soak.samples and soak.samples[-1].step < args.min_steps):
             while events and events[0][0] <= now:
                 _, kind = events.pop(0)
                 if kind == "kill":
@@ -361,10 +363,11 @@ def run(args: argparse.Namespace, say) -> dict:
             )
             readings = rss_readings(hub.process.pid, SAMPLE_S)
     finally:
+        ran_s = time.monotonic() - started
         code = hub.stop(timeout_s=60)
         for node in nodes:
             node.stop()
-    return figures(soak, nodes, duration_s, code, args.skip_resume)
+    return figures(soak, nodes, ran_s, code, args.skip_resume)
 
 
 def kill_and_restart(soak: Soak, hub: HubProc, hub_args: tuple[str, ...], port: int) -> HubProc:
@@ -411,6 +414,9 @@ def figures(soak: Soak, nodes: list[SoakNode], duration_s: float, hub_exit: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0, help="how long the fleet runs (default 20)")
+    parser.add_argument(
+        "--min-steps", type=int, default=0, help="past --minutes, run on until the learner made this many steps (default 0)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress stays on stderr)")
     parser.add_argument("--kills", type=int, default=3, help="hub SIGKILLs, spread over the run (default 3)")
     parser.add_argument("--nodes", type=int, default=3, help="volunteer nodes (default 3)")

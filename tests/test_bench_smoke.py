@@ -366,8 +366,8 @@ def test_soak_bench_fits_the_rss_line_over_the_hubs_last_life_and_kills_in_the_f
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_soak_bench_smoke(tmp_path):
-    """Half a minute of the soak (30-odd steps on 2 cores): a real hub killed once, two real nodes, long completions;
-    every key, nothing lost."""
+    """Half a minute of the soak and on to 40 steps (a busy machine made too few in half a minute to measure the store's
+    growth): a real hub killed once, two real nodes, long completions; every key, nothing lost."""
     import subprocess
 
     done = subprocess.run(
@@ -376,6 +376,9 @@ def test_soak_bench_smoke(tmp_path):
             str(BENCH_DIR / "soak.py"),
             "--minutes",
             "0.5",
+            # Steps, not seconds, are what growth is measured over: on a busy machine half a minute gave too few.
+            "--min-steps",
+            "40",
             "--kills",
             "1",
             "--nodes",

@@ -302,11 +302,16 @@ def test_a_real_hub_publishes_deltas_that_real_nodes_install_bit_exact(tmp_path)
         except TimeoutError as exc:
             logs = "".join(f"\n{d.name}: {(d / 'node.log').read_text()[-2000:]}" for d in dirs if (d / "node.log").exists())
             raise AssertionError(f"{exc}; installed as deltas: {[len(_delta_installs(d)) for d in dirs]}{logs}") from exc
-        status = hub.status()
+        # The status file is written once a second: versions a few hundred ms apart can outrun it, so the status read
+        # at once may still show v0, which has no delta. A status whose newest version went as a delta comes within
+        # a few writes (a delta is built with every version past v0, so none in 60 s fails the test).
+        status = wait_until(
+            lambda: (s := hub.status()) is not None and s.delta_bytes is not None and s, 60, "a status with a delta"
+        )
         stop_all(nodes)
     finally:
         stop_all([*nodes, hub])
-    assert status.delta_bytes is not None and status.delta_bytes < 0.10 * status.snapshot_bytes
+    assert status.snapshot_bytes is not None and status.delta_bytes < 0.10 * status.snapshot_bytes
     hashes = dict(query(hub_dir, "SELECT version, manifest_hash FROM snapshots"))
     for node_dir in dirs:
         records = [json.loads(p.read_text()) for p in (node_dir / "installed").glob("v*.json")]
