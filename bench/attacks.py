@@ -13,6 +13,8 @@ BEAT_S through a quiet spell, then under a web flood (WEB_ADDRESSES client addre
 connections, each asking /api/status as fast as it is answered), then under join/leave churn (CHURN_IDENTITIES
 identities joining and leaving as fast as they are answered), then under STRANGER_IDENTITIES throwaway identities
 that connect, are identified and hang up (py-libp2p's peerstore evicted the hub's own keys past 1,000 of them).
+`strangers_node` sends them at a real `echo-node join` process's own address instead (a volunteer exited after 2,099
+of them): whether it stays up and connected to its hub, and its resident memory before and after.
 
 `probes` (issue 65) runs a real `echo-hub start` with one local node training, and measures its learner's steps a
 minute quiet, then while PROBE_IDENTITIES identities join, take the one-prompt probe lease each is given and never
@@ -404,8 +406,8 @@ def worker(argv: list[str]) -> None:
         print(json.dumps(trio.run(churn, args[0], args[1], float(args[2]))))
 
 
-def hub_rss_mb(pid: int) -> float:
-    """Resident memory of the hub's processes together, in MB."""
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children together, in MB."""
     import psutil
 
     hub = psutil.Process(pid)
@@ -436,7 +438,7 @@ def hub_cpu_s(pid: int) -> float:
 async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float) -> dict:
     """The member's heartbeats for `seconds` (under `attack`, a worker's argv, when given), and what the hub spent."""
     log_file = hub.data_dir / HUB_LOG_FILE
-    rss_at, store_at = hub_rss_mb(hub.process.pid), store_kb(hub.data_dir)
+    rss_at, store_at = tree_rss_mb(hub.process.pid), store_kb(hub.data_dir)
     log_at, cpu_at, started = log_file.stat().st_size, hub_cpu_s(hub.process.pid), time.monotonic()
     beats: list[float] = []
     attacked: dict = {}
@@ -477,12 +479,43 @@ async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float
             "p99_ms": round(1000 * statistics.quantiles(beats, n=100)[-1], 1),
         },
         "hub_cores": round((hub_cpu_s(hub.process.pid) - cpu_at) / elapsed, 2),
-        "hub_rss_mb": {"before": rss_at, "after": hub_rss_mb(hub.process.pid)},
+        "hub_rss_mb": {"before": rss_at, "after": tree_rss_mb(hub.process.pid)},
         "store_kb": {"before": store_at, "after": store_kb(hub.data_dir)},
         "hub_log_kb_per_s": round(len(grown) / 1000 / elapsed, 1),
         "chains_lines": grown.count(b" chains: "),
         **attacked,
     }
+
+
+async def flood_a_node(hub, node_dir: Path, seconds: float) -> dict:
+    """STRANGER_IDENTITIES throwaway identities at a real node's listen address: whether the node is still up and
+    connected to the hub after them, and its RSS before and after."""
+    from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE
+    from shared.messages import NodeView
+    from testbed.harness import start_node, stop_all, wait_until
+
+    node = start_node(hub.addr, node_dir)
+    try:
+        listening = re.compile(r"listening on (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)")
+        log_file = node_dir / NODE_LOG_FILE
+        addr = wait_until(lambda: log_file.exists() and listening.search(log_file.read_text()), 120, "the node's address")
+        status = node_dir / NODE_STATUS_FILE
+        wait_until(lambda: status.exists() and NodeView.model_validate_json(status.read_text()).connected, 120, "the join")
+        rss_before = tree_rss_mb(node.process.pid)
+        argv = [sys.executable, __file__, "--worker", "strangers", addr.group(1), str(seconds)]
+        done = await trio.run_process(argv, capture_stdout=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        attacked = json.loads(done.stdout.split(STARTED_LINE, 1)[1])
+        await trio.sleep(3.0)  # a status write or two after the last identity
+        view = NodeView.model_validate_json(status.read_text())
+        return {
+            "node_up": node.process.poll() is None,
+            "connected": view.connected,
+            "status_age_s": round(time.time() - view.updated_at, 1),
+            "node_rss_mb": {"before": rss_before, "after": tree_rss_mb(node.process.pid)},
+            **attacked,
+        }
+    finally:
+        stop_all([node])
 
 
 async def run_floods(work: Path, seconds: float, model_dir: Path, attacks: set[str]) -> dict:
@@ -515,7 +548,10 @@ async def run_floods(work: Path, seconds: float, model_dir: Path, attacks: set[s
                 "churn": ["churn", hub.addr, config_hash],
                 "strangers": ["strangers", hub.addr],
             }
-            return {name: await spell(member, hub, attack, seconds) for name, attack in spells.items() if name in attacks}
+            figures = {name: await spell(member, hub, attack, seconds) for name, attack in spells.items() if name in attacks}
+            if "strangers_node" in attacks:
+                figures["strangers_node"] = await flood_a_node(hub, work / "node", seconds)
+            return figures
     finally:
         stop_all([hub])
 
@@ -574,7 +610,9 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--attacks", default="reward,web,churn,strangers,probes", help="comma-separated: reward, web, churn, strangers, probes"
+        "--attacks",
+        default="reward,web,churn,strangers,strangers_node,probes",
+        help="comma-separated: reward, web, churn, strangers, strangers_node, probes",
     )
     parser.add_argument("--attackers", type=int, default=3, help="reward: poisoning identities")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each attack (reward's quiet spell: half)")
@@ -588,7 +626,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             result = trio.run(run_mode, MODES[mode], args.attackers, args.seconds, Path(work), model_dir)
             results.append({"attack": "reward", "mode": mode, **result})
-    if attacks & {"web", "churn", "strangers"}:
+    if attacks & {"web", "churn", "strangers", "strangers_node"}:
         with tempfile.TemporaryDirectory() as work:
             results.append({"attack": "floods", **trio.run(run_floods, Path(work), args.seconds, model_dir, attacks | {"quiet"})})
     if "probes" in attacks:
