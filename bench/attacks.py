@@ -14,7 +14,8 @@ connections, each asking /api/status as fast as it is answered), then under join
 identities joining and leaving as fast as they are answered), then under STRANGER_IDENTITIES throwaway identities
 that connect, are identified and hang up (py-libp2p's peerstore evicted the hub's own keys past 1,000 of them).
 `strangers_node` sends them at a real `echo-node join` process's own address instead (a volunteer exited after 2,099
-of them): whether it stays up and connected to its hub, and its resident memory before and after.
+of them), twice: whether it stays up and connected to its hub, and its resident memory before and after each flood
+(a second flood that adds nothing says the first one's growth was the allocator's high-water mark, not a leak).
 
 `probes` (issue 65) runs a real `echo-hub start` with one local node training, and measures its learner's steps a
 minute quiet, then while PROBE_IDENTITIES identities join, take the one-prompt probe lease each is given and never
@@ -488,8 +489,8 @@ async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float
 
 
 async def flood_a_node(hub, node_dir: Path, seconds: float) -> dict:
-    """STRANGER_IDENTITIES throwaway identities at a real node's listen address: whether the node is still up and
-    connected to the hub after them, and its RSS before and after."""
+    """STRANGER_IDENTITIES throwaway identities at a real node's listen address, twice: whether the node is still up and
+    connected to the hub after them, and its RSS before and after each flood."""
     from shared.layout import NODE_LOG_FILE, NODE_STATUS_FILE
     from shared.messages import NodeView
     from testbed.harness import start_node, stop_all, wait_until
@@ -501,18 +502,21 @@ async def flood_a_node(hub, node_dir: Path, seconds: float) -> dict:
         addr = wait_until(lambda: log_file.exists() and listening.search(log_file.read_text()), 120, "the node's address")
         status = node_dir / NODE_STATUS_FILE
         wait_until(lambda: status.exists() and NodeView.model_validate_json(status.read_text()).connected, 120, "the join")
-        rss_before = tree_rss_mb(node.process.pid)
-        argv = [sys.executable, __file__, "--worker", "strangers", addr.group(1), str(seconds)]
-        done = await trio.run_process(argv, capture_stdout=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-        attacked = json.loads(done.stdout.split(STARTED_LINE, 1)[1])
-        await trio.sleep(3.0)  # a status write or two after the last identity
+        rss = [tree_rss_mb(node.process.pid)]
+        floods = []
+        for _ in range(2):
+            argv = [sys.executable, __file__, "--worker", "strangers", addr.group(1), str(seconds)]
+            done = await trio.run_process(argv, capture_stdout=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+            floods.append(json.loads(done.stdout.split(STARTED_LINE, 1)[1]))
+            await trio.sleep(3.0)  # a status write or two after the last identity
+            rss.append(tree_rss_mb(node.process.pid))
         view = NodeView.model_validate_json(status.read_text())
         return {
             "node_up": node.process.poll() is None,
             "connected": view.connected,
             "status_age_s": round(time.time() - view.updated_at, 1),
-            "node_rss_mb": {"before": rss_before, "after": tree_rss_mb(node.process.pid)},
-            **attacked,
+            "node_rss_mb": {"before": rss[0], "after_first": rss[1], "after_second": rss[2]},
+            "floods": floods,
         }
     finally:
         stop_all([node])
