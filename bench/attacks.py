@@ -392,6 +392,31 @@ async def probe_hoarders(hub_addr: str, config_hash: str, seconds: float, ask: b
     return {"identities": PROBE_IDENTITIES, "probes_taken": held[0], "joins_refused": refused[0]}
 
 
+class Attacker:
+    """A `--worker` process of this script: `start` returns once it says it attacks, `figures` once it ended."""
+
+    def __init__(self, *worker_argv: str) -> None:
+        self.argv = [sys.executable, __file__, "--worker", *worker_argv]
+        self.out = b""
+        self.process: trio.Process | None = None
+
+    async def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        self.process = process = await trio.lowlevel.open_process(self.argv, stdout=subprocess.PIPE, env=env)
+        assert process.stdout is not None
+        while STARTED_LINE not in self.out:
+            if not (chunk := await process.stdout.receive_some()):
+                raise RuntimeError(f"the {self.argv[3]} attacker ended before it started (exit {await process.wait()})")
+            self.out += chunk
+
+    async def figures(self) -> dict:
+        assert self.process is not None and self.process.stdout is not None
+        while chunk := await self.process.stdout.receive_some():
+            self.out += chunk
+        await self.process.wait()
+        return json.loads(self.out.split(STARTED_LINE, 1)[1])
+
+
 def worker(argv: list[str]) -> None:
     """`--worker web URL SECONDS`, `--worker churn HUB_ADDR CONFIG_HASH SECONDS` or `--worker strangers HUB_ADDR
     SECONDS`: one attack; STARTED_LINE once it attacks, then its figures as JSON."""
@@ -443,17 +468,11 @@ async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float
     log_at, cpu_at, started = log_file.stat().st_size, hub_cpu_s(hub.process.pid), time.monotonic()
     beats: list[float] = []
     attacked: dict = {}
-    process = None
+    attacker = None
     if attack is not None:
         # It attacks a little longer than the member is measured, from the moment it says it started.
-        argv = [sys.executable, __file__, "--worker", *attack, str(seconds + ATTACK_MARGIN_S)]
-        process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-        assert process.stdout is not None
-        out = b""
-        while STARTED_LINE not in out:
-            if not (chunk := await process.stdout.receive_some()):
-                raise RuntimeError(f"the {attack[0]} attacker ended before it started (exit {await process.wait()})")
-            out += chunk
+        attacker = Attacker(*attack, str(seconds + ATTACK_MARGIN_S))
+        await attacker.start()
         log_at, cpu_at, started = log_file.stat().st_size, hub_cpu_s(hub.process.pid), time.monotonic()
     until = time.monotonic() + seconds
     while time.monotonic() < until:
@@ -467,12 +486,8 @@ async def spell(member: HubClient, hub, attack: list[str] | None, seconds: float
     with log_file.open("rb") as log:
         log.seek(log_at)
         grown = log.read()
-    if process is not None:
-        assert process.stdout is not None
-        while chunk := await process.stdout.receive_some():
-            out += chunk
-        await process.wait()
-        attacked = json.loads(out.split(STARTED_LINE, 1)[1])
+    if attacker is not None:
+        attacked = await attacker.figures()
     return {
         "heartbeat": {
             **summary(beats),
@@ -505,9 +520,9 @@ async def flood_a_node(hub, node_dir: Path, seconds: float) -> dict:
         rss = [tree_rss_mb(node.process.pid)]
         floods = []
         for _ in range(2):
-            argv = [sys.executable, __file__, "--worker", "strangers", addr.group(1), str(seconds)]
-            done = await trio.run_process(argv, capture_stdout=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-            floods.append(json.loads(done.stdout.split(STARTED_LINE, 1)[1]))
+            attacker = Attacker("strangers", addr.group(1), str(seconds))
+            await attacker.start()
+            floods.append(await attacker.figures())
             await trio.sleep(3.0)  # a status write or two after the last identity
             rss.append(tree_rss_mb(node.process.pid))
         view = NodeView.model_validate_json(status.read_text())
@@ -584,21 +599,11 @@ async def run_probes(work: Path, seconds: float, model_dir: Path) -> dict:
         quiet = await steps_per_min(hub, seconds)
         figures: dict = {"quiet": quiet}
         for kind in ("beats", "probes"):
-            argv = [sys.executable, __file__, "--worker", kind, hub.addr, model_dir_config_hash(model_dir), str(seconds + 15)]
-            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-            process = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, env=env)
-            assert process.stdout is not None
-            out = b""
-            while STARTED_LINE not in out:
-                if not (chunk := await process.stdout.receive_some()):
-                    raise RuntimeError(f"the {kind} attacker ended before it started (exit {await process.wait()})")
-                out += chunk
+            attacker = Attacker(kind, hub.addr, model_dir_config_hash(model_dir), str(seconds + 15))
+            await attacker.start()
             await trio.sleep(5.0)  # they join (and take their probes)
             figures[f"under_{kind}"] = await steps_per_min(hub, seconds)
-            while chunk := await process.stdout.receive_some():
-                out += chunk
-            await process.wait()
-            figures[f"{kind}_attacker"] = json.loads(out.split(STARTED_LINE, 1)[1])
+            figures[f"{kind}_attacker"] = await attacker.figures()
         figures["ratio_probes_to_quiet"] = round(figures["under_probes"] / quiet, 2) if quiet else None
         figures["ratio_probes_to_control"] = (
             round(figures["under_probes"] / figures["under_beats"], 2) if figures["under_beats"] else None

@@ -297,7 +297,7 @@ def heartbeat_ms(state: HubState, peer: str, repeats: int = 2000) -> float:
     body = encode_message(Heartbeat(version_held=0))[HEADER_BYTES:]
     t0 = time.thread_time()
     for _ in range(repeats):
-        state.membership.heartbeat(peer, decode_message(Heartbeat, body))
+        state.membership.heartbeat(peer, decode_message(Heartbeat, body), state.leasing.newest_version())
     return (time.thread_time() - t0) * 1000 / repeats
 
 

@@ -161,7 +161,7 @@ async def test_a_reopened_state_shows_what_the_old_one_showed(tmp_path, default_
     await state.intake.accept(b, answer(tokenizer, grant.lease, b, right=False), "h3")  # zero variance: accepted
     await state.membership.record_refusal(b, RejectCode.BAD_REQUEST)
     await state.membership.record_refusal(b, RejectCode.UNKNOWN_NODE)  # not its fault: not counted
-    state.membership.heartbeat(b, Heartbeat(version_held=0))
+    state.membership.heartbeat(b, Heartbeat(version_held=0), 0)
     await state.set_state(state.fleet.get(b), "gone", "no heartbeat")
     # The learner trains on two groups and drops one as stale.
     ids = state.buffer.row_ids()
@@ -488,7 +488,7 @@ async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_r
     keeper = peers[0]
     clock[0] += 5.0
     for peer in peers:
-        state.membership.heartbeat(peer, Heartbeat(version_held=0))  # online 5 s
+        state.membership.heartbeat(peer, Heartbeat(version_held=0), 0)  # online 5 s
     await state.membership.reprice(keeper, 2.0)
     for peer in peers:  # something to remember (not `forgettable`): a recall brings it back from the row
         await state.membership.record_refusal(peer, RejectCode.BAD_REQUEST)
@@ -511,7 +511,7 @@ async def test_records_of_departed_nodes_leave_memory_and_come_back_whole_on_a_r
     assert state.fleet.nodes == {} and state.membership.departed_count == len(peers)
     assert nodes_all_on() == pytest.approx(all_on)
     with pytest.raises(PeerFault) as unknown:
-        state.membership.heartbeat(keeper, Heartbeat(version_held=0))
+        state.membership.heartbeat(keeper, Heartbeat(version_held=0), 0)
     assert unknown.value.code == RejectCode.UNKNOWN_NODE
     record = await state.membership.join(keeper, join_request(state, price=2.0), "10.0.0.1")
     assert (record.online_s, record.price_changed_at, record.tallies.refused) == (5.0, changed_at, 1)
@@ -725,4 +725,24 @@ async def test_identities_holding_probes_they_never_answer_neither_starve_an_hon
         assert {state.fleet.get(peer).state for peer in attackers} == {expected}
     now[0] += 3600.0
     assert (await state.leasing.grant(next(iter(attackers)), 0)).reason == "standby: no work for now"
+    state.store.close()
+
+
+@pytest.mark.trio
+async def test_probes_open_at_once_are_capped_in_all(tmp_path, default_model_dir, monkeypatch):
+    """Probes sit outside the in-flight cap, so they have a bound of their own in all (OPEN_PROBES_MAX), whatever the
+    identities and addresses asking: the next newcomer waits for a slot, and gets one once a probe closes."""
+    from hub.service import leasing
+
+    monkeypatch.setattr(leasing, "OPEN_PROBES_MAX", 5)
+    state = reopen(tmp_path, default_model_dir)
+    peers = [Identity.generate().peer_id for _ in range(6)]
+    for i, peer in enumerate(peers):
+        await state.membership.join(peer, join_request(state), f"10.0.{i}.1")
+    held = [(await state.leasing.grant(peer, 0)).lease for peer in peers[:5]]
+    assert all(lease is not None for lease in held)
+    refused = await state.leasing.grant(peers[5], 0)
+    assert refused.lease is None and "probe slot" in refused.reason
+    state.leasing.book.close(held[0])
+    assert (await state.leasing.grant(peers[5], 0)).lease is not None
     state.store.close()

@@ -241,13 +241,13 @@ class Membership:
         previous.price_changed_at = now
         return now
 
-    def heartbeat(self, peer: str, beat: Heartbeat, newest_version: int | None = None) -> NodeRecord:
+    def heartbeat(self, peer: str, beat: Heartbeat, newest_version: int) -> NodeRecord:
         """A live node's news; kept in memory and flushed to the store every FLUSH_PERIOD_S. A node holds nothing the
-        hub has not published (`newest_version`, when given): a version past it is taken as the newest."""
+        hub has not published (`newest_version`): a version past it is taken as the newest."""
         record = self.known(peer)
         self._seen(record)
         self.totals.heartbeats += 1
-        record.version_held = beat.version_held if newest_version is None else min(beat.version_held, newest_version)
+        record.version_held = min(beat.version_held, newest_version)
         record.receiving_version = beat.receiving_version
         record.chunks_received = beat.chunks_received
         record.heartbeat_period_s = self.heartbeat_period()
