@@ -252,7 +252,7 @@ def _thread_ms(fn: Callable, *args) -> tuple[float, object]:
 async def calibrate(state: HubState, frames: list[Frame], config: HubConfig) -> dict[str, float]:
     """CPU ms per completion of each stage, one at a time on the same frames (before they are submitted)."""
     rules, window = state.intake.rules, state.leasing.window()
-    copies = CopyDetector(config.trust.copy_cache_groups, config.learner.group_size, config.trust.copy_min_surprise_nats, 0.01)
+    copies = CopyDetector(config.trust.copy_cache_groups, config.learner.group_size, config.trust.copy_false_alarm, 0.01)
     for frame in frames[:2]:  # warm: the reward's first call imports and caches what it uses
         submission = decode_signed(
             *await read_frame(BytesStream(frame.frame), {Submission.TYPE: len(frame.frame)}), frame.peer, Submission

@@ -88,7 +88,18 @@ def run(net: Topology, work: Path, nat: bool, args: argparse.Namespace, log) -> 
     dirs = {name: hub_dir.parent / name for name in places}
     nodes = [
         net.start_node(
-            ns, dirs[name], listen, hub.addr, "--link-mbps", rate, "--declared-link-mbps", rate, "--max-rollouts-per-s", "20"
+            ns,
+            dirs[name],
+            listen,
+            hub.addr,
+            "--link-mbps",
+            rate,
+            "--declared-link-mbps",
+            rate,
+            "--max-rollouts-per-s",
+            "20",
+            "--log-level",
+            "debug",  # node.log says every install (at info, one a minute): the newest one's rate is read from it
         )
         for name, (ns, listen) in places.items()
     ]

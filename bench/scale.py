@@ -109,14 +109,18 @@ def reset_peak(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
-_INSTALLED_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO echo2\.node\.keeper: installed v(\d+) ", re.M)
+# The nodes log at debug: node.log says each install then (at info, one a minute and the last one again at the stop).
+_INSTALLED_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:INFO|DEBUG) echo2\.node\.keeper: installed v(\d+) ", re.M)
 
 
 def install_times(node_dir: Path) -> dict[int, float]:
-    """version -> unix time the node logged installing it (node.log, local time to the millisecond)."""
+    """version -> unix time the node logged installing it first (node.log, local time to the millisecond)."""
     log = node_dir / "node.log"
     text = log.read_text() if log.exists() else ""
-    return {int(v): datetime.strptime(at, "%Y-%m-%d %H:%M:%S,%f").timestamp() for at, v in _INSTALLED_RE.findall(text)}
+    times: dict[int, float] = {}
+    for at, v in _INSTALLED_RE.findall(text):
+        times.setdefault(int(v), datetime.strptime(at, "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return times
 
 
 def broadcast_times(data: Path, node_dirs: list[Path]) -> dict[int, float]:
@@ -214,6 +218,8 @@ def run_one(
                     str(link_mbps),
                     "--declared-link-mbps",
                     str(link_mbps),
+                    "--log-level",
+                    "debug",
                 )
             )
 

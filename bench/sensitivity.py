@@ -26,23 +26,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.sim_config import SimConfig, SimConfigError, load_sim_config  # noqa: E402
+from bench.sim_config import SimConfig, SimConfigError, load_sim_config, with_settings  # noqa: E402
 from bench.simulate import EXIT_USAGE_ERROR, ablation, run_rows  # noqa: E402
 from hub.method.capacity import InfeasibleCapacity  # noqa: E402
-from shared.config import ConfigError, set_dotted, validated  # noqa: E402
+from shared.config import ConfigError, validated  # noqa: E402
 
 PRESET = ROOT / "bench" / "presets" / "echo2-qwen3-8b.toml"
-# The paper's ablation, $/step: the full system, without peer broadcast (9 and 10 machines), without cost-aware
-# activation.
-PAPER_FULL = 8.098
-PAPER_NO_PEER_BROADCAST = {9: 8.432, 10: 8.630}
-PAPER_NO_COST_AWARE = 9.339
+# The paper's ablation, $/step, as the preset quotes it ([[paper_figure]]): the full system, without peer broadcast (9 and
+# 10 machines), without cost-aware activation.
+_PAPER = {(figure.scenario, figure.nodes): figure.cost_per_step for figure in load_sim_config(PRESET).paper_figure}
+PAPER_FULL = _PAPER[("cost-aware", 10)]
+PAPER_NO_PEER_BROADCAST = {nodes: cost for (scenario, nodes), cost in sorted(_PAPER.items()) if scenario == "star"}
+PAPER_NO_COST_AWARE = _PAPER[("all-on", 10)]
 A100_PRICE_PER_HOUR = 3.06  # the paper's learner GPU (Google Cloud)
 # The scenarios of the paper's ablation (bench/presets/echo2-qwen3-8b.toml says why), named as bench/simulate.py
 # names them (bench.simulate.VARIANTS: full, no_peer_broadcast, no_cost_aware).
@@ -81,22 +81,6 @@ def cell(cfg: SimConfig, learner_gpus: int, rate: float, tolerance: float) -> di
             for name in ("no_peer_broadcast", "no_cost_aware")
         },
     }
-
-
-def with_settings(base: SimConfig, settings: list[str]) -> SimConfig:
-    """`base` with each KEY=VALUE (a dotted key, a TOML value) of --set applied."""
-    tree = base.model_dump()
-    for setting in settings:
-        key, sep, value = setting.partition("=")
-        if not sep or not key.strip():
-            raise SimConfigError(f"--set {setting!r}: write KEY=VALUE, e.g. --set run.seeds=1")
-        try:
-            set_dotted(tree, key.strip(), tomllib.loads(f"value = {value.strip()}")["value"])
-        except tomllib.TOMLDecodeError:
-            raise SimConfigError(f"--set {setting!r}: {value.strip()!r} is not a TOML value (a string needs quotes)") from None
-        except AttributeError:  # a dotted key through a value that is not a table
-            raise SimConfigError(f"--set {setting!r}: {key.strip()!r} is not a key of sim.toml") from None
-    return validated(SimConfig, tree, "--set")
 
 
 def sweep(args: argparse.Namespace) -> dict:

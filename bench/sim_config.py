@@ -3,11 +3,13 @@ simulator's documented fleet (bench/simulate.py's docstring).
 
 Every field is bounded; a mistake in sim.toml is one line (`load_sim_config` raises SimConfigError). The fleet
 is either drawn from the GPU mix (`[[fleet.gpu]]`, at each size of `fleet.nodes`) or read from `echo-hub plan`'s
-FLEET.toml (`fleet.file`, relative to sim.toml), whose nodes keep their names, prices and rates.
+FLEET.toml (`fleet.file`, relative to sim.toml), whose nodes keep their names, prices and rates. `with_settings`
+applies `--set KEY=VALUE` (bench/simulate.py, bench/sensitivity.py) on top of a file.
 """
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -15,7 +17,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from hub.config import LearnerConfig, SchedulerConfig
 from hub.method.capacity import CapacityRule, validate_kappa
-from shared.config import ConfigError, field_of, read_toml, validated
+from shared.config import ConfigError, field_of, read_toml, set_dotted, validated
+
+# The simulator's scenarios (bench/simulate.py's SCENARIOS).
+ScenarioName = Literal["cost-aware", "all-on", "star", "sync"]
 
 
 class SimConfigError(ConfigError):
@@ -80,11 +85,17 @@ class LinksPart(Part):
     max_mbps: float = Field(2000.0, gt=0.0, le=1e6, description="node links are clipped to at most this")
     hub_uplink_mbps: float = Field(10_000.0, gt=0.0, le=1e7, description="the hub's uplink, Mbit/s")
     hop_latency_s: float = Field(0.05, ge=0.0, le=60.0, description="per-hop latency of a chain")
+    fitted_nodes: tuple[int, int] | None = Field(
+        None,
+        description="[smallest, largest] fleet the links were fitted to: a run of another size is flagged (None: not fitted)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> LinksPart:
         if self.min_mbps > self.max_mbps:
             raise ValueError(f"links.min_mbps ({self.min_mbps:g}) is above links.max_mbps ({self.max_mbps:g})")
+        if self.fitted_nodes is not None and not 1 <= self.fitted_nodes[0] <= self.fitted_nodes[1] <= 100_000:
+            raise ValueError(f"links.fitted_nodes must be [smallest, largest] in [1, 100000], got {list(self.fitted_nodes)}")
         return self
 
 
@@ -143,7 +154,7 @@ class RunPart(Part):
     steps: int | None = Field(None, ge=4, le=10_000_000, description="learner steps per run (None: default_steps(N))")
     seeds: int = Field(1, ge=1, le=1000, description="seeds per fleet size and scenario")
     fleet_seed: int | None = Field(None, ge=0, description="draw one fleet per size from this seed")
-    scenarios: tuple[Literal["cost-aware", "all-on", "star", "sync"], ...] = Field(
+    scenarios: tuple[ScenarioName, ...] = Field(
         ("cost-aware", "all-on", "star", "sync"), min_length=1, description="scenarios to run"
     )
     capacity_rule: tuple[CapacityRule, ...] = Field(
@@ -167,6 +178,14 @@ class FleetChange(Part):
     away_s: float | None = Field(None, gt=0.0, le=1e9, description="how long they stay away (None: the rest of the run)")
 
 
+class PaperFigure(Part):
+    """A $/step a paper reports for one scenario at one fleet size: the printed table shows it beside that row."""
+
+    scenario: ScenarioName = Field(description="the simulator's scenario it is the paper's figure for")
+    nodes: int = Field(ge=1, le=100_000, description="the fleet size it was reported at")
+    cost_per_step: float = Field(gt=0.0, le=1e9, description="the reported $ per learner step")
+
+
 class SimConfig(Part):
     """Everything the simulator draws and decides with."""
 
@@ -178,6 +197,9 @@ class SimConfig(Part):
     run: RunPart = RunPart()
     price_change: tuple[PriceChange, ...] = Field((), max_length=1000)
     fleet_change: tuple[FleetChange, ...] = Field((), max_length=1000)
+    paper_figure: tuple[PaperFigure, ...] = Field(
+        (), max_length=1000, description="a paper's reported $/step, printed beside the simulated row it is for"
+    )
 
     @model_validator(mode="after")
     def _kappa_fits(self) -> SimConfig:
@@ -196,3 +218,23 @@ def load_sim_config(path: Path) -> SimConfig:
     if config.fleet.file is not None and not config.fleet.file.is_absolute():
         config = config.model_copy(update={"fleet": config.fleet.model_copy(update={"file": path.parent / config.fleet.file})})
     return config
+
+
+def with_settings(base: SimConfig, settings: list[str]) -> SimConfig:
+    """`base` with each KEY=VALUE (a dotted key, a TOML value) of --set applied; SimConfigError (one line) on a
+    malformed setting, an unknown key or a value out of bounds."""
+    tree = base.model_dump()
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise SimConfigError(f"--set {setting!r}: write KEY=VALUE, e.g. --set run.seeds=1")
+        try:
+            set_dotted(tree, key.strip(), tomllib.loads(f"value = {value.strip()}")["value"])
+        except tomllib.TOMLDecodeError:
+            raise SimConfigError(f"--set {setting!r}: {value.strip()!r} is not a TOML value (a string needs quotes)") from None
+        except AttributeError:  # a dotted key through a value that is not a table
+            raise SimConfigError(f"--set {setting!r}: {key.strip()!r} is not a key of sim.toml") from None
+    try:
+        return validated(SimConfig, tree, "--set")
+    except ConfigError as exc:
+        raise SimConfigError(str(exc)) from None

@@ -1,11 +1,18 @@
 """Fleet simulator: the method at 10 to 10,000 volunteers in simulated time, driven by the project's own code.
 
-    python bench/simulate.py [--config SIM.toml] [--fleet FLEET.toml] [--nodes 10,100,1000,10000] [--seeds 1]
-                             [--fleet-seed K] [--steps K] [--json] [--plot PNG]
+    python bench/simulate.py [--config SIM.toml] [--set KEY=VALUE ...] [--fleet FLEET.toml] [--nodes 10,100,1000,10000]
+                             [--seeds 1] [--fleet-seed K] [--steps K] [--json] [--plot PNG]
 
 `--config` sets everything below that is drawn or fixed (bench/sim_config.py: the GPU mix with rates and prices,
 links, churn, NAT share, T_train, snapshot size, R, S (ints or `auto`), kappa, gamma, price changes over time and
-fleet changes mid-run); flags given on the command line override it; a bad value is one line and exit 2.
+fleet changes mid-run); `--set KEY=VALUE` (a dotted key, a TOML value; repeatable, as in bench/sensitivity.py)
+changes one key of it, and the other flags override both; a bad value is one line and exit 2.
+
+It prints the ablation table (per fleet size and S: $/step of each variant under each capacity rule, its change
+against the full run and the workers on, beside the paper's figures where sim.toml's [[paper_figure]] gives them) and
+cost-aware's saving over the seeds; `--json` prints every row instead (`ablation`: the table's rows). A fleet
+size outside the one the links were fitted to (links.fitted_nodes) gets a warning line and is listed in the
+JSON's `links_outside_fit`: its T_bcast is the broadcast model's extrapolation.
 `--fleet` (or fleet.file) takes `echo-hub plan`'s FLEET.toml as the fleet; `--help` ends with every section and
 key of sim.toml. bench/presets/ holds the ECHO-2 paper's Qwen3-8B ablation and its broadcast-scaling figure (every
 value quoted from the paper, derived, or marked as an assumption) and a fleet that halves mid-run. Rows carry their
@@ -78,6 +85,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +93,7 @@ sys.path.insert(0, str(ROOT))
 
 from pydantic import ValidationError  # noqa: E402
 
-from bench.sim_config import SimConfig, SimConfigError, load_sim_config  # noqa: E402
+from bench.sim_config import PaperFigure, SimConfig, SimConfigError, load_sim_config, with_settings  # noqa: E402
 from hub.cli.plan import PlanError, load_fleet  # noqa: E402
 from hub.config import LeaseConfig, SchedulerConfig  # noqa: E402
 from hub.control.policy import CapacityView, FleetView, capacity_view, decide  # noqa: E402
@@ -157,6 +165,14 @@ class Scenario:
 # The paper's ablation names for the scenarios (its "full system", "without peer broadcast", "without cost-aware
 # activation"); sync has none there.
 VARIANTS = {"cost-aware": "full", "star": "no_peer_broadcast", "all-on": "no_cost_aware", "sync": "sync"}
+# The printed table's rows (in this order) and columns (each capacity rule run, the hub's default first).
+VARIANT_LABELS = {
+    "full": "full ECHO-2",
+    "no_peer_broadcast": "no peer broadcast",
+    "no_cost_aware": "no cost-aware activation",
+    "sync": "sync (S = 0)",
+}
+RULE_LABELS: dict[CapacityRule, str] = {"refined": "hub's refined rule (default)", "paper": "paper's capacity rule"}
 
 SCENARIOS = {
     "cost-aware": Scenario("cost-aware", STALENESS, "chain", True),
@@ -833,8 +849,9 @@ def simulate(
 
 
 def configured(args: argparse.Namespace) -> SimConfig:
-    """--config's SimConfig (or the default), with the flags given on the command line on top."""
-    cfg = load_sim_config(args.config) if args.config else DEFAULT
+    """--config's SimConfig (or the default), with --set's keys, then the other flags given on the command line, on
+    top."""
+    cfg = with_settings(load_sim_config(args.config) if args.config else DEFAULT, args.set)
     run = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("fleet_seed", args.fleet_seed)) if v is not None}
     if args.scenarios:
         run["scenarios"] = tuple(args.scenarios.split(","))
@@ -901,6 +918,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="everything the simulator draws (every key: below; bench/presets/ has examples)",
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a sim.toml key (dotted) and its TOML value, on top of --config; repeatable (e.g. --set run.seeds=1)",
+    )
+    parser.add_argument(
         "--fleet",
         type=Path,
         default=None,
@@ -931,7 +955,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="capacity rules, comma-separated: paper (mu_min charges the whole T_bcast), refined (the hub's default: "
         "only past (S - kappa) T_train); each runs every row (default refined)",
     )
-    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--json", action="store_true", help="print every row as JSON instead of the tables")
     parser.add_argument("--plot", type=Path, default=None, help="write bubble and cost per step vs N to this PNG")
     return parser
 
@@ -951,9 +975,16 @@ def main(argv: list[str] | None = None) -> int:
         "staleness_comparison": staleness_comparison(results),
     }
     out["saving_spread"] = saving_spread(out["savings"])
+    out["links_outside_fit"] = links_outside_fit(out["ablation"], cfg.links.fitted_nodes)
     if args.plot:
         plot(results, args.plot)
-    print(json.dumps(out, sort_keys=True, default=str) if args.json else json.dumps(out["saving_spread"], indent=1))
+    warnings = [fit_warning(row) for row in out["links_outside_fit"]]
+    if args.json:
+        print(json.dumps(out, sort_keys=True, default=str))
+        for line in warnings:
+            print(line, file=sys.stderr)
+    else:
+        print("\n".join(ablation_markdown(out["ablation"], cfg.paper_figure) + spread_markdown(out["saving_spread"]) + warnings))
     return 0
 
 
@@ -1015,6 +1046,102 @@ def ablation(results: list[dict]) -> list[dict]:
             }
         )
     return out
+
+
+def ablation_markdown(rows: list[dict], paper: tuple[PaperFigure, ...]) -> list[str]:
+    """`ablation`'s rows as one Markdown table per fleet size and S setting (the README's): a row per variant of
+    the paper's ablation, a column per capacity rule, and the paper's figures first where `paper` has them for that
+    size. Sync, not a variant of the ablation, has a table only where it ran alone (spread_markdown sets it against
+    cost-aware)."""
+    tables = {(r["nodes"], str(r["staleness"])) for r in rows if r["variant"] != "sync"}
+    tables |= {(r["nodes"], "0") for r in rows if all(n != r["nodes"] for n, _ in tables)}  # a size that ran sync only
+    lines: list[str] = []
+    for n, setting in sorted(tables):
+        ours = [r for r in rows if (r["nodes"], str(r["staleness"])) == (n, setting)]
+        lines += ablation_table(n, setting, ours, {VARIANTS[f.scenario]: f.cost_per_step for f in paper if f.nodes == n})
+    return lines
+
+
+def ablation_table(n: int, setting: str, rows: list[dict], paper: dict[str, float]) -> list[str]:
+    """One table of ablation_markdown: fleet size `n`, S `setting`, its `rows`, the paper's $/step by variant."""
+    rules = [rule for rule in RULE_LABELS if any(r["capacity_rule"] == rule for r in rows)]
+    at = {(r["variant"], r["capacity_rule"]): r for r in rows}
+    seeds = max(r["seeds"] for r in rows)
+    lines = [
+        f"N = {n}, S = {setting}, {seeds} seed(s): $/step (vs full), workers on",
+        "",
+        "| variant |" + (" paper |" if paper else "") + "".join(f" {RULE_LABELS[rule]} |" for rule in rules),
+        "| --- |" + " --- |" * (len(rules) + bool(paper)),
+    ]
+    for variant, label in VARIANT_LABELS.items():
+        if any((variant, rule) in at for rule in rules):
+            cells = [label] + ([paper_cell(variant, paper)] if paper else [])
+            cells += [ours_cell(variant, at.get((variant, rule))) for rule in rules]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def paper_cell(variant: str, paper: dict[str, float]) -> str:
+    """The paper's column of a variant: its $/step, against the paper's full run where it gives one ("-": none)."""
+    if variant not in paper:
+        return "-"
+    full = paper.get("full") if variant != "full" else None
+    return table_cell(paper[variant], paper[variant] / full - 1 if full else None)
+
+
+def ours_cell(variant: str, row: dict | None) -> str:
+    """A capacity rule's column of a variant: ablation's row ("-": that rule did not run it)."""
+    if row is None:
+        return "-"
+    return table_cell(row["cost_per_step"], None if variant == "full" else row["delta_vs_full"], row["nodes_active"])
+
+
+def table_cell(cost: float, delta: float | None, active: float | None = None) -> str:
+    """A cell of the ablation table: $/step, its change against the full run's (None: not shown), workers on. The
+    $/step is the JSON's (4 decimals) rounded half up, as a reader rounds it: 7.7615 is 7.762, not float's 7.761."""
+    shown = Decimal(str(cost)).quantize(Decimal("0.001"), rounding=ROUND_HALF_UP)
+    text = f"{shown}" + ("" if delta is None else f" ({100 * delta:+.1f}%)")
+    return text if active is None else f"{text}, {active:g} on"
+
+
+def spread_markdown(spread: list[dict]) -> list[str]:
+    """saving_spread's rows as a Markdown table: cost-aware's saving against each baseline over the seeds."""
+    if not spread:
+        return []
+    lines = [
+        "cost-aware's saving over the seeds (1 - its $/step / the other's)",
+        "",
+        "| N | rule | vs | seeds | min | max | mean |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in spread:
+        shown = " | ".join(f"{100 * r[key]:.1f}%" for key in ("min", "max", "mean"))
+        lines.append(f"| {r['nodes']} | {r['capacity_rule']} | {r['vs']} | {r['seeds']} | {shown} |")
+    return lines + [""]
+
+
+def links_outside_fit(rows: list[dict], fitted: tuple[int, int] | None) -> list[dict]:
+    """The fleet sizes of `rows` (ablation's) outside links.fitted_nodes, each with its largest T_bcast: the links
+    reproduce the broadcast times they were fitted to at those sizes only, elsewhere T_bcast (and every cost that
+    waits on it) is the broadcast model's extrapolation. None: links not fitted, nothing to flag."""
+    if fitted is None:
+        return []
+    low, high = fitted
+    return [
+        {"nodes": n, "fitted_nodes": [low, high], "t_bcast_s": max(r["t_bcast_s"] for r in rows if r["nodes"] == n)}
+        for n in sorted({r["nodes"] for r in rows})
+        if not low <= n <= high
+    ]
+
+
+def fit_warning(row: dict) -> str:
+    """The warning line of one links_outside_fit row."""
+    low, high = row["fitted_nodes"]
+    fitted = f"N = {low}" if low == high else f"N = {low} to {high}"
+    return (
+        f"warning: N = {row['nodes']} is outside the fleet the links were fitted to ({fitted}, links.fitted_nodes): "
+        f"its T_bcast (up to {row['t_bcast_s']:,.0f} s) and the costs that wait on it are extrapolated"
+    )
 
 
 def savings(results: list[dict]) -> list[dict]:

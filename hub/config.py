@@ -81,6 +81,12 @@ class LearnerConfig(Section):
     skip_zero_variance: bool = Field(True, description="skip groups whose rewards are all equal")
     buffer_max_groups: int = Field(4096, ge=1, le=1_000_000, description="replay buffer capacity in groups")
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="checkpoint model+optimizer every K steps")
+    checkpoint_every_s: float = Field(
+        60.0,
+        ge=1.0,
+        le=86_400.0,
+        description="also checkpoint after a step once this many seconds passed since the last checkpoint (and 20x its time): what a crash loses at most",
+    )
     checkpoints_kept: int = Field(2, ge=1, le=1000, description="newest checkpoints kept on disk; older ones are deleted")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
@@ -305,8 +311,20 @@ class TrustConfig(Section):
         le=10_000_000,
         description="recent group fingerprints kept for copy detection (LRU; ~0.2 KB + 44 B per completion each)",
     )
-    copy_min_surprise_nats: float = Field(
-        20.0, ge=0.0, le=1e6, description="a repeat is a copy only if an honest repeat had probability < exp(-this)"
+    copy_false_alarm: float = Field(
+        1e-6,
+        ge=1e-300,
+        le=0.01,
+        description="chance that any honest group of a hub run is called a copy (the repeat threshold is this run-wide rate's)",
+    )
+    sampling_false_alarm: float = Field(
+        1e-6, ge=1e-300, le=0.01, description="chance per hub run that the sampling test condemns an honest node"
+    )
+    sampling_slack_nats: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="nats charged per token re-scored for the sampling test: the engine's own gap (default: the audit tolerance)",
     )
     lease_new_node_prompts: int = Field(
         1, ge=1, le=1024, description="prompts per lease until a node passed trusted_after_audits audits"
@@ -369,6 +387,10 @@ class TrustConfig(Section):
     def mean_abs_gap(self, snapshot_dtype: str) -> float:
         """The audit tolerance in nats: the configured one, else the snapshot dtype's."""
         return self.audit_mean_abs_gap if self.audit_mean_abs_gap is not None else AUDIT_GAP_BY_DTYPE[snapshot_dtype]
+
+    def sampling_slack(self, snapshot_dtype: str) -> float:
+        """The sampling test's charge per token, nats: the configured one, else the audit tolerance."""
+        return self.sampling_slack_nats if self.sampling_slack_nats is not None else self.mean_abs_gap(snapshot_dtype)
 
 
 class DatasetConfig(Section):
@@ -591,4 +613,5 @@ def with_user_model_defaults(
         update={name: getattr(config, name).model_copy(update=fields) for name, fields in sections.items()}
     )
     used = ", ".join(f"{_DEFAULT_FLAGS[dotted]} {value:g}" for dotted, value in taken.items())
-    return config, f"your own model: TRL's defaults {used} (the embedded toy's are for its 2-layer model; flags override)"
+    toy = "the embedded toy's are for its 2-layer model; a hub.toml line or a flag overrides one"
+    return config, f"your own model: TRL's defaults {used} ({toy})"

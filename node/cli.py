@@ -60,6 +60,30 @@ JOIN_FLAGS: dict[str, tuple[str, type]] = {
         ("log_backups", int),
     )
 }
+# flag name -> NodeConfig field of a switch, a flag that takes no value and turns its field on.
+JOIN_SWITCHES: dict[str, str] = {"wait_next_run": "wait_next_run"}
+
+
+# How a volunteer is paid (hub.method.prices, hub.control.policy; docs/volunteers.md "What is paid"), for `join --help`.
+JOIN_DESCRIPTION = """\
+Join a hub and do rollout work for it, at the price you declare (--price, $/h).
+
+How the hub pays:
+  ranking   it measures each node's throughput (rollouts/s) and activates the
+            nodes cheapest per measured rollout/s (price / rate) until it has
+            the throughput it needs; the others wait in standby (unpaid),
+            told their measured rate.
+  pay       each lease at the price in force when it was issued, for the time
+            from issue to answer in the share of its groups accepted (at most
+            the accepted tokens' time at its lease.paid_tokens_per_s_floor);
+            the node's summary shows the seconds paid beside its own
+            generating time.
+  ceiling   a price above the hub's ceiling (its scheduler.max_price_per_hour)
+            is refused before the engine is built.
+  unpaid    time in standby; groups that arrive late (past the hub's staleness
+            window) or are rejected; relaying snapshots to the next node in a
+            chain. A node whose every group arrives late is not activated again
+            until its measured rate changes (a restart measures it again)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,12 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     join = sub.add_parser(
         "join",
         help="join a hub and do rollout work for it",
+        description=JOIN_DESCRIPTION,
         formatter_class=EXAMPLE_FORMAT,
         epilog="example:\n  echo-node join --hub /ip4/203.0.113.7/tcp/4077/p2p/<hub id> --price 0.35",
     )
     join.add_argument("--config", type=Path, help="node.toml with the same fields; flags override it")
     for flag, (field, kind) in JOIN_FLAGS.items():
         join.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=flag_help(NodeConfig, field))
+    for flag, field in JOIN_SWITCHES.items():
+        join.add_argument(
+            "--" + flag.replace("_", "-"),
+            dest=flag,
+            action="store_const",
+            const=True,
+            default=None,
+            help=flag_help(NodeConfig, field, switch=True),
+        )
     join.add_argument("--dashboard", action="store_true", help="show the volunteer's live dashboard")
     view = sub.add_parser(
         "dashboard",
@@ -99,7 +133,7 @@ def config_to_args(config) -> list[str]:
         value = getattr(config, field)
         if value is not None:
             args += ["--" + flag.replace("_", "-"), str(value)]
-    return args
+    return args + ["--" + flag.replace("_", "-") for flag, field in JOIN_SWITCHES.items() if getattr(config, field)]
 
 
 def check_join(config) -> None:
@@ -166,6 +200,7 @@ def join_config(args: argparse.Namespace) -> NodeConfig:
     from shared.config import load_config
 
     overrides = {dotted: getattr(args, flag) for flag, (dotted, _) in JOIN_FLAGS.items()}
+    overrides |= {field: getattr(args, flag) for flag, field in JOIN_SWITCHES.items()}
     return load_config(NodeConfig, args.config, overrides)
 
 

@@ -23,7 +23,12 @@ class NodeConfig(Section):
         description="display name on the hub's status page, in echo-hub status and both dashboards (beside the short peer id), 1-32 printable characters (None: the short peer id)",
     )
     http: HttpBind = Field("off", description="this node's own page, /api/status and /metrics at HOST:PORT, or off")
-    price: float = Field(0.35, ge=0.0, le=1000.0, description="declared price in $/h")
+    price: float = Field(
+        0.35,
+        ge=0.0,
+        le=1000.0,
+        description="declared price in $/h (how the hub ranks and pays it: the top of echo-node join --help)",
+    )
     price_schedule: str | None = Field(
         None,
         max_length=1000,
@@ -38,7 +43,10 @@ class NodeConfig(Section):
     )
     data_dir: Path = Field(Path("echo2-node"), description="identity, snapshots, logs, node_status.json")
     key: Path | None = Field(None, description="identity key file (default DATA_DIR/node.key)")
-    model: Path | None = Field(None, description="local HF model dir matching the hub's (None: embedded default)")
+    model: Path | None = Field(
+        None,
+        description="a local copy of the model the hub trains, weights included (a LoRA run's nodes need it; None: the node fetches the hub's config and tokenizer, and the weights come as snapshots)",
+    )
     listen: str = Field("/ip4/0.0.0.0/tcp/0", description="libp2p listen multiaddr (for chain relays)")
     public_addr: str | None = Field(
         None,
@@ -55,6 +63,10 @@ class NodeConfig(Section):
     link_mbps: float | None = Field(None, gt=0.0, description="emulated outbound link rate in Mbit/s")
     declared_link_mbps: float = Field(1000.0, gt=0.0, le=1e6, description="link bandwidth declared on join")
     reconnect_max_s: float = Field(10.0, gt=0.0, le=3600.0, description="cap of the reconnect backoff")
+    wait_next_run: bool = Field(
+        False,
+        description="when the hub says its run is over (finished, or stopped by its operator), wait for the next run at its address instead of stopping with a summary",
+    )
     threads: int = Field(1, ge=1, le=256, description="torch threads for generation")
     seed: int | None = Field(
         None,

@@ -6,6 +6,8 @@ action from the volunteer: heartbeats fail, the link rejoins with exponential ba
 The hub sets the heartbeat period (in its join reply). A refusal that cannot fix itself
 (banned, another model than the hub's) ends the node with the hub's reason; so does another
 peer answering at the hub's address before the first join (the /p2p/ part of --hub is wrong).
+A hub whose run is over says so (node/run.py); a node that waits for the next run stops
+heartbeating and rejoins without a line per failed try, until a hub answers at the address.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from dataclasses import dataclass, field
 import trio
 
 from node.client import HubClient, WrongHub
+from shared.failures import plain_failure
 from shared.messages import (
     PEER_TEXT_CHARS,
-    STANDBY_TEXT,
     EventRecord,
     Heartbeat,
     HeartbeatReply,
@@ -75,17 +77,20 @@ class LinkState:
         current = self.clock() - self.standby_since if self.standby_since is not None else 0.0
         return self.standby_before_s + current
 
-    def note(self, kind: str, detail: str) -> None:
+    def note(self, kind: str, detail: str, said: bool = True) -> None:
+        """Keep an event (the dashboard's list); tell `on_note` too unless not `said` (an install held back from the
+        terminal's pace, node/run.py)."""
         event = EventRecord(at=time.time(), kind=kind, detail=detail)
         self.events.append(event)
         del self.events[:-EVENTS_KEPT]
-        self.on_note(event)
+        if said:
+            self.on_note(event)
 
 
 def state_change_text(old: str, new: str) -> str:
-    """A state change as the volunteer reads it: "active -> standby: cheaper capacity covers ...", since standby is
-    unpaid and the node would not know why otherwise."""
-    return f"{old} -> {new}" + (f": {STANDBY_TEXT}" if new == "standby" else "")
+    """A state change as the volunteer reads it: "active -> standby". Why a node is in standby (unpaid) follows on a
+    line of its own, with its measured rate (node/run.py), also when it joins in standby."""
+    return f"{old} -> {new}"
 
 
 class NodeRefused(Exception):
@@ -132,6 +137,7 @@ class HubLink:
         self.backoff_max_s = backoff_max_s
         self.state = LinkState()
         self.beat_now = trio.Event()
+        self.waiting = False  # for the next run: the hub said its run is over
 
     async def _join(self) -> JoinReply:
         backoff = BACKOFF_START_S
@@ -158,23 +164,38 @@ class HubLink:
             return None
         except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
             log.info("hub not reachable (%s); retrying in %.1fs", type(exc).__name__, backoff)
-            self._unreachable("unreachable", f"hub not reachable ({describe_failure(exc)}); next try in {backoff:.0f}s")
+            # Waiting for the next run, a hub away is what the node expects: no line per try.
+            detail = f"the hub {plain_failure(exc)}; next try in {backoff:.0f}s"
+            self._unreachable("unreachable", detail, said=not self.waiting)
             return None
         if isinstance(reply, Reject):
             reason = printable_excerpt(reply.reason, PEER_TEXT_CHARS)
             if reply.code in FINAL_REFUSALS:
                 raise NodeRefused(reason)
-            log.warning("hub refused join: %s; retrying in %.1fs", reason, backoff)
-            self.state.note("join_refused", f"{reason}; next try in {backoff:.0f}s")
+            # Waiting, a refusal is most likely the ending hub's ("no more joins"): no line per try either.
+            log.log(logging.INFO if self.waiting else logging.WARNING, "hub refused join: %s; retrying in %.1fs", reason, backoff)
+            if not self.waiting:
+                self.state.note("join_refused", f"{reason}; next try in {backoff:.0f}s")
             return None
+        self.waiting = False
         if self.price is not None:  # a rejoin declared the schedule's price anew: the rate limit starts over
             self.state.price_per_hour, self.next_price_change = request.price_per_hour, 0.0
         return reply
 
-    def _unreachable(self, kind: str, detail: str) -> None:
-        self.state.note(kind, detail)
+    def _unreachable(self, kind: str, detail: str, said: bool = True) -> None:
+        if said:
+            self.state.note(kind, detail)
         self.state.connected = False
         self.state.enter("connecting")
+
+    def wait_next_run(self, why: str) -> None:
+        """The hub said its run is over (`why`) and the volunteer asked to wait for the next one: heartbeats stop
+        now, and the link rejoins quietly until a hub answers at the address."""
+        self.waiting = True
+        self.state.note("run_over", f"{why}; waiting for the next run at this address")
+        self.state.connected = False
+        self.state.enter("connecting")
+        self.beat_now.set()
 
     async def run(self) -> None:
         while True:
@@ -199,7 +220,7 @@ class HubLink:
     async def _heartbeats(self) -> None:
         """Heartbeat until the hub stops answering (then return, to rejoin)."""
         failures = 0
-        while True:
+        while not self.waiting:
             try:
                 reply = await self.client.heartbeat(self.heartbeat())
             except Exception as exc:  # noqa: BLE001 - hub gone or restarting
@@ -207,7 +228,7 @@ class HubLink:
                 log.info("heartbeat failed (%s)", type(exc).__name__)
                 if failures >= 2:
                     self.state.connected = False
-                    self.state.note("hub_lost", type(exc).__name__)
+                    self.state.note("hub_lost", f"the hub {plain_failure(exc)}; joining it again")
                     return
                 await trio.sleep(BACKOFF_START_S)
                 continue
@@ -247,7 +268,7 @@ class HubLink:
             reply = await self.client.reprice(wanted)
         except Exception as exc:  # noqa: BLE001 - away or timed out: it keeps the joined price
             reply = None
-            reason = f"hub did not take it ({describe_failure(exc)})"
+            reason = f"the hub {plain_failure(exc)}"
         if isinstance(reply, PriceReply):
             self.state.note("price", f"${self.state.price_per_hour:.2f}/h -> ${reply.price_per_hour:.2f}/h")
             self.state.price_per_hour = reply.price_per_hour

@@ -49,6 +49,8 @@ from libp2p.peer.id import ID
 from shared.bulk import BulkChannel, BulkUnreachable, serving_stream
 from shared.crypto import Identity
 from shared.delta import DeltaError, apply_delta, delta_full_manifest
+from shared.failures import plain_failure
+from shared.logs import PeerLogLimiter
 from shared.messages import (
     PEER_TEXT_CHARS,
     RELAY_PROTOCOL,
@@ -97,6 +99,10 @@ MANIFEST_WAIT_S = 20.0
 DOWNSTREAM_WAIT_S = 5.0
 CONNECT_TIMEOUT_S = 10.0
 ANNOUNCE_TIMEOUT_S = 5.0
+# node.log's install line, at INFO once per INSTALL_LINE_S at most (counting the installs since the last one), each
+# install at DEBUG; the node's terminal says installs at the same pace (node/run.py). A run publishes a version every
+# few seconds: a line each would bury everything else.
+INSTALL_LINE_S = 60.0
 
 # A pull that ends in one of these lost its upstream (left, refused, stalled): keep what we
 # have and resume when the hub names an upstream again.
@@ -198,6 +204,10 @@ class SnapshotKeeper:
         self._full_for: int | None = None
         # A version whose signed manifest was refused as oversized: not asked for again.
         self._oversized: int | None = None
+        self._install_lines = PeerLogLimiter(INSTALL_LINE_S, trio.current_time)
+        # The newest install line logged at DEBUG only: at INFO when the keeper stops, so that node.log at its
+        # default level still ends with the last install and where it came from.
+        self._install_unsaid: str | None = None
         self.deltas_applied = 0
         self.bytes_served = 0  # chunk bytes handed to successors (and the hub) that pulled from us
         self._punch = punch
@@ -369,13 +379,17 @@ class SnapshotKeeper:
     # -- receiving -------------------------------------------------------------------
 
     async def run(self) -> None:
-        while True:
-            version = self.target_version
-            if version <= self.version_held or version == self._oversized:
-                await self._changed.wait()
-                continue
-            if await self._pull_once(version):
-                await self._complete(version)
+        try:
+            while True:
+                version = self.target_version
+                if version <= self.version_held or version == self._oversized:
+                    await self._changed.wait()
+                    continue
+                if await self._pull_once(version):
+                    await self._complete(version)
+        finally:
+            if self._install_unsaid is not None:
+                log.info("%s", self._install_unsaid)
 
     def _source(self) -> Upstream:
         """Where to pull from now: the hub's choice, unless that peer sent us a bad chunk or keeps failing."""
@@ -409,7 +423,7 @@ class SnapshotKeeper:
                 self._oversized = version
             except SnapshotError as exc:
                 # The hub's own signature holds but the snapshot does not (or not the newest): retry.
-                log.warning("snapshot v%d from %s refused: %r", version, self._name(source), exc)
+                log.warning("snapshot v%d from %s refused: %s; asking again", version, self._name(source), exc)
             except trio.TooSlowError:
                 log.info("snapshot v%d from %s: unreachable or silent for %.0fs", version, self._name(source), self.stall_s)
                 stalled = True
@@ -567,7 +581,8 @@ class SnapshotKeeper:
         try:
             reply = await self._send_report(report)
         except Exception as exc:  # noqa: BLE001 - the hub may be away; the repair goes on without it
-            log.warning("could not report %s: %r", report.upstream[-8:], exc)
+            log.debug("report on %s not delivered: %r", report.upstream[-8:], exc)
+            log.warning("could not report %s to the hub: the hub %s", report.upstream[-8:], plain_failure(exc))
             return
         log.info("reported %s (%s, v%d chunk %d): %s", report.upstream[-8:], report.kind, report.version, report.index, reply)
 
@@ -603,15 +618,21 @@ class SnapshotKeeper:
         if previous is not None:  # retention: the installed version and the one in flight, nothing older
             previous.remove()
         came_as = f"a delta of {held.delta.manifest.total_bytes} bytes" if held.delta else f"{held.manifest.total_bytes} bytes"
-        log.info(
-            "installed v%d (%.2fs, %s, last from %s over %s)",
-            version,
-            time.monotonic() - transfer.started_at,
-            came_as,
-            transfer.source,
-            transfer.via,
-        )
+        self._log_install(f"v{version} ({time.monotonic() - transfer.started_at:.2f}s, {came_as}", transfer)
         self.on_installed(version)
+
+    def _log_install(self, head: str, transfer: Transfer) -> None:
+        """The install line (`head`: version, time, size): at INFO once per INSTALL_LINE_S, with how many installs
+        came since the last such line, else at DEBUG."""
+        tail = f"last from {transfer.source} over {transfer.via})"
+        logged, held_back = self._install_lines.allow("installed", trio.current_time())
+        if logged:
+            since = f", {held_back} more installs since the last such line" if held_back else ""
+            log.info("installed %s%s, %s", head, since, tail)
+            self._install_unsaid = None
+        else:
+            self._install_unsaid = f"installed {head}, {tail}"
+            log.debug("%s", self._install_unsaid)
 
     def _apply(self, transfer: Transfer, delta_path: Path) -> Held:
         """The full snapshot a verified delta makes of the installed one (blocking: reads and hashes the model)."""

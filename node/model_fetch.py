@@ -1,5 +1,6 @@
 """A node started without --model: the hub's config and tokenizer files, fetched into DATA_DIR/hub-model before the
-engine is built from them (the weights come as the first snapshot, as for every node)."""
+engine is built from them (the weights come as the first snapshot, as for every node). A node with --model asks only
+for their list, which also says the hub's price ceiling: a price above it is refused before the engine is built."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import trio
 
 from node.client import HubClient, WrongHub
 from node.config import NodeConfig
-from node.hub_link import BACKOFF_START_S, LinkState, describe_failure
+from node.hub_link import BACKOFF_START_S, LinkState
 from shared.crypto import Identity
+from shared.failures import plain_failure
 from shared.files import atomic_write_text
 from shared.layout import NODE_STATUS_FILE
 from shared.messages import PEER_TEXT_CHARS, EventRecord, ModelFiles, NodeView, Reject, printable_excerpt
@@ -69,18 +71,34 @@ async def fetch_hub_model(client: HubClient, directory: Path) -> ModelFiles:
     return listing
 
 
-class ModelFetch:
-    """The node's first phase without --model: dial the hub until it answers (backoff as the hub link's) and fetch
-    its model files, writing node_status.json meanwhile (the dashboard shows a node waiting for its hub) and
-    stopping on SIGINT/SIGTERM. Another peer at the hub's address (WrongHub) or a refusal ends it."""
+async def hub_terms(client: HubClient) -> ModelFiles | None:
+    """What a node with its own --model asks before it builds its engine: the hub's file list alone, for its terms
+    (the price ceiling). None from a hub that offers no files: its ceiling is then checked at join."""
+    listing = await client.model_files()
+    if isinstance(listing, Reject):
+        if listing.busy:
+            raise ModelFilesBusy(printable_excerpt(listing.reason, PEER_TEXT_CHARS))
+        return None
+    return listing
 
-    def __init__(self, config: NodeConfig, identity: Identity, directory: Path, on_note: Callable[[EventRecord], None]) -> None:
+
+class ModelFetch:
+    """The node's first phase, before its engine is built: dial the hub until it answers (backoff as the hub link's)
+    and fetch its model files (a node without --model) or only their list (with --model: the hub's terms), writing
+    node_status.json meanwhile (the dashboard shows a node waiting for its hub) and stopping on SIGINT/SIGTERM. Another
+    peer at the hub's address (WrongHub) or a refusal ends it."""
+
+    def __init__(
+        self, config: NodeConfig, identity: Identity, directory: Path | None, on_note: Callable[[EventRecord], None]
+    ) -> None:
+        """`directory`: where the hub's files go (None: only their list is asked for)."""
         self.config = config
         self.identity = identity
         self.directory = directory
         self.state = LinkState(on_note=on_note)
         self.stopper = Stopper()
-        self.listing: ModelFiles | None = None  # None once run returns: stopped by a signal
+        self.answered = False  # False once run returns: stopped by a signal
+        self.listing: ModelFiles | None = None  # the hub's list (None: it offers none, or it has not answered)
 
     def view(self) -> NodeView:
         return NodeView(
@@ -101,15 +119,18 @@ class ModelFetch:
             await nursery.start(self.stopper.run, nursery.cancel_scope)
             nursery.start_soon(write_status, self.config.data_dir / NODE_STATUS_FILE, self.view)
             self.listing = await self._fetch()
+            self.answered = True
             nursery.cancel_scope.cancel()
 
-    async def _fetch(self) -> ModelFiles:
+    async def _fetch(self) -> ModelFiles | None:
         async with running_host(self.identity, [DIAL_ONLY_LISTEN]) as (host, _):
             client = HubClient(host, self.identity, self.config.hub)
             backoff = BACKOFF_START_S
             while True:
                 try:
                     await client.connect()
+                    if self.directory is None:
+                        return await hub_terms(client)
                     return await fetch_hub_model(client, self.directory)
                 except (WrongHub, ModelFilesRefused):
                     raise
@@ -117,6 +138,6 @@ class ModelFetch:
                     self.state.note("busy", f"model files: {exc}; next try in {backoff:.0f}s")
                 except Exception as exc:  # noqa: BLE001 - any dial or stream failure means "hub not reachable yet"
                     log.info("model files: hub not reachable (%r)", exc)
-                    self.state.note("unreachable", f"hub not reachable ({describe_failure(exc)}); next try in {backoff:.0f}s")
+                    self.state.note("unreachable", f"the hub {plain_failure(exc)}; next try in {backoff:.0f}s")
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.reconnect_max_s)

@@ -22,9 +22,10 @@ from node.price_schedule import parse_price_schedule, scheduled_price
 from node.summary import summary_text
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.layout import NODE_LOG_FILE, NODE_MODEL_DIR, NODE_STATUS_FILE, SNAPSHOTS_DIR
-from shared.logs import setup_logging
+from shared.logs import PeerLogLimiter, setup_logging
 from shared.messages import (
     RELAY_PROTOCOL,
+    RUN_OVER_PROTOCOL,
     SNAPSHOT_PROTOCOL,
     EventRecord,
     Heartbeat,
@@ -33,20 +34,28 @@ from shared.messages import (
     JoinRequest,
     LeaveReply,
     NodeView,
+    RunOver,
+    RunOverReply,
+    standby_text,
 )
 from shared.model_files import ModelFilesRefused
-from shared.net import RateLimiter, running_host, set_handler
+from shared.net import RateLimiter, admit_only, close_answered, running_host, set_handler
 from shared.probe import InstallProbe
 from shared.signals import Stopper, trio_owns_ctrl_c
 from shared.units import BYTES_PER_MBIT
+from shared.wire import read_message, write_message
 
 if TYPE_CHECKING:
+    from libp2p.abc import INetStream
+
     from node.engine import Engine
     from node.nat import NatTraversal
 
 log = logging.getLogger("echo2.node")
 # How long a stopping node waits for the hub to take its leave: a hub away is dropping it at its heartbeat timeout.
 LEAVE_TIMEOUT_S = 3.0
+# How long the hub may take to send that its run is over, and to read this node's answer.
+RUN_OVER_TIMEOUT_S = 10.0
 
 # Ends the volunteer is told in one line, with the exit code: 2 for a mistake in the flags, 1 for a hub's refusal.
 ONE_LINE_ENDS: dict[type[Exception], int] = {WrongHub: 2, NodeRefused: 1, InstallFailed: 1, ModelFilesRefused: 1}
@@ -80,6 +89,11 @@ class NodeRuntime:
         self.nat: NatTraversal  # once the host runs
         self.stopper = Stopper()
         self.versions_installed = 0
+        from node.keeper import INSTALL_LINE_S  # torch is imported by now (the engine)
+
+        self.install_lines = PeerLogLimiter(INSTALL_LINE_S, trio.current_time)
+        self.standby_said: str | None = None  # why this node is in standby, as last said (None: not in standby)
+        self.run_over: RunOver | None = None  # the hub's run ended, and this node stopped for it
 
     async def _install(self, path: Path, version: int, probe: InstallProbe | None) -> None:
         from shared.snapshot import SnapshotError
@@ -121,6 +135,11 @@ class NodeRuntime:
         local = time.localtime()
         return scheduled_price(parse_price_schedule(self.config.price_schedule), local.tm_hour * 60 + local.tm_min)
 
+    def _price_held(self) -> float:
+        """The price the hub holds for this node: the schedule's last one it took, else the price it asks now."""
+        held = self.link.state.price_per_hour
+        return self._price_now() if held is None else held
+
     def _join_request(self) -> JoinRequest:
         return JoinRequest(
             price_per_hour=self._price_now(),
@@ -155,6 +174,15 @@ class NodeRuntime:
         if reply.state in ("active", "probing"):
             self.worker.wake.set()
             self.worker.wake = trio.Event()
+        self._say_standby(reply)
+
+    def _say_standby(self, reply: HeartbeatReply) -> None:
+        """Why this node is in standby (unpaid: its measured rate and the hub's rule), once per stretch in standby
+        and again when the reason changes."""
+        why = standby_text(self._price_held(), reply.rollouts_per_s, reply.too_slow) if reply.state == "standby" else None
+        if why is not None and why != self.standby_said:
+            self.link.state.note("standby", why)
+        self.standby_said = why
 
     async def _reserve(self) -> None:
         assert self._nursery is not None  # started from it
@@ -165,7 +193,9 @@ class NodeRuntime:
 
     def _on_installed(self, version: int) -> None:
         self.versions_installed += 1
-        self.link.state.note("installed", f"v{version}")
+        # On the terminal once per INSTALL_LINE_S at most, as in node.log: a run publishes every few seconds.
+        tail = self.install_lines.tail("installed")
+        self.link.state.note("installed", f"v{version}{tail or ''}", said=tail is not None)
         self.link.beat_now.set()  # tell the hub at once: it measures T_bcast from these
 
     def view(self) -> NodeView:
@@ -179,7 +209,7 @@ class NodeRuntime:
             connected=link.connected,
             state=link.state,
             updated_at=time.time(),
-            price_per_hour=self._price_now() if link.price_per_hour is None else link.price_per_hour,
+            price_per_hour=self._price_held(),
             backend=self.engine.backend,
             version_held=keeper.version_held,
             receiving_version=transfer.manifest.version if transfer else None,
@@ -199,6 +229,10 @@ class NodeRuntime:
             needed_rollouts_per_s=stats.needed_rollouts_per_s,
             standby_s=link.standby_s(),
             busy_s=stats.busy_s,
+            paid_s=stats.paid_s,
+            unanswered=stats.unanswered,
+            measured_rollouts_per_s=reply.rollouts_per_s if reply else None,
+            too_slow=reply.too_slow if reply else False,
             versions_installed=self.versions_installed,
             relayed_bytes=keeper.bytes_served,
             events=tuple(link.events[-20:]),
@@ -258,6 +292,7 @@ class NodeRuntime:
             self.link.state.on_note = _print_event
             set_handler(host, SNAPSHOT_PROTOCOL, self.keeper.serve, log)
             set_handler(host, RELAY_PROTOCOL, self.keeper.on_relay_offer, log)
+            admit_only(host, RUN_OVER_PROTOCOL, self._on_run_over, lambda peer: peer == self.hub_peer_id, log)
             log.info("node %s listening on %s", self.identity.peer_id, ", ".join(addrs))
             async with self.nat.running(), trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -275,6 +310,21 @@ class NodeRuntime:
                     print(f"node page: {' '.join(bound)}", flush=True)
             if self.stopper.signal_name is not None and self.link.state.connected:
                 await self._leave(client)
+
+    async def _on_run_over(self, stream: INetStream) -> None:
+        """RUN_OVER_PROTOCOL, from the hub only: its run is over. The node stops (run_node prints why and its
+        summary), or with --wait-next-run waits until a hub answers at the address again."""
+        waits = self.config.wait_next_run
+        with trio.fail_after(RUN_OVER_TIMEOUT_S):
+            over = await read_message(stream, RunOver)
+            await write_message(stream, RunOverReply(waits=waits))
+        await close_answered(stream)
+        log.info("%s", over.text())
+        if waits:
+            self.link.wait_next_run(over.text())
+        elif self._nursery is not None:
+            self.run_over = over
+            self._nursery.cancel_scope.cancel()
 
     async def _leave(self, client) -> None:
         """Tell the hub this node stops, so that its open leases go back to the pool now rather than after the hub's
@@ -317,7 +367,9 @@ def run_node(config: NodeConfig) -> int:
     torch.set_num_threads(config.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
     device = pick_device(config.device, torch.cuda.is_available())
-    if config.model is None and (code := fetch_hub_model(config)) is not None:
+    identity = Identity.load_or_create(config.key_path)
+    print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
+    if (code := ask_hub_first(config, identity)) is not None:
         return code
     model_dir = config.model or config.data_dir / NODE_MODEL_DIR
     # Each process its own sampling seed unless one is configured: two nodes leased the same prompts in the
@@ -344,29 +396,55 @@ def run_node(config: NodeConfig) -> int:
     except EngineUnavailable as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 2
-    identity = Identity.load_or_create(config.key_path)  # after every refusal above: a refused start writes no key
     config_hash = model_dir_config_hash(model_dir)
     max_snapshot_bytes = snapshot_bytes_bound(model_dir_weights(model_dir), ENGINE_DTYPE_BYTES[engine.dtype])
-    print(f"echo-node {identity.peer_id} joining {config.hub}", flush=True)
     runtime = NodeRuntime(config, identity, engine, config_hash, device, max_snapshot_bytes)
     try:
         code = _run_phase(runtime.run)
     finally:
         engine.close()
-    return code if code is not None else _stopped(runtime.stopper, runtime.view())
+    if code is not None:
+        return code
+    if runtime.run_over is not None and runtime.stopper.signal_name is None:
+        return _run_over(runtime.run_over, runtime.view())
+    return _stopped(runtime.stopper, runtime.view())
 
 
-def fetch_hub_model(config: NodeConfig) -> int | None:
-    """A node without --model: the hub's config and tokenizer files into DATA_DIR/hub-model (node/model_fetch.py), so
-    it runs whatever model the hub trains. None once they are there, else the exit code (a refusal, a signal)."""
-    fetch = ModelFetch(config, Identity.load_or_create(config.key_path), config.data_dir / NODE_MODEL_DIR, _print_event)
+def ask_hub_first(config: NodeConfig, identity: Identity) -> int | None:
+    """Before the engine is built (seconds, minutes with vLLM): a node without --model fetches the hub's config and
+    tokenizer files into DATA_DIR/hub-model (node/model_fetch.py), so it runs whatever model the hub trains; one with
+    --model asks only for their list. Either way the list says the hub's price ceiling, which this node's prices are
+    checked against now rather than refused at join. None to go on, else the exit code (a refusal, a signal)."""
+    directory = None if config.model is not None else config.data_dir / NODE_MODEL_DIR
+    fetch = ModelFetch(config, identity, directory, _print_event)
     code = _run_phase(fetch.run)
     if code is not None:
         return code
-    if fetch.listing is None:  # stopped before the hub answered
+    if not fetch.answered:  # stopped before the hub answered
         return _stopped(fetch.stopper, fetch.view())
-    print(f"echo-node: the hub trains {fetch.listing.model}; its config and tokenizer are in {fetch.directory}", flush=True)
+    if fetch.listing is not None and directory is not None:
+        print(f"echo-node: the hub trains {fetch.listing.model}; its config and tokenizer are in {directory}", flush=True)
+    ceiling = fetch.listing.max_price_per_hour if fetch.listing is not None else None
+    refusal = None if ceiling is None else price_above(config, ceiling)
+    if refusal is not None:
+        print(f"echo-node: {refusal}", file=sys.stderr, flush=True)
+        return 2
     return None
+
+
+def price_above(config: NodeConfig, ceiling: float) -> str | None:
+    """Why this node's price is one the hub refuses (above its `ceiling`, $/h), naming the value and the fix; None when
+    every price it would ask (--price, or each of --price-schedule's) is within it."""
+    if config.price_schedule is None:
+        asked = [(f"--price {config.price:g}", config.price)]
+    else:
+        asked = [
+            (f"--price-schedule's {m // 60:02d}:{m % 60:02d}={p:g}", p) for m, p in parse_price_schedule(config.price_schedule)
+        ]
+    over = [what for what, price in asked if price > ceiling]
+    if not over:
+        return None
+    return f"{', '.join(over)} ($/h) is above this hub's ceiling ${ceiling:g}/h, which it refuses at join: ask at most that"
 
 
 def _run_phase(run: Callable[[], Awaitable[None]]) -> int | None:
@@ -386,6 +464,13 @@ def _run_phase(run: Callable[[], Awaitable[None]]) -> int | None:
 def _stopped(stopper: Stopper, view: NodeView) -> int:
     """A node stopped by a signal: say so, and what it did."""
     print(f"echo-node: stopped ({stopper.signal_name})", file=sys.stderr, flush=True)
+    print(summary_text(view), flush=True)
+    return 0
+
+
+def _run_over(over: RunOver, view: NodeView) -> int:
+    """A node the hub's end stopped: say so, and what it did."""
+    print(f"echo-node: {over.text()}: stopped (join with --wait-next-run to wait for the next run instead)", flush=True)
     print(summary_text(view), flush=True)
     return 0
 

@@ -60,6 +60,7 @@ def view_metrics(v: NodeView) -> list[Metric]:
         CounterMetricFamily("echo2_node_earnings_usd", "booked by the hub for this node's leases", value=v.earnings_usd),
         CounterMetricFamily("echo2_node_relayed_bytes", "snapshot bytes served to successors", value=v.relayed_bytes),
         CounterMetricFamily("echo2_node_busy_seconds", "time spent generating", value=v.busy_s),
+        CounterMetricFamily("echo2_node_paid_seconds", "lease seconds the hub booked pay for (as it replied)", value=v.paid_s),
     ]
 
 

@@ -1,4 +1,5 @@
-"""The node's worker: takes leases from the hub, generates the groups, signs and submits them.
+"""The node's worker: takes leases from the hub, generates the groups, signs and submits them (again, a few times
+within the lease's validity, when the hub did not take the answer in: it went away or restarted).
 
 Generation runs in a worker thread (the libp2p host must never be starved: py-libp2p
 resets a stream whose reader stalls ~5 s), a slice of the lease's prompts at a time (the engine's
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from node.client import HubClient
+from shared.failures import plain_failure
 from shared.logs import PeerLogLimiter
 from shared.messages import (
     GroupReason,
@@ -52,6 +54,11 @@ LAST_REFUSALS = 5
 # (Python objects, ~100 bytes a token, so ~400 MB at most), and past this an answer at full length would not fit
 # one submission (Submission.MAX_BYTES, at least 8 JSON bytes a token) anyway. A hub's default lease asks 16 Ki.
 LEASE_MAX_TOKENS = 1 << 22
+# An answer the hub did not take in is sent again, within its lease's validity and SUBMIT_TRIES times in all at most,
+# the waits doubling from SUBMIT_RETRY_S up to SUBMIT_RETRY_MAX_S (tries over 95 s: a restarted hub's time to come back).
+SUBMIT_TRIES = 10
+SUBMIT_RETRY_S = 1.0
+SUBMIT_RETRY_MAX_S = 16.0
 
 Rewrite = Callable[[Lease, tuple[SubmittedGroup, ...]], Awaitable[tuple[SubmittedGroup, ...]]]
 
@@ -81,6 +88,9 @@ class WorkStats:
     # The hub's verdicts on this node's work as it replied (refused: whole submissions refused).
     tallies: Tallies = field(default_factory=Tallies)
     earned_usd: float = 0.0  # what the hub booked, as it replied
+    paid_s: float = 0.0  # the lease seconds it booked them for, as it replied
+    # Answers sent that got no reply (lost on the way, or cut off by a stop): the hub may have booked them.
+    unanswered: int = 0
     rollouts: int = 0
     tokens: int = 0
     busy_s: float = 0.0
@@ -221,11 +231,10 @@ class Worker:
             groups=answer,
             next_lease_for=self.version_held() if self.can_work() else None,
         )
-        try:
-            reply = await self.client.submit(submission, deadline=started + lease.deadline_s)
-        except Exception as exc:  # noqa: BLE001 - hub gone or restarting mid-answer: the hub re-leases the prompts
-            log.warning("submission for lease %s not delivered: %r", printable_excerpt(lease.lease_id, 8), exc)
-            reply = None
+        self.stats.unanswered += 1  # until the hub's reply comes: a stop may cut it off
+        reply = await self._deliver(submission, started + lease.deadline_s)
+        if reply is not None:
+            self.stats.unanswered -= 1
         self.stats.leases_done += 1
         self.stats.rollouts += rollouts
         self.stats.tokens += tokens
@@ -237,6 +246,7 @@ class Worker:
                 accepted=reply.accepted, rejected=len(reply.rejected), late=len(reply.late)
             )
             self.stats.earned_usd += reply.paid_usd
+            self.stats.paid_s += reply.paid_s
             self._note_refusals(reply)
         elif isinstance(reply, Reject):
             if reply.code == RejectCode.UNKNOWN_NODE:
@@ -246,6 +256,40 @@ class Worker:
             self.stats.last_refusals = [f"submission refused: {reason}"]
             log.warning("submission refused: %s", reason)
         return reply
+
+    async def _deliver(self, submission: Submission, deadline: float) -> SubmitReply | Reject | None:
+        """The hub's reply to `submission`, or None when it did not take it in. An answer the hub did not get (it went
+        away mid-answer) or turned away as from a stranger (it restarted, and the link rejoins it) is sent again,
+        SUBMIT_TRIES times at most and while its lease holds (`deadline`, trio.current_time): a restarted hub takes
+        the answers to the leases it granted. A retry refused for its lease (answered before the hub went away, or
+        lapsed) is None too: that says nothing of the work."""
+        lease_id = printable_excerpt(submission.lease_id, 8)
+        wait = SUBMIT_RETRY_S
+        for attempt in range(SUBMIT_TRIES):
+            try:
+                reply = await self.client.submit(submission, deadline=deadline)
+            except Exception as exc:  # noqa: BLE001 - hub gone or restarting mid-answer: tried again below
+                log.debug("submission for lease %s not delivered: %r", lease_id, exc)
+                failure = f"the hub {plain_failure(exc)}"
+            else:
+                if attempt and isinstance(reply, Reject) and reply.code == RejectCode.BAD_LEASE:
+                    log.warning(
+                        "the answer to lease %s, sent again, was refused: the hub no longer holds that lease (it took the "
+                        "first answer before it went away, or the lease lapsed)",
+                        lease_id,
+                    )
+                    return None
+                if not (isinstance(reply, Reject) and reply.code == RejectCode.UNKNOWN_NODE):
+                    return reply
+                self.on_unknown()
+                failure = "the hub does not know this node (it restarted): joining it again"
+            if attempt + 1 == SUBMIT_TRIES or trio.current_time() + wait >= deadline:
+                break
+            log.info("the answer to lease %s was not delivered: %s; next try in %.0fs", lease_id, failure, wait)
+            await trio.sleep(wait)
+            wait = min(2 * wait, SUBMIT_RETRY_MAX_S)
+        log.warning("the answer to lease %s was not delivered: %s; the hub leases its prompts again", lease_id, failure)
+        return None
 
     def _note_refusals(self, reply: SubmitReply) -> None:
         """The groups a reply refused: counted by reason, kept in the hub's words (cleaned and cut: a hostile hub's

@@ -273,12 +273,20 @@ def _toml_value(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def example_toml(model: type[BaseModel], title: str) -> str:
-    """Every field of `model`, section by section, with its help line and default: a config file to start from.
+def example_toml(model: type[BaseModel], title: str, notes: dict[str, str] | None = None) -> str:
+    """Every field of `model`, section by section, with its help line and its default commented out: a config file
+    to start from that sets nothing until a line is uncommented, so a default that depends on other values (the hub's
+    for a model of the user's: hub/config.py's with_user_model_defaults) still applies to every line left as it is.
 
-    Fields whose default is unset (None) are shown commented out."""
-    head = [f"# {title}", "# Every field with its default; flags given on the command line override this file.", ""]
-    return "\n".join(head + _toml_lines(model, lambda name, field: field.get_default(call_default_factory=True))) + "\n"
+    `notes`: a remark after a dotted field's default (`# lr = 0.0003  # a --model of your own: 1e-06`)."""
+    head = [
+        f"# {title}",
+        "# Every field, its default commented out: uncomment a line (or add one) to set it. Flags given on the command",
+        "# line override this file.",
+        "",
+    ]
+    lines = _toml_lines(model, lambda name, field: field.get_default(call_default_factory=True), notes or {})
+    return "\n".join(head + lines) + "\n"
 
 
 def config_toml(config: BaseModel, title: str) -> str:
@@ -286,28 +294,34 @@ def config_toml(config: BaseModel, title: str) -> str:
     return "\n".join([f"# {title}", ""] + _toml_lines(type(config), lambda name, field: getattr(config, name))) + "\n"
 
 
-def _toml_lines(model: type[BaseModel], value_of: Callable[[str, Any], Any]) -> list[str]:
-    """The fields of `model` as TOML lines, top-level ones first, then one table per section."""
+def _toml_lines(model: type[BaseModel], value_of: Callable[[str, Any], Any], notes: dict[str, str] | None = None) -> list[str]:
+    """The fields of `model` as TOML lines, top-level ones first, then one table per section. With `notes` (None:
+    the values are set) every value is a commented-out default, a dotted field's note after it."""
     lines, sections = [], []
     for name, field in model.model_fields.items():
         value = value_of(name, field)
         if isinstance(value, BaseModel):
             sections.append((name, value))
             continue
-        lines += _toml_field(name, field, value)
+        lines += _toml_field(name, field, value, notes, name)
     for name, section in sections:
         lines += ["", f"[{name}]", f"# {(type(section).__doc__ or '').strip().splitlines()[0]}"]
         for key, field in type(section).model_fields.items():
-            lines += _toml_field(key, field, getattr(section, key))
+            lines += _toml_field(key, field, getattr(section, key), notes, f"{name}.{key}")
     return lines
 
 
-def _toml_field(name: str, field, default: Any) -> list[str]:
+def _toml_field(name: str, field, value: Any, notes: dict[str, str] | None, dotted: str) -> list[str]:
+    """A field's help line and `name = value`: commented out where `value` is unset, or is a default (`notes` is
+    given), with its note."""
     out = [f"# {field.description}"] if field.description else []
-    if default is None or default is PydanticUndefined:
+    if value is None or value is PydanticUndefined:
         out.append(f"# {name} = ")
+    elif notes is None:
+        out.append(f"{name} = {_toml_value(value)}")
     else:
-        out.append(f"{name} = {_toml_value(default)}")
+        note = notes.get(dotted)
+        out.append(f"# {name} = {_toml_value(value)}" + (f"  # {note}" if note else ""))
     return out
 
 

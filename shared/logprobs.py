@@ -94,6 +94,24 @@ def completion_logprobs(
     return logprobs, mask
 
 
+def completion_logprobs_and_power_sums(
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    orders: Sequence[float],
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """completion_logprobs' log-probs and mask, and log sum_y q(y)^a [B, T, len(orders)] of the sampling distribution
+    q at each completion token for each order a (no gradient; 0 past a row's end), from the same forward pass: what a
+    test of how the tokens were sampled needs (hub/trust/sampling.py)."""
+    filters = Filters(temperature, top_p, top_k, min_p)
+    logprobs, sums, mask = _packed_logprobs(model, prompt_ids, completion_ids, filters, entropy=False, orders=tuple(orders))
+    return logprobs, mask, sums
+
+
 def completion_logprobs_and_entropy(
     model,
     prompt_ids: Sequence[Sequence[int]],
@@ -183,9 +201,15 @@ def pack_rows(
 
 
 def _packed_logprobs(
-    model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], filters: Filters, entropy: bool
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    filters: Filters,
+    entropy: bool,
+    orders: tuple[float, ...] = (),
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Log-probs, entropy (zeros unless asked) and mask, each [B, T]."""
+    """Log-probs, mask, each [B, T], and between them the entropy [B, T] (zeros unless asked), or with `orders` the
+    log power sums [B, T, len(orders)] (_Chunk)."""
     # A varlen kernel attends within each packed row only, so one bin holds them all; a dense one (sdpa, eager)
     # computes every pair of a bin's tokens and masks most, so bins stay as long as the longest row.
     varlen = getattr(model.config, "_attn_implementation", None) in VARLEN_ATTENTION
@@ -194,37 +218,44 @@ def _packed_logprobs(
     size = packed.rows * packed.width
     slots = packed.slots.to(device)
     mask = torch.zeros(size, device=device).index_fill_(0, slots, 1.0).view(packed.rows, packed.width)
+    extra_shape = (packed.rows, packed.width, len(orders)) if orders else (packed.rows, packed.width)
     if not len(packed.targets):
-        zeros = torch.zeros((packed.rows, packed.width), device=device)
-        return zeros, zeros.clone(), mask
-    with _selective_head(model, packed.keep.to(device), packed.targets.to(device), filters, entropy) as head:
+        return torch.zeros((packed.rows, packed.width), device=device), torch.zeros(extra_shape, device=device), mask
+    with _selective_head(model, packed.keep.to(device), packed.targets.to(device), filters, entropy, orders) as head:
         # No attention mask: transformers reads the packing off the position ids' restarts.
         token_logprobs = model(
             input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device), use_cache=False
         ).logits
     logprobs = torch.zeros(size, device=device, dtype=token_logprobs.dtype).index_copy(0, slots, token_logprobs)
-    entropies = torch.zeros(size, device=device)
-    if entropy:
-        entropies.index_copy_(0, slots, head.entropy())
-    return logprobs.view(packed.rows, packed.width), entropies.view(packed.rows, packed.width), mask
+    extra = torch.zeros((size, *extra_shape[2:]), device=device)
+    if entropy or orders:
+        extra.index_copy_(0, slots, head.measured())
+    return logprobs.view(packed.rows, packed.width), extra.view(extra_shape), mask
 
 
 class _Chunk:
     """One chunk of the head: the targets' log-probs from the hidden states. Under checkpoint it runs again in
-    backward; the entropy (no gradient) is taken on its first run only."""
+    backward; what it measures of the distribution (no gradient) is taken on its first run only: the entropy, or
+    for each of `orders` a the log power sum log sum_y q(y)^a (a Renyi entropy times 1 - a)."""
 
-    def __init__(self, head: torch.nn.Module, targets: Tensor, filters: Filters, entropy: bool):
+    def __init__(self, head: torch.nn.Module, targets: Tensor, filters: Filters, entropy: bool, orders: tuple[float, ...]):
         self.head, self.targets, self.filters = head, targets, filters
-        self.want_entropy = entropy
-        self.entropy: Tensor | None = None
+        self.want_entropy, self.orders = entropy, orders
+        self.measured: Tensor | None = None
 
     def __call__(self, hidden: Tensor) -> Tensor:
         scores = self.filters.scores(self.head(hidden))
         log_total = torch.logsumexp(scores, dim=-1)
-        if self.want_entropy and self.entropy is None:
+        if (self.want_entropy or self.orders) and self.measured is None:
             with torch.no_grad():
-                # Outside the nucleus the log-prob is -inf and the probability 0: entr(0) = 0 adds nothing.
-                self.entropy = torch.special.entr((scores.detach() - log_total.detach()[:, None]).exp()).sum(-1)
+                # Outside the nucleus the log-prob is -inf and the probability 0: it adds nothing to either.
+                if self.orders:
+                    # log sum q^a = logsumexp(a * scores) - a * log_total: one pass over the vocabulary per order.
+                    detached, total = scores.detach(), log_total.detach()
+                    sums = [torch.logsumexp(a * detached, dim=-1) - a * total for a in self.orders]
+                    self.measured = torch.stack(sums, dim=-1)
+                else:
+                    self.measured = torch.special.entr((scores.detach() - log_total.detach()[:, None]).exp()).sum(-1)
         return scores.gather(-1, self.targets[:, None]).squeeze(-1) - log_total
 
 
@@ -233,11 +264,20 @@ class _SelectiveHead(torch.nn.Module):
     log-probs [K] of the targets at the kept positions, a chunk of tokens at a time. Inside the model's own
     forward, so FSDP2 gathers the head's weights as for the real one."""
 
-    def __init__(self, head: torch.nn.Module, keep: Tensor, targets: Tensor, filters: Filters, entropy: bool, vocab: int):
+    def __init__(
+        self,
+        head: torch.nn.Module,
+        keep: Tensor,
+        targets: Tensor,
+        filters: Filters,
+        entropy: bool,
+        orders: tuple[float, ...],
+        vocab: int,
+    ):
         super().__init__()
         self.head = head
         self.keep = keep
-        self.targets, self.filters, self.want_entropy = targets, filters, entropy
+        self.targets, self.filters, self.want_entropy, self.orders = targets, filters, entropy, orders
         self.chunk_tokens = max(1, HEAD_CHUNK_BYTES // (4 * vocab))
         self.chunks: list[_Chunk] = []
 
@@ -246,7 +286,7 @@ class _SelectiveHead(torch.nn.Module):
         out = []
         for start in range(0, hidden.shape[0], self.chunk_tokens):
             stop = start + self.chunk_tokens
-            chunk = _Chunk(self.head, self.targets[start:stop], self.filters, self.want_entropy)
+            chunk = _Chunk(self.head, self.targets[start:stop], self.filters, self.want_entropy, self.orders)
             self.chunks.append(chunk)
             if torch.is_grad_enabled():
                 # Keep only the chunk's input for backward: its logits are computed again there.
@@ -255,15 +295,18 @@ class _SelectiveHead(torch.nn.Module):
                 out.append(chunk(hidden[start:stop]))
         return torch.cat(out)
 
-    def entropy(self) -> Tensor:
-        parts = [chunk.entropy for chunk in self.chunks]
+    def measured(self) -> Tensor:
+        """Each kept position's entropy [K], or its log power sums [K, len(orders)]."""
+        parts = [chunk.measured for chunk in self.chunks]
         if any(part is None for part in parts):
-            raise RuntimeError("entropy was not asked for in this forward")
+            raise RuntimeError("neither the entropy nor power sums were asked for in this forward")
         return torch.cat(parts)  # type: ignore[arg-type]
 
 
 @contextmanager
-def _selective_head(model, keep: Tensor, targets: Tensor, filters: Filters, entropy: bool) -> Iterator[_SelectiveHead]:
+def _selective_head(
+    model, keep: Tensor, targets: Tensor, filters: Filters, entropy: bool, orders: tuple[float, ...] = ()
+) -> Iterator[_SelectiveHead]:
     for key in _LOGIT_TRANSFORMS:
         if getattr(model.config, key, None) not in (None, 1, 1.0):
             raise ValueError(
@@ -274,7 +317,7 @@ def _selective_head(model, keep: Tensor, targets: Tensor, filters: Filters, entr
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to take log-probs from")
     vocab = int(getattr(head, "out_features", None) or model.config.vocab_size)
-    selective = _SelectiveHead(head, keep, targets, filters, entropy, vocab)
+    selective = _SelectiveHead(head, keep, targets, filters, entropy, orders, vocab)
     model.set_output_embeddings(selective)
     try:
         yield selective

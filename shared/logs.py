@@ -4,6 +4,10 @@ Retention: a log file rotates past its size cap (`log_max_mb`, LOG_MAX_MB by def
 are kept (hub.log, hub.log.1, ...), so a hub's or node's logs never take more than (backups + 1) x the cap of its
 data dir. A process's own output captured to a file (a local node's node.out, a dashboard node's node.err) gets the
 same rule through `CappedOutput`.
+
+A warning the operator must act on is logged with `extra=for_operator(kind)`: besides the log file, an `OperatorLines`
+handler prints it on the process's terminal and keeps the newest ones for its status (the hub's progress line and
+dashboard), so it is never in hub.log only.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 LOG_MAX_MB = 50.0
@@ -25,6 +31,11 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Lines a peer can cause (its refused requests): at most one per PEER_LOG_WINDOW_S each, with a count of the rest.
 PEER_LOG_WINDOW_S = 10.0
 PEER_LOG_KEYS = 10_000
+# The record attribute `for_operator` sets: the kind of a line the operator must see.
+OPERATOR_ATTR = "echo2_operator"
+# Operator lines a process keeps for its status (the newest), each cut to OPERATOR_LINE_CHARS.
+OPERATOR_LINES_KEPT = 20
+OPERATOR_LINE_CHARS = 500
 
 
 def log_bytes(max_mb: float) -> int:
@@ -189,3 +200,42 @@ class PeerLogLimiter:
         if not logged:
             return None
         return f" ({held} more since the last such line)" if held else ""
+
+
+def for_operator(kind: str) -> dict[str, str]:
+    """The `extra` of a warning the operator must see (a short `kind`: "reward_flat", "steps_lost"...)."""
+    return {OPERATOR_ATTR: kind}
+
+
+@dataclass(frozen=True)
+class OperatorLine:
+    at: float  # Unix time it was logged
+    kind: str
+    text: str
+
+
+class OperatorLines(logging.Handler):
+    """Lines logged `for_operator` at WARNING or above, from any thread: each printed once as "<prefix>: warning: ...",
+    and the newest OPERATOR_LINES_KEPT kept for the process's status."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__(logging.WARNING)
+        self.prefix = prefix
+        self._lines: deque[OperatorLine] = deque(maxlen=OPERATOR_LINES_KEPT)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = getattr(record, OPERATOR_ATTR, None)
+        if not isinstance(kind, str):
+            return
+        text = record.getMessage()[:OPERATOR_LINE_CHARS]
+        self._lines.append(OperatorLine(record.created, kind, text))  # under the handler's lock (Handler.handle)
+        # sys.stdout as it is now: a live progress display replaces it while it runs.
+        print(f"{self.prefix}: warning: {text}", flush=True)
+
+    def newest(self) -> tuple[OperatorLine, ...]:
+        """The lines kept, oldest first."""
+        self.acquire()
+        try:
+            return tuple(self._lines)
+        finally:
+            self.release()

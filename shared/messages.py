@@ -47,6 +47,12 @@ SESSION_PROTOCOL = protocol_id("session")
 # timeout (hub/service/state.py HubState.leave). A hub without it refuses the protocol.
 LEAVE_PROTOCOL = protocol_id("leave")
 LEFT_REASON = "left: the node stopped"  # the detail of the release a leave brings
+# Added in a minor step: before it exits, a hub whose run is over (its last step done, or its operator stopped it)
+# tells each joined node so on the node's own connection (RunOver), and the node stops, or waits for the next run if
+# its volunteer asked (--wait-next-run), instead of retrying a hub that is not coming back. A node without it refuses
+# the protocol and retries, as after a crash; a hub without it never tells, and a hub that crashes cannot.
+RUN_OVER_PROTOCOL = protocol_id("run_over")
+RUN_OVER_REASON = "left: the run is over"  # the detail of the leave a run's end brings each of its nodes
 SESSION_REQUESTS = (HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, PRICE_PROTOCOL)
 SESSION_IDLE_S = 120.0  # the hub ends a session that waited this long for its next request
 SESSIONS_PER_PEER = 4  # sessions a node may hold open at once; the hub refuses more as busy
@@ -220,7 +226,7 @@ GROUP_REASON_TEXT: dict[GroupReason, str] = {
     GroupReason.VERSION: "made with a version never published, below the lease's minimum, or several versions",
     GroupReason.TOKENS: "a malformed completion (its length, log-probs, tokens after EOS, ids outside the vocabulary)",
     GroupReason.CLAIMED_REWARD: "the rewards it claimed differ from the hub's scores",
-    GroupReason.COPY: "it repeats an earlier group too exactly to be honest sampling",
+    GroupReason.COPY: "it repeats earlier work at odds honest sampling would not reach in the whole run",
     GroupReason.REWARD_BUDGET: "the task's reward ran past its CPU budget on its text",
     GroupReason.REWARD_FAILED: "the task's reward failed on its text",
 }
@@ -229,6 +235,8 @@ MAX_REASONS = 32  # reasons one count may name: GroupReason's, and room for thos
 ReasonKey = Annotated[str, Field(pattern=r"^[a-z][a-z_]{0,31}$")]
 REASON_COUNT_MAX = 2**53
 NEEDED_ROLLOUTS_PER_S_MAX = 1e9  # the pace a late verdict names, at most (a lease answered in no time asks for more)
+# The most seconds one lease can be paid for: a lease is paid at most its timeout (hub.config.LeaseConfig.lease_timeout_s).
+LEASE_SECONDS_MAX = 86400.0
 ReasonCounts = Annotated[dict[ReasonKey, Annotated[int, Field(ge=0, le=REASON_COUNT_MAX)]], Field(max_length=MAX_REASONS)]
 
 
@@ -331,6 +339,12 @@ class ModelFiles(Message):
         description="False in a LoRA run: snapshots carry adapters only, the node needs the base weights"
     )
     files: tuple[ModelFile, ...] = Field(min_length=1, max_length=MODEL_FILES_MAX_COUNT)
+    max_price_per_hour: float | None = Field(
+        None,
+        ge=0.0,
+        le=MAX_PRICE_PER_HOUR,
+        description="the hub's price ceiling, $/h: a node asking more is refused at join, so it checks before it builds its engine (None: not said)",
+    )
 
     @model_validator(mode="after")
     def _bounded(self) -> ModelFiles:
@@ -373,6 +387,16 @@ class HeartbeatReply(Message):
     upstream_link: Literal["hub", "direct", "pushed", "holepunch"] = Field(
         "hub", description="how to reach the upstream: dial it, be dialed by it, or hole-punch through the hub's relay"
     )
+    rollouts_per_s: float | None = Field(
+        None,
+        ge=0.0,
+        le=NEEDED_ROLLOUTS_PER_S_MAX,
+        description="this node's throughput as the hub measured it (None: not yet), which it ranks nodes by (price over it)",
+    )
+    too_slow: bool = Field(
+        False,
+        description="every group of its last two leases arrived late: the hub activates it again only once its measured rate changes",
+    )
 
 
 class PriceChange(Message):
@@ -405,6 +429,31 @@ class LeaveReply(Message):
     TYPE: ClassVar[int] = 44
     MAX_BYTES: ClassVar[int] = 1 * KIB
     leases_released: int = Field(ge=0, le=1_000_000)
+
+
+class RunOver(Message):
+    """The hub's run is over (RUN_OVER_PROTOCOL): the hub sends it to each joined node before it exits."""
+
+    TYPE: ClassVar[int] = 45
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    finished: bool = Field(description="it reached its last step (False: its operator stopped it; a start again resumes it)")
+    step: int = Field(ge=0, le=MAX_VERSION, description="the learner step it ended at")
+    steps: int = Field(ge=0, le=MAX_VERSION, description="the steps it was set to run (0: no limit)")
+
+    def text(self) -> str:
+        """What the volunteer reads: "the hub's run finished at step 200 of 200"."""
+        at = f"step {self.step} of {self.steps}" if self.steps else f"step {self.step}"
+        if self.finished:
+            return f"the hub's run finished at {at}"
+        return f"the hub's operator stopped its run at {at} (it resumes if started again)"
+
+
+class RunOverReply(Message):
+    """The node heard that the run is over: it stops, or waits for the next run at the hub's address."""
+
+    TYPE: ClassVar[int] = 46
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+    waits: bool = Field(description="the node waits for the next run (--wait-next-run); False: it stops")
 
 
 class LeaseRequest(Message):
@@ -470,6 +519,12 @@ class SubmitReply(Message):
         (), description="(prompt_id, reason) of groups whose version fell out of the window"
     )
     paid_usd: float = Field(0.0, ge=0.0, description="what the hub booked for this lease")
+    paid_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=LEASE_SECONDS_MAX,
+        description="the lease seconds the hub's ledger booked for paid_usd (hub.method.prices.billable_seconds; 0: none booked)",
+    )
     reasons: ReasonCounts = Field({}, description="the refused groups (rejected and late) counted by GroupReason")
     needed_rollouts_per_s: float | None = Field(
         None,
@@ -508,6 +563,9 @@ class NodeStatus(Message):
     )
     name: DisplayName | Literal[""] = Field("", description="display name the node chose, or its short peer id")
     audits_passed: int = Field(0, ge=0, description="audits of its work the hub re-ran and found honest")
+    sampling_nats: float = Field(
+        0.0, ge=0.0, le=1e9, description="its sampling test's evidence that it chose its tokens, nats (0: none)"
+    )
     price_history: tuple[tuple[float, float], ...] = Field(
         (), max_length=16, description="its latest declared prices, (unix time, $/h), oldest first"
     )
@@ -574,6 +632,9 @@ class EventRecord(Message):
     detail: str = ""
 
 
+# Warnings for the operator a HubStatus carries at most (the hub keeps shared.logs.OPERATOR_LINES_KEPT).
+OPERATOR_WARNINGS_MAX = 50
+
 # The learner steps the rollout reward shown live is averaged over (one step's rollouts are a noisy sample).
 RECENT_REWARD_STEPS = 10
 
@@ -632,6 +693,9 @@ class HubStatus(Message):
     audits_passed: int = Field(0, ge=0, description="audits of submissions that passed, this session")
     audits_failed: int = Field(0, ge=0, description="audits that failed (the node was banned), this session")
     audits_unverified: int = Field(0, ge=0, description="audits that could not run (the work was dropped), this session")
+    sampling_threshold_nats: float | None = Field(
+        None, ge=0.0, le=1e6, description="the sampling test's evidence at which a node is condemned (None: no audits)"
+    )
     reward_mean: float | None = None
     t_train_s: float | None = None
     t_bcast_s: float | None = None
@@ -652,6 +716,11 @@ class HubStatus(Message):
     )
     evals: tuple[EvalPoint, ...] = Field((), description="held-out evaluations, oldest first (recent ones)")
     events: tuple[EventRecord, ...] = ()
+    warnings: tuple[EventRecord, ...] = Field(
+        (),
+        max_length=OPERATOR_WARNINGS_MAX,
+        description="the newest warnings for the operator (stalls, a flat reward, lost steps...), oldest first",
+    )
     redacted: bool = Field(False, description="nodes' prices, costs and hardware hidden: asked without an operator key")
     nodes_omitted: int = Field(0, ge=0, description="nodes left out: gone or banned long ago, or past the list's cap")
     leaders: tuple[Leader, ...] = Field(
@@ -686,8 +755,8 @@ class HubStatus(Message):
         return text + f", delta {self.delta_bytes / 1e6:.3g} MB ({self.delta_bytes / self.snapshot_bytes:.1%})"
 
     def redact(self) -> HubStatus:
-        """The status a peer without an operator key sees: no node's price, cost or hardware, and events without
-        their details (which name prices and addresses).
+        """The status a peer without an operator key sees: no node's price, cost or hardware, and events and warnings
+        without their details (which name prices, addresses and nodes).
 
         Nor why a named node's groups were refused (a copy, a false reward claim is an accusation for the operator to
         weigh): strangers see the fleet's counts by reason; a node learns its own from its submit replies.
@@ -700,10 +769,12 @@ class HubStatus(Message):
             for n in self.nodes
         )
         events = tuple(e.model_copy(update={"detail": ""}) for e in self.events)
+        warnings = tuple(w.model_copy(update={"detail": ""}) for w in self.warnings)
         return self.model_copy(
             update={
                 "nodes": nodes,
                 "events": events,
+                "warnings": warnings,
                 "redacted": True,
                 "cost_usd": 0.0,
                 "cost_per_step_usd": None,
@@ -787,7 +858,26 @@ class RelayOffer(Message):
 # A node's time in standby below this goes unsaid: a measured probe passes through it on its way to work.
 STANDBY_SAID_S = 1.0
 LATE_TEXT = "your groups arrived after the hub moved on"
-STANDBY_TEXT = "cheaper capacity covers the need at your price"
+# Relaying is not paid (docs/volunteers.md "What is paid"): a chain's node forwards the snapshots it receives anyway.
+RELAY_UNPAID_TEXT = "unpaid: forwarding what it receives anyway, as every node in a chain does"
+
+
+def standby_text(price_per_hour: float, measured_rollouts_per_s: float | None, too_slow: bool) -> str:
+    """Why a node waits in standby (unpaid), with its measured rate and the hub's rule: it ranks nodes by price per
+    measured rollout/s and activates the cheapest that cover the throughput it needs."""
+    if not measured_rollouts_per_s:
+        return "the hub has not measured your throughput yet (it ranks nodes by price per measured rollout/s)"
+    rate = f"{measured_rollouts_per_s:.3g} rollouts/s"
+    if too_slow:
+        return (
+            f"every group of your last two leases arrived late (the hub measured {rate}): it activates you again once your "
+            "measured rate changes (a restart of the node measures it again)"
+        )
+    per_rate = price_per_hour / measured_rollouts_per_s
+    return (
+        f"the hub ranks nodes by price per measured rollout/s: ${price_per_hour:.2f}/h at {rate} is "
+        f"${per_rate:.3g}/h per rollout/s, and nodes cheaper per rollout/s cover the throughput it needs"
+    )
 
 
 class NodeView(Message):
@@ -822,6 +912,14 @@ class NodeView(Message):
         None, description="the pace the hub's last late verdict asked for (SubmitReply.needed_rollouts_per_s)"
     )
     standby_s: float = Field(0.0, ge=0.0, description="seconds spent in standby since it started")
+    measured_rollouts_per_s: float | None = Field(
+        None, ge=0.0, description="its throughput as the hub measured it (HeartbeatReply.rollouts_per_s; None: not yet)"
+    )
+    too_slow: bool = Field(False, description="the hub holds it in standby: every group of its last two leases arrived late")
+    paid_s: float = Field(0.0, ge=0.0, description="lease seconds the hub paid for (SubmitReply.paid_s, as it replied)")
+    unanswered: int = Field(
+        0, ge=0, description="answers the hub never replied to (lost on the way, or cut off by the stop): maybe paid, not counted"
+    )
 
     def unpaid(self) -> list[str]:
         """What went unpaid and why, a line each (the node's exit summary and its dashboard): late groups with the
@@ -839,7 +937,8 @@ class NodeView(Message):
             if why != GroupReason.LATE and n:
                 lines.append(f"{n} group{'' if n == 1 else 's'} rejected ({why}): {reason_meaning(why)}")
         if self.standby_s >= STANDBY_SAID_S:
-            lines.append(f"{duration(self.standby_s)} in standby: {STANDBY_TEXT} (${self.price_per_hour:.2f}/h)")
+            why = standby_text(self.price_per_hour, self.measured_rollouts_per_s, self.too_slow)
+            lines.append(f"{duration(self.standby_s)} in standby: {why}")
         return lines
 
     busy_s: float = 0.0

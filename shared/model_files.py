@@ -79,12 +79,17 @@ class ModelOffer:
         return self.data[entry.name]
 
 
-def model_offer(model_dir: Path, label: str, weights_in_snapshots: bool) -> ModelOffer | None:
-    """The hub's offer of `model_dir`'s non-weight files; None (logged) when they break the bounds nodes check."""
+def model_offer(
+    model_dir: Path, label: str, weights_in_snapshots: bool, max_price_per_hour: float | None = None
+) -> ModelOffer | None:
+    """The hub's offer of `model_dir`'s non-weight files, its list saying the hub's price ceiling
+    (`max_price_per_hour`); None (logged) when they break the bounds nodes check."""
     data = {p.name: p.read_bytes() for p in sorted(Path(model_dir).iterdir()) if _offered(p)}
     files = [ModelFile(name=name, size=len(body), blake3=blake3_hex(body)) for name, body in data.items()]
     try:
-        listing = ModelFiles(model=label, weights_in_snapshots=weights_in_snapshots, files=tuple(files))
+        listing = ModelFiles(
+            model=label, weights_in_snapshots=weights_in_snapshots, files=tuple(files), max_price_per_hour=max_price_per_hour
+        )
     except ValidationError as exc:
         log.warning("the model's files cannot be offered to nodes (they must bring --model): %s", str(exc).splitlines()[:3])
         return None

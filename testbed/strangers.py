@@ -24,6 +24,7 @@ from shared.messages import (
     PRICE_PROTOCOL,
     RELAY_PROTOCOL,
     REPORT_PROTOCOL,
+    RUN_OVER_PROTOCOL,
     SESSION_PROTOCOL,
     SESSION_REQUESTS,
     SNAPSHOT_PROTOCOL,
@@ -38,6 +39,7 @@ from shared.messages import (
     ModelFilesRequest,
     PriceChange,
     RelayOffer,
+    RunOver,
     SnapshotRequest,
     StatusRequest,
     Submission,
@@ -60,7 +62,10 @@ REQUESTS: dict[str, type[Message]] = {
     MODEL_PROTOCOL: ModelFilesRequest,
     PRICE_PROTOCOL: PriceChange,
     LEAVE_PROTOCOL: Leave,
+    RUN_OVER_PROTOCOL: RunOver,
 }
+# The protocols nodes serve and the hub does not: a stranger probing the hub finds them not negotiated.
+NODE_PROTOCOLS = frozenset({RELAY_PROTOCOL, RUN_OVER_PROTOCOL})
 
 
 def echo2_protocols() -> list[str]:

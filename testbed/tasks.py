@@ -22,6 +22,13 @@ class FlatTask(ReverseTask):
         return [0.0] * len(completions)
 
 
+class SaturatedTask(ReverseTask):
+    """Every answer earns the top reward, 1: a saturated reward (a task already learned), which teaches nothing."""
+
+    def rewards(self, prompt, completions: list[str]) -> list[float]:
+        return [1.0] * len(completions)
+
+
 class RaisingRewardTask(ReverseTask):
     """An operator's reward with a bug: it raises on every group."""
 

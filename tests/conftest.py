@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 import pytest
+
+from shared.logs import OperatorLines
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +17,15 @@ def default_model_dir() -> Path:
     from shared.default_model import ensure_default_model
 
     return ensure_default_model(progress=False)
+
+
+@pytest.fixture
+def hub_warnings() -> Iterator[OperatorLines]:
+    """The hub's warnings for its operator, printed and kept as `echo-hub start` does (shared.logs.OperatorLines)."""
+    handler = OperatorLines("echo-hub")
+    logging.getLogger("echo2.hub").addHandler(handler)
+    yield handler
+    logging.getLogger("echo2.hub").removeHandler(handler)
 
 
 def _is_timing(item: pytest.Item) -> bool:

@@ -27,7 +27,6 @@ from shared.messages import (
     LEASE_PROTOCOL,
     MAX_ADDR_CHARS,
     MAX_LISTEN_ADDRS,
-    RELAY_PROTOCOL,
     SESSION_PROTOCOL,
     SUBMIT_PROTOCOL,
     Heartbeat,
@@ -646,7 +645,7 @@ async def test_a_foreign_strangers_bad_frames_are_reset_at_once_and_its_connecti
     hub reads is answered and reset at once, a members-only one is refused unread, none is left open; and the
     connection ends by the idle rule, counted from its start, with nothing the stranger keeps open counting as
     activity."""
-    from testbed.strangers import echo2_protocols, raw_probe
+    from testbed.strangers import NODE_PROTOCOLS, echo2_protocols, raw_probe
 
     idle_s = 2.0
     config = CONFIG.model_copy(update={"trust": PERMISSIVE_TRUST.model_copy(update={"idle_connection_s": idle_s})})
@@ -654,7 +653,7 @@ async def test_a_foreign_strangers_bad_frames_are_reset_at_once_and_its_connecti
         host, _ = await stack.enter_async_context(running_host(Identity.generate(), [LOOPBACK]))
         report = await raw_probe(host, hub.addr, echo2_protocols(), garbage_bytes=1 << 20, give_up_s=HANDLER_TIMEOUT_S)
     fates = {f.protocol: f for f in report.streams if f.ended_by != "not negotiated"}
-    assert set(fates) == set(echo2_protocols()) - {RELAY_PROTOCOL}  # the hub serves every protocol but the nodes' own
+    assert set(fates) == set(echo2_protocols()) - NODE_PROTOCOLS  # the hub serves every protocol but the nodes' own
     for protocol, fate in fates.items():
         assert fate.ended_s is not None, (protocol, fate)  # ended by the hub, not left open
         if protocol in MEMBERS_ONLY or protocol == SESSION_PROTOCOL:

@@ -39,6 +39,12 @@ def printed_json(capsys) -> dict:
     return json.loads(lines[-1])
 
 
+def printed_json_block(capsys) -> dict:
+    """What a bench printing indented JSON (its last output) printed."""
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{") :])
+
+
 @pytest.mark.slow
 def test_learner_bench_smoke(default_model_dir, capsys):
     pytest.importorskip("trl")
@@ -453,3 +459,17 @@ def test_ingest_bench_smoke(default_model_dir):
             "commit",
         }
     assert old["cpu_ms_per_completion"]["ipc"] == 0 < new["cpu_ms_per_completion"]["ipc"]
+
+
+def test_sampling_bench_smoke(default_model_dir, capsys):
+    """bench/sampling.py on a few groups: the honest node is never condemned, invented text is caught at once, and
+    honest collapsed groups are never called copies."""
+    assert (
+        load_bench("sampling").main(["--groups", "2", "--copies", "16", "--setups", "T=1.0", "--cheats", "random", "--json"]) == 0
+    )
+    printed = printed_json_block(capsys)
+    (result,) = printed["sampling"]
+    assert result["honest_peak_statistic_nats"] < result["threshold_nats"]
+    assert result["cheats"]["random"]["caught_after_groups"] == 1
+    assert result["cheats"]["random"]["caught_by"] == "sampling test"
+    assert [c["called_copies"] for c in printed["copies"]] == [0, 0]

@@ -61,3 +61,27 @@ def test_refuses_to_overwrite_a_step(tmp_path, policy):
     save_checkpoint(tmp_path, 2, 2, model, tokenizer, optimizer)
     with pytest.raises(FileExistsError):
         save_checkpoint(tmp_path, 2, 2, model, tokenizer, optimizer)
+
+
+def test_a_checkpoint_is_due_by_steps_or_by_time_bounded_by_its_own_cost():
+    due = checkpoint.checkpoint_due
+    assert due(10, 10, 0.0, 60.0, 0.0)  # the step count
+    assert not due(11, 10, 59.9, 60.0, 0.0)
+    assert due(11, 10, 60.0, 60.0, 0.0)  # the seconds since the last one
+    # One that took 5 s is not repeated by time within 5 / CHECKPOINT_TIME_SHARE = 100 s (at most 5% of the time) ...
+    assert checkpoint.CHECKPOINT_TIME_SHARE == 0.05
+    assert not due(11, 10, 99.9, 60.0, 5.0) and due(11, 10, 100.0, 60.0, 5.0)
+    # ... but the step count still holds.
+    assert due(20, 10, 1.0, 60.0, 5.0)
+
+
+def test_the_steps_a_resume_loses_are_those_after_its_checkpoint_not_said_before():
+    lost = checkpoint.lost_steps
+    assert lost(129, 120) == (121, 129)
+    assert lost(120, 120) is None and lost(0, 0) is None
+    assert lost(5, 0) == (1, 5)  # no checkpoint: the starting model
+    # A second crash before the next checkpoint: the first resume said steps 121-129 already.
+    assert lost(135, 120, [(121, 129)]) == (130, 135)
+    assert lost(129, 120, [(121, 129)]) is None
+    # A span lost before an older checkpoint says nothing of this one.
+    assert lost(135, 130, [(101, 109), (121, 129)]) == (131, 135)

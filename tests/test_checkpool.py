@@ -6,6 +6,7 @@ different workers, and a real hub with --check-procs 2 trains."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -117,6 +118,36 @@ async def test_a_check_worker_ignores_ctrl_c_mid_job(tmp_path, default_model_dir
             os.kill(first.process.pid, signal.SIGINT)
         assert outcome.accepted == len(lease.prompts)
         assert set(pool._workers) == {first} and first.process.is_alive()
+    state.store.close()
+
+
+@pytest.mark.trio
+@pytest.mark.timeout(180)
+async def test_a_clean_stop_under_a_running_check_logs_no_dead_worker(tmp_path, default_model_dir, tokenizer, caplog):
+    """Ctrl-C of a hub with a user reward: the pool kills its workers on the way out while a check runs in one (the
+    submission's handler belongs to the libp2p host, which outlives the pool). That is a clean stop: no "a check worker
+    died" line, no error; the node is told the hub is stopping."""
+    state = reopen(tmp_path, default_model_dir, pool_config(1, "testbed.tasks:SlowRewardTask"))
+    node, lease = await joined(state)
+    with trio.fail_after(60):  # a check that outlived its pool would wait for a worker for good
+        async with trio.open_nursery() as handlers:  # the host's handlers: outside the state's nursery
+            async with running(state):
+                pool = await ready(state, 1)
+                refused: list[HubBusy] = []
+
+                async def submit() -> None:
+                    with pytest.raises(HubBusy) as caught:
+                        await state.intake.accept(node, answer(tokenizer, lease, node), "h")
+                    refused.append(caught.value)
+
+                handlers.start_soon(submit)
+                while pool._idle.statistics().current_buffer_used:  # its check took the one worker: it runs now
+                    await trio.sleep(0.05)
+            # The state's nursery is closed: the pool killed its worker under the check.
+    (stopped,) = refused
+    assert str(stopped) == "the hub is stopping: send the answer again once it is back"
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [line for line in said if "died" in line or "lost" in line], said
     state.store.close()
 
 

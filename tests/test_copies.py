@@ -41,6 +41,19 @@ def test_repeat_surprise_by_hand():
     assert repeat_surprise([2] + [1] * 6, [-10.0] * 7, [False] * 7) == pytest.approx(10 - math.log(28))
 
 
+def test_the_copy_bar_is_the_run_wide_multiple_testing_one_by_hand():
+    from hub.trust.copies import copy_threshold_nats
+
+    # log(100,000 kept) + 8 log 2 (which completions are shared) + log(pi^2 / 6 / 1e-6) at the first group.
+    first = math.log(1e5) + 8 * math.log(2) + math.log(math.pi**2 / 6 / 1e-6)
+    assert copy_threshold_nats(1, 100_000, 8, 1e-6) == pytest.approx(first) == pytest.approx(31.4, abs=0.05)
+    # The n-th group gets 6 alpha / (pi^2 n^2) of the rate: 2 log n more.
+    assert copy_threshold_nats(10**6, 100_000, 8, 1e-6) == pytest.approx(first + 2 * math.log(1e6))
+    assert sum(6 / (math.pi**2 * n**2) for n in range(1, 100_000)) < 1.0
+    with pytest.raises(ValueError):
+        copy_threshold_nats(0, 100_000, 8, 1e-6)
+
+
 def test_coincidence_log_prob_by_hand():
     a = completion((5, 2), (-1.0, -0.5))
     b = completion((6, 2), (-2.0, -0.5))
@@ -68,11 +81,11 @@ def diverse(seed: int) -> Group:
     """Eight distinct completions of unlikely tokens: a repeat of them is no coincidence."""
     rng = random.Random(seed)
     # The seed's own token in each: groups of two seeds share no completion.
-    return group([completion((rng.randrange(4, 40), 1000 + seed, 2), (-rng.uniform(4, 6), -0.1, -0.01)) for _ in range(8)])
+    return group([completion((rng.randrange(4, 40), 1000 + seed, 2), (-rng.uniform(9, 11), -0.1, -0.01)) for _ in range(8)])
 
 
 def detector() -> CopyDetector:
-    return CopyDetector(capacity=100, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    return CopyDetector(capacity=100, group_size=8, false_alarm=1e-6, logprob_tolerance_nats=0.05)
 
 
 def test_a_copy_with_nudged_logprobs_is_still_flagged():
@@ -143,7 +156,7 @@ def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
     # Low temperature makes the tiny model near-deterministic, as a well-trained policy is on easy prompts.
     sampling = SamplingParams(temperature=0.1, top_p=1.0, max_new_tokens=10)
     prompts = ReverseTask().sample(random.Random(4), 6)
-    detector = CopyDetector(capacity=1000, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    detector = CopyDetector(capacity=1000, group_size=8, false_alarm=1e-6, logprob_tolerance_nats=0.05)
     # Two honest nodes get the same prompts (prompts are drawn with replacement) in separate leases.
     batches = [engine.generate([p.text for p in prompts], 8, sampling) for _ in range(2)]
     fingerprints: list[set[bytes]] = []
@@ -165,9 +178,9 @@ def test_honest_low_entropy_repeats_are_not_flagged(default_model_dir):
 
 
 def test_lru_is_bounded():
-    detector = CopyDetector(capacity=3, group_size=2, min_surprise_nats=1.0, logprob_tolerance_nats=0.05)
+    detector = CopyDetector(capacity=3, group_size=2, false_alarm=1e-6, logprob_tolerance_nats=0.05)
     groups = [
-        group([completion((10 + i, 2), (-5.0, -1.0)), completion((10 + i, 3), (-5.0, -1.0))], pid=f"p{i}") for i in range(5)
+        group([completion((10 + i, 2), (-15.0, -1.0)), completion((10 + i, 3), (-15.0, -1.0))], pid=f"p{i}") for i in range(5)
     ]
     for i, g in enumerate(groups):
         assert detector.check(g, "n", f"L{i}") is None
@@ -177,23 +190,28 @@ def test_lru_is_bounded():
     assert detector.check(groups[4], "m", "L9") is not None
 
 
-def test_cross_prompt_repeats_need_matching_logprobs_and_real_randomness():
+def test_cross_prompt_repeats_need_matching_logprobs_and_odds_beyond_the_run_wide_bar():
     seen = detector()
     likely = group([completion((5, 2), (-1.6, -0.1)), completion((6, 2), (-1.7, -0.1))] * 4)  # odds ~e^-10
     assert seen.check(likely, "nodeA", "L1") is None
-    # The same prompt again: an honest redraw at e^-10 is below the e^-20 bar.
+    # The same prompt again: an honest redraw at e^-10 is far below the run's bar.
     assert seen.check(likely.model_copy(update={"prompt_id": "p2"}), "nodeB", "L2") is None
-    # The same log-probs under another prompt text were not sampled there.
-    moved = likely.model_copy(update={"prompt_id": "p3", "prompt_text": "xyz>"})
-    flag = seen.check(moved, "nodeB", "L3")
-    assert flag is not None and 3.0 < flag.surprise_nats < 20.0
+    # Under another prompt text, with the same log-probs: a model that ignores its prompt draws it at e^-10, which a
+    # run of many groups sees honestly. No copy.
+    assert seen.check(likely.model_copy(update={"prompt_id": "p3", "prompt_text": "xyz>"}), "nodeB", "L3") is None
+    # Unlikely completions (odds ~e^-33) with the same log-probs under another prompt text were not sampled there.
+    unlikely = group([completion((15, 2), (-4.6, -0.1)), completion((16, 2), (-4.7, -0.1))] * 4)
+    assert seen.check(unlikely, "nodeA", "L7") is None
+    moved = unlikely.model_copy(update={"prompt_id": "p3", "prompt_text": "xyz>"})
+    flag = seen.check(moved, "nodeB", "L8")
+    assert flag is not None and seen.threshold_nats <= flag.surprise_nats < 40.0
     # Another prompt with its own log-probs for the same tokens (a model that ignores the prompt) is honest.
     own = moved.model_copy(
         update={
             "prompt_id": "p4",
             "prompt_text": "qrs>",
             "completions": tuple(
-                c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, c.logprobs[1])}) for c in likely.completions
+                c.model_copy(update={"logprobs": (c.logprobs[0] - 0.5, c.logprobs[1])}) for c in unlikely.completions
             ),
         }
     )
@@ -207,7 +225,7 @@ def test_cross_prompt_repeats_need_matching_logprobs_and_real_randomness():
 def test_the_table_keeps_exactly_the_least_recently_used_through_collisions_and_evictions():
     """Hundreds of groups through a 16-slot detector (a 32-position table: probe runs collide and wrap), repeats of
     random earlier ones refreshing them: a repeat is flagged exactly when an LRU of 16 would still hold it."""
-    detector = CopyDetector(capacity=16, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    detector = CopyDetector(capacity=16, group_size=8, false_alarm=1e-6, logprob_tolerance_nats=0.05)
     lru: OrderedDict[int, None] = OrderedDict()
     rng = random.Random(3)
     flagged, sent = 0, []
@@ -228,7 +246,7 @@ def test_the_table_keeps_exactly_the_least_recently_used_through_collisions_and_
 def test_kept_groups_cost_no_python_memory():
     """The records live in mappings: two thousand more groups kept add nothing to Python's heap (a dict of small
     objects per group took ~0.6 KB each, and pinned its allocator's arenas for as long as any of them lived)."""
-    detector = CopyDetector(capacity=5000, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    detector = CopyDetector(capacity=5000, group_size=8, false_alarm=1e-6, logprob_tolerance_nats=0.05)
     groups = [diverse(seed) for seed in range(4000)]
     tracemalloc.start()
     try:
@@ -248,7 +266,7 @@ def test_kept_groups_cost_no_python_memory():
 
 
 def test_long_names_are_cut_in_the_record_but_compared_whole():
-    detector = CopyDetector(capacity=10, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    detector = CopyDetector(capacity=10, group_size=8, false_alarm=1e-6, logprob_tolerance_nats=0.05)
     long_node = "12D3KooW" + "x" * 120
     original = diverse(5).model_copy(update={"prompt_id": "p" * 150 + "é"})
     assert detector.check(original, long_node + "A", "L1") is None
@@ -270,27 +288,29 @@ def test_a_throwaway_identity_cannot_get_honest_repeats_refused():
     """The round-four framing: an attacker submits the group a confident policy produces, claiming low log-probs for
     it. Claiming -3 nats a token, its own group is refused (eight draws that unlikely are no honest group); claiming
     just little enough to pass, an honest repeat (claiming what the policy gives, near 0) is recomputed rather than
-    judged on the attacker's claim, accepted, and the hub's figures then stand: later repeats need no recompute."""
+    judged on the attacker's claim, accepted, and the hub's figures then stand: later repeats need no recompute.
+    (The bar here: 24.5 nats at the first check, 25.9 at the second, 26.7 at the third; 0.86 a token is 3.44 a
+    completion, 24.1 for seven, 27.5 for eight.)"""
     seen = detector()
     flag = seen.check(confident(claimed=-3.0), "attacker", "L0")
     assert flag is not None and "duplicates its own completions" in flag.describe()
     assert len(seen) == 0
-    assert seen.check(confident(claimed=-0.65), "attacker", "L0") is None  # 7 x 2.6 nats: under the bar
+    assert seen.check(confident(claimed=-0.86), "attacker", "L0") is None  # 7 x 3.44 nats: under the bar
     honest = confident(pid="p2")
-    assert isinstance(seen.check(honest, "honest1", "L1"), Disputed)  # 8 x 2.6 nats on the attacker's claim
+    assert isinstance(seen.check(honest, "honest1", "L1"), Disputed)  # 8 x 3.44 nats on the attacker's claim
     assert seen.settle(honest, "honest1", "L1", [-4e-3] * 8) is None
     for i in range(3):
         assert seen.check(confident(pid=f"p{3 + i}"), f"honest{2 + i}", f"L{2 + i}") is None
     # Banned, its sightings are forgotten: its claims are no evidence against anyone, recomputed or not.
     fresh = detector()
-    assert fresh.check(confident(claimed=-0.65), "attacker", "L0") is None
+    assert fresh.check(confident(claimed=-0.86), "attacker", "L0") is None
     assert fresh.forget("attacker") == 1 and len(fresh) == 0
     assert fresh.check(confident(pid="p2"), "honest1", "L1") is None
     assert fresh.forget("attacker") == 0 and len(fresh) == 1
 
 
 def test_forgotten_slots_are_reused_and_the_rest_still_found():
-    seen = CopyDetector(capacity=8, group_size=8, min_surprise_nats=20.0, logprob_tolerance_nats=0.05)
+    seen = CopyDetector(capacity=8, group_size=8, false_alarm=1e-6, logprob_tolerance_nats=0.05)
     for i in range(8):
         assert seen.check(diverse(i), "bad" if i % 2 else "good", f"L{i}") is None
     assert seen.forget("bad") == 4 and len(seen) == 4
@@ -354,11 +374,11 @@ def test_completions_replayed_under_another_prompt_with_their_log_probs_are_caug
 
 
 def test_a_collapsed_policy_repeats_itself_honestly_across_versions():
-    """The trial's collapse (every answer the same): first seen while the policy was less sure (claims e^-21 for the
-    group), then repeated by every node with log-probs near 0. The claims disagree, the hub's recompute at the
+    """The trial's collapse (every answer the same): first seen while the policy was less sure (claims e^-27.5 for
+    the group), then repeated by every node with log-probs near 0. The claims disagree, the hub's recompute at the
     repeat's version agrees with the repeat: accepted, and from then on repeats are accepted outright."""
     seen = detector()
-    assert seen.check(confident(claimed=-0.65), "nodeA", "L0") is None
+    assert seen.check(confident(claimed=-0.86), "nodeA", "L0") is None
     repeat = confident(pid="p2")
     assert isinstance(seen.check(repeat, "nodeB", "L1"), Disputed)
     assert seen.settle(repeat, "nodeB", "L1", [-4e-3] * 8) is None
@@ -482,10 +502,16 @@ async def test_a_collapsed_policy_served_by_honest_nodes_after_a_framing_attempt
             return node
 
         attacker = await volunteer()
-        # 2.6 nats a completion: seven duplicates (its own group) stay under the bar, eight repeats pass it.
+        copies = hub.state.intake.copies
+
+        def framing(c: Completion) -> tuple[float, ...]:
+            """Just under a seventh of the bar a completion: seven duplicates (its own group) stay under the bar the
+            next check is judged at (it only rises), eight repeats pass it for the next few checks."""
+            return (-(copies.threshold_nats / 7 - 0.1) / len(c.token_ids),) * len(c.token_ids)
+
         framed = 0
         while framed < 2:
-            framed += await attacker.answer(claim=lambda c: (-2.6 / len(c.token_ids),) * len(c.token_ids))
+            framed += await attacker.answer(claim=framing)
         honest = [await volunteer() for _ in range(3)]
         for _ in range(3):
             for node in honest:

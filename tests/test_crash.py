@@ -1,10 +1,12 @@
-"""SIGKILL the learner mid-run, restart it, and check that no acknowledged trajectory is lost."""
+"""SIGKILL the learner mid-run, restart it, and check that no acknowledged trajectory is lost; SIGKILL a real hub,
+restart it, and check that it names the steps the crash lost and that metrics mark the gap."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -13,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from hub.cli.report import write_report
 from hub.records.store import Store
-from hub.training.metrics import read_metrics
+from hub.training.checkpoint import latest_checkpoint, list_checkpoints
+from hub.training.metrics import read_lost, read_metrics
 from shared.layout import HUB_STORE_FILE, METRICS_FILE
+from testbed.harness import free_port, query, start_hub, wait_until
 
 HELPER = Path(__file__).resolve().parents[1] / "testbed" / "crash_hub.py"
 REPO_ROOT = HELPER.parent.parent
@@ -98,3 +103,51 @@ def test_sigkill_mid_run_loses_no_acknowledged_trajectory(tmp_path):
         f"\nkilled after step {killed_at_step}; {len(pending)} pending rows, {len(back)} back in the buffer, "
         f"{len(refused)} refused on refill; snapshot versions {versions}"
     )
+
+
+HUB_ARGS = ("--local-nodes", "1", "--steps", "0", "--prompts-per-step", "4", "--group-size", "4")
+
+
+def latest_step(data_dir: Path) -> int:
+    return query(data_dir, "SELECT COALESCE(MAX(step), 0) FROM steps")[0][0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_sigkilled_hub_names_the_steps_it_lost_and_metrics_mark_the_gap(tmp_path):
+    """A real hub checkpoints by time (--checkpoint-every-s) long before its step count is due. Killed, restarted
+    without time-due checkpoints, killed again after two more steps: the third start names, in its terminal, on its
+    progress line and in its status, the steps since the newest checkpoint, and metrics.jsonl and the report mark them."""
+    data, port = tmp_path / "data", free_port()
+    hub = start_hub(data, *HUB_ARGS, "--checkpoint-every", "1000", "--checkpoint-every-s", "1", port=port)
+    try:
+        wait_until(lambda: list_checkpoints(data / "checkpoints"), 240, "a checkpoint due by time")
+    finally:
+        hub.kill()
+    assert latest_checkpoint(data / "checkpoints").step < 1000
+    assert re.search(r"checkpoint of step \d+ in \d+\.\d+s", (data / "hub.log").read_text())
+    killed_at = latest_step(data)
+
+    # Steps but no checkpoint: the second start resumes the newest one, trains past the first kill, and is killed.
+    hub = start_hub(data, *HUB_ARGS, "--checkpoint-every", "1000", "--checkpoint-every-s", "3600", port=port)
+    try:
+        wait_until(lambda: latest_step(data) >= killed_at + 2, 240, "two steps past the first kill")
+    finally:
+        hub.kill()
+    checkpoint, last = latest_checkpoint(data / "checkpoints").step, latest_step(data)
+    lost = f"steps {killed_at + 1}-{last} lost in a crash"
+
+    hub = start_hub(data, *HUB_ARGS, "--checkpoint-every", "1000", port=port)
+    try:
+        out = hub.output()
+        assert f"at step {last} from the checkpoint of step {checkpoint} " in out, out[-3000:]
+        assert f"echo-hub: warning: {lost}" in out and f"its next step is {last + 1}" in out, out[-3000:]
+        # The plain progress line ends with it, and the status the dashboard reads carries it.
+        wait_until(lambda: re.search(r"step \d+/∞ .* \| warning: steps_lost \(", hub.output()), 30, "a progress line")
+        status = wait_until(lambda: (s := hub.status()) and s.warnings and s, 30, "a status with the warning")
+        said = [w.detail for w in status.warnings if w.kind == "steps_lost"]
+        assert len(said) == 1 and said[0].startswith(lost)
+    finally:
+        hub.stop()
+    assert read_lost(data / METRICS_FILE)[-1] == (killed_at + 1, last)
+    assert write_report(data).exists()

@@ -294,7 +294,8 @@ def test_a_real_hub_publishes_deltas_that_real_nodes_install_bit_exact(tmp_path)
     nodes: list[Proc] = []
     try:
         dirs = [tmp_path / "node-0", tmp_path / "node-1"]
-        nodes = [start_test_node(hub.addr, d, "--dtype", "bfloat16") for d in dirs]
+        # At debug, node.log says every install (at info one a minute): the deltas are counted from it.
+        nodes = [start_test_node(hub.addr, d, "--dtype", "bfloat16", "--log-level", "debug") for d in dirs]
         # A node still fetching v0 when v1 and v2 are out skips v1 and takes v2 whole (no delta from v0): wait for
         # three deltas on each node, not for a version number.
         try:

@@ -4,6 +4,7 @@ whose nodes install its snapshots, that stops with one line when rank 1 is kille
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -20,6 +21,8 @@ from hub.training.checkpoint import latest_checkpoint, save_checkpoint
 from hub.training.distributed import Collective, init_ranks, partition_rows, rank_store
 from hub.training.learner import Learner
 from hub.training.ranks import RankEnv
+from shared.layout import NODE_STATUS_FILE
+from shared.messages import NodeView
 from testbed import forked
 from testbed.harness import query, wait_until
 from tests.test_learner import synthetic_groups
@@ -209,13 +212,14 @@ def test_a_hub_with_two_learner_processes_trains_stops_when_a_rank_dies_and_resu
     hub = start_hub(data, "--steps", "200", "--local-nodes", "1", "--config", str(config))
     try:
 
-        def installed() -> list[str]:
-            return [
-                line
-                for p in (data / "nodes").glob("*/node.log")
-                for line in p.read_text().splitlines()
-                if "installed v3 " in line or "installed v6 " in line
-            ]
+        def installed() -> bool:
+            """The node holds a version the sharded learner published after v0 (node.log says installs once a
+            minute: its status file says the version it holds)."""
+            held = []
+            for path in (data / "nodes").glob(f"*/{NODE_STATUS_FILE}"):
+                with contextlib.suppress(OSError, ValueError):
+                    held.append(NodeView.model_validate_json(path.read_text()).version_held)
+            return any(v >= 3 for v in held)
 
         wait_until(lambda: steps_done(data) >= 6, 180, "6 steps of the sharded learner", poll_s=0.5)
         wait_until(installed, 60, "the node to install v3 or v6 of the sharded learner", poll_s=0.5)

@@ -49,11 +49,12 @@ def config_reference() -> str:
     """The reference part of docs/configuration.md, built from HubConfig and NodeConfig and their flags."""
     from hub.cli.main import start_flags_by_field
     from hub.config import HubConfig
-    from node.cli import JOIN_FLAGS
+    from node.cli import JOIN_FLAGS, JOIN_SWITCHES
     from node.config import NodeConfig
     from shared.config import reference_markdown
 
     node_flags = {dotted: ["--" + flag.replace("_", "-")] for flag, (dotted, _) in JOIN_FLAGS.items()}
+    node_flags |= {field: ["--" + flag.replace("_", "-")] for flag, field in JOIN_SWITCHES.items()}
     return "\n".join(
         [
             GENERATED,

@@ -305,9 +305,43 @@ def test_the_example_config_is_what_echo_hub_config_prints_and_it_loads(tmp_path
     for section in ("learner", "sampling", "lease", "broadcast", "scheduler", "trust"):
         assert f"[{section}]" in printed.stdout
     assert (
-        '# S: max versions a trajectory may lag the learner ("auto": adapt it, see staleness_auto)\nstaleness = 4'
+        '# S: max versions a trajectory may lag the learner ("auto": adapt it, see staleness_auto)\n# staleness = 4\n'
         in printed.stdout
     )
+
+
+def test_echo_hub_config_plus_a_model_of_ones_own_takes_the_user_model_defaults(tmp_path: Path) -> None:
+    """`echo-hub config > hub.toml` with `model = ...` added: the file sets nothing else, so the start takes TRL's
+    defaults and says so in its line; a line uncommented in the file wins over them (`--print-config`: the config
+    the start resolves, through the start's own path)."""
+    import re
+    import tomllib
+
+    from hub.config import HubConfig
+    from testbed.models import random_model_dir
+
+    model = random_model_dir(tmp_path / "mine", "qwen3", hidden=64, layers=2)
+    written = run("hub.cli", "config")
+    assert written.returncode == 0, written.stderr
+    hub_toml = tmp_path / "hub.toml"
+    hub_toml.write_text(re.sub(r"^# model = $", f"model = {str(model)!r}", written.stdout, count=1, flags=re.M))
+    resolved = run("hub.cli", "start", "--config", str(hub_toml), "--print-config")
+    assert resolved.returncode == 0, resolved.stderr
+    effective = tomllib.loads(resolved.stdout)
+    assert effective["model"] == str(model)
+    assert (effective["learner"]["lr"], effective["learner"]["group_size"], effective["sampling"]["max_new_tokens"]) == (
+        1e-6,
+        8,
+        512,
+    )
+    assert "echo-hub: your own model: TRL's defaults --max-new-tokens 512, --lr 1e-06, --group-size 8 (" in resolved.stderr
+    # Uncommented as it was written, the toy's lr is set: it wins, and the line no longer names it.
+    hub_toml.write_text(re.sub(r"^# (lr = )", r"\1", hub_toml.read_text(), count=1, flags=re.M))
+    resolved = run("hub.cli", "start", "--config", str(hub_toml), "--print-config")
+    assert resolved.returncode == 0, resolved.stderr
+    effective = tomllib.loads(resolved.stdout)
+    assert (effective["learner"]["lr"], effective["sampling"]["max_new_tokens"]) == (HubConfig().learner.lr, 512)
+    assert "TRL's defaults --max-new-tokens 512, --group-size 8 (" in resolved.stderr and "--lr" not in resolved.stderr
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ def test_a_users_model_gets_trls_defaults_for_what_was_not_set(tmp_path: Path) -
     )
     assert line == (
         "your own model: TRL's defaults --max-new-tokens 512, --group-size 8 (the embedded toy's are for its 2-layer "
-        "model; flags override)"
+        "model; a hub.toml line or a flag overrides one)"
     )
     assert with_user_model_defaults(own, own_model=True) == (own, None)  # all three set now: nothing more to say
     flags = {"sampling.max_new_tokens": 64, "learner.group_size": 4}

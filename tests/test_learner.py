@@ -397,7 +397,7 @@ def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(t
         assert torch.allclose(p, q, atol=1e-6), name
 
 
-def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys):
+def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys, hub_warnings):
     """Every completion of two steps hit max_new_tokens: one warning for the run, printed, logged and in the journal.
     The steps' rows carry TRL's names too, and frac_reward_zero_std over the groups offered since the step before."""
     torch.set_num_threads(1)
@@ -419,6 +419,7 @@ def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys):
         "unfinished answers: raise --max-new-tokens (TRL's --max-completion-length)"
     ]
     assert [e.detail for e in store.journal.events() if e.kind == "completions_cut"] == [said[0].split("warning: ")[1]]
+    assert [w.kind for w in hub_warnings.newest()] == ["completions_cut"]  # on the progress line and the dashboard too
     first, second = read_metrics(tmp_path / METRICS_FILE)
     assert first["frac_reward_zero_std"] == 1 / 5 and "frac_reward_zero_std" not in second  # no group offered since
     for row in (first, second):

@@ -13,7 +13,15 @@ import torch
 
 from hub.config import TrackingConfig
 from hub.training.learner import completion_lengths
-from hub.training.metrics import MetricsWriter, cut_completions_warning, read_completions, read_metrics, sample_completions
+from hub.training.metrics import (
+    MetricsWriter,
+    cut_completions_warning,
+    lost_text,
+    read_completions,
+    read_lost,
+    read_metrics,
+    sample_completions,
+)
 from hub.training.trackers import LoggedCompletion, open_trackers
 from shared.layout import METRICS_FILE
 from shared.logprobs import completion_logprobs, completion_logprobs_and_entropy
@@ -216,3 +224,17 @@ def test_completions_go_to_wandb_and_trackio_as_a_table(tmp_path: Path, tracker:
 
         # trackio fixes its directory at its first import: another test of this process may have chosen it.
         assert "train/completions" in trackio_metrics(trackio.utils.TRACKIO_DIR, "echo2")
+
+
+def test_steps_lost_in_a_crash_are_a_row_of_the_file_only_and_read_back_in_order(tmp_path: Path) -> None:
+    logged: list[dict] = []
+    writer = MetricsWriter(tmp_path / METRICS_FILE, SimpleNamespace(log=logged.append))
+    writer.append_row({"step": 1, "reward_mean": 0.5, "lost_steps_from": 7.0})  # a reward's metric of that name
+    writer.append_lost(2, 9, 1)
+    writer.append_row({"step": 10, "reward_mean": 0.5})
+    writer.append_lost(10, 10, 1)
+    assert read_lost(tmp_path / METRICS_FILE) == [(2, 9), (10, 10)]
+    assert [row["step"] for row in read_metrics(tmp_path / METRICS_FILE)] == [1, 10]  # plots' step rows are steps only
+    assert [row["step"] for row in logged] == [1, 10]  # the trackers' rows are steps
+    assert read_lost(tmp_path / "none.jsonl") == []
+    assert [lost_text(s) for s in ((2, 9), (10, 10), None)] == ["steps 2-9", "step 10", "none"]

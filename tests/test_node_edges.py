@@ -212,6 +212,7 @@ def test_the_summary_says_what_the_node_did() -> None:
         leases_done=12,
         tallies=Tallies(accepted=96, rejected=1, late=2, refused=0),
         earnings_usd=0.0123,
+        paid_s=126.5,
         busy_s=190,
         versions_installed=4,
         relayed_bytes=12_300_000,
@@ -223,23 +224,34 @@ def test_the_summary_says_what_the_node_did() -> None:
         "accepted 96",
         "rejected 1",
         "late 2",
-        "$0.0123",
-        "3 min 10 s busy",
-        "12.3 MB of snapshots",
+        "earnings   $0.0123 for 126.5 s paid at $0.35/h (the hub's measure",
+        "busy       3 min 10 s generating (this node's own clock)",
+        "12.3 MB of snapshots to this node's successors (unpaid: ",
     ):
         assert words in text, (words, text)
     # What went unpaid, and why: late groups with the pace the hub needs, rejections by reason, standby.
     told = view.model_copy(
-        update={"reasons": {"late": 2, "tokens": 1}, "needed_rollouts_per_s": 3.25, "rollouts_per_s": 1.5, "standby_s": 75.0}
+        update={
+            "reasons": {"late": 2, "tokens": 1},
+            "needed_rollouts_per_s": 3.25,
+            "rollouts_per_s": 1.5,
+            "standby_s": 75.0,
+            "measured_rollouts_per_s": 0.7,
+        }
     )
-    unpaid = [line for line in summary_text(told).splitlines() if "unpaid" in line]
+    unpaid = [line for line in summary_text(told).splitlines() if line.startswith("  unpaid")]
     assert unpaid == [
         "  unpaid     2 late groups: your groups arrived after the hub moved on; this hub needs 3.25 rollouts/s per node "
         "(this node's last lease ran at 1.5)",
         "  unpaid     1 group rejected (tokens): a malformed completion (its length, log-probs, tokens after EOS, ids "
         "outside the vocabulary)",
-        "  unpaid     1 min 15 s in standby: cheaper capacity covers the need at your price ($0.35/h)",
+        "  unpaid     1 min 15 s in standby: the hub ranks nodes by price per measured rollout/s: $0.35/h at 0.7 "
+        "rollouts/s is $0.5/h per rollout/s, and nodes cheaper per rollout/s cover the throughput it needs",
     ]
+    # Answers the hub never replied to: a line of their own (it may have paid them), none when there are none.
+    assert "no reply" not in text
+    cut = summary_text(view.model_copy(update={"unanswered": 1}))
+    assert "  no reply   1 answer: the hub never replied (lost on the way, or cut off by the stop)" in cut
     # A hub that did not say the pace (none of its late verdicts could measure one): the late line still says why.
     assert "2 late groups: your groups arrived after the hub moved on; this hub needs a faster node" in text
 

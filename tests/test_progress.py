@@ -1,16 +1,30 @@
 """What a hub tells its terminal when the learner stalls: the cause named from how recent groups were
-settled (hand-computed cases), and the warning given once per stall, only while groups keep arriving."""
+settled (hand-computed cases), and the warning given once per stall, only while groups keep arriving; steps that
+trickle ever slower and a flat reward warned as they happen; the progress line ending with the newest warning, on a
+real hub whose reward saturates too."""
 
 from __future__ import annotations
 
+import re
 import time
 from types import SimpleNamespace
 
 import pytest
 import trio
 
-from hub.cli.progress import STALL_CHECK_S, rejection_cause, stall_cause, watch_for_stalls
+from hub.cli.progress import (
+    STALL_CHECK_S,
+    flat_reward,
+    grown_wait,
+    rejection_cause,
+    stall_cause,
+    warning_tail,
+    watch_for_stalls,
+    watch_reward_signal,
+    watch_step_waits,
+)
 from hub.records.buffer import REASON_STALE, REASON_ZERO_VARIANCE
+from testbed.harness import start_hub, wait_until
 
 
 def test_stall_cause_names_the_dominant_reason():
@@ -55,7 +69,7 @@ class FakeHub:
 
 @pytest.mark.timing
 @pytest.mark.trio
-async def test_a_stall_is_warned_once_and_only_while_groups_arrive(capsys, autojump_clock):
+async def test_a_stall_is_warned_once_and_only_while_groups_arrive(capsys, autojump_clock, hub_warnings):
     hub = FakeHub()
 
     async def events(n: int) -> None:
@@ -93,6 +107,124 @@ async def test_a_stall_is_warned_once_and_only_while_groups_arrive(capsys, autoj
     assert capsys.readouterr().out.count("echo-hub: warning: no learner step") == 2
 
 
+def test_a_wait_is_grown_at_four_times_the_first_steps_and_a_quarter_of_the_stall_threshold():
+    assert grown_wait([30.0, 4, 4, 5, 4, 6, 8], 40.0) is None  # too few steps to judge
+    # The first five's median (4 s: the very first waited for the start) against the newest three's.
+    assert grown_wait([30.0, 4, 4, 5, 4, 6, 8, 12], 40.0) is None  # 8 s: under 4 x 4 s
+    assert grown_wait([30.0, 4, 4, 5, 4, 6, 16, 20], 40.0) == (4.0, 16.0)
+    assert grown_wait([30.0, 4, 4, 5, 4, 6, 16, 20], 120.0) is None  # under 30 s, a quarter of 120 s
+    # After a resume the first steps may take refilled groups at once: a steady 12 s wait is no stall.
+    assert grown_wait([0.1, 0.1, 0.1, 0.1, 0.1, 12.0, 12.0, 12.0], 120.0) is None
+    assert grown_wait([0.1, 0.1, 0.1, 0.1, 0.1, 30.0, 30.0, 30.0], 120.0) == (0.1, 30.0)
+
+
+def test_a_reward_is_flat_when_most_groups_score_every_completion_alike():
+    assert flat_reward(0, 0, 0.0) is None
+    assert flat_reward(32, 25, 0.9) is None  # 78%: under the 80% share
+    said = flat_reward(32, 26, 1.0)
+    assert said is not None and said.startswith("the reward is flat: 26 of the last 32 groups scored every completion")
+    assert "(mean reward 1.00)" in said and "saturated" in said and "collapsed" in said
+
+
+def test_the_progress_line_ends_with_the_newest_warning_and_its_age():
+    from hub.cli.progress import _line
+    from shared.messages import EventRecord
+    from tests.test_tui import hub_status
+
+    status = hub_status()
+    assert warning_tail(status) == "" and "warning" not in _line(status)
+    warned = status.model_copy(
+        update={
+            "warnings": (
+                EventRecord(at=status.updated_at - 900, kind="learner_stalled", detail="no learner step for 130s ..."),
+                EventRecord(at=status.updated_at - 65, kind="reward_flat", detail="the reward is flat: ..."),
+            )
+        }
+    )
+    assert _line(warned).endswith(" | warning: reward_flat (1 min 05 s ago)")
+
+
+@pytest.mark.trio
+async def test_a_flat_reward_is_warned_once_per_flat_spell(autojump_clock, capsys, hub_warnings):
+    hub = FakeHub()
+    buffer = hub.state.buffer = SimpleNamespace(offered=0, offered_zero_std=0, offered_reward_sum=0.0)
+
+    def offer(groups: int, flat: int, reward: float) -> None:
+        buffer.offered += groups
+        buffer.offered_zero_std += flat
+        buffer.offered_reward_sum += groups * reward
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_reward_signal, hub)
+        await trio.sleep(STALL_CHECK_S / 2)  # off the watcher's beat, every step below
+        for groups, flat, reward in ((32, 10, 0.5), (20, 20, 1.0)):  # a mixed window, then one not full yet
+            offer(groups, flat, reward)
+            await trio.sleep(STALL_CHECK_S)
+            assert hub.events == []
+        offer(12, 12, 1.0)  # 32 of 32 alike: flat
+        await trio.sleep(STALL_CHECK_S)
+        assert [kind for kind, _ in hub.events] == ["reward_flat"] and "(mean reward 1.00)" in hub.events[0][1]
+        offer(32, 30, 1.0)  # the same spell: said once
+        await trio.sleep(STALL_CHECK_S)
+        offer(32, 0, 0.5)  # over
+        await trio.sleep(STALL_CHECK_S)
+        offer(40, 40, 0.0)  # a new one: collapsed
+        await trio.sleep(STALL_CHECK_S)
+        nursery.cancel_scope.cancel()
+    assert [kind for kind, _ in hub.events] == ["reward_flat", "reward_flat"] and "(mean reward 0.00)" in hub.events[1][1]
+    assert capsys.readouterr().out.count("echo-hub: warning: the reward is flat:") == 2
+    assert [w.kind for w in hub_warnings.newest()] == ["reward_flat", "reward_flat"]
+
+
+@pytest.mark.trio
+async def test_steps_that_trickle_ever_slower_are_a_stall_warned_as_they_grow(autojump_clock, capsys, hub_warnings):
+    hub = FakeHub()
+    hub.status = SimpleNamespace(history=[])
+    hub.state.buffer = [None] * 3
+
+    def steps(*waits: float) -> None:
+        for wait in waits:
+            hub.status.history.append(SimpleNamespace(step=len(hub.status.history) + 1, t_idle_s=wait))
+        hub.state.totals.groups.accepted += 10 * len(waits)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_step_waits, hub, 120.0)
+        steps(30, 4, 4, 5, 4, 6, 8, 12)  # the first steps (the very first waited for the start), then slower
+        await trio.sleep(1.5 * STALL_CHECK_S)
+        assert hub.events == []
+        steps(20, 40, 68)  # 40 s: ten times the first steps' 4 s, no step-less 120 s in sight
+        await trio.sleep(STALL_CHECK_S)
+        assert [kind for kind, _ in hub.events] == ["steps_slowing"]
+        assert hub.events[0][1].startswith("learner steps now wait 40s each for their groups, 10x what the first steps")
+        assert "9 of the last 10 groups had equal rewards" in hub.events[0][1]
+        steps(60)  # not twice the wait said: not again
+        await trio.sleep(STALL_CHECK_S)
+        steps(100, 120)  # 100 s: it doubled since
+        await trio.sleep(STALL_CHECK_S)
+        nursery.cancel_scope.cancel()
+    assert [kind for kind, _ in hub.events] == ["steps_slowing", "steps_slowing"]
+    assert capsys.readouterr().out.count("echo-hub: warning: learner steps now wait") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_real_hub_whose_reward_saturates_says_so_on_its_progress_line_and_in_its_status(tmp_path):
+    hub = start_hub(tmp_path / "data", "--local-nodes", "1", "--task", "testbed.tasks:SaturatedTask", "--prompts-per-step", "4")
+    try:
+        line = wait_until(
+            lambda: next((ln for ln in hub.output().splitlines() if "| warning: reward_flat (" in ln), None),
+            240,
+            "a progress line that ends with the warning",
+        )
+        assert re.match(r"\d\d:\d\d:\d\d step 0/300 v0 ", line), line
+        said = [ln for ln in hub.output().splitlines() if ln.startswith("echo-hub: warning: the reward is flat: ")]
+        assert len(said) == 1 and "groups scored every completion the same (mean reward 1.00)" in said[0]
+        status = wait_until(lambda: (s := hub.status()) and s.warnings and s, 30, "a status with the warning")
+        assert [w.detail for w in status.warnings if w.kind == "reward_flat"] == [said[0].split("warning: ", 1)[1]]
+    finally:
+        hub.stop()
+
+
 def test_rejection_cause_names_the_top_reason():
     cause = rejection_cause({"copy of an earlier group": 129, "tokens after EOS": 3}, rejected=140)
     assert cause.startswith('140 of them were rejected, most for "copy of an earlier group" (129 of the last 132')
@@ -101,7 +233,7 @@ def test_rejection_cause_names_the_top_reason():
 
 @pytest.mark.timing
 @pytest.mark.trio
-async def test_groups_that_arrive_only_to_be_rejected_are_a_stall_named_by_its_top_reason(capsys, autojump_clock):
+async def test_groups_that_arrive_only_to_be_rejected_are_a_stall_named_by_its_top_reason(capsys, autojump_clock, hub_warnings):
     hub = FakeHub()
     deadline = time.monotonic() + 30
     async with trio.open_nursery() as nursery:

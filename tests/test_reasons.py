@@ -27,7 +27,17 @@ from node.web import view_metrics
 from node.worker import Worker
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, HUB_STATUS_FILE, NODE_LOG_FILE, NODE_STATUS_FILE
-from shared.messages import MAX_REASONS, HubStatus, Lease, NodeView, SubmitReply, SubmittedGroup, reasons_text, short_id
+from shared.messages import (
+    MAX_REASONS,
+    HubStatus,
+    Lease,
+    NodeView,
+    SubmitReply,
+    SubmittedGroup,
+    reasons_text,
+    short_id,
+    standby_text,
+)
 from shared.net import running_host
 from testbed.fault_scenarios import Client
 from testbed.harness import HUB_TOML, free_port, start_hub, start_test_node, wait_until
@@ -326,7 +336,17 @@ def test_the_node_says_why_it_waits_in_standby_and_counts_the_time() -> None:
     link.enter("probing")
     now[0] = 110.0
     link.enter("standby")
-    assert state_change_text("probing", "standby") == "probing -> standby: cheaper capacity covers the need at your price"
+    assert state_change_text("probing", "standby") == "probing -> standby"  # why follows on its own line (node/run.py)
+    # Why: the node's measured rate and the hub's rule, or that it was too slow; computed by hand ($0.20 / 0.08).
+    assert standby_text(0.20, 0.08, too_slow=False) == (
+        "the hub ranks nodes by price per measured rollout/s: $0.20/h at 0.08 rollouts/s is $2.5/h per rollout/s, "
+        "and nodes cheaper per rollout/s cover the throughput it needs"
+    )
+    assert standby_text(0.20, 2.9, too_slow=True).startswith(
+        "every group of your last two leases arrived late (the hub measured 2.9 rollouts/s): it activates you again once your "
+        "measured rate changes"
+    )
+    assert standby_text(0.20, None, too_slow=False).startswith("the hub has not measured your throughput yet")
     assert state_change_text("standby", "active") == "standby -> active"
     now[0] = 130.0
     assert link.standby_s() == 20.0  # the stretch under way counts

@@ -1,6 +1,7 @@
 """A hub restarted mid-run shows what it showed: `echo-hub status --json` before and after agree on every
-node (those that left included), their tallies and cost, the run totals and the stale drops; and a
-failed audit after the restart voids only the pay booked since that node's last passed audit.
+node (those that left included), their tallies and cost, the run totals and the stale drops; a
+failed audit after the restart voids only the pay booked since that node's last passed audit; and a lease in flight
+when the hub was killed is answered to the restarted hub and paid.
 
 Real processes on loopback: `echo-hub start` (twice, same data dir and port) on a trained policy, two
 in-process volunteers built from the node's HubLink and Worker, generating with the real tiny model."""
@@ -19,9 +20,10 @@ import pytest
 import trio
 
 from shared.crypto import Identity
+from shared.layout import NODE_LOG_FILE
 from shared.messages import HubStatus
 from testbed.fault_scenarios import linked_clients, trained_model_dir
-from testbed.harness import HubProc, free_port, query, start_hub, wait_until
+from testbed.harness import HubProc, free_port, node_peer_id, query, start_hub, start_node, stop_all, wait_until
 
 HUB_TOML = """
 [scheduler]
@@ -44,6 +46,8 @@ HUB_ARGS = (
     "2",
 )
 HONEST_ROUNDS = 3
+# Long enough for a kill, a restart and the node's answer on a busy machine: what the lease test waits at most.
+LEASE_TIMEOUT_S = 150.0
 
 
 def echo_hub_status(*where: str) -> HubStatus:
@@ -167,3 +171,75 @@ def test_restarted_hub_shows_the_same_books_and_voids_only_pay_since_the_last_pa
         assert len(events) == 1 and worker.peer_id in events[0]
     finally:
         hub.stop(signal.SIGINT)
+
+
+def test_a_restarted_hub_reopens_the_leases_still_good_on_their_terms(tmp_path):
+    """Leasing opens again what an earlier run of the hub granted and did not see answered, on the terms it granted
+    (price, probe, the version the node held, its address), while the lease still holds; a lease past its deadline, or
+    one whose prompts the task no longer has, is not."""
+    from hub.config import HubConfig
+    from hub.records.schema import LeaseTerms
+    from hub.records.store import Store
+    from hub.service.state import HubState
+    from shared.tasks.reverse import ReverseTask
+
+    task = ReverseTask(size=64)
+    first, second, third = (p.id for p in task.prompts()[:3])
+    store = Store(tmp_path / "hub.db")
+    store.members.upsert_node("peerA", 0.35, "cpu", 1e8, "hf")
+    now = time.time()
+    store.leases.add_lease("good", "peerA", [first, second], 3, now - 10, now + 50, LeaseTerms(0.35, False, 4, "10.1.2.3"))
+    store.leases.add_lease("lapsed", "peerA", [third], 3, now - 70, now - 10, LeaseTerms(0.35, True, 4, None))
+    store.leases.add_lease("other-task", "peerA", ["not-a-prompt"], 3, now - 10, now + 50, LeaseTerms(0.35, False, 4, None))
+    store.close()
+
+    state = HubState(Store(tmp_path / "hub.db"), HubConfig(), task)  # a restart on the same store
+    assert set(state.leasing.book.open) == {"good"} and state.leasing.holds("peerA")
+    lease = state.leasing.book.open["good"]
+    assert [p.id for p in lease.prompts] == [first, second] and lease.prompts[0].answer is not None
+    assert (lease.min_version, lease.issued_at, lease.deadline) == (3, now - 10, now + 50)
+    assert (lease.price_per_hour, lease.probe, lease.held_version, lease.address) == (0.35, False, 4, "10.1.2.3")
+    assert state.leasing.book.open_by_address == {"10.1.2.3": 1} and state.leasing.book.outstanding_prompts() == 2
+    assert state.store.leases.lease("lapsed").state == "expired"
+    assert state.store.leases.lease("other-task").state == "open"  # let go in the book; the sweep expires its row
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_lease_in_flight_when_the_hub_is_killed_is_answered_to_the_restarted_hub_and_paid(tmp_path):
+    """SIGKILL the hub while a real node generates for its lease: the node's answer finds no hub, and it sends it again
+    until the hub, restarted on the same data dir and port, takes it in and pays it on the lease's terms."""
+    toml = tmp_path / "hub.toml"
+    toml.write_text(HUB_TOML + f"[lease]\nlease_timeout_s = {LEASE_TIMEOUT_S}\n")
+    data, port = tmp_path / "hub", free_port()
+    args = (*HUB_ARGS, "--config", str(toml))
+    hub = start_hub(data, *args, port=port)
+    # A probe lease (one prompt of 4 rollouts) takes the node 4 / 0.2 = 20 s: the hub is killed meanwhile.
+    node = start_node(hub.addr, tmp_path / "node", "--max-rollouts-per-s", "0.2")
+    node_log = tmp_path / "node" / NODE_LOG_FILE
+    try:
+        peer = node_peer_id(node)
+        found = wait_until(
+            lambda: query(data, "SELECT id, issued_at FROM leases WHERE node_id = ? AND state = 'open'", (peer,)),
+            120,
+            "the node's first lease",
+        )
+        lease_id, issued_at = found[0]
+        hub.kill()
+        # The node finishes its answer with no hub to take it, and says it tries again; then the hub comes back.
+        wait_until(lambda: "was not delivered" in node_log.read_text(), LEASE_TIMEOUT_S / 2, "the node's failed delivery")
+        hub = start_hub(data, *args, port=port)
+        restarted_at = query(data, "SELECT MAX(started_at) FROM sessions")[0][0]
+        assert issued_at < restarted_at
+
+        def answered():
+            return query(data, "SELECT state FROM leases WHERE id = ?", (lease_id,)) == [("answered",)]
+
+        wait_until(answered, LEASE_TIMEOUT_S, "the lease granted before the kill to be answered")
+        accepted = query(data, "SELECT COUNT(*) FROM trajectories WHERE lease_id = ? AND verdict = 'accepted'", (lease_id,))
+        assert accepted == [(1,)]
+        paid = query(data, "SELECT usd, seconds, created_at FROM ledger WHERE lease_id = ? AND node_id = ?", (lease_id, peer))
+        assert len(paid) == 1 and paid[0][0] > 0 and paid[0][2] > restarted_at
+    finally:
+        stop_all([node, hub])
+    assert "the hub leases its prompts again" not in node.output(), node.output()[-3000:]

@@ -528,6 +528,34 @@ def test_policy_moves_measured_probes_to_standby_and_activates_the_cheapest_belo
     assert decision.release_wanted == {}  # an activation ends every release wish
 
 
+def test_policy_never_activates_a_node_whose_every_group_arrived_late_until_its_measured_rate_changes():
+    """Target 11/s. Active: a (5/s). Standby: b at $0.4/h, 3/s (rho 0.133) and l at $0.1/h, 2.9/s (rho 0.034, the
+    cheapest), whose last lease came back all late at that rate. Without the hold l would be first: 5 + 2.9 = 7.9,
+    then b: 10.9 < 11, so both. With it only b: 5 + 3 = 8/s, the shortfall stays."""
+    fleet = Fleet()
+    measured(fleet, "a", 0.1, 5.0).state = "active"
+    measured(fleet, "b", 0.4, 3.0).state = "standby"
+    late = measured(fleet, "l", 0.1, 2.9)
+    late.state, late.late_at_rate = "standby", late.rollouts_per_s
+    view = fleet_view(fleet)
+    assert view.too_slow == frozenset({"l"})
+    assert decide(view, TARGET, POLICY, {}, T0).moves == (Move("b", "active", "pool 5/s below target 11/s"),)
+    # Without a target (every measured node works), with the scheduler off: still not l.
+    untargeted = CapacityView(0.0, None, None, None, "learner has not stepped yet")
+    assert [m.node for m in decide(view, untargeted, POLICY, {}, T0).moves] == ["b"]
+    off = POLICY.model_copy(update={"enabled": False})
+    assert [m.node for m in decide(view, TARGET, off, {}, T0).moves] == ["b"]
+    # Active when its lease came back all late: released at once, whatever the target.
+    late.state = "active"
+    moves = decide(fleet_view(fleet), TARGET, POLICY, {}, T0).moves
+    assert moves[0] == Move("l", "standby", "every group of its last two leases arrived late (measured 2.9 rollouts/s)")
+    assert [m.node for m in moves[1:]] == ["b"]  # and the pool without it tops up as if it were not there
+    # Its measured rate changed (a re-join's probe measured 3.5/s, in time or not yet judged): activated again.
+    late.state, late.rollouts_per_s = "standby", 3.5
+    assert fleet_view(fleet).too_slow == frozenset()
+    assert [m.node for m in decide(fleet_view(fleet), TARGET, POLICY, {}, T0).moves] == ["l", "b"]
+
+
 def test_policy_without_a_target_activates_every_measured_node():
     view = FleetView((), (NodeOffer("b", 0.4, 8.0), NodeOffer("c", 0.3, 4.0)), frozenset({"c"}))
     decision = decide(view, CapacityView(0.0, None, None, None, "learner has not stepped yet"), POLICY, {}, T0)

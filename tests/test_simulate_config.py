@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import shlex
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -312,7 +315,7 @@ def test_help_lists_every_sim_toml_section_and_key_with_its_flag(capsys) -> None
     assert "| `nodes` | `--nodes` |" in blocks["[fleet]"] and "| `steps` | `--steps` |" in blocks["[run]"]
     config_flags = {
         flag for action in simulate.build_parser()._actions for flag in action.option_strings if flag.startswith("--")
-    } - {"--help", "--config", "--json", "--plot"}
+    } - {"--help", "--config", "--set", "--json", "--plot"}
     assert config_flags == {flag for flags in simulate.FLAG_FIELDS.values() for flag in flags}
     for dotted in simulate.FLAG_FIELDS:
         section, key = dotted.split(".")
@@ -362,3 +365,59 @@ def test_every_value_of_a_paper_preset_says_where_it_comes_from(preset) -> None:
         if not text.startswith("#"):
             key = text.split("=")[0].strip()
             assert any(tag in " ".join(block) for tag in ("[paper: ", "[derived: ", "[assumption: ")), f"{key} has no tag"
+
+
+def test_the_readmes_simulate_command_prints_the_readmes_table() -> None:
+    """The command and the table as README.md shows them: the command, run as written, prints every line of it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## The paper's run, simulated", 1)[1].split("\n## ", 1)[0]
+    command = next(part for part in section.split("`") if part.startswith("python bench/simulate.py"))
+    table = [line for line in section.splitlines() if line.startswith("|")]
+    assert len(table) >= 5 and "full ECHO-2" in table[2]
+    argv = shlex.split(command)
+    ran = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    printed = ran.stdout.splitlines()
+    assert [line for line in table if line not in printed] == []
+    assert "warning" not in ran.stdout + ran.stderr  # the preset's own fleet is the one its links were fitted to
+
+
+def test_set_changes_a_key_of_the_file_and_the_flags_still_override_it(capsys) -> None:
+    """--set learner.price_per_hour prices the preset's learner (12.24 $/h) at 6.12 and 3.06: the learner's share of
+    a step's cost falls with it, the same steps and workers (a learner's price ranks no worker), so 12.24 -> 6.12
+    saves twice what 6.12 -> 3.06 does; --set run.steps gives way to --steps; a bad setting is one line and exit 2."""
+    simulate = load_bench("simulate")
+    short = ["--config", str(PRESETS / "echo2-qwen3-8b.toml"), "--seeds", "1", "--scenarios", "cost-aware", "--json"]
+    short += ["--capacity-rule", "refined", "--set", "run.steps=100", "--steps", "8"]
+    rows = []
+    for settings in ([], ["--set", "learner.price_per_hour=6.12"], ["--set", "learner.price_per_hour=3.06"]):
+        assert simulate.main([*short, *settings]) == 0
+        rows += printed_json(capsys)["results"]
+    assert [r["steps"] for r in rows] == [8, 8, 8] and len({r["active_mean"] for r in rows}) == 1
+    full, half, quarter = (r["cost_per_step"] for r in rows)
+    assert full > half > quarter and full - half == pytest.approx(2 * (half - quarter), rel=1e-3)
+    assert simulate.main([*short, "--set", "learner.price_per_hou=6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "did you mean 'price_per_hour'?" in err and "\n" not in err
+
+
+def test_a_fleet_outside_the_links_fit_is_flagged_and_the_fitted_one_is_not(capsys) -> None:
+    """The paper preset's links are fitted at N = 10: N = 20's star (3,660 s: 20 x 32.8e9 B over 1433.9 Mbit/s) is
+    flagged in the JSON and by one warning line, N = 10 is not; in the tables the warning follows them."""
+    simulate = load_bench("simulate")
+    args = ["--config", str(PRESETS / "echo2-qwen3-8b.toml"), "--seeds", "1", "--steps", "4"]
+    args += ["--scenarios", "cost-aware,star", "--capacity-rule", "refined", "--nodes", "10,20"]
+    assert simulate.main([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    (flagged,) = out["links_outside_fit"]
+    assert flagged["nodes"] == 20 and flagged["fitted_nodes"] == [10, 10]
+    assert flagged["t_bcast_s"] == pytest.approx(20 * 32.8e9 / (1433.9e6 / 8), rel=0.01)
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "N = 20 " in warnings[0] and "3,66" in warnings[0]
+    assert simulate.main(args) == 0
+    tables = capsys.readouterr().out
+    assert tables.rstrip().splitlines()[-1] == warnings[0] and "N = 10, S = 3" in tables and "N = 20, S = 3" in tables
+    rows = out["ablation"]
+    assert simulate.links_outside_fit(rows, None) == [] and simulate.links_outside_fit(rows, (10, 20)) == []
+    assert [r["nodes"] for r in simulate.links_outside_fit(rows, (15, 30))] == [10]

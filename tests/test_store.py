@@ -74,14 +74,17 @@ def test_a_database_of_schema_3_is_migrated_and_keeps_its_rows(tmp_path):
     store.members.upsert_node("peerB", 0.35, "cpu", 1e8, "hf")
     changed_at = time.time() + 10.0
     store.members.set_node_price("peerB", 0.4, at=changed_at)  # a change schema 3 kept only in its price history
+    store.leases.add_lease("L0", "peerA", ["p1"], 0, time.time(), time.time() + 600)
     store.close()
     old = sqlite3.connect(tmp_path / "hub.db")  # schema 3: the same tables without the column
     old.execute("ALTER TABLE nodes DROP COLUMN price_changed_at")
+    for column in ("price_per_hour", "probe", "held_version", "address"):  # schema 6's lease terms
+        old.execute(f"ALTER TABLE leases DROP COLUMN {column}")
     old.execute("PRAGMA user_version = 3")
     old.commit()
     old.close()
     store = Store(tmp_path / "hub.db")
-    assert store.pragma("user_version") == SCHEMA_VERSION == 5
+    assert store.pragma("user_version") == SCHEMA_VERSION == 6
     assert store.members.seen_before(0.0) == (0, 0.0)  # schema 5: the roll-up of forgotten identities, empty
     assert [(n.peer_id, n.price_per_hour, n.price_changed_at) for n in store.members.nodes()] == [
         ("peerA", 0.35, None),
@@ -89,7 +92,39 @@ def test_a_database_of_schema_3_is_migrated_and_keeps_its_rows(tmp_path):
     ]
     assert store.members.set_node_price("peerA", 0.5, at=123.0)
     assert store.members.node("peerA").price_changed_at == 123.0
+    # Schema 6: a lease granted before it has no terms (no price), so a restart cannot take its answer: it expires.
+    assert store.leases.reopen(time.time()) == [] and store.leases.lease("L0").state == "expired"
     assert store.integrity_check() == "ok"
+
+
+def test_a_start_resumes_a_run_of_an_older_schema_and_refuses_a_newer_one(tmp_path):
+    """`echo-hub start` reads the run of a data dir whose store this echo2 migrates (schema 5: a run started before
+    leases kept their terms), and refuses, in one line, one written by a newer echo2."""
+    from hub.cli.preflight import read_run
+    from hub.config import HubConfig
+    from shared.checks import UserError
+    from shared.layout import HUB_STORE_FILE
+
+    store = Store(tmp_path / HUB_STORE_FILE)
+    store.set_run({"task": "reverse"})
+    store.close()
+    old = sqlite3.connect(tmp_path / HUB_STORE_FILE)
+    for column in ("price_per_hour", "probe", "held_version", "address"):
+        old.execute(f"ALTER TABLE leases DROP COLUMN {column}")
+    old.execute("PRAGMA user_version = 5")
+    old.commit()
+    old.close()
+    run = read_run(HubConfig(data_dir=tmp_path))
+    assert run is not None and run.meta == {"task": "reverse"} and run.step == 0
+    migrated = Store(tmp_path / HUB_STORE_FILE)  # as the hub opens it
+    assert migrated.pragma("user_version") == SCHEMA_VERSION
+    migrated.close()
+    newer = sqlite3.connect(tmp_path / HUB_STORE_FILE)
+    newer.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    newer.commit()
+    newer.close()
+    with pytest.raises(UserError, match=f"holds echo2 schema {SCHEMA_VERSION + 1}, this echo2 uses {SCHEMA_VERSION}"):
+        read_run(HubConfig(data_dir=tmp_path))
 
 
 def test_commit_step_is_atomic(tmp_path):

@@ -35,7 +35,7 @@ from shared.wire import read_message, write_message
 from testbed.harness import free_port
 from tui import DEFAULT_REFRESH_S
 from tui.cli import add_dashboard_arguments, build_dashboard, run_dashboard, run_node_dashboard
-from tui.hub_app import HIDDEN, HubDashboard, cost_per_rollout, cost_text, display_state, node_row, rho
+from tui.hub_app import HIDDEN, HubDashboard, cost_per_rollout, cost_text, display_state, node_row, rho, warnings_text
 from tui.node_app import NodeDashboard
 from tui.sources import DataDirSource, HubSource, NoStatus, Unreachable
 from tui.widgets import Banner, short_id
@@ -272,6 +272,35 @@ async def test_hub_dashboard_shows_learner_cost_chains_nodes_and_events(hub_dir:
         assert "$1.080" in cost and "$0.00084" in cost and "$2.500" in cost and "57%" in cost
         assert "rej 15 late 11 stale 4" in cost
         assert "banned-c" in static_text(app, "#events") and "v10 published" in static_text(app, "#events")
+
+
+@pytest.mark.asyncio
+async def test_the_hubs_warnings_for_its_operator_show_above_the_dashboard_newest_first(tmp_path: Path) -> None:
+    status = hub_status()
+    warnings = tuple(
+        EventRecord(at=status.updated_at - age, kind=kind, detail=f"{kind} said")
+        for age, kind in ((600, "learner_stalled"), (300, "steps_lost"), (200, "no_delta"), (100, "reward_flat"))
+    )
+    write_status(tmp_path, status.model_copy(update={"warnings": warnings}))
+    app = HubDashboard(DataDirSource(tmp_path), refresh_s=NO_AUTO_REFRESH_S)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.loaded.wait()
+        await pilot.pause()
+        box = app.query_one("#warnings", Static)
+        assert box.has_class("-shown") and box.display
+        assert [line.split(" ", 2)[2] for line in static_text(app, "#warnings").splitlines()] == [
+            "reward_flat: reward_flat said",
+            "no_delta: no_delta said",
+            "steps_lost: steps_lost said",
+        ]
+    # A stranger's view (no operator key) has the kinds only; a hub without warnings shows none.
+    assert warnings_text(status.model_copy(update={"warnings": warnings}).redact()).plain.splitlines()[0].endswith(" reward_flat")
+    write_status(tmp_path, status)
+    app = HubDashboard(DataDirSource(tmp_path), refresh_s=NO_AUTO_REFRESH_S)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.loaded.wait()
+        await pilot.pause()
+        assert not app.query_one("#warnings", Static).has_class("-shown")
 
 
 @pytest.mark.asyncio

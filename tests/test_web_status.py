@@ -344,6 +344,7 @@ def test_the_node_serves_its_own_page_and_metrics(pages: tuple[str, str]) -> Non
     accepted = {s.labels["verdict"]: s.value for s in families["echo2_node_groups"].samples if s.name.endswith("_total")}
     assert accepted["accepted"] > 0
     assert "echo2_node_earnings_usd" in families and "echo2_node_relayed_bytes" in families
+    assert "echo2_node_paid_seconds" in families  # what the hub paid for, beside echo2_node_busy_seconds
     assert b"<table" in get(f"{node}/")
 
 

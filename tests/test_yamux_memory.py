@@ -27,7 +27,6 @@ from shared.libp2p_patches import CONNECTION_BUFFER_BYTES
 from shared.messages import (
     HEARTBEAT_PROTOCOL,
     JOIN_PROTOCOL,
-    RELAY_PROTOCOL,
     STATUS_PROTOCOL,
     Heartbeat,
     HeartbeatReply,
@@ -39,7 +38,7 @@ from shared.messages import (
 from shared.net import connect, open_stream, request, running_host, set_handler
 from shared.wire import encode_frame, read_exact, read_message, write_message
 from testbed.inproc import PERMISSIVE_CONFIG, InprocHub, inproc_hub
-from testbed.strangers import GARBAGE_BYTE, WRITE_PATTERNS, StreamFate, echo2_protocols, probe_stream
+from testbed.strangers import GARBAGE_BYTE, NODE_PROTOCOLS, WRITE_PATTERNS, StreamFate, echo2_protocols, probe_stream
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 TEST_TIMEOUT_S = 30
@@ -265,7 +264,7 @@ async def test_a_strangers_message_past_the_window_ends_every_stream_and_leaves_
     hub refuses each stream (the refusal logged as it happens), ends it within REFUSED_STREAM_S, and then holds none of
     its bytes and no entry for it (py-libp2p kept a reset stream's unread window, 256 KiB, for its 60 s sweep). The
     waits are bounded by half the handler's timeout: a hub that waited on the peer would end them only then, or never."""
-    protocols = [p for p in echo2_protocols() if p != RELAY_PROTOCOL]  # the nodes' own: the hub does not serve it
+    protocols = [p for p in echo2_protocols() if p not in NODE_PROTOCOLS]  # the hub does not serve them
     garbage = bytes([GARBAGE_BYTE]) * ONE_MESSAGE_BYTES
     with trio.fail_after(TEST_TIMEOUT_S):
         async with inproc_hub(tmp_path, default_model_dir, PERMISSIVE_CONFIG) as hub, AsyncExitStack() as stack:

@@ -1,4 +1,5 @@
-"""`echo-hub dashboard`: the hub's learner, fleet, chains, cost and events, refreshed live."""
+"""`echo-hub dashboard`: the hub's learner, fleet, chains, cost, events and warnings for its operator, refreshed
+live."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 from shared.messages import RECENT_REWARD_STEPS, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, reasons_text
 from shared.staleness import moves_text
 from tui import DEFAULT_REFRESH_S
-from tui.widgets import Banner, DashboardApp, event_lines, money, number, short_id, styled_state, tally_cells
+from tui.widgets import Banner, DashboardApp, clock, event_lines, money, number, short_id, styled_state, tally_cells
+
+# The newest warnings for the operator shown, above everything but the banner.
+WARNINGS_SHOWN = 3
 
 
 def display_state(node: NodeStatus) -> str:
@@ -147,6 +151,17 @@ def cost_text(status: HubStatus) -> Text:
     return out
 
 
+def warnings_text(status: HubStatus) -> Text:
+    """The hub's newest warnings for its operator, newest first, one a line (their kinds only in a redacted status)."""
+    lines = []
+    for warning in sorted(status.warnings, key=lambda w: w.at, reverse=True)[:WARNINGS_SHOWN]:
+        line = Text(f"⚠ {clock(warning.at)} {warning.kind}", style="bold yellow")
+        if warning.detail:
+            line.append(f": {warning.detail}", style="yellow")
+        lines.append(line)
+    return Text("\n").join(lines)
+
+
 class HubDashboard(DashboardApp):
     """Live view of one hub, from its STATUS_PROTOCOL (HubSource) or its DATA_DIR/status.json (DataDirSource)."""
 
@@ -155,6 +170,8 @@ class HubDashboard(DashboardApp):
     BINDINGS = [*DashboardApp.BINDINGS, Binding("s", "cycle_sort", "Sort"), Binding("S", "reverse_sort", "Reverse", show=False)]
     CSS = """
     .panel { border: round $primary; border-title-color: $accent; padding: 0 1; }
+    #warnings { display: none; height: auto; max-height: 4; padding: 0 1; }
+    #warnings.-shown { display: block; }
     #top { height: 8; }
     #learner { width: 2fr; }
     #cost { width: 1fr; min-width: 26; }
@@ -180,6 +197,7 @@ class HubDashboard(DashboardApp):
     def compose(self) -> ComposeResult:
         yield Header()
         yield Banner(id="banner")
+        yield Static(id="warnings")
         with Horizontal(id="top"):
             with Vertical(id="learner", classes="panel"):
                 yield Static(id="learner-text")
@@ -219,6 +237,9 @@ class HubDashboard(DashboardApp):
         self.status = result
         self.show_freshness(result.running, result.updated_at, "hub")
         self.sub_title = f"hub {short_id(result.hub_id)} · task {result.task}"
+        warnings = self.query_one("#warnings", Static)
+        warnings.update(warnings_text(result))
+        warnings.set_class(bool(result.warnings), "-shown")
         self._show_learner(result)
         self.query_one("#cost", Static).update(cost_text(result))
         self.query_one("#chains", Static).update(chains_text(result))

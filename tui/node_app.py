@@ -54,7 +54,7 @@ def work_text(view: NodeView) -> Text:
         out.append(f"  ({t.accepted / t.decided:.0%} accepted)")
     out.append("\nearnings ")
     out.append(money(view.earnings_usd, 4), style="bold green")
-    out.append(f" at {money(view.price_per_hour)}/h over {duration(view.busy_s)} busy")
+    out.append(f" for {view.paid_s:.0f} s paid at {money(view.price_per_hour)}/h; {duration(view.busy_s)} generating")
     if view.reasons:
         out.append(f"\nrefused by reason {reasons_text(view.reasons)}", style="yellow")
     for line in view.unpaid():

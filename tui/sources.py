@@ -31,6 +31,7 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from shared.crypto import Identity, peer_id_from_multiaddr
+from shared.failures import plain_failure
 from shared.layout import HUB_STATUS_FILE, NODE_STATUS_FILE
 from shared.messages import STATUS_PROTOCOL, HubStatus, NodeView, Reject, StatusRequest
 from shared.net import connect, request, running_host
@@ -209,7 +210,8 @@ class HubSource:
         try:
             result = await self._ask(host)
         except Exception as exc:  # any network failure is a normal outcome: shown, then retried next refresh
-            result = Unreachable(_describe_failure(exc))
+            log.debug("status request to %s failed: %r", self.hub_peer_id, exc)
+            result = Unreachable(f"the hub {plain_failure(exc)}")
             await self._forget_connection(host)
         done.set_result(result)
 
@@ -259,22 +261,3 @@ class HubSource:
         if self._trio is not None:
             self._trio.stop()
             self._trio = None
-
-
-def _describe_failure(exc: BaseException) -> str:
-    """The outer error's type and the innermost cause's message (py-libp2p nests the useful part)."""
-    if isinstance(exc, trio.TooSlowError):
-        return "the hub did not answer in time"
-    root, seen = exc, {id(exc)}
-    while True:
-        inner = root.__cause__
-        if inner is None:
-            # libp2p's MultiError keeps its parts in .errors, exception groups in .exceptions.
-            parts = getattr(root, "errors", None) or getattr(root, "exceptions", None)
-            inner = parts[0] if parts else None
-        if inner is None or id(inner) in seen:
-            break
-        seen.add(id(inner))
-        root = inner
-    message = (str(root).splitlines() or [type(root).__name__])[0]
-    return message if root is exc else f"{type(exc).__name__}: {message}"

@@ -111,7 +111,10 @@ def build_hub_state(config: HubConfig, model_dir: Path, shelf: SnapshotShelf, le
         run={**run_identity(config, model_dir), "model": str(model_dir)},
     )
     # A LoRA run's snapshots carry the adapters only: a node needs the base weights on disk then.
-    offer = model_offer(model_dir, label, weights_in_snapshots=not lc.lora_rank)
+    # Its list says the price ceiling too: a node checks its price before it builds its engine (node/run.py).
+    offer = model_offer(
+        model_dir, label, weights_in_snapshots=not lc.lora_rank, max_price_per_hour=config.scheduler.max_price_per_hour
+    )
     return HubCore(
         state, task, eval_task, auditor, tokenizer, context_tokens(task, tokenizer, config.sampling.max_new_tokens), offer
     )

@@ -73,6 +73,7 @@ START_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "num_iterations": ("learner.num_iterations", int),
     "grad_clip": ("learner.grad_clip", float),
     "checkpoint_every": ("learner.checkpoint_every", int),
+    "checkpoint_every_s": ("learner.checkpoint_every_s", float),
     "seed": ("learner.seed", int),
     "max_new_tokens": ("sampling.max_new_tokens", int),
     "temperature": ("sampling.temperature", float),
@@ -255,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"echo-hub {package_version('echo2')}")
     sub = parser.add_subparsers(dest="command", required=True)
     _start_parser(sub)
-    _add_parser(sub, "config", "print an example hub.toml: every field, its default and what it does")
+    _add_parser(sub, "config", "print an example hub.toml: every field, what it does and its default, commented out")
 
     status = _add_parser(sub, "status", "print nodes, leases, versions, throughput and cost of a hub")
     where = status.add_mutually_exclusive_group()
@@ -366,6 +367,24 @@ def _eval(args: argparse.Namespace) -> int:
     return run_eval(config, args.model, task, args.device, args.json, saved)
 
 
+def _config() -> int:
+    """`echo-hub config`: hub.toml with every default commented out, so that a `model = ...` added to it still takes
+    the user-model defaults for every line left commented; each of those says its value for a model of the user's."""
+    from operator import attrgetter
+
+    from hub.config import USER_MODEL_DEFAULTS, HubConfig
+    from shared.config import example_toml
+
+    toy = HubConfig()
+    notes = {
+        dotted: f"a --model of your own: {value:g}"
+        for dotted, value in USER_MODEL_DEFAULTS.items()
+        if attrgetter(dotted)(toy) != value
+    }
+    print(example_toml(HubConfig, "hub.toml for `echo-hub start --config hub.toml`", notes), end="")
+    return 0
+
+
 def _own_model(model: Path | None) -> bool:
     """Whether --model names a model of the user's, not the embedded default (None, or its cache directory)."""
     from shared.default_model import default_model_dir
@@ -411,6 +430,8 @@ def _start(args: argparse.Namespace, reexec: bool) -> int:
             from shared.config import config_toml
 
             print(config_toml(config, "echo-hub start's effective configuration (load it with --config)"), end="")
+            if defaults is not None:  # stdout is the file; the start's line says where its values came from
+                print(f"echo-hub: {defaults}", file=sys.stderr, flush=True)
             return 0
         if env is not None and env.rank > 0:  # a learner rank of a sharded learner: rank 0 runs the hub
             from hub.cli.run import run_learner_rank
@@ -461,11 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         print("echo-hub: stopped by Ctrl-C; start it again to go on", file=sys.stderr, flush=True)
         return 130
     if args.command == "config":
-        from hub.config import HubConfig
-        from shared.config import example_toml
-
-        print(example_toml(HubConfig, "hub.toml for `echo-hub start --config hub.toml`"), end="")
-        return 0
+        return _config()
     if args.command == "eval":
         return _eval(args)
     try:

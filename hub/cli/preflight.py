@@ -53,6 +53,16 @@ class Resume:
     task: str
     changed: tuple[str, ...] = ()  # training settings this start changes (--resume-anyway), as "lr 0.0003 -> 3e-05"
     finished: bool = False  # the run already did the steps this start asks for, and saved its final policy
+    checkpoint: int | None = None  # the step of the checkpoint the learner resumes (None: none, the starting model)
+
+    def policy_text(self) -> str:
+        """Where the learner's policy comes from, when not from the newest step (a crash after its checkpoint): " from
+        the checkpoint of step 120"; "" when it is."""
+        if self.step == 0 or self.checkpoint == self.step or self.finished:
+            return ""
+        if self.checkpoint is None:
+            return " from the starting model (no checkpoint yet)"
+        return f" from the checkpoint of step {self.checkpoint}"
 
 
 def check_start(config: HubConfig) -> None:
@@ -267,11 +277,11 @@ class RecordedRun:
 
 def read_run(config: HubConfig) -> RecordedRun | None:
     """The run the data dir's store records (None: none yet), read without writing a byte. UserError when the
-    store is of another echo2 schema."""
+    store is of an echo2 schema this one cannot open (a newer one)."""
     store = config.data_dir / HUB_STORE_FILE
     if not store.exists():
         return None
-    from hub.records.schema import SCHEMA_VERSION
+    from hub.records.schema import SCHEMA_VERSION, schema_opens
 
     # A store closed cleanly has no -wal file: read it `immutable`, or SQLite would create -wal/-shm files.
     # After a crash they exist already and hold committed pages: read through them.
@@ -280,7 +290,7 @@ def read_run(config: HubConfig) -> RecordedRun | None:
     try:
         found = db.execute("PRAGMA user_version").fetchone()[0]
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if tables and found != SCHEMA_VERSION:
+        if tables and not schema_opens(found):  # an older one is brought up to this echo2's when the hub opens it
             raise UserError(
                 f"--data-dir {config.data_dir}: its store holds echo2 schema {found}, this echo2 uses "
                 f"{SCHEMA_VERSION}; finish that run with the echo2 that started it, or pass --fresh "
@@ -340,17 +350,26 @@ def check_resume(config: HubConfig, model_dir: Path, anyway: bool) -> Resume | N
                 "settings, pass --resume-anyway to go on with these, or --fresh to start over (the old run "
                 "is moved aside)"
             )
-    resume = Resume(
+    finished = 0 < config.steps <= run.step and (config.data_dir / FINAL_DIR).is_dir()
+    if not finished:  # a finished run loads no checkpoint (nor torch, to read one)
+        check_checkpoint_fits(config)
+    return Resume(
         step=run.step,
         groups_waiting=run.groups_waiting,
         model=run.meta.get("model", "?"),
         task=run.meta.get("task", "?"),
         changed=changed,
-        finished=0 < config.steps <= run.step and (config.data_dir / FINAL_DIR).is_dir(),
+        finished=finished,
+        checkpoint=None if finished else newest_checkpoint_step(config),
     )
-    if not resume.finished:  # a finished run loads no checkpoint
-        check_checkpoint_fits(config)
-    return resume
+
+
+def newest_checkpoint_step(config: HubConfig) -> int | None:
+    """The step of the newest complete checkpoint in the data dir (None: none)."""
+    from hub.training.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(config.data_dir / CHECKPOINTS_DIR)
+    return checkpoint.step if checkpoint is not None else None
 
 
 def check_checkpoint_fits(config: HubConfig) -> None:

@@ -1,11 +1,11 @@
 """`echo-hub report`: reward (training and held-out), loss and KL, staleness and bubble ratio over learner steps,
-plotted to a PNG from metrics.jsonl."""
+plotted to a PNG from metrics.jsonl, with the steps a crash lost as weights shaded and named in the title."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hub.training.metrics import policy_reward, read_evals, read_metrics
+from hub.training.metrics import lost_text, policy_reward, read_evals, read_lost, read_metrics
 from shared.checks import UserError
 from shared.layout import METRICS_FILE, REPORT_FILE
 
@@ -19,6 +19,18 @@ def _loss_and_kl(ax, steps: list[float], rows: list[dict[str, float]]) -> None:
     kl_axis.set_ylabel("KL to the initial policy")
     lines = ax.get_lines() + kl_axis.get_lines()
     ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
+
+
+def _mark_lost(axes, lost: list[tuple[int, int]]) -> str:
+    """Shade the steps each crash lost as weights on every panel (labelled once, on the reward's); the title's words
+    for them ("" for none)."""
+    for index, (first, last) in enumerate(lost):
+        for ax in axes:
+            label = "lost in a crash (redone from a checkpoint)" if ax is axes[0] and index == 0 else None
+            ax.axvspan(first - 0.5, last + 0.5, color="tab:red", alpha=0.15, label=label)
+    if not lost:
+        return ""
+    return f"\n{', '.join(lost_text(span) for span in lost)} lost in a crash, redone from a checkpoint"
 
 
 def write_report(data_dir: Path, out: Path | None = None) -> Path:
@@ -49,6 +61,7 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
             label=f"held-out reward ({int(evals[-1]['eval_prompts'])} prompts)",
             linewidth=2,
         )
+    lost = _mark_lost(axes, read_lost(Path(data_dir) / METRICS_FILE))
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")
     _loss_and_kl(axes[1], steps, rows)
@@ -63,7 +76,7 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
     axes[3].set_xlabel("learner step")
     axes[3].set_ylim(0, 1)
     axes[3].legend(loc="upper right")
-    fig.suptitle(f"echo2 run: {Path(data_dir).resolve().name}")
+    fig.suptitle(f"echo2 run: {Path(data_dir).resolve().name}{lost}")
     fig.tight_layout()
     try:
         fig.savefig(out, dpi=110)

@@ -35,8 +35,8 @@ from hub.training.trackers import open_trackers
 from shared.checks import disk_full, found_in, free_space
 from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, METRICS_FILE, SNAPSHOTS_DIR
-from shared.logs import setup_logging
-from shared.messages import EvalPoint, RejectCode
+from shared.logs import OperatorLines, setup_logging
+from shared.messages import EvalPoint, RejectCode, RunOver
 from shared.net import address_key, running_host
 from shared.precision import device_phrase
 from shared.signals import Stopper, trio_owns_ctrl_c
@@ -67,10 +67,18 @@ class Hub:
     rest read it or call their commands; no component stands in for one built later."""
 
     def __init__(
-        self, config: HubConfig, identity: Identity, model_dir: Path, progress: bool, asked: HubConfig | None = None
+        self,
+        config: HubConfig,
+        identity: Identity,
+        model_dir: Path,
+        progress: bool,
+        asked: HubConfig | None = None,
+        warnings: OperatorLines | None = None,
     ) -> None:
         """`asked`: the config before this machine resolved its devices (what final/ and checkpoints record, so
-        the run's echo2.toml starts on another machine); `config` when omitted."""
+        the run's echo2.toml starts on another machine); `config` when omitted. `warnings`: the lines the hub logs for
+        its operator, which its status shows (None: none shown)."""
+        self.warnings = warnings
         from hub.cli.build import build_hub_state
         from hub.cli.card import run_card
         from hub.control.scheduler import LearnerTiming, Scheduler, StalenessBounds
@@ -249,6 +257,7 @@ class Hub:
                 state,
                 broadcaster=self.broadcaster,
                 scheduler=self.scheduler,
+                warnings=self.warnings.newest if self.warnings is not None else tuple,
             )
             state.membership.on_change.append(self.on_membership)
             bulk = channel_for(config.listen, config.broadcast.bulk_port)
@@ -273,44 +282,49 @@ class Hub:
             gate = RelayGate(relay, state.fleet.is_member, self._address_key, self.broadcaster.planned_punch, self._relay_refused)
             async with background_trio_service(relay), trio.open_nursery() as nursery:
                 nursery.start_soon(guard_relay, host, relay, gate)
-                # Catching stop signals before the address is out: a stop sent on seeing it is never lost.
-                await nursery.start(self.stopper.run, nursery.cancel_scope)
-                self._announce()
-                await nursery.start(self.broadcaster.run)  # before anything can publish
-                if bulk is not None:
-                    await bulk.start(nursery)
-                for component in (state, service, self.scheduler, self.status):
-                    nursery.start_soon(component.run)
-                if config.http != "off":
-                    await self._serve_web(nursery)
-                nursery.start_soon(publisher.run)
-                if self.evaluation is not None:
-                    await nursery.start(self.evaluation.run)
-                if config.local_nodes:
-                    # In a thread: the first fork waits for the node server to finish its imports.
-                    self.local_nodes = await trio.to_thread.run_sync(
-                        functools.partial(
-                            spawn_local_nodes,
-                            config.local_nodes,
-                            self.addrs[0],
-                            config.data_dir,
-                            link_mbps=config.broadcast.link_mbps,
-                            model=config.model,
-                            extra_args=("--dtype", self.dtype),
-                            device=config.local_device,
-                            log=(config.log_max_mb, config.log_backups),
+                # Catching stop signals before the address is out: a stop sent on seeing it is never lost. It ends the
+                # run, not the hub: the nodes are told below (a crash raises past it, and they retry as for a restart).
+                learning = trio.CancelScope()
+                await nursery.start(self.stopper.run, learning)
+                with learning:
+                    self._announce()
+                    await nursery.start(self.broadcaster.run)  # before anything can publish
+                    if bulk is not None:
+                        await bulk.start(nursery)
+                    for component in (state, service, self.scheduler, self.status):
+                        nursery.start_soon(component.run)
+                    if config.http != "off":
+                        await self._serve_web(nursery)
+                    nursery.start_soon(publisher.run)
+                    if self.evaluation is not None:
+                        await nursery.start(self.evaluation.run)
+                    if config.local_nodes:
+                        # In a thread: the first fork waits for the node server to finish its imports.
+                        self.local_nodes = await trio.to_thread.run_sync(
+                            functools.partial(
+                                spawn_local_nodes,
+                                config.local_nodes,
+                                self.addrs[0],
+                                config.data_dir,
+                                link_mbps=config.broadcast.link_mbps,
+                                model=config.model,
+                                extra_args=("--dtype", self.dtype),
+                                device=config.local_device,
+                                log=(config.log_max_mb, config.log_backups),
+                            )
                         )
-                    )
-                    state.leasing.exempt(n.peer_id for n in self.local_nodes)
-                from hub.cli.progress import live_progress, plain_progress, watch_for_stalls
+                        state.leasing.exempt(n.peer_id for n in self.local_nodes)
+                    from hub.cli.progress import live_progress, plain_progress, watch
 
-                # A live bar on a terminal; plain lines in a log file or a pipe (a bar there is one truncated line).
-                nursery.start_soon(live_progress if self.progress and sys.stdout.isatty() else plain_progress, self)
-                nursery.start_soon(watch_for_stalls, self, lc.stall_warning_s)
-                if self.watch is not None:
-                    nursery.start_soon(self._watch_ranks)
-                await self.learner.run()
+                    # A live bar on a terminal; plain lines in a log file or a pipe (a bar there is one truncated line).
+                    nursery.start_soon(live_progress if self.progress and sys.stdout.isatty() else plain_progress, self)
+                    nursery.start_soon(watch, self, lc.stall_warning_s)
+                    if self.watch is not None:
+                        nursery.start_soon(self._watch_ranks)
+                    await self.learner.run()
                 self.status.running = False
+                over = RunOver(finished=self.stopper.signal_name is None, step=self.learner.step, steps=config.steps)
+                await service.end_run(over)
                 await self.status.refresh()
                 nursery.cancel_scope.cancel()
 
@@ -370,11 +384,14 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     if resume is not None:
         changed = f"; on resume (--resume-anyway): {', '.join(resume.changed)}" if resume.changed else ""
         print(
-            f"echo-hub: resuming the run in {config.data_dir} at step {resume.step} "
+            f"echo-hub: resuming the run in {config.data_dir} at step {resume.step}{resume.policy_text()} "
             f"({resume.groups_waiting} groups waiting; task {resume.task}){changed}",
             flush=True,
         )
     setup_logging(config.data_dir / HUB_LOG_FILE, config.log_level, max_mb=config.log_max_mb, backups=config.log_backups)
+    # From here on, a line the hub logs for its operator is also printed, and shown in its status.
+    warnings = OperatorLines("echo-hub")
+    logging.getLogger("echo2.hub").addHandler(warnings)
     import torch
     import transformers
 
@@ -388,7 +405,7 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     identity = Identity.load_or_create(config.key_path)
     model_dir = Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty()))
     try:
-        hub = Hub(config, identity, model_dir, progress, asked=asked)
+        hub = Hub(config, identity, model_dir, progress, asked=asked, warnings=warnings)
     except LearnerRankLost as exc:
         print(f"echo-hub: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shared.checks import UserError, check_key_file, check_peer_addr
+from shared.failures import plain_failure
 from shared.layout import HUB_LOCK_FILE, HUB_STATUS_FILE
 from shared.lock import live_holder
 from shared.messages import STALE_FILE_S, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, reasons_text, short_id
@@ -82,7 +83,8 @@ def _node_cells(n: NodeStatus, redacted: bool) -> tuple[str | Text, ...]:
 
 
 def _node_notes(status: HubStatus) -> list[str]:
-    """The lines under the nodes table: each node's refusals by reason, then the prices of nodes whose price moved."""
+    """The lines under the nodes table: each node's refusals by reason, the prices of nodes whose price moved, and the
+    sampling test's evidence against a node where it is more than chance."""
     # A redacted status has no node's reasons: why a named node was refused is for operators.
     refused = [f"refused {short_id(n.peer_id)}: {reasons_text(n.reasons)}" for n in status.nodes if n.reasons]
     prices = [
@@ -90,7 +92,14 @@ def _node_notes(status: HubStatus) -> list[str]:
         for n in status.nodes
         if len(n.price_history) > 1  # only nodes whose price moved: a joined price alone says nothing new
     ]
-    return refused + prices
+    # Evidence under a tenth of the bar is what honest sampling shows by chance: only more is worth a line.
+    bar = status.sampling_threshold_nats
+    sampling = [
+        f"sampling {short_id(n.peer_id)}: evidence it chose its tokens {n.sampling_nats:.1f} nats, condemned at {bar:.1f}"
+        for n in status.nodes
+        if bar is not None and n.sampling_nats >= 0.1 * bar
+    ]
+    return refused + prices + sampling
 
 
 def render(status: HubStatus, console: Console, state: str | None = None) -> None:
@@ -130,10 +139,12 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
         per_step = f"per step ${status.cost_per_step_usd:.5f}" if status.cost_per_step_usd else ""
         head.add_row("cost", f"${status.cost_usd:.4f}", per_step)
     console.print(head)
-    nodes = Table(title="nodes", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    # Short headers, as on the dashboard, so the table fits 80 columns.
-    for col in ("peer", "state", "$/h", "roll/s", "ver", *TALLY_SHORT.values(), "cost $", "chain", "net"):
-        nodes.add_column(col)
+    # Short headers, as on the dashboard, one space between columns, and every figure whole: at 80 columns the
+    # peer's name and id fold over lines instead of a figure being cut.
+    nodes = Table(title="nodes", box=box.SIMPLE_HEAD, pad_edge=False, padding=0)
+    nodes.add_column("peer", overflow="fold", min_width=8)
+    for col in ("state", "$/h", "roll/s", "ver", *TALLY_SHORT.values(), "cost $", "chain", "net"):
+        nodes.add_column(col, no_wrap=True)
     for n in status.nodes:
         nodes.add_row(*_node_cells(n, status.redacted))
     console.print(nodes)
@@ -155,7 +166,7 @@ def run_status(hub: str | None, data_dir: Path | None, as_json: bool, key: Path 
         try:
             status = fetch_status(hub, key)
         except Exception as exc:  # noqa: BLE001 - dial and protocol errors share no base class
-            print(f"echo-hub status: no answer from {hub}: {_reason(exc)}", file=sys.stderr)
+            print(f"echo-hub status: no answer from {hub}: the hub {plain_failure(exc)}", file=sys.stderr)
             return 1
         state = run_state(status)
     else:
@@ -182,7 +193,12 @@ def run_status(hub: str | None, data_dir: Path | None, as_json: bool, key: Path 
 
 
 def _read_status_file(path: Path) -> HubStatus | None:
-    """The HubStatus a data dir's hub last wrote; None (said on stderr) when the file holds something else."""
+    """The HubStatus a data dir's hub last wrote; None (said on stderr) when the file holds something else, or when a
+    hub is starting there and has written none for this start yet."""
+    starting = _starting(path)
+    if starting is not None:
+        print(f"echo-hub status: {starting}", file=sys.stderr)
+        return None
     if not path.exists():
         raise UserError(f"no {path}: give the --data-dir of a hub, or --hub ADDR")
     try:
@@ -192,8 +208,20 @@ def _read_status_file(path: Path) -> HubStatus | None:
         return None
 
 
-def _reason(exc: BaseException) -> str:
-    """The innermost cause of a failure, in a few words (trio wraps them in exception groups)."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+def _starting(path: Path) -> str | None:
+    """What to say of a hub that holds the data dir but has not written its status since it started (it builds its
+    model, loads its task, resumes: up to minutes); None when there is none, or it has. The lock file is written as
+    the hub starts, so a status older than it is an earlier start's."""
+    data_dir = path.parent
+    pid = live_holder(data_dir, HUB_LOCK_FILE)
+    if pid is None:
+        return None
+    try:
+        if path.stat().st_mtime >= (data_dir / HUB_LOCK_FILE).stat().st_mtime:
+            return None
+    except FileNotFoundError:
+        pass  # no status yet
+    return (
+        f"the hub in {data_dir} (pid {pid}) is starting: building its model and task; its status appears once it "
+        "listens (a few seconds, minutes for a large model)"
+    )

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from hub.training.metrics import policy_reward, read_evals, read_metrics
 from shared.layout import FINAL_DIR, HUB_STATUS_FILE, METRICS_FILE
-from shared.messages import HubStatus, short_id
+from shared.messages import HubStatus, NodeStatus, short_id
 
 
 def fifth_means(values: list[float]) -> tuple[float, float]:
@@ -21,6 +21,13 @@ def fifth_means(values: list[float]) -> tuple[float, float]:
 def fifth(n: int) -> int:
     """How many of `n` values a fifth is (at least one)."""
     return max(1, n // 5)
+
+
+def _node_text(node: NodeStatus) -> str:
+    """A node as the summary names it: its --name (whole) with its short id, or the short id alone."""
+    short = short_id(node.peer_id)
+    who = f"{node.name} ({short})" if node.name not in ("", short) else short
+    return f"{who}: {node.state}, {node.tallies.accepted}"
 
 
 def print_summary(data_dir: Path, interrupted: bool = False) -> None:
@@ -66,7 +73,7 @@ def print_summary(data_dir: Path, interrupted: bool = False) -> None:
         table.add_row("cost (learner + nodes)", f"${status.cost_usd:.4f}")
         if status.cost_per_step_usd is not None:
             table.add_row("cost per step", f"${status.cost_per_step_usd:.5f}")
-        table.add_row("nodes", ", ".join(f"{short_id(n.peer_id)}:{n.state}:{n.tallies.accepted}" for n in status.nodes) or "-")
+        table.add_row("nodes: state, groups accepted", ", ".join(_node_text(n) for n in status.nodes) or "-")
     console.print(table)
     final = Path(data_dir) / FINAL_DIR
     if rows and final.exists():

@@ -10,7 +10,9 @@ the release margin, so neither a noisy throughput nor a noisy T_train can make t
 buy them back. While the usable share is saturated (CapacityView.hold: a reward that scores every completion
 alike, or most groups discarded) no node is activated, since more rollouts carry no more signal. Releases still
 follow the target, but a target sized by a share under 0.2 is 5x R's or more, so in practice the fleet is held as
-it is until the share recovers.
+it is until the share recovers. A node whose every group of its last two leases arrived late is released and not
+activated again until its measured rate changes (NodeRecord.too_slow): at that rate its groups miss the version
+window, and more of them buy the learner nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class FleetView:
     standby: tuple[NodeOffer, ...]
     # Those of `standby` still probing: they move to standby first.
     probed: frozenset[str] = frozenset()
+    # Those of `active` and `standby` whose every group of their last two leases arrived late, at the rate they are measured
+    # at still (NodeRecord.too_slow): never activated, and released.
+    too_slow: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ def fleet_view(fleet: Fleet) -> FleetView:
         tuple(offer(n) for n in staying if n.state == "active"),
         tuple(offer(n) for n in waiting),
         frozenset(n.peer_id for n in waiting if n.state == "probing"),
+        frozenset(n.peer_id for n in staying if n.too_slow),
     )
 
 
@@ -131,12 +137,39 @@ def decide(
     fleet: FleetView, capacity: CapacityView, config: SchedulerConfig, release_wanted: Mapping[str, float], now: float
 ) -> PeriodDecision:
     """This period's moves, from the measured fleet, the capacity model's target and the release wishes so far
-    (node -> since when it has been wanted for release without a break)."""
+    (node -> since when it has been wanted for release without a break). A node too slow for the version window
+    (FleetView.too_slow) is released at once and never activated, whatever the target."""
     probes = tuple(
         Move(n.name, "standby", f"probe measured {n.rollouts_per_s:.4g} rollouts/s")
         for n in fleet.standby
         if n.name in fleet.probed
+    ) + tuple(
+        Move(n.name, "standby", f"every group of its last two leases arrived late (measured {n.rollouts_per_s:.4g} rollouts/s)")
+        for n in fleet.active
+        if n.name in fleet.too_slow
     )
+    return _decide_for(_without_too_slow(fleet), probes, capacity, config, release_wanted, now)
+
+
+def _without_too_slow(fleet: FleetView) -> FleetView:
+    """The fleet the target is met from: its too slow nodes left out (released by `decide`, never activated)."""
+    return FleetView(
+        tuple(n for n in fleet.active if n.name not in fleet.too_slow),
+        tuple(n for n in fleet.standby if n.name not in fleet.too_slow),
+        fleet.probed,
+    )
+
+
+def _decide_for(
+    fleet: FleetView,
+    probes: tuple[Move, ...],
+    capacity: CapacityView,
+    config: SchedulerConfig,
+    release_wanted: Mapping[str, float],
+    now: float,
+) -> PeriodDecision:
+    """`decide`'s moves after `probes` (the measured probes and the too slow nodes to standby), on a fleet without
+    its too slow nodes."""
     if not config.enabled:
         return PeriodDecision(probes + tuple(Move(n.name, "active", "activate all (scheduler disabled)") for n in fleet.standby))
     # A saturated reward buys nothing: releases still follow the target, and an empty pool still gets its nodes.

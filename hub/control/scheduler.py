@@ -24,6 +24,7 @@ from hub.control.staleness import StalenessCost, StalenessHold, choose_staleness
 from hub.method.capacity import Arrival, default_kappa
 from hub.records.fleet import Fleet, NodeRecord, heartbeat_timeout
 from hub.records.measurements import Measurements
+from shared.logs import for_operator
 from shared.messages import NodeState
 from shared.staleness import StalenessMove, StalenessReason
 
@@ -145,7 +146,7 @@ class Scheduler:
     def _say_saturation(self, hold: str | None) -> None:
         """One line when the usable share falls below the saturation bound, and one when it recovers."""
         if hold is not None and self._saturated is None:
-            log.warning("%s", hold)
+            log.warning("%s", hold, extra=for_operator("no_activation"))
         elif hold is None and self._saturated is not None:
             log.info("the usable share of accepted groups recovered: the scheduler activates nodes again")
         self._saturated = hold

@@ -40,6 +40,12 @@ class LeasePay:
     usd: float
     tokens: int  # completion tokens of the accepted groups
 
+    @property
+    def booked_s(self) -> float:
+        """The seconds the ledger books for this pay (what the node is told it was paid for): `billed_s`, or none
+        when the lease pays nothing (the ledger then has no row for it)."""
+        return self.billed_s if self.usd > 0 else 0.0
+
 
 def billable_seconds(hold_s: float, accepted: int, leased: int, accepted_tokens: int, tokens_per_s_floor: float) -> float:
     """Seconds of a lease the node is paid for: the time it held the lease, in the share of its prompts it

@@ -27,6 +27,9 @@ DEPARTED_KEPT_S = 3600.0
 # and its rows leave the store at the next retention (Store.retain): a flood of throwaway identities costs the hub the
 # same after it as before. Long enough for the status board to show it leave.
 IDLE_DEPARTED_KEPT_S = 60.0
+# Answered leases in a row whose every group came back late before a node is held as too slow: one such lease may be
+# the one it held when it was released, late for the release, not its pace.
+LATE_LEASES_HELD = 2
 DEPARTED_STATES: tuple[NodeState, ...] = ("gone", "banned")
 
 
@@ -87,6 +90,22 @@ class NodeRecord:
     # When it said it stops (LEAVE_PROTOCOL; None: it did not, or joined again since). A member until its heartbeat
     # timeout (a ban still reaches it), but no longer a receiver, a relay, a node to activate or one given work.
     left_at: float | None = None
+    # Answered leases in a row whose every group came back late (an accepted group starts it over).
+    late_leases: int = 0
+    # Its measured rate once LATE_LEASES_HELD leases in a row came back all late (None: not so). Until its measured rate
+    # moves from this, it is not activated (`too_slow`); a re-join measures it anew.
+    late_at_rate: float | None = None
+
+    @property
+    def too_slow(self) -> bool:
+        """Every group of its last answer arrived late, and nothing measured since says it got faster: activating it
+        again would buy late groups, which the learner never uses."""
+        return self.measured and self.late_at_rate == self.rollouts_per_s
+
+    def joins_as(self) -> NodeState:
+        """The state a (re)join puts it in: standby once measured, probing to be measured (again, when it was held as
+        too slow: another machine or a lighter load may make it fast enough now)."""
+        return "standby" if self.measured and self.late_at_rate is None else "probing"
 
     def changes_price(self, price: float) -> bool:
         """Whether (re-)declaring `price` is a change of a price it declared before (its first join is none)."""
@@ -200,7 +219,10 @@ class Fleet:
         record.listen_addrs, record.remote_ip = request.listen_addrs, remote_ip
         record.last_seen, record.version_held = now, request.version_held
         record.receiving_version, record.chunks_received = None, 0
-        record.state = "standby" if record.measured else "probing"
+        record.state = record.joins_as()
+        record.measured = record.measured and record.state == "standby"
+        if not record.measured:  # measured anew: its lateness too
+            record.late_leases = 0
         record.left_at = None
         self._file(record)
         return record

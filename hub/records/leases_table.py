@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from hub.records.schema import LeaseRow, NewEvent
+from hub.records.schema import LeaseRow, LeaseTerms, NewEvent
 from hub.records.table import Table
 
 
@@ -13,14 +13,46 @@ class LeasesTable(Table):
     """The lease rows: what Leasing writes."""
 
     def add_lease(
-        self, lease_id: str, node_id: str, prompt_ids: Sequence[str], min_version: int, issued_at: float, deadline: float
+        self,
+        lease_id: str,
+        node_id: str,
+        prompt_ids: Sequence[str],
+        min_version: int,
+        issued_at: float,
+        deadline: float,
+        terms: LeaseTerms | None = None,
     ) -> None:
+        """An open lease; with its `terms` a restarted hub still takes its answer until its deadline (`reopen`)."""
+        price, probe, held, address = (
+            (terms.price_per_hour, terms.probe, terms.held_version, terms.address) if terms else (None, False, 0, None)
+        )
         with self._write():
             self.db.execute(
-                "INSERT INTO leases (id, node_id, prompt_ids, min_version, issued_at, deadline, state)"
-                " VALUES (?, ?, ?, ?, ?, ?, 'open')",
-                (lease_id, node_id, json.dumps(list(prompt_ids)), min_version, issued_at, deadline),
+                "INSERT INTO leases (id, node_id, prompt_ids, min_version, issued_at, deadline, state, price_per_hour, probe,"
+                " held_version, address) VALUES (?, ?, ?, ?, ?, ?, 'open', ?, ?, ?, ?)",
+                (
+                    lease_id,
+                    node_id,
+                    json.dumps(list(prompt_ids)),
+                    min_version,
+                    issued_at,
+                    deadline,
+                    price,
+                    int(probe),
+                    held,
+                    address,
+                ),
             )
+
+    def reopen(self, now: float) -> list[LeaseRow]:
+        """On a hub's start: the open leases an earlier run of it granted that are still good at `now` (unexpired, with
+        their terms); every other open one is marked expired (none can be answered now)."""
+        with self._write():
+            self.db.execute(
+                "UPDATE leases SET state = 'expired' WHERE state = 'open' AND (deadline < ? OR price_per_hour IS NULL)", (now,)
+            )
+            rows = self._rows("SELECT * FROM leases WHERE state = 'open' ORDER BY issued_at")
+        return [LeaseRow(**{**row, "prompt_ids": tuple(json.loads(row["prompt_ids"]))}) for row in rows]
 
     def expire_leases(self, now: float, events: Sequence[NewEvent] = (), keep: Sequence[str] = ()) -> list[str]:
         """Mark open leases past their deadline expired, except those in `keep` (a submission for them is

@@ -98,7 +98,7 @@ class MembersTable(Table):
         self, peer_id: str, vouched_at: float, release_ids: Sequence[int] = (), now: float | None = None
     ) -> bool:
         """One more audit of this node's work passed; its pay up to `vouched_at` (the audited submission's
-        time) is vouched for, and its held rows `release_ids` may be trained on. Both survive a hub restart:
+        time; 0: none newly vouched for) is vouched for, and its held rows `release_ids` may be trained on. Both survive a hub restart:
         probation, quota and what a later ban voids. False (nothing written) if the node is banned. The pass
         counts in the credit hour of `now` (the caller's clock, as submissions' do; default the wall clock)."""
         with self._write():

@@ -50,7 +50,7 @@ _STEP_COLUMNS = (
 
 # Bumped whenever _SCHEMA changes; a database of an older version is brought up to it by _MIGRATIONS, one of a newer
 # one is refused, never half-used.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # version -> the statements that take a database of that version to the next one, in one transaction with the rest.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # The time of a node's last price change, so the one-per-interval rule holds across a hub restart (issue 54 item 5):
@@ -62,7 +62,20 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # Idle departed identities compacted (issue 65): the table, its row and the indexes are created as on a new file.
     4: (),
+    # A lease's terms, so that a restarted hub takes the answer to a lease it granted before (issue 67 item 1); a lease
+    # written before has no price (NULL) and is not taken after a restart.
+    5: (
+        "ALTER TABLE leases ADD COLUMN price_per_hour REAL",
+        "ALTER TABLE leases ADD COLUMN probe INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE leases ADD COLUMN held_version INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE leases ADD COLUMN address TEXT",
+    ),
 }
+
+
+def schema_opens(found: int) -> bool:
+    """Whether a database of schema `found` opens here: this echo2's, or an older one _MIGRATIONS bring up to it."""
+    return found <= SCHEMA_VERSION and all(version in _MIGRATIONS for version in range(found, SCHEMA_VERSION))
 
 
 class SchemaMismatch(RuntimeError):
@@ -141,7 +154,12 @@ CREATE TABLE IF NOT EXISTS leases (
     issued_at   REAL    NOT NULL,
     deadline    REAL    NOT NULL,
     state       TEXT    NOT NULL CHECK (state IN ('open', 'answered', 'expired')),
-    answered_at REAL
+    answered_at REAL,
+    -- The terms hub.records.leases.LeaseRecord holds: a restarted hub takes answers to its open leases on them.
+    price_per_hour REAL,
+    probe          INTEGER NOT NULL DEFAULT 0,
+    held_version   INTEGER NOT NULL DEFAULT 0,
+    address        TEXT
 );
 CREATE INDEX IF NOT EXISTS leases_open ON leases(state, deadline);
 -- A node's leases: what retention checks before it deletes an identity (and the foreign key check of that delete).
@@ -393,6 +411,17 @@ class Retained:
 
 
 @dataclass(frozen=True)
+class LeaseTerms:
+    """What a lease row keeps of hub.records.leases.LeaseRecord beyond its prompts and window: what it is paid at, and
+    what its answer is held to."""
+
+    price_per_hour: float
+    probe: bool
+    held_version: int
+    address: str | None
+
+
+@dataclass(frozen=True)
 class LeaseRow:
     id: str
     node_id: str
@@ -402,3 +431,7 @@ class LeaseRow:
     deadline: float
     state: LeaseState
     answered_at: float | None
+    price_per_hour: float | None = None  # None: written before schema 6, never taken after a restart
+    probe: int = 0
+    held_version: int = 0
+    address: str | None = None

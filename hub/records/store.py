@@ -75,6 +75,7 @@ from hub.records.schema import (
     WAL_LIMIT_BYTES,
     Retained,
     SchemaMismatch,
+    schema_opens,
 )
 from hub.records.shelf_table import ShelfTable
 from hub.records.training_table import TrainingTable
@@ -101,7 +102,7 @@ class Store:
         with self._write():
             found = self.db.execute("PRAGMA user_version").fetchone()[0]
             fresh = not self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' LIMIT 1").fetchone()
-            if not fresh and (found > SCHEMA_VERSION or any(v not in _MIGRATIONS for v in range(found, SCHEMA_VERSION))):
+            if not fresh and not schema_opens(found):
                 raise SchemaMismatch(
                     f"{self.path} holds echo2 schema {found}, this echo2 uses {SCHEMA_VERSION}: "
                     "finish that run with the echo2 that started it, or start this one in a new --data-dir"

@@ -30,6 +30,7 @@ from hub.service.intake import HubBusy
 from hub.service.leasing import HANDLER_TIMEOUT_S
 from hub.service.state import HubState
 from hub.trust.guard import Admission, PeerGuard
+from hub.trust.watchers import StatusWatchers
 from shared.buckets import TokenBuckets
 from shared.bulk import BulkChannel, serving_stream
 from shared.crypto import Identity
@@ -44,6 +45,8 @@ from shared.messages import (
     MODEL_PROTOCOL,
     PRICE_PROTOCOL,
     REPORT_PROTOCOL,
+    RUN_OVER_PROTOCOL,
+    RUN_OVER_REASON,
     SESSION_IDLE_S,
     SESSION_PROTOCOL,
     SESSION_REQUESTS,
@@ -68,6 +71,8 @@ from shared.messages import (
     PriceReply,
     Reject,
     RejectCode,
+    RunOver,
+    RunOverReply,
     SnapshotRequest,
     StatusRequest,
     Submission,
@@ -75,6 +80,7 @@ from shared.messages import (
 )
 from shared.model_files import ModelOffer
 from shared.net import ConnectionStarts, address_key, close_answered, forget_peer, remote_ip, remote_peer_id, set_handler
+from shared.net import request as peer_request
 from shared.transfer import RECEIVER_GONE, NotServable, servable, serve_snapshot
 from shared.units import BYTES_PER_MBIT
 from shared.wire import (
@@ -94,8 +100,9 @@ log = logging.getLogger("echo2.hub.service")
 
 GUARD_PRUNE_PERIOD_S = 1.0
 GUARD_IDLE_S = 300.0
-# The longest a peer that has not joined keeps a connection, busy or not (a dashboard simply redials), counted
-# over its reconnections: a stranger that redials at once is let go at once, until it was away this long.
+# The longest a peer that has not joined keeps a connection, busy or not, counted over its reconnections: a stranger
+# that redials at once is let go at once, until it was away this long. A polite status watcher (a remote dashboard)
+# is exempt, within its bounds (hub/trust/watchers.py).
 NON_MEMBER_LIFETIME_S = 120.0
 STRANGER_MEMORY_S = 600.0
 # Status requests of peers that have not joined, per address key: a burst, then STRANGER_STATUS_PER_S.
@@ -115,6 +122,8 @@ REFUSE_WRITE_TIMEOUT_S = 2.0
 # A submission answered, its next lease not granted for a reason of the peer's (a ban under way): ask again then.
 NO_LEASE_RETRY_S = 5.0
 REPLY_WRITE_TIMEOUT_S = 30.0
+# How long a hub whose run is over waits, for all its nodes together, until they heard it (RUN_OVER_PROTOCOL).
+RUN_OVER_TELL_S = 5.0
 
 # Largest frame a handler of each protocol may read: what the guard reserves against a peer's memory budget.
 PROTOCOL_FRAME_CAPS = {
@@ -208,6 +217,9 @@ class HubService:
         self._model_bytes = TokenBuckets(kit_bytes / MODEL_KIT_REFILL_S, MODEL_KITS_BURST * kit_bytes)
         self._refusal_log = PeerLogLimiter()
         self._disconnect_log = PeerLogLimiter()
+        self._closing_log = PeerLogLimiter()  # a stranger redialling at once is let go at every sweep: a line a window
+        self.watchers = StatusWatchers(guard.config.idle_connection_s)
+        self.run_over: RunOver | None = None  # set once the run is over: joins are refused, the nodes are told
         self._sessions: dict[str, list[_Session]] = {}  # open sessions by peer, oldest first
         self._handlers: dict[str, Callable[[INetStream], Awaitable[None]]] = {}
 
@@ -244,6 +256,7 @@ class HubService:
         now = self.clock()
         for name in [p for p, (_, last) in strangers.items() if now - last > STRANGER_MEMORY_S]:
             del strangers[name]
+        self.watchers.prune(now)
         for peer in list(self.host.get_network().get_connections_map()):
             name = peer.to_base58()
             started = starts.started(self.host, peer)
@@ -256,9 +269,13 @@ class HubService:
             strangers[name] = (first, now)
             active = self.guard.last_active(name)
             idle = now - max(started, active if active is not None else started) > self.guard.config.idle_connection_s
-            # Not idle but never joining (a stranger polling the status to keep its slot) goes too, later.
-            if idle or now - first > self.stranger_lifetime_s:
-                log.info("closing the %s connection of %s (not a joined node)", "idle" if idle else "long-held", name)
+            # Not idle but never joining (a stranger polling the status to keep its slot) goes too, later, unless it
+            # is an operator's or a polite status watcher within the watchers' bounds.
+            long_held = now - first > self.stranger_lifetime_s and name not in self.operators
+            if idle or (long_held and not self.watchers.keeps(name, now)):
+                if (tail := self._closing_log.tail(name)) is not None:
+                    how = "idle" if idle else "long-held"
+                    log.info("closing the %s connection of %s (not a joined node)%s", how, name, tail)
                 await forget_peer(self.host, peer)
 
     # -- the guard around every handler ---------------------------------------------------
@@ -310,6 +327,7 @@ class HubService:
         peer per window (a peer refused in a loop must not fill the disk with lines)."""
         if (tail := self._refusal_log.tail(peer)) is not None:
             log.warning("refused %s from %s: %s%s", protocol, peer, reason, tail)
+        self.watchers.refused(peer, self.clock())
         await self.membership.record_refusal(peer, code)
         await _refuse(stream, code, reason, linger_s=linger_s)
 
@@ -325,9 +343,46 @@ class HubService:
             linger_s=0.0 if disconnect else REFUSE_LINGER_S,
         )
         if disconnect:
+            self.watchers.refused(peer, self.clock())
             if (tail := self._disconnect_log.tail(peer)) is not None:
                 await self.state.event("disconnect", peer, admission.reason + tail)
             await self.host.disconnect(ID.from_base58(peer))
+
+    # -- the run's end ---------------------------------------------------------------------
+
+    async def end_run(self, over: RunOver) -> None:
+        """The run is over (its last step done, or its operator stopped it): from now on joins are refused; every
+        joined node is told (RUN_OVER_PROTOCOL, on its own connection), so that it stops or waits for the next run
+        rather than retry a hub that is leaving, those that joined meanwhile too, for RUN_OVER_TELL_S at most; then
+        each is marked gone (RUN_OVER_REASON), so the run's last status lists none as working. A node not reached
+        retries, as after a crash."""
+        self.run_over = over
+        if not self.state.fleet.live():  # none to tell (stopped before it served, say, when nothing may be written)
+            return
+        told: dict[str, RunOverReply | None] = {}  # peer -> its answer (None: not reached)
+        with trio.move_on_after(RUN_OVER_TELL_S):
+            while pending := [n.peer_id for n in self.state.fleet.live() if n.peer_id not in told]:
+                async with trio.open_nursery() as nursery:
+                    for peer in pending:
+                        nursery.start_soon(self._tell_run_over, peer, over, told)
+        live = self.state.fleet.live()
+        async with trio.open_nursery() as nursery:  # concurrently: the writer commits them in one batch
+            for record in live:
+                nursery.start_soon(self.membership.set_state, record, "gone", RUN_OVER_REASON)
+        heard = [r for r in told.values() if r is not None]
+        waiting = sum(r.waits for r in heard)
+        await self.state.event(
+            "run_over", None, f"{over.text()}: {len(heard)} of {len(live)} nodes told, {waiting} waiting for the next run"
+        )
+
+    async def _tell_run_over(self, peer: str, over: RunOver, told: dict[str, RunOverReply | None]) -> None:
+        told[peer] = None
+        try:
+            reply = await peer_request(self.host, peer, RUN_OVER_PROTOCOL, over, RunOverReply, timeout_s=RUN_OVER_TELL_S)
+        except Exception as exc:  # noqa: BLE001 - gone, or a node without the protocol: it retries as after a crash
+            log.info("could not tell %s the run is over: %r", peer[-8:], exc)
+            return
+        told[peer] = reply
 
     # -- a node's session: its frequent requests on one stream -------------------------------
 
@@ -403,6 +458,8 @@ class HubService:
 
     async def _on_join(self, stream: INetStream) -> None:
         request = await read_message(stream, JoinRequest)
+        if self.run_over is not None:
+            raise HubBusy(f"{self.run_over.text()}: no more joins")
         record = await self.membership.join(remote_peer_id(stream), request, remote_ip(stream))
         await _reply(
             stream,
@@ -459,6 +516,8 @@ class HubService:
                 reachability=record.reachability,
                 upstream_link=links.kind,
                 heartbeat_period_s=record.heartbeat_period_s,
+                rollouts_per_s=record.rollouts_per_s if record.measured else None,
+                too_slow=record.too_slow,
             ),
         )
 
@@ -511,6 +570,7 @@ class HubService:
                 rejected=outcome.rejected,
                 late=outcome.late,
                 paid_usd=outcome.paid_usd,
+                paid_s=outcome.paid_s,
                 reasons=outcome.reasons,
                 needed_rollouts_per_s=outcome.needed_rollouts_per_s,
                 next_lease=next_lease,
@@ -521,14 +581,18 @@ class HubService:
         request = await read_message(stream, StatusRequest)
         peer = remote_peer_id(stream)
         operator = peer in self.operators
-        if not operator and not self.membership.is_member(peer):
-            wait_s = self._stranger_status.take(address_key(remote_ip(stream)) or peer, self.clock())
+        stranger = not operator and not self.membership.is_member(peer)
+        address = address_key(remote_ip(stream)) or peer
+        if stranger:
+            wait_s = self._stranger_status.take(address, self.clock())
             if wait_s > 0:
                 raise HubBusy(f"status requests from this address: retry in {wait_s:.1f}s")
         # What other volunteers are paid is the operator's business: strangers and nodes see it redacted.
         frame = await self.status(operator, request.events)
         await stream.write(frame)
         await close_answered(stream)
+        if stranger:
+            self.watchers.answered(peer, address, self.clock())
 
     async def _on_snapshot(self, stream: INetStream) -> None:
         """Serve a snapshot straight from the hub (first fetch, repair, or a chain head's pull)."""

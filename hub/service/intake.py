@@ -50,7 +50,7 @@ from hub.service.membership import Membership
 from hub.service.room import BufferRoom
 from hub.service.totals import RunTotals
 from hub.trust.audit import AuditJob, AuditQueue
-from hub.trust.checkpool import ChecksLost, SubmissionChecks, ThreadChecks
+from hub.trust.checkpool import ChecksLost, PoolStopped, SubmissionChecks, ThreadChecks
 from hub.trust.copies import CopyDetector, CopyFlag
 from hub.trust.probation import Probation, audit_result
 from hub.trust.submissions import (
@@ -62,7 +62,7 @@ from hub.trust.submissions import (
     verdict_reasons,
     verdict_tallies,
 )
-from shared.logs import PeerLogLimiter
+from shared.logs import PeerLogLimiter, for_operator
 from shared.messages import GroupReason, RejectCode, Submission, Tallies, add_reasons, short_id
 from shared.precision import resolve_dtype
 from shared.rollout import Group
@@ -93,6 +93,7 @@ class SubmissionOutcome:
     rejected: tuple[tuple[str, str], ...]
     late: tuple[tuple[str, str], ...]
     paid_usd: float
+    paid_s: float  # the lease seconds the ledger booked for paid_usd
     reasons: dict[str, int]  # the refused groups by reason (shared.messages.GroupReason)
     needed_rollouts_per_s: float | None  # with late groups: the pace that would have come back in time
 
@@ -120,14 +121,16 @@ class Checked:
     def accepted(self) -> list[Group]:
         return [v.group for v in self.verdicts if v.group is not None]  # an accepted verdict carries its group
 
-    def outcome(self, paid_usd: float, window: VersionWindow) -> SubmissionOutcome:
-        """What the node is told, with the version window as it stands now (for the pace late groups needed)."""
+    def outcome(self, pay: LeasePay, window: VersionWindow) -> SubmissionOutcome:
+        """What the node is told, with its pay and the version window as it stands now (for the pace late groups
+        needed)."""
         refused = [v for v in self.verdicts if not v.accepted]
         return SubmissionOutcome(
             accepted=len(self.verdicts) - len(refused),
             rejected=tuple((v.prompt_id, v.reason) for v in refused if not v.late),
             late=tuple((v.prompt_id, v.reason) for v in refused if v.late),
-            paid_usd=paid_usd,
+            paid_usd=pay.usd,
+            paid_s=pay.booked_s,
             reasons=verdict_reasons(self.verdicts),
             needed_rollouts_per_s=self.in_time_pace(window),
         )
@@ -203,11 +206,12 @@ class Intake:
         self.clock = clock
         snapshot_dtype = resolve_dtype(lc.dtype, lc.device)
         self.copies = CopyDetector(
-            trust.copy_cache_groups, lc.group_size, trust.copy_min_surprise_nats, trust.mean_abs_gap(snapshot_dtype)
+            trust.copy_cache_groups, lc.group_size, trust.copy_false_alarm, trust.mean_abs_gap(snapshot_dtype)
         )
         self.probation = Probation(trust, audits)
         self.reason_log = PeerLogLimiter(REASON_LOG_WINDOW_S, clock)
         membership.on_ban.append(self.copies.forget)
+        membership.on_ban.append(self.probation.sampling.forget)
         # The first failure of the operator's reward: the run stops with it (HubState.run raises it).
         self.reward_failure: RewardError | None = None
         self._nursery: trio.Nursery | None = None
@@ -244,7 +248,7 @@ class Intake:
             await self._route(committed)  # 11
         if claimed.lease.probe:
             self.membership.changed()  # measured: the scheduler may move it to standby now
-        outcome = checked.outcome(priced.pay.usd, self.leasing.window())
+        outcome = checked.outcome(priced.pay, self.leasing.window())
         self._log_refusals(record, checked.verdicts, outcome.needed_rollouts_per_s)
         return outcome
 
@@ -295,6 +299,8 @@ class Intake:
         except ChecksLost as exc:
             log.error("%s: refused as busy", exc)
             raise HubBusy("the hub lost this submission's checks: resubmit") from None
+        except PoolStopped:
+            raise HubBusy("the hub is stopping: send the answer again once it is back") from None
         except RewardError as exc:  # it fails the operator's own probe too (hub/trust/checkpool.py)
             self.reward_failed(exc)
             raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
@@ -465,8 +471,8 @@ class Intake:
 
     async def _audit(self, jobs: Sequence[AuditJob], release: Sequence[int] = ()) -> bool:
         """Audit groups of one submission. True: all passed (one passed audit for the node, its pay up to this
-        submission vouched for, the `release`d rows free to be trained on); False: one failed (the node is
-        banned) or could not be audited."""
+        submission vouched for unless its sampling test holds evidence against it, the `release`d rows free to be
+        trained on); False: one failed (the node is banned) or could not be audited."""
         record = await self.membership.recall(jobs[0].node_id)  # gone long ago, its audit is still due
         if record is None or record.state == "banned":
             return False
@@ -476,14 +482,14 @@ class Intake:
             await self._penalize(record, verdict.failure)
         if not verdict.passed:
             return False
-        answered_at = jobs[0].answered_at
+        vouched_at = jobs[0].answered_at if verdict.vouches else 0.0
         with trio.CancelScope(shield=True):
             released = await self.writer.write(
-                self.store.members.record_audit_pass, record.peer_id, answered_at, list(release), self.clock()
+                self.store.members.record_audit_pass, record.peer_id, vouched_at, list(release), self.clock()
             )
             if not released:  # banned while it was audited: the ban discarded the rows
                 return False
-            self.membership.vouch(record, answered_at)
+            self.membership.vouch(record, vouched_at)
         return True
 
     async def _penalize(self, record: NodeRecord, reason: str) -> None:
@@ -511,5 +517,12 @@ class Intake:
             )
             self.totals.paid_usd[record.peer_id] = paid
             self.leasing.release_node(record.peer_id)
-        log.warning("banned %s: %s; dropped %d groups, voided %d payments", record.peer_id, reason, len(dropped), voided)
+        log.warning(
+            "banned %s: %s; dropped %d groups, voided %d payments",
+            record.name or short_id(record.peer_id),
+            reason,
+            len(dropped),
+            voided,
+            extra=for_operator("node_banned"),
+        )
         self.membership.changed()

@@ -8,6 +8,9 @@ A lease being written is open in the book before its commit (concurrent requests
 in-flight cap) and withdrawn if the commit fails: the one change made before its write, in the safe direction. Lease
 rows in the store follow the book one handler deadline late (`sweep`): a submission still being checked when its
 lease's deadline passed can commit against an open row.
+
+A lease outlives the hub that granted it: its row keeps its terms, and a restarted hub opens its unexpired leases
+again (`_reopen`), so a node whose answer the crash cut off delivers it to the new hub and is paid as agreed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from hub.config import HubConfig
 from hub.method.capacity import SATURATED_USABLE_FRACTION
 from hub.records.buffer import fresh_room, leasable
 from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
-from hub.records.schema import NewEvent
+from hub.records.schema import LeaseTerms, NewEvent
 from hub.records.store import Store
 from hub.records.writer import StoreWriter
 from hub.service.membership import Membership
@@ -105,6 +108,34 @@ class Leasing:
         self.probes = ProbeStrikes(first_wait_s=config.lease.lease_timeout_s)
         # Nodes `echo-hub start` spawned itself (their keys made by the hub): exempt from the per-address quota.
         self._own_nodes: frozenset[str] = frozenset()
+        self._reopen(task)
+
+    def _reopen(self, task: Task) -> None:
+        """Open again the leases an earlier run of this hub granted that are still good (blocking: on start, before trio
+        runs): their holders' answers, sent again to this hub, are taken on the terms they were granted on. One whose
+        prompts the task no longer has (a resume that changed it) stays closed; its row expires at its deadline."""
+        rows = self.store.leases.reopen(self.clock())
+        prompts = {p.id: p for p in task.prompts()} if rows else {}
+        reopened = 0
+        for row in rows:
+            if row.price_per_hour is None or any(pid not in prompts for pid in row.prompt_ids):
+                continue
+            record = LeaseRecord(
+                lease_id=row.id,
+                node_id=row.node_id,
+                prompts=tuple(prompts[pid] for pid in row.prompt_ids),
+                min_version=row.min_version,
+                issued_at=row.issued_at,
+                deadline=row.deadline,
+                price_per_hour=row.price_per_hour,
+                probe=bool(row.probe),
+                held_version=row.held_version,
+                address=row.address,
+            )
+            self.book.open_lease(record)
+            reopened += 1
+        if reopened:
+            log.info("%d leases granted before this start are open again until their deadlines", reopened)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -201,6 +232,7 @@ class Leasing:
                     lease.min_version,
                     lease.issued_at,
                     lease.deadline,
+                    LeaseTerms(lease.price_per_hour, lease.probe, lease.held_version, lease.address),
                 )
         except BaseException:
             self.book.abandon(lease)

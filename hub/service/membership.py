@@ -29,6 +29,7 @@ from hub.method.prices import price_change_refusal, ranking_price
 from hub.records.fleet import (
     DEPARTED_KEPT_S,
     IDLE_DEPARTED_KEPT_S,
+    LATE_LEASES_HELD,
     PRICE_HISTORY_KEPT,
     Fleet,
     NodeRecord,
@@ -192,7 +193,7 @@ class Membership:
         previous = await self.recall(peer)
         if previous is not None and previous.state == "banned":
             raise PeerFault(f"banned: {previous.banned_reason}", RejectCode.BANNED)
-        state = "standby" if previous is not None and previous.measured else "probing"
+        state = previous.joins_as() if previous is not None else "probing"
         now = self.clock()
         price_changed_at = self._rejoin_price_change(previous, request.price_per_hour, now)
         # A node rejoining in a loop gets one event row per JOIN_EVENT_WINDOW_S, not one per join.
@@ -393,14 +394,21 @@ class Membership:
     # -- what the hub measured of a node ---------------------------------------------------------
 
     def book_work(self, record: NodeRecord, counts: Tallies, reasons: Mapping[str, int], rate: float, measured: bool) -> None:
-        """An answered lease, after its commit: the node's tallies, its refusals by reason and measured throughput."""
+        """An answered lease, after its commit: the node's tallies, its refusals by reason and measured throughput, and
+        whether it is too slow to activate (every group late: `NodeRecord.too_slow`)."""
         record.tallies = record.tallies + counts
         record.refused_by_reason = add_reasons(record.refused_by_reason, reasons)
         record.rollouts_per_s, record.measured = rate, measured
+        if counts.accepted:
+            record.late_leases, record.late_at_rate = 0, None
+        elif counts.late and counts.late == counts.decided:
+            record.late_leases += 1
+            if record.late_leases >= LATE_LEASES_HELD:
+                record.late_at_rate = rate
         self._dirty.add(record.peer_id)
 
     def vouch(self, record: NodeRecord, answered_at: float) -> None:
-        """A passed audit, after its commit: the node's pay up to `answered_at` is vouched for."""
+        """A passed audit, after its commit: the node's pay up to `answered_at` is vouched for (0: none newly)."""
         record.audits_passed += 1
         record.vouched_at = max(record.vouched_at or 0.0, answered_at)
 

@@ -18,8 +18,9 @@ What the learner and the broadcaster measured (T_train, usable fractions, T_bcas
 
 On start the view is rebuilt from the store: every node ever seen (as gone, unless banned) with its tallies,
 measured throughput, passed audits and last vouched-for submission, the ledger per node, the run's group counts,
-stale drops and learner time, the buffer's groups. A restarted hub therefore shows what it showed before, and a
-failed audit voids only pay booked after the node's last passed one.
+stale drops and learner time, the buffer's groups; Leasing opens the unexpired leases again. A restarted hub therefore
+shows what it showed before, takes the answers to the leases it granted, and a failed audit voids only pay booked after
+the node's last passed one.
 
 Everything here runs on the trio thread except `record_snapshot`, `record_checkpoint` and `record_event`, which the
 learner calls from its worker threads (they wait for the writer's commit there). Peer faults raise `PeerFault`;
@@ -53,6 +54,7 @@ from hub.service.totals import RunTotals
 from hub.trust.audit import AuditQueue
 from hub.trust.checkpool import SubmissionChecks
 from hub.trust.submissions import SubmissionRules
+from shared.logs import for_operator
 from shared.messages import EvalPoint, NodeState, Tallies
 from shared.precision import resolve_dtype
 from shared.tasks.base import Task
@@ -158,13 +160,15 @@ class HubState:
             self.store.groups.discard_trajectories(ids, reason)
         unaudited = self.store.groups.discard_held("not audited before the hub stopped")
         if unaudited:
-            log.warning("discarded %d groups of nodes on probation: their audits died with the last hub", unaudited)
+            log.warning(
+                "discarded %d groups of nodes on probation: their audits died with the last hub",
+                unaudited,
+                extra=for_operator("groups_discarded"),
+            )
         counts = self.store.groups.trajectory_counts()
         now = self.clock()
         learner_s_before = self.store.learner_seconds()
         session_id = self.store.start_session(now)
-        # Leases of an earlier run of this hub died with its lease book: none can be answered now.
-        self.store.leases.expire_leases(float("inf"))
         self.measurements.step_committed(read_step_figures(self.store))
         return RunTotals(
             groups=Tallies(**counts, refused=refused),

@@ -4,13 +4,13 @@ reads either, also after the run has ended).
 
 Nodes, tallies, costs and run totals are the hub's owners' view (all-time, restored on restart); T_train, T_bcast
 and the usable fractions are the hub's measurements (hub/records/measurements.py), the ones the scheduler plans by;
-the step history and events are read from the store."""
+the step history and events are read from the store; the warnings are the lines the hub logged for its operator."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from hub.service.state import HubState
 from hub.training.metrics import policy_reward
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
+from shared.logs import OperatorLine
 from shared.messages import LEADERS_MAX, Contribution, EvalPoint, EventRecord, HubStatus, Leader, NodeStatus, StepPoint, short_id
 from shared.snapshot import Snapshot
 from shared.staleness import StalenessMove
@@ -77,7 +78,10 @@ class StatusBoard:
         learner_step: Callable[[], int] | None = None,
         broadcaster: Broadcaster | None = None,
         scheduler: Scheduler | None = None,
+        warnings: Callable[[], Sequence[OperatorLine]] = tuple,
     ) -> None:
+        """`warnings`: the newest lines logged for the operator (shared.logs.OperatorLines.newest)."""
+        self.warnings = warnings
         self.info = info
         self.path = Path(data_dir) / HUB_STATUS_FILE
         self.state = state
@@ -141,6 +145,7 @@ class StatusBoard:
         chains = self.broadcaster.chains if self.broadcaster else []
         chain_of = {p: (i, j) for i, chain in enumerate(chains) for j, p in enumerate(chain)}
         kinds = self.broadcaster.link_kinds() if self.broadcaster else {}
+        sampling = state.intake.probation.sampling
         nodes = tuple(
             NodeStatus(
                 peer_id=n.peer_id,
@@ -160,6 +165,7 @@ class StatusBoard:
                 link=kinds.get(n.peer_id, ""),
                 name=n.name or short_id(n.peer_id),
                 audits_passed=n.audits_passed,
+                sampling_nats=sampling.statistic(n.peer_id),
                 price_history=n.price_history,
                 reasons=n.refused_by_reason,
             )
@@ -196,6 +202,7 @@ class StatusBoard:
             audits_passed=state.totals.audits["passed"],
             audits_failed=state.totals.audits["failed"],
             audits_unverified=state.totals.audits["unverified"],
+            sampling_threshold_nats=sampling.threshold_nats if state.intake.probation.audits is not None else None,
             reward_mean=last.reward_mean if last else None,
             t_train_s=self.measured.t_train_recent_s,
             t_bcast_s=self.measured.t_bcast_s,
@@ -213,6 +220,7 @@ class StatusBoard:
             history=self.history,
             evals=self.evals,
             events=self.events[:events],
+            warnings=tuple(EventRecord(at=w.at, kind=w.kind, detail=w.text) for w in self.warnings()),
             nodes_omitted=omitted,
             leaders=self.leaders,
             staleness_moves=moves,

@@ -11,6 +11,11 @@ into place and the parent fsynced, so a directory named `step-NNNNNNNN` is alway
 The newest complete directory wins; older ones beyond `keep` are removed by first renaming
 them back to a temporary name, so a kill in the middle of the removal leaves a temporary (cleared
 at the next start), never a `step-NNNNNNNN` directory with files missing.
+
+When one is due (`checkpoint_due`): every `checkpoint_every` steps, and after any step once `checkpoint_every_s`
+seconds passed since the last one, so that a crash loses a bounded span of learning whatever a step takes. A crash
+loses the steps after the newest checkpoint as weights (`lost_steps`): their rows stay in the record, and the resumed
+learner numbers its steps after them.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shared.files import fsync_dir
+from shared.logs import for_operator
 from shared.weights_file import write_weights
 
 log = logging.getLogger("echo2.hub.checkpoint")
@@ -38,6 +44,24 @@ ADAPTER_FILE = "adapter.safetensors"
 SHARDED_SUBDIR = "dcp"
 STATE_FILE = "state.json"
 CHECKPOINTS_KEPT = 2
+# A checkpoint due by time waits at least 1 / CHECKPOINT_TIME_SHARE times the last one's duration: those checkpoints
+# take at most this share of the learner's time, however large the model (a 7B model's takes minutes).
+CHECKPOINT_TIME_SHARE = 0.05
+
+
+def checkpoint_due(step: int, every_steps: int, since_s: float, every_s: float, last_took_s: float) -> bool:
+    """Whether the policy after `step` is checkpointed: every `every_steps` steps, or once `since_s` (the seconds since
+    the last checkpoint, or since the start) reached `every_s` and 1 / CHECKPOINT_TIME_SHARE times the last
+    checkpoint's duration `last_took_s`."""
+    return step % every_steps == 0 or since_s >= max(every_s, last_took_s / CHECKPOINT_TIME_SHARE)
+
+
+def lost_steps(latest_step: int, checkpoint_step: int, reported: Sequence[tuple[int, int]] = ()) -> tuple[int, int] | None:
+    """(first, last) of the steps a resume loses as weights: those after the checkpoint it loads (`checkpoint_step`, 0
+    for none) up to the newest committed one, less those an earlier resume from the same checkpoint already reported
+    lost (`reported`: its (first, last) spans); None when none is lost."""
+    first = max([checkpoint_step, *(last for _, last in reported if last > checkpoint_step)]) + 1
+    return (first, latest_step) if first <= latest_step else None
 
 
 @dataclass(frozen=True)
@@ -122,7 +146,7 @@ def save_checkpoint(
         try:
             _remove_checkpoint(old.path)
         except OSError as exc:  # the new checkpoint is committed; an old one left behind is retried next save
-            log.warning("could not remove old checkpoint %s: %s", old.path, exc)
+            log.warning("could not remove old checkpoint %s: %s", old.path, exc, extra=for_operator("checkpoint_kept"))
     return CheckpointInfo(step=step, version=version, path=final)
 
 
@@ -152,7 +176,9 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
         if path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX):
             if not (path / STATE_FILE).exists():
                 # Not written by save_checkpoint (which renames whole directories): never resume from it.
-                log.warning("ignoring %s: no %s, not a complete checkpoint", path, STATE_FILE)
+                log.warning(
+                    "ignoring %s: no %s, not a complete checkpoint", path, STATE_FILE, extra=for_operator("checkpoint_ignored")
+                )
                 continue
             state = json.loads((path / STATE_FILE).read_text())
             out.append(CheckpointInfo(step=int(state["step"]), version=int(state["version"]), path=path))

@@ -26,6 +26,7 @@ import trio
 from hub.config import EvalConfig
 from shared.adapters import LoraSpec, add_adapters, load_adapter_state, model_spec
 from shared.generation import Sampler
+from shared.logs import for_operator
 from shared.messages import EvalPoint
 from shared.model_io import tied_duplicates
 from shared.rollout import SamplingParams
@@ -182,7 +183,7 @@ class EvalRunner:
     async def _failed(self, step: int, exc: Exception) -> None:
         self.done.add(step)
         log.error("eval of step %d failed", step, exc_info=exc)
-        print(f"echo-hub: warning: the evaluation of step {step} failed ({exc!r}); training goes on", flush=True)
+        log.warning("the evaluation of step %d failed (%r); training goes on", step, exc, extra=for_operator("eval_failed"))
         await self.event("eval_failed", None, f"step {step}: {exc!r}"[:500])
 
     async def _evaluate(self, step: int) -> None:

@@ -2,7 +2,9 @@
 each step, and publishes a signed snapshot every kappa steps.
 
 `LearnerComponent` waits for usable groups (that wait is T_idle), runs the step in a worker thread,
-commits it through its host, appends metrics, checkpoints, and sends each snapshot on a memory channel.
+commits it through its host, appends metrics, checkpoints (every checkpoint_every steps, and once
+checkpoint_every_s seconds passed: hub/training/checkpoint.py), and sends each snapshot on a memory channel. A resume
+that lost steps as weights (a crash after their checkpoint) says so for the operator and marks the gap in metrics.
 It knows the hub only as a `LearnerHost`: the buffer and its signal, the record's latest step, version
 and checkpoint, and the learner's writes (HubState is one; hub/cli/run.py wires it in).
 
@@ -47,7 +49,15 @@ from hub.records.measurements import (
 from hub.records.schema import StepRecord
 from hub.records.shelf_table import ShelfTable
 from hub.records.training_table import TrainingTable
-from hub.training.checkpoint import latest_checkpoint, remove_stale_temporaries, save_checkpoint, write_text_files
+from hub.training.checkpoint import (
+    CheckpointInfo,
+    checkpoint_due,
+    latest_checkpoint,
+    lost_steps,
+    remove_stale_temporaries,
+    save_checkpoint,
+    write_text_files,
+)
 from hub.training.distributed import Collective, Command, RankGroup, RankWatch, broadcast
 from hub.training.evaluation import EvalRunner
 from hub.training.learner import Learner, StepStats
@@ -56,6 +66,8 @@ from hub.training.metrics import (
     bubble_ratio,
     cut_completions_warning,
     logged_metric_means,
+    lost_text,
+    read_lost,
     reward_means,
     sample_completions,
 )
@@ -63,6 +75,7 @@ from hub.training.trackers import Trackers
 from shared.crypto import Identity
 from shared.delta import build_delta_snapshot
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
+from shared.logs import for_operator
 from shared.memory import release_free_memory
 from shared.model_io import build_snapshot
 from shared.probe import InstallProbe
@@ -135,8 +148,8 @@ class LearnerComponent:
     evaluation is on), checkpoints it and saves it as DATA_DIR/final, each with its run card.
     Per step: wait for prompts_per_step usable groups (T_idle), train in a worker thread,
     commit step row + consumed and stale-dropped row ids in one transaction, append
-    metrics.jsonl (and the trackers), hand the weights to a due evaluation, checkpoint every
-    checkpoint_every steps, publish every kappa steps.
+    metrics.jsonl (and the trackers), hand the weights to a due evaluation, checkpoint when due
+    (hub.training.checkpoint.checkpoint_due), publish every kappa steps.
     """
 
     def __init__(
@@ -226,13 +239,33 @@ class LearnerComponent:
         self._measured()
         self.snapshot_seconds: deque[float] = deque(maxlen=SNAPSHOT_TIMES_KEPT)  # the latest, for benchmarks
         self._pending_stale: list[int] = []
+        # When the last checkpoint was taken (this start counts as one: it resumes one, or the starting model) and
+        # how long it took: what a checkpoint due by time is measured from (checkpoint_due).
+        self._checkpointed_at, self._checkpoint_took_s = self.clock(), 0.0
         if self.step > 0 or checkpoint is not None:
-            lost = self.step - (checkpoint.step if checkpoint is not None else 0)
-            host.record_event(
-                "learner_resume",
-                None,
-                f"step {self.step}, checkpoint {checkpoint.step if checkpoint else 'none'}, steps lost as weights: {lost}",
-            )
+            self._resumed(checkpoint)
+
+    def _resumed(self, checkpoint: CheckpointInfo | None) -> None:
+        """A resume, as an event; the steps it lost as weights (a crash after their checkpoint), if any, as a warning
+        for the operator and a gap in metrics.jsonl."""
+        at = checkpoint.step if checkpoint is not None else 0
+        lost = lost_steps(self.step, at, read_lost(self.metrics.path))
+        detail = f"step {self.step}, checkpoint {checkpoint.step if checkpoint else 'none'}, steps lost as weights: "
+        if lost is None:
+            self.host.record_event("learner_resume", None, f"{detail}0")
+            return
+        first, last = lost
+        self.host.record_event("learner_resume", None, f"{detail}{last - first + 1} ({lost_text(lost)})")
+        policy = f"the checkpoint of step {at}" if checkpoint is not None else "the starting model (no checkpoint yet)"
+        log.warning(
+            "%s lost in a crash: their updates died with the hub before a checkpoint held them; the learner resumes "
+            "from %s, and its next step is %d (their groups are not trained on again)",
+            lost_text(lost),
+            policy,
+            last + 1,
+            extra=for_operator("steps_lost"),
+        )
+        self.metrics.append_lost(first, last, at)
 
     @property
     def version(self) -> int:
@@ -350,7 +383,13 @@ class LearnerComponent:
                 await trio.to_thread.run_sync(self.rollouts.save, taken.groups, t, staleness)
             if self.evaluation is not None and self.evaluation.due(t):
                 await self.evaluation.start(t, self.learner.state_dict)
-            if t % self.cfg.checkpoint_every == 0:
+            if checkpoint_due(
+                t,
+                self.cfg.checkpoint_every,
+                self.clock() - self._checkpointed_at,
+                self.cfg.checkpoint_every_s,
+                self._checkpoint_took_s,
+            ):
                 await trio.to_thread.run_sync(self._checkpoint, t)
             await self._warn_if_cut(t, stats.clipped_ratio)
             self._drift.add(stats.abs_log_ratio, record.staleness_mean)
@@ -373,8 +412,7 @@ class LearnerComponent:
         if line is None:
             return
         self._warned_cut = True
-        log.warning(line)
-        print(f"echo-hub: warning: {line}", flush=True)
+        log.warning(line, extra=for_operator("completions_cut"))
         await trio.to_thread.run_sync(self.host.record_event, "completions_cut", None, line)
 
     def _trl_metrics(self, stats: StepStats) -> dict[str, float]:
@@ -430,7 +468,9 @@ class LearnerComponent:
         write_text_files(final, self.card(self.step))
 
     def _checkpoint(self, step: int) -> None:
+        """Checkpoint the policy after `step`, timed (hub.log says how long: what checkpoint_every_s costs). Blocking."""
         learner = self.learner
+        started = time.perf_counter()
         info = save_checkpoint(
             self.checkpoints_dir,
             step,
@@ -445,6 +485,8 @@ class LearnerComponent:
             files=self.card(step),
         )
         self.host.record_checkpoint(step, info.path, step)
+        self._checkpointed_at, self._checkpoint_took_s = self.clock(), time.perf_counter() - started
+        log.info("checkpoint of step %d in %.3fs", step, self._checkpoint_took_s)
 
     async def _publish_initial(self) -> None:
         """Snapshot of the policy held at start: v0 when fresh; on resume, a new version or the last one again."""
@@ -476,7 +518,7 @@ class LearnerComponent:
             try:
                 built = build_delta_snapshot(base, snapshot, self.identity, self.snapshots_dir, self.delta_max_ratio)
             except OSError as exc:  # a full disk, say: the full snapshot is written, receivers pull that
-                log.warning("v%d goes without a delta: %s", version, exc)
+                log.warning("v%d goes without a delta: %s", version, exc, extra=for_operator("no_delta"))
                 built = None
             if built is not None:
                 delta = built[0]

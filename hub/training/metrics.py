@@ -1,5 +1,6 @@
 """Learner metrics as JSON lines in DATA_DIR/metrics.jsonl: one object per committed step (with "step")
-and one per held-out evaluation (with "eval_step"), each also sent to the run's trackers.
+and one per held-out evaluation (with "eval_step"), each also sent to the run's trackers; and one per crash that lost
+steps as weights (with "lost_steps_from", the file's only), which plots and the report mark as a gap.
 
 The store is the source of truth; this file is the cheap, append-only view that plots and
 benchmarks read. A line is appended only after its step is committed, so a crash can lose
@@ -97,6 +98,14 @@ class MetricsWriter:
             if self.trackers is not None:
                 self.trackers.log(row)
 
+    def append_lost(self, first: int, last: int, checkpoint_step: int) -> None:
+        """One line {"lost_steps_from": first, "lost_steps_to": last, "resumed_from_checkpoint": checkpoint_step}: a
+        resume from that checkpoint (0: the starting model) lost those steps as weights. Not sent to the trackers,
+        whose rows are steps."""
+        row = {"lost_steps_from": first, "lost_steps_to": last, "resumed_from_checkpoint": checkpoint_step}
+        with self._lock:
+            self._write(json.dumps(row, sort_keys=True))
+
     def append_completions(self, step: int, completions: Sequence[LoggedCompletion]) -> None:
         """One line {"completions_step": step, "completions": [...]}, and a table in each tracker."""
         with self._lock:
@@ -136,6 +145,25 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 def read_completions(path: Path) -> list[dict]:
     """The sample completions' rows of a metrics file (--log-completions), in order."""
     return [row for row in _rows(path) if "completions_step" in row]
+
+
+def read_lost(path: Path) -> list[tuple[int, int]]:
+    """The (first, last) steps each resume of a metrics file lost as weights, in order (only those lines are parsed:
+    a resume reads them from a file of every step)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if '"lost_steps_from"' in line]
+    return [(int(row["lost_steps_from"]), int(row["lost_steps_to"])) for row in rows if "step" not in row]
+
+
+def lost_text(lost: tuple[int, int] | None) -> str:
+    """Steps lost as weights, as said: "steps 121-129", "step 130", "none"."""
+    if lost is None:
+        return "none"
+    first, last = lost
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def read_evals(path: Path) -> list[dict[str, float]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hub.config import TrackingConfig
+from shared.logs import for_operator
 
 log = logging.getLogger("echo2.hub.trackers")
 
@@ -191,8 +192,9 @@ class Trackers:
             try:
                 call(tracker)
             except Exception as exc:  # noqa: BLE001 -- a tracker's own failure must not stop training
-                log.error("tracker %s failed and is dropped for the rest of the run: %r", name, exc)
-                print(f"echo-hub: --report-to {name} failed ({exc}); training goes on without it", flush=True)
+                log.warning(
+                    "--report-to %s failed (%s); training goes on without it", name, exc, extra=for_operator("tracker_dropped")
+                )
                 self.trackers.remove((name, tracker))
 
     def close(self) -> None:

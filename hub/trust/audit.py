@@ -18,6 +18,9 @@ Tokens the hub's recomputation puts outside the top-p nucleus (log-prob -inf) ha
 low-precision engines at nucleus boundaries (~1 in 900 tokens for bf16, top_p 0.9): they are
 left out of the mean and limited by `audit_max_outside_frac` instead.
 
+Each audit also re-scores the whole sampling distribution at every token, which is the evidence of the sampling
+test (hub/trust/sampling.py): AuditResult.evidence.
+
 What follows a verdict is the intake's (hub/service/intake.py): a pass vouches for the node's pay up to the
 audited submission; a failure bans the node, drops its groups still in the replay buffer and
 voids its pay booked after its last passed audit. Groups the learner already trained on stay
@@ -29,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,8 +40,9 @@ import trio
 
 from hub.config import TrustConfig
 from hub.records.snapshots import SnapshotShelf
+from hub.trust.sampling import SAMPLING_ORDERS, GroupEvidence, group_evidence
 from shared.adapters import install_snapshot, prepare_for, snapshot_spec
-from shared.logprobs import completion_logprobs
+from shared.logprobs import completion_logprobs, completion_logprobs_and_power_sums
 from shared.probe import InstallProbe, TokenRow
 from shared.rollout import Group, SamplingParams
 
@@ -57,6 +61,7 @@ class AuditResult:
     tokens: int
     outside_nucleus: int = 0
     reason: str = ""
+    evidence: GroupEvidence | None = None  # for the sampling test: the group's tokens re-scored as sampled
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,7 @@ class Auditor:
         self.sampling = sampling
         self.config = config
         self.mean_abs_gap = config.mean_abs_gap(snapshot_dtype)
+        self.sampling_slack_nats = config.sampling_slack(snapshot_dtype)
         self.dtype = getattr(torch, snapshot_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model: torch.nn.Module | None = None
@@ -196,18 +202,21 @@ class Auditor:
         version = group.completions[0].version
         if any(c.version != version for c in group.completions):
             raise ValueError(f"group {group.prompt_id} mixes policy versions")
-        recomputed, mask = self._recompute(group, version)
+        recomputed, mask, _ = self._recompute(group, version)
         return recomputed.masked_fill(mask == 0, 0.0).sum(dim=-1).tolist()
 
-    def _recompute(self, group: Group, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _recompute(self, group: Group, version: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs and mask [B, T] of the group's completions under `version`, as sampled, and the log power sums
+        [B, T, orders] of the sampling distribution at each token (the sampling test's evidence)."""
         prompt = self.tokenizer(group.prompt_text)["input_ids"]
         completions = [list(c.token_ids) for c in group.completions]
         with self._lock, torch.inference_mode():
             self._load(version)
-            return completion_logprobs(
+            return completion_logprobs_and_power_sums(
                 self.model,
                 [prompt] * len(completions),
                 completions,
+                SAMPLING_ORDERS,
                 temperature=self.sampling.temperature,
                 top_p=self.sampling.top_p,
                 top_k=self.sampling.top_k,
@@ -218,12 +227,13 @@ class Auditor:
         """Re-score `group`'s completions with `version`'s weights; VersionUnavailable if it left the shelf."""
         if any(c.version != version for c in group.completions):
             raise ValueError(f"group {group.prompt_id} holds completions of versions other than v{version}")
-        recomputed, mask = self._recompute(group, version)
+        recomputed, mask, power_sums = self._recompute(group, version)
         reported = torch.zeros_like(recomputed)
         for row, c in enumerate(group.completions):
             reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
         stats = gap_stats(reported, recomputed, mask)
-        return judge(stats, self.mean_abs_gap, self.config.audit_max_outside_frac)
+        result = judge(stats, self.mean_abs_gap, self.config.audit_max_outside_frac)
+        return replace(result, evidence=group_evidence(recomputed, power_sums, mask, self.sampling_slack_nats))
 
 
 @dataclass(frozen=True)

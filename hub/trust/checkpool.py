@@ -73,6 +73,10 @@ class ChecksLost(Exception):
     """Every worker a submission's checks were sent to died: not the node's fault, nor known to be its doing."""
 
 
+class PoolStopped(Exception):
+    """The hub is stopping: the pool killed its workers under the checks still running (a clean stop, not a crash)."""
+
+
 def resolved_check_procs(configured: int | None, light_reward: bool) -> int:
     """Check worker processes for `--check-procs` (0: checks in a thread of the hub's own process). None: the
     cores this process may use, less one for the trio process, at least 1; 0 for a task whose reward is lighter
@@ -380,6 +384,7 @@ class CheckPool:
         self._idle_send, self._idle = trio.open_memory_channel(procs)
         self._workers: set[_Worker] = set()
         self._nursery: trio.Nursery | None = None
+        self._stopped = False  # `run` ended and killed the workers: a check they die under is no worker's failure
 
     async def run(self) -> None:
         """Start the workers, replace the ones lost while it runs, and kill them all when it ends."""
@@ -392,6 +397,7 @@ class CheckPool:
         finally:
             # A check cancelled as the hub stops replaces its worker (shielded): start none in a closed nursery.
             self._nursery = None
+            self._stopped = True
             for worker in self._workers:
                 worker.stop()
 
@@ -448,6 +454,8 @@ class CheckPool:
                 worker.call, job, self.timeout_s, abandon_on_cancel=True
             )
         except (EOFError, OSError):
+            if self._stopped:  # killed by `run` on the way out (the handlers' tasks outlive it): said by no line
+                raise PoolStopped("the hub is stopping") from None
             log.warning("a check worker died (exit code %s): replaced, its check sent again", worker.process.exitcode)
             await self._replace(worker)
             return None

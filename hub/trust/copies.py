@@ -15,18 +15,17 @@ and a peaked or converged policy repeats itself (a confident model answers "olle
 with log-probs near 0). So a repeat is evidence only when it was improbable under the policy that was sampled:
 - same prompt text, against one earlier group: the completions the group shares with it (each occurrence), and its
   own duplicates beyond the first, are what an honest sampler would have had to redraw. The evidence is
-  R = -(log ways + sum of those occurrences' log-prob sums) (repeat_surprise); flagged when R >= min_surprise_nats
-  (default 20 nats: odds e^-20 ~ 2e-9 per pair). A whole group repeated is the case where every completion counts
+  R = -(log ways + sum of those occurrences' log-prob sums) (repeat_surprise); flagged when R reaches the run's
+  threshold (copy_threshold_nats, below). A whole group repeated is the case where every completion counts
   (R is then -log P of an honest redraw of the multiset); a genuine group replayed with a completion replaced by a
   duplicate of another is caught by the rest; a group that duplicates its own completions (one sampled, eight
   sold) needs no earlier group. Its combinatorial term counts the ways to place the repeats in the group (for a whole
   group, the multinomial).
 - another prompt text: log-probs are conditioned on the prompt, so an honest sampler of the other prompt reports
-  other log-probs for the same tokens. A whole group is flagged when every completion's log-prob sum is within
-  `logprob_tolerance_nats` per token of the earlier group's and R >= CROSS_PROMPT_MIN_SURPRISE_NATS; some of its
-  completions are, when those match so and their R >= min_surprise_nats (a model that ignores its prompt repeats
-  itself across prompts honestly, with those log-probs). A copier that shifts its log-probs by more than the
-  tolerance (the audit tolerance) lies by more than audits let pass.
+  other log-probs for the same tokens. A group, or some of its completions, is flagged when their log-prob sums are
+  within `logprob_tolerance_nats` per token of the earlier group's and R reaches the same threshold: a model that
+  ignores its prompt repeats itself across prompts honestly, with those log-probs, at odds e^-R. A copier that
+  shifts its log-probs by more than the tolerance (the audit tolerance) lies by more than audits let pass.
 
 Whose log-probs: R is computed on the submitter's own claims (audited like all its claims: a lie found bans it and
 voids its pay) and on the earlier sighting's claims for the shared completions. When the two agree on which side of
@@ -36,6 +35,15 @@ the hub recomputes the group's log-probs under the claimed version (hub/trust/au
 confident policy produces, claiming low log-probs for it, gets honest repeats recomputed, not refused; and a copier
 that claims near-certain tokens for a copy gets its copy recomputed, not believed. Sightings of a node that is
 banned are forgotten (`forget`).
+
+The threshold is the multiple-testing one. Over a run, the detector compares every group with up to `capacity` kept
+groups, and any subset of a group's completions may be the shared ones; an honest repeat of R nats has odds e^-R. So
+the n-th group checked is flagged at R >= log(capacity x 2^group_size / alpha_n), with alpha_n = 6 alpha / (pi^2 n^2):
+the alpha_n sum to `false_alarm` (the run-wide chance that any honest group is called a copy) however long the run.
+At alpha = 1e-6, 100,000 kept groups of 8: 31 nats for the first group, 50 at the 10,000th, 59 at the millionth.
+A policy that collapsed repeats itself with log-probs near 0, far below that: it is never a copier. Edited copies (a
+token changed in each completion) are not repeats; they are caught by how improbably they were sampled
+(hub/trust/sampling.py).
 """
 
 from __future__ import annotations
@@ -56,8 +64,13 @@ from shared.rollout import Completion, Group
 DIGEST_BYTES = 16
 # One completion of a kept group: its digest, token count (uint32), log-prob sum (float64).
 ENTRY = struct.Struct(f"<{DIGEST_BYTES}sId")
-# A cross-prompt repeat with matching log-probs is flagged only if an honest redraw had odds below e^-this.
-CROSS_PROMPT_MIN_SURPRISE_NATS = 3.0
+
+
+def copy_threshold_nats(checked: int, capacity: int, group_size: int, false_alarm: float) -> float:
+    """The surprise R at which the `checked`-th group (from 1) is a copy (module doc)."""
+    if checked < 1 or not 0.0 < false_alarm < 1.0:
+        raise ValueError(f"checked must be >= 1 and false_alarm in (0, 1), got {checked} and {false_alarm}")
+    return math.log(capacity) + group_size * math.log(2.0) + math.log(math.pi**2 * checked**2 / (6.0 * false_alarm))
 
 
 def completion_digest(token_ids: tuple[int, ...]) -> bytes:
@@ -133,9 +146,10 @@ class CopyFlag:
     repeated: int  # completions of the group counted as repeats
     of: int  # completions in the group
     exact: bool  # the same multiset of completions as `first`'s
+    threshold_nats: float  # the run's bar when it was judged (copy_threshold_nats)
 
     def describe(self) -> str:
-        odds = f"honest odds e^-{min(self.surprise_nats, 1e6):.0f}"
+        odds = f"honest odds e^-{min(self.surprise_nats, 1e6):.0f}, past the run's bar of e^-{self.threshold_nats:.0f}"
         if self.first is self.again:
             return (
                 f"group for {self.again.prompt_id} (lease {self.again.lease_id[:8]}) duplicates its own "
@@ -271,12 +285,14 @@ class CopyDetector:
     submission's short-lived decoding, and Python's allocator hands an arena back only once all of it is free.
     """
 
-    def __init__(self, capacity: int, group_size: int, min_surprise_nats: float, logprob_tolerance_nats: float) -> None:
+    def __init__(self, capacity: int, group_size: int, false_alarm: float, logprob_tolerance_nats: float) -> None:
         if capacity < 1 or group_size < 1:
             raise ValueError(f"capacity and group_size must be >= 1, got {capacity} and {group_size}")
         self.capacity = capacity
         self.group_size = group_size
-        self.min_surprise_nats = min_surprise_nats
+        self.false_alarm = false_alarm
+        self.checked = 0  # groups judged: what the threshold accounts for
+        self.threshold_nats = copy_threshold_nats(1, capacity, group_size, false_alarm)
         self.logprob_tolerance_nats = logprob_tolerance_nats
         self._entries_bytes = group_size * ENTRY.size
         self._records = _mapping(capacity * RECORD.size)
@@ -311,6 +327,9 @@ class CopyDetector:
     def check(self, group: Group, node_id: str, lease_id: str) -> CopyFlag | Disputed | None:
         """A CopyFlag if this group repeats work too improbably to be honest; Disputed when that depends on whose
         log-probs are believed (then `settle` it); None otherwise, and the group is remembered."""
+        # Counted here only: `settle` judges the same group again, one test with one share of the false-alarm rate.
+        self.checked += 1
+        self.threshold_nats = copy_threshold_nats(self.checked, self.capacity, self.group_size, self.false_alarm)
         return self._judge(self._seen(group, node_id, lease_id), None, keep=False)
 
     def settle(self, group: Group, node_id: str, lease_id: str, trusted: Sequence[float] | None) -> CopyFlag | None:
@@ -464,6 +483,7 @@ class CopyDetector:
                     repeated,
                     sum(seen.counts),
                     earlier_slot is not None and earlier_slot == whole,
+                    self.threshold_nats,
                 )
         return disputed
 
@@ -491,16 +511,16 @@ class CopyDetector:
             return False, 0.0, 0
         if trusted is not None:
             surprise = repeat_surprise(seen.counts, trusted, is_shared)
-            return surprise >= self.min_surprise_nats, surprise, repeated
+            return surprise >= self.threshold_nats, surprise, repeated
         surprise = repeat_surprise(seen.counts, seen.claimed, is_shared)
         if slot is None:
-            return surprise >= self.min_surprise_nats, surprise, repeated
+            return surprise >= self.threshold_nats, surprise, repeated
         first_sums = dict(self._sums(slot))
         theirs = [first_sums.get(k, own) if s else own for k, own, s in zip(seen.keys, seen.claimed, is_shared)]
         first_surprise = repeat_surprise(seen.counts, theirs, is_shared)
-        if (surprise >= self.min_surprise_nats) != (first_surprise >= self.min_surprise_nats):
+        if (surprise >= self.threshold_nats) != (first_surprise >= self.threshold_nats):
             return None, surprise, repeated
-        return surprise >= self.min_surprise_nats, surprise, repeated
+        return surprise >= self.threshold_nats, surprise, repeated
 
     def _cross_prompt(self, seen: _Seen, slot: int, trusted: Sequence[float] | None) -> CopyFlag | None:
         """The same completions under another prompt text: a copy when reported with the same log-probs (not sampled
@@ -510,7 +530,7 @@ class CopyDetector:
             return None
         sums = seen.claimed if trusted is None else trusted
         surprise = repeat_surprise(seen.counts, sums, [True] * len(seen.keys))
-        if surprise < CROSS_PROMPT_MIN_SURPRISE_NATS:
+        if surprise < self.threshold_nats:
             return None
         return CopyFlag(
             seen.fingerprint.hex(),
@@ -521,6 +541,7 @@ class CopyDetector:
             sum(seen.counts),
             sum(seen.counts),
             True,
+            self.threshold_nats,
         )
 
     # -- records ---------------------------------------------------------------------------------

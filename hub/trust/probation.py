@@ -5,7 +5,9 @@ A node is on probation until it passed `audit_first_n` audits: every group it su
 all of them audited after the reply, and released to the buffer only by the transaction that records the
 passed audit. At most `audit_queue_groups` groups are held at once; more new work waits. After probation,
 `audit_rate` of a node's submissions get one group sampled for a later audit. A passed audit vouches for
-the node's pay up to the audited submission; a failed one bans it and voids its pay booked since.
+the node's pay up to the audited submission; a failed one bans it and voids its pay booked since. Every audit's
+re-scoring is also evidence for the node's sampling test (hub/trust/sampling.py): an audit that passes on its
+log-probs fails when that evidence condemns the node, and vouches for pay only while there is none against it.
 
 This decides and counts; it writes nothing. What follows a verdict (the release, the discard, the ban and
 the voided pay) is the intake's (hub/service/intake.py), the owner of probation and audits.
@@ -20,17 +22,20 @@ from dataclasses import dataclass
 
 from hub.config import TrustConfig
 from hub.records.fleet import NodeRecord
-from hub.trust.audit import AuditJob, AuditQueue
+from hub.trust.audit import AuditJob, AuditQueue, AuditResult
+from hub.trust.sampling import SamplingTest
 from shared.rollout import Group
 
 
 @dataclass(frozen=True)
 class AuditVerdict:
     """The audits of one submission: all passed; or one failed (`failure`: why the node is banned); or one
-    could not run (neither: the work is unverified)."""
+    could not run (neither: the work is unverified). A pass `vouches` for the node's pay only while its sampling test
+    holds no evidence against it: evidence still gathering may yet condemn what the pass covers."""
 
     passed: bool
     failure: str | None = None
+    vouches: bool = False
 
 
 AUDIT_RESULTS = ("passed", "failed", "unverified")
@@ -51,6 +56,7 @@ class Probation:
         self.rng = secrets.SystemRandom()
         # Groups of nodes on probation committed (or being committed) held, waiting for their audit.
         self.held = 0
+        self.sampling = SamplingTest(trust.sampling_false_alarm)
 
     def on_probation(self, record: NodeRecord) -> bool:
         """A node whose every submission is still audited: its work waits for the verdict."""
@@ -95,9 +101,17 @@ class Probation:
             result = await self.audits.judge(job)
             if result is None:
                 return AuditVerdict(passed=False)
-            if not result.passed:
-                return AuditVerdict(False, f"audit failed: v{job.group.version} group {job.group.prompt_id}: {result.reason}")
-        return AuditVerdict(passed=True)
+            failure = self._failure(job, result)
+            if failure is not None:
+                return AuditVerdict(False, f"audit failed: v{job.group.version} group {job.group.prompt_id}: {failure}")
+        return AuditVerdict(passed=True, vouches=self.sampling.statistic(jobs[0].node_id) == 0.0)
+
+    def _failure(self, job: AuditJob, result: AuditResult) -> str | None:
+        """Why one audited group fails: its log-probs, else the sampling test its evidence tipped; None: it passed."""
+        if not result.passed:
+            return result.reason
+        condemned = None if result.evidence is None else self.sampling.add(job.node_id, result.evidence)
+        return None if condemned is None else condemned.describe()
 
     @staticmethod
     def unvouched_since(record: NodeRecord) -> float:
