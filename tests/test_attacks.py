@@ -596,10 +596,20 @@ async def test_poisoned_groups_are_charged_to_their_nodes_while_an_honest_node_i
 
     rounds = 2
     trust = PERMISSIVE_TRUST.model_copy(update={"check_procs": procs, "reward_budget_s": 0.05})
-    config = NODES_CONFIG.model_copy(update={"task": "testbed.poisoned_tasks:SpinningRewardTask", "trust": trust})
+    # These hand-driven nodes never heartbeat: the hub keeps them for the test's whole length, not the 15 s a quiet
+    # machine needs (under load the flood outlasted it, and the hub rightly dropped them: "join first", issue 70).
+    scheduler = NODES_CONFIG.scheduler.model_copy(update={"heartbeat_timeout_s": 300.0})
+    config = NODES_CONFIG.model_copy(
+        update={"task": "testbed.poisoned_tasks:SpinningRewardTask", "trust": trust, "scheduler": scheduler}
+    )
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     async with inproc_hub(tmp_path, default_model_dir, config) as hub, clients(hub, tokenizer, 4) as everyone:
         honest, *attackers = everyone
+        # A reply waits for its submission's checks, which the hub gives trust.check_timeout_s of wall clock. On a busy
+        # machine the spinning rewards (in the hub's threads, sharing its GIL) take seconds each: the clients wait for
+        # the hub's bound, not for what a quiet machine needs (their 10 s timed out under load, issue 70).
+        for node in everyone:
+            node.timeout_s = 2 * trust.check_timeout_s
         with trio.fail_after(120):  # the check process starts first
             for node in everyone:
                 await joined_and_active(node)
