@@ -12,6 +12,7 @@ from hub.method.capacity import CapacityRule, default_kappa, validate_kappa
 from shared.config import HttpBind, Section
 from shared.layout import HUB_KEY_FILE
 from shared.logs import LOG_BACKUPS, LOG_MAX_MB
+from shared.messages import LEASE_SECONDS_MAX
 from shared.rollout import SamplingParams
 from shared.tasks.dataset import DatasetOptions
 
@@ -190,7 +191,7 @@ class LeaseConfig(Section):
     """Work leases handed to nodes (docs/DESIGN.md §9)."""
 
     prompts_per_lease: int = Field(4, ge=1, le=1024, description="prompts in one lease")
-    lease_timeout_s: float = Field(60.0, gt=0.0, le=86400.0, description="a lease not answered by then is re-leased")
+    lease_timeout_s: float = Field(60.0, gt=0.0, le=LEASE_SECONDS_MAX, description="a lease not answered by then is re-leased")
     max_cost_per_lease_usd: float = Field(1.0, gt=0.0, le=1e6, description="cap on what one lease can be paid")
     paid_tokens_per_s_floor: float = Field(
         100.0,

@@ -235,7 +235,7 @@ MAX_REASONS = 32  # reasons one count may name: GroupReason's, and room for thos
 ReasonKey = Annotated[str, Field(pattern=r"^[a-z][a-z_]{0,31}$")]
 REASON_COUNT_MAX = 2**53
 NEEDED_ROLLOUTS_PER_S_MAX = 1e9  # the pace a late verdict names, at most (a lease answered in no time asks for more)
-# The most seconds one lease can be paid for: a lease is paid at most its timeout (hub.config.LeaseConfig.lease_timeout_s).
+# The most seconds one lease can be paid for: a lease is paid at most its timeout, which hub.config.LeaseConfig bounds by this.
 LEASE_SECONDS_MAX = 86400.0
 ReasonCounts = Annotated[dict[ReasonKey, Annotated[int, Field(ge=0, le=REASON_COUNT_MAX)]], Field(max_length=MAX_REASONS)]
 
