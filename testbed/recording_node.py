@@ -2,8 +2,9 @@
 
 Usage: python testbed/recording_node.py join --hub ... (the `echo-node join` flags), or `main(argv)`
 After every install it writes DATA_DIR/installed/v<version>.json with the blake3 of the
-file handed to the engine and a digest of the engine model's weights as they now are, so a
-test can compare both, bit for bit, with the hub's snapshot file.
+file handed to the engine, a digest of the engine model's weights as they now are (so a
+test can compare both, bit for bit, with the hub's snapshot file), and the peer it came from
+(every install, where node.log says only one a minute).
 """
 
 from __future__ import annotations
@@ -33,19 +34,21 @@ def weights_digest(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) ->
     return digest.hexdigest()
 
 
-def _describe(engine, path: Path, version: int) -> str:
+def _describe(engine, path: Path, version: int, source: str | None) -> str:
     names = [e.name for e in read_entries(path)]
     with engine._lock:  # no generation may interleave with reading the weights back
         model = weights_digest(engine.model.state_dict(), names)
-    return json.dumps({"version": version, "bytes_blake3": file_hash(path), "model_digest": model})
+    return json.dumps({"version": version, "bytes_blake3": file_hash(path), "model_digest": model, "source": source})
 
 
 def record_installs() -> None:
     install = NodeRuntime._install
 
     async def recording_install(self: NodeRuntime, path: Path, version: int, probe) -> None:
+        transfer = self.keeper.transfer  # the keeper lets go of it only once the install returns
+        source = transfer.source if transfer is not None and transfer.manifest.version == version else None
         await install(self, path, version, probe)
-        text = await trio.to_thread.run_sync(_describe, self.engine, path, version)
+        text = await trio.to_thread.run_sync(_describe, self.engine, path, version, source)
         directory = self.config.data_dir / "installed"
         directory.mkdir(exist_ok=True)
         await trio.to_thread.run_sync(atomic_write_text, directory / f"v{version}.json", text)
