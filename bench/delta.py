@@ -92,6 +92,7 @@ async def run_one(model: str, model_dir: Path, params: int, lr: float, args: arg
     from hub.training.learner import Learner
     from shared.crypto import Identity
     from shared.delta import build_delta_snapshot
+    from shared.model_identity import load_model_identity
     from shared.model_io import build_snapshot
     from shared.net import RateLimiter
     from shared.snapshot import file_hash, remove_snapshot_files
@@ -100,7 +101,7 @@ async def run_one(model: str, model_dir: Path, params: int, lr: float, args: arg
 
     sampling = HubConfig().sampling.model_copy(update={"max_new_tokens": MAX_NEW_TOKENS, "seed": 0})
     cfg = LearnerConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, lr=lr, dtype="bfloat16", threads=args.threads)
-    learner = await trio.to_thread.run_sync(Learner, model_dir, cfg, sampling)
+    learner = await trio.to_thread.run_sync(Learner, load_model_identity(model_dir), cfg, sampling)
     groups = await trio.to_thread.run_sync(make_groups, model_dir, sampling)
     identity, directory = Identity.generate(), scratch_dir()
     link_bps = args.link_mbps * BYTES_PER_MBIT

@@ -64,11 +64,14 @@ def rank_main(rank: int, world: int, store: str, model_dir: str, groups, steps: 
     from hub.training.distributed import init_ranks
     from hub.training.learner import Learner
     from hub.training.ranks import RankEnv
+    from shared.model_identity import load_model_identity
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
     collective = init_ranks(RankEnv(rank, world, rank, store_file=store), "cpu")
-    learner = Learner(Path(model_dir), learner_config(lr), HubConfig().sampling, collective=collective, device="cpu")
+    learner = Learner(
+        load_model_identity(Path(model_dir)), learner_config(lr), HubConfig().sampling, collective=collective, device="cpu"
+    )
     times = run_steps(learner, groups, steps)
     weights = learner.state_dict()
     if rank == 0:
@@ -86,13 +89,14 @@ def run_model(name: str, args: argparse.Namespace, work: Path, log) -> list[dict
     from hub.config import HubConfig
     from hub.training.distributed import rank_store
     from hub.training.learner import Learner
+    from shared.model_identity import load_model_identity
 
     torch.set_num_threads(1)
     model_dir, params = model_dir_for(name, work)
     sampling = HubConfig().sampling.model_copy(update={"max_new_tokens": 12, "seed": 0})
     groups = make_groups(model_dir, sampling)
     log(f"{name} ({params / 1e6:.1f}M parameters): {args.steps} steps on 1 process")
-    single = Learner(model_dir, learner_config(args.lr), HubConfig().sampling)
+    single = Learner(load_model_identity(model_dir), learner_config(args.lr), HubConfig().sampling)
     single_times = run_steps(single, groups, args.steps)
     reference = {k: v.detach().clone() for k, v in single.model.state_dict().items()}
     del single

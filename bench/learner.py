@@ -36,10 +36,14 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # transformers would otherwise try to download kernels from the Hub (a GPU machine here reaches no network).
 os.environ.setdefault("USE_HUB_KERNELS", "NO")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+if TYPE_CHECKING:
+    from hub.config import HubConfig
 
 SAMPLING_SEED = 0
 EPS_LOW = 0.2
@@ -283,16 +287,12 @@ def _status_kib(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
-    import torch
-
+def side_config(batch: list[dict], config: dict) -> HubConfig:
+    """What both sides train with: echo2's learner and sampling settings, whose recipe TRL's side reads."""
     from hub.config import HubConfig, LearnerConfig
-    from hub.training.learner import Learner
-    from shared.logprobs import completion_logprobs
-    from shared.rollout import Completion, Group
 
     sampling = HubConfig().sampling.model_copy(update={"max_new_tokens": config["completion_len"], "seed": SAMPLING_SEED})
-    cfg = LearnerConfig(
+    learner = LearnerConfig(
         prompts_per_step=len(batch),
         group_size=config["n"],
         lr=config["lr"],
@@ -310,7 +310,20 @@ def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
         optimizer=config["optimizer"],
         compile=config["compile"],
     )
-    learner = Learner(model_dir, cfg, sampling)
+    return HubConfig(learner=learner, sampling=sampling)
+
+
+def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
+    import torch
+
+    from hub.training.learner import Learner
+    from shared.logprobs import completion_logprobs
+    from shared.model_identity import load_model_identity
+    from shared.rollout import Completion, Group
+
+    hub = side_config(batch, config)
+    sampling = hub.sampling
+    learner = Learner(load_model_identity(model_dir), hub.learner, sampling)
     prompts = [row["prompt_ids"] for row in batch for _ in row["completions"]]
     completions = [c for row in batch for c in row["completions"]]
     with torch.no_grad(), torch.autocast(config["device"], dtype=torch.bfloat16, enabled=config["device"] == "cuda"):
@@ -352,6 +365,7 @@ def trl_side(model_dir: Path, batch: list[dict], config: dict, reply):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from bench.trl_grpo import grpo_settings
     from hub.method.grpo import group_advantages
 
     cuda = config["device"] == "cuda"
@@ -359,31 +373,14 @@ def trl_side(model_dir: Path, batch: list[dict], config: dict, reply):
         # GRPOConfig and GRPOTrainer warn about options this bench never uses (deprecations, generation).
         warnings.simplefilter("ignore")
         args = GRPOConfig(
+            **grpo_settings(side_config(batch, config)),
             output_dir=str(config["work"]),
-            per_device_train_batch_size=len(batch) * config["n"],
-            num_generations=config["n"],
-            max_completion_length=config["completion_len"],
-            temperature=1.0,
-            top_p=1.0,
-            loss_type="dapo",
-            beta=0.0,
-            epsilon=EPS_LOW,
-            epsilon_high=EPS_HIGH,
-            scale_rewards="group",
-            num_iterations=1,
-            learning_rate=config["lr"],
-            weight_decay=0.0,
-            max_grad_norm=GRAD_CLIP,
-            optim="adamw_torch",
-            lr_scheduler_type="constant",
             use_cpu=not cuda,
             bf16=cuda,
             fp16=False,
             report_to=[],
             save_strategy="no",
             logging_strategy="no",
-            seed=0,
-            gradient_checkpointing=config["gradient_checkpointing"],
         )
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         trainer = GRPOTrainer(

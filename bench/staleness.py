@@ -133,12 +133,13 @@ def measure_step_s(model_dir: Path, cfg, sampling) -> float:
 
     from hub.training.learner import Learner
     from node.hf_engine import HFEngine
+    from shared.model_identity import load_model_identity
     from shared.rollout import Group
     from shared.tasks.reverse import ReverseTask
 
     task = ReverseTask()
     engine = HFEngine(model_dir)
-    learner = Learner(model_dir, cfg, sampling)
+    learner = Learner(load_model_identity(model_dir), cfg, sampling)
     rng = random.Random(cfg.seed)
     seconds = []
     for step in range(CALIBRATION_STEPS):
@@ -171,13 +172,16 @@ def run_one(spec: RunSpec, args: argparse.Namespace, model_dir: Path, sampling, 
     from shared.crypto import Identity
     from shared.default_model import sample_accuracy
     from shared.layout import HUB_STORE_FILE, METRICS_FILE
+    from shared.model_identity import load_model_identity
     from shared.tasks.reverse import ReverseTask
 
     cfg = learner_config(spec, args)
     state = HubState(Store(data_dir / HUB_STORE_FILE), HubConfig(learner=cfg, sampling=sampling), ReverseTask())
     store = state.store
     send, receive = trio.open_memory_channel(64)
-    learner = LearnerComponent(cfg, sampling, model_dir, data_dir, state, Identity.generate(), send, args.steps, CHUNK_SIZE_BYTES)
+    learner = LearnerComponent(
+        cfg, sampling, load_model_identity(model_dir), data_dir, state, Identity.generate(), send, args.steps, CHUNK_SIZE_BYTES
+    )
     rollouts = LocalRollouts(
         HFEngine(model_dir),
         ReverseTask(),

@@ -117,7 +117,7 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
     import cloudpickle
     import torch
     import vllm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from hub.config import TrustConfig
     from hub.records.snapshots import SnapshotShelf
@@ -126,7 +126,7 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
     from node.hf_engine import HFEngine
     from node.vllm_engine import VLLMEngine
     from shared.crypto import Identity
-    from shared.generation import model_stop_ids
+    from shared.model_identity import load_model_identity
     from shared.model_io import build_snapshot, model_dir_config_hash
     from shared.probe import probe_rows
     from shared.rollout import SamplingParams
@@ -134,15 +134,14 @@ def engine_checks(device: str, model_dir: Path, tmp: Path, swaps: int) -> dict:
 
     prompts = [p.text for p in ReverseTask().prompts()[:32]]
     identity, config_hash = Identity.generate(), model_dir_config_hash(model_dir)
-    rows = probe_rows(prompts[:5], AutoTokenizer.from_pretrained(model_dir), frozenset(model_stop_ids(model_dir)))
+    model = load_model_identity(model_dir)
+    rows = probe_rows(prompts[:5], model.tokenizer, model.stop_ids)
     out: dict = {"vllm_version": vllm.__version__, "device": device}
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for dtype in ("float32", "bfloat16"):
         engine = VLLMEngine(model_dir, dtype=dtype, resources=engine_resources(device), enforce_eager=True, seed=0)
         hf = HFEngine(model_dir, device=device, dtype=dtype)
-        auditor = Auditor(
-            model_dir, SnapshotShelf(keep=2, directory=tmp / f"shelf-{dtype}"), SamplingParams(), TrustConfig(), dtype
-        )
+        auditor = Auditor(model, SnapshotShelf(keep=2, directory=tmp / f"shelf-{dtype}"), SamplingParams(), TrustConfig(), dtype)
         times, snapshot = [], None
         for version in range(1, (swaps if dtype == "float32" else 1) + 1):
             snapshot = build_snapshot(

@@ -13,10 +13,14 @@ from shared.config import HttpBind, Section
 from shared.layout import HUB_KEY_FILE
 from shared.logs import LOG_BACKUPS, LOG_MAX_MB
 from shared.messages import LEASE_SECONDS_MAX
-from shared.rollout import SamplingParams
+from shared.rollout import MAX_ENV_SEGMENTS, SamplingParams
 from shared.tasks.dataset import DatasetOptions
 
 DEFAULT_HUB_PORT = 4077
+# TRL's default cap of the importance weights (vllm_importance_sampling_clip_max); verl recommends 2 at token level.
+IS_THRESHOLD_DEFAULT = 3.0
+# TRL's vllm_importance_sampling_mode values: level and mode (learner.rollout_is_level, learner.rollout_is_mode) in one.
+TRL_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # A torch device as the flags and TOML take it: auto picks cuda when torch sees a GPU.
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]{1,2})?)$"
 # The status page's documented port (`--http 0.0.0.0:4078`); off unless asked: see HubConfig.http.
@@ -77,6 +81,42 @@ class LearnerConfig(Section):
     )
     use_is_ratio: bool = Field(True, description="importance-weight stale rollouts (off: treat them as on-policy)")
     max_is_ratio: float | None = Field(None, gt=1.0, description="mask tokens whose ratio exceeds this")
+    rollout_is_mode: Literal["off", "truncate", "mask"] = Field(
+        "off",
+        description="off-policy correction (verl's rollout_is_mode; TRL's vllm_importance_sampling_mode token_truncate, token_mask, sequence_truncate or sequence_mask sets the level too): off, the PPO ratio to the nodes' log-probs is the correction (today's default, until a sweep of S x mode picks one); truncate (TIS) multiplies each token's loss by its importance weight capped to [rollout_is_threshold_lower, rollout_is_threshold]; mask (MIS) drops the tokens, or sequences, whose weight lies outside",
+    )
+    rollout_is_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="what one importance weight covers (verl's rollout_is_level): a token's ratio, the product of its sequence's, or their geometric mean",
+    )
+    rollout_is_threshold: float = Field(
+        IS_THRESHOLD_DEFAULT,
+        gt=1.0,
+        le=1e8,
+        description="upper cap of the importance weights, with rollout_is_mode truncate or mask (verl's rollout_is_threshold, TRL's vllm_importance_sampling_clip_max)",
+    )
+    rollout_is_threshold_lower: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="lower cap of the importance weights (TRL's vllm_importance_sampling_clip_min; unset: none, where verl's unset is 1 / rollout_is_threshold)",
+    )
+    rollout_is_veto_threshold: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="drop every sequence with a token whose ratio to the nodes' log-probs is below this, in any mode (verl's veto, e.g. 1e-4)",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="the PPO ratio per token, or per sequence as the geometric mean of its tokens' (GSPO, which pairs it with loss_type grpo and eps ~ 4e-4; TRL's importance_sampling_level)",
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        gt=0.0,
+        le=100.0,
+        description="drop sequences with a negative advantage whose mean log(p_node / p_learner) exceeds this (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold, e.g. 0.5)",
+    )
     beta: float = Field(0.0, ge=0.0, le=10.0, description="KL penalty weight to the initial policy")
     advantage_scale: Literal["group", "batch", "none"] = Field("group", description="advantage normalisation")
     skip_zero_variance: bool = Field(True, description="skip groups whose rewards are all equal")
@@ -176,6 +216,47 @@ class LearnerConfig(Section):
         if isinstance(data, dict) and data.get("staleness") == "auto":
             return {**data, "staleness": 1, "staleness_auto": True}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_importance_sampling_mode(cls, data: object) -> object:
+        """TRL's vllm_importance_sampling_mode (token_mask...) names the level and the mode in one value."""
+        if not isinstance(data, dict) or data.get("rollout_is_mode") not in TRL_IS_MODES:
+            return data
+        level, mode = str(data["rollout_is_mode"]).split("_")
+        if data.get("rollout_is_level", level) != level:
+            raise ValueError(
+                f"rollout_is_mode {data['rollout_is_mode']} (TRL's vllm_importance_sampling_mode) is level {level}, "
+                f"but rollout_is_level is {data['rollout_is_level']}: give one of them"
+            )
+        return {**data, "rollout_is_mode": mode, "rollout_is_level": level}
+
+    @model_validator(mode="after")
+    def _corrections_apply(self) -> LearnerConfig:
+        """A correction setting that would do nothing is refused, not ignored."""
+        if self.rollout_is_mode == "off":
+            unused = [
+                f"{name} {value}"
+                for name, value, default in (
+                    ("rollout_is_level", self.rollout_is_level, "token"),
+                    ("rollout_is_threshold", self.rollout_is_threshold, IS_THRESHOLD_DEFAULT),
+                    ("rollout_is_threshold_lower", self.rollout_is_threshold_lower, None),
+                )
+                if value != default
+            ]
+            if unused:
+                they = "it acts" if len(unused) == 1 else "they act"
+                raise ValueError(
+                    f"{', '.join(unused)}: {they} only with rollout_is_mode truncate or mask, and rollout_is_mode is off: set one"
+                )
+        needs_ratio = self.rollout_is_mode != "off" or self.rollout_is_veto_threshold or self.off_policy_mask_threshold
+        if needs_ratio and not self.use_is_ratio:
+            raise ValueError(
+                "use_is_ratio = false trains as if every rollout were on-policy, leaving the off-policy corrections "
+                "nothing to weigh: set use_is_ratio = true or drop rollout_is_mode, rollout_is_veto_threshold and "
+                "off_policy_mask_threshold"
+            )
+        return self
 
     @model_validator(mode="after")
     def _kappa_in_range(self) -> LearnerConfig:
@@ -485,6 +566,58 @@ class EvalConfig(Section):
         return self
 
 
+class AgentsConfig(Section):
+    """Multi-turn, tool-using rollouts, as TRL's GRPOTrainer takes them (docs/agents.md). A rollout's model and tool
+    tokens together are capped by --max-new-tokens (TRL's max_completion_length); the tools run on the hub, in a
+    sandbox whose limits are below, never on the volunteers."""
+
+    tools: tuple[Annotated[str, Field(min_length=3, max_length=4096)], ...] = Field(
+        (), max_length=64, description="module:function specs of the tools the model may call (TRL's tools), comma-separated"
+    )
+    environment: str | None = Field(
+        None,
+        min_length=3,
+        max_length=4096,
+        description="module:Class making one environment per rollout: its reset method, its public methods as tools, an optional get_reward method (TRL's environment_factory)",
+    )
+    max_tool_calls: int = Field(
+        8,
+        ge=1,
+        le=MAX_ENV_SEGMENTS,
+        description="rounds of tool calls a rollout may run before it ends (TRL's max_tool_calling_iterations, unbounded there)",
+    )
+    tool_wall_s: float = Field(
+        10.0, gt=0.0, le=600.0, description="wall-clock seconds one tool call may take: past it its sandbox worker is killed"
+    )
+    tool_cpu_s: float = Field(5.0, gt=0.0, le=600.0, description="CPU seconds one tool call may spend")
+    tool_memory_mb: int = Field(
+        512, ge=16, le=1 << 20, description="MB a tool call may allocate beyond what its worker held after loading the tools"
+    )
+    tool_procs: int = Field(2, ge=1, le=256, description="sandbox worker processes running tool calls and environments")
+    environments_per_worker: int = Field(
+        256, ge=1, le=1_000_000, description="environments one sandbox worker holds at once (with an environment)"
+    )
+    rollouts_per_node: int = Field(
+        4096,
+        ge=1,
+        le=1_000_000,
+        description="multi-turn rollouts one node may hold open at once (its leases' prompts x group size)",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts call tools (tools or an environment given)."""
+        return bool(self.tools) or self.environment is not None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _one_list(cls, value: object) -> object:
+        """`--tools a,b --tools c` and hub.toml's `tools = "a,b"` as one tuple."""
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+
 class TrackingConfig(Section):
     """Experiment trackers that receive the run config, every metrics row and every evaluation."""
 
@@ -549,6 +682,7 @@ class HubConfig(Section):
     dataset: DatasetConfig = DatasetConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+    agents: AgentsConfig = AgentsConfig()
 
     @field_validator("repetition_penalty", mode="before")
     @classmethod

@@ -253,7 +253,7 @@ def _run_with_dashboard(config) -> int:
         # Its own words (a refusal, another peer at the hub's address), which also went to its stderr file.
         print(said.decode(errors="replace").strip(), file=sys.stderr)
         return child.returncode
-    return _print_summary(config.data_dir, started)
+    return _print_summary(config.data_dir, started, ended_itself)
 
 
 def _copy_stderr(pipe, sink, said: bytearray) -> None:
@@ -284,15 +284,20 @@ def _stop(child: subprocess.Popen) -> bool:
     return False
 
 
-def _print_summary(data_dir: Path, started: float) -> int:
-    """What the node under the dashboard did, from the status it wrote on the way out."""
-    from node.summary import stored_summary
+def _print_summary(data_dir: Path, started: float, ended_itself: bool) -> int:
+    """How the node under the dashboard ended and what it did, as a node without one says it (node/run.py), from the
+    status it wrote on the way out: the end of the hub's run when that stopped it, else a stop."""
+    from node.summary import run_over_text, stored_view, summary_text
 
-    summary = stored_summary(data_dir, since=started)
-    how = "" if summary else f" before it ran (see {data_dir / NODE_ERR_FILE})"
-    print(f"echo-node: stopped{how}", file=sys.stderr)
-    if summary:
-        print(summary, flush=True)
+    view = stored_view(data_dir, since=started)
+    if view is None:
+        print(f"echo-node: stopped before it ran (see {data_dir / NODE_ERR_FILE})", file=sys.stderr)
+        return 0
+    if ended_itself and view.run_over is not None:
+        print(f"echo-node: {run_over_text(view.run_over)}", flush=True)
+    else:
+        print("echo-node: stopped", file=sys.stderr, flush=True)
+    print(summary_text(view), flush=True)
     return 0
 
 

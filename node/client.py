@@ -1,9 +1,9 @@
-"""The one client of the hub's node protocols: join, heartbeat, lease, submit, bad-chunk report, status.
+"""The one client of the hub's node protocols: join, heartbeat, lease, turns, submit, bad-chunk report, status.
 
 Every call writes one request (a submission signed with the node's identity) and returns the
 hub's typed reply or its `Reject`; a transport failure (hub away, timeout) raises, and another
 peer answering at the hub's address raises WrongHub. Heartbeats, lease requests, submissions and
-price changes go on long-lived session streams (SESSION_PROTOCOL, a few kept open for reuse);
+price changes and a multi-turn lease's turns go on long-lived session streams (SESSION_PROTOCOL, a few kept open for reuse);
 the rest open one stream each. The node's hub link,
 worker and keeper use it, and so do the tests and benchmarks, whose misbehaving peers subclass it
 or send raw frames through `send_frame`.
@@ -36,6 +36,7 @@ from shared.messages import (
     SESSIONS_PER_PEER,
     STATUS_PROTOCOL,
     SUBMIT_PROTOCOL,
+    TURN_PROTOCOL,
     BadChunkReport,
     Heartbeat,
     HeartbeatReply,
@@ -56,6 +57,8 @@ from shared.messages import (
     Submission,
     SubmitReply,
     TransferAck,
+    TurnReply,
+    TurnRequest,
 )
 from shared.net import connect, on_live_connection, open_stream, request
 from shared.wire import Message, decode_message, encode_message, encode_signed, read_frame, read_message, write_message
@@ -212,6 +215,11 @@ class HubClient:
             ):
                 return reply
             await trio.sleep(BUSY_RETRY_S)
+
+    async def turns(self, request: TurnRequest, timeout_s: float) -> TurnReply | Reject:
+        """A multi-turn lease's model turns (TURN_PROTOCOL): what each rollout appends next. The hub runs tools to
+        answer, so the wait is the caller's (its lease's time left), not a request's."""
+        return await self.ask(TURN_PROTOCOL, request, TurnReply, timeout_s=timeout_s)
 
     def signed(self, submission: Submission) -> bytes:
         """The exact frame `submit` sends, for a caller that wants to send (or tamper with) the bytes itself."""

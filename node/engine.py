@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from shared.model_identity import ModelIdentity
 from shared.probe import InstallProbe, ProbeMismatch
 from shared.rollout import Completion, SamplingParams
 
@@ -38,8 +39,12 @@ class Engine(ABC):
     # as vLLM's does): the worker cuts a lease into slices of this size, so a hub's large lease cannot grow the
     # engine's memory (docs/volunteers.md).
     batch_rollouts: ClassVar[int | None] = None
+    # Whether it generates a tool-using rollout's turns (`generate_turns`): the transformers engine does; vLLM's
+    # multi-turn loop is not built yet, and a vLLM node lets such leases lapse.
+    multi_turn: ClassVar[bool] = False
     version: int
-    tokenizer: Any  # a Hugging Face tokenizer
+    model_identity: ModelIdentity  # the node's model, read once (shared/model_identity.py): the engine builds it
+    tokenizer: Any  # a Hugging Face tokenizer: model_identity's
     dtype: str  # "float32" or "bfloat16": the weights' dtype, which snapshots must carry
     broken: str | None = None  # why the engine must not generate, once a swap failed half way
     model_context: int | None = None  # the model's positions (max_position_embeddings): the most a lease may need
@@ -61,6 +66,14 @@ class Engine(ABC):
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         """n completions per prompt, in prompt order, each with its sampled tokens' log-probs."""
 
+    def generate_turns(
+        self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], sampling: SamplingParams
+    ) -> list[Completion]:
+        """A tool-using rollout's next model turn per row: each context (its prompt's ids, then the rollout's
+        model and environment tokens so far) continued by at most its budget of tokens, ending on a stop id;
+        sampling.max_new_tokens is not read. Re-encodes each context (no KV cache kept across turns)."""
+        raise EngineUnavailable(f"the {self.backend} engine does not generate tool-using rollouts yet")
+
     @abstractmethod
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """Log-prob of each completion token given its prompt at temperature 1, without top-p, as this engine
@@ -78,7 +91,7 @@ class Engine(ABC):
     @abstractmethod
     def use_stop_ids(self, stop_ids: Sequence[int]) -> None:
         """End completions on exactly `stop_ids` (the hub's set, from its join reply: what it checks submissions
-        against, shared.generation.model_stop_ids of its model) from the next generate on."""
+        against, the stop ids of its model's identity) from the next generate on."""
 
     @property
     @abstractmethod

@@ -11,8 +11,9 @@ import torch
 
 from node.engine import Engine
 from shared.adapters import install_snapshot
-from shared.generation import Sampler, model_stop_ids
+from shared.generation import Sampler
 from shared.logprobs import completion_logprobs
+from shared.model_identity import ModelIdentity, load_model_identity
 from shared.model_io import PartialCopy
 from shared.rollout import Completion, SamplingParams
 
@@ -20,18 +21,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def _load_model(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
-    """The model of `model_dir`; without weight files (the hub's config and tokenizer only, shared/model_files.py)
+def _load_model(model_identity: ModelIdentity, dtype: torch.dtype) -> PreTrainedModel:
+    """The model of `model_identity`; without weight files (the hub's config and tokenizer only, shared/model_files.py)
     its tensors are left unset: the first snapshot, installed before any generation, fills every one of them."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     from shared.model_files import has_weights
 
-    if has_weights(model_dir):
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if has_weights(model_identity.model_dir):
+        return AutoModelForCausalLM.from_pretrained(model_identity.model_dir, dtype=dtype)
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(model_identity.config_copy(), dtype=dtype)
     model.tie_weights()  # tying runs with the initialisation skipped above; snapshots carry one of a tied pair
     return model
 
@@ -42,19 +43,21 @@ class HFEngine(Engine):
     backend = "hf"
     # Its KV cache and logits grow with the batch: 64 rollouts hold a default lease (4 prompts x 8) in one call.
     batch_rollouts = 64
+    multi_turn = True
 
     def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32", seed: int | None = None):
-        from transformers import AutoTokenizer
-
         self.device = torch.device(device)
         self.dtype = dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = _load_model(model_dir, getattr(torch, dtype)).to(self.device).eval()
+        self.model_identity = load_model_identity(model_dir)
+        self.tokenizer = self.model_identity.tokenizer
+        self.model = _load_model(self.model_identity, getattr(torch, dtype)).to(self.device).eval()
         self.model_context = getattr(self.model.config, "max_position_embeddings", None)
         self.version = version
         # The directory's declared set (generation_config.json too, which a model built from config.json alone never
         # reads), until the hub's join reply names the set it checks submissions against (use_stop_ids).
-        self.sampler = Sampler(self.model, self.tokenizer, self.device, process_seed=seed, stop_ids=model_stop_ids(model_dir))
+        self.sampler = Sampler(
+            self.model, self.tokenizer, self.device, process_seed=seed, stop_ids=sorted(self.model_identity.stop_ids)
+        )
         # install and generate must not interleave (a node may call them from different threads).
         self._lock = threading.Lock()
 
@@ -94,3 +97,10 @@ class HFEngine(Engine):
         with self._lock:
             self._usable()
             return self.sampler.generate(prompts, n, sampling, self.version)
+
+    def generate_turns(
+        self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], sampling: SamplingParams
+    ) -> list[Completion]:
+        with self._lock:
+            self._usable()
+            return self.sampler.continue_ids(contexts, budgets, sampling, self.version)

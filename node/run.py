@@ -19,7 +19,7 @@ from node.engine import InstallFailed
 from node.hub_link import NodeRefused
 from node.model_fetch import ModelFetch, write_status
 from node.price_schedule import parse_price_schedule, scheduled_price
-from node.summary import summary_text
+from node.summary import run_over_text, summary_text
 from shared.crypto import Identity, peer_id_from_multiaddr
 from shared.layout import NODE_LOG_FILE, NODE_MODEL_DIR, NODE_STATUS_FILE, SNAPSHOTS_DIR
 from shared.logs import PeerLogLimiter, setup_logging
@@ -39,7 +39,7 @@ from shared.messages import (
     standby_text,
 )
 from shared.model_files import ModelFilesRefused
-from shared.net import RateLimiter, admit_only, close_answered, running_host, set_handler
+from shared.net import RateLimiter, admit_only, close_answered, running_host, set_handler, until_hung_up
 from shared.probe import InstallProbe
 from shared.signals import Stopper, trio_owns_ctrl_c
 from shared.units import BYTES_PER_MBIT
@@ -56,6 +56,10 @@ log = logging.getLogger("echo2.node")
 LEAVE_TIMEOUT_S = 3.0
 # How long the hub may take to send that its run is over, and to read this node's answer.
 RUN_OVER_TIMEOUT_S = 10.0
+# How long a node the run's end stopped keeps its connection to the hub at most, for the hub to read its answer (the hub
+# hangs up sooner as it exits): a connection closed under an answer not read yet takes the answer with it, and the hub
+# counts the node as not told.
+RUN_OVER_LINGER_S = 2.0
 
 # Ends the volunteer is told in one line, with the exit code: 2 for a mistake in the flags, 1 for a hub's refusal.
 ONE_LINE_ENDS: dict[type[Exception], int] = {WrongHub: 2, NodeRefused: 1, InstallFailed: 1, ModelFilesRefused: 1}
@@ -231,6 +235,7 @@ class NodeRuntime:
             busy_s=stats.busy_s,
             paid_s=stats.paid_s,
             unanswered=stats.unanswered,
+            run_over=self.run_over,
             measured_rollouts_per_s=reply.rollouts_per_s if reply else None,
             too_slow=reply.too_slow if reply else False,
             versions_installed=self.versions_installed,
@@ -310,6 +315,8 @@ class NodeRuntime:
                     print(f"node page: {' '.join(bound)}", flush=True)
             if self.stopper.signal_name is not None and self.link.state.connected:
                 await self._leave(client)
+            elif self.run_over is not None:
+                await until_hung_up(host, self.hub_peer_id, RUN_OVER_LINGER_S)
 
     async def _on_run_over(self, stream: INetStream) -> None:
         """RUN_OVER_PROTOCOL, from the hub only: its run is over. The node stops (run_node prints why and its
@@ -359,7 +366,7 @@ def run_node(config: NodeConfig) -> int:
 
     from node.backends import make_engine
     from node.engine import EngineUnavailable, VLLMResources
-    from shared.model_io import model_dir_config_hash, model_dir_weights
+    from shared.model_io import model_dir_weights
     from shared.precision import ENGINE_DTYPE_BYTES, pick_device
     from shared.rollout import engine_seed
     from shared.snapshot import snapshot_bytes_bound
@@ -396,7 +403,7 @@ def run_node(config: NodeConfig) -> int:
     except EngineUnavailable as exc:
         print(f"echo-node: {exc}", file=sys.stderr)
         return 2
-    config_hash = model_dir_config_hash(model_dir)
+    config_hash = engine.model_identity.config_hash
     max_snapshot_bytes = snapshot_bytes_bound(model_dir_weights(model_dir), ENGINE_DTYPE_BYTES[engine.dtype])
     runtime = NodeRuntime(config, identity, engine, config_hash, device, max_snapshot_bytes)
     try:
@@ -470,7 +477,7 @@ def _stopped(stopper: Stopper, view: NodeView) -> int:
 
 def _run_over(over: RunOver, view: NodeView) -> int:
     """A node the hub's end stopped: say so, and what it did."""
-    print(f"echo-node: {over.text()}: stopped (join with --wait-next-run to wait for the next run instead)", flush=True)
+    print(f"echo-node: {run_over_text(over)}", flush=True)
     print(summary_text(view), flush=True)
     return 0
 

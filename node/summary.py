@@ -1,12 +1,13 @@
-"""What a stopped node did, printed when it stops: from its NodeView, the node's own or the one its data dir holds
-(`echo-node join --dashboard` prints the one its node wrote on the way out)."""
+"""What a stopped node did, printed when it stops: why (the hub's run is over, or a signal) and a summary, from its
+NodeView, the node's own or the one its data dir holds (`echo-node join --dashboard` prints the one its node wrote
+on the way out)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from shared.layout import NODE_STATUS_FILE
-from shared.messages import RELAY_UNPAID_TEXT, TALLY_FIELDS, NodeView
+from shared.messages import RELAY_UNPAID_TEXT, TALLY_FIELDS, NodeView, RunOver
 from shared.units import duration
 
 # What the hub pays for (hub.method.prices.billable_seconds), against the node's own generating time beside it.
@@ -35,11 +36,16 @@ def summary_text(view: NodeView) -> str:
     )
 
 
-def stored_summary(data_dir: Path, since: float) -> str | None:
-    """The summary of the node whose NodeView DATA_DIR holds; None when none was written `since` (time.time()):
-    the node stopped before it ran, and an older view is another run's."""
+def run_over_text(over: RunOver) -> str:
+    """What a node the end of the hub's run stopped says (then its summary)."""
+    return f"{over.text()}: stopped (join with --wait-next-run to wait for the next run instead)"
+
+
+def stored_view(data_dir: Path, since: float) -> NodeView | None:
+    """The NodeView DATA_DIR holds; None when none was written `since` (time.time()): the node stopped before it ran,
+    and an older view is another run's."""
     try:
         view = NodeView.model_validate_json((data_dir / NODE_STATUS_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return summary_text(view) if view.updated_at >= since else None
+    return view if view.updated_at >= since else None

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from node.engine import DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_KV_CACHE_GIB, Engine, EngineUnavailable, VLLMResources
 from shared.adapters import LoraSpec, snapshot_spec, write_peft_dir
-from shared.generation import model_stop_ids
 from shared.model_files import has_weights
+from shared.model_identity import load_model_identity
 from shared.model_io import check_tied_copies, tied_groups
 from shared.rollout import Completion, SamplingParams, engine_seed, lease_seed, prompt_seeds
 from shared.snapshot import SnapshotError
@@ -107,31 +107,31 @@ class VLLMEngine(Engine):
         """vLLM itself starts at the first `fit_context` (the hub's join reply says how much context leases need,
         which fixes max_model_len) or, without one, at the first install (max_model_len as given, or the model's)."""
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
         from vllm.platforms import current_platform
 
         self.dtype = dtype
         self.device = "cpu" if current_platform.is_cpu() else "cuda"
         self._memory = _configure_platform(self.device, resources)
         self.seed = engine_seed(seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_identity = load_model_identity(model_dir)
+        self.tokenizer = self.model_identity.tokenizer
         self.version = version
         self.model_dir = model_dir
         self.enforce_eager = enforce_eager
-        config = AutoConfig.from_pretrained(model_dir)
         # The most context the model itself has: what a hub may ask of it at most.
-        self.model_context = getattr(config, "max_position_embeddings", None)
+        self.model_context = self.model_identity.context
         self.max_model_len = max_model_len
         # Tied names from the module tree of a weightless copy: vLLM keeps the embedding of a tied pair and
         # ignores lm_head, so a snapshot carrying both would run differently here and on the hub.
         with torch.device("meta"):
-            self._tied = tied_groups(AutoModelForCausalLM.from_config(config))
+            self._tied = tied_groups(AutoModelForCausalLM.from_config(self.model_identity.config_copy()))
         self.max_lora_rank = max_lora_rank
         # A LoRA run's policy: the newest snapshot's adapters, as the LoRARequest every generate names.
         self._lora_request = None
         # What vLLM stops on by itself (tokenizer EOS, generation_config EOS ids) and config EOS, until the hub's join
         # reply names its set (use_stop_ids); every request names the set as stop_token_ids too.
-        self._stop_ids = frozenset(model_stop_ids(model_dir))
+        self._stop_ids = self.model_identity.stop_ids
         self._llm = None
         self._lock = threading.Lock()
 

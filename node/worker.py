@@ -3,7 +3,8 @@ within the lease's validity, when the hub did not take the answer in: it went aw
 
 Generation runs in a worker thread (the libp2p host must never be starved: py-libp2p
 resets a stream whose reader stalls ~5 s), a slice of the lease's prompts at a time (the engine's
-`batch_rollouts`), so the engine's peak memory is that of a slice whatever the lease's size; a lease asking
+`batch_rollouts`), so the engine's peak memory is that of a slice whatever the lease's size; a multi-turn lease's
+slice turn by turn with the hub (node/turns.py); a lease asking
 more than LEASE_MAX_TOKENS is not answered (docs/volunteers.md: what a hub can and cannot make a volunteer
 do). The engine is shared with the snapshot keeper, so generation and weight swaps take turns under one lock, and every completion records
 the version that actually produced it.
@@ -14,11 +15,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import trio
 
 from node.client import HubClient
+from node.engine import Engine, InstallFailed
+from node.turns import TurnsBroken, multi_turn_groups
 from shared.failures import plain_failure
 from shared.logs import PeerLogLimiter
 from shared.messages import (
@@ -31,14 +33,13 @@ from shared.messages import (
     SubmitReply,
     SubmittedGroup,
     Tallies,
+    TurnReply,
+    TurnRequest,
     add_reasons,
     printable_excerpt,
     reasons_text,
 )
 from shared.rollout import SEED_LIMIT, Completion, SamplingParams
-
-if TYPE_CHECKING:
-    from node.engine import Engine
 
 log = logging.getLogger("echo2.node.worker")
 
@@ -168,6 +169,50 @@ class Worker:
             return f"no lease: {reason}"
         return reply.lease
 
+    async def _generate_turns(self, lease: Lease) -> list[list[Completion]] | None:
+        """A multi-turn lease's groups (node/turns.py), a slice of its prompts at a time, every turn of a slice with the
+        engine held (one version); None when the hub's answers could not be followed (the lease lapses)."""
+        assert lease.tools is not None, "a multi-turn lease"
+        groups: list[list[Completion]] = []
+        batch = self.engine.batch_rollouts or len(lease.prompts) * lease.group_size
+        slices = prompt_slices(len(lease.prompts), lease.group_size, batch)
+        deadline = trio.current_time() + lease.deadline_s
+
+        async def send(request: TurnRequest) -> TurnReply | Reject:
+            return await self.client.turns(request, timeout_s=max(1.0, deadline - trio.current_time()))
+
+        try:
+            for index, part in enumerate(slices):
+                prompts = [lease.prompts[i] for i in part]
+
+                def sampling_of(turn: int, index: int = index) -> SamplingParams:
+                    return slice_sampling(lease.sampling, turn * len(slices) + index)
+
+                groups += await multi_turn_groups(lease, prompts, self.engine, send, sampling_of)
+        except InstallFailed:
+            raise  # the engine cannot go on: not the hub's doing
+        except Exception as exc:  # noqa: BLE001 - the hub refused, could not be followed, or went away mid-lease
+            why = str(exc) if isinstance(exc, TurnsBroken) else f"the hub {plain_failure(exc)}"
+            log.warning("lease %s not answered: %s", printable_excerpt(lease.lease_id, 8), why)
+            return None
+        return groups
+
+    def _refuses_turns(self, lease: Lease) -> bool:
+        """Whether `lease` is multi-turn and this node's engine does not generate turns (vLLM's): it lapses, said in a
+        line a minute at most."""
+        if lease.tools is None or self.engine.multi_turn:
+            return False
+        tail = self.refusal_log.tail("multi_turn")
+        if tail is not None:
+            log.warning(
+                "lease %s is multi-turn (the hub's tools), which the %s engine does not run yet: not answered; join "
+                "with --backend hf%s",
+                printable_excerpt(lease.lease_id, PROMPT_ID_CHARS),
+                self.engine.backend,
+                tail,
+            )
+        return True
+
     def _generate(self, lease: Lease) -> list[list[Completion]]:
         """The lease's groups, in prompt order, generated a slice at a time (blocking: runs in a worker thread)."""
         groups: list[list[Completion]] = []
@@ -213,9 +258,17 @@ class Worker:
             return None
         if await self._too_large(lease):
             return None
+        if self._refuses_turns(lease):
+            await trio.sleep(IDLE_RETRY_S)
+            return None
         started = trio.current_time()
         async with self.engine_lock:
-            groups = await trio.to_thread.run_sync(self._generate, lease)
+            if lease.tools is None:
+                groups = await trio.to_thread.run_sync(self._generate, lease)
+            elif (turned := await self._generate_turns(lease)) is not None:
+                groups = turned
+            else:
+                return None
         rollouts = sum(len(g) for g in groups)
         if self.max_rollouts_per_s is not None:
             # Emulated slow hardware: the work takes as long as it would at the throttled rate.
@@ -261,8 +314,8 @@ class Worker:
         """The hub's reply to `submission`, or None when it did not take it in. An answer the hub did not get (it went
         away mid-answer) or turned away as from a stranger (it restarted, and the link rejoins it) is sent again,
         SUBMIT_TRIES times at most and while its lease holds (`deadline`, trio.current_time): a restarted hub takes
-        the answers to the leases it granted. A retry refused for its lease (answered before the hub went away, or
-        lapsed) is None too: that says nothing of the work."""
+        the answers to the leases it granted, and one it took before it went away gets the reply it got then (paid
+        once). A retry refused for its lease (it lapsed at the hub) is None too: that says nothing of the work."""
         lease_id = printable_excerpt(submission.lease_id, 8)
         wait = SUBMIT_RETRY_S
         for attempt in range(SUBMIT_TRIES):
@@ -274,8 +327,8 @@ class Worker:
             else:
                 if attempt and isinstance(reply, Reject) and reply.code == RejectCode.BAD_LEASE:
                     log.warning(
-                        "the answer to lease %s, sent again, was refused: the hub no longer holds that lease (it took the "
-                        "first answer before it went away, or the lease lapsed)",
+                        "the answer to lease %s, sent again, was refused: the hub no longer holds that lease (it lapsed "
+                        "there, or the hub's restart could not take it back)",
                         lease_id,
                     )
                     return None

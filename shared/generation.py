@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from shared.logprobs import Filters, sampling_logprobs
+from shared.model_identity import stop_token_ids
 from shared.rollout import Completion, SamplingParams, lease_seed
 
 if TYPE_CHECKING:
@@ -26,32 +26,6 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     """The forward() keyword for the KV cache: `cache` from transformers 5.2x on, `past_key_values` before
     (vLLM 0.33 pins transformers < 5.21, so both worlds must work)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def stop_token_ids(*declared: int | Sequence[int] | None) -> tuple[int, ...]:
-    """Every id that ends a completion: the union of the EOS declarations given (the tokenizer's, the
-    generation config's, the model config's), as vLLM stops on all of them. Qwen3 and Llama 3 declare several."""
-    ids: set[int] = set()
-    for value in declared:
-        if value is None:
-            continue
-        ids.update([value] if isinstance(value, int) else value)
-    if not ids:
-        raise ValueError("the model declares no EOS token (tokenizer, generation_config.json and config.json)")
-    return tuple(sorted(ids))
-
-
-def model_stop_ids(model_dir: Path) -> tuple[int, ...]:
-    """stop_token_ids of a model directory, read without loading weights (the hub and the vLLM engine)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    try:
-        generation_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:  # no generation_config.json
-        generation_eos = None
-    return stop_token_ids(
-        AutoTokenizer.from_pretrained(model_dir).eos_token_id, generation_eos, AutoConfig.from_pretrained(model_dir).eos_token_id
-    )
 
 
 class Sampler:
@@ -73,7 +47,7 @@ class Sampler:
         self.device = device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # None: what the loaded model declares. A model built from config.json alone (no weights on disk) never
-        # read generation_config.json: an engine passes model_stop_ids of its directory, then the hub's set.
+        # read generation_config.json: an engine passes its model identity's stop ids, then the hub's set.
         if stop_ids is None:
             stop_ids = stop_token_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id, model.config.eos_token_id)
         self.use_stop_ids(stop_ids)
@@ -95,11 +69,28 @@ class Sampler:
         if not prompts:
             return []
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
+        contexts = [ids for ids in prompt_ids for _ in range(n)]
+        rows = self.continue_ids(contexts, [sampling.max_new_tokens] * len(contexts), sampling, version, greedy)
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def continue_ids(
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        sampling: SamplingParams,
+        version: int,
+        greedy: bool = False,
+    ) -> list[Completion]:
+        """One completion per context (token ids: a prompt, or a tool-using rollout so far), each of at most its
+        budget of tokens (sampling.max_new_tokens is not read), ending on a stop id or at its budget."""
+        if not contexts:
+            return []
         with torch.inference_mode():
-            tokens, logprobs = self._sample([ids for ids in prompt_ids for _ in range(n)], sampling, greedy)
+            tokens, logprobs = self._sample([list(c) for c in contexts], sampling, greedy, list(budgets))
         rows = []
         stop = set(self.stop_ids.tolist())
-        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+        for row_tokens, row_logprobs, budget in zip(tokens.tolist(), logprobs.tolist(), budgets):
+            row_tokens = row_tokens[:budget]
             end = next((i + 1 for i, t in enumerate(row_tokens) if t in stop), None)
             reason = "length" if end is None else "stop"
             end = len(row_tokens) if end is None else end
@@ -113,10 +104,13 @@ class Sampler:
                     text=self.tokenizer.decode(kept, skip_special_tokens=True),
                 )
             )
-        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+        return rows
 
-    def _sample(self, prompt_ids: list[list[int]], sampling: SamplingParams, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled tokens [B, L] and their log-probs [B, L]; rows continue (ignored) after their stop token."""
+    def _sample(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, greedy: bool, budgets: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled tokens [B, L] and their log-probs [B, L], L the largest of `budgets` at most; rows continue
+        (ignored) after their stop token or past their budget."""
         from transformers import DynamicCache
 
         batch = len(prompt_ids)
@@ -145,8 +139,10 @@ class Sampler:
         next_position = positions[:, -1:] + 1
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         ones = torch.ones((batch, 1), dtype=attention.dtype, device=self.device)
+        budget = torch.tensor(budgets, device=self.device)
+        steps = max(budgets)
         sampled, sampled_logprobs = [], []
-        for step in range(sampling.max_new_tokens):
+        for step in range(steps):
             logprobs = sampling_logprobs(out.logits[:, -1, :], f.temperature, f.top_p, f.top_k, f.min_p)
             if greedy:
                 token = logprobs.argmax(dim=-1, keepdim=True)
@@ -154,8 +150,8 @@ class Sampler:
                 token = torch.multinomial(logprobs.exp(), 1, generator=generator)
             sampled.append(token)
             sampled_logprobs.append(logprobs.gather(-1, token))
-            done |= torch.isin(token.squeeze(-1), self.stop_ids)
-            if step + 1 == sampling.max_new_tokens or bool(done.all()):
+            done |= torch.isin(token.squeeze(-1), self.stop_ids) | (budget <= step + 1)
+            if step + 1 == steps or bool(done.all()):
                 break
             attention = torch.cat([attention, ones], dim=-1)
             out = self.model(

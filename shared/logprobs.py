@@ -85,12 +85,15 @@ def completion_logprobs(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    scored: Sequence[Sequence[bool] | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs [B, T] of each completion token given its prompt (T: the longest completion; 0 past a row's
     end), and a float mask [B, T] of real tokens. One forward pass over the packed rows; differentiable with
-    respect to the model's parameters. The model's LM head is swapped for the pass: hold the model alone."""
+    respect to the model's parameters. The model's LM head is swapped for the pass: hold the model alone.
+    `scored`: per row, the completion positions to score (a tool-using rollout's model tokens: its environment
+    tokens are context only, 0 in the mask and the log-probs); None, or a row's None: all of them."""
     filters = Filters(temperature, top_p, top_k, min_p)
-    logprobs, _, mask = _packed_logprobs(model, prompt_ids, completion_ids, filters, entropy=False)
+    logprobs, _, mask = _packed_logprobs(model, prompt_ids, completion_ids, filters, entropy=False, scored=scored)
     return logprobs, mask
 
 
@@ -103,12 +106,15 @@ def completion_logprobs_and_power_sums(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    scored: Sequence[Sequence[bool] | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """completion_logprobs' log-probs and mask, and log sum_y q(y)^a [B, T, len(orders)] of the sampling distribution
-    q at each completion token for each order a (no gradient; 0 past a row's end), from the same forward pass: what a
-    test of how the tokens were sampled needs (hub/trust/sampling.py)."""
+    q at each completion token for each order a (no gradient; 0 past a row's end or where not `scored`), from the
+    same forward pass: what a test of how the tokens were sampled needs (hub/trust/sampling.py)."""
     filters = Filters(temperature, top_p, top_k, min_p)
-    logprobs, sums, mask = _packed_logprobs(model, prompt_ids, completion_ids, filters, entropy=False, orders=tuple(orders))
+    logprobs, sums, mask = _packed_logprobs(
+        model, prompt_ids, completion_ids, filters, entropy=False, orders=tuple(orders), scored=scored
+    )
     return logprobs, mask, sums
 
 
@@ -120,11 +126,12 @@ def completion_logprobs_and_entropy(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    scored: Sequence[Sequence[bool] | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """completion_logprobs' log-probs and mask, and the entropy [B, T] (nats, no gradient) of the sampling
-    distribution at each completion token, from the same forward pass (0 past a row's end)."""
+    distribution at each completion token, from the same forward pass (0 past a row's end or where not `scored`)."""
     filters = Filters(temperature, top_p, top_k, min_p)
-    logprobs, entropy, mask = _packed_logprobs(model, prompt_ids, completion_ids, filters, entropy=True)
+    logprobs, entropy, mask = _packed_logprobs(model, prompt_ids, completion_ids, filters, entropy=True, scored=scored)
     return logprobs, mask, entropy
 
 
@@ -145,7 +152,7 @@ class Filters:
 class PackedRows:
     """Rows packed into bins: each row's prompt and completion (its last token left out: it predicts nothing
     asked for) at position ids from 0, rows back to back in a bin, each bin's tail a run of padding that starts
-    at 0 again. `keep` indexes the flattened [bins, width] positions whose next token is a completion token,
+    at 0 again. `keep` indexes the flattened [bins, width] positions whose next token is a scored completion token,
     `targets` those tokens, `slots` where each lands in the flattened [rows, longest completion] output."""
 
     input_ids: Tensor  # [bins, bin width]
@@ -158,27 +165,19 @@ class PackedRows:
 
 
 def pack_rows(
-    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], bin_tokens: int | None = None
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    bin_tokens: int | None = None,
+    scored: Sequence[Sequence[bool] | None] | None = None,
 ) -> PackedRows:
     """The rows in bins of max(bin_tokens, the longest row) tokens, first fit, longest first (None: one bin
-    holding every row). A row with an empty completion contributes nothing."""
-    if len(prompt_ids) != len(completion_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
-    if any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("empty prompt")
+    holding every row). A row with an empty completion contributes nothing. `scored`: per row, which completion
+    tokens are targets (None, or a row's None: all); the others are context only."""
+    picks = _checked_rows(prompt_ids, completion_ids, scored)
     width = max((len(c) for c in completion_ids), default=0)
     lengths = {row: len(p) + len(c) - 1 for row, (p, c) in enumerate(zip(prompt_ids, completion_ids)) if c}
     capacity = sum(lengths.values()) if bin_tokens is None else max(bin_tokens, max(lengths.values(), default=0))
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for row in sorted(lengths, key=lambda r: (-lengths[r], r)):
-        fits = next((b for b, free in enumerate(room) if free >= lengths[row]), None)
-        if fits is None:
-            bins.append([])
-            room.append(capacity)
-            fits = len(bins) - 1
-        bins[fits].append(row)
-        room[fits] -= lengths[row]
+    bins = _first_fit(lengths, capacity)
     ids = torch.zeros((len(bins), capacity), dtype=torch.long)
     positions = torch.zeros((len(bins), capacity), dtype=torch.long)
     keep: list[int] = []
@@ -191,13 +190,46 @@ def pack_rows(
             stop = start + lengths[row]
             ids[b, start:stop] = torch.tensor([*prompt, *completion[:-1]], dtype=torch.long)
             positions[b, start:stop] = torch.arange(lengths[row])
-            keep.extend(range(b * capacity + start + len(prompt) - 1, b * capacity + stop))
-            targets.extend(completion)
-            slots.extend(range(row * width, row * width + len(completion)))
+            # Completion token i is predicted at `first` + i, and lands at row * width + i.
+            first = b * capacity + start + len(prompt) - 1
+            pick = picks[row]
+            at = range(len(completion)) if pick is None else [i for i, wanted in enumerate(pick) if wanted]
+            keep.extend(first + i for i in at)
+            targets.extend(completion[i] for i in at)
+            slots.extend(row * width + i for i in at)
             start = stop
         positions[b, start:] = torch.arange(capacity - start)
     as_long = lambda values: torch.tensor(values, dtype=torch.long)
     return PackedRows(ids, positions, as_long(keep), as_long(targets), as_long(slots), len(prompt_ids), width)
+
+
+def _checked_rows(
+    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], scored: Sequence[Sequence[bool] | None] | None
+) -> list[Sequence[bool] | None]:
+    """pack_rows' rows as it can take them (ValueError naming what it cannot): each row's `scored`."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    picks: list[Sequence[bool] | None] = [None] * len(prompt_ids) if scored is None else list(scored)
+    if len(picks) != len(prompt_ids) or any(p is not None and len(p) != len(c) for p, c in zip(picks, completion_ids)):
+        raise ValueError("scored must name each row's completion positions")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("empty prompt")
+    return picks
+
+
+def _first_fit(lengths: dict[int, int], capacity: int) -> list[list[int]]:
+    """The rows (row -> tokens) in bins of `capacity` tokens: first fit, longest first."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(lengths, key=lambda r: (-lengths[r], r)):
+        fits = next((b for b, free in enumerate(room) if free >= lengths[row]), None)
+        if fits is None:
+            bins.append([])
+            room.append(capacity)
+            fits = len(bins) - 1
+        bins[fits].append(row)
+        room[fits] -= lengths[row]
+    return bins
 
 
 def _packed_logprobs(
@@ -207,13 +239,14 @@ def _packed_logprobs(
     filters: Filters,
     entropy: bool,
     orders: tuple[float, ...] = (),
+    scored: Sequence[Sequence[bool] | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probs, mask, each [B, T], and between them the entropy [B, T] (zeros unless asked), or with `orders` the
-    log power sums [B, T, len(orders)] (_Chunk)."""
+    log power sums [B, T, len(orders)] (_Chunk); only `scored` positions (pack_rows) are in the mask."""
     # A varlen kernel attends within each packed row only, so one bin holds them all; a dense one (sdpa, eager)
     # computes every pair of a bin's tokens and masks most, so bins stay as long as the longest row.
     varlen = getattr(model.config, "_attn_implementation", None) in VARLEN_ATTENTION
-    packed = pack_rows(prompt_ids, completion_ids, None if varlen else 0)
+    packed = pack_rows(prompt_ids, completion_ids, None if varlen else 0, scored)
     device = next(model.parameters()).device
     size = packed.rows * packed.width
     slots = packed.slots.to(device)

@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from shared.rollout import MAX_VERSION, Completion, SamplingParams
+from shared.rollout import MAX_ENV_SEGMENTS, MAX_VERSION, Completion, SamplingParams
 from shared.staleness import StalenessMove
 from shared.units import duration
 from shared.wire import Message, protocol_id
@@ -53,7 +53,10 @@ LEFT_REASON = "left: the node stopped"  # the detail of the release a leave brin
 # the protocol and retries, as after a crash; a hub without it never tells, and a hub that crashes cannot.
 RUN_OVER_PROTOCOL = protocol_id("run_over")
 RUN_OVER_REASON = "left: the run is over"  # the detail of the leave a run's end brings each of its nodes
-SESSION_REQUESTS = (HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, PRICE_PROTOCOL)
+# Added in a minor step: a node holding a multi-turn lease (Lease.tools) sends its rollouts' model turns (TurnRequest)
+# and reads back the environment's tokens to append (TurnReply); on the node's session (SESSION_REQUESTS).
+TURN_PROTOCOL = protocol_id("turn")
+SESSION_REQUESTS = (HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, PRICE_PROTOCOL, TURN_PROTOCOL)
 SESSION_IDLE_S = 120.0  # the hub ends a session that waited this long for its next request
 SESSIONS_PER_PEER = 4  # sessions a node may hold open at once; the hub refuses more as busy
 
@@ -217,6 +220,7 @@ class GroupReason(StrEnum):
     COPY = "copy"
     REWARD_BUDGET = "reward_budget"
     REWARD_FAILED = "reward_failed"
+    ENVIRONMENT = "environment"
 
 
 # What each reason means, for people (the node's summary and dashboard, `echo-hub status`).
@@ -229,6 +233,7 @@ GROUP_REASON_TEXT: dict[GroupReason, str] = {
     GroupReason.COPY: "it repeats earlier work at odds honest sampling would not reach in the whole run",
     GroupReason.REWARD_BUDGET: "the task's reward ran past its CPU budget on its text",
     GroupReason.REWARD_FAILED: "the task's reward failed on its text",
+    GroupReason.ENVIRONMENT: "its tool answers differ from what the hub sent (a cheat's: its node is banned)",
 }
 MAX_REASONS = 32  # reasons one count may name: GroupReason's, and room for those a newer hub adds
 # A reason as it travels: one of GroupReason's values, or a newer hub's, shown as sent (the pattern makes it safe to).
@@ -296,7 +301,7 @@ class JoinReply(Message):
         None,
         min_length=1,
         max_length=MAX_STOP_IDS,
-        description="the ids that end a completion: every EOS of the hub's model (shared.generation.model_stop_ids), which its checks accept and nothing else",
+        description="the ids that end a completion: every EOS of the hub's model (shared.model_identity: its stop ids), which its checks accept and nothing else",
     )
 
 
@@ -469,6 +474,18 @@ class LeasePrompt(Message):
     text: str = Field(max_length=60_000)
 
 
+class ToolUse(BaseModel):
+    """A multi-turn lease's terms: each rollout's model turns go to the hub (TURN_PROTOCOL), which answers with the
+    tokens of its tools' or environment's reply, until it says the rollout is done. The lease's
+    sampling.max_new_tokens caps a rollout's model and environment tokens together (TRL's max_completion_length)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tool_calls: int = Field(
+        ge=1, le=MAX_ENV_SEGMENTS, description="rounds of tool calls a rollout may run (TRL's max_tool_calling_iterations)"
+    )
+
+
 class Lease(Message):
     """Work for one node: answer every prompt with group_size completions, once, before the deadline."""
 
@@ -480,6 +497,72 @@ class Lease(Message):
     sampling: SamplingParams
     min_version: int = Field(ge=0, description="oldest policy version the hub will still accept")
     deadline_s: float = Field(gt=0.0, description="seconds from issue until the lease expires")
+    tools: ToolUse | None = Field(None, description="multi-turn: the rollouts call the hub's tools (None: single-turn)")
+
+
+# A multi-turn lease's turns (TURN_PROTOCOL). Every number is bounded here, before the hub reads a rollout's key.
+TURNS_PER_REQUEST_MAX = 1024  # rollouts' turns one request carries
+TURN_TOKENS_MAX = 65536  # a turn's tokens, and a reply's environment tokens per rollout: SamplingParams' max_new_tokens
+TOKEN_ID_JSON_BYTES = 11  # a token id below MAX_TOKEN_ID (<= 10 digits) and its comma
+TURN_JSON_BYTES = 512  # a turn's or an answer's keys, brackets, prompt id (at its longest, escaped) and index
+
+
+class RolloutTurn(BaseModel):
+    """One rollout's model turn: its token ids as sampled, the stop token included when it stopped on one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt_id: str = Field(max_length=200)
+    index: int = Field(ge=0, lt=256, description="the completion's place in its group (0 .. group_size - 1)")
+    token_ids: tuple[Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)], ...] = Field(min_length=1, max_length=TURN_TOKENS_MAX)
+
+
+class TurnRequest(Message):
+    """The model turns of a lease's rollouts that are not done yet, one per rollout."""
+
+    TYPE: ClassVar[int] = 47
+    MAX_BYTES: ClassVar[int] = 16 * MIB
+    lease_id: str = Field(max_length=64)
+    turns: tuple[RolloutTurn, ...] = Field(min_length=1, max_length=TURNS_PER_REQUEST_MAX)
+
+    @model_validator(mode="after")
+    def _one_turn_a_rollout(self) -> TurnRequest:
+        if len({(t.prompt_id, t.index) for t in self.turns}) != len(self.turns):
+            raise ValueError("two turns of one rollout in one request")
+        return self
+
+
+class RolloutAnswer(BaseModel):
+    """What one rollout does next: append `env_ids` and generate again, or stop (`done`; `end`: why it was cut short)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt_id: str = Field(max_length=200)
+    index: int = Field(ge=0, lt=256)
+    env_ids: tuple[Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)], ...] = Field((), max_length=TURN_TOKENS_MAX)
+    done: bool = False
+    end: str | None = Field(None, pattern=r"^[a-z][a-z_]{0,31}$", description="shared.tools.RolloutEnd's value, if any")
+
+    @model_validator(mode="after")
+    def _done_or_more(self) -> RolloutAnswer:
+        if self.done == bool(self.env_ids):
+            raise ValueError("an answer either ends its rollout or carries tokens to append, not both or neither")
+        return self
+
+
+class TurnReply(Message):
+    """The answers to a TurnRequest's turns, in its order."""
+
+    TYPE: ClassVar[int] = 48
+    MAX_BYTES: ClassVar[int] = 16 * MIB
+    answers: tuple[RolloutAnswer, ...] = Field(max_length=TURNS_PER_REQUEST_MAX)
+
+
+def turns_per_request(max_new_tokens: int) -> int:
+    """The most turns one TurnRequest may carry under a lease of `max_new_tokens`: its reply, every answer at the
+    rollout's whole budget, must fit TurnReply.MAX_BYTES (the hub refuses a request with more)."""
+    answer = TURN_JSON_BYTES + max_new_tokens * TOKEN_ID_JSON_BYTES
+    return max(1, min(TURNS_PER_REQUEST_MAX, (TurnReply.MAX_BYTES - TURN_JSON_BYTES) // answer))
 
 
 class LeaseReply(Message):
@@ -634,6 +717,8 @@ class EventRecord(Message):
 
 # Warnings for the operator a HubStatus carries at most (the hub keeps shared.logs.OPERATOR_LINES_KEPT).
 OPERATOR_WARNINGS_MAX = 50
+# The newest of them shown on the dashboard and by `echo-hub status` (the progress line ends with the newest one).
+WARNINGS_SHOWN = 3
 
 # The learner steps the rollout reward shown live is averaged over (one step's rollouts are a noisy sample).
 RECENT_REWARD_STEPS = 10
@@ -744,6 +829,10 @@ class HubStatus(Message):
             return "-"
         mean, steps = found
         return f"{mean:.{digits}f} (last {f'{steps} steps' if steps > 1 else 'step'})"
+
+    def newest_warnings(self, limit: int = WARNINGS_SHOWN) -> list[EventRecord]:
+        """The newest `limit` warnings for the operator, newest first."""
+        return sorted(self.warnings, key=lambda w: w.at, reverse=True)[:limit]
 
     def broadcast_bytes_text(self) -> str:
         """What one broadcast ships: "snapshot 4.2 MB, delta 0.31 MB (7.4%)"."""
@@ -920,6 +1009,7 @@ class NodeView(Message):
     unanswered: int = Field(
         0, ge=0, description="answers the hub never replied to (lost on the way, or cut off by the stop): maybe paid, not counted"
     )
+    run_over: RunOver | None = Field(None, description="the end of the hub's run that stopped this node (None: none did)")
 
     def unpaid(self) -> list[str]:
         """What went unpaid and why, a line each (the node's exit summary and its dashboard): late groups with the

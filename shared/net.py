@@ -258,6 +258,18 @@ class ConnectionStarts(QuietNotifee):
         self._started.pop(conn, None)
 
 
+# How often `until_hung_up` looks at the peer's connections.
+HUNG_UP_POLL_S = 0.05
+
+
+async def until_hung_up(host: IHost, peer: str, at_most_s: float) -> None:
+    """Return once `peer` has no connection to `host` left, or after `at_most_s`."""
+    peer_id = ID.from_base58(peer)
+    with trio.move_on_after(at_most_s):
+        while host.get_network().get_connections(peer_id):
+            await trio.sleep(HUNG_UP_POLL_S)
+
+
 async def forget_peer(host: IHost, peer: ID) -> None:
     """Close every connection to `peer` and drop what the peerstore holds of it (a peer it never recorded, one
     that never answered identify, included)."""

@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FinishReason = Literal["stop", "length"]
 # vLLM clamps lower temperatures to this (greedy-like), so the log-probs it reports would not be those of
@@ -16,6 +16,9 @@ MIN_TEMPERATURE = 0.01
 SEED_LIMIT = 2**31  # seeds every engine accepts
 # Versions are learner steps: far below SQLite's 64-bit INTEGER, which a hostile number must never reach.
 MAX_VERSION = 2**53
+# Environment segments one completion may hold: a tool-using rollout's answered rounds (hub.agents.loop caps them
+# lower, at the run's max_tool_calls).
+MAX_ENV_SEGMENTS = 256
 
 
 class SamplingParams(BaseModel):
@@ -45,6 +48,55 @@ class Completion(BaseModel):
     finish_reason: FinishReason
     version: int = Field(ge=0, le=MAX_VERSION, description="policy version that produced it")
     text: str = Field(description="decoded completion without special tokens")
+    env_spans: tuple[tuple[int, int], ...] = Field(
+        (),
+        max_length=MAX_ENV_SEGMENTS,
+        description="(start, length) in token_ids of each environment segment: tool answers the hub sent, never sampled (log-prob 0.0); none: single-turn",
+    )
+
+    @model_validator(mode="after")
+    def _spans_between_model_turns(self) -> Completion:
+        """Each environment segment non-empty, inside token_ids, after a model turn and before the next: a rollout
+        starts and ends with tokens the model sampled."""
+        end = 0
+        for start, length in self.env_spans:
+            if start <= end or length < 1 or start + length >= len(self.token_ids):
+                raise ValueError(f"environment segment ({start}, {length}) is not between two model turns")
+            end = start + length
+        return self
+
+    def model_positions(self) -> list[bool]:
+        """Per token: sampled by the model (True) or sent by the hub's environment (False)."""
+        sampled = [True] * len(self.token_ids)
+        for start, length in self.env_spans:
+            sampled[start : start + length] = [False] * length
+        return sampled
+
+    def env_segments(self) -> list[tuple[int, ...]]:
+        """The environment segments' token ids, in order."""
+        return [self.token_ids[start : start + length] for start, length in self.env_spans]
+
+    def model_turns(self) -> list[tuple[int, int]]:
+        """(start, stop) in token_ids of each model turn: the runs of sampled tokens before each environment
+        segment, and the last one."""
+        turns, start = [], 0
+        for span_start, length in self.env_spans:
+            turns.append((start, span_start))
+            start = span_start + length
+        turns.append((start, len(self.token_ids)))
+        return turns
+
+    def model_token_ids(self) -> tuple[int, ...]:
+        """The sampled tokens alone, in order (token_ids itself for a single-turn completion)."""
+        if not self.env_spans:
+            return self.token_ids
+        return tuple(token for start, stop in self.model_turns() for token in self.token_ids[start:stop])
+
+    def model_logprobs(self) -> tuple[float, ...]:
+        """The sampled tokens' log-probs alone, in order (logprobs itself for a single-turn completion)."""
+        if not self.env_spans:
+            return self.logprobs
+        return tuple(lp for start, stop in self.model_turns() for lp in self.logprobs[start:stop])
 
 
 class Group(BaseModel):
@@ -68,6 +120,14 @@ class Group(BaseModel):
         (),
         description="per reward function of the task: its name and values (None: it does not apply), then each number a verl dict held beside its score as <function>/<key>; the hub's own scores",
     )
+
+
+def scored_positions(completions: Sequence[Completion]) -> list[list[bool] | None] | None:
+    """Per completion, the positions whose log-probs are scored (its model tokens; None: all of them, a single-turn
+    one), as shared.logprobs takes them; None when none holds environment tokens."""
+    if not any(c.env_spans for c in completions):
+        return None
+    return [c.model_positions() if c.env_spans else None for c in completions]
 
 
 def engine_seed(configured: int | None) -> int:

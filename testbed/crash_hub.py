@@ -25,6 +25,7 @@ from node.hf_engine import HFEngine
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
 from shared.layout import HUB_KEY_FILE
+from shared.model_identity import load_model_identity
 from shared.rollout import SamplingParams
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
@@ -38,11 +39,12 @@ def main() -> None:
     # Built as `echo-hub start` builds it (the default task: reverse); its shelf stays empty, as no service runs.
     config = HubConfig(learner=CONFIG, sampling=SAMPLING, data_dir=data_dir)
     # The learner below keeps the window leases read in the state's measurements, as `echo-hub start`'s does.
-    core = build_hub_state(config, model_dir, SnapshotShelf(keep=CONFIG.staleness + 1))
+    model = load_model_identity(model_dir)
+    core = build_hub_state(config, model, SnapshotShelf(keep=CONFIG.staleness + 1))
     state = core.state
     send, receive = trio.open_memory_channel(64)
     learner = LearnerComponent(
-        CONFIG, SAMPLING, model_dir, data_dir, state, Identity.load_or_create(data_dir / HUB_KEY_FILE), send, steps, 1 << 20
+        CONFIG, SAMPLING, model, data_dir, state, Identity.load_or_create(data_dir / HUB_KEY_FILE), send, steps, 1 << 20
     )
     (data_dir / f"refill-{os.getpid()}.json").write_text(json.dumps(state.buffer.row_ids()))
     rollouts = LocalRollouts(

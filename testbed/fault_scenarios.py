@@ -112,6 +112,10 @@ class HubDB:
     def paid(self, node_id: str) -> float:
         return float(self.query("SELECT COALESCE(SUM(usd), 0) FROM ledger WHERE node_id = ? AND voided = 0", (node_id,))[0][0])
 
+    def groups_of(self, lease_id: str) -> int:
+        """Groups recorded against a lease, whatever their verdict."""
+        return self.query("SELECT COUNT(*) FROM trajectories WHERE lease_id = ?", (lease_id,))[0][0]
+
     def shown_cost(self, node_id: str) -> float | None:
         """The node's cost in the hub's status.json, or None before the node appears there."""
         path = self.data_dir / HUB_STATUS_FILE
@@ -387,12 +391,14 @@ async def scenario_replay(x: Client, control: Client, db: HubDB, attempts: int) 
         first = await x.submit(answer, deadline=time.monotonic() + lease.deadline_s)
         if accepted_of(first) == 0:
             raise RuntimeError(f"honest first answer refused: {first!r}")
-        paid_once = db.paid(x.peer_id)
-        # The same signed bytes again (Ed25519 signatures are deterministic).
+        paid_once, groups_once = db.paid(x.peer_id), db.groups_of(lease.lease_id)
+        # The same signed bytes again (Ed25519 signatures are deterministic): for all the hub knows the node's own
+        # answer sent again, its reply lost. Caught when it is refused, or given the first reply and nothing more.
         reply = await x.submit(answer, deadline=time.monotonic() + lease.deadline_s)
+        more = db.groups_of(lease.lease_id) - groups_once
         r.attempts += 1
-        r.detected += refused(reply)
-        r.accepted += accepted_of(reply)
+        r.detected += refused(reply) or (reply == first and more == 0)
+        r.accepted += more
         r.paid += db.paid(x.peer_id) - paid_once
         r.false_rejections += await control.honest_round()
     return r

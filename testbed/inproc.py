@@ -25,6 +25,7 @@ from hub.training.loop import LearnerComponent
 from shared.crypto import Identity
 from shared.layout import SNAPSHOTS_DIR
 from shared.messages import SUBMIT_PROTOCOL
+from shared.model_identity import load_model_identity
 from shared.model_io import build_snapshot
 from shared.net import running_host
 
@@ -70,7 +71,8 @@ class LearnerAt:
 
 def open_core(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, learner: LearnerAt) -> HubCore:
     """The hub's state over DATA_DIR's store, built as `echo-hub start` builds it, its learner `learner`."""
-    return build_hub_state(config.model_copy(update={"data_dir": Path(data_dir)}), Path(model_dir), shelf, learner)
+    model = load_model_identity(Path(model_dir))
+    return build_hub_state(config.model_copy(update={"data_dir": Path(data_dir)}), model, shelf, learner)
 
 
 def open_state(data_dir: Path, model_dir: Path, config: HubConfig, shelf: SnapshotShelf, learner: LearnerAt) -> HubState:
@@ -168,6 +170,9 @@ async def inproc_hub(
         hub.publish(0)
         try:
             async with trio.open_nursery() as nursery:
+                if state.agents is not None:  # a tool-using run's sandbox, as hub/cli/run.py starts it
+                    await state.agents.start()
+                    nursery.start_soon(state.agents.run)
                 for run in (state.run, service.run, scheduler_off(config, state).run):
                     nursery.start_soon(run)
                 while SUBMIT_PROTOCOL not in host.get_mux().handlers:
@@ -175,6 +180,8 @@ async def inproc_hub(
                 yield hub
                 nursery.cancel_scope.cancel()
         finally:
+            if state.agents is not None:
+                state.agents.stop()
             state.store.close()
 
 

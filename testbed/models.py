@@ -40,12 +40,13 @@ def random_model_dir(
     tokenizer_dir: Path | None = None,
     seed: int = 0,
     tie_word_embeddings: bool = True,
+    context: int = 256,
 ) -> Path:
     """A random-init causal LM of `arch` saved with save_pretrained (and the default model's tokenizer) in
     `out_dir`: what an operator's `--model DIR` holds, built locally from the config class, no download.
 
     The MLP is 8/3 x hidden (as Llama sizes it) and heads are 64 wide (2 KV heads: grouped-query
-    attention), so parameters are about 12 x hidden^2 per layer plus the embedding.
+    attention), so parameters are about 12 x hidden^2 per layer plus the embedding. `context`: its positions.
     """
     import torch
     from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
@@ -63,7 +64,7 @@ def random_model_dir(
         num_attention_heads=heads,
         num_key_value_heads=min(2, heads),
         head_dim=hidden // heads,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -30,6 +30,7 @@ from shared.messages import (
     SNAPSHOT_PROTOCOL,
     STATUS_PROTOCOL,
     SUBMIT_PROTOCOL,
+    TURN_PROTOCOL,
     BadChunkReport,
     Heartbeat,
     JoinRequest,
@@ -43,6 +44,7 @@ from shared.messages import (
     SnapshotRequest,
     StatusRequest,
     Submission,
+    TurnRequest,
 )
 from shared.net import connect, open_stream
 from shared.wire import HEADER, libp2p_end_of_stream
@@ -63,6 +65,7 @@ REQUESTS: dict[str, type[Message]] = {
     PRICE_PROTOCOL: PriceChange,
     LEAVE_PROTOCOL: Leave,
     RUN_OVER_PROTOCOL: RunOver,
+    TURN_PROTOCOL: TurnRequest,
 }
 # The protocols nodes serve and the hub does not: a stranger probing the hub finds them not negotiated.
 NODE_PROTOCOLS = frozenset({RELAY_PROTOCOL, RUN_OVER_PROTOCOL})

@@ -77,18 +77,19 @@ def test_resume_goes_on_at_the_s_in_force(tmp_path: Path):
     from hub.training.loop import LearnerComponent
     from shared.crypto import Identity
     from shared.default_model import ensure_default_model
+    from shared.model_identity import load_model_identity
     from shared.rollout import SamplingParams
     from shared.tasks.reverse import ReverseTask
 
     torch.set_num_threads(1)
-    model_dir = ensure_default_model(progress=False)
+    model = load_model_identity(ensure_default_model(progress=False))
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4)
 
     def learner_on(data_dir: Path, staleness_max: int) -> LearnerComponent:
         cfg = LearnerConfig(staleness="auto", staleness_max=staleness_max, prompts_per_step=2, group_size=2)
         state = HubState(Store(data_dir / "hub.db"), HubConfig(learner=cfg, sampling=sampling), ReverseTask())
         send, _ = trio.open_memory_channel(1)
-        return LearnerComponent(cfg, sampling, model_dir, data_dir, state, Identity.generate(), send, 10, 1 << 20)
+        return LearnerComponent(cfg, sampling, model, data_dir, state, Identity.generate(), send, 10, 1 << 20)
 
     fresh = learner_on(tmp_path / "fresh", 4)
     assert (fresh.staleness, fresh.kappa) == (1, 1)

@@ -14,6 +14,7 @@ from hub.records.snapshots import SnapshotShelf
 from hub.trust.audit import Auditor
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
+from shared.model_identity import load_model_identity
 from shared.model_io import build_snapshot, model_dir_config_hash
 from shared.rollout import Group, SamplingParams
 from shared.tasks.reverse import ReverseTask
@@ -52,7 +53,7 @@ def test_snapshot_install_and_audit_for_each_architecture(tmp_path, arch, dtype)
 
     prompts = ReverseTask().sample(random.Random(1), 3)
     outputs = engine.generate([p.text for p in prompts], 4, SAMPLING)
-    auditor = Auditor(model_dir, shelf, SAMPLING, TrustConfig(), dtype)
+    auditor = Auditor(load_model_identity(model_dir), shelf, SAMPLING, TrustConfig(), dtype)
     for prompt, completions in zip(prompts, outputs):
         group = Group(
             prompt_id=prompt.id,

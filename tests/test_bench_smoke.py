@@ -100,6 +100,125 @@ def test_the_learner_bench_refuses_flex_attention_off_cuda_in_one_line(capsys):
     assert "--attention flex_attention trains on CUDA only" in capsys.readouterr().err
 
 
+def test_e2e_against_trl_smoke(default_model_dir, tmp_path, capsys):
+    """Two steps of TRL's GRPOTrainer, then two of `echo-hub start` with one node, on the embedded default: the
+    promised JSON, both sides trained (a row per step, completions generated, a policy evaluated per step) on the
+    recipe of echo2's own defaults. The S = 0 run is the same command with --staleness 0: left out for time."""
+    pytest.importorskip("trl")
+    from hub.config import HubConfig
+
+    plot = tmp_path / "e2e.png"
+    args = [
+        "--steps",
+        "2",
+        "--nodes",
+        "1",
+        "--eval-every",
+        "1",
+        "--eval-prompts",
+        "8",
+        "--eval-samples",
+        "1",
+        "--trl-threads",
+        "1",
+    ]
+    out = load_bench("e2e").main(["--against", "trl", "--json", "--no-s0", *args, "--plot", str(plot)])
+    assert printed_json(capsys) == json.loads(json.dumps(out))
+    assert plot.stat().st_size > 0
+    assert out["recipe"] == load_bench("trl_grpo").recipe(HubConfig()) and out["setup"] == "default"
+    assert {"target_heldout", "time_to_trl_final_ratio", "heldout_gap"} <= out.keys() and "echo2_s0" not in out
+    assert out["target_heldout"] == pytest.approx(out["trl"]["heldout_final"] - out["tolerance"])
+    for name in ("trl", "echo2"):
+        side = out[name]
+        assert [row["step"] for row in side["steps"]] == [1, 2] and side["steps_done"] == 2
+        assert [point["step"] for point in side["heldout"]] == [0, 1, 2]
+        assert all(0.0 <= point["accuracy"] <= 1.0 for point in side["heldout"])
+        assert side["heldout_final"] == side["heldout"][-1]["accuracy"]
+        assert 0 < side["first_step_s"] <= side["train_s"] <= side["wall_s"]
+        assert side["generated_tokens"] > 0 and side["generated_tokens_per_s"] > 0
+    # The starting model is evaluated once, for both: the same prompts, sampler and seed.
+    assert out["trl"]["heldout"][0] == out["echo2"]["heldout"][0]
+
+
+def test_trl_gets_echo2s_recipe_under_its_own_names(tmp_path):
+    """A recipe unlike the defaults reaches GRPOConfig whole: each value under TRL's name, the batch as prompts x
+    group size; and its flags are echo-hub start's, which read back the same recipe."""
+    trl = pytest.importorskip("trl")
+    from hub.config import HubConfig, LearnerConfig
+    from shared.rollout import SamplingParams
+
+    grpo = load_bench("trl_grpo")
+    learner = LearnerConfig(
+        lr=1e-5,
+        lr_scheduler="cosine",
+        warmup_ratio=0.1,
+        weight_decay=0.01,
+        grad_clip=0.5,
+        group_size=4,
+        prompts_per_step=3,
+        eps_low=0.1,
+        eps_high=0.3,
+        beta=0.04,
+        loss_type="grpo",
+        seed=7,
+        advantage_scale="batch",
+    )
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_new_tokens=32)
+    config = HubConfig(learner=learner, sampling=sampling)
+    args = trl.GRPOConfig(**grpo.grpo_settings(config), output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert (args.learning_rate, args.lr_scheduler_type, args.get_warmup_steps(100), args.weight_decay) == (
+        1e-5,
+        "cosine",
+        10,
+        0.01,
+    )
+    assert (args.max_grad_norm, args.num_generations, args.per_device_train_batch_size) == (0.5, 4, 12)
+    assert (args.epsilon, args.epsilon_high, args.beta, args.loss_type, args.scale_rewards) == (0.1, 0.3, 0.04, "grpo", "batch")
+    assert (args.temperature, args.top_p, args.top_k, args.min_p, args.max_completion_length) == (0.7, 0.9, 20, 0.05, 32)
+    assert (args.seed, args.num_iterations, args.gradient_checkpointing) == (7, 1, False)
+    assert grpo.recipe(grpo.hub_config(grpo.recipe_flags(config))) == grpo.recipe(config)
+
+
+def test_e2e_times_each_side_to_trls_final_heldout_accuracy():
+    e2e = load_bench("e2e")
+    point = lambda step, t_s, accuracy: {"step": step, "t_s": t_s, "accuracy": accuracy, "reward": accuracy}
+    out = {
+        "trl": {"heldout": [point(0, 0.0, 0.2), point(10, 50.0, 0.5), point(20, 100.0, 0.6)], "heldout_final": 0.6},
+        "echo2": {"heldout": [point(0, 0.0, 0.2), point(10, 20.0, 0.58), point(20, 40.0, 0.7)], "heldout_final": 0.7},
+        "echo2_s0": {"heldout": [point(0, 0.0, 0.2), point(10, 30.0, 0.4), point(20, 60.0, 0.5)], "heldout_final": 0.5},
+    }
+    result = e2e.comparison(out, 0.03)
+    # The target is TRL's final 0.6 less 0.03: TRL reached it at its end (100 s), echo2 at step 10 (20 s), S = 0 never.
+    assert result["target_heldout"] == 0.57
+    assert (out["trl"]["time_to_trl_final_s"], out["echo2"]["step_to_trl_final"]) == (100.0, 10)
+    assert out["echo2_s0"]["time_to_trl_final_s"] is None
+    assert result["time_to_trl_final_ratio"] == 0.2 and result["time_to_trl_final_ratio_s0"] is None
+    assert result["heldout_gap"] == 0.1 and result["heldout_gap_s0"] == -0.1
+
+
+def test_the_user_setups_reward_scores_trls_conversational_completions(tmp_path):
+    """bench/e2e.py --setup user: the reward function as TRL and the hub call it, and the files it trains on."""
+    from shared.tasks.split import is_held_out
+
+    setup = load_bench("user_setup")
+    prompts = [[{"role": "user", "content": "abc"}]] * 2
+    completions = [[{"role": "assistant", "content": "cba"}], [{"role": "assistant", "content": "abc"}]]
+    assert setup.reversed_word(prompts, completions, answer=["cba", "cba"], trainer_state=None) == [1.0, 0.0]
+    flags, dataset, reward = setup.build(tmp_path, 0.05)
+    rows = {
+        name: [json.loads(line) for line in (tmp_path / name).read_text().splitlines()] for name in ("train.jsonl", "test.jsonl")
+    }
+    assert (
+        dataset == tmp_path / "train.jsonl" and reward in flags and flags[flags.index("--eval-task") + 1].endswith("test.jsonl")
+    )
+    # The reverse task's words, its held-out split apart: no word on both sides.
+    words = {name: {row["prompt"][0]["content"] for row in part} for name, part in rows.items()}
+    assert len(words["train.jsonl"]) + len(words["test.jsonl"]) == 4096 and not words["train.jsonl"] & words["test.jsonl"]
+    assert all(is_held_out(w + ">", 0.05) for w in words["test.jsonl"])
+    assert all(row["answer"] == row["prompt"][0]["content"][::-1] for part in rows.values() for row in part)
+    assert "chat_template" in json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+
+
 def test_staleness_bench_smoke(default_model_dir, tmp_path, capsys):
     out = tmp_path / "staleness.png"
     result = load_bench("staleness").main(

@@ -77,6 +77,40 @@ def test_fingerprint_is_the_tokens_alone():
     assert group_fingerprint(base) != group_fingerprint(group([a, b, completion((6, 3), (-3.0, -0.5))]))
 
 
+def with_tool_answer(c: Completion, answer: tuple[int, ...], at: int = 1) -> Completion:
+    """`c` with a tool answer (environment tokens, log-prob 0.0) after its first `at` tokens."""
+    return c.model_copy(
+        update={
+            "token_ids": (*c.token_ids[:at], *answer, *c.token_ids[at:]),
+            "logprobs": (*c.logprobs[:at], *(0.0,) * len(answer), *c.logprobs[at:]),
+            "env_spans": ((at, len(answer)),),
+        }
+    )
+
+
+def test_environment_tokens_are_no_part_of_a_completions_digest_or_surprise():
+    """A tool-using completion is judged on what the model sampled: the hub's tool answers neither make two
+    completions differ nor add to a repeat's odds."""
+    a = completion((5, 7, 2), (-1.0, -2.0, -0.5))
+    b = completion((6, 2), (-3.0, -0.5))
+    plain = group([a, b, b])
+    answered = group([with_tool_answer(a, (9, 9, 1)), with_tool_answer(b, (8,)), with_tool_answer(b, (30, 31))])
+    assert group_fingerprint(answered) == group_fingerprint(plain)
+    assert coincidence_log_prob(answered) == pytest.approx(coincidence_log_prob(plain))
+    # A copy whose tool answers differ (or that drops them) is still a copy, at the same surprise.
+    seen = detector()
+    original = diverse(5)
+    assert seen.check(original, "nodeA", "L1") is None
+    answers = original.model_copy(
+        update={"completions": tuple(with_tool_answer(c, (11, 12 + i)) for i, c in enumerate(original.completions))}
+    )
+    flag = seen.check(answers, "nodeB", "L2")
+    assert flag is not None and flag.exact and flag.repeated == 8
+    plain_flag = detector()
+    assert plain_flag.check(original, "nodeA", "L1") is None
+    assert flag.surprise_nats == pytest.approx(plain_flag.check(original, "nodeB", "L2").surprise_nats)
+
+
 def diverse(seed: int) -> Group:
     """Eight distinct completions of unlikely tokens: a repeat of them is no coincidence."""
     rng = random.Random(seed)

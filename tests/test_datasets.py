@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.model_identity import load_model_identity
 from shared.tasks import DatasetOptions, load_task
 from shared.tasks.base import RewardError, checked_rewards
 from shared.tasks.dataset import DatasetTask
@@ -146,7 +147,9 @@ def test_chat_prompts_are_rendered_with_the_chat_template(tmp_path: Path, defaul
     path = tmp_path / "chat.jsonl"
     rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abc"}]}, {"prompt": "plain"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    task = load_task(str(path), DatasetOptions(reward="reward_funcs:chat_echo", chat=True), model_dir=model)
+    task = load_task(
+        str(path), DatasetOptions(reward="reward_funcs:chat_echo", chat=True), load_model_identity(model).chat_renderer
+    )
     chat, plain = task.prompts()
     assert chat.text == "[system]be brief[user]abc[assistant]"
     assert plain.text == "[user]plain[assistant]"  # chat=True renders a string prompt as one user message
@@ -154,7 +157,9 @@ def test_chat_prompts_are_rendered_with_the_chat_template(tmp_path: Path, defaul
     # A held-out split goes by the messages, not the rendered text (a template may print today's date).
     assert chat.identity != chat.text and json.loads(chat.identity)[1] == {"role": "user", "content": "abc"}
     with pytest.raises(ValueError, match="has no chat template"):
-        load_task(str(path), DatasetOptions(reward="reward_funcs:chat_echo"), model_dir=default_model_dir)
+        load_task(
+            str(path), DatasetOptions(reward="reward_funcs:chat_echo"), load_model_identity(default_model_dir).chat_renderer
+        )
 
 
 @pytest.mark.parametrize(

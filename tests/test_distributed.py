@@ -23,6 +23,7 @@ from hub.training.learner import Learner
 from hub.training.ranks import RankEnv
 from shared.layout import NODE_STATUS_FILE
 from shared.messages import NodeView
+from shared.model_identity import load_model_identity
 from testbed import forked
 from testbed.harness import query, wait_until
 from tests.test_learner import synthetic_groups
@@ -67,7 +68,7 @@ def two_rank_run(rank: int, store: str, model_dir: str, work: str) -> None:
     if rank == 0:
         (Path(work) / "listening.txt").write_text("\n".join(listening_sockets()))
     checkpoint = latest_checkpoint(Path(work) / "single")
-    learner = Learner(Path(model_dir), CFG, SAMPLING, checkpoint, collective, "cpu")
+    learner = Learner(load_model_identity(Path(model_dir)), CFG, SAMPLING, checkpoint, collective, "cpu")
     learner.train_step(synthetic_groups(seed=2), 2)
     state = learner.state_dict()
     learner.save_sharded(Path(work) / "sharded" / "step-00000002" / "dcp")
@@ -82,7 +83,7 @@ def test_two_ranks_train_like_one_process_and_checkpoints_move_between_world_siz
     import torch.multiprocessing as mp
 
     torch.set_num_threads(1)
-    single = Learner(default_model_dir, CFG, SAMPLING)
+    single = Learner(load_model_identity(default_model_dir), CFG, SAMPLING)
     single.train_step(synthetic_groups(seed=1), 1)
     save_checkpoint(tmp_path / "single", 1, 1, single.model, single.tokenizer, single.optimizer)
     single.train_step(synthetic_groups(seed=2), 2)
@@ -105,7 +106,7 @@ def test_two_ranks_train_like_one_process_and_checkpoints_move_between_world_siz
     (tmp_path / "sharded" / "step-00000002" / "state.json").write_text('{"step": 2, "version": 2}')
     info = latest_checkpoint(tmp_path / "sharded")
     assert info.sharded
-    resumed = Learner(default_model_dir, CFG, SAMPLING, info)
+    resumed = Learner(load_model_identity(default_model_dir), CFG, SAMPLING, info)
     assert max_diff(gathered, weights(resumed)) == 0.0
     steps = {int(s["step"]) for s in resumed.optimizer.state_dict()["state"].values()}
     assert steps == {2}
@@ -116,7 +117,7 @@ def gpu_rank(rank: int, world: int, store: str, model_dir: str, work: str) -> No
     device = f"cuda:{rank}"
     collective = init_ranks(RankEnv(rank, world, rank, store_file=store), device)
     cfg = CFG.model_copy(update={"dtype": "bfloat16", "device": "cuda"})
-    learner = Learner(Path(model_dir), cfg, SAMPLING, collective=collective, device=device)
+    learner = Learner(load_model_identity(Path(model_dir)), cfg, SAMPLING, collective=collective, device=device)
     # Alone (world 1), state_dict() gives the live tensors, which the step changes in place: copy them.
     before = {name: tensor.detach().to("cpu", copy=True) for name, tensor in learner.state_dict().items()}
     stats = learner.train_step(synthetic_groups(seed=1), 1)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from node.engine import EngineBroken
 from node.hf_engine import HFEngine
-from shared.generation import model_stop_ids, stop_token_ids
+from shared.model_identity import load_model_identity, stop_token_ids
 from shared.model_io import tied_duplicates, tied_groups
 from shared.rollout import MIN_TEMPERATURE, SamplingParams, engine_seed, prompt_seeds
 from shared.snapshot import SnapshotError
@@ -37,7 +37,7 @@ def test_a_model_dir_with_several_eos_ids_stops_on_each(tmp_path: Path, default_
     config = GenerationConfig.from_pretrained(model)
     config.eos_token_id = [eos, 5]
     config.save_pretrained(model)
-    assert model_stop_ids(model) == tuple(sorted({eos, 5}))
+    assert load_model_identity(model).stop_ids == {eos, 5}
     assert set(HFEngine(model).sampler.stop_ids.tolist()) == {eos, 5}
 
 

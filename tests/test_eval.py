@@ -16,6 +16,7 @@ from hub.training.evaluation import Evaluator, pass_at_k, summarize
 from hub.training.metrics import read_evals, read_metrics
 from shared.layout import HUB_STORE_FILE, METRICS_FILE
 from shared.messages import HubStatus
+from shared.model_identity import load_model_identity
 from shared.rollout import SamplingParams
 from shared.tasks.base import Prompt, Task
 from shared.tasks.reverse import ReverseTask
@@ -78,13 +79,12 @@ def test_evaluator_on_the_real_model_greedy_and_sampled(default_model_dir: Path)
 
     _, held = split_task(ReverseTask(), 0.05)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10)
-    greedy = Evaluator(
-        default_model_dir, held, EvalConfig(every=1, prompts=32, temperature=0.0), sampling, "float32", "cpu", seed=0
-    )
+    model = load_model_identity(default_model_dir)
+    greedy = Evaluator(model, held, EvalConfig(every=1, prompts=32, temperature=0.0), sampling, "float32", "cpu", seed=0)
     first, again = greedy.evaluate(1), greedy.evaluate(2)
     assert first.prompts == 32 and first.k == 1 and first.reward == again.reward  # greedy: deterministic
     assert 0.0 < first.reward <= 1.0  # the warmed-up default model solves some held-out words
-    sampled = Evaluator(default_model_dir, held, EvalConfig(every=1, prompts=32, samples=4), sampling, "float32", "cpu", seed=0)
+    sampled = Evaluator(model, held, EvalConfig(every=1, prompts=32, samples=4), sampling, "float32", "cpu", seed=0)
     row = sampled.evaluate(3)
     assert row.k == 4 and row.pass_at_1 <= row.pass_at_k and row.pass_at_1 == pytest.approx(row.reward)
     # Weights copied in from a (here: zeroed) learner state are what it evaluates.

@@ -93,6 +93,12 @@ def test_trl_names_set_the_same_fields(tmp_path: Path, capsys: pytest.CaptureFix
         ("--loss-type", "cispo", "learner.loss_type"),
         ("--top-k", "-1", "sampling.top_k"),
         ("--min-p", "1", "sampling.min_p"),
+        ("--vllm-importance-sampling-mode", "sequence_clip", "learner.rollout_is_mode"),
+        ("--vllm-importance-sampling-clip-max", "0.5", "learner.rollout_is_threshold"),
+        ("--vllm-importance-sampling-cap", "0.5", "learner.rollout_is_threshold"),
+        ("--vllm-importance-sampling-clip-min", "2", "learner.rollout_is_threshold_lower"),
+        ("--importance-sampling-level", "geometric", "learner.importance_sampling_level"),
+        ("--off-policy-mask-threshold", "0", "learner.off_policy_mask_threshold"),
     ):
         assert main(["start", "--data-dir", data, flag, value]) == 2
         printed = capsys.readouterr()

@@ -22,6 +22,7 @@ from node.hf_engine import HFEngine
 from shared.crypto import Identity
 from shared.default_model import ensure_default_model
 from shared.layout import FINAL_DIR, METRICS_FILE
+from shared.model_identity import load_model_identity
 from shared.rollout import Completion, Group, SamplingParams
 from shared.snapshot import read_snapshot_files
 from shared.tasks.reverse import ReverseTask
@@ -54,7 +55,9 @@ def make_rig(data_dir: Path, cfg: LearnerConfig, steps: int, identity: Identity,
     model_dir = ensure_default_model(progress=False)
     state = HubState(Store(data_dir / "hub.db"), HubConfig(learner=cfg, sampling=SAMPLING), ReverseTask())
     send, receive = trio.open_memory_channel(64)
-    learner = LearnerComponent(cfg, SAMPLING, model_dir, data_dir, state, identity, send, steps, CHUNK_SIZE_BYTES)
+    learner = LearnerComponent(
+        cfg, SAMPLING, load_model_identity(model_dir), data_dir, state, identity, send, steps, CHUNK_SIZE_BYTES
+    )
     rollouts = LocalRollouts(
         HFEngine(model_dir),
         ReverseTask(),
@@ -233,7 +236,7 @@ def step_gradients(cfg: LearnerConfig, groups: list[Group]):
     from hub.training.learner import Learner
 
     torch.set_num_threads(1)
-    learner = Learner(ensure_default_model(progress=False), cfg, SAMPLING)
+    learner = Learner(load_model_identity(ensure_default_model(progress=False)), cfg, SAMPLING)
     learner.optimizer.step = lambda: None
     stats = learner.train_step(groups, 1)
     return stats, {name: p.grad.clone() for name, p in learner.model.named_parameters() if p.grad is not None}
@@ -252,6 +255,40 @@ def test_micro_batches_and_checkpointing_give_the_one_batch_gradient():
         assert (stats.tokens, stats.masked_by_is) == (whole_stats.tokens, whole_stats.masked_by_is)
         assert stats.ratio_mean == pytest.approx(whole_stats.ratio_mean, rel=1e-5)
         assert stats.clip_frac == pytest.approx(whole_stats.clip_frac, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "settings, moved",
+    [
+        (
+            dict(
+                rollout_is_mode="mask", rollout_is_threshold=2.0, rollout_is_threshold_lower=1e-4, rollout_is_veto_threshold=1e-3
+            ),
+            ("is_tokens_masked", "is_seqs_vetoed"),
+        ),
+        (
+            dict(
+                rollout_is_mode="truncate",
+                rollout_is_threshold=2.0,
+                rollout_is_threshold_lower=0.05,
+                off_policy_mask_threshold=2.0,
+            ),
+            ("is_tokens_masked", "is_tokens_truncated", "is_seqs_masked"),
+        ),
+    ],
+)
+def test_correction_metrics_add_up_over_micro_batches(settings, moved):
+    """A step's is_* metrics, summed over micro-batches of 64 tokens, are the one batch's (rows of random sampling
+    log-probs, so the corrections drop and cap some of their tokens), and so is the gradient."""
+    groups = synthetic_groups()
+    whole_stats, whole = step_gradients(LearnerConfig(micro_batch_tokens=1_000_000, **settings), groups)
+    stats, grads = step_gradients(LearnerConfig(micro_batch_tokens=64, **settings), groups)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, whole[name], rtol=1e-4, atol=1e-7), name
+    assert stats.corrections == pytest.approx(whole_stats.corrections, rel=1e-5)
+    assert all(0.0 < whole_stats.corrections[name] < 1.0 for name in moved), whole_stats.corrections
+    assert 0.0 < whole_stats.corrections["is_ess"] < 1.0
+    assert stats.masked_by_is == whole_stats.corrections["is_tokens_masked"] * whole_stats.tokens
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
@@ -277,7 +314,7 @@ def test_compiled_layers_give_the_eager_gradient_at_every_length():
 
     torch.set_num_threads(1)
     counters.clear()
-    compiled = Learner(ensure_default_model(progress=False), LearnerConfig(compile=True), SAMPLING)
+    compiled = Learner(load_model_identity(ensure_default_model(progress=False)), LearnerConfig(compile=True), SAMPLING)
     compiled.optimizer.step = lambda: None
     graphs = []
     for seed in (0, 1):
@@ -339,7 +376,7 @@ def test_bf16_with_checkpointing_casts_per_layer_and_gives_the_cached_gradient(m
 def test_auto_dtype_is_fp32_on_a_cpu_learner():
     from hub.training.learner import Learner
 
-    learner = Learner(ensure_default_model(progress=False), LearnerConfig(), SAMPLING)
+    learner = Learner(load_model_identity(ensure_default_model(progress=False)), LearnerConfig(), SAMPLING)
     assert learner.snapshot_dtype == torch.float32
     assert not learner.model.training
 
@@ -361,8 +398,9 @@ def test_activation_estimate_and_the_micro_batch_a_gpu_holds():
 def test_a_cpu_learner_takes_the_fixed_budget_unless_told(default_model_dir):
     from hub.training.learner import CPU_MICRO_BATCH_TOKENS, Learner
 
-    assert Learner(default_model_dir, LearnerConfig(), SAMPLING).micro_batch_tokens == CPU_MICRO_BATCH_TOKENS
-    assert Learner(default_model_dir, LearnerConfig(micro_batch_tokens=512), SAMPLING).micro_batch_tokens == 512
+    model = load_model_identity(default_model_dir)
+    assert Learner(model, LearnerConfig(), SAMPLING).micro_batch_tokens == CPU_MICRO_BATCH_TOKENS
+    assert Learner(model, LearnerConfig(micro_batch_tokens=512), SAMPLING).micro_batch_tokens == 512
 
 
 def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(tmp_path):
@@ -374,8 +412,9 @@ def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(t
     model_dir = ensure_default_model(progress=False)
     groups = synthetic_groups(seed=2)
     cfg = LearnerConfig(optimizer="adamw8bit")
-    ref = Learner(model_dir, LearnerConfig(), SAMPLING)
-    learner = Learner(model_dir, cfg, SAMPLING)
+    model = load_model_identity(model_dir)
+    ref = Learner(model, LearnerConfig(), SAMPLING)
+    learner = Learner(model, cfg, SAMPLING)
     start = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
     for step, lr in ((1, 3e-4), (2, 1e-4)):  # a schedule moves the rate between steps
         ref.train_step(groups, step, lr)
@@ -388,7 +427,7 @@ def test_8bit_adamw_trains_close_to_fp32_adamw_and_resumes_from_its_checkpoint(t
     info = save_checkpoint(tmp_path / "checkpoints", 2, 2, learner.model, learner.tokenizer, learner.optimizer)
     from hub.training.checkpoint import latest_checkpoint
 
-    resumed = Learner(model_dir, cfg, SAMPLING, checkpoint=latest_checkpoint(tmp_path / "checkpoints"))
+    resumed = Learner(model, cfg, SAMPLING, checkpoint=latest_checkpoint(tmp_path / "checkpoints"))
     assert info.step == 2
     after = learner.train_step(groups, 3)
     again = resumed.train_step(groups, 3)
@@ -410,7 +449,9 @@ def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys, 
     state = HubState(store, HubConfig(learner=cfg, sampling=SAMPLING), ReverseTask())
     send, _ = trio.open_memory_channel(64)
     model_dir = ensure_default_model(progress=False)
-    learner = LearnerComponent(cfg, SAMPLING, model_dir, tmp_path, state, Identity.generate(), send, 2, CHUNK_SIZE_BYTES)
+    learner = LearnerComponent(
+        cfg, SAMPLING, load_model_identity(model_dir), tmp_path, state, Identity.generate(), send, 2, CHUNK_SIZE_BYTES
+    )
     trio.run(learner.run)
     assert learner.step == 2
     said = [line for line in capsys.readouterr().out.splitlines() if "--max-new-tokens" in line]
@@ -424,3 +465,98 @@ def test_most_completions_cut_warn_once_naming_max_new_tokens(tmp_path, capsys, 
     assert first["frac_reward_zero_std"] == 1 / 5 and "frac_reward_zero_std" not in second  # no group offered since
     for row in (first, second):
         assert row["completions/mean_length"] == row["completion_length_mean"] and row["completions/clipped_ratio"] == 1.0
+
+
+# --- tool-using (multi-turn) rollouts ----------------------------------------------------------------------------------
+
+
+def tool_groups(seed: int = 5) -> list[Group]:
+    """Two groups of three rollouts: model turns, tool answers between them (log-prob 0.0), varied lengths."""
+    import random
+
+    rng = random.Random(seed)
+    groups = []
+    for prompt in ReverseTask().sample(rng, 2):
+        completions = []
+        for _ in range(3):
+            ids: list[int] = []
+            logprobs: list[float] = []
+            spans = []
+            for turn in range(rng.randint(1, 3)):
+                if turn:
+                    answer = [rng.randrange(4, 40) for _ in range(rng.randint(1, 4))]
+                    spans.append((len(ids), len(answer)))
+                    ids += answer
+                    logprobs += [0.0] * len(answer)
+                length = rng.randint(1, 4)
+                ids += [rng.randrange(4, 40) for _ in range(length)]
+                logprobs += [-rng.uniform(0.5, 3.5) for _ in range(length)]
+            completions.append(
+                Completion(
+                    token_ids=tuple(ids),
+                    logprobs=tuple(logprobs),
+                    finish_reason="length",
+                    version=0,
+                    text="",
+                    env_spans=tuple(spans),
+                )
+            )
+        groups.append(
+            Group(
+                prompt_id=prompt.id,
+                prompt_text=prompt.text,
+                version=0,
+                completions=tuple(completions),
+                rewards=tuple(rng.choice((0.0, 0.5, 1.0)) + 0.1 * i * i for i in range(3)),  # no advantage of 0
+            )
+        )
+    assert any(c.env_spans for g in groups for c in g.completions)
+    return groups
+
+
+def test_a_tool_using_batch_trains_on_model_tokens_only_by_hand():
+    """The loss, token count, entropy and clip fraction of a multi-turn batch, against a reference computed here: each
+    rollout's whole sequence run through the model alone (the tool answers as context), the clipped per-token terms
+    at its model tokens summed and divided by their count, the advantage one per rollout."""
+    import math
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    model_dir = ensure_default_model(progress=False)
+    groups = tool_groups()
+    cfg = LearnerConfig(micro_batch_tokens=1_000_000)
+    stats, _ = step_gradients(cfg, groups)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    terms, entropies, clipped = [], [], 0
+    for group in groups:
+        rewards = group.rewards
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
+        prompt = tokenizer(group.prompt_text)["input_ids"]
+        for completion, reward in zip(group.completions, rewards):
+            advantage = (reward - mean) / (std + 1e-4)
+            ids = prompt + list(completion.token_ids)
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0].double()
+            dist = torch.log_softmax(logits / SAMPLING.temperature, dim=-1)
+            for i, sampled in enumerate(completion.model_positions()):
+                if not sampled:
+                    continue
+                at = len(prompt) + i - 1  # the position that predicts completion token i
+                ratio = math.exp(float(dist[at, ids[at + 1]]) - completion.logprobs[i])
+                bounded = min(max(ratio, 1 - cfg.eps_low), 1 + cfg.eps_high)
+                terms.append(-min(ratio * advantage, bounded * advantage))
+                clipped += bounded * advantage < ratio * advantage
+                entropies.append(float(-(dist[at].exp() * dist[at]).sum()))
+    model_tokens = sum(len(c.model_token_ids()) for g in groups for c in g.completions)
+    assert len(terms) == model_tokens < sum(len(c.token_ids) for g in groups for c in g.completions)
+    assert stats.tokens == model_tokens
+    assert stats.loss == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    assert stats.entropy == pytest.approx(sum(entropies) / len(entropies), rel=1e-5)
+    assert stats.clip_frac == pytest.approx(clipped / len(terms), abs=1e-9) and 0 < clipped < len(terms)
+    # Micro-batches of a few rows: the same step.
+    split, _ = step_gradients(LearnerConfig(micro_batch_tokens=64), groups)
+    assert split.loss == pytest.approx(stats.loss, rel=1e-5) and split.tokens == stats.tokens

@@ -142,6 +142,50 @@ def test_packing_puts_each_row_at_its_own_positions():
         pack_rows([[1], [2]], [[1]])
 
 
+def test_unscored_tokens_are_context_only():
+    """A tool-using row's environment tokens stay in the sequence (later tokens attend to them) but are no target."""
+    prompts, completions = [[5, 6], [7]], [[1, 2, 3, 4], [8, 9]]
+    scored = [[True, False, False, True], None]
+    packed = pack_rows(prompts, completions, None, scored)
+    assert packed.input_ids.tolist() == pack_rows(prompts, completions).input_ids.tolist()
+    assert packed.input_ids.tolist() == [[5, 6, 1, 2, 3, 7, 8]]
+    assert packed.keep.tolist() == [1, 4, 5, 6]  # 6 predicts 1 and 3 predicts 4; row 1 whole
+    assert packed.targets.tolist() == [1, 4, 8, 9]
+    assert packed.slots.tolist() == [0, 3, 4, 5]
+    with pytest.raises(ValueError, match="each row's completion positions"):
+        pack_rows(prompts, completions, None, [[True], None])
+
+
+@pytest.mark.parametrize("arch", ["qwen2"])
+def test_scored_positions_are_the_reference_on_the_whole_sequence(models, arch):
+    """Log-probs, power sums and entropy at the scored positions are those of the whole sequence; the others are 0
+    and out of the mask, with no -inf (top-p puts unlikely environment tokens outside the nucleus)."""
+    from shared.logprobs import completion_logprobs_and_power_sums
+
+    model = models[arch]
+    prompts, completions = rows(model.config.vocab_size, seed=3)
+    rng = random.Random(4)
+    scored = [[rng.random() < 0.6 for _ in c] if i % 2 else None for i, c in enumerate(completions)]
+    ref, ref_mask, ref_entropy = reference_logprobs(model, prompts, completions, 0, 0.8, 0.5)
+    want = ref_mask.clone()
+    for row, picks in enumerate(scored):
+        if picks is not None:
+            want[row, : len(picks)] = torch.tensor(picks, dtype=torch.float32)
+    with torch.no_grad():
+        got, mask, entropy = completion_logprobs_and_entropy(model, prompts, completions, 0.8, 0.5, scored=scored)
+        sums_lp, sums_mask, sums = completion_logprobs_and_power_sums(
+            model, prompts, completions, (2.0,), 0.8, 0.5, scored=scored
+        )
+        whole, _, whole_sums = completion_logprobs_and_power_sums(model, prompts, completions, (2.0,), 0.8, 0.5)
+    assert torch.equal(mask, want) and torch.equal(sums_mask, want) and 0 < want.sum() < ref_mask.sum()
+    on = want > 0
+    torch.testing.assert_close(got, torch.where(on, ref, 0.0), rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy, torch.where(on, ref_entropy, 0.0), rtol=0, atol=2e-5)
+    torch.testing.assert_close(sums_lp, got, rtol=0, atol=0)
+    torch.testing.assert_close(sums, torch.where(on.unsqueeze(-1), whole_sums, 0.0), rtol=0, atol=2e-5)
+    assert (got[~on] == 0.0).all() and not torch.isfinite(whole[(ref_mask > 0) & ~on]).all()
+
+
 def test_only_empty_completions_need_no_forward(models):
     logprobs, mask = completion_logprobs(models["llama"], [[1, 2], [3]], [[], []])
     assert logprobs.shape == mask.shape == (2, 0)

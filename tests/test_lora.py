@@ -30,6 +30,7 @@ from shared.adapters import (
     write_peft_dir,
 )
 from shared.crypto import Identity
+from shared.model_identity import load_model_identity
 from shared.model_io import build_snapshot
 from shared.rollout import SamplingParams
 from shared.snapshot import SnapshotError, model_config_hash
@@ -59,7 +60,7 @@ def trained(default_model_dir):
     """A LoRA learner after two steps at a large lr (adapters far from their zero-B start), and its adapters
     as a signed snapshot."""
     torch.set_num_threads(1)
-    learner = Learner(default_model_dir, LORA, SAMPLING)
+    learner = Learner(load_model_identity(default_model_dir), LORA, SAMPLING)
     for step in (1, 2):
         learner.train_step(synthetic_groups(seed=step), step)
     identity = Identity.generate()
@@ -113,7 +114,7 @@ def test_engine_and_audit_install_the_adapters_and_score_like_the_learner(traine
 
     shelf = SnapshotShelf(keep=2)
     shelf.add(snapshot)
-    auditor = Auditor(default_model_dir, shelf, SAMPLING, TrustConfig(), "float32")
+    auditor = Auditor(load_model_identity(default_model_dir), shelf, SAMPLING, TrustConfig(), "float32")
     prompts = ReverseTask().sample(random.Random(3), 6)
     honest = [auditor.audit(g, 2) for g in generate(engine, prompts)]
     assert all(r.passed for r in honest), [r.reason for r in honest]
@@ -148,7 +149,7 @@ def test_checkpoint_restores_adapters_and_optimizer_exactly(trained, default_mod
     save_checkpoint(tmp_path, 2, 2, learner.model, learner.tokenizer, learner.optimizer, adapter=learner.state_dict())
     info = latest_checkpoint(tmp_path)
     assert info.adapter_path.exists() and not (info.model_dir / "model.safetensors").exists()
-    resumed = Learner(default_model_dir, LORA, SAMPLING, info)
+    resumed = Learner(load_model_identity(default_model_dir), LORA, SAMPLING, info)
     for name, tensor in learner.model.state_dict().items():
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
     assert len(resumed.optimizer.state_dict()["state"]) == len(adapter_state(learner.model))

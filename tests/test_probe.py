@@ -16,7 +16,7 @@ from hub.trust.audit import Auditor
 from node.engine import EngineBroken
 from node.hf_engine import HFEngine
 from shared.crypto import Identity
-from shared.generation import model_stop_ids
+from shared.model_identity import load_model_identity
 from shared.model_io import build_snapshot, model_dir_config_hash, tied_duplicates
 from shared.probe import PROBE_COMPLETION_TOKENS, PROBE_ROWS, InstallProbe, ProbeMismatch, probe_gap, probe_rows
 from shared.rollout import SamplingParams
@@ -64,10 +64,8 @@ def test_the_gap_is_the_mean_over_tokens_and_infinite_on_any_mismatch():
 
 
 def test_probe_rows_are_the_tasks_text_without_stop_tokens(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    stops = frozenset(model_stop_ids(default_model_dir))
+    model = load_model_identity(default_model_dir)
+    tokenizer, stops = model.tokenizer, model.stop_ids
     texts = [p.text for p in ReverseTask().prompts()[: PROBE_ROWS + 1]]
     prompts, completions = probe_rows(texts, tokenizer, stops)
     assert len(prompts) == len(completions) == PROBE_ROWS
@@ -87,13 +85,13 @@ def test_an_engine_reproduces_the_hubs_probe_and_a_corrupted_tensor_stops_it(tmp
     """The hub's reference is its audit model's computation on the written file, in the snapshot's dtype; the
     engine that installed the same file reproduces it. One tensor changed after the install (a stale head, a
     half-applied delta) is caught before anything is generated, and the engine stays refused."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     engine = HFEngine(default_model_dir, device="cpu", dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    rows = probe_rows([p.text for p in ReverseTask().prompts()[:5]], tokenizer, frozenset(model_stop_ids(default_model_dir)))
+    model = load_model_identity(default_model_dir)
+    rows = probe_rows([p.text for p in ReverseTask().prompts()[:5]], model.tokenizer, model.stop_ids)
     shelf = SnapshotShelf(keep=2, directory=tmp_path / "shelf")
-    auditor = Auditor(default_model_dir, shelf, SamplingParams(), TrustConfig(), dtype)
+    auditor = Auditor(model, shelf, SamplingParams(), TrustConfig(), dtype)
     snapshot = build_snapshot(
         perturbed_state(AutoModelForCausalLM.from_pretrained(default_model_dir), seed=1),
         3,

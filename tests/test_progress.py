@@ -25,6 +25,7 @@ from hub.cli.progress import (
 )
 from hub.records.buffer import REASON_STALE, REASON_ZERO_VARIANCE
 from testbed.harness import start_hub, wait_until
+from tests.test_first_contact import run
 
 
 def test_stall_cause_names_the_dominant_reason():
@@ -144,6 +145,40 @@ def test_the_progress_line_ends_with_the_newest_warning_and_its_age():
     assert _line(warned).endswith(" | warning: reward_flat (1 min 05 s ago)")
 
 
+def test_echo_hub_status_heads_its_table_with_the_newest_warnings_newest_first():
+    import io
+
+    from rich.console import Console
+
+    from hub.cli.status import render
+    from shared.messages import EventRecord
+    from tests.test_tui import hub_status
+
+    def printed(status) -> list[str]:
+        out = io.StringIO()
+        render(status, Console(file=out, width=120))
+        return out.getvalue().splitlines()
+
+    status = hub_status()
+    assert not [line for line in printed(status) if "warning" in line]
+    warned = status.model_copy(
+        update={
+            "warnings": tuple(
+                EventRecord(at=status.updated_at - age, kind=kind, detail=f"{kind} [said]")
+                for age, kind in ((900, "learner_stalled"), (300, "steps_lost"), (200, "no_delta"), (65, "reward_flat"))
+            )
+        }
+    )
+    lines = printed(warned)
+    shown = [line.split(None, 2)[2].rstrip() for line in lines if line.startswith("warning ")]
+    assert shown == ["reward_flat: reward_flat [said]", "no_delta: no_delta [said]", "steps_lost: steps_lost [said]"]
+    assert lines.index(next(ln for ln in lines if ln.startswith("warning "))) == 2  # under the hub and its state
+    assert any("1 older warning: see --json, or hub.log" in line for line in lines), lines
+    # A stranger's view (no operator key): their kinds only.
+    stranger = [line.split()[2:] for line in printed(warned.redact()) if line.startswith("warning ")]
+    assert stranger == [["reward_flat"], ["no_delta"], ["steps_lost"]]
+
+
 @pytest.mark.trio
 async def test_a_flat_reward_is_warned_once_per_flat_spell(autojump_clock, capsys, hub_warnings):
     hub = FakeHub()
@@ -221,6 +256,15 @@ def test_a_real_hub_whose_reward_saturates_says_so_on_its_progress_line_and_in_i
         assert len(said) == 1 and "groups scored every completion the same (mean reward 1.00)" in said[0]
         status = wait_until(lambda: (s := hub.status()) and s.warnings and s, 30, "a status with the warning")
         assert [w.detail for w in status.warnings if w.kind == "reward_flat"] == [said[0].split("warning: ", 1)[1]]
+        # Where else the operator looks: `echo-hub status`'s plain text, and the dashboard.
+        table = run("hub.cli", "status", "--data-dir", str(tmp_path / "data"))
+        # (on a pipe, 80 columns: the text folds under its value column)
+        assert table.returncode == 0 and re.search(r"^warning\s+\d\d:\d\d:\d\d reward_flat: the reward is\s", table.stdout, re.M)
+        shot = tmp_path / "dashboard.svg"
+        dashboard = run("hub.cli", "dashboard", "--data-dir", str(tmp_path / "data"), "--screenshot", str(shot))
+        svg = shot.read_text()  # its kind bold, then its text: spans of their own
+        assert dashboard.returncode == 0 and re.search(r">⚠&#160;\d\d:\d\d:\d\d&#160;reward_flat<", svg)
+        assert ">:&#160;the&#160;reward&#160;is&#160;flat:&#160;" in svg
     finally:
         hub.stop()
 

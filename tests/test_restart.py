@@ -9,7 +9,9 @@ in-process volunteers built from the node's HubLink and Worker, generating with 
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +23,7 @@ import trio
 
 from shared.crypto import Identity
 from shared.layout import NODE_LOG_FILE
-from shared.messages import HubStatus
+from shared.messages import HubStatus, SubmitReply
 from testbed.fault_scenarios import linked_clients, trained_model_dir
 from testbed.harness import HubProc, free_port, node_peer_id, query, start_hub, start_node, stop_all, wait_until
 
@@ -204,6 +206,44 @@ def test_a_restarted_hub_reopens_the_leases_still_good_on_their_terms(tmp_path):
     assert state.store.leases.lease("other-task").state == "open"  # let go in the book; the sweep expires its row
 
 
+def test_a_restarted_hub_shelves_its_newest_versions_again_those_whose_files_still_pass(tmp_path):
+    """What hub/cli/run.py does at a start: files of versions out of the window go (and a write the crash cut short);
+    the newest `keep` versions published go back on the shelf, re-verified (one whose file no longer passes its
+    manifest is left off, logged); the learner's publish of the newest again is held once, an older one refused."""
+    import torch
+
+    from hub.records.snapshots import SnapshotShelf
+    from hub.records.store import Store
+    from shared.layout import HUB_STORE_FILE, SNAPSHOTS_DIR
+    from shared.model_io import build_snapshot
+    from shared.snapshot import read_snapshot_files
+
+    identity, snapshots = Identity.generate(), tmp_path / SNAPSHOTS_DIR
+    store = Store(tmp_path / HUB_STORE_FILE)
+    for version in range(6):
+        built = build_snapshot({"w": torch.full((64,), float(version))}, version, identity, "0" * 64, snapshots)
+        store.shelf.add_snapshot(version, str(built.path), built.manifest.whole_hash, built.manifest.total_bytes, 0.0)
+    (snapshots / "v00000006.safetensors.tmp").write_bytes(b"a write the crash cut short")
+    damaged = snapshots / "v00000004.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"\x01")
+
+    shelf = SnapshotShelf(keep=4, directory=snapshots)
+    window = store.shelf.newest_versions(shelf.keep)
+    assert window == [2, 3, 4, 5]
+    shelf.prune(set(window))
+    assert shelf.reopen(window, identity.peer_id) == [2, 3, 5]
+    assert shelf.versions() == [2, 3, 5] and shelf.get(2) is not None and shelf.newest_version() == 5
+    assert sorted(p.name for p in snapshots.iterdir()) == [
+        f"v{v:08d}.{ext}" for v in window for ext in ("manifest", "safetensors")
+    ]
+    shelf.add(read_snapshot_files(snapshots, 5, identity.peer_id))  # the learner's first publish: v5 again
+    assert shelf.versions() == [2, 3, 5]
+    with pytest.raises(ValueError, match="not newer"):
+        shelf.add(read_snapshot_files(snapshots, 3, identity.peer_id))
+    shelf.close()
+    store.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_lease_in_flight_when_the_hub_is_killed_is_answered_to_the_restarted_hub_and_paid(tmp_path):
@@ -243,3 +283,97 @@ def test_a_lease_in_flight_when_the_hub_is_killed_is_answered_to_the_restarted_h
     finally:
         stop_all([node, hub])
     assert "the hub leases its prompts again" not in node.output(), node.output()[-3000:]
+
+
+async def _with_client(hub: HubProc, identity: Identity, engine, model_dir: Path, body):
+    """A node of node/'s parts (testbed Client) joined to `hub`, holding the version its engine holds (it installs
+    nothing from the hub's dir), while `body(client)` runs."""
+    from shared.model_io import model_dir_config_hash
+    from shared.net import running_host
+    from testbed.fault_scenarios import Client
+
+    async with running_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as (host, _):
+        client = Client(host, identity, hub.addr, engine, model_dir_config_hash(model_dir))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run_link)
+            try:
+                return await body(client)
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+def _settled(data: Path, lease_id: str) -> list[tuple] | None:
+    """The lease's groups once their audit settled them (released, or discarded): (held, discard_reason) each."""
+    rows = query(data, "SELECT held, discard_reason FROM trajectories WHERE lease_id = ?", (lease_id,))
+    return rows if rows and all(held == 0 or why is not None for held, why in rows) else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_after_a_kill_older_versions_are_audited_and_paid_and_a_committed_answer_sent_again_gets_its_reply(
+    tmp_path, default_model_dir
+):
+    """Issue 67 item 1, with real hubs on one data dir and port. A hub trains with a local node and is SIGKILLed. Its
+    restart audits (and pays) a node on probation whose answer was made with a version older than the newest, as
+    before the kill: the newest S + 1 snapshots are back on its shelf. The node sends its committed answer again, as
+    when the reply is lost, to this hub and, through the worker's own resend, to the hub restarted after a second
+    SIGKILL: each time the reply it got, the ledger's one row, and no refusal counted."""
+    from hub.records.buffer import REASON_ZERO_VARIANCE
+    from node.hf_engine import HFEngine
+    from shared.layout import LOCAL_NODES_DIR, NODE_LOCK_FILE, SNAPSHOTS_DIR
+    from shared.snapshot import read_snapshot_files, snapshot_paths
+
+    (tmp_path / "hub.toml").write_text(HUB_TOML)
+    data, port = tmp_path / "hub", free_port()
+    args = ("--local-nodes", "1", "--steps", "0", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4")
+    args += ("--staleness", "2", "--config", str(tmp_path / "hub.toml"))
+    hub = start_hub(data, *args, port=port)
+    try:
+        wait_until(lambda: query(data, "SELECT COUNT(*) FROM snapshots")[0][0] >= 4, 240, "four published versions")
+    finally:
+        hub.kill()
+        local = data / LOCAL_NODES_DIR / "node-0" / NODE_LOCK_FILE
+        if local.exists():  # in a session of its own, it outlives the hub: it must not feed the restarted one
+            os.kill(int(local.read_text().strip()), signal.SIGKILL)
+    # The node held the version before the newest when the hub died (its files copied: before the fix, the restart
+    # deleted them).
+    older = query(data, "SELECT MAX(version) FROM snapshots")[0][0] - 1
+    held = tmp_path / "held"
+    held.mkdir()
+    for path in snapshot_paths(data / SNAPSHOTS_DIR, older):
+        shutil.copy(path, held / path.name)
+    # The restarts take no learner step (nor move the version window): 64 groups a step, none coming.
+    again = (*args[2:], "--local-nodes", "0", "--prompts-per-step", "64", "--resume-anyway")
+    hub = start_hub(data, *again, port=port)
+    node = Identity.generate()
+    engine = HFEngine(default_model_dir)
+    hub_id = hub.addr.rsplit("/p2p/", 1)[1]
+    engine.install(read_snapshot_files(held, older, hub_id).path, older)
+    replies: list[object] = []
+
+    async def body(client) -> None:
+        nonlocal hub
+        lease = await client.take_lease()
+        assert lease.min_version <= older, (lease.min_version, older)
+        submission = client.submission(lease, await client.groups(lease))
+        replies.append(await client.submit(submission, deadline=trio.current_time() + lease.deadline_s))
+        settled = await trio.to_thread.run_sync(lambda: wait_until(lambda: _settled(data, lease.lease_id), 60, "the audit"))
+        # Audited with v{older} and released to the buffer (which may skip a group of equal rewards), not discarded.
+        assert {why for _, why in settled} <= {None, REASON_ZERO_VARIANCE}, settled
+        replies.append(await client.submit(submission))  # its reply lost: sent again
+        await trio.to_thread.run_sync(hub.kill)
+        hub = await trio.to_thread.run_sync(lambda: start_hub(data, *again, port=port))
+        # The worker's own resend: it rejoins the restarted hub, which no longer knows it, and sends the answer again.
+        replies.append(await client.worker._deliver(submission, trio.current_time() + 120))
+        replies.append(lease.lease_id)
+
+    try:
+        trio.run(_with_client, hub, node, engine, default_model_dir, body)
+    finally:
+        hub.stop(signal.SIGINT)
+    first, *resent, lease_id = replies
+    assert isinstance(first, SubmitReply) and first.accepted == 1 and first.paid_s > 0, first
+    assert resent == [first, first]
+    assert query(data, "SELECT audits_passed, refused FROM nodes WHERE peer_id = ?", (node.peer_id,)) == [(1, 0)]
+    paid = query(data, "SELECT usd, seconds, voided FROM ledger WHERE lease_id = ?", (lease_id,))
+    assert paid == [(pytest.approx(first.paid_usd), pytest.approx(first.paid_s), 0)], paid

@@ -147,6 +147,10 @@ async def test_chosen_completions_are_condemned_by_the_sampling_test_and_an_hone
         assert hub.state.totals.paid_usd[honest.peer_id] > 0.0
         assert hub.state.fleet.get(honest.peer_id).state != "banned"
         status = hub.board.snapshot()
+        events = hub.state.store.journal.events()
+        for name, cheat in cheats.items():  # what the learner already took of its work stays learned, and is said
+            (ban,) = [e for e in events if e.kind == "audit_fail" and e.node_id == cheat.peer_id]
+            assert "groups was trained on" in ban.detail or "groups were trained on (step" in ban.detail, (name, ban)
         bar = status.sampling_threshold_nats
         assert bar is not None and bar > 30
         (mine,) = [n for n in status.nodes if n.peer_id == honest.peer_id]

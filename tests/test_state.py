@@ -377,10 +377,10 @@ async def test_the_address_quota_counts_the_leases_open_at_an_address_and_frees_
 def test_the_test_bed_builds_its_hub_as_echo_hub_start_does(tmp_path, default_model_dir):
     """testbed.inproc builds through hub.cli.build: stop ids are every EOS the model declares (not the tokenizer's
     alone), and the run's identity is recorded as a resume checks it."""
-    from shared.generation import model_stop_ids
+    from shared.model_identity import load_model_identity
 
     state = reopen(tmp_path, default_model_dir)
-    assert state.intake.rules.stop_ids == frozenset(model_stop_ids(default_model_dir))
+    assert state.intake.rules.stop_ids == load_model_identity(default_model_dir).stop_ids
     assert state.store.run_info()["task"] == "reverse"
     state.store.close()
 
@@ -433,6 +433,64 @@ async def test_a_node_that_leaves_gives_its_leases_back_at_once_and_stays_answer
             await state.membership.leave(peer)
         assert refused.value.code is code
     state.store.close()
+
+
+def ledger_of(state: HubState, lease_id: str) -> list[tuple]:
+    return state.store.db.execute("SELECT usd, seconds, voided FROM ledger WHERE lease_id = ?", (lease_id,)).fetchall()
+
+
+@pytest.mark.trio
+async def test_an_answer_sent_again_gets_the_reply_it_got_once_paid_here_and_after_a_restart(
+    tmp_path, default_model_dir, tokenizer
+):
+    """Issue 67 item 1: an answer the hub committed whose reply never reached its node (the hub killed between the two,
+    or the link dropped) is sent again. The same signed bytes get the reply the commit stored, paid seconds included,
+    from this hub and from one restarted on its store, until the lease's deadline: nothing is counted, booked or paid
+    again, and it is no peer fault. Other bytes are a second answer to the lease, refused; one sent while the first is
+    being checked is told to send it again (busy), not refused."""
+    from hub.service.intake import HubBusy
+
+    clock = [time.time()]
+    state = reopen(tmp_path, default_model_dir)
+    set_clock(state, lambda: clock[0])
+    rules = state.intake.rules
+    peer = Identity.generate().peer_id
+    await state.membership.join(peer, join_request(state), "10.0.0.1")
+    lease = (await state.leasing.grant(peer, 0)).lease
+    submission = answer(tokenizer, lease, peer)
+    claimed = state.leasing.claim(lease.lease_id, peer, clock[0])  # another copy being checked and committed
+    with pytest.raises(HubBusy, match="being checked: send it again"):
+        await state.intake.accept(peer, submission, "signed")
+    state.leasing.release(claimed)
+    clock[0] += 7.0
+    first = await state.intake.accept(peer, submission, "signed")
+    assert first.accepted == len(lease.prompts) and first.paid_s > 0 and first.paid_usd > 0
+    (booked,) = ledger_of(state, lease.lease_id)
+    assert booked[1] == pytest.approx(first.paid_s) and state.leasing.book.leases_of(peer) == []
+    books = view(state)
+    assert state.leasing.submission_cap(peer, rules) > 0  # room to read the same answer again
+    assert await state.intake.accept(peer, submission, "signed") == first
+    assert view(state) == books and ledger_of(state, lease.lease_id) == [booked]
+    with pytest.raises(PeerFault, match="already answered by another submission") as second:
+        await state.intake.accept(peer, answer(tokenizer, lease, peer, right=False), "other bytes")
+    assert second.value.code == RejectCode.BAD_LEASE
+    state.store.close()
+
+    restarted = reopen(tmp_path, default_model_dir)  # as after a SIGKILL between the commit and the reply
+    set_clock(restarted, lambda: clock[0])
+    await restarted.membership.join(peer, join_request(restarted), "10.0.0.1")
+    books = view(restarted)
+    assert restarted.leasing.book.leases_of(peer) == [] and restarted.leasing.submission_cap(peer, rules) > 0
+    assert await restarted.intake.accept(peer, submission, "signed") == first
+    assert view(restarted) == books and ledger_of(restarted, lease.lease_id) == [booked]
+    # Past the lease's deadline the hub lets it go: the node stops sending it by then.
+    clock[0] = lease.deadline + 1.0
+    await restarted.leasing.sweep()
+    assert restarted.leasing.submission_cap(peer, rules) == 0
+    with pytest.raises(PeerFault) as lapsed:
+        await restarted.intake.accept(peer, submission, "signed")
+    assert lapsed.value.code == RejectCode.BAD_LEASE and ledger_of(restarted, lease.lease_id) == [booked]
+    restarted.store.close()
 
 
 @pytest.mark.trio
@@ -745,4 +803,64 @@ async def test_probes_open_at_once_are_capped_in_all(tmp_path, default_model_dir
     assert refused.lease is None and "probe slot" in refused.reason
     state.leasing.book.close(held[0])
     assert (await state.leasing.grant(peers[5], 0)).lease is not None
+    state.store.close()
+
+
+@pytest.mark.trio
+async def test_a_node_that_edits_a_tool_answer_is_banned_as_a_cheat(tmp_path, default_model_dir, tokenizer):
+    """Tool-using rollouts: honest ones, whose environment segments are what the hub sent (the record here holds their
+    digests as hub.agents.loop.ToolLoop keeps them), are accepted and paid; a submission with one edited segment has
+    that group refused for ENVIRONMENT, and its node is banned as for a failed audit: its untrained groups dropped,
+    its pay since its last vouched audit voided, an environment_tampered event written."""
+    from dataclasses import replace
+
+    from hub.agents.loop import segment_digest
+    from hub.trust.checkpool import ThreadChecks
+    from shared.messages import GroupReason
+    from shared.tools import rollout_key
+
+    state = reopen(tmp_path, default_model_dir)
+    rules = replace(state.intake.rules, max_completion_tokens=CONFIG.sampling.max_new_tokens)
+    state.intake.rules, state.intake.checks = rules, ThreadChecks(rules, CONFIG.trust.check_timeout_s)
+    sent: dict[str, list[str]] = {}
+    state.intake.sent_matches = lambda key, segments: sent.get(key) == [segment_digest(s) for s in segments]
+    eos = tokenizer.eos_token_id
+    # Special tokens only, so that the decoded text, and the reward, are `answer`'s.
+    tool_answer = (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id)
+
+    def tool_answer_of(lease, edit: bool = False) -> Submission:
+        """`answer`'s completions after a first turn (EOS alone) the hub answered (the answer recorded as sent)."""
+        honest = answer(tokenizer, lease, peer)
+        groups = []
+        for g in honest.groups:
+            completions = []
+            for i, c in enumerate(g.completions):
+                sent[rollout_key(lease.lease_id, g.prompt_id, i)] = [segment_digest(tool_answer)]
+                shown = (tool_answer[0], tool_answer[1] + 1, *tool_answer[2:]) if edit and g is honest.groups[0] else tool_answer
+                ids = (eos, *shown, *c.token_ids)
+                logprobs = (-0.5, *(0.0,) * len(shown), *c.logprobs)
+                completions.append(c.model_copy(update={"token_ids": ids, "logprobs": logprobs, "env_spans": ((1, len(shown)),)}))
+            groups.append(g.model_copy(update={"completions": tuple(completions)}))
+        return honest.model_copy(update={"groups": tuple(groups)})
+
+    peer = Identity.generate().peer_id
+    async with running(state):
+        await state.membership.join(peer, join_request(state), "10.0.0.1")
+        grant = await state.leasing.grant(peer, 0)  # the probe
+        honest = await state.intake.accept(peer, tool_answer_of(grant.lease), "h1")
+        assert (honest.accepted, honest.reasons) == (1, {}) and honest.paid_usd > 0
+        await settled(state)
+        assert len(state.buffer) == 1 and state.fleet.get(peer).state != "banned"
+        await state.set_state(state.fleet.get(peer), "active", "test")
+        grant = await state.leasing.grant(peer, 0)
+        assert len(grant.lease.prompts) == 2
+        tampered = await state.intake.accept(peer, tool_answer_of(grant.lease, edit=True), "h2")
+        await settled(state)
+    assert tampered.reasons == {GroupReason.ENVIRONMENT.value: 1} and tampered.accepted == 1
+    assert tampered.rejected[0][1] == "environment tokens differ from what the hub sent"
+    record = state.fleet.get(peer)
+    assert record.state == "banned" and "environment tokens differ" in record.banned_reason
+    assert len(state.buffer) == 0  # neither submission's groups will be trained on
+    assert state.totals.paid_usd[peer] == 0.0 == state.store.groups.ledger_total_usd(peer)
+    assert [e.kind for e in state.store.journal.events() if e.node_id == peer].count("environment_tampered") == 1
     state.store.close()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hub.records.schema import SCHEMA_VERSION, SchemaMismatch, StepRecord
+from hub.records.schema import SCHEMA_VERSION, SchemaMismatch, StepRecord, TrainedWork
 from hub.records.store import Store
 from hub.trust.submissions import GroupVerdict
 from shared.messages import GroupReason, SubmittedGroup, Tallies
@@ -75,16 +75,21 @@ def test_a_database_of_schema_3_is_migrated_and_keeps_its_rows(tmp_path):
     changed_at = time.time() + 10.0
     store.members.set_node_price("peerB", 0.4, at=changed_at)  # a change schema 3 kept only in its price history
     store.leases.add_lease("L0", "peerA", ["p1"], 0, time.time(), time.time() + 600)
+    store.leases.add_lease("L1", "peerA", ["p2"], 0, time.time(), time.time() + 600)
     store.close()
     old = sqlite3.connect(tmp_path / "hub.db")  # schema 3: the same tables without the column
+    old.execute("UPDATE leases SET state = 'answered', answered_at = ? WHERE id = 'L1'", (time.time(),))
     old.execute("ALTER TABLE nodes DROP COLUMN price_changed_at")
-    for column in ("price_per_hour", "probe", "held_version", "address"):  # schema 6's lease terms
+    # schema 6's lease terms, and schema 7's answer kept with its reply
+    for column in ("price_per_hour", "probe", "held_version", "address", "answer_hash", "reply_json"):
         old.execute(f"ALTER TABLE leases DROP COLUMN {column}")
+    old.execute("DROP INDEX trajectories_by_node")  # schema 8's
     old.execute("PRAGMA user_version = 3")
     old.commit()
     old.close()
     store = Store(tmp_path / "hub.db")
-    assert store.pragma("user_version") == SCHEMA_VERSION == 6
+    assert store.pragma("user_version") == SCHEMA_VERSION == 8
+    assert store.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'trajectories_by_node'").fetchone()
     assert store.members.seen_before(0.0) == (0, 0.0)  # schema 5: the roll-up of forgotten identities, empty
     assert [(n.peer_id, n.price_per_hour, n.price_changed_at) for n in store.members.nodes()] == [
         ("peerA", 0.35, None),
@@ -94,6 +99,8 @@ def test_a_database_of_schema_3_is_migrated_and_keeps_its_rows(tmp_path):
     assert store.members.node("peerA").price_changed_at == 123.0
     # Schema 6: a lease granted before it has no terms (no price), so a restart cannot take its answer: it expires.
     assert store.leases.reopen(time.time()) == [] and store.leases.lease("L0").state == "expired"
+    # Schema 7: a lease answered before it kept no reply, so its answer sent again cannot be given one.
+    assert store.leases.lease("L1").reply_json is None and store.leases.answered_since(time.time()) == []
     assert store.integrity_check() == "ok"
 
 
@@ -109,7 +116,7 @@ def test_a_start_resumes_a_run_of_an_older_schema_and_refuses_a_newer_one(tmp_pa
     store.set_run({"task": "reverse"})
     store.close()
     old = sqlite3.connect(tmp_path / HUB_STORE_FILE)
-    for column in ("price_per_hour", "probe", "held_version", "address"):
+    for column in ("price_per_hour", "probe", "held_version", "address", "answer_hash", "reply_json"):
         old.execute(f"ALTER TABLE leases DROP COLUMN {column}")
     old.execute("PRAGMA user_version = 5")
     old.commit()
@@ -166,6 +173,39 @@ def test_unconsumed_groups_survive_reopen(tmp_path):
     assert [gid for gid, _ in pending] == [b]
     assert pending[0][1] == make_group("b", 1, (1.0, 0.0))
     assert again.integrity_check() == "ok"
+
+
+def test_a_tool_using_group_round_trips_and_a_row_written_before_tools_still_loads(tmp_path):
+    """Groups are stored as JSON: a multi-turn one comes back token-exact with its environment segments; a row an
+    older hub wrote (its completions name no env_spans) loads as a single-turn group."""
+    path = tmp_path / "hub.db"
+    store = Store(path)
+    turns = Completion(
+        token_ids=(5, 2, 9, 9, 2, 7, 6, 2),
+        logprobs=(-0.1, -0.2, 0.0, 0.0, 0.0, -0.3, -0.4, -0.5),
+        finish_reason="stop",
+        version=1,
+        text="a b",
+        env_spans=((2, 3),),
+    )
+    tool_group = Group(prompt_id="t", prompt_text="ba>", version=1, completions=(turns, turns), rewards=(0.0, 1.0))
+    old = make_group("old", 1)
+    old_json = old.model_dump_json()
+    assert '"env_spans":[]' in old_json
+    tool_id = store.groups.record_trajectory(tool_group, None, "", "accepted")
+    old_id = store.groups.record_trajectory(old, None, "", "accepted")
+    store.close()
+    older = sqlite3.connect(path)  # the row as a hub before tools wrote it
+    with older:
+        older.execute("UPDATE payloads SET group_json = ? WHERE id = ?", (old_json.replace(',"env_spans":[]', ""), old_id))
+    older.close()
+
+    again = Store(path)
+    loaded = dict(again.groups.unconsumed_groups())
+    assert "env_spans" not in again.db.execute("SELECT group_json FROM payloads WHERE id = ?", (old_id,)).fetchone()[0]
+    assert loaded[old_id] == old and loaded[old_id].completions[0].env_spans == ()
+    assert loaded[tool_id] == tool_group
+    assert loaded[tool_id].completions[0].env_segments() == [(9, 9, 2)]
 
 
 def test_snapshots_checkpoints_events_leases(tmp_path):
@@ -323,3 +363,19 @@ def test_refused_work_is_kept_as_a_hash_not_a_payload(tmp_path):
 
     # 8 x 4000 refused tokens (about 220 kB of JSON) cost the disk what 8 x 1 tokens do.
     assert abs(grown_by(4000) - grown_by(1)) < 8 * 1024
+
+
+def test_a_nodes_trained_work_is_counted_with_its_steps(tmp_path):
+    """What a ban reports of the node's work the learner already learned from (issue 66): groups and steps."""
+    store = Store(tmp_path / "hub.db")
+    ids = {}
+    for node, prompts in (("A", ("p1", "p2", "p3")), ("B", ("p4",))):
+        for prompt in prompts:
+            ids[prompt] = store.groups.record_trajectory(make_group(prompt, 0), None, node, "accepted")
+    assert store.groups.trained_of("A").describe() == "none of its groups was trained on"
+    store.training.commit_step(make_record(3), [ids["p1"], ids["p4"]])
+    assert store.groups.trained_of("A").describe() == "1 of its groups were trained on (step 3)"
+    store.training.commit_step(make_record(5), [ids["p2"]])
+    assert store.groups.trained_of("A") == TrainedWork(2, 3, 5)
+    assert store.groups.trained_of("A").describe() == "2 of its groups were trained on (steps 3-5)"
+    assert store.groups.trained_of("B") == TrainedWork(1, 3, 3)

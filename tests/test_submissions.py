@@ -318,3 +318,192 @@ def test_the_largest_honest_answer_fits_the_lease_cap(tokenizer):
         frame = encode_signed(Submission(lease_id="\x1f" * 64, node_id="\x1f" * 128, groups=groups), identity)
         cap = submission_frame_cap(3, GROUP_SIZE, MAX_NEW_TOKENS, token_text_bytes(vocab))
         assert len(frame) - HEADER_BYTES <= cap + SIGNATURE_BYTES
+
+
+# --- tool-using (multi-turn) completions ------------------------------------------------------------------------------
+
+MAX_COMPLETION_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tool_rules(rules) -> SubmissionRules:
+    from dataclasses import replace
+
+    return replace(rules, max_completion_tokens=MAX_COMPLETION_TOKENS)
+
+
+def turns(tokenizer, *parts: str, env_eos: bool = True, **overrides) -> Completion:
+    """A completion of model turns (odd parts: text, each ending with EOS) and environment segments between them (even
+    parts: a tool answer, holding an EOS of its own as a chat template renders one, log-prob 0.0)."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    logprobs: list[float] = []
+    spans: list[tuple[int, int]] = []
+    for i, text in enumerate(parts):
+        if i % 2:
+            segment = [eos, *tokenizer.encode(text)] if env_eos else tokenizer.encode(text)
+            spans.append((len(ids), len(segment)))
+            ids += segment
+            logprobs += [0.0] * len(segment)
+        else:
+            ids += [*tokenizer.encode(text), eos]
+            logprobs += [-0.5] * (len(ids) - len(logprobs))
+    fields = dict(
+        token_ids=tuple(ids), logprobs=tuple(logprobs), finish_reason="stop", version=4, text="", env_spans=tuple(spans)
+    )
+    fields.update(overrides)
+    return Completion(**fields)
+
+
+def tool_group(*completions: Completion) -> SubmittedGroup:
+    return SubmittedGroup(prompt_id="p-abc", completions=completions)
+
+
+def test_a_stop_id_may_end_each_model_turn_and_environment_tokens_are_context(tool_rules, tokenizer):
+    # Model "a<eos>", the tool's "zz" after an EOS of the template's, model "cba<eos>": every turn ends with a stop id.
+    c = turns(tokenizer, "a", "zz", "cba")
+    assert c.model_turns() == [(0, 2), (5, 9)] and c.model_token_ids() == (*tokenizer.encode("a"), 1, *tokenizer.encode("cba"), 1)
+    v = verdict(tool_rules, tool_group(c, turns(tokenizer, "abc")))
+    assert v.accepted, v.reason
+    assert v.group.completions[0].env_spans == c.env_spans  # kept as sent: the learner masks them
+    # Longer than max_new_tokens in all, each turn within it: only the whole is bounded by max_completion_tokens.
+    long = turns(tokenizer, "abcde", "zz", "abcde")
+    assert len(long.token_ids) > MAX_NEW_TOKENS
+    assert verdict(tool_rules, tool_group(long, long)).accepted
+
+
+def tool_reasons(tokenizer) -> dict[str, tuple[Completion, str]]:
+    eos, a = tokenizer.eos_token_id, tokenizer.encode("a")[0]
+    good = turns(tokenizer, "a", "zz", "cba")
+    logprobs = list(good.logprobs)
+    nonzero_env = logprobs[:3] + [-0.2] + logprobs[4:]
+    positive_model = [0.5] + logprobs[1:]
+    return {
+        "env logprob": (good.model_copy(update={"logprobs": tuple(nonzero_env)}), "log-probs must be 0.0"),
+        "model logprob": (good.model_copy(update={"logprobs": tuple(positive_model)}), "finite and <= 0"),
+        "logprob count": (good.model_copy(update={"logprobs": good.logprobs[:-1]}), "8 log-probs for 9 tokens"),
+        "eos inside a turn": (
+            turns(tokenizer, "a", "zz", "cba").model_copy(update={"token_ids": (eos, eos, *good.token_ids[2:])}),
+            "tokens after EOS within a model turn",
+        ),
+        "turn too long": (turns(tokenizer, "abcdefg", "zz", "a"), "model turn length 8 outside [1, 6]"),
+        "too long in all": (turns(tokenizer, "abcde", "zz", "abcde", "z", "a"), "over 16 tokens"),
+        "stop without eos": (good.model_copy(update={"token_ids": (*good.token_ids[:-1], a)}), "finish_reason stop without EOS"),
+        "length too early": (good.model_copy(update={"finish_reason": "length"}), "length before max_new_tokens"),
+        "outside vocab": (
+            good.model_copy(update={"token_ids": (*good.token_ids[:4], len(tokenizer), *good.token_ids[5:])}),
+            "outside the vocabulary",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "env logprob",
+        "model logprob",
+        "logprob count",
+        "eos inside a turn",
+        "turn too long",
+        "too long in all",
+        "stop without eos",
+        "length too early",
+        "outside vocab",
+    ],
+)
+def test_every_rejection_reason_of_a_tool_using_completion(tool_rules, tokenizer, case):
+    bad, expected = tool_reasons(tokenizer)[case]
+    v = verdict(tool_rules, tool_group(turns(tokenizer, "abc"), bad))
+    assert not v.accepted and v.why == GroupReason.TOKENS
+    assert expected in v.reason, v.reason
+
+
+def test_length_ends_a_tool_using_completion_at_a_turn_cap_or_the_whole_cap(tool_rules, tokenizer):
+    a = tokenizer.encode("a")[0]
+    at_turn_cap = turns(tokenizer, "a", "zz", "abcde").model_copy(update={"finish_reason": "length"})
+    cut = at_turn_cap.model_copy(update={"token_ids": (*at_turn_cap.token_ids[:-1], a)})  # six sampled, no EOS
+    assert verdict(tool_rules, tool_group(cut, cut)).accepted
+    # The last turn cut short by max_completion_tokens: 16 tokens in all.
+    whole = turns(tokenizer, "abcde", "z", "abc", "z", "a")
+    assert len(whole.token_ids) == MAX_COMPLETION_TOKENS
+    cut = whole.model_copy(update={"finish_reason": "length", "token_ids": (*whole.token_ids[:-1], a)})
+    assert verdict(tool_rules, tool_group(cut, cut)).accepted
+
+
+def test_environment_segments_in_a_run_without_tools_are_refused(rules, tokenizer):
+    v = verdict(rules, tool_group(turns(tokenizer, "a", "zz", "cba"), turns(tokenizer, "abc")))
+    assert not v.accepted and v.why == GroupReason.TOKENS and v.reason == "environment segments in a run without tools"
+
+
+def test_a_tampered_environment_segment_is_refused_as_a_cheats(tool_rules, tokenizer):
+    """The hub's record of what it sent (here a dict of digests, as hub.agents.loop.ToolLoop keeps them): a group whose
+    segments differ, or drop one, or add one, is refused with the ENVIRONMENT reason; honest ones pass; only otherwise
+    valid work is compared."""
+    from hub.agents.loop import segment_digest
+    from hub.trust.submissions import refuse_tampered
+    from shared.tools import rollout_key
+
+    honest = [turns(tokenizer, "a", "zz", "cba"), turns(tokenizer, "abc")]
+    lease_id = lease().lease_id
+    sent = {rollout_key(lease_id, "p-abc", i): [segment_digest(s) for s in c.env_segments()] for i, c in enumerate(honest)}
+
+    def sent_matches(key, segments):
+        return key in sent and [segment_digest(s) for s in segments] == sent[key]
+
+    z = tokenizer.encode("z")[0]
+    edited = honest[0].model_copy(update={"token_ids": (*honest[0].token_ids[:4], z + 1, *honest[0].token_ids[5:])})
+    dropped = turns(tokenizer, "acba")  # no segment: the model "answered" without the tool
+    added = turns(tokenizer, "a", "zz", "abc")  # a segment the hub never sent rollout 1
+    cases = {
+        "honest": tool_group(*honest),
+        "edited": tool_group(edited, honest[1]),
+        "dropped": tool_group(dropped, honest[1]),
+        "added": tool_group(honest[0], added),
+    }
+    verdicts = [verdict(tool_rules, g) for g in cases.values()]
+    assert all(v.accepted for v in verdicts)  # each is well-formed: only the hub's record tells them apart
+    out = dict(zip(cases, refuse_tampered(verdicts, lease_id, sent_matches)))
+    assert out["honest"].accepted and out["honest"].group is not None
+    for name in ("edited", "dropped", "added"):
+        v = out[name]
+        assert (v.accepted, v.late, v.group, v.why) == (False, False, None, GroupReason.ENVIRONMENT), name
+        assert v.reason == "environment tokens differ from what the hub sent"
+    # Another lease's rollouts are not this one's: the same work answering it is refused.
+    assert refuse_tampered([verdicts[0]], "m" * 24, sent_matches)[0].why == GroupReason.ENVIRONMENT
+    # Work refused for another reason is not compared (its rollouts need not be the lease's).
+    refused = verdict(tool_rules, tool_group(edited, honest[1]).model_copy(update={"prompt_id": "p-other"}))
+    assert refuse_tampered([refused], lease_id, sent_matches)[0].why == GroupReason.LEASE
+
+
+def test_the_largest_honest_tool_using_answer_fits_the_lease_cap(tool_rules, tokenizer):
+    """Every completion at max_completion_tokens of the longest token, as many environment segments as fit, the
+    longest floats, ids and spans: within the cap the hub reads a lease's answer with."""
+    from shared.crypto import SIGNATURE_BYTES, Identity
+    from shared.rollout import MAX_VERSION
+    from shared.wire import HEADER_BYTES, encode_signed
+
+    vocab = tokenizer.get_vocab()
+    ids = (vocab[max(vocab, key=len)],) * MAX_COMPLETION_TOKENS
+    segments = tool_rules.env_segments_max
+    assert segments == (MAX_COMPLETION_TOKENS - 1) // 2
+    spans = tuple((1 + 2 * i, 1) for i in range(segments))
+    logprobs = tuple(0.0 if any(s == i for s, _ in spans) else -2.2250738585072014e-308 for i in range(len(ids)))
+    completion = Completion(
+        token_ids=ids,
+        logprobs=logprobs,
+        finish_reason="length",
+        version=MAX_VERSION,
+        text="\x1f" * len(max(vocab, key=len)) * MAX_COMPLETION_TOKENS,
+        env_spans=spans,
+    )
+    groups = tuple(
+        SubmittedGroup(prompt_id="\x1f" * 200, completions=(completion,) * GROUP_SIZE, claimed_rewards=(-1e-308,) * GROUP_SIZE)
+        for _ in range(3)
+    )
+    frame = encode_signed(Submission(lease_id="\x1f" * 64, node_id="\x1f" * 128, groups=groups), Identity.generate())
+    assert len(frame) - HEADER_BYTES <= tool_rules.frame_cap(3) + SIGNATURE_BYTES
+    # A run without tools: the cap of today, max_new_tokens per completion and no segment.
+    rules_cap = submission_frame_cap(3, GROUP_SIZE, MAX_NEW_TOKENS, tool_rules.token_text_bytes)
+    from dataclasses import replace
+
+    assert replace(tool_rules, max_completion_tokens=None).frame_cap(3) == rules_cap < tool_rules.frame_cap(3)

@@ -211,8 +211,8 @@ def test_a_vllm_node_without_the_models_weights_runs_on_the_hubs_files_and_its_f
     from hub.trust.audit import Auditor
     from node.vllm_engine import VLLMEngine
     from shared.crypto import Identity
-    from shared.generation import model_stop_ids
     from shared.model_files import has_weights, model_offer, write_model_file
+    from shared.model_identity import load_model_identity
     from shared.model_io import build_snapshot, model_dir_config_hash
     from shared.probe import probe_rows
 
@@ -222,10 +222,9 @@ def test_a_vllm_node_without_the_models_weights_runs_on_the_hubs_files_and_its_f
     for entry in offer.listing.files:
         write_model_file(kit, entry, offer.read(entry))
     assert not has_weights(kit)
-    rows = probe_rows(PROMPTS[:5], hf_engine.tokenizer, frozenset(model_stop_ids(default_model_dir)))
-    auditor = Auditor(
-        default_model_dir, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(), TrustConfig(), "float32"
-    )
+    model = load_model_identity(default_model_dir)
+    rows = probe_rows(PROMPTS[:5], hf_engine.tokenizer, model.stop_ids)
+    auditor = Auditor(model, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(), TrustConfig(), "float32")
     dropped = tied_duplicates(hf_engine.model)
     state = {k: v.cpu().clone() for k, v in hf_engine.model.state_dict().items() if k not in dropped}
     snapshot = build_snapshot(
@@ -258,21 +257,19 @@ def test_vllm_reproduces_the_install_probe_and_a_corrupted_tensor_is_caught(engi
     through prompt log-probs; one tensor scaled inside the worker afterwards stops the engine before it generates.
     Last in this module: the shared engine stays refused."""
     import cloudpickle
-    from transformers import AutoTokenizer
 
     from hub.records.snapshots import SnapshotShelf
     from hub.trust.audit import Auditor
     from node.engine import EngineBroken
     from shared.crypto import Identity
-    from shared.generation import model_stop_ids
+    from shared.model_identity import load_model_identity
     from shared.model_io import build_snapshot, model_dir_config_hash
     from shared.probe import probe_rows
 
     vllm_engine, hf_engine = engines
-    rows = probe_rows(PROMPTS[:5], AutoTokenizer.from_pretrained(default_model_dir), frozenset(model_stop_ids(default_model_dir)))
-    auditor = Auditor(
-        default_model_dir, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(), TrustConfig(), "float32"
-    )
+    model = load_model_identity(default_model_dir)
+    rows = probe_rows(PROMPTS[:5], model.tokenizer, model.stop_ids)
+    auditor = Auditor(model, SnapshotShelf(keep=2, directory=tmp_path / "shelf"), SamplingParams(), TrustConfig(), "float32")
     gen = torch.Generator().manual_seed(21)
     dropped = tied_duplicates(hf_engine.model)
     state = {
@@ -308,8 +305,8 @@ def test_vllm_stops_on_the_hubs_eos_set_with_and_without_the_models_weights(engi
 
     from hub.trust.submissions import _check_completion
     from node.vllm_engine import VLLMEngine
-    from shared.generation import model_stop_ids
     from shared.model_files import model_offer, write_model_file
+    from shared.model_identity import load_model_identity
 
     _, hf_engine = engines
     model = tmp_path / "model"
@@ -319,7 +316,7 @@ def test_vllm_stops_on_the_hubs_eos_set_with_and_without_the_models_weights(engi
     config = GenerationConfig.from_pretrained(model)
     config.eos_token_id = stops
     config.save_pretrained(model)
-    hub_stops = frozenset(model_stop_ids(model))
+    hub_stops = load_model_identity(model).stop_ids
     assert hub_stops == set(stops)
     offer = model_offer(model, "default", weights_in_snapshots=True)
     kit = tmp_path / "kit"

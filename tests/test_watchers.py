@@ -19,7 +19,7 @@ import trio
 from libp2p.abc import INetConn
 
 from hub.service.handlers import GUARD_PRUNE_PERIOD_S
-from hub.trust.watchers import REFUSED_KEPT_S, REFUSED_MAX, StatusWatchers
+from hub.trust.watchers import REFUSED_KEPT_S, REFUSED_MAX, WATCHERS_KEPT_MAX, StatusWatchers
 from shared.crypto import Identity
 from shared.logs import PEER_LOG_WINDOW_S
 from shared.messages import HubStatus
@@ -87,6 +87,28 @@ def test_throwaway_identities_refused_in_a_flood_do_not_grow_the_table():
     # The newest are the ones remembered.
     watchers.answered(f"peer{REFUSED_MAX * 3 - 1}", "A", now=1e4)
     assert not watchers.keeps(f"peer{REFUSED_MAX * 3 - 1}", now=1e4)
+
+
+def test_throwaway_identities_whose_status_was_answered_do_not_grow_the_table_past_its_cap():
+    """Every answered status request of a new identity adds a peer: past `kept` one answered longest ago that holds no
+    place makes room, never a placed watcher, and a watcher that keeps polling keeps its entry."""
+    watchers = StatusWatchers(idle_s=10.0, per_address=2, total=3)
+    assert watchers.kept == WATCHERS_KEPT_MAX
+    watchers.answered("dashboard", "A", now=0.0)
+    assert watchers.keeps("dashboard", now=0.1)  # placed
+    watchers.answered("not-yet-placed", "B", now=0.2)
+    for i in range(WATCHERS_KEPT_MAX * 3):
+        now = 1.0 + i * 1e-3
+        watchers.answered(f"throwaway{i}", f"10.0.{i // 256}.{i % 256}", now=now)
+        if i % 1000 == 0:
+            watchers.answered("polling", "C", now=now)  # a second watcher still polling: answered again and again
+        assert len(watchers._watchers) <= WATCHERS_KEPT_MAX
+    assert len(watchers._watchers) == WATCHERS_KEPT_MAX
+    assert watchers.keeps("dashboard", now=2.0) and watchers.placed == 1  # a place held is never taken
+    assert "not-yet-placed" not in watchers._watchers  # answered longest ago, no place: made room
+    assert "polling" in watchers._watchers and watchers.keeps("polling", now=now)
+    with pytest.raises(ValueError, match="must be more than the places in all"):
+        StatusWatchers(idle_s=10.0, total=8, kept=8)
 
 
 # -- a real hub and the dashboard's client -----------------------------------------------------------

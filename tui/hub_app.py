@@ -19,9 +19,6 @@ from shared.staleness import moves_text
 from tui import DEFAULT_REFRESH_S
 from tui.widgets import Banner, DashboardApp, clock, event_lines, money, number, short_id, styled_state, tally_cells
 
-# The newest warnings for the operator shown, above everything but the banner.
-WARNINGS_SHOWN = 3
-
 
 def display_state(node: NodeStatus) -> str:
     """The NodeState, except that a live node with a snapshot in flight shows as receiving."""
@@ -154,7 +151,7 @@ def cost_text(status: HubStatus) -> Text:
 def warnings_text(status: HubStatus) -> Text:
     """The hub's newest warnings for its operator, newest first, one a line (their kinds only in a redacted status)."""
     lines = []
-    for warning in sorted(status.warnings, key=lambda w: w.at, reverse=True)[:WARNINGS_SHOWN]:
+    for warning in status.newest_warnings():  # above everything but the banner
         line = Text(f"⚠ {clock(warning.at)} {warning.kind}", style="bold yellow")
         if warning.detail:
             line.append(f": {warning.detail}", style="yellow")

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hub.config import HubConfig
-from shared.checks import check_model_dir
 from shared.layout import RUN_CONFIG_FILE
 from shared.tasks.base import Task
+
+if TYPE_CHECKING:
+    from shared.model_identity import ModelIdentity
 
 
 def saved_run_config(model: Path) -> Path | None:
@@ -24,17 +27,19 @@ def saved_run_config(model: Path) -> Path | None:
     return None
 
 
-def check_eval(config: HubConfig, model: Path) -> Task:
-    """The held-out task to evaluate on (UserError on a mistake)."""
-    from hub.cli.preflight import checked_tasks
+def check_eval(config: HubConfig, model_dir: Path) -> tuple[ModelIdentity, Task]:
+    """The model in `model_dir`, read once, and the held-out task to evaluate it on (UserError on a mistake)."""
+    from hub.cli.preflight import checked_tasks, read_model
 
-    check_model_dir(model)
+    model = read_model(model_dir)
     task = checked_tasks(config, model, evaluate=True)[1]
     assert task is not None  # asked to evaluate
-    return task
+    return model, task
 
 
-def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_json: bool, saved: Path | None = None) -> int:
+def run_eval(
+    config: HubConfig, model: ModelIdentity, task: Task, device: str | None, as_json: bool, saved: Path | None = None
+) -> int:
     """Evaluate `model` once and print the result (`saved`: the run config it came with, said to be used)."""
     import torch
     import transformers
@@ -54,7 +59,7 @@ def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_
             file=sys.stderr,
         )
     print(
-        f"echo-hub eval: {model} on {min(config.eval.prompts, len(task.prompts()))} held-out prompts of "
+        f"echo-hub eval: {model.model_dir} on {min(config.eval.prompts, len(task.prompts()))} held-out prompts of "
         f"{config.eval.task or config.task} x {config.eval.samples} samples ({dtype}, {device})",
         file=sys.stderr,
     )
@@ -62,7 +67,7 @@ def run_eval(config: HubConfig, model: Path, task: Task, device: str | None, as_
     row = evaluator.evaluate(0)
     assert row is not None  # None only when told to stop
     if as_json:
-        out = {"model": str(model), **row.as_metrics_row()}
+        out = {"model": str(model.model_dir), **row.as_metrics_row()}
         del out["eval_step"]
         print(json.dumps(out, sort_keys=True))
     else:

@@ -71,6 +71,13 @@ START_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "eps_high": ("learner.eps_high", float),
     "loss_type": ("learner.loss_type", str),
     "num_iterations": ("learner.num_iterations", int),
+    "rollout_is_mode": ("learner.rollout_is_mode", str),
+    "rollout_is_level": ("learner.rollout_is_level", str),
+    "rollout_is_threshold": ("learner.rollout_is_threshold", float),
+    "rollout_is_threshold_lower": ("learner.rollout_is_threshold_lower", float),
+    "rollout_is_veto_threshold": ("learner.rollout_is_veto_threshold", float),
+    "importance_sampling_level": ("learner.importance_sampling_level", str),
+    "off_policy_mask_threshold": ("learner.off_policy_mask_threshold", float),
     "grad_clip": ("learner.grad_clip", float),
     "checkpoint_every": ("learner.checkpoint_every", int),
     "checkpoint_every_s": ("learner.checkpoint_every_s", float),
@@ -120,12 +127,19 @@ START_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "report_to": ("tracking.report_to", _names),
     "run_name": ("tracking.run_name", str),
     "log_completions": ("tracking.log_completions", int),
+    "tools": ("agents.tools", _names),
+    "environment": ("agents.environment", str),
+    "max_tool_calls": ("agents.max_tool_calls", int),
+    "tool_wall_s": ("agents.tool_wall_s", float),
+    "tool_cpu_s": ("agents.tool_cpu_s", float),
+    "tool_memory_mb": ("agents.tool_memory_mb", int),
+    "tool_procs": ("agents.tool_procs", int),
 }
 # On/off flags of `echo-hub start` that take no value: given is on (flag name -> dotted HubConfig field).
 START_SWITCHES: dict[str, str] = {"allow_lossy_prompts": "dataset.allow_lossy_prompts"}
-# Flags that may be given several times, adding up (`--reward a --reward b` is `--reward a,b`, and
-# `--reward-weights 1 --reward-weights 0.5` is `--reward-weights 1,0.5`).
-REPEATED_FLAGS = frozenset({"reward", "reward_weights"})
+# Flags that may be given several times, adding up (`--reward a --reward b` is `--reward a,b`,
+# `--reward-weights 1 --reward-weights 0.5` is `--reward-weights 1,0.5`, `--tools m:f --tools m:g` is `--tools m:f,m:g`).
+REPEATED_FLAGS = frozenset({"reward", "reward_weights", "tools"})
 # TRL's names for the same settings (GRPOConfig and transformers' TrainingArguments), accepted as flags and as flat
 # hub.toml keys. --epsilon sets the lower clip range only: eps_high keeps its own default (DAPO's 0.28).
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {
@@ -138,6 +152,12 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "grad_clip": ("max_grad_norm",),
     "checkpoint_every": ("save_steps",),
     "lr_scheduler": ("lr_scheduler_type",),
+    # TRL's vllm_importance_sampling_cap is its older name of clip_max (deprecated in TRL 1.6, still taken there).
+    "rollout_is_mode": ("vllm_importance_sampling_mode",),
+    "rollout_is_threshold": ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"),
+    "rollout_is_threshold_lower": ("vllm_importance_sampling_clip_min",),
+    "environment": ("environment_factory",),
+    "max_tool_calls": ("max_tool_calling_iterations",),
 }
 # One example per command, at the end of its --help.
 EXAMPLES: dict[str, str] = {
@@ -318,7 +338,7 @@ def prepare_start(config, fresh: bool, anyway: bool):
     from shared.lock import lock_data_dir
     from shared.precision import check_device
 
-    check_start(config)
+    model = check_start(config)
     check_device(config.learner.device, "--device")
     check_device(config.local_device, "--local-device")
     model_dir = config.model or default_model_dir()
@@ -333,7 +353,7 @@ def prepare_start(config, fresh: bool, anyway: bool):
         lock_data_dir(config.data_dir, HUB_LOCK_FILE, "hub").close()  # refused while another hub runs on it
         aside = move_aside(config.data_dir, keep_key=config.key is None)
         print(f"echo-hub: --fresh: the old run is now in {aside} (the hub key stays: same address)", file=sys.stderr)
-    return Started(lock=lock_data_dir(config.data_dir, HUB_LOCK_FILE, "hub"), resume=resume)
+    return Started(lock=lock_data_dir(config.data_dir, HUB_LOCK_FILE, "hub"), resume=resume, model=model)
 
 
 def _given(args: argparse.Namespace, flag: str) -> object:
@@ -358,13 +378,13 @@ def _eval(args: argparse.Namespace) -> int:
         # Without a run's config the policy is all there is to go by: a model of the user's samples as TRL's would.
         base = config.model if args.config is not None or saved is not None else args.model
         config, defaults = with_user_model_defaults(config, _own_model(base), fields=("sampling.max_new_tokens",))
-        task = check_eval(config, args.model)
+        model, task = check_eval(config, args.model)
     except (ConfigError, UserError) as exc:
         print(f"echo-hub eval: {f'{saved}: ' if saved else ''}{exc}", file=sys.stderr)
         return 2
     if defaults is not None:
         print(f"echo-hub eval: {defaults}", file=sys.stderr, flush=True)
-    return run_eval(config, args.model, task, args.device, args.json, saved)
+    return run_eval(config, model, task, args.device, args.json, saved)
 
 
 def _config() -> int:
@@ -452,7 +472,7 @@ def _start(args: argparse.Namespace, reexec: bool) -> int:
     from hub.cli.run import run_hub
 
     try:
-        return run_hub(config, progress=not args.no_progress, resume=started.resume, lock=started.lock)
+        return run_hub(config, progress=not args.no_progress, resume=started.resume, lock=started.lock, model=started.model)
     except Exception as exc:
         if disk_full(exc) is None:
             raise

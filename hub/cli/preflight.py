@@ -3,7 +3,8 @@ anything is written to the data dir. Then `echo-hub start` locks the data dir (s
 data dir) and this module says what it resumes: nothing, when the run already did the steps asked; refused,
 when its model, task, held-out prompts or training settings changed (unless --resume-anyway).
 
-Everything here is quick (files, sockets, one read-only SQLite query, importing the task): no torch.
+Everything here is quick (files, sockets, one read-only SQLite query, importing the task, reading --model's
+identity, which the run then uses: shared/model_identity.py): no model weights.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from hub.config import HubConfig
 from shared.checks import (
@@ -34,13 +35,18 @@ from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, HUB_KEY_FILE, HUB_STORE_FI
 from shared.precision import resolve_device
 from shared.tasks.base import Task
 
+if TYPE_CHECKING:
+    from shared.model_identity import ModelIdentity
+
 
 @dataclass(frozen=True)
 class Started:
-    """A start that passed every check: the data dir lock (held while the hub runs) and what it resumes."""
+    """A start that passed every check: the data dir lock (held while the hub runs), what it resumes and the model
+    the checks read (None: the embedded default, read by its recipe: its directory may not be built yet)."""
 
     lock: IO[str]
     resume: Resume | None
+    model: ModelIdentity | None
 
 
 @dataclass(frozen=True)
@@ -65,15 +71,17 @@ class Resume:
         return f" from the checkpoint of step {self.checkpoint}"
 
 
-def check_start(config: HubConfig) -> None:
+def check_start(config: HubConfig) -> ModelIdentity | None:
     """Every check of `echo-hub start` that needs no lock: UserError on the first mistake; a warning printed for
-    what a flag lets through (--allow-lossy-prompts)."""
+    what a flag lets through (--allow-lossy-prompts). The model --model names, read once for the checks and the run
+    (None: the embedded default)."""
     check_data_dir(config.data_dir)
     if config.save_rollouts is not None:
         check_data_dir(config.save_rollouts, "--save-rollouts")
-    if config.model is not None:
-        check_model_dir(config.model)
-    tasks = checked_tasks(config, config.model, evaluate=config.eval.every > 0)
+    model = read_model(config.model) if config.model is not None else None
+    check_agents(config, model)
+    tasks = checked_tasks(config, model, evaluate=config.eval.every > 0)
+    check_tool_task(config, tasks[0])
     check_lora(config)
     check_learner_procs(config)
     check_learner_kernels(config)
@@ -85,18 +93,31 @@ def check_start(config: HubConfig) -> None:
     from hub.training.tasks import check_prompts, unlogged_note
 
     note = unlogged_note(tasks[0])
-    for warning in [*check_prompts(config, *tasks), *([note] if note else [])]:  # last: no warning before a mistake
+    for warning in [*check_prompts(config, model, *tasks), *([note] if note else [])]:  # last: no warning before a mistake
         print(f"echo-hub: {warning}", file=sys.stderr, flush=True)
+    return model
 
 
-def checked_tasks(config: HubConfig, model_dir: Path | None, evaluate: bool) -> tuple[Task, Task | None]:
+def read_model(model_dir: Path) -> ModelIdentity:
+    """The model identity of a --model directory (shared/model_identity.py); UserError when it is not a model
+    directory or its tokenizer or config cannot be read."""
+    from shared.model_identity import load_model_identity
+
+    check_model_dir(model_dir)
+    try:
+        return load_model_identity(model_dir)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--model {model_dir}: cannot load its tokenizer or config ({str(exc).splitlines()[0]})") from None
+
+
+def checked_tasks(config: HubConfig, model: ModelIdentity | None, evaluate: bool) -> tuple[Task, Task | None]:
     """(training task, held-out task when `evaluate`): UserError naming the flag when one cannot load or is empty,
     or naming the reward function when it fails the start check (hub.training.tasks.check_reward)."""
     from hub.training.tasks import held_out, load_hub_task
 
     errors = (ValueError, ImportError, AttributeError, TypeError, OSError)
     try:
-        task = load_hub_task(config.task, config, model_dir)
+        task = load_hub_task(config.task, config, model)
         if not task.prompts():
             raise ValueError("it has no prompts")
     except errors as exc:
@@ -106,7 +127,7 @@ def checked_tasks(config: HubConfig, model_dir: Path | None, evaluate: bool) -> 
         return task, None
     ev = config.eval
     try:
-        return task, held_out(config, task, model_dir)[1]
+        return task, held_out(config, task, model)[1]
     except errors as exc:
         flag = f"--eval-task {ev.task}" if ev.task is not None else f"--eval-split {ev.split:g}"
         raise UserError(f"{flag}: {str(exc).removeprefix(f'task spec {ev.task!r}: ')}") from None
@@ -121,6 +142,53 @@ def checked_reward(task: Task, group_size: int) -> None:
         check_reward(task, group_size)
     except RewardError as exc:
         raise UserError(str(exc)) from None
+
+
+def check_agents(config: HubConfig, model: ModelIdentity | None) -> None:
+    """Tools and an environment as TRL takes them, which this hub can run: their specs load and offer at least one
+    tool, the sandbox has what it needs (Linux), --model's chat template renders them (hub/agents/conversation.py),
+    and nothing asks for what the tool loop does not do yet (held-out evaluation)."""
+    agents = config.agents
+    if not agents.enabled:
+        return
+    flag = "--tools" if agents.tools else "--environment"
+    if not sys.platform.startswith("linux"):
+        raise UserError(f"{flag}: the tool sandbox needs Linux (it caps a call's memory with RLIMIT_AS)")
+    if model is None:
+        raise UserError(f"{flag} needs --model: a model whose chat template renders tools (the embedded default's does not)")
+    if config.eval.every > 0:
+        raise UserError(
+            f"--eval-every {config.eval.every} with {flag}: held-out evaluation does not run the tool loop yet; leave it 0"
+        )
+    from hub.agents.conversation import check_tool_template
+    from hub.agents.toolset import load_toolset
+
+    try:
+        toolset = load_toolset(agents.tools, agents.environment)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+    if not toolset.names:
+        raise UserError(f"--environment {agents.environment}: it has no public methods, so the model has no tool to call")
+    try:
+        check_tool_template(model.tokenizer, toolset.schemas)
+    except ValueError as exc:
+        raise UserError(
+            f"{flag} with --model {config.model}: {exc}; use a model whose template renders tools (Qwen's does)"
+        ) from None
+
+
+def check_tool_task(config: HubConfig, task: Task) -> None:
+    """A tool-using run's prompts are chat messages, rendered with the tools' schemas as TRL renders them."""
+    from shared.tasks.dataset import DatasetTask
+
+    if not config.agents.enabled:
+        return
+    flag = "--tools" if config.agents.tools else "--environment"
+    if not isinstance(task, DatasetTask) or any(task.messages_of(p.id) is None for p in task.prompts()):
+        raise UserError(
+            f"{flag} with --task {config.task}: the prompts must be chat messages the template renders the tools into "
+            "(a dataset whose prompts are message lists, or pass --chat)"
+        )
 
 
 def check_learner_procs(config: HubConfig) -> None:
@@ -222,6 +290,13 @@ TRAINING_SETTINGS = {
     "eps_high": "learner.eps_high",
     "use_is_ratio": "learner.use_is_ratio",
     "max_is_ratio": "learner.max_is_ratio",
+    "rollout_is_mode": "learner.rollout_is_mode",
+    "rollout_is_level": "learner.rollout_is_level",
+    "rollout_is_threshold": "learner.rollout_is_threshold",
+    "rollout_is_threshold_lower": "learner.rollout_is_threshold_lower",
+    "rollout_is_veto_threshold": "learner.rollout_is_veto_threshold",
+    "importance_sampling_level": "learner.importance_sampling_level",
+    "off_policy_mask_threshold": "learner.off_policy_mask_threshold",
     "beta": "learner.beta",
     "advantage_scale": "learner.advantage_scale",
     "loss_type": "learner.loss_type",

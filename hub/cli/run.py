@@ -37,6 +37,7 @@ from shared.crypto import Identity
 from shared.layout import HUB_LOG_FILE, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logs import OperatorLines, setup_logging
 from shared.messages import EvalPoint, RejectCode, RunOver
+from shared.model_identity import ModelIdentity, load_model_identity
 from shared.net import address_key, running_host
 from shared.precision import device_phrase
 from shared.signals import Stopper, trio_owns_ctrl_c
@@ -70,14 +71,14 @@ class Hub:
         self,
         config: HubConfig,
         identity: Identity,
-        model_dir: Path,
+        model: ModelIdentity,
         progress: bool,
         asked: HubConfig | None = None,
         warnings: OperatorLines | None = None,
     ) -> None:
         """`asked`: the config before this machine resolved its devices (what final/ and checkpoints record, so
         the run's echo2.toml starts on another machine); `config` when omitted. `warnings`: the lines the hub logs for
-        its operator, which its status shows (None: none shown)."""
+        its operator, which its status shows (None: none shown). `model`: read once, every component's."""
         self.warnings = warnings
         from hub.cli.build import build_hub_state
         from hub.cli.card import run_card
@@ -92,21 +93,23 @@ class Hub:
         lc = config.learner
         self.dtype = resolve_dtype(lc.dtype, lc.device)
         self.config = config
-        self.model_dir = model_dir
+        self.model = model
         self.identity = identity
         self.progress = progress
         # S + 1 versions on the shelf (a rollout may be that stale), files of older ones deleted.
         self.shelf = SnapshotShelf(keep=lc.staleness_bound + 1, directory=config.data_dir / SNAPSHOTS_DIR)
-        core = build_hub_state(config, model_dir, self.shelf)
+        core = build_hub_state(config, model, self.shelf)
         self.task, eval_task, auditor = core.task, core.eval_task, core.auditor
         self.state, self.context_tokens, self.model_offer = core.state, core.context_tokens, core.model_offer
         rules = self.state.intake.rules
         assert rules is not None, "echo-hub start's hub takes submissions"
-        rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], core.tokenizer, rules.stop_ids)
-        # Files the shelf no longer serves (a crash's orphans, versions from before a restart) go now; the
-        # newest stays for the learner to serve again on resume.
-        latest = self.state.store.shelf.latest_version()
-        self.shelf.prune(set() if latest is None else {latest})
+        rows = probe_rows([p.text for p in self.task.prompts()[: PROBE_ROWS + 1]], model.tokenizer, rules.stop_ids)
+        # Files of versions out of the window (a crash's orphans, versions that left it before a restart) go now. The
+        # newest S + 1 go back on the shelf, so that work made with one older than the newest is audited, and paid, as
+        # before the restart; the learner publishes the newest again (hub/training/loop.py), which the shelf holds once.
+        published = self.state.store.shelf.newest_versions(self.shelf.keep)
+        self.shelf.prune(set(published))
+        self.shelf.reopen(published, identity.peer_id)
         # Unbuffered: the learner writes its next snapshot only once the shelf took (and pruned for) the last,
         # so the snapshot dir never holds more than S + 2 of them.
         self.snapshot_send, self.snapshot_recv = trio.open_memory_channel(0)
@@ -116,7 +119,7 @@ class Hub:
         self.evaluation = None
         if eval_task is not None:
             lora = LoraSpec(rank=lc.lora_rank, alpha=lc.lora_alpha, targets=lc.lora_targets) if lc.lora_rank else None
-            evaluator = Evaluator(model_dir, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed, lora)
+            evaluator = Evaluator(model, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed, lora)
             self.evaluation = EvalRunner(evaluator, config.eval.every, self._record_eval, self.state.event)
         # The scheduler before the learner, which asks it for S under --staleness auto: what it reads of the learner
         # (T_train, the usable fraction, the S and kappa a resumed run goes on at) is in the state's measurements.
@@ -139,7 +142,7 @@ class Hub:
         self.learner = LearnerComponent(
             lc,
             config.sampling,
-            model_dir,
+            model,
             config.data_dir,
             self.state,
             identity,
@@ -153,7 +156,7 @@ class Hub:
             ranks=self._join_ranks(),
             log_completions=config.tracking.log_completions,
             probe=functools.partial(auditor.install_probe, rows=rows),
-            card=functools.partial(run_card, asked or config, model_dir),
+            card=functools.partial(run_card, asked or config, model.model_dir),
             rollouts=rollout_export(config),
             staleness_control=self.scheduler.adapt_staleness if lc.staleness_auto else None,
             metrics=self.metrics,
@@ -161,6 +164,12 @@ class Hub:
         self.local_nodes: list[LocalNode] = []
         self.addrs: list[str] = []
         self.stopper = Stopper()
+
+    def stop_helpers(self) -> None:
+        """Stop the processes the hub started beside itself: its local nodes and its tool sandbox's workers."""
+        stop_local_nodes(self.local_nodes)
+        if self.state.agents is not None:
+            self.state.agents.stop()
 
     def _address_key(self, peer: str) -> str | None:
         record = self.state.fleet.get(peer)
@@ -291,6 +300,9 @@ class Hub:
                     await nursery.start(self.broadcaster.run)  # before anything can publish
                     if bulk is not None:
                         await bulk.start(nursery)
+                    if state.agents is not None:  # the tool sandbox's workers, before any lease opens a rollout
+                        await state.agents.start()
+                        nursery.start_soon(state.agents.run)
                     for component in (state, service, self.scheduler, self.status):
                         nursery.start_soon(component.run)
                     if config.http != "off":
@@ -341,7 +353,7 @@ class Hub:
         for addr in self.addrs:
             print(f"  {addr}", flush=True)
         # A LoRA run's snapshots carry only the adapters: its volunteers bring the base model.
-        base = f" --model <a copy of {self.model_dir.name}>" if self.config.learner.lora_rank else ""
+        base = f" --model <a copy of {self.model.model_dir.name}>" if self.config.learner.lora_rank else ""
         print(f"volunteers join with:\n  echo-node join --hub {self.addrs[0]}{base}", flush=True)
         print(f"data dir: {self.config.data_dir.resolve()}  (logs: {HUB_LOG_FILE}, metrics: {METRICS_FILE})", flush=True)
 
@@ -379,8 +391,15 @@ def rollout_export(config: HubConfig):
     return RolloutExport(config.save_rollouts, int(config.save_rollouts_max_gb * 1e9), config.learner.advantage_scale)
 
 
-def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = None, lock: IO[str] | None = None) -> int:
-    """Run the hub until its steps are done or it is interrupted. `lock`: the data dir lock, held until we return."""
+def run_hub(
+    config: HubConfig,
+    progress: bool = True,
+    resume: Resume | None = None,
+    lock: IO[str] | None = None,
+    model: ModelIdentity | None = None,
+) -> int:
+    """Run the hub until its steps are done or it is interrupted. `lock`: the data dir lock, held until we return.
+    `model`: --model's identity as the start's checks read it (None: read here, the embedded default built first)."""
     if resume is not None:
         changed = f"; on resume (--resume-anyway): {', '.join(resume.changed)}" if resume.changed else ""
         print(
@@ -403,9 +422,10 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
     asked, config = config, on_this_machine(config)
     announce_device(config.learner.device)
     identity = Identity.load_or_create(config.key_path)
-    model_dir = Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty()))
+    if model is None:
+        model = load_model_identity(Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty())))
     try:
-        hub = Hub(config, identity, model_dir, progress, asked=asked, warnings=warnings)
+        hub = Hub(config, identity, model, progress, asked=asked, warnings=warnings)
     except LearnerRankLost as exc:
         print(f"echo-hub: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -426,7 +446,7 @@ def run_hub(config: HubConfig, progress: bool = True, resume: Resume | None = No
         if failure is None:
             raise
     finally:
-        stop_local_nodes(hub.local_nodes)
+        hub.stop_helpers()
     interrupted = hub.stopper.signal_name is not None or failure is not None
     if interrupted:
         _save_stopped_run(hub, failure)
@@ -501,7 +521,8 @@ def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
     lc = on_this_machine(config).learner
     torch.set_num_threads(lc.threads)
     transformers.utils.logging.disable_progress_bar()
-    model_dir = Path(config.model or ensure_default_model(progress=False))
+    # A process of its own reads the model itself (the command line rank 0 was started with names it).
+    model = load_model_identity(Path(config.model or ensure_default_model(progress=False)))
     device = device_for(lc.device, env)
     collective = init_ranks(env, device)
     checkpoint = broadcast(None).checkpoint  # rank 0's choice: every rank must resume the same one
@@ -513,7 +534,7 @@ def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
             flush=True,
         )
         return 1
-    learner = Learner(model_dir, lc, config.sampling, checkpoint, collective, device)
+    learner = Learner(model, lc, config.sampling, checkpoint, collective, device)
     try:
         follow(learner)
     except RuntimeError as exc:  # rank 0 (the hub) or another rank went away: nothing to do but leave

@@ -102,6 +102,21 @@ def _node_notes(status: HubStatus) -> list[str]:
     return refused + prices + sampling
 
 
+def _warning_rows(status: HubStatus) -> list[tuple[str, Text]]:
+    """The newest warnings for the operator, newest first, each with its time and kind (and its text, but in a redacted
+    status), and how many older ones the status holds."""
+    rows: list[tuple[str, Text]] = []
+    for warning in status.newest_warnings():
+        text = Text(f"{_clock(warning.at)} {warning.kind}", style="bold yellow")  # the hub's text: never read as markup
+        if warning.detail:
+            text.append(f": {warning.detail}", style="yellow")
+        rows.append(("warning", text))
+    older = len(status.warnings) - len(rows)
+    if older:
+        rows.append(("", Text(f"{older} older warning{'' if older == 1 else 's'}: see --json, or hub.log")))
+    return rows
+
+
 def render(status: HubStatus, console: Console, state: str | None = None) -> None:
     """The status as tables; `state` (run_state's) in place of the status's own running flag."""
     head = Table.grid(padding=(0, 2))
@@ -112,6 +127,8 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
     head.add_column(overflow="fold")
     head.add_row("hub", status.hub_id)
     head.add_row("state", state or run_state(status))
+    for label, text in _warning_rows(status):
+        head.add_row(label, text, "")
     head.add_row("step", f"{status.step}/{status.steps_target or '∞'}", f"version v{status.version}")
     head.add_row(
         "rollout reward", status.recent_reward_text(), f"bubble {status.bubble:.2f}" if status.bubble is not None else ""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import blake3
 
 from hub.records.buffer import REASON_STALE, REASON_ZERO_VARIANCE
-from hub.records.schema import VERDICTS, Credit, NewEvent, NodeBanned, SettledGroups, TrajectoryRow, Verdict
+from hub.records.schema import VERDICTS, Credit, NewEvent, NodeBanned, SettledGroups, TrainedWork, TrajectoryRow, Verdict
 from hub.records.table import Table
 from shared.rollout import Group
 
@@ -69,10 +69,12 @@ class GroupsTable(Table):
         rollouts_per_s: float | None = None,
         events: Sequence[NewEvent] = (),
         hold: bool = False,
+        reply_json: str | None = None,
     ) -> list[int]:
-        """In one transaction: close the lease, record every group with its verdict, count them against
-        the node, book the payment and the leaderboard's credit (`seconds` billed, `tokens` of the accepted
-        completions), store the node's new measured throughput, and the events.
+        """In one transaction: close the lease (keeping the answer's hash and `reply_json`, the reply it gets, for the
+        same answer sent again), record every group with its verdict, count them against the node, book the payment and
+        the leaderboard's credit (`seconds` billed, `tokens` of the accepted completions), store the node's new measured
+        throughput, and the events.
 
         `verdicts` are hub.trust.submissions.GroupVerdict. Returns the row ids in verdict order. `hold`: the
         accepted rows wait for an audit (`record_audit_pass` releases them). A banned node raises
@@ -86,8 +88,9 @@ class GroupsTable(Table):
             if banned is not None:
                 raise NodeBanned(node_id)
             cur = self.db.execute(
-                "UPDATE leases SET state = 'answered', answered_at = ? WHERE id = ? AND node_id = ? AND state = 'open'",
-                (now, lease_id, node_id),
+                "UPDATE leases SET state = 'answered', answered_at = ?, answer_hash = ?, reply_json = ?"
+                " WHERE id = ? AND node_id = ? AND state = 'open'",
+                (now, signed_bytes_hash, reply_json, lease_id, node_id),
             )
             if cur.rowcount != 1:
                 raise ValueError(f"lease {lease_id} is not open for {node_id}")
@@ -222,6 +225,14 @@ class GroupsTable(Table):
             " AND consumed_step IS NULL AND discard_reason IS NULL AND held = 0 ORDER BY t.id"
         )
         return [(r["id"], Group.model_validate_json(r["group_json"])) for r in rows]
+
+    def trained_of(self, node_id: str) -> TrainedWork:
+        """The node's groups the learner trained on: what a ban of it reports, since they stay learned."""
+        groups, first, last = self.db.execute(
+            "SELECT COUNT(*), MIN(consumed_step), MAX(consumed_step) FROM trajectories WHERE node_id = ? AND consumed_step IS NOT NULL",
+            (node_id,),
+        ).fetchone()
+        return TrainedWork(int(groups), first, last)
 
     def trajectories(self) -> list[TrajectoryRow]:
         cols = ", ".join(f for f in TrajectoryRow.__dataclass_fields__)

@@ -11,6 +11,11 @@ alone until the first is committed (`close`) or refused (`release`).
 The book indexes open leases by node and by address, so every question a request asks of it (does
 this node hold a lease, how many are open at its address, how big may its submission be) costs the
 same with ten open leases as with ten thousand.
+
+An answered lease is kept, as its id, holder, size and deadline, until that deadline (`answered_lease`): its holder
+may send the same answer again when the reply was lost (the hub died between its commit and the reply, or the link
+dropped), and gets the reply the commit stored (hub/service/intake.py). Kept no longer than a lease may be answered,
+they are at most the leases answered within one lease timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import random
 import secrets
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from shared.tasks.base import Prompt, Task
@@ -50,6 +56,16 @@ class LeaseRecord:
         return tuple(p.id for p in self.prompts)
 
 
+@dataclass(frozen=True)
+class AnsweredLease:
+    """A lease whose answer the store holds, until its deadline: what a copy of that answer may be sent against."""
+
+    lease_id: str
+    node_id: str
+    prompts: int
+    deadline: float
+
+
 class LeaseError(Exception):
     """A submission that does not answer an open lease of its sender."""
 
@@ -67,6 +83,11 @@ class LeaseBook:
         self.open_by_address: Counter[str] = Counter()
         self._open_prompts = 0
         self.open_probes = 0
+        self._answered: dict[str, AnsweredLease] = {}
+        self._answered_of_node: dict[str, dict[str, AnsweredLease]] = {}
+        # Told of every lease that closes (answered, expired, given back): what it held dies with it (its rollouts'
+        # environments, hub/agents/rollouts.py).
+        self.on_close: list[Callable[[LeaseRecord], None]] = []
 
     def outstanding_prompts(self) -> int:
         """Prompts of open leases other than probes (a lease's answered prompts leave with it: it closes as they are
@@ -150,6 +171,28 @@ class LeaseBook:
         """The node's open leases."""
         return list(self._of_node.get(node_id, {}).values())
 
+    def answered_of(self, node_id: str) -> list[AnsweredLease]:
+        """The node's answered leases still before their deadline."""
+        return list(self._answered_of_node.get(node_id, {}).values())
+
+    def answered_lease(self, lease_id: str, node_id: str) -> AnsweredLease | None:
+        """`lease_id`, answered by `node_id` and not past its deadline; None otherwise."""
+        answered = self._answered.get(lease_id)
+        return answered if answered is not None and answered.node_id == node_id else None
+
+    def keep_answered(self, answered: AnsweredLease) -> None:
+        """Keep an answered lease until its deadline (`answer` does, and a restarted hub for the leases it finds
+        answered in its store)."""
+        self._answered[answered.lease_id] = answered
+        self._answered_of_node.setdefault(answered.node_id, {})[answered.lease_id] = answered
+
+    def answer(self, record: LeaseRecord, prompt_ids: Iterable[str]) -> None:
+        """A lease's answer committed: these prompts are answered, the rest go back to the pool; the lease is kept as
+        answered until its deadline."""
+        record.answered.update(prompt_ids)
+        self.close(record)
+        self.keep_answered(AnsweredLease(record.lease_id, record.node_id, len(record.prompts), record.deadline))
+
     def open_count(self, node_id: str) -> int:
         return len(self._of_node.get(node_id, ()))
 
@@ -189,13 +232,23 @@ class LeaseBook:
         record.closed = True
         record.checking = False
         self._withdraw(record)
-        self._pool.extendleft(reversed([p for p in record.prompts if p.id not in record.answered]))
+        # The task's own prompts go back: a lease's may have been rendered for it (an environment's observation).
+        self._pool.extendleft(reversed([self._task.get(p.id) for p in record.prompts if p.id not in record.answered]))
+        for hook in self.on_close:
+            hook(record)
 
     def expire(self, now: float) -> list[LeaseRecord]:
-        """Expire every lease past its deadline (except one being checked); their prompts are re-leased."""
+        """Expire every lease past its deadline (except one being checked); their prompts are re-leased. Answered leases
+        past theirs are let go."""
         gone = [rec for rec in self.open.values() if now > rec.deadline and not rec.checking]
         for record in gone:
             self.close(record)
+        for answered in [a for a in self._answered.values() if now > a.deadline]:
+            del self._answered[answered.lease_id]
+            mine = self._answered_of_node[answered.node_id]
+            del mine[answered.lease_id]
+            if not mine:
+                del self._answered_of_node[answered.node_id]
         return gone
 
     def drop_node(self, node_id: str) -> list[LeaseRecord]:

@@ -54,6 +54,24 @@ class LeasesTable(Table):
             rows = self._rows("SELECT * FROM leases WHERE state = 'open' ORDER BY issued_at")
         return [LeaseRow(**{**row, "prompt_ids": tuple(json.loads(row["prompt_ids"]))}) for row in rows]
 
+    def answered_since(self, now: float) -> list[LeaseRow]:
+        """On a hub's start: the leases an earlier run of it saw answered whose deadline is not past at `now` and whose
+        reply it kept: their answers may come again, their replies lost."""
+        rows = self._rows(
+            "SELECT * FROM leases WHERE state = 'answered' AND deadline >= ? AND reply_json IS NOT NULL ORDER BY issued_at",
+            (now,),
+        )
+        return [LeaseRow(**{**row, "prompt_ids": tuple(json.loads(row["prompt_ids"]))}) for row in rows]
+
+    def reply_to(self, lease_id: str, node_id: str, answer_hash: str) -> str | None:
+        """The reply the answer hashed `answer_hash` got when it answered `node_id`'s lease `lease_id` (None: no such
+        answer, or another one answered it)."""
+        rows = self._rows(
+            "SELECT reply_json FROM leases WHERE id = ? AND node_id = ? AND state = 'answered' AND answer_hash = ?",
+            (lease_id, node_id, answer_hash),
+        )
+        return rows[0]["reply_json"] if rows else None
+
     def expire_leases(self, now: float, events: Sequence[NewEvent] = (), keep: Sequence[str] = ()) -> list[str]:
         """Mark open leases past their deadline expired, except those in `keep` (a submission for them is
         being checked); their ids."""

@@ -22,7 +22,7 @@ CLOSED_RETAINED_S = 3600.0
 # Steps whose row keeps its full metrics JSON (the status page reads the newest 300, a resume the newest one;
 # metrics.jsonl keeps every step's): 90% of a step row's bytes, about 0.8 KB a step for good otherwise.
 STEP_METRICS_KEPT = 1000
-# Snapshot rows kept (one per version, nothing reads old ones: the shelf holds 3 and resumes from the newest).
+# Snapshot rows kept (one per version, nothing reads old ones: a restart shelves the newest S + 1 again).
 SNAPSHOT_ROWS_KEPT = 100
 # Price history rows kept per node (leases carry their own price: pay never needs older ones).
 PRICES_KEPT_PER_NODE = 100
@@ -50,7 +50,7 @@ _STEP_COLUMNS = (
 
 # Bumped whenever _SCHEMA changes; a database of an older version is brought up to it by _MIGRATIONS, one of a newer
 # one is refused, never half-used.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 8
 # version -> the statements that take a database of that version to the next one, in one transaction with the rest.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # The time of a node's last price change, so the one-per-interval rule holds across a hub restart (issue 54 item 5):
@@ -70,6 +70,11 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE leases ADD COLUMN held_version INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE leases ADD COLUMN address TEXT",
     ),
+    # An answered lease keeps its answer's hash and the reply it got, so that the same answer sent again (its reply lost
+    # to a crash between the commit and the reply) gets that reply, not a refusal (issue 67 item 1).
+    6: ("ALTER TABLE leases ADD COLUMN answer_hash TEXT", "ALTER TABLE leases ADD COLUMN reply_json TEXT"),
+    # A node's groups by the step that trained them: what a ban reports of its work already learned from (issue 66).
+    7: ("CREATE INDEX IF NOT EXISTS trajectories_by_node ON trajectories(node_id, consumed_step)",),
 }
 
 
@@ -80,6 +85,21 @@ def schema_opens(found: int) -> bool:
 
 class SchemaMismatch(RuntimeError):
     """The database was written by an echo2 with another schema."""
+
+
+@dataclass(frozen=True)
+class TrainedWork:
+    """A node's groups the learner already trained on, and the steps that did."""
+
+    groups: int
+    first_step: int | None
+    last_step: int | None
+
+    def describe(self) -> str:
+        if not self.groups:
+            return "none of its groups was trained on"
+        steps = f"step {self.first_step}" if self.first_step == self.last_step else f"steps {self.first_step}-{self.last_step}"
+        return f"{self.groups} of its groups were trained on ({steps})"
 
 
 class NodeBanned(Exception):
@@ -159,7 +179,10 @@ CREATE TABLE IF NOT EXISTS leases (
     price_per_hour REAL,
     probe          INTEGER NOT NULL DEFAULT 0,
     held_version   INTEGER NOT NULL DEFAULT 0,
-    address        TEXT
+    address        TEXT,
+    -- Once answered: the hash of the signed answer and the reply it got (what the same answer sent again gets).
+    answer_hash    TEXT,
+    reply_json     TEXT
 );
 CREATE INDEX IF NOT EXISTS leases_open ON leases(state, deadline);
 -- A node's leases: what retention checks before it deletes an identity (and the foreign key check of that delete).
@@ -198,6 +221,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     CHECK (consumed_step IS NULL OR discard_reason IS NULL)
 );
 CREATE INDEX IF NOT EXISTS trajectories_pending ON trajectories(verdict, consumed_step, discard_reason);
+CREATE INDEX IF NOT EXISTS trajectories_by_node ON trajectories(node_id, consumed_step);
 -- An accepted group's payload (token ids, log-probs, text), apart from its row: retention deletes it whole,
 -- and the rows that stay (the books) stay packed.
 CREATE TABLE IF NOT EXISTS payloads (
@@ -435,3 +459,5 @@ class LeaseRow:
     probe: int = 0
     held_version: int = 0
     address: str | None = None
+    answer_hash: str | None = None  # once answered (schema 7): the hash of the signed answer's bytes
+    reply_json: str | None = None  # and the SubmitReply it got, without a next lease

@@ -31,5 +31,10 @@ class ShelfTable(Table):
     def latest_version(self) -> int | None:
         return self._rows("SELECT MAX(version) AS v FROM snapshots")[0]["v"]
 
+    def newest_versions(self, count: int) -> list[int]:
+        """The newest `count` published versions, oldest first."""
+        rows = self._rows("SELECT version FROM snapshots ORDER BY version DESC LIMIT ?", (count,))
+        return [int(r["version"]) for r in reversed(rows)]
+
     def snapshots(self) -> list[SnapshotRow]:
         return [SnapshotRow(**r) for r in self._rows("SELECT * FROM snapshots ORDER BY version")]

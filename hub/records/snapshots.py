@@ -5,7 +5,8 @@ delta against the version before, shared/delta.py, when the learner made one). I
 the versions a rollout may still be generated from (the newest `keep` = S + 1) and deletes the
 files of older ones as a new version arrives (manifest first; shared.snapshot.remove_snapshot_files),
 so the snapshot directory holds at most S + 2 snapshots (each with its delta): the kept ones and the
-one being written.
+one being written. A restarted hub shelves the newest `keep` again (`reopen`): work made with a version older than
+the newest is audited, and so paid, after a restart as before it.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import logging
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.snapshot import Manifest, SignedManifest, Snapshot, blake3_hex, read_chunk, remove_snapshot_files
+from shared.snapshot import Manifest, SignedManifest, Snapshot, blake3_hex, read_chunk, read_snapshot_files, remove_snapshot_files
 
 log = logging.getLogger("echo2.hub.snapshots")
 
@@ -74,8 +76,31 @@ class SnapshotShelf:
                 removed += 1
         return removed
 
+    def reopen(self, versions: Sequence[int], hub_peer_id: str) -> list[int]:
+        """On a hub's start: shelve again, oldest first, the newest `keep` of `versions` (published by this hub before
+        it stopped) whose files in the directory still pass their signed manifest, every chunk and the whole hash. One
+        whose files are gone or fail is left off, logged (work made with it cannot be audited). The versions shelved."""
+        if self.directory is None:
+            raise ValueError("a shelf without a directory has no files to reopen")
+        shelved = []
+        for version in sorted(versions)[-self.keep :]:
+            try:
+                snapshot = read_snapshot_files(self.directory, version, hub_peer_id)
+            except (OSError, ValueError) as exc:  # gone, cut short, or not what its manifest signs
+                log.warning("snapshot v%d not shelved again: %s (work made with it cannot be audited)", version, exc)
+                continue
+            self.add(snapshot)
+            shelved.append(version)
+        return shelved
+
     def add(self, snapshot: Snapshot, delta: Snapshot | None = None) -> None:
+        """Shelve a newly published version (the oldest beyond `keep` leave). The newest version again, as it is held
+        and without a delta (the learner's first publish after a restart, of a version `reopen` shelved), is held once."""
         version = snapshot.manifest.version
+        held = self._by_version.get(version)
+        if held is not None and version == self.newest_version() and delta is None:
+            if held.full.snapshot.manifest.whole_hash == snapshot.manifest.whole_hash:
+                return
         if self._by_version and version <= self.newest_version():
             raise ValueError(f"snapshot v{version} is not newer than v{self.newest_version()}")
         if delta is not None and (delta.manifest.version, delta.manifest.result_hash) != (version, snapshot.manifest.whole_hash):

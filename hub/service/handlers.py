@@ -1,8 +1,9 @@
 """The hub's libp2p service: the node protocols translated into the commands of the hub's three owners.
 
 Each handler reads one size-capped request, calls one command of Membership, Leasing or Intake (a submission's
-frame is read, verified and decoded by the intake's pipeline, within the cap the guard reserved for it), and writes
-the reply. No bookkeeping happens here. Every inbound stream
+frame is read, verified and decoded by the intake's pipeline, within the cap the guard reserved for it), or of a
+tool-using run's rollouts (hub/agents/rollouts.py: a lease's rollouts open as it is granted, its turns are answered),
+and writes the reply. No bookkeeping happens here. Every inbound stream
 first passes the peer guard (per-peer stream, rate and memory caps). A peer fault (`PeerFault`:
 bad frame, bad signature, a request it may not make) is counted against the peer and answered
 with a Reject naming its code; `HubBusy` asks the peer to send the same request again later;
@@ -23,6 +24,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
+from hub.agents.rollouts import AgentsBusy
 from hub.config import HubConfig
 from hub.distribution.broadcast import Broadcaster, ChainLinks, HubUplink
 from hub.records.snapshots import SnapshotShelf
@@ -55,6 +57,7 @@ from shared.messages import (
     STATUS_PROTOCOL,
     STRANGER_STATUS_PER_S,
     SUBMIT_PROTOCOL,
+    TURN_PROTOCOL,
     BadChunkReport,
     Heartbeat,
     HeartbeatReply,
@@ -76,7 +79,7 @@ from shared.messages import (
     SnapshotRequest,
     StatusRequest,
     Submission,
-    SubmitReply,
+    TurnRequest,
 )
 from shared.model_files import ModelOffer
 from shared.net import ConnectionStarts, address_key, close_answered, forget_peer, remote_ip, remote_peer_id, set_handler
@@ -137,11 +140,25 @@ PROTOCOL_FRAME_CAPS = {
     MODEL_PROTOCOL: ModelFilesRequest.MAX_BYTES,
     PRICE_PROTOCOL: PriceChange.MAX_BYTES,
     LEAVE_PROTOCOL: Leave.MAX_BYTES,
+    TURN_PROTOCOL: TurnRequest.MAX_BYTES,
 }
 # Protocols only joined nodes may use: a stranger is refused before one byte of its request is read.
 MEMBERS_ONLY = frozenset(
-    {HEARTBEAT_PROTOCOL, LEASE_PROTOCOL, SUBMIT_PROTOCOL, SNAPSHOT_PROTOCOL, REPORT_PROTOCOL, PRICE_PROTOCOL, LEAVE_PROTOCOL}
+    {
+        HEARTBEAT_PROTOCOL,
+        LEASE_PROTOCOL,
+        SUBMIT_PROTOCOL,
+        SNAPSHOT_PROTOCOL,
+        REPORT_PROTOCOL,
+        PRICE_PROTOCOL,
+        LEAVE_PROTOCOL,
+        TURN_PROTOCOL,
+    }
 )
+# What a vLLM node that joins a tool-using hub is told (the multi-turn loop runs on the transformers engine only).
+VLLM_NO_TOOLS = "this hub's rollouts call tools, which vLLM nodes do not run yet: join with --backend hf"
+# A lease whose rollouts could not open (the tool sandbox is full): ask again then.
+NO_ROOM_RETRY_S = 2.0
 # What a stream from a peer that has not joined may pin in hub memory (a join or status request fits).
 STRANGER_FRAME_CAP_BYTES = JoinRequest.MAX_BYTES
 # How long a handler may take: one exchange, except a snapshot transfer, which lasts as long as the model
@@ -235,6 +252,7 @@ class HubService:
             MODEL_PROTOCOL: self._on_model,
             PRICE_PROTOCOL: self._on_price,
             LEAVE_PROTOCOL: self._on_leave,
+            TURN_PROTOCOL: self._on_turn,
         }
         self._handlers = {protocol: self._guarded(protocol, handler) for protocol, handler in handlers.items()}
         for protocol, guarded in self._handlers.items():
@@ -460,6 +478,8 @@ class HubService:
         request = await read_message(stream, JoinRequest)
         if self.run_over is not None:
             raise HubBusy(f"{self.run_over.text()}: no more joins")
+        if self.state.agents is not None and request.backend == "vllm":
+            raise PeerFault(VLLM_NO_TOOLS, RejectCode.MODEL_MISMATCH)
         record = await self.membership.join(remote_peer_id(stream), request, remote_ip(stream))
         await _reply(
             stream,
@@ -538,6 +558,13 @@ class HubService:
         rules = self.intake.rules
         if rules is None:
             raise PeerFault("this hub takes no submissions", RejectCode.BAD_LEASE)
+        agents = self.state.agents
+        if agents is not None:
+            try:
+                self.leasing.rendered(lease, await agents.open_lease(lease))
+            except AgentsBusy as exc:
+                self.leasing.give_back(lease)
+                return LeaseReply(lease=None, retry_after_s=NO_ROOM_RETRY_S, reason=f"the hub's tools are busy: {exc}"[:500])
         return LeaseReply(
             lease=Lease(
                 lease_id=lease.lease_id,
@@ -546,8 +573,18 @@ class HubService:
                 sampling=rules.sampling,
                 min_version=lease.min_version,
                 deadline_s=lease.deadline - lease.issued_at,
+                tools=agents.tool_use if agents is not None else None,
             )
         )
+
+    async def _on_turn(self, stream: INetStream) -> None:
+        """TURN_PROTOCOL: a multi-turn lease's model turns, answered with what each rollout appends next."""
+        request = await read_message(stream, TurnRequest)
+        agents = self.state.agents
+        if agents is None:
+            raise PeerFault("this hub's rollouts call no tools: it takes no turns")
+        lease = self.leasing.held_lease(request.lease_id, remote_peer_id(stream))
+        await _reply(stream, await agents.turns(lease, request))
 
     async def _on_lease(self, stream: INetStream) -> None:
         request = await read_message(stream, LeaseRequest)
@@ -563,19 +600,7 @@ class HubService:
                 next_lease = await self._lease_reply(peer, submission.next_lease_for)
             except PeerFault as exc:  # banned meanwhile, say: the submission is committed, so it is still answered
                 next_lease = LeaseReply(lease=None, retry_after_s=NO_LEASE_RETRY_S, reason=exc.reason[:500])
-        await _reply(
-            stream,
-            SubmitReply(
-                accepted=outcome.accepted,
-                rejected=outcome.rejected,
-                late=outcome.late,
-                paid_usd=outcome.paid_usd,
-                paid_s=outcome.paid_s,
-                reasons=outcome.reasons,
-                needed_rollouts_per_s=outcome.needed_rollouts_per_s,
-                next_lease=next_lease,
-            ),
-        )
+        await _reply(stream, outcome.reply(next_lease))
 
     async def _on_status(self, stream: INetStream) -> None:
         request = await read_message(stream, StatusRequest)

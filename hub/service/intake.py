@@ -9,11 +9,17 @@ The steps, each once and in this order (docs/ARCHITECTURE.md lists them with the
     reserved it); a node without one is refused before one byte is read;
  2. the frame, read up to that cap, and its signature over the exact bytes (`decode_signed`);
  3. the sender: a joined node in good standing, the one the submission names;
- 4. the lease claimed: open, the sender's, not past its deadline, not being answered already;
+ 4. the lease claimed: open, the sender's, not past its deadline, not being answered already (the same answer sent
+    again to a lease it answered, its reply lost to a crash or a dropped link, gets the reply its commit stored, and
+    nothing more happens: `_sent_again`);
  5. the content: every group against its lease and the version window, rewards recomputed (hub/trust/submissions.py,
-    in the check pool of hub/trust/checkpool.py); a failure of the operator's reward answers busy;
+    in the check pool of hub/trust/checkpool.py); a failure of the operator's reward answers busy. A tool-using run
+    settles a lease's rollouts first (hub/agents/rollouts.py): each ended, its environment's reward asked; a group
+    holding one the hub did not see through is rejected, and an accepted group's rewards add its environment's;
  6. the lease still open once checked (not withdrawn meanwhile);
- 7. copies: a group repeating an earlier one as an honest sampler would not (hub/trust/copies.py);
+ 7. the environment: a tool-using rollout's environment segments exactly what the hub sent it (else the group is a
+    cheat's, and its node is banned once the submission is committed); copies: a group repeating an earlier one as
+    an honest sampler would not (hub/trust/copies.py);
  8. room: buffer room for the accepted groups, and for a node on probation room in the audit backlog (else busy);
  9. the price: the lease's pay (hub/method/prices.py) and the node's measured throughput;
 10. the commit: verdicts, pay, tallies, events in one store transaction, which refuses a banned node and a lease
@@ -28,6 +34,7 @@ Membership, the lease through Leasing, the store through the one StoreWriter.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -36,12 +43,13 @@ from dataclasses import dataclass
 
 import trio
 
+from hub.agents.rollouts import UNKNOWN_ROLLOUT, AgentRollouts, SettledAnswer
 from hub.config import HubConfig
 from hub.method.capacity import in_time_rollouts_per_s
 from hub.method.prices import LeasePay, price_lease
 from hub.records.buffer import BufferSignal, ReplayBuffer
 from hub.records.fleet import NodeRecord
-from hub.records.leases import LeaseRecord
+from hub.records.leases import AnsweredLease, LeaseRecord
 from hub.records.schema import NodeBanned
 from hub.records.store import Store
 from hub.records.writer import StoreWriter
@@ -54,16 +62,19 @@ from hub.trust.checkpool import ChecksLost, PoolStopped, SubmissionChecks, Threa
 from hub.trust.copies import CopyDetector, CopyFlag
 from hub.trust.probation import Probation, audit_result
 from hub.trust.submissions import (
+    REASON_ENVIRONMENT,
     GroupVerdict,
+    SentMatches,
     SubmissionRules,
     VersionWindow,
+    refuse_tampered,
     reject_copies,
     submission_events,
     verdict_reasons,
     verdict_tallies,
 )
 from shared.logs import PeerLogLimiter, for_operator
-from shared.messages import GroupReason, RejectCode, Submission, Tallies, add_reasons, short_id
+from shared.messages import GroupReason, LeaseReply, RejectCode, Submission, SubmitReply, Tallies, add_reasons, short_id
 from shared.precision import resolve_dtype
 from shared.rollout import Group
 from shared.tasks.base import RewardError
@@ -96,6 +107,32 @@ class SubmissionOutcome:
     paid_s: float  # the lease seconds the ledger booked for paid_usd
     reasons: dict[str, int]  # the refused groups by reason (shared.messages.GroupReason)
     needed_rollouts_per_s: float | None  # with late groups: the pace that would have come back in time
+
+    def reply(self, next_lease: LeaseReply | None = None) -> SubmitReply:
+        """The reply that tells the node, with the answer to its next_lease_for."""
+        return SubmitReply(
+            accepted=self.accepted,
+            rejected=self.rejected,
+            late=self.late,
+            paid_usd=self.paid_usd,
+            paid_s=self.paid_s,
+            reasons=self.reasons,
+            needed_rollouts_per_s=self.needed_rollouts_per_s,
+            next_lease=next_lease,
+        )
+
+    @classmethod
+    def of_reply(cls, reply: SubmitReply) -> SubmissionOutcome:
+        """The outcome a reply told (the one an answer's commit stored)."""
+        return cls(
+            accepted=reply.accepted,
+            rejected=reply.rejected,
+            late=reply.late,
+            paid_usd=reply.paid_usd,
+            paid_s=reply.paid_s,
+            reasons=dict(reply.reasons),
+            needed_rollouts_per_s=reply.needed_rollouts_per_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -163,10 +200,11 @@ class Priced:
 
 @dataclass(frozen=True)
 class Committed:
-    """Step 10 done: committed, with each accepted group's row."""
+    """Step 10 done: committed, with each accepted group's row and what the node is told."""
 
     priced: Priced
     kept: Sequence[tuple[Group, int]]
+    outcome: SubmissionOutcome
 
 
 class Intake:
@@ -187,11 +225,17 @@ class Intake:
         checks: SubmissionChecks | None,
         audits: AuditQueue | None,
         clock: Callable[[], float],
+        sent_matches: SentMatches | None = None,
     ) -> None:
-        """`rules` None: a learner-only hub that takes no submissions. `checks` None: ThreadChecks(rules)."""
+        """`rules` None: a learner-only hub that takes no submissions. `checks` None: ThreadChecks(rules).
+        `sent_matches`: the tool loop's record of the environment segments it sent (rules for tool-using rollouts
+        need it; None: a run without tools)."""
         trust, lc = config.trust, config.learner
         if rules is not None and audits is None and (trust.audit_rate > 0 or trust.audit_first_n > 0):
             raise ValueError("audits are configured (audit_rate or audit_first_n > 0) but no AuditQueue was given")
+        if rules is not None and rules.max_completion_tokens is not None and sent_matches is None:
+            raise ValueError("rules for tool-using rollouts need the tool loop's sent_matches")
+        self.sent_matches = sent_matches
         self.store = store
         self.writer = writer
         self.lease_config = config.lease
@@ -214,6 +258,7 @@ class Intake:
         membership.on_ban.append(self.probation.sampling.forget)
         # The first failure of the operator's reward: the run stops with it (HubState.run raises it).
         self.reward_failure: RewardError | None = None
+        self.agents: AgentRollouts | None = None  # a tool-using run's rollouts (HubState sets them)
         self._nursery: trio.Nursery | None = None
 
     # -- the pipeline ----------------------------------------------------------------------------
@@ -241,16 +286,41 @@ class Intake:
         record = self.membership.submits(peer)  # 3
         if submission.node_id != peer:
             raise PeerFault("submission names another node")
+        answered = self.leasing.answered_lease(submission.lease_id, peer)
+        if answered is not None:
+            return await self._sent_again(answered, signed_hash)
+        if self.leasing.being_checked(submission.lease_id, peer):
+            # Sent again while the first copy is checked (its node stopped waiting): once it is committed, this gets
+            # its reply, or, not the same answer, the refusal of a second answer.
+            raise HubBusy("an answer to this lease is being checked: send it again in a moment")
         with self._claimed(record, submission, signed_hash) as claimed:  # 4
             checked = await self._check(claimed)  # 5-7
             priced = self._price(checked)  # 8-9
             committed = await self._commit(priced)  # 10
+            await self._ban_tampering(record, checked.verdicts)
             await self._route(committed)  # 11
         if claimed.lease.probe:
             self.membership.changed()  # measured: the scheduler may move it to standby now
-        outcome = checked.outcome(priced.pay, self.leasing.window())
+        outcome = committed.outcome
         self._log_refusals(record, checked.verdicts, outcome.needed_rollouts_per_s)
         return outcome
+
+    async def _sent_again(self, answered: AnsweredLease, signed_hash: str) -> SubmissionOutcome:
+        """Step 4 for a lease already answered: the same signed bytes sent again (their reply was lost: the hub died
+        between the commit and the reply, or the link dropped) get the reply that commit stored, and nothing is
+        checked, counted, booked or paid again; other bytes are a second answer to it, refused."""
+        stored = await trio.to_thread.run_sync(self.store.leases.reply_to, answered.lease_id, answered.node_id, signed_hash)
+        if stored is None:
+            raise PeerFault("lease already answered by another submission", RejectCode.BAD_LEASE)
+        tail = self.reason_log.tail(f"{answered.node_id}/sent again", 1)  # a line a minute at most: the node may insist
+        if tail is not None:
+            log.info(
+                "node %s sent its answer to lease %s again: given the reply it got%s",
+                short_id(answered.node_id),
+                answered.lease_id[:8],
+                tail,
+            )
+        return SubmissionOutcome.of_reply(SubmitReply.model_validate_json(stored))
 
     def _log_refusals(self, record: NodeRecord, verdicts: Sequence[GroupVerdict], needed: float | None) -> None:
         """A submission's refused groups in hub.log: a line per reason, at most one per node and reason a minute
@@ -294,6 +364,7 @@ class Intake:
         peer, lease = claimed.record.peer_id, claimed.lease
         if self.checks is None:
             raise PeerFault("this hub takes no submissions", RejectCode.BAD_LEASE)
+        settled = await self.agents.settle(claimed.submission) if self.agents is not None else None
         try:
             verdicts = await self.checks.check(claimed.submission, lease, self.leasing.window())
         except ChecksLost as exc:
@@ -306,8 +377,31 @@ class Intake:
             raise HubBusy("the hub is stopping: the task's reward failed (not this node's fault)") from None
         if lease.closed:
             raise PeerFault("lease withdrawn while the submission was checked", RejectCode.BAD_LEASE)
+        if settled is not None:
+            verdicts = self._with_environment(verdicts, settled)
+        if self.sent_matches is not None:
+            verdicts = refuse_tampered(verdicts, lease.lease_id, self.sent_matches)
         verdicts, copies = await reject_copies(verdicts, self.copies, peer, lease.lease_id, self.probation.recompute)
         return Checked(claimed, verdicts, copies)
+
+    def _with_environment(self, verdicts: Sequence[GroupVerdict], settled: SettledAnswer) -> list[GroupVerdict]:
+        """Step 5's end for a tool-using run: a group holding a rollout the hub did not settle is rejected, and an
+        accepted group's rewards add its environment's get_reward() (weight 1, under the environment's name, as TRL
+        adds it; a rollout ended early adds nothing)."""
+        assert self.agents is not None, "only a tool-using run settles rollouts"
+        name = self.agents.environment_name
+        out = []
+        for verdict in verdicts:
+            group = verdict.group
+            if (verdict.accepted or verdict.late) and verdict.prompt_id in settled.unknown:
+                verdict = GroupVerdict(verdict.prompt_id, False, UNKNOWN_ROLLOUT, verdict.submitted, code=GroupReason.LEASE)
+            elif group is not None and name is not None:
+                part = settled.environment_rewards(group.prompt_id, len(group.completions))
+                rewards = tuple(r + (e or 0.0) for r, e in zip(group.rewards, part))
+                update = {"rewards": rewards, "reward_parts": (*group.reward_parts, (name, part))}
+                verdict = dataclasses.replace(verdict, group=group.model_copy(update=update))
+            out.append(verdict)
+        return out
 
     def _price(self, checked: Checked) -> Priced:
         """Steps 8-9: room in the buffer and, for a node on probation, in the audit backlog (HubBusy when there is
@@ -340,6 +434,8 @@ class Intake:
         record, lease = claimed.record, claimed.lease
         accepted = len(checked.accepted)
         events = submission_events(record.peer_id, lease, verdicts, checked.copies, priced.rate)
+        outcome = checked.outcome(pay, self.leasing.window())
+        reply_json = outcome.reply().model_dump_json()
         with trio.CancelScope(shield=True):
             try:
                 # Room and the audit backlog are counted before the commit: concurrent submissions must not
@@ -358,6 +454,7 @@ class Intake:
                             events=events,
                             hold=priced.held > 0,
                             tokens=pay.tokens,
+                            reply_json=reply_json,
                         )
                     )
             except NodeBanned:
@@ -370,7 +467,14 @@ class Intake:
             if pay.usd > 0 and record.state != "banned":  # a ban under way sets the node's pay itself
                 self.totals.paid_usd[record.peer_id] = self.totals.paid_usd.get(record.peer_id, 0.0) + pay.usd
         kept = [(v.group, row_id) for v, row_id in zip(verdicts, row_ids) if v.group is not None]
-        return Committed(priced, kept)
+        return Committed(priced, kept, outcome)
+
+    async def _ban_tampering(self, record: NodeRecord, verdicts: Sequence[GroupVerdict]) -> None:
+        """A committed submission holding a group whose environment tokens differ from what the hub sent is a cheat's,
+        as a failed audit is: its node banned, its untrained groups (this submission's too, at the route) dropped."""
+        tampered = sum(v.code == GroupReason.ENVIRONMENT for v in verdicts)
+        if tampered:
+            await self._penalize(record, f"{REASON_ENVIRONMENT} in {tampered} groups", "environment_tampered")
 
     async def _route(self, committed: Committed) -> None:
         """Step 11: held for audit (a node on probation: audited after the reply, off the handler's clock) or
@@ -492,10 +596,12 @@ class Intake:
             self.membership.vouch(record, vouched_at)
         return True
 
-    async def _penalize(self, record: NodeRecord, reason: str) -> None:
-        """Ban a node caught cheating, drop its untrained groups, void its pay since its last passed audit.
+    async def _penalize(self, record: NodeRecord, reason: str, kind: str = "audit_fail") -> None:
+        """Ban a node caught cheating (the event `kind` says how), drop its untrained groups, void its pay since its
+        last passed audit.
 
-        Groups the learner already trained on stay trained on: audits are spot checks, not a gate.
+        Groups the learner already trained on stay trained on (audits are spot checks, not a gate): the ban's log
+        line and event say how many, and the steps that took them.
         """
         if record.state == "banned":
             return
@@ -505,24 +611,26 @@ class Intake:
         # Out of the buffer before the commit: the learner must not take a group being discarded.
         dropped = self.buffer.drop_node(record.peer_id)
         since = self.probation.unvouched_since(record)
-        with trio.CancelScope(shield=True):
-            voided, paid = await self.writer.write(
-                lambda: self.store.members.penalize_node(
-                    record.peer_id,
-                    dropped,
-                    since,
-                    reason,
-                    event=("audit_fail", record.peer_id, f"{reason}; dropped {len(dropped)} groups"),
-                )
+
+        def penalize() -> tuple[int, float, str]:
+            trained = self.store.groups.trained_of(record.peer_id).describe()
+            detail = f"{reason}; dropped {len(dropped)} groups; {trained}"
+            voided, paid = self.store.members.penalize_node(
+                record.peer_id, dropped, since, reason, event=(kind, record.peer_id, detail)
             )
+            return voided, paid, trained
+
+        with trio.CancelScope(shield=True):
+            voided, paid, trained = await self.writer.write(penalize)
             self.totals.paid_usd[record.peer_id] = paid
             self.leasing.release_node(record.peer_id)
         log.warning(
-            "banned %s: %s; dropped %d groups, voided %d payments",
+            "banned %s: %s; dropped %d groups, voided %d payments; %s",
             record.name or short_id(record.peer_id),
             reason,
             len(dropped),
             voided,
+            trained,
             extra=for_operator("node_banned"),
         )
         self.membership.changed()

@@ -10,7 +10,9 @@ rows in the store follow the book one handler deadline late (`sweep`): a submiss
 lease's deadline passed can commit against an open row.
 
 A lease outlives the hub that granted it: its row keeps its terms, and a restarted hub opens its unexpired leases
-again (`_reopen`), so a node whose answer the crash cut off delivers it to the new hub and is paid as agreed.
+again (`_reopen`), so a node whose answer the crash cut off delivers it to the new hub and is paid as agreed. An
+answered lease is kept until its deadline, here and across a restart (`answered_lease`): the same answer sent again,
+its reply lost, gets the reply its commit stored (hub/service/intake.py), and may be as large as its lease allows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import trio
 from hub.config import HubConfig
 from hub.method.capacity import SATURATED_USABLE_FRACTION
 from hub.records.buffer import fresh_room, leasable
-from hub.records.leases import LeaseBook, LeaseError, LeaseRecord
+from hub.records.leases import AnsweredLease, LeaseBook, LeaseError, LeaseRecord
 from hub.records.schema import LeaseTerms, NewEvent
 from hub.records.store import Store
 from hub.records.writer import StoreWriter
@@ -33,11 +35,11 @@ from hub.service.membership import Membership
 from hub.service.room import BufferRoom
 from hub.trust.guard import LeaseQuota
 from hub.trust.probes import PROBE_STRIKES_TO_STANDBY, ProbeStrikes
-from hub.trust.submissions import SubmissionRules, VersionWindow, submission_frame_cap
+from hub.trust.submissions import SubmissionRules, VersionWindow
 from shared.crypto import SIGNATURE_BYTES
 from shared.messages import RejectCode, Submission
 from shared.net import address_key
-from shared.tasks.base import Task
+from shared.tasks.base import Prompt, Task
 from shared.wire import PeerFault, signed_caps
 
 log = logging.getLogger("echo2.hub.leasing")
@@ -113,8 +115,12 @@ class Leasing:
     def _reopen(self, task: Task) -> None:
         """Open again the leases an earlier run of this hub granted that are still good (blocking: on start, before trio
         runs): their holders' answers, sent again to this hub, are taken on the terms they were granted on. One whose
-        prompts the task no longer has (a resume that changed it) stays closed; its row expires at its deadline."""
-        rows = self.store.leases.reopen(self.clock())
+        prompts the task no longer has (a resume that changed it) stays closed; its row expires at its deadline. Those it
+        saw answered are kept as answered until their deadlines: the same answer, its reply lost, may come again."""
+        now = self.clock()
+        for row in self.store.leases.answered_since(now):
+            self.book.keep_answered(AnsweredLease(row.id, row.node_id, len(row.prompt_ids), row.deadline))
+        rows = self.store.leases.reopen(now)
         prompts = {p.id: p for p in task.prompts()} if rows else {}
         reopened = 0
         for row in rows:
@@ -158,12 +164,16 @@ class Leasing:
         return len(self.book.open)
 
     def submission_cap(self, peer: str, rules: SubmissionRules) -> int:
-        """The largest signed submission frame `peer` may send now: an honest answer to its biggest open lease
-        (0 without one). What the guard reserves for the stream and the intake reads, at most."""
-        prompts = max((len(lease.prompts) for lease in self.book.leases_of(peer)), default=0)
+        """The largest signed submission frame `peer` may send now: an honest answer to its biggest open lease, or
+        answered one not past its deadline (0 without one). What the guard reserves for the stream and the intake
+        reads, at most."""
+        prompts = max(
+            [len(lease.prompts) for lease in self.book.leases_of(peer)] + [a.prompts for a in self.book.answered_of(peer)],
+            default=0,
+        )
         if not prompts:
             return 0
-        cap = submission_frame_cap(prompts, rules.group_size, rules.sampling.max_new_tokens, rules.token_text_bytes)
+        cap = rules.frame_cap(prompts)
         return min(cap + SIGNATURE_BYTES, signed_caps(Submission)[Submission.TYPE])
 
     # -- granting ----------------------------------------------------------------------------
@@ -280,6 +290,25 @@ class Leasing:
         """Whether `peer` holds an open lease (only then may it send a submission's worth of bytes)."""
         return self.book.holds(peer)
 
+    def held_lease(self, lease_id: str, peer: str) -> LeaseRecord:
+        """`peer`'s open lease `lease_id`, before its deadline, which its rollouts' turns are sent under (PeerFault:
+        it holds no such lease)."""
+        lease = self.book.open.get(lease_id)
+        if lease is None or lease.node_id != peer or self.clock() > lease.deadline:
+            raise PeerFault(f"no open lease {lease_id[:32]!r} of this node", RejectCode.BAD_LEASE)
+        return lease
+
+    def rendered(self, lease: LeaseRecord, prompts: tuple[Prompt, ...]) -> None:
+        """A lease's prompts as its holder reads them (an environment's observation rendered in:
+        hub/agents/rollouts.py): the same prompts by id; the pool gets the task's back (LeaseBook.close)."""
+        if [p.id for p in prompts] != [p.id for p in lease.prompts]:
+            raise ValueError("a lease's prompts rendered are its own prompts, in order")
+        lease.prompts = prompts
+
+    def give_back(self, lease: LeaseRecord) -> None:
+        """A lease granted but not handed out (its rollouts could not open): closed, its prompts back to the pool."""
+        self.book.close(lease)
+
     def claim(self, lease_id: str, peer: str, now: float) -> LeaseRecord:
         """The lease a submission answers, claimed while the submission is checked and committed (PeerFault:
         it answers none)."""
@@ -292,9 +321,17 @@ class Leasing:
         """A claimed lease whose answer was refused: open again for a valid answer (a no-op once answered)."""
         self.book.release(lease)
 
+    def answered_lease(self, lease_id: str, peer: str) -> AnsweredLease | None:
+        """`peer`'s lease `lease_id`, answered and not past its deadline (None: it is not)."""
+        return self.book.answered_lease(lease_id, peer)
+
+    def being_checked(self, lease_id: str, peer: str) -> bool:
+        """Whether `peer`'s open lease `lease_id` is claimed by an answer being checked and committed now."""
+        lease = self.book.open.get(lease_id)
+        return lease is not None and lease.node_id == peer and lease.checking
+
     def answered(self, lease: LeaseRecord, prompt_ids: Collection[str]) -> None:
         """A lease's answer committed: these prompts are answered, the rest go back to the pool."""
-        lease.answered.update(prompt_ids)
-        self.book.close(lease)
+        self.book.answer(lease, prompt_ids)
         if lease.probe:
             self.probes.answered(lease.node_id, lease.address)

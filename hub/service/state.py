@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -53,11 +54,14 @@ from hub.service.room import BufferRoom
 from hub.service.totals import RunTotals
 from hub.trust.audit import AuditQueue
 from hub.trust.checkpool import SubmissionChecks
-from hub.trust.submissions import SubmissionRules
+from hub.trust.submissions import SentMatches, SubmissionRules
 from shared.logs import for_operator
 from shared.messages import EvalPoint, NodeState, Tallies
 from shared.precision import resolve_dtype
 from shared.tasks.base import Task
+
+if TYPE_CHECKING:
+    from hub.agents.rollouts import AgentRollouts
 
 log = logging.getLogger("echo2.hub.state")
 
@@ -88,6 +92,8 @@ class HubState:
         shelved_versions: Callable[[], list[int]] = list,  # the versions on the snapshot shelf (retention)
         clock: Callable[[], float] = time.time,
         run: Mapping[str, str] | None = None,
+        sent_matches: SentMatches | None = None,  # the tool loop's record of what it sent (None: a run without tools)
+        agents: AgentRollouts | None = None,  # a tool-using run's rollouts (None: a run without tools)
     ) -> None:
         lc, trust = config.learner, config.trust
         self.store = store
@@ -135,7 +141,13 @@ class HubState:
             checks,
             audits,
             clock,
+            sent_matches,
         )
+        # A tool-using run's rollouts: opened with their leases, settled by the intake, ended as their leases close.
+        self.agents = agents
+        if agents is not None:
+            self.intake.agents = agents
+            self.leasing.book.on_close.append(agents.lease_closed)
         # The fleet, to read (the scheduler, the broadcaster, the status board); Membership writes it.
         self.fleet = self.membership.fleet
         # With audits off, nothing vouches for pay: only a ban voids it, all of it (Store.retain).

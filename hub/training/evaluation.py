@@ -18,7 +18,6 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 
 import torch
 import trio
@@ -28,6 +27,7 @@ from shared.adapters import LoraSpec, add_adapters, load_adapter_state, model_sp
 from shared.generation import Sampler
 from shared.logs import for_operator
 from shared.messages import EvalPoint
+from shared.model_identity import ModelIdentity
 from shared.model_io import tied_duplicates
 from shared.rollout import SamplingParams
 from shared.tasks.base import GroupContext, Task, checked_scores
@@ -69,7 +69,7 @@ class Evaluator:
 
     def __init__(
         self,
-        model_dir: Path,
+        model_identity: ModelIdentity,
         task: Task,
         cfg: EvalConfig,
         sampling: SamplingParams,
@@ -78,7 +78,7 @@ class Evaluator:
         seed: int,
         lora: LoraSpec | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.task = task
         self.cfg = cfg
@@ -89,11 +89,12 @@ class Evaluator:
             update["temperature"] = cfg.temperature
         self.sampling = sampling.model_copy(update=update)
         self.device = torch.device(device)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model_dir = model_identity.model_dir
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         if lora is not None:  # the learner's adapters, the same ones (shared/adapters.py resolves the same targets)
             add_adapters(self.model, lora.rank, lora.alpha, lora.targets)
-        self.sampler = Sampler(self.model, tokenizer, self.device)
+        # Its own tokenizer: it generates in a worker thread while the learner tokenizes in its own.
+        self.sampler = Sampler(self.model, model_identity.tokenizer_copy(), self.device, stop_ids=sorted(model_identity.stop_ids))
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy the learner's weights in (a LoRA run's: its adapters; cast to this model's dtype); call between

@@ -21,14 +21,16 @@ from typing import Any
 import torch
 
 from hub.config import LearnerConfig
+from hub.method.corrections import CORRECTION_SUMS, Correction, correction_metrics
 from hub.method.grpo import group_advantages, grpo_loss, micro_batches, row_weighted
 from hub.training.checkpoint import CheckpointInfo
 from hub.training.distributed import SOLO, Collective, full_state_dict, partition_rows, shard
 from shared.adapters import LoraSpec, adapter_state, add_adapters, is_adapter_key, merged_state_dict, snapshot_metadata
 from shared.logprobs import completion_logprobs, completion_logprobs_and_entropy
+from shared.model_identity import ModelIdentity
 from shared.model_io import load_into, tied_duplicates
 from shared.precision import engine_dtype, resolve_device
-from shared.rollout import Group, SamplingParams
+from shared.rollout import Group, SamplingParams, scored_positions
 from shared.snapshot import model_config_hash
 
 log = logging.getLogger("echo2.hub.learner")
@@ -57,6 +59,7 @@ class StepStats:
     completion_length_mean: float
     completion_length_max: int
     clipped_ratio: float  # share of completions cut at max_new_tokens (finish_reason "length")
+    corrections: dict[str, float]  # the off-policy corrections' is_* metrics (hub.method.corrections.correction_metrics)
 
 
 @dataclass(frozen=True)
@@ -142,13 +145,20 @@ class _Rows:
     behaviour: list[tuple[float, ...]]  # the nodes' log-probs of each completion token
     advantages: torch.Tensor
     rewards: torch.Tensor
+    # Per row, the tokens trained on: a tool-using rollout's model tokens (its environment tokens are context, out of
+    # the loss, its token count, entropy and clip figures); None, or a row's None: all (shared.rollout.scored_positions).
+    scored: list[list[bool] | None] | None = None
+
+    def scored_in(self, part: slice) -> list[list[bool] | None] | None:
+        """`scored` of the rows in `part`."""
+        return None if self.scored is None else self.scored[part]
 
 
 @dataclass
 class _Tally:
     """A step's sums over its micro-batches: the loss weighted by what its loss type averages over (tokens kept, or
-    rows: `weight`), clip fraction and KL by tokens kept, the ratio by valid tokens; tokens the IS cap masked; the
-    largest ratio; forward and backward time."""
+    rows: `weight`), clip fraction and KL by tokens kept, the ratio by valid tokens; tokens dropped; the largest
+    ratio; the corrections' CORRECTION_SUMS and largest weight; forward and backward time."""
 
     weight: float = 0.0
     loss: float = 0.0
@@ -162,6 +172,8 @@ class _Tally:
     n_keep: int = 0
     n_valid: int = 0
     ratio_max: float = 0.0
+    corrections: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(CORRECTION_SUMS, 0.0))
+    weight_max: float = 0.0
     t_forward: float = 0.0
     t_backward: float = 0.0
 
@@ -178,10 +190,13 @@ class _Tally:
         self.drift_sum += stats["abs_log_ratio"] * n_valid
         self.masked += stats["masked_by_is"]
         self.ratio_max = max(self.ratio_max, stats["ratio_max"])
+        self.weight_max = max(self.weight_max, stats["is_weight_max"])
+        for name in CORRECTION_SUMS:
+            self.corrections[name] += stats[name]
 
     def across(self, collective: Collective) -> _Tally:
         """The sums over every rank (this tally itself when alone); the times stay this rank's."""
-        weight, loss, clip, ratio_sum, drift_sum, kl, masked, entropy_sum, n_keep, n_valid = collective.sum(
+        weight, loss, clip, ratio_sum, drift_sum, kl, masked, entropy_sum, n_keep, n_valid, *corrections = collective.sum(
             [
                 self.weight,
                 self.loss,
@@ -193,6 +208,7 @@ class _Tally:
                 self.entropy_sum,
                 self.n_keep,
                 self.n_valid,
+                *(self.corrections[name] for name in CORRECTION_SUMS),
             ]
         )
         return dataclasses.replace(
@@ -208,6 +224,8 @@ class _Tally:
             n_keep=int(n_keep),
             n_valid=int(n_valid),
             ratio_max=collective.max(self.ratio_max),
+            corrections=dict(zip(CORRECTION_SUMS, corrections)),
+            weight_max=collective.max(self.weight_max),
         )
 
 
@@ -247,32 +265,42 @@ class Learner:
 
     def __init__(
         self,
-        base_model_dir: Path,
+        model_identity: ModelIdentity,
         cfg: LearnerConfig,
         sampling: SamplingParams,
         checkpoint: CheckpointInfo | None = None,
         collective: Collective = SOLO,
         device: str | None = None,
     ) -> None:
-        """`collective`: this process's learner rank (hub/training/distributed.py); with more than one, the model is
+        """`model_identity`: the base model (its weights start the policy unless a checkpoint's do).
+        `collective`: this process's learner rank (hub/training/distributed.py); with more than one, the model is
         sharded with FSDP2 and each step's rows are split across the ranks. `device`: this rank's own
         device (default cfg.device)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.sampling = sampling
         self.collective = collective
+        self.correction = Correction(
+            mode=cfg.rollout_is_mode,
+            level=cfg.rollout_is_level,
+            upper=cfg.rollout_is_threshold,
+            lower=cfg.rollout_is_threshold_lower,
+            veto=cfg.rollout_is_veto_threshold,
+            off_policy_mask=cfg.off_policy_mask_threshold,
+        )
         self.device = torch.device(device or resolve_device(cfg.device, "--device"))
         # A LoRA run's base never changes: its checkpoints hold the adapters only; a sharded checkpoint's
         # weights are loaded into the sharded model below.
         policy_dir = (
             checkpoint.model_dir
             if checkpoint is not None and not cfg.lora_rank and not checkpoint.sharded
-            else Path(base_model_dir)
+            else model_identity.model_dir
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+        # Its own tokenizer: it tokenizes in a worker thread while the service decodes in others.
+        self.tokenizer = model_identity.tokenizer_copy()
         # fp32 master weights whatever the snapshot dtype; bf16 runs forward and backward under autocast.
         self.model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32, attn_implementation=cfg.attention).to(
             self.device
@@ -321,7 +349,7 @@ class Learner:
         if cfg.beta > 0:
             # The KL anchor is the initial policy, also after a resume.
             reference = AutoModelForCausalLM.from_pretrained(
-                Path(base_model_dir), dtype=torch.float32, attn_implementation=cfg.attention
+                model_identity.model_dir, dtype=torch.float32, attn_implementation=cfg.attention
             )
             self.reference = reference.to(self.device).eval().requires_grad_(False)
         self.config_hash = model_config_hash(self.model.config.to_dict())
@@ -424,6 +452,7 @@ class Learner:
             completion_length_mean=lengths.mean,
             completion_length_max=lengths.max,
             clipped_ratio=lengths.clipped_ratio,
+            corrections=correction_metrics(total.corrections, total.weight_max, total.n_valid),
         )
 
     def _rows(self, groups: Sequence[Group]) -> _Rows:
@@ -444,12 +473,14 @@ class Learner:
         advantages = group_advantages(rewards, n, scale=self.cfg.advantage_scale).to(self.device)
         c = self.collective
         mine = partition_rows([len(p) + len(q) for p, q in zip(prompt_ids, completion_ids)], c.world)[c.rank]
+        scored = scored_positions([completion for g in groups for completion in g.completions])
         return _Rows(
             prompt_ids=[prompt_ids[i] for i in mine],
             completion_ids=[completion_ids[i] for i in mine],
             behaviour=[behaviour[i] for i in mine],
             advantages=advantages[torch.tensor(mine, dtype=torch.long, device=self.device)],
             rewards=rewards,
+            scored=None if scored is None else [scored[i] for i in mine],
         )
 
     def _accumulate(self, rows: _Rows) -> _Tally:
@@ -488,6 +519,7 @@ class Learner:
                 top_p=self.sampling.top_p,
                 top_k=self.sampling.top_k,
                 min_p=self.sampling.min_p,
+                scored=rows.scored_in(part),
             )
             ref_logprobs = None
             if self.reference is not None:
@@ -515,6 +547,8 @@ class Learner:
             beta=self.cfg.beta,
             loss_type=self.cfg.loss_type,
             max_completion_length=self.sampling.max_new_tokens,
+            correction=self.correction,
+            importance_sampling_level=self.cfg.importance_sampling_level,
         )
         n_keep = n_valid - int(stats["masked_by_is"])
         weight = rows_here if row_weighted(self.cfg.loss_type) else n_keep
@@ -535,6 +569,7 @@ class Learner:
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k,
             min_p=self.sampling.min_p,
+            scored=rows.scored_in(part),
         )
 
     def _reduce_and_update(self, tally: _Tally) -> tuple[_Tally, float]:

@@ -77,6 +77,7 @@ from shared.delta import build_delta_snapshot
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SNAPSHOTS_DIR
 from shared.logs import for_operator
 from shared.memory import release_free_memory
+from shared.model_identity import ModelIdentity
 from shared.model_io import build_snapshot
 from shared.probe import InstallProbe
 from shared.rollout import Group, SamplingParams
@@ -156,7 +157,7 @@ class LearnerComponent:
         self,
         cfg: LearnerConfig,
         sampling: SamplingParams,
-        base_model_dir: Path,
+        model_identity: ModelIdentity,
         data_dir: Path,
         host: LearnerHost,
         identity: Identity,
@@ -220,11 +221,11 @@ class LearnerComponent:
         # RankGroup answers the Learner's own interface (each call run on every rank), and stop().
         self.learner: Learner | RankGroup
         if ranks is None:
-            self.learner = Learner(base_model_dir, cfg, sampling, checkpoint)
+            self.learner = Learner(model_identity, cfg, sampling, checkpoint)
         else:
             collective, device, watch = ranks
             broadcast(Command("init", checkpoint=checkpoint))  # every rank resumes what rank 0 resumes
-            self.learner = RankGroup(Learner(base_model_dir, cfg, sampling, checkpoint, collective, device), watch)
+            self.learner = RankGroup(Learner(model_identity, cfg, sampling, checkpoint, collective, device), watch)
         # metrics.jsonl: the hub's writer, which its evaluations write to too (None: one of the loop's own).
         self.metrics = metrics if metrics is not None else MetricsWriter(self.data_dir / METRICS_FILE, trackers)
         self.evaluation = evaluation
@@ -358,6 +359,7 @@ class LearnerComponent:
                     "kappa": float(self.kappa),
                     "kl": stats.kl,
                     "masked_by_is": stats.masked_by_is,
+                    **stats.corrections,
                     "grad_norm": stats.grad_norm,
                     "t_forward_s": stats.t_forward_s,
                     "t_backward_s": stats.t_backward_s,

@@ -5,8 +5,8 @@ one finite number per completion."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hub.config import HubConfig
@@ -14,36 +14,52 @@ from shared.checks import UserError
 from shared.default_model import build_tokenizer
 from shared.tasks import Task, load_task
 from shared.tasks.base import Prompt, checked_rewards
-from shared.tasks.dataset import DatasetTask
+from shared.tasks.dataset import DatasetTask, Messages, chat_renderer
 from shared.tasks.split import excluding, split_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from shared.model_identity import ModelIdentity
 
-def load_hub_task(spec: str, config: HubConfig, model_dir: Path | None) -> Task:
+
+def default_chat_renderer() -> Callable[[Messages], str]:
+    """The chat renderer of the embedded default's tokenizer, built by its recipe (its directory may not exist yet)."""
+    return chat_renderer(build_tokenizer(), "the embedded default model's tokenizer (no --model given)")
+
+
+def load_hub_task(spec: str, config: HubConfig, model: ModelIdentity | None) -> Task:
     """A task spec read with the config's dataset options (columns, reward, chat) and the run's length (the rewards'
-    trainer_state.max_steps); chat prompts are rendered by the chat template of `model_dir`'s tokenizer, or of the
-    embedded default's (None: the default may not be built yet)."""
-    return load_task(
-        spec, replace(config.dataset.options(), max_steps=config.steps), model_dir, default_tokenizer=build_tokenizer
-    )
+    trainer_state.max_steps); chat prompts are rendered by the chat template of `model`'s tokenizer, or of the
+    embedded default's (None: the default may not be built yet). A tool-using run's prompts are rendered with its
+    tools' schemas, and its rewards read each tool-using completion as its conversation (hub/agents/)."""
+    options = replace(config.dataset.options(), max_steps=config.steps)
+    if not config.agents.enabled or model is None:  # tools with the embedded default: refused at start
+        return load_task(spec, options, model.chat_renderer if model is not None else default_chat_renderer)
+    from hub.agents.conversation import ConversationReader
+    from hub.agents.toolset import load_toolset
+
+    agents = config.agents
+    schemas = load_toolset(agents.tools, agents.environment).schemas
+    tokenizer, whose = model.tokenizer, f"the tokenizer in {model.model_dir}"
+    options = replace(options, keep_rows=agents.environment is not None)
+    return load_task(spec, options, lambda: chat_renderer(tokenizer, whose, schemas), ConversationReader(tokenizer).messages)
 
 
-def held_out(config: HubConfig, task: Task, model_dir: Path | None) -> tuple[Task, Task]:
+def held_out(config: HubConfig, task: Task, model: ModelIdentity | None) -> tuple[Task, Task]:
     """(training task, evaluation task): the eval task minus every training prompt text when one is given,
     else the two sides of a split of `task` by prompt-text hash. ValueError when a side would be empty."""
     if config.eval.task is None:
         return split_task(task, config.eval.split)
-    return task, excluding(load_hub_task(config.eval.task, config, model_dir), task)
+    return task, excluding(load_hub_task(config.eval.task, config, model), task)
 
 
-def hub_tasks(config: HubConfig, model_dir: Path | None) -> tuple[Task, Task | None]:
+def hub_tasks(config: HubConfig, model: ModelIdentity | None) -> tuple[Task, Task | None]:
     """(training task, evaluation task or None when evaluation is off)."""
-    task = load_hub_task(config.task, config, model_dir)
+    task = load_hub_task(config.task, config, model)
     if config.eval.every == 0:
         return task, None
-    return held_out(config, task, model_dir)
+    return held_out(config, task, model)
 
 
 def context_tokens(task: Task, tokenizer, max_new_tokens: int) -> int:
@@ -69,20 +85,14 @@ class PromptReading:
     seen: list[str]
 
 
-def model_reading(model_dir: Path | None) -> tuple[PreTrainedTokenizerBase, int | None]:
-    """(tokenizer, context in tokens: max_position_embeddings, None when its config has none) of a model directory,
-    or of the embedded default by its recipe (its directory may not be built yet)."""
-    if model_dir is None:
-        from shared.default_model import DEFAULT_MODEL_RECIPE, build_tokenizer
+def model_reading(model: ModelIdentity | None) -> tuple[PreTrainedTokenizerBase, int | None]:
+    """(tokenizer, context in tokens: max_position_embeddings, None when its config has none) of a model, or of the
+    embedded default by its recipe (its directory may not be built yet)."""
+    if model is None:
+        from shared.default_model import DEFAULT_MODEL_RECIPE
 
         return build_tokenizer(), DEFAULT_MODEL_RECIPE.max_position_embeddings
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        tokenizer, config = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--model {model_dir}: cannot load its tokenizer or config ({str(exc).splitlines()[0]})") from None
-    return tokenizer, getattr(config, "max_position_embeddings", None)
+    return model.tokenizer, model.context
 
 
 def prompt_readings(texts: list[str], tokenizer) -> tuple[list[int], list[str]]:
@@ -191,11 +201,12 @@ def _check_context(readings: list[PromptReading], context: int, max_new_tokens: 
             raise UserError(f"{r.flag}: {mistake}")
 
 
-def check_prompts(config: HubConfig, task: Task, eval_task: Task | None) -> list[str]:
+def check_prompts(config: HubConfig, model: ModelIdentity | None, task: Task, eval_task: Task | None) -> list[str]:
     """The data checks of `echo-hub start`: every prompt of the training task (and of --eval-task) fits the
-    model's context beside max_new_tokens, and --max-prompt-length when given, and reaches the model whole. UserError with the numbers on the first
-    mistake; the warning lines to print when --allow-lossy-prompts lets lossy prompts through."""
-    tokenizer, context = model_reading(config.model)
+    model's context beside max_new_tokens, and --max-prompt-length when given, and reaches the model whole (`model`:
+    --model's, None for the embedded default). UserError with the numbers on the first mistake; the warning lines to
+    print when --allow-lossy-prompts lets lossy prompts through."""
+    tokenizer, context = model_reading(model)
     tasks = {f"--task {config.task}": task}
     if eval_task is not None and config.eval.task is not None:  # a held-out split is part of the training task
         tasks[f"--eval-task {config.eval.task}"] = eval_task

@@ -14,6 +14,9 @@ claimed version's by more than the tolerance. It cannot tell apart two versions 
 tolerance: such a lie is no worse than the staleness the learner already tolerates. Tolerance
 figures and their reasons are next to TrustConfig in hub/config.py.
 
+A tool-using completion's environment tokens (tool answers the hub sent) are never sampled: the recomputation runs
+over the whole sequence, with them as context, and compares and scores its model tokens only.
+
 Tokens the hub's recomputation puts outside the top-p nucleus (log-prob -inf) happen to honest
 low-precision engines at nucleus boundaries (~1 in 900 tokens for bf16, top_p 0.9): they are
 left out of the mean and limited by `audit_max_outside_frac` instead.
@@ -43,8 +46,9 @@ from hub.records.snapshots import SnapshotShelf
 from hub.trust.sampling import SAMPLING_ORDERS, GroupEvidence, group_evidence
 from shared.adapters import install_snapshot, prepare_for, snapshot_spec
 from shared.logprobs import completion_logprobs, completion_logprobs_and_power_sums
+from shared.model_identity import ModelIdentity
 from shared.probe import InstallProbe, TokenRow
-from shared.rollout import Group, SamplingParams
+from shared.rollout import Group, SamplingParams, scored_positions
 
 log = logging.getLogger("echo2.hub.audit")
 
@@ -108,17 +112,17 @@ def judge(stats: GapStats, mean_abs_gap_tolerance: float, max_outside_frac: floa
     )
 
 
-def bare_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
-    """The architecture of `model_dir` in `dtype` with uninitialised weights, for a snapshot to fill:
+def bare_model(model_identity: ModelIdentity, dtype: torch.dtype) -> torch.nn.Module:
+    """The architecture of the model in `dtype` with uninitialised weights, for a snapshot to fill:
     the model dir's own weights are never read (from_pretrained would map the whole fp32 file)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers before 5.2x (vLLM's pin): initialising is only slower, not different
         from contextlib import nullcontext as no_init_weights
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(model_identity.config_copy(), dtype=dtype)
     model.tie_weights()  # skipped under no_init_weights; the snapshot carries only the first of tied names
     return model.eval().requires_grad_(False)
 
@@ -135,18 +139,22 @@ class Auditor:
     """
 
     def __init__(
-        self, model_dir: Path, shelf: SnapshotShelf, sampling: SamplingParams, config: TrustConfig, snapshot_dtype: str
+        self,
+        model_identity: ModelIdentity,
+        shelf: SnapshotShelf,
+        sampling: SamplingParams,
+        config: TrustConfig,
+        snapshot_dtype: str,
     ) -> None:
-        from transformers import AutoTokenizer
-
-        self.model_dir = model_dir
+        self.model_identity = model_identity
         self.shelf = shelf
         self.sampling = sampling
         self.config = config
         self.mean_abs_gap = config.mean_abs_gap(snapshot_dtype)
         self.sampling_slack_nats = config.sampling_slack(snapshot_dtype)
         self.dtype = getattr(torch, snapshot_dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # Its own tokenizer: it audits in a worker thread while the service decodes in others.
+        self.tokenizer = model_identity.tokenizer_copy()
         self.model: torch.nn.Module | None = None
         # The whole hash of the snapshot the model holds; None: the weights are the model dir's, no snapshot's.
         self.loaded_hash: str | None = None
@@ -156,11 +164,11 @@ class Auditor:
         """The model a snapshot goes into: uninitialised for a full snapshot, the base weights for adapters."""
         spec = snapshot_spec(snapshot_path)
         if spec is None:
-            return bare_model(self.model_dir, self.dtype)
+            return bare_model(self.model_identity, self.dtype)
         from transformers import AutoModelForCausalLM
 
         with torch.inference_mode(False):  # the adapters are parameters, made outside the audit's inference mode
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).eval()
+            model = AutoModelForCausalLM.from_pretrained(self.model_identity.model_dir, dtype=self.dtype).eval()
             prepare_for(model, spec)
         return model.requires_grad_(False)
 
@@ -207,7 +215,8 @@ class Auditor:
 
     def _recompute(self, group: Group, version: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs and mask [B, T] of the group's completions under `version`, as sampled, and the log power sums
-        [B, T, orders] of the sampling distribution at each token (the sampling test's evidence)."""
+        [B, T, orders] of the sampling distribution at each token (the sampling test's evidence). A tool-using
+        completion is run whole, its environment tokens as context: the mask holds its model tokens only."""
         prompt = self.tokenizer(group.prompt_text)["input_ids"]
         completions = [list(c.token_ids) for c in group.completions]
         with self._lock, torch.inference_mode():
@@ -221,6 +230,7 @@ class Auditor:
                 top_p=self.sampling.top_p,
                 top_k=self.sampling.top_k,
                 min_p=self.sampling.min_p,
+                scored=scored_positions(group.completions),
             )
 
     def audit(self, group: Group, version: int) -> AuditResult:

@@ -5,8 +5,9 @@ detector keeps a bounded LRU of recent accepted groups and, per completion, an i
 (for its prompt text, and anywhere); `check` flags a group whose repeats an honest sampler would almost never have
 drawn.
 
-Digests are blake3 over token ids alone: independent of completion order (a copier gains nothing by shuffling), of
-the claimed version, and of the log-probs, so nudging a log-prob (which audits cannot tell from bf16 noise) changes
+Digests are blake3 over the sampled token ids alone (a tool-using completion's environment tokens, the hub's own
+answers, are left out of its digest and its log-prob sum): independent of completion order (a copier gains nothing by
+shuffling), of the claimed version, and of the log-probs, so nudging a log-prob (which audits cannot tell from bf16 noise) changes
 nothing. A group's fingerprint is over its sorted completion digests; a completion's key under its prompt adds the
 prompt text's digest.
 
@@ -79,12 +80,13 @@ def completion_digest(token_ids: tuple[int, ...]) -> bytes:
 
 
 def _in_digest_order(group: Group) -> list[Completion]:
-    return sorted(group.completions, key=lambda c: completion_digest(c.token_ids))
+    return sorted(group.completions, key=lambda c: completion_digest(c.model_token_ids()))
 
 
 def group_fingerprint(group: Group) -> bytes:
-    """Order-independent digest of a group's completions' token ids."""
-    return blake3.blake3(b"".join(completion_digest(c.token_ids) for c in _in_digest_order(group))).digest(length=DIGEST_BYTES)
+    """Order-independent digest of a group's completions' sampled token ids."""
+    digests = (completion_digest(c.model_token_ids()) for c in _in_digest_order(group))
+    return blake3.blake3(b"".join(digests)).digest(length=DIGEST_BYTES)
 
 
 def log_multinomial(counts: Sequence[int]) -> float:
@@ -94,8 +96,8 @@ def log_multinomial(counts: Sequence[int]) -> float:
 
 def coincidence_log_prob(group: Group) -> float:
     """log P that an independent honest sampler draws this same multiset of completions (see module doc)."""
-    counts = Counter(c.token_ids for c in group.completions)
-    return log_multinomial(list(counts.values())) + sum(sum(c.logprobs) for c in group.completions)
+    counts = Counter(c.model_token_ids() for c in group.completions)
+    return log_multinomial(list(counts.values())) + sum(sum(c.model_logprobs()) for c in group.completions)
 
 
 def repeat_surprise(counts: Sequence[int], sums: Sequence[float], shared: Sequence[bool]) -> float:
@@ -341,7 +343,7 @@ class CopyDetector:
         else:
             if len(trusted) != len(group.completions):
                 raise ValueError(f"{len(trusted)} recomputed sums for {len(group.completions)} completions")
-            by_key = {completion_digest(c.token_ids): s for c, s in zip(group.completions, trusted)}
+            by_key = {completion_digest(c.model_token_ids()): s for c, s in zip(group.completions, trusted)}
             flag = self._judge(seen, tuple(by_key[k] for k in seen.keys), keep=True)
         assert not isinstance(flag, Disputed)
         return flag
@@ -376,16 +378,17 @@ class CopyDetector:
         tokens: list[int] = []
         packed = bytearray()
         for c in ordered:
-            key = completion_digest(c.token_ids)
-            total = math.fsum(c.logprobs)
-            packed += ENTRY.pack(key, len(c.token_ids), total)
+            sampled = c.model_token_ids()
+            key = completion_digest(sampled)
+            total = math.fsum(c.model_logprobs())
+            packed += ENTRY.pack(key, len(sampled), total)
             if keys and keys[-1] == key:  # digest order puts a completion's duplicates together
                 counts[-1] += 1
                 continue
             keys.append(key)
             counts.append(1)
             claimed.append(total)
-            tokens.append(len(c.token_ids))
+            tokens.append(len(sampled))
         here = Origin(node_id, lease_id, group.prompt_id, digest, bytes(packed))
         fingerprint = blake3.blake3(b"".join(ENTRY.unpack_from(packed, i * ENTRY.size)[0] for i in range(len(ordered)))).digest(
             length=DIGEST_BYTES

@@ -13,7 +13,8 @@ node's tokens is a nonnegative martingale: by Ville's inequality it ever reaches
   mode of any distribution that is not flat.
 - a = 1/2 grows on picks less likely than sampling gives (invented or edited text): E = q(x)^-1/2 / sum q^1/2.
 Tokens the hub puts outside the nucleus (q = 0) are left out: a bf16 engine samples some at its boundary honestly
-(~1 in 900), and the audit bounds their share (`audit_max_outside_frac`).
+(~1 in 900), and the audit bounds their share (`audit_max_outside_frac`). So are a tool-using completion's environment
+tokens, which nobody sampled (the audit's mask holds model tokens only).
 
 The node's engine samples from its own q'_t, a few hundredths of a nat away from the hub's at bf16. Then
 E_q'[E_a] <= e^d, with d the largest log-prob gap; so each token's evidence is charged `slack_nats` (the audit's

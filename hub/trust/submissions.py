@@ -6,6 +6,8 @@ versions and log-probs are bounded by the lease. A node may claim rewards; a cla
 from the hub's score is a lie, and that group is rejected (neither trained on nor paid), and so is a
 group that repeats earlier work too exactly to be honest (hub/trust/copies.py finds those), and a group
 whose reward ran past its CPU budget (shared/tasks/budget.py): the node chose the text the reward ran on.
+A tool-using completion (environment segments between its model turns) is held to the same rules on its model
+tokens; its environment tokens must be exactly what the hub sent (`refuse_tampered`), else it is a cheat's.
 Here too: what a submission's verdicts add to the tallies and to the event log. The reward is the
 operator's code: when it fails (shared.tasks.base.RewardError) no verdict is given, and the error
 propagates (hub/trust/checkpool.py decides whose fault it was).
@@ -23,20 +25,27 @@ from hub.records.leases import LeaseRecord
 from hub.records.schema import NewEvent
 from hub.trust.copies import CopyDetector, CopyFlag, Disputed
 from shared.messages import GROUP_VERDICTS, GroupReason, Submission, SubmittedGroup, Tallies
-from shared.rollout import Completion, Group, SamplingParams
+from shared.rollout import MAX_ENV_SEGMENTS, Completion, Group, SamplingParams
 from shared.tasks.base import GroupContext, Prompt, Task, checked_scores
 from shared.tasks.budget import OverBudget, cpu_budget
+from shared.tools import rollout_key
 
 CLAIMED_REWARD_TOLERANCE = 1e-6
 # The most bytes a submission's JSON spends on each of its parts, for the frame cap of one lease's answer.
 JSON_BYTES_PER_CHAR = 6  # a control character escaped ("\u001f"); others take at most 4 (raw UTF-8)
 NUMBER_JSON_BYTES = 26  # a token id (<= 10 digits) or a float's shortest repr (<= 24 chars), with its comma
 COMPLETION_JSON_BYTES = 256  # a completion's keys, brackets, finish_reason and version
+SPAN_JSON_BYTES = 2 * NUMBER_JSON_BYTES + 2  # one environment segment's (start, length), bracketed
 GROUP_JSON_BYTES = JSON_BYTES_PER_CHAR * 200 + 256  # a group's keys and its prompt id at its longest, escaped
 SUBMISSION_JSON_BYTES = JSON_BYTES_PER_CHAR * (64 + 128) + 256  # keys, lease id and node id at their longest
 REASON_CLAIMED_REWARD = "claimed rewards differ from the hub's scores"
 REASON_OVER_BUDGET = "the reward ran past its budget on this work"
 REASON_REWARD_FAILED = "the task's reward failed on this work"
+REASON_ENVIRONMENT = "environment tokens differ from what the hub sent"
+
+# Whether a rollout's submitted environment segments are exactly what the hub sent it (hub.agents.loop.ToolLoop's
+# sent_matches), by the rollout's key (`rollout_key`).
+SentMatches = Callable[[str, Sequence[Sequence[int]]], bool]
 
 
 @dataclass(frozen=True)
@@ -54,12 +63,31 @@ class SubmissionRules:
     task: Task
     group_size: int
     sampling: SamplingParams
-    stop_ids: frozenset[int]  # every EOS the model declares (shared.generation.model_stop_ids)
+    stop_ids: frozenset[int]  # every EOS the model declares (shared.model_identity.ModelIdentity.stop_ids)
     vocab_size: int
     decode: Callable[[list[int]], str]
     token_text_bytes: int  # the most JSON bytes one token's decoded text takes (`token_text_bytes`)
     # CPU seconds the reward may spend per completion (TrustConfig.reward_budget_s).
     reward_budget_s: float = TrustConfig.model_fields["reward_budget_s"].default
+    # Model and environment tokens one tool-using completion may hold, each model turn at most max_new_tokens
+    # (hub.agents.loop.LoopLimits); None: single-turn, a completion is one model turn and holds no environment tokens.
+    max_completion_tokens: int | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        """The most tokens one completion may hold."""
+        return self.sampling.max_new_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
+    def env_segments_max(self) -> int:
+        """The most environment segments one completion may hold: each sits after a model token and before another."""
+        return 0 if self.max_completion_tokens is None else min(MAX_ENV_SEGMENTS, (self.max_completion_tokens - 1) // 2)
+
+    def frame_cap(self, prompts: int) -> int:
+        """`submission_frame_cap` of an answer to a lease of `prompts` prompts under these rules."""
+        return submission_frame_cap(
+            prompts, self.group_size, self.completion_tokens, self.token_text_bytes, self.env_segments_max
+        )
 
 
 def token_text_bytes(vocab: Iterable[str]) -> int:
@@ -69,12 +97,15 @@ def token_text_bytes(vocab: Iterable[str]) -> int:
     return JSON_BYTES_PER_CHAR * max(map(len, vocab))
 
 
-def submission_frame_cap(prompts: int, group_size: int, max_new_tokens: int, text_bytes_per_token: int) -> int:
+def submission_frame_cap(
+    prompts: int, group_size: int, completion_tokens: int, text_bytes_per_token: int, env_segments: int = 0
+) -> int:
     """The most bytes an honest answer to a lease of `prompts` prompts takes (signature excluded): every
-    completion at max_new_tokens tokens of the longest text, with a claimed reward each. The hub reads
-    and reserves no more than this for a submission, however large the protocol's own cap."""
+    completion at `completion_tokens` tokens of the longest text and `env_segments` environment segments, with a
+    claimed reward each. The hub reads and reserves no more than this for a submission, however large the
+    protocol's own cap."""
     token = 2 * NUMBER_JSON_BYTES + text_bytes_per_token
-    completion = COMPLETION_JSON_BYTES + max_new_tokens * token + NUMBER_JSON_BYTES
+    completion = COMPLETION_JSON_BYTES + completion_tokens * token + env_segments * SPAN_JSON_BYTES + NUMBER_JSON_BYTES
     return SUBMISSION_JSON_BYTES + prompts * (GROUP_JSON_BYTES + group_size * completion)
 
 
@@ -128,6 +159,36 @@ def _check_completion(c: Completion, sampling: SamplingParams, stop_ids: frozens
     return None
 
 
+def _check_turns(c: Completion, rules: SubmissionRules) -> str | None:
+    """A tool-using completion: `_check_completion`'s rules on its model tokens, turn by turn (a stop id may end
+    each model turn, and nothing else of it); its environment tokens never sampled (log-prob exactly 0.0).
+    Whether they are what the hub sent is `refuse_tampered`'s question."""
+    if rules.max_completion_tokens is None:
+        return "environment segments in a run without tools"
+    n, cap, turn_cap = len(c.token_ids), rules.max_completion_tokens, rules.sampling.max_new_tokens
+    if n > cap:  # which bounds its segments too (Completion: each between two model tokens)
+        return f"completion length {n} over {cap} tokens"
+    if len(c.logprobs) != n:
+        return f"{len(c.logprobs)} log-probs for {n} tokens"
+    sampled = c.model_positions()
+    if not all(math.isfinite(lp) and lp <= 1e-6 for lp, s in zip(c.logprobs, sampled) if s):
+        return "log-probs must be finite and <= 0"
+    if any(lp != 0.0 for lp, s in zip(c.logprobs, sampled) if not s):
+        return "environment tokens' log-probs must be 0.0: they are not sampled"
+    turns = c.model_turns()
+    for start, stop in turns:
+        if stop - start > turn_cap:
+            return f"model turn length {stop - start} outside [1, {turn_cap}]"
+        if not rules.stop_ids.isdisjoint(c.token_ids[start : stop - 1]):
+            return "tokens after EOS within a model turn"
+    last = turns[-1][1] - turns[-1][0]
+    if c.finish_reason == "stop" and c.token_ids[-1] not in rules.stop_ids:
+        return "finish_reason stop without EOS"
+    if c.finish_reason == "length" and last != turn_cap and n != cap:
+        return "finish_reason length before max_new_tokens or max_completion_tokens"
+    return None
+
+
 def _check_prompt(pid: str, prompts: Mapping[str, Prompt], record: LeaseRecord, seen: set[str]) -> str | None:
     """The group answers a prompt of the lease that neither the lease nor this submission answered before."""
     if pid not in prompts:
@@ -163,9 +224,10 @@ def _check_version(submitted: SubmittedGroup, record: LeaseRecord, window: Versi
 
 
 def _check_tokens(submitted: SubmittedGroup, rules: SubmissionRules) -> str | None:
-    """Every completion well-formed (`_check_completion`) and within the vocabulary."""
+    """Every completion well-formed (`_check_completion`, or `_check_turns` for a tool-using one) and within the
+    vocabulary."""
     for c in submitted.completions:
-        problem = _check_completion(c, rules.sampling, rules.stop_ids)
+        problem = _check_turns(c, rules) if c.env_spans else _check_completion(c, rules.sampling, rules.stop_ids)
         if problem is None and any(not 0 <= t < rules.vocab_size for t in c.token_ids):
             problem = "token id outside the vocabulary"
         if problem is not None:
@@ -186,7 +248,7 @@ def _score(submitted: SubmittedGroup, prompt: Prompt, rules: SubmissionRules, no
     pid = submitted.prompt_id
     completions = [c.model_copy(update={"text": rules.decode(list(c.token_ids))}) for c in submitted.completions]
     version = submitted.completions[0].version
-    context = GroupContext(tuple(c.token_ids for c in completions), version)
+    context = GroupContext(tuple(c.token_ids for c in completions), version, tuple(c.env_spans for c in completions))
     try:
         with cpu_budget(rules.reward_budget_s * len(completions)):
             scores = checked_scores(rules.task, prompt, [c.text for c in completions], context)
@@ -256,6 +318,22 @@ def charged_verdicts(submission: Submission, reason: str) -> list[GroupVerdict]:
     their budget, or the reward failed on it while it still passes the operator's probe (hub/trust/checkpool.py).
     Counted against the node as any rejected work is: neither paid nor trained on."""
     return [GroupVerdict(g.prompt_id, False, reason, g, code=CHARGED_CODES[reason]) for g in submission.groups]
+
+
+def refuse_tampered(verdicts: Sequence[GroupVerdict], lease_id: str, sent_matches: SentMatches) -> list[GroupVerdict]:
+    """Groups that are otherwise valid work (accepted or late) but hold a rollout whose environment segments are not
+    exactly, and all of, what the hub sent it are refused as a cheat's (GroupReason.ENVIRONMENT: the intake bans their
+    node). A completion's rollout is its lease's, prompt's and place's in the group (`rollout_key`)."""
+    out: list[GroupVerdict] = []
+    for v in verdicts:
+        if (v.accepted or v.late) and not all(
+            sent_matches(rollout_key(lease_id, v.prompt_id, i), c.env_segments()) for i, c in enumerate(v.submitted.completions)
+        ):
+            v = dataclasses.replace(
+                v, accepted=False, late=False, reason=REASON_ENVIRONMENT, group=None, code=GroupReason.ENVIRONMENT
+            )
+        out.append(v)
+    return out
 
 
 async def reject_copies(

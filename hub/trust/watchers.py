@@ -8,7 +8,9 @@ than the idle limit ago (one throttled by the per-address status rate is no answ
 disconnected it nor has it sent anything refused as its own fault (then it is no watcher for REFUSED_KEPT_S), and it
 holds one of the `per_address` places of its address and of the `total` places in all, first come. Past a bound it is
 a stranger like any other: a flood of polite identities still holds no more than `total` connections past the
-lifetime.
+lifetime. The table itself holds at most `kept` peers: past it, a peer answered for the first time takes the entry of
+the one answered longest ago that holds no place (a watcher still polling comes back with its next answer), so
+throwaway identities whose status was answered cannot grow it.
 
 Plain bookkeeping with the clock passed in; the hub calls it from its trio thread.
 """
@@ -25,6 +27,8 @@ WATCHERS_TOTAL = 64
 REFUSED_KEPT_S = 600.0
 # Refused peers remembered at most (the newest): throwaway identities cannot grow the table.
 REFUSED_MAX = 4096
+# Peers whose status was answered remembered at most (those holding a place, and the most recently answered of the rest).
+WATCHERS_KEPT_MAX = 4096
 
 
 @dataclass
@@ -37,10 +41,16 @@ class _Watcher:
 class StatusWatchers:
     """Which peers that have not joined poll the status within the limits, and which of them hold a place."""
 
-    def __init__(self, idle_s: float, per_address: int = WATCHERS_PER_ADDRESS, total: int = WATCHERS_TOTAL) -> None:
+    def __init__(
+        self, idle_s: float, per_address: int = WATCHERS_PER_ADDRESS, total: int = WATCHERS_TOTAL, kept: int = WATCHERS_KEPT_MAX
+    ) -> None:
+        if kept <= total:
+            raise ValueError(f"kept ({kept}) must be more than the places in all ({total}): a new peer needs room")
         self.idle_s = idle_s  # trust.idle_connection_s: a watcher answered longer ago than this stopped polling
         self.per_address = per_address
         self.total = total
+        self.kept = kept
+        # Least recently answered first: a new peer past `kept` takes the first entry holding no place.
         self._watchers: dict[str, _Watcher] = {}
         self._placed: Counter[str] = Counter()  # places held per address key
         self._refused: dict[str, float] = {}  # peer -> when refused, oldest first
@@ -55,11 +65,15 @@ class StatusWatchers:
         if peer in self._refused:
             return
         watcher = self._watchers.get(peer)
-        if watcher is None or watcher.address != address:  # new, or back from another address: placed anew
-            self._drop(peer)
-            self._watchers[peer] = _Watcher(address, now)
-        else:
+        if watcher is not None and watcher.address == address:
             watcher.answered_at = now
+            self._watchers[peer] = self._watchers.pop(peer)  # to the end: answered most recently
+            return
+        self._drop(peer)  # new, or back from another address: placed anew
+        if len(self._watchers) >= self.kept:
+            # At most `total` entries hold a place, fewer than `kept`: one of the first total + 1 holds none.
+            self._drop(next(p for p, w in self._watchers.items() if not w.placed))
+        self._watchers[peer] = _Watcher(address, now)
 
     def refused(self, peer: str, now: float) -> None:
         """`peer` was refused as at fault, or disconnected by the guard: no watcher for REFUSED_KEPT_S."""

@@ -14,10 +14,9 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from shared.tasks.base import Prompt, Task
-from shared.tasks.dataset import DatasetOptions, DatasetTask, MathTask, Messages, chat_renderer, is_dataset_path, split_of
+from shared.tasks.dataset import Conversation, DatasetOptions, DatasetTask, MathTask, Messages, is_dataset_path, split_of
 from shared.tasks.user_code import import_object
 
 BUILTIN_TASKS: Mapping[str, str] = {"reverse": "shared.tasks.reverse:ReverseTask"}
@@ -43,33 +42,15 @@ def _load_class(spec: str, import_path: str) -> type[Task]:
     return cls
 
 
-def _chat_renderer_of(
-    model_dir: Path | None, default_tokenizer: Callable[[], Any] | None
-) -> Callable[[], Callable[[Messages], str]] | None:
-    """What builds the chat renderer (it loads a tokenizer, so only once a chat prompt appears): the tokenizer in
-    `model_dir`, else the default one; None when there is neither."""
-    if model_dir is not None:
-
-        def from_model_dir() -> Callable[[Messages], str]:
-            from transformers import AutoTokenizer
-
-            return chat_renderer(AutoTokenizer.from_pretrained(model_dir), f"the tokenizer in {model_dir}")
-
-        return from_model_dir
-    if default_tokenizer is not None:
-        return lambda: chat_renderer(default_tokenizer(), "the embedded default model's tokenizer (no --model given)")
-    return None
-
-
 def load_task(
     spec: str,
     dataset: DatasetOptions = DatasetOptions(),
-    model_dir: Path | None = None,
-    default_tokenizer: Callable[[], Any] | None = None,
+    render_chat: Callable[[], Callable[[Messages], str]] | None = None,
+    conversation: Conversation | None = None,
 ) -> Task:
-    """The task named by `spec`; ValueError saying what is wrong with a bad spec. `dataset` applies to a
-    dataset on disk; `model_dir` holds the tokenizer whose chat template renders chat prompts, and without one
-    `default_tokenizer` builds the embedded default model's."""
+    """The task named by `spec`; ValueError saying what is wrong with a bad spec. `dataset` and `conversation` (how
+    its rewards read a tool-using completion) apply to a dataset on disk; `render_chat` builds what renders its chat
+    prompts (a chat template: called only once a chat prompt appears; None: chat prompts are refused)."""
     spec = spec.strip()
     if spec.startswith(MATH_PREFIX):
         path = spec[len(MATH_PREFIX) :]
@@ -78,12 +59,11 @@ def load_task(
         if not Path(path).is_file():
             raise ValueError(f"task spec {spec!r}: no such file {path}")
         return MathTask(path)
-    render = _chat_renderer_of(model_dir, default_tokenizer)
     if is_dataset_path(spec):
-        return DatasetTask(spec, dataset, render_chat=render)
+        return DatasetTask(spec, dataset, render_chat=render_chat, conversation=conversation)
     saved, split = split_of(spec)
     if saved is not None:
-        return DatasetTask(saved, replace(dataset, split=split), render_chat=render)
+        return DatasetTask(saved, replace(dataset, split=split), render_chat=render_chat, conversation=conversation)
     if spec.endswith((".jsonl", ".json", ".parquet")):
         raise ValueError(f"task spec {spec!r}: no such file {spec}")
     if ":" in spec:

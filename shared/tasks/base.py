@@ -39,10 +39,13 @@ class Prompt:
 @dataclass(frozen=True)
 class GroupContext:
     """What a reward may know of a group besides its texts (TRL passes both): each completion's token ids, and
-    the policy version that sampled the group (the learner steps taken before it: TRL's trainer_state.global_step)."""
+    the policy version that sampled the group (the learner steps taken before it: TRL's trainer_state.global_step);
+    for a tool-using rollout, each completion's environment spans (shared.rollout.Completion.env_spans), from
+    which its conversation is read (empty: single-turn)."""
 
     completion_ids: tuple[tuple[int, ...], ...]
     version: int
+    env_spans: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 # Per reward function: its name and one value per completion (None where the function does not apply); then per

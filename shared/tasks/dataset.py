@@ -61,6 +61,7 @@ class DatasetOptions:
     reward_weights: tuple[float, ...] = ()  # one per reward (empty: 1.0 each)
     reward_style: RewardStyle = "auto"
     max_steps: int = 0  # the run's --steps, TRL's trainer_state.max_steps (0: until interrupted)
+    keep_rows: bool = False  # keep each row whole: an environment's reset(**row) gets it, as TRL passes the example
 
 
 @dataclass(frozen=True)
@@ -184,14 +185,18 @@ def _messages(value: Any, where: str, column: str) -> Messages | None:
     raise ValueError(f"{where}: {column!r} must be a non-empty string or a list of {{'role', 'content'}} messages")
 
 
-def chat_renderer(tokenizer: Any, whose: str) -> Callable[[Messages], str]:
-    """Messages -> the prompt text the model sees, by `tokenizer`'s chat template (generation prompt added); `whose`
-    names the tokenizer in the ValueError when it has no template."""
+def chat_renderer(tokenizer: Any, whose: str, tools: Sequence[Mapping[str, Any]] = ()) -> Callable[[Messages], str]:
+    """Messages -> the prompt text the model sees, by `tokenizer`'s chat template (generation prompt added), with
+    `tools`' JSON schemas when given (TRL's `tools`: None, not [], when there are none); `whose` names the tokenizer
+    in the ValueError when it has no template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"{whose} has no chat template, so chat prompts cannot be rendered: pass --model with a model whose tokenizer has one"
         )
-    return lambda messages: tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    schemas = [dict(t) for t in tools] or None
+    return lambda messages: tokenizer.apply_chat_template(
+        list(messages), tools=schemas, tokenize=False, add_generation_prompt=True
+    )
 
 
 # -- rewards ---------------------------------------------------------------------------------------------
@@ -231,9 +236,15 @@ def _loaded_rewards(source: str, opts: DatasetOptions) -> tuple[tuple[Reward, ..
     return rewards, reward_weights(opts.reward_weights, len(rewards))
 
 
+# A tool-using completion's token ids and environment spans -> the messages TRL's reward functions read
+# (hub/agents/conversation.py).
+Conversation = Callable[[Sequence[int], Sequence[tuple[int, int]]], list[dict[str, Any]]]
+
+
 class DatasetTask(Task):
     """Prompts from a dataset on disk, scored by `options.reward`. `render_chat` builds the chat renderer,
-    called only if a chat prompt appears (it loads the tokenizer)."""
+    called only if a chat prompt appears (it loads the tokenizer). `conversation` reads a tool-using completion
+    of a chat prompt as its messages (None: none is tool-using)."""
 
     name = "dataset"
 
@@ -242,16 +253,19 @@ class DatasetTask(Task):
         path: str | Path,
         options: DatasetOptions = DatasetOptions(),
         render_chat: Callable[[], Callable[[Messages], str]] | None = None,
+        conversation: Conversation | None = None,
     ) -> None:
         self.path = Path(path)
         self.options = opts = options
         self._rewards, self._weights = _loaded_rewards(str(self.path), opts)
         self._render_chat = render_chat
+        self._conversation = conversation
         self._renderer: Callable[[Messages], str] | None = None
         self._prompts: list[Prompt] = []
         self._rows: dict[str, Mapping[str, Any]] = {}
         self._truths: dict[str, Any] = {}
         self._messages: dict[str, Messages] = {}
+        self._whole: dict[str, dict[str, Any]] = {}  # each row as read, when options.keep_rows
         # Keys of verl dicts seen holding other than numbers ("<function>/<key>"): no metric logs them; the start says so.
         self.unlogged: set[str] = set()
         for row in read_rows(self.path, opts.split):
@@ -313,6 +327,8 @@ class DatasetTask(Task):
         self._prompts.append(prompt)
         if messages is not None:
             self._messages[prompt.id] = messages
+        if opts.keep_rows:
+            self._whole[prompt.id] = dict(row.record)
         if self._styles() - {"builtin"}:
             self._rows[prompt.id] = columns = {k: v for k, v in row.record.items() if k != opts.prompt_column}
             if "trl" in self._styles():
@@ -338,6 +354,12 @@ class DatasetTask(Task):
         if messages is not None:
             prompts: list[Any] = [list(messages)] * n
             shown: list[Any] = [[{"role": "assistant", "content": c}] for c in completions]
+            if context is not None and context.env_spans and self._conversation is not None:
+                # A tool-using rollout as TRL passes it: its assistant turns and the tool messages between them.
+                shown = [
+                    self._conversation(ids, spans) if spans else turn
+                    for ids, spans, turn in zip(context.completion_ids, context.env_spans, shown)
+                ]
         else:
             prompts, shown = [prompt.text] * n, list(completions)
         ids = [list(t) for t in context.completion_ids] if context is not None else [[] for _ in completions]
@@ -356,6 +378,14 @@ class DatasetTask(Task):
 
     def prompts(self) -> list[Prompt]:
         return list(self._prompts)
+
+    def messages_of(self, prompt_id: str) -> Messages | None:
+        """The chat messages prompt `prompt_id` was rendered from (None: a string prompt)."""
+        return self._messages.get(prompt_id)
+
+    def row_of(self, prompt_id: str) -> dict[str, Any]:
+        """Prompt `prompt_id`'s row as read, every column (options.keep_rows; KeyError without it)."""
+        return self._whole[prompt_id]
 
     @property
     def reward_name(self) -> str:

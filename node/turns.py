@@ -1,0 +1,121 @@
+"""A multi-turn lease's rollouts on the node (Lease.tools): the model generates a turn for every rollout not done,
+the turns go to the hub (TURN_PROTOCOL, many rollouts' in one request), and each rollout appends the tokens the hub
+answers with (its tools' or environment's reply, never sampled: log-prob 0.0) and generates again, until the hub
+says it is done. The tools run on the hub: a volunteer runs no operator code.
+
+Each turn continues the rollout's whole context (prompt, then its model and environment tokens so far) within what
+is left of its budget (the lease's max_new_tokens: model and environment tokens together, TRL's
+max_completion_length); every turn is sent, the last one too, which the hub answers done. The answer is then one
+completion per rollout whose environment segments are marked (Completion.env_spans). A hub whose answers cannot be
+followed (a refusal, answers to other rollouts, an answer leaving no room for a model token) costs the lease: it is
+not answered, and lapses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from node.engine import Engine
+from shared.messages import Lease, LeasePrompt, Reject, RolloutTurn, TurnReply, TurnRequest, printable_excerpt, turns_per_request
+from shared.rollout import Completion, FinishReason, SamplingParams
+
+# Sends one request of turns to the hub: its reply or its refusal.
+SendTurns = Callable[[TurnRequest], Awaitable[TurnReply | Reject]]
+REFUSAL_CHARS = 200
+
+
+class TurnsBroken(Exception):
+    """The hub's answers to a lease's turns cannot be followed: the lease is not answered."""
+
+
+@dataclass
+class _Rollout:
+    """One rollout as the node builds it: its prompt's ids, then its model and environment tokens."""
+
+    prompt_id: str
+    index: int
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    last_turn: tuple[int, ...] = ()
+    finish: FinishReason = "stop"
+    version: int = -1
+    done: bool = False
+
+    def add_turn(self, turn: Completion) -> None:
+        if self.version not in (-1, turn.version):
+            raise AssertionError("a rollout's turns were generated with two versions (the engine lock was let go)")
+        self.ids += turn.token_ids
+        self.logprobs += turn.logprobs
+        self.last_turn, self.finish, self.version = turn.token_ids, turn.finish_reason, turn.version
+
+    def add_environment(self, env_ids: Sequence[int], budget: int) -> None:
+        if len(self.ids) + len(env_ids) >= budget:
+            raise TurnsBroken(
+                f"the hub's answer to rollout {self.index} of {self.prompt_id[:40]!r} leaves no room for a model token"
+            )
+        self.spans.append((len(self.ids), len(env_ids)))
+        self.ids += env_ids
+        self.logprobs += [0.0] * len(env_ids)
+
+    def completion(self, engine: Engine) -> Completion:
+        return Completion(
+            token_ids=tuple(self.ids),
+            logprobs=tuple(self.logprobs),
+            finish_reason=self.finish,
+            version=self.version,
+            text=engine.tokenizer.decode(self.ids, skip_special_tokens=True),
+            env_spans=tuple(self.spans),
+        )
+
+
+async def multi_turn_groups(
+    lease: Lease, prompts: Sequence[LeasePrompt], engine: Engine, send: SendTurns, sampling_of: Callable[[int], SamplingParams]
+) -> list[list[Completion]]:
+    """`prompts`' groups (of `lease`, in order) generated turn by turn with the hub; `sampling_of(turn)`: the
+    sampling of each round of turns (a seeded lease's seed moves on each round). The caller holds the engine
+    for the whole of it: a rollout's turns are one version's. TurnsBroken when the hub cannot be followed."""
+    assert lease.tools is not None, "a multi-turn lease"
+    budget = lease.sampling.max_new_tokens
+    encoded = await trio.to_thread.run_sync(lambda: engine.tokenizer([p.text for p in prompts])["input_ids"])
+    rollouts = [_Rollout(p.prompt_id, i, list(ids)) for p, ids in zip(prompts, encoded) for i in range(lease.group_size)]
+    for turn in range(lease.tools.max_tool_calls + 1):  # the hub ends each rollout by then
+        active = [r for r in rollouts if not r.done]
+        if not active:
+            break
+        made = await trio.to_thread.run_sync(
+            engine.generate_turns, [r.prompt + r.ids for r in active], [budget - len(r.ids) for r in active], sampling_of(turn)
+        )
+        for rollout, made_turn in zip(active, made):
+            rollout.add_turn(made_turn)
+        await _exchange(lease.lease_id, active, send, budget)
+    if any(not r.done for r in rollouts):
+        raise TurnsBroken(f"the hub did not end the rollouts within {lease.tools.max_tool_calls} tool calls")
+    completions = [r.completion(engine) for r in rollouts]
+    n = lease.group_size
+    return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+async def _exchange(lease_id: str, active: Sequence[_Rollout], send: SendTurns, budget: int) -> None:
+    """Send the active rollouts' last turns, as many in one request as the hub takes, and follow its answers."""
+    step = turns_per_request(budget)
+    for start in range(0, len(active), step):
+        batch = active[start : start + step]
+        request = TurnRequest(
+            lease_id=lease_id,
+            turns=tuple(RolloutTurn(prompt_id=r.prompt_id, index=r.index, token_ids=r.last_turn) for r in batch),
+        )
+        reply = await send(request)
+        if isinstance(reply, Reject):
+            raise TurnsBroken(f"the hub refused the turns: {printable_excerpt(reply.reason, REFUSAL_CHARS)}")
+        if [(a.prompt_id, a.index) for a in reply.answers] != [(r.prompt_id, r.index) for r in batch]:
+            raise TurnsBroken("the hub answered other rollouts than the turns it was sent")
+        for rollout, answer in zip(batch, reply.answers):
+            if answer.done:
+                rollout.done = True
+            else:
+                rollout.add_environment(answer.env_ids, budget)
