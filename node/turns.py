@@ -7,7 +7,8 @@ Each turn continues the rollout's whole context (prompt, then its model and envi
 is left of its budget (the lease's max_new_tokens: model and environment tokens together, TRL's
 max_completion_length); every turn is sent, the last one too, which the hub answers done. The answer is then one
 completion per rollout whose environment segments are marked (Completion.env_spans). A hub whose answers cannot be
-followed (a refusal, answers to other rollouts, an answer leaving no room for a model token) costs the lease: it is
+followed (a refusal, answers to other rollouts, a token id past the model's, an answer leaving no room for a model
+token) costs the lease: it is
 not answered, and lapses.
 """
 
@@ -53,7 +54,9 @@ class _Rollout:
         self.logprobs += turn.logprobs
         self.last_turn, self.finish, self.version = turn.token_ids, turn.finish_reason, turn.version
 
-    def add_environment(self, env_ids: Sequence[int], budget: int) -> None:
+    def add_environment(self, env_ids: Sequence[int], budget: int, vocab_size: int) -> None:
+        if max(env_ids) >= vocab_size:  # the message bounds ids by any model's; this model's embedding is smaller
+            raise TurnsBroken(f"the hub answered token id {max(env_ids)}, past this model's {vocab_size}")
         if len(self.ids) + len(env_ids) >= budget:
             raise TurnsBroken(
                 f"the hub's answer to rollout {self.index} of {self.prompt_id[:40]!r} leaves no room for a model token"
@@ -92,15 +95,15 @@ async def multi_turn_groups(
         )
         for rollout, made_turn in zip(active, made):
             rollout.add_turn(made_turn)
-        await _exchange(lease.lease_id, active, send, budget)
+        await _exchange(lease.lease_id, active, send, budget, engine.vocab_size)
     if any(not r.done for r in rollouts):
         raise TurnsBroken(f"the hub did not end the rollouts within {lease.tools.max_tool_calls} tool calls")
-    completions = [r.completion(engine) for r in rollouts]
+    completions = await trio.to_thread.run_sync(lambda: [r.completion(engine) for r in rollouts])  # decoding: off the loop
     n = lease.group_size
     return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
-async def _exchange(lease_id: str, active: Sequence[_Rollout], send: SendTurns, budget: int) -> None:
+async def _exchange(lease_id: str, active: Sequence[_Rollout], send: SendTurns, budget: int, vocab_size: int) -> None:
     """Send the active rollouts' last turns, as many in one request as the hub takes, and follow its answers."""
     step = turns_per_request(budget)
     for start in range(0, len(active), step):
@@ -118,4 +121,4 @@ async def _exchange(lease_id: str, active: Sequence[_Rollout], send: SendTurns, 
             if answer.done:
                 rollout.done = True
             else:
-                rollout.add_environment(answer.env_ids, budget)
+                rollout.add_environment(answer.env_ids, budget, vocab_size)

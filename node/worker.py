@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import trio
 
 from node.client import HubClient
-from node.engine import Engine, InstallFailed
+from node.engine import Engine
 from node.turns import TurnsBroken, multi_turn_groups
 from shared.failures import plain_failure
 from shared.logs import PeerLogLimiter
@@ -179,7 +179,14 @@ class Worker:
         deadline = trio.current_time() + lease.deadline_s
 
         async def send(request: TurnRequest) -> TurnReply | Reject:
-            return await self.client.turns(request, timeout_s=max(1.0, deadline - trio.current_time()))
+            # Not past the lease: a hub that keeps answering could otherwise keep the engine re-reading contexts.
+            left = deadline - trio.current_time()
+            if left <= 0:
+                raise TurnsBroken("its time ran out before the hub ended its rollouts")
+            try:
+                return await self.client.turns(request, timeout_s=left)
+            except Exception as exc:  # noqa: BLE001 - libp2p's errors share no base class
+                raise TurnsBroken(f"the hub {plain_failure(exc)}") from exc
 
         try:
             for index, part in enumerate(slices):
@@ -189,11 +196,9 @@ class Worker:
                     return slice_sampling(lease.sampling, turn * len(slices) + index)
 
                 groups += await multi_turn_groups(lease, prompts, self.engine, send, sampling_of)
-        except InstallFailed:
-            raise  # the engine cannot go on: not the hub's doing
-        except Exception as exc:  # noqa: BLE001 - the hub refused, could not be followed, or went away mid-lease
-            why = str(exc) if isinstance(exc, TurnsBroken) else f"the hub {plain_failure(exc)}"
-            log.warning("lease %s not answered: %s", printable_excerpt(lease.lease_id, 8), why)
+        except TurnsBroken as exc:  # the hub refused, could not be followed, or went away mid-lease (the engine's own
+            # failures are not the hub's: they propagate, as a single-turn lease's do)
+            log.warning("lease %s not answered: %s", printable_excerpt(lease.lease_id, 8), exc)
             return None
         return groups
 

@@ -233,7 +233,7 @@ GROUP_REASON_TEXT: dict[GroupReason, str] = {
     GroupReason.COPY: "it repeats earlier work at odds honest sampling would not reach in the whole run",
     GroupReason.REWARD_BUDGET: "the task's reward ran past its CPU budget on its text",
     GroupReason.REWARD_FAILED: "the task's reward failed on its text",
-    GroupReason.ENVIRONMENT: "its tool answers differ from what the hub sent (a cheat's: its node is banned)",
+    GroupReason.ENVIRONMENT: "its model turns or tool answers differ from those it exchanged with the hub (a cheat's: its node is banned)",
 }
 MAX_REASONS = 32  # reasons one count may name: GroupReason's, and room for those a newer hub adds
 # A reason as it travels: one of GroupReason's values, or a newer hub's, shown as sent (the pattern makes it safe to).

@@ -72,9 +72,15 @@ class Completion(BaseModel):
             sampled[start : start + length] = [False] * length
         return sampled
 
+    def segments(self) -> list[tuple[int, ...]]:
+        """Its model turns and environment segments, in the order a tool-using rollout exchanged them (model turn,
+        tool answer, ..., model turn); a single-turn completion is one model turn."""
+        cuts = [0, *(cut for start, length in self.env_spans for cut in (start, start + length)), len(self.token_ids)]
+        return [self.token_ids[a:b] for a, b in zip(cuts, cuts[1:])]
+
     def env_segments(self) -> list[tuple[int, ...]]:
         """The environment segments' token ids, in order."""
-        return [self.token_ids[start : start + length] for start, length in self.env_spans]
+        return self.segments()[1::2]
 
     def model_turns(self) -> list[tuple[int, int]]:
         """(start, stop) in token_ids of each model turn: the runs of sampled tokens before each environment

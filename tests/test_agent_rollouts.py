@@ -76,3 +76,36 @@ def test_a_rollout_never_turned_is_unsettled_and_every_rollout_ends_with_its_lea
 
     opened, settled = rollouts_over(tmp_path, "testbed.agent_tools:Counter", body)
     assert opened == 2 and settled.unknown == {"row-1"} and not settled.records
+
+
+def test_a_lease_that_closes_while_its_environments_open_ends_them_all_and_the_hub_goes_on(tmp_path):
+    """Its node left (or was banned) while the grant still opened its rollouts: the grant is refused, every rollout
+    it opened ends and its environment goes, and the book's own task keeps running (it once died of a set changed
+    while iterated, taking the hub with it)."""
+    from hub.agents.rollouts import AgentsBusy
+
+    async def body(agents, lease):
+        begin = agents.loop.begin
+
+        async def close_after_first(key, owner, row):
+            observation = await begin(key, owner, row)
+            agents.lease_closed(lease)
+            await trio.sleep(0.05)  # the book's task ends the lease now, mid-grant
+            return observation
+
+        agents.loop.begin = close_after_first
+        try:
+            await agents.open_lease(lease)
+        except AgentsBusy as exc:
+            refused = str(exc)
+        agents.loop.begin = begin
+        with trio.fail_after(10):
+            while agents.loop.rollouts or agents.loop.sandbox.pinned:
+                await trio.sleep(0.01)
+        other = LeaseRecord("m" * 24, "node", lease.prompts, 0, 0.0, 1e9, 0.0)
+        (prompt,) = await agents.open_lease(other)  # the book still serves
+        return refused, len(agents.loop.rollouts), agents.keys.keys()
+
+    refused, opened, leases = rollouts_over(tmp_path, "testbed.agent_tools:Counter", body)
+    assert "closed while its rollouts were opened" in refused
+    assert opened == 2 and set(leases) == {"m" * 24}

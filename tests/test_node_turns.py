@@ -95,6 +95,10 @@ def test_turns_take_the_hubs_tokens_unsampled_and_the_last_turn_is_sent_too(one_
             ),
             "no room",
         ),
+        (  # within the message's bound, past this model's embedding: it would crash the engine, not the lease
+            lambda r: TurnReply(answers=tuple(RolloutAnswer(prompt_id="p", index=t.index, env_ids=(10**6,)) for t in r.turns)),
+            "past this model's",
+        ),
         (env_then_done, "did not end the rollouts"),
     ],
 )

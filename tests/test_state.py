@@ -835,7 +835,8 @@ async def test_a_node_that_edits_a_tool_answer_is_banned_as_a_cheat(tmp_path, de
         for g in honest.groups:
             completions = []
             for i, c in enumerate(g.completions):
-                sent[rollout_key(lease.lease_id, g.prompt_id, i)] = [segment_digest(tool_answer)]
+                exchanged = ((eos,), tool_answer, c.token_ids)  # the first turn, the hub's answer, the last turn
+                sent[rollout_key(lease.lease_id, g.prompt_id, i)] = [segment_digest(s) for s in exchanged]
                 shown = (tool_answer[0], tool_answer[1] + 1, *tool_answer[2:]) if edit and g is honest.groups[0] else tool_answer
                 ids = (eos, *shown, *c.token_ids)
                 logprobs = (-0.5, *(0.0,) * len(shown), *c.logprobs)
@@ -857,9 +858,9 @@ async def test_a_node_that_edits_a_tool_answer_is_banned_as_a_cheat(tmp_path, de
         tampered = await state.intake.accept(peer, tool_answer_of(grant.lease, edit=True), "h2")
         await settled(state)
     assert tampered.reasons == {GroupReason.ENVIRONMENT.value: 1} and tampered.accepted == 1
-    assert tampered.rejected[0][1] == "environment tokens differ from what the hub sent"
+    assert tampered.rejected[0][1] == "model turns or tool answers differ from those exchanged with the hub"
     record = state.fleet.get(peer)
-    assert record.state == "banned" and "environment tokens differ" in record.banned_reason
+    assert record.state == "banned" and "tool answers differ" in record.banned_reason
     assert len(state.buffer) == 0  # neither submission's groups will be trained on
     assert state.totals.paid_usd[peer] == 0.0 == state.store.groups.ledger_total_usd(peer)
     assert [e.kind for e in state.store.journal.events() if e.node_id == peer].count("environment_tampered") == 1

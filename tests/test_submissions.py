@@ -445,7 +445,7 @@ def test_a_tampered_environment_segment_is_refused_as_a_cheats(tool_rules, token
 
     honest = [turns(tokenizer, "a", "zz", "cba"), turns(tokenizer, "abc")]
     lease_id = lease().lease_id
-    sent = {rollout_key(lease_id, "p-abc", i): [segment_digest(s) for s in c.env_segments()] for i, c in enumerate(honest)}
+    sent = {rollout_key(lease_id, "p-abc", i): [segment_digest(s) for s in c.segments()] for i, c in enumerate(honest)}
 
     def sent_matches(key, segments):
         return key in sent and [segment_digest(s) for s in segments] == sent[key]
@@ -454,20 +454,22 @@ def test_a_tampered_environment_segment_is_refused_as_a_cheats(tool_rules, token
     edited = honest[0].model_copy(update={"token_ids": (*honest[0].token_ids[:4], z + 1, *honest[0].token_ids[5:])})
     dropped = turns(tokenizer, "acba")  # no segment: the model "answered" without the tool
     added = turns(tokenizer, "a", "zz", "abc")  # a segment the hub never sent rollout 1
+    swapped = turns(tokenizer, "b", "zz", "cba")  # a first turn other than the one the hub answered
     cases = {
         "honest": tool_group(*honest),
         "edited": tool_group(edited, honest[1]),
         "dropped": tool_group(dropped, honest[1]),
         "added": tool_group(honest[0], added),
+        "swapped": tool_group(swapped, honest[1]),
     }
     verdicts = [verdict(tool_rules, g) for g in cases.values()]
     assert all(v.accepted for v in verdicts)  # each is well-formed: only the hub's record tells them apart
     out = dict(zip(cases, refuse_tampered(verdicts, lease_id, sent_matches)))
     assert out["honest"].accepted and out["honest"].group is not None
-    for name in ("edited", "dropped", "added"):
+    for name in ("edited", "dropped", "added", "swapped"):
         v = out[name]
         assert (v.accepted, v.late, v.group, v.why) == (False, False, None, GroupReason.ENVIRONMENT), name
-        assert v.reason == "environment tokens differ from what the hub sent"
+        assert v.reason == "model turns or tool answers differ from those exchanged with the hub"
     # Another lease's rollouts are not this one's: the same work answering it is refused.
     assert refuse_tampered([verdicts[0]], "m" * 24, sent_matches)[0].why == GroupReason.ENVIRONMENT
     # Work refused for another reason is not compared (its rollouts need not be the lease's).

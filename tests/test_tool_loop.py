@@ -44,11 +44,13 @@ def run(tokenizer, body, limits=LoopLimits(), environment=ENVIRONMENT):
 def test_a_rollout_runs_its_calls_reads_the_answers_and_ends_when_a_turn_holds_none(tokenizer):
     async def body(loop):
         observation = await loop.begin("r", "node", {"start": 1})
-        first = await loop.turn("r", turn_ids(tokenizer, "Adding." + call("add", a=3, b=4) + call("bump", by=2)))
-        last = await loop.turn("r", turn_ids(tokenizer, "The count is 3."))
-        matches = loop.sent_matches("r", [first.env_ids])
-        tampered = loop.sent_matches("r", [first.env_ids[:-1] + (first.env_ids[-1] + 1,)])
-        missing = loop.sent_matches("r", [])
+        calls = turn_ids(tokenizer, "Adding." + call("add", a=3, b=4) + call("bump", by=2))
+        first = await loop.turn("r", calls)
+        answer = turn_ids(tokenizer, "The count is 3.")
+        last = await loop.turn("r", answer)
+        matches = loop.sent_matches("r", [calls, first.env_ids, answer])
+        tampered = loop.sent_matches("r", [calls, first.env_ids[:-1] + (first.env_ids[-1] + 1,), answer])
+        missing = loop.sent_matches("r", [calls, answer])
         return observation, first, last, matches, tampered, missing, await loop.end("r"), loop.rollouts
 
     observation, first, last, matches, tampered, missing, record, left = run(tokenizer, body)

@@ -179,3 +179,32 @@ def _imports_of(module: str) -> set[str]:
     code = f"import sys; before = set(sys.modules); import {module}; print(' '.join(set(sys.modules) - before))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return set(out.split())
+
+
+def test_a_cancelled_call_leaves_no_answer_behind_for_the_next_one():
+    async def body(sandbox):
+        with trio.move_on_after(0.2):
+            await sandbox.call(None, "nap", {"seconds": 1.0}, "node")
+        return (await sandbox.call(None, "add", {"a": 20, "b": 1}, "node")).text
+
+    assert run(body) == "21"
+
+
+def test_calls_queued_on_a_killed_worker_are_answered_by_another_each_with_its_own_answer():
+    async def body(sandbox):
+        answers = {}
+
+        async def ask(owner, name, args):
+            answers[owner] = await sandbox.call(None, name, args, owner)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "sleeper", "nap", {"seconds": 3600})
+            await trio.sleep(0.2)  # the sleeper holds the only worker
+            nursery.start_soon(ask, "first", "add", {"a": 1, "b": 2})
+            nursery.start_soon(ask, "second", "add", {"a": 2, "b": 3})
+        return answers, [w.waiting for w in sandbox.workers]
+
+    answers, waiting = run(body)
+    assert answers["sleeper"].end is RolloutEnd.TOOL_WALL_TIME
+    assert (answers["first"].text, answers["second"].text) == ("3", "5")
+    assert waiting == [0]

@@ -54,7 +54,7 @@ class _Rollout:
     rounds: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
-    sent: list[str] = field(default_factory=list)
+    exchanged: list[str] = field(default_factory=list)  # digests of each model turn received and tool answer sent
     done: bool = False
     end: RolloutEnd | None = None
 
@@ -75,7 +75,7 @@ class LoopFull(Exception):
 
 
 def segment_digest(ids: Sequence[int]) -> str:
-    """blake3 of an environment segment's ids: what the hub keeps of what it sent."""
+    """blake3 of a segment's ids (a model turn or a tool answer): what the hub keeps of what was exchanged."""
     return blake3.blake3(b"".join(int(token).to_bytes(4, "little") for token in ids)).hexdigest()
 
 
@@ -110,9 +110,12 @@ class ToolLoop:
     async def turn(self, key: str, model_ids: Sequence[int]) -> TurnAnswer:
         """The answer to rollout `key`'s next model turn (its ids, as sampled, its EOS included)."""
         rollout = self.rollouts[key]
+        # Every turn a node sends is what its submission must hold, whatever the answer (and counts against the
+        # rollout's token budget, which bounds how many it can send).
+        rollout.exchanged.append(segment_digest(model_ids))
+        rollout.tokens += len(model_ids)
         if rollout.done:
             return TurnAnswer(done=True, end=rollout.end)
-        rollout.tokens += len(model_ids)
         if rollout.tokens >= self.limits.max_completion_tokens:  # no room left for an answer: no call is run
             return self._stop(rollout, None)
         parsed = await trio.to_thread.run_sync(lambda: parse_turn(self._text(model_ids)), limiter=self._tokenizing)
@@ -133,7 +136,7 @@ class ToolLoop:
         if rollout.tokens + len(env_ids) >= self.limits.max_completion_tokens:
             return self._stop(rollout, None)  # as TRL: an answer without room after it is dropped, the sample ends
         rollout.tokens += len(env_ids)
-        rollout.sent.append(segment_digest(env_ids))
+        rollout.exchanged.append(segment_digest(env_ids))
         return TurnAnswer(env_ids=env_ids)
 
     def stop(self, key: str, end: RolloutEnd) -> None:
@@ -148,18 +151,21 @@ class ToolLoop:
         """The model and environment tokens open rollout `key` holds after its prompt."""
         return self.rollouts[key].tokens
 
-    def sent_digests(self, key: str) -> tuple[str, ...]:
-        """The digests of the environment segments open rollout `key` was sent, in order."""
-        return tuple(self.rollouts[key].sent)
+    def exchanged_digests(self, key: str) -> tuple[str, ...]:
+        """The digests of what open rollout `key` exchanged, in order: each model turn it was sent and each tool
+        answer it got."""
+        return tuple(self.rollouts[key].exchanged)
 
-    def sent_matches(self, key: str, env_segments: Sequence[Sequence[int]]) -> bool:
-        """Whether a submitted trajectory's environment segments are exactly, and all of, what the hub sent."""
+    def sent_matches(self, key: str, segments: Sequence[Sequence[int]]) -> bool:
+        """Whether a submitted trajectory's segments (Completion.segments: model turns and tool answers, in order)
+        are exactly, and all of, what the rollout exchanged with the hub."""
         rollout = self.rollouts.get(key)
-        return rollout is not None and [segment_digest(ids) for ids in env_segments] == rollout.sent
+        return rollout is not None and [segment_digest(ids) for ids in segments] == rollout.exchanged
 
-    async def end(self, key: str) -> RolloutRecord | None:
+    async def end(self, key: str, reward: bool = True) -> RolloutRecord | None:
         """Close rollout `key` (done, submitted, or its lease over): its account, its environment's reward asked
-        first if it has one and was not ended early. None if it was not open."""
+        first if it has one, was not ended early and `reward` (False for a lease that lapsed: a node letting leases
+        lapse must not buy the hub's CPU). None if it was not open."""
         rollout = self.rollouts.pop(key, None)
         if rollout is None:
             return None
@@ -168,14 +174,14 @@ class ToolLoop:
             self.per_owner[rollout.owner] = left
         else:
             del self.per_owner[rollout.owner]
-        reward = None
+        got = None
         if self.sandbox.environment_spec is not None:
-            if rollout.end is None and self.sandbox.environment_reward:
+            if reward and rollout.end is None and self.sandbox.environment_reward:
                 outcome = await self.sandbox.reward(key, rollout.owner)
                 rollout.end = outcome.end
-                reward = float(outcome.text) if outcome.end is None and outcome.text is not None else None
+                got = float(outcome.text) if outcome.end is None and outcome.text is not None else None
             await self.sandbox.close_environment(key, rollout.owner)
-        return RolloutRecord(rollout.tool_calls, rollout.tool_failures, rollout.rounds, rollout.end, reward)
+        return RolloutRecord(rollout.tool_calls, rollout.tool_failures, rollout.rounds, rollout.end, got)
 
     def _stop(self, rollout: _Rollout, end: RolloutEnd | None) -> TurnAnswer:
         rollout.done, rollout.end = True, end

@@ -46,8 +46,8 @@ class AgentsBusy(Exception):
 
 @dataclass(frozen=True)
 class Settled:
-    """A rollout whose completion was submitted: the digests of the environment segments the hub sent it, and its
-    account."""
+    """A rollout whose completion was submitted: the digests of what it exchanged with the hub (its model turns
+    and the tool answers it got, in order), and its account."""
 
     digests: tuple[str, ...]
     record: RolloutRecord
@@ -112,9 +112,11 @@ class AgentRollouts:
         self.loop.sandbox.stop()
 
     async def run(self) -> None:
-        """End the rollouts of each lease that closes (a component of the hub's nursery)."""
-        async for lease_id in self._closing:
-            await self._end_lease(lease_id)
+        """End the rollouts of each lease that closes (a component of the hub's nursery), each lease apart: one
+        node's calls still queued in the sandbox delay its own leases' ends, not every node's."""
+        async with trio.open_nursery() as nursery:
+            async for lease_id in self._closing:
+                nursery.start_soon(self._end_lease, lease_id)
 
     # -- grant ---------------------------------------------------------------------------------
 
@@ -126,7 +128,9 @@ class AgentRollouts:
         try:
             return tuple([await self._open_group(lease, prompt, keys) for prompt in lease.prompts])
         except (LoopFull, SandboxFull) as exc:
-            await self._end_lease(lease.lease_id)
+            if self.keys.get(lease.lease_id) is keys:
+                del self.keys[lease.lease_id]
+            await self._end_keys(keys)
             raise AgentsBusy(str(exc)) from None
 
     async def _open_group(self, lease: LeaseRecord, prompt: Prompt, keys: set[str]) -> Prompt:
@@ -136,6 +140,8 @@ class AgentRollouts:
             key = rollout_key(lease.lease_id, prompt.id, index)
             keys.add(key)
             observations[key] = await self.loop.begin(key, lease.node_id, dict(row))
+            if self.keys.get(lease.lease_id) is not keys:  # the lease closed meanwhile (its node left, say)
+                raise LoopFull(f"lease {lease.lease_id[:8]} closed while its rollouts were opened")
         live = [key for key in observations if not self.loop.done(key)]  # a reset past a limit ended its rollout
         first = observations[live[0]] if live else None
         for key in live[1:]:
@@ -222,20 +228,20 @@ class AgentRollouts:
         if key not in self.keys.get(lease_id, ()) or key not in self.loop.rollouts or not self.loop.done(key):
             return None
         self.keys[lease_id].discard(key)
-        sent = self.loop.sent_digests(key)
+        sent = self.loop.exchanged_digests(key)
         record = await self.loop.end(key)
         assert record is not None, "an open rollout's end gives its record"
         self.settled.setdefault(lease_id, {})[key] = Settled(sent, record)
         return record
 
-    def sent_matches(self, key: str, env_segments: Sequence[Sequence[int]]) -> bool:
+    def sent_matches(self, key: str, segments: Sequence[Sequence[int]]) -> bool:
         """Whether a submitted rollout's environment segments are exactly, and all of, what the hub sent it (its
         rollout open or settled; False for one it does not know)."""
         lease_id = key.partition("/")[0]
         done = self.settled.get(lease_id, {}).get(key)
         if done is not None:
-            return tuple(segment_digest(ids) for ids in env_segments) == done.digests
-        return self.loop.sent_matches(key, env_segments)
+            return tuple(segment_digest(ids) for ids in segments) == done.digests
+        return self.loop.sent_matches(key, segments)
 
     # -- a lease's end -------------------------------------------------------------------------
 
@@ -245,6 +251,11 @@ class AgentRollouts:
             self._closing_send.send_nowait(lease.lease_id)
 
     async def _end_lease(self, lease_id: str) -> None:
-        for key in self.keys.pop(lease_id, set()):
-            await self.loop.end(key)
+        await self._end_keys(self.keys.pop(lease_id, set()))
         self.settled.pop(lease_id, None)
+
+    async def _end_keys(self, keys: set[str]) -> None:
+        """End the rollouts `keys` names, unrewarded (their answer never came): drained, since a grant still opening
+        them may add to the set meanwhile."""
+        while keys:
+            await self.loop.end(keys.pop(), reward=False)

@@ -275,7 +275,7 @@ class ToolSandbox:
             return self._ended(RolloutEnd.ENVIRONMENT_LOST)
         worker = self.pinned.get(key) if key is not None else None
         if worker is None:
-            worker = min(self.workers, key=lambda w: w.waiting)
+            worker = self._least_busy()
         return await self._ask(worker, ("call", key if key in self.pinned else None, name, arguments), owner)
 
     async def reward(self, key: str, owner: str) -> ToolOutcome:
@@ -303,31 +303,47 @@ class ToolSandbox:
 
     async def _ask(self, worker: _Worker, request: tuple[Any, ...], owner: str) -> ToolOutcome:
         owner_lock = self.owners.setdefault(owner, trio.Lock())
-        worker.waiting += 1
         try:
-            async with owner_lock, worker.lock:
-                if worker not in self.workers:  # killed while this request waited: its environments are gone
-                    key = request[1]
-                    if key is not None and request[0] != "close":
+            async with owner_lock:
+                while True:
+                    worker.waiting += 1
+                    try:
+                        async with worker.lock:
+                            if worker in self.workers:
+                                return await self._exchange(worker, request)
+                    finally:
+                        worker.waiting -= 1
+                    # Killed while this request waited: the environments it held are gone with it.
+                    kind, key = request[0], request[1]
+                    if kind == "close":
+                        return ToolOutcome()
+                    if key is not None:
                         return self._ended(RolloutEnd.ENVIRONMENT_LOST)
-                    worker = min(self.workers, key=lambda w: w.waiting)
-                return await self._exchange(worker, request)
+                    worker = self._least_busy()
         finally:
-            worker.waiting -= 1
             if not owner_lock.locked() and owner_lock.statistics().tasks_waiting == 0:
                 self.owners.pop(owner, None)
 
+    def _least_busy(self) -> _Worker:
+        if not self.workers:
+            raise SandboxBroken("no tool worker is left: each one killed could not be started again")
+        return min(self.workers, key=lambda w: w.waiting)
+
     async def _exchange(self, worker: _Worker, request: tuple[Any, ...]) -> ToolOutcome:
-        await trio.to_thread.run_sync(worker.conn.send, request)
-        answered = await trio.to_thread.run_sync(worker.conn.poll, self.limits.wall_s)
-        if not answered:
-            await self._replace(worker)
-            return self._ended(RolloutEnd.TOOL_WALL_TIME)
-        try:
-            status, value = await trio.to_thread.run_sync(worker.conn.recv)
-        except (EOFError, OSError):  # it died under the call (a native crash, an exit, the OOM killer)
-            await self._replace(worker)
-            return self._ended(RolloutEnd.TOOL_CRASHED)
+        # Shielded (bounded by wall_s): a request cancelled after its send would leave its answer in the pipe, and
+        # every later request of this worker would read the one before it.
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(worker.conn.send, request)
+            answered = await trio.to_thread.run_sync(worker.conn.poll, self.limits.wall_s)
+            try:
+                reply = await trio.to_thread.run_sync(worker.conn.recv) if answered else None
+            except (EOFError, OSError):  # it died under the call (a native crash, an exit, the OOM killer)
+                await self._replace(worker)
+                return self._ended(RolloutEnd.TOOL_CRASHED)
+            if reply is None:
+                await self._replace(worker)
+                return self._ended(RolloutEnd.TOOL_WALL_TIME)
+        status, value = reply
         if status == "end":
             return self._ended(RolloutEnd(value))
         if status == "full":
@@ -337,7 +353,8 @@ class ToolSandbox:
         return ToolOutcome(text=None if value is None else str(value))
 
     async def _replace(self, worker: _Worker) -> None:
-        """Kill `worker` (a call ran past its wall clock, or it died) and start another; its environments are lost."""
+        """Kill `worker` (a call ran past its wall clock, or it died) and start another; its environments are lost.
+        A worker that cannot be started again leaves the pool one short (SandboxBroken once none is left)."""
         worker.process.kill()
         await trio.to_thread.run_sync(worker.process.join)
         worker.conn.close()
@@ -346,7 +363,8 @@ class ToolSandbox:
             self.lost.add(key)
         worker.environments.clear()
         self.restarts += 1
-        self.workers[self.workers.index(worker)] = await trio.to_thread.run_sync(self._spawn)
+        self.workers.remove(worker)
+        self.workers.append(await trio.to_thread.run_sync(self._spawn))
 
 
 @asynccontextmanager

@@ -234,6 +234,9 @@ class HubService:
         self._model_bytes = TokenBuckets(kit_bytes / MODEL_KIT_REFILL_S, MODEL_KITS_BURST * kit_bytes)
         self._refusal_log = PeerLogLimiter()
         self._disconnect_log = PeerLogLimiter()
+        # Peers this hub let go in its last sweep -> when: their requests in flight end in a StreamEOF that is ours,
+        # not theirs to be refused and counted for (bounded by the connections one sweep can close).
+        self._let_go: dict[str, float] = {}
         self._closing_log = PeerLogLimiter()  # a stranger redialling at once is let go at every sweep: a line a window
         self.watchers = StatusWatchers(guard.config.idle_connection_s)
         self.run_over: RunOver | None = None  # set once the run is over: joins are refused, the nodes are told
@@ -275,6 +278,7 @@ class HubService:
         for name in [p for p, (_, last) in strangers.items() if now - last > STRANGER_MEMORY_S]:
             del strangers[name]
         self.watchers.prune(now)
+        self._let_go = {name: at for name, at in self._let_go.items() if now - at <= GUARD_PRUNE_PERIOD_S}
         for peer in list(self.host.get_network().get_connections_map()):
             name = peer.to_base58()
             started = starts.started(self.host, peer)
@@ -294,6 +298,7 @@ class HubService:
                 if (tail := self._closing_log.tail(name)) is not None:
                     how = "idle" if idle else "long-held"
                     log.info("closing the %s connection of %s (not a joined node)%s", how, name, tail)
+                self._let_go[name] = now
                 await forget_peer(self.host, peer)
 
     # -- the guard around every handler ---------------------------------------------------
@@ -331,6 +336,8 @@ class HubService:
             except PeerFault as exc:
                 await self._misbehaved(stream, peer, protocol, RejectCode(exc.code), exc.reason)
             except (StreamEOF, trio.TooSlowError) as exc:
+                if isinstance(exc, StreamEOF) and peer in self._let_go:
+                    return  # its connection was closed by our own sweep mid-request
                 await self._misbehaved(stream, peer, protocol, RejectCode.BAD_REQUEST, f"{type(exc).__name__}: {exc}")
             finally:
                 self.guard.release(peer, admission)

@@ -470,7 +470,7 @@ class Intake:
         return Committed(priced, kept, outcome)
 
     async def _ban_tampering(self, record: NodeRecord, verdicts: Sequence[GroupVerdict]) -> None:
-        """A committed submission holding a group whose environment tokens differ from what the hub sent is a cheat's,
+        """A committed submission holding a group whose turns or tool answers differ from those exchanged is a cheat's,
         as a failed audit is: its node banned, its untrained groups (this submission's too, at the route) dropped."""
         tampered = sum(v.code == GroupReason.ENVIRONMENT for v in verdicts)
         if tampered:

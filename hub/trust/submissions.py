@@ -41,10 +41,10 @@ SUBMISSION_JSON_BYTES = JSON_BYTES_PER_CHAR * (64 + 128) + 256  # keys, lease id
 REASON_CLAIMED_REWARD = "claimed rewards differ from the hub's scores"
 REASON_OVER_BUDGET = "the reward ran past its budget on this work"
 REASON_REWARD_FAILED = "the task's reward failed on this work"
-REASON_ENVIRONMENT = "environment tokens differ from what the hub sent"
+REASON_ENVIRONMENT = "model turns or tool answers differ from those exchanged with the hub"
 
-# Whether a rollout's submitted environment segments are exactly what the hub sent it (hub.agents.loop.ToolLoop's
-# sent_matches), by the rollout's key (`rollout_key`).
+# Whether a rollout's submitted segments (Completion.segments: its model turns and tool answers, in order) are exactly
+# what it exchanged with the hub (hub.agents.loop.ToolLoop's sent_matches), by the rollout's key (`rollout_key`).
 SentMatches = Callable[[str, Sequence[Sequence[int]]], bool]
 
 
@@ -321,13 +321,15 @@ def charged_verdicts(submission: Submission, reason: str) -> list[GroupVerdict]:
 
 
 def refuse_tampered(verdicts: Sequence[GroupVerdict], lease_id: str, sent_matches: SentMatches) -> list[GroupVerdict]:
-    """Groups that are otherwise valid work (accepted or late) but hold a rollout whose environment segments are not
-    exactly, and all of, what the hub sent it are refused as a cheat's (GroupReason.ENVIRONMENT: the intake bans their
-    node). A completion's rollout is its lease's, prompt's and place's in the group (`rollout_key`)."""
+    """Groups that are otherwise valid work (accepted or late) but hold a rollout whose model turns and tool answers
+    are not exactly, and all of, those it exchanged with the hub are refused as a cheat's (GroupReason.ENVIRONMENT:
+    the intake bans their node). The turns count too: a node that sent the hub turns its model never wrote (an
+    oracle's tool call, earning the environment's reward) and submitted sampled ones around the answers would pass
+    the audits. A completion's rollout is its lease's, prompt's and place's in the group (`rollout_key`)."""
     out: list[GroupVerdict] = []
     for v in verdicts:
         if (v.accepted or v.late) and not all(
-            sent_matches(rollout_key(lease_id, v.prompt_id, i), c.env_segments()) for i, c in enumerate(v.submitted.completions)
+            sent_matches(rollout_key(lease_id, v.prompt_id, i), c.segments()) for i, c in enumerate(v.submitted.completions)
         ):
             v = dataclasses.replace(
                 v, accepted=False, late=False, reason=REASON_ENVIRONMENT, group=None, code=GroupReason.ENVIRONMENT
