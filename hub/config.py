@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -717,6 +717,11 @@ class HubConfig(Section):
 # TRL's GRPOConfig defaults (trl 1.16: max_completion_length 512, learning_rate 1e-6, num_generations 8). A user's own
 # model starts from these, not from the embedded toy's (10 tokens suit its reversal task; lr 3e-4 its 2 layers).
 USER_MODEL_DEFAULTS: dict[str, int | float] = {"sampling.max_new_tokens": 512, "learner.lr": 1e-6, "learner.group_size": 8}
+# The embedded tool task's: a call (10 tokens), the tool's answer (17) and the product (3), with room to spare; the
+# embedded tool model's learning rate (its 4 layers learn the calls in ~50 steps at it).
+CALC_MAX_NEW_TOKENS = 40
+CALC_LR = 3e-4
+CALC_STEPS = 100  # its reward near 0.7, in about four minutes on two cores (300 would take twelve)
 # Each of them as the flag that sets it, for the line that says which ones a start took.
 _DEFAULT_FLAGS = {"sampling.max_new_tokens": "--max-new-tokens", "learner.lr": "--lr", "learner.group_size": "--group-size"}
 
@@ -729,6 +734,39 @@ def _was_set(config: BaseModel, dotted: str) -> bool:
     return not rest or _was_set(getattr(config, head), rest)
 
 
+def _defaulted(config: HubConfig, defaults: Mapping[str, object]) -> tuple[HubConfig, dict[str, object]]:
+    """`config` with each of `defaults` ("section.field": value, within its field's bounds) that neither the TOML file
+    nor a flag set, and those it took."""
+    taken = {dotted: value for dotted, value in defaults.items() if not _was_set(config, dotted)}
+    update: dict[str, object] = {dotted: value for dotted, value in taken.items() if "." not in dotted}
+    sections: dict[str, dict[str, object]] = {}
+    for dotted, value in taken.items():
+        if "." in dotted:
+            section, field = dotted.split(".")
+            sections.setdefault(section, {})[field] = value
+    update |= {name: getattr(config, name).model_copy(update=fields) for name, fields in sections.items()}
+    return config.model_copy(update=update), taken
+
+
+def with_task_defaults(config: HubConfig) -> HubConfig:
+    """`config` with the embedded tool task's own settings (shared/tasks/calc.py) where it is the task and neither the
+    TOML file nor a flag set them: its length, its tool and reward, one tool call a rollout, room for the call, the
+    tool's answer and the product, and the embedded tool model's learning rate."""
+    from shared.tasks.calc import CALC_REWARD, CALC_TASK, CALC_TOOL
+
+    if config.task.strip() != CALC_TASK:
+        return config
+    defaults = {
+        "steps": CALC_STEPS,
+        "agents.tools": (CALC_TOOL,),
+        "agents.max_tool_calls": 1,
+        "dataset.reward": CALC_REWARD,
+        "sampling.max_new_tokens": CALC_MAX_NEW_TOKENS,
+        "learner.lr": CALC_LR,
+    }
+    return _defaulted(config, defaults)[0]
+
+
 def with_user_model_defaults(
     config: HubConfig, own_model: bool, fields: Collection[str] = tuple(USER_MODEL_DEFAULTS)
 ) -> tuple[HubConfig, str | None]:
@@ -737,16 +775,9 @@ def with_user_model_defaults(
     which it used (None: none)."""
     if not own_model:
         return config, None
-    taken = {dotted: value for dotted, value in USER_MODEL_DEFAULTS.items() if dotted in fields and not _was_set(config, dotted)}
+    config, taken = _defaulted(config, {dotted: value for dotted, value in USER_MODEL_DEFAULTS.items() if dotted in fields})
     if not taken:
         return config, None
-    sections: dict[str, dict[str, int | float]] = {}
-    for dotted, value in taken.items():
-        section, field = dotted.split(".")
-        sections.setdefault(section, {})[field] = value
-    config = config.model_copy(
-        update={name: getattr(config, name).model_copy(update=fields) for name, fields in sections.items()}
-    )
     used = ", ".join(f"{_DEFAULT_FLAGS[dotted]} {value:g}" for dotted, value in taken.items())
     toy = "the embedded toy's are for its 2-layer model; a hub.toml line or a flag overrides one"
     return config, f"your own model: TRL's defaults {used} ({toy})"

@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from shared.tasks.reverse import ReverseTask
 
@@ -33,6 +33,12 @@ UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN)
 # One token per character; " " and ">" matter to the tasks, the rest keep the vocabulary general.
 CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 >.,+-*/="
+
+
+def recipe_digest(recipe: object) -> str:
+    """A recipe dataclass's digest: every field, so that a changed recipe names another cache directory."""
+    blob = json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()  # type: ignore[call-overload]
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,72 @@ class DefaultModelRecipe:
     eval_seed: int = 1
     eval_max_new_tokens: int = 10
 
+    label = "default model"
+
     def digest(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return recipe_digest(self)
+
+    def dir_name(self) -> str:
+        return f"default-reverse-qwen2-{self.digest()}"
+
+    def tokenizer(self) -> Any:
+        return build_tokenizer(self)
+
+    def build(self, out_dir: Path, on_step: Callable[[int, int], None] | None = None) -> BuildStats:
+        return build_default_model(out_dir, self, on_step)
 
 
 DEFAULT_MODEL_RECIPE = DefaultModelRecipe()
+
+
+class EmbeddedRecipe(Protocol):
+    """An embedded model's recipe (this default, or shared/tool_model.py's): what names its cache directory, its
+    architecture, and how it is built."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+    @property
+    def torch_seed(self) -> int: ...
+
+    @property
+    def warmup_steps(self) -> int: ...
+
+    def dir_name(self) -> str: ...
+
+    def tokenizer(self) -> Any: ...
+
+    def build(self, out_dir: Path, on_step: Callable[[int, int], None] | None = None) -> object: ...
+
+
+def embedded_recipe(task: str) -> EmbeddedRecipe:
+    """The embedded model a run of `task` trains when no --model is given: the tool model for the embedded tool task,
+    the default model for every other task."""
+    from shared.tasks.calc import CALC_TASK
+
+    if task.strip() == CALC_TASK:
+        from shared.tool_model import TOOL_MODEL_RECIPE
+
+        return TOOL_MODEL_RECIPE
+    return DEFAULT_MODEL_RECIPE
 
 
 @dataclass(frozen=True)
@@ -79,9 +145,9 @@ def default_cache_root() -> Path:
     return Path(env).expanduser() if env else DEFAULT_CACHE_ROOT
 
 
-def default_model_dir(cache_root: Path | None = None, recipe: DefaultModelRecipe = DEFAULT_MODEL_RECIPE) -> Path:
+def default_model_dir(cache_root: Path | None = None, recipe: EmbeddedRecipe = DEFAULT_MODEL_RECIPE) -> Path:
     root = cache_root if cache_root is not None else default_cache_root()
-    return root / f"default-reverse-qwen2-{recipe.digest()}"
+    return root / recipe.dir_name()
 
 
 def _byte_level_symbol(char: str) -> str:
@@ -117,7 +183,7 @@ def build_tokenizer(recipe: DefaultModelRecipe = DEFAULT_MODEL_RECIPE):
     )
 
 
-def build_model(recipe: DefaultModelRecipe, tokenizer):
+def build_model(recipe: EmbeddedRecipe, tokenizer):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -219,7 +285,7 @@ def build_default_model(
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.bos_token_id = tokenizer.bos_token_id
-        _save_quietly(model, tokenizer, out_dir)
+        save_quietly(model, tokenizer, out_dir)
     finally:
         torch.set_num_threads(threads)
     stats = BuildStats(
@@ -234,7 +300,7 @@ def build_default_model(
     return stats
 
 
-def _save_quietly(model, tokenizer, out_dir: Path) -> None:
+def save_quietly(model, tokenizer, out_dir: Path) -> None:
     """save_pretrained without transformers' own shard progress bar, which would garble ours."""
     from transformers.utils import logging as hf_logging
 
@@ -249,9 +315,10 @@ def _save_quietly(model, tokenizer, out_dir: Path) -> None:
 
 
 def ensure_default_model(
-    cache_root: Path | None = None, progress: bool = True, recipe: DefaultModelRecipe = DEFAULT_MODEL_RECIPE
+    cache_root: Path | None = None, progress: bool = True, recipe: EmbeddedRecipe = DEFAULT_MODEL_RECIPE
 ) -> Path:
-    """The default model's directory, built first if missing; safe to call from several processes at once."""
+    """An embedded model's directory (the default's unless `recipe` names another), built first if missing; safe to
+    call from several processes at once."""
     final = default_model_dir(cache_root, recipe)
     if final.is_dir():
         return final
@@ -268,7 +335,7 @@ def ensure_default_model(
             if progress:
                 _build_with_progress(tmp, recipe)
             else:
-                build_default_model(tmp, recipe)
+                recipe.build(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -276,11 +343,11 @@ def ensure_default_model(
     return final
 
 
-def _build_with_progress(out_dir: Path, recipe: DefaultModelRecipe) -> BuildStats:
+def _build_with_progress(out_dir: Path, recipe: EmbeddedRecipe) -> object:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
-        TextColumn("[bold]building default model"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+        TextColumn(f"[bold]building {recipe.label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
     ) as bar:
         task_id = bar.add_task("warm-up", total=recipe.warmup_steps)
-        return build_default_model(out_dir, recipe, on_step=lambda done, total: bar.update(task_id, completed=done))
+        return recipe.build(out_dir, on_step=lambda done, total: bar.update(task_id, completed=done))

@@ -1,49 +1,15 @@
-"""A real tokenizer whose chat template renders tools as Qwen's does (`<tool_call>` JSON in the assistant's turn,
-tool answers as `<tool_response>` user turns), over a byte-level vocabulary with no merges: what the tool-loop
-tests read calls from and render answers with; and a small model over it that already calls tools."""
+"""Models for the tool-loop tests over the tokenizer whose chat template renders tools as Qwen's does
+(shared/tool_model.py, where the embedded tool model's is built from it): a random one, and a small one that already
+calls tools."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>\n"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}'
-    "<|im_end|>\n"
-    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from shared.tool_model import NAMES_TEMPLATE, TEMPLATE, tool_chat_tokenizer
 
-
-# The same template, naming the tools instead of rendering their schemas: a prompt short enough for a model
-# trained in a test's time.
-NAMES_TEMPLATE = TEMPLATE.replace("{{ t | tojson }}", "{{ t.function.name }};")
-
-
-def tool_chat_tokenizer(template: str = TEMPLATE) -> Any:
-    """The tokenizer, `<|im_end|>` its EOS, with `template` as its chat template."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import Qwen2Tokenizer
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {s: i for i, s in enumerate(specials + sorted(ByteLevel.alphabet()))}
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=[],
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        additional_special_tokens=["<|im_start|>"],
-    )
-    tokenizer.chat_template = template
-    return tokenizer
+__all__ = ["NAMES_TEMPLATE", "TEMPLATE", "random_tool_model", "tool_chat_tokenizer", "tool_model_dir"]
 
 
 def random_tool_model(out_dir: Path) -> Path:
@@ -70,7 +36,7 @@ def tool_model_dir(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hub.agents.turns import tool_suffix_ids
+    from shared.chat import tool_suffix_ids
     from testbed.models import random_model_dir
 
     tokenizer = tool_chat_tokenizer(NAMES_TEMPLATE)

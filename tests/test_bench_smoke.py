@@ -19,6 +19,9 @@ from types import ModuleType
 
 import pytest
 
+# The benches' own checks: CI runs them as a step of their own (`-m bench`), after the suite.
+pytestmark = pytest.mark.bench
+
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from hub.agents.conversation import ConversationReader, check_tool_template
 from hub.agents.toolset import load_toolset
-from hub.agents.turns import tool_suffix_ids
+from shared.chat import tool_suffix_ids
 from shared.tasks.base import GroupContext
 from shared.tasks.dataset import DatasetOptions, DatasetTask, chat_renderer
 from testbed.tool_chat import tool_chat_tokenizer

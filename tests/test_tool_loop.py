@@ -9,7 +9,7 @@ import trio
 
 from hub.agents.loop import LoopFull, LoopLimits, ToolLoop, segment_digest
 from hub.agents.sandbox import SandboxLimits, open_sandbox
-from hub.agents.turns import tool_suffix_ids
+from shared.chat import tool_suffix_ids
 from shared.tools import RolloutEnd
 from testbed.tool_chat import tool_chat_tokenizer
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from hub.agents.turns import ToolCall, parse_turn, tool_suffix_ids
+from hub.agents.turns import ToolCall, parse_turn
+from shared.chat import tool_suffix_ids
 from shared.tools import TOOL_ARGUMENT_MAX_BYTES, TOOL_CALLS_PER_TURN_MAX, RolloutEnd
 from testbed.tool_chat import tool_chat_tokenizer
 

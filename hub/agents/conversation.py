@@ -19,7 +19,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from hub.agents.turns import parse_turn, tool_suffix_ids
+from hub.agents.turns import parse_turn
+from shared.chat import tool_suffix_ids
 
 # Placeholders no honest tool answer or tool name holds: where the template puts each answer, found by its text.
 _PLACEHOLDER = "echo2tool{}answer7c1f"

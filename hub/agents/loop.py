@@ -24,7 +24,8 @@ import blake3
 import trio
 
 from hub.agents.sandbox import ToolSandbox
-from hub.agents.turns import parse_turn, tool_suffix_ids
+from hub.agents.turns import parse_turn
+from shared.chat import tool_suffix_ids
 from shared.tools import RolloutEnd
 
 

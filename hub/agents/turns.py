@@ -1,14 +1,8 @@
-"""A model turn's tool calls read from its tokens, and the tool answers rendered into the tokens the model sees
-next: the two steps of a tool-calling loop that depend on the chat template.
-
-- Reading: the calls a turn holds, in the Hermes/Qwen form chat templates with tools render (`<tool_call>`
-  `{"name": ..., "arguments": {...}}` `</tool_call>`), as TRL's parser reads them. The turn is a node's
-  text, so every call is bounded before anything runs it: how many a turn holds, and its arguments' size and
-  shape. A malformed call is not a tool call (TRL decodes such a turn as plain text, and the rollout ends).
-- Rendering: the tokens a tool answer adds after the model's turn, cut from the chat template's rendering of
-  a short conversation with and without the tool messages (TRL's `_get_tool_suffix_ids`). Earlier turns are
-  never tokenized again: the ids the model saw stay the ids the learner trains on.
-"""
+"""A model turn's tool calls read from its text: the calls a turn holds, in the Hermes/Qwen form chat templates with
+tools render (`<tool_call>` `{"name": ..., "arguments": {...}}` `</tool_call>`), as TRL's parser reads them. The turn
+is a node's text, so every call is bounded before anything runs it: how many a turn holds, and its arguments' size
+and shape. A malformed call is not a tool call (TRL decodes such a turn as plain text, and the rollout ends). The
+tokens a tool's answer adds are rendered by shared/chat.py."""
 
 from __future__ import annotations
 
@@ -74,27 +68,3 @@ def _call(body: str) -> ToolCall | None:
     if not isinstance(arguments, dict) or not all(isinstance(k, str) for k in arguments):
         return None
     return ToolCall(value["name"], arguments)
-
-
-def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict[str, Any]]) -> list[int]:
-    """The ids `tool_messages` (role "tool", name, content) add after an assistant turn, up to and including the
-    next assistant header: the rendering of [user, assistant with a call] and of it plus the tool messages,
-    the first cut at its last end-of-sequence token, must be a prefix of the second (ValueError if the
-    template is not prefix-preserving, which TRL also requires)."""
-    call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
-    prefix = _ids(tokenizer.apply_chat_template(head, add_generation_prompt=False, tokenize=True))
-    full = _ids(tokenizer.apply_chat_template(head + tool_messages, add_generation_prompt=True, tokenize=True))
-    eos = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
-    if eos:  # templates such as Qwen's render "<|im_end|>\n" after a turn: the model stops at the EOS
-        prefix = prefix[: eos[-1] + 1]
-    if full[: len(prefix)] != prefix:
-        raise ValueError("the chat template does not keep a conversation's rendering as the prefix of a longer one")
-    return full[len(prefix) :]
-
-
-def _ids(rendered: Any) -> list[int]:
-    """apply_chat_template's ids, whether it returned a list or a BatchEncoding (transformers 5)."""
-    if isinstance(rendered, list):
-        return [int(token) for token in rendered]
-    return [int(token) for token in rendered["input_ids"]]

@@ -333,7 +333,7 @@ def prepare_start(config, fresh: bool, anyway: bool):
     """Every check of `echo-hub start` (UserError on a mistake, nothing written), then the data dir lock. None:
     the run already did the steps asked, and says so."""
     from hub.cli.preflight import Started, check_resume, check_start, move_aside
-    from shared.default_model import default_model_dir
+    from shared.default_model import default_model_dir, embedded_recipe
     from shared.layout import FINAL_DIR, HUB_LOCK_FILE
     from shared.lock import lock_data_dir
     from shared.precision import check_device
@@ -341,7 +341,7 @@ def prepare_start(config, fresh: bool, anyway: bool):
     model = check_start(config)
     check_device(config.learner.device, "--device")
     check_device(config.local_device, "--local-device")
-    model_dir = config.model or default_model_dir()
+    model_dir = config.model or default_model_dir(recipe=embedded_recipe(config.task))
     resume = None if fresh else check_resume(config, model_dir, anyway)
     if resume is not None and resume.finished:
         print(
@@ -377,7 +377,7 @@ def _eval(args: argparse.Namespace) -> int:
         config = load_config(HubConfig, args.config or saved, overrides, aliases=_flat_keys())
         # Without a run's config the policy is all there is to go by: a model of the user's samples as TRL's would.
         base = config.model if args.config is not None or saved is not None else args.model
-        config, defaults = with_user_model_defaults(config, _own_model(base), fields=("sampling.max_new_tokens",))
+        config, defaults = with_user_model_defaults(config, _own_model(base, config.task), fields=("sampling.max_new_tokens",))
         model, task = check_eval(config, args.model)
     except (ConfigError, UserError) as exc:
         print(f"echo-hub eval: {f'{saved}: ' if saved else ''}{exc}", file=sys.stderr)
@@ -405,11 +405,11 @@ def _config() -> int:
     return 0
 
 
-def _own_model(model: Path | None) -> bool:
-    """Whether --model names a model of the user's, not the embedded default (None, or its cache directory)."""
-    from shared.default_model import default_model_dir
+def _own_model(model: Path | None, task: str) -> bool:
+    """Whether --model names a model of the user's, not the embedded one `task` trains (None, or its cache directory)."""
+    from shared.default_model import default_model_dir, embedded_recipe
 
-    return model is not None and model.resolve() != default_model_dir().resolve()
+    return model is not None and model.resolve() != default_model_dir(recipe=embedded_recipe(task)).resolve()
 
 
 def start_config(args: argparse.Namespace) -> HubConfig:
@@ -427,7 +427,7 @@ def _start(args: argparse.Namespace, reexec: bool) -> int:
     """`echo-hub start`: a mistake is one line and exit 2; so is a disk that fills while the hub starts (one that
     fills while it runs, run_hub stops the run for). `reexec`: run this command line again with Python's objects in
     glibc's heap (shared.memory.use_c_allocator) once its flags are known to be right."""
-    from hub.config import with_user_model_defaults
+    from hub.config import with_task_defaults, with_user_model_defaults
     from hub.training.ranks import rank_env
     from shared.checks import disk_full, free_space
     from shared.config import ConfigError
@@ -445,7 +445,8 @@ def _start(args: argparse.Namespace, reexec: bool) -> int:
         # Before any thread: glibc fixes its arena limit when a thread first needs an arena, and the checks, the
         # tokenizer and torch start threads before the run does.
         tune_malloc()
-        config, defaults = with_user_model_defaults(config, own_model=_own_model(config.model))
+        config, defaults = with_user_model_defaults(config, own_model=_own_model(config.model, config.task))
+        config = with_task_defaults(config)
         if args.print_config:
             from shared.config import config_toml
 

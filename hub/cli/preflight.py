@@ -31,6 +31,7 @@ from shared.checks import (
     check_model_dir,
     model_fingerprint,
 )
+from shared.default_model import DEFAULT_MODEL_RECIPE, embedded_recipe
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, HUB_KEY_FILE, HUB_STORE_FILE
 from shared.precision import resolve_device
 from shared.tasks.base import Task
@@ -154,14 +155,18 @@ def check_agents(config: HubConfig, model: ModelIdentity | None) -> None:
     flag = "--tools" if agents.tools else "--environment"
     if not sys.platform.startswith("linux"):
         raise UserError(f"{flag}: the tool sandbox needs Linux (it caps a call's memory with RLIMIT_AS)")
-    if model is None:
-        raise UserError(f"{flag} needs --model: a model whose chat template renders tools (the embedded default's does not)")
+    if model is None and embedded_recipe(config.task) is DEFAULT_MODEL_RECIPE:
+        raise UserError(
+            f"{flag} needs --model: a model whose chat template renders tools (the embedded default's does not; "
+            "--task calc trains the embedded tool model)"
+        )
     if config.eval.every > 0:
         raise UserError(
             f"--eval-every {config.eval.every} with {flag}: held-out evaluation does not run the tool loop yet; leave it 0"
         )
     from hub.agents.conversation import check_tool_template
     from hub.agents.toolset import load_toolset
+    from hub.training.tasks import embedded_tokenizer
 
     try:
         toolset = load_toolset(agents.tools, agents.environment)
@@ -170,7 +175,7 @@ def check_agents(config: HubConfig, model: ModelIdentity | None) -> None:
     if not toolset.names:
         raise UserError(f"--environment {agents.environment}: it has no public methods, so the model has no tool to call")
     try:
-        check_tool_template(model.tokenizer, toolset.schemas)
+        check_tool_template(model.tokenizer if model is not None else embedded_tokenizer(config.task), toolset.schemas)
     except ValueError as exc:
         raise UserError(
             f"{flag} with --model {config.model}: {exc}; use a model whose template renders tools (Qwen's does)"

@@ -155,6 +155,7 @@ class Hub:
             evaluation=self.evaluation,
             ranks=self._join_ranks(),
             log_completions=config.tracking.log_completions,
+            uses_tools=config.agents.enabled,
             probe=functools.partial(auditor.install_probe, rows=rows),
             card=functools.partial(run_card, asked or config, model.model_dir),
             rollouts=rollout_export(config),
@@ -319,7 +320,7 @@ class Hub:
                                 self.addrs[0],
                                 config.data_dir,
                                 link_mbps=config.broadcast.link_mbps,
-                                model=config.model,
+                                model=self.model.model_dir,
                                 extra_args=("--dtype", self.dtype),
                                 device=config.local_device,
                                 log=(config.log_max_mb, config.log_backups),
@@ -415,7 +416,7 @@ def run_hub(
     import transformers
 
     from hub.cli.summary import print_summary
-    from shared.default_model import ensure_default_model
+    from shared.default_model import default_model_dir, embedded_recipe, ensure_default_model
 
     torch.set_num_threads(config.learner.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
@@ -423,7 +424,10 @@ def run_hub(
     announce_device(config.learner.device)
     identity = Identity.load_or_create(config.key_path)
     if model is None:
-        model = load_model_identity(Path(config.model or ensure_default_model(progress=progress and sys.stderr.isatty())))
+        recipe = embedded_recipe(config.task)
+        if not (built := default_model_dir(recipe=recipe)).is_dir():  # a wait of its own: said, with or without a bar
+            print(f"echo-hub: building {recipe.label} ({recipe.warmup_steps} warm-up steps, once: kept in {built})", flush=True)
+        model = load_model_identity(ensure_default_model(progress=progress and sys.stderr.isatty(), recipe=recipe))
     try:
         hub = Hub(config, identity, model, progress, asked=asked, warnings=warnings)
     except LearnerRankLost as exc:
@@ -515,14 +519,14 @@ def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
     import transformers
 
     from hub.training.learner import Learner
-    from shared.default_model import ensure_default_model
+    from shared.default_model import embedded_recipe, ensure_default_model
 
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s rank {env.rank} %(levelname)s %(name)s: %(message)s")
     lc = on_this_machine(config).learner
     torch.set_num_threads(lc.threads)
     transformers.utils.logging.disable_progress_bar()
     # A process of its own reads the model itself (the command line rank 0 was started with names it).
-    model = load_model_identity(Path(config.model or ensure_default_model(progress=False)))
+    model = load_model_identity(Path(config.model or ensure_default_model(progress=False, recipe=embedded_recipe(config.task))))
     device = device_for(lc.device, env)
     collective = init_ranks(env, device)
     checkpoint = broadcast(None).checkpoint  # rank 0's choice: every rank must resume the same one

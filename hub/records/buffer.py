@@ -77,6 +77,7 @@ class ReplayBuffer:
         self.offered = 0
         self.offered_reward_sum = 0.0
         self.offered_zero_std = 0  # of them, the groups whose completions all scored the same (TRL's zero std)
+        self.offered_tool_rounds = 0.0  # their rollouts' mean rounds of tool calls answered, summed over groups
 
     def __len__(self) -> int:
         return len(self._items)
@@ -88,6 +89,7 @@ class ReplayBuffer:
         self.offered += 1
         self.offered_reward_sum += sum(group.rewards) / len(group.rewards)
         self.offered_zero_std += not has_reward_variance(group)
+        self.offered_tool_rounds += sum(len(c.env_spans) for c in group.completions) / len(group.completions)
         if self.skip_zero_variance and not has_reward_variance(group):
             return AddResult(False, REASON_ZERO_VARIANCE)
         if len(self._items) >= self.capacity_groups:

@@ -176,6 +176,7 @@ class LearnerComponent:
         rollouts: RolloutExport | None = None,
         staleness_control: Callable[[int, float | None, float | None, float | None], StalenessMove | None] | None = None,
         metrics: MetricsWriter | None = None,
+        uses_tools: bool = False,
     ) -> None:
         """`ranks`: (this process's rank, its device, the spawned ranks) of a learner sharded across processes
         (hub/training/distributed.py); the learner is then driven through a RankGroup. `probe(weights path, whole hash)`:
@@ -184,7 +185,8 @@ class LearnerComponent:
         step's groups are saved as data (--save-rollouts). `staleness_control(version, drift, drift_per_version,
         age)`: under --staleness auto, after each publish, the S and kappa of the next period (None: they stay), given
         the period's drift, the drift per version of age and the mean age, as hub/method/drift.py reads them from the
-        steps (each None when not measured yet)."""
+        steps (each None when not measured yet). `uses_tools`: a tool-using run, whose metrics give its rollouts' rounds
+        of tool calls (TRL's tools/call_frequency)."""
         self.probe = probe
         self.card = card or (lambda step: {})
         self.rollouts = rollouts  # --save-rollouts: each step's groups as a Parquet shard
@@ -212,7 +214,8 @@ class LearnerComponent:
         self.max_new_tokens = sampling.max_new_tokens
         self._warned_cut = False  # the cut-completions warning is said once a run
         self._groups_trained = 0  # since this start, against the buffer's count of groups offered
-        self._offered_seen = (0, 0.0, 0)
+        self._offered_seen = (0, 0.0, 0, 0.0)
+        self.uses_tools = uses_tools
         self.snapshots_dir = self.data_dir / SNAPSHOTS_DIR
         self.checkpoints_dir = self.data_dir / CHECKPOINTS_DIR
         remove_stale_temporaries(self.checkpoints_dir)
@@ -446,15 +449,23 @@ class LearnerComponent:
         The step's own reward_mean covers only the groups it trained on, which skipping
         zero-variance groups biases towards 0.5; this one tracks what the policy scores.
         """
-        count, total, zero_std = self.buffer.offered, self.buffer.offered_reward_sum, self.buffer.offered_zero_std
-        seen_count, seen_total, seen_zero_std = self._offered_seen
-        self._offered_seen = (count, total, zero_std)
+        buffer = self.buffer
+        count, total, zero_std, rounds = (
+            buffer.offered,
+            buffer.offered_reward_sum,
+            buffer.offered_zero_std,
+            buffer.offered_tool_rounds,
+        )
+        seen_count, seen_total, seen_zero_std, seen_rounds = self._offered_seen
+        self._offered_seen = (count, total, zero_std, rounds)
         if count == seen_count:
             return {}
         offered = count - seen_count
+        tools = {"tools/call_frequency": (rounds - seen_rounds) / offered} if self.uses_tools else {}
         return {
             "rollout_reward_mean": (total - seen_total) / offered,
             "frac_reward_zero_std": (zero_std - seen_zero_std) / offered,
+            **tools,
         }
 
     def save_state(self) -> None:

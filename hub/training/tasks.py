@@ -5,16 +5,15 @@ one finite number per completion."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hub.config import HubConfig
 from shared.checks import UserError
-from shared.default_model import build_tokenizer
+from shared.default_model import embedded_recipe
 from shared.tasks import Task, load_task
 from shared.tasks.base import Prompt, checked_rewards
-from shared.tasks.dataset import DatasetTask, Messages, chat_renderer
+from shared.tasks.dataset import DatasetTask, chat_renderer
 from shared.tasks.split import excluding, split_task
 
 if TYPE_CHECKING:
@@ -23,25 +22,31 @@ if TYPE_CHECKING:
     from shared.model_identity import ModelIdentity
 
 
-def default_chat_renderer() -> Callable[[Messages], str]:
-    """The chat renderer of the embedded default's tokenizer, built by its recipe (its directory may not exist yet)."""
-    return chat_renderer(build_tokenizer(), "the embedded default model's tokenizer (no --model given)")
+def embedded_tokenizer(task: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of the embedded model a run of `task` trains without --model, built by its recipe (its directory
+    may not exist yet)."""
+    return embedded_recipe(task).tokenizer()
 
 
 def load_hub_task(spec: str, config: HubConfig, model: ModelIdentity | None) -> Task:
     """A task spec read with the config's dataset options (columns, reward, chat) and the run's length (the rewards'
     trainer_state.max_steps); chat prompts are rendered by the chat template of `model`'s tokenizer, or of the
-    embedded default's (None: the default may not be built yet). A tool-using run's prompts are rendered with its
+    embedded model's the task trains (None: it may not be built yet). A tool-using run's prompts are rendered with its
     tools' schemas, and its rewards read each tool-using completion as its conversation (hub/agents/)."""
     options = replace(config.dataset.options(), max_steps=config.steps)
-    if not config.agents.enabled or model is None:  # tools with the embedded default: refused at start
-        return load_task(spec, options, model.chat_renderer if model is not None else default_chat_renderer)
+    embedded = "the embedded model's tokenizer (no --model given)"
+    if not config.agents.enabled:
+        renderer = model.chat_renderer if model is not None else lambda: chat_renderer(embedded_tokenizer(config.task), embedded)
+        return load_task(spec, options, renderer)
     from hub.agents.conversation import ConversationReader
     from hub.agents.toolset import load_toolset
 
     agents = config.agents
     schemas = load_toolset(agents.tools, agents.environment).schemas
-    tokenizer, whose = model.tokenizer, f"the tokenizer in {model.model_dir}"
+    if model is not None:
+        tokenizer, whose = model.tokenizer, f"the tokenizer in {model.model_dir}"
+    else:
+        tokenizer, whose = embedded_tokenizer(config.task), embedded
     options = replace(options, keep_rows=agents.environment is not None)
     return load_task(spec, options, lambda: chat_renderer(tokenizer, whose, schemas), ConversationReader(tokenizer).messages)
 
@@ -85,13 +90,12 @@ class PromptReading:
     seen: list[str]
 
 
-def model_reading(model: ModelIdentity | None) -> tuple[PreTrainedTokenizerBase, int | None]:
+def model_reading(model: ModelIdentity | None, task: str) -> tuple[PreTrainedTokenizerBase, int | None]:
     """(tokenizer, context in tokens: max_position_embeddings, None when its config has none) of a model, or of the
-    embedded default by its recipe (its directory may not be built yet)."""
+    embedded model a run of `task` trains, by its recipe (its directory may not be built yet)."""
     if model is None:
-        from shared.default_model import DEFAULT_MODEL_RECIPE
-
-        return build_tokenizer(), DEFAULT_MODEL_RECIPE.max_position_embeddings
+        recipe = embedded_recipe(task)
+        return recipe.tokenizer(), recipe.max_position_embeddings
     return model.tokenizer, model.context
 
 
@@ -206,7 +210,7 @@ def check_prompts(config: HubConfig, model: ModelIdentity | None, task: Task, ev
     model's context beside max_new_tokens, and --max-prompt-length when given, and reaches the model whole (`model`:
     --model's, None for the embedded default). UserError with the numbers on the first mistake; the warning lines to
     print when --allow-lossy-prompts lets lossy prompts through."""
-    tokenizer, context = model_reading(model)
+    tokenizer, context = model_reading(model, config.task)
     tasks = {f"--task {config.task}": task}
     if eval_task is not None and config.eval.task is not None:  # a held-out split is part of the training task
         tasks[f"--eval-task {config.eval.task}"] = eval_task

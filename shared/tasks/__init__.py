@@ -1,6 +1,6 @@
 """Task lookup: turns a task spec string (CLI/config) into a Task instance.
 
-Specs: a builtin name ("reverse"); "math:PATH.jsonl" for MathTask; a dataset on disk (a .jsonl or
+Specs: a builtin name ("reverse"; "calc", the embedded tool task); "math:PATH.jsonl" for MathTask; a dataset on disk (a .jsonl or
 .parquet file, or a `datasets` save_to_disk directory, "DIR:SPLIT" naming a DatasetDict's split) read and scored
 as DatasetOptions say; or
 "module.path:ClassName" for a user task (a Task subclass constructible with no arguments). User
@@ -19,7 +19,7 @@ from shared.tasks.base import Prompt, Task
 from shared.tasks.dataset import Conversation, DatasetOptions, DatasetTask, MathTask, Messages, is_dataset_path, split_of
 from shared.tasks.user_code import import_object
 
-BUILTIN_TASKS: Mapping[str, str] = {"reverse": "shared.tasks.reverse:ReverseTask"}
+BUILTIN_TASKS: Mapping[str, str] = {"reverse": "shared.tasks.reverse:ReverseTask", "calc": "shared.tasks.calc:CalcTask"}
 MATH_PREFIX = "math:"
 
 __all__ = ["BUILTIN_TASKS", "MATH_PREFIX", "DatasetOptions", "Prompt", "Task", "import_object", "load_task"]
@@ -69,7 +69,12 @@ def load_task(
     if ":" in spec:
         return _load_class(spec, spec)()
     if spec in BUILTIN_TASKS:
-        return _load_class(spec, BUILTIN_TASKS[spec])()
+        cls = _load_class(spec, BUILTIN_TASKS[spec])
+        from shared.tasks.calc import CalcTask
+
+        if issubclass(cls, CalcTask):  # a builtin dataset: read and scored as any, its chat rendered with its tools
+            return cls(dataset, render_chat, conversation)
+        return cls()
     known = ", ".join(sorted(BUILTIN_TASKS))
     raise ValueError(
         f"unknown task {spec!r}: builtin tasks are {known}; or use a dataset (FILE.jsonl, FILE.parquet, a "

@@ -268,11 +268,15 @@ class DatasetTask(Task):
         self._whole: dict[str, dict[str, Any]] = {}  # each row as read, when options.keep_rows
         # Keys of verl dicts seen holding other than numbers ("<function>/<key>"): no metric logs them; the start says so.
         self.unlogged: set[str] = set()
-        for row in read_rows(self.path, opts.split):
+        for row in self._read():
             self._add_row(row)
         if not self._prompts:
             raise ValueError(f"{self.path}: no prompts (empty dataset)")
         self._check_signatures()
+
+    def _read(self) -> Iterator[Row]:
+        """The dataset's rows (a builtin dataset task makes its own)."""
+        return read_rows(self.path, self.options.split)
 
     def _styles(self) -> set[str]:
         return {r.style for r in self._rewards}
