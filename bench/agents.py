@@ -29,9 +29,9 @@ from hub.training.metrics import policy_reward, read_metrics  # noqa: E402
 from shared.default_model import BUILD_STATS_FILE, ensure_default_model  # noqa: E402
 from shared.layout import METRICS_FILE  # noqa: E402
 from shared.tool_model import TOOL_MODEL_RECIPE  # noqa: E402
+from shared.tools import TOOL_CALLS_METRIC as CALLS  # noqa: E402
 from testbed.harness import query, start_hub  # noqa: E402
 
-CALLS = "tools/call_frequency"
 RUN_TIMEOUT_S = 3600
 
 

@@ -120,18 +120,6 @@ class EmbeddedRecipe(Protocol):
     def build(self, out_dir: Path, on_step: Callable[[int, int], None] | None = None) -> object: ...
 
 
-def embedded_recipe(task: str) -> EmbeddedRecipe:
-    """The embedded model a run of `task` trains when no --model is given: the tool model for the embedded tool task,
-    the default model for every other task."""
-    from shared.tasks.calc import CALC_TASK
-
-    if task.strip() == CALC_TASK:
-        from shared.tool_model import TOOL_MODEL_RECIPE
-
-        return TOOL_MODEL_RECIPE
-    return DEFAULT_MODEL_RECIPE
-
-
 @dataclass(frozen=True)
 class BuildStats:
     params: int

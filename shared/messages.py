@@ -678,6 +678,12 @@ class StepPoint(Message):
     bubble: float
     t_train_s: float
     t_idle_s: float
+    tool_calls: float | None = Field(
+        None,
+        ge=0.0,
+        le=MAX_ENV_SEGMENTS,
+        description="rounds of tool calls per rollout offered (TRL's tools/call_frequency; None: not a tool-using run)",
+    )
 
 
 class EvalPoint(Message):
@@ -829,6 +835,12 @@ class HubStatus(Message):
             return "-"
         mean, steps = found
         return f"{mean:.{digits}f} (last {f'{steps} steps' if steps > 1 else 'step'})"
+
+    def recent_tool_calls(self, steps: int = RECENT_REWARD_STEPS) -> float | None:
+        """Rounds of tool calls per rollout averaged over the last `steps` learner steps (None: not a tool-using run,
+        or before the first step)."""
+        points = [p.tool_calls for p in self.history[-steps:] if p.tool_calls is not None]
+        return sum(points) / len(points) if points else None
 
     def newest_warnings(self, limit: int = WARNINGS_SHOWN) -> list[EventRecord]:
         """The newest `limit` warnings for the operator, newest first."""

@@ -92,6 +92,10 @@ class Completion(BaseModel):
         turns.append((start, len(self.token_ids)))
         return turns
 
+    def sampled_tokens(self) -> int:
+        """How many of its tokens the model sampled (the environment's are the hub's, not the node's work)."""
+        return len(self.token_ids) - sum(length for _, length in self.env_spans)
+
     def model_token_ids(self) -> tuple[int, ...]:
         """The sampled tokens alone, in order (token_ids itself for a single-turn completion)."""
         if not self.env_spans:

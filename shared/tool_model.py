@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from shared.chat import tool_suffix_ids
-from shared.default_model import BUILD_STATS_FILE, build_model, recipe_digest, save_quietly
-from shared.tasks.calc import CALC_OPERANDS, mul, problems, question
+from shared.default_model import BUILD_STATS_FILE, DEFAULT_MODEL_RECIPE, EmbeddedRecipe, build_model, recipe_digest, save_quietly
+from shared.tasks.calc import CALC_OPERANDS, CALC_TASK, mul, problems, question
 
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n{% endif %}"
@@ -94,7 +94,7 @@ class ToolModelRecipe:
     eval_prompts: int = 128
     eval_seed: int = 1
 
-    label = "the embedded tool model"
+    label = "tool model"
 
     @property
     def warmup_steps(self) -> int:
@@ -250,3 +250,9 @@ def build_tool_model(
     }
     (out_dir / BUILD_STATS_FILE).write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "stats": stats}, indent=2))
     return stats
+
+
+def embedded_recipe(task: str) -> EmbeddedRecipe:
+    """The embedded model a run of `task` trains when no --model is given: the tool model for the embedded tool task,
+    the default model for every other task."""
+    return TOOL_MODEL_RECIPE if task.strip() == CALC_TASK else DEFAULT_MODEL_RECIPE

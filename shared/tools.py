@@ -17,6 +17,9 @@ TOOL_ARGUMENT_MAX_BYTES = 64 * 1024
 TOOL_RESULT_MAX_CHARS = 16 * 1024
 # Tool calls one model turn may hold; more end the rollout (TRL runs every call a turn holds).
 TOOL_CALLS_PER_TURN_MAX = 16
+# The metrics.jsonl key of a tool-using run's rounds of tool calls per rollout offered (TRL's name), which the
+# status's history, the dashboard and /metrics read back.
+TOOL_CALLS_METRIC = "tools/call_frequency"
 
 
 class RolloutEnd(StrEnum):

@@ -11,15 +11,19 @@ import pytest
 from hub.agents.conversation import check_tool_template
 from hub.agents.toolset import load_toolset
 from hub.cli.preflight import check_agents
+from hub.cli.progress import progress_line
 from hub.config import CALC_LR, CALC_MAX_NEW_TOKENS, CALC_STEPS, HubConfig, with_task_defaults
+from hub.service.web import status_metrics
 from hub.training.tasks import load_hub_task
 from shared.chat import tool_suffix_ids
-from shared.default_model import DEFAULT_MODEL_RECIPE, default_model_dir, embedded_recipe
-from shared.layout import METRICS_FILE
+from shared.default_model import DEFAULT_MODEL_RECIPE, default_model_dir
+from shared.layout import HUB_STATUS_FILE, METRICS_FILE
+from shared.messages import HubStatus
 from shared.model_identity import load_model_identity
 from shared.tasks import load_task
 from shared.tasks.calc import CALC_REWARD, CALC_TOOL, CalcTask, correct, mul, problems
-from shared.tool_model import TOOL_MODEL_RECIPE, ToolModelRecipe, build_tool_model
+from shared.tool_model import TOOL_MODEL_RECIPE, ToolModelRecipe, build_tool_model, embedded_recipe
+from shared.tools import TOOL_CALLS_METRIC
 from testbed.harness import query, start_hub
 
 CALL = '<tool_call>\n{"name": "mul", "arguments": {"a": 37, "b": 48}}\n</tool_call><|im_end|>'
@@ -135,6 +139,12 @@ def test_echo_hub_start_task_calc_runs_the_tool_loop_and_logs_its_call_frequency
     verdicts = dict(query(tmp_path / "data", "SELECT verdict, count(*) FROM trajectories GROUP BY verdict"))
     assert verdicts.get("accepted", 0) >= 4 and "rejected" not in verdicts, (verdicts, hub.output()[-3000:])
     rows = [json.loads(line) for line in (tmp_path / "data" / METRICS_FILE).read_text().splitlines()]
-    steps = [r for r in rows if "step" in r and "tools/call_frequency" in r]
-    assert [r["step"] for r in steps] == [1, 2] and all(0.0 <= r["tools/call_frequency"] <= 1.0 for r in steps)
+    steps = [r for r in rows if "step" in r and TOOL_CALLS_METRIC in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(0.0 <= r[TOOL_CALLS_METRIC] <= 1.0 for r in steps)
     assert all("rewards/correct/mean" in r for r in steps)
+    # The status the dashboard, `echo-hub status` and /metrics read carries them, as the progress line shows them.
+    status = HubStatus.model_validate_json((tmp_path / "data" / HUB_STATUS_FILE).read_text())
+    assert [p.tool_calls for p in status.history] == [r[TOOL_CALLS_METRIC] for r in steps]
+    assert f"tool calls {status.recent_tool_calls():.2f}/rollout" in progress_line(status)
+    (gauge,) = [m for m in status_metrics(status) if m.name == "echo2_tool_calls_per_rollout"]
+    assert gauge.samples[0].value == pytest.approx(status.recent_tool_calls())

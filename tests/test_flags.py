@@ -217,7 +217,8 @@ def test_a_users_model_gets_trls_defaults_for_what_was_not_set(tmp_path: Path) -
     assert with_user_model_defaults(HubConfig(), own_model=False) == (HubConfig(), None)
     # One sampling flag leaves the section's other fields at their defaults (--top-p once made max_new_tokens 16).
     assert load_config(HubConfig, None, {"sampling.top_p": 0.9}).sampling.max_new_tokens == HubConfig().sampling.max_new_tokens
-    assert _own_model(tmp_path / "mine") and not _own_model(None) and not _own_model(default_model_dir())
+    assert _own_model(tmp_path / "mine", "reverse") and not _own_model(None, "reverse")
+    assert not _own_model(default_model_dir(), "reverse") and _own_model(default_model_dir(), "calc")  # calc's is another
 
     result = run("hub.cli", "start", "--model", str(tmp_path / "mine"), "--max-completion-length", "64", "--print-config")
     assert result.returncode == 0, result.stderr

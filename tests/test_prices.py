@@ -14,7 +14,7 @@ from rich.console import Console
 from hub.cli.status import render
 from hub.config import HubConfig, LearnerConfig, LeaseConfig, SchedulerConfig
 from hub.control.policy import RELEASE_HOLD_PERIODS, CapacityView, decide, fleet_view
-from hub.method.prices import price_change_refusal, ranking_price
+from hub.method.prices import price_change_refusal, price_lease, ranking_price
 from hub.records.fleet import Fleet, NodeRecord
 from hub.service.status import RunInfo, StatusBoard
 from node.client import HubClient
@@ -23,7 +23,7 @@ from node.price_schedule import parse_price_schedule, scheduled_price
 from shared.crypto import Identity
 from shared.messages import Heartbeat, JoinRequest, PriceReply, Reject, RejectCode
 from shared.net import running_host
-from shared.rollout import SamplingParams
+from shared.rollout import Completion, Group, SamplingParams
 from testbed.inproc import PERMISSIVE_TRUST, inproc_hub
 from tests.test_p2p_negative import clients, joined_and_active
 
@@ -260,3 +260,15 @@ def test_a_rejoin_keeps_the_price_change_clock() -> None:
     assert record.price_changed_at == 20.0
     assert price_change_refusal(4.0, 100.0, record.price_changed_at, 30.0, 600.0) is not None
     assert price_change_refusal(4.0, 100.0, record.price_changed_at, 621.0, 600.0) is None
+
+
+def test_a_tool_using_lease_is_paid_for_the_tokens_its_node_sampled_not_the_tools_answers() -> None:
+    terms = LeaseConfig(lease_timeout_s=600.0, paid_tokens_per_s_floor=10.0, max_cost_per_lease_usd=100.0)
+    called = Completion(
+        token_ids=tuple(range(10)), logprobs=(-0.1,) * 10, finish_reason="stop", version=0, text="", env_spans=((2, 6),)
+    )
+    alone = called.model_copy(update={"env_spans": ()})
+    assert called.sampled_tokens() == 4 and alone.sampled_tokens() == 10
+    group = Group(prompt_id="p", prompt_text="p", version=0, completions=(called, called), rewards=(1.0, 0.0))
+    pay = price_lease(0.0, 3600.0, 1, [group], 100.0, terms)  # held 100 s; 8 sampled tokens at 10/s: 0.8 s billed
+    assert pay.tokens == 8 and pay.billed_s == pytest.approx(0.8) and pay.usd == pytest.approx(0.8)

@@ -294,7 +294,7 @@ def test_load_module_class(monkeypatch):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("nosuch", "builtin tasks are reverse"),
+        ("nosuch", "builtin tasks are calc, reverse"),
         ("math:", "expected 'math:PATH.jsonl'"),
         ("math:/nonexistent/problems.jsonl", "no such file"),
         (":EchoTask", "expected 'module.path:ClassName'"),

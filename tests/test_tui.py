@@ -268,6 +268,7 @@ async def test_hub_dashboard_shows_learner_cost_chains_nodes_and_events(hub_dir:
         assert label.tooltip == "rollout reward, mean of the last 10 learner steps"
         assert app.query_one("#eval-spark").data == [0.25, 0.375]
         assert str(app.query_one("#eval-label").render()) == "eval 0.375 @10"
+        assert not app.query_one("#tools-row").display  # not a tool-using run
         cost = static_text(app, "#cost")
         assert "$1.080" in cost and "$0.00084" in cost and "$2.500" in cost and "57%" in cost
         assert "rej 15 late 11 stale 4" in cost
@@ -719,3 +720,17 @@ def test_a_remote_hubs_node_rows_carry_no_terminal_control_codes(field: str, val
     Leader.model_validate(leader)
     with pytest.raises(ValidationError):
         Leader.model_validate({**leader, "name": "a\x1b[2Jb"})
+
+
+@pytest.mark.asyncio
+async def test_a_tool_using_runs_calls_per_rollout_show_beside_its_reward(tmp_path: Path) -> None:
+    base = hub_status()
+    history = tuple(p.model_copy(update={"tool_calls": 0.1 * i}) for i, p in enumerate(base.history))
+    write_status(tmp_path, base.model_copy(update={"history": history}))
+    app = HubDashboard(DataDirSource(tmp_path), refresh_s=NO_AUTO_REFRESH_S)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.loaded.wait()
+        await pilot.pause()
+        assert app.query_one("#tools-row").display
+        assert app.query_one("#tools-spark").data == [p.tool_calls for p in history]
+        assert str(app.query_one("#tools-label").render()) == "tools 0.45"  # the mean of the last 10 steps

@@ -207,6 +207,9 @@ class HubDashboard(DashboardApp):
                 with Horizontal(classes="spark-row"):
                     yield Label("eval —", id="eval-label")
                     yield Sparkline([], id="eval-spark")
+                with Horizontal(classes="spark-row", id="tools-row"):  # a tool-using run's only
+                    yield Label("tools —", id="tools-label")
+                    yield Sparkline([], id="tools-spark")
             yield Static(id="cost", classes="panel")
         yield Static(id="chains")
         yield DataTable(id="nodes-table", cursor_type="row", zebra_stripes=True)
@@ -260,6 +263,12 @@ class HubDashboard(DashboardApp):
         self.query_one("#eval-spark", Sparkline).data = [e.reward for e in status.evals]
         last_eval = status.evals[-1] if status.evals else None
         self.query_one("#eval-label", Label).update(f"eval {last_eval.reward:.3f} @{last_eval.step}" if last_eval else "eval —")
+        calls = [p.tool_calls for p in status.history if p.tool_calls is not None]
+        self.query_one("#tools-row").display = bool(calls)
+        self.query_one("#tools-spark", Sparkline).data = calls
+        tools = self.query_one("#tools-label", Label)
+        tools.update(f"tools {number(status.recent_tool_calls(), '.2f')}")
+        tools.tooltip = f"rounds of tool calls per rollout, mean of the last {RECENT_REWARD_STEPS} learner steps"
 
     def sorted_nodes(self) -> list[NodeStatus]:
         if self.status is None:

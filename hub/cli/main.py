@@ -333,10 +333,11 @@ def prepare_start(config, fresh: bool, anyway: bool):
     """Every check of `echo-hub start` (UserError on a mistake, nothing written), then the data dir lock. None:
     the run already did the steps asked, and says so."""
     from hub.cli.preflight import Started, check_resume, check_start, move_aside
-    from shared.default_model import default_model_dir, embedded_recipe
+    from shared.default_model import default_model_dir
     from shared.layout import FINAL_DIR, HUB_LOCK_FILE
     from shared.lock import lock_data_dir
     from shared.precision import check_device
+    from shared.tool_model import embedded_recipe
 
     model = check_start(config)
     check_device(config.learner.device, "--device")
@@ -407,7 +408,8 @@ def _config() -> int:
 
 def _own_model(model: Path | None, task: str) -> bool:
     """Whether --model names a model of the user's, not the embedded one `task` trains (None, or its cache directory)."""
-    from shared.default_model import default_model_dir, embedded_recipe
+    from shared.default_model import default_model_dir
+    from shared.tool_model import embedded_recipe
 
     return model is not None and model.resolve() != default_model_dir(recipe=embedded_recipe(task)).resolve()
 

@@ -31,10 +31,11 @@ from shared.checks import (
     check_model_dir,
     model_fingerprint,
 )
-from shared.default_model import DEFAULT_MODEL_RECIPE, embedded_recipe
+from shared.default_model import DEFAULT_MODEL_RECIPE
 from shared.layout import CHECKPOINTS_DIR, FINAL_DIR, HUB_KEY_FILE, HUB_STORE_FILE
 from shared.precision import resolve_device
 from shared.tasks.base import Task
+from shared.tool_model import embedded_recipe
 
 if TYPE_CHECKING:
     from shared.model_identity import ModelIdentity

@@ -45,11 +45,13 @@ RECENT_STEPS = 3
 SIGNAL_WINDOW_GROUPS = 32
 
 
-def _line(status: HubStatus) -> str:
+def progress_line(status: HubStatus) -> str:
     states = [n.state for n in status.nodes]
     bubble = f"{status.bubble:.2f}" if status.bubble is not None else "-"
+    calls = status.recent_tool_calls()
+    tools = f" | tool calls {calls:.2f}/rollout" if calls is not None else ""
     return (
-        f"v{status.version} rollout reward {status.recent_reward_text(2)} | nodes {states.count('active')} active "
+        f"v{status.version} rollout reward {status.recent_reward_text(2)}{tools} | nodes {states.count('active')} active "
         f"{states.count('standby')} standby | accepted {status.totals.accepted} | bubble {bubble} | ${status.cost_usd:.4f}"
         f"{warning_tail(status)}"
     )
@@ -82,7 +84,7 @@ async def live_progress(hub) -> None:
         task = progress.add_task("starting", total=total)
         while True:
             status = hub.status.snapshot(0)
-            progress.update(task, completed=status.step, description=_line(status))
+            progress.update(task, completed=status.step, description=progress_line(status))
             await trio.sleep(REFRESH_S)
 
 
@@ -91,7 +93,7 @@ async def plain_progress(hub, period_s: float = PLAIN_PERIOD_S) -> None:
     while True:
         await trio.sleep(period_s)
         status = hub.status.snapshot(0)
-        print(f"{time.strftime('%H:%M:%S')} step {_steps(status)} {_line(status)}", flush=True)
+        print(f"{time.strftime('%H:%M:%S')} step {_steps(status)} {progress_line(status)}", flush=True)
 
 
 def stall_cause(discards: dict[str, int], waiting: int, needed: int) -> str:

@@ -1,4 +1,4 @@
-"""`echo-hub report`: reward (training and held-out), loss and KL, staleness and bubble ratio over learner steps,
+"""`echo-hub report`: reward (training and held-out; a tool-using run's tool calls per rollout beside it), loss and KL, staleness and bubble ratio over learner steps,
 plotted to a PNG from metrics.jsonl, with the steps a crash lost as weights shaded and named in the title."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from pathlib import Path
 from hub.training.metrics import lost_text, policy_reward, read_evals, read_lost, read_metrics
 from shared.checks import UserError
 from shared.layout import METRICS_FILE, REPORT_FILE
+from shared.tools import TOOL_CALLS_METRIC
 
 
 def _loss_and_kl(ax, steps: list[float], rows: list[dict[str, float]]) -> None:
@@ -61,6 +62,9 @@ def write_report(data_dir: Path, out: Path | None = None) -> Path:
             label=f"held-out reward ({int(evals[-1]['eval_prompts'])} prompts)",
             linewidth=2,
         )
+    if any(TOOL_CALLS_METRIC in r for r in rows):  # a tool-using run: its calls rise as its reward does
+        calls = [r.get(TOOL_CALLS_METRIC, float("nan")) for r in rows]
+        axes[0].plot(steps, calls, label="tool calls per rollout", color="tab:purple", linestyle=":")
     lost = _mark_lost(axes, read_lost(Path(data_dir) / METRICS_FILE))
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")

@@ -416,7 +416,8 @@ def run_hub(
     import transformers
 
     from hub.cli.summary import print_summary
-    from shared.default_model import default_model_dir, embedded_recipe, ensure_default_model
+    from shared.default_model import default_model_dir, ensure_default_model
+    from shared.tool_model import embedded_recipe
 
     torch.set_num_threads(config.learner.threads)
     transformers.utils.logging.disable_progress_bar()  # our own progress display owns the terminal
@@ -426,7 +427,10 @@ def run_hub(
     if model is None:
         recipe = embedded_recipe(config.task)
         if not (built := default_model_dir(recipe=recipe)).is_dir():  # a wait of its own: said, with or without a bar
-            print(f"echo-hub: building {recipe.label} ({recipe.warmup_steps} warm-up steps, once: kept in {built})", flush=True)
+            print(
+                f"echo-hub: building the embedded {recipe.label} ({recipe.warmup_steps} warm-up steps, once: kept in {built})",
+                flush=True,
+            )
         model = load_model_identity(ensure_default_model(progress=progress and sys.stderr.isatty(), recipe=recipe))
     try:
         hub = Hub(config, identity, model, progress, asked=asked, warnings=warnings)
@@ -519,7 +523,8 @@ def run_learner_rank(config: HubConfig, env: RankEnv) -> int:
     import transformers
 
     from hub.training.learner import Learner
-    from shared.default_model import embedded_recipe, ensure_default_model
+    from shared.default_model import ensure_default_model
+    from shared.tool_model import embedded_recipe
 
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s rank {env.rank} %(levelname)s %(name)s: %(message)s")
     lc = on_this_machine(config).learner

@@ -17,7 +17,16 @@ from shared.checks import UserError, check_key_file, check_peer_addr
 from shared.failures import plain_failure
 from shared.layout import HUB_LOCK_FILE, HUB_STATUS_FILE
 from shared.lock import live_holder
-from shared.messages import STALE_FILE_S, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, reasons_text, short_id
+from shared.messages import (
+    RECENT_REWARD_STEPS,
+    STALE_FILE_S,
+    TALLY_FIELDS,
+    TALLY_SHORT,
+    HubStatus,
+    NodeStatus,
+    reasons_text,
+    short_id,
+)
 from shared.staleness import moves_text
 from shared.units import duration
 
@@ -133,6 +142,8 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
     head.add_row(
         "rollout reward", status.recent_reward_text(), f"bubble {status.bubble:.2f}" if status.bubble is not None else ""
     )
+    if (calls := status.recent_tool_calls()) is not None:
+        head.add_row("tool calls", f"{calls:.2f} per rollout (last {RECENT_REWARD_STEPS} steps)", "")
     if status.evals:
         e = status.evals[-1]
         passes = f"pass@1 {e.pass_at_1:.3f}, pass@{e.k} {e.pass_at_k:.3f}" if e.k > 1 else f"pass@1 {e.pass_at_1:.3f}"

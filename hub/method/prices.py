@@ -38,7 +38,7 @@ class LeasePay:
     held_s: float  # how long the node held the lease, at most its timeout (also its throughput sample's time)
     billed_s: float  # of that, the seconds paid for (`billable_seconds`)
     usd: float
-    tokens: int  # completion tokens of the accepted groups
+    tokens: int  # completion tokens the node sampled in the accepted groups (a tool's answers are the hub's)
 
     @property
     def booked_s(self) -> float:
@@ -63,7 +63,7 @@ def price_lease(
     """The pay for a lease of `leased` prompts issued at `issued_at` at `price_per_hour`, answered at `answered_at`
     with the `accepted` groups."""
     held_s = min(answered_at - issued_at, terms.lease_timeout_s)
-    tokens = sum(len(c.token_ids) for group in accepted for c in group.completions)
+    tokens = sum(c.sampled_tokens() for group in accepted for c in group.completions)
     billed_s = billable_seconds(held_s, len(accepted), leased, tokens, terms.paid_tokens_per_s_floor)
     usd = min(price_per_hour * billed_s / SECONDS_PER_HOUR, terms.max_cost_per_lease_usd)
     return LeasePay(held_s, billed_s, usd, tokens)

@@ -30,6 +30,7 @@ from shared.logs import OperatorLine
 from shared.messages import LEADERS_MAX, Contribution, EvalPoint, EventRecord, HubStatus, Leader, NodeStatus, StepPoint, short_id
 from shared.snapshot import Snapshot
 from shared.staleness import StalenessMove
+from shared.tools import TOOL_CALLS_METRIC
 from shared.wire import HEADER, encode_frame
 
 STATUS_PERIOD_S = 1.0
@@ -114,6 +115,7 @@ class StatusBoard:
                 bubble=s.bubble,
                 t_train_s=s.t_train_s,
                 t_idle_s=s.t_idle_s,
+                tool_calls=s.extra.get(TOOL_CALLS_METRIC),
             )
             for s in steps
         )

@@ -96,6 +96,11 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         gauge("echo2_staleness", "S in force: the staleness budget (it moves under --staleness auto)", s.staleness),
         gauge("echo2_kappa", "kappa in force: steps between snapshots", s.kappa),
         gauge("echo2_rollout_reward", "mean rollout reward of the last step", s.reward_mean),
+        gauge(
+            "echo2_tool_calls_per_rollout",
+            "rounds of tool calls per rollout (a tool-using run's, recent steps)",
+            s.recent_tool_calls(),
+        ),
         gauge("echo2_eval_reward", "mean reward of the last held-out evaluation", last_eval),
         gauge("echo2_bubble_ratio", "share of the last step the learner waited for rollouts", s.bubble),
         gauge("echo2_predicted_bubble_ratio", "the capacity model's predicted bubble", s.predicted_bubble),

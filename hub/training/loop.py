@@ -83,6 +83,7 @@ from shared.probe import InstallProbe
 from shared.rollout import Group, SamplingParams
 from shared.snapshot import Snapshot, read_snapshot_files
 from shared.staleness import StalenessMove
+from shared.tools import TOOL_CALLS_METRIC
 
 if TYPE_CHECKING:  # pyarrow is imported only by a hub that saves rollouts
     from hub.training.rollout_export import RolloutExport
@@ -461,7 +462,7 @@ class LearnerComponent:
         if count == seen_count:
             return {}
         offered = count - seen_count
-        tools = {"tools/call_frequency": (rounds - seen_rounds) / offered} if self.uses_tools else {}
+        tools = {TOOL_CALLS_METRIC: (rounds - seen_rounds) / offered} if self.uses_tools else {}
         return {
             "rollout_reward_mean": (total - seen_total) / offered,
             "frac_reward_zero_std": (zero_std - seen_zero_std) / offered,

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from hub.config import HubConfig
 from shared.checks import UserError
-from shared.default_model import embedded_recipe
 from shared.tasks import Task, load_task
 from shared.tasks.base import Prompt, checked_rewards
 from shared.tasks.dataset import DatasetTask, chat_renderer
 from shared.tasks.split import excluding, split_task
+from shared.tool_model import embedded_recipe
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,7 +34,7 @@ def load_hub_task(spec: str, config: HubConfig, model: ModelIdentity | None) -> 
     embedded model's the task trains (None: it may not be built yet). A tool-using run's prompts are rendered with its
     tools' schemas, and its rewards read each tool-using completion as its conversation (hub/agents/)."""
     options = replace(config.dataset.options(), max_steps=config.steps)
-    embedded = "the embedded model's tokenizer (no --model given)"
+    embedded = f"the embedded {embedded_recipe(config.task).label}'s tokenizer (no --model given)"
     if not config.agents.enabled:
         renderer = model.chat_renderer if model is not None else lambda: chat_renderer(embedded_tokenizer(config.task), embedded)
         return load_task(spec, options, renderer)
