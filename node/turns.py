@@ -14,14 +14,15 @@ not answered, and lapses.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 
 import trio
 
 from node.engine import Engine
 from shared.messages import Lease, LeasePrompt, Reject, RolloutTurn, TurnReply, TurnRequest, printable_excerpt, turns_per_request
-from shared.rollout import Completion, FinishReason, SamplingParams
+from shared.rollout import Completion, SamplingParams
+from shared.turns import AnswerRefused, TurnedRollout
 
 # Sends one request of turns to the hub: its reply or its refusal.
 SendTurns = Callable[[TurnRequest], Awaitable[TurnReply | Reject]]
@@ -30,50 +31,6 @@ REFUSAL_CHARS = 200
 
 class TurnsBroken(Exception):
     """The hub's answers to a lease's turns cannot be followed: the lease is not answered."""
-
-
-@dataclass
-class _Rollout:
-    """One rollout as the node builds it: its prompt's ids, then its model and environment tokens."""
-
-    prompt_id: str
-    index: int
-    prompt: list[int]
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    last_turn: tuple[int, ...] = ()
-    finish: FinishReason = "stop"
-    version: int = -1
-    done: bool = False
-
-    def add_turn(self, turn: Completion) -> None:
-        if self.version not in (-1, turn.version):
-            raise AssertionError("a rollout's turns were generated with two versions (the engine lock was let go)")
-        self.ids += turn.token_ids
-        self.logprobs += turn.logprobs
-        self.last_turn, self.finish, self.version = turn.token_ids, turn.finish_reason, turn.version
-
-    def add_environment(self, env_ids: Sequence[int], budget: int, vocab_size: int) -> None:
-        if max(env_ids) >= vocab_size:  # the message bounds ids by any model's; this model's embedding is smaller
-            raise TurnsBroken(f"the hub answered token id {max(env_ids)}, past this model's {vocab_size}")
-        if len(self.ids) + len(env_ids) >= budget:
-            raise TurnsBroken(
-                f"the hub's answer to rollout {self.index} of {self.prompt_id[:40]!r} leaves no room for a model token"
-            )
-        self.spans.append((len(self.ids), len(env_ids)))
-        self.ids += env_ids
-        self.logprobs += [0.0] * len(env_ids)
-
-    def completion(self, engine: Engine) -> Completion:
-        return Completion(
-            token_ids=tuple(self.ids),
-            logprobs=tuple(self.logprobs),
-            finish_reason=self.finish,
-            version=self.version,
-            text=engine.tokenizer.decode(self.ids, skip_special_tokens=True),
-            env_spans=tuple(self.spans),
-        )
 
 
 async def multi_turn_groups(
@@ -85,25 +42,26 @@ async def multi_turn_groups(
     assert lease.tools is not None, "a multi-turn lease"
     budget = lease.sampling.max_new_tokens
     encoded = await trio.to_thread.run_sync(lambda: engine.tokenizer([p.text for p in prompts])["input_ids"])
-    rollouts = [_Rollout(p.prompt_id, i, list(ids)) for p, ids in zip(prompts, encoded) for i in range(lease.group_size)]
+    rollouts = [TurnedRollout(p.prompt_id, i, list(ids)) for p, ids in zip(prompts, encoded) for i in range(lease.group_size)]
     for turn in range(lease.tools.max_tool_calls + 1):  # the hub ends each rollout by then
         active = [r for r in rollouts if not r.done]
         if not active:
             break
         made = await trio.to_thread.run_sync(
-            engine.generate_turns, [r.prompt + r.ids for r in active], [budget - len(r.ids) for r in active], sampling_of(turn)
+            engine.generate_turns, [r.context() for r in active], [budget - len(r.ids) for r in active], sampling_of(turn)
         )
         for rollout, made_turn in zip(active, made):
             rollout.add_turn(made_turn)
         await _exchange(lease.lease_id, active, send, budget, engine.vocab_size)
     if any(not r.done for r in rollouts):
         raise TurnsBroken(f"the hub did not end the rollouts within {lease.tools.max_tool_calls} tool calls")
-    completions = await trio.to_thread.run_sync(lambda: [r.completion(engine) for r in rollouts])  # decoding: off the loop
+    decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=True)
+    completions = await trio.to_thread.run_sync(lambda: [r.completion(decode) for r in rollouts])  # decoding: off the loop
     n = lease.group_size
     return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
-async def _exchange(lease_id: str, active: Sequence[_Rollout], send: SendTurns, budget: int, vocab_size: int) -> None:
+async def _exchange(lease_id: str, active: Sequence[TurnedRollout], send: SendTurns, budget: int, vocab_size: int) -> None:
     """Send the active rollouts' last turns, as many in one request as the hub takes, and follow its answers."""
     step = turns_per_request(budget)
     for start in range(0, len(active), step):
@@ -121,4 +79,7 @@ async def _exchange(lease_id: str, active: Sequence[_Rollout], send: SendTurns, 
             if answer.done:
                 rollout.done = True
             else:
-                rollout.add_environment(answer.env_ids, budget, vocab_size)
+                try:
+                    rollout.add_environment(answer.env_ids, budget, vocab_size)
+                except AnswerRefused as exc:
+                    raise TurnsBroken(f"the hub's answer cannot be followed: {exc}") from None

@@ -12,14 +12,23 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import trio
+from transformers import AutoModelForCausalLM
 
-from hub.agents.rollouts import with_observation
+from hub.agents.evaluation import tool_groups
+from hub.agents.loop import LoopLimits, ToolLoop
+from hub.agents.rollouts import AgentRollouts, with_observation
+from hub.agents.sandbox import SandboxLimits, open_sandbox
 from hub.agents.toolset import load_toolset
+from hub.cli.eval import check_eval
 from hub.cli.preflight import check_agents, check_tool_task
 from hub.config import AgentsConfig, EvalConfig, HubConfig
 from shared.checks import UserError
-from shared.rollout import Group
-from shared.tasks.dataset import chat_renderer
+from shared.generation import Sampler
+from shared.model_identity import load_model_identity
+from shared.rollout import Group, SamplingParams
+from shared.tasks.dataset import DatasetOptions, DatasetTask, chat_renderer
 from shared.tasks.reverse import ReverseTask
 from testbed.harness import query, start_hub
 from testbed.tool_chat import NAMES_TEMPLATE, tool_chat_tokenizer, tool_model_dir
@@ -73,9 +82,40 @@ def test_what_the_tool_loop_cannot_run_is_refused_in_one_line(tmp_path):
     )
     assert not (tmp_path / "data").exists()
     tools = AgentsConfig(tools=("testbed.agent_tools:add",))
-    with pytest.raises(UserError, match="held-out evaluation does not run the tool loop"):
-        check_agents(HubConfig(agents=tools, eval=EvalConfig(every=5)), object())  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="evaluates on a held-out split of its own task"):
+        check_agents(HubConfig(agents=tools, eval=EvalConfig(every=5, task="other.jsonl")), object())  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="echo-hub eval of one is not built yet"):
+        check_eval(HubConfig(agents=tools), Path("no-model-read"))
     with pytest.raises(UserError, match="no attribute 'nothing'"):
         check_agents(HubConfig(agents=AgentsConfig(tools=("testbed.agent_tools:nothing",))), object())  # type: ignore[arg-type]
     with pytest.raises(UserError, match="the prompts must be chat messages"):
         check_tool_task(HubConfig(agents=tools), ReverseTask())
+
+
+def test_held_out_rollouts_run_the_tool_loop_and_get_their_environments_rewards(tool_run):
+    """The hub's held-out evaluation of a tool-using run (hub/agents/evaluation.py): its own model generates each
+    turn, the tool loop answers it in the sandbox as it answers a node's, and each environment's reward is asked at
+    the end; nothing stays open."""
+    task_path, model_dir = tool_run
+    identity = load_model_identity(model_dir)
+    render = chat_renderer(identity.tokenizer_copy(), "test", load_toolset([], ENVIRONMENT).schemas)
+    options = DatasetOptions(reward="testbed.agent_tools:said_done", keep_rows=True)
+    task = DatasetTask(task_path, options, lambda: render)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    sampler = Sampler(model, identity.tokenizer_copy(), torch.device("cpu"), stop_ids=sorted(identity.stop_ids))
+    limits = SandboxLimits(wall_s=5.0, cpu_s=1.0, memory_bytes=256 * 1024**2)
+
+    async def main():
+        async with open_sandbox([], ENVIRONMENT, limits, procs=1) as sandbox:
+            loop = ToolLoop(sandbox, identity.tokenizer_copy(), LoopLimits(max_tool_calls=2, max_completion_tokens=160))
+            agents = AgentRollouts(loop, task, render, 4, identity.config.vocab_size, 160, "Counter")
+            sampling = SamplingParams(max_new_tokens=160, seed=1)
+            # Greedy: the memorised policy's most likely turns (a sampled one may garble the call, as the run allows).
+            held = await trio.to_thread.run_sync(tool_groups, agents, sampler, task.prompts()[:1], 2, sampling, 0, True)
+            return held, dict(loop.rollouts), dict(agents.keys)
+
+    (group,), still_open, keys = trio.run(main)
+    assert not still_open and not keys
+    assert all(c.env_spans for c in group.completions), [c.text for c in group.completions]
+    assert group.environment_rewards == [1.0, 1.0]  # bump(3) made each counter 3: its get_reward()
+    assert all(c.text.endswith("done") for c in group.completions)

@@ -14,6 +14,7 @@ from hub.cli.preflight import check_agents
 from hub.cli.progress import progress_line
 from hub.config import CALC_LR, CALC_MAX_NEW_TOKENS, CALC_STEPS, HubConfig, with_task_defaults
 from hub.service.web import status_metrics
+from hub.training.metrics import read_evals
 from hub.training.tasks import load_hub_task
 from shared.chat import tool_suffix_ids
 from shared.default_model import DEFAULT_MODEL_RECIPE, default_model_dir
@@ -115,25 +116,13 @@ def test_the_built_tool_model_loads_like_any_checkpoint_and_reads_its_prompts(sm
     assert json.loads((small_tool_model / "build_stats.json").read_text())["recipe"]["phases"][0] == [6, 0.5, 1e-3]
 
 
-def test_echo_hub_start_task_calc_runs_the_tool_loop_and_logs_its_call_frequency(tmp_path, small_tool_model):
+def test_echo_hub_start_task_calc_runs_the_tool_loop_evaluates_through_it_and_logs_its_call_frequency(tmp_path, small_tool_model):
     (tmp_path / "hub.toml").write_text("[learner]\nskip_zero_variance = false\n")  # a barely warmed-up policy
     hub = start_hub(
         tmp_path / "data",
         *("--task", "calc", "--model", str(small_tool_model), "--config", str(tmp_path / "hub.toml")),
-        *(
-            "--steps",
-            "2",
-            "--local-nodes",
-            "1",
-            "--group-size",
-            "4",
-            "--prompts-per-step",
-            "2",
-            "--lr",
-            "1e-4",
-            "--max-new-tokens",
-            "40",
-        ),
+        *("--steps", "2", "--local-nodes", "1", "--group-size", "4", "--prompts-per-step", "2", "--lr", "1e-4"),
+        *("--max-new-tokens", "40", "--eval-every", "2", "--eval-prompts", "4", "--eval-samples", "2"),  # held out too
     )
     assert hub.wait_or_kill(RUN_TIMEOUT_S) == 0, hub.output()[-3000:]
     verdicts = dict(query(tmp_path / "data", "SELECT verdict, count(*) FROM trajectories GROUP BY verdict"))
@@ -142,6 +131,8 @@ def test_echo_hub_start_task_calc_runs_the_tool_loop_and_logs_its_call_frequency
     steps = [r for r in rows if "step" in r and TOOL_CALLS_METRIC in r]
     assert [r["step"] for r in steps] == [1, 2] and all(0.0 <= r[TOOL_CALLS_METRIC] <= 1.0 for r in steps)
     assert all("rewards/correct/mean" in r for r in steps)
+    (held_out,) = read_evals(tmp_path / "data" / METRICS_FILE)  # through the tool loop, as the rollouts were
+    assert held_out["eval_step"] == 2 and held_out["eval_prompts"] == 4 and 0.0 <= held_out["eval_reward"] <= 1.0
     # The status the dashboard, `echo-hub status` and /metrics read carries them, as the progress line shows them.
     status = HubStatus.model_validate_json((tmp_path / "data" / HUB_STATUS_FILE).read_text())
     assert [p.tool_calls for p in status.history] == [r[TOOL_CALLS_METRIC] for r in steps]

@@ -37,6 +37,8 @@ from shared.tools import RolloutEnd, rollout_key
 from shared.wire import PeerFault
 
 # Why a completion's group is rejected when its rollout was not the hub's to settle.
+# Whom the hub's own held-out rollouts are charged to in the tool loop's bounds (no node's peer id looks like it).
+EVAL_OWNER = "held-out evaluation"
 UNKNOWN_ROLLOUT = "a rollout this hub did not open (it restarted since the lease) or never answered to its end"
 
 
@@ -124,24 +126,28 @@ class AgentRollouts:
         """Open every rollout of a lease just granted, charged to its node: the lease's prompts as its node is to
         read them (with an environment, rendered with their observations). AgentsBusy (nothing left open) when the
         loop or the sandbox is full."""
-        keys = self.keys.setdefault(lease.lease_id, set())
+        return await self._open(lease.lease_id, lease.node_id, lease.prompts, self.group_size)
+
+    async def _open(self, lease_id: str, owner: str, prompts: Sequence[Prompt], n: int) -> tuple[Prompt, ...]:
+        """Open `n` rollouts of each of `prompts` (the task's) under `lease_id`, charged to `owner`."""
+        keys = self.keys.setdefault(lease_id, set())
         try:
-            return tuple([await self._open_group(lease, prompt, keys) for prompt in lease.prompts])
+            return tuple([await self._open_group(lease_id, owner, prompt, keys, n) for prompt in prompts])
         except (LoopFull, SandboxFull) as exc:
-            if self.keys.get(lease.lease_id) is keys:
-                del self.keys[lease.lease_id]
+            if self.keys.get(lease_id) is keys:
+                del self.keys[lease_id]
             await self._end_keys(keys)
             raise AgentsBusy(str(exc)) from None
 
-    async def _open_group(self, lease: LeaseRecord, prompt: Prompt, keys: set[str]) -> Prompt:
+    async def _open_group(self, lease_id: str, owner: str, prompt: Prompt, keys: set[str], n: int) -> Prompt:
         row = self.task.row_of(prompt.id) if self.loop.sandbox.environment_spec is not None else {}
         observations: dict[str, str | None] = {}
-        for index in range(self.group_size):
-            key = rollout_key(lease.lease_id, prompt.id, index)
+        for index in range(n):
+            key = rollout_key(lease_id, prompt.id, index)
             keys.add(key)
-            observations[key] = await self.loop.begin(key, lease.node_id, dict(row))
-            if self.keys.get(lease.lease_id) is not keys:  # the lease closed meanwhile (its node left, say)
-                raise LoopFull(f"lease {lease.lease_id[:8]} closed while its rollouts were opened")
+            observations[key] = await self.loop.begin(key, owner, dict(row))
+            if self.keys.get(lease_id) is not keys:  # the lease closed meanwhile (its node left, say)
+                raise LoopFull(f"lease {lease_id[:8]} closed while its rollouts were opened")
         live = [key for key in observations if not self.loop.done(key)]  # a reset past a limit ended its rollout
         first = observations[live[0]] if live else None
         for key in live[1:]:
@@ -242,6 +248,30 @@ class AgentRollouts:
         if done is not None:
             return tuple(segment_digest(ids) for ids in segments) == done.digests
         return self.loop.sent_matches(key, segments)
+
+    # -- held-out evaluation --------------------------------------------------------------------
+
+    async def open_evaluation(self, name: str, prompts: Sequence[Prompt], n: int) -> tuple[Prompt, ...]:
+        """Open `n` rollouts of each held-out prompt under `name` (a pseudo-lease of the hub's own, charged to
+        EVAL_OWNER): the prompts as the model is to read them. AgentsBusy when the loop or the sandbox is full."""
+        return await self._open(name, EVAL_OWNER, prompts, n)
+
+    async def answer_evaluation(self, turns: Sequence[tuple[str, Sequence[int]]]) -> list[TurnAnswer]:
+        """The answers to held-out rollouts' turns ((key, the turn's ids) each), run concurrently."""
+        answers: list[TurnAnswer | None] = [None] * len(turns)
+        async with trio.open_nursery() as nursery:
+            for i, (key, token_ids) in enumerate(turns):
+                nursery.start_soon(self._answer, answers, i, key, token_ids)
+        return [a for a in answers if a is not None]
+
+    async def close_evaluation(self, name: str) -> dict[str, float | None]:
+        """End every rollout of `name`, each environment asked for its reward first (a rollout ended early gets
+        none): the rewards by rollout key."""
+        rewards: dict[str, float | None] = {}
+        for key in sorted(self.keys.pop(name, set())):
+            record = await self.loop.end(key)
+            rewards[key] = record.reward if record is not None else None
+        return rewards
 
     # -- a lease's end -------------------------------------------------------------------------
 

@@ -86,8 +86,11 @@ def tool_rollouts(config: HubConfig, model: ModelIdentity, task: Task) -> AgentR
     from hub.agents.sandbox import SandboxLimits, ToolSandbox
     from hub.agents.toolset import load_toolset
     from shared.tasks.dataset import DatasetTask, chat_renderer
+    from shared.tasks.split import TaskPart
 
     a = config.agents
+    if isinstance(task, TaskPart):  # the training side of a held-out split: its rows and messages are the task's
+        task = task.task
     assert isinstance(task, DatasetTask), "tools need a dataset task (check_agents)"
     toolset = load_toolset(a.tools, a.environment)
     limits = SandboxLimits(a.tool_wall_s, a.tool_cpu_s, a.tool_memory_mb << 20, a.environments_per_worker)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hub.config import HubConfig
+from shared.checks import UserError
 from shared.layout import RUN_CONFIG_FILE
 from shared.tasks.base import Task
 
@@ -31,6 +32,11 @@ def check_eval(config: HubConfig, model_dir: Path) -> tuple[ModelIdentity, Task]
     """The model in `model_dir`, read once, and the held-out task to evaluate it on (UserError on a mistake)."""
     from hub.cli.preflight import checked_tasks, read_model
 
+    if config.agents.enabled:  # its held-out rollouts need the hub's tool loop and sandbox, which only a run starts
+        raise UserError(
+            "a tool-using run's policy is evaluated during its run (--eval-every N), through its tool loop; "
+            "echo-hub eval of one is not built yet"
+        )
     model = read_model(model_dir)
     task = checked_tasks(config, model, evaluate=True)[1]
     assert task is not None  # asked to evaluate

@@ -149,7 +149,8 @@ def checked_reward(task: Task, group_size: int) -> None:
 def check_agents(config: HubConfig, model: ModelIdentity | None) -> None:
     """Tools and an environment as TRL takes them, which this hub can run: their specs load and offer at least one
     tool, the sandbox has what it needs (Linux), --model's chat template renders them (hub/agents/conversation.py),
-    and nothing asks for what the tool loop does not do yet (held-out evaluation)."""
+    and nothing asks for what the tool loop does not do yet (held-out evaluation on another task than a split of
+    the training one)."""
     agents = config.agents
     if not agents.enabled:
         return
@@ -161,9 +162,10 @@ def check_agents(config: HubConfig, model: ModelIdentity | None) -> None:
             f"{flag} needs --model: a model whose chat template renders tools (the embedded default's does not; "
             "--task calc trains the embedded tool model)"
         )
-    if config.eval.every > 0:
+    if config.eval.every > 0 and config.eval.task is not None:
         raise UserError(
-            f"--eval-every {config.eval.every} with {flag}: held-out evaluation does not run the tool loop yet; leave it 0"
+            f"--eval-task {config.eval.task} with {flag}: a tool-using run evaluates on a held-out split of its own task "
+            "(--eval-split) only, for now; drop --eval-task"
         )
     from hub.agents.conversation import check_tool_template
     from hub.agents.toolset import load_toolset

@@ -80,6 +80,7 @@ class Hub:
         the run's echo2.toml starts on another machine); `config` when omitted. `warnings`: the lines the hub logs for
         its operator, which its status shows (None: none shown). `model`: read once, every component's."""
         self.warnings = warnings
+        from hub.agents.evaluation import tool_groups
         from hub.cli.build import build_hub_state
         from hub.cli.card import run_card
         from hub.control.scheduler import LearnerTiming, Scheduler, StalenessBounds
@@ -119,7 +120,8 @@ class Hub:
         self.evaluation = None
         if eval_task is not None:
             lora = LoraSpec(rank=lc.lora_rank, alpha=lc.lora_alpha, targets=lc.lora_targets) if lc.lora_rank else None
-            evaluator = Evaluator(model, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed, lora)
+            tools = functools.partial(tool_groups, self.state.agents) if self.state.agents is not None else None
+            evaluator = Evaluator(model, eval_task, config.eval, config.sampling, self.dtype, lc.device, lc.seed, lora, tools)
             self.evaluation = EvalRunner(evaluator, config.eval.every, self._record_eval, self.state.event)
         # The scheduler before the learner, which asks it for S under --staleness auto: what it reads of the learner
         # (T_train, the usable fraction, the S and kappa a resumed run goes on at) is in the state's measurements.

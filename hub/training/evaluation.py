@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -29,8 +30,15 @@ from shared.logs import for_operator
 from shared.messages import EvalPoint
 from shared.model_identity import ModelIdentity
 from shared.model_io import tied_duplicates
-from shared.rollout import SamplingParams
-from shared.tasks.base import GroupContext, Task, checked_scores
+from shared.rollout import Completion, SamplingParams
+from shared.tasks.base import GroupContext, Prompt, Task, checked_scores
+
+if TYPE_CHECKING:
+    from hub.agents.evaluation import HeldOutGroup
+
+# A tool-using run's held-out rollouts: (sampler, prompts, completions per prompt, sampling, version, greedy) -> one
+# group per prompt (hub/agents/evaluation.py).
+ToolGroups = Callable[[Sampler, Sequence[Prompt], int, SamplingParams, int, bool], "list[HeldOutGroup]"]
 
 log = logging.getLogger("echo2.hub.eval")
 
@@ -77,10 +85,14 @@ class Evaluator:
         device: str,
         seed: int,
         lora: LoraSpec | None = None,
+        tools: ToolGroups | None = None,
     ) -> None:
+        """`tools`: a tool-using run's held-out rollouts (hub/agents/evaluation.py's tool_groups, bound to the hub's
+        tool loop); None: single-turn."""
         from transformers import AutoModelForCausalLM
 
         self.task = task
+        self.tools = tools
         self.cfg = cfg
         self.prompts = task.prompts()[: cfg.prompts]
         self.greedy = cfg.temperature == 0.0
@@ -120,16 +132,21 @@ class Evaluator:
             if stop is not None and stop.is_set():
                 return None
             batch = self.prompts[i : i + EVAL_BATCH_PROMPTS]
-            groups = self.sampler.generate([p.text for p in batch], self.cfg.samples, self.sampling, step, self.greedy)
-            rewards += [
-                list(
-                    checked_scores(
-                        self.task, p, [c.text for c in group], GroupContext(tuple(c.token_ids for c in group), step)
-                    ).rewards
-                )
-                for p, group in zip(batch, groups)
-            ]
+            if self.tools is None:
+                groups = self.sampler.generate([p.text for p in batch], self.cfg.samples, self.sampling, step, self.greedy)
+                extra: list[list[float | None]] = [[None] * len(g) for g in groups]
+            else:
+                held = self.tools(self.sampler, batch, self.cfg.samples, self.sampling, step, self.greedy)
+                groups, extra = [h.completions for h in held], [h.environment_rewards for h in held]
+            rewards += [self._scored(step, p, group, more) for p, group, more in zip(batch, groups, extra)]
         return summarize(step, rewards, self.cfg.success_reward, time.perf_counter() - started)
+
+    def _scored(self, step: int, prompt: Prompt, group: list[Completion], environment: list[float | None]) -> list[float]:
+        """A group's rewards as the hub scores a node's: the task's, plus each rollout's environment reward (weight 1,
+        as TRL adds it; none for a rollout ended early)."""
+        context = GroupContext(tuple(c.token_ids for c in group), step, tuple(c.env_spans for c in group))
+        scores = checked_scores(self.task, prompt, [c.text for c in group], context).rewards
+        return [r + (e or 0.0) for r, e in zip(scores, environment)]
 
 
 class EvalRunner:
