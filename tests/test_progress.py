@@ -128,12 +128,12 @@ def test_a_reward_is_flat_when_most_groups_score_every_completion_alike():
 
 
 def test_the_progress_line_ends_with_the_newest_warning_and_its_age():
-    from hub.cli.progress import _line
+    from hub.cli.progress import progress_line
     from shared.messages import EventRecord
     from tests.test_tui import hub_status
 
     status = hub_status()
-    assert warning_tail(status) == "" and "warning" not in _line(status)
+    assert warning_tail(status) == "" and "warning" not in progress_line(status)
     warned = status.model_copy(
         update={
             "warnings": (
@@ -142,7 +142,7 @@ def test_the_progress_line_ends_with_the_newest_warning_and_its_age():
             )
         }
     )
-    assert _line(warned).endswith(" | warning: reward_flat (1 min 05 s ago)")
+    assert progress_line(warned).endswith(" | warning: reward_flat (1 min 05 s ago)")
 
 
 def test_echo_hub_status_heads_its_table_with_the_newest_warnings_newest_first():
@@ -301,7 +301,7 @@ def test_the_bar_and_status_name_the_rollout_reward_and_its_window(tmp_path):
 
     from rich.console import Console
 
-    from hub.cli.progress import _line
+    from hub.cli.progress import progress_line
     from hub.cli.status import render
     from shared.messages import RECENT_REWARD_STEPS
     from tests.test_tui import hub_status
@@ -309,7 +309,7 @@ def test_the_bar_and_status_name_the_rollout_reward_and_its_window(tmp_path):
     status = hub_status()
     window = status.history[-RECENT_REWARD_STEPS:]
     mean = sum(p.reward_mean for p in window) / len(window)
-    assert f"rollout reward {mean:.2f} (last {len(window)} steps) |" in _line(status)
+    assert f"rollout reward {mean:.2f} (last {len(window)} steps) |" in progress_line(status)
     out = io.StringIO()
     render(status, Console(file=out, width=200))
     assert any(
@@ -317,8 +317,8 @@ def test_the_bar_and_status_name_the_rollout_reward_and_its_window(tmp_path):
         for line in out.getvalue().splitlines()
     ), out.getvalue()
     one_step = status.model_copy(update={"history": status.history[:1]})
-    assert f"rollout reward {one_step.history[0].reward_mean:.2f} (last step) |" in _line(one_step)
-    assert "rollout reward - |" in _line(status.model_copy(update={"history": ()}))
+    assert f"rollout reward {one_step.history[0].reward_mean:.2f} (last step) |" in progress_line(one_step)
+    assert "rollout reward - |" in progress_line(status.model_copy(update={"history": ()}))
 
 
 def test_the_summary_names_the_fifths_it_compares(tmp_path, capsys):
