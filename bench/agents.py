@@ -46,7 +46,8 @@ def run(work: Path, steps: int, quiet: bool) -> dict:
     wall = time.monotonic() - started
     if code != 0:
         raise SystemExit(f"echo-hub start --task calc exited with {code}:\n{hub.output()[-3000:]}")
-    rows = read_metrics(work / "hub" / METRICS_FILE)
+    # A step with no group offered since the one before logs no rollout figures: its curve point is the previous one's.
+    rows = [r for r in read_metrics(work / "hub" / METRICS_FILE) if CALLS in r]
     reward_first, reward_last = fifth_means([policy_reward(r) for r in rows])
     calls_first, calls_last = fifth_means([r[CALLS] for r in rows])
     verdicts = dict(query(work / "hub", "SELECT verdict, count(*) FROM trajectories GROUP BY verdict"))

@@ -60,13 +60,11 @@ CHECKPOINT_PREFIX = "checkpoint-"  # transformers' Trainer's
 
 
 def hub_config(hub_args: list[str]) -> HubConfig:
-    """The config `echo-hub start HUB_ARGS` runs with (its flags, then TRL's defaults for a model of the user's where
-    a flag left them); ConfigError on a mistake."""
-    from hub.cli.main import _own_model, build_parser, start_config
-    from hub.config import with_user_model_defaults
+    """The config `echo-hub start HUB_ARGS` runs with (hub/cli/main.py's effective_start_config); ConfigError on a
+    mistake."""
+    from hub.cli.main import build_parser, effective_start_config
 
-    config = start_config(build_parser().parse_args(["start", *hub_args]))
-    return with_user_model_defaults(config, own_model=_own_model(config.model))[0]
+    return effective_start_config(build_parser().parse_args(["start", *hub_args]))[0]
 
 
 def recipe(config: HubConfig) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from shared.tasks.calc import CALC_REWARD, CALC_TOOL, CalcTask, correct, mul, pr
 from shared.tool_model import TOOL_MODEL_RECIPE, ToolModelRecipe, build_tool_model, embedded_recipe
 from shared.tools import TOOL_CALLS_METRIC
 from testbed.harness import query, start_hub
+from tests.test_first_contact import assert_one_line_mistake, run
 
 CALL = '<tool_call>\n{"name": "mul", "arguments": {"a": 37, "b": 48}}\n</tool_call><|im_end|>'
 RUN_TIMEOUT_S = 240
@@ -67,7 +68,9 @@ def test_the_task_is_distinct_chat_problems_rendered_with_the_tool():
         first.text
         == f"<|im_start|>system\n<tools>mul;</tools><|im_end|>\n<|im_start|>user\n{a}*{b}<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert tuple(task.rewards(first, [str(a * b), str(a * b + 1)])) == (1.0, 0.0)  # scored by `correct`, the answer hub-side
+    # Scored by `correct` (math's would take the last two too), the answer hub-side.
+    said = [str(a * b), str(a * b + 1), f"{a * b}.0", f"the answer is {a * b}"]
+    assert tuple(task.rewards(first, said)) == (1.0, 0.0, 0.0, 0.0)
 
 
 def test_calc_brings_its_tool_reward_and_lengths_unless_the_toml_or_a_flag_set_them():
@@ -139,3 +142,10 @@ def test_echo_hub_start_task_calc_runs_the_tool_loop_evaluates_through_it_and_lo
     assert f"tool calls {status.recent_tool_calls():.2f}/rollout" in progress_line(status)
     (gauge,) = [m for m in status_metrics(status) if m.name == "echo2_tool_calls_per_rollout"]
     assert gauge.samples[0].value == pytest.approx(status.recent_tool_calls())
+
+
+def test_echo_hub_eval_of_the_tool_task_is_one_line_not_a_single_turn_score(small_tool_model):
+    """Without a run's config beside the model, `--task calc` still means its tool: refused, not scored single-turn."""
+    assert_one_line_mistake(
+        run("hub.cli", "eval", "--model", str(small_tool_model), "--task", "calc"), "echo-hub eval of one is not built yet"
+    )

@@ -369,7 +369,7 @@ def _eval(args: argparse.Namespace) -> int:
     """`echo-hub eval`: its config is --config, else the run's saved beside the policy (and it says so), else the
     defaults; flags override it."""
     from hub.cli.eval import check_eval, run_eval, saved_run_config
-    from hub.config import HubConfig, with_user_model_defaults
+    from hub.config import HubConfig, with_task_defaults, with_user_model_defaults
     from shared.config import ConfigError, load_config
 
     overrides = {START_FLAGS[flag][0]: _given(args, flag) for flag in EVAL_FLAGS}
@@ -379,6 +379,7 @@ def _eval(args: argparse.Namespace) -> int:
         # Without a run's config the policy is all there is to go by: a model of the user's samples as TRL's would.
         base = config.model if args.config is not None or saved is not None else args.model
         config, defaults = with_user_model_defaults(config, _own_model(base, config.task), fields=("sampling.max_new_tokens",))
+        config = with_task_defaults(config)  # --task calc is a tool-using run's task: refused below, in one line
         model, task = check_eval(config, args.model)
     except (ConfigError, UserError) as exc:
         print(f"echo-hub eval: {f'{saved}: ' if saved else ''}{exc}", file=sys.stderr)
@@ -425,11 +426,20 @@ def start_config(args: argparse.Namespace) -> HubConfig:
     return load_config(HubConfig, args.config, overrides, aliases=_flat_keys())
 
 
+def effective_start_config(args: argparse.Namespace) -> tuple[HubConfig, str | None]:
+    """`start_config` with what it left unset filled as the start fills it: TRL's defaults for a model of the user's,
+    then the embedded tool task's own settings; and the line that says which TRL defaults it took (None: none)."""
+    from hub.config import with_task_defaults, with_user_model_defaults
+
+    config = start_config(args)
+    config, defaults = with_user_model_defaults(config, own_model=_own_model(config.model, config.task))
+    return with_task_defaults(config), defaults
+
+
 def _start(args: argparse.Namespace, reexec: bool) -> int:
     """`echo-hub start`: a mistake is one line and exit 2; so is a disk that fills while the hub starts (one that
     fills while it runs, run_hub stops the run for). `reexec`: run this command line again with Python's objects in
     glibc's heap (shared.memory.use_c_allocator) once its flags are known to be right."""
-    from hub.config import with_task_defaults, with_user_model_defaults
     from hub.training.ranks import rank_env
     from shared.checks import disk_full, free_space
     from shared.config import ConfigError
@@ -443,12 +453,10 @@ def _start(args: argparse.Namespace, reexec: bool) -> int:
             if args.config is None or args.config.is_file():
                 start_config(args)
             use_c_allocator()
-        config = start_config(args)
+        config, defaults = effective_start_config(args)
         # Before any thread: glibc fixes its arena limit when a thread first needs an arena, and the checks, the
         # tokenizer and torch start threads before the run does.
         tune_malloc()
-        config, defaults = with_user_model_defaults(config, own_model=_own_model(config.model, config.task))
-        config = with_task_defaults(config)
         if args.print_config:
             from shared.config import config_toml
 

@@ -70,10 +70,11 @@ def load_task(
         return _load_class(spec, spec)()
     if spec in BUILTIN_TASKS:
         cls = _load_class(spec, BUILTIN_TASKS[spec])
-        from shared.tasks.calc import CalcTask
+        from shared.tasks.calc import CALC_REWARD, CalcTask
 
         if issubclass(cls, CalcTask):  # a builtin dataset: read and scored as any, its chat rendered with its tools
-            return cls(dataset, render_chat, conversation)
+            options = replace(dataset, reward=CALC_REWARD) if dataset.reward == DatasetOptions().reward else dataset
+            return cls(options, render_chat, conversation)
         return cls()
     known = ", ".join(sorted(BUILTIN_TASKS))
     raise ValueError(
