@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from hub.agents.conversation import check_tool_template
 from hub.agents.toolset import load_toolset
 from hub.cli.preflight import check_agents
 from hub.cli.progress import progress_line
+from hub.cli.status import render
 from hub.config import CALC_LR, CALC_MAX_NEW_TOKENS, CALC_STEPS, HubConfig, with_task_defaults
 from hub.service.web import status_metrics
 from hub.training.metrics import read_evals
@@ -140,6 +142,9 @@ def test_echo_hub_start_task_calc_runs_the_tool_loop_evaluates_through_it_and_lo
     status = HubStatus.model_validate_json((tmp_path / "data" / HUB_STATUS_FILE).read_text())
     assert [p.tool_calls for p in status.history] == [r[TOOL_CALLS_METRIC] for r in steps]
     assert f"tool calls {status.recent_tool_calls():.2f}/rollout" in progress_line(status)
+    console = Console(width=120, record=True)
+    render(status, console)  # `echo-hub status`
+    assert f"{status.recent_tool_calls():.2f} per rollout" in console.export_text()
     (gauge,) = [m for m in status_metrics(status) if m.name == "echo2_tool_calls_per_rollout"]
     assert gauge.samples[0].value == pytest.approx(status.recent_tool_calls())
 
