@@ -864,4 +864,6 @@ async def test_a_node_that_edits_a_tool_answer_is_banned_as_a_cheat(tmp_path, de
     assert len(state.buffer) == 0  # neither submission's groups will be trained on
     assert state.totals.paid_usd[peer] == 0.0 == state.store.groups.ledger_total_usd(peer)
     assert [e.kind for e in state.store.journal.events() if e.node_id == peer].count("environment_tampered") == 1
+    dropped = {r.discard_reason for r in state.store.groups.trajectories() if r.node_id == peer and r.discard_reason}
+    assert dropped == {"banned: environment tampered"}  # not "audit failed": no audit failed
     state.store.close()

@@ -96,6 +96,13 @@ class HubBusy(Exception):
     """The hub cannot take this request now; the peer did nothing wrong and may send it again."""
 
 
+def ban_discard_reason(record: NodeRecord) -> str:
+    """Why a banned node's untrained groups are discarded, by why it was banned: tampering with the turns or tool
+    answers it exchanged, or else a failed audit."""
+    tampered = (record.banned_reason or "").startswith(REASON_ENVIRONMENT)
+    return "banned: environment tampered" if tampered else "banned: audit failed"
+
+
 @dataclass(frozen=True)
 class SubmissionOutcome:
     """What the hub decided about one submission, as the node is told."""
@@ -511,7 +518,7 @@ class Intake:
             # Banned by an audit that failed while this submission was in flight: never trained on.
             if kept:
                 ids = [row_id for _, row_id in kept]
-                await self.writer.write(self.store.groups.discard_trajectories, ids, "banned: audit failed")
+                await self.writer.write(self.store.groups.discard_trajectories, ids, ban_discard_reason(record))
             return
         if kept:
             self.probation.sample(record.peer_id, lease_id, kept, answered_at)
@@ -530,7 +537,7 @@ class Intake:
                 if record.state == "banned":
                     # Failed, or banned meanwhile (a released row must not slip past the ban either):
                     # discard whichever rows the ban has not discarded already.
-                    await self.writer.write(self.store.groups.discard_if_pending, row_ids, "banned: audit failed")
+                    await self.writer.write(self.store.groups.discard_if_pending, row_ids, ban_discard_reason(record))
                 elif passed:
                     await self._buffer(kept)
                 else:
@@ -616,7 +623,12 @@ class Intake:
             trained = self.store.groups.trained_of(record.peer_id).describe()
             detail = f"{reason}; dropped {len(dropped)} groups; {trained}"
             voided, paid = self.store.members.penalize_node(
-                record.peer_id, dropped, since, reason, event=(kind, record.peer_id, detail)
+                record.peer_id,
+                dropped,
+                since,
+                reason,
+                event=(kind, record.peer_id, detail),
+                discard_reason=ban_discard_reason(record),
             )
             return voided, paid, trained
 
