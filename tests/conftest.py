@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -26,6 +28,15 @@ def hub_warnings() -> Iterator[OperatorLines]:
     logging.getLogger("echo2.hub").addHandler(handler)
     yield handler
     logging.getLogger("echo2.hub").removeHandler(handler)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a terminal delivers it. A suite started as a background job of a script (`cmd &`, nohup) inherits
+    SIGINT ignored, and so would every process its tests start: the tests of what Ctrl-C does to echo-hub and
+    echo-node would see their SIGINT vanish (hub and node keep an inherited SIG_IGN, as a shell's background job
+    asks). Here in pytest and in each xdist worker: a Python handler, which a child resets to the default on exec."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _is_timing(item: pytest.Item) -> bool:

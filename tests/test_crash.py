@@ -143,7 +143,7 @@ def test_a_sigkilled_hub_names_the_steps_it_lost_and_metrics_mark_the_gap(tmp_pa
         assert f"at step {last} from the checkpoint of step {checkpoint} " in out, out[-3000:]
         assert f"echo-hub: warning: {lost}" in out and f"its next step is {last + 1}" in out, out[-3000:]
         # The plain progress line ends with it, and the status the dashboard reads carries it.
-        wait_until(lambda: re.search(r"step \d+/∞ .* \| warning: steps_lost \(", hub.output()), 30, "a progress line")
+        wait_until(lambda: re.search(r"step \d+/∞ .* \| warning: steps_lost \(", hub.output()), 240, "a progress line")
         status = wait_until(lambda: (s := hub.status()) and s.warnings and s, 30, "a status with the warning")
         said = [w.detail for w in status.warnings if w.kind == "steps_lost"]
         assert len(said) == 1 and said[0].startswith(lost)

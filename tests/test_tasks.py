@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -221,19 +224,28 @@ def test_a_tower_the_guard_would_miss_is_stopped_by_the_checks_cpu_budget():
             verify(gold, _parse_latex(HOSTILE[0]), timeout_seconds=None)
 
 
-def test_a_reward_that_swallows_the_interrupt_is_interrupted_again_and_still_over_budget():
+@pytest.mark.parametrize("busy", [False, True], ids=["quiet", "busy"])
+def test_a_reward_that_swallows_the_interrupt_is_interrupted_again_and_still_over_budget(busy):
+    """Busy: three processes per core compete for the CPU, as on a loaded hub. A CPU interval timer (ITIMER_PROF)
+    never fired there; the budget's watchdog reads the thread's CPU clock."""
     interrupts = 0
-    with pytest.raises(OverBudget):
-        with cpu_budget(0.05):
-            start = time.thread_time()
-            while True:
-                try:
-                    # The busy loop's own back-edge, where the interpreter runs signal handlers, is inside the try.
-                    while time.thread_time() - start < 1.0:
-                        sum(range(1000))
-                    break
-                except BaseException:  # noqa: BLE001 -- a hostile or careless reward
-                    interrupts += 1
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 1) if busy else 0)]
+    try:
+        with pytest.raises(OverBudget):
+            with cpu_budget(0.05):
+                start = time.thread_time()
+                while True:
+                    try:
+                        # The busy loop's own back-edge, where the interpreter runs signal handlers, is inside the try.
+                        while time.thread_time() - start < 1.0:
+                            sum(range(1000))
+                        break
+                    except BaseException:  # noqa: BLE001 -- a hostile or careless reward
+                        interrupts += 1
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     assert interrupts > 1
 
 
