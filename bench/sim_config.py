@@ -124,6 +124,16 @@ class LearnerPart(Part):
     rollouts_per_lease: int = Field(64, ge=1, le=1_000_000, description="prompts_per_lease * group_size")
 
 
+class AgentsPart(Part):
+    """A tool-using run's turns: every node's rate is what its turns' waits leave of its drawn (generation) rate,
+    hub.method.capacity.turned_rollouts_per_s over learner.rollouts_per_lease rollouts in step."""
+
+    turns: int = Field(1, ge=1, le=1025, description="model turns per rollout, at most (1: single-turn)")
+    turn_wait_s: float = Field(
+        0.0, ge=0.0, le=3600.0, description="seconds each turn waits for the hub's answer: the round trip and the tools' time"
+    )
+
+
 class SnapshotPart(Part):
     """What one published policy weighs."""
 
@@ -193,6 +203,7 @@ class SimConfig(Part):
     links: LinksPart = LinksPart()
     churn: ChurnPart = ChurnPart()
     learner: LearnerPart = LearnerPart()
+    agents: AgentsPart = AgentsPart()
     snapshot: SnapshotPart = SnapshotPart()
     run: RunPart = RunPart()
     price_change: tuple[PriceChange, ...] = Field((), max_length=1000)

@@ -107,6 +107,7 @@ from hub.method.capacity import (  # noqa: E402
     mu_min,
     predicted_bubble,
     rule_staleness,
+    turned_rollouts_per_s,
 )
 from hub.method.chains import link_kind, plan_chains  # noqa: E402
 from hub.method.drift import DriftMeter  # noqa: E402
@@ -204,13 +205,18 @@ def draw_fleet(n: int, rng: random.Random, cfg: SimConfig = DEFAULT) -> list[Nod
         nodes.append(
             Node(
                 f"n{i:05d}",
-                gpu.rollouts_per_s * math.exp(rng.gauss(0, sigma)),
+                node_rate(gpu.rollouts_per_s * math.exp(rng.gauss(0, sigma)), cfg),
                 gpu.price_per_hour * math.exp(rng.gauss(0, sigma)),
                 link_bps,
             )
         )
     draw_nat(nodes, rng, cfg)
     return nodes
+
+
+def node_rate(rollouts_per_s: float, cfg: SimConfig) -> float:
+    """A node's rate in the run: a tool-using run's turns wait for the hub's answers ([agents])."""
+    return turned_rollouts_per_s(rollouts_per_s, cfg.learner.rollouts_per_lease, cfg.agents.turns, cfg.agents.turn_wait_s)
 
 
 def draw_link_bps(rng: random.Random, cfg: SimConfig) -> float:
@@ -228,7 +234,10 @@ def draw_nat(nodes: list[Node], rng: random.Random, cfg: SimConfig) -> None:
 
 def fleet_from_file(path: Path, rng: random.Random, cfg: SimConfig) -> list[Node]:
     """echo-hub plan's FLEET.toml as the fleet: its names, prices and rates; links and NAT drawn as configured."""
-    nodes = [Node(offer.name, offer.rollouts_per_s, offer.price_per_hour, draw_link_bps(rng, cfg)) for offer in load_fleet(path)]
+    nodes = [
+        Node(offer.name, node_rate(offer.rollouts_per_s, cfg), offer.price_per_hour, draw_link_bps(rng, cfg))
+        for offer in load_fleet(path)
+    ]
     draw_nat(nodes, rng, cfg)
     return nodes
 

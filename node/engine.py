@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,9 +39,6 @@ class Engine(ABC):
     # as vLLM's does): the worker cuts a lease into slices of this size, so a hub's large lease cannot grow the
     # engine's memory (docs/volunteers.md).
     batch_rollouts: ClassVar[int | None] = None
-    # Whether it generates a tool-using rollout's turns (`generate_turns`): the transformers engine does; vLLM's
-    # multi-turn loop is not built yet, and a vLLM node lets such leases lapse.
-    multi_turn: ClassVar[bool] = False
     version: int
     model_identity: ModelIdentity  # the node's model, read once (shared/model_identity.py): the engine builds it
     tokenizer: Any  # a Hugging Face tokenizer: model_identity's
@@ -66,13 +63,24 @@ class Engine(ABC):
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         """n completions per prompt, in prompt order, each with its sampled tokens' log-probs."""
 
+    def turn_cache(self) -> object | None:
+        """What a batch of tool-using rollouts keeps from one turn to the next (`generate_turns(..., kept=)`), made
+        anew for each batch; None where the engine finds a context's computed prefix itself (vLLM's prefix caching)."""
+        return None
+
+    @abstractmethod
     def generate_turns(
-        self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], sampling: SamplingParams
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        sampling: SamplingParams,
+        kept: object | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> list[Completion]:
         """A tool-using rollout's next model turn per row: each context (its prompt's ids, then the rollout's
         model and environment tokens so far) continued by at most its budget of tokens, ending on a stop id;
-        sampling.max_new_tokens is not read. Re-encodes each context (no KV cache kept across turns)."""
-        raise EngineUnavailable(f"the {self.backend} engine does not generate tool-using rollouts yet")
+        sampling.max_new_tokens is not read. `kept` (from turn_cache) and a key per row, each naming one rollout
+        for the batch's whole life: the rows prefill only what they gained since their last turn."""
 
     @abstractmethod
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,7 +11,7 @@ import torch
 
 from node.engine import Engine
 from shared.adapters import install_snapshot
-from shared.generation import Sampler
+from shared.generation import Sampler, TurnCache, reusable_cache
 from shared.logprobs import completion_logprobs
 from shared.model_identity import ModelIdentity, load_model_identity
 from shared.model_io import PartialCopy
@@ -43,7 +43,6 @@ class HFEngine(Engine):
     backend = "hf"
     # Its KV cache and logits grow with the batch: 64 rollouts hold a default lease (4 prompts x 8) in one call.
     batch_rollouts = 64
-    multi_turn = True
 
     def __init__(self, model_dir: Path, device: str = "cpu", version: int = 0, dtype: str = "float32", seed: int | None = None):
         self.device = torch.device(device)
@@ -58,6 +57,8 @@ class HFEngine(Engine):
         self.sampler = Sampler(
             self.model, self.tokenizer, self.device, process_seed=seed, stop_ids=sorted(self.model_identity.stop_ids)
         )
+        # A tool-using rollout's turns keep their KV cache, but for a sliding window (shared.generation.reusable_cache).
+        self.keeps_turns = reusable_cache(self.model)
         # install and generate must not interleave (a node may call them from different threads).
         self._lock = threading.Lock()
 
@@ -98,9 +99,18 @@ class HFEngine(Engine):
             self._usable()
             return self.sampler.generate(prompts, n, sampling, self.version)
 
+    def turn_cache(self) -> TurnCache | None:
+        return TurnCache() if self.keeps_turns else None
+
     def generate_turns(
-        self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], sampling: SamplingParams
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        sampling: SamplingParams,
+        kept: object | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> list[Completion]:
+        assert kept is None or isinstance(kept, TurnCache), "a turn cache of this engine's"
         with self._lock:
             self._usable()
-            return self.sampler.continue_ids(contexts, budgets, sampling, self.version)
+            return self.sampler.continue_ids(contexts, budgets, sampling, self.version, turns=kept, keys=keys)

@@ -3,7 +3,8 @@ the turns go to the hub (TURN_PROTOCOL, many rollouts' in one request), and each
 answers with (its tools' or environment's reply, never sampled: log-prob 0.0) and generates again, until the hub
 says it is done. The tools run on the hub: a volunteer runs no operator code.
 
-Each turn continues the rollout's whole context (prompt, then its model and environment tokens so far) within what
+Each turn continues the rollout's whole context (prompt, then its model and environment tokens so far; an engine
+that keeps the batch's KV cache from turn to turn runs only what the context gained since) within what
 is left of its budget (the lease's max_new_tokens: model and environment tokens together, TRL's
 max_completion_length); every turn is sent, the last one too, which the hub answers done. The answer is then one
 completion per rollout whose environment segments are marked (Completion.env_spans). A hub whose answers cannot be
@@ -43,12 +44,21 @@ async def multi_turn_groups(
     budget = lease.sampling.max_new_tokens
     encoded = await trio.to_thread.run_sync(lambda: engine.tokenizer([p.text for p in prompts])["input_ids"])
     rollouts = [TurnedRollout(p.prompt_id, i, list(ids)) for p, ids in zip(prompts, encoded) for i in range(lease.group_size)]
+    kept = engine.turn_cache()  # this batch's KV cache, from one turn to the next (an HF engine's)
     for turn in range(lease.tools.max_tool_calls + 1):  # the hub ends each rollout by then
-        active = [r for r in rollouts if not r.done]
-        if not active:
+        keys = [key for key, r in enumerate(rollouts) if not r.done]  # positions: a hub's prompt ids may repeat
+        if not keys:
             break
+        active = [rollouts[key] for key in keys]
         made = await trio.to_thread.run_sync(
-            engine.generate_turns, [r.context() for r in active], [budget - len(r.ids) for r in active], sampling_of(turn)
+            functools.partial(
+                engine.generate_turns,
+                [r.context() for r in active],
+                [budget - len(r.ids) for r in active],
+                sampling_of(turn),
+                kept=kept,
+                keys=keys,
+            )
         )
         for rollout, made_turn in zip(active, made):
             rollout.add_turn(made_turn)

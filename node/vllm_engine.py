@@ -23,7 +23,7 @@ import gc
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from node.engine import DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_KV_CACHE_GIB, Engine, EngineUnavailable, VLLMResources
@@ -227,36 +227,59 @@ class VLLMEngine(Engine):
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[list[Completion]]:
-        from vllm import SamplingParams as VLLMSamplingParams
-
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if not prompts:
             return []
-        stop_ids = self._stop_ids
         # A configured seed becomes one seed per prompt: one seed for all would sample equal prompts alike.
-        params = [
-            VLLMSamplingParams(
-                n=n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,  # 0: off, as vLLM reads it
-                min_p=sampling.min_p,
-                max_tokens=sampling.max_new_tokens,
-                logprobs=0,  # the sampled token's log-prob only
-                seed=seed,
-                stop_token_ids=sorted(stop_ids),
-            )
-            for seed in prompt_seeds(lease_seed(sampling.seed, self.seed), prompts)
-        ]
+        seeds = prompt_seeds(lease_seed(sampling.seed, self.seed), prompts)
+        params = [self._params(sampling, n, sampling.max_new_tokens, seed) for seed in seeds]
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
+        outputs, version = self._run(prompt_ids, params)
+        return [[self._completion(o, version) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
+
+    def generate_turns(
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        sampling: SamplingParams,
+        kept: object | None = None,
+        keys: Sequence[Hashable] | None = None,
+    ) -> list[Completion]:
+        """Each context a request of its own: vLLM's prefix caching (enable_prefix_caching) finds the blocks the turn
+        before computed, so a turn runs only what its rollout gained since; `kept` and `keys` are not needed."""
+        if not contexts:
+            return []
+        # A seed per row, its position in the derivation: the rollouts of one prompt begin alike, and must not sample
+        # alike.
+        seeds = prompt_seeds(lease_seed(sampling.seed, self.seed), [",".join(map(str, c)) for c in contexts])
+        params = [self._params(sampling, 1, budget, seed) for budget, seed in zip(budgets, seeds)]
+        outputs, version = self._run(contexts, params)
+        return [self._completion(out.outputs[0], version) for out in outputs]
+
+    def _params(self, sampling: SamplingParams, n: int, max_tokens: int, seed: int | None):
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        return VLLMSamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,  # 0: off, as vLLM reads it
+            min_p=sampling.min_p,
+            max_tokens=max_tokens,
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+            stop_token_ids=sorted(self._stop_ids),
+        )
+
+    def _run(self, prompt_ids: Sequence[Sequence[int]], params: list) -> tuple[list, int]:
+        """vLLM's outputs for these token-id prompts, in order, and the version that generated them."""
         with self._lock:
             self._usable()
             outputs = self._engine().generate(
-                [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=self._lora_request
+                [{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False, lora_request=self._lora_request
             )
-            version = self.version
-        return [[self._completion(o, version) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
+            return outputs, self.version
 
     def use_stop_ids(self, stop_ids: Sequence[int]) -> None:
         if not stop_ids:

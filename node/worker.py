@@ -202,22 +202,6 @@ class Worker:
             return None
         return groups
 
-    def _refuses_turns(self, lease: Lease) -> bool:
-        """Whether `lease` is multi-turn and this node's engine does not generate turns (vLLM's): it lapses, said in a
-        line a minute at most."""
-        if lease.tools is None or self.engine.multi_turn:
-            return False
-        tail = self.refusal_log.tail("multi_turn")
-        if tail is not None:
-            log.warning(
-                "lease %s is multi-turn (the hub's tools), which the %s engine does not run yet: not answered; join "
-                "with --backend hf%s",
-                printable_excerpt(lease.lease_id, PROMPT_ID_CHARS),
-                self.engine.backend,
-                tail,
-            )
-        return True
-
     def _generate(self, lease: Lease) -> list[list[Completion]]:
         """The lease's groups, in prompt order, generated a slice at a time (blocking: runs in a worker thread)."""
         groups: list[list[Completion]] = []
@@ -262,9 +246,6 @@ class Worker:
             )
             return None
         if await self._too_large(lease):
-            return None
-        if self._refuses_turns(lease):
-            await trio.sleep(IDLE_RETRY_S)
             return None
         started = trio.current_time()
         async with self.engine_lock:

@@ -28,6 +28,7 @@ from hub.method.capacity import (
     predicted_step_s,
     rule_staleness,
     saturation,
+    turned_rollouts_per_s,
     usable_fraction,
     validate_kappa,
 )
@@ -366,3 +367,19 @@ def test_the_pace_a_late_lease_needed_is_its_rollouts_over_the_time_the_hub_allo
     assert in_time_rollouts_per_s(10**6, 1e-9, 4, 1) == 1e9
     with pytest.raises(ValueError):
         in_time_rollouts_per_s(32, 40.0, 4, 0)
+
+
+def test_a_tool_using_nodes_rate_is_what_its_turns_waits_leave():
+    # 32 rollouts at 10/s take 3.2 s to generate, plus 3 rounds of 0.5 s waiting: 32 / 4.7
+    assert turned_rollouts_per_s(10.0, 32, 3, 0.5) == pytest.approx(32 / 4.7)
+    # however fast the node, 3 waits of 0.5 s per 32 rollouts bound it at 32 / 1.5
+    assert turned_rollouts_per_s(1e12, 32, 3, 0.5) == pytest.approx(32 / 1.5)
+    assert turned_rollouts_per_s(7.0, 32, 1, 0.0) == 7.0  # single-turn: unchanged
+    for args, says in (
+        ((0.0, 32, 1, 0.0), "rollouts_per_s"),
+        ((1.0, 0, 1, 0.0), "batch"),
+        ((1.0, 1, 0, 0.0), "turns"),
+        ((1.0, 1, 1, -1.0), "wait"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            turned_rollouts_per_s(*args)

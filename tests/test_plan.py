@@ -57,7 +57,10 @@ def test_plan_met_by_cheapest_prefix(tmp_path, capsys):
         "predicted_bubble",
         "cost_per_hour",
         "cost_per_step",
+        "node_rollouts_per_s",
+        "round_trip_bound",
     }
+    assert plan["node_rollouts_per_s"] == {"a": 5.0, "c": 10.0} and plan["round_trip_bound"] is None  # single-turn
     # rho: a 0.1, c 0.1 (after a by name), b 0.2; a + c = 15 >= 11
     assert plan["active"] == ["a", "c"]
     assert plan["mu_min"] == pytest.approx(10.0)
@@ -69,6 +72,21 @@ def test_plan_met_by_cheapest_prefix(tmp_path, capsys):
     # 3.06 + 0.5 + 1.0 $/h over a 10 s step
     assert plan["cost_per_hour"] == pytest.approx(4.56)
     assert plan["cost_per_step"] == pytest.approx(4.56 * 10 / 3600)
+
+
+def test_a_tool_using_runs_round_trips_slow_every_node_and_bound_the_fastest(tmp_path, capsys):
+    # 10 rollouts in step, 2 rounds of 1 s each: rate = 10 / (10 / mu + 2). a: 10 / 4 = 2.5, b: 10 / 7 = 1.4286,
+    # c: 10 / 3 = 3.3333; rho: a 0.2, b 0.28, c 0.3; all three (7.26) fall 3.74 short of 11; no node beats 10 / 2 = 5.
+    turned = ("--turns", "2", "--turn-wait", "1", "--lease-rollouts", "10")
+    code, out, err = run(tmp_path, capsys, FLEET_ACE, *PERIOD, *turned, "--json")
+    assert code == 0 and err == ""
+    plan = json.loads(out)
+    assert plan["active"] == ["a", "b", "c"]
+    assert plan["node_rollouts_per_s"] == pytest.approx({"a": 2.5, "b": 10 / 7, "c": 10 / 3})
+    assert plan["shortfall"] == pytest.approx(11 - (2.5 + 10 / 7 + 10 / 3))
+    assert plan["round_trip_bound"] == pytest.approx(5.0)
+    code, out, err = run(tmp_path, capsys, FLEET_ACE, *PERIOD, *turned)
+    assert code == 0 and "a node's most, however fast (rollouts/s)" in out and "waits counted" in out
 
 
 def test_the_papers_capacity_rule_charges_the_whole_broadcast(tmp_path, capsys):

@@ -96,6 +96,26 @@ def test_echo_hub_plans_fleet_file_is_the_fleet(tmp_path, capsys) -> None:
     assert "node.0.price_per_hour: Input should be greater than or equal to 0" in capsys.readouterr().err
 
 
+def test_a_tool_using_runs_waits_slow_each_node_as_echo_hub_plan_says(tmp_path, capsys) -> None:
+    """[agents]: each node's rate is what its turns' waits leave (the capacity model's turned_rollouts_per_s, which
+    echo-hub plan applies too); the same fleet then needs more of its nodes for the same R."""
+    simulate = load_bench("simulate")
+    nodes = "".join(f'[[node]]\nname = "gpu{i}"\nprice_per_hour = {0.2 + 0.1 * i}\nrollouts_per_s = {5 + i}\n' for i in range(6))
+    write(tmp_path, nodes, "fleet.toml")
+    agents = "[agents]\nturns = 3\nturn_wait_s = 2.0\n"
+    cfg = __import__("bench.sim_config", fromlist=["load_sim_config"]).load_sim_config(write(tmp_path, SMALL + agents))
+    fleet = simulate.fleet_from_file(tmp_path / "fleet.toml", random.Random(0), cfg)
+    # 64 rollouts in step: 64 / (64 / mu + 3 * 2)
+    assert [n.rate for n in fleet] == pytest.approx([64 / (64 / (5 + i) + 6) for i in range(6)])
+    active = []
+    for extra in ("", agents):
+        config = write(tmp_path, SMALL + "[learner]\nrollouts_per_step = 300\n" + extra)
+        assert simulate.main(["--config", str(config), "--fleet", str(tmp_path / "fleet.toml"), "--json"]) == 0
+        (row,) = printed_json(capsys)["results"]
+        active.append(row["active_mean"])
+    assert active[1] > active[0]
+
+
 def _sim(simulate, text: str, tmp_path: Path, scenario: str = "cost-aware", staleness=4):
     cfg = __import__("bench.sim_config", fromlist=["load_sim_config"]).load_sim_config(write(tmp_path, text))
     fleet = simulate.build_fleet(40, 0, None, cfg)

@@ -129,6 +129,55 @@ def test_a_configured_seed_still_samples_equal_prompts_differently(engines):
     assert tokens == [g[0].token_ids for g in again]  # and the same seed gives the same completions
 
 
+def test_vllm_generates_a_tool_using_leases_turns_as_the_transformers_model_scores_them(engines):
+    """A multi-turn lease on vLLM (node/turns.py, a scripted hub answering each rollout's first turn with
+    environment tokens and its second with done): the answers sit unsampled where the hub put them, the rollouts of a
+    group sample apart, and the model tokens' log-probs are the transformers model's over the whole context."""
+    import trio
+
+    from node.turns import multi_turn_groups
+    from shared.messages import Lease, LeasePrompt, RolloutAnswer, ToolUse, TurnReply
+
+    vllm_engine, hf_engine = engines
+    env, sampling = (7, 8, 9), SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95, seed=3)
+    lease = Lease(
+        lease_id="l" * 24,
+        prompts=tuple(LeasePrompt(prompt_id=f"p{i}", text=text) for i, text in enumerate(["abcdefg>", *PROMPTS[:3]])),
+        group_size=4,
+        sampling=sampling,
+        min_version=0,
+        deadline_s=60.0,
+        tools=ToolUse(max_tool_calls=2),
+    )
+    turns_seen: dict[tuple[str, int], int] = {}
+
+    async def send(request):
+        answers = []
+        for t in request.turns:
+            seen = turns_seen[(t.prompt_id, t.index)] = turns_seen.get((t.prompt_id, t.index), 0) + 1
+            answer = {"done": True} if seen > 1 else {"env_ids": env}
+            answers.append(RolloutAnswer(prompt_id=t.prompt_id, index=t.index, **answer))
+        return TurnReply(answers=tuple(answers))
+
+    groups = trio.run(lambda: multi_turn_groups(lease, lease.prompts, vllm_engine, send, lambda turn: sampling))
+    flat = [c for g in groups for c in g]
+    assert set(turns_seen.values()) == {2}
+    for c in flat:
+        ((start, length),) = c.env_spans
+        assert c.token_ids[start : start + length] == env and c.logprobs[start : start + length] == (0.0,) * 3
+    assert len({c.token_ids for c in groups[0]}) > 1  # one prompt x 4: alike contexts, sampled apart
+    prompt_ids = [ids for ids in hf_engine.tokenizer([p.text for p in lease.prompts])["input_ids"] for _ in range(4)]
+    with torch.no_grad():
+        ref, mask = completion_logprobs(hf_engine.model, prompt_ids, [list(c.token_ids) for c in flat], 1.0, 0.95)
+    reported = torch.zeros_like(ref)
+    for row, c in enumerate(flat):
+        reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
+        ((start, length),) = c.env_spans
+        mask[row, start : start + length] = False  # the hub's tokens: never sampled, never audited
+    stats = gap_stats(reported, ref, mask)
+    assert stats.mean_abs_gap < MAX_MEAN_LOGPROB_GAP, stats
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
 def test_hot_swap_under_cuda_graphs(default_model_dir, tmp_path):

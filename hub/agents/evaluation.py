@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import trio
 
 from hub.agents.rollouts import AgentRollouts
-from shared.generation import Sampler
+from shared.generation import Sampler, TurnCache, reusable_cache
 from shared.rollout import Completion, SamplingParams
 from shared.tasks.base import Prompt
 from shared.tools import rollout_key
@@ -50,13 +50,15 @@ def tool_groups(
         shown = trio.from_thread.run(agents.open_evaluation, name, prompts, n)
         encoded = sampler.tokenizer([p.text for p in shown])["input_ids"]
         rollouts = [TurnedRollout(p.id, i, list(ids)) for p, ids in zip(prompts, encoded) for i in range(n)]
+        kept = TurnCache() if reusable_cache(sampler.model) else None
         for turn in range(agents.tool_use.max_tool_calls + 1):  # the loop ends each rollout by then
-            active = [r for r in rollouts if not r.done]
-            if not active:
+            keys = [key for key, r in enumerate(rollouts) if not r.done]
+            if not keys:
                 break
+            active = [rollouts[key] for key in keys]
             seeded = sampling if sampling.seed is None else sampling.model_copy(update={"seed": sampling.seed + turn})
             contexts, budgets = [r.context() for r in active], [budget - len(r.ids) for r in active]
-            made = sampler.continue_ids(contexts, budgets, seeded, version, greedy)
+            made = sampler.continue_ids(contexts, budgets, seeded, version, greedy, turns=kept, keys=keys)
             for rollout, made_turn in zip(active, made):
                 rollout.add_turn(made_turn)
             turns = [(rollout_key(name, r.prompt_id, r.index), r.last_turn) for r in active]

@@ -3,6 +3,8 @@
 Reads a FLEET.toml of candidate nodes ([[node]] tables with name, price_per_hour and
 rollouts_per_s), computes mu_min and the target, the cost-aware active set, the predicted
 bubble and the cost per hour and per learner step, and prints them (rich table or JSON).
+For a tool-using run (`--turns`, `--turn-wait`), each node's rate is what its turns' round trips
+leave of it (hub.method.capacity.turned_rollouts_per_s).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 from rich.console import Console
 from rich.table import Table
 
-from hub.config import LearnerConfig, SchedulerConfig
+from hub.config import LearnerConfig, LeaseConfig, SchedulerConfig
 from hub.method.capacity import (
     CAPACITY_RULES,
     CapacityRule,
@@ -31,6 +33,7 @@ from hub.method.capacity import (
     predicted_bubble,
     predicted_step_s,
     rule_staleness,
+    turned_rollouts_per_s,
     validate_kappa,
 )
 from shared.config import ConfigError, Section, field_of, read_toml, validated
@@ -47,7 +50,13 @@ class FleetNode(Section):
 
     name: str = Field(min_length=1, max_length=256, description="the node's name, unique in the file")
     price_per_hour: float = Field(ge=0.0, le=1e6, strict=True, allow_inf_nan=False, description="its declared price, $/h")
-    rollouts_per_s: float = Field(gt=0.0, le=1e9, strict=True, allow_inf_nan=False, description="its rollouts per second")
+    rollouts_per_s: float = Field(
+        gt=0.0,
+        le=1e9,
+        strict=True,
+        allow_inf_nan=False,
+        description="its rollouts per second (a tool-using run's: generating every turn, not waiting for answers)",
+    )
 
 
 class Fleet(Section):
@@ -86,6 +95,27 @@ class PlanConfig(Section):
     learner_price: float = field_of(
         LearnerConfig, "learner_price_per_hour", description="learner $/h (an A100 80GB's by default)"
     )
+    turns: int = Field(
+        1, ge=1, le=1025, description="model turns per rollout, at most: 1 single-turn; a tool-using run's max tool calls + 1"
+    )
+    turn_wait: float = Field(
+        0.0, ge=0.0, le=3600.0, description="seconds each turn waits for the hub's answer: the round trip and the tools' time"
+    )
+    lease_rollouts: int = Field(
+        LeaseConfig().prompts_per_lease * LearnerConfig().group_size,
+        ge=1,
+        le=1_000_000,
+        description="rollouts a node generates in step: prompts per lease x n",
+    )
+
+    def node_rate(self, rollouts_per_s: float) -> float:
+        """A node's rollouts/s in this run: what its turns' waits leave of its generation rate."""
+        return turned_rollouts_per_s(rollouts_per_s, self.lease_rollouts, self.turns, self.turn_wait)
+
+    @property
+    def round_trip_bound(self) -> float | None:
+        """The most rollouts/s any one node makes, however fast (None: no wait, no bound)."""
+        return self.lease_rollouts / (self.turns * self.turn_wait) if self.turn_wait > 0 else None
 
     @property
     def effective_kappa(self) -> int:
@@ -112,9 +142,12 @@ class PlanResult:
     predicted_step_s: float
     cost_per_hour: float
     cost_per_step: float
+    round_trip_bound: float | None
 
     def to_json_dict(self) -> dict[str, object]:
         return {
+            "node_rollouts_per_s": {node.name: node.rollouts_per_s for node in self.active},
+            "round_trip_bound": self.round_trip_bound,
             "capacity_rule": self.capacity_rule,
             "mu_min": self.mu_min,
             "mu_target": self.mu_target,
@@ -138,6 +171,7 @@ def load_fleet(path: Path) -> list[NodeOffer]:
 
 def compute_plan(fleet: list[NodeOffer], plan: PlanConfig) -> PlanResult:
     """The plan for a validated fleet; raises InfeasibleCapacity."""
+    fleet = [NodeOffer(node.name, node.price_per_hour, plan.node_rate(node.rollouts_per_s)) for node in fleet]
     kappa, staleness = plan.effective_kappa, rule_staleness(plan.capacity_rule, plan.staleness)
     minimum = mu_min(kappa, plan.rollouts_per_step, plan.t_train, plan.t_bcast, staleness)
     target = plan.gamma * minimum
@@ -156,6 +190,7 @@ def compute_plan(fleet: list[NodeOffer], plan: PlanConfig) -> PlanResult:
         predicted_step_s=predicted_step_s(*period, staleness),
         cost_per_hour=plan.learner_price + math.fsum(active_prices),
         cost_per_step=cost_per_step(*period, plan.learner_price, active_prices, staleness),
+        round_trip_bound=plan.round_trip_bound,
     )
 
 
@@ -177,6 +212,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         ("kappa", "K", int),
         ("gamma", "G", float),
         ("learner_price", "P", float),
+        ("turns", "N", int),
+        ("turn_wait", "W", float),
+        ("lease_rollouts", "B", int),
     ):
         field = fields[name]
         default = "" if field.default is None else f" (default {field.default:g})"
@@ -202,7 +240,9 @@ def _print_table(result: PlanResult, console: Console) -> None:
     nodes.add_column("#", justify="right")
     nodes.add_column("node")
     nodes.add_column("$/h", justify="right")
-    nodes.add_column("rollouts/s", justify="right")
+    nodes.add_column(
+        "rollouts/s (turns' waits counted)" if result.round_trip_bound is not None else "rollouts/s", justify="right"
+    )
     nodes.add_column("rho ($/h per rollout/s)", justify="right")
     for position, node in enumerate(result.active, start=1):
         nodes.add_row(str(position), node.name, f"{node.price_per_hour:.4g}", f"{node.rollouts_per_s:.4g}", f"{node.rho:.4g}")
@@ -217,6 +257,8 @@ def _print_table(result: PlanResult, console: Console) -> None:
     summary.add_row("predicted step (s)", f"{result.predicted_step_s:.4g}")
     summary.add_row("cost per hour ($)", f"{result.cost_per_hour:.4f}")
     summary.add_row("cost per learner step ($)", f"{result.cost_per_step:.6f}")
+    if result.round_trip_bound is not None:
+        summary.add_row("a node's most, however fast (rollouts/s)", f"{result.round_trip_bound:.4g}")
     console.print(nodes)
     console.print(summary)
     if result.shortfall > 0:

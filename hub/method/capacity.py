@@ -42,6 +42,25 @@ def _check_period(kappa: int, rollouts_per_step: float, t_train_s: float, t_bcas
         raise ValueError(f"t_bcast_s must be >= 0, got {t_bcast_s}")
 
 
+def turned_rollouts_per_s(rollouts_per_s: float, batch_rollouts: float, turns: int, turn_wait_s: float) -> float:
+    """A node's rollouts per second in a tool-using run. Its `batch_rollouts` (a lease's prompts x n) are generated
+    in step, turn by turn, and each of the batch's `turns` rounds is sent to the hub and waits `turn_wait_s` for the
+    answers (the round trip and the environment's time) while the engine idles: B / (B / mu + turns * wait), mu the
+    node's rate at generating the same tokens without waiting. However fast the node, the waits bound it at
+    B / (turns * wait). A single-turn run (turns 1, no wait) keeps mu."""
+    if rollouts_per_s <= 0:
+        raise ValueError(f"rollouts_per_s must be > 0, got {rollouts_per_s}")
+    if batch_rollouts < 1:
+        raise ValueError(f"batch_rollouts must be >= 1, got {batch_rollouts}")
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
+    if turn_wait_s < 0:
+        raise ValueError(f"turn_wait_s must be >= 0, got {turn_wait_s}")
+    if turn_wait_s == 0:
+        return rollouts_per_s  # exactly: B / (B / mu) rounds
+    return batch_rollouts / (batch_rollouts / rollouts_per_s + turns * turn_wait_s)
+
+
 def usable_fraction(trained_groups: int, settled_groups: int) -> float:
     """Share of accepted groups the learner trains on (the rest it skips: zero reward variance,
     stale, dropped); 1.0 before any group settled.

@@ -156,7 +156,6 @@ MEMBERS_ONLY = frozenset(
     }
 )
 # What a vLLM node that joins a tool-using hub is told (the multi-turn loop runs on the transformers engine only).
-VLLM_NO_TOOLS = "this hub's rollouts call tools, which vLLM nodes do not run yet: join with --backend hf"
 # A lease whose rollouts could not open (the tool sandbox is full): ask again then.
 NO_ROOM_RETRY_S = 2.0
 # What a stream from a peer that has not joined may pin in hub memory (a join or status request fits).
@@ -485,8 +484,6 @@ class HubService:
         request = await read_message(stream, JoinRequest)
         if self.run_over is not None:
             raise HubBusy(f"{self.run_over.text()}: no more joins")
-        if self.state.agents is not None and request.backend == "vllm":
-            raise PeerFault(VLLM_NO_TOOLS, RejectCode.MODEL_MISMATCH)
         record = await self.membership.join(remote_peer_id(stream), request, remote_ip(stream))
         await _reply(
             stream,
