@@ -686,6 +686,32 @@ class StepPoint(Message):
     )
 
 
+class ToolTotals(BaseModel):
+    """A tool-using run's tools since the hub started: what the status page, /metrics and the dashboard show."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    calls: int = Field(0, ge=0, le=REASON_COUNT_MAX, description="tool calls the hub ran")
+    errors: int = Field(0, ge=0, le=REASON_COUNT_MAX, description="calls the tool refused (it raised): the model reads the error")
+    ends: dict[Annotated[str, Field(max_length=64)], Annotated[int, Field(ge=0, le=REASON_COUNT_MAX)]] = Field(
+        {}, max_length=64, description="rollouts ended early, by reason (shared.tools.RolloutEnd)"
+    )
+    environment_s: float = Field(
+        0.0, ge=0.0, le=1e12, description="wall seconds the sandbox spent on tool calls, environments' resets and rewards"
+    )
+    calls_per_s: float | None = Field(None, ge=0.0, le=1e9, description="tool calls per second over the last minute")
+
+
+def tool_totals_text(tools: ToolTotals) -> str:
+    """The tools' totals in a line: "12,400 calls (8.1/s), 3 errors, ended early: tool_cpu 2, tool_network 1, 41 s in
+    the sandbox"."""
+    rate = f" ({tools.calls_per_s:.3g}/s)" if tools.calls_per_s is not None else ""
+    ends = ", ".join(f"{why} {n}" for why, n in sorted(tools.ends.items())) or "none"
+    return (
+        f"{tools.calls:,} calls{rate}, {tools.errors:,} errors, ended early: {ends}, {tools.environment_s:.0f} s in the sandbox"
+    )
+
+
 class EvalPoint(Message):
     """One held-out evaluation of the policy after `step` (hub/training/evaluation.py)."""
 
@@ -802,6 +828,7 @@ class HubStatus(Message):
     cost_per_step_usd: float | None = None
     all_on_cost_usd: float = 0.0
     history: tuple[StepPoint, ...] = ()
+    tools: ToolTotals | None = Field(None, description="a tool-using run's tool calls, errors and time (None: no tools)")
     staleness_moves: tuple[StalenessMove, ...] = Field(
         (), max_length=100, description="S and kappa in force over time, each with why it moved (oldest first, recent ones)"
     )

@@ -54,7 +54,7 @@ def libp2p_end_of_stream() -> tuple[type[Exception], ...]:
 
 
 # Every protocol id carries it; bumped on any change of a message's fields (messages are extra="forbid").
-PROTOCOL_VERSION = "2.10.0"
+PROTOCOL_VERSION = "2.11.0"
 
 
 class StreamEOF(Exception):

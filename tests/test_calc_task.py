@@ -21,12 +21,12 @@ from hub.training.tasks import load_hub_task
 from shared.chat import tool_suffix_ids
 from shared.default_model import DEFAULT_MODEL_RECIPE, default_model_dir
 from shared.layout import HUB_STATUS_FILE, METRICS_FILE
-from shared.messages import HubStatus
+from shared.messages import HubStatus, tool_totals_text
 from shared.model_identity import load_model_identity
 from shared.tasks import load_task
 from shared.tasks.calc import CALC_REWARD, CALC_TOOL, CalcTask, correct, mul, problems
 from shared.tool_model import TOOL_MODEL_RECIPE, ToolModelRecipe, build_tool_model, embedded_recipe
-from shared.tools import TOOL_CALLS_METRIC
+from shared.tools import TOOL_CALLS_METRIC, RolloutEnd
 from testbed.harness import query, start_hub
 from tests.test_first_contact import assert_one_line_mistake, run
 
@@ -147,6 +147,15 @@ def test_echo_hub_start_task_calc_runs_the_tool_loop_evaluates_through_it_and_lo
     assert f"{status.recent_tool_calls():.2f} per rollout" in console.export_text()
     (gauge,) = [m for m in status_metrics(status) if m.name == "echo2_tool_calls_per_rollout"]
     assert gauge.samples[0].value == pytest.approx(status.recent_tool_calls())
+    # The tools' own totals (the rollouts' and the held-out evaluation's calls): the same numbers everywhere.
+    tools = status.tools
+    assert tools is not None and tools.errors <= tools.calls and (tools.environment_s > 0) == (tools.calls > 0), tools
+    wide = Console(width=300, record=True)
+    render(status, wide)
+    assert tool_totals_text(tools) in wide.export_text()
+    metrics = {m.name: m for m in status_metrics(status)}
+    assert metrics["echo2_tool_calls"].samples[0].value == tools.calls
+    assert {s.labels["reason"] for s in metrics["echo2_tool_rollout_ends"].samples} >= {r.value for r in RolloutEnd}
 
 
 def test_echo_hub_eval_of_the_tool_task_is_one_line_not_a_single_turn_score(small_tool_model):

@@ -51,9 +51,9 @@ def test_a_rollout_runs_its_calls_reads_the_answers_and_ends_when_a_turn_holds_n
         matches = loop.sent_matches("r", [calls, first.env_ids, answer])
         tampered = loop.sent_matches("r", [calls, first.env_ids[:-1] + (first.env_ids[-1] + 1,), answer])
         missing = loop.sent_matches("r", [calls, answer])
-        return observation, first, last, matches, tampered, missing, await loop.end("r"), loop.rollouts
+        return observation, first, last, matches, tampered, missing, await loop.end("r"), loop.rollouts, loop.tally
 
-    observation, first, last, matches, tampered, missing, record, left = run(tokenizer, body)
+    observation, first, last, matches, tampered, missing, record, left, tally = run(tokenizer, body)
     assert observation == "counter at 1"
     assert tokenizer.decode(list(first.env_ids)) == (
         "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n"
@@ -63,6 +63,9 @@ def test_a_rollout_runs_its_calls_reads_the_answers_and_ends_when_a_turn_holds_n
     assert matches and not tampered and not missing
     assert (record.tool_calls, record.tool_failures, record.rounds, record.reward) == (2, 0, 1, 1.0)
     assert left == {}
+    # What the status page and /metrics show: two calls, no error, none ended early, the sandbox's time (reset, calls,
+    # reward, close).
+    assert (tally.calls, tally.errors, dict(tally.ends)) == (2, 0, {}) and tally.environment_s > 0
 
 
 def test_rounds_and_tokens_are_capped_as_trl_caps_them(tokenizer):
@@ -97,14 +100,19 @@ def test_rounds_and_tokens_are_capped_as_trl_caps_them(tokenizer):
 def test_a_call_past_a_limit_ends_its_rollout_with_the_reason_and_no_reward(tokenizer):
     async def body(loop):
         await loop.begin("r", "node", {"start": 3})
+        refused = await loop.turn("r", turn_ids(tokenizer, call("add", a=1)))  # the tool raises: the model reads it
         ended = await loop.turn("r", turn_ids(tokenizer, call("nap", seconds=3600)))
         again = await loop.turn("r", turn_ids(tokenizer, call("add", a=1, b=1)))
-        return ended, again, await loop.end("r")
+        return refused, ended, again, await loop.end("r"), loop.tally
 
-    ended, again, record = run(tokenizer, body)
+    refused, ended, again, record, tally = run(tokenizer, body)
+    assert not refused.done and "error" in tokenizer.decode(list(refused.env_ids))
     assert ended.done and ended.end is RolloutEnd.TOOL_WALL_TIME
     assert again.done and again.end is RolloutEnd.TOOL_WALL_TIME
     assert record.end is RolloutEnd.TOOL_WALL_TIME and record.reward is None
+    # Counted once, however many turns it is answered done; the call never run is not counted.
+    assert (tally.calls, tally.errors, dict(tally.ends)) == (2, 1, {"tool_wall_time": 1})
+    assert tally.environment_s >= SANDBOX.wall_s
 
 
 def test_open_rollouts_are_bounded_per_owner_and_in_all(tokenizer):
@@ -127,3 +135,17 @@ def test_open_rollouts_are_bounded_per_owner_and_in_all(tokenizer):
 def test_segment_digests_are_of_the_exact_ids():
     assert segment_digest([1, 2]) != segment_digest([2, 1]) != segment_digest([1, 2, 0])
     assert segment_digest([70000]) != segment_digest([70000 % 65536])
+
+
+def test_the_tool_call_rate_is_over_the_last_minute_of_totals():
+    from hub.service.status import RecentRate
+
+    rate = RecentRate(window_s=60.0, samples=4)
+    assert rate.add(0.0, 0) is None  # one sample: no span yet
+    assert rate.add(10.0, 50) == 5.0
+    assert rate.add(30.0, 250) == 250 / 30
+    # 70 s: the sample at 0 s is past the window; from 10 s (50) to 70 s (350)
+    assert rate.add(70.0, 350) == 300 / 60
+    # the bound on samples keeps the newest: 4 of them (30, 70, 80, 90)
+    rate.add(80.0, 350)
+    assert rate.add(90.0, 350) == (350 - 250) / 60

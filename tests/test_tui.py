@@ -29,6 +29,7 @@ from shared.messages import (
     StatusRequest,
     StepPoint,
     Tallies,
+    ToolTotals,
 )
 from shared.net import running_host, set_handler
 from shared.wire import read_message, write_message
@@ -734,3 +735,13 @@ async def test_a_tool_using_runs_calls_per_rollout_show_beside_its_reward(tmp_pa
         assert app.query_one("#tools-row").display
         assert app.query_one("#tools-spark").data == [p.tool_calls for p in history]
         assert str(app.query_one("#tools-label").render()) == "tools 0.45"  # the mean of the last 10 steps
+    # With the tools' totals: their rate beside it, the rest in its tooltip.
+    tools = ToolTotals(calls=1200, errors=3, ends={"tool_cpu": 2}, environment_s=41.0, calls_per_s=8.25)
+    write_status(tmp_path, base.model_copy(update={"history": history, "tools": tools}))
+    app = HubDashboard(DataDirSource(tmp_path), refresh_s=NO_AUTO_REFRESH_S)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.loaded.wait()
+        await pilot.pause()
+        label = app.query_one("#tools-label")
+        assert str(label.render()) == "tools 0.45 8.25/s"
+        assert label.tooltip.endswith("; 1,200 calls (8.25/s), 3 errors, ended early: tool_cpu 2, 41 s in the sandbox")

@@ -76,7 +76,7 @@ class FakeStream:
 
 
 def test_protocol_id():
-    assert protocol_id("lease") == "/echo2/lease/2.10.0"
+    assert protocol_id("lease") == "/echo2/lease/2.11.0"
 
 
 @pytest.mark.trio

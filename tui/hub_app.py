@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Label, Sparkline, Static
 
-from shared.messages import RECENT_REWARD_STEPS, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, reasons_text
+from shared.messages import RECENT_REWARD_STEPS, TALLY_FIELDS, TALLY_SHORT, HubStatus, NodeStatus, reasons_text, tool_totals_text
 from shared.staleness import moves_text
 from tui import DEFAULT_REFRESH_S
 from tui.widgets import Banner, DashboardApp, clock, event_lines, money, number, short_id, styled_state, tally_cells
@@ -267,8 +267,11 @@ class HubDashboard(DashboardApp):
         self.query_one("#tools-row").display = bool(calls)
         self.query_one("#tools-spark", Sparkline).data = calls
         tools = self.query_one("#tools-label", Label)
-        tools.update(f"tools {number(status.recent_tool_calls(), '.2f')}")
-        tools.tooltip = f"rounds of tool calls per rollout, mean of the last {RECENT_REWARD_STEPS} learner steps"
+        rate = status.tools.calls_per_s if status.tools is not None else None
+        tools.update(f"tools {number(status.recent_tool_calls(), '.2f')}" + (f" {rate:.3g}/s" if rate is not None else ""))
+        tools.tooltip = f"rounds of tool calls per rollout, mean of the last {RECENT_REWARD_STEPS} learner steps" + (
+            "" if status.tools is None else f"; {tool_totals_text(status.tools)}"
+        )
 
     def sorted_nodes(self) -> list[NodeStatus]:
         if self.status is None:

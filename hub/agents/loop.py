@@ -16,9 +16,10 @@ and in all; a rollout's environment goes with `end`, which the lease's end calls
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 import trio
@@ -71,6 +72,19 @@ class RolloutRecord:
     reward: float | None
 
 
+@dataclass
+class ToolTally:
+    """What the loop ran since the hub started (shared.messages.ToolTotals shows it)."""
+
+    calls: int = 0
+    errors: int = 0
+    ends: Counter[str] = field(default_factory=Counter)
+    environment_s: float = 0.0
+
+
+_T = TypeVar("_T")
+
+
 class LoopFull(Exception):
     """The owner, or the hub, holds its bound of open rollouts."""
 
@@ -89,6 +103,7 @@ class ToolLoop:
         self.limits = limits
         self.rollouts: dict[str, _Rollout] = {}
         self.per_owner: dict[str, int] = {}
+        self.tally = ToolTally()
         self._tokenizing = trio.CapacityLimiter(1)
 
     async def begin(self, key: str, owner: str, row: dict[str, Any]) -> str | None:
@@ -102,9 +117,9 @@ class ToolLoop:
         self.per_owner[owner] = self.per_owner.get(owner, 0) + 1
         if self.sandbox.environment_spec is None:
             return None
-        opened = await self.sandbox.open_environment(key, row, owner)
+        opened = await self._timed(self.sandbox.open_environment(key, row, owner))
         if opened.end is not None or opened.error:
-            rollout.done, rollout.end = True, opened.end or RolloutEnd.TOOL_CRASHED
+            self._stop(rollout, opened.end or RolloutEnd.TOOL_CRASHED)
             return None
         return opened.text
 
@@ -128,10 +143,12 @@ class ToolLoop:
         messages = []
         for call in parsed.calls:
             rollout.tool_calls += 1
-            outcome = await self.sandbox.call(key, call.name, call.arguments, rollout.owner)
+            self.tally.calls += 1
+            outcome = await self._timed(self.sandbox.call(key, call.name, call.arguments, rollout.owner))
             if outcome.end is not None:
                 return self._stop(rollout, outcome.end)
             rollout.tool_failures += outcome.error
+            self.tally.errors += outcome.error
             messages.append({"role": "tool", "name": call.name, "content": outcome.text or ""})
         env_ids = tuple(await trio.to_thread.run_sync(tool_suffix_ids, self.tokenizer, messages, limiter=self._tokenizing))
         if rollout.tokens + len(env_ids) >= self.limits.max_completion_tokens:
@@ -178,15 +195,27 @@ class ToolLoop:
         got = None
         if self.sandbox.environment_spec is not None:
             if reward and rollout.end is None and self.sandbox.environment_reward:
-                outcome = await self.sandbox.reward(key, rollout.owner)
+                outcome = await self._timed(self.sandbox.reward(key, rollout.owner))
                 rollout.end = outcome.end
+                if outcome.end is not None:
+                    self.tally.ends[outcome.end.value] += 1
                 got = float(outcome.text) if outcome.end is None and outcome.text is not None else None
-            await self.sandbox.close_environment(key, rollout.owner)
+            await self._timed(self.sandbox.close_environment(key, rollout.owner))
         return RolloutRecord(rollout.tool_calls, rollout.tool_failures, rollout.rounds, rollout.end, got)
 
     def _stop(self, rollout: _Rollout, end: RolloutEnd | None) -> TurnAnswer:
+        if end is not None and not rollout.done:
+            self.tally.ends[end.value] += 1
         rollout.done, rollout.end = True, end
         return TurnAnswer(done=True, end=end)
+
+    async def _timed(self, work: Awaitable[_T]) -> _T:
+        """`work`'s result, its wall time added to the sandbox's."""
+        started = trio.current_time()
+        try:
+            return await work
+        finally:
+            self.tally.environment_s += trio.current_time() - started
 
     def _text(self, ids: Sequence[int]) -> str:
         """The turn as the parser reads it: special tokens kept (a `<tool_call>` may be one), the end of turn cut."""

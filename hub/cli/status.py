@@ -26,6 +26,7 @@ from shared.messages import (
     NodeStatus,
     reasons_text,
     short_id,
+    tool_totals_text,
 )
 from shared.staleness import moves_text
 from shared.units import duration
@@ -144,6 +145,8 @@ def render(status: HubStatus, console: Console, state: str | None = None) -> Non
     )
     if (calls := status.recent_tool_calls()) is not None:
         head.add_row("tool calls", f"{calls:.2f} per rollout (last {RECENT_REWARD_STEPS} steps)", "")
+    if status.tools is not None:
+        head.add_row("tools", tool_totals_text(status.tools), "")
     if status.evals:
         e = status.evals[-1]
         passes = f"pass@1 {e.pass_at_1:.3f}, pass@{e.k} {e.pass_at_k:.3f}" if e.k > 1 else f"pass@1 {e.pass_at_1:.3f}"

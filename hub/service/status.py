@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,18 @@ from hub.training.metrics import policy_reward
 from shared.files import atomic_write_text
 from shared.layout import HUB_STATUS_FILE
 from shared.logs import OperatorLine
-from shared.messages import LEADERS_MAX, Contribution, EvalPoint, EventRecord, HubStatus, Leader, NodeStatus, StepPoint, short_id
+from shared.messages import (
+    LEADERS_MAX,
+    Contribution,
+    EvalPoint,
+    EventRecord,
+    HubStatus,
+    Leader,
+    NodeStatus,
+    StepPoint,
+    ToolTotals,
+    short_id,
+)
 from shared.snapshot import Snapshot
 from shared.staleness import StalenessMove
 from shared.tools import TOOL_CALLS_METRIC
@@ -65,6 +77,26 @@ class RunInfo:
 
 
 NO_CAPACITY = CapacityView(0.0, None, None, None, "no scheduler")
+# The span a rate of tool calls is measured over (seconds), and the samples kept for it (one per status built).
+TOOL_RATE_WINDOW_S = 60.0
+TOOL_RATE_SAMPLES = 128
+
+
+class RecentRate:
+    """A count's rate over the last `window_s`, from samples of its running total (a bounded number kept)."""
+
+    def __init__(self, window_s: float = TOOL_RATE_WINDOW_S, samples: int = TOOL_RATE_SAMPLES) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque(maxlen=samples)
+
+    def add(self, at: float, total: int) -> float | None:
+        """Record `total` at `at` (monotonic seconds): the rate since the oldest sample within the window (None:
+        none older yet)."""
+        while self._samples and at - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+        self._samples.append((at, total))
+        first_at, first = self._samples[0]
+        return (total - first) / (at - first_at) if at > first_at else None
 
 
 class StatusBoard:
@@ -97,6 +129,7 @@ class StatusBoard:
         self.evals: tuple[EvalPoint, ...] = ()
         self.leaders: tuple[Leader, ...] = ()
         self._leaders_due = -float("inf")
+        self._tool_rate = RecentRate()
         self.running = True
         # The status of the last refresh, and its encodings served since: (operator, events) -> frame bytes.
         self._built: HubStatus | None = None
@@ -220,12 +253,26 @@ class StatusBoard:
             cost_per_step_usd=cost / step if step else None,
             all_on_cost_usd=state.all_on_cost_usd(now),
             history=self.history,
+            tools=self._tools(),
             evals=self.evals,
             events=self.events[:events],
             warnings=tuple(EventRecord(at=w.at, kind=w.kind, detail=w.text) for w in self.warnings()),
             nodes_omitted=omitted,
             leaders=self.leaders,
             staleness_moves=moves,
+        )
+
+    def _tools(self) -> ToolTotals | None:
+        agents = self.state.agents
+        if agents is None:
+            return None
+        tally = agents.loop.tally
+        return ToolTotals(
+            calls=tally.calls,
+            errors=tally.errors,
+            ends=dict(tally.ends),
+            environment_s=tally.environment_s,
+            calls_per_s=self._tool_rate.add(time.monotonic(), tally.calls),
         )
 
     def _staleness_moves(self) -> tuple[StalenessMove, ...]:

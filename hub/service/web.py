@@ -31,7 +31,8 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from shared.messages import GROUP_VERDICTS, LEADERS_MAX, GroupReason, HubStatus, NodeState, Reachability
+from shared.messages import GROUP_VERDICTS, LEADERS_MAX, GroupReason, HubStatus, NodeState, Reachability, ToolTotals
+from shared.tools import RolloutEnd
 from shared.web import by_label, gauge, listening_sockets, serve, urls
 
 if TYPE_CHECKING:
@@ -144,6 +145,28 @@ def status_metrics(s: HubStatus) -> list[Metric]:
         by_label(
             CounterMetricFamily("echo2_audits", "audits of submissions, by result (this hub process)", labels=["result"]),
             {"passed": s.audits_passed, "failed": s.audits_failed, "unverified": s.audits_unverified},
+        ),
+        *([] if s.tools is None else tool_metrics(s.tools)),
+    ]
+
+
+def tool_metrics(tools: ToolTotals) -> list[Metric]:
+    """A tool-using run's tools (this hub process): calls, the tools' own errors, rollouts ended early by reason, the
+    sandbox's time; every reason present (a 0 series keeps dashboards' queries defined)."""
+    return [
+        CounterMetricFamily("echo2_tool_calls", "tool calls the hub ran", value=tools.calls),
+        gauge("echo2_tool_calls_per_second", "tool calls per second over the last minute", tools.calls_per_s),
+        CounterMetricFamily(
+            "echo2_tool_errors", "tool calls the tool refused (it raised; the model reads it)", value=tools.errors
+        ),
+        by_label(
+            CounterMetricFamily("echo2_tool_rollout_ends", "tool-using rollouts ended early, by reason", labels=["reason"]),
+            {**{r.value: 0.0 for r in RolloutEnd}, **{why: float(n) for why, n in tools.ends.items()}},
+        ),
+        CounterMetricFamily(
+            "echo2_tool_environment_seconds",
+            "wall seconds the sandbox spent on tool calls, environments' resets and rewards",
+            value=tools.environment_s,
         ),
     ]
 
