@@ -16,10 +16,12 @@ alternate steps (drift on a shared machine hits both equally); on CUDA each has 
 result is each side's median step, peak memory (CUDA: torch.cuda.max_memory_allocated over the side, model
 and optimizer included; CPU: the largest growth of peak RSS during one step), MFU (6 x parameters x tokens /
 step time / the chip's dense bf16 peak), and the first step's loss and gradient norm on each side (equal
-values show the two compute the same objective).
+values show the two compute the same objective). `--tool-tokens K` makes every completion a tool-using rollout:
+K tokens of a tool's answer in its middle, an environment segment neither side trains on (echo2's
+Completion.env_spans; TRL's tool_mask, as its environment_factory loop marks a tool's answer).
 
     python bench/learner.py [--json] [--device cpu|cuda] [--shape default|tiny-vocab152k|qwen3-0.6b|...]
-        [--prompts 16] [--n 8] [--completion-len 10] [--micro-batch-tokens N] [--repeats 7]
+        [--prompts 16] [--n 8] [--completion-len 10] [--tool-tokens 0] [--micro-batch-tokens N] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=8, help="completions per prompt")
     parser.add_argument("--completion-len", type=int, default=10, help="the longest completion; they are uniform from half of it")
     parser.add_argument(
+        "--tool-tokens",
+        type=int,
+        default=0,
+        help="a tool's answer of this many tokens in the middle of every completion (not trained on: a multi-turn batch)",
+    )
+    parser.add_argument(
         "--micro-batch-tokens", type=int, default=None, help="tokens per micro-batch on both sides (default: the learner's)"
     )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
@@ -152,6 +160,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("prompts", "n", "completion_len", "repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.tool_tokens < 0:
+        parser.error("--tool-tokens must be >= 0")
+    if args.tool_tokens and args.completion_len < 2:
+        parser.error("--tool-tokens needs --completion-len >= 2: a model token before the answer and one after it")
     if args.n < 2:
         parser.error("--n must be >= 2: a group needs two completions to differ in reward")
     return args
@@ -202,10 +214,10 @@ def make_batch(model_dir: Path, args: argparse.Namespace) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     # The default model's context is 64 tokens: its prompts leave room for the completions (and BOS, ">").
-    prompt_chars = min(PROMPT_CHARS, config.max_position_embeddings - args.completion_len - 2)
+    prompt_chars = min(PROMPT_CHARS, config.max_position_embeddings - args.completion_len - args.tool_tokens - 2)
     if prompt_chars < 1:
         raise SystemExit(
-            f"--completion-len {args.completion_len}: the {args.shape} model's context is "
+            f"--completion-len {args.completion_len} (+ --tool-tokens {args.tool_tokens}): the {args.shape} model's context is "
             f"{config.max_position_embeddings} tokens; use a shorter one or another --shape"
         )
     rng = random.Random(SAMPLING_SEED)
@@ -217,10 +229,15 @@ def make_batch(model_dir: Path, args: argparse.Namespace) -> list[dict]:
     )
     batch = []
     for index, text in enumerate(texts):
-        completions = [
-            [rng.randrange(config.vocab_size) for _ in range(rng.randint(max(1, args.completion_len // 2), args.completion_len))]
-            for _ in range(args.n)
+        lengths = [
+            rng.randint(max(2 if args.tool_tokens else 1, args.completion_len // 2), args.completion_len) for _ in range(args.n)
         ]
+        completions = [[rng.randrange(config.vocab_size) for _ in range(length)] for length in lengths]
+        # A tool's answer after the first half of the model's tokens, the second half after it.
+        env_spans = [[length // 2, args.tool_tokens] if args.tool_tokens else None for length in lengths]
+        for c, span in zip(completions, env_spans):
+            if span is not None:
+                c[span[0] : span[0]] = [rng.randrange(config.vocab_size) for _ in range(span[1])]
         rewards = [float(rng.random() < 0.5) for _ in range(args.n)]
         rewards[0], rewards[1] = 1.0, 0.0  # every group has reward variance, as the hub's buffer passes them
         batch.append(
@@ -229,6 +246,7 @@ def make_batch(model_dir: Path, args: argparse.Namespace) -> list[dict]:
                 "text": text,
                 "prompt_ids": tokenizer(text)["input_ids"],
                 "completions": completions,
+                "env_spans": env_spans,
                 "rewards": rewards,
             }
         )
@@ -329,6 +347,10 @@ def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
     with torch.no_grad(), torch.autocast(config["device"], dtype=torch.bfloat16, enabled=config["device"] == "cuda"):
         logprobs, _ = completion_logprobs(learner.model, prompts, completions, sampling.temperature, sampling.top_p)
     rows = [row[: len(c)] for row, c in zip(logprobs.tolist(), completions)]
+    spans = [span for row in batch for span in row["env_spans"]]
+    for lp, span in zip(rows, spans):
+        if span is not None:  # a tool's answer was never sampled: its log-probs are 0.0, as a node sends them
+            lp[span[0] : span[0] + span[1]] = [0.0] * span[1]
     reply(
         {
             "behaviour": rows,
@@ -336,7 +358,7 @@ def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
             "micro_batch_tokens": learner.micro_batch_tokens,
         }
     )
-    it = iter(rows)
+    it, spans_of = iter(rows), iter(spans)
     groups = [
         Group(
             prompt_id=row["id"],
@@ -344,7 +366,14 @@ def echo2_side(model_dir: Path, batch: list[dict], config: dict, reply):
             version=0,
             rewards=tuple(row["rewards"]),
             completions=tuple(
-                Completion(token_ids=tuple(c), logprobs=tuple(next(it)), finish_reason="length", version=0, text="")
+                Completion(
+                    token_ids=tuple(c),
+                    logprobs=tuple(next(it)),
+                    finish_reason="length",
+                    version=0,
+                    text="",
+                    env_spans=(tuple(span),) if (span := next(spans_of)) is not None else (),
+                )
                 for c in row["completions"]
             ),
         )
@@ -437,22 +466,30 @@ def trl_inputs(batch: list[dict], behaviour: list[list[float]], pad_id: int, gro
     completion_ids = torch.full((rows, c_width), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((rows, c_width), dtype=torch.long)
     old_logps = torch.zeros((rows, c_width), dtype=torch.float32)
-    for i, (p, c, lp) in enumerate(zip(prompt_rows, completion_rows, behaviour)):
+    tool_mask = torch.ones((rows, c_width), dtype=torch.long)  # TRL's: 0 on a tool's answer, 1 elsewhere
+    spans = [span for row in batch for span in row["env_spans"]]
+    for i, (p, c, lp, span) in enumerate(zip(prompt_rows, completion_rows, behaviour, spans)):
         prompt_ids[i, p_width - len(p) :] = torch.tensor(p)
         prompt_mask[i, p_width - len(p) :] = 1
         completion_ids[i, : len(c)] = torch.tensor(c)
         completion_mask[i, : len(c)] = 1
         old_logps[i, : len(lp)] = torch.tensor(lp)
+        if span is not None:
+            tool_mask[i, span[0] : span[0] + span[1]] = 0
     rewards = torch.tensor([r for row in batch for r in row["rewards"]], dtype=torch.float32)
-    return {
+    inputs = {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "advantages": group_advantages(rewards, len(batch[0]["completions"])),
         "old_per_token_logps": old_logps,
-        "num_items_in_batch": completion_mask.sum(),
+        # TRL counts the model's tokens only (its _generate's completion lengths under a tool_mask).
+        "num_items_in_batch": (completion_mask * tool_mask).sum(),
     }
+    if any(span is not None for span in spans):
+        inputs["tool_mask"] = tool_mask
+    return inputs
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
@@ -558,6 +595,7 @@ def summarise(args: argparse.Namespace, steps: dict, tokens: int, completion_tok
         "prompts": args.prompts,
         "n": args.n,
         "completion_len": args.completion_len,
+        "tool_tokens": args.tool_tokens,
         "micro_batch_tokens": steps["setup"]["echo2"].get("micro_batch_tokens"),
         "gradient_checkpointing": args.gradient_checkpointing,
         "attention": args.attention,
@@ -656,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "n": args.n,
             "lr": args.lr,
             "threads": args.threads,
-            "completion_len": args.completion_len,
+            "completion_len": args.completion_len + args.tool_tokens,
             "micro_batch_tokens": args.micro_batch_tokens,
             "gradient_checkpointing": args.gradient_checkpointing,
             "attention": args.attention,

@@ -66,6 +66,18 @@ def test_learner_bench_smoke(default_model_dir, capsys):
     assert first["echo2_grad_norm"] == pytest.approx(first["trl_grad_norm"], rel=1e-3)
 
 
+def test_the_learners_step_on_a_multi_turn_batch_is_trls_with_its_tool_mask(default_model_dir, capsys):
+    """A tool's answer in every completion: echo2 trains on the model's tokens only (env_spans), TRL under its
+    tool_mask; the same first loss and gradient (TRL without its mask: 0.85 apart in loss)."""
+    pytest.importorskip("trl")
+    argv = ["--json", "--prompts", "2", "--n", "4", "--completion-len", "8", "--tool-tokens", "5", "--repeats", "1"]
+    result = load_bench("learner").main(argv)
+    first = result["first_step"]
+    assert result["tool_tokens"] == 5 and first["echo2_grad_norm"] > 0
+    assert first["echo2_loss"] == pytest.approx(first["trl_loss"], rel=1e-3, abs=1e-6)
+    assert first["echo2_grad_norm"] == pytest.approx(first["trl_grad_norm"], rel=1e-3)
+
+
 GPU_CALL_LIMIT_S = 600  # one command on a lent GPU machine (its run tool's per-call limit)
 GPU_INSTALL_S = 40  # bench/gpu_learner.sh's own start: the carried wheels' install and nvidia-smi
 
