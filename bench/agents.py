@@ -16,6 +16,8 @@ Two measurements of their own, each a part (`--parts`):
   from turn to turn, and re-encoding every context each turn; alternated, the best of 3 each. Two shapes: the
   embedded tool model (32 rollouts x 4 turns of 24 tokens, 12-token answers), and a random Qwen2 of 8 layers x 512
   over its tokenizer (16 rollouts x 4 turns of 32 tokens, 128-token answers: a tool that returns a page).
+- `sandbox`: each hostile call of testbed/agent_tools.py (a loop forever, 10 GiB, a socket, an endless sleep) and an
+  honest one through the hub's sandbox with `echo-hub start`'s default limits: how each ended, and how long it took.
 - `trips`: tool round trips the hub answers per second and per CPU-second of the hub's process and its sandbox
   workers (a hub core): the calc run's own tool loop, sandbox and renderer (`--max-tool-calls 4`), 64 rollouts at a
   time each calling `mul` every turn, through the path a held-out evaluation takes (a node's turns add the request's
@@ -45,7 +47,15 @@ from shared.tools import TOOL_CALLS_METRIC as CALLS  # noqa: E402
 from testbed.harness import query, start_hub  # noqa: E402
 
 RUN_TIMEOUT_S = 3600
-PARTS = ("run", "cache", "trips")
+PARTS = ("run", "cache", "trips", "sandbox")
+# A hostile call of each kind (testbed/agent_tools.py, tools written as TRL's docs write them) and an honest one.
+SANDBOX_CASES = (
+    ("loops forever", "spin", {"n": 0}),
+    ("allocates 10 GiB", "hog", {"gib": 10}),
+    ("opens a socket", "dial", {"host": "127.0.0.1"}),
+    ("sleeps past the wall", "nap", {"seconds": 3600}),
+    ("honest", "add", {"a": 2, "b": 3}),
+)
 TRIPS_ROLLOUTS, TRIPS_ROUNDS, TRIPS_TOKENS = 64, 4, 1024
 
 
@@ -211,6 +221,35 @@ def round_trips(work: Path) -> dict:
     return trio.run(main)
 
 
+def sandbox_cases() -> dict:
+    """Each case's outcome through the production sandbox at the hub's default limits: the reason its rollout ends (or
+    the tool's answer), and the seconds it took; then an honest call on the same sandbox, still answered."""
+    import trio
+
+    from hub.agents.sandbox import SandboxLimits, open_sandbox
+    from hub.config import AgentsConfig
+
+    a = AgentsConfig()
+    limits = SandboxLimits(a.tool_wall_s, a.tool_cpu_s, a.tool_memory_mb << 20, a.environments_per_worker)
+    tools = sorted({f"testbed.agent_tools:{name}" for _, name, _ in SANDBOX_CASES})
+
+    async def main() -> dict:
+        out = {}
+        async with open_sandbox(tools, None, limits, procs=1) as sandbox:
+            for case, name, arguments in SANDBOX_CASES:
+                started = time.perf_counter()
+                outcome = await sandbox.call(None, name, arguments, "bench")
+                ended = outcome.end.value if outcome.end is not None else None
+                out[case] = {
+                    "ended": ended,
+                    "answer": None if ended else outcome.text,
+                    "s": round(time.perf_counter() - started, 2),
+                }
+        return out
+
+    return {"limits": {"wall_s": a.tool_wall_s, "cpu_s": a.tool_cpu_s, "memory_mb": a.tool_memory_mb}, **trio.run(main)}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -251,6 +290,8 @@ def main() -> None:
             out["turn_cache"] = {shape.name: turn_cache_speed(Path(tmp) / "cache", shape) for shape in CACHE_SHAPES}
         if "trips" in parts:
             out["tool_round_trips"] = round_trips(Path(tmp) / "trips")
+        if "sandbox" in parts:
+            out["sandbox"] = sandbox_cases()
     if args.plot is not None:
         plot(out, args.plot)
     print(json.dumps(out, indent=None if args.json else 2))
