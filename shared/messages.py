@@ -653,6 +653,9 @@ class NodeStatus(Message):
         (), max_length=16, description="its latest declared prices, (unix time, $/h), oldest first"
     )
     reasons: ReasonCounts = Field({}, description="its refused groups by GroupReason, since the hub started (operators only)")
+    too_slow: bool = Field(
+        False, description="every group of its last two leases arrived late: not activated until its measured rate changes"
+    )
 
     def label(self) -> str:
         """How the nodes tables name it: its chosen name (cut to LABEL_NAME_CHARS) and short id, or the short id."""

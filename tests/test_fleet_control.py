@@ -73,6 +73,7 @@ def describe(status: HubStatus | None, names: dict[str, str]) -> str:
         lines.append(
             f"  {names.get(n.peer_id, n.peer_id[-6:])}: {n.state} {n.rollouts_per_s:.1f}/s "
             f"${n.price_per_hour}/h v{n.version_held} accepted {n.tallies.accepted} cost {n.cost_usd:.6f}"
+            + (" too slow" if n.too_slow else "")
         )
     for e in reversed(status.events[:40]):
         lines.append(f"  event {e.kind} {names.get(e.node_id or '', '-')}: {e.detail}")
@@ -171,11 +172,18 @@ def test_cost_aware_activation_standby_and_replacement(tmp_path: Path):
         assert (after.tallies, after.cost_usd) == (before.tallies, before.cost_usd), describe(status, names)
 
         procs["F"].kill()
+        # Together the standby nodes fall short of the target: each is wanted, the cheapest first. One whose groups all
+        # came late at its measured rate (a busy machine starves a throttled node) is the rule's own exception: held
+        # back, and the status says so.
         status = wait_for(
             hub,
             names,
-            lambda s: states(s).get(f) == "gone" and states(s).get(s1) == "active",
-            "F dropped and a standby node activated",
+            lambda s: (
+                states(s).get(f) == "gone"
+                and any(states(s).get(p) == "active" for p in (s1, s2, z))
+                and all(states(s).get(p) == "active" or node(s, p).too_slow for p in (s1, s2, z))
+            ),
+            "F dropped and the standby nodes activated",
             timeout_s=HEARTBEAT_TIMEOUT_S + 60,
         )
         detail = describe(status, names)
@@ -183,8 +191,9 @@ def test_cost_aware_activation_standby_and_replacement(tmp_path: Path):
         leave = max(i for i, (n, k, _) in enumerate(events) if n == "F" and k == "leave")
         assert events[leave][2] == f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g}s", detail
         activated = [(n, d) for n, k, d in events[leave:] if k == "activate"]
+        held = {names[p] for p in (s1, s2, z) if node(status, p).too_slow}
         # cheapest standby first, each because the pool was below target
-        assert [n for n, _ in activated] == ["S1", "S2", "Z"][: len(activated)], detail
+        assert [n for n, _ in activated] == [n for n in ("S1", "S2", "Z") if n not in held][: len(activated)], detail
         assert activated and all("below target" in d for _, d in activated), detail
     finally:
         for proc in procs.values():

@@ -124,6 +124,14 @@ def test_the_nodes_table_keeps_every_figure_whole_at_80_columns() -> None:
     assert all(n.peer_id[-8:] in printed for n in status.nodes)
 
 
+def test_a_node_held_back_as_too_slow_says_so_in_the_nodes_table() -> None:
+    status = wide_status()
+    held = status.model_copy(update={"nodes": (status.nodes[0].model_copy(update={"state": "standby", "too_slow": True}),)})
+    out = io.StringIO()
+    render(held, Console(file=out, width=160))
+    assert "standby (too slow)" in out.getvalue()
+
+
 def test_the_run_summary_names_nodes_by_their_name(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")  # one line per row
     status = hub_status()

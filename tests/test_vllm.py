@@ -149,20 +149,32 @@ def test_vllm_generates_a_tool_using_leases_turns_as_the_transformers_model_scor
         deadline_s=60.0,
         tools=ToolUse(max_tool_calls=2),
     )
-    turns_seen: dict[tuple[str, int], int] = {}
+    used: dict[tuple[str, int], int] = {}  # each rollout's tokens so far, as a hub counts them against its budget
 
     async def send(request):
         answers = []
         for t in request.turns:
-            seen = turns_seen[(t.prompt_id, t.index)] = turns_seen.get((t.prompt_id, t.index), 0) + 1
-            answer = {"done": True} if seen > 1 else {"env_ids": env}
-            answers.append(RolloutAnswer(prompt_id=t.prompt_id, index=t.index, **answer))
+            key = (t.prompt_id, t.index)
+            first = key not in used
+            used[key] = used.get(key, 0) + len(t.token_ids)
+            if first and used[key] + len(env) < sampling.max_new_tokens:  # room for the answer and a model token
+                used[key] += len(env)
+                answers.append(RolloutAnswer(prompt_id=t.prompt_id, index=t.index, env_ids=env))
+            else:
+                answers.append(RolloutAnswer(prompt_id=t.prompt_id, index=t.index, done=True))
         return TurnReply(answers=tuple(answers))
 
-    groups = trio.run(lambda: multi_turn_groups(lease, lease.prompts, vllm_engine, send, lambda turn: sampling))
+    # A third of the ids end a turn: turns short enough to leave room for an answer, whatever earlier tests installed.
+    stop_ids = vllm_engine.stop_ids
+    vllm_engine.use_stop_ids(sorted(set(range(0, vllm_engine.vocab_size, 3)) | stop_ids))  # vLLM stops on EOS too
+    try:
+        groups = trio.run(lambda: multi_turn_groups(lease, lease.prompts, vllm_engine, send, lambda turn: sampling))
+    finally:
+        vllm_engine.use_stop_ids(sorted(stop_ids))
     flat = [c for g in groups for c in g]
-    assert set(turns_seen.values()) == {2}
-    for c in flat:
+    answered = [c for c in flat if c.env_spans]
+    assert len(answered) >= len(flat) // 2, [len(c.token_ids) for c in flat]  # most rollouts had a second turn
+    for c in answered:
         ((start, length),) = c.env_spans
         assert c.token_ids[start : start + length] == env and c.logprobs[start : start + length] == (0.0,) * 3
     assert len({c.token_ids for c in groups[0]}) > 1  # one prompt x 4: alike contexts, sampled apart
@@ -172,8 +184,8 @@ def test_vllm_generates_a_tool_using_leases_turns_as_the_transformers_model_scor
     reported = torch.zeros_like(ref)
     for row, c in enumerate(flat):
         reported[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
-        ((start, length),) = c.env_spans
-        mask[row, start : start + length] = False  # the hub's tokens: never sampled, never audited
+        for start, length in c.env_spans:
+            mask[row, start : start + length] = False  # the hub's tokens: never sampled, never audited
     stats = gap_stats(reported, ref, mask)
     assert stats.mean_abs_gap < MAX_MEAN_LOGPROB_GAP, stats
 

@@ -81,7 +81,7 @@ def _node_cells(n: NodeStatus, redacted: bool) -> tuple[str | Text, ...]:
     chain = f"{n.chain}.{n.chain_position}" if n.chain is not None else "-"
     return (
         Text(n.label()),  # a name is the volunteer's text: printed as it is, never read as markup
-        n.state,
+        f"{n.state} (too slow)" if n.too_slow else n.state,
         "hidden" if redacted else f"{n.price_per_hour:.2f}",
         f"{n.rollouts_per_s:.2f}",
         str(n.version_held),

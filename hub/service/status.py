@@ -203,6 +203,7 @@ class StatusBoard:
                 sampling_nats=sampling.statistic(n.peer_id),
                 price_history=n.price_history,
                 reasons=n.refused_by_reason,
+                too_slow=n.too_slow,
             )
             for n in listed
         )
