@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -229,6 +230,7 @@ def test_a_reward_that_swallows_the_interrupt_is_interrupted_again_and_still_ove
     """Busy: three processes per core compete for the CPU, as on a loaded hub. A CPU interval timer (ITIMER_PROF)
     never fired there; the budget's watchdog reads the thread's CPU clock."""
     interrupts = 0
+    handler = signal.getsignal(signal.SIGPROF)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 1) if busy else 0)]
     try:
         with pytest.raises(OverBudget):
@@ -242,6 +244,11 @@ def test_a_reward_that_swallows_the_interrupt_is_interrupted_again_and_still_ove
                         break
                     except BaseException:  # noqa: BLE001 -- a hostile or careless reward
                         interrupts += 1
+        # Over: the handler given back, and no interrupt after it, however much CPU follows.
+        assert signal.getsignal(signal.SIGPROF) is handler
+        after = time.thread_time()
+        while time.thread_time() - after < 0.3:
+            sum(range(1000))
     finally:
         for hog in hogs:
             hog.kill()

@@ -81,14 +81,15 @@ def _interruptible() -> bool:
 def cpu_budget(seconds: float) -> Iterator[None]:
     """Run the block within `seconds` of CPU, else raise OverBudget (see the module docstring)."""
     global _watchdog
-    fired = False
+    fired = stopping = False
     interruptible = _interruptible()
     if interruptible:
 
         def interrupt(_signum: int, _frame: object) -> None:
             nonlocal fired
             fired = True
-            raise OverBudget(f"ran past its {seconds:g} s CPU budget")
+            if not stopping:
+                raise OverBudget(f"ran past its {seconds:g} s CPU budget")
 
         if _watchdog is None or _watchdog.pid != os.getpid():
             _watchdog = _Watchdog()
@@ -100,10 +101,17 @@ def cpu_budget(seconds: float) -> Iterator[None]:
     try:
         yield
     finally:
-        if interruptible:
-            assert _watchdog is not None
-            _watchdog.disarm()
-            signal.signal(signal.SIGPROF, previous)
+        while interruptible:
+            # A signal may raise before `stopping` is set (even as this block begins): then the block runs again. Once
+            # it is set none raises, so the watchdog is disarmed and the handler given back whatever the timing.
+            try:
+                stopping = True
+                assert _watchdog is not None
+                _watchdog.disarm()
+                signal.signal(signal.SIGPROF, previous)
+                break
+            except OverBudget:
+                continue
     spent = time.thread_time() - start
     if fired or spent > seconds:
         raise OverBudget(f"ran past its {seconds:g} s CPU budget ({spent:.2f} s)")
