@@ -696,7 +696,8 @@ class ToolTotals(BaseModel):
 
     calls: int = Field(0, ge=0, le=REASON_COUNT_MAX, description="tool calls the hub ran")
     errors: int = Field(0, ge=0, le=REASON_COUNT_MAX, description="calls the tool refused (it raised): the model reads the error")
-    ends: dict[Annotated[str, Field(max_length=64)], Annotated[int, Field(ge=0, le=REASON_COUNT_MAX)]] = Field(
+    # Reason keys as GroupReason's: a hub's text reaches a dashboard's terminal, so no markup or escape can ride in one.
+    ends: dict[ReasonKey, Annotated[int, Field(ge=0, le=REASON_COUNT_MAX)]] = Field(
         {}, max_length=64, description="rollouts ended early, by reason (shared.tools.RolloutEnd)"
     )
     environment_s: float = Field(

@@ -737,6 +737,8 @@ async def test_a_tool_using_runs_calls_per_rollout_show_beside_its_reward(tmp_pa
         assert str(app.query_one("#tools-label").render()) == "tools 0.45"  # the mean of the last 10 steps
     # With the tools' totals: their rate beside it, the rest in its tooltip.
     tools = ToolTotals(calls=1200, errors=3, ends={"tool_cpu": 2}, environment_s=41.0, calls_per_s=8.25)
+    with pytest.raises(ValidationError):  # a hostile hub's reason: markup or an escape for the operator's terminal
+        ToolTotals(ends={"[link=http://x]a\x1b[2J": 1})
     write_status(tmp_path, base.model_copy(update={"history": history, "tools": tools}))
     app = HubDashboard(DataDirSource(tmp_path), refresh_s=NO_AUTO_REFRESH_S)
     async with app.run_test(size=(120, 40)) as pilot:
